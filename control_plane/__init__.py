@@ -1,0 +1,1 @@
+"""meshfn control plane: policies, the MeshModel IR, the CLI and process supervision."""

@@ -1,0 +1,297 @@
+"""`meshfn`: run the mesh, validate policies, and see inside the control plane."""
+
+from __future__ import annotations
+
+import os
+
+# Must precede the first gRPC import: our children exec right after fork, so grpc-core's fork
+# handlers only print warnings.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+import asyncio
+import json
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .logs import setup_logging
+from .policy import PolicyErrors, load_policies
+
+app = typer.Typer(
+    name="meshfn",
+    help="meshfn: a zero-trust service mesh for serverless AI inference (xDS control plane).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+# Piped output keeps full lines (rich would otherwise wrap tables at 80 columns).
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
+
+DEFAULT_POLICIES = Path("policies/examples")
+DEFAULT_STATE = Path(".meshfn")
+
+PoliciesOpt = Annotated[Path, typer.Option("--policies", "-p", help="policy file or directory")]
+AdminOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--admin", help="control plane admin URL (default: $MESHFN_ADMIN, .meshfn/state.json)"
+    ),
+]
+LogFormatOpt = Annotated[str, typer.Option("--log-format", help="human | json")]
+LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug | info | warning | error")]
+
+
+def _fail(message: str, code: int = 1) -> None:
+    err.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+# ------------------------------------------------------------------ policies
+
+
+@app.command()
+def validate(path: Annotated[Path, typer.Argument(help="policy file or directory")]) -> None:
+    """Check policies: schema, references, port clashes. Prints file:line: field: problem."""
+    try:
+        model = load_policies(path)
+    except PolicyErrors as exc:
+        for error in exc.errors:
+            err.print(str(error), highlight=False, markup=False)
+        err.print(f"[red]{len(exc.errors)} error(s)[/red]")
+        raise typer.Exit(1) from None
+    routes = sum(len(lst.routes) for w in model.workloads for lst in w.listeners)
+    out.print(
+        f"[green]ok[/green]: mesh {model.name}: {len(model.workloads)} gateway(s), "
+        f"{len(model.services)} service(s), {routes} route attachment(s)"
+    )
+
+
+@app.command()
+def translate(
+    path: Annotated[Path, typer.Argument(help="policy file or directory")],
+    workload: Annotated[
+        str | None, typer.Option(help="workload (name.namespace); default all")
+    ] = None,
+) -> None:
+    """Print the Envoy resources meshfn would send, as YAML (offline, no server needed)."""
+    from meshfn.xds.dump import resources_to_plain, to_yaml
+    from meshfn.xds.translate import translate as run_translate
+
+    try:
+        model = load_policies(path)
+    except PolicyErrors as exc:
+        _fail(str(exc))
+        return
+    groups = [workload] if workload else [w.node_cluster for w in model.workloads]
+    documents: dict[str, Any] = {}
+    for group in groups:
+        resources = run_translate(model, group)
+        if resources is None:
+            known = ", ".join(w.node_cluster for w in model.workloads)
+            _fail(f"no workload {group!r} (known: {known})")
+            return
+        documents[group] = resources_to_plain(resources)
+    out.print(to_yaml(documents), end="", markup=False, highlight=False)
+
+
+@app.command()
+def schema(
+    out_dir: Annotated[Path, typer.Option("--out", help="directory")] = Path("policies/schema"),
+) -> None:
+    """Export the JSON Schema of every policy kind (generated from the models)."""
+    from .policy.schema import export
+
+    for path in export(out_dir):
+        out.print(f"wrote {path}")
+
+
+@app.command()
+def bootstrap(
+    workload: Annotated[str, typer.Argument(help="workload (name.namespace)")],
+    policies: PoliciesOpt = DEFAULT_POLICIES,
+    instance: Annotated[int, typer.Option(help="instance number in the node id")] = 0,
+) -> None:
+    """Print the Envoy bootstrap for a workload, to run an Envoy against meshfn yourself."""
+    from .runtime.bootstrap import ProxyIdentity, bootstrap_json
+
+    try:
+        model = load_policies(policies)
+    except PolicyErrors as exc:
+        _fail(str(exc))
+        return
+    found = model.workload(workload)
+    if found is None:
+        _fail(
+            f"no workload {workload!r} (known: {', '.join(w.node_cluster for w in model.workloads)})"
+        )
+        return
+    identity = ProxyIdentity.for_workload(found, instance)
+    out.print_json(json.dumps(bootstrap_json(identity, "127.0.0.1", model.xds_port)))
+
+
+# ------------------------------------------------------------------ running
+
+
+@app.command()
+def up(
+    policies: PoliciesOpt = DEFAULT_POLICIES,
+    state_dir: Annotated[Path, typer.Option(help="logs, bootstraps, state")] = DEFAULT_STATE,
+    envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads")] = 2,
+    envoy_log_level: Annotated[str, typer.Option(help="Envoy log level")] = "warning",
+    log_format: LogFormatOpt = "human",
+    log_level: LogLevelOpt = "info",
+) -> None:
+    """Run the control plane, one Envoy per gateway and example upstreams; hot-reload policies."""
+    from .runtime.up import run_up
+
+    setup_logging(log_format, log_level)
+    code = asyncio.run(run_up(policies, state_dir, envoy_concurrency, envoy_log_level, out))
+    raise typer.Exit(code)
+
+
+@app.command()
+def serve(
+    policies: PoliciesOpt = DEFAULT_POLICIES,
+    xds_port: Annotated[int | None, typer.Option(help="override the Mesh xds port")] = None,
+    admin_port: Annotated[int | None, typer.Option(help="override the Mesh admin port")] = None,
+    watch: Annotated[bool, typer.Option(help="hot-reload on policy changes")] = True,
+    log_format: LogFormatOpt = "json",
+    log_level: LogLevelOpt = "info",
+) -> None:
+    """Run only the control plane (ADS + admin), for Envoys you run yourself."""
+    from .runtime.serve import run_serve
+
+    setup_logging(log_format, log_level)
+    raise typer.Exit(asyncio.run(run_serve(policies, xds_port, admin_port, watch)))
+
+
+# ------------------------------------------------------------------ seeing inside
+
+
+def _admin_url(admin: str | None) -> str:
+    if admin:
+        return admin.rstrip("/")
+    if os.environ.get("MESHFN_ADMIN"):
+        return os.environ["MESHFN_ADMIN"].rstrip("/")
+    state = DEFAULT_STATE / "state.json"
+    if state.exists():
+        try:
+            return str(json.loads(state.read_text())["admin"]).rstrip("/")
+        except (ValueError, KeyError):
+            pass
+    return "http://127.0.0.1:18001"
+
+
+def _get_json(url: str) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = json.loads(exc.read()).get("error", exc.reason)
+        except ValueError:
+            detail = exc.reason
+        _fail(str(detail))
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        _fail(f"cannot reach the control plane at {url}: {reason} (is meshfn up running?)")
+    return None
+
+
+def _type_cell(state: dict[str, Any] | None) -> str:
+    if state is None:
+        return "[dim]NOT SENT[/dim]"
+    nack = state.get("last_nack")
+    if nack and nack["version"] == state["sent"]:
+        return f"[red]NACKED[/red] {state['acked'][:8] or '-'}"
+    if state["in_sync"]:
+        return f"[green]SYNCED[/green] {state['acked'][:8]}"
+    if not state["sent"]:
+        return "[dim]NOT SENT[/dim]"
+    return f"[yellow]STALE[/yellow] {state['acked'][:8] or '-'}<{state['sent'][:8]}"
+
+
+@app.command()
+def status(
+    admin: AdminOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="raw JSON")] = False,
+) -> None:
+    """Every connected proxy: per type the version sent and ACKed, and the last NACK."""
+    document = _get_json(_admin_url(admin) + "/debug/status")
+    if as_json:
+        out.print_json(json.dumps(document))
+        return
+    if document["policy_errors"]:
+        err.print(
+            "[red]the last policy change was rejected; the previous configuration is in force:[/red]"
+        )
+        for line in document["policy_errors"]:
+            err.print(f"  {line}", markup=False, highlight=False)
+    table = Table(
+        title=f"configuration {document['generation']} from {document['policies']}",
+        title_justify="left",
+    )
+    for column in ("node", "workload", "xds", "CDS", "EDS", "LDS", "RDS"):
+        table.add_column(column)
+    nacks = []
+    for proxy in document["proxies"]:
+        types = proxy["types"]
+        workload = (
+            proxy["workload"]
+            if proxy["known_workload"]
+            else f"[red]{proxy['workload']} (unknown)[/red]"
+        )
+        table.add_row(
+            proxy["node"],
+            workload,
+            proxy["protocol"],
+            *(_type_cell(types.get(t)) for t in ("clusters", "endpoints", "listeners", "routes")),
+        )
+        for type_name, state in types.items():
+            if state.get("last_nack"):
+                nacks.append((proxy["node"], type_name, state["last_nack"]))
+    out.print(table)
+    if not document["proxies"]:
+        out.print("no proxies connected")
+    for node, type_name, nack in nacks:
+        out.print(f"[red]NACK[/red] {node} {type_name} version {nack['version'][:8]}: ", end="")
+        out.print(nack["error"], markup=False, highlight=False)
+
+
+@app.command("config-dump")
+def config_dump(
+    node: Annotated[
+        str, typer.Argument(help="node id (edge.default~0) or workload (edge.default)")
+    ],
+    admin: AdminOpt = None,
+    resource_type: Annotated[
+        str | None, typer.Option("--type", help="listeners | routes | clusters | endpoints")
+    ] = None,
+) -> None:
+    """What the control plane sends NODE, as YAML."""
+    from meshfn.xds.dump import to_yaml
+
+    query = urllib.parse.urlencode({"node": node})
+    document = _get_json(f"{_admin_url(admin)}/debug/config_dump?{query}")
+    if resource_type:
+        if resource_type not in document:
+            _fail(
+                f"no {resource_type} for {node} (have: {', '.join(k for k in document if k not in ('workload', 'version'))})"
+            )
+        document = {resource_type: document[resource_type]}
+    out.print(to_yaml(document), end="", markup=False, highlight=False)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

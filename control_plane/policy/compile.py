@@ -1,0 +1,170 @@
+"""Validated policy objects -> MeshModel. Runs only after the reference checks passed."""
+
+from __future__ import annotations
+
+from .. import ir
+from .errors import PolicyError
+from .model import Gateway, Locality, Mesh, Route, Service
+from .references import resolve_gateway, where
+from .validate import Loaded
+
+
+def _locality(value: Locality | None) -> ir.Locality:
+    if value is None:
+        return ir.Locality()
+    return ir.Locality(value.region or "", value.zone or "", value.node or "")
+
+
+def _service(item: Loaded) -> ir.Service:
+    assert isinstance(item.obj, Service)
+    spec = item.obj.spec
+    return ir.Service(
+        name=item.name,
+        namespace=item.namespace,
+        port=spec.port,
+        protocol=spec.protocol,
+        connect_timeout=spec.connectTimeout,
+        endpoints=tuple(
+            ir.Endpoint(
+                address=e.address,
+                port=e.port or spec.port,
+                weight=e.weight,
+                locality=_locality(e.locality),
+            )
+            for e in spec.endpoints
+        ),
+    )
+
+
+def _route(item: Loaded) -> ir.Route:
+    assert isinstance(item.obj, Route)
+    spec = item.obj.spec
+    matches = []
+    for m in spec.matches:
+        path = m.path
+        if path.exact is not None:
+            path_match = ir.PathMatch("exact", path.exact)
+        elif path.regex is not None:
+            path_match = ir.PathMatch("regex", path.regex)
+        else:
+            assert path.prefix is not None
+            path_match = ir.PathMatch("prefix", path.prefix)
+        headers = []
+        for h in m.headers:
+            if h.present:
+                headers.append(ir.HeaderMatch(h.name.lower(), "present", "", h.invert))
+            elif h.exact is not None:
+                headers.append(ir.HeaderMatch(h.name.lower(), "exact", h.exact, h.invert))
+            elif h.prefix is not None:
+                headers.append(ir.HeaderMatch(h.name.lower(), "prefix", h.prefix, h.invert))
+            else:
+                assert h.regex is not None
+                headers.append(ir.HeaderMatch(h.name.lower(), "regex", h.regex, h.invert))
+        matches.append(
+            ir.RouteMatch(
+                path=path_match, headers=tuple(headers), methods=tuple(sorted(set(m.methods)))
+            )
+        )
+    retries = None
+    if spec.retries is not None:
+        retries = ir.Retry(
+            attempts=spec.retries.attempts,
+            retry_on=tuple(dict.fromkeys(spec.retries.retryOn)),
+            per_try_timeout=spec.retries.perTryTimeout,
+        )
+    return ir.Route(
+        name=item.name,
+        namespace=item.namespace,
+        hosts=tuple(sorted(set(spec.hosts))),
+        matches=tuple(matches),
+        service=f"{spec.destination.namespace or item.namespace}/{spec.destination.service}",
+        timeout=spec.timeout,
+        retries=retries,
+    )
+
+
+def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
+    """Build the IR; also refuses two routes that claim the exact same requests."""
+    mesh = next(i for i in items if isinstance(i.obj, Mesh))
+    assert isinstance(mesh.obj, Mesh)
+    gateways = {f"{i.namespace}/{i.name}": i for i in items if isinstance(i.obj, Gateway)}
+    attached: dict[str, list[tuple[Loaded, ir.Route, str | None]]] = {k: [] for k in gateways}
+    for item in items:
+        if isinstance(item.obj, Route):
+            gateway = resolve_gateway(item, gateways)
+            assert not isinstance(gateway, PolicyError)
+            attached[f"{gateway.namespace}/{gateway.name}"].append(
+                (item, _route(item), item.obj.spec.listener)
+            )
+
+    errors: list[PolicyError] = []
+    workloads = []
+    for key, gw_item in sorted(gateways.items()):
+        assert isinstance(gw_item.obj, Gateway)
+        spec = gw_item.obj.spec
+        listeners = []
+        for listener in spec.listeners:
+            routes = sorted(
+                (
+                    (item, route)
+                    for item, route, only in attached[key]
+                    if only in (None, listener.name)
+                ),
+                key=lambda pair: pair[1].key,
+            )
+            errors += _shadowed(routes)
+            listeners.append(
+                ir.Listener(
+                    name=listener.name,
+                    address=listener.address,
+                    port=listener.port,
+                    routes=tuple(route for _, route in routes),
+                )
+            )
+        workloads.append(
+            ir.Workload(
+                name=gw_item.name,
+                namespace=gw_item.namespace,
+                kind="gateway",
+                admin_port=spec.adminPort,
+                xds_protocol=spec.xdsProtocol,
+                locality=_locality(spec.locality),
+                listeners=tuple(listeners),
+            )
+        )
+    if errors:
+        return sorted(set(errors))
+    services = sorted(
+        (_service(i) for i in items if isinstance(i.obj, Service)), key=lambda s: s.key
+    )
+    return ir.MeshModel(
+        name=mesh.name,
+        trust_domain=mesh.obj.spec.trustDomain,
+        xds_port=mesh.obj.spec.ports.xds,
+        admin_port=mesh.obj.spec.ports.admin,
+        services=tuple(services),
+        workloads=tuple(workloads),
+    )
+
+
+def _shadowed(routes: list[tuple[Loaded, ir.Route]]) -> list[PolicyError]:
+    """Two routes with an identical match on the same host: one would never be used."""
+    errors = []
+    claimed: dict[tuple[str, ir.RouteMatch], tuple[Loaded, int]] = {}
+    for item, route in routes:
+        for index, match in enumerate(route.matches):
+            for host in route.hosts:
+                key = (host, match)
+                if key in claimed and claimed[key][0] is not item:
+                    other, other_index = claimed[key]
+                    errors.append(
+                        item.error(
+                            ("spec", "matches", index),
+                            f"identical match to {other.ref} on host {host!r} "
+                            f"({where(other, ('spec', 'matches', other_index))}): "
+                            "one of the two routes could never be used",
+                        )
+                    )
+                else:
+                    claimed.setdefault(key, (item, index))
+    return errors

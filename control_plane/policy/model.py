@@ -1,0 +1,286 @@
+"""meshfn.io/v1alpha1: the policy kinds users write.
+
+Kubernetes-shaped (apiVersion, kind, metadata, spec) so the same models back the CRDs. Strict:
+unknown fields and wrong types are errors, never coerced, because a typo that silently falls back to
+a default is how meshes get opened up.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .types import (
+    Duration,
+    HeaderName,
+    Host,
+    HttpPath,
+    IPAddress,
+    LocalityName,
+    Name,
+    ObjectRef,
+    Port,
+    Regex,
+    TrustDomain,
+)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, populate_by_name=False, validate_default=False
+    )
+
+
+def _exactly_one(model: BaseModel, fields: tuple[str, ...]) -> None:
+    given = [f for f in fields if getattr(model, f) is not None]
+    if len(given) != 1:
+        choices = ", ".join(fields)
+        if not given:
+            raise ValueError(f"set exactly one of: {choices}")
+        raise ValueError(f"set exactly one of: {choices} (got {', '.join(given)})")
+
+
+# ---------------------------------------------------------------- metadata
+
+
+class ObjectMeta(Strict):
+    name: Name
+    namespace: Name = "default"
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class ClusterMeta(Strict):
+    """Metadata of cluster-scoped kinds (Mesh): no namespace."""
+
+    name: Name
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class Locality(Strict):
+    """Where an endpoint or proxy runs; `node` maps to Envoy's sub_zone."""
+
+    region: LocalityName | None = None
+    zone: LocalityName | None = None
+    node: LocalityName | None = None
+
+    @model_validator(mode="after")
+    def _nested(self) -> Self:
+        if self.node is not None and self.zone is None:
+            raise ValueError("locality.node needs locality.zone")
+        if self.zone is not None and self.region is None:
+            raise ValueError("locality.zone needs locality.region")
+        return self
+
+
+# ---------------------------------------------------------------- Mesh
+
+
+class MeshPorts(Strict):
+    xds: Port = Field(18000, description="ADS (gRPC) port of the control plane, on loopback")
+    admin: Port = Field(18001, description="control plane admin: /metrics, /debug/*")
+
+
+class MeshSpec(Strict):
+    trustDomain: TrustDomain
+    ports: MeshPorts = Field(default_factory=MeshPorts)
+
+
+class Mesh(Strict):
+    apiVersion: Literal["meshfn.io/v1alpha1"]
+    kind: Literal["Mesh"]
+    metadata: ClusterMeta
+    spec: MeshSpec
+
+
+# ---------------------------------------------------------------- Gateway
+
+
+class GatewayListener(Strict):
+    name: Name
+    port: Port
+    address: IPAddress = "127.0.0.1"
+    protocol: Literal["http"] = "http"
+
+
+class GatewaySpec(Strict):
+    """An Envoy the mesh runs and configures: the entry point that clients call."""
+
+    listeners: Annotated[list[GatewayListener], Field(min_length=1, max_length=64)]
+    adminPort: Port = Field(description="Envoy admin port (always bound to 127.0.0.1)")
+    locality: Locality | None = None
+    xdsProtocol: Literal["delta", "sotw"] = Field(
+        "delta", description="incremental (delta) or state-of-the-world ADS"
+    )
+
+    @model_validator(mode="after")
+    def _unique_listeners(self) -> Self:
+        seen_names: set[str] = set()
+        seen_ports: set[int] = set()
+        for listener in self.listeners:
+            if listener.name in seen_names:
+                raise ValueError(f"listener name {listener.name!r} is used twice")
+            if listener.port in seen_ports:
+                raise ValueError(f"listener port {listener.port} is used twice")
+            seen_names.add(listener.name)
+            seen_ports.add(listener.port)
+        return self
+
+
+class Gateway(Strict):
+    apiVersion: Literal["meshfn.io/v1alpha1"]
+    kind: Literal["Gateway"]
+    metadata: ObjectMeta
+    spec: GatewaySpec
+
+
+# ---------------------------------------------------------------- Service
+
+
+class Endpoint(Strict):
+    address: IPAddress
+    port: Port | None = Field(None, description="defaults to the service port")
+    weight: Annotated[int, Field(ge=1, le=10_000)] = 1
+    locality: Locality | None = None
+
+
+class ServiceSpec(Strict):
+    port: Port = Field(description="service port; endpoints without a port use it")
+    protocol: Literal["http", "grpc"] = "http"
+    connectTimeout: Duration = timedelta(seconds=1)
+    endpoints: Annotated[list[Endpoint], Field(max_length=10_000)] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> Self:
+        if self.connectTimeout <= timedelta(0):
+            raise ValueError("connectTimeout must be positive")
+        return self
+
+
+class Service(Strict):
+    apiVersion: Literal["meshfn.io/v1alpha1"]
+    kind: Literal["Service"]
+    metadata: ObjectMeta
+    spec: ServiceSpec
+
+
+# ---------------------------------------------------------------- Route
+
+
+class PathMatch(Strict):
+    prefix: HttpPath | None = None
+    exact: HttpPath | None = None
+    regex: Regex | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        _exactly_one(self, ("prefix", "exact", "regex"))
+        return self
+
+
+class HeaderMatch(Strict):
+    name: HeaderName
+    exact: Annotated[str, Field(max_length=4096)] | None = None
+    prefix: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    regex: Regex | None = None
+    present: bool | None = None
+    invert: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        _exactly_one(self, ("exact", "prefix", "regex", "present"))
+        if self.present is False:
+            raise ValueError("present: false is spelled present: true with invert: true")
+        if self.name.lower() == ":method":
+            raise ValueError("match methods with the `methods` field, not a :method header")
+        return self
+
+
+Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"]
+
+
+class RouteMatch(Strict):
+    path: PathMatch = Field(default_factory=lambda: PathMatch(prefix="/"))
+    headers: Annotated[list[HeaderMatch], Field(max_length=32)] = Field(default_factory=list)
+    methods: Annotated[list[Method], Field(max_length=9)] = Field(default_factory=list)
+
+
+class Destination(Strict):
+    service: Name
+    namespace: Name | None = Field(None, description="defaults to the route's namespace")
+
+
+RetryOn = Literal[
+    "5xx",
+    "gateway-error",
+    "reset",
+    "reset-before-request",
+    "connect-failure",
+    "refused-stream",
+    "retriable-4xx",
+    "envoy-ratelimited",
+    "cancelled",
+    "deadline-exceeded",
+    "internal",
+    "resource-exhausted",
+    "unavailable",
+]
+
+DEFAULT_RETRY_ON: tuple[RetryOn, ...] = ("connect-failure", "refused-stream", "reset")
+
+
+class Retries(Strict):
+    attempts: Annotated[int, Field(ge=0, le=10)]
+    perTryTimeout: Duration | None = None
+    retryOn: Annotated[list[RetryOn], Field(min_length=1)] = Field(
+        default_factory=lambda: list(DEFAULT_RETRY_ON)
+    )
+
+    @model_validator(mode="after")
+    def _positive(self) -> Self:
+        if self.perTryTimeout is not None and self.perTryTimeout <= timedelta(0):
+            raise ValueError("perTryTimeout must be positive")
+        return self
+
+
+class RouteSpec(Strict):
+    gateway: ObjectRef | None = Field(
+        None,
+        description='"name" or "namespace/name" of a Gateway; may be omitted when there is one',
+    )
+    listener: Name | None = Field(None, description="one listener of the gateway; default all")
+    hosts: Annotated[list[Host], Field(min_length=1, max_length=64)] = Field(
+        default_factory=lambda: ["*"]
+    )
+    matches: Annotated[list[RouteMatch], Field(min_length=1, max_length=64)] = Field(
+        default_factory=lambda: [RouteMatch()]
+    )
+    destination: Destination
+    timeout: Duration | None = Field(None, description='upstream timeout; "0s" disables it')
+    retries: Retries | None = None
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> Self:
+        if self.timeout is not None and self.timeout < timedelta(0):
+            raise ValueError("timeout must not be negative")
+        return self
+
+
+class Route(Strict):
+    apiVersion: Literal["meshfn.io/v1alpha1"]
+    kind: Literal["Route"]
+    metadata: ObjectMeta
+    spec: RouteSpec
+
+
+PolicyObject = Mesh | Gateway | Service | Route
+
+KINDS: dict[str, type[PolicyObject]] = {
+    "Mesh": Mesh,
+    "Gateway": Gateway,
+    "Service": Service,
+    "Route": Route,
+}

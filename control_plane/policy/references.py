@@ -1,0 +1,222 @@
+"""Checks across documents: one Mesh, unique names, references that resolve, no port clashes.
+
+Each error points at the document that is wrong and names where its counterpart lives, so a user
+with fifty files can fix it without grepping.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+from dataclasses import dataclass
+
+from .errors import PolicyError
+from .model import Gateway, Mesh, Route, Service
+from .source import Loc
+from .validate import Loaded
+
+
+def where(item: Loaded, loc: Loc = ()) -> str:
+    return f"{item.doc.file}:{item.doc.line_of(loc)}"
+
+
+def check_references(items: list[Loaded]) -> list[PolicyError]:
+    errors: list[PolicyError] = []
+    errors += _check_unique(items)
+    errors += _check_routes(items)
+    errors += _check_ports(items)
+    return errors
+
+
+def _check_unique(items: list[Loaded]) -> list[PolicyError]:
+    errors: list[PolicyError] = []
+    first: dict[tuple[str, str, str], Loaded] = {}
+    first_mesh: Loaded | None = None
+    for item in items:
+        if isinstance(item.obj, Mesh):
+            if first_mesh is not None:
+                errors.append(
+                    item.error(
+                        ("kind",),
+                        f"a second Mesh; there is one per policy set "
+                        f"(Mesh {first_mesh.name} at {where(first_mesh)})",
+                    )
+                )
+            else:
+                first_mesh = item
+        key = (item.kind, item.namespace, item.name)
+        if key in first:
+            errors.append(
+                item.error(
+                    ("metadata", "name"),
+                    f"duplicate {item.ref} (first defined at {where(first[key], ('metadata', 'name'))})",
+                )
+            )
+        else:
+            first[key] = item
+    return errors
+
+
+def resolve_gateway(route: Loaded, gateways: dict[str, Loaded]) -> Loaded | PolicyError:
+    assert isinstance(route.obj, Route)
+    ref = route.obj.spec.gateway
+    if ref is None:
+        if len(gateways) == 1:
+            return next(iter(gateways.values()))
+        if not gateways:
+            return route.error(("spec",), "no Gateway is defined for this route to attach to")
+        names = ", ".join(sorted(gateways))
+        return route.error(("spec",), f"several Gateways exist ({names}): set spec.gateway")
+    key = ref if "/" in ref else f"{route.namespace}/{ref}"
+    found = gateways.get(key)
+    if found is None:
+        return route.error(
+            ("spec", "gateway"), f"unknown Gateway {key}{_did_you_mean(key, gateways)}"
+        )
+    return found
+
+
+def _did_you_mean(key: str, known: dict[str, Loaded]) -> str:
+    hint = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {hint[0]}?)" if hint else ""
+
+
+def _check_routes(items: list[Loaded]) -> list[PolicyError]:
+    errors: list[PolicyError] = []
+    services = {f"{i.namespace}/{i.name}": i for i in items if isinstance(i.obj, Service)}
+    gateways = {f"{i.namespace}/{i.name}": i for i in items if isinstance(i.obj, Gateway)}
+    for item in items:
+        if not isinstance(item.obj, Route):
+            continue
+        spec = item.obj.spec
+        gateway = resolve_gateway(item, gateways)
+        if isinstance(gateway, PolicyError):
+            errors.append(gateway)
+        elif spec.listener is not None:
+            assert isinstance(gateway.obj, Gateway)
+            names = [listener.name for listener in gateway.obj.spec.listeners]
+            if spec.listener not in names:
+                errors.append(
+                    item.error(
+                        ("spec", "listener"),
+                        f"Gateway {gateway.namespace}/{gateway.name} has no listener "
+                        f"{spec.listener!r} (it has: {', '.join(names)})",
+                    )
+                )
+        namespace = spec.destination.namespace or item.namespace
+        key = f"{namespace}/{spec.destination.service}"
+        if key not in services:
+            errors.append(
+                item.error(
+                    ("spec", "destination", "service"),
+                    f"unknown Service {key}{_did_you_mean(key, services)}",
+                )
+            )
+    return errors
+
+
+@dataclass(frozen=True)
+class _Bind:
+    address: str
+    port: int
+    what: str
+    item: Loaded
+    loc: Loc
+
+    def clashes(self, other: _Bind) -> bool:
+        if self.port != other.port:
+            return False
+        unspecified = {"0.0.0.0", "::"}
+        return (
+            self.address == other.address
+            or self.address in unspecified
+            or other.address in unspecified
+        )
+
+
+def _check_ports(items: list[Loaded]) -> list[PolicyError]:
+    """Everything meshfn binds must be distinct, and no endpoint may point back into meshfn."""
+    binds: list[_Bind] = []
+    for item in items:
+        obj = item.obj
+        if isinstance(obj, Mesh):
+            ports = obj.spec.ports
+            binds.append(
+                _Bind("127.0.0.1", ports.xds, "the Mesh xds port", item, ("spec", "ports", "xds"))
+            )
+            binds.append(
+                _Bind(
+                    "127.0.0.1",
+                    ports.admin,
+                    "the Mesh admin port",
+                    item,
+                    ("spec", "ports", "admin"),
+                )
+            )
+        elif isinstance(obj, Gateway):
+            binds.append(
+                _Bind(
+                    "127.0.0.1",
+                    obj.spec.adminPort,
+                    f"the admin port of Gateway {item.namespace}/{item.name}",
+                    item,
+                    ("spec", "adminPort"),
+                )
+            )
+            for i, listener in enumerate(obj.spec.listeners):
+                binds.append(
+                    _Bind(
+                        listener.address,
+                        listener.port,
+                        f"listener {listener.name} of Gateway {item.namespace}/{item.name}",
+                        item,
+                        ("spec", "listeners", i, "port"),
+                    )
+                )
+    errors: list[PolicyError] = []
+    for i, bind in enumerate(binds):
+        for earlier in binds[:i]:
+            if bind.clashes(earlier):
+                errors.append(
+                    bind.item.error(
+                        bind.loc,
+                        f"port {bind.port} clashes with {earlier.what} "
+                        f"({where(earlier.item, earlier.loc)})",
+                    )
+                )
+                break
+    seen: dict[tuple[str, int], tuple[Loaded, Loc]] = {}
+    for item in items:
+        if not isinstance(item.obj, Service):
+            continue
+        for i, endpoint in enumerate(item.obj.spec.endpoints):
+            port = endpoint.port or item.obj.spec.port
+            loc: Loc = ("spec", "endpoints", i)
+            target = (endpoint.address, port)
+            if target in seen:
+                other, other_loc = seen[target]
+                errors.append(
+                    item.error(
+                        loc,
+                        f"endpoint {_hostport(*target)} is also an endpoint of {other.ref} "
+                        f"({where(other, other_loc)})",
+                    )
+                )
+                continue
+            seen[target] = (item, loc)
+            if ipaddress.ip_address(endpoint.address).is_loopback:
+                for bind in binds:
+                    if bind.port == port:
+                        errors.append(
+                            item.error(
+                                loc,
+                                f"endpoint {_hostport(*target)} points at {bind.what} "
+                                f"({where(bind.item, bind.loc)}): traffic would loop into meshfn",
+                            )
+                        )
+                        break
+    return errors
+
+
+def _hostport(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"

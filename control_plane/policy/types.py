@@ -1,0 +1,106 @@
+"""Field types shared by the policy kinds: names, ports, addresses, durations, RE2 regexes."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from datetime import timedelta
+from typing import Annotated
+
+import re2
+from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, WithJsonSchema
+
+API_VERSION = "meshfn.io/v1alpha1"
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+Name = Annotated[str, Field(pattern=DNS_LABEL, min_length=1, max_length=63)]
+
+OBJECT_REF = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+ObjectRef = Annotated[str, Field(pattern=OBJECT_REF, max_length=127)]
+
+HTTP_PATH = r"^/"
+HttpPath = Annotated[str, Field(pattern=HTTP_PATH, max_length=1024)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(h|ms|m|s|us|ns))+$")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|us|ns)")
+_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+MAX_DURATION = timedelta(days=365)
+
+
+def parse_duration(value: object) -> timedelta:
+    """Go/Istio-style durations ("250ms", "1m30s"): what users of Envoy and Istio type."""
+    if isinstance(value, timedelta):
+        return value
+    if not isinstance(value, str):
+        raise ValueError('a duration is a string such as "1s", "250ms" or "1m30s"')
+    if not _DURATION.match(value):
+        raise ValueError(f'invalid duration {value!r}: use e.g. "1s", "250ms" or "1m30s"')
+    seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(value))
+    result = timedelta(seconds=seconds)
+    if result > MAX_DURATION:
+        raise ValueError(f"duration {value!r} is longer than 365 days")
+    return result
+
+
+def format_duration(value: timedelta) -> str:
+    micros = round(value.total_seconds() * 1e6)
+    if micros % 1_000_000 == 0:
+        return f"{micros // 1_000_000}s"
+    if micros % 1000 == 0:
+        return f"{micros // 1000}ms"
+    return f"{micros}us"
+
+
+Duration = Annotated[
+    timedelta,
+    BeforeValidator(parse_duration),
+    PlainSerializer(format_duration, return_type=str),
+    WithJsonSchema({"type": "string", "pattern": _DURATION.pattern}),
+]
+
+
+def _ip_address(value: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise ValueError(f"{value!r} is not an IPv4 or IPv6 address") from None
+
+
+IPAddress = Annotated[
+    str, AfterValidator(_ip_address), WithJsonSchema({"type": "string", "format": "ip-address"})
+]
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
+
+
+def _re2_regex(value: str) -> str:
+    """Reject what Envoy's RE2 would reject (lookarounds, backreferences, bad syntax) at load time.
+
+    RE2's program-size ceiling is an Envoy runtime setting, so it is Envoy's to enforce: an
+    oversized regex is NACKed and shows in `meshfn status`.
+    """
+    try:
+        re2.compile(value, options=_RE2_OPTIONS)
+    except re2.error as exc:
+        detail = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise ValueError(f"invalid RE2 regex {value!r}: {detail}") from None
+    return value
+
+
+Regex = Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(_re2_regex)]
+
+HEADER_NAME = r"^:?[a-zA-Z0-9!#$%&'*+.^_`|~-]+$"
+HeaderName = Annotated[str, Field(pattern=HEADER_NAME, min_length=1, max_length=256)]
+
+HOST = r"^(\*|(\*\.)?[a-zA-Z0-9]([-a-zA-Z0-9]*[a-zA-Z0-9])?(\.[a-zA-Z0-9]([-a-zA-Z0-9]*[a-zA-Z0-9])?)*)$"
+Host = Annotated[str, Field(pattern=HOST, max_length=253)]
+
+TRUST_DOMAIN = r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$"
+TrustDomain = Annotated[str, Field(pattern=TRUST_DOMAIN, min_length=1, max_length=255)]
+
+LocalityName = Annotated[
+    str, Field(pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$", max_length=128)
+]

@@ -1,0 +1,170 @@
+"""One YAML document -> one typed policy object, or errors that name file, line and field."""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from .errors import PolicyError
+from .model import KINDS, PolicyObject
+from .source import Document, Loc
+from .types import API_VERSION, DNS_LABEL, HEADER_NAME, HOST, HTTP_PATH, OBJECT_REF, TRUST_DOMAIN
+
+PATTERN_HELP = {
+    DNS_LABEL: "must be a lowercase DNS label (a-z, 0-9, '-'; alphanumeric at both ends)",
+    TRUST_DOMAIN: "must be a trust domain (lowercase letters, digits, '-', '.', '_')",
+    HOST: 'must be a host name such as "api.example.com", "*.example.com" or "*"',
+    HEADER_NAME: "must be an HTTP header name",
+    HTTP_PATH: "must start with '/'",
+    OBJECT_REF: 'must be "name" or "namespace/name"',
+}
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A valid policy object and the document it came from (for error lines later on)."""
+
+    doc: Document
+    obj: PolicyObject
+
+    @property
+    def kind(self) -> str:
+        return self.obj.kind
+
+    @property
+    def namespace(self) -> str:
+        return getattr(self.obj.metadata, "namespace", "")
+
+    @property
+    def name(self) -> str:
+        return self.obj.metadata.name
+
+    @property
+    def ref(self) -> str:
+        return (
+            f"{self.kind} {self.namespace}/{self.name}"
+            if self.namespace
+            else f"{self.kind} {self.name}"
+        )
+
+    def error(self, loc: Loc, message: str) -> PolicyError:
+        return self.doc.error(loc, message)
+
+
+def validate_document(doc: Document) -> Loaded | list[PolicyError]:
+    data = doc.data
+    if not isinstance(data, dict):
+        return [
+            doc.error((), "a policy document is a mapping with apiVersion, kind, metadata, spec")
+        ]
+    errors: list[PolicyError] = []
+    api = data.get("apiVersion")
+    if api is None:
+        errors.append(doc.error(("apiVersion",), f"required field is missing ({API_VERSION})"))
+    elif api != API_VERSION:
+        errors.append(
+            doc.error(
+                ("apiVersion",), f"unsupported apiVersion {api!r}; meshfn reads {API_VERSION}"
+            )
+        )
+    kind = data.get("kind")
+    model = KINDS.get(kind) if isinstance(kind, str) else None
+    if kind is None:
+        errors.append(doc.error(("kind",), "required field is missing"))
+    elif model is None:
+        known = ", ".join(sorted(KINDS))
+        errors.append(doc.error(("kind",), f"unknown kind {kind!r}; known kinds: {known}"))
+    if errors or model is None:
+        return errors
+    try:
+        obj = model.model_validate(data)
+    except ValidationError as exc:
+        return [_to_policy_error(doc, model, err) for err in exc.errors(include_url=False)]
+    return Loaded(doc=doc, obj=obj)
+
+
+def _to_policy_error(doc: Document, model: type[BaseModel], err: Any) -> PolicyError:
+    loc: Loc = tuple(p for p in err["loc"] if isinstance(p, int) or not _is_tag(p))
+    kind = err["type"]
+    message: str = err["msg"]
+    if kind == "extra_forbidden":
+        field = str(loc[-1])
+        allowed = _fields_at(model, loc[:-1])
+        hint = difflib.get_close_matches(field, allowed, n=1)
+        message = f"unknown field {field!r}"
+        if hint:
+            message += f" (did you mean {hint[0]!r}?)"
+        elif allowed:
+            message += f"; allowed: {', '.join(sorted(allowed))}"
+    elif kind == "string_pattern_mismatch":
+        described = PATTERN_HELP.get(err.get("ctx", {}).get("pattern", ""))
+        if described:
+            message = f"{described}, got {err['input']!r}"
+    elif kind == "missing":
+        message = "required field is missing"
+    elif message.startswith("Value error, "):
+        message = message.removeprefix("Value error, ")
+    elif "input" in err and kind.endswith("_type"):
+        message = f"{message}, got {_describe(err['input'])}"
+    return doc.error(loc, message)
+
+
+def _is_tag(part: str) -> bool:
+    """Pydantic puts union/validator tags such as 'function-after[...]' or 'list[...]' in locs."""
+    return "[" in part or part in ("str", "int", "bool", "float", "none", "literal")
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+def _fields_at(model: type[BaseModel], loc: Loc) -> list[str]:
+    """The field names a model accepts at `loc`, to suggest a fix for a misspelt field."""
+    annotation: Any = model
+    for part in loc:
+        annotation = _unwrap(annotation)
+        if isinstance(part, int):
+            args = typing.get_args(annotation)
+            annotation = args[0] if args else Any
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            info = annotation.model_fields.get(part)
+            if info is None:
+                return []
+            annotation = info.annotation
+        else:
+            return []
+    annotation = _unwrap(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return list(annotation.model_fields)
+    return []
+
+
+def _unwrap(annotation: Any) -> Any:
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin in (typing.Union, types.UnionType):
+            options = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(options) != 1:
+                return annotation
+            annotation = options[0]
+        else:
+            return annotation

@@ -1,0 +1,134 @@
+"""The control plane's admin port: /metrics, /debug/status, /debug/snapshots, /debug/config_dump.
+
+Loopback only by default. Nothing here can change configuration; private keys never appear (the
+snapshots hold only what Envoy is sent, and secrets are redacted before they are dumped).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from meshfn.xds.dump import resources_to_plain, to_yaml
+
+from ..service import ControlPlane
+
+log = logging.getLogger("meshfn.admin")
+
+
+def status_document(cp: ControlPlane) -> dict[str, Any]:
+    model = cp.model
+    return {
+        "policies": str(cp.policies),
+        "generation": cp.state.generation,
+        "loaded_at": cp.state.loaded_at,
+        "policy_errors": [str(e) for e in cp.state.errors],
+        "policy_failed_at": cp.state.failed_at if cp.state.errors else None,
+        "workloads": [w.node_cluster for w in model.workloads] if model else [],
+        "proxies": cp.ads.proxies(),
+        "now": time.time(),
+    }
+
+
+def snapshots_document(cp: ControlPlane) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for group in cp.cache.groups():
+        snapshot = cp.cache.get(group)
+        assert snapshot is not None
+        out[group] = {
+            "version": snapshot.version,
+            "types": {
+                type_url.rsplit(".", 1)[-1]: {
+                    "version": ts.version,
+                    "resources": {name: r.version for name, r in ts.resources.items()},
+                }
+                for type_url, ts in snapshot.types.items()
+            },
+        }
+    return out
+
+
+def resolve_group(cp: ControlPlane, node: str) -> str | None:
+    """A node id ("edge.default~0") or workload ("edge.default") -> the snapshot group."""
+    if cp.cache.get(node) is not None:
+        return node
+    for proxy in cp.ads.proxies():
+        if proxy["node"] == node:
+            return str(proxy["workload"])
+    head = node.split("~", 1)[0]
+    return head if cp.cache.get(head) is not None else None
+
+
+def config_dump(cp: ControlPlane, node: str) -> dict[str, Any] | None:
+    group = resolve_group(cp, node)
+    snapshot = cp.cache.get(group) if group else None
+    if snapshot is None:
+        return None
+    resources = {
+        type_url: {name: r.message for name, r in ts.resources.items()}
+        for type_url, ts in snapshot.types.items()
+    }
+    return {"workload": group, "version": snapshot.version, **resources_to_plain(resources)}
+
+
+def make_app(cp: ControlPlane) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(cp.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(status_document(cp))
+
+    async def snapshots(_: web.Request) -> web.Response:
+        return web.json_response(snapshots_document(cp))
+
+    async def dump(request: web.Request) -> web.Response:
+        node = request.query.get("node", "")
+        document = config_dump(cp, node)
+        if document is None:
+            known = ", ".join(cp.cache.groups()) or "none"
+            return web.json_response(
+                {"error": f"no configuration for node {node!r}; workloads: {known}"}, status=404
+            )
+        if request.query.get("format") == "yaml":
+            return web.Response(text=to_yaml(document), content_type="application/yaml")
+        return web.json_response(document)
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/status", status)
+    app.router.add_get("/debug/snapshots", snapshots)
+    app.router.add_get("/debug/config_dump", dump)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+class AdminServer:
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        runner = web.AppRunner(make_app(self.cp), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        self._runner = runner
+        server = site._server
+        assert server is not None and server.sockets  # type: ignore[attr-defined]
+        self.port = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

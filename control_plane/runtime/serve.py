@@ -1,0 +1,51 @@
+"""`meshfn serve`: only the control plane (ADS + admin + policy watch), no child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+from ..service import ControlPlane
+from .admin import AdminServer
+
+log = logging.getLogger("meshfn.serve")
+
+
+async def run_serve(
+    policies: Path, xds_port: int | None, admin_port: int | None, watch: bool = True
+) -> int:
+    cp = ControlPlane(policies)
+    result = await cp.reload()
+    if not result.ok:
+        return 1
+    assert cp.model is not None
+    admin = AdminServer(cp)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = None
+    try:
+        try:
+            bound_xds = await cp.start(xds_port=xds_port)
+            bound_admin = await admin.start(
+                port=cp.model.admin_port if admin_port is None else admin_port
+            )
+        except OSError as exc:
+            log.error("cannot start the control plane: %s", exc)
+            return 1
+        log.info("control plane ready", extra={"xds_port": bound_xds, "admin_port": bound_admin})
+        if watch:
+            watcher = asyncio.create_task(cp.watch(stop))
+        await stop.wait()
+        return 0
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        await admin.stop()
+        await cp.stop()

@@ -1,0 +1,267 @@
+"""`meshfn up`: the control plane, one Envoy per workload, placeholder upstreams; hot reload.
+
+Everything started here is a child process tracked by PID and stopped on Ctrl-C/SIGTERM (and
+killed by the kernel if meshfn itself dies: PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .. import ir
+from ..service import ControlPlane
+from .admin import AdminServer
+from .bootstrap import ProxyIdentity
+from .envoy import envoy_process
+from .process import ProcessFailed, SupervisedProcess
+
+log = logging.getLogger("meshfn.up")
+
+
+@dataclass(frozen=True)
+class UpstreamSpec:
+    service: str
+    address: str
+    port: int
+    locality: str
+
+
+def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
+    """Placeholder upstreams for every loopback HTTP endpoint; other endpoints are the user's."""
+    out: dict[tuple[str, int], UpstreamSpec] = {}
+    for service in model.services:
+        if service.protocol != "http":
+            continue
+        for e in service.endpoints:
+            if ipaddress.ip_address(e.address).is_loopback:
+                locality = "/".join(
+                    p for p in (e.locality.region, e.locality.zone, e.locality.sub_zone) if p
+                )
+                out[(e.address, e.port)] = UpstreamSpec(service.key, e.address, e.port, locality)
+    return out
+
+
+def upstream_process(spec: UpstreamSpec, state_dir: Path) -> SupervisedProcess:
+    async def ready() -> bool:
+        _, writer = await asyncio.open_connection(spec.address, spec.port)
+        writer.close()
+        return True
+
+    return SupervisedProcess(
+        name=f"upstream {spec.service} {spec.address}:{spec.port}",
+        argv=[
+            sys.executable,
+            "-P",
+            "-m",
+            "meshfn.control_plane.runtime.upstream",
+            "--service",
+            spec.service,
+            "--address",
+            spec.address,
+            "--port",
+            str(spec.port),
+            "--locality",
+            spec.locality,
+        ],
+        log_path=state_dir / "logs" / f"upstream-{spec.address}-{spec.port}.log",
+        ready=ready,
+    )
+
+
+@dataclass
+class Mesh:
+    """What `meshfn up` runs, reconciled against each new MeshModel."""
+
+    cp: ControlPlane
+    state_dir: Path
+    concurrency: int = 2
+    envoy_log_level: str = "warning"
+    envoys: dict[str, tuple[ProxyIdentity, SupervisedProcess]] = field(default_factory=dict)
+    upstreams: dict[tuple[str, int], tuple[UpstreamSpec, SupervisedProcess]] = field(
+        default_factory=dict
+    )
+
+    async def reconcile(self, model: ir.MeshModel, _old: ir.MeshModel | None = None) -> None:
+        wanted_upstreams = upstreams_for(model)
+        for key, (spec, proc) in list(self.upstreams.items()):
+            if wanted_upstreams.get(key) != spec:
+                del self.upstreams[key]
+                await proc.stop()
+        starts = []
+        for key, spec in wanted_upstreams.items():
+            if key not in self.upstreams:
+                proc = upstream_process(spec, self.state_dir)
+                self.upstreams[key] = (spec, proc)
+                starts.append(proc.start())
+        for service in model.services:
+            if service.protocol == "grpc" and service.endpoints:
+                log.info(
+                    "service %s speaks gRPC: run its server yourself (the placeholder upstream "
+                    "speaks HTTP/1.1 only)",
+                    service.key,
+                )
+        await _gather_or_raise(starts)
+
+        wanted_envoys = {w.node_cluster: ProxyIdentity.for_workload(w) for w in model.workloads}
+        for group, (identity, proc) in list(self.envoys.items()):
+            if wanted_envoys.get(group) != identity:
+                del self.envoys[group]
+                await proc.stop()
+        starts = []
+        for group, identity in wanted_envoys.items():
+            if group not in self.envoys:
+                proc = envoy_process(
+                    identity,
+                    self.cp.xds_port,
+                    self.state_dir,
+                    self.concurrency,
+                    self.envoy_log_level,
+                )
+                self.envoys[group] = (identity, proc)
+                starts.append(proc.start())
+        await _gather_or_raise(starts)
+
+    async def stop(self) -> None:
+        procs = [p for _, p in self.envoys.values()] + [p for _, p in self.upstreams.values()]
+        self.envoys.clear()
+        self.upstreams.clear()
+        await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+
+    def pids(self) -> dict[str, int | None]:
+        return {
+            **{p.name: p.pid for _, p in self.envoys.values()},
+            **{p.name: p.pid for _, p in self.upstreams.values()},
+        }
+
+
+async def _gather_or_raise(starts: Sequence[Awaitable[None]]) -> None:
+    results = await asyncio.gather(*starts, return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        raise ProcessFailed("; ".join(str(f) for f in failures))
+
+
+def endpoints_table(model: ir.MeshModel) -> Table:
+    table = Table(title="meshfn is up: try these", title_justify="left")
+    for column in ("gateway", "route", "service", "try"):
+        table.add_column(column)
+    for workload in model.workloads:
+        for listener in workload.listeners:
+            host = "127.0.0.1" if listener.address in ("0.0.0.0", "::") else listener.address
+            base = f"http://{host}:{listener.port}"
+            for route in listener.routes:
+                for match in route.matches:
+                    table.add_row(
+                        f"{workload.key} {listener.name}",
+                        route.key,
+                        route.service,
+                        curl_example(base, route, match),
+                    )
+    return table
+
+
+def curl_example(base: str, route: ir.Route, match: ir.RouteMatch) -> str:
+    if match.path.kind == "regex":
+        return f"(regex {match.path.value})"
+    parts = ["curl", "-s"]
+    if match.methods and "GET" not in match.methods:
+        parts += ["-X", match.methods[0]]
+    for header in match.headers:
+        if header.invert:
+            continue
+        value = header.value if header.kind in ("exact", "prefix") else "demo"
+        parts += ["-H", f"'{header.name}: {value}'"]
+    host = next((h for h in route.hosts if h != "*"), None)
+    if host is not None:
+        parts += ["-H", f"'host: {host.replace('*', 'www')}'"]
+    parts.append(base + match.path.value)
+    return " ".join(parts)
+
+
+async def run_up(
+    policies: Path,
+    state_dir: Path,
+    concurrency: int = 2,
+    envoy_log_level: str = "warning",
+    console: Console | None = None,
+) -> int:
+    console = console or Console()
+    cp = ControlPlane(policies)
+    result = await cp.reload()
+    if not result.ok:
+        console.print(f"[red]{len(result.errors)} policy error(s); nothing started:[/red]")
+        for error in result.errors:
+            console.print(f"  {error}", markup=False, highlight=False)
+        return 1
+    model = cp.model
+    assert model is not None
+    state_dir.mkdir(parents=True, exist_ok=True)
+    admin = AdminServer(cp)
+    mesh = Mesh(cp, state_dir, concurrency, envoy_log_level)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    state_file = state_dir / "state.json"
+    watcher: asyncio.Task[None] | None = None
+    try:
+        try:
+            await cp.start()
+            await admin.start(port=model.admin_port)
+        except OSError as exc:
+            console.print(f"[red]cannot start the control plane: {exc}[/red]")
+            return 1
+        try:
+            await mesh.reconcile(model)
+        except (ProcessFailed, OSError) as exc:
+            console.print(f"[red]could not start the mesh: {exc}[/red]")
+            return 1
+        cp.on_model(mesh.reconcile)
+        state_file.write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "admin": f"http://127.0.0.1:{admin.port}",
+                    "xds": f"127.0.0.1:{cp.xds_port}",
+                    "policies": str(policies),
+                    "children": mesh.pids(),
+                },
+                indent=2,
+            )
+        )
+        watcher = asyncio.create_task(cp.watch(stop))
+        console.print(endpoints_table(model))
+        console.print(
+            f"control plane: xds 127.0.0.1:{cp.xds_port}, admin http://127.0.0.1:{admin.port} "
+            f"(meshfn status, meshfn config-dump NODE); watching {policies} for changes; "
+            "Ctrl-C stops everything."
+        )
+        await stop.wait()
+        console.print("stopping...")
+        return 0
+    finally:
+        if watcher is not None:
+            stop.set()
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        await mesh.stop()
+        await admin.stop()
+        await cp.stop()
+        with contextlib.suppress(FileNotFoundError):
+            state_file.unlink()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

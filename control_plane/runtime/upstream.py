@@ -1,0 +1,58 @@
+"""Placeholder upstream for `meshfn up` until the inference backend lands.
+
+Answers every request with JSON naming the service, endpoint and locality that served it, so a
+user (and the e2e tests) can see where Envoy routed a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from aiohttp import web
+
+
+def make_app(service: str, endpoint: str, locality: str) -> web.Application:
+    async def handle(request: web.Request) -> web.Response:
+        body = {
+            "service": service,
+            "endpoint": endpoint,
+            "locality": locality,
+            "method": request.method,
+            "path": request.path_qs,
+            "pid": os.getpid(),
+        }
+        return web.Response(
+            text=json.dumps(body) + "\n",
+            content_type="application/json",
+            headers={"x-meshfn-service": service, "x-meshfn-endpoint": endpoint},
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--service", required=True, help="namespace/name")
+    parser.add_argument("--address", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--locality", default="")
+    args = parser.parse_args(argv)
+    endpoint = f"{args.address}:{args.port}"
+    web.run_app(
+        make_app(args.service, endpoint, args.locality),
+        host=args.address,
+        port=args.port,
+        access_log=None,
+        print=None,
+        backlog=1024,
+    )
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

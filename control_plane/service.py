@@ -1,0 +1,163 @@
+"""The control plane: policies -> MeshModel -> snapshots -> ADS, with hot reload.
+
+Data flows one way. A reload loads and translates off the event loop (in a worker thread), then
+publishes the new snapshots on the loop in one step; a reload that fails leaves the last good
+MeshModel and snapshots in force and records why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import watchfiles
+
+from meshfn.xds.cache import Snapshot, SnapshotCache, prepare
+from meshfn.xds.server import AdsServer
+from meshfn.xds.status import Metrics
+from meshfn.xds.translate import translate
+
+from .ir import MeshModel
+from .policy import PolicyError, PolicyErrors, PolicyLoader
+from .policy.loader import POLICY_SUFFIXES
+
+log = logging.getLogger("meshfn.control_plane")
+
+ModelListener = Callable[[MeshModel, MeshModel | None], Awaitable[None]]
+
+
+@dataclass
+class ReloadResult:
+    ok: bool
+    changed: list[str] = field(default_factory=list)  # workloads whose snapshot changed
+    errors: list[PolicyError] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class PolicyState:
+    generation: int = 0  # successful reloads that changed something
+    loaded_at: float = 0.0
+    errors: list[PolicyError] = field(default_factory=list)
+    failed_at: float = 0.0
+
+
+class ControlPlane:
+    def __init__(self, policies: Path | str, metrics: Metrics | None = None) -> None:
+        self.policies = Path(policies)
+        self.loader = PolicyLoader(self.policies)
+        self.cache = SnapshotCache()
+        self.metrics = metrics or Metrics()
+        self.ads = AdsServer(self.cache, self.metrics)
+        self.model: MeshModel | None = None
+        self.state = PolicyState()
+        self.xds_port = 0
+        self._lock = asyncio.Lock()
+        self._listeners: list[ModelListener] = []
+
+    def on_model(self, listener: ModelListener) -> None:
+        """Call `listener(new, old)` after every reload that produced a new MeshModel."""
+        self._listeners.append(listener)
+
+    def _build(self) -> tuple[MeshModel, list[Snapshot]]:
+        """Load + translate + encode. Runs in a worker thread; touches no loop state."""
+        model = self.loader.load()
+        snapshots = []
+        for workload in model.workloads:
+            resources = translate(model, workload.node_cluster)
+            assert resources is not None
+            snapshots.append(
+                prepare(workload.node_cluster, resources, self.cache.get(workload.node_cluster))
+            )
+        return model, snapshots
+
+    async def reload(self) -> ReloadResult:
+        async with self._lock:
+            started = time.perf_counter()
+            try:
+                model, snapshots = await asyncio.to_thread(self._build)
+            except PolicyErrors as exc:
+                self.state.errors = exc.errors
+                self.state.failed_at = time.time()
+                self.metrics.reloads.labels("invalid").inc()
+                log.error(
+                    "policy rejected, keeping the last good configuration:\n%s",
+                    "\n".join(f"  {e}" for e in exc.errors),
+                )
+                return ReloadResult(ok=False, errors=exc.errors)
+            except Exception:
+                self.metrics.reloads.labels("error").inc()
+                log.exception("reload failed, keeping the last good configuration")
+                raise
+            changed = [s.group for s in snapshots if self.cache.publish(s)]
+            removed = self.cache.retain(s.group for s in snapshots)
+            for group in removed:
+                log.info("workload %s removed from the policies", group)
+            for snapshot in snapshots:
+                for type_url, ts in snapshot.types.items():
+                    self.metrics.snapshots.labels(snapshot.group, type_url.rsplit(".", 1)[-1]).set(
+                        len(ts)
+                    )
+            seconds = time.perf_counter() - started
+            self.metrics.translate_seconds.observe(seconds)
+            self.metrics.reloads.labels("ok").inc()
+            previous, self.model = self.model, model
+            self.state.errors = []
+            self.state.loaded_at = time.time()
+            if changed or removed or previous is None:
+                self.state.generation += 1
+                log.info(
+                    "configuration %d published (%.1f ms): %s",
+                    self.state.generation,
+                    seconds * 1000,
+                    ", ".join(changed) or "no proxy changes",
+                )
+        if previous is not None and (previous.xds_port, previous.admin_port) != (
+            model.xds_port,
+            model.admin_port,
+        ):
+            log.warning("Mesh ports changed: restart meshfn to move its listening ports")
+        if previous != model:
+            for listener in self._listeners:
+                try:
+                    await listener(model, previous)
+                except Exception as exc:
+                    log.error("applying configuration %d failed: %s", self.state.generation, exc)
+        return ReloadResult(ok=True, changed=changed, seconds=seconds)
+
+    async def start(self, host: str = "127.0.0.1", xds_port: int | None = None) -> int:
+        """Start ADS on the Mesh's xds port (or `xds_port`, 0 for any free port)."""
+        if self.model is None:
+            raise RuntimeError("load the policies (reload) before starting the server")
+        port = self.model.xds_port if xds_port is None else xds_port
+        self.xds_port = await self.ads.start(host, port)
+        return self.xds_port
+
+    async def watch(self, stop: asyncio.Event | None = None) -> None:
+        """Reload whenever a policy file changes. Events are batched over 10 ms so an editor's
+        write-rename-chmod sequence becomes one reload."""
+        watch_root = self.policies if self.policies.is_dir() else self.policies.parent
+
+        def relevant(_change: watchfiles.Change, path: str) -> bool:
+            name = Path(path).name
+            return name.endswith(POLICY_SUFFIXES) and not name.startswith(".")
+
+        async for _changes in watchfiles.awatch(
+            watch_root,
+            watch_filter=relevant,
+            debounce=200,
+            step=10,
+            stop_event=stop,
+            rust_timeout=1000,
+            yield_on_timeout=False,
+        ):
+            with contextlib.suppress(Exception):  # reload() logged it; keep watching
+                await self.reload()
+
+    async def stop(self) -> None:
+        await self.ads.stop()

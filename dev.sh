@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# meshfn's one entry point for people and CI.
+#   ./dev.sh up     install what is needed, then run `meshfn up` on policies/examples
+#   ./dev.sh test   install what is needed, then lint, type-check and run every test
+#   ./dev.sh setup  only install
+# Works on a fresh Debian 12 as root with nothing but Python 3.11; everything else is installed
+# here (system packages via apt, Python packages into ./.venv).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV=${MESHFN_VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+# Our top-level folder `xds/` would shadow xds-protos' `xds` package if the working directory
+# were on sys.path (`python -m`, `python -c`): never put it there.
+export PYTHONSAFEPATH=1
+
+log() { printf '\033[1m[meshfn]\033[0m %s\n' "$*" >&2; }
+
+apt_install() {
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    log "missing system packages: $*; install them (apt-get install $*) and run again"
+    exit 1
+  fi
+  log "installing system packages: $*"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+ensure_system() {
+  local missing=()
+  command -v "$PYTHON" >/dev/null || missing+=(python3)
+  if command -v "$PYTHON" >/dev/null && ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
+    missing+=(python3-venv)
+  fi
+  if ((${#missing[@]})); then apt_install "${missing[@]}"; fi
+  "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
+    || { log "meshfn needs Python >= 3.11 ($PYTHON is older)"; exit 1; }
+}
+
+# Strict editable installs expose only the files present at install time, so the stamp covers
+# the package file list as well as pyproject.toml.
+install_stamp() {
+  { cat pyproject.toml; find control_plane xds -name '*.py' -o -name py.typed | sort; } \
+    | sha256sum | cut -d' ' -f1
+}
+
+ensure_venv() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    log "creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+  fi
+  local want; want=$(install_stamp)
+  if [ "$(cat "$VENV/.meshfn-stamp" 2>/dev/null)" != "$want" ]; then
+    log "installing meshfn and its dependencies into $VENV (log: $VENV/install.log)"
+    if ! { "$VENV/bin/python" -m pip install --upgrade pip \
+           && "$VENV/bin/python" -m pip install -e ".[dev]" --config-settings editable_mode=strict
+         } >"$VENV/install.log" 2>&1; then
+      tail -n 30 "$VENV/install.log" >&2
+      log "pip install failed; full log in $VENV/install.log"
+      exit 1
+    fi
+    echo "$want" >"$VENV/.meshfn-stamp"
+  fi
+}
+
+setup() {
+  ensure_system
+  ensure_venv
+}
+
+cmd=${1:-help}
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  up)
+    setup
+    exec "$VENV/bin/meshfn" up --policies policies/examples "$@"
+    ;;
+  test)
+    setup
+    log "ruff"
+    "$VENV/bin/ruff" check control_plane xds tests e2e bench
+    log "mypy"
+    "$VENV/bin/mypy" -p meshfn.control_plane -p meshfn.xds
+    log "pytest"
+    exec "$VENV/bin/pytest" -p no:cacheprovider "$@"
+    ;;
+  *)
+    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+    [ "$cmd" = help ]
+    ;;
+esac

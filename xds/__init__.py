@@ -1,0 +1,1 @@
+"""meshfn xDS: MeshModel -> Envoy resources, the snapshot cache and the ADS server."""

@@ -1,0 +1,32 @@
+"""Resources as plain data (for YAML golden files, `meshfn config-dump`, /debug endpoints)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from .translate.resources import PUSH_ORDER, SHORT_NAMES
+
+
+def message_to_plain(message: Message) -> Any:
+    # MessageToDict returns OrderedDicts for Any payloads; a JSON round trip yields plain types.
+    return json.loads(json_format.MessageToJson(message, indent=None, sort_keys=False))
+
+
+def resources_to_plain(resources: Mapping[str, Mapping[str, Message]]) -> dict[str, Any]:
+    """{listeners: [...], routes: [...], ...} in make-before-break order, resources by name."""
+    out: dict[str, Any] = {}
+    for type_url in reversed(PUSH_ORDER):
+        by_name = resources.get(type_url)
+        if by_name:
+            out[SHORT_NAMES[type_url]] = [message_to_plain(by_name[n]) for n in sorted(by_name)]
+    return out
+
+
+def to_yaml(data: Any) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)

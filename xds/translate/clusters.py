@@ -1,0 +1,34 @@
+"""Service -> Cluster (EDS, endpoints over ADS)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import protocol_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+
+from meshfn.control_plane import ir
+
+from .common import ads_source, duration, pack
+
+HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+@lru_cache(maxsize=65536)
+def cluster(service: ir.Service) -> cluster_pb2.Cluster:
+    out = cluster_pb2.Cluster(
+        name=service.cluster_name,
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=ads_source()),
+        connect_timeout=duration(service.connect_timeout),
+        lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
+    )
+    if service.protocol == "grpc":
+        options = http_protocol_options_pb2.HttpProtocolOptions(
+            explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+                http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+            )
+        )
+        out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(options))
+    return out

@@ -59,6 +59,7 @@ class ControlPlane:
         self.xds_port = 0
         self._lock = asyncio.Lock()
         self._listeners: list[ModelListener] = []
+        self.watching = asyncio.Event()  # set once policy changes are being watched
 
     def on_model(self, listener: ModelListener) -> None:
         """Call `listener(new, old)` after every reload that produced a new MeshModel."""
@@ -139,23 +140,32 @@ class ControlPlane:
         return self.xds_port
 
     async def watch(self, stop: asyncio.Event | None = None) -> None:
-        """Reload whenever a policy file changes. Events are batched over 10 ms so an editor's
-        write-rename-chmod sequence becomes one reload."""
+        """Reload whenever a policy file changes.
+
+        Events are batched until 10 ms pass without another (an editor's write-rename-chmod is
+        one reload). The first wake-up after the inotify watch exists triggers one catch-up
+        reload, so a change made while we were starting is never missed.
+        """
         watch_root = self.policies if self.policies.is_dir() else self.policies.parent
 
         def relevant(_change: watchfiles.Change, path: str) -> bool:
             name = Path(path).name
             return name.endswith(POLICY_SUFFIXES) and not name.startswith(".")
 
-        async for _changes in watchfiles.awatch(
+        caught_up = False
+        async for changes in watchfiles.awatch(
             watch_root,
             watch_filter=relevant,
             debounce=200,
             step=10,
             stop_event=stop,
-            rust_timeout=1000,
-            yield_on_timeout=False,
+            rust_timeout=250,
+            yield_on_timeout=True,
         ):
+            if not changes and caught_up:
+                continue
+            caught_up = True
+            self.watching.set()
             with contextlib.suppress(Exception):  # reload() logged it; keep watching
                 await self.reload()
 

@@ -78,6 +78,13 @@ class _Builder:
         if isinstance(node, yaml.MappingNode):
             out: dict[str, Any] = {}
             for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    raise PolicyError(
+                        self.file,
+                        key_node.start_mark.line + 1,
+                        format_loc(loc),
+                        "YAML merge keys (<<) are not supported",
+                    )
                 if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != (
                     "tag:yaml.org,2002:str"
                 ):
@@ -88,13 +95,6 @@ class _Builder:
                         f"mapping keys must be strings, got {key_node.tag.rsplit(':', 1)[-1]}",
                     )
                 key = key_node.value
-                if key == "<<":
-                    raise PolicyError(
-                        self.file,
-                        key_node.start_mark.line + 1,
-                        format_loc(loc),
-                        "YAML merge keys (<<) are not supported",
-                    )
                 if key in out:
                     raise PolicyError(
                         self.file,

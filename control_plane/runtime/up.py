@@ -154,28 +154,34 @@ async def _gather_or_raise(starts: Sequence[Awaitable[None]]) -> None:
         raise ProcessFailed("; ".join(str(f) for f in failures))
 
 
-def endpoints_table(model: ir.MeshModel) -> Table:
-    table = Table(title="meshfn is up: try these", title_justify="left")
-    for column in ("gateway", "route", "service", "try"):
+def endpoints_table(model: ir.MeshModel) -> tuple[Table, list[str]]:
+    """The routes per gateway, and a curl command for each match that has a literal path."""
+    table = Table(title="meshfn is up", title_justify="left")
+    for column in ("gateway", "listener", "route", "match", "service"):
         table.add_column(column)
+    tries = []
     for workload in model.workloads:
         for listener in workload.listeners:
             host = "127.0.0.1" if listener.address in ("0.0.0.0", "::") else listener.address
             base = f"http://{host}:{listener.port}"
             for route in listener.routes:
                 for match in route.matches:
+                    described = f"{match.path.kind} {match.path.value}"
+                    if match.methods:
+                        described += f" [{','.join(match.methods)}]"
                     table.add_row(
-                        f"{workload.key} {listener.name}",
+                        workload.key,
+                        f"{base} ({listener.name})",
                         route.key,
+                        described,
                         route.service,
-                        curl_example(base, route, match),
                     )
-    return table
+                    if match.path.kind != "regex":
+                        tries.append(curl_example(base, route, match))
+    return table, tries
 
 
 def curl_example(base: str, route: ir.Route, match: ir.RouteMatch) -> str:
-    if match.path.kind == "regex":
-        return f"(regex {match.path.value})"
     parts = ["curl", "-s"]
     if match.methods and "GET" not in match.methods:
         parts += ["-X", match.methods[0]]
@@ -243,7 +249,11 @@ async def run_up(
             )
         )
         watcher = asyncio.create_task(cp.watch(stop))
-        console.print(endpoints_table(model))
+        table, tries = endpoints_table(model)
+        console.print(table)
+        console.print("try:")
+        for line in tries:
+            console.print(f"  {line}", markup=False, highlight=False)
         console.print(
             f"control plane: xds 127.0.0.1:{cp.xds_port}, admin http://127.0.0.1:{admin.port} "
             f"(meshfn status, meshfn config-dump NODE); watching {policies} for changes; "

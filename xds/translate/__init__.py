@@ -14,14 +14,15 @@ from .routes import route_configuration
 def translate(model: ir.MeshModel, node_cluster: str) -> Resources | None:
     """Everything an Envoy of workload `node_cluster` needs, or None for an unknown workload.
 
-    Only the services this workload routes to become clusters (like Istio's Sidecar scoping):
-    an edge Envoy does not need the whole mesh.
+    Every service of the mesh becomes a cluster, not only those the current routes use (Istio's
+    default without a Sidecar resource): when a route moves from one service to another, or
+    Envoy NACKs a new route table and keeps the old one, the clusters the routes in force point
+    at still exist.
     """
     workload = model.workload(node_cluster)
     if workload is None:
         return None
-    service_keys = sorted({r.service for lst in workload.listeners for r in lst.routes})
-    services = [model.service(key) for key in service_keys]
+    services = model.services
     return {
         LISTENER: {lst.name: listener(lst) for lst in workload.listeners},
         ROUTE: {lst.name: route_configuration(lst) for lst in workload.listeners},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from functools import lru_cache
 
 from envoy.config.cluster.v3 import cluster_pb2
@@ -15,16 +16,22 @@ from .common import ads_source, duration, pack
 HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
-@lru_cache(maxsize=65536)
 def cluster(service: ir.Service) -> cluster_pb2.Cluster:
+    # Keyed without the endpoints: an endpoint change must not produce a new Cluster (Envoy
+    # would re-warm it); only the ClusterLoadAssignment changes.
+    return _cluster(service.cluster_name, service.protocol, service.connect_timeout)
+
+
+@lru_cache(maxsize=65536)
+def _cluster(name: str, protocol: str, connect_timeout: timedelta) -> cluster_pb2.Cluster:
     out = cluster_pb2.Cluster(
-        name=service.cluster_name,
+        name=name,
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=ads_source()),
-        connect_timeout=duration(service.connect_timeout),
+        connect_timeout=duration(connect_timeout),
         lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
     )
-    if service.protocol == "grpc":
+    if protocol == "grpc":
         options = http_protocol_options_pb2.HttpProtocolOptions(
             explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
                 http2_protocol_options=protocol_pb2.Http2ProtocolOptions()

@@ -1,0 +1,71 @@
+"""(e): while the control plane is down Envoy keeps serving; after a restart it resyncs."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from meshfn_e2e import MESHFN, Policies, Processes, proxies, served_by, wait_for, wait_for_synced
+
+from meshfn.control_plane.runtime.envoy import envoy_binary
+
+
+def test_envoy_survives_a_control_plane_restart(procs: Processes, policies: Policies) -> None:
+    for name in ("alpha", "beta"):
+        procs.start(
+            name,
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "meshfn.control_plane.runtime.upstream",
+                "--service",
+                f"default/{name}",
+                "--port",
+                str(policies.ports[name]),
+            ],
+        )
+    serve_argv = [MESHFN, "serve", "--policies", str(policies.root)]
+    serve = procs.start("serve-1", serve_argv)
+    wait_for("the control plane", lambda: proxies(policies) == [], timeout=20)
+    bootstrap = subprocess.run(
+        [MESHFN, "bootstrap", "edge.default", "--policies", str(policies.root)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    config = policies.root.parent / "envoy.json"
+    config.write_text(json.dumps(json.loads(bootstrap)))
+    procs.start(
+        "envoy",
+        [
+            str(envoy_binary()),
+            "-c",
+            str(config),
+            "--disable-hot-restart",
+            "--concurrency",
+            "1",
+            "--log-level",
+            "warning",
+        ],
+    )
+    wait_for_synced(policies, serve)
+    assert served_by(policies, "/v1/x") == "default/alpha"
+
+    serve.stop(signal.SIGKILL)  # a crash, not a clean shutdown
+    failures = 0
+    for _ in range(50):
+        if served_by(policies, "/v1/x") != "default/alpha":
+            failures += 1
+        time.sleep(0.01)
+    assert failures == 0, "Envoy stopped serving while the control plane was down"
+
+    policies.route("/v2", "beta")  # changed while the control plane is down
+    restarted = procs.start("serve-2", serve_argv)
+    wait_for("the resync", lambda: served_by(policies, "/v2/x") == "default/beta", timeout=20)
+    (proxy,) = wait_for_synced(policies, restarted)
+    assert proxy["node"] == "edge.default~0"

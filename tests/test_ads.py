@@ -1,0 +1,431 @@
+"""The ADS server over real gRPC (in-process server, grpc.aio clients): SotW and Delta protocol
+behaviour, and hostile requests that must end only their own stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import base_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.rpc import status_pb2
+
+from meshfn.xds.cache import SnapshotCache, prepare
+from meshfn.xds.server import AdsServer
+from meshfn.xds.translate.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
+
+GROUP = "edge.default"
+NODE = base_pb2.Node(id="edge.default~test", cluster=GROUP)
+
+
+def cla(name: str, port: int) -> endpoint_pb2.ClusterLoadAssignment:
+    out = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+    lb = out.endpoints.add().lb_endpoints.add()
+    lb.endpoint.address.socket_address.address = "127.0.0.1"
+    lb.endpoint.address.socket_address.port_value = port
+    return out
+
+
+def resources(ports: dict[str, int]) -> dict[str, dict[str, Any]]:
+    return {
+        CLUSTER: {n: cluster_pb2.Cluster(name=n, type=cluster_pb2.Cluster.EDS) for n in ports},
+        ENDPOINT: {n: cla(n, p) for n, p in ports.items()},
+        LISTENER: {},
+        ROUTE: {},
+    }
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.cache = SnapshotCache()
+        self.server = AdsServer(self.cache)
+        self.port = 0
+        self.channel: grpc.aio.Channel | None = None
+
+    def publish(self, ports: dict[str, int], group: str = GROUP) -> None:
+        self.cache.publish(prepare(group, resources(ports), self.cache.get(group)))
+
+    @property
+    def stub(self) -> ads_pb2_grpc.AggregatedDiscoveryServiceStub:
+        assert self.channel is not None
+        return ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel)
+
+
+class Stream:
+    """A client stream whose responses land in a queue, so tests can assert on silence."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.responses: asyncio.Queue[Any] = asyncio.Queue()
+        self.reader = asyncio.create_task(self._read())
+        self.error: grpc.aio.AioRpcError | None = None
+
+    async def _read(self) -> None:
+        try:
+            async for response in self.call:
+                await self.responses.put(response)
+        except grpc.aio.AioRpcError as exc:
+            self.error = exc
+        await self.responses.put(None)
+
+    async def send(self, request: Any) -> None:
+        await self.call.write(request)
+
+    async def next(self, timeout: float = 5.0) -> Any:
+        response = await asyncio.wait_for(self.responses.get(), timeout)
+        assert response is not None, f"stream ended: {self.error}"
+        return response
+
+    async def silent(self, seconds: float = 0.2) -> None:
+        await asyncio.sleep(seconds)
+        assert self.responses.empty(), f"unexpected response: {self.responses.get_nowait()}"
+
+    async def status(self, timeout: float = 5.0) -> grpc.StatusCode:
+        response = await asyncio.wait_for(self.responses.get(), timeout)
+        assert response is None, f"expected the stream to end, got {response}"
+        assert self.error is not None
+        return self.error.code()
+
+
+@pytest.fixture
+async def ads() -> AsyncIterator[Harness]:
+    harness = Harness()
+    harness.port = await harness.server.start("127.0.0.1", 0)
+    harness.channel = grpc.aio.insecure_channel(f"127.0.0.1:{harness.port}")
+    yield harness
+    await harness.channel.close()
+    await harness.server.stop(0)
+
+
+def sotw(h: Harness) -> Stream:
+    return Stream(h.stub.StreamAggregatedResources())
+
+
+def delta(h: Harness) -> Stream:
+    return Stream(h.stub.DeltaAggregatedResources())
+
+
+def names_in(response: discovery_pb2.DiscoveryResponse) -> list[str]:
+    out = []
+    for any_resource in response.resources:
+        if any_resource.type_url == CLUSTER:
+            c = cluster_pb2.Cluster()
+            any_resource.Unpack(c)
+            out.append(c.name)
+        else:
+            e = endpoint_pb2.ClusterLoadAssignment()
+            any_resource.Unpack(e)
+            out.append(e.cluster_name)
+    return out
+
+
+def proxy(h: Harness) -> dict[str, Any]:
+    (only,) = h.server.proxies()
+    return only
+
+
+# ---------------------------------------------------------------- state of the world
+
+
+async def test_sotw_wildcard_ack_and_nack(ads: Harness) -> None:
+    ads.publish({"a": 1, "b": 2})
+    s = sotw(ads)
+    await s.send(discovery_pb2.DiscoveryRequest(node=NODE, type_url=CLUSTER))
+    first = await s.next()
+    assert names_in(first) == ["a", "b"]
+    version = ads.cache.get(GROUP).type(CLUSTER).version  # type: ignore[union-attr]
+    assert first.version_info == version and first.nonce
+    assert first.control_plane.identifier == "meshfn"
+    await s.send(
+        discovery_pb2.DiscoveryRequest(
+            type_url=CLUSTER, version_info=version, response_nonce=first.nonce
+        )
+    )
+    await s.silent()
+    state = proxy(ads)["types"]["clusters"]
+    assert state["acked"] == version and state["in_sync"] and state["last_nack"] is None
+
+    ads.publish({"a": 1, "b": 2, "c": 3})
+    second = await s.next()
+    assert names_in(second) == ["a", "b", "c"]  # CDS is state of the world: the full set
+    await s.send(
+        discovery_pb2.DiscoveryRequest(
+            type_url=CLUSTER,
+            version_info=version,
+            response_nonce=second.nonce,
+            error_detail=status_pb2.Status(code=3, message="cluster c: bad things"),
+        )
+    )
+    await s.silent()  # a NACK is not answered with the same version again
+    state = proxy(ads)["types"]["clusters"]
+    assert state["last_nack"]["error"] == "cluster c: bad things"
+    assert state["last_nack"]["version"] == second.version_info
+    assert state["acked"] == version and not state["in_sync"]
+    await s.call.done_writing()
+
+
+async def test_sotw_eds_sends_only_what_changed(ads: Harness) -> None:
+    ads.publish({"a": 1, "b": 2, "c": 3})
+    s = sotw(ads)
+    await s.send(
+        discovery_pb2.DiscoveryRequest(node=NODE, type_url=ENDPOINT, resource_names=["a", "b"])
+    )
+    first = await s.next()
+    assert names_in(first) == ["a", "b"]
+    ack = discovery_pb2.DiscoveryRequest(
+        type_url=ENDPOINT,
+        resource_names=["a", "b"],
+        version_info=first.version_info,
+        response_nonce=first.nonce,
+    )
+    await s.send(ack)
+    await s.silent()
+    ads.publish({"a": 1, "b": 20, "c": 30})  # c changed too, but is not subscribed
+    second = await s.next()
+    assert names_in(second) == ["b"]
+    ack.version_info, ack.response_nonce = second.version_info, second.nonce
+    await s.send(ack)
+    # Subscribing to one more name sends just that one, at once (no wait for a new version).
+    await s.send(
+        discovery_pb2.DiscoveryRequest(
+            type_url=ENDPOINT,
+            resource_names=["a", "b", "c"],
+            version_info=second.version_info,
+            response_nonce=second.nonce,
+        )
+    )
+    third = await s.next()
+    assert names_in(third) == ["c"]
+    ads.publish({"a": 1, "b": 20, "c": 30, "d": 4})  # only an unsubscribed name changed
+    await s.silent()
+
+
+async def test_sotw_stale_nonce_is_ignored(ads: Harness) -> None:
+    ads.publish({"a": 1})
+    s = sotw(ads)
+    await s.send(discovery_pb2.DiscoveryRequest(node=NODE, type_url=CLUSTER))
+    first = await s.next()
+    ads.publish({"a": 1, "b": 2})
+    second = await s.next()
+    # An ACK of the first response arrives after the second was sent: stale, not an ACK.
+    await s.send(
+        discovery_pb2.DiscoveryRequest(
+            type_url=CLUSTER, version_info=first.version_info, response_nonce=first.nonce
+        )
+    )
+    await s.silent()
+    assert proxy(ads)["types"]["clusters"]["acked"] == ""
+    await s.send(
+        discovery_pb2.DiscoveryRequest(
+            type_url=CLUSTER, version_info=second.version_info, response_nonce=second.nonce
+        )
+    )
+    await asyncio.sleep(0.1)
+    assert proxy(ads)["types"]["clusters"]["acked"] == second.version_info
+
+
+async def test_sotw_reconnect_with_current_version_gets_nothing(ads: Harness) -> None:
+    ads.publish({"a": 1})
+    version = ads.cache.get(GROUP).type(CLUSTER).version  # type: ignore[union-attr]
+    s = sotw(ads)
+    await s.send(discovery_pb2.DiscoveryRequest(node=NODE, type_url=CLUSTER, version_info=version))
+    await s.silent()
+    assert proxy(ads)["types"]["clusters"]["in_sync"]
+    ads.publish({"a": 1, "b": 2})
+    assert names_in(await s.next()) == ["a", "b"]
+
+
+async def test_push_order_is_make_before_break(ads: Harness) -> None:
+    ads.publish({"a": 1})
+    s = sotw(ads)
+    await s.send(discovery_pb2.DiscoveryRequest(node=NODE, type_url=CLUSTER))
+    cds = await s.next()
+    await s.send(discovery_pb2.DiscoveryRequest(type_url=ENDPOINT, resource_names=["a"]))
+    eds = await s.next()
+    for response, names in ((cds, []), (eds, ["a"])):
+        await s.send(
+            discovery_pb2.DiscoveryRequest(
+                type_url=response.type_url,
+                resource_names=names,
+                version_info=response.version_info,
+                response_nonce=response.nonce,
+            )
+        )
+    await s.silent()
+    ads.publish({"a": 2, "b": 3})  # changes endpoints of a and adds cluster b
+    first, second = await s.next(), await s.next()
+    assert [first.type_url, second.type_url] == [ENDPOINT, CLUSTER]
+
+
+async def test_unknown_workload_waits_for_its_snapshot(ads: Harness) -> None:
+    s = sotw(ads)
+    await s.send(
+        discovery_pb2.DiscoveryRequest(
+            node=base_pb2.Node(id="x~1", cluster="later.default"), type_url=CLUSTER
+        )
+    )
+    await s.silent()
+    assert proxy(ads)["known_workload"] is False
+    ads.publish({"z": 9}, group="later.default")
+    assert names_in(await s.next()) == ["z"]
+
+
+# ---------------------------------------------------------------- delta
+
+
+async def test_delta_wildcard_named_and_removal(ads: Harness) -> None:
+    ads.publish({"a": 1, "b": 2})
+    s = delta(ads)
+    await s.send(discovery_pb2.DeltaDiscoveryRequest(node=NODE, type_url=CLUSTER))
+    first = await s.next()
+    assert sorted(r.name for r in first.resources) == ["a", "b"]
+    await s.send(discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER, response_nonce=first.nonce))
+    await s.send(
+        discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=["a"])
+    )
+    eds = await s.next()
+    assert [r.name for r in eds.resources] == ["a"]
+    await s.send(discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, response_nonce=eds.nonce))
+    await s.silent()
+    ads.publish({"a": 1})  # b removed
+    removal = await s.next()
+    assert removal.type_url == CLUSTER
+    assert list(removal.removed_resources) == ["b"] and not removal.resources
+    await s.send(
+        discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER, response_nonce=removal.nonce)
+    )
+    ads.publish({"a": 5})
+    changed = await s.next()
+    assert changed.type_url == ENDPOINT and [r.name for r in changed.resources] == ["a"]
+    # Unsubscribed names are no longer pushed.
+    await s.send(
+        discovery_pb2.DeltaDiscoveryRequest(
+            type_url=ENDPOINT, response_nonce=changed.nonce, resource_names_unsubscribe=["a"]
+        )
+    )
+    await asyncio.sleep(0.1)
+    ads.publish({"a": 6})
+    await s.silent()
+    states = proxy(ads)["types"]
+    assert states["clusters"]["in_sync"] and states["clusters"]["resources"] == 1
+
+
+async def test_delta_reconnect_skips_what_the_proxy_has(ads: Harness) -> None:
+    ads.publish({"a": 1, "b": 2})
+    ts = ads.cache.get(GROUP).type(CLUSTER)  # type: ignore[union-attr]
+    s = delta(ads)
+    await s.send(
+        discovery_pb2.DeltaDiscoveryRequest(
+            node=NODE,
+            type_url=CLUSTER,
+            initial_resource_versions={"a": ts.resources["a"].version, "b": "stale", "gone": "x"},
+        )
+    )
+    first = await s.next()
+    assert [r.name for r in first.resources] == ["b"]
+    assert list(first.removed_resources) == ["gone"]
+
+
+async def test_delta_nack(ads: Harness) -> None:
+    ads.publish({"a": 1})
+    s = delta(ads)
+    await s.send(discovery_pb2.DeltaDiscoveryRequest(node=NODE, type_url=CLUSTER))
+    first = await s.next()
+    await s.send(
+        discovery_pb2.DeltaDiscoveryRequest(
+            type_url=CLUSTER,
+            response_nonce=first.nonce,
+            error_detail=status_pb2.Status(code=3, message="nope"),
+        )
+    )
+    await s.silent()
+    assert proxy(ads)["types"]["clusters"]["last_nack"]["error"] == "nope"
+
+
+# ---------------------------------------------------------------- hostile input
+
+
+@pytest.mark.parametrize(
+    ("request_", "code"),
+    [
+        (
+            discovery_pb2.DiscoveryRequest(node=NODE, type_url="type.googleapis.com/evil.Thing"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (discovery_pb2.DiscoveryRequest(type_url=CLUSTER), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            discovery_pb2.DiscoveryRequest(
+                node=NODE, type_url=ENDPOINT, resource_names=[str(i) for i in range(100_001)]
+            ),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+        (
+            discovery_pb2.DiscoveryRequest(
+                node=NODE, type_url=ENDPOINT, resource_names=["x" * 5000]
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            discovery_pb2.DiscoveryRequest(
+                node=NODE, type_url=CLUSTER, response_nonce="not-a-nonce"
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            discovery_pb2.DiscoveryRequest(
+                node=NODE, type_url=CLUSTER, response_nonce="ffffffffff"
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            discovery_pb2.DiscoveryRequest(
+                node=base_pb2.Node(id="x" * 2000, cluster="c"), type_url=CLUSTER
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+    ],
+)
+async def test_hostile_sotw_requests_end_only_their_stream(
+    ads: Harness, request_: discovery_pb2.DiscoveryRequest, code: grpc.StatusCode
+) -> None:
+    ads.publish({"a": 1})
+    good = sotw(ads)
+    await good.send(discovery_pb2.DiscoveryRequest(node=NODE, type_url=CLUSTER))
+    first = await good.next()
+    bad = sotw(ads)
+    await bad.send(request_)
+    assert await bad.status() == code
+    await good.send(
+        discovery_pb2.DiscoveryRequest(
+            type_url=CLUSTER, version_info=first.version_info, response_nonce=first.nonce
+        )
+    )
+    ads.publish({"a": 1, "b": 2})
+    assert names_in(await good.next()) == ["a", "b"]
+    assert len(ads.server.proxies()) == 1
+
+
+async def test_hostile_delta_request(ads: Harness) -> None:
+    s = delta(ads)
+    await s.send(
+        discovery_pb2.DeltaDiscoveryRequest(node=NODE, type_url=CLUSTER, response_nonce="zz")
+    )
+    assert await s.status() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_malformed_bytes(ads: Harness) -> None:
+    assert ads.channel is not None
+    raw = ads.channel.stream_stream(
+        "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
+    s = Stream(raw())
+    await s.send(b"\xff\xff\xff\xff garbage")
+    assert await s.status() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ads.server.metrics.stream_errors.labels("malformed")._value.get() == 1

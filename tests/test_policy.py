@@ -1,0 +1,453 @@
+"""Policy loading: every bad input gets file, line, field path and a clear message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshfn.control_plane import ir
+from meshfn.control_plane.policy import PolicyError, PolicyErrors, PolicyLoader, load_policies
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
+
+MESH = """\
+apiVersion: meshfn.io/v1alpha1
+kind: Mesh
+metadata: {name: test}
+spec: {trustDomain: test.local, ports: {xds: 18000, admin: 18001}}
+"""
+GATEWAY = """\
+apiVersion: meshfn.io/v1alpha1
+kind: Gateway
+metadata: {name: edge}
+spec:
+  adminPort: 19000
+  listeners: [{name: http, port: 10000}]
+"""
+SERVICE = """\
+apiVersion: meshfn.io/v1alpha1
+kind: Service
+metadata: {name: echo}
+spec:
+  port: 8080
+  endpoints: [{address: 127.0.0.1}]
+"""
+ROUTE = """\
+apiVersion: meshfn.io/v1alpha1
+kind: Route
+metadata: {name: echo}
+spec:
+  destination: {service: echo}
+"""
+
+
+def write(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def base_files() -> dict[str, str]:
+    return {"mesh.yaml": MESH + "---\n" + GATEWAY, "svc.yaml": SERVICE, "route.yaml": ROUTE}
+
+
+def errors_for(tmp_path: Path, extra: str, name: str = "zz-extra.yaml") -> list[PolicyError]:
+    files = base_files()
+    files[name] = extra
+    with pytest.raises(PolicyErrors) as caught:
+        load_policies(write(tmp_path, files))
+    return caught.value.errors
+
+
+def test_examples_load() -> None:
+    model = load_policies(EXAMPLES)
+    assert model.name == "demo"
+    assert [w.node_cluster for w in model.workloads] == ["edge.default"]
+    assert {s.key for s in model.services} == {"default/classifier", "default/embedder"}
+
+
+def test_base_loads_with_defaults(tmp_path: Path) -> None:
+    model = load_policies(write(tmp_path, base_files()))
+    service = model.service("default/echo")
+    assert service.endpoints == (ir.Endpoint("127.0.0.1", 8080, 1, ir.Locality()),)
+    assert service.protocol == "http"
+    route = model.workloads[0].listeners[0].routes[0]
+    assert route.matches == (ir.RouteMatch(ir.PathMatch("prefix", "/")),)
+    assert route.cluster == "echo.default"
+    assert model.workloads[0].xds_protocol == "delta"
+
+
+def doc(kind: str, body: str, name: str = "x", namespace: str | None = None) -> str:
+    meta = f"{{name: {name}}}" if namespace is None else f"{{name: {name}, namespace: {namespace}}}"
+    return f"apiVersion: meshfn.io/v1alpha1\nkind: {kind}\nmetadata: {meta}\nspec:\n{body}"
+
+
+# (extra document, line, field path, message fragment)
+SCHEMA_CASES = [
+    (
+        doc("Service", "  port: 80\n  protocl: http\n"),
+        6,
+        "spec.protocl",
+        "unknown field 'protocl' (did you mean 'protocol'?)",
+    ),
+    (doc("Service", "  port: '80'\n"), 5, "spec.port", "valid integer, got the string '80'"),
+    (doc("Service", "  port: 70000\n"), 5, "spec.port", "less than or equal to 65535"),
+    (doc("Service", "  protocol: http\n"), 4, "spec.port", "required field is missing"),
+    (doc("Service", "  port: 80\n  protocol: udp\n"), 6, "spec.protocol", "'http' or 'grpc'"),
+    (
+        doc("Service", "  port: 80\n  endpoints: [{address: localhost}]\n"),
+        6,
+        "spec.endpoints[0].address",
+        "not an IPv4 or IPv6 address",
+    ),
+    (
+        doc("Service", "  port: 80\n  endpoints:\n    - address: 10.0.0.1\n      weight: 0\n"),
+        8,
+        "spec.endpoints[0].weight",
+        "greater than or equal to 1",
+    ),
+    (
+        doc("Service", "  port: 80\n  endpoints: [{address: 10.0.0.1, locality: {zone: a}}]\n"),
+        6,
+        "spec.endpoints[0].locality",
+        "zone needs locality.region",
+    ),
+    (
+        doc("Service", "  port: 80\n  connectTimeout: 5 s\n"),
+        6,
+        "spec.connectTimeout",
+        "invalid duration '5 s'",
+    ),
+    (
+        doc("Service", "  port: 80\n  connectTimeout: 0s\n"),
+        4,
+        "spec",
+        "connectTimeout must be positive",
+    ),
+    (doc("Service", "  port: 80\n", name="Bad_Name"), 3, "metadata.name", "lowercase DNS label"),
+    (
+        doc("Route", "  destination: {service: echo}\n  matches: [{path: {regex: 'a(?=b)'}}]\n"),
+        6,
+        "spec.matches[0].path.regex",
+        "invalid RE2 regex 'a(?=b)'",
+    ),
+    (
+        doc("Route", "  destination: {service: echo}\n  matches: [{path: {regex: '(unclosed'}}]\n"),
+        6,
+        "spec.matches[0].path.regex",
+        "missing )",
+    ),
+    (
+        doc(
+            "Route",
+            "  destination: {service: echo}\n  matches: [{path: {prefix: /a, exact: /b}}]\n",
+        ),
+        6,
+        "spec.matches[0].path",
+        "set exactly one of: prefix, exact, regex (got prefix, exact)",
+    ),
+    (
+        doc("Route", "  destination: {service: echo}\n  matches: [{path: {prefix: nope}}]\n"),
+        6,
+        "spec.matches[0].path.prefix",
+        "must start with '/'",
+    ),
+    (
+        doc("Route", "  destination: {service: echo}\n  matches: [{headers: [{name: x}]}]\n"),
+        6,
+        "spec.matches[0].headers[0]",
+        "set exactly one of",
+    ),
+    (
+        doc(
+            "Route",
+            "  destination: {service: echo}\n  matches: [{headers: [{name: x, present: false}]}]\n",
+        ),
+        6,
+        "spec.matches[0].headers[0]",
+        "invert: true",
+    ),
+    (
+        doc(
+            "Route",
+            "  destination: {service: echo}\n  matches: [{headers: [{name: ':method', exact: GET}]}]\n",
+        ),
+        6,
+        "spec.matches[0].headers[0]",
+        "`methods` field",
+    ),
+    (
+        doc("Route", "  destination: {service: echo}\n  matches: [{methods: [FETCH]}]\n"),
+        6,
+        "spec.matches[0].methods[0]",
+        "'GET'",
+    ),
+    (
+        doc("Route", "  destination: {service: echo}\n  hosts: ['bad host']\n"),
+        6,
+        "spec.hosts[0]",
+        "host name",
+    ),
+    (
+        doc("Route", "  destination: {service: echo}\n  timeout: -1s\n"),
+        6,
+        "spec.timeout",
+        "invalid duration",
+    ),
+    (
+        doc("Route", "  destination: {service: echo}\n  retries: {attempts: 11}\n"),
+        6,
+        "spec.retries.attempts",
+        "less than or equal to 10",
+    ),
+    (
+        doc(
+            "Route",
+            "  destination: {service: echo}\n  retries: {attempts: 1, retryOn: [sometimes]}\n",
+        ),
+        6,
+        "spec.retries.retryOn[0]",
+        "'5xx'",
+    ),
+    (
+        doc("Route", "  destination: {service: echo}\n  retries: {attempts: 1, on: [5xx]}\n"),
+        6,
+        "spec.retries",
+        "mapping keys must be strings, got bool",
+    ),
+    (
+        doc("Route", "  destination: {}\n"),
+        5,
+        "spec.destination.service",
+        "required field is missing",
+    ),
+    (
+        doc("Gateway", "  adminPort: 19001\n  listeners: []\n"),
+        6,
+        "spec.listeners",
+        "at least 1 item",
+    ),
+    (
+        doc(
+            "Gateway", "  adminPort: 19001\n  listeners: [{name: a, port: 1}, {name: a, port: 2}]\n"
+        ),
+        4,
+        "spec",
+        "listener name 'a' is used twice",
+    ),
+    (
+        doc(
+            "Gateway",
+            "  adminPort: 19001\n  xdsProtocol: rest\n  listeners: [{name: a, port: 1}]\n",
+        ),
+        6,
+        "spec.xdsProtocol",
+        "'delta' or 'sotw'",
+    ),
+    (
+        "apiVersion: meshfn.io/v1beta9\nkind: Service\nmetadata: {name: x}\nspec: {port: 1}\n",
+        1,
+        "apiVersion",
+        "unsupported apiVersion 'meshfn.io/v1beta9'",
+    ),
+    (
+        "apiVersion: meshfn.io/v1alpha1\nkind: Widget\n",
+        2,
+        "kind",
+        "unknown kind 'Widget'; known kinds: Gateway, Mesh, Route, Service",
+    ),
+    (
+        "apiVersion: meshfn.io/v1alpha1\nmetadata: {name: x}\n",
+        1,
+        "kind",
+        "required field is missing",
+    ),
+    ("- just\n- a list\n", 1, "", "a policy document is a mapping"),
+    (
+        "apiVersion: meshfn.io/v1alpha1\nkind: Service\nmetadata: {name: x}\nspec: {port: 1}\nstatus: {}\n",
+        5,
+        "status",
+        "unknown field 'status'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "line", "path", "fragment"), SCHEMA_CASES)
+def test_schema_errors(tmp_path: Path, extra: str, line: int, path: str, fragment: str) -> None:
+    errors = errors_for(tmp_path, extra)
+    matching = [e for e in errors if e.path == path and fragment in e.message]
+    assert matching, f"no error at {path} containing {fragment!r} in {[str(e) for e in errors]}"
+    assert matching[0].file.endswith("zz-extra.yaml")
+    assert matching[0].line == line
+
+
+# (extra document, path, message fragment); loaded last, so the error is reported on it.
+REFERENCE_CASES = [
+    (
+        doc("Service", "  port: 9\n", name="echo"),
+        "metadata.name",
+        "duplicate Service default/echo (first defined at",
+    ),
+    (
+        doc("Route", "  destination: {service: ecko}\n", name="r2"),
+        "spec.destination.service",
+        "unknown Service default/ecko (did you mean default/echo?)",
+    ),
+    (
+        doc("Route", "  destination: {service: echo, namespace: other}\n", name="r2"),
+        "spec.destination.service",
+        "unknown Service other/echo",
+    ),
+    (
+        doc(
+            "Route",
+            "  gateway: egde\n  destination: {service: echo}\n  hosts: [a.com]\n",
+            name="r2",
+        ),
+        "spec.gateway",
+        "unknown Gateway default/egde (did you mean default/edge?)",
+    ),
+    (
+        doc(
+            "Route",
+            "  listener: https\n  destination: {service: echo}\n  hosts: [a.com]\n",
+            name="r2",
+        ),
+        "spec.listener",
+        "has no listener 'https' (it has: http)",
+    ),
+    (
+        doc("Route", "  destination: {service: echo}\n", name="r2"),
+        "spec.matches[0]",
+        "identical match to Route default/echo on host '*'",
+    ),
+    (doc("Mesh", "  trustDomain: other\n", name="second"), "kind", "a second Mesh"),
+    (
+        doc("Gateway", "  adminPort: 19001\n  listeners: [{name: a, port: 10000}]\n", name="gw2"),
+        "spec.listeners[0].port",
+        "port 10000 clashes with listener http of Gateway default/edge",
+    ),
+    (
+        doc("Gateway", "  adminPort: 18000\n  listeners: [{name: a, port: 10001}]\n", name="gw2"),
+        "spec.adminPort",
+        "port 18000 clashes with the Mesh xds port",
+    ),
+    (
+        doc(
+            "Gateway",
+            "  adminPort: 19001\n  listeners: [{name: a, port: 10000, address: 0.0.0.0}]\n",
+            name="gw2",
+        ),
+        "spec.listeners[0].port",
+        "clashes",
+    ),
+    (
+        doc("Service", "  port: 8080\n  endpoints: [{address: 127.0.0.1}]\n", name="echo2"),
+        "spec.endpoints[0]",
+        "endpoint 127.0.0.1:8080 is also an endpoint of Service default/echo",
+    ),
+    (
+        doc("Service", "  port: 10000\n  endpoints: [{address: 127.0.0.1}]\n", name="loop"),
+        "spec.endpoints[0]",
+        "points at listener http of Gateway default/edge",
+    ),
+    (
+        doc("Service", "  port: 1\n  endpoints: [{address: '::1', port: 18001}]\n", name="loop6"),
+        "spec.endpoints[0]",
+        "[::1]:18001 points at the Mesh admin port",
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "path", "fragment"), REFERENCE_CASES)
+def test_reference_errors(tmp_path: Path, extra: str, path: str, fragment: str) -> None:
+    errors = errors_for(tmp_path, extra)
+    matching = [e for e in errors if e.path == path and fragment in e.message]
+    assert matching, f"no error at {path} containing {fragment!r} in {[str(e) for e in errors]}"
+    assert matching[0].file.endswith("zz-extra.yaml")
+    assert matching[0].line >= 1
+
+
+def test_ambiguous_gateway(tmp_path: Path) -> None:
+    second = doc(
+        "Gateway", "  adminPort: 19001\n  listeners: [{name: a, port: 10001}]\n", name="gw2"
+    )
+    errors = errors_for(tmp_path, second)
+    assert any("several Gateways exist (default/edge, default/gw2)" in e.message for e in errors)
+    assert all(e.file.endswith("route.yaml") for e in errors)
+
+
+def test_no_mesh(tmp_path: Path) -> None:
+    with pytest.raises(PolicyErrors) as caught:
+        load_policies(write(tmp_path, {"svc.yaml": SERVICE}))
+    assert [e.message for e in caught.value.errors] == [
+        "no Mesh found: a policy set needs one kind: Mesh"
+    ]
+
+
+def test_empty_and_missing_directories(tmp_path: Path) -> None:
+    with pytest.raises(PolicyErrors, match="no policy files"):
+        load_policies(tmp_path)
+    with pytest.raises(PolicyErrors, match="no such file or directory"):
+        load_policies(tmp_path / "nope")
+
+
+def test_hidden_and_non_yaml_files_are_ignored(tmp_path: Path) -> None:
+    files = base_files()
+    files[".swap.yaml"] = "garbage: ["
+    files["notes.txt"] = "not yaml: ["
+    load_policies(write(tmp_path, files))
+
+
+def test_errors_from_many_files_are_all_reported_sorted(tmp_path: Path) -> None:
+    files = base_files()
+    files["a.yaml"] = doc("Service", "  port: x\n")
+    files["b.yaml"] = doc("Service", "  port: 1\n  oops: 1\n")
+    with pytest.raises(PolicyErrors) as caught:
+        load_policies(write(tmp_path, files))
+    rendered = [str(e) for e in caught.value.errors]
+    assert rendered[0].startswith(f"{tmp_path}/a.yaml:5: spec.port:")
+    assert rendered[1].startswith(f"{tmp_path}/b.yaml:6: spec.oops: unknown field 'oops'")
+
+
+def test_loader_reparses_only_changed_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import meshfn.control_plane.policy.loader as loader_module
+
+    write(tmp_path, base_files())
+    parsed: list[str] = []
+    real = loader_module.parse_documents
+
+    def counting(raw: bytes, display: str):  # type: ignore[no-untyped-def]
+        parsed.append(Path(display).name)
+        return real(raw, display)
+
+    monkeypatch.setattr(loader_module, "parse_documents", counting)
+    loader = PolicyLoader(tmp_path)
+    first = loader.load()
+    assert sorted(parsed) == ["mesh.yaml", "route.yaml", "svc.yaml"]
+    parsed.clear()
+    assert loader.load() == first
+    assert parsed == []
+    (tmp_path / "svc.yaml").write_text(SERVICE.replace("8080", "8081"))
+    second = loader.load()
+    assert parsed == ["svc.yaml"]
+    assert second.service("default/echo").endpoints[0].port == 8081
+    # The unchanged route is the very same IR object: downstream memoisation relies on it.
+    assert second.workloads[0].listeners[0].routes[0] == first.workloads[0].listeners[0].routes[0]
+
+
+def test_a_bad_change_then_a_fix(tmp_path: Path) -> None:
+    write(tmp_path, base_files())
+    loader = PolicyLoader(tmp_path)
+    good = loader.load()
+    (tmp_path / "svc.yaml").write_text(SERVICE.replace("port: 8080", "port: eighty"))
+    with pytest.raises(PolicyErrors):
+        loader.load()
+    (tmp_path / "svc.yaml").write_text(SERVICE)
+    assert loader.load() == good
+    (tmp_path / "svc.yaml").unlink()
+    with pytest.raises(PolicyErrors, match="unknown Service default/echo"):
+        loader.load()

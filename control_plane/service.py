@@ -15,8 +15,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import watchfiles
-
 from meshfn.xds.cache import Snapshot, SnapshotCache, prepare
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
@@ -25,6 +23,7 @@ from meshfn.xds.translate import translate
 from .ir import MeshModel
 from .policy import PolicyError, PolicyErrors, PolicyLoader
 from .policy.loader import POLICY_SUFFIXES
+from .policy.watch import watch_directory
 
 log = logging.getLogger("meshfn.control_plane")
 
@@ -139,35 +138,25 @@ class ControlPlane:
         self.xds_port = await self.ads.start(host, port)
         return self.xds_port
 
-    async def watch(self, stop: asyncio.Event | None = None) -> None:
-        """Reload whenever a policy file changes.
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Reload on every finished policy change until `stop` is set (see policy/watch.py)."""
+        if self.policies.is_dir():
+            root = self.policies
 
-        Events are batched until 10 ms pass without another (an editor's write-rename-chmod is
-        one reload). The first wake-up after the inotify watch exists triggers one catch-up
-        reload, so a change made while we were starting is never missed.
-        """
-        watch_root = self.policies if self.policies.is_dir() else self.policies.parent
+            def relevant(name: str) -> bool:
+                return name.endswith(POLICY_SUFFIXES) and not name.startswith(".")
+        else:
+            root = self.policies.parent
+            only = self.policies.name
 
-        def relevant(_change: watchfiles.Change, path: str) -> bool:
-            name = Path(path).name
-            return name.endswith(POLICY_SUFFIXES) and not name.startswith(".")
+            def relevant(name: str) -> bool:
+                return name == only
 
-        caught_up = False
-        async for changes in watchfiles.awatch(
-            watch_root,
-            watch_filter=relevant,
-            debounce=200,
-            step=10,
-            stop_event=stop,
-            rust_timeout=250,
-            yield_on_timeout=True,
-        ):
-            if not changes and caught_up:
-                continue
-            caught_up = True
-            self.watching.set()
+        async def changed() -> None:
             with contextlib.suppress(Exception):  # reload() logged it; keep watching
                 await self.reload()
+
+        await watch_directory(root, relevant, changed, stop, self.watching)
 
     async def stop(self) -> None:
         await self.ads.stop()

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,6 +20,13 @@ from typing import Any, TypeVar
 BIN = Path(sys.executable).parent
 MESHFN = str(BIN / "meshfn")
 T = TypeVar("T")
+
+
+def meshfn(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the meshfn CLI; the caller checks returncode and output."""
+    return subprocess.run(
+        [MESHFN, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def free_ports(count: int) -> list[int]:

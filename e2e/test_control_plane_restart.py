@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import time
 
-from meshfn_e2e import MESHFN, Policies, Processes, proxies, served_by, wait_for, wait_for_synced
+from meshfn_e2e import (
+    MESHFN,
+    Policies,
+    Processes,
+    meshfn,
+    proxies,
+    served_by,
+    wait_for,
+    wait_for_synced,
+)
 
 from meshfn.control_plane.runtime.envoy import envoy_binary
 
@@ -31,13 +39,7 @@ def test_envoy_survives_a_control_plane_restart(procs: Processes, policies: Poli
     serve_argv = [MESHFN, "serve", "--policies", str(policies.root)]
     serve = procs.start("serve-1", serve_argv)
     wait_for("the control plane", lambda: proxies(policies) == [], timeout=20)
-    bootstrap = subprocess.run(
-        [MESHFN, "bootstrap", "edge.default", "--policies", str(policies.root)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    ).stdout
+    bootstrap = meshfn("bootstrap", "edge.default", "--policies", str(policies.root)).stdout
     config = policies.root.parent / "envoy.json"
     config.write_text(json.dumps(json.loads(bootstrap)))
     procs.start(

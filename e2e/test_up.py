@@ -6,7 +6,6 @@ import json
 import re
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from meshfn_e2e import (
     envoy_pids,
     free_ports,
     http,
+    meshfn,
     proxies,
     served_by,
     wait_for,
@@ -68,9 +68,7 @@ def test_invalid_policy_is_rejected_and_envoy_keeps_serving(
     )
     assert served_by(policies, "/v1/x") == "default/alpha"
     assert proxies(policies)[0]["types"] == before  # nothing was pushed
-    cli = subprocess.run(
-        [MESHFN, "status", "--admin", policies.admin], capture_output=True, text=True, timeout=30
-    )
+    cli = meshfn("status", "--admin", policies.admin)
     assert cli.returncode == 0, cli.stderr
     assert "route.yaml:5: spec.destination.service: unknown Service default/gamma" in cli.stderr
     assert "SYNCED" in cli.stdout
@@ -111,16 +109,9 @@ def test_config_envoy_nacks_shows_in_status(procs: Processes, policies: Policies
     assert "program size" in routes["last_nack"]["error"].lower()
     assert routes["acked"] != routes["sent"]
     assert served_by(policies, "/v1/x") == "default/alpha"  # old version still in force
-    cli = subprocess.run(
-        [MESHFN, "status", "--admin", policies.admin], capture_output=True, text=True, timeout=30
-    )
+    cli = meshfn("status", "--admin", policies.admin)
     assert "NACKED" in cli.stdout and "NACK edge.default~0 routes" in cli.stdout
-    dump = subprocess.run(
-        [MESHFN, "config-dump", "edge.default~0", "--admin", policies.admin, "--type", "routes"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    dump = meshfn("config-dump", "edge.default~0", "--admin", policies.admin, "--type", "routes")
     assert dump.returncode == 0 and "model-39" in dump.stdout  # what we send, NACKed or not
     policies.route("/v1", "beta")
     wait_for("recovery", lambda: served_by(policies, "/v1/x") == "default/beta")
@@ -179,6 +170,7 @@ def test_up_on_the_examples_and_clean_shutdown(
         "up",
         [
             MESHFN,
+            meshfn,
             "up",
             "--policies",
             str(tmp_path / "examples"),

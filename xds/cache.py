@@ -73,7 +73,7 @@ class Resource:
 class TypeSnapshot:
     """All resources of one type for one group, with memoised responses and diffs."""
 
-    __slots__ = ("_diffs", "_responses", "resources", "type_url", "version")
+    __slots__ = ("_counts", "_diffs", "_responses", "resources", "type_url", "version")
 
     def __init__(self, type_url: str, resources: Mapping[str, Resource]) -> None:
         self.type_url = type_url
@@ -83,6 +83,14 @@ class TypeSnapshot:
         )
         self._diffs: dict[str, tuple[Names, Names]] = {}
         self._responses: dict[object, tuple[str, bytes]] = {}
+        self._counts: dict[Names, int] = {}
+
+    def count(self, names: Names) -> int:
+        """How many of `names` exist here (memoised per interned subscription set)."""
+        found = self._counts.get(names)
+        if found is None:
+            found = self._counts[names] = len(names & self.resources.keys())
+        return found
 
     def diff_from(self, older: TypeSnapshot) -> tuple[Names, Names]:
         """(changed or added names, removed names) going from `older` to this version."""

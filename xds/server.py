@@ -35,9 +35,11 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
 
 from . import wire
 from .cache import Names, Snapshot, SnapshotCache, TypeSnapshot, next_nonce
+from .lite import RequestHead, names_key
 from .status import Metrics, Nack, ProxyStatus, TypeStatus
 from .translate.resources import CLUSTER, LISTENER, PUSH_ORDER, SHORT_NAMES
 
@@ -147,12 +149,31 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
+def _parse_head(raw: bytes) -> tuple[bytes, Any]:
+    return raw, RequestHead.FromString(raw)
+
+
 class AdsServer:
     def __init__(self, cache: SnapshotCache, metrics: Metrics | None = None) -> None:
         self.cache = cache
         self.metrics = metrics or Metrics()
         self._streams: dict[int, Stream] = {}
         self._server: grpc.aio.Server | None = None
+        # Labelled metric children, resolved once: labels() costs microseconds per call.
+        m = self.metrics
+        self._push_metrics = {
+            (t, p): (m.pushes.labels(SHORT_NAMES[t], p), m.push_bytes.labels(SHORT_NAMES[t]))
+            for t in PUSH_ORDER
+            for p in ("sotw", "delta")
+        }
+        self._ack_metrics = {
+            t: (
+                m.acks.labels(SHORT_NAMES[t]),
+                m.nacks.labels(SHORT_NAMES[t]),
+                m.push_latency.labels(SHORT_NAMES[t]),
+            )
+            for t in PUSH_ORDER
+        }
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -209,7 +230,7 @@ class AdsServer:
             "sotw",
             requests,
             context,
-            discovery_pb2.DiscoveryRequest.FromString,
+            _parse_head,
             self._on_sotw_request,
             self._push_sotw,
         )
@@ -323,7 +344,7 @@ class AdsServer:
             log.warning("no configuration for workload %r yet; the proxy waits", group)
 
     @staticmethod
-    def _check(type_url: str, names: Any) -> None:
+    def _check_type(type_url: str) -> None:
         if type_url not in SUPPORTED_TYPES:
             raise ProtocolError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -331,19 +352,21 @@ class AdsServer:
                 + ", ".join(SHORT_NAMES[t] for t in PUSH_ORDER),
                 "bad_type",
             )
+
+    @staticmethod
+    def _check_names(names: Any) -> None:
         if len(names) > MAX_NAMES_PER_REQUEST:
             raise ProtocolError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(names)} resource names in one request (limit {MAX_NAMES_PER_REQUEST})",
                 "too_many_names",
             )
-        for name in names:
-            if len(name) > MAX_NAME_BYTES:
-                raise ProtocolError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"resource name longer than {MAX_NAME_BYTES} bytes",
-                    "bad_name",
-                )
+        if max(map(len, names), default=0) > MAX_NAME_BYTES:
+            raise ProtocolError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"resource name longer than {MAX_NAME_BYTES} bytes",
+                "bad_name",
+            )
 
     def _subscription(self, stream: Stream, type_url: str) -> tuple[Subscription, bool]:
         sub = stream.subs.get(type_url)
@@ -359,9 +382,10 @@ class AdsServer:
         status = sub.status
         now = time.time()
         label = SHORT_NAMES[sub.type_url]
+        acks, nacks, latency = self._ack_metrics[sub.type_url]
         if error is not None:
             status.last_nack = Nack(version=status.sent_version, error=error, at=now)
-            self.metrics.nacks.labels(label).inc()
+            nacks.inc()
             log.warning(
                 "NACK from %s for %s version %s: %s",
                 stream.status.node_id,
@@ -374,11 +398,9 @@ class AdsServer:
         else:
             status.acked_version = status.sent_version
             status.acked_at = now
-            self.metrics.acks.labels(label).inc()
+            acks.inc()
             if sub.pending_since:
-                self.metrics.push_latency.labels(label).observe(
-                    time.monotonic() - sub.pending_since
-                )
+                latency.observe(time.monotonic() - sub.pending_since)
         sub.pending_since = 0.0
 
     async def _send(
@@ -402,45 +424,44 @@ class AdsServer:
         status.sent_nonce = nonce
         status.sent_at = time.time()
         status.resources = count
-        label = SHORT_NAMES[ts.type_url]
-        self.metrics.pushes.labels(label, stream.protocol).inc()
-        self.metrics.push_bytes.labels(label).inc(len(data))
+        pushes, push_bytes = self._push_metrics[(ts.type_url, stream.protocol)]
+        pushes.inc()
+        push_bytes.inc(len(data))
         await context.write(data)
 
     # ------------------------------------------------------------------ state of the world
 
-    @staticmethod
-    def _names_fingerprint(request: discovery_pb2.DiscoveryRequest) -> bytes:
-        """The request's subscription as bytes. SotW ACKs echo every subscribed name (50 KB for
-        a thousand clusters); comparing bytes is far cheaper than building a set of strings per
-        ACK. Clears the per-request fields, so call it after reading them."""
-        for name in ("version_info", "response_nonce", "error_detail", "node"):
-            request.ClearField(name)
-        return bytes(request.SerializeToString())
-
     async def _on_sotw_request(
-        self,
-        stream: Stream,
-        request: discovery_pb2.DiscoveryRequest,
-        context: Context,
+        self, stream: Stream, item: tuple[bytes, Any], context: Context
     ) -> None:
-        self._identify(stream, request.node, request.HasField("node"))
-        type_url = request.type_url
-        self._check(type_url, request.resource_names)
+        raw, head = item
+        if not stream.group:
+            node = base_pb2.Node.FromString(head.node) if head.node else base_pb2.Node()
+            self._identify(stream, node, bool(head.node))
+        type_url = head.type_url
+        self._check_type(type_url)
         sub, _ = self._subscription(stream, type_url)
-        nonce = request.response_nonce
+        nonce = head.response_nonce
         if nonce:
             if sub.classify_nonce(nonce) == "stale":
                 return
-            error = request.error_detail.message if request.HasField("error_detail") else None
-            self._ack_or_nack(stream, sub, error, request.version_info)
-        version_info = request.version_info
-        fingerprint = self._names_fingerprint(request)
+            error = (
+                status_pb2.Status.FromString(head.error_detail).message
+                if head.error_detail
+                else None
+            )
+            self._ack_or_nack(stream, sub, error, head.version_info)
+        version_info = head.version_info
+        fingerprint = names_key(raw, head)
         first = sub.fingerprint is None
         if fingerprint == sub.fingerprint:
             return
         sub.fingerprint = fingerprint
+        request = discovery_pb2.DiscoveryRequest.FromString(raw)
+        self._check_names(request.resource_names)
         names = frozenset(request.resource_names)
+        if not first and self.cache.intern(names - {"*"}) is sub.names:
+            return  # same names, differently serialised
         old_names = sub.names
         sub.wildcard = "*" in names or (type_url in WILDCARD_TYPES and not names)
         sub.names = self.cache.intern(names - {"*"})
@@ -453,7 +474,7 @@ class AdsServer:
             # plane restart): nothing to send.
             sub.sent = ts
             sub.status.sent_version = sub.status.acked_version = ts.version
-            sub.status.resources = len(ts) if sub.wildcard else len(sub.names & ts.resources.keys())
+            sub.status.resources = len(ts) if sub.wildcard else ts.count(sub.names)
             return
         if first or sub.wildcard or type_url in WILDCARD_TYPES:
             await self._send_sotw_full(stream, sub, ts, snapshot, context)
@@ -508,7 +529,7 @@ class AdsServer:
         else:
             nonce = next_nonce()
             data = build(nonce)
-        count = len(sub.names & ts.resources.keys()) if not sub.wildcard else len(ts)
+        count = len(ts) if sub.wildcard else ts.count(sub.names)
         await self._send(stream, sub, ts, snapshot, nonce, data, count, context)
 
     async def _push_sotw(self, stream: Stream, snapshot: Snapshot, context: Context) -> None:
@@ -552,8 +573,9 @@ class AdsServer:
     ) -> None:
         self._identify(stream, request.node, request.HasField("node"))
         type_url = request.type_url
-        self._check(type_url, request.resource_names_subscribe)
-        self._check(type_url, request.resource_names_unsubscribe)
+        self._check_type(type_url)
+        self._check_names(request.resource_names_subscribe)
+        self._check_names(request.resource_names_unsubscribe)
         sub, first = self._subscription(stream, type_url)
         nonce = request.response_nonce
         if nonce and sub.classify_nonce(nonce) == "current":

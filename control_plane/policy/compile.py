@@ -8,11 +8,22 @@ from .model import Gateway, Locality, Mesh, Route, Service
 from .references import resolve_gateway, where
 from .validate import Loaded
 
+_NO_LOCALITY = ir.Locality()
+
 
 def _locality(value: Locality | None) -> ir.Locality:
     if value is None:
-        return ir.Locality()
+        return _NO_LOCALITY
     return ir.Locality(value.region or "", value.zone or "", value.node or "")
+
+
+def lower(item: Loaded) -> ir.Service | ir.Route | None:
+    """The IR of one object on its own (no cross-references), cached on the loaded item."""
+    if isinstance(item.obj, Service):
+        return _service(item)
+    if isinstance(item.obj, Route):
+        return _route(item)
+    return None
 
 
 def _service(item: Loaded) -> ir.Service:
@@ -93,8 +104,10 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         if isinstance(item.obj, Route):
             gateway = resolve_gateway(item, gateways)
             assert not isinstance(gateway, PolicyError)
+            route = item.lowered
+            assert isinstance(route, ir.Route)
             attached[f"{gateway.namespace}/{gateway.name}"].append(
-                (item, _route(item), item.obj.spec.listener)
+                (item, route, item.obj.spec.listener)
             )
 
     errors: list[PolicyError] = []
@@ -135,7 +148,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     if errors:
         return sorted(set(errors))
     services = sorted(
-        (_service(i) for i in items if isinstance(i.obj, Service)), key=lambda s: s.key
+        (i.lowered for i in items if isinstance(i.lowered, ir.Service)), key=lambda s: s.key
     )
     return ir.MeshModel(
         name=mesh.name,

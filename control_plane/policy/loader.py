@@ -7,13 +7,14 @@ latency flat as a mesh grows.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..ir import MeshModel
-from .compile import compile_model
+from .compile import compile_model, lower
 from .errors import PolicyError, PolicyErrors
 from .model import Mesh
 from .references import check_references
@@ -23,24 +24,39 @@ from .validate import Loaded, validate_document
 POLICY_SUFFIXES = (".yaml", ".yml")
 
 
-def policy_files(root: Path) -> list[Path]:
-    """YAML files under `root` (or `root` itself), skipping hidden files and folders."""
+def policy_files(root: Path) -> list[str]:
+    """YAML files under `root` (or `root` itself), skipping hidden files and folders. Plain
+    strings: this runs on every reload over every file, and Path objects cost more than the walk."""
     if root.is_file():
-        return [root]
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            if name.endswith(POLICY_SUFFIXES) and not name.startswith("."):
-                found.append(Path(dirpath) / name)
+        return [str(root)]
+    found: list[str] = []
+    pending = [str(root)]
+    while pending:
+        directory = pending.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.name.startswith("."):
+                    continue
+                if entry.is_dir():
+                    pending.append(entry.path)
+                elif entry.name.endswith(POLICY_SUFFIXES):
+                    found.append(entry.path)
+    found.sort()
     return found
 
 
 @dataclass(frozen=True)
 class _FileResult:
+    stat: tuple[int, ...]
     digest: bytes
     items: tuple[Loaded, ...]
     errors: tuple[PolicyError, ...]
+
+
+def _stat_key(path: str) -> tuple[int, ...]:
+    """Changes whenever the file's content may have: any write or rename bumps ctime."""
+    st = os.stat(path)
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class PolicyLoader:
@@ -48,7 +64,7 @@ class PolicyLoader:
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
-        self._files: dict[Path, _FileResult] = {}
+        self._files: dict[str, _FileResult] = {}
 
     def load(self) -> MeshModel:
         """Return the MeshModel or raise PolicyErrors listing every problem found."""
@@ -87,31 +103,34 @@ class PolicyLoader:
             )
         return items, errors
 
-    def _load_file(self, path: Path) -> _FileResult:
-        display = str(path)
-        try:
-            raw = path.read_bytes()
-        except OSError as exc:
-            return _FileResult(
-                b"", (), (PolicyError(display, 0, "", f"cannot read: {exc.strerror}"),)
-            )
-        digest = hashlib.blake2b(raw, digest_size=16).digest()
+    def _load_file(self, path: str) -> _FileResult:
+        display = path
         cached = self._files.get(path)
+        try:
+            stat = _stat_key(path)
+            if cached is not None and cached.stat == stat:
+                return cached
+            with open(path, "rb") as handle:
+                raw = handle.read()
+        except OSError as exc:
+            error = PolicyError(display, 0, "", f"cannot read: {exc.strerror}")
+            return _FileResult((), b"", (), (error,))
+        digest = hashlib.blake2b(raw, digest_size=16).digest()
         if cached is not None and cached.digest == digest:
-            return cached
+            return dataclasses.replace(cached, stat=stat)
         items: list[Loaded] = []
         errors: list[PolicyError] = []
         try:
             docs = list(parse_documents(raw, display))
         except PolicyError as exc:
-            return _FileResult(digest, (), (exc,))
+            return _FileResult(stat, digest, (), (exc,))
         for doc in docs:
             result = validate_document(doc)
             if isinstance(result, Loaded):
-                items.append(result)
+                items.append(dataclasses.replace(result, lowered=lower(result)))
             else:
                 errors.extend(result)
-        return _FileResult(digest, tuple(items), tuple(errors))
+        return _FileResult(stat, digest, tuple(items), tuple(errors))
 
 
 def load_policies(root: Path | str) -> MeshModel:

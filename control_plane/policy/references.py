@@ -9,7 +9,9 @@ from __future__ import annotations
 import difflib
 import ipaddress
 from dataclasses import dataclass
+from functools import lru_cache
 
+from .. import ir
 from .errors import PolicyError
 from .model import Gateway, Mesh, Route, Service
 from .source import Loc
@@ -186,36 +188,39 @@ def _check_ports(items: list[Loaded]) -> list[PolicyError]:
                 )
                 break
     seen: dict[tuple[str, int], tuple[Loaded, Loc]] = {}
+    loopback_binds = {b.port: b for b in reversed(binds)}
     for item in items:
-        if not isinstance(item.obj, Service):
+        service = item.lowered
+        if not isinstance(service, ir.Service):
             continue
-        for i, endpoint in enumerate(item.obj.spec.endpoints):
-            port = endpoint.port or item.obj.spec.port
-            loc: Loc = ("spec", "endpoints", i)
-            target = (endpoint.address, port)
-            if target in seen:
-                other, other_loc = seen[target]
+        for i, endpoint in enumerate(service.endpoints):
+            target = (endpoint.address, endpoint.port)
+            other = seen.get(target)
+            if other is not None:
                 errors.append(
                     item.error(
-                        loc,
-                        f"endpoint {_hostport(*target)} is also an endpoint of {other.ref} "
-                        f"({where(other, other_loc)})",
+                        ("spec", "endpoints", i),
+                        f"endpoint {_hostport(*target)} is also an endpoint of {other[0].ref} "
+                        f"({where(*other)})",
                     )
                 )
                 continue
-            seen[target] = (item, loc)
-            if ipaddress.ip_address(endpoint.address).is_loopback:
-                for bind in binds:
-                    if bind.port == port:
-                        errors.append(
-                            item.error(
-                                loc,
-                                f"endpoint {_hostport(*target)} points at {bind.what} "
-                                f"({where(bind.item, bind.loc)}): traffic would loop into meshfn",
-                            )
-                        )
-                        break
+            seen[target] = (item, ("spec", "endpoints", i))
+            hit = loopback_binds.get(endpoint.port)
+            if hit is not None and _is_loopback(endpoint.address):
+                errors.append(
+                    item.error(
+                        ("spec", "endpoints", i),
+                        f"endpoint {_hostport(*target)} points at {hit.what} "
+                        f"({where(hit.item, hit.loc)}): traffic would loop into meshfn",
+                    )
+                )
     return errors
+
+
+@lru_cache(maxsize=65536)
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
 
 
 def _hostport(address: str, port: int) -> str:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
 from .errors import PolicyError
 from .model import KINDS, PolicyObject
 from .source import Document, Loc
+
+if TYPE_CHECKING:
+    from .. import ir
+
 from .types import API_VERSION, DNS_LABEL, HEADER_NAME, HOST, HTTP_PATH, OBJECT_REF, TRUST_DOMAIN
 
 PATTERN_HELP = {
@@ -27,22 +31,24 @@ PATTERN_HELP = {
 
 @dataclass(frozen=True)
 class Loaded:
-    """A valid policy object and the document it came from (for error lines later on)."""
+    """A valid policy object and the document it came from (for error lines later on).
+
+    `lowered` is the object's own piece of IR (a Service or a Route), computed once when its
+    file is loaded, so reloads after a one-file change do not rebuild the rest of the mesh."""
 
     doc: Document
     obj: PolicyObject
+    lowered: ir.Service | ir.Route | None = field(default=None, compare=False, repr=False)
+    # Plain copies of the identity: read on every reload for every object, where pydantic
+    # attribute access adds up.
+    kind: str = field(init=False, compare=False)
+    namespace: str = field(init=False, compare=False)
+    name: str = field(init=False, compare=False)
 
-    @property
-    def kind(self) -> str:
-        return self.obj.kind
-
-    @property
-    def namespace(self) -> str:
-        return getattr(self.obj.metadata, "namespace", "")
-
-    @property
-    def name(self) -> str:
-        return self.obj.metadata.name
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", self.obj.kind)
+        object.__setattr__(self, "namespace", getattr(self.obj.metadata, "namespace", ""))
+        object.__setattr__(self, "name", self.obj.metadata.name)
 
     @property
     def ref(self) -> str:

@@ -1,0 +1,181 @@
+"""Simulated Envoys for bench/xds_push.py: N ADS streams (one gRPC connection each) in one
+grpc.aio process, subscribing and ACKing the way Envoy does (CDS -> EDS by name -> LDS -> RDS).
+
+Driven over stdin/stdout by the benchmark:
+  -> (start)               <- READY <seconds to sync all>
+  -> COUNT                 <- COUNT <EDS updates received so far, all streams>
+  -> WAIT <total>          <- DONE <max monotonic time of the ACK that reached total>
+  -> QUIT
+Times are time.monotonic() (CLOCK_MONOTONIC, comparable across processes on Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+
+CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
+RDS = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+SOTW = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
+DELTA = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
+
+
+class Fleet:
+    def __init__(self, clients: int) -> None:
+        self.clients = clients
+        self.synced = 0
+        self.all_synced = asyncio.Event()
+        self.eds_updates = 0
+        self.last_eds_ack = 0.0
+        self.waiters: list[tuple[int, asyncio.Future[float]]] = []
+
+    def eds_acked(self) -> None:
+        self.eds_updates += 1
+        self.last_eds_ack = time.monotonic()
+        for target, future in list(self.waiters):
+            if self.eds_updates >= target and not future.done():
+                future.set_result(self.last_eds_ack)
+                self.waiters.remove((target, future))
+
+
+async def sotw_client(
+    channel: grpc.aio.Channel, index: int, group: str, eds_names: list[str], routes: list[str],
+    fleet: Fleet,
+) -> None:
+    call = channel.stream_stream(
+        SOTW,
+        request_serializer=discovery_pb2.DiscoveryRequest.SerializeToString,
+        response_deserializer=discovery_pb2.DiscoveryResponse.FromString,
+    )()
+    node = base_pb2.Node(id=f"{group}~sim-{index}", cluster=group)
+    # Envoy re-sends the full name list with every EDS/RDS request (ACKs included).
+    requests = {
+        CDS: discovery_pb2.DiscoveryRequest(type_url=CDS),
+        EDS: discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=eds_names),
+        LDS: discovery_pb2.DiscoveryRequest(type_url=LDS),
+        RDS: discovery_pb2.DiscoveryRequest(type_url=RDS, resource_names=routes),
+    }
+    first = discovery_pb2.DiscoveryRequest(node=node, type_url=CDS)
+    await call.write(first)
+    acked: set[str] = set()
+    async for response in call:
+        request = requests[response.type_url]
+        request.version_info = response.version_info
+        request.response_nonce = response.nonce
+        await call.write(request)
+        if response.type_url == EDS and EDS in acked:
+            fleet.eds_acked()
+        if response.type_url not in acked:
+            acked.add(response.type_url)
+            if response.type_url == CDS:
+                await call.write(discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=eds_names))
+                await call.write(discovery_pb2.DiscoveryRequest(type_url=LDS))
+            elif response.type_url == LDS:
+                await call.write(discovery_pb2.DiscoveryRequest(type_url=RDS, resource_names=routes))
+            if len(acked) == 4:
+                fleet.synced += 1
+                if fleet.synced == fleet.clients:
+                    fleet.all_synced.set()
+
+
+async def delta_client(
+    channel: grpc.aio.Channel, index: int, group: str, eds_names: list[str], routes: list[str],
+    fleet: Fleet,
+) -> None:
+    call = channel.stream_stream(
+        DELTA,
+        request_serializer=discovery_pb2.DeltaDiscoveryRequest.SerializeToString,
+        response_deserializer=discovery_pb2.DeltaDiscoveryResponse.FromString,
+    )()
+    node = base_pb2.Node(id=f"{group}~sim-{index}", cluster=group)
+    await call.write(discovery_pb2.DeltaDiscoveryRequest(node=node, type_url=CDS))
+    acked: set[str] = set()
+    async for response in call:
+        await call.write(
+            discovery_pb2.DeltaDiscoveryRequest(type_url=response.type_url, response_nonce=response.nonce)
+        )
+        if response.type_url == EDS and EDS in acked:
+            fleet.eds_acked()
+        if response.type_url not in acked:
+            acked.add(response.type_url)
+            if response.type_url == CDS:
+                await call.write(
+                    discovery_pb2.DeltaDiscoveryRequest(type_url=EDS, resource_names_subscribe=eds_names)
+                )
+                await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=LDS))
+            elif response.type_url == LDS:
+                await call.write(
+                    discovery_pb2.DeltaDiscoveryRequest(type_url=RDS, resource_names_subscribe=routes)
+                )
+            if len(acked) == 4:
+                fleet.synced += 1
+                if fleet.synced == fleet.clients:
+                    fleet.all_synced.set()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--clients", type=int, required=True)
+    parser.add_argument("--services", type=int, required=True)
+    parser.add_argument("--group", required=True)
+    parser.add_argument("--protocol", choices=["sotw", "delta"], default="sotw")
+    args = parser.parse_args()
+    eds_names = [f"svc-{i:05d}.bench" for i in range(args.services)]
+    fleet = Fleet(args.clients)
+    client = sotw_client if args.protocol == "sotw" else delta_client
+    started = time.monotonic()
+    channels = []
+    tasks = []
+    for i in range(args.clients):
+        channel = grpc.aio.insecure_channel(
+            args.target, options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)]
+        )
+        channels.append(channel)
+        tasks.append(asyncio.create_task(client(channel, i, args.group, eds_names, ["http"], fleet)))
+        if i % 100 == 99:
+            await asyncio.sleep(0)  # let earlier streams make progress while we open more
+    done = asyncio.ensure_future(fleet.all_synced.wait())
+    failed = asyncio.ensure_future(asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION))
+    await asyncio.wait({done, failed}, return_when=asyncio.FIRST_COMPLETED)
+    if not done.done():
+        errors = [t.exception() for t in tasks if t.done() and t.exception()]
+        print(f"FAILED {errors[:3]}", flush=True)
+        return
+    print(f"READY {time.monotonic() - started:.3f}", flush=True)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := (await reader.readline()).decode().split():
+        if line[0] == "COUNT":
+            print(f"COUNT {fleet.eds_updates}", flush=True)
+        elif line[0] == "WAIT":
+            target = int(line[1])
+            if fleet.eds_updates >= target:
+                print(f"DONE {fleet.last_eds_ack:.6f}", flush=True)
+                continue
+            future: asyncio.Future[float] = loop.create_future()
+            fleet.waiters.append((target, future))
+            try:
+                at = await asyncio.wait_for(future, 60)
+                print(f"DONE {at:.6f}", flush=True)
+            except asyncio.TimeoutError:
+                print(f"TIMEOUT {fleet.eds_updates}", flush=True)
+        elif line[0] == "QUIT":
+            break
+    for task in tasks:
+        task.cancel()
+    for channel in channels:
+        await channel.close(None)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,332 @@
+"""xDS push benchmark.
+
+(a) A policy file edit -> the change visible through one real Envoy (`meshfn up`): >= 50 edits,
+    median and p99. Baseline in the same run: one plain request through the same Envoy.
+(b) N simulated Envoys (bench/xds_clients.py, own process, pinned to CPU 1) on ADS to `meshfn
+    serve` (pinned to CPU 0) with 1000 services (clusters, endpoints, routes); an endpoint edited
+    in one policy file -> every stream has received and ACKed it. Reported for N=1000 and 3000,
+    with the control plane's peak RSS. Baseline in the same run: the same edit with one client.
+
+Prints one line:
+  xds_push: visible_p50_ms=… visible_p99_ms=… clients=… converge_p99_ms=… cp_rss_mb=… …
+and writes the details as JSON (--json, default bench/results/xds_push.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, closing
+from pathlib import Path
+from typing import Any
+
+BIN = Path(sys.executable).parent
+MESHFN = str(BIN / "meshfn")
+HERE = Path(__file__).resolve().parent
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def mesh_doc(name: str, xds: int, admin: int) -> str:
+    return (
+        "apiVersion: meshfn.io/v1alpha1\nkind: Mesh\n"
+        f"metadata: {{name: {name}}}\n"
+        f"spec: {{trustDomain: bench.local, ports: {{xds: {xds}, admin: {admin}}}}}\n"
+    )
+
+
+def gateway_doc(namespace: str, envoy_admin: int, listener: int, protocol: str) -> str:
+    return (
+        "apiVersion: meshfn.io/v1alpha1\nkind: Gateway\n"
+        f"metadata: {{name: edge, namespace: {namespace}}}\n"
+        f"spec: {{adminPort: {envoy_admin}, xdsProtocol: {protocol}, "
+        f"listeners: [{{name: http, port: {listener}}}]}}\n"
+    )
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(current, peak) resident set size of `pid` in MiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def wait_http(url: str, timeout: float = 30) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer within {timeout}s")
+
+
+def stop(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------- (a) visible through Envoy
+
+
+def bench_visible(work: Path, changes: int) -> dict[str, Any]:
+    xds, admin, envoy_admin, listener, alpha, beta = free_ports(6)
+    policies = work / "visible"
+    policies.mkdir()
+    (policies / "mesh.yaml").write_text(
+        mesh_doc("visible", xds, admin) + "---\n" + gateway_doc("default", envoy_admin, listener, "delta")
+    )
+    services = "---\n".join(
+        "apiVersion: meshfn.io/v1alpha1\nkind: Service\n"
+        f"metadata: {{name: {name}}}\nspec: {{port: {port}, endpoints: [{{address: 127.0.0.1}}]}}\n"
+        for name, port in (("alpha", alpha), ("beta", beta))
+    )
+    (policies / "services.yaml").write_text(services)
+    route = policies / "route.yaml"
+
+    def route_to(service: str) -> str:
+        return (
+            "apiVersion: meshfn.io/v1alpha1\nkind: Route\nmetadata: {name: main}\n"
+            f"spec: {{destination: {{service: {service}}}}}\n"
+        )
+
+    write_atomic(route, route_to("alpha"))
+    log = (work / "visible-up.log").open("wb")
+    up = subprocess.Popen(
+        [MESHFN, "up", "--policies", str(policies), "--state-dir", str(work / "state"),
+         "--envoy-concurrency", "1", "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", listener, timeout=5)
+
+        def served() -> str:
+            conn.request("GET", "/bench")
+            response = conn.getresponse()
+            body = response.read()
+            return json.loads(body)["service"] if response.status == 200 else ""
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if served() == "default/alpha":
+                    break
+            except (OSError, http.client.HTTPException, ValueError):
+                conn.close()
+            if time.monotonic() > deadline or up.poll() is not None:
+                raise RuntimeError(f"meshfn up did not come up; see {work / 'visible-up.log'}")
+            time.sleep(0.05)
+        time.sleep(0.5)  # let the watcher's catch-up reload pass
+        rtts = []
+        for _ in range(200):
+            t = time.perf_counter()
+            served()
+            rtts.append((time.perf_counter() - t) * 1000)
+        visible = []
+        current = "alpha"
+        for _ in range(changes):
+            current = "beta" if current == "alpha" else "alpha"
+            wanted = f"default/{current}"
+            started = time.perf_counter()
+            write_atomic(route, route_to(current))
+            while served() != wanted:
+                if time.perf_counter() - started > 10:
+                    raise RuntimeError("a route change did not become visible within 10 s")
+            visible.append((time.perf_counter() - started) * 1000)
+            time.sleep(0.03)
+        conn.close()
+    finally:
+        stop(up)
+        log.close()
+    return {
+        "changes": changes,
+        "visible_ms": visible,
+        "visible_p50_ms": statistics.median(visible),
+        "visible_p99_ms": percentile(visible, 99),
+        "request_rtt_p50_ms": statistics.median(rtts),
+        "visible_over_rtt": statistics.median(visible) / statistics.median(rtts),
+    }
+
+
+# ---------------------------------------------------------------- (b) fan-out to N streams
+
+
+def service_doc(index: int, port: int) -> str:
+    name = f"svc-{index:05d}"
+    return (
+        "apiVersion: meshfn.io/v1alpha1\nkind: Service\n"
+        f"metadata: {{name: {name}, namespace: bench}}\n"
+        f"spec: {{port: {port}, endpoints: [{{address: 10.{index // 250}.{index % 250}.1}}, "
+        f"{{address: 10.{index // 250}.{index % 250}.2}}]}}\n---\n"
+        "apiVersion: meshfn.io/v1alpha1\nkind: Route\n"
+        f"metadata: {{name: {name}, namespace: bench}}\n"
+        f"spec: {{matches: [{{path: {{prefix: /{name}/}}}}], destination: {{service: {name}}}}}\n"
+    )
+
+
+def pinned(cpu: int) -> Any:
+    def apply() -> None:
+        if cpu < (os.cpu_count() or 1):
+            os.sched_setaffinity(0, {cpu})
+
+    return apply
+
+
+def bench_fanout(
+    work: Path, clients: int, services: int, changes: int, protocol: str
+) -> dict[str, Any]:
+    xds, admin, envoy_admin, listener = free_ports(4)
+    policies = work / f"fanout-{clients}-{protocol}"
+    policies.mkdir()
+    (policies / "mesh.yaml").write_text(
+        mesh_doc("fanout", xds, admin) + "---\n" + gateway_doc("bench", envoy_admin, listener, protocol)
+    )
+    (policies / "services").mkdir()
+    for i in range(services):
+        (policies / "services" / f"svc-{i:05d}.yaml").write_text(service_doc(i, 8000))
+    with ExitStack() as stack:
+        cp_log = stack.enter_context((work / f"cp-{clients}-{protocol}.log").open("wb"))
+        cp = subprocess.Popen(
+            [MESHFN, "serve", "--policies", str(policies), "--log-level", "warning"],
+            stdout=cp_log, stderr=subprocess.STDOUT, preexec_fn=pinned(0),
+        )
+        stack.callback(stop, cp)
+        wait_http(f"http://127.0.0.1:{admin}/healthz", timeout=120)
+        fleet = subprocess.Popen(
+            [sys.executable, "-P", str(HERE / "xds_clients.py"), "--target", f"127.0.0.1:{xds}",
+             "--clients", str(clients), "--services", str(services), "--group", "edge.bench",
+             "--protocol", protocol],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=pinned(1),
+        )
+        stack.callback(stop, fleet)
+        assert fleet.stdin is not None and fleet.stdout is not None
+
+        def ask(command: str) -> list[str]:
+            assert fleet.stdin is not None and fleet.stdout is not None
+            fleet.stdin.write(command + "\n")
+            fleet.stdin.flush()
+            return fleet.stdout.readline().split()
+
+        ready = fleet.stdout.readline().split()
+        if not ready or ready[0] != "READY":
+            raise RuntimeError(f"clients failed to sync: {ready}")
+        sync_s = float(ready[1])
+        time.sleep(1.0)  # let the watcher's catch-up reload pass
+        converge = []
+        port = 8000
+        for change in range(changes):
+            (count,) = (int(x) for x in ask("COUNT")[1:])
+            index = (change * 7919) % services
+            port += 1
+            path = policies / "services" / f"svc-{index:05d}.yaml"
+            started = time.monotonic()
+            write_atomic(path, service_doc(index, port))
+            reply = ask(f"WAIT {count + clients}")
+            if reply[0] != "DONE":
+                raise RuntimeError(f"not every client saw change {change}: {reply}")
+            converge.append((float(reply[1]) - started) * 1000)
+            time.sleep(0.1)
+        rss, peak = rss_mb(cp.pid)
+        ask("QUIT")
+    return {
+        "clients": clients,
+        "services": services,
+        "protocol": protocol,
+        "initial_sync_s": sync_s,
+        "converge_ms": converge,
+        "converge_p50_ms": statistics.median(converge),
+        "converge_p99_ms": percentile(converge, 99),
+        "cp_rss_mb": rss,
+        "cp_peak_rss_mb": peak,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--changes", type=int, default=60, help="edits for (a)")
+    parser.add_argument("--services", type=int, default=1000)
+    parser.add_argument("--clients", type=int, nargs="+", default=[1000, 3000])
+    parser.add_argument("--fanout-changes", type=int, default=20)
+    parser.add_argument("--protocol", choices=["sotw", "delta"], default="sotw")
+    parser.add_argument("--json", type=Path, default=HERE / "results" / "xds_push.json")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="meshfn-bench-") as tmp:
+        work = Path(tmp)
+        visible = bench_visible(work, args.changes)
+        baseline = bench_fanout(work, 1, args.services, max(5, args.fanout_changes // 2), args.protocol)
+        runs = [
+            bench_fanout(work, n, args.services, args.fanout_changes, args.protocol)
+            for n in args.clients
+        ]
+    main_run = runs[0]
+    result = {
+        "visible": visible,
+        "fanout_baseline_one_client": baseline,
+        "fanout": runs,
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    parts = [
+        f"visible_p50_ms={visible['visible_p50_ms']:.1f}",
+        f"visible_p99_ms={visible['visible_p99_ms']:.1f}",
+        f"clients={main_run['clients']}",
+        f"converge_p99_ms={main_run['converge_p99_ms']:.0f}",
+        f"cp_rss_mb={main_run['cp_peak_rss_mb']:.0f}",
+        f"converge_p50_ms={main_run['converge_p50_ms']:.0f}",
+        f"one_client_converge_p50_ms={baseline['converge_p50_ms']:.0f}",
+        f"request_rtt_p50_ms={visible['request_rtt_p50_ms']:.2f}",
+    ]
+    for run in runs[1:]:
+        n = run["clients"]
+        parts += [
+            f"converge_p99_ms@{n}={run['converge_p99_ms']:.0f}",
+            f"cp_rss_mb@{n}={run['cp_peak_rss_mb']:.0f}",
+        ]
+    print("xds_push: " + " ".join(parts), flush=True)
+
+
+if __name__ == "__main__":
+    with closing(sys.stdout):
+        main()

@@ -47,7 +47,11 @@ class Fleet:
 
 
 async def sotw_client(
-    channel: grpc.aio.Channel, index: int, group: str, eds_names: list[str], routes: list[str],
+    channel: grpc.aio.Channel,
+    index: int,
+    group: str,
+    eds_names: list[str],
+    routes: list[str],
     fleet: Fleet,
 ) -> None:
     call = channel.stream_stream(
@@ -76,10 +80,14 @@ async def sotw_client(
         if response.type_url not in acked:
             acked.add(response.type_url)
             if response.type_url == CDS:
-                await call.write(discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=eds_names))
+                await call.write(
+                    discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=eds_names)
+                )
                 await call.write(discovery_pb2.DiscoveryRequest(type_url=LDS))
             elif response.type_url == LDS:
-                await call.write(discovery_pb2.DiscoveryRequest(type_url=RDS, resource_names=routes))
+                await call.write(
+                    discovery_pb2.DiscoveryRequest(type_url=RDS, resource_names=routes)
+                )
             if len(acked) == 4:
                 fleet.synced += 1
                 if fleet.synced == fleet.clients:
@@ -87,7 +95,11 @@ async def sotw_client(
 
 
 async def delta_client(
-    channel: grpc.aio.Channel, index: int, group: str, eds_names: list[str], routes: list[str],
+    channel: grpc.aio.Channel,
+    index: int,
+    group: str,
+    eds_names: list[str],
+    routes: list[str],
     fleet: Fleet,
 ) -> None:
     call = channel.stream_stream(
@@ -100,7 +112,9 @@ async def delta_client(
     acked: set[str] = set()
     async for response in call:
         await call.write(
-            discovery_pb2.DeltaDiscoveryRequest(type_url=response.type_url, response_nonce=response.nonce)
+            discovery_pb2.DeltaDiscoveryRequest(
+                type_url=response.type_url, response_nonce=response.nonce
+            )
         )
         if response.type_url == EDS and EDS in acked:
             fleet.eds_acked()
@@ -108,12 +122,16 @@ async def delta_client(
             acked.add(response.type_url)
             if response.type_url == CDS:
                 await call.write(
-                    discovery_pb2.DeltaDiscoveryRequest(type_url=EDS, resource_names_subscribe=eds_names)
+                    discovery_pb2.DeltaDiscoveryRequest(
+                        type_url=EDS, resource_names_subscribe=eds_names
+                    )
                 )
                 await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=LDS))
             elif response.type_url == LDS:
                 await call.write(
-                    discovery_pb2.DeltaDiscoveryRequest(type_url=RDS, resource_names_subscribe=routes)
+                    discovery_pb2.DeltaDiscoveryRequest(
+                        type_url=RDS, resource_names_subscribe=routes
+                    )
                 )
             if len(acked) == 4:
                 fleet.synced += 1
@@ -140,7 +158,9 @@ async def main() -> None:
             args.target, options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)]
         )
         channels.append(channel)
-        tasks.append(asyncio.create_task(client(channel, i, args.group, eds_names, ["http"], fleet)))
+        tasks.append(
+            asyncio.create_task(client(channel, i, args.group, eds_names, ["http"], fleet))
+        )
         if i % 100 == 99:
             await asyncio.sleep(0)  # let earlier streams make progress while we open more
     done = asyncio.ensure_future(fleet.all_synced.wait())
@@ -148,7 +168,11 @@ async def main() -> None:
     await asyncio.wait({done, failed}, return_when=asyncio.FIRST_COMPLETED)
     if not done.done():
         errors = [t.exception() for t in tasks if t.done() and t.exception()]
-        print(f"FAILED {errors[:3]}", flush=True)
+        detail = "; ".join(
+            f"{e.code()}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+            for e in errors[:3]
+        )
+        print(f"FAILED {len(errors)} streams: {detail}", flush=True)
         return
     print(f"READY {time.monotonic() - started:.3f}", flush=True)
     loop = asyncio.get_running_loop()
@@ -167,7 +191,7 @@ async def main() -> None:
             try:
                 at = await asyncio.wait_for(future, 60)
                 print(f"DONE {at:.6f}", flush=True)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 print(f"TIMEOUT {fleet.eds_updates}", flush=True)
         elif line[0] == "QUIT":
             break

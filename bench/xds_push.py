@@ -114,7 +114,9 @@ def bench_visible(work: Path, changes: int) -> dict[str, Any]:
     policies = work / "visible"
     policies.mkdir()
     (policies / "mesh.yaml").write_text(
-        mesh_doc("visible", xds, admin) + "---\n" + gateway_doc("default", envoy_admin, listener, "delta")
+        mesh_doc("visible", xds, admin)
+        + "---\n"
+        + gateway_doc("default", envoy_admin, listener, "delta")
     )
     services = "---\n".join(
         "apiVersion: meshfn.io/v1alpha1\nkind: Service\n"
@@ -133,9 +135,20 @@ def bench_visible(work: Path, changes: int) -> dict[str, Any]:
     write_atomic(route, route_to("alpha"))
     log = (work / "visible-up.log").open("wb")
     up = subprocess.Popen(
-        [MESHFN, "up", "--policies", str(policies), "--state-dir", str(work / "state"),
-         "--envoy-concurrency", "1", "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            MESHFN,
+            "up",
+            "--policies",
+            str(policies),
+            "--state-dir",
+            str(work / "state"),
+            "--envoy-concurrency",
+            "1",
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         conn = http.client.HTTPConnection("127.0.0.1", listener, timeout=5)
@@ -167,8 +180,8 @@ def bench_visible(work: Path, changes: int) -> dict[str, Any]:
         for _ in range(changes):
             current = "beta" if current == "alpha" else "alpha"
             wanted = f"default/{current}"
-            started = time.perf_counter()
             write_atomic(route, route_to(current))
+            started = time.perf_counter()  # the new policy is in place from here on
             while served() != wanted:
                 if time.perf_counter() - started > 10:
                     raise RuntimeError("a route change did not become visible within 10 s")
@@ -204,12 +217,11 @@ def service_doc(index: int, port: int) -> str:
     )
 
 
-def pinned(cpu: int) -> Any:
-    def apply() -> None:
-        if cpu < (os.cpu_count() or 1):
-            os.sched_setaffinity(0, {cpu})
-
-    return apply
+def pin(pid: int, cpu: int) -> None:
+    """Pin a just-started process (and the threads it starts later) to one CPU, so the control
+    plane and the simulated fleet do not steal each other's core."""
+    if cpu < (os.cpu_count() or 1):
+        os.sched_setaffinity(pid, {cpu})
 
 
 def bench_fanout(
@@ -219,7 +231,9 @@ def bench_fanout(
     policies = work / f"fanout-{clients}-{protocol}"
     policies.mkdir()
     (policies / "mesh.yaml").write_text(
-        mesh_doc("fanout", xds, admin) + "---\n" + gateway_doc("bench", envoy_admin, listener, protocol)
+        mesh_doc("fanout", xds, admin)
+        + "---\n"
+        + gateway_doc("bench", envoy_admin, listener, protocol)
     )
     (policies / "services").mkdir()
     for i in range(services):
@@ -228,16 +242,33 @@ def bench_fanout(
         cp_log = stack.enter_context((work / f"cp-{clients}-{protocol}.log").open("wb"))
         cp = subprocess.Popen(
             [MESHFN, "serve", "--policies", str(policies), "--log-level", "warning"],
-            stdout=cp_log, stderr=subprocess.STDOUT, preexec_fn=pinned(0),
+            stdout=cp_log,
+            stderr=subprocess.STDOUT,
         )
+        pin(cp.pid, 0)
         stack.callback(stop, cp)
         wait_http(f"http://127.0.0.1:{admin}/healthz", timeout=120)
         fleet = subprocess.Popen(
-            [sys.executable, "-P", str(HERE / "xds_clients.py"), "--target", f"127.0.0.1:{xds}",
-             "--clients", str(clients), "--services", str(services), "--group", "edge.bench",
-             "--protocol", protocol],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=pinned(1),
+            [
+                sys.executable,
+                "-P",
+                str(HERE / "xds_clients.py"),
+                "--target",
+                f"127.0.0.1:{xds}",
+                "--clients",
+                str(clients),
+                "--services",
+                str(services),
+                "--group",
+                "edge.bench",
+                "--protocol",
+                protocol,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
+        pin(fleet.pid, 1)
         stack.callback(stop, fleet)
         assert fleet.stdin is not None and fleet.stdout is not None
 
@@ -259,8 +290,8 @@ def bench_fanout(
             index = (change * 7919) % services
             port += 1
             path = policies / "services" / f"svc-{index:05d}.yaml"
-            started = time.monotonic()
             write_atomic(path, service_doc(index, port))
+            started = time.monotonic()
             reply = ask(f"WAIT {count + clients}")
             if reply[0] != "DONE":
                 raise RuntimeError(f"not every client saw change {change}: {reply}")
@@ -282,7 +313,9 @@ def bench_fanout(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--changes", type=int, default=60, help="edits for (a)")
     parser.add_argument("--services", type=int, default=1000)
     parser.add_argument("--clients", type=int, nargs="+", default=[1000, 3000])
@@ -294,7 +327,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="meshfn-bench-") as tmp:
         work = Path(tmp)
         visible = bench_visible(work, args.changes)
-        baseline = bench_fanout(work, 1, args.services, max(5, args.fanout_changes // 2), args.protocol)
+        baseline = bench_fanout(
+            work, 1, args.services, max(5, args.fanout_changes // 2), args.protocol
+        )
         runs = [
             bench_fanout(work, n, args.services, args.fanout_changes, args.protocol)
             for n in args.clients

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,20 @@ class PolicyState:
     loaded_at: float = 0.0
     errors: list[PolicyError] = field(default_factory=list)
     failed_at: float = 0.0
+
+
+def tune_gc() -> None:
+    """Make CPython's cyclic GC cheap for a long-running server with many live objects.
+
+    A push to a thousand streams allocates enough to trigger several young-generation
+    collections, each walking objects that will live for the whole run (snapshots, streams); at
+    the default threshold (700) that doubled the p99 time for a thousand proxies to ACK an
+    endpoint change (measured: 330-440 ms -> 190 ms). So: freeze what exists after the first
+    load (it is never collected anyway) and collect the young generation less often.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 50)
 
 
 class ControlPlane:

@@ -170,7 +170,6 @@ def test_up_on_the_examples_and_clean_shutdown(
         "up",
         [
             MESHFN,
-            meshfn,
             "up",
             "--policies",
             str(tmp_path / "examples"),

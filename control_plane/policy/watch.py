@@ -146,22 +146,26 @@ async def watch_directory(
         return
     loop = asyncio.get_running_loop()
     loop.add_reader(watcher.fd, watcher.read)
-    stopping = asyncio.ensure_future(stop.wait())
+    # `stop` also wakes the loop below, so waiting needs no extra tasks per change.
+    stopper = asyncio.ensure_future(_forward(stop, watcher.changed))
     ready.set()
     try:
         await on_change()
-        while not stop.is_set():
-            changed = asyncio.ensure_future(watcher.changed.wait())
-            await asyncio.wait({changed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        while True:
+            await watcher.changed.wait()
             if stop.is_set():
-                changed.cancel()
                 break
             watcher.changed.clear()
             await on_change()
     finally:
-        stopping.cancel()
+        stopper.cancel()
         loop.remove_reader(watcher.fd)
         watcher.close()
+
+
+async def _forward(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()
 
 
 async def _watch_with_watchfiles(

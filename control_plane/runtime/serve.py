@@ -8,7 +8,7 @@ import logging
 import signal
 from pathlib import Path
 
-from ..service import ControlPlane
+from ..service import ControlPlane, tune_gc
 from .admin import AdminServer
 
 log = logging.getLogger("meshfn.serve")
@@ -19,6 +19,7 @@ async def run_serve(
 ) -> int:
     cp = ControlPlane(policies)
     result = await cp.reload()
+    tune_gc()
     if not result.ok:
         return 1
     assert cp.model is not None

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import ir
-from ..service import ControlPlane
+from ..service import ControlPlane, tune_gc
 from .admin import AdminServer
 from .bootstrap import ProxyIdentity
 from .envoy import envoy_process
@@ -207,6 +207,7 @@ async def run_up(
     console = console or Console()
     cp = ControlPlane(policies)
     result = await cp.reload()
+    tune_gc()
     if not result.ok:
         console.print(f"[red]{len(result.errors)} policy error(s); nothing started:[/red]")
         for error in result.errors:

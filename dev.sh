@@ -81,6 +81,7 @@ case "$cmd" in
     setup
     log "ruff"
     "$VENV/bin/ruff" check control_plane xds tests e2e bench
+    "$VENV/bin/ruff" format --check --quiet control_plane xds tests e2e bench
     log "mypy"
     "$VENV/bin/mypy" -p meshfn.control_plane -p meshfn.xds
     log "pytest"

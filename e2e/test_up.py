@@ -44,6 +44,17 @@ def test_route_change_becomes_visible(procs: Processes, policies: Policies) -> N
     assert http(policies.gateway + "/v1/x").status == 404
     assert visible_after < 5, visible_after
     assert up.popen is not None and up.popen.poll() is None
+    # What changed is visible on the admin port too.
+    metrics = http(policies.admin + "/metrics").body.decode()
+    label = f'protocol="{policies.protocol}",type="routes"'
+    assert f"meshfn_xds_pushes_total{{{label}}} 2.0" in metrics
+    assert f'meshfn_xds_connected_proxies{{protocol="{policies.protocol}"}} 1.0' in metrics
+    assert 'meshfn_xds_push_latency_seconds_count{type="routes"} 2.0' in metrics
+    assert 'meshfn_policy_reloads_total{result="ok"}' in metrics
+    snapshots = http(policies.admin + "/debug/snapshots").json()
+    routes_version = snapshots["edge.default"]["types"]["RouteConfiguration"]["version"]
+    wait_for("the ACK", lambda: proxies(policies)[0]["types"]["routes"]["acked"] == routes_version)
+    assert http(policies.admin + "/debug/config_dump?node=nobody").status == 404
 
 
 def test_invalid_policy_is_rejected_and_envoy_keeps_serving(
@@ -107,6 +118,10 @@ def test_config_envoy_nacks_shows_in_status(procs: Processes, policies: Policies
 
     routes = wait_for("the NACK", nacked)
     assert "program size" in routes["last_nack"]["error"].lower()
+    assert (
+        'meshfn_xds_nacks_total{type="routes"} 1.0'
+        in http(policies.admin + "/metrics").body.decode()
+    )
     assert routes["acked"] != routes["sent"]
     assert served_by(policies, "/v1/x") == "default/alpha"  # old version still in force
     cli = meshfn("status", "--admin", policies.admin)

@@ -41,7 +41,7 @@ ensure_system() {
 # Strict editable installs expose only the files present at install time, so the stamp covers
 # the package file list as well as pyproject.toml.
 install_stamp() {
-  { cat pyproject.toml; find control_plane xds -name '*.py' -o -name py.typed | sort; } \
+  { cat pyproject.toml; find control_plane xds inference ebpf -name '*.py' -o -name py.typed | sort; } \
     | sha256sum | cut -d' ' -f1
 }
 
@@ -80,10 +80,10 @@ case "$cmd" in
   test)
     setup
     log "ruff"
-    "$VENV/bin/ruff" check control_plane xds tests e2e bench
-    "$VENV/bin/ruff" format --check --quiet control_plane xds tests e2e bench
+    "$VENV/bin/ruff" check control_plane xds inference ebpf tests e2e bench
+    "$VENV/bin/ruff" format --check --quiet control_plane xds inference ebpf tests e2e bench
     log "mypy"
-    "$VENV/bin/mypy" -p meshfn.control_plane -p meshfn.xds
+    "$VENV/bin/mypy" -p meshfn.control_plane -p meshfn.xds -p meshfn.inference -p meshfn.ebpf
     log "pytest"
     exec "$VENV/bin/pytest" -p no:cacheprovider "$@"
     ;;

@@ -53,12 +53,13 @@ async def sotw_client(
     eds_names: list[str],
     routes: list[str],
     fleet: Fleet,
+    authorization: str,
 ) -> None:
     call = channel.stream_stream(
         SOTW,
         request_serializer=discovery_pb2.DiscoveryRequest.SerializeToString,
         response_deserializer=discovery_pb2.DiscoveryResponse.FromString,
-    )()
+    )(metadata=(("authorization", authorization),) if authorization else None)
     node = base_pb2.Node(id=f"{group}~sim-{index}", cluster=group)
     # Envoy re-sends the full name list with every EDS/RDS request (ACKs included).
     requests = {
@@ -101,12 +102,13 @@ async def delta_client(
     eds_names: list[str],
     routes: list[str],
     fleet: Fleet,
+    authorization: str,
 ) -> None:
     call = channel.stream_stream(
         DELTA,
         request_serializer=discovery_pb2.DeltaDiscoveryRequest.SerializeToString,
         response_deserializer=discovery_pb2.DeltaDiscoveryResponse.FromString,
-    )()
+    )(metadata=(("authorization", authorization),) if authorization else None)
     node = base_pb2.Node(id=f"{group}~sim-{index}", cluster=group)
     await call.write(discovery_pb2.DeltaDiscoveryRequest(node=node, type_url=CDS))
     acked: set[str] = set()
@@ -146,6 +148,7 @@ async def main() -> None:
     parser.add_argument("--services", type=int, required=True)
     parser.add_argument("--group", required=True)
     parser.add_argument("--protocol", choices=["sotw", "delta"], default="sotw")
+    parser.add_argument("--authorization", default="", help="bootstrap token header value")
     args = parser.parse_args()
     eds_names = [f"svc-{i:05d}.bench" for i in range(args.services)]
     fleet = Fleet(args.clients)
@@ -159,7 +162,9 @@ async def main() -> None:
         )
         channels.append(channel)
         tasks.append(
-            asyncio.create_task(client(channel, i, args.group, eds_names, ["http"], fleet))
+            asyncio.create_task(
+                client(channel, i, args.group, eds_names, ["http"], fleet, args.authorization)
+            )
         )
         if i % 100 == 99:
             await asyncio.sleep(0)  # let earlier streams make progress while we open more

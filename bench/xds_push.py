@@ -29,6 +29,8 @@ from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
+from meshfn.control_plane.identity.bootstrap_token import BootstrapTokens
+
 BIN = Path(sys.executable).parent
 MESHFN = str(BIN / "meshfn")
 HERE = Path(__file__).resolve().parent
@@ -240,8 +242,20 @@ def bench_fanout(
         (policies / "services" / f"svc-{i:05d}.yaml").write_text(service_doc(i, 8000))
     with ExitStack() as stack:
         cp_log = stack.enter_context((work / f"cp-{clients}-{protocol}.log").open("wb"))
+        state = work / f"state-{clients}-{protocol}"
+        # Simulated proxies authenticate like real ones: with their workload's bootstrap token.
+        authorization = BootstrapTokens(state / "xds-token.key").header("edge.bench")
         cp = subprocess.Popen(
-            [MESHFN, "serve", "--policies", str(policies), "--log-level", "warning"],
+            [
+                MESHFN,
+                "serve",
+                "--policies",
+                str(policies),
+                "--state-dir",
+                str(state),
+                "--log-level",
+                "warning",
+            ],
             stdout=cp_log,
             stderr=subprocess.STDOUT,
         )
@@ -263,6 +277,8 @@ def bench_fanout(
                 "edge.bench",
                 "--protocol",
                 protocol,
+                "--authorization",
+                authorization,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -46,6 +46,9 @@ AdminOpt = Annotated[
     ),
 ]
 LogFormatOpt = Annotated[str, typer.Option("--log-format", help="human | json")]
+StateOpt = Annotated[
+    Path, typer.Option("--state-dir", help="CA, token keys, logs, bootstraps (keep private)")
+]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug | info | warning | error")]
 
 
@@ -117,9 +120,12 @@ def schema(
 def bootstrap(
     workload: Annotated[str, typer.Argument(help="workload (name.namespace)")],
     policies: PoliciesOpt = DEFAULT_POLICIES,
+    state_dir: StateOpt = DEFAULT_STATE,
     instance: Annotated[int, typer.Option(help="instance number in the node id")] = 0,
 ) -> None:
-    """Print the Envoy bootstrap for a workload, to run an Envoy against meshfn yourself."""
+    """Print the Envoy bootstrap for a workload, to run an Envoy against meshfn yourself. It
+    carries the workload's bootstrap token: treat it as a secret."""
+    from .identity.bootstrap_token import BootstrapTokens
     from .runtime.bootstrap import ProxyIdentity, bootstrap_json
 
     try:
@@ -133,7 +139,8 @@ def bootstrap(
             f"no workload {workload!r} (known: {', '.join(w.node_cluster for w in model.workloads)})"
         )
         return
-    identity = ProxyIdentity.for_workload(found, instance)
+    tokens = BootstrapTokens(state_dir / "xds-token.key")
+    identity = ProxyIdentity.for_workload(found, tokens.header(found.node_cluster), instance)
     out.print_json(json.dumps(bootstrap_json(identity, "127.0.0.1", model.xds_port)))
 
 
@@ -143,7 +150,7 @@ def bootstrap(
 @app.command()
 def up(
     policies: PoliciesOpt = DEFAULT_POLICIES,
-    state_dir: Annotated[Path, typer.Option(help="logs, bootstraps, state")] = DEFAULT_STATE,
+    state_dir: StateOpt = DEFAULT_STATE,
     envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads")] = 2,
     envoy_log_level: Annotated[str, typer.Option(help="Envoy log level")] = "warning",
     log_format: LogFormatOpt = "human",
@@ -160,6 +167,7 @@ def up(
 @app.command()
 def serve(
     policies: PoliciesOpt = DEFAULT_POLICIES,
+    state_dir: StateOpt = DEFAULT_STATE,
     xds_port: Annotated[int | None, typer.Option(help="override the Mesh xds port")] = None,
     admin_port: Annotated[int | None, typer.Option(help="override the Mesh admin port")] = None,
     watch: Annotated[bool, typer.Option(help="hot-reload on policy changes")] = True,
@@ -170,7 +178,7 @@ def serve(
     from .runtime.serve import run_serve
 
     setup_logging(log_format, log_level)
-    raise typer.Exit(asyncio.run(run_serve(policies, xds_port, admin_port, watch)))
+    raise typer.Exit(asyncio.run(run_serve(policies, state_dir, xds_port, admin_port, watch)))
 
 
 # ------------------------------------------------------------------ seeing inside

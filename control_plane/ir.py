@@ -25,12 +25,17 @@ class Locality:
     sub_zone: str = ""
 
 
+MtlsMode = Literal["STRICT", "PERMISSIVE", "DISABLE"]
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     address: str
     port: int
     weight: int = 1
     locality: Locality = Locality()
+    sidecar_port: int | None = None  # clients reach the endpoint through its sidecar here
+    mtls: MtlsMode = "DISABLE"  # what the sidecar accepts (meaningful with a sidecar)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,7 @@ class Service:
     protocol: Literal["http", "grpc"]
     connect_timeout: timedelta
     endpoints: tuple[Endpoint, ...]
+    identity: str = ""  # SPIFFE ID of the service's workloads
 
     @property
     def key(self) -> str:
@@ -107,17 +113,88 @@ class Listener:
 
 
 @dataclass(frozen=True, slots=True)
+class JwtRule:
+    issuer: str
+    audiences: tuple[str, ...]
+    jwks: str | None  # inline JWKS JSON
+    jwks_uri: str | None  # or fetched by Envoy
+    from_headers: tuple[tuple[str, str], ...]  # (header, value prefix)
+    from_params: tuple[str, ...]
+    claim_to_headers: tuple[tuple[str, str], ...]  # (header, claim)
+    forward: bool
+    clock_skew_seconds: int
+
+
+@dataclass(frozen=True, slots=True)
+class SourceMatch:
+    principals: tuple[str, ...] = ()
+    not_principals: tuple[str, ...] = ()
+    namespaces: tuple[str, ...] = ()
+    not_namespaces: tuple[str, ...] = ()
+    request_principals: tuple[str, ...] = ()
+    not_request_principals: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class OperationMatch:
+    paths: tuple[str, ...] = ()
+    not_paths: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
+    not_methods: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ConditionMatch:
+    key: str
+    values: tuple[str, ...] = ()
+    not_values: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AuthzRule:
+    """Matches when one source, one operation and every condition match (empty = any)."""
+
+    sources: tuple[SourceMatch, ...] = ()
+    operations: tuple[OperationMatch, ...] = ()
+    conditions: tuple[ConditionMatch, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AuthzPolicy:
+    name: str  # namespace/name
+    action: Literal["ALLOW", "DENY"]
+    rules: tuple[AuthzRule, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """What a sidecar serves: its TLS listener, and the application endpoint behind it."""
+
+    service: str  # Service.key
+    address: str
+    port: int
+    app_port: int
+    protocol: Literal["http", "grpc"]
+    mtls: MtlsMode
+
+
+@dataclass(frozen=True, slots=True)
 class Workload:
     """One kind of proxy the mesh configures; every Envoy whose node.cluster equals `node_cluster`
-    receives the same configuration."""
+    receives the same configuration. Gateways take traffic from outside the mesh; a sidecar
+    fronts one endpoint of a service (like a pod's sidecar)."""
 
     name: str
     namespace: str
-    kind: Literal["gateway"]
-    admin_port: int
+    kind: Literal["gateway", "sidecar"]
+    admin_port: int  # 0: pick a free one (sidecars)
     xds_protocol: Literal["delta", "sotw"]
     locality: Locality
     listeners: tuple[Listener, ...]
+    identity: str = ""  # SPIFFE ID
+    jwt_rules: tuple[JwtRule, ...] = ()
+    authz: tuple[AuthzPolicy, ...] = ()
+    inbound: Inbound | None = None  # sidecars only
 
     @property
     def key(self) -> str:
@@ -125,6 +202,8 @@ class Workload:
 
     @property
     def node_cluster(self) -> str:
+        if self.inbound is not None:
+            return f"{self.name}.{self.namespace}:{self.inbound.port}"
         return f"{self.name}.{self.namespace}"
 
 
@@ -136,6 +215,7 @@ class MeshModel:
     admin_port: int
     services: tuple[Service, ...]
     workloads: tuple[Workload, ...]
+    certificate_ttl: timedelta = timedelta(hours=1)
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

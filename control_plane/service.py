@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import gc
 import logging
 import time
@@ -21,6 +22,9 @@ from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
 from meshfn.xds.translate import translate
 
+from .identity.bootstrap_token import BootstrapTokens
+from .identity.issuer import LocalIssuer
+from .identity.manager import IdentityManager
 from .ir import MeshModel
 from .policy import PolicyError, PolicyErrors, PolicyLoader
 from .policy.loader import POLICY_SUFFIXES
@@ -62,12 +66,21 @@ def tune_gc() -> None:
 
 
 class ControlPlane:
-    def __init__(self, policies: Path | str, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        policies: Path | str,
+        state_dir: Path | str = ".meshfn",
+        metrics: Metrics | None = None,
+    ) -> None:
         self.policies = Path(policies)
+        self.state_dir = Path(state_dir)
         self.loader = PolicyLoader(self.policies)
         self.cache = SnapshotCache()
         self.metrics = metrics or Metrics()
-        self.ads = AdsServer(self.cache, self.metrics)
+        self.tokens = BootstrapTokens(self.state_dir / "xds-token.key")
+        self.issuer = LocalIssuer(self.state_dir / "issuer")
+        self.identity: IdentityManager | None = None
+        self.ads = AdsServer(self.cache, self.metrics, authenticate=self.tokens.verify)
         self.model: MeshModel | None = None
         self.state = PolicyState()
         self.xds_port = 0
@@ -82,14 +95,70 @@ class ControlPlane:
     def _build(self) -> tuple[MeshModel, list[Snapshot]]:
         """Load + translate + encode. Runs in a worker thread; touches no loop state."""
         model = self.loader.load()
+        return model, self._snapshots(model)
+
+    def _identities(self, model: MeshModel) -> IdentityManager:
+        identity = self.identity
+        if identity is None or (identity.trust_domain, identity.ttl) != (
+            model.trust_domain,
+            model.certificate_ttl,
+        ):
+            identity = IdentityManager(self.state_dir, model.trust_domain, model.certificate_ttl)
+            self.identity = identity
+        return identity
+
+    def _snapshots(self, model: MeshModel) -> list[Snapshot]:
+        """Certificates first (issued or renewed as due), then translate every workload."""
+        identity = self._identities(model)
+        identity.reload_roots_if_changed()
+        issued = identity.ensure(w.identity for w in model.workloads)
+        self.metrics.certificates.inc(len(issued))
         snapshots = []
         for workload in model.workloads:
-            resources = translate(model, workload.node_cluster)
+            resources = translate(
+                model, workload.node_cluster, identity.credentials(workload.identity)
+            )
             assert resources is not None
             snapshots.append(
                 prepare(workload.node_cluster, resources, self.cache.get(workload.node_cluster))
             )
-        return model, snapshots
+        return snapshots
+
+    def _credentials_due(self) -> bool:
+        identity, model = self.identity, self.model
+        if identity is None or model is None:
+            return False
+        if identity.reload_roots_if_changed():
+            return True
+        due = identity.next_renewal()
+        return due is not None and dt.datetime.now(dt.UTC) >= due
+
+    async def refresh_credentials(self) -> list[str]:
+        """Renew certificates that are due (or follow a CA rotation) and push the new secrets;
+        returns the workloads whose snapshot changed."""
+        async with self._lock:
+            model = self.model
+            if model is None or not self._credentials_due():
+                return []
+            snapshots = await asyncio.to_thread(self._snapshots, model)
+            changed = [s.group for s in snapshots if self.cache.publish(s)]
+        if changed:
+            log.info("pushed renewed certificates to %s", ", ".join(changed))
+        return changed
+
+    async def rotate_credentials_forever(self, stop: asyncio.Event) -> None:
+        """Check a few times per certificate half-life (at least every 5 s)."""
+        while not stop.is_set():
+            model = self.model
+            interval = 5.0
+            if model is not None:
+                interval = min(interval, model.certificate_ttl.total_seconds() / 20)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            try:
+                await self.refresh_credentials()
+            except Exception:
+                log.exception("renewing certificates failed; retrying")
 
     async def reload(self) -> ReloadResult:
         async with self._lock:

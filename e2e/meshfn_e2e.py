@@ -253,6 +253,7 @@ class Processes:
             ],
         )
         wait_for_synced(policies, proc)
+        wait_for("meshfn up to finish starting", lambda: "Ctrl-C stops everything" in proc.output())
         return proc
 
     def stop_all(self) -> None:

@@ -40,7 +40,7 @@ def envoy_validate(config: dict[str, Any], tmp_path: Path) -> subprocess.Complet
 
 def test_bootstrap_validates(tmp_path: Path) -> None:
     model = load_policies(ROOT / "policies" / "examples")
-    identity = ProxyIdentity.for_workload(model.workloads[0])
+    identity = ProxyIdentity.for_workload(model.workloads[0], "Bearer test-token")
     result = envoy_validate(bootstrap_json(identity, "127.0.0.1", 18000), tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -255,7 +255,7 @@ SCHEMA_CASES = [
         "apiVersion: meshfn.io/v1alpha1\nkind: Widget\n",
         2,
         "kind",
-        "unknown kind 'Widget'; known kinds: Gateway, Mesh, Route, Service",
+        "unknown kind 'Widget'; known kinds: AuthorizationPolicy, Gateway, Mesh, PeerAuthentication, RequestAuthentication, Route, Service",
     ),
     (
         "apiVersion: meshfn.io/v1alpha1\nmetadata: {name: x}\n",

@@ -136,6 +136,7 @@ class Stream:
         self.dirty = False
         self.closed = False
         self.error: ProtocolError | None = None
+        self.authorization: str | None = None
         self.status = ProxyStatus(
             stream_id=self.id, node_id="", group="", protocol=protocol, peer=peer
         )
@@ -153,10 +154,23 @@ def _parse_head(raw: bytes) -> tuple[bytes, Any]:
     return raw, RequestHead.FromString(raw)
 
 
+Authenticator = Callable[[str, str | None], bool]
+
+
 class AdsServer:
-    def __init__(self, cache: SnapshotCache, metrics: Metrics | None = None) -> None:
+    """`authenticate(node_cluster, authorization_metadata)` decides whether a stream may have
+    the configuration (and private keys) of the workload it claims to be; None trusts anyone
+    (tests of the protocol alone)."""
+
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        metrics: Metrics | None = None,
+        authenticate: Authenticator | None = None,
+    ) -> None:
         self.cache = cache
         self.metrics = metrics or Metrics()
+        self.authenticate = authenticate
         self._streams: dict[int, Stream] = {}
         self._server: grpc.aio.Server | None = None
         # Labelled metric children, resolved once: labels() costs microseconds per call.
@@ -255,6 +269,9 @@ class AdsServer:
         push: Callable[[Stream, Snapshot, Context], Any],
     ) -> None:
         stream = Stream(protocol, context.peer())
+        stream.authorization = next(
+            (str(v) for k, v in context.invocation_metadata() or () if k == "authorization"), None
+        )
         self._streams[stream.id] = stream
         self.metrics.connected.labels(protocol).inc()
         reader = asyncio.create_task(self._read(requests, stream, parse))
@@ -331,6 +348,12 @@ class AdsServer:
         if len(group) > 256 or len(node.id) > 1024:
             raise ProtocolError(
                 grpc.StatusCode.INVALID_ARGUMENT, "node id or cluster too long", "bad_node"
+            )
+        if self.authenticate is not None and not self.authenticate(group, stream.authorization):
+            raise ProtocolError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"no valid bootstrap token for workload {group[:100]!r}",
+                "unauthenticated",
             )
         stream.group = group
         stream.status.node_id = node.id or group

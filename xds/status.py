@@ -104,6 +104,9 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=r,
         )
+        self.certificates = Counter(
+            "meshfn_certificates_issued", "Workload certificates issued or renewed", registry=r
+        )
         self.snapshots = Gauge(
             "meshfn_xds_snapshot_resources",
             "Resources in the current snapshot",

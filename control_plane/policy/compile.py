@@ -6,6 +6,7 @@ from .. import ir
 from .errors import PolicyError
 from .model import Gateway, Locality, Mesh, Route, Service
 from .references import resolve_gateway, where
+from .security import Security, spiffe_id
 from .validate import Loaded
 
 _NO_LOCALITY = ir.Locality()
@@ -41,6 +42,7 @@ def _service(item: Loaded) -> ir.Service:
                 port=e.port or spec.port,
                 weight=e.weight,
                 locality=_locality(e.locality),
+                sidecar_port=e.sidecar.port if e.sidecar is not None else None,
             )
             for e in spec.endpoints
         ),
@@ -110,6 +112,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
                 (item, route, item.obj.spec.listener)
             )
 
+    security = Security(items)
     errors: list[PolicyError] = []
     workloads = []
     for key, gw_item in sorted(gateways.items()):
@@ -143,13 +146,23 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
                 xds_protocol=spec.xdsProtocol,
                 locality=_locality(spec.locality),
                 listeners=tuple(listeners),
+                identity=spiffe_id(
+                    security.trust_domain, gw_item.namespace, spec.serviceAccount or gw_item.name
+                ),
+                jwt_rules=security.jwt_rules("gateway", gw_item.namespace, gw_item.name),
+                authz=security.policies("gateway", gw_item.namespace, gw_item.name),
             )
         )
     if errors:
         return sorted(set(errors))
-    services = sorted(
-        (i.lowered for i in items if isinstance(i.lowered, ir.Service)), key=lambda s: s.key
-    )
+    services = []
+    for item in sorted(
+        (i for i in items if isinstance(i.lowered, ir.Service)), key=lambda i: (i.namespace, i.name)
+    ):
+        assert isinstance(item.obj, Service) and isinstance(item.lowered, ir.Service)
+        service = security.secure_service(item.lowered, item.obj.spec.serviceAccount or item.name)
+        services.append(service)
+        workloads.extend(_sidecars(service, security))
     return ir.MeshModel(
         name=mesh.name,
         trust_domain=mesh.obj.spec.trustDomain,
@@ -157,7 +170,38 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         admin_port=mesh.obj.spec.ports.admin,
         services=tuple(services),
         workloads=tuple(workloads),
+        certificate_ttl=mesh.obj.spec.identity.certificateTTL,
     )
+
+
+def _sidecars(service: ir.Service, security: Security) -> list[ir.Workload]:
+    """One sidecar workload per endpoint that declares one, each with its own node cluster."""
+    jwt_rules = security.jwt_rules("service", service.namespace, service.name)
+    authz = security.policies("service", service.namespace, service.name)
+    return [
+        ir.Workload(
+            name=service.name,
+            namespace=service.namespace,
+            kind="sidecar",
+            admin_port=0,
+            xds_protocol="delta",
+            locality=endpoint.locality,
+            listeners=(),
+            identity=service.identity,
+            jwt_rules=jwt_rules,
+            authz=authz,
+            inbound=ir.Inbound(
+                service=service.key,
+                address=endpoint.address,
+                port=endpoint.sidecar_port,
+                app_port=endpoint.port,
+                protocol=service.protocol,
+                mtls=endpoint.mtls,
+            ),
+        )
+        for endpoint in service.endpoints
+        if endpoint.sidecar_port is not None
+    ]
 
 
 def _shadowed(routes: list[tuple[Loaded, ir.Route]]) -> list[PolicyError]:

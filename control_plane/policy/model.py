@@ -13,16 +13,23 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .types import (
+    ConditionKey,
     Duration,
     HeaderName,
     Host,
     HttpPath,
     IPAddress,
+    Jwks,
+    JwksUri,
     LocalityName,
     Name,
+    NamespaceMatch,
     ObjectRef,
+    PathPattern,
     Port,
+    Principal,
     Regex,
+    RequestPrincipal,
     TrustDomain,
 )
 
@@ -84,9 +91,34 @@ class MeshPorts(Strict):
     admin: Port = Field(18001, description="control plane admin: /metrics, /debug/*")
 
 
+MtlsMode = Literal["STRICT", "PERMISSIVE", "DISABLE"]
+
+
+class MtlsSetting(Strict):
+    mode: MtlsMode
+
+
+class Identity(Strict):
+    """Workload certificates (SPIFFE X.509 SVIDs) issued by the mesh CA."""
+
+    certificateTTL: Duration = Field(timedelta(hours=1), description="re-issued at half-life")
+
+
 class MeshSpec(Strict):
     trustDomain: TrustDomain
     ports: MeshPorts = Field(default_factory=MeshPorts)
+    mtls: MtlsSetting = Field(
+        default_factory=lambda: MtlsSetting(mode="STRICT"),
+        description="mesh-wide default for sidecars (Istio defaults to PERMISSIVE)",
+    )
+    identity: Identity = Field(default_factory=Identity)
+
+    @model_validator(mode="after")
+    def _ttl(self) -> Self:
+        ttl = self.identity.certificateTTL
+        if not timedelta(seconds=10) <= ttl <= timedelta(days=30):
+            raise ValueError("identity.certificateTTL must be between 10s and 30 days")
+        return self
 
 
 class Mesh(Strict):
@@ -111,6 +143,7 @@ class GatewaySpec(Strict):
 
     listeners: Annotated[list[GatewayListener], Field(min_length=1, max_length=64)]
     adminPort: Port = Field(description="Envoy admin port (always bound to 127.0.0.1)")
+    serviceAccount: Name | None = Field(None, description="identity; defaults to the name")
     locality: Locality | None = None
     xdsProtocol: Literal["delta", "sotw"] = Field(
         "delta", description="incremental (delta) or state-of-the-world ADS"
@@ -140,16 +173,25 @@ class Gateway(Strict):
 # ---------------------------------------------------------------- Service
 
 
+class Sidecar(Strict):
+    """A server-side Envoy meshfn runs in front of this endpoint: mTLS, JWT and authorization
+    are enforced there, and the gateways reach the endpoint only through it."""
+
+    port: Port
+
+
 class Endpoint(Strict):
     address: IPAddress
     port: Port | None = Field(None, description="defaults to the service port")
     weight: Annotated[int, Field(ge=1, le=10_000)] = 1
     locality: Locality | None = None
+    sidecar: Sidecar | None = None
 
 
 class ServiceSpec(Strict):
     port: Port = Field(description="service port; endpoints without a port use it")
     protocol: Literal["http", "grpc"] = "http"
+    serviceAccount: Name | None = Field(None, description="identity; defaults to the name")
     connectTimeout: Duration = timedelta(seconds=1)
     endpoints: Annotated[list[Endpoint], Field(max_length=10_000)] = Field(default_factory=list)
 
@@ -157,6 +199,9 @@ class ServiceSpec(Strict):
     def _timeouts(self) -> Self:
         if self.connectTimeout <= timedelta(0):
             raise ValueError("connectTimeout must be positive")
+        with_sidecar = sum(1 for e in self.endpoints if e.sidecar is not None)
+        if 0 < with_sidecar < len(self.endpoints):
+            raise ValueError("either every endpoint has a sidecar or none does")
         return self
 
 
@@ -276,11 +321,170 @@ class Route(Strict):
     spec: RouteSpec
 
 
-PolicyObject = Mesh | Gateway | Service | Route
+# ---------------------------------------------------------------- zero trust
+
+
+class WorkloadSelector(Strict):
+    """Selects one Service (its sidecars) or one Gateway in the policy's namespace; without a
+    selector a policy applies to every such workload of its namespace."""
+
+    service: Name | None = None
+    gateway: Name | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        _exactly_one(self, ("service", "gateway"))
+        return self
+
+
+class PeerAuthenticationSpec(Strict):
+    selector: WorkloadSelector | None = None
+    mtls: MtlsSetting | None = None
+    portLevelMtls: dict[Annotated[str, Field(pattern=r"^[1-9][0-9]{0,4}$")], MtlsSetting] = Field(
+        default_factory=dict, description="endpoint (application) port -> mode"
+    )
+
+    @model_validator(mode="after")
+    def _gateway(self) -> Self:
+        if self.selector is not None and self.selector.gateway is not None:
+            raise ValueError(
+                "PeerAuthentication applies to services (their sidecars), not gateways"
+            )
+        if self.mtls is None and not self.portLevelMtls:
+            raise ValueError("set mtls or portLevelMtls")
+        if self.portLevelMtls and (self.selector is None or self.selector.service is None):
+            raise ValueError("portLevelMtls needs a selector naming a service")
+        return self
+
+
+class PeerAuthentication(Strict):
+    apiVersion: Literal["meshfn.io/v1alpha1"]
+    kind: Literal["PeerAuthentication"]
+    metadata: ObjectMeta
+    spec: PeerAuthenticationSpec
+
+
+class JwtHeader(Strict):
+    name: HeaderName
+    prefix: Annotated[str, Field(max_length=64)] = ""
+
+
+class ClaimToHeader(Strict):
+    header: HeaderName
+    claim: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]+$", max_length=128)]
+
+
+class JwtRule(Strict):
+    issuer: Annotated[str, Field(min_length=1, max_length=512)]
+    audiences: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
+        default_factory=list, description="accepted `aud` values; empty accepts any"
+    )
+    jwks: Jwks | None = Field(None, description="inline JWKS (JSON text)")
+    jwksUri: JwksUri | None = Field(None, description="fetched by Envoy through a cluster")
+    fromHeaders: list[JwtHeader] = Field(
+        default_factory=lambda: [JwtHeader(name="authorization", prefix="Bearer ")]
+    )
+    fromParams: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")]] = Field(
+        default_factory=list
+    )
+    outputClaimToHeaders: list[ClaimToHeader] = Field(default_factory=list)
+    forwardOriginalToken: bool = False
+    clockSkew: Duration = Field(timedelta(seconds=60), description="allowed leeway for exp/nbf")
+
+    @model_validator(mode="after")
+    def _source(self) -> Self:
+        _exactly_one(self, ("jwks", "jwksUri"))
+        if not timedelta(0) <= self.clockSkew <= timedelta(minutes=10):
+            raise ValueError("clockSkew must be between 0s and 10m")
+        return self
+
+
+class RequestAuthenticationSpec(Strict):
+    selector: WorkloadSelector | None = None
+    jwtRules: Annotated[list[JwtRule], Field(min_length=1, max_length=16)]
+
+
+class RequestAuthentication(Strict):
+    apiVersion: Literal["meshfn.io/v1alpha1"]
+    kind: Literal["RequestAuthentication"]
+    metadata: ObjectMeta
+    spec: RequestAuthenticationSpec
+
+
+class Source(Strict):
+    principals: list[Principal] = Field(default_factory=list)
+    notPrincipals: list[Principal] = Field(default_factory=list)
+    namespaces: list[NamespaceMatch] = Field(default_factory=list)
+    notNamespaces: list[NamespaceMatch] = Field(default_factory=list)
+    requestPrincipals: list[RequestPrincipal] = Field(default_factory=list)
+    notRequestPrincipals: list[RequestPrincipal] = Field(default_factory=list)
+
+
+class From(Strict):
+    source: Source
+
+
+class Operation(Strict):
+    paths: list[PathPattern] = Field(default_factory=list)
+    notPaths: list[PathPattern] = Field(default_factory=list)
+    methods: list[Method] = Field(default_factory=list)
+    notMethods: list[Method] = Field(default_factory=list)
+
+
+class To(Strict):
+    operation: Operation
+
+
+class Condition(Strict):
+    key: ConditionKey
+    values: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list)
+    notValues: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _some(self) -> Self:
+        if not self.values and not self.notValues:
+            raise ValueError("set values or notValues")
+        return self
+
+
+class Rule(Strict):
+    from_: list[From] = Field(default_factory=list, alias="from")
+    to: list[To] = Field(default_factory=list)
+    when: list[Condition] = Field(default_factory=list)
+
+
+class AuthorizationPolicySpec(Strict):
+    selector: WorkloadSelector | None = None
+    action: Literal["ALLOW", "DENY"] = "ALLOW"
+    rules: list[Rule] = Field(
+        default_factory=list,
+        description="ALLOW with no rules allows nothing; a rule with no fields matches anything",
+    )
+
+
+class AuthorizationPolicy(Strict):
+    apiVersion: Literal["meshfn.io/v1alpha1"]
+    kind: Literal["AuthorizationPolicy"]
+    metadata: ObjectMeta
+    spec: AuthorizationPolicySpec
+
+
+PolicyObject = (
+    Mesh
+    | Gateway
+    | Service
+    | Route
+    | PeerAuthentication
+    | RequestAuthentication
+    | AuthorizationPolicy
+)
 
 KINDS: dict[str, type[PolicyObject]] = {
     "Mesh": Mesh,
     "Gateway": Gateway,
     "Service": Service,
     "Route": Route,
+    "PeerAuthentication": PeerAuthentication,
+    "RequestAuthentication": RequestAuthentication,
+    "AuthorizationPolicy": AuthorizationPolicy,
 }

@@ -13,7 +13,15 @@ from functools import lru_cache
 
 from .. import ir
 from .errors import PolicyError
-from .model import Gateway, Mesh, Route, Service
+from .model import (
+    AuthorizationPolicy,
+    Gateway,
+    Mesh,
+    PeerAuthentication,
+    RequestAuthentication,
+    Route,
+    Service,
+)
 from .source import Loc
 from .validate import Loaded
 
@@ -27,6 +35,7 @@ def check_references(items: list[Loaded]) -> list[PolicyError]:
     errors += _check_unique(items)
     errors += _check_routes(items)
     errors += _check_ports(items)
+    errors += _check_security(items)
     return errors
 
 
@@ -175,6 +184,18 @@ def _check_ports(items: list[Loaded]) -> list[PolicyError]:
                         ("spec", "listeners", i, "port"),
                     )
                 )
+        elif isinstance(obj, Service):
+            for i, declared in enumerate(obj.spec.endpoints):
+                if declared.sidecar is not None:
+                    binds.append(
+                        _Bind(
+                            declared.address,
+                            declared.sidecar.port,
+                            f"the sidecar of {item.ref} endpoint {i}",
+                            item,
+                            ("spec", "endpoints", i, "sidecar", "port"),
+                        )
+                    )
     errors: list[PolicyError] = []
     for i, bind in enumerate(binds):
         for earlier in binds[:i]:
@@ -225,3 +246,76 @@ def _is_loopback(address: str) -> bool:
 
 def _hostport(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def _check_security(items: list[Loaded]) -> list[PolicyError]:
+    """Selectors must name real workloads; PeerAuthentications must not contradict each other
+    and must select services that have sidecars (an mTLS mode without a sidecar enforces
+    nothing, and a silently unenforced STRICT is exactly what zero trust must not allow)."""
+    errors: list[PolicyError] = []
+    services = {(i.namespace, i.name): i.obj for i in items if isinstance(i.obj, Service)}
+    gateways = {(i.namespace, i.name) for i in items if isinstance(i.obj, Gateway)}
+    claimed: dict[tuple[str, str | None], Loaded] = {}
+    for item in items:
+        obj = item.obj
+        if not isinstance(obj, PeerAuthentication | RequestAuthentication | AuthorizationPolicy):
+            continue
+        selector = obj.spec.selector
+        if selector is not None:
+            if selector.service is not None and (item.namespace, selector.service) not in services:
+                errors.append(
+                    item.error(
+                        ("spec", "selector", "service"),
+                        f"no Service {item.namespace}/{selector.service}",
+                    )
+                )
+                continue
+            if selector.gateway is not None and (item.namespace, selector.gateway) not in gateways:
+                errors.append(
+                    item.error(
+                        ("spec", "selector", "gateway"),
+                        f"no Gateway {item.namespace}/{selector.gateway}",
+                    )
+                )
+                continue
+        if not isinstance(obj, PeerAuthentication):
+            continue
+        target = (item.namespace, selector.service if selector is not None else None)
+        if target in claimed:
+            first = claimed[target]
+            what = f"Service {target[0]}/{target[1]}" if target[1] else f"namespace {target[0]}"
+            errors.append(
+                item.error(
+                    ("spec", "selector") if selector is not None else ("metadata", "name"),
+                    f"a second PeerAuthentication for {what} "
+                    f"({first.ref} at {where(first)}): merge them",
+                )
+            )
+            continue
+        claimed[target] = item
+        if selector is None or selector.service is None:
+            continue
+        service = services[(item.namespace, selector.service)]
+        assert isinstance(service, Service)
+        ports = {e.port or service.spec.port for e in service.spec.endpoints}
+        for port in obj.spec.portLevelMtls:
+            if int(port) not in ports:
+                errors.append(
+                    item.error(
+                        ("spec", "portLevelMtls", port),
+                        f"Service {item.namespace}/{selector.service} has no endpoint on port "
+                        f"{port} (its endpoint ports: {', '.join(map(str, sorted(ports)))})",
+                    )
+                )
+        modes = [obj.spec.mtls.mode] if obj.spec.mtls is not None else []
+        modes += [m.mode for m in obj.spec.portLevelMtls.values()]
+        has_sidecars = any(e.sidecar is not None for e in service.spec.endpoints)
+        if not has_sidecars and any(mode != "DISABLE" for mode in modes):
+            errors.append(
+                item.error(
+                    ("spec", "selector", "service"),
+                    f"Service {item.namespace}/{selector.service} has no sidecars, so no mTLS "
+                    "mode can be enforced for it: give its endpoints a sidecar",
+                )
+            )
+    return errors

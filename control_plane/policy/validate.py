@@ -17,7 +17,20 @@ from .source import Document, Loc
 if TYPE_CHECKING:
     from .. import ir
 
-from .types import API_VERSION, DNS_LABEL, HEADER_NAME, HOST, HTTP_PATH, OBJECT_REF, TRUST_DOMAIN
+from .types import (
+    API_VERSION,
+    CONDITION_KEY,
+    DNS_LABEL,
+    HEADER_NAME,
+    HOST,
+    HTTP_PATH,
+    NAMESPACE_MATCH,
+    OBJECT_REF,
+    PATH_PATTERN,
+    PRINCIPAL,
+    REQUEST_PRINCIPAL,
+    TRUST_DOMAIN,
+)
 
 PATTERN_HELP = {
     DNS_LABEL: "must be a lowercase DNS label (a-z, 0-9, '-'; alphanumeric at both ends)",
@@ -26,6 +39,13 @@ PATTERN_HELP = {
     HEADER_NAME: "must be an HTTP header name",
     HTTP_PATH: "must start with '/'",
     OBJECT_REF: 'must be "name" or "namespace/name"',
+    PRINCIPAL: 'must be a principal such as "td.local/ns/default/sa/web", "*", or one with a '
+    "leading or trailing *",
+    NAMESPACE_MATCH: 'must be a namespace, "*", or a prefix ending in *',
+    REQUEST_PRINCIPAL: 'must be "<issuer>/<subject>", "<issuer>/*" or "*"',
+    PATH_PATTERN: 'must be "/exact", "/prefix*", "*suffix" or "*"',
+    CONDITION_KEY: "must be request.auth.claims[NAME], request.auth.principal, "
+    "request.auth.audiences, source.principal, source.namespace or request.headers[NAME]",
 }
 
 

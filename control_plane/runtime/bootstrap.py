@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from envoy.config.bootstrap.v3 import bootstrap_pb2
@@ -31,17 +31,21 @@ class ProxyIdentity:
     node_id: str
     node_cluster: str
     locality: ir.Locality
-    admin_port: int
+    admin_port: int  # 0: Envoy picks one and writes it to the admin address file
     xds_protocol: Literal["delta", "sotw"]
+    authorization: str = field(default="", repr=False)  # bootstrap token (see identity/)
 
     @classmethod
-    def for_workload(cls, workload: ir.Workload, instance: int = 0) -> ProxyIdentity:
+    def for_workload(
+        cls, workload: ir.Workload, authorization: str, instance: int = 0
+    ) -> ProxyIdentity:
         return cls(
             node_id=f"{workload.node_cluster}~{instance}",
             node_cluster=workload.node_cluster,
             locality=workload.locality,
             admin_port=workload.admin_port,
             xds_protocol=workload.xds_protocol,
+            authorization=authorization,
         )
 
 
@@ -120,6 +124,11 @@ def bootstrap(identity: ProxyIdentity, xds_host: str, xds_port: int) -> bootstra
                 set_node_on_first_message_only=True,
                 grpc_services=[
                     grpc_service_pb2.GrpcService(
+                        initial_metadata=[
+                            base_pb2.HeaderValue(key="authorization", value=identity.authorization)
+                        ]
+                        if identity.authorization
+                        else [],
                         envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(
                             cluster_name=XDS_CLUSTER,
                             # Reconnect quickly after a control-plane restart (default: 0.5-30 s).
@@ -128,7 +137,7 @@ def bootstrap(identity: ProxyIdentity, xds_host: str, xds_port: int) -> bootstra
                                     base_interval=_seconds(0.1), max_interval=_seconds(2)
                                 )
                             ),
-                        )
+                        ),
                     )
                 ],
             ),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aiohttp
 
+from ..identity.files import write_private
 from .bootstrap import ProxyIdentity, bootstrap_json
 from .process import SupervisedProcess
 
@@ -53,40 +54,58 @@ async def admin_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, by
         return response.status, await response.read()
 
 
-def envoy_process(
-    identity: ProxyIdentity,
-    xds_port: int,
-    state_dir: Path,
-    concurrency: int = 2,
-    log_level: str = "warning",
-    xds_host: str = "127.0.0.1",
-) -> SupervisedProcess:
+class EnvoyProcess(SupervisedProcess):
     """A supervised Envoy whose bootstrap points at our ADS server. Ready means the admin
     /ready endpoint says LIVE, i.e. the initial ADS fetch completed."""
-    safe = identity.node_id.replace("/", "_").replace("~", "-")
-    config = state_dir / "envoy" / f"{safe}.json"
-    config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(json.dumps(bootstrap_json(identity, xds_host, xds_port), indent=2))
 
-    async def ready() -> bool:
-        status, body = await admin_get(identity.admin_port, "/ready")
+    def __init__(
+        self,
+        identity: ProxyIdentity,
+        xds_port: int,
+        state_dir: Path,
+        concurrency: int = 2,
+        log_level: str = "warning",
+        xds_host: str = "127.0.0.1",
+    ) -> None:
+        self.identity = identity
+        safe = identity.node_id.replace("/", "_").replace("~", "-").replace(":", "-")
+        config = state_dir / "envoy" / f"{safe}.json"
+        # The bootstrap holds the proxy's bootstrap token: owner-only.
+        write_private(
+            config, json.dumps(bootstrap_json(identity, xds_host, xds_port), indent=2).encode()
+        )
+        self.admin_file = state_dir / "envoy" / f"{safe}.admin"
+        self.admin_file.unlink(missing_ok=True)
+        argv = [
+            str(envoy_binary()),
+            "-c", str(config),
+            "--disable-hot-restart",
+            "--concurrency", str(concurrency),
+            "--log-level", log_level,
+            "--drain-time-s", "1",
+            "--admin-address-path", str(self.admin_file),
+        ]  # fmt: skip
+        super().__init__(
+            name=f"envoy {identity.node_id}",
+            argv=argv,
+            log_path=state_dir / "logs" / f"envoy-{safe}.log",
+            ready=self._ready,
+        )
+
+    def admin_port(self) -> int:
+        """The configured admin port, or the one Envoy picked (it writes "IP:PORT" to the
+        admin address file once the admin listener is bound)."""
+        if self.identity.admin_port:
+            return self.identity.admin_port
+        return int(self.admin_file.read_text().rsplit(":", 1)[1])
+
+    async def _ready(self) -> bool:
+        try:
+            port = self.admin_port()
+        except (OSError, ValueError, IndexError):
+            return False
+        status, body = await admin_get(port, "/ready")
         return status == 200 and body.strip() == b"LIVE"
 
-    argv = [
-        str(envoy_binary()),
-        "-c",
-        str(config),
-        "--disable-hot-restart",
-        "--concurrency",
-        str(concurrency),
-        "--log-level",
-        log_level,
-        "--drain-time-s",
-        "1",
-    ]
-    return SupervisedProcess(
-        name=f"envoy {identity.node_id}",
-        argv=argv,
-        log_path=state_dir / "logs" / f"envoy-{safe}.log",
-        ready=ready,
-    )
+
+envoy_process = EnvoyProcess

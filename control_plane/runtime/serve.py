@@ -15,9 +15,13 @@ log = logging.getLogger("meshfn.serve")
 
 
 async def run_serve(
-    policies: Path, xds_port: int | None, admin_port: int | None, watch: bool = True
+    policies: Path,
+    state_dir: Path,
+    xds_port: int | None,
+    admin_port: int | None,
+    watch: bool = True,
 ) -> int:
-    cp = ControlPlane(policies)
+    cp = ControlPlane(policies, state_dir)
     result = await cp.reload()
     tune_gc()
     if not result.ok:
@@ -28,7 +32,7 @@ async def run_serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watcher = None
+    tasks: list[asyncio.Task[None]] = []
     try:
         try:
             bound_xds = await cp.start(xds_port=xds_port)
@@ -40,13 +44,15 @@ async def run_serve(
             return 1
         log.info("control plane ready", extra={"xds_port": bound_xds, "admin_port": bound_admin})
         if watch:
-            watcher = asyncio.create_task(cp.watch(stop))
+            tasks.append(asyncio.create_task(cp.watch(stop)))
+        tasks.append(asyncio.create_task(cp.rotate_credentials_forever(stop)))
         await stop.wait()
         return 0
     finally:
-        if watcher is not None:
-            watcher.cancel()
+        stop.set()
+        for task in tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+                await task
         await admin.stop()
         await cp.stop()

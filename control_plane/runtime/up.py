@@ -115,7 +115,10 @@ class Mesh:
                 )
         await _gather_or_raise(starts)
 
-        wanted_envoys = {w.node_cluster: ProxyIdentity.for_workload(w) for w in model.workloads}
+        wanted_envoys = {
+            w.node_cluster: ProxyIdentity.for_workload(w, self.cp.tokens.header(w.node_cluster))
+            for w in model.workloads
+        }
         for group, (identity, proc) in list(self.envoys.items()):
             if wanted_envoys.get(group) != identity:
                 del self.envoys[group]
@@ -205,7 +208,7 @@ async def run_up(
     console: Console | None = None,
 ) -> int:
     console = console or Console()
-    cp = ControlPlane(policies)
+    cp = ControlPlane(policies, state_dir)
     result = await cp.reload()
     tune_gc()
     if not result.ok:
@@ -224,6 +227,7 @@ async def run_up(
         loop.add_signal_handler(sig, stop.set)
     state_file = state_dir / "state.json"
     watcher: asyncio.Task[None] | None = None
+    rotator: asyncio.Task[None] | None = None
     try:
         try:
             await cp.start()
@@ -250,6 +254,7 @@ async def run_up(
             )
         )
         watcher = asyncio.create_task(cp.watch(stop))
+        rotator = asyncio.create_task(cp.rotate_credentials_forever(stop))
         table, tries = endpoints_table(model)
         console.print(table)
         console.print("try:")
@@ -264,11 +269,12 @@ async def run_up(
         console.print("stopping...")
         return 0
     finally:
-        if watcher is not None:
-            stop.set()
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+        stop.set()
+        for task in (watcher, rotator):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await mesh.stop()
         await admin.stop()
         await cp.stop()

@@ -12,6 +12,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from meshfn.control_plane import ir
 
 from .common import ads_source, duration, pack
+from .security import mtls_socket_match
 
 HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
@@ -19,11 +20,19 @@ HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 def cluster(service: ir.Service) -> cluster_pb2.Cluster:
     # Keyed without the endpoints: an endpoint change must not produce a new Cluster (Envoy
     # would re-warm it); only the ClusterLoadAssignment changes.
-    return _cluster(service.cluster_name, service.protocol, service.connect_timeout)
+    mtls = any(e.sidecar_port is not None and e.mtls != "DISABLE" for e in service.endpoints)
+    return _cluster(
+        service.cluster_name,
+        service.protocol,
+        service.connect_timeout,
+        service.identity if mtls else "",
+    )
 
 
 @lru_cache(maxsize=65536)
-def _cluster(name: str, protocol: str, connect_timeout: timedelta) -> cluster_pb2.Cluster:
+def _cluster(
+    name: str, protocol: str, connect_timeout: timedelta, mtls_peer: str
+) -> cluster_pb2.Cluster:
     out = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
@@ -38,4 +47,8 @@ def _cluster(name: str, protocol: str, connect_timeout: timedelta) -> cluster_pb
             )
         )
         out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(options))
+    if mtls_peer:
+        # Endpoints whose sidecar speaks mTLS carry the match metadata (see endpoints.py); the
+        # others (a sidecar in DISABLE mode) get plaintext. Istio's auto-mTLS works the same way.
+        out.transport_socket_matches.append(mtls_socket_match(mtls_peer, protocol == "grpc"))
     return out

@@ -1,0 +1,45 @@
+"""How a proxy proves which workload identity it may receive (embedded mode).
+
+The supervisor that starts an Envoy gives it, in its bootstrap, a bearer token bound to its
+workload: base64url(HMAC-SHA256(key, "xds:" + node.cluster)). Envoy sends it as `authorization`
+metadata on the ADS stream (GrpcService.initial_metadata); the ADS server refuses a stream whose
+token does not match the node.cluster it claims, before it sends anything, private keys included.
+The key lives in the state directory (0600) and never leaves the control plane host. In
+Kubernetes the same check is done with the proxy's service-account token and TokenReview.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+from pathlib import Path
+
+from .files import read_private, write_private
+
+METADATA_KEY = "authorization"
+
+
+class BootstrapTokens:
+    def __init__(self, key_file: Path) -> None:
+        if key_file.exists():
+            key = read_private(key_file)
+        else:
+            key = secrets.token_bytes(32)
+            write_private(key_file, key)
+        if len(key) < 32:
+            raise ValueError(f"{key_file} holds a key shorter than 32 bytes")
+        self._key = key
+
+    def token(self, node_cluster: str) -> str:
+        digest = hmac.new(self._key, f"xds:{node_cluster}".encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+    def header(self, node_cluster: str) -> str:
+        return f"Bearer {self.token(node_cluster)}"
+
+    def verify(self, node_cluster: str, header: str | None) -> bool:
+        if not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[len("Bearer ") :], self.token(node_cluster))

@@ -1,0 +1,141 @@
+"""A sidecar: the server-side Envoy in front of one endpoint. mTLS per PeerAuthentication,
+then JWT and authorization, then the local application."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import protocol_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2 as rc
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.listener.tls_inspector.v3 import tls_inspector_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm,
+)
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from google.protobuf import duration_pb2, message
+
+from meshfn.control_plane import ir
+
+from .clusters import HTTP_PROTOCOL_OPTIONS
+from .common import pack, socket_address
+from .listeners import HCM, http_filters
+from .security import client_cert_details, downstream_mtls, jwks_cluster, jwks_uris
+
+INBOUND_LISTENER = "inbound"
+
+
+def local_cluster_name(inbound: ir.Inbound) -> str:
+    return f"inbound|{inbound.app_port}"
+
+
+@lru_cache(maxsize=4096)
+def inbound_listener(
+    inbound: ir.Inbound, jwt_rules: tuple[ir.JwtRule, ...], authz: tuple[ir.AuthzPolicy, ...]
+) -> listener_pb2.Listener:
+    route_config = route_pb2.RouteConfiguration(
+        name=INBOUND_LISTENER,
+        virtual_hosts=[
+            rc.VirtualHost(
+                name="inbound",
+                domains=["*"],
+                routes=[
+                    rc.Route(
+                        name="local",
+                        match=rc.RouteMatch(prefix="/"),
+                        # Timeouts and retries belong to the caller's route; the sidecar only
+                        # forwards to its own application.
+                        route=rc.RouteAction(
+                            cluster=local_cluster_name(inbound),
+                            timeout=duration_pb2.Duration(seconds=0),
+                        ),
+                    )
+                ],
+            )
+        ],
+    )
+
+    def chain(tls: bool) -> listener_components_pb2.FilterChain:
+        manager = hcm.HttpConnectionManager(
+            stat_prefix=f"inbound_{inbound.port}",
+            codec_type=hcm.HttpConnectionManager.AUTO,
+            route_config=route_config,
+            http_filters=http_filters(jwt_rules, authz),
+            **client_cert_details(),
+        )
+        out = listener_components_pb2.FilterChain(
+            filters=[listener_components_pb2.Filter(name=HCM, typed_config=pack(manager))]
+        )
+        if tls:
+            out.transport_socket.CopyFrom(downstream_mtls())
+        return out
+
+    listener = listener_pb2.Listener(
+        name=INBOUND_LISTENER, address=socket_address(inbound.address, inbound.port)
+    )
+    if inbound.mtls == "STRICT":
+        listener.filter_chains.append(chain(tls=True))
+    elif inbound.mtls == "DISABLE":
+        listener.filter_chains.append(chain(tls=False))
+    else:  # PERMISSIVE: TLS clients get mTLS, plaintext clients are served too
+        listener.listener_filters.append(
+            listener_components_pb2.ListenerFilter(
+                name="envoy.filters.listener.tls_inspector",
+                typed_config=pack(tls_inspector_pb2.TlsInspector()),
+            )
+        )
+        tls_chain = chain(tls=True)
+        tls_chain.filter_chain_match.transport_protocol = "tls"
+        listener.filter_chains.append(tls_chain)
+        listener.default_filter_chain.CopyFrom(chain(tls=False))
+    return listener
+
+
+@lru_cache(maxsize=4096)
+def local_cluster(inbound: ir.Inbound) -> cluster_pb2.Cluster:
+    name = local_cluster_name(inbound)
+    cluster = cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.STATIC,
+        connect_timeout=duration_pb2.Duration(seconds=1),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=name,
+            endpoints=[
+                endpoint_components_pb2.LocalityLbEndpoints(
+                    lb_endpoints=[
+                        endpoint_components_pb2.LbEndpoint(
+                            endpoint=endpoint_components_pb2.Endpoint(
+                                address=socket_address(inbound.address, inbound.app_port)
+                            )
+                        )
+                    ]
+                )
+            ],
+        ),
+    )
+    if inbound.protocol == "grpc":
+        options = http_protocol_options_pb2.HttpProtocolOptions(
+            explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+                http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+            )
+        )
+        cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(options)
+    return cluster
+
+
+def sidecar_resources(workload: ir.Workload) -> dict[str, dict[str, message.Message]]:
+    from .resources import CLUSTER, LISTENER
+
+    inbound = workload.inbound
+    assert inbound is not None
+    clusters: dict[str, message.Message] = {local_cluster_name(inbound): local_cluster(inbound)}
+    for uri in jwks_uris(workload.jwt_rules):
+        cluster = jwks_cluster(uri)
+        clusters[cluster.name] = cluster
+    return {
+        LISTENER: {INBOUND_LISTENER: inbound_listener(inbound, workload.jwt_rules, workload.authz)},
+        CLUSTER: clusters,
+    }

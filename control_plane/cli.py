@@ -71,9 +71,12 @@ def validate(path: Annotated[Path, typer.Argument(help="policy file or directory
         err.print(f"[red]{len(exc.errors)} error(s)[/red]")
         raise typer.Exit(1) from None
     routes = sum(len(lst.routes) for w in model.workloads for lst in w.listeners)
+    gateways = sum(1 for w in model.workloads if w.kind == "gateway")
+    sidecars = sum(1 for w in model.workloads if w.kind == "sidecar")
     out.print(
-        f"[green]ok[/green]: mesh {model.name}: {len(model.workloads)} gateway(s), "
-        f"{len(model.services)} service(s), {routes} route attachment(s)"
+        f"[green]ok[/green]: mesh {model.name}: {gateways} gateway(s), "
+        f"{len(model.services)} service(s), {sidecars} sidecar(s), "
+        f"{routes} route attachment(s)"
     )
 
 
@@ -296,6 +299,118 @@ def config_dump(
             )
         document = {resource_type: document[resource_type]}
     out.print(to_yaml(document), end="", markup=False, highlight=False)
+
+
+# ------------------------------------------------------------------ identity
+
+token_app = typer.Typer(help="JWTs from the local issuer the example policies trust.")
+certs_app = typer.Typer(help="Workload certificates (SPIFFE X.509).")
+ca_app = typer.Typer(help="The mesh CA: rotate with an overlap, then retire the old root.")
+app.add_typer(token_app, name="token")
+app.add_typer(certs_app, name="certs")
+app.add_typer(ca_app, name="ca")
+
+
+@token_app.command("issue")
+def token_issue(
+    sub: Annotated[str, typer.Option("--sub", help="subject")],
+    aud: Annotated[list[str], typer.Option("--aud", help="audience (repeatable)")],
+    claim: Annotated[
+        list[str] | None, typer.Option("--claim", help="k=v; repeat a key for a list")
+    ] = None,
+    ttl: Annotated[str, typer.Option(help='lifetime, e.g. "1h", "15m"')] = "1h",
+    state_dir: StateOpt = DEFAULT_STATE,
+) -> None:
+    """Sign a token with the local issuer (ES256); prints the token."""
+    from .identity.issuer import LocalIssuer
+    from .policy.types import parse_duration
+
+    try:
+        lifetime = parse_duration(ttl)
+    except ValueError as exc:
+        _fail(str(exc))
+        return
+    claims: dict[str, Any] = {}
+    for item in claim or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            _fail(f"--claim {item!r}: use key=value")
+        if key in ("iss", "sub", "aud", "exp", "nbf", "iat"):
+            _fail(f"--claim {key}: set it with its own option")
+        if key in claims:
+            previous = claims[key]
+            claims[key] = [*previous, value] if isinstance(previous, list) else [previous, value]
+        else:
+            claims[key] = value
+    issuer = LocalIssuer(state_dir / "issuer")
+    out.print(issuer.issue(sub, aud, claims, lifetime), markup=False, highlight=False)
+
+
+@certs_app.command("show")
+def certs_show(
+    node: Annotated[str, typer.Argument(help="node id or workload")],
+    admin: AdminOpt = None,
+    pem: Annotated[bool, typer.Option(help="also print the PEM chain")] = False,
+) -> None:
+    """Chain, SANs and expiry of the certificate a proxy holds (never its key)."""
+    from cryptography import x509
+
+    query = urllib.parse.urlencode({"node": node})
+    document = _get_json(f"{_admin_url(admin)}/debug/certs?{query}")
+    leaf = x509.load_pem_x509_certificate(document["certificate_pem"].encode())
+    roots = x509.load_pem_x509_certificates(document["trust_bundle_pem"].encode())
+    try:
+        sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+    except x509.ExtensionNotFound:
+        uris = []
+    out.print(f"workload   {document['workload']}")
+    out.print(f"SPIFFE ID  {document['spiffe_id']}")
+    out.print(f"URI SANs   {', '.join(uris) or '-'}")
+    out.print(f"serial     {document['serial']}")
+    out.print(f"valid      {document['not_before']} .. {document['not_after']}")
+    out.print(f"renews at  {document['renew_at']}")
+    out.print(f"issuer     {leaf.issuer.rfc4514_string()} (root {document['issuer_root']})")
+    for root in roots:
+        out.print(
+            f"trusts     {root.subject.rfc4514_string()} until {root.not_valid_after_utc.isoformat()}"
+        )
+    if pem:
+        out.print(document["certificate_pem"] + document["trust_bundle_pem"], markup=False)
+
+
+def _ca(policies: Path, state_dir: Path) -> Any:
+    from .identity.ca import CertificateAuthority
+
+    try:
+        model = load_policies(policies)
+    except PolicyErrors as exc:
+        _fail(str(exc))
+        return None
+    return CertificateAuthority(state_dir / "ca" / model.trust_domain, model.trust_domain)
+
+
+@ca_app.command("rotate")
+def ca_rotate(
+    policies: PoliciesOpt = DEFAULT_POLICIES, state_dir: StateOpt = DEFAULT_STATE
+) -> None:
+    """Start signing with a new root. Both roots stay trusted; a running control plane
+    re-issues every workload certificate from the new root within seconds."""
+    ca = _ca(policies, state_dir)
+    new = ca.rotate()
+    out.print(f"new root {new}; trusted: {', '.join(ca.root_fingerprints())}")
+
+
+@ca_app.command("retire")
+def ca_retire(
+    policies: PoliciesOpt = DEFAULT_POLICIES, state_dir: StateOpt = DEFAULT_STATE
+) -> None:
+    """Stop trusting every root but the newest (after all workloads were re-issued)."""
+    ca = _ca(policies, state_dir)
+    retired = ca.retire()
+    out.print(
+        f"retired {', '.join(retired) or 'nothing'}; trusted: {', '.join(ca.root_fingerprints())}"
+    )
 
 
 def main() -> None:

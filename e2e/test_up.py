@@ -201,7 +201,26 @@ def test_up_on_the_examples_and_clean_shutdown(
 
     wait_for("the example mesh", ready, timeout=30)
     base = f"http://127.0.0.1:{listener}"
-    seen = {http(base + "/v2/models/classifier").json()["endpoint"] for _ in range(6)}
+    token = meshfn(
+        "token",
+        "issue",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--sub",
+        "alice",
+        "--aud",
+        "meshfn",
+        "--claim",
+        "tenant=acme",
+    ).stdout.strip()
+    auth = {"authorization": f"Bearer {token}"}
+    # The classifier wants a known tenant: without a token 403, with a bad one 401.
+    assert http(base + "/v2/models/classifier").status == 403
+    assert (
+        http(base + "/v2/models/classifier", headers={"authorization": "Bearer x.y.z"}).status
+        == 401
+    )
+    seen = {http(base + "/v2/models/classifier", headers=auth).json()["endpoint"] for _ in range(6)}
     assert seen == {f"127.0.0.1:{mapping[9101]}", f"127.0.0.1:{mapping[9102]}"}  # both endpoints
     embed = http(base + "/v2/models/embedder/infer", method="POST").json()
     assert embed["service"] == "default/embedder"
@@ -213,9 +232,13 @@ def test_up_on_the_examples_and_clean_shutdown(
     assert http(base + "/v2/models/classifier", method="DELETE").status == 404  # methods
     state = json.loads((tmp_path / "state" / "state.json").read_text())
     children = list(state["children"].values())
-    assert len(children) == 4 and all(alive(pid) for pid in children)
+    assert len(children) == 7 and all(alive(pid) for pid in children)  # 4 Envoys, 3 upstreams
     output = wait_for("the table", lambda: "try:" in up.output() and up.output())
-    assert f"curl -s http://127.0.0.1:{listener}/v2/models/classifier" in output
+    assert "TOKEN=$(meshfn token issue" in output
+    assert (
+        f'curl -s -H "authorization: Bearer $TOKEN" http://127.0.0.1:{listener}/v2/models/classifier'
+        in output
+    )
 
     assert up.stop(stop_signal) == 0
     assert not any(alive(pid) for pid in children), "a child outlived meshfn up"

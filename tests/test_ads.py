@@ -429,3 +429,28 @@ async def test_malformed_bytes(ads: Harness) -> None:
     await s.send(b"\xff\xff\xff\xff garbage")
     assert await s.status() == grpc.StatusCode.INVALID_ARGUMENT
     assert ads.server.metrics.stream_errors.labels("malformed")._value.get() == 1
+
+
+async def test_streams_must_prove_their_workload(tmp_path: Any) -> None:
+    from meshfn.control_plane.identity.bootstrap_token import BootstrapTokens
+
+    tokens = BootstrapTokens(tmp_path / "key")
+    cache = SnapshotCache()
+    cache.publish(prepare(GROUP, resources({"a": 1})))
+    server = AdsServer(cache, authenticate=tokens.verify)
+    port = await server.start("127.0.0.1", 0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+    try:
+        for metadata in (None, (("authorization", tokens.header("other.default")),)):
+            s = Stream(stub.StreamAggregatedResources(metadata=metadata))
+            await s.send(discovery_pb2.DiscoveryRequest(node=NODE, type_url=CLUSTER))
+            assert await s.status() == grpc.StatusCode.UNAUTHENTICATED
+        good = Stream(
+            stub.StreamAggregatedResources(metadata=(("authorization", tokens.header(GROUP)),))
+        )
+        await good.send(discovery_pb2.DiscoveryRequest(node=NODE, type_url=CLUSTER))
+        assert names_in(await good.next()) == ["a"]
+    finally:
+        await channel.close()
+        await server.stop(0)

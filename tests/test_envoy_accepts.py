@@ -45,28 +45,76 @@ def test_bootstrap_validates(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _static_secrets(node: Any) -> Any:
+    """SDS references keep their names but lose their (ADS) source: they then resolve to the
+    static secrets below, as validate mode cannot run ADS."""
+    if isinstance(node, dict):
+        node.pop("sdsConfig", None)
+        for value in node.values():
+            _static_secrets(value)
+    elif isinstance(node, list):
+        for value in node:
+            _static_secrets(value)
+    return node
+
+
+def static_test_secrets() -> list[dict[str, Any]]:
+    import datetime as dt
+    import tempfile
+
+    from meshfn.control_plane.identity.ca import CertificateAuthority
+    from meshfn.control_plane.identity.spiffe import SpiffeId
+
+    ca = CertificateAuthority(Path(tempfile.mkdtemp()) / "ca", "golden.local")
+    cert = ca.issue(SpiffeId("golden.local", "default", "edge"), dt.timedelta(hours=1))
+    return [
+        {
+            "name": "default",
+            "tlsCertificate": {
+                "certificateChain": {"inlineString": cert.certificate_pem},
+                "privateKey": {"inlineString": cert.private_key_pem},
+            },
+        },
+        {
+            "name": "ROOTCA",
+            "validationContext": {"trustedCa": {"inlineString": ca.trust_bundle_pem()}},
+        },
+    ]
+
+
 def static_config(resources: dict[str, Any]) -> dict[str, Any]:
     routes = {r["name"]: r for r in resources.get("routes", [])}
     endpoints = {e["clusterName"]: e for e in resources.get("endpoints", [])}
     listeners = []
     for listener in copy.deepcopy(resources.get("listeners", [])):
-        for chain in listener["filterChains"]:
+        chains = listener.get("filterChains", []) + (
+            [listener["defaultFilterChain"]] if "defaultFilterChain" in listener else []
+        )
+        for chain in chains:
             for f in chain["filters"]:
                 config = f["typedConfig"]
                 assert config["@type"] == HCM
-                config["routeConfig"] = routes[config.pop("rds")["routeConfigName"]]
+                if "rds" in config:
+                    config["routeConfig"] = routes[config.pop("rds")["routeConfigName"]]
         listeners.append(listener)
     clusters = []
     for cluster in copy.deepcopy(resources.get("clusters", [])):
-        assert cluster.pop("type") == "EDS"
-        cluster.pop("edsClusterConfig")
-        cluster["type"] = "STATIC"
-        cluster["loadAssignment"] = endpoints[cluster["name"]]
+        if cluster.get("type") == "EDS":
+            cluster.pop("edsClusterConfig")
+            cluster["type"] = "STATIC"
+            cluster["loadAssignment"] = endpoints[cluster["name"]]
         clusters.append(cluster)
-    return {
-        "admin": {"address": {"socketAddress": {"address": "127.0.0.1", "portValue": 0}}},
-        "staticResources": {"listeners": listeners, "clusters": clusters},
-    }
+    return _static_secrets(
+        {
+            "node": {"id": "validate", "cluster": "validate"},
+            "admin": {"address": {"socketAddress": {"address": "127.0.0.1", "portValue": 0}}},
+            "staticResources": {
+                "listeners": listeners,
+                "clusters": clusters,
+                "secrets": static_test_secrets(),
+            },
+        }
+    )
 
 
 @pytest.mark.parametrize(

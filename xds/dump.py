@@ -10,7 +10,9 @@ import yaml
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from .translate.resources import PUSH_ORDER, SHORT_NAMES
+from .translate.resources import PUSH_ORDER, SECRET, SHORT_NAMES
+
+REDACTED = "[redacted]"
 
 
 def message_to_plain(message: Message) -> Any:
@@ -18,13 +20,22 @@ def message_to_plain(message: Message) -> Any:
     return json.loads(json_format.MessageToJson(message, indent=None, sort_keys=False))
 
 
-def resources_to_plain(resources: Mapping[str, Mapping[str, Message]]) -> dict[str, Any]:
-    """{listeners: [...], routes: [...], ...} in make-before-break order, resources by name."""
+def resources_to_plain(
+    resources: Mapping[str, Mapping[str, Message]], redact: bool = True
+) -> dict[str, Any]:
+    """{listeners: [...], routes: [...], ...} in make-before-break order, resources by name.
+    Private keys in secrets are replaced by "[redacted]" unless `redact` is False."""
     out: dict[str, Any] = {}
     for type_url in reversed(PUSH_ORDER):
         by_name = resources.get(type_url)
         if by_name:
-            out[SHORT_NAMES[type_url]] = [message_to_plain(by_name[n]) for n in sorted(by_name)]
+            plain = [message_to_plain(by_name[n]) for n in sorted(by_name)]
+            if type_url == SECRET and redact:
+                for secret in plain:
+                    certificate = secret.get("tlsCertificate")
+                    if certificate and "privateKey" in certificate:
+                        certificate["privateKey"] = {"inlineString": REDACTED}
+            out[SHORT_NAMES[type_url]] = plain
     return out
 
 

@@ -50,19 +50,18 @@ class IdentityManager:
     def ensure(self, spiffe_ids: Iterable[str], now: dt.datetime | None = None) -> list[str]:
         """Issue or renew what is due; return the SPIFFE IDs that got a new certificate."""
         now = now or dt.datetime.now(dt.UTC)
+        wanted = {i for i in spiffe_ids if i}
         roots = self.ca.root_fingerprints()
         renewed = []
         with self._lock:
-            for spiffe_id in sorted(set(spiffe_ids)):
-                if not spiffe_id:
-                    continue
+            for spiffe_id in sorted(wanted):
                 cert = self._certs.get(spiffe_id)
                 due = cert is None or now >= cert.renew_at() or cert.issuer_fingerprint != roots[-1]
                 if due:
                     self._certs[spiffe_id] = self.ca.issue(SpiffeId.parse(spiffe_id), self.ttl, now)
                     self.issued_total += 1
                     renewed.append(spiffe_id)
-            for stale in set(self._certs) - set(spiffe_ids):
+            for stale in set(self._certs) - wanted:
                 del self._certs[stale]
         if renewed:
             log.info("issued certificates for %s", ", ".join(renewed))

@@ -167,7 +167,7 @@ JwksUri = Annotated[str, Field(max_length=2048), AfterValidator(_jwks_uri)]
 
 # Istio spellings. A principal is "<trust-domain>/ns/<namespace>/sa/<account>"; "*" matches any
 # authenticated peer; a leading or trailing "*" makes a suffix or prefix match.
-PRINCIPAL = r"^(\*|\*?[a-z0-9._-]+/ns/[a-z0-9-]+/sa/[a-z0-9-]+|[a-z0-9._-]+/ns/[a-z0-9-]+/sa/[a-z0-9-]*\*|\*/ns/[a-z0-9-]+/sa/[a-z0-9-]+)$"
+PRINCIPAL = r"^(\*|[a-z0-9._-]+/ns/[a-z0-9-]+/sa/[a-z0-9-]+|\*[^\s*]+|[^\s*]+\*)$"
 Principal = Annotated[str, Field(pattern=PRINCIPAL, max_length=512)]
 NAMESPACE_MATCH = r"^(\*|[a-z0-9]([-a-z0-9]*[a-z0-9])?\*?)$"
 NamespaceMatch = Annotated[str, Field(pattern=NAMESPACE_MATCH, max_length=64)]

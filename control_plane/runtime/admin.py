@@ -75,6 +75,32 @@ def config_dump(cp: ControlPlane, node: str) -> dict[str, Any] | None:
     return {"workload": group, "version": snapshot.version, **resources_to_plain(resources)}
 
 
+def certificates_document(cp: ControlPlane, node: str) -> dict[str, Any] | None:
+    """The certificate a workload holds: chain, SANs, validity, issuer. Never the key."""
+    group = resolve_group(cp, node)
+    model, identity = cp.model, cp.identity
+    if group is None or model is None or identity is None:
+        return None
+    workload = model.workload(group)
+    if workload is None:
+        return None
+    cert = identity.certificate(workload.identity)
+    if cert is None:
+        return None
+    return {
+        "workload": group,
+        "spiffe_id": cert.spiffe_id,
+        "serial": format(cert.serial, "x"),
+        "not_before": cert.not_before.isoformat(),
+        "not_after": cert.not_after.isoformat(),
+        "renew_at": cert.renew_at().isoformat(),
+        "issuer_root": cert.issuer_fingerprint,
+        "trusted_roots": identity.ca.root_fingerprints(),
+        "certificate_pem": cert.certificate_pem,
+        "trust_bundle_pem": identity.ca.trust_bundle_pem(),
+    }
+
+
 def make_app(cp: ControlPlane) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(
@@ -102,12 +128,25 @@ def make_app(cp: ControlPlane) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
+    async def jwks(_: web.Request) -> web.Response:
+        # Public keys of the local issuer (`meshfn token issue`), fetched by Envoy through a
+        # cluster when a RequestAuthentication names this URI.
+        return web.json_response(cp.issuer.jwks(), headers={"Cache-Control": "max-age=60"})
+
+    async def certs(request: web.Request) -> web.Response:
+        document = certificates_document(cp, request.query.get("node", ""))
+        if document is None:
+            return web.json_response({"error": "no such node or workload"}, status=404)
+        return web.json_response(document)
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/status", status)
     app.router.add_get("/debug/snapshots", snapshots)
     app.router.add_get("/debug/config_dump", dump)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/.well-known/jwks.json", jwks)
+    app.router.add_get("/debug/certs", certs)
     return app
 
 

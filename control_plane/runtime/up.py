@@ -180,12 +180,24 @@ def endpoints_table(model: ir.MeshModel) -> tuple[Table, list[str]]:
                         route.service,
                     )
                     if match.path.kind != "regex":
-                        tries.append(curl_example(base, route, match))
+                        tries.append(
+                            curl_example(base, route, match, needs_token(model, route.service))
+                        )
     return table, tries
 
 
-def curl_example(base: str, route: ir.Route, match: ir.RouteMatch) -> str:
+def needs_token(model: ir.MeshModel, service_key: str) -> bool:
+    return any(
+        w.jwt_rules
+        for w in model.workloads
+        if w.inbound is not None and w.inbound.service == service_key
+    )
+
+
+def curl_example(base: str, route: ir.Route, match: ir.RouteMatch, with_token: bool = False) -> str:
     parts = ["curl", "-s"]
+    if with_token:
+        parts += ["-H", '"authorization: Bearer $TOKEN"']
     if match.methods and "GET" not in match.methods:
         parts += ["-X", match.methods[0]]
     for header in match.headers:
@@ -258,6 +270,13 @@ async def run_up(
         table, tries = endpoints_table(model)
         console.print(table)
         console.print("try:")
+        if any("$TOKEN" in line for line in tries):
+            console.print(
+                f"  TOKEN=$(meshfn token issue --state-dir {state_dir} --sub you --aud meshfn "
+                "--claim tenant=acme)",
+                markup=False,
+                highlight=False,
+            )
         for line in tries:
             console.print(f"  {line}", markup=False, highlight=False)
         console.print(

@@ -15,7 +15,11 @@ from aiohttp import web
 
 
 def make_app(service: str, endpoint: str, locality: str) -> web.Application:
+    served = 0  # lets tests prove that denied requests never reached the application
+
     async def handle(request: web.Request) -> web.Response:
+        nonlocal served
+        served += 1
         body = {
             "service": service,
             "endpoint": endpoint,
@@ -23,6 +27,10 @@ def make_app(service: str, endpoint: str, locality: str) -> web.Application:
             "method": request.method,
             "path": request.path_qs,
             "pid": os.getpid(),
+            "requests": served,
+            # What the sidecar tells the application about the caller (mTLS identity, claims).
+            "client_cert": request.headers.get("x-forwarded-client-cert", ""),
+            "tenant": request.headers.get("x-tenant", ""),
         }
         return web.Response(
             text=json.dumps(body) + "\n",

@@ -76,8 +76,8 @@ def secrets(credentials: Credentials) -> dict[str, secret_pb2.Secret]:
     }
 
 
-def _sds(name: str) -> tls_pb2.SdsSecretConfig:
-    return tls_pb2.SdsSecretConfig(name=name, sds_config=ads_source())
+def _sds(name: str) -> secret_pb2.SdsSecretConfig:
+    return secret_pb2.SdsSecretConfig(name=name, sds_config=ads_source())
 
 
 def _common_tls(peer_spiffe_id: str | None, alpn: tuple[str, ...]) -> tls_pb2.CommonTlsContext:

@@ -1,0 +1,601 @@
+"""Zero trust with real Envoys: client -> gateway Envoy -> (mTLS) -> sidecar Envoy -> upstream.
+
+A table of negative cases, each denied with the right outcome (401, 403 or a TLS failure), and
+none reaching the upstream (its request counter proves it); plus the positive cases.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import hmac
+import http.client as httpc
+import json
+import socket
+import ssl
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jwt
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from jwt.algorithms import ECAlgorithm
+from meshfn_e2e import MESHFN, Processes, free_ports, http, wait_for
+
+from meshfn.control_plane.identity.ca import CertificateAuthority, IssuedCertificate
+from meshfn.control_plane.identity.spiffe import SpiffeId
+
+TD = "zt.local"
+ISSUER = "https://issuer.test"
+NOW = dt.datetime.now(dt.UTC)
+
+
+@dataclass
+class Keys:
+    key: ec.EllipticCurvePrivateKey
+    kid: str
+
+    def jwk(self) -> dict[str, Any]:
+        jwk: dict[str, Any] = json.loads(ECAlgorithm.to_jwk(self.key.public_key()))
+        return {**jwk, "kid": self.kid, "alg": "ES256", "use": "sig"}
+
+
+TRUSTED = Keys(ec.generate_private_key(ec.SECP256R1()), "k1")
+UNTRUSTED_SAME_KID = Keys(ec.generate_private_key(ec.SECP256R1()), "k1")
+UNKNOWN_KID = Keys(ec.generate_private_key(ec.SECP256R1()), "k-unknown")
+
+
+def token(
+    keys: Keys = TRUSTED,
+    iss: str = ISSUER,
+    aud: str = "mesh",
+    sub: str = "alice",
+    exp: dt.timedelta = dt.timedelta(minutes=10),
+    nbf: dt.timedelta = dt.timedelta(minutes=-1),
+    **claims: Any,
+) -> str:
+    now = dt.datetime.now(dt.UTC)
+    payload = {
+        "iss": iss, "aud": aud, "sub": sub, "tenant": "acme",
+        "exp": int((now + exp).timestamp()), "nbf": int((now + nbf).timestamp()),
+        **claims,
+    }  # fmt: skip
+    return jwt.encode(payload, keys.key, algorithm="ES256", headers={"kid": keys.kid})
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def alg_none() -> str:
+    good = token().split(".")
+    return f"{_b64(json.dumps({'alg': 'none', 'typ': 'JWT'}).encode())}.{good[1]}."
+
+
+def hs256_with_public_key() -> str:
+    """The classic key-confusion attack: HMAC keyed with the (public) verification key."""
+    public = TRUSTED.key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    header = _b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "k1"}).encode())
+    body = token().split(".")[1]
+    signature = hmac.new(public, f"{header}.{body}".encode(), hashlib.sha256).digest()
+    return f"{header}.{body}.{_b64(signature)}"
+
+
+def tampered() -> str:
+    header, body, signature = token().split(".")
+    claims = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    claims["tenant"] = "globex"
+    return f"{header}.{_b64(json.dumps(claims).encode())}.{signature}"
+
+
+POLICIES = """\
+apiVersion: meshfn.io/v1alpha1
+kind: Mesh
+metadata: {{name: zt}}
+spec: {{trustDomain: {td}, ports: {{xds: {xds}, admin: {admin}}}, identity: {{certificateTTL: 20s}}}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Gateway
+metadata: {{name: edge, namespace: ingress}}
+spec: {{adminPort: {envoy_admin}, listeners: [{{name: http, port: {listener}}}]}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Service
+metadata: {{name: model}}
+spec:
+  port: {app}
+  endpoints: [{{address: 127.0.0.1, sidecar: {{port: {sidecar}}}}}]
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Service
+metadata: {{name: keyless}}
+spec:
+  port: {app2}
+  endpoints: [{{address: 127.0.0.1, sidecar: {{port: {sidecar2}}}}}]
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Route
+metadata: {{name: keyless}}
+spec:
+  gateway: ingress/edge
+  matches: [{{path: {{prefix: /keyless}}}}]
+  destination: {{service: keyless}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Route
+metadata: {{name: model}}
+spec:
+  gateway: ingress/edge
+  destination: {{service: model}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: RequestAuthentication
+metadata: {{name: jwt}}
+spec:
+  selector: {{service: model}}
+  jwtRules:
+    - issuer: {issuer}
+      audiences: [mesh]
+      jwks: '{jwks}'
+      outputClaimToHeaders: [{{header: x-tenant, claim: tenant}}]
+---
+apiVersion: meshfn.io/v1alpha1
+kind: RequestAuthentication
+metadata: {{name: jwks-down}}
+spec:
+  selector: {{service: keyless}}
+  jwtRules:
+    - issuer: {issuer}
+      jwksUri: http://127.0.0.1:{dead}/jwks.json
+---
+apiVersion: meshfn.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {{name: allow}}
+spec:
+  selector: {{service: model}}
+  rules:
+    - from:
+        - source:
+            principals: [{td}/ns/ingress/sa/edge, {td}/ns/default/sa/trusted-client]
+            requestPrincipals: ["{issuer}/*"]
+      to:
+        - operation: {{methods: [GET, POST], paths: ["/v2/*"]}}
+      when:
+        - {{key: "request.auth.claims[tenant]", values: [acme]}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {{name: deny}}
+spec:
+  selector: {{service: model}}
+  action: DENY
+  rules:
+    - to: [{{operation: {{paths: ["/v2/admin*"]}}}}]
+    - when: [{{key: "request.auth.claims[role]", values: [banned]}}]
+---
+apiVersion: meshfn.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {{name: keyless-needs-a-token}}
+spec:
+  selector: {{service: keyless}}
+  rules:
+    - from: [{{source: {{requestPrincipals: ["*"]}}}}]
+"""
+
+
+@dataclass
+class Mesh:
+    ports: dict[str, int]
+    state: Path
+    tmp: Path
+
+    @property
+    def gateway(self) -> str:
+        return f"127.0.0.1:{self.ports['listener']}"
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.ports['admin']}"
+
+    def ca(self) -> CertificateAuthority:
+        return CertificateAuthority(self.state / "ca" / TD, TD)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    tmp = tmp_path_factory.mktemp("zt")
+    names = [
+        "xds",
+        "admin",
+        "envoy_admin",
+        "listener",
+        "app",
+        "sidecar",
+        "app2",
+        "sidecar2",
+        "dead",
+    ]
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
+    jwks = json.dumps({"keys": [TRUSTED.jwk()]})
+    policies = tmp / "policies"
+    policies.mkdir()
+    (policies / "mesh.yaml").write_text(POLICIES.format(td=TD, issuer=ISSUER, jwks=jwks, **ports))
+    procs = Processes(tmp)
+    state = tmp / "state"
+    up = procs.start(
+        "up",
+        [
+            MESHFN,
+            "up",
+            "--policies",
+            str(policies),
+            "--state-dir",
+            str(state),
+            "--envoy-concurrency",
+            "1",
+        ],
+    )
+    try:
+        wait_for(
+            "the mesh",
+            lambda: "Ctrl-C stops everything" in up.output(),
+            timeout=40,
+        )
+        result = Mesh(ports, state, tmp)
+        wait_for(
+            "a first answer", lambda: request(result, "/v2/x", token()).status == 200, timeout=20
+        )
+        yield result
+    finally:
+        procs.stop_all()
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def request(
+    mesh: Mesh,
+    path: str,
+    bearer: str | None = None,
+    method: str = "GET",
+    headers: dict[str, str] | None = None,
+) -> Reply:
+    conn = httpc.HTTPConnection(mesh.gateway, timeout=5)
+    all_headers = dict(headers or {})
+    if bearer is not None:
+        all_headers["authorization"] = f"Bearer {bearer}"
+    conn.request(method, path, headers=all_headers)
+    response = conn.getresponse()
+    reply = Reply(response.status, response.read())
+    conn.close()
+    return reply
+
+
+def upstream_count(mesh: Mesh) -> int:
+    """A positive request's answer carries how many requests the upstream served so far."""
+    reply = request(mesh, "/v2/count", token())
+    assert reply.status == 200, reply
+    count: int = reply.json()["requests"]
+    return count
+
+
+# (name, path, method, token, extra headers, expected status)
+GATEWAY_CASES: list[tuple[str, str, str, Callable[[], str | None], dict[str, str], int]] = [
+    ("no token", "/v2/x", "GET", lambda: None, {}, 403),
+    ("expired", "/v2/x", "GET", lambda: token(exp=dt.timedelta(minutes=-10)), {}, 401),
+    (
+        "expired beyond the 60s leeway",
+        "/v2/x",
+        "GET",
+        lambda: token(exp=dt.timedelta(seconds=-90)),
+        {},
+        401,
+    ),
+    ("not yet valid", "/v2/x", "GET", lambda: token(nbf=dt.timedelta(minutes=10)), {}, 401),
+    ("wrong issuer", "/v2/x", "GET", lambda: token(iss="https://evil.test"), {}, 401),
+    # Envoy (and so Istio) answers an audience mismatch with 403, not 401.
+    ("wrong audience", "/v2/x", "GET", lambda: token(aud="other"), {}, 403),
+    ("alg none", "/v2/x", "GET", alg_none, {}, 401),
+    ("HS256 signed with the public key", "/v2/x", "GET", hs256_with_public_key, {}, 401),
+    ("tampered payload", "/v2/x", "GET", tampered, {}, 401),
+    ("unknown signing key, known kid", "/v2/x", "GET", lambda: token(UNTRUSTED_SAME_KID), {}, 401),
+    ("unknown kid", "/v2/x", "GET", lambda: token(UNKNOWN_KID), {}, 401),
+    ("garbage token", "/v2/x", "GET", lambda: "not-a-jwt", {}, 401),
+    ("truncated signature", "/v2/x", "GET", lambda: token()[:-10], {}, 401),
+    ("token in the wrong header", "/v2/x", "GET", lambda: None, {"x-token": token()}, 403),
+    (
+        "token as a query parameter Envoy is not told to read",
+        "/v2/x?token=abc",
+        "GET",
+        lambda: None,
+        {},
+        403,
+    ),
+    ("tenant not allowed by policy", "/v2/x", "GET", lambda: token(tenant="globex"), {}, 403),
+    ("claim hits a DENY rule", "/v2/x", "GET", lambda: token(role="banned"), {}, 403),
+    ("path hits a DENY rule", "/v2/admin/users", "GET", token, {}, 403),
+    ("method not allowed", "/v2/x", "DELETE", token, {}, 403),
+    ("path not allowed", "/v1/x", "GET", token, {}, 403),
+    (
+        "spoofed x-forwarded-client-cert",
+        "/v2/x",
+        "GET",
+        lambda: None,
+        {"x-forwarded-client-cert": f"URI=spiffe://{TD}/ns/default/sa/trusted-client"},
+        403,
+    ),
+    ("JWKS URI down: a valid token cannot be verified", "/keyless/x", "GET", token, {}, 401),
+    ("JWKS URI down: no token", "/keyless/x", "GET", lambda: None, {}, 403),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "method", "make_token", "headers", "expected"),
+    GATEWAY_CASES,
+    ids=[c[0] for c in GATEWAY_CASES],
+)
+def test_denied_through_the_gateway(
+    mesh: Mesh,
+    name: str,
+    path: str,
+    method: str,
+    make_token: Callable[[], str | None],
+    headers: dict[str, str],
+    expected: int,
+) -> None:
+    before = upstream_count(mesh)
+    reply = request(mesh, path, make_token(), method, headers)
+    assert reply.status == expected, f"{name}: {reply.status} {reply.body[:200]!r}"
+    assert upstream_count(mesh) == before + 1, f"{name} reached the upstream"
+
+
+def test_positive_through_the_gateway(mesh: Mesh) -> None:
+    reply = request(mesh, "/v2/models/m/infer", token(), "POST")
+    assert reply.status == 200
+    body = reply.json()
+    assert body["tenant"] == "acme"  # outputClaimToHeaders
+    assert f"URI=spiffe://{TD}/ns/ingress/sa/edge" in body["client_cert"]  # caller identity
+    # Within the leeway an expired token is still accepted (clock skew).
+    assert request(mesh, "/v2/x", token(exp=dt.timedelta(seconds=-30))).status == 200
+
+
+# ---------------------------------------------------------------- straight to the sidecar
+
+
+def write_cert(tmp: Path, name: str, cert: IssuedCertificate) -> tuple[Path, Path]:
+    crt, key = tmp / f"{name}.crt", tmp / f"{name}.key"
+    crt.write_text(cert.certificate_pem)
+    key.write_text(cert.private_key_pem)
+    return crt, key
+
+
+def foreign_cert(tmp: Path) -> tuple[Path, Path]:
+    """A certificate with the right SPIFFE ID from a CA the mesh does not trust."""
+    ca = CertificateAuthority(tmp / "foreign-ca", TD)
+    return write_cert(
+        tmp, "foreign", ca.issue(SpiffeId(TD, "default", "trusted-client"), dt.timedelta(hours=1))
+    )
+
+
+def self_signed_spiffe(tmp: Path) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "me")])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(NOW - dt.timedelta(days=1))
+        .not_valid_after(NOW + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.UniformResourceIdentifier(f"spiffe://{TD}/ns/ingress/sa/edge")]
+            ),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    crt, pem = tmp / "self.crt", tmp / "self.key"
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return crt, pem
+
+
+def direct(
+    mesh: Mesh, cert: tuple[Path, Path] | None, bearer: str | None = None, path: str = "/v2/x"
+) -> Reply | str:
+    """An HTTPS request straight to the sidecar; returns the reply or the TLS failure."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    context.check_hostname = False
+    bundle = mesh.tmp / "bundle.pem"
+    bundle.write_text(mesh.ca().trust_bundle_pem())
+    context.load_verify_locations(bundle)
+    if cert is not None:
+        context.load_cert_chain(*cert)
+    conn = httpc.HTTPSConnection(
+        f"127.0.0.1:{mesh.ports['sidecar']}", context=context, timeout=5
+    )
+    try:
+        conn.request("GET", path, headers={"authorization": f"Bearer {bearer}"} if bearer else {})
+        response = conn.getresponse()
+        return Reply(response.status, response.read())
+    except (ssl.SSLError, ConnectionError, httpc.RemoteDisconnected) as exc:
+        return f"tls failure: {type(exc).__name__}"
+    finally:
+        conn.close()
+
+
+def issue(mesh: Mesh, account: str, **kwargs: Any) -> IssuedCertificate:
+    return mesh.ca().issue(SpiffeId(TD, "default", account), dt.timedelta(hours=1), **kwargs)
+
+
+SIDECAR_CASES: list[tuple[str, Callable[[Mesh], tuple[Path, Path] | None], str | int]] = [
+    ("missing client certificate", lambda m: None, "tls"),
+    ("client certificate from another CA", lambda m: foreign_cert(m.tmp), "tls"),
+    ("self-signed certificate with a good SPIFFE ID", lambda m: self_signed_spiffe(m.tmp), "tls"),
+    (
+        "expired client certificate",
+        lambda m: write_cert(
+            m.tmp, "expired", issue(m, "trusted-client", now=NOW - dt.timedelta(hours=3))
+        ),
+        "tls",
+    ),
+    (
+        "not yet valid client certificate",
+        lambda m: write_cert(
+            m.tmp, "future", issue(m, "trusted-client", now=NOW + dt.timedelta(hours=3))
+        ),
+        "tls",
+    ),
+    ("wrong SPIFFE ID", lambda m: write_cert(m.tmp, "intruder", issue(m, "intruder")), 403),
+    (
+        "no SPIFFE ID at all",
+        lambda m: write_cert(m.tmp, "nosan", issue(m, "trusted-client", with_san=False)),
+        403,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "make_cert", "expected"), SIDECAR_CASES, ids=[c[0] for c in SIDECAR_CASES]
+)
+def test_denied_at_the_sidecar(
+    mesh: Mesh,
+    name: str,
+    make_cert: Callable[[Mesh], tuple[Path, Path] | None],
+    expected: str | int,
+) -> None:
+    before = upstream_count(mesh)
+    result = direct(mesh, make_cert(mesh), token())
+    if expected == "tls":
+        assert isinstance(result, str) and result.startswith("tls failure"), f"{name}: {result}"
+    else:
+        assert isinstance(result, Reply) and result.status == expected, f"{name}: {result}"
+    assert upstream_count(mesh) == before + 1, f"{name} reached the upstream"
+
+
+def test_plaintext_to_a_strict_port_is_refused(mesh: Mesh) -> None:
+    before = upstream_count(mesh)
+    with socket.create_connection(("127.0.0.1", mesh.ports["sidecar"]), timeout=5) as sock:
+        sock.sendall(b"GET /v2/x HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            data = sock.recv(4096)
+        except ConnectionResetError:
+            data = b""
+    assert not data.startswith(b"HTTP/1.1 200")
+    assert upstream_count(mesh) == before + 1
+
+
+def test_a_trusted_client_with_a_token_gets_through(mesh: Mesh) -> None:
+    cert = write_cert(mesh.tmp, "trusted", issue(mesh, "trusted-client"))
+    result = direct(mesh, cert, token())
+    assert isinstance(result, Reply) and result.status == 200, result
+    assert isinstance(direct(mesh, cert, None), Reply)
+    denied = direct(mesh, cert, None)
+    assert isinstance(denied, Reply) and denied.status == 403  # a certificate is not a token
+
+
+def test_private_keys_never_leave_the_control_plane(mesh: Mesh) -> None:
+    dump = http(f"{mesh.admin}/debug/config_dump?node=edge.ingress&format=yaml").body.decode()
+    assert "secrets:" in dump and "[redacted]" in dump
+    assert "PRIVATE KEY" not in dump
+    for path in ("/debug/status", "/debug/snapshots", "/metrics", "/debug/certs?node=edge.ingress"):
+        assert "PRIVATE KEY" not in http(mesh.admin + path).body.decode(), path
+
+
+def test_certificates_rotate_without_a_failed_request(mesh: Mesh) -> None:
+    """TTL 20 s: certificates renew every ~10 s. 25 s of requests, none may fail."""
+    first = http(f"{mesh.admin}/debug/certs?node=model.default:{mesh.ports['sidecar']}").json()
+    failures, total = 0, 0
+    deadline = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=25)
+    conn = httpc.HTTPConnection(mesh.gateway, timeout=5)
+    bearer = token()
+    while dt.datetime.now(dt.UTC) < deadline:
+        conn.request("GET", "/v2/rotate", headers={"authorization": f"Bearer {bearer}"})
+        response = conn.getresponse()
+        response.read()
+        total += 1
+        failures += response.status != 200
+    conn.close()
+    after = http(f"{mesh.admin}/debug/certs?node=model.default:{mesh.ports['sidecar']}").json()
+    assert after["serial"] != first["serial"], "the sidecar's certificate was not renewed"
+    assert total > 200 and failures == 0, f"{failures} of {total} failed"
+
+
+def test_ca_rotation_with_overlap(mesh: Mesh) -> None:
+    """Rotate the root under load; both roots are trusted until retired; 0 failed requests."""
+    policies = str(mesh.tmp / "policies")
+    state = str(mesh.state)
+    node = f"model.default:{mesh.ports['sidecar']}"
+    old_client = write_cert(mesh.tmp, "old-root-client", issue(mesh, "trusted-client"))
+    import subprocess
+
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [MESHFN, *args, "--policies", policies, "--state-dir", state],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout
+
+    cli("ca", "rotate")
+    new_root = mesh.ca().root_fingerprints()[-1]
+    failures = 0
+    conn = httpc.HTTPConnection(mesh.gateway, timeout=5)
+    bearer = token()
+
+    def hammer(until: Callable[[], bool]) -> int:
+        nonlocal failures
+        count = 0
+        while not until():
+            for _ in range(20):
+                conn.request("GET", "/v2/ca", headers={"authorization": f"Bearer {bearer}"})
+                response = conn.getresponse()
+                response.read()
+                failures += response.status != 200
+                count += 1
+        return count
+
+    def reissued() -> bool:
+        document = http(f"{mesh.admin}/debug/certs?node={node}").json()
+        edge = http(f"{mesh.admin}/debug/certs?node=edge.ingress").json()
+        return bool(document["issuer_root"] == new_root == edge["issuer_root"])
+
+    sent = hammer(reissued)
+    # During the overlap a certificate from the old root is still accepted.
+    overlap = direct(mesh, old_client, token())
+    assert isinstance(overlap, Reply) and overlap.status == 200, overlap
+    cli("ca", "retire")
+    sent += hammer(
+        lambda: len(http(f"{mesh.admin}/debug/certs?node={node}").json()["trusted_roots"]) == 1
+    )
+    import time
+
+    time.sleep(1)  # let the sidecar apply the one-root bundle
+    sent += hammer(lambda: True) or 0
+    assert failures == 0, f"{failures} of {sent} failed during the CA rotation"
+    retired = direct(mesh, old_client, token())
+    assert isinstance(retired, str), f"a certificate from the retired root was accepted: {retired}"

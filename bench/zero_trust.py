@@ -1,0 +1,235 @@
+"""Zero-trust overhead through the same two Envoys (gateway -> sidecar) in one run.
+
+`meshfn up` runs a gateway Envoy and one sidecar Envoy in front of an upstream. The policy set
+alternates between "secure" (mTLS STRICT between the Envoys, JWT validated and RBAC evaluated at
+the sidecar) and "plain" (mTLS DISABLE, no RequestAuthentication or AuthorizationPolicy); each
+switch is a hot policy reload, so the very same Envoy processes serve both. Per round: sequential
+requests on one kept-alive connection (latency), and the CPU both Envoys spent (from /proc). Also
+measures how many workload certificates the CA issues per second.
+
+Prints one line:
+  zero_trust: p50_overhead_us=… p99_overhead_us=… cpu_per_req_us=… certs_per_s=…
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import http.client
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from meshfn.control_plane.identity.ca import CertificateAuthority
+from meshfn.control_plane.identity.spiffe import SpiffeId
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from xds_push import MESHFN, free_ports, percentile, stop, write_atomic
+
+HERE = Path(__file__).resolve().parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+BASE = """\
+apiVersion: meshfn.io/v1alpha1
+kind: Mesh
+metadata: {{name: zt-bench}}
+spec: {{trustDomain: bench.local, ports: {{xds: {xds}, admin: {admin}}}}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Gateway
+metadata: {{name: edge, namespace: ingress}}
+spec: {{adminPort: {envoy_admin}, listeners: [{{name: http, port: {listener}}}]}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Service
+metadata: {{name: model}}
+spec: {{port: {app}, endpoints: [{{address: 127.0.0.1, sidecar: {{port: {sidecar}}}}}]}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Route
+metadata: {{name: model}}
+spec: {{gateway: ingress/edge, destination: {{service: model}}}}
+"""
+
+SECURE = """\
+apiVersion: meshfn.io/v1alpha1
+kind: RequestAuthentication
+metadata: {{name: jwt}}
+spec:
+  selector: {{service: model}}
+  jwtRules:
+    - issuer: https://issuer.meshfn.local
+      audiences: [meshfn]
+      jwks: '{jwks}'
+---
+apiVersion: meshfn.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {{name: allow}}
+spec:
+  selector: {{service: model}}
+  rules:
+    - from: [{{source: {{principals: [bench.local/ns/ingress/sa/edge],
+                         requestPrincipals: ["https://issuer.meshfn.local/*"]}}}}]
+      to: [{{operation: {{methods: [GET], paths: ["/v2/*"]}}}}]
+      when: [{{key: "request.auth.claims[tenant]", values: [acme]}}]
+"""
+
+PLAIN = """\
+apiVersion: meshfn.io/v1alpha1
+kind: PeerAuthentication
+metadata: {name: plaintext}
+spec:
+  selector: {service: model}
+  mtls: {mode: DISABLE}
+"""
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total
+
+
+def measure(port: int, token: str, requests: int, pids: list[int]) -> dict[str, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    headers = {"authorization": f"Bearer {token}"}
+    for _ in range(200):  # warm the connections (client->gateway, gateway->sidecar)
+        conn.request("GET", "/v2/warm", headers=headers)
+        conn.getresponse().read()
+    latencies = []
+    cpu_before = cpu_ticks(pids)
+    for _ in range(requests):
+        started = time.perf_counter()
+        conn.request("GET", "/v2/models/m/infer", headers=headers)
+        response = conn.getresponse()
+        response.read()
+        latencies.append((time.perf_counter() - started) * 1e6)
+        if response.status != 200:
+            raise RuntimeError(f"request failed: {response.status}")
+    cpu = (cpu_ticks(pids) - cpu_before) / TICK
+    conn.close()
+    return {
+        "p50_us": statistics.median(latencies),
+        "p99_us": percentile(latencies, 99),
+        "cpu_per_req_us": cpu / requests * 1e6,
+    }
+
+
+def wait_until(what: str, probe: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if probe():
+                return
+        except (OSError, http.client.HTTPException, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def certs_per_second(work: Path, seconds: float = 2.0) -> float:
+    ca = CertificateAuthority(work / "bench-ca", "bench.local")
+    identity = SpiffeId("bench.local", "default", "model")
+    issued = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        ca.issue(identity, dt.timedelta(hours=1))
+        issued += 1
+    return issued / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=3000, help="per round")
+    parser.add_argument("--rounds", type=int, default=3, help="secure/plain pairs")
+    parser.add_argument("--json", type=Path, default=HERE / "results" / "zero_trust.json")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="meshfn-zt-") as tmp:
+        work = Path(tmp)
+        names = ["xds", "admin", "envoy_admin", "listener", "app", "sidecar"]
+        ports = dict(zip(names, free_ports(len(names)), strict=True))
+        policies = work / "policies"
+        policies.mkdir()
+        (policies / "base.yaml").write_text(BASE.format(**ports))
+        state = work / "state"
+        from meshfn.control_plane.identity.issuer import LocalIssuer
+
+        issuer = LocalIssuer(state / "issuer")
+        token = issuer.issue("bench", ["meshfn"], {"tenant": "acme"}, dt.timedelta(hours=2))
+        secure = SECURE.format(jwks=json.dumps(issuer.jwks()))
+        write_atomic(policies / "security.yaml", secure)
+        log = (work / "up.log").open("wb")
+        up = subprocess.Popen(
+            [MESHFN, "up", "--policies", str(policies), "--state-dir", str(state),
+             "--envoy-concurrency", "1", "--log-level", "warning"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            wait_until("meshfn up", (state / "state.json").exists, 60)
+            children = json.loads((state / "state.json").read_text())["children"]
+            pids = [pid for name, pid in children.items() if name.startswith("envoy")]
+            assert len(pids) == 2, children
+
+            def answers(expected_tls: bool) -> bool:
+                conn = http.client.HTTPConnection("127.0.0.1", ports["listener"], timeout=2)
+                conn.request("GET", "/v2/x", headers={"authorization": f"Bearer {token}"})
+                response = conn.getresponse()
+                body = json.loads(response.read())
+                conn.close()
+                return response.status == 200 and bool(body["client_cert"]) == expected_tls
+
+            rounds: dict[str, list[dict[str, float]]] = {"secure": [], "plain": []}
+            for _ in range(args.rounds):
+                for mode in ("secure", "plain"):
+                    write_atomic(policies / "security.yaml", secure if mode == "secure" else PLAIN)
+                    wait_until(f"{mode} config", lambda m=mode: answers(m == "secure"))
+                    time.sleep(0.3)
+                    rounds[mode].append(measure(ports["listener"], token, args.requests, pids))
+        finally:
+            up.send_signal(signal.SIGTERM)
+            stop(up)
+            log.close()
+        certs = certs_per_second(work)
+
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in rounds[mode])
+
+    result = {
+        "rounds": rounds,
+        "secure": {k: med("secure", k) for k in ("p50_us", "p99_us", "cpu_per_req_us")},
+        "plain": {k: med("plain", k) for k in ("p50_us", "p99_us", "cpu_per_req_us")},
+        "certs_per_s": certs,
+        "requests_per_round": args.requests,
+    }
+    result["p50_overhead_us"] = result["secure"]["p50_us"] - result["plain"]["p50_us"]
+    result["p99_overhead_us"] = result["secure"]["p99_us"] - result["plain"]["p99_us"]
+    result["cpu_overhead_us"] = (
+        result["secure"]["cpu_per_req_us"] - result["plain"]["cpu_per_req_us"]
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(
+        f"zero_trust: p50_overhead_us={result['p50_overhead_us']:.0f} "
+        f"p99_overhead_us={result['p99_overhead_us']:.0f} "
+        f"cpu_per_req_us={result['secure']['cpu_per_req_us']:.0f} "
+        f"certs_per_s={certs:.0f} "
+        f"cpu_overhead_us={result['cpu_overhead_us']:.0f} "
+        f"secure_p50_us={result['secure']['p50_us']:.0f} plain_p50_us={result['plain']['p50_us']:.0f}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

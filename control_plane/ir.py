@@ -39,6 +39,56 @@ class Endpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class Outlier:
+    consecutive_5xx: int
+    consecutive_gateway: int
+    interval: timedelta
+    base_ejection_time: timedelta
+    max_ejection_percent: int
+
+
+@dataclass(frozen=True, slots=True)
+class CircuitBreakers:
+    max_connections: int | None = None
+    max_pending_requests: int | None = None
+    max_requests: int | None = None
+    max_retries: int | None = None
+    retry_budget_percent: float | None = None
+    retry_budget_min_concurrency: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheck:
+    path: str
+    interval: timedelta
+    timeout: timedelta
+    unhealthy_threshold: int
+    healthy_threshold: int
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficPolicy:
+    """How a gateway reaches a service: which endpoints first, when to give up on one."""
+
+    locality_failover: bool = False
+    failover_regions: tuple[tuple[str, str], ...] = ()  # (from region, to region)
+    outlier: Outlier | None = None
+    breakers: CircuitBreakers | None = None
+    health_check: HealthCheck | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Drift:
+    threshold_percent: float
+    min_samples: int
+    window: timedelta
+    baseline_window: timedelta
+    cold_start_baseline: timedelta | None
+    recover_after: timedelta
+    probe_percent: int
+
+
+@dataclass(frozen=True, slots=True)
 class Service:
     name: str
     namespace: str
@@ -47,6 +97,9 @@ class Service:
     connect_timeout: timedelta
     endpoints: tuple[Endpoint, ...]
     identity: str = ""  # SPIFFE ID of the service's workloads
+    traffic: TrafficPolicy | None = None
+    fallback: tuple[str, ...] = ()  # Service keys tried in order after this one (flattened)
+    drift: Drift | None = None
 
     @property
     def key(self) -> str:
@@ -205,6 +258,14 @@ class Workload:
         if self.inbound is not None:
             return f"{self.name}.{self.namespace}:{self.inbound.port}"
         return f"{self.name}.{self.namespace}"
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """Runtime state layered over the policies (never written back to them): routes the drift
+    breaker has sent down their fallback chain."""
+
+    degraded_routes: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

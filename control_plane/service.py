@@ -17,15 +17,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from envoy.data.accesslog.v3 import accesslog_pb2
+
+from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import Snapshot, SnapshotCache, prepare
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
 from meshfn.xds.translate import translate
+from meshfn.xds.translate.clusters import fallback_cluster_name
+from meshfn.xds.translate.listeners import LATENCY_LOG
 
+from .health.drift import DriftBreaker, Transition, WatchedRoute
 from .identity.bootstrap_token import BootstrapTokens
 from .identity.issuer import LocalIssuer
 from .identity.manager import IdentityManager
-from .ir import MeshModel
+from .ir import MeshModel, Overlay
+from .ir import cluster_name as ir_cluster_name
 from .policy import PolicyError, PolicyErrors, PolicyLoader
 from .policy.loader import POLICY_SUFFIXES
 from .policy.watch import watch_directory
@@ -49,6 +56,30 @@ class PolicyState:
     loaded_at: float = 0.0
     errors: list[PolicyError] = field(default_factory=list)
     failed_at: float = 0.0
+
+
+def watched_routes(model: MeshModel) -> list[WatchedRoute]:
+    """Gateway routes whose destination has a drift breaker, and the clusters (the primary,
+    and the aggregate that starts with it) whose latency is the primary's."""
+    out = {}
+    for workload in model.workloads:
+        for listener in workload.listeners:
+            for route in listener.routes:
+                service = model.service(route.service)
+                if service.drift is None:
+                    continue
+                chain = tuple(ir_cluster_name(key) for key in service.fallback)
+                out[route.key] = WatchedRoute(
+                    route=route.key,
+                    primary_clusters=frozenset(
+                        {
+                            service.cluster_name,
+                            fallback_cluster_name((service.cluster_name, *chain)),
+                        }
+                    ),
+                    settings=service.drift,
+                )
+    return list(out.values())
 
 
 def tune_gc() -> None:
@@ -81,6 +112,11 @@ class ControlPlane:
         self.issuer = LocalIssuer(self.state_dir / "issuer")
         self.identity: IdentityManager | None = None
         self.ads = AdsServer(self.cache, self.metrics, authenticate=self.tokens.verify)
+        self.drift = DriftBreaker()
+        self.overlay = Overlay()
+        self.als = AccessLogReceiver(self.ads.is_connected)
+        self.als.subscribe(LATENCY_LOG, self._on_latency)
+        self.ads.add_handler(self.als.handler())
         self.model: MeshModel | None = None
         self.state = PolicyState()
         self.xds_port = 0
@@ -114,9 +150,10 @@ class ControlPlane:
         issued = identity.ensure(w.identity for w in model.workloads)
         self.metrics.certificates.inc(len(issued))
         snapshots = []
+        overlay = self.overlay
         for workload in model.workloads:
             resources = translate(
-                model, workload.node_cluster, identity.credentials(workload.identity)
+                model, workload.node_cluster, identity.credentials(workload.identity), overlay
             )
             assert resources is not None
             snapshots.append(
@@ -145,6 +182,53 @@ class ControlPlane:
         if changed:
             log.info("pushed renewed certificates to %s", ", ".join(changed))
         return changed
+
+    def _on_latency(self, _node: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        common = entry.common_properties
+        timing = common.time_to_last_downstream_tx_byte
+        if not common.HasField("time_to_last_downstream_tx_byte"):
+            timing = common.duration
+        self.drift.observe(
+            common.route_name,
+            common.upstream_cluster,
+            timing.ToNanoseconds() / 1e9,
+            time.monotonic(),
+        )
+
+    async def apply_drift(self) -> list[Transition]:
+        """Evaluate the drift breaker; when a route trips or recovers, re-translate with the
+        new overlay and push (only the route tables change)."""
+        transitions = self.drift.evaluate(time.monotonic())
+        for transition in transitions:
+            self.metrics.drift_transitions.labels(transition.route, transition.to).inc()
+            self.metrics.route_degraded.labels(transition.route).set(transition.to == "degraded")
+        degraded = self.drift.degraded()
+        if degraded == self.overlay.degraded_routes:
+            return transitions
+        async with self._lock:
+            self.overlay = Overlay(degraded_routes=degraded)
+            model = self.model
+            if model is None:
+                return transitions
+            started = time.perf_counter()
+            snapshots = await asyncio.to_thread(self._snapshots, model)
+            changed = [s.group for s in snapshots if self.cache.publish(s)]
+        log.info(
+            "pushed %d degraded route(s) to %s (%.1f ms)",
+            len(degraded),
+            ", ".join(changed) or "no proxy",
+            (time.perf_counter() - started) * 1000,
+        )
+        return transitions
+
+    async def drift_forever(self, stop: asyncio.Event, interval: float = 0.2) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            try:
+                await self.apply_drift()
+            except Exception:
+                log.exception("evaluating the drift breaker failed; retrying")
 
     async def rotate_credentials_forever(self, stop: asyncio.Event) -> None:
         """Check a few times per certificate half-life (at least every 5 s)."""
@@ -191,6 +275,7 @@ class ControlPlane:
             self.metrics.translate_seconds.observe(seconds)
             self.metrics.reloads.labels("ok").inc()
             previous, self.model = self.model, model
+            self.drift.configure(watched_routes(model))
             self.state.errors = []
             self.state.loaded_at = time.time()
             if changed or removed or previous is None:

@@ -110,9 +110,9 @@ def test_responses_are_shared_bytes_and_nonces() -> None:
 
 def test_translation_of_examples_round_trips_through_any() -> None:
     model = load_policies(EXAMPLES)
-    resources = translate(model, "edge.default")
+    resources = translate(model, "edge.ingress")
     assert resources is not None
-    snapshot = prepare("edge.default", resources)
+    snapshot = prepare("edge.ingress", resources)
     for type_url in (LISTENER, ROUTE, CLUSTER, ENDPOINT):
         for name, resource in snapshot.types[type_url].resources.items():
             entry = discovery_pb2.DiscoveryResponse.FromString(resource.sotw_entry).resources[0]

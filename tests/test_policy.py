@@ -63,7 +63,12 @@ def errors_for(tmp_path: Path, extra: str, name: str = "zz-extra.yaml") -> list[
 def test_examples_load() -> None:
     model = load_policies(EXAMPLES)
     assert model.name == "demo"
-    assert [w.node_cluster for w in model.workloads] == ["edge.default"]
+    assert [w.node_cluster for w in model.workloads] == [
+        "edge.ingress",
+        "classifier.default:15101",
+        "classifier.default:15102",
+        "embedder.default:15201",
+    ]
     assert {s.key for s in model.services} == {"default/classifier", "default/embedder"}
 
 
@@ -255,7 +260,7 @@ SCHEMA_CASES = [
         "apiVersion: meshfn.io/v1alpha1\nkind: Widget\n",
         2,
         "kind",
-        "unknown kind 'Widget'; known kinds: AuthorizationPolicy, Gateway, Mesh, PeerAuthentication, RequestAuthentication, Route, Service",
+        "unknown kind 'Widget'; known kinds: AuthorizationPolicy, FallbackPolicy, Gateway, Mesh, PeerAuthentication, RequestAuthentication, Route, Service",
     ),
     (
         "apiVersion: meshfn.io/v1alpha1\nmetadata: {name: x}\n",

@@ -73,16 +73,17 @@ def test_validate_ok_and_errors(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "no such file or directory" in missing.stderr
 
 
-def test_translate_and_bootstrap() -> None:
+def test_translate_and_bootstrap(tmp_path: Path) -> None:
     out = run("translate", str(EXAMPLES))
     assert out.returncode == 0
     doc = yaml.safe_load(out.stdout)
-    assert set(doc["edge.default"]) == {"listeners", "routes", "clusters", "endpoints"}
+    assert set(doc["edge.ingress"]) == {"listeners", "routes", "clusters", "endpoints"}
+    assert set(doc["classifier.default:15101"]) == {"listeners", "clusters"}
     unknown = run("translate", str(EXAMPLES), "--workload", "ghost.default")
     assert unknown.returncode == 1 and "no workload 'ghost.default'" in unknown.stderr
-    boot = run("bootstrap", "edge.default", "--policies", str(EXAMPLES))
+    boot = run("bootstrap", "edge.ingress", "--policies", str(EXAMPLES), "--state-dir", str(tmp_path))
     assert boot.returncode == 0
-    assert json.loads(boot.stdout)["node"]["cluster"] == "edge.default"
+    assert json.loads(boot.stdout)["node"]["cluster"] == "edge.ingress"
 
 
 @pytest.mark.parametrize("command", [["status"], ["config-dump", "edge.default"]])

@@ -19,8 +19,8 @@ def test_unknown_workload_gets_nothing() -> None:
 
 def test_unchanged_ir_yields_identical_messages() -> None:
     model = load_policies(EXAMPLES)
-    first = translate(model, "edge.default")
-    second = translate(load_policies(EXAMPLES), "edge.default")
+    first = translate(model, "edge.ingress")
+    second = translate(load_policies(EXAMPLES), "edge.ingress")
     assert first is not None and second is not None
     for type_url in (LISTENER, ROUTE, CLUSTER, ENDPOINT):
         for name, message in first[type_url].items():
@@ -29,21 +29,21 @@ def test_unchanged_ir_yields_identical_messages() -> None:
 
 def test_a_changed_endpoint_changes_only_its_assignment() -> None:
     model = load_policies(EXAMPLES)
-    first = translate(model, "edge.default")
+    first = translate(model, "edge.ingress")
     service = model.service("default/embedder")
     moved = dataclasses.replace(
-        service, endpoints=(dataclasses.replace(service.endpoints[0], port=9299),)
+        service, endpoints=(dataclasses.replace(service.endpoints[0], sidecar_port=15299),)
     )
     changed = dataclasses.replace(
         model, services=tuple(moved if s.key == service.key else s for s in model.services)
     )
-    second = translate(changed, "edge.default")
+    second = translate(changed, "edge.ingress")
     assert first is not None and second is not None
     assert second[ENDPOINT]["embedder.default"] is not first[ENDPOINT]["embedder.default"]
     assert second[ENDPOINT]["classifier.default"] is first[ENDPOINT]["classifier.default"]
     assert second[CLUSTER]["embedder.default"] is first[CLUSTER]["embedder.default"]
     port = second[ENDPOINT]["embedder.default"].endpoints[0].lb_endpoints[0].endpoint.address
-    assert port.socket_address.port_value == 9299
+    assert port.socket_address.port_value == 15299  # reached through its sidecar
 
 
 def test_methods_become_one_header_matcher() -> None:

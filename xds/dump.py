@@ -17,7 +17,9 @@ REDACTED = "[redacted]"
 
 def message_to_plain(message: Message) -> Any:
     # MessageToDict returns OrderedDicts for Any payloads; a JSON round trip yields plain types.
-    return json.loads(json_format.MessageToJson(message, indent=None, sort_keys=False))
+    # sort_keys: protobuf map fields (Struct, typed_extension_protocol_options) iterate in a
+    # per-process order; sorting makes dumps and golden files stable.
+    return json.loads(json_format.MessageToJson(message, indent=None, sort_keys=True))
 
 
 def resources_to_plain(

@@ -171,6 +171,7 @@ class AdsServer:
         self.cache = cache
         self.metrics = metrics or Metrics()
         self.authenticate = authenticate
+        self._extra_handlers: list[grpc.GenericRpcHandler] = []
         self._streams: dict[int, Stream] = {}
         self._server: grpc.aio.Server | None = None
         # Labelled metric children, resolved once: labels() costs microseconds per call.
@@ -216,7 +217,7 @@ class AdsServer:
                 ),
             },
         )
-        server.add_generic_rpc_handlers((handler,))
+        server.add_generic_rpc_handlers((handler, *self._extra_handlers))
         bound = server.add_insecure_port(f"{address}:{port}")
         if bound == 0:
             raise OSError(f"cannot bind the ADS server to {address}:{port}")
@@ -224,6 +225,13 @@ class AdsServer:
         self._server = server
         log.info("ADS listening", extra={"address": f"{address}:{bound}"})
         return bound
+
+    def add_handler(self, handler: grpc.GenericRpcHandler) -> None:
+        """Serve another gRPC service on the ADS port (call before start)."""
+        self._extra_handlers.append(handler)
+
+    def is_connected(self, node_id: str) -> bool:
+        return any(s.status.node_id == node_id for s in self._streams.values())
 
     async def stop(self, grace: float = 1.0) -> None:
         if self._server is not None:

@@ -107,6 +107,18 @@ class Metrics:
         self.certificates = Counter(
             "meshfn_certificates_issued", "Workload certificates issued or renewed", registry=r
         )
+        self.route_degraded = Gauge(
+            "meshfn_route_degraded",
+            "1 while the drift breaker sends a route down its chain",
+            ["route"],
+            registry=r,
+        )
+        self.drift_transitions = Counter(
+            "meshfn_drift_transitions",
+            "Drift breaker trips and recoveries",
+            ["route", "to"],
+            registry=r,
+        )
         self.snapshots = Gauge(
             "meshfn_xds_snapshot_resources",
             "Resources in the current snapshot",

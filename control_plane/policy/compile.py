@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import ir
+from . import fallback
 from .errors import PolicyError
 from .model import Gateway, Locality, Mesh, Route, Service
 from .references import resolve_gateway, where
@@ -113,6 +114,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
             )
 
     security = Security(items)
+    fallback_policies = fallback.policies_by_service(items)
     errors: list[PolicyError] = []
     workloads = []
     for key, gw_item in sorted(gateways.items()):
@@ -161,6 +163,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     ):
         assert isinstance(item.obj, Service) and isinstance(item.lowered, ir.Service)
         service = security.secure_service(item.lowered, item.obj.spec.serviceAccount or item.name)
+        service = fallback.apply(service, fallback_policies)
         services.append(service)
         workloads.extend(_sidecars(service, security))
     return ir.MeshModel(

@@ -469,6 +469,141 @@ class AuthorizationPolicy(Strict):
     spec: AuthorizationPolicySpec
 
 
+# ---------------------------------------------------------------- topology fallback
+
+
+class OutlierDetection(Strict):
+    """Passive health: eject an endpoint after consecutive failures (connection failures count
+    as gateway errors and 5xx), like Istio's DestinationRule.outlierDetection."""
+
+    consecutive5xxErrors: Annotated[int, Field(ge=0, le=1000)] = 5
+    consecutiveGatewayErrors: Annotated[int, Field(ge=0, le=1000)] = 0
+    interval: Duration = timedelta(seconds=1)
+    baseEjectionTime: Duration = timedelta(seconds=30)
+    maxEjectionPercent: Annotated[int, Field(ge=0, le=100)] = 100
+
+    @model_validator(mode="after")
+    def _sane(self) -> Self:
+        if self.interval <= timedelta(0) or self.baseEjectionTime <= timedelta(0):
+            raise ValueError("interval and baseEjectionTime must be positive")
+        if self.consecutive5xxErrors == 0 and self.consecutiveGatewayErrors == 0:
+            raise ValueError("set consecutive5xxErrors or consecutiveGatewayErrors above 0")
+        return self
+
+
+class CircuitBreakers(Strict):
+    maxConnections: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    maxPendingRequests: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    maxRequests: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    maxRetries: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+
+
+class RetryBudget(Strict):
+    """Retries may add at most `percent` of active requests (Envoy's retry budget)."""
+
+    percent: Annotated[float, Field(gt=0, le=100)] = 20.0
+    minRetryConcurrency: Annotated[int, Field(ge=0, le=10_000)] = 3
+
+
+class HealthCheck(Strict):
+    """Active HTTP health checks."""
+
+    path: HttpPath = "/"
+    interval: Duration = timedelta(seconds=1)
+    timeout: Duration = timedelta(milliseconds=500)
+    unhealthyThreshold: Annotated[int, Field(ge=1, le=100)] = 2
+    healthyThreshold: Annotated[int, Field(ge=1, le=100)] = 1
+
+    @model_validator(mode="after")
+    def _sane(self) -> Self:
+        if self.interval <= timedelta(0) or self.timeout <= timedelta(0):
+            raise ValueError("interval and timeout must be positive")
+        return self
+
+
+class RegionFailover(Strict):
+    from_: LocalityName = Field(alias="from")
+    to: LocalityName
+
+
+class LocalityLb(Strict):
+    """Prefer endpoints near the calling proxy: same node, then zone, then region, then the
+    `failover` region, then anywhere (EDS priorities)."""
+
+    enabled: bool = True
+    failover: list[RegionFailover] = Field(default_factory=list)
+
+
+class DriftBreaker(Strict):
+    """Trips a route to its fallback chain when its latency drifts above its own baseline."""
+
+    threshold: Annotated[float, Field(gt=0, le=1000)] = Field(
+        40.0, description="percent above the baseline p95 that trips the breaker"
+    )
+    minSamples: Annotated[int, Field(ge=5, le=100_000)] = 20
+    window: Duration = Field(timedelta(seconds=3), description="recent samples compared")
+    baselineWindow: Duration = Field(timedelta(seconds=60), description="what normal looks like")
+    coldStartBaseline: Duration | None = Field(
+        None, description="baseline p95 to assume until the baseline has minSamples"
+    )
+    recoverAfter: Duration = Field(
+        timedelta(seconds=5), description="sustained healthy time before traffic returns"
+    )
+    probePercent: Annotated[int, Field(ge=1, le=50)] = Field(
+        5, description="traffic still sent to the primary while tripped, to see it recover"
+    )
+
+    @model_validator(mode="after")
+    def _windows(self) -> Self:
+        if self.window <= timedelta(0) or self.recoverAfter <= timedelta(0):
+            raise ValueError("window and recoverAfter must be positive")
+        if self.baselineWindow < self.window:
+            raise ValueError("baselineWindow must not be shorter than window")
+        return self
+
+
+class FallbackPolicySpec(Strict):
+    service: Name = Field(description="the primary service, in this namespace")
+    locality: LocalityLb | None = None
+    outlierDetection: OutlierDetection | None = None
+    circuitBreakers: CircuitBreakers | None = None
+    retryBudget: RetryBudget | None = None
+    healthCheck: HealthCheck | None = None
+    chain: Annotated[list[Name], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="services tried in order when the primary has no healthy endpoint",
+    )
+    maxFallbackDepth: Annotated[int, Field(ge=1, le=16)] = 3
+    driftBreaker: DriftBreaker | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.service in self.chain:
+            raise ValueError(f"the chain contains the primary service {self.service!r} itself")
+        if len(set(self.chain)) != len(self.chain):
+            raise ValueError("the chain names a service twice")
+        if self.driftBreaker is not None and not self.chain:
+            raise ValueError("driftBreaker needs a chain to send traffic to")
+        if (
+            self.locality is not None
+            and self.locality.enabled
+            and self.outlierDetection is None
+            and self.healthCheck is None
+        ):
+            raise ValueError(
+                "locality failover needs outlierDetection or healthCheck: without them Envoy "
+                "never sees the local endpoints fail"
+            )
+        return self
+
+
+class FallbackPolicy(Strict):
+    apiVersion: Literal["meshfn.io/v1alpha1"]
+    kind: Literal["FallbackPolicy"]
+    metadata: ObjectMeta
+    spec: FallbackPolicySpec
+
+
 PolicyObject = (
     Mesh
     | Gateway
@@ -477,6 +612,7 @@ PolicyObject = (
     | PeerAuthentication
     | RequestAuthentication
     | AuthorizationPolicy
+    | FallbackPolicy
 )
 
 KINDS: dict[str, type[PolicyObject]] = {
@@ -487,4 +623,5 @@ KINDS: dict[str, type[PolicyObject]] = {
     "PeerAuthentication": PeerAuthentication,
     "RequestAuthentication": RequestAuthentication,
     "AuthorizationPolicy": AuthorizationPolicy,
+    "FallbackPolicy": FallbackPolicy,
 }

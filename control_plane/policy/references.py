@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
 from .. import ir
 from .errors import PolicyError
+from .fallback import find_cycle, policies_by_service
 from .model import (
     AuthorizationPolicy,
+    FallbackPolicy,
     Gateway,
     Mesh,
     PeerAuthentication,
@@ -36,6 +39,7 @@ def check_references(items: list[Loaded]) -> list[PolicyError]:
     errors += _check_routes(items)
     errors += _check_ports(items)
     errors += _check_security(items)
+    errors += _check_fallback(items)
     return errors
 
 
@@ -87,7 +91,7 @@ def resolve_gateway(route: Loaded, gateways: dict[str, Loaded]) -> Loaded | Poli
     return found
 
 
-def _did_you_mean(key: str, known: dict[str, Loaded]) -> str:
+def _did_you_mean(key: str, known: Iterable[str]) -> str:
     hint = difflib.get_close_matches(key, list(known), n=1)
     return f" (did you mean {hint[0]}?)" if hint else ""
 
@@ -317,5 +321,75 @@ def _check_security(items: list[Loaded]) -> list[PolicyError]:
                     f"Service {item.namespace}/{selector.service} has no sidecars, so no mTLS "
                     "mode can be enforced for it: give its endpoints a sidecar",
                 )
+            )
+    return errors
+
+
+def _check_fallback(items: list[Loaded]) -> list[PolicyError]:
+    """Fallback chains must name real services, must not loop, and locality settings must
+    match localities that endpoints actually have."""
+    errors: list[PolicyError] = []
+    services = {f"{i.namespace}/{i.name}": i.obj for i in items if isinstance(i.obj, Service)}
+    seen: dict[str, Loaded] = {}
+    for item in items:
+        obj = item.obj
+        if not isinstance(obj, FallbackPolicy):
+            continue
+        spec = obj.spec
+        key = f"{item.namespace}/{spec.service}"
+        service = services.get(key)
+        if service is None:
+            errors.append(
+                item.error(
+                    ("spec", "service"),
+                    f"unknown Service {key}{_did_you_mean(key, services)}",
+                )
+            )
+            continue
+        if key in seen:
+            errors.append(
+                item.error(
+                    ("spec", "service"),
+                    f"a second FallbackPolicy for Service {key} ({seen[key].ref} at {where(seen[key])})",
+                )
+            )
+            continue
+        seen[key] = item
+        for i, name in enumerate(spec.chain):
+            if f"{item.namespace}/{name}" not in services:
+                errors.append(
+                    item.error(("spec", "chain", i), f"unknown Service {item.namespace}/{name}")
+                )
+        assert isinstance(service, Service)
+        regions = {
+            e.locality.region for e in service.spec.endpoints if e.locality and e.locality.region
+        }
+        if spec.locality is not None and spec.locality.enabled and not regions:
+            errors.append(
+                item.error(
+                    ("spec", "locality"),
+                    f"no endpoint of Service {key} declares a locality, so there is nothing to prefer",
+                )
+            )
+        if spec.locality is not None:
+            for i, rule in enumerate(spec.locality.failover):
+                if rule.to not in regions:
+                    errors.append(
+                        item.error(
+                            ("spec", "locality", "failover", i, "to"),
+                            f"no endpoint of Service {key} is in region {rule.to!r} "
+                            f"(its regions: {', '.join(sorted(regions)) or 'none'})",
+                        )
+                    )
+    if errors:
+        return errors
+    policies = policies_by_service(items)
+    reported: set[frozenset[str]] = set()
+    for key, item in policies.items():
+        cycle = find_cycle(key, policies)
+        if cycle and frozenset(cycle) not in reported:
+            reported.add(frozenset(cycle))
+            errors.append(
+                item.error(("spec", "chain"), "fallback chains form a cycle: " + " -> ".join(cycle))
             )
     return errors

@@ -30,6 +30,7 @@ def status_document(cp: ControlPlane) -> dict[str, Any]:
         "policy_failed_at": cp.state.failed_at if cp.state.errors else None,
         "workloads": [w.node_cluster for w in model.workloads] if model else [],
         "proxies": cp.ads.proxies(),
+        "routes": cp.drift.snapshot(time.monotonic()),
         "now": time.time(),
     }
 

@@ -19,9 +19,9 @@ from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import duration_pb2, json_format, struct_pb2
 
-from .. import ir
+from meshfn.xds.translate.common import CONTROL_PLANE_CLUSTER as XDS_CLUSTER
 
-XDS_CLUSTER = "meshfn-xds"
+from .. import ir
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ async def run_serve(
         if watch:
             tasks.append(asyncio.create_task(cp.watch(stop)))
         tasks.append(asyncio.create_task(cp.rotate_credentials_forever(stop)))
+        tasks.append(asyncio.create_task(cp.drift_forever(stop)))
         await stop.wait()
         return 0
     finally:

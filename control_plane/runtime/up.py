@@ -240,6 +240,7 @@ async def run_up(
     state_file = state_dir / "state.json"
     watcher: asyncio.Task[None] | None = None
     rotator: asyncio.Task[None] | None = None
+    drift: asyncio.Task[None] | None = None
     try:
         try:
             await cp.start()
@@ -267,6 +268,7 @@ async def run_up(
         )
         watcher = asyncio.create_task(cp.watch(stop))
         rotator = asyncio.create_task(cp.rotate_credentials_forever(stop))
+        drift = asyncio.create_task(cp.drift_forever(stop))
         table, tries = endpoints_table(model)
         console.print(table)
         console.print("try:")
@@ -289,7 +291,7 @@ async def run_up(
         return 0
     finally:
         stop.set()
-        for task in (watcher, rotator):
+        for task in (watcher, rotator, drift):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -6,17 +6,22 @@ from google.protobuf.message import Message
 
 from meshfn.control_plane import ir
 
-from .clusters import cluster
+from .clusters import cluster, fallback_cluster
 from .endpoints import load_assignment
 from .listeners import listener
 from .resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, Resources
-from .routes import route_configuration
+from .routes import route_configuration, target_for
 from .security import Credentials, jwks_cluster, jwks_uris, secrets
 from .sidecar import sidecar_resources
 
+NO_OVERLAY = ir.Overlay()
+
 
 def translate(
-    model: ir.MeshModel, node_cluster: str, credentials: Credentials | None = None
+    model: ir.MeshModel,
+    node_cluster: str,
+    credentials: Credentials | None = None,
+    overlay: ir.Overlay = NO_OVERLAY,
 ) -> Resources | None:
     """Everything an Envoy of workload `node_cluster` needs, or None for an unknown workload.
 
@@ -24,7 +29,8 @@ def translate(
     use (Istio's default without a Sidecar resource): when a route moves from one service to
     another, or Envoy NACKs a new route table and keeps the old one, the clusters the routes in
     force point at still exist. `credentials` (certificate, key, trust bundle) become the SDS
-    secrets; without them the secrets are left out (offline rendering, golden files).
+    secrets; without them the secrets are left out (offline rendering, golden files). `overlay`
+    carries runtime state such as routes the drift breaker has tripped.
     """
     workload = model.workload(node_cluster)
     if workload is None:
@@ -33,23 +39,45 @@ def translate(
     if workload.kind == "sidecar":
         out = sidecar_resources(workload)
     else:
-        services = model.services
-        clusters: dict[str, Message] = {s.cluster_name: cluster(s) for s in services}
-        for uri in jwks_uris(workload.jwt_rules):
-            jwks = jwks_cluster(uri)
-            clusters[jwks.name] = jwks
-        out = {
-            LISTENER: {
-                lst.name: listener(lst, workload.jwt_rules, workload.authz)
-                for lst in workload.listeners
-            },
-            ROUTE: {lst.name: route_configuration(lst) for lst in workload.listeners},
-            CLUSTER: clusters,
-            ENDPOINT: {s.cluster_name: load_assignment(s) for s in services},
-        }
+        out = _gateway(model, workload, overlay)
     if credentials is not None:
         out[SECRET] = dict(secrets(credentials))
     return out
+
+
+def _gateway(model: ir.MeshModel, workload: ir.Workload, overlay: ir.Overlay) -> Resources:
+    services = model.services
+    clusters: dict[str, Message] = {s.cluster_name: cluster(s) for s in services}
+    targets = {s.key: target_for(s) for s in services}
+    for service in services:
+        target = targets[service.key]
+        if target.chain:
+            members = [(target.cluster, *target.chain)]
+            if service.drift is not None and len(target.chain) > 1:
+                members.append(target.chain)
+            for group in members:
+                aggregate = fallback_cluster(group)
+                clusters[aggregate.name] = aggregate
+    for uri in jwks_uris(workload.jwt_rules):
+        jwks = jwks_cluster(uri)
+        clusters[jwks.name] = jwks
+    listeners: dict[str, Message] = {}
+    routes: dict[str, Message] = {}
+    for lst in workload.listeners:
+        used = sorted({r.service for r in lst.routes})
+        drift = any(model.service(key).drift is not None for key in used)
+        listeners[lst.name] = listener(lst, workload.jwt_rules, workload.authz, drift)
+        routes[lst.name] = route_configuration(
+            lst,
+            tuple((key, targets[key]) for key in used),
+            frozenset(r.key for r in lst.routes if r.key in overlay.degraded_routes),
+        )
+    return {
+        LISTENER: listeners,
+        ROUTE: routes,
+        CLUSTER: clusters,
+        ENDPOINT: {s.cluster_name: load_assignment(s, workload.locality) for s in services},
+    }
 
 
 __all__ = ["Credentials", "Resources", "translate"]

@@ -1,13 +1,17 @@
-"""Service -> Cluster (EDS, endpoints over ADS)."""
+"""Service -> Cluster (EDS, endpoints over ADS), with outlier detection, circuit breakers, a
+retry budget and active health checks; fallback chains as aggregate clusters."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 from functools import lru_cache
 
-from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import protocol_pb2
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import base_pb2, health_check_pb2, protocol_pb2
+from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.v3 import percent_pb2
+from google.protobuf import wrappers_pb2
 
 from meshfn.control_plane import ir
 
@@ -15,6 +19,7 @@ from .common import ads_source, duration, pack
 from .security import mtls_socket_match
 
 HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+AGGREGATE = "envoy.clusters.aggregate"
 
 
 def cluster(service: ir.Service) -> cluster_pb2.Cluster:
@@ -26,12 +31,21 @@ def cluster(service: ir.Service) -> cluster_pb2.Cluster:
         service.protocol,
         service.connect_timeout,
         service.identity if mtls else "",
+        service.traffic,
     )
+
+
+def _u32(value: int | None) -> wrappers_pb2.UInt32Value | None:
+    return wrappers_pb2.UInt32Value(value=value) if value is not None else None
 
 
 @lru_cache(maxsize=65536)
 def _cluster(
-    name: str, protocol: str, connect_timeout: timedelta, mtls_peer: str
+    name: str,
+    protocol: str,
+    connect_timeout: timedelta,
+    mtls_peer: str,
+    traffic: ir.TrafficPolicy | None,
 ) -> cluster_pb2.Cluster:
     out = cluster_pb2.Cluster(
         name=name,
@@ -51,4 +65,77 @@ def _cluster(
         # Endpoints whose sidecar speaks mTLS carry the match metadata (see endpoints.py); the
         # others (a sidecar in DISABLE mode) get plaintext. Istio's auto-mTLS works the same way.
         out.transport_socket_matches.append(mtls_socket_match(mtls_peer, protocol == "grpc"))
+    if traffic is not None:
+        _apply_traffic(out, traffic)
     return out
+
+
+def _apply_traffic(out: cluster_pb2.Cluster, traffic: ir.TrafficPolicy) -> None:
+    if traffic.outlier is not None:
+        o = traffic.outlier
+        out.outlier_detection.CopyFrom(
+            outlier_detection_pb2.OutlierDetection(
+                consecutive_5xx=wrappers_pb2.UInt32Value(value=o.consecutive_5xx or 1_000_000),
+                enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(
+                    value=100 if o.consecutive_5xx else 0
+                ),
+                consecutive_gateway_failure=wrappers_pb2.UInt32Value(
+                    value=o.consecutive_gateway or 1_000_000
+                ),
+                enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(
+                    value=100 if o.consecutive_gateway else 0
+                ),
+                interval=duration(o.interval),
+                base_ejection_time=duration(o.base_ejection_time),
+                max_ejection_percent=wrappers_pb2.UInt32Value(value=o.max_ejection_percent),
+                enforcing_success_rate=wrappers_pb2.UInt32Value(value=0),
+            )
+        )
+    if traffic.breakers is not None:
+        b = traffic.breakers
+        thresholds = circuit_breaker_pb2.CircuitBreakers.Thresholds(
+            priority=base_pb2.DEFAULT,
+            max_connections=_u32(b.max_connections),
+            max_pending_requests=_u32(b.max_pending_requests),
+            max_requests=_u32(b.max_requests),
+            max_retries=_u32(b.max_retries),
+        )
+        if b.retry_budget_percent is not None:
+            thresholds.retry_budget.CopyFrom(
+                circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
+                    budget_percent=percent_pb2.Percent(value=b.retry_budget_percent),
+                    min_retry_concurrency=_u32(b.retry_budget_min_concurrency),
+                )
+            )
+        out.circuit_breakers.CopyFrom(circuit_breaker_pb2.CircuitBreakers(thresholds=[thresholds]))
+    if traffic.health_check is not None:
+        h = traffic.health_check
+        out.health_checks.append(
+            health_check_pb2.HealthCheck(
+                timeout=duration(h.timeout),
+                interval=duration(h.interval),
+                unhealthy_threshold=wrappers_pb2.UInt32Value(value=h.unhealthy_threshold),
+                healthy_threshold=wrappers_pb2.UInt32Value(value=h.healthy_threshold),
+                http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=h.path),
+                no_traffic_interval=duration(h.interval),
+            )
+        )
+
+
+def fallback_cluster_name(members: tuple[str, ...]) -> str:
+    """An aggregate cluster is named by its members: routes can share it, and the name tells a
+    reader (and Envoy's stats) the order."""
+    return "fallback|" + ">".join(members)
+
+
+@lru_cache(maxsize=65536)
+def fallback_cluster(members: tuple[str, ...]) -> cluster_pb2.Cluster:
+    """Envoy's aggregate cluster: the first member with healthy hosts takes the traffic."""
+    return cluster_pb2.Cluster(
+        name=fallback_cluster_name(members),
+        connect_timeout=duration(timedelta(seconds=1)),
+        lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
+        cluster_type=cluster_pb2.Cluster.CustomClusterType(
+            name=AGGREGATE, typed_config=pack(aggregate_pb2.ClusterConfig(clusters=list(members)))
+        ),
+    )

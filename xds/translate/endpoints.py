@@ -1,4 +1,5 @@
-"""Service -> ClusterLoadAssignment, endpoints grouped by locality."""
+"""Service -> ClusterLoadAssignment: endpoints grouped by locality, with EDS priorities by
+proximity to the calling proxy when the service asks for locality failover."""
 
 from __future__ import annotations
 
@@ -14,19 +15,59 @@ from .common import socket_address
 from .security import tls_match_metadata
 
 
+def priority(
+    endpoint: ir.Locality, proxy: ir.Locality, failover: tuple[tuple[str, str], ...]
+) -> int:
+    """Istio's order: same node (sub-zone) 0, same zone 1, same region 2, the region a
+    `failover` rule names for the proxy's region 3, anywhere else 4."""
+    if endpoint.region == proxy.region and proxy.region:
+        if endpoint.zone == proxy.zone and proxy.zone:
+            if endpoint.sub_zone == proxy.sub_zone and proxy.sub_zone:
+                return 0
+            return 1
+        return 2
+    if (proxy.region, endpoint.region) in failover:
+        return 3
+    return 4
+
+
+NOWHERE = ir.Locality()
+
+
+def load_assignment(
+    service: ir.Service, proxy: ir.Locality = NOWHERE
+) -> endpoint_pb2.ClusterLoadAssignment:
+    traffic = service.traffic
+    if traffic is None or not traffic.locality_failover:
+        return _load_assignment(service, None)
+    # Memoised per proxy locality: every gateway in one locality shares the same assignment.
+    return _load_assignment(service, proxy)
+
+
 @lru_cache(maxsize=65536)
-def load_assignment(service: ir.Service) -> endpoint_pb2.ClusterLoadAssignment:
+def _load_assignment(
+    service: ir.Service, proxy: ir.Locality | None
+) -> endpoint_pb2.ClusterLoadAssignment:
     by_locality: dict[ir.Locality, list[ir.Endpoint]] = {}
     for endpoint in service.endpoints:
         by_locality.setdefault(endpoint.locality, []).append(endpoint)
+    failover = service.traffic.failover_regions if service.traffic else ()
+    ranked = {
+        loc: (priority(loc, proxy, failover) if proxy is not None else 0) for loc in by_locality
+    }
+    # EDS priorities must be contiguous from 0: renumber the ranks actually present.
+    levels = {rank: i for i, rank in enumerate(sorted(set(ranked.values())))}
     groups = []
-    for locality in sorted(by_locality, key=lambda loc: (loc.region, loc.zone, loc.sub_zone)):
+    for locality in sorted(
+        by_locality, key=lambda loc: (ranked[loc], loc.region, loc.zone, loc.sub_zone)
+    ):
         groups.append(
             endpoint_components_pb2.LocalityLbEndpoints(
                 locality=base_pb2.Locality(
                     region=locality.region, zone=locality.zone, sub_zone=locality.sub_zone
                 ),
                 lb_endpoints=[_lb_endpoint(e) for e in by_locality[locality]],
+                priority=levels[ranked[locality]],
             )
         )
     return endpoint_pb2.ClusterLoadAssignment(cluster_name=service.cluster_name, endpoints=groups)

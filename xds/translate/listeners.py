@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.core.v3 import config_source_pb2, grpc_service_pb2, substitution_format_string_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2 as grpc_als_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
-from google.protobuf import wrappers_pb2
+from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
 from meshfn.control_plane import ir
 
-from .common import ads_source, pack, socket_address
+from .common import CONTROL_PLANE_CLUSTER, ads_source, pack, socket_address
 from .routes import route_config_name
 from .security import jwt_filter, rbac_filters
 
@@ -33,11 +36,61 @@ def http_filters(
     return filters
 
 
+LATENCY_LOG = "meshfn-latency"
+
+
+def _latency_log() -> accesslog_pb2.AccessLog:
+    """Per-request timings streamed to the control plane (gRPC access-log service on the ADS
+    cluster): the drift breaker's input."""
+    config = grpc_als_pb2.HttpGrpcAccessLogConfig(
+        common_config=grpc_als_pb2.CommonGrpcAccessLogConfig(
+            log_name=LATENCY_LOG,
+            grpc_service=grpc_service_pb2.GrpcService(
+                envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(
+                    cluster_name=CONTROL_PLANE_CLUSTER
+                )
+            ),
+            transport_api_version=config_source_pb2.ApiVersion.V3,
+            buffer_flush_interval=duration_pb2.Duration(nanos=100_000_000),
+            buffer_size_bytes=wrappers_pb2.UInt32Value(value=16384),
+        )
+    )
+    return accesslog_pb2.AccessLog(name="envoy.access_loggers.http_grpc", typed_config=pack(config))
+
+
+def _no_upstream_reply() -> hcm.LocalReplyConfig:
+    """Say which route and which fallback chain ran out, as JSON, instead of Envoy's bare
+    "no healthy upstream"."""
+    body = struct_pb2.Struct()
+    body.update(
+        {
+            "error": "no healthy upstream",
+            "route": "%ROUTE_NAME%",
+            "exhausted_chain": "%METADATA(ROUTE:meshfn:chain)%",
+            "response_flags": "%RESPONSE_FLAGS%",
+        }
+    )
+    return hcm.LocalReplyConfig(
+        mappers=[
+            hcm.ResponseMapper(
+                filter=accesslog_pb2.AccessLogFilter(
+                    response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=["UH", "UF", "URX"])
+                ),
+                status_code=wrappers_pb2.UInt32Value(value=503),
+                body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
+                    json_format=body, content_type="application/json"
+                ),
+            )
+        ]
+    )
+
+
 @lru_cache(maxsize=4096)
 def listener(
     listener: ir.Listener,
     jwt_rules: tuple[ir.JwtRule, ...] = (),
     authz: tuple[ir.AuthzPolicy, ...] = (),
+    latency_log: bool = False,
 ) -> listener_pb2.Listener:
     manager = hcm.HttpConnectionManager(
         stat_prefix=listener.name,
@@ -49,6 +102,8 @@ def listener(
         merge_slashes=True,
         strip_any_host_port=True,
         use_remote_address=wrappers_pb2.BoolValue(value=True),
+        local_reply_config=_no_upstream_reply(),
+        access_log=[_latency_log()] if latency_log else [],
     )
     return listener_pb2.Listener(
         name=listener.name,

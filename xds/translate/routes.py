@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
+from envoy.config.core.v3 import base_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
 from envoy.type.matcher.v3 import regex_pb2, string_pb2
-from google.protobuf import wrappers_pb2
+from google.protobuf import struct_pb2, wrappers_pb2
 
 from meshfn.control_plane import ir
+from meshfn.control_plane.ir import cluster_name
 
-from .common import duration
+from .clusters import fallback_cluster_name
+from .common import duration, pack
 
+ROUTE_METADATA = "meshfn"
 _PATH_RANK = {"exact": 0, "regex": 1, "prefix": 2}
 
 
@@ -67,19 +74,101 @@ def _match(match: ir.RouteMatch) -> rc.RouteMatch:
     return out
 
 
-def _action(route: ir.Route) -> rc.RouteAction:
-    action = rc.RouteAction(cluster=route.cluster)
+@dataclass(frozen=True)
+class Target:
+    """Where a route's destination service sends traffic: its cluster, its fallback chain and
+    the drift breaker's probe share (all derived from the Service, precomputed per translation)."""
+
+    cluster: str
+    chain: tuple[str, ...] = ()
+    probe_percent: int = 0
+    locality_failover: bool = False
+
+    @property
+    def normal_cluster(self) -> str:
+        return fallback_cluster_name((self.cluster, *self.chain)) if self.chain else self.cluster
+
+    @property
+    def degraded_cluster(self) -> str:
+        return fallback_cluster_name(self.chain) if len(self.chain) > 1 else self.chain[0]
+
+
+def target_for(service: ir.Service) -> Target:
+    return Target(
+        cluster=service.cluster_name,
+        chain=tuple(cluster_name(key) for key in service.fallback),
+        probe_percent=service.drift.probe_percent if service.drift else 0,
+        locality_failover=bool(service.traffic and service.traffic.locality_failover),
+    )
+
+
+def _action(route: ir.Route, target: Target, degraded: bool) -> rc.RouteAction:
+    action = rc.RouteAction()
+    if degraded and target.chain:
+        # Tripped by the drift breaker: most traffic goes down the chain, a probe share keeps
+        # measuring the primary so the breaker can see it recover.
+        action.weighted_clusters.CopyFrom(
+            rc.WeightedCluster(
+                clusters=[
+                    rc.WeightedCluster.ClusterWeight(
+                        name=target.cluster,
+                        weight=wrappers_pb2.UInt32Value(value=target.probe_percent),
+                    ),
+                    rc.WeightedCluster.ClusterWeight(
+                        name=target.degraded_cluster,
+                        weight=wrappers_pb2.UInt32Value(value=100 - target.probe_percent),
+                    ),
+                ]
+            )
+        )
+    else:
+        action.cluster = target.normal_cluster
     if route.timeout is not None:
         action.timeout.CopyFrom(duration(route.timeout))
     if route.retries is not None:
         retry = rc.RetryPolicy(
             retry_on=",".join(route.retries.retry_on),
             num_retries=wrappers_pb2.UInt32Value(value=route.retries.attempts),
+            # A retry should not pick the host (or, with locality failover, the priority)
+            # that just failed.
+            retry_host_predicate=[
+                rc.RetryPolicy.RetryHostPredicate(
+                    name="envoy.retry_host_predicates.previous_hosts",
+                    typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
+                )
+            ],
+            host_selection_retry_max_attempts=3,
         )
+        if target.locality_failover:
+            retry.retry_priority.CopyFrom(
+                rc.RetryPolicy.RetryPriority(
+                    name="envoy.retry_priorities.previous_priorities",
+                    typed_config=pack(
+                        previous_priorities_config_pb2.PreviousPrioritiesConfig(update_frequency=1)
+                    ),
+                )
+            )
         if route.retries.per_try_timeout is not None:
             retry.per_try_timeout.CopyFrom(duration(route.retries.per_try_timeout))
         action.retry_policy.CopyFrom(retry)
     return action
+
+
+def _metadata(target: Target) -> base_pb2.Metadata | None:
+    """The chain, for the JSON body of a 503 when every member is down (see listeners.py)."""
+    if not target.chain:
+        return None
+    return base_pb2.Metadata(
+        filter_metadata={
+            ROUTE_METADATA: struct_pb2.Struct(
+                fields={
+                    "chain": struct_pb2.Value(
+                        string_value=" > ".join((target.cluster, *target.chain))
+                    )
+                }
+            )
+        }
+    )
 
 
 def route_config_name(listener: ir.Listener) -> str:
@@ -87,7 +176,14 @@ def route_config_name(listener: ir.Listener) -> str:
 
 
 @lru_cache(maxsize=4096)
-def route_configuration(listener: ir.Listener) -> route_pb2.RouteConfiguration:
+def route_configuration(
+    listener: ir.Listener,
+    targets: tuple[tuple[str, Target], ...] = (),
+    degraded: frozenset[str] = frozenset(),
+) -> route_pb2.RouteConfiguration:
+    """`targets` maps the service keys the routes use to their Target (a tuple so the result
+    can be memoised); `degraded` holds route keys the drift breaker has tripped."""
+    by_target = dict(targets)
     by_host: dict[str, list[tuple[ir.Route, int]]] = {}
     for route in listener.routes:
         for host in route.hosts:
@@ -104,7 +200,12 @@ def route_configuration(listener: ir.Listener) -> route_pb2.RouteConfiguration:
                     rc.Route(
                         name=f"{route.key}/{index}",
                         match=_match(route.matches[index]),
-                        route=_action(route),
+                        route=_action(
+                            route,
+                            by_target.get(route.service, Target(route.cluster)),
+                            route.key in degraded,
+                        ),
+                        metadata=_metadata(by_target.get(route.service, Target(route.cluster))),
                     )
                     for route, index in entries
                 ],

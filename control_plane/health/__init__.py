@@ -1,0 +1,1 @@
+"""Health feedback: what Envoy reports about upstreams, fed back into the configuration."""

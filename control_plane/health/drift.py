@@ -1,0 +1,178 @@
+"""The drift breaker: per-route latency against the route's own baseline.
+
+Envoy streams every request's duration (gRPC access-log service); for each route with a
+`driftBreaker` we keep recent samples. The route trips when the p95 of the last `window` exceeds
+the baseline p95 (the `baselineWindow` before it, or `coldStartBaseline` until there are enough
+samples) by more than `threshold` percent. While tripped, the baseline is frozen and only the
+probe share of traffic still reaches the primary; the route recovers when the probe's p95 stays
+within half the threshold for `recoverAfter` (hysteresis, so a route does not flap).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import ir
+
+log = logging.getLogger("meshfn.drift")
+
+MAX_SAMPLES = 200_000
+
+
+def p95(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+@dataclass(frozen=True)
+class WatchedRoute:
+    """A route whose destination has a drift breaker: which clusters carry its primary."""
+
+    route: str  # Route.key
+    primary_clusters: frozenset[str]  # the primary, and the aggregate that starts with it
+    settings: ir.Drift
+
+
+@dataclass(frozen=True)
+class Transition:
+    route: str
+    to: str  # "degraded" | "healthy"
+    p95_ms: float
+    baseline_ms: float
+    at: float
+
+
+@dataclass
+class _State:
+    watched: WatchedRoute
+    samples: deque[tuple[float, float]] = field(default_factory=deque)  # (time, seconds)
+    degraded: bool = False
+    since: float = 0.0
+    frozen_baseline: float = 0.0
+    warm_baseline: float | None = None  # after a recovery, until the baseline refills
+    healthy_since: float | None = None
+    last_p95: float = 0.0
+    last_baseline: float = 0.0
+    transitions: int = 0
+
+
+class DriftBreaker:
+    def __init__(self) -> None:
+        self._routes: dict[str, _State] = {}
+
+    def configure(self, routes: Iterable[WatchedRoute]) -> None:
+        """Follow the routes of a new MeshModel; keep the history of routes that stay."""
+        wanted = {r.route: r for r in routes}
+        for key in list(self._routes):
+            if key not in wanted:
+                del self._routes[key]
+        for key, watched in wanted.items():
+            state = self._routes.get(key)
+            if state is None:
+                self._routes[key] = _State(watched)
+            else:
+                state.watched = watched
+
+    def observe(self, route_name: str, cluster: str, seconds: float, now: float) -> None:
+        """`route_name` is Envoy's route name ("namespace/name/match-index")."""
+        state = self._routes.get(route_name.rsplit("/", 1)[0])
+        if state is None or cluster not in state.watched.primary_clusters:
+            return
+        state.samples.append((now, seconds))
+        if len(state.samples) > MAX_SAMPLES:
+            state.samples.popleft()
+
+    def degraded(self) -> frozenset[str]:
+        return frozenset(k for k, s in self._routes.items() if s.degraded)
+
+    def evaluate(self, now: float) -> list[Transition]:
+        transitions = []
+        for key, state in self._routes.items():
+            settings = state.watched.settings
+            window = settings.window.total_seconds()
+            horizon = now - settings.baseline_window.total_seconds() - window
+            while state.samples and state.samples[0][0] < horizon:
+                state.samples.popleft()
+            recent = [v for t, v in state.samples if t >= now - window]
+            older = [v for t, v in state.samples if t < now - window]
+            threshold = settings.threshold_percent / 100
+            if not state.degraded:
+                baseline = self._baseline(state, older)
+                state.last_baseline = baseline or 0.0
+                if baseline is None or len(recent) < settings.min_samples:
+                    continue
+                state.last_p95 = p95(recent)
+                if state.last_p95 > baseline * (1 + threshold):
+                    state.degraded, state.since = True, now
+                    state.frozen_baseline, state.healthy_since = baseline, None
+                    transitions.append(self._transition(state, key, "degraded", now))
+            else:
+                needed = max(3, settings.min_samples // 4)  # the probe share is small
+                if len(recent) < needed:
+                    state.healthy_since = None
+                    continue
+                state.last_p95 = p95(recent)
+                if state.last_p95 > state.frozen_baseline * (1 + threshold / 2):
+                    state.healthy_since = None
+                    continue
+                if state.healthy_since is None:
+                    state.healthy_since = now
+                if now - state.healthy_since >= settings.recover_after.total_seconds():
+                    state.degraded, state.since = False, now
+                    state.warm_baseline = state.frozen_baseline
+                    state.samples.clear()  # the slow period must not become the new normal
+                    transitions.append(self._transition(state, key, "healthy", now))
+        return transitions
+
+    def _baseline(self, state: _State, older: list[float]) -> float | None:
+        settings = state.watched.settings
+        if len(older) >= settings.min_samples:
+            state.warm_baseline = None
+            return p95(older)
+        if state.warm_baseline is not None:
+            return state.warm_baseline
+        if settings.cold_start_baseline is not None:
+            return settings.cold_start_baseline.total_seconds()
+        return None
+
+    def _transition(self, state: _State, key: str, to: str, now: float) -> Transition:
+        state.transitions += 1
+        baseline = state.frozen_baseline or state.last_baseline
+        transition = Transition(key, to, state.last_p95 * 1000, baseline * 1000, now)
+        if to == "degraded":
+            log.warning(
+                "route %s degraded: p95 %.1f ms is more than %.0f%% above its baseline %.1f ms; "
+                "sending it down its fallback chain",
+                key,
+                transition.p95_ms,
+                state.watched.settings.threshold_percent,
+                transition.baseline_ms,
+            )
+        else:
+            log.info(
+                "route %s recovered: p95 %.1f ms near its baseline %.1f ms; traffic returns",
+                key,
+                transition.p95_ms,
+                transition.baseline_ms,
+            )
+        return transition
+
+    def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
+        return {
+            key: {
+                "state": "degraded" if s.degraded else "healthy",
+                "since_s": round(now - s.since, 3) if s.since else None,
+                "p95_ms": round(s.last_p95 * 1000, 3),
+                "baseline_ms": round(
+                    (s.frozen_baseline if s.degraded else s.last_baseline) * 1000, 3
+                ),
+                "samples": len(s.samples),
+                "transitions": s.transitions,
+            }
+            for key, s in sorted(self._routes.items())
+        }

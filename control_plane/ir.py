@@ -80,6 +80,7 @@ class TrafficPolicy:
 @dataclass(frozen=True, slots=True)
 class Drift:
     threshold_percent: float
+    min_increase: timedelta
     min_samples: int
     window: timedelta
     baseline_window: timedelta

@@ -24,7 +24,6 @@ from meshfn.xds.cache import Snapshot, SnapshotCache, prepare
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
 from meshfn.xds.translate import translate
-from meshfn.xds.translate.clusters import fallback_cluster_name
 from meshfn.xds.translate.listeners import LATENCY_LOG
 
 from .health.drift import DriftBreaker, Transition, WatchedRoute
@@ -32,7 +31,6 @@ from .identity.bootstrap_token import BootstrapTokens
 from .identity.issuer import LocalIssuer
 from .identity.manager import IdentityManager
 from .ir import MeshModel, Overlay
-from .ir import cluster_name as ir_cluster_name
 from .policy import PolicyError, PolicyErrors, PolicyLoader
 from .policy.loader import POLICY_SUFFIXES
 from .policy.watch import watch_directory
@@ -59,8 +57,9 @@ class PolicyState:
 
 
 def watched_routes(model: MeshModel) -> list[WatchedRoute]:
-    """Gateway routes whose destination has a drift breaker, and the clusters (the primary,
-    and the aggregate that starts with it) whose latency is the primary's."""
+    """Gateway routes whose destination has a drift breaker, and the clusters that carry its
+    primary: the service's own cluster and its per-locality tiers inside the fallback chain
+    (Envoy's access log names the member cluster that served a request)."""
     out = {}
     for workload in model.workloads:
         for listener in workload.listeners:
@@ -68,15 +67,10 @@ def watched_routes(model: MeshModel) -> list[WatchedRoute]:
                 service = model.service(route.service)
                 if service.drift is None:
                     continue
-                chain = tuple(ir_cluster_name(key) for key in service.fallback)
+                tiers = {f"{service.cluster_name}|p{level}" for level in range(5)}
                 out[route.key] = WatchedRoute(
                     route=route.key,
-                    primary_clusters=frozenset(
-                        {
-                            service.cluster_name,
-                            fallback_cluster_name((service.cluster_name, *chain)),
-                        }
-                    ),
+                    primary_clusters=frozenset({service.cluster_name, *tiers}),
                     settings=service.drift,
                 )
     return list(out.values())

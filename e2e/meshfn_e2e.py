@@ -261,13 +261,15 @@ class Processes:
             proc.stop()
 
 
-def proxies(policies: Policies) -> list[dict[str, Any]]:
-    result: list[dict[str, Any]] = http(policies.admin + "/debug/status").json()["proxies"]
+def proxies(policies: Policies | str) -> list[dict[str, Any]]:
+    """Connected proxies, from a Policies or an admin URL."""
+    admin = policies if isinstance(policies, str) else policies.admin
+    result: list[dict[str, Any]] = http(admin + "/debug/status").json()["proxies"]
     return result
 
 
 def wait_for_synced(
-    policies: Policies, proc: Proc | None = None, count: int = 1
+    policies: Policies | str, proc: Proc | None = None, count: int = 1
 ) -> list[dict[str, Any]]:
     def probe() -> list[dict[str, Any]] | None:
         if proc is not None and proc.popen is not None and proc.popen.poll() is not None:

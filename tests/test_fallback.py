@@ -149,6 +149,7 @@ def test_priorities_by_proximity() -> None:
 
 DRIFT = ir.Drift(
     threshold_percent=40,
+    min_increase=timedelta(milliseconds=10),
     min_samples=10,
     window=timedelta(seconds=1),
     baseline_window=timedelta(seconds=10),
@@ -224,3 +225,14 @@ def test_other_clusters_and_routes_are_ignored() -> None:
     feed(b, 10, 11, 0.900, cluster="b.default")  # the fallback being slow is not the primary
     b.observe("default/other/0", "a.default", 9.0, 10.5)
     assert b.evaluate(11) == []
+
+
+def test_small_absolute_drift_is_noise() -> None:
+    """At a 2 ms baseline a jump to 3 ms is +50% but below minIncrease: no trip."""
+    b = breaker()
+    feed(b, 0, 10, 0.002)
+    feed(b, 10, 11, 0.003)
+    assert b.evaluate(11) == []
+    feed(b, 11, 12, 0.020)
+    (trip,) = b.evaluate(12)
+    assert trip.to == "degraded"

@@ -3,7 +3,7 @@
 Envoy streams every request's duration (gRPC access-log service); for each route with a
 `driftBreaker` we keep recent samples. The route trips when the p95 of the last `window` exceeds
 the baseline p95 (the `baselineWindow` before it, or `coldStartBaseline` until there are enough
-samples) by more than `threshold` percent. While tripped, the baseline is frozen and only the
+samples) by more than `threshold` percent and by at least `minIncrease`. While tripped, the baseline is frozen and only the
 probe share of traffic still reaches the primary; the route recovers when the probe's p95 stays
 within half the threshold for `recoverAfter` (hysteresis, so a route does not flap).
 """
@@ -107,7 +107,8 @@ class DriftBreaker:
                 if baseline is None or len(recent) < settings.min_samples:
                     continue
                 state.last_p95 = p95(recent)
-                if state.last_p95 > baseline * (1 + threshold):
+                floor = settings.min_increase.total_seconds()
+                if state.last_p95 > max(baseline * (1 + threshold), baseline + floor):
                     state.degraded, state.since = True, now
                     state.frozen_baseline, state.healthy_since = baseline, None
                     transitions.append(self._transition(state, key, "degraded", now))

@@ -96,6 +96,7 @@ def apply(service: ir.Service, policies: dict[str, Loaded]) -> ir.Service:
         d = spec.driftBreaker
         drift = ir.Drift(
             threshold_percent=d.threshold,
+            min_increase=d.minIncrease,
             min_samples=d.minSamples,
             window=d.window,
             baseline_window=d.baselineWindow,

@@ -540,6 +540,11 @@ class DriftBreaker(Strict):
     threshold: Annotated[float, Field(gt=0, le=1000)] = Field(
         40.0, description="percent above the baseline p95 that trips the breaker"
     )
+    minIncrease: Duration = Field(
+        timedelta(milliseconds=10),
+        description="the p95 must also rise by at least this much: at a 2 ms baseline, +40% "
+        "is noise (a retry, a new connection), not a degraded model",
+    )
     minSamples: Annotated[int, Field(ge=5, le=100_000)] = 20
     window: Duration = Field(timedelta(seconds=3), description="recent samples compared")
     baselineWindow: Duration = Field(timedelta(seconds=60), description="what normal looks like")

@@ -7,19 +7,26 @@ user (and the e2e tests) can see where Envoy routed a request.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
 
-def make_app(service: str, endpoint: str, locality: str) -> web.Application:
+def make_app(
+    service: str, endpoint: str, locality: str, delay_file: Path | None = None
+) -> web.Application:
     served = 0  # lets tests prove that denied requests never reached the application
 
     async def handle(request: web.Request) -> web.Response:
         nonlocal served
         served += 1
+        delay = _delay_ms(delay_file)
+        if delay:
+            await asyncio.sleep(delay / 1000)
         body = {
             "service": service,
             "endpoint": endpoint,
@@ -43,16 +50,28 @@ def make_app(service: str, endpoint: str, locality: str) -> web.Application:
     return app
 
 
+def _delay_ms(path: Path | None) -> float:
+    """Injected latency for demos and failover tests: milliseconds read from a file per request,
+    so a test can make a running upstream slow (and fast again) without restarting it."""
+    if path is None:
+        return 0.0
+    try:
+        return max(0.0, float(path.read_text().strip() or 0))
+    except (OSError, ValueError):
+        return 0.0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--service", required=True, help="namespace/name")
     parser.add_argument("--address", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--locality", default="")
+    parser.add_argument("--delay-file", type=Path, help="inject latency: ms read per request")
     args = parser.parse_args(argv)
     endpoint = f"{args.address}:{args.port}"
     web.run_app(
-        make_app(args.service, endpoint, args.locality),
+        make_app(args.service, endpoint, args.locality, args.delay_file),
         host=args.address,
         port=args.port,
         access_log=None,

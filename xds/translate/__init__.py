@@ -7,10 +7,10 @@ from google.protobuf.message import Message
 from meshfn.control_plane import ir
 
 from .clusters import cluster, fallback_cluster
-from .endpoints import load_assignment
+from .endpoints import load_assignment, tier_assignments
 from .listeners import listener
 from .resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, Resources
-from .routes import route_configuration, target_for
+from .routes import Target, route_configuration, target_for
 from .security import Credentials, jwks_cluster, jwks_uris, secrets
 from .sidecar import sidecar_resources
 
@@ -47,17 +47,39 @@ def translate(
 
 def _gateway(model: ir.MeshModel, workload: ir.Workload, overlay: ir.Overlay) -> Resources:
     services = model.services
+    proxy = workload.locality
     clusters: dict[str, Message] = {s.cluster_name: cluster(s) for s in services}
-    targets = {s.key: target_for(s) for s in services}
+    endpoints: dict[str, Message] = {s.cluster_name: load_assignment(s, proxy) for s in services}
+    members: dict[str, tuple[str, ...]] = {}
+
+    def members_of(service: ir.Service) -> tuple[str, ...]:
+        """How a service joins an aggregate: as itself, or one cluster per locality tier."""
+        if service.key not in members:
+            if service.traffic is not None and service.traffic.locality_failover:
+                tiers = tier_assignments(service, proxy)
+                for assignment in tiers:
+                    clusters[assignment.cluster_name] = cluster(service, assignment.cluster_name)
+                    endpoints[assignment.cluster_name] = assignment
+                members[service.key] = tuple(a.cluster_name for a in tiers)
+            else:
+                members[service.key] = (service.cluster_name,)
+        return members[service.key]
+
+    targets: dict[str, Target] = {}
     for service in services:
-        target = targets[service.key]
-        if target.chain:
-            members = [(target.cluster, *target.chain)]
-            if service.drift is not None and len(target.chain) > 1:
-                members.append(target.chain)
-            for group in members:
-                aggregate = fallback_cluster(group)
-                clusters[aggregate.name] = aggregate
+        chain = tuple(model.service(key) for key in service.fallback)
+        if not chain:
+            targets[service.key] = target_for(service)
+            continue
+        primary = members_of(service)
+        tail = tuple(name for fallback in chain for name in members_of(fallback))
+        groups = [primary + tail]
+        if service.drift is not None and len(tail) > 1:
+            groups.append(tail)
+        for group in groups:
+            aggregate = fallback_cluster(group)
+            clusters[aggregate.name] = aggregate
+        targets[service.key] = target_for(service, primary + tail, tail)
     for uri in jwks_uris(workload.jwt_rules):
         jwks = jwks_cluster(uri)
         clusters[jwks.name] = jwks
@@ -72,12 +94,7 @@ def _gateway(model: ir.MeshModel, workload: ir.Workload, overlay: ir.Overlay) ->
             tuple((key, targets[key]) for key in used),
             frozenset(r.key for r in lst.routes if r.key in overlay.degraded_routes),
         )
-    return {
-        LISTENER: listeners,
-        ROUTE: routes,
-        CLUSTER: clusters,
-        ENDPOINT: {s.cluster_name: load_assignment(s, workload.locality) for s in services},
-    }
+    return {LISTENER: listeners, ROUTE: routes, CLUSTER: clusters, ENDPOINT: endpoints}
 
 
 __all__ = ["Credentials", "Resources", "translate"]

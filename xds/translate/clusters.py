@@ -22,12 +22,13 @@ HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 AGGREGATE = "envoy.clusters.aggregate"
 
 
-def cluster(service: ir.Service) -> cluster_pb2.Cluster:
+def cluster(service: ir.Service, name: str | None = None) -> cluster_pb2.Cluster:
+    """The service's cluster (`name` overrides the cluster name, for per-priority tiers)."""
     # Keyed without the endpoints: an endpoint change must not produce a new Cluster (Envoy
     # would re-warm it); only the ClusterLoadAssignment changes.
     mtls = any(e.sidecar_port is not None and e.mtls != "DISABLE" for e in service.endpoints)
     return _cluster(
-        service.cluster_name,
+        name or service.cluster_name,
         service.protocol,
         service.connect_timeout,
         service.identity if mtls else "",

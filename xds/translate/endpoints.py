@@ -44,10 +44,11 @@ def load_assignment(
     return _load_assignment(service, proxy)
 
 
-@lru_cache(maxsize=65536)
-def _load_assignment(
+def _levels(
     service: ir.Service, proxy: ir.Locality | None
-) -> endpoint_pb2.ClusterLoadAssignment:
+) -> tuple[dict[ir.Locality, list[ir.Endpoint]], dict[ir.Locality, int]]:
+    """Endpoints by locality, and each locality's EDS priority for this proxy (contiguous
+    from 0, as EDS requires)."""
     by_locality: dict[ir.Locality, list[ir.Endpoint]] = {}
     for endpoint in service.endpoints:
         by_locality.setdefault(endpoint.locality, []).append(endpoint)
@@ -55,22 +56,63 @@ def _load_assignment(
     ranked = {
         loc: (priority(loc, proxy, failover) if proxy is not None else 0) for loc in by_locality
     }
-    # EDS priorities must be contiguous from 0: renumber the ranks actually present.
-    levels = {rank: i for i, rank in enumerate(sorted(set(ranked.values())))}
-    groups = []
-    for locality in sorted(
-        by_locality, key=lambda loc: (ranked[loc], loc.region, loc.zone, loc.sub_zone)
-    ):
-        groups.append(
-            endpoint_components_pb2.LocalityLbEndpoints(
-                locality=base_pb2.Locality(
-                    region=locality.region, zone=locality.zone, sub_zone=locality.sub_zone
-                ),
-                lb_endpoints=[_lb_endpoint(e) for e in by_locality[locality]],
-                priority=levels[ranked[locality]],
-            )
-        )
+    renumber = {rank: i for i, rank in enumerate(sorted(set(ranked.values())))}
+    return by_locality, {loc: renumber[rank] for loc, rank in ranked.items()}
+
+
+def _group(
+    locality: ir.Locality, endpoints: list[ir.Endpoint], level: int
+) -> endpoint_components_pb2.LocalityLbEndpoints:
+    return endpoint_components_pb2.LocalityLbEndpoints(
+        locality=base_pb2.Locality(
+            region=locality.region, zone=locality.zone, sub_zone=locality.sub_zone
+        ),
+        lb_endpoints=[_lb_endpoint(e) for e in endpoints],
+        priority=level,
+    )
+
+
+def _ordered(
+    by_locality: dict[ir.Locality, list[ir.Endpoint]], levels: dict[ir.Locality, int]
+) -> list[ir.Locality]:
+    return sorted(by_locality, key=lambda loc: (levels[loc], loc.region, loc.zone, loc.sub_zone))
+
+
+@lru_cache(maxsize=65536)
+def _load_assignment(
+    service: ir.Service, proxy: ir.Locality | None
+) -> endpoint_pb2.ClusterLoadAssignment:
+    by_locality, levels = _levels(service, proxy)
+    groups = [_group(loc, by_locality[loc], levels[loc]) for loc in _ordered(by_locality, levels)]
     return endpoint_pb2.ClusterLoadAssignment(cluster_name=service.cluster_name, endpoints=groups)
+
+
+def tier_cluster_name(service: ir.Service, level: int) -> str:
+    return f"{service.cluster_name}|p{level}"
+
+
+@lru_cache(maxsize=65536)
+def tier_assignments(
+    service: ir.Service, proxy: ir.Locality
+) -> tuple[endpoint_pb2.ClusterLoadAssignment, ...]:
+    """The service split into one assignment per priority level, each at priority 0.
+
+    An aggregate cluster mishandles members that have several priority levels themselves
+    (measured with Envoy 1.40: traffic skipped a healthy priority 1 for the next member), so a
+    service with locality failover joins a fallback chain as one cluster per level, and the
+    aggregate's member order carries the preference."""
+    by_locality, levels = _levels(service, proxy)
+    return tuple(
+        endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=tier_cluster_name(service, level),
+            endpoints=[
+                _group(loc, by_locality[loc], 0)
+                for loc in _ordered(by_locality, levels)
+                if levels[loc] == level
+            ],
+        )
+        for level in sorted(set(levels.values()))
+    )
 
 
 def _lb_endpoint(e: ir.Endpoint) -> endpoint_components_pb2.LbEndpoint:

@@ -76,26 +76,32 @@ def _match(match: ir.RouteMatch) -> rc.RouteMatch:
 
 @dataclass(frozen=True)
 class Target:
-    """Where a route's destination service sends traffic: its cluster, its fallback chain and
-    the drift breaker's probe share (all derived from the Service, precomputed per translation)."""
+    """Where a route's destination service sends traffic: its own cluster, and with a fallback
+    chain the aggregate members in order (`members`) and those after the primary (`tail`)."""
 
     cluster: str
-    chain: tuple[str, ...] = ()
+    members: tuple[str, ...] = ()
+    tail: tuple[str, ...] = ()
+    chain: tuple[str, ...] = ()  # service cluster names, for the 503 body
     probe_percent: int = 0
     locality_failover: bool = False
 
     @property
     def normal_cluster(self) -> str:
-        return fallback_cluster_name((self.cluster, *self.chain)) if self.chain else self.cluster
+        return fallback_cluster_name(self.members) if self.tail else self.cluster
 
     @property
     def degraded_cluster(self) -> str:
-        return fallback_cluster_name(self.chain) if len(self.chain) > 1 else self.chain[0]
+        return fallback_cluster_name(self.tail) if len(self.tail) > 1 else self.tail[0]
 
 
-def target_for(service: ir.Service) -> Target:
+def target_for(
+    service: ir.Service, members: tuple[str, ...] = (), tail: tuple[str, ...] = ()
+) -> Target:
     return Target(
         cluster=service.cluster_name,
+        members=members,
+        tail=tail,
         chain=tuple(cluster_name(key) for key in service.fallback),
         probe_percent=service.drift.probe_percent if service.drift else 0,
         locality_failover=bool(service.traffic and service.traffic.locality_failover),
@@ -104,7 +110,7 @@ def target_for(service: ir.Service) -> Target:
 
 def _action(route: ir.Route, target: Target, degraded: bool) -> rc.RouteAction:
     action = rc.RouteAction()
-    if degraded and target.chain:
+    if degraded and target.tail:
         # Tripped by the drift breaker: most traffic goes down the chain, a probe share keeps
         # measuring the primary so the breaker can see it recover.
         action.weighted_clusters.CopyFrom(

@@ -1,0 +1,316 @@
+"""Topology fallback with real Envoy and real upstream processes in different localities.
+
+The control plane runs as `meshfn serve`, the gateway Envoy from `meshfn bootstrap`, and every
+upstream is a process this test owns (so killing one is not undone by a supervisor).
+"""
+
+from __future__ import annotations
+
+import http.client as httpc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from meshfn_e2e import MESHFN, Proc, Processes, free_ports, meshfn, wait_for, wait_for_synced
+
+from meshfn.control_plane.runtime.envoy import envoy_binary
+
+UPSTREAMS = {  # name -> (service, locality)
+    "a": ("model", "eu-west/eu-west-1a/n1"),
+    "b": ("model", "eu-west/eu-west-1b/n2"),
+    "c": ("model", "us-east/us-east-1a/n3"),
+    "lite": ("model-lite", "eu-west/eu-west-1a/n1"),
+    "static": ("model-static", "eu-west/eu-west-1a/n1"),
+}
+
+
+def locality(text: str) -> str:
+    region, zone, node = text.split("/")
+    return f"{{region: {region}, zone: {zone}, node: {node}}}"
+
+
+def policies(ports: dict[str, int]) -> str:
+    def endpoint(name: str) -> str:
+        return (
+            f"{{address: 127.0.0.1, port: {ports[name]}, locality: {locality(UPSTREAMS[name][1])}}}"
+        )
+
+    return f"""\
+apiVersion: meshfn.io/v1alpha1
+kind: Mesh
+metadata: {{name: fb}}
+spec: {{trustDomain: fb.local, ports: {{xds: {ports["xds"]}, admin: {ports["admin"]}}}}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Gateway
+metadata: {{name: edge}}
+spec:
+  adminPort: {ports["envoy_admin"]}
+  locality: {locality("eu-west/eu-west-1a/n1")}
+  listeners: [{{name: http, port: {ports["listener"]}}}]
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Service
+metadata: {{name: model}}
+spec: {{port: 1, endpoints: [{endpoint("a")}, {endpoint("b")}, {endpoint("c")}]}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Service
+metadata: {{name: model-lite}}
+spec: {{port: 2, endpoints: [{endpoint("lite")}]}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Service
+metadata: {{name: model-static}}
+spec: {{port: 3, endpoints: [{endpoint("static")}]}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: FallbackPolicy
+metadata: {{name: model}}
+spec:
+  service: model
+  locality: {{failover: [{{from: eu-west, to: us-east}}]}}
+  outlierDetection: {{consecutiveGatewayErrors: 1, consecutive5xxErrors: 3, interval: 200ms, baseEjectionTime: 30s}}
+  healthCheck: {{path: /health, interval: 500ms, timeout: 1s, unhealthyThreshold: 2}}
+  chain: [model-lite]
+  maxFallbackDepth: 1
+  driftBreaker: {{threshold: 40, minSamples: 10, window: 1s, baselineWindow: 10s, recoverAfter: 2s, probePercent: 10}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: FallbackPolicy
+metadata: {{name: model-lite}}
+spec:
+  service: model-lite
+  outlierDetection: {{consecutiveGatewayErrors: 1, interval: 200ms}}
+  healthCheck: {{path: /health, interval: 500ms, timeout: 1s, unhealthyThreshold: 2}}
+  chain: [model-static]
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Route
+metadata: {{name: model}}
+spec:
+  matches: [{{path: {{prefix: /v2}}}}]
+  destination: {{service: model}}
+  timeout: 5s
+  retries: {{attempts: 3, retryOn: [connect-failure, refused-stream, reset, gateway-error]}}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Route
+metadata: {{name: lite}}
+spec:
+  matches: [{{path: {{prefix: /lite}}}}]
+  destination: {{service: model-lite}}
+  retries: {{attempts: 2, retryOn: [connect-failure, refused-stream, reset]}}
+"""
+
+
+@dataclass
+class Topology:
+    ports: dict[str, int]
+    procs: Processes
+    tmp: Path
+    upstreams: dict[str, Proc] = field(default_factory=dict)
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.ports['admin']}"
+
+    def delay(self, name: str, ms: float) -> None:
+        (self.tmp / f"delay-{name}").write_text(str(ms))
+
+    def kill(self, name: str) -> None:
+        proc = self.upstreams.pop(name)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture
+def topology(procs: Processes, tmp_path: Path) -> Iterator[Topology]:
+    names = ["xds", "admin", "envoy_admin", "listener", *UPSTREAMS]
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
+    root = tmp_path / "policies"
+    root.mkdir()
+    (root / "mesh.yaml").write_text(policies(ports))
+    topo = Topology(ports, procs, tmp_path)
+    for name, (service, where) in UPSTREAMS.items():
+        topo.delay(name, 0)
+        topo.upstreams[name] = procs.start(
+            f"upstream-{name}",
+            [sys.executable, "-P", "-m", "meshfn.control_plane.runtime.upstream",
+             "--service", f"default/{service}", "--port", str(ports[name]), "--locality", where,
+             "--delay-file", str(tmp_path / f"delay-{name}")],
+        )  # fmt: skip
+    state = tmp_path / "state"
+    serve = procs.start(
+        "serve", [MESHFN, "serve", "--policies", str(root), "--state-dir", str(state)]
+    )
+    wait_for("the control plane", lambda: "control plane ready" in serve.output(), timeout=30)
+    config = tmp_path / "envoy.json"
+    config.write_text(
+        meshfn(
+            "bootstrap", "edge.default", "--policies", str(root), "--state-dir", str(state)
+        ).stdout
+    )
+    procs.start(
+        "envoy",
+        [str(envoy_binary()), "-c", str(config), "--disable-hot-restart", "--concurrency", "2",
+         "--log-level", "warning"],
+    )  # fmt: skip
+    wait_for_synced(topo.admin, serve)
+    wait_for("traffic", lambda: served(topo) is not None, timeout=20)
+    yield topo
+
+
+def served(topo: Topology, path: str = "/v2/x") -> dict[str, str] | None:
+    conn = httpc.HTTPConnection("127.0.0.1", topo.ports["listener"], timeout=5)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read()
+    finally:
+        conn.close()
+    return json.loads(body) if response.status == 200 else None
+
+
+class Load:
+    """Steady request streams on kept-alive connections; records (time, status, answer)."""
+
+    def __init__(self, topo: Topology, threads: int, rate_per_thread: float, path: str = "/v2/x"):
+        self.topo, self.path = topo, path
+        self.interval = 1 / rate_per_thread
+        self.stop = threading.Event()
+        self.results: list[tuple[float, int, str]] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+
+    def _run(self) -> None:
+        conn = httpc.HTTPConnection("127.0.0.1", self.topo.ports["listener"], timeout=10)
+        next_at = time.monotonic()
+        while not self.stop.is_set():
+            try:
+                conn.request("GET", self.path)
+                response = conn.getresponse()
+                body = response.read()
+                status = response.status
+                who = json.loads(body).get("endpoint", "") if status == 200 else body.decode()[:200]
+            except (OSError, httpc.HTTPException) as exc:
+                status, who = 0, repr(exc)
+                conn.close()
+                conn = httpc.HTTPConnection("127.0.0.1", self.topo.ports["listener"], timeout=10)
+            with self.lock:
+                self.results.append((time.monotonic(), status, who))
+            next_at += self.interval
+            time.sleep(max(0.0, next_at - time.monotonic()))
+
+    def since(self, start: float) -> list[tuple[float, int, str]]:
+        with self.lock:
+            return [r for r in self.results if r[0] >= start]
+
+
+def endpoint(topo: Topology, name: str) -> str:
+    return f"127.0.0.1:{topo.ports[name]}"
+
+
+def test_killing_the_local_upstream_moves_traffic_to_the_next_locality(topology: Topology) -> None:
+    """(a): 0 failed requests of >= 1000 while the local endpoint dies."""
+    with Load(topology, threads=4, rate_per_thread=60) as load:
+        time.sleep(1.5)
+        before = Counter(who for _, status, who in load.since(0) if status == 200)
+        assert before.most_common(1)[0][0] == endpoint(topology, "a"), before  # local first
+        killed_at = time.monotonic()
+        topology.kill("a")
+        time.sleep(3.5)
+    results = load.results
+    failures = [r for r in results if r[1] != 200]
+    assert len(results) >= 1000, len(results)
+    assert failures == [], f"{len(failures)} failed: {failures[:3]}"
+    after = Counter(who for t, _, who in results if t > killed_at + 1.0)
+    # Same region, next zone: b; never the other region while b is healthy.
+    names = {endpoint(topology, n): n for n in UPSTREAMS}
+    assert set(after) == {endpoint(topology, "b")}, {names.get(k, k): v for k, v in after.items()}
+
+
+def test_a_slow_upstream_trips_the_drift_breaker_and_traffic_returns(topology: Topology) -> None:
+    """(b): latency injection -> the degraded service within 3 s; back after recovery."""
+    lite = endpoint(topology, "lite")
+    with Load(topology, threads=12, rate_per_thread=15) as load:
+        time.sleep(3)  # a baseline of fast answers
+        slow_at = time.monotonic()
+        for name in ("a", "b", "c"):
+            topology.delay(name, 150)
+
+        def on_lite() -> bool:
+            recent = load.since(time.monotonic() - 0.5)
+            return bool(recent) and sum(who == lite for _, _, who in recent) / len(recent) > 0.7
+
+        wait_for("traffic on the degraded service", on_lite, timeout=10)
+        tripped_after = time.monotonic() - slow_at
+        status = json.loads(http_get(f"{topology.admin}/debug/status"))["routes"]["default/model"]
+        assert status["state"] == "degraded"
+        for name in ("a", "b", "c"):
+            topology.delay(name, 0)
+        wait_for(
+            "traffic back on the primary",
+            lambda: (
+                (r := load.since(time.monotonic() - 0.5)) and all(who != lite for _, _, who in r)
+            ),
+            timeout=15,
+        )
+    assert tripped_after <= 3.0, f"the breaker took {tripped_after:.2f}s"
+    assert all(status == 200 for _, status, _ in load.results)
+    metrics = http_get(f"{topology.admin}/metrics")
+    assert 'meshfn_drift_transitions_total{route="default/model",to="degraded"} 1.0' in metrics
+    assert 'meshfn_drift_transitions_total{route="default/model",to="healthy"} 1.0' in metrics
+
+
+def http_get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
+
+
+def test_the_whole_chain_down_gives_a_prompt_json_503(topology: Topology) -> None:
+    """(c) and (d): everything in the chain dead -> 503 naming the chain, quickly; the depth
+    limit keeps model-static (model-lite's own fallback) out of model's chain."""
+    for name in ("a", "b", "c", "lite"):
+        topology.kill(name)
+    deadline = time.monotonic() + 5
+    while True:
+        started = time.monotonic()
+        conn = httpc.HTTPConnection("127.0.0.1", topology.ports["listener"], timeout=10)
+        conn.request("GET", "/v2/x")
+        response = conn.getresponse()
+        body = response.read()
+        elapsed = time.monotonic() - started
+        conn.close()
+        if response.status == 503 or time.monotonic() > deadline:
+            break
+    assert response.status == 503, body
+    assert response.getheader("content-type") == "application/json"
+    document = json.loads(body)
+    assert document["error"] == "no healthy upstream"
+    assert document["route"] == "default/model/0"
+    assert document["exhausted_chain"] == "model.default > model-lite.default"
+    assert elapsed < 1.0, f"the 503 took {elapsed:.2f}s"
+    # model-lite's own chain (depth 1 from its policy) still reaches model-static.
+    lite = served(topology, "/lite/x")
+    assert lite is not None and lite["service"] == "default/model-static"

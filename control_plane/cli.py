@@ -272,6 +272,21 @@ def status(
     out.print(table)
     if not document["proxies"]:
         out.print("no proxies connected")
+    if document.get("routes"):
+        routes = Table(title="drift breaker", title_justify="left")
+        for column in ("route", "state", "p95 ms", "baseline ms", "samples", "transitions"):
+            routes.add_column(column)
+        for name, route in document["routes"].items():
+            state = route["state"]
+            routes.add_row(
+                name,
+                f"[red]{state}[/red]" if state == "degraded" else f"[green]{state}[/green]",
+                f"{route['p95_ms']:.1f}",
+                f"{route['baseline_ms']:.1f}",
+                str(route["samples"]),
+                str(route["transitions"]),
+            )
+        out.print(routes)
     for node, type_name, nack in nacks:
         out.print(f"[red]NACK[/red] {node} {type_name} version {nack['version'][:8]}: ", end="")
         out.print(nack["error"], markup=False, highlight=False)

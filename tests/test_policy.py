@@ -67,9 +67,14 @@ def test_examples_load() -> None:
         "edge.ingress",
         "classifier.default:15101",
         "classifier.default:15102",
+        "classifier-lite.default:15103",
         "embedder.default:15201",
     ]
-    assert {s.key for s in model.services} == {"default/classifier", "default/embedder"}
+    assert {s.key for s in model.services} == {
+        "default/classifier",
+        "default/classifier-lite",
+        "default/embedder",
+    }
 
 
 def test_base_loads_with_defaults(tmp_path: Path) -> None:

@@ -61,7 +61,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_validate_ok_and_errors(tmp_path: Path) -> None:
     ok = run("validate", str(EXAMPLES))
-    assert ok.returncode == 0 and "ok: mesh demo: 1 gateway(s), 2 service(s)" in ok.stdout
+    assert ok.returncode == 0
+    assert "ok: mesh demo: 1 gateway(s), 3 service(s), 4 sidecar(s)" in ok.stdout
     (tmp_path / "bad.yaml").write_text(
         "apiVersion: meshfn.io/v1alpha1\nkind: Service\nmetadata: {name: x}\nspec:\n  port: 1\n  colour: red\n"
     )
@@ -81,7 +82,9 @@ def test_translate_and_bootstrap(tmp_path: Path) -> None:
     assert set(doc["classifier.default:15101"]) == {"listeners", "clusters"}
     unknown = run("translate", str(EXAMPLES), "--workload", "ghost.default")
     assert unknown.returncode == 1 and "no workload 'ghost.default'" in unknown.stderr
-    boot = run("bootstrap", "edge.ingress", "--policies", str(EXAMPLES), "--state-dir", str(tmp_path))
+    boot = run(
+        "bootstrap", "edge.ingress", "--policies", str(EXAMPLES), "--state-dir", str(tmp_path)
+    )
     assert boot.returncode == 0
     assert json.loads(boot.stdout)["node"]["cluster"] == "edge.ingress"
 

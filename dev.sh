@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # meshfn's one entry point for people and CI.
-#   ./dev.sh up     install what is needed, then run `meshfn up` on policies/examples
+#   ./dev.sh up     install what is needed, then run `meshfn up` on policies/examples (with the
+#                   example model functions built, signed and published)
 #   ./dev.sh test   install what is needed, then lint, type-check and run every test
 #   ./dev.sh setup  only install
 # Works on a fresh Debian 12 as root with nothing but Python 3.11; everything else is installed
@@ -33,6 +34,10 @@ ensure_system() {
   if command -v "$PYTHON" >/dev/null && ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
     missing+=(python3-venv)
   fi
+  # clang + lld: core-wasm functions and proxy-wasm filters; wrk: load in the benchmarks.
+  command -v clang >/dev/null || missing+=(clang)
+  command -v wasm-ld >/dev/null || command -v ld.lld >/dev/null || missing+=(lld)
+  command -v wrk >/dev/null || missing+=(wrk)
   if ((${#missing[@]})); then apt_install "${missing[@]}"; fi
   "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
     || { log "meshfn needs Python >= 3.11 ($PYTHON is older)"; exit 1; }
@@ -75,13 +80,13 @@ case "$cmd" in
   setup) setup ;;
   up)
     setup
-    exec "$VENV/bin/meshfn" up --policies policies/examples "$@"
+    exec "$VENV/bin/meshfn" up --policies policies/examples --publish-examples "$@"
     ;;
   test)
     setup
     log "ruff"
-    "$VENV/bin/ruff" check control_plane xds inference ebpf tests e2e bench
-    "$VENV/bin/ruff" format --check --quiet control_plane xds inference ebpf tests e2e bench
+    "$VENV/bin/ruff" check control_plane xds inference ebpf functions tests e2e bench
+    "$VENV/bin/ruff" format --check --quiet control_plane xds inference ebpf functions tests e2e bench
     log "mypy"
     "$VENV/bin/mypy" -p meshfn.control_plane -p meshfn.xds -p meshfn.inference -p meshfn.ebpf
     log "pytest"

@@ -156,14 +156,41 @@ def up(
     state_dir: StateOpt = DEFAULT_STATE,
     envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads")] = 2,
     envoy_log_level: Annotated[str, typer.Option(help="Envoy log level")] = "warning",
+    functions_registry: Annotated[
+        Path | None, typer.Option(help="published functions (default: STATE_DIR/functions)")
+    ] = None,
+    trusted_key: Annotated[
+        list[Path] | None, typer.Option(help="ed25519 public key functions must be signed with")
+    ] = None,
+    publish_examples: Annotated[
+        bool, typer.Option(help="build, sign and publish the example functions first (cached)")
+    ] = False,
     log_format: LogFormatOpt = "human",
     log_level: LogLevelOpt = "info",
 ) -> None:
-    """Run the control plane, one Envoy per gateway and example upstreams; hot-reload policies."""
+    """Run the control plane, one Envoy per gateway and sidecar, the inference backends and
+    placeholder upstreams; hot-reload policies."""
     from .runtime.up import run_up
+    from .runtime.upstreams import FunctionsSetup
 
     setup_logging(log_format, log_level)
-    code = asyncio.run(run_up(policies, state_dir, envoy_concurrency, envoy_log_level, out))
+    registry = functions_registry or state_dir / "functions"
+    keys = list(trusted_key or [])
+    if publish_examples:
+        from meshfn.inference.errors import InferenceError
+        from meshfn.inference.examples import publish_examples as publish
+
+        err.print(
+            f"publishing the example functions into {registry} (the first build takes a minute)"
+        )
+        try:
+            _, public = publish(registry)
+        except (InferenceError, OSError) as exc:
+            _fail(f"publishing the example functions failed: {exc}")
+            return
+        keys.append(public)
+    setup = FunctionsSetup(registry, tuple(keys)) if keys else None
+    code = asyncio.run(run_up(policies, state_dir, envoy_concurrency, envoy_log_level, out, setup))
     raise typer.Exit(code)
 
 
@@ -426,6 +453,15 @@ def ca_retire(
     out.print(
         f"retired {', '.join(retired) or 'nothing'}; trusted: {', '.join(ca.root_fingerprints())}"
     )
+
+
+def _mount_function_cli() -> None:
+    from meshfn.inference.cli import fn_app
+
+    app.add_typer(fn_app, name="fn", help="Model functions: build, sign, publish (WASM).")
+
+
+_mount_function_cli()
 
 
 def main() -> None:

@@ -261,6 +261,25 @@ class Workload:
         return f"{self.name}.{self.namespace}"
 
 
+@dataclass(frozen=True, slots=True)
+class Function:
+    """A model function and where it runs; the inference backend's FunctionSpec 1:1."""
+
+    name: str
+    namespace: str
+    backend: str  # Service.key
+    artifact: str | None
+    version: str | None
+    isolation: Literal["reuse", "fresh-instance-per-request"]
+    idle_ttl: timedelta
+    min_idle: int
+    max_idle: int
+    memory_mib: int
+    timeout: timedelta
+    max_concurrency: int
+    max_request_bytes: int
+
+
 @dataclass(frozen=True)
 class Overlay:
     """Runtime state layered over the policies (never written back to them): routes the drift
@@ -278,6 +297,7 @@ class MeshModel:
     services: tuple[Service, ...]
     workloads: tuple[Workload, ...]
     certificate_ttl: timedelta = timedelta(hours=1)
+    functions: tuple[Function, ...] = ()
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

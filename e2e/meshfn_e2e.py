@@ -70,9 +70,13 @@ class Reply:
 
 
 def http(
-    url: str, method: str = "GET", headers: dict[str, str] | None = None, timeout: float = 3.0
+    url: str,
+    method: str = "GET",
+    headers: dict[str, str] | None = None,
+    body: bytes | None = None,
+    timeout: float = 5.0,
 ) -> Reply:
-    request = urllib.request.Request(url, method=method, headers=headers or {})
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return Reply(response.status, response.read(), dict(response.headers))

@@ -65,16 +65,17 @@ def test_examples_load() -> None:
     assert model.name == "demo"
     assert [w.node_cluster for w in model.workloads] == [
         "edge.ingress",
-        "classifier.default:15101",
-        "classifier.default:15102",
-        "classifier-lite.default:15103",
-        "embedder.default:15201",
+        "echo.default:15201",
+        "models.default:15101",
+        "models.default:15102",
+        "models-lite.default:15103",
     ]
     assert {s.key for s in model.services} == {
-        "default/classifier",
-        "default/classifier-lite",
-        "default/embedder",
+        "default/echo",
+        "default/models",
+        "default/models-lite",
     }
+    assert [f.name for f in model.functions] == ["digits", "embedder", "iris"]
 
 
 def test_base_loads_with_defaults(tmp_path: Path) -> None:
@@ -265,7 +266,7 @@ SCHEMA_CASES = [
         "apiVersion: meshfn.io/v1alpha1\nkind: Widget\n",
         2,
         "kind",
-        "unknown kind 'Widget'; known kinds: AuthorizationPolicy, FallbackPolicy, Gateway, Mesh, PeerAuthentication, RequestAuthentication, Route, Service",
+        "unknown kind 'Widget'; known kinds: AuthorizationPolicy, FallbackPolicy, Function, Gateway, Mesh, PeerAuthentication, RequestAuthentication, Route, Service",
     ),
     (
         "apiVersion: meshfn.io/v1alpha1\nmetadata: {name: x}\n",
@@ -461,3 +462,54 @@ def test_a_bad_change_then_a_fix(tmp_path: Path) -> None:
     (tmp_path / "svc.yaml").unlink()
     with pytest.raises(PolicyErrors, match="unknown Service default/echo"):
         loader.load()
+
+
+FUNCTION_CASES = [
+    ("  backend: ghost\n", "spec.backend", "unknown Service default/ghost"),
+    ("  backend: echo\n  artifact: 'no-version'\n", "spec.artifact", "String should match pattern"),
+    (
+        "  backend: echo\n  limits: {memoryMiB: 4}\n",
+        "spec.limits.memoryMiB",
+        "greater than or equal to 13",
+    ),
+    (
+        "  backend: echo\n  pool: {minIdle: 5, maxIdle: 1}\n",
+        "spec",
+        "pool.minIdle exceeds pool.maxIdle",
+    ),
+    ("  backend: echo\n  idleTtl: 0s\n", "spec", "must be positive"),
+    (
+        "  backend: echo\n  isolation: shared\n",
+        "spec.isolation",
+        "'reuse' or 'fresh-instance-per-request'",
+    ),
+    (
+        "  backend: grpcsvc\n",
+        "spec.backend",
+        "speaks grpc; the inference backend speaks KServe v2 over HTTP",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "path", "fragment"), FUNCTION_CASES)
+def test_function_errors(tmp_path: Path, spec: str, path: str, fragment: str) -> None:
+    grpc = doc("Service", "  port: 7777\n  protocol: grpc\n", name="grpcsvc")
+    errors = errors_for(tmp_path, grpc + "---\n" + doc("Function", spec, name="fn"))
+    matching = [e for e in errors if e.path == path and fragment in e.message]
+    assert matching, f"no error at {path} containing {fragment!r} in {[str(e) for e in errors]}"
+
+
+def test_two_functions_with_one_name_clash(tmp_path: Path) -> None:
+    """Two namespaces, one model name, one gateway: /v2/models/iris cannot go to both."""
+    one = doc("Function", "  backend: echo\n", name="iris")
+    backend = doc(
+        "Service",
+        "  port: 8090\n  endpoints: [{address: 127.0.0.9}]\n",
+        name="m",
+        namespace="team-b",
+    )
+    other = doc(
+        "Function", "  backend: m\n  gateway: default/edge\n", name="iris", namespace="team-b"
+    )
+    errors = errors_for(tmp_path, one + "---\n" + backend + "---\n" + other)
+    assert any("identical match to Function default/iris" in e.message for e in errors), errors

@@ -79,7 +79,7 @@ def test_translate_and_bootstrap(tmp_path: Path) -> None:
     assert out.returncode == 0
     doc = yaml.safe_load(out.stdout)
     assert set(doc["edge.ingress"]) == {"listeners", "routes", "clusters", "endpoints"}
-    assert set(doc["classifier.default:15101"]) == {"listeners", "clusters"}
+    assert set(doc["models.default:15101"]) == {"listeners", "clusters"}
     unknown = run("translate", str(EXAMPLES), "--workload", "ghost.default")
     assert unknown.returncode == 1 and "no workload 'ghost.default'" in unknown.stderr
     boot = run(

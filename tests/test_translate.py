@@ -30,7 +30,7 @@ def test_unchanged_ir_yields_identical_messages() -> None:
 def test_a_changed_endpoint_changes_only_its_assignment() -> None:
     model = load_policies(EXAMPLES)
     first = translate(model, "edge.ingress")
-    service = model.service("default/embedder")
+    service = model.service("default/echo")
     moved = dataclasses.replace(
         service, endpoints=(dataclasses.replace(service.endpoints[0], sidecar_port=15299),)
     )
@@ -39,10 +39,10 @@ def test_a_changed_endpoint_changes_only_its_assignment() -> None:
     )
     second = translate(changed, "edge.ingress")
     assert first is not None and second is not None
-    assert second[ENDPOINT]["embedder.default"] is not first[ENDPOINT]["embedder.default"]
-    assert second[ENDPOINT]["classifier.default"] is first[ENDPOINT]["classifier.default"]
-    assert second[CLUSTER]["embedder.default"] is first[CLUSTER]["embedder.default"]
-    port = second[ENDPOINT]["embedder.default"].endpoints[0].lb_endpoints[0].endpoint.address
+    assert second[ENDPOINT]["echo.default"] is not first[ENDPOINT]["echo.default"]
+    assert second[ENDPOINT]["models-lite.default"] is first[ENDPOINT]["models-lite.default"]
+    assert second[CLUSTER]["echo.default"] is first[CLUSTER]["echo.default"]
+    port = second[ENDPOINT]["echo.default"].endpoints[0].lb_endpoints[0].endpoint.address
     assert port.socket_address.port_value == 15299  # reached through its sidecar
 
 

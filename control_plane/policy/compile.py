@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from .. import ir
 from . import fallback
 from .errors import PolicyError
-from .model import Gateway, Locality, Mesh, Route, Service
+from .model import Function, Gateway, Locality, Mesh, Route, Service
 from .references import resolve_gateway, where
 from .security import Security, spiffe_id
 from .validate import Loaded
@@ -19,13 +21,53 @@ def _locality(value: Locality | None) -> ir.Locality:
     return ir.Locality(value.region or "", value.zone or "", value.node or "")
 
 
-def lower(item: Loaded) -> ir.Service | ir.Route | None:
+def lower(item: Loaded) -> ir.Service | ir.Route | ir.Function | None:
     """The IR of one object on its own (no cross-references), cached on the loaded item."""
     if isinstance(item.obj, Service):
         return _service(item)
     if isinstance(item.obj, Route):
         return _route(item)
+    if isinstance(item.obj, Function):
+        return _function(item)
     return None
+
+
+def _function(item: Loaded) -> ir.Function:
+    assert isinstance(item.obj, Function)
+    spec = item.obj.spec
+    return ir.Function(
+        name=item.name,
+        namespace=item.namespace,
+        backend=f"{item.namespace}/{spec.backend}",
+        artifact=spec.artifact,
+        version=spec.version,
+        isolation=spec.isolation,
+        idle_ttl=spec.idleTtl,
+        min_idle=spec.pool.minIdle,
+        max_idle=spec.pool.maxIdle,
+        memory_mib=spec.limits.memoryMiB,
+        timeout=spec.limits.timeout,
+        max_concurrency=spec.limits.maxConcurrency,
+        max_request_bytes=spec.limits.maxRequestBytes,
+    )
+
+
+def function_route(function: ir.Function) -> ir.Route:
+    """KServe v2 paths of a function, to its backend. Only retries that cannot repeat an
+    inference (the request never reached the backend) are on."""
+    base = f"/v2/models/{function.name}"
+    return ir.Route(
+        name=f"function-{function.name}",
+        namespace=function.namespace,
+        hosts=("*",),
+        matches=(
+            ir.RouteMatch(ir.PathMatch("exact", base)),
+            ir.RouteMatch(ir.PathMatch("prefix", base + "/")),
+        ),
+        service=function.backend,
+        timeout=function.timeout + timedelta(seconds=2),
+        retries=ir.Retry(2, ("connect-failure", "refused-stream", "reset-before-request")),
+    )
 
 
 def _service(item: Loaded) -> ir.Service:
@@ -103,15 +145,18 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     assert isinstance(mesh.obj, Mesh)
     gateways = {f"{i.namespace}/{i.name}": i for i in items if isinstance(i.obj, Gateway)}
     attached: dict[str, list[tuple[Loaded, ir.Route, str | None]]] = {k: [] for k in gateways}
+    functions = []
     for item in items:
-        if isinstance(item.obj, Route):
+        if isinstance(item.obj, Route | Function):
             gateway = resolve_gateway(item, gateways)
             assert not isinstance(gateway, PolicyError)
-            route = item.lowered
-            assert isinstance(route, ir.Route)
-            attached[f"{gateway.namespace}/{gateway.name}"].append(
-                (item, route, item.obj.spec.listener)
-            )
+            if isinstance(item.lowered, ir.Function):
+                functions.append(item.lowered)
+                route, only = function_route(item.lowered), None
+            else:
+                assert isinstance(item.lowered, ir.Route) and isinstance(item.obj, Route)
+                route, only = item.lowered, item.obj.spec.listener
+            attached[f"{gateway.namespace}/{gateway.name}"].append((item, route, only))
 
     security = Security(items)
     fallback_policies = fallback.policies_by_service(items)
@@ -174,6 +219,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         services=tuple(services),
         workloads=tuple(workloads),
         certificate_ttl=mesh.obj.spec.identity.certificateTTL,
+        functions=tuple(sorted(functions, key=lambda f: (f.namespace, f.name))),
     )
 
 

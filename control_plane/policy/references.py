@@ -18,6 +18,7 @@ from .fallback import find_cycle, policies_by_service
 from .model import (
     AuthorizationPolicy,
     FallbackPolicy,
+    Function,
     Gateway,
     Mesh,
     PeerAuthentication,
@@ -73,7 +74,8 @@ def _check_unique(items: list[Loaded]) -> list[PolicyError]:
 
 
 def resolve_gateway(route: Loaded, gateways: dict[str, Loaded]) -> Loaded | PolicyError:
-    assert isinstance(route.obj, Route)
+    """The Gateway a Route or Function attaches to."""
+    assert isinstance(route.obj, Route | Function)
     ref = route.obj.spec.gateway
     if ref is None:
         if len(gateways) == 1:
@@ -101,6 +103,28 @@ def _check_routes(items: list[Loaded]) -> list[PolicyError]:
     services = {f"{i.namespace}/{i.name}": i for i in items if isinstance(i.obj, Service)}
     gateways = {f"{i.namespace}/{i.name}": i for i in items if isinstance(i.obj, Gateway)}
     for item in items:
+        if isinstance(item.obj, Function):
+            gateway = resolve_gateway(item, gateways)
+            if isinstance(gateway, PolicyError):
+                errors.append(gateway)
+            key = f"{item.namespace}/{item.obj.spec.backend}"
+            backend = services.get(key)
+            if backend is None:
+                errors.append(
+                    item.error(
+                        ("spec", "backend"),
+                        f"unknown Service {key}{_did_you_mean(key, services)}",
+                    )
+                )
+            elif isinstance(backend.obj, Service) and backend.obj.spec.protocol != "http":
+                errors.append(
+                    item.error(
+                        ("spec", "backend"),
+                        f"Service {key} speaks {backend.obj.spec.protocol}; the inference "
+                        "backend speaks KServe v2 over HTTP",
+                    )
+                )
+            continue
         if not isinstance(item.obj, Route):
             continue
         spec = item.obj.spec

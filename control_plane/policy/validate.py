@@ -58,7 +58,9 @@ class Loaded:
 
     doc: Document
     obj: PolicyObject
-    lowered: ir.Service | ir.Route | None = field(default=None, compare=False, repr=False)
+    lowered: ir.Service | ir.Route | ir.Function | None = field(
+        default=None, compare=False, repr=False
+    )
     # Plain copies of the identity: read on every reload for every object, where pydantic
     # attribute access adds up.
     kind: str = field(init=False, compare=False)

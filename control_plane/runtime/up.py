@@ -1,4 +1,5 @@
-"""`meshfn up`: the control plane, one Envoy per workload, placeholder upstreams; hot reload.
+"""`meshfn up`: the control plane, one Envoy per workload, inference backends and placeholder
+upstreams; hot reload.
 
 Everything started here is a child process tracked by PID and stopped on Ctrl-C/SIGTERM (and
 killed by the kernel if meshfn itself dies: PR_SET_PDEATHSIG).
@@ -8,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import os
 import signal
-import sys
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,58 +26,9 @@ from .admin import AdminServer
 from .bootstrap import ProxyIdentity
 from .envoy import envoy_process
 from .process import ProcessFailed, SupervisedProcess
+from .upstreams import FunctionsSetup, UpstreamSpec, upstream_process, upstreams_for
 
 log = logging.getLogger("meshfn.up")
-
-
-@dataclass(frozen=True)
-class UpstreamSpec:
-    service: str
-    address: str
-    port: int
-    locality: str
-
-
-def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
-    """Placeholder upstreams for every loopback HTTP endpoint; other endpoints are the user's."""
-    out: dict[tuple[str, int], UpstreamSpec] = {}
-    for service in model.services:
-        if service.protocol != "http":
-            continue
-        for e in service.endpoints:
-            if ipaddress.ip_address(e.address).is_loopback:
-                locality = "/".join(
-                    p for p in (e.locality.region, e.locality.zone, e.locality.sub_zone) if p
-                )
-                out[(e.address, e.port)] = UpstreamSpec(service.key, e.address, e.port, locality)
-    return out
-
-
-def upstream_process(spec: UpstreamSpec, state_dir: Path) -> SupervisedProcess:
-    async def ready() -> bool:
-        _, writer = await asyncio.open_connection(spec.address, spec.port)
-        writer.close()
-        return True
-
-    return SupervisedProcess(
-        name=f"upstream {spec.service} {spec.address}:{spec.port}",
-        argv=[
-            sys.executable,
-            "-P",
-            "-m",
-            "meshfn.control_plane.runtime.upstream",
-            "--service",
-            spec.service,
-            "--address",
-            spec.address,
-            "--port",
-            str(spec.port),
-            "--locality",
-            spec.locality,
-        ],
-        log_path=state_dir / "logs" / f"upstream-{spec.address}-{spec.port}.log",
-        ready=ready,
-    )
 
 
 @dataclass
@@ -87,6 +37,7 @@ class Mesh:
 
     cp: ControlPlane
     state_dir: Path
+    functions: FunctionsSetup | None = None
     concurrency: int = 2
     envoy_log_level: str = "warning"
     envoys: dict[str, tuple[ProxyIdentity, SupervisedProcess]] = field(default_factory=dict)
@@ -103,7 +54,7 @@ class Mesh:
         starts = []
         for key, spec in wanted_upstreams.items():
             if key not in self.upstreams:
-                proc = upstream_process(spec, self.state_dir)
+                proc = upstream_process(spec, self.state_dir, self.functions)
                 self.upstreams[key] = (spec, proc)
                 starts.append(proc.start())
         for service in model.services:
@@ -179,7 +130,8 @@ def endpoints_table(model: ir.MeshModel) -> tuple[Table, list[str]]:
                         described,
                         route.service,
                     )
-                    if match.path.kind != "regex":
+                    # Regexes have no literal path; "/v2/models/x/" duplicates its exact sibling.
+                    if match.path.kind != "regex" and not match.path.value.endswith("/"):
                         tries.append(
                             curl_example(base, route, match, needs_token(model, route.service))
                         )
@@ -218,6 +170,7 @@ async def run_up(
     concurrency: int = 2,
     envoy_log_level: str = "warning",
     console: Console | None = None,
+    functions: FunctionsSetup | None = None,
 ) -> int:
     console = console or Console()
     cp = ControlPlane(policies, state_dir)
@@ -232,7 +185,10 @@ async def run_up(
     assert model is not None
     state_dir.mkdir(parents=True, exist_ok=True)
     admin = AdminServer(cp)
-    mesh = Mesh(cp, state_dir, concurrency, envoy_log_level)
+    if model.functions and functions is None:
+        console.print("[red]the policies declare functions: give --functions-registry[/red]")
+        return 1
+    mesh = Mesh(cp, state_dir, functions, concurrency, envoy_log_level)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

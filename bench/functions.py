@@ -1,0 +1,578 @@
+"""Benchmark of the inference backend (bench/functions.py).
+
+Measures, on loopback with real processes:
+  cold start  first request to an unloaded function (scale-to-zero TTL expired), from its
+              precompiled .cwasm: Python component (iris) and core wasm (digits), p50/p99;
+              also the server's own part of it (deserialize + instantiate, `load_*`)
+  warm        sequential keep-alive requests to a loaded function, backend alone, p50/p99
+  e2e         paced 200 requests/s through a static Envoy in front of the backend, p99
+              (and the same pacing against the backend alone, the baseline of the hop)
+  throughput  requests/s (wrk, closed loop) with 1 and 2 wasm worker threads
+  memory      PSS growth per additional warm instance of the Python function
+Prints one summary line and writes bench/results/functions.json.
+
+`--http-stacks` instead compares HTTP servers for the backend (aiohttp, aiohttp+uvloop, uvicorn
+with httptools+uvloop, a bare asyncio+httptools server) on the same trivial JSON handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from meshfn.inference.devtools import RawHttp, write_envoy_config
+from meshfn.inference.examples import publish_examples
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PY = sys.executable
+IRIS = json.dumps(
+    {
+        "inputs": [
+            {"name": "features", "datatype": "FP32", "shape": [1, 4], "data": [5.1, 3.5, 1.4, 0.2]}
+        ]
+    }
+).encode()
+DIGITS = json.dumps(
+    {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
+).encode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Procs:
+    """Processes started here, stopped by PID (also on errors)."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        with (self.logs / f"{name}.log").open("ab") as out:
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.started.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> int:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.started):
+            self.stop(proc)
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise SystemExit(f"timed out waiting for {url}")
+
+
+def metric(port: int, name: str, labels: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def pss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no Pss in smaps_rollup")
+
+
+def backend(
+    procs: Procs, tmp: Path, registry: Path, key: Path, workers: int, name: str
+) -> tuple[subprocess.Popen[bytes], int]:
+    cold = {"idleTtlSeconds": 0.05, "pool": {"minIdle": 0, "maxIdle": 1}}
+    config = {
+        "registry": str(registry),
+        "trustedKeys": [str(key)],
+        "workers": workers,
+        "functions": [
+            {"name": "iris", "version": "1", "pool": {"minIdle": 1, "maxIdle": 4}},
+            {"name": "digits", "version": "1", "pool": {"minIdle": 1, "maxIdle": 4}},
+            {"name": "iris-cold", "version": "1", "artifact": "iris@1", **cold},
+            {"name": "digits-cold", "version": "1", "artifact": "digits@1", **cold},
+            {
+                "name": "iris-pool",
+                "version": "1",
+                "artifact": "iris@1",
+                "pool": {"minIdle": 33, "maxIdle": 64},
+            },
+        ],
+    }
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(config))
+    port = free_port()
+    proc = procs.start(
+        name,
+        [
+            PY,
+            "-P",
+            "-m",
+            "meshfn.inference",
+            "serve",
+            "--config",
+            str(path),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+    )
+    wait_http(f"http://127.0.0.1:{port}/v2/health/ready", proc)
+    return proc, port
+
+
+def cold_starts(
+    port: int, model: str, body: bytes, samples: int
+) -> tuple[list[float], list[float]]:
+    """Client-side latency of requests that hit an unloaded function, and the server's own
+    load + first instantiate time for each (from the cold-start histogram's sum)."""
+    label = f'function="{model}@1"'
+    out: list[float] = []
+    inside: list[float] = []
+    client = RawHttp("127.0.0.1", port)
+    raw = client.encode("POST", f"/v2/models/{model}/infer", body)
+    try:
+        while len(out) < samples:
+            deadline = time.monotonic() + 5
+            while metric(port, "meshfn_fn_loaded", label) != 0.0:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{model} never unloaded")
+                time.sleep(0.02)
+            before = metric(port, "meshfn_fn_cold_starts_total", label)
+            load_before = metric(port, "meshfn_fn_cold_start_seconds_sum", label)
+            t = time.perf_counter()
+            status, reply = client.send(raw)
+            elapsed = time.perf_counter() - t
+            assert status == 200, reply
+            if metric(port, "meshfn_fn_cold_starts_total", label) == before + 1:
+                out.append(elapsed * 1000)
+                load = metric(port, "meshfn_fn_cold_start_seconds_sum", label) - load_before
+                inside.append(load * 1000)
+    finally:
+        client.close()
+    return out, inside
+
+
+def sequential(port: int, path: str, body: bytes, n: int) -> list[float]:
+    client = RawHttp("127.0.0.1", port)
+    raw = client.encode("POST", path, body)
+    for _ in range(50):
+        client.send(raw)
+    times = []
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            status, reply = client.send(raw)
+            times.append((time.perf_counter() - t) * 1e6)
+            assert status == 200, reply
+    finally:
+        client.close()
+    return times
+
+
+def paced(port: int, path: str, body: bytes, rate: float, seconds: float) -> list[float]:
+    """Open-loop at `rate` requests/s on one keep-alive connection: latency from the scheduled
+    send time, so a stall also counts for the requests queued behind it."""
+    client = RawHttp("127.0.0.1", port)
+    raw = client.encode("POST", path, body)
+    for _ in range(20):
+        client.send(raw)
+    times = []
+    start = time.perf_counter()
+    try:
+        for i in range(int(rate * seconds)):
+            due = start + i / rate
+            now = time.perf_counter()
+            if due > now:
+                time.sleep(due - now)
+            status, reply = client.send(raw)
+            times.append((time.perf_counter() - due) * 1000)
+            assert status == 200, reply
+    finally:
+        client.close()
+    return times
+
+
+def wrk(port: int, path: str, body: bytes, seconds: float, connections: int, tmp: Path) -> float:
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk not found: apt-get install wrk (needed for the throughput figures)")
+    script = tmp / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = {json.dumps(body.decode())}\n"
+        "done = function(summary, latency, requests)\n"
+        '  io.write(string.format("NON2XX %d\\n", summary.errors.status))\nend\n'
+    )
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{seconds}s",
+            "-s",
+            str(script),
+            f"http://127.0.0.1:{port}{path}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=seconds + 30,
+    ).stdout
+    bad = int(re.search(r"NON2XX (\d+)", out).group(1))  # type: ignore[union-attr]
+    if bad:
+        raise SystemExit(f"wrk saw {bad} non-2xx responses:\n{out}")
+    return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+
+
+def instance_memory(port: int, pid: int) -> dict[str, float]:
+    label = 'function="iris-pool@1"'
+    base = pss_mb(pid)
+    client = RawHttp("127.0.0.1", port)
+    client.request("POST", "/v2/models/iris-pool/infer", IRIS)
+    client.close()
+    deadline = time.monotonic() + 60
+    while metric(port, "meshfn_fn_idle_instances", label) < 33:
+        if time.monotonic() > deadline:
+            raise SystemExit("warm pool never filled")
+        time.sleep(0.1)
+    full = pss_mb(pid)
+    return {
+        "pss_before_mb": base,
+        "pss_34_instances_mb": full,
+        "per_instance_mb": (full - base) / 34,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="meshfn-bench-fn-"))
+    procs = Procs(tmp)
+    try:
+        published, key = publish_examples(tmp / "registry")
+        registry = tmp / "registry"
+        result: dict[str, Any] = {"published": [p.name for p in published]}
+        proc, port = backend(procs, tmp, registry, key, 2, "backend-2w")
+        result["cold_python_ms"], result["load_python_ms"] = cold_starts(
+            port, "iris-cold", IRIS, args.cold
+        )
+        result["cold_core_ms"], result["load_core_ms"] = cold_starts(
+            port, "digits-cold", DIGITS, args.cold
+        )
+        result["warm_python_us"] = sequential(port, "/v2/models/iris/infer", IRIS, args.warm)
+        result["warm_core_us"] = sequential(port, "/v2/models/digits/infer", DIGITS, args.warm)
+        envoy_port, admin = free_port(), free_port()
+        from meshfn.control_plane.runtime.envoy import envoy_binary
+
+        config = write_envoy_config(tmp / "envoy.json", envoy_port, admin, port)
+        envoy = procs.start(
+            "envoy",
+            [
+                str(envoy_binary()),
+                "-c",
+                str(config),
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "--log-level",
+                "warning",
+                "--base-id",
+                str(os.getpid() % 60000 + 1000),
+            ],
+        )
+        wait_http(f"http://127.0.0.1:{admin}/ready", envoy)
+        result["warm_envoy_us"] = sequential(envoy_port, "/v2/models/iris/infer", IRIS, args.warm)
+        result["paced_backend_ms"] = paced(
+            port, "/v2/models/iris/infer", IRIS, 200, args.paced_seconds
+        )
+        result["paced_envoy_ms"] = paced(
+            envoy_port, "/v2/models/iris/infer", IRIS, 200, args.paced_seconds
+        )
+        procs.stop(envoy)
+        result["rps_2w"] = wrk(port, "/v2/models/iris/infer", IRIS, args.wrk_seconds, 8, tmp)
+        result["rps_2w_core"] = wrk(
+            port, "/v2/models/digits/infer", DIGITS, args.wrk_seconds, 8, tmp
+        )
+        result["memory"] = instance_memory(port, proc.pid)
+        assert procs.stop(proc) == 0, "backend did not exit 0 on SIGTERM"
+        proc1, port1 = backend(procs, tmp, registry, key, 1, "backend-1w")
+        sequential(port1, "/v2/models/iris/infer", IRIS, 50)
+        sequential(port1, "/v2/models/digits/infer", DIGITS, 50)
+        result["rps_1w"] = wrk(port1, "/v2/models/iris/infer", IRIS, args.wrk_seconds, 8, tmp)
+        result["rps_1w_core"] = wrk(
+            port1, "/v2/models/digits/infer", DIGITS, args.wrk_seconds, 8, tmp
+        )
+        assert procs.stop(proc1) == 0, "backend did not exit 0 on SIGTERM"
+        return result
+    finally:
+        procs.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- HTTP stack comparison
+
+STACK_BODY = json.dumps(
+    {
+        "model_name": "m",
+        "model_version": "1",
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1], "data": [1.0]}],
+    }
+).encode()
+
+
+def stack_server(stack: str, port: int) -> None:
+    """A trivial KServe-shaped handler: read the body, parse it, answer fixed JSON."""
+    if stack.startswith("aiohttp"):
+        from aiohttp import web
+
+        async def infer(request: web.Request) -> web.Response:
+            json.loads(await request.read())
+            return web.Response(body=STACK_BODY, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_post("/v2/models/{name}/infer", infer)
+        if stack == "aiohttp-uvloop":
+            import uvloop
+
+            uvloop.install()
+        web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+    elif stack == "uvicorn":
+        import uvicorn
+
+        async def asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            body = b""
+            more = True
+            while more:
+                msg = await receive()
+                body += msg.get("body", b"")
+                more = msg.get("more_body", False)
+            json.loads(body)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(STACK_BODY)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": STACK_BODY})
+
+        uvicorn.run(
+            asgi,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            access_log=False,
+            http="httptools",
+            loop="uvloop",
+        )
+    elif stack == "httptools":
+        import asyncio
+
+        import httptools
+
+        class Proto(asyncio.Protocol):
+            def connection_made(self, transport: Any) -> None:
+                self.transport = transport
+                self.parser = httptools.HttpRequestParser(self)
+                self.body = b""
+
+            def data_received(self, data: bytes) -> None:
+                self.parser.feed_data(data)
+
+            def on_body(self, body: bytes) -> None:
+                self.body += body
+
+            def on_message_complete(self) -> None:
+                json.loads(self.body)
+                self.body = b""
+                self.transport.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(STACK_BODY), STACK_BODY)
+                )
+
+        async def main() -> None:
+            server = await asyncio.get_running_loop().create_server(
+                Proto, "127.0.0.1", port, backlog=1024
+            )
+            await server.serve_forever()
+
+        asyncio.run(main())
+
+
+def http_stacks(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="meshfn-bench-http-"))
+    procs = Procs(tmp)
+    out: dict[str, Any] = {}
+    body = IRIS
+    try:
+        needs = {
+            "aiohttp": "aiohttp",
+            "aiohttp-uvloop": "uvloop",
+            "uvicorn": "uvicorn",
+            "httptools": "httptools",
+        }
+        for stack, module in needs.items():
+            if importlib.util.find_spec(module) is None:
+                out[stack] = {"unavailable": f"pip install {module} to include it"}
+                continue
+            port = free_port()
+            proc = procs.start(stack, [PY, "-P", __file__, "--stack-server", stack, str(port)])
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    RawHttp("127.0.0.1", port).close()
+                    break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit(
+                            f"{stack} server did not start (see {tmp}/{stack}.log)"
+                        ) from None
+                    time.sleep(0.05)
+            lat = sequential(port, "/v2/models/m/infer", body, args.warm)
+            rps = wrk(port, "/v2/models/m/infer", body, args.wrk_seconds, 8, tmp)
+            out[stack] = {"p50_us": statistics.median(lat), "p99_us": pct(lat, 0.99), "rps": rps}
+            procs.stop(proc)
+    finally:
+        procs.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cold", type=int, default=100, help="cold-start samples per function")
+    parser.add_argument("--warm", type=int, default=2000, help="sequential warm requests")
+    parser.add_argument("--paced-seconds", type=float, default=10.0, help="seconds at 200 req/s")
+    parser.add_argument("--wrk-seconds", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None, help="where to write the results")
+    parser.add_argument("--http-stacks", action="store_true", help="compare HTTP servers instead")
+    parser.add_argument(
+        "--stack-server", nargs=2, metavar=("STACK", "PORT"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args()
+    if args.stack_server:
+        stack_server(args.stack_server[0], int(args.stack_server[1]))
+        return
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.http_stacks:
+        data = http_stacks(args)
+        (args.json or RESULTS / "functions_http.json").write_text(json.dumps(data, indent=1))
+        base = data["aiohttp"]["rps"]
+        print(
+            "http_stacks: "
+            + " ".join(
+                f"{k}_p50_us={v['p50_us']:.0f} {k}_rps={v['rps']:.0f} {k}_x={v['rps'] / base:.2f}"
+                for k, v in data.items()
+                if "rps" in v
+            )
+        )
+        return
+    data = run(args)
+    cold, core = data["cold_python_ms"], data["cold_core_ms"]
+    warm, envoy_warm = data["warm_python_us"], data["warm_envoy_us"]
+    summary = {
+        "cold_p50_ms": statistics.median(cold),
+        "cold_p99_ms": pct(cold, 0.99),
+        "core_cold_p50_ms": statistics.median(core),
+        "core_cold_p99_ms": pct(core, 0.99),
+        "load_p50_ms": statistics.median(data["load_python_ms"]),
+        "load_p99_ms": pct(data["load_python_ms"], 0.99),
+        "core_load_p50_ms": statistics.median(data["load_core_ms"]),
+        "core_load_p99_ms": pct(data["load_core_ms"], 0.99),
+        "warm_p50_us": statistics.median(warm),
+        "warm_p99_us": pct(warm, 0.99),
+        "core_warm_p50_us": statistics.median(data["warm_core_us"]),
+        "envoy_warm_p50_us": statistics.median(envoy_warm),
+        "envoy_hop_p50_us": statistics.median(envoy_warm) - statistics.median(warm),
+        "backend_p99_ms_at_200rps": pct(data["paced_backend_ms"], 0.99),
+        "e2e_p50_ms": statistics.median(data["paced_envoy_ms"]),
+        "e2e_p99_ms": pct(data["paced_envoy_ms"], 0.99),
+        "rps_1w": data["rps_1w"],
+        "rps_2w": data["rps_2w"],
+        "rps_2w_over_1w": data["rps_2w"] / data["rps_1w"],
+        "core_rps_1w": data["rps_1w_core"],
+        "core_rps_2w": data["rps_2w_core"],
+        "rss_per_instance_mb": data["memory"]["per_instance_mb"],
+    }
+    data["summary"] = summary
+    for key in (
+        "warm_python_us",
+        "warm_core_us",
+        "warm_envoy_us",
+        "paced_backend_ms",
+        "paced_envoy_ms",
+    ):
+        xs = data[key]  # thousands of samples: keep their distribution, not the list
+        data[key] = {
+            "n": len(xs),
+            "p50": statistics.median(xs),
+            "p90": pct(xs, 0.9),
+            "p99": pct(xs, 0.99),
+            "max": max(xs),
+        }
+    data["machine"] = {"cpus": os.cpu_count(), "loadavg_after": os.getloadavg()}
+    (args.json or RESULTS / "functions.json").write_text(json.dumps(data, indent=1))
+    s = summary
+    print(
+        f"functions: cold_p50_ms={s['cold_p50_ms']:.2f} cold_p99_ms={s['cold_p99_ms']:.2f} "
+        f"core_cold_p99_ms={s['core_cold_p99_ms']:.2f} warm_p50_us={s['warm_p50_us']:.0f} "
+        f"e2e_p99_ms={s['e2e_p99_ms']:.2f} rss_per_instance_mb={s['rss_per_instance_mb']:.2f} "
+        f"core_cold_p50_ms={s['core_cold_p50_ms']:.2f} core_warm_p50_us={s['core_warm_p50_us']:.0f} "
+        f"load_p99_ms={s['load_p99_ms']:.2f} core_load_p99_ms={s['core_load_p99_ms']:.3f} "
+        f"envoy_hop_p50_us={s['envoy_hop_p50_us']:.0f} backend_p99_ms_at_200rps={s['backend_p99_ms_at_200rps']:.2f} "
+        f"rps_1w={s['rps_1w']:.0f} rps_2w={s['rps_2w']:.0f} core_rps_1w={s['core_rps_1w']:.0f} core_rps_2w={s['core_rps_2w']:.0f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""What `meshfn up` runs behind the sidecars: the inference backend for services that serve
+functions, a placeholder upstream for the other loopback HTTP endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from .. import ir
+from .process import SupervisedProcess
+
+
+@dataclass(frozen=True)
+class FunctionsSetup:
+    """Where the backends find published functions and which signing keys they trust."""
+
+    registry: Path
+    trusted_keys: tuple[Path, ...]
+    workers: int = 2
+
+
+@dataclass(frozen=True)
+class UpstreamSpec:
+    service: str
+    address: str
+    port: int
+    locality: str
+    functions: tuple[ir.Function, ...] = ()  # non-empty: run the inference backend
+
+
+def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
+    """Service key -> functions its endpoints must serve: those it backs, and those whose
+    fallback chain reaches it (a fallback has to answer the same /v2/models/{name})."""
+    out: dict[str, list[ir.Function]] = {}
+    for function in model.functions:
+        backend = model.service(function.backend)
+        for key in (backend.key, *backend.fallback):
+            out.setdefault(key, []).append(function)
+    return out
+
+
+def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
+    """One process per loopback HTTP endpoint; endpoints elsewhere are the user's to run."""
+    functions = served_functions(model)
+    out: dict[tuple[str, int], UpstreamSpec] = {}
+    for service in model.services:
+        if service.protocol != "http":
+            continue
+        for e in service.endpoints:
+            if ipaddress.ip_address(e.address).is_loopback:
+                locality = "/".join(
+                    p for p in (e.locality.region, e.locality.zone, e.locality.sub_zone) if p
+                )
+                out[(e.address, e.port)] = UpstreamSpec(
+                    service.key, e.address, e.port, locality, tuple(functions.get(service.key, ()))
+                )
+    return out
+
+
+def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
+    """The inference backend's config (meshfn.inference.config.BackendConfig)."""
+
+    def one(f: ir.Function) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "name": f.name,
+            "isolation": f.isolation,
+            "idleTtlSeconds": f.idle_ttl.total_seconds(),
+            "pool": {"minIdle": f.min_idle, "maxIdle": f.max_idle},
+            "limits": {
+                "memoryMiB": f.memory_mib,
+                "timeoutMs": max(1, round(f.timeout.total_seconds() * 1000)),
+                "maxConcurrency": f.max_concurrency,
+                "maxRequestBytes": f.max_request_bytes,
+            },
+        }
+        if f.version is not None:
+            entry["version"] = f.version
+        if f.artifact is not None:
+            entry["artifact"] = f.artifact
+        return entry
+
+    return {
+        "registry": str(setup.registry.resolve()),
+        "trustedKeys": [str(k.resolve()) for k in setup.trusted_keys],
+        "workers": setup.workers,
+        "functions": [one(f) for f in spec.functions],
+    }
+
+
+def upstream_process(
+    spec: UpstreamSpec, state_dir: Path, setup: FunctionsSetup | None
+) -> SupervisedProcess:
+    log_path = state_dir / "logs" / f"upstream-{spec.address}-{spec.port}.log"
+    if spec.functions:
+        if setup is None:
+            raise ValueError(f"{spec.service} serves functions but no registry is configured")
+        config = state_dir / "inference" / f"{spec.address}-{spec.port}.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps(backend_config(spec, setup), indent=2))
+
+        async def backend_ready() -> bool:
+            timeout = aiohttp.ClientTimeout(total=1)
+            url = f"http://{spec.address}:{spec.port}/v2/health/ready"
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as r:
+                return r.status == 200
+
+        return SupervisedProcess(
+            name=f"inference {spec.service} {spec.address}:{spec.port}",
+            argv=[
+                sys.executable,
+                "-P",
+                "-m",
+                "meshfn.inference",
+                "serve",
+                "--config",
+                str(config),
+                "--host",
+                spec.address,
+                "--port",
+                str(spec.port),
+                "--log-format",
+                "json",
+            ],
+            log_path=log_path,
+            ready=backend_ready,
+            ready_timeout=60,
+        )
+
+    async def ready() -> bool:
+        _, writer = await asyncio.open_connection(spec.address, spec.port)
+        writer.close()
+        return True
+
+    return SupervisedProcess(
+        name=f"upstream {spec.service} {spec.address}:{spec.port}",
+        argv=[
+            sys.executable,
+            "-P",
+            "-m",
+            "meshfn.control_plane.runtime.upstream",
+            "--service",
+            spec.service,
+            "--address",
+            spec.address,
+            "--port",
+            str(spec.port),
+            "--locality",
+            spec.locality,
+        ],
+        log_path=log_path,
+        ready=ready,
+    )

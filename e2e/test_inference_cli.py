@@ -1,0 +1,109 @@
+"""`fn keygen|build|sign|publish` and `serve` as a user runs them (`python -P -m meshfn.inference`,
+which the control plane mounts as `meshfn fn ...`), including their error paths."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from meshfn_e2e import Processes, free_ports, wait_for
+
+from meshfn.inference.build import FUNCTIONS_DIR
+
+CLI = [sys.executable, "-P", "-m", "meshfn.inference"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, check=False)
+
+
+def failed(result: subprocess.CompletedProcess[str], message: str) -> bool:
+    output = result.stdout + result.stderr
+    return result.returncode == 1 and message in output and "Traceback" not in output
+
+
+def test_keygen_build_sign_publish_serve(tmp_path: Path) -> None:
+    keys, out, registry = tmp_path / "keys", tmp_path / "out", tmp_path / "registry"
+    assert run("fn", "keygen", "--out", str(keys)).returncode == 0
+    assert failed(run("fn", "keygen", "--out", str(keys)), "already exists")
+    key, pub = keys / "meshfn-signing.key", keys / "meshfn-signing.pub"
+
+    built = run("fn", "build", str(FUNCTIONS_DIR / "testing/chaos-core"), "--out", str(out))
+    assert built.returncode == 0, built.stderr
+    wasm = out / "chaos-core-1.wasm"
+    assert wasm.exists() and (out / "chaos-core-1.json").exists()
+    assert failed(
+        run("fn", "publish", str(wasm), "--registry", str(registry), "--key", str(key)),
+        "not signed",
+    )
+    signed = run("fn", "sign", str(wasm), "--key", str(key))
+    assert signed.returncode == 0, signed.stderr
+    sig = json.loads((out / "chaos-core-1.sig.json").read_text())
+    assert sig["kind"] == "module" and sig["payload"]["metadata"]["name"] == "chaos-core"
+
+    other = tmp_path / "other"
+    run("fn", "keygen", "--out", str(other))
+    untrusted = run(
+        "fn", "publish", str(wasm), "--registry", str(registry), "--key", str(key),
+        "--trusted-key", str(other / "meshfn-signing.pub"),
+    )  # fmt: skip
+    assert failed(untrusted, "untrusted key")
+    published = run("fn", "publish", str(wasm), "--registry", str(registry), "--key", str(key))
+    assert published.returncode == 0, published.stderr
+    assert (registry / "chaos-core/1/module.wasm").exists()
+
+    (port,) = free_ports(1)
+    procs = Processes(tmp_path)
+    try:
+        proc = procs.start(
+            "serve",
+            [
+                *CLI,
+                "serve",
+                "--registry",
+                str(registry),
+                "--trusted-key",
+                str(pub),
+                "--port",
+                str(port),
+            ],
+        )
+        url = f"http://127.0.0.1:{port}"
+        wait_for("ready", lambda: urllib.request.urlopen(url + "/v2/health/ready").status == 200)
+        body = json.dumps(
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [2]}]}
+        )
+        with urllib.request.urlopen(url + "/v2/models/chaos-core/infer", body.encode()) as r:
+            assert json.loads(r.read())["model_name"] == "chaos-core"
+        proc.send(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        procs.stop_all()
+
+
+def test_cli_errors_are_messages_not_tracebacks(tmp_path: Path) -> None:
+    assert failed(run("fn", "build", str(tmp_path)), "no function.toml")
+    assert failed(
+        run("fn", "sign", str(tmp_path / "x.wasm"), "--key", str(tmp_path / "k")), "not a readable"
+    )
+    assert failed(run("serve", "--registry", str(tmp_path)), "no trusted keys")
+    assert failed(run("serve"), "pass --registry DIR or --config FILE")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("registry: r\nfunctions: [{name: a, isolation: sometimes}]\n")
+    assert failed(run("serve", "--config", str(bad)), "functions.0.isolation")
+    keys = tmp_path / "keys"
+    run("fn", "keygen", "--out", str(keys))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run(
+            "serve", "--registry", str(tmp_path), "--trusted-key", str(keys / "meshfn-signing.pub"),
+            "--port", str(port),
+        )  # fmt: skip
+        assert failed(result, "cannot serve on 127.0.0.1")

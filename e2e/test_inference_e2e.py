@@ -1,0 +1,334 @@
+"""End to end: the inference backend as a process behind a real Envoy (static config; the
+translator's routes belong to the control plane), standard KServe v2 requests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from meshfn_e2e import Processes, free_ports, wait_for
+
+from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.inference.build import FUNCTIONS_DIR, build
+from meshfn.inference.devtools import write_envoy_config
+from meshfn.inference.examples import publish_examples
+
+PY = sys.executable
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+
+
+def call(url: str, body: Any = None, method: str | None = None, raw: bytes | None = None) -> Reply:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(url, data=data, method=method or ("POST" if data else "GET"))
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return Reply(r.status, json.loads(r.read()))
+    except urllib.error.HTTPError as exc:
+        text = exc.read()
+        return Reply(exc.code, json.loads(text) if text.startswith(b"{") else text)
+
+
+def tensor(name: str, datatype: str, shape: list[int], data: list[Any]) -> dict[str, Any]:
+    return {"name": name, "datatype": datatype, "shape": shape, "data": data}
+
+
+X = {"inputs": [tensor("x", "FP32", [1], [1.0])]}
+
+
+def chaos(mode: str) -> dict[str, Any]:
+    return {**X, "parameters": {"mode": mode}}
+
+
+FUNCTIONS = [
+    {"name": "iris", "version": "1", "pool": {"minIdle": 1}},
+    {"name": "embedder"},
+    {"name": "digits"},
+    {"name": "chaos", "limits": {"timeoutMs": 500, "memoryMiB": 32, "maxConcurrency": 2}},
+    {"name": "chaos-core", "limits": {"timeoutMs": 300}},
+]
+
+
+@dataclass
+class Stack:
+    backend: str
+    envoy: str
+    procs: Processes
+    registry: Path
+    key: Path
+
+
+def start_backend(
+    procs: Processes,
+    tmp: Path,
+    registry: Path,
+    key: Path,
+    functions: list[dict[str, Any]],
+    name: str,
+) -> tuple[Any, str]:
+    (port,) = free_ports(1)
+    config = tmp / f"{name}.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "registry": str(registry),
+                "trustedKeys": [str(key)],
+                "workers": 2,
+                "functions": functions,
+            }
+        )
+    )
+    proc = procs.start(
+        name,
+        [PY, "-P", "-m", "meshfn.inference", "serve", "--config", str(config), "--port", str(port)],
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if proc.popen is not None and proc.popen.poll() is not None:
+            raise AssertionError(f"backend exited:\n{proc.output()}")
+        return call(url + "/v2/health/ready").status == 200
+
+    wait_for("backend ready", ready, timeout=60)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("inference")
+    procs = Processes(tmp)
+    try:
+        _, key = publish_examples(tmp / "registry", include_testing=True)
+        _, backend = start_backend(procs, tmp, tmp / "registry", key, FUNCTIONS, "backend")
+        listener, admin = free_ports(2)
+        config = write_envoy_config(
+            tmp / "envoy.json", listener, admin, int(backend.rsplit(":", 1)[1])
+        )
+        envoy = procs.start(
+            "envoy",
+            [
+                str(envoy_binary()),
+                "-c",
+                str(config),
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "--base-id",
+                str(admin),
+                "--log-level",
+                "warning",
+            ],
+        )
+
+        def envoy_live() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=2) as r:
+                return bool(r.read().strip() == b"LIVE")
+
+        wait_for("envoy", envoy_live, timeout=30)
+        assert envoy.popen is not None and envoy.popen.poll() is None
+        yield Stack(backend, f"http://127.0.0.1:{listener}", procs, tmp / "registry", key)
+    finally:
+        procs.stop_all()
+
+
+def test_kserve_v2_api_through_envoy(stack: Stack) -> None:
+    e = stack.envoy
+    assert call(e + "/v2/health/live").body == {"live": True}
+    assert call(e + "/v2/health/ready").status == 200
+    meta = call(e + "/v2/models/iris").body
+    assert meta["name"] == "iris" and meta["versions"] == ["1"]
+    assert meta["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [-1, 4]}]
+    assert call(e + "/v2/models/iris/versions/1").body["platform"] == "meshfn-wasm-python"
+    assert call(e + "/v2/models/digits/ready").body == {"name": "digits", "ready": True}
+    reply = call(
+        e + "/v2/models/embedder/versions/1/infer",
+        {
+            "id": "q-7",
+            "inputs": [tensor("text", "BYTES", [2], ["hello mesh", "wasm model functions"])],
+        },
+    )
+    assert reply.status == 200
+    assert (reply.body["model_name"], reply.body["model_version"], reply.body["id"]) == (
+        "embedder",
+        "1",
+        "q-7",
+    )
+    emb = {o["name"]: o for o in reply.body["outputs"]}
+    assert emb["embedding"]["shape"] == [2, 32] and emb["tokens"]["data"] == [2, 3]
+    first = emb["embedding"]["data"][:32]
+    assert abs(sum(v * v for v in first) - 1) < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("name", "directory", "input_name", "width", "batch"),
+    [
+        ("iris", "examples/iris", "features", 4, 15),
+        ("digits", "examples/digits-core", "pixels", 64, 60),
+    ],
+)
+def test_heldout_accuracy_through_envoy(
+    stack: Stack, name: str, directory: str, input_name: str, width: int, batch: int
+) -> None:
+    """The served model scores the build-time held-out rows exactly as the build reported."""
+    report = build(FUNCTIONS_DIR / directory).report
+    xs, ys = report["heldout"]["x"], report["heldout"]["y"]
+    correct = 0
+    for i in range(0, len(xs), batch):
+        rows = xs[i : i + batch]
+        reply = call(
+            f"{stack.envoy}/v2/models/{name}/infer",
+            {
+                "inputs": [tensor(input_name, "FP32", [len(rows), width], rows)],
+                "outputs": [{"name": "label"}],
+            },
+        )
+        assert reply.status == 200, reply.body
+        (label,) = reply.body["outputs"]
+        correct += sum(int(p == t) for p, t in zip(label["data"], ys[i : i + batch], strict=True))
+    accuracy = correct / len(ys)
+    assert accuracy == pytest.approx(report["heldout_accuracy"], abs=0.002)
+    assert accuracy > 0.9
+
+
+BAD = [
+    ("iris", b"{", 400, "not valid JSON"),
+    ("iris", json.dumps({"inputs": [tensor("features", "INT32", [1, 4], [1, 2, 3, 4])]}).encode(), 400, "expected FP32"),
+    ("iris", json.dumps({"inputs": [tensor("features", "FP32", [1, 3], [1, 2, 3])]}).encode(), 400, "does not match"),
+    ("iris", json.dumps({"inputs": [tensor("features", "FP32", [1, 4], [1, 2, 3])]}).encode(), 400, "3 elements"),
+    ("iris", json.dumps({"inputs": [tensor("petals", "FP32", [1, 4], [1, 2, 3, 4])]}).encode(), 400, "unknown input"),
+    ("iris", json.dumps({"inputs": []}).encode(), 400, "non-empty"),
+    ("nope", json.dumps(X).encode(), 404, "unknown model"),
+    ("iris/versions/2", json.dumps(X).encode(), 404, "no version '2'"),
+    ("chaos", json.dumps(chaos("reject")).encode(), 400, "rejected the input"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "body", "status", "message"), BAD)
+def test_bad_requests_get_kserve_errors_through_envoy(
+    stack: Stack, model: str, body: bytes, status: int, message: str
+) -> None:
+    reply = call(f"{stack.envoy}/v2/models/{model}/infer", raw=body)
+    assert reply.status == status
+    assert message in reply.body["error"]
+
+
+def test_oversized_and_wrong_method(stack: Stack) -> None:
+    big = json.dumps({"inputs": [tensor("text", "BYTES", [1], ["x" * (2 << 20)])]}).encode()
+    reply = call(f"{stack.envoy}/v2/models/embedder/infer", raw=big)
+    assert reply.status == 413 and "exceeds" in reply.body["error"]
+    assert call(f"{stack.envoy}/v2/models/iris/infer", method="GET").status == 405
+    assert call(f"{stack.backend}/v2/models/iris/infer", method="DELETE").status == 405
+
+
+def test_runaway_is_interrupted_while_other_functions_serve(stack: Stack) -> None:
+    results: dict[str, Reply] = {}
+
+    def runaway() -> None:
+        results["spin"] = call(f"{stack.envoy}/v2/models/chaos/infer", chaos("spin"))
+
+    thread = threading.Thread(target=runaway)
+    started = time.monotonic()
+    thread.start()
+    time.sleep(0.05)
+    served = 0
+    body = {"inputs": [tensor("features", "FP32", [1, 4], [5.1, 3.5, 1.4, 0.2])]}
+    while thread.is_alive() and time.monotonic() - started < 5:
+        assert call(f"{stack.envoy}/v2/models/iris/infer", body).status == 200
+        served += 1
+    thread.join()
+    assert served >= 5  # iris kept answering while chaos spun
+    assert results["spin"].status == 504
+    assert results["spin"].body == {
+        "error": "function chaos@1 exceeded its 500 ms deadline and was interrupted"
+    }
+    assert call(f"{stack.envoy}/v2/models/chaos/infer", X).status == 200  # fresh instance
+
+
+def test_memory_hog_and_host_isolation(stack: Stack) -> None:
+    hog = call(f"{stack.envoy}/v2/models/chaos/infer", chaos("hog"))
+    assert hog.status == 500
+    assert hog.body["error"].startswith("function chaos@1 exceeded its memory limit of 32 MiB")
+    core = call(f"{stack.envoy}/v2/models/chaos-core/infer", chaos("hog"))
+    assert core.status == 500 and "memory limit" in core.body["error"]
+    env = call(f"{stack.envoy}/v2/models/chaos/infer", chaos("env"))
+    assert json.loads(env.body["outputs"][0]["parameters"]["probe"]) == {"env": {}}
+    fs = call(f"{stack.envoy}/v2/models/chaos/infer", chaos("fs"))
+    assert (
+        fs.status == 500 and "host capability that model functions do not have" in fs.body["error"]
+    )
+    metrics = urllib.request.urlopen(stack.backend + "/metrics", timeout=5).read().decode()
+    assert (
+        'meshfn_fn_instances_discarded_total{function="chaos@1",reason="out-of-memory"}' in metrics
+    )
+    assert call(f"{stack.envoy}/v2/models/iris/ready").status == 200
+
+
+def test_tampered_function_refused_others_serve(stack: Stack, tmp_path: Path) -> None:
+    registry = tmp_path / "registry"
+    for name in ("chaos-core", "digits"):
+        shutil.copytree(stack.registry / name, registry / name)
+    cwasm = next((registry / "chaos-core/1/compiled").glob("*.cwasm"))
+    data = bytearray(cwasm.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    cwasm.write_bytes(bytes(data))
+    procs = Processes(tmp_path)
+    try:
+        proc, url = start_backend(
+            procs,
+            tmp_path,
+            registry,
+            stack.key,
+            [{"name": "chaos-core"}, {"name": "digits"}],
+            "tampered",
+        )
+        reply = call(url + "/v2/models/chaos-core/infer", X)
+        assert reply.status == 403
+        assert "refused" in reply.body["error"] and "digest mismatch" in reply.body["error"]
+        assert call(url + "/v2/models/chaos-core/ready").status == 503
+        pixels = {"inputs": [tensor("pixels", "FP32", [1, 64], [0] * 64)]}
+        assert call(url + "/v2/models/digits/infer", pixels).status == 200
+        assert '"msg": "function refused"' in proc.output()
+    finally:
+        procs.stop_all()
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_zero(stack: Stack, tmp_path: Path) -> None:
+    procs = Processes(tmp_path)
+    try:
+        proc, url = start_backend(
+            procs, tmp_path, stack.registry, stack.key,
+            [{"name": "chaos-core", "limits": {"timeoutMs": 800}}], "drain",
+        )  # fmt: skip
+        results: dict[str, Reply] = {}
+        thread = threading.Thread(
+            target=lambda: results.setdefault(
+                "r", call(url + "/v2/models/chaos-core/infer", chaos("spin"))
+            )
+        )
+        thread.start()
+        time.sleep(0.2)
+        proc.send(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        thread.join()
+        assert results["r"].status == 504  # the in-flight request got its answer
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(url + "/v2/health/live", timeout=2)
+    finally:
+        procs.stop_all()

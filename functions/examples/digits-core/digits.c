@@ -1,0 +1,50 @@
+/* Digits classifier: logistic regression over 64 pixels (0-16), core ABI v1 (../../core/ABI.md). */
+#include "meshfn_core.h"
+#include "meshfn_metadata.h"
+#include "weights.h"
+
+#define FEATURES 64
+#define CLASSES 10
+#define MAX_ROWS 4096
+
+__attribute__((export_name("meshfn_infer"))) i64 meshfn_infer(const char *req, u32 len) {
+  const char *end = req + len;
+  const char *data = mf_find(req, end, "\"data\"");
+  if (!data) return mf_error(MF_BAD_REQUEST, "input has no data");
+  double *x = (double *)mf_alloc(sizeof(double) * FEATURES * MAX_ROWS);
+  if (!x) return mf_error(MF_OUT_OF_MEMORY, "cannot allocate the input buffer");
+  i32 n = mf_read_numbers(data, end, x, FEATURES * MAX_ROWS);
+  if (n < 0 || n % FEATURES) return mf_error(MF_BAD_REQUEST, "pixels must be rows of 64 numbers (at most 4096 rows)");
+  u32 rows = (u32)n / FEATURES;
+  mf_buf out = mf_buf_new(256 + rows * (CLASSES * 12 + 8));
+  mf_put(&out, "{\"outputs\":[{\"name\":\"label\",\"datatype\":\"INT64\",\"shape\":[");
+  mf_put_u64(&out, rows);
+  mf_put(&out, "],\"data\":[");
+  double *probs = (double *)mf_alloc(sizeof(double) * CLASSES * (rows ? rows : 1));
+  if (!probs) return mf_error(MF_OUT_OF_MEMORY, "cannot allocate the output buffer");
+  for (u32 r = 0; r < rows; r++) {
+    const double *row = x + r * FEATURES;
+    double logits[CLASSES], top = -1e300, total = 0.0;
+    u32 best = 0;
+    for (u32 k = 0; k < CLASSES; k++) {
+      double z = B[k];
+      for (u32 i = 0; i < FEATURES; i++) z += W[k][i] * (row[i] / 16.0);
+      logits[k] = z;
+      if (z > top) { top = z; best = k; }
+    }
+    for (u32 k = 0; k < CLASSES; k++) { logits[k] = mf_exp(logits[k] - top); total += logits[k]; }
+    for (u32 k = 0; k < CLASSES; k++) probs[r * CLASSES + k] = logits[k] / total;
+    if (r) mf_put(&out, ",");
+    mf_put_u64(&out, best);
+  }
+  mf_put(&out, "]},{\"name\":\"probabilities\",\"datatype\":\"FP32\",\"shape\":[");
+  mf_put_u64(&out, rows);
+  mf_put(&out, ",10],\"data\":[");
+  for (u32 i = 0; i < rows * CLASSES; i++) {
+    if (i) mf_put(&out, ",");
+    mf_put_f64(&out, probs[i]);
+  }
+  mf_put(&out, "]}]}");
+  if (out.overflow) return mf_error(MF_INTERNAL, "response buffer overflow");
+  return mf_result(MF_OK, out.p, out.len);
+}

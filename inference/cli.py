@@ -1,0 +1,203 @@
+"""CLI: `meshfn fn build|sign|publish|keygen|examples` (typer sub-app `fn_app`) and the
+backend process `python -P -m meshfn.inference serve` (`main`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from .errors import InferenceError
+
+fn_app = typer.Typer(
+    name="fn",
+    help="Build, sign and publish WASM model functions.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(soft_wrap=True, highlight=False, markup=False)
+err = Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+def _fail(exc: Exception | str, code: int = 1) -> None:
+    err.print("[red]error:[/red] ", end="")
+    err.print(str(exc), markup=False)
+    raise typer.Exit(code)
+
+
+@fn_app.command("keygen")
+def keygen(
+    out_dir: Annotated[Path, typer.Option("--out", help="directory for NAME.key and NAME.pub")],
+    name: Annotated[str, typer.Option(help="file name stem")] = "meshfn-signing",
+) -> None:
+    """Create an ed25519 signing key pair (the private key is written with mode 0600)."""
+    from .signing import generate_key
+
+    try:
+        private, public = generate_key(out_dir, name)
+    except InferenceError as exc:
+        _fail(exc)
+    out.print(f"private key: {private}\npublic key:  {public}")
+
+
+@fn_app.command("build")
+def build_cmd(
+    directory: Annotated[Path, typer.Argument(help="function directory with function.toml")],
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="copy the results here (default: the cache)")
+    ] = None,
+    force: Annotated[bool, typer.Option(help="rebuild even if the cache is current")] = False,
+) -> None:
+    """Build a function: componentize-py (Python) or clang (core wasm) -> NAME-VERSION.wasm."""
+    from .build import build
+
+    try:
+        result = build(directory, out_dir, force=force)
+    except InferenceError as exc:
+        _fail(exc)
+    info = result.info()
+    report = info["build"]["report"]
+    accuracy = f"  held-out accuracy {report['heldout_accuracy']}" if report else ""
+    state = "cached" if result.cached else "built"
+    out.print(f"{state} {result.wasm} ({info['module_size']} bytes){accuracy}")
+
+
+@fn_app.command("sign")
+def sign_cmd(
+    wasm: Annotated[Path, typer.Argument(help="NAME-VERSION.wasm from fn build")],
+    key: Annotated[Path, typer.Option("--key", help="ed25519 private key (PEM)")],
+) -> None:
+    """Sign a built module: ed25519 over its digest and metadata -> NAME-VERSION.sig.json."""
+    from .registry import sign_module
+    from .signing import load_private_key
+
+    try:
+        path = sign_module(wasm, load_private_key(key))
+    except InferenceError as exc:
+        _fail(exc)
+    out.print(f"signed {wasm} -> {path}")
+
+
+@fn_app.command("publish")
+def publish_cmd(
+    wasm: Annotated[Path, typer.Argument(help="signed NAME-VERSION.wasm")],
+    registry: Annotated[Path, typer.Option("--registry", help="registry directory")],
+    key: Annotated[Path, typer.Option("--key", help="key that signs the compile record")],
+    trusted_key: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--trusted-key", help="accept module signatures by these keys (default: --key)"
+        ),
+    ] = None,
+) -> None:
+    """Verify, precompile (.cwasm for this wasmtime and engine settings) and install."""
+    from .build import cache_root
+    from .registry import Registry
+    from .signing import TrustedKeys, load_private_key
+
+    try:
+        private = load_private_key(key)
+        trusted = TrustedKeys.from_paths(trusted_key) if trusted_key else None
+        entry = Registry(registry).publish(
+            wasm, private, trusted, compile_cache=cache_root() / "functions" / "compiled"
+        )
+    except InferenceError as exc:
+        _fail(exc)
+    out.print(f"published {entry}")
+
+
+@fn_app.command("examples")
+def examples_cmd(
+    registry: Annotated[Path, typer.Option("--registry", help="registry directory")],
+    testing: Annotated[bool, typer.Option(help="also the misbehaving test functions")] = False,
+    force: Annotated[bool, typer.Option(help="rebuild and republish everything")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Build, sign (development key) and publish the example functions; cached."""
+    from .examples import publish_examples
+
+    try:
+        published, public = publish_examples(registry, include_testing=testing, force=force)
+    except InferenceError as exc:
+        _fail(exc)
+    if as_json:
+        rows = [
+            {"name": p.name, "version": p.version, "kind": p.kind, "skipped": p.skipped}
+            for p in published
+        ]
+        sys.stdout.write(json.dumps({"trusted_key": str(public), "functions": rows}) + "\n")
+        return
+    for p in published:
+        acc = p.report.get("heldout_accuracy")
+        extra = f" held-out accuracy {acc}" if acc is not None else ""
+        out.print(
+            f"{'unchanged' if p.skipped else 'published'} {p.name}@{p.version} ({p.kind}){extra}"
+        )
+    out.print(f"trusted key: {public}")
+
+
+main_app = typer.Typer(
+    name="meshfn.inference",
+    help="meshfn inference backend (KServe v2 over wasmtime).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+main_app.add_typer(fn_app)
+
+
+@main_app.command("serve")
+def serve_cmd(
+    registry: Annotated[Path | None, typer.Option("--registry", help="registry directory")] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="YAML/JSON BackendConfig (functions, limits)")
+    ] = None,
+    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="listen port")] = 8080,
+    workers: Annotated[int | None, typer.Option(help="threads running wasm")] = None,
+    trusted_key: Annotated[
+        list[Path] | None, typer.Option("--trusted-key", help="ed25519 public key file or dir")
+    ] = None,
+    drain_timeout: Annotated[
+        float, typer.Option(help="seconds to finish requests on SIGTERM")
+    ] = 10.0,
+    log_format: Annotated[str, typer.Option(help="json | human")] = "json",
+    log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
+) -> None:
+    """Serve the registry's functions (or those in --config) until SIGTERM; then drain, exit 0."""
+    from meshfn.control_plane.logs import setup_logging
+
+    from .config import load_config, parse_config
+    from .server import serve
+
+    setup_logging(log_format, log_level)
+    try:
+        if config is not None:
+            cfg = load_config(config)
+            cfg = cfg.with_overrides(
+                registry=registry, workers=workers, trusted_keys=trusted_key or None
+            )
+        elif registry is not None:
+            cfg = parse_config(
+                {"registry": str(registry), "trustedKeys": [str(k) for k in trusted_key or []]}
+                | ({"workers": workers} if workers else {}),
+                "flags",
+            )
+        else:
+            _fail("pass --registry DIR or --config FILE")
+            return
+        asyncio.run(serve(cfg, host, port, drain_timeout))
+    except InferenceError as exc:
+        _fail(exc)
+    except OSError as exc:
+        _fail(f"cannot serve on {host}:{port}: {exc}")
+
+
+def main() -> None:
+    sys.exit(main_app())

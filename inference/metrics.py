@@ -1,0 +1,63 @@
+"""Prometheus metrics of the backend (one registry per server, exposed at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "meshfn_fn_requests", "Inference requests by outcome", ["function", "code"], registry=r
+        )
+        self.latency = Histogram(
+            "meshfn_fn_request_seconds",
+            "Inference request latency inside the backend",
+            ["function"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.cold_starts = Counter(
+            "meshfn_fn_cold_starts",
+            "Loads of a function from its artifact",
+            ["function"],
+            registry=r,
+        )
+        self.cold_start_seconds = Histogram(
+            "meshfn_fn_cold_start_seconds",
+            "Deserialize + first instantiate of an unloaded function",
+            ["function"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.unloads = Counter(
+            "meshfn_fn_unloads", "Idle functions unloaded (scale to zero)", ["function"], registry=r
+        )
+        self.traps = Counter(
+            "meshfn_fn_instances_discarded",
+            "Instances discarded after a trap, timeout or out-of-memory",
+            ["function", "reason"],
+            registry=r,
+        )
+        self.loaded = Gauge(
+            "meshfn_fn_loaded",
+            "1 while the function's artifact is loaded",
+            ["function"],
+            registry=r,
+        )
+        self.idle = Gauge(
+            "meshfn_fn_idle_instances", "Pre-instantiated idle instances", ["function"], registry=r
+        )
+        self.inflight = Gauge(
+            "meshfn_fn_inflight",
+            "Requests running or waiting for a worker",
+            ["function"],
+            registry=r,
+        )
+        self.refused = Gauge(
+            "meshfn_fn_refused", "1 if the function failed verification", ["function"], registry=r
+        )

@@ -1,0 +1,238 @@
+"""One served function: verification state, lazy load, warm pool, isolation, scale to zero.
+
+Thread model: `invoke`, `prewarm` and `unload` run on worker threads (wasm releases the GIL);
+`inflight` and the 429 decision belong to the event loop. `_lock` guards the artifact and the
+idle deque and is never held while wasm runs; `_load_lock` serialises the one cold load so
+concurrent first requests wait for it instead of loading twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import wasmtime
+
+from .config import FunctionSpec
+from .engine import deadline_ticks
+from .errors import InferenceError, RegistryError, SignatureError
+from .host import Artifact, CallResult, Instance, load_precompiled
+from .kserve import Signature
+from .metrics import Metrics
+from .registry import Registry, VerifiedArtifact
+from .signing import TrustedKeys
+
+log = logging.getLogger("meshfn.inference")
+
+
+class Refused(InferenceError):
+    """The function cannot be served (failed verification or missing artifact)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Invocation:
+    result: CallResult
+    cold: bool
+
+
+class FunctionRuntime:
+    def __init__(
+        self,
+        spec: FunctionSpec,
+        version: str,
+        artifact_ref: tuple[str, str],
+        engine: wasmtime.Engine,
+        registry: Registry,
+        trusted: TrustedKeys,
+        metrics: Metrics,
+        prewarm_executor: Executor,
+    ) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.version = version
+        self.artifact_ref = artifact_ref
+        self.engine = engine
+        self.registry = registry
+        self.trusted = trusted
+        self.metrics = metrics
+        self.prewarm_executor = prewarm_executor
+        self.verified: VerifiedArtifact | None = None
+        self.signature: Signature | None = None
+        self.refusal: Refused | None = None
+        self.inflight = 0  # event loop only
+        self.last_used = time.monotonic()
+        self.ticks = deadline_ticks(spec.limits.timeout_ms / 1000)
+        self.memory_bytes = spec.limits.memory_mib << 20
+        self._artifact: Artifact | None = None
+        self._generation = 0
+        self._idle: deque[Instance] = deque()
+        self._lock = threading.Lock()
+        self._load_lock = threading.Lock()
+        self._refilling = False
+        self.label = f"{self.name}@{self.version}"
+
+    # ------------------------------------------------------------------ verification
+
+    def verify(self) -> None:
+        """Full signature + digest check (worker thread); records a refusal instead of raising."""
+        name, version = self.artifact_ref
+        try:
+            verified = self.registry.verify(name, version, self.trusted)
+            self.signature = Signature.from_metadata(verified.metadata)
+            self.verified, self.refusal = verified, None
+            self.metrics.refused.labels(self.label).set(0)
+        except SignatureError as exc:
+            self._refuse(str(exc), 403)
+        except (RegistryError, OSError, KeyError, TypeError, ValueError) as exc:
+            self._refuse(str(exc), 404 if isinstance(exc, RegistryError) else 403)
+
+    def _refuse(self, message: str, status: int) -> None:
+        self.refusal = Refused(f"function {self.label} refused: {message}", status)
+        self.verified = None
+        self.metrics.refused.labels(self.label).set(1)
+        log.error("function refused", extra={"function": self.label, "reason": message})
+        self.unload(reason="refused")
+
+    @property
+    def loaded(self) -> bool:
+        return self._artifact is not None
+
+    # ------------------------------------------------------------------ load / unload
+
+    def _load(self) -> tuple[Artifact, int]:
+        with self._load_lock:
+            artifact = self._artifact
+            if artifact is not None:
+                return artifact, self._generation
+            verified = self.verified
+            if verified is None:
+                raise self.refusal or Refused(f"function {self.label} is not verified", 403)
+            if not verified.intact():  # a file changed since verification: check it all again
+                log.warning(
+                    "artifact changed on disk; re-verifying", extra={"function": self.label}
+                )
+                self.verify()
+                verified = self.verified
+                if verified is None:
+                    raise self.refusal or Refused(f"function {self.label} refused", 403)
+            try:
+                artifact = load_precompiled(self.engine, verified.kind, verified.cwasm)
+            except wasmtime.WasmtimeError as exc:
+                self._refuse(f"cannot load the precompiled artifact: {exc}", 403)
+                raise self.refusal or Refused(str(exc), 403) from None
+            with self._lock:
+                self._artifact = artifact
+                self._generation += 1
+                generation = self._generation
+            self.metrics.loaded.labels(self.label).set(1)
+            self.metrics.cold_starts.labels(self.label).inc()
+            return artifact, generation
+
+    def unload(self, reason: str = "idle") -> None:
+        with self._lock:
+            if self._artifact is None:
+                return
+            self._artifact = None
+            self._generation += 1
+            idle, self._idle = self._idle, deque()
+        for instance in idle:
+            instance.close()
+        self.metrics.loaded.labels(self.label).set(0)
+        self.metrics.idle.labels(self.label).set(0)
+        if reason == "idle":
+            self.metrics.unloads.labels(self.label).inc()
+        log.info("function unloaded", extra={"function": self.label, "reason": reason})
+
+    # ------------------------------------------------------------------ instances
+
+    def _take(self) -> tuple[Instance, int, bool]:
+        """An idle instance, else a new one (loading the artifact first if needed)."""
+        with self._lock:
+            if self._idle:
+                instance = self._idle.popleft()
+                self.metrics.idle.labels(self.label).set(len(self._idle))
+                return instance, self._generation, False
+            artifact, generation = self._artifact, self._generation
+        cold = artifact is None
+        started = time.perf_counter()
+        if artifact is None:
+            artifact, generation = self._load()
+        instance = artifact.instantiate(self.memory_bytes)
+        if cold:
+            self.metrics.cold_start_seconds.labels(self.label).observe(
+                time.perf_counter() - started
+            )
+        return instance, generation, cold
+
+    def _give_back(self, instance: Instance, generation: int, result: CallResult) -> None:
+        poisoned = result.outcome.poisons
+        if poisoned:
+            self.metrics.traps.labels(self.label, result.outcome.value).inc()
+        keep = not poisoned and self.spec.isolation == "reuse" and generation == self._generation
+        if keep:
+            with self._lock:
+                if generation == self._generation and len(self._idle) < self.spec.pool.max_idle:
+                    self._idle.append(instance)
+                    self.metrics.idle.labels(self.label).set(len(self._idle))
+                    return
+        instance.close()
+
+    def invoke(self, request: str) -> Invocation:
+        """Run one request on an instance (worker thread)."""
+        instance, generation, cold = self._take()
+        try:
+            result = instance.call(request, self.ticks)
+        except BaseException:
+            instance.close()
+            raise
+        self._give_back(instance, generation, result)
+        self._maybe_refill()
+        return Invocation(result, cold)
+
+    def _maybe_refill(self) -> None:
+        if self.spec.pool.min_idle and len(self._idle) < self.spec.pool.min_idle:
+            with self._lock:
+                if self._refilling or self._artifact is None:
+                    return
+                self._refilling = True
+            self.prewarm_executor.submit(self.prewarm)
+
+    def prewarm(self) -> None:
+        """Fill the warm pool up to minIdle while the function stays loaded (prewarm thread)."""
+        try:
+            while True:
+                with self._lock:
+                    artifact, generation = self._artifact, self._generation
+                    if artifact is None or len(self._idle) >= self.spec.pool.min_idle:
+                        return
+                instance = artifact.instantiate(self.memory_bytes)
+                with self._lock:
+                    if generation != self._generation:
+                        instance.close()
+                        return
+                    self._idle.append(instance)
+                    self.metrics.idle.labels(self.label).set(len(self._idle))
+        except Exception:
+            log.exception("prewarm failed", extra={"function": self.label})
+        finally:
+            with self._lock:
+                self._refilling = False
+
+    def load_and_prewarm(self) -> None:
+        """Load now (no request waiting) and fill the pool: used for minIdle at start-up."""
+        self._load()
+        self.prewarm()
+
+    def idle_for(self, now: float) -> float:
+        return now - self.last_used
+
+    def close(self) -> None:
+        self.unload(reason="shutdown")

@@ -1,0 +1,430 @@
+"""Host, registry, signatures and pools with real wasmtime and the real (cached) builds of the
+example and test functions: componentize-py components and clang core modules."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import wasmtime
+
+from meshfn.inference import signing
+from meshfn.inference.backend import Backend
+from meshfn.inference.build import BuildError, check_core_module
+from meshfn.inference.config import FunctionSpec, parse_config
+from meshfn.inference.engine import EpochTicker, engine_key, new_engine
+from meshfn.inference.errors import RegistryError, SignatureError
+from meshfn.inference.examples import publish_examples
+from meshfn.inference.host import Outcome, load_precompiled
+from meshfn.inference.metrics import Metrics
+from meshfn.inference.pool import FunctionRuntime
+from meshfn.inference.registry import Registry, sign_module
+
+X = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]})
+
+
+def chaos(mode: str) -> str:
+    return json.dumps({**json.loads(X), "parameters": {"mode": mode}})
+
+
+@dataclass
+class Published:
+    root: Path
+    key: Path
+    private: Path
+
+    @property
+    def registry(self) -> Registry:
+        return Registry(self.root)
+
+    @property
+    def trusted(self) -> signing.TrustedKeys:
+        return signing.TrustedKeys.from_paths([self.key])
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> Published:
+    root = tmp_path_factory.mktemp("registry")
+    _, public = publish_examples(root, include_testing=True)
+    return Published(root, public, public.with_suffix(".key"))
+
+
+@pytest.fixture
+def copy_of(published: Published, tmp_path: Path) -> Iterator[Published]:
+    """A private registry holding only chaos-core (tiny), safe to tamper with."""
+    root = tmp_path / "reg"
+    shutil.copytree(published.root / "chaos-core", root / "chaos-core")
+    yield Published(root, published.key, published.private)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[wasmtime.Engine]:
+    eng = new_engine()
+    ticker = EpochTicker(eng).start()
+    yield eng
+    ticker.stop()
+
+
+def instance(published: Published, engine: wasmtime.Engine, name: str, mib: int = 64):  # type: ignore[no-untyped-def]
+    verified = published.registry.verify(name, "1", published.trusted)
+    return load_precompiled(engine, verified.kind, verified.cwasm).instantiate(mib << 20)
+
+
+# ---------------------------------------------------------------------- host
+
+
+@pytest.mark.parametrize("name", ["chaos", "chaos-core"])
+def test_runaway_is_interrupted_and_instance_poisoned(
+    published: Published, engine: wasmtime.Engine, name: str
+) -> None:
+    inst = instance(published, engine, name)
+    started = time.monotonic()
+    result = inst.call(chaos("spin"), ticks=20)  # ~100 ms at 5 ms per tick
+    elapsed = time.monotonic() - started
+    assert result.outcome is Outcome.TIMEOUT and result.outcome.poisons
+    assert 0.09 < elapsed < 1.0
+    if name == "chaos":  # a trapped component refuses re-entry; core modules do not, hence
+        assert inst.call(X, 20).outcome is Outcome.TRAP  # the pool discards both kinds
+
+
+@pytest.mark.parametrize(("name", "mib"), [("chaos", 32), ("chaos-core", 4)])
+def test_memory_hog_gets_out_of_memory(
+    published: Published, engine: wasmtime.Engine, name: str, mib: int
+) -> None:
+    inst = instance(published, engine, name, mib)
+    result = inst.call(chaos("hog"), ticks=2000)
+    assert result.outcome is Outcome.OUT_OF_MEMORY, result
+    assert result.outcome.poisons
+
+
+def test_guest_sees_no_host_environment_or_files(
+    published: Published, engine: wasmtime.Engine
+) -> None:
+    inst = instance(published, engine, "chaos")
+    result = inst.call(chaos("env"), 400)
+    assert result.outcome is Outcome.OK
+    probe = json.loads(json.loads(result.body)["outputs"][0]["parameters"]["probe"])
+    assert probe == {"env": {}}  # not even the build machine's environment was baked in
+    assert inst.call(chaos("print"), 400).outcome is Outcome.OK  # print goes nowhere
+    for mode in ("fs", "sleep"):
+        started = time.monotonic()
+        result = instance(published, engine, "chaos").call(chaos(mode), 400)
+        assert result.outcome is Outcome.TRAP, result
+        assert "host capability that model functions do not have" in result.body
+        assert time.monotonic() - started < 0.5  # sleep cannot hold a worker past deadlines
+
+
+def test_publish_refuses_components_with_imports(published: Published, tmp_path: Path) -> None:
+    wasm = tmp_path / "env-1.wasm"
+    wasm.write_bytes(
+        wasmtime.wat2wasm('(component (import "wasi:cli/environment@0.2.0" (instance)))')
+    )
+    info = {"name": "env", "version": "1", "kind": "python", "metadata": {},
+            "module_sha256": signing.sha256_file(wasm)}  # fmt: skip
+    (tmp_path / "env-1.json").write_text(json.dumps(info))
+    key = signing.load_private_key(published.private)
+    sign_module(wasm, key)
+    with pytest.raises(RegistryError, match="component imports wasi:cli/environment"):
+        Registry(tmp_path / "reg").publish(wasm, key)
+    assert not (tmp_path / "reg" / "env").exists()
+
+
+def test_core_trap_and_model_errors(published: Published, engine: wasmtime.Engine) -> None:
+    core = instance(published, engine, "chaos-core")
+    assert core.call(chaos("trap"), 100).outcome is Outcome.TRAP
+    py = instance(published, engine, "chaos")
+    assert py.call(chaos("reject"), 400).outcome is Outcome.BAD_REQUEST
+    raised = py.call(chaos("raise"), 400)
+    assert raised.outcome is Outcome.INTERNAL and "chaos asked to fail" in raised.body
+    assert py.call(X, 400).outcome is Outcome.OK  # model errors do not poison
+
+
+def test_iris_component_predicts(published: Published, engine: wasmtime.Engine) -> None:
+    inst = instance(published, engine, "iris")
+    body = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [2, 4],
+                        "data": [[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]]}]}  # fmt: skip
+    result = inst.call(json.dumps(body), 400)
+    assert result.outcome is Outcome.OK
+    outputs = {o["name"]: o for o in json.loads(result.body)["outputs"]}
+    assert outputs["label"]["data"] == [0, 2]  # setosa, virginica
+    assert outputs["probabilities"]["shape"] == [2, 3]
+
+
+# ---------------------------------------------------------------------- registry and signatures
+
+
+def test_verify_good_entry(published: Published) -> None:
+    v = published.registry.verify("digits", "1", published.trusted)
+    assert v.kind == "core" and v.metadata["name"] == "digits"
+    assert v.cwasm.name == f"{engine_key()}.cwasm" and v.intact()
+    assert v.build["report"]["heldout_accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("target", ["module.wasm", "compiled/*.cwasm"])
+def test_tampered_files_refused(copy_of: Published, target: str) -> None:
+    entry = copy_of.root / "chaos-core" / "1"
+    path = next(entry.glob(target))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(SignatureError, match="digest mismatch"):
+        copy_of.registry.verify("chaos-core", "1", copy_of.trusted)
+
+
+def test_unsigned_untrusted_and_wrong_engine_refused(copy_of: Published, tmp_path: Path) -> None:
+    entry = copy_of.root / "chaos-core" / "1"
+    other = signing.TrustedKeys(
+        [signing.load_private_key(signing.generate_key(tmp_path)[0]).public_key()]
+    )
+    with pytest.raises(SignatureError, match="untrusted key"):
+        copy_of.registry.verify("chaos-core", "1", other)
+    record = next(entry.glob("compiled/*.json"))
+    envelope = json.loads(record.read_text())
+    envelope["payload"]["cwasm_sha256"] = "0" * 64  # forged record
+    record.write_text(json.dumps(envelope))
+    with pytest.raises(SignatureError, match="bad signature"):
+        copy_of.registry.verify("chaos-core", "1", copy_of.trusted)
+    for path in entry.glob("compiled/*"):
+        path.rename(path.with_name("wasmtime-0.0.0-other" + path.suffix))
+    with pytest.raises(RegistryError, match="no precompiled artifact"):
+        copy_of.registry.verify("chaos-core", "1", copy_of.trusted)
+    (entry / "module.sig.json").unlink()
+    with pytest.raises(SignatureError, match="unsigned"):
+        copy_of.registry.verify("chaos-core", "1", copy_of.trusted)
+    with pytest.raises(RegistryError, match="not in the registry"):
+        copy_of.registry.verify("nothing", "1", copy_of.trusted)
+
+
+def test_publish_refuses_modified_or_unsigned_modules(published: Published, tmp_path: Path) -> None:
+    src = published.root / "chaos-core" / "1"
+    wasm = tmp_path / "chaos-core-1.wasm"
+    shutil.copyfile(src / "module.wasm", wasm)
+    payload = json.loads((src / "module.sig.json").read_text())["payload"]
+    (tmp_path / "chaos-core-1.json").write_text(json.dumps(payload))
+    key = signing.load_private_key(published.private)
+    registry = Registry(tmp_path / "reg")
+    with pytest.raises(SignatureError, match="not signed"):
+        registry.publish(wasm, key)
+    sign_module(wasm, key)
+    wasm.write_bytes(wasm.read_bytes() + b"\0")  # changed after signing
+    with pytest.raises(SignatureError, match="does not match its signature"):
+        registry.publish(wasm, key)
+    shutil.copyfile(src / "module.wasm", wasm)
+    entry = registry.publish(wasm, key)
+    assert registry.verify("chaos-core", "1", published.trusted).cwasm.parent == entry / "compiled"
+
+
+def test_core_abi_rules_enforced() -> None:
+    with pytest.raises(BuildError, match="may not import"):
+        check_core_module(wasmtime.wat2wasm('(module (import "env" "f" (func)))'), "t")
+    with pytest.raises(BuildError, match="missing core ABI exports"):
+        check_core_module(wasmtime.wat2wasm('(module (memory (export "memory") 1))'), "t")
+    with pytest.raises(BuildError, match="not a valid core wasm"):
+        check_core_module(b"\0asm garbage", "t")
+
+
+# ---------------------------------------------------------------------- pools and lifecycle
+
+
+@pytest.fixture
+def prewarm() -> Iterator[ThreadPoolExecutor]:
+    executor = ThreadPoolExecutor(1)
+    yield executor
+    executor.shutdown(wait=True)
+
+
+def runtime(
+    pub: Published, engine: wasmtime.Engine, executor: ThreadPoolExecutor, name: str, **spec: object
+) -> FunctionRuntime:
+    fs = FunctionSpec.model_validate({"name": name, "version": "1", **spec})
+    rt = FunctionRuntime(
+        fs, "1", (name, "1"), engine, pub.registry, pub.trusted, Metrics(), executor
+    )
+    rt.verify()
+    assert rt.refusal is None
+    return rt
+
+
+def counter(rt: FunctionRuntime) -> float:
+    result = rt.invoke(chaos("counter")).result
+    assert result.outcome is Outcome.OK, result
+    return float(json.loads(result.body)["outputs"][0]["data"][0])
+
+
+@pytest.mark.parametrize("name", ["chaos", "chaos-core"])
+def test_isolation_modes(
+    published: Published, engine: wasmtime.Engine, prewarm: ThreadPoolExecutor, name: str
+) -> None:
+    reuse = runtime(published, engine, prewarm, name, isolation="reuse")
+    assert not reuse.loaded
+    first = reuse.invoke(chaos("counter"))
+    assert first.cold and reuse.loaded
+    assert [counter(reuse), counter(reuse)] == [2.0, 3.0]  # same instance keeps its state
+    assert not reuse.invoke(X).cold
+    fresh = runtime(published, engine, prewarm, name, isolation="fresh-instance-per-request")
+    assert [counter(fresh) for _ in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_trapped_instance_is_replaced(
+    published: Published, engine: wasmtime.Engine, prewarm: ThreadPoolExecutor
+) -> None:
+    rt = runtime(published, engine, prewarm, "chaos-core", limits={"timeoutMs": 20})
+    assert [counter(rt), counter(rt)] == [1.0, 2.0]
+    assert rt.invoke(chaos("spin")).result.outcome is Outcome.TIMEOUT
+    assert counter(rt) == 1.0  # a new instance
+    assert rt.invoke(chaos("trap")).result.outcome is Outcome.TRAP
+    assert counter(rt) == 1.0
+
+
+def test_warm_pool_min_and_max_idle_and_unload(
+    published: Published, engine: wasmtime.Engine, prewarm: ThreadPoolExecutor
+) -> None:
+    rt = runtime(published, engine, prewarm, "chaos-core", pool={"minIdle": 3, "maxIdle": 4})
+    rt.invoke(X)
+    deadline = time.monotonic() + 5
+    while len(rt._idle) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(rt._idle) >= 3
+    rt.unload()
+    assert not rt.loaded and len(rt._idle) == 0
+    capped = runtime(published, engine, prewarm, "chaos-core", pool={"minIdle": 0, "maxIdle": 1})
+    with ThreadPoolExecutor(4) as many:
+        list(many.map(lambda _: capped.invoke(X), range(16)))
+    assert len(capped._idle) <= 1
+
+
+def test_file_changed_after_verification_is_rechecked(
+    copy_of: Published, engine: wasmtime.Engine, prewarm: ThreadPoolExecutor
+) -> None:
+    rt = runtime(copy_of, engine, prewarm, "chaos-core")
+    assert rt.invoke(X).result.outcome is Outcome.OK
+    rt.unload()
+    cwasm = next((copy_of.root / "chaos-core/1/compiled").glob("*.cwasm"))
+    data = bytearray(cwasm.read_bytes())
+    data[-100] ^= 0x01
+    cwasm.write_bytes(bytes(data))  # same size; mtime/ctime change
+    with pytest.raises(Exception, match=r"refused: .*digest mismatch"):
+        rt.invoke(X)
+    assert rt.refusal is not None and rt.refusal.status == 403
+
+
+# ---------------------------------------------------------------------- backend (no sockets)
+
+
+def backend_for(pub: Published, functions: list[dict[str, object]], workers: int = 2) -> Backend:
+    cfg = parse_config(
+        {
+            "registry": str(pub.root),
+            "trustedKeys": [str(pub.key)],
+            "workers": workers,
+            "functions": functions,
+        }
+    )
+    return Backend(cfg)
+
+
+async def test_runaway_does_not_block_other_functions_and_limits(published: Published) -> None:
+    b = backend_for(published, [
+        {"name": "chaos-core", "limits": {"timeoutMs": 600, "maxConcurrency": 1}},
+        {"name": "digits"},
+        {"name": "chaos", "limits": {"memoryMiB": 32}},
+    ])  # fmt: skip
+    await b.start()
+    try:
+        spin = asyncio.create_task(b.infer("chaos-core", None, chaos("spin").encode()))
+        await asyncio.sleep(0.05)
+        busy = await b.infer("chaos-core", None, X.encode())
+        assert busy.status == 429 and b"concurrency limit" in busy.body
+        body = json.dumps(
+            {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [0] * 64}]}
+        )
+        started = time.monotonic()
+        for _ in range(5):
+            assert (await b.infer("digits", None, body.encode())).status == 200
+        assert time.monotonic() - started < 0.5 and not spin.done()
+        timed_out = await spin
+        assert timed_out.status == 504
+        assert json.loads(timed_out.body)["error"] == (
+            "function chaos-core@1 exceeded its 600 ms deadline and was interrupted"
+        )
+        hog = await b.infer("chaos", None, chaos("hog").encode())
+        assert hog.status == 500
+        assert "exceeded its memory limit of 32 MiB" in json.loads(hog.body)["error"]
+        assert (await b.infer("chaos", None, X.encode())).status == 200
+    finally:
+        await b.drain(1)
+
+
+async def test_bad_input_never_reaches_the_function(published: Published) -> None:
+    b = backend_for(published, [{"name": "chaos-core", "limits": {"maxRequestBytes": 200}}])
+    await b.start()
+    try:
+        bad = [
+            b"{not json",
+            json.dumps(
+                {"inputs": [{"name": "x", "datatype": "INT8", "shape": [1], "data": [1]}]}
+            ).encode(),
+            json.dumps(
+                {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1]}]}
+            ).encode(),
+            b'{"inputs": [' + b" " * 300 + b"]}",
+        ]
+        statuses = [(await b.infer("chaos-core", None, body)).status for body in bad]
+        assert statuses == [400, 400, 400, 413]
+        assert (await b.infer("nope", None, X.encode())).status == 404
+        assert (await b.infer("chaos-core", "9", X.encode())).status == 404
+        reply = await b.infer("chaos-core", "1", chaos("counter").encode())
+        assert json.loads(reply.body)["outputs"][0]["data"] == [1]  # first call that ran
+    finally:
+        await b.drain(1)
+
+
+async def test_refused_function_is_4xx_while_others_serve(copy_of: Published) -> None:
+    shutil.copytree(copy_of.root / "chaos-core", copy_of.root / "twin")
+    (copy_of.root / "twin/1/module.wasm").write_bytes(b"\0asm tampered")
+    b = backend_for(copy_of, [{"name": "chaos-core"}, {"name": "twin"}, {"name": "ghost"}])
+    await b.start()
+    try:
+        refused = await b.infer("twin", None, X.encode())
+        assert refused.status == 403 and b"refused" in refused.body
+        assert (await b.infer("ghost", None, X.encode())).status == 404
+        assert b.model_ready("twin", None).status == 503
+        assert b.metadata("twin", None).status == 403
+        assert (await b.infer("chaos-core", None, X.encode())).status == 200
+    finally:
+        await b.drain(1)
+
+
+async def test_idle_functions_scale_to_zero(published: Published) -> None:
+    b = backend_for(
+        published, [{"name": "chaos-core", "idleTtlSeconds": 0.1, "pool": {"minIdle": 2}}]
+    )
+    await b.start()
+    try:
+        rt = b.lookup("chaos-core", None)
+        assert (await b.infer("chaos-core", None, X.encode())).status == 200
+        assert rt.loaded
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not rt.loaded:
+                break
+        assert not rt.loaded and not rt._idle
+        assert (await b.infer("chaos-core", None, X.encode())).status == 200
+        assert b.metrics.cold_starts.labels(rt.label)._value.get() == 2
+    finally:
+        await b.drain(1)
+
+
+def test_examples_are_cached_and_republish_is_skipped(published: Published) -> None:
+    from meshfn.inference.build import FUNCTIONS_DIR, build
+
+    assert build(FUNCTIONS_DIR / "examples/digits-core").cached
+    again, _ = publish_examples(published.root, include_testing=True)
+    assert all(p.skipped for p in again)

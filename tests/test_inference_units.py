@@ -1,0 +1,354 @@
+"""Unit tests of the inference backend's pure parts: signatures, KServe checks, config,
+manifests, engine key, and the guest SDK (run on the host)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import stat
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from meshfn.inference import signing
+from meshfn.inference.build import FUNCTIONS_DIR
+from meshfn.inference.config import load_config, parse_config
+from meshfn.inference.engine import EPOCH_TICK_S, deadline_ticks, engine_key, engine_settings
+from meshfn.inference.errors import ConfigError, ManifestError, SignatureError
+from meshfn.inference.kserve import (
+    KServeError,
+    Signature,
+    envelope,
+    parse_request,
+    select_outputs,
+)
+from meshfn.inference.manifest import load_manifest
+
+# ---------------------------------------------------------------------- signing
+
+
+def test_sign_verify_roundtrip_and_key_file_modes(tmp_path: Path) -> None:
+    private, public = signing.generate_key(tmp_path, "k")
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    key = signing.load_private_key(private)
+    trusted = signing.TrustedKeys.from_paths([tmp_path])  # a directory of .pub files
+    envelope_ = signing.sign(key, "module", {"module_sha256": "ab" * 32, "n": 1})
+    assert signing.verify(envelope_, "module", trusted) == {"module_sha256": "ab" * 32, "n": 1}
+    assert signing.load_public_key(public)
+    with pytest.raises(SignatureError, match="already exists"):
+        signing.generate_key(tmp_path, "k")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda e: e["payload"].update(module_sha256="cd" * 32), "bad signature"),
+        (lambda e: e.update(kind="compiled"), "expected 'module'"),
+        (lambda e: e.update(key_id="0" * 16), "untrusted key"),
+        (lambda e: e.update(signature="not base64!"), "bad signature"),
+        (lambda e: e.pop("signature"), "not a meshfn signature"),
+        (lambda e: e.update(payload=[1]), "not an object"),
+    ],
+)
+def test_verify_refuses_tampering(tmp_path: Path, mutate: Any, message: str) -> None:
+    private, _ = signing.generate_key(tmp_path)
+    key = signing.load_private_key(private)
+    env = signing.sign(key, "module", {"module_sha256": "ab" * 32})
+    mutate(env)
+    with pytest.raises(SignatureError, match=message):
+        signing.verify(env, "module", signing.TrustedKeys([key.public_key()]))
+
+
+def test_verify_refuses_other_key(tmp_path: Path) -> None:
+    a = signing.load_private_key(signing.generate_key(tmp_path, "a")[0])
+    b = signing.load_private_key(signing.generate_key(tmp_path, "b")[0])
+    env = signing.sign(a, "module", {"x": 1})
+    with pytest.raises(SignatureError, match="untrusted"):
+        signing.verify(env, "module", signing.TrustedKeys([b.public_key()]))
+
+
+def test_bad_key_files(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a key")
+    with pytest.raises(SignatureError, match="not a readable PEM private key"):
+        signing.load_private_key(junk)
+    with pytest.raises(SignatureError, match="not a readable PEM public key"):
+        signing.load_public_key(junk)
+
+
+# ---------------------------------------------------------------------- KServe checks
+
+SIG = Signature.from_metadata(
+    {
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [-1, 2]},
+            {"name": "t", "datatype": "BYTES", "shape": [-1]},
+            {"name": "n", "datatype": "UINT8", "shape": [1]},
+        ],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1]}],
+    }
+)
+
+
+def req(**over: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": "r1",
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [2, 2], "data": [[1, 2.5], [3, 4]]},
+            {"name": "t", "datatype": "BYTES", "shape": [1], "data": ["hi"]},
+            {"name": "n", "datatype": "UINT8", "shape": [1], "data": [255]},
+        ],
+    }
+    body.update(over)
+    return body
+
+
+def with_input(i: int, **over: Any) -> dict[str, Any]:
+    body = req()
+    body["inputs"][i].update(over)
+    return body
+
+
+def test_valid_request_passes_through_unchanged() -> None:
+    raw = json.dumps(req(outputs=[{"name": "y"}], parameters={"k": 1})).encode()
+    parsed = parse_request(raw, SIG)
+    assert parsed.text == raw.decode() and parsed.id == "r1" and parsed.outputs == ("y",)
+    assert parse_request(json.dumps(req()).encode(), SIG).outputs is None
+
+
+def test_select_outputs() -> None:
+    body = '{"outputs":[{"name":"a","data":[1]},{"name":"b","data":[2]}]}'
+    assert json.loads(select_outputs(body, ("b",)) or "") == {
+        "outputs": [{"name": "b", "data": [2]}]
+    }
+    assert select_outputs(body, ("c",)) is None
+    assert select_outputs("nope", ("a",)) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[]", "must be a JSON object"),
+        (json.dumps(req(extra=1)).encode(), "unknown request field"),
+        (json.dumps(req(id=5)).encode(), "'id' must be a string"),
+        (json.dumps(req(inputs=[])).encode(), "non-empty list"),
+        (json.dumps(req(inputs="x")).encode(), "non-empty list"),
+        (json.dumps(req(parameters=[])).encode(), "'parameters' must be an object"),
+        (json.dumps(req(inputs=[1])).encode(), "must be an object"),
+        (json.dumps(with_input(0, name="z")).encode(), "unknown input 'z'"),
+        (json.dumps(with_input(0, datatype="FP64")).encode(), "expected FP32"),
+        (json.dumps(with_input(0, shape=[2, 3])).encode(), "does not match"),
+        (json.dumps(with_input(0, shape=[4])).encode(), "does not match"),
+        (json.dumps(with_input(0, shape=[-1, 2])).encode(), "does not match"),
+        (json.dumps(with_input(0, shape=[True, 2])).encode(), "does not match"),
+        (json.dumps(with_input(0, data=[1, 2, 3])).encode(), "3 elements for shape"),
+        (json.dumps(with_input(0, data=[1, 2, 3, "4"])).encode(), "is not a number"),
+        (json.dumps(with_input(0, data=[1, 2, 3, True])).encode(), "is not a number"),
+        (json.dumps(with_input(1, data=[7])).encode(), "is not a string"),
+        (json.dumps(with_input(2, data=[256])).encode(), "out of range for UINT8"),
+        (json.dumps(with_input(2, data=[1.5])).encode(), "is not an integer"),
+        (json.dumps(with_input(2, parameters={"binary_data_size": 4})).encode(), "binary tensor"),
+        (json.dumps(with_input(2, bogus=1)).encode(), "unknown field"),
+        (json.dumps(req(outputs=[{"name": "nope"}])).encode(), "unknown output"),
+        (json.dumps(req(outputs=["y"])).encode(), "list of objects"),
+    ],
+)
+def test_bad_requests_are_400_with_a_reason(body: bytes, message: str) -> None:
+    with pytest.raises(KServeError) as info:
+        parse_request(body, SIG)
+    assert info.value.status == 400
+    assert message in info.value.message
+    assert json.loads(info.value.body()) == {"error": info.value.message}
+
+
+def test_missing_and_duplicate_inputs() -> None:
+    body = req()
+    body["inputs"] = body["inputs"][:2]
+    with pytest.raises(KServeError, match="missing input"):
+        parse_request(json.dumps(body).encode(), SIG)
+    body = req()
+    body["inputs"].append(dict(body["inputs"][0]))
+    with pytest.raises(KServeError, match="given twice"):
+        parse_request(json.dumps(body).encode(), SIG)
+    body = req()
+    del body["inputs"][0]["shape"]
+    with pytest.raises(KServeError, match="lacks shape"):
+        parse_request(json.dumps(body).encode(), SIG)
+
+
+def test_non_finite_floats_refused() -> None:
+    raw = json.dumps(with_input(0, data=[1, 2, 3, float("nan")])).encode()
+    with pytest.raises(KServeError, match="non-finite"):
+        parse_request(raw, SIG)
+
+
+def test_envelope_adds_name_version_and_id() -> None:
+    out = envelope('{"outputs":[]}', "iris", "1", "abc")
+    assert out is not None and json.loads(out) == {
+        "model_name": "iris",
+        "model_version": "1",
+        "id": "abc",
+        "outputs": [],
+    }
+    empty = envelope("{ }", "m", "2", None)
+    assert empty is not None and json.loads(empty) == {"model_name": "m", "model_version": "2"}
+    assert envelope("[1]", "m", "1", None) is None
+    assert envelope("oops", "m", "1", None) is None
+
+
+# ---------------------------------------------------------------------- config
+
+
+def test_config_yaml_with_relative_paths(tmp_path: Path) -> None:
+    path = tmp_path / "backend.yaml"
+    path.write_text(
+        "registry: reg\ntrustedKeys: [keys/dev.pub]\nworkers: 1\nfunctions:\n"
+        "  - name: iris\n    version: '1'\n    isolation: fresh-instance-per-request\n"
+        "    idleTtlSeconds: 5\n    pool: {minIdle: 2, maxIdle: 3}\n"
+        "    limits: {memoryMiB: 32, timeoutMs: 250, maxConcurrency: 2, maxRequestBytes: 4096}\n"
+        "  - name: iris-alias\n    artifact: iris@1\n"
+    )
+    cfg = load_config(path)
+    assert cfg.registry == tmp_path / "reg"
+    assert cfg.trusted_keys == [tmp_path / "keys/dev.pub"]
+    fn = cfg.functions[0] if cfg.functions else None
+    assert fn is not None and fn.isolation == "fresh-instance-per-request"
+    assert (fn.limits.memory_mib, fn.limits.timeout_ms, fn.limits.max_concurrency) == (32, 250, 2)
+    assert (fn.pool.min_idle, fn.pool.max_idle, fn.idle_ttl_seconds) == (2, 3, 5)
+    assert cfg.with_overrides(workers=3).workers == 3
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"registry": "r", "bogus": 1}, "bogus"),
+        ({"registry": "r", "functions": [{"name": "Bad Name"}]}, "functions.0.name"),
+        ({"registry": "r", "functions": [{"name": "a", "isolation": "x"}]}, "isolation"),
+        ({"registry": "r", "functions": [{"name": "a", "artifact": "noversion"}]}, "NAME@VERSION"),
+        ({"registry": "r", "functions": [{"name": "a", "limits": {"timeoutMs": 0}}]}, "timeoutMs"),
+        ({"registry": "r", "functions": [{"name": "a", "limits": {"memMB": 1}}]}, "memMB"),
+        ({"registry": "r", "functions": [{"name": "a"}, {"name": "a"}]}, "declared twice"),
+        (
+            {"registry": "r", "functions": [{"name": "a", "pool": {"minIdle": 5, "maxIdle": 1}}]},
+            "minIdle exceeds",
+        ),
+        ({"workers": 2}, "registry"),
+    ],
+)
+def test_config_errors_name_the_field(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(raw)
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="No such file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+
+
+# ---------------------------------------------------------------------- manifests, engine
+
+
+def test_example_manifests_load() -> None:
+    kinds = {
+        load_manifest(FUNCTIONS_DIR / d).name: load_manifest(FUNCTIONS_DIR / d).kind
+        for d in ("examples/iris", "examples/embedder", "examples/digits-core")
+    }
+    assert kinds == {"iris": "python", "embedder": "python", "digits": "core"}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "no function.toml"),
+        ("name = ", "function.toml"),
+        ('name="UP"\nversion="1"\nkind="python"\nmodule="m"', "name"),
+        (
+            'name="a"\nversion="1"\nkind="core"\n[[inputs]]\nname="x"\ndatatype="FP32"\nshape=[1]\n'
+            '[[outputs]]\nname="y"\ndatatype="FP32"\nshape=[1]',
+            "needs `source`",
+        ),
+        (
+            'name="a"\nversion="1"\nkind="python"\nmodule="m"\n[[inputs]]\nname="x"\ndatatype="F32"\n'
+            'shape=[1]\n[[outputs]]\nname="y"\ndatatype="FP32"\nshape=[1]',
+            "datatype",
+        ),
+        (
+            'name="a"\nversion="1"\nkind="python"\nmodule="m"\n[[inputs]]\nname="x"\ndatatype="FP32"\n'
+            'shape=[0]\n[[outputs]]\nname="y"\ndatatype="FP32"\nshape=[1]',
+            "dimensions",
+        ),
+        (
+            'name="a"\nversion="1"\nkind="python"\nmodule="m"\n[[inputs]]\nname="x"\ndatatype="FP32"\n'
+            'shape=[1]\n[[outputs]]\nname="y"\ndatatype="FP32"\nshape=[1]',
+            "m.py does not exist",
+        ),
+    ],
+)
+def test_manifest_errors(tmp_path: Path, text: str | None, message: str) -> None:
+    if text is not None:
+        (tmp_path / "function.toml").write_text(text)
+    with pytest.raises(ManifestError, match=message):
+        load_manifest(tmp_path)
+
+
+def test_engine_key_and_deadlines() -> None:
+    key = engine_key()
+    assert key.startswith("wasmtime-50.0.1-") and key == engine_key()
+    assert engine_settings()["epoch_interruption"] is True
+    assert deadline_ticks(0.1) >= 0.1 / EPOCH_TICK_S + 1
+    assert deadline_ticks(0.0001) == 2  # never zero: a deadline always allows one tick
+
+
+# ---------------------------------------------------------------------- guest SDK on the host
+
+
+def load_sdk() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("meshfn_sdk", FUNCTIONS_DIR / "sdk/meshfn_sdk.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sdk_handle_flatten_outputs_and_errors() -> None:
+    sdk = load_sdk()
+    assert sdk.flatten([[1, [2, 3]], [4]]) == [1, 2, 3, 4]
+    assert sdk.flatten(5) == [5]
+
+    class Double(sdk.Model):  # type: ignore[name-defined,misc]
+        def predict(self, inputs: dict[str, Any], parameters: dict[str, Any]) -> list[Any]:
+            x = inputs["x"]
+            if parameters.get("fail") == "bad":
+                raise sdk.BadRequest("no thanks")
+            if parameters.get("fail") == "oom":
+                raise MemoryError
+            if parameters.get("fail") == "bug":
+                raise KeyError("k")
+            return [
+                sdk.Tensor("y", "FP32", x.shape, [v * 2 for v in x.data]),
+                sdk.Tensor("rows", "INT64", [len(x.rows())], [len(r) for r in x.rows()]),
+            ]
+
+    model = Double()
+    request = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 2], "data": [[1, 2], [3, 4]]}]
+    }
+    out = json.loads(sdk.handle(model, json.dumps(request)))
+    assert out["outputs"][0]["data"] == [2, 4, 6, 8]
+    assert out["outputs"][1]["data"] == [2, 2]
+    only = json.loads(sdk.handle(model, json.dumps({**request, "outputs": [{"name": "rows"}]})))
+    assert [o["name"] for o in only["outputs"]] == ["rows"]
+    for fail, kind in (("bad", "bad-request"), ("oom", "out-of-memory"), ("bug", "internal")):
+        with pytest.raises(sdk.ModelError) as info:
+            sdk.handle(model, json.dumps({**request, "parameters": {"fail": fail}}))
+        assert info.value.kind == kind
+    with pytest.raises(sdk.ModelError, match="unknown output"):
+        sdk.handle(model, json.dumps({**request, "outputs": [{"name": "zz"}]}))

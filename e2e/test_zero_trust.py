@@ -433,9 +433,7 @@ def direct(
     context.load_verify_locations(bundle)
     if cert is not None:
         context.load_cert_chain(*cert)
-    conn = httpc.HTTPSConnection(
-        f"127.0.0.1:{mesh.ports['sidecar']}", context=context, timeout=5
-    )
+    conn = httpc.HTTPSConnection(f"127.0.0.1:{mesh.ports['sidecar']}", context=context, timeout=5)
     try:
         conn.request("GET", path, headers={"authorization": f"Bearer {bearer}"} if bearer else {})
         response = conn.getresponse()

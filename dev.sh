@@ -72,6 +72,8 @@ ensure_venv() {
 setup() {
   ensure_system
   ensure_venv
+  # eBPF acceleration: Debian's bcc, a kernel header tree, bcc exposed to the venv (idempotent).
+  ebpf/setup_host.sh "$VENV"
 }
 
 cmd=${1:-help}

@@ -299,6 +299,15 @@ def status(
     out.print(table)
     if not document["proxies"]:
         out.print("no proxies connected")
+    acceleration = document.get("acceleration")
+    if acceleration:
+        counters = acceleration["counters"]
+        state = "[green]on[/green]" if acceleration["attached"] else "[yellow]off[/yellow]"
+        out.print(
+            f"eBPF acceleration {state} ({acceleration['mode']}): {acceleration['reason']}; "
+            f"{counters.get('messages_redirected', 0)} messages redirected, "
+            f"{counters.get('sockets_in_map', 0)} sockets in the map"
+        )
     if document.get("routes"):
         routes = Table(title="drift breaker", title_justify="left")
         for column in ("route", "state", "p95 ms", "baseline ms", "samples", "transitions"):

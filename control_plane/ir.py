@@ -298,6 +298,7 @@ class MeshModel:
     workloads: tuple[Workload, ...]
     certificate_ttl: timedelta = timedelta(hours=1)
     functions: tuple[Function, ...] = ()
+    acceleration: Literal["ebpf", "off", "auto"] = "off"
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

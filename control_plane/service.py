@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 
@@ -112,6 +113,8 @@ class ControlPlane:
         self.als.subscribe(LATENCY_LOG, self._on_latency)
         self.ads.add_handler(self.als.handler())
         self.model: MeshModel | None = None
+        # Extra sections of /debug/status from the runtime around the control plane (e.g. eBPF).
+        self.status_providers: dict[str, Callable[[], Any]] = {}
         self.state = PolicyState()
         self.xds_port = 0
         self._lock = asyncio.Lock()

@@ -220,6 +220,11 @@ def test_up_on_the_examples_and_clean_shutdown(
     debug = http(base + "/debug/stats", headers={**auth, "x-debug": "1"})
     assert debug.json()["service"] == "default/echo"
     status = http(f"http://127.0.0.1:{admin}/debug/status").json()
+    # acceleration: auto attaches here (root, a kernel with sockmap): the hops are redirected.
+    assert status["acceleration"]["attached"], status["acceleration"]
+    assert status["acceleration"]["counters"]["messages_redirected"] > 0
+    metrics = http(f"http://127.0.0.1:{admin}/metrics").body.decode()
+    assert "meshfn_ebpf_messages_redirected" in metrics
     assert len(status["proxies"]) == 5 and all(
         t["in_sync"] for p in status["proxies"] for t in p["types"].values()
     )
@@ -237,6 +242,9 @@ def test_up_on_the_examples_and_clean_shutdown(
     assert not any(alive(pid) for pid in children), "a child outlived meshfn up"
     assert children_of(up.pid) == []
     assert not (state / "state.json").exists()
+    from meshfn.ebpf import Accelerator
+
+    assert Accelerator(state).stats()["attached"] == 0, "eBPF stayed attached after meshfn up"
 
 
 def test_up_refuses_invalid_policies(procs: Processes, tmp_path: Path) -> None:

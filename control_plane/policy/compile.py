@@ -220,6 +220,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         workloads=tuple(workloads),
         certificate_ttl=mesh.obj.spec.identity.certificateTTL,
         functions=tuple(sorted(functions, key=lambda f: (f.namespace, f.name))),
+        acceleration=mesh.obj.spec.acceleration,
     )
 
 

@@ -112,6 +112,11 @@ class MeshSpec(Strict):
         description="mesh-wide default for sidecars (Istio defaults to PERMISSIVE)",
     )
     identity: Identity = Field(default_factory=Identity)
+    acceleration: Literal["ebpf", "off", "auto"] = Field(
+        "off",
+        description="eBPF socket redirection between the mesh's own processes (meshfn up): "
+        "ebpf requires it, auto uses it where the kernel allows",
+    )
 
     @model_validator(mode="after")
     def _ttl(self) -> Self:

@@ -31,6 +31,7 @@ def status_document(cp: ControlPlane) -> dict[str, Any]:
         "workloads": [w.node_cluster for w in model.workloads] if model else [],
         "proxies": cp.ads.proxies(),
         "routes": cp.drift.snapshot(time.monotonic()),
+        **{name: provider() for name, provider in cp.status_providers.items()},
         "now": time.time(),
     }
 

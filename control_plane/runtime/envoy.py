@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -66,6 +67,7 @@ class EnvoyProcess(SupervisedProcess):
         concurrency: int = 2,
         log_level: str = "warning",
         xds_host: str = "127.0.0.1",
+        preexec: Callable[[], None] | None = None,
     ) -> None:
         self.identity = identity
         safe = identity.node_id.replace("/", "_").replace("~", "-").replace(":", "-")
@@ -90,6 +92,7 @@ class EnvoyProcess(SupervisedProcess):
             argv=argv,
             log_path=state_dir / "logs" / f"envoy-{safe}.log",
             ready=self._ready,
+            preexec=preexec,
         )
 
     def admin_port(self) -> int:

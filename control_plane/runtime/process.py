@@ -49,6 +49,7 @@ class SupervisedProcess:
         ready: ReadyCheck | None = None,
         env: dict[str, str] | None = None,
         ready_timeout: float = 15.0,
+        preexec: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -56,6 +57,7 @@ class SupervisedProcess:
         self.ready = ready
         self.env = env
         self.ready_timeout = ready_timeout
+        self.preexec = preexec  # more to do in the child before exec (e.g. join a cgroup)
         self.restarts = 0
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = False
@@ -83,10 +85,15 @@ class SupervisedProcess:
                 stderr=log_file,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=self._in_child,
             )
         self._started_at = time.monotonic()
         log.info("started %s (pid %d)", self.name, self._proc.pid)
+
+    def _in_child(self) -> None:  # between fork and exec: plain syscalls only
+        _die_with_parent()
+        if self.preexec is not None:
+            self.preexec()
 
     async def _wait_ready(self) -> None:
         if self.ready is None:

@@ -13,15 +13,18 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from meshfn.ebpf import AccelerationUnavailable
+
 from .. import ir
 from ..service import ControlPlane, tune_gc
+from .acceleration import Acceleration, AccelerationCollector
 from .admin import AdminServer
 from .bootstrap import ProxyIdentity
 from .envoy import envoy_process
@@ -40,6 +43,7 @@ class Mesh:
     functions: FunctionsSetup | None = None
     concurrency: int = 2
     envoy_log_level: str = "warning"
+    preexec: Callable[[], None] | None = None  # e.g. join the eBPF cgroup
     envoys: dict[str, tuple[ProxyIdentity, SupervisedProcess]] = field(default_factory=dict)
     upstreams: dict[tuple[str, int], tuple[UpstreamSpec, SupervisedProcess]] = field(
         default_factory=dict
@@ -54,7 +58,7 @@ class Mesh:
         starts = []
         for key, spec in wanted_upstreams.items():
             if key not in self.upstreams:
-                proc = upstream_process(spec, self.state_dir, self.functions)
+                proc = upstream_process(spec, self.state_dir, self.functions, self.preexec)
                 self.upstreams[key] = (spec, proc)
                 starts.append(proc.start())
         for service in model.services:
@@ -83,6 +87,7 @@ class Mesh:
                     self.state_dir,
                     self.concurrency,
                     self.envoy_log_level,
+                    preexec=self.preexec,
                 )
                 self.envoys[group] = (identity, proc)
                 starts.append(proc.start())
@@ -188,7 +193,24 @@ async def run_up(
     if model.functions and functions is None:
         console.print("[red]the policies declare functions: give --functions-registry[/red]")
         return 1
-    mesh = Mesh(cp, state_dir, functions, concurrency, envoy_log_level)
+    acceleration = None
+    if model.acceleration != "off":
+        acceleration = Acceleration(state_dir)
+        try:
+            await acceleration.setup(model.acceleration)
+        except AccelerationUnavailable as exc:
+            console.print(f"[red]acceleration: ebpf was required but is unavailable: {exc}[/red]")
+            return 1
+        cp.status_providers["acceleration"] = acceleration.document
+        cp.metrics.registry.register(AccelerationCollector(acceleration))
+    mesh = Mesh(
+        cp,
+        state_dir,
+        functions,
+        concurrency,
+        envoy_log_level,
+        preexec=acceleration.preexec() if acceleration else None,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -253,6 +275,8 @@ async def run_up(
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await mesh.stop()
+        if acceleration is not None:  # after the children: their sockets must be closed first
+            await acceleration.shutdown()
         await admin.stop()
         await cp.stop()
         with contextlib.suppress(FileNotFoundError):

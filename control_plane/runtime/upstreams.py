@@ -7,6 +7,7 @@ import asyncio
 import ipaddress
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,10 @@ def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
 
 
 def upstream_process(
-    spec: UpstreamSpec, state_dir: Path, setup: FunctionsSetup | None
+    spec: UpstreamSpec,
+    state_dir: Path,
+    setup: FunctionsSetup | None,
+    preexec: Callable[[], None] | None = None,
 ) -> SupervisedProcess:
     log_path = state_dir / "logs" / f"upstream-{spec.address}-{spec.port}.log"
     if spec.functions:
@@ -131,6 +135,7 @@ def upstream_process(
             log_path=log_path,
             ready=backend_ready,
             ready_timeout=60,
+            preexec=preexec,
         )
 
     async def ready() -> bool:
@@ -156,4 +161,5 @@ def upstream_process(
         ],
         log_path=log_path,
         ready=ready,
+        preexec=preexec,
     )

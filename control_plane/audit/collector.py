@@ -1,0 +1,435 @@
+"""The audit collector: tails Envoy's audit journals into the store, exactly once.
+
+Why a file journal and not the gRPC access-log service (ALS): ALS is a one-way client stream
+without acknowledgements. Envoy buffers entries while the stream is down and drops them when the
+buffer fills, and entries already written to a dying stream are gone with it; no reconciliation
+can recover them without a second, durable copy. Envoy's file access log is that durable copy:
+Envoy appends one line per finished request and never waits for us. The collector reads complete
+lines and stores the records together with the byte offset it has read up to, in ONE SQLite
+transaction. Crash anywhere and the next run resumes at the last committed offset: each line is
+stored exactly once, whether the collector was restarted, crashed, or the store was full.
+
+A store that is full or unwritable is never a reason to drop anything: the collector stops
+advancing, logs an error (again every 30 s while it lasts) with how much is waiting, exports it
+as `meshfn_audit_pending_bytes`, and retries with backoff; the lines stay in the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from .record import from_log_line
+from .store import AuditStore, JournalPosition, StoreError
+
+log = logging.getLogger("meshfn.audit")
+
+RECORDS = Counter("meshfn_audit_records_stored", "Audit records committed to the store", ["source"])
+PENDING = Gauge(
+    "meshfn_audit_pending_bytes",
+    "Journal bytes Envoy wrote that are not in the store yet",
+    ["source"],
+)
+STORE_ERRORS = Counter("meshfn_audit_store_errors", "Failed attempts to write the audit store")
+
+_MAX_BATCH = 1 << 20  # bytes of journal per transaction
+_REPEAT_ERROR_S = 30.0
+_ROTATION_QUIET_S = 1.0
+_FINGERPRINT = 4096
+_REOPEN_TIMEOUT_S = 10.0
+
+
+def journal_path(state_dir: Path, node: str) -> Path:
+    """Where a proxy's audit journal lives in embedded mode (Envoy writes, we read)."""
+    safe = node.replace("/", "_").replace("~", "-")
+    return state_dir / "audit" / "journal" / f"{safe}.jsonl"
+
+
+@dataclass
+class _Journal:
+    source: str
+    path: Path
+    fd: int | None = None
+    inode: int = 0
+    offset: int = 0
+    size: int = 0
+    stored: int = 0
+    quiet_since: float = 0.0
+    fingerprint: str = ""
+    rotated_to: Path | None = None  # set by rotate(): delete it once fully stored
+    reopen: Callable[[], Awaitable[None]] | None = None  # automatic rotation (see watch)
+    reopen_pending: bool = False  # renamed, but the proxy has not confirmed the reopen yet
+
+    def position(self) -> JournalPosition:
+        return JournalPosition(
+            self.source, str(self.path), self.inode, self.offset, self.fingerprint
+        )
+
+
+def _fingerprint(fd: int, length: int) -> str:
+    n = min(length, _FINGERPRINT)
+    return f"{n}:{hashlib.sha256(os.pread(fd, n, 0)).hexdigest()}"
+
+
+class AuditCollector:
+    """Run it in the control plane's event loop: `watch()` each journal, `await start()`,
+    `await stop()` at shutdown (drains what is complete and signs a final checkpoint)."""
+
+    def __init__(
+        self,
+        store: AuditStore,
+        *,
+        poll_interval: float = 0.05,
+        checkpoint_every: int = 1000,
+        checkpoint_interval: float = 5.0,
+        retention_interval: float = 3600.0,
+        rotate_bytes: int = 64 << 20,
+    ) -> None:
+        self.store = store
+        self.poll_interval = poll_interval
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_interval = checkpoint_interval
+        self.retention_interval = retention_interval
+        self.rotate_bytes = rotate_bytes
+        self._journals: dict[str, _Journal] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._mutex = threading.Lock()  # one tick at a time (loop task vs. final drain)
+        self._since_checkpoint = 0
+        self._last_checkpoint = time.monotonic()
+        self._last_retention = 0.0
+        self.last_error: str | None = None
+        self.error_since: float | None = None
+        self._last_error_log = 0.0
+
+    # ------------------------------------------------------------------ public API
+
+    def watch(
+        self, path: Path, source: str, reopen: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Collect `path` (an Envoy file access log written with `filters.access_log`) as the
+        records of `source` (the proxy's node id). With `reopen` (POST the proxy's admin
+        /reopen_logs), the journal is rotated whenever `rotate_bytes` of it are stored."""
+        if source in self._journals and self._journals[source].path != Path(path):
+            raise ValueError(f"audit source {source!r} is already collected from another file")
+        journal = self._journals.setdefault(source, _Journal(source, Path(path)))
+        journal.reopen = reopen
+
+    async def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("collector already started")
+        self._stopping = False
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="audit-collector")
+
+    async def stop(self) -> None:
+        """Store every complete line written so far (if the store lets us), checkpoint, close."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            # not cancelled: a tick running in a worker thread finishes before we go on
+            await self._task
+            self._task = None
+        try:
+            await asyncio.to_thread(self._final)
+        finally:
+            for journal in self._journals.values():
+                if journal.fd is not None:
+                    os.close(journal.fd)
+                    journal.fd = None
+
+    async def rotate(self, source: str, reopen: Callable[[], Awaitable[None]]) -> Path:
+        """Keep a journal from growing forever: rename it, have Envoy reopen its access logs
+        (`reopen` should POST the proxy's admin /reopen_logs), keep reading the renamed file
+        until it is complete and quiet, then delete it and follow the new one. Nothing is lost:
+        Envoy flushes into the old file before it reopens, and the old file is only deleted
+        after every line in it is stored."""
+        journal = self._journals[source]
+        target = await asyncio.to_thread(self._begin_rotation, journal)
+        # on failure Envoy keeps writing the renamed file (nothing lost); the loop retries
+        await asyncio.wait_for(reopen(), _REOPEN_TIMEOUT_S)
+        journal.reopen_pending = False
+        return target
+
+    def _begin_rotation(self, journal: _Journal) -> Path:
+        with self._mutex:  # not while a tick is looking at this journal
+            if journal.rotated_to is not None:
+                raise RuntimeError(f"audit journal {journal.path} is already being rotated")
+            target = journal.path.with_name(f"{journal.path.name}.{int(time.time() * 1000)}")
+            journal.path.rename(target)
+            journal.rotated_to = target
+            journal.reopen_pending = True
+            return target
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Wait until every complete line currently in the journals is stored (for tests and
+        orderly shutdowns). Raises TimeoutError with the reason if the store refuses."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # a tick may be switching files right now
+                if all(
+                    j.fd is not None and j.offset >= self._complete_size(j)
+                    for j in self._journals.values()
+                ):
+                    return
+            await asyncio.sleep(self.poll_interval)
+        raise TimeoutError(f"audit journals not drained: {self.status()}")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "journals": [
+                {
+                    "source": j.source,
+                    "path": str(j.path),
+                    "offset": j.offset,
+                    "size": j.size,
+                    "pending_bytes": max(0, j.size - j.offset),
+                    "stored": j.stored,
+                }
+                for j in self._journals.values()
+            ],
+            "error": self.last_error,
+            "error_since": self.error_since,
+        }
+
+    # ------------------------------------------------------------------ loop
+
+    async def _run(self) -> None:
+        backoff = self.poll_interval
+        while not self._stopping:
+            try:
+                progressed = await asyncio.to_thread(self._tick)
+                backoff = self.poll_interval
+                await self._rotate_big_journals()
+                if progressed:
+                    continue
+            except StoreError as exc:
+                self._store_failed(exc)
+                backoff = min(max(backoff * 2, 0.25), 5.0)
+            except OSError as exc:
+                log.error("audit journal error: %s", exc)
+                backoff = min(max(backoff * 2, 0.25), 5.0)
+            except Exception:  # a bug must not stop collection silently: say it, keep trying
+                log.exception("audit collector error; retrying")
+                backoff = min(max(backoff * 2, 0.25), 5.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), backoff)
+
+    async def _rotate_big_journals(self) -> None:
+        for journal in self._journals.values():
+            if journal.reopen is None:
+                continue
+            try:
+                if journal.reopen_pending:
+                    await asyncio.wait_for(journal.reopen(), _REOPEN_TIMEOUT_S)
+                    journal.reopen_pending = False
+                elif journal.rotated_to is None and journal.offset >= self.rotate_bytes:
+                    await self.rotate(journal.source, journal.reopen)
+            except Exception as exc:  # the proxy may be restarting: try again next time
+                log.warning("rotating audit journal %s: reopen failed: %s", journal.path, exc)
+
+    def _final(self) -> None:
+        try:
+            while self._tick():
+                pass
+            with self._mutex:
+                self.store.checkpoint()
+        except StoreError as exc:
+            self._store_failed(exc)
+        pending = sum(max(0, j.size - j.offset) for j in self._journals.values())
+        if pending:
+            log.error(
+                "audit collector stopped with %d journal bytes not stored; they stay in the"
+                " journal and are stored on the next start",
+                pending,
+            )
+
+    def _tick(self) -> bool:
+        """One pass over every journal; True if records were stored."""
+        with self._mutex:
+            progressed = False
+            for journal in self._journals.values():
+                if self._ingest(journal):
+                    progressed = True
+            if self.last_error is not None and progressed:
+                log.warning("audit store writable again after: %s", self.last_error)
+                self.last_error = self.error_since = None
+            self._maybe_checkpoint()
+            return progressed
+
+    def _store_failed(self, exc: StoreError) -> None:
+        STORE_ERRORS.inc()
+        message = str(exc)
+        now = time.monotonic()
+        if message != self.last_error or now - self._last_error_log > _REPEAT_ERROR_S:
+            pending = {j.source: max(0, j.size - j.offset) for j in self._journals.values()}
+            log.error(
+                "AUDIT RECORDS NOT STORED: %s; kept in the journals and retried (pending bytes"
+                " per source: %s)",
+                message,
+                pending,
+            )
+            self._last_error_log = now
+        if message != self.last_error:
+            self.error_since = time.time()
+        self.last_error = message
+
+    # ------------------------------------------------------------------ one journal
+
+    def _rotated_leftover(self, j: _Journal, position: JournalPosition) -> int | None:
+        """A rotated journal (`<name>.<n>`) still holding unstored lines from before a restart:
+        opened so it is finished first (and then deleted)."""
+        for candidate in sorted(j.path.parent.glob(f"{j.path.name}.*")):
+            try:
+                fd = os.open(candidate, os.O_RDONLY)
+            except OSError:
+                continue
+            length = int(position.fingerprint.split(":", 1)[0]) if position.fingerprint else 0
+            if os.fstat(fd).st_ino == position.inode and (
+                not position.fingerprint or _fingerprint(fd, length) == position.fingerprint
+            ):
+                j.rotated_to = candidate
+                return fd
+            os.close(fd)
+        return None
+
+    def _open(self, j: _Journal) -> bool:
+        position = self.store.journal_position(j.source)
+        fd: int | None = None
+        if position is not None:
+            fd = self._rotated_leftover(j, position)
+        if fd is None:
+            try:
+                fd = os.open(j.path, os.O_RDONLY)
+            except FileNotFoundError:
+                return False  # Envoy has not written its first line yet
+        inode = os.fstat(fd).st_ino
+        offset, fingerprint = 0, ""
+        same = position is not None and position.inode == inode
+        if same and position is not None and position.fingerprint:
+            length = int(position.fingerprint.split(":", 1)[0])
+            same = _fingerprint(fd, length) == position.fingerprint
+        if same and position is not None:
+            offset, fingerprint = position.offset, position.fingerprint
+        elif position is not None:
+            log.error(
+                "audit journal %s was replaced while the collector was away (stored position:"
+                " inode %d offset %d); reading the new file from its start",
+                j.path,
+                position.inode,
+                position.offset,
+            )
+        j.fd, j.inode, j.offset, j.fingerprint = fd, inode, offset, fingerprint
+        j.size = os.fstat(fd).st_size
+        if j.size < offset:
+            log.error(
+                "audit journal %s shrank below the stored offset; reading it from its start", j.path
+            )
+            j.offset = 0
+        return True
+
+    def _complete_size(self, j: _Journal) -> int:
+        """How far the journal holds complete lines (what `drain` waits for)."""
+        if j.fd is None:
+            return 0 if not j.path.exists() else 1 << 62
+        size = os.fstat(j.fd).st_size
+        if size <= j.offset:
+            return j.offset
+        tail = os.pread(j.fd, min(size - j.offset, _MAX_BATCH), j.offset)
+        return j.offset + tail.rfind(b"\n") + 1 if b"\n" in tail else j.offset
+
+    def _ingest(self, j: _Journal) -> bool:
+        if j.fd is None and not self._open(j):
+            return False
+        assert j.fd is not None
+        j.size = os.fstat(j.fd).st_size
+        PENDING.labels(j.source).set(max(0, j.size - j.offset))
+        if j.size < j.offset:
+            log.error(
+                "audit journal %s was truncated by someone; reading it from its start", j.path
+            )
+            j.offset = 0
+        if j.size == j.offset:
+            self._maybe_rotated(j)
+            return False
+        chunk = os.pread(j.fd, min(j.size - j.offset, _MAX_BATCH), j.offset)
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            if len(chunk) >= _MAX_BATCH:  # a single line over 1 MiB: store it as unparsed
+                end = len(chunk) - 1
+            else:
+                return False  # Envoy is mid-line
+        lines = chunk[:end].split(b"\n")
+        records = [from_log_line(line, j.source) for line in lines if line.strip()]
+        for record in records:
+            if "error" in record:
+                log.error(
+                    "audit journal %s: %s (stored as an unparsed record)", j.path, record["error"]
+                )
+        new_offset = j.offset + end + 1
+        fingerprint = j.fingerprint
+        if not fingerprint or int(fingerprint.split(":", 1)[0]) < _FINGERPRINT:
+            fingerprint = _fingerprint(j.fd, new_offset)
+        self.store.append(
+            records, JournalPosition(j.source, str(j.path), j.inode, new_offset, fingerprint)
+        )
+        j.offset, j.fingerprint = new_offset, fingerprint
+        j.stored += len(records)
+        j.quiet_since = 0.0
+        self._since_checkpoint += len(records)
+        RECORDS.labels(j.source).inc(len(records))
+        PENDING.labels(j.source).set(max(0, j.size - j.offset))
+        return True
+
+    def _maybe_rotated(self, j: _Journal) -> None:
+        """Follow a rotation (journal renamed, Envoy told to reopen its logs): once the old file
+        has been quiet for a second and is fully read, continue with the new file at offset 0."""
+        try:
+            current = os.stat(j.path).st_ino
+        except FileNotFoundError:
+            return
+        if current == j.inode:
+            return
+        now = time.monotonic()
+        if not j.quiet_since:
+            j.quiet_since = now
+            return
+        if now - j.quiet_since < _ROTATION_QUIET_S:
+            return
+        assert j.fd is not None
+        os.close(j.fd)
+        j.fd = None
+        if j.rotated_to is not None:
+            j.rotated_to.unlink(missing_ok=True)
+            j.rotated_to = None
+        fd = os.open(j.path, os.O_RDONLY)
+        j.fd, j.inode, j.offset, j.quiet_since, j.fingerprint = fd, os.fstat(fd).st_ino, 0, 0.0, ""
+        self.store.append([], j.position())
+        log.info("audit journal %s rotated; following the new file", j.path)
+
+    def _maybe_checkpoint(self) -> None:
+        now = time.monotonic()
+        if self._since_checkpoint and (
+            self._since_checkpoint >= self.checkpoint_every
+            or now - self._last_checkpoint >= self.checkpoint_interval
+        ):
+            self.store.checkpoint()
+            self._since_checkpoint = 0
+            self._last_checkpoint = now
+        if self.retention_interval and now - self._last_retention >= self.retention_interval:
+            self._last_retention = now
+            deleted = self.store.apply_retention()
+            if deleted:
+                log.info("audit retention removed %d records", deleted)

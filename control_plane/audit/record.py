@@ -1,0 +1,169 @@
+"""Audit records: from one Envoy access-log line to the canonical form the hash chain covers.
+
+The access log (see `filters.access_log`) writes one JSON object per request: Envoy's own fields
+plus the audit filter's filter-state object (`wasm.meshfn_audit`) as a nested JSON string. A line
+that does not parse is kept as an `unparsed` record, never dropped: losing a line silently would
+defeat the point of the trail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+RECORD_VERSION = 1
+# Caps for values a client controls; the record says when it was cut.
+LIMITS = {"id": 128, "authority": 256, "path": 2048, "tenant": 128, "principal": 2048}
+_RAW_KEEP = 4096
+
+FIELDS = (
+    "v",
+    "id",
+    "time",
+    "method",
+    "authority",
+    "path",
+    "status",
+    "duration_us",
+    "upstream_cluster",
+    "route",
+    "principal",
+    "subject",
+    "salt_id",
+    "subject_source",
+    "tenant",
+    "body",
+    "body_sha256",
+    "trace_id",
+    "flags",
+    "source",
+    "audited",
+)
+
+
+def canonical(record: dict[str, Any]) -> bytes:
+    """The bytes the chain hashes: sorted keys, no spaces, ASCII only (non-ASCII escaped), so
+    every implementation that re-serialises the record gets identical bytes."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _str(value: Any, name: str, cut: list[str]) -> str | None:
+    if value is None or value in {"-", ""}:
+        return None
+    text = value if isinstance(value, str) else str(value)
+    limit = LIMITS.get(name)
+    if limit is not None and len(text) > limit:
+        cut.append(name)
+        text = text[:limit]
+    return text
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _hex(value: Any, length: int) -> str | None:
+    if isinstance(value, str) and len(value) == length:
+        try:
+            bytes.fromhex(value)
+        except ValueError:
+            return None
+        return value.lower()
+    return None
+
+
+def trace_id(traceparent: Any, b3: Any) -> str | None:
+    """W3C traceparent (version-traceid-parentid-flags, non-zero trace id), else B3."""
+    if isinstance(traceparent, str):
+        parts = traceparent.strip().split("-")
+        if (
+            len(parts) >= 4
+            and len(parts[0]) == 2
+            and len(parts[2]) == 16
+            and _hex(parts[1], 32)
+            and _hex(parts[0], 2)
+            and _hex(parts[2], 16)
+            and parts[1].strip("0")
+        ):
+            return parts[1].lower()
+    if isinstance(b3, str):
+        value = b3.strip()
+        if len(value) in (16, 32) and _hex(value, len(value)):
+            return value.lower()
+    return None
+
+
+def from_log_line(line: bytes, source: str) -> dict[str, Any]:
+    """One access-log line (without the newline) -> a record."""
+    try:
+        entry = json.loads(line)
+        if not isinstance(entry, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        return unparsed(line, source, f"access log line is not a JSON object: {exc}")
+    cut: list[str] = []
+    record: dict[str, Any] = {
+        "v": RECORD_VERSION,
+        "source": source,
+        "id": _str(entry.get("id"), "id", cut),
+        "time": _str(entry.get("time"), "time", cut),
+        "method": _str(entry.get("method"), "method", cut),
+        "authority": _str(entry.get("authority"), "authority", cut),
+        "path": _str(entry.get("path"), "path", cut),
+        "status": _int(entry.get("status")) or 0,
+        "duration_us": _int(entry.get("duration_us")),
+        "upstream_cluster": _str(entry.get("upstream_cluster"), "upstream_cluster", cut),
+        "route": _str(entry.get("route"), "route", cut),
+        "principal": _str(entry.get("principal"), "principal", cut),
+        "flags": _str(entry.get("flags"), "flags", cut),
+        "audited": False,
+        "subject": None,
+        "salt_id": None,
+        "subject_source": None,
+        "tenant": None,
+        "body": None,
+        "body_sha256": None,
+        "trace_id": trace_id(entry.get("traceparent"), entry.get("b3_trace_id")),
+    }
+    if record["duration_us"] is None and (ms := _int(entry.get("duration_ms"))) is not None:
+        record["duration_us"] = ms * 1000
+    raw_state = entry.get("audit")
+    if isinstance(raw_state, str) and raw_state not in ("", "-"):
+        try:
+            state = json.loads(raw_state)
+        except (ValueError, RecursionError):
+            state = None
+            record["error"] = "audit filter state is not JSON"
+        if isinstance(state, dict):
+            record["audited"] = True
+            record["subject"] = _hex(state.get("subject"), 64)
+            record["salt_id"] = _str(state.get("salt_id"), "salt_id", cut)
+            record["subject_source"] = _str(state.get("subject_source"), "subject_source", cut)
+            record["tenant"] = _str(state.get("tenant"), "tenant", cut)
+            record["body"] = _str(state.get("body"), "body", cut)
+            record["body_sha256"] = _hex(state.get("body_sha256"), 64)
+    if cut:
+        record["truncated"] = sorted(set(cut))
+    return record
+
+
+def unparsed(line: bytes, source: str, error: str) -> dict[str, Any]:
+    return {
+        "v": RECORD_VERSION,
+        "source": source,
+        "error": error,
+        "raw": line[:_RAW_KEEP].decode("utf-8", errors="replace"),
+        "raw_sha256": hashlib.sha256(line).hexdigest(),
+        "raw_bytes": len(line),
+        "status": 0,
+    }

@@ -87,8 +87,8 @@ case "$cmd" in
   test)
     setup
     log "ruff"
-    "$VENV/bin/ruff" check control_plane xds inference ebpf functions tests e2e bench
-    "$VENV/bin/ruff" format --check --quiet control_plane xds inference ebpf functions tests e2e bench
+    "$VENV/bin/ruff" check control_plane xds inference ebpf functions wasm_filters tests e2e bench
+    "$VENV/bin/ruff" format --check --quiet control_plane xds inference ebpf functions wasm_filters tests e2e bench
     log "mypy"
     "$VENV/bin/mypy" -p meshfn.control_plane -p meshfn.xds -p meshfn.inference -p meshfn.ebpf
     log "pytest"

@@ -1,0 +1,323 @@
+"""The collector against real journal files and a real store: exactly-once across restarts and
+partial lines, a full or read-only store (a real tmpfs) that must not lose anything, rotation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshfn.control_plane.audit import AuditCollector, AuditStore
+from meshfn.control_plane.audit.store import StoreError
+
+
+def line(i: int) -> bytes:
+    return (
+        json.dumps(
+            {"id": f"r{i}", "time": "2026-01-01T00:00:00.000000Z", "status": 200, "audit": None}
+        )
+        + "\n"
+    ).encode()
+
+
+def write(path: Path, data: bytes) -> None:
+    with path.open("ab") as f:
+        f.write(data)
+
+
+def ids(store: AuditStore) -> list[str]:
+    return [r["id"] for r in store.query(limit=None)]
+
+
+async def collect(store: AuditStore, journal: Path, **kw: object) -> AuditCollector:
+    collector = AuditCollector(store, poll_interval=0.01, checkpoint_interval=0.05, **kw)  # type: ignore[arg-type]
+    collector.watch(journal, "edge~0")
+    await collector.start()
+    return collector
+
+
+async def test_partial_lines_wait_and_restarts_resume_exactly_once(tmp_path: Path) -> None:
+    store = AuditStore(tmp_path / "a.db")
+    journal = tmp_path / "j.jsonl"
+    collector = await collect(store, journal)
+    await asyncio.sleep(0.05)  # no journal yet: nothing happens, no error
+    write(journal, line(1) + line(2) + line(3)[:10])
+    await asyncio.sleep(0.1)
+    assert ids(store) == ["r1", "r2"]
+    write(journal, line(3)[10:])
+    await collector.drain()
+    await collector.stop()
+    assert ids(store) == ["r1", "r2", "r3"]
+
+    write(journal, b"".join(line(i) for i in range(4, 100)))
+    collector = await collect(store, journal)  # a restart: resumes at the stored offset
+    await collector.drain()
+    write(journal, line(100))
+    await collector.drain()
+    await collector.stop()
+    assert ids(store) == [f"r{i}" for i in range(1, 101)]
+    report = store.verify()
+    assert report.ok and report.unsigned_tail == 0
+    assert collector.status()["journals"][0]["pending_bytes"] == 0
+    store.close()
+
+
+async def test_unparseable_lines_are_stored_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AuditStore(tmp_path / "a.db")
+    journal = tmp_path / "j.jsonl"
+    write(journal, line(1) + b"\xff garbage\n" + line(2))
+    collector = await collect(store, journal)
+    await collector.drain()
+    await collector.stop()
+    rows = store.query(limit=None)
+    assert [r.get("id") for r in rows] == ["r1", None, "r2"]
+    assert "not a JSON object" in rows[1]["error"]
+    assert any("stored as an unparsed record" in m for m in caplog.messages)
+    store.close()
+
+
+async def test_full_store_keeps_records_pending_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    store = AuditStore(tmp_path / "a.db", max_bytes=48 * 1024)
+    journal = tmp_path / "j.jsonl"
+    big = [
+        (json.dumps({"id": f"r{i}", "path": "/" + "p" * 3000, "status": 200}) + "\n").encode()
+        for i in range(300)
+    ]
+    write(journal, b"".join(big))
+    collector = await collect(store, journal)
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if collector.status()["error"]:
+            break
+    status = collector.status()
+    assert "full" in status["error"]
+    assert status["journals"][0]["pending_bytes"] > 0
+    assert any("AUDIT RECORDS NOT STORED" in m and "full" in m for m in caplog.messages)
+    stored_while_full = store.count()
+    assert 0 <= stored_while_full < 300
+    store.set_max_bytes(64 * 1024 * 1024)  # an operator makes room
+    await collector.drain(timeout=20)
+    await collector.stop()
+    assert ids(store) == [f"r{i}" for i in range(300)]
+    assert collector.status()["error"] is None
+    assert any("writable again" in m for m in caplog.messages)
+    assert store.verify().ok
+    store.close()
+
+
+async def test_stop_with_a_full_store_reports_what_is_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AuditStore(tmp_path / "a.db", max_bytes=40 * 1024)
+    journal = tmp_path / "j.jsonl"
+    write(
+        journal,
+        b"".join((json.dumps({"id": i, "path": "x" * 4000}) + "\n").encode() for i in range(50)),
+    )
+    collector = await collect(store, journal)
+    await asyncio.sleep(0.3)
+    await collector.stop()
+    assert any("stopped with" in m and "not stored" in m for m in caplog.messages)
+    count = store.count()
+    store.close()
+    store = AuditStore(tmp_path / "a.db")  # next start, no cap: the rest arrives, once
+    collector = await collect(store, journal)
+    await collector.drain()
+    await collector.stop()
+    assert store.count() == 50 and count < 50
+    assert [r["id"] for r in store.query(limit=None)] == [str(i) for i in range(50)]
+    store.close()
+
+
+async def test_rotation_is_followed(tmp_path: Path) -> None:
+    store = AuditStore(tmp_path / "a.db")
+    journal = tmp_path / "j.jsonl"
+    write(journal, line(1) + line(2))
+    collector = await collect(store, journal)
+    await collector.drain()
+    write(journal, line(3))
+    journal.rename(tmp_path / "j.jsonl.1")  # logrotate, then Envoy's /reopen_logs
+    write(tmp_path / "j.jsonl.1", line(4))  # Envoy flushes into the old file before reopening
+    write(journal, line(5))
+    for _ in range(300):
+        await asyncio.sleep(0.01)
+        if store.count() == 5:
+            break
+    await collector.stop()
+    assert ids(store) == ["r1", "r2", "r3", "r4", "r5"]
+    position = store.journal_position("edge~0")
+    assert position is not None and position.inode == os.stat(journal).st_ino
+    store.close()
+
+
+async def test_replaced_journal_is_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AuditStore(tmp_path / "a.db")
+    journal = tmp_path / "j.jsonl"
+    write(journal, line(1))
+    collector = await collect(store, journal)
+    await collector.drain()
+    await collector.stop()
+    journal.unlink()
+    write(journal, line(2))
+    collector = await collect(store, journal)
+    await collector.drain()
+    await collector.stop()
+    assert ids(store) == ["r1", "r2"]
+    assert any("was replaced while the collector was away" in m for m in caplog.messages)
+    store.close()
+
+
+def test_watch_rejects_a_second_path_for_one_source(tmp_path: Path) -> None:
+    store = AuditStore(tmp_path / "a.db")
+    collector = AuditCollector(store)
+    collector.watch(tmp_path / "a", "n")
+    collector.watch(tmp_path / "a", "n")
+    with pytest.raises(ValueError, match="already collected"):
+        collector.watch(tmp_path / "b", "n")
+    store.close()
+
+
+# ------------------------------------------------------------------ a real small filesystem
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 320 KiB tmpfs: the disk really fills up and can really be made read-only."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=320k", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"this test needs root to mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_disk_full_on_a_real_filesystem(
+    tiny_fs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AuditStore(tiny_fs / "a.db")
+    journal = tmp_path / "j.jsonl"
+    records = [
+        (json.dumps({"id": f"r{i}", "path": "/" + "q" * 2000}) + "\n").encode() for i in range(400)
+    ]
+    write(journal, b"".join(records))
+    collector = await collect(store, journal)
+    for _ in range(300):
+        await asyncio.sleep(0.02)
+        if collector.status()["error"]:
+            break
+    assert "full" in (collector.status()["error"] or ""), collector.status()
+    write(journal, line(999))
+    await asyncio.sleep(0.3)
+    assert collector.status()["journals"][0]["pending_bytes"] > 0
+    assert any("AUDIT RECORDS NOT STORED" in m for m in caplog.messages)
+    grown = await asyncio.to_thread(
+        subprocess.run, ["mount", "-o", "remount,size=16m", str(tiny_fs)], check=False
+    )
+    assert grown.returncode == 0
+    await collector.drain(timeout=30)
+    await collector.stop()
+    assert ids(store) == [f"r{i}" for i in range(400)] + ["r999"]
+    assert store.verify().ok
+    store.close()
+
+
+def test_store_on_a_read_only_filesystem_fails_clearly(tiny_fs: Path) -> None:
+    AuditStore(tiny_fs / "a.db").close()
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    with pytest.raises(StoreError, match=r"a\.db"):
+        store = AuditStore(tiny_fs / "a.db")
+        store.append([{"v": 1}])
+
+
+async def test_rotate_deletes_the_old_journal_once_stored(tmp_path: Path) -> None:
+    store = AuditStore(tmp_path / "a.db")
+    journal = tmp_path / "j.jsonl"
+    write(journal, line(1))
+    collector = await collect(store, journal)
+    await collector.drain()
+
+    async def reopen() -> None:  # what Envoy does on /reopen_logs: flush, then a new file
+        (old,) = tmp_path.glob("j.jsonl.*")
+        write(old, line(2))
+        write(journal, line(3))
+
+    old = await collector.rotate("edge~0", reopen)
+    for _ in range(300):
+        await asyncio.sleep(0.01)
+        if store.count() == 3 and not old.exists():
+            break
+    await collector.stop()
+    assert ids(store) == ["r1", "r2", "r3"]
+    assert not old.exists()
+    store.close()
+
+
+async def test_restart_during_rotation_finishes_the_old_journal_first(tmp_path: Path) -> None:
+    store = AuditStore(tmp_path / "a.db")
+    journal = tmp_path / "j.jsonl"
+    write(journal, line(1))
+    collector = await collect(store, journal)
+    await collector.drain()
+    await collector.stop()  # the collector goes away; meanwhile the journal is rotated
+    old = journal.with_name("j.jsonl.1700000000000")
+    journal.rename(old)
+    write(old, line(2) + line(3))
+    write(journal, line(4))
+    collector = await collect(store, journal)
+    for _ in range(300):
+        await asyncio.sleep(0.01)
+        if store.count() == 4:
+            break
+    await collector.stop()
+    assert ids(store) == ["r1", "r2", "r3", "r4"]
+    assert not old.exists()
+    store.close()
+
+
+async def test_automatic_rotation_retries_a_failed_reopen(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AuditStore(tmp_path / "a.db")
+    journal = tmp_path / "j.jsonl"
+    attempts = []
+
+    async def reopen() -> None:  # the first reopen fails (proxy restarting), the next works
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise ConnectionRefusedError("admin port not up")
+        write(journal, line(99))
+
+    collector = AuditCollector(store, poll_interval=0.01, rotate_bytes=500)
+    collector.watch(journal, "edge~0", reopen=reopen)
+    write(journal, b"".join(line(i) for i in range(10)))  # > 500 bytes
+    await collector.start()
+    for _ in range(400):
+        await asyncio.sleep(0.01)
+        if store.count() == 11 and not list(tmp_path.glob("j.jsonl.*")):
+            break
+    await collector.stop()
+    assert ids(store) == [f"r{i}" for i in range(10)] + ["r99"]
+    assert len(attempts) == 2 and not list(tmp_path.glob("j.jsonl.*"))
+    assert any("reopen failed" in m for m in caplog.messages)
+    store.close()

@@ -1,0 +1,209 @@
+"""The Envoy config builders: the plugin JSON the Python models emit is exactly what the C
+filters accept (checked with the native build), invalid settings are refused in Python too,
+and Envoy itself validates the generated config."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.protobuf import json_format
+from pydantic import ValidationError
+
+from meshfn.control_plane.audit import filters
+from meshfn.control_plane.audit.filters import (
+    AuditSettings,
+    BodyHash,
+    DegradeRule,
+    DegradeSettings,
+    Trigger,
+)
+from meshfn.control_plane.runtime.envoy import envoy_binary
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(
+        name, ROOT / "wasm_filters" / "harness" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def host(kind: str) -> Any:
+    module = _load("fakehost")
+    return module.FakeHost(filters.wasm_dir(native=True) / f"{kind}_native.so")
+
+
+AUDITS = [
+    AuditSettings(subject_salt="00" * 16),
+    AuditSettings(subject_salt="12" * 20, subject_source="jwt_headers", sub_header="x-s"),
+    AuditSettings(
+        subject_salt="ff" * 64,
+        salt_id="2026-q1",
+        subject_source="header",
+        token_header="x-token",
+        tenant_claim="",
+        body_hash=BodyHash(enabled=True, max_bytes=1 << 30),
+    ),
+]
+DEGRADES = [
+    DegradeSettings(rules=[]),
+    DegradeSettings(
+        routing_header="x-route",
+        trigger=Trigger(header="x-drill", principals=["spiffe://a/b", "spiffe://c/d"]),
+        rules=[
+            DegradeRule(
+                name="r1", routes=["a", "b"], mode="reroute", fallbacks=["f1", "f2"], depth=2
+            ),
+            DegradeRule(name="r2", clusters=["c"], mode="reject", depth=1),
+            DegradeRule(name="r3", routes=["z"], clusters=["y"], mode="reject"),
+        ],
+    ),
+]
+
+
+COMBINED = [
+    filters.MeshfnSettings(audit=AUDITS[1], degrade=DEGRADES[1]),
+    filters.MeshfnSettings(degrade=DEGRADES[0]),
+]
+
+
+@pytest.mark.parametrize("settings", AUDITS + DEGRADES + COMBINED)
+def test_python_settings_are_accepted_by_the_filter(
+    settings: AuditSettings | DegradeSettings | filters.MeshfnSettings,
+) -> None:
+    kinds = {AuditSettings: "audit", DegradeSettings: "degrade", filters.MeshfnSettings: "meshfn"}
+    kind = kinds[type(settings)]
+    h = host(kind)
+    root, ok = h.configure(filters.plugin_json(settings).encode())
+    assert ok, h.logs()
+    h.delete(root)
+
+
+@pytest.mark.parametrize(
+    ("model", "data"),
+    [
+        (AuditSettings, {}),
+        (AuditSettings, {"subject_salt": "00" * 8}),
+        (AuditSettings, {"subject_salt": "00" * 16, "token_header": "Authorization"}),
+        (AuditSettings, {"subject_salt": "00" * 16, "extra": 1}),
+        (DegradeSettings, {"rules": [{"name": "x", "routes": ["r"], "mode": "reroute"}]}),
+        (
+            DegradeSettings,
+            {"rules": [{"name": "x", "routes": ["r"], "mode": "reject", "fallbacks": ["f"]}]},
+        ),
+        (DegradeSettings, {"rules": [{"name": "x", "mode": "reject"}]}),
+        (DegradeSettings, {"rules": [{"name": "a,b", "routes": ["r"], "mode": "reject"}]}),
+        (DegradeSettings, {"rules": [], "trigger": {"principals": []}}),
+        (
+            DegradeSettings,
+            {"rules": [], "trigger": {"principals": ["p"], "header": "x-meshfn-degrade-route"}},
+        ),
+        (filters.MeshfnSettings, {}),
+    ],
+)
+def test_invalid_settings_are_refused_in_python(model: type[Any], data: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        model.model_validate(data)
+
+
+def test_salt_is_not_in_repr() -> None:
+    assert "00000000" not in repr(AuditSettings(subject_salt="00" * 16))
+
+
+def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
+    es = _load("envoy_static")
+    degrade = DEGRADES[1]
+    listener = es.listener(
+        10000,
+        [
+            es.to_dict(filters.audit_filter(AUDITS[1])),
+            es.to_dict(filters.degrade_filter(degrade)),
+            es.to_dict(filters.meshfn_filter(AUDITS[0], degrade)),
+        ],
+        [es.route("r", "backend")],
+        access_logs=[es.to_dict(filters.access_log(tmp_path / "journal.jsonl"))],
+        early=[es.to_dict(filters.early_header_mutation(degrade, AUDITS[1]))],
+    )
+    config = tmp_path / "envoy.json"
+    config.write_text(json.dumps(es.bootstrap(9901, {"backend": 8080}, listener)))
+    done = subprocess.run(
+        [str(envoy_binary()), "--mode", "validate", "-c", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_filter_entries_are_fail_closed_wasm_filters() -> None:
+    entry = json_format.MessageToDict(
+        filters.audit_filter(AUDITS[0]), preserving_proto_field_name=True
+    )
+    config = entry["typed_config"]["config"]
+    assert entry["name"] == "meshfn.meshfn_audit"
+    assert config["failure_policy"] == "FAIL_CLOSED"
+    assert config["vm_config"]["runtime"] == "envoy.wasm.runtime.v8"
+    assert config["vm_config"]["code"]["local"]["filename"].endswith("/audit.wasm")
+    assert json.loads(config["configuration"]["value"])["subject_salt"] == "00" * 16
+    log = json_format.MessageToDict(
+        filters.access_log(Path("/j")), preserving_proto_field_name=True
+    )
+    assert (
+        log["typed_config"]["log_format"]["json_format"]["audit"]
+        == "%FILTER_STATE(wasm.meshfn_audit:PLAIN)%"
+    )
+
+
+def test_schema_files_are_current(tmp_path: Path) -> None:
+    """Regenerate with: python -P -c 'from pathlib import Path; from meshfn.control_plane.audit
+    import filters; filters.write_schemas(Path("wasm_filters/schema"))'"""
+    for fresh in filters.write_schemas(tmp_path):
+        committed = ROOT / "wasm_filters" / "schema" / fresh.name
+        assert committed.read_text() == fresh.read_text(), f"{committed} is stale"
+
+
+def test_schemas_cover_both_filters() -> None:
+    schemas = filters.schemas()
+    assert set(schemas["audit"]["properties"]) == set(AuditSettings.model_fields)
+    assert set(schemas["degrade"]["properties"]) == {"routing_header", "trigger", "rules"}
+    assert set(schemas["meshfn"]["properties"]) == {"audit", "degrade"}
+
+
+def test_prebuilt_dir_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    filters.wasm_dir.cache_clear()
+    monkeypatch.setenv("MESHFN_WASM_DIR", str(tmp_path))
+    try:
+        with pytest.raises(filters.BuildError, match=r"has no audit\.wasm"):
+            filters.wasm_dir()
+    finally:
+        monkeypatch.delenv("MESHFN_WASM_DIR")
+        filters.wasm_dir.cache_clear()
+    assert (filters.wasm_dir() / "audit.wasm").is_file()
+
+
+def test_internal_headers_and_claim_headers() -> None:
+    fast = AuditSettings(subject_salt="00" * 16, subject_source="jwt_headers")
+    assert filters.internal_headers(DEGRADES[1], fast) == [
+        "x-route",
+        "x-meshfn-jwt-sub",
+        "x-meshfn-jwt-tenant",
+    ]
+    assert filters.internal_headers(None, AUDITS[0]) == []
+    with pytest.raises(ValueError, match="needs degrade settings"):
+        filters.early_header_mutation(None, AUDITS[0])
+    claims = [(c.header_name, c.claim_name) for c in filters.jwt_claim_headers(fast)]
+    assert claims == [("x-meshfn-jwt-sub", "sub"), ("x-meshfn-jwt-tenant", "tenant")]
+    no_tenant = AuditSettings(subject_salt="00" * 16, subject_source="jwt_headers", tenant_claim="")
+    assert len(filters.jwt_claim_headers(no_tenant)) == 1

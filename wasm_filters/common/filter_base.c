@@ -1,0 +1,155 @@
+#include "filter_base.h"
+
+/* A configuration lives in a refcounted box: a stream keeps the configuration it started with
+ * even if the root context is reconfigured (or deleted) before the stream ends. */
+typedef struct {
+  root_t *root;
+  int refs;    /* streams using it + 1 while it is the root context's current one */
+} box_t;
+
+static box_t *box_new(root_t *root) {
+  box_t *b = mf_calloc(sizeof(box_t));
+  if (!b) {
+    filter_root_free(root);
+    return 0;
+  }
+  b->root = root;
+  b->refs = 1;
+  return b;
+}
+
+static void box_release(box_t *b) {
+  if (b && --b->refs == 0) {
+    filter_root_free(b->root);
+    mf_free(b);
+  }
+}
+
+/* A context is either a root (parent 0) or an HTTP stream; both live in one table, tagged. */
+typedef struct {
+  int is_root;
+  box_t *box;   /* root: its current configuration; stream: the one it started with */
+  http_t *http; /* stream only */
+} entry_t;
+
+void set_err(char *err, size_t err_size, const char *field, const char *problem) {
+  sb_t b;
+  sb_init(&b, 96);
+  sb_lit(&b, field);
+  sb_lit(&b, ": ");
+  sb_lit(&b, problem);
+  size_t n = b.oom ? 0 : (b.len < err_size - 1 ? b.len : err_size - 1);
+  if (n) mf_memcpy(err, b.p, n);
+  err[n] = 0;
+  sb_free(&b);
+}
+
+PW_EXPORT(proxy_abi_version_0_2_1) void proxy_abi_version_0_2_1(void) {}
+
+PW_EXPORT(proxy_on_vm_start) uint32_t proxy_on_vm_start(uint32_t root_id, uint32_t size) {
+  (void)root_id;
+  (void)size;
+  return 1;
+}
+
+PW_EXPORT(proxy_on_context_create)
+void proxy_on_context_create(uint32_t context_id, uint32_t parent_id) {
+  entry_t *e = mf_calloc(sizeof(entry_t));
+  if (!e) return;
+  if (parent_id == 0) {
+    e->is_root = 1;
+  } else {
+    entry_t *parent = ctx_get(parent_id);
+    /* A stream under an unconfigured root gets no state; its callbacks pass traffic through
+     * untouched. Envoy never does this: it refuses to create streams for a failed plugin. */
+    if (parent && parent->is_root && parent->box) {
+      e->http = filter_http_new(parent->box->root, context_id);
+      if (e->http) {
+        e->box = parent->box;
+        e->box->refs++;
+      }
+    }
+  }
+  ctx_put(context_id, e);
+}
+
+PW_EXPORT(proxy_on_configure) uint32_t proxy_on_configure(uint32_t root_id, uint32_t size) {
+  entry_t *e = ctx_get(root_id);
+  if (!e || !e->is_root) return 0;
+  char *buf = 0;
+  size_t n = 0;
+  char err[160];
+  err[0] = 0;
+  jnode_t *config = 0;
+  int ok = 0;
+  if (size == 0 || proxy_get_buffer_bytes(BUF_PLUGIN_CONFIGURATION, 0, size, &buf, &n) != WR_OK ||
+      !buf) {
+    set_err(err, sizeof err, "configuration", "missing (a JSON object is required)");
+  } else if ((config = json_parse(buf, n, err, sizeof err)) == 0) {
+    /* err set by the parser */
+  } else if (config->type != J_OBJ) {
+    set_err(err, sizeof err, "configuration", "must be a JSON object");
+  } else {
+    root_t *fresh = filter_root_new();
+    if (!fresh) {
+      set_err(err, sizeof err, "configuration", "out of memory");
+    } else if (filter_configure(fresh, config, err, sizeof err)) {
+      box_t *box = box_new(fresh);
+      if (box) {
+        box_release(e->box);
+        e->box = box;
+        ok = 1;
+      }
+    } else {
+      filter_root_free(fresh);
+    }
+  }
+  if (!ok) {
+    sb_t b;
+    sb_init(&b, 200);
+    sb_lit(&b, "invalid plugin configuration, rejected: ");
+    sb_lit(&b, err);
+    if (!b.oom) log_msg(LOG_ERROR, FILTER_LOG_PREFIX, b.p, b.len);
+    sb_free(&b);
+  }
+  json_free(config);
+  mf_free(buf);
+  return (uint32_t)ok;
+}
+
+static http_t *http_of(uint32_t context_id) {
+  entry_t *e = ctx_get(context_id);
+  return (e && !e->is_root) ? e->http : 0;
+}
+
+PW_EXPORT(proxy_on_request_headers)
+uint32_t proxy_on_request_headers(uint32_t context_id, uint32_t headers, uint32_t eos) {
+  http_t *h = http_of(context_id);
+  return h ? filter_on_request_headers(h, headers, eos) : ACTION_CONTINUE;
+}
+
+/* Each callback Envoy makes into the VM costs a few microseconds per request, whether or not
+ * the filter does anything in it: a filter exports only what it uses (see build.sh). */
+#ifdef FILTER_WANTS_BODY
+PW_EXPORT(proxy_on_request_body)
+uint32_t proxy_on_request_body(uint32_t context_id, uint32_t size, uint32_t eos) {
+  http_t *h = http_of(context_id);
+  return h ? filter_on_request_body(h, size, eos) : ACTION_CONTINUE;
+}
+#endif
+
+#ifdef FILTER_WANTS_RESPONSE
+PW_EXPORT(proxy_on_response_headers)
+uint32_t proxy_on_response_headers(uint32_t context_id, uint32_t headers, uint32_t eos) {
+  http_t *h = http_of(context_id);
+  return h ? filter_on_response_headers(h, headers, eos) : ACTION_CONTINUE;
+}
+#endif
+
+PW_EXPORT(proxy_on_delete) void proxy_on_delete(uint32_t context_id) {
+  entry_t *e = ctx_take(context_id);
+  if (!e) return;
+  if (e->http) filter_http_free(e->http);
+  box_release(e->box);
+  mf_free(e);
+}

@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .audit.cli import audit_app
 from .logs import setup_logging
 from .policy import PolicyErrors, load_policies
 
@@ -308,6 +309,16 @@ def status(
             f"{counters.get('messages_redirected', 0)} messages redirected, "
             f"{counters.get('sockets_in_map', 0)} sockets in the map"
         )
+    audit = document.get("audit")
+    if audit and audit.get("enabled"):
+        journals = audit.get("journals", [])
+        stored = sum(j["stored"] for j in journals)
+        pending = sum(j["pending_bytes"] for j in journals)
+        problem = f"; [red]store error: {audit['error']}[/red]" if audit.get("error") else ""
+        out.print(
+            f"audit trail {audit['store']}: {len(journals)} journal(s), {stored} record(s) stored"
+            f" since start, {pending} byte(s) pending{problem}"
+        )
     if document.get("routes"):
         routes = Table(title="drift breaker", title_justify="left")
         for column in ("route", "state", "p95 ms", "baseline ms", "samples", "transitions"):
@@ -358,6 +369,7 @@ token_app = typer.Typer(help="JWTs from the local issuer the example policies tr
 certs_app = typer.Typer(help="Workload certificates (SPIFFE X.509).")
 ca_app = typer.Typer(help="The mesh CA: rotate with an overlap, then retire the old root.")
 app.add_typer(token_app, name="token")
+app.add_typer(audit_app, name="audit")
 app.add_typer(certs_app, name="certs")
 app.add_typer(ca_app, name="ca")
 

@@ -280,6 +280,18 @@ class Function:
     max_request_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class Audit:
+    proxies: Literal["sidecars", "gateways", "all"]
+    retention_days: int
+    tenant_claim: str
+    body_hash: bool
+    body_hash_max_bytes: int
+
+    def records(self, kind: Literal["gateway", "sidecar"]) -> bool:
+        return self.proxies in ("all", f"{kind}s")
+
+
 @dataclass(frozen=True)
 class Overlay:
     """Runtime state layered over the policies (never written back to them): routes the drift
@@ -299,6 +311,7 @@ class MeshModel:
     certificate_ttl: timedelta = timedelta(hours=1)
     functions: tuple[Function, ...] = ()
     acceleration: Literal["ebpf", "off", "auto"] = "off"
+    audit: Audit | None = None
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

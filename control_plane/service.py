@@ -24,9 +24,12 @@ from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import Snapshot, SnapshotCache, prepare
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
-from meshfn.xds.translate import translate
+from meshfn.xds.translate import OFFLINE_HOST, ProxyHost, translate
 from meshfn.xds.translate.listeners import LATENCY_LOG
 
+from .audit.collector import journal_dir
+from .audit.filters import BuildError, wasm_dir
+from .audit.salt import load_or_create
 from .health.drift import DriftBreaker, Transition, WatchedRoute
 from .identity.bootstrap_token import BootstrapTokens
 from .identity.issuer import LocalIssuer
@@ -140,6 +143,18 @@ class ControlPlane:
             self.identity = identity
         return identity
 
+    def proxy_host(self, model: MeshModel) -> ProxyHost:
+        """Builds the wasm filters (cached, content-addressed) and creates the subject salt only
+        when the policies use them, so a mesh without audit or drift breakers needs no clang."""
+        drift = any(s.drift is not None and s.fallback for s in model.services)
+        if model.audit is not None:  # Envoy opens its journal at listener creation
+            journal_dir(self.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        return ProxyHost(
+            wasm_dir=wasm_dir() if drift or model.audit is not None else OFFLINE_HOST.wasm_dir,
+            state_dir=self.state_dir,
+            salt=load_or_create(self.state_dir) if model.audit is not None else OFFLINE_HOST.salt,
+        )
+
     def _snapshots(self, model: MeshModel) -> list[Snapshot]:
         """Certificates first (issued or renewed as due), then translate every workload."""
         identity = self._identities(model)
@@ -148,9 +163,14 @@ class ControlPlane:
         self.metrics.certificates.inc(len(issued))
         snapshots = []
         overlay = self.overlay
+        host = self.proxy_host(model)
         for workload in model.workloads:
             resources = translate(
-                model, workload.node_cluster, identity.credentials(workload.identity), overlay
+                model,
+                workload.node_cluster,
+                identity.credentials(workload.identity),
+                overlay,
+                host,
             )
             assert resources is not None
             snapshots.append(
@@ -194,7 +214,7 @@ class ControlPlane:
 
     async def apply_drift(self) -> list[Transition]:
         """Evaluate the drift breaker; when a route trips or recovers, re-translate with the
-        new overlay and push (only the route tables change)."""
+        new overlay and push (only the degrade filter's configuration changes, over ECDS)."""
         transitions = self.drift.evaluate(time.monotonic())
         for transition in transitions:
             self.metrics.drift_transitions.labels(transition.route, transition.to).inc()
@@ -255,6 +275,15 @@ class ControlPlane:
                     "\n".join(f"  {e}" for e in exc.errors),
                 )
                 return ReloadResult(ok=False, errors=exc.errors)
+            except (BuildError, ValueError, OSError) as exc:  # filters, salt: say why, keep going
+                errors = [
+                    PolicyError(str(self.policies), 0, "", f"cannot prepare the proxies: {exc}")
+                ]
+                self.state.errors = errors
+                self.state.failed_at = time.time()
+                self.metrics.reloads.labels("error").inc()
+                log.error("%s; keeping the last good configuration", exc)
+                return ReloadResult(ok=False, errors=errors)
             except Exception:
                 self.metrics.reloads.labels("error").inc()
                 log.exception("reload failed, keeping the last good configuration")

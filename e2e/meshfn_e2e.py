@@ -282,7 +282,7 @@ def wait_for_synced(
         synced = [
             p
             for p in found
-            if len(p["types"]) == 4 and all(t["in_sync"] for t in p["types"].values())
+            if len(p["types"]) >= 4 and all(t["in_sync"] for t in p["types"].values())
         ]
         return synced if len(synced) >= count else None
 

@@ -169,10 +169,12 @@ def topology(procs: Processes, tmp_path: Path) -> Iterator[Topology]:
     yield topo
 
 
-def served(topo: Topology, path: str = "/v2/x") -> dict[str, str] | None:
+def served(
+    topo: Topology, path: str = "/v2/x", headers: dict[str, str] | None = None
+) -> dict[str, str] | None:
     conn = httpc.HTTPConnection("127.0.0.1", topo.ports["listener"], timeout=5)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers=headers or {})
         response = conn.getresponse()
         body = response.read()
     finally:
@@ -279,6 +281,16 @@ def test_a_slow_upstream_trips_the_drift_breaker_and_traffic_returns(topology: T
     metrics = http_get(f"{topology.admin}/metrics")
     assert 'meshfn_drift_transitions_total{route="default/model",to="degraded"} 1.0' in metrics
     assert 'meshfn_drift_transitions_total{route="default/model",to="healthy"} 1.0' in metrics
+
+
+def test_clients_cannot_pick_the_degraded_route(topology: Topology) -> None:
+    """The routing header the degrade filter sets is stripped before Envoy picks a route: a
+    client sending it still reaches the primary (the fallback service never answers)."""
+    lite = endpoint(topology, "lite")
+    spoofed = {"x-meshfn-degrade-route": "default/model"}
+    answers = [served(topology, headers=spoofed) for _ in range(40)]
+    assert all(a is not None for a in answers)
+    assert not [a for a in answers if a and a.get("endpoint") == lite]
 
 
 def http_get(url: str) -> str:

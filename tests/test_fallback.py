@@ -4,6 +4,7 @@ breaker's state machine on a controlled clock."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -236,3 +237,46 @@ def test_small_absolute_drift_is_noise() -> None:
     feed(b, 11, 12, 0.020)
     (trip,) = b.evaluate(12)
     assert trip.to == "degraded"
+
+
+def test_the_degraded_twin_feeds_the_breaker() -> None:
+    """Once tripped, the probe share reaches the primary through the degraded twin route; its
+    samples are what lets the breaker see the primary recover."""
+    b = breaker()
+    b.observe("default/r/0/degraded", "a.default", 0.1, 1.0)
+    b.observe("default/r/0", "a.default", 0.1, 1.0)
+    assert len(b._routes["default/r"].samples) == 2
+
+
+def test_tripping_pushes_only_new_degrade_filter_config() -> None:
+    """The drift breaker drives the degrade filter (ECDS): listeners, routes, clusters and
+    endpoints stay byte-identical, so no listener drains and no route table is rebuilt."""
+    from meshfn.xds.translate import translate
+    from meshfn.xds.translate.resources import EXTENSION
+
+    model = load_policies(Path(__file__).parent / "golden" / "fallback" / "in.yaml")
+    healthy = translate(model, "edge.default")
+    tripped = translate(model, "edge.default", overlay=ir.Overlay(frozenset({"default/generate"})))
+    assert healthy is not None and tripped is not None
+    for type_url in healthy:
+        same = {n: m.SerializeToString() for n, m in healthy[type_url].items()} == {
+            n: m.SerializeToString() for n, m in tripped[type_url].items()
+        }
+        assert same == (type_url != EXTENSION), type_url
+
+    def depth(resources: dict) -> int:  # type: ignore[type-arg]
+        from envoy.extensions.filters.http.wasm.v3 import wasm_pb2
+        from google.protobuf import wrappers_pb2
+
+        (extension,) = resources[EXTENSION].values()
+        plugin = wasm_pb2.Wasm()
+        extension.typed_config.Unpack(plugin)
+        value = wrappers_pb2.StringValue()
+        plugin.config.configuration.Unpack(value)
+        (rule,) = json.loads(value.value)["rules"]
+        assert rule["routes"] == ["default/generate/0"] and rule["fallbacks"] == [
+            "default/generate"
+        ]
+        return int(rule["depth"])
+
+    assert (depth(healthy), depth(tripped)) == (0, 1)

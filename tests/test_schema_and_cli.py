@@ -78,7 +78,13 @@ def test_translate_and_bootstrap(tmp_path: Path) -> None:
     out = run("translate", str(EXAMPLES))
     assert out.returncode == 0
     doc = yaml.safe_load(out.stdout)
-    assert set(doc["edge.ingress"]) == {"listeners", "routes", "clusters", "endpoints"}
+    assert set(doc["edge.ingress"]) == {
+        "listeners",
+        "routes",
+        "clusters",
+        "endpoints",
+        "extension_configs",  # the degrade filter of the drift-guarded routes (ECDS)
+    }
     assert set(doc["models.default:15101"]) == {"listeners", "clusters"}
     unknown = run("translate", str(EXAMPLES), "--workload", "ghost.default")
     assert unknown.returncode == 1 and "no workload 'ghost.default'" in unknown.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,9 +11,11 @@ import yaml
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from .translate.resources import PUSH_ORDER, SECRET, SHORT_NAMES
+from .translate.resources import LISTENER, PUSH_ORDER, SECRET, SHORT_NAMES
 
 REDACTED = "[redacted]"
+# The audit filter's HMAC key travels inside its plugin configuration (a JSON string).
+_SALT = re.compile(r'("subject_salt":\s*")[0-9a-fA-F]+(")')
 
 
 def message_to_plain(message: Message) -> Any:
@@ -26,12 +29,15 @@ def resources_to_plain(
     resources: Mapping[str, Mapping[str, Message]], redact: bool = True
 ) -> dict[str, Any]:
     """{listeners: [...], routes: [...], ...} in make-before-break order, resources by name.
-    Private keys in secrets are replaced by "[redacted]" unless `redact` is False."""
+    Private keys in secrets and the audit subject salt are replaced by "[redacted]" unless
+    `redact` is False."""
     out: dict[str, Any] = {}
     for type_url in reversed(PUSH_ORDER):
         by_name = resources.get(type_url)
         if by_name:
             plain = [message_to_plain(by_name[n]) for n in sorted(by_name)]
+            if redact and type_url == LISTENER:
+                plain = [_redact_salt(listener) for listener in plain]
             if type_url == SECRET and redact:
                 for secret in plain:
                     certificate = secret.get("tlsCertificate")
@@ -39,6 +45,16 @@ def resources_to_plain(
                         certificate["privateKey"] = {"inlineString": REDACTED}
             out[SHORT_NAMES[type_url]] = plain
     return out
+
+
+def _redact_salt(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _redact_salt(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_salt(v) for v in value]
+    if isinstance(value, str) and "subject_salt" in value:
+        return _SALT.sub(rf"\g<1>{REDACTED}\g<2>", value)
+    return value
 
 
 def to_yaml(data: Any) -> str:

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from . import signing
 from .collector import AuditCollector
+from .salt import load as load_salt
 from .store import AuditStore, StoreError
 
 audit_app = typer.Typer(
@@ -130,6 +131,15 @@ def verify(
     raise typer.Exit(0 if report.ok else 1)
 
 
+def _local_salt(store: Path) -> str | None:
+    """`meshfn up` keeps STATE/audit/audit.db and STATE/audit/subject.salt side by side."""
+    try:
+        found = load_salt(store.parent.parent)
+    except (OSError, ValueError) as exc:
+        raise _fail(f"cannot read the subject salt: {exc}") from None
+    return found.hex if found is not None else None
+
+
 @audit_app.command()
 def query(
     store: StoreOpt = DEFAULT_STORE,
@@ -139,10 +149,15 @@ def query(
         str | None, typer.Option(help="subject hash (64 hex digits, as in the records)")
     ] = None,
     subject_raw: Annotated[
-        str | None, typer.Option("--subject-raw", help="raw JWT sub; needs --salt to hash it")
+        str | None,
+        typer.Option("--subject-raw", help="raw JWT sub, hashed with the subject salt"),
     ] = None,
     salt: Annotated[
-        str | None, typer.Option(help="the audit filter's subject_salt (hex), for --subject-raw")
+        str | None,
+        typer.Option(
+            help="the audit filter's subject_salt (hex), for --subject-raw (default: the one"
+            " `meshfn up` keeps next to the store)"
+        ),
     ] = None,
     status: Annotated[str | None, typer.Option(help="status code (503) or class (5xx)")] = None,
     route: Annotated[str | None, typer.Option(help="Envoy route name")] = None,
@@ -153,6 +168,8 @@ def query(
     if subject_raw is not None:
         if subject is not None:
             raise typer.BadParameter("give --subject or --subject-raw, not both")
+        if salt is None:
+            salt = _local_salt(store)
         if salt is None or not re.fullmatch(r"([0-9a-fA-F]{2}){16,64}", salt):
             raise typer.BadParameter("--subject-raw needs --salt with 32-128 hex digits")
         subject = hmac.new(bytes.fromhex(salt), subject_raw.encode(), "sha256").hexdigest()

@@ -79,8 +79,9 @@ class DriftBreaker:
                 state.watched = watched
 
     def observe(self, route_name: str, cluster: str, seconds: float, now: float) -> None:
-        """`route_name` is Envoy's route name ("namespace/name/match-index")."""
-        state = self._routes.get(route_name.rsplit("/", 1)[0])
+        """`route_name` is Envoy's route name ("namespace/name/match-index", with "/degraded"
+        for the twin the degrade filter reroutes to: its probe share measures recovery)."""
+        state = self._routes.get("/".join(route_name.split("/", 2)[:2]))
         if state is None or cluster not in state.watched.primary_clusters:
             return
         state.samples.append((now, seconds))

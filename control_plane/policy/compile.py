@@ -7,7 +7,7 @@ from datetime import timedelta
 from .. import ir
 from . import fallback
 from .errors import PolicyError
-from .model import Function, Gateway, Locality, Mesh, Route, Service
+from .model import Audit, Function, Gateway, Locality, Mesh, Route, Service
 from .references import resolve_gateway, where
 from .security import Security, spiffe_id
 from .validate import Loaded
@@ -221,6 +221,19 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         certificate_ttl=mesh.obj.spec.identity.certificateTTL,
         functions=tuple(sorted(functions, key=lambda f: (f.namespace, f.name))),
         acceleration=mesh.obj.spec.acceleration,
+        audit=_audit(mesh.obj.spec.audit),
+    )
+
+
+def _audit(spec: Audit | None) -> ir.Audit | None:
+    if spec is None:
+        return None
+    return ir.Audit(
+        proxies=spec.proxies,
+        retention_days=spec.retentionDays,
+        tenant_claim=spec.tenantClaim,
+        body_hash=spec.bodyHash.enabled,
+        body_hash_max_bytes=spec.bodyHash.maxBytes,
     )
 
 

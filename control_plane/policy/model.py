@@ -104,6 +104,31 @@ class Identity(Strict):
     certificateTTL: Duration = Field(timedelta(hours=1), description="re-issued at half-life")
 
 
+class BodyHashing(Strict):
+    enabled: bool = Field(False, description="record SHA-256 of request bodies (not streams)")
+    maxBytes: Annotated[int, Field(ge=1, le=1 << 30)] = Field(
+        1 << 20, description="longer bodies are recorded as too large, not hashed"
+    )
+
+
+class Audit(Strict):
+    """The request audit trail: every request a proxy answers becomes one hash-chained record in
+    the control plane's store (subject as a salted HMAC, never the raw token or body)."""
+
+    proxies: Literal["sidecars", "gateways", "all"] = Field(
+        "sidecars",
+        description="which proxies record: sidecars see the mTLS caller, the verified JWT and the"
+        " authorization verdict; gateways see every client request",
+    )
+    retentionDays: Annotated[int, Field(ge=1, le=36500)] = Field(
+        730, description="records older than this are deleted (the rest stays verifiable)"
+    )
+    tenantClaim: Annotated[str, Field(pattern=r"^[!-~]{0,128}$")] = Field(
+        "tenant", description="JWT claim recorded as tenant; empty: none"
+    )
+    bodyHash: BodyHashing = Field(default_factory=BodyHashing)
+
+
 class MeshSpec(Strict):
     trustDomain: TrustDomain
     ports: MeshPorts = Field(default_factory=MeshPorts)
@@ -117,6 +142,7 @@ class MeshSpec(Strict):
         description="eBPF socket redirection between the mesh's own processes (meshfn up): "
         "ebpf requires it, auto uses it where the kernel allows",
     )
+    audit: Audit | None = Field(None, description="request audit trail; absent: off")
 
     @model_validator(mode="after")
     def _ttl(self) -> Self:

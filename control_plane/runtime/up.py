@@ -23,11 +23,13 @@ from rich.table import Table
 from meshfn.ebpf import AccelerationUnavailable
 
 from .. import ir
+from ..audit.store import StoreError
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
 from .admin import AdminServer
+from .audit import AuditTrail
 from .bootstrap import ProxyIdentity
-from .envoy import envoy_process
+from .envoy import EnvoyProcess, envoy_process
 from .process import ProcessFailed, SupervisedProcess
 from .upstreams import FunctionsSetup, UpstreamSpec, upstream_process, upstreams_for
 
@@ -44,6 +46,7 @@ class Mesh:
     concurrency: int = 2
     envoy_log_level: str = "warning"
     preexec: Callable[[], None] | None = None  # e.g. join the eBPF cgroup
+    audit: AuditTrail | None = None
     envoys: dict[str, tuple[ProxyIdentity, SupervisedProcess]] = field(default_factory=dict)
     upstreams: dict[tuple[str, int], tuple[UpstreamSpec, SupervisedProcess]] = field(
         default_factory=dict
@@ -92,12 +95,25 @@ class Mesh:
                 self.envoys[group] = (identity, proc)
                 starts.append(proc.start())
         await _gather_or_raise(starts)
+        if self.audit is not None:
+            reopen = {group: self._reopen(group) for group in self.envoys}
+            await self.audit.reconcile(model, self.cp.proxy_host(model), reopen)
+
+    def _reopen(self, group: str) -> Callable[[], Awaitable[None]]:
+        async def reopen() -> None:  # whichever process serves the group by then
+            _, proc = self.envoys[group]
+            assert isinstance(proc, EnvoyProcess)
+            await proc.reopen_logs()
+
+        return reopen
 
     async def stop(self) -> None:
         procs = [p for _, p in self.envoys.values()] + [p for _, p in self.upstreams.values()]
         self.envoys.clear()
         self.upstreams.clear()
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+        if self.audit is not None:  # after the proxies: it stores the last lines they wrote
+            await self.audit.stop()
 
     def pids(self) -> dict[str, int | None]:
         return {
@@ -203,6 +219,7 @@ async def run_up(
             return 1
         cp.status_providers["acceleration"] = acceleration.document
         cp.metrics.registry.register(AccelerationCollector(acceleration))
+    audit = AuditTrail(state_dir)
     mesh = Mesh(
         cp,
         state_dir,
@@ -210,7 +227,9 @@ async def run_up(
         concurrency,
         envoy_log_level,
         preexec=acceleration.preexec() if acceleration else None,
+        audit=audit,
     )
+    cp.status_providers["audit"] = audit.status
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -228,7 +247,7 @@ async def run_up(
             return 1
         try:
             await mesh.reconcile(model)
-        except (ProcessFailed, OSError) as exc:
+        except (ProcessFailed, OSError, StoreError) as exc:
             console.print(f"[red]could not start the mesh: {exc}[/red]")
             return 1
         cp.on_model(mesh.reconcile)

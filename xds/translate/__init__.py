@@ -8,8 +8,17 @@ from meshfn.control_plane import ir
 
 from .clusters import cluster, fallback_cluster
 from .endpoints import load_assignment, tier_assignments
+from .extensions import (
+    OFFLINE_HOST,
+    Audit,
+    ProxyHost,
+    audit_for,
+    degrade_extension,
+    degrade_filter_name,
+    degrade_settings,
+)
 from .listeners import listener
-from .resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, Resources
+from .resources import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, SECRET, Resources
 from .routes import Target, route_configuration, target_for
 from .security import Credentials, jwks_cluster, jwks_uris, secrets
 from .sidecar import sidecar_resources
@@ -22,6 +31,7 @@ def translate(
     node_cluster: str,
     credentials: Credentials | None = None,
     overlay: ir.Overlay = NO_OVERLAY,
+    host: ProxyHost = OFFLINE_HOST,
 ) -> Resources | None:
     """Everything an Envoy of workload `node_cluster` needs, or None for an unknown workload.
 
@@ -30,22 +40,30 @@ def translate(
     another, or Envoy NACKs a new route table and keeps the old one, the clusters the routes in
     force point at still exist. `credentials` (certificate, key, trust bundle) become the SDS
     secrets; without them the secrets are left out (offline rendering, golden files). `overlay`
-    carries runtime state such as routes the drift breaker has tripped.
+    carries runtime state such as routes the drift breaker has tripped. `host` says where the
+    built wasm filters and audit journals are and holds the subject salt.
     """
     workload = model.workload(node_cluster)
     if workload is None:
         return None
     out: Resources
+    audit = audit_for(model, workload, host)
     if workload.kind == "sidecar":
-        out = sidecar_resources(workload)
+        out = sidecar_resources(workload, audit)
     else:
-        out = _gateway(model, workload, overlay)
+        out = _gateway(model, workload, overlay, host, audit)
     if credentials is not None:
         out[SECRET] = dict(secrets(credentials))
     return out
 
 
-def _gateway(model: ir.MeshModel, workload: ir.Workload, overlay: ir.Overlay) -> Resources:
+def _gateway(
+    model: ir.MeshModel,
+    workload: ir.Workload,
+    overlay: ir.Overlay,
+    host: ProxyHost,
+    audit: Audit | None,
+) -> Resources:
     services = model.services
     proxy = workload.locality
     clusters: dict[str, Message] = {s.cluster_name: cluster(s) for s in services}
@@ -85,16 +103,26 @@ def _gateway(model: ir.MeshModel, workload: ir.Workload, overlay: ir.Overlay) ->
         clusters[jwks.name] = jwks
     listeners: dict[str, Message] = {}
     routes: dict[str, Message] = {}
+    extensions: dict[str, Message] = {}
     for lst in workload.listeners:
         used = sorted({r.service for r in lst.routes})
         drift = any(model.service(key).drift is not None for key in used)
-        listeners[lst.name] = listener(lst, workload.jwt_rules, workload.authz, drift)
-        routes[lst.name] = route_configuration(
-            lst,
-            tuple((key, targets[key]) for key in used),
-            frozenset(r.key for r in lst.routes if r.key in overlay.degraded_routes),
+        guarded = frozenset(r.key for r in lst.routes if targets[r.service].drift)
+        degrade = degrade_filter_name(lst) if guarded else None
+        if degrade is not None:
+            settings = degrade_settings(lst, guarded, overlay.degraded_routes)
+            extensions[degrade] = degrade_extension(degrade, settings, host)
+        listeners[lst.name] = listener(
+            lst, workload.jwt_rules, workload.authz, drift, audit, degrade
         )
-    return {LISTENER: listeners, ROUTE: routes, CLUSTER: clusters, ENDPOINT: endpoints}
+        routes[lst.name] = route_configuration(lst, tuple((key, targets[key]) for key in used))
+    return {
+        LISTENER: listeners,
+        ROUTE: routes,
+        CLUSTER: clusters,
+        ENDPOINT: endpoints,
+        EXTENSION: extensions,
+    }
 
 
-__all__ = ["Credentials", "Resources", "translate"]
+__all__ = ["OFFLINE_HOST", "Credentials", "ProxyHost", "Resources", "translate"]

@@ -17,6 +17,7 @@ from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 from meshfn.control_plane import ir
 
 from .common import CONTROL_PLANE_CLUSTER, ads_source, pack, socket_address
+from .extensions import Audit, degrade_discovery, degrade_mutation
 from .routes import route_config_name
 from .security import jwt_filter, rbac_filters
 
@@ -25,13 +26,22 @@ ROUTER = "envoy.filters.http.router"
 
 
 def http_filters(
-    jwt_rules: tuple[ir.JwtRule, ...], authz: tuple[ir.AuthzPolicy, ...]
+    jwt_rules: tuple[ir.JwtRule, ...],
+    authz: tuple[ir.AuthzPolicy, ...],
+    audit: Audit | None = None,
+    degrade: str | None = None,
 ) -> list[hcm.HttpFilter]:
-    """authn, then authz, then the router: a request is authenticated before it is judged."""
+    """authn, audit, authz, degrade, router: a request is authenticated before it is recorded
+    (the audit filter reads jwt_authn's verified payload) and recorded before it is judged (a
+    denied request carries its subject too); `degrade` names the ECDS-fed degrade filter."""
     filters: list[hcm.HttpFilter] = []
     if jwt_rules:
         filters.append(jwt_filter(jwt_rules))
+    if audit is not None:
+        filters.append(audit.http_filter())
     filters.extend(rbac_filters(authz))
+    if degrade is not None:
+        filters.append(degrade_discovery(degrade))
     filters.append(hcm.HttpFilter(name=ROUTER, typed_config=pack(router_pb2.Router())))
     return filters
 
@@ -91,19 +101,25 @@ def listener(
     jwt_rules: tuple[ir.JwtRule, ...] = (),
     authz: tuple[ir.AuthzPolicy, ...] = (),
     latency_log: bool = False,
+    audit: Audit | None = None,
+    degrade: str | None = None,
 ) -> listener_pb2.Listener:
+    access_logs = [_latency_log()] if latency_log else []
+    if audit is not None:
+        access_logs.append(audit.access_log())
     manager = hcm.HttpConnectionManager(
         stat_prefix=listener.name,
         codec_type=hcm.HttpConnectionManager.AUTO,
         rds=hcm.Rds(config_source=ads_source(), route_config_name=route_config_name(listener)),
-        http_filters=http_filters(jwt_rules, authz),
+        http_filters=http_filters(jwt_rules, authz, audit, degrade),
         # An edge proxy: normalise paths before matching so /a/../b cannot dodge a route.
         normalize_path=wrappers_pb2.BoolValue(value=True),
         merge_slashes=True,
         strip_any_host_port=True,
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         local_reply_config=_no_upstream_reply(),
-        access_log=[_latency_log()] if latency_log else [],
+        access_log=access_logs,
+        early_header_mutation_extensions=[degrade_mutation()] if degrade else [],
     )
     return listener_pb2.Listener(
         name=listener.name,

@@ -14,6 +14,7 @@ from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from meshfn.control_plane import ir
+from meshfn.control_plane.audit.filters import ROUTING_HEADER
 from meshfn.control_plane.ir import cluster_name
 
 from .clusters import fallback_cluster_name
@@ -85,6 +86,7 @@ class Target:
     chain: tuple[str, ...] = ()  # service cluster names, for the 503 body
     probe_percent: int = 0
     locality_failover: bool = False
+    drift: bool = False  # a drift breaker may send it down the chain (see degraded_routes)
 
     @property
     def normal_cluster(self) -> str:
@@ -105,14 +107,15 @@ def target_for(
         chain=tuple(cluster_name(key) for key in service.fallback),
         probe_percent=service.drift.probe_percent if service.drift else 0,
         locality_failover=bool(service.traffic and service.traffic.locality_failover),
+        drift=service.drift is not None and bool(tail),
     )
 
 
 def _action(route: ir.Route, target: Target, degraded: bool) -> rc.RouteAction:
     action = rc.RouteAction()
-    if degraded and target.tail:
-        # Tripped by the drift breaker: most traffic goes down the chain, a probe share keeps
-        # measuring the primary so the breaker can see it recover.
+    if degraded:
+        # Chosen by the degrade filter once the drift breaker trips: most traffic goes down the
+        # chain, a probe share keeps measuring the primary so the breaker can see it recover.
         action.weighted_clusters.CopyFrom(
             rc.WeightedCluster(
                 clusters=[
@@ -181,14 +184,46 @@ def route_config_name(listener: ir.Listener) -> str:
     return listener.name
 
 
+def route_name(route: ir.Route, index: int) -> str:
+    return f"{route.key}/{index}"
+
+
+def degraded_route_name(route: ir.Route, index: int) -> str:
+    return f"{route_name(route, index)}/degraded"
+
+
+def _routes(route: ir.Route, index: int, target: Target) -> list[rc.Route]:
+    """The route, and for a drift-guarded target first its degraded twin: same match plus the
+    internal routing header the degrade filter sets (clients cannot: the listener strips it before
+    routing), so tripping the breaker changes only the filter's config, never this table."""
+    normal = rc.Route(
+        name=route_name(route, index),
+        match=_match(route.matches[index]),
+        route=_action(route, target, degraded=False),
+        metadata=_metadata(target),
+    )
+    if not target.drift:
+        return [normal]
+    degraded = rc.Route(
+        name=degraded_route_name(route, index),
+        match=_match(route.matches[index]),
+        route=_action(route, target, degraded=True),
+        metadata=_metadata(target),
+    )
+    degraded.match.headers.append(
+        rc.HeaderMatcher(
+            name=ROUTING_HEADER, string_match=string_pb2.StringMatcher(exact=route.key)
+        )
+    )
+    return [degraded, normal]
+
+
 @lru_cache(maxsize=4096)
 def route_configuration(
-    listener: ir.Listener,
-    targets: tuple[tuple[str, Target], ...] = (),
-    degraded: frozenset[str] = frozenset(),
+    listener: ir.Listener, targets: tuple[tuple[str, Target], ...] = ()
 ) -> route_pb2.RouteConfiguration:
     """`targets` maps the service keys the routes use to their Target (a tuple so the result
-    can be memoised); `degraded` holds route keys the drift breaker has tripped."""
+    can be memoised)."""
     by_target = dict(targets)
     by_host: dict[str, list[tuple[ir.Route, int]]] = {}
     for route in listener.routes:
@@ -203,17 +238,11 @@ def route_configuration(
                 name=host,
                 domains=[host],
                 routes=[
-                    rc.Route(
-                        name=f"{route.key}/{index}",
-                        match=_match(route.matches[index]),
-                        route=_action(
-                            route,
-                            by_target.get(route.service, Target(route.cluster)),
-                            route.key in degraded,
-                        ),
-                        metadata=_metadata(by_target.get(route.service, Target(route.cluster))),
-                    )
+                    out
                     for route, index in entries
+                    for out in _routes(
+                        route, index, by_target.get(route.service, Target(route.cluster))
+                    )
                 ],
             )
         )

@@ -22,6 +22,7 @@ from meshfn.control_plane import ir
 
 from .clusters import HTTP_PROTOCOL_OPTIONS
 from .common import pack, socket_address
+from .extensions import Audit
 from .listeners import HCM, http_filters
 from .security import client_cert_details, downstream_mtls, jwks_cluster, jwks_uris
 
@@ -34,7 +35,10 @@ def local_cluster_name(inbound: ir.Inbound) -> str:
 
 @lru_cache(maxsize=4096)
 def inbound_listener(
-    inbound: ir.Inbound, jwt_rules: tuple[ir.JwtRule, ...], authz: tuple[ir.AuthzPolicy, ...]
+    inbound: ir.Inbound,
+    jwt_rules: tuple[ir.JwtRule, ...],
+    authz: tuple[ir.AuthzPolicy, ...],
+    audit: Audit | None = None,
 ) -> listener_pb2.Listener:
     route_config = route_pb2.RouteConfiguration(
         name=INBOUND_LISTENER,
@@ -63,7 +67,8 @@ def inbound_listener(
             stat_prefix=f"inbound_{inbound.port}",
             codec_type=hcm.HttpConnectionManager.AUTO,
             route_config=route_config,
-            http_filters=http_filters(jwt_rules, authz),
+            http_filters=http_filters(jwt_rules, authz, audit),
+            access_log=[audit.access_log()] if audit is not None else [],
             **client_cert_details(),
         )
         out = listener_components_pb2.FilterChain(
@@ -126,7 +131,9 @@ def local_cluster(inbound: ir.Inbound) -> cluster_pb2.Cluster:
     return cluster
 
 
-def sidecar_resources(workload: ir.Workload) -> dict[str, dict[str, message.Message]]:
+def sidecar_resources(
+    workload: ir.Workload, audit: Audit | None = None
+) -> dict[str, dict[str, message.Message]]:
     from .resources import CLUSTER, LISTENER
 
     inbound = workload.inbound
@@ -136,6 +143,8 @@ def sidecar_resources(workload: ir.Workload) -> dict[str, dict[str, message.Mess
         cluster = jwks_cluster(uri)
         clusters[cluster.name] = cluster
     return {
-        LISTENER: {INBOUND_LISTENER: inbound_listener(inbound, workload.jwt_rules, workload.authz)},
+        LISTENER: {
+            INBOUND_LISTENER: inbound_listener(inbound, workload.jwt_rules, workload.authz, audit)
+        },
         CLUSTER: clusters,
     }

@@ -1,0 +1,147 @@
+"""meshfn's proxy-wasm filters and the audit journal in a proxy's configuration.
+
+Audit: on the proxies `Mesh.spec.audit` names, the audit filter sits after jwt_authn (it reads the
+verified payload) and before RBAC (so denied requests carry their subject too), and Envoy's file
+access log writes each request as one journal line the control plane's collector stores.
+
+Degrade: on a gateway whose routes have a drift breaker, the degrade filter arrives over ECDS, not
+inside the listener. Tripping or resetting the breaker then pushes only new plugin configuration:
+the listener, its connections and the route table stay as they are (a listener update would drain
+keep-alive connections slowly and leave them on the old configuration meanwhile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.core.v3 import config_source_pb2, extension_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm,
+)
+
+from meshfn.control_plane import ir
+from meshfn.control_plane.audit.collector import journal_path
+from meshfn.control_plane.audit.filters import (
+    AuditSettings,
+    BodyHash,
+    DegradeRule,
+    DegradeSettings,
+    access_log,
+    audit_filter,
+    degrade_filter,
+    early_header_mutation,
+)
+from meshfn.control_plane.audit.salt import SubjectSalt
+
+from .common import ads_source
+from .routes import route_name
+from .security import JWT_PAYLOAD
+
+WASM_FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+
+
+@dataclass(frozen=True)
+class ProxyHost:
+    """What the translator needs about the proxies' host that policies do not say: where the
+    built filters are, where journals go, and the subject salt (a secret; see audit.salt)."""
+
+    wasm_dir: Path
+    state_dir: Path
+    salt: SubjectSalt = field(repr=False)
+
+    def journal(self, node_cluster: str) -> Path:
+        return journal_path(self.state_dir, node_cluster)
+
+
+# For offline rendering and golden files only: the control plane always passes its own host.
+OFFLINE_HOST = ProxyHost(
+    Path("/var/lib/meshfn/wasm"), Path("/var/lib/meshfn"), SubjectSalt("00" * 32)
+)
+
+
+@dataclass(frozen=True)
+class Audit:
+    """The audit pieces of one HTTP connection manager (hashable: listener builders memoise)."""
+
+    settings: AuditSettings
+    journal: Path
+    wasm: Path
+
+    def http_filter(self) -> hcm.HttpFilter:
+        return audit_filter(self.settings, self.wasm)
+
+    def access_log(self) -> accesslog_pb2.AccessLog:
+        return access_log(self.journal)
+
+
+def audit_for(model: ir.MeshModel, workload: ir.Workload, host: ProxyHost) -> Audit | None:
+    audit = model.audit
+    if audit is None or not audit.records(workload.kind):
+        return None
+    return Audit(
+        _audit_settings(audit, host.salt),
+        host.journal(workload.node_cluster),
+        host.wasm_dir / "audit.wasm",
+    )
+
+
+@lru_cache(maxsize=64)
+def _audit_settings(audit: ir.Audit, salt: SubjectSalt) -> AuditSettings:
+    return AuditSettings(
+        subject_salt=salt.hex,
+        salt_id=salt.id,
+        subject_source="jwt_authn",
+        jwt_metadata_key=JWT_PAYLOAD,
+        tenant_claim=audit.tenant_claim,
+        body_hash=BodyHash(enabled=audit.body_hash, max_bytes=audit.body_hash_max_bytes),
+    )
+
+
+def degrade_filter_name(listener: ir.Listener) -> str:
+    """The HTTP filter's name and its ECDS resource name (Envoy pairs them by name)."""
+    return f"meshfn.degrade.{listener.name}"
+
+
+def degrade_discovery(name: str) -> hcm.HttpFilter:
+    """The filter slot: Envoy fetches its configuration over ADS and, while it has none, keeps
+    the listener warming (never serves without it)."""
+    return hcm.HttpFilter(
+        name=name,
+        config_discovery=config_source_pb2.ExtensionConfigSource(
+            config_source=ads_source(), type_urls=[WASM_FILTER_TYPE]
+        ),
+    )
+
+
+def degrade_mutation() -> extension_pb2.TypedExtensionConfig:
+    """Strips the routing header from client requests before Envoy picks a route."""
+    return early_header_mutation(DegradeSettings(rules=[]))
+
+
+def degrade_settings(
+    listener: ir.Listener, drift_routes: frozenset[str], degraded: frozenset[str]
+) -> DegradeSettings:
+    """One rule per drift-guarded route: depth 1 (reroute to the route's degraded twin) once the
+    breaker has tripped it, else 0 (pass through)."""
+    rules = [
+        DegradeRule(
+            name=route.key,
+            routes=[route_name(route, i) for i in range(len(route.matches))],
+            mode="reroute",
+            fallbacks=[route.key],
+            depth=1 if route.key in degraded else 0,
+        )
+        for route in listener.routes
+        if route.key in drift_routes
+    ]
+    return DegradeSettings(rules=rules)
+
+
+def degrade_extension(
+    name: str, settings: DegradeSettings, host: ProxyHost
+) -> extension_pb2.TypedExtensionConfig:
+    built = degrade_filter(settings, host.wasm_dir / "degrade.wasm")
+    return extension_pb2.TypedExtensionConfig(name=name, typed_config=built.typed_config)

@@ -81,8 +81,9 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
     journal = tmp_path / "journal" / "edge.jsonl"
     journal.parent.mkdir()
     store_path = tmp_path / "audit" / "audit.db"
+    settings = AuditSettings(subject_salt="11" * 16, subject_source="header")
     filters = [
-        es.to_dict(audit_filter(AuditSettings(subject_salt="11" * 16, subject_source="header"))),
+        es.to_dict(audit_filter(settings)),
         es.to_dict(
             degrade_filter(
                 DegradeSettings(
@@ -92,7 +93,10 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
         ),
     ]
     listener = es.listener(
-        port, filters, [es.route("load", "backend")], access_logs=[es.to_dict(access_log(journal))]
+        port,
+        filters,
+        [es.route("load", "backend")],
+        access_logs=[es.to_dict(access_log(journal, settings))],
     )
     config = tmp_path / "envoy.json"
     config.write_text(json.dumps(es.bootstrap(admin, {"backend": upstream}, listener)))

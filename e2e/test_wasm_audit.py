@@ -96,7 +96,7 @@ class Rig:
             conn.close()
 
 
-@pytest.mark.parametrize("rig", ["jwt_headers", "meshfn"], indirect=True)
+@pytest.mark.parametrize("rig", ["jwt_headers", "meshfn", "bare"], indirect=True)
 async def test_claim_headers_cannot_be_spoofed(rig: Rig) -> None:
     """jwt_headers mode: claim headers a client sends itself are removed before any filter runs
     (early header mutation); only jwt_authn, after verifying a token, can set them."""
@@ -127,7 +127,8 @@ async def rig(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[R
     """Param: the audit filter's subject source (jwt_authn metadata by default)."""
     param = getattr(request, "param", "jwt_authn")
     combined = param == "meshfn"  # the combined filter, audit part in jwt_headers mode
-    source = "jwt_headers" if combined else param
+    bare = param == "bare"  # jwt_headers mode without body hashing: bare filter state
+    source = "jwt_headers" if combined or bare else param
     procs = Processes(tmp_path)
     port, admin, upstream = free_ports(3)
     certs = es.make_certs(tmp_path / "certs", {"alice": ALICE})
@@ -138,7 +139,7 @@ async def rig(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[R
         subject_salt=SALT,
         salt_id="k1",
         subject_source=source,
-        body_hash=BodyHash(enabled=True, max_bytes=4096),
+        body_hash=BodyHash(enabled=not bare, max_bytes=4096),
     )
     claims = [to_dict(c) for c in jwt_claim_headers(settings)] if source == "jwt_headers" else None
     degrade = DegradeSettings(rules=[]) if combined else None
@@ -150,7 +151,7 @@ async def rig(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[R
         port,
         filters,
         [es.route("models", "backend")],
-        access_logs=[es.to_dict(access_log(journal))],
+        access_logs=[es.to_dict(access_log(journal, settings))],
         tls=certs,
         early=early,
     )
@@ -332,3 +333,57 @@ async def test_journal_rotation_with_envoy_reopen_logs(rig: Rig) -> None:
     paths = sorted(r["path"] for r in rig.store.query(limit=None))
     assert paths == sorted(f"/r/{i}" for i in range(90))
     assert not old.exists() and rig.journal.exists()
+
+
+def raw_token(jwt: Any, payload: bytes) -> str:
+    """A validly signed RS256 token whose payload is exactly `payload` (bytes the JSON encoder
+    would never produce)."""
+    header = es._b64(json.dumps({"alg": "RS256", "typ": "JWT", "kid": "k1"}).encode())
+    signing_input = f"{header}.{es._b64(payload)}".encode()
+    signature = jwt.key.sign(signing_input, es.padding.PKCS1v15(), es.hashes.SHA256())
+    return f"{header}.{es._b64(payload)}.{es._b64(signature)}"
+
+
+HOSTILE_TENANTS = [
+    b'"t-\\ud800-x"',  # a lone surrogate: valid JSON, not valid UTF-8 once decoded
+    b'"t-\xff\xfe-x"',  # invalid UTF-8 bytes in the payload itself
+    b'"' + "\u00e9".encode() * 100 + b'"',  # 200 bytes: the 128-byte cap cuts no character
+    b'"' + b"a" + "\u00e9".encode() * 100 + b'"',  # ... and here it would cut one in half
+    b'"q\\"\\\\\\n\\u0001"',  # quote, backslash, control characters
+    b"42",  # not a string
+]
+
+
+@pytest.mark.parametrize("rig", ["bare"], indirect=True)
+async def test_hostile_tenants_in_the_access_log(rig: Rig) -> None:
+    """Bare filter state: Envoy writes the tenant from jwt_authn's verified payload. Whatever
+    the claim holds, every request makes exactly one record that parses (no unparsed line, no
+    error) with the right subject."""
+    subject = hmac.new(bytes.fromhex(SALT), b"eve", "sha256").hexdigest()
+    statuses = []
+    for tenant in HOSTILE_TENANTS:
+        payload = b'{"iss":"%s","exp":4000000000,"sub":"eve","tenant":%s}' % (
+            rig.jwt.issuer.encode(),
+            tenant,
+        )
+        headers = {"authorization": f"Bearer {raw_token(rig.jwt, payload)}"}
+        statuses.append((await asyncio.to_thread(rig.request, "/jwt/t", "GET", headers))[0])
+    # jwt_authn refuses payloads that are not valid UTF-8 (a lone surrogate included): 401,
+    # recorded, not audited; a newline in a claim is no problem (no claim header carries it)
+    assert statuses == [401, 401, 200, 200, 200, 200]
+    got = await records(rig, len(HOSTILE_TENANTS))
+    assert len(got) == len(HOSTILE_TENANTS)
+    assert all("error" not in r and "raw" not in r for r in got), got
+    assert all(not r["audited"] and r["tenant"] is None for r in got[:2])
+    ok = got[2:]
+    assert all(r["audited"] and r["subject"] == subject and r["salt_id"] == "k1" for r in ok)
+    # not cut by Envoy (a byte cap through a character garbles the whole value in its JSON
+    # writer): the record caps at 128 characters and says so
+    assert [r["tenant"] for r in ok] == ["\u00e9" * 100, "a" + "\u00e9" * 100, 'q"\\\n\x01', "42"]
+    assert all("truncated" not in r for r in ok)
+    long = {"sub": "eve", "tenant": "\u00e9" * 300}
+    auth = {"authorization": f"Bearer {rig.jwt.token(long)}"}
+    assert (await asyncio.to_thread(rig.request, "/jwt/t", "GET", auth))[0] == 200
+    last = (await records(rig, len(HOSTILE_TENANTS) + 1))[-1]
+    assert last["tenant"] == "\u00e9" * 128 and last["truncated"] == ["tenant"]
+    assert rig.store.verify().ok

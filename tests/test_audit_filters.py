@@ -132,7 +132,10 @@ def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
             es.to_dict(filters.meshfn_filter(AUDITS[0], degrade)),
         ],
         [es.route("r", "backend")],
-        access_logs=[es.to_dict(filters.access_log(tmp_path / "journal.jsonl"))],
+        access_logs=[
+            es.to_dict(filters.access_log(tmp_path / f"journal-{i}.jsonl", settings))
+            for i, settings in enumerate(AUDITS)
+        ],
         early=[es.to_dict(filters.early_header_mutation(degrade, AUDITS[1]))],
     )
     config = tmp_path / "envoy.json"
@@ -158,11 +161,49 @@ def test_filter_entries_are_fail_closed_wasm_filters() -> None:
     assert config["vm_config"]["code"]["local"]["filename"].endswith("/audit.wasm")
     assert json.loads(config["configuration"]["value"])["subject_salt"] == "00" * 16
     log = json_format.MessageToDict(
-        filters.access_log(Path("/j")), preserving_proto_field_name=True
+        filters.access_log(Path("/j"), AUDITS[0]), preserving_proto_field_name=True
     )
     assert (
         log["typed_config"]["log_format"]["json_format"]["audit"]
         == "%FILTER_STATE(wasm.meshfn_audit:PLAIN)%"
+    )
+
+
+def test_access_log_writes_what_a_bare_filter_state_leaves_out() -> None:
+    """jwt_headers mode without body hashing: the filter publishes only the subject; the access
+    log adds the record version, salt_id, subject_source and the verified tenant."""
+    for settings in (AUDITS[0], AUDITS[2]):
+        assert not filters.bare_filter_state(settings)
+        assert filters.access_log_format(settings) == filters.ACCESS_LOG_FORMAT
+    bare = AuditSettings(
+        subject_salt="12" * 20, subject_source="jwt_headers", salt_id="k%1", tenant_claim="org"
+    )
+    assert filters.bare_filter_state(bare) and filters.bare_filter_state(AUDITS[1])
+    fields = filters.access_log_format(bare)
+    assert {k: v for k, v in fields.items() if k not in filters.ACCESS_LOG_FORMAT} == {
+        "audit_v": "1",
+        "salt_id": "k%%1",  # a literal % in an Envoy format string
+        "subject_source": "jwt_headers",
+        "tenant": "%DYNAMIC_METADATA(envoy.filters.http.jwt_authn:jwt_payload:org)%",
+    }
+    no_tenant = bare.model_copy(update={"tenant_claim": ""})
+    assert "tenant" not in filters.access_log_format(no_tenant)
+    hashing = bare.model_copy(update={"body_hash": BodyHash(enabled=True)})
+    assert filters.access_log_format(hashing) == filters.ACCESS_LOG_FORMAT
+
+
+@pytest.mark.parametrize("field", ["tenant_claim", "jwt_metadata_key"])
+@pytest.mark.parametrize("value", ["a:b", "a)b", "a(b", "a%b"])
+def test_bare_state_needs_metadata_path_safe_names(field: str, value: str) -> None:
+    with pytest.raises(ValidationError, match="dynamic metadata"):
+        AuditSettings(subject_salt="12" * 20, subject_source="jwt_headers", **{field: value})
+    # fine where the filter publishes the tenant itself
+    AuditSettings(subject_salt="12" * 20, subject_source="header", **{field: value})
+    AuditSettings(
+        subject_salt="12" * 20,
+        subject_source="jwt_headers",
+        body_hash=BodyHash(enabled=True),
+        **{field: value},
     )
 
 
@@ -203,7 +244,11 @@ def test_internal_headers_and_claim_headers() -> None:
     assert filters.internal_headers(None, AUDITS[0]) == []
     with pytest.raises(ValueError, match="needs degrade settings"):
         filters.early_header_mutation(None, AUDITS[0])
-    claims = [(c.header_name, c.claim_name) for c in filters.jwt_claim_headers(fast)]
+    hashing = fast.model_copy(update={"body_hash": BodyHash(enabled=True)})
+    claims = [(c.header_name, c.claim_name) for c in filters.jwt_claim_headers(hashing)]
     assert claims == [("x-meshfn-jwt-sub", "sub"), ("x-meshfn-jwt-tenant", "tenant")]
+    # bare filter state: the access log takes the tenant from jwt_authn's metadata instead
+    claims = [(c.header_name, c.claim_name) for c in filters.jwt_claim_headers(fast)]
+    assert claims == [("x-meshfn-jwt-sub", "sub")]
     no_tenant = AuditSettings(subject_salt="00" * 16, subject_source="jwt_headers", tenant_claim="")
     assert len(filters.jwt_claim_headers(no_tenant)) == 1

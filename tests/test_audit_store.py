@@ -339,6 +339,52 @@ def test_record_from_access_log_line() -> None:
     assert r["truncated"] == ["path"]
 
 
+BARE_FIELDS = {"audit_v": "1", "salt_id": "k1", "subject_source": "jwt_headers"}
+
+
+def test_bare_filter_state_with_its_access_log_fields() -> None:
+    """jwt_headers mode without body hashing: the filter state is the subject (or null) and
+    Envoy writes the other audit fields next to it (filters.access_log_format)."""
+    entry = {"status": 200, "audit": "AB" * 32, "tenant": "acme", **BARE_FIELDS}
+    r = from_log_line(json.dumps(entry).encode(), "n")
+    assert r["audited"] and r["subject"] == "ab" * 32 and r["tenant"] == "acme"
+    assert r["salt_id"] == "k1" and r["subject_source"] == "jwt_headers"
+    assert r["body"] == "off" and r["body_sha256"] is None and "error" not in r
+    r = from_log_line(json.dumps({**entry, "audit": "null", "tenant": None}).encode(), "n")
+    assert r["audited"] and r["subject"] is None and r["tenant"] is None
+    assert r["salt_id"] == "k1" and "error" not in r
+    # an all-digit subject is still a subject, not a JSON number
+    r = from_log_line(json.dumps({**entry, "audit": "1" * 64}).encode(), "n")
+    assert r["subject"] == "1" * 64
+    # tenant: capped and flagged like the filter's; a non-string claim as compact JSON
+    r = from_log_line(json.dumps({**entry, "tenant": "t" * 300}).encode(), "n")
+    assert r["tenant"] == "t" * 128 and r["truncated"] == ["tenant"]
+    r = from_log_line(json.dumps({**entry, "tenant": {"a": [1]}}).encode(), "n")
+    assert r["tenant"] == '{"a":[1]}'
+    canonical(r)
+
+
+def test_not_audited_lines_ignore_the_bare_fields() -> None:
+    """A request the filter never saw (jwt_authn or the codec answered first) has no filter
+    state: the constant fields Envoy logs anyway do not make it look audited."""
+    r = from_log_line(json.dumps({"status": 401, "audit": None, **BARE_FIELDS}).encode(), "n")
+    assert not r["audited"] and r["salt_id"] is None and r["subject_source"] is None
+    assert "error" not in r
+
+
+@pytest.mark.parametrize("state", ["ab" * 31, "zz" * 32, "ab" * 33, "Null", '"' + "ab" * 32 + '"'])
+def test_bad_bare_filter_state_is_flagged(state: str) -> None:
+    r = from_log_line(json.dumps({"status": 200, "audit": state, **BARE_FIELDS}).encode(), "n")
+    assert r["error"] and not r["audited"] and r["subject"] is None
+
+
+@pytest.mark.parametrize("fields", [{}, {"audit_v": "2"}, {"audit_v": 1}])
+def test_bare_filter_state_without_its_fields_is_flagged(fields: dict[str, Any]) -> None:
+    r = from_log_line(json.dumps({"status": 200, "audit": "ab" * 32, **fields}).encode(), "n")
+    assert r["error"] == "audit filter state without its access log fields"
+    assert not r["audited"] and r["subject"] is None
+
+
 @pytest.mark.parametrize(
     "line", [b"", b"{", b"[1]", b"\xff\xfe", b'"str"', b"{" * 10000, b"[" * 100000]
 )

@@ -193,17 +193,74 @@ def test_subject_from_jwt_authn_metadata(host: Any) -> None:
 
 
 def test_subject_from_jwt_claim_headers(host: Any) -> None:
+    """jwt_headers mode with body hashing: the full filter-state object, tenant included."""
+    hashing = {"body_hash": {"enabled": True}}
     state = run(
         host,
-        config(subject_source="jwt_headers", sub_header="x-sub", tenant_header="x-ten"),
+        config(subject_source="jwt_headers", sub_header="x-sub", tenant_header="x-ten", **hashing),
         [(b"x-sub", b"carol"), (b"X-Ten", b"t3"), (b"authorization", token({"sub": "mallory"}))],
     )
     assert state["subject"] == hmac.new(SALT, b"carol", "sha256").hexdigest()
     assert state["tenant"] == "t3" and state["subject_source"] == "jwt_headers"
-    state = run(host, config(subject_source="jwt_headers"), [(b"x-meshfn-jwt-tenant", b"t")])
+    assert state["body"] == "empty" and state["body_sha256"] is None
+    cfg = config(subject_source="jwt_headers", **hashing)
+    state = run(host, cfg, [(b"x-meshfn-jwt-tenant", b"t")])
     assert state["subject"] is None and state["tenant"] is None  # no sub: no tenant either
-    state = run(host, config(subject_source="jwt_headers"), [(b"x-meshfn-jwt-sub", b"")])
+    state = run(host, cfg, [(b"x-meshfn-jwt-sub", b"")])
     assert state["subject"] is None
+    # hostile tenant header values stay valid JSON (invalid UTF-8 replaced, capped at 128 bytes)
+    state = run(host, cfg, [(b"x-meshfn-jwt-sub", b"s"), (b"x-meshfn-jwt-tenant", b'\xff"' * 99)])
+    assert state["tenant"] == '\ufffd"' * 64
+
+
+def run_raw(host: Any, cfg: bytes, headers: list[tuple[bytes, bytes]], **kw: Any) -> bytes | None:
+    root, ok = host.configure(cfg)
+    assert ok, host.logs()
+    ctx = host.stream(root)
+    assert host.request_headers(ctx, headers, eos=kw.get("eos", True)) == fakehost.CONTINUE
+    for chunk, eos in kw.get("body", []):
+        assert host.request_body(ctx, chunk, eos) == fakehost.CONTINUE
+    raw: bytes | None = host.state(STATE)
+    host.delete(ctx)
+    host.delete(root)
+    return raw
+
+
+def test_bare_filter_state_is_the_subject_alone(host: Any) -> None:
+    """jwt_headers mode without body hashing: the filter state is the subject's 64 hex digits
+    (the access log writes salt_id, subject_source and the tenant next to it)."""
+    cfg = config(subject_source="jwt_headers", sub_header="x-sub", tenant_claim="org")
+    headers = [(b"x-sub", b"carol"), (b"x-meshfn-jwt-tenant", b"t3"), (b"authorization", b"x")]
+    raw = run_raw(host, cfg, headers)
+    assert raw == hmac.new(SALT, b"carol", "sha256").hexdigest().encode()
+    assert b"t3" not in raw and b"carol" not in raw
+    # hostile subjects: still exactly 64 lowercase hex digits
+    for sub in (b'\xff\xfe"{', b"s" * 100_000, b"null"):
+        raw = run_raw(host, cfg, [(b"x-sub", sub)])
+        assert raw == hmac.new(SALT, sub, "sha256").hexdigest().encode()
+
+
+@pytest.mark.parametrize("headers", [[], [(b"x-meshfn-jwt-sub", b"")], [(b"x-other", b"a")]])
+def test_bare_filter_state_without_subject_is_null(host: Any, headers: Any) -> None:
+    """No subject: the state is still set (`null`), so the record shows the filter ran."""
+    cfg = config(subject_source="jwt_headers", body_hash={"enabled": False})
+    assert run_raw(host, cfg, [*headers, (b"x-meshfn-jwt-tenant", b"t")]) == b"null"
+
+
+def test_bare_filter_state_only_in_jwt_headers_mode_without_body_hashing(host: Any) -> None:
+    for cfg in (config(), config(subject_source="jwt_authn"), config(tenant_claim="")):
+        state = json.loads(run_raw(host, cfg, []) or b"")
+        assert state["subject"] is None and state["body"] == "off"
+    cfg = config(subject_source="jwt_headers", body_hash={"enabled": True, "max_bytes": 8})
+    headers = [
+        (b"x-meshfn-jwt-sub", b"dave"),
+        (b"x-meshfn-jwt-tenant", b"t"),
+        (b"content-length", b"3"),
+    ]
+    state = json.loads(run_raw(host, cfg, headers, eos=False, body=[(b"abc", True)]) or b"")
+    assert state["subject"] == hmac.new(SALT, b"dave", "sha256").hexdigest()
+    assert state["tenant"] == "t" and state["body"] == "hashed"
+    assert state["body_sha256"] == hashlib.sha256(b"abc").hexdigest()
 
 
 def test_jwt_authn_mode_without_metadata_has_no_subject(host: Any) -> None:

@@ -97,6 +97,31 @@ class AuditSettings(_Strict):
     )
     body_hash: BodyHash = Field(BodyHash(), description="request body hashing (off by default)")
 
+    @model_validator(mode="after")
+    def _loggable(self) -> AuditSettings:
+        if bare_filter_state(self):
+            for name in ("jwt_metadata_key", "tenant_claim"):
+                if any(c in getattr(self, name) for c in _METADATA_PATH_SPECIALS):
+                    raise ValueError(
+                        f"{name} may not contain any of {_METADATA_PATH_SPECIALS!r} in"
+                        " jwt_headers mode without body hashing (the access log reads the"
+                        " tenant from jwt_authn's dynamic metadata by that path)"
+                    )
+        return self
+
+
+# Characters that would break a %DYNAMIC_METADATA(namespace:key:claim)% command.
+_METADATA_PATH_SPECIALS = ":()%"
+
+
+def bare_filter_state(settings: AuditSettings) -> bool:
+    """jwt_headers mode without body hashing: the filter state is the subject alone (64 hex
+    digits, or `null` when the request has none) and `access_log(..., settings)` writes the
+    rest: salt_id and subject_source as constants, the tenant from jwt_authn's verified payload
+    in dynamic metadata (`jwt_metadata_key`). Saves the filter a header read and most of the
+    filter state it builds. Any other configuration publishes one JSON object."""
+    return settings.subject_source == "jwt_headers" and not settings.body_hash.enabled
+
 
 class DegradeRule(_Strict):
     """Applies to a request whose route name is in `routes` or whose cluster is in `clusters`
@@ -309,7 +334,8 @@ def early_header_mutation(
 def jwt_claim_headers(settings: AuditSettings) -> list[jwt_authn_pb2.JwtClaimToHeader]:
     """`claim_to_headers` entries for every jwt_authn provider, in jwt_headers mode."""
     entries = [jwt_authn_pb2.JwtClaimToHeader(header_name=settings.sub_header, claim_name="sub")]
-    if settings.tenant_claim:
+    # a bare filter state leaves the tenant to the access log (jwt_authn's metadata)
+    if settings.tenant_claim and not bare_filter_state(settings):
         entries.append(
             jwt_authn_pb2.JwtClaimToHeader(
                 header_name=settings.tenant_header, claim_name=settings.tenant_claim
@@ -318,7 +344,8 @@ def jwt_claim_headers(settings: AuditSettings) -> list[jwt_authn_pb2.JwtClaimToH
     return entries
 
 
-# One JSON object per line; `record.from_log_line` reads exactly these keys.
+# One JSON object per line; `record.from_log_line` reads exactly these keys (plus those of
+# `access_log_format(settings)` for a bare filter state).
 ACCESS_LOG_FORMAT: dict[str, str] = {
     "id": "%REQ(X-REQUEST-ID)%",
     "time": "%START_TIME(%Y-%m-%dT%H:%M:%S.%6fZ)%",
@@ -338,12 +365,41 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
 }
 
 
-def access_log(journal: Path) -> accesslog_pb2.AccessLog:
+AUDIT_STATE_VERSION = "1"
+
+
+def _literal(text: str) -> str:
+    """`text` verbatim in an Envoy format string."""
+    return text.replace("%", "%%")
+
+
+def access_log_format(settings: AuditSettings) -> dict[str, str]:
+    """ACCESS_LOG_FORMAT, and for a bare filter state (`bare_filter_state`) what the filter no
+    longer publishes: the audit record version, salt_id and subject_source (constants of this
+    configuration) and the tenant from jwt_authn's verified payload. The tenant is not capped
+    here: Envoy cuts bytes, and a cut through a UTF-8 character makes its JSON writer escape the
+    whole value byte by byte; record.from_log_line caps it at 128 characters (flagged
+    `truncated`). It uses these fields only when the filter state is present."""
+    fields = dict(ACCESS_LOG_FORMAT)
+    if bare_filter_state(settings):
+        fields["audit_v"] = AUDIT_STATE_VERSION
+        fields["salt_id"] = _literal(settings.salt_id)
+        fields["subject_source"] = settings.subject_source
+        if settings.tenant_claim:
+            fields["tenant"] = (
+                "%DYNAMIC_METADATA(envoy.filters.http.jwt_authn:"
+                f"{settings.jwt_metadata_key}:{settings.tenant_claim})%"
+            )
+    return fields
+
+
+def access_log(journal: Path, settings: AuditSettings) -> accesslog_pb2.AccessLog:
     """The HttpConnectionManager access-log entry the collector reads (Envoy's file logger:
-    written by Envoy whether or not the collector runs, hence loss-free). Start Envoy with
-    `--file-flush-interval-msec 200` or so: the default (10 s) only delays records."""
+    written by Envoy whether or not the collector runs, hence loss-free), for the audit filter
+    configured with `settings`. Start Envoy with `--file-flush-interval-msec 200` or so: the
+    default (10 s) only delays records."""
     fields = struct_pb2.Struct()
-    fields.update(ACCESS_LOG_FORMAT)
+    fields.update(access_log_format(settings))
     logger = file_pb2.FileAccessLog(
         path=str(journal),
         log_format=substitution_format_string_pb2.SubstitutionFormatString(json_format=fields),

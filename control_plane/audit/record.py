@@ -1,7 +1,10 @@
 """Audit records: from one Envoy access-log line to the canonical form the hash chain covers.
 
 The access log (see `filters.access_log`) writes one JSON object per request: Envoy's own fields
-plus the audit filter's filter-state object (`wasm.meshfn_audit`) as a nested JSON string. A line
+plus the audit filter's filter state (`wasm.meshfn_audit`) as a string. That state has two shapes:
+a JSON object with every audit field, or (jwt_headers mode without body hashing,
+`filters.bare_filter_state`) just the subject as 64 hex digits or `null`, with salt_id,
+subject_source, the record version (`audit_v`) and the tenant written by Envoy next to it. A line
 that does not parse is kept as an `unparsed` record, never dropped: losing a line silently would
 defeat the point of the trail.
 """
@@ -139,11 +142,19 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         record["duration_us"] = ms * 1000
     raw_state = entry.get("audit")
     if isinstance(raw_state, str) and raw_state not in ("", "-"):
-        try:
-            state = json.loads(raw_state)
-        except (ValueError, RecursionError):
-            state = None
-            record["error"] = "audit filter state is not JSON"
+        state: Any = None
+        if raw_state == "null" or _hex(raw_state, 64):
+            state = _bare_state(raw_state, entry)
+            if state is None:
+                record["error"] = "audit filter state without its access log fields"
+        else:
+            try:
+                state = json.loads(raw_state)
+            except (ValueError, RecursionError):
+                record["error"] = "audit filter state is not JSON"
+            else:
+                if not isinstance(state, dict):
+                    record["error"] = "audit filter state is not a JSON object"
         if isinstance(state, dict):
             record["audited"] = True
             record["subject"] = _hex(state.get("subject"), 64)
@@ -155,6 +166,24 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
     if cut:
         record["truncated"] = sorted(set(cut))
     return record
+
+
+def _bare_state(subject: str, entry: dict[str, Any]) -> dict[str, Any] | None:
+    """The bare filter state (a subject or `null`) with what the access log wrote next to it, in
+    the shape of the full filter-state object; None if those fields are missing."""
+    if entry.get("audit_v") != "1":
+        return None
+    tenant = entry.get("tenant")
+    if tenant is not None and not isinstance(tenant, str):  # a claim that is not a string
+        tenant = json.dumps(tenant, separators=(",", ":"), ensure_ascii=False)
+    return {
+        "subject": None if subject == "null" else subject,
+        "salt_id": entry.get("salt_id"),
+        "subject_source": entry.get("subject_source"),
+        "tenant": tenant,
+        "body": "off",
+        "body_sha256": None,
+    }
 
 
 def unparsed(line: bytes, source: str, error: str) -> dict[str, Any]:

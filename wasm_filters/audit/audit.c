@@ -39,6 +39,7 @@ struct root {
   char *tenant_claim;  /* "" = none */
   char *sub_header, *tenant_header; /* jwt_headers mode */
   int body_hash;
+  int bare; /* jwt_headers mode without body hashing: the filter state is the subject alone */
   uint64_t body_max;
   uint32_t m_hashed, m_body_skipped, m_emit_failed, m_bad_token;
 };
@@ -180,6 +181,10 @@ int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
       return set_err(err, es, "body_hash.max_bytes", "must be an integer in 1..1073741824"), 0;
     if (m) r->body_max = (uint64_t)m->num;
   }
+  /* Everything else a record needs is constant per configuration (salt_id, subject_source) or
+   * logged by Envoy itself (the tenant, from jwt_authn's verified payload in dynamic metadata):
+   * filters.access_log(settings) writes those next to the filter state. */
+  r->bare = r->source == SRC_JWT_HEADERS && !r->body_hash;
   if (!r->salt_id || !r->metadata_key || !r->token_header || !r->tenant_claim || !r->sub_header ||
       !r->tenant_header)
     return set_err(err, es, "configuration", "out of memory"), 0;
@@ -337,15 +342,40 @@ static void claims_from_headers(http_t *h) {
   if (!get_header(MAP_REQUEST_HEADERS, h->root->sub_header, &v)) return;
   if (v.n) take_subject(h, v);
   mf_free((void *)v.p);
+  if (h->root->bare) return; /* the access log records the tenant */
   if (h->root->tenant_claim[0] && get_header(MAP_REQUEST_HEADERS, h->root->tenant_header, &v)) {
     take_tenant(h, v);
     mf_free((void *)v.p);
   }
 }
 
-/* ---- the filter state object */
+/* ---- the filter state */
 
+static void set_state(http_t *h, const char *p, size_t n) {
+  if (proxy_set_property(PROPERTY, sizeof PROPERTY - 1, p, n) != WR_OK) {
+    counter_inc(h->root->m_emit_failed);
+    log_msg(LOG_ERROR, FILTER_LOG_PREFIX, "could not set filter state wasm." PROPERTY, 37);
+  }
+}
+
+/* Bare shape (jwt_headers mode, body hashing off): the 64 hex digits of the subject, or `null`
+ * when the request has none (still set: the record says the filter ran). Full shape: one JSON
+ * object with every field. record.from_log_line reads both. */
 static void emit(http_t *h) {
+  if (h->root->bare) {
+    static const char digits[] = "0123456789abcdef";
+    char hex[64];
+    if (!h->have_subject) {
+      set_state(h, "null", 4);
+      return;
+    }
+    for (int i = 0; i < 32; i++) {
+      hex[2 * i] = digits[h->subject[i] >> 4];
+      hex[2 * i + 1] = digits[h->subject[i] & 15];
+    }
+    set_state(h, hex, sizeof hex);
+    return;
+  }
   sb_t b;
   sb_init(&b, 384);
   sb_lit(&b, "{\"v\":1,\"subject\":");
@@ -376,9 +406,11 @@ static void emit(http_t *h) {
     sb_lit(&b, "null");
   }
   sb_ch(&b, '}');
-  if (b.oom || proxy_set_property(PROPERTY, sizeof PROPERTY - 1, b.p, b.len) != WR_OK) {
+  if (b.oom) {
     counter_inc(h->root->m_emit_failed);
     log_msg(LOG_ERROR, FILTER_LOG_PREFIX, "could not set filter state wasm." PROPERTY, 37);
+  } else {
+    set_state(h, b.p, b.len);
   }
   sb_free(&b);
 }

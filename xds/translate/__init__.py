@@ -16,6 +16,7 @@ from .extensions import (
     degrade_extension,
     degrade_filter_name,
     degrade_settings,
+    strip_internal_headers,
 )
 from .listeners import listener
 from .resources import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, SECRET, Resources
@@ -115,7 +116,9 @@ def _gateway(
         listeners[lst.name] = listener(
             lst, workload.jwt_rules, workload.authz, drift, audit, degrade
         )
-        routes[lst.name] = route_configuration(lst, tuple((key, targets[key]) for key in used))
+        routes[lst.name] = strip_internal_headers(
+            route_configuration(lst, tuple((key, targets[key]) for key in used)), audit
+        )
     return {
         LISTENER: listeners,
         ROUTE: routes,

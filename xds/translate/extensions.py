@@ -2,7 +2,13 @@
 
 Audit: on the proxies `Mesh.spec.audit` names, the audit filter sits after jwt_authn (it reads the
 verified payload) and before RBAC (so denied requests carry their subject too), and Envoy's file
-access log writes each request as one journal line the control plane's collector stores.
+access log writes each request as one journal line the control plane's collector stores. On a
+proxy with jwt rules the filter reads the verified claims from headers jwt_authn writes
+(subject_source jwt_headers, the cheapest mode): every provider gets the claim_to_headers entries,
+the HTTP connection manager removes those headers from client requests before any filter runs
+(early header mutation) and the route configuration removes them before the request goes
+upstream, so only jwt_authn can set them and the backend never sees the raw subject. Proxies
+without jwt rules keep jwt_authn mode (no verified token, no subject).
 
 Degrade: on a gateway whose routes have a drift breaker, the degrade filter arrives over ECDS, not
 inside the listener. Tripping or resetting the breaker then pushes only new plugin configuration:
@@ -18,6 +24,7 @@ from pathlib import Path
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import config_source_pb2, extension_pb2
+from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
@@ -33,6 +40,8 @@ from meshfn.control_plane.audit.filters import (
     audit_filter,
     degrade_filter,
     early_header_mutation,
+    internal_headers,
+    jwt_claim_headers,
 )
 from meshfn.control_plane.audit.salt import SubjectSalt
 
@@ -74,7 +83,18 @@ class Audit:
         return audit_filter(self.settings, self.wasm)
 
     def access_log(self) -> accesslog_pb2.AccessLog:
-        return access_log(self.journal)
+        return access_log(self.journal, self.settings)
+
+    def claim_headers(self) -> tuple[tuple[str, str], ...]:
+        """(header, claim) pairs every jwt_authn provider of the proxy must write."""
+        if self.settings.subject_source != "jwt_headers":
+            return ()
+        return tuple((c.header_name, c.claim_name) for c in jwt_claim_headers(self.settings))
+
+    def internal_headers(self) -> list[str]:
+        """Headers only jwt_authn may set: removed from client requests (early header mutation)
+        and before the request goes upstream."""
+        return internal_headers(audit=self.settings)
 
 
 def audit_for(model: ir.MeshModel, workload: ir.Workload, host: ProxyHost) -> Audit | None:
@@ -82,18 +102,19 @@ def audit_for(model: ir.MeshModel, workload: ir.Workload, host: ProxyHost) -> Au
     if audit is None or not audit.records(workload.kind):
         return None
     return Audit(
-        _audit_settings(audit, host.salt),
+        _audit_settings(audit, host.salt, bool(workload.jwt_rules)),
         host.journal(workload.node_cluster),
         host.wasm_dir / "audit.wasm",
     )
 
 
 @lru_cache(maxsize=64)
-def _audit_settings(audit: ir.Audit, salt: SubjectSalt) -> AuditSettings:
+def _audit_settings(audit: ir.Audit, salt: SubjectSalt, jwt_headers: bool) -> AuditSettings:
+    """jwt_headers mode where jwt_authn runs (the proxy has jwt rules), else jwt_authn mode."""
     return AuditSettings(
         subject_salt=salt.hex,
         salt_id=salt.id,
-        subject_source="jwt_authn",
+        subject_source="jwt_headers" if jwt_headers else "jwt_authn",
         jwt_metadata_key=JWT_PAYLOAD,
         tenant_claim=audit.tenant_claim,
         body_hash=BodyHash(enabled=audit.body_hash, max_bytes=audit.body_hash_max_bytes),
@@ -119,6 +140,32 @@ def degrade_discovery(name: str) -> hcm.HttpFilter:
 def degrade_mutation() -> extension_pb2.TypedExtensionConfig:
     """Strips the routing header from client requests before Envoy picks a route."""
     return early_header_mutation(DegradeSettings(rules=[]))
+
+
+def early_mutations(
+    audit: Audit | None, degrade: bool = False
+) -> list[extension_pb2.TypedExtensionConfig]:
+    """The HCM's early_header_mutation_extensions: the degrade filter's routing header (when it
+    runs) and the audit filter's claim headers (jwt_headers mode) are removed from client
+    requests before Envoy picks a route or runs a filter. Empty when neither applies."""
+    settings = audit.settings if audit is not None else None
+    if not degrade and (settings is None or settings.subject_source != "jwt_headers"):
+        return []
+    return [early_header_mutation(DegradeSettings(rules=[]) if degrade else None, settings)]
+
+
+def strip_internal_headers(
+    config: route_pb2.RouteConfiguration, audit: Audit | None
+) -> route_pb2.RouteConfiguration:
+    """`config` (unchanged, or a copy) removing the audit claim headers before any route's
+    request goes upstream: the backend never sees the raw subject."""
+    names = audit.internal_headers() if audit is not None else []
+    if not names:
+        return config
+    out = route_pb2.RouteConfiguration()
+    out.CopyFrom(config)
+    out.request_headers_to_remove.extend(n for n in names if n not in out.request_headers_to_remove)
+    return out
 
 
 def degrade_settings(

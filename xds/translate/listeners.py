@@ -17,7 +17,7 @@ from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 from meshfn.control_plane import ir
 
 from .common import CONTROL_PLANE_CLUSTER, ads_source, pack, socket_address
-from .extensions import Audit, degrade_discovery, degrade_mutation
+from .extensions import Audit, degrade_discovery, early_mutations
 from .routes import route_config_name
 from .security import jwt_filter, rbac_filters
 
@@ -36,7 +36,7 @@ def http_filters(
     denied request carries its subject too); `degrade` names the ECDS-fed degrade filter."""
     filters: list[hcm.HttpFilter] = []
     if jwt_rules:
-        filters.append(jwt_filter(jwt_rules))
+        filters.append(jwt_filter(jwt_rules, audit.claim_headers() if audit is not None else ()))
     if audit is not None:
         filters.append(audit.http_filter())
     filters.extend(rbac_filters(authz))
@@ -119,7 +119,7 @@ def listener(
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         local_reply_config=_no_upstream_reply(),
         access_log=access_logs,
-        early_header_mutation_extensions=[degrade_mutation()] if degrade else [],
+        early_header_mutation_extensions=early_mutations(audit, degrade is not None),
     )
     return listener_pb2.Listener(
         name=listener.name,

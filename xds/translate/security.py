@@ -212,7 +212,10 @@ def jwks_cluster(uri: str) -> cluster_pb2.Cluster:
     return cluster
 
 
-def _provider(rule: ir.JwtRule) -> jwt.JwtProvider:
+def _provider(rule: ir.JwtRule, claim_headers: tuple[tuple[str, str], ...] = ()) -> jwt.JwtProvider:
+    """`claim_headers` ((header, claim) pairs, e.g. the audit filter's in jwt_headers mode) are
+    added to the rule's own claim_to_headers and win over a rule entry for the same header."""
+    ours = {header for header, _ in claim_headers}
     provider = jwt.JwtProvider(
         issuer=rule.issuer,
         audiences=list(rule.audiences),
@@ -221,8 +224,11 @@ def _provider(rule: ir.JwtRule) -> jwt.JwtProvider:
         forward=rule.forward,
         payload_in_metadata=JWT_PAYLOAD,
         claim_to_headers=[
-            jwt.JwtClaimToHeader(header_name=h, claim_name=c) for h, c in rule.claim_to_headers
-        ],
+            jwt.JwtClaimToHeader(header_name=h, claim_name=c)
+            for h, c in rule.claim_to_headers
+            if h.lower() not in ours
+        ]
+        + [jwt.JwtClaimToHeader(header_name=h, claim_name=c) for h, c in claim_headers],
         clock_skew_seconds=rule.clock_skew_seconds,
     )
     if rule.jwks is not None:
@@ -244,8 +250,11 @@ def _provider(rule: ir.JwtRule) -> jwt.JwtProvider:
 
 
 @lru_cache(maxsize=1024)
-def jwt_filter(rules: tuple[ir.JwtRule, ...]) -> hcm.HttpFilter:
-    providers = {provider_name(r): _provider(r) for r in rules}
+def jwt_filter(
+    rules: tuple[ir.JwtRule, ...], claim_headers: tuple[tuple[str, str], ...] = ()
+) -> hcm.HttpFilter:
+    """`claim_headers`: (header, claim) pairs every provider writes (see `_provider`)."""
+    providers = {provider_name(r): _provider(r, claim_headers) for r in rules}
     # A token that is present must be valid for one provider (else 401); a missing token passes
     # here and authorization decides (Istio semantics).
     requirement = jwt.JwtRequirement(

@@ -22,7 +22,7 @@ from meshfn.control_plane import ir
 
 from .clusters import HTTP_PROTOCOL_OPTIONS
 from .common import pack, socket_address
-from .extensions import Audit
+from .extensions import Audit, early_mutations, strip_internal_headers
 from .listeners import HCM, http_filters
 from .security import client_cert_details, downstream_mtls, jwks_cluster, jwks_uris
 
@@ -61,6 +61,7 @@ def inbound_listener(
             )
         ],
     )
+    route_config = strip_internal_headers(route_config, audit)
 
     def chain(tls: bool) -> listener_components_pb2.FilterChain:
         manager = hcm.HttpConnectionManager(
@@ -69,6 +70,7 @@ def inbound_listener(
             route_config=route_config,
             http_filters=http_filters(jwt_rules, authz, audit),
             access_log=[audit.access_log()] if audit is not None else [],
+            early_header_mutation_extensions=early_mutations(audit),
             **client_cert_details(),
         )
         out = listener_components_pb2.FilterChain(

@@ -108,10 +108,11 @@ class Load:
                 conn.request("GET", "/v2/x")
                 response = conn.getresponse()
                 body = response.read()
-                who = json.loads(body)["endpoint"] if response.status == 200 else ""
                 status = response.status
-            except (OSError, http.client.HTTPException, ValueError):
-                status, who = 0, ""
+                # a failure keeps what it was, for the JSON result
+                who = json.loads(body)["endpoint"] if status == 200 else body.decode()[:300]
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                status, who = 0, repr(exc)[:300]
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
             with self.lock:
@@ -218,6 +219,7 @@ def main() -> None:
                         "detect_ms": (max(stray) - killed) * 1000 if stray else 0.0,
                         "failed": sum(1 for _, status, _ in moved if status != 200),
                         "sent": len(moved),
+                        "failures": [(status, who) for _, status, who in moved if status != 200],
                     }
                 )
                 upstreams["a"] = start_upstream("a", ports, work, "default/model")

@@ -96,7 +96,9 @@ def _gateway(
         if service.drift is not None and len(tail) > 1:
             groups.append(tail)
         for group in groups:
-            aggregate = fallback_cluster(group)
+            aggregate = fallback_cluster(
+                group, service.traffic.breakers if service.traffic else None
+            )
             clusters[aggregate.name] = aggregate
         targets[service.key] = target_for(service, primary + tail, tail)
     for uri in jwks_uris(workload.jwt_rules):

@@ -40,6 +40,38 @@ def _u32(value: int | None) -> wrappers_pb2.UInt32Value | None:
     return wrappers_pb2.UInt32Value(value=value) if value is not None else None
 
 
+# Envoy allows 3 concurrent retries per cluster by default: when an endpoint dies under load,
+# the 4th request retrying at that moment fails with UO (measured in bench/failover.py). Routes
+# already bound retries per request, so like Istio the cluster-wide limit is off unless a
+# FallbackPolicy sets circuitBreakers.maxRetries or a retryBudget.
+UNLIMITED_RETRIES = 0xFFFFFFFF
+
+
+def _breakers(b: ir.CircuitBreakers | None) -> circuit_breaker_pb2.CircuitBreakers:
+    thresholds = circuit_breaker_pb2.CircuitBreakers.Thresholds(
+        priority=base_pb2.DEFAULT,
+        max_retries=_u32(
+            UNLIMITED_RETRIES if b is None or b.max_retries is None else b.max_retries
+        ),
+    )
+    if b is not None:
+        thresholds.MergeFrom(
+            circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                max_connections=_u32(b.max_connections),
+                max_pending_requests=_u32(b.max_pending_requests),
+                max_requests=_u32(b.max_requests),
+            )
+        )
+        if b.retry_budget_percent is not None:
+            thresholds.retry_budget.CopyFrom(
+                circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
+                    budget_percent=percent_pb2.Percent(value=b.retry_budget_percent),
+                    min_retry_concurrency=_u32(b.retry_budget_min_concurrency),
+                )
+            )
+    return circuit_breaker_pb2.CircuitBreakers(thresholds=[thresholds])
+
+
 @lru_cache(maxsize=65536)
 def _cluster(
     name: str,
@@ -54,6 +86,7 @@ def _cluster(
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=ads_source()),
         connect_timeout=duration(connect_timeout),
         lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
+        circuit_breakers=_breakers(None),
     )
     if protocol == "grpc":
         options = http_protocol_options_pb2.HttpProtocolOptions(
@@ -93,22 +126,7 @@ def _apply_traffic(out: cluster_pb2.Cluster, traffic: ir.TrafficPolicy) -> None:
             )
         )
     if traffic.breakers is not None:
-        b = traffic.breakers
-        thresholds = circuit_breaker_pb2.CircuitBreakers.Thresholds(
-            priority=base_pb2.DEFAULT,
-            max_connections=_u32(b.max_connections),
-            max_pending_requests=_u32(b.max_pending_requests),
-            max_requests=_u32(b.max_requests),
-            max_retries=_u32(b.max_retries),
-        )
-        if b.retry_budget_percent is not None:
-            thresholds.retry_budget.CopyFrom(
-                circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
-                    budget_percent=percent_pb2.Percent(value=b.retry_budget_percent),
-                    min_retry_concurrency=_u32(b.retry_budget_min_concurrency),
-                )
-            )
-        out.circuit_breakers.CopyFrom(circuit_breaker_pb2.CircuitBreakers(thresholds=[thresholds]))
+        out.circuit_breakers.CopyFrom(_breakers(traffic.breakers))
     if traffic.health_check is not None:
         h = traffic.health_check
         out.health_checks.append(
@@ -130,8 +148,12 @@ def fallback_cluster_name(members: tuple[str, ...]) -> str:
 
 
 @lru_cache(maxsize=65536)
-def fallback_cluster(members: tuple[str, ...]) -> cluster_pb2.Cluster:
-    """Envoy's aggregate cluster: the first member with healthy hosts takes the traffic."""
+def fallback_cluster(
+    members: tuple[str, ...], breakers: ir.CircuitBreakers | None = None
+) -> cluster_pb2.Cluster:
+    """Envoy's aggregate cluster: the first member with healthy hosts takes the traffic. Routes
+    target it, so the retry limits (maxRetries, retryBudget) of the service whose chain it is
+    belong here; connection limits act in the members' own pools."""
     return cluster_pb2.Cluster(
         name=fallback_cluster_name(members),
         connect_timeout=duration(timedelta(seconds=1)),
@@ -139,4 +161,5 @@ def fallback_cluster(members: tuple[str, ...]) -> cluster_pb2.Cluster:
         cluster_type=cluster_pb2.Cluster.CustomClusterType(
             name=AGGREGATE, typed_config=pack(aggregate_pb2.ClusterConfig(clusters=list(members)))
         ),
+        circuit_breakers=_breakers(breakers),
     )

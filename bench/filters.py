@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,9 @@ from meshfn.control_plane.audit.filters import (
 )
 from meshfn.control_plane.runtime.envoy import envoy_binary
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from xds_push import free_ports, percentile
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CONFIGS = ("bare", "none", "audit", "degrade", "both", "combined", "audit_metadata", "audit_header")
@@ -73,21 +75,6 @@ def _harness() -> ModuleType:
 
 
 es = _harness()
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def cpu_ns(pid: int) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from meshfn_e2e import MESHFN, Proc, Processes, free_ports, meshfn, wait_for, wait_for_synced
 
+from meshfn.control_plane.audit.collector import journal_path
 from meshfn.control_plane.runtime.envoy import envoy_binary
 
 UPSTREAMS = {  # name -> (service, locality)
@@ -37,7 +38,7 @@ def locality(text: str) -> str:
     return f"{{region: {region}, zone: {zone}, node: {node}}}"
 
 
-def policies(ports: dict[str, int]) -> str:
+def policies(ports: dict[str, int], audit: bool = False) -> str:
     def endpoint(name: str) -> str:
         return (
             f"{{address: 127.0.0.1, port: {ports[name]}, locality: {locality(UPSTREAMS[name][1])}}}"
@@ -47,7 +48,9 @@ def policies(ports: dict[str, int]) -> str:
 apiVersion: meshfn.io/v1alpha1
 kind: Mesh
 metadata: {{name: fb}}
-spec: {{trustDomain: fb.local, ports: {{xds: {ports["xds"]}, admin: {ports["admin"]}}}}}
+spec: {{trustDomain: fb.local, ports: {{xds: {ports["xds"]}, admin: {ports["admin"]}}}{
+        ", audit: {proxies: gateways}" if audit else ""
+    }}}
 ---
 apiVersion: meshfn.io/v1alpha1
 kind: Gateway
@@ -133,12 +136,15 @@ class Topology:
 
 
 @pytest.fixture
-def topology(procs: Processes, tmp_path: Path) -> Iterator[Topology]:
+def topology(
+    procs: Processes, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Topology]:
+    """param True: the Mesh also audits the gateway."""
     names = ["xds", "admin", "envoy_admin", "listener", *UPSTREAMS]
     ports = dict(zip(names, free_ports(len(names)), strict=True))
     root = tmp_path / "policies"
     root.mkdir()
-    (root / "mesh.yaml").write_text(policies(ports))
+    (root / "mesh.yaml").write_text(policies(ports, audit=getattr(request, "param", False)))
     topo = Topology(ports, procs, tmp_path)
     for name, (service, where) in UPSTREAMS.items():
         topo.delay(name, 0)
@@ -162,7 +168,7 @@ def topology(procs: Processes, tmp_path: Path) -> Iterator[Topology]:
     procs.start(
         "envoy",
         [str(envoy_binary()), "-c", str(config), "--disable-hot-restart", "--concurrency", "2",
-         "--log-level", "warning"],
+         "--log-level", "warning", "--file-flush-interval-msec", "200"],
     )  # fmt: skip
     wait_for_synced(topo.admin, serve)
     wait_for("traffic", lambda: served(topo) is not None, timeout=20)
@@ -250,37 +256,72 @@ def test_killing_the_local_upstream_moves_traffic_to_the_next_locality(topology:
     assert set(after) == {endpoint(topology, "b")}, {names.get(k, k): v for k, v in after.items()}
 
 
+def degrade_and_recover(topology: Topology, load: Load) -> float:
+    """Slow every primary endpoint until the breaker trips, then heal them until it resets;
+    returns how long the trip took."""
+    lite = endpoint(topology, "lite")
+    slow_at = time.monotonic()
+    for name in ("a", "b", "c"):
+        topology.delay(name, 150)
+
+    def on_lite() -> bool:
+        recent = load.since(time.monotonic() - 0.5)
+        return bool(recent) and sum(who == lite for _, _, who in recent) / len(recent) > 0.7
+
+    wait_for("traffic on the degraded service", on_lite, timeout=10)
+    tripped_after = time.monotonic() - slow_at
+    status = json.loads(http_get(f"{topology.admin}/debug/status"))["routes"]["default/model"]
+    assert status["state"] == "degraded"
+    for name in ("a", "b", "c"):
+        topology.delay(name, 0)
+    wait_for(
+        "traffic back on the primary",
+        lambda: (r := load.since(time.monotonic() - 0.5)) and all(who != lite for _, _, who in r),
+        timeout=15,
+    )
+    return tripped_after
+
+
 def test_a_slow_upstream_trips_the_drift_breaker_and_traffic_returns(topology: Topology) -> None:
     """(b): latency injection -> the degraded service within 3 s; back after recovery."""
-    lite = endpoint(topology, "lite")
     with Load(topology, threads=12, rate_per_thread=15) as load:
         time.sleep(3)  # a baseline of fast answers
-        slow_at = time.monotonic()
-        for name in ("a", "b", "c"):
-            topology.delay(name, 150)
-
-        def on_lite() -> bool:
-            recent = load.since(time.monotonic() - 0.5)
-            return bool(recent) and sum(who == lite for _, _, who in recent) / len(recent) > 0.7
-
-        wait_for("traffic on the degraded service", on_lite, timeout=10)
-        tripped_after = time.monotonic() - slow_at
-        status = json.loads(http_get(f"{topology.admin}/debug/status"))["routes"]["default/model"]
-        assert status["state"] == "degraded"
-        for name in ("a", "b", "c"):
-            topology.delay(name, 0)
-        wait_for(
-            "traffic back on the primary",
-            lambda: (
-                (r := load.since(time.monotonic() - 0.5)) and all(who != lite for _, _, who in r)
-            ),
-            timeout=15,
-        )
+        tripped_after = degrade_and_recover(topology, load)
     assert tripped_after <= 3.0, f"the breaker took {tripped_after:.2f}s"
     assert all(status == 200 for _, status, _ in load.results)
     metrics = http_get(f"{topology.admin}/metrics")
     assert 'meshfn_drift_transitions_total{route="default/model",to="degraded"} 1.0' in metrics
     assert 'meshfn_drift_transitions_total{route="default/model",to="healthy"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("topology", [True], indirect=True)
+def test_audit_and_degrade_run_as_one_plugin(topology: Topology) -> None:
+    """A gateway that audits and has a drift breaker runs both filters as ONE plugin over ECDS:
+    the breaker trips and resets by pushing that plugin's configuration, and every answered
+    request, degraded or not, is in the audit journal exactly once, with the filter's record."""
+    dump = json.loads(http_get(f"http://127.0.0.1:{topology.ports['envoy_admin']}/config_dump"))
+    text = json.dumps(dump)
+    assert '"meshfn.plugin.http"' in text and "meshfn-lean.wasm" in text
+    assert "meshfn.meshfn_audit" not in text and "meshfn.degrade.http" not in text
+    path = "/v2/audited"  # tells the load's records from the fixture's first requests
+    with Load(topology, threads=8, rate_per_thread=15, path=path) as load:
+        time.sleep(3)  # a baseline of fast answers
+        degrade_and_recover(topology, load)
+    assert load.results and all(status == 200 for _, status, _ in load.results)
+    journal = journal_path(topology.tmp / "state", "edge.default")
+
+    def records() -> list[dict[str, str]]:
+        lines = journal.read_text().splitlines() if journal.exists() else []
+        return [r for r in map(json.loads, lines) if r["path"] == path]
+
+    wait_for("every request in the journal", lambda: len(records()) >= len(load.results))
+    found = records()
+    assert len(found) == len(load.results)
+    assert len({r["id"] for r in found}) == len(found)
+    routes = Counter(r["route"] for r in found)
+    assert routes["default/model/0/degraded"] > 0 and routes["default/model/0"] > 0, routes
+    for record in found:
+        assert json.loads(record["audit"])["body"] == "off", record  # the audit part ran
 
 
 def test_clients_cannot_pick_the_degraded_route(topology: Topology) -> None:

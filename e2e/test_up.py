@@ -30,6 +30,8 @@ from meshfn_e2e import (
     wait_for_synced,
 )
 
+from meshfn.control_plane.audit.filters import BUILDS
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
 
 
@@ -339,7 +341,7 @@ def test_a_broken_filter_is_nacked_and_nothing_runs_unaudited(
     `meshfn status` shows the NACK, and the port serves nothing rather than serve unaudited."""
     broken = procs.tmp / "broken-wasm"
     broken.mkdir()
-    for name in ("audit", "degrade", "meshfn"):
+    for name in BUILDS:
         (broken / f"{name}.wasm").write_bytes(b"\0asm\x01\0\0\0 not a module")
     _with_audit(policies, "audit: {proxies: gateways}, trustDomain: e2e.local")
     procs.start(

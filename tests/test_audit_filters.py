@@ -128,8 +128,10 @@ def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
         10000,
         [
             es.to_dict(filters.audit_filter(AUDITS[1])),
+            es.to_dict(filters.audit_filter(AUDITS[2])),  # body hashing: the full build
             es.to_dict(filters.degrade_filter(degrade)),
             es.to_dict(filters.meshfn_filter(AUDITS[0], degrade)),
+            es.to_dict(filters.meshfn_filter(AUDITS[2], degrade)),
         ],
         [es.route("r", "backend")],
         access_logs=[
@@ -150,6 +152,13 @@ def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
+def _plugin(entry: Any) -> dict[str, Any]:
+    plugin: dict[str, Any] = json_format.MessageToDict(entry, preserving_proto_field_name=True)[
+        "typed_config"
+    ]["config"]
+    return plugin
+
+
 def test_filter_entries_are_fail_closed_wasm_filters() -> None:
     entry = json_format.MessageToDict(
         filters.audit_filter(AUDITS[0]), preserving_proto_field_name=True
@@ -158,7 +167,7 @@ def test_filter_entries_are_fail_closed_wasm_filters() -> None:
     assert entry["name"] == "meshfn.meshfn_audit"
     assert config["failure_policy"] == "FAIL_CLOSED"
     assert config["vm_config"]["runtime"] == "envoy.wasm.runtime.v8"
-    assert config["vm_config"]["code"]["local"]["filename"].endswith("/audit.wasm")
+    assert config["vm_config"]["code"]["local"]["filename"].endswith("/audit-lean.wasm")
     assert json.loads(config["configuration"]["value"])["subject_salt"] == "00" * 16
     log = json_format.MessageToDict(
         filters.access_log(Path("/j"), AUDITS[0]), preserving_proto_field_name=True
@@ -166,6 +175,31 @@ def test_filter_entries_are_fail_closed_wasm_filters() -> None:
     assert (
         log["typed_config"]["log_format"]["json_format"]["audit"]
         == "%FILTER_STATE(wasm.meshfn_audit:PLAIN)%"
+    )
+
+
+def test_lean_build_unless_body_hashing_with_a_vm_per_configuration() -> None:
+    """The lean build serves one configuration per VM: its vm_id names the configuration, so
+    Envoy shares a VM only between identical configurations; body hashing needs the full
+    build, which keeps per-request contexts and one shared VM."""
+    lean = [_plugin(filters.audit_filter(a)) for a in AUDITS[:2]]
+    for plugin in lean:
+        assert plugin["vm_config"]["code"]["local"]["filename"].endswith("/audit-lean.wasm")
+        assert plugin["vm_config"]["vm_id"].startswith("meshfn_audit.")
+    assert lean[0]["vm_config"]["vm_id"] != lean[1]["vm_config"]["vm_id"]
+    again = _plugin(filters.audit_filter(AUDITS[0].model_copy()))
+    assert again["vm_config"]["vm_id"] == lean[0]["vm_config"]["vm_id"]
+    full = _plugin(filters.audit_filter(AUDITS[2]))
+    assert full["vm_config"]["code"]["local"]["filename"].endswith("/audit.wasm")
+    assert full["vm_config"]["vm_id"] == "meshfn_audit"
+    combined = _plugin(filters.meshfn_filter(AUDITS[2], DEGRADES[1]))
+    assert combined["vm_config"]["code"]["local"]["filename"].endswith("/meshfn.wasm")
+    for degrade in DEGRADES:
+        plugin = _plugin(filters.degrade_filter(degrade))
+        assert plugin["vm_config"]["code"]["local"]["filename"].endswith("/degrade-lean.wasm")
+    assert filters.needs_full_build(filters.MeshfnSettings(audit=AUDITS[2]))
+    assert not filters.needs_full_build(
+        filters.MeshfnSettings(audit=AUDITS[0], degrade=DEGRADES[0])
     )
 
 
@@ -218,7 +252,12 @@ def test_schema_files_are_current(tmp_path: Path) -> None:
 def test_schemas_cover_both_filters() -> None:
     schemas = filters.schemas()
     assert set(schemas["audit"]["properties"]) == set(AuditSettings.model_fields)
-    assert set(schemas["degrade"]["properties"]) == {"routing_header", "trigger", "rules"}
+    assert set(schemas["degrade"]["properties"]) == {
+        "routing_header",
+        "listener_strips_routing_header",
+        "trigger",
+        "rules",
+    }
     assert set(schemas["meshfn"]["properties"]) == {"audit", "degrade"}
 
 

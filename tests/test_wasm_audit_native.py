@@ -38,15 +38,21 @@ def _harness() -> ModuleType:
 fakehost = _harness()
 
 
-@pytest.fixture(scope="module")
-def host() -> Any:
-    return fakehost.FakeHost(wasm_dir(native=True) / "audit_native.so")
+@pytest.fixture(scope="module", params=["audit", "audit-lean"])
+def host(request: pytest.FixtureRequest) -> Any:
+    """Every test runs on both builds: the full one and the lean one (no per-request context)."""
+    return fakehost.FakeHost(wasm_dir(native=True) / f"{request.param}_native.so")
 
 
 def config(**overrides: Any) -> bytes:
     base: dict[str, Any] = {"subject_salt": SALT.hex(), "subject_source": "header"}
     base.update(overrides)
     return json.dumps(base).encode()
+
+
+def full_build_only(host: Any) -> None:
+    if host.lean:
+        pytest.skip("body hashing needs the full build (test_lean_build_refuses_body_hashing)")
 
 
 def token(claims: Any) -> bytes:
@@ -194,6 +200,7 @@ def test_subject_from_jwt_authn_metadata(host: Any) -> None:
 
 def test_subject_from_jwt_claim_headers(host: Any) -> None:
     """jwt_headers mode with body hashing: the full filter-state object, tenant included."""
+    full_build_only(host)
     hashing = {"body_hash": {"enabled": True}}
     state = run(
         host,
@@ -226,6 +233,16 @@ def run_raw(host: Any, cfg: bytes, headers: list[tuple[bytes, bytes]], **kw: Any
     return raw
 
 
+def run_raw_on(host: Any, root: int, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """One request on an already configured root."""
+    ctx = host.stream(root)
+    assert host.request_headers(ctx, headers) == fakehost.CONTINUE
+    raw = host.state(STATE)
+    host.delete(ctx)
+    assert raw is not None
+    return bytes(raw)
+
+
 def test_bare_filter_state_is_the_subject_alone(host: Any) -> None:
     """jwt_headers mode without body hashing: the filter state is the subject's 64 hex digits
     (the access log writes salt_id, subject_source and the tenant next to it)."""
@@ -251,6 +268,7 @@ def test_bare_filter_state_only_in_jwt_headers_mode_without_body_hashing(host: A
     for cfg in (config(), config(subject_source="jwt_authn"), config(tenant_claim="")):
         state = json.loads(run_raw(host, cfg, []) or b"")
         assert state["subject"] is None and state["body"] == "off"
+    full_build_only(host)
     cfg = config(subject_source="jwt_headers", body_hash={"enabled": True, "max_bytes": 8})
     headers = [
         (b"x-meshfn-jwt-sub", b"dave"),
@@ -343,6 +361,7 @@ def test_unreadable_tokens_are_counted(host: Any) -> None:
 
 @pytest.mark.parametrize("size", [1, 63, 64, 65, 4096, 100_000])
 def test_body_hash_matches_hashlib_across_chunks(host: Any, size: int) -> None:
+    full_build_only(host)
     body = random.Random(size).randbytes(size)
     cuts = (
         sorted(random.Random(size + 1).sample(range(1, size), min(5, size - 1))) if size > 1 else []
@@ -371,6 +390,7 @@ def test_body_hash_matches_hashlib_across_chunks(host: Any, size: int) -> None:
     ],
 )
 def test_body_not_hashed(host: Any, headers: Any, body: Any, expected: str) -> None:
+    full_build_only(host)
     state = run(
         host, config(body_hash={"enabled": True, "max_bytes": 10}), headers, eos=False, body=body
     )
@@ -379,6 +399,7 @@ def test_body_not_hashed(host: Any, headers: Any, body: Any, expected: str) -> N
 
 
 def test_body_hashing_off_by_default_and_empty_request(host: Any) -> None:
+    full_build_only(host)
     state = run(host, config(), [(b"content-length", b"3")], eos=False, body=[(b"abc", True)])
     assert state["body"] == "off" and state["body_sha256"] is None
     state = run(host, config(body_hash={"enabled": True}), [])
@@ -401,6 +422,7 @@ def test_filter_state_failure_is_counted_and_logged(host: Any) -> None:
 
 
 def test_stream_keeps_its_config_across_reconfigure_and_root_delete(host: Any) -> None:
+    full_build_only(host)
     root, ok = host.configure(config(salt_id="old"))
     assert ok
     ctx = host.stream(root)
@@ -415,7 +437,7 @@ def test_stream_keeps_its_config_across_reconfigure_and_root_delete(host: Any) -
 
 
 def test_no_memory_leak_per_request(host: Any) -> None:
-    root, ok = host.configure(config(body_hash={"enabled": True}))
+    root, ok = host.configure(config(body_hash={"enabled": not host.lean}))
     assert ok
 
     def one() -> None:
@@ -434,3 +456,25 @@ def test_no_memory_leak_per_request(host: Any) -> None:
         one()
     assert host.live_bytes() == baseline
     host.delete(root)
+
+
+def test_lean_build_refuses_body_hashing(host: Any) -> None:
+    """The lean build sees request headers only: body hashing would silently never happen."""
+    _, ok = host.configure(config(body_hash={"enabled": True}))
+    assert ok != host.lean
+    if host.lean:
+        assert "body_hash.enabled: needs the full build" in host.logs()[-1][1]
+
+
+def test_lean_vm_serves_one_configuration(host: Any) -> None:
+    """A lean VM has no per-request context to say which root a request belongs to: a second,
+    different configuration in the same VM is refused (Envoy NACKs it); the same one is fine."""
+    if not host.lean:
+        pytest.skip("the full build keeps a configuration per root context")
+    root, ok = host.configure(config(salt_id="first"))
+    assert ok
+    assert host.reconfigure(root + 1, config(salt_id="first"))
+    assert not host.reconfigure(root + 2, config(salt_id="second"))
+    assert "give each configuration its own vm_id" in host.logs()[-1][1]
+    state = run_raw_on(host, root, [(b"authorization", token({"sub": "a"}))])
+    assert json.loads(state)["salt_id"] == "first"

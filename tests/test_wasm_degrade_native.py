@@ -36,9 +36,10 @@ def _harness() -> ModuleType:
 fakehost = _harness()
 
 
-@pytest.fixture(scope="module")
-def host() -> Any:
-    return fakehost.FakeHost(wasm_dir(native=True) / "degrade_native.so")
+@pytest.fixture(scope="module", params=["degrade", "degrade-lean"])
+def host(request: pytest.FixtureRequest) -> Any:
+    """Every test runs on both builds: the full one and the lean one (no per-request context)."""
+    return fakehost.FakeHost(wasm_dir(native=True) / f"{request.param}_native.so")
 
 
 def rule(**kw: Any) -> dict[str, Any]:
@@ -103,6 +104,10 @@ class Request:
 
 BAD: list[tuple[bytes, str]] = [
     (b"{}", "rules: required"),
+    (
+        json.dumps({"rules": [], "listener_strips_routing_header": 1}).encode(),
+        "listener_strips_routing_header: must be a boolean",
+    ),
     (b'{"rules": {}}', "rules: required"),
     (json.dumps({"rules": [rule(fallbacks=[])]}).encode(), "reroute needs 1-8 fallbacks"),
     (json.dumps({"rules": [rule(mode="reject")]}).encode(), "not allowed with mode reject"),
@@ -167,7 +172,7 @@ def test_healthy_route_passes_untouched(host: Any) -> None:
     assert req.respond() is None
     req.close()
     # only request headers are hooked: every exported callback costs Envoy CPU per request
-    assert host.exports == set()
+    assert host.exports == (set() if host.lean else {"proxy_on_context_create", "proxy_on_delete"})
 
 
 @pytest.mark.parametrize("value", [b"classifier-cpu", b"", b"\xff\xfe", b"x" * 100_000])
@@ -177,6 +182,25 @@ def test_spoofed_routing_header_is_stripped_and_route_recomputed(host: Any, valu
     assert req.routing_header() is None
     assert host.foreign_calls() == 1  # clear_route_cache
     assert host.metric("meshfn_degrade.routing_header_stripped") >= 1
+    req.close()
+
+
+def test_listener_strips_routing_header_skips_the_check(host: Any) -> None:
+    """Where the listener removes the routing header before routing (the translator always
+    configures that), the filter does not look for it again: no header read, no route cache
+    clear for a healthy request. The spoofed header here could only exist without that
+    listener configuration, which is exactly what the setting promises is not the case."""
+    req = Request(host, config(listener_strips_routing_header=True))
+    stripped = host.metric("meshfn_degrade.routing_header_stripped")
+    assert req.send([(b"x-meshfn-degrade-route", b"classifier-cpu")]) == fakehost.CONTINUE
+    assert req.routing_header() == b"classifier-cpu"
+    assert host.foreign_calls() == 0
+    assert host.metric("meshfn_degrade.routing_header_stripped") == stripped
+    req.close()
+    req = Request(host, config([rule(depth=1)], listener_strips_routing_header=True))
+    assert req.send([]) == fakehost.CONTINUE  # a degraded route still reroutes
+    assert req.routing_header() == b"classifier-cpu"
+    assert host.foreign_calls() == 1
     req.close()
 
 

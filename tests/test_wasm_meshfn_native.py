@@ -35,9 +35,10 @@ def _harness() -> ModuleType:
 fakehost = _harness()
 
 
-@pytest.fixture(scope="module")
-def host() -> Any:
-    return fakehost.FakeHost(filters.wasm_dir(native=True) / "meshfn_native.so")
+@pytest.fixture(scope="module", params=["meshfn", "meshfn-lean"])
+def host(request: pytest.FixtureRequest) -> Any:
+    """Every test runs on both builds: the full one and the lean one (no per-request context)."""
+    return fakehost.FakeHost(filters.wasm_dir(native=True) / f"{request.param}_native.so")
 
 
 def config(depth: int = 0, mode: str = "reroute") -> bytes:
@@ -117,6 +118,10 @@ def test_body_hashing_through_the_combined_filter_and_no_leak(host: Any) -> None
         "degrade": {"rules": []},
     }
     root, ok = host.configure(json.dumps(cfg).encode())
+    if host.lean:  # request headers only: refuses what it could not do
+        assert not ok
+        assert "audit.body_hash.enabled: needs the full build" in host.logs()[-1][1]
+        return
     assert ok
 
     def one() -> dict[str, Any]:
@@ -134,5 +139,5 @@ def test_body_hashing_through_the_combined_filter_and_no_leak(host: Any) -> None
     for _ in range(100):
         one()
     assert host.live_bytes() == baseline
-    assert host.exports == {"proxy_on_request_body"}
+    assert host.exports == {"proxy_on_context_create", "proxy_on_delete", "proxy_on_request_body"}
     host.delete(root)

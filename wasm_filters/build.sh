@@ -2,10 +2,12 @@
 # Builds the proxy-wasm filters with Debian's clang + lld, and with --native the same filter code
 # as shared libraries linked against the fake ABI host for the test harness.
 # Output goes to a content-addressed cache dir; the last line printed is that directory.
-#   wasm_filters/build.sh            -> <dir>/{audit,degrade,meshfn}.wasm
-#   wasm_filters/build.sh --native   -> also <dir>/{audit,degrade,meshfn}_native.so
+#   wasm_filters/build.sh            -> <dir>/{audit,degrade,meshfn}{,-lean}.wasm
+#   wasm_filters/build.sh --native   -> also <dir>/{audit,degrade,meshfn}{,-lean}_native.so
 # audit.wasm and degrade.wasm are the two filters; meshfn.wasm is both in one plugin (one
-# per-request wasm overhead instead of two). Needs: clang, lld (wasm-ld).
+# per-request wasm overhead instead of two). The -lean builds keep no per-request context
+# (cheaper per request; request headers only, so no body hashing; one configuration per VM:
+# see common/filter_base.c). Needs: clang, lld (wasm-ld).
 # Cached under ${MESHFN_CACHE:-~/.cache/meshfn}/wasm_filters/.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -25,7 +27,8 @@ NATIVE_CFLAGS=(-O1 -g -fPIC -fvisibility=hidden -Wall -Wextra -Werror -Wno-unuse
 NATIVE_LDFLAGS=(-shared -Wl,-Bsymbolic)
 
 # Which optional proxy-wasm callbacks each filter exports (each costs Envoy CPU per request).
-declare -A WANTS=([audit]="-DFILTER_WANTS_BODY" [degrade]="" [meshfn]="-DFILTER_WANTS_BODY")
+declare -A WANTS=([audit]="-DFILTER_WANTS_BODY" [degrade]="" [meshfn]="-DFILTER_WANTS_BODY"
+  [audit-lean]="-DFILTER_LEAN" [degrade-lean]="-DFILTER_LEAN" [meshfn-lean]="-DFILTER_LEAN")
 
 key=$(cd "$here" && { "$CLANG" --version | head -1;
   cat build.sh common/*.h common/*.c audit/*.c degrade/*.c meshfn/*.c harness/*.c; } | sha256sum | cut -c1-16)
@@ -33,21 +36,21 @@ out=${MESHFN_CACHE:-$HOME/.cache/meshfn}/wasm_filters/$key
 mkdir -p "$out"
 
 compile() { # kind(wasm|native) name -> prints the link inputs
-  local kind=$1 name=$2 cflags ldflags
+  local kind=$1 name=$2 cflags ldflags src=${2%-lean}
   if [ "$kind" = wasm ]; then cflags=("${WASM_CFLAGS[@]}"); else cflags=("${NATIVE_CFLAGS[@]}"); fi
   local objdir; objdir=$(mktemp -d "$out/.obj.XXXXXX")
   # shellcheck disable=SC2086
-  if [ "$name" = meshfn ]; then
-    "$CLANG" "${cflags[@]}" -c -DFILTER_NS=audit -DFILTER_WANTS_BODY -o "$objdir/audit.o" audit/audit.c
+  if [ "$src" = meshfn ]; then
+    "$CLANG" "${cflags[@]}" -c -DFILTER_NS=audit ${WANTS[${name/meshfn/audit}]} -o "$objdir/audit.o" audit/audit.c
     "$CLANG" "${cflags[@]}" -c -DFILTER_NS=degrade -o "$objdir/degrade.o" degrade/degrade.c
-    "$CLANG" "${cflags[@]}" -c ${WANTS[meshfn]} -o "$objdir/meshfn.o" meshfn/meshfn.c
+    "$CLANG" "${cflags[@]}" -c ${WANTS[$name]} -o "$objdir/meshfn.o" meshfn/meshfn.c
   else
-    "$CLANG" "${cflags[@]}" -c ${WANTS[$name]} -o "$objdir/$name.o" "$name/$name.c"
+    "$CLANG" "${cflags[@]}" -c ${WANTS[$name]} -o "$objdir/$src.o" "$src/$src.c"
   fi
-  local src
-  for src in "${common[@]}"; do
+  local file
+  for file in "${common[@]}"; do
     # shellcheck disable=SC2086
-    "$CLANG" "${cflags[@]}" -c ${WANTS[$name]} -o "$objdir/$(basename "$src" .c).o" "$src"
+    "$CLANG" "${cflags[@]}" -c ${WANTS[$name]} -o "$objdir/$(basename "$file" .c).o" "$file"
   done
   echo "$objdir"
 }
@@ -68,7 +71,7 @@ build() { # kind name
   rm -rf "$objdir"
 }
 
-for name in audit degrade meshfn; do
+for name in audit degrade meshfn audit-lean degrade-lean meshfn-lean; do
   build wasm "$name"
   [ "$native" = 1 ] && build native "$name"
 done

@@ -11,6 +11,7 @@ refused by Envoy (a NACK).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -181,6 +182,11 @@ class DegradeSettings(_Strict):
         description="internal header the fallback routes match; always stripped"
         " from client requests",
     )
+    listener_strips_routing_header: bool = Field(
+        False,
+        description="the listener removes the routing header before Envoy picks a route (early"
+        " header mutation, as the translator configures it), so the filter need not look for it",
+    )
     trigger: Trigger | None = None
     rules: list[DegradeRule] = Field(max_length=256)
 
@@ -219,15 +225,19 @@ def source_dir() -> Path:
     )
 
 
+FilterKind = Literal["audit", "degrade", "meshfn"]
+BUILDS = tuple(f"{kind}{lean}" for lean in ("", "-lean") for kind in ("audit", "degrade", "meshfn"))
+
+
 @cache
 def wasm_dir(native: bool = False) -> Path:
-    """Directory with audit.wasm, degrade.wasm and meshfn.wasm (both in one plugin):
-    $MESHFN_WASM_DIR if set (prebuilt), else
-    built from wasm_filters/ by build.sh into ~/.cache/meshfn (content-addressed, < 1 s)."""
+    """Directory with the builds (audit, degrade, meshfn = both in one plugin; each also as
+    -lean): $MESHFN_WASM_DIR if set (prebuilt), else built from wasm_filters/ by build.sh into
+    ~/.cache/meshfn (content-addressed, < 1 s)."""
     prebuilt = os.environ.get("MESHFN_WASM_DIR")
     if prebuilt and not native:
         path = Path(prebuilt)
-        for name in ("audit", "degrade", "meshfn"):
+        for name in BUILDS:
             if not (path / f"{name}.wasm").is_file():
                 raise BuildError(f"MESHFN_WASM_DIR={prebuilt} has no {name}.wasm")
         return path
@@ -244,8 +254,15 @@ def wasm_dir(native: bool = False) -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-def wasm_path(name: Literal["audit", "degrade", "meshfn"]) -> Path:
-    return wasm_dir() / f"{name}.wasm"
+def wasm_path(name: FilterKind, lean: bool = False) -> Path:
+    return wasm_dir() / f"{name}{'-lean' if lean else ''}.wasm"
+
+
+def needs_full_build(settings: AuditSettings | DegradeSettings | MeshfnSettings) -> bool:
+    """Only body hashing needs per-request state beyond the request headers; everything else
+    runs on the -lean build (no per-request context: ~2.5 us less Envoy CPU per request)."""
+    audit = settings.audit if isinstance(settings, MeshfnSettings) else settings
+    return isinstance(audit, AuditSettings) and audit.body_hash.enabled
 
 
 # ------------------------------------------------------------------ Envoy config
@@ -257,6 +274,7 @@ def wasm_http_filter(
     configuration: str,
     *,
     fail_open: bool = False,
+    vm_id: str | None = None,
 ) -> hcm_pb2.HttpFilter:
     """An `envoy.filters.http.wasm` entry. Fail closed by default: if the VM dies, requests get
     503 instead of passing unaudited (audit) or with a spoofable routing header (degrade)."""
@@ -264,7 +282,7 @@ def wasm_http_filter(
         name=name,
         root_id=name,
         vm_config=wasm_pb2.VmConfig(
-            vm_id=name,
+            vm_id=vm_id or name,
             runtime="envoy.wasm.runtime.v8",
             code=base_pb2.AsyncDataSource(local=base_pb2.DataSource(filename=str(wasm))),
         ),
@@ -276,24 +294,40 @@ def wasm_http_filter(
     return hcm_pb2.HttpFilter(name=f"meshfn.{name}", typed_config=typed)
 
 
-def audit_filter(settings: AuditSettings, wasm: Path | None = None) -> hcm_pb2.HttpFilter:
-    return wasm_http_filter("meshfn_audit", wasm or wasm_path("audit"), plugin_json(settings))
+def plugin_filter(
+    kind: FilterKind,
+    settings: AuditSettings | DegradeSettings | MeshfnSettings,
+    directory: Path | None = None,
+) -> hcm_pb2.HttpFilter:
+    """The filter for `settings` on the cheapest build that can run them. A -lean VM serves one
+    configuration, so its vm_id carries a digest of the configuration: Envoy shares a VM only
+    between plugins with the same vm_id and code, hence only between identical configurations.
+    (A new configuration therefore starts a new VM; plugins are reconfigured rarely.)"""
+    configuration = plugin_json(settings)
+    name = "meshfn" if kind == "meshfn" else f"meshfn_{kind}"
+    lean = not needs_full_build(settings)
+    wasm = (directory or wasm_dir()) / f"{kind}{'-lean' if lean else ''}.wasm"
+    vm_id = f"{name}.{hashlib.sha256(configuration.encode()).hexdigest()[:16]}" if lean else name
+    return wasm_http_filter(name, wasm, configuration, vm_id=vm_id)
 
 
-def degrade_filter(settings: DegradeSettings, wasm: Path | None = None) -> hcm_pb2.HttpFilter:
-    return wasm_http_filter("meshfn_degrade", wasm or wasm_path("degrade"), plugin_json(settings))
+def audit_filter(settings: AuditSettings, directory: Path | None = None) -> hcm_pb2.HttpFilter:
+    return plugin_filter("audit", settings, directory)
+
+
+def degrade_filter(settings: DegradeSettings, directory: Path | None = None) -> hcm_pb2.HttpFilter:
+    return plugin_filter("degrade", settings, directory)
 
 
 def meshfn_filter(
     audit: AuditSettings | None = None,
     degrade: DegradeSettings | None = None,
-    wasm: Path | None = None,
+    directory: Path | None = None,
 ) -> hcm_pb2.HttpFilter:
     """Audit and degrade as ONE filter (meshfn.wasm): same behaviour as the two filters in that
     order, but Envoy's fixed per-filter, per-request wasm cost is paid once. Place it after
     jwt_authn."""
-    settings = MeshfnSettings(audit=audit, degrade=degrade)
-    return wasm_http_filter("meshfn", wasm or wasm_path("meshfn"), plugin_json(settings))
+    return plugin_filter("meshfn", MeshfnSettings(audit=audit, degrade=degrade), directory)
 
 
 def internal_headers(

@@ -181,6 +181,12 @@ int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
       return set_err(err, es, "body_hash.max_bytes", "must be an integer in 1..1073741824"), 0;
     if (m) r->body_max = (uint64_t)m->num;
   }
+#ifndef FILTER_WANTS_BODY
+  if (r->body_hash)
+    return set_err(err, es, "body_hash.enabled",
+                   "needs the full build (audit.wasm or meshfn.wasm); this build sees request "
+                   "headers only"), 0;
+#endif
   /* Everything else a record needs is constant per configuration (salt_id, subject_source) or
    * logged by Envoy itself (the tenant, from jwt_authn's verified payload in dynamic metadata):
    * filters.access_log(settings) writes those next to the filter state. */

@@ -30,6 +30,9 @@ typedef struct {
 
 struct root {
   char *routing_header;
+  /* The listener removes the routing header before Envoy picks a route (early header
+   * mutation, as meshfn's translator configures it): no need to look for a spoofed one. */
+  int listener_strips_routing_header;
   char *trigger_header; /* NULL: no trigger */
   char **principals;
   size_t n_principals;
@@ -151,7 +154,8 @@ static int read_rule(const jnode_t *j, rule_t *u, char *err, size_t es) {
 }
 
 int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
-  static const char *const keys[] = {"routing_header", "trigger", "rules", 0};
+  static const char *const keys[] = {"routing_header", "listener_strips_routing_header",
+                                     "trigger", "rules", 0};
   const jnode_t *bad = json_unknown_key(c, keys);
   if (bad) return set_err(err, es, bad->key, "unknown field"), 0;
 
@@ -159,6 +163,10 @@ int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
   if (v && !header_name_ok(v))
     return set_err(err, es, "routing_header", "must be a lowercase header name"), 0;
   r->routing_header = v ? str_dup((str_t){v->str, v->len}) : str_dup(STR("x-meshfn-degrade-route"));
+  v = json_get(c, "listener_strips_routing_header");
+  if (v && v->type != J_BOOL)
+    return set_err(err, es, "listener_strips_routing_header", "must be a boolean"), 0;
+  r->listener_strips_routing_header = v ? v->boolean : 0;
 
   v = json_get(c, "trigger");
   if (v) {
@@ -317,7 +325,7 @@ uint32_t filter_on_request_headers(http_t *h, uint32_t headers, uint32_t eos) {
   int dirty = 0;
   /* Envoy chose the route before any filter ran, so a spoofed header may already have picked a
    * fallback route: strip it and make Envoy choose again. */
-  if (get_header(MAP_REQUEST_HEADERS, r->routing_header, &v)) {
+  if (!r->listener_strips_routing_header && get_header(MAP_REQUEST_HEADERS, r->routing_header, &v)) {
     mf_free((void *)v.p);
     proxy_remove_header_map_value(MAP_REQUEST_HEADERS, r->routing_header,
                                   mf_strlen(r->routing_header));

@@ -1,11 +1,17 @@
 """ctypes driver for the native filter builds (`build.sh --native`): the same C filter code,
 linked against fake_host.c instead of Envoy. Tests call the filter's exported proxy-wasm
-callbacks in the order Envoy does and inspect what the filter did to the fake host."""
+callbacks in the order Envoy does and inspect what the filter did to the fake host.
+
+A -lean build (no per-request contexts) serves one configuration per VM, as Envoy runs it with a
+vm_id per configuration: here each `configure` of a lean build loads a fresh copy of the library,
+i.e. a new VM with its own globals."""
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,19 +44,32 @@ def _decode_pairs(raw: bytes) -> list[tuple[bytes, bytes]]:
     return pairs
 
 
+_OPTIONAL = (
+    "proxy_on_context_create",
+    "proxy_on_delete",
+    "proxy_on_request_body",
+    "proxy_on_response_headers",
+    "proxy_on_done",
+)
+
+
 class FakeHost:
     def __init__(self, library: Path) -> None:
-        lib = ctypes.CDLL(str(library))
+        self.library = library
+        self._vms = itertools.count()
+        self._vm_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._bind(ctypes.CDLL(str(library)))
+        # no per-request context callbacks: the lean build (one configuration per VM)
+        self.lean = "proxy_on_context_create" not in self.exports
+        self._configured = False
+
+    def _bind(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         u32, sz = ctypes.c_uint32, ctypes.c_size_t
         # callbacks a filter does not need are not exported (Envoy then skips them too)
-        self.exports = {
-            name
-            for name in ("proxy_on_request_body", "proxy_on_response_headers", "proxy_on_done")
-            if hasattr(lib, name)
-        }
+        self.exports = {name for name in _OPTIONAL if hasattr(lib, name)}
         for name, args, res in [
-            ("proxy_on_context_create", [u32, u32], None),
+            *[(n, [u32, u32], None) for n in ("proxy_on_context_create",) if n in self.exports],
             ("proxy_on_configure", [u32, u32], u32),
             ("proxy_on_request_headers", [u32, u32, u32], u32),
             *[
@@ -58,7 +77,7 @@ class FakeHost:
                 for n in ("proxy_on_request_body", "proxy_on_response_headers")
                 if n in self.exports
             ],
-            ("proxy_on_delete", [u32], None),
+            *[(n, [u32], None) for n in ("proxy_on_delete",) if n in self.exports],
             ("host_reset", [], None),
             ("host_set_config", [ctypes.c_char_p, sz], None),
             ("host_set_body", [ctypes.c_char_p, sz], None),
@@ -104,11 +123,24 @@ class FakeHost:
 
     # ---------------------------------------------------------------- plugin lifecycle
 
+    def new_vm(self) -> None:
+        """A lean build's next configuration needs a VM of its own: a fresh copy of the library
+        (dlopen returns the loaded one for the same path)."""
+        if self._vm_dir is None:
+            self._vm_dir = tempfile.TemporaryDirectory(prefix="fakehost-vm-")
+        copy = Path(self._vm_dir.name) / f"vm{next(self._vms)}.so"
+        shutil.copyfile(self.library, copy)
+        self._bind(ctypes.CDLL(str(copy)))
+
     def configure(self, config: bytes | None) -> tuple[int, bool]:
         """New root context configured with `config`; returns (root id, accepted)."""
+        if self.lean and self._configured:
+            self.new_vm()
+        self._configured = True
         self.lib.host_reset()
         root = next(_ids)
-        self.lib.proxy_on_context_create(root, 0)
+        if "proxy_on_context_create" in self.exports:
+            self.lib.proxy_on_context_create(root, 0)
         self.lib.host_set_config(config, len(config) if config is not None else 0)
         ok = bool(self.lib.proxy_on_configure(root, len(config) if config else 0))
         return root, ok
@@ -118,7 +150,8 @@ class FakeHost:
         return bool(self.lib.proxy_on_configure(root, len(config)))
 
     def delete(self, context: int) -> None:
-        self.lib.proxy_on_delete(context)
+        if "proxy_on_delete" in self.exports:
+            self.lib.proxy_on_delete(context)
 
     # ---------------------------------------------------------------- one request
 
@@ -126,7 +159,8 @@ class FakeHost:
         """A new HTTP context; resets request state (headers, properties, body, filter state)."""
         self.lib.host_reset()
         ctx = next(_ids)
-        self.lib.proxy_on_context_create(ctx, root)
+        if "proxy_on_context_create" in self.exports:
+            self.lib.proxy_on_context_create(ctx, root)
         return ctx
 
     def set_headers(self, which: int, headers: list[tuple[bytes, bytes]]) -> None:

@@ -111,10 +111,10 @@ def _gateway(
         used = sorted({r.service for r in lst.routes})
         drift = any(model.service(key).drift is not None for key in used)
         guarded = frozenset(r.key for r in lst.routes if targets[r.service].drift)
-        degrade = degrade_filter_name(lst) if guarded else None
+        degrade = degrade_filter_name(lst, audit) if guarded else None
         if degrade is not None:
             settings = degrade_settings(lst, guarded, overlay.degraded_routes)
-            extensions[degrade] = degrade_extension(degrade, settings, host)
+            extensions[degrade] = degrade_extension(degrade, settings, audit, host)
         listeners[lst.name] = listener(
             lst, workload.jwt_rules, workload.authz, drift, audit, degrade
         )

@@ -13,7 +13,12 @@ without jwt rules keep jwt_authn mode (no verified token, no subject).
 Degrade: on a gateway whose routes have a drift breaker, the degrade filter arrives over ECDS, not
 inside the listener. Tripping or resetting the breaker then pushes only new plugin configuration:
 the listener, its connections and the route table stay as they are (a listener update would drain
-keep-alive connections slowly and leave them on the old configuration meanwhile).
+keep-alive connections slowly and leave them on the old configuration meanwhile). Where the same
+listener also audits, both run as ONE plugin (meshfn.wasm, over ECDS, in the audit filter's
+place): Envoy's fixed cost per wasm filter and request is then paid once, not twice.
+
+Builds: the -lean builds (no per-request context) unless body hashing needs the full one; see
+audit.filters.plugin_filter.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from meshfn.control_plane.audit.filters import (
     early_header_mutation,
     internal_headers,
     jwt_claim_headers,
+    meshfn_filter,
 )
 from meshfn.control_plane.audit.salt import SubjectSalt
 
@@ -77,10 +83,10 @@ class Audit:
 
     settings: AuditSettings
     journal: Path
-    wasm: Path
+    wasm_dir: Path
 
     def http_filter(self) -> hcm.HttpFilter:
-        return audit_filter(self.settings, self.wasm)
+        return audit_filter(self.settings, self.wasm_dir)
 
     def access_log(self) -> accesslog_pb2.AccessLog:
         return access_log(self.journal, self.settings)
@@ -104,7 +110,7 @@ def audit_for(model: ir.MeshModel, workload: ir.Workload, host: ProxyHost) -> Au
     return Audit(
         _audit_settings(audit, host.salt, bool(workload.jwt_rules)),
         host.journal(workload.node_cluster),
-        host.wasm_dir / "audit.wasm",
+        host.wasm_dir,
     )
 
 
@@ -121,9 +127,10 @@ def _audit_settings(audit: ir.Audit, salt: SubjectSalt, jwt_headers: bool) -> Au
     )
 
 
-def degrade_filter_name(listener: ir.Listener) -> str:
-    """The HTTP filter's name and its ECDS resource name (Envoy pairs them by name)."""
-    return f"meshfn.degrade.{listener.name}"
+def degrade_filter_name(listener: ir.Listener, audit: Audit | None) -> str:
+    """The HTTP filter's name and its ECDS resource name (Envoy pairs them by name): the
+    degrade filter, or the combined plugin where the listener audits too."""
+    return f"meshfn.{'plugin' if audit is not None else 'degrade'}.{listener.name}"
 
 
 def degrade_discovery(name: str) -> hcm.HttpFilter:
@@ -172,7 +179,8 @@ def degrade_settings(
     listener: ir.Listener, drift_routes: frozenset[str], degraded: frozenset[str]
 ) -> DegradeSettings:
     """One rule per drift-guarded route: depth 1 (reroute to the route's degraded twin) once the
-    breaker has tripped it, else 0 (pass through)."""
+    breaker has tripped it, else 0 (pass through). The listener strips the routing header from
+    client requests (early_mutations), so the filter does not look for a spoofed one."""
     rules = [
         DegradeRule(
             name=route.key,
@@ -184,11 +192,15 @@ def degrade_settings(
         for route in listener.routes
         if route.key in drift_routes
     ]
-    return DegradeSettings(rules=rules)
+    return DegradeSettings(rules=rules, listener_strips_routing_header=True)
 
 
 def degrade_extension(
-    name: str, settings: DegradeSettings, host: ProxyHost
+    name: str, settings: DegradeSettings, audit: Audit | None, host: ProxyHost
 ) -> extension_pb2.TypedExtensionConfig:
-    built = degrade_filter(settings, host.wasm_dir / "degrade.wasm")
+    """The ECDS resource: the degrade filter, or both filters in one plugin with `audit`."""
+    if audit is not None:
+        built = meshfn_filter(audit.settings, settings, host.wasm_dir)
+    else:
+        built = degrade_filter(settings, host.wasm_dir)
     return extension_pb2.TypedExtensionConfig(name=name, typed_config=built.typed_config)

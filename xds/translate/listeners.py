@@ -33,14 +33,15 @@ def http_filters(
 ) -> list[hcm.HttpFilter]:
     """authn, audit, authz, degrade, router: a request is authenticated before it is recorded
     (the audit filter reads jwt_authn's verified payload) and recorded before it is judged (a
-    denied request carries its subject too); `degrade` names the ECDS-fed degrade filter."""
+    denied request carries its subject too); `degrade` names the ECDS-fed degrade filter, which
+    with `audit` is the combined plugin doing both, in the audit filter's place."""
     filters: list[hcm.HttpFilter] = []
     if jwt_rules:
         filters.append(jwt_filter(jwt_rules, audit.claim_headers() if audit is not None else ()))
     if audit is not None:
-        filters.append(audit.http_filter())
+        filters.append(audit.http_filter() if degrade is None else degrade_discovery(degrade))
     filters.extend(rbac_filters(authz))
-    if degrade is not None:
+    if degrade is not None and audit is None:
         filters.append(degrade_discovery(degrade))
     filters.append(hcm.HttpFilter(name=ROUTER, typed_config=pack(router_pb2.Router())))
     return filters

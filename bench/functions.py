@@ -490,7 +490,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cold", type=int, default=100, help="cold-start samples per function")
+    parser.add_argument(
+        "--cold",
+        type=int,
+        default=300,
+        help="cold-start samples per function (300: p99 is not just the worst sample)",
+    )
     parser.add_argument("--warm", type=int, default=2000, help="sequential warm requests")
     parser.add_argument("--paced-seconds", type=float, default=10.0, help="seconds at 200 req/s")
     parser.add_argument("--wrk-seconds", type=int, default=5)

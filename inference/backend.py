@@ -17,7 +17,7 @@ from typing import Any
 from .config import BackendConfig, FunctionSpec
 from .engine import EpochTicker, engine_key, new_engine
 from .errors import ConfigError, SignatureError
-from .host import Outcome
+from .host import Outcome, component_linker
 from .kserve import (
     KServeError,
     envelope,
@@ -60,6 +60,7 @@ class Backend:
                 "no trusted keys found in " + ", ".join(map(str, config.trusted_keys))
             )
         self.engine = new_engine()
+        self.linker = component_linker(self.engine)  # one for every component function
         self.ticker = EpochTicker(self.engine)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="meshfn-wasm")
         self.prewarm_executor = ThreadPoolExecutor(1, thread_name_prefix="meshfn-prewarm")
@@ -99,6 +100,7 @@ class Backend:
             self.trusted,
             self.metrics,
             self.prewarm_executor,
+            self.linker,
         )
 
     async def start(self) -> None:

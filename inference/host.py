@@ -9,17 +9,22 @@ dropped by its owner. Nothing here compiles: artifacts come from `Component/Modu
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 import wasmtime
+from wasmtime import _ffi
 from wasmtime import component as wc
 
 Kind = Literal["python", "core"]
+
+_EXTERN_FUNC = _ffi.WASMTIME_EXTERN_FUNC.value
+_EXTERN_MEMORY = _ffi.WASMTIME_EXTERN_MEMORY.value
 
 # Instantiation runs guest start-up code (componentize-py's snapshot restore is quick, but a
 # hostile module could loop): bound it like a call.
@@ -138,65 +143,164 @@ class ComponentInstance:
         self._store.close()
 
 
+class _CoreCall:
+    """One exported core function called through wasmtime's C API (`wasmtime_func_call`) with
+    value arrays allocated once per instance.
+
+    wasmtime-py's `Func.__call__` re-reads the function type and converts every argument and
+    result through `Val` on each call: ~25 us of Python for what is a ~2 us C call, three times
+    per request. wasmtime still checks the argument and result types on every call (a mismatch
+    is a WasmtimeError, not undefined behaviour), and a trap is raised as `wasmtime.Trap`, as
+    from `Func.__call__`. Only i32 parameters and one i32/i64 result occur in the core ABI.
+    Uses `wasmtime._ffi`, which is why `wasmtime` is pinned to one version.
+    """
+
+    __slots__ = ("_func", "_nparams", "_params", "_result", "_store", "_wide")
+
+    def __init__(
+        self, store: wasmtime.Store, func: _ffi.wasmtime_func_t, nparams: int, wide: bool
+    ) -> None:
+        self._store = store  # its context is fetched per call: a closed store raises ValueError
+        self._func = ctypes.byref(func)
+        self._params = (_ffi.wasmtime_val_t * max(1, nparams))()
+        for param in self._params:
+            param.kind = _ffi.WASMTIME_I32
+        self._nparams = nparams
+        self._result = (_ffi.wasmtime_val_t * 1)()
+        self._wide = wide  # i64 result
+
+    def __call__(self, *args: int) -> int:
+        params = self._params
+        for i, arg in enumerate(args):
+            params[i].of.i32 = arg
+        trap = ctypes.POINTER(_ffi.wasm_trap_t)()
+        error = _ffi.wasmtime_func_call(
+            self._store._context(),
+            self._func,
+            params,
+            self._nparams,
+            self._result,
+            1,
+            ctypes.byref(trap),
+        )
+        if error:
+            raise wasmtime.WasmtimeError._from_ptr(error)
+        if trap:
+            raise wasmtime.Trap._from_ptr(trap)
+        result = self._result[0].of
+        return int(result.i64 if self._wide else result.i32)
+
+
+class _CoreMemory:
+    """Bounds-checked reads and writes of a core instance's linear memory (which may move when
+    it grows, so its base address is looked up on every access)."""
+
+    __slots__ = ("_memory", "_store")
+
+    def __init__(self, store: wasmtime.Store, memory: _ffi.wasmtime_memory_t) -> None:
+        self._store = store
+        self._memory = ctypes.byref(memory)
+
+    def _base(self, start: int, length: int) -> int:
+        context = self._store._context()  # raises ValueError once the store is closed
+        size = _ffi.wasmtime_memory_data_size(context, self._memory)
+        if start < 0 or length < 0 or start + length > size:
+            raise IndexError("outside linear memory")
+        data = _ffi.wasmtime_memory_data(context, self._memory)
+        return ctypes.cast(data, ctypes.c_void_p).value or 0
+
+    def write(self, start: int, data: bytes) -> None:
+        ctypes.memmove(self._base(start, len(data)) + start, data, len(data))
+
+    def read(self, start: int, length: int) -> bytes:
+        return ctypes.string_at(self._base(start, length) + start, length)
+
+
+def _core_export(
+    store: wasmtime.Store, instance: wasmtime.Instance, name: str, kind: int
+) -> _ffi.wasmtime_extern_t:
+    """One export by name (`Instance.exports` wraps every export in Python objects: ~40 us)."""
+    item = _ffi.wasmtime_extern_t()
+    raw = name.encode()
+    found = _ffi.wasmtime_instance_export_get(
+        store._context(), ctypes.byref(instance._instance), raw, len(raw), ctypes.byref(item)
+    )
+    if not found:
+        raise wasmtime.WasmtimeError(f"core module lacks ABI export {name!r}")
+    if cast(int, item.kind) != kind:  # ctypes returns the field as an int
+        raise wasmtime.WasmtimeError(f"core module export {name!r} has the wrong kind")
+    return item
+
+
 class CoreInstance:
     """A core module implementing the meshfn core ABI v1 (functions/core/ABI.md)."""
 
     __slots__ = ("_alloc", "_infer", "_memory", "_meta", "_store")
 
     def __init__(self, artifact: CoreArtifact, memory_bytes: int) -> None:
-        self._store = _store(artifact.engine, memory_bytes)
-        instance = wasmtime.Instance(self._store, artifact.module, [])
-        exports = instance.exports(self._store)
-        try:
-            memory, alloc = exports["memory"], exports["meshfn_alloc"]
-            infer, meta = exports["meshfn_infer"], exports["meshfn_metadata"]
-            version = exports["meshfn_abi_version"]
-        except KeyError as exc:
-            raise wasmtime.WasmtimeError(f"core module lacks ABI export {exc}") from None
-        assert isinstance(memory, wasmtime.Memory)
-        assert isinstance(alloc, wasmtime.Func) and isinstance(infer, wasmtime.Func)
-        assert isinstance(meta, wasmtime.Func) and isinstance(version, wasmtime.Func)
-        if version(self._store) != 1:
+        self._store = store = _store(artifact.engine, memory_bytes)
+        instance = wasmtime.Instance(store, artifact.module, [])
+        memory = _core_export(store, instance, "memory", _EXTERN_MEMORY).of.memory
+        alloc, infer, meta, version = (
+            _core_export(store, instance, name, _EXTERN_FUNC).of.func
+            for name in ("meshfn_alloc", "meshfn_infer", "meshfn_metadata", "meshfn_abi_version")
+        )
+        if _CoreCall(store, version, 0, wide=False)() != 1:
             raise wasmtime.WasmtimeError("core module speaks an unknown meshfn ABI version")
-        self._memory, self._alloc, self._infer, self._meta = memory, alloc, infer, meta
+        self._memory = _CoreMemory(store, memory)
+        self._alloc = _CoreCall(store, alloc, 1, wide=False)
+        self._infer = _CoreCall(store, infer, 2, wide=True)
+        self._meta = _CoreCall(store, meta, 0, wide=True)
 
     def _unpack(self, packed: int) -> tuple[int, str]:
         packed &= 0xFFFF_FFFF_FFFF_FFFF
         status, ptr, length = packed >> 62, (packed >> 32) & 0x3FFF_FFFF, packed & 0xFFFF_FFFF
-        data = self._memory.read(self._store, ptr, ptr + length)
-        return status, bytes(data).decode("utf-8", errors="replace")
+        return status, self._memory.read(ptr, length).decode("utf-8", errors="replace")
 
     def call(self, request: str, ticks: int) -> CallResult:
         self._store.set_epoch_deadline(ticks)
         raw = request.encode()
         try:
-            ptr = self._alloc(self._store, len(raw))
+            ptr = self._alloc(len(raw)) & 0xFFFF_FFFF
             if not ptr:
                 return CallResult(Outcome.OUT_OF_MEMORY, "cannot allocate the request buffer")
-            self._memory.write(self._store, raw, ptr)
-            status, body = self._unpack(self._infer(self._store, ptr, len(raw)))
+            self._memory.write(ptr, raw)
+            status, body = self._unpack(self._infer(ptr, len(raw)))
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             return classify_trap(exc)
-        except IndexError:  # result pointer outside memory: a broken module
-            return CallResult(Outcome.TRAP, "result points outside linear memory")
+        except IndexError:  # a pointer outside memory: a broken module
+            return CallResult(Outcome.TRAP, "the module returned a pointer outside linear memory")
         return CallResult(_CORE_STATUS[status], body)
 
     def metadata(self) -> str:
         self._store.set_epoch_deadline(INSTANTIATE_TICKS)
-        return self._unpack(self._meta(self._store))[1]
+        return self._unpack(self._meta())[1]
 
     def close(self) -> None:
         self._store.close()
 
 
+def component_linker(engine: wasmtime.Engine) -> wc.Linker:
+    """A component Linker with WASI p2 for `engine`.
+
+    Building one costs ~150 us, so a server builds it once per engine and shares it: it holds
+    no per-function or per-instance state (instances get their WASI context from their own
+    store), and instantiating through it only reads it, from any thread.
+    """
+    linker = wc.Linker(engine)
+    linker.add_wasip2()
+    return linker
+
+
 class ComponentArtifact:
     kind: Kind = "python"
 
-    def __init__(self, engine: wasmtime.Engine, component: wc.Component) -> None:
+    def __init__(
+        self, engine: wasmtime.Engine, component: wc.Component, linker: wc.Linker | None = None
+    ) -> None:
         self.engine = engine
         self.component = component
-        self.linker = wc.Linker(engine)
-        self.linker.add_wasip2()
+        self.linker = linker if linker is not None else component_linker(engine)
 
     def instantiate(self, memory_bytes: int) -> Instance:
         return ComponentInstance(self, memory_bytes)
@@ -216,10 +320,16 @@ class CoreArtifact:
 Artifact = ComponentArtifact | CoreArtifact
 
 
-def load_precompiled(engine: wasmtime.Engine, kind: Kind, cwasm: Path) -> Artifact:
-    """mmap a registry `.cwasm`; raises WasmtimeError if it was built for another engine."""
+def load_precompiled(
+    engine: wasmtime.Engine, kind: Kind, cwasm: Path, linker: wc.Linker | None = None
+) -> Artifact:
+    """mmap a registry `.cwasm`; raises WasmtimeError if it was built for another engine.
+
+    Components are instantiated through `linker` (see `component_linker`; a new one if None).
+    """
     if kind == "python":
-        return ComponentArtifact(engine, wc.Component.deserialize_file(engine, str(cwasm)))
+        component = wc.Component.deserialize_file(engine, str(cwasm))
+        return ComponentArtifact(engine, component, linker)
     return CoreArtifact(engine, wasmtime.Module.deserialize_file(engine, str(cwasm)))
 
 

@@ -76,32 +76,56 @@ def _bad(message: str) -> KServeError:
 
 
 def _count_and_check(data: Any, datatype: str, name: str) -> int:
-    """Number of elements in (possibly nested) `data`, checking each element's type."""
-    ints = _INT_RANGES.get(datatype)
+    """Number of elements in (possibly nested) `data`, checking each element's type.
+
+    `data` comes from json.loads, so exact type tests are complete (bool is the only subclass,
+    of int, and it is rejected where a number is expected); this runs once per element of every
+    request, hence one tight loop per kind of datatype.
+    """
     count = 0
-    stack = [data if isinstance(data, list) else [data]]
+    stack = [data if type(data) is list else [data]]
+    if datatype in _FLOATS:
+        isfinite = math.isfinite
+        while stack:
+            for v in stack.pop():
+                t = type(v)
+                if t is float:
+                    if not isfinite(v):
+                        raise _bad(f"input {name!r}: non-finite {datatype} element")
+                elif t is list:
+                    stack.append(v)
+                    continue
+                elif t is not int:
+                    raise _bad(f"input {name!r}: {datatype} element {v!r} is not a number")
+                count += 1
+        return count
+    ints = _INT_RANGES.get(datatype)
+    if ints is not None:
+        low, high = ints
+        while stack:
+            for v in stack.pop():
+                t = type(v)
+                if t is int:
+                    if not low <= v <= high:
+                        raise _bad(f"input {name!r}: {v} is out of range for {datatype}")
+                elif t is list:
+                    stack.append(v)
+                    continue
+                else:
+                    raise _bad(f"input {name!r}: {datatype} element {v!r} is not an integer")
+                count += 1
+        return count
+    # BOOL, or BYTES (strings in JSON)
+    want, what = (bool, "true/false") if datatype == "BOOL" else (str, "a string")
     while stack:
-        items = stack.pop()
-        for v in items:
-            if isinstance(v, list):
+        for v in stack.pop():
+            t = type(v)
+            if t is list:
                 stack.append(v)
                 continue
+            if t is not want:
+                raise _bad(f"input {name!r}: {datatype} element {v!r} is not {what}")
             count += 1
-            if datatype in _FLOATS:
-                if isinstance(v, bool) or not isinstance(v, int | float):
-                    raise _bad(f"input {name!r}: {datatype} element {v!r} is not a number")
-                if isinstance(v, float) and not math.isfinite(v):
-                    raise _bad(f"input {name!r}: non-finite {datatype} element")
-            elif ints is not None:
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise _bad(f"input {name!r}: {datatype} element {v!r} is not an integer")
-                if not ints[0] <= v <= ints[1]:
-                    raise _bad(f"input {name!r}: {v} is out of range for {datatype}")
-            elif datatype == "BOOL":
-                if not isinstance(v, bool):
-                    raise _bad(f"input {name!r}: BOOL element {v!r} is not true/false")
-            elif not isinstance(v, str):  # BYTES in JSON are strings
-                raise _bad(f"input {name!r}: BYTES element {v!r} is not a string")
     return count
 
 

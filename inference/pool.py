@@ -16,11 +16,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import wasmtime
+from wasmtime import component as wc
 
 from .config import FunctionSpec
 from .engine import deadline_ticks
 from .errors import InferenceError, RegistryError, SignatureError
-from .host import Artifact, CallResult, Instance, load_precompiled
+from .host import Artifact, CallResult, Instance, component_linker, load_precompiled
 from .kserve import Signature
 from .metrics import Metrics
 from .registry import Registry, VerifiedArtifact
@@ -54,6 +55,7 @@ class FunctionRuntime:
         trusted: TrustedKeys,
         metrics: Metrics,
         prewarm_executor: Executor,
+        linker: wc.Linker | None = None,
     ) -> None:
         self.spec = spec
         self.name = spec.name
@@ -64,6 +66,9 @@ class FunctionRuntime:
         self.trusted = trusted
         self.metrics = metrics
         self.prewarm_executor = prewarm_executor
+        # Shared across loads (and, from the Backend, across functions): it holds no state of
+        # this function, unlike the Component, which is dropped on every unload.
+        self.linker = linker
         self.verified: VerifiedArtifact | None = None
         self.signature: Signature | None = None
         self.refusal: Refused | None = None
@@ -123,8 +128,10 @@ class FunctionRuntime:
                 verified = self.verified
                 if verified is None:
                     raise self.refusal or Refused(f"function {self.label} refused", 403)
+            if verified.kind == "python" and self.linker is None:
+                self.linker = component_linker(self.engine)
             try:
-                artifact = load_precompiled(self.engine, verified.kind, verified.cwasm)
+                artifact = load_precompiled(self.engine, verified.kind, verified.cwasm, self.linker)
             except wasmtime.WasmtimeError as exc:
                 self._refuse(f"cannot load the precompiled artifact: {exc}", 403)
                 raise self.refusal or Refused(str(exc), 403) from None

@@ -22,7 +22,14 @@ from meshfn.inference.config import FunctionSpec, parse_config
 from meshfn.inference.engine import EpochTicker, engine_key, new_engine
 from meshfn.inference.errors import RegistryError, SignatureError
 from meshfn.inference.examples import publish_examples
-from meshfn.inference.host import Outcome, load_precompiled
+from meshfn.inference.host import (
+    CallResult,
+    ComponentArtifact,
+    CoreArtifact,
+    CoreInstance,
+    Outcome,
+    load_precompiled,
+)
 from meshfn.inference.metrics import Metrics
 from meshfn.inference.pool import FunctionRuntime
 from meshfn.inference.registry import Registry, sign_module
@@ -155,6 +162,69 @@ def test_iris_component_predicts(published: Published, engine: wasmtime.Engine) 
     outputs = {o["name"]: o for o in json.loads(result.body)["outputs"]}
     assert outputs["label"]["data"] == [0, 2]  # setosa, virginica
     assert outputs["probabilities"]["shape"] == [2, 3]
+
+
+def core_module(
+    engine: wasmtime.Engine,
+    *,
+    alloc: str = "(i32.const 1024)",
+    infer: str = "(call $pack (local.get $p) (local.get $n))",  # echo the request, status ok
+    version: str = "(i32.const 1)",
+    memory: str = '(memory (export "memory") 1)',
+) -> CoreInstance:
+    """A hand-written core ABI module, to drive the host's raw C-API call path to its edges."""
+    wat = f"""(module
+      {memory}
+      (data (i32.const 16) "{{}}")
+      (func $pack (param $p i32) (param $n i32) (result i64)
+        (i64.or (i64.shl (i64.extend_i32_u (local.get $p)) (i64.const 32))
+                (i64.extend_i32_u (local.get $n))))
+      (func (export "meshfn_abi_version") (result i32) {version})
+      (func (export "meshfn_alloc") (param $n i32) (result i32) {alloc})
+      (func (export "meshfn_metadata") (result i64) (call $pack (i32.const 16) (i32.const 2)))
+      (func (export "meshfn_infer") (param $p i32) (param $n i32) (result i64) {infer}))"""
+    artifact = CoreArtifact(engine, wasmtime.Module(engine, wat))
+    instance = artifact.instantiate(1 << 20)
+    assert isinstance(instance, CoreInstance)
+    return instance
+
+
+def test_core_calls_through_the_c_api(engine: wasmtime.Engine) -> None:
+    inst = core_module(engine)
+    assert inst.metadata() == "{}"
+    for body in ('{"a": 1}', "é" * 3000):  # the request bytes round-trip through linear memory
+        assert inst.call(body, 100) == CallResult(Outcome.OK, body)
+    status1 = "(i64.or (i64.const 0x4000000000000000) (call $pack (local.get $p) (i32.const 2)))"
+    assert core_module(engine, infer=status1).call("{}", 100).outcome is Outcome.BAD_REQUEST
+    no_room = core_module(engine, alloc="(i32.const 0)").call("{}", 100)
+    assert no_room.outcome is Outcome.OUT_OF_MEMORY
+    past_end = core_module(engine, infer="(call $pack (i32.const 65530) (i32.const 100))")
+    assert "outside linear memory" in past_end.call("{}", 100).body
+    high = core_module(engine, alloc="(i32.const -16)")  # 0xFFFFFFF0: unsigned, out of memory
+    assert high.call("{}", 100).outcome is Outcome.TRAP
+    assert core_module(engine, infer="(unreachable)").call("{}", 100).outcome is Outcome.TRAP
+    spin = core_module(engine, infer="(loop (br 0)) (unreachable)").call("{}", 2)
+    assert spin.outcome is Outcome.TIMEOUT
+    inst.close()
+    with pytest.raises(ValueError, match="closed"):  # never a call into a freed store
+        inst.call("{}", 100)
+
+
+def test_core_abi_mismatches_fail_cleanly(engine: wasmtime.Engine) -> None:
+    with pytest.raises(wasmtime.WasmtimeError, match="unknown meshfn ABI version"):
+        core_module(engine, version="(i32.const 2)")
+    with pytest.raises(wasmtime.WasmtimeError, match="'memory' has the wrong kind"):
+        core_module(engine, memory='(memory 1) (func (export "memory"))')
+    with pytest.raises(wasmtime.WasmtimeError, match="lacks ABI export 'memory'"):
+        core_module(engine, memory="(memory 1)")
+    # wasmtime checks value types on every call: a wrong signature is an error, not a crash
+    wat = """(module (memory (export "memory") 1)
+      (func (export "meshfn_abi_version") (result i32) (i32.const 1))
+      (func (export "meshfn_alloc") (param i64) (result i32) (i32.const 64))
+      (func (export "meshfn_metadata") (result i64) (i64.const 0))
+      (func (export "meshfn_infer") (param i32 i32) (result i64) (i64.const 0)))"""
+    wrong = CoreArtifact(engine, wasmtime.Module(engine, wat)).instantiate(1 << 20)
+    assert wrong.call("{}", 100).outcome is Outcome.TRAP
 
 
 # ---------------------------------------------------------------------- registry and signatures
@@ -418,6 +488,37 @@ async def test_idle_functions_scale_to_zero(published: Published) -> None:
         assert not rt.loaded and not rt._idle
         assert (await b.infer("chaos-core", None, X.encode())).status == 200
         assert b.metrics.cold_starts.labels(rt.label)._value.get() == 2
+    finally:
+        await b.drain(1)
+
+
+async def test_component_linker_is_shared_but_every_load_is_fresh(published: Published) -> None:
+    b = backend_for(
+        published,
+        [{"name": "chaos", "idleTtlSeconds": 0.05}, {"name": "iris"}, {"name": "chaos-core"}],
+    )
+    await b.start()
+    try:
+        chaos_rt, iris_rt = b.lookup("chaos", None), b.lookup("iris", None)
+        assert (await b.infer("chaos", None, X.encode())).status == 200
+        first = chaos_rt._artifact
+        assert isinstance(first, ComponentArtifact) and first.linker is b.linker
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not chaos_rt.loaded:
+                break
+        assert not chaos_rt.loaded
+        assert (await b.infer("chaos", None, X.encode())).status == 200
+        second = chaos_rt._artifact
+        assert isinstance(second, ComponentArtifact) and second.linker is b.linker
+        assert second.component is not first.component  # unloaded means deserialized again
+        # many threads instantiate different components through the one linker at once
+        iris = json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 4],
+                                       "data": [5.1, 3.5, 1.4, 0.2]}]})  # fmt: skip
+        calls = [(chaos_rt, X), (iris_rt, iris)] * 4
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda call: call[0].invoke(call[1]).result, calls))
+        assert [r.outcome for r in results] == [Outcome.OK] * 8, results
     finally:
         await b.drain(1)
 

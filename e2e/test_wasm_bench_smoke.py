@@ -28,7 +28,7 @@ def test_filters_bench_smoke(tmp_path: Path) -> None:
     number = r"-?\d+(\.\d+)?"
     assert re.fullmatch(
         rf"filters: audit_cpu_us={number} degrade_cpu_us={number} both_cpu_us={number} "
-        rf"both_p50_overhead_us={number} combined_cpu_us={number}",
+        rf"both_p50_overhead_us={number} two_plugins_cpu_us={number} both_full_cpu_us={number}",
         line,
     ), line
     data = json.loads(out.read_text())
@@ -38,9 +38,10 @@ def test_filters_bench_smoke(tmp_path: Path) -> None:
         "audit",
         "degrade",
         "both",
-        "combined",
+        "two_plugins",
+        "both_full",
+        "both_trigger",
         "audit_metadata",
-        "audit_header",
     }
     assert all(len(v) == 2 for v in data["cpu_us_paired_differences"].values())
     assert data["configs"]["none"]["cpu_us_median"] > 0

@@ -293,6 +293,15 @@ class Audit:
 
 
 @dataclass(frozen=True)
+class Drill:
+    """Callers who may force degraded routes with `header` (policy: Mesh.spec.drill)."""
+
+    header: str
+    principals: tuple[str, ...]  # SPIFFE URIs (exact)
+    request_principals: tuple[str, ...]  # "<iss>/<sub>", "<iss>/*", "*"
+
+
+@dataclass(frozen=True)
 class Overlay:
     """Runtime state layered over the policies (never written back to them): routes the drift
     breaker has sent down their fallback chain."""
@@ -312,6 +321,7 @@ class MeshModel:
     functions: tuple[Function, ...] = ()
     acceleration: Literal["ebpf", "off", "auto"] = "off"
     audit: Audit | None = None
+    drill: Drill | None = None
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

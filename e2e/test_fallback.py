@@ -18,7 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jwt
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
+from jwt.algorithms import ECAlgorithm
 from meshfn_e2e import MESHFN, Proc, Processes, free_ports, meshfn, wait_for, wait_for_synced
 
 from meshfn.control_plane.audit.collector import journal_path
@@ -38,7 +41,37 @@ def locality(text: str) -> str:
     return f"{{region: {region}, zone: {zone}, node: {node}}}"
 
 
-def policies(ports: dict[str, int], audit: bool = False) -> str:
+ISSUER = "https://drill.test"
+SIGNING_KEY = ec.generate_private_key(ec.SECP256R1())
+
+
+def jwks() -> str:
+    jwk = json.loads(ECAlgorithm.to_jwk(SIGNING_KEY.public_key()))
+    return json.dumps({"keys": [{**jwk, "kid": "k1", "alg": "ES256", "use": "sig"}]})
+
+
+def bearer(sub: str) -> dict[str, str]:
+    now = int(time.time())
+    claims = {"iss": ISSUER, "sub": sub, "exp": now + 600, "nbf": now - 60}
+    token = jwt.encode(claims, SIGNING_KEY, algorithm="ES256", headers={"kid": "k1"})
+    return {"authorization": f"Bearer {token}"}
+
+
+DRILL = f"""---
+apiVersion: meshfn.io/v1alpha1
+kind: RequestAuthentication
+metadata: {{name: drill-jwt}}
+spec:
+  selector: {{gateway: edge}}
+  jwtRules: [{{issuer: "{ISSUER}", jwks: '{jwks()}'}}]
+"""
+
+
+def policies(ports: dict[str, int], audit: bool = False, drill: bool = False) -> str:
+    extra = ", audit: {proxies: gateways}" if audit else ""
+    if drill:
+        extra += f", drill: {{requestPrincipals: [{ISSUER}/sre-oncall]}}"
+
     def endpoint(name: str) -> str:
         return (
             f"{{address: 127.0.0.1, port: {ports[name]}, locality: {locality(UPSTREAMS[name][1])}}}"
@@ -48,9 +81,7 @@ def policies(ports: dict[str, int], audit: bool = False) -> str:
 apiVersion: meshfn.io/v1alpha1
 kind: Mesh
 metadata: {{name: fb}}
-spec: {{trustDomain: fb.local, ports: {{xds: {ports["xds"]}, admin: {ports["admin"]}}}{
-        ", audit: {proxies: gateways}" if audit else ""
-    }}}
+spec: {{trustDomain: fb.local, ports: {{xds: {ports["xds"]}, admin: {ports["admin"]}}}{extra}}}
 ---
 apiVersion: meshfn.io/v1alpha1
 kind: Gateway
@@ -112,7 +143,7 @@ spec:
   matches: [{{path: {{prefix: /lite}}}}]
   destination: {{service: model-lite}}
   retries: {{attempts: 2, retryOn: [connect-failure, refused-stream, reset]}}
-"""
+""" + (DRILL if drill else "")
 
 
 @dataclass
@@ -139,12 +170,16 @@ class Topology:
 def topology(
     procs: Processes, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Topology]:
-    """param True: the Mesh also audits the gateway."""
+    """param: "audit" (the Mesh also audits the gateway) or "drill" (a drill names a JWT
+    caller, and the gateway verifies JWTs)."""
     names = ["xds", "admin", "envoy_admin", "listener", *UPSTREAMS]
     ports = dict(zip(names, free_ports(len(names)), strict=True))
     root = tmp_path / "policies"
     root.mkdir()
-    (root / "mesh.yaml").write_text(policies(ports, audit=getattr(request, "param", False)))
+    option = getattr(request, "param", "")
+    (root / "mesh.yaml").write_text(
+        policies(ports, audit=option == "audit", drill=option == "drill")
+    )
     topo = Topology(ports, procs, tmp_path)
     for name, (service, where) in UPSTREAMS.items():
         topo.delay(name, 0)
@@ -294,7 +329,7 @@ def test_a_slow_upstream_trips_the_drift_breaker_and_traffic_returns(topology: T
     assert 'meshfn_drift_transitions_total{route="default/model",to="healthy"} 1.0' in metrics
 
 
-@pytest.mark.parametrize("topology", [True], indirect=True)
+@pytest.mark.parametrize("topology", ["audit"], indirect=True)
 def test_audit_and_degrade_run_as_one_plugin(topology: Topology) -> None:
     """A gateway that audits and has a drift breaker runs both filters as ONE plugin over ECDS:
     the breaker trips and resets by pushing that plugin's configuration, and every answered
@@ -322,6 +357,32 @@ def test_audit_and_degrade_run_as_one_plugin(topology: Topology) -> None:
     assert routes["default/model/0/degraded"] > 0 and routes["default/model/0"] > 0, routes
     for record in found:
         assert json.loads(record["audit"])["body"] == "off", record  # the audit part ran
+
+
+@pytest.mark.parametrize("topology", ["drill"], indirect=True)
+def test_a_drill_caller_can_force_the_degraded_route(topology: Topology) -> None:
+    """Mesh.spec.drill names a JWT caller: its `x-meshfn-degrade: 1` takes the degraded route
+    (the fallback service answers) while the breaker is healthy; the same header from another
+    verified caller, from a caller without a token, or with spoofed claim headers does not."""
+    lite = endpoint(topology, "lite")
+    drill = {"x-meshfn-degrade": "1"}
+
+    def who(headers: dict[str, str]) -> str | None:
+        answer = served(topology, headers=headers)
+        return answer.get("endpoint") if answer else None
+
+    assert who({**drill, **bearer("sre-oncall")}) == lite
+    assert who(bearer("sre-oncall")) != lite  # no header: the primary
+    assert who({**drill, **bearer("someone-else")}) not in (None, lite)
+    assert who(drill) not in (None, lite)
+    spoofed = {"x-meshfn-jwt-iss": ISSUER, "x-meshfn-jwt-sub": "sre-oncall"}
+    assert who({**drill, **spoofed}) not in (None, lite)
+    assert who({**drill, **spoofed, **bearer("someone-else")}) not in (None, lite)
+    stats = http_get(
+        f"http://127.0.0.1:{topology.ports['envoy_admin']}/stats?filter=meshfn_degrade"
+    )
+    assert "meshfn_degrade.trigger_honoured: 1" in stats, stats
+    assert "meshfn_degrade.trigger_denied: 4" in stats, stats
 
 
 def test_clients_cannot_pick_the_degraded_route(topology: Topology) -> None:

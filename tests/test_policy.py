@@ -513,3 +513,64 @@ def test_two_functions_with_one_name_clash(tmp_path: Path) -> None:
     )
     errors = errors_for(tmp_path, one + "---\n" + backend + "---\n" + other)
     assert any("identical match to Function default/iris" in e.message for e in errors), errors
+
+
+def mesh_with(tmp_path: Path, spec_extra: str) -> Path:
+    files = base_files()
+    files["mesh.yaml"] = MESH.replace("admin: 18001}}", f"admin: 18001}}, {spec_extra}}}") + (
+        "---\n" + GATEWAY
+    )
+    return write(tmp_path, files)
+
+
+def test_drill_compiles_to_spiffe_ids_and_request_principals(tmp_path: Path) -> None:
+    root = mesh_with(
+        tmp_path,
+        "drill: {principals: [test.local/ns/ops/sa/game-day],"
+        " requestPrincipals: ['https://id.example/sre', 'https://chaos.example/*', '*']}",
+    )
+    assert load_policies(root).drill == ir.Drill(
+        header="x-meshfn-degrade",
+        principals=("spiffe://test.local/ns/ops/sa/game-day",),
+        request_principals=("https://id.example/sre", "https://chaos.example/*", "*"),
+    )
+    assert load_policies(write(tmp_path, base_files())).drill is None
+
+
+DRILL_CASES = [
+    ("drill: {}", "spec.drill", "principals or requestPrincipals"),
+    ("drill: {principals: ['*']}", "spec.drill.principals[0]", "pattern"),
+    ("drill: {principals: ['test.local/ns/*']}", "spec.drill.principals[0]", "pattern"),
+    ("drill: {requestPrincipals: [a/b], header: X-Drill}", "spec.drill", "lowercase"),
+    (
+        "drill: {requestPrincipals: [a/b], header: x-meshfn-degrade-route}",
+        "spec.drill",
+        "not the internal routing header",
+    ),
+    ("drill: {requestPrincipals: [no-slash]}", "spec.drill.requestPrincipals[0]", "must be"),
+    (
+        "drill: {requestPrincipals: ['https://x/a/b*']}",
+        "spec.drill.requestPrincipals[0]",
+        "must be",
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "path", "fragment"), DRILL_CASES)
+def test_drill_errors(tmp_path: Path, extra: str, path: str, fragment: str) -> None:
+    with pytest.raises(PolicyErrors) as caught:
+        load_policies(mesh_with(tmp_path, extra))
+    errors = caught.value.errors
+    assert [e for e in errors if e.path == path and fragment in e.message], [str(e) for e in errors]
+
+
+def test_request_principals_with_url_issuers(tmp_path: Path) -> None:
+    """Istio's requestPrincipals are "<iss>/<sub>" and issuers are usually URLs."""
+    files = base_files()
+    files["authz.yaml"] = doc(
+        "AuthorizationPolicy",
+        "  rules:\n    - from: [{source: {requestPrincipals: ['https://id.example/alice']}}]\n",
+    )
+    model = load_policies(write(tmp_path, files))
+    (policy,) = model.workloads[0].authz
+    assert policy.rules[0].sources[0].request_principals == ("https://id.example/alice",)

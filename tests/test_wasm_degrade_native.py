@@ -105,6 +105,26 @@ class Request:
 BAD: list[tuple[bytes, str]] = [
     (b"{}", "rules: required"),
     (
+        json.dumps({"rules": [], "trigger": {"request_principals": []}}).encode(),
+        "trigger.principals: principals or request_principals must name at least one caller",
+    ),
+    (
+        json.dumps(
+            {"rules": [], "trigger": {"request_principals": ["a/b"], "issuer_header": "X"}}
+        ).encode(),
+        "trigger.issuer_header: must be a lowercase header name",
+    ),
+    (
+        json.dumps(
+            {"rules": [], "trigger": {"request_principals": ["a/b"], "subject_header": 1}}
+        ).encode(),
+        "trigger.subject_header: must be a lowercase header name",
+    ),
+    (
+        json.dumps({"rules": [], "trigger": {"request_principals": [""]}}).encode(),
+        "trigger.request_principals: entries must be",
+    ),
+    (
         json.dumps({"rules": [], "listener_strips_routing_header": 1}).encode(),
         "listener_strips_routing_header: must be a boolean",
     ),
@@ -259,6 +279,77 @@ def test_trigger_honoured_only_for_named_callers(host: Any) -> None:
         assert req.routing_header() is None
         assert host.header(fakehost.REQUEST_HEADERS, b"x-meshfn-degrade") is None
         assert host.metric("meshfn_degrade.trigger_denied") == denied + 1
+        req.close()
+
+
+ISS = b"https://issuer.example"
+
+
+def jwt_caller(iss: bytes | None, sub: bytes | None) -> list[tuple[bytes, bytes]]:
+    """The claim headers jwt_authn writes for a verified token (clients cannot: stripped early)."""
+    headers = [(b"x-meshfn-degrade", b"1")]
+    if iss is not None:
+        headers.append((b"x-meshfn-jwt-iss", iss))
+    if sub is not None:
+        headers.append((b"x-meshfn-jwt-sub", sub))
+    return headers
+
+
+@pytest.mark.parametrize(
+    ("allowed", "iss", "sub", "honoured"),
+    [
+        ([ISS.decode() + "/alice"], ISS, b"alice", True),
+        ([ISS.decode() + "/alice"], ISS, b"alice2", False),
+        ([ISS.decode() + "/alice"], ISS, b"alic", False),
+        ([ISS.decode() + "/alice"], ISS + b"/alice", b"", False),
+        ([ISS.decode() + "/alice"], ISS, None, False),
+        ([ISS.decode() + "/alice"], None, b"alice", False),
+        ([ISS.decode() + "/*"], ISS, b"anyone", True),
+        ([ISS.decode() + "/*"], ISS, b"", True),
+        ([ISS.decode() + "/*"], b"https://issuer.exampleX", b"anyone", False),
+        ([ISS.decode() + "/*"], ISS + b"/evil", b"x", False),  # not a prefix match
+        ([ISS.decode() + "/*"], b"https://issuer", b"example/x", False),
+        (["*"], b"a", b"b", True),
+        (["no-slash"], b"no-slash", b"", False),
+        (["other/x", ISS.decode() + "/bob"], ISS, b"bob", True),
+    ],
+)
+def test_trigger_for_named_request_principals(
+    host: Any, allowed: list[str], iss: bytes | None, sub: bytes | None, honoured: bool
+) -> None:
+    """Callers named by verified JWT, with RBAC's requestPrincipals semantics (`*`, `iss/*`,
+    `iss/sub`), as at a gateway whose clients authenticate with tokens rather than mTLS."""
+    cfg = json.dumps({"rules": [rule()], "trigger": {"request_principals": allowed}}).encode()
+    req = Request(host, cfg)
+    req.send(jwt_caller(iss, sub), peer=OPS)  # an mTLS peer not named: only the JWT counts
+    assert req.routing_header() == (b"classifier-cpu" if honoured else None)
+    assert host.header(fakehost.REQUEST_HEADERS, b"x-meshfn-degrade") is None
+    name = "trigger_honoured" if honoured else "trigger_denied"
+    assert host.metric(f"meshfn_degrade.{name}") >= 1
+    req.close()
+
+
+def test_trigger_principals_and_request_principals_together(host: Any) -> None:
+    trigger = {
+        "principals": [OPS.decode()],
+        "request_principals": ["iss/sub"],
+        "issuer_header": "x-i",
+        "subject_header": "x-s",
+    }
+    cfg = json.dumps({"rules": [rule()], "trigger": trigger}).encode()
+    for headers, peer, honoured in [
+        ([(b"x-meshfn-degrade", b"1")], OPS, True),
+        ([(b"x-meshfn-degrade", b"1"), (b"x-i", b"iss"), (b"x-s", b"sub")], None, True),
+        (
+            [(b"x-meshfn-degrade", b"1"), (b"x-meshfn-jwt-iss", b"iss"), (b"x-s", b"sub")],
+            None,
+            False,
+        ),
+        ([(b"x-meshfn-degrade", b"1")], None, False),
+    ]:
+        req = Request(host, cfg)
+        req.send(headers, peer=peer)
+        assert req.routing_header() == (b"classifier-cpu" if honoured else None), headers
         req.close()
 
 

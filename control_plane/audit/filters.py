@@ -164,14 +164,38 @@ class DegradeRule(_Strict):
         return self
 
 
+_CALLER = Annotated[str, Field(pattern=r"^[!#-+\--\[\]-~]{1,2048}$")]
+ISSUER_HEADER = "x-meshfn-jwt-iss"
+SUBJECT_HEADER = "x-meshfn-jwt-sub"
+
+
 class Trigger(_Strict):
-    """Per-request degradation for drills: `<header>: <depth 1-8>`, honoured only when the mTLS
-    peer's URI SAN is listed; stripped from every request either way."""
+    """Per-request degradation for drills: `<header>: <depth 1-8>`, honoured only for a listed
+    mTLS peer (URI SAN) or a listed verified JWT (`<iss>/<sub>`, `prefix*`); stripped from every
+    request either way."""
 
     header: Annotated[str, Field(pattern=_HEADER)] = TRIGGER_HEADER
-    principals: list[Annotated[str, Field(pattern=r"^[!#-+\--\[\]-~]{1,2048}$")]] = Field(
-        min_length=1, max_length=256, description="SPIFFE IDs allowed to use the trigger"
+    principals: list[_CALLER] = Field(
+        default_factory=list, max_length=256, description="SPIFFE IDs allowed to use the trigger"
     )
+    request_principals: list[_CALLER] = Field(
+        default_factory=list,
+        max_length=256,
+        description="`<iss>/<sub>` of verified JWTs allowed to use the trigger; a trailing `*`"
+        " matches a prefix",
+    )
+    issuer_header: Annotated[str, Field(pattern=_HEADER)] = Field(
+        ISSUER_HEADER, description="where jwt_authn writes the verified `iss` (claim_to_headers)"
+    )
+    subject_header: Annotated[str, Field(pattern=_HEADER)] = Field(
+        SUBJECT_HEADER, description="where jwt_authn writes the verified `sub` (claim_to_headers)"
+    )
+
+    @model_validator(mode="after")
+    def _someone(self) -> Trigger:
+        if not self.principals and not self.request_principals:
+            raise ValueError("principals or request_principals must name at least one caller")
+        return self
 
 
 class DegradeSettings(_Strict):
@@ -333,14 +357,17 @@ def meshfn_filter(
 def internal_headers(
     degrade: DegradeSettings | None = None, audit: AuditSettings | None = None
 ) -> list[str]:
-    """Headers only Envoy itself may set: the routing header, and in jwt_headers mode the claim
-    headers jwt_authn writes."""
+    """Headers only Envoy itself may set: the routing header, and the claim headers jwt_authn
+    writes (audit in jwt_headers mode; a trigger naming request principals)."""
     names = [degrade.routing_header] if degrade is not None else []
+    trigger = degrade.trigger if degrade is not None else None
+    if trigger is not None and trigger.request_principals:
+        names += [trigger.issuer_header, trigger.subject_header]
     if audit is not None and audit.subject_source == "jwt_headers":
         names.append(audit.sub_header)
         if audit.tenant_claim:
             names.append(audit.tenant_header)
-    return names
+    return list(dict.fromkeys(names))
 
 
 def early_header_mutation(

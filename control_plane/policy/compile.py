@@ -7,7 +7,7 @@ from datetime import timedelta
 from .. import ir
 from . import fallback
 from .errors import PolicyError
-from .model import Audit, Function, Gateway, Locality, Mesh, Route, Service
+from .model import Audit, Drill, Function, Gateway, Locality, Mesh, Route, Service
 from .references import resolve_gateway, where
 from .security import Security, spiffe_id
 from .validate import Loaded
@@ -222,6 +222,17 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         functions=tuple(sorted(functions, key=lambda f: (f.namespace, f.name))),
         acceleration=mesh.obj.spec.acceleration,
         audit=_audit(mesh.obj.spec.audit),
+        drill=_drill(mesh.obj.spec.drill),
+    )
+
+
+def _drill(spec: Drill | None) -> ir.Drill | None:
+    if spec is None:
+        return None
+    return ir.Drill(
+        header=spec.header,
+        principals=tuple(f"spiffe://{p}" for p in spec.principals),
+        request_principals=tuple(spec.requestPrincipals),
     )
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .types import (
+    EXACT_PRINCIPAL,
     ConditionKey,
     Duration,
     HeaderName,
@@ -129,6 +130,32 @@ class Audit(Strict):
     bodyHash: BodyHashing = Field(default_factory=BodyHashing)
 
 
+class Drill(Strict):
+    """Callers allowed to force drift-guarded routes onto their degraded route (game days,
+    testing a fallback before it is needed): a request from them carrying `<header>: 1` goes
+    where a tripped breaker would send it. The header is stripped from every request; from
+    anyone else it is ignored (and counted)."""
+
+    header: HeaderName = Field("x-meshfn-degrade", description="the drill header (lowercase)")
+    principals: list[Annotated[str, Field(pattern=EXACT_PRINCIPAL, max_length=512)]] = Field(
+        default_factory=list,
+        description="mTLS callers, <trust-domain>/ns/<namespace>/sa/<account> (exact)",
+    )
+    requestPrincipals: list[RequestPrincipal] = Field(
+        default_factory=list,
+        description="callers with a verified JWT, <iss>/<sub> (or <iss>/* or *), as in"
+        " AuthorizationPolicy",
+    )
+
+    @model_validator(mode="after")
+    def _someone(self) -> Self:
+        if not self.principals and not self.requestPrincipals:
+            raise ValueError("a drill names callers: principals or requestPrincipals")
+        if not self.header.islower() or self.header == "x-meshfn-degrade-route":
+            raise ValueError("header must be lowercase and not the internal routing header")
+        return self
+
+
 class MeshSpec(Strict):
     trustDomain: TrustDomain
     ports: MeshPorts = Field(default_factory=MeshPorts)
@@ -143,6 +170,9 @@ class MeshSpec(Strict):
         "ebpf requires it, auto uses it where the kernel allows",
     )
     audit: Audit | None = Field(None, description="request audit trail; absent: off")
+    drill: Drill | None = Field(
+        None, description="callers who may force degraded routes with a header; absent: nobody"
+    )
 
     @model_validator(mode="after")
     def _ttl(self) -> Self:

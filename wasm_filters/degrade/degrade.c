@@ -34,8 +34,14 @@ struct root {
    * mutation, as meshfn's translator configures it): no need to look for a spoofed one. */
   int listener_strips_routing_header;
   char *trigger_header; /* NULL: no trigger */
-  char **principals;
+  char **principals;    /* mTLS peer URI SANs allowed to use the trigger */
   size_t n_principals;
+  // Verified JWTs allowed to use the trigger ("*", "<iss>/*", "<iss>/<sub>"), read from the
+  // headers jwt_authn writes (claim_to_headers; clients cannot set them: the listener strips
+  // them before any filter runs).
+  char **request_principals;
+  size_t n_request_principals;
+  char *issuer_header, *subject_header;
   rule_t *rules;
   size_t n_rules;
   /* Precomputed so a healthy request (nothing degraded, no trigger) costs no property reads:
@@ -62,6 +68,9 @@ void filter_root_free(root_t *r) {
   mf_free(r->routing_header);
   mf_free(r->trigger_header);
   free_list(r->principals, r->n_principals);
+  free_list(r->request_principals, r->n_request_principals);
+  mf_free(r->issuer_header);
+  mf_free(r->subject_header);
   for (size_t i = 0; i < r->n_rules; i++) {
     rule_t *u = &r->rules[i];
     mf_free(u->name);
@@ -170,7 +179,8 @@ int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
 
   v = json_get(c, "trigger");
   if (v) {
-    static const char *const tkeys[] = {"header", "principals", 0};
+    static const char *const tkeys[] = {"header",         "principals",     "request_principals",
+                                        "issuer_header",  "subject_header", 0};
     if (v->type != J_OBJ) return set_err(err, es, "trigger", "must be an object"), 0;
     bad = json_unknown_key(v, tkeys);
     if (bad) return set_err(err, es, "trigger", "unknown field"), 0;
@@ -181,8 +191,22 @@ int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
     if (!read_names(v, "principals", "trigger.principals", MAX_PRINCIPALS, 2048, &r->principals,
                     &r->n_principals, err, es))
       return 0;
-    if (r->n_principals == 0)
-      return set_err(err, es, "trigger.principals", "must name at least one caller"), 0;
+    if (!read_names(v, "request_principals", "trigger.request_principals", MAX_PRINCIPALS, 2048,
+                    &r->request_principals, &r->n_request_principals, err, es))
+      return 0;
+    if (r->n_principals == 0 && r->n_request_principals == 0)
+      return set_err(err, es, "trigger.principals",
+                     "principals or request_principals must name at least one caller"), 0;
+    h = json_get(v, "issuer_header");
+    if (h && !header_name_ok(h))
+      return set_err(err, es, "trigger.issuer_header", "must be a lowercase header name"), 0;
+    r->issuer_header = h ? str_dup((str_t){h->str, h->len}) : str_dup(STR("x-meshfn-jwt-iss"));
+    h = json_get(v, "subject_header");
+    if (h && !header_name_ok(h))
+      return set_err(err, es, "trigger.subject_header", "must be a lowercase header name"), 0;
+    r->subject_header = h ? str_dup((str_t){h->str, h->len}) : str_dup(STR("x-meshfn-jwt-sub"));
+    if (!r->issuer_header || !r->subject_header)
+      return set_err(err, es, "trigger", "out of memory"), 0;
     if (r->trigger_header && r->routing_header &&
         str_eq_lit((str_t){r->trigger_header, mf_strlen(r->trigger_header)}, r->routing_header))
       return set_err(err, es, "trigger.header", "must differ from routing_header"), 0;
@@ -230,6 +254,44 @@ static int listed(char **items, size_t n, str_t s) {
   return 0;
 }
 
+// A verified JWT's iss and sub against request_principals, with the semantics of RBAC's
+// requestPrincipals: "*" (any verified token), "<iss>/*" (any subject of that issuer) or
+// "<iss>/<sub>", split at the last "/" (issuers are URLs; subjects have no "/").
+static int request_principal_listed(const root_t *r, str_t iss, str_t sub) {
+  for (size_t i = 0; i < r->n_request_principals; i++) {
+    const char *want = r->request_principals[i];
+    size_t n = mf_strlen(want), slash = n;
+    if (n == 1 && want[0] == '*') return 1;
+    while (slash > 0 && want[slash - 1] != '/') slash--;
+    if (slash == 0) continue; /* no "/": never matches (the policy model refuses it) */
+    str_t want_iss = {want, slash - 1}, want_sub = {want + slash, n - slash};
+    if (!str_eq(want_iss, iss)) continue;
+    if ((want_sub.n == 1 && want_sub.p[0] == '*') || str_eq(want_sub, sub)) return 1;
+  }
+  return 0;
+}
+
+/* Whether the caller may use the trigger: a listed mTLS peer or a listed verified JWT. */
+static int caller_allowed(const root_t *r) {
+  str_t v, w;
+  int allowed = 0;
+  if (r->n_principals) {
+    static const char path[] = "connection\0uri_san_peer_certificate";
+    if (get_property(path, sizeof path - 1, &v)) {
+      allowed = listed(r->principals, r->n_principals, v);
+      mf_free((void *)v.p);
+    }
+  }
+  if (!allowed && r->n_request_principals && get_header(MAP_REQUEST_HEADERS, r->issuer_header, &v)) {
+    if (get_header(MAP_REQUEST_HEADERS, r->subject_header, &w)) {
+      allowed = request_principal_listed(r, v, w);
+      mf_free((void *)w.p);
+    }
+    mf_free((void *)v.p);
+  }
+  return allowed;
+}
+
 static void clear_route_cache(void) {
   char *res = 0;
   size_t n = 0;
@@ -254,14 +316,7 @@ static int trigger_depth(http_t *h) {
     counter_inc(r->m_trigger_bad);
     return -1;
   }
-  str_t peer;
-  static const char path[] = "connection\0uri_san_peer_certificate";
-  int allowed = 0;
-  if (get_property(path, sizeof path - 1, &peer)) {
-    allowed = listed(r->principals, r->n_principals, peer);
-    mf_free((void *)peer.p);
-  }
-  if (!allowed) {
+  if (!caller_allowed(r)) {
     counter_inc(r->m_trigger_denied);
     return -1;
   }

@@ -112,14 +112,18 @@ def _gateway(
         drift = any(model.service(key).drift is not None for key in used)
         guarded = frozenset(r.key for r in lst.routes if targets[r.service].drift)
         degrade = degrade_filter_name(lst, audit) if guarded else None
+        drill = model.drill if degrade is not None else None
         if degrade is not None:
-            settings = degrade_settings(lst, guarded, overlay.degraded_routes)
+            settings = degrade_settings(lst, guarded, overlay.degraded_routes, drill)
             extensions[degrade] = degrade_extension(degrade, settings, audit, host)
         listeners[lst.name] = listener(
-            lst, workload.jwt_rules, workload.authz, drift, audit, degrade
+            lst, workload.jwt_rules, workload.authz, drift, audit, degrade, drill
         )
         routes[lst.name] = strip_internal_headers(
-            route_configuration(lst, tuple((key, targets[key]) for key in used)), audit
+            route_configuration(lst, tuple((key, targets[key]) for key in used)),
+            audit,
+            degrade is not None,
+            drill,
         )
     return {
         LISTENER: listeners,

@@ -41,6 +41,7 @@ from meshfn.control_plane.audit.filters import (
     BodyHash,
     DegradeRule,
     DegradeSettings,
+    Trigger,
     access_log,
     audit_filter,
     degrade_filter,
@@ -97,11 +98,6 @@ class Audit:
             return ()
         return tuple((c.header_name, c.claim_name) for c in jwt_claim_headers(self.settings))
 
-    def internal_headers(self) -> list[str]:
-        """Headers only jwt_authn may set: removed from client requests (early header mutation)
-        and before the request goes upstream."""
-        return internal_headers(audit=self.settings)
-
 
 def audit_for(model: ir.MeshModel, workload: ir.Workload, host: ProxyHost) -> Audit | None:
     audit = model.audit
@@ -144,29 +140,59 @@ def degrade_discovery(name: str) -> hcm.HttpFilter:
     )
 
 
-def degrade_mutation() -> extension_pb2.TypedExtensionConfig:
-    """Strips the routing header from client requests before Envoy picks a route."""
-    return early_header_mutation(DegradeSettings(rules=[]))
+def drill_trigger(drill: ir.Drill | None) -> Trigger | None:
+    """The degrade filter's trigger for the callers Mesh.spec.drill names."""
+    if drill is None:
+        return None
+    return Trigger(
+        header=drill.header,
+        principals=list(drill.principals),
+        request_principals=list(drill.request_principals),
+    )
+
+
+def _header_settings(
+    audit: Audit | None, degrade: bool, drill: ir.Drill | None
+) -> tuple[DegradeSettings | None, AuditSettings | None]:
+    """What decides a listener's internal headers (see audit.filters.internal_headers)."""
+    settings = DegradeSettings(rules=[], trigger=drill_trigger(drill)) if degrade else None
+    return settings, audit.settings if audit is not None else None
+
+
+def claim_headers(
+    audit: Audit | None, degrade: bool, drill: ir.Drill | None
+) -> tuple[tuple[str, str], ...]:
+    """(header, claim) pairs every jwt_authn provider of the listener must write: the audit
+    filter's (jwt_headers mode) and, where drills name request principals, iss and sub."""
+    pairs = list(audit.claim_headers()) if audit is not None else []
+    trigger = drill_trigger(drill) if degrade else None
+    if trigger is not None and trigger.request_principals:
+        pairs += [(trigger.issuer_header, "iss"), (trigger.subject_header, "sub")]
+    return tuple(dict.fromkeys(pairs))
 
 
 def early_mutations(
-    audit: Audit | None, degrade: bool = False
+    audit: Audit | None, degrade: bool = False, drill: ir.Drill | None = None
 ) -> list[extension_pb2.TypedExtensionConfig]:
     """The HCM's early_header_mutation_extensions: the degrade filter's routing header (when it
-    runs) and the audit filter's claim headers (jwt_headers mode) are removed from client
-    requests before Envoy picks a route or runs a filter. Empty when neither applies."""
-    settings = audit.settings if audit is not None else None
-    if not degrade and (settings is None or settings.subject_source != "jwt_headers"):
-        return []
-    return [early_header_mutation(DegradeSettings(rules=[]) if degrade else None, settings)]
+    runs) and the claim headers (audit in jwt_headers mode, drills naming request principals)
+    are removed from client requests before Envoy picks a route or runs a filter. Empty when
+    nothing applies."""
+    settings = _header_settings(audit, degrade, drill)
+    return [early_header_mutation(*settings)] if internal_headers(*settings) else []
 
 
 def strip_internal_headers(
-    config: route_pb2.RouteConfiguration, audit: Audit | None
+    config: route_pb2.RouteConfiguration,
+    audit: Audit | None,
+    degrade: bool = False,
+    drill: ir.Drill | None = None,
 ) -> route_pb2.RouteConfiguration:
-    """`config` (unchanged, or a copy) removing the audit claim headers before any route's
-    request goes upstream: the backend never sees the raw subject."""
-    names = audit.internal_headers() if audit is not None else []
+    """`config` (unchanged, or a copy) removing the claim headers before any route's request
+    goes upstream: the backend never sees the raw subject."""
+    settings = _header_settings(audit, degrade, drill)
+    routing = settings[0].routing_header if settings[0] is not None else None
+    names = [n for n in internal_headers(*settings) if n != routing]
     if not names:
         return config
     out = route_pb2.RouteConfiguration()
@@ -176,7 +202,10 @@ def strip_internal_headers(
 
 
 def degrade_settings(
-    listener: ir.Listener, drift_routes: frozenset[str], degraded: frozenset[str]
+    listener: ir.Listener,
+    drift_routes: frozenset[str],
+    degraded: frozenset[str],
+    drill: ir.Drill | None = None,
 ) -> DegradeSettings:
     """One rule per drift-guarded route: depth 1 (reroute to the route's degraded twin) once the
     breaker has tripped it, else 0 (pass through). The listener strips the routing header from
@@ -192,7 +221,9 @@ def degrade_settings(
         for route in listener.routes
         if route.key in drift_routes
     ]
-    return DegradeSettings(rules=rules, listener_strips_routing_header=True)
+    return DegradeSettings(
+        rules=rules, listener_strips_routing_header=True, trigger=drill_trigger(drill)
+    )
 
 
 def degrade_extension(

@@ -17,7 +17,7 @@ from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 from meshfn.control_plane import ir
 
 from .common import CONTROL_PLANE_CLUSTER, ads_source, pack, socket_address
-from .extensions import Audit, degrade_discovery, early_mutations
+from .extensions import Audit, claim_headers, degrade_discovery, early_mutations
 from .routes import route_config_name
 from .security import jwt_filter, rbac_filters
 
@@ -30,6 +30,7 @@ def http_filters(
     authz: tuple[ir.AuthzPolicy, ...],
     audit: Audit | None = None,
     degrade: str | None = None,
+    drill: ir.Drill | None = None,
 ) -> list[hcm.HttpFilter]:
     """authn, audit, authz, degrade, router: a request is authenticated before it is recorded
     (the audit filter reads jwt_authn's verified payload) and recorded before it is judged (a
@@ -37,7 +38,7 @@ def http_filters(
     with `audit` is the combined plugin doing both, in the audit filter's place."""
     filters: list[hcm.HttpFilter] = []
     if jwt_rules:
-        filters.append(jwt_filter(jwt_rules, audit.claim_headers() if audit is not None else ()))
+        filters.append(jwt_filter(jwt_rules, claim_headers(audit, degrade is not None, drill)))
     if audit is not None:
         filters.append(audit.http_filter() if degrade is None else degrade_discovery(degrade))
     filters.extend(rbac_filters(authz))
@@ -104,6 +105,7 @@ def listener(
     latency_log: bool = False,
     audit: Audit | None = None,
     degrade: str | None = None,
+    drill: ir.Drill | None = None,
 ) -> listener_pb2.Listener:
     access_logs = [_latency_log()] if latency_log else []
     if audit is not None:
@@ -112,7 +114,7 @@ def listener(
         stat_prefix=listener.name,
         codec_type=hcm.HttpConnectionManager.AUTO,
         rds=hcm.Rds(config_source=ads_source(), route_config_name=route_config_name(listener)),
-        http_filters=http_filters(jwt_rules, authz, audit, degrade),
+        http_filters=http_filters(jwt_rules, authz, audit, degrade, drill),
         # An edge proxy: normalise paths before matching so /a/../b cannot dodge a route.
         normalize_path=wrappers_pb2.BoolValue(value=True),
         merge_slashes=True,
@@ -120,7 +122,7 @@ def listener(
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         local_reply_config=_no_upstream_reply(),
         access_log=access_logs,
-        early_header_mutation_extensions=early_mutations(audit, degrade is not None),
+        early_header_mutation_extensions=early_mutations(audit, degrade is not None, drill),
     )
     return listener_pb2.Listener(
         name=listener.name,

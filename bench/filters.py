@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import importlib.util
 import json
 import os
 import random
@@ -39,9 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from meshfn.control_plane.audit.filters import (
@@ -54,6 +51,7 @@ from meshfn.control_plane.audit.filters import (
     audit_filter,
     degrade_filter,
     early_header_mutation,
+    harness,
     jwt_claim_headers,
     meshfn_filter,
     plugin_json,
@@ -63,7 +61,7 @@ from meshfn.control_plane.audit.filters import (
 from meshfn.control_plane.runtime.envoy import envoy_binary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from xds_push import free_ports, percentile
+from xds_push import free_ports, percentile, wait_http
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -80,18 +78,7 @@ CONFIGS = (
 )
 
 
-def _harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "envoy_static", ROOT / "wasm_filters" / "harness" / "envoy_static.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-es = _harness()
+es = harness("envoy_static")
 
 
 def cpu_ns(pid: int) -> int:
@@ -103,18 +90,6 @@ def cpu_ns(pid: int) -> int:
         except (OSError, ValueError, IndexError):
             continue
     return total
-
-
-def wait_http(url: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"filters bench: {url} did not come up")
 
 
 def listeners(

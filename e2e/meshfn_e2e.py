@@ -241,6 +241,11 @@ class Processes:
         self.started.append(proc)
         return proc
 
+    def upstream(self, name: str, service: str, port: int, *extra: str) -> Proc:
+        """meshfn's echo upstream (answers with its service, endpoint and locality)."""
+        argv = [sys.executable, "-P", "-m", "meshfn.control_plane.runtime.upstream"]
+        return self.start(name, [*argv, "--service", service, "--port", str(port), *extra])
+
     def up(self, policies: Policies, *extra: str) -> Proc:
         proc = self.start(
             "up",

@@ -5,13 +5,11 @@ store holds exactly one record per request Envoy answered, and the chain verifie
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import aiohttp
 import pytest
@@ -25,6 +23,7 @@ from meshfn.control_plane.audit.filters import (
     access_log,
     audit_filter,
     degrade_filter,
+    harness,
 )
 from meshfn.control_plane.runtime.envoy import envoy_binary
 
@@ -33,18 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOTAL = 5000
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        name, ROOT / "wasm_filters" / "harness" / f"{name}.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-es = _load("envoy_static")
+es = harness("envoy_static")
 
 
 def audit_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -114,19 +102,7 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
         "500",
     ]
     try:
-        procs.start(
-            "upstream",
-            [
-                sys.executable,
-                "-P",
-                "-m",
-                "meshfn.control_plane.runtime.upstream",
-                "--service",
-                "backend",
-                "--port",
-                str(upstream),
-            ],
-        )
+        procs.upstream("upstream", "backend", upstream)
         envoy = procs.start("envoy", es.envoy_argv(envoy_binary(), config, base_id=port))
         wait_for(
             "envoy ready",

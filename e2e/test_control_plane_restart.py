@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import time
 
 from meshfn_e2e import (
@@ -23,19 +22,7 @@ from meshfn.control_plane.runtime.envoy import envoy_binary
 
 def test_envoy_survives_a_control_plane_restart(procs: Processes, policies: Policies) -> None:
     for name in ("alpha", "beta"):
-        procs.start(
-            name,
-            [
-                sys.executable,
-                "-P",
-                "-m",
-                "meshfn.control_plane.runtime.upstream",
-                "--service",
-                f"default/{name}",
-                "--port",
-                str(policies.ports[name]),
-            ],
-        )
+        procs.upstream(name, f"default/{name}", policies.ports[name])
     serve_argv = [MESHFN, "serve", "--policies", str(policies.root)]
     serve = procs.start("serve-1", serve_argv)
     wait_for("the control plane", lambda: proxies(policies) == [], timeout=20)

@@ -10,7 +10,6 @@ import http.client as httpc
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from collections import Counter
@@ -183,11 +182,9 @@ def topology(
     topo = Topology(ports, procs, tmp_path)
     for name, (service, where) in UPSTREAMS.items():
         topo.delay(name, 0)
-        topo.upstreams[name] = procs.start(
-            f"upstream-{name}",
-            [sys.executable, "-P", "-m", "meshfn.control_plane.runtime.upstream",
-             "--service", f"default/{service}", "--port", str(ports[name]), "--locality", where,
-             "--delay-file", str(tmp_path / f"delay-{name}")],
+        topo.upstreams[name] = procs.upstream(
+            f"upstream-{name}", f"default/{service}", ports[name],
+            "--locality", where, "--delay-file", str(tmp_path / f"delay-{name}"),
         )  # fmt: skip
     state = tmp_path / "state"
     serve = procs.start(

@@ -8,15 +8,12 @@ import asyncio
 import hashlib
 import hmac
 import http.client as httpclient
-import importlib.util
 import json
 import socket
-import sys
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -30,6 +27,7 @@ from meshfn.control_plane.audit.filters import (
     access_log,
     audit_filter,
     early_header_mutation,
+    harness,
     jwt_claim_headers,
     meshfn_filter,
 )
@@ -41,18 +39,7 @@ SALT = "5e" * 32
 ALICE = "spiffe://e2e.local/ns/default/sa/alice"
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        name, ROOT / "wasm_filters" / "harness" / f"{name}.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-es = _load("envoy_static")
+es = harness("envoy_static")
 
 
 def to_dict(message: Any) -> dict[str, Any]:
@@ -161,19 +148,7 @@ async def rig(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[R
     collector = AuditCollector(store, poll_interval=0.02)
     collector.watch(journal, "edge~0")
     try:
-        procs.start(
-            "upstream",
-            [
-                sys.executable,
-                "-P",
-                "-m",
-                "meshfn.control_plane.runtime.upstream",
-                "--service",
-                "backend",
-                "--port",
-                str(upstream),
-            ],
-        )
+        procs.upstream("upstream", "backend", upstream)
         envoy = procs.start("envoy", es.envoy_argv(envoy_binary(), config, base_id=port))
         await asyncio.to_thread(
             wait_for,

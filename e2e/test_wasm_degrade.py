@@ -6,14 +6,11 @@ config pushed live (as the drift breaker does), and malformed config refused (fa
 from __future__ import annotations
 
 import http.client as httpclient
-import importlib.util
 import json
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -27,6 +24,7 @@ from meshfn.control_plane.audit.filters import (
     audit_filter,
     degrade_filter,
     early_header_mutation,
+    harness,
     meshfn_filter,
     wasm_http_filter,
     wasm_path,
@@ -40,18 +38,7 @@ ALICE = "spiffe://e2e.local/ns/default/sa/alice"
 HDR = "x-meshfn-degrade-route"
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        name, ROOT / "wasm_filters" / "harness" / f"{name}.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-es = _load("envoy_static")
+es = harness("envoy_static")
 
 ROUTES = [
     es.route("classifier-cpu", "cpu", "/v2/models/classifier", (HDR, "classifier-cpu")),
@@ -156,19 +143,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     )
     try:
         for name, p in (("gpu", gpu), ("cpu", cpu), ("cache", cache)):
-            procs.start(
-                name,
-                [
-                    sys.executable,
-                    "-P",
-                    "-m",
-                    "meshfn.control_plane.runtime.upstream",
-                    "--service",
-                    name,
-                    "--port",
-                    str(p),
-                ],
-            )
+            procs.upstream(name, name, p)
         r = Rig(port, admin, certs, lds, envoy=None)  # type: ignore[arg-type]
         r.push([es.to_dict(degrade_filter(settings()))])
         r.envoy = procs.start("envoy", es.envoy_argv(envoy_binary(), config, base_id=port))

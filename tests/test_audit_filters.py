@@ -4,10 +4,8 @@ and Envoy itself validates the generated config."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,25 +20,15 @@ from meshfn.control_plane.audit.filters import (
     DegradeRule,
     DegradeSettings,
     Trigger,
+    harness,
 )
 from meshfn.control_plane.runtime.envoy import envoy_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(
-        name, ROOT / "wasm_filters" / "harness" / f"{name}.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def host(kind: str) -> Any:
-    module = _load("fakehost")
+    module = harness("fakehost")
     return module.FakeHost(filters.wasm_dir(native=True) / f"{kind}_native.so")
 
 
@@ -122,7 +110,7 @@ def test_salt_is_not_in_repr() -> None:
 
 
 def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
-    es = _load("envoy_static")
+    es = harness("envoy_static")
     degrade = DEGRADES[1]
     listener = es.listener(
         10000,

@@ -7,35 +7,21 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from meshfn.control_plane.audit.filters import wasm_dir
+from meshfn.control_plane.audit.filters import harness, wasm_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SALT = bytes(range(32))
 STATE = b"meshfn_audit"
 
 
-def _harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "meshfn_fakehost", ROOT / "wasm_filters" / "harness" / "fakehost.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fakehost = _harness()
+fakehost = harness("fakehost")
 
 
 @pytest.fixture(scope="module", params=["audit", "audit-lean"])

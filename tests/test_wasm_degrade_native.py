@@ -4,16 +4,13 @@ and hostile input. Real Envoy behaviour is covered in e2e/test_wasm_degrade.py."
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from meshfn.control_plane.audit.filters import wasm_dir
+from meshfn.control_plane.audit.filters import harness, wasm_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTE = b"xds\0route_name"
@@ -22,18 +19,7 @@ PEER = b"connection\0uri_san_peer_certificate"
 OPS = b"spiffe://mesh.local/ns/ops/sa/drill"
 
 
-def _harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "meshfn_fakehost", ROOT / "wasm_filters" / "harness" / "fakehost.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fakehost = _harness()
+fakehost = harness("fakehost")
 
 
 @pytest.fixture(scope="module", params=["degrade", "degrade-lean"])

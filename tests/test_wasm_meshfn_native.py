@@ -5,11 +5,8 @@ request (audited first, so a rejected request is still audited)."""
 from __future__ import annotations
 
 import hmac
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,18 +18,7 @@ SALT = "07" * 16
 PEER = b"connection\0uri_san_peer_certificate"
 
 
-def _harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "meshfn_fakehost", ROOT / "wasm_filters" / "harness" / "fakehost.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fakehost = _harness()
+fakehost = filters.harness("fakehost")
 
 
 @pytest.fixture(scope="module", params=["meshfn", "meshfn-lean"])

@@ -12,11 +12,14 @@ refused by Envoy (a NACK).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated, Any, Literal
 
 from envoy.config.accesslog.v3 import accesslog_pb2
@@ -276,6 +279,21 @@ def wasm_dir(native: bool = False) -> Path:
     if done.returncode != 0:
         raise BuildError(f"building the wasm filters failed:\n{done.stderr.strip()}")
     return Path(done.stdout.strip().splitlines()[-1])
+
+
+@cache
+def harness(name: Literal["fakehost", "envoy_static"]) -> ModuleType:
+    """The filters' test harness (wasm_filters/harness/<name>.py: the fake ABI host's driver, or
+    static Envoy configs for e2e tests and benchmarks). wasm_filters/ ships as source, not as a
+    package, so it is loaded by path; each module is loaded once."""
+    path = source_dir() / "harness" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"meshfn_harness_{name}", path)
+    if spec is None or spec.loader is None:
+        raise BuildError(f"{path} not found")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def wasm_path(name: FilterKind, lean: bool = False) -> Path:

@@ -194,7 +194,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--requests", type=int, default=100, help="per measurement")
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument(
+        "--rounds", type=int, default=240, help="paired rounds (240: standard error ~2.5 us here)"
+    )
     parser.add_argument(
         "--upstream",
         action="store_true",

@@ -297,7 +297,6 @@ class Drill:
     """Callers who may force degraded routes with `header` (policy: Mesh.spec.drill)."""
 
     header: str
-    principals: tuple[str, ...]  # SPIFFE URIs (exact)
     request_principals: tuple[str, ...]  # "<iss>/<sub>", "<iss>/*", "*"
 
 

@@ -526,21 +526,19 @@ def mesh_with(tmp_path: Path, spec_extra: str) -> Path:
 def test_drill_compiles_to_spiffe_ids_and_request_principals(tmp_path: Path) -> None:
     root = mesh_with(
         tmp_path,
-        "drill: {principals: [test.local/ns/ops/sa/game-day],"
-        " requestPrincipals: ['https://id.example/sre', 'https://chaos.example/*', '*']}",
+        "drill: {requestPrincipals: ['https://id.example/sre', 'https://chaos.example/*', '*']}",
     )
     assert load_policies(root).drill == ir.Drill(
         header="x-meshfn-degrade",
-        principals=("spiffe://test.local/ns/ops/sa/game-day",),
         request_principals=("https://id.example/sre", "https://chaos.example/*", "*"),
     )
     assert load_policies(write(tmp_path, base_files())).drill is None
 
 
 DRILL_CASES = [
-    ("drill: {}", "spec.drill", "principals or requestPrincipals"),
-    ("drill: {principals: ['*']}", "spec.drill.principals[0]", "pattern"),
-    ("drill: {principals: ['test.local/ns/*']}", "spec.drill.principals[0]", "pattern"),
+    ("drill: {}", "spec.drill.requestPrincipals", "required"),
+    ("drill: {requestPrincipals: []}", "spec.drill.requestPrincipals", "at least 1"),
+    ("drill: {requestPrincipals: [a/b], principals: [x]}", "spec.drill.principals", "unknown"),
     ("drill: {requestPrincipals: [a/b], header: X-Drill}", "spec.drill", "lowercase"),
     (
         "drill: {requestPrincipals: [a/b], header: x-meshfn-degrade-route}",

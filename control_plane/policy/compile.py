@@ -229,11 +229,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
 def _drill(spec: Drill | None) -> ir.Drill | None:
     if spec is None:
         return None
-    return ir.Drill(
-        header=spec.header,
-        principals=tuple(f"spiffe://{p}" for p in spec.principals),
-        request_principals=tuple(spec.requestPrincipals),
-    )
+    return ir.Drill(header=spec.header, request_principals=tuple(spec.requestPrincipals))
 
 
 def _audit(spec: Audit | None) -> ir.Audit | None:

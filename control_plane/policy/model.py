@@ -13,7 +13,6 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .types import (
-    EXACT_PRINCIPAL,
     ConditionKey,
     Duration,
     HeaderName,
@@ -134,23 +133,19 @@ class Drill(Strict):
     """Callers allowed to force drift-guarded routes onto their degraded route (game days,
     testing a fallback before it is needed): a request from them carrying `<header>: 1` goes
     where a tripped breaker would send it. The header is stripped from every request; from
-    anyone else it is ignored (and counted)."""
+    anyone else it is ignored (and counted). Callers are named by verified JWT: degraded routes
+    live on gateways, whose clients authenticate with tokens, not mTLS."""
 
     header: HeaderName = Field("x-meshfn-degrade", description="the drill header (lowercase)")
-    principals: list[Annotated[str, Field(pattern=EXACT_PRINCIPAL, max_length=512)]] = Field(
-        default_factory=list,
-        description="mTLS callers, <trust-domain>/ns/<namespace>/sa/<account> (exact)",
-    )
-    requestPrincipals: list[RequestPrincipal] = Field(
-        default_factory=list,
-        description="callers with a verified JWT, <iss>/<sub> (or <iss>/* or *), as in"
-        " AuthorizationPolicy",
+    requestPrincipals: Annotated[list[RequestPrincipal], Field(min_length=1, max_length=256)] = (
+        Field(
+            description="callers with a verified JWT: <iss>/<sub>, <iss>/* or *, as in"
+            " AuthorizationPolicy"
+        )
     )
 
     @model_validator(mode="after")
-    def _someone(self) -> Self:
-        if not self.principals and not self.requestPrincipals:
-            raise ValueError("a drill names callers: principals or requestPrincipals")
+    def _header(self) -> Self:
         if not self.header.islower() or self.header == "x-meshfn-degrade-route":
             raise ValueError("header must be lowercase and not the internal routing header")
         return self
@@ -171,7 +166,7 @@ class MeshSpec(Strict):
     )
     audit: Audit | None = Field(None, description="request audit trail; absent: off")
     drill: Drill | None = Field(
-        None, description="callers who may force degraded routes with a header; absent: nobody"
+        None, description="JWT callers who may force degraded routes with a header; absent: nobody"
     )
 
     @model_validator(mode="after")

@@ -169,7 +169,6 @@ JwksUri = Annotated[str, Field(max_length=2048), AfterValidator(_jwks_uri)]
 # authenticated peer; a leading or trailing "*" makes a suffix or prefix match.
 PRINCIPAL = r"^(\*|[a-z0-9._-]+/ns/[a-z0-9-]+/sa/[a-z0-9-]+|\*[^\s*]+|[^\s*]+\*)$"
 Principal = Annotated[str, Field(pattern=PRINCIPAL, max_length=512)]
-EXACT_PRINCIPAL = r"^[a-z0-9._-]+/ns/[a-z0-9-]+/sa/[a-z0-9-]+$"
 NAMESPACE_MATCH = r"^(\*|[a-z0-9]([-a-z0-9]*[a-z0-9])?\*?)$"
 NamespaceMatch = Annotated[str, Field(pattern=NAMESPACE_MATCH, max_length=64)]
 # "<iss>/<sub>" splits at the last "/": issuers are URLs, subjects have no "/".

@@ -144,11 +144,7 @@ def drill_trigger(drill: ir.Drill | None) -> Trigger | None:
     """The degrade filter's trigger for the callers Mesh.spec.drill names."""
     if drill is None:
         return None
-    return Trigger(
-        header=drill.header,
-        principals=list(drill.principals),
-        request_principals=list(drill.request_principals),
-    )
+    return Trigger(header=drill.header, request_principals=list(drill.request_principals))
 
 
 def _header_settings(

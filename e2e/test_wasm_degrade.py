@@ -316,3 +316,40 @@ def test_both_filters_together(rig: Rig) -> None:
     assert rig.served_by("/v2/models/classifier/x") == "cache"
     assert rig.stat("wasmcustom.meshfn_degrade.rerouted") == 1
     assert rig.stat("wasm.envoy.wasm.runtime.v8.active") >= 2  # both VMs loaded
+
+
+@pytest.mark.parametrize("shared_vm_id", [False, True])
+def test_lean_plugins_sharing_a_vm_id_fail_closed(tmp_path: Path, shared_vm_id: bool) -> None:
+    """Two lean plugins with different configurations: with the vm_ids meshfn gives them (one
+    per configuration) both serve; forced into one VM (one vm_id, as a hand-written config
+    might), Envoy keeps the listener up and still runs both plugins' streams in that VM, so the
+    filter refuses every request with 503 and says why in the proxy log."""
+    entries = [es.to_dict(degrade_filter(d)) for d in (settings(), settings(embedder=1))]
+    for i, entry in enumerate(entries):
+        plugin = entry["typed_config"]["config"]
+        plugin["name"] = plugin["root_id"] = f"p{i}"
+        entry["name"] = f"meshfn.p{i}"
+        if shared_vm_id:
+            plugin["vm_config"]["vm_id"] = "shared"
+    port, admin = free_ports(2)
+    ok = {"inline_string": "ok"}
+    routes = [
+        {"name": "r", "match": {"prefix": "/"}, "direct_response": {"status": 200, "body": ok}}
+    ]
+    config = tmp_path / "envoy.json"
+    config.write_text(json.dumps(es.bootstrap(admin, {}, es.listener(port, entries, routes))))
+    procs = Processes(tmp_path)
+    try:
+        envoy = procs.start("envoy", es.envoy_argv(envoy_binary(), config, base_id=port))
+        wait_for("envoy ready", lambda: http(f"http://127.0.0.1:{admin}/ready").status == 200)
+        reply = http(f"http://127.0.0.1:{port}/x")
+        if shared_vm_id:
+            assert reply.status == 503
+            assert (
+                json.loads(reply.body)["error"] == "meshfn filter not configured: see the proxy log"
+            )
+            assert "give each configuration its own vm_id" in envoy.output()
+        else:
+            assert (reply.status, reply.body) == (200, b"ok")
+    finally:
+        procs.stop_all()

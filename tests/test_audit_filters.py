@@ -109,27 +109,15 @@ def test_salt_is_not_in_repr() -> None:
     assert "00000000" not in repr(AuditSettings(subject_salt="00" * 16))
 
 
-def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
+def envoy_validate(tmp_path: Path, http_filters: list[Any], **listener: Any) -> str:
+    """`envoy --mode validate` on one listener with these filters (it runs each plugin's
+    configure); returns Envoy's output when it refuses the configuration, "" when it accepts."""
     es = harness("envoy_static")
-    degrade = DEGRADES[1]
-    listener = es.listener(
-        10000,
-        [
-            es.to_dict(filters.audit_filter(AUDITS[1])),
-            es.to_dict(filters.audit_filter(AUDITS[2])),  # body hashing: the full build
-            es.to_dict(filters.degrade_filter(degrade)),
-            es.to_dict(filters.meshfn_filter(AUDITS[0], degrade)),
-            es.to_dict(filters.meshfn_filter(AUDITS[2], degrade)),
-        ],
-        [es.route("r", "backend")],
-        access_logs=[
-            es.to_dict(filters.access_log(tmp_path / f"journal-{i}.jsonl", settings))
-            for i, settings in enumerate(AUDITS)
-        ],
-        early=[es.to_dict(filters.early_header_mutation(degrade, AUDITS[1]))],
-    )
     config = tmp_path / "envoy.json"
-    config.write_text(json.dumps(es.bootstrap(9901, {"backend": 8080}, listener)))
+    built = es.listener(
+        10000, [es.to_dict(f) for f in http_filters], [es.route("r", "backend")], **listener
+    )
+    config.write_text(json.dumps(es.bootstrap(9901, {"backend": 8080}, built)))
     done = subprocess.run(
         [str(envoy_binary()), "--mode", "validate", "-c", str(config)],
         capture_output=True,
@@ -137,7 +125,28 @@ def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
         timeout=60,
         check=False,
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return "" if done.returncode == 0 else done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
+    es = harness("envoy_static")
+    degrade = DEGRADES[1]
+    refused = envoy_validate(
+        tmp_path,
+        [
+            filters.audit_filter(AUDITS[1]),
+            filters.audit_filter(AUDITS[2]),  # body hashing: the full build
+            filters.degrade_filter(degrade),
+            filters.meshfn_filter(AUDITS[0], degrade),
+            filters.meshfn_filter(AUDITS[2], degrade),
+        ],
+        access_logs=[
+            es.to_dict(filters.access_log(tmp_path / f"journal-{i}.jsonl", settings))
+            for i, settings in enumerate(AUDITS)
+        ],
+        early=[es.to_dict(filters.early_header_mutation(degrade, AUDITS[1]))],
+    )
+    assert not refused, refused
 
 
 def _plugin(entry: Any) -> dict[str, Any]:

@@ -120,6 +120,20 @@ BAD_CONFIGS: list[tuple[bytes | None, str]] = [
 ]
 
 
+def assert_refused(host: Any, root: int) -> None:
+    ctx = host.stream(root)
+    assert host.request_headers(ctx, [(b"authorization", token({"sub": "a"}))]) == fakehost.PAUSE
+    reply = host.local_response()
+    assert reply is not None and reply.status == 503
+    assert json.loads(reply.body) == {
+        "error": "meshfn filter not configured: see the proxy log",
+        "status": 503,
+    }
+    assert reply.headers == [(b"content-type", b"application/json")]
+    assert host.state(STATE) is None  # nothing recorded as if the filter had run
+    host.delete(ctx)
+
+
 @pytest.mark.parametrize(("raw", "reason"), BAD_CONFIGS)
 def test_bad_config_is_rejected_with_reason(host: Any, raw: bytes | None, reason: str) -> None:
     root, ok = host.configure(raw)
@@ -127,11 +141,8 @@ def test_bad_config_is_rejected_with_reason(host: Any, raw: bytes | None, reason
     errors = [msg for level, msg in host.logs() if level == 4]
     assert len(errors) == 1 and "invalid plugin configuration" in errors[0], host.logs()
     assert reason in errors[0]
-    # no stream ever runs under a root that failed: a stream created anyway passes through
-    ctx = host.stream(root)
-    assert host.request_headers(ctx, [(b"x-request-id", b"a")]) == fakehost.CONTINUE
-    assert host.state(STATE) is None
-    host.delete(ctx)
+    # a stream Envoy creates under a root that failed is refused (fail closed)
+    assert_refused(host, root)
     host.delete(root)
 
 
@@ -454,13 +465,16 @@ def test_lean_build_refuses_body_hashing(host: Any) -> None:
 
 def test_lean_vm_serves_one_configuration(host: Any) -> None:
     """A lean VM has no per-request context to say which root a request belongs to: a second,
-    different configuration in the same VM is refused (Envoy NACKs it); the same one is fine."""
+    different configuration in the same VM is refused, and since Envoy still runs that plugin's
+    streams in this VM (measured), every request is then refused with 503: fail closed, never
+    the other plugin's configuration. The same configuration twice is fine."""
     if not host.lean:
         pytest.skip("the full build keeps a configuration per root context")
     root, ok = host.configure(config(salt_id="first"))
     assert ok
     assert host.reconfigure(root + 1, config(salt_id="first"))
-    assert not host.reconfigure(root + 2, config(salt_id="second"))
-    assert "give each configuration its own vm_id" in host.logs()[-1][1]
     state = run_raw_on(host, root, [(b"authorization", token({"sub": "a"}))])
     assert json.loads(state)["salt_id"] == "first"
+    assert not host.reconfigure(root + 2, config(salt_id="second"))
+    assert "give each configuration its own vm_id" in host.logs()[-1][1]
+    assert_refused(host, root)

@@ -48,6 +48,20 @@ void set_err(char *err, size_t err_size, const char *field, const char *problem)
   sb_free(&b);
 }
 
+/* A request this VM cannot serve correctly (its plugin's configuration was refused) gets 503,
+ * never a pass-through: the filters fail closed. Envoy does create streams for a plugin whose
+ * thread-local configure failed (measured: the listener stays up), so this is reachable. */
+static uint32_t refuse_request(void) {
+  static const char body[] =
+      "{\"error\":\"meshfn filter not configured: see the proxy log\",\"status\":503}\n";
+  /* serialized header map: count 1, key length 12, value length 16, key\0value\0 */
+  static const char headers[] = "\x01\0\0\0\x0c\0\0\0\x10\0\0\0content-type\0application/json";
+  static const char details[] = "meshfn_filter_unconfigured";
+  proxy_send_local_response(503, details, sizeof details - 1, body, sizeof body - 1, headers,
+                            sizeof headers, -1);
+  return ACTION_PAUSE;
+}
+
 PW_EXPORT(proxy_abi_version_0_2_1) void proxy_abi_version_0_2_1(void) {}
 
 PW_EXPORT(proxy_on_vm_start) uint32_t proxy_on_vm_start(uint32_t root_id, uint32_t size) {
@@ -65,8 +79,8 @@ void proxy_on_context_create(uint32_t context_id, uint32_t parent_id) {
     e->is_root = 1;
   } else {
     entry_t *parent = ctx_get(parent_id);
-    /* A stream under an unconfigured root gets no state; its callbacks pass traffic through
-     * untouched. Envoy never does this: it refuses to create streams for a failed plugin. */
+    /* A stream under an unconfigured root (its configure failed) gets no state, and its
+     * request is refused with 503 (refuse_request). */
     if (parent && parent->is_root && parent->box) {
       e->http = filter_http_new(parent->box->root, context_id);
       if (e->http) {
@@ -90,10 +104,14 @@ void proxy_on_context_create(uint32_t context_id, uint32_t parent_id) {
 static box_t *g_current;
 static char *g_current_raw;
 static size_t g_current_raw_n;
+/* A second, different configuration was refused: Envoy may still run that plugin's streams in
+ * this VM, and nothing tells them apart from the first plugin's, so every request is refused. */
+static int g_conflict;
 
 static int install(uint32_t root_id, root_t *fresh, char *buf, size_t n, char *err, size_t es) {
   (void)root_id;
   if (g_current && !(n == g_current_raw_n && mf_memeq(buf, g_current_raw, n))) {
+    g_conflict = 1;
     filter_root_free(fresh);
     set_err(err, es, "configuration",
             "differs from the one this VM already serves; the lean build serves one "
@@ -172,10 +190,9 @@ PW_EXPORT(proxy_on_configure) uint32_t proxy_on_configure(uint32_t root_id, uint
 #ifdef FILTER_LEAN
 PW_EXPORT(proxy_on_request_headers)
 uint32_t proxy_on_request_headers(uint32_t context_id, uint32_t headers, uint32_t eos) {
-  /* Envoy creates no stream for a plugin whose configure failed; pass through otherwise. */
-  if (!g_current) return ACTION_CONTINUE;
+  if (!g_current || g_conflict) return refuse_request();
   http_t *h = filter_http_new(g_current->root, context_id);
-  if (!h) return ACTION_CONTINUE;
+  if (!h) return refuse_request(); /* out of memory */
   uint32_t action = filter_on_request_headers(h, headers, eos);
   filter_http_free(h);
   return action;
@@ -189,7 +206,7 @@ static http_t *http_of(uint32_t context_id) {
 PW_EXPORT(proxy_on_request_headers)
 uint32_t proxy_on_request_headers(uint32_t context_id, uint32_t headers, uint32_t eos) {
   http_t *h = http_of(context_id);
-  return h ? filter_on_request_headers(h, headers, eos) : ACTION_CONTINUE;
+  return h ? filter_on_request_headers(h, headers, eos) : refuse_request();
 }
 
 /* Each callback Envoy makes into the VM costs a few microseconds per request, whether or not

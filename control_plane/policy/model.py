@@ -132,7 +132,8 @@ class Audit(Strict):
 class Drill(Strict):
     """Callers allowed to force drift-guarded routes onto their degraded route (game days,
     testing a fallback before it is needed): a request from them carrying `<header>: 1` goes
-    where a tripped breaker would send it. The header is stripped from every request; from
+    where a tripped breaker would send it (the route's probePercent share still reaches the
+    primary). The header is stripped from every request; from
     anyone else it is ignored (and counted). Callers are named by verified JWT: degraded routes
     live on gateways, whose clients authenticate with tokens, not mTLS."""
 

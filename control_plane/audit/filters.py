@@ -296,8 +296,8 @@ def harness(name: Literal["fakehost", "envoy_static"]) -> ModuleType:
     return module
 
 
-def wasm_path(name: FilterKind, lean: bool = False) -> Path:
-    return wasm_dir() / f"{name}{'-lean' if lean else ''}.wasm"
+def wasm_path(name: FilterKind, lean: bool = False, directory: Path | None = None) -> Path:
+    return (directory or wasm_dir()) / f"{name}{'-lean' if lean else ''}.wasm"
 
 
 def needs_full_build(settings: AuditSettings | DegradeSettings | MeshfnSettings) -> bool:
@@ -348,7 +348,7 @@ def plugin_filter(
     configuration = plugin_json(settings)
     name = "meshfn" if kind == "meshfn" else f"meshfn_{kind}"
     lean = not needs_full_build(settings)
-    wasm = (directory or wasm_dir()) / f"{kind}{'-lean' if lean else ''}.wasm"
+    wasm = wasm_path(kind, lean, directory)
     vm_id = f"{name}.{hashlib.sha256(configuration.encode()).hexdigest()[:16]}" if lean else name
     return wasm_http_filter(name, wasm, configuration, vm_id=vm_id)
 

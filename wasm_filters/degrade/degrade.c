@@ -91,6 +91,17 @@ static int header_name_ok(const jnode_t *v) {
   return 1;
 }
 
+/* An optional header name at parent.key (`dflt` when absent) into *out, a copy. */
+static int read_header(const jnode_t *parent, const char *key, const char *field,
+                       const char *dflt, char **out, char *err, size_t es) {
+  const jnode_t *v = json_get(parent, key);
+  if (v && !header_name_ok(v))
+    return set_err(err, es, field, "must be a lowercase header name"), 0;
+  *out = v ? str_dup((str_t){v->str, v->len}) : str_dup((str_t){dflt, mf_strlen(dflt)});
+  if (!*out) return set_err(err, es, field, "out of memory"), 0;
+  return 1;
+}
+
 /* Names that end up in a header value or a log line: visible ASCII, no separators that could
  * smuggle a second value. */
 static int name_ok(const jnode_t *v, size_t max) {
@@ -168,11 +179,10 @@ int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
   const jnode_t *bad = json_unknown_key(c, keys);
   if (bad) return set_err(err, es, bad->key, "unknown field"), 0;
 
-  const jnode_t *v = json_get(c, "routing_header");
-  if (v && !header_name_ok(v))
-    return set_err(err, es, "routing_header", "must be a lowercase header name"), 0;
-  r->routing_header = v ? str_dup((str_t){v->str, v->len}) : str_dup(STR("x-meshfn-degrade-route"));
-  v = json_get(c, "listener_strips_routing_header");
+  if (!read_header(c, "routing_header", "routing_header", "x-meshfn-degrade-route",
+                   &r->routing_header, err, es))
+    return 0;
+  const jnode_t *v = json_get(c, "listener_strips_routing_header");
   if (v && v->type != J_BOOL)
     return set_err(err, es, "listener_strips_routing_header", "must be a boolean"), 0;
   r->listener_strips_routing_header = v ? v->boolean : 0;
@@ -184,10 +194,9 @@ int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
     if (v->type != J_OBJ) return set_err(err, es, "trigger", "must be an object"), 0;
     bad = json_unknown_key(v, tkeys);
     if (bad) return set_err(err, es, "trigger", "unknown field"), 0;
-    const jnode_t *h = json_get(v, "header");
-    if (h && !header_name_ok(h))
-      return set_err(err, es, "trigger.header", "must be a lowercase header name"), 0;
-    r->trigger_header = h ? str_dup((str_t){h->str, h->len}) : str_dup(STR("x-meshfn-degrade"));
+    if (!read_header(v, "header", "trigger.header", "x-meshfn-degrade", &r->trigger_header, err,
+                     es))
+      return 0;
     if (!read_names(v, "principals", "trigger.principals", MAX_PRINCIPALS, 2048, &r->principals,
                     &r->n_principals, err, es))
       return 0;
@@ -197,18 +206,12 @@ int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
     if (r->n_principals == 0 && r->n_request_principals == 0)
       return set_err(err, es, "trigger.principals",
                      "principals or request_principals must name at least one caller"), 0;
-    h = json_get(v, "issuer_header");
-    if (h && !header_name_ok(h))
-      return set_err(err, es, "trigger.issuer_header", "must be a lowercase header name"), 0;
-    r->issuer_header = h ? str_dup((str_t){h->str, h->len}) : str_dup(STR("x-meshfn-jwt-iss"));
-    h = json_get(v, "subject_header");
-    if (h && !header_name_ok(h))
-      return set_err(err, es, "trigger.subject_header", "must be a lowercase header name"), 0;
-    r->subject_header = h ? str_dup((str_t){h->str, h->len}) : str_dup(STR("x-meshfn-jwt-sub"));
-    if (!r->issuer_header || !r->subject_header)
-      return set_err(err, es, "trigger", "out of memory"), 0;
-    if (r->trigger_header && r->routing_header &&
-        str_eq_lit((str_t){r->trigger_header, mf_strlen(r->trigger_header)}, r->routing_header))
+    if (!read_header(v, "issuer_header", "trigger.issuer_header", "x-meshfn-jwt-iss",
+                     &r->issuer_header, err, es) ||
+        !read_header(v, "subject_header", "trigger.subject_header", "x-meshfn-jwt-sub",
+                     &r->subject_header, err, es))
+      return 0;
+    if (str_eq_lit((str_t){r->trigger_header, mf_strlen(r->trigger_header)}, r->routing_header))
       return set_err(err, es, "trigger.header", "must differ from routing_header"), 0;
   }
 
@@ -226,7 +229,6 @@ int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
     r->uses_routes |= u->n_routes > 0;
     r->uses_clusters |= u->n_clusters > 0;
   }
-  if (!r->routing_header) return set_err(err, es, "configuration", "out of memory"), 0;
 
   r->m_rerouted = define_counter("meshfn_degrade.rerouted");
   r->m_rejected = define_counter("meshfn_degrade.rejected");

@@ -84,6 +84,16 @@ def http(
         return Reply(exc.code, exc.read(), dict(exc.headers))
 
 
+def envoy_stat(admin_port: int, name: str) -> int:
+    """One Envoy counter or gauge from its admin interface (0 while Envoy has not created it)."""
+    text = http(f"http://127.0.0.1:{admin_port}/stats?filter=^{name}$").body.decode()
+    for line in text.splitlines():
+        key, _, value = line.partition(": ")
+        if key == name:
+            return int(value)
+    return 0
+
+
 def children_of(pid: int) -> list[int]:
     """Direct children of `pid`, from /proc."""
     found = []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from meshfn_e2e import Processes, free_ports, http, wait_for
+from meshfn_e2e import Processes, envoy_stat, free_ports, http, wait_for
 
 from meshfn.control_plane.audit import AuditStore
 from meshfn.control_plane.audit.filters import (
@@ -155,12 +155,7 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
         statuses = await traffic
         assert len(statuses) == TOTAL and set(statuses) == {200}
 
-        answered = int(
-            http(
-                f"http://127.0.0.1:{admin}/stats?filter=^http.e2e.downstream_rq_completed$"
-            ).body.split(b": ")[1]
-        )
-        assert answered == TOTAL
+        assert envoy_stat(admin, "http.e2e.downstream_rq_completed") == TOTAL
 
         assert 0 < seen_at_restart[0] < seen_at_restart[1] < TOTAL, seen_at_restart
         for _ in range(300):

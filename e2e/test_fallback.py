@@ -21,7 +21,16 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
-from meshfn_e2e import MESHFN, Proc, Processes, free_ports, meshfn, wait_for, wait_for_synced
+from meshfn_e2e import (
+    MESHFN,
+    Proc,
+    Processes,
+    envoy_stat,
+    free_ports,
+    meshfn,
+    wait_for,
+    wait_for_synced,
+)
 
 from meshfn.control_plane.audit.collector import journal_path
 from meshfn.control_plane.runtime.envoy import envoy_binary
@@ -335,17 +344,22 @@ def test_audit_and_degrade_run_as_one_plugin(topology: Topology) -> None:
     text = json.dumps(dump)
     assert '"meshfn.plugin.http"' in text and "meshfn-lean.wasm" in text
     assert "meshfn.meshfn_audit" not in text and "meshfn.degrade.http" not in text
-    vms_before = envoy_stat(topology, "wasm.envoy.wasm.runtime.v8.active")
+    vms_before = envoy_stat(topology.ports["envoy_admin"], "wasm.envoy.wasm.runtime.v8.active")
     path = "/v2/audited"  # tells the load's records from the fixture's first requests
     with Load(topology, threads=8, rate_per_thread=15, path=path) as load:
         time.sleep(3)  # a baseline of fast answers
         degrade_and_recover(topology, load)
     assert load.results and all(status == 200 for _, status, _ in load.results)
     # Each configuration runs in VMs of its own (lean build): those of replaced ones are freed.
-    assert envoy_stat(topology, "wasm.envoy.wasm.runtime.v8.created") > vms_before
+    assert (
+        envoy_stat(topology.ports["envoy_admin"], "wasm.envoy.wasm.runtime.v8.created") > vms_before
+    )
     wait_for(
         "VMs of replaced plugin configurations released",
-        lambda: envoy_stat(topology, "wasm.envoy.wasm.runtime.v8.active") <= vms_before,
+        lambda: (
+            envoy_stat(topology.ports["envoy_admin"], "wasm.envoy.wasm.runtime.v8.active")
+            <= vms_before
+        ),
     )
     journal = journal_path(topology.tmp / "state", "edge.default")
 
@@ -385,8 +399,13 @@ def test_a_drill_caller_can_force_the_degraded_route(topology: Topology) -> None
     spoofed = {"x-meshfn-jwt-iss": ISSUER, "x-meshfn-jwt-sub": "sre-oncall"}
     assert who({**drill, **spoofed}) not in (None, lite)
     assert who({**drill, **spoofed, **bearer("someone-else")}) not in (None, lite)
-    assert envoy_stat(topology, "wasmcustom.meshfn_degrade.trigger_honoured") == 40
-    assert envoy_stat(topology, "wasmcustom.meshfn_degrade.trigger_denied") == 4
+    assert (
+        envoy_stat(topology.ports["envoy_admin"], "wasmcustom.meshfn_degrade.trigger_honoured")
+        == 40
+    )
+    assert (
+        envoy_stat(topology.ports["envoy_admin"], "wasmcustom.meshfn_degrade.trigger_denied") == 4
+    )
 
 
 def test_clients_cannot_pick_the_degraded_route(topology: Topology) -> None:
@@ -397,11 +416,6 @@ def test_clients_cannot_pick_the_degraded_route(topology: Topology) -> None:
     answers = [served(topology, headers=spoofed) for _ in range(40)]
     assert all(a is not None for a in answers)
     assert not [a for a in answers if a and a.get("endpoint") == lite]
-
-
-def envoy_stat(topology: Topology, name: str) -> int:
-    text = http_get(f"http://127.0.0.1:{topology.ports['envoy_admin']}/stats?filter=^{name}$")
-    return int(text.partition(": ")[2] or 0)
 
 
 def http_get(url: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from meshfn_e2e import Proc, Processes, free_ports, http, wait_for
+from meshfn_e2e import Proc, Processes, envoy_stat, free_ports, http, wait_for
 
 from meshfn.control_plane.audit.filters import (
     AuditSettings,
@@ -101,12 +101,7 @@ class Rig:
         )
 
     def stat(self, name: str) -> int:
-        text = http(f"http://127.0.0.1:{self.admin}/stats?filter=^{name}$").body.decode()
-        for line in text.splitlines():
-            key, _, value = line.partition(": ")
-            if key == name:
-                return int(value)
-        return 0
+        return envoy_stat(self.admin, name)
 
     def get(
         self, path: str, client: str = "alice", headers: dict[str, str] | None = None

@@ -239,6 +239,23 @@ def test_small_absolute_drift_is_noise() -> None:
     assert trip.to == "degraded"
 
 
+def test_a_fast_route_recovers_despite_probe_jitter() -> None:
+    """minIncrease bounds recovery too: at a 2 ms baseline, probes back at 2-6 ms (+200% at
+    worst, but within half of minIncrease) are healthy; probes 8 ms above it are not."""
+    b = breaker()
+    feed(b, 0, 10, 0.002)
+    feed(b, 10, 11, 0.150)
+    (trip,) = b.evaluate(11)
+    assert trip.to == "degraded"
+    feed(b, 11, 14, 0.010, rate=10)  # +8 ms: above the recovery limit of 2 + 10 / 2 ms
+    assert b.evaluate(12) == [] and b.evaluate(14) == [] and b.degraded() == {"default/r"}
+    for i in range(40):  # jittery but near normal: every fourth probe at 6 ms
+        b.observe("default/r/0/degraded", "a.default", 0.006 if i % 4 == 0 else 0.002, 14 + i / 10)
+    assert b.evaluate(15) == [] and b.evaluate(16) == []
+    (recovery,) = b.evaluate(17.1)
+    assert recovery.to == "healthy" and b.degraded() == frozenset()
+
+
 def test_the_degraded_twin_feeds_the_breaker() -> None:
     """Once tripped, the probe share reaches the primary through the degraded twin route; its
     samples are what lets the breaker see the primary recover."""

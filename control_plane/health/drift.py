@@ -5,7 +5,8 @@ Envoy streams every request's duration (gRPC access-log service); for each route
 the baseline p95 (the `baselineWindow` before it, or `coldStartBaseline` until there are enough
 samples) by more than `threshold` percent and by at least `minIncrease`. While tripped, the baseline is frozen and only the
 probe share of traffic still reaches the primary; the route recovers when the probe's p95 stays
-within half the threshold for `recoverAfter` (hysteresis, so a route does not flap).
+within half the trip margin (half the threshold, or half `minIncrease` where that is larger) for
+`recoverAfter` (hysteresis, so a route does not flap).
 """
 
 from __future__ import annotations
@@ -101,15 +102,13 @@ class DriftBreaker:
                 state.samples.popleft()
             recent = [v for t, v in state.samples if t >= now - window]
             older = [v for t, v in state.samples if t < now - window]
-            threshold = settings.threshold_percent / 100
             if not state.degraded:
                 baseline = self._baseline(state, older)
                 state.last_baseline = baseline or 0.0
                 if baseline is None or len(recent) < settings.min_samples:
                     continue
                 state.last_p95 = p95(recent)
-                floor = settings.min_increase.total_seconds()
-                if state.last_p95 > max(baseline * (1 + threshold), baseline + floor):
+                if state.last_p95 > self._limit(settings, baseline, 1.0):
                     state.degraded, state.since = True, now
                     state.frozen_baseline, state.healthy_since = baseline, None
                     transitions.append(self._transition(state, key, "degraded", now))
@@ -119,7 +118,7 @@ class DriftBreaker:
                     state.healthy_since = None
                     continue
                 state.last_p95 = p95(recent)
-                if state.last_p95 > state.frozen_baseline * (1 + threshold / 2):
+                if state.last_p95 > self._limit(settings, state.frozen_baseline, 0.5):
                     state.healthy_since = None
                     continue
                 if state.healthy_since is None:
@@ -130,6 +129,17 @@ class DriftBreaker:
                     state.samples.clear()  # the slow period must not become the new normal
                     transitions.append(self._transition(state, key, "healthy", now))
         return transitions
+
+    @staticmethod
+    def _limit(settings: ir.Drift, baseline: float, share: float) -> float:
+        """The p95 that trips (share 1) or still blocks recovery (share 0.5, the hysteresis
+        midpoint). The minIncrease floor applies to both: without it in the recovery limit, a
+        2 ms baseline would need every probe under 2.4 ms, and the few probe samples' p95 (their
+        maximum) rarely is, so a healed route stayed on its fallback."""
+        rise = max(
+            baseline * settings.threshold_percent / 100, settings.min_increase.total_seconds()
+        )
+        return baseline + share * rise
 
     def _baseline(self, state: _State, older: list[float]) -> float | None:
         settings = state.watched.settings

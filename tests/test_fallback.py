@@ -241,7 +241,8 @@ def test_small_absolute_drift_is_noise() -> None:
 
 def test_a_fast_route_recovers_despite_probe_jitter() -> None:
     """minIncrease bounds recovery too: at a 2 ms baseline, probes back at 2-6 ms (+200% at
-    worst, but within half of minIncrease) are healthy; probes 8 ms above it are not."""
+    worst, but within half of minIncrease) are healthy, and one slow probe in the recoverAfter
+    span does not hold the trip; probes 8 ms above the baseline do."""
     b = breaker()
     feed(b, 0, 10, 0.002)
     feed(b, 10, 11, 0.150)
@@ -249,11 +250,25 @@ def test_a_fast_route_recovers_despite_probe_jitter() -> None:
     assert trip.to == "degraded"
     feed(b, 11, 14, 0.010, rate=10)  # +8 ms: above the recovery limit of 2 + 10 / 2 ms
     assert b.evaluate(12) == [] and b.evaluate(14) == [] and b.degraded() == {"default/r"}
-    for i in range(40):  # jittery but near normal: every fourth probe at 6 ms
-        b.observe("default/r/0/degraded", "a.default", 0.006 if i % 4 == 0 else 0.002, 14 + i / 10)
-    assert b.evaluate(15) == [] and b.evaluate(16) == []
-    (recovery,) = b.evaluate(17.1)
+    for i in range(40):  # near normal: every fourth probe at 6 ms, one at 50 ms
+        slow = 0.050 if i == 7 else 0.006 if i % 4 == 0 else 0.002
+        b.observe("default/r/0/degraded", "a.default", slow, 14 + i / 10)
+    assert b.evaluate(15) == []  # the last 2 s still hold 8 ms probes
+    (recovery,) = b.evaluate(16)
     assert recovery.to == "healthy" and b.degraded() == frozenset()
+
+
+def test_recovery_needs_recover_after_and_enough_probes() -> None:
+    b = breaker()
+    feed(b, 0, 10, 0.002)
+    feed(b, 10, 11, 0.150)
+    assert b.evaluate(11)[0].to == "degraded"
+    b.observe("default/r/0/degraded", "a.default", 0.002, 11.5)
+    b.observe("default/r/0/degraded", "a.default", 0.002, 11.6)
+    assert b.evaluate(12.5) == []  # 1.5 s after the trip, and two probes only
+    feed(b, 11.7, 12.9, 0.002, rate=10)
+    assert b.evaluate(12.9) == []  # 1.9 s after the trip
+    assert b.evaluate(13.1)[0].to == "healthy"
 
 
 def test_the_degraded_twin_feeds_the_breaker() -> None:

@@ -4,9 +4,9 @@ Envoy streams every request's duration (gRPC access-log service); for each route
 `driftBreaker` we keep recent samples. The route trips when the p95 of the last `window` exceeds
 the baseline p95 (the `baselineWindow` before it, or `coldStartBaseline` until there are enough
 samples) by more than `threshold` percent and by at least `minIncrease`. While tripped, the baseline is frozen and only the
-probe share of traffic still reaches the primary; the route recovers when the probe's p95 stays
-within half the trip margin (half the threshold, or half `minIncrease` where that is larger) for
-`recoverAfter` (hysteresis, so a route does not flap).
+probe share of traffic still reaches the primary; the route recovers when the probe's p95 over the
+last `recoverAfter` is within half the trip margin (half the threshold, or half `minIncrease` where
+that is larger): hysteresis, so a route does not flap.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ class _State:
     since: float = 0.0
     frozen_baseline: float = 0.0
     warm_baseline: float | None = None  # after a recovery, until the baseline refills
-    healthy_since: float | None = None
     last_p95: float = 0.0
     last_baseline: float = 0.0
     transitions: int = 0
@@ -97,12 +96,13 @@ class DriftBreaker:
         for key, state in self._routes.items():
             settings = state.watched.settings
             window = settings.window.total_seconds()
-            horizon = now - settings.baseline_window.total_seconds() - window
+            span = settings.recover_after.total_seconds()
+            horizon = now - max(settings.baseline_window.total_seconds() + window, span)
             while state.samples and state.samples[0][0] < horizon:
                 state.samples.popleft()
-            recent = [v for t, v in state.samples if t >= now - window]
-            older = [v for t, v in state.samples if t < now - window]
             if not state.degraded:
+                recent = [v for t, v in state.samples if t >= now - window]
+                older = [v for t, v in state.samples if t < now - window]
                 baseline = self._baseline(state, older)
                 state.last_baseline = baseline or 0.0
                 if baseline is None or len(recent) < settings.min_samples:
@@ -110,20 +110,19 @@ class DriftBreaker:
                 state.last_p95 = p95(recent)
                 if state.last_p95 > self._limit(settings, baseline, 1.0):
                     state.degraded, state.since = True, now
-                    state.frozen_baseline, state.healthy_since = baseline, None
+                    state.frozen_baseline = baseline
                     transitions.append(self._transition(state, key, "degraded", now))
             else:
-                needed = max(3, settings.min_samples // 4)  # the probe share is small
-                if len(recent) < needed:
-                    state.healthy_since = None
+                # One p95 over the whole recoverAfter span, not one per `window` that must all
+                # pass: the probe share gives a window a dozen samples, whose p95 is their
+                # maximum, so a single slow request anywhere in the span held the trip.
+                probes = [v for t, v in state.samples if t >= now - max(span, window)]
+                if len(probes) < max(3, settings.min_samples // 4):  # the probe share is small
                     continue
-                state.last_p95 = p95(recent)
-                if state.last_p95 > self._limit(settings, state.frozen_baseline, 0.5):
-                    state.healthy_since = None
+                state.last_p95 = p95(probes)
+                if now - state.since < span:
                     continue
-                if state.healthy_since is None:
-                    state.healthy_since = now
-                if now - state.healthy_since >= settings.recover_after.total_seconds():
+                if state.last_p95 <= self._limit(settings, state.frozen_baseline, 0.5):
                     state.degraded, state.since = False, now
                     state.warm_baseline = state.frozen_baseline
                     state.samples.clear()  # the slow period must not become the new normal

@@ -5,6 +5,8 @@ Measures, on loopback with real processes:
               precompiled .cwasm: Python component (iris) and core wasm (digits), p50/p99;
               also the server's own part of it (deserialize + instantiate, `load_*`) and the
               baseline: a loaded function's request after the same idle gap (`*idle_warm*`)
+  resume      the Python function's first request after its instances were dropped at the
+              idle TTL with its code kept (codeTtlSeconds), p50/p99
   warm        sequential keep-alive requests to a loaded function, backend alone, p50/p99
   e2e         paced 200 requests/s through a static Envoy in front of the backend, p99
               (and the same pacing against the backend alone, the baseline of the hop)
@@ -127,6 +129,7 @@ def backend(
     procs: Procs, tmp: Path, registry: Path, key: Path, workers: int, name: str
 ) -> tuple[subprocess.Popen[bytes], int]:
     cold = {"idleTtlSeconds": 0.05, "pool": {"minIdle": 0, "maxIdle": 1}}
+    resume = {**cold, "codeTtlSeconds": 3600}
     config = {
         "registry": str(registry),
         "trustedKeys": [str(key)],
@@ -136,6 +139,7 @@ def backend(
             {"name": "digits", "version": "1", "pool": {"minIdle": 1, "maxIdle": 4}},
             {"name": "iris-cold", "version": "1", "artifact": "iris@1", **cold},
             {"name": "digits-cold", "version": "1", "artifact": "digits@1", **cold},
+            {"name": "iris-resume", "version": "1", "artifact": "iris@1", **resume},
             {
                 "name": "iris-pool",
                 "version": "1",
@@ -168,16 +172,23 @@ def backend(
 
 
 def cold_starts(
-    port: int, model: str, warm_model: str, body: bytes, samples: int
+    port: int, model: str, warm_model: str, body: bytes, samples: int, resume: bool = False
 ) -> tuple[list[float], list[float], list[float]]:
     """Client-side latency of requests that hit an unloaded function, the server's own load +
     first instantiate time for each (from the cold-start histogram's sum), and the baseline:
     the same request to a loaded function after the same idle gap and /metrics polls.
+    `resume`: the function keeps its code (codeTtlSeconds), so its first request after the
+    idle TTL only instantiates; the second list is then empty.
 
     An idle server answers its first request slower than one under steady load (idle vCPUs
     wake, caches are cold): measured here 1.1-1.2 ms for a warm core call that takes 0.5 ms
     back to back. The baseline tells that part from what loading adds."""
     label = f'function="{model}@1"'
+    gone, counter = (
+        ("meshfn_fn_idle_instances", "meshfn_fn_resumes_total")
+        if resume
+        else ("meshfn_fn_loaded", "meshfn_fn_cold_starts_total")
+    )
     out: list[float] = []
     inside: list[float] = []
     idle_warm: list[float] = []
@@ -187,22 +198,23 @@ def cold_starts(
     try:
         while len(out) < samples:
             deadline = time.monotonic() + 5
-            while metric(port, "meshfn_fn_loaded", label) != 0.0:
+            while metric(port, gone, label) != 0.0:
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"{model} never unloaded")
+                    raise SystemExit(f"{model} never scaled to zero")
                 time.sleep(0.02)
-            before = metric(port, "meshfn_fn_cold_starts_total", label)
+            before = metric(port, counter, label)
             load_before = metric(port, "meshfn_fn_cold_start_seconds_sum", label)
             t = time.perf_counter()
             status, reply = client.send(raw)
             elapsed = time.perf_counter() - t
             assert status == 200, reply
-            if metric(port, "meshfn_fn_cold_starts_total", label) == before + 1:
+            if metric(port, counter, label) == before + 1:
                 out.append(elapsed * 1000)
                 load = metric(port, "meshfn_fn_cold_start_seconds_sum", label) - load_before
-                inside.append(load * 1000)
+                if not resume:
+                    inside.append(load * 1000)
                 time.sleep(0.06)  # as idle as before a cold request (the TTL is 50 ms)
-                metric(port, "meshfn_fn_cold_starts_total", label)
+                metric(port, counter, label)
                 metric(port, "meshfn_fn_cold_start_seconds_sum", label)
                 t = time.perf_counter()
                 status, reply = client.send(warm_raw)
@@ -321,6 +333,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["load_core_ms"],
             result["idle_warm_core_ms"],
         ) = cold_starts(port, "digits-cold", "digits", DIGITS, args.cold)
+        result["resume_python_ms"], _, _ = cold_starts(
+            port, "iris-resume", "iris", IRIS, args.cold, resume=True
+        )
         result["warm_python_us"] = sequential(port, "/v2/models/iris/infer", IRIS, args.warm)
         result["warm_core_us"] = sequential(port, "/v2/models/digits/infer", DIGITS, args.warm)
         envoy_port, admin = free_port(), free_port()
@@ -550,6 +565,8 @@ def main() -> None:
         "core_cold_p50_ms": statistics.median(core),
         "core_cold_p99_ms": pct(core, 0.99),
         "idle_warm_p99_ms": pct(data["idle_warm_python_ms"], 0.99),
+        "resume_p50_ms": statistics.median(data["resume_python_ms"]),
+        "resume_p99_ms": pct(data["resume_python_ms"], 0.99),
         "core_idle_warm_p50_ms": statistics.median(data["idle_warm_core_ms"]),
         "core_idle_warm_p99_ms": pct(data["idle_warm_core_ms"], 0.99),
         "load_p50_ms": statistics.median(data["load_python_ms"]),
@@ -596,7 +613,8 @@ def main() -> None:
         f"e2e_p99_ms={s['e2e_p99_ms']:.2f} rss_per_instance_mb={s['rss_per_instance_mb']:.2f} "
         f"core_cold_p50_ms={s['core_cold_p50_ms']:.2f} core_idle_warm_p50_ms={s['core_idle_warm_p50_ms']:.2f} "
         f"core_idle_warm_p99_ms={s['core_idle_warm_p99_ms']:.2f} idle_warm_p99_ms={s['idle_warm_p99_ms']:.2f} "
-        f"core_warm_p50_us={s['core_warm_p50_us']:.0f} "
+        f"core_warm_p50_us={s['core_warm_p50_us']:.0f} resume_p50_ms={s['resume_p50_ms']:.2f} "
+        f"resume_p99_ms={s['resume_p99_ms']:.2f} "
         f"load_p99_ms={s['load_p99_ms']:.2f} core_load_p99_ms={s['core_load_p99_ms']:.3f} "
         f"envoy_hop_p50_us={s['envoy_hop_p50_us']:.0f} backend_p99_ms_at_200rps={s['backend_p99_ms_at_200rps']:.2f} "
         f"rps_1w={s['rps_1w']:.0f} rps_2w={s['rps_2w']:.0f} core_rps_1w={s['core_rps_1w']:.0f} core_rps_2w={s['core_rps_2w']:.0f}"

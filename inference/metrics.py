@@ -34,6 +34,12 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.resumes = Counter(
+            "meshfn_fn_resumes",
+            "First requests after the idle TTL dropped the instances but kept the code",
+            ["function"],
+            registry=r,
+        )
         self.unloads = Counter(
             "meshfn_fn_unloads", "Idle functions unloaded (scale to zero)", ["function"], registry=r
         )

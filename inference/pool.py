@@ -82,6 +82,7 @@ class FunctionRuntime:
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._refilling = False
+        self._dormant = False  # instances dropped at the idle TTL, code kept (codeTtlSeconds)
         self.label = f"{self.name}@{self.version}"
 
     # ------------------------------------------------------------------ verification
@@ -148,6 +149,7 @@ class FunctionRuntime:
             if self._artifact is None:
                 return
             self._artifact = None
+            self._dormant = False
             self._generation += 1
             idle, self._idle = self._idle, deque()
         for instance in idle:
@@ -157,6 +159,23 @@ class FunctionRuntime:
         if reason == "idle":
             self.metrics.unloads.labels(self.label).inc()
         log.info("function unloaded", extra={"function": self.label, "reason": reason})
+
+    @property
+    def dormant(self) -> bool:
+        return self._dormant
+
+    def drop_instances(self) -> None:
+        """Scale to zero but keep the code (codeTtlSeconds): the next request instantiates
+        from the loaded artifact instead of loading it again."""
+        with self._lock:
+            if self._artifact is None or self._dormant:
+                return
+            self._dormant = True
+            idle, self._idle = self._idle, deque()
+        for instance in idle:
+            instance.close()
+        self.metrics.idle.labels(self.label).set(0)
+        log.info("function instances dropped, code kept", extra={"function": self.label})
 
     # ------------------------------------------------------------------ instances
 
@@ -168,6 +187,9 @@ class FunctionRuntime:
                 self.metrics.idle.labels(self.label).set(len(self._idle))
                 return instance, self._generation, False
             artifact, generation = self._artifact, self._generation
+            if self._dormant and artifact is not None:
+                self._dormant = False
+                self.metrics.resumes.labels(self.label).inc()
         cold = artifact is None
         started = time.perf_counter()
         if artifact is None:
@@ -218,11 +240,12 @@ class FunctionRuntime:
             while True:
                 with self._lock:
                     artifact, generation = self._artifact, self._generation
-                    if artifact is None or len(self._idle) >= self.spec.pool.min_idle:
+                    full = len(self._idle) >= self.spec.pool.min_idle
+                    if artifact is None or self._dormant or full:
                         return
                 instance = artifact.instantiate(self.memory_bytes)
                 with self._lock:
-                    if generation != self._generation:
+                    if generation != self._generation or self._dormant:
                         instance.close()
                         return
                     self._idle.append(instance)

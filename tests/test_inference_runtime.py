@@ -7,7 +7,7 @@ import asyncio
 import json
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -487,6 +487,43 @@ async def test_idle_functions_scale_to_zero(published: Published) -> None:
                 break
         assert not rt.loaded and not rt._idle
         assert (await b.infer("chaos-core", None, X.encode())).status == 200
+        assert b.metrics.cold_starts.labels(rt.label)._value.get() == 2
+    finally:
+        await b.drain(1)
+
+
+async def test_code_ttl_keeps_the_code_after_the_instances_go(published: Published) -> None:
+    """codeTtlSeconds: at the idle TTL the instances go but the code stays, so the next request
+    instantiates from it (a resume, not a cold start); at the code TTL the code goes too."""
+    b = backend_for(
+        published,
+        [{"name": "chaos", "idleTtlSeconds": 0.3, "codeTtlSeconds": 1.2, "pool": {"minIdle": 2}}],
+    )
+    await b.start()
+    try:
+        rt = b.lookup("chaos", None)
+
+        async def until(done: Callable[[], bool]) -> None:
+            for _ in range(500):
+                if done():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("timed out")
+
+        assert (await b.infer("chaos", None, X.encode())).status == 200
+        first = rt._artifact
+        await until(lambda: len(rt._idle) == 2)  # the pool refilled to minIdle
+        await until(lambda: rt.dormant)
+        assert rt.loaded and not rt._idle and b.metrics.idle.labels(rt.label)._value.get() == 0
+        await asyncio.sleep(0.1)  # stays dormant: the pool is not refilled without a request
+        assert rt.dormant and not rt._idle
+        assert (await b.infer("chaos", None, X.encode())).status == 200
+        assert rt._artifact is first and not rt.dormant
+        assert b.metrics.cold_starts.labels(rt.label)._value.get() == 1
+        assert b.metrics.resumes.labels(rt.label)._value.get() == 1
+        await until(lambda: not rt.loaded)  # the code TTL
+        assert not rt._idle and b.metrics.unloads.labels(rt.label)._value.get() == 1
+        assert (await b.infer("chaos", None, X.encode())).status == 200
         assert b.metrics.cold_starts.labels(rt.label)._value.get() == 2
     finally:
         await b.drain(1)

@@ -236,6 +236,11 @@ def test_config_yaml_with_relative_paths(tmp_path: Path) -> None:
             {"registry": "r", "functions": [{"name": "a", "pool": {"minIdle": 5, "maxIdle": 1}}]},
             "minIdle exceeds",
         ),
+        (
+            {"registry": "r", "functions": [{"name": "a", "codeTtlSeconds": 5}]},
+            "codeTtlSeconds is shorter than idleTtlSeconds",
+        ),
+        ({"registry": "r", "functions": [{"name": "a", "codeTtlSeconds": 0}]}, "codeTtlSeconds"),
         ({"workers": 2}, "registry"),
     ],
 )

@@ -478,6 +478,7 @@ FUNCTION_CASES = [
         "pool.minIdle exceeds pool.maxIdle",
     ),
     ("  backend: echo\n  idleTtl: 0s\n", "spec", "must be positive"),
+    ("  backend: echo\n  idleTtl: 10m\n  codeTtl: 5m\n", "spec", "codeTtl must not be shorter"),
     (
         "  backend: echo\n  isolation: shared\n",
         "spec.isolation",
@@ -497,6 +498,31 @@ def test_function_errors(tmp_path: Path, spec: str, path: str, fragment: str) ->
     errors = errors_for(tmp_path, grpc + "---\n" + doc("Function", spec, name="fn"))
     matching = [e for e in errors if e.path == path and fragment in e.message]
     assert matching, f"no error at {path} containing {fragment!r} in {[str(e) for e in errors]}"
+
+
+def test_function_policies_become_the_backend_config(tmp_path: Path) -> None:
+    """The Function policy's fields reach the inference backend's config, which accepts them."""
+    from meshfn.control_plane.runtime.upstreams import FunctionsSetup, backend_config, upstreams_for
+    from meshfn.inference.config import parse_config
+
+    files = base_files()
+    files["fn.yaml"] = (
+        doc(
+            "Function",
+            "  backend: echo\n  idleTtl: 30s\n  codeTtl: 1h\n  pool: {minIdle: 1}\n",
+            name="iris",
+        )
+        + "---\n"
+        + doc("Function", "  backend: echo\n  artifact: iris@1\n", name="alias")
+    )
+    model = load_policies(write(tmp_path, files))
+    (spec,) = upstreams_for(model).values()
+    raw = backend_config(spec, FunctionsSetup(tmp_path / "reg", (tmp_path / "k.pub",)))
+    served = {f.name: f for f in parse_config(raw).functions or []}
+    iris, alias = served["iris"], served["alias"]
+    assert (iris.idle_ttl_seconds, iris.code_ttl_seconds, iris.code_ttl) == (30, 3600, 3600)
+    assert iris.pool.min_idle == 1 and alias.artifact == "iris@1"
+    assert (alias.code_ttl_seconds, alias.code_ttl) == (None, alias.idle_ttl_seconds)
 
 
 def test_two_functions_with_one_name_clash(tmp_path: Path) -> None:

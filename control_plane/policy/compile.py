@@ -43,6 +43,7 @@ def _function(item: Loaded) -> ir.Function:
         version=spec.version,
         isolation=spec.isolation,
         idle_ttl=spec.idleTtl,
+        code_ttl=spec.codeTtl,
         min_idle=spec.pool.minIdle,
         max_idle=spec.pool.maxIdle,
         memory_mib=spec.limits.memoryMiB,

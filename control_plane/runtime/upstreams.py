@@ -81,6 +81,8 @@ def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
                 "maxRequestBytes": f.max_request_bytes,
             },
         }
+        if f.code_ttl is not None:
+            entry["codeTtlSeconds"] = f.code_ttl.total_seconds()
         if f.version is not None:
             entry["version"] = f.version
         if f.artifact is not None:

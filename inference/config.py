@@ -67,8 +67,8 @@ class FunctionSpec(_Model):
     """Unused this long: the instances go (scale to zero), and the code too unless codeTtl."""
     code_ttl_seconds: float | None = Field(default=None, gt=0, le=86_400 * 30)
     """Keep the loaded code (not the instances) until unused this long: a request after the
-    idle TTL then only instantiates, ~2-3x faster for a Python function than loading, for
-    ~1.6 MiB per function. None: the code goes with the instances."""
+    idle TTL then only instantiates (iris, measured: p50 4.5 ms instead of 7.2 ms from the
+    artifact), for ~1.6 MiB per Python function. None: the code goes with the instances."""
     pool: Pool = Pool()
     limits: Limits = Limits()
 

@@ -182,13 +182,15 @@ class FunctionRuntime:
     def _take(self) -> tuple[Instance, int, bool]:
         """An idle instance, else a new one (loading the artifact first if needed)."""
         with self._lock:
+            # Any request ends dormancy, also one that races the drop and finds an instance
+            # given back after it: the pool is then refilled and dropped again as usual.
+            dormant, self._dormant = self._dormant, False
             if self._idle:
                 instance = self._idle.popleft()
                 self.metrics.idle.labels(self.label).set(len(self._idle))
                 return instance, self._generation, False
             artifact, generation = self._artifact, self._generation
-            if self._dormant and artifact is not None:
-                self._dormant = False
+            if dormant and artifact is not None:
                 self.metrics.resumes.labels(self.label).inc()
         cold = artifact is None
         started = time.perf_counter()

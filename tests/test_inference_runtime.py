@@ -342,6 +342,26 @@ def test_isolation_modes(
     assert [counter(fresh) for _ in range(3)] == [1.0, 1.0, 1.0]
 
 
+def test_a_request_racing_the_instance_drop_ends_dormancy(
+    published: Published, engine: wasmtime.Engine, prewarm: ThreadPoolExecutor
+) -> None:
+    """The drop can land while a request holds an instance, which then goes back to the pool:
+    the next request takes it and the function is no longer dormant (the reaper can drop again)."""
+    rt = runtime(published, engine, prewarm, "chaos-core", codeTtlSeconds=600)
+    assert counter(rt) == 1.0
+    instance, generation, _ = rt._take()  # a request in flight
+    rt.drop_instances()
+    assert rt.dormant and not rt._idle
+    rt._give_back(instance, generation, CallResult(Outcome.OK, "{}"))
+    assert counter(rt) == 2.0  # the same instance, given back after the drop
+    assert not rt.dormant and rt.metrics.resumes.labels(rt.label)._value.get() == 0
+    rt.drop_instances()
+    assert rt.dormant and not rt._idle
+    assert counter(rt) == 1.0  # a new instance from the kept code: a resume
+    assert rt.metrics.resumes.labels(rt.label)._value.get() == 1
+    assert rt.metrics.cold_starts.labels(rt.label)._value.get() == 1
+
+
 def test_trapped_instance_is_replaced(
     published: Published, engine: wasmtime.Engine, prewarm: ThreadPoolExecutor
 ) -> None:

@@ -33,12 +33,9 @@ def key_id(public: Ed25519PublicKey) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
-def generate_key(directory: Path, name: str = "meshfn-signing") -> tuple[Path, Path]:
-    """A new key pair as `<name>.key` (mode 0600) and `<name>.pub`; refuses to overwrite."""
-    directory.mkdir(parents=True, exist_ok=True)
-    private_path, public_path = directory / f"{name}.key", directory / f"{name}.pub"
-    if private_path.exists() or public_path.exists():
-        raise SignatureError(f"{private_path} or {public_path} already exists; not overwriting")
+def write_key_pair(private_path: Path, public_path: Path) -> Ed25519PrivateKey:
+    """A new ed25519 key: PKCS#8 PEM at `private_path`, created with mode 0600 and never over an
+    existing file (O_EXCL), and its SubjectPublicKeyInfo PEM at `public_path`."""
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -51,6 +48,16 @@ def generate_key(directory: Path, name: str = "meshfn-signing") -> tuple[Path, P
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
     )
+    return key
+
+
+def generate_key(directory: Path, name: str = "meshfn-signing") -> tuple[Path, Path]:
+    """A new key pair as `<name>.key` (mode 0600) and `<name>.pub`; refuses to overwrite."""
+    directory.mkdir(parents=True, exist_ok=True)
+    private_path, public_path = directory / f"{name}.key", directory / f"{name}.pub"
+    if private_path.exists() or public_path.exists():
+        raise SignatureError(f"{private_path} or {public_path} already exists; not overwriting")
+    write_key_pair(private_path, public_path)
     return private_path, public_path
 
 
@@ -67,7 +74,7 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
 def load_public_key(path: Path) -> Ed25519PublicKey:
     try:
         key = serialization.load_pem_public_key(path.read_bytes())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError) as exc:
         raise SignatureError(f"{path}: not a readable PEM public key ({exc})") from None
     if not isinstance(key, Ed25519PublicKey):
         raise SignatureError(f"{path}: not an ed25519 public key")

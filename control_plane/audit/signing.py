@@ -7,12 +7,14 @@ this host. Whoever holds the private key can forge history: keep it out of backu
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from meshfn.inference import signing as keys
+from meshfn.inference.errors import SignatureError
 
 
 class KeyError_(RuntimeError):
@@ -27,41 +29,21 @@ def load_or_create(private: Path) -> Ed25519PrivateKey:
     if private.exists():
         return load_private(private)
     private.parent.mkdir(parents=True, exist_ok=True)
-    key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(pem)
-    public_path(private).write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return key
+    return keys.write_key_pair(private, public_path(private))
 
 
 def load_private(path: Path) -> Ed25519PrivateKey:
     try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as exc:
-        raise KeyError_(f"{path}: cannot load the audit signing key: {exc}") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise KeyError_(f"{path}: not an ed25519 private key")
-    return key
+        return keys.load_private_key(path)
+    except SignatureError as exc:
+        raise KeyError_(f"cannot load the audit signing key: {exc}") from None
 
 
 def load_public(path: Path) -> Ed25519PublicKey:
     try:
-        key = serialization.load_pem_public_key(path.read_bytes())
-    except (OSError, ValueError, TypeError) as exc:
-        raise KeyError_(f"{path}: cannot load the audit public key: {exc}") from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise KeyError_(f"{path}: not an ed25519 public key")
-    return key
+        return keys.load_public_key(path)
+    except SignatureError as exc:
+        raise KeyError_(f"cannot load the audit public key: {exc}") from None
 
 
 def key_id(key: Ed25519PublicKey) -> str:

@@ -408,6 +408,15 @@ def test_file_changed_after_verification_is_rechecked(
 # ---------------------------------------------------------------------- backend (no sockets)
 
 
+async def until(done: Callable[[], bool], seconds: float = 2.0, every: float = 0.01) -> None:
+    """Poll the backend's state from the test's event loop (the reaper runs on it)."""
+    for _ in range(round(seconds / every)):
+        if done():
+            return
+        await asyncio.sleep(every)
+    raise AssertionError(f"timed out after {seconds} s")
+
+
 def backend_for(pub: Published, functions: list[dict[str, object]], workers: int = 2) -> Backend:
     cfg = parse_config(
         {
@@ -501,11 +510,8 @@ async def test_idle_functions_scale_to_zero(published: Published) -> None:
         rt = b.lookup("chaos-core", None)
         assert (await b.infer("chaos-core", None, X.encode())).status == 200
         assert rt.loaded
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if not rt.loaded:
-                break
-        assert not rt.loaded and not rt._idle
+        await until(lambda: not rt.loaded)
+        assert not rt._idle
         assert (await b.infer("chaos-core", None, X.encode())).status == 200
         assert b.metrics.cold_starts.labels(rt.label)._value.get() == 2
     finally:
@@ -522,18 +528,10 @@ async def test_code_ttl_keeps_the_code_after_the_instances_go(published: Publish
     await b.start()
     try:
         rt = b.lookup("chaos", None)
-
-        async def until(done: Callable[[], bool]) -> None:
-            for _ in range(500):
-                if done():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError("timed out")
-
         assert (await b.infer("chaos", None, X.encode())).status == 200
         first = rt._artifact
-        await until(lambda: len(rt._idle) == 2)  # the pool refilled to minIdle
-        await until(lambda: rt.dormant)
+        await until(lambda: len(rt._idle) == 2, seconds=5)  # the pool refilled to minIdle
+        await until(lambda: rt.dormant, seconds=5)
         assert rt.loaded and not rt._idle and b.metrics.idle.labels(rt.label)._value.get() == 0
         await asyncio.sleep(0.1)  # stays dormant: the pool is not refilled without a request
         assert rt.dormant and not rt._idle
@@ -541,7 +539,7 @@ async def test_code_ttl_keeps_the_code_after_the_instances_go(published: Publish
         assert rt._artifact is first and not rt.dormant
         assert b.metrics.cold_starts.labels(rt.label)._value.get() == 1
         assert b.metrics.resumes.labels(rt.label)._value.get() == 1
-        await until(lambda: not rt.loaded)  # the code TTL
+        await until(lambda: not rt.loaded, seconds=5)  # the code TTL
         assert not rt._idle and b.metrics.unloads.labels(rt.label)._value.get() == 1
         assert (await b.infer("chaos", None, X.encode())).status == 200
         assert b.metrics.cold_starts.labels(rt.label)._value.get() == 2
@@ -560,11 +558,7 @@ async def test_component_linker_is_shared_but_every_load_is_fresh(published: Pub
         assert (await b.infer("chaos", None, X.encode())).status == 200
         first = chaos_rt._artifact
         assert isinstance(first, ComponentArtifact) and first.linker is b.linker
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if not chaos_rt.loaded:
-                break
-        assert not chaos_rt.loaded
+        await until(lambda: not chaos_rt.loaded)
         assert (await b.infer("chaos", None, X.encode())).status == 200
         second = chaos_rt._artifact
         assert isinstance(second, ComponentArtifact) and second.linker is b.linker

@@ -79,6 +79,15 @@ def ratio(on: list[float], off: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(on, off, strict=True))
 
 
+def paired_p50(p50: dict[str, list[float]]) -> Json:
+    """What an on/off comparison of per-round p50s reports: medians, the rounds, their ratio."""
+    return {
+        "p50_us": {mode: statistics.median(v) for mode, v in p50.items()},
+        "rounds_p50_us": p50,
+        "ratio": ratio(p50["on"], p50["off"]),
+    }
+
+
 def abba(rounds: int) -> Iterator[tuple[int, str]]:
     for i in range(rounds):
         for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
@@ -141,11 +150,7 @@ def python_hop(args: argparse.Namespace, join: Preexec, children: Children) -> J
             p50[mode].append(result["p50_us"])
         for proc, _ in servers.values():
             children.stop(proc)
-        out[placement] = {
-            "p50_us": {mode: statistics.median(v) for mode, v in p50.items()},
-            "rounds_p50_us": p50,
-            "ratio": ratio(p50["on"], p50["off"]),
-        }
+        out[placement] = paired_p50(p50)
         log(f"rtt {placement} (Python loop): {out[placement]['p50_us']}")
     return out
 
@@ -264,11 +269,7 @@ def c_hop(args: argparse.Namespace, work: Path, join: Preexec, children: Childre
             p50[mode].append(json.loads(result.stdout)["p50_us"])
         for proc, _ in servers.values():
             children.stop(proc)
-        out[placement] = {
-            "p50_us": {mode: statistics.median(v) for mode, v in p50.items()},
-            "rounds_p50_us": p50,
-            "ratio": ratio(p50["on"], p50["off"]),
-        }
+        out[placement] = paired_p50(p50)
         log(f"rtt {placement} (C loop): {out[placement]['p50_us']}")
     return out
 

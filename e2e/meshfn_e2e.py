@@ -29,6 +29,23 @@ def meshfn(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
+def run_bench(script: str, args: list[str], tmp: Path, timeout: float = 300) -> tuple[str, Any]:
+    """Run bench/<script> (tiny sizes in `args`) with its JSON written under `tmp`; it must
+    succeed and print exactly one line. Returns that summary line and the JSON."""
+    out = tmp / f"{Path(script).stem}.json"
+    bench = Path(__file__).resolve().parents[1] / "bench" / script
+    result = subprocess.run(
+        [sys.executable, "-P", str(bench), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (line,) = result.stdout.strip().splitlines()
+    return line, json.loads(out.read_text())
+
+
 def free_ports(count: int) -> list[int]:
     sockets = []
     try:

@@ -2,46 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "functions.py"
+from meshfn_e2e import run_bench
 
 
 def test_functions_bench_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "r.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-P",
-            str(BENCH),
-            "--cold",
-            "3",
-            "--warm",
-            "50",
-            "--paced-seconds",
-            "0.5",
-            "--wrk-seconds",
-            "1",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    (line,) = result.stdout.strip().splitlines()
+    tiny = ["--cold", "3", "--warm", "50", "--paced-seconds", "0.5", "--wrk-seconds", "1"]
+    line, data = run_bench("functions.py", tiny, tmp_path)
     assert re.match(
         r"^functions: cold_p50_ms=[\d.]+ cold_p99_ms=[\d.]+ core_cold_p99_ms=[\d.]+ "
         r"warm_p50_us=\d+ e2e_p99_ms=[\d.]+ rss_per_instance_mb=[\d.]+ ",
         line,
     ), line
-    data = json.loads(out.read_text())
     assert len(data["cold_python_ms"]) == 3 and data["paced_envoy_ms"]["n"] == 100
     assert len(data["idle_warm_python_ms"]) == len(data["idle_warm_core_ms"]) == 3
     assert len(data["resume_python_ms"]) == 3

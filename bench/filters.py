@@ -7,7 +7,10 @@ costs. `none` is the baseline (jwt_authn writing the claim headers + early heade
 + router); `audit` adds the audit filter as the translator deploys it (lean build, subject_source
 jwt_headers: HMAC of the verified sub, tenant); `degrade` adds the degrade filter (lean build,
 9 rules and a trigger, nothing degraded: the common case); `both` is what the translator deploys
-where a listener audits and degrades: both in ONE plugin (meshfn-lean.wasm). For comparison:
+where a listener audits and degrades: both in ONE plugin (meshfn-lean.wasm); every request
+carries the same caller's token, so the filter's subject cache (the HMAC of recent subjects)
+hits; `both_subjects` is `both` with a new caller on every request (SUBJECTS tokens in turn, many
+more than the cache holds: lookups miss), its `none` pair sending the same tokens. For comparison:
 `two_plugins` runs them as two filters (two per-filter wasm overheads), `both_full` is `both` on
 the full build (per-request contexts, needed only for body hashing), `both_trigger` adds a drill
 trigger (one more header read per request), and `audit_metadata` reads the claims from
@@ -21,7 +24,8 @@ listener and much noise on a shared VM (--upstream proxies to meshfn's echo app 
 Prints one line:
   filters: audit_cpu_us=… degrade_cpu_us=… both_cpu_us=… both_p50_overhead_us=… two_plugins_cpu_us=… both_full_cpu_us=…
 (CPU added per request over `none`: median of paired differences, each listener measured right
-after a `none` batch; p50 overhead of `both` over `none`)
+after a `none` batch; p50 overhead of `both` over `none`; both_subjects_cpu_us: `both` when every
+request has a new subject)
 and writes the details to --json (default bench/results/filters.json).
 """
 
@@ -71,6 +75,7 @@ CONFIGS = (
     "audit",
     "degrade",
     "both",
+    "both_subjects",
     "two_plugins",
     "both_full",
     "both_trigger",
@@ -97,6 +102,8 @@ def listeners(
 ) -> list[dict[str, Any]]:
     salt = "42" * 32
     fast = AuditSettings(subject_salt=salt, subject_source="jwt_headers")
+    # its own configuration, hence its own VM and subject cache (a lean VM per configuration)
+    fresh_subjects = fast.model_copy(update={"salt_id": "subjects"})
     metadata_settings = AuditSettings(subject_salt=salt)
     audit = es.to_dict(audit_filter(fast))
     audit_metadata = es.to_dict(audit_filter(metadata_settings))
@@ -140,6 +147,7 @@ def listeners(
         "audit": [authn, audit],
         "degrade": [authn, degrade],
         "both": [authn, es.to_dict(meshfn_filter(fast, degrade_settings))],
+        "both_subjects": [authn, es.to_dict(meshfn_filter(fresh_subjects, degrade_settings))],
         "two_plugins": [authn, audit, degrade],
         "both_full": [authn, es.to_dict(both_full)],
         "both_trigger": [authn, es.to_dict(meshfn_filter(fast, with_trigger))],
@@ -151,6 +159,7 @@ def listeners(
     log_settings = {
         "audit": fast,
         "both": fast,
+        "both_subjects": fresh_subjects,
         "two_plugins": fast,
         "both_full": fast,
         "both_trigger": fast,
@@ -172,13 +181,20 @@ def listeners(
     return out
 
 
-def run_batch(conn: http.client.HTTPConnection, count: int, auth: str) -> list[float]:
+# Callers for `both_subjects`, sent in turn: one comes back after 1023 others, by which time the
+# audit filter's subject cache (256 slots) has almost surely reused its slot (~2% hits).
+SUBJECTS = 1024
+
+
+def run_batch(conn: http.client.HTTPConnection, count: int, auths: list[str]) -> list[float]:
+    """`count` requests, the i-th with token auths[i % len(auths)] (one caller or many)."""
     latencies = []
     headers = {
-        "authorization": auth,
+        "authorization": auths[0],
         "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
     }
-    for _ in range(count):
+    for i in range(count):
+        headers["authorization"] = auths[i % len(auths)]
         start = time.perf_counter_ns()
         conn.request("GET", "/v2/models/bench/infer", headers=headers)
         response = conn.getresponse()
@@ -246,13 +262,18 @@ def main() -> None:
             if args.upstream:
                 wait_http(f"http://127.0.0.1:{upstream}/")
             token = jwt.token({"sub": "bench-user@example.com", "tenant": "bench"})
-            auth = f"Bearer {token}"
+            one = [f"Bearer {token}"]
+            many = [
+                f"Bearer {jwt.token({'sub': f'user-{i}@example.com', 'tenant': 'bench'})}"
+                for i in range(SUBJECTS)
+            ]
+            next_subject = 0
             conns = {
                 name: http.client.HTTPConnection("127.0.0.1", port, timeout=10)
                 for name, port in ports.items()
             }
             for conn in conns.values():  # warm up: VMs, connections, caches
-                run_batch(conn, 200, auth)
+                run_batch(conn, 200, one)
 
             # Each measurement of a listener is paired with one of `none` right before it, so
             # both see the same neighbours on this shared machine; rounds are short and many.
@@ -261,9 +282,9 @@ def main() -> None:
             lat: dict[str, list[float]] = {name: [] for name in CONFIGS}
             rng = random.Random(7)
 
-            def measure(name: str) -> float:
+            def measure(name: str, auths: list[str]) -> float:
                 before = cpu_ns(envoy.pid)
-                lat[name].extend(run_batch(conns[name], args.requests, auth))
+                lat[name].extend(run_batch(conns[name], args.requests, auths))
                 value = (cpu_ns(envoy.pid) - before) / args.requests / 1000
                 cpu[name].append(value)
                 return value
@@ -272,8 +293,13 @@ def main() -> None:
                 order = [name for name in CONFIGS if name != "none"]
                 rng.shuffle(order)
                 for name in order:
-                    base = measure("none")
-                    diff[name].append(measure(name) - base)
+                    if name == "both_subjects":  # the next callers in turn, the same for both
+                        auths = [many[(next_subject + i) % SUBJECTS] for i in range(args.requests)]
+                        next_subject += args.requests
+                    else:
+                        auths = one
+                    base = measure("none", auths)
+                    diff[name].append(measure(name, auths) - base)
             for conn in conns.values():
                 conn.close()
         finally:
@@ -308,6 +334,7 @@ def main() -> None:
         "degrade_cpu_us": added("degrade"),
         "both_cpu_us": added("both"),
         "both_p50_overhead_us": round(per["both"]["p50_us"] - per["none"]["p50_us"], 1),
+        "both_subjects_cpu_us": added("both_subjects"),
         "two_plugins_cpu_us": added("two_plugins"),
         "both_full_cpu_us": added("both_full"),
     }

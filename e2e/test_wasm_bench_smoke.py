@@ -16,7 +16,8 @@ def test_filters_bench_smoke(tmp_path: Path) -> None:
     number = r"-?\d+(\.\d+)?"
     assert re.fullmatch(
         rf"filters: audit_cpu_us={number} degrade_cpu_us={number} both_cpu_us={number} "
-        rf"both_p50_overhead_us={number} two_plugins_cpu_us={number} both_full_cpu_us={number}",
+        rf"both_p50_overhead_us={number} both_subjects_cpu_us={number} "
+        rf"two_plugins_cpu_us={number} both_full_cpu_us={number}",
         line,
     ), line
     assert set(data["configs"]) == {
@@ -25,6 +26,7 @@ def test_filters_bench_smoke(tmp_path: Path) -> None:
         "audit",
         "degrade",
         "both",
+        "both_subjects",
         "two_plugins",
         "both_full",
         "both_trigger",

@@ -261,6 +261,46 @@ def test_bare_filter_state_without_subject_is_null(host: Any, headers: Any) -> N
     assert run_raw(host, cfg, [*headers, (b"x-meshfn-jwt-tenant", b"t")]) == b"null"
 
 
+def slot(sub: bytes) -> int:
+    """The subject cache's slot for `sub` (FNV-1a, 256 slots), as audit.c computes it."""
+    x = 2166136261
+    for byte in sub:
+        x = ((x ^ byte) * 16777619) & 0xFFFFFFFF
+    return x % 256
+
+
+def test_subject_cache_never_mixes_subjects(host: Any) -> None:
+    """A configuration remembers the HMAC of recent subjects (keyed by the subject's bytes, one
+    per slot): repeats, subjects sharing a slot, prefixes of a remembered subject and subjects
+    too long to remember all give HMAC(salt, sub)."""
+    a = b"user-0"
+    b = next(s for i in range(1, 10_000) if slot(s := b"user-%d" % i) == slot(a))
+    # a subject and its own prefix in one slot: only the length tells them apart
+    long = next(s for i in range(1, 100_000) if slot(s := b"user-%d" % i) == slot(s[:-1]))
+    root, ok = host.configure(config(subject_source="jwt_headers", sub_header="x-sub"))
+    assert ok
+    for sub in (a, a, b, a, b, b, long, long[:-1], long, b"m" * 64, b"m" * 64, b"m" * 65):
+        raw = run_raw_on(host, root, [(b"x-sub", sub)])
+        assert raw == hmac.new(SALT, sub, "sha256").hexdigest().encode(), sub
+    host.delete(root)
+
+
+def test_subject_cache_belongs_to_its_configuration(host: Any) -> None:
+    """A new salt never reuses the HMACs remembered under the old one."""
+    full_build_only(host)
+    root, ok = host.configure(config(subject_source="jwt_headers"))
+    assert ok
+    headers = [(b"x-meshfn-jwt-sub", b"carol")]
+    for salt in (SALT, bytes(range(100, 132))):
+        if salt != SALT:
+            assert host.reconfigure(
+                root, config(subject_source="jwt_headers", subject_salt=salt.hex())
+            )
+        raw = run_raw_on(host, root, headers)
+        assert raw == hmac.new(salt, b"carol", "sha256").hexdigest().encode()
+    host.delete(root)
+
+
 def test_bare_filter_state_only_in_jwt_headers_mode_without_body_hashing(host: Any) -> None:
     for cfg in (config(), config(subject_source="jwt_authn"), config(tenant_claim="")):
         state = json.loads(run_raw(host, cfg, []) or b"")

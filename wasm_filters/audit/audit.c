@@ -20,6 +20,17 @@ const char *const FILTER_LOG_PREFIX = "meshfn audit: ";
 #define MAX_FIELD 128       /* tenant, request id: longer values are truncated, flagged */
 #define MAX_TOKEN 16384     /* a bearer token longer than this is not parsed */
 #define PROPERTY "meshfn_audit"
+/* Subjects repeat (a caller reuses its token until it expires), so each configuration remembers
+ * the HMAC of recent subjects: a direct-mapped table keyed by the subject's bytes. A longer
+ * subject, or one whose slot another subject holds, is hashed as usual. */
+#define SUBJECT_SLOTS 256
+#define SUBJECT_SLOT_MAX 64
+
+typedef struct {
+  uint8_t len; /* 0: empty (an empty subject is never hashed) */
+  char sub[SUBJECT_SLOT_MAX];
+  uint8_t mac[32];
+} subject_slot_t;
 
 /* Where the subject comes from:
  *  jwt_authn   - the verified payload jwt_authn put in dynamic metadata (no extra config, but a
@@ -42,6 +53,7 @@ struct root {
   int bare; /* jwt_headers mode without body hashing: the filter state is the subject alone */
   uint64_t body_max;
   uint32_t m_hashed, m_body_skipped, m_emit_failed, m_bad_token;
+  subject_slot_t *subjects; /* SUBJECT_SLOTS entries; NULL: out of memory, no cache */
 };
 
 enum { BODY_OFF, BODY_EMPTY, BODY_HASHING, BODY_HASHED, BODY_STREAMING, BODY_TOO_LARGE };
@@ -72,6 +84,8 @@ void filter_root_free(root_t *r) {
   mf_free(r->tenant_claim);
   mf_free(r->sub_header);
   mf_free(r->tenant_header);
+  if (r->subjects) mf_memset(r->subjects, 0, SUBJECT_SLOTS * sizeof(subject_slot_t));
+  mf_free(r->subjects);
   mf_free(r);
 }
 
@@ -121,6 +135,7 @@ int filter_configure(root_t *r, const jnode_t *c, char *err, size_t es) {
   for (size_t i = 0; i < salt_len; i++)
     salt[i] = (uint8_t)(hexnib(v->str[2 * i]) << 4 | hexnib(v->str[2 * i + 1]));
   hmac_sha256_key(&r->salt, salt, salt_len);
+  r->subjects = mf_calloc(SUBJECT_SLOTS * sizeof(subject_slot_t));
   mf_memset(salt, 0, sizeof salt);
 
   v = json_get(c, "salt_id");
@@ -227,8 +242,23 @@ static char *copy_capped(str_t s, size_t cap, size_t *len) {
 }
 
 static void take_subject(http_t *h, str_t sub) {
-  hmac_sha256_with(&h->root->salt, sub.p, sub.n, h->subject);
+  subject_slot_t *slot = 0;
   h->have_subject = 1;
+  if (h->root->subjects && sub.n <= SUBJECT_SLOT_MAX) {
+    uint32_t x = 2166136261u; /* FNV-1a */
+    for (size_t i = 0; i < sub.n; i++) x = (x ^ (uint8_t)sub.p[i]) * 16777619u;
+    slot = &h->root->subjects[x % SUBJECT_SLOTS];
+    if (slot->len == sub.n && mf_memeq(slot->sub, sub.p, sub.n)) {
+      mf_memcpy(h->subject, slot->mac, 32);
+      return;
+    }
+  }
+  hmac_sha256_with(&h->root->salt, sub.p, sub.n, h->subject);
+  if (slot) {
+    slot->len = (uint8_t)sub.n;
+    mf_memcpy(slot->sub, sub.p, sub.n);
+    mf_memcpy(slot->mac, h->subject, 32);
+  }
 }
 
 static void take_tenant(http_t *h, str_t t) {

@@ -22,7 +22,7 @@ the client's. Routes answer with a direct response by default: an upstream adds 
 listener and much noise on a shared VM (--upstream proxies to meshfn's echo app instead).
 
 Prints one line:
-  filters: audit_cpu_us=… degrade_cpu_us=… both_cpu_us=… both_p50_overhead_us=… two_plugins_cpu_us=… both_full_cpu_us=…
+  filters: audit_cpu_us=… degrade_cpu_us=… both_cpu_us=… both_p50_overhead_us=… both_subjects_cpu_us=… two_plugins_cpu_us=… both_full_cpu_us=…
 (CPU added per request over `none`: median of paired differences, each listener measured right
 after a `none` batch; p50 overhead of `both` over `none`; both_subjects_cpu_us: `both` when every
 request has a new subject)
@@ -189,10 +189,7 @@ SUBJECTS = 1024
 def run_batch(conn: http.client.HTTPConnection, count: int, auths: list[str]) -> list[float]:
     """`count` requests, the i-th with token auths[i % len(auths)] (one caller or many)."""
     latencies = []
-    headers = {
-        "authorization": auths[0],
-        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-    }
+    headers = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
     for i in range(count):
         headers["authorization"] = auths[i % len(auths)]
         start = time.perf_counter_ns()

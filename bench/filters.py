@@ -45,24 +45,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshfn.control_plane.audit.filters import (
+from meshfn.contracts.plugins import (
     AuditSettings,
     DegradeRule,
     DegradeSettings,
     MeshfnSettings,
     Trigger,
-    access_log,
-    audit_filter,
-    degrade_filter,
-    early_header_mutation,
-    harness,
-    jwt_claim_headers,
-    meshfn_filter,
     plugin_json,
-    wasm_http_filter,
-    wasm_path,
 )
 from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing.filters import audit_filter, degrade_filter, harness, meshfn_filter, wasm_path
+from meshfn.xds.translate.wasm import (
+    access_log,
+    early_header_mutation,
+    jwt_claim_headers,
+    wasm_http_filter,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from xds_push import free_ports, percentile, wait_http

@@ -21,8 +21,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from meshfn.common.logs import setup_logging
+
 from .audit.cli import audit_app
-from .logs import setup_logging
 from .policy import PolicyErrors, load_policies
 
 app = typer.Typer(

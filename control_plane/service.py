@@ -20,21 +20,21 @@ from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 
+from meshfn.contracts.journal import journal_dir
+from meshfn.ir import MeshModel, Overlay
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import Snapshot, SnapshotCache, prepare
+from meshfn.xds.names import LATENCY_LOG, primary_clusters
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
 from meshfn.xds.translate import OFFLINE_HOST, ProxyHost, translate
-from meshfn.xds.translate.listeners import LATENCY_LOG
 
-from .audit.collector import journal_dir
-from .audit.filters import BuildError, wasm_dir
 from .audit.salt import load_or_create
+from .filters import BuildError, artifacts
 from .health.drift import DriftBreaker, Transition, WatchedRoute
 from .identity.bootstrap_token import BootstrapTokens
 from .identity.issuer import LocalIssuer
 from .identity.manager import IdentityManager
-from .ir import MeshModel, Overlay
 from .policy import PolicyError, PolicyErrors, PolicyLoader
 from .policy.loader import POLICY_SUFFIXES
 from .policy.watch import watch_directory
@@ -71,10 +71,9 @@ def watched_routes(model: MeshModel) -> list[WatchedRoute]:
                 service = model.service(route.service)
                 if service.drift is None:
                     continue
-                tiers = {f"{service.cluster_name}|p{level}" for level in range(5)}
                 out[route.key] = WatchedRoute(
                     route=route.key,
-                    primary_clusters=frozenset({service.cluster_name, *tiers}),
+                    primary_clusters=primary_clusters(service.key),
                     settings=service.drift,
                 )
     return list(out.values())
@@ -100,9 +99,14 @@ class ControlPlane:
         policies: Path | str,
         state_dir: Path | str = ".meshfn",
         metrics: Metrics | None = None,
+        wasm_dir: Path | None = None,
+        wasm_missing: str = "",
     ) -> None:
         self.policies = Path(policies)
         self.state_dir = Path(state_dir)
+        # Built before serving (filters.prepare); reloads only check it (filters.artifacts).
+        self.wasm_dir = wasm_dir
+        self.wasm_missing = wasm_missing
         self.loader = PolicyLoader(self.policies)
         self.cache = SnapshotCache()
         self.metrics = metrics or Metrics()
@@ -143,14 +147,25 @@ class ControlPlane:
             self.identity = identity
         return identity
 
+    def _filters(self) -> Path:
+        if self.wasm_dir is None:
+            reason = f" ({self.wasm_missing})" if self.wasm_missing else ""
+            raise BuildError(
+                "the policies need meshfn's proxy-wasm filters (audit or a drift breaker), which"
+                f" are not built{reason}: run `meshfn filters build` (needs clang and lld) or"
+                " set MESHFN_WASM_DIR to prebuilt filters"
+            )
+        artifacts(self.wasm_dir)
+        return self.wasm_dir
+
     def proxy_host(self, model: MeshModel) -> ProxyHost:
-        """Builds the wasm filters (cached, content-addressed) and creates the subject salt only
-        when the policies use them, so a mesh without audit or drift breakers needs no clang."""
+        """Checks the built wasm filters and creates the subject salt only when the policies use
+        them, so a mesh without audit or drift breakers needs no filters."""
         drift = any(s.drift is not None and s.fallback for s in model.services)
         if model.audit is not None:  # Envoy opens its journal at listener creation
             journal_dir(self.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         return ProxyHost(
-            wasm_dir=wasm_dir() if drift or model.audit is not None else OFFLINE_HOST.wasm_dir,
+            wasm_dir=self._filters() if drift or model.audit is not None else OFFLINE_HOST.wasm_dir,
             state_dir=self.state_dir,
             salt=load_or_create(self.state_dir) if model.audit is not None else OFFLINE_HOST.salt,
         )

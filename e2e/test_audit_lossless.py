@@ -15,17 +15,11 @@ import aiohttp
 import pytest
 from meshfn_e2e import Processes, envoy_stat, free_ports, http, wait_for
 
+from meshfn.contracts.plugins import AuditSettings, DegradeRule, DegradeSettings
 from meshfn.control_plane.audit import AuditStore
-from meshfn.control_plane.audit.filters import (
-    AuditSettings,
-    DegradeRule,
-    DegradeSettings,
-    access_log,
-    audit_filter,
-    degrade_filter,
-    harness,
-)
 from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing.filters import audit_filter, degrade_filter, harness
+from meshfn.xds.translate.wasm import access_log
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,7 +32,7 @@ from meshfn_e2e import (
     wait_for_synced,
 )
 
-from meshfn.control_plane.audit.collector import journal_path
+from meshfn.contracts.journal import journal_path
 from meshfn.control_plane.runtime.envoy import envoy_binary
 
 UPSTREAMS = {  # name -> (service, locality)

@@ -30,7 +30,7 @@ from meshfn_e2e import (
     wait_for_synced,
 )
 
-from meshfn.control_plane.audit.filters import BUILDS
+from meshfn.contracts.plugins import BUILDS
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
 

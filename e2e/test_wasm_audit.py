@@ -19,19 +19,11 @@ from typing import Any
 import pytest
 from meshfn_e2e import Processes, free_ports, http, wait_for
 
+from meshfn.contracts.plugins import AuditSettings, BodyHash, DegradeSettings
 from meshfn.control_plane.audit import AuditCollector, AuditStore
-from meshfn.control_plane.audit.filters import (
-    AuditSettings,
-    BodyHash,
-    DegradeSettings,
-    access_log,
-    audit_filter,
-    early_header_mutation,
-    harness,
-    jwt_claim_headers,
-    meshfn_filter,
-)
 from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing.filters import audit_filter, harness, meshfn_filter
+from meshfn.xds.translate.wasm import access_log, early_header_mutation, jwt_claim_headers
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]

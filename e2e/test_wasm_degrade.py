@@ -16,20 +16,10 @@ from typing import Any
 import pytest
 from meshfn_e2e import Proc, Processes, envoy_stat, free_ports, http, wait_for
 
-from meshfn.control_plane.audit.filters import (
-    AuditSettings,
-    DegradeRule,
-    DegradeSettings,
-    Trigger,
-    audit_filter,
-    degrade_filter,
-    early_header_mutation,
-    harness,
-    meshfn_filter,
-    wasm_http_filter,
-    wasm_path,
-)
+from meshfn.contracts.plugins import AuditSettings, DegradeRule, DegradeSettings, Trigger
 from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing.filters import audit_filter, degrade_filter, harness, meshfn_filter, wasm_path
+from meshfn.xds.translate.wasm import early_header_mutation, wasm_http_filter
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]

@@ -171,7 +171,7 @@ def serve_cmd(
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
 ) -> None:
     """Serve the registry's functions (or those in --config) until SIGTERM; then drain, exit 0."""
-    from meshfn.control_plane.logs import setup_logging
+    from meshfn.common.logs import setup_logging
 
     from .config import load_config, parse_config
     from .server import serve

@@ -11,13 +11,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from meshfn.common import keys
 
 from .errors import SignatureError
 
@@ -33,52 +34,28 @@ def key_id(public: Ed25519PublicKey) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
-def write_key_pair(private_path: Path, public_path: Path) -> Ed25519PrivateKey:
-    """A new ed25519 key: PKCS#8 PEM at `private_path`, created with mode 0600 and never over an
-    existing file (O_EXCL), and its SubjectPublicKeyInfo PEM at `public_path`."""
-    key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(pem)
-    public_path.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return key
-
-
 def generate_key(directory: Path, name: str = "meshfn-signing") -> tuple[Path, Path]:
     """A new key pair as `<name>.key` (mode 0600) and `<name>.pub`; refuses to overwrite."""
     directory.mkdir(parents=True, exist_ok=True)
     private_path, public_path = directory / f"{name}.key", directory / f"{name}.pub"
     if private_path.exists() or public_path.exists():
         raise SignatureError(f"{private_path} or {public_path} already exists; not overwriting")
-    write_key_pair(private_path, public_path)
+    keys.write_key_pair(private_path, public_path)
     return private_path, public_path
 
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
     try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as exc:
-        raise SignatureError(f"{path}: not a readable PEM private key ({exc})") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise SignatureError(f"{path}: not an ed25519 private key")
-    return key
+        return keys.load_private_key(path)
+    except keys.KeyFileError as exc:
+        raise SignatureError(str(exc)) from None
 
 
 def load_public_key(path: Path) -> Ed25519PublicKey:
     try:
-        key = serialization.load_pem_public_key(path.read_bytes())
-    except (OSError, ValueError, TypeError) as exc:
-        raise SignatureError(f"{path}: not a readable PEM public key ({exc})") from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise SignatureError(f"{path}: not an ed25519 public key")
-    return key
+        return keys.load_public_key(path)
+    except keys.KeyFileError as exc:
+        raise SignatureError(str(exc)) from None
 
 
 class TrustedKeys:

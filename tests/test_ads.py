@@ -16,8 +16,8 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
 from meshfn.xds.cache import SnapshotCache, prepare
+from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from meshfn.xds.server import AdsServer
-from meshfn.xds.translate.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 
 GROUP = "edge.default"
 NODE = base_pb2.Node(id="edge.default~test", cluster=GROUP)

@@ -13,23 +13,20 @@ import pytest
 from google.protobuf import json_format
 from pydantic import ValidationError
 
-from meshfn.control_plane.audit import filters
-from meshfn.control_plane.audit.filters import (
-    AuditSettings,
-    BodyHash,
-    DegradeRule,
-    DegradeSettings,
-    Trigger,
-    harness,
-)
+from meshfn.contracts import plugins
+from meshfn.contracts.plugins import AuditSettings, BodyHash, DegradeRule, DegradeSettings, Trigger
+from meshfn.control_plane import filters as build
 from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing import filters as built
+from meshfn.testing.filters import harness
+from meshfn.xds.translate import wasm
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def host(kind: str) -> Any:
     module = harness("fakehost")
-    return module.FakeHost(filters.wasm_dir(native=True) / f"{kind}_native.so")
+    return module.FakeHost(built.wasm_dir(native=True) / f"{kind}_native.so")
 
 
 AUDITS = [
@@ -61,19 +58,19 @@ DEGRADES = [
 
 
 COMBINED = [
-    filters.MeshfnSettings(audit=AUDITS[1], degrade=DEGRADES[1]),
-    filters.MeshfnSettings(degrade=DEGRADES[0]),
+    plugins.MeshfnSettings(audit=AUDITS[1], degrade=DEGRADES[1]),
+    plugins.MeshfnSettings(degrade=DEGRADES[0]),
 ]
 
 
 @pytest.mark.parametrize("settings", AUDITS + DEGRADES + COMBINED)
 def test_python_settings_are_accepted_by_the_filter(
-    settings: AuditSettings | DegradeSettings | filters.MeshfnSettings,
+    settings: AuditSettings | DegradeSettings | plugins.MeshfnSettings,
 ) -> None:
-    kinds = {AuditSettings: "audit", DegradeSettings: "degrade", filters.MeshfnSettings: "meshfn"}
+    kinds = {AuditSettings: "audit", DegradeSettings: "degrade", plugins.MeshfnSettings: "meshfn"}
     kind = kinds[type(settings)]
     h = host(kind)
-    root, ok = h.configure(filters.plugin_json(settings).encode())
+    root, ok = h.configure(plugins.plugin_json(settings).encode())
     assert ok, h.logs()
     h.delete(root)
 
@@ -97,7 +94,7 @@ def test_python_settings_are_accepted_by_the_filter(
             DegradeSettings,
             {"rules": [], "trigger": {"principals": ["p"], "header": "x-meshfn-degrade-route"}},
         ),
-        (filters.MeshfnSettings, {}),
+        (plugins.MeshfnSettings, {}),
     ],
 )
 def test_invalid_settings_are_refused_in_python(model: type[Any], data: dict[str, Any]) -> None:
@@ -134,17 +131,17 @@ def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
     refused = envoy_validate(
         tmp_path,
         [
-            filters.audit_filter(AUDITS[1]),
-            filters.audit_filter(AUDITS[2]),  # body hashing: the full build
-            filters.degrade_filter(degrade),
-            filters.meshfn_filter(AUDITS[0], degrade),
-            filters.meshfn_filter(AUDITS[2], degrade),
+            built.audit_filter(AUDITS[1]),
+            built.audit_filter(AUDITS[2]),  # body hashing: the full build
+            built.degrade_filter(degrade),
+            built.meshfn_filter(AUDITS[0], degrade),
+            built.meshfn_filter(AUDITS[2], degrade),
         ],
         access_logs=[
-            es.to_dict(filters.access_log(tmp_path / f"journal-{i}.jsonl", settings))
+            es.to_dict(wasm.access_log(tmp_path / f"journal-{i}.jsonl", settings))
             for i, settings in enumerate(AUDITS)
         ],
-        early=[es.to_dict(filters.early_header_mutation(degrade, AUDITS[1]))],
+        early=[es.to_dict(wasm.early_header_mutation(degrade, AUDITS[1]))],
     )
     assert not refused, refused
 
@@ -158,7 +155,7 @@ def _plugin(entry: Any) -> dict[str, Any]:
 
 def test_filter_entries_are_fail_closed_wasm_filters() -> None:
     entry = json_format.MessageToDict(
-        filters.audit_filter(AUDITS[0]), preserving_proto_field_name=True
+        built.audit_filter(AUDITS[0]), preserving_proto_field_name=True
     )
     config = entry["typed_config"]["config"]
     assert entry["name"] == "meshfn.meshfn_audit"
@@ -167,7 +164,7 @@ def test_filter_entries_are_fail_closed_wasm_filters() -> None:
     assert config["vm_config"]["code"]["local"]["filename"].endswith("/audit-lean.wasm")
     assert json.loads(config["configuration"]["value"])["subject_salt"] == "00" * 16
     log = json_format.MessageToDict(
-        filters.access_log(Path("/j"), AUDITS[0]), preserving_proto_field_name=True
+        wasm.access_log(Path("/j"), AUDITS[0]), preserving_proto_field_name=True
     )
     assert (
         log["typed_config"]["log_format"]["json_format"]["audit"]
@@ -179,24 +176,24 @@ def test_lean_build_unless_body_hashing_with_a_vm_per_configuration() -> None:
     """The lean build serves one configuration per VM: its vm_id names the configuration, so
     Envoy shares a VM only between identical configurations; body hashing needs the full
     build, which keeps per-request contexts and one shared VM."""
-    lean = [_plugin(filters.audit_filter(a)) for a in AUDITS[:2]]
+    lean = [_plugin(built.audit_filter(a)) for a in AUDITS[:2]]
     for plugin in lean:
         assert plugin["vm_config"]["code"]["local"]["filename"].endswith("/audit-lean.wasm")
         assert plugin["vm_config"]["vm_id"].startswith("meshfn_audit.")
     assert lean[0]["vm_config"]["vm_id"] != lean[1]["vm_config"]["vm_id"]
-    again = _plugin(filters.audit_filter(AUDITS[0].model_copy()))
+    again = _plugin(built.audit_filter(AUDITS[0].model_copy()))
     assert again["vm_config"]["vm_id"] == lean[0]["vm_config"]["vm_id"]
-    full = _plugin(filters.audit_filter(AUDITS[2]))
+    full = _plugin(built.audit_filter(AUDITS[2]))
     assert full["vm_config"]["code"]["local"]["filename"].endswith("/audit.wasm")
     assert full["vm_config"]["vm_id"] == "meshfn_audit"
-    combined = _plugin(filters.meshfn_filter(AUDITS[2], DEGRADES[1]))
+    combined = _plugin(built.meshfn_filter(AUDITS[2], DEGRADES[1]))
     assert combined["vm_config"]["code"]["local"]["filename"].endswith("/meshfn.wasm")
     for degrade in DEGRADES:
-        plugin = _plugin(filters.degrade_filter(degrade))
+        plugin = _plugin(built.degrade_filter(degrade))
         assert plugin["vm_config"]["code"]["local"]["filename"].endswith("/degrade-lean.wasm")
-    assert filters.needs_full_build(filters.MeshfnSettings(audit=AUDITS[2]))
-    assert not filters.needs_full_build(
-        filters.MeshfnSettings(audit=AUDITS[0], degrade=DEGRADES[0])
+    assert plugins.needs_full_build(plugins.MeshfnSettings(audit=AUDITS[2]))
+    assert not plugins.needs_full_build(
+        plugins.MeshfnSettings(audit=AUDITS[0], degrade=DEGRADES[0])
     )
 
 
@@ -204,23 +201,23 @@ def test_access_log_writes_what_a_bare_filter_state_leaves_out() -> None:
     """jwt_headers mode without body hashing: the filter publishes only the subject; the access
     log adds the record version, salt_id, subject_source and the verified tenant."""
     for settings in (AUDITS[0], AUDITS[2]):
-        assert not filters.bare_filter_state(settings)
-        assert filters.access_log_format(settings) == filters.ACCESS_LOG_FORMAT
+        assert not plugins.bare_filter_state(settings)
+        assert wasm.access_log_format(settings) == wasm.ACCESS_LOG_FORMAT
     bare = AuditSettings(
         subject_salt="12" * 20, subject_source="jwt_headers", salt_id="k%1", tenant_claim="org"
     )
-    assert filters.bare_filter_state(bare) and filters.bare_filter_state(AUDITS[1])
-    fields = filters.access_log_format(bare)
-    assert {k: v for k, v in fields.items() if k not in filters.ACCESS_LOG_FORMAT} == {
+    assert plugins.bare_filter_state(bare) and plugins.bare_filter_state(AUDITS[1])
+    fields = wasm.access_log_format(bare)
+    assert {k: v for k, v in fields.items() if k not in wasm.ACCESS_LOG_FORMAT} == {
         "audit_v": "1",
         "salt_id": "k%%1",  # a literal % in an Envoy format string
         "subject_source": "jwt_headers",
         "tenant": "%DYNAMIC_METADATA(envoy.filters.http.jwt_authn:jwt_payload:org)%",
     }
     no_tenant = bare.model_copy(update={"tenant_claim": ""})
-    assert "tenant" not in filters.access_log_format(no_tenant)
+    assert "tenant" not in wasm.access_log_format(no_tenant)
     hashing = bare.model_copy(update={"body_hash": BodyHash(enabled=True)})
-    assert filters.access_log_format(hashing) == filters.ACCESS_LOG_FORMAT
+    assert wasm.access_log_format(hashing) == wasm.ACCESS_LOG_FORMAT
 
 
 @pytest.mark.parametrize("field", ["tenant_claim", "jwt_metadata_key"])
@@ -239,15 +236,15 @@ def test_bare_state_needs_metadata_path_safe_names(field: str, value: str) -> No
 
 
 def test_schema_files_are_current(tmp_path: Path) -> None:
-    """Regenerate with: python -P -c 'from pathlib import Path; from meshfn.control_plane.audit
-    import filters; filters.write_schemas(Path("wasm_filters/schema"))'"""
-    for fresh in filters.write_schemas(tmp_path):
+    """Regenerate with: python -P -c 'from pathlib import Path; from meshfn.contracts import
+    plugins; plugins.write_schemas(Path("wasm_filters/schema"))'"""
+    for fresh in plugins.write_schemas(tmp_path):
         committed = ROOT / "wasm_filters" / "schema" / fresh.name
         assert committed.read_text() == fresh.read_text(), f"{committed} is stale"
 
 
 def test_schemas_cover_both_filters() -> None:
-    schemas = filters.schemas()
+    schemas = plugins.schemas()
     assert set(schemas["audit"]["properties"]) == set(AuditSettings.model_fields)
     assert set(schemas["degrade"]["properties"]) == {
         "routing_header",
@@ -259,32 +256,30 @@ def test_schemas_cover_both_filters() -> None:
 
 
 def test_prebuilt_dir_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    filters.wasm_dir.cache_clear()
     monkeypatch.setenv("MESHFN_WASM_DIR", str(tmp_path))
-    try:
-        with pytest.raises(filters.BuildError, match=r"has no audit\.wasm"):
-            filters.wasm_dir()
-    finally:
-        monkeypatch.delenv("MESHFN_WASM_DIR")
-        filters.wasm_dir.cache_clear()
-    assert (filters.wasm_dir() / "audit.wasm").is_file()
+    with pytest.raises(build.BuildError, match=r"has no audit\.wasm"):
+        build.build()
+    with pytest.raises(build.BuildError, match=r"has no audit\.wasm"):
+        build.locate()
+    monkeypatch.delenv("MESHFN_WASM_DIR")
+    assert (build.build() / "audit.wasm").is_file()
 
 
 def test_internal_headers_and_claim_headers() -> None:
     fast = AuditSettings(subject_salt="00" * 16, subject_source="jwt_headers")
-    assert filters.internal_headers(DEGRADES[1], fast) == [
+    assert plugins.internal_headers(DEGRADES[1], fast) == [
         "x-route",
         "x-meshfn-jwt-sub",
         "x-meshfn-jwt-tenant",
     ]
-    assert filters.internal_headers(None, AUDITS[0]) == []
+    assert plugins.internal_headers(None, AUDITS[0]) == []
     with pytest.raises(ValueError, match="needs degrade settings"):
-        filters.early_header_mutation(None, AUDITS[0])
+        wasm.early_header_mutation(None, AUDITS[0])
     hashing = fast.model_copy(update={"body_hash": BodyHash(enabled=True)})
-    claims = [(c.header_name, c.claim_name) for c in filters.jwt_claim_headers(hashing)]
+    claims = [(c.header_name, c.claim_name) for c in wasm.jwt_claim_headers(hashing)]
     assert claims == [("x-meshfn-jwt-sub", "sub"), ("x-meshfn-jwt-tenant", "tenant")]
     # bare filter state: the access log takes the tenant from jwt_authn's metadata instead
-    claims = [(c.header_name, c.claim_name) for c in filters.jwt_claim_headers(fast)]
+    claims = [(c.header_name, c.claim_name) for c in wasm.jwt_claim_headers(fast)]
     assert claims == [("x-meshfn-jwt-sub", "sub")]
     no_tenant = AuditSettings(subject_salt="00" * 16, subject_source="jwt_headers", tenant_claim="")
-    assert len(filters.jwt_claim_headers(no_tenant)) == 1
+    assert len(wasm.jwt_claim_headers(no_tenant)) == 1

@@ -12,8 +12,8 @@ from google.protobuf import any_pb2
 from meshfn.control_plane.policy import load_policies
 from meshfn.xds import wire
 from meshfn.xds.cache import Resource, SnapshotCache, TypeSnapshot, prepare
+from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from meshfn.xds.translate import translate
-from meshfn.xds.translate.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
 

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import yaml
 
-from meshfn.control_plane.audit.filters import wasm_dir
 from meshfn.control_plane.policy import load_policies
 from meshfn.control_plane.runtime.bootstrap import ProxyIdentity, bootstrap_json
 from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing.filters import wasm_dir
 from meshfn.xds.translate import OFFLINE_HOST
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshfn.control_plane import ir
+from meshfn import ir
 from meshfn.control_plane.health.drift import DriftBreaker, WatchedRoute
 from meshfn.control_plane.policy import PolicyErrors, load_policies
 from meshfn.xds.translate.endpoints import priority
@@ -283,8 +283,8 @@ def test_the_degraded_twin_feeds_the_breaker() -> None:
 def test_tripping_pushes_only_new_degrade_filter_config() -> None:
     """The drift breaker drives the degrade filter (ECDS): listeners, routes, clusters and
     endpoints stay byte-identical, so no listener drains and no route table is rebuilt."""
+    from meshfn.xds.names import EXTENSION
     from meshfn.xds.translate import translate
-    from meshfn.xds.translate.resources import EXTENSION
 
     model = load_policies(Path(__file__).parent / "golden" / "fallback" / "in.yaml")
     healthy = translate(model, "edge.default")

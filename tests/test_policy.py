@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from meshfn.control_plane import ir
+from meshfn import ir
 from meshfn.control_plane.policy import PolicyError, PolicyErrors, PolicyLoader, load_policies
+from meshfn.xds.names import cluster_name
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
 
@@ -85,7 +86,7 @@ def test_base_loads_with_defaults(tmp_path: Path) -> None:
     assert service.protocol == "http"
     route = model.workloads[0].listeners[0].routes[0]
     assert route.matches == (ir.RouteMatch(ir.PathMatch("prefix", "/")),)
-    assert route.cluster == "echo.default"
+    assert cluster_name(route.service) == "echo.default"
     assert model.workloads[0].xds_protocol == "delta"
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from meshfn.control_plane import ir
+from meshfn import ir
 from meshfn.control_plane.policy import load_policies
+from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from meshfn.xds.translate import translate
-from meshfn.xds.translate.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
 

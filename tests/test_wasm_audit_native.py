@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from meshfn.control_plane.audit.filters import harness, wasm_dir
+from meshfn.testing.filters import harness, wasm_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SALT = bytes(range(32))

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from meshfn.control_plane.audit.filters import harness, wasm_dir
+from meshfn.testing.filters import harness, wasm_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTE = b"xds\0route_name"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from meshfn.control_plane.audit import filters
+from meshfn.testing import filters
 
 ROOT = Path(__file__).resolve().parents[1]
 SALT = "07" * 16

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the proxy-wasm filters with Debian's clang + lld, and with --native the same filter code
 # as shared libraries linked against the fake ABI host for the test harness.
-# Output goes to a content-addressed cache dir; the last line printed is that directory.
+# Output goes to a content-addressed cache dir (or --out DIR: meshfn.control_plane.filters passes
+# the directory named by its own source key); the last line printed is that directory.
 #   wasm_filters/build.sh            -> <dir>/{audit,degrade,meshfn}{,-lean}.wasm
 #   wasm_filters/build.sh --native   -> also <dir>/{audit,degrade,meshfn}{,-lean}_native.so
 # audit.wasm and degrade.wasm are the two filters; meshfn.wasm is both in one plugin (one
@@ -12,7 +13,15 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 native=0
-[ "${1:-}" = "--native" ] && native=1
+out=
+while (($#)); do
+  case "$1" in
+    --native) native=1 ;;
+    --out) out=$2; shift ;;
+    *) echo "build.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
 
 CLANG=${CLANG:-clang}
 command -v "$CLANG" >/dev/null || { echo "build.sh: $CLANG not found (apt-get install clang lld)" >&2; exit 1; }
@@ -30,9 +39,11 @@ NATIVE_LDFLAGS=(-shared -Wl,-Bsymbolic)
 declare -A WANTS=([audit]="-DFILTER_WANTS_BODY" [degrade]="" [meshfn]="-DFILTER_WANTS_BODY"
   [audit-lean]="-DFILTER_LEAN" [degrade-lean]="-DFILTER_LEAN" [meshfn-lean]="-DFILTER_LEAN")
 
-key=$(cd "$here" && { "$CLANG" --version | head -1;
-  cat build.sh common/*.h common/*.c audit/*.c degrade/*.c meshfn/*.c harness/*.c; } | sha256sum | cut -c1-16)
-out=${MESHFN_CACHE:-$HOME/.cache/meshfn}/wasm_filters/$key
+if [ -z "$out" ]; then
+  key=$(cd "$here" && { "$CLANG" --version | head -1;
+    cat build.sh common/*.h common/*.c audit/*.c degrade/*.c meshfn/*.c harness/*.c; } | sha256sum | cut -c1-16)
+  out=${MESHFN_CACHE:-$HOME/.cache/meshfn}/wasm_filters/$key
+fi
 mkdir -p "$out"
 
 compile() { # kind(wasm|native) name -> prints the link inputs

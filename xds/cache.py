@@ -20,7 +20,7 @@ from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
 from . import wire
-from .translate.resources import PUSH_ORDER
+from .names import PUSH_ORDER
 
 Names = frozenset[str]
 

@@ -11,7 +11,7 @@ import yaml
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from .translate.resources import LISTENER, PUSH_ORDER, SECRET, SHORT_NAMES
+from .names import LISTENER, PUSH_ORDER, SECRET, SHORT_NAMES
 
 REDACTED = "[redacted]"
 # The audit filter's HMAC key travels inside its plugin configuration (a JSON string).

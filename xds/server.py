@@ -40,8 +40,8 @@ from google.rpc import status_pb2
 from . import wire
 from .cache import Names, Snapshot, SnapshotCache, TypeSnapshot, next_nonce
 from .lite import RequestHead, names_key
+from .names import CLUSTER, LISTENER, PUSH_ORDER, SHORT_NAMES
 from .status import Metrics, Nack, ProxyStatus, TypeStatus
-from .translate.resources import CLUSTER, LISTENER, PUSH_ORDER, SHORT_NAMES
 
 log = logging.getLogger("meshfn.xds")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .translate.resources import SHORT_NAMES
+from .names import SHORT_NAMES
 
 
 @dataclass

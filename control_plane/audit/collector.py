@@ -50,16 +50,6 @@ _FINGERPRINT = 4096
 _REOPEN_TIMEOUT_S = 10.0
 
 
-def journal_dir(state_dir: Path) -> Path:
-    return state_dir / "audit" / "journal"
-
-
-def journal_path(state_dir: Path, node: str) -> Path:
-    """Where a proxy's audit journal lives in embedded mode (Envoy writes, we read)."""
-    safe = node.replace("/", "_").replace("~", "-")
-    return journal_dir(state_dir) / f"{safe}.jsonl"
-
-
 @dataclass
 class _Journal:
     source: str

@@ -8,25 +8,14 @@ config dumps redact it.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshfn.control_plane.identity.files import read_private, write_private
+from meshfn.common.files import read_private, write_private
+from meshfn.contracts.plugins import SubjectSalt
 
 _HEX = re.compile(r"^([0-9a-f]{2}){16,64}$")
-
-
-@dataclass(frozen=True)
-class SubjectSalt:
-    hex: str = field(repr=False)
-
-    @property
-    def id(self) -> str:
-        """Names the salt in every record without revealing it (rotation leaves a trace)."""
-        return "s-" + hashlib.sha256(bytes.fromhex(self.hex)).hexdigest()[:12]
 
 
 def salt_path(state_dir: Path) -> Path:

@@ -13,8 +13,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from meshfn.inference import signing as keys
-from meshfn.inference.errors import SignatureError
+from meshfn.common import keys
 
 
 class KeyError_(RuntimeError):
@@ -35,14 +34,14 @@ def load_or_create(private: Path) -> Ed25519PrivateKey:
 def load_private(path: Path) -> Ed25519PrivateKey:
     try:
         return keys.load_private_key(path)
-    except SignatureError as exc:
+    except keys.KeyFileError as exc:
         raise KeyError_(f"cannot load the audit signing key: {exc}") from None
 
 
 def load_public(path: Path) -> Ed25519PublicKey:
     try:
         return keys.load_public_key(path)
-    except SignatureError as exc:
+    except keys.KeyFileError as exc:
         raise KeyError_(f"cannot load the audit public key: {exc}") from None
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import ir
+from meshfn import ir
 
 log = logging.getLogger("meshfn.drift")
 

@@ -16,7 +16,7 @@ import hmac
 import secrets
 from pathlib import Path
 
-from .files import read_private, write_private
+from meshfn.common.files import read_private, write_private
 
 METADATA_KEY = "authorization"
 

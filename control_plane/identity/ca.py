@@ -19,7 +19,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .files import read_private, write_private
+from meshfn.common.files import read_private, write_private
+
 from .spiffe import SpiffeId
 
 ROOT_LIFETIME = dt.timedelta(days=3650)

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
-from .files import read_private, write_private
+from meshfn.common.files import read_private, write_private
 
 DEFAULT_ISSUER = "https://issuer.meshfn.local"
 

@@ -14,9 +14,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from meshfn.xds.translate import Credentials
-
 from .ca import CertificateAuthority, IssuedCertificate
+from .credentials import Credentials
 from .spiffe import SpiffeId
 
 log = logging.getLogger("meshfn.identity")

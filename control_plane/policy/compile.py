@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from .. import ir
+from meshfn import ir
+
 from . import fallback
 from .errors import PolicyError
 from .model import Audit, Drill, Function, Gateway, Locality, Mesh, Route, Service

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import ir
+from meshfn import ir
+
 from .model import FallbackPolicy
 from .validate import Loaded
 

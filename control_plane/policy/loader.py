@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..ir import MeshModel
+from meshfn.ir import MeshModel
+
 from .compile import compile_model, lower
 from .errors import PolicyError, PolicyErrors
 from .model import Mesh

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .. import ir
+from meshfn import ir
+
 from .errors import PolicyError
 from .fallback import find_cycle, policies_by_service
 from .model import (

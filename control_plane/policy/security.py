@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import ir
+from meshfn import ir
+
 from .model import (
     AuthorizationPolicy,
     JwtRule,

@@ -15,7 +15,7 @@ from .model import KINDS, PolicyObject
 from .source import Document, Loc
 
 if TYPE_CHECKING:
-    from .. import ir
+    from meshfn import ir
 
 from .types import (
     API_VERSION,

@@ -13,9 +13,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from meshfn import ir
 from meshfn.xds.translate import ProxyHost
 
-from .. import ir
 from ..audit.collector import AuditCollector
 from ..audit.store import AuditStore
 

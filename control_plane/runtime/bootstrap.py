@@ -19,9 +19,8 @@ from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import duration_pb2, json_format, struct_pb2
 
-from meshfn.xds.translate.common import CONTROL_PLANE_CLUSTER as XDS_CLUSTER
-
-from .. import ir
+from meshfn import ir
+from meshfn.xds.names import CONTROL_PLANE_CLUSTER as XDS_CLUSTER
 
 
 @dataclass(frozen=True)

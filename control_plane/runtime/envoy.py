@@ -10,7 +10,8 @@ from pathlib import Path
 
 import aiohttp
 
-from ..identity.files import write_private
+from meshfn.common.files import write_private
+
 from .bootstrap import ProxyIdentity, bootstrap_json
 from .process import SupervisedProcess
 

@@ -8,6 +8,7 @@ import logging
 import signal
 from pathlib import Path
 
+from .. import filters
 from ..service import ControlPlane, tune_gc
 from .admin import AdminServer
 
@@ -21,7 +22,8 @@ async def run_serve(
     admin_port: int | None,
     watch: bool = True,
 ) -> int:
-    cp = ControlPlane(policies, state_dir)
+    wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare)
+    cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
     result = await cp.reload()
     tune_gc()
     if not result.ok:

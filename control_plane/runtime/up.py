@@ -20,9 +20,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from meshfn import ir
 from meshfn.ebpf import AccelerationUnavailable
 
-from .. import ir
+from .. import filters
 from ..audit.store import StoreError
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
@@ -194,7 +195,8 @@ async def run_up(
     functions: FunctionsSetup | None = None,
 ) -> int:
     console = console or Console()
-    cp = ControlPlane(policies, state_dir)
+    wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare)
+    cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
     result = await cp.reload()
     tune_gc()
     if not result.ok:

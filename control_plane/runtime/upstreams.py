@@ -14,7 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from .. import ir
+from meshfn import ir
+
 from .process import SupervisedProcess
 
 

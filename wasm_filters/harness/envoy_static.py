@@ -1,7 +1,7 @@
 """Static Envoy configs for the filter e2e tests and bench/filters.py.
 
 Everything Envoy-facing is built by the same functions the translator uses
-(`meshfn.control_plane.audit.filters`), turned into a bootstrap here. Also makes a throwaway
+(`meshfn.xds.translate.wasm`), turned into a bootstrap here. Also makes a throwaway
 CA with SPIFFE client certificates (mTLS principals) and RS256 JWTs with a matching JWKS.
 """
 

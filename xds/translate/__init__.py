@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from google.protobuf.message import Message
 
-from meshfn.control_plane import ir
+from meshfn import ir
 
+from ..names import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, SECRET, cluster_name
 from .clusters import cluster, fallback_cluster
 from .endpoints import load_assignment, tier_assignments
 from .extensions import (
@@ -19,7 +20,7 @@ from .extensions import (
     strip_internal_headers,
 )
 from .listeners import listener
-from .resources import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, SECRET, Resources
+from .resources import Resources
 from .routes import Target, route_configuration, target_for
 from .security import Credentials, jwks_cluster, jwks_uris, secrets
 from .sidecar import sidecar_resources
@@ -67,8 +68,10 @@ def _gateway(
 ) -> Resources:
     services = model.services
     proxy = workload.locality
-    clusters: dict[str, Message] = {s.cluster_name: cluster(s) for s in services}
-    endpoints: dict[str, Message] = {s.cluster_name: load_assignment(s, proxy) for s in services}
+    clusters: dict[str, Message] = {cluster_name(s.key): cluster(s) for s in services}
+    endpoints: dict[str, Message] = {
+        cluster_name(s.key): load_assignment(s, proxy) for s in services
+    }
     members: dict[str, tuple[str, ...]] = {}
 
     def members_of(service: ir.Service) -> tuple[str, ...]:
@@ -81,7 +84,7 @@ def _gateway(
                     endpoints[assignment.cluster_name] = assignment
                 members[service.key] = tuple(a.cluster_name for a in tiers)
             else:
-                members[service.key] = (service.cluster_name,)
+                members[service.key] = (cluster_name(service.key),)
         return members[service.key]
 
     targets: dict[str, Target] = {}

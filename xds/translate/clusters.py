@@ -13,8 +13,9 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import wrappers_pb2
 
-from meshfn.control_plane import ir
+from meshfn import ir
 
+from ..names import cluster_name, fallback_cluster_name
 from .common import ads_source, duration, pack
 from .security import mtls_socket_match
 
@@ -28,7 +29,7 @@ def cluster(service: ir.Service, name: str | None = None) -> cluster_pb2.Cluster
     # would re-warm it); only the ClusterLoadAssignment changes.
     mtls = any(e.sidecar_port is not None and e.mtls != "DISABLE" for e in service.endpoints)
     return _cluster(
-        name or service.cluster_name,
+        name or cluster_name(service.key),
         service.protocol,
         service.connect_timeout,
         service.identity if mtls else "",
@@ -139,12 +140,6 @@ def _apply_traffic(out: cluster_pb2.Cluster, traffic: ir.TrafficPolicy) -> None:
                 no_traffic_interval=duration(h.interval),
             )
         )
-
-
-def fallback_cluster_name(members: tuple[str, ...]) -> str:
-    """An aggregate cluster is named by its members: routes can share it, and the name tells a
-    reader (and Envoy's stats) the order."""
-    return "fallback|" + ">".join(members)
 
 
 @lru_cache(maxsize=65536)

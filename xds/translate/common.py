@@ -8,9 +8,6 @@ from envoy.config.core.v3 import address_pb2, config_source_pb2
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 
-# The static cluster every bootstrap defines for the control plane (ADS, access logs).
-CONTROL_PLANE_CLUSTER = "meshfn-xds"
-
 
 def duration(value: timedelta) -> duration_pb2.Duration:
     out = duration_pb2.Duration()

@@ -9,8 +9,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from google.protobuf import wrappers_pb2
 
-from meshfn.control_plane import ir
+from meshfn import ir
 
+from ..names import cluster_name, tier_cluster_name
 from .common import socket_address
 from .security import tls_match_metadata
 
@@ -84,11 +85,9 @@ def _load_assignment(
 ) -> endpoint_pb2.ClusterLoadAssignment:
     by_locality, levels = _levels(service, proxy)
     groups = [_group(loc, by_locality[loc], levels[loc]) for loc in _ordered(by_locality, levels)]
-    return endpoint_pb2.ClusterLoadAssignment(cluster_name=service.cluster_name, endpoints=groups)
-
-
-def tier_cluster_name(service: ir.Service, level: int) -> str:
-    return f"{service.cluster_name}|p{level}"
+    return endpoint_pb2.ClusterLoadAssignment(
+        cluster_name=cluster_name(service.key), endpoints=groups
+    )
 
 
 @lru_cache(maxsize=65536)
@@ -104,7 +103,7 @@ def tier_assignments(
     by_locality, levels = _levels(service, proxy)
     return tuple(
         endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=tier_cluster_name(service, level),
+            cluster_name=tier_cluster_name(service.key, level),
             endpoints=[
                 _group(loc, by_locality[loc], 0)
                 for loc in _ordered(by_locality, levels)

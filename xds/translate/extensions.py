@@ -18,7 +18,7 @@ listener also audits, both run as ONE plugin (meshfn.wasm, over ECDS, in the aud
 place): Envoy's fixed cost per wasm filter and request is then paid once, not twice.
 
 Builds: the -lean builds (no per-request context) unless body hashing needs the full one; see
-audit.filters.plugin_filter.
+translate.wasm.plugin_filter.
 """
 
 from __future__ import annotations
@@ -34,27 +34,29 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
 
-from meshfn.control_plane import ir
-from meshfn.control_plane.audit.collector import journal_path
-from meshfn.control_plane.audit.filters import (
+from meshfn import ir
+from meshfn.contracts.journal import journal_path
+from meshfn.contracts.plugins import (
     AuditSettings,
     BodyHash,
     DegradeRule,
     DegradeSettings,
+    SubjectSalt,
     Trigger,
-    access_log,
-    audit_filter,
-    degrade_filter,
-    early_header_mutation,
     internal_headers,
-    jwt_claim_headers,
-    meshfn_filter,
 )
-from meshfn.control_plane.audit.salt import SubjectSalt
 
 from .common import ads_source
 from .routes import route_name
 from .security import JWT_PAYLOAD
+from .wasm import (
+    access_log,
+    audit_filter,
+    degrade_filter,
+    early_header_mutation,
+    jwt_claim_headers,
+    meshfn_filter,
+)
 
 WASM_FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 
@@ -150,7 +152,7 @@ def drill_trigger(drill: ir.Drill | None) -> Trigger | None:
 def _header_settings(
     audit: Audit | None, degrade: bool, drill: ir.Drill | None
 ) -> tuple[DegradeSettings | None, AuditSettings | None]:
-    """What decides a listener's internal headers (see audit.filters.internal_headers)."""
+    """What decides a listener's internal headers (see contracts.plugins.internal_headers)."""
     settings = DegradeSettings(rules=[], trigger=drill_trigger(drill)) if degrade else None
     return settings, audit.settings if audit is not None else None
 

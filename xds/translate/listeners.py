@@ -14,9 +14,10 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
-from meshfn.control_plane import ir
+from meshfn import ir
 
-from .common import CONTROL_PLANE_CLUSTER, ads_source, pack, socket_address
+from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG
+from .common import ads_source, pack, socket_address
 from .extensions import Audit, claim_headers, degrade_discovery, early_mutations
 from .routes import route_config_name
 from .security import jwt_filter, rbac_filters
@@ -46,9 +47,6 @@ def http_filters(
         filters.append(degrade_discovery(degrade))
     filters.append(hcm.HttpFilter(name=ROUTER, typed_config=pack(router_pb2.Router())))
     return filters
-
-
-LATENCY_LOG = "meshfn-latency"
 
 
 def _latency_log() -> accesslog_pb2.AccessLog:

@@ -13,11 +13,11 @@ from envoy.extensions.retry.priority.previous_priorities.v3 import previous_prio
 from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
-from meshfn.control_plane import ir
-from meshfn.control_plane.audit.filters import ROUTING_HEADER
-from meshfn.control_plane.ir import cluster_name
+from meshfn import ir
+from meshfn.contracts.plugins import ROUTING_HEADER
 
-from .clusters import fallback_cluster_name
+from .. import names
+from ..names import cluster_name, fallback_cluster_name
 from .common import duration, pack
 
 ROUTE_METADATA = "meshfn"
@@ -101,7 +101,7 @@ def target_for(
     service: ir.Service, members: tuple[str, ...] = (), tail: tuple[str, ...] = ()
 ) -> Target:
     return Target(
-        cluster=service.cluster_name,
+        cluster=cluster_name(service.key),
         members=members,
         tail=tail,
         chain=tuple(cluster_name(key) for key in service.fallback),
@@ -181,15 +181,15 @@ def _metadata(target: Target) -> base_pb2.Metadata | None:
 
 
 def route_config_name(listener: ir.Listener) -> str:
-    return listener.name
+    return names.route_config_name(listener.name)
 
 
 def route_name(route: ir.Route, index: int) -> str:
-    return f"{route.key}/{index}"
+    return names.route_name(route.key, index)
 
 
 def degraded_route_name(route: ir.Route, index: int) -> str:
-    return f"{route_name(route, index)}/degraded"
+    return names.degraded_route_name(route.key, index)
 
 
 def _routes(route: ir.Route, index: int, target: Target) -> list[rc.Route]:
@@ -241,7 +241,9 @@ def route_configuration(
                     out
                     for route, index in entries
                     for out in _routes(
-                        route, index, by_target.get(route.service, Target(route.cluster))
+                        route,
+                        index,
+                        by_target.get(route.service, Target(cluster_name(route.service))),
                     )
                 ],
             )

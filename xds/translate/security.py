@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from envoy.config.cluster.v3 import cluster_pb2
@@ -30,12 +30,11 @@ from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tl
 from envoy.type.matcher.v3 import metadata_pb2, path_pb2, regex_pb2, string_pb2, value_pb2
 from google.protobuf import duration_pb2, empty_pb2, struct_pb2, wrappers_pb2
 
-from meshfn.control_plane import ir
+from meshfn import ir
 
+from ..names import CERT_SECRET, ROOT_SECRET
 from .common import ads_source, pack, socket_address
 
-CERT_SECRET = "default"
-ROOT_SECRET = "ROOTCA"
 JWT_FILTER = "envoy.filters.http.jwt_authn"
 JWT_PAYLOAD = "payload"  # jwt_authn metadata key the RBAC rules read claims from
 TLS_SOCKET = "envoy.transport_sockets.tls"
@@ -43,16 +42,15 @@ TLS_MATCH = {"tlsMode": "mtls"}  # endpoint metadata that selects the mTLS trans
 SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
 
 
-@dataclass(frozen=True)
-class Credentials:
-    """One workload's certificate and key, and the trust bundle. Never printed."""
+class Credentials(Protocol):
+    """What the SDS secrets are made of (the identity manager's Credentials has these)."""
 
-    certificate_pem: str
-    private_key_pem: str
-    trust_bundle_pem: str
-
-    def __repr__(self) -> str:
-        return "Credentials(<redacted>)"
+    @property
+    def certificate_pem(self) -> str: ...
+    @property
+    def private_key_pem(self) -> str: ...
+    @property
+    def trust_bundle_pem(self) -> str: ...
 
 
 # ---------------------------------------------------------------- secrets and TLS

@@ -18,19 +18,19 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import duration_pb2, message
 
-from meshfn.control_plane import ir
+from meshfn import ir
 
+from .. import names
+from ..names import CLUSTER, INBOUND_LISTENER, LISTENER
 from .clusters import HTTP_PROTOCOL_OPTIONS
 from .common import pack, socket_address
 from .extensions import Audit, early_mutations, strip_internal_headers
 from .listeners import HCM, http_filters
 from .security import client_cert_details, downstream_mtls, jwks_cluster, jwks_uris
 
-INBOUND_LISTENER = "inbound"
-
 
 def local_cluster_name(inbound: ir.Inbound) -> str:
-    return f"inbound|{inbound.app_port}"
+    return names.local_cluster_name(inbound.app_port)
 
 
 @lru_cache(maxsize=4096)
@@ -136,8 +136,6 @@ def local_cluster(inbound: ir.Inbound) -> cluster_pb2.Cluster:
 def sidecar_resources(
     workload: ir.Workload, audit: Audit | None = None
 ) -> dict[str, dict[str, message.Message]]:
-    from .resources import CLUSTER, LISTENER
-
     inbound = workload.inbound
     assert inbound is not None
     clusters: dict[str, message.Message] = {local_cluster_name(inbound): local_cluster(inbound)}

@@ -12,12 +12,6 @@ from datetime import timedelta
 from typing import Literal
 
 
-def cluster_name(service_key: str) -> str:
-    """Envoy cluster name of a Service ("namespace/name" -> "name.namespace")."""
-    namespace, name = service_key.split("/", 1)
-    return f"{name}.{namespace}"
-
-
 @dataclass(frozen=True, slots=True)
 class Locality:
     region: str = ""
@@ -106,10 +100,6 @@ class Service:
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
 
-    @property
-    def cluster_name(self) -> str:
-        return cluster_name(self.key)
-
 
 @dataclass(frozen=True, slots=True)
 class PathMatch:
@@ -152,10 +142,6 @@ class Route:
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
-
-    @property
-    def cluster(self) -> str:
-        return cluster_name(self.service)
 
 
 @dataclass(frozen=True, slots=True)

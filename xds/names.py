@@ -1,0 +1,85 @@
+"""xDS type URLs and the names meshfn gives Envoy resources: the vocabulary that the translator,
+the snapshot cache, the ADS server and the control plane's feedback loops (the drift breaker
+reads cluster and route names off Envoy's access logs) share. A leaf: no protobuf, no meshfn.
+"""
+
+from __future__ import annotations
+
+LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+SECRET = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+EXTENSION = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"  # ECDS
+
+# Make-before-break push order: a resource goes out with or before the resources that use it
+# (secrets before listeners and clusters, endpoints before clusters, routes and filter
+# configurations before listeners).
+PUSH_ORDER = (SECRET, EXTENSION, ENDPOINT, CLUSTER, ROUTE, LISTENER)
+
+SHORT_NAMES = {
+    LISTENER: "listeners",
+    ROUTE: "routes",
+    CLUSTER: "clusters",
+    ENDPOINT: "endpoints",
+    SECRET: "secrets",
+    EXTENSION: "extension_configs",
+}
+
+# The static cluster every bootstrap defines for the control plane (ADS, access logs).
+CONTROL_PLANE_CLUSTER = "meshfn-xds"
+# The gRPC access-log stream that feeds the drift breaker.
+LATENCY_LOG = "meshfn-latency"
+
+# SDS secrets: the workload's certificate and key, and the trust bundle.
+CERT_SECRET = "default"
+ROOT_SECRET = "ROOTCA"
+
+# A sidecar's one listener and the route that forwards to its application.
+INBOUND_LISTENER = "inbound"
+
+# EDS priority levels meshfn assigns by proximity (same node .. anywhere): see translate.endpoints.
+PRIORITY_LEVELS = 5
+
+
+def cluster_name(service_key: str) -> str:
+    """Envoy cluster name of a Service ("namespace/name" -> "name.namespace")."""
+    namespace, name = service_key.split("/", 1)
+    return f"{name}.{namespace}"
+
+
+def tier_cluster_name(service_key: str, level: int) -> str:
+    """One priority level of a service with locality failover, as its own cluster (a member of
+    a fallback chain's aggregate)."""
+    return f"{cluster_name(service_key)}|p{level}"
+
+
+def primary_clusters(service_key: str) -> frozenset[str]:
+    """Every cluster that can carry a service's own endpoints (itself and its tiers): what an
+    access log names as the upstream cluster of a request the service served."""
+    own = cluster_name(service_key)
+    return frozenset({own, *(tier_cluster_name(service_key, n) for n in range(PRIORITY_LEVELS))})
+
+
+def fallback_cluster_name(members: tuple[str, ...]) -> str:
+    """An aggregate cluster is named by its members: routes can share it, and the name tells a
+    reader (and Envoy's stats) the order."""
+    return "fallback|" + ">".join(members)
+
+
+def local_cluster_name(app_port: int) -> str:
+    """A sidecar's cluster for its own application."""
+    return f"inbound|{app_port}"
+
+
+def route_config_name(listener_name: str) -> str:
+    return listener_name
+
+
+def route_name(route_key: str, index: int) -> str:
+    """Envoy route name of match `index` of a meshfn Route ("namespace/name/index")."""
+    return f"{route_key}/{index}"
+
+
+def degraded_route_name(route_key: str, index: int) -> str:
+    return f"{route_name(route_key, index)}/degraded"

@@ -1,0 +1,203 @@
+"""Envoy configuration for meshfn's proxy-wasm filters and the audit access log.
+
+The plugin JSON comes from meshfn.contracts.plugins (shared with the Istio renderer); this module
+wraps it in Envoy's wasm filter, picks the build that can run it, and writes the access-log and
+early-header-mutation pieces the filters rely on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
+from envoy.config.core.v3 import base_pb2, extension_pb2, substitution_format_string_pb2
+from envoy.extensions.access_loggers.file.v3 import file_pb2
+from envoy.extensions.filters.http.jwt_authn.v3 import config_pb2 as jwt_authn_pb2
+from envoy.extensions.filters.http.wasm.v3 import wasm_pb2 as http_wasm_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
+    header_mutation_pb2,
+)
+from envoy.extensions.wasm.v3 import wasm_pb2
+from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
+
+from meshfn.contracts.plugins import (
+    AUDIT_FILTER_STATE,
+    AuditSettings,
+    DegradeSettings,
+    FilterKind,
+    MeshfnSettings,
+    bare_filter_state,
+    build_name,
+    internal_headers,
+    needs_full_build,
+    plugin_json,
+)
+
+
+def wasm_path(name: FilterKind, lean: bool, directory: Path) -> Path:
+    return directory / f"{build_name(name, lean)}.wasm"
+
+
+def wasm_http_filter(
+    name: str,
+    wasm: Path,
+    configuration: str,
+    *,
+    fail_open: bool = False,
+    vm_id: str | None = None,
+) -> hcm_pb2.HttpFilter:
+    """An `envoy.filters.http.wasm` entry. Fail closed by default: if the VM dies, requests get
+    503 instead of passing unaudited (audit) or with a spoofable routing header (degrade)."""
+    plugin = wasm_pb2.PluginConfig(
+        name=name,
+        root_id=name,
+        vm_config=wasm_pb2.VmConfig(
+            vm_id=vm_id or name,
+            runtime="envoy.wasm.runtime.v8",
+            code=base_pb2.AsyncDataSource(local=base_pb2.DataSource(filename=str(wasm))),
+        ),
+        failure_policy=wasm_pb2.FAIL_OPEN if fail_open else wasm_pb2.FAIL_CLOSED,
+    )
+    plugin.configuration.Pack(wrappers_pb2.StringValue(value=configuration))
+    typed = any_pb2.Any()
+    typed.Pack(http_wasm_pb2.Wasm(config=plugin))
+    return hcm_pb2.HttpFilter(name=f"meshfn.{name}", typed_config=typed)
+
+
+def plugin_filter(
+    kind: FilterKind,
+    settings: AuditSettings | DegradeSettings | MeshfnSettings,
+    directory: Path,
+) -> hcm_pb2.HttpFilter:
+    """The filter for `settings` on the cheapest build that can run them. A -lean VM serves one
+    configuration, so its vm_id carries a digest of the configuration: Envoy shares a VM only
+    between plugins with the same vm_id and code, hence only between identical configurations.
+    (A new configuration therefore starts a new VM; plugins are reconfigured rarely.)"""
+    configuration = plugin_json(settings)
+    name = "meshfn" if kind == "meshfn" else f"meshfn_{kind}"
+    lean = not needs_full_build(settings)
+    wasm = wasm_path(kind, lean, directory)
+    vm_id = f"{name}.{hashlib.sha256(configuration.encode()).hexdigest()[:16]}" if lean else name
+    return wasm_http_filter(name, wasm, configuration, vm_id=vm_id)
+
+
+def audit_filter(settings: AuditSettings, directory: Path) -> hcm_pb2.HttpFilter:
+    return plugin_filter("audit", settings, directory)
+
+
+def degrade_filter(settings: DegradeSettings, directory: Path) -> hcm_pb2.HttpFilter:
+    return plugin_filter("degrade", settings, directory)
+
+
+def meshfn_filter(
+    audit: AuditSettings | None, degrade: DegradeSettings | None, directory: Path
+) -> hcm_pb2.HttpFilter:
+    """Audit and degrade as ONE filter (meshfn.wasm): same behaviour as the two filters in that
+    order, but Envoy's fixed per-filter, per-request wasm cost is paid once. Place it after
+    jwt_authn."""
+    return plugin_filter("meshfn", MeshfnSettings(audit=audit, degrade=degrade), directory)
+
+
+def early_header_mutation(
+    degrade: DegradeSettings | None = None, audit: AuditSettings | None = None
+) -> extension_pb2.TypedExtensionConfig:
+    """For HttpConnectionManager.early_header_mutation_extensions: removes `internal_headers`
+    from client requests BEFORE Envoy matches a route or runs a filter. Envoy picks the route
+    before any HTTP filter runs, so without this a spoofed routing header would choose a fallback
+    route first; the degrade filter then strips it and clears the route cache (routing ends up
+    right), but it can only evaluate its rules against the route Envoy had picked. In jwt_headers
+    mode it is what makes the claim headers trustworthy: only jwt_authn can have set them."""
+    names = internal_headers(degrade, audit)
+    if not names:
+        raise ValueError("early_header_mutation needs degrade settings or jwt_headers audit")
+    mutation = header_mutation_pb2.HeaderMutation(
+        mutations=[mutation_rules_pb2.HeaderMutation(remove=name) for name in names]
+    )
+    typed = any_pb2.Any()
+    typed.Pack(mutation)
+    return extension_pb2.TypedExtensionConfig(
+        name="envoy.http.early_header_mutation.header_mutation", typed_config=typed
+    )
+
+
+def jwt_claim_headers(settings: AuditSettings) -> list[jwt_authn_pb2.JwtClaimToHeader]:
+    """`claim_to_headers` entries for every jwt_authn provider, in jwt_headers mode."""
+    entries = [jwt_authn_pb2.JwtClaimToHeader(header_name=settings.sub_header, claim_name="sub")]
+    # a bare filter state leaves the tenant to the access log (jwt_authn's metadata)
+    if settings.tenant_claim and not bare_filter_state(settings):
+        entries.append(
+            jwt_authn_pb2.JwtClaimToHeader(
+                header_name=settings.tenant_header, claim_name=settings.tenant_claim
+            )
+        )
+    return entries
+
+
+# One JSON object per line; `record.from_log_line` reads exactly these keys (plus those of
+# `access_log_format(settings)` for a bare filter state).
+ACCESS_LOG_FORMAT: dict[str, str] = {
+    "id": "%REQ(X-REQUEST-ID)%",
+    "time": "%START_TIME(%Y-%m-%dT%H:%M:%S.%6fZ)%",
+    "method": "%REQ(:METHOD)%",
+    "authority": "%REQ(:AUTHORITY)%",
+    "path": "%PATH(NQ)%",  # never the query string: tokens travel there
+    "status": "%RESPONSE_CODE%",
+    "duration_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
+    "duration_ms": "%DURATION%",
+    "upstream_cluster": "%UPSTREAM_CLUSTER%",
+    "route": "%ROUTE_NAME%",
+    "principal": "%DOWNSTREAM_PEER_URI_SAN%",
+    "flags": "%RESPONSE_FLAGS%",
+    "traceparent": "%REQ(TRACEPARENT):128%",
+    "b3_trace_id": "%REQ(X-B3-TRACEID):64%",
+    "audit": f"%FILTER_STATE({AUDIT_FILTER_STATE}:PLAIN)%",
+}
+
+
+AUDIT_STATE_VERSION = "1"
+
+
+def _literal(text: str) -> str:
+    """`text` verbatim in an Envoy format string."""
+    return text.replace("%", "%%")
+
+
+def access_log_format(settings: AuditSettings) -> dict[str, str]:
+    """ACCESS_LOG_FORMAT, and for a bare filter state (`bare_filter_state`) what the filter no
+    longer publishes: the audit record version, salt_id and subject_source (constants of this
+    configuration) and the tenant from jwt_authn's verified payload. The tenant is not capped
+    here: Envoy cuts bytes, and a cut through a UTF-8 character makes its JSON writer escape the
+    whole value byte by byte; record.from_log_line caps it at 128 characters (flagged
+    `truncated`). It uses these fields only when the filter state is present."""
+    fields = dict(ACCESS_LOG_FORMAT)
+    if bare_filter_state(settings):
+        fields["audit_v"] = AUDIT_STATE_VERSION
+        fields["salt_id"] = _literal(settings.salt_id)
+        fields["subject_source"] = settings.subject_source
+        if settings.tenant_claim:
+            fields["tenant"] = (
+                "%DYNAMIC_METADATA(envoy.filters.http.jwt_authn:"
+                f"{settings.jwt_metadata_key}:{settings.tenant_claim})%"
+            )
+    return fields
+
+
+def access_log(journal: Path, settings: AuditSettings) -> accesslog_pb2.AccessLog:
+    """The HttpConnectionManager access-log entry the collector reads (Envoy's file logger:
+    written by Envoy whether or not the collector runs, hence loss-free), for the audit filter
+    configured with `settings`. Start Envoy with `--file-flush-interval-msec 200` or so: the
+    default (10 s) only delays records."""
+    fields = struct_pb2.Struct()
+    fields.update(access_log_format(settings))
+    logger = file_pb2.FileAccessLog(
+        path=str(journal),
+        log_format=substitution_format_string_pb2.SubstitutionFormatString(json_format=fields),
+    )
+    typed = any_pb2.Any()
+    typed.Pack(logger)
+    return accesslog_pb2.AccessLog(name="envoy.access_loggers.file", typed_config=typed)

@@ -10,6 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 VENV=${MESHFN_VENV:-.venv}
+# Folders that hold meshfn's Python packages (mapped into the meshfn namespace by pyproject.toml).
+PY_PACKAGES="common contracts ir control_plane xds inference ebpf testing"
 PYTHON=${PYTHON:-python3}
 # Our top-level folder `xds/` would shadow xds-protos' `xds` package if the working directory
 # were on sys.path (`python -m`, `python -c`): never put it there.
@@ -46,7 +48,7 @@ ensure_system() {
 # Strict editable installs expose only the files present at install time, so the stamp covers
 # the package file list as well as pyproject.toml.
 install_stamp() {
-  { cat pyproject.toml; find control_plane xds inference ebpf -name '*.py' -o -name py.typed | sort; } \
+  { cat pyproject.toml; find $PY_PACKAGES -name '*.py' -o -name py.typed | sort; } \
     | sha256sum | cut -d' ' -f1
 }
 
@@ -74,6 +76,8 @@ setup() {
   ensure_venv
   # eBPF acceleration: Debian's bcc, a kernel header tree, bcc exposed to the venv (idempotent).
   ebpf/setup_host.sh "$VENV"
+  # The proxy-wasm filters (content-addressed cache; the control plane never compiles them).
+  "$VENV/bin/meshfn" filters build >/dev/null
 }
 
 cmd=${1:-help}
@@ -87,10 +91,13 @@ case "$cmd" in
   test)
     setup
     log "ruff"
-    "$VENV/bin/ruff" check control_plane xds inference ebpf functions wasm_filters tests e2e bench
-    "$VENV/bin/ruff" format --check --quiet control_plane xds inference ebpf functions wasm_filters tests e2e bench
+    # shellcheck disable=SC2086
+    "$VENV/bin/ruff" check $PY_PACKAGES functions wasm_filters tests e2e bench
+    # shellcheck disable=SC2086
+    "$VENV/bin/ruff" format --check --quiet $PY_PACKAGES functions wasm_filters tests e2e bench
     log "mypy"
-    "$VENV/bin/mypy" -p meshfn.control_plane -p meshfn.xds -p meshfn.inference -p meshfn.ebpf
+    # shellcheck disable=SC2046
+    "$VENV/bin/mypy" $(printf -- '-p meshfn.%s ' $PY_PACKAGES)
     log "pytest"
     exec "$VENV/bin/pytest" -p no:cacheprovider "$@"
     ;;

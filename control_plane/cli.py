@@ -477,6 +477,31 @@ def ca_retire(
     )
 
 
+# ------------------------------------------------------------------ proxy-wasm filters
+
+filters_app = typer.Typer(help="meshfn's proxy-wasm filters (audit, degrade), built from C.")
+app.add_typer(filters_app, name="filters")
+
+
+@filters_app.command("build")
+def filters_build(
+    native: Annotated[
+        bool, typer.Option("--native", help="also the native test-harness builds")
+    ] = False,
+) -> None:
+    """Build the filter modules (clang + lld) into the content-addressed cache; print where."""
+    from .filters import BuildError, artifacts, build
+
+    try:
+        directory = build(native)
+        digests = artifacts(directory)
+    except BuildError as exc:
+        _fail(str(exc))
+    out.print(str(directory), markup=False, highlight=False)
+    for name, digest in sorted(digests.items()):
+        err.print(f"  {name}.wasm  sha256:{digest}", markup=False, highlight=False)
+
+
 def _mount_function_cli() -> None:
     from meshfn.inference.cli import fn_app
 

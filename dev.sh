@@ -98,6 +98,8 @@ case "$cmd" in
     log "mypy"
     # shellcheck disable=SC2046
     "$VENV/bin/mypy" $(printf -- '-p meshfn.%s ' $PY_PACKAGES)
+    log "import layering (lint-imports)"
+    "$VENV/bin/lint-imports" --no-cache
     log "pytest"
     exec "$VENV/bin/pytest" -p no:cacheprovider "$@"
     ;;

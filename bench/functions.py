@@ -6,7 +6,7 @@ Measures, on loopback with real processes:
               also the server's own part of it (deserialize + instantiate, `load_*`) and the
               baseline: a loaded function's request after the same idle gap (`*idle_warm*`)
   resume      the Python function's first request after its instances were dropped at the
-              idle TTL with its code kept (codeTtlSeconds), p50/p99
+              idle TTL with its code kept (codeTtl), p50/p99
   warm        sequential keep-alive requests to a loaded function, backend alone, p50/p99
   e2e         paced 200 requests/s through a static Envoy in front of the backend, p99
               (and the same pacing against the backend alone, the baseline of the hop)
@@ -128,8 +128,8 @@ def pss_mb(pid: int) -> float:
 def backend(
     procs: Procs, tmp: Path, registry: Path, key: Path, workers: int, name: str
 ) -> tuple[subprocess.Popen[bytes], int]:
-    cold = {"idleTtlSeconds": 0.05, "pool": {"minIdle": 0, "maxIdle": 1}}
-    resume = {**cold, "codeTtlSeconds": 3600}
+    cold = {"idleTtl": "50ms", "pool": {"minIdle": 0, "maxIdle": 1}}
+    resume = {**cold, "codeTtl": "1h"}
     config = {
         "registry": str(registry),
         "trustedKeys": [str(key)],
@@ -177,7 +177,7 @@ def cold_starts(
     """Client-side latency of requests that hit an unloaded function, the server's own load +
     first instantiate time for each (from the cold-start histogram's sum), and the baseline:
     the same request to a loaded function after the same idle gap and /metrics polls.
-    `resume`: the function keeps its code (codeTtlSeconds), so its first request after the
+    `resume`: the function keeps its code (codeTtl), so its first request after the
     idle TTL only instantiates; the other two lists are then empty.
 
     An idle server answers its first request slower than one under steady load (idle vCPUs

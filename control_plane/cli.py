@@ -179,8 +179,8 @@ def up(
     registry = functions_registry or state_dir / "functions"
     keys = list(trusted_key or [])
     if publish_examples:
-        from meshfn.inference.errors import InferenceError
-        from meshfn.inference.examples import publish_examples as publish
+        from meshfn.inference.cli import InferenceError
+        from meshfn.inference.cli import publish_examples as publish
 
         err.print(
             f"publishing the example functions into {registry} (the first build takes a minute)"
@@ -386,8 +386,9 @@ def token_issue(
     state_dir: StateOpt = DEFAULT_STATE,
 ) -> None:
     """Sign a token with the local issuer (ES256); prints the token."""
+    from meshfn.contracts.durations import parse_duration
+
     from .identity.issuer import LocalIssuer
-    from .policy.types import parse_duration
 
     try:
         lifetime = parse_duration(ttl)

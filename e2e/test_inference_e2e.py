@@ -61,8 +61,8 @@ FUNCTIONS = [
     {"name": "iris", "version": "1", "pool": {"minIdle": 1}},
     {"name": "embedder"},
     {"name": "digits"},
-    {"name": "chaos", "limits": {"timeoutMs": 500, "memoryMiB": 32, "maxConcurrency": 2}},
-    {"name": "chaos-core", "limits": {"timeoutMs": 300}},
+    {"name": "chaos", "limits": {"timeout": "500ms", "memoryMiB": 32, "maxConcurrency": 2}},
+    {"name": "chaos-core", "limits": {"timeout": "300ms"}},
 ]
 
 
@@ -314,7 +314,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(stack: Stack, tmp_path
     try:
         proc, url = start_backend(
             procs, tmp_path, stack.registry, stack.key,
-            [{"name": "chaos-core", "limits": {"timeoutMs": 800}}], "drain",
+            [{"name": "chaos-core", "limits": {"timeout": "800ms"}}], "drain",
         )  # fmt: skip
         results: dict[str, Reply] = {}
         thread = threading.Thread(

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .config import BackendConfig, FunctionSpec
+from .config import BackendConfig, ServedFunction
 from .engine import EpochTicker, engine_key, new_engine
 from .errors import ConfigError, SignatureError
 from .host import Outcome, component_linker
@@ -49,16 +49,14 @@ class Backend:
         self.config = config
         self.metrics = metrics or Metrics()
         self.registry = Registry(config.registry)
-        if not config.trusted_keys:
+        if not config.trustedKeys:
             raise ConfigError("no trusted keys: pass --trusted-key FILE (ed25519 .pub) or a dir")
         try:
-            self.trusted = TrustedKeys.from_paths(config.trusted_keys)
+            self.trusted = TrustedKeys.from_paths(config.trustedKeys)
         except SignatureError as exc:
             raise ConfigError(str(exc)) from None
         if not len(self.trusted):
-            raise ConfigError(
-                "no trusted keys found in " + ", ".join(map(str, config.trusted_keys))
-            )
+            raise ConfigError("no trusted keys found in " + ", ".join(map(str, config.trustedKeys)))
         self.engine = new_engine()
         self.linker = component_linker(self.engine)  # one for every component function
         self.ticker = EpochTicker(self.engine)
@@ -74,16 +72,16 @@ class Backend:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _specs(self) -> list[FunctionSpec]:
+    def _specs(self) -> list[ServedFunction]:
         if self.config.functions is not None:
             return self.config.functions
         return [
-            FunctionSpec(name=name, version=version)
+            ServedFunction(name=name, version=version)
             for name in self.registry.names()
             for version in self.registry.versions(name)
         ]
 
-    def _runtime(self, spec: FunctionSpec) -> FunctionRuntime:
+    def _runtime(self, spec: ServedFunction) -> FunctionRuntime:
         if spec.artifact:
             art_name, _, art_version = spec.artifact.partition("@")
         else:
@@ -127,11 +125,11 @@ class Backend:
 
     async def _reap(self) -> None:
         """Scale to zero: drop the instances of functions unused for their idle TTL, and their
-        code too once unused for their code TTL (the same unless codeTtlSeconds)."""
+        code too once unused for their code TTL (the same unless codeTtl)."""
         runtimes = [rt for versions in self.functions.values() for rt in versions.values()]
         if not runtimes:
             return
-        interval = min(1.0, max(0.01, min(rt.spec.idle_ttl_seconds for rt in runtimes) / 4))
+        interval = min(1.0, max(0.01, min(rt.spec.idleTtl.total_seconds() for rt in runtimes) / 4))
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(interval)
@@ -140,9 +138,9 @@ class Backend:
                 if not rt.loaded or rt.inflight:
                     continue
                 idle = rt.idle_for(now)
-                if idle > rt.spec.code_ttl:
+                if idle > rt.spec.code_ttl.total_seconds():
                     await loop.run_in_executor(self.prewarm_executor, rt.unload)
-                elif idle > rt.spec.idle_ttl_seconds and not rt.dormant:
+                elif idle > rt.spec.idleTtl.total_seconds() and not rt.dormant:
                     await loop.run_in_executor(self.prewarm_executor, rt.drop_instances)
 
     async def drain(self, timeout: float = 10.0) -> None:
@@ -206,7 +204,7 @@ class Backend:
 
     def limit_for(self, name: str, version: str | None) -> int:
         try:
-            return self.lookup(name, version).spec.limits.max_request_bytes
+            return self.lookup(name, version).spec.limits.maxRequestBytes
         except KServeError:
             return 1 << 20
 
@@ -229,17 +227,17 @@ class Backend:
         if rt.refusal is not None or rt.signature is None:
             refusal = rt.refusal or Refused(f"function {rt.label} is not verified", 403)
             return Reply.error(refusal.status, str(refusal))
-        limit = rt.spec.limits.max_request_bytes
+        limit = rt.spec.limits.maxRequestBytes
         if len(body) > limit:
             return Reply.error(413, f"request body exceeds {limit} bytes for {rt.label}")
         try:
             request = parse_request(body, rt.signature)
         except KServeError as exc:
             return Reply(exc.status, exc.body())
-        if rt.inflight >= rt.spec.limits.max_concurrency:
+        if rt.inflight >= rt.spec.limits.maxConcurrency:
             return Reply.error(
                 429,
-                f"function {rt.label} is at its concurrency limit ({rt.spec.limits.max_concurrency})",
+                f"function {rt.label} is at its concurrency limit ({rt.spec.limits.maxConcurrency})",
             )
         rt.inflight += 1
         self.inflight += 1
@@ -278,7 +276,7 @@ class Backend:
             log.warning("function interrupted at deadline", extra={"function": rt.label})
             return Reply.error(
                 504,
-                f"function {rt.label} exceeded its {rt.spec.limits.timeout_ms} ms deadline "
+                f"function {rt.label} exceeded its {round(rt.spec.limits.timeout.total_seconds() * 1000)} ms deadline "
                 "and was interrupted",
             )
         if outcome is Outcome.OUT_OF_MEMORY:
@@ -286,7 +284,7 @@ class Backend:
             return Reply.error(
                 500,
                 f"function {rt.label} exceeded its memory limit of "
-                f"{rt.spec.limits.memory_mib} MiB: {result.body}",
+                f"{rt.spec.limits.memoryMiB} MiB: {result.body}",
             )
         if outcome is Outcome.TRAP:
             log.warning("function trapped", extra={"function": rt.label, "trap": result.body})

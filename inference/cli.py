@@ -7,12 +7,14 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from .errors import InferenceError
+
+__all__ = ["InferenceError", "fn_app", "main", "publish_examples"]
 
 fn_app = typer.Typer(
     name="fn",
@@ -181,7 +183,7 @@ def serve_cmd(
         if config is not None:
             cfg = load_config(config)
             cfg = cfg.with_overrides(
-                registry=registry, workers=workers, trusted_keys=trusted_key or None
+                registry=registry, workers=workers, trustedKeys=trusted_key or None
             )
         elif registry is not None:
             cfg = parse_config(
@@ -197,6 +199,14 @@ def serve_cmd(
         _fail(exc)
     except OSError as exc:
         _fail(f"cannot serve on {host}:{port}: {exc}")
+
+
+def publish_examples(registry: Path) -> tuple[list[Any], Path]:
+    """Build, sign and publish the example functions (for `meshfn up --publish-examples`: the
+    control plane's CLI reaches the backend only through this module)."""
+    from .examples import publish_examples as publish
+
+    return publish(registry)
 
 
 def main() -> None:

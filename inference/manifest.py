@@ -6,12 +6,13 @@ guest (whose `metadata()` returns it) and into the signed metadata, so the two c
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from meshfn.contracts.function import NAME_RE, VERSION_RE
 
 from .errors import ManifestError
 
@@ -45,8 +46,6 @@ Datatype = Literal[
     "FP64",
     "BYTES",
 ]
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
-VERSION_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 MANIFEST = "function.toml"
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import wasmtime
 from wasmtime import component as wc
 
-from .config import FunctionSpec
+from .config import ServedFunction
 from .engine import deadline_ticks
 from .errors import InferenceError, RegistryError, SignatureError
 from .host import Artifact, CallResult, Instance, component_linker, load_precompiled
@@ -47,7 +47,7 @@ class Invocation:
 class FunctionRuntime:
     def __init__(
         self,
-        spec: FunctionSpec,
+        spec: ServedFunction,
         version: str,
         artifact_ref: tuple[str, str],
         engine: wasmtime.Engine,
@@ -74,15 +74,15 @@ class FunctionRuntime:
         self.refusal: Refused | None = None
         self.inflight = 0  # event loop only
         self.last_used = time.monotonic()
-        self.ticks = deadline_ticks(spec.limits.timeout_ms / 1000)
-        self.memory_bytes = spec.limits.memory_mib << 20
+        self.ticks = deadline_ticks(spec.limits.timeout.total_seconds())
+        self.memory_bytes = spec.limits.memoryMiB << 20
         self._artifact: Artifact | None = None
         self._generation = 0
         self._idle: deque[Instance] = deque()
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._refilling = False
-        self._dormant = False  # instances dropped at the idle TTL, code kept (codeTtlSeconds)
+        self._dormant = False  # instances dropped at the idle TTL, code kept (codeTtl)
         self.label = f"{self.name}@{self.version}"
 
     # ------------------------------------------------------------------ verification
@@ -165,7 +165,7 @@ class FunctionRuntime:
         return self._dormant
 
     def drop_instances(self) -> None:
-        """Scale to zero but keep the code (codeTtlSeconds): the next request instantiates
+        """Scale to zero but keep the code (codeTtl): the next request instantiates
         from the loaded artifact instead of loading it again."""
         with self._lock:
             if self._artifact is None or self._dormant:
@@ -210,7 +210,7 @@ class FunctionRuntime:
         keep = not poisoned and self.spec.isolation == "reuse" and generation == self._generation
         if keep:
             with self._lock:
-                if generation == self._generation and len(self._idle) < self.spec.pool.max_idle:
+                if generation == self._generation and len(self._idle) < self.spec.pool.maxIdle:
                     self._idle.append(instance)
                     self.metrics.idle.labels(self.label).set(len(self._idle))
                     return
@@ -229,7 +229,7 @@ class FunctionRuntime:
         return Invocation(result, cold)
 
     def _maybe_refill(self) -> None:
-        if self.spec.pool.min_idle and len(self._idle) < self.spec.pool.min_idle:
+        if self.spec.pool.minIdle and len(self._idle) < self.spec.pool.minIdle:
             with self._lock:
                 if self._refilling or self._artifact is None:
                     return
@@ -242,7 +242,7 @@ class FunctionRuntime:
             while True:
                 with self._lock:
                     artifact, generation = self._artifact, self._generation
-                    full = len(self._idle) >= self.spec.pool.min_idle
+                    full = len(self._idle) >= self.spec.pool.minIdle
                     if artifact is None or self._dormant or full:
                         return
                 instance = artifact.instantiate(self.memory_bytes)

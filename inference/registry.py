@@ -25,12 +25,13 @@ from typing import Any, cast
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from meshfn.contracts.function import NAME_RE, VERSION_RE
+
 from . import signing
 from .build import check_core_module
 from .engine import engine_key, engine_settings, new_engine
 from .errors import BuildError, RegistryError, SignatureError
 from .host import Kind, compile_module, component_imports, load_precompiled, metadata_of
-from .manifest import NAME_RE, VERSION_RE
 
 MODULE_SIG = "module.sig.json"
 

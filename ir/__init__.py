@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
+from meshfn.contracts.function import FunctionSettings
+
 
 @dataclass(frozen=True, slots=True)
 class Locality:
@@ -249,22 +251,13 @@ class Workload:
 
 @dataclass(frozen=True, slots=True)
 class Function:
-    """A model function and where it runs; the inference backend's FunctionSpec 1:1."""
+    """A model function and where it runs. `settings` is the backend's own schema, carried
+    unchanged from the policy to the backend's configuration (one schema, no field mapping)."""
 
     name: str
     namespace: str
     backend: str  # Service.key
-    artifact: str | None
-    version: str | None
-    isolation: Literal["reuse", "fresh-instance-per-request"]
-    idle_ttl: timedelta
-    code_ttl: timedelta | None  # None: the code unloads with the instances
-    min_idle: int
-    max_idle: int
-    memory_mib: int
-    timeout: timedelta
-    max_concurrency: int
-    max_request_bytes: int
+    settings: FunctionSettings
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import wasmtime
 from meshfn.inference import signing
 from meshfn.inference.backend import Backend
 from meshfn.inference.build import BuildError, check_core_module
-from meshfn.inference.config import FunctionSpec, parse_config
+from meshfn.inference.config import ServedFunction, parse_config
 from meshfn.inference.engine import EpochTicker, engine_key, new_engine
 from meshfn.inference.errors import RegistryError, SignatureError
 from meshfn.inference.examples import publish_examples
@@ -313,7 +313,7 @@ def prewarm() -> Iterator[ThreadPoolExecutor]:
 def runtime(
     pub: Published, engine: wasmtime.Engine, executor: ThreadPoolExecutor, name: str, **spec: object
 ) -> FunctionRuntime:
-    fs = FunctionSpec.model_validate({"name": name, "version": "1", **spec})
+    fs = ServedFunction.model_validate({"name": name, "version": "1", **spec})
     rt = FunctionRuntime(
         fs, "1", (name, "1"), engine, pub.registry, pub.trusted, Metrics(), executor
     )
@@ -347,7 +347,7 @@ def test_a_request_racing_the_instance_drop_ends_dormancy(
 ) -> None:
     """The drop can land while a request holds an instance, which then goes back to the pool:
     the next request takes it and the function is no longer dormant (the reaper can drop again)."""
-    rt = runtime(published, engine, prewarm, "chaos-core", codeTtlSeconds=600)
+    rt = runtime(published, engine, prewarm, "chaos-core", codeTtl="600s")
     assert counter(rt) == 1.0
     instance, generation, _ = rt._take()  # a request in flight
     rt.drop_instances()
@@ -365,7 +365,7 @@ def test_a_request_racing_the_instance_drop_ends_dormancy(
 def test_trapped_instance_is_replaced(
     published: Published, engine: wasmtime.Engine, prewarm: ThreadPoolExecutor
 ) -> None:
-    rt = runtime(published, engine, prewarm, "chaos-core", limits={"timeoutMs": 20})
+    rt = runtime(published, engine, prewarm, "chaos-core", limits={"timeout": "20ms"})
     assert [counter(rt), counter(rt)] == [1.0, 2.0]
     assert rt.invoke(chaos("spin")).result.outcome is Outcome.TIMEOUT
     assert counter(rt) == 1.0  # a new instance
@@ -431,7 +431,7 @@ def backend_for(pub: Published, functions: list[dict[str, object]], workers: int
 
 async def test_runaway_does_not_block_other_functions_and_limits(published: Published) -> None:
     b = backend_for(published, [
-        {"name": "chaos-core", "limits": {"timeoutMs": 600, "maxConcurrency": 1}},
+        {"name": "chaos-core", "limits": {"timeout": "600ms", "maxConcurrency": 1}},
         {"name": "digits"},
         {"name": "chaos", "limits": {"memoryMiB": 32}},
     ])  # fmt: skip
@@ -502,9 +502,7 @@ async def test_refused_function_is_4xx_while_others_serve(copy_of: Published) ->
 
 
 async def test_idle_functions_scale_to_zero(published: Published) -> None:
-    b = backend_for(
-        published, [{"name": "chaos-core", "idleTtlSeconds": 0.1, "pool": {"minIdle": 2}}]
-    )
+    b = backend_for(published, [{"name": "chaos-core", "idleTtl": "100ms", "pool": {"minIdle": 2}}])
     await b.start()
     try:
         rt = b.lookup("chaos-core", None)
@@ -519,11 +517,11 @@ async def test_idle_functions_scale_to_zero(published: Published) -> None:
 
 
 async def test_code_ttl_keeps_the_code_after_the_instances_go(published: Published) -> None:
-    """codeTtlSeconds: at the idle TTL the instances go but the code stays, so the next request
+    """codeTtl: at the idle TTL the instances go but the code stays, so the next request
     instantiates from it (a resume, not a cold start); at the code TTL the code goes too."""
     b = backend_for(
         published,
-        [{"name": "chaos", "idleTtlSeconds": 0.3, "codeTtlSeconds": 1.2, "pool": {"minIdle": 2}}],
+        [{"name": "chaos", "idleTtl": "300ms", "codeTtl": "1200ms", "pool": {"minIdle": 2}}],
     )
     await b.start()
     try:
@@ -550,7 +548,7 @@ async def test_code_ttl_keeps_the_code_after_the_instances_go(published: Publish
 async def test_component_linker_is_shared_but_every_load_is_fresh(published: Published) -> None:
     b = backend_for(
         published,
-        [{"name": "chaos", "idleTtlSeconds": 0.05}, {"name": "iris"}, {"name": "chaos-core"}],
+        [{"name": "chaos", "idleTtl": "50ms"}, {"name": "iris"}, {"name": "chaos-core"}],
     )
     await b.start()
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import stat
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -208,17 +209,22 @@ def test_config_yaml_with_relative_paths(tmp_path: Path) -> None:
     path.write_text(
         "registry: reg\ntrustedKeys: [keys/dev.pub]\nworkers: 1\nfunctions:\n"
         "  - name: iris\n    version: '1'\n    isolation: fresh-instance-per-request\n"
-        "    idleTtlSeconds: 5\n    pool: {minIdle: 2, maxIdle: 3}\n"
-        "    limits: {memoryMiB: 32, timeoutMs: 250, maxConcurrency: 2, maxRequestBytes: 4096}\n"
+        "    idleTtl: 5s\n    pool: {minIdle: 2, maxIdle: 3}\n"
+        "    limits: {memoryMiB: 32, timeout: 250ms, maxConcurrency: 2, maxRequestBytes: 4096}\n"
         "  - name: iris-alias\n    artifact: iris@1\n"
     )
     cfg = load_config(path)
     assert cfg.registry == tmp_path / "reg"
-    assert cfg.trusted_keys == [tmp_path / "keys/dev.pub"]
+    assert cfg.trustedKeys == [tmp_path / "keys/dev.pub"]
     fn = cfg.functions[0] if cfg.functions else None
     assert fn is not None and fn.isolation == "fresh-instance-per-request"
-    assert (fn.limits.memory_mib, fn.limits.timeout_ms, fn.limits.max_concurrency) == (32, 250, 2)
-    assert (fn.pool.min_idle, fn.pool.max_idle, fn.idle_ttl_seconds) == (2, 3, 5)
+    limits = fn.limits
+    assert (limits.memoryMiB, limits.timeout, limits.maxConcurrency) == (
+        32,
+        timedelta(seconds=0.25),
+        2,
+    )
+    assert (fn.pool.minIdle, fn.pool.maxIdle, fn.idleTtl) == (2, 3, timedelta(seconds=5))
     assert cfg.with_overrides(workers=3).workers == 3
 
 
@@ -228,8 +234,11 @@ def test_config_yaml_with_relative_paths(tmp_path: Path) -> None:
         ({"registry": "r", "bogus": 1}, "bogus"),
         ({"registry": "r", "functions": [{"name": "Bad Name"}]}, "functions.0.name"),
         ({"registry": "r", "functions": [{"name": "a", "isolation": "x"}]}, "isolation"),
-        ({"registry": "r", "functions": [{"name": "a", "artifact": "noversion"}]}, "NAME@VERSION"),
-        ({"registry": "r", "functions": [{"name": "a", "limits": {"timeoutMs": 0}}]}, "timeoutMs"),
+        ({"registry": "r", "functions": [{"name": "a", "artifact": "noversion"}]}, "0.artifact"),
+        (
+            {"registry": "r", "functions": [{"name": "a", "limits": {"timeout": "0s"}}]},
+            "limits.timeout",
+        ),
         ({"registry": "r", "functions": [{"name": "a", "limits": {"memMB": 1}}]}, "memMB"),
         ({"registry": "r", "functions": [{"name": "a"}, {"name": "a"}]}, "declared twice"),
         (
@@ -237,10 +246,10 @@ def test_config_yaml_with_relative_paths(tmp_path: Path) -> None:
             "minIdle exceeds",
         ),
         (
-            {"registry": "r", "functions": [{"name": "a", "codeTtlSeconds": 5}]},
-            "codeTtlSeconds is shorter than idleTtlSeconds",
+            {"registry": "r", "functions": [{"name": "a", "codeTtl": "5s"}]},
+            "codeTtl must not be shorter than idleTtl",
         ),
-        ({"registry": "r", "functions": [{"name": "a", "codeTtlSeconds": 0}]}, "codeTtlSeconds"),
+        ({"registry": "r", "functions": [{"name": "a", "codeTtl": "0s"}]}, "codeTtl"),
         ({"workers": 2}, "registry"),
     ],
 )

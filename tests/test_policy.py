@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -521,9 +522,14 @@ def test_function_policies_become_the_backend_config(tmp_path: Path) -> None:
     raw = backend_config(spec, FunctionsSetup(tmp_path / "reg", (tmp_path / "k.pub",)))
     served = {f.name: f for f in parse_config(raw).functions or []}
     iris, alias = served["iris"], served["alias"]
-    assert (iris.idle_ttl_seconds, iris.code_ttl_seconds, iris.code_ttl) == (30, 3600, 3600)
-    assert iris.pool.min_idle == 1 and alias.artifact == "iris@1"
-    assert (alias.code_ttl_seconds, alias.code_ttl) == (None, alias.idle_ttl_seconds)
+    seconds = timedelta(seconds=1)
+    assert (iris.idleTtl, iris.codeTtl, iris.code_ttl) == (
+        30 * seconds,
+        3600 * seconds,
+        3600 * seconds,
+    )
+    assert iris.pool.minIdle == 1 and alias.artifact == "iris@1"
+    assert (alias.codeTtl, alias.code_ttl) == (None, alias.idleTtl)
 
 
 def test_two_functions_with_one_name_clash(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from meshfn import ir
+from meshfn.contracts.function import FunctionSettings
 
 from . import fallback
 from .errors import PolicyError
@@ -36,21 +37,16 @@ def lower(item: Loaded) -> ir.Service | ir.Route | ir.Function | None:
 def _function(item: Loaded) -> ir.Function:
     assert isinstance(item.obj, Function)
     spec = item.obj.spec
+    # The spec IS the settings plus backend and gateway: take the settings' fields as they are
+    # (validated already), no mapping.
+    settings = FunctionSettings.model_construct(
+        **{field: getattr(spec, field) for field in FunctionSettings.model_fields}
+    )
     return ir.Function(
         name=item.name,
         namespace=item.namespace,
         backend=f"{item.namespace}/{spec.backend}",
-        artifact=spec.artifact,
-        version=spec.version,
-        isolation=spec.isolation,
-        idle_ttl=spec.idleTtl,
-        code_ttl=spec.codeTtl,
-        min_idle=spec.pool.minIdle,
-        max_idle=spec.pool.maxIdle,
-        memory_mib=spec.limits.memoryMiB,
-        timeout=spec.limits.timeout,
-        max_concurrency=spec.limits.maxConcurrency,
-        max_request_bytes=spec.limits.maxRequestBytes,
+        settings=settings,
     )
 
 
@@ -67,7 +63,7 @@ def function_route(function: ir.Function) -> ir.Route:
             ir.RouteMatch(ir.PathMatch("prefix", base + "/")),
         ),
         service=function.backend,
-        timeout=function.timeout + timedelta(seconds=2),
+        timeout=function.settings.limits.timeout + timedelta(seconds=2),
         retries=ir.Retry(2, ("connect-failure", "refused-stream", "reset-before-request")),
     )
 

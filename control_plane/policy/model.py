@@ -12,9 +12,11 @@ from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from meshfn.contracts.durations import Duration
+from meshfn.contracts.function import FunctionSettings
+
 from .types import (
     ConditionKey,
-    Duration,
     HeaderName,
     Host,
     HttpPath,
@@ -669,49 +671,13 @@ class FallbackPolicy(Strict):
 # ---------------------------------------------------------------- functions
 
 
-class FunctionPool(Strict):
-    minIdle: Annotated[int, Field(ge=0, le=256)] = 0
-    maxIdle: Annotated[int, Field(ge=0, le=1024)] = 4
-
-
-class FunctionLimits(Strict):
-    memoryMiB: Annotated[int, Field(ge=13, le=4096)] = Field(
-        64, description="linear memory per instance (a componentize-py guest needs >= 13)"
-    )
-    timeout: Duration = Field(timedelta(seconds=1), description="wall-clock deadline per call")
-    maxConcurrency: Annotated[int, Field(ge=1, le=10_000)] = 8
-    maxRequestBytes: Annotated[int, Field(ge=64, le=256 * 1024 * 1024)] = 1024 * 1024
-
-
-class FunctionSpec(Strict):
+class FunctionSpec(FunctionSettings):
     """A model function served over KServe v2 at /v2/models/{metadata.name} by the inference
-    backend running on the endpoints of `backend` (and of the services in its fallback chain)."""
+    backend running on the endpoints of `backend` (and of the services in its fallback chain).
+    The serving settings are the backend's own schema (meshfn.contracts.function)."""
 
     backend: Name = Field(description="the Service (this namespace) whose endpoints serve it")
     gateway: ObjectRef | None = Field(None, description="like Route.spec.gateway")
-    artifact: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*@[A-Za-z0-9._-]+$")] | None = (
-        Field(None, description="registry entry NAME@VERSION; default: this name, latest")
-    )
-    version: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,63}$")] | None = None
-    isolation: Literal["reuse", "fresh-instance-per-request"] = "reuse"
-    idleTtl: Duration = Field(timedelta(minutes=5), description="unload when idle (scale to zero)")
-    codeTtl: Duration | None = Field(
-        None,
-        description="keep the loaded code (not the instances) until unused this long: a request "
-        "after idleTtl then only instantiates (~1.6 MiB per Python function); default: idleTtl",
-    )
-    pool: FunctionPool = Field(default_factory=FunctionPool)
-    limits: FunctionLimits = Field(default_factory=FunctionLimits)
-
-    @model_validator(mode="after")
-    def _sane(self) -> Self:
-        if self.idleTtl <= timedelta(0) or self.limits.timeout <= timedelta(0):
-            raise ValueError("idleTtl and limits.timeout must be positive")
-        if self.codeTtl is not None and self.codeTtl < self.idleTtl:
-            raise ValueError("codeTtl must not be shorter than idleTtl")
-        if self.isolation == "reuse" and self.pool.minIdle > self.pool.maxIdle:
-            raise ValueError("pool.minIdle exceeds pool.maxIdle")
-        return self
 
 
 class Function(Strict):

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 
 from meshfn import ir
+from meshfn.contracts.function import BackendConfig, ServedFunction
 
 from .process import SupervisedProcess
 
@@ -67,35 +68,18 @@ def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
 
 
 def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
-    """The inference backend's config (meshfn.inference.config.BackendConfig)."""
-
-    def one(f: ir.Function) -> dict[str, Any]:
-        entry: dict[str, Any] = {
-            "name": f.name,
-            "isolation": f.isolation,
-            "idleTtlSeconds": f.idle_ttl.total_seconds(),
-            "pool": {"minIdle": f.min_idle, "maxIdle": f.max_idle},
-            "limits": {
-                "memoryMiB": f.memory_mib,
-                "timeoutMs": max(1, round(f.timeout.total_seconds() * 1000)),
-                "maxConcurrency": f.max_concurrency,
-                "maxRequestBytes": f.max_request_bytes,
-            },
-        }
-        if f.code_ttl is not None:
-            entry["codeTtlSeconds"] = f.code_ttl.total_seconds()
-        if f.version is not None:
-            entry["version"] = f.version
-        if f.artifact is not None:
-            entry["artifact"] = f.artifact
-        return entry
-
-    return {
-        "registry": str(setup.registry.resolve()),
-        "trustedKeys": [str(k.resolve()) for k in setup.trusted_keys],
-        "workers": setup.workers,
-        "functions": [one(f) for f in spec.functions],
-    }
+    """The inference backend's config for one endpoint: each Function's settings as the policy
+    gave them (the same schema), named."""
+    config = BackendConfig(
+        registry=setup.registry.resolve(),
+        trustedKeys=[k.resolve() for k in setup.trusted_keys],
+        workers=setup.workers,
+        functions=[
+            ServedFunction.model_construct(name=f.name, **dict(f.settings)) for f in spec.functions
+        ],
+    )
+    result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
+    return result
 
 
 def upstream_process(

@@ -12,7 +12,7 @@ every resource another one names is in it. Envoy asks for what its clusters and 
 and, until it gets it, keeps them warming (a cluster without endpoints, a listener without its
 routes or filter configuration never serves): publishing a snapshot that lacks one would stall
 those proxies with no error anywhere. What each resource names is worked out once, when it is
-encoded (`Resource.needs`), so checking a snapshot is a few set lookups.
+encoded (`Resource.needs`), so checking a snapshot costs a dict lookup per reference.
 """
 
 from __future__ import annotations
@@ -232,8 +232,8 @@ class Snapshot:
     def missing(self) -> Missing:
         """What the snapshot's resources need and it does not hold (empty: consistent).
 
-        Only presence is checked: resources nothing needs (go-control-plane also refuses those)
-        are harmless, since Envoy asks only for names it uses.
+        Only presence is checked. go-control-plane also refuses resources that nothing needs;
+        they are harmless (Envoy asks only for names it uses), so they pass here.
         """
         out: Missing = {}
         for type_url, ts in self.types.items():

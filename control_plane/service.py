@@ -23,7 +23,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from meshfn.contracts.journal import journal_dir
 from meshfn.ir import MeshModel, Overlay
 from meshfn.xds.als import AccessLogReceiver
-from meshfn.xds.cache import Snapshot, SnapshotCache, prepare
+from meshfn.xds.cache import InconsistentSnapshot, Snapshot, SnapshotCache, prepare
 from meshfn.xds.names import LATENCY_LOG, primary_clusters
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
@@ -290,7 +290,9 @@ class ControlPlane:
                     "\n".join(f"  {e}" for e in exc.errors),
                 )
                 return ReloadResult(ok=False, errors=exc.errors)
-            except (BuildError, ValueError, OSError) as exc:  # filters, salt: say why, keep going
+            # Filters, salt, or a translation that names resources it lacks (which would leave
+            # the proxies warming, silently): say why, keep going.
+            except (BuildError, InconsistentSnapshot, ValueError, OSError) as exc:
                 errors = [
                     PolicyError(str(self.policies), 0, "", f"cannot prepare the proxies: {exc}")
                 ]

@@ -240,6 +240,30 @@ async def test_sotw_reconnect_with_current_version_gets_nothing(ads: Harness) ->
     assert names_in(await s.next()) == ["a", "b"]
 
 
+async def test_sotw_leaving_an_explicit_wildcard(ads: Harness) -> None:
+    ads.publish({"a": 1, "b": 2})
+    s = sotw(ads)
+    await s.send(
+        discovery_pb2.DiscoveryRequest(node=NODE, type_url=ENDPOINT, resource_names=["*", "a"])
+    )
+    first = await s.next()
+    assert names_in(first) == ["a", "b"]
+    for names in (["*", "a"], ["a"]):  # ACK, then drop "*" and keep "a": nothing new to send
+        await s.send(
+            discovery_pb2.DiscoveryRequest(
+                type_url=ENDPOINT,
+                resource_names=names,
+                version_info=first.version_info,
+                response_nonce=first.nonce,
+            )
+        )
+        await s.silent()
+    ads.publish({"a": 1, "b": 20})  # only b, which it no longer subscribes to
+    await s.silent()
+    ads.publish({"a": 10, "b": 20})
+    assert names_in(await s.next()) == ["a"]
+
+
 async def test_push_order_is_make_before_break(ads: Harness) -> None:
     ads.publish({"a": 1})
     s = sotw(ads)

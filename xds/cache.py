@@ -6,6 +6,13 @@ diffing, assembling response bytes) happens once per version and is shared by ev
 group: with a thousand Envoys on one workload, a push costs one encode plus a thousand writes.
 
 `prepare` is pure and thread-safe: call it off the event loop. `publish` is cheap and runs on it.
+
+A snapshot is only published when it is consistent (go-control-plane's `Snapshot.Consistent`):
+every resource another one names is in it. Envoy asks for what its clusters and listeners name
+and, until it gets it, keeps them warming (a cluster without endpoints, a listener without its
+routes or filter configuration never serves): publishing a snapshot that lacks one would stall
+those proxies with no error anywhere. What each resource names is worked out once, when it is
+encoded (`Resource.needs`), so checking a snapshot costs a dict lookup per reference.
 """
 
 from __future__ import annotations
@@ -13,14 +20,19 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm,
+)
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
 from . import wire
-from .names import PUSH_ORDER
+from .names import ENDPOINT, EXTENSION, PUSH_ORDER, ROUTE, SHORT_NAMES
 
 Names = frozenset[str]
 
@@ -37,6 +49,57 @@ def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
+Reference = tuple[str, str]  # (type URL, resource name)
+
+
+def references(message: Message) -> tuple[Reference, ...]:
+    """The resources of other types that `message` cannot work without.
+
+    Only what Envoy fetches over ADS by name counts: an EDS cluster's assignment (clusters of
+    type STATIC, STRICT_DNS or a custom type such as the aggregate carry their own hosts or
+    name other clusters, not endpoints), the route configuration of an HTTP connection manager
+    that uses RDS (an inline `route_config`, as sidecars' inbound listeners have, needs none),
+    and the configuration of every filter fetched by name (`config_discovery`: ECDS).
+    """
+    if isinstance(message, cluster_pb2.Cluster):
+        found: Iterable[Reference] = _cluster_references(message)
+    elif isinstance(message, listener_pb2.Listener):
+        found = _listener_references(message)
+    else:
+        return ()
+    return tuple(dict.fromkeys(found))
+
+
+def _cluster_references(cluster: cluster_pb2.Cluster) -> Iterator[Reference]:
+    # `type` shares a oneof with `cluster_type`: an aggregate reads as STATIC, so ask the oneof.
+    if (
+        cluster.WhichOneof("cluster_discovery_type") == "type"
+        and cluster.type == cluster_pb2.Cluster.EDS
+    ):
+        yield ENDPOINT, cluster.eds_cluster_config.service_name or cluster.name
+
+
+def _listener_references(listener: listener_pb2.Listener) -> Iterator[Reference]:
+    for listener_filter in listener.listener_filters:
+        if listener_filter.HasField("config_discovery"):
+            yield EXTENSION, listener_filter.name
+    chains = list(listener.filter_chains)
+    if listener.HasField("default_filter_chain"):
+        chains.append(listener.default_filter_chain)
+    for chain in chains:
+        for network_filter in chain.filters:
+            if network_filter.HasField("config_discovery"):
+                yield EXTENSION, network_filter.name
+            elif network_filter.typed_config.Is(hcm.HttpConnectionManager.DESCRIPTOR):
+                manager = hcm.HttpConnectionManager()
+                network_filter.typed_config.Unpack(manager)
+                if manager.HasField("rds"):
+                    yield ROUTE, manager.rds.route_config_name
+                for http_filter in manager.http_filters:
+                    if http_filter.HasField("config_discovery"):
+                        yield EXTENSION, http_filter.name
+
+
 @dataclass(frozen=True, slots=True)
 class Resource:
     """One resource, encoded once. `version` is a content hash, so it survives control-plane
@@ -47,6 +110,7 @@ class Resource:
     message: Message = field(repr=False, compare=False)
     sotw_entry: bytes = field(repr=False)  # DiscoveryResponse.resources field
     delta_entry: bytes = field(repr=False)  # DeltaDiscoveryResponse.resources field
+    needs: tuple[Reference, ...] = field(default=(), repr=False, compare=False)
 
     @classmethod
     def encode(cls, type_url: str, name: str, message: Message) -> Resource:
@@ -67,6 +131,7 @@ class Resource:
             message=message,
             sotw_entry=wire.field(wire.Sotw.RESOURCES, packed),
             delta_entry=wire.field(wire.Delta.RESOURCES, wrapper),
+            needs=references(message),
         )
 
 
@@ -123,12 +188,38 @@ class TypeSnapshot:
 
 EMPTY_VERSION = TypeSnapshot("", {}).version
 
+# Missing resources: type URL -> name -> the resources that need it, as (type URL, name).
+Missing = dict[str, dict[str, list[Reference]]]
+
+
+class InconsistentSnapshot(Exception):
+    """A snapshot names resources it does not hold; publishing it would stall its proxies."""
+
+    LISTED = 10  # names shown per type; the rest are counted
+
+    def __init__(self, group: str, missing: Missing) -> None:
+        self.group = group
+        self.missing = missing
+        parts = []
+        for type_url, names in sorted(missing.items()):
+            shown = [
+                f"{name} (needed by "
+                + ", ".join(f"{SHORT_NAMES[t].removesuffix('s')} {n}" for t, n in users)
+                + ")"
+                for name, users in sorted(names.items())[: self.LISTED]
+            ]
+            if len(names) > self.LISTED:
+                shown.append(f"and {len(names) - self.LISTED} more")
+            parts.append(f"missing {SHORT_NAMES[type_url]}: " + ", ".join(shown))
+        super().__init__(f"the configuration for {group} is inconsistent: " + "; ".join(parts))
+
 
 @dataclass(frozen=True)
 class Snapshot:
     group: str
     types: Mapping[str, TypeSnapshot]
     published_at: float = field(default_factory=time.monotonic, compare=False)
+    _consistent: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def version(self) -> str:
@@ -137,6 +228,31 @@ class Snapshot:
     def type(self, type_url: str) -> TypeSnapshot:
         found = self.types.get(type_url)
         return found if found is not None else _empty(type_url)
+
+    def missing(self) -> Missing:
+        """What the snapshot's resources need and it does not hold (empty: consistent).
+
+        Only presence is checked. go-control-plane also refuses resources that nothing needs;
+        they are harmless (Envoy asks only for names it uses), so they pass here.
+        """
+        out: Missing = {}
+        for type_url, ts in self.types.items():
+            for resource in ts.resources.values():
+                for needed_type, name in resource.needs:
+                    if name not in self.type(needed_type).resources:
+                        users = out.setdefault(needed_type, {}).setdefault(name, [])
+                        users.append((type_url, resource.name))
+        return out
+
+    def consistent(self) -> None:
+        """Raise InconsistentSnapshot unless every needed resource is here. The answer is kept:
+        `prepare` pays for it off the event loop and `publish` then finds it."""
+        if self._consistent:
+            return
+        missing = self.missing()
+        if missing:
+            raise InconsistentSnapshot(self.group, missing)
+        object.__setattr__(self, "_consistent", True)
 
 
 _EMPTY: dict[str, TypeSnapshot] = {}
@@ -155,7 +271,8 @@ def prepare(
     previous: Snapshot | None = None,
 ) -> Snapshot:
     """Encode a translation into a Snapshot, reusing every resource (and whole TypeSnapshots)
-    that did not change since `previous`, so unchanged types keep their identity and version."""
+    that did not change since `previous`, so unchanged types keep their identity and version.
+    Raises InconsistentSnapshot if a resource needs one the translation lacks."""
     types: dict[str, TypeSnapshot] = {}
     for type_url in PUSH_ORDER:
         by_name = resources.get(type_url)
@@ -179,7 +296,9 @@ def prepare(
             types[type_url] = old
         else:
             types[type_url] = TypeSnapshot(type_url, encoded)
-    return Snapshot(group=group, types=types)
+    snapshot = Snapshot(group=group, types=types)
+    snapshot.consistent()
+    return snapshot
 
 
 class SnapshotCache:
@@ -197,7 +316,9 @@ class SnapshotCache:
         return sorted(self._snapshots)
 
     def publish(self, snapshot: Snapshot) -> bool:
-        """Make `snapshot` current and wake the group's streams; False if nothing changed."""
+        """Make `snapshot` current and wake the group's streams; False if nothing changed.
+        Raises InconsistentSnapshot (and keeps the current one) if `snapshot` is not whole."""
+        snapshot.consistent()
         current = self._snapshots.get(snapshot.group)
         if current is not None and current.types == snapshot.types:
             return False

@@ -1,0 +1,197 @@
+"""One ADS stream and the loop that serves it, shared by the SotW and Delta handlers.
+
+Each stream has two tasks: a reader that parses requests into an inbox (and stops reading when
+the inbox is full, so a flooding client is throttled by gRPC flow control rather than by our
+memory), and the handler loop, which answers requests in order and, when the stream's snapshot
+changed (`notify`), pushes. Nothing here waits on anything but the network: translation happens
+before a snapshot is published (cache.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from google.protobuf.message import DecodeError
+
+from .auth import StreamAuth, authorization
+from .cache import Snapshot, SnapshotCache, TypeSnapshot, next_nonce
+from .protocol import ProtocolError
+from .recording import Recorder
+from .status import ProxyStatus
+from .subscription import Subscription
+
+if TYPE_CHECKING:
+    Context = grpc.aio.ServicerContext[bytes, bytes]
+else:
+    Context = grpc.aio.ServicerContext
+
+log = logging.getLogger("meshfn.xds")
+
+INBOX_HIGH_WATER = 64
+
+_stream_ids = itertools.count(1)
+
+
+class Stream:
+    """One ADS stream: its node, subscriptions, and an inbox fed by the reader task."""
+
+    def __init__(self, protocol: str, context: Context) -> None:
+        self.id = next(_stream_ids)
+        self.protocol = protocol
+        self.context = context
+        self.peer = context.peer()
+        self.authorization = authorization(context)
+        self.group = ""
+        self.subs: dict[str, Subscription] = {}
+        self.inbox: deque[Any] = deque()
+        self.wake = asyncio.Event()
+        self.room = asyncio.Event()
+        self.room.set()
+        self.dirty = False
+        self.closed = False
+        self.error: ProtocolError | None = None
+        self.status = ProxyStatus(
+            stream_id=self.id, node_id="", group="", protocol=protocol, peer=self.peer
+        )
+
+    def notify(self) -> None:
+        """The cache published a new snapshot for this stream's group."""
+        self.dirty = True
+        self.wake.set()
+
+    def subscription(self, type_url: str) -> tuple[Subscription, bool]:
+        """This stream's Subscription for `type_url`, and whether it was just created."""
+        sub = self.subs.get(type_url)
+        if sub is not None:
+            return sub, False
+        sub = self.subs[type_url] = Subscription(type_url)
+        self.status.types[type_url] = sub.status
+        return sub, True
+
+
+class Handler(ABC):
+    """The protocol half of a stream (SotW or Delta): parse, answer, push."""
+
+    protocol: ClassVar[str]
+
+    def __init__(self, cache: SnapshotCache, recorder: Recorder, auth: StreamAuth) -> None:
+        self.cache = cache
+        self.recorder = recorder
+        self.auth = auth
+
+    @abstractmethod
+    def parse(self, raw: bytes) -> Any:
+        """Decode one request (raise DecodeError for garbage); runs in the reader task."""
+
+    @abstractmethod
+    async def on_request(self, stream: Stream, request: Any) -> None:
+        """Answer one request; raise ProtocolError to end the stream."""
+
+    @abstractmethod
+    async def push(self, stream: Stream, snapshot: Snapshot) -> None:
+        """Bring every subscription of the stream to `snapshot`, in make-before-break order."""
+
+    def identify(self, stream: Stream, node: base_pb2.Node, present: bool) -> None:
+        """On the first request: check who the stream is and start watching its snapshot."""
+        if stream.group:
+            return
+        group, node_id = self.auth.identify(node, present, stream.authorization)
+        stream.group = group
+        stream.status.node_id = node_id
+        stream.status.group = group
+        self.cache.watch(group, stream.notify)
+        log.info(
+            "proxy connected",
+            extra={"node": node_id, "workload": group, "protocol": stream.protocol},
+        )
+        if self.cache.get(group) is None:
+            log.warning("no configuration for workload %r yet; the proxy waits", group)
+
+    @staticmethod
+    def assemble(ts: TypeSnapshot, key: object, build: Callable[[str], bytes]) -> tuple[str, bytes]:
+        """(nonce, bytes) of a response: shared by every stream asking with the same `key`
+        (memoised on the TypeSnapshot), or built for this stream alone when `key` is None."""
+        if key is not None:
+            return ts.response(key, build)
+        nonce = next_nonce()
+        return nonce, build(nonce)
+
+    async def send(
+        self,
+        stream: Stream,
+        sub: Subscription,
+        ts: TypeSnapshot,
+        snapshot: Snapshot,
+        nonce: str,
+        data: bytes,
+        count: int,
+    ) -> None:
+        sub.on_sent(ts, nonce, count, snapshot.published_at)
+        self.recorder.pushed(ts.type_url, stream.protocol, len(data))
+        await stream.context.write(data)
+
+    def reply(self, stream: Stream, sub: Subscription, error: str | None, version: str) -> None:
+        """The client answered our latest response: ACK (`error` None) or NACK."""
+        published = sub.on_reply(error, version)
+        self.recorder.replied(stream.status.node_id, sub, error, published)
+
+    async def serve(self, stream: Stream, requests: AsyncIterator[bytes]) -> None:
+        """Run the stream until the client closes it or breaks the protocol."""
+        reader = asyncio.create_task(self._read(requests, stream))
+        try:
+            while True:
+                await stream.wake.wait()
+                stream.wake.clear()
+                while stream.inbox:
+                    request = stream.inbox.popleft()
+                    if len(stream.inbox) < INBOX_HIGH_WATER // 2:
+                        stream.room.set()
+                    try:
+                        await self.on_request(stream, request)
+                    except ProtocolError as exc:
+                        stream.error = exc
+                        break
+                if stream.error is not None:
+                    self.recorder.ended(stream.error, stream.status.node_id, stream.peer)
+                    await stream.context.abort(stream.error.code, stream.error.message)
+                if stream.closed and not stream.inbox:
+                    return
+                if stream.dirty:
+                    stream.dirty = False
+                    snapshot = self.cache.get(stream.group)
+                    if snapshot is not None:
+                        await self.push(stream, snapshot)
+        finally:
+            reader.cancel()
+            if stream.group:
+                self.cache.unwatch(stream.group, stream.notify)
+                log.info("proxy disconnected", extra={"node": stream.status.node_id})
+
+    async def _read(self, requests: AsyncIterator[bytes], stream: Stream) -> None:
+        try:
+            async for raw in requests:
+                try:
+                    request = self.parse(raw)
+                except DecodeError:
+                    stream.error = ProtocolError(
+                        grpc.StatusCode.INVALID_ARGUMENT, "malformed discovery request", "malformed"
+                    )
+                    return
+                stream.inbox.append(request)
+                stream.wake.set()
+                if len(stream.inbox) >= INBOX_HIGH_WATER:
+                    stream.room.clear()
+                    await stream.room.wait()
+        except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.RpcError):
+            pass
+        finally:
+            stream.closed = True
+            stream.wake.set()

@@ -19,6 +19,7 @@ from types import ModuleType
 import pytest
 
 from meshfn.ebpf import Accelerator, probe
+from meshfn.testing.ebpf import attached
 from meshfn.testing.processes import Processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -40,12 +41,8 @@ bench = load_bench()
 
 @pytest.fixture
 def accel(tmp_path: Path) -> Iterator[Accelerator]:
-    accelerator = Accelerator(tmp_path / "state")
-    try:
-        assert accelerator.setup("ebpf").attached
+    with attached(tmp_path / "state") as (accelerator, _):
         yield accelerator
-    finally:
-        assert accelerator.shutdown() == []
 
 
 @pytest.fixture

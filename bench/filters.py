@@ -52,14 +52,8 @@ from meshfn.contracts.plugins import (
     plugin_json,
 )
 from meshfn.control_plane.runtime.envoy import envoy_binary
-from meshfn.testing.filters import (
-    audit_filter,
-    degrade_filter,
-    envoy_argv,
-    harness,
-    meshfn_filter,
-    wasm_path,
-)
+from meshfn.testing.envoy import argv as envoy_argv
+from meshfn.testing.filters import audit_filter, degrade_filter, harness, meshfn_filter, wasm_path
 from meshfn.testing.ports import free_ports, named_ports
 from meshfn.testing.processes import Processes, http_ok, wait_for
 from meshfn.xds.translate.wasm import (
@@ -237,7 +231,7 @@ def main() -> None:
         procs = Processes(tmp)
         try:
             up = procs.upstream("upstream", "backend", upstream)
-            envoy = procs.start("envoy", envoy_argv(config))
+            envoy = procs.start("envoy", envoy_argv(config, wasm=True))
             if (os.cpu_count() or 1) >= 2:
                 os.sched_setaffinity(envoy.pid, {0})
                 os.sched_setaffinity(up.pid, {1})

@@ -17,9 +17,10 @@ from meshfn_e2e import http
 
 from meshfn.contracts.plugins import AuditSettings, DegradeRule, DegradeSettings
 from meshfn.control_plane.audit import AuditStore
+from meshfn.testing.envoy import argv as envoy_argv
 from meshfn.testing.envoy import start as start_envoy
 from meshfn.testing.envoy import stat as envoy_stat
-from meshfn.testing.filters import audit_filter, degrade_filter, envoy_argv, harness
+from meshfn.testing.filters import audit_filter, degrade_filter, harness
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import Processes, wait_for
 from meshfn.xds.translate.wasm import access_log
@@ -100,7 +101,7 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
     ]
     try:
         procs.upstream("upstream", "backend", upstream)
-        start_envoy(procs, "envoy", envoy_argv(config), admin)
+        start_envoy(procs, "envoy", envoy_argv(config, wasm=True), admin)
         wait_for("upstream", lambda: http(f"http://127.0.0.1:{upstream}/").status == 200)
         collector = procs.start("collector-1", collect)
 

@@ -21,8 +21,9 @@ from meshfn_e2e import http
 
 from meshfn.contracts.plugins import AuditSettings, BodyHash, DegradeSettings
 from meshfn.control_plane.audit import AuditCollector, AuditStore
+from meshfn.testing.envoy import argv as envoy_argv
 from meshfn.testing.envoy import start as start_envoy
-from meshfn.testing.filters import audit_filter, envoy_argv, harness, meshfn_filter
+from meshfn.testing.filters import audit_filter, harness, meshfn_filter
 from meshfn.testing.ports import free_ports, retry_on_port_clash
 from meshfn.testing.processes import Processes, wait_for
 from meshfn.xds.translate.wasm import access_log, early_header_mutation, jwt_claim_headers
@@ -141,7 +142,7 @@ async def rig(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[R
         config = tmp_path / "envoy.json"
         config.write_text(json.dumps(es.bootstrap(admin, {"backend": upstream}, listener)))
         backend = procs.upstream("upstream", "backend", upstream)
-        start_envoy(procs, "envoy", envoy_argv(config), admin)
+        start_envoy(procs, "envoy", envoy_argv(config, wasm=True), admin)
         wait_for(
             "upstream", lambda: http(f"http://127.0.0.1:{upstream}/").status == 200, proc=backend
         )

@@ -24,16 +24,18 @@ def argv(
     *,
     concurrency: int = 1,
     log_level: str = "warning",
-    component_log_level: str | None = None,
     file_flush_interval_ms: int | None = None,
+    wasm: bool = False,
 ) -> list[str]:
-    """Envoy on a static or bootstrap config written by the caller."""
+    """Envoy on a static or bootstrap config written by the caller. `wasm`: for tests of the
+    proxy-wasm filters, whose own log lines (wasm, info) then show, with access logs (the
+    audit journals) flushed every 100 ms."""
     return envoy_argv(
         config,
         concurrency=concurrency,
         log_level=log_level,
-        component_log_level=component_log_level,
-        file_flush_interval_ms=file_flush_interval_ms,
+        component_log_level="wasm:info" if wasm else None,
+        file_flush_interval_ms=100 if wasm else file_flush_interval_ms,
     )
 
 

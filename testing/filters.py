@@ -17,8 +17,6 @@ from meshfn.contracts.plugins import AuditSettings, DegradeSettings, FilterKind,
 from meshfn.control_plane import filters
 from meshfn.xds.translate import wasm
 
-from . import envoy
-
 
 @cache
 def wasm_dir(native: bool = False) -> Path:
@@ -56,9 +54,3 @@ def degrade_filter(settings: DegradeSettings) -> HttpFilter:
 
 def meshfn_filter(audit: AuditSettings | None, degrade: DegradeSettings | None) -> HttpFilter:
     return wasm.meshfn_filter(audit, degrade, wasm_dir())
-
-
-def envoy_argv(config: Path) -> list[str]:
-    """Envoy for filter tests and benchmarks: the filters' own log lines (wasm, info) show,
-    and access logs (the audit journals) are flushed every 100 ms."""
-    return envoy.argv(config, component_log_level="wasm:info", file_flush_interval_ms=100)

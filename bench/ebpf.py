@@ -36,11 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+
+from meshfn.testing import envoy
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import Proc, Processes, upstream_argv, wait_for
 
 HERE = Path(__file__).resolve()
 Json = dict[str, Any]
@@ -49,13 +52,6 @@ Preexec = Callable[[], None]
 
 def log(message: str) -> None:
     print(f"[ebpf bench] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def preexec(join: Preexec | None, cpus: set[int] | None) -> Preexec | None:
@@ -94,44 +90,18 @@ def abba(rounds: int) -> Iterator[tuple[int, str]]:
             yield i, mode
 
 
-class Children:
-    """Every process the benchmark starts, stopped by PID at the end (also on failure)."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def start(self, argv: list[str], pre: Preexec | None, **kw: Any) -> subprocess.Popen[str]:
-        return self.track(subprocess.Popen(argv, text=True, preexec_fn=pre, **kw))  # noqa: PLW1509
-
-    def track(self, proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
-        self.procs.append(proc)
-        return proc
-
-    def stop(self, proc: subprocess.Popen[str]) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            self.stop(proc)
-
-
 # --- (a) + (b): the raw hop ----------------------------------------------------------------------
 
 
-def echo_server(children: Children, pre: Preexec | None) -> tuple[subprocess.Popen[str], int]:
+def echo_server(children: Processes, pre: Preexec | None) -> tuple[Proc, int]:
     from meshfn.ebpf import probe
 
-    proc = children.track(probe.start(["echo"], pre))
-    return proc, int(probe.ask(proc)["port"])
+    proc = children.start("echo", probe.command("echo"), preexec=pre, pipe=True)
+    assert proc.popen is not None
+    return proc, int(probe.ask(proc.popen)["port"])
 
 
-def python_hop(args: argparse.Namespace, join: Preexec, children: Children) -> Json:
+def python_hop(args: argparse.Namespace, join: Preexec, children: Processes) -> Json:
     """(a) with the lean Python loops of meshfn.ebpf.probe (interpreter time on both sides), for
     the two placements of the summary line."""
     from meshfn.ebpf import probe
@@ -149,13 +119,13 @@ def python_hop(args: argparse.Namespace, join: Preexec, children: Children) -> J
             result = probe.run(["rtt", "--port", str(port), "--count", str(args.count)], pre)
             p50[mode].append(result["p50_us"])
         for proc, _ in servers.values():
-            children.stop(proc)
+            proc.stop()
         out[placement] = paired_p50(p50)
         log(f"rtt {placement} (Python loop): {out[placement]['p50_us']}")
     return out
 
 
-def throughput(args: argparse.Namespace, join: Preexec, children: Children) -> Json:
+def throughput(args: argparse.Namespace, join: Preexec, children: Processes) -> Json:
     from meshfn.ebpf import probe
 
     out: Json = {}
@@ -168,7 +138,7 @@ def throughput(args: argparse.Namespace, join: Preexec, children: Children) -> J
             argv = ["stream", "--port", str(port), "--bytes", str(nbytes), "--chunk", str(chunk)]
             rate[mode].append(probe.run(argv, join if mode == "on" else None)["mib_per_s"])
         for proc, _ in servers.values():
-            children.stop(proc)
+            proc.stop()
         out[f"throughput_{chunk}"] = {
             "mib_per_s": {mode: statistics.median(v) for mode, v in rate.items()},
             "rounds_mib_per_s": rate,
@@ -237,7 +207,7 @@ PLACEMENTS: list[tuple[str, set[int] | None, set[int] | None]] = [
 ]
 
 
-def c_hop(args: argparse.Namespace, work: Path, join: Preexec, children: Children) -> Json:
+def c_hop(args: argparse.Namespace, work: Path, join: Preexec, children: Processes) -> Json:
     """The summary's round trip: Envoy's side of the hop is C++, so a C loop on both ends
     measures what redirection changes; the Python loop adds ~1.5 us of interpreter time per
     side to "on" and "off" alike and is reported next to it."""
@@ -254,11 +224,9 @@ def c_hop(args: argparse.Namespace, work: Path, join: Preexec, children: Childre
         servers = {}
         for mode in ("on", "off"):
             pre = preexec(join if mode == "on" else None, server_cpus)
-            proc = children.start(
-                [binary, "serve"], pre, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-            )
-            assert proc.stdout is not None
-            servers[mode] = (proc, json.loads(proc.stdout.readline())["port"])
+            proc = children.start(f"rtt-{mode}", [binary, "serve"], preexec=pre, pipe=True)
+            assert proc.popen is not None and proc.popen.stdout is not None
+            servers[mode] = (proc, json.loads(proc.popen.stdout.readline())["port"])
         p50: dict[str, list[float]] = {"on": [], "off": []}
         for _, mode in abba(args.rounds):
             pre = preexec(join if mode == "on" else None, client_cpus)
@@ -268,7 +236,7 @@ def c_hop(args: argparse.Namespace, work: Path, join: Preexec, children: Childre
             )
             p50[mode].append(json.loads(result.stdout)["p50_us"])
         for proc, _ in servers.values():
-            children.stop(proc)
+            proc.stop()
         out[placement] = paired_p50(p50)
         log(f"rtt {placement} (C loop): {out[placement]['p50_us']}")
     return out
@@ -353,50 +321,26 @@ def envoy_config(
     }
 
 
-def wait_until(what: str, probe: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if probe():
-                return
-        except OSError:
-            pass
-        time.sleep(0.02)
-    raise RuntimeError(f"{what} not ready after {timeout}s")
-
-
 def start_stack(
     backend_kind: str,
     work: Path,
     join: Preexec | None,
-    children: Children,
+    children: Processes,
     name: str,
     requests_per_connection: int | None = None,
 ) -> tuple[int, int]:
     """Backend + Envoy, both in the cgroup when `join`; returns (Envoy's listener, backend)."""
-    from meshfn.control_plane.runtime.envoy import envoy_binary
-
-    backend, listen, admin = free_port(), free_port(), free_port()
-    logs = work / f"{name}.log"
-    out = logs.open("a")
+    backend, listen, admin = free_ports(3)
     if backend_kind == "fast":
         argv = [sys.executable, "-P", str(HERE), "_backend", str(backend)]
     else:
-        argv = [sys.executable, "-P", "-m", "meshfn.control_plane.runtime.upstream",
-                "--service", "bench/backend", "--port", str(backend)]  # fmt: skip
-    children.start(argv, join, stdout=out, stderr=out)
-    wait_until("backend", lambda: socket.create_connection(("127.0.0.1", backend)).close() is None)
+        argv = upstream_argv("bench/backend", backend)
+    children.start(f"{name}-backend", argv, preexec=join)
+    wait_for("backend", lambda: socket.create_connection(("127.0.0.1", backend)).close() is None)
     config = work / f"envoy-{name}.json"
     config.write_text(json.dumps(envoy_config(listen, admin, backend, requests_per_connection)))
-    envoy = [str(envoy_binary()), "-c", str(config), "--disable-hot-restart"]
-    envoy += ["--concurrency", "1", "--log-level", "warning"]
-    children.start(envoy, join, stdout=out, stderr=out)
-
-    def ready() -> bool:
-        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1) as reply:
-            return bool(reply.read().strip() == b"LIVE")
-
-    wait_until("envoy", ready)
+    proc = children.start(f"{name}-envoy", envoy.argv(config), preexec=join)
+    wait_for("envoy", lambda: envoy.live(admin, timeout=1), proc=proc)
     return listen, backend
 
 
@@ -433,7 +377,7 @@ def http_client(port: int, count: int) -> Json:
 
 
 def mesh(
-    args: argparse.Namespace, work: Path, join: Preexec, accel: Any, children: Children
+    args: argparse.Namespace, work: Path, join: Preexec, accel: Any, children: Processes
 ) -> Json:
     """(c) Both stacks run side by side; the client alternates between them round by round."""
     cpus = None if args.mesh_cpu < 0 else {args.mesh_cpu}
@@ -502,7 +446,7 @@ def main() -> int:
             print(f"ebpf: unavailable: {status.reason}", file=sys.stderr)
             return 1
         stack.callback(accel.shutdown)
-        children = Children()
+        children = Processes(work)
         stack.callback(children.stop_all)
         join = accel.child_preexec()
         assert join is not None

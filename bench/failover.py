@@ -16,19 +16,16 @@ import json
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from xds_push import MESHFN, free_ports, stop
-
-from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing import envoy
+from meshfn.testing import policies as p
+from meshfn.testing.ports import named_ports
+from meshfn.testing.processes import MESHFN, Proc, Processes, meshfn, wait_for
 
 HERE = Path(__file__).resolve().parent
 LOCALITIES = {
@@ -39,56 +36,19 @@ LOCALITIES = {
 
 
 def policies(ports: dict[str, int]) -> str:
-    def loc(text: str) -> str:
-        region, zone, node = text.split("/")
-        return f"{{region: {region}, zone: {zone}, node: {node}}}"
-
-    endpoints = ", ".join(
-        f"{{address: 127.0.0.1, port: {ports[n]}, locality: {loc(LOCALITIES[n])}}}" for n in "abc"
+    return p.documents(
+        p.mesh("failover", "bench.local", ports["xds"], ports["admin"]),
+        p.gateway(ports["envoy_admin"], ports["listener"], locality=p.locality(LOCALITIES["a"])),
+        p.service("model", 1, [p.endpoint(ports[n], LOCALITIES[n]) for n in "abc"]),
+        p.service("model-lite", 2, [p.endpoint(ports["lite"])]),
+        # A passing health check un-ejects a revived endpoint; a dead one stays out.
+        p.fallback_policy(
+            "model", ["model-lite"], "100ms", ("250ms", "500ms"), recover_after="1s", locality={}
+        ),
+        p.route(
+            "model", "model", retries={"attempts": 3, "retryOn": [*p.RETRY_ON, "gateway-error"]}
+        ),
     )
-    return f"""\
-apiVersion: meshfn.io/v1alpha1
-kind: Mesh
-metadata: {{name: failover}}
-spec: {{trustDomain: bench.local, ports: {{xds: {ports["xds"]}, admin: {ports["admin"]}}}}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Gateway
-metadata: {{name: edge}}
-spec:
-  adminPort: {ports["envoy_admin"]}
-  locality: {loc(LOCALITIES["a"])}
-  listeners: [{{name: http, port: {ports["listener"]}}}]
----
-apiVersion: meshfn.io/v1alpha1
-kind: Service
-metadata: {{name: model}}
-spec: {{port: 1, endpoints: [{endpoints}]}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Service
-metadata: {{name: model-lite}}
-spec: {{port: 2, endpoints: [{{address: 127.0.0.1, port: {ports["lite"]}}}]}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: FallbackPolicy
-metadata: {{name: model}}
-spec:
-  service: model
-  locality: {{}}
-  outlierDetection: {{consecutiveGatewayErrors: 1, consecutive5xxErrors: 3, interval: 100ms, baseEjectionTime: 30s}}
-  # A passing health check un-ejects a revived endpoint; a dead one stays out.
-  healthCheck: {{path: /health, interval: 250ms, timeout: 500ms, unhealthyThreshold: 2}}
-  chain: [model-lite]
-  driftBreaker: {{threshold: 40, minSamples: 10, window: 1s, baselineWindow: 10s, recoverAfter: 1s, probePercent: 10}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Route
-metadata: {{name: model}}
-spec:
-  destination: {{service: model}}
-  retries: {{attempts: 3, retryOn: [connect-failure, refused-stream, reset, gateway-error]}}
-"""
 
 
 class Load:
@@ -130,26 +90,12 @@ class Load:
 
 
 def start_upstream(
-    name: str, ports: dict[str, int], work: Path, service: str
-) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-P", "-m", "meshfn.control_plane.runtime.upstream",
-         "--service", service, "--port", str(ports[name]), "--locality", LOCALITIES.get(name, ""),
-         "--delay-file", str(work / f"delay-{name}")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    procs: Processes, name: str, ports: dict[str, int], work: Path, service: str
+) -> Proc:
+    return procs.upstream(
+        f"upstream-{name}", service, ports[name],
+        "--locality", LOCALITIES.get(name, ""), "--delay-file", str(work / f"delay-{name}"),
     )  # fmt: skip
-
-
-def wait_until(what: str, probe: Any, timeout: float = 30) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        try:
-            if probe():
-                return time.monotonic()
-        except (OSError, ValueError, KeyError, http.client.HTTPException):
-            pass
-        time.sleep(0.02)
-    raise RuntimeError(f"timed out waiting for {what}")
 
 
 def main() -> None:
@@ -161,42 +107,41 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshfn-failover-") as tmp:
         work = Path(tmp)
-        names = ["xds", "admin", "envoy_admin", "listener", "a", "b", "c", "lite"]
-        ports = dict(zip(names, free_ports(len(names)), strict=True))
+        ports = named_ports("xds", "admin", "envoy_admin", "listener", "a", "b", "c", "lite")
         (work / "p").mkdir()
         (work / "p" / "mesh.yaml").write_text(policies(ports))
         for name in ("a", "b", "c", "lite"):
             (work / f"delay-{name}").write_text("0")
-        upstreams = {
-            n: start_upstream(
-                n, ports, work, "default/model-lite" if n == "lite" else "default/model"
-            )
-            for n in ("a", "b", "c", "lite")
-        }
-        serve = subprocess.Popen(
-            [MESHFN, "serve", "--policies", str(work / "p"), "--state-dir", str(work / "s"),
-             "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        procs = Processes(work)
         admin = f"http://127.0.0.1:{ports['admin']}"
-        envoy = None
         load = None
         try:
-            wait_until(
-                "control plane", lambda: urllib.request.urlopen(admin + "/healthz", timeout=1)
+            upstreams = {
+                n: start_upstream(
+                    procs, n, ports, work, "default/model-lite" if n == "lite" else "default/model"
+                )
+                for n in ("a", "b", "c", "lite")
+            }
+            serve = procs.start(
+                "serve",
+                [MESHFN, "serve", "--policies", str(work / "p"), "--state-dir", str(work / "s"),
+                 "--log-level", "warning"],
+            )  # fmt: skip
+            wait_for(
+                "control plane",
+                lambda: urllib.request.urlopen(admin + "/healthz", timeout=1),
+                timeout=30,
+                proc=serve,
             )
+            bootstrap = meshfn(
+                "bootstrap", "edge.default", "--policies", str(work / "p"),
+                "--state-dir", str(work / "s"),
+            )  # fmt: skip
+            if bootstrap.returncode != 0:
+                raise RuntimeError(f"meshfn bootstrap failed: {bootstrap.stderr}")
             config = work / "envoy.json"
-            config.write_text(
-                subprocess.run(
-                    [MESHFN, "bootstrap", "edge.default", "--policies", str(work / "p"),
-                     "--state-dir", str(work / "s")],
-                    capture_output=True, text=True, check=True,
-                ).stdout
-            )  # fmt: skip
-            envoy = subprocess.Popen(
-                [str(envoy_binary()), "-c", str(config), "--disable-hot-restart",
-                 "--concurrency", "2", "--log-level", "error"],
-            )  # fmt: skip
+            config.write_text(bootstrap.stdout)
+            procs.start("envoy", envoy.argv(config, concurrency=2, log_level="error"))
             local, next_locality = f"127.0.0.1:{ports['a']}", f"127.0.0.1:{ports['b']}"
 
             def serving(endpoint: str) -> bool:
@@ -204,12 +149,12 @@ def main() -> None:
                 return bool(recent) and all(who == endpoint for _, _, who in recent)
 
             load = Load(ports["listener"])
-            wait_until("traffic on the local endpoint", lambda: serving(local), 60)
+            wait_for("traffic on the local endpoint", lambda: serving(local), 60)
             kills = []
             for _ in range(args.repeats):
                 time.sleep(1.0)
                 killed = time.monotonic()
-                upstreams["a"].send_signal(signal.SIGKILL)
+                upstreams["a"].send(signal.SIGKILL)
                 upstreams["a"].wait()
                 time.sleep(2.0)
                 moved = load.window(killed, killed + 2.0)
@@ -222,8 +167,8 @@ def main() -> None:
                         "failures": [(status, who) for _, status, who in moved if status != 200],
                     }
                 )
-                upstreams["a"] = start_upstream("a", ports, work, "default/model")
-                wait_until("traffic back on the local endpoint", lambda: serving(local), 30)
+                upstreams["a"] = start_upstream(procs, "a", ports, work, "default/model")
+                wait_for("traffic back on the local endpoint", lambda: serving(local), 30)
             trips = []
             for _ in range(args.repeats):
                 time.sleep(2.0)  # baseline of fast answers
@@ -236,16 +181,15 @@ def main() -> None:
                         routes = json.loads(response.read())["routes"]
                     return bool(routes["default/model"]["state"] == "degraded")
 
-                trips.append((wait_until("the breaker", tripped, 20) - injected) * 1000)
+                wait_for("the breaker", tripped, 20)
+                trips.append((time.monotonic() - injected) * 1000)
                 for n in "abc":
                     (work / f"delay-{n}").write_text("0")
-                wait_until("recovery", lambda: not tripped(), 30)
+                wait_for("recovery", lambda: not tripped(), 30)
         finally:
             if load is not None:
                 load.close()
-            for proc in [envoy, serve, *upstreams.values()]:
-                if proc is not None:
-                    stop(proc)
+            procs.stop_all()
     result = {
         "kills": kills,
         "detect_ms": statistics.median(k["detect_ms"] for k in kills),

@@ -36,9 +36,7 @@ import http.client
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +52,10 @@ from meshfn.contracts.plugins import (
     plugin_json,
 )
 from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing.envoy import argv as envoy_argv
 from meshfn.testing.filters import audit_filter, degrade_filter, harness, meshfn_filter, wasm_path
+from meshfn.testing.ports import free_ports, named_ports
+from meshfn.testing.processes import Processes, http_ok, wait_for
 from meshfn.xds.translate.wasm import (
     access_log,
     early_header_mutation,
@@ -63,7 +64,7 @@ from meshfn.xds.translate.wasm import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from xds_push import free_ports, percentile, wait_http
+from xds_push import percentile
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -218,44 +219,26 @@ def main() -> None:
     args = parser.parse_args()
 
     load_before = os.getloadavg()[0]
-    procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="meshfn-bench-filters-") as tmp_dir:
         tmp = Path(tmp_dir)
-        ports = dict(zip(CONFIGS, free_ports(len(CONFIGS)), strict=True))
+        ports = named_ports(*CONFIGS)
         admin, upstream = free_ports(2)
         jwt = es.Jwt.new()
         bootstrap = es.bootstrap(admin, {"backend": upstream})
         bootstrap["static_resources"]["listeners"] = listeners(ports, tmp, jwt, args.upstream)
         config = tmp / "envoy.json"
         config.write_text(json.dumps(bootstrap))
+        procs = Processes(tmp)
         try:
-            log = (tmp / "procs.log").open("wb")
-            up = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-P",
-                    "-m",
-                    "meshfn.control_plane.runtime.upstream",
-                    "--service",
-                    "backend",
-                    "--port",
-                    str(upstream),
-                ],
-                stdout=log,
-                stderr=log,
-            )
-            procs.append(up)
-            envoy = subprocess.Popen(
-                es.envoy_argv(envoy_binary(), config, base_id=admin), stdout=log, stderr=log
-            )
-            procs.append(envoy)
+            up = procs.upstream("upstream", "backend", upstream)
+            envoy = procs.start("envoy", envoy_argv(config, wasm=True))
             if (os.cpu_count() or 1) >= 2:
                 os.sched_setaffinity(envoy.pid, {0})
                 os.sched_setaffinity(up.pid, {1})
                 os.sched_setaffinity(0, {1})
-            wait_http(f"http://127.0.0.1:{admin}/ready")
+            wait_for("envoy", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"), 30, proc=envoy)
             if args.upstream:
-                wait_http(f"http://127.0.0.1:{upstream}/")
+                wait_for("the upstream", lambda: http_ok(f"http://127.0.0.1:{upstream}/"), 30)
             token = jwt.token({"sub": "bench-user@example.com", "tenant": "bench"})
             one = [f"Bearer {token}"]
             many = [
@@ -298,14 +281,7 @@ def main() -> None:
             for conn in conns.values():
                 conn.close()
         finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                    try:
-                        proc.wait(10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+            procs.stop_all()
 
     per = {
         name: {

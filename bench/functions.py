@@ -26,8 +26,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +37,9 @@ from typing import Any
 
 from meshfn.inference.devtools import RawHttp, write_envoy_config
 from meshfn.inference.examples import publish_examples
+from meshfn.testing import envoy as test_envoy
+from meshfn.testing.ports import free_port, free_ports
+from meshfn.testing.processes import Proc, Processes, http_ok, wait_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PY = sys.executable
@@ -54,61 +55,13 @@ DIGITS = json.dumps(
 ).encode()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class Procs:
-    """Processes started here, stopped by PID (also on errors)."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.started: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        with (self.logs / f"{name}.log").open("ab") as out:
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.started.append(proc)
-        return proc
-
-    def stop(self, proc: subprocess.Popen[bytes]) -> int:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.started):
-            self.stop(proc)
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"process exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise SystemExit(f"timed out waiting for {url}")
+def wait_http(url: str, proc: Proc, timeout: float = 60) -> None:
+    wait_for(url, lambda: http_ok(url), timeout, every=0.05, proc=proc)
 
 
 def metric(port: int, name: str, labels: str) -> float:
@@ -126,8 +79,8 @@ def pss_mb(pid: int) -> float:
 
 
 def backend(
-    procs: Procs, tmp: Path, registry: Path, key: Path, workers: int, name: str
-) -> tuple[subprocess.Popen[bytes], int]:
+    procs: Processes, tmp: Path, registry: Path, key: Path, workers: int, name: str
+) -> tuple[Proc, int]:
     cold = {"idleTtl": "50ms", "pool": {"minIdle": 0, "maxIdle": 1}}
     resume = {**cold, "codeTtl": "1h"}
     config = {
@@ -318,7 +271,7 @@ def instance_memory(port: int, pid: int) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="meshfn-bench-fn-"))
-    procs = Procs(tmp)
+    procs = Processes(tmp)
     try:
         published, key = publish_examples(tmp / "registry")
         registry = tmp / "registry"
@@ -339,25 +292,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         result["warm_python_us"] = sequential(port, "/v2/models/iris/infer", IRIS, args.warm)
         result["warm_core_us"] = sequential(port, "/v2/models/digits/infer", DIGITS, args.warm)
-        envoy_port, admin = free_port(), free_port()
-        from meshfn.control_plane.runtime.envoy import envoy_binary
-
+        envoy_port, admin = free_ports(2)
         config = write_envoy_config(tmp / "envoy.json", envoy_port, admin, port)
-        envoy = procs.start(
-            "envoy",
-            [
-                str(envoy_binary()),
-                "-c",
-                str(config),
-                "--disable-hot-restart",
-                "--concurrency",
-                "1",
-                "--log-level",
-                "warning",
-                "--base-id",
-                str(os.getpid() % 60000 + 1000),
-            ],
-        )
+        envoy = procs.start("envoy", test_envoy.argv(config))
         wait_http(f"http://127.0.0.1:{admin}/ready", envoy)
         result["warm_envoy_us"] = sequential(envoy_port, "/v2/models/iris/infer", IRIS, args.warm)
         result["paced_backend_ms"] = paced(
@@ -366,13 +303,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["paced_envoy_ms"] = paced(
             envoy_port, "/v2/models/iris/infer", IRIS, 200, args.paced_seconds
         )
-        procs.stop(envoy)
+        envoy.stop()
         result["rps_2w"] = wrk(port, "/v2/models/iris/infer", IRIS, args.wrk_seconds, 8, tmp)
         result["rps_2w_core"] = wrk(
             port, "/v2/models/digits/infer", DIGITS, args.wrk_seconds, 8, tmp
         )
         result["memory"] = instance_memory(port, proc.pid)
-        assert procs.stop(proc) == 0, "backend did not exit 0 on SIGTERM"
+        assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
         proc1, port1 = backend(procs, tmp, registry, key, 1, "backend-1w")
         sequential(port1, "/v2/models/iris/infer", IRIS, 50)
         sequential(port1, "/v2/models/digits/infer", DIGITS, 50)
@@ -380,7 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["rps_1w_core"] = wrk(
             port1, "/v2/models/digits/infer", DIGITS, args.wrk_seconds, 8, tmp
         )
-        assert procs.stop(proc1) == 0, "backend did not exit 0 on SIGTERM"
+        assert proc1.stop() == 0, "backend did not exit 0 on SIGTERM"
         return result
     finally:
         procs.stop_all()
@@ -484,7 +421,7 @@ def stack_server(stack: str, port: int) -> None:
 
 def http_stacks(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="meshfn-bench-http-"))
-    procs = Procs(tmp)
+    procs = Processes(tmp)
     out: dict[str, Any] = {}
     body = IRIS
     try:
@@ -514,7 +451,7 @@ def http_stacks(args: argparse.Namespace) -> dict[str, Any]:
             lat = sequential(port, "/v2/models/m/infer", body, args.warm)
             rps = wrk(port, "/v2/models/m/infer", body, args.wrk_seconds, 8, tmp)
             out[stack] = {"p50_us": statistics.median(lat), "p99_us": pct(lat, 0.99), "rps": rps}
-            procs.stop(proc)
+            proc.stop()
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,61 +18,27 @@ import argparse
 import http.client
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, closing
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 from meshfn.control_plane.identity.bootstrap_token import BootstrapTokens
+from meshfn.testing import policies as p
+from meshfn.testing.policies import Policies
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import MESHFN, Processes, http_ok, wait_for
 
-BIN = Path(sys.executable).parent
-MESHFN = str(BIN / "meshfn")
 HERE = Path(__file__).resolve().parent
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def mesh_doc(name: str, xds: int, admin: int) -> str:
-    return (
-        "apiVersion: meshfn.io/v1alpha1\nkind: Mesh\n"
-        f"metadata: {{name: {name}}}\n"
-        f"spec: {{trustDomain: bench.local, ports: {{xds: {xds}, admin: {admin}}}}}\n"
-    )
-
-
-def gateway_doc(namespace: str, envoy_admin: int, listener: int, protocol: str) -> str:
-    return (
-        "apiVersion: meshfn.io/v1alpha1\nkind: Gateway\n"
-        f"metadata: {{name: edge, namespace: {namespace}}}\n"
-        f"spec: {{adminPort: {envoy_admin}, xdsProtocol: {protocol}, "
-        f"listeners: [{{name: http, port: {listener}}}]}}\n"
-    )
 
 
 def rss_mb(pid: int) -> tuple[float, float]:
@@ -84,76 +50,30 @@ def rss_mb(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
-def wait_http(url: str, timeout: float = 30) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer within {timeout}s")
-
-
-def stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 # ---------------------------------------------------------------- (a) visible through Envoy
 
 
 def bench_visible(work: Path, changes: int) -> dict[str, Any]:
-    xds, admin, envoy_admin, listener, alpha, beta = free_ports(6)
-    policies = work / "visible"
-    policies.mkdir()
-    (policies / "mesh.yaml").write_text(
-        mesh_doc("visible", xds, admin)
-        + "---\n"
-        + gateway_doc("default", envoy_admin, listener, "delta")
-    )
-    services = "---\n".join(
-        "apiVersion: meshfn.io/v1alpha1\nkind: Service\n"
-        f"metadata: {{name: {name}}}\nspec: {{port: {port}, endpoints: [{{address: 127.0.0.1}}]}}\n"
-        for name, port in (("alpha", alpha), ("beta", beta))
-    )
-    (policies / "services.yaml").write_text(services)
-    route = policies / "route.yaml"
-
-    def route_to(service: str) -> str:
-        return (
-            "apiVersion: meshfn.io/v1alpha1\nkind: Route\nmetadata: {name: main}\n"
-            f"spec: {{destination: {{service: {service}}}}}\n"
-        )
-
-    write_atomic(route, route_to("alpha"))
-    log = (work / "visible-up.log").open("wb")
-    up = subprocess.Popen(
-        [
-            MESHFN,
-            "up",
-            "--policies",
-            str(policies),
-            "--state-dir",
-            str(work / "state"),
-            "--envoy-concurrency",
-            "1",
-            "--log-level",
-            "warning",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    policies = Policies(work / "visible")
+    policies.route("/", "alpha")
+    procs = Processes(work)
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", listener, timeout=5)
+        up = procs.start(
+            "visible-up",
+            [
+                MESHFN,
+                "up",
+                "--policies",
+                str(policies.root),
+                "--state-dir",
+                str(work / "state"),
+                "--envoy-concurrency",
+                "1",
+                "--log-level",
+                "warning",
+            ],
+        )
+        conn = http.client.HTTPConnection("127.0.0.1", policies.ports["listener"], timeout=5)
 
         def served() -> str:
             conn.request("GET", "/bench")
@@ -161,16 +81,14 @@ def bench_visible(work: Path, changes: int) -> dict[str, Any]:
             body = response.read()
             return json.loads(body)["service"] if response.status == 200 else ""
 
-        deadline = time.monotonic() + 60
-        while True:
+        def first_answer() -> bool:
             try:
-                if served() == "default/alpha":
-                    break
+                return served() == "default/alpha"
             except (OSError, http.client.HTTPException, ValueError):
                 conn.close()
-            if time.monotonic() > deadline or up.poll() is not None:
-                raise RuntimeError(f"meshfn up did not come up; see {work / 'visible-up.log'}")
-            time.sleep(0.05)
+                raise
+
+        wait_for("meshfn up", first_answer, 60, every=0.05, proc=up)
         time.sleep(0.5)  # let the watcher's catch-up reload pass
         rtts = []
         for _ in range(200):
@@ -182,7 +100,7 @@ def bench_visible(work: Path, changes: int) -> dict[str, Any]:
         for _ in range(changes):
             current = "beta" if current == "alpha" else "alpha"
             wanted = f"default/{current}"
-            write_atomic(route, route_to(current))
+            policies.route("/", current)
             started = time.perf_counter()  # the new policy is in place from here on
             while served() != wanted:
                 if time.perf_counter() - started > 10:
@@ -191,8 +109,7 @@ def bench_visible(work: Path, changes: int) -> dict[str, Any]:
             time.sleep(0.03)
         conn.close()
     finally:
-        stop(up)
-        log.close()
+        procs.stop_all()
     return {
         "changes": changes,
         "visible_ms": visible,
@@ -208,14 +125,11 @@ def bench_visible(work: Path, changes: int) -> dict[str, Any]:
 
 def service_doc(index: int, port: int) -> str:
     name = f"svc-{index:05d}"
-    return (
-        "apiVersion: meshfn.io/v1alpha1\nkind: Service\n"
-        f"metadata: {{name: {name}, namespace: bench}}\n"
-        f"spec: {{port: {port}, endpoints: [{{address: 10.{index // 250}.{index % 250}.1}}, "
-        f"{{address: 10.{index // 250}.{index % 250}.2}}]}}\n---\n"
-        "apiVersion: meshfn.io/v1alpha1\nkind: Route\n"
-        f"metadata: {{name: {name}, namespace: bench}}\n"
-        f"spec: {{matches: [{{path: {{prefix: /{name}/}}}}], destination: {{service: {name}}}}}\n"
+    net = f"10.{index // 250}.{index % 250}"
+    endpoints = [{"address": f"{net}.1"}, {"address": f"{net}.2"}]
+    return p.documents(
+        p.service(name, port, endpoints, namespace="bench"),
+        p.route(name, name, f"/{name}/", namespace="bench"),
     )
 
 
@@ -233,19 +147,21 @@ def bench_fanout(
     policies = work / f"fanout-{clients}-{protocol}"
     policies.mkdir()
     (policies / "mesh.yaml").write_text(
-        mesh_doc("fanout", xds, admin)
-        + "---\n"
-        + gateway_doc("bench", envoy_admin, listener, protocol)
+        p.documents(
+            p.mesh("fanout", "bench.local", xds, admin),
+            p.gateway(envoy_admin, listener, namespace="bench", xdsProtocol=protocol),
+        )
     )
     (policies / "services").mkdir()
     for i in range(services):
         (policies / "services" / f"svc-{i:05d}.yaml").write_text(service_doc(i, 8000))
-    with ExitStack() as stack:
-        cp_log = stack.enter_context((work / f"cp-{clients}-{protocol}.log").open("wb"))
+    procs = Processes(work)
+    try:
         state = work / f"state-{clients}-{protocol}"
         # Simulated proxies authenticate like real ones: with their workload's bootstrap token.
         authorization = BootstrapTokens(state / "xds-token.key").header("edge.bench")
-        cp = subprocess.Popen(
+        cp = procs.start(
+            f"cp-{clients}-{protocol}",
             [
                 MESHFN,
                 "serve",
@@ -256,13 +172,13 @@ def bench_fanout(
                 "--log-level",
                 "warning",
             ],
-            stdout=cp_log,
-            stderr=subprocess.STDOUT,
         )
         pin(cp.pid, 0)
-        stack.callback(stop, cp)
-        wait_http(f"http://127.0.0.1:{admin}/healthz", timeout=120)
-        fleet = subprocess.Popen(
+        wait_for(
+            "the control plane", lambda: http_ok(f"http://127.0.0.1:{admin}/healthz"), 120, proc=cp
+        )
+        fleet = procs.start(
+            f"clients-{clients}-{protocol}",
             [
                 sys.executable,
                 "-P",
@@ -280,21 +196,20 @@ def bench_fanout(
                 "--authorization",
                 authorization,
             ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+            pipe=True,
         )
         pin(fleet.pid, 1)
-        stack.callback(stop, fleet)
-        assert fleet.stdin is not None and fleet.stdout is not None
+        assert fleet.popen is not None
+        stdin, stdout = fleet.popen.stdin, fleet.popen.stdout
+        assert stdin is not None and stdout is not None
 
         def ask(command: str) -> list[str]:
-            assert fleet.stdin is not None and fleet.stdout is not None
-            fleet.stdin.write(command + "\n")
-            fleet.stdin.flush()
-            return fleet.stdout.readline().split()
+            stdin.write(command + "\n")
+            stdin.flush()
+            line: str = stdout.readline()
+            return line.split()
 
-        ready = fleet.stdout.readline().split()
+        ready = stdout.readline().split()
         if not ready or ready[0] != "READY":
             raise RuntimeError(f"clients failed to sync: {ready}")
         sync_s = float(ready[1])
@@ -306,7 +221,7 @@ def bench_fanout(
             index = (change * 7919) % services
             port += 1
             path = policies / "services" / f"svc-{index:05d}.yaml"
-            write_atomic(path, service_doc(index, port))
+            p.write(path, service_doc(index, port))
             started = time.monotonic()
             reply = ask(f"WAIT {count + clients}")
             if reply[0] != "DONE":
@@ -315,6 +230,8 @@ def bench_fanout(
             time.sleep(0.1)
         rss, peak = rss_mb(cp.pid)
         ask("QUIT")
+    finally:
+        procs.stop_all()
     return {
         "clients": clients,
         "services": services,

@@ -18,77 +18,57 @@ import datetime as dt
 import http.client
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from meshfn.control_plane.identity.ca import CertificateAuthority
 from meshfn.control_plane.identity.spiffe import SpiffeId
+from meshfn.testing import policies as p
+from meshfn.testing.ports import named_ports
+from meshfn.testing.processes import MESHFN, Processes, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from xds_push import MESHFN, free_ports, percentile, stop, write_atomic
+from xds_push import percentile
 
 HERE = Path(__file__).resolve().parent
 TICK = os.sysconf("SC_CLK_TCK")
+ISSUER = "https://issuer.meshfn.local"
 
-BASE = """\
-apiVersion: meshfn.io/v1alpha1
-kind: Mesh
-metadata: {{name: zt-bench}}
-spec: {{trustDomain: bench.local, ports: {{xds: {xds}, admin: {admin}}}}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Gateway
-metadata: {{name: edge, namespace: ingress}}
-spec: {{adminPort: {envoy_admin}, listeners: [{{name: http, port: {listener}}}]}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Service
-metadata: {{name: model}}
-spec: {{port: {app}, endpoints: [{{address: 127.0.0.1, sidecar: {{port: {sidecar}}}}}]}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Route
-metadata: {{name: model}}
-spec: {{gateway: ingress/edge, destination: {{service: model}}}}
-"""
 
-SECURE = """\
-apiVersion: meshfn.io/v1alpha1
-kind: RequestAuthentication
-metadata: {{name: jwt}}
-spec:
-  selector: {{service: model}}
-  jwtRules:
-    - issuer: https://issuer.meshfn.local
-      audiences: [meshfn]
-      jwks: '{jwks}'
----
-apiVersion: meshfn.io/v1alpha1
-kind: AuthorizationPolicy
-metadata: {{name: allow}}
-spec:
-  selector: {{service: model}}
-  rules:
-    - from: [{{source: {{principals: [bench.local/ns/ingress/sa/edge],
-                         requestPrincipals: ["https://issuer.meshfn.local/*"]}}}}]
-      to: [{{operation: {{methods: [GET], paths: ["/v2/*"]}}}}]
-      when: [{{key: "request.auth.claims[tenant]", values: [acme]}}]
-"""
+def base(ports: dict[str, int]) -> str:
+    return p.documents(
+        p.mesh("zt-bench", "bench.local", ports["xds"], ports["admin"]),
+        p.gateway(ports["envoy_admin"], ports["listener"], namespace="ingress"),
+        p.service("model", ports["app"], [p.endpoint(sidecar=ports["sidecar"])]),
+        p.route("model", "model", gateway="ingress/edge"),
+    )
 
-PLAIN = """\
-apiVersion: meshfn.io/v1alpha1
-kind: PeerAuthentication
-metadata: {name: plaintext}
-spec:
-  selector: {service: model}
-  mtls: {mode: DISABLE}
-"""
+
+def secure(jwks: str) -> str:
+    source = {
+        "principals": ["bench.local/ns/ingress/sa/edge"],
+        "requestPrincipals": [f"{ISSUER}/*"],
+    }
+    rule = {
+        "from": [{"source": source}],
+        "to": [{"operation": {"methods": ["GET"], "paths": ["/v2/*"]}}],
+        "when": [{"key": "request.auth.claims[tenant]", "values": ["acme"]}],
+    }
+    model = {"service": "model"}
+    return p.documents(
+        p.jwt_authentication("jwt", model, ISSUER, audiences=["meshfn"], jwks=jwks),
+        p.authorization("allow", model, [rule]),
+    )
+
+
+PLAIN = p.doc(
+    "PeerAuthentication",
+    "plaintext",
+    {"selector": {"service": "model"}, "mtls": {"mode": "DISABLE"}},
+)
 
 
 def cpu_ticks(pids: list[int]) -> int:
@@ -124,18 +104,6 @@ def measure(port: int, token: str, requests: int, pids: list[int]) -> dict[str, 
     }
 
 
-def wait_until(what: str, probe: Any, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if probe():
-                return
-        except (OSError, http.client.HTTPException, ValueError, KeyError):
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out waiting for {what}")
-
-
 def certs_per_second(work: Path, seconds: float = 2.0) -> float:
     ca = CertificateAuthority(work / "bench-ca", "bench.local")
     identity = SpiffeId("bench.local", "default", "model")
@@ -158,26 +126,25 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="meshfn-zt-") as tmp:
         work = Path(tmp)
-        names = ["xds", "admin", "envoy_admin", "listener", "app", "sidecar"]
-        ports = dict(zip(names, free_ports(len(names)), strict=True))
+        ports = named_ports("xds", "admin", "envoy_admin", "listener", "app", "sidecar")
         policies = work / "policies"
         policies.mkdir()
-        (policies / "base.yaml").write_text(BASE.format(**ports))
+        (policies / "base.yaml").write_text(base(ports))
         state = work / "state"
         from meshfn.control_plane.identity.issuer import LocalIssuer
 
         issuer = LocalIssuer(state / "issuer")
         token = issuer.issue("bench", ["meshfn"], {"tenant": "acme"}, dt.timedelta(hours=2))
-        secure = SECURE.format(jwks=json.dumps(issuer.jwks()))
-        write_atomic(policies / "security.yaml", secure)
-        log = (work / "up.log").open("wb")
-        up = subprocess.Popen(
-            [MESHFN, "up", "--policies", str(policies), "--state-dir", str(state),
-             "--envoy-concurrency", "1", "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        secured = secure(json.dumps(issuer.jwks()))
+        p.write(policies / "security.yaml", secured)
+        procs = Processes(work)
         try:
-            wait_until("meshfn up", (state / "state.json").exists, 60)
+            up = procs.start(
+                "up",
+                [MESHFN, "up", "--policies", str(policies), "--state-dir", str(state),
+                 "--envoy-concurrency", "1", "--log-level", "warning"],
+            )  # fmt: skip
+            wait_for("meshfn up", (state / "state.json").exists, 60, proc=up)
             children = json.loads((state / "state.json").read_text())["children"]
             pids = [pid for name, pid in children.items() if name.startswith("envoy")]
             assert len(pids) == 2, children
@@ -193,14 +160,12 @@ def main() -> None:
             rounds: dict[str, list[dict[str, float]]] = {"secure": [], "plain": []}
             for _ in range(args.rounds):
                 for mode in ("secure", "plain"):
-                    write_atomic(policies / "security.yaml", secure if mode == "secure" else PLAIN)
-                    wait_until(f"{mode} config", lambda m=mode: answers(m == "secure"))
+                    p.write(policies / "security.yaml", secured if mode == "secure" else PLAIN)
+                    wait_for(f"{mode} config", lambda m=mode: answers(m == "secure"), 30)
                     time.sleep(0.3)
                     rounds[mode].append(measure(ports["listener"], token, args.requests, pids))
         finally:
-            up.send_signal(signal.SIGTERM)
-            stop(up)
-            log.close()
+            procs.stop_all()
         certs = certs_per_second(work)
 
     def med(mode: str, key: str) -> float:

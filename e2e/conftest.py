@@ -6,7 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from meshfn_e2e import Policies, Processes
+from meshfn_e2e import Processes
+
+from meshfn.testing.policies import Policies
 
 
 @pytest.fixture

@@ -13,12 +13,16 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from meshfn_e2e import Processes, envoy_stat, free_ports, http, wait_for
+from meshfn_e2e import http
 
 from meshfn.contracts.plugins import AuditSettings, DegradeRule, DegradeSettings
 from meshfn.control_plane.audit import AuditStore
-from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing.envoy import argv as envoy_argv
+from meshfn.testing.envoy import start as start_envoy
+from meshfn.testing.envoy import stat as envoy_stat
 from meshfn.testing.filters import audit_filter, degrade_filter, harness
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import Processes, wait_for
 from meshfn.xds.translate.wasm import access_log
 
 pytestmark = pytest.mark.e2e
@@ -97,15 +101,7 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
     ]
     try:
         procs.upstream("upstream", "backend", upstream)
-        envoy = procs.start("envoy", es.envoy_argv(envoy_binary(), config, base_id=port))
-        wait_for(
-            "envoy ready",
-            lambda: (
-                envoy.popen is not None
-                and envoy.popen.poll() is None
-                and http(f"http://127.0.0.1:{admin}/ready").status == 200
-            ),
-        )
+        start_envoy(procs, "envoy", envoy_argv(config, wasm=True), admin)
         wait_for("upstream", lambda: http(f"http://127.0.0.1:{upstream}/").status == 200)
         collector = procs.start("collector-1", collect)
 

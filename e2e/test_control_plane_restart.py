@@ -6,18 +6,11 @@ import json
 import signal
 import time
 
-from meshfn_e2e import (
-    MESHFN,
-    Policies,
-    Processes,
-    meshfn,
-    proxies,
-    served_by,
-    wait_for,
-    wait_for_synced,
-)
+from meshfn_e2e import Processes, proxies, served_by, wait_for_synced
 
-from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing import envoy
+from meshfn.testing.policies import Policies
+from meshfn.testing.processes import MESHFN, meshfn, wait_for
 
 
 def test_envoy_survives_a_control_plane_restart(procs: Processes, policies: Policies) -> None:
@@ -29,19 +22,7 @@ def test_envoy_survives_a_control_plane_restart(procs: Processes, policies: Poli
     bootstrap = meshfn("bootstrap", "edge.default", "--policies", str(policies.root)).stdout
     config = policies.root.parent / "envoy.json"
     config.write_text(json.dumps(json.loads(bootstrap)))
-    procs.start(
-        "envoy",
-        [
-            str(envoy_binary()),
-            "-c",
-            str(config),
-            "--disable-hot-restart",
-            "--concurrency",
-            "1",
-            "--log-level",
-            "warning",
-        ],
-    )
+    procs.start("envoy", envoy.argv(config))
     wait_for_synced(policies, serve)
     assert served_by(policies, "/v1/x") == "default/alpha"
 

@@ -19,6 +19,8 @@ from types import ModuleType
 import pytest
 
 from meshfn.ebpf import Accelerator, probe
+from meshfn.testing.ebpf import attached
+from meshfn.testing.processes import Processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -39,17 +41,13 @@ bench = load_bench()
 
 @pytest.fixture
 def accel(tmp_path: Path) -> Iterator[Accelerator]:
-    accelerator = Accelerator(tmp_path / "state")
-    try:
-        assert accelerator.setup("ebpf").attached
+    with attached(tmp_path / "state") as (accelerator, _):
         yield accelerator
-    finally:
-        assert accelerator.shutdown() == []
 
 
 @pytest.fixture
-def children() -> Iterator[bench.Children]:
-    procs = bench.Children()
+def children(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
     yield procs
     procs.stop_all()
 
@@ -70,7 +68,7 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 
 def test_envoy_to_backend_hop_is_redirected_and_intact(
-    accel: Accelerator, children: bench.Children, tmp_path: Path
+    accel: Accelerator, children: Processes, tmp_path: Path
 ) -> None:
     capture = probe.LoopbackCapture()
     try:
@@ -99,7 +97,7 @@ def test_envoy_to_backend_hop_is_redirected_and_intact(
 
 
 def test_upstream_connections_closing_after_every_request(
-    accel: Accelerator, children: bench.Children, tmp_path: Path
+    accel: Accelerator, children: Processes, tmp_path: Path
 ) -> None:
     listen, _ = bench.start_stack(
         "aiohttp", tmp_path, accel.child_preexec(), children, "envoy", requests_per_connection=1
@@ -117,7 +115,7 @@ def test_upstream_connections_closing_after_every_request(
 
 
 def test_detach_in_the_middle_of_keep_alive_traffic(
-    accel: Accelerator, children: bench.Children, tmp_path: Path
+    accel: Accelerator, children: Processes, tmp_path: Path
 ) -> None:
     listen, _ = bench.start_stack("aiohttp", tmp_path, accel.child_preexec(), children, "envoy")
     conn = http.client.HTTPConnection("127.0.0.1", listen, timeout=5)

@@ -21,19 +21,14 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
-from meshfn_e2e import (
-    MESHFN,
-    Proc,
-    Processes,
-    envoy_stat,
-    free_ports,
-    meshfn,
-    wait_for,
-    wait_for_synced,
-)
+from meshfn_e2e import Processes, wait_for_synced
 
 from meshfn.contracts.journal import journal_path
-from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing import envoy
+from meshfn.testing import policies as p
+from meshfn.testing.envoy import stat as envoy_stat
+from meshfn.testing.ports import named_ports
+from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
 
 UPSTREAMS = {  # name -> (service, locality)
     "a": ("model", "eu-west/eu-west-1a/n1"),
@@ -42,11 +37,6 @@ UPSTREAMS = {  # name -> (service, locality)
     "lite": ("model-lite", "eu-west/eu-west-1a/n1"),
     "static": ("model-static", "eu-west/eu-west-1a/n1"),
 }
-
-
-def locality(text: str) -> str:
-    region, zone, node = text.split("/")
-    return f"{{region: {region}, zone: {zone}, node: {node}}}"
 
 
 ISSUER = "https://drill.test"
@@ -65,93 +55,58 @@ def bearer(sub: str) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"}
 
 
-DRILL = f"""---
-apiVersion: meshfn.io/v1alpha1
-kind: RequestAuthentication
-metadata: {{name: drill-jwt}}
-spec:
-  selector: {{gateway: edge}}
-  jwtRules: [{{issuer: "{ISSUER}", jwks: '{jwks()}'}}]
-"""
-
-
 def policies(ports: dict[str, int], audit: bool = False, drill: bool = False) -> str:
-    extra = ", audit: {proxies: gateways}" if audit else ""
+    extra: dict[str, object] = {"audit": {"proxies": "gateways"}} if audit else {}
     if drill:
-        extra += f", drill: {{requestPrincipals: [{ISSUER}/sre-oncall]}}"
+        extra["drill"] = {"requestPrincipals": [f"{ISSUER}/sre-oncall"]}
 
-    def endpoint(name: str) -> str:
-        return (
-            f"{{address: 127.0.0.1, port: {ports[name]}, locality: {locality(UPSTREAMS[name][1])}}}"
-        )
+    def endpoints(*names: str) -> list[dict[str, object]]:
+        return [p.endpoint(ports[name], UPSTREAMS[name][1]) for name in names]
 
-    return f"""\
-apiVersion: meshfn.io/v1alpha1
-kind: Mesh
-metadata: {{name: fb}}
-spec: {{trustDomain: fb.local, ports: {{xds: {ports["xds"]}, admin: {ports["admin"]}}}{extra}}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Gateway
-metadata: {{name: edge}}
-spec:
-  adminPort: {ports["envoy_admin"]}
-  locality: {locality("eu-west/eu-west-1a/n1")}
-  listeners: [{{name: http, port: {ports["listener"]}}}]
----
-apiVersion: meshfn.io/v1alpha1
-kind: Service
-metadata: {{name: model}}
-spec: {{port: 1, endpoints: [{endpoint("a")}, {endpoint("b")}, {endpoint("c")}]}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Service
-metadata: {{name: model-lite}}
-spec: {{port: 2, endpoints: [{endpoint("lite")}]}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Service
-metadata: {{name: model-static}}
-spec: {{port: 3, endpoints: [{endpoint("static")}]}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: FallbackPolicy
-metadata: {{name: model}}
-spec:
-  service: model
-  locality: {{failover: [{{from: eu-west, to: us-east}}]}}
-  outlierDetection: {{consecutiveGatewayErrors: 1, consecutive5xxErrors: 3, interval: 200ms, baseEjectionTime: 30s}}
-  healthCheck: {{path: /health, interval: 500ms, timeout: 1s, unhealthyThreshold: 2}}
-  chain: [model-lite]
-  maxFallbackDepth: 1
-  driftBreaker: {{threshold: 40, minSamples: 10, window: 1s, baselineWindow: 10s, recoverAfter: 2s, probePercent: 10}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: FallbackPolicy
-metadata: {{name: model-lite}}
-spec:
-  service: model-lite
-  outlierDetection: {{consecutiveGatewayErrors: 1, interval: 200ms}}
-  healthCheck: {{path: /health, interval: 500ms, timeout: 1s, unhealthyThreshold: 2}}
-  chain: [model-static]
----
-apiVersion: meshfn.io/v1alpha1
-kind: Route
-metadata: {{name: model}}
-spec:
-  matches: [{{path: {{prefix: /v2}}}}]
-  destination: {{service: model}}
-  timeout: 5s
-  retries: {{attempts: 3, retryOn: [connect-failure, refused-stream, reset, gateway-error]}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Route
-metadata: {{name: lite}}
-spec:
-  matches: [{{path: {{prefix: /lite}}}}]
-  destination: {{service: model-lite}}
-  retries: {{attempts: 2, retryOn: [connect-failure, refused-stream, reset]}}
-""" + (DRILL if drill else "")
+    docs = [
+        p.mesh("fb", "fb.local", ports["xds"], ports["admin"], **extra),
+        p.gateway(
+            ports["envoy_admin"], ports["listener"], locality=p.locality("eu-west/eu-west-1a/n1")
+        ),
+        p.service("model", 1, endpoints("a", "b", "c")),
+        p.service("model-lite", 2, endpoints("lite")),
+        p.service("model-static", 3, endpoints("static")),
+        p.fallback_policy(
+            "model",
+            ["model-lite"],
+            "200ms",
+            ("500ms", "1s"),
+            recover_after="2s",
+            locality={"failover": [{"from": "eu-west", "to": "us-east"}]},
+            maxFallbackDepth=1,
+        ),
+        p.doc(
+            "FallbackPolicy",
+            "model-lite",
+            {
+                "service": "model-lite",
+                "outlierDetection": {"consecutiveGatewayErrors": 1, "interval": "200ms"},
+                "healthCheck": {
+                    "path": "/health",
+                    "interval": "500ms",
+                    "timeout": "1s",
+                    "unhealthyThreshold": 2,
+                },
+                "chain": ["model-static"],
+            },
+        ),
+        p.route(
+            "model",
+            "model",
+            "/v2",
+            timeout="5s",
+            retries={"attempts": 3, "retryOn": [*p.RETRY_ON, "gateway-error"]},
+        ),
+        p.route("lite", "model-lite", "/lite", retries={"attempts": 2, "retryOn": p.RETRY_ON}),
+    ]
+    if drill:
+        docs.append(p.jwt_authentication("drill-jwt", {"gateway": "edge"}, ISSUER, jwks=jwks()))
+    return p.documents(*docs)
 
 
 @dataclass
@@ -180,8 +135,7 @@ def topology(
 ) -> Iterator[Topology]:
     """param: "audit" (the Mesh also audits the gateway) or "drill" (a drill names a JWT
     caller, and the gateway verifies JWTs)."""
-    names = ["xds", "admin", "envoy_admin", "listener", *UPSTREAMS]
-    ports = dict(zip(names, free_ports(len(names)), strict=True))
+    ports = named_ports("xds", "admin", "envoy_admin", "listener", *UPSTREAMS)
     root = tmp_path / "policies"
     root.mkdir()
     option = getattr(request, "param", "")
@@ -206,11 +160,7 @@ def topology(
             "bootstrap", "edge.default", "--policies", str(root), "--state-dir", str(state)
         ).stdout
     )
-    procs.start(
-        "envoy",
-        [str(envoy_binary()), "-c", str(config), "--disable-hot-restart", "--concurrency", "2",
-         "--log-level", "warning", "--file-flush-interval-msec", "200"],
-    )  # fmt: skip
+    procs.start("envoy", envoy.argv(config, concurrency=2, file_flush_interval_ms=200))
     wait_for_synced(topo.admin, serve)
     wait_for("traffic", lambda: served(topo) is not None, timeout=20)
     yield topo

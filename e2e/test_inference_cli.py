@@ -11,9 +11,9 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from meshfn_e2e import Processes, free_ports, wait_for
-
 from meshfn.inference.build import FUNCTIONS_DIR
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import Processes, wait_for
 
 CLI = [sys.executable, "-P", "-m", "meshfn.inference"]
 

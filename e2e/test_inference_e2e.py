@@ -18,12 +18,14 @@ from typing import Any
 
 import pytest
 import yaml
-from meshfn_e2e import Processes, free_ports, wait_for
 
-from meshfn.control_plane.runtime.envoy import envoy_binary
 from meshfn.inference.build import FUNCTIONS_DIR, build
 from meshfn.inference.devtools import write_envoy_config
 from meshfn.inference.examples import publish_examples
+from meshfn.testing.envoy import argv as envoy_argv
+from meshfn.testing.envoy import start as start_envoy
+from meshfn.testing.ports import free_ports, retry_on_port_clash
+from meshfn.testing.processes import Processes, wait_for
 
 PY = sys.executable
 
@@ -117,32 +119,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         _, key = publish_examples(tmp / "registry", include_testing=True)
         _, backend = start_backend(procs, tmp, tmp / "registry", key, FUNCTIONS, "backend")
-        listener, admin = free_ports(2)
-        config = write_envoy_config(
-            tmp / "envoy.json", listener, admin, int(backend.rsplit(":", 1)[1])
-        )
-        envoy = procs.start(
-            "envoy",
-            [
-                str(envoy_binary()),
-                "-c",
-                str(config),
-                "--disable-hot-restart",
-                "--concurrency",
-                "1",
-                "--base-id",
-                str(admin),
-                "--log-level",
-                "warning",
-            ],
-        )
 
-        def envoy_live() -> bool:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=2) as r:
-                return bool(r.read().strip() == b"LIVE")
+        def envoy_in_front() -> int:
+            listener, admin = free_ports(2)
+            config = write_envoy_config(
+                tmp / "envoy.json", listener, admin, int(backend.rsplit(":", 1)[1])
+            )
+            envoy = start_envoy(procs, "envoy", envoy_argv(config), admin)
+            assert envoy.popen is not None and envoy.popen.poll() is None
+            return listener
 
-        wait_for("envoy", envoy_live, timeout=30)
-        assert envoy.popen is not None and envoy.popen.poll() is None
+        listener = retry_on_port_clash(envoy_in_front)
         yield Stack(backend, f"http://127.0.0.1:{listener}", procs, tmp / "registry", key)
     finally:
         procs.stop_all()

@@ -15,22 +15,20 @@ from typing import Any
 import pytest
 import yaml
 from meshfn_e2e import (
-    MESHFN,
-    Policies,
     Processes,
     alive,
     children_of,
     envoy_pids,
-    free_ports,
     http,
-    meshfn,
     proxies,
     served_by,
-    wait_for,
     wait_for_synced,
 )
 
 from meshfn.contracts.plugins import BUILDS
+from meshfn.testing.policies import Policies
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import MESHFN, meshfn, wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
 

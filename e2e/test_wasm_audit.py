@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from meshfn_e2e import Processes, free_ports, http, wait_for
+from meshfn_e2e import http
 
 from meshfn.contracts.plugins import AuditSettings, BodyHash, DegradeSettings
 from meshfn.control_plane.audit import AuditCollector, AuditStore
-from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing.envoy import argv as envoy_argv
+from meshfn.testing.envoy import start as start_envoy
 from meshfn.testing.filters import audit_filter, harness, meshfn_filter
+from meshfn.testing.ports import free_ports, retry_on_port_clash
+from meshfn.testing.processes import Processes, wait_for
 from meshfn.xds.translate.wasm import access_log, early_header_mutation, jwt_claim_headers
 
 pytestmark = pytest.mark.e2e
@@ -109,7 +112,6 @@ async def rig(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[R
     bare = param == "bare"  # jwt_headers mode without body hashing: bare filter state
     source = "jwt_headers" if combined or bare else param
     procs = Processes(tmp_path)
-    port, admin, upstream = free_ports(3)
     certs = es.make_certs(tmp_path / "certs", {"alice": ALICE})
     jwt = es.Jwt.new()
     journal = tmp_path / "journal" / "edge.jsonl"
@@ -126,32 +128,31 @@ async def rig(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[R
     # audit after jwt_authn: it reads what jwt_authn verified
     filters = [jwt.filter(claim_to_headers=claims), es.to_dict(audit)]
     early = [es.to_dict(early_header_mutation(degrade, settings))] if claims else None
-    listener = es.listener(
-        port,
-        filters,
-        [es.route("models", "backend")],
-        access_logs=[es.to_dict(access_log(journal, settings))],
-        tls=certs,
-        early=early,
-    )
-    config = tmp_path / "envoy.json"
-    config.write_text(json.dumps(es.bootstrap(admin, {"backend": upstream}, listener)))
+
+    def start() -> tuple[int, int]:
+        port, admin, upstream = free_ports(3)
+        listener = es.listener(
+            port,
+            filters,
+            [es.route("models", "backend")],
+            access_logs=[es.to_dict(access_log(journal, settings))],
+            tls=certs,
+            early=early,
+        )
+        config = tmp_path / "envoy.json"
+        config.write_text(json.dumps(es.bootstrap(admin, {"backend": upstream}, listener)))
+        backend = procs.upstream("upstream", "backend", upstream)
+        start_envoy(procs, "envoy", envoy_argv(config, wasm=True), admin)
+        wait_for(
+            "upstream", lambda: http(f"http://127.0.0.1:{upstream}/").status == 200, proc=backend
+        )
+        return port, admin
+
     store = AuditStore(tmp_path / "audit.db")
     collector = AuditCollector(store, poll_interval=0.02)
     collector.watch(journal, "edge~0")
     try:
-        procs.upstream("upstream", "backend", upstream)
-        envoy = procs.start("envoy", es.envoy_argv(envoy_binary(), config, base_id=port))
-        await asyncio.to_thread(
-            wait_for,
-            "envoy ready",
-            lambda: (
-                envoy.popen.poll() is None and http(f"http://127.0.0.1:{admin}/ready").status == 200
-            ),
-        )
-        await asyncio.to_thread(
-            wait_for, "upstream", lambda: http(f"http://127.0.0.1:{upstream}/").status == 200
-        )
+        port, admin = await asyncio.to_thread(retry_on_port_clash, start)
         await collector.start()
         yield Rig(port, admin, certs, jwt, journal, store, collector)
     finally:

@@ -14,11 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from meshfn_e2e import Proc, Processes, envoy_stat, free_ports, http, wait_for
+from meshfn_e2e import http
 
 from meshfn.contracts.plugins import AuditSettings, DegradeRule, DegradeSettings, Trigger
-from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing.envoy import argv as envoy_argv
+from meshfn.testing.envoy import start as start_envoy
+from meshfn.testing.envoy import stat as envoy_stat
 from meshfn.testing.filters import audit_filter, degrade_filter, harness, meshfn_filter, wasm_path
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import Proc, Processes, wait_for
 from meshfn.xds.translate.wasm import early_header_mutation, wasm_http_filter
 
 pytestmark = pytest.mark.e2e
@@ -131,14 +135,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
             procs.upstream(name, name, p)
         r = Rig(port, admin, certs, lds, envoy=None)  # type: ignore[arg-type]
         r.push([es.to_dict(degrade_filter(settings()))])
-        r.envoy = procs.start("envoy", es.envoy_argv(envoy_binary(), config, base_id=port))
-        wait_for(
-            "envoy ready",
-            lambda: (
-                r.envoy.popen.poll() is None
-                and http(f"http://127.0.0.1:{admin}/ready").status == 200
-            ),
-        )  # type: ignore[union-attr]
+        r.envoy = start_envoy(procs, "envoy", envoy_argv(config, wasm=True), admin)
         for p in (gpu, cpu, cache):
             wait_for("upstream", lambda p=p: http(f"http://127.0.0.1:{p}/").status == 200)  # type: ignore[misc]
         yield r
@@ -254,7 +251,7 @@ def test_envoy_refuses_to_start_with_malformed_plugin_config(tmp_path: Path) -> 
     config.write_text(json.dumps(es.bootstrap(admin, {"backend": upstream}, listener)))
     procs = Processes(tmp_path)
     try:
-        envoy = procs.start("envoy", es.envoy_argv(envoy_binary(), config, base_id=port))
+        envoy = procs.start("envoy", envoy_argv(config, wasm=True))
         code = envoy.wait(timeout=20)
     finally:
         procs.stop_all()
@@ -325,7 +322,7 @@ def test_lean_plugins_sharing_a_vm_id_fail_closed(tmp_path: Path, shared_vm_id: 
     config.write_text(json.dumps(es.bootstrap(admin, {}, es.listener(port, entries, routes))))
     procs = Processes(tmp_path)
     try:
-        envoy = procs.start("envoy", es.envoy_argv(envoy_binary(), config, base_id=port))
+        envoy = procs.start("envoy", envoy_argv(config, wasm=True))
         wait_for("envoy ready", lambda: http(f"http://127.0.0.1:{admin}/ready").status == 200)
         reply = http(f"http://127.0.0.1:{port}/x")
         if shared_vm_id:

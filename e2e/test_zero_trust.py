@@ -26,10 +26,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from jwt.algorithms import ECAlgorithm
-from meshfn_e2e import MESHFN, Processes, free_ports, http, wait_for
+from meshfn_e2e import Processes, http
 
 from meshfn.control_plane.identity.ca import CertificateAuthority, IssuedCertificate
 from meshfn.control_plane.identity.spiffe import SpiffeId
+from meshfn.testing import policies as p
+from meshfn.testing.ports import named_ports
+from meshfn.testing.processes import MESHFN, wait_for
 
 TD = "zt.local"
 ISSUER = "https://issuer.test"
@@ -96,99 +99,59 @@ def tampered() -> str:
     return f"{header}.{_b64(json.dumps(claims).encode())}.{signature}"
 
 
-POLICIES = """\
-apiVersion: meshfn.io/v1alpha1
-kind: Mesh
-metadata: {{name: zt}}
-spec: {{trustDomain: {td}, ports: {{xds: {xds}, admin: {admin}}}, identity: {{certificateTTL: 20s}}}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Gateway
-metadata: {{name: edge, namespace: ingress}}
-spec: {{adminPort: {envoy_admin}, listeners: [{{name: http, port: {listener}}}]}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Service
-metadata: {{name: model}}
-spec:
-  port: {app}
-  endpoints: [{{address: 127.0.0.1, sidecar: {{port: {sidecar}}}}}]
----
-apiVersion: meshfn.io/v1alpha1
-kind: Service
-metadata: {{name: keyless}}
-spec:
-  port: {app2}
-  endpoints: [{{address: 127.0.0.1, sidecar: {{port: {sidecar2}}}}}]
----
-apiVersion: meshfn.io/v1alpha1
-kind: Route
-metadata: {{name: keyless}}
-spec:
-  gateway: ingress/edge
-  matches: [{{path: {{prefix: /keyless}}}}]
-  destination: {{service: keyless}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Route
-metadata: {{name: model}}
-spec:
-  gateway: ingress/edge
-  destination: {{service: model}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: RequestAuthentication
-metadata: {{name: jwt}}
-spec:
-  selector: {{service: model}}
-  jwtRules:
-    - issuer: {issuer}
-      audiences: [mesh]
-      jwks: '{jwks}'
-      outputClaimToHeaders: [{{header: x-tenant, claim: tenant}}]
----
-apiVersion: meshfn.io/v1alpha1
-kind: RequestAuthentication
-metadata: {{name: jwks-down}}
-spec:
-  selector: {{service: keyless}}
-  jwtRules:
-    - issuer: {issuer}
-      jwksUri: http://127.0.0.1:{dead}/jwks.json
----
-apiVersion: meshfn.io/v1alpha1
-kind: AuthorizationPolicy
-metadata: {{name: allow}}
-spec:
-  selector: {{service: model}}
-  rules:
-    - from:
-        - source:
-            principals: [{td}/ns/ingress/sa/edge, {td}/ns/default/sa/trusted-client]
-            requestPrincipals: ["{issuer}/*"]
-      to:
-        - operation: {{methods: [GET, POST], paths: ["/v2/*"]}}
-      when:
-        - {{key: "request.auth.claims[tenant]", values: [acme]}}
----
-apiVersion: meshfn.io/v1alpha1
-kind: AuthorizationPolicy
-metadata: {{name: deny}}
-spec:
-  selector: {{service: model}}
-  action: DENY
-  rules:
-    - to: [{{operation: {{paths: ["/v2/admin*"]}}}}]
-    - when: [{{key: "request.auth.claims[role]", values: [banned]}}]
----
-apiVersion: meshfn.io/v1alpha1
-kind: AuthorizationPolicy
-metadata: {{name: keyless-needs-a-token}}
-spec:
-  selector: {{service: keyless}}
-  rules:
-    - from: [{{source: {{requestPrincipals: ["*"]}}}}]
-"""
+def zero_trust_policies(ports: dict[str, int], jwks: str) -> str:
+    allowed = {
+        "principals": [f"{TD}/ns/ingress/sa/edge", f"{TD}/ns/default/sa/trusted-client"],
+        "requestPrincipals": [f"{ISSUER}/*"],
+    }
+    tenant = {"key": "request.auth.claims[tenant]", "values": ["acme"]}
+    return p.documents(
+        p.mesh("zt", TD, ports["xds"], ports["admin"], identity={"certificateTTL": "20s"}),
+        p.gateway(ports["envoy_admin"], ports["listener"], namespace="ingress"),
+        p.service("model", ports["app"], [p.endpoint(sidecar=ports["sidecar"])]),
+        p.service("keyless", ports["app2"], [p.endpoint(sidecar=ports["sidecar2"])]),
+        p.route("keyless", "keyless", "/keyless", gateway="ingress/edge"),
+        p.route("model", "model", gateway="ingress/edge"),
+        p.jwt_authentication(
+            "jwt",
+            {"service": "model"},
+            ISSUER,
+            audiences=["mesh"],
+            jwks=jwks,
+            outputClaimToHeaders=[{"header": "x-tenant", "claim": "tenant"}],
+        ),
+        p.jwt_authentication(
+            "jwks-down",
+            {"service": "keyless"},
+            ISSUER,
+            jwksUri=f"http://127.0.0.1:{ports['dead']}/jwks.json",
+        ),
+        p.authorization(
+            "allow",
+            {"service": "model"},
+            [
+                {
+                    "from": [{"source": allowed}],
+                    "to": [{"operation": {"methods": ["GET", "POST"], "paths": ["/v2/*"]}}],
+                    "when": [tenant],
+                }
+            ],
+        ),
+        p.authorization(
+            "deny",
+            {"service": "model"},
+            [
+                {"to": [{"operation": {"paths": ["/v2/admin*"]}}]},
+                {"when": [{"key": "request.auth.claims[role]", "values": ["banned"]}]},
+            ],
+            action="DENY",
+        ),
+        p.authorization(
+            "keyless-needs-a-token",
+            {"service": "keyless"},
+            [{"from": [{"source": {"requestPrincipals": ["*"]}}]}],
+        ),
+    )
 
 
 @dataclass
@@ -223,11 +186,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         "sidecar2",
         "dead",
     ]
-    ports = dict(zip(names, free_ports(len(names)), strict=True))
+    ports = named_ports(*names)
     jwks = json.dumps({"keys": [TRUSTED.jwk()]})
     policies = tmp / "policies"
     policies.mkdir()
-    (policies / "mesh.yaml").write_text(POLICIES.format(td=TD, issuer=ISSUER, jwks=jwks, **ports))
+    (policies / "mesh.yaml").write_text(zero_trust_policies(ports, jwks))
     procs = Processes(tmp)
     state = tmp / "state"
     up = procs.start(

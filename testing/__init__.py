@@ -1,5 +1,10 @@
-"""Test support shared by tests/, e2e/ and bench/: free ports, Envoy command lines and
-`--mode validate`, policy builders, process rigs, the proxy-wasm filter harness.
+"""Test support shared by tests/, e2e/ and bench/ (bench scripts import it too: it is installed
+with meshfn). Never imported by meshfn itself (tests/test_testing_support.py checks).
 
-Never imported by meshfn itself (an import-linter contract says so).
+ports      free loopback ports; `retry_on_port_clash` when one was taken before it was bound
+envoy      the Envoy command line (meshfn's own, test defaults), `validate`, admin probes, start
+processes  the process rig (`Processes`/`Proc`: by PID, logs, stop), `wait_for`, the meshfn CLI
+policies   policy document builders and `Policies`, the small mesh most e2e tests run
+ebpf       an accelerator attached for a test and checked to detach; a host without headers
+filters    the built proxy-wasm filters and their native/static-Envoy harness
 """

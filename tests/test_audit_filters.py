@@ -5,7 +5,6 @@ and Envoy itself validates the generated config."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,8 @@ from pydantic import ValidationError
 from meshfn.contracts import plugins
 from meshfn.contracts.plugins import AuditSettings, BodyHash, DegradeRule, DegradeSettings, Trigger
 from meshfn.control_plane import filters as build
-from meshfn.control_plane.runtime.envoy import envoy_binary
 from meshfn.testing import filters as built
+from meshfn.testing.envoy import validate
 from meshfn.testing.filters import harness
 from meshfn.xds.translate import wasm
 
@@ -115,13 +114,7 @@ def envoy_validate(tmp_path: Path, http_filters: list[Any], **listener: Any) -> 
         10000, [es.to_dict(f) for f in http_filters], [es.route("r", "backend")], **listener
     )
     config.write_text(json.dumps(es.bootstrap(9901, {"backend": 8080}, built)))
-    done = subprocess.run(
-        [str(envoy_binary()), "--mode", "validate", "-c", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = validate(config)
     return "" if done.returncode == 0 else done.stdout[-3000:] + done.stderr[-3000:]
 
 

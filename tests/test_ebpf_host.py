@@ -1,17 +1,17 @@
-"""Host discovery for the eBPF accelerator: kernel headers, privileges, cgroup v2, the C text."""
+"""Host discovery for the eBPF accelerator: kernel headers, cgroup v2, the C text (what needs
+root or this machine's kernel headers is in e2e/test_ebpf_host_machine.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from meshfn.ebpf import AccelerationUnavailable, Accelerator, Host, Unavailable, programs
-from meshfn.ebpf.host import cgroup2_mounts, check_privileges, find_headers
+from meshfn.ebpf import Accelerator, Host, Unavailable, programs
+from meshfn.ebpf.host import cgroup2_mounts, find_headers
+from meshfn.testing.ebpf import empty_host
 
 
 def fake_tree(root: Path, *, common: bool = True, generated: bool = True) -> Path:
@@ -22,15 +22,6 @@ def fake_tree(root: Path, *, common: bool = True, generated: bool = True) -> Pat
         (root / "include/generated").mkdir(parents=True)
         (root / "include/generated/autoconf.h").write_text("")
     return root
-
-
-def empty_host(tmp_path: Path) -> Host:
-    return Host(
-        kernel_release="9.9.9-test",
-        modules_dir=tmp_path / "modules",
-        header_cache=tmp_path / "cache",
-        kernel_source_env="",
-    )
 
 
 def test_no_headers_names_every_place_looked(tmp_path: Path) -> None:
@@ -70,45 +61,9 @@ def test_header_search_order(tmp_path: Path) -> None:
     assert find_headers(dataclasses.replace(host, kernel_source_env=str(explicit))) == explicit
 
 
-def test_this_machine_has_usable_headers() -> None:
-    """ebpf/setup_host.sh must have run (./dev.sh calls it)."""
-    tree = find_headers(Host())
-    assert (tree / "include/generated/autoconf.h").is_file()
-
-
-def test_no_headers_turns_auto_off_with_the_reason(tmp_path: Path) -> None:
-    accel = Accelerator(tmp_path / "state", host=empty_host(tmp_path))
-    status = accel.setup("auto")
-    assert not status.attached
-    assert status.reason.startswith("no kernel headers: ")
-    assert accel.cgroup_path is None and accel.child_preexec() is None
-    assert accel.add_pid(1) is False
-    assert accel.stats() == dict.fromkeys(accel.stats(), 0)
-    with pytest.raises(AccelerationUnavailable, match=r"^no kernel headers: "):
-        accel.setup("ebpf")
-    assert not (tmp_path / "state/ebpf/state.json").exists()
-    assert not (tmp_path / "state/ebpf/bpffs").exists()
-
-
 def test_unknown_mode_is_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="ebpf, off, auto"):
         Accelerator(tmp_path).setup("fast")  # type: ignore[arg-type]
-
-
-def test_privileges_are_checked_from_the_effective_set() -> None:
-    check_privileges()  # root here
-    code = (
-        "from meshfn.ebpf.host import check_privileges, Unavailable\n"
-        "try:\n    check_privileges()\nexcept Unavailable as e:\n    print(e)\n"
-    )
-    out = subprocess.run(
-        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-P", "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert out.startswith("no privileges: eBPF acceleration needs CAP_SYS_ADMIN and CAP_NET_ADMIN")
-    assert "missing CAP_SYS_ADMIN, CAP_NET_ADMIN" in out
 
 
 def test_cgroup2_mounts_are_read_from_the_mount_table() -> None:

@@ -9,8 +9,6 @@ ClusterLoadAssignment.
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ import yaml
 
 from meshfn.control_plane.policy import load_policies
 from meshfn.control_plane.runtime.bootstrap import ProxyIdentity, bootstrap_json
-from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.testing.envoy import validate
 from meshfn.testing.filters import wasm_dir
 from meshfn.xds.translate import OFFLINE_HOST
 
@@ -28,22 +26,10 @@ GOLDEN = ROOT / "tests" / "golden"
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
-def envoy_validate(config: dict[str, Any], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return subprocess.run(
-        [str(envoy_binary()), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
-def test_bootstrap_validates(tmp_path: Path) -> None:
+def test_bootstrap_validates() -> None:
     model = load_policies(ROOT / "policies" / "examples")
     identity = ProxyIdentity.for_workload(model.workloads[0], "Bearer test-token")
-    result = envoy_validate(bootstrap_json(identity, "127.0.0.1", 18000), tmp_path)
+    result = validate(bootstrap_json(identity, "127.0.0.1", 18000))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -157,16 +143,16 @@ def static_config(resources: dict[str, Any], tmp_path: Path | None = None) -> di
 )
 def test_golden_output_is_accepted_by_envoy(case: str, tmp_path: Path) -> None:
     for workload, resources in yaml.safe_load((GOLDEN / case / "out.yaml").read_text()).items():
-        result = envoy_validate(static_config(resources, tmp_path), tmp_path)
+        result = validate(static_config(resources, tmp_path))
         assert result.returncode == 0, f"{case}/{workload}:\n{result.stdout}{result.stderr}"
 
 
-def test_envoy_validate_catches_what_we_would_miss(tmp_path: Path) -> None:
+def test_envoy_validate_catches_what_we_would_miss() -> None:
     """The harness itself must be able to fail: a regex over Envoy's program-size limit."""
     resources = yaml.safe_load((GOLDEN / "basic" / "out.yaml").read_text())["edge.default"]
     match = resources["routes"][0]["virtualHosts"][0]["routes"][0]["match"]
     match.pop("prefix")
     match["safeRegex"] = {"regex": "^/(" + "|".join(f"m{i}[a-z]+" for i in range(40)) + ")$"}
-    result = envoy_validate(static_config(resources), tmp_path)
+    result = validate(static_config(resources))
     assert result.returncode != 0
     assert "program size" in (result.stdout + result.stderr).lower()

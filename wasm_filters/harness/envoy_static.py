@@ -290,22 +290,3 @@ def write_lds(lds_file: Path, listener_config: dict[str, Any], version: str) -> 
     tmp = lds_file.with_name(f".{lds_file.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc))
     tmp.replace(lds_file)
-
-
-def envoy_argv(envoy: Path, config: Path, base_id: int, concurrency: int = 1) -> list[str]:
-    return [
-        str(envoy),
-        "-c",
-        str(config),
-        "--disable-hot-restart",
-        "--base-id",
-        str(base_id),
-        "--concurrency",
-        str(concurrency),
-        "--log-level",
-        "warning",
-        "--component-log-level",
-        "wasm:info",
-        "--file-flush-interval-msec",
-        "100",
-    ]

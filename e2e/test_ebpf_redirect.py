@@ -17,19 +17,16 @@ from pathlib import Path
 import pytest
 
 from meshfn.ebpf import Accelerator, bpfsys, probe, programs
+from meshfn.testing.ebpf import attached
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def accel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Accelerator]:
-    accelerator = Accelerator(tmp_path_factory.mktemp("ebpf-redirect"))
-    try:
-        status = accelerator.setup("ebpf")
-        assert status.attached and status.cgroup is not None
+    with attached(tmp_path_factory.mktemp("ebpf-redirect")) as (accelerator, status):
+        assert status.cgroup is not None
         yield accelerator
-    finally:
-        assert accelerator.shutdown() == []
 
 
 @pytest.fixture

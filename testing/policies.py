@@ -1,0 +1,188 @@
+"""Policy documents for tests and benchmarks, and the small mesh most e2e tests run.
+
+Builders return YAML text (one document each; `documents` joins them) so callers can write a
+policy file, edit it, or break it on purpose. Specs are rendered with PyYAML, so values need
+no quoting by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .ports import named_ports
+
+API_VERSION = "meshfn.io/v1alpha1"
+_DUMPER: type[yaml.SafeDumper] = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+def flow(value: Any) -> str:
+    """`value` as one line of flow-style YAML: {port: 1, endpoints: [{address: 127.0.0.1}]}."""
+    text: str = yaml.dump(
+        value, Dumper=_DUMPER, default_flow_style=True, sort_keys=False, width=1 << 20
+    )
+    return text.removesuffix("\n...\n").rstrip("\n")
+
+
+def doc(kind: str, name: str, spec: dict[str, Any], namespace: str | None = None) -> str:
+    metadata = {"name": name} if namespace is None else {"name": name, "namespace": namespace}
+    return (
+        f"apiVersion: {API_VERSION}\nkind: {kind}\nmetadata: {flow(metadata)}\nspec: {flow(spec)}\n"
+    )
+
+
+def documents(*docs: str) -> str:
+    return "---\n".join(docs)
+
+
+def mesh(
+    name: str, trust_domain: str, xds: int | None = None, admin: int | None = None, **spec: Any
+) -> str:
+    """A Mesh with its control-plane ports (the defaults if not given: for tests that only
+    load policies); `spec` adds fields (audit, drill, identity, ...)."""
+    ports = {} if xds is None or admin is None else {"ports": {"xds": xds, "admin": admin}}
+    return doc("Mesh", name, {"trustDomain": trust_domain, **ports, **spec})
+
+
+def gateway(
+    admin_port: int, listener: int, name: str = "edge", namespace: str | None = None, **spec: Any
+) -> str:
+    """A Gateway with one HTTP listener; `spec` adds fields (xdsProtocol, locality, ...)."""
+    listeners = [{"name": "http", "port": listener}]
+    return doc(
+        "Gateway", name, {"adminPort": admin_port, "listeners": listeners, **spec}, namespace
+    )
+
+
+def service(
+    name: str,
+    port: int,
+    endpoints: list[dict[str, Any]] | None = None,
+    namespace: str | None = None,
+    **spec: Any,
+) -> str:
+    """A Service; by default one endpoint on 127.0.0.1 at the service port."""
+    endpoints = [{"address": "127.0.0.1"}] if endpoints is None else endpoints
+    return doc("Service", name, {"port": port, "endpoints": endpoints, **spec}, namespace)
+
+
+def route(
+    name: str, service: str, prefix: str | None = None, namespace: str | None = None, **spec: Any
+) -> str:
+    """A Route to `service`, for every path or (with `prefix`) one path prefix."""
+    matches = {} if prefix is None else {"matches": [{"path": {"prefix": prefix}}]}
+    return doc("Route", name, {**matches, "destination": {"service": service}, **spec}, namespace)
+
+
+def locality(text: str) -> dict[str, str]:
+    """ "eu-west/eu-west-1a/n1" -> {region: eu-west, zone: eu-west-1a, node: n1}."""
+    region, zone, node = text.split("/")
+    return {"region": region, "zone": zone, "node": node}
+
+
+def endpoint(
+    port: int | None = None, where: str | None = None, sidecar: int | None = None
+) -> dict[str, Any]:
+    """An endpoint on 127.0.0.1 (at the service's port unless `port`), in locality `where`
+    ("region/zone/node"), behind a sidecar Envoy listening on `sidecar`."""
+    found: dict[str, Any] = {"address": "127.0.0.1"}
+    if port is not None:
+        found["port"] = port
+    if where is not None:
+        found["locality"] = locality(where)
+    if sidecar is not None:
+        found["sidecar"] = {"port": sidecar}
+    return found
+
+
+def fallback_policy(
+    service: str,
+    chain: list[str],
+    interval: str,
+    health: tuple[str, str],
+    recover_after: str,
+    **spec: Any,
+) -> str:
+    """The FallbackPolicy of the failover e2e tests and benchmark: an endpoint is ejected after
+    one gateway error or three 5xx (checked every `interval`), /health probes (`health`:
+    interval, timeout) let a revived one back, `chain` takes over when none is left, and a
+    drift breaker (40 ms over the 10 s baseline, from 10 samples in 1 s) reroutes a slow route
+    until it has been fast for `recover_after`. `spec` adds fields (locality, ...)."""
+    return doc("FallbackPolicy", service, {
+        "service": service,
+        "outlierDetection": {"consecutiveGatewayErrors": 1, "consecutive5xxErrors": 3,
+                             "interval": interval, "baseEjectionTime": "30s"},
+        "healthCheck": {"path": "/health", "interval": health[0], "timeout": health[1],
+                        "unhealthyThreshold": 2},
+        "chain": chain,
+        "driftBreaker": {"threshold": 40, "minSamples": 10, "window": "1s",
+                         "baselineWindow": "10s", "recoverAfter": recover_after,
+                         "probePercent": 10},
+        **spec,
+    })  # fmt: skip
+
+
+RETRY_ON = ["connect-failure", "refused-stream", "reset"]
+
+
+def jwt_authentication(name: str, selector: dict[str, str], issuer: str, **rule: Any) -> str:
+    """A RequestAuthentication with one JWT rule (`rule`: jwks or jwksUri, audiences, ...)."""
+    jwt_rules = [{"issuer": issuer, **rule}]
+    return doc("RequestAuthentication", name, {"selector": selector, "jwtRules": jwt_rules})
+
+
+def authorization(
+    name: str, selector: dict[str, str], rules: list[dict[str, Any]], **spec: Any
+) -> str:
+    """An AuthorizationPolicy (ALLOW unless `spec` says action: DENY)."""
+    return doc("AuthorizationPolicy", name, {"selector": selector, **spec, "rules": rules})
+
+
+def write(path: Path, text: str) -> None:
+    """Atomic replace, as editors and `kubectl`-style tools do: a watcher never reads half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+@dataclass
+class Policies:
+    """The standard small mesh on free ports: gateway `edge` (listener `http`), services `alpha`
+    and `beta` (one endpoint each on their own port), one Route `main` (first /v1 -> alpha)."""
+
+    root: Path
+    protocol: str = "delta"
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ports = named_ports("xds", "admin", "envoy_admin", "listener", "alpha", "beta")
+        p = self.ports
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.write(
+            "mesh.yaml",
+            documents(
+                mesh("e2e", "e2e.local", p["xds"], p["admin"]),
+                gateway(p["envoy_admin"], p["listener"], xdsProtocol=self.protocol),
+            ),
+        )
+        self.write(
+            "services.yaml", documents(service("alpha", p["alpha"]), service("beta", p["beta"]))
+        )
+        self.route("/v1", "alpha")
+
+    def write(self, name: str, text: str) -> None:
+        write(self.root / name, text)
+
+    def route(self, prefix: str, service: str) -> None:
+        self.write("route.yaml", route("main", service, prefix))
+
+    @property
+    def gateway(self) -> str:
+        return f"http://127.0.0.1:{self.ports['listener']}"
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.ports['admin']}"

@@ -1,0 +1,174 @@
+"""The process rig of tests and benchmarks: real processes on loopback, each tracked by PID,
+its output in a log file, stopped by PID (also when a test or benchmark fails)."""
+
+from __future__ import annotations
+
+import http.client
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .ports import ADDRESS_IN_USE, PortInUse
+
+BIN = Path(sys.executable).parent
+MESHFN = str(BIN / "meshfn")
+T = TypeVar("T")
+
+
+def meshfn(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the meshfn CLI; the caller checks returncode and output."""
+    return subprocess.run(
+        [MESHFN, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def upstream_argv(service: str, port: int, *extra: str) -> list[str]:
+    """meshfn's echo upstream (answers with its service, endpoint and locality)."""
+    module = [sys.executable, "-P", "-m", "meshfn.control_plane.runtime.upstream"]
+    return [*module, "--service", service, "--port", str(port), *extra]
+
+
+@dataclass
+class Proc:
+    """A subprocess we own; `stop()` is idempotent and verifies the process is gone.
+
+    `pipe`: stdin and stdout are text pipes (for processes driven line by line); stderr
+    still goes to the log."""
+
+    argv: list[str]
+    log: Path
+    env: dict[str, str] | None = None
+    preexec: Callable[[], None] | None = None
+    pipe: bool = False
+    popen: subprocess.Popen[Any] | None = None
+
+    def start(self) -> Proc:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.PIPE if self.pipe else None,
+                stdout=subprocess.PIPE if self.pipe else out,
+                stderr=out if self.pipe else subprocess.STDOUT,
+                text=self.pipe,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=self.preexec,  # noqa: PLW1509 (callers pass fork-safe functions)
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def send(self, sig: int) -> None:
+        assert self.popen is not None
+        self.popen.send_signal(sig)
+
+    def wait(self, timeout: float = 20.0) -> int:
+        assert self.popen is not None
+        return self.popen.wait(timeout)
+
+    def poll(self) -> int | None:
+        assert self.popen is not None
+        return self.popen.poll()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        if self.popen is None or self.popen.poll() is not None:
+            return None if self.popen is None else self.popen.returncode
+        self.popen.send_signal(sig)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+            raise AssertionError(f"{self.argv[:2]} ignored signal {sig}; killed") from None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def check_running(self) -> None:
+        """Raise if the process has exited: PortInUse when it says a port was taken (so
+        `ports.retry_on_port_clash` can start it again on new ports), else AssertionError."""
+        code = self.poll()
+        if code is None:
+            return
+        output = self.output()
+        if ADDRESS_IN_USE in output.lower():
+            raise PortInUse(f"{self.argv[0]} exited {code}")
+        raise AssertionError(f"{self.argv[:2]} exited {code}:\n{output[-5000:]}")
+
+
+class Processes:
+    """Every process a test or benchmark starts, logs under `tmp/logs/NAME.log`."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.started: list[Proc] = []
+
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
+        pipe: bool = False,
+    ) -> Proc:
+        proc = Proc(argv, self.tmp / "logs" / f"{name}.log", env, preexec, pipe).start()
+        self.started.append(proc)
+        return proc
+
+    def upstream(self, name: str, service: str, port: int, *extra: str) -> Proc:
+        return self.start(name, upstream_argv(service, port, *extra))
+
+    def stop_all(self) -> None:
+        """Newest first; every process is stopped even when one of them misbehaves (the first
+        such error is raised afterwards)."""
+        failure: AssertionError | None = None
+        for proc in reversed(self.started):
+            try:
+                proc.stop()
+            except AssertionError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+
+def wait_for(
+    what: str,
+    probe: Callable[[], T | None],
+    timeout: float = 15.0,
+    every: float = 0.02,
+    proc: Proc | None = None,
+) -> T:
+    """Poll `probe` until it returns something truthy; connection errors and missing keys
+    count as "not yet". With `proc`, fail as soon as that process has exited."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        if proc is not None:
+            proc.check_running()
+        try:
+            result = probe()
+        except PortInUse:
+            raise
+        except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
+            last = exc
+            result = None
+        if result:
+            return result
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """A probe for `wait_for`: `url` answers 200."""
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return bool(reply.status == 200)

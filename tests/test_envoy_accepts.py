@@ -153,17 +153,21 @@ def static_config(resources: dict[str, Any], tmp_path: Path | None = None) -> di
 
 
 @pytest.mark.parametrize(
-    "case", sorted(p.name for p in GOLDEN.iterdir() if (p / "out.yaml").exists())
+    "case", sorted(p.name for p in GOLDEN.iterdir() if (p / "out.listeners.yaml").exists())
 )
 def test_golden_output_is_accepted_by_envoy(case: str, tmp_path: Path) -> None:
-    for workload, resources in yaml.safe_load((GOLDEN / case / "out.yaml").read_text()).items():
+    for workload, resources in yaml.safe_load(
+        (GOLDEN / case / "out.listeners.yaml").read_text()
+    ).items():
         result = envoy_validate(static_config(resources, tmp_path), tmp_path)
         assert result.returncode == 0, f"{case}/{workload}:\n{result.stdout}{result.stderr}"
 
 
 def test_envoy_validate_catches_what_we_would_miss(tmp_path: Path) -> None:
     """The harness itself must be able to fail: a regex over Envoy's program-size limit."""
-    resources = yaml.safe_load((GOLDEN / "basic" / "out.yaml").read_text())["edge.default"]
+    resources = yaml.safe_load((GOLDEN / "basic" / "out.listeners.yaml").read_text())[
+        "edge.default"
+    ]
     match = resources["routes"][0]["virtualHosts"][0]["routes"][0]["match"]
     match.pop("prefix")
     match["safeRegex"] = {"regex": "^/(" + "|".join(f"m{i}[a-z]+" for i in range(40)) + ")$"}

@@ -32,7 +32,7 @@ def test_there_are_enough_cases() -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_golden(case: str, request: pytest.FixtureRequest) -> None:
     actual = render(case)
-    expected_path = GOLDEN / case / "out.yaml"
+    expected_path = GOLDEN / case / "out.listeners.yaml"
     if request.config.getoption("--update-golden"):
         expected_path.write_text(actual)
     assert expected_path.exists(), f"run pytest --update-golden to create {expected_path}"

@@ -7,7 +7,6 @@ from functools import lru_cache
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import protocol_pb2
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
@@ -24,7 +23,7 @@ from .. import names
 from ..names import CLUSTER, INBOUND_LISTENER, LISTENER
 from . import httpfilters
 from .clusters import HTTP_PROTOCOL_OPTIONS
-from .common import pack, socket_address
+from .common import one_endpoint, pack, socket_address
 from .httpfilters import FilterContext
 from .listeners import HCM
 from .resources import Resources, merge
@@ -103,20 +102,7 @@ def local_cluster(inbound: ir.Inbound) -> cluster_pb2.Cluster:
         name=name,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=duration_pb2.Duration(seconds=1),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=name,
-            endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(
-                    lb_endpoints=[
-                        endpoint_components_pb2.LbEndpoint(
-                            endpoint=endpoint_components_pb2.Endpoint(
-                                address=socket_address(inbound.address, inbound.app_port)
-                            )
-                        )
-                    ]
-                )
-            ],
-        ),
+        load_assignment=one_endpoint(name, inbound.address, inbound.app_port),
     )
     if inbound.protocol == "grpc":
         options = http_protocol_options_pb2.HttpProtocolOptions(

@@ -16,7 +16,6 @@ from urllib.parse import urlsplit
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import base_pb2, http_uri_pb2
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.extensions.filters.http.jwt_authn.v3 import config_pb2 as jwt
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -28,7 +27,7 @@ from google.protobuf import duration_pb2, empty_pb2
 from meshfn import ir
 
 from ...names import CLUSTER
-from ..common import pack, socket_address
+from ..common import one_endpoint, pack
 from ..resources import Resources
 from ..security import TLS_SOCKET
 from .base import FilterContext, HttpFilter
@@ -83,20 +82,7 @@ def jwks_cluster(uri: str) -> cluster_pb2.Cluster:
         name=name,
         type=kind,
         connect_timeout=duration_pb2.Duration(seconds=2),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=name,
-            endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(
-                    lb_endpoints=[
-                        endpoint_components_pb2.LbEndpoint(
-                            endpoint=endpoint_components_pb2.Endpoint(
-                                address=socket_address(host, port)
-                            )
-                        )
-                    ]
-                )
-            ],
-        ),
+        load_assignment=one_endpoint(name, host, port),
     )
     if parts.scheme == "https":
         context = tls_pb2.UpstreamTlsContext(

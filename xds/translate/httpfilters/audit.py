@@ -34,7 +34,7 @@ class Audit(HttpFilter[AuditConfig]):
         return ctx.audit
 
     def http_filters(self, ctx: FilterContext, config: AuditConfig) -> Iterable[hcm.HttpFilter]:
-        if ctx.degrade is not None:
+        if ctx.degrade is not None:  # the combined plugin, whose configuration degrade.py builds
             return (ecds_slot(ctx, ctx.degrade),)
         return (audit_filter(config.settings, config.wasm_dir),)
 

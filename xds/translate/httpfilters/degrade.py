@@ -37,6 +37,7 @@ class Degrade(HttpFilter[DegradeConfig]):
         return ctx.degrade
 
     def http_filters(self, ctx: FilterContext, config: DegradeConfig) -> Iterable[hcm.HttpFilter]:
+        # With audit, the combined plugin sits in the audit filter's place (audit.py).
         return (ecds_slot(ctx, config),) if ctx.audit is None else ()
 
     def resources(

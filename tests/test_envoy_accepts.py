@@ -138,18 +138,27 @@ def static_config(resources: dict[str, Any], tmp_path: Path | None = None) -> di
     )
 
 
+def golden_output(case: str) -> dict[str, dict[str, Any]]:
+    """workload -> {resource type: [resources]}, joined from the case's out.<type>.yaml files."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted((GOLDEN / case).glob("out.*.yaml")):
+        for workload, resources in yaml.safe_load(path.read_text()).items():
+            out.setdefault(workload, {}).update(resources)
+    return out
+
+
 @pytest.mark.parametrize(
-    "case", sorted(p.name for p in GOLDEN.iterdir() if (p / "out.yaml").exists())
+    "case", sorted(p.name for p in GOLDEN.iterdir() if (p / "out.listeners.yaml").exists())
 )
 def test_golden_output_is_accepted_by_envoy(case: str, tmp_path: Path) -> None:
-    for workload, resources in yaml.safe_load((GOLDEN / case / "out.yaml").read_text()).items():
+    for workload, resources in golden_output(case).items():
         result = validate(static_config(resources, tmp_path))
         assert result.returncode == 0, f"{case}/{workload}:\n{result.stdout}{result.stderr}"
 
 
 def test_envoy_validate_catches_what_we_would_miss() -> None:
     """The harness itself must be able to fail: a regex over Envoy's program-size limit."""
-    resources = yaml.safe_load((GOLDEN / "basic" / "out.yaml").read_text())["edge.default"]
+    resources = golden_output("basic")["edge.default"]
     match = resources["routes"][0]["virtualHosts"][0]["routes"][0]["match"]
     match.pop("prefix")
     match["safeRegex"] = {"regex": "^/(" + "|".join(f"m{i}[a-z]+" for i in range(40)) + ")$"}

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm,
+)
+from google.protobuf.message import Message
 
 from meshfn import ir
 from meshfn.control_plane.policy import load_policies
 from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
-from meshfn.xds.translate import translate
+from meshfn.xds.translate import httpfilters, listeners, routes, sidecar, translate
+from meshfn.xds.translate.common import pack
+from meshfn.xds.translate.httpfilters import FilterContext, HttpFilter
+from meshfn.xds.translate.resources import Resources
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
 
@@ -53,3 +67,106 @@ def test_methods_become_one_header_matcher() -> None:
     assert one.headers[0].name == ":method" and one.headers[0].string_match.exact == "POST"
     two = _match(ir.RouteMatch(ir.PathMatch("prefix", "/"), methods=("GET", "POST")))
     assert two.headers[0].string_match.safe_regex.regex == "GET|POST"
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def test_every_resource_is_memoised_with_filters_that_touch_routes() -> None:
+    """The audit filter in jwt_headers mode and the combined plugin add early header mutations,
+    route header removals and an ECDS resource: an equal IR still yields identical messages."""
+    for case, node in (("audit_drift", "edge.default"), ("audit", "llm.default:15001")):
+        first = translate(load_policies(GOLDEN / case / "in.yaml"), node)
+        second = translate(load_policies(GOLDEN / case / "in.yaml"), node)
+        assert first is not None and second is not None
+        assert first.keys() == second.keys()
+        for type_url, by_name in first.items():
+            for name, message in by_name.items():
+                assert second[type_url][name] is message, (case, type_url, name)
+
+
+class _Stamp(HttpFilter[FilterContext]):
+    """A filter a change might add: one entry, one header the routes remove, one cluster."""
+
+    def config(self, ctx: FilterContext) -> FilterContext | None:
+        return ctx if ctx.jwt_rules else None
+
+    def http_filters(self, ctx: FilterContext, config: FilterContext) -> Iterable[hcm.HttpFilter]:
+        return (hcm.HttpFilter(name="test.stamp", typed_config=pack(router_pb2.Router())),)
+
+    def request_headers_to_remove(self, ctx: FilterContext, config: FilterContext) -> Iterable[str]:
+        return ("x-test-stamp",)
+
+    def resources(
+        self, ctx: FilterContext, config: FilterContext, overlay: ir.Overlay
+    ) -> Resources:
+        return {CLUSTER: {"stamp": cluster_pb2.Cluster(name="stamp")}}
+
+
+def _clear_caches() -> None:
+    for cached in (
+        listeners.listener,
+        sidecar.inbound_listener,
+        routes.route_configuration,
+        httpfilters.request_headers_to_remove,
+        httpfilters.resources,
+    ):
+        cached.cache_clear()
+
+
+@pytest.fixture
+def stamped(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The registry with _Stamp before the router: the one line a new filter adds."""
+    registry = list(httpfilters.HTTP_FILTERS)
+    registry.insert(len(registry) - 1, _Stamp())
+    monkeypatch.setattr(httpfilters, "HTTP_FILTERS", tuple(registry))
+    _clear_caches()
+    yield
+    monkeypatch.undo()
+    _clear_caches()
+
+
+def _chains(listener: Message) -> list[tuple[list[str], list[str]]]:
+    """(filter names, route headers removed) of each connection manager of `listener`."""
+    assert isinstance(listener, listener_pb2.Listener)
+    out = []
+    chains = [*listener.filter_chains]
+    if listener.HasField("default_filter_chain"):
+        chains.append(listener.default_filter_chain)
+    for chain in chains:
+        manager = hcm.HttpConnectionManager()
+        chain.filters[0].typed_config.Unpack(manager)
+        removed = list(manager.route_config.request_headers_to_remove)
+        out.append(([f.name for f in manager.http_filters], removed))
+    return out
+
+
+@pytest.mark.usefixtures("stamped")
+def test_a_registered_filter_reaches_gateways_and_sidecars() -> None:
+    model = load_policies(GOLDEN / "jwt-authz" / "in.yaml")
+    gateway = translate(model, "edge.default")
+    sidecar = translate(model, "llm.models:15001")
+    assert gateway is not None and sidecar is not None
+    ((names, _),) = _chains(gateway[LISTENER]["http"])
+    assert names == [
+        "envoy.filters.http.jwt_authn",
+        "meshfn.authz.allow",
+        "test.stamp",
+        "envoy.filters.http.router",
+    ]
+    routes_removed = gateway[ROUTE]["http"]
+    assert isinstance(routes_removed, route_pb2.RouteConfiguration)
+    assert list(routes_removed.request_headers_to_remove) == ["x-test-stamp"]
+    for names, removed in _chains(sidecar[LISTENER]["inbound"]):
+        assert names[-2:] == ["test.stamp", "envoy.filters.http.router"]
+        assert removed == ["x-test-stamp"]
+    assert "stamp" in gateway[CLUSTER] and "stamp" in sidecar[CLUSTER]
+
+
+def test_without_the_filter_nothing_of_it_remains() -> None:
+    """`stamped` leaves no trace: the registry and the memoised builders are as they were."""
+    model = load_policies(GOLDEN / "jwt-authz" / "in.yaml")
+    gateway = translate(model, "edge.default")
+    assert gateway is not None
+    ((names, _),) = _chains(gateway[LISTENER]["http"])
+    assert "test.stamp" not in names and "stamp" not in gateway[CLUSTER]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from envoy.config.core.v3 import address_pb2, config_source_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 
@@ -18,6 +19,24 @@ def duration(value: timedelta) -> duration_pb2.Duration:
 def socket_address(address: str, port: int) -> address_pb2.Address:
     return address_pb2.Address(
         socket_address=address_pb2.SocketAddress(address=address, port_value=port)
+    )
+
+
+def one_endpoint(cluster_name: str, address: str, port: int) -> endpoint_pb2.ClusterLoadAssignment:
+    """The load assignment of a cluster defined in place (not over EDS) with one endpoint."""
+    return endpoint_pb2.ClusterLoadAssignment(
+        cluster_name=cluster_name,
+        endpoints=[
+            endpoint_components_pb2.LocalityLbEndpoints(
+                lb_endpoints=[
+                    endpoint_components_pb2.LbEndpoint(
+                        endpoint=endpoint_components_pb2.Endpoint(
+                            address=socket_address(address, port)
+                        )
+                    )
+                ]
+            )
+        ],
     )
 
 

@@ -8,7 +8,6 @@ from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import config_source_pb2, grpc_service_pb2, substitution_format_string_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2 as grpc_als_pb2
-from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
@@ -18,35 +17,10 @@ from meshfn import ir
 
 from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG
 from .common import ads_source, pack, socket_address
-from .extensions import Audit, claim_headers, degrade_discovery, early_mutations
+from .httpfilters import FilterContext, build_connection_manager
 from .routes import route_config_name
-from .security import jwt_filter, rbac_filters
 
 HCM = "envoy.filters.network.http_connection_manager"
-ROUTER = "envoy.filters.http.router"
-
-
-def http_filters(
-    jwt_rules: tuple[ir.JwtRule, ...],
-    authz: tuple[ir.AuthzPolicy, ...],
-    audit: Audit | None = None,
-    degrade: str | None = None,
-    drill: ir.Drill | None = None,
-) -> list[hcm.HttpFilter]:
-    """authn, audit, authz, degrade, router: a request is authenticated before it is recorded
-    (the audit filter reads jwt_authn's verified payload) and recorded before it is judged (a
-    denied request carries its subject too); `degrade` names the ECDS-fed degrade filter, which
-    with `audit` is the combined plugin doing both, in the audit filter's place."""
-    filters: list[hcm.HttpFilter] = []
-    if jwt_rules:
-        filters.append(jwt_filter(jwt_rules, claim_headers(audit, degrade is not None, drill)))
-    if audit is not None:
-        filters.append(audit.http_filter() if degrade is None else degrade_discovery(degrade))
-    filters.extend(rbac_filters(authz))
-    if degrade is not None and audit is None:
-        filters.append(degrade_discovery(degrade))
-    filters.append(hcm.HttpFilter(name=ROUTER, typed_config=pack(router_pb2.Router())))
-    return filters
 
 
 def _latency_log() -> accesslog_pb2.AccessLog:
@@ -97,31 +71,23 @@ def _no_upstream_reply() -> hcm.LocalReplyConfig:
 
 @lru_cache(maxsize=4096)
 def listener(
-    listener: ir.Listener,
-    jwt_rules: tuple[ir.JwtRule, ...] = (),
-    authz: tuple[ir.AuthzPolicy, ...] = (),
-    latency_log: bool = False,
-    audit: Audit | None = None,
-    degrade: str | None = None,
-    drill: ir.Drill | None = None,
+    listener: ir.Listener, filters: FilterContext, latency_log: bool = False
 ) -> listener_pb2.Listener:
-    access_logs = [_latency_log()] if latency_log else []
-    if audit is not None:
-        access_logs.append(audit.access_log())
+    """The gateway listener: routes over RDS, `filters`' chain, with `latency_log` the drift
+    breaker's timings."""
     manager = hcm.HttpConnectionManager(
         stat_prefix=listener.name,
         codec_type=hcm.HttpConnectionManager.AUTO,
         rds=hcm.Rds(config_source=ads_source(), route_config_name=route_config_name(listener)),
-        http_filters=http_filters(jwt_rules, authz, audit, degrade, drill),
         # An edge proxy: normalise paths before matching so /a/../b cannot dodge a route.
         normalize_path=wrappers_pb2.BoolValue(value=True),
         merge_slashes=True,
         strip_any_host_port=True,
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         local_reply_config=_no_upstream_reply(),
-        access_log=access_logs,
-        early_header_mutation_extensions=early_mutations(audit, degrade is not None, drill),
+        access_log=[_latency_log()] if latency_log else [],
     )
+    build_connection_manager(manager, filters)
     return listener_pb2.Listener(
         name=listener.name,
         address=socket_address(listener.address, listener.port),

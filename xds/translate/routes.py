@@ -220,10 +220,12 @@ def _routes(route: ir.Route, index: int, target: Target) -> list[rc.Route]:
 
 @lru_cache(maxsize=4096)
 def route_configuration(
-    listener: ir.Listener, targets: tuple[tuple[str, Target], ...] = ()
+    listener: ir.Listener,
+    targets: tuple[tuple[str, Target], ...] = (),
+    headers_to_remove: tuple[str, ...] = (),
 ) -> route_pb2.RouteConfiguration:
     """`targets` maps the service keys the routes use to their Target (a tuple so the result
-    can be memoised)."""
+    can be memoised); `headers_to_remove` are the HTTP filters' (httpfilters)."""
     by_target = dict(targets)
     by_host: dict[str, list[tuple[ir.Route, int]]] = {}
     for route in listener.routes:
@@ -252,4 +254,5 @@ def route_configuration(
         name=route_config_name(listener),
         virtual_hosts=virtual_hosts,
         validate_clusters=wrappers_pb2.BoolValue(value=False),
+        request_headers_to_remove=headers_to_remove,
     )

@@ -7,7 +7,6 @@ from functools import lru_cache
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import protocol_pb2
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
@@ -16,17 +15,19 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
-from google.protobuf import duration_pb2, message
+from google.protobuf import duration_pb2
 
 from meshfn import ir
 
 from .. import names
 from ..names import CLUSTER, INBOUND_LISTENER, LISTENER
+from . import httpfilters
 from .clusters import HTTP_PROTOCOL_OPTIONS
-from .common import pack, socket_address
-from .extensions import Audit, early_mutations, strip_internal_headers
-from .listeners import HCM, http_filters
-from .security import client_cert_details, downstream_mtls, jwks_cluster, jwks_uris
+from .common import one_endpoint, pack, socket_address
+from .httpfilters import FilterContext
+from .listeners import HCM
+from .resources import Resources, merge
+from .security import client_cert_details, downstream_mtls
 
 
 def local_cluster_name(inbound: ir.Inbound) -> str:
@@ -34,12 +35,7 @@ def local_cluster_name(inbound: ir.Inbound) -> str:
 
 
 @lru_cache(maxsize=4096)
-def inbound_listener(
-    inbound: ir.Inbound,
-    jwt_rules: tuple[ir.JwtRule, ...],
-    authz: tuple[ir.AuthzPolicy, ...],
-    audit: Audit | None = None,
-) -> listener_pb2.Listener:
+def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb2.Listener:
     route_config = route_pb2.RouteConfiguration(
         name=INBOUND_LISTENER,
         virtual_hosts=[
@@ -60,19 +56,17 @@ def inbound_listener(
                 ],
             )
         ],
+        request_headers_to_remove=httpfilters.request_headers_to_remove(filters),
     )
-    route_config = strip_internal_headers(route_config, audit)
 
     def chain(tls: bool) -> listener_components_pb2.FilterChain:
         manager = hcm.HttpConnectionManager(
             stat_prefix=f"inbound_{inbound.port}",
             codec_type=hcm.HttpConnectionManager.AUTO,
             route_config=route_config,
-            http_filters=http_filters(jwt_rules, authz, audit),
-            access_log=[audit.access_log()] if audit is not None else [],
-            early_header_mutation_extensions=early_mutations(audit),
             **client_cert_details(),
         )
+        httpfilters.build_connection_manager(manager, filters)
         out = listener_components_pb2.FilterChain(
             filters=[listener_components_pb2.Filter(name=HCM, typed_config=pack(manager))]
         )
@@ -108,20 +102,7 @@ def local_cluster(inbound: ir.Inbound) -> cluster_pb2.Cluster:
         name=name,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=duration_pb2.Duration(seconds=1),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=name,
-            endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(
-                    lb_endpoints=[
-                        endpoint_components_pb2.LbEndpoint(
-                            endpoint=endpoint_components_pb2.Endpoint(
-                                address=socket_address(inbound.address, inbound.app_port)
-                            )
-                        )
-                    ]
-                )
-            ],
-        ),
+        load_assignment=one_endpoint(name, inbound.address, inbound.app_port),
     )
     if inbound.protocol == "grpc":
         options = http_protocol_options_pb2.HttpProtocolOptions(
@@ -134,17 +115,13 @@ def local_cluster(inbound: ir.Inbound) -> cluster_pb2.Cluster:
 
 
 def sidecar_resources(
-    workload: ir.Workload, audit: Audit | None = None
-) -> dict[str, dict[str, message.Message]]:
+    workload: ir.Workload, filters: FilterContext, overlay: ir.Overlay
+) -> Resources:
     inbound = workload.inbound
     assert inbound is not None
-    clusters: dict[str, message.Message] = {local_cluster_name(inbound): local_cluster(inbound)}
-    for uri in jwks_uris(workload.jwt_rules):
-        cluster = jwks_cluster(uri)
-        clusters[cluster.name] = cluster
-    return {
-        LISTENER: {
-            INBOUND_LISTENER: inbound_listener(inbound, workload.jwt_rules, workload.authz, audit)
-        },
-        CLUSTER: clusters,
+    out: Resources = {
+        LISTENER: {INBOUND_LISTENER: inbound_listener(inbound, filters)},
+        CLUSTER: {local_cluster_name(inbound): local_cluster(inbound)},
     }
+    merge(out, httpfilters.resources(filters, overlay))
+    return out

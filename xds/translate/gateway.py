@@ -1,0 +1,96 @@
+"""A gateway: every service as a cluster, fallback chains as aggregates, and per listener a
+Listener, its RouteConfiguration and what its HTTP filters refer to."""
+
+from __future__ import annotations
+
+from google.protobuf.message import Message
+
+from meshfn import ir
+
+from ..names import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, cluster_name
+from . import httpfilters
+from .clusters import cluster, fallback_cluster
+from .endpoints import load_assignment, tier_assignments
+from .host import ProxyHost
+from .httpfilters import FilterContext
+from .httpfilters.base import AuditConfig
+from .httpfilters.degrade import degrade_for
+from .listeners import listener
+from .resources import Resources, merge
+from .routes import Target, route_configuration, target_for
+
+
+def gateway_resources(
+    model: ir.MeshModel,
+    workload: ir.Workload,
+    overlay: ir.Overlay,
+    host: ProxyHost,
+    audit: AuditConfig | None,
+) -> Resources:
+    """Every service of the mesh becomes a cluster, not only those the current routes use
+    (Istio's default without a Sidecar resource): when a route moves from one service to
+    another, or Envoy NACKs a new route table and keeps the old one, the clusters the routes in
+    force point at still exist."""
+    services = model.services
+    proxy = workload.locality
+    clusters: dict[str, Message] = {cluster_name(s.key): cluster(s) for s in services}
+    endpoints: dict[str, Message] = {
+        cluster_name(s.key): load_assignment(s, proxy) for s in services
+    }
+    members: dict[str, tuple[str, ...]] = {}
+
+    def members_of(service: ir.Service) -> tuple[str, ...]:
+        """How a service joins an aggregate: as itself, or one cluster per locality tier."""
+        if service.key not in members:
+            if service.traffic is not None and service.traffic.locality_failover:
+                tiers = tier_assignments(service, proxy)
+                for assignment in tiers:
+                    clusters[assignment.cluster_name] = cluster(service, assignment.cluster_name)
+                    endpoints[assignment.cluster_name] = assignment
+                members[service.key] = tuple(a.cluster_name for a in tiers)
+            else:
+                members[service.key] = (cluster_name(service.key),)
+        return members[service.key]
+
+    targets: dict[str, Target] = {}
+    for service in services:
+        chain = tuple(model.service(key) for key in service.fallback)
+        if not chain:
+            targets[service.key] = target_for(service)
+            continue
+        primary = members_of(service)
+        tail = tuple(name for fallback in chain for name in members_of(fallback))
+        groups = [primary + tail]
+        if service.drift is not None and len(tail) > 1:
+            groups.append(tail)
+        for group in groups:
+            aggregate = fallback_cluster(
+                group, service.traffic.breakers if service.traffic else None
+            )
+            clusters[aggregate.name] = aggregate
+        targets[service.key] = target_for(service, primary + tail, tail)
+    out: Resources = {
+        LISTENER: {},
+        ROUTE: {},
+        CLUSTER: clusters,
+        ENDPOINT: endpoints,
+        EXTENSION: {},
+    }
+    for lst in workload.listeners:
+        used = sorted({r.service for r in lst.routes})
+        guarded = frozenset(r.key for r in lst.routes if targets[r.service].drift)
+        filters = FilterContext(
+            workload.jwt_rules,
+            workload.authz,
+            audit,
+            degrade_for(lst, guarded, model.drill, host.wasm_dir),
+        )
+        drift = any(model.service(key).drift is not None for key in used)
+        out[LISTENER][lst.name] = listener(lst, filters, drift)
+        out[ROUTE][lst.name] = route_configuration(
+            lst,
+            tuple((key, targets[key]) for key in used),
+            httpfilters.request_headers_to_remove(filters),
+        )
+        merge(out, httpfilters.resources(filters, overlay))
+    return out

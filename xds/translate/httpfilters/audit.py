@@ -1,0 +1,69 @@
+"""The audit filter, on the proxies `Mesh.spec.audit` names.
+
+It sits after jwt_authn (it reads the verified payload, or in jwt_headers mode the claim headers
+jwt_authn writes: see internal_headers) and before RBAC (so denied requests carry their subject
+too), and Envoy's file access log writes each request as one journal line the control plane's
+collector stores. Proxies without jwt rules keep jwt_authn mode (no verified token, no
+subject). Where the listener also runs the degrade filter, both run as ONE plugin (meshfn.wasm)
+over ECDS, in this filter's place: Envoy's fixed cost per wasm filter and request is then paid
+once, not twice (degrade.py builds its configuration).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import lru_cache
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm,
+)
+
+from meshfn import ir
+from meshfn.contracts.plugins import AuditSettings, BodyHash, SubjectSalt
+
+from ..host import ProxyHost
+from ..wasm import access_log, audit_filter
+from .base import AuditConfig, FilterContext, HttpFilter
+from .degrade import ecds_slot
+from .jwt_authn import JWT_PAYLOAD
+
+
+class Audit(HttpFilter[AuditConfig]):
+    def config(self, ctx: FilterContext) -> AuditConfig | None:
+        return ctx.audit
+
+    def http_filters(self, ctx: FilterContext, config: AuditConfig) -> Iterable[hcm.HttpFilter]:
+        if ctx.degrade is not None:  # the combined plugin, whose configuration degrade.py builds
+            return (ecds_slot(ctx, ctx.degrade),)
+        return (audit_filter(config.settings, config.wasm_dir),)
+
+    def access_logs(
+        self, ctx: FilterContext, config: AuditConfig
+    ) -> Iterable[accesslog_pb2.AccessLog]:
+        return (access_log(config.journal, config.settings),)
+
+
+def audit_for(model: ir.MeshModel, workload: ir.Workload, host: ProxyHost) -> AuditConfig | None:
+    """The workload's audit filter, where `Mesh.spec.audit` names its kind of proxy."""
+    audit = model.audit
+    if audit is None or not audit.records(workload.kind):
+        return None
+    return AuditConfig(
+        _audit_settings(audit, host.salt, bool(workload.jwt_rules)),
+        host.journal(workload.node_cluster),
+        host.wasm_dir,
+    )
+
+
+@lru_cache(maxsize=64)
+def _audit_settings(audit: ir.Audit, salt: SubjectSalt, jwt_headers: bool) -> AuditSettings:
+    """jwt_headers mode where jwt_authn runs (the proxy has jwt rules), else jwt_authn mode."""
+    return AuditSettings(
+        subject_salt=salt.hex,
+        salt_id=salt.id,
+        subject_source="jwt_headers" if jwt_headers else "jwt_authn",
+        jwt_metadata_key=JWT_PAYLOAD,
+        tenant_claim=audit.tenant_claim,
+        body_hash=BodyHash(enabled=audit.body_hash, max_bytes=audit.body_hash_max_bytes),
+    )

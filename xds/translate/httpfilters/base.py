@@ -1,0 +1,97 @@
+"""The HTTP filter unit and what it is given: the context of one HTTP connection manager."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.core.v3 import extension_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm,
+)
+
+from meshfn import ir
+from meshfn.contracts.plugins import AuditSettings, Trigger
+
+from ..resources import Resources
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """The audit filter of one proxy: its plugin settings, its journal, where the builds are."""
+
+    settings: AuditSettings
+    journal: Path
+    wasm_dir: Path
+
+
+@dataclass(frozen=True)
+class DegradeConfig:
+    """The degrade filter of one gateway listener. `routes`: each drift-guarded route's key and
+    its Envoy route names, in listener order (what the filter's rules name)."""
+
+    listener: str
+    routes: tuple[tuple[str, tuple[str, ...]], ...]
+    drill: ir.Drill | None
+    wasm_dir: Path
+
+    @property
+    def trigger(self) -> Trigger | None:
+        """The filter's trigger for the callers Mesh.spec.drill names."""
+        if self.drill is None:
+            return None
+        return Trigger(
+            header=self.drill.header, request_principals=list(self.drill.request_principals)
+        )
+
+
+@dataclass(frozen=True)
+class FilterContext:
+    """Everything the HTTP filters of one HTTP connection manager depend on. Hashable, so the
+    listener and route builders memoise on it, and free of runtime state (the drift breaker's
+    overlay reaches `HttpFilter.resources` only): tripping a route never rebuilds a listener."""
+
+    jwt_rules: tuple[ir.JwtRule, ...] = ()
+    authz: tuple[ir.AuthzPolicy, ...] = ()
+    audit: AuditConfig | None = None
+    degrade: DegradeConfig | None = None  # gateways only
+
+
+C = TypeVar("C")
+
+
+class HttpFilter(ABC, Generic[C]):
+    """One filter of the chain (its place is its position in `httpfilters.HTTP_FILTERS`).
+    `config` says whether it applies to a connection manager and with what; the hooks, called
+    only where it applies, say what it adds. Each hook's contributions land in registry order;
+    the defaults add nothing."""
+
+    @abstractmethod
+    def config(self, ctx: FilterContext) -> C | None:
+        """What this filter runs with on `ctx`'s connection manager, or None: not there."""
+
+    def http_filters(self, ctx: FilterContext, config: C) -> Iterable[hcm.HttpFilter]:
+        """Entries of the HTTP connection manager's filter chain."""
+        return ()
+
+    def access_logs(self, ctx: FilterContext, config: C) -> Iterable[accesslog_pb2.AccessLog]:
+        """The connection manager's access logs."""
+        return ()
+
+    def early_header_mutations(
+        self, ctx: FilterContext, config: C
+    ) -> Iterable[extension_pb2.TypedExtensionConfig]:
+        """Header mutations before Envoy picks a route or runs any filter."""
+        return ()
+
+    def request_headers_to_remove(self, ctx: FilterContext, config: C) -> Iterable[str]:
+        """Headers the route configuration removes before a request goes upstream."""
+        return ()
+
+    def resources(self, ctx: FilterContext, config: C, overlay: ir.Overlay) -> Resources:
+        """Resources the filter's configuration refers to (clusters, ECDS configurations)."""
+        return {}

@@ -1,0 +1,60 @@
+"""Headers only Envoy may set: the degrade filter's routing header and the claim headers
+jwt_authn writes for the wasm filters (the audit filter's subject and tenant in jwt_headers mode,
+a drill trigger's iss and sub). Which headers those are is the filters' contract
+(`contracts.plugins.internal_headers`, shared with the Istio renderer), so this one unit applies
+it for every plugin on the listener, first in the chain: the HTTP connection manager removes
+them from client requests before it matches a route or runs a filter (so only jwt_authn, or the
+degrade filter, can have set them), and the route configuration removes the claim headers
+before a request goes upstream (the backend never sees the raw subject).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from envoy.config.core.v3 import extension_pb2
+
+from meshfn.contracts.plugins import AuditSettings, DegradeSettings, internal_headers
+
+from ..wasm import early_header_mutation, jwt_claim_headers
+from .base import FilterContext, HttpFilter
+
+
+class Plugins(NamedTuple):
+    """The settings of the listener's plugins that decide its internal headers."""
+
+    degrade: DegradeSettings | None
+    audit: AuditSettings | None
+
+
+class InternalHeaders(HttpFilter[Plugins]):
+    def config(self, ctx: FilterContext) -> Plugins | None:
+        degrade = ctx.degrade
+        plugins = Plugins(
+            DegradeSettings(rules=[], trigger=degrade.trigger) if degrade is not None else None,
+            ctx.audit.settings if ctx.audit is not None else None,
+        )
+        return plugins if internal_headers(*plugins) else None
+
+    def early_header_mutations(
+        self, ctx: FilterContext, config: Plugins
+    ) -> Iterable[extension_pb2.TypedExtensionConfig]:
+        return (early_header_mutation(*config),)
+
+    def request_headers_to_remove(self, ctx: FilterContext, config: Plugins) -> Iterable[str]:
+        # The claim headers only: they carry the caller's subject, the backend must not see it.
+        routing = config.degrade.routing_header if config.degrade is not None else None
+        return [name for name in internal_headers(*config) if name != routing]
+
+
+def claim_headers(ctx: FilterContext) -> tuple[tuple[str, str], ...]:
+    """(header, claim) pairs every jwt_authn provider of the listener must write: the audit
+    filter's (jwt_headers mode) and, where drills name request principals, iss and sub."""
+    pairs: list[tuple[str, str]] = []
+    if ctx.audit is not None and ctx.audit.settings.subject_source == "jwt_headers":
+        pairs += ((c.header_name, c.claim_name) for c in jwt_claim_headers(ctx.audit.settings))
+    trigger = ctx.degrade.trigger if ctx.degrade is not None else None
+    if trigger is not None and trigger.request_principals:
+        pairs += [(trigger.issuer_header, "iss"), (trigger.subject_header, "sub")]
+    return tuple(dict.fromkeys(pairs))

@@ -19,6 +19,8 @@ from fractions import Fraction
 from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from pydantic import BaseModel, ValidationError
+
 from . import MeshModel
 
 
@@ -40,6 +42,8 @@ def _dump(value: Any) -> Any:
         return {f.name: _dump(getattr(value, f.name)) for f in _fields(type(value))}
     if isinstance(value, tuple):
         return [_dump(v) for v in value]
+    if isinstance(value, BaseModel):  # a shared contract (meshfn.contracts), in its own format
+        return value.model_dump(mode="json")
     if isinstance(value, timedelta):
         return go_duration(value)
     if value is None or isinstance(value, str | int | float):  # bool is an int
@@ -64,6 +68,15 @@ def _load(kind: Any, value: Any, path: str) -> Any:
         return _load_dataclass(kind, value, path)
     if origin is tuple:
         return _load_tuple(get_args(kind), value, path)
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        try:
+            return kind.model_validate(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(
+                f"{path}.{where}: {first['msg']}" if where else f"{path}: {first['msg']}"
+            ) from None
     if origin in (Union, types.UnionType):
         arms = [arm for arm in get_args(kind) if arm is not type(None)]
         if value is None and len(arms) < len(get_args(kind)):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -180,6 +181,8 @@ class AuditStore:
                 )
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+                if not self.path.exists():
+                    self._create()
                 self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
                 self._db.execute("PRAGMA journal_mode=WAL")
                 # NORMAL is enough: a transaction lost to power failure takes its journal offset
@@ -201,6 +204,26 @@ class AuditStore:
         self._head: tuple[int, bytes] | None = None
 
     # ------------------------------------------------------------------ setup
+
+    def _create(self) -> None:
+        """A new store appears complete or not at all: built under a temporary name, then
+        linked into place (a reader that sees the file always finds the schema; of two writers
+        racing to create it, one wins and the other opens the winner's)."""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.new")
+        tmp.unlink(missing_ok=True)
+        self._db = sqlite3.connect(tmp, check_same_thread=False, isolation_level=None)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_DDL)
+            self._init_meta()
+        finally:
+            self._db.close()
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _init_meta(self) -> None:
         with self._tx():

@@ -7,5 +7,5 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--update-golden",
         action="store_true",
-        help="rewrite tests/golden/*/out.yaml from the current translator (review the diff!)",
+        help="rewrite the golden files (tests/golden: ir.yaml and out.<type>.yaml per case) from the current code (review the diff!)",
     )

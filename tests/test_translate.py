@@ -170,3 +170,31 @@ def test_without_the_filter_nothing_of_it_remains() -> None:
     assert gateway is not None
     ((names, _),) = _chains(gateway[LISTENER]["http"])
     assert "test.stamp" not in names and "stamp" not in gateway[CLUSTER]
+
+
+def test_dumps_redact_the_subject_salt_wherever_it_travels(tmp_path: Path) -> None:
+    """The salt reaches Envoy inside the audit filter (listeners) or the combined audit+degrade
+    plugin (ECDS extension configs): neither may show it in a config dump."""
+    from meshfn.contracts.plugins import SubjectSalt
+    from meshfn.xds.dump import REDACTED, resources_to_plain, to_yaml
+    from meshfn.xds.translate import ProxyHost
+
+    salt = SubjectSalt("5a" * 32)
+    host = ProxyHost(tmp_path / "wasm", tmp_path, salt)
+    seen = 0
+    # the combined plugin on a gateway (audit_drift), the audit filter on sidecars (audit)
+    cases = [
+        load_policies(Path(__file__).parent / "golden" / c / "in.yaml")
+        for c in ("audit_drift", "audit")
+    ]
+    for model, workload in ((m, w) for m in cases for w in m.workloads):
+        resources = translate(model, workload.node_cluster, host=host)
+        assert resources is not None
+        raw = str({t: [str(m) for m in r.values()] for t, r in resources.items()})
+        if salt.hex not in raw:
+            continue
+        seen += 1
+        dumped = to_yaml(resources_to_plain(resources))
+        assert salt.hex not in dumped
+        assert REDACTED in dumped
+    assert seen >= 2

@@ -11,7 +11,7 @@ import yaml
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from .names import LISTENER, PUSH_ORDER, SECRET, SHORT_NAMES
+from .names import EXTENSION, LISTENER, PUSH_ORDER, SECRET, SHORT_NAMES
 
 REDACTED = "[redacted]"
 # The audit filter's HMAC key travels inside its plugin configuration (a JSON string).
@@ -36,8 +36,8 @@ def resources_to_plain(
         by_name = resources.get(type_url)
         if by_name:
             plain = [message_to_plain(by_name[n]) for n in sorted(by_name)]
-            if redact and type_url == LISTENER:
-                plain = [_redact_salt(listener) for listener in plain]
+            if redact and type_url in (LISTENER, EXTENSION):  # the audit filter, or the
+                plain = [_redact_salt(resource) for resource in plain]  # combined plugin (ECDS)
             if type_url == SECRET and redact:
                 for secret in plain:
                     certificate = secret.get("tlsCertificate")

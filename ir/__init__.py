@@ -71,6 +71,7 @@ class TrafficPolicy:
     outlier: Outlier | None = None
     breakers: CircuitBreakers | None = None
     health_check: HealthCheck | None = None
+    policy: str = ""  # the FallbackPolicy's name (same namespace as the service)
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,9 +108,10 @@ def service_source(service: ir.Service) -> Source:
 def route_source(model: ir.MeshModel, route: ir.Route) -> Source:
     """A Function's routes are named function-<name> (policy.compile.function_route)."""
     name = route.name.removeprefix("function-")
-    if any(f.namespace == route.namespace and f.name == name for f in model.functions):
-        if route.name != name:
-            return Source("Function", route.namespace, name)
+    if route.name != name and any(
+        f.namespace == route.namespace and f.name == name for f in model.functions
+    ):
+        return Source("Function", route.namespace, name)
     return Source("Route", route.namespace, route.name)
 
 

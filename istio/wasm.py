@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 from meshfn.contracts.plugins import build_name, plugin_json
@@ -52,15 +51,9 @@ def _spec(ctx: Context, plugin: Plugin, workload: str) -> Obj:
         "priority": PLUGIN_PRIORITY,
         "failStrategy": "FAIL_CLOSE",
         "pluginConfig": json.loads(config),
-        # Names the configuration the VM was started with (visible in config dumps).
-        "vmConfig": {
-            "env": [
-                {
-                    "name": "MESHFN_PLUGIN_CONFIG_SHA256",
-                    "value": hashlib.sha256(config.encode()).hexdigest(),
-                }
-            ]
-        },
+        # Names the build in the VM's environment (config dumps); constant per plugin, so a
+        # drift-breaker trip changes nothing but pluginConfig.
+        "vmConfig": {"env": [{"name": "MESHFN_FILTER_BUILD", "value": build}]},
     }
     if plugin.listener is not None:
         spec["match"] = [{"mode": "CLIENT", "ports": [{"number": plugin.listener.port}]}]

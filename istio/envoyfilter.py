@@ -32,6 +32,9 @@ HCM = "envoy.filters.network.http_connection_manager"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 AGGREGATE_TYPE = "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig"
 HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
+PREVIOUS_HOSTS_TYPE = (
+    "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+)
 ROUTE_METADATA = "meshfn"
 UNLIMITED = 0xFFFFFFFF
 
@@ -162,7 +165,12 @@ def degraded_twin(ctx: Context, route: ir.Route, index: int, tail_cluster: str) 
         retry: Obj = {
             "retry_on": ",".join(route.retries.retry_on),
             "num_retries": route.retries.attempts,
-            "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts"}],
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {"@type": PREVIOUS_HOSTS_TYPE},
+                }
+            ],
             "host_selection_retry_max_attempts": 3,
         }
         if route.retries.per_try_timeout is not None:

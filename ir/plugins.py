@@ -21,7 +21,13 @@ from meshfn.contracts.plugins import (
     Trigger,
     bare_filter_state,
 )
-from meshfn.xds.names import route_name
+
+
+def route_name(route_key: str, index: int) -> str:
+    """Envoy's name of match `index` of a Route, as meshfn.xds.names.route_name (the IR may not
+    import meshfn.xds: the package graph stays acyclic; the equivalence test compares them)."""
+    return f"{route_key}/{index}"
+
 
 # The jwt_authn metadata key the translator's providers write the verified payload under.
 JWT_PAYLOAD = "payload"

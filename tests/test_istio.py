@@ -41,6 +41,7 @@ from meshfn.istio.security import ambiguous_principal
 from meshfn.xds.dump import resources_to_plain
 from meshfn.xds.translate import extensions, routes, translate, wasm
 
+
 def _golden_module() -> Any:
     """The golden module's cases and helpers (tests are not a package here)."""
     import importlib.util
@@ -136,9 +137,7 @@ APPLY_TO = {
 
 
 def _patches(case: str) -> list[dict[str, Any]]:
-    return [
-        p for f in rendering(case).objects["EnvoyFilter"] for p in f["spec"]["configPatches"]
-    ]
+    return [p for f in rendering(case).objects["EnvoyFilter"] for p in f["spec"]["configPatches"]]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -214,9 +213,7 @@ def _smallest_config(case: str) -> dict[str, Any]:
     for r in vhost.routes:
         for name in [r.route.cluster, *(c.name for c in r.route.weighted_clusters.clusters)]:
             if name:
-                clusters.setdefault(
-                    name, {"name": name, "type": "STATIC", "connect_timeout": "1s"}
-                )
+                clusters.setdefault(name, {"name": name, "type": "STATIC", "connect_timeout": "1s"})
     if not vhost.routes:
         vhost.routes.add(name="default").route.cluster = "istio-default"
         vhost.routes[0].match.prefix = "/"
@@ -345,7 +342,11 @@ def test_full_builds_and_fail_close() -> None:
 
 
 def test_clients_cannot_pick_the_degraded_route() -> None:
-    (f,) = [f for f in rendering("examples").objects["EnvoyFilter"] if f["metadata"]["namespace"] == "ingress"]
+    (f,) = [
+        f
+        for f in rendering("examples").objects["EnvoyFilter"]
+        if f["metadata"]["namespace"] == "ingress"
+    ]
     hcm = next(p for p in f["spec"]["configPatches"] if p["applyTo"] == "NETWORK_FILTER")
     mutations = hcm["patch"]["value"]["typed_config"]["early_header_mutation_extensions"]
     removed = [m["remove"] for m in mutations[0]["typed_config"]["mutations"]]
@@ -367,20 +368,29 @@ runner = CliRunner()
 def test_schema_refusal_names_object_and_path() -> None:
     obj = copy.deepcopy(rendering("basic").objects["DestinationRule"][0])
     obj["spec"]["trafficPolicy"]["connectionPool"]["tcp"]["maxConnectionz"] = 3
-    with pytest.raises(SchemaError, match=r"DestinationRule default/echo: spec.trafficPolicy.connectionPool.tcp.maxConnectionz: unknown field"):
+    with pytest.raises(
+        SchemaError,
+        match=r"DestinationRule default/echo: spec.trafficPolicy.connectionPool.tcp.maxConnectionz: unknown field",
+    ):
         validate(obj)
     obj = copy.deepcopy(rendering("basic").objects["PeerAuthentication"][0])
     obj["spec"]["mtls"]["mode"] = "SOMETIMES"
-    with pytest.raises(SchemaError, match=r"PeerAuthentication istio-system/meshfn-golden: spec.mtls.mode"):
+    with pytest.raises(
+        SchemaError, match=r"PeerAuthentication istio-system/meshfn-golden: spec.mtls.mode"
+    ):
         validate(obj)
 
 
-def test_cli_writes_nothing_when_an_object_is_invalid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import meshfn.istio.traffic as traffic
+def test_cli_writes_nothing_when_an_object_is_invalid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshfn.istio import traffic
 
     monkeypatch.setattr(traffic, "ENVOY_ROUTE_TIMEOUT", {"seconds": 15})
     out = tmp_path / "out"
-    result = runner.invoke(app, ["render", "istio", "-p", str(GOLDEN / "basic" / "in.yaml"), "-o", str(out)])
+    result = runner.invoke(
+        app, ["render", "istio", "-p", str(GOLDEN / "basic" / "in.yaml"), "-o", str(out)]
+    )
     assert result.exit_code == 1
     assert "VirtualService ingress" in result.output or "VirtualService default" in result.output
     assert "spec.http" in result.output
@@ -392,12 +402,16 @@ def test_cli_warns_with_file_line_and_strict_fails(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = runner.invoke(app, ["render", "istio", "-p", str(policy), "-o", str(out)])
     assert result.exit_code == 0, result.output
-    line = next(i for i, text in enumerate(policy.read_text().splitlines(), 1) if "clockSkew" in text)
+    line = next(
+        i for i, text in enumerate(policy.read_text().splitlines(), 1) if "clockSkew" in text
+    )
     assert f"{policy}:{line}: spec.jwtRules[0].clockSkew:" in result.output
     assert "[jwt-clock-skew]" in result.output
     assert (out / "serviceentries.yaml").exists()
     strict = tmp_path / "strict"
-    result = runner.invoke(app, ["render", "istio", "-p", str(policy), "-o", str(strict), "--strict"])
+    result = runner.invoke(
+        app, ["render", "istio", "-p", str(policy), "-o", str(strict), "--strict"]
+    )
     assert result.exit_code == 1
     assert not strict.exists()
 
@@ -417,7 +431,17 @@ def test_cli_uses_the_built_modules(tmp_path: Path) -> None:
 
     digests = artifacts(build())
     result = runner.invoke(
-        app, ["render", "istio", "-p", str(GOLDEN / "audit_drift" / "in.yaml"), "-o", str(tmp_path), "--state-dir", str(tmp_path / "state")]
+        app,
+        [
+            "render",
+            "istio",
+            "-p",
+            str(GOLDEN / "audit_drift" / "in.yaml"),
+            "-o",
+            str(tmp_path),
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
     )
     assert result.exit_code == 0, result.output
     plugins = list(yaml.safe_load_all((tmp_path / "wasmplugins.yaml").read_text()))

@@ -124,14 +124,14 @@ class Security:
         authz = []
         for item in self.authz:
             assert isinstance(item.obj, AuthorizationPolicy)
-            spec = item.obj.spec
+            authz_spec = item.obj.spec
             authz.append(
                 ir.AuthzObject(
                     name=item.name,
                     namespace=item.namespace,
-                    selector=_selector(spec.selector),
-                    action=spec.action,
-                    rules=tuple(_rule(r) for r in spec.rules),
+                    selector=_selector(authz_spec.selector),
+                    action=authz_spec.action,
+                    rules=tuple(_rule(r) for r in authz_spec.rules),
                 )
             )
         return ir.Policies(

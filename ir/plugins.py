@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from meshfn import ir
+from meshfn.contracts.naming import route_name
 from meshfn.contracts.plugins import (
     AUDIT_FILTER_STATE,
     AuditSettings,
@@ -21,13 +22,6 @@ from meshfn.contracts.plugins import (
     Trigger,
     bare_filter_state,
 )
-
-
-def route_name(route_key: str, index: int) -> str:
-    """Envoy's name of match `index` of a Route, as meshfn.xds.names.route_name (the IR may not
-    import meshfn.xds: the package graph stays acyclic; the equivalence test compares them)."""
-    return f"{route_key}/{index}"
-
 
 # The jwt_authn metadata key the translator's providers write the verified payload under.
 JWT_PAYLOAD = "payload"
@@ -53,29 +47,45 @@ def drill_trigger(drill: ir.Drill | None) -> Trigger | None:
     return Trigger(header=drill.header, request_principals=list(drill.request_principals))
 
 
-def degrade_settings(
-    listener: ir.Listener,
-    drift_routes: frozenset[str],
-    degraded: frozenset[str],
-    drill: ir.Drill | None = None,
+GuardedRoutes = tuple[tuple[str, tuple[str, ...]], ...]  # (route key, its Envoy route names)
+
+
+def guarded_routes(listener: ir.Listener, drift_routes: frozenset[str]) -> GuardedRoutes:
+    """The listener's drift-guarded routes (keys in `drift_routes`) with their route names."""
+    return tuple(
+        (route.key, tuple(route_name(route.key, i) for i in range(len(route.matches))))
+        for route in listener.routes
+        if route.key in drift_routes
+    )
+
+
+def degrade_rules(
+    routes: GuardedRoutes, degraded: frozenset[str], trigger: Trigger | None
 ) -> DegradeSettings:
     """One rule per drift-guarded route: depth 1 (reroute to the route's degraded twin) once the
     breaker has tripped it, else 0 (pass through). The listener strips the routing header from
     client requests (early header mutation), so the filter does not look for a spoofed one."""
     rules = [
         DegradeRule(
-            name=route.key,
-            routes=[route_name(route.key, i) for i in range(len(route.matches))],
+            name=key,
+            routes=list(names),
             mode="reroute",
-            fallbacks=[route.key],
-            depth=1 if route.key in degraded else 0,
+            fallbacks=[key],
+            depth=1 if key in degraded else 0,
         )
-        for route in listener.routes
-        if route.key in drift_routes
+        for key, names in routes
     ]
-    return DegradeSettings(
-        rules=rules, listener_strips_routing_header=True, trigger=drill_trigger(drill)
-    )
+    return DegradeSettings(rules=rules, listener_strips_routing_header=True, trigger=trigger)
+
+
+def degrade_settings(
+    listener: ir.Listener,
+    drift_routes: frozenset[str],
+    degraded: frozenset[str],
+    drill: ir.Drill | None = None,
+) -> DegradeSettings:
+    """The degrade filter's settings for a listener (see degrade_rules)."""
+    return degrade_rules(guarded_routes(listener, drift_routes), degraded, drill_trigger(drill))
 
 
 def claim_header_pairs(

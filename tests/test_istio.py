@@ -29,17 +29,15 @@ from google.protobuf import json_format
 from typer.testing import CliRunner
 
 from meshfn import ir
-from meshfn.contracts.plugins import SubjectSalt
 from meshfn.control_plane.cli import app
 from meshfn.control_plane.policy import load_policies
 from meshfn.control_plane.runtime.envoy import envoy_binary
-from meshfn.ir import plugins as ir_plugins
 from meshfn.ir.routing import precedence
 from meshfn.istio import SchemaError, render
 from meshfn.istio.schema import validate
 from meshfn.istio.security import ambiguous_principal
 from meshfn.xds.dump import resources_to_plain
-from meshfn.xds.translate import extensions, routes, translate, wasm
+from meshfn.xds.translate import translate
 
 
 def _golden_module() -> Any:
@@ -63,37 +61,6 @@ XDS_CASES = sorted(p.name for p in XDS_GOLDEN.iterdir() if (p / "in.yaml").exist
 
 
 # ---------------------------------------------------------------- one builder, same JSON
-
-
-@pytest.mark.parametrize("case", XDS_CASES)
-def test_ir_plugins_match_the_translator(case: str) -> None:
-    """meshfn.ir.plugins builds exactly what xds.translate builds today (the merge switches the
-    translator over to it)."""
-    model = load_policies(XDS_GOLDEN / case / "in.yaml")
-    salt = SubjectSalt("ab" * 32)
-    if model.audit is not None:
-        for jwt in (False, True):
-            ours = ir_plugins.audit_settings(model.audit, salt, jwt)
-            assert ours == extensions._audit_settings(model.audit, salt, jwt)
-            assert ir_plugins.access_log_format(ours) == wasm.access_log_format(ours)
-    assert ir_plugins.drill_trigger(model.drill) == extensions.drill_trigger(model.drill)
-    assert ir_plugins.ACCESS_LOG_FORMAT == wasm.ACCESS_LOG_FORMAT
-    for workload in model.workloads:
-        for listener in workload.listeners:
-            keys = frozenset(r.key for r in listener.routes)
-            for degraded in (frozenset(), keys):
-                assert ir_plugins.degrade_settings(
-                    listener, keys, degraded, model.drill
-                ) == extensions.degrade_settings(listener, keys, degraded, model.drill)
-            for route in listener.routes:
-                for i in range(len(route.matches)):
-                    assert precedence(route, i) == routes.precedence(route, i)
-        audit = extensions.audit_for(model, workload, extensions.OFFLINE_HOST)
-        for degrade in (False, True):
-            trigger = ir_plugins.drill_trigger(model.drill) if degrade else None
-            assert ir_plugins.claim_header_pairs(
-                audit.settings if audit else None, trigger
-            ) == extensions.claim_headers(audit, degrade, model.drill)
 
 
 def _wasm_configurations(node: Any) -> set[str]:

@@ -263,8 +263,19 @@ def _type_cell(state: dict[str, Any] | None) -> str:
 def status(
     admin: AdminOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="raw JSON")] = False,
+    kube: Annotated[
+        bool, typer.Option("--kube", help="the cluster's meshfn objects: conditions, what they own")
+    ] = False,
+    kubeconfig: Annotated[Path | None, typer.Option(help="with --kube")] = None,
+    context: Annotated[str | None, typer.Option(help="with --kube: kubeconfig context")] = None,
+    namespace: Annotated[str | None, typer.Option(help="with --kube: default all")] = None,
 ) -> None:
-    """Every connected proxy: per type the version sent and ACKed, and the last NACK."""
+    """Every connected proxy: per type the version sent and ACKed, and the last NACK. With
+    --kube: every meshfn custom resource, its conditions and the objects it owns."""
+    if kube:
+        from .kube.cli import print_status
+
+        raise typer.Exit(print_status(out, kubeconfig, context, namespace))
     document = _get_json(_admin_url(admin) + "/debug/status")
     if as_json:
         out.print_json(json.dumps(document))
@@ -335,6 +346,10 @@ def status(
                 str(route["transitions"]),
             )
         out.print(routes)
+    if document.get("kube"):
+        from .kube.cli import print_operator
+
+        print_operator(out, document["kube"])
     for node, type_name, nack in nacks:
         out.print(f"[red]NACK[/red] {node} {type_name} version {nack['version'][:8]}: ", end="")
         out.print(nack["error"], markup=False, highlight=False)
@@ -501,6 +516,15 @@ def filters_build(
     out.print(str(directory), markup=False, highlight=False)
     for name, digest in sorted(digests.items()):
         err.print(f"  {name}.wasm  sha256:{digest}", markup=False, highlight=False)
+
+
+def _mount_kube_cli() -> None:
+    from .kube.cli import kube_app
+
+    app.add_typer(kube_app, name="kube")
+
+
+_mount_kube_cli()
 
 
 def _mount_function_cli() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,12 +168,18 @@ class Applier:
         self.inventory, self.resources, self.missing_kinds = inventory, resources, missing
         self.synced = True
 
-    async def reconcile(self, desired: list[Desired], prune: bool = True) -> Report:
+    async def reconcile(
+        self, desired: list[Desired], prune: bool = True, leading: Callable[[], bool] = lambda: True
+    ) -> Report:
         """Apply what changed, prune what is gone. Stops at the first unreachable error (the
-        caller retries with backoff); conflicts and rejections are per object."""
+        caller retries with backoff); conflicts and rejections are per object. `leading` is
+        asked before every write: a replica that lost the Lease mid-way stops writing at once."""
         report = Report()
         wanted: set[Key] = set()
         for item in desired:
+            if not leading():
+                report.unreachable = "lost the leader Lease"
+                return report
             obj = self.label(item.obj)
             key = key_of(obj)
             wanted.add(key)
@@ -210,6 +216,9 @@ class Applier:
             self.metrics.applies.labels(item.resource.kind, "applied").inc()
         if prune and not report.unreachable:
             for key in sorted(set(self.inventory) - wanted):
+                if not leading():
+                    report.unreachable = "lost the leader Lease"
+                    break
                 res = self.resources[key]
                 try:
                     await self.kube.delete(res, key[3], key[2] or None)

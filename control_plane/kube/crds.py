@@ -99,6 +99,11 @@ def structural(node: dict[str, Any], defs: dict[str, Any], path: str = "") -> di
             }
         elif key == "items":
             out[key] = structural(value, defs, f"{path}[]")
+        elif key == "patternProperties":
+            # Keys with a pattern (portLevelMtls ports): structural schemas have no
+            # patternProperties; the value schema stays, the model checks the keys.
+            (value_schema,) = value.values()
+            out["additionalProperties"] = structural(value_schema, defs, f"{path}{{}}")
         elif key == "additionalProperties":
             if value is False:
                 out["x-kubernetes-preserve-unknown-fields"] = True
@@ -239,6 +244,13 @@ def crd(info: Kind) -> dict[str, Any]:
     }
 
 
+class _Dumper(yaml.SafeDumper):
+    """No &anchors/*aliases for values the schema shares between fields: people read these."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 HEADER = "# Generated from meshfn's policy models by `meshfn kube crds`; do not edit.\n"
 
 
@@ -249,7 +261,7 @@ def rendered() -> dict[str, str]:
         raise SchemaError(f"policy kinds and CRD names disagree on: {', '.join(sorted(missing))}")
     return {
         f"{info.crd_name}.yaml": HEADER
-        + yaml.safe_dump(crd(info), sort_keys=False, width=100, allow_unicode=True)
+        + yaml.dump(crd(info), Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True)
         for info in KINDS
     }
 

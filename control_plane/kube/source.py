@@ -249,7 +249,7 @@ class KubePolicySource:
                     exc,
                     delay,
                 )
-                await _sleep(stop, delay)
+                await sleep_or_stop(stop, delay)
             except Unreachable as exc:
                 reflector.connected = False
                 reflector.last_error = str(exc)
@@ -263,14 +263,14 @@ class KubePolicySource:
                     kind,
                     delay,
                 )
-                await _sleep(stop, delay)
+                await sleep_or_stop(stop, delay)
 
     # ------------------------------------------------------------ builds
 
     async def _build_loop(self, stop: asyncio.Event) -> None:
-        await _wait_either(self.synced, stop)
+        await wait_either(self.synced, stop)
         while not stop.is_set():
-            await _wait_either(self._dirty, stop)
+            await wait_either(self._dirty, stop)
             if stop.is_set():
                 return
             first = time.monotonic()
@@ -364,12 +364,12 @@ class KubePolicySource:
         )
 
 
-async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
 
 
-async def _wait_either(event: asyncio.Event, stop: asyncio.Event) -> None:
+async def wait_either(event: asyncio.Event, stop: asyncio.Event) -> None:
     waiters = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(stop.wait())]
     try:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)

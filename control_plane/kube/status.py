@@ -44,14 +44,14 @@ class Outcome:
             invalid = ("True", "Invalid", messages)
         elif verdict.state == "Blocked":
             accepted = ("False", "Blocked", messages)
-            invalid = ("False", "Valid", "")
+            invalid = ("False", "Valid", "no errors")
         elif self.apply_problems:
             text = "\n".join(self.apply_problems)[:MAX_MESSAGE]
             accepted = ("False", "ApplyFailed", text)
-            invalid = ("False", "Valid", "")
+            invalid = ("False", "Valid", "no errors")
         else:
             accepted = ("True", "Accepted", "in force")
-            invalid = ("False", "Valid", "")
+            invalid = ("False", "Valid", "no errors")
         out = []
         for kind, (status, reason, message) in (
             (CONDITION_ACCEPTED, accepted),
@@ -69,8 +69,14 @@ class Outcome:
         return out
 
 
-def _same(live: list[dict[str, Any]], want: list[dict[str, Any]]) -> bool:
-    fields = ("type", "status", "reason", "message", "observedGeneration")
+_STATE = ("type", "status", "reason", "message")
+
+
+def _same(
+    live: list[dict[str, Any]],
+    want: list[dict[str, Any]],
+    fields: tuple[str, ...] = (*_STATE, "observedGeneration"),
+) -> bool:
     strip = [{f: c.get(f) for f in fields} for c in live]
     return strip == [{f: c.get(f) for f in fields} for c in want]
 
@@ -124,7 +130,7 @@ class StatusWriter:
                 continue
             self.metrics.status_writes.labels("status").inc()
             patched += 1
-            transition = not _same(live, want)
+            transition = not _same(live, want, _STATE)  # a new generation alone is no news
             self.written[key] = (want, resources)
             if transition:
                 await self._event(obj, outcome, want[0])

@@ -190,7 +190,9 @@ def _container_security() -> Obj:
     }
 
 
-def render_backends(model: ir.MeshModel, settings: BackendSettings, keda: bool) -> list[Rendered]:
+def render_backends(
+    model: ir.MeshModel, settings: BackendSettings, keda: bool, hpa_version: str = "v2"
+) -> list[Rendered]:
     """Every Kubernetes object the model's Functions need, each with the policy it comes from
     (the backend's meshfn Service: deleting it garbage-collects them)."""
     by_backend: dict[str, list[ir.Function]] = {}
@@ -253,11 +255,11 @@ def render_backends(model: ir.MeshModel, settings: BackendSettings, keda: bool) 
                 },
             )
         )
-        out.append(Rendered(source, _scaler(name, ns, settings, keda)))
+        out.append(Rendered(source, _scaler(name, ns, settings, keda, hpa_version)))
     return out
 
 
-def _scaler(name: str, ns: str, settings: BackendSettings, keda: bool) -> Obj:
+def _scaler(name: str, ns: str, settings: BackendSettings, keda: bool, hpa_version: str) -> Obj:
     scale = settings.autoscaling
     target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
     meta = {"name": name, "namespace": ns, "labels": _labels(name)}
@@ -284,7 +286,7 @@ def _scaler(name: str, ns: str, settings: BackendSettings, keda: bool) -> Obj:
             },
         }
     return {
-        "apiVersion": "autoscaling/v2beta2",
+        "apiVersion": f"autoscaling/{hpa_version}",
         "kind": "HorizontalPodAutoscaler",
         "metadata": meta,
         "spec": {

@@ -1,0 +1,575 @@
+"""The meshfn operator: custom resources -> MeshModel -> Istio objects and backends -> the cluster.
+
+The composition root of Kubernetes mode (`meshfn kube run`). Every replica watches the custom
+resources and compiles them (so a new leader starts warm and misses nothing), serves the
+access-log stream that feeds the drift breaker, and serves the filter modules WasmPlugins
+fetch. Only the leader writes: server-side applies, prunes, status conditions, Events, and the
+degrade WasmPlugin when the breaker trips or recovers. A new leader first rebuilds its
+inventory from the live objects and then reconciles everything once, so an update the old
+leader had not applied when it died is applied now.
+
+When the apiserver is unreachable or slow, what was applied stays as it is; the reconcile is
+retried with backoff, and the logs, `meshfn_kube_apiserver_reachable`, `meshfn_kube_pending_objects`
+and `meshfn status` say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import grpc
+import yaml
+from aiohttp import web
+from envoy.data.accesslog.v3 import accesslog_pb2
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from meshfn.ir import MeshModel, Overlay
+from meshfn.xds.als import AccessLogReceiver
+from meshfn.xds.names import LATENCY_LOG
+
+from .. import filters
+from ..health.drift import DriftBreaker
+from ..service import watched_routes
+from .api import ApiError, Backoff, KubeClient, Obj, Resource, Unreachable
+from .apply import Applier, Desired, Report, describe
+from .lease import LeaderElector, Timing
+from .metrics import KubeMetrics
+from .names import ANNOTATION_SOURCE, API_VERSION, BY_KIND
+from .source import Build, KubePolicySource, ObjectKey, wait_either
+from .status import Outcome, StatusWriter
+from .workloads import BackendSettings, Rendered, render_backends
+
+log = logging.getLogger("meshfn.kube")
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _res(group: str, version: str, plural: str, kind: str) -> Resource:
+    return Resource(group, version, plural, kind)
+
+
+# Every kind the operator may create, so it can list (inventory) and prune them.
+MANAGED: tuple[Resource, ...] = (
+    _res("networking.istio.io", "v1", "virtualservices", "VirtualService"),
+    _res("networking.istio.io", "v1", "destinationrules", "DestinationRule"),
+    _res("networking.istio.io", "v1", "serviceentries", "ServiceEntry"),
+    _res("networking.istio.io", "v1", "workloadentries", "WorkloadEntry"),
+    _res("networking.istio.io", "v1alpha3", "envoyfilters", "EnvoyFilter"),
+    _res("security.istio.io", "v1", "peerauthentications", "PeerAuthentication"),
+    _res("security.istio.io", "v1", "requestauthentications", "RequestAuthentication"),
+    _res("security.istio.io", "v1", "authorizationpolicies", "AuthorizationPolicy"),
+    _res("extensions.istio.io", "v1alpha1", "wasmplugins", "WasmPlugin"),
+    _res("telemetry.istio.io", "v1alpha1", "telemetries", "Telemetry"),
+    _res("", "v1", "configmaps", "ConfigMap"),
+    _res("", "v1", "services", "Service"),
+    _res("apps", "v1", "deployments", "Deployment"),
+    _res("autoscaling", "v2beta2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"),
+    _res("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject"),
+)
+_BY_KIND = {r.kind: r for r in MANAGED}
+_POD = _res("", "v1", "pods", "Pod")
+LEADER_LABEL = "meshfn.io/leader"
+
+
+# ---------------------------------------------------------------- configuration
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WasmSettings(_Strict):
+    """Where Istio's proxies fetch meshfn's filter modules."""
+
+    serve: bool = Field(True, description="serve the built modules at /wasm/sha256/<digest>.wasm")
+    baseUrl: str | None = Field(
+        None,
+        description="URL prefix the WasmPlugins use; default: this control plane's Service",
+    )
+    oci: str | None = Field(None, description="oci://registry/repository instead of HTTP")
+
+
+class OperatorConfig(_Strict):
+    """`meshfn kube run --config FILE` (the Helm chart writes it into a ConfigMap)."""
+
+    namespace: str = Field("meshfn-system", description="where the control plane runs")
+    instance: str = Field("meshfn", description="labels what this installation manages")
+    service: str = Field("meshfn", description="the control plane's Service name")
+    watchNamespace: str | None = Field(None, description="only this namespace; default all")
+    leaseName: str = "meshfn-leader"
+    leaseDuration: Annotated[float, Field(gt=0)] = 15.0
+    renewDeadline: Annotated[float, Field(gt=0)] = 10.0
+    retryPeriod: Annotated[float, Field(gt=0)] = 2.0
+    forceConflicts: bool = Field(
+        False, description="take over fields another field manager owns (never by default)"
+    )
+    resyncSeconds: Annotated[float, Field(gt=0)] = Field(
+        600, description="compare live objects with the intent this often"
+    )
+    debounceSeconds: Annotated[float, Field(ge=0)] = 0.1
+    listen: str = "0.0.0.0"
+    adminPort: Annotated[int, Field(ge=0, le=65535)] = 9090
+    alsPort: Annotated[int, Field(ge=0, le=65535)] = 9091
+    wasm: WasmSettings = Field(default_factory=WasmSettings)
+    backends: BackendSettings = Field(default_factory=BackendSettings)
+
+    @classmethod
+    def load(cls, path: Path | None, **overrides: Any) -> OperatorConfig:
+        data: dict[str, Any] = {}
+        if path is not None:
+            try:
+                loaded = yaml.safe_load(path.read_text()) or {}
+            except (OSError, yaml.YAMLError) as exc:
+                raise ValueError(f"cannot read {path}: {exc}") from None
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: the operator configuration is a mapping")
+            data = loaded
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            config = cls.model_validate(data)
+            Timing(config.leaseDuration, config.renewDeadline, config.retryPeriod)
+        except ValidationError as exc:
+            lines = [
+                f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
+            ]
+            raise ValueError(f"{path or 'flags'}: " + "; ".join(lines)) from None
+        return config
+
+    def wasm_base(self) -> str:
+        if self.wasm.oci:
+            return self.wasm.oci
+        if self.wasm.baseUrl:
+            return self.wasm.baseUrl
+        return f"http://{self.service}.{self.namespace}.svc:{self.adminPort}/wasm/"
+
+
+# ---------------------------------------------------------------- rendering
+
+Renderer = Callable[[MeshModel, Overlay], list[Rendered]]
+
+
+def owner_reference(obj: Obj) -> Obj:
+    meta = obj.get("metadata") or {}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": obj["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": False,
+    }
+
+
+def with_owner(rendered: Rendered, objects: dict[ObjectKey, Obj]) -> tuple[Obj, str]:
+    """The object with an owner reference to the policy it comes from, so deleting the policy
+    garbage-collects it. An owner must be cluster-scoped or in the dependent's namespace (the
+    garbage collector deletes a dependent whose owner it cannot find), so an object rendered
+    into another namespace, or from an object without a uid, is owned by the Mesh."""
+    obj = rendered.obj
+    meta = dict(obj["metadata"])
+    kind, namespace, name = rendered.source
+    info = BY_KIND.get(kind)
+    owner_key = ObjectKey(kind, namespace if info and info.scope == "Namespaced" else "", name)
+    owner = objects.get(owner_key)
+    if owner is None or (owner_key.namespace and owner_key.namespace != meta.get("namespace", "")):
+        owner = next((o for k, o in sorted(objects.items()) if k.kind == "Mesh"), None)
+    annotations = {**(meta.get("annotations") or {}), ANNOTATION_SOURCE: owner_key.ref}
+    meta["annotations"] = annotations
+    if owner is not None and (owner.get("metadata") or {}).get("uid"):
+        meta["ownerReferences"] = [owner_reference(owner)]
+    return {**obj, "metadata": meta}, owner_key.ref
+
+
+def desired(build: Build, overlay: Overlay, render: Renderer) -> list[Desired]:
+    assert build.model is not None
+    out = []
+    for rendered in render(build.model, overlay):
+        obj, source = with_owner(rendered, build.objects)
+        resource = _BY_KIND.get(obj["kind"])
+        if resource is None:
+            raise ValueError(f"the renderer produced a {obj['kind']}, which meshfn does not manage")
+        version = obj["apiVersion"].rsplit("/", 1)[-1]
+        out.append(
+            Desired(Resource(resource.group, version, resource.plural, resource.kind), obj, source)
+        )
+    return out
+
+
+def backends_renderer(settings: BackendSettings, apis: Callable[[], tuple[bool, str]]) -> Renderer:
+    """`apis()`: whether KEDA is installed, and the autoscaling version the cluster serves."""
+
+    def render(model: MeshModel, _overlay: Overlay) -> list[Rendered]:
+        keda, hpa_version = apis()
+        return render_backends(model, settings, keda, hpa_version)
+
+    return render
+
+
+# ---------------------------------------------------------------- the operator
+
+
+@dataclass
+class ApplyState:
+    """What `meshfn status` shows about delivery to the cluster."""
+
+    reachable: bool = True
+    last_error: str = ""
+    failing_since: float = 0.0
+    retry_in: float = 0.0
+    applied_at: float = 0.0
+    last_report: dict[str, Any] = field(default_factory=dict)
+
+
+class Operator:
+    def __init__(
+        self,
+        kube: KubeClient,
+        config: OperatorConfig,
+        render: Renderer | None = None,
+        identity: str | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.kube = kube
+        self.config = config
+        self.registry = registry or CollectorRegistry()
+        self.metrics = KubeMetrics(self.registry)
+        self.identity = (
+            identity
+            or os.environ.get("POD_NAME")
+            or (f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+        )
+        self.keda = False
+        self.hpa_version = "v2beta2"
+        self.render = render or backends_renderer(
+            config.backends, lambda: (self.keda, self.hpa_version)
+        )
+        self.source = KubePolicySource(
+            kube, config.watchNamespace, self.metrics, debounce=config.debounceSeconds
+        )
+        self.elector = LeaderElector(
+            kube,
+            config.namespace,
+            config.leaseName,
+            self.identity,
+            Timing(config.leaseDuration, config.renewDeadline, config.retryPeriod),
+            self.metrics,
+        )
+        self.applier = Applier(
+            kube, config.instance, MANAGED, self.metrics, force=config.forceConflicts
+        )
+        self.status_writer = StatusWriter(kube, self.metrics)
+        self.drift = DriftBreaker()
+        self.overlay = Overlay()
+        self.als = AccessLogReceiver(lambda _node: True)
+        self.als.subscribe(LATENCY_LOG, self._on_latency)
+        self.state = ApplyState()
+        self.wasm_dir: Path | None = None
+        self.wasm_digests: dict[str, str] = {}
+        self.admin_port = 0
+        self.als_port = 0
+        self.reconciles = 0
+        self._wake = asyncio.Event()
+        self._resync_due = 0.0
+        self.source.on_build(self._on_build)
+        self.elector.on_started_leading(self._on_leading)
+        self.elector.on_stopped_leading(self._on_following)
+
+    # ------------------------------------------------------------ events
+
+    async def _on_build(self, build: Build) -> None:
+        if build.model is not None:
+            self.drift.configure(watched_routes(build.model))
+        self._wake.set()
+
+    async def _on_leading(self) -> None:
+        self.applier.synced = False
+        self.status_writer.written.clear()
+        await self._label_self(True)
+        self._wake.set()
+
+    async def _on_following(self) -> None:
+        await self._label_self(False)
+
+    async def _label_self(self, leader: bool) -> None:
+        """Point the access-log Service at the leader (its selector has meshfn.io/leader)."""
+        pod = os.environ.get("POD_NAME")
+        if not pod:
+            return
+        body = {"metadata": {"labels": {LEADER_LABEL: "true" if leader else None}}}
+        try:
+            if leader:
+                others, _ = await self.kube.list(
+                    _POD, self.config.namespace, f"{LEADER_LABEL}=true"
+                )
+                for other in others:
+                    name = other["metadata"]["name"]
+                    if name != pod:
+                        unlabel = {"metadata": {"labels": {LEADER_LABEL: None}}}
+                        await self.kube.patch(_POD, name, unlabel, self.config.namespace)
+            await self.kube.patch(_POD, pod, body, self.config.namespace)
+        except (ApiError, Unreachable) as exc:
+            log.warning(
+                "cannot label pod %s as %s: %s", pod, "leader" if leader else "follower", exc
+            )
+
+    def _on_latency(self, _node: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        common = entry.common_properties
+        timing = common.time_to_last_downstream_tx_byte
+        if not common.HasField("time_to_last_downstream_tx_byte"):
+            timing = common.duration
+        self.drift.observe(
+            common.route_name,
+            common.upstream_cluster,
+            timing.ToNanoseconds() / 1e9,
+            time.monotonic(),
+        )
+
+    async def _drift_loop(self, stop: asyncio.Event, interval: float = 0.2) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            for transition in self.drift.evaluate(time.monotonic()):
+                log.warning(
+                    "drift breaker: route %s -> %s (p95 %.1f ms, baseline %.1f ms)",
+                    transition.route,
+                    transition.to,
+                    transition.p95_ms,
+                    transition.baseline_ms,
+                )
+            degraded = self.drift.degraded()
+            if degraded != self.overlay.degraded_routes:
+                self.overlay = Overlay(degraded_routes=degraded)
+                self._wake.set()
+
+    # ------------------------------------------------------------ reconcile
+
+    async def _reconcile_loop(self, stop: asyncio.Event) -> None:
+        backoff = Backoff()
+        retry_at = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            waits = [self._resync_due - now] if self._resync_due else []
+            if retry_at:
+                waits.append(retry_at - now)
+            timeout = max(0.0, min(waits)) if waits else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wait_either(self._wake, stop), timeout)
+            if stop.is_set():
+                return
+            self._wake.clear()
+            if not self.elector.leading.is_set() or self.source.last is None:
+                continue
+            try:
+                await self.reconcile(self.source.last)
+            except Unreachable as exc:
+                delay = backoff.next()
+                retry_at = time.monotonic() + delay
+                if self.state.reachable:
+                    self.state.failing_since = time.time()
+                self.state.reachable, self.state.last_error = False, str(exc)
+                self.state.retry_in = delay
+                self.metrics.apiserver_up.set(0)
+                log.warning(
+                    "apiserver unreachable while applying (%s): keeping what was applied,"
+                    " retrying in %.1fs",
+                    exc,
+                    delay,
+                )
+                continue
+            except ApiError as exc:
+                delay = backoff.next()
+                retry_at = time.monotonic() + delay
+                self.state.last_error, self.state.retry_in = str(exc), delay
+                log.error("reconcile failed (%s); retrying in %.1fs", exc, delay)
+                continue
+            backoff.reset()
+            retry_at = 0.0
+            self.state.reachable, self.state.last_error, self.state.retry_in = True, "", 0.0
+            self.metrics.apiserver_up.set(1)
+
+    async def reconcile(self, build: Build) -> Report:
+        """One pass: (inventory,) apply, prune, write the status of every object."""
+        self.reconciles += 1
+        report = Report()
+        wanted: list[Desired] = []
+        if build.model is not None:
+            wanted = desired(build, self.overlay, self.render)
+        now = time.monotonic()
+        if not self.applier.synced or now >= self._resync_due:
+            # Optional APIs decide what is rendered: KEDA (ScaledObject) and autoscaling/v2
+            # (1.23+; 1.20 serves v2beta2).
+            self.keda = await self.kube.has_api("keda.sh/v1alpha1")
+            self.hpa_version = "v2" if await self.kube.has_api("autoscaling/v2") else "v2beta2"
+            self.applier.kinds = [
+                replace(r, version=self.hpa_version) if r.kind == "HorizontalPodAutoscaler" else r
+                for r in MANAGED
+            ]
+            if build.model is not None:
+                wanted = desired(build, self.overlay, self.render)
+            await self.applier.sync(wanted)
+            self._resync_due = now + self.config.resyncSeconds
+        if build.model is not None and self.elector.leading.is_set():
+            report = await self.applier.reconcile(wanted, leading=self.elector.leading.is_set)
+            self.state.applied_at = time.time()
+            self.state.last_report = {
+                "applied": [describe(k) for k in report.applied],
+                "pruned": [describe(k) for k in report.pruned],
+                "unchanged": report.unchanged,
+                "conflicts": {describe(k): v for k, v in report.conflicts.items()},
+                "failed": {describe(k): v for k, v in report.failed.items()},
+            }
+        if self.elector.leading.is_set():
+            await self.status_writer.write(build, self._outcomes(build, wanted, report))
+        if report.unreachable:
+            raise Unreachable(report.unreachable)
+        return report
+
+    def _outcomes(
+        self, build: Build, wanted: list[Desired], report: Report
+    ) -> dict[ObjectKey, Outcome]:
+        problems: dict[str, list[str]] = {}
+        resources: dict[str, list[dict[str, str]]] = {}
+        for item in wanted:
+            key = item.key
+            resources.setdefault(item.source, []).append(
+                {"apiVersion": key[0], "kind": key[1], "namespace": key[2], "name": key[3]}
+            )
+            text = report.conflicts.get(key) or report.failed.get(key)
+            if text:
+                label = "conflict" if key in report.conflicts else "rejected"
+                problems.setdefault(item.source, []).append(f"{describe(key)}: {label}: {text}")
+        return {
+            key: Outcome(
+                verdict,
+                tuple(problems.get(key.ref, ())),
+                tuple(resources.get(key.ref, ())),
+            )
+            for key, verdict in build.verdicts.items()
+        }
+
+    # ------------------------------------------------------------ serving
+
+    def status_document(self) -> dict[str, Any]:
+        """/debug/status, in the shape `meshfn status` reads, plus the `kube` section."""
+        last = self.source.last
+        return {
+            "policies": "kubernetes",
+            "generation": self.source.builds,
+            "policy_errors": [str(e) for e in last.errors] if last else [],
+            "proxies": [],
+            "routes": self.drift.snapshot(time.monotonic()),
+            "kube": {
+                "identity": self.identity,
+                "election": self.elector.status(),
+                "source": self.source.status(),
+                "apply": {
+                    "apiserver_reachable": self.state.reachable,
+                    "error": self.state.last_error,
+                    "failing_since": self.state.failing_since if not self.state.reachable else None,
+                    "retry_in_s": round(self.state.retry_in, 1),
+                    "applied_at": self.state.applied_at,
+                    "inventory": len(self.applier.inventory),
+                    "last": self.state.last_report,
+                },
+                "wasm": {"base": self.config.wasm_base(), "modules": self.wasm_digests},
+            },
+            "now": time.time(),
+        }
+
+    def _app(self) -> web.Application:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(
+                body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            )
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.Response(text="ok\n")
+
+        async def readyz(_: web.Request) -> web.Response:
+            if not self.source.synced.is_set():
+                return web.Response(status=503, text="not synced with the apiserver yet\n")
+            return web.Response(text="ok\n")
+
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(self.status_document())
+
+        async def wasm(request: web.Request) -> web.StreamResponse:
+            digest = request.match_info["digest"]
+            if not _SHA256.match(digest) or self.wasm_dir is None:
+                return web.Response(status=404, text="unknown module\n")
+            for name, known in self.wasm_digests.items():
+                if known == digest:
+                    return web.FileResponse(
+                        self.wasm_dir / f"{name}.wasm",
+                        headers={
+                            "Content-Type": "application/wasm",
+                            "Cache-Control": "public, max-age=31536000, immutable",
+                        },
+                    )
+            return web.Response(status=404, text="unknown module\n")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/readyz", readyz)
+        app.router.add_get("/debug/status", status)
+        if self.config.wasm.serve:
+            app.router.add_get("/wasm/sha256/{digest}.wasm", wasm)
+        return app
+
+    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        if self.config.wasm.serve:
+            wasm_dir, missing = await asyncio.to_thread(filters.prepare)
+            if wasm_dir is None:
+                log.warning("not serving filter modules: %s", missing)
+            else:
+                self.wasm_dir, self.wasm_digests = wasm_dir, filters.artifacts(wasm_dir)
+        runner = web.AppRunner(self._app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.listen, self.config.adminPort)
+        await site.start()
+        self.admin_port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((self.als.handler(),))
+        self.als_port = server.add_insecure_port(f"{self.config.listen}:{self.config.alsPort}")
+        await server.start()
+        log.info(
+            "meshfn operator %s: admin :%d, access logs :%d, lease %s/%s",
+            self.identity,
+            self.admin_port,
+            self.als_port,
+            self.config.namespace,
+            self.config.leaseName,
+        )
+        if ready is not None:
+            ready.set()
+        tasks = [
+            asyncio.create_task(self.source.run(stop)),
+            asyncio.create_task(self.elector.run(stop)),
+            asyncio.create_task(self._reconcile_loop(stop)),
+            asyncio.create_task(self._drift_loop(stop)),
+        ]
+        try:
+            await stop.wait()
+        finally:
+            # The elector releases the Lease on stop, so a follower takes over at once.
+            for task in tasks:
+                if task is not tasks[1]:
+                    task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await server.stop(grace=1)
+            await runner.cleanup()

@@ -1,0 +1,361 @@
+"""meshfn as a Kubernetes operator, against a real kube-apiserver + etcd + kube-controller-manager.
+
+One cluster per module (it takes ~6 s to start). The operator runs as a real `meshfn kube run`
+process with the Helm chart's RBAC and nothing more (its token is the chart's ServiceAccount),
+so a missing permission fails these tests. Writes are counted from the apiserver's audit log.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubecluster import CONTROLLER_NAMESPACE, ISTIO_CRDS, REPO, KubeCluster, helm_path
+from meshfn_e2e import MESHFN, Proc, free_ports, meshfn, wait_for
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = REPO / "policies" / "examples"
+LEASE = {"duration": 4.0, "deadline": 3.0, "retry": 0.5}
+
+
+def helm() -> str:
+    return helm_path()
+
+
+def chart(*args: str) -> list[dict[str, Any]]:
+    result = subprocess.run(
+        [
+            helm(),
+            "template",
+            "meshfn",
+            str(REPO / "manifests"),
+            "--namespace",
+            CONTROLLER_NAMESPACE,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
+    kube = KubeCluster(tmp_path_factory.mktemp("kube")).start()
+    try:
+        for ns in (CONTROLLER_NAMESPACE, "ingress"):
+            assert kube.kubectl("create", "namespace", ns).returncode == 0
+        result = kube.kubectl("apply", "-f", str(REPO / "manifests" / "crds"))
+        assert result.returncode == 0, result.stderr
+        # Istio's CRDs carry CEL rules this kubectl's client-side check rejects for 1.20.
+        result = kube.kubectl("apply", "--validate=false", "-f", str(ISTIO_CRDS))
+        assert result.returncode == 0, result.stderr
+        result = kube.kubectl(
+            "wait", "--for=condition=Established", "crd", "--all", "--timeout=60s"
+        )
+        assert result.returncode == 0, result.stderr
+        kube.forget_discovery()
+        # Only the chart's RBAC for the operator's identity.
+        rbac = [
+            d
+            for d in chart()
+            if d["kind"]
+            in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+        ]
+        kube.apply(yaml.safe_dump_all(rbac))
+        yield kube
+    finally:
+        kube.stop()
+
+
+class Operator:
+    def __init__(self, cluster: KubeCluster, name: str) -> None:
+        self.name = name
+        self.admin, self.als = free_ports(2)
+        self.proc = Proc(
+            [
+                MESHFN, "kube", "run",
+                "--kubeconfig", str(cluster.kubeconfig("meshfn")),
+                "--namespace", CONTROLLER_NAMESPACE,
+                "--instance", "meshfn",
+                "--identity", name,
+                "--listen", "127.0.0.1",
+                "--admin-port", str(self.admin),
+                "--als-port", str(self.als),
+                "--lease-duration", str(LEASE["duration"]),
+                "--renew-deadline", str(LEASE["deadline"]),
+                "--retry-period", str(LEASE["retry"]),
+                "--log-format", "json",
+            ],
+            cluster.root / "logs" / f"operator-{name}.log",
+        )  # fmt: skip
+
+    def start(self) -> Operator:
+        self.proc.start()
+        wait_for(f"operator {self.name} ready", lambda: self.get("/readyz") == "ok\n", 30)
+        return self
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}{path}", timeout=3) as r:
+            return str(r.read().decode())
+
+    def status(self) -> dict[str, Any]:
+        return dict(json.loads(self.get("/debug/status")))
+
+    def leading(self) -> bool:
+        return bool(self.status()["kube"]["election"]["leader"])
+
+    def metric(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in self.get("/metrics").splitlines():
+            if not line.startswith(name) or line.startswith("#"):
+                continue
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.stop(sig)
+
+
+@pytest.fixture
+def operator(cluster: KubeCluster) -> Iterator[Operator]:
+    op = Operator(cluster, "replica-a").start()
+    wait_for("replica-a to lead", op.leading, 20)
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
+def get(cluster: KubeCluster, path: str) -> Any:
+    try:
+        return cluster.get_json(path)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None
+        raise
+
+
+def meshfn_object(cluster: KubeCluster, plural: str, name: str, ns: str | None = "default") -> Any:
+    where = f"/namespaces/{ns}" if ns else ""
+    return get(cluster, f"/apis/meshfn.io/v1alpha1{where}/{plural}/{name}")
+
+
+def condition(obj: dict[str, Any], kind: str = "Accepted") -> dict[str, Any]:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c["type"] == kind:
+            return dict(c)
+    return {}
+
+
+def all_accepted(cluster: KubeCluster) -> bool:
+    objects = json.loads(cluster.kubectl("get", "meshfn", "-A", "-o", "json").stdout)["items"]
+    return bool(objects) and all(
+        condition(o).get("status") == "True"
+        and condition(o).get("observedGeneration") == o["metadata"]["generation"]
+        for o in objects
+    )
+
+
+def events_for(cluster: KubeCluster, name: str, ns: str = "default") -> list[dict[str, Any]]:
+    events = get(cluster, f"/api/v1/namespaces/{ns}/events")["items"]
+    return [e for e in events if e["involvedObject"].get("name") == name]
+
+
+def patch_spec(
+    cluster: KubeCluster, kind: str, name: str, spec: dict[str, Any], ns: str = "default"
+) -> None:
+    result = cluster.kubectl(
+        "-n", ns, "patch", kind, name, "--type", "merge", "-p", json.dumps({"spec": spec})
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def config_writes(cluster: KubeCluster, since: int) -> dict[str, int]:
+    """The operator's writes after audit position `since`, Lease renewals left out."""
+    return {k: v for k, v in cluster.writes(since=since).items() if "leases" not in k}
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_crds_schema_and_category(cluster: KubeCluster) -> None:
+    result = cluster.kubectl("get", "meshfn", "-A")
+    assert result.returncode == 0, result.stderr
+    bad = """apiVersion: meshfn.io/v1alpha1
+kind: Service
+metadata: {name: broken, namespace: default}
+spec: {port: 70000, protocol: ftp}
+"""
+    result = cluster.kubectl("apply", "-f", "-", stdin=bad)
+    assert result.returncode != 0
+    assert "spec.port" in result.stderr and "spec.protocol" in result.stderr, result.stderr
+    assert "Unsupported value" in result.stderr or "must be" in result.stderr
+    crd = get(cluster, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/services.meshfn.io")
+    assert crd["spec"]["names"]["shortNames"] == ["mfsvc"]
+    assert crd["spec"]["names"]["categories"] == ["meshfn"]
+
+
+def test_examples_applied_updated_and_status(cluster: KubeCluster, operator: Operator) -> None:
+    cluster.apply(Path(EXAMPLES).joinpath("mesh.yaml").read_text())
+    for name in sorted(p.name for p in EXAMPLES.glob("*.yaml")):
+        cluster.apply((EXAMPLES / name).read_text())
+    wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
+    deployment = wait_for(
+        "the models backend",
+        lambda: get(cluster, "/apis/apps/v1/namespaces/default/deployments/models"),
+        15,
+    )
+    owner = deployment["metadata"]["ownerReferences"][0]
+    service = meshfn_object(cluster, "services", "models")
+    assert (owner["kind"], owner["name"], owner["uid"]) == (
+        "Service",
+        "models",
+        service["metadata"]["uid"],
+    )
+    owned = {(r["kind"], r["name"]) for r in service["status"]["resources"]}
+    assert {
+        ("Deployment", "models"),
+        ("ConfigMap", "models-backend"),
+        ("Service", "models"),
+    } <= owned
+    config = get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")
+    backend = yaml.safe_load(config["data"]["backend.yaml"])
+    assert {f["name"] for f in backend["functions"]} == {"iris", "embedder", "digits"}
+
+    # An update rewrites only what changed: the backend's ConfigMap and its Deployment's
+    # config hash, plus the Function's status (its observedGeneration).
+    time.sleep(1)
+    mark = len(cluster.audit())
+    patch_spec(cluster, "functions.meshfn.io", "iris", {"limits": {"maxConcurrency": 12}})
+    wait_for(
+        "the new limit",
+        lambda: (
+            "maxConcurrency: 12"
+            in get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")["data"][
+                "backend.yaml"
+            ]
+        ),
+        15,
+    )
+    wait_for("iris status", lambda: all_accepted(cluster), 15)
+    time.sleep(1.5)
+    writes = config_writes(cluster, mark)
+    assert writes == {
+        "patch configmaps": 1,
+        "patch deployments": 1,
+        "patch functions/status": 1,
+    }, writes
+    # Nothing changed: nothing written.
+    mark = len(cluster.audit())
+    patch_spec(cluster, "functions.meshfn.io", "iris", {"limits": {"maxConcurrency": 12}})
+    time.sleep(1.5)
+    assert config_writes(cluster, mark) == {}
+
+
+def test_invalid_objects_keep_the_config_in_force(cluster: KubeCluster, operator: Operator) -> None:
+    wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
+    before = get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")
+    mark = len(cluster.audit())
+    # The schema accepts it; the reference check does not.
+    patch_spec(cluster, "functions.meshfn.io", "digits", {"backend": "nowhere"})
+    digits = wait_for(
+        "digits Invalid",
+        lambda: (
+            (o := meshfn_object(cluster, "functions", "digits"))
+            and condition(o, "Invalid").get("status") == "True"
+            and o
+        ),
+        15,
+    )
+    message = condition(digits)["message"]
+    assert condition(digits)["reason"] == "Invalid"
+    assert message.startswith("spec.backend:") and "nowhere" in message, message
+    assert condition(digits)["observedGeneration"] == digits["metadata"]["generation"]
+    # The same message `meshfn validate` prints for the same objects in files.
+    folder = cluster.root / "as-files"
+    folder.mkdir(exist_ok=True)
+    items = json.loads(cluster.kubectl("get", "meshfn", "-A", "-o", "json").stdout)["items"]
+    documents = [
+        {
+            "apiVersion": o["apiVersion"],
+            "kind": o["kind"],
+            "metadata": {k: v for k, v in o["metadata"].items() if k in ("name", "namespace")},
+            "spec": o["spec"],
+        }
+        for o in items
+    ]
+    (folder / "all.yaml").write_text(yaml.safe_dump_all(documents))
+    validated = meshfn("validate", str(folder))
+    assert validated.returncode == 1 and message in validated.stderr, (message, validated.stderr)
+    warning = wait_for(
+        "an Invalid Event",
+        lambda: [
+            e
+            for e in events_for(cluster, "digits")
+            if e["reason"] == "Invalid" and "nowhere" in e["message"]
+        ],
+        10,
+    )
+    assert warning[0]["type"] == "Warning"
+    # An unknown field is kept by the schema (not pruned) and refused by the model.
+    patch_spec(cluster, "services.meshfn.io", "models", {"prot": 1})
+    models = wait_for(
+        "models Invalid",
+        lambda: (
+            (o := meshfn_object(cluster, "services", "models"))
+            and condition(o, "Invalid").get("status") == "True"
+            and o
+        ),
+        15,
+    )
+    assert "unknown field 'prot'" in condition(models)["message"]
+    # The last good configuration stays: nothing rendered was written, only statuses and Events.
+    time.sleep(1)
+    writes = config_writes(cluster, mark)
+    assert set(writes) <= {"patch functions/status", "patch services/status", "create events"}, (
+        writes
+    )
+    assert (
+        get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")["metadata"][
+            "resourceVersion"
+        ]
+        == before["metadata"]["resourceVersion"]
+    )
+    # Fixed: accepted again, a Normal Event.
+    result = cluster.kubectl(
+        "patch",
+        "services.meshfn.io",
+        "models",
+        "--type",
+        "json",
+        "-p",
+        '[{"op":"remove","path":"/spec/prot"}]',
+    )
+    assert result.returncode == 0, result.stderr
+    patch_spec(cluster, "functions.meshfn.io", "digits", {"backend": "models"})
+    wait_for("every example Accepted again", lambda: all_accepted(cluster), 20)
+    assert wait_for(
+        "an Accepted Event",
+        lambda: [
+            e
+            for e in events_for(cluster, "digits")
+            if e["reason"] == "Accepted" and e["type"] == "Normal"
+        ],
+        10,
+    )

@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import asyncio
+import dataclasses
 import json
 import sys
 import urllib.error
@@ -377,6 +378,143 @@ def config_dump(
             )
         document = {resource_type: document[resource_type]}
     out.print(to_yaml(document), end="", markup=False, highlight=False)
+
+
+# ------------------------------------------------------------------ render
+
+render_app = typer.Typer(help="Render the policies for another control plane (Istio).")
+app.add_typer(render_app, name="render")
+
+
+@render_app.command("istio")
+def render_istio(
+    policies: PoliciesOpt = DEFAULT_POLICIES,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="write one file per kind here (default: stdout)"),
+    ] = None,
+    explain: Annotated[
+        bool, typer.Option("--explain", help="print what each policy became, and warnings")
+    ] = False,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="a policy Istio cannot express is an error")
+    ] = False,
+    label_key: Annotated[
+        str, typer.Option(help="pod label that names a Service's or Gateway's workloads")
+    ] = "app",
+    root_namespace: Annotated[
+        str, typer.Option(help="Istio's root namespace (mesh-wide policies)")
+    ] = "istio-system",
+    cluster_domain: Annotated[str, typer.Option(help="hosts are <svc>.<ns>.svc.<domain>")] = (
+        "cluster.local"
+    ),
+    wasm_base_url: Annotated[
+        str,
+        typer.Option(help="https://... (modules at <base><sha256>.wasm) or oci://registry/repo"),
+    ] = "https://meshfn-control-plane.meshfn-system.svc/wasm/",
+    control_plane_host: Annotated[
+        str, typer.Option(help="the control plane's Service host (access-log stream)")
+    ] = "meshfn-control-plane.meshfn-system.svc.cluster.local",
+    journal_path: Annotated[
+        str, typer.Option(help="where istio-proxy writes the audit journal")
+    ] = "/var/run/meshfn/journal/audit.jsonl",
+    state_dir: StateOpt = DEFAULT_STATE,
+) -> None:
+    """Istio objects for the policies (PeerAuthentication ... Telemetry), validated against
+    Istio's schemas; kubectl-apply-ready. Nothing is written when anything is wrong."""
+    from meshfn.istio import MissingModule, RenderOptions, SchemaError, render
+    from meshfn.istio.output import files
+
+    from .audit.salt import load_or_create
+    from .filters import BuildError, artifacts, build
+    from .policy import PolicyLoader
+
+    loader = PolicyLoader(policies)
+    try:
+        model = loader.load()
+    except PolicyErrors as exc:
+        for error in exc.errors:
+            err.print(str(error), highlight=False, markup=False)
+        err.print(f"[red]{len(exc.errors)} error(s)[/red]")
+        raise typer.Exit(1) from None
+    options = RenderOptions(
+        label_key=label_key,
+        root_namespace=root_namespace,
+        cluster_domain=cluster_domain,
+        wasm_base_url=wasm_base_url,
+        control_plane_host=control_plane_host,
+        journal_path=journal_path,
+    )
+    if model.audit is not None:
+        options = dataclasses.replace(options, salt=load_or_create(state_dir))
+    try:
+        rendering = render(model, artifacts(build()), options)
+    except (BuildError, MissingModule) as exc:
+        _fail(str(exc))
+        return
+    except SchemaError as exc:
+        _fail(f"a rendered object fails Istio's schema (a meshfn bug; nothing written): {exc}")
+        return
+    provenance = loader.provenance()
+    lines = []
+    for warning in rendering.warnings:
+        source = warning.source
+        where = provenance.where(source.kind, source.namespace, source.name, warning.path)
+        from .policy.source import format_loc
+
+        lines.append(
+            f"{where or source}: {format_loc(warning.path)}: {warning.message} "
+            f"[{warning.code}] ({source})"
+        )
+    for line in lines:
+        err.print(("error: " if strict else "warning: ") + line, markup=False, highlight=False)
+    if explain:
+        _explain(rendering, provenance)
+    if strict and lines:
+        err.print(
+            f"[red]{len(lines)} part(s) Istio cannot express (--strict): nothing written[/red]"
+        )
+        raise typer.Exit(1)
+    rendered = files(rendering)
+    if out_dir is None:
+        if not explain:
+            text = "---\n".join(v for k, v in rendered.items() if k != "mesh-config.yaml")
+            out.print(text, end="", markup=False, highlight=False)
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from meshfn.istio.registry import KINDS, MESH_CONFIG_FILE
+
+    for stale in {k.file for k in KINDS} - set(rendered):
+        (out_dir / stale).unlink(missing_ok=True)
+    for name, text in rendered.items():
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out_dir / name)
+    counts = ", ".join(f"{len(v)} {k}" for k, v in rendering.objects.items() if v)
+    err.print(f"wrote {out_dir}/ ({counts}; {MESH_CONFIG_FILE})", markup=False, highlight=False)
+
+
+def _explain(rendering: Any, provenance: Any) -> None:
+    """policy -> the objects it became -> its warnings (rich Text: names are not markup)."""
+    from rich.text import Text
+
+    became: dict[Any, list[str]] = {}
+    for (kind, namespace, name), sources in rendering.origins.items():
+        for source in sources:
+            became.setdefault(source, []).append(f"{kind} {namespace}/{name}")
+    warned: dict[Any, list[str]] = {}
+    for warning in rendering.warnings:
+        warned.setdefault(warning.source, []).append(f"[{warning.code}] {warning.message}")
+    table = Table("policy", "where", "Istio objects", "warnings")
+    for source in sorted(set(became) | set(warned)):
+        where = provenance.where(source.kind, source.namespace, source.name) or ""
+        table.add_row(
+            Text(str(source)),
+            Text(where),
+            Text("\n".join(sorted(became.get(source, []))) or "-"),
+            Text("\n".join(warned.get(source, [])) or "-"),
+        )
+    out.print(table)
 
 
 # ------------------------------------------------------------------ identity

@@ -71,6 +71,7 @@ class TrafficPolicy:
     outlier: Outlier | None = None
     breakers: CircuitBreakers | None = None
     health_check: HealthCheck | None = None
+    policy: str = ""  # the FallbackPolicy's name (same namespace as the service)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,7 @@ class Service:
     traffic: TrafficPolicy | None = None
     fallback: tuple[str, ...] = ()  # Service keys tried in order after this one (flattened)
     drift: Drift | None = None
+    external: bool = False  # its endpoints run outside Kubernetes (renderers for a cluster)
 
     @property
     def key(self) -> str:
@@ -288,6 +290,57 @@ class Overlay:
     degraded_routes: frozenset[str] = frozenset()
 
 
+# ---------------------------------------------------------------- policies as written
+#
+# The zero-trust policies also as the namespace-scoped objects the user wrote, with their
+# selectors: a renderer whose target has the same concepts (Istio) renders them one to one, where
+# the xDS translator uses the per-workload lowering above (Workload.jwt_rules/authz, Endpoint.mtls).
+
+
+@dataclass(frozen=True, slots=True)
+class Selector:
+    """One Service (its sidecars) or one Gateway of the policy's namespace."""
+
+    kind: Literal["service", "gateway"]
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPolicy:
+    name: str
+    namespace: str
+    selector: Selector | None  # None: every workload of the namespace
+    mtls: MtlsMode | None  # None: inherited (only port-level modes set)
+    port_mtls: tuple[tuple[int, MtlsMode], ...] = ()  # (endpoint application port, mode)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPolicy:
+    name: str
+    namespace: str
+    selector: Selector | None
+    rules: tuple[JwtRule, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AuthzObject:
+    name: str
+    namespace: str
+    selector: Selector | None
+    action: Literal["ALLOW", "DENY"]
+    rules: tuple[AuthzRule, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Policies:
+    """`mtls` is the mesh-wide default (Mesh.spec.mtls); the rest in (namespace, name) order."""
+
+    mtls: MtlsMode = "STRICT"
+    peer: tuple[PeerPolicy, ...] = ()
+    request: tuple[RequestPolicy, ...] = ()
+    authz: tuple[AuthzObject, ...] = ()
+
+
 @dataclass(frozen=True)
 class MeshModel:
     name: str
@@ -301,6 +354,7 @@ class MeshModel:
     acceleration: Literal["ebpf", "off", "auto"] = "off"
     audit: Audit | None = None
     drill: Drill | None = None
+    policies: Policies = Policies()
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

@@ -87,6 +87,7 @@ def _service(item: Loaded) -> ir.Service:
             )
             for e in spec.endpoints
         ),
+        external=spec.external,
     )
 
 
@@ -221,6 +222,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         acceleration=mesh.obj.spec.acceleration,
         audit=_audit(mesh.obj.spec.audit),
         drill=_drill(mesh.obj.spec.drill),
+        policies=security.as_written(),
     )
 
 

@@ -19,7 +19,7 @@ from .compile import compile_model, lower
 from .errors import PolicyError, PolicyErrors
 from .model import Mesh
 from .references import check_references
-from .source import Document, parse_documents
+from .source import Document, Loc, parse_documents
 from .validate import Loaded, validate_document
 
 POLICY_SUFFIXES = (".yaml", ".yml")
@@ -60,6 +60,22 @@ def _stat_key(path: str) -> tuple[int, ...]:
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+@dataclass(frozen=True)
+class Provenance:
+    """Where each loaded object was written. The IR carries no lines; a stage that reports on
+    IR objects (the Istio renderer's warnings) names (kind, namespace, name, field path), and
+    this maps that back to `file:line` for the user."""
+
+    documents: dict[tuple[str, str, str], Document]
+
+    def where(self, kind: str, namespace: str, name: str, loc: Loc = ()) -> str | None:
+        """`file:line` of `loc` in that object (or of its closest ancestor); None if unknown."""
+        doc = self.documents.get((kind, namespace, name))
+        if doc is None:
+            return None
+        return f"{doc.file}:{doc.line_of(loc)}"
+
+
 class PolicyLoader:
     """Loads one policy directory; reuse the instance across reloads to get per-file caching."""
 
@@ -70,6 +86,16 @@ class PolicyLoader:
     def load(self) -> MeshModel:
         """Return the MeshModel or raise PolicyErrors listing every problem found."""
         return build_model(*self._load_items())
+
+    def provenance(self) -> Provenance:
+        """Where the objects of the last load() came from."""
+        return Provenance(
+            {
+                (i.kind, i.namespace, i.name): i.doc
+                for result in self._files.values()
+                for i in result.items
+            }
+        )
 
     def _load_items(self) -> tuple[list[Loaded], list[PolicyError]]:
         if not self.root.exists():

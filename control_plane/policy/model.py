@@ -253,11 +253,20 @@ class ServiceSpec(Strict):
     serviceAccount: Name | None = Field(None, description="identity; defaults to the name")
     connectTimeout: Duration = timedelta(seconds=1)
     endpoints: Annotated[list[Endpoint], Field(max_length=10_000)] = Field(default_factory=list)
+    external: bool = Field(
+        False,
+        description="the endpoints run outside Kubernetes (VMs, other hosts). Rendered for Istio "
+        "as a ServiceEntry with one WorkloadEntry per endpoint; otherwise the Kubernetes Service "
+        "of this name and namespace provides the endpoints there. meshfn's own Envoys always use "
+        "`endpoints`",
+    )
 
     @model_validator(mode="after")
     def _timeouts(self) -> Self:
         if self.connectTimeout <= timedelta(0):
             raise ValueError("connectTimeout must be positive")
+        if self.external and not self.endpoints:
+            raise ValueError("an external service needs its endpoints")
         with_sidecar = sum(1 for e in self.endpoints if e.sidecar is not None)
         if 0 < with_sidecar < len(self.endpoints):
             raise ValueError("either every endpoint has a sidecar or none does")

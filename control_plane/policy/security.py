@@ -92,6 +92,52 @@ class Security:
                 )
         return tuple(out)
 
+    def as_written(self) -> ir.Policies:
+        """The policies as namespace-scoped objects with their selectors (ir.Policies)."""
+        peer = []
+        for item in sorted(self.peer, key=lambda i: (i.namespace, i.name)):
+            obj = item.obj
+            assert isinstance(obj, PeerAuthentication)
+            spec = obj.spec
+            peer.append(
+                ir.PeerPolicy(
+                    name=item.name,
+                    namespace=item.namespace,
+                    selector=_selector(spec.selector),
+                    mtls=spec.mtls.mode if spec.mtls is not None else None,
+                    port_mtls=tuple(
+                        sorted((int(port), m.mode) for port, m in spec.portLevelMtls.items())
+                    ),
+                )
+            )
+        request = []
+        for item in sorted(self.request, key=lambda i: (i.namespace, i.name)):
+            assert isinstance(item.obj, RequestAuthentication)
+            request.append(
+                ir.RequestPolicy(
+                    name=item.name,
+                    namespace=item.namespace,
+                    selector=_selector(item.obj.spec.selector),
+                    rules=tuple(_jwt_rule(rule) for rule in item.obj.spec.jwtRules),
+                )
+            )
+        authz = []
+        for item in self.authz:
+            assert isinstance(item.obj, AuthorizationPolicy)
+            authz_spec = item.obj.spec
+            authz.append(
+                ir.AuthzObject(
+                    name=item.name,
+                    namespace=item.namespace,
+                    selector=_selector(authz_spec.selector),
+                    action=authz_spec.action,
+                    rules=tuple(_rule(r) for r in authz_spec.rules),
+                )
+            )
+        return ir.Policies(
+            mtls=self.mesh_mode, peer=tuple(peer), request=tuple(request), authz=tuple(authz)
+        )
+
     def secure_service(self, service: ir.Service, account: str) -> ir.Service:
         """The service with its identity and, per sidecar'd endpoint, the sidecar's mTLS mode."""
         endpoints = tuple(
@@ -103,6 +149,15 @@ class Security:
             endpoints=endpoints,
             identity=spiffe_id(self.trust_domain, service.namespace, account),
         )
+
+
+def _selector(selector: WorkloadSelector | None) -> ir.Selector | None:
+    if selector is None:
+        return None
+    if selector.service is not None:
+        return ir.Selector("service", selector.service)
+    assert selector.gateway is not None
+    return ir.Selector("gateway", selector.gateway)
 
 
 def _jwt_rule(rule: JwtRule) -> ir.JwtRule:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -56,7 +55,7 @@ def chart(*args: str) -> list[dict[str, Any]]:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
     kube = KubeCluster(tmp_path_factory.mktemp("kube")).start()
     try:
-        for ns in (CONTROLLER_NAMESPACE, "ingress"):
+        for ns in (CONTROLLER_NAMESPACE, "ingress", "istio-system"):
             assert kube.kubectl("create", "namespace", ns).returncode == 0
         result = kube.kubectl("apply", "-f", str(REPO / "manifests" / "crds"))
         assert result.returncode == 0, result.stderr
@@ -85,9 +84,19 @@ class Operator:
     def __init__(self, cluster: KubeCluster, name: str) -> None:
         self.name = name
         self.admin, self.als = free_ports(2)
+        salt = cluster.root / "salt"
+        if not salt.exists():
+            salt.write_text("ab" * 32)
+        config = cluster.root / f"operator-{name}.yaml"
+        # As in a cluster, every replica serves the modules at the same Service URL.
+        wasm = {"baseUrl": "http://meshfn.meshfn-system.svc.cluster.local:9090/wasm/"}
+        config.write_text(
+            yaml.safe_dump({"saltFile": str(salt), "resyncSeconds": 30, "wasm": wasm})
+        )
         self.proc = Proc(
             [
                 MESHFN, "kube", "run",
+                "--config", str(config),
                 "--kubeconfig", str(cluster.kubeconfig("meshfn")),
                 "--namespace", CONTROLLER_NAMESPACE,
                 "--instance", "meshfn",

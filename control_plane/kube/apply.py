@@ -44,26 +44,43 @@ def describe(key: Key) -> str:
 
 def digest(obj: Obj) -> str:
     """sha256 of the canonical JSON of an intended object (its own hash annotation left out)."""
-    meta = dict(obj.get("metadata") or {})
-    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != ANNOTATION_HASH}
-    meta["annotations"] = annotations
-    text = json.dumps({**obj, "metadata": meta}, sort_keys=True, separators=(",", ":"))
+    text = json.dumps(_without_hash(obj), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def contains(live: Any, want: Any) -> bool:
-    """Whether every field of `want` has the same value in `live` (lists element by element)."""
+def _without_hash(obj: Obj) -> Obj:
+    meta = dict(obj["metadata"])
+    meta["annotations"] = {
+        k: v for k, v in (meta.get("annotations") or {}).items() if k != ANNOTATION_HASH
+    }
+    return {**obj, "metadata": meta}
+
+
+def mismatch(live: Any, want: Any, path: str = "") -> str | None:
+    """Where `live` lacks a field of `want` or has another value (None: it contains it all).
+    An empty or false value matches a missing field: the apiserver omits Go zero values
+    (`readOnly: false`), and other field managers may add fields of their own."""
     if isinstance(want, dict):
-        return isinstance(live, dict) and all(
-            k in live and contains(live[k], v) for k, v in want.items()
-        )
+        if not isinstance(live, dict):
+            return path or "."
+        for key, value in want.items():
+            if key not in live:
+                if value in (False, 0, "", [], {}, None):
+                    continue
+                return f"{path}.{key}"
+            found = mismatch(live[key], value, f"{path}.{key}")
+            if found is not None:
+                return found
+        return None
     if isinstance(want, list):
-        return (
-            isinstance(live, list)
-            and len(live) == len(want)
-            and all(contains(a, b) for a, b in zip(live, want, strict=True))
-        )
-    return bool(live == want)
+        if not isinstance(live, list) or len(live) != len(want):
+            return path or "."
+        for i, (a, b) in enumerate(zip(live, want, strict=True)):
+            found = mismatch(a, b, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return None if live == want else (path or ".")
 
 
 @dataclass(frozen=True)
@@ -160,8 +177,14 @@ class Applier:
                 annotations = item["metadata"].get("annotations") or {}
                 recorded = annotations.get(ANNOTATION_HASH, "")
                 want = intent.get(key)
-                if want is not None and not contains(item, want):
-                    log.info("%s was changed outside meshfn: re-applying it", describe(key))
+                # The content, not the hash annotation (a mismatch there re-applies anyway).
+                differs = None if want is None else mismatch(item, _without_hash(want))
+                if differs is not None:
+                    log.info(
+                        "%s differs from what meshfn applied (at %s): re-applying it",
+                        describe(key),
+                        differs,
+                    )
                     recorded = ""
                 inventory[key] = recorded
                 resources[key] = res

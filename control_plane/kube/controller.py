@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import Callable
@@ -35,12 +36,16 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from meshfn import istio
+from meshfn.contracts.plugins import SubjectSalt
 from meshfn.ir import MeshModel, Overlay
+from meshfn.istio import RenderOptions
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.names import LATENCY_LOG
 
 from .. import filters
 from ..health.drift import DriftBreaker
+from ..policy.source import format_loc
 from ..service import watched_routes
 from .api import ApiError, Backoff, KubeClient, Obj, Resource, Unreachable
 from .apply import Applier, Desired, Report, describe
@@ -56,30 +61,31 @@ log = logging.getLogger("meshfn.kube")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _res(group: str, version: str, plural: str, kind: str) -> Resource:
-    return Resource(group, version, plural, kind)
+def plural(kind: str) -> str:
+    """The REST name of a kind (what discovery would say for the kinds meshfn renders)."""
+    lower = kind.lower()
+    if lower.endswith("y") and lower[-2:-1] not in "aeiou":
+        return lower[:-1] + "ies"
+    return lower + ("es" if lower.endswith("s") else "s")
 
 
-# Every kind the operator may create, so it can list (inventory) and prune them.
+def _res(api_version: str, kind: str) -> Resource:
+    group, _, version = api_version.rpartition("/")
+    return Resource(group, version, plural(kind), kind)
+
+
+# Every kind the operator may create, so it can list (inventory) and prune them: what the Istio
+# renderer produces (its registry), and the Functions' backends.
 MANAGED: tuple[Resource, ...] = (
-    _res("networking.istio.io", "v1", "virtualservices", "VirtualService"),
-    _res("networking.istio.io", "v1", "destinationrules", "DestinationRule"),
-    _res("networking.istio.io", "v1", "serviceentries", "ServiceEntry"),
-    _res("networking.istio.io", "v1", "workloadentries", "WorkloadEntry"),
-    _res("networking.istio.io", "v1alpha3", "envoyfilters", "EnvoyFilter"),
-    _res("security.istio.io", "v1", "peerauthentications", "PeerAuthentication"),
-    _res("security.istio.io", "v1", "requestauthentications", "RequestAuthentication"),
-    _res("security.istio.io", "v1", "authorizationpolicies", "AuthorizationPolicy"),
-    _res("extensions.istio.io", "v1alpha1", "wasmplugins", "WasmPlugin"),
-    _res("telemetry.istio.io", "v1alpha1", "telemetries", "Telemetry"),
-    _res("", "v1", "configmaps", "ConfigMap"),
-    _res("", "v1", "services", "Service"),
-    _res("apps", "v1", "deployments", "Deployment"),
-    _res("autoscaling", "v2beta2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"),
-    _res("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject"),
+    *(_res(k.api_version, k.kind) for k in istio.KINDS),
+    _res("v1", "ConfigMap"),
+    _res("v1", "Service"),
+    _res("apps/v1", "Deployment"),
+    _res("autoscaling/v2beta2", "HorizontalPodAutoscaler"),
+    _res("keda.sh/v1alpha1", "ScaledObject"),
 )
-_BY_KIND = {r.kind: r for r in MANAGED}
-_POD = _res("", "v1", "pods", "Pod")
+_BY_KIND = {(r.group, r.kind): r for r in MANAGED}
+_POD = _res("v1", "Pod")
 LEADER_LABEL = "meshfn.io/leader"
 
 
@@ -99,6 +105,22 @@ class WasmSettings(_Strict):
         description="URL prefix the WasmPlugins use; default: this control plane's Service",
     )
     oci: str | None = Field(None, description="oci://registry/repository instead of HTTP")
+
+
+class IstioSettings(_Strict):
+    """How meshfn's names map onto the cluster (meshfn.istio.RenderOptions)."""
+
+    labelKey: str = Field("app", description="pod label naming a Service's or Gateway's pods")
+    rootNamespace: str = Field("istio-system", description="mesh-wide policies go here")
+    clusterDomain: str = "cluster.local"
+    journalPath: str = Field(
+        "/var/run/meshfn/journal/audit.jsonl", description="where istio-proxy writes the journal"
+    )
+
+
+class TlsSettings(_Strict):
+    certFile: str = Field(description="PEM certificate of the admin/wasm server")
+    keyFile: str = Field(description="its private key")
 
 
 class OperatorConfig(_Strict):
@@ -121,7 +143,16 @@ class OperatorConfig(_Strict):
     debounceSeconds: Annotated[float, Field(ge=0)] = 0.1
     listen: str = "0.0.0.0"
     adminPort: Annotated[int, Field(ge=0, le=65535)] = 9090
-    alsPort: Annotated[int, Field(ge=0, le=65535)] = 9091
+    alsPort: Annotated[int, Field(ge=0, le=65535)] = Field(
+        18000,
+        description="Envoy's access-log stream; the Telemetry providers use the Mesh's "
+        "spec.ports.xds as the port of the access-log Service",
+    )
+    tls: TlsSettings | None = Field(None, description="serve admin and /wasm over HTTPS")
+    saltFile: str | None = Field(
+        None, description="the audit subject salt (hex), from a Secret shared by every replica"
+    )
+    istio: IstioSettings = Field(default_factory=IstioSettings)
     wasm: WasmSettings = Field(default_factory=WasmSettings)
     backends: BackendSettings = Field(default_factory=BackendSettings)
 
@@ -152,7 +183,31 @@ class OperatorConfig(_Strict):
             return self.wasm.oci
         if self.wasm.baseUrl:
             return self.wasm.baseUrl
-        return f"http://{self.service}.{self.namespace}.svc:{self.adminPort}/wasm/"
+        scheme = "https" if self.tls else "http"
+        host = f"{self.service}.{self.namespace}.svc.{self.istio.clusterDomain}"
+        return f"{scheme}://{host}:{self.adminPort}/wasm/"
+
+    def render_options(self, salt: SubjectSalt | None) -> RenderOptions:
+        options = RenderOptions(
+            label_key=self.istio.labelKey,
+            root_namespace=self.istio.rootNamespace,
+            cluster_domain=self.istio.clusterDomain,
+            wasm_base_url=self.wasm_base(),
+            control_plane_host=f"{self.service}-als.{self.namespace}.svc.{self.istio.clusterDomain}",
+            journal_path=self.istio.journalPath,
+        )
+        return options if salt is None else replace(options, salt=salt)
+
+    def salt(self) -> SubjectSalt | None:
+        if self.saltFile is None:
+            return None
+        try:
+            text = Path(self.saltFile).read_text().strip().lower()
+        except OSError as exc:
+            raise ValueError(f"cannot read the audit salt {self.saltFile}: {exc}") from None
+        if not re.fullmatch(r"[0-9a-f]{32,128}", text) or len(text) % 2:
+            raise ValueError(f"{self.saltFile}: expected 32-128 hex digits (the audit salt)")
+        return SubjectSalt(text)
 
 
 # ---------------------------------------------------------------- rendering
@@ -160,59 +215,82 @@ class OperatorConfig(_Strict):
 Renderer = Callable[[MeshModel, Overlay], list[Rendered]]
 
 
-def owner_reference(obj: Obj) -> Obj:
+def owner_reference(obj: Obj, controller: bool) -> Obj:
     meta = obj.get("metadata") or {}
     return {
         "apiVersion": API_VERSION,
         "kind": obj["kind"],
         "name": meta["name"],
         "uid": meta["uid"],
-        "controller": True,
+        "controller": controller,
         "blockOwnerDeletion": False,
     }
 
 
-def with_owner(rendered: Rendered, objects: dict[ObjectKey, Obj]) -> tuple[Obj, str]:
-    """The object with an owner reference to the policy it comes from, so deleting the policy
-    garbage-collects it. An owner must be cluster-scoped or in the dependent's namespace (the
-    garbage collector deletes a dependent whose owner it cannot find), so an object rendered
-    into another namespace, or from an object without a uid, is owned by the Mesh."""
+def with_owners(rendered: Rendered, objects: dict[ObjectKey, Obj]) -> tuple[Obj, str]:
+    """The object with owner references to the policies it comes from, so deleting them
+    garbage-collects it (once all of them are gone). An owner must be cluster-scoped or in the
+    dependent's namespace (the garbage collector deletes a dependent whose owner it cannot
+    find there), so sources in other namespaces are left out, and an object with none left is
+    owned by the Mesh."""
     obj = rendered.obj
     meta = dict(obj["metadata"])
-    kind, namespace, name = rendered.source
-    info = BY_KIND.get(kind)
-    owner_key = ObjectKey(kind, namespace if info and info.scope == "Namespaced" else "", name)
-    owner = objects.get(owner_key)
-    if owner is None or (owner_key.namespace and owner_key.namespace != meta.get("namespace", "")):
-        owner = next((o for k, o in sorted(objects.items()) if k.kind == "Mesh"), None)
-    annotations = {**(meta.get("annotations") or {}), ANNOTATION_SOURCE: owner_key.ref}
-    meta["annotations"] = annotations
-    if owner is not None and (owner.get("metadata") or {}).get("uid"):
-        meta["ownerReferences"] = [owner_reference(owner)]
-    return {**obj, "metadata": meta}, owner_key.ref
+    namespace = meta.get("namespace", "")
+    keys = [ObjectKey(*source) for source in rendered.sources]
+    owners = [
+        objects[k]
+        for k in keys
+        if k in objects
+        and (not k.namespace or k.namespace == namespace)
+        and (objects[k].get("metadata") or {}).get("uid")
+    ]
+    if not owners:
+        owners = [o for k, o in sorted(objects.items()) if k.kind == "Mesh"][:1]
+    primary = next((k for k in keys if k.kind != "Mesh"), keys[0] if keys else None)
+    source = primary.ref if primary else ""
+    meta["annotations"] = {**(meta.get("annotations") or {}), ANNOTATION_SOURCE: source}
+    if owners:
+        meta["ownerReferences"] = [owner_reference(o, i == 0) for i, o in enumerate(owners)]
+    return {**obj, "metadata": meta}, source
 
 
 def desired(build: Build, overlay: Overlay, render: Renderer) -> list[Desired]:
     assert build.model is not None
     out = []
     for rendered in render(build.model, overlay):
-        obj, source = with_owner(rendered, build.objects)
-        resource = _BY_KIND.get(obj["kind"])
+        obj, source = with_owners(rendered, build.objects)
+        group, _, version = obj["apiVersion"].rpartition("/")
+        resource = _BY_KIND.get((group, obj["kind"]))
         if resource is None:
-            raise ValueError(f"the renderer produced a {obj['kind']}, which meshfn does not manage")
-        version = obj["apiVersion"].rsplit("/", 1)[-1]
-        out.append(
-            Desired(Resource(resource.group, version, resource.plural, resource.kind), obj, source)
-        )
+            raise ValueError(
+                f"the renderer produced a {obj['apiVersion']} {obj['kind']}, which meshfn does"
+                " not manage"
+            )
+        out.append(Desired(replace(resource, version=version), obj, source))
     return out
 
 
-def backends_renderer(settings: BackendSettings, apis: Callable[[], tuple[bool, str]]) -> Renderer:
-    """`apis()`: whether KEDA is installed, and the autoscaling version the cluster serves."""
+def istio_renderer(
+    options: Callable[[], RenderOptions], digests: Callable[[], dict[str, str]]
+) -> Callable[[MeshModel, Overlay], tuple[list[Rendered], list[str]]]:
+    """meshfn.istio's objects, each with the policies it came from; and its warnings (what
+    Istio cannot express), as `Kind ns/name: field: message [code]` lines."""
 
-    def render(model: MeshModel, _overlay: Overlay) -> list[Rendered]:
-        keda, hpa_version = apis()
-        return render_backends(model, settings, keda, hpa_version)
+    def render(model: MeshModel, overlay: Overlay) -> tuple[list[Rendered], list[str]]:
+        rendering = istio.render(model, digests(), options(), overlay)
+        out = []
+        for objs in rendering.objects.values():
+            for obj in objs:
+                meta = obj["metadata"]
+                origin = rendering.origins.get(
+                    (obj["kind"], meta.get("namespace", ""), meta["name"])
+                )
+                sources = tuple(sorted((s.kind, s.namespace, s.name) for s in origin or ()))
+                out.append(Rendered(sources, obj))
+        warnings = [
+            f"{w.source}: {format_loc(w.path)}: {w.message} [{w.code}]" for w in rendering.warnings
+        ]
+        return out, warnings
 
     return render
 
@@ -237,7 +315,6 @@ class Operator:
         self,
         kube: KubeClient,
         config: OperatorConfig,
-        render: Renderer | None = None,
         identity: str | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
@@ -252,9 +329,11 @@ class Operator:
         )
         self.keda = False
         self.hpa_version = "v2beta2"
-        self.render = render or backends_renderer(
-            config.backends, lambda: (self.keda, self.hpa_version)
+        self.salt = config.salt()
+        self._istio = istio_renderer(
+            lambda: config.render_options(self.salt), lambda: self.wasm_digests
         )
+        self.warnings: dict[str, list[str]] = {}  # policy -> what Istio cannot express
         self.source = KubePolicySource(
             kube, config.watchNamespace, self.metrics, debounce=config.debounceSeconds
         )
@@ -355,6 +434,26 @@ class Operator:
 
     # ------------------------------------------------------------ reconcile
 
+    def render(self, model: MeshModel, overlay: Overlay) -> list[Rendered]:
+        """Istio objects (meshfn.istio) and the Functions' backends (workloads)."""
+        if model.audit is not None and self.salt is None:
+            raise ValueError(
+                "the Mesh enables audit, which needs the subject salt every replica shares:"
+                " set saltFile (the Helm chart mounts it from a Secret)"
+            )
+        if model.xds_port != self.config.alsPort:
+            log.warning(
+                "the Mesh's spec.ports.xds (%d) is where Istio's proxies stream access logs,"
+                " but this control plane listens on %d: set ports.accessLog to match",
+                model.xds_port,
+                self.config.alsPort,
+            )
+        objects, warnings = self._istio(model, overlay)
+        self.warnings = {}
+        for line in warnings:
+            self.warnings.setdefault(line.split(": ", 1)[0], []).append(line.split(": ", 1)[1])
+        return objects + render_backends(model, self.config.backends, self.keda, self.hpa_version)
+
     async def _reconcile_loop(self, stop: asyncio.Event) -> None:
         backoff = Backoff()
         retry_at = 0.0
@@ -403,9 +502,6 @@ class Operator:
         """One pass: (inventory,) apply, prune, write the status of every object."""
         self.reconciles += 1
         report = Report()
-        wanted: list[Desired] = []
-        if build.model is not None:
-            wanted = desired(build, self.overlay, self.render)
         now = time.monotonic()
         if not self.applier.synced or now >= self._resync_due:
             # Optional APIs decide what is rendered: KEDA (ScaledObject) and autoscaling/v2
@@ -416,11 +512,19 @@ class Operator:
                 replace(r, version=self.hpa_version) if r.kind == "HorizontalPodAutoscaler" else r
                 for r in MANAGED
             ]
-            if build.model is not None:
+        wanted: list[Desired] = []
+        render_error = ""
+        if build.model is not None:
+            try:
                 wanted = desired(build, self.overlay, self.render)
+            except (istio.SchemaError, istio.MissingModule, ValueError) as exc:
+                # Nothing is applied from a rendering that failed: what is there stays.
+                render_error = f"cannot render: {exc}"
+                log.error("%s; keeping what was applied", render_error)
+        if not self.applier.synced or now >= self._resync_due:
             await self.applier.sync(wanted)
             self._resync_due = now + self.config.resyncSeconds
-        if build.model is not None and self.elector.leading.is_set():
+        if wanted and self.elector.leading.is_set():
             report = await self.applier.reconcile(wanted, leading=self.elector.leading.is_set)
             self.state.applied_at = time.time()
             self.state.last_report = {
@@ -431,21 +535,28 @@ class Operator:
                 "failed": {describe(k): v for k, v in report.failed.items()},
             }
         if self.elector.leading.is_set():
-            await self.status_writer.write(build, self._outcomes(build, wanted, report))
+            outcomes = self._outcomes(build, wanted, report, render_error)
+            await self.status_writer.write(build, outcomes)
         if report.unreachable:
             raise Unreachable(report.unreachable)
         return report
 
     def _outcomes(
-        self, build: Build, wanted: list[Desired], report: Report
+        self, build: Build, wanted: list[Desired], report: Report, render_error: str
     ) -> dict[ObjectKey, Outcome]:
         problems: dict[str, list[str]] = {}
         resources: dict[str, list[dict[str, str]]] = {}
         for item in wanted:
             key = item.key
-            resources.setdefault(item.source, []).append(
-                {"apiVersion": key[0], "kind": key[1], "namespace": key[2], "name": key[3]}
-            )
+            for owner in item.obj["metadata"].get("ownerReferences") or []:
+                ref = ObjectKey(
+                    owner["kind"],
+                    key[2] if BY_KIND[owner["kind"]].scope == "Namespaced" else "",
+                    owner["name"],
+                ).ref
+                resources.setdefault(ref, []).append(
+                    {"apiVersion": key[0], "kind": key[1], "namespace": key[2], "name": key[3]}
+                )
             text = report.conflicts.get(key) or report.failed.get(key)
             if text:
                 label = "conflict" if key in report.conflicts else "rejected"
@@ -453,8 +564,9 @@ class Operator:
         return {
             key: Outcome(
                 verdict,
-                tuple(problems.get(key.ref, ())),
-                tuple(resources.get(key.ref, ())),
+                (render_error,) if render_error else tuple(problems.get(key.ref, ())),
+                tuple(sorted(resources.get(key.ref, ()), key=lambda r: tuple(r.values()))),
+                tuple(self.warnings.get(key.ref, ())),
             )
             for key, verdict in build.verdicts.items()
         }
@@ -526,7 +638,7 @@ class Operator:
         app.router.add_get("/readyz", readyz)
         app.router.add_get("/debug/status", status)
         if self.config.wasm.serve:
-            app.router.add_get("/wasm/sha256/{digest}.wasm", wasm)
+            app.router.add_get("/wasm/{digest}.wasm", wasm)
         return app
 
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
@@ -538,7 +650,11 @@ class Operator:
                 self.wasm_dir, self.wasm_digests = wasm_dir, filters.artifacts(wasm_dir)
         runner = web.AppRunner(self._app(), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.config.listen, self.config.adminPort)
+        tls = None
+        if self.config.tls is not None:
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(self.config.tls.certFile, self.config.tls.keyFile)
+        site = web.TCPSite(runner, self.config.listen, self.config.adminPort, ssl_context=tls)
         await site.start()
         self.admin_port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
         server = grpc.aio.server()

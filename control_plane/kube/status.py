@@ -35,6 +35,7 @@ class Outcome:
     verdict: Verdict
     apply_problems: tuple[str, ...] = ()  # conflicts and rejections of what it rendered
     resources: tuple[dict[str, str], ...] = ()
+    warnings: tuple[str, ...] = ()  # what Istio cannot express (in force without it)
 
     def conditions(self) -> list[dict[str, Any]]:
         verdict = self.verdict
@@ -48,6 +49,10 @@ class Outcome:
         elif self.apply_problems:
             text = "\n".join(self.apply_problems)[:MAX_MESSAGE]
             accepted = ("False", "ApplyFailed", text)
+            invalid = ("False", "Valid", "no errors")
+        elif self.warnings:
+            text = "in force, except what Istio cannot express:\n" + "\n".join(self.warnings)
+            accepted = ("True", "AcceptedWithWarnings", text[:MAX_MESSAGE])
             invalid = ("False", "Valid", "no errors")
         else:
             accepted = ("True", "Accepted", "in force")

@@ -85,7 +85,10 @@ class BackendSettings(_Strict):
 
 @dataclass(frozen=True)
 class Rendered:
-    source: tuple[str, str, str]  # (kind, namespace, name) of the policy object it comes from
+    """A Kubernetes object and the policy objects it comes from: (kind, namespace, name),
+    namespace "" for the Mesh. They become its owners."""
+
+    sources: tuple[tuple[str, str, str], ...]
     obj: Obj
 
 
@@ -205,7 +208,7 @@ def render_backends(
             continue  # runs outside the cluster: nothing to deploy
         functions = sorted(by_backend[key], key=lambda f: f.name)
         ns, name = service.namespace, service.name
-        source = ("Service", ns, name)
+        source = (("Service", ns, name),)
         config = backend_config(functions, settings.workers)
         text = yaml.safe_dump(
             config.model_dump(mode="json", exclude_none=True), sort_keys=False, width=100

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -368,3 +369,148 @@ def test_invalid_objects_keep_the_config_in_force(cluster: KubeCluster, operator
         ],
         10,
     )
+
+
+def test_apply_conflict_is_reported_not_forced(cluster: KubeCluster, operator: Operator) -> None:
+    wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
+    # Another field manager takes the backend's configuration over (forcing, as a person might).
+    theirs = """apiVersion: v1
+kind: ConfigMap
+metadata: {name: models-backend, namespace: default}
+data: {backend.yaml: "registry: /elsewhere\\n"}
+"""
+    result = cluster.kubectl(
+        "apply", "--server-side", "--force-conflicts", "--field-manager", "someone", "-f", "-",
+        stdin=theirs,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # meshfn's next change to it conflicts: reported on the policy it comes from, not forced.
+    patch_spec(cluster, "functions.meshfn.io", "iris", {"limits": {"maxConcurrency": 13}})
+    models = wait_for(
+        "models ApplyFailed",
+        lambda: (
+            (o := meshfn_object(cluster, "services", "models"))
+            and condition(o).get("reason") == "ApplyFailed"
+            and o
+        ),
+        20,
+    )
+    message = condition(models)["message"]
+    assert "ConfigMap default/models-backend: conflict" in message and "someone" in message, message
+    config = get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")
+    assert config["data"]["backend.yaml"] == "registry: /elsewhere\n"
+    assert wait_for(
+        "an ApplyFailed Event",
+        lambda: [e for e in events_for(cluster, "models") if e["reason"] == "ApplyFailed"],
+        10,
+    )
+    # The owner gives it back: meshfn applies again and the policy is Accepted.
+    result = cluster.kubectl(
+        "apply", "--server-side", "--field-manager", "someone", "-f", "-",
+        stdin="apiVersion: v1\nkind: ConfigMap\nmetadata: {name: models-backend, namespace: default}\n",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    patch_spec(cluster, "functions.meshfn.io", "iris", {"limits": {"maxConcurrency": 14}})
+    wait_for("every example Accepted again", lambda: all_accepted(cluster), 20)
+    config = get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")
+    assert "maxConcurrency: 14" in config["data"]["backend.yaml"]
+
+
+def test_apiserver_restart_resumes_watches_without_a_resync_storm(
+    cluster: KubeCluster, operator: Operator
+) -> None:
+    wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
+    time.sleep(1)
+    mark = len(cluster.audit())
+    relists = operator.metric("meshfn_kube_relists_total")
+    cluster.stop_apiserver()
+    # Down: the operator says so, in its status document and through `meshfn status`.
+    wait_for(
+        "the operator to notice",
+        lambda: any(k["error"] for k in operator.status()["kube"]["source"]["kinds"].values()),
+        20,
+    )
+    shown = meshfn("status", "--admin", f"http://127.0.0.1:{operator.admin}")
+    assert shown.returncode == 0, shown.stderr
+    assert "unreachable" in shown.stdout or "Connect" in shown.stdout, shown.stdout
+    assert operator.metric("meshfn_kube_apiserver_reachable") == 0
+    cluster.start_apiserver()
+    wait_for(
+        "every watch re-opened",
+        lambda: all(k["watching"] for k in operator.status()["kube"]["source"]["kinds"].values()),
+        30,
+    )
+    time.sleep(3)
+    # No resync storm: nothing rendered, no status, no Event was written again.
+    assert config_writes(cluster, mark) == {}
+    restarts = operator.metric("meshfn_kube_watch_restarts_total", cause="unreachable")
+    after = operator.metric("meshfn_kube_relists_total") - relists
+    print(f"apiserver restart: {restarts:.0f} watch restarts, {after:.0f} relists, 0 writes")
+    assert after <= 9  # at most one list per kind (only after a 410 Gone)
+    # And changes flow again.
+    patch_spec(cluster, "functions.meshfn.io", "iris", {"limits": {"maxConcurrency": 15}})
+    wait_for(
+        "the change after the restart",
+        lambda: (
+            "maxConcurrency: 15"
+            in get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")["data"][
+                "backend.yaml"
+            ]
+        ),
+        20,
+    )
+
+
+def test_leader_killed_during_updates(cluster: KubeCluster, operator: Operator) -> None:
+    follower = Operator(cluster, "replica-b").start()
+    try:
+        assert not follower.leading()
+        wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
+        updates = list(range(100, 130))
+        killed_at: list[float] = []
+
+        def stream() -> None:
+            for i, value in enumerate(updates):
+                patch_spec(
+                    cluster, "functions.meshfn.io", "iris", {"limits": {"maxConcurrency": value}}
+                )
+                if i == len(updates) // 3:
+                    operator.proc.send(signal.SIGKILL)
+                    killed_at.append(time.monotonic())
+                time.sleep(0.1)
+
+        writer = threading.Thread(target=stream)
+        writer.start()
+        wait_for("the kill", lambda: killed_at, 30)
+        wait_for(
+            "replica-b to lead",
+            follower.leading,
+            LEASE["duration"] + 3 * LEASE["retry"] + 2,
+            every=0.05,
+        )
+        takeover = time.monotonic() - killed_at[0]
+        writer.join(60)
+        print(
+            f"leader killed: replica-b took over after {takeover:.2f}s (lease {LEASE['duration']}s)"
+        )
+        assert takeover <= LEASE["duration"] + 2 * LEASE["retry"] + 0.5, takeover
+        # No update lost: the last one is what the cluster holds, and the status says so.
+        last = updates[-1]
+        wait_for(
+            "the last update applied",
+            lambda: (
+                f"maxConcurrency: {last}"
+                in get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")["data"][
+                    "backend.yaml"
+                ]
+            ),
+            20,
+        )
+        wait_for("every example Accepted", lambda: all_accepted(cluster), 20)
+        lease = get(
+            cluster,
+            f"/apis/coordination.k8s.io/v1/namespaces/{CONTROLLER_NAMESPACE}/leases/meshfn-leader",
+        )
+        assert lease["spec"]["holderIdentity"] == "replica-b"
+    finally:
+        follower.stop()

@@ -40,11 +40,13 @@ from meshfn import istio
 from meshfn.contracts.plugins import SubjectSalt
 from meshfn.ir import MeshModel, Overlay
 from meshfn.istio import RenderOptions
+from meshfn.istio.core import Context as IstioContext
+from meshfn.istio.traffic import istio_cluster
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.names import LATENCY_LOG
 
 from .. import filters
-from ..health.drift import DriftBreaker
+from ..health.drift import DriftBreaker, WatchedRoute
 from ..policy.source import format_loc
 from ..service import watched_routes
 from .api import ApiError, Backoff, KubeClient, Obj, Resource, Unreachable
@@ -270,6 +272,15 @@ def desired(build: Build, overlay: Overlay, render: Renderer) -> list[Desired]:
     return out
 
 
+def _route_service(model: MeshModel, route_key: str) -> str:
+    for workload in model.workloads:
+        for listener in workload.listeners:
+            for route in listener.routes:
+                if route.key == route_key:
+                    return route.service
+    raise KeyError(route_key)
+
+
 def istio_renderer(
     options: Callable[[], RenderOptions], digests: Callable[[], dict[str, str]]
 ) -> Callable[[MeshModel, Overlay], tuple[list[Rendered], list[str]]]:
@@ -369,8 +380,18 @@ class Operator:
 
     async def _on_build(self, build: Build) -> None:
         if build.model is not None:
-            self.drift.configure(watched_routes(build.model))
+            self.drift.configure(self.watched_routes(build.model))
         self._wake.set()
+
+    def watched_routes(self, model: MeshModel) -> list[WatchedRoute]:
+        """The drift breaker's routes with istiod's cluster names: in Istio's access logs the
+        primary is `outbound|port||host`, not meshfn's own cluster name."""
+        ctx = IstioContext(model, self.config.render_options(self.salt), {}, Overlay())
+        return [
+            replace(w, primary_clusters=frozenset({istio_cluster(ctx, model.service(key))}))
+            for w in watched_routes(model)
+            for key in [_route_service(model, w.route)]
+        ]
 
     async def _on_leading(self) -> None:
         self.applier.synced = False

@@ -419,6 +419,14 @@ def render_istio(
         str, typer.Option(help="where istio-proxy writes the audit journal")
     ] = "/var/run/meshfn/journal/audit.jsonl",
     state_dir: StateOpt = DEFAULT_STATE,
+    from_cluster: Annotated[
+        bool, typer.Option("--from-cluster", help="the cluster's meshfn objects, not --policies")
+    ] = False,
+    kubeconfig: Annotated[Path | None, typer.Option(help="with --from-cluster")] = None,
+    context: Annotated[str | None, typer.Option(help="with --from-cluster")] = None,
+    namespace: Annotated[
+        str | None, typer.Option(help="with --from-cluster: one namespace (default all)")
+    ] = None,
 ) -> None:
     """Istio objects for the policies (PeerAuthentication ... Telemetry), validated against
     Istio's schemas; kubectl-apply-ready. Nothing is written when anything is wrong."""
@@ -431,7 +439,13 @@ def render_istio(
 
     loader = PolicyLoader(policies)
     try:
-        model = loader.load()
+        if from_cluster:
+            from .kube.cli import cluster_model
+
+            model, provenance = cluster_model(kubeconfig, context, namespace)
+        else:
+            model = loader.load()
+            provenance = loader.provenance()
     except PolicyErrors as exc:
         for error in exc.errors:
             err.print(str(error), highlight=False, markup=False)
@@ -455,7 +469,6 @@ def render_istio(
     except SchemaError as exc:
         _fail(f"a rendered object fails Istio's schema (a meshfn bug; nothing written): {exc}")
         return
-    provenance = loader.provenance()
     lines = []
     for warning in rendering.warnings:
         source = warning.source

@@ -514,3 +514,167 @@ def test_leader_killed_during_updates(cluster: KubeCluster, operator: Operator) 
         assert lease["spec"]["holderIdentity"] == "replica-b"
     finally:
         follower.stop()
+
+
+def send_latencies(port: int, route: str, cluster_name: str, millis: float, count: int) -> None:
+    """Envoy's side of the access-log stream: `count` requests of `millis` on `route`."""
+    import grpc
+    from envoy.service.accesslog.v3 import als_pb2
+
+    from meshfn.xds.names import LATENCY_LOG
+
+    message = als_pb2.StreamAccessLogsMessage()
+    message.identifier.node.id = "edge-http~0"
+    message.identifier.log_name = LATENCY_LOG
+    for _ in range(count):
+        entry = message.http_logs.log_entry.add()
+        entry.common_properties.route_name = route
+        entry.common_properties.upstream_cluster = cluster_name
+        entry.common_properties.duration.FromMilliseconds(int(millis))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.stream_unary(
+            "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=als_pb2.StreamAccessLogsResponse.FromString,
+        )
+        call(iter([message]), timeout=10)
+
+
+def test_drift_trip_patches_the_degrade_plugin_and_recovery_reverts_it(
+    cluster: KubeCluster, operator: Operator
+) -> None:
+    patch_spec(
+        cluster,
+        "fallbackpolicies.meshfn.io",
+        "models",
+        {
+            "driftBreaker": {
+                "minSamples": 5,
+                "window": "1s",
+                "baselineWindow": "5s",
+                "recoverAfter": "2s",
+            }
+        },
+    )
+    wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
+    path = (
+        "/apis/extensions.istio.io/v1alpha1/namespaces/ingress/wasmplugins/meshfn-degrade-edge-http"
+    )
+    time.sleep(1)
+    before = get(cluster, path)
+    mark = len(cluster.audit())
+    port = meshfn_object(cluster, "services", "models")["spec"]["port"]
+    upstream = f"outbound|{port}||models.default.svc.cluster.local"
+    send_latencies(operator.als, "default/function-iris/0", upstream, 5, 20)
+    time.sleep(1.2)  # the baseline is what came before the window
+    send_latencies(operator.als, "default/function-iris/0", upstream, 250, 20)
+    tripped = wait_for(
+        "the trip to reach the cluster",
+        lambda: (o := get(cluster, path))["spec"] != before["spec"] and o,
+        10,
+    )
+    assert tripped["spec"]["pluginConfig"] != before["spec"]["pluginConfig"]
+    assert {k: v for k, v in tripped["spec"].items() if k != "pluginConfig"} == {
+        k: v for k, v in before["spec"].items() if k != "pluginConfig"
+    }
+    assert "function-iris" in json.dumps(tripped["spec"]["pluginConfig"])
+    assert config_writes(cluster, mark) == {"patch wasmplugins": 1}
+    assert operator.status()["routes"]["default/function-iris"]["state"] == "degraded"
+    # The probe share is fast again: recovery reverts the plugin, byte for byte.
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and get(cluster, path)["spec"] != before["spec"]:
+        send_latencies(operator.als, "default/function-iris/0", upstream, 5, 10)
+        time.sleep(0.2)
+    assert get(cluster, path)["spec"] == before["spec"]
+    assert config_writes(cluster, mark) == {"patch wasmplugins": 2}
+
+
+def as_files(cluster: KubeCluster, folder: Path) -> Path:
+    """The cluster's meshfn objects as policy files (what `meshfn validate` would read)."""
+    folder.mkdir(exist_ok=True)
+    items = json.loads(cluster.kubectl("get", "meshfn", "-A", "-o", "json").stdout)["items"]
+    documents = [
+        {
+            "apiVersion": o["apiVersion"],
+            "kind": o["kind"],
+            "metadata": {k: v for k, v in o["metadata"].items() if k in ("name", "namespace")},
+            "spec": o["spec"],
+        }
+        for o in items
+    ]
+    (folder / "all.yaml").write_text(yaml.safe_dump_all(documents))
+    return folder
+
+
+def test_cli_status_and_render_from_cluster(cluster: KubeCluster, operator: Operator) -> None:
+    wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
+    kubeconfig = str(cluster.kubeconfig("admin"))
+    shown = meshfn("status", "--kube", "--kubeconfig", kubeconfig)
+    assert shown.returncode == 0, shown.stderr
+    assert "Function default/iris" in shown.stdout and "Deployment default/models" in shown.stdout
+    assert "True" in shown.stdout and "False" not in shown.stdout, shown.stdout
+    # The same IR from the cluster as from files: the same Istio objects, byte for byte.
+    state = ["--state-dir", str(cluster.root / "render-state")]
+    from_cluster = meshfn(
+        "render",
+        "istio",
+        "--from-cluster",
+        "--kubeconfig",
+        kubeconfig,
+        "-o",
+        str(cluster.root / "a"),
+        *state,
+    )
+    assert from_cluster.returncode == 0, from_cluster.stderr
+    files = as_files(cluster, cluster.root / "b-policies")
+    from_files = meshfn(
+        "render", "istio", "--policies", str(files), "-o", str(cluster.root / "b"), *state
+    )
+    assert from_files.returncode == 0, from_files.stderr
+    a = {p.name: p.read_text() for p in (cluster.root / "a").iterdir()}
+    b = {p.name: p.read_text() for p in (cluster.root / "b").iterdir()}
+    assert a == b and "virtualservices.yaml" in a
+    # Unreachable apiserver: a clear error, no traceback.
+    bad = cluster.root / "nowhere.kubeconfig"
+    bad.write_text(cluster.kubeconfig_text("admin").replace(cluster.server, "https://127.0.0.1:1"))
+    failed = meshfn("status", "--kube", "--kubeconfig", str(bad))
+    assert failed.returncode == 1 and "cannot reach the apiserver" in failed.stdout, failed.stdout
+    assert "Traceback" not in failed.stdout + failed.stderr
+
+
+def test_chart_passes_a_server_side_dry_run(cluster: KubeCluster) -> None:
+    rendered = chart("--kube-version", "1.20.2", "--set", "serviceMonitor.enabled=false")
+    kinds = sorted({d["kind"] for d in rendered})
+    assert "PodDisruptionBudget" in kinds and "NetworkPolicy" in kinds
+    assert (
+        next(d for d in rendered if d["kind"] == "PodDisruptionBudget")["apiVersion"]
+        == "policy/v1beta1"
+    )
+    result = cluster.kubectl(
+        "apply", "--server-side", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(rendered)
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("(server dry run)") == len(rendered), result.stdout
+
+
+def test_deleting_a_policy_garbage_collects_what_it_owns(cluster: KubeCluster) -> None:
+    """No operator runs here: the garbage collector alone acts, on the owner references."""
+    core = "/api/v1/namespaces/default"
+    owned_by_service = [
+        "/apis/apps/v1/namespaces/default/deployments/models",
+        f"{core}/configmaps/models-backend",
+        f"{core}/services/models",
+        "/apis/autoscaling/v2beta2/namespaces/default/horizontalpodautoscalers/models",
+    ]
+    rule = "/apis/networking.istio.io/v1/namespaces/default/destinationrules/models"
+    for path in [*owned_by_service, rule]:
+        assert get(cluster, path) is not None, path
+    owners = {o["kind"] for o in get(cluster, rule)["metadata"]["ownerReferences"]}
+    assert owners == {"Service", "FallbackPolicy"}
+    assert cluster.kubectl("delete", "services.meshfn.io", "models").returncode == 0
+    for path in owned_by_service:
+        wait_for(f"{path} collected", lambda p=path: get(cluster, p) is None, 30, every=0.2)
+    # Still owned by the FallbackPolicy: it stays until that goes too.
+    assert get(cluster, rule) is not None
+    assert cluster.kubectl("delete", "fallbackpolicies.meshfn.io", "models").returncode == 0
+    wait_for("the DestinationRule collected", lambda: get(cluster, rule) is None, 30, every=0.2)

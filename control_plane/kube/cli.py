@@ -13,10 +13,12 @@ from rich.console import Console
 from rich.table import Table
 
 from meshfn.common.logs import setup_logging
+from meshfn.ir import MeshModel
 
+from ..policy.loader import Provenance
 from .api import ApiError, KubeClient, KubeConfig, Obj, Unreachable
 from .names import KINDS
-from .source import resource
+from .source import ObjectKey, compile_objects, resource
 
 log = logging.getLogger("meshfn.kube")
 
@@ -127,6 +129,21 @@ def _condition(obj: Obj, kind: str) -> dict[str, Any]:
         if condition.get("type") == kind:
             return dict(condition)
     return {}
+
+
+def cluster_model(
+    kubeconfig: Path | None, context: str | None, namespace: str | None
+) -> tuple[MeshModel, Provenance]:
+    """`meshfn render istio --from-cluster`: the cluster's meshfn objects compiled as the
+    operator compiles them; errors name `Kind namespace/name` (PolicyErrors)."""
+    config = load_config(kubeconfig, context)
+    try:
+        objects = asyncio.run(cluster_status(config, namespace))
+    except (Unreachable, ApiError, RuntimeError) as exc:
+        typer.echo(f"error: cannot read meshfn objects from {config.server}: {exc}", err=True)
+        raise typer.Exit(1) from None
+    model = compile_objects({ObjectKey.of(o): o for o in objects})
+    return model, Provenance({})
 
 
 async def cluster_status(config: KubeConfig, namespace: str | None) -> list[Obj]:

@@ -87,6 +87,33 @@ class Build:
 
 
 Listener = Callable[[Build], Awaitable[None]]
+Cache = dict[tuple["ObjectKey", str], Loaded | list[PolicyError]]
+
+
+def compile_objects(
+    objects: dict[ObjectKey, Obj], previous: Cache | None = None, cache: Cache | None = None
+) -> MeshModel:
+    """Custom resources -> MeshModel through the file source's path, or PolicyErrors naming
+    each object. `previous` holds validated objects of an earlier call (unchanged ones are not
+    validated again); `cache` receives this call's."""
+    items: list[Loaded] = []
+    errors: list[PolicyError] = []
+    for key in sorted(objects):
+        text = _input(objects[key])
+        result = (previous or {}).get((key, text))
+        if result is None:
+            result = lowered(document(objects[key]))
+        if cache is not None:
+            cache[(key, text)] = result
+        if isinstance(result, Loaded):
+            items.append(result)
+        else:
+            errors.extend(result)
+    if not errors and not any(i.kind == "Mesh" for i in items):
+        errors.append(
+            PolicyError(CLUSTER, 0, "", "no Mesh found: a policy set needs one kind: Mesh")
+        )
+    return build_model(items, errors)
 
 
 def document(obj: Obj) -> Document:
@@ -297,29 +324,13 @@ class KubePolicySource:
         """Validate and compile the whole set (a worker thread: touches no loop state)."""
         started = time.perf_counter()
         self.builds += 1
-        items: list[Loaded] = []
-        errors: list[PolicyError] = []
-        cache: dict[tuple[ObjectKey, str], Loaded | list[PolicyError]] = {}
-        for key in sorted(objects):
-            text = _input(objects[key])
-            result = self._cache.get((key, text))
-            if result is None:
-                result = lowered(document(objects[key]))
-            cache[(key, text)] = result
-            if isinstance(result, Loaded):
-                items.append(result)
-            else:
-                errors.extend(result)
-        self._cache = cache
-        if not errors and not any(i.kind == "Mesh" for i in items):
-            errors.append(
-                PolicyError(CLUSTER, 0, "", "no Mesh found: a policy set needs one kind: Mesh")
-            )
+        cache: Cache = {}
         try:
-            model = build_model(items, errors)
+            model: MeshModel | None = compile_objects(objects, self._cache, cache)
             problems: list[PolicyError] = []
         except PolicyErrors as exc:
             model, problems = None, exc.errors
+        self._cache = cache
         generations = {
             k: int((o.get("metadata") or {}).get("generation", 0)) for k, o in objects.items()
         }

@@ -597,6 +597,11 @@ class Operator:
     def status_document(self) -> dict[str, Any]:
         """/debug/status, in the shape `meshfn status` reads, plus the `kube` section."""
         last = self.source.last
+        source = self.source.status()
+        kinds = source["kinds"]
+        assert isinstance(kinds, dict)
+        watch_errors = [k["error"] for k in kinds.values() if k["error"]]
+        reachable = self.state.reachable and all(k["watching"] for k in kinds.values())
         return {
             "policies": "kubernetes",
             "generation": self.source.builds,
@@ -606,10 +611,10 @@ class Operator:
             "kube": {
                 "identity": self.identity,
                 "election": self.elector.status(),
-                "source": self.source.status(),
+                "source": source,
                 "apply": {
-                    "apiserver_reachable": self.state.reachable,
-                    "error": self.state.last_error,
+                    "apiserver_reachable": reachable,
+                    "error": self.state.last_error or (watch_errors[0] if watch_errors else ""),
                     "failing_since": self.state.failing_since if not self.state.reachable else None,
                     "retry_in_s": round(self.state.retry_in, 1),
                     "applied_at": self.state.applied_at,

@@ -278,6 +278,35 @@ def test_examples_applied_updated_and_status(cluster: KubeCluster, operator: Ope
     assert config_writes(cluster, mark) == {}
 
 
+def test_a_burst_of_changes_is_one_build(cluster: KubeCluster, operator: Operator) -> None:
+    wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
+    time.sleep(1)
+    builds = operator.metric("meshfn_kube_policy_builds_total")
+    burst = []
+    for name in ("iris", "embedder", "digits"):
+        obj = meshfn_object(cluster, "functions", name)
+        burst.append(
+            {
+                "apiVersion": obj["apiVersion"],
+                "kind": "Function",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {**obj["spec"], "idleTtl": "7m"},
+            }
+        )
+    cluster.apply(yaml.safe_dump_all(burst))  # three changes, milliseconds apart
+    wait_for(
+        "the burst applied",
+        lambda: (
+            get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")["data"][
+                "backend.yaml"
+            ].count("idleTtl: 420s")
+            == 3
+        ),
+        15,
+    )
+    assert operator.metric("meshfn_kube_policy_builds_total") - builds == 1
+
+
 def test_invalid_objects_keep_the_config_in_force(cluster: KubeCluster, operator: Operator) -> None:
     wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
     before = get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")

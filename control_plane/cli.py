@@ -25,6 +25,7 @@ from rich.table import Table
 from meshfn.common.logs import setup_logging
 
 from .audit.cli import audit_app
+from .kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
 from .policy import PolicyErrors, load_policies
 
 app = typer.Typer(
@@ -267,9 +268,9 @@ def status(
     kube: Annotated[
         bool, typer.Option("--kube", help="the cluster's meshfn objects: conditions, what they own")
     ] = False,
-    kubeconfig: Annotated[Path | None, typer.Option(help="with --kube")] = None,
-    context: Annotated[str | None, typer.Option(help="with --kube: kubeconfig context")] = None,
-    namespace: Annotated[str | None, typer.Option(help="with --kube: default all")] = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
 ) -> None:
     """Every connected proxy: per type the version sent and ACKed, and the last NACK. With
     --kube: every meshfn custom resource, its conditions and the objects it owns."""
@@ -422,11 +423,9 @@ def render_istio(
     from_cluster: Annotated[
         bool, typer.Option("--from-cluster", help="the cluster's meshfn objects, not --policies")
     ] = False,
-    kubeconfig: Annotated[Path | None, typer.Option(help="with --from-cluster")] = None,
-    context: Annotated[str | None, typer.Option(help="with --from-cluster")] = None,
-    namespace: Annotated[
-        str | None, typer.Option(help="with --from-cluster: one namespace (default all)")
-    ] = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
 ) -> None:
     """Istio objects for the policies (PeerAuthentication ... Telemetry), validated against
     Istio's schemas; kubectl-apply-ready. Nothing is written when anything is wrong."""

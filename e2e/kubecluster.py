@@ -11,8 +11,6 @@ own record rather than from meshfn's. Processes are tracked by PID and stopped b
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 import json
 import os
 import secrets
@@ -25,10 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from meshfn_e2e import Proc, free_ports, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,61 +53,26 @@ def kube_bin() -> Path:
     return out / "bin"
 
 
-def _pem_cert(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
+def _certificates(directory: Path) -> None:
+    """ca.crt, server.crt/key (127.0.0.1, localhost: the filters' harness makes them) and
+    sa.key/sa.pub (service-account token signing)."""
+    from meshfn.testing.filters import harness
 
-
-def _pem_key(key: Any) -> bytes:
-    return bytes(
-        key.private_bytes(
+    certs = harness("envoy_static").make_certs(directory / "pki", {})
+    for source, target in (
+        (certs.ca, "ca.crt"),
+        (certs.server_cert, "server.crt"),
+        (certs.server_key, "server.key"),
+    ):
+        (directory / target).write_bytes(source.read_bytes())
+    sa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    (directory / "sa.key").write_bytes(
+        sa.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
     )
-
-
-def _certificates(directory: Path) -> None:
-    """ca.crt, server.crt/key (127.0.0.1, localhost), sa.key/sa.pub (token signing)."""
-    now = dt.datetime.now(dt.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meshfn-e2e-ca")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    server = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [
-                    x509.DNSName("localhost"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                ]
-            ),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    sa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    (directory / "ca.crt").write_bytes(_pem_cert(ca))
-    (directory / "server.crt").write_bytes(_pem_cert(server))
-    (directory / "server.key").write_bytes(_pem_key(key))
-    (directory / "sa.key").write_bytes(_pem_key(sa))
     (directory / "sa.pub").write_bytes(
         sa.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
@@ -287,6 +248,23 @@ class KubeCluster:
 
     def get_json(self, path: str) -> Any:
         return json.loads(self.get(path))
+
+    def merge_patch(self, path: str, body: dict[str, Any]) -> Any:
+        """A JSON merge patch as admin, over HTTP (lighter than a kubectl process)."""
+        import ssl
+
+        request = urllib.request.Request(
+            self.server + path,
+            data=json.dumps(body).encode(),
+            method="PATCH",
+            headers={
+                "Authorization": f"Bearer {self.tokens['admin']}",
+                "Content-Type": "application/merge-patch+json",
+            },
+        )
+        context = ssl.create_default_context(cafile=str(self.root / "ca.crt"))
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            return json.loads(response.read())
 
     def kubectl(
         self, *args: str, stdin: str | None = None, user: str = "admin"

@@ -119,7 +119,7 @@ class Operator:
         return self
 
     def get(self, path: str) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}{path}", timeout=3) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}{path}", timeout=10) as r:
             return str(r.read().decode())
 
     def status(self) -> dict[str, Any]:
@@ -307,39 +307,29 @@ def test_a_burst_of_changes_is_one_build(cluster: KubeCluster, operator: Operato
     assert operator.metric("meshfn_kube_policy_builds_total") - builds == 1
 
 
+def wait_invalid(cluster: KubeCluster, plural: str, name: str) -> dict[str, Any]:
+    """The object once its Invalid condition is True."""
+
+    def probe() -> dict[str, Any] | None:
+        obj = meshfn_object(cluster, plural, name)
+        return obj if obj and condition(obj, "Invalid").get("status") == "True" else None
+
+    return wait_for(f"{name} Invalid", probe, 15)
+
+
 def test_invalid_objects_keep_the_config_in_force(cluster: KubeCluster, operator: Operator) -> None:
     wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
     before = get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")
     mark = len(cluster.audit())
     # The schema accepts it; the reference check does not.
     patch_spec(cluster, "functions.meshfn.io", "digits", {"backend": "nowhere"})
-    digits = wait_for(
-        "digits Invalid",
-        lambda: (
-            (o := meshfn_object(cluster, "functions", "digits"))
-            and condition(o, "Invalid").get("status") == "True"
-            and o
-        ),
-        15,
-    )
+    digits = wait_invalid(cluster, "functions", "digits")
     message = condition(digits)["message"]
     assert condition(digits)["reason"] == "Invalid"
     assert message.startswith("spec.backend:") and "nowhere" in message, message
     assert condition(digits)["observedGeneration"] == digits["metadata"]["generation"]
     # The same message `meshfn validate` prints for the same objects in files.
-    folder = cluster.root / "as-files"
-    folder.mkdir(exist_ok=True)
-    items = json.loads(cluster.kubectl("get", "meshfn", "-A", "-o", "json").stdout)["items"]
-    documents = [
-        {
-            "apiVersion": o["apiVersion"],
-            "kind": o["kind"],
-            "metadata": {k: v for k, v in o["metadata"].items() if k in ("name", "namespace")},
-            "spec": o["spec"],
-        }
-        for o in items
-    ]
-    (folder / "all.yaml").write_text(yaml.safe_dump_all(documents))
+    folder = as_files(cluster, cluster.root / "as-files")
     validated = meshfn("validate", str(folder))
     assert validated.returncode == 1 and message in validated.stderr, (message, validated.stderr)
     warning = wait_for(
@@ -354,15 +344,7 @@ def test_invalid_objects_keep_the_config_in_force(cluster: KubeCluster, operator
     assert warning[0]["type"] == "Warning"
     # An unknown field is kept by the schema (not pruned) and refused by the model.
     patch_spec(cluster, "services.meshfn.io", "models", {"prot": 1})
-    models = wait_for(
-        "models Invalid",
-        lambda: (
-            (o := meshfn_object(cluster, "services", "models"))
-            and condition(o, "Invalid").get("status") == "True"
-            and o
-        ),
-        15,
-    )
+    models = wait_invalid(cluster, "services", "models")
     assert "unknown field 'prot'" in condition(models)["message"]
     # The last good configuration stays: nothing rendered was written, only statuses and Events.
     time.sleep(1)
@@ -500,8 +482,9 @@ def test_leader_killed_during_updates(cluster: KubeCluster, operator: Operator) 
 
         def stream() -> None:
             for i, value in enumerate(updates):
-                patch_spec(
-                    cluster, "functions.meshfn.io", "iris", {"limits": {"maxConcurrency": value}}
+                cluster.merge_patch(
+                    "/apis/meshfn.io/v1alpha1/namespaces/default/functions/iris",
+                    {"spec": {"limits": {"maxConcurrency": value}}},
                 )
                 if i == len(updates) // 3:
                     operator.proc.send(signal.SIGKILL)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..policy.errors import object_ref
 from .api import ApiError, KubeClient, Obj, Resource, Unreachable
 from .metrics import KubeMetrics
 from .names import ANNOTATION_HASH, FIELD_MANAGER, LABEL_MANAGED_BY, LABEL_PART_OF
@@ -38,8 +39,7 @@ def key_of(obj: Obj) -> Key:
 
 
 def describe(key: Key) -> str:
-    _, kind, namespace, name = key
-    return f"{kind} {namespace}/{name}" if namespace else f"{kind} {name}"
+    return object_ref(*key[1:])
 
 
 def digest(obj: Obj) -> str:

@@ -32,6 +32,9 @@ KubeconfigOpt = Annotated[
     typer.Option("--kubeconfig", help="default: $KUBECONFIG, the pod's account, ~/.kube/config"),
 ]
 ContextOpt = Annotated[str | None, typer.Option("--context", help="kubeconfig context")]
+NamespaceOpt = Annotated[
+    str | None, typer.Option("--namespace", help="one namespace's meshfn objects (default all)")
+]
 
 
 def load_config(kubeconfig: Path | None, context: str | None) -> KubeConfig:

@@ -425,16 +425,7 @@ class Operator:
             )
 
     def _on_latency(self, _node: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        common = entry.common_properties
-        timing = common.time_to_last_downstream_tx_byte
-        if not common.HasField("time_to_last_downstream_tx_byte"):
-            timing = common.duration
-        self.drift.observe(
-            common.route_name,
-            common.upstream_cluster,
-            timing.ToNanoseconds() / 1e9,
-            time.monotonic(),
-        )
+        self.drift.observe_access_log(entry, time.monotonic())
 
     async def _drift_loop(self, stop: asyncio.Event, interval: float = 0.2) -> None:
         while not stop.is_set():
@@ -537,7 +528,9 @@ class Operator:
         render_error = ""
         if build.model is not None:
             try:
-                wanted = desired(build, self.overlay, self.render)
+                # Pure but not free (the first render loads Istio's schemas: ~1.6 s): off the
+                # loop, which serves the Lease, watches and probes meanwhile.
+                wanted = await asyncio.to_thread(desired, build, self.overlay, self.render)
             except (istio.SchemaError, istio.MissingModule, ValueError) as exc:
                 # Nothing is applied from a rendering that failed: what is there stays.
                 render_error = f"cannot render: {exc}"

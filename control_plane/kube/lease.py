@@ -146,7 +146,9 @@ class LeaderElector:
         try:
             while not stop.is_set():
                 try:
-                    held = await asyncio.wait_for(self._try(), self.timing.retry_period * 2)
+                    # As client-go: an attempt may take up to the renew deadline (a loaded
+                    # apiserver answers slowly; giving up sooner only delays a takeover).
+                    held = await asyncio.wait_for(self._try(), self.timing.renew_deadline)
                     if held:
                         last_renew = time.monotonic()
                 except (ApiError, Unreachable, TimeoutError) as exc:

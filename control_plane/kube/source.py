@@ -26,7 +26,7 @@ from typing import Literal
 
 from meshfn.ir import MeshModel
 
-from ..policy.errors import PolicyError, PolicyErrors
+from ..policy.errors import PolicyError, PolicyErrors, object_ref
 from ..policy.loader import build_model, lowered
 from ..policy.source import Document
 from ..policy.types import API_VERSION
@@ -53,11 +53,7 @@ class ObjectKey:
     @property
     def ref(self) -> str:
         """How the object is named in messages, as the `file` of its errors."""
-        return (
-            f"{self.kind} {self.namespace}/{self.name}"
-            if self.namespace
-            else f"{self.kind} {self.name}"
-        )
+        return object_ref(self.kind, self.namespace, self.name)
 
     @classmethod
     def of(cls, obj: Obj) -> ObjectKey:

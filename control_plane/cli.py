@@ -25,6 +25,7 @@ from rich.table import Table
 from meshfn.common.logs import setup_logging
 
 from .audit.cli import audit_app
+from .kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
 from .policy import PolicyErrors, load_policies
 
 app = typer.Typer(
@@ -264,8 +265,19 @@ def _type_cell(state: dict[str, Any] | None) -> str:
 def status(
     admin: AdminOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="raw JSON")] = False,
+    kube: Annotated[
+        bool, typer.Option("--kube", help="the cluster's meshfn objects: conditions, what they own")
+    ] = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
 ) -> None:
-    """Every connected proxy: per type the version sent and ACKed, and the last NACK."""
+    """Every connected proxy: per type the version sent and ACKed, and the last NACK. With
+    --kube: every meshfn custom resource, its conditions and the objects it owns."""
+    if kube:
+        from .kube.cli import print_status
+
+        raise typer.Exit(print_status(out, kubeconfig, context, namespace))
     document = _get_json(_admin_url(admin) + "/debug/status")
     if as_json:
         out.print_json(json.dumps(document))
@@ -336,6 +348,10 @@ def status(
                 str(route["transitions"]),
             )
         out.print(routes)
+    if document.get("kube"):
+        from .kube.cli import print_operator
+
+        print_operator(out, document["kube"])
     for node, type_name, nack in nacks:
         out.print(f"[red]NACK[/red] {node} {type_name} version {nack['version'][:8]}: ", end="")
         out.print(nack["error"], markup=False, highlight=False)
@@ -404,6 +420,12 @@ def render_istio(
         str, typer.Option(help="where istio-proxy writes the audit journal")
     ] = "/var/run/meshfn/journal/audit.jsonl",
     state_dir: StateOpt = DEFAULT_STATE,
+    from_cluster: Annotated[
+        bool, typer.Option("--from-cluster", help="the cluster's meshfn objects, not --policies")
+    ] = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
 ) -> None:
     """Istio objects for the policies (PeerAuthentication ... Telemetry), validated against
     Istio's schemas; kubectl-apply-ready. Nothing is written when anything is wrong."""
@@ -416,7 +438,13 @@ def render_istio(
 
     loader = PolicyLoader(policies)
     try:
-        model = loader.load()
+        if from_cluster:
+            from .kube.cli import cluster_model
+
+            model, provenance = cluster_model(kubeconfig, context, namespace)
+        else:
+            model = loader.load()
+            provenance = loader.provenance()
     except PolicyErrors as exc:
         for error in exc.errors:
             err.print(str(error), highlight=False, markup=False)
@@ -440,7 +468,6 @@ def render_istio(
     except SchemaError as exc:
         _fail(f"a rendered object fails Istio's schema (a meshfn bug; nothing written): {exc}")
         return
-    provenance = loader.provenance()
     lines = []
     for warning in rendering.warnings:
         source = warning.source
@@ -639,6 +666,15 @@ def filters_build(
     out.print(str(directory), markup=False, highlight=False)
     for name, digest in sorted(digests.items()):
         err.print(f"  {name}.wasm  sha256:{digest}", markup=False, highlight=False)
+
+
+def _mount_kube_cli() -> None:
+    from .kube.cli import kube_app
+
+    app.add_typer(kube_app, name="kube")
+
+
+_mount_kube_cli()
 
 
 def _mount_function_cli() -> None:

@@ -216,16 +216,7 @@ class ControlPlane:
         return changed
 
     def _on_latency(self, _node: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        common = entry.common_properties
-        timing = common.time_to_last_downstream_tx_byte
-        if not common.HasField("time_to_last_downstream_tx_byte"):
-            timing = common.duration
-        self.drift.observe(
-            common.route_name,
-            common.upstream_cluster,
-            timing.ToNanoseconds() / 1e9,
-            time.monotonic(),
-        )
+        self.drift.observe_access_log(entry, time.monotonic())
 
     async def apply_drift(self) -> list[Transition]:
         """Evaluate the drift breaker; when a route trips or recovers, re-translate with the

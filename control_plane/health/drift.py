@@ -16,9 +16,12 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshfn import ir
+
+if TYPE_CHECKING:
+    from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
 log = logging.getLogger("meshfn.drift")
 
@@ -87,6 +90,15 @@ class DriftBreaker:
         state.samples.append((now, seconds))
         if len(state.samples) > MAX_SAMPLES:
             state.samples.popleft()
+
+    def observe_access_log(self, entry: HTTPAccessLogEntry, now: float) -> None:
+        """One Envoy access-log entry (ALS): its route, upstream cluster and time to the last
+        byte sent downstream (the duration where Envoy did not record that)."""
+        common = entry.common_properties
+        timing = common.time_to_last_downstream_tx_byte
+        if not common.HasField("time_to_last_downstream_tx_byte"):
+            timing = common.duration
+        self.observe(common.route_name, common.upstream_cluster, timing.ToNanoseconds() / 1e9, now)
 
     def degraded(self) -> frozenset[str]:
         return frozenset(k for k, s in self._routes.items() if s.degraded)

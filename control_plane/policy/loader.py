@@ -85,15 +85,7 @@ class PolicyLoader:
 
     def load(self) -> MeshModel:
         """Return the MeshModel or raise PolicyErrors listing every problem found."""
-        items, errors = self._load_items()
-        if not errors:
-            errors = check_references(items)
-        if not errors:
-            result = compile_model(items)
-            if isinstance(result, MeshModel):
-                return result
-            errors = result
-        raise PolicyErrors(errors)
+        return build_model(*self._load_items())
 
     def provenance(self) -> Provenance:
         """Where the objects of the last load() came from."""
@@ -152,12 +144,33 @@ class PolicyLoader:
         except PolicyError as exc:
             return _FileResult(stat, digest, (), (exc,))
         for doc in docs:
-            result = validate_document(doc)
+            result = lowered(doc)
             if isinstance(result, Loaded):
-                items.append(dataclasses.replace(result, lowered=lower(result)))
+                items.append(result)
             else:
                 errors.extend(result)
         return _FileResult(stat, digest, tuple(items), tuple(errors))
+
+
+def build_model(items: list[Loaded], errors: list[PolicyError]) -> MeshModel:
+    """Validated documents (and the errors found while validating them) -> the MeshModel, or
+    PolicyErrors. Every policy source (files, Kubernetes) ends here: one path to the IR."""
+    if not errors:
+        errors = check_references(items)
+    if not errors:
+        result = compile_model(items)
+        if isinstance(result, MeshModel):
+            return result
+        errors = result
+    raise PolicyErrors(errors)
+
+
+def lowered(doc: Document) -> Loaded | list[PolicyError]:
+    """One document validated, with its own piece of IR computed (what the loader caches)."""
+    result = validate_document(doc)
+    if isinstance(result, Loaded):
+        return dataclasses.replace(result, lowered=lower(result))
+    return result
 
 
 def load_policies(root: Path | str) -> MeshModel:

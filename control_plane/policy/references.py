@@ -32,7 +32,8 @@ from .validate import Loaded
 
 
 def where(item: Loaded, loc: Loc = ()) -> str:
-    return f"{item.doc.file}:{item.doc.line_of(loc)}"
+    line = item.doc.line_of(loc)
+    return f"{item.doc.file}:{line}" if line > 0 else item.doc.file  # custom resources: no line
 
 
 def check_references(items: list[Loaded]) -> list[PolicyError]:

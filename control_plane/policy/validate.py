@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import PolicyError
+from .errors import PolicyError, object_ref
 from .model import KINDS, PolicyObject
 from .source import Document, Loc
 
@@ -74,11 +74,7 @@ class Loaded:
 
     @property
     def ref(self) -> str:
-        return (
-            f"{self.kind} {self.namespace}/{self.name}"
-            if self.namespace
-            else f"{self.kind} {self.name}"
-        )
+        return object_ref(self.kind, self.namespace, self.name)
 
     def error(self, loc: Loc, message: str) -> PolicyError:
         return self.doc.error(loc, message)

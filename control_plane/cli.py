@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from meshfn.common.clihelp import reflow_help
 from meshfn.common.logs import setup_logging
 
 from .audit.cli import audit_app
@@ -182,11 +183,8 @@ def up(
         from meshfn.inference.cli import InferenceError
         from meshfn.inference.cli import publish_examples as publish
 
-        err.print(
-            f"publishing the example functions into {registry} (the first build takes a minute)"
-        )
-        try:
-            _, public = publish(registry)
+        try:  # progress bars while something builds; one line saying what was cached
+            _, public = publish(registry, err)
         except (InferenceError, OSError) as exc:
             _fail(f"publishing the example functions failed: {exc}")
             return
@@ -491,10 +489,13 @@ def filters_build(
     ] = False,
 ) -> None:
     """Build the filter modules (clang + lld) into the content-addressed cache; print where."""
+    from meshfn.common.progress import RichReporter
+
     from .filters import BuildError, artifacts, build
 
     try:
-        directory = build(native)
+        with RichReporter(err, "filters") as progress:
+            directory = build(native, progress)
         digests = artifacts(directory)
     except BuildError as exc:
         _fail(str(exc))
@@ -510,6 +511,7 @@ def _mount_function_cli() -> None:
 
 
 _mount_function_cli()
+reflow_help(app)  # last: every command and sub-app is registered by now
 
 
 def main() -> None:

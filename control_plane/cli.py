@@ -53,6 +53,33 @@ StateOpt = Annotated[
     Path, typer.Option("--state-dir", help="CA, token keys, logs, bootstraps (keep private)")
 ]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug | info | warning | error")]
+AdminListenOpt = Annotated[
+    str,
+    typer.Option(
+        "--admin-listen",
+        help="address of the admin port and its web console (beyond loopback it needs a token)",
+    ),
+]
+AdminTokenOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--admin-token-file",
+        help="file holding the admin token (default: $MESHFN_ADMIN_TOKEN); every admin request"
+        " and the console must then present it",
+    ),
+]
+
+
+def _admin_token(path: Path | None) -> str | None:
+    """The admin token from --admin-token-file or $MESHFN_ADMIN_TOKEN (at least 16 characters)."""
+    try:
+        token = path.read_text().strip() if path else os.environ.get("MESHFN_ADMIN_TOKEN", "")
+    except OSError as exc:
+        _fail(f"--admin-token-file {path}: {exc.strerror or exc}")
+        return None
+    if token and len(token) < 16:
+        _fail("the admin token must have at least 16 characters")
+    return token or None
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -170,9 +197,11 @@ def up(
     ] = False,
     log_format: LogFormatOpt = "human",
     log_level: LogLevelOpt = "info",
+    admin_listen: AdminListenOpt = "127.0.0.1",
+    admin_token_file: AdminTokenOpt = None,
 ) -> None:
     """Run the control plane, one Envoy per gateway and sidecar, the inference backends and
-    placeholder upstreams; hot-reload policies."""
+    placeholder upstreams; hot-reload policies. The web console is at ADMIN/ui."""
     from .runtime.up import run_up
     from .runtime.upstreams import FunctionsSetup
 
@@ -190,7 +219,19 @@ def up(
             return
         keys.append(public)
     setup = FunctionsSetup(registry, tuple(keys)) if keys else None
-    code = asyncio.run(run_up(policies, state_dir, envoy_concurrency, envoy_log_level, out, setup))
+    token = _admin_token(admin_token_file)
+    code = asyncio.run(
+        run_up(
+            policies,
+            state_dir,
+            envoy_concurrency,
+            envoy_log_level,
+            out,
+            setup,
+            admin_listen,
+            token,
+        )
+    )
     raise typer.Exit(code)
 
 
@@ -203,12 +244,19 @@ def serve(
     watch: Annotated[bool, typer.Option(help="hot-reload on policy changes")] = True,
     log_format: LogFormatOpt = "json",
     log_level: LogLevelOpt = "info",
+    admin_listen: AdminListenOpt = "127.0.0.1",
+    admin_token_file: AdminTokenOpt = None,
 ) -> None:
-    """Run only the control plane (ADS + admin), for Envoys you run yourself."""
+    """Run only the control plane (ADS + admin and its console), for Envoys you run yourself."""
     from .runtime.serve import run_serve
 
     setup_logging(log_format, log_level)
-    raise typer.Exit(asyncio.run(run_serve(policies, state_dir, xds_port, admin_port, watch)))
+    token = _admin_token(admin_token_file)
+    raise typer.Exit(
+        asyncio.run(
+            run_serve(policies, state_dir, xds_port, admin_port, watch, admin_listen, token)
+        )
+    )
 
 
 # ------------------------------------------------------------------ seeing inside
@@ -229,8 +277,11 @@ def _admin_url(admin: str | None) -> str:
 
 
 def _get_json(url: str) -> Any:
+    request = urllib.request.Request(url)
+    if token := os.environ.get("MESHFN_ADMIN_TOKEN"):  # an admin port beyond loopback
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         try:

@@ -21,15 +21,17 @@ import aiohttp
 from rich.console import Console
 
 from meshfn import ir
+from meshfn.common.progress import RichReporter
 from meshfn.ebpf import AccelerationUnavailable
 
 from .. import filters
 from ..audit.store import StoreError
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
-from .admin import AdminServer
+from .admin import AdminAccessError, AdminServer, is_loopback
 from .audit import AuditTrail
 from .bootstrap import ProxyIdentity
+from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, print_hints, sample_request
 from .process import ProcessFailed, SupervisedProcess
@@ -117,6 +119,42 @@ class Mesh:
         if self.audit is not None:  # after the proxies: it stores the last lines they wrote
             await self.audit.stop()
 
+    def backends(self) -> list[Backend]:
+        """The inference backends running now (for the console's Functions panel)."""
+        return [
+            Backend(spec.service, spec.address, spec.port)
+            for spec, _ in self.upstreams.values()
+            if spec.functions
+        ]
+
+    def gateway_admin_ports(self) -> dict[str, int]:
+        """Gateway node cluster -> its Envoy's admin port (for endpoint health)."""
+        model = self.cp.model
+        gateways = (
+            {w.node_cluster for w in model.workloads if w.kind == "gateway"} if model else set()
+        )
+        out = {}
+        for group, (_, proc) in self.envoys.items():
+            if group not in gateways or not isinstance(proc, EnvoyProcess):
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                out[group] = proc.admin_port()
+        return out
+
+    def console_sources(self, acceleration: Acceleration | None) -> ConsoleSources:
+        audit = self.audit
+        return ConsoleSources(
+            functions=FunctionStats(self.backends),
+            health=EndpointHealth(self.gateway_admin_ports),
+            audit=AuditView(
+                lambda: audit.store.path if audit is not None and audit.store else None,
+                self.state_dir,
+            )
+            if audit is not None
+            else None,
+            acceleration=acceleration.document if acceleration is not None else None,
+        )
+
     def pids(self) -> dict[str, int | None]:
         return {
             **{p.name: p.pid for _, p in self.envoys.values()},
@@ -160,9 +198,20 @@ async def run_up(
     envoy_log_level: str = "warning",
     console: Console | None = None,
     functions: FunctionsSetup | None = None,
+    admin_host: str = "127.0.0.1",
+    admin_token: str | None = None,
 ) -> int:
     console = console or Console()
-    wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare)
+    if not is_loopback(admin_host) and not admin_token:
+        console.print(
+            f"the admin port (and its console) would listen on {admin_host} without a token:"
+            " set MESHFN_ADMIN_TOKEN or --admin-token-file",
+            markup=False,
+            highlight=False,
+        )
+        return 1
+    with RichReporter(Console(stderr=True), "proxy-wasm filters") as progress:
+        wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare, progress)
     cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
     result = await cp.reload()
     tune_gc()
@@ -174,7 +223,6 @@ async def run_up(
     model = cp.model
     assert model is not None
     state_dir.mkdir(parents=True, exist_ok=True)
-    admin = AdminServer(cp)
     if model.functions and functions is None:
         console.print("[red]the policies declare functions: give --functions-registry[/red]")
         return 1
@@ -199,6 +247,7 @@ async def run_up(
         audit=audit,
     )
     cp.status_providers["audit"] = audit.status
+    admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -210,8 +259,8 @@ async def run_up(
     try:
         try:
             await cp.start()
-            await admin.start(port=model.admin_port)
-        except OSError as exc:
+            await admin.start(admin_host, port=model.admin_port)
+        except (OSError, AdminAccessError) as exc:
             console.print(f"[red]cannot start the control plane: {exc}[/red]")
             return 1
         try:
@@ -224,7 +273,7 @@ async def run_up(
             json.dumps(
                 {
                     "pid": os.getpid(),
-                    "admin": f"http://127.0.0.1:{admin.port}",
+                    "admin": admin.url,
                     "xds": f"127.0.0.1:{cp.xds_port}",
                     "policies": str(policies),
                     "children": mesh.pids(),
@@ -235,7 +284,7 @@ async def run_up(
         watcher = asyncio.create_task(cp.watch(stop))
         rotator = asyncio.create_task(cp.rotate_credentials_forever(stop))
         drift = asyncio.create_task(cp.drift_forever(stop))
-        admin_url = f"http://127.0.0.1:{admin.port}"
+        admin_url = admin.url
         samples = await function_samples(spec for spec, _ in mesh.upstreams.values())
         print_hints(
             console,

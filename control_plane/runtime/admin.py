@@ -204,9 +204,11 @@ class AdminServer:
                 f"the admin port would listen on {host}, beyond loopback, without a token: set"
                 " MESHFN_ADMIN_TOKEN (or --admin-token-file) or listen on 127.0.0.1"
             )
-        runner = web.AppRunner(make_app(self.cp, self.hub, self.access), access_log=None)
+        runner = web.AppRunner(
+            make_app(self.cp, self.hub, self.access), access_log=None, shutdown_timeout=2.0
+        )
         await runner.setup()
-        site = web.TCPSite(runner, host, port, shutdown_timeout=2.0)
+        site = web.TCPSite(runner, host, port)
         await site.start()
         self._runner = runner
         self.host = host

@@ -160,6 +160,7 @@ def hints(
         table.add_column(column)
     tries: list[str] = []
     refused: list[str] = []
+    has_function = False
     for workload in model.workloads:
         for listener in workload.listeners:
             host = "127.0.0.1" if listener.address in ("0.0.0.0", "::") else listener.address
@@ -182,8 +183,11 @@ def hints(
                         infer = f"{match.path.value}/infer"
                         body = samples[function.name]
                         tries.append(curl_example(base, route, match, token, infer, body))
-                    if token and not refused:
-                        refused.append(f"{curl_example(base, route, match)}   # no token: refused")
+                    # One call without the token, preferably to a model (the examples' models
+                    # want a tenant's token; other services may take anonymous calls).
+                    if token and (not refused or (function is not None and not has_function)):
+                        refused[:] = [f"{curl_example(base, route, match)}   # without the token"]
+                        has_function = function is not None
     command = meshfn_command(argv0)
     prefix = []
     if any("$TOKEN" in line for line in tries):

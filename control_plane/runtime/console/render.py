@@ -62,7 +62,9 @@ def drift_chart(route: RouteDrift, clock_offset: float, now: float) -> Chart:
     """p95 (solid) against the baseline (dashed) and the trip limit (dotted) over the last two
     minutes; degraded spans shaded, trips and recoveries as labelled vertical lines."""
     width, height, left, bottom, top = 640, 180, 48, 22, 10
-    start = now - CHART_SECONDS
+    first = route.history[0].at + clock_offset if route.history else now
+    span = min(CHART_SECONDS, max(10.0, now - first))  # a young mesh fills the chart too
+    start = now - span
     points = [p for p in route.history if p.at + clock_offset >= start]
     events = [e for e in route.events if e.at + clock_offset >= start]
     peak = max(
@@ -71,7 +73,7 @@ def drift_chart(route: RouteDrift, clock_offset: float, now: float) -> Chart:
     peak *= 1.15
 
     def x(at: float) -> float:
-        return left + (at + clock_offset - start) / CHART_SECONDS * (width - left - 4)
+        return left + (at + clock_offset - start) / span * (width - left - 4)
 
     def y(ms: float) -> float:
         return top + (1 - min(ms, peak) / peak) * (height - top - bottom)
@@ -87,10 +89,10 @@ def drift_chart(route: RouteDrift, clock_offset: float, now: float) -> Chart:
     for tick in (0.0, peak / 2, peak):
         parts.append(
             f'<text class="tick" x="{left - 4}" y="{y(tick) + 4:.1f}" text-anchor="end">'
-            f"{tick:.0f}</text>"
+            f"{tick:.{0 if peak >= 10 else 1}f}</text>"
         )
     parts.append(
-        f'<text class="tick" x="{left}" y="{height - 6}">-{CHART_SECONDS:.0f} s</text>'
+        f'<text class="tick" x="{left}" y="{height - 6}">-{span:.0f} s</text>'
         f'<text class="tick" x="{width - 4}" y="{height - 6}" text-anchor="end">now (ms)</text>'
     )
     span_start = None
@@ -140,7 +142,7 @@ def _summary(route: RouteDrift, events: list[Any]) -> str:
     recoveries = len(events) - trips
     return (
         f"{route.route}: p95 {route.p95_ms:.1f} ms against a baseline of {route.baseline_ms:.1f} ms;"
-        f" {trips} trip(s) and {recoveries} recovery(ies) in the last two minutes"
+        f" {trips} trip(s) and {recoveries} recovery(ies) in the last {CHART_SECONDS:.0f} s"
     )
 
 

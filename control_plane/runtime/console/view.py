@@ -248,6 +248,7 @@ class NackView:
     version: str
     error: str
     at: float
+    current: bool  # the version sent now is the one refused (else a later one was taken)
 
 
 @dataclass(frozen=True)
@@ -295,7 +296,13 @@ def _proxy_view(cp: ControlPlane, status: ProxyStatus) -> ProxyView:
         if (s := by_name.get(name)) is not None or name in XDS_TYPES[:4]
     )
     nacks = tuple(
-        NackView(name, s.last_nack.version[:8], s.last_nack.error, s.last_nack.at)
+        NackView(
+            name,
+            s.last_nack.version[:8],
+            s.last_nack.error,
+            s.last_nack.at,
+            s.last_nack.version == s.sent_version,
+        )
         for name, s in sorted(by_name.items())
         if s.last_nack is not None
     )

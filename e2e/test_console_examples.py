@@ -1,0 +1,168 @@
+"""The README's mesh (`./dev.sh up`: policies/examples with the example functions) as a new user
+meets it: the lines `meshfn up` prints work when pasted into a shell where `meshfn` is not on
+PATH, and the console's Functions, Audit and Topology panels show the running mesh in a real
+browser. Writes the README's screenshot to build/artifacts/console/console-examples.png."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from meshfn_e2e import Processes, http, remap_examples
+
+from meshfn.testing.browser import Browser, chromium
+from meshfn.testing.processes import MESHFN, Proc, wait_for
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "build" / "artifacts" / "console"
+
+
+@dataclass
+class Example:
+    tmp: Path
+    up: Proc
+    admin: str
+    listener: int
+
+    def tries(self) -> list[str]:
+        """The lines under "try:" that meshfn up printed."""
+        text = self.up.output()
+        block = text.split("\ntry:\n", 1)[1].split("\nconsole: ", 1)[0]
+        return [line.strip() for line in block.splitlines() if line.startswith("  ")]
+
+    def paste(self, *lines: str) -> str:
+        """Run lines as a person pasting them would: in the directory meshfn up was started
+        from, with a PATH that has no meshfn on it."""
+        done = subprocess.run(
+            ["bash", "-c", "\n".join(lines)],
+            cwd=self.tmp,
+            env={"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Example]:
+    tmp = tmp_path_factory.mktemp("examples")
+    mapping = remap_examples(tmp / "examples")
+    procs = Processes(tmp)
+    up = procs.start(
+        "up",
+        [MESHFN, "up", "--policies", str(tmp / "examples"), "--state-dir", str(tmp / "state"),
+         "--functions-registry", str(tmp / "functions"), "--publish-examples"],
+        env={**os.environ, "MESHFN_CALLER_DIR": str(tmp)},
+    )  # fmt: skip
+    try:
+        # The first build of the example functions takes a minute; later runs use the cache.
+        wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=240)
+        yield Example(tmp, up, f"http://127.0.0.1:{mapping[18001]}", mapping[10000])
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with chromium() as found:
+        yield found
+
+
+def test_printed_lines_work_when_pasted(example: Example) -> None:
+    tries = example.tries()
+    token_line = tries[0]
+    assert token_line.startswith(f"TOKEN=$({MESHFN} token issue --state-dir state "), token_line
+    base = f"http://127.0.0.1:{example.listener}"
+    infer = next(line for line in tries if f"{base}/v2/models/iris/infer" in line)
+    assert "-X POST" in infer and '"inputs"' in infer
+    answer = json.loads(example.paste(token_line, infer))
+    assert answer["model_name"] == "iris" and answer["outputs"], answer
+    metadata = next(line for line in tries if line.endswith(f"{base}/v2/models/iris"))
+    assert json.loads(example.paste(token_line, metadata))["name"] == "iris"
+    refused = next(line for line in tries if "without the token" in line)
+    assert refused.startswith(f"curl -s {base}/v2/models/")
+    assert "RBAC: access denied" in example.paste(refused)  # the models want a tenant's token
+    embed = next(line for line in tries if "/v2/models/embedder/infer" in line)
+    assert json.loads(example.paste(token_line, embed))["outputs"]
+    status = next(line for line in tries if " status" in line and "SYNCED" in line)
+    shown = example.paste(status)
+    assert "edge.ingress~0" in shown and shown.count("SYNCED") >= 5, shown
+    query = next(line for line in tries if " audit query" in line)
+    wait_for("the audit records", lambda: "POST" in example.paste(query), timeout=30)
+    verify = next(line for line in tries if " audit verify" in line)
+    assert "chain intact" in example.paste(verify)
+    output = example.up.output()
+    # The route table shows the regex as written, with its header condition.
+    assert "regex ^/debug/[a-z]+$ [GET] x-debug present" in output
+    # Builds say what was cached, and nothing claims a build that did not happen.
+    assert "example functions: " in output and "proxy-wasm filters: " in output
+    if "example functions: all 3 cached" in output:
+        assert "first build" not in output
+
+
+def _wait_text(page: Any, panel: str, text: str, timeout: float = 20) -> None:
+    page.wait_for_function(
+        "([id, text]) => document.getElementById(`panel-${id}`).innerText.includes(text)",
+        arg=[panel, text],
+        timeout=timeout * 1000,
+    )
+
+
+def test_console_shows_functions_audit_and_acceleration(
+    example: Example, browser: Browser
+) -> None:
+    page = browser.page
+    page.goto(example.admin + "/ui")
+    page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
+    token = subprocess.run(
+        [MESHFN, "token", "issue", "--state-dir", str(example.tmp / "state"), "--sub", "carol",
+         "--aud", "meshfn", "--claim", "tenant=acme"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    flower = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 4],
+                          "data": [5.1, 3.5, 1.4, 0.2]}]}  # fmt: skip
+    headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
+    for _ in range(5):
+        reply = http(
+            f"http://127.0.0.1:{example.listener}/v2/models/iris/infer",
+            "POST",
+            headers,
+            json.dumps(flower).encode(),
+        )
+        assert reply.status == 200, reply.body
+    # Functions: iris loaded, verified, with request latencies; embedder has no warm pool
+    _wait_text(page, "functions", "iris@1")
+    functions = page.inner_text("#panel-functions")
+    assert "verified (key" in functions and "default/models" in functions, functions
+    row = page.inner_text("#panel-functions tr:has(th:text-is('iris@1 python'))")
+    assert "loaded" in row and "ms" in row, row
+    cells = row.split("\t")
+    assert int(cells[4]) >= 1, cells  # cold starts
+    # Audit: the records of these requests, the chain verified, a query by raw subject
+    _wait_text(page, "audit", "/v2/models/iris/infer")
+    _wait_text(page, "audit", "chain intact", timeout=30)
+    # Topology: eBPF on (root, a kernel with sockmap), endpoints with localities, the chain
+    topology = page.inner_text("#panel-topology")
+    assert "eBPF acceleration: on" in topology, topology
+    assert "default/models-lite" in topology and "eu-west/eu-west-1b" in topology
+    _wait_text(page, "topology", "default/models, priority 0")
+    _wait_text(page, "proxies", "SYNCED")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "console-examples.png"), full_page=True)
+    page.fill("#q-subject-raw", "carol")
+    page.fill("#q-status", "2xx")
+    page.click("form.query button[type=submit]")
+    page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
+    caption = page.inner_text("#panel-audit caption")
+    assert re.match(r"5 record\(s\) matching the query", caption), caption
+    assert page.input_value("#q-subject-raw") == "carol"
+    assert browser.problems == []

@@ -117,9 +117,7 @@ def _wait_text(page: Any, panel: str, text: str, timeout: float = 20) -> None:
     )
 
 
-def test_console_shows_functions_audit_and_acceleration(
-    example: Example, browser: Browser
-) -> None:
+def test_console_shows_functions_audit_and_acceleration(example: Example, browser: Browser) -> None:
     page = browser.page
     page.goto(example.admin + "/ui")
     page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
@@ -143,7 +141,7 @@ def test_console_shows_functions_audit_and_acceleration(
     _wait_text(page, "functions", "iris@1")
     functions = page.inner_text("#panel-functions")
     assert "verified (key" in functions and "default/models" in functions, functions
-    row = page.inner_text("#panel-functions tr:has(th:text-is('iris@1 python'))")
+    row = page.locator("#panel-functions tbody tr", has_text="iris@1").first.inner_text()
     assert "loaded" in row and "ms" in row, row
     cells = row.split("\t")
     assert int(cells[4]) >= 1, cells  # cold starts
@@ -158,6 +156,7 @@ def test_console_shows_functions_audit_and_acceleration(
     _wait_text(page, "proxies", "SYNCED")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "console-examples.png"), full_page=True)
+    page.screenshot(path=str(ARTIFACTS / "console-examples-top.png"))  # docs/console.png
     page.fill("#q-subject-raw", "carol")
     page.fill("#q-status", "2xx")
     page.click("form.query button[type=submit]")

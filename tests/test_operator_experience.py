@@ -114,7 +114,11 @@ def test_help_texts_never_break_mid_sentence() -> None:
 
 def test_dev_sh_logs_plain_text_into_files(tmp_path: Path) -> None:
     piped = subprocess.run(
-        [str(ROOT / "dev.sh"), "no-such-command"], capture_output=True, text=True, timeout=30
+        [str(ROOT / "dev.sh"), "no-such-command"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     assert piped.returncode == 2
     assert "[meshfn] unknown command: no-such-command" in piped.stderr
@@ -125,6 +129,7 @@ def test_dev_sh_logs_plain_text_into_files(tmp_path: Path) -> None:
         done = subprocess.run(
             [str(ROOT / "dev.sh"), "no-such-command"],
             stdout=subprocess.DEVNULL,
+            check=False,
             stderr=follower,
             env={**os.environ, "TERM": "xterm"},
             timeout=30,

@@ -282,8 +282,12 @@ def type_state(status: TypeStatus | None) -> str:
     return "SYNCED" if status.sent_version == status.acked_version else "STALE"
 
 
-def _proxy_view(cp: ControlPlane, status: ProxyStatus) -> ProxyView:
-    by_name = {SHORT_NAMES.get(t, t): s for t, s in status.types.items()}
+def _by_name(status: ProxyStatus) -> dict[str, TypeStatus]:
+    return {SHORT_NAMES.get(t, t): s for t, s in status.types.items()}
+
+
+def _proxy_view(cp: ControlPlane, status: ProxyStatus, columns: Sequence[str]) -> ProxyView:
+    by_name = _by_name(status)
     types = tuple(
         TypeView(
             name,
@@ -292,8 +296,8 @@ def _proxy_view(cp: ControlPlane, status: ProxyStatus) -> ProxyView:
             s.sent_version[:8] if s else "",
             s.resources if s else 0,
         )
-        for name in XDS_TYPES
-        if (s := by_name.get(name)) is not None or name in XDS_TYPES[:4]
+        for name in columns
+        for s in [by_name.get(name)]
     )
     nacks = tuple(
         NackView(
@@ -319,7 +323,12 @@ def _proxy_view(cp: ControlPlane, status: ProxyStatus) -> ProxyView:
 
 
 def proxies(cp: ControlPlane) -> tuple[ProxyView, ...]:
-    return tuple(_proxy_view(cp, s) for s in cp.ads.statuses())
+    """Every proxy, with one column per xDS type any of them uses (the same for all rows)."""
+    statuses = cp.ads.statuses()
+    used = {name for s in statuses for name in _by_name(s)}
+    columns = [t for t in XDS_TYPES if t in used or t in XDS_TYPES[:4]]
+    columns += sorted(used - set(columns))
+    return tuple(_proxy_view(cp, s, columns) for s in statuses)
 
 
 # ------------------------------------------------------------------ drift

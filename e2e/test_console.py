@@ -16,10 +16,9 @@ import pytest
 from meshfn_e2e import Processes, http, wait_for_synced
 
 from meshfn.testing import policies as p
-from meshfn.testing.browser import Browser, chromium
+from meshfn.testing.browser import ARTIFACTS, Browser, chromium, wait_panel_text
 from meshfn.testing.processes import Proc, wait_for
 
-ARTIFACTS = Path(__file__).resolve().parents[1] / "build" / "artifacts" / "console"
 # RE2 accepts this, but its program is far above Envoy's default size limit: Envoy NACKs it.
 HUGE_REGEX = "^/(" + "|".join(f"model-{i}-[a-z]+" for i in range(40)) + ")$"
 # Markup for HTML and for rich: must show as text everywhere, never become an element or style.
@@ -88,23 +87,15 @@ def _panel(page: Any, name: str) -> str:
     return str(page.inner_text(f"#panel-{name}"))
 
 
-def _wait_text(page: Any, panel: str, text: str, timeout: float = 10) -> None:
-    page.wait_for_function(
-        "([id, text]) => document.getElementById(`panel-${id}`).innerText.includes(text)",
-        arg=[panel, text],
-        timeout=timeout * 1000,
-    )
-
-
 def test_panels_render_without_console_errors(mesh: Mesh, browser: Browser) -> None:
     page = _open(browser, mesh.console)
     for name in ("topology", "proxies", "drift", "functions", "audit", "policy"):
         assert page.is_visible(f"section#{name} h2"), name
-    _wait_text(page, "proxies", "SYNCED")
+    wait_panel_text(page, "proxies", "SYNCED")
     topology = _panel(page, "topology")
     assert "default/main" in topology and "prefix /v1" in topology
     # the gateway's own view of its endpoints: healthy, and the primary serving
-    _wait_text(page, "topology", "default/alpha, priority 0")
+    wait_panel_text(page, "topology", "default/alpha, priority 0")
     assert "healthy" in topology
     assert "default/main" in _panel(page, "drift")
     # keyboard: the skip link comes first, then the panel navigation
@@ -122,7 +113,7 @@ def test_policy_change_shows_without_reload(mesh: Mesh, browser: Browser) -> Non
     mesh.policies.write(
         "route.yaml", p.route("main", "alpha", "/v1") + "---\n" + p.route("more", "beta", "/v2")
     )
-    _wait_text(page, "topology", "prefix /v2")
+    wait_panel_text(page, "topology", "prefix /v2")
     assert f"configuration {generation + 1}" in _panel(page, "policy")
     assert page.evaluate("window.__notReloaded") is True
     assert browser.problems == []
@@ -140,13 +131,13 @@ def test_nack_shows_its_error(mesh: Mesh, browser: Browser) -> None:
             {"matches": [{"path": {"regex": HUGE_REGEX}}], "destination": {"service": "beta"}},
         ),
     )
-    _wait_text(page, "proxies", "NACK")
+    wait_panel_text(page, "proxies", "NACK")
     error = page.inner_text("#panel-proxies pre.error-text")
     assert "program size" in error.lower(), error
     assert "NACKED" in _panel(page, "proxies")
     _shot(page, "console-nack")
     mesh.policies.route("/v1", "alpha")  # back to a configuration Envoy takes
-    _wait_text(page, "proxies", "SYNCED")
+    wait_panel_text(page, "proxies", "SYNCED")
     assert page.evaluate("window.__notReloaded") is True
     assert browser.problems == []
 
@@ -158,18 +149,18 @@ def test_hostile_names_are_text(mesh: Mesh, browser: Browser) -> None:
         p.doc("Route", "shown", {"matches": [{"path": {"regex": HOSTILE_REGEX}}],
                                  "destination": {"service": "beta"}}),
     )  # fmt: skip
-    _wait_text(page, "topology", HOSTILE_REGEX)
+    wait_panel_text(page, "topology", HOSTILE_REGEX)
     mesh.policies.write(
         "broken.yaml", p.doc("Route", HOSTILE, {"destination": {"service": "beta"}})
     )
-    _wait_text(page, "policy", "rejected")
+    wait_panel_text(page, "policy", "rejected")
     policy = _panel(page, "policy")
     assert HOSTILE in policy and "broken.yaml:" in policy, policy
     assert page.query_selector("#pwned") is None  # never an element
     assert page.query_selector("#panel-policy img") is None
     (mesh.policies.root / "broken.yaml").unlink()
     (mesh.policies.root / "hostile.yaml").unlink()
-    _wait_text(page, "policy", "in force")
+    wait_panel_text(page, "policy", "in force")
     assert browser.problems == []
 
 
@@ -191,7 +182,7 @@ def test_tripped_breaker_appears(mesh: Mesh, browser: Browser) -> None:
     mesh.delay(0)
     assert tripped(), _panel(page, "drift")
     assert page.query_selector("#panel-drift svg .trip") is not None  # marked on the chart
-    _wait_text(page, "topology", "drift breaker tripped")
+    wait_panel_text(page, "topology", "drift breaker tripped")
     _shot(page, "console-breaker-tripped")
     assert page.evaluate("window.__notReloaded") is True
     assert browser.problems == []

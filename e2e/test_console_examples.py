@@ -8,19 +8,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from meshfn_e2e import Processes, http, remap_examples
 
-from meshfn.testing.browser import Browser, chromium
+from meshfn.testing.browser import ARTIFACTS, Browser, chromium, wait_panel_text
 from meshfn.testing.processes import MESHFN, Proc, wait_for
-
-ARTIFACTS = Path(__file__).resolve().parents[1] / "build" / "artifacts" / "console"
 
 
 @dataclass
@@ -80,7 +78,8 @@ def browser() -> Iterator[Browser]:
 def test_printed_lines_work_when_pasted(example: Example) -> None:
     tries = example.tries()
     token_line = tries[0]
-    assert token_line.startswith(f"TOKEN=$({MESHFN} token issue --state-dir state "), token_line
+    command = "meshfn" if shutil.which("meshfn") == MESHFN else MESHFN  # as in hints.py
+    assert token_line.startswith(f"TOKEN=$({command} token issue --state-dir state "), token_line
     base = f"http://127.0.0.1:{example.listener}"
     infer = next(line for line in tries if f"{base}/v2/models/iris/infer" in line)
     assert "-X POST" in infer and '"inputs"' in infer
@@ -109,14 +108,6 @@ def test_printed_lines_work_when_pasted(example: Example) -> None:
         assert "first build" not in output
 
 
-def _wait_text(page: Any, panel: str, text: str, timeout: float = 20) -> None:
-    page.wait_for_function(
-        "([id, text]) => document.getElementById(`panel-${id}`).innerText.includes(text)",
-        arg=[panel, text],
-        timeout=timeout * 1000,
-    )
-
-
 def test_console_shows_functions_audit_and_acceleration(example: Example, browser: Browser) -> None:
     page = browser.page
     page.goto(example.admin + "/ui")
@@ -138,7 +129,7 @@ def test_console_shows_functions_audit_and_acceleration(example: Example, browse
         )
         assert reply.status == 200, reply.body
     # Functions: iris loaded, verified, with request latencies; embedder has no warm pool
-    _wait_text(page, "functions", "iris@1")
+    wait_panel_text(page, "functions", "iris@1", timeout=20)
     functions = page.inner_text("#panel-functions")
     assert "verified (key" in functions and "default/models" in functions, functions
     row = page.locator("#panel-functions tbody tr", has_text="iris@1").first.inner_text()
@@ -146,14 +137,14 @@ def test_console_shows_functions_audit_and_acceleration(example: Example, browse
     cells = row.split("\t")
     assert int(cells[4]) >= 1, cells  # cold starts
     # Audit: the records of these requests, the chain verified, a query by raw subject
-    _wait_text(page, "audit", "/v2/models/iris/infer")
-    _wait_text(page, "audit", "chain intact", timeout=30)
+    wait_panel_text(page, "audit", "/v2/models/iris/infer", timeout=20)
+    wait_panel_text(page, "audit", "chain intact", timeout=30)
     # Topology: eBPF on (root, a kernel with sockmap), endpoints with localities, the chain
     topology = page.inner_text("#panel-topology")
     assert "eBPF acceleration: on" in topology, topology
     assert "default/models-lite" in topology and "eu-west/eu-west-1b" in topology
-    _wait_text(page, "topology", "default/models, priority 0")
-    _wait_text(page, "proxies", "SYNCED")
+    wait_panel_text(page, "topology", "default/models, priority 0", timeout=20)
+    wait_panel_text(page, "proxies", "SYNCED", timeout=20)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "console-examples.png"), full_page=True)
     page.screenshot(path=str(ARTIFACTS / "console-examples-top.png"))  # docs/console.png

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -203,7 +204,9 @@ def test_up_on_the_examples_and_clean_shutdown(
     # 5 Envoys (the gateway, 4 sidecars), 3 inference backends, 1 placeholder upstream.
     assert len(children) == 9 and all(alive(pid) for pid in children)
     output = up.output()
-    assert f"TOKEN=$({MESHFN} token issue --state-dir {state} " in output  # pastes as it is
+    # pastes as it is: this meshfn by its path (plain `meshfn` only if PATH finds this one)
+    command = "meshfn" if shutil.which("meshfn") == MESHFN else MESHFN
+    assert f"TOKEN=$({command} token issue --state-dir {state} " in output
     assert (
         f'curl -s -H "authorization: Bearer $TOKEN" http://127.0.0.1:{listener}/v2/models/iris'
         in output

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Screenshots the console's tests save (build/ is not committed).
+ARTIFACTS = Path(__file__).resolve().parents[1] / "build" / "artifacts" / "console"
 CHROMIUM = os.environ.get("MESHFN_CHROMIUM", "/usr/bin/chromium")
 # Headless Chromium as root, with nothing that phones home (FACTS.md).
 CHROMIUM_ARGS = [
@@ -91,3 +93,13 @@ def chromium(viewport: tuple[int, int] = (1280, 900)) -> Iterator[Browser]:
                 context.close()
     finally:
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def wait_panel_text(page: Any, panel: str, text: str, timeout: float = 10) -> None:
+    """Wait until the console's panel `panel` shows `text` (a function, not a string: the
+    console's CSP forbids eval, and Playwright evaluates string predicates with it)."""
+    page.wait_for_function(
+        "([id, text]) => document.getElementById(`panel-${id}`).innerText.includes(text)",
+        arg=[panel, text],
+        timeout=timeout * 1000,
+    )

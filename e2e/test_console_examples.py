@@ -119,6 +119,8 @@ def test_console_shows_functions_audit_and_acceleration(example: Example, browse
     ).stdout.strip()  # fmt: skip
     flower = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 4],
                           "data": [5.1, 3.5, 1.4, 0.2]}]}  # fmt: skip
+    newest = "Number(document.querySelector('#panel-audit tbody tr th')?.innerText || 0)"
+    before = page.evaluate(f"() => {newest}")
     headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
     for _ in range(5):
         reply = http(
@@ -139,6 +141,8 @@ def test_console_shows_functions_audit_and_acceleration(example: Example, browse
     # Audit: the records of these requests, the chain verified, a query by raw subject
     wait_panel_text(page, "audit", "/v2/models/iris/infer", timeout=20)
     wait_panel_text(page, "audit", "chain intact", timeout=30)
+    # live: the newest record shown moves on as the collector stores these requests
+    page.wait_for_function(f"(n) => {newest} >= n", arg=before + 5, timeout=30_000)
     # Topology: eBPF on (root, a kernel with sockmap), endpoints with localities, the chain
     topology = page.inner_text("#panel-topology")
     assert "eBPF acceleration: on" in topology, topology

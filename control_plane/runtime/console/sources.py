@@ -170,7 +170,7 @@ class Verification:
 class AuditView:
     """Read-only access to the audit store `meshfn up` writes (`path()` is None while audit is
     off). Verification walks the whole chain, so it runs in a thread and at most every
-    `verify_every` seconds, when the chain has grown."""
+    `verify_every` seconds, when the store has changed."""
 
     path: Callable[[], Path | None]
     state_dir: Path
@@ -178,8 +178,25 @@ class AuditView:
     verification: Verification | None = None
     error: str | None = None
     _store: AuditStore | None = field(default=None, repr=False)
-    _verified_head: int = -1
+    _verified_head: tuple[int, ...] = ()
     _verified_at: float = 0.0
+    _records: dict[AuditQuery, tuple[tuple[int, ...], list[dict[str, Any]]]] = field(
+        default_factory=dict, repr=False
+    )
+
+    @staticmethod
+    def _version(store: AuditStore) -> tuple[int, ...]:
+        """Changes whenever the writer commits (the store file or its WAL changed); cheap, and
+        unlike a read-only store's cached head it does not stand still."""
+        out: list[int] = []
+        for path in (store.path, store.path.with_name(store.path.name + "-wal")):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                out += [0, 0]
+                continue
+            out += [stat.st_mtime_ns, stat.st_size]
+        return tuple(out)
 
     def _open(self) -> AuditStore | None:
         path = self.path()
@@ -196,7 +213,7 @@ class AuditView:
             store = self._open()
             if store is None:
                 return
-            head = store.head()[0]
+            head = self._version(store)
             now = time.monotonic()
             if head != self._verified_head and now - self._verified_at >= self.verify_every:
                 self._verified_at = now
@@ -219,10 +236,22 @@ class AuditView:
             self.error = str(exc)
 
     def records(self, query: AuditQuery) -> list[dict[str, Any]]:
-        """The newest `query.limit` records matching `query`, newest first."""
+        """The newest `query.limit` records matching `query`, newest first (asked of the store
+        again only when its chain has grown)."""
         store = self._open()
         if store is None:
             return []
+        head = self._version(store)
+        cached = self._records.get(query)
+        if cached is not None and cached[0] == head:
+            return cached[1]
+        rows = self._query(store, query)
+        if len(self._records) > 32:
+            self._records.clear()
+        self._records[query] = (head, rows)
+        return rows
+
+    def _query(self, store: AuditStore, query: AuditQuery) -> list[dict[str, Any]]:
         subject = query.subject
         if query.subject_raw is not None:
             salt = load_salt(self.state_dir)

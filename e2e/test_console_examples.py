@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from meshfn_e2e import Processes, http, remap_examples
 
+from meshfn.control_plane.runtime.hints import meshfn_command
 from meshfn.testing.browser import ARTIFACTS, Browser, chromium, wait_panel_text
 from meshfn.testing.processes import MESHFN, Proc, wait_for
 
@@ -78,7 +78,7 @@ def browser() -> Iterator[Browser]:
 def test_printed_lines_work_when_pasted(example: Example) -> None:
     tries = example.tries()
     token_line = tries[0]
-    command = "meshfn" if shutil.which("meshfn") == MESHFN else MESHFN  # as in hints.py
+    command = meshfn_command(MESHFN, base=example.tmp)  # the caller's directory
     assert token_line.startswith(f"TOKEN=$({command} token issue --state-dir state "), token_line
     base = f"http://127.0.0.1:{example.listener}"
     infer = next(line for line in tries if f"{base}/v2/models/iris/infer" in line)
@@ -134,10 +134,16 @@ def test_console_shows_functions_audit_and_acceleration(example: Example, browse
     wait_panel_text(page, "functions", "iris@1", timeout=20)
     functions = page.inner_text("#panel-functions")
     assert "verified (key" in functions and "default/models" in functions, functions
-    row = page.locator("#panel-functions tbody tr", has_text="iris@1").first.inner_text()
-    assert "loaded" in row and "ms" in row, row
-    cells = row.split("\t")
-    assert int(cells[4]) >= 1, cells  # cold starts
+
+    def served() -> list[str] | None:  # the iris row of the endpoint that took the requests
+        rows = page.locator("#panel-functions tbody tr", has_text="iris@1").all_inner_texts()
+        cells = [r.split("\t") for r in rows]
+        return next(
+            (c for c in cells if c[1] == "loaded" and int(c[4]) >= 1 and "ms" in c[5]), None
+        )
+
+    cells = wait_for("iris loaded with a cold start and latencies", served, timeout=20)
+    assert cells[2].startswith("1 idle (min 1"), cells  # its warm pool, refilled
     # Audit: the records of these requests, the chain verified, a query by raw subject
     wait_panel_text(page, "audit", "/v2/models/iris/infer", timeout=20)
     wait_panel_text(page, "audit", "chain intact", timeout=30)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hmac
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from meshfn_e2e import (
 )
 
 from meshfn.contracts.plugins import BUILDS
+from meshfn.control_plane.runtime.hints import meshfn_command
 from meshfn.testing.policies import Policies
 from meshfn.testing.processes import MESHFN, meshfn, wait_for
 
@@ -204,8 +204,9 @@ def test_up_on_the_examples_and_clean_shutdown(
     # 5 Envoys (the gateway, 4 sidecars), 3 inference backends, 1 placeholder upstream.
     assert len(children) == 9 and all(alive(pid) for pid in children)
     output = up.output()
-    # pastes as it is: this meshfn by its path (plain `meshfn` only if PATH finds this one)
-    command = "meshfn" if shutil.which("meshfn") == MESHFN else MESHFN
+    # pastes as it is: this meshfn by its path (relative to the caller's directory), plain
+    # `meshfn` only if PATH finds this one
+    command = meshfn_command(MESHFN)
     assert f"TOKEN=$({command} token issue --state-dir {state} " in output
     assert (
         f'curl -s -H "authorization: Bearer $TOKEN" http://127.0.0.1:{listener}/v2/models/iris'

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from meshfn.common.clihelp import reflow_help
 from meshfn.common.logs import setup_logging
@@ -333,13 +334,12 @@ def status(
     nacks = []
     for proxy in document["proxies"]:
         types = proxy["types"]
-        workload = (
-            proxy["workload"]
-            if proxy["known_workload"]
-            else f"[red]{proxy['workload']} (unknown)[/red]"
-        )
+        # Node ids and workloads come from the proxies: text, never markup.
+        workload = Text(proxy["workload"])
+        if not proxy["known_workload"]:
+            workload = Text(f"{proxy['workload']} (unknown)", style="red")
         table.add_row(
-            proxy["node"],
+            Text(proxy["node"]),
             workload,
             proxy["protocol"],
             *(_type_cell(types.get(t)) for t in ("clusters", "endpoints", "listeners", "routes")),
@@ -376,7 +376,7 @@ def status(
         for name, route in document["routes"].items():
             state = route["state"]
             routes.add_row(
-                name,
+                Text(name),
                 f"[red]{state}[/red]" if state == "degraded" else f"[green]{state}[/green]",
                 f"{route['p95_ms']:.1f}",
                 f"{route['baseline_ms']:.1f}",
@@ -385,7 +385,8 @@ def status(
             )
         out.print(routes)
     for node, type_name, nack in nacks:
-        out.print(f"[red]NACK[/red] {node} {type_name} version {nack['version'][:8]}: ", end="")
+        out.print("[red]NACK[/red] ", end="")
+        out.print(f"{node} {type_name} version {nack['version'][:8]}: ", end="", markup=False)
         out.print(nack["error"], markup=False, highlight=False)
 
 

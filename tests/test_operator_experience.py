@@ -171,3 +171,14 @@ def test_filter_build_reports_each_module() -> None:
     line = out.getvalue().strip()
     assert line.startswith(f"proxy-wasm filters: all {len(BUILDS)} cached ("), line
     assert all(f"{name}.wasm" in line for name in BUILDS)
+
+
+def test_hostile_policy_names_print_as_text(tmp_path: Path) -> None:
+    hostile = "<b>[red]x[/red]</b>"
+    (tmp_path / "route.yaml").write_text(
+        f"apiVersion: meshfn.io/v1alpha1\nkind: Route\nmetadata: {{name: '{hostile}'}}\n"
+        "spec:\n  destination: {service: nope}\n"
+    )
+    shown = CliRunner().invoke(app, ["validate", str(tmp_path)], env={"COLUMNS": "250"})
+    assert shown.exit_code == 1
+    assert hostile in shown.output and "route.yaml:3: metadata.name" in shown.output

@@ -7,6 +7,8 @@
 # Works on a fresh Debian 12 as root with nothing but Python 3.11; everything else is installed
 # here (system packages via apt, Python packages into ./.venv).
 set -euo pipefail
+# Where the person ran us from: `meshfn up` prints commands to paste with paths relative to it.
+export MESHFN_CALLER_DIR=${MESHFN_CALLER_DIR:-$PWD}
 cd "$(dirname "$0")"
 
 VENV=${MESHFN_VENV:-.venv}
@@ -17,7 +19,12 @@ PYTHON=${PYTHON:-python3}
 # were on sys.path (`python -m`, `python -c`): never put it there.
 export PYTHONSAFEPATH=1
 
-log() { printf '\033[1m[meshfn]\033[0m %s\n' "$*" >&2; }
+# Bold only on a terminal: piped into a log file, the lines stay plain text.
+if [ -t 2 ] && [ -z "${NO_COLOR:-}" ] && [ "${TERM:-}" != dumb ]; then
+  log() { printf '\033[1m[meshfn]\033[0m %s\n' "$*" >&2; }
+else
+  log() { printf '[meshfn] %s\n' "$*" >&2; }
+fi
 
 apt_install() {
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
@@ -40,6 +47,8 @@ ensure_system() {
   command -v clang >/dev/null || missing+=(clang)
   command -v wasm-ld >/dev/null || command -v ld.lld >/dev/null || missing+=(lld)
   command -v wrk >/dev/null || missing+=(wrk)
+  # chromium: the web console's browser tests (Playwright drives Debian's build, never its own).
+  command -v chromium >/dev/null || missing+=(chromium)
   if ((${#missing[@]})); then apt_install "${missing[@]}"; fi
   "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
     || { log "meshfn needs Python >= 3.11 ($PYTHON is older)"; exit 1; }
@@ -120,8 +129,10 @@ case "$cmd" in
     log "pytest"
     exec "$VENV/bin/pytest" -p no:cacheprovider "$@"
     ;;
+  help | -h | --help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' ;;
   *)
-    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
-    [ "$cmd" = help ]
+    log "unknown command: $cmd"
+    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
     ;;
 esac

@@ -21,7 +21,9 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from meshfn.common.clihelp import reflow_help
 from meshfn.common.logs import setup_logging
 
 from .audit.cli import audit_app
@@ -54,6 +56,33 @@ StateOpt = Annotated[
     Path, typer.Option("--state-dir", help="CA, token keys, logs, bootstraps (keep private)")
 ]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug | info | warning | error")]
+AdminListenOpt = Annotated[
+    str,
+    typer.Option(
+        "--admin-listen",
+        help="address of the admin port and its web console (beyond loopback it needs a token)",
+    ),
+]
+AdminTokenOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--admin-token-file",
+        help="file holding the admin token (default: $MESHFN_ADMIN_TOKEN); every admin request"
+        " and the console must then present it",
+    ),
+]
+
+
+def _admin_token(path: Path | None) -> str | None:
+    """The admin token from --admin-token-file or $MESHFN_ADMIN_TOKEN (at least 16 characters)."""
+    try:
+        token = path.read_text().strip() if path else os.environ.get("MESHFN_ADMIN_TOKEN", "")
+    except OSError as exc:
+        _fail(f"--admin-token-file {path}: {exc.strerror or exc}")
+        return None
+    if token and len(token) < 16:
+        _fail("the admin token must have at least 16 characters")
+    return token or None
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -171,9 +200,11 @@ def up(
     ] = False,
     log_format: LogFormatOpt = "human",
     log_level: LogLevelOpt = "info",
+    admin_listen: AdminListenOpt = "127.0.0.1",
+    admin_token_file: AdminTokenOpt = None,
 ) -> None:
     """Run the control plane, one Envoy per gateway and sidecar, the inference backends and
-    placeholder upstreams; hot-reload policies."""
+    placeholder upstreams; hot-reload policies. The web console is at ADMIN/ui."""
     from .runtime.up import run_up
     from .runtime.upstreams import FunctionsSetup
 
@@ -184,17 +215,26 @@ def up(
         from meshfn.inference.cli import InferenceError
         from meshfn.inference.cli import publish_examples as publish
 
-        err.print(
-            f"publishing the example functions into {registry} (the first build takes a minute)"
-        )
-        try:
-            _, public = publish(registry)
+        try:  # progress bars while something builds; one line saying what was cached
+            _, public = publish(registry, err)
         except (InferenceError, OSError) as exc:
             _fail(f"publishing the example functions failed: {exc}")
             return
         keys.append(public)
     setup = FunctionsSetup(registry, tuple(keys)) if keys else None
-    code = asyncio.run(run_up(policies, state_dir, envoy_concurrency, envoy_log_level, out, setup))
+    token = _admin_token(admin_token_file)
+    code = asyncio.run(
+        run_up(
+            policies,
+            state_dir,
+            envoy_concurrency,
+            envoy_log_level,
+            out,
+            setup,
+            admin_listen,
+            token,
+        )
+    )
     raise typer.Exit(code)
 
 
@@ -207,12 +247,19 @@ def serve(
     watch: Annotated[bool, typer.Option(help="hot-reload on policy changes")] = True,
     log_format: LogFormatOpt = "json",
     log_level: LogLevelOpt = "info",
+    admin_listen: AdminListenOpt = "127.0.0.1",
+    admin_token_file: AdminTokenOpt = None,
 ) -> None:
-    """Run only the control plane (ADS + admin), for Envoys you run yourself."""
+    """Run only the control plane (ADS + admin and its console), for Envoys you run yourself."""
     from .runtime.serve import run_serve
 
     setup_logging(log_format, log_level)
-    raise typer.Exit(asyncio.run(run_serve(policies, state_dir, xds_port, admin_port, watch)))
+    token = _admin_token(admin_token_file)
+    raise typer.Exit(
+        asyncio.run(
+            run_serve(policies, state_dir, xds_port, admin_port, watch, admin_listen, token)
+        )
+    )
 
 
 # ------------------------------------------------------------------ seeing inside
@@ -233,8 +280,11 @@ def _admin_url(admin: str | None) -> str:
 
 
 def _get_json(url: str) -> Any:
+    request = urllib.request.Request(url)
+    if token := os.environ.get("MESHFN_ADMIN_TOKEN"):  # an admin port beyond loopback
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -297,13 +347,12 @@ def status(
     nacks = []
     for proxy in document["proxies"]:
         types = proxy["types"]
-        workload = (
-            proxy["workload"]
-            if proxy["known_workload"]
-            else f"[red]{proxy['workload']} (unknown)[/red]"
-        )
+        # Node ids and workloads come from the proxies: text, never markup.
+        workload = Text(proxy["workload"])
+        if not proxy["known_workload"]:
+            workload = Text(f"{proxy['workload']} (unknown)", style="red")
         table.add_row(
-            proxy["node"],
+            Text(proxy["node"]),
             workload,
             proxy["protocol"],
             *(_type_cell(types.get(t)) for t in ("clusters", "endpoints", "listeners", "routes")),
@@ -340,7 +389,7 @@ def status(
         for name, route in document["routes"].items():
             state = route["state"]
             routes.add_row(
-                name,
+                Text(name),
                 f"[red]{state}[/red]" if state == "degraded" else f"[green]{state}[/green]",
                 f"{route['p95_ms']:.1f}",
                 f"{route['baseline_ms']:.1f}",
@@ -353,7 +402,8 @@ def status(
 
         print_operator(out, document["kube"])
     for node, type_name, nack in nacks:
-        out.print(f"[red]NACK[/red] {node} {type_name} version {nack['version'][:8]}: ", end="")
+        out.print("[red]NACK[/red] ", end="")
+        out.print(f"{node} {type_name} version {nack['version'][:8]}: ", end="", markup=False)
         out.print(nack["error"], markup=False, highlight=False)
 
 
@@ -656,10 +706,13 @@ def filters_build(
     ] = False,
 ) -> None:
     """Build the filter modules (clang + lld) into the content-addressed cache; print where."""
+    from meshfn.common.progress import RichReporter
+
     from .filters import BuildError, artifacts, build
 
     try:
-        directory = build(native)
+        with RichReporter(err, "filters") as progress:
+            directory = build(native, progress)
         digests = artifacts(directory)
     except BuildError as exc:
         _fail(str(exc))
@@ -684,6 +737,7 @@ def _mount_function_cli() -> None:
 
 
 _mount_function_cli()
+reflow_help(app)  # last: every command and sub-app is registered by now
 
 
 def main() -> None:

@@ -217,8 +217,10 @@ class Backend:
         except KServeError as exc:
             return Reply(exc.status, exc.body())
         reply = await self._infer(rt, body)
+        elapsed = time.perf_counter() - started
         self.metrics.requests.labels(rt.label, str(reply.status)).inc()
-        self.metrics.latency.labels(rt.label).observe(time.perf_counter() - started)
+        self.metrics.latency.labels(rt.label).observe(elapsed)
+        rt.latencies.append(elapsed)
         return reply
 
     async def _infer(self, rt: FunctionRuntime, body: bytes) -> Reply:

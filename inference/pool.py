@@ -84,6 +84,9 @@ class FunctionRuntime:
         self._refilling = False
         self._dormant = False  # instances dropped at the idle TTL, code kept (codeTtl)
         self.label = f"{self.name}@{self.version}"
+        # For /meshfn/functions (status.py): loads so far, and recent request latencies.
+        self.cold_starts = 0
+        self.latencies: deque[float] = deque(maxlen=1024)
 
     # ------------------------------------------------------------------ verification
 
@@ -142,6 +145,7 @@ class FunctionRuntime:
                 generation = self._generation
             self.metrics.loaded.labels(self.label).set(1)
             self.metrics.cold_starts.labels(self.label).inc()
+            self.cold_starts += 1
             return artifact, generation
 
     def unload(self, reason: str = "idle") -> None:
@@ -163,6 +167,10 @@ class FunctionRuntime:
     @property
     def dormant(self) -> bool:
         return self._dormant
+
+    @property
+    def idle_instances(self) -> int:
+        return len(self._idle)
 
     def drop_instances(self) -> None:
         """Scale to zero but keep the code (codeTtl): the next request instantiates

@@ -20,6 +20,7 @@ from .backend import Backend, Reply
 from .config import BackendConfig
 from .http import HttpServer, Request, Response
 from .kserve import error_body
+from .status import STATUS_PATH, functions_document
 
 log = logging.getLogger("meshfn.inference")
 
@@ -86,10 +87,12 @@ class Router:
         if path == "/metrics":
             data = generate_latest(self.backend.metrics.registry)
             return Response(200, data, content_type=CONTENT_TYPE_LATEST.encode())
+        if path == STATUS_PATH:
+            return Response(200, json.dumps(functions_document(self.backend)).encode())
         return _json(Reply.error(404, f"no route for {path}"))
 
 
-_GET_ROUTES = {"/v2", "/v2/health/ready", "/v2/health/live", "/metrics"}
+_GET_ROUTES = {"/v2", "/v2/health/ready", "/v2/health/live", "/metrics", STATUS_PATH}
 
 
 def _json(reply: Reply) -> Response:

@@ -82,6 +82,11 @@ def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
     return result
 
 
+def delay_file(state_dir: Path, spec: UpstreamSpec) -> Path:
+    """Milliseconds a placeholder upstream waits before each answer (absent: none)."""
+    return state_dir / "delay" / f"{spec.address}-{spec.port}"
+
+
 def upstream_process(
     spec: UpstreamSpec,
     state_dir: Path,
@@ -145,6 +150,9 @@ def upstream_process(
             str(spec.port),
             "--locality",
             spec.locality,
+            # Demos and tests make an endpoint slow by writing milliseconds into this file.
+            "--delay-file",
+            str(delay_file(state_dir, spec)),
         ],
         log_path=log_path,
         ready=ready,

@@ -96,7 +96,8 @@ setup_test() {
   if [ ! -x "${MESHFN_KUBE_DIR:-$HOME/.cache/meshfn/kube-1.20}/bin/kube-apiserver" ]; then
     log "building kube-apiserver, kube-controller-manager and etcd (once; log: $VENV/kube-build.log)"
   fi
-  if ! e2e/kube/build.sh >"$VENV/kube-build.log" 2>&1; then
+  # a progress bar on a terminal, step lines elsewhere, and a last line: built or cached
+  if ! "$VENV/bin/python" -P -m meshfn.testing.kubebuild --log "$VENV/kube-build.log"; then
     tail -n 30 "$VENV/kube-build.log" >&2
     log "building the Kubernetes binaries failed; full log in $VENV/kube-build.log"
     exit 1

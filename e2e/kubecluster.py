@@ -25,7 +25,9 @@ from typing import Any
 import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from meshfn_e2e import Proc, free_ports, wait_for
+
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import Proc, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "e2e" / "kube" / "build.sh"

@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 import yaml
 from kubecluster import CONTROLLER_NAMESPACE, ISTIO_CRDS, REPO, KubeCluster, helm_path
-from meshfn_e2e import MESHFN, Proc, free_ports, meshfn, wait_for
+
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from importlib.metadata import version as package_version
 from typing import Any
 
 from .config import BackendConfig, ServedFunction
-from .dispatch import Completed, Dispatcher
+from .dispatch import Dispatcher
 from .engine import EpochTicker, engine_key, new_engine
 from .errors import ConfigError, SignatureError
 from .host import component_linker
@@ -36,6 +36,7 @@ from .kserve import (
 from .metrics import Metrics
 from .pool import FunctionRuntime, Refused
 from .registry import Registry, latest
+from .results import Completed
 from .signing import TrustedKeys
 
 log = logging.getLogger("meshfn.inference")

@@ -22,13 +22,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from meshfn.contracts.function import FunctionBatching
 
-from .dispatch import Completed, Lane, deadline_error, failure
 from .host import Outcome
 from .kserve import InferRequest, Input, KServeError, Output
-from .stats import Timing
+from .pool import FunctionRuntime, Invocation
+from .results import Completed, deadline_error, failure
+from .stats import ModelStats, Timing
 from .tensors import TensorError, _in_order, element_count, frame, unframe
 
 log = logging.getLogger("meshfn.inference")
@@ -45,6 +47,17 @@ class Pending:
     future: asyncio.Future[Completed] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+
+
+class Lane(Protocol):
+    """What a batch runs through (dispatch.Lane): the one guest-call path and its records."""
+
+    rt: FunctionRuntime
+    stats: ModelStats
+
+    async def call(self, text: str, deadline: float | None) -> Invocation: ...
+
+    def executed(self, rows: int) -> None: ...
 
 
 class Batcher:

@@ -14,14 +14,15 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
+from .batching import Batcher
 from .engine import deadline_ticks
-from .host import CallResult, Outcome
-from .kserve import InferRequest, KServeError, Output, parse_guest_outputs
+from .host import Outcome
+from .kserve import InferRequest, KServeError
 from .metrics import Metrics
 from .pool import FunctionRuntime, Invocation, Refused
+from .results import Completed, deadline_error, failure
 from .stats import ModelStats, Timing
 
 log = logging.getLogger("meshfn.inference")
@@ -30,57 +31,11 @@ Protocol = Literal["rest", "grpc"]
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class Completed:
-    """A request's result: the guest's whole response text when the request had its call to
-    itself, or its share of a batch's outputs."""
-
-    text: str | None
-    outputs: list[Output] | None = None
-    parameters: dict[str, Any] | None = None
-
-    def parsed(self, label: str) -> tuple[list[Output], dict[str, Any] | None]:
-        if self.outputs is not None:
-            return self.outputs, self.parameters
-        assert self.text is not None
-        return parse_guest_outputs(self.text, label)
-
-
-def failure(rt: FunctionRuntime, result: CallResult) -> KServeError:
-    """A failed guest call as the client sees it (the instance was already dealt with)."""
-    outcome = result.outcome
-    if outcome is Outcome.BAD_REQUEST:
-        return KServeError(400, f"model {rt.label} rejected the input: {result.body}")
-    if outcome is Outcome.TIMEOUT:
-        log.warning("function interrupted at deadline", extra={"function": rt.label})
-        ms = round(rt.spec.limits.timeout.total_seconds() * 1000)
-        return KServeError(
-            504, f"function {rt.label} exceeded its {ms} ms deadline and was interrupted"
-        )
-    if outcome is Outcome.OUT_OF_MEMORY:
-        log.warning("function out of memory", extra={"function": rt.label})
-        return KServeError(
-            500,
-            f"function {rt.label} exceeded its memory limit of {rt.spec.limits.memoryMiB} MiB: "
-            f"{result.body}",
-        )
-    if outcome is Outcome.TRAP:
-        log.warning("function trapped", extra={"function": rt.label, "trap": result.body})
-        return KServeError(500, f"function {rt.label} trapped: {result.body}")
-    return KServeError(500, f"function {rt.label} failed: {result.body}")
-
-
-def deadline_error(rt: FunctionRuntime, where: str) -> KServeError:
-    return KServeError(504, f"request to {rt.label} reached its deadline {where}; not run")
-
-
 class Lane:
     """The event-loop side of one served function: its statistics and, with batching, its
     batch queue. (FunctionRuntime is the worker-thread side: instances and code.)"""
 
     def __init__(self, dispatcher: Dispatcher, rt: FunctionRuntime) -> None:
-        from .batching import Batcher  # batching builds on this module
-
         self.rt = rt
         self.stats = ModelStats()
         settings = rt.spec.batching

@@ -28,7 +28,6 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from .backend import Backend
-from .dispatch import Completed
 from .kserve import (
     InferRequest,
     Input,
@@ -41,6 +40,7 @@ from .kserve import (
     select,
 )
 from .pool import FunctionRuntime
+from .results import Completed
 from .tensors import TensorError, check_raw, dtype, element_count, pack
 
 log = logging.getLogger("meshfn.inference")

@@ -27,8 +27,8 @@ from meshfn.inference.kserve import (
     parse_http,
     select,
 )
-from meshfn.inference.tensors import unpack
 from meshfn.inference.manifest import load_manifest
+from meshfn.inference.tensors import unpack
 
 # ---------------------------------------------------------------------- signing
 

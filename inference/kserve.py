@@ -256,11 +256,8 @@ def parse_http(body: bytes, signature: Signature, json_length: int | None = None
         request = json.loads(head)
     except (UnicodeDecodeError, ValueError) as exc:
         hint = ""
-        if (
-            json_length is None
-            and isinstance(exc, json.JSONDecodeError)
-            and "Extra data" in exc.msg
-        ):
+        trailing = isinstance(exc, UnicodeDecodeError) or "Extra data" in str(exc)
+        if json_length is None and trailing:
             hint = " (binary tensor data needs the Inference-Header-Content-Length header)"
         raise bad(f"request body is not valid JSON: {exc}{hint}") from None
     if not isinstance(request, dict):

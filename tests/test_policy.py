@@ -646,6 +646,18 @@ def test_grpc_port_errors(tmp_path: Path, spec: str, fragment: str) -> None:
     assert any(e.path == "spec" and fragment in e.message for e in errors), errors
 
 
+@pytest.mark.parametrize(
+    ("grpc_port", "fragment"),
+    [(8080, "is also an endpoint of Service default/echo"), (18000, "traffic would loop into")],
+)
+def test_grpc_port_clashes(tmp_path: Path, grpc_port: int, fragment: str) -> None:
+    spec = f"  port: 8091\n  endpoints: [{{address: 127.0.0.1, grpcPort: {grpc_port}, sidecar: {{port: 15091}}}}]\n"
+    errors = errors_for(tmp_path, doc("Service", spec, name="models"))
+    assert any(e.path == "spec.endpoints[0].grpcPort" and fragment in e.message for e in errors), (
+        errors
+    )
+
+
 def test_functions_on_one_gateway_share_a_backend(tmp_path: Path) -> None:
     """KServe's server endpoints and gRPC have no model in the path: one backend per gateway."""
     other = doc("Service", "  port: 8090\n  endpoints: [{address: 127.0.0.9}]\n", name="other")

@@ -43,13 +43,7 @@ from meshfn.testing.processes import Proc, Processes, http_ok, wait_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PY = sys.executable
-IRIS = json.dumps(
-    {
-        "inputs": [
-            {"name": "features", "datatype": "FP32", "shape": [1, 4], "data": [5.1, 3.5, 1.4, 0.2]}
-        ]
-    }
-).encode()
+IRIS = load.IRIS
 DIGITS = json.dumps(
     {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
 ).encode()

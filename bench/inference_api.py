@@ -47,13 +47,7 @@ from meshfn.testing.processes import Proc, Processes, http_ok, wait_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PY = sys.executable
-IRIS = json.dumps(
-    {
-        "inputs": [
-            {"name": "features", "datatype": "FP32", "shape": [1, 4], "data": [5.1, 3.5, 1.4, 0.2]}
-        ]
-    }
-).encode()
+IRIS = load.IRIS
 MODEL = "digits28"
 
 

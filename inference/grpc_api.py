@@ -290,24 +290,22 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> pb.RepositoryModelLoadResponse:
-        try:
-            params = _repository_parameters(request.parameters.items())
-            await self.backend.load(request.model_name, None, params)
-        except KServeError as exc:
-            await self._fail(context, exc)
-            raise
+        await self._repository(self.backend.load, request, context)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Any
     ) -> pb.RepositoryModelUnloadResponse:
+        await self._repository(self.backend.unload, request, context)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def _repository(self, action: Any, request: Any, context: Any) -> None:
         try:
             params = _repository_parameters(request.parameters.items())
-            await self.backend.unload(request.model_name, None, params)
+            await action(request.model_name, None, params)
         except KServeError as exc:
             await self._fail(context, exc)
             raise
-        return pb.RepositoryModelUnloadResponse()
 
 
 def _repository_parameters(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ benchmarks and their smoke tests: requests/s and latency percentiles of one POST
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -10,6 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+# One flower for the iris example function: the benchmarks' small JSON request.
+IRIS = json.dumps(
+    {
+        "inputs": [
+            {"name": "features", "datatype": "FP32", "shape": [1, 4], "data": [5.1, 3.5, 1.4, 0.2]}
+        ]
+    }
+).encode()
 
 
 @dataclass(frozen=True)

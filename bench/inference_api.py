@@ -282,8 +282,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seconds", type=float, default=5, help="wrk seconds per round and mode")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    parser.add_argument("--seconds", type=float, default=4, help="wrk seconds per round and mode")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument(
         "--requests", type=int, default=500, help="sequential per protocol and round"
     )

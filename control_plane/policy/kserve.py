@@ -25,6 +25,8 @@ SERVER_PATHS = (
     "/v2/models/stats",
     "/v2/repository/index",
 )
+# Triton's index is a POST (meshfn up's curl examples follow the route's method).
+_METHODS = {"/v2/repository/index": ("POST",)}
 REPOSITORY_MODELS = "/v2/repository/models/"
 GRPC_REPOSITORY = ("RepositoryModelLoad", "RepositoryModelUnload")
 # Only retries that cannot repeat an inference: the request never reached the backend.
@@ -54,7 +56,10 @@ def server_routes(functions: list[ir.Function], backend: ir.Service) -> tuple[ir
             name="kserve-server",
             namespace=backend.namespace,
             hosts=("*",),
-            matches=tuple(ir.RouteMatch(ir.PathMatch("exact", path)) for path in SERVER_PATHS),
+            matches=tuple(
+                ir.RouteMatch(ir.PathMatch("exact", path), methods=_METHODS.get(path, ()))
+                for path in SERVER_PATHS
+            ),
             service=backend.key,
             retries=SAFE_RETRIES,
         )

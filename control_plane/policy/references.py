@@ -244,8 +244,8 @@ def _check_ports(items: list[Loaded]) -> list[PolicyError]:
         if not isinstance(service, ir.Service):
             continue
         for i, endpoint in enumerate(service.endpoints):
-            ports = [endpoint.port] + ([endpoint.grpc_port] if endpoint.grpc_port else [])
-            for port in ports[1:]:  # the gRPC port is an endpoint target like the port
+            extra = [endpoint.grpc_port] if endpoint.grpc_port else []
+            for port in extra:  # the gRPC port is an endpoint target like the port
                 target = (endpoint.address, port)
                 other = seen.get(target)
                 if other is not None:

@@ -343,6 +343,18 @@ def test_batched_iris_answers_like_unbatched(backend: Backend) -> None:
     assert asyncio.run(run("iris-batched")) == asyncio.run(run("iris"))
 
 
+def test_a_deadline_passing_in_the_batch_queue_is_504_and_never_runs(backend: Backend) -> None:
+    x = np.array([1.0], dtype=np.float32)
+    before = backend.executions("chaos-b")
+    with pytest.raises(InferenceServerException, match="while queued for a batch") as info:
+        backend.http_client().infer("chaos-b", [http_input(x, "x", "FP32", True)], timeout=0)
+    assert info.value.status() == "504"
+    with pytest.raises(InferenceServerException) as info:  # a gRPC deadline does the same
+        backend.grpc_client().infer("chaos-b", [grpc_input(x, "x", "FP32")], client_timeout=0.001)
+    assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert backend.executions("chaos-b") == before
+
+
 def test_oversize_refused_by_policy(backend: Backend) -> None:
     x = np.arange(5, dtype=np.float32)
     with pytest.raises(InferenceServerException, match="at most 4 per call") as info:

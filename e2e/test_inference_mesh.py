@@ -138,7 +138,9 @@ def test_batched_requests_keep_their_own_answers_and_audit_records(mesh: Mesh) -
     """iris batches (maxBatchSize 16): concurrent callers through the mesh each get their rows;
     every request is its own audit record (checked after shutdown, when the store is complete)."""
     rng = np.random.default_rng(7)
-    flowers = [rng.uniform(1, 7, (1 + i % 3, 4)).astype(np.float32) for i in range(24)]
+    flowers = [
+        rng.uniform(1, 7, (1 + i % 3, 4)).astype(np.float32) for i in range(16)
+    ]  # iris: maxConcurrency 16
     headers = {**mesh.auth("batcher"), "content-type": "application/json"}
 
     async def run() -> list[tuple[int, Any]]:

@@ -166,8 +166,8 @@ class Backend:
 
     @property
     def ready(self) -> bool:
-        """KServe server readiness (Triton's strict readiness): started, not draining, and
-        every function it serves verified (an explicitly unloaded one does not count)."""
+        """KServe server readiness: verification done and not draining. A refused function does
+        not make the server unready (the others serve; its own ready answers 503 with why)."""
         return not self.unready_reasons()
 
     def unready_reasons(self) -> list[str]:
@@ -175,7 +175,7 @@ class Backend:
             return ["starting: verifying the functions"]
         if self.draining:
             return ["shutting down"]
-        return [str(rt.refusal) for rt in self.runtimes if rt.refusal is not None]
+        return []
 
     async def _reap(self) -> None:
         """Scale to zero: drop the instances of functions unused for their idle TTL, and their

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,18 +37,13 @@ from typing import Any
 from meshfn.inference.devtools import RawHttp, write_envoy_config
 from meshfn.inference.examples import publish_examples
 from meshfn.testing import envoy as test_envoy
+from meshfn.testing import load
 from meshfn.testing.ports import free_port, free_ports
 from meshfn.testing.processes import Proc, Processes, http_ok, wait_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PY = sys.executable
-IRIS = json.dumps(
-    {
-        "inputs": [
-            {"name": "features", "datatype": "FP32", "shape": [1, 4], "data": [5.1, 3.5, 1.4, 0.2]}
-        ]
-    }
-).encode()
+IRIS = load.IRIS
 DIGITS = json.dumps(
     {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
 ).encode()
@@ -220,34 +214,7 @@ def paced(port: int, path: str, body: bytes, rate: float, seconds: float) -> lis
 
 
 def wrk(port: int, path: str, body: bytes, seconds: float, connections: int, tmp: Path) -> float:
-    if shutil.which("wrk") is None:
-        raise SystemExit("wrk not found: apt-get install wrk (needed for the throughput figures)")
-    script = tmp / "post.lua"
-    script.write_text(
-        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = {json.dumps(body.decode())}\n"
-        "done = function(summary, latency, requests)\n"
-        '  io.write(string.format("NON2XX %d\\n", summary.errors.status))\nend\n'
-    )
-    out = subprocess.run(
-        [
-            "wrk",
-            "-t1",
-            f"-c{connections}",
-            f"-d{seconds}s",
-            "-s",
-            str(script),
-            f"http://127.0.0.1:{port}{path}",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=seconds + 30,
-    ).stdout
-    bad = int(re.search(r"NON2XX (\d+)", out).group(1))  # type: ignore[union-attr]
-    if bad:
-        raise SystemExit(f"wrk saw {bad} non-2xx responses:\n{out}")
-    return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    return load.wrk(f"http://127.0.0.1:{port}{path}", body, seconds, connections, tmp).rps
 
 
 def instance_memory(port: int, pid: int) -> dict[str, float]:

@@ -28,8 +28,6 @@ from meshfn.control_plane.runtime.hints import meshfn_command
 from meshfn.testing.policies import Policies
 from meshfn.testing.processes import MESHFN, meshfn, wait_for
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
-
 
 def test_route_change_becomes_visible(procs: Processes, policies: Policies) -> None:
     """(a) + (d): an edited policy file reaches Envoy, over SotW and over Delta."""

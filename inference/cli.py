@@ -175,6 +175,10 @@ def serve_cmd(
     ] = None,
     host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="listen port")] = 8080,
+    grpc_port: Annotated[
+        int | None,
+        typer.Option("--grpc-port", help="also serve KServe v2 gRPC (GRPCInferenceService) here"),
+    ] = None,
     workers: Annotated[int | None, typer.Option(help="threads running wasm")] = None,
     trusted_key: Annotated[
         list[Path] | None, typer.Option("--trusted-key", help="ed25519 public key file or dir")
@@ -207,7 +211,7 @@ def serve_cmd(
         else:
             _fail("pass --registry DIR or --config FILE")
             return
-        asyncio.run(serve(cfg, host, port, drain_timeout))
+        asyncio.run(serve(cfg, host, port, drain_timeout, grpc_port))
     except InferenceError as exc:
         _fail(exc)
     except OSError as exc:

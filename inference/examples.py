@@ -20,7 +20,7 @@ from .build import FUNCTIONS_DIR, build, cache_root
 from .errors import SignatureError
 from .registry import Registry, sign_module, signature_path
 
-EXAMPLES = ("examples/iris", "examples/embedder", "examples/digits-core")
+EXAMPLES = ("examples/iris", "examples/embedder", "examples/digits-core", "examples/digits28-core")
 TESTING = ("testing/chaos", "testing/chaos-core")
 
 

@@ -32,6 +32,7 @@ class Endpoint:
     locality: Locality = Locality()
     sidecar_port: int | None = None  # clients reach the endpoint through its sidecar here
     mtls: MtlsMode = "DISABLE"  # what the sidecar accepts (meaningful with a sidecar)
+    grpc_port: int | None = None  # the application's gRPC port; its sidecar routes gRPC there
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,12 @@ class Service:
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    @property
+    def speaks_grpc(self) -> bool:
+        """gRPC requests can reach it: its protocol, or an HTTP service whose endpoints also
+        have a gRPC port (their sidecars route gRPC there)."""
+        return self.protocol == "grpc" or any(e.grpc_port for e in self.endpoints)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +227,7 @@ class Inbound:
     app_port: int
     protocol: Literal["http", "grpc"]
     mtls: MtlsMode
+    grpc_app_port: int | None = None  # gRPC requests (content-type application/grpc) go here
 
 
 @dataclass(frozen=True, slots=True)

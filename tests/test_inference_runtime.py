@@ -496,6 +496,11 @@ async def test_refused_function_is_4xx_while_others_serve(copy_of: Published) ->
         assert (await b.infer("ghost", None, X.encode())).status == 404
         assert b.model_ready("twin", None).status == 503
         assert b.metadata("twin", None).status == 403
+        # the server stays ready (the others serve); the index says which one is not and why
+        assert b.ready
+        index = {m["name"]: m for m in b.repository_index()}
+        assert index["twin"]["state"] == "UNAVAILABLE" and "refused" in index["twin"]["reason"]
+        assert index["chaos-core"]["state"] == "READY"
         assert (await b.infer("chaos-core", None, X.encode())).status == 200
     finally:
         await b.drain(1)

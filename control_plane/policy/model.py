@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from meshfn.contracts.durations import Duration
 from meshfn.contracts.function import FunctionSettings
+from meshfn.contracts.principals import RequestPrincipal
 
 from .types import (
     ConditionKey,
@@ -31,7 +32,6 @@ from .types import (
     Port,
     Principal,
     Regex,
-    RequestPrincipal,
     TrustDomain,
 )
 
@@ -242,6 +242,11 @@ class Sidecar(Strict):
 class Endpoint(Strict):
     address: IPAddress
     port: Port | None = Field(None, description="defaults to the service port")
+    grpcPort: Port | None = Field(
+        None,
+        description="where the endpoint also speaks gRPC (HTTP/2), e.g. the inference backend's "
+        "KServe GRPCInferenceService; its sidecar sends gRPC requests there",
+    )
     weight: Annotated[int, Field(ge=1, le=10_000)] = 1
     locality: Locality | None = None
     sidecar: Sidecar | None = None
@@ -270,6 +275,18 @@ class ServiceSpec(Strict):
         with_sidecar = sum(1 for e in self.endpoints if e.sidecar is not None)
         if 0 < with_sidecar < len(self.endpoints):
             raise ValueError("either every endpoint has a sidecar or none does")
+        for i, e in enumerate(self.endpoints):
+            if e.grpcPort is None:
+                continue
+            if self.protocol == "grpc":
+                raise ValueError(f"endpoints[{i}].grpcPort: the service speaks gRPC already")
+            if e.sidecar is None:
+                # Without a sidecar a gateway reaches the endpoint's own port, which speaks HTTP/1.
+                raise ValueError(
+                    f"endpoints[{i}].grpcPort needs a sidecar (it routes gRPC requests there)"
+                )
+            if e.grpcPort in (e.port or self.port, e.sidecar.port):
+                raise ValueError(f"endpoints[{i}].grpcPort must differ from its other ports")
         return self
 
 

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
+from meshfn.contracts.principals import REQUEST_PRINCIPAL
+
 from .errors import PolicyError, object_ref
 from .model import KINDS, PolicyObject
 from .source import Document, Loc
@@ -28,7 +30,6 @@ from .types import (
     OBJECT_REF,
     PATH_PATTERN,
     PRINCIPAL,
-    REQUEST_PRINCIPAL,
     TRUST_DOMAIN,
 )
 

@@ -111,6 +111,14 @@ class Service:
         have a gRPC port (their sidecars route gRPC there)."""
         return self.protocol == "grpc" or any(e.grpc_port for e in self.endpoints)
 
+    @property
+    def grpc_service_port(self) -> int | None:
+        """Where a cluster's Service takes gRPC (Kubernetes/Istio: one port for every pod): the
+        service's port for a gRPC service, else its endpoints' gRPC port."""
+        if self.protocol == "grpc":
+            return self.port
+        return next((e.grpc_port for e in self.endpoints if e.grpc_port), None)
+
 
 @dataclass(frozen=True, slots=True)
 class PathMatch:
@@ -149,6 +157,7 @@ class Route:
     service: str  # Service.key of the destination
     timeout: timedelta | None = None
     retries: Retry | None = None
+    grpc: bool = False  # its traffic is gRPC: renderers that name a Service port use the gRPC one
 
     @property
     def key(self) -> str:
@@ -337,6 +346,9 @@ class AuthzObject:
     selector: Selector | None
     action: Literal["ALLOW", "DENY"]
     rules: tuple[AuthzRule, ...]
+    # Policies meshfn writes itself (the KServe repository guard) name the objects they come
+    # from, as (kind, namespace, name); empty: the AuthorizationPolicy of the same name.
+    derived_from: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,7 +189,10 @@ def ambiguous_principal(pattern: str, issuers: set[str]) -> str | None:
 def authorization_policies(ctx: Context) -> None:
     issuers = {r.issuer for p in ctx.model.policies.request for r in p.rules}
     for policy in ctx.model.policies.authz:
-        source = Source("AuthorizationPolicy", policy.namespace, policy.name)
+        sources = [Source(*origin) for origin in policy.derived_from] or [
+            Source("AuthorizationPolicy", policy.namespace, policy.name)
+        ]
+        source = sources[0]
         spec: Obj = {**_selector(ctx, policy.selector), "action": policy.action}
         spec["rules"] = [_rule(r) for r in policy.rules]
         for i, rule in enumerate(policy.rules):
@@ -218,7 +221,7 @@ def authorization_policies(ctx: Context) -> None:
                                 issuers,
                             )
         ctx.emit(
-            resource(SECURITY, "AuthorizationPolicy", policy.name, policy.namespace, spec), source
+            resource(SECURITY, "AuthorizationPolicy", policy.name, policy.namespace, spec), *sources
         )
 
 

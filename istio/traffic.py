@@ -233,10 +233,11 @@ def _retries(route: ir.Route, target: ir.Service) -> Obj:
     return out
 
 
-def _destination(ctx: Context, service: ir.Service, weight: int | None = None) -> Obj:
-    out: Obj = {
-        "destination": {"host": ctx.options.host(service.key), "port": {"number": service.port}}
-    }
+def _destination(
+    ctx: Context, service: ir.Service, weight: int | None = None, grpc: bool = False
+) -> Obj:
+    port = (service.grpc_service_port if grpc else None) or service.port
+    out: Obj = {"destination": {"host": ctx.options.host(service.key), "port": {"number": port}}}
     if weight is not None:
         out["weight"] = weight
     return out
@@ -260,10 +261,13 @@ def _http(ctx: Context, route: ir.Route, index: int, twin: bool) -> Obj:
         assert service.drift is not None
         probe = service.drift.probe_percent
         tail = ctx.model.service(service.fallback[0])
-        out["route"] = [_destination(ctx, service, probe), _destination(ctx, tail, 100 - probe)]
+        out["route"] = [
+            _destination(ctx, service, probe, route.grpc),
+            _destination(ctx, tail, 100 - probe, route.grpc),
+        ]
     else:
         out["match"] = [_match(match)]
-        out["route"] = [_destination(ctx, service)]
+        out["route"] = [_destination(ctx, service, grpc=route.grpc)]
     out["timeout"] = seconds(route.timeout) if route.timeout is not None else ENVOY_ROUTE_TIMEOUT
     out["retries"] = _retries(route, service)
     return out

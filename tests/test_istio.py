@@ -417,3 +417,35 @@ def test_cli_uses_the_built_modules(tmp_path: Path) -> None:
         build_name = plugin["spec"]["vmConfig"]["env"][0]["value"]
         assert plugin["spec"]["sha256"] == digests[build_name]
     assert "00" * 32 not in (tmp_path / "wasmplugins.yaml").read_text()  # the state's salt
+
+
+def test_kserve_grpc_goes_to_the_grpc_port_and_the_repository_is_guarded() -> None:
+    """The KServe gRPC route addresses the backend Service's gRPC port, and load/unload is
+    denied on the backend's sidecars as the xDS translator does (meshfn's own DENY policy,
+    owned by the Functions it guards)."""
+    model = load_policies(source("kserve"))
+    result = rendering("kserve")
+    backend = model.service(model.functions[0].backend)
+    grpc = [
+        http
+        for vs in result.objects["VirtualService"]
+        for http in vs["spec"]["http"]
+        if http["name"].endswith("/kserve-grpc/0")
+    ]
+    assert grpc
+    for http in grpc:
+        ports = {d["destination"]["port"]["number"] for d in http["route"]}
+        assert ports == {backend.grpc_service_port}
+    guards = [
+        p
+        for p in result.objects["AuthorizationPolicy"]
+        if p["metadata"]["name"].startswith("meshfn-kserve-repository-")
+    ]
+    assert guards and all(p["spec"]["action"] == "DENY" for p in guards)
+    origins = {
+        s.kind
+        for key, sources in result.origins.items()
+        for s in sources
+        if key[0] == "AuthorizationPolicy" and key[2].startswith("meshfn-kserve")
+    }
+    assert origins == {"Function"}

@@ -244,6 +244,15 @@ def test_backends_are_rendered_from_the_function_schema() -> None:
     container = pod["spec"]["containers"][0]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    # the examples' backend serves KServe gRPC too: the pod listens for it and the Service
+    # offers it on the port the Istio gRPC routes name (ir.Service.grpc_service_port)
+    backend = model.service(model.functions[0].backend)
+    assert backend.grpc_service_port is not None
+    assert "--grpc-port" in container["args"]
+    service = next(r.obj for r in rendered if r.obj["kind"] == "Service")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["grpc-kserve"]["port"] == backend.grpc_service_port
+    assert ports["grpc-kserve"]["targetPort"] == "grpc"
 
 
 def test_keda_scales_to_zero_and_artifacts_come_from_an_image() -> None:

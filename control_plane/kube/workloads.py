@@ -34,6 +34,7 @@ CONFIG_DIR = "/etc/meshfn/backend"
 KEYS_DIR = "/etc/meshfn/keys"
 REGISTRY_DIR = "/var/lib/meshfn/functions"
 PORT = 8080
+GRPC_PORT = 8081  # the backend container's KServe v2 gRPC port, when the Service speaks gRPC
 
 
 class _Strict(BaseModel):
@@ -107,7 +108,7 @@ def _labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "inference-backend"}
 
 
-def _pod(name: str, config_hash: str, settings: BackendSettings) -> Obj:
+def _pod(name: str, config_hash: str, settings: BackendSettings, grpc: bool) -> Obj:
     art = settings.artifacts
     volumes: list[Obj] = [
         {"name": "config", "configMap": {"name": f"{name}-backend"}},
@@ -143,8 +144,12 @@ def _pod(name: str, config_hash: str, settings: BackendSettings) -> Obj:
             "0.0.0.0",
             "--port",
             str(PORT),
+            *(("--grpc-port", str(GRPC_PORT)) if grpc else ()),
         ],
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": PORT, "protocol": "TCP"},
+            *([{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}] if grpc else []),
+        ],
         "readinessProbe": probe,
         "livenessProbe": {
             "httpGet": {"path": "/v2/health/live", "port": "http"},
@@ -209,6 +214,8 @@ def render_backends(
         functions = sorted(by_backend[key], key=lambda f: f.name)
         ns, name = service.namespace, service.name
         source = (("Service", ns, name),)
+        # the Istio routes send KServe gRPC to this Service port (ir.Service.grpc_service_port)
+        grpc_port = service.grpc_service_port if service.protocol == "http" else None
         config = backend_config(functions, settings.workers)
         text = yaml.safe_dump(
             config.model_dump(mode="json", exclude_none=True), sort_keys=False, width=100
@@ -233,7 +240,7 @@ def render_backends(
             "metadata": meta,
             "spec": {
                 "selector": {"matchLabels": _labels(name)},
-                "template": _pod(name, config_hash, settings),
+                "template": _pod(name, config_hash, settings, grpc_port is not None),
             },
         }
         out.append(Rendered(source, deployment))
@@ -252,7 +259,19 @@ def render_backends(
                                 "port": service.port,
                                 "targetPort": "http",
                                 "protocol": "TCP",
-                            }
+                            },
+                            *(
+                                [
+                                    {
+                                        "name": "grpc-kserve",
+                                        "port": grpc_port,
+                                        "targetPort": "grpc",
+                                        "protocol": "TCP",
+                                    }
+                                ]
+                                if grpc_port is not None
+                                else []
+                            ),
                         ],
                     },
                 },

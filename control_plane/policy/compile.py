@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from meshfn import ir
 from meshfn.contracts.function import FunctionSettings
 
@@ -178,9 +180,11 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     security = Security(items)
     fallback_policies = fallback.policies_by_service(items)
     workloads = []
+    guards: list[ir.AuthzObject] = []
     for key, gw_item in sorted(gateways.items()):
         assert isinstance(gw_item.obj, Gateway)
         spec = gw_item.obj.spec
+        gateway_guarded = _gateway_guarded(hosted.get(key, []), lowered_services)
         listeners = []
         for listener in spec.listeners:
             routes = sorted(
@@ -214,9 +218,15 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
                 ),
                 jwt_rules=security.jwt_rules("gateway", gw_item.namespace, gw_item.name),
                 authz=security.policies("gateway", gw_item.namespace, gw_item.name)
-                + _gateway_guard(gw_item.namespace, hosted.get(key, []), lowered_services),
+                + _guard(gw_item.namespace, gateway_guarded),
             )
         )
+        if gateway_guarded:
+            guards.append(
+                kserve.guard_object(
+                    gw_item.namespace, ir.Selector("gateway", gw_item.name), gateway_guarded
+                )
+            )
     if errors:
         return sorted(set(errors))
     services = []
@@ -229,8 +239,11 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     served = served_functions(functions, {s.key: s for s in services})
     for service in services:
         guard = served.get(service.key)
-        extra = (kserve.repository_guard(service.namespace, guard),) if guard else ()
-        workloads.extend(_sidecars(service, security, extra))
+        workloads.extend(_sidecars(service, security, _guard(service.namespace, guard or [])))
+        if guard and any(e.sidecar_port for e in service.endpoints):
+            guards.append(
+                kserve.guard_object(service.namespace, ir.Selector("service", service.name), guard)
+            )
     return ir.MeshModel(
         name=mesh.name,
         trust_domain=mesh.obj.spec.trustDomain,
@@ -243,7 +256,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         acceleration=mesh.obj.spec.acceleration,
         audit=_audit(mesh.obj.spec.audit),
         drill=_drill(mesh.obj.spec.drill),
-        policies=security.as_written(),
+        policies=_with_guards(security.as_written(), guards),
     )
 
 
@@ -297,17 +310,27 @@ def _server_routes(
     return kserve.server_routes(functions, services[first.backend])
 
 
-def _gateway_guard(
-    namespace: str, items: list[Loaded], services: dict[str, ir.Service]
-) -> tuple[ir.AuthzPolicy, ...]:
-    """The repository guard on a gateway whose functions' backend has no sidecars to hold it."""
-    functions = [
+def _gateway_guarded(items: list[Loaded], services: dict[str, ir.Service]) -> list[ir.Function]:
+    """A gateway's functions whose backend has no sidecars to hold the repository guard."""
+    return [
         i.lowered
         for i in items
         if isinstance(i.lowered, ir.Function)
         and not any(e.sidecar_port for e in services[i.lowered.backend].endpoints)
     ]
+
+
+def _guard(namespace: str, functions: list[ir.Function]) -> tuple[ir.AuthzPolicy, ...]:
     return (kserve.repository_guard(namespace, functions),) if functions else ()
+
+
+def _with_guards(policies: ir.Policies, guards: list[ir.AuthzObject]) -> ir.Policies:
+    """The policies as written plus the repository guards meshfn writes itself, so the Istio
+    renderer guards load/unload where the xDS translator does."""
+    if not guards:
+        return policies
+    authz = sorted((*policies.authz, *guards), key=lambda p: (p.namespace, p.name))
+    return dataclasses.replace(policies, authz=tuple(authz))
 
 
 def _sidecars(

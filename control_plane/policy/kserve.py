@@ -80,9 +80,26 @@ def server_routes(functions: list[ir.Function], backend: ir.Service) -> tuple[ir
                 service=backend.key,
                 timeout=max(function_timeout(f) for f in grpc),
                 retries=SAFE_RETRIES,
+                grpc=True,
             )
         )
     return tuple(routes)
+
+
+def guard_object(
+    namespace: str, selector: ir.Selector, functions: list[ir.Function]
+) -> ir.AuthzObject:
+    """The repository guard as a namespace-scoped object (what the Istio renderer writes as an
+    AuthorizationPolicy on the same workload the xDS translator puts it on)."""
+    guard = repository_guard(namespace, functions)
+    return ir.AuthzObject(
+        name=f"meshfn-kserve-repository-{selector.name}",
+        namespace=namespace,
+        selector=selector,
+        action="DENY",
+        rules=guard.rules,
+        derived_from=tuple(sorted({("Function", f.namespace, f.name) for f in functions})),
+    )
 
 
 def repository_guard(namespace: str, functions: list[ir.Function]) -> ir.AuthzPolicy:

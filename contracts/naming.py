@@ -11,3 +11,8 @@ from __future__ import annotations
 
 def route_name(route_key: str, index: int) -> str:
     return f"{route_key}/{index}"
+
+
+def degraded_route_name(route_key: str, index: int) -> str:
+    """The degraded twin of route `index` (drift breaker)."""
+    return f"{route_name(route_key, index)}/degraded"

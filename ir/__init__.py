@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Literal
 
 from meshfn.contracts.function import FunctionSettings
+from meshfn.contracts.qos import FunctionQoS, Window
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +150,96 @@ class Retry:
 
 
 @dataclass(frozen=True, slots=True)
+class Bucket:
+    """A token bucket: `requests` per `seconds`, holding at most `burst`."""
+
+    requests: int
+    seconds: int
+    burst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    cpu_ms: int
+    window: Window
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    rate: Bucket | None = None
+    concurrency: int | None = None
+    compute: tuple[Budget, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class QoSClass:
+    name: str
+    priority: int
+    limits: TenantLimits  # each of its tenants' own
+
+
+@dataclass(frozen=True, slots=True)
+class QoSTenant:
+    name: str
+    tenant_class: str
+    limits: TenantLimits  # effective: the class's, with the tenant's own fields
+
+
+@dataclass(frozen=True, slots=True)
+class QoSPolicy:
+    """A QoSPolicy, resolved: every listed tenant with its effective limits. Requests whose
+    verified `claim` names no listed tenant get the default class's limits (each such tenant
+    its own); requests without the claim share one anonymous tenant "" of the default class."""
+
+    name: str
+    namespace: str
+    claim: str
+    default_class: str
+    classes: tuple[QoSClass, ...]
+    tenants: tuple[QoSTenant, ...] = ()
+    shared: bool = False  # rate limits kept by the control plane for every gateway bound
+    fail_closed: bool = False  # the limit service cannot answer: refuse (else admit)
+    timeout: timedelta = timedelta(milliseconds=100)  # for the limit service's answer
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def class_named(self, name: str) -> QoSClass:
+        return next(c for c in self.classes if c.name == name)
+
+    @property
+    def default(self) -> QoSClass:
+        return self.class_named(self.default_class)
+
+    def limits_of(self, tenant: str) -> tuple[str, TenantLimits]:
+        """(class, limits) of a tenant; "" is the anonymous tenant."""
+        for entry in self.tenants:
+            if entry.name == tenant:
+                return entry.tenant_class, entry.limits
+        return self.default_class, self.default.limits
+
+    def every_limits(self) -> tuple[TenantLimits, ...]:
+        return (*(c.limits for c in self.classes), *(t.limits for t in self.tenants))
+
+    @property
+    def rate_limited(self) -> bool:
+        return any(limits.rate is not None for limits in self.every_limits())
+
+    @property
+    def concurrency_limited(self) -> bool:
+        return any(limits.concurrency is not None for limits in self.every_limits())
+
+    @property
+    def budgeted(self) -> bool:
+        return any(limits.compute for limits in self.every_limits())
+
+    @property
+    def uses_limit_service(self) -> bool:
+        return self.budgeted or (self.shared and self.rate_limited)
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
     name: str
     namespace: str
@@ -158,6 +249,7 @@ class Route:
     timeout: timedelta | None = None
     retries: Retry | None = None
     grpc: bool = False  # its traffic is gRPC: renderers that name a Service port use the gRPC one
+    qos: QoSPolicy | None = None  # a QoSPolicy of its own (bound to the Route or Function)
 
     @property
     def key(self) -> str:
@@ -237,6 +329,9 @@ class Inbound:
     protocol: Literal["http", "grpc"]
     mtls: MtlsMode
     grpc_app_port: int | None = None  # gRPC requests (content-type application/grpc) go here
+    # The backend behind it serves functions with QoS: its jwt_authn writes this verified claim
+    # as contracts.qos.TENANT_HEADER for the backend (priority, attribution).
+    tenant_claim: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +351,7 @@ class Workload:
     jwt_rules: tuple[JwtRule, ...] = ()
     authz: tuple[AuthzPolicy, ...] = ()
     inbound: Inbound | None = None  # sidecars only
+    qos: QoSPolicy | None = None  # gateways: the QoSPolicy bound to the whole gateway
 
     @property
     def key(self) -> str:
@@ -277,6 +373,9 @@ class Function:
     namespace: str
     backend: str  # Service.key
     settings: FunctionSettings
+    # The tenant classes of the QoSPolicy binding it (its own, else its gateway's): the backend
+    # orders and sheds its requests by their priority (contracts.qos, the backend's schema).
+    qos: FunctionQoS | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +474,7 @@ class MeshModel:
     audit: Audit | None = None
     drill: Drill | None = None
     policies: Policies = Policies()
+    qos: tuple[QoSPolicy, ...] = ()  # every QoSPolicy, (namespace, name) order
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

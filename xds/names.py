@@ -85,4 +85,4 @@ def route_name(route_key: str, index: int) -> str:
 
 
 def degraded_route_name(route_key: str, index: int) -> str:
-    return f"{route_name(route_key, index)}/degraded"
+    return naming.degraded_route_name(route_key, index)

@@ -7,7 +7,7 @@ import dataclasses
 from meshfn import ir
 from meshfn.contracts.function import FunctionSettings
 
-from . import fallback, kserve
+from . import fallback, kserve, qos
 from .errors import PolicyError
 from .model import Audit, Drill, Function, Gateway, Locality, Mesh, Route, Service
 from .references import resolve_gateway, where
@@ -151,20 +151,32 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     attached: dict[str, list[tuple[Loaded, ir.Route, str | None]]] = {k: [] for k in gateways}
     functions = []
     hosted: dict[str, list[Loaded]] = {}  # gateway key -> its Functions
+    bindings = qos.Bindings(items)
+    qos_policies = {i.ref: qos.lower(i, mesh.obj) for i in bindings.policies}
     for item in items:
         if isinstance(item.obj, Route | Function):
             gateway = resolve_gateway(item, gateways)
             assert not isinstance(gateway, PolicyError)
             gateway_key = f"{gateway.namespace}/{gateway.name}"
+            own = bindings.of(item.kind, f"{item.namespace}/{item.name}")
+            own_qos = qos_policies[own.ref] if own is not None else None
             if isinstance(item.lowered, ir.Function):
-                functions.append(item.lowered)
+                function = item.lowered
+                served_qos = bindings.for_function(item)
+                if served_qos is not None:
+                    function = dataclasses.replace(
+                        function, qos=qos.function_qos(served_qos, mesh.obj)
+                    )
+                functions.append(function)
                 hosted.setdefault(gateway_key, []).append(item)
-                route, only = function_route(item.lowered), None
+                route, only = function_route(function), None
                 if route is None:
                     continue
             else:
                 assert isinstance(item.lowered, ir.Route) and isinstance(item.obj, Route)
                 route, only = item.lowered, item.obj.spec.listener
+            if own_qos is not None:
+                route = dataclasses.replace(route, qos=own_qos)
             attached[gateway_key].append((item, route, only))
     lowered_services = {
         i.lowered.key: i.lowered for i in items if isinstance(i.lowered, ir.Service)
@@ -185,6 +197,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         assert isinstance(gw_item.obj, Gateway)
         spec = gw_item.obj.spec
         gateway_guarded = _gateway_guarded(hosted.get(key, []), lowered_services)
+        gateway_qos = bindings.of("Gateway", key)
         listeners = []
         for listener in spec.listeners:
             routes = sorted(
@@ -219,6 +232,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
                 jwt_rules=security.jwt_rules("gateway", gw_item.namespace, gw_item.name),
                 authz=security.policies("gateway", gw_item.namespace, gw_item.name)
                 + _guard(gw_item.namespace, gateway_guarded),
+                qos=qos_policies[gateway_qos.ref] if gateway_qos is not None else None,
             )
         )
         if gateway_guarded:
@@ -239,7 +253,10 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     served = served_functions(functions, {s.key: s for s in services})
     for service in services:
         guard = served.get(service.key)
-        workloads.extend(_sidecars(service, security, _guard(service.namespace, guard or [])))
+        claim = next((f.qos.tenantClaim for f in guard or [] if f.qos is not None), None)
+        workloads.extend(
+            _sidecars(service, security, _guard(service.namespace, guard or []), claim)
+        )
         if guard and any(e.sidecar_port for e in service.endpoints):
             guards.append(
                 kserve.guard_object(service.namespace, ir.Selector("service", service.name), guard)
@@ -257,6 +274,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         audit=_audit(mesh.obj.spec.audit),
         drill=_drill(mesh.obj.spec.drill),
         policies=_with_guards(security.as_written(), guards),
+        qos=tuple(qos_policies.values()),
     )
 
 
@@ -334,10 +352,14 @@ def _with_guards(policies: ir.Policies, guards: list[ir.AuthzObject]) -> ir.Poli
 
 
 def _sidecars(
-    service: ir.Service, security: Security, extra_authz: tuple[ir.AuthzPolicy, ...] = ()
+    service: ir.Service,
+    security: Security,
+    extra_authz: tuple[ir.AuthzPolicy, ...] = (),
+    tenant_claim: str | None = None,
 ) -> list[ir.Workload]:
     """One sidecar workload per endpoint that declares one, each with its own node cluster;
-    `extra_authz` are policies meshfn adds (the repository guard of the functions it serves)."""
+    `extra_authz` are policies meshfn adds (the repository guard of the functions it serves);
+    `tenant_claim`: the functions it serves have QoS, whose backend reads the verified tenant."""
     jwt_rules = security.jwt_rules("service", service.namespace, service.name)
     authz = security.policies("service", service.namespace, service.name) + extra_authz
     return [
@@ -360,6 +382,7 @@ def _sidecars(
                 protocol=service.protocol,
                 mtls=endpoint.mtls,
                 grpc_app_port=endpoint.grpc_port,
+                tenant_claim=tenant_claim,
             ),
         )
         for endpoint in service.endpoints

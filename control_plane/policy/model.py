@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from meshfn.contracts.durations import Duration
 from meshfn.contracts.function import FunctionSettings
 from meshfn.contracts.principals import RequestPrincipal
+from meshfn.contracts.qos import FailureMode, TenantClasses
 
 from .types import (
     ConditionKey,
@@ -713,6 +714,66 @@ class Function(Strict):
     spec: FunctionSpec
 
 
+# ---------------------------------------------------------------- multi-tenant QoS
+
+
+class TargetRef(Strict):
+    """What a QoSPolicy binds: a whole Gateway, one Route or one Function."""
+
+    kind: Literal["Gateway", "Route", "Function"]
+    name: ObjectRef = Field(description='"name" (the policy\'s namespace) or "namespace/name"')
+
+
+class LimitService(Strict):
+    """The control plane's rate-limit service (Envoy's RLS protocol): shared rate limits and
+    compute budgets ask it. What happens when it cannot answer in time is the policy's choice."""
+
+    failureMode: FailureMode = Field(
+        "open",
+        description="open: admit the request (counted and logged by the gateway); closed: "
+        "answer 503 naming the limit service",
+    )
+    timeout: Duration = Field(
+        timedelta(milliseconds=100), description="how long a request waits for its answer"
+    )
+
+    @model_validator(mode="after")
+    def _timeout(self) -> Self:
+        if not timedelta(milliseconds=1) <= self.timeout <= timedelta(seconds=5):
+            raise ValueError("timeout must be between 1ms and 5s")
+        return self
+
+
+class QoSPolicySpec(TenantClasses):
+    """Per-tenant limits and priorities for the requests of what `targetRefs` names. Tenants
+    are told apart by a JWT claim the gateway verified (RequestAuthentication), never by a
+    header. Rate and concurrency limits hold at the gateway; compute budgets are metered by the
+    inference backend and kept by the control plane; priorities order and shed requests in the
+    inference backend when it saturates."""
+
+    targetRefs: Annotated[list[TargetRef], Field(min_length=1, max_length=64)]
+    scope: Literal["gateway", "shared"] = Field(
+        "gateway",
+        description="gateway: each gateway enforces the rate limits on its own (Envoy's local "
+        "rate limit); shared: one budget for all the gateways this binds, kept by the control "
+        "plane's rate-limit service",
+    )
+    limitService: LimitService = Field(default_factory=LimitService)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        # Replaces TenantClasses' check: the reference checks report each problem at its own
+        # line (references._check_qos), not all at `spec:`.
+        return self
+
+
+class QoSPolicy(Strict):
+    apiVersion: Literal["meshfn.io/v1alpha1"]
+    kind: Literal["QoSPolicy"]
+    metadata: ObjectMeta
+    spec: QoSPolicySpec
+
+
 PolicyObject = (
     Mesh
     | Gateway
@@ -723,6 +784,7 @@ PolicyObject = (
     | AuthorizationPolicy
     | FallbackPolicy
     | Function
+    | QoSPolicy
 )
 
 KINDS: dict[str, type[PolicyObject]] = {
@@ -735,4 +797,5 @@ KINDS: dict[str, type[PolicyObject]] = {
     "AuthorizationPolicy": AuthorizationPolicy,
     "FallbackPolicy": FallbackPolicy,
     "Function": Function,
+    "QoSPolicy": QoSPolicy,
 }

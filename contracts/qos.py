@@ -1,0 +1,252 @@
+"""Multi-tenant QoS: tenant classes, their limits and priorities. ONE schema for the `QoSPolicy`
+kind, the IR and the inference backend's configuration (which carries the classes of the policy
+that binds each of its functions, to order and shed requests by priority).
+
+A tenant is the value of a JWT claim that Envoy verified (jwt_authn), never a header a client
+sent; a request without the claim belongs to the default class as the anonymous tenant "".
+Limits on a class apply to EACH of its tenants (every tenant has its own buckets); a tenant entry
+puts a tenant in a class and may replace some of that class's limits for that tenant alone.
+A leaf: pydantic only.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .durations import Duration
+
+# A claim value: printable, no control characters (it becomes a descriptor value, a CEL string
+# literal, a label value and a JSON string).
+TENANT = r"^[^\x00-\x1f\x7f]{1,128}$"
+Tenant = Annotated[str, Field(pattern=TENANT, max_length=128)]
+# A claim name: also a key in %DYNAMIC_METADATA(ns:payload:claim)%, so no ':', '(', ')', '%'.
+CLAIM = r"^[A-Za-z0-9_.-]{1,128}$"
+Claim = Annotated[str, Field(pattern=CLAIM)]
+CLASS_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+ClassName = Annotated[str, Field(pattern=CLASS_NAME, min_length=1, max_length=63)]
+
+Window = Literal["second", "minute", "hour", "day", "month"]
+WINDOWS: tuple[Window, ...] = ("second", "minute", "hour", "day", "month")
+_FIXED = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+
+# Where the proxy in front of the inference backend writes the verified tenant (jwt_authn
+# claim_to_headers) after removing any copy a client sent; the backend reads it (priority,
+# attribution). Where the backend reports each request's guest CPU time (microseconds), which the
+# gateway charges to the tenant's compute budget.
+TENANT_HEADER = "x-meshfn-tenant"
+COST_HEADER = "x-meshfn-guest-cpu-us"
+# Set by the backend on a 429 it answers, naming which limit: "shed" or "concurrency".
+LIMIT_HEADER = "x-meshfn-qos-limit"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, populate_by_name=False, validate_default=False
+    )
+
+
+def window_bounds(window: Window, now: float) -> tuple[float, float]:
+    """[start, end) in UNIX seconds of the UTC calendar window holding `now`: a second, minute,
+    hour or day aligned to the epoch, or the calendar month."""
+    if window != "month":
+        size = _FIXED[window]
+        start = now - (now % size)
+        return start, start + size
+    moment = datetime.fromtimestamp(now, UTC)
+    first = moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    following = first.replace(year=first.year + 1, month=1) if first.month == 12 else first.replace(
+        month=first.month + 1
+    )
+    return first.timestamp(), following.timestamp()
+
+
+def window_seconds(window: Window) -> int:
+    """The longest the window can be (a month: 31 days), to order windows."""
+    return _FIXED.get(window, 31 * 86400)
+
+
+class RateLimit(_Strict):
+    """A token bucket: `requests` per `per`, refilled continuously, holding at most `burst`."""
+
+    requests: Annotated[int, Field(ge=1, le=1_000_000_000)] = Field(
+        description="requests admitted per `per`"
+    )
+    per: Duration = Field(timedelta(seconds=1), description="the period (1s to 1d)")
+    burst: Annotated[int, Field(ge=1, le=1_000_000_000)] | None = Field(
+        None, description="most requests admitted at once after a quiet spell; default: requests"
+    )
+
+    @model_validator(mode="after")
+    def _sane(self) -> Self:
+        if not timedelta(seconds=1) <= self.per <= timedelta(days=1):
+            raise ValueError("per must be between 1s and 1d")
+        if self.per.total_seconds() != int(self.per.total_seconds()):
+            raise ValueError("per must be a whole number of seconds")
+        if self.burst is not None and self.burst < self.requests:
+            raise ValueError(
+                f"burst ({self.burst}) is below requests ({self.requests}): the bucket could "
+                "never hold one period's requests, so the rate could never be reached"
+            )
+        return self
+
+    @property
+    def bucket(self) -> int:
+        return self.burst if self.burst is not None else self.requests
+
+    @property
+    def seconds(self) -> int:
+        return int(self.per.total_seconds())
+
+
+class ComputeBudget(_Strict):
+    """Guest CPU time (the wasm guest's own CPU, as the inference backend measures it) a tenant
+    may use per calendar window (UTC)."""
+
+    cpuMs: Annotated[int, Field(ge=1, le=4_000_000_000)] = Field(
+        description="guest CPU milliseconds per window"
+    )
+    per: Window = Field(description="second, minute, hour, day or month (calendar, UTC)")
+
+
+class Limits(_Strict):
+    rate: RateLimit | None = Field(None, description="request rate with burst")
+    concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        None, description="requests in flight at once, per gateway"
+    )
+    compute: Annotated[list[ComputeBudget], Field(max_length=5)] = Field(
+        default_factory=list, description="guest CPU budgets, at most one per window"
+    )
+
+    @model_validator(mode="after")
+    def _budgets(self) -> Self:
+        ordered = sorted(self.compute, key=lambda b: window_seconds(b.per))
+        for shorter, longer in zip(ordered, ordered[1:], strict=False):
+            if shorter.per == longer.per:
+                raise ValueError(f"compute: two budgets per {shorter.per}")
+            if longer.cpuMs < shorter.cpuMs:
+                raise ValueError(
+                    f"compute: {longer.cpuMs} ms per {longer.per} is less than {shorter.cpuMs} "
+                    f"ms per {shorter.per}: the per-{shorter.per} budget could never be used up"
+                )
+        return self
+
+    @property
+    def empty(self) -> bool:
+        return self.rate is None and self.concurrency is None and not self.compute
+
+
+class TenantClass(Limits):
+    """A class of tenants: its limits apply to each of its tenants, its priority to their
+    requests when a backend saturates (lower priorities shed first)."""
+
+    name: ClassName
+    priority: Annotated[int, Field(ge=0, le=1000)] = Field(
+        0, description="higher keeps its latency when a backend saturates; lower sheds first"
+    )
+
+
+class TenantEntry(Limits):
+    """One tenant: its class (default: the default class) and limits that replace the class's
+    for this tenant (each given field replaces the class's; the others stay)."""
+
+    name: Tenant = Field(description="the verified claim's value")
+    class_: ClassName | None = Field(None, alias="class")
+
+
+class TenantClasses(_Strict):
+    """Who is in which class and what each class may do (a QoSPolicy's tenant model)."""
+
+    tenantClaim: Claim | None = Field(
+        None,
+        description="the verified JWT claim naming the tenant; default: Mesh.spec.audit."
+        "tenantClaim, else `tenant`",
+    )
+    defaultClass: ClassName = Field(
+        description="the class of tenants not listed, and of requests without the claim"
+    )
+    classes: Annotated[list[TenantClass], Field(min_length=1, max_length=64)]
+    tenants: Annotated[list[TenantEntry], Field(max_length=10_000)] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        for loc, message in self.problems():
+            where = ".".join(str(p) for p in loc)
+            raise ValueError(f"{where}: {message}")
+        return self
+
+    def problems(self) -> list[tuple[tuple[str | int, ...], str]]:
+        """What contradicts itself, with where (a policy reports each at its own line)."""
+        out: list[tuple[tuple[str | int, ...], str]] = []
+        names = [c.name for c in self.classes]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                out.append((("classes", i, "name"), f"class {name!r} is defined twice"))
+        if self.defaultClass not in names:
+            out.append(
+                (
+                    ("defaultClass",),
+                    f"{self.defaultClass!r} is not one of the classes ({', '.join(names)})",
+                )
+            )
+        seen: set[str] = set()
+        for i, tenant in enumerate(self.tenants):
+            if tenant.name in seen:
+                out.append(
+                    (("tenants", i, "name"), f"{tenant.name!r} is listed twice (one entry each)")
+                )
+            seen.add(tenant.name)
+            if tenant.class_ is not None and tenant.class_ not in names:
+                out.append(
+                    (
+                        ("tenants", i, "class"),
+                        f"class {tenant.class_!r} is not defined ({', '.join(names)})",
+                    )
+                )
+            if tenant.class_ is None and tenant.empty:
+                out.append((("tenants", i), f"{tenant.name!r} sets neither a class nor a limit"))
+        if all(c.empty for c in self.classes) and all(t.empty for t in self.tenants):
+            if len({c.priority for c in self.classes}) < 2:
+                out.append((("classes",), "no limit and one priority: it would change nothing"))
+        return out
+
+    def class_of(self, tenant: str) -> TenantClass:
+        """The class of a tenant ("" is the anonymous tenant: the default class)."""
+        entry = self.entry(tenant)
+        wanted = entry.class_ if entry is not None and entry.class_ else self.defaultClass
+        return next(c for c in self.classes if c.name == wanted)
+
+    def entry(self, tenant: str) -> TenantEntry | None:
+        return next((t for t in self.tenants if t.name == tenant), None)
+
+    def limits_of(self, tenant: str) -> Limits:
+        """A listed tenant's effective limits: its class's, with the fields it sets replaced."""
+        base = self.class_of(tenant)
+        entry = self.entry(tenant)
+        if entry is None:
+            return Limits(rate=base.rate, concurrency=base.concurrency, compute=base.compute)
+        return Limits(
+            rate=entry.rate or base.rate,
+            concurrency=entry.concurrency or base.concurrency,
+            compute=entry.compute or base.compute,
+        )
+
+
+class FunctionQoS(TenantClasses):
+    """What the inference backend serves a function with: the classes of the QoSPolicy that
+    binds it (`policy`, namespace/name), to order queued guest calls by priority, shed the lowest
+    first at saturation and count per tenant. The tenant comes from `TENANT_HEADER`, written by
+    the proxy in front of the backend from the JWT it verified."""
+
+    policy: Annotated[str, Field(pattern=r"^[a-z0-9-]{1,63}/[a-z0-9-]{1,63}$")]
+    tenantClaim: Claim | None = Field("tenant", description="the claim the proxy verified")
+
+    def priority_of(self, tenant: str) -> tuple[str, int]:
+        """(class name, priority) of a tenant."""
+        cls = self.class_of(tenant)
+        return cls.name, cls.priority
+
+
+FailureMode = Literal["open", "closed"]

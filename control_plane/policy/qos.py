@@ -1,0 +1,243 @@
+"""QoSPolicy: its checks across documents and its lowering to the IR.
+
+A policy binds Gateways, Routes and Functions (`targetRefs`). The most specific binding wins:
+a Route's or Function's own policy governs its requests, the Gateway's policy everything else on
+that gateway (KServe's server routes and gRPC, whose messages name the model inside, included).
+Every gateway a policy reaches must verify JWTs (the tenant is a verified claim), all policies
+on one gateway read the same claim (one local reply names the tenant), and a backend that orders
+requests by priority must be behind proxies that verify the claim too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from meshfn import ir
+from meshfn.contracts.qos import FunctionQoS, Limits, TenantClasses
+
+from .errors import PolicyError
+from .model import Function, Gateway, Mesh, QoSPolicy, Route, Service
+from .references import resolve_gateway, where
+from .security import Security
+from .validate import Loaded
+
+DEFAULT_CLAIM = "tenant"
+
+
+def _ref_key(item: Loaded, name: str) -> str:
+    return name if "/" in name else f"{item.namespace}/{name}"
+
+
+def claim_of(spec: TenantClasses, mesh: Mesh) -> str:
+    """The tenant claim: the policy's own, else the audit trail's, else `tenant`."""
+    if spec.tenantClaim:
+        return spec.tenantClaim
+    audit = mesh.spec.audit
+    return audit.tenantClaim if audit is not None and audit.tenantClaim else DEFAULT_CLAIM
+
+
+class Bindings:
+    """Which QoSPolicy governs what: per target (kind, namespace/name) the binding policy."""
+
+    def __init__(self, items: list[Loaded]) -> None:
+        self.items = items
+        self.policies = sorted(
+            (i for i in items if isinstance(i.obj, QoSPolicy)), key=lambda i: (i.namespace, i.name)
+        )
+        self.by_target: dict[tuple[str, str], Loaded] = {}
+        self.gateways = {f"{i.namespace}/{i.name}": i for i in items if isinstance(i.obj, Gateway)}
+        for item in self.policies:
+            assert isinstance(item.obj, QoSPolicy)
+            for ref in item.obj.spec.targetRefs:
+                self.by_target.setdefault((ref.kind, _ref_key(item, ref.name)), item)
+
+    def of(self, kind: str, key: str) -> Loaded | None:
+        return self.by_target.get((kind, key))
+
+    def attachments(self) -> Iterable[tuple[Loaded, Loaded]]:
+        """(Route or Function, its Gateway) for every Route and Function."""
+        for item in self.items:
+            if isinstance(item.obj, Route | Function):
+                gateway = resolve_gateway(item, self.gateways)
+                if not isinstance(gateway, PolicyError):
+                    yield item, gateway
+
+    def governing(self, gateway: Loaded) -> list[Loaded]:
+        """Every policy whose requests pass `gateway`: its own and those of its routes."""
+        found = []
+        own = self.of("Gateway", f"{gateway.namespace}/{gateway.name}")
+        if own is not None:
+            found.append(own)
+        for item, gw in self.attachments():
+            if gw is gateway:
+                policy = self.of(item.kind, f"{item.namespace}/{item.name}")
+                if policy is not None and policy not in found:
+                    found.append(policy)
+        return found
+
+    def for_function(self, item: Loaded) -> Loaded | None:
+        """The policy a Function's backend applies: the Function's own, else its gateway's."""
+        own = self.of("Function", f"{item.namespace}/{item.name}")
+        if own is not None:
+            return own
+        gateway = resolve_gateway(item, self.gateways)
+        if isinstance(gateway, PolicyError):
+            return None
+        return self.of("Gateway", f"{gateway.namespace}/{gateway.name}")
+
+
+def check(items: list[Loaded]) -> list[PolicyError]:
+    errors: list[PolicyError] = []
+    policies = [i for i in items if isinstance(i.obj, QoSPolicy)]
+    if not policies:
+        return errors
+    known = {
+        kind: {f"{i.namespace}/{i.name}": i for i in items if i.kind == kind}
+        for kind in ("Gateway", "Route", "Function")
+    }
+    claimed: dict[tuple[str, str], Loaded] = {}
+    for item in policies:
+        assert isinstance(item.obj, QoSPolicy)
+        spec = item.obj.spec
+        errors += [item.error(("spec", *loc), message) for loc, message in spec.problems()]
+        for i, ref in enumerate(spec.targetRefs):
+            key = _ref_key(item, ref.name)
+            loc = ("spec", "targetRefs", i, "name")
+            if key not in known[ref.kind]:
+                errors.append(item.error(loc, f"unknown {ref.kind} {key}"))
+                continue
+            first = claimed.get((ref.kind, key))
+            if first is item:
+                errors.append(item.error(loc, f"{ref.kind} {key} is named twice"))
+            elif first is not None:
+                errors.append(
+                    item.error(
+                        loc,
+                        f"{ref.kind} {key} is already bound by {first.ref} ({where(first)}): "
+                        "one QoSPolicy per target",
+                    )
+                )
+            claimed.setdefault((ref.kind, key), item)
+    if errors:
+        return errors
+    return _check_enforcement(items, Bindings(items))
+
+
+def _check_enforcement(items: list[Loaded], bindings: Bindings) -> list[PolicyError]:
+    """Where a policy's limits are enforced, the tenant must be verified."""
+    errors: list[PolicyError] = []
+    security = Security(items)
+    mesh = next(i.obj for i in items if isinstance(i.obj, Mesh))
+    assert isinstance(mesh, Mesh)
+    for gateway in bindings.gateways.values():
+        governing = bindings.governing(gateway)
+        if not governing:
+            continue
+        first = governing[0]
+        assert isinstance(first.obj, QoSPolicy)
+        claim = claim_of(first.obj.spec, mesh)
+        if not security.jwt_rules("gateway", gateway.namespace, gateway.name):
+            errors.append(
+                first.error(
+                    ("spec", "targetRefs"),
+                    f"tenants are told apart by the verified JWT claim {claim!r}, but Gateway "
+                    f"{gateway.namespace}/{gateway.name} verifies no JWT: add a "
+                    "RequestAuthentication in its namespace that selects it",
+                )
+            )
+        for other in governing[1:]:
+            assert isinstance(other.obj, QoSPolicy)
+            if claim_of(other.obj.spec, mesh) != claim:
+                errors.append(
+                    other.error(
+                        ("spec", "tenantClaim"),
+                        f"reads claim {claim_of(other.obj.spec, mesh)!r} where {first.ref} "
+                        f"({where(first)}) reads {claim!r} on Gateway {gateway.namespace}/"
+                        f"{gateway.name}: the policies of one gateway read one tenant claim",
+                    )
+                )
+    services = {f"{i.namespace}/{i.name}": i for i in items if isinstance(i.obj, Service)}
+    budgeted: set[str] = set()
+    for item in items:
+        if not isinstance(item.obj, Function):
+            continue
+        policy = bindings.for_function(item)
+        if policy is None:
+            continue
+        budgeted.add(policy.ref)
+        assert isinstance(policy.obj, QoSPolicy)
+        if len({c.priority for c in policy.obj.spec.classes}) < 2:
+            continue
+        backend = services.get(f"{item.namespace}/{item.obj.spec.backend}")
+        assert backend is not None and isinstance(backend.obj, Service)
+        sidecars = any(e.sidecar is not None for e in backend.obj.spec.endpoints)
+        if sidecars and not security.jwt_rules("service", backend.namespace, backend.name):
+            errors.append(
+                policy.error(
+                    ("spec", "classes"),
+                    f"its classes' priorities order requests in the backend of Function "
+                    f"{item.namespace}/{item.name}, but the sidecars of Service "
+                    f"{backend.namespace}/{backend.name} verify no JWT, so the backend could "
+                    "not tell tenants apart: add a RequestAuthentication selecting it",
+                )
+            )
+    for item in bindings.policies:
+        assert isinstance(item.obj, QoSPolicy)
+        spec = item.obj.spec
+        if item.ref not in budgeted and any(
+            limits.compute for limits in (*spec.classes, *spec.tenants)
+        ):
+            errors.append(
+                item.error(
+                    ("spec", "targetRefs"),
+                    "sets compute budgets, which the inference backend meters, but binds no "
+                    "Function (nor a Gateway serving one)",
+                )
+            )
+    return errors
+
+
+# ---------------------------------------------------------------- lowering
+
+
+def _limits(limits: Limits) -> ir.TenantLimits:
+    rate = limits.rate
+    return ir.TenantLimits(
+        rate=ir.Bucket(rate.requests, rate.seconds, rate.bucket) if rate is not None else None,
+        concurrency=limits.concurrency,
+        compute=tuple(
+            sorted((ir.Budget(b.cpuMs, b.per) for b in limits.compute), key=lambda b: b.window)
+        ),
+    )
+
+
+def lower(item: Loaded, mesh: Mesh) -> ir.QoSPolicy:
+    assert isinstance(item.obj, QoSPolicy)
+    spec = item.obj.spec
+    return ir.QoSPolicy(
+        name=item.name,
+        namespace=item.namespace,
+        claim=claim_of(spec, mesh),
+        default_class=spec.defaultClass,
+        classes=tuple(ir.QoSClass(c.name, c.priority, _limits(c)) for c in spec.classes),
+        tenants=tuple(
+            ir.QoSTenant(t.name, spec.class_of(t.name).name, _limits(spec.limits_of(t.name)))
+            for t in spec.tenants
+        ),
+        shared=spec.scope == "shared",
+        fail_closed=spec.limitService.failureMode == "closed",
+        timeout=spec.limitService.timeout,
+    )
+
+
+def function_qos(item: Loaded, mesh: Mesh) -> FunctionQoS:
+    """The backend's view of a policy: its tenant classes, as written (the contract schema)."""
+    assert isinstance(item.obj, QoSPolicy)
+    spec = item.obj.spec
+    return FunctionQoS.model_construct(
+        policy=f"{item.namespace}/{item.name}",
+        tenantClaim=claim_of(spec, mesh),
+        defaultClass=spec.defaultClass,
+        classes=spec.classes,
+        tenants=spec.tenants,
+    )

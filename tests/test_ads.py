@@ -434,6 +434,41 @@ async def test_hostile_sotw_requests_end_only_their_stream(
     assert len(ads.server.proxies()) == 1
 
 
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (payload < 128 bytes)."""
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+GOOD_NODE = _field(1, b"edge.default~test") + _field(2, GROUP.encode())
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # node with invalid UTF-8 (fuzz finding ads/sotw-node-with-invalid-utf8)
+        _field(2, _field(1, b"ed\xff\xff") + _field(2, GROUP.encode()))
+        + _field(4, CLUSTER.encode()),
+        # a resource name with invalid UTF-8: the names are parsed only when they change
+        _field(2, GOOD_NODE) + _field(3, b"\xff\xfe") + _field(4, ENDPOINT.encode()),
+    ],
+    ids=["node", "names"],
+)
+async def test_lazily_parsed_garbage_ends_the_stream_cleanly(ads: Harness, raw: bytes) -> None:
+    """SotW requests are parsed in parts (lite.py); a part that fails to parse later still ends
+    the stream with INVALID_ARGUMENT, not an unexpected exception."""
+    ads.publish({"a": 1})
+    assert ads.channel is not None
+    call = ads.channel.stream_stream(
+        "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources",
+        request_serializer=lambda b: b,
+        response_deserializer=discovery_pb2.DiscoveryResponse.FromString,
+    )()
+    s = Stream(call)
+    await s.send(raw)
+    assert await s.status() == grpc.StatusCode.INVALID_ARGUMENT
+    assert s.error is not None and s.error.details() == "malformed discovery request"
+
+
 async def test_hostile_delta_request(ads: Harness) -> None:
     s = delta(ads)
     await s.send(

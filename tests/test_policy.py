@@ -605,3 +605,13 @@ def test_request_principals_with_url_issuers(tmp_path: Path) -> None:
     model = load_policies(write(tmp_path, files))
     (policy,) = model.workloads[0].authz
     assert policy.rules[0].sources[0].request_principals == ("https://id.example/alice",)
+
+
+def test_unknown_key_that_looks_like_a_tag(tmp_path: Path) -> None:
+    """`spec:[x` (no space after the colon) is a key, however much it looks like one of
+    pydantic's location tags (fuzz finding policy/unknown-key-like-a-pydantic-tag)."""
+    extra = "apiVersion: meshfn.io/v1alpha1\nkind: Service\nmetadata: {name: s}\nspec:[x: 1\n"
+    errors = errors_for(tmp_path, extra)
+    unknown = [e for e in errors if "unknown field" in e.message]
+    assert [(e.line, e.path) for e in unknown] == [(4, "spec:[x")], errors
+    assert "(did you mean 'spec'?)" in unknown[0].message

@@ -40,6 +40,12 @@ INBOX_HIGH_WATER = 64
 _stream_ids = itertools.count(1)
 
 
+def malformed() -> ProtocolError:
+    return ProtocolError(
+        grpc.StatusCode.INVALID_ARGUMENT, "malformed discovery request", "malformed"
+    )
+
+
 class Stream:
     """One ADS stream: its node, subscriptions, and an inbox fed by the reader task."""
 
@@ -159,6 +165,9 @@ class Handler(ABC):
                     except ProtocolError as exc:
                         stream.error = exc
                         break
+                    except DecodeError:  # a part parsed lazily (SotW: node, names, error detail)
+                        stream.error = malformed()
+                        break
                 if stream.error is not None:
                     self.recorder.ended(stream.error, stream.status.node_id, stream.peer)
                     await stream.context.abort(stream.error.code, stream.error.message)
@@ -181,9 +190,7 @@ class Handler(ABC):
                 try:
                     request = self.parse(raw)
                 except DecodeError:
-                    stream.error = ProtocolError(
-                        grpc.StatusCode.INVALID_ARGUMENT, "malformed discovery request", "malformed"
-                    )
+                    stream.error = malformed()
                     return
                 stream.inbox.append(request)
                 stream.wake.set()

@@ -456,7 +456,7 @@ class JwtRule(Strict):
     )
     maxLifetime: Duration | None = Field(
         None,
-        description="refuse tokens whose `exp - iat` (without `iat`: `exp - now`) exceeds this"
+        description="refuse tokens whose `exp - iat` (without `iat`: `exp - now`) exceeds this",
     )
 
     @model_validator(mode="after")

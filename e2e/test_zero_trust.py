@@ -33,7 +33,7 @@ from meshfn_e2e import Processes, http
 from meshfn.control_plane.identity.ca import CertificateAuthority, IssuedCertificate
 from meshfn.control_plane.identity.spiffe import SpiffeId
 from meshfn.testing import policies as p
-from meshfn.testing.ports import named_ports
+from meshfn.testing.ports import named_ports, retry_on_port_clash
 from meshfn.testing.processes import MESHFN, wait_for
 
 TD = "zt.local"
@@ -183,7 +183,6 @@ class Mesh:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    tmp = tmp_path_factory.mktemp("zt")
     names = [
         "xds",
         "admin",
@@ -195,36 +194,37 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         "sidecar2",
         "dead",
     ]
-    ports = named_ports(*names)
     jwks = json.dumps({"keys": [TRUSTED.jwk()]})
-    policies = tmp / "policies"
-    policies.mkdir()
-    (policies / "mesh.yaml").write_text(zero_trust_policies(ports, jwks))
-    procs = Processes(tmp)
-    state = tmp / "state"
-    up = procs.start(
-        "up",
-        [
-            MESHFN,
-            "up",
-            "--policies",
-            str(policies),
-            "--state-dir",
-            str(state),
-            "--envoy-concurrency",
-            "1",
-        ],
-    )
+
+    def start() -> tuple[Processes, Mesh]:
+        tmp = tmp_path_factory.mktemp("zt")
+        ports = named_ports(*names)
+        policies = tmp / "policies"
+        policies.mkdir()
+        (policies / "mesh.yaml").write_text(zero_trust_policies(ports, jwks))
+        procs = Processes(tmp)
+        state = tmp / "state"
+        argv = [MESHFN, "up", "--policies", str(policies), "--state-dir", str(state)]
+        up = procs.start("up", [*argv, "--envoy-concurrency", "1"])
+        try:
+            wait_for(
+                "the mesh",
+                lambda: up.check_running() or "Ctrl-C stops everything" in up.output(),
+                timeout=40,
+            )
+            result = Mesh(ports, state, tmp)
+            wait_for(
+                "a first answer",
+                lambda: request(result, "/v2/x", token()).status == 200,
+                timeout=20,
+            )
+        except BaseException:
+            procs.stop_all()
+            raise
+        return procs, result
+
+    procs, result = retry_on_port_clash(start)  # a port taken meanwhile: new ports
     try:
-        wait_for(
-            "the mesh",
-            lambda: "Ctrl-C stops everything" in up.output(),
-            timeout=40,
-        )
-        result = Mesh(ports, state, tmp)
-        wait_for(
-            "a first answer", lambda: request(result, "/v2/x", token()).status == 200, timeout=20
-        )
         yield result
     finally:
         procs.stop_all()

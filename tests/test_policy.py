@@ -410,7 +410,17 @@ def test_hidden_and_non_yaml_files_are_ignored(tmp_path: Path) -> None:
     files = base_files()
     files[".swap.yaml"] = "garbage: ["
     files["notes.txt"] = "not yaml: ["
-    load_policies(write(tmp_path, files))
+    model = load_policies(write(tmp_path, files))  # the broken files would raise if read
+    assert [s.key for s in model.services] == ["default/echo"]
+    assert [w.node_cluster for w in model.workloads] == [
+        w.node_cluster for w in base_model(tmp_path).workloads
+    ]
+
+
+def base_model(tmp_path: Path) -> ir.MeshModel:
+    other = tmp_path.parent / (tmp_path.name + "-base")
+    other.mkdir()
+    return load_policies(write(other, base_files()))
 
 
 def test_errors_from_many_files_are_all_reported_sorted(tmp_path: Path) -> None:

@@ -69,13 +69,18 @@ class PolicyLoader:
 
     def load(self) -> MeshModel:
         """Return the MeshModel or raise PolicyErrors listing every problem found."""
+        return self.load_with_sources()[0]
+
+    def load_with_sources(self) -> tuple[MeshModel, list[Loaded]]:
+        """The MeshModel and the validated objects it was compiled from (their documents know
+        every field's line: `meshfn analyze` points at them), or PolicyErrors."""
         items, errors = self._load_items()
         if not errors:
             errors = check_references(items)
         if not errors:
             result = compile_model(items)
             if isinstance(result, MeshModel):
-                return result
+                return result, items
             errors = result
         raise PolicyErrors(errors)
 

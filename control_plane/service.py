@@ -22,7 +22,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 
 from meshfn.contracts.journal import journal_dir
 from meshfn.ir import MeshModel, Overlay
-from meshfn.xds.als import AccessLogReceiver
+from meshfn.xds.als import AccessLogReceiver, latency
 from meshfn.xds.cache import InconsistentSnapshot, Snapshot, SnapshotCache, prepare
 from meshfn.xds.names import LATENCY_LOG, primary_clusters
 from meshfn.xds.server import AdsServer
@@ -216,16 +216,7 @@ class ControlPlane:
         return changed
 
     def _on_latency(self, _node: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        common = entry.common_properties
-        timing = common.time_to_last_downstream_tx_byte
-        if not common.HasField("time_to_last_downstream_tx_byte"):
-            timing = common.duration
-        self.drift.observe(
-            common.route_name,
-            common.upstream_cluster,
-            timing.ToNanoseconds() / 1e9,
-            time.monotonic(),
-        )
+        self.drift.observe(*latency(entry), time.monotonic())
 
     async def apply_drift(self) -> list[Transition]:
         """Evaluate the drift breaker; when a route trips or recovers, re-translate with the

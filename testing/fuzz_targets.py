@@ -38,7 +38,7 @@ with atheris.instrument_imports(include=["meshfn"]):
     from meshfn.control_plane.policy import PolicyErrors, PolicyLoader
     from meshfn.control_plane.service import watched_routes
     from meshfn.inference.kserve import KServeError, Signature, parse_request
-    from meshfn.xds.als import AccessLogReceiver
+    from meshfn.xds.als import AccessLogReceiver, latency
     from meshfn.xds.auth import StreamAuth
     from meshfn.xds.cache import InconsistentSnapshot, SnapshotCache, prepare
     from meshfn.xds.delta import DeltaHandler
@@ -256,14 +256,7 @@ class AlsTarget:
         self.receiver.subscribe(LATENCY_LOG, self._sink)
 
     def _sink(self, _node: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        # what ControlPlane._on_latency does with an entry
-        common = entry.common_properties
-        timing = common.time_to_last_downstream_tx_byte
-        if not common.HasField("time_to_last_downstream_tx_byte"):
-            timing = common.duration
-        self.drift.observe(
-            common.route_name, common.upstream_cluster, timing.ToNanoseconds() / 1e9, self.now
-        )
+        self.drift.observe(*latency(entry), self.now)  # as ControlPlane._on_latency
 
     def __call__(self, data: bytes) -> None:
         context = _Context(lambda _data: None)

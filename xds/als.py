@@ -69,3 +69,13 @@ class AccessLogReceiver:
                 for sink in sinks:
                     sink(node_id, entry)
         return als_pb2.StreamAccessLogsResponse()
+
+
+def latency(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[str, str, float]:
+    """(route name, upstream cluster, seconds) of one entry: the time to the last byte sent
+    downstream, or the whole duration when Envoy did not record that."""
+    common = entry.common_properties
+    timing = common.time_to_last_downstream_tx_byte
+    if not common.HasField("time_to_last_downstream_tx_byte"):
+        timing = common.duration
+    return common.route_name, common.upstream_cluster, timing.ToNanoseconds() / 1e9

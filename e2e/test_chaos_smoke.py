@@ -21,6 +21,7 @@ def test_chaos_soak_short(tmp_path: Path) -> None:
     line, data = run_bench("chaos.py", ["--seconds", "20", "--seed", "7"], tmp_path, timeout=240)
     assert re.match(
         r"^chaos: sent=\d+ failed=0 audit_missing=0 audit_duplicates=0 sidecar_records_lost=\d+ "
+        r"executed_twice=\d+ "
         r"chain=ok max_recovery_ms=\d+ cp_rss_growth=[\d.]+ ",
         line,
     ), line

@@ -49,6 +49,13 @@ ensure_system() {
   command -v wrk >/dev/null || missing+=(wrk)
   # chromium: the web console's browser tests (Playwright drives Debian's build, never its own).
   command -v chromium >/dev/null || missing+=(chromium)
+  # libFuzzer + ASan/UBSan runtimes for the filters' fuzz targets (wasm_filters/fuzz/build.sh)
+  if command -v clang >/dev/null \
+     && [ ! -e "$(clang -print-resource-dir)/lib/linux/libclang_rt.fuzzer-x86_64.a" ]; then
+    missing+=("libclang-rt-$(clang -dumpversion | cut -d. -f1)-dev")
+  elif ! command -v clang >/dev/null; then
+    missing+=(libclang-rt-14-dev)  # Debian 12's clang
+  fi
   if ((${#missing[@]})); then apt_install "${missing[@]}"; fi
   "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
     || { log "meshfn needs Python >= 3.11 ($PYTHON is older)"; exit 1; }

@@ -93,16 +93,92 @@ def _fail(message: str, code: int = 1) -> None:
 # ------------------------------------------------------------------ policies
 
 
-@app.command()
-def validate(path: Annotated[Path, typer.Argument(help="policy file or directory")]) -> None:
-    """Check policies: schema, references, port clashes. Prints file:line: field: problem."""
+ThresholdOpt = Annotated[
+    str,
+    typer.Option(
+        "--failure-threshold", help="exit 1 on findings this severe: error | warning | info"
+    ),
+]
+
+
+def _load_or_exit(path: Path) -> tuple[Any, list[Any]]:
+    from .policy import PolicyLoader
+
     try:
-        model = load_policies(path)
+        return PolicyLoader(path).load_with_sources()
     except PolicyErrors as exc:
         for error in exc.errors:
             err.print(str(error), highlight=False, markup=False)
         err.print(f"[red]{len(exc.errors)} error(s)[/red]")
         raise typer.Exit(1) from None
+
+
+def _analysis(
+    path: Path, model: Any, items: list[Any], state_dir: Path, admin: str | None,
+    as_json: bool, threshold: str,
+) -> int:  # fmt: skip
+    """Run `meshfn analyze` on a loaded policy set; print the findings; the exit status."""
+    from .analyze import SEVERITIES, analyze
+
+    if threshold.capitalize() not in SEVERITIES:
+        _fail(f"--failure-threshold must be one of {', '.join(s.lower() for s in SEVERITIES)}")
+    drift = None
+    state_file = state_dir / "state.json"
+    if admin is not None or state_file.exists():
+        url = admin.rstrip("/") if admin else None
+        if url is None:
+            try:
+                url = str(json.loads(state_file.read_text())["admin"]).rstrip("/")
+            except (OSError, ValueError, KeyError):
+                url = None
+        if url is not None:
+            try:
+                with urllib.request.urlopen(url + "/debug/status", timeout=3) as response:
+                    drift = json.loads(response.read()).get("routes", {})
+            except (urllib.error.URLError, OSError, ValueError):
+                if admin is not None:
+                    _fail(f"cannot reach the control plane at {url}")
+    findings = analyze(items, model, state_dir, drift)
+    if as_json:
+        print(json.dumps([f.as_dict() for f in findings], indent=2))
+    else:
+        for finding in findings:
+            line = finding.line()
+            style = {"Error": "red", "Warning": "yellow"}.get(finding.severity)
+            (err if style == "red" else out).print(
+                f"[{style}]{line}[/{style}]" if style else line, highlight=False, markup=True
+            )
+        if not findings:
+            out.print(f"[green]✔ No problems found in {path}[/green]")
+    limit = SEVERITIES.index(threshold.capitalize())
+    return int(any(SEVERITIES.index(f.severity) <= limit for f in findings))
+
+
+@app.command()
+def analyze(
+    path: Annotated[Path, typer.Argument(help="policy file or directory")] = DEFAULT_POLICIES,
+    state_dir: StateOpt = DEFAULT_STATE,
+    admin: AdminOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="findings as JSON")] = False,
+    threshold: ThresholdOpt = "error",
+) -> None:
+    """Find unsafe or ineffective settings (codes MF01xx security, MF02xx reliability; see the
+    README), with file:line and the fix, like istioctl analyze. Exit 1 on errors."""
+    model, items = _load_or_exit(path)
+    raise typer.Exit(_analysis(path, model, items, state_dir, admin, as_json, threshold))
+
+
+@app.command()
+def validate(
+    path: Annotated[Path, typer.Argument(help="policy file or directory")],
+    run_analyze: Annotated[
+        bool, typer.Option("--analyze", help="also run meshfn analyze on the policies")
+    ] = False,
+    state_dir: StateOpt = DEFAULT_STATE,
+    threshold: ThresholdOpt = "error",
+) -> None:
+    """Check policies: schema, references, port clashes. Prints file:line: field: problem."""
+    model, items = _load_or_exit(path)
     routes = sum(len(lst.routes) for w in model.workloads for lst in w.listeners)
     gateways = sum(1 for w in model.workloads if w.kind == "gateway")
     sidecars = sum(1 for w in model.workloads if w.kind == "sidecar")
@@ -111,6 +187,8 @@ def validate(path: Annotated[Path, typer.Argument(help="policy file or directory
         f"{len(model.services)} service(s), {sidecars} sidecar(s), "
         f"{routes} route attachment(s)"
     )
+    if run_analyze:
+        raise typer.Exit(_analysis(path, model, items, state_dir, None, False, threshold))
 
 
 @app.command()

@@ -183,35 +183,3 @@ def envoy_pids(up: Proc) -> list[int]:
 
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
-
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
-
-
-def remap_examples(target: Path) -> dict[int, int]:
-    """Copy policies/examples with every port replaced by a free one (tests must not rely on
-    fixed ports being free)."""
-    shutil.copytree(EXAMPLES, target)
-    ports: set[int] = set()
-    for path in target.glob("*.yaml"):
-        for doc in yaml.safe_load_all(path.read_text()):
-            collect_ports(doc, ports)
-    mapping = dict(zip(sorted(ports), free_ports(len(ports)), strict=True))
-    for path in target.glob("*.yaml"):
-        text = path.read_text()
-        text = re.sub(
-            r"\b(\d{4,5})\b", lambda m: str(mapping.get(int(m.group(1)), m.group(1))), text
-        )
-        path.write_text(text)
-    return mapping
-
-
-def collect_ports(node: object, ports: set[int]) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if isinstance(value, int) and ("port" in key.lower() or key in ("xds", "admin")):
-                ports.add(value)
-            collect_ports(value, ports)
-    elif isinstance(node, list):
-        for item in node:
-            collect_ports(item, ports)

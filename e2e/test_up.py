@@ -6,7 +6,6 @@ import hmac
 import json
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +35,9 @@ def test_route_change_becomes_visible(procs: Processes, policies: Policies) -> N
     assert proxy["protocol"] == policies.protocol
     assert served_by(policies, "/v1/x") == "default/alpha"
     assert http(policies.gateway + "/v2/x").status == 404
-    started = time.monotonic()
-    policies.route("/v2", "beta")
-    wait_for("the new route", lambda: served_by(policies, "/v2/x") == "default/beta")
-    visible_after = time.monotonic() - started
+    policies.route("/v2", "beta")  # how fast: bench/xds_push.py's visible_p50_ms
+    wait_for("the new route", lambda: served_by(policies, "/v2/x") == "default/beta", timeout=30)
     assert http(policies.gateway + "/v1/x").status == 404
-    assert visible_after < 5, visible_after
     assert up.popen is not None and up.popen.poll() is None
     # What changed is visible on the admin port too.
     metrics = http(policies.admin + "/metrics").body.decode()

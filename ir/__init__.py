@@ -275,6 +275,10 @@ class JwtRule:
     claim_to_headers: tuple[tuple[str, str], ...]  # (header, claim)
     forward: bool
     clock_skew_seconds: int
+    # Refuse tokens without `exp` (Envoy's require_expiration). Istio's RequestAuthentication
+    # has no such field: a renderer for it must warn when this is True (the default).
+    require_expiration: bool = True
+    max_lifetime_seconds: int | None = None  # refuse tokens with exp - iat above it
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,6 +90,23 @@ def request_authentications(ctx: Context) -> None:
                     f"Istio's RequestAuthentication has no clock skew: Envoy's default 60s "
                     f"applies, not {rule.clock_skew_seconds}s",
                 )
+            if rule.require_expiration:
+                ctx.warn(
+                    "jwt-expiration-not-required",
+                    source,
+                    (*path, "requireExpiration"),
+                    "Istio's RequestAuthentication cannot refuse tokens without `exp` (and its"
+                    " claim matching sees no numeric claims): in Istio mode they are accepted;"
+                    " set requireExpiration: false to say that is intended",
+                )
+            if rule.max_lifetime_seconds is not None:
+                ctx.warn(
+                    "jwt-max-lifetime",
+                    source,
+                    (*path, "maxLifetime"),
+                    "Istio's RequestAuthentication has no token lifetime bound: tokens with a"
+                    f" longer exp - iat than {rule.max_lifetime_seconds}s are accepted",
+                )
             if rule.jwks_uri is not None and _loopback(rule.jwks_uri):
                 ctx.warn(
                     "jwks-uri-loopback",

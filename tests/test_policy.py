@@ -410,7 +410,17 @@ def test_hidden_and_non_yaml_files_are_ignored(tmp_path: Path) -> None:
     files = base_files()
     files[".swap.yaml"] = "garbage: ["
     files["notes.txt"] = "not yaml: ["
-    load_policies(write(tmp_path, files))
+    model = load_policies(write(tmp_path, files))  # the broken files would raise if read
+    assert [s.key for s in model.services] == ["default/echo"]
+    assert [w.node_cluster for w in model.workloads] == [
+        w.node_cluster for w in base_model(tmp_path).workloads
+    ]
+
+
+def base_model(tmp_path: Path) -> ir.MeshModel:
+    other = tmp_path.parent / (tmp_path.name + "-base")
+    other.mkdir()
+    return load_policies(write(other, base_files()))
 
 
 def test_errors_from_many_files_are_all_reported_sorted(tmp_path: Path) -> None:
@@ -692,3 +702,13 @@ def test_kserve_routes_follow_the_protocol_switches(tmp_path: Path) -> None:
     assert sidecar.inbound is not None and sidecar.inbound.grpc_app_port == 8081
     (guard,) = [p for p in sidecar.authz if p.name.endswith("meshfn-kserve-repository")]
     assert guard.action == "DENY" and gateway.authz == ()  # the sidecars hold it
+
+
+def test_unknown_key_that_looks_like_a_tag(tmp_path: Path) -> None:
+    """`spec:[x` (no space after the colon) is a key, however much it looks like one of
+    pydantic's location tags (fuzz finding policy/unknown-key-like-a-pydantic-tag)."""
+    extra = "apiVersion: meshfn.io/v1alpha1\nkind: Service\nmetadata: {name: s}\nspec:[x: 1\n"
+    errors = errors_for(tmp_path, extra)
+    unknown = [e for e in errors if "unknown field" in e.message]
+    assert [(e.line, e.path) for e in unknown] == [(4, "spec:[x")], errors
+    assert "(did you mean 'spec'?)" in unknown[0].message

@@ -118,6 +118,10 @@ class AdsServer:
             if s.group
         ]
 
+    def streams(self) -> list[Stream]:
+        """The open streams, oldest first."""
+        return sorted(self._streams.values(), key=lambda s: s.id)
+
     def proxies(self) -> list[dict[str, Any]]:
         return [
             s.status.as_dict(known_group=self.cache.get(s.group) is not None)

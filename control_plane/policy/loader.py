@@ -85,7 +85,13 @@ class PolicyLoader:
 
     def load(self) -> MeshModel:
         """Return the MeshModel or raise PolicyErrors listing every problem found."""
-        return build_model(*self._load_items())
+        return self.load_with_sources()[0]
+
+    def load_with_sources(self) -> tuple[MeshModel, list[Loaded]]:
+        """The MeshModel and the validated objects it was compiled from (their documents know
+        every field's line: `meshfn analyze` points at them), or PolicyErrors."""
+        items, errors = self._load_items()
+        return build_model(items, errors), items
 
     def provenance(self) -> Provenance:
         """Where the objects of the last load() came from."""

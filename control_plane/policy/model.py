@@ -476,12 +476,29 @@ class JwtRule(Strict):
     outputClaimToHeaders: list[ClaimToHeader] = Field(default_factory=list)
     forwardOriginalToken: bool = False
     clockSkew: Duration = Field(timedelta(seconds=60), description="allowed leeway for exp/nbf")
+    requireExpiration: bool = Field(
+        True,
+        description="refuse tokens without `exp` (401); false only for an issuer that cannot set"
+        " one, whose tokens must then be revocable some other way (rotate its keys)",
+    )
+    maxLifetime: Duration | None = Field(
+        None,
+        description="refuse tokens whose `exp - iat` (without `iat`: `exp - now`) exceeds this",
+    )
 
     @model_validator(mode="after")
     def _source(self) -> Self:
         _exactly_one(self, ("jwks", "jwksUri"))
         if not timedelta(0) <= self.clockSkew <= timedelta(minutes=10):
             raise ValueError("clockSkew must be between 0s and 10m")
+        if self.maxLifetime is not None:
+            if not timedelta(seconds=1) <= self.maxLifetime <= timedelta(days=366):
+                raise ValueError("maxLifetime must be between 1s and 366d")
+            if not self.requireExpiration:
+                raise ValueError(
+                    "maxLifetime bounds exp - iat: it needs requireExpiration (a token without"
+                    " exp has no lifetime to bound)"
+                )
         return self
 
 

@@ -171,6 +171,10 @@ def _jwt_rule(rule: JwtRule) -> ir.JwtRule:
         claim_to_headers=tuple((c.header.lower(), c.claim) for c in rule.outputClaimToHeaders),
         forward=rule.forwardOriginalToken,
         clock_skew_seconds=int(rule.clockSkew.total_seconds()),
+        require_expiration=rule.requireExpiration,
+        max_lifetime_seconds=(
+            None if rule.maxLifetime is None else int(rule.maxLifetime.total_seconds())
+        ),
     )
 
 

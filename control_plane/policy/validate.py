@@ -118,6 +118,10 @@ def _to_policy_error(doc: Document, model: type[BaseModel], err: Any) -> PolicyE
     kind = err["type"]
     message: str = err["msg"]
     if kind == "extra_forbidden":
+        # the unknown key is the last part of the location, whatever it looks like (a key such
+        # as "spec:[x" must not be taken for a pydantic tag: fuzz finding policy-key-like-a-tag)
+        parents = tuple(p for p in err["loc"][:-1] if isinstance(p, int) or not _is_tag(p))
+        loc = (*parents, err["loc"][-1])
         field = str(loc[-1])
         allowed = _fields_at(model, loc[:-1])
         hint = difflib.get_close_matches(field, allowed, n=1)

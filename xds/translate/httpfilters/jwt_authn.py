@@ -117,7 +117,10 @@ def _provider(rule: ir.JwtRule, claim_headers: tuple[tuple[str, str], ...] = ())
         ]
         + [jwt.JwtClaimToHeader(header_name=h, claim_name=c) for h, c in claim_headers],
         clock_skew_seconds=rule.clock_skew_seconds,
+        require_expiration=rule.require_expiration,
     )
+    if rule.max_lifetime_seconds is not None:
+        provider.max_lifetime.CopyFrom(duration_pb2.Duration(seconds=rule.max_lifetime_seconds))
     if rule.jwks is not None:
         provider.local_jwks.CopyFrom(base_pb2.DataSource(inline_string=rule.jwks))
     else:

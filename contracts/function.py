@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .durations import Duration
 from .principals import RequestPrincipal
+from .qos import FunctionQoS
 
 # A published function's name and version (registry entries, /v2/models/{name}/versions/{v}).
 FUNCTION_NAME = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
@@ -175,6 +176,10 @@ class ServedFunction(FunctionSettings):
 
     name: Annotated[str, Field(pattern=FUNCTION_NAME)] = Field(
         description="served as /v2/models/{name}"
+    )
+    qos: FunctionQoS | None = Field(
+        None,
+        description="the tenant classes of the QoSPolicy binding the function (control plane)",
     )
 
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .qos import TENANT, TENANT_HEADER
+from .qos import TENANT_HEADER
 
 AUDIT_FILTER_STATE = "wasm.meshfn_audit"
 ROUTING_HEADER = "x-meshfn-degrade-route"
@@ -212,61 +212,7 @@ class MeshfnSettings(_Strict):
         return self
 
 
-_POLICY = r"^[a-z0-9-]{1,63}/[a-z0-9-]{1,63}$"
-_CLASS = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-
-
-class ConcurrencyTenant(_Strict):
-    """A listed tenant: its class and its own limit (0: none)."""
-
-    name: Annotated[str, Field(pattern=TENANT)]
-    tenant_class: Annotated[str, Field(pattern=_CLASS, max_length=63)]
-    limit: Annotated[int, Field(ge=0, le=100_000)]
-
-
-class ConcurrencyPolicy(_Strict):
-    """One QoSPolicy's concurrency limits on a gateway. `routes`: the Envoy route names it
-    governs; empty: every route no other policy names (the gateway's own policy)."""
-
-    name: Annotated[str, Field(pattern=_POLICY)]
-    routes: list[Annotated[str, Field(pattern=_NAME)]] = Field(default_factory=list)
-    default_class: Annotated[str, Field(pattern=_CLASS, max_length=63)]
-    default_limit: Annotated[int, Field(ge=0, le=100_000)] = Field(
-        description="each unlisted tenant's limit, and the anonymous tenant's (0: none)"
-    )
-    tenants: list[ConcurrencyTenant] = Field(default_factory=list, max_length=10_000)
-
-    @model_validator(mode="after")
-    def _unique(self) -> ConcurrencyPolicy:
-        if len({t.name for t in self.tenants}) != len(self.tenants):
-            raise ValueError("a tenant is listed twice")
-        return self
-
-
-class QoSSettings(_Strict):
-    """Plugin configuration of the qos filter: per-tenant concurrency at a gateway. The tenant
-    is the header jwt_authn wrote from the verified claim (the listener strips it from clients
-    first); requests over their tenant's limit get 429 with a JSON body naming the limit."""
-
-    tenant_header: Annotated[str, Field(pattern=_HEADER)] = TENANT_HEADER
-    policies: list[ConcurrencyPolicy] = Field(min_length=1, max_length=64)
-
-    @model_validator(mode="after")
-    def _one_default(self) -> QoSSettings:
-        if sum(1 for p in self.policies if not p.routes) > 1:
-            raise ValueError("at most one policy without routes (the gateway's)")
-        seen: set[str] = set()
-        for policy in self.policies:
-            for route in policy.routes:
-                if route in seen:
-                    raise ValueError(f"route {route!r} is governed by two policies")
-                seen.add(route)
-        return self
-
-
-def plugin_json(
-    settings: AuditSettings | DegradeSettings | MeshfnSettings | QoSSettings,
-) -> str:
+def plugin_json(settings: AuditSettings | DegradeSettings | MeshfnSettings) -> str:
     """The exact JSON the filter receives (defaults included, None omitted)."""
     return json.dumps(settings.model_dump(exclude_none=True), separators=(",", ":"))
 
@@ -284,27 +230,18 @@ class SubjectSalt:
         return "s-" + hashlib.sha256(bytes.fromhex(self.hex)).hexdigest()[:12]
 
 
-FilterKind = Literal["audit", "degrade", "meshfn", "qos"]
-# Every build of the filters: audit, degrade and meshfn (both in one plugin), each also -lean,
-# and qos (full only: it releases a request's slot when the request ends).
-BUILDS = (
-    *(f"{kind}{lean}" for lean in ("", "-lean") for kind in ("audit", "degrade", "meshfn")),
-    "qos",
-)
+FilterKind = Literal["audit", "degrade", "meshfn"]
+# Every build of the filters: audit, degrade and meshfn (both in one plugin), each also -lean.
+BUILDS = tuple(f"{kind}{lean}" for lean in ("", "-lean") for kind in ("audit", "degrade", "meshfn"))
 
 
 def build_name(kind: FilterKind, lean: bool) -> str:
     return f"{kind}{'-lean' if lean else ''}"
 
 
-def needs_full_build(
-    settings: AuditSettings | DegradeSettings | MeshfnSettings | QoSSettings,
-) -> bool:
-    """Only body hashing and concurrency (a slot is released when the request ends) need
-    per-request state beyond the request headers; everything else runs on the -lean build (no
-    per-request context: ~2.5 us less Envoy CPU per request)."""
-    if isinstance(settings, QoSSettings):
-        return True
+def needs_full_build(settings: AuditSettings | DegradeSettings | MeshfnSettings) -> bool:
+    """Only body hashing needs per-request state beyond the request headers; everything else
+    runs on the -lean build (no per-request context: ~2.5 us less Envoy CPU per request)."""
     audit = settings.audit if isinstance(settings, MeshfnSettings) else settings
     return isinstance(audit, AuditSettings) and audit.body_hash.enabled
 
@@ -336,12 +273,11 @@ def schemas() -> dict[str, Any]:
         "audit": AuditSettings.model_json_schema(),
         "degrade": DegradeSettings.model_json_schema(),
         "meshfn": MeshfnSettings.model_json_schema(),
-        "qos": QoSSettings.model_json_schema(),
     }
 
 
 def write_schemas(directory: Path) -> list[Path]:
-    """wasm_filters/schema/{audit,degrade,meshfn,qos}.schema.json (a test fails when stale)."""
+    """wasm_filters/schema/{audit,degrade,meshfn}.schema.json (a test fails when stale)."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for name, schema in schemas().items():

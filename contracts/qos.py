@@ -12,6 +12,7 @@ A leaf: pydantic only.
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -38,13 +39,25 @@ _FIXED = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 # gateway charges to the tenant's compute budget.
 TENANT_HEADER = "x-meshfn-tenant"
 COST_HEADER = "x-meshfn-guest-cpu-us"
-# Set by the backend on a 429 it answers, naming which limit: "shed" or "concurrency".
+# On every QoS refusal, naming which limit: "rate" (gateway), "concurrency", "compute" or "shed"
+# (backend).
 LIMIT_HEADER = "x-meshfn-qos-limit"
+LIMIT_RATE = "rate"
+LIMIT_CONCURRENCY = "concurrency"
+LIMIT_COMPUTE = "compute"
+LIMIT_SHED = "shed"
+# The rate limit descriptor entry that holds the verified tenant.
+DESCRIPTOR_TENANT = "meshfn_tenant"
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", strict=True, frozen=True, populate_by_name=False, validate_default=False
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        populate_by_name=False,
+        validate_default=False,
+        serialize_by_alias=True,  # `class`, as written, in the backend's config too
     )
 
 
@@ -57,8 +70,10 @@ def window_bounds(window: Window, now: float) -> tuple[float, float]:
         return start, start + size
     moment = datetime.fromtimestamp(now, UTC)
     first = moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    following = first.replace(year=first.year + 1, month=1) if first.month == 12 else first.replace(
-        month=first.month + 1
+    following = (
+        first.replace(year=first.year + 1, month=1)
+        if first.month == 12
+        else first.replace(month=first.month + 1)
     )
     return first.timestamp(), following.timestamp()
 
@@ -123,7 +138,7 @@ class Limits(_Strict):
     @model_validator(mode="after")
     def _budgets(self) -> Self:
         ordered = sorted(self.compute, key=lambda b: window_seconds(b.per))
-        for shorter, longer in zip(ordered, ordered[1:], strict=False):
+        for shorter, longer in pairwise(ordered):
             if shorter.per == longer.per:
                 raise ValueError(f"compute: two budgets per {shorter.per}")
             if longer.cpuMs < shorter.cpuMs:
@@ -207,9 +222,12 @@ class TenantClasses(_Strict):
                 )
             if tenant.class_ is None and tenant.empty:
                 out.append((("tenants", i), f"{tenant.name!r} sets neither a class nor a limit"))
-        if all(c.empty for c in self.classes) and all(t.empty for t in self.tenants):
-            if len({c.priority for c in self.classes}) < 2:
-                out.append((("classes",), "no limit and one priority: it would change nothing"))
+        if (
+            all(c.empty for c in self.classes)
+            and all(t.empty for t in self.tenants)
+            and len({c.priority for c in self.classes}) < 2
+        ):
+            out.append((("classes",), "no limit and one priority: it would change nothing"))
         return out
 
     def class_of(self, tenant: str) -> TenantClass:
@@ -247,6 +265,3 @@ class FunctionQoS(TenantClasses):
         """(class name, priority) of a tenant."""
         cls = self.class_of(tenant)
         return cls.name, cls.priority
-
-
-FailureMode = Literal["open", "closed"]

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from typing import Any
 
+from meshfn.contracts.qos import TENANT_HEADER
+
 from .config import BackendConfig, ServedFunction
 from .dispatch import Dispatcher
 from .engine import EpochTicker, engine_key, new_engine
@@ -35,6 +37,7 @@ from .kserve import (
 )
 from .metrics import Metrics
 from .pool import FunctionRuntime, Refused
+from .qos import Load, tenant_of
 from .registry import Registry, latest
 from .results import Completed
 from .signing import TrustedKeys
@@ -59,7 +62,7 @@ class Reply:
 
     @classmethod
     def of(cls, exc: KServeError) -> Reply:
-        return cls(exc.status, exc.body())
+        return cls(exc.status, exc.body(), exc.headers)
 
     @classmethod
     def json(cls, value: Any, status: int = 200) -> Reply:
@@ -70,6 +73,7 @@ class Backend:
     def __init__(self, config: BackendConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        self.orca = Load(config.workers)
         self.registry = Registry(config.registry)
         if not config.trustedKeys:
             raise ConfigError("no trusted keys: pass --trusted-key FILE (ed25519 .pub) or a dir")
@@ -415,6 +419,7 @@ class Backend:
             )
 
         try:
-            return await self.dispatcher.serve(rt, "rest", parse, encode)
+            tenant = tenant_of((headers or {}).get(TENANT_HEADER.encode()))
+            return await self.dispatcher.serve(rt, "rest", parse, encode, tenant)
         except KServeError as exc:
             return Reply.of(exc)

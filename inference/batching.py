@@ -209,6 +209,8 @@ class Batcher:
                     p.future.set_exception(exc)
             return
         returned = time.perf_counter_ns()
+        for p in batch:  # the guest ran for each of them: its CPU time, shared by rows
+            p.timing.guest_cpu_ns += invocation.cpu_ns * p.rows // rows
         infer_ns = round(invocation.seconds * 1e9)
         result = invocation.result
         shares: list[Completed] | None = None

@@ -22,6 +22,7 @@ from .host import Outcome
 from .kserve import InferRequest, KServeError
 from .metrics import Metrics
 from .pool import FunctionRuntime, Invocation, Refused
+from .qos import Admission
 from .results import Completed, deadline_error, failure
 from .stats import ModelStats, Timing
 
@@ -47,6 +48,12 @@ class Lane:
         self.stats = ModelStats()
         settings = rt.spec.batching
         self.batcher = Batcher(self, settings, dispatcher.slots) if settings is not None else None
+        qos = rt.spec.qos
+        self.admission = (
+            Admission(rt.label, qos, rt.spec.limits.maxConcurrency, metrics)
+            if qos is not None
+            else None
+        )
         self._dispatcher = dispatcher
 
     async def call(self, text: str, deadline: float | None) -> Invocation:
@@ -93,6 +100,7 @@ class Lane:
         timing.compute_input = timing.started - started
         invocation = await self.call(text, deadline)
         timing.compute_infer = round(invocation.seconds * 1e9)
+        timing.guest_cpu_ns += invocation.cpu_ns
         self.executed(request.rows)
         if invocation.result.outcome is not Outcome.OK:
             raise failure(self.rt, invocation.result)
@@ -139,14 +147,16 @@ class Dispatcher:
         protocol: Protocol,
         parse: Callable[[], InferRequest],
         encode: Callable[[Completed, InferRequest], T],
+        tenant: str = "",
     ) -> T:
-        """Admit, parse, run (alone or batched), encode; errors are KServeError."""
+        """Admit, parse, run (alone or batched), encode; errors are KServeError. `tenant`: the
+        verified tenant (qos.tenant_of), for functions a QoSPolicy binds."""
         started = time.perf_counter()
         status = 500
         try:
             self.admit(rt, protocol)
             request = parse()
-            result = await self._run(rt, request, encode)
+            result = await self._run(rt, request, encode, tenant)
             status = 200
             return result
         except KServeError as exc:
@@ -160,11 +170,13 @@ class Dispatcher:
         rt: FunctionRuntime,
         request: InferRequest,
         encode: Callable[[Completed, InferRequest], T],
+        tenant: str = "",
     ) -> T:
         limit = rt.spec.limits.maxConcurrency
         if rt.inflight >= limit:
             raise KServeError(429, f"function {rt.label} is at its concurrency limit ({limit})")
         lane = self.lane(rt)
+        ticket = lane.admission.admit(tenant) if lane.admission is not None else None
         timing = Timing(time.perf_counter_ns())
         deadline = None if request.timeout is None else time.monotonic() + request.timeout
         rt.inflight += 1
@@ -191,6 +203,8 @@ class Dispatcher:
             ok = True
             return result
         finally:
+            if ticket is not None:
+                ticket.done(timing.guest_cpu_ns)
             rt.inflight -= 1
             self.inflight -= 1
             if not self.inflight:

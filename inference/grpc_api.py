@@ -27,6 +27,8 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from meshfn.contracts.qos import TENANT_HEADER
+
 from .backend import Backend
 from .kserve import (
     InferRequest,
@@ -40,6 +42,7 @@ from .kserve import (
     select,
 )
 from .pool import FunctionRuntime
+from .qos import tenant_of
 from .results import Completed
 from .tensors import TensorError, check_raw, dtype, element_count, pack
 
@@ -206,6 +209,8 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
         self.backend = backend
 
     async def _fail(self, context: grpc.aio.ServicerContext[Any, Any], exc: KServeError) -> None:
+        if exc.headers:  # a QoS refusal: Retry-After and x-ratelimit-* as trailers
+            context.set_trailing_metadata(tuple((k.decode(), v.decode()) for k, v in exc.headers))
         await context.abort(status_code(exc.status), exc.message)
 
     async def ServerLive(
@@ -266,7 +271,9 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
             def encode(completed: Completed, parsed: InferRequest) -> pb.ModelInferResponse:
                 return encode_infer(completed, parsed, rt)
 
-            return await backend.dispatcher.serve(rt, "grpc", parse, encode)
+            metadata = dict(context.invocation_metadata() or ())
+            tenant = tenant_of(metadata.get(TENANT_HEADER))
+            return await backend.dispatcher.serve(rt, "grpc", parse, encode, tenant)
         except KServeError as exc:
             await self._fail(context, exc)
             raise

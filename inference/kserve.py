@@ -40,6 +40,8 @@ _UNSUPPORTED = {
 
 
 class KServeError(Exception):
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # e.g. a QoS refusal's Retry-After
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status

@@ -71,6 +71,25 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096),
             registry=r,
         )
+        self.qos_requests = Counter(
+            "meshfn_qos_requests",
+            "Requests of functions with a QoSPolicy, per verified tenant and class, by outcome "
+            "(admitted, limited: a tenant limit, shed: saturation)",
+            ["function", "tenant", "tenant_class", "outcome"],
+            registry=r,
+        )
+        self.qos_cpu = Counter(
+            "meshfn_qos_guest_cpu_seconds",
+            "Guest CPU time attributed to each tenant (batched calls split by rows)",
+            ["function", "tenant", "tenant_class"],
+            registry=r,
+        )
+        self.qos_budget = Gauge(
+            "meshfn_qos_budget_used_ms",
+            "Guest CPU milliseconds a tenant used in its current compute-budget window",
+            ["function", "tenant", "tenant_class", "window"],
+            registry=r,
+        )
         self.refused = Gauge(
             "meshfn_fn_refused", "1 if the function failed verification", ["function"], registry=r
         )

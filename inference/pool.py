@@ -43,6 +43,7 @@ class Invocation:
     result: CallResult
     cold: bool
     seconds: float = 0.0  # the guest call itself (statistics: compute_infer)
+    cpu_ns: int = 0  # the worker thread's CPU time during the call (QoS compute budgets)
 
 
 class FunctionRuntime:
@@ -243,15 +244,17 @@ class FunctionRuntime:
         (a client's own timeout), never lengthen it."""
         instance, generation, cold = self._take()
         started = time.perf_counter()
+        cpu = time.thread_time_ns()
         try:
             result = instance.call(request, min(ticks, self.ticks) if ticks else self.ticks)
         except BaseException:
             instance.close()
             raise
+        cpu_ns = time.thread_time_ns() - cpu
         seconds = time.perf_counter() - started
         self._give_back(instance, generation, result)
         self._maybe_refill()
-        return Invocation(result, cold, seconds)
+        return Invocation(result, cold, seconds, cpu_ns)
 
     def _maybe_refill(self) -> None:
         if self.spec.pool.minIdle and len(self._idle) < self.spec.pool.minIdle:

@@ -103,9 +103,10 @@ class Router:
             reply = await self._route(request)
         except KServeError as exc:
             reply = Reply.of(exc)
-        return Response(
-            reply.status, reply.body, reply.content_type, extra_headers=list(reply.headers)
-        )
+        headers = list(reply.headers)
+        if request.path.endswith("/infer"):  # ORCA load report, for weighted round robin
+            headers.append(self.backend.orca.header(self.backend.dispatcher.inflight))
+        return Response(reply.status, reply.body, reply.content_type, extra_headers=headers)
 
     async def _route(self, request: Request) -> Reply:
         path, method = request.path, request.method

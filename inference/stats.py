@@ -45,6 +45,7 @@ class Timing:
     compute_input: int = 0
     compute_infer: int = 0
     compute_output: int = 0
+    guest_cpu_ns: int = 0  # the guest's CPU time on this request's behalf (QoS budgets)
 
 
 _REQUEST_FIELDS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")

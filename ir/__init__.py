@@ -197,9 +197,6 @@ class QoSPolicy:
     default_class: str
     classes: tuple[QoSClass, ...]
     tenants: tuple[QoSTenant, ...] = ()
-    shared: bool = False  # rate limits kept by the control plane for every gateway bound
-    fail_closed: bool = False  # the limit service cannot answer: refuse (else admit)
-    timeout: timedelta = timedelta(milliseconds=100)  # for the limit service's answer
 
     @property
     def key(self) -> str:
@@ -233,10 +230,6 @@ class QoSPolicy:
     @property
     def budgeted(self) -> bool:
         return any(limits.compute for limits in self.every_limits())
-
-    @property
-    def uses_limit_service(self) -> bool:
-        return self.budgeted or (self.shared and self.rate_limited)
 
 
 @dataclass(frozen=True, slots=True)

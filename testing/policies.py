@@ -7,13 +7,15 @@ no quoting by hand.
 
 from __future__ import annotations
 
+import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .ports import named_ports
+from .ports import free_ports, named_ports
 
 API_VERSION = "meshfn.io/v1alpha1"
 _DUMPER: type[yaml.SafeDumper] = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
@@ -186,3 +188,35 @@ class Policies:
     @property
     def admin(self) -> str:
         return f"http://127.0.0.1:{self.ports['admin']}"
+
+
+def remap(source: Path, target: Path, *extra: Path) -> dict[int, int]:
+    """Copy the policy directory `source` (and `extra` policy files beside it) with every port
+    replaced by a free one (tests must not rely on fixed ports being free); returns old port ->
+    new port."""
+    shutil.copytree(source, target)
+    for path in extra:
+        shutil.copy(path, target / path.name)
+    ports: set[int] = set()
+    for path in target.glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            _collect_ports(doc, ports)
+    mapping = dict(zip(sorted(ports), free_ports(len(ports)), strict=True))
+    for path in target.glob("*.yaml"):
+        text = path.read_text()
+        text = re.sub(
+            r"\b(\d{4,5})\b", lambda m: str(mapping.get(int(m.group(1)), m.group(1))), text
+        )
+        path.write_text(text)
+    return mapping
+
+
+def _collect_ports(node: object, ports: set[int]) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(value, int) and ("port" in key.lower() or key in ("xds", "admin")):
+                ports.add(value)
+            _collect_ports(value, ports)
+    elif isinstance(node, list):
+        for item in node:
+            _collect_ports(item, ports)

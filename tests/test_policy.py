@@ -268,7 +268,7 @@ SCHEMA_CASES = [
         "apiVersion: meshfn.io/v1alpha1\nkind: Widget\n",
         2,
         "kind",
-        "unknown kind 'Widget'; known kinds: AuthorizationPolicy, FallbackPolicy, Function, Gateway, Mesh, PeerAuthentication, RequestAuthentication, Route, Service",
+        "unknown kind 'Widget'; known kinds: AuthorizationPolicy, FallbackPolicy, Function, Gateway, Mesh, PeerAuthentication, QoSPolicy, RequestAuthentication, Route, Service",
     ),
     (
         "apiVersion: meshfn.io/v1alpha1\nmetadata: {name: x}\n",

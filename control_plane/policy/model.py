@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from meshfn.contracts.durations import Duration
 from meshfn.contracts.function import FunctionSettings
 from meshfn.contracts.principals import RequestPrincipal
-from meshfn.contracts.qos import FailureMode, TenantClasses
+from meshfn.contracts.qos import TenantClasses
 
 from .types import (
     ConditionKey,
@@ -741,41 +741,14 @@ class TargetRef(Strict):
     name: ObjectRef = Field(description='"name" (the policy\'s namespace) or "namespace/name"')
 
 
-class LimitService(Strict):
-    """The control plane's rate-limit service (Envoy's RLS protocol): shared rate limits and
-    compute budgets ask it. What happens when it cannot answer in time is the policy's choice."""
-
-    failureMode: FailureMode = Field(
-        "open",
-        description="open: admit the request (counted and logged by the gateway); closed: "
-        "answer 503 naming the limit service",
-    )
-    timeout: Duration = Field(
-        timedelta(milliseconds=100), description="how long a request waits for its answer"
-    )
-
-    @model_validator(mode="after")
-    def _timeout(self) -> Self:
-        if not timedelta(milliseconds=1) <= self.timeout <= timedelta(seconds=5):
-            raise ValueError("timeout must be between 1ms and 5s")
-        return self
-
-
 class QoSPolicySpec(TenantClasses):
     """Per-tenant limits and priorities for the requests of what `targetRefs` names. Tenants
     are told apart by a JWT claim the gateway verified (RequestAuthentication), never by a
-    header. Rate and concurrency limits hold at the gateway; compute budgets are metered by the
-    inference backend and kept by the control plane; priorities order and shed requests in the
-    inference backend when it saturates."""
+    header. Rate limits hold at each gateway (Envoy's local rate limit); concurrency limits and
+    compute budgets are kept, and priorities order and shed requests, by the inference backend
+    that serves the bound functions (per backend process)."""
 
     targetRefs: Annotated[list[TargetRef], Field(min_length=1, max_length=64)]
-    scope: Literal["gateway", "shared"] = Field(
-        "gateway",
-        description="gateway: each gateway enforces the rate limits on its own (Envoy's local "
-        "rate limit); shared: one budget for all the gateways this binds, kept by the control "
-        "plane's rate-limit service",
-    )
-    limitService: LimitService = Field(default_factory=LimitService)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -224,9 +224,6 @@ def lower(item: Loaded, mesh: Mesh) -> ir.QoSPolicy:
             ir.QoSTenant(t.name, spec.class_of(t.name).name, _limits(spec.limits_of(t.name)))
             for t in spec.tenants
         ),
-        shared=spec.scope == "shared",
-        fail_closed=spec.limitService.failureMode == "closed",
-        timeout=spec.limitService.timeout,
     )
 
 

@@ -77,7 +77,8 @@ def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
         trustedKeys=[k.resolve() for k in setup.trusted_keys],
         workers=setup.workers,
         functions=[
-            ServedFunction.model_construct(name=f.name, **dict(f.settings)) for f in spec.functions
+            ServedFunction.model_construct(name=f.name, qos=f.qos, **dict(f.settings))
+            for f in spec.functions
         ],
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)

@@ -12,7 +12,7 @@ from meshfn import ir
 from ..names import SECRET
 from .gateway import gateway_resources
 from .host import OFFLINE_HOST, ProxyHost
-from .httpfilters import FilterContext
+from .httpfilters import FilterContext, QoSContext
 from .httpfilters.audit import audit_for
 from .resources import Resources
 from .security import Credentials, secrets
@@ -40,7 +40,13 @@ def translate(
         return None
     audit = audit_for(model, workload, host)
     if workload.kind == "sidecar":
-        filters = FilterContext(workload.jwt_rules, workload.authz, audit)
+        claim = workload.inbound.tenant_claim if workload.inbound is not None else None
+        filters = FilterContext(
+            workload.jwt_rules,
+            workload.authz,
+            audit,
+            qos=QoSContext(claim) if claim is not None and workload.jwt_rules else None,
+        )
         out = sidecar_resources(workload, filters, overlay)
     else:
         out = gateway_resources(model, workload, overlay, host, audit)

@@ -12,7 +12,7 @@ from . import httpfilters
 from .clusters import cluster, fallback_cluster
 from .endpoints import load_assignment, tier_assignments
 from .host import ProxyHost
-from .httpfilters import FilterContext
+from .httpfilters import FilterContext, QoSContext
 from .httpfilters.base import AuditConfig
 from .httpfilters.degrade import degrade_for
 from .listeners import listener
@@ -84,6 +84,7 @@ def gateway_resources(
             workload.authz,
             audit,
             degrade_for(lst, guarded, model.drill, host.wasm_dir),
+            qos_context(workload.qos, lst),
         )
         drift = any(model.service(key).drift is not None for key in used)
         out[LISTENER][lst.name] = listener(lst, filters, drift)
@@ -91,6 +92,16 @@ def gateway_resources(
             lst,
             tuple((key, targets[key]) for key in used),
             httpfilters.request_headers_to_remove(filters),
+            workload.qos,
         )
         merge(out, httpfilters.resources(filters, overlay))
     return out
+
+
+def qos_context(gateway: ir.QoSPolicy | None, lst: ir.Listener) -> QoSContext | None:
+    """The listener's QoS: the gateway's policy and those its routes carry (policy checks make
+    them read one claim)."""
+    policies = [p for p in (gateway, *(r.qos for r in lst.routes)) if p is not None]
+    if not policies:
+        return None
+    return QoSContext(policies[0].claim, gateway, any(p.rate_limited for p in policies))

@@ -11,15 +11,17 @@ from envoy.config.route.v3 import route_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
 from envoy.type.matcher.v3 import regex_pb2, string_pb2
-from google.protobuf import struct_pb2, wrappers_pb2
+from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
 
 from meshfn import ir
 from meshfn.contracts.plugins import ROUTING_HEADER
+from meshfn.ir import qos as envoy_qos
 from meshfn.ir.routing import precedence
 
 from .. import names
 from ..names import cluster_name, fallback_cluster_name
 from .common import duration, pack
+from .httpfilters.qos import rate_limit_config
 
 ROUTE_METADATA = "meshfn"
 
@@ -149,21 +151,27 @@ def _action(route: ir.Route, target: Target, degraded: bool) -> rc.RouteAction:
     return action
 
 
-def _metadata(target: Target) -> base_pb2.Metadata | None:
-    """The chain, for the JSON body of a 503 when every member is down (see listeners.py)."""
-    if not target.chain:
+def _metadata(target: Target, qos: ir.QoSPolicy | None) -> base_pb2.Metadata | None:
+    """The chain, for the JSON body of a 503 when every member is down (see listeners.py), and
+    the QoSPolicy governing the route, for the JSON body of its 429s (ir.qos)."""
+    fields = {}
+    if target.chain:
+        fields["chain"] = struct_pb2.Value(string_value=" > ".join((target.cluster, *target.chain)))
+    if qos is not None:
+        fields[envoy_qos.QOS_KEY] = struct_pb2.Value(string_value=qos.key)
+    if not fields:
         return None
-    return base_pb2.Metadata(
-        filter_metadata={
-            ROUTE_METADATA: struct_pb2.Struct(
-                fields={
-                    "chain": struct_pb2.Value(
-                        string_value=" > ".join((target.cluster, *target.chain))
-                    )
-                }
-            )
-        }
-    )
+    return base_pb2.Metadata(filter_metadata={ROUTE_METADATA: struct_pb2.Struct(fields=fields)})
+
+
+def _qos_per_route(route: ir.Route, gateway: ir.QoSPolicy | None) -> dict[str, any_pb2.Any]:
+    """A route bound to a QoSPolicy of its own limits by it alone (Envoy's per-route config
+    replaces the listener's, the gateway's policy); without one the listener's applies."""
+    if route.qos is None or not (route.qos.rate_limited or (gateway and gateway.rate_limited)):
+        return {}
+    typed = any_pb2.Any()
+    typed.Pack(rate_limit_config(route.qos))
+    return {envoy_qos.LOCAL_RATE_LIMIT: typed}
 
 
 def route_config_name(listener: ir.Listener) -> str:
@@ -178,15 +186,20 @@ def degraded_route_name(route: ir.Route, index: int) -> str:
     return names.degraded_route_name(route.key, index)
 
 
-def _routes(route: ir.Route, index: int, target: Target) -> list[rc.Route]:
+def _routes(
+    route: ir.Route, index: int, target: Target, gateway_qos: ir.QoSPolicy | None = None
+) -> list[rc.Route]:
     """The route, and for a drift-guarded target first its degraded twin: same match plus the
     internal routing header the degrade filter sets (clients cannot: the listener strips it before
     routing), so tripping the breaker changes only the filter's config, never this table."""
+    qos = route.qos or gateway_qos
+    per_route = _qos_per_route(route, gateway_qos)
     normal = rc.Route(
         name=route_name(route, index),
         match=_match(route.matches[index]),
         route=_action(route, target, degraded=False),
-        metadata=_metadata(target),
+        metadata=_metadata(target, qos),
+        typed_per_filter_config=per_route,
     )
     if not target.drift:
         return [normal]
@@ -194,7 +207,8 @@ def _routes(route: ir.Route, index: int, target: Target) -> list[rc.Route]:
         name=degraded_route_name(route, index),
         match=_match(route.matches[index]),
         route=_action(route, target, degraded=True),
-        metadata=_metadata(target),
+        metadata=_metadata(target, qos),
+        typed_per_filter_config=per_route,
     )
     degraded.match.headers.append(
         rc.HeaderMatcher(
@@ -209,6 +223,7 @@ def route_configuration(
     listener: ir.Listener,
     targets: tuple[tuple[str, Target], ...] = (),
     headers_to_remove: tuple[str, ...] = (),
+    gateway_qos: ir.QoSPolicy | None = None,
 ) -> route_pb2.RouteConfiguration:
     """`targets` maps the service keys the routes use to their Target (a tuple so the result
     can be memoised); `headers_to_remove` are the HTTP filters' (httpfilters)."""
@@ -232,6 +247,7 @@ def route_configuration(
                         route,
                         index,
                         by_target.get(route.service, Target(cluster_name(route.service))),
+                        gateway_qos,
                     )
                 ],
             )

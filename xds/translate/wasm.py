@@ -103,7 +103,7 @@ def meshfn_filter(
 
 
 def early_header_mutation(
-    degrade: DegradeSettings | None = None, audit: AuditSettings | None = None
+    degrade: DegradeSettings | None = None, audit: AuditSettings | None = None, tenant: bool = False
 ) -> extension_pb2.TypedExtensionConfig:
     """For HttpConnectionManager.early_header_mutation_extensions: removes `internal_headers`
     from client requests BEFORE Envoy matches a route or runs a filter. Envoy picks the route
@@ -111,9 +111,9 @@ def early_header_mutation(
     route first; the degrade filter then strips it and clears the route cache (routing ends up
     right), but it can only evaluate its rules against the route Envoy had picked. In jwt_headers
     mode it is what makes the claim headers trustworthy: only jwt_authn can have set them."""
-    names = internal_headers(degrade, audit)
+    names = internal_headers(degrade, audit, tenant)
     if not names:
-        raise ValueError("early_header_mutation needs degrade settings or jwt_headers audit")
+        raise ValueError("early_header_mutation needs degrade settings, jwt_headers audit or QoS")
     mutation = header_mutation_pb2.HeaderMutation(
         mutations=[mutation_rules_pb2.HeaderMutation(remove=name) for name in names]
     )

@@ -23,21 +23,24 @@ from meshfn import ir
 
 from ..resources import Resources, merge
 from .audit import Audit
-from .base import FilterContext, HttpFilter
+from .base import FilterContext, HttpFilter, QoSContext
 from .degrade import Degrade
 from .internal_headers import InternalHeaders
 from .jwt_authn import JwtAuthn
+from .qos import QoS
 from .rbac import Rbac
 from .router import Router
 
 # A request is cleared of headers only Envoy may set, authenticated, recorded (the audit filter
 # reads jwt_authn's verified claims), judged (a denied request is recorded with its subject
-# too), degraded if its route's breaker has tripped, and routed.
+# too), rate limited per verified tenant (only what authorization let through spends tokens),
+# degraded if its route's breaker has tripped, and routed.
 HTTP_FILTERS: tuple[HttpFilter[Any], ...] = (
     InternalHeaders(),
     JwtAuthn(),
     Audit(),
     Rbac(),
+    QoS(),
     Degrade(),
     Router(),
 )
@@ -54,6 +57,9 @@ def build_connection_manager(manager: hcm.HttpConnectionManager, ctx: FilterCont
         manager.http_filters.extend(unit.http_filters(ctx, config))
         manager.access_log.extend(unit.access_logs(ctx, config))
         manager.early_header_mutation_extensions.extend(unit.early_header_mutations(ctx, config))
+        mappers = list(unit.local_reply_mappers(ctx, config))
+        if mappers:
+            manager.local_reply_config.mappers.extend(mappers)
 
 
 @lru_cache(maxsize=4096)
@@ -81,6 +87,7 @@ __all__ = [
     "HTTP_FILTERS",
     "FilterContext",
     "HttpFilter",
+    "QoSContext",
     "build_connection_manager",
     "request_headers_to_remove",
     "resources",

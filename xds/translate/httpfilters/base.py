@@ -50,6 +50,18 @@ class DegradeConfig:
 
 
 @dataclass(frozen=True)
+class QoSContext:
+    """Multi-tenant QoS on one connection manager. `claim`: the verified JWT claim naming the
+    tenant (jwt_authn writes it as contracts.qos.TENANT_HEADER for the inference backend);
+    `gateway`: the QoSPolicy bound to the whole gateway; `rate_limited`: a policy governing some
+    route of this listener limits the rate (the local rate limit filter runs)."""
+
+    claim: str
+    gateway: ir.QoSPolicy | None = None
+    rate_limited: bool = False
+
+
+@dataclass(frozen=True)
 class FilterContext:
     """Everything the HTTP filters of one HTTP connection manager depend on. Hashable, so the
     listener and route builders memoise on it, and free of runtime state (the drift breaker's
@@ -59,6 +71,7 @@ class FilterContext:
     authz: tuple[ir.AuthzPolicy, ...] = ()
     audit: AuditConfig | None = None
     degrade: DegradeConfig | None = None  # gateways only
+    qos: QoSContext | None = None
 
 
 C = TypeVar("C")
@@ -86,6 +99,10 @@ class HttpFilter(ABC, Generic[C]):
         self, ctx: FilterContext, config: C
     ) -> Iterable[extension_pb2.TypedExtensionConfig]:
         """Header mutations before Envoy picks a route or runs any filter."""
+        return ()
+
+    def local_reply_mappers(self, ctx: FilterContext, config: C) -> Iterable[hcm.ResponseMapper]:
+        """How the connection manager rewrites the local replies this filter makes."""
         return ()
 
     def request_headers_to_remove(self, ctx: FilterContext, config: C) -> Iterable[str]:

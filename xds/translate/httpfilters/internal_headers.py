@@ -16,6 +16,7 @@ from typing import NamedTuple
 from envoy.config.core.v3 import extension_pb2
 
 from meshfn.contracts.plugins import AuditSettings, DegradeSettings, internal_headers
+from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.ir.plugins import claim_header_pairs
 
 from ..wasm import early_header_mutation
@@ -23,10 +24,12 @@ from .base import FilterContext, HttpFilter
 
 
 class Plugins(NamedTuple):
-    """The settings of the listener's plugins that decide its internal headers."""
+    """The settings of the listener's plugins that decide its internal headers, and whether it
+    writes the verified QoS tenant."""
 
     degrade: DegradeSettings | None
     audit: AuditSettings | None
+    tenant: bool = False
 
 
 class InternalHeaders(HttpFilter[Plugins]):
@@ -35,6 +38,7 @@ class InternalHeaders(HttpFilter[Plugins]):
         plugins = Plugins(
             DegradeSettings(rules=[], trigger=degrade.trigger) if degrade is not None else None,
             ctx.audit.settings if ctx.audit is not None else None,
+            ctx.qos is not None,
         )
         return plugins if internal_headers(*plugins) else None
 
@@ -45,12 +49,17 @@ class InternalHeaders(HttpFilter[Plugins]):
 
     def request_headers_to_remove(self, ctx: FilterContext, config: Plugins) -> Iterable[str]:
         # The claim headers only: they carry the caller's subject, the backend must not see it.
-        routing = config.degrade.routing_header if config.degrade is not None else None
-        return [name for name in internal_headers(*config) if name != routing]
+        # The QoS tenant goes on: the inference backend orders, sheds and meters by it.
+        keep = {config.degrade.routing_header if config.degrade is not None else None}
+        keep.add(TENANT_HEADER)
+        return [name for name in internal_headers(*config) if name not in keep]
 
 
 def claim_headers(ctx: FilterContext) -> tuple[tuple[str, str], ...]:
     """(header, claim) pairs every jwt_authn provider of the listener must write: the audit
     filter's (jwt_headers mode) and, where drills name request principals, iss and sub."""
     audit = ctx.audit.settings if ctx.audit is not None else None
-    return claim_header_pairs(audit, ctx.degrade.trigger if ctx.degrade is not None else None)
+    pairs = claim_header_pairs(audit, ctx.degrade.trigger if ctx.degrade is not None else None)
+    if ctx.qos is not None:
+        pairs += ((TENANT_HEADER, ctx.qos.claim),)
+    return pairs

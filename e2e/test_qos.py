@@ -1,0 +1,214 @@
+"""Multi-tenant QoS through the real mesh (`meshfn up` on policies/examples plus
+policies/qos/tenants.yaml): the edge gateway's Envoy limits each verified tenant's rate with its
+local rate limit filter, the inference backend behind the sidecars sheds the lowest priority
+at saturation and attributes guest CPU time to tenants. Tenants come only from verified
+tokens: a spoofed x-meshfn-tenant changes nothing, a token without the claim is the default
+class."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from meshfn_e2e import Processes, http, remap_examples
+
+from meshfn.contracts.qos import TENANT_HEADER
+from meshfn.testing.processes import MESHFN, meshfn, wait_for
+
+TENANTS = Path(__file__).resolve().parents[1] / "policies" / "qos" / "tenants.yaml"
+IRIS = "/v2/models/iris/infer"
+BODY = json.dumps(
+    {
+        "inputs": [
+            {"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [5.1, 3.5, 1.4, 0.2]}
+        ]
+    }
+).encode()
+
+
+@dataclass
+class Mesh:
+    gateway: str
+    backends: list[str]  # host:port of each inference backend serving iris (its /metrics)
+    state: Path
+
+    def token(self, tenant: str | None, sub: str = "alice") -> str:
+        claim = ["--claim", f"tenant={tenant}"] if tenant is not None else []
+        out = meshfn(
+            "token", "issue", "--state-dir", str(self.state), "--sub", sub, "--aud", "meshfn",
+            *claim,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    def infer(self, bearer: str | None, **headers: str) -> Any:
+        if bearer is not None:
+            headers["authorization"] = f"Bearer {bearer}"
+        headers["content-type"] = "application/json"
+        return http(f"http://{self.gateway}{IRIS}", "POST", headers, BODY)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum over both backends of `name` series whose labels include `labels`."""
+        total = 0.0
+        for backend in self.backends:
+            text = http(f"http://{backend}/metrics").body.decode()
+            for line in text.splitlines():
+                match = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+                if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+                    total += float(match.group(2))
+        return total
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    tmp = tmp_path_factory.mktemp("qos")
+    procs = Processes(tmp)
+    policies = tmp / "examples"
+    mapping = remap_examples(policies, TENANTS)
+    security = policies / "security.yaml"  # initech (class batch) may call models too
+    text = security.read_text()
+    assert "notValues: [acme, globex]" in text
+    security.write_text(
+        text.replace("notValues: [acme, globex]", "notValues: [acme, globex, initech]")
+    )
+    state = tmp / "state"
+    try:
+        up = procs.start(
+            "up",
+            [MESHFN, "up", "--policies", str(policies), "--state-dir", str(state),
+             "--functions-registry", str(tmp / "functions"), "--publish-examples",
+             "--envoy-concurrency", "1"],
+        )  # fmt: skip
+        wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=240)
+        result = Mesh(
+            f"127.0.0.1:{mapping[10000]}",
+            # models' two endpoints and models-lite (its drift fallback) serve iris
+            [f"127.0.0.1:{mapping[port]}" for port in (9101, 9102, 9103)],
+            state,
+        )
+        acme = result.token("acme")
+        wait_for("iris through the mesh", lambda: result.infer(acme).status == 200, timeout=60)
+        yield result
+    finally:
+        procs.stop_all()
+
+
+async def _burst(url: str, headers: dict[str, str], count: int, connections: int) -> list[Any]:
+    """`count` requests over `connections` connections at once: (status, headers, body)."""
+    out: list[Any] = []
+    queue = list(range(count))
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while queue:
+            queue.pop()
+            async with session.post(url, data=BODY, headers=headers) as response:
+                out.append((response.status, response.headers.copy(), await response.read()))
+
+    connector = aiohttp.TCPConnector(limit=connections)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(worker(session) for _ in range(connections)))
+    return out
+
+
+def burst(
+    mesh: Mesh, bearer: str | None, count: int, connections: int = 8, **extra: str
+) -> list[Any]:
+    headers = {"content-type": "application/json", **extra}
+    if bearer is not None:
+        headers["authorization"] = f"Bearer {bearer}"
+    return asyncio.run(_burst(f"http://{mesh.gateway}{IRIS}", headers, count, connections))
+
+
+def test_rate_limit_per_verified_tenant(mesh: Mesh) -> None:
+    globex = mesh.token("globex")
+    replies = burst(mesh, globex, 60)
+    statuses = Counter(status for status, _, _ in replies)
+    # globex: 20 per second with a burst of 20; the burst takes well under a second here.
+    assert statuses[429] >= 20 and 20 <= statuses[200] <= 40, statuses
+    _, headers, body = next(r for r in replies if r[0] == 429)
+    assert json.loads(body) == {
+        "error": "rate limit exceeded", "limit": "rate", "scope": "gateway",
+        "policy": "ingress/tenants", "tenant": "globex",
+    }  # fmt: skip
+    assert headers["Content-Type"] == "application/json"
+    assert headers["retry-after"] == "1" and headers["x-meshfn-qos-limit"] == "rate"
+    assert headers["x-ratelimit-limit"] == "20" and headers["x-ratelimit-remaining"] == "0"
+    assert int(headers["x-ratelimit-reset"]) >= 0
+    # Another tenant keeps its own bucket meanwhile.
+    assert mesh.infer(mesh.token("acme")).status == 200
+
+
+def test_spoofed_tenant_header_is_ignored(mesh: Mesh) -> None:
+    globex, acme = mesh.token("globex"), mesh.token("acme")
+    assert Counter(s for s, _, _ in burst(mesh, globex, 60))[429] >= 20  # globex is drained
+    # A drained tenant claiming to be another one: still limited as itself.
+    spoof = mesh.infer(globex, **{TENANT_HEADER: "acme", "x-tenant": "acme"})
+    assert spoof.status == 429 and spoof.json()["tenant"] == "globex"
+    # Someone else claiming to be the drained tenant: served as who the token says.
+    before = mesh.metric("meshfn_qos_requests_total", tenant="initech")
+    acme_before = mesh.metric("meshfn_qos_requests_total", tenant="acme", outcome="admitted")
+    assert mesh.infer(acme, **{TENANT_HEADER: "globex"}).status == 200
+    assert mesh.infer(acme, **{TENANT_HEADER: "initech"}).status == 200
+    # The backend attributed both to acme: the sidecar replaced the header with the claim.
+    assert mesh.metric("meshfn_qos_requests_total", tenant="initech") == before
+    assert mesh.metric("meshfn_qos_requests_total", tenant="acme", outcome="admitted") == (
+        acme_before + 2
+    )
+    # No token at all: the header buys nothing (the sidecar's tenant rule denies).
+    assert mesh.infer(None, **{TENANT_HEADER: "acme"}).status == 403
+
+
+def test_token_without_the_claim_is_the_default_class(mesh: Mesh) -> None:
+    # standard: 50 per second with a burst of 100, one bucket for every claim-less request.
+    replies = burst(mesh, mesh.token(None), 400, connections=16)
+    limited = [json.loads(body) for status, _, body in replies if status == 429]
+    assert len(limited) >= 100, Counter(s for s, _, _ in replies)
+    assert {(b["limit"], b["policy"]) for b in limited} == {("rate", "ingress/tenants")}
+    assert {b["tenant"] for b in limited} <= {None, "", "-"}
+    # Those admitted passed the gateway and met the sidecar's tenant rule: 403, never a 200.
+    assert {s for s, _, _ in replies} <= {403, 429}
+    # An unlisted tenant: the default class too, in a bucket of its own.
+    hooli = burst(mesh, mesh.token("hooli"), 400, connections=16)
+    assert Counter(s for s, _, _ in hooli)[429] >= 100
+    assert {json.loads(b)["tenant"] for s, _, b in hooli if s == 429} == {"hooli"}
+
+
+def test_backend_sheds_the_lowest_priority_first(mesh: Mesh) -> None:
+    initech, acme = mesh.token("initech"), mesh.token("acme")
+
+    async def both() -> tuple[list[Any], list[Any]]:
+        url = f"http://{mesh.gateway}{IRIS}"
+        low = asyncio.create_task(
+            _burst(
+                url,
+                {"authorization": f"Bearer {initech}", "content-type": "application/json"},
+                1500,
+                40,
+            )
+        )
+        await asyncio.sleep(0.3)
+        high = await _burst(
+            url, {"authorization": f"Bearer {acme}", "content-type": "application/json"}, 150, 2
+        )
+        return await low, high
+
+    low, high = asyncio.run(both())
+    shed = [json.loads(b) for s, h, b in low if s == 429]
+    assert shed, Counter(s for s, _, _ in low)
+    assert {(b["limit"], b["class"], b["tenant"], b["scope"]) for b in shed} == {
+        ("shed", "batch", "initech", "backend")
+    }
+    assert {s for s, _, _ in high} == {200}, Counter(s for s, _, _ in high)  # premium kept
+    assert mesh.metric("meshfn_qos_requests_total", tenant="initech", outcome="shed") >= len(shed)
+    assert mesh.metric("meshfn_qos_requests_total", tenant="acme", outcome="shed") == 0
+    # Guest CPU time attributed per tenant (batched calls split by rows), and budget use.
+    assert mesh.metric("meshfn_qos_guest_cpu_seconds_total", tenant="initech") > 0
+    assert mesh.metric("meshfn_qos_budget_used_ms", tenant="initech", window="minute") >= 0

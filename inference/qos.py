@@ -1,0 +1,244 @@
+"""Multi-tenant QoS inside the backend: per-tenant concurrency, compute budgets metered in
+guest CPU time, and priority shedding as a function saturates (contracts.qos: the schema of the
+QoSPolicy that binds the function).
+
+The tenant is `TENANT_HEADER`, which the proxy in front of the backend wrote from the JWT claim
+it verified after removing any copy a client sent; without it a request is the anonymous tenant
+"" of the default class. Shedding: a function with maxConcurrency N admits its highest-priority
+class up to N requests in flight and each lower priority up to a smaller share (the lowest at
+SHED_FLOOR of N), so as in-flight work grows the lowest class is refused first and the highest
+keeps capacity. Guest CPU time is the worker thread's CPU time during the guest call; a batched
+call's time is split among its requests by rows. Event-loop only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from meshfn.contracts.qos import (
+    LIMIT_COMPUTE,
+    LIMIT_CONCURRENCY,
+    LIMIT_HEADER,
+    LIMIT_SHED,
+    TENANT,
+    FunctionQoS,
+    Limits,
+    window_bounds,
+)
+
+from .kserve import KServeError
+from .metrics import Metrics
+
+SHED_FLOOR = 0.5  # the lowest priority's share of maxConcurrency
+ORCA_HEADER = b"endpoint-load-metrics"
+_TENANT_OK = re.compile(TENANT)
+
+
+class Refusal(KServeError):
+    """A QoS 429: a JSON body naming the limit, Retry-After and x-ratelimit-* headers."""
+
+    def __init__(
+        self, limit: str, message: str, retry: int, quota: int, body: Mapping[str, object]
+    ) -> None:
+        super().__init__(429, message)
+        self.limit = limit
+        self.payload = {"error": message, "limit": limit, "scope": "backend", **body}
+        self.headers = (
+            (b"retry-after", str(retry).encode()),
+            (b"x-ratelimit-limit", str(quota).encode()),
+            (b"x-ratelimit-remaining", b"0"),
+            (b"x-ratelimit-reset", str(retry).encode()),
+            (LIMIT_HEADER.encode(), limit.encode()),
+        )
+
+    def body(self) -> bytes:
+        return json.dumps(self.payload).encode()
+
+
+@dataclass(slots=True)
+class _Usage:
+    window_start: float = 0.0
+    used_us: int = 0
+
+
+@dataclass(slots=True)
+class TenantState:
+    tenant_class: str
+    priority: int
+    limits: Limits
+    inflight: int = 0
+    usage: dict[str, _Usage] = field(default_factory=dict)  # window -> this window's use
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted request; `done` charges its guest CPU time."""
+
+    state: TenantState
+    admission: Admission
+    tenant: str
+
+    def done(self, guest_cpu_ns: int) -> None:
+        self.admission.release(self, guest_cpu_ns)
+
+
+def tenant_of(value: bytes | str | None) -> str:
+    """The verified tenant from the header value ('' when absent or not a claim value)."""
+    if value is None:
+        return ""
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    return text if _TENANT_OK.match(text) else ""
+
+
+class Admission:
+    """One function's QoS: who may start a request now, and what each tenant used."""
+
+    def __init__(self, function: str, qos: FunctionQoS, max_concurrency: int, metrics: Metrics):
+        self.function = function
+        self.qos = qos
+        self.max = max_concurrency
+        self.metrics = metrics
+        self.inflight = 0
+        self.tenants: dict[str, TenantState] = {}
+        ranks = sorted({c.priority for c in qos.classes}, reverse=True)
+        self.thresholds = {
+            p: self._threshold(i, len(ranks), max_concurrency) for i, p in enumerate(ranks)
+        }
+
+    @staticmethod
+    def _threshold(rank: int, count: int, limit: int) -> int:
+        if rank == 0 or count < 2:
+            return limit
+        return max(1, math.floor(limit * (1 - (1 - SHED_FLOOR) * rank / (count - 1))))
+
+    def state(self, tenant: str) -> TenantState:
+        state = self.tenants.get(tenant)
+        if state is None:
+            cls = self.qos.class_of(tenant)
+            state = self.tenants[tenant] = TenantState(
+                cls.name, cls.priority, self.qos.limits_of(tenant)
+            )
+        return state
+
+    def _count(self, tenant: str, state: TenantState, outcome: str) -> None:
+        self.metrics.qos_requests.labels(self.function, tenant, state.tenant_class, outcome).inc()
+
+    def _refuse(self, tenant: str, state: TenantState, refusal: Refusal) -> Refusal:
+        self._count(tenant, state, "shed" if refusal.limit == LIMIT_SHED else "limited")
+        return refusal
+
+    def admit(self, tenant: str, now: float | None = None) -> Ticket:
+        state = self.state(tenant)
+        body: dict[str, object] = {
+            "function": self.function,
+            "policy": self.qos.policy,
+            "tenant": tenant,
+            "class": state.tenant_class,
+        }
+        limits = state.limits
+        if limits.concurrency is not None and state.inflight >= limits.concurrency:
+            raise self._refuse(
+                tenant,
+                state,
+                Refusal(
+                    LIMIT_CONCURRENCY,
+                    f"tenant {tenant or '(anonymous)'} has {limits.concurrency} requests in flight "
+                    f"on {self.function}, its concurrency limit",
+                    1,
+                    limits.concurrency,
+                    body,
+                ),
+            )
+        wall = time.time() if now is None else now
+        for budget in limits.compute:
+            start, end = window_bounds(budget.per, wall)
+            usage = state.usage.setdefault(budget.per, _Usage(start))
+            if usage.window_start != start:
+                usage.window_start, usage.used_us = start, 0
+            if usage.used_us >= budget.cpuMs * 1000:
+                raise self._refuse(
+                    tenant,
+                    state,
+                    Refusal(
+                        LIMIT_COMPUTE,
+                        f"tenant {tenant or '(anonymous)'} used its compute budget of "
+                        f"{budget.cpuMs} guest CPU ms per {budget.per}",
+                        max(1, math.ceil(end - wall)),
+                        budget.cpuMs,
+                        {**body, "window": budget.per, "used_ms": usage.used_us // 1000},
+                    ),
+                )
+        threshold = self.thresholds.get(state.priority, self.max)
+        if self.inflight >= threshold:
+            raise self._refuse(
+                tenant,
+                state,
+                Refusal(
+                    LIMIT_SHED,
+                    f"{self.function} is saturated ({self.inflight} requests in flight): class "
+                    f"{state.tenant_class} (priority {state.priority}) is shed first",
+                    1,
+                    threshold,
+                    body,
+                ),
+            )
+        state.inflight += 1
+        self.inflight += 1
+        self._count(tenant, state, "admitted")
+        return Ticket(state, self, tenant)
+
+    def release(self, ticket: Ticket, guest_cpu_ns: int) -> None:
+        state = ticket.state
+        state.inflight -= 1
+        self.inflight -= 1
+        used_us = guest_cpu_ns // 1000
+        self.metrics.qos_cpu.labels(self.function, ticket.tenant, state.tenant_class).inc(
+            guest_cpu_ns / 1e9
+        )
+        for window, usage in state.usage.items():
+            usage.used_us += used_us
+            self.metrics.qos_budget.labels(
+                self.function, ticket.tenant, state.tenant_class, window
+            ).set(usage.used_us / 1000)
+
+    def snapshot(self) -> list[dict[str, object]]:
+        """Per tenant: class, in flight, budget use (the status endpoint)."""
+        return [
+            {
+                "tenant": tenant,
+                "class": s.tenant_class,
+                "priority": s.priority,
+                "inflight": s.inflight,
+                "budget_used_ms": {w: u.used_us // 1000 for w, u in s.usage.items()},
+            }
+            for tenant, s in sorted(self.tenants.items())
+        ]
+
+
+class Load:
+    """The backend's load as ORCA's `endpoint-load-metrics` (TEXT): utilisation (requests in
+    flight per worker), requests per second over the last second, and in-flight requests, so
+    Envoy's client_side_weighted_round_robin sends a busy endpoint less."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.recent: deque[float] = deque()
+
+    def header(self, inflight: int, now: float | None = None) -> tuple[bytes, bytes]:
+        moment = time.monotonic() if now is None else now
+        self.recent.append(moment)
+        while self.recent and self.recent[0] < moment - 1.0:
+            self.recent.popleft()
+        utilization = min(inflight / self.workers, 10.0)
+        value = (
+            f"TEXT application_utilization={utilization:.3f}, cpu_utilization="
+            f"{min(utilization, 1.0):.3f}, rps_fractional={len(self.recent):.1f}, "
+            f"named_metrics.inflight={inflight}"
+        )
+        return ORCA_HEADER, value.encode()

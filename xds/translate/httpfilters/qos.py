@@ -1,0 +1,49 @@
+"""Multi-tenant QoS at a gateway: Envoy's local rate limit with one token bucket per verified
+tenant (meshfn.ir.qos builds its configuration, shared with the Istio renderer), and the JSON
+body of its 429s. A route bound to a QoSPolicy of its own carries that policy's configuration
+per route (routes.py); the listener's filter carries the gateway's policy, or none."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm,
+)
+from google.protobuf import json_format
+
+from meshfn import ir
+from meshfn.ir import qos as envoy_qos
+
+from ..common import pack
+from .base import FilterContext, HttpFilter, QoSContext
+
+
+def rate_limit_config(policy: ir.QoSPolicy | None) -> local_rate_limit_pb2.LocalRateLimit:
+    """The filter's configuration for `policy` (None: disabled)."""
+    raw = dict(envoy_qos.local_rate_limit(policy) if policy else envoy_qos.disabled())
+    raw.pop("@type")
+    message = local_rate_limit_pb2.LocalRateLimit()
+    json_format.ParseDict(raw, message)
+    return message
+
+
+class QoS(HttpFilter[QoSContext]):
+    def config(self, ctx: FilterContext) -> QoSContext | None:
+        return ctx.qos if ctx.qos is not None and ctx.qos.rate_limited else None
+
+    def http_filters(self, ctx: FilterContext, config: QoSContext) -> Iterable[hcm.HttpFilter]:
+        return (
+            hcm.HttpFilter(
+                name=envoy_qos.LOCAL_RATE_LIMIT,
+                typed_config=pack(rate_limit_config(config.gateway)),
+            ),
+        )
+
+    def local_reply_mappers(
+        self, ctx: FilterContext, config: QoSContext
+    ) -> Iterable[hcm.ResponseMapper]:
+        mapper = hcm.ResponseMapper()
+        json_format.ParseDict(envoy_qos.limited_reply(config.claim), mapper)
+        return (mapper,)

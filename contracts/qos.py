@@ -29,6 +29,27 @@ Claim = Annotated[str, Field(pattern=CLAIM)]
 CLASS_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 ClassName = Annotated[str, Field(pattern=CLASS_NAME, min_length=1, max_length=63)]
 
+# How a gateway picks a service's endpoint (Service.spec.loadBalancer; the IR carries it as is).
+LoadBalancer = Literal["round-robin", "least-request", "weighted-round-robin"]
+# What services that serve Functions use unless they say: bench/qos.py compares the two with one
+# slow endpoint beside a fast one (README: wrr_p99_ratio).
+FUNCTION_BACKEND_BALANCER: LoadBalancer = "weighted-round-robin"
+
+# ORCA's per-response load report (Envoy reads it for client_side_weighted_round_robin).
+ORCA_HEADER = "endpoint-load-metrics"
+
+
+def orca_text(inflight: int, capacity: int, rps: float) -> str:
+    """An ORCA load report in its TEXT form: utilisation (requests in flight per unit of
+    capacity, e.g. worker threads; above 1 when requests queue), requests per second, and the
+    in-flight count as a named metric."""
+    utilization = min(inflight / max(capacity, 1), 10.0)
+    return (
+        f"TEXT application_utilization={utilization:.3f}, cpu_utilization="
+        f"{min(utilization, 1.0):.3f}, rps_fractional={rps:.1f}, named_metrics.inflight={inflight}"
+    )
+
+
 Window = Literal["second", "minute", "hour", "day", "month"]
 WINDOWS: tuple[Window, ...] = ("second", "minute", "hour", "day", "month")
 _FIXED = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}

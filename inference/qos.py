@@ -26,9 +26,11 @@ from meshfn.contracts.qos import (
     LIMIT_CONCURRENCY,
     LIMIT_HEADER,
     LIMIT_SHED,
+    ORCA_HEADER,
     TENANT,
     FunctionQoS,
     Limits,
+    orca_text,
     window_bounds,
 )
 
@@ -36,7 +38,6 @@ from .kserve import KServeError
 from .metrics import Metrics
 
 SHED_FLOOR = 0.5  # the lowest priority's share of maxConcurrency
-ORCA_HEADER = b"endpoint-load-metrics"
 _TENANT_OK = re.compile(TENANT)
 
 
@@ -222,23 +223,17 @@ class Admission:
 
 
 class Load:
-    """The backend's load as ORCA's `endpoint-load-metrics` (TEXT): utilisation (requests in
-    flight per worker), requests per second over the last second, and in-flight requests, so
-    Envoy's client_side_weighted_round_robin sends a busy endpoint less."""
+    """The backend's load as ORCA's `endpoint-load-metrics` (contracts.qos.orca_text, per
+    worker thread), so Envoy's client_side_weighted_round_robin sends a busy endpoint less."""
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self.recent: deque[float] = deque()
 
     def header(self, inflight: int, now: float | None = None) -> tuple[bytes, bytes]:
+        """The report for a response, counting it among the last second's."""
         moment = time.monotonic() if now is None else now
         self.recent.append(moment)
         while self.recent and self.recent[0] < moment - 1.0:
             self.recent.popleft()
-        utilization = min(inflight / self.workers, 10.0)
-        value = (
-            f"TEXT application_utilization={utilization:.3f}, cpu_utilization="
-            f"{min(utilization, 1.0):.3f}, rps_fractional={len(self.recent):.1f}, "
-            f"named_metrics.inflight={inflight}"
-        )
-        return ORCA_HEADER, value.encode()
+        return ORCA_HEADER.encode(), orca_text(inflight, self.workers, len(self.recent)).encode()

@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Literal
 
 from meshfn.contracts.function import FunctionSettings
-from meshfn.contracts.qos import FunctionQoS, Window
+from meshfn.contracts.qos import FunctionQoS, LoadBalancer, Window
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +101,7 @@ class Service:
     fallback: tuple[str, ...] = ()  # Service keys tried in order after this one (flattened)
     drift: Drift | None = None
     external: bool = False  # its endpoints run outside Kubernetes (renderers for a cluster)
+    load_balancer: LoadBalancer | None = None  # None: round robin
 
     @property
     def key(self) -> str:

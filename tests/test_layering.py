@@ -54,6 +54,7 @@ def test_the_ir_and_the_contracts_import_no_stage() -> None:
             "meshfn.contracts.function",
             "meshfn.contracts.plugins",
             "meshfn.contracts.principals",
+            "meshfn.contracts.qos",
         }, (module, sorted(meshfn))
         assert [m for m in IMPURE if m in loaded] == [], module
 

@@ -6,6 +6,7 @@ import dataclasses
 
 from meshfn import ir
 from meshfn.contracts.function import FunctionSettings
+from meshfn.contracts.qos import FUNCTION_BACKEND_BALANCER
 
 from . import fallback, kserve, qos
 from .errors import PolicyError
@@ -93,6 +94,7 @@ def _service(item: Loaded) -> ir.Service:
             for e in spec.endpoints
         ),
         external=spec.external,
+        load_balancer=spec.loadBalancer,
     )
 
 
@@ -251,6 +253,12 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         service = security.secure_service(item.lowered, item.obj.spec.serviceAccount or item.name)
         services.append(fallback.apply(service, fallback_policies))
     served = served_functions(functions, {s.key: s for s in services})
+    services = [
+        dataclasses.replace(s, load_balancer=FUNCTION_BACKEND_BALANCER)
+        if s.key in served and s.load_balancer is None
+        else s
+        for s in services
+    ]
     for service in services:
         guard = served.get(service.key)
         claim = next((f.qos.tenantClaim for f in guard or [] if f.qos is not None), None)

@@ -18,6 +18,7 @@ from meshfn.ir import MeshModel
 from .compile import compile_model, lower
 from .errors import PolicyError, PolicyErrors
 from .model import Mesh
+from . import qos
 from .references import check_references
 from .source import Document, Loc, parse_documents
 from .validate import Loaded, validate_document
@@ -163,6 +164,8 @@ def build_model(items: list[Loaded], errors: list[PolicyError]) -> MeshModel:
     PolicyErrors. Every policy source (files, Kubernetes) ends here: one path to the IR."""
     if not errors:
         errors = check_references(items)
+    if not errors:  # after the references: it follows them
+        errors = qos.check(items)
     if not errors:
         result = compile_model(items)
         if isinstance(result, MeshModel):

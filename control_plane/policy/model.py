@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from meshfn.contracts.durations import Duration
 from meshfn.contracts.function import FunctionSettings
 from meshfn.contracts.principals import RequestPrincipal
-from meshfn.contracts.qos import TenantClasses
+from meshfn.contracts.qos import LoadBalancer, TenantClasses
 
 from .types import (
     ConditionKey,
@@ -258,6 +258,13 @@ class ServiceSpec(Strict):
     protocol: Literal["http", "grpc"] = "http"
     serviceAccount: Name | None = Field(None, description="identity; defaults to the name")
     connectTimeout: Duration = timedelta(seconds=1)
+    loadBalancer: LoadBalancer | None = Field(
+        None,
+        description="how a gateway picks an endpoint. weighted-round-robin: Envoy's "
+        "client_side_weighted_round_robin, weighted by the load each endpoint reports (ORCA "
+        "endpoint-load-metrics; the inference backend does); least-request; round-robin. "
+        "Default: weighted-round-robin for a service that serves Functions, else round-robin",
+    )
     endpoints: Annotated[list[Endpoint], Field(max_length=10_000)] = Field(default_factory=list)
     external: bool = Field(
         False,

@@ -43,10 +43,6 @@ def check_references(items: list[Loaded]) -> list[PolicyError]:
     errors += _check_ports(items)
     errors += _check_security(items)
     errors += _check_fallback(items)
-    if not errors:
-        from . import qos  # it resolves references with this module's helpers
-
-        errors += qos.check(items)
     return errors
 
 

@@ -11,22 +11,36 @@ import asyncio
 import json
 import os
 import sys
+import time
+from collections import deque
 from pathlib import Path
 
 from aiohttp import web
+
+from meshfn.contracts.qos import ORCA_HEADER, orca_text
 
 
 def make_app(
     service: str, endpoint: str, locality: str, delay_file: Path | None = None
 ) -> web.Application:
     served = 0  # lets tests prove that denied requests never reached the application
+    inflight = 0
+    recent: deque[float] = deque()  # answer times of the last second (the ORCA report's rps)
 
     async def handle(request: web.Request) -> web.Response:
-        nonlocal served
+        nonlocal served, inflight
         served += 1
-        delay = _delay_ms(delay_file)
-        if delay:
-            await asyncio.sleep(delay / 1000)
+        inflight += 1
+        try:
+            delay = _delay_ms(delay_file)
+            if delay:
+                await asyncio.sleep(delay / 1000)
+        finally:
+            inflight -= 1
+        now = time.monotonic()
+        recent.append(now)
+        while recent[0] < now - 1.0:
+            recent.popleft()
         body = {
             "service": service,
             "endpoint": endpoint,
@@ -42,7 +56,12 @@ def make_app(
         return web.Response(
             text=json.dumps(body) + "\n",
             content_type="application/json",
-            headers={"x-meshfn-service": service, "x-meshfn-endpoint": endpoint},
+            headers={
+                "x-meshfn-service": service,
+                "x-meshfn-endpoint": endpoint,
+                # Load as the inference backend reports it (one request at a time is "busy").
+                ORCA_HEADER: orca_text(inflight + 1, 1, len(recent)),
+            },
         )
 
     app = web.Application()

@@ -7,13 +7,17 @@ from datetime import timedelta
 from functools import lru_cache
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import base_pb2, health_check_pb2, protocol_pb2
+from envoy.config.core.v3 import base_pb2, extension_pb2, health_check_pb2, protocol_pb2
 from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
+from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (
+    client_side_weighted_round_robin_pb2 as wrr_pb2,
+)
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.v3 import percent_pb2
-from google.protobuf import wrappers_pb2
+from google.protobuf import duration_pb2, wrappers_pb2
 
 from meshfn import ir
+from meshfn.contracts.qos import LoadBalancer
 
 from ..names import cluster_name, fallback_cluster_name
 from .common import ads_source, duration, pack
@@ -34,6 +38,7 @@ def cluster(service: ir.Service, name: str | None = None) -> cluster_pb2.Cluster
         service.connect_timeout,
         service.identity if mtls else "",
         service.traffic,
+        service.load_balancer,
     )
 
 
@@ -96,15 +101,21 @@ def _cluster(
     connect_timeout: timedelta,
     mtls_peer: str,
     traffic: ir.TrafficPolicy | None,
+    balancer: LoadBalancer | None = None,
 ) -> cluster_pb2.Cluster:
     out = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=ads_source()),
         connect_timeout=duration(connect_timeout),
-        lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
         circuit_breakers=_breakers(None),
     )
+    if balancer == "weighted-round-robin":
+        out.load_balancing_policy.CopyFrom(weighted_round_robin())
+    elif balancer == "least-request":
+        out.lb_policy = cluster_pb2.Cluster.LEAST_REQUEST
+    else:
+        out.lb_policy = cluster_pb2.Cluster.ROUND_ROBIN
     if protocol == "grpc":
         out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(http2_options()))
     elif protocol == "mixed":
@@ -176,4 +187,29 @@ def fallback_cluster(
             name=AGGREGATE, typed_config=pack(aggregate_pb2.ClusterConfig(clusters=list(members)))
         ),
         circuit_breakers=_breakers(breakers),
+    )
+
+
+WRR = "envoy.load_balancing_policies.client_side_weighted_round_robin"
+
+
+@lru_cache(maxsize=1)
+def weighted_round_robin() -> cluster_pb2.LoadBalancingPolicy:
+    """Envoy's client_side_weighted_round_robin: each endpoint weighted by requests per second
+    over utilisation, from the ORCA load report on its responses (endpoint-load-metrics).
+    Weights apply after 1 s of reports (Envoy's default blackout is 10 s: too slow to follow a
+    backend that slows down), are recomputed every 0.5 s, and expire after 30 s without one."""
+    config = wrr_pb2.ClientSideWeightedRoundRobin(
+        blackout_period=duration_pb2.Duration(seconds=1),
+        weight_update_period=duration_pb2.Duration(nanos=500_000_000),
+        weight_expiration_period=duration_pb2.Duration(seconds=30),
+    )
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[
+            cluster_pb2.LoadBalancingPolicy.Policy(
+                typed_extension_config=extension_pb2.TypedExtensionConfig(
+                    name=WRR, typed_config=pack(config)
+                )
+            )
+        ]
     )

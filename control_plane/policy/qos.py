@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from meshfn import ir
-from meshfn.contracts.qos import FunctionQoS, Limits, TenantClasses
+from meshfn.contracts.qos import FunctionQoS, Limits, TenantClasses, window_seconds
 
 from .errors import PolicyError
 from .model import Function, Gateway, Mesh, QoSPolicy, Route, Service
@@ -206,7 +206,10 @@ def _limits(limits: Limits) -> ir.TenantLimits:
         rate=ir.Bucket(rate.requests, rate.seconds, rate.bucket) if rate is not None else None,
         concurrency=limits.concurrency,
         compute=tuple(
-            sorted((ir.Budget(b.cpuMs, b.per) for b in limits.compute), key=lambda b: b.window)
+            sorted(
+                (ir.Budget(b.cpuMs, b.per) for b in limits.compute),
+                key=lambda b: window_seconds(b.window),
+            )
         ),
     )
 

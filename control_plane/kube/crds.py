@@ -47,6 +47,7 @@ _COLUMNS: dict[str, list[tuple[str, str, str]]] = {
     "RequestAuthentication": [],
     "AuthorizationPolicy": [("Action", "string", ".spec.action")],
     "FallbackPolicy": [("Service", "string", ".spec.service")],
+    "QoSPolicy": [("Default Class", "string", ".spec.defaultClass")],
 }
 
 

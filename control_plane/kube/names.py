@@ -39,6 +39,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("RequestAuthentication", "requestauthentications", "mfra", "Namespaced"),
     Kind("AuthorizationPolicy", "authorizationpolicies", "mfap", "Namespaced"),
     Kind("FallbackPolicy", "fallbackpolicies", "mffp", "Namespaced"),
+    Kind("QoSPolicy", "qospolicies", "mfqos", "Namespaced"),
 )
 BY_KIND = {k.kind: k for k in KINDS}
 

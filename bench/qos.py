@@ -1,0 +1,338 @@
+"""Multi-tenant QoS under a noisy neighbour, at backend saturation, and with one slow endpoint.
+
+Mesh 1: `meshfn up` on policies/examples plus policies/qos/tenants.yaml (tenant initech let past
+the examples' tenant rule): the edge gateway Envoy limits each verified tenant's rate, the
+inference backend (iris, behind mTLS sidecars) sheds by priority. Every request carries a
+token; the tenant is its verified claim. Phases, each `--seconds` long, all in one run:
+  quiet      acme (premium) alone, open loop at `--quiet-rate` requests/s: the baseline
+  noisy      the same, beside globex (standard, 20/s with a burst of 20) sending 10x its limit
+  saturated  the same quiet acme beside initech (batch, the lowest priority) in a closed loop
+             on `--low-connections` connections: the backend saturates and sheds initech
+Mesh 2: a gateway in front of two placeholder endpoints of one Service in one locality, one
+  delayed by `--slow-ms` (meshfn up's delay file); closed-loop load (wrk, `--lb-seconds`) with
+  the Service's loadBalancer weighted-round-robin (ORCA reports from the endpoints), then
+  least-request (hot reload), `--rounds` times alternating; medians.
+
+Each load generator is its own process (its event loop is not the measured one's).
+
+  .venv/bin/python bench/qos.py                    # 10 s phases
+  .venv/bin/python bench/qos.py --seconds 3        # the e2e smoke's short run
+Prints one line:
+  qos: quiet_p99_ratio=… noisy_admitted_ratio=… high_p99_ratio=… low_shed_pct=… wrr_p99_ratio=…
+  (quiet tenant's p99 with the noisy neighbour / alone; globex's admitted requests / what its
+  bucket allows in the phase; acme's p99 at saturation / alone; % of initech's requests shed by
+  the backend; p99 with weighted round robin / least-request)
+and writes bench/results/qos.json (or --json) with every phase's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from multiprocessing.queues import Queue
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from meshfn.testing import load
+from meshfn.testing import policies as p
+from meshfn.testing.ports import named_ports
+from meshfn.testing.processes import MESHFN, Processes, meshfn, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "policies" / "examples"
+TENANTS = ROOT / "policies" / "qos" / "tenants.yaml"
+IRIS = "/v2/models/iris/infer"
+GLOBEX_RATE, GLOBEX_BURST = 20, 20  # policies/qos/tenants.yaml
+
+
+# ---------------------------------------------------------------- load generators (processes)
+
+
+async def _open_loop(
+    url: str, headers: dict[str, str], rate: float, seconds: float
+) -> dict[str, Any]:
+    """`rate` requests/s for `seconds`, each sent on schedule whatever the others do; the
+    latency of each 200 and the count of every status."""
+    latencies: list[float] = []
+    statuses: Counter[int] = Counter()
+    connector = aiohttp.TCPConnector(limit=256)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one() -> None:
+            started = time.perf_counter()
+            try:
+                async with session.post(url, data=load.IRIS, headers=headers) as response:
+                    await response.read()
+                    statuses[response.status] += 1
+                    if response.status == 200:
+                        latencies.append((time.perf_counter() - started) * 1000)
+            except aiohttp.ClientError:
+                statuses[0] += 1
+
+        tasks = []
+        start = time.perf_counter()
+        count = int(rate * seconds)
+        for i in range(count):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    return {"latencies_ms": latencies, "statuses": dict(statuses), "sent": count}
+
+
+async def _closed_loop(
+    url: str, headers: dict[str, str], connections: int, seconds: float
+) -> dict[str, Any]:
+    """`connections` clients, each sending its next request when the last one is answered."""
+    statuses: Counter[int] = Counter()
+    limits: Counter[str] = Counter()
+    deadline = time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=connections)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def client() -> None:
+            while time.perf_counter() < deadline:
+                try:
+                    async with session.post(url, data=load.IRIS, headers=headers) as response:
+                        body = await response.read()
+                        statuses[response.status] += 1
+                        if response.status == 429:
+                            limits[json.loads(body).get("limit", "?")] += 1
+                except aiohttp.ClientError:
+                    statuses[0] += 1
+
+        await asyncio.gather(*(client() for _ in range(connections)))
+    return {"statuses": dict(statuses), "limits": dict(limits)}
+
+
+def _worker(kind: str, args: tuple[Any, ...], out: Queue[Any]) -> None:
+    runner = _open_loop if kind == "open" else _closed_loop
+    out.put(asyncio.run(runner(*args)))  # type: ignore[operator]
+
+
+def run_loads(*loads: tuple[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """Each load in a process of its own, all at once; their results in order."""
+    ctx = multiprocessing.get_context("fork")
+    queues = [ctx.Queue() for _ in loads]
+    procs = [
+        ctx.Process(target=_worker, args=(kind, args, q))
+        for (kind, args), q in zip(loads, queues, strict=True)
+    ]
+    for proc in procs:
+        proc.start()
+    results = [q.get(timeout=600) for q in queues]
+    for proc in procs:
+        proc.join(timeout=30)
+    return results
+
+
+def p99(values: list[float]) -> float:
+    if not values:
+        raise SystemExit("no successful request to measure")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
+# ---------------------------------------------------------------- mesh 1: tenants
+
+
+def tenants_mesh(tmp: Path, procs: Processes) -> tuple[str, dict[str, dict[str, str]]]:
+    """The example mesh with the tenant policy: (gateway URL, tenant -> request headers)."""
+    policies = tmp / "examples"
+    mapping = p.remap(EXAMPLES, policies, TENANTS)
+    security = policies / "security.yaml"
+    security.write_text(
+        security.read_text().replace(
+            "notValues: [acme, globex]", "notValues: [acme, globex, initech]"
+        )
+    )
+    state = tmp / "state"
+    up = procs.start(
+        "up",
+        [MESHFN, "up", "--policies", str(policies), "--state-dir", str(state),
+         "--functions-registry", str(tmp / "functions"), "--publish-examples",
+         "--envoy-concurrency", "1"],
+    )  # fmt: skip
+    wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=300)
+    headers = {}
+    for tenant in ("acme", "globex", "initech"):
+        out = meshfn(
+            "token", "issue", "--state-dir", str(state), "--sub", f"bench-{tenant}",
+            "--aud", "meshfn", "--claim", f"tenant={tenant}", "--ttl", "2h",
+        )  # fmt: skip
+        if out.returncode != 0:
+            raise SystemExit(out.stderr)
+        headers[tenant] = {
+            "authorization": f"Bearer {out.stdout.strip()}",
+            "content-type": "application/json",
+        }
+    url = f"http://127.0.0.1:{mapping[10000]}{IRIS}"
+    wait_for("iris through the mesh", lambda: _status(url, headers["acme"]) == 200, timeout=60)
+    return url, headers
+
+
+def _status(url: str, headers: dict[str, str]) -> int:
+    async def once() -> int:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url, data=load.IRIS, headers=headers) as r,
+        ):
+            await r.read()
+            return r.status
+
+    try:
+        return asyncio.run(once())
+    except aiohttp.ClientError:
+        return 0
+
+
+def tenant_phases(
+    url: str, headers: dict[str, dict[str, str]], args: argparse.Namespace
+) -> dict[str, Any]:
+    seconds, rate = args.seconds, args.quiet_rate
+    quiet = ("open", (url, headers["acme"], rate, seconds))
+    # Warm-up: instances, connections, the drift breaker's baseline.
+    run_loads(("open", (url, headers["acme"], rate, min(seconds, 3))))
+    alone = run_loads(quiet)[0]
+    time.sleep(1.5)  # globex's bucket full again
+    noisy_rate = 10 * GLOBEX_RATE
+    with_noisy, noisy = run_loads(quiet, ("open", (url, headers["globex"], noisy_rate, seconds)))
+    allowed = GLOBEX_BURST + GLOBEX_RATE * seconds
+    saturated, low = run_loads(
+        ("open", (url, headers["acme"], rate, seconds)),
+        ("closed", (url, headers["initech"], args.low_connections, seconds + 0.5)),
+    )
+    low_total = sum(low["statuses"].values())
+    return {
+        "quiet_alone": _summary(alone),
+        "quiet_with_noisy": _summary(with_noisy),
+        "noisy": {"offered_rps": noisy_rate, "allowed": allowed, "statuses": noisy["statuses"]},
+        "high_at_saturation": _summary(saturated),
+        "low_at_saturation": {**low, "total": low_total},
+        "quiet_p99_ratio": p99(with_noisy["latencies_ms"]) / p99(alone["latencies_ms"]),
+        "noisy_admitted_ratio": noisy["statuses"].get(200, 0) / allowed,
+        "high_p99_ratio": p99(saturated["latencies_ms"]) / p99(alone["latencies_ms"]),
+        "low_shed_pct": 100 * low["limits"].get("shed", 0) / max(low_total, 1),
+    }
+
+
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    latencies = result["latencies_ms"]
+    return {
+        "sent": result["sent"],
+        "statuses": result["statuses"],
+        "p50_ms": statistics.median(latencies) if latencies else None,
+        "p99_ms": p99(latencies),
+    }
+
+
+# ---------------------------------------------------------------- mesh 2: one slow endpoint
+
+
+def balancer_policies(ports: dict[str, int], balancer: str) -> str:
+    where = "eu/eu-1a/n1"
+    return p.documents(
+        p.mesh("lb", "lb.local", ports["xds"], ports["admin"]),
+        p.gateway(ports["envoy_admin"], ports["listener"], locality=p.locality(where)),
+        p.service(
+            "pool", ports["fast"],
+            [p.endpoint(where=where), p.endpoint(ports["slow"], where=where)],
+            loadBalancer=balancer,
+        ),
+        p.route("pool", "pool"),
+    )  # fmt: skip
+
+
+def balancer_phases(tmp: Path, procs: Processes, args: argparse.Namespace) -> dict[str, Any]:
+    ports = named_ports("xds", "admin", "envoy_admin", "listener", "fast", "slow")
+    policies = tmp / "lb"
+    policies.mkdir()
+    policy = policies / "mesh.yaml"
+    policy.write_text(balancer_policies(ports, "least-request"))
+    state = tmp / "lb-state"
+    up = procs.start(
+        "up-lb",
+        [
+            MESHFN,
+            "up",
+            "--policies",
+            str(policies),
+            "--state-dir",
+            str(state),
+            "--envoy-concurrency",
+            "1",
+        ],
+    )
+    wait_for("the balancer mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=120)
+    delay = state / "delay" / f"127.0.0.1-{ports['slow']}"
+    delay.parent.mkdir(parents=True, exist_ok=True)
+    delay.write_text(str(args.slow_ms))
+    url = f"http://127.0.0.1:{ports['listener']}/"
+    results: dict[str, list[float]] = {"weighted-round-robin": [], "least-request": []}
+    current = "least-request"
+    for _ in range(args.rounds):
+        for balancer in ("weighted-round-robin", "least-request"):
+            if balancer != current:
+                policy.write_text(balancer_policies(ports, balancer))
+                current = balancer
+                time.sleep(2)  # the reload, pushed; weights after the blackout period
+            load.wrk(url, b"{}", 1, args.lb_connections, tmp)  # weights from fresh reports
+            result = load.wrk(url, b"{}", args.lb_seconds, args.lb_connections, tmp)
+            results[balancer].append(result.p99_ms)
+    wrr = statistics.median(results["weighted-round-robin"])
+    lr = statistics.median(results["least-request"])
+    return {"slow_ms": args.slow_ms, "p99_ms": results, "wrr_p99_ratio": wrr / lr}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--quiet-rate", type=float, default=50)
+    parser.add_argument("--low-connections", type=int, default=32)
+    parser.add_argument("--slow-ms", type=float, default=20)
+    parser.add_argument("--lb-connections", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5, help="balancer rounds (medians)")
+    parser.add_argument("--lb-seconds", type=float, default=5, help="each balancer run")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "qos.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="meshfn-qos-") as raw:
+        tmp = Path(raw)
+        procs = Processes(tmp)
+        try:
+            url, headers = tenants_mesh(tmp, procs)
+            tenants = tenant_phases(url, headers, args)
+            procs.stop_all()
+            balancers = balancer_phases(tmp, procs, args)
+        finally:
+            procs.stop_all()
+    result = {
+        "tenants": tenants,
+        "balancers": balancers,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"qos: quiet_p99_ratio={tenants['quiet_p99_ratio']:.2f} "
+        f"noisy_admitted_ratio={tenants['noisy_admitted_ratio']:.3f} "
+        f"high_p99_ratio={tenants['high_p99_ratio']:.2f} "
+        f"low_shed_pct={tenants['low_shed_pct']:.1f} "
+        f"wrr_p99_ratio={balancers['wrr_p99_ratio']:.2f}"
+    )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -389,6 +389,33 @@ def _type_cell(state: dict[str, Any] | None) -> str:
     return f"[yellow]STALE[/yellow] {state['acked'][:8] or '-'}<{state['sent'][:8]}"
 
 
+def _print_qos(backends: list[dict[str, Any]]) -> None:
+    """Per function and tenant: admitted, limited, shed, guest CPU and budget use, as each
+    inference backend counts them (its own status endpoint, on loopback)."""
+    table = Table(title="multi-tenant QoS (per backend)", title_justify="left")
+    for column in ("backend", "function", "tenant", "class", "admitted", "limited", "shed",
+                   "guest CPU ms", "budget used ms"):  # fmt: skip
+        table.add_column(column)
+    for backend in backends:
+        where = f"{backend['address']}:{backend['port']}"
+        try:
+            with urllib.request.urlopen(f"http://{where}/meshfn/functions", timeout=2) as reply:
+                functions = json.load(reply).get("functions", [])
+        except (OSError, ValueError) as exc:
+            err.print(f"backend {where}: {exc}", markup=False, highlight=False)
+            continue
+        for function in functions:
+            for t in (function.get("qos") or {}).get("tenants", []):
+                budget = ", ".join(f"{v}/{w}" for w, v in t["budget_used_ms"].items())
+                table.add_row(
+                    Text(where), Text(f"{function['name']}@{function['version']}"),
+                    Text(t["tenant"] or "(no claim)"), Text(t["class"]), str(t["admitted"]),
+                    str(t["limited"]), str(t["shed"]), str(t["guest_cpu_ms"]), budget or "-",
+                )  # fmt: skip
+    if table.row_count:
+        out.print(table)
+
+
 @app.command()
 def status(
     admin: AdminOpt = None,
@@ -460,6 +487,7 @@ def status(
             f"audit trail {audit['store']}: {len(journals)} journal(s), {stored} record(s) stored"
             f" since start, {pending} byte(s) pending{problem}"
         )
+    _print_qos(document.get("backends") or [])
     if document.get("routes"):
         routes = Table(title="drift breaker", title_justify="left")
         for column in ("route", "state", "p95 ms", "baseline ms", "samples", "transitions"):

@@ -37,6 +37,7 @@ BODY = json.dumps(
 @dataclass
 class Mesh:
     gateway: str
+    admin: str  # the control plane's admin URL
     backends: list[str]  # host:port of each inference backend serving iris (its /metrics)
     state: Path
 
@@ -79,6 +80,10 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     security.write_text(
         text.replace("notValues: [acme, globex]", "notValues: [acme, globex, initech]")
     )
+    mesh_file = policies / "mesh.yaml"  # the gateway's refusals are audited too
+    text = mesh_file.read_text()
+    assert "proxies: sidecars" in text
+    mesh_file.write_text(text.replace("proxies: sidecars", "proxies: all"))
     state = tmp / "state"
     try:
         up = procs.start(
@@ -90,6 +95,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=240)
         result = Mesh(
             f"127.0.0.1:{mapping[10000]}",
+            f"http://127.0.0.1:{mapping[18001]}",
             # models' two endpoints and models-lite (its drift fallback) serve iris
             [f"127.0.0.1:{mapping[port]}" for port in (9101, 9102, 9103)],
             state,
@@ -127,8 +133,25 @@ def burst(
     return asyncio.run(_burst(f"http://{mesh.gateway}{IRIS}", headers, count, connections))
 
 
+def audited(mesh: Mesh, sub: str, status: str) -> list[dict[str, Any]]:
+    """The audit trail's records of subject `sub` with `status` (the collector runs behind)."""
+    found: list[dict[str, Any]] = []
+
+    def query() -> bool:
+        out = meshfn(
+            "audit", "query", "--store", str(mesh.state / "audit" / "audit.db"), "--json",
+            "--limit", "10000", "--subject-raw", sub, "--status", status,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        found[:] = [json.loads(line) for line in out.stdout.splitlines()]
+        return bool(found)
+
+    wait_for(f"audit records of {sub}", query, timeout=30)
+    return found
+
+
 def test_rate_limit_per_verified_tenant(mesh: Mesh) -> None:
-    globex = mesh.token("globex")
+    globex = mesh.token("globex", sub="limited-globex")
     replies = burst(mesh, globex, 60)
     statuses = Counter(status for status, _, _ in replies)
     # globex: 20 per second with a burst of 20; the burst takes well under a second here.
@@ -144,6 +167,9 @@ def test_rate_limit_per_verified_tenant(mesh: Mesh) -> None:
     assert int(headers["x-ratelimit-reset"]) >= 0
     # Another tenant keeps its own bucket meanwhile.
     assert mesh.infer(mesh.token("acme")).status == 200
+    # The audit trail says who was limited and why.
+    records = audited(mesh, "limited-globex", "429")
+    assert {(r["tenant"], r["qos_limit"]) for r in records} == {("globex", "rate")}
 
 
 def test_spoofed_tenant_header_is_ignored(mesh: Mesh) -> None:
@@ -182,7 +208,7 @@ def test_token_without_the_claim_is_the_default_class(mesh: Mesh) -> None:
 
 
 def test_backend_sheds_the_lowest_priority_first(mesh: Mesh) -> None:
-    initech, acme = mesh.token("initech"), mesh.token("acme")
+    initech, acme = mesh.token("initech", sub="low-initech"), mesh.token("acme")
 
     async def both() -> tuple[list[Any], list[Any]]:
         url = f"http://{mesh.gateway}{IRIS}"
@@ -211,4 +237,12 @@ def test_backend_sheds_the_lowest_priority_first(mesh: Mesh) -> None:
     assert mesh.metric("meshfn_qos_requests_total", tenant="acme", outcome="shed") == 0
     # Guest CPU time attributed per tenant (batched calls split by rows), and budget use.
     assert mesh.metric("meshfn_qos_guest_cpu_seconds_total", tenant="initech") > 0
-    assert mesh.metric("meshfn_qos_budget_used_ms", tenant="initech", window="minute") >= 0
+    assert mesh.metric("meshfn_qos_budget_used_ms", tenant="initech", window="minute") > 0
+    records = audited(mesh, "low-initech", "429")
+    assert {(r["tenant"], r["qos_limit"]) for r in records} == {("initech", "shed")}
+    # meshfn status shows the same per tenant (each backend's own counts).
+    out = meshfn("status", "--admin", mesh.admin)
+    assert out.returncode == 0, out.stderr
+    assert "multi-tenant QoS" in out.stdout
+    row = next(line for line in out.stdout.splitlines() if "initech" in line and "batch" in line)
+    assert re.search(r"\binitech\b.*\bbatch\b\D+\d+\D+\d+\D+[1-9]\d*", row), row

@@ -75,6 +75,8 @@ class TenantState:
     limits: Limits
     inflight: int = 0
     usage: dict[str, _Usage] = field(default_factory=dict)  # window -> this window's use
+    outcomes: dict[str, int] = field(default_factory=dict)  # admitted / limited / shed
+    cpu_ns: int = 0  # guest CPU time so far
 
 
 @dataclass(slots=True)
@@ -128,6 +130,7 @@ class Admission:
         return state
 
     def _count(self, tenant: str, state: TenantState, outcome: str) -> None:
+        state.outcomes[outcome] = state.outcomes.get(outcome, 0) + 1
         self.metrics.qos_requests.labels(self.function, tenant, state.tenant_class, outcome).inc()
 
     def _refuse(self, tenant: str, state: TenantState, refusal: Refusal) -> Refusal:
@@ -199,6 +202,7 @@ class Admission:
         state.inflight -= 1
         self.inflight -= 1
         used_us = guest_cpu_ns // 1000
+        state.cpu_ns += guest_cpu_ns
         self.metrics.qos_cpu.labels(self.function, ticket.tenant, state.tenant_class).inc(
             guest_cpu_ns / 1e9
         )
@@ -209,13 +213,15 @@ class Admission:
             ).set(usage.used_us / 1000)
 
     def snapshot(self) -> list[dict[str, object]]:
-        """Per tenant: class, in flight, budget use (the status endpoint)."""
+        """Per tenant: class, outcomes, guest CPU, budget use (the status endpoint)."""
         return [
             {
                 "tenant": tenant,
                 "class": s.tenant_class,
                 "priority": s.priority,
                 "inflight": s.inflight,
+                **{o: s.outcomes.get(o, 0) for o in ("admitted", "limited", "shed")},
+                "guest_cpu_ms": s.cpu_ns // 1_000_000,
                 "budget_used_ms": {w: u.used_us // 1000 for w, u in s.usage.items()},
             }
             for tenant, s in sorted(self.tenants.items())

@@ -70,6 +70,16 @@ def function_status(rt: FunctionRuntime) -> dict[str, Any]:
     }
 
 
+def _qos(backend: Backend, rt: FunctionRuntime) -> dict[str, Any] | None:
+    """The QoSPolicy's view: per tenant seen so far, admitted/limited/shed and guest CPU."""
+    lane = backend.dispatcher.lanes.get(rt.label)
+    qos = rt.spec.qos
+    if qos is None:
+        return None
+    tenants = lane.admission.snapshot() if lane is not None and lane.admission else []
+    return {"policy": qos.policy, "tenants": tenants}
+
+
 def _rss_bytes() -> int | None:
     try:
         with open("/proc/self/statm") as statm:
@@ -83,7 +93,7 @@ def functions_document(backend: Backend) -> dict[str, Any]:
         "ready": backend.ready,
         "rss_bytes": _rss_bytes(),
         "functions": [
-            function_status(rt)
+            {**function_status(rt), "qos": _qos(backend, rt)}
             for name in sorted(backend.functions)
             for _, rt in sorted(backend.functions[name].items())
         ],

@@ -22,6 +22,7 @@ from meshfn.contracts.plugins import (
     Trigger,
     bare_filter_state,
 )
+from meshfn.contracts.qos import LIMIT_HEADER
 
 # The jwt_authn metadata key the translator's providers write the verified payload under.
 JWT_PAYLOAD = "payload"
@@ -119,6 +120,7 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
     "route": "%ROUTE_NAME%",
     "principal": "%DOWNSTREAM_PEER_URI_SAN%",
     "flags": "%RESPONSE_FLAGS%",
+    "qos_limit": f"%RESP({LIMIT_HEADER}):16%",  # which QoS limit refused the request
     "traceparent": "%REQ(TRACEPARENT):128%",
     "b3_trace_id": "%REQ(X-B3-TRACEID):64%",
     "audit": f"%FILTER_STATE({AUDIT_FILTER_STATE}:PLAIN)%",

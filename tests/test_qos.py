@@ -181,8 +181,8 @@ def test_qos_policy_lowering(golden: ir.MeshModel) -> None:
     assert iris.qos is not None and iris.qos.policy == "default/tenants"
     assert batch.key == "default/batch-jobs"
     assert {s.name: s.load_balancer for s in golden.services} == {
-        "jobs": "least-request",
-        "models": "weighted-round-robin",
+        "jobs": "weighted-round-robin",
+        "models": "least-request",
     }
 
 

@@ -17,7 +17,14 @@ from typing import Any
 
 RECORD_VERSION = 1
 # Caps for values a client controls; the record says when it was cut.
-LIMITS = {"id": 128, "authority": 256, "path": 2048, "tenant": 128, "principal": 2048}
+LIMITS = {
+    "id": 128,
+    "authority": 256,
+    "path": 2048,
+    "tenant": 128,
+    "principal": 2048,
+    "qos_limit": 16,
+}
 _RAW_KEEP = 4096
 
 FIELDS = (
@@ -40,6 +47,7 @@ FIELDS = (
     "body_sha256",
     "trace_id",
     "flags",
+    "qos_limit",
     "source",
     "audited",
 )
@@ -129,6 +137,8 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         "route": _str(entry.get("route"), "route", cut),
         "principal": _str(entry.get("principal"), "principal", cut),
         "flags": _str(entry.get("flags"), "flags", cut),
+        # A QoS refusal (429) names its limit: rate (gateway), concurrency, compute or shed.
+        "qos_limit": _str(entry.get("qos_limit"), "qos_limit", cut),
         "audited": False,
         "subject": None,
         "salt_id": None,

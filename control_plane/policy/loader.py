@@ -15,10 +15,10 @@ from pathlib import Path
 
 from meshfn.ir import MeshModel
 
+from . import qos
 from .compile import compile_model, lower
 from .errors import PolicyError, PolicyErrors
 from .model import Mesh
-from . import qos
 from .references import check_references
 from .source import Document, Loc, parse_documents
 from .validate import Loaded, validate_document

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
-from meshfn.contracts.function import FunctionSettings
+from meshfn.contracts.function import FunctionSettings, ServedFunction
 from meshfn.contracts.qos import FunctionQoS, LoadBalancer, Window
 
 
@@ -374,6 +374,10 @@ class Function:
     # The tenant classes of the QoSPolicy binding it (its own, else its gateway's): the backend
     # orders and sheds its requests by their priority (contracts.qos, the backend's schema).
     qos: FunctionQoS | None = None
+
+    def served(self) -> ServedFunction:
+        """Its entry in an inference backend's configuration (meshfn up, Kubernetes alike)."""
+        return ServedFunction.model_construct(name=self.name, qos=self.qos, **dict(self.settings))
 
 
 @dataclass(frozen=True, slots=True)

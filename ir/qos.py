@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshfn import ir
-from meshfn.contracts.qos import DESCRIPTOR_TENANT, LIMIT_HEADER, LIMIT_RATE
+from meshfn.contracts.qos import DESCRIPTOR_TENANT, LIMIT_HEADER, LIMIT_RATE, TENANT_HEADER
 
 Obj = dict[str, Any]
 
@@ -34,9 +34,20 @@ STAT_PREFIX = "meshfn_qos"
 DYNAMIC_DESCRIPTORS = 10_000
 
 
-def tenant_action(claim: str) -> Obj:
-    """The rate limit action reading the verified tenant from jwt_authn's dynamic metadata. No
-    claim: no descriptor, so the filter's own bucket (the anonymous tenant) applies."""
+def tenant_action(claim: str, header: bool = False) -> Obj:
+    """The rate limit action reading the verified tenant from jwt_authn's dynamic metadata, or
+    with `header` from TENANT_HEADER (Istio: its jwt_authn keeps the payload under the issuer's
+    name; the header is as trustworthy, as jwt_authn writes it after the listener removed any a
+    client sent). No claim: no descriptor, so the filter's own bucket (the anonymous tenant)
+    applies."""
+    if header:
+        return {
+            "request_headers": {
+                "header_name": TENANT_HEADER,
+                "descriptor_key": DESCRIPTOR_TENANT,
+                "skip_if_absent": True,
+            }
+        }
     return {
         "metadata": {
             "descriptor_key": DESCRIPTOR_TENANT,
@@ -71,13 +82,33 @@ def _header(name: str, value: str) -> Obj:
     return {"header": {"key": name, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
 
 
+def claim_of(workload: ir.Workload) -> str | None:
+    """The verified tenant claim a proxy writes as TENANT_HEADER: a gateway's policies' (one
+    claim per gateway), a sidecar's in front of a backend with QoS."""
+    if workload.inbound is not None:
+        return workload.inbound.tenant_claim if workload.jwt_rules else None
+    policies = [p for p in governing(workload) if p is not None]
+    return policies[0].claim if policies else None
+
+
+def governing(workload: ir.Workload) -> list[ir.QoSPolicy]:
+    """A gateway's QoSPolicies: its own first, then its routes' (each once)."""
+    found = [workload.qos] if workload.qos is not None else []
+    for listener in workload.listeners:
+        for route in listener.routes:
+            if route.qos is not None and route.qos not in found:
+                found.append(route.qos)
+    return found
+
+
 def disabled() -> Obj:
     """The filter where no policy of this gateway limits the rate (routes may enable it)."""
     return {"@type": LOCAL_RATE_LIMIT_TYPE, "stat_prefix": STAT_PREFIX}
 
 
-def local_rate_limit(policy: ir.QoSPolicy) -> Obj:
-    """The policy's per-tenant rate limits, for one gateway (module docstring)."""
+def local_rate_limit(policy: ir.QoSPolicy, header: bool = False) -> Obj:
+    """The policy's per-tenant rate limits, for one gateway (module docstring; `header`: see
+    tenant_action)."""
     if not policy.rate_limited:
         return disabled()
     default = policy.default.limits.rate
@@ -101,7 +132,7 @@ def local_rate_limit(policy: ir.QoSPolicy) -> Obj:
         "filter_enforced": _percent(f"{STAT_PREFIX}.enforced"),
         "always_consume_default_token_bucket": False,
         "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
-        "rate_limits": [{"actions": [tenant_action(policy.claim)]}],
+        "rate_limits": [{"actions": [tenant_action(policy.claim, header)]}],
         "descriptors": descriptors,
         "max_dynamic_descriptors": DYNAMIC_DESCRIPTORS,
         "response_headers_to_add": [
@@ -111,7 +142,7 @@ def local_rate_limit(policy: ir.QoSPolicy) -> Obj:
     }
 
 
-def limited_reply(claim: str) -> Obj:
+def limited_reply(claim: str, header: bool = False) -> Obj:
     """The local reply mapper for the rate limit's 429s: a JSON body naming the limit, the
     policy (route metadata) and the verified tenant. Mappers see only Envoy's own replies, and at
     a gateway only this filter answers 429 itself (a backend's 429 passes through as it is)."""
@@ -127,7 +158,9 @@ def limited_reply(claim: str) -> Obj:
                 "limit": LIMIT_RATE,
                 "scope": "gateway",
                 "policy": f"%METADATA(ROUTE:{ROUTE_METADATA}:{QOS_KEY})%",
-                "tenant": f"%DYNAMIC_METADATA({JWT_FILTER}:{JWT_PAYLOAD}:{claim})%",
+                "tenant": f"%REQ({TENANT_HEADER})%"
+                if header
+                else f"%DYNAMIC_METADATA({JWT_FILTER}:{JWT_PAYLOAD}:{claim})%",
             },
             "content_type": "application/json",
         },

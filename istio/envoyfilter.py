@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from meshfn import ir
 from meshfn.contracts.plugins import ROUTING_HEADER
+from meshfn.contracts.qos import TENANT_HEADER
+from meshfn.ir import qos as envoy_qos
 from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
 
 from .core import Context, Obj, Source, gateways, resource, seconds, sidecar_services
@@ -252,6 +254,11 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
         for name in sorted(clusters)
     ]
     manager: Obj = {"@type": HCM_TYPE, "local_reply_config": no_upstream_reply()}
+    qos_patches, qos_sources = _qos_patches(gw)
+    sources |= qos_sources
+    if qos_patches:
+        claim = envoy_qos.governing(gw)[0].claim
+        manager["local_reply_config"]["mappers"].append(envoy_qos.limited_reply(claim, True))
     stripped = stripped_headers(ctx, gw)
     if stripped:
         manager["early_header_mutation_extensions"] = [early_header_mutation(stripped)]
@@ -260,7 +267,7 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
         "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM}}}},
         "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": manager}},
     }
-    upstream = [n for n in stripped if n != ROUTING_HEADER]
+    upstream = [n for n in stripped if n not in (ROUTING_HEADER, TENANT_HEADER)]
     tail_patches = []
     if upstream:
         tail_patches.append(
@@ -270,7 +277,55 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
                 "patch": {"operation": "MERGE", "value": {"request_headers_to_remove": upstream}},
             }
         )
-    return [*cluster_patches, hcm_patch, *patches, *tail_patches], sources
+    return [*cluster_patches, hcm_patch, *qos_patches, *patches, *tail_patches], sources
+
+
+def _qos_patches(gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
+    """Per-tenant rate limits (ir.qos, descriptors from the tenant header jwt_authn writes):
+    Envoy's local rate limit before the router, the gateway's policy in it, a route's own policy
+    per route, and every governed route naming its policy (the 429's JSON body)."""
+    policies = envoy_qos.governing(gw)
+    if not any(p.rate_limited for p in policies):
+        return [], set()
+    gateway = gw.qos
+    config = envoy_qos.local_rate_limit(gateway, True) if gateway else envoy_qos.disabled()
+    patches: list[Obj] = [
+        {
+            "applyTo": "HTTP_FILTER",
+            "match": {
+                "context": "GATEWAY",
+                "listener": {
+                    "filterChain": {
+                        "filter": {"name": HCM, "subFilter": {"name": "envoy.filters.http.router"}}
+                    }
+                },
+            },
+            "patch": {
+                "operation": "INSERT_BEFORE",
+                "value": {"name": envoy_qos.LOCAL_RATE_LIMIT, "typed_config": config},
+            },
+        }
+    ]
+    for listener in gw.listeners:
+        for route in listener.routes:
+            policy = route.qos or gateway
+            if policy is None:
+                continue
+            value: Obj = {
+                "metadata": {"filter_metadata": {ROUTE_METADATA: {envoy_qos.QOS_KEY: policy.key}}}
+            }
+            if route.qos is not None:
+                own = envoy_qos.local_rate_limit(route.qos, True)
+                value["typed_per_filter_config"] = {envoy_qos.LOCAL_RATE_LIMIT: own}
+            patches += [
+                {
+                    "applyTo": "HTTP_ROUTE",
+                    "match": _route_match(route_name(route.key, index)),
+                    "patch": {"operation": "MERGE", "value": value},
+                }
+                for index in range(len(route.matches))
+            ]
+    return patches, {Source("QoSPolicy", p.namespace, p.name) for p in policies}
 
 
 def envoy_filters(ctx: Context) -> None:
@@ -289,7 +344,7 @@ def envoy_filters(ctx: Context) -> None:
         sidecar = next(
             w for w in ctx.model.workloads if w.inbound and w.inbound.service == service.key
         )
-        if not plugins_of(ctx, sidecar):
+        if not plugins_of(ctx, sidecar) and envoy_qos.claim_of(sidecar) is None:
             continue
         stripped = stripped_headers(ctx, sidecar)
         if not stripped:
@@ -322,7 +377,10 @@ def envoy_filters(ctx: Context) -> None:
                     "match": {"context": "SIDECAR_INBOUND"},
                     "patch": {
                         "operation": "MERGE",
-                        "value": {"request_headers_to_remove": stripped},
+                        "value": {
+                            # the QoS tenant goes on: the backend sheds and meters by it
+                            "request_headers_to_remove": [n for n in stripped if n != TENANT_HEADER]
+                        },
                     },
                 },
             ],

@@ -13,6 +13,8 @@ from meshfn.contracts.plugins import (
     MeshfnSettings,
     internal_headers,
 )
+from meshfn.contracts.qos import TENANT_HEADER
+from meshfn.ir import qos as envoy_qos
 from meshfn.ir.plugins import audit_settings, claim_header_pairs, degrade_settings, drill_trigger
 
 from .core import Context
@@ -88,6 +90,9 @@ def claim_headers_for(ctx: Context, workload: ir.Workload) -> dict[str, str]:
         out.update(claim_header_pairs(audit, trigger))
         if audit is not None and audit.subject_source == "jwt_headers" and audit.tenant_claim:
             out[audit.tenant_header] = audit.tenant_claim
+    claim = envoy_qos.claim_of(workload)
+    if claim is not None:  # the QoS tenant: the rate limit and the inference backend read it
+        out[TENANT_HEADER] = claim
     return out
 
 
@@ -97,4 +102,6 @@ def stripped_headers(ctx: Context, workload: ir.Workload) -> list[str]:
     names: list[str] = []
     for plugin in plugins_of(ctx, workload):
         names += internal_headers(plugin.degrade, plugin.audit)
+    if envoy_qos.claim_of(workload) is not None:
+        names.append(TENANT_HEADER)
     return sorted(set(names))

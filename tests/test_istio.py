@@ -98,6 +98,7 @@ def test_plugin_config_is_the_translators_json(case: str) -> None:
 APPLY_TO = {
     "CLUSTER": cluster_pb2.Cluster,
     "NETWORK_FILTER": listener_components_pb2.Filter,
+    "HTTP_FILTER": hcm_pb2.HttpFilter,
     "HTTP_ROUTE": route_components_pb2.Route,
     "ROUTE_CONFIGURATION": route_pb2.RouteConfiguration,
 }
@@ -162,6 +163,11 @@ def _smallest_config(case: str) -> dict[str, Any]:
         elif patch["applyTo"] == "NETWORK_FILTER":
             typed = {k: v for k, v in value["typed_config"].items() if k != "@type"}
             manager.MergeFrom(json_format.ParseDict(typed, hcm_pb2.HttpConnectionManager()))
+        elif patch["applyTo"] == "HTTP_FILTER":  # INSERT_BEFORE the router
+            assert patch["patch"]["operation"] == "INSERT_BEFORE"
+            manager.http_filters.insert(
+                len(manager.http_filters) - 1, json_format.ParseDict(value, hcm_pb2.HttpFilter())
+            )
         elif patch["applyTo"] == "ROUTE_CONFIGURATION":
             route_table.MergeFrom(json_format.ParseDict(value, route_pb2.RouteConfiguration()))
         else:
@@ -205,7 +211,9 @@ def _smallest_config(case: str) -> dict[str, Any]:
     return {"static_resources": {"listeners": [listener], "clusters": list(clusters.values())}}
 
 
-@pytest.mark.parametrize("case", ["examples", "fallback", "audit_drift", "drill", "jwt-authz"])
+@pytest.mark.parametrize(
+    "case", ["examples", "fallback", "audit_drift", "drill", "jwt-authz", "qos"]
+)
 def test_envoy_accepts_the_patched_pieces(case: str, tmp_path: Path) -> None:
     config = _smallest_config(case)
     path = tmp_path / "config.json"

@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshfn import ir
-from meshfn.contracts.function import BackendConfig, ServedFunction
+from meshfn.contracts.function import BackendConfig
 
 Obj = dict[str, Any]
 
@@ -98,9 +98,7 @@ def backend_config(functions: list[ir.Function], workers: int) -> BackendConfig:
         registry=Path(REGISTRY_DIR),
         trustedKeys=[Path(KEYS_DIR)],
         workers=workers,
-        functions=[
-            ServedFunction.model_construct(name=f.name, **dict(f.settings)) for f in functions
-        ],
+        functions=[f.served() for f in functions],
     )
 
 

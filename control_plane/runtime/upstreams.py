@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from meshfn import ir
-from meshfn.contracts.function import BackendConfig, ServedFunction
+from meshfn.contracts.function import BackendConfig
 
 from ..policy import compile
 from .process import SupervisedProcess
@@ -76,10 +76,7 @@ def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
         registry=setup.registry.resolve(),
         trustedKeys=[k.resolve() for k in setup.trusted_keys],
         workers=setup.workers,
-        functions=[
-            ServedFunction.model_construct(name=f.name, qos=f.qos, **dict(f.settings))
-            for f in spec.functions
-        ],
+        functions=[f.served() for f in spec.functions],
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result

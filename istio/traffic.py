@@ -59,10 +59,30 @@ def destination_rules(ctx: Context) -> None:
         tls = _mtls(service)
         if tls is not None:
             policy["tls"] = {"mode": tls}
+        _balancer(ctx, service, policy)
         spec = {"host": ctx.options.host(service.key), "trafficPolicy": policy}
         ctx.emit(
             resource(NETWORKING, "DestinationRule", service.name, service.namespace, spec), *sources
         )
+
+
+def _balancer(ctx: Context, service: ir.Service, policy: Obj) -> None:
+    """Service.spec.loadBalancer: Istio's `simple` for least-request and round-robin; weighted
+    round robin from ORCA reports has no Istio field (a warning; Istio's default applies)."""
+    balancer = service.load_balancer
+    if balancer is None:
+        return
+    if balancer == "weighted-round-robin":
+        ctx.warn(
+            "load-balancer-wrr",
+            service_source(service),
+            ("spec", "loadBalancer"),
+            "Istio's DestinationRule has no client-side weighted round robin (ORCA): Istio's "
+            "default balancer applies",
+        )
+        return
+    simple = {"least-request": "LEAST_REQUEST", "round-robin": "ROUND_ROBIN"}[balancer]
+    policy.setdefault("loadBalancer", {})["simple"] = simple
 
 
 def _traffic(ctx: Context, service: ir.Service, traffic: ir.TrafficPolicy, policy: Obj) -> None:

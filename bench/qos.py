@@ -45,7 +45,7 @@ import aiohttp
 from meshfn.testing import load
 from meshfn.testing import policies as p
 from meshfn.testing.ports import named_ports
-from meshfn.testing.processes import MESHFN, Processes, meshfn, wait_for
+from meshfn.testing.processes import MESHFN, Processes, meshfn, up_with_functions, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "policies" / "examples"
@@ -149,20 +149,9 @@ def p99(values: list[float]) -> float:
 def tenants_mesh(tmp: Path, procs: Processes) -> tuple[str, dict[str, dict[str, str]]]:
     """The example mesh with the tenant policy: (gateway URL, tenant -> request headers)."""
     policies = tmp / "examples"
-    mapping = p.remap(EXAMPLES, policies, TENANTS)
-    security = policies / "security.yaml"
-    security.write_text(
-        security.read_text().replace(
-            "notValues: [acme, globex]", "notValues: [acme, globex, initech]"
-        )
-    )
+    mapping = p.qos_examples(EXAMPLES, TENANTS, policies)
     state = tmp / "state"
-    up = procs.start(
-        "up",
-        [MESHFN, "up", "--policies", str(policies), "--state-dir", str(state),
-         "--functions-registry", str(tmp / "functions"), "--publish-examples",
-         "--envoy-concurrency", "1"],
-    )  # fmt: skip
+    up = procs.start("up", up_with_functions(policies, state, tmp / "functions"))
     wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=300)
     headers = {}
     for tenant in ("acme", "globex", "initech"):

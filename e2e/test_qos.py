@@ -18,10 +18,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from meshfn_e2e import Processes, http, remap_examples
+from meshfn_e2e import EXAMPLES, Processes, http
 
 from meshfn.contracts.qos import TENANT_HEADER
-from meshfn.testing.processes import MESHFN, meshfn, wait_for
+from meshfn.testing.policies import qos_examples
+from meshfn.testing.processes import meshfn, up_with_functions, wait_for
 
 TENANTS = Path(__file__).resolve().parents[1] / "policies" / "qos" / "tenants.yaml"
 IRIS = "/v2/models/iris/infer"
@@ -73,25 +74,10 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     tmp = tmp_path_factory.mktemp("qos")
     procs = Processes(tmp)
     policies = tmp / "examples"
-    mapping = remap_examples(policies, TENANTS)
-    security = policies / "security.yaml"  # initech (class batch) may call models too
-    text = security.read_text()
-    assert "notValues: [acme, globex]" in text
-    security.write_text(
-        text.replace("notValues: [acme, globex]", "notValues: [acme, globex, initech]")
-    )
-    mesh_file = policies / "mesh.yaml"  # the gateway's refusals are audited too
-    text = mesh_file.read_text()
-    assert "proxies: sidecars" in text
-    mesh_file.write_text(text.replace("proxies: sidecars", "proxies: all"))
+    mapping = qos_examples(EXAMPLES, TENANTS, policies, audit_gateway=True)
     state = tmp / "state"
     try:
-        up = procs.start(
-            "up",
-            [MESHFN, "up", "--policies", str(policies), "--state-dir", str(state),
-             "--functions-registry", str(tmp / "functions"), "--publish-examples",
-             "--envoy-concurrency", "1"],
-        )  # fmt: skip
+        up = procs.start("up", up_with_functions(policies, state, tmp / "functions"))
         wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=240)
         result = Mesh(
             f"127.0.0.1:{mapping[10000]}",

@@ -220,3 +220,24 @@ def _collect_ports(node: object, ports: set[int]) -> None:
     elif isinstance(node, list):
         for item in node:
             _collect_ports(item, ports)
+
+
+def _replace(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    if old not in text:
+        raise ValueError(f"{path}: no {old!r} to replace")
+    path.write_text(text.replace(old, new))
+
+
+def qos_examples(
+    examples: Path, tenants: Path, target: Path, audit_gateway: bool = False
+) -> dict[int, int]:
+    """policies/examples with policies/qos/tenants.yaml beside them on free ports (`remap`), for
+    the QoS e2e tests and bench/qos.py: tenant initech (class batch) may call the models too;
+    with `audit_gateway` the gateway's refusals are audited as well as the sidecars'."""
+    mapping = remap(examples, target, tenants)
+    allowed = "notValues: [acme, globex]"
+    _replace(target / "security.yaml", allowed, "notValues: [acme, globex, initech]")
+    if audit_gateway:
+        _replace(target / "mesh.yaml", "proxies: sidecars", "proxies: all")
+    return mapping

@@ -28,6 +28,15 @@ def meshfn(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
+def up_with_functions(policies: Path, state: Path, registry: Path) -> list[str]:
+    """`meshfn up` on `policies` with the example functions published to `registry` (one Envoy
+    worker each: the machine has two cores)."""
+    return [
+        MESHFN, "up", "--policies", str(policies), "--state-dir", str(state),
+        "--functions-registry", str(registry), "--publish-examples", "--envoy-concurrency", "1",
+    ]  # fmt: skip
+
+
 def upstream_argv(service: str, port: int, *extra: str) -> list[str]:
     """meshfn's echo upstream (answers with its service, endpoint and locality)."""
     module = [sys.executable, "-P", "-m", "meshfn.control_plane.runtime.upstream"]

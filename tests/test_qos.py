@@ -298,3 +298,22 @@ def test_orca_report() -> None:
     name, value = load.header(1, now=10.5)
     assert name == b"endpoint-load-metrics" and b"rps_fractional=2.0" in value
     assert b"rps_fractional=1.0" in load.header(0, now=12.0)[1]
+
+
+def test_backend_sidecars_must_verify_the_tenant(tmp_path: Path) -> None:
+    """Where sidecars front a backend with QoS, they must verify the JWT too: they rewrite the
+    tenant header the backend reads."""
+    for path in (ROOT / "policies" / "examples").glob("*.yaml"):
+        text = path.read_text()
+        if path.name == "security.yaml":
+            text = "\n---\n".join(d for d in text.split("\n---\n") if "local-issuer" not in d)
+        (tmp_path / path.name).write_text(text)
+    (tmp_path / "zz-qos.yaml").write_text((ROOT / "policies" / "qos" / "tenants.yaml").read_text())
+    with pytest.raises(PolicyErrors) as caught:
+        load_policies(tmp_path)
+    found = [str(e).split("zz-qos.yaml:", 1)[-1] for e in caught.value.errors]
+    assert len(found) == 3 and all(
+        e.startswith("19: spec.targetRefs: the backend of Function default/")
+        and "sidecars of Service default/models verify no JWT" in e
+        for e in found
+    ), found

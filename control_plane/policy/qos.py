@@ -166,19 +166,17 @@ def _check_enforcement(items: list[Loaded], bindings: Bindings) -> list[PolicyEr
             continue
         budgeted.add(policy.ref)
         assert isinstance(policy.obj, QoSPolicy)
-        if len({c.priority for c in policy.obj.spec.classes}) < 2:
-            continue
         backend = services.get(f"{item.namespace}/{item.obj.spec.backend}")
         assert backend is not None and isinstance(backend.obj, Service)
         sidecars = any(e.sidecar is not None for e in backend.obj.spec.endpoints)
         if sidecars and not security.jwt_rules("service", backend.namespace, backend.name):
             errors.append(
                 policy.error(
-                    ("spec", "classes"),
-                    f"its classes' priorities order requests in the backend of Function "
-                    f"{item.namespace}/{item.name}, but the sidecars of Service "
-                    f"{backend.namespace}/{backend.name} verify no JWT, so the backend could "
-                    "not tell tenants apart: add a RequestAuthentication selecting it",
+                    ("spec", "targetRefs"),
+                    f"the backend of Function {item.namespace}/{item.name} keeps its tenants' "
+                    f"concurrency, budgets and priorities, but the sidecars of Service "
+                    f"{backend.namespace}/{backend.name} verify no JWT, so it could not tell "
+                    "tenants apart: add a RequestAuthentication selecting it",
                 )
             )
     for item in bindings.policies:

@@ -253,7 +253,7 @@ def internal_headers(
 ) -> list[str]:
     """Headers only Envoy itself may set: the routing header, and the claim headers jwt_authn
     writes (audit in jwt_headers mode; a trigger naming request principals; with `tenant`, the
-    QoS tenant, which the qos filter and the inference backend read)."""
+    QoS tenant, which the gateway's rate limit and the inference backend read)."""
     names = [degrade.routing_header] if degrade is not None else []
     if tenant:
         names.append(TENANT_HEADER)

@@ -1,6 +1,7 @@
 """Multi-tenant QoS: tenant classes, their limits and priorities. ONE schema for the `QoSPolicy`
-kind, the IR and the inference backend's configuration (which carries the classes of the policy
-that binds each of its functions, to order and shed requests by priority).
+kind and the inference backend's configuration (which carries the classes of the policy that
+binds each of its functions, to shed by priority and keep per-tenant limits); the IR holds the
+policy resolved (each tenant's effective limits) for the renderers.
 
 A tenant is the value of a JWT claim that Envoy verified (jwt_authn), never a header a client
 sent; a request without the claim belongs to the default class as the anonymous tenant "".

@@ -95,7 +95,8 @@ class Signature:
             or len(shape) != len(sig.shape)
             or any(want not in (-1, got) for want, got in zip(sig.shape, shape, strict=True))
         ):
-            raise bad(f"input {name!r}: shape {list(shape)!r} does not match {list(sig.shape)}")
+            shown = list(shape) if isinstance(shape, list | tuple) else shape
+            raise bad(f"input {name!r}: shape {shown!r} does not match {list(sig.shape)}")
         return tuple(shape)
 
     def input_named(self, name: Any, seen: set[str]) -> TensorSig:

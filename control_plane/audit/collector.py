@@ -33,42 +33,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from .record import from_log_line, unparsed
 from .signer import CheckpointSigner, SignerError
 from .store import AuditStore, JournalPosition, StoreConflict, StoreError
 
 log = logging.getLogger("meshfn.audit")
-
-RECORDS = Counter("meshfn_audit_records_stored", "Audit records committed to the store", ["source"])
-PENDING = Gauge(
-    "meshfn_audit_pending_bytes",
-    "Journal bytes Envoy wrote that are not in the store yet",
-    ["source"],
-)
-STORE_ERRORS = Counter("meshfn_audit_store_errors", "Failed attempts to write the audit store")
-CONFLICTS = Counter(
-    "meshfn_audit_conflicts",
-    "Batches another collector had stored first (re-read, not stored twice)",
-    ["source"],
-)
-PARSE_ERRORS = Counter(
-    "meshfn_audit_parse_errors",
-    "Journal lines that were not valid audit lines (stored as unparsed records)",
-    ["source"],
-)
-UNSIGNED = Gauge(
-    "meshfn_audit_unsigned_records", "Records this collector stored since the last checkpoint"
-)
-SIGNER_ERRORS = Counter(
-    "meshfn_audit_signer_errors", "Failed checkpoint requests (signer unreachable or refusing)"
-)
 
 _MAX_BATCH = 1 << 20  # bytes of journal per transaction
 _REPEAT_ERROR_S = 30.0
@@ -141,6 +118,8 @@ class AuditCollector:
         self.refused: list[str] = []
         self.conflicts = 0
         self.parse_errors = 0
+        self.store_errors = 0
+        self.signer_errors = 0
         self.last_checkpoint: int | None = None
         self._sign_task: asyncio.Task[None] | None = None
         self._sign_due = False
@@ -243,6 +222,8 @@ class AuditCollector:
             "last_checkpoint": self.last_checkpoint,
             "conflicts": self.conflicts,
             "parse_errors": self.parse_errors,
+            "store_errors": self.store_errors,
+            "signer_errors": self.signer_errors,
         }
 
     # ------------------------------------------------------------------ loop
@@ -283,8 +264,10 @@ class AuditCollector:
                 log.warning("rotating audit journal %s: reopen failed: %s", journal.path, exc)
 
     def _start_signing(self) -> None:
-        if self._sign_due and self.signer is not None and (
-            self._sign_task is None or self._sign_task.done()
+        if (
+            self._sign_due
+            and self.signer is not None
+            and (self._sign_task is None or self._sign_task.done())
         ):
             self._sign_due = False
             self._sign_task = asyncio.create_task(asyncio.to_thread(self._checkpoint))
@@ -300,7 +283,7 @@ class AuditCollector:
                 self.store.add_checkpoint(checkpoint)
                 self.last_checkpoint = checkpoint.n
         except (SignerError, StoreError) as exc:
-            SIGNER_ERRORS.inc()
+            self.signer_errors += 1
             message = str(exc)
             now = time.monotonic()
             if message != self.signer_error or now - self._last_signer_log > _REPEAT_ERROR_S:
@@ -322,7 +305,6 @@ class AuditCollector:
             log.error("AUDIT SIGNER REFUSED TO SIGN %s (the store was changed under it)", refusal)
         with self._counting:
             self._since_checkpoint = max(0, self._since_checkpoint - pending)
-        UNSIGNED.set(self._since_checkpoint)
 
     def _final(self) -> None:
         try:
@@ -359,14 +341,13 @@ class AuditCollector:
     def _resync(self, j: _Journal, exc: StoreConflict) -> None:
         """Another collector stored this journal's lines first: continue from its position."""
         self.conflicts += 1
-        CONFLICTS.labels(j.source).inc()
         log.warning("audit journal %s: %s; re-reading the stored position", j.path, exc)
         if j.fd is not None:
             os.close(j.fd)
             j.fd = None
 
     def _store_failed(self, exc: StoreError) -> None:
-        STORE_ERRORS.inc()
+        self.store_errors += 1
         message = str(exc)
         now = time.monotonic()
         if message != self.last_error or now - self._last_error_log > _REPEAT_ERROR_S:
@@ -451,7 +432,6 @@ class AuditCollector:
             return False
         assert j.fd is not None
         j.size = os.fstat(j.fd).st_size
-        PENDING.labels(j.source).set(max(0, j.size - j.offset))
         if j.size < j.offset:
             log.error(
                 "audit journal %s was truncated by someone; reading it from its start", j.path
@@ -479,7 +459,6 @@ class AuditCollector:
         for record in records:
             if "error" in record:
                 self.parse_errors += 1
-                PARSE_ERRORS.labels(j.source).inc()
                 log.error(
                     "audit journal %s: %s (stored as an unparsed record)", j.path, record["error"]
                 )
@@ -495,8 +474,6 @@ class AuditCollector:
         j.quiet_since = 0.0
         with self._counting:
             self._since_checkpoint += len(records)
-        RECORDS.labels(j.source).inc(len(records))
-        PENDING.labels(j.source).set(max(0, j.size - j.offset))
         return True
 
     def _abandoned(self, j: _Journal) -> bool:
@@ -541,7 +518,6 @@ class AuditCollector:
 
     def _maybe_checkpoint(self) -> None:
         now = time.monotonic()
-        UNSIGNED.set(self._since_checkpoint)
         if self._since_checkpoint and (
             self._since_checkpoint >= self.checkpoint_every
             or now - self._last_checkpoint >= self.checkpoint_interval
@@ -553,3 +529,66 @@ class AuditCollector:
             deleted = self.store.apply_retention()
             if deleted:
                 log.info("audit retention removed %d records", deleted)
+
+
+class CollectorMetrics(Collector):
+    """/metrics for one or more collectors, read from their status at scrape time (register it
+    in the registry that serves /metrics: the control plane's, or `collect --metrics-port`)."""
+
+    def __init__(self, *collectors: Callable[[], AuditCollector | None]) -> None:
+        self.collectors = collectors
+
+    def collect(self) -> Iterator[Metric]:
+        stored = CounterMetricFamily(
+            "meshfn_audit_records_stored", "Audit records committed to the store", labels=["source"]
+        )
+        pending = GaugeMetricFamily(
+            "meshfn_audit_pending_bytes",
+            "Journal bytes Envoy wrote that are not in the store yet",
+            labels=["source"],
+        )
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            "store_errors": CounterMetricFamily(
+                "meshfn_audit_store_errors", "Failed attempts to write the audit store"
+            ),
+            "signer_errors": CounterMetricFamily(
+                "meshfn_audit_signer_errors",
+                "Failed checkpoint requests (signer unreachable or failing)",
+            ),
+            "conflicts": CounterMetricFamily(
+                "meshfn_audit_conflicts",
+                "Batches another collector had stored first (re-read, never stored twice)",
+            ),
+            "parse_errors": CounterMetricFamily(
+                "meshfn_audit_parse_errors",
+                "Journal lines that were not audit lines (stored as unparsed records)",
+            ),
+            "unsigned": GaugeMetricFamily(
+                "meshfn_audit_unsigned_records", "Records stored since the last checkpoint"
+            ),
+        }
+        store_up = GaugeMetricFamily(
+            "meshfn_audit_store_up", "1 while the last write to the audit store succeeded"
+        )
+        signer_up = GaugeMetricFamily(
+            "meshfn_audit_signer_up", "1 while the last checkpoint request succeeded"
+        )
+        totals = dict.fromkeys(families, 0)
+        store_ok = signer_ok = 1
+        for get in self.collectors:
+            collector = get()
+            if collector is None:
+                continue
+            status = collector.status()
+            for journal in status["journals"]:
+                stored.add_metric([journal["source"]], journal["stored"])
+                pending.add_metric([journal["source"]], journal["pending_bytes"])
+            for key in totals:
+                totals[key] += int(status[key])
+            store_ok &= status["error"] is None
+            signer_ok &= status["signer_error"] is None
+        for key, family in families.items():
+            family.add_metric([], totals[key])
+        store_up.add_metric([], store_ok)
+        signer_up.add_metric([], signer_ok)
+        yield from (stored, pending, *families.values(), store_up, signer_up)

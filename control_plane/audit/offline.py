@@ -201,7 +201,7 @@ def verify_export(entries: Iterable[dict[str, Any]], key: Ed25519PublicKey) -> E
     matched: set[tuple[str, int]] = set()
     for entry in entries:
         kind = entry.get("type")
-        if kind == EXPORT_TYPE or kind == "export":
+        if kind in (EXPORT_TYPE, "export"):
             store = str(entry.get("store"))
         elif kind == "checkpoint":
             try:

@@ -27,7 +27,9 @@ from psycopg import errors
 
 from .store import DEFAULT_RETENTION_DAYS, AuditStore, Row, StoreConflict, StoreError
 
-_SCHEMA_LOCK = 0x6D657368666E  # "meshfn": serialises schema creation by collectors starting together
+_SCHEMA_LOCK = (
+    0x6D657368666E  # "meshfn": serialises schema creation by collectors starting together
+)
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import logging
 import socket
@@ -100,7 +101,9 @@ class Signer:
 
         return (
             self.key.public_key()
-            .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+            .public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
             .decode()
         )
 
@@ -172,7 +175,14 @@ class Signer:
                 known = (0, offline.chain_genesis(self.store.store_id, chain))
         seq, prev = known
         head: tuple[int, bytes] | None = known
-        for got, body, row_prev, digest in self.store.records_after(chain, seq):
+        rows = self.store.records_after(chain, max(0, seq - 1))
+        if seq > 0:  # the record signed last must still be the one signed
+            first = next(rows, None)
+            if first is not None and first[0] == seq and first[3] != prev:
+                return None, f"record {seq} differs from the one signed"
+            if first is not None and first[0] != seq:
+                rows = itertools.chain([first], rows)
+        for got, body, row_prev, digest in rows:
             if got != seq + 1:
                 return head, f"record {seq + 1} is missing (the store has {got} next)"
             if row_prev != prev or link(prev, body.encode()) != digest:

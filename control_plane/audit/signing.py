@@ -43,5 +43,3 @@ def load_public(path: Path) -> Ed25519PublicKey:
         return keys.load_public_key(path)
     except keys.KeyFileError as exc:
         raise KeyError_(f"cannot load the audit public key: {exc}") from None
-
-

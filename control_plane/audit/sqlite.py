@@ -157,7 +157,9 @@ class SqliteStore(AuditStore):
             yield
         except sqlite3.IntegrityError as exc:
             if "UNIQUE" in str(exc):
-                raise StoreConflict(f"{self.path}: {what}: another writer was first ({exc})") from None
+                raise StoreConflict(
+                    f"{self.path}: {what}: another writer was first ({exc})"
+                ) from None
             raise StoreError(f"{self.path}: {what}: {exc}") from None
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: {what}: {exc}") from None

@@ -223,7 +223,7 @@ class AuditStore(ABC):
 
     def _init_meta(self) -> None:
         with self._write():
-            have = dict(self._rows("SELECT key, value FROM meta"))
+            have: dict[Any, Any] = dict(self._rows("SELECT key, value FROM meta"))
             if "store_id" not in have:
                 for key, value in (
                     ("schema", str(SCHEMA)),
@@ -465,8 +465,9 @@ class AuditStore(ABC):
             subject = record.get("subject")
             if isinstance(subject, str) and _HASH.match(subject):
                 key = (str(record.get("salt_id") or ""), subject)
-                record = {**record, "subject": self._pseudonyms[key]}
-            out.append(record)
+                out.append({**record, "subject": self._pseudonyms[key]})
+            else:
+                out.append(record)
         return out
 
     def pseudonyms(self, subject: str) -> list[str]:
@@ -505,12 +506,14 @@ class AuditStore(ABC):
                 count = 0
                 for pseudonym in pseudonyms:
                     count += int(
-                        self._rows("SELECT COUNT(*) FROM records WHERE subject=?", (pseudonym,))[
+                        self._rows("SELECT COUNT(*) FROM records WHERE subject=?", (pseudonym,))[0][
                             0
-                        ][0]
+                        ]
                     )
                 self._count(f"DELETE FROM subjects WHERE {column}=?", (subject,))
-                epoch = str(int(self._rows("SELECT value FROM meta WHERE key='erasures'")[0][0]) + 1)
+                epoch = str(
+                    int(self._rows("SELECT value FROM meta WHERE key='erasures'")[0][0]) + 1
+                )
                 self._count("UPDATE meta SET value=? WHERE key='erasures'", (epoch,))
                 seq = self._append(
                     [{"v": 2, "event": "erasure", "time": now_iso(now), "records": count}],
@@ -529,7 +532,9 @@ class AuditStore(ABC):
         stays verifies from a signed starting point. Returns how many records were deleted."""
         self._must_write()
         days = self.retention_days if days is None else days
-        cutoff = now_iso((time.time() if now is None else now) - timedelta(days=days).total_seconds())
+        cutoff = now_iso(
+            (time.time() if now is None else now) - timedelta(days=days).total_seconds()
+        )
         with self._lock:
             old = [
                 Checkpoint(str(b).encode("ascii"), bytes(s), str(k))

@@ -177,7 +177,9 @@ class Verifier:
             try:
                 doc = checkpoint.doc
             except ValueError as exc:
-                self.problem("signature", None, None, f"a checkpoint in the {where} is malformed: {exc}")
+                self.problem(
+                    "signature", None, None, f"a checkpoint in the {where} is malformed: {exc}"
+                )
                 continue
             n = doc["n"]
             if doc.get("store") != self.store.store_id:
@@ -217,9 +219,11 @@ class Verifier:
         previous: Checkpoint | None = None
         for checkpoint in checkpoints:
             if previous is None:
-                if checkpoint.n == 1 and checkpoint.doc["prev"] != offline.checkpoint_genesis(
-                    self.store.store_id
-                ).hex():
+                if (
+                    checkpoint.n == 1
+                    and checkpoint.doc["prev"]
+                    != offline.checkpoint_genesis(self.store.store_id).hex()
+                ):
                     self.problem("witness", None, None, "witnessed checkpoint 1 has a wrong origin")
             elif checkpoint.n != previous.n + 1 or checkpoint.doc["prev"] != previous.digest:
                 self.problem(
@@ -333,7 +337,9 @@ class _ChainWalk:
                 span = f"{expected_seq}" if seq - expected_seq == 1 else f"{expected_seq}-{seq - 1}"
                 self.problem("deleted", expected_seq, f"records {span} are missing")
             if link(prev, body.encode()) != digest:
-                self.problem("edited", seq, f"record {seq} does not match its hash (content changed)")
+                self.problem(
+                    "edited", seq, f"record {seq} does not match its hash (content changed)"
+                )
             if prev != expected_prev and not gap:
                 self.classify_break(seq, prev)
             want = self.signed.get(seq)

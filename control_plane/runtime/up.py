@@ -24,6 +24,7 @@ from meshfn import ir
 from meshfn.ebpf import AccelerationUnavailable
 
 from .. import filters
+from ..audit.collector import CollectorMetrics
 from ..audit.store import StoreError
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
@@ -232,6 +233,7 @@ async def run_up(
         audit=audit,
     )
     cp.status_providers["audit"] = audit.status
+    cp.metrics.registry.register(CollectorMetrics(lambda: audit.collector))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

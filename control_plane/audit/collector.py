@@ -451,18 +451,17 @@ class AuditCollector:
             else:
                 return False  # Envoy is mid-line
         lines = chunk[:end].split(b"\n")
+        tail = lines.pop() if torn else b""
         records = [from_log_line(line, j.source) for line in lines if line.strip()]
         if torn:
-            records[-1:] = [
-                unparsed(chunk, j.source, "truncated line at the end of a rotated journal")
-            ]
+            records.append(unparsed(tail, j.source, "truncated line at the end of a rotated journal"))
         for record in records:
             if "error" in record:
                 self.parse_errors += 1
                 log.error(
                     "audit journal %s: %s (stored as an unparsed record)", j.path, record["error"]
                 )
-        new_offset = j.offset + end + 1
+        new_offset = j.offset + end + (0 if torn else 1)
         fingerprint = j.fingerprint
         if not fingerprint or int(fingerprint.split(":", 1)[0]) < _FINGERPRINT:
             fingerprint = _fingerprint(j.fd, new_offset)

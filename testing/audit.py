@@ -10,8 +10,7 @@ from typing import Any
 
 import psycopg
 
-from meshfn.control_plane.audit import FileWitness, Signer, open_store, signing
-from meshfn.control_plane.audit.store import Checkpoint
+from meshfn.control_plane.audit import Checkpoint, FileWitness, Signer, open_store, signing, verify
 from meshfn.control_plane.audit.verify import VerifyReport
 
 
@@ -32,7 +31,7 @@ class Trail:
         return result.checkpoint
 
     def verify(self, witness: bool = True, now: float | None = None) -> VerifyReport:
-        return self.store.verify(self.public_key, self.witness if witness else None, now)
+        return verify(self.store, self.public_key, self.witness if witness else None, now)
 
     def problems(self, witness: bool = True) -> list[tuple[str, str | None, int | None]]:
         return [(p.kind, p.chain, p.seq) for p in self.verify(witness).problems]

@@ -78,9 +78,7 @@ def test_verify_ok_and_tampered(tmp_path: Path) -> None:
     raw.close()
     code, output = audit("verify", "--store", str(db))
     assert code == 1
-    assert (
-        "edited: seq 8: journal models.default:15101: record 8 does not match its hash" in output
-    )
+    assert "edited: seq 8: journal models.default:15101: record 8 does not match its hash" in output
     assert "deleted: seq 12: journal models.default:15101: records 12 are missing" in output
     assert "TAMPERED: 2 problem(s)" in output
     code, output = audit("verify", "--store", str(db), "--json")
@@ -137,7 +135,9 @@ def test_query_filters(tmp_path: Path) -> None:
 
     assert len(q()) == 20
     assert [r["seq"] for r in q("--status", "503")] == [1, 5, 9, 13, 17]
-    assert len(q("--status", "5xx")) == 5 and len(q("--status", "2xx", "--route", "default/a")) == 10
+    assert (
+        len(q("--status", "5xx")) == 5 and len(q("--status", "2xx", "--route", "default/a")) == 10
+    )
     assert len(q("--route", "default/function-iris")) == 10
     assert len(q("--subject-raw", "alice")) == 5  # the salt `meshfn up` keeps beside the store
     assert len(q("--subject-raw", "alice", "--salt", SALT)) == 5
@@ -250,7 +250,10 @@ def test_export_verifies_offline_and_tampering_shows(tmp_path: Path, fmt: str) -
     assert done.returncode == 1 and "which no checkpoint signed" in done.stdout
     other = make_store(tmp_path / "other")
     code, output = audit(
-        "verify-export", str(export), "--public-key", str(layout.public_key_path(other.parent.parent))
+        "verify-export",
+        str(export),
+        "--public-key",
+        str(layout.public_key_path(other.parent.parent)),
     )
     assert code == 1 and "signature invalid" in output
 

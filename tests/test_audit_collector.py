@@ -13,10 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshfn.control_plane.audit import AuditCollector, AuditStore, SignerClient, open_store
+from meshfn.control_plane.audit import AuditCollector, AuditStore, SignerClient, open_store, verify
 from meshfn.control_plane.audit.sqlite import SqliteStore
 from meshfn.control_plane.audit.store import StoreError
 from meshfn.testing.audit import Raw, Trail
@@ -43,7 +42,7 @@ def ids(store: AuditStore) -> list[str]:
 
 def chain_intact(store: AuditStore) -> bool:
     """The hash chains alone (these collectors run without a signer)."""
-    return store.verify(Ed25519PrivateKey.generate().public_key()).ok
+    return verify(store, Ed25519PrivateKey.generate().public_key()).ok
 
 
 async def collect(store: AuditStore, journal: Path, **kw: object) -> AuditCollector:

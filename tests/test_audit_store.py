@@ -17,17 +17,15 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshfn.control_plane.audit import offline
+from meshfn.control_plane.audit import Checkpoint, offline, open_store, verify
 from meshfn.control_plane.audit.record import canonical
 from meshfn.control_plane.audit.signer import Signer
 from meshfn.control_plane.audit.sqlite import SqliteStore
 from meshfn.control_plane.audit.store import (
     CONTROL_CHAIN,
-    Checkpoint,
     JournalPosition,
     StoreConflict,
     StoreError,
-    open_store,
 )
 from meshfn.control_plane.audit.witness import FileWitness
 from meshfn.testing.audit import Raw, Trail
@@ -327,7 +325,10 @@ def test_early_deletion_disguised_as_retention(trail: Trail) -> None:
     all_rows = rows(trail)
     rewrite(trail, all_rows[20:])
     raw = Raw(trail.location)
-    raw.run("UPDATE chains SET anchor_seq = 20, anchor_hash = ? WHERE chain = 'edge'", (all_rows[19][3],))
+    raw.run(
+        "UPDATE chains SET anchor_seq = 20, anchor_hash = ? WHERE chain = 'edge'",
+        (all_rows[19][3],),
+    )
     raw.close()
     assert trail.problems() == [("retention", "edge", 20)]
     raw = Raw(trail.location)
@@ -405,7 +406,9 @@ def _database_bytes(trail: Trail, pg: PostgresServer | None) -> bytes:
     dump = subprocess.run(
         [str(bin_dir() / "pg_dump"), trail.location], capture_output=True, check=True
     ).stdout
-    (oid,) = Raw(trail.location).run("SELECT oid FROM pg_database WHERE datname = current_database()")[0]
+    (oid,) = Raw(trail.location).run(
+        "SELECT oid FROM pg_database WHERE datname = current_database()"
+    )[0]
     files = b"".join(p.read_bytes() for p in (pg.data / "base" / str(oid)).iterdir() if p.is_file())
     return dump + files
 
@@ -491,7 +494,7 @@ def test_full_store_refuses_and_keeps_nothing_half_written(tmp_path: Path) -> No
     store.set_max_bytes(10 * 1024 * 1024)  # room again: the chain continues seamlessly
     store.append([rec(stored + 1)], chain="n")
     assert store.count() == stored + 1
-    assert store.verify(Ed25519PrivateKey.generate().public_key()).ok
+    assert verify(store, Ed25519PrivateKey.generate().public_key()).ok
     store.close()
 
 

@@ -8,10 +8,12 @@ meshfn.contracts.plugins; the Envoy config that writes the journal is the transl
 (meshfn.xds.translate.wasm). `offline.py` checks chains, checkpoints and exports without meshfn.
 """
 
+from .checkpoint import Checkpoint
 from .collector import AuditCollector
 from .signer import Signer, SignerClient, SignerError
-from .store import AuditStore, Checkpoint, JournalPosition, StoreConflict, StoreError, open_store
-from .verify import VerifyReport
+from .store import AuditStore, JournalPosition, StoreConflict, StoreError
+from .stores import open_store
+from .verify import VerifyReport, verify
 from .witness import FileWitness
 
 __all__ = [
@@ -27,4 +29,5 @@ __all__ = [
     "StoreError",
     "VerifyReport",
     "open_store",
+    "verify",
 ]

@@ -31,8 +31,10 @@ from . import layout, offline, signing
 from .collector import AuditCollector
 from .salt import load as load_salt
 from .signer import Signer, SignerClient, SignerError, serve
-from .store import CONTROL_CHAIN, AuditStore, StoreError, now_iso, open_store
+from .store import CONTROL_CHAIN, AuditStore, StoreError, now_iso
+from .stores import open_store
 from .verify import VerifyReport
+from .verify import verify as verify_store
 from .witness import FileWitness, Witness, WitnessError
 
 audit_app = typer.Typer(
@@ -188,7 +190,7 @@ def verify(
     checked = _witness(store, witness, no_witness)
     db = _open(store)
     try:
-        report = db.verify(key, checked)
+        report = verify_store(db, key, checked)
     except StoreError as exc:
         raise _fail(str(exc)) from None
     finally:

@@ -454,7 +454,9 @@ class AuditCollector:
         tail = lines.pop() if torn else b""
         records = [from_log_line(line, j.source) for line in lines if line.strip()]
         if torn:
-            records.append(unparsed(tail, j.source, "truncated line at the end of a rotated journal"))
+            records.append(
+                unparsed(tail, j.source, "truncated line at the end of a rotated journal")
+            )
         for record in records:
             if "error" in record:
                 self.parse_errors += 1

@@ -31,8 +31,9 @@ from typing import Any, Protocol
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from . import offline
+from .checkpoint import Checkpoint
 from .offline import canonical, link
-from .store import AuditStore, Checkpoint, StoreError, now_iso
+from .store import AuditStore, StoreError, now_iso
 from .witness import Witness, WitnessError
 
 log = logging.getLogger("meshfn.audit.signer")

@@ -41,17 +41,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import offline
+from .checkpoint import Checkpoint
 from .offline import canonical, chain_genesis, link
-
-if TYPE_CHECKING:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-    from .verify import VerifyReport
-    from .witness import Witness
 
 SCHEMA = 2
 DEFAULT_RETENTION_DAYS = 730
@@ -84,50 +77,6 @@ class JournalPosition:
     # "<n>:<sha256 of the file's first n bytes>": inode numbers are reused once a file is deleted,
     # the first bytes of a journal are not.
     fingerprint: str = ""
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A signed checkpoint: its canonical body (offline.py format) and the signature over it."""
-
-    body: bytes
-    signature: bytes
-    key_id: str
-
-    @property
-    def doc(self) -> dict[str, Any]:
-        return offline.parse_checkpoint(self.body)
-
-    @property
-    def n(self) -> int:
-        return int(self.doc["n"])
-
-    @property
-    def heads(self) -> dict[str, tuple[int, str]]:
-        return {c: (int(s), str(h)) for c, (s, h) in self.doc["chains"].items()}
-
-    @property
-    def time(self) -> str:
-        return str(self.doc["time"])
-
-    @property
-    def digest(self) -> str:
-        return offline.checkpoint_digest(self.body)
-
-    def as_json(self) -> dict[str, str]:
-        return {
-            "body": self.body.decode("ascii"),
-            "signature": self.signature.hex(),
-            "key_id": self.key_id,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Checkpoint:
-        return cls(
-            str(data["body"]).encode("ascii"),
-            bytes.fromhex(str(data["signature"])),
-            str(data.get("key_id", "")),
-        )
 
 
 @dataclass(frozen=True)
@@ -637,21 +586,6 @@ class AuditStore(ABC):
             rows = self._rows(sql, args)
         return [{"chain": str(c), "seq": int(s), **json.loads(body)} for c, s, body in rows]
 
-    def verify(
-        self,
-        public_key: Ed25519PublicKey,
-        witness: Witness | None = None,
-        now: float | None = None,
-    ) -> VerifyReport:
-        """Walk every chain against the checkpoints in the store and, given one, the witness's;
-        report every problem found (up to 100), naming chain (journal) and record."""
-        from .verify import Verifier
-
-        return Verifier(self, public_key, witness, now).run()
-
-    def stream_records(self, chain: str) -> Iterator[tuple[int, str, bytes, bytes]]:
-        return self.records_after(chain, -1)
-
     def records_since(self, chain: str, since: str) -> int | None:
         """The first seq of `chain` whose record time is at or after `since`."""
         with self._lock:
@@ -659,24 +593,3 @@ class AuditStore(ABC):
                 "SELECT MIN(seq) FROM records WHERE chain=? AND time >= ?", (chain, since)
             )
         return int(rows[0][0]) if rows and rows[0][0] is not None else None
-
-
-def open_store(
-    location: str | Path,
-    *,
-    readonly: bool = False,
-    retention_days: int = DEFAULT_RETENTION_DAYS,
-    max_bytes: int | None = None,
-) -> AuditStore:
-    """`postgresql://...` (or `postgres://`, or a libpq `key=value` string): PostgreSQL;
-    anything else: an SQLite file."""
-    text = str(location)
-    if text.startswith(("postgresql://", "postgres://")) or ("=" in text and " " in text):
-        from .postgres import PostgresStore
-
-        return PostgresStore(text, readonly=readonly, retention_days=retention_days)
-    from .sqlite import SqliteStore
-
-    return SqliteStore(
-        Path(text), readonly=readonly, retention_days=retention_days, max_bytes=max_bytes
-    )

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from . import offline
+from .checkpoint import Checkpoint
 from .offline import link
-from .store import Anchor, AuditStore, Checkpoint, StoreError, parse_iso
+from .store import Anchor, AuditStore, StoreError, parse_iso
 from .witness import Witness, WitnessError
 
 if TYPE_CHECKING:
@@ -382,3 +383,15 @@ class _ChainWalk:
             self.problem("inserted", origin + 1, f"records {span} were inserted into the chain")
         else:
             self.problem("reordered", seq, f"record {seq} is out of place")
+
+
+def verify(
+    store: AuditStore,
+    public_key: Ed25519PublicKey,
+    witness: Witness | None = None,
+    now: float | None = None,
+) -> VerifyReport:
+    """Walk every chain against the checkpoints in the store and, given one, the witness's;
+    report every problem found (up to 100), naming chain (journal) and record. Callable
+    in-process (the console's audit panel) as well as through `meshfn audit verify`."""
+    return Verifier(store, public_key, witness, now).run()

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from .store import Checkpoint
+from .checkpoint import Checkpoint
 
 
 class WitnessError(RuntimeError):

@@ -27,6 +27,7 @@ from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
 
 from meshfn.contracts.plugins import (
     AUDIT_FILTER_STATE,
+    MESH_ROUTE_HEADER,
     AuditSettings,
     DegradeSettings,
     FilterKind,
@@ -37,6 +38,8 @@ from meshfn.contracts.plugins import (
     needs_full_build,
     plugin_json,
 )
+
+from .routes import MESH_ROUTE_KEY, ROUTE_METADATA
 
 
 def wasm_path(name: FilterKind, lean: bool, directory: Path) -> Path:
@@ -104,7 +107,9 @@ def meshfn_filter(
 
 
 def early_header_mutation(
-    degrade: DegradeSettings | None = None, audit: AuditSettings | None = None
+    degrade: DegradeSettings | None = None,
+    audit: AuditSettings | None = None,
+    mesh_route: bool = False,
 ) -> extension_pb2.TypedExtensionConfig:
     """For HttpConnectionManager.early_header_mutation_extensions: removes `internal_headers`
     from client requests BEFORE Envoy matches a route or runs a filter. Envoy picks the route
@@ -112,7 +117,7 @@ def early_header_mutation(
     route first; the degrade filter then strips it and clears the route cache (routing ends up
     right), but it can only evaluate its rules against the route Envoy had picked. In jwt_headers
     mode it is what makes the claim headers trustworthy: only jwt_authn can have set them."""
-    names = internal_headers(degrade, audit)
+    names = internal_headers(degrade, audit, mesh_route)
     if not names:
         raise ValueError("early_header_mutation needs degrade settings or jwt_headers audit")
     mutation = header_mutation_pb2.HeaderMutation(
@@ -167,14 +172,33 @@ def _literal(text: str) -> str:
     return text.replace("%", "%%")
 
 
-def access_log_format(settings: AuditSettings) -> dict[str, str]:
+def mesh_route_fields(trusted_gateways: tuple[str, ...] | None) -> dict[str, str]:
+    """How the access log names the mesh route (record.mesh_route reads it). A gateway
+    (`trusted_gateways` None) names it from its own route table; a sidecar copies the gateway's
+    `x-meshfn-route` header and the SPIFFE IDs of the gateways it may believe, and the record
+    names the route only when the request's verified mTLS peer is one of them."""
+    if trusted_gateways is None:
+        return {
+            "mesh_route": f"%METADATA(ROUTE:{ROUTE_METADATA}:{MESH_ROUTE_KEY})%",
+            "mesh_route_by": "proxy",
+        }
+    return {
+        "mesh_route": f"%REQ({MESH_ROUTE_HEADER.upper()}):256%",
+        "mesh_route_from": _literal(" ".join(trusted_gateways)),
+    }
+
+
+def access_log_format(
+    settings: AuditSettings, trusted_gateways: tuple[str, ...] | None = ()
+) -> dict[str, str]:
     """ACCESS_LOG_FORMAT, and for a bare filter state (`bare_filter_state`) what the filter no
     longer publishes: the audit record version, salt_id and subject_source (constants of this
     configuration) and the tenant from jwt_authn's verified payload. The tenant is not capped
     here: Envoy cuts bytes, and a cut through a UTF-8 character makes its JSON writer escape the
     whole value byte by byte; record.from_log_line caps it at 128 characters (flagged
-    `truncated`). It uses these fields only when the filter state is present."""
-    fields = dict(ACCESS_LOG_FORMAT)
+    `truncated`). It uses these fields only when the filter state is present. The mesh route:
+    `mesh_route_fields`."""
+    fields = dict(ACCESS_LOG_FORMAT) | mesh_route_fields(trusted_gateways)
     if bare_filter_state(settings):
         fields["audit_v"] = AUDIT_STATE_VERSION
         fields["salt_id"] = _literal(settings.salt_id)
@@ -187,13 +211,15 @@ def access_log_format(settings: AuditSettings) -> dict[str, str]:
     return fields
 
 
-def access_log(journal: Path, settings: AuditSettings) -> accesslog_pb2.AccessLog:
+def access_log(
+    journal: Path, settings: AuditSettings, trusted_gateways: tuple[str, ...] | None = ()
+) -> accesslog_pb2.AccessLog:
     """The HttpConnectionManager access-log entry the collector reads (Envoy's file logger:
     written by Envoy whether or not the collector runs, hence loss-free), for the audit filter
     configured with `settings`. Start Envoy with `--file-flush-interval-msec 200` or so: the
     default (10 s) only delays records."""
     fields = struct_pb2.Struct()
-    fields.update(access_log_format(settings))
+    fields.update(access_log_format(settings, trusted_gateways))
     logger = file_pb2.FileAccessLog(
         path=str(journal),
         log_format=substitution_format_string_pb2.SubstitutionFormatString(json_format=fields),

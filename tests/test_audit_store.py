@@ -542,3 +542,16 @@ def test_unreachable_postgres_is_a_store_error(pg: PostgresServer) -> None:
     store.append([rec(1)], chain="a")  # reconnects on the next call
     assert store.count() == 1
     store.close()
+
+
+def test_query_columns_edited_to_hide_a_record_are_named(trail: Trail) -> None:
+    """PostgreSQL's query columns are filled by the writer: verify checks they agree."""
+    fill(trail, 10)
+    raw = Raw(trail.location)
+    if not trail.location.startswith("postgresql"):  # generated from the record: not writable
+        with pytest.raises(sqlite3.OperationalError, match="generated column"):
+            raw.run("UPDATE records SET route = 'default/other' WHERE seq = 4")
+        return
+    raw.run("UPDATE records SET route = 'default/other', status = 201 WHERE seq = 4")
+    raw.close()
+    assert trail.problems() == [("edited", "edge", 4)]

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .store import DEFAULT_RETENTION_DAYS, AuditStore, Row, StoreConflict, StoreError
+from .store import DEFAULT_RETENTION_DAYS, AuditStore, RecordRow, Row, StoreConflict, StoreError
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -187,10 +187,11 @@ class SqliteStore(AuditStore):
         with self._lock, self._errors("write failed"):
             return int(self._db.execute(sql, tuple(args)).rowcount)
 
-    def _insert_records(self, rows: list[tuple[str, int, str, bytes, bytes]]) -> None:
+    def _insert_records(self, rows: list[RecordRow]) -> None:
         with self._errors("cannot store audit records"):
             self._db.executemany(
-                "INSERT INTO records (chain, seq, record, prev, hash) VALUES (?, ?, ?, ?, ?)", rows
+                "INSERT INTO records (chain, seq, record, prev, hash) VALUES (?, ?, ?, ?, ?)",
+                [row[:5] for row in rows],
             )
 
     def _lock_erasures(self, exclusive: bool) -> str:

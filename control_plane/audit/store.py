@@ -55,6 +55,7 @@ _PSEUDONYM = re.compile(r"^[0-9a-f]{32}$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 
 Row = tuple[Any, ...]
+RecordRow = tuple[str, int, str, bytes, bytes, dict[str, Any]]
 
 
 class StoreError(RuntimeError):
@@ -140,8 +141,14 @@ class AuditStore(ABC):
         """Run one write statement and return how many rows it changed."""
 
     @abstractmethod
-    def _insert_records(self, rows: list[tuple[str, int, str, bytes, bytes]]) -> None:
-        """Bulk-insert (chain, seq, record, prev, hash) rows inside the current transaction."""
+    def _insert_records(self, rows: list[RecordRow]) -> None:
+        """Bulk-insert (chain, seq, record, prev, hash, the record as a dict) rows inside the
+        current transaction."""
+
+    # SQL (over the records table) that is true when a row's query columns agree with its
+    # record: a backend that fills them from Python has verify check them (generated ones
+    # cannot disagree).
+    _columns_agree = "1"
 
     @abstractmethod
     def _lock_erasures(self, exclusive: bool) -> str:
@@ -251,15 +258,23 @@ class AuditStore(ABC):
     ) -> Iterator[tuple[int, str, bytes, bytes]]:
         """(seq, record, prev, hash) of the chain's records after `seq`, in order, read in
         batches (keyset pagination: no cursor stays open between them)."""
+        for row in self.checked_records_after(chain, seq, batch, check=False):
+            yield row[:4]
+
+    def checked_records_after(
+        self, chain: str, seq: int, batch: int = 5000, check: bool = True
+    ) -> Iterator[tuple[int, str, bytes, bytes, bool]]:
+        """`records_after`, and whether each row's query columns agree with its record."""
+        agree = self._columns_agree if check else "1"
         while True:
             with self._lock:
                 rows = self._rows(
-                    "SELECT seq, record, prev, hash FROM records WHERE chain=? AND seq>?"
-                    " ORDER BY seq LIMIT ?",
+                    f"SELECT seq, record, prev, hash, {agree} FROM records"
+                    " WHERE chain=? AND seq>? ORDER BY seq LIMIT ?",
                     (chain, seq, batch),
                 )
-            for s, body, prev, digest in rows:
-                yield int(s), str(body), bytes(prev), bytes(digest)
+            for s, body, prev, digest, ok in rows:
+                yield int(s), str(body), bytes(prev), bytes(digest), bool(ok)
             if len(rows) < batch:
                 return
             seq = int(rows[-1][0])
@@ -314,7 +329,7 @@ class AuditStore(ABC):
             body = canonical(record)
             digest = link(prev, body)
             seq += 1
-            rows.append((chain, seq, body.decode("ascii"), prev, digest))
+            rows.append((chain, seq, body.decode("ascii"), prev, digest, record))
             prev = digest
         if rows:
             self._insert_records(rows)  # a racing writer's rows make the (chain, seq) key clash

@@ -328,7 +328,8 @@ class _ChainWalk:
     def run(self) -> None:
         report = self.report
         expected_seq, expected_prev = self.start + 1, self.start_hash
-        for seq, body, prev, digest in self.v.store.records_after(self.chain, self.start):
+        rows = self.v.store.checked_records_after(self.chain, self.start)
+        for seq, body, prev, digest, columns_agree in rows:
             report.records += 1
             if report.first_seq is None:
                 report.first_seq = seq
@@ -340,6 +341,13 @@ class _ChainWalk:
             if link(prev, body.encode()) != digest:
                 self.problem(
                     "edited", seq, f"record {seq} does not match its hash (content changed)"
+                )
+            elif not columns_agree:
+                self.problem(
+                    "edited",
+                    seq,
+                    f"record {seq}: its query columns (time, subject, status, route) disagree"
+                    " with its content (edited to hide it from queries)",
                 )
             if prev != expected_prev and not gap:
                 self.classify_break(seq, prev)

@@ -424,6 +424,12 @@ class AuditCollector:
         size = os.fstat(j.fd).st_size
         if size <= j.offset:
             return j.offset
+        start = max(j.offset, size - 65536)  # the end first: cheap while far behind
+        newline = os.pread(j.fd, size - start, start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        if start == j.offset:
+            return j.offset
         tail = os.pread(j.fd, min(size - j.offset, _MAX_BATCH), j.offset)
         return j.offset + tail.rfind(b"\n") + 1 if b"\n" in tail else j.offset
 

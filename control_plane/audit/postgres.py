@@ -19,14 +19,21 @@ line, not the only one.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
 from psycopg import errors
 
-from .store import DEFAULT_RETENTION_DAYS, AuditStore, RecordRow, Row, StoreConflict, StoreError
+from .store import (
+    DEFAULT_RETENTION_DAYS,
+    AuditStore,
+    RecordRow,
+    Row,
+    StoreConflict,
+    StoreError,
+    query_columns,
+)
 
 _SCHEMA_LOCK = (
     0x6D657368666E  # "meshfn": serialises schema creation by collectors starting together
@@ -207,10 +214,12 @@ class PostgresStore(AuditStore):
             return int(self._connection().execute(self._sql(sql), tuple(args)).rowcount)
 
     _columns_agree = (
-        "(time IS NOT DISTINCT FROM record::json ->> 'time'"
-        " AND subject IS NOT DISTINCT FROM record::json ->> 'subject'"
-        " AND status::text IS NOT DISTINCT FROM record::json ->> 'status'"
-        " AND route IS NOT DISTINCT FROM record::json ->> 'route')"
+        "(SELECT r.time IS NOT DISTINCT FROM records.time"
+        " AND r.subject IS NOT DISTINCT FROM records.subject"
+        " AND r.status IS NOT DISTINCT FROM records.status::text"
+        " AND r.route IS NOT DISTINCT FROM records.route"
+        " FROM json_to_record(record::json) AS r(time text, subject text, status text,"
+        " route text))"
     )
 
     def _insert_records(self, rows: list[RecordRow]) -> None:
@@ -225,21 +234,8 @@ class PostgresStore(AuditStore):
             copy.set_types(
                 ["text", "int8", "text", "bytea", "bytea", "text", "text", "int4", "text"]
             )
-            for chain, seq, body, prev, digest, record in rows:
-                status = record.get("status")
-                copy.write_row(
-                    (
-                        chain,
-                        seq,
-                        body,
-                        prev,
-                        digest,
-                        _text(record.get("time")),
-                        _text(record.get("subject")),
-                        status if type(status) is int and -(2**31) <= status < 2**31 else None,
-                        _text(record.get("route")),
-                    )
-                )
+            for row in rows:
+                copy.write_row((*row[:5], *query_columns(row[5])))
 
     def _lock_erasures(self, exclusive: bool) -> str:
         mode = "UPDATE" if exclusive else "SHARE"
@@ -264,13 +260,6 @@ class PostgresStore(AuditStore):
     def close(self) -> None:
         with self._lock:
             self._drop()
-
-
-def _text(value: Any) -> str | None:
-    """What `record::json ->> key` gives for a value (verify compares the two)."""
-    if value is None or isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 def _message(exc: BaseException) -> str:

@@ -78,9 +78,11 @@ def _clean(text: str) -> str:
 
 
 def _str(value: Any, name: str, cut: list[str]) -> str | None:
-    if value is None or value in {"-", ""}:
+    if value is None or value == "-" or value == "":  # noqa: PLR1714 (faster than a set)
         return None
-    text = _clean(value if isinstance(value, str) else str(value))
+    text = value if type(value) is str else str(value)
+    if not text.isascii() or "\x00" in text:
+        text = _clean(text)
     limit = LIMITS.get(name)
     if limit is not None and len(text) > limit:
         cut.append(name)

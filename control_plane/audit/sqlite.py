@@ -15,7 +15,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .store import DEFAULT_RETENTION_DAYS, AuditStore, RecordRow, Row, StoreConflict, StoreError
+from .store import (
+    DEFAULT_RETENTION_DAYS,
+    AuditStore,
+    RecordRow,
+    Row,
+    StoreConflict,
+    StoreError,
+    query_columns,
+)
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -32,10 +40,12 @@ CREATE TABLE IF NOT EXISTS records (
     record TEXT NOT NULL,
     prev BLOB NOT NULL,
     hash BLOB NOT NULL,
-    time TEXT GENERATED ALWAYS AS (json_extract(record, '$.time')) VIRTUAL,
-    subject TEXT GENERATED ALWAYS AS (json_extract(record, '$.subject')) VIRTUAL,
-    status INTEGER GENERATED ALWAYS AS (json_extract(record, '$.status')) VIRTUAL,
-    route TEXT GENERATED ALWAYS AS (json_extract(record, '$.route')) VIRTUAL
+    -- filled by the writer from the record it chains (cheaper than json_extract in every
+    -- index); verify checks they agree (_columns_agree)
+    time TEXT,
+    subject TEXT,
+    status INTEGER,
+    route TEXT
 );
 CREATE UNIQUE INDEX IF NOT EXISTS records_chain_seq ON records (chain, seq);
 CREATE INDEX IF NOT EXISTS records_time ON records (time);
@@ -187,11 +197,18 @@ class SqliteStore(AuditStore):
         with self._lock, self._errors("write failed"):
             return int(self._db.execute(sql, tuple(args)).rowcount)
 
+    _columns_agree = (
+        "(time IS json_extract(record, '$.time') AND subject IS json_extract(record, '$.subject')"
+        " AND status IS json_extract(record, '$.status')"
+        " AND route IS json_extract(record, '$.route'))"
+    )
+
     def _insert_records(self, rows: list[RecordRow]) -> None:
         with self._errors("cannot store audit records"):
             self._db.executemany(
-                "INSERT INTO records (chain, seq, record, prev, hash) VALUES (?, ?, ?, ?, ?)",
-                [row[:5] for row in rows],
+                "INSERT INTO records (chain, seq, record, prev, hash, time, subject, status,"
+                " route) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(*row[:5], *query_columns(row[5])) for row in rows],
             )
 
     def _lock_erasures(self, exclusive: bool) -> str:

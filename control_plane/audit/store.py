@@ -95,6 +95,23 @@ class Erasure:
     residue: tuple[str, ...] = ()  # what the database could not scrub (see _shred)
 
 
+def query_columns(record: dict[str, Any]) -> tuple[str | None, str | None, int | None, str | None]:
+    """time, subject, status, route as the query columns hold them: what the record says (a
+    value of another type than the column's is NULL there, which verify reports)."""
+    time_, subject, status, route = (
+        record.get("time"),
+        record.get("subject"),
+        record.get("status"),
+        record.get("route"),
+    )
+    return (
+        time_ if type(time_) is str else None,
+        subject if type(subject) is str else None,
+        status if type(status) is int and -(2**31) <= status < 2**31 else None,
+        route if type(route) is str else None,
+    )
+
+
 def now_iso(now: float | None = None) -> str:
     moment = datetime.fromtimestamp(time.time() if now is None else now, UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")

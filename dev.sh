@@ -40,6 +40,8 @@ ensure_system() {
   command -v clang >/dev/null || missing+=(clang)
   command -v wasm-ld >/dev/null || command -v ld.lld >/dev/null || missing+=(lld)
   command -v wrk >/dev/null || missing+=(wrk)
+  # PostgreSQL server: the cluster audit store's tests and bench start one on loopback.
+  compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || missing+=(postgresql)
   if ((${#missing[@]})); then apt_install "${missing[@]}"; fi
   "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
     || { log "meshfn needs Python >= 3.11 ($PYTHON is older)"; exit 1; }

@@ -279,3 +279,40 @@ def test_parse_time() -> None:
     assert parse_time("2026-01-31T12:00:00+02:00") == "2026-01-31T10:00:00.000000Z"
     assert parse_time("90m", now) == "2026-03-01T10:30:00.000000Z"
     assert parse_time("7d", now) == "2026-02-22T12:00:00.000000Z"
+
+
+def test_collect_serves_metrics_and_stops_cleanly(tmp_path: Path) -> None:
+    import signal
+    import time
+    import urllib.request
+
+    from meshfn.testing.ports import free_port
+
+    journal = tmp_path / "j.jsonl"
+    journal.write_bytes(b'{"id": "a", "status": 200}\n{broken\n')
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-m", "meshfn.control_plane.audit.cli", "collect", "--store",
+         str(tmp_path / "a.db"), "--journal", f"n={journal}", "--metrics-port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        text = ""
+        for _ in range(200):
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+            except OSError:
+                text = ""
+            if 'meshfn_audit_records_stored_total{source="n"} 2.0' in text:
+                break
+            time.sleep(0.05)
+        assert 'meshfn_audit_records_stored_total{source="n"} 2.0' in text, text
+        assert "meshfn_audit_parse_errors_total 1.0" in text
+        assert "meshfn_audit_store_up 1.0" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "no --signer" in err and "stored as an unparsed record" in err

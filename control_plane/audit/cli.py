@@ -24,11 +24,12 @@ from typing import Annotated, Any, Literal
 import typer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from prometheus_client import CollectorRegistry, start_http_server
 from rich.console import Console
 from rich.table import Table
 
 from . import layout, offline, signing
-from .collector import AuditCollector
+from .collector import AuditCollector, CollectorMetrics
 from .salt import load as load_salt
 from .signer import Signer, SignerClient, SignerError, serve
 from .store import CONTROL_CHAIN, AuditStore, StoreError, now_iso
@@ -506,6 +507,9 @@ def collect(
     ] = None,
     checkpoint_every: Annotated[int, typer.Option(min=1)] = 1000,
     checkpoint_interval: Annotated[float, typer.Option(min=0.05)] = 5.0,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="serve /metrics (Prometheus) on this port")
+    ] = None,
 ) -> None:
     """Run a collector in the foreground until SIGTERM/SIGINT (the control plane runs the same
     collector in-process). Several may write one store, each with its own journals."""
@@ -534,6 +538,10 @@ def collect(
         )
         for source, path in pairs:
             collector.watch(path, source)
+        if metrics_port is not None:
+            registry = CollectorRegistry()
+            registry.register(CollectorMetrics(lambda: collector))
+            start_http_server(metrics_port, registry=registry)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -27,11 +27,13 @@ from psycopg import errors
 
 from .store import (
     DEFAULT_RETENTION_DAYS,
+    VERIFY_COLUMNS,
     AuditStore,
     RecordRow,
     Row,
     StoreConflict,
     StoreError,
+    VerifyRow,
     query_columns,
 )
 
@@ -207,20 +209,33 @@ class PostgresStore(AuditStore):
     def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
         with self._lock, self._errors("query failed"):
             cursor = self._connection().execute(self._sql(sql), tuple(args), prepare=True)
-            return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
+            return cursor.fetchall() if cursor.description else []
 
     def _count(self, sql: str, args: Sequence[Any] = ()) -> int:
         with self._lock, self._errors("write failed"):
             return int(self._connection().execute(self._sql(sql), tuple(args)).rowcount)
 
-    _columns_agree = (
-        "(SELECT r.time IS NOT DISTINCT FROM records.time"
-        " AND r.subject IS NOT DISTINCT FROM records.subject"
-        " AND r.status IS NOT DISTINCT FROM records.status::text"
-        " AND r.route IS NOT DISTINCT FROM records.route"
-        " FROM json_to_record(record::json) AS r(time text, subject text, status text,"
-        " route text))"
-    )
+    def record_batches(self, chain: str, seq: int, batch: int = 5000) -> Iterator[list[VerifyRow]]:
+        """One streamed query (a server-side cursor on its own connection, in one snapshot)
+        instead of keyset pages: without fresh statistics the planner sorts every remaining
+        row for each LIMIT page, which made a whole-chain read quadratic."""
+        try:
+            conn = psycopg.connect(self.dsn, connect_timeout=max(1, int(self.connect_timeout)))
+        except psycopg.Error as exc:
+            raise StoreError(f"{self.location}: cannot connect: {_message(exc)}") from None
+        try:
+            with self._errors("query failed"), conn.transaction():
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                with conn.cursor(name="meshfn_audit_records") as cursor:
+                    cursor.execute(
+                        f"SELECT {VERIFY_COLUMNS} FROM records"
+                        " WHERE chain = %s AND seq > %s ORDER BY seq".encode(),
+                        (chain, seq),
+                    )
+                    while rows := cursor.fetchmany(batch):
+                        yield rows
+        finally:
+            conn.close()
 
     def _insert_records(self, rows: list[RecordRow]) -> None:
         with (

@@ -191,17 +191,11 @@ class SqliteStore(AuditStore):
 
     def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
         with self._lock, self._errors("query failed"):
-            return [tuple(r) for r in self._db.execute(sql, tuple(args)).fetchall()]
+            return self._db.execute(sql, tuple(args)).fetchall()
 
     def _count(self, sql: str, args: Sequence[Any] = ()) -> int:
         with self._lock, self._errors("write failed"):
             return int(self._db.execute(sql, tuple(args)).rowcount)
-
-    _columns_agree = (
-        "(time IS json_extract(record, '$.time') AND subject IS json_extract(record, '$.subject')"
-        " AND status IS json_extract(record, '$.status')"
-        " AND route IS json_extract(record, '$.route'))"
-    )
 
     def _insert_records(self, rows: list[RecordRow]) -> None:
         with self._errors("cannot store audit records"):

@@ -46,6 +46,8 @@ from typing import Any
 from .checkpoint import Checkpoint
 from .offline import canonical, chain_genesis, link
 
+_json_string = json.encoder.encode_basestring_ascii
+
 SCHEMA = 2
 DEFAULT_RETENTION_DAYS = 730
 DEFAULT_CHAIN = "local"
@@ -56,6 +58,10 @@ _HASH = re.compile(r"^[0-9a-f]{64}$")
 
 Row = tuple[Any, ...]
 RecordRow = tuple[str, int, str, bytes, bytes, dict[str, Any]]
+# seq, record, prev, hash and the query columns time, subject, status, route
+VerifyRow = tuple[int, str, bytes, bytes, str | None, str | None, int | None, str | None]
+VERIFY_COLUMNS = "seq, record, prev, hash, time, subject, status, route"
+_QUERY_TAGS = ('"time":', '"subject":', '"status":', '"route":')
 
 
 class StoreError(RuntimeError):
@@ -112,6 +118,28 @@ def query_columns(record: dict[str, Any]) -> tuple[str | None, str | None, int |
     )
 
 
+def columns_agree(body: str, columns: tuple[Any, ...]) -> bool:
+    """Whether a row's query columns (time, subject, status, route) say what its canonical
+    record says, without parsing it: each value appears there as `"key":<JSON>` after `{` or
+    `,` and before `,` or `}` (sorted keys, no spaces, ASCII; inside a string every quote is
+    escaped, so `"key":` there is never matched). NULL: the key is absent or null."""
+    for tag, value in zip(_QUERY_TAGS, columns, strict=True):
+        at = body.find(tag)
+        while at > 0 and body[at - 1] not in "{,":
+            at = body.find(tag, at + 1)
+        start = at + len(tag)
+        if value is None:
+            if at >= 0 and not body.startswith("null", start):
+                return False
+            continue
+        text = _json_string(value) if type(value) is str else str(value)
+        if at < 0 or not body.startswith(text, start):
+            return False
+        if body[start + len(text) : start + len(text) + 1] not in (",", "}"):
+            return False
+    return True
+
+
 def now_iso(now: float | None = None) -> str:
     moment = datetime.fromtimestamp(time.time() if now is None else now, UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -161,11 +189,6 @@ class AuditStore(ABC):
     def _insert_records(self, rows: list[RecordRow]) -> None:
         """Bulk-insert (chain, seq, record, prev, hash, the record as a dict) rows inside the
         current transaction."""
-
-    # SQL (over the records table) that is true when a row's query columns agree with its
-    # record: a backend that fills them from Python has verify check them (generated ones
-    # cannot disagree).
-    _columns_agree = "1"
 
     @abstractmethod
     def _lock_erasures(self, exclusive: bool) -> str:
@@ -275,23 +298,36 @@ class AuditStore(ABC):
     ) -> Iterator[tuple[int, str, bytes, bytes]]:
         """(seq, record, prev, hash) of the chain's records after `seq`, in order, read in
         batches (keyset pagination: no cursor stays open between them)."""
-        for row in self.checked_records_after(chain, seq, batch, check=False):
-            yield row[:4]
-
-    def checked_records_after(
-        self, chain: str, seq: int, batch: int = 5000, check: bool = True
-    ) -> Iterator[tuple[int, str, bytes, bytes, bool]]:
-        """`records_after`, and whether each row's query columns agree with its record."""
-        agree = self._columns_agree if check else "1"
         while True:
             with self._lock:
                 rows = self._rows(
-                    f"SELECT seq, record, prev, hash, {agree} FROM records"
-                    " WHERE chain=? AND seq>? ORDER BY seq LIMIT ?",
+                    "SELECT seq, record, prev, hash FROM records WHERE chain=? AND seq>?"
+                    " ORDER BY seq LIMIT ?",
                     (chain, seq, batch),
                 )
-            for s, body, prev, digest, ok in rows:
-                yield int(s), str(body), bytes(prev), bytes(digest), bool(ok)
+            yield from rows
+            if len(rows) < batch:
+                return
+            seq = int(rows[-1][0])
+
+    def checked_records_after(
+        self, chain: str, seq: int, batch: int = 5000
+    ) -> Iterator[tuple[int, str, bytes, bytes, str | None, str | None, int | None, str | None]]:
+        """`records_after` with each row's query columns (time, subject, status, route)."""
+        for rows in self.record_batches(chain, seq, batch):
+            yield from rows
+
+    def record_batches(self, chain: str, seq: int, batch: int = 5000) -> Iterator[list[VerifyRow]]:
+        """The rows of `checked_records_after` in batches as the database returns them (both
+        drivers return ints, str and bytes for these columns)."""
+        while True:
+            with self._lock:
+                rows = self._rows(
+                    f"SELECT {VERIFY_COLUMNS} FROM records WHERE chain=? AND seq>?"
+                    " ORDER BY seq LIMIT ?",
+                    (chain, seq, batch),
+                )
+            yield rows
             if len(rows) < batch:
                 return
             seq = int(rows[-1][0])

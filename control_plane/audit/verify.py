@@ -15,17 +15,20 @@ so everything it witnessed before this run started must be found.
 
 from __future__ import annotations
 
+import hashlib
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from queue import Queue
 from typing import TYPE_CHECKING, Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from . import offline
 from .checkpoint import Checkpoint
-from .offline import link
-from .store import Anchor, AuditStore, StoreError, parse_iso
+from .store import Anchor, AuditStore, StoreError, VerifyRow, columns_agree, parse_iso
 from .witness import Witness, WitnessError
 
 if TYPE_CHECKING:
@@ -291,6 +294,28 @@ class Verifier:
             )
 
 
+def _prefetched(batches: Iterator[list[VerifyRow]]) -> Iterator[VerifyRow]:
+    """The rows of `batches`, the next batch fetched in a thread while this one is checked
+    (the database and the hashing then use both cores)."""
+    queue: Queue[list[VerifyRow] | BaseException | None] = Queue(2)
+
+    def fetch() -> None:
+        try:
+            for rows in batches:
+                queue.put(rows)
+            queue.put(None)
+        except BaseException as exc:  # handed to the consumer
+            queue.put(exc)
+
+    thread = threading.Thread(target=fetch, name="audit-verify-fetch", daemon=True)
+    thread.start()
+    while (item := queue.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        yield from item
+    thread.join()
+
+
 class _ChainWalk:
     """The records of one chain in seq order against their links and the signed heads."""
 
@@ -328,8 +353,10 @@ class _ChainWalk:
     def run(self) -> None:
         report = self.report
         expected_seq, expected_prev = self.start + 1, self.start_hash
-        rows = self.v.store.checked_records_after(self.chain, self.start)
-        for seq, body, prev, digest, columns_agree in rows:
+        sha256 = hashlib.sha256
+        for seq, body, prev, digest, *columns in _prefetched(
+            self.v.store.record_batches(self.chain, self.start)
+        ):
             report.records += 1
             if report.first_seq is None:
                 report.first_seq = seq
@@ -338,11 +365,11 @@ class _ChainWalk:
             if gap:
                 span = f"{expected_seq}" if seq - expected_seq == 1 else f"{expected_seq}-{seq - 1}"
                 self.problem("deleted", expected_seq, f"records {span} are missing")
-            if link(prev, body.encode()) != digest:
+            if sha256(prev + body.encode()).digest() != digest:
                 self.problem(
                     "edited", seq, f"record {seq} does not match its hash (content changed)"
                 )
-            elif not columns_agree:
+            elif not columns_agree(body, tuple(columns)):
                 self.problem(
                     "edited",
                     seq,

@@ -27,6 +27,7 @@ from psycopg import errors
 
 from .store import (
     DEFAULT_RETENTION_DAYS,
+    TABLES,
     VERIFY_COLUMNS,
     AuditStore,
     RecordRow,
@@ -41,54 +42,9 @@ _SCHEMA_LOCK = (
     0x6D657368666E  # "meshfn": serialises schema creation by collectors starting together
 )
 
-_DDL = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS chains (
-    chain TEXT PRIMARY KEY,
-    anchor_seq BIGINT NOT NULL DEFAULT 0,
-    anchor_hash BYTEA NOT NULL,
-    anchor_checkpoint BIGINT
-);
-CREATE TABLE IF NOT EXISTS records (
-    id BIGSERIAL PRIMARY KEY,
-    chain TEXT NOT NULL,
-    seq BIGINT NOT NULL,
-    record TEXT NOT NULL,
-    prev BYTEA NOT NULL,
-    hash BYTEA NOT NULL,
-    -- filled by the writer from the record it chains (PostgreSQL parsing the JSON for
-    -- generated columns doubled the cost of an insert); verify checks they agree
-    time TEXT,
-    subject TEXT,
-    status INTEGER,
-    route TEXT,
-    UNIQUE (chain, seq)
-);
-CREATE INDEX IF NOT EXISTS records_time ON records (time);
-CREATE INDEX IF NOT EXISTS records_subject ON records (subject);
-CREATE INDEX IF NOT EXISTS records_route ON records (route);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    n BIGINT PRIMARY KEY,
-    body TEXT NOT NULL,
-    signature BYTEA NOT NULL,
-    key_id TEXT NOT NULL,
-    created TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS checkpoints_created ON checkpoints (created);
-CREATE TABLE IF NOT EXISTS journals (
-    source TEXT PRIMARY KEY,
-    path TEXT NOT NULL,
-    inode BIGINT NOT NULL,
-    "offset" BIGINT NOT NULL,
-    fingerprint TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS subjects (
-    salt_id TEXT NOT NULL,
-    hash TEXT NOT NULL,
-    pseudonym TEXT NOT NULL UNIQUE,
-    PRIMARY KEY (salt_id, hash)
-);
-CREATE INDEX IF NOT EXISTS subjects_hash ON subjects (hash);
+_DDL = (
+    TABLES.format(blob="BYTEA", int="BIGINT", serial="BIGSERIAL", offset='"offset"')
+    + """
 CREATE OR REPLACE FUNCTION meshfn_audit_records_guard() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'UPDATE' THEN
@@ -112,6 +68,7 @@ CREATE OR REPLACE TRIGGER records_append_only BEFORE UPDATE OR DELETE ON records
 CREATE OR REPLACE TRIGGER checkpoints_append_only BEFORE UPDATE OR DELETE ON checkpoints
     FOR EACH ROW EXECUTE FUNCTION meshfn_audit_checkpoints_guard();
 """
+)
 
 
 def _redacted(dsn: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from .store import (
     DEFAULT_RETENTION_DAYS,
+    TABLES,
     AuditStore,
     RecordRow,
     Row,
@@ -25,54 +26,9 @@ from .store import (
     query_columns,
 )
 
-_DDL = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS chains (
-    chain TEXT PRIMARY KEY,
-    anchor_seq INTEGER NOT NULL DEFAULT 0,
-    anchor_hash BLOB NOT NULL,
-    anchor_checkpoint INTEGER
-);
-CREATE TABLE IF NOT EXISTS records (
-    id INTEGER PRIMARY KEY,
-    chain TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    record TEXT NOT NULL,
-    prev BLOB NOT NULL,
-    hash BLOB NOT NULL,
-    -- filled by the writer from the record it chains (cheaper than json_extract in every
-    -- index); verify checks they agree (_columns_agree)
-    time TEXT,
-    subject TEXT,
-    status INTEGER,
-    route TEXT
-);
-CREATE UNIQUE INDEX IF NOT EXISTS records_chain_seq ON records (chain, seq);
-CREATE INDEX IF NOT EXISTS records_time ON records (time);
-CREATE INDEX IF NOT EXISTS records_subject ON records (subject);
-CREATE INDEX IF NOT EXISTS records_route ON records (route);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    n INTEGER PRIMARY KEY,
-    body TEXT NOT NULL,
-    signature BLOB NOT NULL,
-    key_id TEXT NOT NULL,
-    created TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS checkpoints_created ON checkpoints (created);
-CREATE TABLE IF NOT EXISTS journals (
-    source TEXT PRIMARY KEY,
-    path TEXT NOT NULL,
-    inode INTEGER NOT NULL,
-    offset INTEGER NOT NULL,
-    fingerprint TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS subjects (
-    salt_id TEXT NOT NULL,
-    hash TEXT NOT NULL,
-    pseudonym TEXT NOT NULL UNIQUE,
-    PRIMARY KEY (salt_id, hash)
-);
-CREATE INDEX IF NOT EXISTS subjects_hash ON subjects (hash);
+_DDL = (
+    TABLES.format(blob="BLOB", int="INTEGER", serial="INTEGER", offset="offset")
+    + """
 CREATE TRIGGER IF NOT EXISTS records_no_update BEFORE UPDATE ON records
 BEGIN SELECT RAISE(ABORT, 'audit records are append-only'); END;
 CREATE TRIGGER IF NOT EXISTS records_no_delete BEFORE DELETE ON records
@@ -84,6 +40,7 @@ CREATE TRIGGER IF NOT EXISTS checkpoints_no_delete BEFORE DELETE ON checkpoints
 WHEN old.n >= CAST((SELECT value FROM meta WHERE key = 'checkpoint_floor') AS INTEGER)
 BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END;
 """
+)
 
 
 class SqliteStore(AuditStore):

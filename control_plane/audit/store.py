@@ -118,6 +118,58 @@ def query_columns(record: dict[str, Any]) -> tuple[str | None, str | None, int |
     )
 
 
+# The tables of both backends ({blob}, {int}, {serial}, {offset}: each backend's spelling).
+TABLES = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS chains (
+    chain TEXT PRIMARY KEY,
+    anchor_seq {int} NOT NULL DEFAULT 0,
+    anchor_hash {blob} NOT NULL,
+    anchor_checkpoint {int}
+);
+CREATE TABLE IF NOT EXISTS records (
+    id {serial} PRIMARY KEY,
+    chain TEXT NOT NULL,
+    seq {int} NOT NULL,
+    record TEXT NOT NULL,
+    prev {blob} NOT NULL,
+    hash {blob} NOT NULL,
+    -- filled by the writer from the record it chains (cheaper than json_extract in every
+    -- index); verify checks they agree (store.columns_agree)
+    time TEXT,
+    subject TEXT,
+    status INTEGER,
+    route TEXT
+);
+CREATE UNIQUE INDEX IF NOT EXISTS records_chain_seq ON records (chain, seq);
+CREATE INDEX IF NOT EXISTS records_time ON records (time);
+CREATE INDEX IF NOT EXISTS records_subject ON records (subject);
+CREATE INDEX IF NOT EXISTS records_route ON records (route);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    n {int} PRIMARY KEY,
+    body TEXT NOT NULL,
+    signature {blob} NOT NULL,
+    key_id TEXT NOT NULL,
+    created TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS checkpoints_created ON checkpoints (created);
+CREATE TABLE IF NOT EXISTS journals (
+    source TEXT PRIMARY KEY,
+    path TEXT NOT NULL,
+    inode {int} NOT NULL,
+    {offset} {int} NOT NULL,
+    fingerprint TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS subjects (
+    salt_id TEXT NOT NULL,
+    hash TEXT NOT NULL,
+    pseudonym TEXT NOT NULL UNIQUE,
+    PRIMARY KEY (salt_id, hash)
+);
+CREATE INDEX IF NOT EXISTS subjects_hash ON subjects (hash);
+"""
+
+
 def columns_agree(body: str, columns: tuple[Any, ...]) -> bool:
     """Whether a row's query columns (time, subject, status, route) say what its canonical
     record says, without parsing it: each value appears there as `"key":<JSON>` after `{` or

@@ -559,3 +559,22 @@ def test_query_columns_edited_to_hide_a_record_are_named(trail: Trail) -> None:
     raw.run("UPDATE records SET route = 'default/other', status = 201 WHERE seq = 4")
     raw.close()
     assert trail.problems() == [("edited", "edge", 4)]
+
+
+def test_signer_refuses_a_next_record_that_does_not_link(trail: Trail) -> None:
+    fill(trail, 10)
+    body = canonical(rec(11)).decode()
+    raw = Raw(trail.location)
+    raw.run(
+        "INSERT INTO records (chain, seq, record, prev, hash) VALUES ('edge', 11, ?, ?, ?)",
+        (body, b"\x00" * 32, hashlib.sha256(b"\x00" * 32 + body.encode()).digest()),
+    )
+    raw.run("DELETE FROM records WHERE chain = 'edge' AND seq = 10")
+    raw.close()
+    assert trail.signer.sign().refused == ["journal edge: record 10, which was signed, is gone"]
+    raw = Raw(trail.location)
+    raw.run("INSERT INTO records (chain, seq, record, prev, hash) VALUES ('edge', 10, ?, ?, ?)",
+            tuple(rows(trail)[0][1:]))  # fmt: skip
+    raw.close()
+    found = trail.signer.sign().refused
+    assert found == ["journal edge: record 10 differs from the one signed"], found

@@ -28,13 +28,13 @@ from psycopg import errors
 from .store import (
     DEFAULT_RETENTION_DAYS,
     TABLES,
-    VERIFY_COLUMNS,
     AuditStore,
     RecordRow,
     Row,
     StoreConflict,
     StoreError,
     VerifyRow,
+    columns_agree_sql,
     query_columns,
 )
 
@@ -172,6 +172,8 @@ class PostgresStore(AuditStore):
         with self._lock, self._errors("write failed"):
             return int(self._connection().execute(self._sql(sql), tuple(args)).rowcount)
 
+    _columns_agree = columns_agree_sql("to_json({})::text")
+
     def record_batches(self, chain: str, seq: int, batch: int = 5000) -> Iterator[list[VerifyRow]]:
         """One streamed query (a server-side cursor on its own connection, in one snapshot)
         instead of keyset pages: without fresh statistics the planner sorts every remaining
@@ -185,7 +187,7 @@ class PostgresStore(AuditStore):
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 with conn.cursor(name="meshfn_audit_records") as cursor:
                     cursor.execute(
-                        f"SELECT {VERIFY_COLUMNS} FROM records"
+                        f"SELECT seq, record, prev, hash, {self._columns_agree} FROM records"
                         " WHERE chain = %s AND seq > %s ORDER BY seq".encode(),
                         (chain, seq),
                     )

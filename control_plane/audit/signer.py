@@ -1,10 +1,11 @@
 """The checkpoint signer: the only holder of the signing key, and it never writes the store.
 
 The collector (the store's writer) cannot sign: it asks the signer, which reads the store
-itself, read-only, and signs a chain's new head only after re-computing every link from the
-head it signed last (kept in its witness). A writer who rewrites, truncates or re-orders a chain
-therefore gets that chain refused, loudly, instead of a signature over the forgery; and every
-checkpoint is in the witness (fsynced) before the collector sees it.
+itself, read-only, and signs a chain's new head only if the record it signed last for that chain
+(kept in its witness) is still there, unchanged, and the next record links to it. A writer who
+rewrites or truncates signed history gets that chain refused, loudly, instead of a signature
+over the forgery; and every checkpoint is in the witness (fsynced) before the collector sees it,
+so `verify` holds the store to it.
 
 Run it as its own process: `meshfn audit signer --store DB --key KEY --witness FILE --listen
 unix:SOCKET` (`meshfn up` does, with the key under STATE/audit-signer/, not beside the store).
@@ -32,8 +33,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from . import offline
 from .checkpoint import Checkpoint
-from .offline import canonical, link
-from .store import AuditStore, StoreError, now_iso
+from .offline import canonical
+from .store import Anchor, AuditStore, StoreError, now_iso
 from .witness import Witness, WitnessError
 
 log = logging.getLogger("meshfn.audit.signer")
@@ -157,8 +158,11 @@ class Signer:
     def _extend(
         self, chain: str, known: tuple[int, bytes] | None, top: int, top_hash: bytes
     ) -> tuple[tuple[int, bytes] | None, str]:
-        """Follow the chain from the head signed last to the store's head (`top`): the newest
-        record whose links check out, and what stopped the walk (empty if nothing did)."""
+        """The chain's new head (`top`) if the record signed last is still there, unchanged,
+        and the next record links to it; else None and why. Two rows per chain and checkpoint,
+        not the whole new stretch: a break in there is verify's to find (named, and covered by
+        a checkpoint from then on), while a rewritten or truncated signed history is refused
+        here, at once."""
         if known is not None and top < known[0]:
             return None, f"the store ends at record {top} but record {known[0]} was signed"
         if known is not None and top == known[0] and top_hash != known[1]:
@@ -175,22 +179,20 @@ class Signer:
             else:
                 known = (0, offline.chain_genesis(self.store.store_id, chain))
         seq, prev = known
-        head: tuple[int, bytes] | None = known
-        rows = self.store.records_after(chain, max(0, seq - 1))
-        if seq > 0:  # the record signed last must still be the one signed
-            first = next(rows, None)
-            if first is not None and first[0] == seq and first[3] != prev:
-                return None, f"record {seq} differs from the one signed"
-            if first is not None and first[0] != seq:
-                rows = itertools.chain([first], rows)
-        for got, body, row_prev, digest in rows:
-            if got != seq + 1:
-                return head, f"record {seq + 1} is missing (the store has {got} next)"
-            if row_prev != prev or link(prev, body.encode()) != digest:
-                return head, f"record {got} does not extend the chain signed up to {seq}"
-            seq, prev = got, digest
-            head = (seq, prev)
-        return head, ""
+        # two rows, whatever the chain's length: the record signed last and the one after it
+        rows = list(itertools.islice(self.store.records_after(chain, max(0, seq - 1), 2), 2))
+        if seq > 0:
+            if rows and rows[0][0] == seq:
+                if rows[0][3] != prev:
+                    return None, f"record {seq} differs from the one signed"
+                rows = rows[1:]
+            elif self.store.chains().get(chain) != Anchor(seq, prev):  # not retention either
+                return None, f"record {seq}, which was signed, is gone"
+        if not rows or rows[0][0] != seq + 1:
+            return None, f"record {seq + 1} is missing"
+        if rows[0][2] != prev:
+            return None, f"record {seq + 1} does not link to record {seq} as signed"
+        return (top, top_hash), ""
 
     def status(self) -> dict[str, Any]:
         return {

@@ -23,6 +23,7 @@ from .store import (
     Row,
     StoreConflict,
     StoreError,
+    columns_agree_sql,
     query_columns,
 )
 
@@ -153,6 +154,10 @@ class SqliteStore(AuditStore):
     def _count(self, sql: str, args: Sequence[Any] = ()) -> int:
         with self._lock, self._errors("write failed"):
             return int(self._db.execute(sql, tuple(args)).rowcount)
+
+    _columns_agree = columns_agree_sql("json_quote({})").replace(
+        "strpos(record, ", "instr(record, "
+    )
 
     def _insert_records(self, rows: list[RecordRow]) -> None:
         with self._errors("cannot store audit records"):

@@ -46,8 +46,6 @@ from typing import Any
 from .checkpoint import Checkpoint
 from .offline import canonical, chain_genesis, link
 
-_json_string = json.encoder.encode_basestring_ascii
-
 SCHEMA = 2
 DEFAULT_RETENTION_DAYS = 730
 DEFAULT_CHAIN = "local"
@@ -58,10 +56,27 @@ _HASH = re.compile(r"^[0-9a-f]{64}$")
 
 Row = tuple[Any, ...]
 RecordRow = tuple[str, int, str, bytes, bytes, dict[str, Any]]
-# seq, record, prev, hash and the query columns time, subject, status, route
-VerifyRow = tuple[int, str, bytes, bytes, str | None, str | None, int | None, str | None]
-VERIFY_COLUMNS = "seq, record, prev, hash, time, subject, status, route"
-_QUERY_TAGS = ('"time":', '"subject":', '"status":', '"route":')
+# seq, record, prev, hash, and whether the row's query columns agree with its record
+VerifyRow = tuple[int, str, bytes, bytes, Any]
+
+
+def columns_agree_sql(quote: str) -> str:
+    """SQL, true when a row's query columns (time, subject, status, route) say what its
+    canonical record says, by string search (C speed, in the database, no JSON parse): each
+    value appears there as `"key":<JSON>` followed by `,` or `}` (sorted keys, no spaces, ASCII;
+    inside a string every quote is escaped, so `"key":` is only ever the key); NULL: the key is
+    absent or null. `quote(x)` is the backend's JSON string of a text value."""
+    tests = []
+    for column in ("time", "subject", "status", "route"):
+        value = f"CAST({column} AS TEXT)" if column == "status" else quote.format(column)
+        tag = f"'\"{column}\":'"
+        tests.append(
+            f"(CASE WHEN {column} IS NULL THEN (strpos(record, {tag}) = 0"
+            f" OR strpos(record, {tag} || 'null') > 0)"
+            f" ELSE (strpos(record, {tag} || {value} || ',') > 0"
+            f" OR strpos(record, {tag} || {value} || '}}') > 0) END)"
+        )
+    return "(" + " AND ".join(tests) + ")"
 
 
 class StoreError(RuntimeError):
@@ -135,7 +150,7 @@ CREATE TABLE IF NOT EXISTS records (
     prev {blob} NOT NULL,
     hash {blob} NOT NULL,
     -- filled by the writer from the record it chains (cheaper than json_extract in every
-    -- index); verify checks they agree (store.columns_agree)
+    -- index); verify checks they agree (store.columns_agree_sql)
     time TEXT,
     subject TEXT,
     status INTEGER,
@@ -168,28 +183,6 @@ CREATE TABLE IF NOT EXISTS subjects (
 );
 CREATE INDEX IF NOT EXISTS subjects_hash ON subjects (hash);
 """
-
-
-def columns_agree(body: str, columns: tuple[Any, ...]) -> bool:
-    """Whether a row's query columns (time, subject, status, route) say what its canonical
-    record says, without parsing it: each value appears there as `"key":<JSON>` after `{` or
-    `,` and before `,` or `}` (sorted keys, no spaces, ASCII; inside a string every quote is
-    escaped, so `"key":` there is never matched). NULL: the key is absent or null."""
-    for tag, value in zip(_QUERY_TAGS, columns, strict=True):
-        at = body.find(tag)
-        while at > 0 and body[at - 1] not in "{,":
-            at = body.find(tag, at + 1)
-        start = at + len(tag)
-        if value is None:
-            if at >= 0 and not body.startswith("null", start):
-                return False
-            continue
-        text = _json_string(value) if type(value) is str else str(value)
-        if at < 0 or not body.startswith(text, start):
-            return False
-        if body[start + len(text) : start + len(text) + 1] not in (",", "}"):
-            return False
-    return True
 
 
 def now_iso(now: float | None = None) -> str:
@@ -241,6 +234,8 @@ class AuditStore(ABC):
     def _insert_records(self, rows: list[RecordRow]) -> None:
         """Bulk-insert (chain, seq, record, prev, hash, the record as a dict) rows inside the
         current transaction."""
+
+    _columns_agree = "1"  # the backend's columns_agree_sql
 
     @abstractmethod
     def _lock_erasures(self, exclusive: bool) -> str:
@@ -329,8 +324,12 @@ class AuditStore(ABC):
 
     def _read_head(self, chain: str, fresh: bool = False) -> tuple[int, bytes]:
         if fresh or chain not in self._heads:
+            # max() on the (chain, seq) index, then one lookup: ORDER BY ... LIMIT 1 let
+            # PostgreSQL without statistics sort the whole chain
             rows = self._rows(
-                "SELECT seq, hash FROM records WHERE chain=? ORDER BY seq DESC LIMIT 1", (chain,)
+                "SELECT seq, hash FROM records WHERE chain=?"
+                " AND seq=(SELECT MAX(seq) FROM records WHERE chain=?)",
+                (chain, chain),
             )
             if rows:
                 self._heads[chain] = (int(rows[0][0]), bytes(rows[0][1]))
@@ -362,10 +361,8 @@ class AuditStore(ABC):
                 return
             seq = int(rows[-1][0])
 
-    def checked_records_after(
-        self, chain: str, seq: int, batch: int = 5000
-    ) -> Iterator[tuple[int, str, bytes, bytes, str | None, str | None, int | None, str | None]]:
-        """`records_after` with each row's query columns (time, subject, status, route)."""
+    def checked_records_after(self, chain: str, seq: int, batch: int = 5000) -> Iterator[VerifyRow]:
+        """`records_after`, and whether each row's query columns agree with its record."""
         for rows in self.record_batches(chain, seq, batch):
             yield from rows
 
@@ -375,7 +372,8 @@ class AuditStore(ABC):
         while True:
             with self._lock:
                 rows = self._rows(
-                    f"SELECT {VERIFY_COLUMNS} FROM records WHERE chain=? AND seq>?"
+                    f"SELECT seq, record, prev, hash, {self._columns_agree} FROM records"
+                    " WHERE chain=? AND seq>?"
                     " ORDER BY seq LIMIT ?",
                     (chain, seq, batch),
                 )

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from . import offline
 from .checkpoint import Checkpoint
-from .store import Anchor, AuditStore, StoreError, VerifyRow, columns_agree, parse_iso
+from .store import Anchor, AuditStore, StoreError, VerifyRow, parse_iso
 from .witness import Witness, WitnessError
 
 if TYPE_CHECKING:
@@ -354,7 +354,7 @@ class _ChainWalk:
         report = self.report
         expected_seq, expected_prev = self.start + 1, self.start_hash
         sha256 = hashlib.sha256
-        for seq, body, prev, digest, *columns in _prefetched(
+        for seq, body, prev, digest, columns_agree in _prefetched(
             self.v.store.record_batches(self.chain, self.start)
         ):
             report.records += 1
@@ -369,7 +369,7 @@ class _ChainWalk:
                 self.problem(
                     "edited", seq, f"record {seq} does not match its hash (content changed)"
                 )
-            elif not columns_agree(body, tuple(columns)):
+            elif not columns_agree:
                 self.problem(
                     "edited",
                     seq,

@@ -23,12 +23,18 @@ from .store import (
     Row,
     StoreConflict,
     StoreError,
-    columns_agree_sql,
-    query_columns,
 )
 
+# Query columns generated from the record (they cannot disagree with what the chain covers;
+# SQLite computes them in-process when the indexes need them).
+_QUERY_COLUMNS = """time TEXT GENERATED ALWAYS AS (json_extract(record, '$.time')) VIRTUAL,
+    subject TEXT GENERATED ALWAYS AS (json_extract(record, '$.subject')) VIRTUAL,
+    status INTEGER GENERATED ALWAYS AS (json_extract(record, '$.status')) VIRTUAL,
+    route TEXT GENERATED ALWAYS AS (json_extract(record, '$.route')) VIRTUAL"""
 _DDL = (
-    TABLES.format(blob="BLOB", int="INTEGER", serial="INTEGER", offset="offset")
+    TABLES.format(
+        blob="BLOB", int="INTEGER", serial="INTEGER", offset="offset", query_columns=_QUERY_COLUMNS
+    )
     + """
 CREATE TRIGGER IF NOT EXISTS records_no_update BEFORE UPDATE ON records
 BEGIN SELECT RAISE(ABORT, 'audit records are append-only'); END;
@@ -155,16 +161,11 @@ class SqliteStore(AuditStore):
         with self._lock, self._errors("write failed"):
             return int(self._db.execute(sql, tuple(args)).rowcount)
 
-    _columns_agree = columns_agree_sql("json_quote({})").replace(
-        "strpos(record, ", "instr(record, "
-    )
-
     def _insert_records(self, rows: list[RecordRow]) -> None:
         with self._errors("cannot store audit records"):
             self._db.executemany(
-                "INSERT INTO records (chain, seq, record, prev, hash, time, subject, status,"
-                " route) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(*row[:5], *query_columns(row[5])) for row in rows],
+                "INSERT INTO records (chain, seq, record, prev, hash) VALUES (?, ?, ?, ?, ?)",
+                [row[:5] for row in rows],
             )
 
     def _lock_erasures(self, exclusive: bool) -> str:

@@ -57,26 +57,9 @@ _HASH = re.compile(r"^[0-9a-f]{64}$")
 Row = tuple[Any, ...]
 RecordRow = tuple[str, int, str, bytes, bytes, dict[str, Any]]
 # seq, record, prev, hash, and whether the row's query columns agree with its record
-VerifyRow = tuple[int, str, bytes, bytes, Any]
-
-
-def columns_agree_sql(quote: str) -> str:
-    """SQL, true when a row's query columns (time, subject, status, route) say what its
-    canonical record says, by string search (C speed, in the database, no JSON parse): each
-    value appears there as `"key":<JSON>` followed by `,` or `}` (sorted keys, no spaces, ASCII;
-    inside a string every quote is escaped, so `"key":` is only ever the key); NULL: the key is
-    absent or null. `quote(x)` is the backend's JSON string of a text value."""
-    tests = []
-    for column in ("time", "subject", "status", "route"):
-        value = f"CAST({column} AS TEXT)" if column == "status" else quote.format(column)
-        tag = f"'\"{column}\":'"
-        tests.append(
-            f"(CASE WHEN {column} IS NULL THEN (strpos(record, {tag}) = 0"
-            f" OR strpos(record, {tag} || 'null') > 0)"
-            f" ELSE (strpos(record, {tag} || {value} || ',') > 0"
-            f" OR strpos(record, {tag} || {value} || '}}') > 0) END)"
-        )
-    return "(" + " AND ".join(tests) + ")"
+VerifyRow = tuple[int, str, bytes, bytes, bool]
+_QUERY_TAGS = ('"time":', '"subject":', '"status":', '"route":')
+_json_string = json.encoder.encode_basestring_ascii
 
 
 class StoreError(RuntimeError):
@@ -149,12 +132,7 @@ CREATE TABLE IF NOT EXISTS records (
     record TEXT NOT NULL,
     prev {blob} NOT NULL,
     hash {blob} NOT NULL,
-    -- filled by the writer from the record it chains (cheaper than json_extract in every
-    -- index); verify checks they agree (store.columns_agree_sql)
-    time TEXT,
-    subject TEXT,
-    status INTEGER,
-    route TEXT
+    {query_columns}
 );
 CREATE UNIQUE INDEX IF NOT EXISTS records_chain_seq ON records (chain, seq);
 CREATE INDEX IF NOT EXISTS records_time ON records (time);
@@ -183,6 +161,28 @@ CREATE TABLE IF NOT EXISTS subjects (
 );
 CREATE INDEX IF NOT EXISTS subjects_hash ON subjects (hash);
 """
+
+
+def columns_agree(body: str, columns: tuple[Any, ...]) -> bool:
+    """Whether a row's query columns (time, subject, status, route) say what its canonical
+    record says, without parsing it: each value appears there as `"key":<JSON>` after `{` or
+    `,` and before `,` or `}` (sorted keys, no spaces, ASCII; inside a string every quote is
+    escaped, so `"key":` there is never matched). NULL: the key is absent or null."""
+    for tag, value in zip(_QUERY_TAGS, columns, strict=True):
+        at = body.find(tag)
+        while at > 0 and body[at - 1] not in "{,":
+            at = body.find(tag, at + 1)
+        start = at + len(tag)
+        if value is None:
+            if at >= 0 and not body.startswith("null", start):
+                return False
+            continue
+        text = _json_string(value) if type(value) is str else str(value)
+        if at < 0 or not body.startswith(text, start):
+            return False
+        if body[start + len(text) : start + len(text) + 1] not in (",", "}"):
+            return False
+    return True
 
 
 def now_iso(now: float | None = None) -> str:
@@ -234,8 +234,6 @@ class AuditStore(ABC):
     def _insert_records(self, rows: list[RecordRow]) -> None:
         """Bulk-insert (chain, seq, record, prev, hash, the record as a dict) rows inside the
         current transaction."""
-
-    _columns_agree = "1"  # the backend's columns_agree_sql
 
     @abstractmethod
     def _lock_erasures(self, exclusive: bool) -> str:
@@ -368,12 +366,13 @@ class AuditStore(ABC):
 
     def record_batches(self, chain: str, seq: int, batch: int = 5000) -> Iterator[list[VerifyRow]]:
         """The rows of `checked_records_after` in batches as the database returns them (both
-        drivers return ints, str and bytes for these columns)."""
+        drivers return ints, str and bytes for these columns). Here the query columns are
+        generated from the record and cannot disagree; a backend that has the writer fill them
+        checks them (columns_agree)."""
         while True:
             with self._lock:
                 rows = self._rows(
-                    f"SELECT seq, record, prev, hash, {self._columns_agree} FROM records"
-                    " WHERE chain=? AND seq>?"
+                    "SELECT seq, record, prev, hash, 1 FROM records WHERE chain=? AND seq>?"
                     " ORDER BY seq LIMIT ?",
                     (chain, seq, batch),
                 )

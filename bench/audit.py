@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -83,14 +84,15 @@ def worker(location: str, journal: str, source: str, signer: str) -> None:
         collector.watch(Path(journal), source)
         print("ready", flush=True)
         await asyncio.to_thread(sys.stdin.readline)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         await collector.start()
         await collector.drain(timeout=3600)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         await collector.stop()
         status = collector.status()
         return {
             "elapsed_s": elapsed,
+            "cpu_s": cpu,
             "records": status["journals"][0]["stored"],
             "conflicts": status["conflicts"],
             "signer_error": status["signer_error"],
@@ -100,9 +102,7 @@ def worker(location: str, journal: str, source: str, signer: str) -> None:
     store.close()
 
 
-def run_collectors(
-    location: str, journals: list[Path], signer: str, tmp: Path
-) -> dict[str, Any]:
+def run_collectors(location: str, journals: list[Path], signer: str, tmp: Path) -> dict[str, Any]:
     procs = [
         subprocess.Popen(
             [sys.executable, "-P", __file__, "--worker", location, str(j), f"bench-{n}", signer],
@@ -135,7 +135,10 @@ def run_collectors(
                 proc.wait()
     records = sum(r["records"] for r in results)
     slowest = max(r["elapsed_s"] for r in results)
+    cpu = sum(r["cpu_s"] for r in results)
     return {
+        "collector_cpu_us_per_record": round(cpu / records * 1e6, 1),
+        "load_average_1m": os.getloadavg()[0],
         "collectors": len(journals),
         "records": records,
         "elapsed_s": round(slowest, 3),
@@ -204,6 +207,7 @@ def main() -> None:
             pg4 = scenario(server.database("four"), journals, tmp, "pg4")
     result = {
         "records_per_collector": args.records,
+        "cpus": os.cpu_count(),
         "sqlite": sqlite,
         "pg": pg,
         "pg4": pg4,

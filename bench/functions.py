@@ -11,7 +11,11 @@ Measures, on loopback with real processes:
   e2e         paced 200 requests/s through a static Envoy in front of the backend, p99
               (and the same pacing against the backend alone, the baseline of the hop)
   throughput  requests/s (wrk, closed loop) with 1 and 2 wasm worker threads
-  memory      PSS growth per additional warm instance of the Python function
+  memory      PSS (proportional set size) per additional warm instance of the Python function:
+              two functions of the same artifact with warm pools of 4 and 33, each loaded on
+              its own; (growth of the larger - growth of the smaller) / (instance difference),
+              the instance counts read from the backend's gauges, so the code's load (the
+              same in both) cancels out
 Prints one summary line and writes bench/results/functions.json.
 
 `--http-stacks` instead compares HTTP servers for the backend (aiohttp, aiohttp+uvloop, uvicorn
@@ -27,7 +31,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,18 +41,13 @@ from typing import Any
 from meshfn.inference.devtools import RawHttp, write_envoy_config
 from meshfn.inference.examples import publish_examples
 from meshfn.testing import envoy as test_envoy
+from meshfn.testing import load
 from meshfn.testing.ports import free_port, free_ports
 from meshfn.testing.processes import Proc, Processes, http_ok, wait_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PY = sys.executable
-IRIS = json.dumps(
-    {
-        "inputs": [
-            {"name": "features", "datatype": "FP32", "shape": [1, 4], "data": [5.1, 3.5, 1.4, 0.2]}
-        ]
-    }
-).encode()
+IRIS = load.IRIS
 DIGITS = json.dumps(
     {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
 ).encode()
@@ -98,6 +96,12 @@ def backend(
                 "version": "1",
                 "artifact": "iris@1",
                 "pool": {"minIdle": 33, "maxIdle": 64},
+            },
+            {
+                "name": "iris-pool4",
+                "version": "1",
+                "artifact": "iris@1",
+                "pool": {"minIdle": 4, "maxIdle": 64},
             },
         ],
     }
@@ -220,52 +224,39 @@ def paced(port: int, path: str, body: bytes, rate: float, seconds: float) -> lis
 
 
 def wrk(port: int, path: str, body: bytes, seconds: float, connections: int, tmp: Path) -> float:
-    if shutil.which("wrk") is None:
-        raise SystemExit("wrk not found: apt-get install wrk (needed for the throughput figures)")
-    script = tmp / "post.lua"
-    script.write_text(
-        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = {json.dumps(body.decode())}\n"
-        "done = function(summary, latency, requests)\n"
-        '  io.write(string.format("NON2XX %d\\n", summary.errors.status))\nend\n'
-    )
-    out = subprocess.run(
-        [
-            "wrk",
-            "-t1",
-            f"-c{connections}",
-            f"-d{seconds}s",
-            "-s",
-            str(script),
-            f"http://127.0.0.1:{port}{path}",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=seconds + 30,
-    ).stdout
-    bad = int(re.search(r"NON2XX (\d+)", out).group(1))  # type: ignore[union-attr]
-    if bad:
-        raise SystemExit(f"wrk saw {bad} non-2xx responses:\n{out}")
-    return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    return load.wrk(f"http://127.0.0.1:{port}{path}", body, seconds, connections, tmp).rps
+
+
+def pool_growth(port: int, pid: int, name: str, min_idle: int) -> tuple[float, int]:
+    """Load `name` with one request, wait for its warm pool; (PSS growth MiB, instances)."""
+    label = f'function="{name}@1"'
+    base = pss_mb(pid)
+    client = RawHttp("127.0.0.1", port)
+    client.request("POST", f"/v2/models/{name}/infer", IRIS)
+    client.close()
+    deadline = time.monotonic() + 60
+    last = -1.0
+    while True:  # filled, and no longer changing (the served instance is back too)
+        idle = metric(port, "meshfn_fn_idle_instances", label)
+        if idle >= min_idle and idle == last:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{name}'s warm pool never filled")
+        last = idle
+        time.sleep(0.2)
+    busy = metric(port, "meshfn_fn_inflight", label)
+    return pss_mb(pid) - base, int(idle + busy)
 
 
 def instance_memory(port: int, pid: int) -> dict[str, float]:
-    label = 'function="iris-pool@1"'
-    base = pss_mb(pid)
-    client = RawHttp("127.0.0.1", port)
-    client.request("POST", "/v2/models/iris-pool/infer", IRIS)
-    client.close()
-    deadline = time.monotonic() + 60
-    while metric(port, "meshfn_fn_idle_instances", label) < 33:
-        if time.monotonic() > deadline:
-            raise SystemExit("warm pool never filled")
-        time.sleep(0.1)
-    full = pss_mb(pid)
+    small, n_small = pool_growth(port, pid, "iris-pool4", 4)
+    large, n_large = pool_growth(port, pid, "iris-pool", 33)
     return {
-        "pss_before_mb": base,
-        "pss_34_instances_mb": full,
-        "per_instance_mb": (full - base) / 34,
+        "pss_growth_small_mb": small,
+        "instances_small": n_small,
+        "pss_growth_large_mb": large,
+        "instances_large": n_large,
+        "per_instance_mb": (large - small) / (n_large - n_small),
     }
 
 
@@ -524,7 +515,7 @@ def main() -> None:
         "rps_2w_over_1w": data["rps_2w"] / data["rps_1w"],
         "core_rps_1w": data["rps_1w_core"],
         "core_rps_2w": data["rps_2w_core"],
-        "rss_per_instance_mb": data["memory"]["per_instance_mb"],
+        "pss_per_instance_mb": data["memory"]["per_instance_mb"],
     }
     data["summary"] = summary
     for key in (
@@ -548,7 +539,7 @@ def main() -> None:
     print(
         f"functions: cold_p50_ms={s['cold_p50_ms']:.2f} cold_p99_ms={s['cold_p99_ms']:.2f} "
         f"core_cold_p99_ms={s['core_cold_p99_ms']:.2f} warm_p50_us={s['warm_p50_us']:.0f} "
-        f"e2e_p99_ms={s['e2e_p99_ms']:.2f} rss_per_instance_mb={s['rss_per_instance_mb']:.2f} "
+        f"e2e_p99_ms={s['e2e_p99_ms']:.2f} pss_per_instance_mb={s['pss_per_instance_mb']:.2f} "
         f"core_cold_p50_ms={s['core_cold_p50_ms']:.2f} core_idle_warm_p50_ms={s['core_idle_warm_p50_ms']:.2f} "
         f"core_idle_warm_p99_ms={s['core_idle_warm_p99_ms']:.2f} idle_warm_p99_ms={s['idle_warm_p99_ms']:.2f} "
         f"core_warm_p50_us={s['core_warm_p50_us']:.0f} resume_p50_ms={s['resume_p50_ms']:.2f} "

@@ -3,10 +3,15 @@ grpc.aio process, subscribing and ACKing the way Envoy does (CDS -> EDS by name 
 
 Driven over stdin/stdout by the benchmark:
   -> (start)               <- READY <seconds to sync all>
-  -> COUNT                 <- COUNT <EDS updates received so far, all streams>
-  -> WAIT <total>          <- DONE <max monotonic time of the ACK that reached total>
+  -> WAIT <cluster> <port> <- DONE <latest time> <streams> <other EDS updates>
+                              (once EVERY stream has ACKed an EDS update whose endpoints for
+                              <cluster> carry <port>: the latest of those ACK times; and how many
+                              EDS updates without it arrived meanwhile, e.g. duplicates)
+                           <- TIMEOUT <streams that have it>
   -> QUIT
-Times are time.monotonic() (CLOCK_MONOTONIC, comparable across processes on Linux).
+Convergence is per stream and by content: a duplicate push to one stream cannot stand in for a
+stream that never got the update. Times are time.monotonic() (CLOCK_MONOTONIC, comparable
+across processes on Linux).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import time
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf import any_pb2
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -33,17 +40,30 @@ class Fleet:
         self.clients = clients
         self.synced = 0
         self.all_synced = asyncio.Event()
-        self.eds_updates = 0
-        self.last_eds_ack = 0.0
-        self.waiters: list[tuple[int, asyncio.Future[float]]] = []
+        # (cluster, port) -> {stream index: monotonic time of the ACK that carried it}
+        self.seen: dict[tuple[str, int], dict[int, float]] = {}
+        self.other_updates = 0  # EDS updates after sync carrying no awaited (cluster, port)
+        self.waiters: dict[tuple[str, int], asyncio.Future[float]] = {}
 
-    def eds_acked(self) -> None:
-        self.eds_updates += 1
-        self.last_eds_ack = time.monotonic()
-        for target, future in list(self.waiters):
-            if self.eds_updates >= target and not future.done():
-                future.set_result(self.last_eds_ack)
-                self.waiters.remove((target, future))
+    def eds_acked(self, index: int, resources: list[any_pb2.Any]) -> None:
+        """Stream `index` ACKed an EDS update (after its initial sync) with these resources."""
+        now = time.monotonic()
+        new = False
+        for resource in resources:
+            cla = endpoint_pb2.ClusterLoadAssignment()
+            resource.Unpack(cla)
+            for locality in cla.endpoints:
+                for lb in locality.lb_endpoints:
+                    key = (cla.cluster_name, lb.endpoint.address.socket_address.port_value)
+                    streams = self.seen.setdefault(key, {})
+                    if index not in streams:
+                        streams[index] = now
+                        new = True
+                    future = self.waiters.get(key)
+                    if future is not None and len(streams) == self.clients and not future.done():
+                        future.set_result(max(streams.values()))
+        if not new:
+            self.other_updates += 1
 
 
 async def sotw_client(
@@ -76,8 +96,8 @@ async def sotw_client(
         request.version_info = response.version_info
         request.response_nonce = response.nonce
         await call.write(request)
-        if response.type_url == EDS and EDS in acked:
-            fleet.eds_acked()
+        if response.type_url == EDS and len(acked) == 4:
+            fleet.eds_acked(index, list(response.resources))
         if response.type_url not in acked:
             acked.add(response.type_url)
             if response.type_url == CDS:
@@ -118,8 +138,8 @@ async def delta_client(
                 type_url=response.type_url, response_nonce=response.nonce
             )
         )
-        if response.type_url == EDS and EDS in acked:
-            fleet.eds_acked()
+        if response.type_url == EDS and len(acked) == 4:
+            fleet.eds_acked(index, [r.resource for r in response.resources])
         if response.type_url not in acked:
             acked.add(response.type_url)
             if response.type_url == CDS:
@@ -184,20 +204,19 @@ async def main() -> None:
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := (await reader.readline()).decode().split():
-        if line[0] == "COUNT":
-            print(f"COUNT {fleet.eds_updates}", flush=True)
-        elif line[0] == "WAIT":
-            target = int(line[1])
-            if fleet.eds_updates >= target:
-                print(f"DONE {fleet.last_eds_ack:.6f}", flush=True)
-                continue
+        if line[0] == "WAIT":
+            key = (line[1], int(line[2]))
+            streams = fleet.seen.get(key, {})
             future: asyncio.Future[float] = loop.create_future()
-            fleet.waiters.append((target, future))
+            if len(streams) == args.clients:
+                future.set_result(max(streams.values()))
+            fleet.waiters[key] = future
             try:
                 at = await asyncio.wait_for(future, 60)
-                print(f"DONE {at:.6f}", flush=True)
+                print(f"DONE {at:.6f} {args.clients} {fleet.other_updates}", flush=True)
             except TimeoutError:
-                print(f"TIMEOUT {fleet.eds_updates}", flush=True)
+                print(f"TIMEOUT {len(fleet.seen.get(key, {}))}", flush=True)
+            del fleet.waiters[key]
         elif line[0] == "QUIT":
             break
     for task in tasks:

@@ -18,6 +18,7 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .durations import Duration
+from .principals import RequestPrincipal
 
 # A published function's name and version (registry entries, /v2/models/{name}/versions/{v}).
 FUNCTION_NAME = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
@@ -62,6 +63,69 @@ class FunctionLimits(_Strict):
     )
 
 
+class FunctionBatching(_Strict):
+    """Triton-style dynamic batching: concurrent requests are merged along the first dimension
+    into one guest call (only for functions whose every input and output has a variable first
+    dimension) and the outputs split back per request."""
+
+    maxBatchSize: Annotated[int, Field(ge=1, le=4096)] = Field(
+        description="most rows (first-dimension entries) in one guest call"
+    )
+    preferredBatchSizes: Annotated[list[Annotated[int, Field(ge=1)]], Field(max_length=32)] = Field(
+        default_factory=list,
+        description="batch sizes sent at once when the queue can form them; otherwise a "
+        "batch waits up to maxQueueDelay to fill up to maxBatchSize",
+    )
+    maxQueueDelay: Duration = Field(
+        timedelta(milliseconds=1),
+        description="longest a request waits for others to join its batch (0s: never waits)",
+    )
+    oversize: Literal["refuse", "split"] = Field(
+        "refuse",
+        description="a request with more rows than maxBatchSize: refused (400), or split into "
+        "guest calls of at most maxBatchSize rows whose outputs are joined again",
+    )
+
+    @model_validator(mode="after")
+    def _sizes(self) -> Self:
+        sizes = self.preferredBatchSizes
+        if sizes != sorted(set(sizes)):
+            raise ValueError("preferredBatchSizes must be distinct and ascending")
+        if sizes and sizes[-1] > self.maxBatchSize:
+            raise ValueError(f"preferredBatchSizes exceed maxBatchSize ({self.maxBatchSize})")
+        if not timedelta(0) <= self.maxQueueDelay <= timedelta(seconds=1):
+            raise ValueError("maxQueueDelay must be between 0s and 1s")
+        return self
+
+
+class FunctionProtocols(_Strict):
+    """Which KServe v2 front ends serve the function (the gateway routes only those)."""
+
+    rest: bool = Field(True, description="HTTP/REST: /v2/models/{name}/...")
+    grpc: bool = Field(
+        True,
+        description="gRPC GRPCInferenceService (where the backend's endpoints have a grpcPort)",
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        if not (self.rest or self.grpc):
+            raise ValueError("enable at least one of rest and grpc")
+        return self
+
+
+class FunctionRepository(_Strict):
+    """Triton's model repository extension for this function: the index always lists it; load
+    and unload are off unless callers are named."""
+
+    callers: Annotated[list[RequestPrincipal], Field(max_length=256)] = Field(
+        default_factory=list,
+        description='request principals ("<issuer>/<subject>" of a verified JWT, "<issuer>/*") '
+        "who may load and unload it; empty: nobody (enforced by its sidecars' authorization; the "
+        "backend refuses load/unload outright while the list is empty)",
+    )
+
+
 class FunctionSettings(_Strict):
     """What the backend needs to serve one function (version)."""
 
@@ -84,6 +148,11 @@ class FunctionSettings(_Strict):
     )
     pool: FunctionPool = Field(default_factory=FunctionPool)
     limits: FunctionLimits = Field(default_factory=FunctionLimits)
+    batching: FunctionBatching | None = Field(
+        None, description="dynamic batching; default: every request is its own guest call"
+    )
+    protocols: FunctionProtocols = Field(default_factory=FunctionProtocols)
+    repository: FunctionRepository = Field(default_factory=FunctionRepository)
 
     @model_validator(mode="after")
     def _sane(self) -> Self:

@@ -23,6 +23,10 @@ ROUTING_HEADER = "x-meshfn-degrade-route"
 # records: gateways strip it from clients and set it per route; a sidecar believes it only from
 # an mTLS peer that is a gateway identity (control_plane/audit/record.py: mesh_route).
 MESH_ROUTE_HEADER = "x-meshfn-route"
+# Envoy route metadata: filter_metadata[ROUTE_METADATA][MESH_ROUTE_KEY] is a gateway route's mesh
+# route, which its access log names (meshfn.ir.plugins.mesh_route_fields).
+ROUTE_METADATA = "meshfn"
+MESH_ROUTE_KEY = "route"
 TRIGGER_HEADER = "x-meshfn-degrade"
 
 _HEADER = r"^[a-z0-9_-]{1,64}$"

@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import asyncio
+import dataclasses
 import json
 import sys
 import urllib.error
@@ -20,10 +21,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from meshfn.common.clihelp import reflow_help
 from meshfn.common.logs import setup_logging
 
 from .audit.cli import audit_app
+from .kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
 from .policy import PolicyErrors, load_policies
 
 app = typer.Typer(
@@ -52,6 +56,33 @@ StateOpt = Annotated[
     Path, typer.Option("--state-dir", help="CA, token keys, logs, bootstraps (keep private)")
 ]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug | info | warning | error")]
+AdminListenOpt = Annotated[
+    str,
+    typer.Option(
+        "--admin-listen",
+        help="address of the admin port and its web console (beyond loopback it needs a token)",
+    ),
+]
+AdminTokenOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--admin-token-file",
+        help="file holding the admin token (default: $MESHFN_ADMIN_TOKEN); every admin request"
+        " and the console must then present it",
+    ),
+]
+
+
+def _admin_token(path: Path | None) -> str | None:
+    """The admin token from --admin-token-file or $MESHFN_ADMIN_TOKEN (at least 16 characters)."""
+    try:
+        token = path.read_text().strip() if path else os.environ.get("MESHFN_ADMIN_TOKEN", "")
+    except OSError as exc:
+        _fail(f"--admin-token-file {path}: {exc.strerror or exc}")
+        return None
+    if token and len(token) < 16:
+        _fail("the admin token must have at least 16 characters")
+    return token or None
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -62,16 +93,92 @@ def _fail(message: str, code: int = 1) -> None:
 # ------------------------------------------------------------------ policies
 
 
-@app.command()
-def validate(path: Annotated[Path, typer.Argument(help="policy file or directory")]) -> None:
-    """Check policies: schema, references, port clashes. Prints file:line: field: problem."""
+ThresholdOpt = Annotated[
+    str,
+    typer.Option(
+        "--failure-threshold", help="exit 1 on findings this severe: error | warning | info"
+    ),
+]
+
+
+def _load_or_exit(path: Path) -> tuple[Any, list[Any]]:
+    from .policy import PolicyLoader
+
     try:
-        model = load_policies(path)
+        return PolicyLoader(path).load_with_sources()
     except PolicyErrors as exc:
         for error in exc.errors:
             err.print(str(error), highlight=False, markup=False)
         err.print(f"[red]{len(exc.errors)} error(s)[/red]")
         raise typer.Exit(1) from None
+
+
+def _analysis(
+    path: Path, model: Any, items: list[Any], state_dir: Path, admin: str | None,
+    as_json: bool, threshold: str,
+) -> int:  # fmt: skip
+    """Run `meshfn analyze` on a loaded policy set; print the findings; the exit status."""
+    from .analyze import SEVERITIES, analyze
+
+    if threshold.capitalize() not in SEVERITIES:
+        _fail(f"--failure-threshold must be one of {', '.join(s.lower() for s in SEVERITIES)}")
+    drift = None
+    state_file = state_dir / "state.json"
+    if admin is not None or state_file.exists():
+        url = admin.rstrip("/") if admin else None
+        if url is None:
+            try:
+                url = str(json.loads(state_file.read_text())["admin"]).rstrip("/")
+            except (OSError, ValueError, KeyError):
+                url = None
+        if url is not None:
+            try:
+                with urllib.request.urlopen(url + "/debug/status", timeout=3) as response:
+                    drift = json.loads(response.read()).get("routes", {})
+            except (urllib.error.URLError, OSError, ValueError):
+                if admin is not None:
+                    _fail(f"cannot reach the control plane at {url}")
+    findings = analyze(items, model, state_dir, drift)
+    if as_json:
+        print(json.dumps([f.as_dict() for f in findings], indent=2))
+    else:
+        for finding in findings:
+            line = finding.line()
+            style = {"Error": "red", "Warning": "yellow"}.get(finding.severity)
+            (err if style == "red" else out).print(
+                f"[{style}]{line}[/{style}]" if style else line, highlight=False, markup=True
+            )
+        if not findings:
+            out.print(f"[green]✔ No problems found in {path}[/green]")
+    limit = SEVERITIES.index(threshold.capitalize())
+    return int(any(SEVERITIES.index(f.severity) <= limit for f in findings))
+
+
+@app.command()
+def analyze(
+    path: Annotated[Path, typer.Argument(help="policy file or directory")] = DEFAULT_POLICIES,
+    state_dir: StateOpt = DEFAULT_STATE,
+    admin: AdminOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="findings as JSON")] = False,
+    threshold: ThresholdOpt = "error",
+) -> None:
+    """Find unsafe or ineffective settings (codes MF01xx security, MF02xx reliability; see the
+    README), with file:line and the fix, like istioctl analyze. Exit 1 on errors."""
+    model, items = _load_or_exit(path)
+    raise typer.Exit(_analysis(path, model, items, state_dir, admin, as_json, threshold))
+
+
+@app.command()
+def validate(
+    path: Annotated[Path, typer.Argument(help="policy file or directory")],
+    run_analyze: Annotated[
+        bool, typer.Option("--analyze", help="also run meshfn analyze on the policies")
+    ] = False,
+    state_dir: StateOpt = DEFAULT_STATE,
+    threshold: ThresholdOpt = "error",
+) -> None:
+    """Check policies: schema, references, port clashes. Prints file:line: field: problem."""
+    model, items = _load_or_exit(path)
     routes = sum(len(lst.routes) for w in model.workloads for lst in w.listeners)
     gateways = sum(1 for w in model.workloads if w.kind == "gateway")
     sidecars = sum(1 for w in model.workloads if w.kind == "sidecar")
@@ -80,6 +187,8 @@ def validate(path: Annotated[Path, typer.Argument(help="policy file or directory
         f"{len(model.services)} service(s), {sidecars} sidecar(s), "
         f"{routes} route attachment(s)"
     )
+    if run_analyze:
+        raise typer.Exit(_analysis(path, model, items, state_dir, None, False, threshold))
 
 
 @app.command()
@@ -169,9 +278,11 @@ def up(
     ] = False,
     log_format: LogFormatOpt = "human",
     log_level: LogLevelOpt = "info",
+    admin_listen: AdminListenOpt = "127.0.0.1",
+    admin_token_file: AdminTokenOpt = None,
 ) -> None:
     """Run the control plane, one Envoy per gateway and sidecar, the inference backends and
-    placeholder upstreams; hot-reload policies."""
+    placeholder upstreams; hot-reload policies. The web console is at ADMIN/ui."""
     from .runtime.up import run_up
     from .runtime.upstreams import FunctionsSetup
 
@@ -182,17 +293,26 @@ def up(
         from meshfn.inference.cli import InferenceError
         from meshfn.inference.cli import publish_examples as publish
 
-        err.print(
-            f"publishing the example functions into {registry} (the first build takes a minute)"
-        )
-        try:
-            _, public = publish(registry)
+        try:  # progress bars while something builds; one line saying what was cached
+            _, public = publish(registry, err)
         except (InferenceError, OSError) as exc:
             _fail(f"publishing the example functions failed: {exc}")
             return
         keys.append(public)
     setup = FunctionsSetup(registry, tuple(keys)) if keys else None
-    code = asyncio.run(run_up(policies, state_dir, envoy_concurrency, envoy_log_level, out, setup))
+    token = _admin_token(admin_token_file)
+    code = asyncio.run(
+        run_up(
+            policies,
+            state_dir,
+            envoy_concurrency,
+            envoy_log_level,
+            out,
+            setup,
+            admin_listen,
+            token,
+        )
+    )
     raise typer.Exit(code)
 
 
@@ -205,12 +325,19 @@ def serve(
     watch: Annotated[bool, typer.Option(help="hot-reload on policy changes")] = True,
     log_format: LogFormatOpt = "json",
     log_level: LogLevelOpt = "info",
+    admin_listen: AdminListenOpt = "127.0.0.1",
+    admin_token_file: AdminTokenOpt = None,
 ) -> None:
-    """Run only the control plane (ADS + admin), for Envoys you run yourself."""
+    """Run only the control plane (ADS + admin and its console), for Envoys you run yourself."""
     from .runtime.serve import run_serve
 
     setup_logging(log_format, log_level)
-    raise typer.Exit(asyncio.run(run_serve(policies, state_dir, xds_port, admin_port, watch)))
+    token = _admin_token(admin_token_file)
+    raise typer.Exit(
+        asyncio.run(
+            run_serve(policies, state_dir, xds_port, admin_port, watch, admin_listen, token)
+        )
+    )
 
 
 # ------------------------------------------------------------------ seeing inside
@@ -231,8 +358,11 @@ def _admin_url(admin: str | None) -> str:
 
 
 def _get_json(url: str) -> Any:
+    request = urllib.request.Request(url)
+    if token := os.environ.get("MESHFN_ADMIN_TOKEN"):  # an admin port beyond loopback
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -263,8 +393,19 @@ def _type_cell(state: dict[str, Any] | None) -> str:
 def status(
     admin: AdminOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="raw JSON")] = False,
+    kube: Annotated[
+        bool, typer.Option("--kube", help="the cluster's meshfn objects: conditions, what they own")
+    ] = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
 ) -> None:
-    """Every connected proxy: per type the version sent and ACKed, and the last NACK."""
+    """Every connected proxy: per type the version sent and ACKed, and the last NACK. With
+    --kube: every meshfn custom resource, its conditions and the objects it owns."""
+    if kube:
+        from .kube.cli import print_status
+
+        raise typer.Exit(print_status(out, kubeconfig, context, namespace))
     document = _get_json(_admin_url(admin) + "/debug/status")
     if as_json:
         out.print_json(json.dumps(document))
@@ -284,13 +425,12 @@ def status(
     nacks = []
     for proxy in document["proxies"]:
         types = proxy["types"]
-        workload = (
-            proxy["workload"]
-            if proxy["known_workload"]
-            else f"[red]{proxy['workload']} (unknown)[/red]"
-        )
+        # Node ids and workloads come from the proxies: text, never markup.
+        workload = Text(proxy["workload"])
+        if not proxy["known_workload"]:
+            workload = Text(f"{proxy['workload']} (unknown)", style="red")
         table.add_row(
-            proxy["node"],
+            Text(proxy["node"]),
             workload,
             proxy["protocol"],
             *(_type_cell(types.get(t)) for t in ("clusters", "endpoints", "listeners", "routes")),
@@ -320,7 +460,7 @@ def status(
         for name, route in document["routes"].items():
             state = route["state"]
             routes.add_row(
-                name,
+                Text(name),
                 f"[red]{state}[/red]" if state == "degraded" else f"[green]{state}[/green]",
                 f"{route['p95_ms']:.1f}",
                 f"{route['baseline_ms']:.1f}",
@@ -328,8 +468,13 @@ def status(
                 str(route["transitions"]),
             )
         out.print(routes)
+    if document.get("kube"):
+        from .kube.cli import print_operator
+
+        print_operator(out, document["kube"])
     for node, type_name, nack in nacks:
-        out.print(f"[red]NACK[/red] {node} {type_name} version {nack['version'][:8]}: ", end="")
+        out.print("[red]NACK[/red] ", end="")
+        out.print(f"{node} {type_name} version {nack['version'][:8]}: ", end="", markup=False)
         out.print(nack["error"], markup=False, highlight=False)
 
 
@@ -355,6 +500,154 @@ def config_dump(
             )
         document = {resource_type: document[resource_type]}
     out.print(to_yaml(document), end="", markup=False, highlight=False)
+
+
+# ------------------------------------------------------------------ render
+
+render_app = typer.Typer(help="Render the policies for another control plane (Istio).")
+app.add_typer(render_app, name="render")
+
+
+@render_app.command("istio")
+def render_istio(
+    policies: PoliciesOpt = DEFAULT_POLICIES,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="write one file per kind here (default: stdout)"),
+    ] = None,
+    explain: Annotated[
+        bool, typer.Option("--explain", help="print what each policy became, and warnings")
+    ] = False,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="a policy Istio cannot express is an error")
+    ] = False,
+    label_key: Annotated[
+        str, typer.Option(help="pod label that names a Service's or Gateway's workloads")
+    ] = "app",
+    root_namespace: Annotated[
+        str, typer.Option(help="Istio's root namespace (mesh-wide policies)")
+    ] = "istio-system",
+    cluster_domain: Annotated[str, typer.Option(help="hosts are <svc>.<ns>.svc.<domain>")] = (
+        "cluster.local"
+    ),
+    wasm_base_url: Annotated[
+        str,
+        typer.Option(help="https://... (modules at <base><sha256>.wasm) or oci://registry/repo"),
+    ] = "https://meshfn-control-plane.meshfn-system.svc/wasm/",
+    control_plane_host: Annotated[
+        str, typer.Option(help="the control plane's Service host (access-log stream)")
+    ] = "meshfn-control-plane.meshfn-system.svc.cluster.local",
+    journal_path: Annotated[
+        str, typer.Option(help="where istio-proxy writes the audit journal")
+    ] = "/var/run/meshfn/journal/audit.jsonl",
+    state_dir: StateOpt = DEFAULT_STATE,
+    from_cluster: Annotated[
+        bool, typer.Option("--from-cluster", help="the cluster's meshfn objects, not --policies")
+    ] = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Istio objects for the policies (PeerAuthentication ... Telemetry), validated against
+    Istio's schemas; kubectl-apply-ready. Nothing is written when anything is wrong."""
+    from meshfn.istio import MissingModule, RenderOptions, SchemaError, render
+    from meshfn.istio.output import files
+
+    from .audit.salt import load_or_create
+    from .filters import BuildError, artifacts, build
+    from .policy import PolicyLoader
+
+    loader = PolicyLoader(policies)
+    try:
+        if from_cluster:
+            from .kube.cli import cluster_model
+
+            model, provenance = cluster_model(kubeconfig, context, namespace)
+        else:
+            model = loader.load()
+            provenance = loader.provenance()
+    except PolicyErrors as exc:
+        for error in exc.errors:
+            err.print(str(error), highlight=False, markup=False)
+        err.print(f"[red]{len(exc.errors)} error(s)[/red]")
+        raise typer.Exit(1) from None
+    options = RenderOptions(
+        label_key=label_key,
+        root_namespace=root_namespace,
+        cluster_domain=cluster_domain,
+        wasm_base_url=wasm_base_url,
+        control_plane_host=control_plane_host,
+        journal_path=journal_path,
+    )
+    if model.audit is not None:
+        options = dataclasses.replace(options, salt=load_or_create(state_dir))
+    try:
+        rendering = render(model, artifacts(build()), options)
+    except (BuildError, MissingModule) as exc:
+        _fail(str(exc))
+        return
+    except SchemaError as exc:
+        _fail(f"a rendered object fails Istio's schema (a meshfn bug; nothing written): {exc}")
+        return
+    lines = []
+    for warning in rendering.warnings:
+        source = warning.source
+        where = provenance.where(source.kind, source.namespace, source.name, warning.path)
+        from .policy.source import format_loc
+
+        lines.append(
+            f"{where or source}: {format_loc(warning.path)}: {warning.message} "
+            f"[{warning.code}] ({source})"
+        )
+    for line in lines:
+        err.print(("error: " if strict else "warning: ") + line, markup=False, highlight=False)
+    if explain:
+        _explain(rendering, provenance)
+    if strict and lines:
+        err.print(
+            f"[red]{len(lines)} part(s) Istio cannot express (--strict): nothing written[/red]"
+        )
+        raise typer.Exit(1)
+    rendered = files(rendering)
+    if out_dir is None:
+        if not explain:
+            text = "---\n".join(v for k, v in rendered.items() if k != "mesh-config.yaml")
+            out.print(text, end="", markup=False, highlight=False)
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from meshfn.istio.registry import KINDS, MESH_CONFIG_FILE
+
+    for stale in {k.file for k in KINDS} - set(rendered):
+        (out_dir / stale).unlink(missing_ok=True)
+    for name, text in rendered.items():
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out_dir / name)
+    counts = ", ".join(f"{len(v)} {k}" for k, v in rendering.objects.items() if v)
+    err.print(f"wrote {out_dir}/ ({counts}; {MESH_CONFIG_FILE})", markup=False, highlight=False)
+
+
+def _explain(rendering: Any, provenance: Any) -> None:
+    """policy -> the objects it became -> its warnings (rich Text: names are not markup)."""
+    from rich.text import Text
+
+    became: dict[Any, list[str]] = {}
+    for (kind, namespace, name), sources in rendering.origins.items():
+        for source in sources:
+            became.setdefault(source, []).append(f"{kind} {namespace}/{name}")
+    warned: dict[Any, list[str]] = {}
+    for warning in rendering.warnings:
+        warned.setdefault(warning.source, []).append(f"[{warning.code}] {warning.message}")
+    table = Table("policy", "where", "Istio objects", "warnings")
+    for source in sorted(set(became) | set(warned)):
+        where = provenance.where(source.kind, source.namespace, source.name) or ""
+        table.add_row(
+            Text(str(source)),
+            Text(where),
+            Text("\n".join(sorted(became.get(source, []))) or "-"),
+            Text("\n".join(warned.get(source, [])) or "-"),
+        )
+    out.print(table)
 
 
 # ------------------------------------------------------------------ identity
@@ -511,16 +804,28 @@ def filters_build(
     ] = False,
 ) -> None:
     """Build the filter modules (clang + lld) into the content-addressed cache; print where."""
+    from meshfn.common.progress import RichReporter
+
     from .filters import BuildError, artifacts, build
 
     try:
-        directory = build(native)
+        with RichReporter(err, "filters") as progress:
+            directory = build(native, progress)
         digests = artifacts(directory)
     except BuildError as exc:
         _fail(str(exc))
     out.print(str(directory), markup=False, highlight=False)
     for name, digest in sorted(digests.items()):
         err.print(f"  {name}.wasm  sha256:{digest}", markup=False, highlight=False)
+
+
+def _mount_kube_cli() -> None:
+    from .kube.cli import kube_app
+
+    app.add_typer(kube_app, name="kube")
+
+
+_mount_kube_cli()
 
 
 def _mount_function_cli() -> None:
@@ -530,6 +835,7 @@ def _mount_function_cli() -> None:
 
 
 _mount_function_cli()
+reflow_help(app)  # last: every command and sub-app is registered by now
 
 
 def main() -> None:

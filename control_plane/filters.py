@@ -17,8 +17,11 @@ import hashlib
 import json
 import os
 import subprocess
+import tempfile
+import threading
 from pathlib import Path
 
+from meshfn.common.progress import NULL, Reporter
 from meshfn.contracts.plugins import BUILDS
 
 MANIFEST = "manifest.json"
@@ -63,9 +66,10 @@ def _prebuilt() -> Path | None:
     return path
 
 
-def build(native: bool = False) -> Path:
+def build(native: bool = False, progress: Reporter = NULL, timeout: float = 300) -> Path:
     """Build every module (and with `native` the test-harness shared objects) unless the cache
-    already has them; returns the build directory. Takes about a second, once per source change."""
+    already has them; returns the build directory. Takes about a second, once per source change.
+    `progress` hears one item per module file, finished as built or cached."""
     if not native and (prebuilt := _prebuilt()) is not None:
         return prebuilt
     source = source_dir()
@@ -74,12 +78,30 @@ def build(native: bool = False) -> Path:
         raise BuildError(f"{script} not found: set MESHFN_WASM_DIR to prebuilt filters")
     out = cache_dir() / source_key(source)
     argv = ["bash", str(script), "--out", str(out), *(["--native"] if native else [])]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BuildError(f"building the wasm filters failed: {exc}") from None
-    if done.returncode != 0:
-        raise BuildError(f"building the wasm filters failed:\n{done.stderr.strip()}")
+    modules = [f"{name}{suffix}" for name in BUILDS for suffix in (".wasm", "_native.so")]
+    for module in modules if native else modules[::2]:
+        progress.begin(module, 1)
+    with tempfile.TemporaryFile("w+", errors="replace") as errors:
+        try:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors, text=True)
+        except OSError as exc:
+            raise BuildError(f"building the wasm filters failed: {exc}") from None
+        timer = threading.Timer(timeout, proc.kill)  # a hung compiler must not hang `meshfn up`
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:  # "built NAME" / "cached NAME", then the directory
+                state, _, module = line.strip().partition(" ")
+                if state in ("built", "cached") and module:
+                    progress.finish(module, cached=state == "cached")
+            code = proc.wait()
+        finally:
+            timer.cancel()
+        errors.seek(0)
+        stderr = errors.read()
+    if code != 0:
+        reason = "timed out" if code == -9 else "failed"
+        raise BuildError(f"building the wasm filters {reason}:\n{stderr.strip()}")
     manifest = {name: _sha256(out / f"{name}.wasm") for name in BUILDS}
     tmp = out / f".{MANIFEST}.{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -129,11 +151,11 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def prepare() -> tuple[Path | None, str]:
+def prepare(progress: Reporter = NULL) -> tuple[Path | None, str]:
     """For a command that is about to serve: the build directory (built now if needed), or None
     and the reason it could not be built. The control plane refuses policies that need the
     filters while it has none, naming that reason."""
     try:
-        return build(), ""
+        return build(progress=progress), ""
     except BuildError as exc:
         return locate(), str(exc)

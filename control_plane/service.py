@@ -13,6 +13,7 @@ import datetime as dt
 import gc
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,12 +53,29 @@ class ReloadResult:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class ReloadEvent:
+    """One reload, kept for the console: when, whether it was taken, and why not."""
+
+    at: float  # wall clock
+    ok: bool
+    generation: int
+    changed: tuple[str, ...] = ()
+    errors: tuple[PolicyError, ...] = ()
+
+
 @dataclass
 class PolicyState:
     generation: int = 0  # successful reloads that changed something
     loaded_at: float = 0.0
     errors: list[PolicyError] = field(default_factory=list)
     failed_at: float = 0.0
+    history: deque[ReloadEvent] = field(default_factory=lambda: deque(maxlen=20))
+
+    def rejected(self, errors: list[PolicyError]) -> None:
+        self.errors = errors
+        self.failed_at = time.time()
+        self.history.append(ReloadEvent(self.failed_at, False, self.generation, (), tuple(errors)))
 
 
 def watched_routes(model: MeshModel) -> list[WatchedRoute]:
@@ -127,6 +145,15 @@ class ControlPlane:
         self._lock = asyncio.Lock()
         self._listeners: list[ModelListener] = []
         self.watching = asyncio.Event()  # set once policy changes are being watched
+
+    def certificate_expiry(self, group: str) -> dt.datetime | None:
+        """When the certificate of a workload (node cluster) expires, if it has one."""
+        model, identity = self.model, self.identity
+        workload = model.workload(group) if model is not None else None
+        if workload is None or identity is None:
+            return None
+        cert = identity.certificate(workload.identity)
+        return cert.not_after if cert is not None else None
 
     def on_model(self, listener: ModelListener) -> None:
         """Call `listener(new, old)` after every reload that produced a new MeshModel."""
@@ -216,16 +243,7 @@ class ControlPlane:
         return changed
 
     def _on_latency(self, _node: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        common = entry.common_properties
-        timing = common.time_to_last_downstream_tx_byte
-        if not common.HasField("time_to_last_downstream_tx_byte"):
-            timing = common.duration
-        self.drift.observe(
-            common.route_name,
-            common.upstream_cluster,
-            timing.ToNanoseconds() / 1e9,
-            time.monotonic(),
-        )
+        self.drift.observe_access_log(entry, time.monotonic())
 
     async def apply_drift(self) -> list[Transition]:
         """Evaluate the drift breaker; when a route trips or recovers, re-translate with the
@@ -282,8 +300,7 @@ class ControlPlane:
             try:
                 model, snapshots = await asyncio.to_thread(self._build)
             except PolicyErrors as exc:
-                self.state.errors = exc.errors
-                self.state.failed_at = time.time()
+                self.state.rejected(exc.errors)
                 self.metrics.reloads.labels("invalid").inc()
                 log.error(
                     "policy rejected, keeping the last good configuration:\n%s",
@@ -296,8 +313,7 @@ class ControlPlane:
                 errors = [
                     PolicyError(str(self.policies), 0, "", f"cannot prepare the proxies: {exc}")
                 ]
-                self.state.errors = errors
-                self.state.failed_at = time.time()
+                self.state.rejected(errors)
                 self.metrics.reloads.labels("error").inc()
                 log.error("%s; keeping the last good configuration", exc)
                 return ReloadResult(ok=False, errors=errors)
@@ -323,6 +339,9 @@ class ControlPlane:
             self.state.loaded_at = time.time()
             if changed or removed or previous is None:
                 self.state.generation += 1
+                self.state.history.append(
+                    ReloadEvent(self.state.loaded_at, True, self.state.generation, tuple(changed))
+                )
                 log.info(
                     "configuration %d published (%.1f ms): %s",
                     self.state.generation,

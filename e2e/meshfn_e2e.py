@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import urllib.error
@@ -14,9 +16,43 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from meshfn.testing import processes
 from meshfn.testing.policies import Policies
+from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import MESHFN, Proc, wait_for
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
+
+
+def remap_examples(target: Path) -> dict[int, int]:
+    """Copy policies/examples with every port replaced by a free one (tests must not rely on
+    fixed ports being free); returns old port -> new port."""
+    shutil.copytree(EXAMPLES, target)
+    ports: set[int] = set()
+    for path in target.glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            collect_ports(doc, ports)
+    mapping = dict(zip(sorted(ports), free_ports(len(ports)), strict=True))
+    for path in target.glob("*.yaml"):
+        text = path.read_text()
+        text = re.sub(
+            r"\b(\d{4,5})\b", lambda m: str(mapping.get(int(m.group(1)), m.group(1))), text
+        )
+        path.write_text(text)
+    return mapping
+
+
+def collect_ports(node: object, ports: set[int]) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(value, int) and ("port" in key.lower() or key in ("xds", "admin")):
+                ports.add(value)
+            collect_ports(value, ports)
+    elif isinstance(node, list):
+        for item in node:
+            collect_ports(item, ports)
 
 
 def run_bench(script: str, args: list[str], tmp: Path, timeout: float = 300) -> tuple[str, Any]:

@@ -131,6 +131,8 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
                     break
                 assert not traffic.done(), "load finished before the collector restart"
                 await asyncio.sleep(0.01)
+            else:
+                raise AssertionError(f"the load did not reach {threshold} requests in 20 s")
             # a collector just (re)started may not have stored anything yet: hold the load
             # until it has, so the kill below really interrupts a working collector
             gate.clear()
@@ -138,8 +140,16 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
                 if stored() > before:
                     break
                 await asyncio.sleep(0.01)
+            else:
+                raise AssertionError(f"{name}'s predecessor stored nothing in 20 s")
             gate.set()
-            await asyncio.sleep(0.05)  # requests flowing again
+            flowing = progress[0]
+            for _ in range(2000):  # requests flowing again
+                if progress[0] > flowing:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the load did not resume in 20 s")
             seen_at_restart.append(stored())
             collector.send(sig)  # a crash, then an orderly restart
             await asyncio.to_thread(collector.wait, 20)
@@ -154,7 +164,10 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
             if stored() >= TOTAL:
                 break
             await asyncio.sleep(0.1)
-        await asyncio.sleep(0.5)  # anything beyond TOTAL would be a duplicate: give it time to show
+        else:
+            raise AssertionError(f"{stored()} of {TOTAL} records stored after 30 s")
+        # An orderly stop stores every complete line left in the journal first (drain), so a
+        # duplicate beyond TOTAL would be in the store counted below.
         assert collector.stop() == 0
     finally:
         procs.stop_all()

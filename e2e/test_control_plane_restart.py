@@ -16,10 +16,12 @@ from meshfn.testing.processes import MESHFN, meshfn, wait_for
 def test_envoy_survives_a_control_plane_restart(procs: Processes, policies: Policies) -> None:
     for name in ("alpha", "beta"):
         procs.upstream(name, f"default/{name}", policies.ports[name])
-    serve_argv = [MESHFN, "serve", "--policies", str(policies.root)]
+    # the test's own state directory (CA, token keys), never the checkout's .meshfn/
+    state = ["--state-dir", str(policies.root.parent / "state")]
+    serve_argv = [MESHFN, "serve", "--policies", str(policies.root), *state]
     serve = procs.start("serve-1", serve_argv)
     wait_for("the control plane", lambda: proxies(policies) == [], timeout=20)
-    bootstrap = meshfn("bootstrap", "edge.default", "--policies", str(policies.root)).stdout
+    bootstrap = meshfn("bootstrap", "edge.default", "--policies", str(policies.root), *state).stdout
     config = policies.root.parent / "envoy.json"
     config.write_text(json.dumps(json.loads(bootstrap)))
     procs.start("envoy", envoy.argv(config))

@@ -13,7 +13,7 @@ def test_functions_bench_smoke(tmp_path: Path) -> None:
     line, data = run_bench("functions.py", tiny, tmp_path)
     assert re.match(
         r"^functions: cold_p50_ms=[\d.]+ cold_p99_ms=[\d.]+ core_cold_p99_ms=[\d.]+ "
-        r"warm_p50_us=\d+ e2e_p99_ms=[\d.]+ rss_per_instance_mb=[\d.]+ ",
+        r"warm_p50_us=\d+ e2e_p99_ms=[\d.]+ pss_per_instance_mb=[\d.]+ ",
         line,
     ), line
     assert len(data["cold_python_ms"]) == 3 and data["paced_envoy_ms"]["n"] == 100

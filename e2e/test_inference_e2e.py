@@ -224,6 +224,12 @@ def test_oversized_and_wrong_method(stack: Stack) -> None:
     assert call(f"{stack.backend}/v2/models/iris/infer", method="DELETE").status == 405
 
 
+def in_flight(backend: str, function: str) -> bool:
+    """The backend has a request of `function` running (its meshfn_fn_inflight gauge)."""
+    metrics = urllib.request.urlopen(backend + "/metrics", timeout=5).read().decode()
+    return f'meshfn_fn_inflight{{function="{function}"}} 1.0' in metrics
+
+
 def test_runaway_is_interrupted_while_other_functions_serve(stack: Stack) -> None:
     results: dict[str, Reply] = {}
 
@@ -233,7 +239,7 @@ def test_runaway_is_interrupted_while_other_functions_serve(stack: Stack) -> Non
     thread = threading.Thread(target=runaway)
     started = time.monotonic()
     thread.start()
-    time.sleep(0.05)
+    wait_for("the runaway request at the backend", lambda: in_flight(stack.backend, "chaos@1"))
     served = 0
     body = {"inputs": [tensor("features", "FP32", [1, 4], [5.1, 3.5, 1.4, 0.2])]}
     while thread.is_alive() and time.monotonic() - started < 5:
@@ -310,10 +316,11 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(stack: Stack, tmp_path
             )
         )
         thread.start()
-        time.sleep(0.2)
+        wait_for("the request in flight", lambda: in_flight(url, "chaos-core@1"))
         proc.send(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
-        thread.join()
+        thread.join(timeout=15)
+        assert "r" in results, "the in-flight request got no answer before the backend exited"
         assert results["r"].status == 504  # the in-flight request got its answer
         with pytest.raises(urllib.error.URLError):
             urllib.request.urlopen(url + "/v2/health/live", timeout=2)

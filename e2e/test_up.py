@@ -5,15 +5,11 @@ from __future__ import annotations
 import hmac
 import json
 import os
-import re
-import shutil
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from meshfn_e2e import (
     Processes,
     alive,
@@ -21,16 +17,15 @@ from meshfn_e2e import (
     envoy_pids,
     http,
     proxies,
+    remap_examples,
     served_by,
     wait_for_synced,
 )
 
 from meshfn.contracts.plugins import BUILDS
+from meshfn.control_plane.runtime.hints import meshfn_command
 from meshfn.testing.policies import Policies
-from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import MESHFN, meshfn, wait_for
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
 
 
 def test_route_change_becomes_visible(procs: Processes, policies: Policies) -> None:
@@ -40,12 +35,9 @@ def test_route_change_becomes_visible(procs: Processes, policies: Policies) -> N
     assert proxy["protocol"] == policies.protocol
     assert served_by(policies, "/v1/x") == "default/alpha"
     assert http(policies.gateway + "/v2/x").status == 404
-    started = time.monotonic()
-    policies.route("/v2", "beta")
-    wait_for("the new route", lambda: served_by(policies, "/v2/x") == "default/beta")
-    visible_after = time.monotonic() - started
+    policies.route("/v2", "beta")  # how fast: bench/xds_push.py's visible_p50_ms
+    wait_for("the new route", lambda: served_by(policies, "/v2/x") == "default/beta", timeout=30)
     assert http(policies.gateway + "/v1/x").status == 404
-    assert visible_after < 5, visible_after
     assert up.popen is not None and up.popen.poll() is None
     # What changed is visible on the admin port too.
     metrics = http(policies.admin + "/metrics").body.decode()
@@ -149,41 +141,12 @@ def test_envoy_is_restarted_when_it_dies(procs: Processes, delta_policies: Polic
     wait_for_synced(delta_policies, up)
 
 
-def _remap_examples(target: Path) -> dict[int, int]:
-    """Copy policies/examples with every port replaced by a free one (tests must not rely on
-    fixed ports being free)."""
-    shutil.copytree(EXAMPLES, target)
-    ports: set[int] = set()
-    for path in target.glob("*.yaml"):
-        for doc in yaml.safe_load_all(path.read_text()):
-            _collect_ports(doc, ports)
-    mapping = dict(zip(sorted(ports), free_ports(len(ports)), strict=True))
-    for path in target.glob("*.yaml"):
-        text = path.read_text()
-        text = re.sub(
-            r"\b(\d{4,5})\b", lambda m: str(mapping.get(int(m.group(1)), m.group(1))), text
-        )
-        path.write_text(text)
-    return mapping
-
-
-def _collect_ports(node: object, ports: set[int]) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if isinstance(value, int) and ("port" in key.lower() or key in ("xds", "admin")):
-                ports.add(value)
-            _collect_ports(value, ports)
-    elif isinstance(node, list):
-        for item in node:
-            _collect_ports(item, ports)
-
-
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
 def test_up_on_the_examples_and_clean_shutdown(
     procs: Processes, tmp_path: Path, stop_signal: int
 ) -> None:
     """The README's `./dev.sh up`: every example works end to end, then a clean stop."""
-    mapping = _remap_examples(tmp_path / "examples")
+    mapping = remap_examples(tmp_path / "examples")
     listener, admin = mapping[10000], mapping[18001]
     state = tmp_path / "state"
     up = procs.start(
@@ -235,7 +198,10 @@ def test_up_on_the_examples_and_clean_shutdown(
     # 5 Envoys (the gateway, 4 sidecars), 3 inference backends, 1 placeholder upstream.
     assert len(children) == 9 and all(alive(pid) for pid in children)
     output = up.output()
-    assert "TOKEN=$(meshfn token issue" in output
+    # pastes as it is: this meshfn by its path (relative to the caller's directory), plain
+    # `meshfn` only if PATH finds this one
+    command = meshfn_command(MESHFN)
+    assert f"TOKEN=$({command} token issue --state-dir {state} " in output
     assert (
         f'curl -s -H "authorization: Bearer $TOKEN" http://127.0.0.1:{listener}/v2/models/iris'
         in output

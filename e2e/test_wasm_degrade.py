@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client as httpclient
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,7 +293,7 @@ def test_both_filters_together(rig: Rig) -> None:
     before = rig.stat("listener_manager.lds.update_success")
     rig.push(both)
     wait_for("LDS update applied", lambda: rig.stat("listener_manager.lds.update_success") > before)
-    time.sleep(0.2)
+    wait_for("listener warm", lambda: rig.stat("listener_manager.total_listeners_warming") == 0)
     assert rig.served_by("/v2/models/classifier/x") == "cache"
     assert rig.stat("wasmcustom.meshfn_degrade.rerouted") == 1
     assert rig.stat("wasm.envoy.wasm.runtime.v8.active") >= 2  # both VMs loaded

@@ -14,6 +14,8 @@ import http.client as httpc
 import json
 import socket
 import ssl
+import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +33,12 @@ from meshfn_e2e import Processes, http
 from meshfn.control_plane.identity.ca import CertificateAuthority, IssuedCertificate
 from meshfn.control_plane.identity.spiffe import SpiffeId
 from meshfn.testing import policies as p
-from meshfn.testing.ports import named_ports
+from meshfn.testing.ports import named_ports, retry_on_port_clash
 from meshfn.testing.processes import MESHFN, wait_for
 
 TD = "zt.local"
 ISSUER = "https://issuer.test"
+LEGACY = "https://legacy.test"  # an issuer whose rule opts out of requireExpiration
 NOW = dt.datetime.now(dt.UTC)
 
 
@@ -59,14 +62,16 @@ def token(
     iss: str = ISSUER,
     aud: str = "mesh",
     sub: str = "alice",
-    exp: dt.timedelta = dt.timedelta(minutes=10),
+    exp: dt.timedelta | None = dt.timedelta(minutes=10),
     nbf: dt.timedelta = dt.timedelta(minutes=-1),
+    iat: dt.timedelta | None = dt.timedelta(seconds=-1),
     **claims: Any,
 ) -> str:
+    """`exp`/`iat` None: a token without that claim."""
     now = dt.datetime.now(dt.UTC)
     payload = {
-        "iss": iss, "aud": aud, "sub": sub, "tenant": "acme",
-        "exp": int((now + exp).timestamp()), "nbf": int((now + nbf).timestamp()),
+        "iss": iss, "aud": aud, "sub": sub, "tenant": "acme", "nbf": int((now + nbf).timestamp()),
+        **{k: int((now + v).timestamp()) for k, v in (("exp", exp), ("iat", iat)) if v is not None},
         **claims,
     }  # fmt: skip
     return jwt.encode(payload, keys.key, algorithm="ES256", headers={"kid": keys.kid})
@@ -102,7 +107,7 @@ def tampered() -> str:
 def zero_trust_policies(ports: dict[str, int], jwks: str) -> str:
     allowed = {
         "principals": [f"{TD}/ns/ingress/sa/edge", f"{TD}/ns/default/sa/trusted-client"],
-        "requestPrincipals": [f"{ISSUER}/*"],
+        "requestPrincipals": [f"{ISSUER}/*", f"{LEGACY}/*"],
     }
     tenant = {"key": "request.auth.claims[tenant]", "values": ["acme"]}
     return p.documents(
@@ -119,6 +124,10 @@ def zero_trust_policies(ports: dict[str, int], jwks: str) -> str:
             audiences=["mesh"],
             jwks=jwks,
             outputClaimToHeaders=[{"header": "x-tenant", "claim": "tenant"}],
+            maxLifetime="1h",
+        ),
+        p.jwt_authentication(
+            "legacy-issuer", {"service": "model"}, LEGACY, jwks=jwks, requireExpiration=False
         ),
         p.jwt_authentication(
             "jwks-down",
@@ -174,7 +183,6 @@ class Mesh:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    tmp = tmp_path_factory.mktemp("zt")
     names = [
         "xds",
         "admin",
@@ -186,36 +194,37 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         "sidecar2",
         "dead",
     ]
-    ports = named_ports(*names)
     jwks = json.dumps({"keys": [TRUSTED.jwk()]})
-    policies = tmp / "policies"
-    policies.mkdir()
-    (policies / "mesh.yaml").write_text(zero_trust_policies(ports, jwks))
-    procs = Processes(tmp)
-    state = tmp / "state"
-    up = procs.start(
-        "up",
-        [
-            MESHFN,
-            "up",
-            "--policies",
-            str(policies),
-            "--state-dir",
-            str(state),
-            "--envoy-concurrency",
-            "1",
-        ],
-    )
+
+    def start() -> tuple[Processes, Mesh]:
+        tmp = tmp_path_factory.mktemp("zt")
+        ports = named_ports(*names)
+        policies = tmp / "policies"
+        policies.mkdir()
+        (policies / "mesh.yaml").write_text(zero_trust_policies(ports, jwks))
+        procs = Processes(tmp)
+        state = tmp / "state"
+        argv = [MESHFN, "up", "--policies", str(policies), "--state-dir", str(state)]
+        up = procs.start("up", [*argv, "--envoy-concurrency", "1"])
+        try:
+            wait_for(
+                "the mesh",
+                lambda: up.check_running() or "Ctrl-C stops everything" in up.output(),
+                timeout=40,
+            )
+            result = Mesh(ports, state, tmp)
+            wait_for(
+                "a first answer",
+                lambda: request(result, "/v2/x", token()).status == 200,
+                timeout=20,
+            )
+        except BaseException:
+            procs.stop_all()
+            raise
+        return procs, result
+
+    procs, result = retry_on_port_clash(start)  # a port taken meanwhile: new ports
     try:
-        wait_for(
-            "the mesh",
-            lambda: "Ctrl-C stops everything" in up.output(),
-            timeout=40,
-        )
-        result = Mesh(ports, state, tmp)
-        wait_for(
-            "a first answer", lambda: request(result, "/v2/x", token()).status == 200, timeout=20
-        )
         yield result
     finally:
         procs.stop_all()
@@ -269,6 +278,27 @@ GATEWAY_CASES: list[tuple[str, str, str, Callable[[], str | None], dict[str, str
         401,
     ),
     ("not yet valid", "/v2/x", "GET", lambda: token(nbf=dt.timedelta(minutes=10)), {}, 401),
+    # requireExpiration (default): a token that never expires is refused.
+    ("no exp", "/v2/x", "GET", lambda: token(exp=None), {}, 401),
+    ("no exp, no iat", "/v2/x", "GET", lambda: token(exp=None, iat=None), {}, 401),
+    # maxLifetime 1h: exp - iat above it is refused, whatever the token's own exp says.
+    (
+        "lifetime above maxLifetime",
+        "/v2/x",
+        "GET",
+        lambda: token(iat=dt.timedelta(minutes=-1), exp=dt.timedelta(hours=2)),
+        {},
+        401,
+    ),
+    # The opt-out is per rule: another issuer's rule does not lend it to this one.
+    (
+        "no exp, opted-out issuer's key",
+        "/v2/x",
+        "GET",
+        lambda: token(exp=None, iss="https://x.test"),
+        {},
+        401,
+    ),
     ("wrong issuer", "/v2/x", "GET", lambda: token(iss="https://evil.test"), {}, 401),
     # Envoy (and so Istio) answers an audience mismatch with 403, not 401.
     ("wrong audience", "/v2/x", "GET", lambda: token(aud="other"), {}, 403),
@@ -324,6 +354,27 @@ def test_denied_through_the_gateway(
     reply = request(mesh, path, make_token(), method, headers)
     assert reply.status == expected, f"{name}: {reply.status} {reply.body[:200]!r}"
     assert upstream_count(mesh) == before + 1, f"{name} reached the upstream"
+
+
+def test_a_rule_that_opts_out_of_exp_accepts_a_token_without_one(mesh: Mesh) -> None:
+    """requireExpiration: false on the legacy issuer's rule: its token without exp reaches the
+    upstream; the same token from the default rule's issuer does not (see GATEWAY_CASES)."""
+    before = upstream_count(mesh)
+    reply = request(mesh, "/v2/x", token(iss=LEGACY, exp=None, iat=None))
+    assert reply.status == 200, reply
+    assert upstream_count(mesh) == before + 2
+    within = request(
+        mesh, "/v2/x", token(iat=dt.timedelta(minutes=-59), exp=dt.timedelta(seconds=50))
+    )
+    assert within.status == 200, within  # exp - iat = 59m50s: within maxLifetime 1h
+
+
+def test_max_lifetime_bounds_a_token_without_iat_from_now(mesh: Mesh) -> None:
+    """Without iat, Envoy's max_lifetime bounds exp - now instead (measured, Envoy 1.40): a
+    token that expires within maxLifetime passes, one that expires later does not."""
+    assert request(mesh, "/v2/x", token(iat=None, exp=dt.timedelta(minutes=50))).status == 200
+    late = request(mesh, "/v2/x", token(iat=None, exp=dt.timedelta(hours=3)))
+    assert late.status == 401, late
 
 
 def test_positive_through_the_gateway(mesh: Mesh) -> None:
@@ -510,7 +561,6 @@ def test_ca_rotation_with_overlap(mesh: Mesh) -> None:
     state = str(mesh.state)
     node = f"model.default:{mesh.ports['sidecar']}"
     old_client = write_cert(mesh.tmp, "old-root-client", issue(mesh, "trusted-client"))
-    import subprocess
 
     def cli(*args: str) -> str:
         done = subprocess.run(
@@ -528,10 +578,14 @@ def test_ca_rotation_with_overlap(mesh: Mesh) -> None:
     conn = httpc.HTTPConnection(mesh.gateway, timeout=5)
     bearer = token()
 
-    def hammer(until: Callable[[], bool]) -> int:
+    def hammer(until: Callable[[], bool], at_least: int = 100, timeout: float = 60) -> int:
+        """Requests through the gateway in batches of 20: at least `at_least`, and on until
+        `until()` holds (checked between batches); fails if that takes over `timeout` s."""
         nonlocal failures
         count = 0
-        while not until():
+        deadline = time.monotonic() + timeout
+        while count < at_least or not until():
+            assert time.monotonic() < deadline, f"not reached in {timeout} s ({count} requests)"
             for _ in range(20):
                 conn.request("GET", "/v2/ca", headers={"authorization": f"Bearer {bearer}"})
                 response = conn.getresponse()
@@ -550,13 +604,12 @@ def test_ca_rotation_with_overlap(mesh: Mesh) -> None:
     overlap = direct(mesh, old_client, token())
     assert isinstance(overlap, Reply) and overlap.status == 200, overlap
     cli("ca", "retire")
-    sent += hammer(
-        lambda: len(http(f"{mesh.admin}/debug/certs?node={node}").json()["trusted_roots"]) == 1
-    )
-    import time
-
-    time.sleep(1)  # let the sidecar apply the one-root bundle
-    sent += hammer(lambda: True) or 0
+    # Under load until the sidecar itself refuses the old root's certificate (its one-root
+    # bundle applied), then as much load again on the new root alone.
+    sent += hammer(lambda: isinstance(direct(mesh, old_client, token()), str))
+    after_retire = hammer(lambda: True, at_least=200)
+    assert after_retire >= 200
+    sent += after_retire
     assert failures == 0, f"{failures} of {sent} failed during the CA rotation"
     retired = direct(mesh, old_client, token())
     assert isinstance(retired, str), f"a certificate from the retired root was accepted: {retired}"

@@ -16,7 +16,11 @@ CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/meshfn
 HEADERS=$CACHE/kernel-headers
 SYSTEM_BCC=/usr/lib/python3/dist-packages/bcc
 
-log() { printf '\033[1m[meshfn ebpf]\033[0m %s\n' "$*" >&2; }
+if [ -t 2 ] && [ -z "${NO_COLOR:-}" ] && [ "${TERM:-}" != dumb ]; then
+  log() { printf '\033[1m[meshfn ebpf]\033[0m %s\n' "$*" >&2; }
+else  # piped into a log file: plain text
+  log() { printf '[meshfn ebpf] %s\n' "$*" >&2; }
+fi
 die() { log "$*"; exit 1; }
 
 # Other processes on a shared machine may hold the dpkg lock: wait for it instead of failing.

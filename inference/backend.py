@@ -1,47 +1,69 @@
-"""The HTTP-independent core of the inference server: function table, invoke, drain.
+"""The protocol-independent core of the inference server: function table, verification,
+readiness, Triton's repository and statistics extensions, drain; and the REST inference path.
 
-The HTTP layer (server.py) only maps routes onto these coroutines, which keeps the protocol
-logic testable without sockets and let us measure HTTP stacks against the same core.
+Requests of every front end go through one Dispatcher (dispatch.py): the HTTP routes
+(server.py) and the gRPC service (grpc_api.py) only translate their protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from importlib.metadata import version as package_version
 from typing import Any
 
 from .config import BackendConfig, ServedFunction
+from .dispatch import Dispatcher
 from .engine import EpochTicker, engine_key, new_engine
 from .errors import ConfigError, SignatureError
-from .host import Outcome, component_linker
+from .host import component_linker
 from .kserve import (
+    InferRequest,
     KServeError,
     envelope,
     error_body,
+    header_length,
+    http_response,
     model_metadata,
-    parse_request,
-    select_outputs,
+    parse_http,
+    select,
 )
 from .metrics import Metrics
 from .pool import FunctionRuntime, Refused
 from .registry import Registry, latest
+from .results import Completed
 from .signing import TrustedKeys
 
 log = logging.getLogger("meshfn.inference")
+
+SERVER_NAME = "meshfn-inference"
+# What the server metadata lists (Triton's extension names).
+EXTENSIONS = ("binary_tensor_data", "parameters", "model_repository", "statistics")
 
 
 @dataclass(frozen=True, slots=True)
 class Reply:
     status: int
     body: bytes
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    content_type: bytes = b"application/json"
 
     @classmethod
     def error(cls, status: int, message: str) -> Reply:
         return cls(status, error_body(message))
+
+    @classmethod
+    def of(cls, exc: KServeError) -> Reply:
+        return cls(exc.status, exc.body())
+
+    @classmethod
+    def json(cls, value: Any, status: int = 200) -> Reply:
+        return cls(status, json.dumps(value).encode())
 
 
 class Backend:
@@ -62,15 +84,26 @@ class Backend:
         self.ticker = EpochTicker(self.engine)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="meshfn-wasm")
         self.prewarm_executor = ThreadPoolExecutor(1, thread_name_prefix="meshfn-prewarm")
+        self.dispatcher = Dispatcher(self.executor, self.metrics, config.workers)
         self.functions: dict[str, dict[str, FunctionRuntime]] = {}
         self.defaults: dict[str, str] = {}
-        self.ready = False
-        self.draining = False
-        self.inflight = 0
+        self.started = False
         self._reaper: asyncio.Task[None] | None = None
-        self._drained = asyncio.Event()  # set whenever no request is in flight
+        self.server_meta = json.dumps(self.server_metadata()).encode()
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def draining(self) -> bool:
+        return self.dispatcher.draining
+
+    @property
+    def inflight(self) -> int:
+        return self.dispatcher.inflight
+
+    @property
+    def runtimes(self) -> list[FunctionRuntime]:
+        return [rt for versions in self.functions.values() for rt in versions.values()]
 
     def _specs(self) -> list[ServedFunction]:
         if self.config.functions is not None:
@@ -105,15 +138,23 @@ class Backend:
         loop = asyncio.get_running_loop()
         runtimes = [self._runtime(spec) for spec in self._specs()]
         for rt in runtimes:
+            if rt.name == "stats":
+                raise ConfigError("a function may not be called 'stats': /v2/models/stats is taken")
             if rt.version in self.functions.setdefault(rt.name, {}):
                 raise ConfigError(f"{rt.label} declared twice")
             self.functions[rt.name][rt.version] = rt
         for name, versions in self.functions.items():
             self.defaults[name] = latest(list(versions))
         await asyncio.gather(*(loop.run_in_executor(self.executor, rt.verify) for rt in runtimes))
+        for rt in runtimes:
+            if rt.spec.batching is not None and rt.signature and not rt.signature.batchable:
+                raise ConfigError(
+                    f"{rt.label}: batching needs a variable first dimension (-1) on every "
+                    "input and output of its metadata"
+                )
         self.ticker.start()
         self._reaper = asyncio.create_task(self._reap(), name="meshfn-reaper")
-        self.ready = True
+        self.started = True
         log.info(
             "inference backend ready",
             extra={
@@ -123,10 +164,23 @@ class Backend:
             },
         )
 
+    @property
+    def ready(self) -> bool:
+        """KServe server readiness: verification done and not draining. A refused function does
+        not make the server unready (the others serve; its own ready answers 503 with why)."""
+        return not self.unready_reasons()
+
+    def unready_reasons(self) -> list[str]:
+        if not self.started:
+            return ["starting: verifying the functions"]
+        if self.draining:
+            return ["shutting down"]
+        return []
+
     async def _reap(self) -> None:
         """Scale to zero: drop the instances of functions unused for their idle TTL, and their
         code too once unused for their code TTL (the same unless codeTtl)."""
-        runtimes = [rt for versions in self.functions.values() for rt in versions.values()]
+        runtimes = self.runtimes
         if not runtimes:
             return
         interval = min(1.0, max(0.01, min(rt.spec.idleTtl.total_seconds() for rt in runtimes) / 4))
@@ -145,20 +199,21 @@ class Backend:
 
     async def drain(self, timeout: float = 10.0) -> None:
         """Stop taking requests, let running ones finish (bounded), release everything."""
-        self.draining = True
-        self.ready = False
+        self.dispatcher.draining = True
         if self.inflight:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), timeout)
+                await asyncio.wait_for(self.dispatcher.drained.wait(), timeout)
+        for lane in self.dispatcher.lanes.values():
+            if lane.batcher is not None:
+                lane.batcher.close()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.prewarm_executor.shutdown(wait=True, cancel_futures=True)
-        for versions in self.functions.values():
-            for rt in versions.values():
-                rt.close()
+        for rt in self.runtimes:
+            rt.close()
         self.ticker.stop()
 
     # ------------------------------------------------------------------ lookups
@@ -175,32 +230,54 @@ class Backend:
             raise KServeError(404, f"model {name!r} has no version {version!r} (has: {known})")
         return rt
 
-    def metadata(self, name: str, version: str | None) -> Reply:
-        import json
+    def server_metadata(self) -> dict[str, Any]:
+        return {
+            "name": SERVER_NAME,
+            "version": package_version("meshfn"),
+            "extensions": list(EXTENSIONS),
+        }
 
-        try:
-            rt = self.lookup(name, version)
-        except KServeError as exc:
-            return Reply(exc.status, exc.body())
+    def verified(self, name: str, version: str | None) -> FunctionRuntime:
+        """A function that passed verification (else 403/404)."""
+        rt = self.lookup(name, version)
         if rt.refusal is not None or rt.verified is None:
             refusal = rt.refusal or Refused("not verified", 403)
-            return Reply.error(refusal.status, str(refusal))
+            raise KServeError(refusal.status, str(refusal))
+        return rt
+
+    def model_metadata(self, name: str, version: str | None) -> dict[str, Any]:
+        rt = self.verified(name, version)
+        assert rt.verified is not None
         versions = [version] if version else sorted(self.functions[name])
-        body = model_metadata(name, versions, rt.verified.metadata)
-        return Reply(200, json.dumps(body).encode())
+        return model_metadata(name, versions, rt.verified.metadata)
+
+    def metadata(self, name: str, version: str | None) -> Reply:
+        try:
+            return Reply.json(self.model_metadata(name, version))
+        except KServeError as exc:
+            return Reply.of(exc)
+
+    def is_ready(self, rt: FunctionRuntime) -> bool:
+        return (
+            self.started
+            and not self.draining
+            and rt.refusal is None
+            and rt.verified is not None
+            and rt.available
+        )
 
     def model_ready(self, name: str, version: str | None) -> Reply:
-        import json
-
         try:
             rt = self.lookup(name, version)
         except KServeError as exc:
-            return Reply(exc.status, exc.body())
-        ready = self.ready and rt.refusal is None and rt.verified is not None
+            return Reply.of(exc)
+        ready = self.is_ready(rt)
         body: dict[str, Any] = {"name": name, "ready": ready}
         if rt.refusal is not None:
             body["error"] = str(rt.refusal)
-        return Reply(200 if ready else 503, json.dumps(body).encode())
+        elif not rt.available:
+            body["error"] = f"model {rt.label} is unloaded"
+        return Reply.json(body, 200 if ready else 503)
 
     def limit_for(self, name: str, version: str | None) -> int:
         try:
@@ -208,85 +285,136 @@ class Backend:
         except KServeError:
             return 1 << 20
 
-    # ------------------------------------------------------------------ infer
+    # ------------------------------------------------------------------ repository, statistics
 
-    async def infer(self, name: str, version: str | None, body: bytes) -> Reply:
-        started = time.perf_counter()
+    def model_names(self) -> list[str]:
+        return sorted(self.functions)
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """Triton's repository index: every served model version with its state."""
+        out = []
+        for name in self.model_names():
+            for version, rt in sorted(self.functions[name].items()):
+                entry = {"name": name, "version": version}
+                if rt.refusal is not None:
+                    entry |= {"state": "UNAVAILABLE", "reason": str(rt.refusal)}
+                elif not rt.available:
+                    entry |= {"state": "UNAVAILABLE", "reason": "unloaded"}
+                elif not self.is_ready(rt):
+                    entry |= {"state": "UNAVAILABLE", "reason": self.unready_reasons()[0]}
+                else:
+                    entry |= {"state": "READY", "reason": ""}
+                if not ready_only or entry["state"] == "READY":
+                    out.append(entry)
+        return out
+
+    def _repository_target(
+        self, name: str, version: str | None, action: str, params: dict[str, Any]
+    ) -> list[FunctionRuntime]:
+        """The versions a load/unload acts on (all of the model's without /versions/{v})."""
+        runtimes = (
+            list(self.functions.get(name, {}).values())
+            if version is None
+            else [self.lookup(name, version)]
+        )
+        if not runtimes:
+            raise KServeError(404, f"unknown model {name!r}")
+        closed = [rt for rt in runtimes if not rt.spec.repository.callers]
+        if closed:
+            raise KServeError(
+                403,
+                f"{action} of {name} is off: its Function names no repository.callers "
+                "(Triton's load/unload are off by default)",
+            )
+        allowed = {"unload_dependents"} if action == "unload" else set()
+        unknown = set(params) - allowed
+        if unknown:
+            raise KServeError(
+                400,
+                f"{action} parameter(s) {', '.join(sorted(unknown))} are not supported: meshfn "
+                "serves signed artifacts only (no configuration or file overrides)",
+            )
+        if "unload_dependents" in params and not isinstance(params["unload_dependents"], bool):
+            raise KServeError(400, "unload_dependents must be true or false")
+        return runtimes
+
+    async def load(self, name: str, version: str | None, params: dict[str, Any]) -> None:
+        """Triton's load: re-verify every version, load its code, fill its warm pool."""
+        if self.draining:
+            raise KServeError(503, "the inference backend is shutting down")
+        loop = asyncio.get_running_loop()
+        for rt in self._repository_target(name, version, "load", params):
+            await loop.run_in_executor(self.executor, rt.verify)
+            if rt.refusal is not None:
+                raise KServeError(rt.refusal.status, str(rt.refusal))
+            rt.available = True
+            await loop.run_in_executor(self.prewarm_executor, rt.load_and_prewarm)
+            log.info("function loaded (repository)", extra={"function": rt.label})
+
+    async def unload(self, name: str, version: str | None, params: dict[str, Any]) -> None:
+        """Triton's unload: new requests get 503 until a load; running ones finish."""
+        loop = asyncio.get_running_loop()
+        for rt in self._repository_target(name, version, "unload", params):
+            rt.available = False
+            await loop.run_in_executor(self.prewarm_executor, rt.unload, "repository")
+
+    def statistics(self, name: str | None, version: str | None) -> list[dict[str, Any]]:
+        if name is None:
+            runtimes = self.runtimes
+        elif version is None:
+            self.lookup(name, None)
+            runtimes = list(self.functions[name].values())
+        else:
+            runtimes = [self.lookup(name, version)]
+        return [
+            self.dispatcher.lane(rt).stats.as_json(rt.name, rt.version)
+            for rt in sorted(runtimes, key=lambda r: (r.name, r.version))
+        ]
+
+    # ------------------------------------------------------------------ REST inference
+
+    async def infer(
+        self, name: str, version: str | None, body: bytes, headers: dict[bytes, bytes] | None = None
+    ) -> Reply:
+        """POST /v2/models/{name}[/versions/{v}]/infer: JSON or the binary tensor extension."""
         try:
             rt = self.lookup(name, version)
         except KServeError as exc:
-            return Reply(exc.status, exc.body())
-        reply = await self._infer(rt, body)
-        self.metrics.requests.labels(rt.label, str(reply.status)).inc()
-        self.metrics.latency.labels(rt.label).observe(time.perf_counter() - started)
-        return reply
+            return Reply.of(exc)
 
-    async def _infer(self, rt: FunctionRuntime, body: bytes) -> Reply:
-        if self.draining:
-            return Reply.error(503, "the inference backend is shutting down")
-        if rt.refusal is not None or rt.signature is None:
-            refusal = rt.refusal or Refused(f"function {rt.label} is not verified", 403)
-            return Reply.error(refusal.status, str(refusal))
-        limit = rt.spec.limits.maxRequestBytes
-        if len(body) > limit:
-            return Reply.error(413, f"request body exceeds {limit} bytes for {rt.label}")
-        try:
-            request = parse_request(body, rt.signature)
-        except KServeError as exc:
-            return Reply(exc.status, exc.body())
-        if rt.inflight >= rt.spec.limits.maxConcurrency:
-            return Reply.error(
-                429,
-                f"function {rt.label} is at its concurrency limit ({rt.spec.limits.maxConcurrency})",
-            )
-        rt.inflight += 1
-        self.inflight += 1
-        self._drained.clear()
-        self.metrics.inflight.labels(rt.label).set(rt.inflight)
-        try:
-            loop = asyncio.get_running_loop()
-            invocation = await loop.run_in_executor(self.executor, rt.invoke, request.text)
-        except Refused as exc:
-            return Reply.error(exc.status, str(exc))
-        except Exception as exc:
-            log.exception("invoke failed", extra={"function": rt.label})
-            return Reply.error(500, f"function {rt.label} could not run: {exc}")
-        finally:
-            rt.inflight -= 1
-            self.inflight -= 1
-            if not self.inflight:
-                self._drained.set()
-            rt.last_used = time.monotonic()
-            self.metrics.inflight.labels(rt.label).set(rt.inflight)
-        result = invocation.result
-        outcome = result.outcome
-        if outcome is Outcome.OK:
-            text = result.body
-            if request.outputs is not None:
-                text = select_outputs(text, request.outputs) or ""
-            out = envelope(text, rt.name, rt.version, request.id)
-            if out is None:
-                return Reply.error(
-                    500, f"function {rt.label} returned a response that is not a JSON object"
+        def parse() -> InferRequest:
+            limit = rt.spec.limits.maxRequestBytes
+            if len(body) > limit:
+                raise KServeError(413, f"request body exceeds {limit} bytes for {rt.label}")
+            encoding = (headers or {}).get(b"content-encoding", b"identity").lower()
+            if encoding not in (b"identity", b""):
+                raise KServeError(
+                    415, f"Content-Encoding {encoding.decode('latin-1')} is not supported"
                 )
-            return Reply(200, out)
-        if outcome is Outcome.BAD_REQUEST:
-            return Reply.error(400, f"model {rt.label} rejected the input: {result.body}")
-        if outcome is Outcome.TIMEOUT:
-            log.warning("function interrupted at deadline", extra={"function": rt.label})
-            return Reply.error(
-                504,
-                f"function {rt.label} exceeded its {round(rt.spec.limits.timeout.total_seconds() * 1000)} ms deadline "
-                "and was interrupted",
+            assert rt.signature is not None  # admitted: verified
+            return parse_http(body, rt.signature, header_length(headers or {}, len(body)))
+
+        def encode(completed: Completed, request: InferRequest) -> Reply:
+            if completed.text is not None and request.outputs is None and not request.binary_output:
+                out = envelope(completed.text, rt.name, rt.version, request.id)
+                if out is None:
+                    raise KServeError(
+                        500, f"function {rt.label} returned a response that is not a JSON object"
+                    )
+                return Reply(200, out)
+            outputs, params = completed.parsed(rt.label)
+            chosen = select(outputs, request.outputs, rt.label)
+            data, json_length = http_response(request, chosen, params, rt.name, rt.version)
+            if json_length is None:
+                return Reply(200, data)
+            return Reply(
+                200,
+                data,
+                ((b"Inference-Header-Content-Length", str(json_length).encode()),),
+                b"application/octet-stream",
             )
-        if outcome is Outcome.OUT_OF_MEMORY:
-            log.warning("function out of memory", extra={"function": rt.label})
-            return Reply.error(
-                500,
-                f"function {rt.label} exceeded its memory limit of "
-                f"{rt.spec.limits.memoryMiB} MiB: {result.body}",
-            )
-        if outcome is Outcome.TRAP:
-            log.warning("function trapped", extra={"function": rt.label, "trap": result.body})
-            return Reply.error(500, f"function {rt.label} trapped: {result.body}")
-        return Reply.error(500, f"function {rt.label} failed: {result.body}")
+
+        try:
+            return await self.dispatcher.serve(rt, "rest", parse, encode)
+        except KServeError as exc:
+            return Reply.of(exc)

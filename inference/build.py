@@ -23,6 +23,8 @@ from typing import Any
 
 import wasmtime
 
+from meshfn.common.progress import NULL, Reporter
+
 from .errors import BuildError
 from .manifest import FunctionManifest, load_manifest
 from .signing import sha256_file
@@ -189,7 +191,16 @@ def check_core_module(wasm: bytes, where: str) -> None:
         raise BuildError(f"{where}: missing core ABI exports {missing}")
 
 
-def build(directory: Path, out_dir: Path | None = None, force: bool = False) -> BuildResult:
+def build(
+    directory: Path,
+    out_dir: Path | None = None,
+    force: bool = False,
+    progress: Reporter = NULL,
+    item: str | None = None,
+) -> BuildResult:
+    """Build (or find in the cache) one function; `progress` hears each step under `item`
+    (default: the directory's name)."""
+    item = item or directory.name
     directory = directory.resolve()
     manifest = load_manifest(directory)
     key = build_key(directory, manifest)
@@ -204,9 +215,12 @@ def build(directory: Path, out_dir: Path | None = None, force: bool = False) -> 
             shutil.copytree(directory, stage, ignore=shutil.ignore_patterns("__pycache__"))
             if manifest.kind == "python":  # prepare scripts may import the model (and so the SDK)
                 shutil.copy(SDK_FILE, stage / "meshfn_sdk.py")
+            if manifest.prepare:
+                progress.step(item, f"prepare ({manifest.prepare})")
             report = _prepare(manifest, stage)
             out = Path(tmp) / "out"
             out.mkdir()
+            progress.step(item, "componentize-py" if manifest.kind == "python" else "clang")
             if manifest.kind == "python":
                 _componentize(manifest, stage, out / wasm.name)
             else:

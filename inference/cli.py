@@ -57,10 +57,15 @@ def build_cmd(
     force: Annotated[bool, typer.Option(help="rebuild even if the cache is current")] = False,
 ) -> None:
     """Build a function: componentize-py (Python) or clang (core wasm) -> NAME-VERSION.wasm."""
+    from meshfn.common.progress import RichReporter
+
     from .build import build
 
     try:
-        result = build(directory, out_dir, force=force)
+        with RichReporter(err, "build") as progress:
+            progress.begin(directory.name, 2)
+            result = build(directory, out_dir, force=force, progress=progress)
+            progress.finish(directory.name, cached=result.cached)
     except InferenceError as exc:
         _fail(exc)
     info = result.info()
@@ -122,10 +127,18 @@ def examples_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Build, sign (development key) and publish the example functions; cached."""
+    from meshfn.common.progress import NULL, RichReporter
+
     from .examples import publish_examples
 
     try:
-        published, public = publish_examples(registry, include_testing=testing, force=force)
+        with RichReporter(err, "functions") as progress:
+            published, public = publish_examples(
+                registry,
+                include_testing=testing,
+                force=force,
+                progress=NULL if as_json else progress,
+            )
     except InferenceError as exc:
         _fail(exc)
     if as_json:
@@ -162,6 +175,10 @@ def serve_cmd(
     ] = None,
     host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="listen port")] = 8080,
+    grpc_port: Annotated[
+        int | None,
+        typer.Option("--grpc-port", help="also serve KServe v2 gRPC (GRPCInferenceService) here"),
+    ] = None,
     workers: Annotated[int | None, typer.Option(help="threads running wasm")] = None,
     trusted_key: Annotated[
         list[Path] | None, typer.Option("--trusted-key", help="ed25519 public key file or dir")
@@ -194,19 +211,23 @@ def serve_cmd(
         else:
             _fail("pass --registry DIR or --config FILE")
             return
-        asyncio.run(serve(cfg, host, port, drain_timeout))
+        asyncio.run(serve(cfg, host, port, drain_timeout, grpc_port))
     except InferenceError as exc:
         _fail(exc)
     except OSError as exc:
         _fail(f"cannot serve on {host}:{port}: {exc}")
 
 
-def publish_examples(registry: Path) -> tuple[list[Any], Path]:
+def publish_examples(registry: Path, console: Console | None = None) -> tuple[list[Any], Path]:
     """Build, sign and publish the example functions (for `meshfn up --publish-examples`: the
-    control plane's CLI reaches the backend only through this module)."""
+    control plane's CLI reaches the backend only through this module), with progress on
+    `console` and a last line saying what was cached."""
+    from meshfn.common.progress import RichReporter
+
     from .examples import publish_examples as publish
 
-    return publish(registry)
+    with RichReporter(console or err, "example functions") as progress:
+        return publish(registry, progress=progress)
 
 
 def main() -> None:

@@ -13,12 +13,14 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from meshfn.common.progress import NULL, Reporter
+
 from . import signing
 from .build import FUNCTIONS_DIR, build, cache_root
 from .errors import SignatureError
 from .registry import Registry, sign_module, signature_path
 
-EXAMPLES = ("examples/iris", "examples/embedder", "examples/digits-core")
+EXAMPLES = ("examples/iris", "examples/embedder", "examples/digits-core", "examples/digits28-core")
 TESTING = ("testing/chaos", "testing/chaos-core")
 
 
@@ -42,23 +44,33 @@ def dev_key(key_dir: Path | None = None) -> tuple[Path, Path]:
 
 
 def publish_dir(
-    directory: Path, registry: Registry, key_path: Path, force: bool = False
+    directory: Path,
+    registry: Registry,
+    key_path: Path,
+    force: bool = False,
+    progress: Reporter = NULL,
 ) -> Published:
-    """build -> sign -> publish one function directory, skipping what is already done."""
+    """build -> sign -> publish one function directory, skipping what is already done.
+    `progress` hears the steps (prepare, compile, precompile) under the directory's name."""
+    item = directory.name
+    progress.begin(item, 3)
     key = signing.load_private_key(key_path)
-    result = build(directory, force=force)
+    result = build(directory, force=force, progress=progress, item=item)
     info = result.info()
     name, version, digest = info["name"], info["version"], info["module_sha256"]
     if not force and registry.published_digest(name, version) == digest:
+        progress.finish(item, cached=result.cached)
         return Published(
             name, version, info["kind"], registry.entry(name, version), True, result.report
         )
     sig = signature_path(result.wasm)
     if force or not sig.exists() or not _signed_by(sig, key, digest):
         sign_module(result.wasm, key)
+    progress.step(item, "precompile (.cwasm)")
     entry = registry.publish(
         result.wasm, key, compile_cache=cache_root() / "functions" / "compiled"
     )
+    progress.finish(item, cached=False)
     return Published(name, version, info["kind"], entry, False, result.report)
 
 
@@ -76,6 +88,7 @@ def publish_examples(
     key_dir: Path | None = None,
     include_testing: bool = False,
     force: bool = False,
+    progress: Reporter = NULL,
 ) -> tuple[list[Published], Path]:
     """Publish the example functions (and optionally the test ones) into `registry_dir`.
 
@@ -84,4 +97,5 @@ def publish_examples(
     private, public = dev_key(key_dir)
     registry = Registry(registry_dir)
     dirs = EXAMPLES + (TESTING if include_testing else ())
-    return [publish_dir(FUNCTIONS_DIR / d, registry, private, force) for d in dirs], public
+    published = [publish_dir(FUNCTIONS_DIR / d, registry, private, force, progress) for d in dirs]
+    return published, public

@@ -1,30 +1,42 @@
-"""KServe Open Inference Protocol v2 (JSON) request checks and response envelopes.
+"""KServe Open Inference Protocol v2 over HTTP/REST: JSON requests, Triton's binary tensor data
+extension, and the protocol-neutral request every front end (REST, gRPC) produces.
 
 Everything a request can get wrong is caught here, on the host, before any wasm runs: the
 function is only called with inputs whose names, datatypes, shapes and element counts match its
-metadata. Errors use KServe's body `{"error": "..."}`.
+metadata, whichever way the data arrived. Errors use KServe's body `{"error": "..."}`.
+
+The binary extension: with the `Inference-Header-Content-Length: N` header the body is an
+N-byte JSON header followed by raw tensor data; an input with `parameters.binary_data_size: S`
+takes the next S bytes (in input order) instead of `data`. Responses put an output in binary
+form when its `parameters.binary_data` says so, or, by default, when the request parameter
+`binary_data_output` does; the header length then travels back in the same header.
 """
 
 from __future__ import annotations
 
+import base64
 import json
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-_INT_RANGES = {
-    "INT8": (-(1 << 7), (1 << 7) - 1),
-    "INT16": (-(1 << 15), (1 << 15) - 1),
-    "INT32": (-(1 << 31), (1 << 31) - 1),
-    "INT64": (-(1 << 63), (1 << 63) - 1),
-    "UINT8": (0, (1 << 8) - 1),
-    "UINT16": (0, (1 << 16) - 1),
-    "UINT32": (0, (1 << 32) - 1),
-    "UINT64": (0, (1 << 64) - 1),
-}
-_FLOATS = {"FP16", "FP32", "FP64"}
+from .tensors import DType, TensorError, check_raw, dtype, element_count, json_to_raw, unpack
+
+HEADER_LENGTH = b"inference-header-content-length"
 _REQUEST_KEYS = {"id", "parameters", "inputs", "outputs"}
 _INPUT_KEYS = {"name", "datatype", "shape", "data", "parameters"}
+_OUTPUT_KEYS = {"name", "parameters"}
+_SCALARS = (str, int, float, bool)
+# Extensions meshfn does not implement: a request that relies on one is refused rather than
+# answered as if the parameter were not there.
+_UNSUPPORTED = {
+    "shared_memory_region": "the shared-memory extensions are not supported",
+    "shared_memory_byte_size": "the shared-memory extensions are not supported",
+    "shared_memory_offset": "the shared-memory extensions are not supported",
+    "classification": "the classification extension is not supported",
+    "sequence_id": "sequence batching is not supported",
+    "sequence_start": "sequence batching is not supported",
+    "sequence_end": "sequence batching is not supported",
+}
 
 
 class KServeError(Exception):
@@ -41,6 +53,10 @@ def error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
 
+def bad(message: str) -> KServeError:
+    return KServeError(400, message)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSig:
     name: str
@@ -51,7 +67,7 @@ class TensorSig:
 @dataclass(frozen=True, slots=True)
 class Signature:
     inputs: dict[str, TensorSig]
-    outputs: frozenset[str]
+    outputs: dict[str, TensorSig]
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any]) -> Signature:
@@ -60,162 +76,356 @@ class Signature:
 
         return cls(
             {t["name"]: sig(t) for t in metadata["inputs"]},
-            frozenset(str(t["name"]) for t in metadata["outputs"]),
+            {t["name"]: sig(t) for t in metadata["outputs"]},
         )
 
+    @property
+    def batchable(self) -> bool:
+        """Every input and output has a variable first dimension (the batch dimension)."""
+        tensors = [*self.inputs.values(), *self.outputs.values()]
+        return all(t.shape and t.shape[0] == -1 for t in tensors)
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    text: str  # the body as sent: the guest parses it itself
-    id: str | None
-    outputs: tuple[str, ...] | None = None  # names the client asked for, in its order
-
-
-def _bad(message: str) -> KServeError:
-    return KServeError(400, message)
-
-
-def _count_and_check(data: Any, datatype: str, name: str) -> int:
-    """Number of elements in (possibly nested) `data`, checking each element's type.
-
-    `data` comes from json.loads, so exact type tests are complete (bool is the only subclass,
-    of int, and it is rejected where a number is expected); this runs once per element of every
-    request, hence one tight loop per kind of datatype.
-    """
-    count = 0
-    stack = [data if type(data) is list else [data]]
-    if datatype in _FLOATS:
-        isfinite = math.isfinite
-        while stack:
-            for v in stack.pop():
-                t = type(v)
-                if t is float:
-                    if not isfinite(v):
-                        raise _bad(f"input {name!r}: non-finite {datatype} element")
-                elif t is list:
-                    stack.append(v)
-                    continue
-                elif t is not int:
-                    raise _bad(f"input {name!r}: {datatype} element {v!r} is not a number")
-                count += 1
-        return count
-    ints = _INT_RANGES.get(datatype)
-    if ints is not None:
-        low, high = ints
-        while stack:
-            for v in stack.pop():
-                t = type(v)
-                if t is int:
-                    if not low <= v <= high:
-                        raise _bad(f"input {name!r}: {v} is out of range for {datatype}")
-                elif t is list:
-                    stack.append(v)
-                    continue
-                else:
-                    raise _bad(f"input {name!r}: {datatype} element {v!r} is not an integer")
-                count += 1
-        return count
-    # BOOL, or BYTES (strings in JSON)
-    want, what = (bool, "true/false") if datatype == "BOOL" else (str, "a string")
-    while stack:
-        for v in stack.pop():
-            t = type(v)
-            if t is list:
-                stack.append(v)
-                continue
-            if t is not want:
-                raise _bad(f"input {name!r}: {datatype} element {v!r} is not {what}")
-            count += 1
-    return count
-
-
-def parse_request(body: bytes, signature: Signature) -> Request:
-    try:
-        text = body.decode("utf-8")
-        request = json.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _bad(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(request, dict):
-        raise _bad("request body must be a JSON object")
-    unknown = set(request) - _REQUEST_KEYS
-    if unknown:
-        raise _bad(f"unknown request field(s): {', '.join(sorted(unknown))}")
-    request_id = request.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise _bad("'id' must be a string")
-    if not isinstance(request.get("parameters", {}), dict):
-        raise _bad("'parameters' must be an object")
-    inputs = request.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise _bad("'inputs' must be a non-empty list")
-    seen: set[str] = set()
-    for i, tensor in enumerate(inputs):
-        if not isinstance(tensor, dict):
-            raise _bad(f"inputs[{i}] must be an object")
-        missing = {"name", "datatype", "shape", "data"} - set(tensor)
-        if missing:
-            raise _bad(f"inputs[{i}] lacks {', '.join(sorted(missing))}")
-        extra = set(tensor) - _INPUT_KEYS
-        if extra:
-            raise _bad(f"inputs[{i}] has unknown field(s): {', '.join(sorted(extra))}")
-        name = tensor["name"]
-        if not isinstance(name, str) or name not in signature.inputs:
-            known = ", ".join(sorted(signature.inputs))
-            raise _bad(f"unknown input {name!r} (this model takes: {known})")
-        if name in seen:
-            raise _bad(f"input {name!r} given twice")
-        seen.add(name)
-        sig = signature.inputs[name]
-        if tensor["datatype"] != sig.datatype:
-            raise _bad(f"input {name!r}: datatype {tensor['datatype']!r}, expected {sig.datatype}")
-        shape = tensor["shape"]
+    def check_shape(self, name: str, shape: Any) -> tuple[int, ...]:
+        sig = self.inputs[name]
         if (
-            not isinstance(shape, list)
+            not isinstance(shape, list | tuple)
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
             or len(shape) != len(sig.shape)
             or any(want not in (-1, got) for want, got in zip(sig.shape, shape, strict=True))
         ):
-            raise _bad(f"input {name!r}: shape {shape!r} does not match {list(sig.shape)}")
-        params = tensor.get("parameters", {})
-        if not isinstance(params, dict):
-            raise _bad(f"input {name!r}: 'parameters' must be an object")
-        if "binary_data_size" in params:
-            raise _bad("the binary tensor extension is not supported: send JSON data")
-        expected = math.prod(shape)
-        count = _count_and_check(tensor["data"], sig.datatype, name)
-        if count != expected:
-            raise _bad(f"input {name!r}: {count} elements for shape {shape} ({expected} expected)")
-    absent = set(signature.inputs) - seen
-    if absent:
-        raise _bad(f"missing input(s): {', '.join(sorted(absent))}")
-    outputs = request.get("outputs")
-    if outputs is not None:
-        if not isinstance(outputs, list) or not all(
-            isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs
-        ):
-            raise _bad("'outputs' must be a list of objects with a name")
-        unknown_out = [o["name"] for o in outputs if o["name"] not in signature.outputs]
-        if unknown_out:
-            raise _bad(f"unknown output(s) requested: {', '.join(unknown_out)}")
-        return Request(text, request_id, tuple(o["name"] for o in outputs))
-    return Request(text, request_id)
+            raise bad(f"input {name!r}: shape {list(shape)!r} does not match {list(sig.shape)}")
+        return tuple(shape)
+
+    def input_named(self, name: Any, seen: set[str]) -> TensorSig:
+        if not isinstance(name, str) or name not in self.inputs:
+            known = ", ".join(sorted(self.inputs))
+            raise bad(f"unknown input {name!r} (this model takes: {known})")
+        if name in seen:
+            raise bad(f"input {name!r} given twice")
+        seen.add(name)
+        return self.inputs[name]
+
+    def check_complete(self, seen: set[str]) -> None:
+        absent = set(self.inputs) - seen
+        if absent:
+            raise bad(f"missing input(s): {', '.join(sorted(absent))}")
+
+    def check_outputs(self, names: list[str]) -> None:
+        unknown = [n for n in names if n not in self.outputs]
+        if unknown:
+            raise bad(f"unknown output(s) requested: {', '.join(unknown)}")
+        if len(set(names)) != len(names):
+            raise bad("an output is requested twice")
 
 
-def select_outputs(guest_body: str, names: tuple[str, ...]) -> str | None:
-    """Keep only the requested outputs (KServe `outputs`), whatever the guest returned; this is
-    the one case where the host parses a guest response. None if it is not valid."""
-    try:
-        response = json.loads(guest_body)
-        by_name = {o["name"]: o for o in response["outputs"]}
-        response["outputs"] = [by_name[n] for n in names]
-    except (ValueError, KeyError, TypeError):
+@dataclass(slots=True)
+class Input:
+    name: str
+    dt: DType
+    shape: tuple[int, ...]
+    raw: bytes  # checked against shape and datatype (tensors.py layout)
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Requested:
+    name: str
+    binary: bool | None = None  # REST: parameters.binary_data; None: the request's default
+    parameters: dict[str, Any] = field(default_factory=dict)  # passed to the function
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """A validated inference request, whichever front end it came through."""
+
+    id: str | None
+    inputs: list[Input]
+    parameters: dict[str, Any] = field(default_factory=dict)  # passed to the function
+    outputs: list[Requested] | None = None
+    binary_output: bool = False  # REST: binary_data_output
+    timeout: float | None = None  # seconds the client allows (Triton's `timeout` parameter)
+
+    @property
+    def rows(self) -> int:
+        """The first dimension: how many rows this request adds to a batch."""
+        return self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 1
+
+    def guest_json(self, raw: bool = True) -> str:
+        """The request as the guest reads it (functions/wit/model.wit): every input's data as
+        `raw` (base64 of the raw layout) for guests that take it, else as JSON `data`."""
+        inputs = []
+        for t in self.inputs:
+            entry: dict[str, Any] = {"name": t.name, "datatype": t.dt.name, "shape": list(t.shape)}
+            if raw:
+                entry["raw"] = base64.b64encode(t.raw).decode("ascii")
+            else:
+                entry["data"] = unpack(t.raw, t.dt, element_count(t.shape))
+            if t.parameters:
+                entry["parameters"] = t.parameters
+            inputs.append(entry)
+        request: dict[str, Any] = {"inputs": inputs}
+        if self.outputs is not None:
+            request["outputs"] = [
+                {"name": o.name, **({"parameters": o.parameters} if o.parameters else {})}
+                for o in self.outputs
+            ]
+        if self.parameters:
+            request["parameters"] = self.parameters
+        return json.dumps(request, separators=(",", ":"))
+
+    def batch_key(self) -> str:
+        """Requests with equal keys may share one guest call: the same parameters, outputs and
+        per-input trailing dimensions (only the first dimension may differ)."""
+        return json.dumps(
+            [
+                self.parameters,
+                [(t.name, t.shape[1:], t.parameters) for t in self.inputs],
+                None if self.outputs is None else [(o.name, o.parameters) for o in self.outputs],
+            ],
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def check_parameters(params: Any, where: str) -> dict[str, Any]:
+    """KServe parameters: an object of string, number or boolean values."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise bad(f"{where}: 'parameters' must be an object")
+    for key, value in params.items():
+        if not isinstance(value, _SCALARS):
+            raise bad(f"{where}: parameter {key!r} must be a string, number or boolean")
+        if key in _UNSUPPORTED:
+            raise bad(f"{where}: parameter {key!r}: {_UNSUPPORTED[key]}")
+    return params
+
+
+def _flag(params: dict[str, Any], key: str, where: str) -> bool | None:
+    value = params.pop(key, None)
+    if value is not None and not isinstance(value, bool):
+        raise bad(f"{where}: {key} must be true or false")
+    return value
+
+
+def _no_other_binary(params: dict[str, Any], allowed: str | None, where: str) -> None:
+    for key in params:
+        if key.startswith("binary_data") and key != allowed:
+            where_ok = f" (only {allowed} is known here)" if allowed else ""
+            raise bad(f"{where}: unknown binary tensor parameter {key!r}{where_ok}")
+
+
+def request_timeout(params: dict[str, Any]) -> float | None:
+    """Triton's `timeout` request parameter (microseconds), consumed by the host."""
+    value = params.pop("timeout", None)
+    if value is None:
         return None
-    return json.dumps(response, separators=(",", ":"))
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise bad("parameter 'timeout' must be a non-negative integer (microseconds)")
+    return value / 1e6
+
+
+# ---------------------------------------------------------------- HTTP bodies
+
+
+def header_length(headers: dict[bytes, bytes], body_length: int) -> int | None:
+    """The binary extension's JSON header length, checked against the body."""
+    raw = headers.get(HEADER_LENGTH)
+    if raw is None:
+        return None
+    text = raw.decode("latin-1").strip()
+    if not text.isdigit():
+        raise bad(f"Inference-Header-Content-Length {text!r} is not a byte count")
+    length = int(text)
+    if length > body_length:
+        raise bad(
+            f"Inference-Header-Content-Length {length} is past the end of the "
+            f"{body_length}-byte body"
+        )
+    return length
+
+
+def parse_http(body: bytes, signature: Signature, json_length: int | None = None) -> InferRequest:
+    """A REST inference body (JSON, or with `json_length` the binary extension's layout)."""
+    head = body if json_length is None else body[:json_length]
+    blob = b"" if json_length is None else body[json_length:]
+    try:
+        request = json.loads(head)
+    except (UnicodeDecodeError, ValueError) as exc:
+        hint = ""
+        trailing = isinstance(exc, UnicodeDecodeError) or "Extra data" in str(exc)
+        if json_length is None and trailing:
+            hint = " (binary tensor data needs the Inference-Header-Content-Length header)"
+        raise bad(f"request body is not valid JSON: {exc}{hint}") from None
+    if not isinstance(request, dict):
+        raise bad("request body must be a JSON object")
+    unknown = set(request) - _REQUEST_KEYS
+    if unknown:
+        raise bad(f"unknown request field(s): {', '.join(sorted(unknown))}")
+    request_id = request.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise bad("'id' must be a string")
+    params = dict(check_parameters(request.get("parameters"), "request"))
+    binary_output = _flag(params, "binary_data_output", "request") or False
+    _no_other_binary(params, None, "request")
+    timeout = request_timeout(params)
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise bad("'inputs' must be a non-empty list")
+    seen: set[str] = set()
+    parsed: list[Input] = []
+    offset = 0
+    for i, tensor in enumerate(inputs):
+        if not isinstance(tensor, dict):
+            raise bad(f"inputs[{i}] must be an object")
+        missing = {"name", "datatype", "shape"} - set(tensor)
+        if missing:
+            raise bad(f"inputs[{i}] lacks {', '.join(sorted(missing))}")
+        extra = set(tensor) - _INPUT_KEYS
+        if extra:
+            raise bad(f"inputs[{i}] has unknown field(s): {', '.join(sorted(extra))}")
+        sig = signature.input_named(tensor["name"], seen)
+        name = sig.name
+        if tensor["datatype"] != sig.datatype:
+            raise bad(f"input {name!r}: datatype {tensor['datatype']!r}, expected {sig.datatype}")
+        shape = signature.check_shape(name, tensor["shape"])
+        where = f"input {name!r}"
+        tparams = dict(check_parameters(tensor.get("parameters"), where))
+        size = tparams.pop("binary_data_size", None)
+        _no_other_binary(tparams, None, where)
+        dt, count = dtype(sig.datatype), element_count(shape)
+        try:
+            if size is None:
+                if "data" not in tensor:
+                    raise bad(f"inputs[{i}] lacks data (or parameters.binary_data_size)")
+                raw = json_to_raw(tensor["data"], dt, shape)
+            else:
+                if json_length is None:
+                    raise bad(
+                        f"{where}: binary_data_size needs the Inference-Header-Content-Length "
+                        "header"
+                    )
+                if "data" in tensor:
+                    raise bad(f"{where}: both data and binary_data_size given")
+                if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                    raise bad(f"{where}: binary_data_size must be a non-negative integer")
+                if offset + size > len(blob):
+                    raise bad(
+                        f"{where}: binary_data_size {size} runs past the end of the binary data "
+                        f"({len(blob) - offset} bytes left)"
+                    )
+                raw = blob[offset : offset + size]
+                offset += size
+                check_raw(raw, dt, count)
+        except TensorError as exc:
+            raise bad(f"{where}: {exc}") from None
+        parsed.append(Input(name, dt, shape, raw, tparams))
+    if offset != len(blob):
+        raise bad(
+            f"{len(blob) - offset} bytes of binary data after the inputs that claim "
+            f"{offset} (binary_data_size must cover the data exactly)"
+        )
+    signature.check_complete(seen)
+    return InferRequest(
+        request_id,
+        parsed,
+        params,
+        _requested_outputs(request.get("outputs"), signature),
+        binary_output,
+        timeout,
+    )
+
+
+def _requested_outputs(outputs: Any, signature: Signature) -> list[Requested] | None:
+    if outputs is None:
+        return None
+    if not isinstance(outputs, list) or not all(
+        isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs
+    ):
+        raise bad("'outputs' must be a list of objects with a name")
+    requested = []
+    for o in outputs:
+        extra = set(o) - _OUTPUT_KEYS
+        if extra:
+            raise bad(f"output {o['name']!r} has unknown field(s): {', '.join(sorted(extra))}")
+        where = f"output {o['name']!r}"
+        params = dict(check_parameters(o.get("parameters"), where))
+        binary = _flag(params, "binary_data", where)
+        _no_other_binary(params, None, where)
+        requested.append(Requested(o["name"], binary, params))
+    signature.check_outputs([r.name for r in requested])
+    return requested
+
+
+# ---------------------------------------------------------------- responses
+
+
+@dataclass(slots=True)
+class Output:
+    """One output as the guest returned it (JSON data), checked when it is encoded."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: Any
+    parameters: dict[str, Any] | None = None
+
+    def raw(self) -> bytes:
+        try:
+            return json_to_raw(self.data, dtype(self.datatype), self.shape)
+        except TensorError as exc:
+            raise KServeError(
+                500, f"the function returned an invalid output {self.name!r}: {exc}"
+            ) from None
+
+    def as_json(self) -> dict[str, Any]:
+        out = {"name": self.name, "datatype": self.datatype, "shape": self.shape, "data": self.data}
+        if self.parameters:
+            out["parameters"] = self.parameters
+        return out
+
+
+def parse_guest_outputs(text: str, label: str) -> tuple[list[Output], dict[str, Any] | None]:
+    """The guest's `{"outputs": [...], "parameters"?: {...}}`; 500 if it is not that shape."""
+    try:
+        response = json.loads(text)
+        outputs = [
+            Output(
+                str(o["name"]),
+                str(o["datatype"]),
+                [int(d) for d in o["shape"]],
+                o["data"],
+                o.get("parameters") or None,
+            )
+            for o in response["outputs"]
+        ]
+        params = response.get("parameters") or None
+        if params is not None and not isinstance(params, dict):
+            raise TypeError("parameters")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise KServeError(
+            500, f"function {label} returned a response that is not KServe outputs: {exc}"
+        ) from None
+    return outputs, params
+
+
+def select(outputs: list[Output], requested: list[Requested] | None, label: str) -> list[Output]:
+    """The requested outputs in the requested order (all of them if none were named)."""
+    if requested is None:
+        return outputs
+    by_name = {o.name: o for o in outputs}
+    missing = [r.name for r in requested if r.name not in by_name]
+    if missing:
+        raise KServeError(500, f"function {label} did not return output(s) {', '.join(missing)}")
+    return [by_name[r.name] for r in requested]
 
 
 def envelope(guest_body: str, model: str, version: str, request_id: str | None) -> bytes | None:
     """Add model_name, model_version and id to the guest's `{"outputs": ...}` object without
-    re-parsing it; None if the guest did not return a JSON object."""
+    re-parsing it (the JSON fast path); None if the guest did not return a JSON object."""
     body = guest_body.strip()
     if not body.startswith("{") or not body.endswith("}"):
         return None
@@ -224,6 +434,40 @@ def envelope(guest_body: str, model: str, version: str, request_id: str | None) 
         head += f',"id":{json.dumps(request_id)}'
     rest = body[1:].lstrip()
     return (head + ("" if rest.startswith("}") else ",") + rest).encode()
+
+
+def http_response(
+    request: InferRequest,
+    outputs: list[Output],
+    parameters: dict[str, Any] | None,
+    model: str,
+    version: str,
+) -> tuple[bytes, int | None]:
+    """The REST response body, and the JSON header's length when some output is binary."""
+    wanted = {r.name: r.binary for r in request.outputs or []}
+    entries, blobs = [], []
+    for out in outputs:
+        binary = wanted.get(out.name)
+        if binary is None:
+            binary = request.binary_output
+        if binary:
+            raw = out.raw()
+            blobs.append(raw)
+            entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": out.shape}
+            entry["parameters"] = {**(out.parameters or {}), "binary_data_size": len(raw)}
+            entries.append(entry)
+        else:
+            entries.append(out.as_json())
+    response: dict[str, Any] = {"model_name": model, "model_version": version}
+    if request.id is not None:
+        response["id"] = request.id
+    if parameters:
+        response["parameters"] = parameters
+    response["outputs"] = entries
+    head = json.dumps(response, separators=(",", ":")).encode()
+    if not blobs:
+        return head, None
+    return head + b"".join(blobs), len(head)
 
 
 def model_metadata(name: str, versions: list[str], metadata: dict[str, Any]) -> dict[str, Any]:

@@ -74,6 +74,9 @@ class FunctionManifest(BaseModel):
     module: str | None = None  # python: the module defining MODEL
     source: str | None = None  # core: the C file
     prepare: str | None = None  # host-side script run at build time with the staging dir
+    # core: the module reads base64 `raw` input data (meshfn_core.h's mf_read_f32 does); else the
+    # host converts every input to JSON `data` first. Python functions always read it (the SDK).
+    raw_inputs: bool = False
     inputs: list[TensorSpec] = Field(min_length=1)
     outputs: list[TensorSpec] = Field(min_length=1)
 
@@ -95,13 +98,15 @@ class FunctionManifest(BaseModel):
         return f"meshfn-wasm-{self.kind}"
 
     def metadata(self) -> dict[str, Any]:
-        """KServe v2 model metadata."""
+        """KServe v2 model metadata, plus how the guest takes input data (`raw_inputs`, read
+        by the host only)."""
         return {
             "name": self.name,
             "versions": [self.version],
             "platform": self.platform(),
             "inputs": [t.model_dump() for t in self.inputs],
             "outputs": [t.model_dump() for t in self.outputs],
+            "raw_inputs": self.kind == "python" or self.raw_inputs,
         }
 
 

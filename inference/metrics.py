@@ -64,6 +64,13 @@ class Metrics:
             ["function"],
             registry=r,
         )
+        self.batch_size = Histogram(
+            "meshfn_fn_batch_rows",
+            "Rows per guest call (dynamic batching merges requests into one call)",
+            ["function"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096),
+            registry=r,
+        )
         self.refused = Gauge(
             "meshfn_fn_refused", "1 if the function failed verification", ["function"], registry=r
         )

@@ -42,6 +42,7 @@ class Refused(InferenceError):
 class Invocation:
     result: CallResult
     cold: bool
+    seconds: float = 0.0  # the guest call itself (statistics: compute_infer)
 
 
 class FunctionRuntime:
@@ -72,6 +73,8 @@ class FunctionRuntime:
         self.verified: VerifiedArtifact | None = None
         self.signature: Signature | None = None
         self.refusal: Refused | None = None
+        # Triton's repository unload makes the model unavailable until a load (event loop).
+        self.available = True
         self.inflight = 0  # event loop only
         self.last_used = time.monotonic()
         self.ticks = deadline_ticks(spec.limits.timeout.total_seconds())
@@ -84,6 +87,9 @@ class FunctionRuntime:
         self._refilling = False
         self._dormant = False  # instances dropped at the idle TTL, code kept (codeTtl)
         self.label = f"{self.name}@{self.version}"
+        # For /meshfn/functions (status.py): loads so far, and recent request latencies.
+        self.cold_starts = 0
+        self.latencies: deque[float] = deque(maxlen=1024)
 
     # ------------------------------------------------------------------ verification
 
@@ -110,6 +116,17 @@ class FunctionRuntime:
     @property
     def loaded(self) -> bool:
         return self._artifact is not None
+
+    @property
+    def batch_dimension(self) -> bool:
+        """Every input and output has a variable first dimension: rows can be batched."""
+        return self.signature is not None and self.signature.batchable
+
+    @property
+    def raw_inputs(self) -> bool:
+        """Whether the guest reads input data as base64 `raw` (built by an SDK or core header
+        that declares it in the signed metadata), else it gets JSON `data`."""
+        return self.verified is not None and self.verified.metadata.get("raw_inputs") is True
 
     # ------------------------------------------------------------------ load / unload
 
@@ -142,6 +159,7 @@ class FunctionRuntime:
                 generation = self._generation
             self.metrics.loaded.labels(self.label).set(1)
             self.metrics.cold_starts.labels(self.label).inc()
+            self.cold_starts += 1
             return artifact, generation
 
     def unload(self, reason: str = "idle") -> None:
@@ -163,6 +181,10 @@ class FunctionRuntime:
     @property
     def dormant(self) -> bool:
         return self._dormant
+
+    @property
+    def idle_instances(self) -> int:
+        return len(self._idle)
 
     def drop_instances(self) -> None:
         """Scale to zero but keep the code (codeTtl): the next request instantiates
@@ -216,17 +238,20 @@ class FunctionRuntime:
                     return
         instance.close()
 
-    def invoke(self, request: str) -> Invocation:
-        """Run one request on an instance (worker thread)."""
+    def invoke(self, request: str, ticks: int | None = None) -> Invocation:
+        """Run one guest call on an instance (worker thread); `ticks` may shorten the deadline
+        (a client's own timeout), never lengthen it."""
         instance, generation, cold = self._take()
+        started = time.perf_counter()
         try:
-            result = instance.call(request, self.ticks)
+            result = instance.call(request, min(ticks, self.ticks) if ticks else self.ticks)
         except BaseException:
             instance.close()
             raise
+        seconds = time.perf_counter() - started
         self._give_back(instance, generation, result)
         self._maybe_refill()
-        return Invocation(result, cold)
+        return Invocation(result, cold, seconds)
 
     def _maybe_refill(self) -> None:
         if self.spec.pool.minIdle and len(self._idle) < self.spec.pool.minIdle:

@@ -1,7 +1,10 @@
-"""The KServe v2 HTTP surface of the backend (on the asyncio + httptools server in http.py).
+"""The KServe v2 HTTP surface of the backend (on the asyncio + httptools server in http.py), and
+the process that serves it and the gRPC service (grpc_api.py) side by side.
 
-Routes: /v2, /v2/health/{live,ready}, /v2/models/{name}[/versions/{v}][/ready|/infer], /metrics.
-SIGTERM/SIGINT: readiness turns 503, the listener closes, running requests finish (bounded),
+Routes: /v2, /v2/health/{live,ready}, /v2/models (the list), /v2/models/stats,
+/v2/models/{name}[/versions/{v}][/ready|/infer|/stats], Triton's /v2/repository/index and
+/v2/repository/models/{name}[/versions/{v}]/{load,unload}, /metrics.
+SIGTERM/SIGINT: readiness turns 503, the listeners close, running requests finish (bounded),
 instances are released, exit 0.
 """
 
@@ -12,114 +15,214 @@ import gc
 import json
 import logging
 import signal
-from importlib.metadata import version as package_version
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .backend import Backend, Reply
 from .config import BackendConfig
 from .http import HttpServer, Request, Response
-from .kserve import error_body
+from .kserve import KServeError, error_body
+from .status import STATUS_PATH, functions_document
 
 log = logging.getLogger("meshfn.inference")
+
+_MODEL_ACTIONS = ("ready", "infer", "stats")
+_SMALL_BODY = 64 << 10  # everything but infer
+
+
+def _versioned(parts: list[str]) -> tuple[str, str | None, list[str]] | None:
+    """[name, ('versions', v)?, rest...] -> (name, version, rest)."""
+    if not parts or not parts[0]:
+        return None
+    name, rest = parts[0], parts[1:]
+    version = None
+    if len(rest) >= 2 and rest[0] == "versions" and rest[1]:
+        version, rest = rest[1], rest[2:]
+    elif rest and rest[0] == "versions":
+        return None
+    return name, version, rest
 
 
 def _parse_model_path(parts: list[str]) -> tuple[str, str | None, str] | None:
     """['v2','models',name,('versions',v)?,(action)?] -> (name, version, action)."""
-    if len(parts) < 3 or not parts[2]:
+    parsed = _versioned(parts[2:])
+    if parsed is None:
         return None
-    name, rest = parts[2], parts[3:]
-    version = None
-    if len(rest) >= 2 and rest[0] == "versions" and rest[1]:
-        version, rest = rest[1], rest[2:]
+    name, version, rest = parsed
     if not rest:
         return name, version, "metadata"
-    if len(rest) == 1 and rest[0] in ("ready", "infer"):
+    if len(rest) == 1 and rest[0] in _MODEL_ACTIONS:
         return name, version, rest[0]
     return None
+
+
+def _parse_repository_path(parts: list[str]) -> tuple[str, str | None, str] | None:
+    """['v2','repository','models',name,('versions',v)?,load|unload]."""
+    if len(parts) < 4 or parts[2] != "models":
+        return None
+    parsed = _versioned(parts[3:])
+    if parsed is None:
+        return None
+    name, version, rest = parsed
+    if len(rest) == 1 and rest[0] in ("load", "unload"):
+        return name, version, rest[0]
+    return None
+
+
+def _json_body(body: bytes, allowed: set[str]) -> dict[str, Any]:
+    """The small JSON object the repository endpoints take (an empty body is {})."""
+    if not body.strip():
+        return {}
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise KServeError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise KServeError(400, "request body must be a JSON object")
+    unknown = set(value) - allowed
+    if unknown:
+        raise KServeError(400, f"unknown request field(s): {', '.join(sorted(unknown))}")
+    return value
 
 
 class Router:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.server_meta = json.dumps(
-            {"name": "meshfn-inference", "version": package_version("meshfn"), "extensions": []}
-        ).encode()
 
     def body_limit(self, path: str) -> int:
-        parsed = (
-            _parse_model_path(path.strip("/").split("/"))
-            if path.startswith("/v2/models/")
-            else None
-        )
+        if not path.startswith("/v2/models/"):
+            return _SMALL_BODY
+        parsed = _parse_model_path(path.strip("/").split("/"))
         if parsed is None or parsed[2] != "infer":
-            return 64 << 10  # nothing else takes a body
+            return _SMALL_BODY
         return self.backend.limit_for(parsed[0], parsed[1])
 
     async def handle(self, request: Request) -> Response:
+        try:
+            reply = await self._route(request)
+        except KServeError as exc:
+            reply = Reply.of(exc)
+        return Response(
+            reply.status, reply.body, reply.content_type, extra_headers=list(reply.headers)
+        )
+
+    async def _route(self, request: Request) -> Reply:
         path, method = request.path, request.method
-        if path.startswith("/v2/models/"):
-            parsed = _parse_model_path(path.strip("/").split("/"))
+        parts = path.strip("/").split("/")
+        b = self.backend
+        if path.startswith("/v2/models/") and path != "/v2/models/stats":
+            parsed = _parse_model_path(parts)
             if parsed is None:
-                return _json(Reply.error(404, f"no route for {path}"))
+                return Reply.error(404, f"no route for {path}")
             name, version, action = parsed
             if action == "infer":
-                if method != "POST":
-                    return _json(Reply.error(405, "use POST for infer"))
-                return _json(await self.backend.infer(name, version, request.body))
-            if method != "GET":
-                return _json(Reply.error(405, f"use GET for {path}"))
+                _method(method, "POST", path)
+                return await b.infer(name, version, request.body, request.headers)
+            _method(method, "GET", path)
             if action == "ready":
-                return _json(self.backend.model_ready(name, version))
-            return _json(self.backend.metadata(name, version))
-        if method != "GET":
-            return _json(
-                Reply.error(405 if path in _GET_ROUTES else 404, f"no {method} route for {path}")
-            )
+                return b.model_ready(name, version)
+            if action == "stats":
+                return Reply.json({"model_stats": b.statistics(name, version)})
+            return b.metadata(name, version)
+        if path.startswith("/v2/repository/"):
+            _method(method, "POST", path)
+            if path == "/v2/repository/index":
+                ready = _json_body(request.body, {"ready"}).get("ready", False)
+                if not isinstance(ready, bool):
+                    raise KServeError(400, "'ready' must be true or false")
+                return Reply.json(b.repository_index(ready))
+            target = _parse_repository_path(parts)
+            if target is None:
+                return Reply.error(404, f"no route for {path}")
+            name, version, action = target
+            params = _json_body(request.body, {"parameters"}).get("parameters", {})
+            if not isinstance(params, dict):
+                raise KServeError(400, "'parameters' must be an object")
+            await (b.load if action == "load" else b.unload)(name, version, params)
+            return Reply(200, b"{}")
+        if path not in _GET_ROUTES:
+            return Reply.error(404, f"no route for {path}")
+        _method(method, "GET", path)
         if path == "/v2/health/ready":
-            ready = self.backend.ready
-            return _json(Reply(200 if ready else 503, json.dumps({"ready": ready}).encode()))
+            reasons = b.unready_reasons()
+            body: dict[str, Any] = {"ready": not reasons}
+            if reasons:
+                body["reasons"] = reasons
+            return Reply.json(body, 503 if reasons else 200)
         if path == "/v2/health/live":
-            return _json(Reply(200, b'{"live": true}'))
+            return Reply(200, b'{"live": true}')
         if path == "/v2":
-            return _json(Reply(200, self.server_meta))
-        if path == "/metrics":
-            data = generate_latest(self.backend.metrics.registry)
-            return Response(200, data, content_type=CONTENT_TYPE_LATEST.encode())
-        return _json(Reply.error(404, f"no route for {path}"))
+            return Reply(200, b.server_meta)
+        if path == "/v2/models":
+            return Reply.json({"models": b.model_names()})
+        if path == "/v2/models/stats":
+            return Reply.json({"model_stats": b.statistics(None, None)})
+        if path == STATUS_PATH:
+            return Reply.json(functions_document(b))
+        data = generate_latest(b.metrics.registry)
+        return Reply(200, data, content_type=CONTENT_TYPE_LATEST.encode())
 
 
-_GET_ROUTES = {"/v2", "/v2/health/ready", "/v2/health/live", "/metrics"}
+_GET_ROUTES = {
+    "/v2",
+    "/v2/health/ready",
+    "/v2/health/live",
+    "/v2/models",
+    "/v2/models/stats",
+    "/metrics",
+    STATUS_PATH,
+}
 
 
-def _json(reply: Reply) -> Response:
-    return Response(reply.status, reply.body)
+def _method(got: str, want: str, path: str) -> None:
+    if got != want:
+        raise KServeError(405, f"use {want} for {path}")
 
 
-async def serve(config: BackendConfig, host: str, port: int, drain_timeout: float = 10.0) -> None:
+async def serve(
+    config: BackendConfig,
+    host: str,
+    port: int,
+    drain_timeout: float = 10.0,
+    grpc_port: int | None = None,
+) -> None:
     """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0)."""
+    from .grpc_api import GrpcServer
+
     backend = Backend(config)
     router = Router(backend)
     http = HttpServer(router.handle, router.body_limit, error_body)
+    grpc = GrpcServer(backend) if grpc_port is not None else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await http.start(host, port)  # bind first: a port conflict fails before verification
     try:
+        if grpc is not None:
+            assert grpc_port is not None
+            await grpc.start(host, grpc_port)
         await backend.start()
         # Everything allocated so far (modules, config, metrics, verified metadata) lives as
         # long as the process. Left to the cyclic GC, each full collection walks it all: ~30 ms
         # that would land inside some unlucky request. Frozen, full collections only walk what
         # requests allocate.
         gc.freeze()
-        log.info("listening", extra={"host": host, "port": port, "workers": config.workers})
+        log.info(
+            "listening",
+            extra={"host": host, "port": port, "grpc_port": grpc_port, "workers": config.workers},
+        )
         await stop.wait()
         log.info("draining", extra={"inflight": backend.inflight})
-        backend.ready = False
+        backend.dispatcher.draining = True
         http.stop_listening()
+        if grpc is not None:
+            await grpc.stop(drain_timeout)
         await backend.drain(drain_timeout)
     finally:
         await http.close()
+        if grpc is not None:
+            await grpc.stop(0)
         if not backend.draining:
             await backend.drain(0)

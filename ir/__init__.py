@@ -32,6 +32,7 @@ class Endpoint:
     locality: Locality = Locality()
     sidecar_port: int | None = None  # clients reach the endpoint through its sidecar here
     mtls: MtlsMode = "DISABLE"  # what the sidecar accepts (meaningful with a sidecar)
+    grpc_port: int | None = None  # the application's gRPC port; its sidecar routes gRPC there
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ class TrafficPolicy:
     outlier: Outlier | None = None
     breakers: CircuitBreakers | None = None
     health_check: HealthCheck | None = None
+    policy: str = ""  # the FallbackPolicy's name (same namespace as the service)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +99,25 @@ class Service:
     traffic: TrafficPolicy | None = None
     fallback: tuple[str, ...] = ()  # Service keys tried in order after this one (flattened)
     drift: Drift | None = None
+    external: bool = False  # its endpoints run outside Kubernetes (renderers for a cluster)
 
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    @property
+    def speaks_grpc(self) -> bool:
+        """gRPC requests can reach it: its protocol, or an HTTP service whose endpoints also
+        have a gRPC port (their sidecars route gRPC there)."""
+        return self.protocol == "grpc" or any(e.grpc_port for e in self.endpoints)
+
+    @property
+    def grpc_service_port(self) -> int | None:
+        """Where a cluster's Service takes gRPC (Kubernetes/Istio: one port for every pod): the
+        service's port for a gRPC service, else its endpoints' gRPC port."""
+        if self.protocol == "grpc":
+            return self.port
+        return next((e.grpc_port for e in self.endpoints if e.grpc_port), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +157,7 @@ class Route:
     service: str  # Service.key of the destination
     timeout: timedelta | None = None
     retries: Retry | None = None
+    grpc: bool = False  # its traffic is gRPC: renderers that name a Service port use the gRPC one
 
     @property
     def key(self) -> str:
@@ -165,6 +183,10 @@ class JwtRule:
     claim_to_headers: tuple[tuple[str, str], ...]  # (header, claim)
     forward: bool
     clock_skew_seconds: int
+    # Refuse tokens without `exp` (Envoy's require_expiration). Istio's RequestAuthentication
+    # has no such field: a renderer for it must warn when this is True (the default).
+    require_expiration: bool = True
+    max_lifetime_seconds: int | None = None  # refuse tokens with exp - iat above it
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +240,7 @@ class Inbound:
     app_port: int
     protocol: Literal["http", "grpc"]
     mtls: MtlsMode
+    grpc_app_port: int | None = None  # gRPC requests (content-type application/grpc) go here
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +311,60 @@ class Overlay:
     degraded_routes: frozenset[str] = frozenset()
 
 
+# ---------------------------------------------------------------- policies as written
+#
+# The zero-trust policies also as the namespace-scoped objects the user wrote, with their
+# selectors: a renderer whose target has the same concepts (Istio) renders them one to one, where
+# the xDS translator uses the per-workload lowering above (Workload.jwt_rules/authz, Endpoint.mtls).
+
+
+@dataclass(frozen=True, slots=True)
+class Selector:
+    """One Service (its sidecars) or one Gateway of the policy's namespace."""
+
+    kind: Literal["service", "gateway"]
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPolicy:
+    name: str
+    namespace: str
+    selector: Selector | None  # None: every workload of the namespace
+    mtls: MtlsMode | None  # None: inherited (only port-level modes set)
+    port_mtls: tuple[tuple[int, MtlsMode], ...] = ()  # (endpoint application port, mode)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPolicy:
+    name: str
+    namespace: str
+    selector: Selector | None
+    rules: tuple[JwtRule, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AuthzObject:
+    name: str
+    namespace: str
+    selector: Selector | None
+    action: Literal["ALLOW", "DENY"]
+    rules: tuple[AuthzRule, ...]
+    # Policies meshfn writes itself (the KServe repository guard) name the objects they come
+    # from, as (kind, namespace, name); empty: the AuthorizationPolicy of the same name.
+    derived_from: tuple[tuple[str, str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Policies:
+    """`mtls` is the mesh-wide default (Mesh.spec.mtls); the rest in (namespace, name) order."""
+
+    mtls: MtlsMode = "STRICT"
+    peer: tuple[PeerPolicy, ...] = ()
+    request: tuple[RequestPolicy, ...] = ()
+    authz: tuple[AuthzObject, ...] = ()
+
+
 @dataclass(frozen=True)
 class MeshModel:
     name: str
@@ -301,6 +378,7 @@ class MeshModel:
     acceleration: Literal["ebpf", "off", "auto"] = "off"
     audit: Audit | None = None
     drill: Drill | None = None
+    policies: Policies = Policies()
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

@@ -4,7 +4,7 @@ behaviour, and hostile requests that must end only their own stream."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -18,6 +18,7 @@ from google.rpc import status_pb2
 from meshfn.xds.cache import SnapshotCache, prepare
 from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from meshfn.xds.server import AdsServer
+from meshfn.xds.stream import Stream as ServerStream
 
 GROUP = "edge.default"
 NODE = base_pb2.Node(id="edge.default~test", cluster=GROUP)
@@ -46,6 +47,18 @@ class Harness:
         self.server = AdsServer(self.cache)
         self.port = 0
         self.channel: grpc.aio.Channel | None = None
+        self.claimed: set[int] = set()
+
+    async def claim(self) -> ServerStream:
+        """The server's side of the client stream that just sent its first request: the
+        oldest server stream no client stream has claimed yet."""
+        await until(
+            "the server's stream",
+            lambda: any(s.id not in self.claimed for s in self.server.streams()),
+        )
+        theirs = next(s for s in self.server.streams() if s.id not in self.claimed)
+        self.claimed.add(theirs.id)
+        return theirs
 
     def publish(self, ports: dict[str, int], group: str = GROUP) -> None:
         self.cache.publish(prepare(group, resources(ports), self.cache.get(group)))
@@ -56,18 +69,30 @@ class Harness:
         return ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel)
 
 
+async def until(what: str, condition: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: not within {timeout} s"
+        await asyncio.sleep(0.005)
+
+
 class Stream:
     """A client stream whose responses land in a queue, so tests can assert on silence."""
 
-    def __init__(self, call: Any) -> None:
+    def __init__(self, call: Any, harness: Harness | None = None) -> None:
         self.call = call
+        self.harness = harness
+        self.theirs: ServerStream | None = None
         self.responses: asyncio.Queue[Any] = asyncio.Queue()
+        self.received = 0
+        self.sent = 0
         self.reader = asyncio.create_task(self._read())
         self.error: grpc.aio.AioRpcError | None = None
 
     async def _read(self) -> None:
         try:
             async for response in self.call:
+                self.received += 1
                 await self.responses.put(response)
         except grpc.aio.AioRpcError as exc:
             self.error = exc
@@ -75,14 +100,30 @@ class Stream:
 
     async def send(self, request: Any) -> None:
         await self.call.write(request)
+        self.sent += 1
+
+    async def settled(self) -> None:
+        """Wait until the server has read and answered every request this stream sent and
+        pushed whatever its snapshot asked for, and every response it wrote has arrived here:
+        a check of what was (not) answered then holds whatever the server's speed."""
+        assert self.harness is not None and self.sent, "settled() needs a request sent first"
+        if self.theirs is None:
+            self.theirs = await self.harness.claim()
+        theirs = self.theirs
+        await until(
+            "the server done with our requests",
+            lambda: theirs.requests == self.sent and not theirs.busy and not theirs.wake.is_set(),
+        )
+        await until("its responses here", lambda: self.received >= theirs.responses)
 
     async def next(self, timeout: float = 5.0) -> Any:
         response = await asyncio.wait_for(self.responses.get(), timeout)
         assert response is not None, f"stream ended: {self.error}"
         return response
 
-    async def silent(self, seconds: float = 0.2) -> None:
-        await asyncio.sleep(seconds)
+    async def silent(self) -> None:
+        """Nothing was answered or pushed since the last response the test took."""
+        await self.settled()
         assert self.responses.empty(), f"unexpected response: {self.responses.get_nowait()}"
 
     async def status(self, timeout: float = 5.0) -> grpc.StatusCode:
@@ -103,11 +144,11 @@ async def ads() -> AsyncIterator[Harness]:
 
 
 def sotw(h: Harness) -> Stream:
-    return Stream(h.stub.StreamAggregatedResources())
+    return Stream(h.stub.StreamAggregatedResources(), h)
 
 
 def delta(h: Harness) -> Stream:
-    return Stream(h.stub.DeltaAggregatedResources())
+    return Stream(h.stub.DeltaAggregatedResources(), h)
 
 
 def names_in(response: discovery_pb2.DiscoveryResponse) -> list[str]:
@@ -225,7 +266,7 @@ async def test_sotw_stale_nonce_is_ignored(ads: Harness) -> None:
             type_url=CLUSTER, version_info=second.version_info, response_nonce=second.nonce
         )
     )
-    await asyncio.sleep(0.1)
+    await s.settled()
     assert proxy(ads)["types"]["clusters"]["acked"] == second.version_info
 
 
@@ -332,7 +373,7 @@ async def test_delta_wildcard_named_and_removal(ads: Harness) -> None:
             type_url=ENDPOINT, response_nonce=changed.nonce, resource_names_unsubscribe=["a"]
         )
     )
-    await asyncio.sleep(0.1)
+    await s.settled()
     ads.publish({"a": 6})
     await s.silent()
     states = proxy(ads)["types"]
@@ -432,6 +473,41 @@ async def test_hostile_sotw_requests_end_only_their_stream(
     ads.publish({"a": 1, "b": 2})
     assert names_in(await good.next()) == ["a", "b"]
     assert len(ads.server.proxies()) == 1
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (payload < 128 bytes)."""
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+GOOD_NODE = _field(1, b"edge.default~test") + _field(2, GROUP.encode())
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # node with invalid UTF-8 (fuzz finding ads/sotw-node-with-invalid-utf8)
+        _field(2, _field(1, b"ed\xff\xff") + _field(2, GROUP.encode()))
+        + _field(4, CLUSTER.encode()),
+        # a resource name with invalid UTF-8: the names are parsed only when they change
+        _field(2, GOOD_NODE) + _field(3, b"\xff\xfe") + _field(4, ENDPOINT.encode()),
+    ],
+    ids=["node", "names"],
+)
+async def test_lazily_parsed_garbage_ends_the_stream_cleanly(ads: Harness, raw: bytes) -> None:
+    """SotW requests are parsed in parts (lite.py); a part that fails to parse later still ends
+    the stream with INVALID_ARGUMENT, not an unexpected exception."""
+    ads.publish({"a": 1})
+    assert ads.channel is not None
+    call = ads.channel.stream_stream(
+        "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources",
+        request_serializer=lambda b: b,
+        response_deserializer=discovery_pb2.DiscoveryResponse.FromString,
+    )()
+    s = Stream(call)
+    await s.send(raw)
+    assert await s.status() == grpc.StatusCode.INVALID_ARGUMENT
+    assert s.error is not None and s.error.details() == "malformed discovery request"
 
 
 async def test_hostile_delta_request(ads: Harness) -> None:

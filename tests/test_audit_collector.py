@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +45,14 @@ def chain_intact(store: AuditStore) -> bool:
     return verify(store, Ed25519PrivateKey.generate().public_key()).ok
 
 
+async def until(what: str, condition: Callable[[], bool], timeout: float = 10) -> None:
+    """Poll `condition` (the collector works in its own task) until it holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: not within {timeout} s"
+        await asyncio.sleep(0.01)
+
+
 async def collect(store: AuditStore, journal: Path, **kw: object) -> AuditCollector:
     collector = AuditCollector(store, poll_interval=0.01, checkpoint_interval=0.05, **kw)  # type: ignore[arg-type]
     collector.watch(journal, "edge~0")
@@ -58,7 +66,10 @@ async def test_partial_lines_wait_and_restarts_resume_exactly_once(tmp_path: Pat
     collector = await collect(store, journal)
     await asyncio.sleep(0.05)  # no journal yet: nothing happens, no error
     write(journal, line(1) + line(2) + line(3)[:10])
-    await asyncio.sleep(0.1)
+    await until(
+        "the complete lines stored, the partial one pending",
+        lambda: collector.status()["journals"][0]["pending_bytes"] == 10,
+    )
     assert ids(store) == ["r1", "r2"]
     write(journal, line(3)[10:])
     await collector.drain()
@@ -114,7 +125,11 @@ async def test_full_store_keeps_records_pending_and_says_so(
     assert status["journals"][0]["pending_bytes"] > 0
     assert any("AUDIT RECORDS NOT STORED" in m and "full" in m for m in caplog.messages)
     stored_while_full = store.count()
-    assert 0 <= stored_while_full < 300
+    assert stored_while_full < 300
+    # what is stored is exactly what the committed journal offset says: nothing half-stored
+    position = store.journal_position("edge~0")
+    committed = position.offset if position is not None else 0
+    assert committed == sum(len(b) for b in big[:stored_while_full])
     store.set_max_bytes(64 * 1024 * 1024)  # an operator makes room
     await collector.drain(timeout=20)
     await collector.stop()
@@ -135,7 +150,7 @@ async def test_stop_with_a_full_store_reports_what_is_left(
         b"".join((json.dumps({"id": i, "path": "x" * 4000}) + "\n").encode() for i in range(50)),
     )
     collector = await collect(store, journal)
-    await asyncio.sleep(0.3)
+    await until("the store full", lambda: "full" in (collector.status()["error"] or ""))
     await collector.stop()
     assert any("stopped with" in m and "not stored" in m for m in caplog.messages)
     count = store.count()
@@ -237,8 +252,14 @@ async def test_disk_full_on_a_real_filesystem(
             break
     assert "full" in (collector.status()["error"] or ""), collector.status()
     write(journal, line(999))
-    await asyncio.sleep(0.3)
-    assert collector.status()["journals"][0]["pending_bytes"] > 0
+    size = journal.stat().st_size
+
+    def seen() -> dict[str, int]:
+        journal_status: dict[str, int] = collector.status()["journals"][0]
+        return journal_status
+
+    await until("the new line seen", lambda: seen()["offset"] + seen()["pending_bytes"] == size)
+    assert seen()["pending_bytes"] > len(line(999))  # seen, and kept pending while full
     assert any("AUDIT RECORDS NOT STORED" in m for m in caplog.messages)
     grown = await asyncio.to_thread(
         subprocess.run, ["mount", "-o", "remount,size=16m", str(tiny_fs)], check=False

@@ -92,11 +92,8 @@ def test_runaway_is_interrupted_and_instance_poisoned(
     published: Published, engine: wasmtime.Engine, name: str
 ) -> None:
     inst = instance(published, engine, name)
-    started = time.monotonic()
     result = inst.call(chaos("spin"), ticks=20)  # ~100 ms at 5 ms per tick
-    elapsed = time.monotonic() - started
-    assert result.outcome is Outcome.TIMEOUT and result.outcome.poisons
-    assert 0.09 < elapsed < 1.0
+    assert result.outcome is Outcome.TIMEOUT and result.outcome.poisons  # interrupted, not done
     if name == "chaos":  # a trapped component refuses re-entry; core modules do not, hence
         assert inst.call(X, 20).outcome is Outcome.TRAP  # the pool discards both kinds
 
@@ -120,12 +117,10 @@ def test_guest_sees_no_host_environment_or_files(
     probe = json.loads(json.loads(result.body)["outputs"][0]["parameters"]["probe"])
     assert probe == {"env": {}}  # not even the build machine's environment was baked in
     assert inst.call(chaos("print"), 400).outcome is Outcome.OK  # print goes nowhere
-    for mode in ("fs", "sleep"):
-        started = time.monotonic()
+    for mode in ("fs", "sleep"):  # sleep traps (no clock capability): it cannot hold a worker
         result = instance(published, engine, "chaos").call(chaos(mode), 400)
         assert result.outcome is Outcome.TRAP, result
         assert "host capability that model functions do not have" in result.body
-        assert time.monotonic() - started < 0.5  # sleep cannot hold a worker past deadlines
 
 
 def test_publish_refuses_components_with_imports(published: Published, tmp_path: Path) -> None:
@@ -431,27 +426,29 @@ def backend_for(pub: Published, functions: list[dict[str, object]], workers: int
 
 async def test_runaway_does_not_block_other_functions_and_limits(published: Published) -> None:
     b = backend_for(published, [
-        {"name": "chaos-core", "limits": {"timeout": "600ms", "maxConcurrency": 1}},
+        {"name": "chaos-core", "limits": {"timeout": "2s", "maxConcurrency": 1}},
         {"name": "digits"},
         {"name": "chaos", "limits": {"memoryMiB": 32}},
     ])  # fmt: skip
     await b.start()
     try:
         spin = asyncio.create_task(b.infer("chaos-core", None, chaos("spin").encode()))
-        await asyncio.sleep(0.05)
+        for _ in range(500):  # until the spin holds chaos-core's one slot
+            if b.inflight:
+                break
+            await asyncio.sleep(0.01)
         busy = await b.infer("chaos-core", None, X.encode())
         assert busy.status == 429 and b"concurrency limit" in busy.body
         body = json.dumps(
             {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [0] * 64}]}
         )
-        started = time.monotonic()
         for _ in range(5):
             assert (await b.infer("digits", None, body.encode())).status == 200
-        assert time.monotonic() - started < 0.5 and not spin.done()
+        assert not spin.done()  # digits answered while chaos-core spun
         timed_out = await spin
         assert timed_out.status == 504
         assert json.loads(timed_out.body)["error"] == (
-            "function chaos-core@1 exceeded its 600 ms deadline and was interrupted"
+            "function chaos-core@1 exceeded its 2000 ms deadline and was interrupted"
         )
         hog = await b.infer("chaos", None, chaos("hog").encode())
         assert hog.status == 500
@@ -496,6 +493,11 @@ async def test_refused_function_is_4xx_while_others_serve(copy_of: Published) ->
         assert (await b.infer("ghost", None, X.encode())).status == 404
         assert b.model_ready("twin", None).status == 503
         assert b.metadata("twin", None).status == 403
+        # the server stays ready (the others serve); the index says which one is not and why
+        assert b.ready
+        index = {m["name"]: m for m in b.repository_index()}
+        assert index["twin"]["state"] == "UNAVAILABLE" and "refused" in index["twin"]["reason"]
+        assert index["chaos-core"]["state"] == "READY"
         assert (await b.infer("chaos-core", None, X.encode())).status == 200
     finally:
         await b.drain(1)

@@ -20,12 +20,15 @@ from meshfn.inference.engine import EPOCH_TICK_S, deadline_ticks, engine_key, en
 from meshfn.inference.errors import ConfigError, ManifestError, SignatureError
 from meshfn.inference.kserve import (
     KServeError,
+    Output,
+    Requested,
     Signature,
     envelope,
-    parse_request,
-    select_outputs,
+    parse_http,
+    select,
 )
 from meshfn.inference.manifest import load_manifest
+from meshfn.inference.tensors import unpack
 
 # ---------------------------------------------------------------------- signing
 
@@ -112,20 +115,32 @@ def with_input(i: int, **over: Any) -> dict[str, Any]:
     return body
 
 
-def test_valid_request_passes_through_unchanged() -> None:
+def test_valid_request_becomes_raw_tensors() -> None:
     raw = json.dumps(req(outputs=[{"name": "y"}], parameters={"k": 1})).encode()
-    parsed = parse_request(raw, SIG)
-    assert parsed.text == raw.decode() and parsed.id == "r1" and parsed.outputs == ("y",)
-    assert parse_request(json.dumps(req()).encode(), SIG).outputs is None
+    parsed = parse_http(raw, SIG)
+    assert parsed.id == "r1" and [o.name for o in parsed.outputs or []] == ["y"]
+    assert parsed.parameters == {"k": 1}
+    x, t, n = parsed.inputs
+    assert (x.shape, unpack(x.raw, x.dt, 4)) == ((2, 2), [1.0, 2.5, 3.0, 4.0])  # nested, flat
+    assert t.raw == b"\x02\x00\x00\x00hi" and n.raw == b"\xff"
+    guest = json.loads(parsed.guest_json())
+    assert guest["inputs"][0] == {
+        "name": "x",
+        "datatype": "FP32",
+        "shape": [2, 2],
+        "raw": "AACAPwAAIEAAAEBAAACAQA==",
+    }
+    assert guest["outputs"] == [{"name": "y"}] and guest["parameters"] == {"k": 1}
+    assert json.loads(parsed.guest_json(raw=False))["inputs"][1]["data"] == ["hi"]
+    assert parse_http(json.dumps(req()).encode(), SIG).outputs is None
 
 
 def test_select_outputs() -> None:
-    body = '{"outputs":[{"name":"a","data":[1]},{"name":"b","data":[2]}]}'
-    assert json.loads(select_outputs(body, ("b",)) or "") == {
-        "outputs": [{"name": "b", "data": [2]}]
-    }
-    assert select_outputs(body, ("c",)) is None
-    assert select_outputs("nope", ("a",)) is None
+    outputs = [Output("a", "FP32", [1], [1]), Output("b", "FP32", [1], [2])]
+    assert [o.name for o in select(outputs, [Requested("b")], "m@1")] == ["b"]
+    assert select(outputs, None, "m@1") == outputs
+    with pytest.raises(KServeError, match="did not return output"):
+        select(outputs, [Requested("c")], "m@1")
 
 
 @pytest.mark.parametrize(
@@ -152,7 +167,10 @@ def test_select_outputs() -> None:
         (json.dumps(with_input(1, data=[7])).encode(), "is not a string"),
         (json.dumps(with_input(2, data=[256])).encode(), "out of range for UINT8"),
         (json.dumps(with_input(2, data=[1.5])).encode(), "is not an integer"),
-        (json.dumps(with_input(2, parameters={"binary_data_size": 4})).encode(), "binary tensor"),
+        (
+            json.dumps(with_input(2, parameters={"binary_data_size": 4})).encode(),
+            "needs the Inference-Header-Content-Length",
+        ),
         (json.dumps(with_input(2, bogus=1)).encode(), "unknown field"),
         (json.dumps(req(outputs=[{"name": "nope"}])).encode(), "unknown output"),
         (json.dumps(req(outputs=["y"])).encode(), "list of objects"),
@@ -160,7 +178,7 @@ def test_select_outputs() -> None:
 )
 def test_bad_requests_are_400_with_a_reason(body: bytes, message: str) -> None:
     with pytest.raises(KServeError) as info:
-        parse_request(body, SIG)
+        parse_http(body, SIG)
     assert info.value.status == 400
     assert message in info.value.message
     assert json.loads(info.value.body()) == {"error": info.value.message}
@@ -170,21 +188,21 @@ def test_missing_and_duplicate_inputs() -> None:
     body = req()
     body["inputs"] = body["inputs"][:2]
     with pytest.raises(KServeError, match="missing input"):
-        parse_request(json.dumps(body).encode(), SIG)
+        parse_http(json.dumps(body).encode(), SIG)
     body = req()
     body["inputs"].append(dict(body["inputs"][0]))
     with pytest.raises(KServeError, match="given twice"):
-        parse_request(json.dumps(body).encode(), SIG)
+        parse_http(json.dumps(body).encode(), SIG)
     body = req()
     del body["inputs"][0]["shape"]
     with pytest.raises(KServeError, match="lacks shape"):
-        parse_request(json.dumps(body).encode(), SIG)
+        parse_http(json.dumps(body).encode(), SIG)
 
 
 def test_non_finite_floats_refused() -> None:
     raw = json.dumps(with_input(0, data=[1, 2, 3, float("nan")])).encode()
     with pytest.raises(KServeError, match="non-finite"):
-        parse_request(raw, SIG)
+        parse_http(raw, SIG)
 
 
 def test_envelope_adds_name_version_and_id() -> None:

@@ -72,7 +72,15 @@ def test_the_dump_keeps_field_order_and_defaults() -> None:
     assert list(plain)[:4] == ["name", "trust_domain", "xds_port", "admin_port"]
     assert "_services" not in plain  # derived indexes are not data
     endpoint = plain["services"][0]["endpoints"][0]
-    assert list(endpoint) == ["address", "port", "weight", "locality", "sidecar_port", "mtls"]
+    assert list(endpoint) == [
+        "address",
+        "port",
+        "weight",
+        "locality",
+        "sidecar_port",
+        "mtls",
+        "grpc_port",
+    ]
     assert isinstance(plain["services"][0]["endpoints"], list)
 
 

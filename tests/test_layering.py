@@ -53,6 +53,7 @@ def test_the_ir_and_the_contracts_import_no_stage() -> None:
             "meshfn.contracts.durations",
             "meshfn.contracts.function",
             "meshfn.contracts.plugins",
+            "meshfn.contracts.principals",
         }, (module, sorted(meshfn))
         assert [m for m in IMPURE if m in loaded] == [], module
 

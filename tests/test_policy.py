@@ -410,7 +410,17 @@ def test_hidden_and_non_yaml_files_are_ignored(tmp_path: Path) -> None:
     files = base_files()
     files[".swap.yaml"] = "garbage: ["
     files["notes.txt"] = "not yaml: ["
-    load_policies(write(tmp_path, files))
+    model = load_policies(write(tmp_path, files))  # the broken files would raise if read
+    assert [s.key for s in model.services] == ["default/echo"]
+    assert [w.node_cluster for w in model.workloads] == [
+        w.node_cluster for w in base_model(tmp_path).workloads
+    ]
+
+
+def base_model(tmp_path: Path) -> ir.MeshModel:
+    other = tmp_path.parent / (tmp_path.name + "-base")
+    other.mkdir()
+    return load_policies(write(other, base_files()))
 
 
 def test_errors_from_many_files_are_all_reported_sorted(tmp_path: Path) -> None:
@@ -490,6 +500,25 @@ FUNCTION_CASES = [
         "  backend: grpcsvc\n",
         "spec.backend",
         "speaks grpc; the inference backend speaks KServe v2 over HTTP",
+    ),
+]
+
+
+FUNCTION_CASES += [
+    (
+        "  backend: echo\n  batching: {maxBatchSize: 8, preferredBatchSizes: [16]}\n",
+        "spec.batching",
+        "preferredBatchSizes exceed maxBatchSize (8)",
+    ),
+    (
+        "  backend: echo\n  protocols: {rest: false, grpc: false}\n",
+        "spec.protocols",
+        "at least one",
+    ),
+    (
+        "  backend: echo\n  repository: {callers: [ops]}\n",
+        "spec.repository.callers[0]",
+        '"<issuer>/<subject>"',
     ),
 ]
 
@@ -605,3 +634,81 @@ def test_request_principals_with_url_issuers(tmp_path: Path) -> None:
     model = load_policies(write(tmp_path, files))
     (policy,) = model.workloads[0].authz
     assert policy.rules[0].sources[0].request_principals == ("https://id.example/alice",)
+
+
+GRPC_PORT_CASES = [
+    ("  port: 8091\n  endpoints: [{address: 127.0.0.1, grpcPort: 9111}]\n", "needs a sidecar"),
+    (
+        "  port: 8091\n  protocol: grpc\n"
+        "  endpoints: [{address: 127.0.0.1, grpcPort: 9111, sidecar: {port: 15091}}]\n",
+        "the service speaks gRPC already",
+    ),
+    (
+        "  port: 8091\n  endpoints: [{address: 127.0.0.1, grpcPort: 15091, sidecar: {port: 15091}}]\n",
+        "must differ from its other ports",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "fragment"), GRPC_PORT_CASES)
+def test_grpc_port_errors(tmp_path: Path, spec: str, fragment: str) -> None:
+    errors = errors_for(tmp_path, doc("Service", spec, name="models"))
+    assert any(e.path == "spec" and fragment in e.message for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("grpc_port", "fragment"),
+    [(8080, "is also an endpoint of Service default/echo"), (18000, "traffic would loop into")],
+)
+def test_grpc_port_clashes(tmp_path: Path, grpc_port: int, fragment: str) -> None:
+    spec = f"  port: 8091\n  endpoints: [{{address: 127.0.0.1, grpcPort: {grpc_port}, sidecar: {{port: 15091}}}}]\n"
+    errors = errors_for(tmp_path, doc("Service", spec, name="models"))
+    assert any(e.path == "spec.endpoints[0].grpcPort" and fragment in e.message for e in errors), (
+        errors
+    )
+
+
+def test_functions_on_one_gateway_share_a_backend(tmp_path: Path) -> None:
+    """KServe's server endpoints and gRPC have no model in the path: one backend per gateway."""
+    other = doc("Service", "  port: 8090\n  endpoints: [{address: 127.0.0.9}]\n", name="other")
+    fns = doc("Function", "  backend: echo\n", name="iris") + "---\n"
+    fns += doc("Function", "  backend: other\n", name="digits")
+    errors = errors_for(tmp_path, other + "---\n" + fns)
+    (error,) = [e for e in errors if e.path == "spec.backend"]
+    assert "must share one backend: iris is served by default/echo, digits by default/other" in (
+        error.message
+    )
+
+
+def test_kserve_routes_follow_the_protocol_switches(tmp_path: Path) -> None:
+    files = base_files()
+    files["svc.yaml"] = SERVICE.replace(
+        "endpoints: [{address: 127.0.0.1}]",
+        "endpoints: [{address: 127.0.0.1, grpcPort: 8081, sidecar: {port: 15080}}]",
+    )
+    files["fn.yaml"] = doc("Function", "  backend: echo\n  protocols: {grpc: false}\n", name="a")
+    model = load_policies(write(tmp_path, files))
+    routes = {r.name for r in model.workloads[0].listeners[0].routes}
+    assert routes == {"echo", "function-a", "kserve-server"}  # no function wants gRPC
+    files["fn.yaml"] += "---\n" + doc(
+        "Function", "  backend: echo\n  protocols: {rest: false}\n", name="b"
+    )
+    model = load_policies(write(tmp_path, files))
+    gateway = model.workloads[0]
+    assert {r.name for r in gateway.listeners[0].routes} == {
+        "echo", "function-a", "kserve-server", "kserve-grpc",
+    }  # fmt: skip
+    (sidecar,) = [w for w in model.workloads if w.inbound is not None]
+    assert sidecar.inbound is not None and sidecar.inbound.grpc_app_port == 8081
+    (guard,) = [p for p in sidecar.authz if p.name.endswith("meshfn-kserve-repository")]
+    assert guard.action == "DENY" and gateway.authz == ()  # the sidecars hold it
+
+
+def test_unknown_key_that_looks_like_a_tag(tmp_path: Path) -> None:
+    """`spec:[x` (no space after the colon) is a key, however much it looks like one of
+    pydantic's location tags (fuzz finding policy/unknown-key-like-a-pydantic-tag)."""
+    extra = "apiVersion: meshfn.io/v1alpha1\nkind: Service\nmetadata: {name: s}\nspec:[x: 1\n"
+    errors = errors_for(tmp_path, extra)
+    unknown = [e for e in errors if "unknown field" in e.message]
+    assert [(e.line, e.path) for e in unknown] == [(4, "spec:[x")], errors
+    assert "(did you mean 'spec'?)" in unknown[0].message

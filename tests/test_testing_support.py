@@ -118,3 +118,35 @@ def test_product_code_never_imports_the_test_support() -> None:
         if importing.search(path.read_text())
     ]
     assert found == []
+
+
+def test_the_kube_build_reports_its_steps_and_whether_it_was_cached(tmp_path: Path) -> None:
+    """The progress wrapper of e2e/kube/build.sh: each step line advances the bar, everything
+    reaches the log, and the last line tells a fresh build from a cached one."""
+    import io
+
+    from rich.console import Console
+
+    from meshfn.testing import kubebuild
+
+    fresh = tmp_path / "fresh.sh"
+    fresh.write_text(
+        "echo noise\n"
+        "echo '[kube-build 10:00:00] apt update' >&2\n"
+        "echo '[kube-build 10:00:01] go build kube-apiserver' >&2\n"
+        "echo '[kube-build 10:00:02] done: /x' >&2\n"
+    )
+    cached = tmp_path / "cached.sh"
+    cached.write_text("exit 0\n")
+    failing = tmp_path / "failing.sh"
+    failing.write_text("echo '[kube-build 10:00:00] apt update' >&2; exit 3\n")
+    for script, code, last in ((fresh, 0, "built"), (cached, 0, "all 1 cached"), (failing, 3, "")):
+        text = io.StringIO()
+        log = tmp_path / f"{script.stem}.log"
+        assert kubebuild.run(log, Console(file=text, width=200), script) == code
+        lines = text.getvalue().strip().splitlines()
+        if last:
+            assert last in lines[-1], lines
+        else:
+            assert not any("kube binaries: built" in line for line in lines), lines
+    assert "noise" in (tmp_path / "fresh.log").read_text()

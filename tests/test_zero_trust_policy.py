@@ -65,6 +65,23 @@ CASES = [
         "clockSkew must be between",
     ),
     (
+        jwt_rule("      jwksUri: http://k/j\n      maxLifetime: 0s\n"),
+        "jwtRules[0]",
+        "maxLifetime must be between 1s and 366d",
+    ),
+    (
+        jwt_rule(
+            "      jwksUri: http://k/j\n      maxLifetime: 1h\n      requireExpiration: false\n"
+        ),
+        "jwtRules[0]",
+        "it needs requireExpiration",
+    ),
+    (
+        jwt_rule("      jwksUri: http://k/j\n      requireExpiration: 'no'\n"),
+        "jwtRules[0].requireExpiration",
+        "valid boolean",
+    ),
+    (
         doc(
             "AuthorizationPolicy",
             "  rules: [{from: [{source: {principals: [spiffe://t.local/ns/a/sa/b]}}]}]\n",

@@ -69,7 +69,8 @@ compile() { # kind(wasm|native) name -> prints the link inputs
 build() { # kind name
   local kind=$1 name=$2 target objdir
   if [ "$kind" = wasm ]; then target=$out/$name.wasm; else target=$out/${name}_native.so; fi
-  [ -s "$target" ] && return 0
+  # One progress line per module on stdout (meshfn.control_plane.filters reports it).
+  [ -s "$target" ] && { echo "cached ${target##*/}"; return 0; }
   objdir=$(cd "$here" && compile "$kind" "$name")
   # concurrent builders (tests, a control plane) each link to their own file, then rename
   if [ "$kind" = wasm ]; then
@@ -80,6 +81,7 @@ build() { # kind name
   fi
   mv "$objdir/out" "$target"
   rm -rf "$objdir"
+  echo "built ${target##*/}"
 }
 
 for name in audit degrade meshfn audit-lean degrade-lean meshfn-lean; do

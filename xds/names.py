@@ -1,9 +1,12 @@
 """xDS type URLs and the names meshfn gives Envoy resources: the vocabulary that the translator,
 the snapshot cache, the ADS server and the control plane's feedback loops (the drift breaker
-reads cluster and route names off Envoy's access logs) share. A leaf: no protobuf, no meshfn.
+reads cluster and route names off Envoy's access logs) share. A leaf: no protobuf, and of meshfn
+only the names every renderer shares (meshfn.contracts.naming).
 """
 
 from __future__ import annotations
+
+from meshfn.contracts import naming
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
@@ -77,8 +80,8 @@ def route_config_name(listener_name: str) -> str:
 
 
 def route_name(route_key: str, index: int) -> str:
-    """Envoy route name of match `index` of a meshfn Route ("namespace/name/index")."""
-    return f"{route_key}/{index}"
+    """Envoy route name of match `index` of a meshfn Route (meshfn.contracts.naming)."""
+    return naming.route_name(route_key, index)
 
 
 def degraded_route_name(route_key: str, index: int) -> str:

@@ -31,7 +31,7 @@ from .cache import SnapshotCache
 from .delta import DeltaHandler
 from .recording import Recorder
 from .sotw import SotwHandler
-from .status import Metrics
+from .status import Metrics, ProxyStatus
 from .stream import Context, Handler, Stream
 
 log = logging.getLogger("meshfn.xds")
@@ -109,6 +109,18 @@ class AdsServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+
+    def statuses(self) -> list[ProxyStatus]:
+        """Every identified stream's record (sent, ACKed, NACKed per type), by workload."""
+        return [
+            s.status
+            for s in sorted(self._streams.values(), key=lambda s: (s.group, s.status.node_id, s.id))
+            if s.group
+        ]
+
+    def streams(self) -> list[Stream]:
+        """The open streams, oldest first."""
+        return sorted(self._streams.values(), key=lambda s: s.id)
 
     def proxies(self) -> list[dict[str, Any]]:
         return [

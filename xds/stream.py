@@ -40,6 +40,12 @@ INBOX_HIGH_WATER = 64
 _stream_ids = itertools.count(1)
 
 
+def malformed() -> ProtocolError:
+    return ProtocolError(
+        grpc.StatusCode.INVALID_ARGUMENT, "malformed discovery request", "malformed"
+    )
+
+
 class Stream:
     """One ADS stream: its node, subscriptions, and an inbox fed by the reader task."""
 
@@ -57,6 +63,12 @@ class Stream:
         self.room.set()
         self.dirty = False
         self.closed = False
+        # What has happened on the stream so far, for a caller that needs to know it is quiet
+        # (tests' negative checks): requests read, responses written, and whether the handler
+        # is between waits (answering or pushing).
+        self.requests = 0
+        self.responses = 0
+        self.busy = False
         self.error: ProtocolError | None = None
         self.status = ProxyStatus(
             stream_id=self.id, node_id="", group="", protocol=protocol, peer=self.peer
@@ -136,6 +148,7 @@ class Handler(ABC):
     ) -> None:
         sub.on_sent(ts, nonce, count, snapshot.published_at)
         self.recorder.pushed(ts.type_url, stream.protocol, len(data))
+        stream.responses += 1
         await stream.context.write(data)
 
     def reply(self, stream: Stream, sub: Subscription, error: str | None, version: str) -> None:
@@ -148,7 +161,9 @@ class Handler(ABC):
         reader = asyncio.create_task(self._read(requests, stream))
         try:
             while True:
+                stream.busy = False
                 await stream.wake.wait()
+                stream.busy = True
                 stream.wake.clear()
                 while stream.inbox:
                     request = stream.inbox.popleft()
@@ -158,6 +173,9 @@ class Handler(ABC):
                         await self.on_request(stream, request)
                     except ProtocolError as exc:
                         stream.error = exc
+                        break
+                    except DecodeError:  # a part parsed lazily (SotW: node, names, error detail)
+                        stream.error = malformed()
                         break
                 if stream.error is not None:
                     self.recorder.ended(stream.error, stream.status.node_id, stream.peer)
@@ -178,12 +196,11 @@ class Handler(ABC):
     async def _read(self, requests: AsyncIterator[bytes], stream: Stream) -> None:
         try:
             async for raw in requests:
+                stream.requests += 1
                 try:
                     request = self.parse(raw)
                 except DecodeError:
-                    stream.error = ProtocolError(
-                        grpc.StatusCode.INVALID_ARGUMENT, "malformed discovery request", "malformed"
-                    )
+                    stream.error = malformed()
                     return
                 stream.inbox.append(request)
                 stream.wake.set()

@@ -16,13 +16,18 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshfn import ir
+
+if TYPE_CHECKING:
+    from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
 log = logging.getLogger("meshfn.drift")
 
 MAX_SAMPLES = 200_000
+HISTORY_POINTS = 600  # one per evaluation (every 0.2 s in the control plane): two minutes
+HISTORY_EVENTS = 50
 
 
 def p95(values: Iterable[float]) -> float:
@@ -48,6 +53,32 @@ class Transition:
     at: float
 
 
+@dataclass(frozen=True)
+class DriftPoint:
+    """One evaluation of a route: what the console charts (times are time.monotonic())."""
+
+    at: float
+    p95_ms: float
+    baseline_ms: float
+    degraded: bool
+
+
+@dataclass(frozen=True)
+class RouteDrift:
+    """A guarded route as the breaker sees it now, with its recent history."""
+
+    route: str
+    degraded: bool
+    since_s: float | None
+    p95_ms: float
+    baseline_ms: float
+    trip_at_ms: float  # the p95 that trips the route (or, while tripped, blocks recovery)
+    samples: int
+    transitions: int
+    history: tuple[DriftPoint, ...]
+    events: tuple[Transition, ...]
+
+
 @dataclass
 class _State:
     watched: WatchedRoute
@@ -59,6 +90,11 @@ class _State:
     last_p95: float = 0.0
     last_baseline: float = 0.0
     transitions: int = 0
+    history: deque[DriftPoint] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
+    events: deque[Transition] = field(default_factory=lambda: deque(maxlen=HISTORY_EVENTS))
+
+    def baseline(self) -> float:
+        return self.frozen_baseline if self.degraded else self.last_baseline
 
 
 class DriftBreaker:
@@ -87,6 +123,15 @@ class DriftBreaker:
         state.samples.append((now, seconds))
         if len(state.samples) > MAX_SAMPLES:
             state.samples.popleft()
+
+    def observe_access_log(self, entry: HTTPAccessLogEntry, now: float) -> None:
+        """One Envoy access-log entry (ALS): its route, upstream cluster and time to the last
+        byte sent downstream (the duration where Envoy did not record that)."""
+        common = entry.common_properties
+        timing = common.time_to_last_downstream_tx_byte
+        if not common.HasField("time_to_last_downstream_tx_byte"):
+            timing = common.duration
+        self.observe(common.route_name, common.upstream_cluster, timing.ToNanoseconds() / 1e9, now)
 
     def degraded(self) -> frozenset[str]:
         return frozenset(k for k, s in self._routes.items() if s.degraded)
@@ -127,6 +172,10 @@ class DriftBreaker:
                     state.warm_baseline = state.frozen_baseline
                     state.samples.clear()  # the slow period must not become the new normal
                     transitions.append(self._transition(state, key, "healthy", now))
+        for state in self._routes.values():
+            state.history.append(
+                DriftPoint(now, state.last_p95 * 1000, state.baseline() * 1000, state.degraded)
+            )
         return transitions
 
     @staticmethod
@@ -155,6 +204,7 @@ class DriftBreaker:
         state.transitions += 1
         baseline = state.frozen_baseline or state.last_baseline
         transition = Transition(key, to, state.last_p95 * 1000, baseline * 1000, now)
+        state.events.append(transition)
         if to == "degraded":
             log.warning(
                 "route %s degraded: p95 %.1f ms is more than %.0f%% above its baseline %.1f ms; "
@@ -173,17 +223,37 @@ class DriftBreaker:
             )
         return transition
 
+    def views(self, now: float) -> list[RouteDrift]:
+        """Every guarded route, by name, with its bounded history (for the console)."""
+        out = []
+        for key, s in sorted(self._routes.items()):
+            baseline = s.baseline()
+            limit = self._limit(s.watched.settings, baseline, 0.5 if s.degraded else 1.0)
+            out.append(
+                RouteDrift(
+                    route=key,
+                    degraded=s.degraded,
+                    since_s=round(now - s.since, 3) if s.since else None,
+                    p95_ms=round(s.last_p95 * 1000, 3),
+                    baseline_ms=round(baseline * 1000, 3),
+                    trip_at_ms=round(limit * 1000, 3) if baseline else 0.0,
+                    samples=len(s.samples),
+                    transitions=s.transitions,
+                    history=tuple(s.history),
+                    events=tuple(s.events),
+                )
+            )
+        return out
+
     def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
         return {
-            key: {
-                "state": "degraded" if s.degraded else "healthy",
-                "since_s": round(now - s.since, 3) if s.since else None,
-                "p95_ms": round(s.last_p95 * 1000, 3),
-                "baseline_ms": round(
-                    (s.frozen_baseline if s.degraded else s.last_baseline) * 1000, 3
-                ),
-                "samples": len(s.samples),
-                "transitions": s.transitions,
+            v.route: {
+                "state": "degraded" if v.degraded else "healthy",
+                "since_s": v.since_s,
+                "p95_ms": v.p95_ms,
+                "baseline_ms": v.baseline_ms,
+                "samples": v.samples,
+                "transitions": v.transitions,
             }
-            for key, s in sorted(self._routes.items())
+            for v in self.views(now)
         }

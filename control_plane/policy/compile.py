@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+import dataclasses
 
 from meshfn import ir
 from meshfn.contracts.function import FunctionSettings
 
-from . import fallback
+from . import fallback, kserve
 from .errors import PolicyError
 from .model import Audit, Drill, Function, Gateway, Locality, Mesh, Route, Service
 from .references import resolve_gateway, where
@@ -50,9 +50,12 @@ def _function(item: Loaded) -> ir.Function:
     )
 
 
-def function_route(function: ir.Function) -> ir.Route:
-    """KServe v2 paths of a function, to its backend. Only retries that cannot repeat an
-    inference (the request never reached the backend) are on."""
+def function_route(function: ir.Function) -> ir.Route | None:
+    """KServe v2 REST paths of a function (and its Triton repository load/unload), to its
+    backend; None when the function is not served over REST. Only retries that cannot repeat
+    an inference (the request never reached the backend) are on."""
+    if not function.settings.protocols.rest:
+        return None
     base = f"/v2/models/{function.name}"
     return ir.Route(
         name=f"function-{function.name}",
@@ -61,10 +64,11 @@ def function_route(function: ir.Function) -> ir.Route:
         matches=(
             ir.RouteMatch(ir.PathMatch("exact", base)),
             ir.RouteMatch(ir.PathMatch("prefix", base + "/")),
+            ir.RouteMatch(ir.PathMatch("prefix", f"{kserve.REPOSITORY_MODELS}{function.name}/")),
         ),
         service=function.backend,
-        timeout=function.settings.limits.timeout + timedelta(seconds=2),
-        retries=ir.Retry(2, ("connect-failure", "refused-stream", "reset-before-request")),
+        timeout=kserve.function_timeout(function),
+        retries=kserve.SAFE_RETRIES,
     )
 
 
@@ -84,9 +88,11 @@ def _service(item: Loaded) -> ir.Service:
                 weight=e.weight,
                 locality=_locality(e.locality),
                 sidecar_port=e.sidecar.port if e.sidecar is not None else None,
+                grpc_port=e.grpcPort,
             )
             for e in spec.endpoints
         ),
+        external=spec.external,
     )
 
 
@@ -144,25 +150,41 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     gateways = {f"{i.namespace}/{i.name}": i for i in items if isinstance(i.obj, Gateway)}
     attached: dict[str, list[tuple[Loaded, ir.Route, str | None]]] = {k: [] for k in gateways}
     functions = []
+    hosted: dict[str, list[Loaded]] = {}  # gateway key -> its Functions
     for item in items:
         if isinstance(item.obj, Route | Function):
             gateway = resolve_gateway(item, gateways)
             assert not isinstance(gateway, PolicyError)
+            gateway_key = f"{gateway.namespace}/{gateway.name}"
             if isinstance(item.lowered, ir.Function):
                 functions.append(item.lowered)
+                hosted.setdefault(gateway_key, []).append(item)
                 route, only = function_route(item.lowered), None
+                if route is None:
+                    continue
             else:
                 assert isinstance(item.lowered, ir.Route) and isinstance(item.obj, Route)
                 route, only = item.lowered, item.obj.spec.listener
-            attached[f"{gateway.namespace}/{gateway.name}"].append((item, route, only))
+            attached[gateway_key].append((item, route, only))
+    lowered_services = {
+        i.lowered.key: i.lowered for i in items if isinstance(i.lowered, ir.Service)
+    }
+    errors: list[PolicyError] = []
+    for gateway_key, function_items in hosted.items():
+        server = _server_routes(gateway_key, function_items, lowered_services)
+        if isinstance(server, PolicyError):
+            errors.append(server)
+            continue
+        attached[gateway_key].extend((function_items[0], route, None) for route in server)
 
     security = Security(items)
     fallback_policies = fallback.policies_by_service(items)
-    errors: list[PolicyError] = []
     workloads = []
+    guards: list[ir.AuthzObject] = []
     for key, gw_item in sorted(gateways.items()):
         assert isinstance(gw_item.obj, Gateway)
         spec = gw_item.obj.spec
+        gateway_guarded = _gateway_guarded(hosted.get(key, []), lowered_services)
         listeners = []
         for listener in spec.listeners:
             routes = sorted(
@@ -195,9 +217,16 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
                     security.trust_domain, gw_item.namespace, spec.serviceAccount or gw_item.name
                 ),
                 jwt_rules=security.jwt_rules("gateway", gw_item.namespace, gw_item.name),
-                authz=security.policies("gateway", gw_item.namespace, gw_item.name),
+                authz=security.policies("gateway", gw_item.namespace, gw_item.name)
+                + _guard(gw_item.namespace, gateway_guarded),
             )
         )
+        if gateway_guarded:
+            guards.append(
+                kserve.guard_object(
+                    gw_item.namespace, ir.Selector("gateway", gw_item.name), gateway_guarded
+                )
+            )
     if errors:
         return sorted(set(errors))
     services = []
@@ -206,9 +235,15 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     ):
         assert isinstance(item.obj, Service) and isinstance(item.lowered, ir.Service)
         service = security.secure_service(item.lowered, item.obj.spec.serviceAccount or item.name)
-        service = fallback.apply(service, fallback_policies)
-        services.append(service)
-        workloads.extend(_sidecars(service, security))
+        services.append(fallback.apply(service, fallback_policies))
+    served = served_functions(functions, {s.key: s for s in services})
+    for service in services:
+        guard = served.get(service.key)
+        workloads.extend(_sidecars(service, security, _guard(service.namespace, guard or [])))
+        if guard and any(e.sidecar_port for e in service.endpoints):
+            guards.append(
+                kserve.guard_object(service.namespace, ir.Selector("service", service.name), guard)
+            )
     return ir.MeshModel(
         name=mesh.name,
         trust_domain=mesh.obj.spec.trustDomain,
@@ -221,6 +256,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         acceleration=mesh.obj.spec.acceleration,
         audit=_audit(mesh.obj.spec.audit),
         drill=_drill(mesh.obj.spec.drill),
+        policies=_with_guards(security.as_written(), guards),
     )
 
 
@@ -242,10 +278,68 @@ def _audit(spec: Audit | None) -> ir.Audit | None:
     )
 
 
-def _sidecars(service: ir.Service, security: Security) -> list[ir.Workload]:
-    """One sidecar workload per endpoint that declares one, each with its own node cluster."""
+def served_functions(
+    functions: list[ir.Function], services: dict[str, ir.Service]
+) -> dict[str, list[ir.Function]]:
+    """Service key -> the functions its endpoints serve: those it backs, and those whose
+    backend's fallback chain reaches it (a fallback answers the same /v2/models/{name})."""
+    out: dict[str, list[ir.Function]] = {}
+    for function in sorted(functions, key=lambda f: (f.namespace, f.name)):
+        backend = services[function.backend]
+        for key in (backend.key, *backend.fallback):
+            out.setdefault(key, []).append(function)
+    return out
+
+
+def _server_routes(
+    gateway: str, items: list[Loaded], services: dict[str, ir.Service]
+) -> tuple[ir.Route, ...] | PolicyError:
+    """The gateway's KServe server and gRPC routes; its functions must share one backend."""
+    functions = [i.lowered for i in items if isinstance(i.lowered, ir.Function)]
+    first = functions[0]
+    for item, function in zip(items, functions, strict=True):
+        if function.backend != first.backend:
+            return item.error(
+                ("spec", "backend"),
+                f"the Functions on Gateway {gateway} must share one backend: {first.name} is "
+                f"served by {first.backend}, {function.name} by {function.backend}. KServe's "
+                "server endpoints (/v2, health, the model list) and gRPC (which names the model "
+                "inside the message) reach one backend per gateway; attach this Function to "
+                "another Gateway",
+            )
+    return kserve.server_routes(functions, services[first.backend])
+
+
+def _gateway_guarded(items: list[Loaded], services: dict[str, ir.Service]) -> list[ir.Function]:
+    """A gateway's functions whose backend has no sidecars to hold the repository guard."""
+    return [
+        i.lowered
+        for i in items
+        if isinstance(i.lowered, ir.Function)
+        and not any(e.sidecar_port for e in services[i.lowered.backend].endpoints)
+    ]
+
+
+def _guard(namespace: str, functions: list[ir.Function]) -> tuple[ir.AuthzPolicy, ...]:
+    return (kserve.repository_guard(namespace, functions),) if functions else ()
+
+
+def _with_guards(policies: ir.Policies, guards: list[ir.AuthzObject]) -> ir.Policies:
+    """The policies as written plus the repository guards meshfn writes itself, so the Istio
+    renderer guards load/unload where the xDS translator does."""
+    if not guards:
+        return policies
+    authz = sorted((*policies.authz, *guards), key=lambda p: (p.namespace, p.name))
+    return dataclasses.replace(policies, authz=tuple(authz))
+
+
+def _sidecars(
+    service: ir.Service, security: Security, extra_authz: tuple[ir.AuthzPolicy, ...] = ()
+) -> list[ir.Workload]:
+    """One sidecar workload per endpoint that declares one, each with its own node cluster;
+    `extra_authz` are policies meshfn adds (the repository guard of the functions it serves)."""
     jwt_rules = security.jwt_rules("service", service.namespace, service.name)
-    authz = security.policies("service", service.namespace, service.name)
+    authz = security.policies("service", service.namespace, service.name) + extra_authz
     return [
         ir.Workload(
             name=service.name,
@@ -265,6 +359,7 @@ def _sidecars(service: ir.Service, security: Security) -> list[ir.Workload]:
                 app_port=endpoint.port,
                 protocol=service.protocol,
                 mtls=endpoint.mtls,
+                grpc_app_port=endpoint.grpc_port,
             ),
         )
         for endpoint in service.endpoints

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def object_ref(kind: str, namespace: str, name: str) -> str:
+    """How messages name an object: `Kind namespace/name`, or `Kind name` (the Mesh)."""
+    return f"{kind} {namespace}/{name}" if namespace else f"{kind} {name}"
+
+
 @dataclass(frozen=True, order=True)
 class PolicyError(Exception):
     """A problem in a policy file, pinned to file, line and field path (e.g. spec.endpoints[0])."""

@@ -113,6 +113,7 @@ def apply(service: ir.Service, policies: dict[str, Loaded]) -> ir.Service:
             outlier=outlier,
             breakers=breakers,
             health_check=health,
+            policy=item.name,
         ),
         fallback=tuple(chain_of(service.key, policies)[: spec.maxFallbackDepth]),
         drift=drift,

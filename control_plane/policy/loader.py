@@ -19,7 +19,7 @@ from .compile import compile_model, lower
 from .errors import PolicyError, PolicyErrors
 from .model import Mesh
 from .references import check_references
-from .source import parse_documents
+from .source import Document, Loc, parse_documents
 from .validate import Loaded, validate_document
 
 POLICY_SUFFIXES = (".yaml", ".yml")
@@ -60,6 +60,22 @@ def _stat_key(path: str) -> tuple[int, ...]:
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+@dataclass(frozen=True)
+class Provenance:
+    """Where each loaded object was written. The IR carries no lines; a stage that reports on
+    IR objects (the Istio renderer's warnings) names (kind, namespace, name, field path), and
+    this maps that back to `file:line` for the user."""
+
+    documents: dict[tuple[str, str, str], Document]
+
+    def where(self, kind: str, namespace: str, name: str, loc: Loc = ()) -> str | None:
+        """`file:line` of `loc` in that object (or of its closest ancestor); None if unknown."""
+        doc = self.documents.get((kind, namespace, name))
+        if doc is None:
+            return None
+        return f"{doc.file}:{doc.line_of(loc)}"
+
+
 class PolicyLoader:
     """Loads one policy directory; reuse the instance across reloads to get per-file caching."""
 
@@ -69,15 +85,23 @@ class PolicyLoader:
 
     def load(self) -> MeshModel:
         """Return the MeshModel or raise PolicyErrors listing every problem found."""
+        return self.load_with_sources()[0]
+
+    def load_with_sources(self) -> tuple[MeshModel, list[Loaded]]:
+        """The MeshModel and the validated objects it was compiled from (their documents know
+        every field's line: `meshfn analyze` points at them), or PolicyErrors."""
         items, errors = self._load_items()
-        if not errors:
-            errors = check_references(items)
-        if not errors:
-            result = compile_model(items)
-            if isinstance(result, MeshModel):
-                return result
-            errors = result
-        raise PolicyErrors(errors)
+        return build_model(items, errors), items
+
+    def provenance(self) -> Provenance:
+        """Where the objects of the last load() came from."""
+        return Provenance(
+            {
+                (i.kind, i.namespace, i.name): i.doc
+                for result in self._files.values()
+                for i in result.items
+            }
+        )
 
     def _load_items(self) -> tuple[list[Loaded], list[PolicyError]]:
         if not self.root.exists():
@@ -126,12 +150,33 @@ class PolicyLoader:
         except PolicyError as exc:
             return _FileResult(stat, digest, (), (exc,))
         for doc in docs:
-            result = validate_document(doc)
+            result = lowered(doc)
             if isinstance(result, Loaded):
-                items.append(dataclasses.replace(result, lowered=lower(result)))
+                items.append(result)
             else:
                 errors.extend(result)
         return _FileResult(stat, digest, tuple(items), tuple(errors))
+
+
+def build_model(items: list[Loaded], errors: list[PolicyError]) -> MeshModel:
+    """Validated documents (and the errors found while validating them) -> the MeshModel, or
+    PolicyErrors. Every policy source (files, Kubernetes) ends here: one path to the IR."""
+    if not errors:
+        errors = check_references(items)
+    if not errors:
+        result = compile_model(items)
+        if isinstance(result, MeshModel):
+            return result
+        errors = result
+    raise PolicyErrors(errors)
+
+
+def lowered(doc: Document) -> Loaded | list[PolicyError]:
+    """One document validated, with its own piece of IR computed (what the loader caches)."""
+    result = validate_document(doc)
+    if isinstance(result, Loaded):
+        return dataclasses.replace(result, lowered=lower(result))
+    return result
 
 
 def load_policies(root: Path | str) -> MeshModel:

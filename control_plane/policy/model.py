@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from meshfn.contracts.durations import Duration
 from meshfn.contracts.function import FunctionSettings
+from meshfn.contracts.principals import RequestPrincipal
 
 from .types import (
     ConditionKey,
@@ -31,7 +32,6 @@ from .types import (
     Port,
     Principal,
     Regex,
-    RequestPrincipal,
     TrustDomain,
 )
 
@@ -242,6 +242,11 @@ class Sidecar(Strict):
 class Endpoint(Strict):
     address: IPAddress
     port: Port | None = Field(None, description="defaults to the service port")
+    grpcPort: Port | None = Field(
+        None,
+        description="where the endpoint also speaks gRPC (HTTP/2), e.g. the inference backend's "
+        "KServe GRPCInferenceService; its sidecar sends gRPC requests there",
+    )
     weight: Annotated[int, Field(ge=1, le=10_000)] = 1
     locality: Locality | None = None
     sidecar: Sidecar | None = None
@@ -253,14 +258,35 @@ class ServiceSpec(Strict):
     serviceAccount: Name | None = Field(None, description="identity; defaults to the name")
     connectTimeout: Duration = timedelta(seconds=1)
     endpoints: Annotated[list[Endpoint], Field(max_length=10_000)] = Field(default_factory=list)
+    external: bool = Field(
+        False,
+        description="the endpoints run outside Kubernetes (VMs, other hosts). Rendered for Istio "
+        "as a ServiceEntry with one WorkloadEntry per endpoint; otherwise the Kubernetes Service "
+        "of this name and namespace provides the endpoints there. meshfn's own Envoys always use "
+        "`endpoints`",
+    )
 
     @model_validator(mode="after")
     def _timeouts(self) -> Self:
         if self.connectTimeout <= timedelta(0):
             raise ValueError("connectTimeout must be positive")
+        if self.external and not self.endpoints:
+            raise ValueError("an external service needs its endpoints")
         with_sidecar = sum(1 for e in self.endpoints if e.sidecar is not None)
         if 0 < with_sidecar < len(self.endpoints):
             raise ValueError("either every endpoint has a sidecar or none does")
+        for i, e in enumerate(self.endpoints):
+            if e.grpcPort is None:
+                continue
+            if self.protocol == "grpc":
+                raise ValueError(f"endpoints[{i}].grpcPort: the service speaks gRPC already")
+            if e.sidecar is None:
+                # Without a sidecar a gateway reaches the endpoint's own port, which speaks HTTP/1.
+                raise ValueError(
+                    f"endpoints[{i}].grpcPort needs a sidecar (it routes gRPC requests there)"
+                )
+            if e.grpcPort in (e.port or self.port, e.sidecar.port):
+                raise ValueError(f"endpoints[{i}].grpcPort must differ from its other ports")
         return self
 
 
@@ -449,12 +475,29 @@ class JwtRule(Strict):
     outputClaimToHeaders: list[ClaimToHeader] = Field(default_factory=list)
     forwardOriginalToken: bool = False
     clockSkew: Duration = Field(timedelta(seconds=60), description="allowed leeway for exp/nbf")
+    requireExpiration: bool = Field(
+        True,
+        description="refuse tokens without `exp` (401); false only for an issuer that cannot set"
+        " one, whose tokens must then be revocable some other way (rotate its keys)",
+    )
+    maxLifetime: Duration | None = Field(
+        None,
+        description="refuse tokens whose `exp - iat` (without `iat`: `exp - now`) exceeds this",
+    )
 
     @model_validator(mode="after")
     def _source(self) -> Self:
         _exactly_one(self, ("jwks", "jwksUri"))
         if not timedelta(0) <= self.clockSkew <= timedelta(minutes=10):
             raise ValueError("clockSkew must be between 0s and 10m")
+        if self.maxLifetime is not None:
+            if not timedelta(seconds=1) <= self.maxLifetime <= timedelta(days=366):
+                raise ValueError("maxLifetime must be between 1s and 366d")
+            if not self.requireExpiration:
+                raise ValueError(
+                    "maxLifetime bounds exp - iat: it needs requireExpiration (a token without"
+                    " exp has no lifetime to bound)"
+                )
         return self
 
 

@@ -32,7 +32,8 @@ from .validate import Loaded
 
 
 def where(item: Loaded, loc: Loc = ()) -> str:
-    return f"{item.doc.file}:{item.doc.line_of(loc)}"
+    line = item.doc.line_of(loc)
+    return f"{item.doc.file}:{line}" if line > 0 else item.doc.file  # custom resources: no line
 
 
 def check_references(items: list[Loaded]) -> list[PolicyError]:
@@ -244,6 +245,28 @@ def _check_ports(items: list[Loaded]) -> list[PolicyError]:
         if not isinstance(service, ir.Service):
             continue
         for i, endpoint in enumerate(service.endpoints):
+            extra = [endpoint.grpc_port] if endpoint.grpc_port else []
+            for port in extra:  # the gRPC port is an endpoint target like the port
+                target = (endpoint.address, port)
+                other = seen.get(target)
+                if other is not None:
+                    errors.append(
+                        item.error(
+                            ("spec", "endpoints", i, "grpcPort"),
+                            f"endpoint {_hostport(*target)} is also an endpoint of "
+                            f"{other[0].ref} ({where(*other)})",
+                        )
+                    )
+                seen.setdefault(target, (item, ("spec", "endpoints", i, "grpcPort")))
+                hit = loopback_binds.get(port)
+                if hit is not None and _is_loopback(endpoint.address):
+                    errors.append(
+                        item.error(
+                            ("spec", "endpoints", i, "grpcPort"),
+                            f"grpcPort {port} points at {hit.what} "
+                            f"({where(hit.item, hit.loc)}): traffic would loop into meshfn",
+                        )
+                    )
             target = (endpoint.address, endpoint.port)
             other = seen.get(target)
             if other is not None:

@@ -92,6 +92,52 @@ class Security:
                 )
         return tuple(out)
 
+    def as_written(self) -> ir.Policies:
+        """The policies as namespace-scoped objects with their selectors (ir.Policies)."""
+        peer = []
+        for item in sorted(self.peer, key=lambda i: (i.namespace, i.name)):
+            obj = item.obj
+            assert isinstance(obj, PeerAuthentication)
+            spec = obj.spec
+            peer.append(
+                ir.PeerPolicy(
+                    name=item.name,
+                    namespace=item.namespace,
+                    selector=_selector(spec.selector),
+                    mtls=spec.mtls.mode if spec.mtls is not None else None,
+                    port_mtls=tuple(
+                        sorted((int(port), m.mode) for port, m in spec.portLevelMtls.items())
+                    ),
+                )
+            )
+        request = []
+        for item in sorted(self.request, key=lambda i: (i.namespace, i.name)):
+            assert isinstance(item.obj, RequestAuthentication)
+            request.append(
+                ir.RequestPolicy(
+                    name=item.name,
+                    namespace=item.namespace,
+                    selector=_selector(item.obj.spec.selector),
+                    rules=tuple(_jwt_rule(rule) for rule in item.obj.spec.jwtRules),
+                )
+            )
+        authz = []
+        for item in self.authz:
+            assert isinstance(item.obj, AuthorizationPolicy)
+            authz_spec = item.obj.spec
+            authz.append(
+                ir.AuthzObject(
+                    name=item.name,
+                    namespace=item.namespace,
+                    selector=_selector(authz_spec.selector),
+                    action=authz_spec.action,
+                    rules=tuple(_rule(r) for r in authz_spec.rules),
+                )
+            )
+        return ir.Policies(
+            mtls=self.mesh_mode, peer=tuple(peer), request=tuple(request), authz=tuple(authz)
+        )
+
     def secure_service(self, service: ir.Service, account: str) -> ir.Service:
         """The service with its identity and, per sidecar'd endpoint, the sidecar's mTLS mode."""
         endpoints = tuple(
@@ -105,6 +151,15 @@ class Security:
         )
 
 
+def _selector(selector: WorkloadSelector | None) -> ir.Selector | None:
+    if selector is None:
+        return None
+    if selector.service is not None:
+        return ir.Selector("service", selector.service)
+    assert selector.gateway is not None
+    return ir.Selector("gateway", selector.gateway)
+
+
 def _jwt_rule(rule: JwtRule) -> ir.JwtRule:
     return ir.JwtRule(
         issuer=rule.issuer,
@@ -116,6 +171,10 @@ def _jwt_rule(rule: JwtRule) -> ir.JwtRule:
         claim_to_headers=tuple((c.header.lower(), c.claim) for c in rule.outputClaimToHeaders),
         forward=rule.forwardOriginalToken,
         clock_skew_seconds=int(rule.clockSkew.total_seconds()),
+        require_expiration=rule.requireExpiration,
+        max_lifetime_seconds=(
+            None if rule.maxLifetime is None else int(rule.maxLifetime.total_seconds())
+        ),
     )
 
 

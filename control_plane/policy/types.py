@@ -133,9 +133,6 @@ PRINCIPAL = r"^(\*|[a-z0-9._-]+/ns/[a-z0-9-]+/sa/[a-z0-9-]+|\*[^\s*]+|[^\s*]+\*)
 Principal = Annotated[str, Field(pattern=PRINCIPAL, max_length=512)]
 NAMESPACE_MATCH = r"^(\*|[a-z0-9]([-a-z0-9]*[a-z0-9])?\*?)$"
 NamespaceMatch = Annotated[str, Field(pattern=NAMESPACE_MATCH, max_length=64)]
-# "<iss>/<sub>" splits at the last "/": issuers are URLs, subjects have no "/".
-REQUEST_PRINCIPAL = r"^(\*|[^\s*]+/[^\s/*]+|[^\s*]+/\*)$"
-RequestPrincipal = Annotated[str, Field(pattern=REQUEST_PRINCIPAL, max_length=1024)]
 PATH_PATTERN = r"^(\*|/[^\s*]*\*?|\*[^\s*]+)$"
 PathPattern = Annotated[str, Field(pattern=PATH_PATTERN, max_length=1024)]
 CONDITION_KEY = (

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import PolicyError
+from meshfn.contracts.principals import REQUEST_PRINCIPAL
+
+from .errors import PolicyError, object_ref
 from .model import KINDS, PolicyObject
 from .source import Document, Loc
 
@@ -28,7 +30,6 @@ from .types import (
     OBJECT_REF,
     PATH_PATTERN,
     PRINCIPAL,
-    REQUEST_PRINCIPAL,
     TRUST_DOMAIN,
 )
 
@@ -74,11 +75,7 @@ class Loaded:
 
     @property
     def ref(self) -> str:
-        return (
-            f"{self.kind} {self.namespace}/{self.name}"
-            if self.namespace
-            else f"{self.kind} {self.name}"
-        )
+        return object_ref(self.kind, self.namespace, self.name)
 
     def error(self, loc: Loc, message: str) -> PolicyError:
         return self.doc.error(loc, message)
@@ -121,6 +118,10 @@ def _to_policy_error(doc: Document, model: type[BaseModel], err: Any) -> PolicyE
     kind = err["type"]
     message: str = err["msg"]
     if kind == "extra_forbidden":
+        # the unknown key is the last part of the location, whatever it looks like (a key such
+        # as "spec:[x" must not be taken for a pydantic tag: fuzz finding policy-key-like-a-tag)
+        parents = tuple(p for p in err["loc"][:-1] if isinstance(p, int) or not _is_tag(p))
+        loc = (*parents, err["loc"][-1])
         field = str(loc[-1])
         allowed = _fields_at(model, loc[:-1])
         hint = difflib.get_close_matches(field, allowed, n=1)

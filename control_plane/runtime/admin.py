@@ -1,11 +1,15 @@
-"""The control plane's admin port: /metrics, /debug/status, /debug/snapshots, /debug/config_dump.
+"""The control plane's admin port: /metrics, /debug/status, /debug/snapshots, /debug/config_dump,
+and the web console at /ui (console/).
 
-Loopback only by default. Nothing here can change configuration; private keys never appear (the
-snapshots hold only what Envoy is sent, and secrets are redacted before they are dumped).
+Loopback only by default; a non-loopback listen needs a token, which every request but the
+liveness probe and the public JWKS must then carry (compared in constant time). Nothing here can
+change configuration; private keys never appear (the snapshots hold only what Envoy is sent, and
+secrets are redacted before they are dumped).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from typing import Any
@@ -16,6 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from meshfn.xds.dump import resources_to_plain, to_yaml
 
 from ..service import ControlPlane
+from .console.sources import ConsoleSources
+from .console.web import Access, ConsoleHub, access_middleware, add_routes
 
 log = logging.getLogger("meshfn.admin")
 
@@ -103,7 +109,22 @@ def certificates_document(cp: ControlPlane, node: str) -> dict[str, Any] | None:
     }
 
 
-def make_app(cp: ControlPlane) -> web.Application:
+class AdminAccessError(ValueError):
+    """The admin port would listen beyond loopback without a token."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def make_app(
+    cp: ControlPlane, hub: ConsoleHub | None = None, access: Access | None = None
+) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(
             body=generate_latest(cp.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
@@ -141,7 +162,8 @@ def make_app(cp: ControlPlane) -> web.Application:
             return web.json_response({"error": "no such node or workload"}, status=404)
         return web.json_response(document)
 
-    app = web.Application()
+    app = web.Application(middlewares=[access_middleware(access or Access())])
+    add_routes(app, hub or ConsoleHub(cp, ConsoleSources()))
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/status", status)
     app.router.add_get("/debug/snapshots", snapshots)
@@ -153,23 +175,51 @@ def make_app(cp: ControlPlane) -> web.Application:
 
 
 class AdminServer:
-    def __init__(self, cp: ControlPlane) -> None:
+    """`console`: what the web console shows beyond the ControlPlane (meshfn up's processes);
+    `token`: required of every request (and required for a non-loopback listen)."""
+
+    def __init__(
+        self, cp: ControlPlane, console: ConsoleSources | None = None, token: str | None = None
+    ) -> None:
         self.cp = cp
+        self.hub = ConsoleHub(cp, console or ConsoleSources())
+        self.access = Access(token or None)
         self._runner: web.AppRunner | None = None
+        self.host = "127.0.0.1"
         self.port = 0
 
+    @property
+    def url(self) -> str:
+        """Where a local client reaches the admin port."""
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        elif ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        runner = web.AppRunner(make_app(self.cp), access_log=None)
+        if not is_loopback(host) and self.access.token is None:
+            raise AdminAccessError(
+                f"the admin port would listen on {host}, beyond loopback, without a token: set"
+                " MESHFN_ADMIN_TOKEN (or --admin-token-file) or listen on 127.0.0.1"
+            )
+        runner = web.AppRunner(
+            make_app(self.cp, self.hub, self.access), access_log=None, shutdown_timeout=2.0
+        )
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
         self._runner = runner
+        self.host = host
         server = site._server
         assert server is not None and server.sockets  # type: ignore[attr-defined]
         self.port = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
         return self.port
 
     async def stop(self) -> None:
+        self.hub.closing.set()  # live console streams end now, not at the shutdown timeout
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self.hub.sources.close()

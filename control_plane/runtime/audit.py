@@ -27,7 +27,6 @@ from ..audit import layout
 from ..audit.collector import AuditCollector
 from ..audit.signer import SignerClient, SignerError
 from ..audit.sqlite import SqliteStore
-from ..audit.store import AuditStore
 from .process import SupervisedProcess
 
 log = logging.getLogger("meshfn.audit")
@@ -71,7 +70,7 @@ def signer_process(state_dir: Path, store: Path) -> tuple[SupervisedProcess, str
 class AuditTrail:
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
-        self.store: AuditStore | None = None
+        self.store: SqliteStore | None = None
         self.collector: AuditCollector | None = None
         self.signer: SupervisedProcess | None = None
         self.signer_address: str | None = None

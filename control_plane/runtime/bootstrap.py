@@ -15,12 +15,12 @@ from envoy.config.core.v3 import (
     grpc_service_pb2,
     protocol_pb2,
 )
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import duration_pb2, json_format, struct_pb2
 
 from meshfn import ir
 from meshfn.xds.names import CONTROL_PLANE_CLUSTER as XDS_CLUSTER
+from meshfn.xds.translate.common import one_endpoint
 
 
 @dataclass(frozen=True)
@@ -69,24 +69,7 @@ def bootstrap(identity: ProxyIdentity, xds_host: str, xds_port: int) -> bootstra
         name=XDS_CLUSTER,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=_seconds(1),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=XDS_CLUSTER,
-            endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(
-                    lb_endpoints=[
-                        endpoint_components_pb2.LbEndpoint(
-                            endpoint=endpoint_components_pb2.Endpoint(
-                                address=address_pb2.Address(
-                                    socket_address=address_pb2.SocketAddress(
-                                        address=xds_host, port_value=xds_port
-                                    )
-                                )
-                            )
-                        )
-                    ]
-                )
-            ],
-        ),
+        load_assignment=one_endpoint(XDS_CLUSTER, xds_host, xds_port),
     )
     xds_cluster.typed_extension_protocol_options[
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .. import filters
 from ..service import ControlPlane, tune_gc
-from .admin import AdminServer
+from .admin import AdminAccessError, AdminServer
 
 log = logging.getLogger("meshfn.serve")
 
@@ -21,6 +21,8 @@ async def run_serve(
     xds_port: int | None,
     admin_port: int | None,
     watch: bool = True,
+    admin_host: str = "127.0.0.1",
+    admin_token: str | None = None,
 ) -> int:
     wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare)
     cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
@@ -29,7 +31,7 @@ async def run_serve(
     if not result.ok:
         return 1
     assert cp.model is not None
-    admin = AdminServer(cp)
+    admin = AdminServer(cp, token=admin_token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -39,9 +41,9 @@ async def run_serve(
         try:
             bound_xds = await cp.start(xds_port=xds_port)
             bound_admin = await admin.start(
-                port=cp.model.admin_port if admin_port is None else admin_port
+                admin_host, port=cp.model.admin_port if admin_port is None else admin_port
             )
-        except OSError as exc:
+        except (OSError, AdminAccessError) as exc:
             log.error("cannot start the control plane: %s", exc)
             return 1
         log.info("control plane ready", extra={"xds_port": bound_xds, "admin_port": bound_admin})

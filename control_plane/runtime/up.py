@@ -13,14 +13,15 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 from rich.console import Console
-from rich.table import Table
 
 from meshfn import ir
+from meshfn.common.progress import RichReporter
 from meshfn.ebpf import AccelerationUnavailable
 
 from .. import filters
@@ -28,10 +29,12 @@ from ..audit.collector import CollectorMetrics
 from ..audit.store import StoreError
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
-from .admin import AdminServer
+from .admin import AdminAccessError, AdminServer, is_loopback
 from .audit import AuditTrail
 from .bootstrap import ProxyIdentity
+from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
+from .hints import hints, print_hints, sample_request
 from .process import ProcessFailed, SupervisedProcess
 from .upstreams import FunctionsSetup, UpstreamSpec, upstream_process, upstreams_for
 
@@ -117,6 +120,42 @@ class Mesh:
         if self.audit is not None:  # after the proxies: it stores the last lines they wrote
             await self.audit.stop()
 
+    def backends(self) -> list[Backend]:
+        """The inference backends running now (for the console's Functions panel)."""
+        return [
+            Backend(spec.service, spec.address, spec.port)
+            for spec, _ in self.upstreams.values()
+            if spec.functions
+        ]
+
+    def gateway_admin_ports(self) -> dict[str, int]:
+        """Gateway node cluster -> its Envoy's admin port (for endpoint health)."""
+        model = self.cp.model
+        gateways = (
+            {w.node_cluster for w in model.workloads if w.kind == "gateway"} if model else set()
+        )
+        out = {}
+        for group, (_, proc) in self.envoys.items():
+            if group not in gateways or not isinstance(proc, EnvoyProcess):
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                out[group] = proc.admin_port()
+        return out
+
+    def console_sources(self, acceleration: Acceleration | None) -> ConsoleSources:
+        audit = self.audit
+        return ConsoleSources(
+            functions=FunctionStats(self.backends),
+            health=EndpointHealth(self.gateway_admin_ports),
+            audit=AuditView(
+                lambda: audit.store.path if audit is not None and audit.store else None,
+                self.state_dir,
+            )
+            if audit is not None
+            else None,
+            acceleration=acceleration.document if acceleration is not None else None,
+        )
+
     def pids(self) -> dict[str, int | None]:
         return {
             **{p.name: p.pid for _, p in self.envoys.values()},
@@ -131,60 +170,26 @@ async def _gather_or_raise(starts: Sequence[Awaitable[None]]) -> None:
         raise ProcessFailed("; ".join(str(f) for f in failures))
 
 
-def endpoints_table(model: ir.MeshModel) -> tuple[Table, list[str]]:
-    """The routes per gateway, and a curl command for each match that has a literal path."""
-    table = Table(title="meshfn is up", title_justify="left")
-    for column in ("gateway", "listener", "route", "match", "service"):
-        table.add_column(column)
-    tries = []
-    for workload in model.workloads:
-        for listener in workload.listeners:
-            host = "127.0.0.1" if listener.address in ("0.0.0.0", "::") else listener.address
-            base = f"http://{host}:{listener.port}"
-            for route in listener.routes:
-                for match in route.matches:
-                    described = f"{match.path.kind} {match.path.value}"
-                    if match.methods:
-                        described += f" [{','.join(match.methods)}]"
-                    table.add_row(
-                        workload.key,
-                        f"{base} ({listener.name})",
-                        route.key,
-                        described,
-                        route.service,
-                    )
-                    # Regexes have no literal path; "/v2/models/x/" duplicates its exact sibling.
-                    if match.path.kind != "regex" and not match.path.value.endswith("/"):
-                        tries.append(
-                            curl_example(base, route, match, needs_token(model, route.service))
-                        )
-    return table, tries
-
-
-def needs_token(model: ir.MeshModel, service_key: str) -> bool:
-    return any(
-        w.jwt_rules
-        for w in model.workloads
-        if w.inbound is not None and w.inbound.service == service_key
-    )
-
-
-def curl_example(base: str, route: ir.Route, match: ir.RouteMatch, with_token: bool = False) -> str:
-    parts = ["curl", "-s"]
-    if with_token:
-        parts += ["-H", '"authorization: Bearer $TOKEN"']
-    if match.methods and "GET" not in match.methods:
-        parts += ["-X", match.methods[0]]
-    for header in match.headers:
-        if header.invert:
-            continue
-        value = header.value if header.kind in ("exact", "prefix") else "demo"
-        parts += ["-H", f"'{header.name}: {value}'"]
-    host = next((h for h in route.hosts if h != "*"), None)
-    if host is not None:
-        parts += ["-H", f"'host: {host.replace('*', 'www')}'"]
-    parts.append(base + match.path.value)
-    return " ".join(parts)
+async def function_samples(
+    upstreams: Iterable[UpstreamSpec], timeout: float = 2.0
+) -> dict[str, str]:
+    """An example infer body per function, from the KServe metadata its backend serves (the
+    backend, not the control plane, knows a function's inputs)."""
+    where = {f.name: spec for spec in upstreams for f in spec.functions}
+    out: dict[str, str] = {}
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(timeout=client_timeout) as session:
+        for name, spec in where.items():
+            url = f"http://{spec.address}:{spec.port}/v2/models/{name}"
+            try:
+                async with session.get(url) as reply:
+                    metadata = await reply.json() if reply.status == 200 else {}
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                continue
+            body = sample_request(metadata) if isinstance(metadata, dict) else None
+            if body is not None:
+                out[name] = body
+    return out
 
 
 async def run_up(
@@ -194,9 +199,20 @@ async def run_up(
     envoy_log_level: str = "warning",
     console: Console | None = None,
     functions: FunctionsSetup | None = None,
+    admin_host: str = "127.0.0.1",
+    admin_token: str | None = None,
 ) -> int:
     console = console or Console()
-    wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare)
+    if not is_loopback(admin_host) and not admin_token:
+        console.print(
+            f"the admin port (and its console) would listen on {admin_host} without a token:"
+            " set MESHFN_ADMIN_TOKEN or --admin-token-file",
+            markup=False,
+            highlight=False,
+        )
+        return 1
+    with RichReporter(Console(stderr=True), "proxy-wasm filters") as progress:
+        wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare, progress)
     cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
     result = await cp.reload()
     tune_gc()
@@ -208,7 +224,6 @@ async def run_up(
     model = cp.model
     assert model is not None
     state_dir.mkdir(parents=True, exist_ok=True)
-    admin = AdminServer(cp)
     if model.functions and functions is None:
         console.print("[red]the policies declare functions: give --functions-registry[/red]")
         return 1
@@ -234,6 +249,7 @@ async def run_up(
     )
     cp.status_providers["audit"] = audit.status
     cp.metrics.registry.register(CollectorMetrics(lambda: audit.collector))
+    admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -245,8 +261,8 @@ async def run_up(
     try:
         try:
             await cp.start()
-            await admin.start(port=model.admin_port)
-        except OSError as exc:
+            await admin.start(admin_host, port=model.admin_port)
+        except (OSError, AdminAccessError) as exc:
             console.print(f"[red]cannot start the control plane: {exc}[/red]")
             return 1
         try:
@@ -259,7 +275,7 @@ async def run_up(
             json.dumps(
                 {
                     "pid": os.getpid(),
-                    "admin": f"http://127.0.0.1:{admin.port}",
+                    "admin": admin.url,
                     "xds": f"127.0.0.1:{cp.xds_port}",
                     "policies": str(policies),
                     "children": mesh.pids(),
@@ -270,22 +286,16 @@ async def run_up(
         watcher = asyncio.create_task(cp.watch(stop))
         rotator = asyncio.create_task(cp.rotate_credentials_forever(stop))
         drift = asyncio.create_task(cp.drift_forever(stop))
-        table, tries = endpoints_table(model)
-        console.print(table)
-        console.print("try:")
-        if any("$TOKEN" in line for line in tries):
-            console.print(
-                f"  TOKEN=$(meshfn token issue --state-dir {state_dir} --sub you --aud meshfn "
-                "--claim tenant=acme)",
-                markup=False,
-                highlight=False,
-            )
-        for line in tries:
-            console.print(f"  {line}", markup=False, highlight=False)
-        console.print(
-            f"control plane: xds 127.0.0.1:{cp.xds_port}, admin http://127.0.0.1:{admin.port} "
-            f"(meshfn status, meshfn config-dump NODE); watching {policies} for changes; "
-            "Ctrl-C stops everything."
+        admin_url = admin.url
+        samples = await function_samples(spec for spec, _ in mesh.upstreams.values())
+        print_hints(
+            console,
+            hints(model, state_dir, admin_url, samples),
+            [
+                f"console: {admin.url}/ui",
+                f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin_url}; watching "
+                f"{policies} for changes; Ctrl-C stops everything.",
+            ],
         )
         await stop.wait()
         console.print("stopping...")

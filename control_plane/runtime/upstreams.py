@@ -17,6 +17,7 @@ import aiohttp
 from meshfn import ir
 from meshfn.contracts.function import BackendConfig, ServedFunction
 
+from ..policy import compile
 from .process import SupervisedProcess
 
 
@@ -36,17 +37,12 @@ class UpstreamSpec:
     port: int
     locality: str
     functions: tuple[ir.Function, ...] = ()  # non-empty: run the inference backend
+    grpc_port: int | None = None  # the backend's KServe gRPC port (the endpoint's grpcPort)
 
 
 def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
-    """Service key -> functions its endpoints must serve: those it backs, and those whose
-    fallback chain reaches it (a fallback has to answer the same /v2/models/{name})."""
-    out: dict[str, list[ir.Function]] = {}
-    for function in model.functions:
-        backend = model.service(function.backend)
-        for key in (backend.key, *backend.fallback):
-            out.setdefault(key, []).append(function)
-    return out
+    """Service key -> functions its endpoints must serve (see policy.compile)."""
+    return compile.served_functions(list(model.functions), {s.key: s for s in model.services})
 
 
 def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
@@ -61,8 +57,14 @@ def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
                 locality = "/".join(
                     p for p in (e.locality.region, e.locality.zone, e.locality.sub_zone) if p
                 )
+                served = tuple(functions.get(service.key, ()))
                 out[(e.address, e.port)] = UpstreamSpec(
-                    service.key, e.address, e.port, locality, tuple(functions.get(service.key, ()))
+                    service.key,
+                    e.address,
+                    e.port,
+                    locality,
+                    served,
+                    e.grpc_port if served else None,
                 )
     return out
 
@@ -80,6 +82,11 @@ def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result
+
+
+def delay_file(state_dir: Path, spec: UpstreamSpec) -> Path:
+    """Milliseconds a placeholder upstream waits before each answer (absent: none)."""
+    return state_dir / "delay" / f"{spec.address}-{spec.port}"
 
 
 def upstream_process(
@@ -116,6 +123,7 @@ def upstream_process(
                 spec.address,
                 "--port",
                 str(spec.port),
+                *(("--grpc-port", str(spec.grpc_port)) if spec.grpc_port else ()),
                 "--log-format",
                 "json",
             ],
@@ -145,6 +153,9 @@ def upstream_process(
             str(spec.port),
             "--locality",
             spec.locality,
+            # Demos and tests make an endpoint slow by writing milliseconds into this file.
+            "--delay-file",
+            str(delay_file(state_dir, spec)),
         ],
         log_path=log_path,
         ready=ready,

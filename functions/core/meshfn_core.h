@@ -150,6 +150,49 @@ static __attribute__((unused)) i32 mf_read_numbers(const char *p, const char *en
   return -1;
 }
 
+/* ---- reading an input's values whichever way the host sent them ---- */
+
+static __attribute__((unused)) int mf_b64(char c) {
+  if (c >= 'A' && c <= 'Z') return c - 'A';
+  if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+  if (c >= '0' && c <= '9') return c - '0' + 52;
+  if (c == '+') return 62;
+  if (c == '/') return 63;
+  return -1;
+}
+
+/* The first input's FP32 values as doubles into out[0..max): from its base64 "raw" bytes
+ * (little-endian float32, what the host sends when function.toml says raw_inputs = true) or
+ * from its JSON "data". Returns how many, or -1 if malformed or more than max. */
+static __attribute__((unused)) i32 mf_read_f32(const char *req, const char *end, double *out, u32 max) {
+  const char *p = mf_find(req, end, "\"raw\":\"");
+  if (!p) {
+    const char *data = mf_find(req, end, "\"data\"");
+    return data ? mf_read_numbers(data, end, out, max) : -1;
+  }
+  u32 n = 0, bits = 0, have = 0;
+  union { u32 u; float f; } word = {0};
+  u32 got = 0; /* bytes of the current float */
+  for (; p < end && *p != '"'; p++) {
+    if (*p == '=') continue;
+    int v = mf_b64(*p);
+    if (v < 0) return -1;
+    bits = (bits << 6) | (u32)v;
+    have += 6;
+    if (have >= 8) {
+      have -= 8;
+      word.u |= ((bits >> have) & 0xFFu) << (8 * got);
+      if (++got == 4) {
+        if (n >= max) return -1;
+        out[n++] = (double)word.f;
+        word.u = 0;
+        got = 0;
+      }
+    }
+  }
+  return (p < end && !got) ? (i32)n : -1;
+}
+
 static __attribute__((unused)) double mf_exp(double x) { /* exp by range reduction + Taylor: no libm here */
   if (x < -700) return 0.0;
   int k = 0;

@@ -14,9 +14,12 @@ function's metadata before `infer` is called, so models only check what metadata
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import json
+import struct
 import sys
+from array import array
 from typing import Any
 
 
@@ -111,6 +114,43 @@ def flatten(data: Any) -> list[Any]:
     return flat
 
 
+# Raw input data is little-endian (as wasm memory is); array type codes of the fixed sizes.
+_CODES = {
+    "INT8": "b", "INT16": "h", "INT32": "i", "INT64": "q",
+    "UINT8": "B", "UINT16": "H", "UINT32": "I", "UINT64": "Q",
+    "FP32": "f", "FP64": "d",
+}  # fmt: skip
+
+
+def decode_raw(datatype: str, text: str) -> list[Any]:
+    """An input's base64 `raw` data (what the host sends: functions/wit/model.wit) as a flat
+    list: numbers, booleans, or for BYTES each element as str (bytes if not UTF-8)."""
+    raw = binascii.a2b_base64(text)
+    if datatype == "BYTES":
+        out: list[Any] = []
+        offset = 0
+        while offset < len(raw):
+            (length,) = struct.unpack_from("<I", raw, offset)
+            element = raw[offset + 4 : offset + 4 + length]
+            offset += 4 + length
+            try:
+                out.append(element.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(element)
+        return out
+    if datatype == "BOOL":
+        return [b != 0 for b in raw]
+    if datatype == "FP16":
+        return list(struct.unpack(f"<{len(raw) // 2}e", raw))
+    return array(_CODES[datatype], raw).tolist()
+
+
+def _data(spec: dict[str, Any]) -> list[Any]:
+    if "raw" in spec:
+        return decode_raw(spec["datatype"], spec["raw"])
+    return flatten(spec["data"])
+
+
 def handle(model: Model, request_json: str) -> str:
     """One KServe v2 request body in, the response body out; errors as ModelError."""
     try:
@@ -120,7 +160,7 @@ def handle(model: Model, request_json: str) -> str:
                 spec["name"],
                 spec["datatype"],
                 list(spec["shape"]),
-                flatten(spec["data"]),
+                _data(spec),
                 spec.get("parameters"),
             )
             for spec in request["inputs"]
@@ -154,6 +194,23 @@ def _example(datatype: str) -> Any:
     return 0.0 if datatype.startswith("FP") else 0
 
 
+def encode_raw(datatype: str, values: list[Any]) -> str:
+    """The inverse of decode_raw (base64 text), for warm-up and tests."""
+    if datatype == "BYTES":
+        parts = []
+        for v in values:
+            data = v.encode() if isinstance(v, str) else bytes(v)
+            parts.append(struct.pack("<I", len(data)) + data)
+        raw = b"".join(parts)
+    elif datatype == "BOOL":
+        raw = bytes(1 if v else 0 for v in values)
+    elif datatype == "FP16":
+        raw = struct.pack(f"<{len(values)}e", *values)
+    else:
+        raw = array(_CODES[datatype], values).tobytes()
+    return binascii.b2a_base64(raw, newline=False).decode("ascii")
+
+
 def warm_up(model: Model, metadata_json: str) -> None:
     """Run one synthetic request while componentize-py pre-initialises the guest at build time.
 
@@ -173,7 +230,8 @@ def warm_up(model: Model, metadata_json: str) -> None:
                 "name": spec["name"],
                 "datatype": spec["datatype"],
                 "shape": shape,
-                "data": [_example(spec["datatype"])] * count,
+                # the host sends raw data: warm the decoder with it too
+                "raw": encode_raw(spec["datatype"], [_example(spec["datatype"])] * count),
             }
         )
     with contextlib.suppress(ModelError):

@@ -4,12 +4,19 @@ callbacks in the order Envoy does and inspect what the filter did to the fake ho
 
 A -lean build (no per-request contexts) serves one configuration per VM, as Envoy runs it with a
 vm_id per configuration: here each `configure` of a lean build loads a fresh copy of the library,
-i.e. a new VM with its own globals."""
+i.e. a new VM with its own globals.
+
+With MESHFN_FUZZ_RECORD=DIR, each plugin configuration's life (its configuration, then every
+header, property, stream and body chunk the test drives) is also written to
+DIR/<filter>/<sha1> in the script format of wasm_filters/fuzz/fuzz_filter.c: the native tests
+seed the filters' fuzz corpora (tests/fuzz/make_seeds.py)."""
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import itertools
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -62,6 +69,24 @@ class FakeHost:
         # no per-request context callbacks: the lean build (one configuration per VM)
         self.lean = "proxy_on_context_create" not in self.exports
         self._configured = False
+        record = os.environ.get("MESHFN_FUZZ_RECORD")
+        filter_name = library.name.removesuffix("_native.so").removesuffix("-lean")
+        self._record_dir = Path(record) / filter_name if record else None
+        self._script: list[bytes] = []
+        self._roots: set[int] = set()
+
+    def _note(self, line: bytes) -> None:
+        if self._record_dir is not None and self._script:
+            self._script.append(line.replace(b"\n", b" "))
+
+    def _flush(self) -> None:
+        if self._record_dir is None or not self._script:
+            return
+        data = b"\n".join(self._script) + b"\n"
+        self._script = []
+        if len(data) <= 16384:
+            self._record_dir.mkdir(parents=True, exist_ok=True)
+            (self._record_dir / hashlib.sha1(data).hexdigest()).write_bytes(data)
 
     def _bind(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -137,8 +162,12 @@ class FakeHost:
         if self.lean and self._configured:
             self.new_vm()
         self._configured = True
+        if self._record_dir is not None:
+            self._flush()
+            self._script = [(config or b"").replace(b"\n", b" ")]
         self.lib.host_reset()
         root = next(_ids)
+        self._roots.add(root)
         if "proxy_on_context_create" in self.exports:
             self.lib.proxy_on_context_create(root, 0)
         self.lib.host_set_config(config, len(config) if config is not None else 0)
@@ -146,10 +175,12 @@ class FakeHost:
         return root, ok
 
     def reconfigure(self, root: int, config: bytes) -> bool:
+        self._note(b"C" + config)
         self.lib.host_set_config(config, len(config))
         return bool(self.lib.proxy_on_configure(root, len(config)))
 
     def delete(self, context: int) -> None:
+        self._note(b"R" if context in self._roots else b"D")
         if "proxy_on_delete" in self.exports:
             self.lib.proxy_on_delete(context)
 
@@ -157,6 +188,7 @@ class FakeHost:
 
     def stream(self, root: int) -> int:
         """A new HTTP context; resets request state (headers, properties, body, filter state)."""
+        self._note(b"Z")
         self.lib.host_reset()
         ctx = next(_ids)
         if "proxy_on_context_create" in self.exports:
@@ -186,15 +218,20 @@ class FakeHost:
         return None
 
     def set_property(self, path: bytes, value: bytes) -> None:
+        self._note(b"P" + path.replace(b"\0", b"|") + b"=" + value.replace(b"\0", b"|"))
         self.lib.host_property(path, len(path), value, len(value))
 
     def request_headers(
         self, ctx: int, headers: list[tuple[bytes, bytes]], eos: bool = True
     ) -> int:
         self.set_headers(REQUEST_HEADERS, headers)
+        for k, v in headers:
+            self._note(b"H" + k + b":" + v)
+        self._note(b"T" if eos else b"S")
         return int(self.lib.proxy_on_request_headers(ctx, len(headers), int(eos)))
 
     def request_body(self, ctx: int, chunk: bytes, eos: bool) -> int:
+        self._note((b"E" if eos else b"B") + chunk)
         self.lib.host_set_body(chunk, len(chunk))
         if "proxy_on_request_body" not in self.exports:
             return CONTINUE
@@ -243,6 +280,7 @@ class FakeHost:
         return int(self.lib.host_foreign_calls())
 
     def fail_set_property(self, on: bool) -> None:
+        self._note(b"F")
         self.lib.host_fail_set_property(int(on))
 
     def live_bytes(self) -> int:

@@ -30,10 +30,26 @@ def cluster(service: ir.Service, name: str | None = None) -> cluster_pb2.Cluster
     mtls = any(e.sidecar_port is not None and e.mtls != "DISABLE" for e in service.endpoints)
     return _cluster(
         name or cluster_name(service.key),
-        service.protocol,
+        codec(service),
         service.connect_timeout,
         service.identity if mtls else "",
         service.traffic,
+    )
+
+
+def codec(service: ir.Service) -> str:
+    """The upstream codec: HTTP/1.1, HTTP/2 (gRPC), or "mixed": an HTTP service whose
+    endpoints also take gRPC (grpcPort) gets each request in the client's own protocol."""
+    if service.protocol == "http" and service.speaks_grpc:
+        return "mixed"
+    return service.protocol
+
+
+def http2_options() -> http_protocol_options_pb2.HttpProtocolOptions:
+    return http_protocol_options_pb2.HttpProtocolOptions(
+        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+        )
     )
 
 
@@ -90,16 +106,19 @@ def _cluster(
         circuit_breakers=_breakers(None),
     )
     if protocol == "grpc":
+        out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(http2_options()))
+    elif protocol == "mixed":
         options = http_protocol_options_pb2.HttpProtocolOptions(
-            explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
-                http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+            use_downstream_protocol_config=http_protocol_options_pb2.HttpProtocolOptions.UseDownstreamHttpConfig(
+                http_protocol_options=protocol_pb2.Http1ProtocolOptions(),
+                http2_protocol_options=protocol_pb2.Http2ProtocolOptions(),
             )
         )
         out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(options))
     if mtls_peer:
         # Endpoints whose sidecar speaks mTLS carry the match metadata (see endpoints.py); the
         # others (a sidecar in DISABLE mode) get plaintext. Istio's auto-mTLS works the same way.
-        out.transport_socket_matches.append(mtls_socket_match(mtls_peer, protocol == "grpc"))
+        out.transport_socket_matches.append(mtls_socket_match(mtls_peer, protocol))
     if traffic is not None:
         _apply_traffic(out, traffic)
     return out

@@ -14,29 +14,17 @@ from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from meshfn import ir
-from meshfn.contracts.plugins import MESH_ROUTE_HEADER, ROUTING_HEADER
+from meshfn.contracts.plugins import (
+    MESH_ROUTE_HEADER,
+    MESH_ROUTE_KEY,
+    ROUTE_METADATA,
+    ROUTING_HEADER,
+)
+from meshfn.ir.routing import precedence
 
 from .. import names
 from ..names import cluster_name, fallback_cluster_name
 from .common import duration, pack
-
-ROUTE_METADATA = "meshfn"
-MESH_ROUTE_KEY = "route"  # filter_metadata[ROUTE_METADATA]: the mesh route, for audit records
-_PATH_RANK = {"exact": 0, "regex": 1, "prefix": 2}
-
-
-def precedence(route: ir.Route, index: int) -> tuple[int, int, int, int, str, int]:
-    """Gateway API-style order, since Envoy takes the first match: exact paths, then regexes,
-    then longer prefixes; then matches with methods; then more header matches; then by name."""
-    match = route.matches[index]
-    return (
-        _PATH_RANK[match.path.kind],
-        -len(match.path.value),
-        0 if match.methods else 1,
-        -len(match.headers),
-        route.key,
-        index,
-    )
 
 
 def _string_match(kind: str, value: str) -> string_pb2.StringMatcher:

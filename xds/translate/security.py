@@ -81,11 +81,17 @@ def _common_tls(peer_spiffe_id: str | None, alpn: tuple[str, ...]) -> tls_pb2.Co
     )
 
 
+# ALPN per upstream codec; with the downstream's protocol ("mixed": HTTP/1.1 and gRPC to one
+# sidecar) none is offered, so each connection pool's protocol decides and the sidecar's codec
+# (AUTO) detects it.
+_ALPN = {"http": ("http/1.1",), "grpc": ("h2",), "mixed": ()}
+
+
 @lru_cache(maxsize=4096)
-def upstream_mtls(peer_spiffe_id: str, http2: bool) -> base_pb2.TransportSocket:
+def upstream_mtls(peer_spiffe_id: str, codec: str) -> base_pb2.TransportSocket:
     """Client side: present our certificate, accept only the expected peer SPIFFE ID."""
     context = tls_pb2.UpstreamTlsContext(
-        common_tls_context=_common_tls(peer_spiffe_id, ("h2",) if http2 else ("http/1.1",))
+        common_tls_context=_common_tls(peer_spiffe_id, _ALPN[codec])
     )
     return base_pb2.TransportSocket(name=TLS_SOCKET, typed_config=pack(context))
 
@@ -111,13 +117,13 @@ def tls_match_metadata() -> base_pb2.Metadata:
     )
 
 
-def mtls_socket_match(peer_spiffe_id: str, http2: bool) -> cluster_pb2.Cluster.TransportSocketMatch:
+def mtls_socket_match(peer_spiffe_id: str, codec: str) -> cluster_pb2.Cluster.TransportSocketMatch:
     return cluster_pb2.Cluster.TransportSocketMatch(
         name="mtls",
         match=struct_pb2.Struct(
             fields={k: struct_pb2.Value(string_value=v) for k, v in TLS_MATCH.items()}
         ),
-        transport_socket=upstream_mtls(peer_spiffe_id, http2),
+        transport_socket=upstream_mtls(peer_spiffe_id, codec),
     )
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import protocol_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
@@ -14,7 +13,7 @@ from envoy.extensions.filters.listener.tls_inspector.v3 import tls_inspector_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
-from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import duration_pb2
 
 from meshfn import ir
@@ -22,7 +21,7 @@ from meshfn import ir
 from .. import names
 from ..names import CLUSTER, INBOUND_LISTENER, LISTENER
 from . import httpfilters
-from .clusters import HTTP_PROTOCOL_OPTIONS
+from .clusters import HTTP_PROTOCOL_OPTIONS, http2_options
 from .common import one_endpoint, pack, socket_address
 from .httpfilters import FilterContext
 from .listeners import HCM
@@ -34,27 +33,42 @@ def local_cluster_name(inbound: ir.Inbound) -> str:
     return names.local_cluster_name(inbound.app_port)
 
 
+def _local_route(name: str, cluster: str, match: rc.RouteMatch) -> rc.Route:
+    # Timeouts and retries belong to the caller's route; the sidecar only forwards to its own
+    # application.
+    return rc.Route(
+        name=name,
+        match=match,
+        route=rc.RouteAction(cluster=cluster, timeout=duration_pb2.Duration(seconds=0)),
+    )
+
+
+def _local_routes(inbound: ir.Inbound) -> list[rc.Route]:
+    """Everything to the application's port; with a gRPC port, gRPC requests there (after
+    the same filter chain: one authentication, authorization and audit for both)."""
+    routes = [_local_route("local", local_cluster_name(inbound), rc.RouteMatch(prefix="/"))]
+    if inbound.grpc_app_port is not None:
+        grpc = rc.RouteMatch(
+            prefix="/",
+            headers=[
+                rc.HeaderMatcher(
+                    name="content-type",
+                    string_match=string_pb2.StringMatcher(prefix="application/grpc"),
+                )
+            ],
+        )
+        routes.insert(
+            0, _local_route("local-grpc", names.local_cluster_name(inbound.grpc_app_port), grpc)
+        )
+    return routes
+
+
 @lru_cache(maxsize=4096)
 def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb2.Listener:
     route_config = route_pb2.RouteConfiguration(
         name=INBOUND_LISTENER,
         virtual_hosts=[
-            rc.VirtualHost(
-                name="inbound",
-                domains=["*"],
-                routes=[
-                    rc.Route(
-                        name="local",
-                        match=rc.RouteMatch(prefix="/"),
-                        # Timeouts and retries belong to the caller's route; the sidecar only
-                        # forwards to its own application.
-                        route=rc.RouteAction(
-                            cluster=local_cluster_name(inbound),
-                            timeout=duration_pb2.Duration(seconds=0),
-                        ),
-                    )
-                ],
-            )
+            rc.VirtualHost(name="inbound", domains=["*"], routes=_local_routes(inbound))
         ],
         request_headers_to_remove=httpfilters.request_headers_to_remove(filters),
     )
@@ -96,22 +110,24 @@ def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb
 
 
 @lru_cache(maxsize=4096)
-def local_cluster(inbound: ir.Inbound) -> cluster_pb2.Cluster:
-    name = local_cluster_name(inbound)
+def local_cluster(address: str, port: int, http2: bool) -> cluster_pb2.Cluster:
+    name = names.local_cluster_name(port)
     cluster = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=duration_pb2.Duration(seconds=1),
-        load_assignment=one_endpoint(name, inbound.address, inbound.app_port),
+        load_assignment=one_endpoint(name, address, port),
     )
-    if inbound.protocol == "grpc":
-        options = http_protocol_options_pb2.HttpProtocolOptions(
-            explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
-                http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
-            )
-        )
-        cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(options)
+    if http2:
+        cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(http2_options())
     return cluster
+
+
+def local_clusters(inbound: ir.Inbound) -> dict[str, cluster_pb2.Cluster]:
+    clusters = [local_cluster(inbound.address, inbound.app_port, inbound.protocol == "grpc")]
+    if inbound.grpc_app_port is not None:
+        clusters.append(local_cluster(inbound.address, inbound.grpc_app_port, True))
+    return {c.name: c for c in clusters}
 
 
 def sidecar_resources(
@@ -121,7 +137,7 @@ def sidecar_resources(
     assert inbound is not None
     out: Resources = {
         LISTENER: {INBOUND_LISTENER: inbound_listener(inbound, filters)},
-        CLUSTER: {local_cluster_name(inbound): local_cluster(inbound)},
+        CLUSTER: local_clusters(inbound),
     }
     merge(out, httpfilters.resources(filters, overlay))
     return out

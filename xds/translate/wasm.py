@@ -26,20 +26,16 @@ from envoy.extensions.wasm.v3 import wasm_pb2
 from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
 
 from meshfn.contracts.plugins import (
-    AUDIT_FILTER_STATE,
-    MESH_ROUTE_HEADER,
     AuditSettings,
     DegradeSettings,
     FilterKind,
     MeshfnSettings,
-    bare_filter_state,
     build_name,
     internal_headers,
     needs_full_build,
     plugin_json,
 )
-
-from .routes import MESH_ROUTE_KEY, ROUTE_METADATA
+from meshfn.ir.plugins import access_log_format, claim_header_pairs
 
 
 def wasm_path(name: FilterKind, lean: bool, directory: Path) -> Path:
@@ -132,83 +128,10 @@ def early_header_mutation(
 
 def jwt_claim_headers(settings: AuditSettings) -> list[jwt_authn_pb2.JwtClaimToHeader]:
     """`claim_to_headers` entries for every jwt_authn provider, in jwt_headers mode."""
-    entries = [jwt_authn_pb2.JwtClaimToHeader(header_name=settings.sub_header, claim_name="sub")]
-    # a bare filter state leaves the tenant to the access log (jwt_authn's metadata)
-    if settings.tenant_claim and not bare_filter_state(settings):
-        entries.append(
-            jwt_authn_pb2.JwtClaimToHeader(
-                header_name=settings.tenant_header, claim_name=settings.tenant_claim
-            )
-        )
-    return entries
-
-
-# One JSON object per line; `record.from_log_line` reads exactly these keys (plus those of
-# `access_log_format(settings)` for a bare filter state).
-ACCESS_LOG_FORMAT: dict[str, str] = {
-    "id": "%REQ(X-REQUEST-ID)%",
-    "time": "%START_TIME(%Y-%m-%dT%H:%M:%S.%6fZ)%",
-    "method": "%REQ(:METHOD)%",
-    "authority": "%REQ(:AUTHORITY)%",
-    "path": "%PATH(NQ)%",  # never the query string: tokens travel there
-    "status": "%RESPONSE_CODE%",
-    "duration_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
-    "duration_ms": "%DURATION%",
-    "upstream_cluster": "%UPSTREAM_CLUSTER%",
-    "route": "%ROUTE_NAME%",
-    "principal": "%DOWNSTREAM_PEER_URI_SAN%",
-    "flags": "%RESPONSE_FLAGS%",
-    "traceparent": "%REQ(TRACEPARENT):128%",
-    "b3_trace_id": "%REQ(X-B3-TRACEID):64%",
-    "audit": f"%FILTER_STATE({AUDIT_FILTER_STATE}:PLAIN)%",
-}
-
-
-AUDIT_STATE_VERSION = "1"
-
-
-def _literal(text: str) -> str:
-    """`text` verbatim in an Envoy format string."""
-    return text.replace("%", "%%")
-
-
-def mesh_route_fields(trusted_gateways: tuple[str, ...] | None) -> dict[str, str]:
-    """How the access log names the mesh route (record.mesh_route reads it). A gateway
-    (`trusted_gateways` None) names it from its own route table; a sidecar copies the gateway's
-    `x-meshfn-route` header and the SPIFFE IDs of the gateways it may believe, and the record
-    names the route only when the request's verified mTLS peer is one of them."""
-    if trusted_gateways is None:
-        return {
-            "mesh_route": f"%METADATA(ROUTE:{ROUTE_METADATA}:{MESH_ROUTE_KEY})%",
-            "mesh_route_by": "proxy",
-        }
-    return {
-        "mesh_route": f"%REQ({MESH_ROUTE_HEADER.upper()}):256%",
-        "mesh_route_from": _literal(" ".join(trusted_gateways)),
-    }
-
-
-def access_log_format(
-    settings: AuditSettings, trusted_gateways: tuple[str, ...] | None = ()
-) -> dict[str, str]:
-    """ACCESS_LOG_FORMAT, and for a bare filter state (`bare_filter_state`) what the filter no
-    longer publishes: the audit record version, salt_id and subject_source (constants of this
-    configuration) and the tenant from jwt_authn's verified payload. The tenant is not capped
-    here: Envoy cuts bytes, and a cut through a UTF-8 character makes its JSON writer escape the
-    whole value byte by byte; record.from_log_line caps it at 128 characters (flagged
-    `truncated`). It uses these fields only when the filter state is present. The mesh route:
-    `mesh_route_fields`."""
-    fields = dict(ACCESS_LOG_FORMAT) | mesh_route_fields(trusted_gateways)
-    if bare_filter_state(settings):
-        fields["audit_v"] = AUDIT_STATE_VERSION
-        fields["salt_id"] = _literal(settings.salt_id)
-        fields["subject_source"] = settings.subject_source
-        if settings.tenant_claim:
-            fields["tenant"] = (
-                "%DYNAMIC_METADATA(envoy.filters.http.jwt_authn:"
-                f"{settings.jwt_metadata_key}:{settings.tenant_claim})%"
-            )
-    return fields
+    return [
+        jwt_authn_pb2.JwtClaimToHeader(header_name=header, claim_name=claim)
+        for header, claim in claim_header_pairs(settings, None)
+    ]
 
 
 def access_log(

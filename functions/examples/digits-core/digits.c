@@ -1,20 +1,20 @@
-/* Digits classifier: logistic regression over 64 pixels (0-16), core ABI v1 (../../core/ABI.md). */
+/* Digits classifier: logistic regression over FEATURES pixels (0-16), core ABI v1
+ * (../../core/ABI.md). weights.h (train.py) sets FEATURES: 64 for 8x8 images, 784 for 28x28. */
 #include "meshfn_core.h"
 #include "meshfn_metadata.h"
 #include "weights.h"
 
-#define FEATURES 64
 #define CLASSES 10
 #define MAX_ROWS 4096
 
 __attribute__((export_name("meshfn_infer"))) i64 meshfn_infer(const char *req, u32 len) {
   const char *end = req + len;
-  const char *data = mf_find(req, end, "\"data\"");
-  if (!data) return mf_error(MF_BAD_REQUEST, "input has no data");
-  double *x = (double *)mf_alloc(sizeof(double) * FEATURES * MAX_ROWS);
+  /* A value takes at least two characters of JSON and more than one of base64. */
+  u32 max = len / 2 + 1 < FEATURES * MAX_ROWS ? len / 2 + 1 : FEATURES * MAX_ROWS;
+  double *x = (double *)mf_alloc(sizeof(double) * max);
   if (!x) return mf_error(MF_OUT_OF_MEMORY, "cannot allocate the input buffer");
-  i32 n = mf_read_numbers(data, end, x, FEATURES * MAX_ROWS);
-  if (n < 0 || n % FEATURES) return mf_error(MF_BAD_REQUEST, "pixels must be rows of 64 numbers (at most 4096 rows)");
+  i32 n = mf_read_f32(req, end, x, max);
+  if (n < 0 || n % FEATURES) return mf_error(MF_BAD_REQUEST, "pixels must be whole rows of the image (at most 4096 rows)");
   u32 rows = (u32)n / FEATURES;
   mf_buf out = mf_buf_new(256 + rows * (CLASSES * 12 + 8));
   mf_put(&out, "{\"outputs\":[{\"name\":\"label\",\"datatype\":\"INT64\",\"shape\":[");

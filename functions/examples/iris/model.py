@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import math
+from operator import mul
 from typing import Any
 
 import meshfn_sdk
 from weights import B1, B2, MEAN, STD, W1, W2
 
+# Weights as tuples, each row beside its bias: the dot products then run in C
+# (sum(map(mul, ...))), about half the time per row of generator expressions in the guest.
+LAYER1 = tuple(zip((tuple(w) for w in W1), B1, strict=True))
+LAYER2 = tuple(zip((tuple(w) for w in W2), B2, strict=True))
+SCALE = tuple(zip(MEAN, STD, strict=True))
+
 
 def classify(row: list[float]) -> tuple[int, list[float]]:
-    x = [(v - m) / s for v, m, s in zip(row, MEAN, STD, strict=True)]
-    hidden = [
-        max(0.0, b + sum(w * v for w, v in zip(ws, x, strict=True)))
-        for ws, b in zip(W1, B1, strict=True)
-    ]
-    logits = [
-        b + sum(w * h for w, h in zip(ws, hidden, strict=True))
-        for ws, b in zip(W2, B2, strict=True)
-    ]
+    x = [(v - m) / s for v, (m, s) in zip(row, SCALE, strict=True)]
+    hidden = [max(0.0, b + sum(map(mul, ws, x))) for ws, b in LAYER1]
+    logits = [b + sum(map(mul, ws, hidden)) for ws, b in LAYER2]
     top = max(logits)
     exp = [math.exp(v - top) for v in logits]
     total = sum(exp)

@@ -54,8 +54,11 @@ class Chaos(meshfn_sdk.Model):
         if mode == "counter":
             STATE["calls"] += 1
             return [meshfn_sdk.Tensor("y", "FP32", [1], [float(STATE["calls"])])]
+        if POISON in x.data:  # data-dependent failure: one bad request inside a batch
+            raise meshfn_sdk.BadRequest(f"chaos rejects {POISON:g} (a poisoned row)")
         return [meshfn_sdk.Tensor("y", "FP32", x.shape, x.data)]
 
 
+POISON = -13.0
 STATE = {"calls": 0}  # per instance: shows whether an instance was reused
 MODEL = Chaos()

@@ -12,7 +12,6 @@ once, not twice (degrade.py builds its configuration).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import lru_cache
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -20,13 +19,12 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 
 from meshfn import ir
-from meshfn.contracts.plugins import AuditSettings, BodyHash, SubjectSalt
+from meshfn.ir.plugins import audit_settings
 
 from ..host import ProxyHost
 from ..wasm import access_log, audit_filter
 from .base import AuditConfig, FilterContext, HttpFilter
 from .degrade import ecds_slot
-from .jwt_authn import JWT_PAYLOAD
 
 
 class Audit(HttpFilter[AuditConfig]):
@@ -50,7 +48,7 @@ def audit_for(model: ir.MeshModel, workload: ir.Workload, host: ProxyHost) -> Au
     if audit is None or not audit.records(workload.kind):
         return None
     return AuditConfig(
-        _audit_settings(audit, host.salt, bool(workload.jwt_rules)),
+        audit_settings(audit, host.salt, bool(workload.jwt_rules)),
         host.journal(workload.node_cluster),
         host.wasm_dir,
         None if workload.kind == "gateway" else gateway_identities(model),
@@ -61,17 +59,4 @@ def gateway_identities(model: ir.MeshModel) -> tuple[str, ...]:
     """The mTLS identities a sidecar believes the mesh-route header from: the gateways'."""
     return tuple(
         sorted({w.identity for w in model.workloads if w.kind == "gateway" and w.identity})
-    )
-
-
-@lru_cache(maxsize=64)
-def _audit_settings(audit: ir.Audit, salt: SubjectSalt, jwt_headers: bool) -> AuditSettings:
-    """jwt_headers mode where jwt_authn runs (the proxy has jwt rules), else jwt_authn mode."""
-    return AuditSettings(
-        subject_salt=salt.hex,
-        salt_id=salt.id,
-        subject_source="jwt_headers" if jwt_headers else "jwt_authn",
-        jwt_metadata_key=JWT_PAYLOAD,
-        tenant_claim=audit.tenant_claim,
-        body_hash=BodyHash(enabled=audit.body_hash, max_bytes=audit.body_hash_max_bytes),
     )

@@ -20,9 +20,9 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 
 from meshfn import ir
-from meshfn.contracts.plugins import DegradeRule, DegradeSettings
+from meshfn.contracts.plugins import DegradeSettings
+from meshfn.ir.plugins import degrade_rules, guarded_routes
 
-from ... import names
 from ...names import EXTENSION
 from ..common import ads_source
 from ..resources import Resources
@@ -61,11 +61,7 @@ def degrade_for(
 ) -> DegradeConfig | None:
     """The listener's degrade filter, if any of its routes (keys in `guarded`) has a drift
     breaker that can send it down a fallback chain."""
-    routes = tuple(
-        (route.key, tuple(names.route_name(route.key, i) for i in range(len(route.matches))))
-        for route in listener.routes
-        if route.key in guarded
-    )
+    routes = guarded_routes(listener, guarded)
     return DegradeConfig(listener.name, routes, drill, wasm_dir) if routes else None
 
 
@@ -87,17 +83,5 @@ def ecds_slot(ctx: FilterContext, config: DegradeConfig) -> hcm.HttpFilter:
 
 
 def degrade_settings(config: DegradeConfig, degraded: frozenset[str]) -> DegradeSettings:
-    """One rule per drift-guarded route: depth 1 (reroute to the route's degraded twin) once the
-    breaker has tripped it, else 0 (pass through). The listener strips the routing header from
-    client requests (internal_headers), so the filter does not look for a spoofed one."""
-    rules = [
-        DegradeRule(
-            name=key,
-            routes=list(route_names),
-            mode="reroute",
-            fallbacks=[key],
-            depth=1 if key in degraded else 0,
-        )
-        for key, route_names in config.routes
-    ]
-    return DegradeSettings(rules=rules, listener_strips_routing_header=True, trigger=config.trigger)
+    """The filter's plugin settings (meshfn.ir.plugins.degrade_rules, shared with Istio)."""
+    return degrade_rules(config.routes, degraded, config.trigger)

@@ -22,8 +22,9 @@ from meshfn.contracts.plugins import (
     DegradeSettings,
     internal_headers,
 )
+from meshfn.ir.plugins import claim_header_pairs
 
-from ..wasm import early_header_mutation, jwt_claim_headers
+from ..wasm import early_header_mutation
 from .base import FilterContext, HttpFilter
 
 
@@ -62,10 +63,5 @@ class InternalHeaders(HttpFilter[Plugins]):
 def claim_headers(ctx: FilterContext) -> tuple[tuple[str, str], ...]:
     """(header, claim) pairs every jwt_authn provider of the listener must write: the audit
     filter's (jwt_headers mode) and, where drills name request principals, iss and sub."""
-    pairs: list[tuple[str, str]] = []
-    if ctx.audit is not None and ctx.audit.settings.subject_source == "jwt_headers":
-        pairs += ((c.header_name, c.claim_name) for c in jwt_claim_headers(ctx.audit.settings))
-    trigger = ctx.degrade.trigger if ctx.degrade is not None else None
-    if trigger is not None and trigger.request_principals:
-        pairs += [(trigger.issuer_header, "iss"), (trigger.subject_header, "sub")]
-    return tuple(dict.fromkeys(pairs))
+    audit = ctx.audit.settings if ctx.audit is not None else None
+    return claim_header_pairs(audit, ctx.degrade.trigger if ctx.degrade is not None else None)

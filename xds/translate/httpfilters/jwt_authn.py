@@ -25,6 +25,7 @@ from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
 from google.protobuf import duration_pb2, empty_pb2
 
 from meshfn import ir
+from meshfn.ir.plugins import JWT_PAYLOAD  # where the verified payload goes: RBAC and audit read it
 
 from ...names import CLUSTER
 from ..common import one_endpoint, pack
@@ -34,7 +35,6 @@ from .base import FilterContext, HttpFilter
 from .internal_headers import claim_headers
 
 JWT_FILTER = "envoy.filters.http.jwt_authn"
-JWT_PAYLOAD = "payload"  # jwt_authn metadata key the RBAC rules read claims from
 SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
 
 
@@ -117,7 +117,10 @@ def _provider(rule: ir.JwtRule, claim_headers: tuple[tuple[str, str], ...] = ())
         ]
         + [jwt.JwtClaimToHeader(header_name=h, claim_name=c) for h, c in claim_headers],
         clock_skew_seconds=rule.clock_skew_seconds,
+        require_expiration=rule.require_expiration,
     )
+    if rule.max_lifetime_seconds is not None:
+        provider.max_lifetime.CopyFrom(duration_pb2.Duration(seconds=rule.max_lifetime_seconds))
     if rule.jwks is not None:
         provider.local_jwks.CopyFrom(base_pb2.DataSource(inline_string=rule.jwks))
     else:

@@ -1,0 +1,1 @@
+../digits-core/digits.c

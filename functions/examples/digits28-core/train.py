@@ -1,0 +1,1 @@
+../digits-core/train.py

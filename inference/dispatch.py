@@ -1,0 +1,200 @@
+"""The one way into a function's guest, shared by the REST and gRPC front ends and by dynamic
+batching: admission (draining, refusals, protocol switches, repository unloads, the concurrency
+limit), deadlines, the worker-thread hand-off, outcome -> status mapping, statistics, metrics.
+
+A front end resolves the function, then calls `Dispatcher.serve` with two callables of its own
+protocol: `parse` (body -> InferRequest, raising KServeError) and `encode` (Completed -> its
+response). Nothing protocol-specific happens here, and nothing here is duplicated there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, Literal, TypeVar
+
+from .batching import Batcher
+from .engine import deadline_ticks
+from .host import Outcome
+from .kserve import InferRequest, KServeError
+from .metrics import Metrics
+from .pool import FunctionRuntime, Invocation, Refused
+from .results import Completed, deadline_error, failure
+from .stats import ModelStats, Timing
+
+log = logging.getLogger("meshfn.inference")
+
+Protocol = Literal["rest", "grpc"]
+T = TypeVar("T")
+
+
+class Lane:
+    """The event-loop side of one served function: its statistics and, with batching, its
+    batch queue. (FunctionRuntime is the worker-thread side: instances and code.)"""
+
+    def __init__(self, dispatcher: Dispatcher, rt: FunctionRuntime) -> None:
+        self.rt = rt
+        # The label children, looked up once: `labels()` costs ~5 us a call, several per request.
+        metrics = dispatcher.metrics
+        self.latency = metrics.latency.labels(rt.label)
+        self.inflight = metrics.inflight.labels(rt.label)
+        self.batch_rows = metrics.batch_size.labels(rt.label)
+        self._requests = metrics.requests
+        self._by_status: dict[int, Any] = {}
+        self.stats = ModelStats()
+        settings = rt.spec.batching
+        self.batcher = Batcher(self, settings, dispatcher.slots) if settings is not None else None
+        self._dispatcher = dispatcher
+
+    async def call(self, text: str, deadline: float | None) -> Invocation:
+        """One guest call on a worker thread, never past `deadline` (monotonic seconds)."""
+        ticks = None
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise deadline_error(self.rt, "before a worker was free")
+            ticks = deadline_ticks(remaining)
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._dispatcher.executor, self.rt.invoke, text, ticks
+            )
+        except Refused as exc:
+            raise KServeError(exc.status, str(exc)) from None
+        except KServeError:
+            raise
+        except Exception as exc:
+            log.exception("invoke failed", extra={"function": self.rt.label})
+            raise KServeError(500, f"function {self.rt.label} could not run: {exc}") from None
+
+    def executed(self, rows: int) -> None:
+        """A guest call of `rows` rows ran (the metric; statistics record it with durations)."""
+        self.batch_rows.observe(rows)
+
+    def answered(self, status: int, seconds: float) -> None:
+        counter = self._by_status.get(status)
+        if counter is None:
+            counter = self._by_status[status] = self._requests.labels(self.rt.label, str(status))
+        counter.inc()
+        self.latency.observe(seconds)
+        self.rt.latencies.append(seconds)  # the status endpoint's recent p50/p99
+
+    async def alone(
+        self, request: InferRequest, timing: Timing, deadline: float | None
+    ) -> Completed:
+        """The request as its own guest call (its execution statistics are recorded once its
+        response is encoded)."""
+        started = time.perf_counter_ns()
+        text = request.guest_json(self.rt.raw_inputs)
+        timing.started = time.perf_counter_ns()
+        timing.compute_input = timing.started - started
+        invocation = await self.call(text, deadline)
+        timing.compute_infer = round(invocation.seconds * 1e9)
+        self.executed(request.rows)
+        if invocation.result.outcome is not Outcome.OK:
+            raise failure(self.rt, invocation.result)
+        return Completed(invocation.result.body)
+
+
+class Dispatcher:
+    def __init__(self, executor: Executor, metrics: Metrics, slots: int) -> None:
+        self.executor = executor
+        self.metrics = metrics
+        self.slots = slots  # guest calls one function may run at once (the worker threads)
+        self.lanes: dict[str, Lane] = {}
+        self.inflight = 0
+        self.draining = False
+        self.drained = asyncio.Event()  # set whenever no request is in flight
+        self.drained.set()
+
+    def lane(self, rt: FunctionRuntime) -> Lane:
+        lane = self.lanes.get(rt.label)
+        if lane is None:
+            lane = self.lanes[rt.label] = Lane(self, rt)
+        return lane
+
+    def admit(self, rt: FunctionRuntime, protocol: Protocol) -> None:
+        if self.draining:
+            raise KServeError(503, "the inference backend is shutting down")
+        if rt.refusal is not None or rt.signature is None:
+            refusal = rt.refusal or Refused(f"function {rt.label} is not verified", 403)
+            raise KServeError(refusal.status, str(refusal))
+        if not getattr(rt.spec.protocols, protocol):
+            raise KServeError(
+                404,
+                f"model {rt.name} is not served over {protocol.upper() if protocol == 'rest' else 'gRPC'} "
+                f"(its Function sets protocols.{protocol}: false)",
+            )
+        if not rt.available:
+            raise KServeError(
+                503, f"model {rt.label} is unloaded (POST /v2/repository/models/{rt.name}/load)"
+            )
+
+    async def serve(
+        self,
+        rt: FunctionRuntime,
+        protocol: Protocol,
+        parse: Callable[[], InferRequest],
+        encode: Callable[[Completed, InferRequest], T],
+    ) -> T:
+        """Admit, parse, run (alone or batched), encode; errors are KServeError."""
+        started = time.perf_counter()
+        status = 500
+        try:
+            self.admit(rt, protocol)
+            request = parse()
+            result = await self._run(rt, request, encode)
+            status = 200
+            return result
+        except KServeError as exc:
+            status = exc.status
+            raise
+        finally:
+            self.lane(rt).answered(status, time.perf_counter() - started)
+
+    async def _run(
+        self,
+        rt: FunctionRuntime,
+        request: InferRequest,
+        encode: Callable[[Completed, InferRequest], T],
+    ) -> T:
+        limit = rt.spec.limits.maxConcurrency
+        if rt.inflight >= limit:
+            raise KServeError(429, f"function {rt.label} is at its concurrency limit ({limit})")
+        lane = self.lane(rt)
+        timing = Timing(time.perf_counter_ns())
+        deadline = None if request.timeout is None else time.monotonic() + request.timeout
+        rt.inflight += 1
+        self.inflight += 1
+        self.drained.clear()
+        lane.inflight.set(rt.inflight)
+        ok = False
+        try:
+            batched = lane.batcher is not None
+            if lane.batcher is not None:
+                completed = await lane.batcher.submit(request, timing, deadline)
+            else:
+                completed = await lane.alone(request, timing, deadline)
+            before = time.perf_counter_ns()
+            result = encode(completed, request)
+            timing.compute_output += time.perf_counter_ns() - before
+            if not batched:
+                lane.stats.execution(
+                    request.rows,
+                    timing.compute_input,
+                    timing.compute_infer,
+                    timing.compute_output,
+                )
+            ok = True
+            return result
+        finally:
+            rt.inflight -= 1
+            self.inflight -= 1
+            if not self.inflight:
+                self.drained.set()
+            rt.last_used = time.monotonic()
+            lane.inflight.set(rt.inflight)
+            lane.stats.request(timing, ok, request.rows if rt.batch_dimension else 1)

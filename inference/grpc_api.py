@@ -1,0 +1,348 @@
+"""KServe v2 gRPC: `inference.GRPCInferenceService` on grpc.aio, beside the REST server.
+
+The messages and the servicer base are the generated stubs tritonclient[grpc] ships
+(`tritonclient.grpc.service_pb2`/`service_pb2_grpc`, package `inference`: KServe's v2 protocol
+plus Triton's repository and statistics extensions). They were chosen over compiling the
+published .proto with grpcio-tools because they are the exact stubs tritonclient's own gRPC
+client is generated from (wire compatibility with the reference client by construction), they
+carry Triton's extension messages, and they need no build step in an editable install and no
+vendored copy of someone else's .proto.
+
+ModelInfer checks a request as strictly as REST does (tensors.py for the data: typed
+`contents` element types and ranges, `raw_input_contents` sizes and BYTES framing, exactly one
+raw entry per input) and runs through the same Dispatcher. Errors are gRPC statuses with the
+KServe message: 400 INVALID_ARGUMENT, 403 PERMISSION_DENIED, 404 NOT_FOUND, 413 (and a message
+over the server's limit, refused by gRPC itself) RESOURCE_EXHAUSTED, 429/503 UNAVAILABLE,
+504 DEADLINE_EXCEEDED, 500 INTERNAL.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from .backend import Backend
+from .kserve import (
+    InferRequest,
+    Input,
+    KServeError,
+    Requested,
+    Signature,
+    bad,
+    check_parameters,
+    request_timeout,
+    select,
+)
+from .pool import FunctionRuntime
+from .results import Completed
+from .tensors import TensorError, check_raw, dtype, element_count, pack
+
+log = logging.getLogger("meshfn.inference")
+
+SERVICE = "inference.GRPCInferenceService"
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    405: grpc.StatusCode.UNIMPLEMENTED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+# Typed contents field per datatype (FP16 has none: raw_input_contents only).
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+_ALL_CONTENTS = tuple(sorted(set(_CONTENTS.values())))
+
+
+def status_code(status: int) -> grpc.StatusCode:
+    return _CODES.get(status, grpc.StatusCode.INTERNAL)
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def from_parameters(params: Mapping[str, pb.InferParameter], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        choice = value.WhichOneof("parameter_choice")
+        if choice is None:
+            raise bad(f"{where}: parameter {key!r} has no value")
+        out[key] = getattr(value, choice)
+    check_parameters(out, where)
+    binary = [k for k in out if k.startswith("binary_data")]
+    if binary:
+        raise bad(
+            f"{where}: binary tensor parameter(s) {', '.join(binary)} are REST's; gRPC carries "
+            "raw data in raw_input_contents"
+        )
+    return out
+
+
+def set_parameters(target: Any, params: Mapping[str, Any] | None) -> None:
+    for key, value in (params or {}).items():
+        entry = target[key]
+        if isinstance(value, bool):
+            entry.bool_param = value
+        elif isinstance(value, int):
+            if value >= 1 << 63:
+                entry.uint64_param = value
+            else:
+                entry.int64_param = value
+        elif isinstance(value, float):
+            entry.double_param = value
+        else:
+            entry.string_param = str(value)
+
+
+# ---------------------------------------------------------------- ModelInfer
+
+
+def parse_infer(message: pb.ModelInferRequest, signature: Signature) -> InferRequest:
+    params = from_parameters(message.parameters, "request")
+    timeout = request_timeout(params)
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(message.inputs):
+        raise bad(
+            f"{len(raw)} raw_input_contents for {len(message.inputs)} inputs (one per input, "
+            "in input order)"
+        )
+    if not message.inputs:
+        raise bad("'inputs' must be a non-empty list")
+    seen: set[str] = set()
+    inputs = []
+    for i, tensor in enumerate(message.inputs):
+        sig = signature.input_named(tensor.name, seen)
+        name, where = sig.name, f"input {sig.name!r}"
+        if tensor.datatype != sig.datatype:
+            raise bad(f"{where}: datatype {tensor.datatype!r}, expected {sig.datatype}")
+        shape = signature.check_shape(name, list(tensor.shape))
+        tparams = from_parameters(tensor.parameters, where)
+        dt, count = dtype(sig.datatype), element_count(shape)
+        given = [f for f in _ALL_CONTENTS if len(getattr(tensor.contents, f))]
+        try:
+            if raw:
+                if given:
+                    raise bad(f"{where}: contents given beside raw_input_contents")
+                data = raw[i]
+                check_raw(data, dt, count)
+            else:
+                data = _typed_contents(tensor.contents, given, dt.name, count)
+        except TensorError as exc:
+            raise bad(f"{where}: {exc}") from None
+        inputs.append(Input(name, dt, shape, data, tparams))
+    signature.check_complete(seen)
+    outputs = None
+    if message.outputs:
+        outputs = [
+            Requested(o.name, None, from_parameters(o.parameters, f"output {o.name!r}"))
+            for o in message.outputs
+        ]
+        signature.check_outputs([o.name for o in outputs])
+    return InferRequest(message.id or None, inputs, params, outputs, False, timeout)
+
+
+def _typed_contents(
+    contents: pb.InferTensorContents, given: list[str], datatype: str, count: int
+) -> bytes:
+    field = _CONTENTS.get(datatype)
+    if field is None:
+        raise TensorError(f"{datatype} data must come in raw_input_contents")
+    wrong = [f for f in given if f != field]
+    if wrong:
+        raise TensorError(f"contents.{wrong[0]} given for {datatype} (use contents.{field})")
+    values = list(getattr(contents, field))
+    if len(values) != count:
+        raise TensorError(f"{len(values)} elements for {count} expected by the shape")
+    dt = dtype(datatype)
+    if dt.kind == "int" and dt.size < 4:  # carried in 32-bit fields: check the narrow range
+        low, high = dt.low, dt.high
+        for v in values:
+            if not low <= v <= high:
+                raise TensorError(f"{v} is out of range for {datatype}")
+    return pack(values, dt)
+
+
+def encode_infer(
+    completed: Completed, request: InferRequest, rt: FunctionRuntime
+) -> pb.ModelInferResponse:
+    outputs, params = completed.parsed(rt.label)
+    response = pb.ModelInferResponse(
+        model_name=rt.name, model_version=rt.version, id=request.id or ""
+    )
+    set_parameters(response.parameters, params)
+    for out in select(outputs, request.outputs, rt.label):
+        tensor = response.outputs.add(name=out.name, datatype=out.datatype, shape=out.shape)
+        set_parameters(tensor.parameters, out.parameters)
+        response.raw_output_contents.append(out.raw())
+    return response
+
+
+# ---------------------------------------------------------------- the service
+
+
+class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    async def _fail(self, context: grpc.aio.ServicerContext[Any, Any], exc: KServeError) -> None:
+        await context.abort(status_code(exc.status), exc.message)
+
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: Any
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: Any
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.backend.ready)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: Any
+    ) -> pb.ServerMetadataResponse:
+        return json_format.ParseDict(self.backend.server_metadata(), pb.ServerMetadataResponse())
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: Any
+    ) -> pb.ModelReadyResponse:
+        try:
+            rt = self.backend.lookup(request.name, request.version or None)
+        except KServeError as exc:
+            await self._fail(context, exc)
+            raise
+        return pb.ModelReadyResponse(ready=self.backend.is_ready(rt))
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: Any
+    ) -> pb.ModelMetadataResponse:
+        try:
+            meta = self.backend.model_metadata(request.name, request.version or None)
+        except KServeError as exc:
+            await self._fail(context, exc)
+            raise
+        return json_format.ParseDict(meta, pb.ModelMetadataResponse())
+
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: Any
+    ) -> pb.ModelInferResponse:
+        backend = self.backend
+        try:
+            rt = backend.lookup(request.model_name, request.model_version or None)
+
+            def parse() -> InferRequest:
+                limit = rt.spec.limits.maxRequestBytes
+                if request.ByteSize() > limit:
+                    raise KServeError(413, f"request message exceeds {limit} bytes for {rt.label}")
+                assert rt.signature is not None
+                parsed = parse_infer(request, rt.signature)
+                remaining = context.time_remaining()
+                if remaining is not None:
+                    parsed.timeout = (
+                        remaining if parsed.timeout is None else min(parsed.timeout, remaining)
+                    )
+                return parsed
+
+            def encode(completed: Completed, parsed: InferRequest) -> pb.ModelInferResponse:
+                return encode_infer(completed, parsed, rt)
+
+            return await backend.dispatcher.serve(rt, "grpc", parse, encode)
+        except KServeError as exc:
+            await self._fail(context, exc)
+            raise
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Any
+    ) -> pb.ModelStatisticsResponse:
+        try:
+            stats = self.backend.statistics(request.name or None, request.version or None)
+        except KServeError as exc:
+            await self._fail(context, exc)
+            raise
+        return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Any
+    ) -> pb.RepositoryIndexResponse:
+        index = self.backend.repository_index(request.ready)
+        return json_format.ParseDict({"models": index}, pb.RepositoryIndexResponse())
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Any
+    ) -> pb.RepositoryModelLoadResponse:
+        await self._repository(self.backend.load, request, context)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Any
+    ) -> pb.RepositoryModelUnloadResponse:
+        await self._repository(self.backend.unload, request, context)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def _repository(self, action: Any, request: Any, context: Any) -> None:
+        try:
+            params = _repository_parameters(request.parameters.items())
+            await action(request.model_name, None, params)
+        except KServeError as exc:
+            await self._fail(context, exc)
+            raise
+
+
+def _repository_parameters(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for key, value in items:
+        choice = value.WhichOneof("parameter_choice")
+        out[key] = getattr(value, choice) if choice else None
+    return out
+
+
+class GrpcServer:
+    """grpc.aio server for the Service; the message limit is the largest maxRequestBytes (each
+    function's own limit is checked again per request)."""
+
+    def __init__(self, backend: Backend) -> None:
+        limits = [f.limits.maxRequestBytes for f in backend.config.functions or []]
+        self.max_message = max([1 << 20, *limits])
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.max_message),
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Service(backend), self.server)
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
+        if not self.port:
+            raise OSError(f"cannot listen for gRPC on {address}")
+        await self.server.start()
+        return self.port
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace)

@@ -1,0 +1,90 @@
+"""`GET /meshfn/functions`: the backend's own view of the functions it serves, as JSON.
+
+The control plane's console reads it from each backend it started (on loopback, beside the
+KServe routes) instead of reaching into the backend: the backend talks to the control plane only
+through Envoy-facing protocols and this status endpoint (ARCHITECTURE.md). Read-only; it names
+no file paths, keys or request data.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .pool import FunctionRuntime
+
+STATUS_PATH = "/meshfn/functions"
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def _state(rt: FunctionRuntime) -> str:
+    """refused | unloaded (scaled to zero, code dropped) | dormant (code kept) | loaded."""
+    if rt.refusal is not None:
+        return "refused"
+    if not rt.loaded:
+        return "unloaded"
+    return "dormant" if rt.dormant else "loaded"
+
+
+def function_status(rt: FunctionRuntime) -> dict[str, Any]:
+    recent = sorted(rt.latencies)
+    verified = rt.verified
+    spec = rt.spec
+    return {
+        "name": rt.name,
+        "version": rt.version,
+        "kind": verified.kind if verified is not None else None,
+        "state": _state(rt),
+        "signature": {
+            "verified": verified is not None,
+            "key_id": verified.key_id if verified is not None else None,
+            "error": str(rt.refusal) if rt.refusal is not None else None,
+        },
+        "isolation": spec.isolation,
+        "pool": {
+            "min_idle": spec.pool.minIdle,
+            "max_idle": spec.pool.maxIdle,
+            "idle": rt.idle_instances,
+        },
+        "inflight": rt.inflight,
+        "max_concurrency": spec.limits.maxConcurrency,
+        "cold_starts": rt.cold_starts,
+        "recent_requests": len(recent),
+        "p50_ms": _ms(_quantile(recent, 0.5)),
+        "p99_ms": _ms(_quantile(recent, 0.99)),
+        "memory_limit_bytes": rt.memory_bytes,
+        # Instances alive now (warm pool + running), each capped at memory_limit_bytes.
+        "instances": rt.idle_instances + rt.inflight,
+    }
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def functions_document(backend: Backend) -> dict[str, Any]:
+    return {
+        "ready": backend.ready,
+        "rss_bytes": _rss_bytes(),
+        "functions": [
+            function_status(rt)
+            for name in sorted(backend.functions)
+            for _, rt in sorted(backend.functions[name].items())
+        ],
+    }

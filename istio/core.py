@@ -1,0 +1,138 @@
+"""What the per-kind renderers share: the render context, objects, their origins, warnings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshfn import ir
+
+from .options import RenderOptions
+
+Obj = dict[str, Any]
+Loc = tuple[str | int, ...]
+
+MANAGED_BY = {"app.kubernetes.io/managed-by": "meshfn"}
+
+
+@dataclass(frozen=True, order=True)
+class Source:
+    """The meshfn object something came from: its policy kind, namespace ("" for the Mesh) and
+    name. The CLI maps it (with a field path) to file:line through the loader's Provenance."""
+
+    kind: str
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.kind} {self.namespace}/{self.name}"
+            if self.namespace
+            else f"{self.kind} {self.name}"
+        )
+
+
+@dataclass(frozen=True, order=True)
+class RenderWarning:
+    """A part of a policy Istio cannot express (or can only approximate): `code` names the
+    case (README "meshfn on Istio"), `path` is the policy field."""
+
+    code: str
+    source: Source
+    path: Loc
+    message: str
+
+
+ObjectId = tuple[str, str, str]  # (kind, namespace, name)
+
+
+def object_id(obj: Obj) -> ObjectId:
+    meta = obj["metadata"]
+    return (obj["kind"], meta.get("namespace", ""), meta["name"])
+
+
+@dataclass
+class Context:
+    """One render: the inputs, and what the kind renderers produce (objects, warnings, and which
+    meshfn objects each Istio object came from)."""
+
+    model: ir.MeshModel
+    options: RenderOptions
+    digests: Mapping[str, str]  # build name (contracts.plugins.BUILDS) -> module sha256
+    overlay: ir.Overlay
+    objects: dict[ObjectId, Obj] = field(default_factory=dict)
+    origins: dict[ObjectId, set[Source]] = field(default_factory=dict)
+    warnings: set[RenderWarning] = field(default_factory=set)
+
+    def emit(self, obj: Obj, *sources: Source) -> Obj:
+        key = object_id(obj)
+        if key in self.objects and self.objects[key] != obj:
+            raise AssertionError(f"two different {key[0]} {key[1]}/{key[2]} rendered")
+        self.objects[key] = obj
+        self.origins.setdefault(key, set()).update(sources)
+        return obj
+
+    def warn(self, code: str, source: Source, path: Loc, message: str) -> None:
+        self.warnings.add(RenderWarning(code, source, path, message))
+
+
+def meta(name: str, namespace: str) -> Obj:
+    return {"name": name, "namespace": namespace, "labels": dict(MANAGED_BY)}
+
+
+def resource(api_version: str, kind: str, name: str, namespace: str, spec: Obj) -> Obj:
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": meta(name, namespace),
+        "spec": spec,
+    }
+
+
+def selector(options: RenderOptions, workload: str) -> Obj:
+    return {"matchLabels": options.labels(workload)}
+
+
+def seconds(value: Any) -> str:
+    """A protobuf Duration string ("1.5s") from a timedelta."""
+    total = value.total_seconds()
+    text = f"{total:.9f}".rstrip("0").rstrip(".")
+    return f"{text or '0'}s"
+
+
+def service_source(service: ir.Service) -> Source:
+    return Source("Service", service.namespace, service.name)
+
+
+def route_source(model: ir.MeshModel, route: ir.Route) -> Source:
+    """A Function's routes are named function-<name> (policy.compile.function_route)."""
+    name = route.name.removeprefix("function-")
+    if route.name != name and any(
+        f.namespace == route.namespace and f.name == name for f in model.functions
+    ):
+        return Source("Function", route.namespace, name)
+    return Source("Route", route.namespace, route.name)
+
+
+def fallback_source(service: ir.Service) -> Source:
+    assert service.traffic is not None
+    return Source("FallbackPolicy", service.namespace, service.traffic.policy)
+
+
+def mesh_source(model: ir.MeshModel) -> Source:
+    return Source("Mesh", "", model.name)
+
+
+def gateways(model: ir.MeshModel) -> list[ir.Workload]:
+    return [w for w in model.workloads if w.kind == "gateway"]
+
+
+def sidecar_services(model: ir.MeshModel) -> list[ir.Service]:
+    """Services whose endpoints have sidecars (pods with istio-proxy, or VMs with it)."""
+    return [s for s in model.services if any(e.sidecar_port for e in s.endpoints)]
+
+
+def account(identity: str) -> str:
+    """The service account of a SPIFFE ID (spiffe://td/ns/<ns>/sa/<account>)."""
+    return identity.rsplit("/sa/", 1)[1]

@@ -1,0 +1,333 @@
+"""EnvoyFilter, only where Istio has no first-class API. Every patch names its context and match;
+every EnvoyFilter has a non-zero priority (Istio's analyzer warns on relative operations
+without one). Patch values are Envoy protobuf JSON (typed_config with its @type); the tests parse
+each with xds-protos' json_format and run the smallest Envoy config holding it.
+
+On a gateway:
+- the fallback chain as an aggregate cluster of istiod's clusters (primary, then the chain up to
+  maxFallbackDepth), and each route of the service pointed at it (with the chain as route
+  metadata for the 503 body);
+- a drift-guarded route whose chain tail has several services: its degraded twin (weighted
+  between the primary's probe share and the tail's aggregate), inserted before the route;
+- on the HTTP connection manager: the JSON 503 when no upstream is healthy, and the early header
+  mutation that removes the routing and claim headers from client requests before Envoy picks a
+  route (clients can never pick the degraded twin);
+- the claim headers removed before requests go upstream.
+On sidecars that audit from claim headers, the same early removal and upstream removal.
+"""
+
+from __future__ import annotations
+
+from meshfn import ir
+from meshfn.contracts.plugins import ROUTE_METADATA, ROUTING_HEADER
+from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
+
+from .core import Context, Obj, Source, gateways, resource, seconds, sidecar_services
+from .plugins import plugins_of, stripped_headers
+from .traffic import ENVOY_ROUTE_TIMEOUT, degraded_twin_in_vs, istio_cluster
+
+NETWORKING = "networking.istio.io/v1alpha3"
+PRIORITY = 10  # after EnvoyFilters at the default 0 that replace what we merge into
+HCM = "envoy.filters.network.http_connection_manager"
+HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+AGGREGATE_TYPE = "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig"
+HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
+PREVIOUS_HOSTS_TYPE = (
+    "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+)
+UNLIMITED = 0xFFFFFFFF
+
+
+def no_upstream_reply() -> Obj:
+    """The translator's JSON 503: which route and which fallback chain ran out."""
+    return {
+        "mappers": [
+            {
+                "filter": {"response_flag_filter": {"flags": ["UH", "UF", "URX"]}},
+                "status_code": 503,
+                "body_format_override": {
+                    "json_format": {
+                        "error": "no healthy upstream",
+                        "route": "%ROUTE_NAME%",
+                        "exhausted_chain": "%METADATA(ROUTE:meshfn:chain)%",
+                        "response_flags": "%RESPONSE_FLAGS%",
+                    },
+                    "content_type": "application/json",
+                },
+            }
+        ]
+    }
+
+
+def early_header_mutation(names: list[str]) -> Obj:
+    return {
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": {
+            "@type": HEADER_MUTATION_TYPE,
+            "mutations": [{"remove": name} for name in names],
+        },
+    }
+
+
+def aggregate_cluster(members: list[str], breakers: ir.CircuitBreakers | None) -> Obj:
+    """Routes target the aggregate, so the service's retry limits live here (translator)."""
+    thresholds: Obj = {"priority": "DEFAULT"}
+    if breakers is not None:
+        for key, value in (
+            ("max_connections", breakers.max_connections),
+            ("max_pending_requests", breakers.max_pending_requests),
+            ("max_requests", breakers.max_requests),
+        ):
+            if value is not None:
+                thresholds[key] = value
+        if breakers.retry_budget_percent is not None:
+            budget: Obj = {"budget_percent": {"value": breakers.retry_budget_percent}}
+            if breakers.retry_budget_min_concurrency is not None:
+                budget["min_retry_concurrency"] = breakers.retry_budget_min_concurrency
+            thresholds["retry_budget"] = budget
+    max_retries = breakers.max_retries if breakers and breakers.max_retries is not None else None
+    thresholds["max_retries"] = UNLIMITED if max_retries is None else max_retries
+    return {
+        "name": fallback_cluster_name(tuple(members)),
+        "connect_timeout": "1s",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "cluster_type": {
+            "name": "envoy.clusters.aggregate",
+            "typed_config": {"@type": AGGREGATE_TYPE, "clusters": members},
+        },
+        "circuit_breakers": {"thresholds": [thresholds]},
+    }
+
+
+def _chain_names(model: ir.MeshModel, service: ir.Service) -> str:
+    """The chain as the translator's 503 body names it (meshfn cluster names)."""
+    return " > ".join(
+        f"{s.split('/')[1]}.{s.split('/')[0]}" for s in (service.key, *service.fallback)
+    )
+
+
+def _route_match(name: str) -> Obj:
+    return {"context": "GATEWAY", "routeConfiguration": {"vhost": {"route": {"name": name}}}}
+
+
+def _envoy_match(match: ir.RouteMatch) -> Obj:
+    """An Envoy RouteMatch (the translator's), for the routes meshfn inserts itself."""
+    out: Obj = {
+        {"exact": "path", "prefix": "prefix", "regex": "safe_regex"}[match.path.kind]: (
+            {"regex": match.path.value} if match.path.kind == "regex" else match.path.value
+        )
+    }
+    headers = []
+    for h in match.headers:
+        header: Obj = {"name": h.name}
+        if h.kind == "present":
+            header["present_match"] = True
+        elif h.kind == "regex":
+            header["string_match"] = {"safe_regex": {"regex": h.value}}
+        else:
+            header["string_match"] = {h.kind: h.value}
+        if h.invert:
+            header["invert_match"] = True
+        headers.append(header)
+    if match.methods:
+        methods = match.methods
+        value = (
+            {"exact": methods[0]}
+            if len(methods) == 1
+            else {"safe_regex": {"regex": "|".join(methods)}}
+        )
+        headers.append({"name": ":method", "string_match": value})
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+def degraded_twin(ctx: Context, route: ir.Route, index: int, tail_cluster: str) -> Obj:
+    """The twin the VirtualService cannot hold: weighted between the primary (probe share) and
+    the aggregate of the chain's tail. Retries as the translator's (skip the failed host)."""
+    service = ctx.model.service(route.service)
+    assert service.drift is not None
+    match = _envoy_match(route.matches[index])
+    match.setdefault("headers", []).append(
+        {"name": ROUTING_HEADER, "string_match": {"exact": route.key}}
+    )
+    action: Obj = {
+        "weighted_clusters": {
+            "clusters": [
+                {"name": istio_cluster(ctx, service), "weight": service.drift.probe_percent},
+                {"name": tail_cluster, "weight": 100 - service.drift.probe_percent},
+            ]
+        },
+        "timeout": seconds(route.timeout) if route.timeout is not None else ENVOY_ROUTE_TIMEOUT,
+    }
+    if route.retries is not None:
+        retry: Obj = {
+            "retry_on": ",".join(route.retries.retry_on),
+            "num_retries": route.retries.attempts,
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {"@type": PREVIOUS_HOSTS_TYPE},
+                }
+            ],
+            "host_selection_retry_max_attempts": 3,
+        }
+        if route.retries.per_try_timeout is not None:
+            retry["per_try_timeout"] = seconds(route.retries.per_try_timeout)
+        action["retry_policy"] = retry
+    return {
+        "name": degraded_route_name(route.key, index),
+        "match": match,
+        "route": action,
+        "metadata": {
+            "filter_metadata": {ROUTE_METADATA: {"chain": _chain_names(ctx.model, service)}}
+        },
+    }
+
+
+def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
+    model = ctx.model
+    patches: list[Obj] = []
+    sources = {Source("Gateway", gw.namespace, gw.name)}
+    clusters: dict[str, Obj] = {}
+    routes: dict[str, tuple[ir.Route, ir.Service]] = {}
+    for listener in gw.listeners:
+        for route in listener.routes:
+            service = model.service(route.service)
+            if service.fallback:
+                routes[route.key] = (route, service)
+    for key in sorted(routes):
+        route, service = routes[key]
+        assert service.traffic is not None
+        sources.add(Source("FallbackPolicy", service.namespace, service.traffic.policy))
+        members = [istio_cluster(ctx, model.service(k)) for k in (service.key, *service.fallback)]
+        breakers = service.traffic.breakers
+        chain = aggregate_cluster(members, breakers)
+        clusters[chain["name"]] = chain
+        tail_cluster = None
+        if service.drift is not None and not degraded_twin_in_vs(service):
+            tail = aggregate_cluster(members[1:], None)
+            clusters[tail["name"]] = tail
+            tail_cluster = tail["name"]
+        metadata = {"filter_metadata": {ROUTE_METADATA: {"chain": _chain_names(model, service)}}}
+        for index in range(len(route.matches)):
+            name = route_name(route.key, index)
+            patches.append(
+                {
+                    "applyTo": "HTTP_ROUTE",
+                    "match": _route_match(name),
+                    "patch": {
+                        "operation": "MERGE",
+                        "value": {"route": {"cluster": chain["name"]}, "metadata": metadata},
+                    },
+                }
+            )
+            if tail_cluster is not None:
+                patches.append(
+                    {
+                        "applyTo": "HTTP_ROUTE",
+                        "match": _route_match(name),
+                        "patch": {
+                            "operation": "INSERT_BEFORE",
+                            "value": degraded_twin(ctx, route, index, tail_cluster),
+                        },
+                    }
+                )
+            elif service.drift is not None:
+                # the VirtualService's twin: the chain's metadata for its 503 body
+                patches.append(
+                    {
+                        "applyTo": "HTTP_ROUTE",
+                        "match": _route_match(degraded_route_name(route.key, index)),
+                        "patch": {"operation": "MERGE", "value": {"metadata": metadata}},
+                    }
+                )
+    cluster_patches = [
+        {
+            "applyTo": "CLUSTER",
+            "match": {"context": "GATEWAY"},
+            "patch": {"operation": "ADD", "value": clusters[name]},
+        }
+        for name in sorted(clusters)
+    ]
+    manager: Obj = {"@type": HCM_TYPE, "local_reply_config": no_upstream_reply()}
+    stripped = stripped_headers(ctx, gw)
+    if stripped:
+        manager["early_header_mutation_extensions"] = [early_header_mutation(stripped)]
+    hcm_patch = {
+        "applyTo": "NETWORK_FILTER",
+        "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM}}}},
+        "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": manager}},
+    }
+    upstream = [n for n in stripped if n != ROUTING_HEADER]
+    tail_patches = []
+    if upstream:
+        tail_patches.append(
+            {
+                "applyTo": "ROUTE_CONFIGURATION",
+                "match": {"context": "GATEWAY"},
+                "patch": {"operation": "MERGE", "value": {"request_headers_to_remove": upstream}},
+            }
+        )
+    return [*cluster_patches, hcm_patch, *patches, *tail_patches], sources
+
+
+def envoy_filters(ctx: Context) -> None:
+    for gw in gateways(ctx.model):
+        patches, sources = _gateway_patches(ctx, gw)
+        spec = {
+            "workloadSelector": {"labels": ctx.options.labels(gw.name)},
+            "priority": PRIORITY,
+            "configPatches": patches,
+        }
+        ctx.emit(
+            resource(NETWORKING, "EnvoyFilter", f"meshfn-{gw.name}", gw.namespace, spec),
+            *sorted(sources),
+        )
+    for service in sidecar_services(ctx.model):
+        sidecar = next(
+            w for w in ctx.model.workloads if w.inbound and w.inbound.service == service.key
+        )
+        if not plugins_of(ctx, sidecar):
+            continue
+        stripped = stripped_headers(ctx, sidecar)
+        if not stripped:
+            continue
+        spec = {
+            "workloadSelector": {"labels": ctx.options.labels(service.name)},
+            "priority": PRIORITY,
+            "configPatches": [
+                {
+                    "applyTo": "NETWORK_FILTER",
+                    "match": {
+                        "context": "SIDECAR_INBOUND",
+                        "listener": {"filterChain": {"filter": {"name": HCM}}},
+                    },
+                    "patch": {
+                        "operation": "MERGE",
+                        "value": {
+                            "name": HCM,
+                            "typed_config": {
+                                "@type": HCM_TYPE,
+                                "early_header_mutation_extensions": [
+                                    early_header_mutation(stripped)
+                                ],
+                            },
+                        },
+                    },
+                },
+                {
+                    "applyTo": "ROUTE_CONFIGURATION",
+                    "match": {"context": "SIDECAR_INBOUND"},
+                    "patch": {
+                        "operation": "MERGE",
+                        "value": {"request_headers_to_remove": stripped},
+                    },
+                },
+            ],
+        }
+        ctx.emit(
+            resource(NETWORKING, "EnvoyFilter", f"meshfn-{service.name}", service.namespace, spec),
+            Source("Mesh", "", ctx.model.name),
+            Source("Service", service.namespace, service.name),
+        )

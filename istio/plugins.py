@@ -1,0 +1,100 @@
+"""Which of meshfn's filters each Istio workload runs, with the settings from meshfn.ir.plugins
+(the builders the xDS translator uses: the same JSON either way)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshfn import ir
+from meshfn.contracts.plugins import (
+    AuditSettings,
+    DegradeSettings,
+    FilterKind,
+    MeshfnSettings,
+    internal_headers,
+)
+from meshfn.ir.plugins import audit_settings, claim_header_pairs, degrade_settings, drill_trigger
+
+from .core import Context
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """One WasmPlugin: `listener` names the gateway listener it serves (None: a sidecar)."""
+
+    kind: FilterKind
+    settings: AuditSettings | DegradeSettings | MeshfnSettings
+    listener: ir.Listener | None = None
+
+    @property
+    def audit(self) -> AuditSettings | None:
+        if isinstance(self.settings, AuditSettings):
+            return self.settings
+        return self.settings.audit if isinstance(self.settings, MeshfnSettings) else None
+
+    @property
+    def degrade(self) -> DegradeSettings | None:
+        if isinstance(self.settings, DegradeSettings):
+            return self.settings
+        return self.settings.degrade if isinstance(self.settings, MeshfnSettings) else None
+
+
+def audit_for(ctx: Context, workload: ir.Workload) -> AuditSettings | None:
+    audit = ctx.model.audit
+    if audit is None or not audit.records(workload.kind):
+        return None
+    return audit_settings(audit, ctx.options.salt, bool(workload.jwt_rules))
+
+
+def guarded(model: ir.MeshModel, listener: ir.Listener) -> frozenset[str]:
+    """Routes of the listener a drift breaker may send down their chain."""
+    return frozenset(
+        r.key
+        for r in listener.routes
+        if model.service(r.service).drift is not None and model.service(r.service).fallback
+    )
+
+
+def plugins_of(ctx: Context, workload: ir.Workload) -> list[Plugin]:
+    """As the translator: per gateway listener the degrade filter where routes are guarded (both
+    in ONE plugin with audit), else audit; a sidecar audits or runs nothing."""
+    audit = audit_for(ctx, workload)
+    if workload.kind == "sidecar":
+        return [Plugin("audit", audit)] if audit is not None else []
+    out = []
+    for listener in workload.listeners:
+        routes = guarded(ctx.model, listener)
+        if routes:
+            degrade = degrade_settings(
+                listener, routes, ctx.overlay.degraded_routes, ctx.model.drill
+            )
+            if audit is not None:
+                out.append(Plugin("meshfn", MeshfnSettings(audit=audit, degrade=degrade), listener))
+            else:
+                out.append(Plugin("degrade", degrade, listener))
+        elif audit is not None:
+            out.append(Plugin("audit", audit, listener))
+    return out
+
+
+def claim_headers_for(ctx: Context, workload: ir.Workload) -> dict[str, str]:
+    """header -> claim pairs jwt_authn must write on this workload. Beyond the translator's
+    pairs, the audit tenant always travels in a header here: Istio stores jwt_authn's payload
+    under the issuer's name, which the access log cannot address (an issuer URL has ':')."""
+    out: dict[str, str] = {}
+    for plugin in plugins_of(ctx, workload):
+        audit = plugin.audit
+        trigger = drill_trigger(ctx.model.drill) if plugin.degrade is not None else None
+        out.update(claim_header_pairs(audit, trigger))
+        if audit is not None and audit.subject_source == "jwt_headers" and audit.tenant_claim:
+            out[audit.tenant_header] = audit.tenant_claim
+    return out
+
+
+def stripped_headers(ctx: Context, workload: ir.Workload) -> list[str]:
+    """Headers only Envoy may set on this workload (removed from client requests before any
+    route is picked or filter runs): the routing header, the claim headers."""
+    names: list[str] = []
+    for plugin in plugins_of(ctx, workload):
+        names += internal_headers(plugin.degrade, plugin.audit)
+    return sorted(set(names))

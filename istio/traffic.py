@@ -1,0 +1,308 @@
+"""DestinationRule, ServiceEntry + WorkloadEntry, Gateway, VirtualService.
+
+Where Istio's defaults differ from meshfn's, the value is written out: connect timeout (meshfn
+1s, Istio 10s), route timeout (meshfn/Envoy 15s, Istio none), retries (meshfn none unless asked,
+Istio 2), locality preference (meshfn only with `locality`, Istio whenever outlier detection is
+on). Routes of one gateway listener and host go into ONE VirtualService in meshfn's precedence
+order: Istio orders routes within an object, not across objects.
+"""
+
+from __future__ import annotations
+
+from ipaddress import ip_address
+
+from meshfn import ir
+from meshfn.contracts.plugins import ROUTING_HEADER
+from meshfn.ir.routing import precedence
+from meshfn.xds.names import degraded_route_name, route_name
+
+from .core import (
+    Context,
+    Obj,
+    Source,
+    account,
+    fallback_source,
+    gateways,
+    resource,
+    route_source,
+    seconds,
+    service_source,
+)
+from .plugins import guarded
+
+NETWORKING = "networking.istio.io/v1"
+ENVOY_ROUTE_TIMEOUT = "15s"  # what an Envoy route without a timeout waits (meshfn's default)
+
+
+def istio_cluster(ctx: Context, service: ir.Service) -> str:
+    """istiod's name for a service's outbound cluster."""
+    return f"outbound|{service.port}||{ctx.options.host(service.key)}"
+
+
+def _mtls(service: ir.Service) -> str | None:
+    modes = {e.mtls for e in service.endpoints if e.sidecar_port is not None}
+    if not modes or len(modes) > 1:
+        return None  # no sidecars (plaintext), or mixed: Istio's auto mTLS picks per endpoint
+    return "DISABLE" if modes == {"DISABLE"} else "ISTIO_MUTUAL"
+
+
+def destination_rules(ctx: Context) -> None:
+    for service in ctx.model.services:
+        policy: Obj = {
+            "connectionPool": {"tcp": {"connectTimeout": seconds(service.connect_timeout)}}
+        }
+        sources = [service_source(service)]
+        traffic = service.traffic
+        if traffic is not None:
+            sources.append(fallback_source(service))
+            _traffic(ctx, service, traffic, policy)
+        tls = _mtls(service)
+        if tls is not None:
+            policy["tls"] = {"mode": tls}
+        spec = {"host": ctx.options.host(service.key), "trafficPolicy": policy}
+        ctx.emit(
+            resource(NETWORKING, "DestinationRule", service.name, service.namespace, spec), *sources
+        )
+
+
+def _traffic(ctx: Context, service: ir.Service, traffic: ir.TrafficPolicy, policy: Obj) -> None:
+    source = fallback_source(service)
+    b = traffic.breakers
+    if b is not None:
+        pool = policy["connectionPool"]
+        if b.max_connections is not None:
+            pool["tcp"]["maxConnections"] = b.max_connections
+        http: Obj = {}
+        if b.max_pending_requests is not None:
+            http["http1MaxPendingRequests"] = b.max_pending_requests
+        if b.max_requests is not None:
+            http["http2MaxRequests"] = b.max_requests
+        if b.max_retries is not None:
+            http["maxRetries"] = b.max_retries
+        if http:
+            pool["http"] = http
+        if b.retry_budget_percent is not None:
+            budget: Obj = {"percent": b.retry_budget_percent}
+            if b.retry_budget_min_concurrency is not None:
+                budget["minRetryConcurrency"] = b.retry_budget_min_concurrency
+            policy["retryBudget"] = budget
+    o = traffic.outlier
+    if o is not None:
+        policy["outlierDetection"] = {
+            "consecutive5xxErrors": o.consecutive_5xx,
+            "consecutiveGatewayErrors": o.consecutive_gateway,
+            "interval": seconds(o.interval),
+            "baseEjectionTime": seconds(o.base_ejection_time),
+            "maxEjectionPercent": o.max_ejection_percent,
+        }
+    if traffic.locality_failover:
+        setting: Obj = {"enabled": True}
+        if traffic.failover_regions:
+            setting["failover"] = [{"from": a, "to": b} for a, b in traffic.failover_regions]
+        policy["loadBalancer"] = {"localityLbSetting": setting}
+        if o is None:
+            ctx.warn(
+                "locality-needs-outlier-detection",
+                source,
+                ("spec", "locality"),
+                "Istio applies locality failover only with outlierDetection; healthCheck alone "
+                "does not enable it",
+            )
+    elif o is not None:
+        policy["loadBalancer"] = {"localityLbSetting": {"enabled": False}}
+    if traffic.health_check is not None:
+        ctx.warn(
+            "no-active-health-checks",
+            source,
+            ("spec", "healthCheck"),
+            "Istio has no active upstream health checks; Kubernetes readiness probes (and "
+            "outlierDetection) decide instead",
+        )
+
+
+# ---------------------------------------------------------------- outside Kubernetes
+
+
+def _locality(loc: ir.Locality) -> str:
+    return "/".join(p for p in (loc.region, loc.zone, loc.sub_zone) if p)
+
+
+def service_entries(ctx: Context) -> None:
+    """External services: a ServiceEntry selecting its WorkloadEntries (one per endpoint)."""
+    for service in ctx.model.services:
+        if not service.external:
+            continue
+        sidecars = any(e.sidecar_port for e in service.endpoints)
+        port_name = service.protocol
+        spec = {
+            "hosts": [ctx.options.host(service.key)],
+            "ports": [
+                {"number": service.port, "name": port_name, "protocol": service.protocol.upper()}
+            ],
+            "location": "MESH_INTERNAL" if sidecars else "MESH_EXTERNAL",
+            "resolution": "STATIC",
+            "workloadSelector": {"labels": ctx.options.labels(service.name)},
+        }
+        ctx.emit(
+            resource(NETWORKING, "ServiceEntry", service.name, service.namespace, spec),
+            service_source(service),
+        )
+
+
+def workload_entries(ctx: Context) -> None:
+    for service in ctx.model.services:
+        if not service.external:
+            continue
+        for i, e in enumerate(service.endpoints):
+            labels = ctx.options.labels(service.name)
+            spec: Obj = {
+                "address": e.address,
+                "ports": {service.protocol: e.port},
+                "weight": e.weight,
+            }
+            if e.sidecar_port is not None:
+                # a sidecar (istio-proxy on the VM): mTLS to it, and its identity
+                labels["security.istio.io/tlsMode"] = "istio"
+                spec["serviceAccount"] = account(service.identity)
+            spec["labels"] = labels
+            if _locality(e.locality):
+                spec["locality"] = _locality(e.locality)
+            ctx.emit(
+                resource(
+                    NETWORKING, "WorkloadEntry", f"{service.name}-{i}", service.namespace, spec
+                ),
+                service_source(service),
+            )
+
+
+# ---------------------------------------------------------------- gateways and routes
+
+
+def gateway_name(workload: ir.Workload, listener: ir.Listener) -> str:
+    return f"{workload.name}-{listener.name}"
+
+
+def gateway_resources(ctx: Context) -> None:
+    """One Istio Gateway per meshfn gateway listener, so a Route bound to one listener binds to
+    that listener only."""
+    for gw in gateways(ctx.model):
+        for listener in gw.listeners:
+            hosts = sorted({h for r in listener.routes for h in r.hosts}) or ["*"]
+            server: Obj = {
+                "port": {"number": listener.port, "name": listener.name, "protocol": "HTTP"},
+                "hosts": [f"./{h}" for h in hosts],
+            }
+            if not ip_address(listener.address).is_loopback:
+                server["bind"] = listener.address
+            spec = {"selector": ctx.options.labels(gw.name), "servers": [server]}
+            ctx.emit(
+                resource(NETWORKING, "Gateway", gateway_name(gw, listener), gw.namespace, spec),
+                Source("Gateway", gw.namespace, gw.name),
+            )
+
+
+def _string(kind: str, value: str) -> Obj:
+    return {kind: value}
+
+
+def _match(match: ir.RouteMatch) -> Obj:
+    out: Obj = {"uri": _string(match.path.kind, match.path.value)}
+    headers: Obj = {}
+    without: Obj = {}
+    for h in match.headers:
+        value = {} if h.kind == "present" else _string(h.kind, h.value)
+        (without if h.invert else headers)[h.name] = value
+    if headers:
+        out["headers"] = headers
+    if without:
+        out["withoutHeaders"] = without
+    if match.methods:
+        methods = match.methods
+        out["method"] = {"exact": methods[0]} if len(methods) == 1 else {"regex": "|".join(methods)}
+    return out
+
+
+def _retries(route: ir.Route, target: ir.Service) -> Obj:
+    if route.retries is None:
+        return {"attempts": 0}
+    out: Obj = {"attempts": route.retries.attempts, "retryOn": ",".join(route.retries.retry_on)}
+    if route.retries.per_try_timeout is not None:
+        out["perTryTimeout"] = seconds(route.retries.per_try_timeout)
+    if target.traffic is not None and target.traffic.locality_failover:
+        out["retryRemoteLocalities"] = True
+    return out
+
+
+def _destination(
+    ctx: Context, service: ir.Service, weight: int | None = None, grpc: bool = False
+) -> Obj:
+    port = (service.grpc_service_port if grpc else None) or service.port
+    out: Obj = {"destination": {"host": ctx.options.host(service.key), "port": {"number": port}}}
+    if weight is not None:
+        out["weight"] = weight
+    return out
+
+
+def degraded_twin_in_vs(service: ir.Service) -> bool:
+    """A degraded twin whose chain tail is one service is a plain weighted VirtualService route;
+    a longer tail is an aggregate cluster Istio cannot name (an EnvoyFilter route)."""
+    return len(service.fallback) == 1
+
+
+def _http(ctx: Context, route: ir.Route, index: int, twin: bool) -> Obj:
+    service = ctx.model.service(route.service)
+    match = route.matches[index]
+    out: Obj = {"name": route_name(route.key, index)}
+    if twin:
+        m = _match(match)
+        m.setdefault("headers", {})[ROUTING_HEADER] = {"exact": route.key}
+        out["name"] = degraded_route_name(route.key, index)
+        out["match"] = [m]
+        assert service.drift is not None
+        probe = service.drift.probe_percent
+        tail = ctx.model.service(service.fallback[0])
+        out["route"] = [
+            _destination(ctx, service, probe, route.grpc),
+            _destination(ctx, tail, 100 - probe, route.grpc),
+        ]
+    else:
+        out["match"] = [_match(match)]
+        out["route"] = [_destination(ctx, service, grpc=route.grpc)]
+    out["timeout"] = seconds(route.timeout) if route.timeout is not None else ENVOY_ROUTE_TIMEOUT
+    out["retries"] = _retries(route, service)
+    return out
+
+
+def virtual_services(ctx: Context) -> None:
+    """Per gateway listener and host, the routes in meshfn's precedence order; a drift-guarded
+    route's degraded twin (matching the internal routing header the degrade filter sets) right
+    before it."""
+    for gw in gateways(ctx.model):
+        for listener in gw.listeners:
+            guarded_routes = guarded(ctx.model, listener)
+            by_host: dict[str, list[tuple[ir.Route, int]]] = {}
+            for route in listener.routes:
+                for host in route.hosts:
+                    by_host.setdefault(host, []).extend(
+                        (route, i) for i in range(len(route.matches))
+                    )
+            for host, entries in sorted(by_host.items()):
+                http = []
+                sources = {Source("Gateway", gw.namespace, gw.name)}
+                for route, index in sorted(entries, key=lambda pair: precedence(*pair)):
+                    sources.add(route_source(ctx.model, route))
+                    service = ctx.model.service(route.service)
+                    if route.key in guarded_routes and degraded_twin_in_vs(service):
+                        http.append(_http(ctx, route, index, twin=True))
+                    http.append(_http(ctx, route, index, twin=False))
+                slug = "any" if host == "*" else host.replace("*", "wildcard")
+                spec = {
+                    "hosts": [host],
+                    "gateways": [f"{gw.namespace}/{gateway_name(gw, listener)}"],
+                    "http": http,
+                }
+                name = f"{gateway_name(gw, listener)}.{slug}"
+                ctx.emit(
+                    resource(NETWORKING, "VirtualService", name, gw.namespace, spec),
+                    *sorted(sources),
+                )

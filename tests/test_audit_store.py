@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from typer.testing import CliRunner
 
-from meshfn.control_plane.audit import Checkpoint, offline, open_store, verify
+from meshfn.control_plane.audit import Checkpoint, layout, offline, open_store, verify
+from meshfn.control_plane.audit.cli import audit_app
 from meshfn.control_plane.audit.record import canonical
 from meshfn.control_plane.audit.signer import Signer
 from meshfn.control_plane.audit.sqlite import SqliteStore
@@ -156,6 +158,9 @@ def test_rewritten_chain_is_caught_at_the_checkpoint(trail: Trail) -> None:
         all_rows[i][3] = hashlib.sha256(all_rows[i][2] + all_rows[i][1].encode()).digest()
     rewrite(trail, all_rows)
     assert trail.problems() == [("rewritten", "edge", 20), ("rewritten", "edge", 30)]
+    first, then = (p.detail for p in trail.verify().problems)
+    assert "a record in 11-20 was changed and the chain re-hashed after it" in first, first
+    assert "at or before 20" in then, then
 
 
 def test_deleted_record_is_named(trail: Trail) -> None:
@@ -582,3 +587,75 @@ def test_signer_refuses_a_next_record_that_does_not_link(trail: Trail) -> None:
     raw.close()
     found = trail.signer.sign().refused
     assert found == ["journal edge: record 10 differs from the one signed"], found
+
+
+def _forge_history(trail: Trail, thief: Ed25519PrivateKey, heads: dict[int, bytes]) -> None:
+    """Replace the store's checkpoints by ones signed with `thief` over `heads` (seq -> hash)."""
+    raw = Raw(trail.location)
+    raw.run("DELETE FROM checkpoints")
+    prev = offline.checkpoint_genesis(trail.store.store_id).hex()
+    for n, (seq, digest) in enumerate(sorted(heads.items()), 1):
+        body = canonical(
+            {
+                "type": offline.CHECKPOINT_TYPE,
+                "v": 2,
+                "store": trail.store.store_id,
+                "n": n,
+                "time": "2026-01-01T00:00:00.000000Z",
+                "prev": prev,
+                "chains": {"edge": [seq, digest.hex()]},
+            }
+        )
+        raw.run(
+            "INSERT INTO checkpoints (n, body, signature, key_id, created) VALUES (?, ?, ?, ?, ?)",
+            (n, body.decode(), thief.sign(body), offline.key_id(thief.public_key()), "x"),
+        )
+        prev = offline.checkpoint_digest(body)
+    raw.close()
+
+
+@pytest.mark.parametrize("attack", ["truncated", "rewritten", "resigned"])
+def test_meshfn_audit_verify_names_each_attack(location: str, tmp_path: Path, attack: str) -> None:
+    """The three attacks of the issue through `meshfn audit verify` on both stores: exit 1,
+    each named with its journal and record; the store alone (no witness) is fooled by two."""
+    trail = Trail(location, tmp_path)
+    try:
+        fill(trail, 40)
+        trail.store.append([rec(41)], chain="edge")
+        trail.checkpoint()
+        all_rows = rows(trail)
+        if attack == "truncated":  # the newest 11 of 41 with their checkpoints
+            raw = Raw(trail.location)
+            raw.run("DELETE FROM records WHERE chain = 'edge' AND seq > 30")
+            raw.run("DELETE FROM checkpoints WHERE n > 3")
+            raw.close()
+        else:  # record 15 changed, the chain re-hashed after it
+            all_rows[14][1] = all_rows[14][1].replace('"/p/15"', '"/p/forged"')
+            for i in range(14, len(all_rows)):
+                all_rows[i][2] = all_rows[i - 1][3]
+                all_rows[i][3] = hashlib.sha256(all_rows[i][2] + all_rows[i][1].encode()).digest()
+            rewrite(trail, all_rows)
+            if attack == "resigned":  # ... and signed again with the stolen key
+                _forge_history(trail, trail.key, {s: all_rows[s - 1][3] for s in (10, 20, 30)})
+    finally:
+        trail.close()
+    keys = ["--public-key", str(layout.public_key_path(tmp_path))]
+    witness = ["--witness", str(tmp_path / "audit-witness" / "checkpoints.jsonl")]
+    runner = CliRunner()
+    result = runner.invoke(audit_app, ["verify", "--store", location, *keys, *witness])
+    assert result.exit_code == 1, result.output
+    expected = {
+        "truncated": "truncated: seq 31: journal edge: records 31-41 are missing from its end",
+        "rewritten": "rewritten: seq 20: journal edge: record 20 differs from what checkpoint 2"
+        " signed: a record in 11-20 was changed",
+        "resigned": "resigned: checkpoint 1 in the store differs from the witnessed checkpoint 1",
+    }[attack]
+    assert expected in result.output, result.output
+    as_json = runner.invoke(
+        audit_app, ["verify", "--store", location, *keys, *witness, "--json"]
+    ).output
+    assert attack in {p["kind"] for p in json.loads(as_json)["problems"]}
+    alone = runner.invoke(audit_app, ["verify", "--store", location, *keys, "--no-witness"])
+    # without the witness a tail deleted with its checkpoints, and a history re-signed with the
+    # stolen key, look whole; the rewrite under the old checkpoints does not
+    assert alone.exit_code == (1 if attack == "rewritten" else 0), alone.output

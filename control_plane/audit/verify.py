@@ -353,6 +353,8 @@ class _ChainWalk:
     def run(self) -> None:
         report = self.report
         expected_seq, expected_prev = self.start + 1, self.start_hash
+        # the newest signed record that matched, and the first that did not since then
+        last_good, first_bad = self.start, None
         sha256 = hashlib.sha256
         for seq, body, prev, digest, columns_agree in _prefetched(
             self.v.store.record_batches(self.chain, self.start)
@@ -379,13 +381,24 @@ class _ChainWalk:
             if prev != expected_prev and not gap:
                 self.classify_break(seq, prev)
             want = self.signed.get(seq)
-            if want is not None and want.hash != digest.hex():
-                self.problem(
-                    "rewritten",
-                    seq,
-                    f"record {seq} differs from what checkpoint {want.n} signed: the chain up to"
-                    " it was rewritten",
-                )
+            if want is not None:
+                if want.hash == digest.hex():
+                    last_good, first_bad = seq, None
+                elif first_bad is None:
+                    first_bad = seq
+                    self.problem(
+                        "rewritten",
+                        seq,
+                        f"record {seq} differs from what checkpoint {want.n} signed: a record in"
+                        f" {last_good + 1}-{seq} was changed and the chain re-hashed after it",
+                    )
+                else:
+                    self.problem(
+                        "rewritten",
+                        seq,
+                        f"record {seq} differs from what checkpoint {want.n} signed (still"
+                        f" re-hashed after the change at or before {first_bad})",
+                    )
             expected_seq, expected_prev = seq + 1, digest
         # A row with a made-up `prev` looks like "predecessor gone" until the next row shows the
         # chain skipping over it: then it was inserted, and nothing was deleted.

@@ -10,6 +10,7 @@ import itertools
 import json
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -659,3 +660,30 @@ def test_meshfn_audit_verify_names_each_attack(location: str, tmp_path: Path, at
     # without the witness a tail deleted with its checkpoints, and a history re-signed with the
     # stolen key, look whole; the rewrite under the old checkpoints does not
     assert alone.exit_code == (1 if attack == "rewritten" else 0), alone.output
+
+
+def test_chains_walked_in_worker_processes_report_the_same(
+    trail: Trail, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify with a worker process per chain (what the CLI does for large stores) finds
+    exactly what the walk in one process finds, in the same order."""
+    for chain in ("a", "b", "c"):
+        fill(trail, 20, chain=chain)
+    raw = Raw(trail.location)
+    raw.run("UPDATE records SET record = replace(record, '/p/7', '/p/x') WHERE chain='b' AND seq=7")
+    raw.run("DELETE FROM records WHERE chain = 'c' AND seq = 12")
+    raw.close()
+    serial = trail.verify()
+    module = sys.modules["meshfn.control_plane.audit.verify"]
+    monkeypatch.setattr(module, "_PARALLEL_RECORDS", 0)
+
+    def not_here(*_: object) -> None:
+        raise AssertionError("walked in this process, not in the workers")
+
+    monkeypatch.setattr(module, "_walk", not_here)  # the spawned workers import their own
+    parallel = verify(trail.store, trail.public_key, trail.witness, workers=2)
+    assert [(p.kind, p.chain, p.seq) for p in serial.problems] == [
+        ("edited", "b", 7),
+        ("deleted", "c", 12),
+    ]
+    assert parallel.as_dict() == serial.as_dict()

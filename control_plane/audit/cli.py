@@ -191,7 +191,7 @@ def verify(
     checked = _witness(store, witness, no_witness)
     db = _open(store)
     try:
-        report = verify_store(db, key, checked)
+        report = verify_store(db, key, checked, workers=None)
     except StoreError as exc:
         raise _fail(str(exc)) from None
     finally:

@@ -102,7 +102,7 @@ class PostgresStore(AuditStore):
         connect_timeout: float = 5.0,
     ) -> None:
         super().__init__(readonly=readonly, retention_days=retention_days)
-        self.dsn = dsn
+        self.dsn = self.open_location = dsn
         self.location = _redacted(dsn)
         self.connect_timeout = connect_timeout
         self._conn: psycopg.Connection[Any] | None = None

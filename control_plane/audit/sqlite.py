@@ -61,7 +61,7 @@ class SqliteStore(AuditStore):
     ) -> None:
         super().__init__(readonly=readonly, retention_days=retention_days)
         self.path = Path(path)
-        self.location = str(self.path)
+        self.location = self.open_location = str(self.path)
         self._in_tx = False
         try:
             if readonly:

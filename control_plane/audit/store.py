@@ -200,7 +200,10 @@ class AuditStore(ABC):
     connections and bulk insert; every rule (chain, compare-and-swap, retention, pseudonyms,
     erasure, verification) lives here, once."""
 
-    location: str
+    location: str  # for messages (a DSN's password redacted)
+    # what open_store() needs to open this store again, e.g. in a verify worker process (a DSN
+    # may carry a password: never print it)
+    open_location: str
     readonly: bool
     retention_days: int
     _store_id: str | None = None

@@ -16,9 +16,12 @@ so everything it witnessed before this run started must be found.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from queue import Queue
@@ -29,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from . import offline
 from .checkpoint import Checkpoint
 from .store import Anchor, AuditStore, StoreError, VerifyRow, parse_iso
+from .stores import open_store
 from .witness import Witness, WitnessError
 
 if TYPE_CHECKING:
@@ -114,8 +118,10 @@ class Verifier:
         key: Ed25519PublicKey,
         witness: Witness | None,
         now: float | None,
+        workers: int | None = 1,
     ) -> None:
         self.store = store
+        self.workers = workers
         self.key = key
         self.key_id = offline.key_id(key)
         self.witness = witness
@@ -171,9 +177,29 @@ class Verifier:
                 signed.setdefault(chain, {})[seq] = _Signed(digest, checkpoint.n, checkpoint.time)
 
         anchors = self.store.chains()
-        for chain in sorted(set(anchors) | set(signed)):
-            self.check_chain(chain, anchors.get(chain), signed.get(chain, {}))
+        chains = sorted(set(anchors) | set(signed))
+        walks = self.walk_chains([(c, anchors.get(c), signed.get(c, {})) for c in chains])
+        for chain, walked in zip(chains, walks, strict=True):
+            self.check_chain(chain, anchors.get(chain), signed.get(chain, {}), *walked)
         return self.report
+
+    def walk_chains(self, jobs: list[_Job]) -> Iterator[tuple[ChainReport, list[Problem]]]:
+        """Each chain's walk, in order: in worker processes when there are several chains
+        with enough records to pay for starting them (chains share nothing, so verification
+        then uses every core), else here."""
+        heads = self.store.heads()
+        sizes = [heads.get(chain, (0, b""))[0] - (a.seq if a else 0) for chain, a, _ in jobs]
+        workers = min(self.workers or os.cpu_count() or 1, sum(s > 0 for s in sizes))
+        if workers < 2 or sum(sizes) < _PARALLEL_RECORDS:
+            for job in jobs:
+                yield _walk(self.store, *job)
+            return
+        # spawn: a forked child of a threaded process (the control plane) may deadlock
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            futures = [pool.submit(_walk_in_worker, self.store.open_location, *j) for j in jobs]
+            for future in futures:
+                yield future.result()
 
     def valid(self, checkpoints: Iterable[Checkpoint], where: str) -> list[Checkpoint]:
         out = []
@@ -243,13 +269,19 @@ class Verifier:
 
     # ------------------------------------------------------------------ one chain
 
-    def check_chain(self, chain: str, anchor: Anchor | None, signed: dict[int, _Signed]) -> None:
-        report = ChainReport(anchor_seq=anchor.seq if anchor else 0)
+    def check_chain(
+        self,
+        chain: str,
+        anchor: Anchor | None,
+        signed: dict[int, _Signed],
+        report: ChainReport,
+        walked: list[Problem],
+    ) -> None:
         self.report.chains[chain] = report
         if anchor is not None and anchor.seq > 0:
             self.check_anchor(chain, anchor, signed)
-        walk = _ChainWalk(self, chain, anchor, signed, report)
-        walk.run()
+        for problem in walked:
+            self.problem(problem.kind, problem.chain, problem.seq, problem.detail)
         self.report.records += report.records
         end = report.last_seq if report.last_seq is not None else report.anchor_seq
         report.signed_seq = max((s for s in signed if s <= end), default=0)
@@ -294,6 +326,29 @@ class Verifier:
             )
 
 
+_Job = tuple[str, "Anchor | None", dict[int, _Signed]]
+# Below this many records in all, worker processes cost more than they save (~0.5 s to start).
+_PARALLEL_RECORDS = 200_000
+
+
+def _walk(
+    store: AuditStore, chain: str, anchor: Anchor | None, signed: dict[int, _Signed]
+) -> tuple[ChainReport, list[Problem]]:
+    report = ChainReport(anchor_seq=anchor.seq if anchor else 0)
+    return report, _ChainWalk(store, chain, anchor, signed, report).run()
+
+
+def _walk_in_worker(
+    location: str, chain: str, anchor: Anchor | None, signed: dict[int, _Signed]
+) -> tuple[ChainReport, list[Problem]]:
+    """`_walk` in a worker process, on its own read-only connection."""
+    store = open_store(location, readonly=True)
+    try:
+        return _walk(store, chain, anchor, signed)
+    finally:
+        store.close()
+
+
 def _prefetched(batches: Iterator[list[VerifyRow]]) -> Iterator[VerifyRow]:
     """The rows of `batches`, the next batch fetched in a thread while this one is checked
     (the database and the hashing then use both cores)."""
@@ -321,18 +376,16 @@ class _ChainWalk:
 
     def __init__(
         self,
-        verifier: Verifier,
+        store: AuditStore,
         chain: str,
         anchor: Anchor | None,
         signed: dict[int, _Signed],
         report: ChainReport,
     ) -> None:
-        self.v = verifier
+        self.store = store
         self.chain = chain
         self.start = anchor.seq if anchor else 0
-        self.start_hash = (
-            anchor.hash if anchor else offline.chain_genesis(verifier.store.store_id, chain)
-        )
+        self.start_hash = anchor.hash if anchor else offline.chain_genesis(store.store_id, chain)
         self.signed = signed
         self.report = report
         self._by_hash: dict[bytes, int] | None = None
@@ -346,18 +399,19 @@ class _ChainWalk:
         """Which row carries this hash (built once, only when the chain is already broken)."""
         if self._by_hash is None:
             self._by_hash = {
-                h: s for s, _, _, h in self.v.store.records_after(self.chain, self.start)
+                h: s for s, _, _, h in self.store.records_after(self.chain, self.start)
             }
         return self._by_hash.get(digest)
 
-    def run(self) -> None:
+    def run(self) -> list[Problem]:
+        """Walk the chain; its problems in order."""
         report = self.report
         expected_seq, expected_prev = self.start + 1, self.start_hash
         # the newest signed record that matched, and the first that did not since then
         last_good, first_bad = self.start, None
         sha256 = hashlib.sha256
         for seq, body, prev, digest, columns_agree in _prefetched(
-            self.v.store.record_batches(self.chain, self.start)
+            self.store.record_batches(self.chain, self.start)
         ):
             report.records += 1
             if report.first_seq is None:
@@ -403,13 +457,15 @@ class _ChainWalk:
         # A row with a made-up `prev` looks like "predecessor gone" until the next row shows the
         # chain skipping over it: then it was inserted, and nothing was deleted.
         inserted = {p.seq for p in self.found if p.kind == "inserted"}
-        for problem in self.found:
+        return [
+            problem
+            for problem in self.found
             if not (
                 problem.kind == "deleted"
                 and "the record that" in problem.detail
                 and problem.seq in inserted
-            ):
-                self.v.problem(problem.kind, problem.chain, problem.seq, problem.detail)
+            )
+        ]
 
     def classify_break(self, seq: int, prev: bytes) -> None:
         """Row `seq` does not follow the row before it: say how the order was broken."""
@@ -438,8 +494,10 @@ def verify(
     public_key: Ed25519PublicKey,
     witness: Witness | None = None,
     now: float | None = None,
+    workers: int | None = 1,
 ) -> VerifyReport:
     """Walk every chain against the checkpoints in the store and, given one, the witness's;
     report every problem found (up to 100), naming chain (journal) and record. Callable
-    in-process (the console's audit panel) as well as through `meshfn audit verify`."""
-    return Verifier(store, public_key, witness, now).run()
+    in-process (the console's audit panel) as well as through `meshfn audit verify`.
+    `workers`: processes that walk chains at once (None: one per core; 1: none, here)."""
+    return Verifier(store, public_key, witness, now, workers).run()

@@ -6,8 +6,9 @@ and `verify` time per million records, in one run.
   fsync and synchronous_commit on);
 - pg4_rps: four collector processes at once, each with its own journal, into ONE PostgreSQL
   store (what a cluster does; on this 2-core VM they share the cores with the server);
-- verify_s_per_m: `verify` (every chain, every checkpoint, the witness) of the largest store,
-  scaled to a million records (the worse of the SQLite and PostgreSQL stores).
+- verify_s_per_m: `verify` (every chain, every checkpoint, the witness) as the CLI runs it,
+  scaled to a million records: the worse of the SQLite store and the four-chain PostgreSQL store
+  (chains walked in parallel); verify_s_per_m_pg1: the one-chain PostgreSQL store (one core).
 
 Each run has the checkpoint signer as its own process (`meshfn audit signer`), asked every 1000
 records or 5 s, as in production. Journal lines are the sidecar's access-log lines (the bare
@@ -220,7 +221,8 @@ def main() -> None:
         f"audit: sqlite_rps={sqlite['rps']} pg_rps={pg['rps']} pg4_rps={pg4['rps']}"
         f" verify_s_per_m={result['verify_s_per_m']}"
         f" verify_s_per_m_sqlite={sqlite['verify_s_per_m']}"
-        f" verify_s_per_m_pg={pg4['verify_s_per_m']} pg4_records={pg4['records']}"
+        f" verify_s_per_m_pg={pg4['verify_s_per_m']} verify_s_per_m_pg1={pg['verify_s_per_m']}"
+        f" pg4_records={pg4['records']}"
     )
 
 

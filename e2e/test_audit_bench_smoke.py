@@ -16,3 +16,5 @@ def test_audit_bench_smoke(tmp_path: Path) -> None:
     ), line
     assert data["pg4"]["records"] == 8000 and data["pg4"]["collectors"] == 4
     assert data["sqlite"]["unsigned_tail"] == 0 and data["pg4"]["checkpoints"] >= 1
+    assert re.search(r" goals=pg4_rps>=20000:(NOT-)?met,verify_s_per_m<=10:(NOT-)?met$", line), line
+    assert set(data["goals"]) == {"pg4_rps>=20000", "verify_s_per_m<=10"}

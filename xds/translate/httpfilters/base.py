@@ -28,7 +28,8 @@ class AuditConfig:
     journal: Path
     wasm_dir: Path
     # None on a gateway (it names the mesh route from its own routes); on a sidecar the SPIFFE
-    # IDs of the gateways whose x-meshfn-route header its records believe (wasm.mesh_route_fields)
+    # IDs of the gateways whose x-meshfn-route header its records believe
+    # (meshfn.ir.plugins.mesh_route_fields)
     trusted_gateways: tuple[str, ...] | None = ()
 
 

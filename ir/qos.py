@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshfn import ir
+from meshfn.contracts.plugins import ROUTE_METADATA
 from meshfn.contracts.qos import DESCRIPTOR_TENANT, LIMIT_HEADER, LIMIT_RATE, TENANT_HEADER
 
 Obj = dict[str, Any]
@@ -26,8 +27,7 @@ LOCAL_RATE_LIMIT_TYPE = (
     "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
 )
 UNLIMITED = 0xFFFFFFFF
-ROUTE_METADATA = "meshfn"  # route metadata namespace; key QOS_KEY names the governing policy
-QOS_KEY = "qos"
+QOS_KEY = "qos"  # in the route metadata (ROUTE_METADATA): the governing policy
 STAT_PREFIX = "meshfn_qos"
 # Tenants beyond the listed ones, each with its own bucket, kept per gateway (least recently
 # used first out: an evicted tenant starts again with a full bucket).

@@ -25,6 +25,7 @@ from meshfn.common.progress import RichReporter
 from meshfn.ebpf import AccelerationUnavailable
 
 from .. import filters
+from ..audit.collector import CollectorMetrics
 from ..audit.store import StoreError
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
@@ -247,6 +248,7 @@ async def run_up(
         audit=audit,
     )
     cp.status_providers["audit"] = audit.status
+    cp.metrics.registry.register(CollectorMetrics(lambda: audit.collector))
     # Where `meshfn status` reads each backend's own per-tenant QoS counts (/meshfn/functions).
     cp.status_providers["backends"] = lambda: [
         {"service": b.service, "address": b.address, "port": b.port} for b in mesh.backends()

@@ -84,7 +84,8 @@ def gateway_resources(
             workload.authz,
             audit,
             degrade_for(lst, guarded, model.drill, host.wasm_dir),
-            qos_context(workload.qos, lst),
+            qos=qos_context(workload.qos, lst),
+            mesh_route=model.audit is not None,
         )
         drift = any(model.service(key).drift is not None for key in used)
         out[LISTENER][lst.name] = listener(lst, filters, drift)
@@ -92,7 +93,8 @@ def gateway_resources(
             lst,
             tuple((key, targets[key]) for key in used),
             httpfilters.request_headers_to_remove(filters),
-            workload.qos,
+            model.audit is not None,
+            gateway_qos=workload.qos,
         )
         merge(out, httpfilters.resources(filters, overlay))
     return out

@@ -14,7 +14,12 @@ from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
 
 from meshfn import ir
-from meshfn.contracts.plugins import ROUTING_HEADER
+from meshfn.contracts.plugins import (
+    MESH_ROUTE_HEADER,
+    MESH_ROUTE_KEY,
+    ROUTE_METADATA,
+    ROUTING_HEADER,
+)
 from meshfn.ir import qos as envoy_qos
 from meshfn.ir.routing import precedence
 
@@ -22,8 +27,6 @@ from .. import names
 from ..names import cluster_name, fallback_cluster_name
 from .common import duration, pack
 from .httpfilters.qos import rate_limit_config
-
-ROUTE_METADATA = "meshfn"
 
 
 def _string_match(kind: str, value: str) -> string_pb2.StringMatcher:
@@ -151,17 +154,33 @@ def _action(route: ir.Route, target: Target, degraded: bool) -> rc.RouteAction:
     return action
 
 
-def _metadata(target: Target, qos: ir.QoSPolicy | None) -> base_pb2.Metadata | None:
-    """The chain, for the JSON body of a 503 when every member is down (see listeners.py), and
-    the QoSPolicy governing the route, for the JSON body of its 429s (ir.qos)."""
+def _metadata(
+    target: Target, mesh_route: str | None, qos: ir.QoSPolicy | None
+) -> base_pb2.Metadata | None:
+    """The chain, for the JSON body of a 503 when every member is down (see listeners.py), in
+    a mesh that audits the mesh route (the gateway's audit records name it), and the QoSPolicy
+    governing the route, for the JSON body of its 429s (ir.qos)."""
     fields = {}
     if target.chain:
         fields["chain"] = struct_pb2.Value(string_value=" > ".join((target.cluster, *target.chain)))
+    if mesh_route is not None:
+        fields[MESH_ROUTE_KEY] = struct_pb2.Value(string_value=mesh_route)
     if qos is not None:
         fields[envoy_qos.QOS_KEY] = struct_pb2.Value(string_value=qos.key)
     if not fields:
         return None
     return base_pb2.Metadata(filter_metadata={ROUTE_METADATA: struct_pb2.Struct(fields=fields)})
+
+
+def _mesh_route_header(route: ir.Route) -> list[base_pb2.HeaderValueOption]:
+    """x-meshfn-route for the sidecar's audit record (clients' copies were stripped before the
+    route was matched: httpfilters.internal_headers)."""
+    return [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=MESH_ROUTE_HEADER, value=route.key),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+    ]
 
 
 def _qos_per_route(route: ir.Route, gateway: ir.QoSPolicy | None) -> dict[str, any_pb2.Any]:
@@ -187,18 +206,25 @@ def degraded_route_name(route: ir.Route, index: int) -> str:
 
 
 def _routes(
-    route: ir.Route, index: int, target: Target, gateway_qos: ir.QoSPolicy | None = None
+    route: ir.Route,
+    index: int,
+    target: Target,
+    mesh_route: bool,
+    gateway_qos: ir.QoSPolicy | None = None,
 ) -> list[rc.Route]:
     """The route, and for a drift-guarded target first its degraded twin: same match plus the
     internal routing header the degrade filter sets (clients cannot: the listener strips it before
     routing), so tripping the breaker changes only the filter's config, never this table."""
+    key = route.key if mesh_route else None
+    headers = _mesh_route_header(route) if mesh_route else []
     qos = route.qos or gateway_qos
     per_route = _qos_per_route(route, gateway_qos)
     normal = rc.Route(
         name=route_name(route, index),
         match=_match(route.matches[index]),
         route=_action(route, target, degraded=False),
-        metadata=_metadata(target, qos),
+        metadata=_metadata(target, key, qos),
+        request_headers_to_add=headers,
         typed_per_filter_config=per_route,
     )
     if not target.drift:
@@ -207,7 +233,8 @@ def _routes(
         name=degraded_route_name(route, index),
         match=_match(route.matches[index]),
         route=_action(route, target, degraded=True),
-        metadata=_metadata(target, qos),
+        metadata=_metadata(target, key, qos),
+        request_headers_to_add=headers,
         typed_per_filter_config=per_route,
     )
     degraded.match.headers.append(
@@ -223,10 +250,12 @@ def route_configuration(
     listener: ir.Listener,
     targets: tuple[tuple[str, Target], ...] = (),
     headers_to_remove: tuple[str, ...] = (),
+    mesh_route: bool = False,
     gateway_qos: ir.QoSPolicy | None = None,
 ) -> route_pb2.RouteConfiguration:
     """`targets` maps the service keys the routes use to their Target (a tuple so the result
-    can be memoised); `headers_to_remove` are the HTTP filters' (httpfilters)."""
+    can be memoised); `headers_to_remove` are the HTTP filters' (httpfilters); `mesh_route`: the
+    mesh audits, so each route names itself (metadata, x-meshfn-route) for the records."""
     by_target = dict(targets)
     by_host: dict[str, list[tuple[ir.Route, int]]] = {}
     for route in listener.routes:
@@ -247,6 +276,7 @@ def route_configuration(
                         route,
                         index,
                         by_target.get(route.service, Target(cluster_name(route.service))),
+                        mesh_route,
                         gateway_qos,
                     )
                 ],

@@ -90,6 +90,17 @@ class FunctionRuntime:
         # For /meshfn/functions (status.py): loads so far, and recent request latencies.
         self.cold_starts = 0
         self.latencies: deque[float] = deque(maxlen=1024)
+        # Requests that found no idle instance and waited for one to be made (load or
+        # instantiate), and the instance-seconds idle instances were kept (the cost of warmth).
+        self.cold_requests = 0
+        self.warm_seconds = 0.0
+        self._idle_count = 0
+        self._idle_since = time.monotonic()
+        # A predicted warm-up holds its instances against the reaper until then (event loop).
+        self.hold_until = 0.0
+        self._cold_requests = metrics.cold_requests.labels(self.label)
+        self._warm_seconds = metrics.warm_seconds.labels(self.label)
+        self._idle_gauge = metrics.idle.labels(self.label)
 
     # ------------------------------------------------------------------ verification
 
@@ -170,10 +181,10 @@ class FunctionRuntime:
             self._dormant = False
             self._generation += 1
             idle, self._idle = self._idle, deque()
+            self._idle_changed()
         for instance in idle:
             instance.close()
         self.metrics.loaded.labels(self.label).set(0)
-        self.metrics.idle.labels(self.label).set(0)
         if reason == "idle":
             self.metrics.unloads.labels(self.label).inc()
         log.info("function unloaded", extra={"function": self.label, "reason": reason})
@@ -194,10 +205,25 @@ class FunctionRuntime:
                 return
             self._dormant = True
             idle, self._idle = self._idle, deque()
+            self._idle_changed()
         for instance in idle:
             instance.close()
-        self.metrics.idle.labels(self.label).set(0)
-        log.info("function instances dropped, code kept", extra={"function": self.label})
+        log.debug("function instances dropped, code kept", extra={"function": self.label})
+
+    def _idle_changed(self) -> None:
+        """The idle deque changed (caller holds `_lock`): gauge and instance-seconds."""
+        now = time.monotonic()
+        spent = self._idle_count * (now - self._idle_since)
+        if spent:
+            self.warm_seconds += spent
+            self._warm_seconds.inc(spent)
+        self._idle_count, self._idle_since = len(self._idle), now
+        self._idle_gauge.set(self._idle_count)
+
+    def warm_instance_seconds(self) -> float:
+        """Idle instance-seconds so far, including the current stretch."""
+        with self._lock:
+            return self.warm_seconds + self._idle_count * (time.monotonic() - self._idle_since)
 
     # ------------------------------------------------------------------ instances
 
@@ -209,11 +235,13 @@ class FunctionRuntime:
             dormant, self._dormant = self._dormant, False
             if self._idle:
                 instance = self._idle.popleft()
-                self.metrics.idle.labels(self.label).set(len(self._idle))
+                self._idle_changed()
                 return instance, self._generation, False
             artifact, generation = self._artifact, self._generation
             if dormant and artifact is not None:
                 self.metrics.resumes.labels(self.label).inc()
+            self.cold_requests += 1
+        self._cold_requests.inc()
         cold = artifact is None
         started = time.perf_counter()
         if artifact is None:
@@ -234,7 +262,7 @@ class FunctionRuntime:
             with self._lock:
                 if generation == self._generation and len(self._idle) < self.spec.pool.maxIdle:
                     self._idle.append(instance)
-                    self.metrics.idle.labels(self.label).set(len(self._idle))
+                    self._idle_changed()
                     return
         instance.close()
 
@@ -254,6 +282,8 @@ class FunctionRuntime:
         return Invocation(result, cold, seconds)
 
     def _maybe_refill(self) -> None:
+        if self.spec.warmup.mode == "off":
+            return  # instances only on demand
         if self.spec.pool.minIdle and len(self._idle) < self.spec.pool.minIdle:
             with self._lock:
                 if self._refilling or self._artifact is None:
@@ -276,12 +306,31 @@ class FunctionRuntime:
                         instance.close()
                         return
                     self._idle.append(instance)
-                    self.metrics.idle.labels(self.label).set(len(self._idle))
+                    self._idle_changed()
         except Exception:
             log.exception("prewarm failed", extra={"function": self.label})
         finally:
             with self._lock:
                 self._refilling = False
+
+    def warm(self, instances: int) -> float:
+        """A predicted warm-up (prewarm thread): load the code if it is gone and have
+        `instances` idle ones; returns the seconds it took (the predictor's lead)."""
+        started = time.perf_counter()
+        artifact, generation = self._load()
+        while True:
+            with self._lock:
+                if generation != self._generation or len(self._idle) >= instances:
+                    break
+            instance = artifact.instantiate(self.memory_bytes)
+            with self._lock:
+                if generation != self._generation:
+                    instance.close()
+                    break
+                self._dormant = False
+                self._idle.append(instance)
+                self._idle_changed()
+        return time.perf_counter() - started
 
     def load_and_prewarm(self) -> None:
         """Load now (no request waiting) and fill the pool: used for minIdle at start-up."""

@@ -186,9 +186,12 @@ async def serve(
     port: int,
     drain_timeout: float = 10.0,
     grpc_port: int | None = None,
+    listen_fd: int | None = None,
 ) -> None:
-    """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0)."""
+    """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0). `listen_fd`: a
+    child of the supervisor (supervisor.py) accepting from its shared socket."""
     from .grpc_api import GrpcServer
+    from .supervisor import adopt
 
     backend = Backend(config)
     router = Router(backend)
@@ -198,7 +201,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await http.start(host, port)  # bind first: a port conflict fails before verification
+    # bind first: a port conflict fails before verification
+    await http.start(host, port, sock=adopt(listen_fd) if listen_fd is not None else None)
     try:
         if grpc is not None:
             assert grpc_port is not None

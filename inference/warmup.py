@@ -29,6 +29,7 @@ process's `warmupMemoryBudget`; a warm-up that does not fit is skipped. Under me
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -306,10 +307,8 @@ class Warmer:
             self._submit(self.rt.drop_instances)
 
     def _submit(self, fn: Callable[[], None]) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # shutting down
             self.executor.submit(fn)
-        except RuntimeError:  # shutting down
-            pass
 
     def release(self) -> None:
         """Memory pressure or shutdown: give back what a prediction holds, now."""

@@ -16,7 +16,7 @@ from meshfn.contracts.function import FunctionSettings
 from meshfn.inference.backend import Backend
 from meshfn.inference.warmup import Predictor, WarmBudget, quantile
 
-from .test_inference_runtime import X, Published, backend_for, chaos, published, until
+from .test_inference_runtime import Published, X, backend_for, chaos, published, until
 
 __all__ = ["published"]  # the module-scoped registry fixture
 
@@ -142,7 +142,7 @@ async def test_periodic_client_is_served_warm_and_a_failed_prediction_is_release
         await asyncio.sleep(0.3)
         assert rt.idle_instances == 0
         assert b.metrics.warmup_misses.labels(rt.label, "expired")._value.get() == 1
-        doc = json.loads((await b_status(b)))
+        doc = json.loads(await b_status(b))
         entry = doc["functions"][0]["warmup"]
         assert entry["mode"] == "predictive" and entry["hits"] == warmer.hits
         assert entry["predictions"] >= entry["hits"] + entry["misses"] - 1

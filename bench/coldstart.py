@@ -1,0 +1,320 @@
+"""Benchmark of cold starts users see, reactive vs predictive warm-up, and multi-process
+throughput (bench/coldstart.py).
+
+Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
+  traces      three request traces replayed against the Python function (iris), each against
+              two functions of the same artifact at once, one `warmup.mode: reactive`, one
+              `predictive` (same run, same machine load):
+                periodic  a request every T (> TTL) with uniform jitter of +-10%
+                bursty    on/off: bursts of requests 20 ms apart, random off periods > TTL
+                poisson   exponential gaps with a mean of 2 x TTL (below the TTL rate)
+              per request: latency and whether it found no warm instance (the backend's
+              cold-request count, read from /meshfn/functions after each request);
+              per function: instance-seconds kept warm (the memory cost)
+  throughput  requests/s (wrk, closed loop, 8 connections) for a core function (digits, 20 ms
+              deadline: called on the event loop) and the Python function, with `processes: 1`
+              and `processes: 2`; plus the levers: core with the thread hop (1 s deadline) and
+              the event loop (asyncio vs uvloop)
+Prints one summary line and writes bench/results/coldstart.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from meshfn.inference.devtools import RawHttp
+from meshfn.inference.examples import publish_examples
+from meshfn.testing import load
+from meshfn.testing.ports import free_port
+from meshfn.testing.processes import Proc, Processes, http_ok, wait_for
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PY = sys.executable
+IRIS = load.IRIS
+DIGITS = json.dumps(
+    {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
+).encode()
+TTL = 0.2
+TRACES = ("periodic", "bursty", "poisson")
+MODES = ("reactive", "predictive")
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def backend(
+    procs: Processes,
+    tmp: Path,
+    registry: Path,
+    key: Path,
+    name: str,
+    functions: list[dict[str, Any]],
+    processes: int = 1,
+    extra: list[str] | None = None,
+) -> tuple[Proc, int]:
+    config = {
+        "registry": str(registry),
+        "trustedKeys": [str(key)],
+        "workers": 2,
+        "processes": processes,
+        "functions": functions,
+    }
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(config))
+    port = free_port()
+    argv = [PY, "-P", "-m", "meshfn.inference", "serve", "--config", str(path),
+            "--port", str(port), "--log-level", "warning", *(extra or [])]  # fmt: skip
+    proc = procs.start(name, argv)
+    url = f"http://127.0.0.1:{port}/v2/health/ready"
+    wait_for(url, lambda: http_ok(url), 90, every=0.05, proc=proc)
+    seen: set[int] = set()
+
+    def all_ready() -> bool:  # every process answers (each verifies on its own at start)
+        client = RawHttp("127.0.0.1", port)
+        try:
+            code, body = client.request("GET", "/meshfn/functions")
+            if code == 200 and json.loads(body)["ready"]:
+                seen.add(json.loads(body)["pid"])
+        finally:
+            client.close()
+        return len(seen) >= processes
+
+    wait_for(f"{processes} processes ready", all_ready, 90, every=0.02, proc=proc)
+    return proc, port
+
+
+def make_traces(n: int, period: float, rng: random.Random) -> dict[str, list[float]]:
+    """Send times (seconds from the start) of each trace."""
+    periodic, t = [], 0.0
+    for _ in range(n):
+        periodic.append(t)
+        t += period * (1 + rng.uniform(-0.1, 0.1))
+    bursty, t = [], 0.0
+    while len(bursty) < n:
+        for k in range(5):
+            bursty.append(t + 0.02 * k)
+        t += 0.08 + rng.uniform(2.5 * TTL, 5 * TTL)
+    poisson, t = [], 0.0
+    for _ in range(n):
+        poisson.append(t)
+        t += rng.expovariate(1 / (2 * TTL))
+    return {"periodic": periodic, "bursty": bursty[:n], "poisson": poisson}
+
+
+def cold_count(status: RawHttp, function: str) -> tuple[int, float]:
+    code, body = status.request("GET", "/meshfn/functions")
+    assert code == 200, body
+    for f in json.loads(body)["functions"]:
+        if f["name"] == function:
+            return int(f["cold_requests"]), float(f["warm_instance_seconds"])
+    raise SystemExit(f"{function} missing from /meshfn/functions")
+
+
+def replay(port: int, function: str, times: list[float], out: dict[str, Any]) -> None:
+    client, status = RawHttp("127.0.0.1", port), RawHttp("127.0.0.1", port)
+    raw = client.encode("POST", f"/v2/models/{function}/infer", IRIS)
+    latencies, colds = [], []
+    cold_before, warm_before = cold_count(status, function)
+    start = time.perf_counter()
+    try:
+        for due in times:
+            delay = start + due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            t = time.perf_counter()
+            code, reply = client.send(raw)
+            latencies.append((time.perf_counter() - t) * 1000)
+            assert code == 200, reply
+            cold, warm = cold_count(status, function)
+            colds.append(cold > cold_before)
+            cold_before = cold
+        out.update(
+            latency_ms=latencies,
+            cold=colds,
+            warm_instance_s=warm - warm_before,
+            cold_pct=100 * sum(colds) / len(colds),
+        )
+    finally:
+        client.close()
+        status.close()
+
+
+def trace_functions() -> list[dict[str, Any]]:
+    out = []
+    for trace in TRACES:
+        for mode in MODES:
+            out.append(
+                {
+                    "name": f"iris-{trace}-{mode}",
+                    "version": "1",
+                    "artifact": "iris@1",
+                    "idleTtl": f"{int(TTL * 1000)}ms",
+                    "pool": {"minIdle": 0, "maxIdle": 2},
+                    "warmup": {"mode": mode, "maxWarmIdle": "1s", "memoryBudget": 128},
+                }
+            )
+    return out
+
+
+def run_traces(port: int, traces: dict[str, list[float]]) -> dict[str, Any]:
+    results: dict[str, Any] = {f"{t}-{m}": {} for t in TRACES for m in MODES}
+    threads = [
+        threading.Thread(
+            target=replay, args=(port, f"iris-{t}-{m}", traces[t], results[f"{t}-{m}"])
+        )
+        for t in TRACES
+        for m in MODES
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for key, value in results.items():
+        if "cold_pct" not in value:
+            raise SystemExit(f"trace {key} failed (see the traceback above)")
+    return results
+
+
+THROUGHPUT_FUNCTIONS = [
+    {"name": "iris", "version": "1", "pool": {"minIdle": 2, "maxIdle": 4},
+     "limits": {"maxConcurrency": 256}},
+    {"name": "digits", "version": "1", "pool": {"minIdle": 2, "maxIdle": 4},
+     "limits": {"timeout": "20ms", "maxConcurrency": 256}},
+    {"name": "digits-hop", "version": "1", "artifact": "digits@1",
+     "pool": {"minIdle": 2, "maxIdle": 4}, "limits": {"maxConcurrency": 256}},
+]  # fmt: skip
+
+
+def throughput(
+    procs: Processes,
+    tmp: Path,
+    registry: Path,
+    key: Path,
+    processes: int,
+    seconds: int,
+    loop: str,
+) -> dict[str, float]:
+    proc, port = backend(procs, tmp, registry, key, f"rps-{processes}p-{loop}",
+                         THROUGHPUT_FUNCTIONS, processes, ["--loop", loop])  # fmt: skip
+    out = {}
+    try:
+        for name, body in (("digits", DIGITS), ("iris", IRIS), ("digits-hop", DIGITS)):
+            url = f"http://127.0.0.1:{port}/v2/models/{name}/infer"
+            for _ in range(4 * processes):  # load the code in every process
+                client = RawHttp("127.0.0.1", port)
+                client.request("POST", f"/v2/models/{name}/infer", body)
+                client.close()
+            out[name] = load.wrk(url, body, seconds, 8, tmp).rps
+    finally:
+        assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="meshfn-bench-coldstart-"))
+    procs = Processes(tmp)
+    try:
+        _, key = publish_examples(tmp / "registry")
+        registry = tmp / "registry"
+        data: dict[str, Any] = {"ttl_s": TTL, "period_s": args.period, "requests": args.n}
+        proc, port = backend(procs, tmp, registry, key, "traces", trace_functions())
+        traces = make_traces(args.n, args.period, random.Random(args.seed))
+        data["traces"] = run_traces(port, traces)
+        assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
+        rps: dict[str, dict[str, float]] = {}
+        for loop in args.loops:
+            for processes in (1, 2):
+                rps[f"{processes}p-{loop}"] = throughput(
+                    procs, tmp, registry, key, processes, args.wrk_seconds, loop
+                )
+        data["rps"] = rps
+        return data
+    finally:
+        procs.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--n", type=int, default=60, help="requests per trace")
+    parser.add_argument("--period", type=float, default=0.5, help="periodic trace: T (s)")
+    parser.add_argument("--seed", type=int, default=20)
+    parser.add_argument("--wrk-seconds", type=int, default=5)
+    parser.add_argument(
+        "--loops", nargs="+", default=["asyncio", "uvloop"], help="event loops to measure"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="where to write the results")
+    args = parser.parse_args()
+    data = run(args)
+    traces = data["traces"]
+
+    def cold_pct(trace: str, mode: str) -> float:
+        return float(traces[f"{trace}-{mode}"]["cold_pct"])
+
+    warm = {m: sum(traces[f"{t}-{m}"]["warm_instance_s"] for t in TRACES) for m in MODES}
+    cold_latency = [
+        ms
+        for t in TRACES
+        for ms, cold in zip(
+            traces[f"{t}-reactive"]["latency_ms"], traces[f"{t}-reactive"]["cold"], strict=True
+        )
+        if cold
+    ]
+    base = data["rps"][f"1p-{args.loops[0]}"]
+    two = data["rps"][f"2p-{args.loops[0]}"]
+    summary = {
+        **{f"{t}_cold_pct": cold_pct(t, "predictive") for t in TRACES},
+        **{f"{t}_reactive_cold_pct": cold_pct(t, "reactive") for t in TRACES},
+        "warm_instance_s_ratio": warm["predictive"] / max(1e-9, warm["reactive"]),
+        "warm_instance_s": warm,
+        "cold_p50_ms": statistics.median(cold_latency) if cold_latency else 0.0,
+        "cold_p99_ms": pct(cold_latency, 0.99),
+        "cold_samples": len(cold_latency),
+        "core_rps_1p": base["digits"],
+        "core_rps_2p_ratio": two["digits"] / base["digits"],
+        "py_rps_1p": base["iris"],
+        "py_rps_2p_ratio": two["iris"] / base["iris"],
+        "core_hop_rps_1p": base["digits-hop"],
+        "inline_over_hop": base["digits"] / base["digits-hop"],
+    }
+    for trace in TRACES:
+        for mode in MODES:
+            entry = traces[f"{trace}-{mode}"]
+            xs = entry.pop("latency_ms")
+            entry["latency_ms"] = {"p50": statistics.median(xs), "p99": pct(xs, 0.99)}
+            entry["cold"] = sum(entry["cold"])
+    data["summary"] = summary
+    data["machine"] = {"cpus": os.cpu_count(), "loadavg_after": os.getloadavg()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (args.json or RESULTS / "coldstart.json").write_text(json.dumps(data, indent=1))
+    s = summary
+    print(
+        f"coldstart: periodic_cold_pct={s['periodic_cold_pct']:.1f} "
+        f"bursty_cold_pct={s['bursty_cold_pct']:.1f} poisson_cold_pct={s['poisson_cold_pct']:.1f} "
+        f"warm_instance_s_ratio={s['warm_instance_s_ratio']:.2f} cold_p99_ms={s['cold_p99_ms']:.2f} "
+        f"core_rps_1p={s['core_rps_1p']:.0f} core_rps_2p_ratio={s['core_rps_2p_ratio']:.2f} "
+        f"py_rps_2p_ratio={s['py_rps_2p_ratio']:.2f} "
+        f"reactive_periodic_cold_pct={s['periodic_reactive_cold_pct']:.1f} "
+        f"reactive_bursty_cold_pct={s['bursty_reactive_cold_pct']:.1f} "
+        f"reactive_poisson_cold_pct={s['poisson_reactive_cold_pct']:.1f} "
+        f"py_rps_1p={s['py_rps_1p']:.0f} inline_over_hop={s['inline_over_hop']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -31,11 +32,16 @@ log = logging.getLogger("meshfn.inference")
 Protocol = Literal["rest", "grpc"]
 T = TypeVar("T")
 
-# A core function whose deadline is at most this runs on the event loop itself: the call
-# (2-30 us) costs less than the two thread hand-offs (~70-130 us each), and the epoch
-# deadline bounds how long the loop can be held (the ticker thread runs while ctypes has
-# released the GIL).
-INLINE_MAX_TIMEOUT_S = 0.02
+# A loaded core function first runs on the event loop itself, with a deadline of this many
+# epoch ticks (5-10 ms): the call (2-30 us) costs less than the two thread hand-offs (~70-130
+# us each). The slice bounds how long the loop is held (the ticker thread advances the epoch
+# while ctypes has released the GIL). A call the slice interrupts runs again, from the start
+# on a fresh instance, on a worker thread with what is left of its deadline: core guests import
+# nothing, so a call has no effect outside its instance, and the interrupted instance is
+# discarded. A deadline shorter than the slice is simply the deadline.
+INLINE_SLICE_TICKS = 2
+# MESHFN_INLINE_CORE=0 turns it off (to measure what it gives: bench/coldstart.py).
+INLINE_CORE = os.environ.get("MESHFN_INLINE_CORE", "1") != "0"
 
 
 class Lane:
@@ -67,19 +73,13 @@ class Lane:
             if rt.spec.warmup.mode == "predictive" and dispatcher.prewarm_executor is not None
             else None
         )
-        self.inline_allowed = rt.spec.limits.timeout.total_seconds() <= INLINE_MAX_TIMEOUT_S
 
     @property
     def inline(self) -> bool:
-        """Run the guest call on the event loop (see INLINE_MAX_TIMEOUT_S): a loaded core
-        function with a short deadline."""
+        """Run the guest call on the event loop first (see INLINE_SLICE_TICKS): a loaded core
+        function (its load, a file read, stays on a worker thread)."""
         rt = self.rt
-        return (
-            self.inline_allowed
-            and rt.loaded
-            and rt.verified is not None
-            and rt.verified.kind == "core"
-        )
+        return INLINE_CORE and rt.loaded and rt.verified is not None and rt.verified.kind == "core"
 
     async def call(self, text: str, deadline: float | None) -> Invocation:
         """One guest call on a worker thread, never past `deadline` (monotonic seconds)."""
@@ -91,7 +91,20 @@ class Lane:
             ticks = deadline_ticks(remaining)
         try:
             if self.inline:
-                return self.rt.invoke(text, ticks)
+                full = min(ticks, self.rt.ticks) if ticks else self.rt.ticks
+                started = time.monotonic()
+                invocation = self.rt.invoke(
+                    text, min(full, INLINE_SLICE_TICKS), full > INLINE_SLICE_TICKS
+                )
+                if full <= INLINE_SLICE_TICKS or invocation.result.outcome is not Outcome.TIMEOUT:
+                    return invocation
+                if deadline is None:
+                    deadline = started + self.rt.spec.limits.timeout.total_seconds()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:  # the slice was all the deadline had left: a timeout
+                    self.rt.metrics.traps.labels(self.rt.label, Outcome.TIMEOUT.value).inc()
+                    return invocation
+                ticks = deadline_ticks(remaining)
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(
                 self._dispatcher.executor, self.rt.invoke, text, ticks

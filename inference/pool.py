@@ -21,7 +21,7 @@ from wasmtime import component as wc
 from .config import ServedFunction
 from .engine import deadline_ticks
 from .errors import InferenceError, RegistryError, SignatureError
-from .host import Artifact, CallResult, Instance, component_linker, load_precompiled
+from .host import Artifact, CallResult, Instance, Outcome, component_linker, load_precompiled
 from .kserve import Signature
 from .metrics import Metrics
 from .registry import Registry, VerifiedArtifact
@@ -266,9 +266,13 @@ class FunctionRuntime:
                     return
         instance.close()
 
-    def invoke(self, request: str, ticks: int | None = None) -> Invocation:
+    def invoke(
+        self, request: str, ticks: int | None = None, preemptible: bool = False
+    ) -> Invocation:
         """Run one guest call on an instance (worker thread); `ticks` may shorten the deadline
-        (a client's own timeout), never lengthen it."""
+        (a client's own timeout), never lengthen it. `preemptible`: a slice of the deadline
+        on the event loop (dispatch.py); its interruption is no trap, the caller runs the
+        request again on a fresh instance, so the interrupted one is closed uncounted."""
         instance, generation, cold = self._take()
         started = time.perf_counter()
         try:
@@ -277,6 +281,9 @@ class FunctionRuntime:
             instance.close()
             raise
         seconds = time.perf_counter() - started
+        if preemptible and result.outcome is Outcome.TIMEOUT:
+            instance.close()
+            return Invocation(result, cold, seconds)
         self._give_back(instance, generation, result)
         self._maybe_refill()
         return Invocation(result, cold, seconds)

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshfn.inference.warmup")
 
-MIN_GAPS = 4  # idle gaps seen before predicting anything
+MIN_GAPS = 3  # idle gaps seen before predicting anything
 LONG_GAPS = 3  # gaps over the TTL seen before predicting one
 HISTORY = 32  # recent gaps kept (an arrival pattern may change: old gaps age out)
 LEAD_S = 0.025  # warm this much before the window (plus twice the warm-up's own duration)
@@ -130,9 +130,9 @@ class Predictor:
         lo, mid, hi = quantile(long, 0.05), quantile(long, 0.5), quantile(long, 0.95)
         lead = LEAD_S + 2 * self.warmup_s
         periodic = hi - lo <= CONCENTRATED * mid
-        if periodic:
-            slack = max(0.01, 0.1 * (hi - lo))
-            start, end = lo - lead, hi + slack
+        if periodic:  # a few samples rarely span the jitter: widen by a quarter each side
+            margin = max(0.01, 0.25 * (hi - lo))
+            start, end = lo - margin - lead, hi + margin
         else:  # random arrivals: extend the keep-alive to cover half the long gaps
             start, end = self.ttl - lead, mid
         start = max(0.0, start)

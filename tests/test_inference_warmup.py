@@ -8,12 +8,14 @@ import asyncio
 import json
 import random
 import threading
+import time
 
 import pytest
 from pydantic import ValidationError
 
 from meshfn.contracts.function import FunctionSettings
 from meshfn.inference.backend import Backend
+from meshfn.inference.dispatch import INLINE_SLICE_TICKS
 from meshfn.inference.warmup import Predictor, WarmBudget, quantile
 
 from .test_inference_runtime import Published, X, backend_for, chaos, published, until
@@ -50,7 +52,7 @@ def test_periodic_arrivals_predict_a_tight_window_and_release_at_idle() -> None:
 
 def test_too_few_or_short_gaps_predict_nothing() -> None:
     p = Predictor(ttl=0.2, max_warm_idle=5.0)
-    feed(p, [0.5, 0.5, 0.5])
+    feed(p, [0.5, 0.5])
     assert p.predict() is None  # not enough history
     q = Predictor(ttl=0.2, max_warm_idle=5.0)
     feed(q, [0.01] * 30 + [0.5, 0.5])
@@ -208,26 +210,35 @@ async def test_mode_off_creates_instances_only_on_demand(published: Published) -
         await b.drain(1)
 
 
-async def test_short_deadline_core_calls_run_inline_and_are_still_interrupted(
+async def test_core_calls_run_inline_and_a_long_one_finishes_on_a_worker(
     published: Published,
 ) -> None:
-    b = backend_for(published, [{"name": "chaos-core", "limits": {"timeout": "20ms"}}])
+    b = backend_for(published, [{"name": "chaos-core", "limits": {"timeout": "300ms"}}])
     await b.start()
     try:
         rt = b.lookup("chaos-core", None)
-        seen: list[int] = []
+        seen: list[tuple[int, int | None]] = []
         invoke = rt.invoke
 
-        def spy(text: str, ticks: int | None = None):  # type: ignore[no-untyped-def]
-            seen.append(threading.get_ident())
-            return invoke(text, ticks)
+        def spy(text: str, ticks: int | None = None, preemptible: bool = False):  # type: ignore[no-untyped-def]
+            seen.append((threading.get_ident(), ticks))
+            return invoke(text, ticks, preemptible)
 
         rt.invoke = spy  # type: ignore[method-assign]
         assert (await b.infer("chaos-core", None, X.encode())).status == 200  # loads (a thread)
+        assert seen[-1][0] != threading.get_ident()
         assert (await b.infer("chaos-core", None, X.encode())).status == 200
-        assert seen[-1] == threading.get_ident()  # the event loop's own thread
+        assert seen[-1] == (threading.get_ident(), INLINE_SLICE_TICKS)  # the loop's own thread
+        # a spin outlives the slice: it runs again on a worker with the rest of its deadline,
+        # and that deadline (300 ms), not the slice, interrupts it
+        seen.clear()
+        started = time.monotonic()
         spin = await b.infer("chaos-core", None, chaos("spin").encode())
-        assert spin.status == 504
+        assert spin.status == 504 and time.monotonic() - started >= 0.28
+        assert "300 ms deadline" in json.loads(spin.body)["error"]
+        assert len(seen) == 2 and seen[1][0] != threading.get_ident()
+        discarded = b.metrics.traps.labels(rt.label, "timeout")._value.get()
+        assert discarded == 1  # the slice's own interruption is not counted
         assert (await b.infer("chaos-core", None, X.encode())).status == 200
     finally:
         await b.drain(1)

@@ -17,6 +17,12 @@ Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
               on the event loop) and the Python function (iris), with `processes: 1` and
               `processes: 2`; plus the levers: core calls with the thread hop
               (MESHFN_INLINE_CORE=0) and the event loop (asyncio vs uvloop)
+  levers      in this process, per function (iris, digits), medians of `--lever-samples`:
+              deserializing the .cwasm (what a process-wide code cache would save: the same as
+              a longer codeTtl), the same after posix_fadvise(WILLNEED) of the file,
+              instantiating, the first and second call of a fresh instance, and the first call
+              of an instance pre-faulted by one `metadata` call (what the warm pool and the
+              predicted warm-ups now do)
 Prints one summary line and writes bench/results/coldstart.json.
 """
 
@@ -53,6 +59,9 @@ TRACES = ("periodic", "bursty", "poisson")
 # so MIN_GAPS + 1 requests): the summary's cold_pct is over the rest (the JSON has both).
 LEARNING = 4
 MODES = ("reactive", "predictive")
+# The predictive replay runs this much later than the reactive one, so that their requests do
+# not compete for the same moment (a cold load beside a warm request slows both).
+OFFSET = {"reactive": 0.0, "predictive": 0.23}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -129,12 +138,14 @@ def cold_count(status: RawHttp, function: str) -> tuple[int, float]:
     raise SystemExit(f"{function} missing from /meshfn/functions")
 
 
-def replay(port: int, function: str, times: list[float], out: dict[str, Any]) -> None:
+def replay(
+    port: int, function: str, times: list[float], out: dict[str, Any], offset: float = 0.0
+) -> None:
     client, status = RawHttp("127.0.0.1", port), RawHttp("127.0.0.1", port)
     raw = client.encode("POST", f"/v2/models/{function}/infer", IRIS)
     latencies, colds = [], []
     cold_before, warm_before = cold_count(status, function)
-    start = time.perf_counter()
+    start = time.perf_counter() + offset
     try:
         for due in times:
             delay = start + due - time.perf_counter()
@@ -183,7 +194,8 @@ def run_traces(port: int, traces: dict[str, list[float]]) -> dict[str, Any]:
     for t in TRACES:
         threads = [
             threading.Thread(
-                target=replay, args=(port, f"iris-{t}-{m}", traces[t], results[f"{t}-{m}"])
+                target=replay,
+                args=(port, f"iris-{t}-{m}", traces[t], results[f"{t}-{m}"], OFFSET[m]),
             )
             for m in MODES
         ]
@@ -215,32 +227,111 @@ THROUGHPUT_FUNCTIONS = [
 ]  # fmt: skip
 
 
+CONFIGS = {  # name: (processes, event loop, core calls inline)
+    "1p-asyncio": (1, "asyncio", True),
+    "2p-asyncio": (2, "asyncio", True),
+    "1p-uvloop": (1, "uvloop", True),
+    "2p-uvloop": (2, "uvloop", True),
+    "1p-hop": (1, "asyncio", False),
+}
+
+
 def throughput(
     procs: Processes,
     tmp: Path,
     registry: Path,
     key: Path,
-    processes: int,
     seconds: int,
-    loop: str,
-    inline: bool = True,
-) -> dict[str, float]:
-    """wrk against digits and iris; `inline=False`: core calls take the thread hop too."""
-    name = f"rps-{processes}p-{loop}{'' if inline else '-hop'}"
-    env = None if inline else {**os.environ, "MESHFN_INLINE_CORE": "0"}
-    proc, port = backend(procs, tmp, registry, key, name, THROUGHPUT_FUNCTIONS, processes,
-                         ["--loop", loop], env)  # fmt: skip
-    out = {}
-    try:
-        for function, body in (("digits", DIGITS), ("iris", IRIS))[: 2 if inline else 1]:
-            url = f"http://127.0.0.1:{port}/v2/models/{function}/infer"
+    rounds: int,
+    loops: list[str],
+) -> list[dict[str, dict[str, float]]]:
+    """Every configuration's backend runs at once (idle ones cost nothing); each round runs wrk
+    against digits and iris on each in turn, so a pair compared in one round saw the same
+    machine load (the machine is shared: minute-to-minute load swings dwarf the effects)."""
+    configs = {k: v for k, v in CONFIGS.items() if v[1] in loops}
+    ports = {}
+    started = []
+    for name, (processes, loop, inline) in configs.items():
+        env = None if inline else {**os.environ, "MESHFN_INLINE_CORE": "0"}
+        proc, port = backend(procs, tmp, registry, key, f"rps-{name}", THROUGHPUT_FUNCTIONS,
+                             processes, ["--loop", loop], env)  # fmt: skip
+        ports[name] = port
+        started.append(proc)
+        for function, body in (("digits", DIGITS), ("iris", IRIS)):
             for _ in range(4 * processes):  # load the code in every process
                 client = RawHttp("127.0.0.1", port)
                 client.request("POST", f"/v2/models/{function}/infer", body)
                 client.close()
-            out[function] = load.wrk(url, body, seconds, 8, tmp).rps
+    out = []
+    try:
+        for _ in range(rounds):
+            results: dict[str, dict[str, float]] = {}
+            for name, port in ports.items():
+                results[name] = {}
+                for function, body in (("digits", DIGITS), ("iris", IRIS)):
+                    if function == "iris" and not configs[name][2]:
+                        continue  # the hop lever is about core calls only
+                    url = f"http://127.0.0.1:{port}/v2/models/{function}/infer"
+                    results[name][function] = load.wrk(url, body, seconds, 8, tmp).rps
+            out.append(results)
     finally:
-        assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
+        for proc in started:
+            assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
+    return out
+
+
+def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float]]:
+    """Cold-path levers, timed in this process (see the module doc)."""
+    from meshfn.inference import signing
+    from meshfn.inference.engine import EpochTicker, new_engine
+    from meshfn.inference.host import component_linker, load_precompiled
+    from meshfn.inference.registry import Registry
+
+    engine = new_engine()
+    ticker = EpochTicker(engine).start()
+    linker = component_linker(engine)
+    trusted = signing.TrustedKeys.from_paths([key])
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for name, body in (("iris", IRIS), ("digits", DIGITS)):
+            verified = Registry(registry).verify(name, "1", trusted)
+            request = json.dumps(json.loads(body))
+            times: dict[str, list[float]] = {}
+
+            def since(what: str, started: float, times: dict[str, list[float]] = times) -> None:
+                times.setdefault(what, []).append((time.perf_counter() - started) * 1000)
+
+            for _ in range(samples):
+                t = time.perf_counter()
+                art = load_precompiled(engine, verified.kind, verified.cwasm, linker)
+                since("deserialize", t)
+                t = time.perf_counter()
+                fresh = art.instantiate(64 << 20)
+                since("instantiate", t)
+                t = time.perf_counter()
+                fresh.call(request, 1000)
+                since("first_call", t)
+                t = time.perf_counter()
+                fresh.call(request, 1000)
+                since("second_call", t)
+                fresh.close()
+                faulted = art.instantiate(64 << 20)
+                faulted.metadata()
+                t = time.perf_counter()
+                faulted.call(request, 1000)
+                since("prefaulted_first_call", t)
+                faulted.close()
+                fd = os.open(verified.cwasm, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                    t = time.perf_counter()
+                    load_precompiled(engine, verified.kind, verified.cwasm, linker)
+                    since("deserialize_after_fadvise", t)
+                finally:
+                    os.close(fd)
+            out[name] = {k: statistics.median(v) for k, v in times.items()}
+    finally:
+        ticker.stop()
     return out
 
 
@@ -255,18 +346,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         traces = make_traces(args.n, args.period, random.Random(args.seed))
         data["traces"] = run_traces(port, traces)
         assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
-        rounds: list[dict[str, dict[str, float]]] = []
-        for _ in range(args.rounds):  # alternating: the machine's load drifts
-            rps: dict[str, dict[str, float]] = {}
-            for loop in args.loops:
-                for processes in (1, 2):
-                    rps[f"{processes}p-{loop}"] = throughput(
-                        procs, tmp, registry, key, processes, args.wrk_seconds, loop
-                    )
-            rps["1p-hop"] = throughput(
-                procs, tmp, registry, key, 1, args.wrk_seconds, args.loops[0], inline=False
-            )
-            rounds.append(rps)
+        data["levers"] = levers(registry, key, args.lever_samples)
+        rounds = throughput(procs, tmp, registry, key, args.wrk_seconds, args.rounds, args.loops)
         data["rps_rounds"] = rounds
         data["rps"] = {
             config: {
@@ -287,8 +368,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=60, help="requests per trace")
     parser.add_argument("--period", type=float, default=0.5, help="periodic trace: T (s)")
     parser.add_argument("--seed", type=int, default=20)
-    parser.add_argument("--wrk-seconds", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds (medians)")
+    parser.add_argument("--wrk-seconds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7, help="throughput rounds (medians)")
+    parser.add_argument("--lever-samples", type=int, default=30)
     parser.add_argument(
         "--loops", nargs="+", default=["asyncio", "uvloop"], help="event loops to measure"
     )
@@ -330,6 +412,9 @@ def main() -> None:
         "py_rps_1p": base["iris"],
         "py_rps_2p_ratio": ratio("iris", f"2p-{first}", f"1p-{first}"),
         "core_hop_rps_1p": data["rps"]["1p-hop"]["digits"],
+        "py_deserialize_ms": data["levers"]["iris"]["deserialize"],
+        "py_first_call_ms": data["levers"]["iris"]["first_call"],
+        "py_prefaulted_first_call_ms": data["levers"]["iris"]["prefaulted_first_call"],
         "inline_over_hop": ratio("digits", f"1p-{first}", "1p-hop"),
         **(
             {
@@ -360,7 +445,9 @@ def main() -> None:
         f"reactive_periodic_cold_pct={s['periodic_reactive_cold_pct']:.1f} "
         f"reactive_bursty_cold_pct={s['bursty_reactive_cold_pct']:.1f} "
         f"reactive_poisson_cold_pct={s['poisson_reactive_cold_pct']:.1f} "
-        f"py_rps_1p={s['py_rps_1p']:.0f} inline_over_hop={s['inline_over_hop']:.2f}"
+        f"py_rps_1p={s['py_rps_1p']:.0f} inline_over_hop={s['inline_over_hop']:.2f} "
+        f"py_deserialize_ms={s['py_deserialize_ms']:.2f} py_first_call_ms={s['py_first_call_ms']:.2f} "
+        f"py_prefaulted_first_call_ms={s['py_prefaulted_first_call_ms']:.2f}"
         + (
             f" uvloop_over_asyncio_core={s['uvloop_over_asyncio_core']:.2f}"
             f" uvloop_over_asyncio_py={s['uvloop_over_asyncio_py']:.2f}"

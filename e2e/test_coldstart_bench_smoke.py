@@ -9,7 +9,8 @@ from meshfn_e2e import run_bench
 
 
 def test_coldstart_bench_smoke(tmp_path: Path) -> None:
-    tiny = ["--n", "8", "--period", "0.3", "--wrk-seconds", "1", "--loops", "asyncio"]
+    tiny = ["--n", "8", "--period", "0.3", "--wrk-seconds", "1", "--loops", "asyncio",
+            "--rounds", "1", "--lever-samples", "2"]  # fmt: skip
     line, data = run_bench("coldstart.py", tiny, tmp_path)
     assert re.match(
         r"^coldstart: periodic_cold_pct=[\d.]+ bursty_cold_pct=[\d.]+ poisson_cold_pct=[\d.]+ "

@@ -85,7 +85,7 @@ class Metrics:
         )
         self.warmup_predictions = Counter(
             "meshfn_fn_warmup_predictions",
-            "Predicted arrival windows (warmup.mode predictive)",
+            "Predicted warm-ups that were started, or whose request came before they could be",
             ["function"],
             registry=r,
         )

@@ -193,6 +193,7 @@ class Warmer:
         self.state = "idle"  # idle | armed | warming | warm
         self.reserved = 0
         self._timers: list[asyncio.TimerHandle] = []
+        self._idle_at = 0.0  # when the armed window's idle gap began
         self._generation = 0
 
     # ------------------------------------------------------------------ requests
@@ -205,8 +206,12 @@ class Warmer:
         if self.state == "warm":
             self.hits += 1
             self._hits.inc()
-        else:
+        elif self.state == "warming":
             self._miss("early")
+        elif now - self._idle_at > self.predictor.ttl:  # armed: a long gap, shorter than foreseen
+            self._count_prediction()
+            self._miss("early")
+        # else a short gap before the window: the reactive TTL serves it, nothing was predicted
         self._close(release_instances=False)
 
     def finished(self, inflight: int) -> None:
@@ -223,8 +228,7 @@ class Warmer:
         if self.under_pressure():
             self._skip("pressure")
             return
-        self.predictions += 1
-        self._predictions.inc()
+        self._idle_at = now
         self.window = self.last_window = window
         self.state = "armed"
         self._generation += 1
@@ -257,6 +261,7 @@ class Warmer:
             self._close(release_instances=False)
             return
         self.reserved = mib
+        self._count_prediction()
         self.state = "warming"
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self.executor, self.rt.warm, wanted)
@@ -283,6 +288,10 @@ class Warmer:
         self._close(release_instances=True)
 
     # ------------------------------------------------------------------ helpers
+
+    def _count_prediction(self) -> None:
+        self.predictions += 1
+        self._predictions.inc()
 
     def _skip(self, reason: str) -> None:
         self.skipped[reason] += 1

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshfn.inference.devtools import RawHttp
+from meshfn.inference.devtools import RawHttp, get_json
 from meshfn.inference.examples import publish_examples
 from meshfn.testing import load
 from meshfn.testing.ports import free_port
@@ -50,9 +50,8 @@ from meshfn.testing.processes import Proc, Processes, http_ok, wait_for
 RESULTS = Path(__file__).resolve().parent / "results"
 PY = sys.executable
 IRIS = load.IRIS
-DIGITS = json.dumps(
-    {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
-).encode()
+DIGITS = load.DIGITS
+pct = load.pct
 TTL = 0.2
 TRACES = ("periodic", "bursty", "poisson")
 # The first requests of a trace, which no predictor can foresee (warmup.py MIN_GAPS idle gaps,
@@ -62,11 +61,6 @@ MODES = ("reactive", "predictive")
 # The predictive replay runs this much later than the reactive one, so that their requests do
 # not compete for the same moment (a cold load beside a warm request slows both).
 OFFSET = {"reactive": 0.0, "predictive": 0.23}
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 def backend(
@@ -98,13 +92,9 @@ def backend(
     seen: set[int] = set()
 
     def all_ready() -> bool:  # every process answers (each verifies on its own at start)
-        client = RawHttp("127.0.0.1", port)
-        try:
-            code, body = client.request("GET", "/meshfn/functions")
-            if code == 200 and json.loads(body)["ready"]:
-                seen.add(json.loads(body)["pid"])
-        finally:
-            client.close()
+        document = get_json(port, "/meshfn/functions")
+        if document["ready"]:
+            seen.add(document["pid"])
         return len(seen) >= processes
 
     wait_for(f"{processes} processes ready", all_ready, 90, every=0.02, proc=proc)
@@ -206,13 +196,7 @@ def run_traces(port: int, traces: dict[str, list[float]]) -> dict[str, Any]:
     for key, value in results.items():
         if "cold_pct" not in value:
             raise SystemExit(f"trace {key} failed (see the traceback above)")
-    status = RawHttp("127.0.0.1", port)
-    try:
-        code, body = status.request("GET", "/meshfn/functions")
-    finally:
-        status.close()
-    assert code == 200, body
-    for f in json.loads(body)["functions"]:
+    for f in get_json(port, "/meshfn/functions")["functions"]:
         key = f["name"].removeprefix("iris-")
         if key in results:
             results[key]["warmup"] = f["warmup"]

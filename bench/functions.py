@@ -48,14 +48,8 @@ from meshfn.testing.processes import Proc, Processes, http_ok, wait_for
 RESULTS = Path(__file__).resolve().parent / "results"
 PY = sys.executable
 IRIS = load.IRIS
-DIGITS = json.dumps(
-    {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
-).encode()
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+DIGITS = load.DIGITS
+pct = load.pct
 
 
 def wait_http(url: str, proc: Proc, timeout: float = 60) -> None:

@@ -226,10 +226,10 @@ def serve_cmd(
         if loop not in ("asyncio", "uvloop"):
             _fail(f"--loop must be asyncio or uvloop, not {loop!r}")
         if cfg.processes > 1 and listen_fd is None:
-            from .supervisor import supervise
+            from .supervisor import Supervisor
 
-            supervise(cfg, host, port, drain_timeout, grpc_port,
-                      ["--log-format", log_format, "--log-level", log_level, "--loop", loop])  # fmt: skip
+            extra = ["--log-format", log_format, "--log-level", log_level, "--loop", loop]
+            asyncio.run(Supervisor(cfg, host, port, drain_timeout, grpc_port, extra).run())
             return
         main = serve(cfg, host, port, drain_timeout, grpc_port, listen_fd)
         if loop == "uvloop":

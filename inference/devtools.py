@@ -94,6 +94,18 @@ def write_envoy_config(
     return path
 
 
+def get_json(port: int, path: str) -> Any:
+    """GET `path` from a loopback port on a new connection; the JSON of its 200 answer."""
+    client = RawHttp("127.0.0.1", port)
+    try:
+        status, body = client.request("GET", path)
+    finally:
+        client.close()
+    if status != 200:
+        raise AssertionError(f"GET {path}: {status} {body[:200]!r}")
+    return json.loads(body)
+
+
 class RawHttp:
     """One keep-alive HTTP/1.1 connection with TCP_NODELAY; requests are pre-encoded."""
 

@@ -155,17 +155,6 @@ class Supervisor:
                 )
 
 
-def supervise(
-    config: BackendConfig,
-    host: str,
-    port: int,
-    drain_timeout: float,
-    grpc_port: int | None,
-    log_args: list[str],
-) -> None:
-    asyncio.run(Supervisor(config, host, port, drain_timeout, grpc_port, log_args).run())
-
-
 def adopt(fd: int) -> socket.socket:
     """The supervisor's listening socket in a child."""
     sock = socket.socket(fileno=fd)

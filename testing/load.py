@@ -19,6 +19,16 @@ IRIS = json.dumps(
         ]
     }
 ).encode()
+# A blank-ish 8x8 digit for the digits example (core wasm).
+DIGITS = json.dumps(
+    {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
+).encode()
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile of `values` by rank (the benchmarks' p50/p99; 0 for none)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,14 @@ with atheris.instrument_imports(include=["meshfn"]):
     from meshfn.control_plane.health.drift import DriftBreaker
     from meshfn.control_plane.policy import PolicyErrors, PolicyLoader
     from meshfn.control_plane.service import watched_routes
-    from meshfn.inference.kserve import KServeError, Signature, parse_request
+    from meshfn.inference.kserve import (
+        HEADER_LENGTH,
+        KServeError,
+        Signature,
+        header_length,
+        parse_http,
+    )
+    from meshfn.inference.tensors import element_count
     from meshfn.xds.als import AccessLogReceiver
     from meshfn.xds.auth import StreamAuth
     from meshfn.xds.cache import InconsistentSnapshot, SnapshotCache, prepare
@@ -107,7 +114,10 @@ SIGNATURES = [
     Signature.from_metadata(
         {
             "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 4]}],
-            "outputs": [{"name": "label"}, {"name": "probabilities"}],
+            "outputs": [
+                {"name": "label", "datatype": "INT64", "shape": [-1]},
+                {"name": "probabilities", "datatype": "FP32", "shape": [-1, 3]},
+            ],
         }
     ),
     Signature.from_metadata(
@@ -117,27 +127,36 @@ SIGNATURES = [
                 {"name": "ids", "datatype": "INT64", "shape": [2, -1]},
                 {"name": "mask", "datatype": "BOOL", "shape": [-1]},
             ],
-            "outputs": [{"name": "embedding"}],
+            "outputs": [{"name": "embedding", "datatype": "FP32", "shape": [-1, 8]}],
         }
     ),
 ]
 
 
 def kserve(data: bytes) -> None:
-    """First byte: which signature; the rest: the request body."""
+    """First byte: bit 0 whether the body uses the binary tensor extension (its JSON header
+    length is then the next two bytes, little-endian), the bits above it which signature; the
+    rest: the request body."""
     if not data:
         return
-    signature = SIGNATURES[data[0] % len(SIGNATURES)]
-    body = data[1:]
+    signature = SIGNATURES[(data[0] >> 1) % len(SIGNATURES)]
+    binary = data[0] & 1 and len(data) >= 3
+    body = data[3:] if binary else data[1:]
     try:
-        request = parse_request(body, signature)
+        json_length = None
+        if binary:
+            declared = str(struct.unpack_from("<H", data, 1)[0]).encode()
+            json_length = header_length({HEADER_LENGTH: declared}, len(body))
+        request = parse_http(body, signature, json_length)
     except KServeError as exc:
         if not 400 <= exc.status < 500 or not exc.message:
             raise Finding(f"a decoder error must be a 4xx with a message: {exc.status}") from exc
         json.loads(exc.body())
         return
-    if request.text != body.decode("utf-8"):
-        raise Finding("the guest must get the body exactly as sent")
+    for tensor in request.inputs:
+        if tensor.dt.size and len(tensor.raw) != tensor.dt.size * element_count(tensor.shape):
+            raise Finding(f"input {tensor.name!r}: {len(tensor.raw)} bytes for {tensor.shape}")
+    json.loads(request.guest_json(raw=True))
 
 
 # ---------------------------------------------------------------------- ADS

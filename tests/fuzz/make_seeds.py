@@ -144,7 +144,63 @@ def kserve() -> None:
         ),
     ]
     for signature, body in bodies:
-        put("kserve", bytes([signature]) + json.dumps(body).encode())
+        put("kserve", bytes([signature << 1]) + json.dumps(body).encode())
+    # the binary tensor extension: a JSON header of the given length, then the raw tensors
+    binary = [
+        (
+            0,
+            {
+                "inputs": [
+                    {
+                        "name": "features",
+                        "datatype": "FP32",
+                        "shape": [1, 4],
+                        "parameters": {"binary_data_size": 16},
+                    }
+                ],
+                "parameters": {"binary_data_output": True},
+            },
+            struct.pack("<4f", 5.1, 3.5, 1.4, 0.2),
+        ),
+        (
+            1,
+            {
+                "inputs": [
+                    {
+                        "name": "text",
+                        "datatype": "BYTES",
+                        "shape": [2],
+                        "parameters": {"binary_data_size": 10},
+                    },
+                    {"name": "ids", "datatype": "INT64", "shape": [2, 1], "data": [1, 2]},
+                    {
+                        "name": "mask",
+                        "datatype": "BOOL",
+                        "shape": [1],
+                        "parameters": {"binary_data_size": 1},
+                    },
+                ]
+            },
+            struct.pack("<I", 1) + b"a" + struct.pack("<I", 1) + b"b" + b"\x01",
+        ),
+        (
+            0,
+            {
+                "inputs": [
+                    {
+                        "name": "features",
+                        "datatype": "FP32",
+                        "shape": [1, 4],
+                        "parameters": {"binary_data_size": 16},
+                    }
+                ]
+            },
+            b"\x00" * 12,
+        ),
+    ]
+    for signature, body, blob in binary:
+        head = json.dumps(body).encode()
+        put("kserve", bytes([signature << 1 | 1]) + struct.pack("<H", len(head)) + head + blob)
     put(
         "kserve",
         b"\x00"

@@ -185,8 +185,8 @@ def serve_cmd(
         typer.Option(help="serving processes sharing the port (a dead one is restarted)"),
     ] = None,
     loop: Annotated[
-        str, typer.Option(help="event loop: asyncio | uvloop (bench/coldstart.py measures both)")
-    ] = "asyncio",
+        str, typer.Option(help="event loop: uvloop | asyncio (bench/coldstart.py measures both)")
+    ] = "uvloop",
     listen_fd: Annotated[int | None, typer.Option(hidden=True)] = None,
     trusted_key: Annotated[
         list[Path] | None, typer.Option("--trusted-key", help="ed25519 public key file or dir")

@@ -177,9 +177,10 @@ class Dispatcher:
     def admit(self, rt: FunctionRuntime, protocol: Protocol) -> None:
         if self.draining:
             raise KServeError(503, "the inference backend is shutting down")
-        if rt.refusal is not None or rt.signature is None:
-            refusal = rt.refusal or Refused(f"function {rt.label} is not verified", 403)
-            raise KServeError(refusal.status, str(refusal))
+        if rt.refusal is not None:
+            raise KServeError(rt.refusal.status, str(rt.refusal))
+        if rt.signature is None:  # still being verified (start-up): come back, not a refusal
+            raise KServeError(503, f"function {rt.label} is being verified (starting up)")
         if not getattr(rt.spec.protocols, protocol):
             raise KServeError(
                 404,

@@ -201,13 +201,21 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # bind first: a port conflict fails before verification
-    await http.start(host, port, sock=adopt(listen_fd) if listen_fd is not None else None)
+    # Alone, bind first: a port conflict fails before verification. A supervisor's child
+    # (listen_fd) verifies first and only then accepts: its socket is bound already, and the
+    # connections queued on it (a restarted child's, under load) must meet verified functions.
+    child = listen_fd is not None
+    if not child:
+        await http.start(host, port)
     try:
+        if listen_fd is not None:
+            await backend.start()
+            await http.start(host, port, sock=adopt(listen_fd))
         if grpc is not None:
             assert grpc_port is not None
             await grpc.start(host, grpc_port)
-        await backend.start()
+        if not child:
+            await backend.start()
         # Everything allocated so far (modules, config, metrics, verified metadata) lives as
         # long as the process. Left to the cyclic GC, each full collection walks it all: ~30 ms
         # that would land inside some unlucky request. Frozen, full collections only walk what

@@ -211,6 +211,24 @@ THROUGHPUT_FUNCTIONS = [
 ]  # fmt: skip
 
 
+def sequential_p50_us(port: int, body: bytes, n: int = 300) -> float:
+    """p50 of back-to-back requests to digits on one keep-alive connection."""
+    client = RawHttp("127.0.0.1", port)
+    raw = client.encode("POST", "/v2/models/digits/infer", body)
+    try:
+        for _ in range(30):
+            client.send(raw)
+        times = []
+        for _ in range(n):
+            started = time.perf_counter()
+            status, reply = client.send(raw)
+            times.append((time.perf_counter() - started) * 1e6)
+            assert status == 200, reply
+    finally:
+        client.close()
+    return statistics.median(times)
+
+
 def throughput(
     procs: Processes,
     tmp: Path,
@@ -250,6 +268,8 @@ def throughput(
                         continue  # the hop lever is about core calls only
                     url = f"http://127.0.0.1:{port}/v2/models/{function}/infer"
                     results[name][function] = load.wrk(url, body, seconds, 8, tmp).rps
+                if name in (f"1p-{loops[0]}", "1p-hop"):  # the hop's cost is latency
+                    results[name]["digits_seq_p50_us"] = sequential_p50_us(port, DIGITS)
             out.append(results)
     finally:
         for proc in started:
@@ -393,6 +413,9 @@ def main() -> None:
         "py_first_call_ms": data["levers"]["iris"]["first_call"],
         "py_prefaulted_first_call_ms": data["levers"]["iris"]["prefaulted_first_call"],
         "inline_over_hop": ratio("digits", f"1p-{first}", "1p-hop"),
+        "core_seq_p50_us": base["digits_seq_p50_us"],
+        "core_seq_p50_us_hop": data["rps"]["1p-hop"]["digits_seq_p50_us"],
+        "inline_latency_ratio": ratio("digits_seq_p50_us", f"1p-{first}", "1p-hop"),
         **(
             {
                 "uvloop_over_asyncio_core": ratio("digits", "1p-uvloop", "1p-asyncio"),
@@ -423,6 +446,7 @@ def main() -> None:
         f"reactive_bursty_cold_pct={s['bursty_reactive_cold_pct']:.1f} "
         f"reactive_poisson_cold_pct={s['poisson_reactive_cold_pct']:.1f} "
         f"py_rps_1p={s['py_rps_1p']:.0f} inline_over_hop={s['inline_over_hop']:.2f} "
+        f"core_seq_p50_us={s['core_seq_p50_us']:.0f} inline_latency_ratio={s['inline_latency_ratio']:.2f} "
         f"py_deserialize_ms={s['py_deserialize_ms']:.2f} py_first_call_ms={s['py_first_call_ms']:.2f} "
         f"py_prefaulted_first_call_ms={s['py_prefaulted_first_call_ms']:.2f}"
         + (

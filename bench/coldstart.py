@@ -211,24 +211,6 @@ THROUGHPUT_FUNCTIONS = [
 ]  # fmt: skip
 
 
-def sequential_p50_us(port: int, body: bytes, n: int = 300) -> float:
-    """p50 of back-to-back requests to digits on one keep-alive connection."""
-    client = RawHttp("127.0.0.1", port)
-    raw = client.encode("POST", "/v2/models/digits/infer", body)
-    try:
-        for _ in range(30):
-            client.send(raw)
-        times = []
-        for _ in range(n):
-            started = time.perf_counter()
-            status, reply = client.send(raw)
-            times.append((time.perf_counter() - started) * 1e6)
-            assert status == 200, reply
-    finally:
-        client.close()
-    return statistics.median(times)
-
-
 def throughput(
     procs: Processes,
     tmp: Path,
@@ -269,7 +251,9 @@ def throughput(
                     url = f"http://127.0.0.1:{port}/v2/models/{function}/infer"
                     results[name][function] = load.wrk(url, body, seconds, 8, tmp).rps
                 if name in (f"1p-{loops[0]}", "1p-hop"):  # the hop's cost is latency
-                    results[name]["digits_seq_p50_us"] = sequential_p50_us(port, DIGITS)
+                    results[name]["digits_seq_p50_us"] = statistics.median(
+                        load.sequential(port, "/v2/models/digits/infer", DIGITS, 300, 30)
+                    )
             out.append(results)
     finally:
         for proc in started:

@@ -364,6 +364,27 @@ def test_bare_filter_state_with_its_access_log_fields() -> None:
     canonical(r)
 
 
+def test_non_string_fields_are_kept_as_json() -> None:
+    """An object where the id belongs (a fuzzer's line) crashed the parser with TypeError:
+    every text field takes whatever JSON value a hostile line puts there."""
+    line = {"id": {"id": "x"}, "path": ["/a"], "method": 7, "status": 200, "audit": None}
+    r = from_log_line(json.dumps(line).encode(), "n")
+    assert r["id"] == '{"id":"x"}' and r["path"] == '["/a"]' and r["method"] == "7"
+    canonical(r)
+
+
+def test_integers_past_64_bits_are_dropped() -> None:
+    """A duration of 10**31 (a fuzzer's line) does not fit the stores' BIGINT and failed the
+    insert of its whole batch: such a number is no number."""
+    big = {"status": "200", "duration_us": 8 * 10**31, "audit": None}
+    r = from_log_line(json.dumps(big).encode(), "n")
+    assert r["status"] == 200 and r["duration_us"] is None
+    r = from_log_line(json.dumps({**big, "duration_us": str(2**63)}).encode(), "n")
+    assert r["duration_us"] is None
+    r = from_log_line(json.dumps({**big, "duration_us": 2**63 - 1}).encode(), "n")
+    assert r["duration_us"] == 2**63 - 1
+
+
 def test_not_audited_lines_ignore_the_bare_fields() -> None:
     """A request the filter never saw (jwt_authn or the codec answered first) has no filter
     state: the constant fields Envoy logs anyway do not make it look audited."""

@@ -52,9 +52,14 @@ def canonical(record: dict[str, Any]) -> bytes:
 
 
 def _str(value: Any, name: str, cut: list[str]) -> str | None:
-    if value is None or value in {"-", ""}:
+    """A field as text. A non-string (a claim that is a number or an object, or a hostile log
+    line) is kept as compact JSON, never a crash of the collector."""
+    if value is None or (isinstance(value, str) and value in {"-", ""}):
         return None
-    text = value if isinstance(value, str) else str(value)
+    if isinstance(value, str):
+        text = value
+    else:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     limit = LIMITS.get(name)
     if limit is not None and len(text) > limit:
         cut.append(name)
@@ -63,15 +68,17 @@ def _str(value: Any, name: str, cut: list[str]) -> str | None:
 
 
 def _int(value: Any) -> int | None:
+    """An integer field, or None where the line has none that fits the stores' 64-bit column
+    (a hostile or corrupt line must not fail the batch it is in)."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int):
-        return value
     if isinstance(value, str):
         try:
-            return int(value)
+            value = int(value)
         except ValueError:
             return None
+    if isinstance(value, int) and -(2**63) <= value < 2**63:
+        return value
     return None
 
 
@@ -173,14 +180,11 @@ def _bare_state(subject: str, entry: dict[str, Any]) -> dict[str, Any] | None:
     the shape of the full filter-state object; None if those fields are missing."""
     if entry.get("audit_v") != "1":
         return None
-    tenant = entry.get("tenant")
-    if tenant is not None and not isinstance(tenant, str):  # a claim that is not a string
-        tenant = json.dumps(tenant, separators=(",", ":"), ensure_ascii=False)
     return {
         "subject": None if subject == "null" else subject,
         "salt_id": entry.get("salt_id"),
         "subject_source": entry.get("subject_source"),
-        "tenant": tenant,
+        "tenant": entry.get("tenant"),
         "body": "off",
         "body_sha256": None,
     }

@@ -47,6 +47,8 @@ ensure_system() {
   command -v clang >/dev/null || missing+=(clang)
   command -v wasm-ld >/dev/null || command -v ld.lld >/dev/null || missing+=(lld)
   command -v wrk >/dev/null || missing+=(wrk)
+  # PostgreSQL server: the cluster audit store's tests and bench start one on loopback.
+  compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || missing+=(postgresql)
   # chromium: the web console's browser tests (Playwright drives Debian's build, never its own).
   command -v chromium >/dev/null || missing+=(chromium)
   # libFuzzer + ASan/UBSan runtimes for the filters' fuzz targets (wasm_filters/fuzz/build.sh)

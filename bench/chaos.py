@@ -61,11 +61,13 @@ from pathlib import Path
 from typing import Any
 
 from meshfn.contracts.journal import journal_path
-from meshfn.control_plane.audit import AuditStore
+from meshfn.control_plane.audit import layout
+from meshfn.control_plane.audit.sqlite import SqliteStore
 from meshfn.control_plane.audit.store import StoreError
 from meshfn.control_plane.identity.bootstrap_token import BootstrapTokens
 from meshfn.control_plane.identity.issuer import LocalIssuer
 from meshfn.control_plane.policy import load_policies
+from meshfn.control_plane.runtime.audit import signer_process
 from meshfn.control_plane.runtime.bootstrap import ProxyIdentity
 from meshfn.control_plane.runtime.envoy import envoy_process
 from meshfn.control_plane.runtime.process import SupervisedProcess
@@ -314,10 +316,14 @@ class Mesh:
             w.node_cluster: journal_path(self.state, w.node_cluster) for w in model.workloads
         }
         journals = [f"{source}={path}" for source, path in self.journals.items()]
+        # the signer keeps its key and the witness in the state dir, off the store's tmpfs
+        await asyncio.to_thread(lambda: SqliteStore(self.store).close())
+        signer, address = signer_process(self.state, self.store)
+        await self._add("signer", signer)
         collector = SupervisedProcess(
             "collector",
             [MESHFN, "audit", "collect", "--store", str(self.store), "--checkpoint-every", "500",
-             *(arg for j in journals for arg in ("--journal", j))],
+             "--signer", address, *(arg for j in journals for arg in ("--journal", j))],
             self.state / "logs" / "collector.log", preexec=preexec,
         )  # fmt: skip
         await self._add("collector", collector)
@@ -384,7 +390,7 @@ class Mesh:
     def stored_up_to(self, sizes: dict[str, int]) -> bool:
         """The store holds every journal at least up to `sizes` (bytes per source)."""
         try:
-            store = AuditStore(self.store, readonly=True)
+            store = SqliteStore(self.store, readonly=True)
         except (OSError, StoreError):  # being created or busy: not yet
             return False
         try:
@@ -398,7 +404,7 @@ class Mesh:
 
     async def stop(self) -> None:
         for name in ("gateway", *sorted(n for n in self.procs if n.startswith("sidecar")),
-                     *sorted(n for n in self.procs if n.startswith("backend")), "collector", "cp"):  # fmt: skip
+                     *sorted(n for n in self.procs if n.startswith("backend")), "collector", "signer", "cp"):  # fmt: skip
             if name in self.procs:
                 self.track()
                 await self.procs[name].stop(timeout=10)
@@ -587,13 +593,17 @@ def schedule(rng: random.Random, seconds: float, gap: float = 12.0) -> list[tupl
 # ---------------------------------------------------------------------- checks
 
 
-def audit_check(store: Path, results: list[tuple[int, float, int, str]]) -> dict[str, Any]:
+def audit_check(
+    store: Path, state: Path, results: list[tuple[int, float, int, str]]
+) -> dict[str, Any]:
     verify = subprocess.run(
-        [MESHFN, "audit", "verify", "--store", str(store), "--json"],
+        [MESHFN, "audit", "verify", "--store", str(store), "--json",
+         "--public-key", str(layout.public_key_path(state)),
+         "--witness", str(layout.witness_path(state))],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     report = json.loads(verify.stdout) if verify.stdout.strip().startswith("{") else {}
-    store_reader = AuditStore(store, readonly=True)
+    store_reader = SqliteStore(store, readonly=True)
     try:
         rows = store_reader.query(limit=None)
     finally:
@@ -715,7 +725,7 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if load is None or "faults" not in result:
             mesh.unmount()
     assert load is not None
-    result["audit"] = await asyncio.to_thread(audit_check, mesh.store, load.results)
+    result["audit"] = await asyncio.to_thread(audit_check, mesh.store, mesh.state, load.results)
     mesh.unmount()
     result["leftover_processes"] = leftover_processes(mesh.pids, work)
     results = load.results

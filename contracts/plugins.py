@@ -19,6 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 AUDIT_FILTER_STATE = "wasm.meshfn_audit"
 ROUTING_HEADER = "x-meshfn-degrade-route"
+# The mesh route (`namespace/name`) a gateway routed a request by, for the sidecars' audit
+# records: gateways strip it from clients and set it per route; a sidecar believes it only from
+# an mTLS peer that is a gateway identity (control_plane/audit/record.py: mesh_route).
+MESH_ROUTE_HEADER = "x-meshfn-route"
+# Envoy route metadata: filter_metadata[ROUTE_METADATA][MESH_ROUTE_KEY] is a gateway route's mesh
+# route, which its access log names (meshfn.ir.plugins.mesh_route_fields).
+ROUTE_METADATA = "meshfn"
+MESH_ROUTE_KEY = "route"
 TRIGGER_HEADER = "x-meshfn-degrade"
 
 _HEADER = r"^[a-z0-9_-]{1,64}$"
@@ -245,11 +253,16 @@ def needs_full_build(settings: AuditSettings | DegradeSettings | MeshfnSettings)
 
 
 def internal_headers(
-    degrade: DegradeSettings | None = None, audit: AuditSettings | None = None
+    degrade: DegradeSettings | None = None,
+    audit: AuditSettings | None = None,
+    mesh_route: bool = False,
 ) -> list[str]:
-    """Headers only Envoy itself may set: the routing header, and the claim headers jwt_authn
-    writes (audit in jwt_headers mode; a trigger naming request principals)."""
+    """Headers only Envoy itself may set: the routing header, the claim headers jwt_authn
+    writes (audit in jwt_headers mode; a trigger naming request principals), and on gateways of
+    a mesh that audits the mesh-route header."""
     names = [degrade.routing_header] if degrade is not None else []
+    if mesh_route:
+        names.append(MESH_ROUTE_HEADER)
     trigger = degrade.trigger if degrade is not None else None
     if trigger is not None and trigger.request_principals:
         names += [trigger.issuer_header, trigger.subject_header]

@@ -452,14 +452,7 @@ def status(
         )
     audit = document.get("audit")
     if audit and audit.get("enabled"):
-        journals = audit.get("journals", [])
-        stored = sum(j["stored"] for j in journals)
-        pending = sum(j["pending_bytes"] for j in journals)
-        problem = f"; [red]store error: {audit['error']}[/red]" if audit.get("error") else ""
-        out.print(
-            f"audit trail {audit['store']}: {len(journals)} journal(s), {stored} record(s) stored"
-            f" since start, {pending} byte(s) pending{problem}"
-        )
+        _print_audit(audit)
     if document.get("routes"):
         routes = Table(title="drift breaker", title_justify="left")
         for column in ("route", "state", "p95 ms", "baseline ms", "samples", "transitions"):
@@ -694,6 +687,33 @@ certs_app = typer.Typer(help="Workload certificates (SPIFFE X.509).")
 ca_app = typer.Typer(help="The mesh CA: rotate with an overlap, then retire the old root.")
 app.add_typer(token_app, name="token")
 app.add_typer(audit_app, name="audit")
+
+
+def _print_audit(audit: dict[str, Any]) -> None:
+    """The audit lines of `meshfn status`: what is stored and pending, what is signed, and
+    every error loudly (store unwritable, signer unreachable or refusing)."""
+    journals = audit.get("journals", [])
+    stored = sum(j["stored"] for j in journals)
+    pending = sum(j["pending_bytes"] for j in journals)
+    out.print(
+        f"audit trail {audit['store']}: {len(journals)} journal(s), {stored} record(s) stored"
+        f" since start, {pending} byte(s) pending; {audit.get('unsigned', 0)} record(s) since"
+        f" checkpoint {audit.get('last_checkpoint')}, witness {audit.get('witness')}",
+        highlight=False,
+    )
+    if audit.get("error"):
+        out.print(f"[red]audit store error: {audit['error']}[/red] (records wait in the journals)")
+    if audit.get("signer_error"):
+        out.print(f"[red]audit signer error: {audit['signer_error']}[/red] (records not signed)")
+    for refusal in audit.get("refused") or []:
+        out.print(f"[red]audit signer refuses {refusal}[/red]")
+    if audit.get("parse_errors") or audit.get("conflicts"):
+        out.print(
+            f"audit: {audit.get('parse_errors', 0)} unparsable journal line(s) stored as such,"
+            f" {audit.get('conflicts', 0)} batch(es) another collector had stored first"
+        )
+
+
 app.add_typer(certs_app, name="certs")
 app.add_typer(ca_app, name="ca")
 

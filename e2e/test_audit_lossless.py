@@ -1,6 +1,7 @@
 """Loss-free audit: 5000 requests through real Envoy with both wasm filters while the collector
 (a separate process) is killed with SIGKILL once and restarted with SIGTERM once; afterwards the
-store holds exactly one record per request Envoy answered, and the chain verifies."""
+store holds exactly one record per request Envoy answered, and the chain verifies against the
+signer's witness (the signer is its own process, as under `meshfn up`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from meshfn_e2e import http
 
 from meshfn.contracts.plugins import AuditSettings, DegradeRule, DegradeSettings
-from meshfn.control_plane.audit import AuditStore
+from meshfn.control_plane.audit import open_store
 from meshfn.testing.envoy import argv as envoy_argv
 from meshfn.testing.envoy import start as start_envoy
 from meshfn.testing.envoy import stat as envoy_stat
@@ -86,29 +87,30 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
     )
     config = tmp_path / "envoy.json"
     config.write_text(json.dumps(es.bootstrap(admin, {"backend": upstream}, listener)))
+    open_store(store_path).close()  # the signer reads it: it must exist first
+    signer_socket = f"unix:{tmp_path / 'signer.sock'}"
+    signer = [
+        sys.executable, "-P", "-m", "meshfn.control_plane.audit.cli", "signer",
+        "--store", str(store_path), "--key", str(tmp_path / "signer" / "checkpoint.key"),
+        "--witness", str(tmp_path / "witness" / "checkpoints.jsonl"), "--listen", signer_socket,
+    ]  # fmt: skip
     collect = [
-        sys.executable,
-        "-P",
-        "-m",
-        "meshfn.control_plane.audit.cli",
-        "collect",
-        "--store",
-        str(store_path),
-        "--journal",
-        f"edge~0={journal}",
-        "--checkpoint-every",
-        "500",
-    ]
+        sys.executable, "-P", "-m", "meshfn.control_plane.audit.cli", "collect",
+        "--store", str(store_path), "--journal", f"edge~0={journal}",
+        "--checkpoint-every", "500", "--signer", signer_socket,
+    ]  # fmt: skip
     try:
         procs.upstream("upstream", "backend", upstream)
         start_envoy(procs, "envoy", envoy_argv(config, wasm=True), admin)
         wait_for("upstream", lambda: http(f"http://127.0.0.1:{upstream}/").status == 200)
+        procs.start("signer", signer)
+        wait_for("signer", (tmp_path / "signer.sock").exists)
         collector = procs.start("collector-1", collect)
 
         def stored() -> int:
             if not store_path.exists():
                 return 0
-            store = AuditStore(store_path, readonly=True)
+            store = open_store(store_path, readonly=True)
             try:
                 return store.count()
             finally:
@@ -170,19 +172,24 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
     finally:
         procs.stop_all()
 
-    store = AuditStore(store_path, readonly=True)
+    store = open_store(store_path, readonly=True)
     try:
         rows = store.query(limit=None)
     finally:
         store.close()
     assert len(rows) == TOTAL
     assert sorted(r["path"] for r in rows) == sorted(f"/load/{i}" for i in range(TOTAL))
-    assert all(r["audited"] and r["status"] == 200 and r["route"] == "load" for r in rows)
+    assert all(r["audited"] and r["status"] == 200 and r["envoy_route"] == "load" for r in rows)
     assert [r["seq"] for r in rows] == list(range(1, TOTAL + 1))
 
-    verify = audit_cli("verify", "--store", str(store_path), "--json")
+    verify = audit_cli(
+        "verify", "--store", str(store_path), "--json",
+        "--public-key", str(tmp_path / "signer" / "checkpoint.key.pub"),
+        "--witness", str(tmp_path / "witness" / "checkpoints.jsonl"),
+    )  # fmt: skip
     assert verify.returncode == 0, verify.stdout + verify.stderr
     report = json.loads(verify.stdout)
     assert report["ok"] and report["records"] == TOTAL and report["unsigned_tail"] == 0
+    assert report["witnessed"] >= 2  # checkpoints while running and at the orderly stops
     log = (tmp_path / "logs" / "collector-2.log").read_text()
     assert "was replaced" not in log and "Traceback" not in log

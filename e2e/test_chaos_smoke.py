@@ -17,6 +17,21 @@ KINDS = {
 }  # fmt: skip
 
 
+def why(data: dict[str, object]) -> dict[str, object]:
+    """What a failed run needs to be understood (its temp dir may be gone by then): the
+    failures, when they came, and the faults around them."""
+    faults = data.get("faults")
+    timeline = [
+        (f["kind"], round(f["at"], 2), f["target"], f["recovery_ms"])
+        for f in faults if isinstance(f, dict)
+    ] if isinstance(faults, list) else faults  # fmt: skip
+    return {
+        "failures": data.get("failures"),
+        "failure_times_s": data.get("failure_times_s"),
+        "faults": timeline,
+    }
+
+
 def test_chaos_soak_short(tmp_path: Path) -> None:
     line, data = run_bench("chaos.py", ["--seconds", "20", "--seed", "7"], tmp_path, timeout=240)
     assert re.match(
@@ -24,7 +39,7 @@ def test_chaos_soak_short(tmp_path: Path) -> None:
         r"executed_twice=\d+ "
         r"chain=ok max_recovery_ms=\d+ cp_rss_growth=[\d.]+ ",
         line,
-    ), line
+    ), (line, why(data))
     assert {f["kind"] for f in data["faults"]} == KINDS
     assert all(f["recovery_ms"] is not None for f in data["faults"])
     assert data["fault_errors"] == [] and data["leftover_processes"] == []

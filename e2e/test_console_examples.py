@@ -98,7 +98,7 @@ def test_printed_lines_work_when_pasted(example: Example) -> None:
     query = next(line for line in tries if " audit query" in line)
     wait_for("the audit records", lambda: "POST" in example.paste(query), timeout=30)
     verify = next(line for line in tries if " audit verify" in line)
-    assert "chain intact" in example.paste(verify)
+    assert "chains intact" in example.paste(verify)
     output = example.up.output()
     # The route table shows the regex as written, with its header condition.
     assert "regex ^/debug/[a-z]+$ [GET] x-debug present" in output
@@ -119,8 +119,14 @@ def test_console_shows_functions_audit_and_acceleration(example: Example, browse
     ).stdout.strip()  # fmt: skip
     flower = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 4],
                           "data": [5.1, 3.5, 1.4, 0.2]}]}  # fmt: skip
-    newest = "Number(document.querySelector('#panel-audit tbody tr th')?.innerText || 0)"
-    before = page.evaluate(f"() => {newest}")
+    # seqs count per chain (one per journal): the newest seq shown of the first row's chain
+    rows = "[...document.querySelectorAll('#panel-audit tbody tr')].filter(r => r.cells.length > 2)"
+    newest = (
+        f"{rows}.filter(r => r.cells[1].innerText === chain)"
+        ".reduce((n, r) => Math.max(n, Number(r.cells[0].innerText)), 0)"
+    )
+    chain = page.evaluate(f"() => {rows}[0]?.cells[1].innerText ?? ''")
+    before = page.evaluate(f"(chain) => {newest}", chain)
     headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
     for _ in range(5):
         reply = http(
@@ -146,9 +152,11 @@ def test_console_shows_functions_audit_and_acceleration(example: Example, browse
     assert cells[2].startswith("1 idle (min 1"), cells  # its warm pool, refilled
     # Audit: the records of these requests, the chain verified, a query by raw subject
     wait_panel_text(page, "audit", "/v2/models/iris/infer", timeout=20)
-    wait_panel_text(page, "audit", "chain intact", timeout=30)
+    wait_panel_text(page, "audit", "chains intact", timeout=30)
     # live: the newest record shown moves on as the collector stores these requests
-    page.wait_for_function(f"(n) => {newest} >= n", arg=before + 5, timeout=30_000)
+    page.wait_for_function(
+        f"([chain, n]) => {newest} >= n", arg=[chain, before + 5], timeout=30_000
+    )
     # Topology: eBPF on (root, a kernel with sockmap), endpoints with localities, the chain
     topology = page.inner_text("#panel-topology")
     assert "eBPF acceleration: on" in topology, topology

@@ -243,14 +243,25 @@ def _check_audit_trail(state: Path) -> None:
     assert ok["principal"] == "spiffe://meshfn.local/ns/ingress/sa/edge"
     assert ok["tenant"] == "acme" and ok["method"] == "POST" and ok["audited"]
     assert ok["source"].startswith("models.default:"), ok
+    # the mesh route the gateway matched, vouched for by its mTLS identity
+    assert ok["route"] == "default/function-iris" and ok["route_source"] == "gateway", ok
+    assert ok in query("--route", "default/function-iris")
     assert denied["subject"] is None  # no token, no subject; still recorded
     salt = (state / "audit" / "subject.salt").read_text().strip()
-    assert ok["subject"] == hmac.new(bytes.fromhex(salt), b"alice", "sha256").hexdigest()
+    subject = hmac.new(bytes.fromhex(salt), b"alice", "sha256").hexdigest()
     assert ok in query("--subject-raw", "alice")  # the salt is found next to the store
+    assert ok in query("--subject", subject)
     # what the trail never holds: the token, the salt
     for path in (state / "audit").glob("audit.db*"):
         raw = path.read_bytes()
         assert b"Bearer" not in raw and salt.encode() not in raw, path
+    # GDPR erasure: alice's records stay and verify, but nothing links them to her any more
+    erased = meshfn("audit", "erase", "--store", store, "--subject-raw", "alice")
+    assert erased.returncode == 0 and "can no longer be linked" in erased.stdout, erased.stdout
+    assert query("--subject-raw", "alice") == []
+    assert meshfn("audit", "verify", "--store", store).returncode == 0
+    for path in (state / "audit").glob("audit.db*"):
+        assert subject.encode() not in path.read_bytes(), path
 
 
 def test_up_refuses_invalid_policies(procs: Processes, tmp_path: Path) -> None:

@@ -14,6 +14,9 @@ from meshfn import ir
 from meshfn.contracts.naming import route_name
 from meshfn.contracts.plugins import (
     AUDIT_FILTER_STATE,
+    MESH_ROUTE_HEADER,
+    MESH_ROUTE_KEY,
+    ROUTE_METADATA,
     AuditSettings,
     BodyHash,
     DegradeRule,
@@ -132,12 +135,32 @@ def _literal(text: str) -> str:
     return text.replace("%", "%%")
 
 
-def access_log_format(settings: AuditSettings) -> dict[str, str]:
-    """ACCESS_LOG_FORMAT, and for a bare filter state (`bare_filter_state`) what the filter no
-    longer publishes: the audit record version, salt_id and subject_source (constants of this
-    configuration) and the tenant from jwt_authn's verified payload (uncapped: Envoy cuts bytes,
-    record.from_log_line caps it at 128 characters and flags `truncated`)."""
-    fields = dict(ACCESS_LOG_FORMAT)
+def mesh_route_fields(trusted_gateways: tuple[str, ...] | None) -> dict[str, str]:
+    """How the access log names the mesh route (control_plane/audit/record.py: mesh_route reads
+    it). A gateway (`trusted_gateways` None) names it from its own route metadata; a sidecar
+    copies the gateway's `x-meshfn-route` header and the SPIFFE IDs of the gateways it may
+    believe, and the record names the route only when the request's verified mTLS peer is one of
+    them (a client's header is kept apart as `route_claimed`)."""
+    if trusted_gateways is None:
+        return {
+            "mesh_route": f"%METADATA(ROUTE:{ROUTE_METADATA}:{MESH_ROUTE_KEY})%",
+            "mesh_route_by": "proxy",
+        }
+    return {
+        "mesh_route": f"%REQ({MESH_ROUTE_HEADER.upper()}):256%",
+        "mesh_route_from": _literal(" ".join(trusted_gateways)),
+    }
+
+
+def access_log_format(
+    settings: AuditSettings, trusted_gateways: tuple[str, ...] | None = ()
+) -> dict[str, str]:
+    """ACCESS_LOG_FORMAT with the mesh route (`mesh_route_fields`), and for a bare filter state
+    (`bare_filter_state`) what the filter no longer publishes: the audit record version, salt_id
+    and subject_source (constants of this configuration) and the tenant from jwt_authn's verified
+    payload (uncapped: Envoy cuts bytes, record.from_log_line caps it at 128 characters and flags
+    `truncated`)."""
+    fields = dict(ACCESS_LOG_FORMAT) | mesh_route_fields(trusted_gateways)
     if bare_filter_state(settings):
         fields["audit_v"] = AUDIT_STATE_VERSION
         fields["salt_id"] = _literal(settings.salt_id)

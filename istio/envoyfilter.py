@@ -19,7 +19,7 @@ On sidecars that audit from claim headers, the same early removal and upstream r
 from __future__ import annotations
 
 from meshfn import ir
-from meshfn.contracts.plugins import ROUTING_HEADER
+from meshfn.contracts.plugins import ROUTE_METADATA, ROUTING_HEADER
 from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
 
 from .core import Context, Obj, Source, gateways, resource, seconds, sidecar_services
@@ -35,7 +35,6 @@ HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.http.early_header_m
 PREVIOUS_HOSTS_TYPE = (
     "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 )
-ROUTE_METADATA = "meshfn"
 UNLIMITED = 0xFFFFFFFF
 
 

@@ -36,8 +36,10 @@ def audit_provider(settings: AuditSettings) -> str:
 
 def istio_log_format(settings: AuditSettings) -> dict[str, str]:
     """The collector's fields; the tenant from the claim header jwt_authn wrote (Istio keeps
-    jwt_authn's payload under the issuer's name, which an access-log command cannot address)."""
-    fields = access_log_format(settings)
+    jwt_authn's payload under the issuer's name, which an access-log command cannot address).
+    No gateway is believed for the mesh route: Istio's gateways do not set x-meshfn-route, and
+    the providers are mesh-wide (records name Envoy's route, which carries meshfn's name)."""
+    fields = access_log_format(settings, trusted_gateways=())
     if "tenant" in fields:
         fields["tenant"] = f"%REQ({settings.tenant_header.upper()})%"
     return fields

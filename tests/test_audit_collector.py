@@ -1,5 +1,6 @@
-"""The collector against real journal files and a real store: exactly-once across restarts and
-partial lines, a full or read-only store (a real tmpfs) that must not lose anything, rotation."""
+"""The collector against real journal files and real stores (SQLite, and PostgreSQL where it
+matters): exactly-once across restarts, partial lines and racing collectors; a full, read-only
+or unreachable store that must not lose anything; rotation; checkpoints through the signer."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshfn.control_plane.audit import AuditCollector, AuditStore
+from meshfn.control_plane.audit import AuditCollector, AuditStore, SignerClient, open_store, verify
+from meshfn.control_plane.audit.sqlite import SqliteStore
 from meshfn.control_plane.audit.store import StoreError
+from meshfn.testing.audit import Raw, Trail
+from meshfn.testing.postgres import PostgresServer
 
 
 def line(i: int) -> bytes:
@@ -35,6 +40,11 @@ def ids(store: AuditStore) -> list[str]:
     return [r["id"] for r in store.query(limit=None)]
 
 
+def chain_intact(store: AuditStore) -> bool:
+    """The hash chains alone (these collectors run without a signer)."""
+    return verify(store, Ed25519PrivateKey.generate().public_key()).ok
+
+
 async def until(what: str, condition: Callable[[], bool], timeout: float = 10) -> None:
     """Poll `condition` (the collector works in its own task) until it holds."""
     deadline = asyncio.get_running_loop().time() + timeout
@@ -51,7 +61,7 @@ async def collect(store: AuditStore, journal: Path, **kw: object) -> AuditCollec
 
 
 async def test_partial_lines_wait_and_restarts_resume_exactly_once(tmp_path: Path) -> None:
-    store = AuditStore(tmp_path / "a.db")
+    store = SqliteStore(tmp_path / "a.db")
     journal = tmp_path / "j.jsonl"
     collector = await collect(store, journal)
     await asyncio.sleep(0.05)  # no journal yet: nothing happens, no error
@@ -73,8 +83,7 @@ async def test_partial_lines_wait_and_restarts_resume_exactly_once(tmp_path: Pat
     await collector.drain()
     await collector.stop()
     assert ids(store) == [f"r{i}" for i in range(1, 101)]
-    report = store.verify()
-    assert report.ok and report.unsigned_tail == 0
+    assert chain_intact(store)
     assert collector.status()["journals"][0]["pending_bytes"] == 0
     store.close()
 
@@ -82,7 +91,7 @@ async def test_partial_lines_wait_and_restarts_resume_exactly_once(tmp_path: Pat
 async def test_unparseable_lines_are_stored_and_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = AuditStore(tmp_path / "a.db")
+    store = SqliteStore(tmp_path / "a.db")
     journal = tmp_path / "j.jsonl"
     write(journal, line(1) + b"\xff garbage\n" + line(2))
     collector = await collect(store, journal)
@@ -99,7 +108,7 @@ async def test_full_store_keeps_records_pending_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    store = AuditStore(tmp_path / "a.db", max_bytes=48 * 1024)
+    store = SqliteStore(tmp_path / "a.db", max_bytes=48 * 1024)
     journal = tmp_path / "j.jsonl"
     big = [
         (json.dumps({"id": f"r{i}", "path": "/" + "p" * 3000, "status": 200}) + "\n").encode()
@@ -127,14 +136,14 @@ async def test_full_store_keeps_records_pending_and_says_so(
     assert ids(store) == [f"r{i}" for i in range(300)]
     assert collector.status()["error"] is None
     assert any("writable again" in m for m in caplog.messages)
-    assert store.verify().ok
+    assert chain_intact(store)
     store.close()
 
 
 async def test_stop_with_a_full_store_reports_what_is_left(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = AuditStore(tmp_path / "a.db", max_bytes=40 * 1024)
+    store = SqliteStore(tmp_path / "a.db", max_bytes=40 * 1024)
     journal = tmp_path / "j.jsonl"
     write(
         journal,
@@ -146,7 +155,7 @@ async def test_stop_with_a_full_store_reports_what_is_left(
     assert any("stopped with" in m and "not stored" in m for m in caplog.messages)
     count = store.count()
     store.close()
-    store = AuditStore(tmp_path / "a.db")  # next start, no cap: the rest arrives, once
+    store = SqliteStore(tmp_path / "a.db")  # next start, no cap: the rest arrives, once
     collector = await collect(store, journal)
     await collector.drain()
     await collector.stop()
@@ -156,7 +165,7 @@ async def test_stop_with_a_full_store_reports_what_is_left(
 
 
 async def test_rotation_is_followed(tmp_path: Path) -> None:
-    store = AuditStore(tmp_path / "a.db")
+    store = SqliteStore(tmp_path / "a.db")
     journal = tmp_path / "j.jsonl"
     write(journal, line(1) + line(2))
     collector = await collect(store, journal)
@@ -179,7 +188,7 @@ async def test_rotation_is_followed(tmp_path: Path) -> None:
 async def test_replaced_journal_is_reported(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = AuditStore(tmp_path / "a.db")
+    store = SqliteStore(tmp_path / "a.db")
     journal = tmp_path / "j.jsonl"
     write(journal, line(1))
     collector = await collect(store, journal)
@@ -196,7 +205,7 @@ async def test_replaced_journal_is_reported(
 
 
 def test_watch_rejects_a_second_path_for_one_source(tmp_path: Path) -> None:
-    store = AuditStore(tmp_path / "a.db")
+    store = SqliteStore(tmp_path / "a.db")
     collector = AuditCollector(store)
     collector.watch(tmp_path / "a", "n")
     collector.watch(tmp_path / "a", "n")
@@ -230,7 +239,7 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
 async def test_disk_full_on_a_real_filesystem(
     tiny_fs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = AuditStore(tiny_fs / "a.db")
+    store = SqliteStore(tiny_fs / "a.db")
     journal = tmp_path / "j.jsonl"
     records = [
         (json.dumps({"id": f"r{i}", "path": "/" + "q" * 2000}) + "\n").encode() for i in range(400)
@@ -259,20 +268,20 @@ async def test_disk_full_on_a_real_filesystem(
     await collector.drain(timeout=30)
     await collector.stop()
     assert ids(store) == [f"r{i}" for i in range(400)] + ["r999"]
-    assert store.verify().ok
+    assert chain_intact(store)
     store.close()
 
 
 def test_store_on_a_read_only_filesystem_fails_clearly(tiny_fs: Path) -> None:
-    AuditStore(tiny_fs / "a.db").close()
+    SqliteStore(tiny_fs / "a.db").close()
     subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
     with pytest.raises(StoreError, match=r"a\.db"):
-        store = AuditStore(tiny_fs / "a.db")
+        store = SqliteStore(tiny_fs / "a.db")
         store.append([{"v": 1}])
 
 
 async def test_rotate_deletes_the_old_journal_once_stored(tmp_path: Path) -> None:
-    store = AuditStore(tmp_path / "a.db")
+    store = SqliteStore(tmp_path / "a.db")
     journal = tmp_path / "j.jsonl"
     write(journal, line(1))
     collector = await collect(store, journal)
@@ -295,7 +304,7 @@ async def test_rotate_deletes_the_old_journal_once_stored(tmp_path: Path) -> Non
 
 
 async def test_restart_during_rotation_finishes_the_old_journal_first(tmp_path: Path) -> None:
-    store = AuditStore(tmp_path / "a.db")
+    store = SqliteStore(tmp_path / "a.db")
     journal = tmp_path / "j.jsonl"
     write(journal, line(1))
     collector = await collect(store, journal)
@@ -319,7 +328,7 @@ async def test_restart_during_rotation_finishes_the_old_journal_first(tmp_path: 
 async def test_automatic_rotation_retries_a_failed_reopen(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = AuditStore(tmp_path / "a.db")
+    store = SqliteStore(tmp_path / "a.db")
     journal = tmp_path / "j.jsonl"
     attempts = []
 
@@ -341,4 +350,151 @@ async def test_automatic_rotation_retries_a_failed_reopen(
     assert ids(store) == [f"r{i}" for i in range(10)] + ["r99"]
     assert len(attempts) == 2 and not list(tmp_path.glob("j.jsonl.*"))
     assert any("reopen failed" in m for m in caplog.messages)
+    store.close()
+
+
+# ------------------------------------------------------------------ signing, racing, outages
+
+
+async def test_checkpoints_come_from_the_signer(tmp_path: Path) -> None:
+    trail = Trail(tmp_path / "a.db", tmp_path)
+    journal = tmp_path / "j.jsonl"
+    write(journal, b"".join(line(i) for i in range(25)))
+    collector = await collect(trail.store, journal, signer=trail.signer, checkpoint_every=10)
+    await collector.drain()
+    await collector.stop()
+    report = trail.verify()
+    assert report.ok and report.unsigned_tail == 0 and report.witnessed >= 1
+    assert collector.status()["unsigned"] == 0 and collector.status()["signer_error"] is None
+    trail.close()
+
+
+async def test_an_unreachable_signer_is_loud_and_loses_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = SqliteStore(tmp_path / "a.db")
+    journal = tmp_path / "j.jsonl"
+    write(journal, b"".join(line(i) for i in range(5)))
+    signer = SignerClient(f"unix:{tmp_path / 'nobody.sock'}", timeout=1)
+    collector = await collect(store, journal, signer=signer)
+    await collector.drain()
+    for _ in range(100):
+        if collector.status()["signer_error"]:
+            break
+        await asyncio.sleep(0.02)
+    status = collector.status()
+    assert "nobody.sock" in status["signer_error"] and status["unsigned"] == 5
+    assert any("AUDIT CHECKPOINT FAILED" in m for m in caplog.messages)
+    await collector.stop()
+    assert store.count() == 5
+    store.close()
+
+
+async def test_racing_collectors_store_every_line_exactly_once(
+    location: str, tmp_path: Path
+) -> None:
+    """Two collectors on the same journal and store (a misconfiguration, or a handover): every
+    line once, in journal order, in one chain that verifies."""
+    journal = tmp_path / "j.jsonl"
+    stores = [open_store(location), open_store(location)]
+    collectors = [await collect(s, journal) for s in stores]
+    for batch in range(20):
+        write(journal, b"".join(line(batch * 50 + i) for i in range(50)))
+        await asyncio.sleep(0.01)
+    for collector in collectors:
+        await collector.drain(timeout=30)
+    for collector in collectors:
+        await collector.stop()
+    assert ids(stores[0]) == [f"r{i}" for i in range(1000)]
+    assert [r["seq"] for r in stores[0].query(limit=None)] == list(range(1, 1001))
+    assert chain_intact(stores[0])
+    for store in stores:
+        store.close()
+
+
+async def test_a_batch_that_fails_mid_transaction_is_stored_once_later(
+    location: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash between the records and the commit (simulated: the insert fails after it ran):
+    the transaction takes records and offset with it; the retry stores them once."""
+    store = open_store(location)
+    journal = tmp_path / "j.jsonl"
+    write(journal, b"".join(line(i) for i in range(10)))
+    real = store._insert_records
+    failures = [1]
+
+    def insert_then_die(rows: list[tuple[str, int, str, bytes, bytes]]) -> None:
+        real(rows)
+        if failures:
+            failures.pop()
+            raise StoreError("simulated crash before COMMIT")
+
+    monkeypatch.setattr(store, "_insert_records", insert_then_die)
+    collector = await collect(store, journal)
+    await collector.drain(timeout=20)
+    await collector.stop()
+    assert not failures and ids(store) == [f"r{i}" for i in range(10)]
+    assert chain_intact(store)
+    store.close()
+
+
+async def test_a_torn_last_line_of_a_rotated_journal_is_stored_as_such(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "a.db")
+    journal = tmp_path / "j.jsonl"
+    write(journal, line(1) + line(2)[:15])  # Envoy died mid-write
+    collector = await collect(store, journal)
+    await asyncio.sleep(0.1)
+    journal.rename(tmp_path / "j.jsonl.1")
+    write(journal, line(3))  # the new Envoy writes a new journal
+    for _ in range(400):
+        await asyncio.sleep(0.01)
+        if store.count() == 3:
+            break
+    await collector.stop()
+    rows = store.query(limit=None)
+    assert [r.get("id") for r in rows] == ["r1", None, "r3"]
+    assert rows[1]["error"] == "truncated line at the end of a rotated journal"
+    assert collector.status()["parse_errors"] == 1
+    store.close()
+
+
+@pytest.mark.parametrize("outage", ["read-only", "unreachable"])
+async def test_postgres_outage_keeps_records_in_the_journal(
+    pg: PostgresServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, outage: str
+) -> None:
+    dsn = pg.database()
+    name = dsn.rsplit("/", 1)[1]
+    store = open_store(dsn)
+    journal = tmp_path / "j.jsonl"
+    write(journal, line(0))
+    collector = await collect(store, journal)
+    await collector.drain()
+    admin = Raw(pg.dsn("postgres"))
+    setting = (
+        f'ALTER DATABASE "{name}" SET default_transaction_read_only = on'
+        if outage == "read-only"
+        else f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'
+    )
+    admin.run(setting)
+    kick = f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
+    admin.run(kick)
+    write(journal, b"".join(line(i) for i in range(1, 20)))
+    for _ in range(300):
+        await asyncio.sleep(0.02)
+        if collector.status()["error"]:
+            break
+    status = collector.status()
+    assert status["error"] and status["journals"][0]["pending_bytes"] > 0, status
+    assert any("AUDIT RECORDS NOT STORED" in m for m in caplog.messages)
+    admin.run(
+        f'ALTER DATABASE "{name}" RESET default_transaction_read_only'
+        if outage == "read-only"
+        else f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'
+    )
+    admin.run(kick)
+    admin.close()
+    await collector.drain(timeout=30)
+    await collector.stop()
+    assert ids(store) == [f"r{i}" for i in range(20)]
+    assert collector.status()["error"] is None and chain_intact(store)
     store.close()

@@ -21,10 +21,10 @@ CASES = sorted(
 #   of INVALID_ARGUMENT (tests/test_ads.py::test_lazily_parsed_garbage_ends_the_stream_cleanly).
 # journal/object-where-a-string-belongs: a log line whose "id" was a JSON object raised
 #   TypeError in the record parser, which would stop the collector on one hostile line
-#   (tests/test_audit_store.py::test_non_string_fields_are_kept_as_json).
+#   (tests/test_audit_record.py::test_non_string_fields_are_kept_as_json).
 # journal/integer-past-64-bits: a duration_us of 10**31 passed into the record, where the
 #   stores' 64-bit column would fail its batch
-#   (tests/test_audit_store.py::test_integers_past_64_bits_are_dropped).
+#   (tests/test_audit_record.py::test_integers_past_64_bits_are_dropped).
 
 
 @pytest.mark.parametrize(("target", "name"), CASES, ids=[f"{t}/{n}" for t, n in CASES])

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from meshfn.contracts.function import BackendConfig
+from meshfn.control_plane.audit import signing
 from meshfn.control_plane.kube import crds
 from meshfn.control_plane.kube.api import KubeClient, KubeConfig
 from meshfn.control_plane.kube.apply import digest, mismatch
@@ -310,15 +311,35 @@ def helm() -> str:
     return str(helm_path())
 
 
-def chart(*args: str) -> list[dict[str, Any]]:
-    result = subprocess.run(
+def helm_template(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [helm(), "template", "meshfn", str(REPO / "manifests"), "-n", "meshfn-system", *args],
         capture_output=True,
         text=True,
         check=False,
     )
+
+
+def chart(*args: str) -> list[dict[str, Any]]:
+    result = helm_template(*args)
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def assert_hardened(documents: list[dict[str, Any]]) -> None:
+    """Every workload: non-root, read-only root, no privilege escalation, no capabilities,
+    requests and limits."""
+    for doc in documents:
+        if doc["kind"] not in ("Deployment", "DaemonSet", "StatefulSet"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, doc["metadata"]["name"]
+        for container in pod["containers"]:
+            security = container["securityContext"]
+            assert security["readOnlyRootFilesystem"] is True
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["capabilities"]["drop"] == ["ALL"]
+            assert container["resources"]["requests"] and container["resources"]["limits"]
 
 
 def test_helm_lint_is_clean() -> None:
@@ -341,17 +362,7 @@ def test_rendered_chart_validates_and_is_hardened() -> None:
             assert doc["apiVersion"] == "monitoring.coreos.com/v1"
             continue
         valid(doc)
-    for doc in documents:
-        if doc["kind"] not in ("Deployment", "DaemonSet"):
-            continue
-        pod = doc["spec"]["template"]["spec"]
-        assert pod["securityContext"]["runAsNonRoot"] is True
-        for container in pod["containers"]:
-            security = container["securityContext"]
-            assert security["readOnlyRootFilesystem"] is True
-            assert security["allowPrivilegeEscalation"] is False
-            assert security["capabilities"]["drop"] == ["ALL"]
-            assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert_hardened(documents)
     operator = next(d for d in documents if d["kind"] == "Deployment")
     container = operator["spec"]["template"]["spec"]["containers"][0]
     assert {"livenessProbe", "readinessProbe", "startupProbe"} <= set(container)
@@ -365,6 +376,125 @@ def test_rendered_chart_validates_and_is_hardened() -> None:
     als = services[f"{config.service}-als"]
     assert als["spec"]["ports"][0]["port"] == config.alsPort
     assert als["spec"]["selector"]["meshfn.io/leader"] == "true"
+
+
+PG_TRIAL = "auditCollector.enabled=true,auditStore.type=postgresql,auditStore.postgresql.trial.enabled=true"
+PG_EXTERNAL = "auditCollector.enabled=true,auditStore.type=postgresql,auditStore.postgresql.existingSecret=ext-pg"
+
+
+def _by(documents: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in documents if d["kind"] == kind}
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _container(workload: dict[str, Any]) -> dict[str, Any]:
+    return dict(workload["spec"]["template"]["spec"]["containers"][0])
+
+
+def _secret_key(container: dict[str, Any], env: str) -> tuple[str, str]:
+    ref = next(e for e in container["env"] if e["name"] == env)["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+@pytest.mark.parametrize("values", [PG_TRIAL, PG_EXTERNAL], ids=["trial", "external"])
+def test_chart_audit_trail_on_postgresql(values: str, tmp_path: Path) -> None:
+    """Collectors on every node write one PostgreSQL store (the chart's trial server or an
+    external one) and ask one signer, the only pod holding the key, which writes the witness to
+    its own volume; NetworkPolicies let only collectors reach the signer."""
+    documents = chart("--set", values)
+    for doc in documents:
+        valid(doc)
+    assert_hardened(documents)
+    deployments, services = _by(documents, "Deployment"), _by(documents, "Service")
+    collector = _container(_by(documents, "DaemonSet")["meshfn-audit"])
+    signer_deployment = deployments["meshfn-audit-signer"]
+    signer = _container(signer_deployment)
+    # the collector: the store from the Secret, a chain per node, the signer's Service
+    store_secret, key = _secret_key(collector, "MESHFN_AUDIT_STORE")
+    assert key == "dsn" and "--store" not in collector["args"]
+    assert collector["args"][collector["args"].index("--journal") + 1].startswith("$(NODE_NAME)=")
+    address = collector["args"][collector["args"].index("--signer") + 1]
+    host, port = address.removeprefix("tcp:").rsplit(":", 1)
+    service = services[host.split(".")[0]]
+    assert service["spec"]["ports"][0]["port"] == int(port)
+    signer_labels = signer_deployment["spec"]["template"]["metadata"]["labels"]
+    assert _selects(service["spec"]["selector"], signer_labels)
+    # the signer reads the store (read-only role for an external server) and holds the key
+    signer_store = _secret_key(signer, "MESHFN_AUDIT_STORE")
+    assert signer_store == (store_secret, "dsn" if values == PG_TRIAL else "readonlyDsn")
+    assert signer_deployment["spec"]["replicas"] == 1
+    assert signer_deployment["spec"]["strategy"]["type"] == "Recreate"
+    volumes = {v["name"]: v for v in signer_deployment["spec"]["template"]["spec"]["volumes"]}
+    key_secret = volumes["key"]["secret"]["secretName"]
+    witness_claim = volumes["witness"]["persistentVolumeClaim"]["claimName"]
+    key_file = signer["args"][signer["args"].index("--key") + 1]
+    mounts = {m["name"]: m["mountPath"] for m in signer["volumeMounts"]}
+    assert key_file.startswith(mounts["key"] + "/")
+    witness_file = signer["args"][signer["args"].index("--witness") + 1]
+    assert witness_file.startswith(mounts["witness"] + "/")
+    # no other pod mounts the key or the witness
+    for doc in documents:
+        if (
+            doc["kind"] in ("Deployment", "DaemonSet", "StatefulSet")
+            and doc is not signer_deployment
+        ):
+            text = json.dumps(doc["spec"]["template"]["spec"].get("volumes", []))
+            assert key_secret not in text and witness_claim not in text, doc["metadata"]["name"]
+    # the chart's key is a key the signer loads
+    secret = _by(documents, "Secret")[key_secret]
+    (tmp_path / "checkpoint.key").write_bytes(base64.b64decode(secret["data"]["checkpoint.key"]))
+    assert signing.load_private(tmp_path / "checkpoint.key")
+    assert _by(documents, "PersistentVolumeClaim")[witness_claim]
+    # the operator's selectors match no audit pod
+    operator = deployments["meshfn"]
+    for doc in documents:
+        if doc["kind"] in ("DaemonSet", "StatefulSet") or doc is signer_deployment:
+            labels = doc["spec"]["template"]["metadata"]["labels"]
+            assert not _selects(operator["spec"]["selector"]["matchLabels"], labels)
+            assert not _selects(services["meshfn"]["spec"]["selector"], labels)
+    # only collectors reach the signer
+    policy = _by(documents, "NetworkPolicy")["meshfn-audit-signer"]
+    assert _selects(policy["spec"]["podSelector"]["matchLabels"], signer_labels)
+    (rule,) = policy["spec"]["ingress"]
+    collector_labels = _by(documents, "DaemonSet")["meshfn-audit"]["spec"]["template"]["metadata"]
+    assert _selects(rule["from"][0]["podSelector"]["matchLabels"], collector_labels["labels"])
+    statefulsets = _by(documents, "StatefulSet")
+    if values == PG_TRIAL:
+        database = statefulsets["meshfn-audit-postgresql"]
+        dsn = _by(documents, "Secret")[store_secret]["stringData"]["dsn"]
+        assert dsn.startswith("postgresql://meshfn:") and "@meshfn-audit-postgresql." in dsn
+        assert _selects(
+            services["meshfn-audit-postgresql"]["spec"]["selector"],
+            database["spec"]["template"]["metadata"]["labels"],
+        )
+    else:
+        assert not statefulsets and store_secret == "ext-pg"
+        assert store_secret not in _by(documents, "Secret")  # the user's
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ("auditCollector.enabled=true,auditStore.type=mysql", "neither sqlite nor postgresql"),
+        (
+            "auditCollector.enabled=true,auditStore.type=postgresql",
+            "needs auditStore.postgresql.existingSecret",
+        ),
+    ],
+)
+def test_chart_refuses_an_audit_store_it_cannot_wire(values: str, message: str) -> None:
+    result = helm_template("--set", values)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_chart_sqlite_collectors_keep_a_store_per_node() -> None:
+    documents = chart("--set", "auditCollector.enabled=true")
+    collector = _container(_by(documents, "DaemonSet")["meshfn-audit"])
+    assert "--store" in collector["args"] and "--signer" not in collector["args"]
+    assert not {"StatefulSet", "PersistentVolumeClaim"} & {d["kind"] for d in documents}
 
 
 def _resources(cell: str) -> set[str]:

@@ -9,9 +9,19 @@ lines and stores the records together with the byte offset it has read up to, in
 transaction. Crash anywhere and the next run resumes at the last committed offset: each line is
 stored exactly once, whether the collector was restarted, crashed, or the store was full.
 
-A store that is full or unwritable is never a reason to drop anything: the collector stops
-advancing, logs an error (again every 30 s while it lasts) with how much is waiting, exports it
-as `meshfn_audit_pending_bytes`, and retries with backoff; the lines stay in the journal.
+A store that is full, read-only or unreachable is never a reason to drop anything: the collector
+stops advancing, logs an error (again every 30 s while it lasts) with how much is waiting,
+exports it as `meshfn_audit_pending_bytes`, and retries with backoff; the lines stay in the
+journal. Many collectors may write one store (PostgreSQL): each journal is its own chain, and a
+collector that finds its journal's stored position moved by another (a race, or a restart of
+the other) re-reads the position and goes on from there (store.StoreConflict): no line is stored
+twice or skipped.
+
+Checkpoints come from the signer (signer.py), which the collector asks every `checkpoint_every`
+records or `checkpoint_interval` seconds, in the background. The records stored since the last
+checkpoint are the ones a writer of the store could still remove undetected: at most
+`checkpoint_every` records, or `checkpoint_interval` seconds of traffic, per collector (plus one
+signing round trip); lower either to shrink that bound.
 """
 
 from __future__ import annotations
@@ -23,25 +33,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from .record import from_log_line
-from .store import AuditStore, JournalPosition, StoreError
+from .record import from_log_line, unparsed
+from .signer import CheckpointSigner, SignerError
+from .store import AuditStore, JournalPosition, StoreConflict, StoreError
 
 log = logging.getLogger("meshfn.audit")
-
-RECORDS = Counter("meshfn_audit_records_stored", "Audit records committed to the store", ["source"])
-PENDING = Gauge(
-    "meshfn_audit_pending_bytes",
-    "Journal bytes Envoy wrote that are not in the store yet",
-    ["source"],
-)
-STORE_ERRORS = Counter("meshfn_audit_store_errors", "Failed attempts to write the audit store")
 
 _MAX_BATCH = 1 << 20  # bytes of journal per transaction
 _REPEAT_ERROR_S = 30.0
@@ -89,8 +93,10 @@ class AuditCollector:
         checkpoint_interval: float = 5.0,
         retention_interval: float = 3600.0,
         rotate_bytes: int = 64 << 20,
+        signer: CheckpointSigner | None = None,
     ) -> None:
         self.store = store
+        self.signer = signer
         self.poll_interval = poll_interval
         self.checkpoint_every = checkpoint_every
         self.checkpoint_interval = checkpoint_interval
@@ -107,6 +113,17 @@ class AuditCollector:
         self.last_error: str | None = None
         self.error_since: float | None = None
         self._last_error_log = 0.0
+        self.signer_error: str | None = None
+        self._last_signer_log = 0.0
+        self.refused: list[str] = []
+        self.conflicts = 0
+        self.parse_errors = 0
+        self.store_errors = 0
+        self.signer_errors = 0
+        self.last_checkpoint: int | None = None
+        self._sign_task: asyncio.Task[None] | None = None
+        self._sign_due = False
+        self._counting = threading.Lock()  # _since_checkpoint: ticks add, checkpoints subtract
 
     # ------------------------------------------------------------------ public API
 
@@ -136,6 +153,9 @@ class AuditCollector:
             # not cancelled: a tick running in a worker thread finishes before we go on
             await self._task
             self._task = None
+        if self._sign_task is not None:
+            await self._sign_task
+            self._sign_task = None
         try:
             await asyncio.to_thread(self._final)
         finally:
@@ -196,6 +216,14 @@ class AuditCollector:
             ],
             "error": self.last_error,
             "error_since": self.error_since,
+            "signer_error": self.signer_error,
+            "refused": self.refused,
+            "unsigned": self._since_checkpoint,
+            "last_checkpoint": self.last_checkpoint,
+            "conflicts": self.conflicts,
+            "parse_errors": self.parse_errors,
+            "store_errors": self.store_errors,
+            "signer_errors": self.signer_errors,
         }
 
     # ------------------------------------------------------------------ loop
@@ -206,6 +234,7 @@ class AuditCollector:
             try:
                 progressed = await asyncio.to_thread(self._tick)
                 backoff = self.poll_interval
+                self._start_signing()
                 await self._rotate_big_journals()
                 if progressed:
                     continue
@@ -234,12 +263,54 @@ class AuditCollector:
             except Exception as exc:  # the proxy may be restarting: try again next time
                 log.warning("rotating audit journal %s: reopen failed: %s", journal.path, exc)
 
+    def _start_signing(self) -> None:
+        if (
+            self._sign_due
+            and self.signer is not None
+            and (self._sign_task is None or self._sign_task.done())
+        ):
+            self._sign_due = False
+            self._sign_task = asyncio.create_task(asyncio.to_thread(self._checkpoint))
+
+    def _checkpoint(self) -> None:
+        """Ask the signer for a checkpoint and keep it in the store too (the witness has it)."""
+        if self.signer is None:
+            return
+        pending = self._since_checkpoint
+        try:
+            result = self.signer.sign()
+            for checkpoint in result.checkpoints:
+                self.store.add_checkpoint(checkpoint)
+                self.last_checkpoint = checkpoint.n
+        except (SignerError, StoreError) as exc:
+            self.signer_errors += 1
+            message = str(exc)
+            now = time.monotonic()
+            if message != self.signer_error or now - self._last_signer_log > _REPEAT_ERROR_S:
+                log.error(
+                    "AUDIT CHECKPOINT FAILED: %s; %d record(s) stored since the last checkpoint"
+                    " are not signed yet (retried)",
+                    message,
+                    self._since_checkpoint,
+                )
+                self._last_signer_log = now
+            self.signer_error = message
+            self._sign_due = True
+            return
+        if self.signer_error is not None:
+            log.warning("audit signer reachable again after: %s", self.signer_error)
+        self.signer_error = None
+        self.refused = result.refused
+        for refusal in result.refused:
+            log.error("AUDIT SIGNER REFUSED TO SIGN %s (the store was changed under it)", refusal)
+        with self._counting:
+            self._since_checkpoint = max(0, self._since_checkpoint - pending)
+
     def _final(self) -> None:
         try:
             while self._tick():
                 pass
-            with self._mutex:
-                self.store.checkpoint()
+            self._checkpoint()
         except StoreError as exc:
             self._store_failed(exc)
         pending = sum(max(0, j.size - j.offset) for j in self._journals.values())
@@ -255,7 +326,11 @@ class AuditCollector:
         with self._mutex:
             progressed = False
             for journal in self._journals.values():
-                if self._ingest(journal):
+                try:
+                    if self._ingest(journal):
+                        progressed = True
+                except StoreConflict as exc:
+                    self._resync(journal, exc)
                     progressed = True
             if self.last_error is not None and progressed:
                 log.warning("audit store writable again after: %s", self.last_error)
@@ -263,8 +338,16 @@ class AuditCollector:
             self._maybe_checkpoint()
             return progressed
 
+    def _resync(self, j: _Journal, exc: StoreConflict) -> None:
+        """Another collector stored this journal's lines first: continue from its position."""
+        self.conflicts += 1
+        log.warning("audit journal %s: %s; re-reading the stored position", j.path, exc)
+        if j.fd is not None:
+            os.close(j.fd)
+            j.fd = None
+
     def _store_failed(self, exc: StoreError) -> None:
-        STORE_ERRORS.inc()
+        self.store_errors += 1
         message = str(exc)
         now = time.monotonic()
         if message != self.last_error or now - self._last_error_log > _REPEAT_ERROR_S:
@@ -341,6 +424,12 @@ class AuditCollector:
         size = os.fstat(j.fd).st_size
         if size <= j.offset:
             return j.offset
+        start = max(j.offset, size - 65536)  # the end first: cheap while far behind
+        newline = os.pread(j.fd, size - start, start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        if start == j.offset:
+            return j.offset
         tail = os.pread(j.fd, min(size - j.offset, _MAX_BATCH), j.offset)
         return j.offset + tail.rfind(b"\n") + 1 if b"\n" in tail else j.offset
 
@@ -349,7 +438,6 @@ class AuditCollector:
             return False
         assert j.fd is not None
         j.size = os.fstat(j.fd).st_size
-        PENDING.labels(j.source).set(max(0, j.size - j.offset))
         if j.size < j.offset:
             log.error(
                 "audit journal %s was truncated by someone; reading it from its start", j.path
@@ -360,19 +448,28 @@ class AuditCollector:
             return False
         chunk = os.pread(j.fd, min(j.size - j.offset, _MAX_BATCH), j.offset)
         end = chunk.rfind(b"\n")
+        torn = False
         if end < 0:
             if len(chunk) >= _MAX_BATCH:  # a single line over 1 MiB: store it as unparsed
                 end = len(chunk) - 1
+            elif self._abandoned(j):  # a rotated journal that ends mid-line (a crash)
+                end, torn = len(chunk), True
             else:
                 return False  # Envoy is mid-line
         lines = chunk[:end].split(b"\n")
+        tail = lines.pop() if torn else b""
         records = [from_log_line(line, j.source) for line in lines if line.strip()]
+        if torn:
+            records.append(
+                unparsed(tail, j.source, "truncated line at the end of a rotated journal")
+            )
         for record in records:
             if "error" in record:
+                self.parse_errors += 1
                 log.error(
                     "audit journal %s: %s (stored as an unparsed record)", j.path, record["error"]
                 )
-        new_offset = j.offset + end + 1
+        new_offset = j.offset + end + (0 if torn else 1)
         fingerprint = j.fingerprint
         if not fingerprint or int(fingerprint.split(":", 1)[0]) < _FINGERPRINT:
             fingerprint = _fingerprint(j.fd, new_offset)
@@ -382,10 +479,23 @@ class AuditCollector:
         j.offset, j.fingerprint = new_offset, fingerprint
         j.stored += len(records)
         j.quiet_since = 0.0
-        self._since_checkpoint += len(records)
-        RECORDS.labels(j.source).inc(len(records))
-        PENDING.labels(j.source).set(max(0, j.size - j.offset))
+        with self._counting:
+            self._since_checkpoint += len(records)
         return True
+
+    def _abandoned(self, j: _Journal) -> bool:
+        """The file was rotated away and has been quiet for a while: Envoy writes the new one,
+        so a partial last line here will never be finished."""
+        try:
+            current = os.stat(j.path).st_ino
+        except FileNotFoundError:
+            return False
+        if current == j.inode:
+            return False
+        now = time.monotonic()
+        if not j.quiet_since:
+            j.quiet_since = now
+        return now - j.quiet_since >= _ROTATION_QUIET_S
 
     def _maybe_rotated(self, j: _Journal) -> None:
         """Follow a rotation (journal renamed, Envoy told to reopen its logs): once the old file
@@ -419,11 +529,73 @@ class AuditCollector:
             self._since_checkpoint >= self.checkpoint_every
             or now - self._last_checkpoint >= self.checkpoint_interval
         ):
-            self.store.checkpoint()
-            self._since_checkpoint = 0
+            self._sign_due = True
             self._last_checkpoint = now
         if self.retention_interval and now - self._last_retention >= self.retention_interval:
             self._last_retention = now
             deleted = self.store.apply_retention()
             if deleted:
                 log.info("audit retention removed %d records", deleted)
+
+
+class CollectorMetrics(Collector):
+    """/metrics for one or more collectors, read from their status at scrape time (register it
+    in the registry that serves /metrics: the control plane's, or `collect --metrics-port`)."""
+
+    def __init__(self, *collectors: Callable[[], AuditCollector | None]) -> None:
+        self.collectors = collectors
+
+    def collect(self) -> Iterator[Metric]:
+        stored = CounterMetricFamily(
+            "meshfn_audit_records_stored", "Audit records committed to the store", labels=["source"]
+        )
+        pending = GaugeMetricFamily(
+            "meshfn_audit_pending_bytes",
+            "Journal bytes Envoy wrote that are not in the store yet",
+            labels=["source"],
+        )
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            "store_errors": CounterMetricFamily(
+                "meshfn_audit_store_errors", "Failed attempts to write the audit store"
+            ),
+            "signer_errors": CounterMetricFamily(
+                "meshfn_audit_signer_errors",
+                "Failed checkpoint requests (signer unreachable or failing)",
+            ),
+            "conflicts": CounterMetricFamily(
+                "meshfn_audit_conflicts",
+                "Batches another collector had stored first (re-read, never stored twice)",
+            ),
+            "parse_errors": CounterMetricFamily(
+                "meshfn_audit_parse_errors",
+                "Journal lines that were not audit lines (stored as unparsed records)",
+            ),
+            "unsigned": GaugeMetricFamily(
+                "meshfn_audit_unsigned_records", "Records stored since the last checkpoint"
+            ),
+        }
+        store_up = GaugeMetricFamily(
+            "meshfn_audit_store_up", "1 while the last write to the audit store succeeded"
+        )
+        signer_up = GaugeMetricFamily(
+            "meshfn_audit_signer_up", "1 while the last checkpoint request succeeded"
+        )
+        totals = dict.fromkeys(families, 0)
+        store_ok = signer_ok = 1
+        for get in self.collectors:
+            collector = get()
+            if collector is None:
+                continue
+            status = collector.status()
+            for journal in status["journals"]:
+                stored.add_metric([journal["source"]], journal["stored"])
+                pending.add_metric([journal["source"]], journal["pending_bytes"])
+            for key in totals:
+                totals[key] += int(status[key])
+            store_ok &= status["error"] is None
+            signer_ok &= status["signer_error"] is None
+        for key, family in families.items():
+            family.add_metric([], totals[key])
+        store_up.add_metric([], store_ok)
+        signer_up.add_metric([], signer_ok)
+        yield from (stored, pending, *families.values(), store_up, signer_up)

@@ -1,23 +1,42 @@
 """Audit records: from one Envoy access-log line to the canonical form the hash chain covers.
 
-The access log (see `filters.access_log`) writes one JSON object per request: Envoy's own fields
-plus the audit filter's filter state (`wasm.meshfn_audit`) as a string. That state has two shapes:
-a JSON object with every audit field, or (jwt_headers mode without body hashing,
-`filters.bare_filter_state`) just the subject as 64 hex digits or `null`, with salt_id,
+The access log (meshfn.ir.plugins.access_log_format) writes one JSON object per request: Envoy's
+own fields plus the audit filter's filter state (`wasm.meshfn_audit`) as a string. That state has
+two shapes: a JSON object with every audit field, or (jwt_headers mode without body hashing,
+`contracts.plugins.bare_filter_state`) just the subject as 64 hex digits or `null`, with salt_id,
 subject_source, the record version (`audit_v`) and the tenant written by Envoy next to it. A line
 that does not parse is kept as an `unparsed` record, never dropped: losing a line silently would
 defeat the point of the trail.
+
+`route` is the MESH route (`namespace/name` of the Route or Function route), not the recording
+proxy's own Envoy route (that is `envoy_route`: a sidecar's is always `local`). A gateway names
+it from its own route table (`route_source: proxy`); a sidecar takes it from the gateway's
+internal header `x-meshfn-route` only when the mTLS peer is one of the gateway identities its
+configuration lists (`route_source: gateway`). A header from any other caller is not believed:
+`route` stays null, `route_source` is `untrusted` and the claim is kept as `route_claimed`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
-RECORD_VERSION = 1
+from .offline import canonical
+
+RECORD_VERSION = 2
 # Caps for values a client controls; the record says when it was cut.
-LIMITS = {"id": 128, "authority": 256, "path": 2048, "tenant": 128, "principal": 2048}
+LIMITS = {
+    "id": 128,
+    "authority": 256,
+    "path": 2048,
+    "tenant": 128,
+    "principal": 2048,
+    "route": 256,
+    "route_claimed": 256,
+    "envoy_route": 256,
+}
 _RAW_KEEP = 4096
 
 FIELDS = (
@@ -31,6 +50,9 @@ FIELDS = (
     "duration_us",
     "upstream_cluster",
     "route",
+    "route_source",
+    "route_claimed",
+    "envoy_route",
     "principal",
     "subject",
     "salt_id",
@@ -45,21 +67,27 @@ FIELDS = (
 )
 
 
-def canonical(record: dict[str, Any]) -> bytes:
-    """The bytes the chain hashes: sorted keys, no spaces, ASCII only (non-ASCII escaped), so
-    every implementation that re-serialises the record gets identical bytes."""
-    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+__all__ = ["FIELDS", "RECORD_VERSION", "canonical", "from_log_line", "trace_id", "unparsed"]
+
+
+def _clean(text: str) -> str:
+    """Text every store accepts: no NUL, no lone surrogates (PostgreSQL's JSON refuses both)."""
+    if text.isascii():
+        return text.replace("\x00", "\ufffd") if "\x00" in text else text
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
 
 
 def _str(value: Any, name: str, cut: list[str]) -> str | None:
     """A field as text. A non-string (a claim that is a number or an object, or a hostile log
     line) is kept as compact JSON, never a crash of the collector."""
-    if value is None or (isinstance(value, str) and value in {"-", ""}):
+    if value is None or value == "-" or value == "":  # noqa: PLR1714 (faster than a set)
         return None
-    if isinstance(value, str):
+    if type(value) is str:
         text = value
     else:
         text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    if not text.isascii() or "\x00" in text:
+        text = _clean(text)
     limit = LIMITS.get(name)
     if limit is not None and len(text) > limit:
         cut.append(name)
@@ -133,7 +161,7 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         "status": _int(entry.get("status")) or 0,
         "duration_us": _int(entry.get("duration_us")),
         "upstream_cluster": _str(entry.get("upstream_cluster"), "upstream_cluster", cut),
-        "route": _str(entry.get("route"), "route", cut),
+        "envoy_route": _str(entry.get("route"), "envoy_route", cut),
         "principal": _str(entry.get("principal"), "principal", cut),
         "flags": _str(entry.get("flags"), "flags", cut),
         "audited": False,
@@ -145,6 +173,7 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         "body_sha256": None,
         "trace_id": trace_id(entry.get("traceparent"), entry.get("b3_trace_id")),
     }
+    record.update(mesh_route(entry, record["principal"], cut))
     if record["duration_us"] is None and (ms := _int(entry.get("duration_ms"))) is not None:
         record["duration_us"] = ms * 1000
     raw_state = entry.get("audit")
@@ -175,6 +204,21 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
     return record
 
 
+def mesh_route(entry: dict[str, Any], principal: str | None, cut: list[str]) -> dict[str, Any]:
+    """`route`, `route_source` and `route_claimed` (see the module docstring): what the access
+    log's mesh-route fields (meshfn.ir.plugins.mesh_route_fields) say, believed only as far as
+    the proxy's configuration lets it."""
+    claimed = _str(entry.get("mesh_route"), "route", cut)
+    if entry.get("mesh_route_by") == "proxy":
+        return {"route": claimed, "route_source": "proxy" if claimed else None}
+    trusted = entry.get("mesh_route_from")
+    if claimed is None:
+        return {"route": None, "route_source": None}
+    if isinstance(trusted, str) and principal is not None and principal in trusted.split(" "):
+        return {"route": claimed, "route_source": "gateway"}
+    return {"route": None, "route_source": "untrusted", "route_claimed": claimed}
+
+
 def _bare_state(subject: str, entry: dict[str, Any]) -> dict[str, Any] | None:
     """The bare filter state (a subject or `null`) with what the access log wrote next to it, in
     the shape of the full filter-state object; None if those fields are missing."""
@@ -190,12 +234,18 @@ def _bare_state(subject: str, entry: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+# Hex runs as long as a subject hash: an unparsed line keeps its context, never a value that
+# would link the record to a subject after an erasure (see store.AuditStore.erase).
+_LONG_HEX = re.compile(r"[0-9a-fA-F]{32,}")
+
+
 def unparsed(line: bytes, source: str, error: str) -> dict[str, Any]:
+    raw = _clean(line[:_RAW_KEEP].decode("utf-8", errors="replace"))
     return {
         "v": RECORD_VERSION,
         "source": source,
-        "error": error,
-        "raw": line[:_RAW_KEEP].decode("utf-8", errors="replace"),
+        "error": _clean(error),
+        "raw": _LONG_HEX.sub("<hex>", raw),
         "raw_sha256": hashlib.sha256(line).hexdigest(),
         "raw_bytes": len(line),
         "status": 0,

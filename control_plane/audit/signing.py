@@ -1,16 +1,16 @@
 """The ed25519 key that signs audit checkpoints.
 
-The private key lives beside the store (mode 0600) and signs; `verify` needs only the public key,
-which can be copied off the machine so a checkpoint can be checked by someone who does not trust
-this host. Whoever holds the private key can forge history: keep it out of backups of the store.
+Only the signer (signer.py) loads the private key (mode 0600, in its own directory, never beside
+the store: layout.key_path); `verify` needs only the public key, which can be copied off the
+machine so a checkpoint can be checked by someone who does not trust this host. Whoever holds
+the private key can sign a forged history (the witness still contradicts it): keep it out of
+the store's backups and away from the store's writer.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from meshfn.common import keys
@@ -27,7 +27,7 @@ def public_path(private: Path) -> Path:
 def load_or_create(private: Path) -> Ed25519PrivateKey:
     if private.exists():
         return load_private(private)
-    private.parent.mkdir(parents=True, exist_ok=True)
+    private.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     return keys.write_key_pair(private, public_path(private))
 
 
@@ -43,16 +43,3 @@ def load_public(path: Path) -> Ed25519PublicKey:
         return keys.load_public_key(path)
     except keys.KeyFileError as exc:
         raise KeyError_(f"cannot load the audit public key: {exc}") from None
-
-
-def key_id(key: Ed25519PublicKey) -> str:
-    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return raw.hex()[:16]
-
-
-def valid(key: Ed25519PublicKey, signature: bytes, message: bytes) -> bool:
-    try:
-        key.verify(signature, message)
-    except InvalidSignature:
-        return False
-    return True

@@ -1,88 +1,74 @@
-"""The append-only audit store: SQLite in WAL mode, hash-chained, with signed checkpoints.
+"""The audit store: one interface, two databases (SQLite embedded, PostgreSQL in a cluster).
 
-Each record row holds its canonical JSON, the previous hash and its own hash
-`h_i = SHA-256(h_{i-1} || canonical(record_i))`, so every row can be checked alone (was it
-edited?) and against its neighbour (was something deleted, inserted or moved?). Periodic
-checkpoints sign `(seq, h_seq)` with ed25519: a rewritten chain, or a truncated tail that a
-checkpoint had already covered, cannot be made to verify without the private key.
+Layout (the same tables on both):
+- `records`: one hash chain PER JOURNAL (`chain` = the journal's source, a proxy's node id).
+  Row `(chain, seq)` holds the canonical record, the previous hash and its own hash
+  `h_seq = SHA-256(h_{seq-1} || canonical(record))` (offline.link), starting at
+  `offline.chain_genesis(store_id, chain)`. Query columns are generated from the record JSON,
+  so they can never disagree with what the chain covers.
+- `checkpoints`: ed25519-signed documents naming the newest (seq, hash) of every chain that moved
+  since the previous one, each linked to its predecessor (offline.py). Signed by the signer
+  (signer.py), which is not the writer and also publishes each one to a witness outside the DB.
+- `journals`: how far each journal has been stored, written in the same transaction as the
+  records read up to there. The update is a compare-and-swap on the position this store object
+  last saw, so of two collectors racing on one journal exactly one stores each line, and a
+  collector restarted mid-batch resumes where the last committed batch ended.
+- `chains`: every chain ever written, with its retention anchor (records up to `anchor_seq` were
+  deleted by retention; `anchor_hash` is the hash there, vouched for by a signed checkpoint).
+- `subjects`: the per-subject pseudonyms (crypto-shredding, see `erase`): records carry a random
+  pseudonym, never the filter's HMAC of the subject; erasing a subject destroys its row.
 
-The collector's read position in each Envoy journal is stored in the same transaction as the
-records it read, which is what makes ingestion exactly-once across crashes and restarts.
-Query columns are generated from the record JSON, so they can never disagree with what the chain
-covers.
+Why a chain per journal and not one global order: a global order makes every insert of every
+collector serialise on one head row, so the store's write rate is one transaction at a time
+across the cluster; per-journal chains have one writer each (the compare-and-swap above), take
+no lock shared between collectors, and name the journal of any break. The checkpoints bind the
+chains together (a cross-checkpoint covers all of them), so dropping a whole chain or one
+chain's tail is detected like a truncated single chain.
+
+Append-only in the database itself (triggers), so a mistake cannot edit the trail; whoever
+drops them is an attacker, and `verify` (verify.py) is for that case.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import os
-import sqlite3
+import re
+import secrets
 import threading
 import time
-import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from .checkpoint import Checkpoint
+from .offline import canonical, chain_genesis, link
 
-from . import signing
-from .record import canonical
-
-SCHEMA = 1
+SCHEMA = 2
 DEFAULT_RETENTION_DAYS = 730
-_MAX_PROBLEMS = 100
+DEFAULT_CHAIN = "local"
+# Written by meshfn itself (erasures), never by a journal: sources may not start with "@".
+CONTROL_CHAIN = "@control"
+_PSEUDONYM = re.compile(r"^[0-9a-f]{32}$")
+_HASH = re.compile(r"^[0-9a-f]{64}$")
 
-_DDL = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS records (
-    seq INTEGER PRIMARY KEY,
-    record TEXT NOT NULL,
-    prev BLOB NOT NULL,
-    hash BLOB NOT NULL,
-    time TEXT GENERATED ALWAYS AS (json_extract(record, '$.time')) VIRTUAL,
-    subject TEXT GENERATED ALWAYS AS (json_extract(record, '$.subject')) VIRTUAL,
-    status INTEGER GENERATED ALWAYS AS (json_extract(record, '$.status')) VIRTUAL,
-    route TEXT GENERATED ALWAYS AS (json_extract(record, '$.route')) VIRTUAL
-);
-CREATE INDEX IF NOT EXISTS records_time ON records (time);
-CREATE INDEX IF NOT EXISTS records_subject ON records (subject);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    seq INTEGER PRIMARY KEY,
-    hash BLOB NOT NULL,
-    created TEXT NOT NULL,
-    key_id TEXT NOT NULL,
-    signature BLOB NOT NULL
-);
--- Append-only in the database itself, so a mistake (or a tool) cannot edit the trail: records
--- and checkpoints are never updated, and only retention deletes them, up to the anchor it has
--- just moved. Whoever drops these triggers is an attacker, and `verify` is for that case.
-CREATE TRIGGER IF NOT EXISTS records_no_update BEFORE UPDATE ON records
-BEGIN SELECT RAISE(ABORT, 'audit records are append-only'); END;
-CREATE TRIGGER IF NOT EXISTS records_no_delete BEFORE DELETE ON records
-WHEN old.seq > CAST((SELECT value FROM meta WHERE key = 'anchor_seq') AS INTEGER)
-BEGIN SELECT RAISE(ABORT, 'audit records are append-only (retention deletes them)'); END;
-CREATE TRIGGER IF NOT EXISTS checkpoints_no_update BEFORE UPDATE ON checkpoints
-BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END;
-CREATE TRIGGER IF NOT EXISTS checkpoints_no_delete BEFORE DELETE ON checkpoints
-WHEN old.seq >= CAST((SELECT value FROM meta WHERE key = 'anchor_seq') AS INTEGER)
-BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END;
-CREATE TABLE IF NOT EXISTS journals (
-    source TEXT PRIMARY KEY,
-    path TEXT NOT NULL,
-    inode INTEGER NOT NULL,
-    offset INTEGER NOT NULL,
-    fingerprint TEXT NOT NULL
-);
-"""
+Row = tuple[Any, ...]
+RecordRow = tuple[str, int, str, bytes, bytes, dict[str, Any]]
+# seq, record, prev, hash, and whether the row's query columns agree with its record
+VerifyRow = tuple[int, str, bytes, bytes, bool]
+_QUERY_TAGS = ('"time":', '"subject":', '"status":', '"route":')
+_json_string = json.encoder.encode_basestring_ascii
 
 
 class StoreError(RuntimeError):
-    """The store cannot be opened or written (full, read-only, not an audit store, ...)."""
+    """The store cannot be opened or written (full, read-only, unreachable, not a store...)."""
+
+
+class StoreConflict(StoreError):
+    """Another writer stored this journal's lines (or this chain's next records) first: reload
+    the position and go on from there; nothing was written."""
 
 
 @dataclass(frozen=True)
@@ -99,331 +85,579 @@ class JournalPosition:
 
 
 @dataclass(frozen=True)
-class Problem:
-    kind: str  # edited | deleted | inserted | reordered | checkpoint | signature | retention
-    seq: int | None
-    detail: str
+class Anchor:
+    """Where a chain starts after retention: records up to `seq` are gone, `hash` was theirs."""
+
+    seq: int
+    hash: bytes
 
 
-@dataclass
-class VerifyReport:
-    records: int = 0
-    first_seq: int | None = None
-    last_seq: int | None = None
-    checkpoints: int = 0
-    last_checkpoint_seq: int | None = None
-    anchor_seq: int = 0
-    problems: list[Problem] = field(default_factory=list)
-    truncated_problems: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    @property
-    def unsigned_tail(self) -> int:
-        """Records after the last checkpoint: intact as far as the chain shows, but a deleted
-        tail this short could not be detected until the next checkpoint covers it."""
-        if self.last_seq is None:
-            return 0
-        return self.last_seq - (self.last_checkpoint_seq or self.anchor_seq)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "records": self.records,
-            "first_seq": self.first_seq,
-            "last_seq": self.last_seq,
-            "checkpoints": self.checkpoints,
-            "last_checkpoint_seq": self.last_checkpoint_seq,
-            "anchor_seq": self.anchor_seq,
-            "unsigned_tail": self.unsigned_tail,
-            "problems": [p.__dict__ for p in self.problems],
-            "more_problems_not_shown": self.truncated_problems,
-        }
+@dataclass(frozen=True)
+class Erasure:
+    records: int  # records that carried the subject's pseudonym
+    seq: int  # the erasure record in the control chain
+    residue: tuple[str, ...] = ()  # what the database could not scrub (see _shred)
 
 
-def _now_iso(now: float | None = None) -> str:
+def query_columns(record: dict[str, Any]) -> tuple[str | None, str | None, int | None, str | None]:
+    """time, subject, status, route as the query columns hold them: what the record says (a
+    value of another type than the column's is NULL there, which verify reports)."""
+    time_, subject, status, route = (
+        record.get("time"),
+        record.get("subject"),
+        record.get("status"),
+        record.get("route"),
+    )
+    return (
+        time_ if type(time_) is str else None,
+        subject if type(subject) is str else None,
+        status if type(status) is int and -(2**31) <= status < 2**31 else None,
+        route if type(route) is str else None,
+    )
+
+
+# The tables of both backends ({blob}, {int}, {serial}, {offset}: each backend's spelling).
+TABLES = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS chains (
+    chain TEXT PRIMARY KEY,
+    anchor_seq {int} NOT NULL DEFAULT 0,
+    anchor_hash {blob} NOT NULL,
+    anchor_checkpoint {int}
+);
+CREATE TABLE IF NOT EXISTS records (
+    id {serial} PRIMARY KEY,
+    chain TEXT NOT NULL,
+    seq {int} NOT NULL,
+    record TEXT NOT NULL,
+    prev {blob} NOT NULL,
+    hash {blob} NOT NULL,
+    {query_columns}
+);
+CREATE UNIQUE INDEX IF NOT EXISTS records_chain_seq ON records (chain, seq);
+CREATE INDEX IF NOT EXISTS records_time ON records (time);
+CREATE INDEX IF NOT EXISTS records_subject ON records (subject);
+CREATE INDEX IF NOT EXISTS records_route ON records (route);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    n {int} PRIMARY KEY,
+    body TEXT NOT NULL,
+    signature {blob} NOT NULL,
+    key_id TEXT NOT NULL,
+    created TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS checkpoints_created ON checkpoints (created);
+CREATE TABLE IF NOT EXISTS journals (
+    source TEXT PRIMARY KEY,
+    path TEXT NOT NULL,
+    inode {int} NOT NULL,
+    {offset} {int} NOT NULL,
+    fingerprint TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS subjects (
+    salt_id TEXT NOT NULL,
+    hash TEXT NOT NULL,
+    pseudonym TEXT NOT NULL UNIQUE,
+    PRIMARY KEY (salt_id, hash)
+);
+CREATE INDEX IF NOT EXISTS subjects_hash ON subjects (hash);
+"""
+
+
+def columns_agree(body: str, columns: tuple[Any, ...]) -> bool:
+    """Whether a row's query columns (time, subject, status, route) say what its canonical
+    record says, without parsing it: each value appears there as `"key":<JSON>` after `{` or
+    `,` and before `,` or `}` (sorted keys, no spaces, ASCII; inside a string every quote is
+    escaped, so `"key":` there is never matched). NULL: the key is absent or null."""
+    for tag, value in zip(_QUERY_TAGS, columns, strict=True):
+        at = body.find(tag)
+        while at > 0 and body[at - 1] not in "{,":
+            at = body.find(tag, at + 1)
+        start = at + len(tag)
+        if value is None:
+            if at >= 0 and not body.startswith("null", start):
+                return False
+            continue
+        text = _json_string(value) if type(value) is str else str(value)
+        if at < 0 or not body.startswith(text, start):
+            return False
+        if body[start + len(text) : start + len(text) + 1] not in (",", "}"):
+            return False
+    return True
+
+
+def now_iso(now: float | None = None) -> str:
     moment = datetime.fromtimestamp(time.time() if now is None else now, UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _link(prev: bytes, body: bytes) -> bytes:
-    return hashlib.sha256(prev + body).digest()
+def parse_iso(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
 
 
-class AuditStore:
-    """One SQLite file. One writer (the collector) at a time; readers (query, verify) any time."""
+class AuditStore(ABC):
+    """What collectors, the signer, the CLI and the console use. Thread-safe; one open store
+    per process and database. `SqliteStore` and `PostgresStore` differ only in SQL dialect,
+    connections and bulk insert; every rule (chain, compare-and-swap, retention, pseudonyms,
+    erasure, verification) lives here, once."""
 
-    def __init__(
-        self,
-        path: Path,
-        *,
-        key_path: Path | None = None,
-        max_bytes: int | None = None,
-        retention_days: int = DEFAULT_RETENTION_DAYS,
-        readonly: bool = False,
-    ) -> None:
+    location: str  # for messages (a DSN's password redacted)
+    # what open_store() needs to open this store again, e.g. in a verify worker process (a DSN
+    # may carry a password: never print it)
+    open_location: str
+    readonly: bool
+    retention_days: int
+    _store_id: str | None = None
+
+    def __init__(self, *, readonly: bool, retention_days: int) -> None:
         if retention_days < 0:
             raise StoreError("retention_days must be >= 0")
-        self.path = Path(path)
         self.readonly = readonly
         self.retention_days = retention_days
-        self._lock = threading.Lock()
-        self._key: Ed25519PrivateKey | None = None
-        self.key_path = key_path or self.path.with_name(self.path.name + ".key")
-        try:
-            if readonly:
-                if not self.path.exists():
-                    raise StoreError(f"{self.path}: no audit store here")
-                self._db = sqlite3.connect(
-                    f"file:{self.path}?mode=ro", uri=True, check_same_thread=False
-                )
-            else:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                if not self.path.exists():
-                    self._create()
-                self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-                self._db.execute("PRAGMA journal_mode=WAL")
-                # NORMAL is enough: a transaction lost to power failure takes its journal offset
-                # with it, so the collector reads those lines again.
-                self._db.execute("PRAGMA synchronous=NORMAL")
-                self._db.execute("PRAGMA busy_timeout=5000")
-                self._db.executescript(_DDL)
-                self._init_meta()
-                if max_bytes is not None:
-                    self.set_max_bytes(max_bytes)
-                self._key = signing.load_or_create(self.key_path)
-            self._check_schema()
-        except sqlite3.Error as exc:
-            raise StoreError(f"{self.path}: cannot open the audit store: {exc}") from None
-        except signing.KeyError_ as exc:
-            raise StoreError(str(exc)) from None
-        except OSError as exc:
-            raise StoreError(f"{self.path}: {exc.strerror or exc}") from None
-        self._head: tuple[int, bytes] | None = None
+        self._lock = threading.RLock()
+        self._heads: dict[str, tuple[int, bytes]] = {}
+        self._positions: dict[str, JournalPosition | None] = {}
+        self._pseudonyms: dict[tuple[str, str], str] = {}
+        self._erasures: str | None = None
 
-    # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ backend hooks
 
-    def _create(self) -> None:
-        """A new store appears complete or not at all: built under a temporary name, then
-        linked into place (a reader that sees the file always finds the schema; of two writers
-        racing to create it, one wins and the other opens the winner's)."""
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.new")
-        tmp.unlink(missing_ok=True)
-        self._db = sqlite3.connect(tmp, check_same_thread=False, isolation_level=None)
-        try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(_DDL)
-            self._init_meta()
-        finally:
-            self._db.close()
-        try:
-            os.link(tmp, self.path)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
+    @abstractmethod
+    def _write(self) -> contextlib.AbstractContextManager[None]:
+        """One write transaction (serialised with other writers where the backend must)."""
+
+    @abstractmethod
+    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement (`?` placeholders) and return its rows (empty for writes)."""
+
+    @abstractmethod
+    def _count(self, sql: str, args: Sequence[Any] = ()) -> int:
+        """Run one write statement and return how many rows it changed."""
+
+    @abstractmethod
+    def _insert_records(self, rows: list[RecordRow]) -> None:
+        """Bulk-insert (chain, seq, record, prev, hash, the record as a dict) rows inside the
+        current transaction."""
+
+    @abstractmethod
+    def _lock_erasures(self, exclusive: bool) -> str:
+        """Read the erasure counter, serialising appends (shared) against erasures (exclusive)."""
+
+    @abstractmethod
+    def _shred(self) -> list[str]:
+        """After an erasure committed: make the deleted rows unrecoverable from the database's
+        files (and so from backups taken from now on). Returns what could not be done."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def _upsert(self, table: str, keys: Sequence[str], values: dict[str, Any]) -> None:
+        columns = list(values)
+        updates = ", ".join(f"{c}=excluded.{c}" for c in columns if c not in keys)
+        self._rows(
+            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+            f" ON CONFLICT({', '.join(keys)}) DO UPDATE SET {updates}",
+            list(values.values()),
+        )
+
+    def _must_write(self) -> None:
+        if self.readonly:
+            raise StoreError(f"{self.location}: opened read-only")
+
+    # ------------------------------------------------------------------ meta
 
     def _init_meta(self) -> None:
-        with self._tx():
-            have = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+        with self._write():
+            have: dict[Any, Any] = dict(self._rows("SELECT key, value FROM meta"))
             if "store_id" not in have:
-                store_id = uuid.uuid4().hex
-                self._db.executemany(
-                    "INSERT INTO meta (key, value) VALUES (?, ?)",
-                    [
-                        ("schema", str(SCHEMA)),
-                        ("store_id", store_id),
-                        ("created", _now_iso()),
-                        ("anchor_seq", "0"),
-                        ("anchor_hash", self._genesis(store_id).hex()),
-                    ],
-                )
+                for key, value in (
+                    ("schema", str(SCHEMA)),
+                    ("store_id", secrets.token_hex(16)),
+                    ("created", now_iso()),
+                    ("erasures", "0"),
+                    ("checkpoint_floor", "0"),
+                ):
+                    self._rows(
+                        "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO NOTHING",
+                        (key, value),
+                    )
 
     def _check_schema(self) -> None:
-        try:
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(f"{self.path}: not an audit store ({exc})") from None
-        if row is None or row[0] != str(SCHEMA):
-            raise StoreError(f"{self.path}: not an audit store of schema {SCHEMA}")
-
-    def set_max_bytes(self, max_bytes: int) -> None:
-        """Cap the database size; past it every append fails with "database or disk is full"
-        and the collector keeps the records in the journal until there is room."""
-        page = self._db.execute("PRAGMA page_size").fetchone()[0]
-        self._db.execute(f"PRAGMA max_page_count={max(1, max_bytes // page)}")
-
-    @staticmethod
-    def _genesis(store_id: str) -> bytes:
-        return hashlib.sha256(b"meshfn-audit-genesis\0" + store_id.encode()).digest()
+        row = self._rows("SELECT value FROM meta WHERE key='schema'")
+        if not row:
+            raise StoreError(f"{self.location}: not an audit store (no schema)")
+        if row[0][0] != str(SCHEMA):
+            raise StoreError(
+                f"{self.location}: an audit store of schema {row[0][0]}, this meshfn reads"
+                f" schema {SCHEMA}: keep it (the meshfn that wrote it still verifies it) and"
+                " start a new store"
+            )
 
     def meta(self, key: str) -> str:
-        row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        if row is None:
-            raise StoreError(f"{self.path}: meta {key} missing")
-        return str(row[0])
-
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[None]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
-
-    def close(self) -> None:
         with self._lock:
-            self._db.close()
+            rows = self._rows("SELECT value FROM meta WHERE key=?", (key,))
+        if not rows:
+            raise StoreError(f"{self.location}: meta {key} missing")
+        return str(rows[0][0])
+
+    @property
+    def store_id(self) -> str:
+        if self._store_id is None:
+            self._store_id = self.meta("store_id")
+        return self._store_id
+
+    # ------------------------------------------------------------------ chains
+
+    def chains(self) -> dict[str, Anchor]:
+        """Every chain with its retention anchor (seq 0 and the genesis hash if none)."""
+        with self._lock:
+            rows = self._rows("SELECT chain, anchor_seq, anchor_hash FROM chains ORDER BY chain")
+        return {str(c): Anchor(int(s), bytes(h)) for c, s, h in rows}
+
+    def head(self, chain: str = DEFAULT_CHAIN) -> tuple[int, bytes]:
+        """(seq, hash) of the chain's newest record, or its anchor when it has none."""
+        with self._lock:
+            return self._read_head(chain)
+
+    def heads(self) -> dict[str, tuple[int, bytes]]:
+        """Every chain's head, read fresh (what the signer checkpoints)."""
+        with self._lock:
+            return {chain: self._read_head(chain, fresh=True) for chain in self.chains()}
+
+    def _read_head(self, chain: str, fresh: bool = False) -> tuple[int, bytes]:
+        if fresh or chain not in self._heads:
+            # max() on the (chain, seq) index, then one lookup: ORDER BY ... LIMIT 1 let
+            # PostgreSQL without statistics sort the whole chain
+            rows = self._rows(
+                "SELECT seq, hash FROM records WHERE chain=?"
+                " AND seq=(SELECT MAX(seq) FROM records WHERE chain=?)",
+                (chain, chain),
+            )
+            if rows:
+                self._heads[chain] = (int(rows[0][0]), bytes(rows[0][1]))
+            else:
+                anchor = self._rows(
+                    "SELECT anchor_seq, anchor_hash FROM chains WHERE chain=?", (chain,)
+                )
+                self._heads[chain] = (
+                    (int(anchor[0][0]), bytes(anchor[0][1]))
+                    if anchor
+                    else (0, chain_genesis(self.store_id, chain))
+                )
+        return self._heads[chain]
+
+    def records_after(
+        self, chain: str, seq: int, batch: int = 5000
+    ) -> Iterator[tuple[int, str, bytes, bytes]]:
+        """(seq, record, prev, hash) of the chain's records after `seq`, in order, read in
+        batches (keyset pagination: no cursor stays open between them)."""
+        while True:
+            with self._lock:
+                rows = self._rows(
+                    "SELECT seq, record, prev, hash FROM records WHERE chain=? AND seq>?"
+                    " ORDER BY seq LIMIT ?",
+                    (chain, seq, batch),
+                )
+            yield from rows
+            if len(rows) < batch:
+                return
+            seq = int(rows[-1][0])
+
+    def checked_records_after(self, chain: str, seq: int, batch: int = 5000) -> Iterator[VerifyRow]:
+        """`records_after`, and whether each row's query columns agree with its record."""
+        for rows in self.record_batches(chain, seq, batch):
+            yield from rows
+
+    def record_batches(self, chain: str, seq: int, batch: int = 5000) -> Iterator[list[VerifyRow]]:
+        """The rows of `checked_records_after` in batches as the database returns them (both
+        drivers return ints, str and bytes for these columns). Here the query columns are
+        generated from the record and cannot disagree; a backend that has the writer fill them
+        checks them (columns_agree)."""
+        while True:
+            with self._lock:
+                rows = self._rows(
+                    "SELECT seq, record, prev, hash, 1 FROM records WHERE chain=? AND seq>?"
+                    " ORDER BY seq LIMIT ?",
+                    (chain, seq, batch),
+                )
+            yield rows
+            if len(rows) < batch:
+                return
+            seq = int(rows[-1][0])
 
     # ------------------------------------------------------------------ writing
 
-    def head(self) -> tuple[int, bytes]:
-        """(seq, hash) of the newest record, or (anchor seq, anchor hash) when empty."""
-        with self._lock:
-            return self._read_head()
-
-    def _read_head(self) -> tuple[int, bytes]:
-        if self._head is None:
-            row = self._db.execute(
-                "SELECT seq, hash FROM records ORDER BY seq DESC LIMIT 1"
-            ).fetchone()
-            if row is None:
-                self._head = (int(self.meta("anchor_seq")), bytes.fromhex(self.meta("anchor_hash")))
-            else:
-                self._head = (int(row[0]), bytes(row[1]))
-        return self._head
-
     def append(
-        self, records: Sequence[dict[str, Any]], position: JournalPosition | None = None
+        self,
+        records: Sequence[dict[str, Any]],
+        position: JournalPosition | None = None,
+        chain: str | None = None,
     ) -> int:
-        """Chain and store `records` and (atomically) the journal position they were read up to.
-        Returns the new head seq. Raises StoreError and stores nothing if anything fails."""
-        if self.readonly:
-            raise StoreError(f"{self.path}: opened read-only")
+        """Chain and store `records` (in chain `chain`, default: the position's source) and,
+        atomically, the journal position they were read up to. The position is compared with
+        the one this store last read or wrote for that source: if another writer moved it,
+        StoreConflict and nothing is stored. Subject hashes become pseudonyms (see `erase`).
+        Returns the chain's new head seq. Raises StoreError and stores nothing on failure."""
+        self._must_write()
+        chain = chain or (position.source if position is not None else DEFAULT_CHAIN)
+        if chain.startswith("@") and chain != CONTROL_CHAIN:
+            raise StoreError(f"chain names starting with '@' are meshfn's own: {chain!r}")
         with self._lock:
-            seq, prev = self._read_head()
-            rows = []
-            for record in records:
-                body = canonical(record)
-                digest = _link(prev, body)
-                seq += 1
-                rows.append((seq, body.decode("ascii"), prev, digest))
-                prev = digest
             try:
-                with self._tx():
-                    self._db.executemany(
-                        "INSERT INTO records (seq, record, prev, hash) VALUES (?, ?, ?, ?)", rows
-                    )
-                    if position is not None:
-                        self._db.execute(
-                            "INSERT INTO journals (source, path, inode, offset, fingerprint)"
-                            " VALUES (?, ?, ?, ?, ?) ON CONFLICT(source) DO UPDATE SET"
-                            " path=excluded.path, inode=excluded.inode, offset=excluded.offset,"
-                            " fingerprint=excluded.fingerprint",
-                            (
-                                position.source,
-                                position.path,
-                                position.inode,
-                                position.offset,
-                                position.fingerprint,
-                            ),
-                        )
-            except sqlite3.Error as exc:
-                self._head = None
-                raise StoreError(f"{self.path}: cannot store audit records: {exc}") from None
-            self._head = (seq, prev)
-            return seq
+                with self._write():
+                    return self._append(records, position, chain)
+            except BaseException:
+                self._heads.pop(chain, None)
+                if position is not None:
+                    self._positions.pop(position.source, None)
+                raise
 
-    def checkpoint(self, now: float | None = None) -> int | None:
-        """Sign the current head if it is not signed yet; returns the signed seq."""
-        if self._key is None:
-            raise StoreError(f"{self.path}: opened read-only")
-        with self._lock:
-            seq, digest = self._read_head()
-            last = self._db.execute("SELECT MAX(seq) FROM checkpoints").fetchone()[0]
-            if seq == 0 or (last is not None and last >= seq):
-                return None
-            created = _now_iso(now)
-            message = self._checkpoint_message(seq, digest, created)
-            signature = self._key.sign(message)
-            kid = signing.key_id(self._key.public_key())
-            try:
-                with self._tx():
-                    self._db.execute(
-                        "INSERT INTO checkpoints (seq, hash, created, key_id, signature)"
-                        " VALUES (?, ?, ?, ?, ?)",
-                        (seq, digest, created, kid, signature),
-                    )
-            except sqlite3.Error as exc:
-                raise StoreError(f"{self.path}: cannot write a checkpoint: {exc}") from None
-            return seq
+    def _append(
+        self, records: Sequence[dict[str, Any]], position: JournalPosition | None, chain: str
+    ) -> int:
+        if records:
+            epoch = self._lock_erasures(exclusive=False)
+            if epoch != self._erasures:  # someone erased a subject: forget every pseudonym
+                self._pseudonyms.clear()
+                self._erasures = epoch
+            records = self._pseudonymise(records)
+        if position is not None:
+            self._move_position(position)
+        seq, prev = self._read_head(chain)
+        if seq == 0 and records:
+            self._rows(
+                "INSERT INTO chains (chain, anchor_seq, anchor_hash) VALUES (?, 0, ?)"
+                " ON CONFLICT(chain) DO NOTHING",
+                (chain, prev),
+            )
+        rows = []
+        for record in records:
+            body = canonical(record)
+            digest = link(prev, body)
+            seq += 1
+            rows.append((chain, seq, body.decode("ascii"), prev, digest, record))
+            prev = digest
+        if rows:
+            self._insert_records(rows)  # a racing writer's rows make the (chain, seq) key clash
+        self._heads[chain] = (seq, prev)
+        return seq
 
-    def _checkpoint_message(self, seq: int, digest: bytes, created: str) -> bytes:
-        store_id = self.meta("store_id")
-        return f"meshfn-audit-checkpoint\0{store_id}\0{seq}\0{digest.hex()}\0{created}".encode()
+    def _move_position(self, position: JournalPosition) -> None:
+        if position.source not in self._positions:
+            self._positions[position.source] = self._load_position(position.source)
+        seen = self._positions[position.source]
+        values = (position.path, position.inode, position.offset, position.fingerprint)
+        if seen is None:
+            changed = self._count(
+                "INSERT INTO journals (source, path, inode, offset, fingerprint)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT(source) DO NOTHING",
+                (position.source, *values),
+            )
+        else:
+            changed = self._count(
+                "UPDATE journals SET path=?, inode=?, offset=?, fingerprint=?"
+                " WHERE source=? AND inode=? AND offset=? AND fingerprint=?",
+                (*values, seen.source, seen.inode, seen.offset, seen.fingerprint),
+            )
+        if changed != 1:
+            raise StoreConflict(
+                f"journal {position.source}: another collector stored it first (position moved"
+                " since this collector read it)"
+            )
+        self._positions[position.source] = position
+
+    def _load_position(self, source: str) -> JournalPosition | None:
+        rows = self._rows(
+            "SELECT source, path, inode, offset, fingerprint FROM journals WHERE source=?",
+            (source,),
+        )
+        if not rows:
+            return None
+        s, p, i, o, f = rows[0]
+        return JournalPosition(str(s), str(p), int(i), int(o), str(f))
 
     def journal_position(self, source: str) -> JournalPosition | None:
+        """The stored position, read fresh (and remembered as what the next append moves)."""
         with self._lock:
-            row = self._db.execute(
-                "SELECT source, path, inode, offset, fingerprint FROM journals WHERE source=?",
-                (source,),
-            ).fetchone()
-        if row is None:
-            return None
-        return JournalPosition(row[0], row[1], int(row[2]), int(row[3]), row[4])
+            found = self._load_position(source)
+            self._positions[source] = found
+            return found
+
+    def add_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Keep a checkpoint the signer made (its witness already has it)."""
+        self._must_write()
+        with self._lock, self._write():
+            self._rows(
+                "INSERT INTO checkpoints (n, body, signature, key_id, created)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT(n) DO NOTHING",
+                (
+                    checkpoint.n,
+                    checkpoint.body.decode("ascii"),
+                    checkpoint.signature,
+                    checkpoint.key_id,
+                    checkpoint.time,
+                ),
+            )
+
+    def last_checkpoint(self) -> int:
+        with self._lock:
+            rows = self._rows("SELECT MAX(n) FROM checkpoints")
+        return int(rows[0][0] or 0)
+
+    def checkpoints(self, since_n: int = 0) -> list[Checkpoint]:
+        with self._lock:
+            rows = self._rows(
+                "SELECT body, signature, key_id FROM checkpoints WHERE n>? ORDER BY n", (since_n,)
+            )
+        return [Checkpoint(str(b).encode("ascii"), bytes(s), str(k)) for b, s, k in rows]
+
+    # ------------------------------------------------------------------ subjects
+
+    def _pseudonymise(self, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        wanted = {
+            (str(r.get("salt_id") or ""), str(r["subject"]))
+            for r in records
+            if isinstance(r.get("subject"), str) and _HASH.match(r["subject"])
+        }
+        missing = [key for key in wanted if key not in self._pseudonyms]
+        for salt_id, digest in missing:
+            self._rows(
+                "INSERT INTO subjects (salt_id, hash, pseudonym) VALUES (?, ?, ?)"
+                " ON CONFLICT(salt_id, hash) DO NOTHING",
+                (salt_id, digest, secrets.token_hex(16)),
+            )
+            found = self._rows(
+                "SELECT pseudonym FROM subjects WHERE salt_id=? AND hash=?", (salt_id, digest)
+            )
+            self._pseudonyms[(salt_id, digest)] = str(found[0][0])
+        out = []
+        for record in records:
+            subject = record.get("subject")
+            if isinstance(subject, str) and _HASH.match(subject):
+                key = (str(record.get("salt_id") or ""), subject)
+                out.append({**record, "subject": self._pseudonyms[key]})
+            else:
+                out.append(record)
+        return out
+
+    def pseudonyms(self, subject: str) -> list[str]:
+        """The pseudonyms records carry for a subject given as the filter's HMAC (64 hex digits,
+        any salt) or as a pseudonym (32 hex digits, returned as is)."""
+        subject = subject.lower()
+        if _PSEUDONYM.match(subject):
+            return [subject]
+        if not _HASH.match(subject):
+            raise StoreError("a subject is 64 hex digits (HMAC) or 32 (pseudonym)")
+        with self._lock:
+            rows = self._rows("SELECT pseudonym FROM subjects WHERE hash=?", (subject,))
+        return [str(r[0]) for r in rows]
+
+    def erase(self, subject: str, now: float | None = None) -> Erasure | None:
+        """GDPR Art. 17 by crypto-shredding: delete the subject's pseudonym row, so the records
+        that carry the pseudonym (unchanged: the chain still verifies) can no longer be linked
+        to the subject, not even with the salt and the raw subject, here or in backups taken
+        from now on. Appends an erasure record (the count only, no subject) to the control
+        chain. `subject`: the filter's HMAC (64 hex) or a pseudonym (32 hex). None: no such
+        subject, nothing changed."""
+        self._must_write()
+        subject = subject.lower()
+        column = "pseudonym" if _PSEUDONYM.match(subject) else "hash"
+        if column == "hash" and not _HASH.match(subject):
+            raise StoreError("a subject is 64 hex digits (HMAC) or 32 (pseudonym)")
+        with self._lock:
+            with self._write():
+                self._lock_erasures(exclusive=True)
+                rows = self._rows(
+                    f"SELECT salt_id, hash, pseudonym FROM subjects WHERE {column}=?", (subject,)
+                )
+                if not rows:
+                    return None
+                pseudonyms = [str(r[2]) for r in rows]
+                count = 0
+                for pseudonym in pseudonyms:
+                    count += int(
+                        self._rows("SELECT COUNT(*) FROM records WHERE subject=?", (pseudonym,))[0][
+                            0
+                        ]
+                    )
+                self._count(f"DELETE FROM subjects WHERE {column}=?", (subject,))
+                epoch = str(
+                    int(self._rows("SELECT value FROM meta WHERE key='erasures'")[0][0]) + 1
+                )
+                self._count("UPDATE meta SET value=? WHERE key='erasures'", (epoch,))
+                seq = self._append(
+                    [{"v": 2, "event": "erasure", "time": now_iso(now), "records": count}],
+                    None,
+                    CONTROL_CHAIN,
+                )
+            self._pseudonyms.clear()
+            self._erasures = None
+            return Erasure(count, seq, tuple(self._shred()))
 
     # ------------------------------------------------------------------ retention
 
     def apply_retention(self, days: int | None = None, now: float | None = None) -> int:
-        """Delete records older than `days` (default: the store's retention) up to the newest
-        checkpoint that is itself older than that, so what stays verifies from that checkpoint.
-        Returns how many records were deleted."""
-        if self.readonly:
-            raise StoreError(f"{self.path}: opened read-only")
+        """Delete records older than `days` (default: the store's retention): per chain, up to
+        its head as signed by the newest checkpoint that is itself older than that, so what
+        stays verifies from a signed starting point. Returns how many records were deleted."""
+        self._must_write()
         days = self.retention_days if days is None else days
-        cutoff = _now_iso(
+        cutoff = now_iso(
             (time.time() if now is None else now) - timedelta(days=days).total_seconds()
         )
         with self._lock:
-            anchor = int(self.meta("anchor_seq"))
-            row = self._db.execute(
-                "SELECT seq, hash FROM checkpoints WHERE created < ? ORDER BY seq DESC LIMIT 1",
-                (cutoff,),
-            ).fetchone()
-            if row is None or int(row[0]) <= anchor:
+            old = [
+                Checkpoint(str(b).encode("ascii"), bytes(s), str(k))
+                for b, s, k in self._rows(
+                    "SELECT body, signature, key_id FROM checkpoints WHERE created < ? ORDER BY n",
+                    (cutoff,),
+                )
+            ]
+            if not old:
                 return 0
-            seq, digest = int(row[0]), bytes(row[1])
-            try:
-                with self._tx():
-                    # the anchor moves first: the delete triggers allow only what lies before it
-                    self._db.execute("UPDATE meta SET value=? WHERE key='anchor_seq'", (str(seq),))
-                    self._db.execute(
-                        "UPDATE meta SET value=? WHERE key='anchor_hash'", (digest.hex(),)
+            newest: dict[str, tuple[int, str, int]] = {}
+            for checkpoint in old:
+                for chain, (seq, digest) in checkpoint.heads.items():
+                    newest[chain] = (seq, digest, checkpoint.n)
+            anchors = self.chains()
+            deleted = 0
+            with self._write():
+                self._upsert("meta", ["key"], {"key": "retention_days", "value": str(days)})
+                floor = old[-1].n
+                self._upsert("meta", ["key"], {"key": "checkpoint_floor", "value": str(floor)})
+                keep = set()
+                for chain, (seq, digest, n) in newest.items():
+                    keep.add(n)
+                    anchor = anchors.get(chain)
+                    if anchor is None or seq <= anchor.seq:
+                        if anchor is not None and anchor.seq > 0:
+                            keep.add(self._anchor_checkpoint(chain))
+                        continue
+                    # the anchor moves first: the delete trigger allows only what lies before it
+                    self._count(
+                        "UPDATE chains SET anchor_seq=?, anchor_hash=?, anchor_checkpoint=?"
+                        " WHERE chain=?",
+                        (seq, bytes.fromhex(digest), n, chain),
                     )
-                    deleted = self._db.execute(
-                        "DELETE FROM records WHERE seq <= ?", (seq,)
-                    ).rowcount
-                    self._db.execute("DELETE FROM checkpoints WHERE seq < ?", (seq,))
-                    self._db.execute(
-                        "INSERT INTO meta (key, value) VALUES ('retention_days', ?)"
-                        " ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                        (str(days),),
+                    deleted += self._count(
+                        "DELETE FROM records WHERE chain=? AND seq<=?", (chain, seq)
                     )
-            except sqlite3.Error as exc:
-                raise StoreError(f"{self.path}: retention failed: {exc}") from None
-            self._head = None
-            return int(deleted)
+                    self._heads.pop(chain, None)
+                for (n,) in self._rows("SELECT n FROM checkpoints WHERE n<?", (floor,)):
+                    if int(n) not in keep:
+                        self._count("DELETE FROM checkpoints WHERE n=?", (int(n),))
+            return deleted
+
+    def _anchor_checkpoint(self, chain: str) -> int:
+        rows = self._rows("SELECT anchor_checkpoint FROM chains WHERE chain=?", (chain,))
+        return int(rows[0][0] or 0) if rows else 0
 
     # ------------------------------------------------------------------ reading
 
-    def count(self) -> int:
+    def count(self, chain: str | None = None) -> int:
         with self._lock:
-            return int(self._db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
+            if chain is None:
+                return int(self._rows("SELECT COUNT(*) FROM records")[0][0])
+            return int(self._rows("SELECT COUNT(*) FROM records WHERE chain=?", (chain,))[0][0])
 
     def query(
         self,
@@ -434,194 +668,48 @@ class AuditStore:
         status: int | None = None,
         status_class: int | None = None,
         route: str | None = None,
+        chain: str | None = None,
         limit: int | None = 100,
     ) -> list[dict[str, Any]]:
-        """Records matching every given filter, oldest first. Times are ISO 8601 UTC strings as
-        the records carry them (`2026-01-31T12:00:00.000000Z`); `until` is exclusive."""
+        """Records matching every given filter, in the order they were stored, each with its
+        `chain` and `seq`. Times are ISO 8601 UTC strings as the records carry them
+        (`2026-01-31T12:00:00.000000Z`); `until` is exclusive. `subject`: the filter's HMAC of
+        the subject (64 hex) or a pseudonym (32 hex)."""
         where, args = [], []
         for clause, value in (
             ("time >= ?", since),
             ("time < ?", until),
-            ("subject = ?", subject.lower() if subject else None),
             ("status = ?", status),
             ("route = ?", route),
+            ("chain = ?", chain),
         ):
             if value is not None:
                 where.append(clause)
                 args.append(value)
+        if subject is not None:
+            names = self.pseudonyms(subject)
+            if not names:
+                return []
+            where.append(f"subject IN ({', '.join('?' * len(names))})")
+            args.extend(names)
         if status_class is not None:
             where.append("status >= ? AND status < ?")
             args.extend([status_class * 100, status_class * 100 + 100])
-        sql = "SELECT seq, record FROM records"
+        sql = "SELECT chain, seq, record FROM records"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY seq"
+        sql += " ORDER BY id"
         if limit is not None:
             sql += " LIMIT ?"
             args.append(limit)
         with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
-        return [{"seq": int(seq), **json.loads(body)} for seq, body in rows]
+            rows = self._rows(sql, args)
+        return [{"chain": str(c), "seq": int(s), **json.loads(body)} for c, s, body in rows]
 
-    # ------------------------------------------------------------------ verification
-
-    def verify(
-        self, public_key: Ed25519PublicKey | None = None, now: float | None = None
-    ) -> VerifyReport:
-        """Walk the chain and the checkpoints; report every problem found (up to 100)."""
-        key = public_key
-        if key is None:
-            key = signing.load_public(signing.public_path(self.key_path))
+    def records_since(self, chain: str, since: str) -> int | None:
+        """The first seq of `chain` whose record time is at or after `since`."""
         with self._lock:
-            return _Verifier(self, key, now).run()
-
-
-class _Verifier:
-    def __init__(self, store: AuditStore, key: Ed25519PublicKey, now: float | None) -> None:
-        self.store = store
-        self.db = store._db
-        self.key = key
-        self.now = time.time() if now is None else now
-        self.report = VerifyReport()
-        self._by_hash: dict[bytes, int] | None = None
-        self.reordered: set[int] = set()
-
-    def problem(self, kind: str, seq: int | None, detail: str) -> None:
-        if len(self.report.problems) >= _MAX_PROBLEMS:
-            self.report.truncated_problems = True
-            return
-        self.report.problems.append(Problem(kind, seq, detail))
-
-    def seq_of_hash(self, digest: bytes) -> int | None:
-        """Which row carries this hash (built once, only when the chain is already broken)."""
-        if self._by_hash is None:
-            self._by_hash = {
-                bytes(h): int(s) for s, h in self.db.execute("SELECT seq, hash FROM records")
-            }
-        return self._by_hash.get(digest)
-
-    def run(self) -> VerifyReport:
-        report = self.report
-        anchor_seq = int(self.store.meta("anchor_seq"))
-        anchor_hash = bytes.fromhex(self.store.meta("anchor_hash"))
-        report.anchor_seq = anchor_seq
-        checkpoints = self.check_checkpoints(anchor_seq, anchor_hash)
-
-        expected_seq, expected_prev = anchor_seq + 1, anchor_hash
-        hashes_at_checkpoints: dict[int, bytes] = {}
-        cursor = self.db.execute("SELECT seq, record, prev, hash FROM records ORDER BY seq")
-        while rows := cursor.fetchmany(5000):
-            for seq, body, prev, digest in rows:
-                report.records += 1
-                if report.first_seq is None:
-                    report.first_seq = seq
-                report.last_seq = seq
-                gap = seq > expected_seq
-                if gap:
-                    span = (
-                        f"{expected_seq}"
-                        if seq - expected_seq == 1
-                        else f"{expected_seq}-{seq - 1}"
-                    )
-                    self.problem("deleted", expected_seq, f"records {span} are missing")
-                if _link(prev, body.encode()) != digest:
-                    self.problem(
-                        "edited", seq, f"record {seq} does not match its hash (content changed)"
-                    )
-                if prev != expected_prev and not gap:
-                    self.classify_break(seq, prev)
-                if seq in checkpoints:
-                    hashes_at_checkpoints[seq] = digest
-                expected_seq, expected_prev = seq + 1, digest
-
-        for seq, signed in sorted(checkpoints.items()):
-            if seq <= anchor_seq:
-                continue  # the retention anchor: its records are gone by design
-            found = hashes_at_checkpoints.get(seq)
-            if found is None:
-                if report.last_seq is None or seq > report.last_seq:
-                    self.problem(
-                        "deleted",
-                        seq,
-                        f"checkpoint {seq} is signed but the store ends at {report.last_seq}:"
-                        " records were deleted from the end",
-                    )
-            elif found != signed:
-                self.problem(
-                    "checkpoint",
-                    seq,
-                    f"record {seq} differs from what checkpoint {seq} signed: the chain up to"
-                    " it was rewritten",
-                )
-        # A row with a made-up `prev` looks like "predecessor gone" until the next row shows the
-        # chain skipping over it: then it was inserted, and nothing was deleted.
-        inserted = {p.seq for p in report.problems if p.kind == "inserted"}
-        report.problems = [
-            p
-            for p in report.problems
-            if not (
-                p.kind == "deleted" and p.detail.startswith("the record that") and p.seq in inserted
+            rows = self._rows(
+                "SELECT MIN(seq) FROM records WHERE chain=? AND time >= ?", (chain, since)
             )
-        ]
-        return report
-
-    def classify_break(self, seq: int, prev: bytes) -> None:
-        """Row `seq` does not follow the row before it: say how the order was broken."""
-        origin = self.seq_of_hash(prev)
-        if origin is None:
-            self.problem(
-                "deleted",
-                seq,
-                f"the record that preceded {seq} is gone (deleted, or edited together with its"
-                " hash)",
-            )
-        elif origin > seq:
-            self.reordered.update((seq, origin))
-            self.problem("reordered", seq, f"record {seq} belongs after record {origin}")
-        elif origin < seq - 1:
-            if all(s in self.reordered for s in range(origin + 1, seq)):
-                return  # the rows in between were already reported as moved
-            span = f"{origin + 1}" if seq - 1 == origin + 1 else f"{origin + 1}-{seq - 1}"
-            self.problem("inserted", origin + 1, f"records {span} were inserted into the chain")
-        else:
-            self.problem("reordered", seq, f"record {seq} is out of place")
-
-    def check_checkpoints(self, anchor_seq: int, anchor_hash: bytes) -> dict[int, bytes]:
-        report = self.report
-        valid: dict[int, bytes] = {}
-        anchor_ok = anchor_seq == 0 and anchor_hash == AuditStore._genesis(
-            self.store.meta("store_id")
-        )
-        for seq, digest, created, _kid, signature in self.db.execute(
-            "SELECT seq, hash, created, key_id, signature FROM checkpoints ORDER BY seq"
-        ):
-            message = self.store._checkpoint_message(seq, digest, created)
-            report.checkpoints += 1
-            if not signing.valid(self.key, bytes(signature), message):
-                self.problem("signature", seq, f"checkpoint {seq} has an invalid signature")
-                continue
-            report.last_checkpoint_seq = seq
-            valid[seq] = digest
-            if seq == anchor_seq and digest == anchor_hash:
-                anchor_ok = True
-                self.check_retention_age(seq, created)
-        if not anchor_ok:
-            self.problem(
-                "retention",
-                anchor_seq,
-                f"the chain starts after record {anchor_seq} but no valid signed checkpoint"
-                " vouches for that starting point",
-            )
-        return valid
-
-    def check_retention_age(self, seq: int, created: str) -> None:
-        raw = self.db.execute("SELECT value FROM meta WHERE key='retention_days'").fetchone()
-        days = int(raw[0]) if raw else self.store.retention_days
-        made = datetime.strptime(created, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
-        if made.timestamp() > self.now - timedelta(days=days).total_seconds() + 1:
-            self.problem(
-                "retention",
-                seq,
-                f"records up to {seq} were removed although checkpoint {seq} ({created}) is"
-                f" younger than the {days}-day retention",
-            )
+        return int(rows[0][0]) if rows and rows[0][0] is not None else None

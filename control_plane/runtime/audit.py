@@ -1,14 +1,21 @@
-"""The audit trail of `meshfn up`: one collector in the control plane's event loop that stores
-every proxy's journal in state/audit/audit.db, rotating journals through Envoy's /reopen_logs.
+"""The audit trail of `meshfn up`: the checkpoint signer as its own process, and one collector in
+the control plane's event loop that stores every proxy's journal in STATE/audit/audit.db,
+rotating journals through Envoy's /reopen_logs.
+
+The control plane writes the store and never holds the signing key: the signer process
+(`meshfn audit signer`) keeps it in STATE/audit-signer/, reads the store read-only, and writes
+every checkpoint to the witness (STATE/audit-witness/ or $MESHFN_AUDIT_WITNESS) first.
 
 Started by the first model with `Mesh.spec.audit`; stopped after the proxies (so it stores the
-last lines they wrote). Turning audit off in the policies stops new records, not collection of
-what the proxies already wrote.
+last lines they wrote), the signer last (so the final checkpoint is signed). Turning audit off in
+the policies stops new records, not collection of what the proxies already wrote.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,8 +23,11 @@ from typing import Any
 from meshfn import ir
 from meshfn.xds.translate import ProxyHost
 
+from ..audit import layout
 from ..audit.collector import AuditCollector
-from ..audit.store import AuditStore
+from ..audit.signer import SignerClient, SignerError
+from ..audit.sqlite import SqliteStore
+from .process import SupervisedProcess
 
 log = logging.getLogger("meshfn.audit")
 
@@ -25,14 +35,45 @@ Reopen = Callable[[], Awaitable[None]]
 
 
 def store_path(state_dir: Path) -> Path:
-    return state_dir / "audit" / "audit.db"
+    return layout.store_path(state_dir)
+
+
+def signer_process(state_dir: Path, store: Path) -> tuple[SupervisedProcess, str]:
+    address = layout.signer_socket(state_dir)
+
+    async def ready() -> bool:
+        try:
+            await asyncio.to_thread(SignerClient(address, timeout=1).request, "status")
+        except SignerError:
+            return False
+        return True
+
+    argv = [
+        sys.executable,
+        "-P",
+        "-m",
+        "meshfn.control_plane.audit.cli",
+        "signer",
+        "--store",
+        str(store),
+        "--key",
+        str(layout.key_path(state_dir)),
+        "--witness",
+        str(layout.witness_path(state_dir)),
+        "--listen",
+        address,
+    ]
+    log_path = state_dir / "logs" / "audit-signer.log"
+    return SupervisedProcess("audit-signer", argv, log_path, ready=ready), address
 
 
 class AuditTrail:
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
-        self.store: AuditStore | None = None
+        self.store: SqliteStore | None = None
         self.collector: AuditCollector | None = None
+        self.signer: SupervisedProcess | None = None
+        self.signer_address: str | None = None
 
     async def reconcile(
         self, model: ir.MeshModel, host: ProxyHost, reopen: Mapping[str, Reopen]
@@ -43,10 +84,21 @@ class AuditTrail:
         if audit is None:
             return
         if self.collector is None:
-            self.store = AuditStore(store_path(self.state_dir), retention_days=audit.retention_days)
-            self.collector = AuditCollector(self.store)
+            path = store_path(self.state_dir)
+            # created before the signer starts: it opens the store read-only
+            self.store = await asyncio.to_thread(
+                SqliteStore, path, retention_days=audit.retention_days
+            )
+            self.signer, self.signer_address = signer_process(self.state_dir, path)
+            await self.signer.start()
+            self.collector = AuditCollector(self.store, signer=SignerClient(self.signer_address))
             await self.collector.start()
-            log.info("audit trail: %s", self.store.path)
+            log.info(
+                "audit trail: %s, signer %s, witness %s",
+                path,
+                self.signer_address,
+                layout.witness_path(self.state_dir),
+            )
         assert self.store is not None
         self.store.retention_days = audit.retention_days
         for workload in model.workloads:
@@ -57,14 +109,22 @@ class AuditTrail:
     def status(self) -> dict[str, Any]:
         if self.collector is None or self.store is None:
             return {"enabled": False}
-        return {"enabled": True, "store": str(self.store.path), **self.collector.status()}
+        return {
+            "enabled": True,
+            "store": self.store.location,
+            "signer": self.signer_address,
+            "witness": str(layout.witness_path(self.state_dir)),
+            **self.collector.status(),
+        }
 
     async def stop(self) -> None:
         """Store what the (already stopped) proxies wrote, sign a final checkpoint, close."""
-        if self.collector is not None:
-            try:
+        try:
+            if self.collector is not None:
                 await self.collector.stop()
-            finally:
-                assert self.store is not None
+        finally:
+            if self.signer is not None:
+                await self.signer.stop()
+            if self.store is not None:
                 self.store.close()
-                self.collector = self.store = None
+            self.collector = self.store = self.signer = None

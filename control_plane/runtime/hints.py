@@ -206,7 +206,9 @@ def hints(
             else f" --store {shell_path(state_dir / 'audit' / 'audit.db')}"
         )
         tail.append(f"{command} audit query{store} --subject-raw you   # your requests' records")
-        tail.append(f"{command} audit verify{store}   # the hash chain and signed checkpoints")
+        tail.append(
+            f"{command} audit verify{store}   # every chain, the signed checkpoints, the witness"
+        )
     return Hints(table, [*prefix, *tries, *tail])
 
 

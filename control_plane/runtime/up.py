@@ -25,6 +25,7 @@ from meshfn.common.progress import RichReporter
 from meshfn.ebpf import AccelerationUnavailable
 
 from .. import filters
+from ..audit.collector import CollectorMetrics
 from ..audit.store import StoreError
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
@@ -251,6 +252,7 @@ async def run_up(
     cp.status_providers["inference_backends"] = lambda: [
         {"service": b.service, "address": b.address, "port": b.port} for b in mesh.backends()
     ]
+    cp.metrics.registry.register(CollectorMetrics(lambda: audit.collector))
     admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

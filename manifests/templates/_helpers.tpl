@@ -30,3 +30,25 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "meshfn.leaseName" -}}
 {{- printf "%s-leader" (include "meshfn.fullname" .) -}}
 {{- end -}}
+
+{{- /* The audit components' pods: labels apart from the operator's (its selector must not
+match them). */ -}}
+{{- define "meshfn.auditSelector" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-audit
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- /* "true" when the chart deploys the trial PostgreSQL, else empty. */ -}}
+{{- define "meshfn.postgres" -}}
+{{- if and (eq .Values.auditStore.type "postgresql") .Values.auditStore.postgresql.trial.enabled (not .Values.auditStore.postgresql.existingSecret) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{- define "meshfn.storeSecret" -}}
+{{- default (printf "%s-audit-store" (include "meshfn.fullname" .)) .Values.auditStore.postgresql.existingSecret -}}
+{{- end -}}
+
+{{- define "meshfn.signerAddress" -}}
+{{- printf "tcp:%s-audit-signer.%s.svc:%d" (include "meshfn.fullname" .) .Release.Namespace (int .Values.auditSigner.port) -}}
+{{- end -}}

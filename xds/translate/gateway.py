@@ -84,6 +84,7 @@ def gateway_resources(
             workload.authz,
             audit,
             degrade_for(lst, guarded, model.drill, host.wasm_dir),
+            mesh_route=model.audit is not None,
         )
         drift = any(model.service(key).drift is not None for key in used)
         out[LISTENER][lst.name] = listener(lst, filters, drift)
@@ -91,6 +92,7 @@ def gateway_resources(
             lst,
             tuple((key, targets[key]) for key in used),
             httpfilters.request_headers_to_remove(filters),
+            model.audit is not None,
         )
         merge(out, httpfilters.resources(filters, overlay))
     return out

@@ -14,14 +14,17 @@ from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from meshfn import ir
-from meshfn.contracts.plugins import ROUTING_HEADER
+from meshfn.contracts.plugins import (
+    MESH_ROUTE_HEADER,
+    MESH_ROUTE_KEY,
+    ROUTE_METADATA,
+    ROUTING_HEADER,
+)
 from meshfn.ir.routing import precedence
 
 from .. import names
 from ..names import cluster_name, fallback_cluster_name
 from .common import duration, pack
-
-ROUTE_METADATA = "meshfn"
 
 
 def _string_match(kind: str, value: str) -> string_pb2.StringMatcher:
@@ -149,21 +152,28 @@ def _action(route: ir.Route, target: Target, degraded: bool) -> rc.RouteAction:
     return action
 
 
-def _metadata(target: Target) -> base_pb2.Metadata | None:
-    """The chain, for the JSON body of a 503 when every member is down (see listeners.py)."""
-    if not target.chain:
+def _metadata(target: Target, mesh_route: str | None) -> base_pb2.Metadata | None:
+    """The chain, for the JSON body of a 503 when every member is down (see listeners.py), and
+    in a mesh that audits the mesh route (the gateway's audit records name it)."""
+    fields = {}
+    if target.chain:
+        fields["chain"] = struct_pb2.Value(string_value=" > ".join((target.cluster, *target.chain)))
+    if mesh_route is not None:
+        fields[MESH_ROUTE_KEY] = struct_pb2.Value(string_value=mesh_route)
+    if not fields:
         return None
-    return base_pb2.Metadata(
-        filter_metadata={
-            ROUTE_METADATA: struct_pb2.Struct(
-                fields={
-                    "chain": struct_pb2.Value(
-                        string_value=" > ".join((target.cluster, *target.chain))
-                    )
-                }
-            )
-        }
-    )
+    return base_pb2.Metadata(filter_metadata={ROUTE_METADATA: struct_pb2.Struct(fields=fields)})
+
+
+def _mesh_route_header(route: ir.Route) -> list[base_pb2.HeaderValueOption]:
+    """x-meshfn-route for the sidecar's audit record (clients' copies were stripped before the
+    route was matched: httpfilters.internal_headers)."""
+    return [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=MESH_ROUTE_HEADER, value=route.key),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+    ]
 
 
 def route_config_name(listener: ir.Listener) -> str:
@@ -178,15 +188,18 @@ def degraded_route_name(route: ir.Route, index: int) -> str:
     return names.degraded_route_name(route.key, index)
 
 
-def _routes(route: ir.Route, index: int, target: Target) -> list[rc.Route]:
+def _routes(route: ir.Route, index: int, target: Target, mesh_route: bool) -> list[rc.Route]:
     """The route, and for a drift-guarded target first its degraded twin: same match plus the
     internal routing header the degrade filter sets (clients cannot: the listener strips it before
     routing), so tripping the breaker changes only the filter's config, never this table."""
+    key = route.key if mesh_route else None
+    headers = _mesh_route_header(route) if mesh_route else []
     normal = rc.Route(
         name=route_name(route, index),
         match=_match(route.matches[index]),
         route=_action(route, target, degraded=False),
-        metadata=_metadata(target),
+        metadata=_metadata(target, key),
+        request_headers_to_add=headers,
     )
     if not target.drift:
         return [normal]
@@ -194,7 +207,8 @@ def _routes(route: ir.Route, index: int, target: Target) -> list[rc.Route]:
         name=degraded_route_name(route, index),
         match=_match(route.matches[index]),
         route=_action(route, target, degraded=True),
-        metadata=_metadata(target),
+        metadata=_metadata(target, key),
+        request_headers_to_add=headers,
     )
     degraded.match.headers.append(
         rc.HeaderMatcher(
@@ -209,9 +223,11 @@ def route_configuration(
     listener: ir.Listener,
     targets: tuple[tuple[str, Target], ...] = (),
     headers_to_remove: tuple[str, ...] = (),
+    mesh_route: bool = False,
 ) -> route_pb2.RouteConfiguration:
     """`targets` maps the service keys the routes use to their Target (a tuple so the result
-    can be memoised); `headers_to_remove` are the HTTP filters' (httpfilters)."""
+    can be memoised); `headers_to_remove` are the HTTP filters' (httpfilters); `mesh_route`: the
+    mesh audits, so each route names itself (metadata, x-meshfn-route) for the records."""
     by_target = dict(targets)
     by_host: dict[str, list[tuple[ir.Route, int]]] = {}
     for route in listener.routes:
@@ -232,6 +248,7 @@ def route_configuration(
                         route,
                         index,
                         by_target.get(route.service, Target(cluster_name(route.service))),
+                        mesh_route,
                     )
                 ],
             )

@@ -103,7 +103,9 @@ def meshfn_filter(
 
 
 def early_header_mutation(
-    degrade: DegradeSettings | None = None, audit: AuditSettings | None = None
+    degrade: DegradeSettings | None = None,
+    audit: AuditSettings | None = None,
+    mesh_route: bool = False,
 ) -> extension_pb2.TypedExtensionConfig:
     """For HttpConnectionManager.early_header_mutation_extensions: removes `internal_headers`
     from client requests BEFORE Envoy matches a route or runs a filter. Envoy picks the route
@@ -111,7 +113,7 @@ def early_header_mutation(
     route first; the degrade filter then strips it and clears the route cache (routing ends up
     right), but it can only evaluate its rules against the route Envoy had picked. In jwt_headers
     mode it is what makes the claim headers trustworthy: only jwt_authn can have set them."""
-    names = internal_headers(degrade, audit)
+    names = internal_headers(degrade, audit, mesh_route)
     if not names:
         raise ValueError("early_header_mutation needs degrade settings or jwt_headers audit")
     mutation = header_mutation_pb2.HeaderMutation(
@@ -132,13 +134,15 @@ def jwt_claim_headers(settings: AuditSettings) -> list[jwt_authn_pb2.JwtClaimToH
     ]
 
 
-def access_log(journal: Path, settings: AuditSettings) -> accesslog_pb2.AccessLog:
+def access_log(
+    journal: Path, settings: AuditSettings, trusted_gateways: tuple[str, ...] | None = ()
+) -> accesslog_pb2.AccessLog:
     """The HttpConnectionManager access-log entry the collector reads (Envoy's file logger:
     written by Envoy whether or not the collector runs, hence loss-free), for the audit filter
     configured with `settings`. Start Envoy with `--file-flush-interval-msec 200` or so: the
     default (10 s) only delays records."""
     fields = struct_pb2.Struct()
-    fields.update(access_log_format(settings))
+    fields.update(access_log_format(settings, trusted_gateways))
     logger = file_pb2.FileAccessLog(
         path=str(journal),
         log_format=substitution_format_string_pb2.SubstitutionFormatString(json_format=fields),

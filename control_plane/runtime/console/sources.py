@@ -22,8 +22,12 @@ from typing import Any
 
 import aiohttp
 
+from ...audit import layout, signing
 from ...audit.salt import load as load_salt
-from ...audit.store import AuditStore, StoreError
+from ...audit.sqlite import SqliteStore
+from ...audit.store import StoreError
+from ...audit.verify import VerifyReport, verify
+from ...audit.witness import FileWitness
 
 log = logging.getLogger("meshfn.console")
 
@@ -160,6 +164,7 @@ class AuditQuery:
 class Verification:
     ok: bool
     records: int
+    chains: int
     checkpoints: int
     unsigned_tail: int
     problems: list[str]
@@ -177,7 +182,7 @@ class AuditView:
     verify_every: float = 5.0
     verification: Verification | None = None
     error: str | None = None
-    _store: AuditStore | None = field(default=None, repr=False)
+    _store: SqliteStore | None = field(default=None, repr=False)
     _verified_head: tuple[int, ...] = ()
     _verified_at: float = 0.0
     _records: dict[AuditQuery, tuple[tuple[int, ...], list[dict[str, Any]]]] = field(
@@ -185,7 +190,7 @@ class AuditView:
     )
 
     @staticmethod
-    def _version(store: AuditStore) -> tuple[int, ...]:
+    def _version(store: SqliteStore) -> tuple[int, ...]:
         """Changes whenever the writer commits (the store file or its WAL changed); cheap, and
         unlike a read-only store's cached head it does not stand still."""
         out: list[int] = []
@@ -198,14 +203,14 @@ class AuditView:
             out += [stat.st_mtime_ns, stat.st_size]
         return tuple(out)
 
-    def _open(self) -> AuditStore | None:
+    def _open(self) -> SqliteStore | None:
         path = self.path()
         if path is None:
             return None
         if self._store is None or self._store.path != path:
             if not path.exists():
                 return None
-            self._store = AuditStore(path, readonly=True)
+            self._store = SqliteStore(path, readonly=True)
         return self._store
 
     async def refresh(self) -> None:
@@ -217,16 +222,17 @@ class AuditView:
             now = time.monotonic()
             if head != self._verified_head and now - self._verified_at >= self.verify_every:
                 self._verified_at = now
-                report = await asyncio.to_thread(store.verify)
+                report = await asyncio.to_thread(self._verify, store)
                 self._verified_head = head
                 self.verification = Verification(
                     ok=report.ok,
                     records=report.records,
+                    chains=len(report.chains),
                     checkpoints=report.checkpoints,
                     unsigned_tail=report.unsigned_tail,
                     problems=[
-                        f"{p.kind}: {'seq ' + str(p.seq) + ': ' if p.seq is not None else ''}"
-                        f"{p.detail}"
+                        f"{p.kind}: {p.chain + ' ' if p.chain else ''}"
+                        f"{'seq ' + str(p.seq) + ': ' if p.seq is not None else ''}{p.detail}"
                         for p in report.problems
                     ],
                     at=time.time(),
@@ -234,6 +240,15 @@ class AuditView:
             self.error = None
         except (StoreError, OSError) as exc:
             self.error = str(exc)
+
+    def _verify(self, store: SqliteStore) -> VerifyReport:
+        """As `meshfn audit verify` does for this state directory: the signer's public key and
+        the witness (the signer may not have written its key yet: then nothing is signed)."""
+        try:
+            key = signing.load_public(layout.public_key_path(self.state_dir))
+        except signing.KeyError_ as exc:
+            raise StoreError(f"no checkpoint key yet: {exc}") from None
+        return verify(store, key, FileWitness(layout.witness_path(self.state_dir)))
 
     def records(self, query: AuditQuery) -> list[dict[str, Any]]:
         """The newest `query.limit` records matching `query`, newest first (asked of the store
@@ -251,7 +266,7 @@ class AuditView:
         self._records[query] = (head, rows)
         return rows
 
-    def _query(self, store: AuditStore, query: AuditQuery) -> list[dict[str, Any]]:
+    def _query(self, store: SqliteStore, query: AuditQuery) -> list[dict[str, Any]]:
         subject = query.subject
         if query.subject_raw is not None:
             salt = load_salt(self.state_dir)

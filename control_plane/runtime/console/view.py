@@ -417,7 +417,8 @@ def functions(sources: ConsoleSources) -> tuple[BackendView, ...] | None:
 
 @dataclass(frozen=True)
 class AuditRecordView:
-    seq: int
+    seq: int  # within its chain (one per journal)
+    chain: str
     time: str
     method: str
     path: str
@@ -447,6 +448,7 @@ def _record(row: Mapping[str, Any]) -> AuditRecordView:
 
     return AuditRecordView(
         seq=int(row.get("seq", 0)),
+        chain=text("chain"),
         time=text("time"),
         method=text("method"),
         path=text("path"),
@@ -476,8 +478,9 @@ def audit(sources: ConsoleSources, query: AuditQuery) -> AuditView:
     else:
         when = time.strftime("%H:%M:%S", time.localtime(check.at))
         verified = (
-            f"chain intact: {check.records} record(s), {check.checkpoints} signed checkpoint(s),"
-            f" {check.unsigned_tail} after the last one (verified {when})"
+            f"chains intact: {check.records} record(s) in {check.chains} chain(s),"
+            f" {check.checkpoints} signed checkpoint(s), {check.unsigned_tail} not yet signed,"
+            f" witness agrees (verified {when})"
             if check.ok
             else f"TAMPERED: {len(check.problems)} problem(s) in {check.records} record(s)"
             f" (verified {when})"

@@ -39,7 +39,7 @@ class Audit(HttpFilter[AuditConfig]):
     def access_logs(
         self, ctx: FilterContext, config: AuditConfig
     ) -> Iterable[accesslog_pb2.AccessLog]:
-        return (access_log(config.journal, config.settings),)
+        return (access_log(config.journal, config.settings, config.trusted_gateways),)
 
 
 def audit_for(model: ir.MeshModel, workload: ir.Workload, host: ProxyHost) -> AuditConfig | None:
@@ -51,4 +51,12 @@ def audit_for(model: ir.MeshModel, workload: ir.Workload, host: ProxyHost) -> Au
         audit_settings(audit, host.salt, bool(workload.jwt_rules)),
         host.journal(workload.node_cluster),
         host.wasm_dir,
+        None if workload.kind == "gateway" else gateway_identities(model),
+    )
+
+
+def gateway_identities(model: ir.MeshModel) -> tuple[str, ...]:
+    """The mTLS identities a sidecar believes the mesh-route header from: the gateways'."""
+    return tuple(
+        sorted({w.identity for w in model.workloads if w.kind == "gateway" and w.identity})
     )

@@ -27,6 +27,10 @@ class AuditConfig:
     settings: AuditSettings
     journal: Path
     wasm_dir: Path
+    # None on a gateway (it names the mesh route from its own routes); on a sidecar the SPIFFE
+    # IDs of the gateways whose x-meshfn-route header its records believe
+    # (meshfn.ir.plugins.mesh_route_fields)
+    trusted_gateways: tuple[str, ...] | None = ()
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class FilterContext:
     authz: tuple[ir.AuthzPolicy, ...] = ()
     audit: AuditConfig | None = None
     degrade: DegradeConfig | None = None  # gateways only
+    mesh_route: bool = False  # a gateway of a mesh that audits: it sets x-meshfn-route
 
 
 C = TypeVar("C")

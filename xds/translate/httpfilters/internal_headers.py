@@ -1,6 +1,7 @@
 """Headers only Envoy may set: the degrade filter's routing header and the claim headers
 jwt_authn writes for the wasm filters (the audit filter's subject and tenant in jwt_headers mode,
-a drill trigger's iss and sub). Which headers those are is the filters' contract
+a drill trigger's iss and sub; on a gateway of a mesh that audits, the mesh-route header its
+routes set for the sidecars' records). Which headers those are is the filters' contract
 (`contracts.plugins.internal_headers`, shared with the Istio renderer), so this one unit applies
 it for every plugin on the listener, first in the chain: the HTTP connection manager removes
 them from client requests before it matches a route or runs a filter (so only jwt_authn, or the
@@ -15,7 +16,12 @@ from typing import NamedTuple
 
 from envoy.config.core.v3 import extension_pb2
 
-from meshfn.contracts.plugins import AuditSettings, DegradeSettings, internal_headers
+from meshfn.contracts.plugins import (
+    MESH_ROUTE_HEADER,
+    AuditSettings,
+    DegradeSettings,
+    internal_headers,
+)
 from meshfn.ir.plugins import claim_header_pairs
 
 from ..wasm import early_header_mutation
@@ -27,6 +33,7 @@ class Plugins(NamedTuple):
 
     degrade: DegradeSettings | None
     audit: AuditSettings | None
+    mesh_route: bool = False
 
 
 class InternalHeaders(HttpFilter[Plugins]):
@@ -35,6 +42,7 @@ class InternalHeaders(HttpFilter[Plugins]):
         plugins = Plugins(
             DegradeSettings(rules=[], trigger=degrade.trigger) if degrade is not None else None,
             ctx.audit.settings if ctx.audit is not None else None,
+            ctx.mesh_route,
         )
         return plugins if internal_headers(*plugins) else None
 
@@ -45,8 +53,11 @@ class InternalHeaders(HttpFilter[Plugins]):
 
     def request_headers_to_remove(self, ctx: FilterContext, config: Plugins) -> Iterable[str]:
         # The claim headers only: they carry the caller's subject, the backend must not see it.
-        routing = config.degrade.routing_header if config.degrade is not None else None
-        return [name for name in internal_headers(*config) if name != routing]
+        # (The routing header is the router's; the mesh-route header goes on to the sidecar.)
+        keep = {MESH_ROUTE_HEADER}
+        if config.degrade is not None:
+            keep.add(config.degrade.routing_header)
+        return [name for name in internal_headers(*config) if name not in keep]
 
 
 def claim_headers(ctx: FilterContext) -> tuple[tuple[str, str], ...]:

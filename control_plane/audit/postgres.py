@@ -1,0 +1,251 @@
+"""The cluster audit store: PostgreSQL, written by many collectors at once.
+
+Driver: psycopg 3 (not asyncpg): the store is called from worker threads by synchronous code
+(the collector's ticks, the CLI, the signer), which psycopg serves natively without an event
+loop per thread; it has COPY for bulk inserts (the collector's batches), server-side
+parameters, and a C implementation (`psycopg[binary]`, libpq bundled) that is as fast as
+asyncpg for this workload.
+
+Concurrency: each collector writes its own chains; its transaction compare-and-swaps the
+journal position and inserts `(chain, seq)` rows that a racing writer's rows would clash with
+(UNIQUE), so exactly one of two racing writers commits a batch. Appends take a shared lock on
+the erasure counter and an erasure an exclusive one, so a collector never keeps using a
+pseudonym that an erasure has just destroyed. The schema is created under an advisory lock
+(collectors start together). Give collectors a role that may INSERT and SELECT (and UPDATE
+journals), the signer and readers a role that may only SELECT: then the triggers are a second
+line, not the only one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import errors
+
+from .store import (
+    DEFAULT_RETENTION_DAYS,
+    TABLES,
+    AuditStore,
+    RecordRow,
+    Row,
+    StoreConflict,
+    StoreError,
+    VerifyRow,
+    columns_agree,
+    query_columns,
+)
+
+_SCHEMA_LOCK = (
+    0x6D657368666E  # "meshfn": serialises schema creation by collectors starting together
+)
+
+# Query columns filled by the writer from the record it chains (PostgreSQL parsing the JSON for
+# generated columns doubled the cost of an insert); verify checks they agree (columns_agree).
+_QUERY_COLUMNS = "time TEXT, subject TEXT, status INTEGER, route TEXT"
+_DDL = (
+    TABLES.format(
+        blob="BYTEA",
+        int="BIGINT",
+        serial="BIGSERIAL",
+        offset='"offset"',
+        query_columns=_QUERY_COLUMNS,
+    )
+    + """
+CREATE OR REPLACE FUNCTION meshfn_audit_records_guard() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'UPDATE' THEN
+        RAISE EXCEPTION 'audit records are append-only';
+    END IF;
+    IF OLD.seq > COALESCE((SELECT anchor_seq FROM chains WHERE chain = OLD.chain), 0) THEN
+        RAISE EXCEPTION 'audit records are append-only (retention deletes them)';
+    END IF;
+    RETURN OLD;
+END $$;
+CREATE OR REPLACE FUNCTION meshfn_audit_checkpoints_guard() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'UPDATE'
+       OR OLD.n >= (SELECT value::bigint FROM meta WHERE key = 'checkpoint_floor') THEN
+        RAISE EXCEPTION 'audit checkpoints are append-only';
+    END IF;
+    RETURN OLD;
+END $$;
+CREATE OR REPLACE TRIGGER records_append_only BEFORE UPDATE OR DELETE ON records
+    FOR EACH ROW EXECUTE FUNCTION meshfn_audit_records_guard();
+CREATE OR REPLACE TRIGGER checkpoints_append_only BEFORE UPDATE OR DELETE ON checkpoints
+    FOR EACH ROW EXECUTE FUNCTION meshfn_audit_checkpoints_guard();
+"""
+)
+
+
+def _redacted(dsn: str) -> str:
+    """The DSN without its password, for messages."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "postgresql://(unparseable DSN)"
+    host = info.get("host", "")
+    port = f":{info['port']}" if info.get("port") else ""
+    user = f"{info['user']}@" if info.get("user") else ""
+    return f"postgresql://{user}{host}{port}/{info.get('dbname', '')}"
+
+
+class PostgresStore(AuditStore):
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        readonly: bool = False,
+        retention_days: int = DEFAULT_RETENTION_DAYS,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        super().__init__(readonly=readonly, retention_days=retention_days)
+        self.dsn = self.open_location = dsn
+        self.location = _redacted(dsn)
+        self.connect_timeout = connect_timeout
+        self._conn: psycopg.Connection[Any] | None = None
+        self._tx: psycopg.Transaction | None = None
+        with self._lock:
+            self._connection()
+            if not readonly:
+                with self._write():
+                    self._rows("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
+                    self._execute_script(_DDL)
+                self._init_meta()
+            self._check_schema()
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            try:
+                self._conn = psycopg.connect(
+                    self.dsn,
+                    autocommit=True,
+                    connect_timeout=max(1, int(self.connect_timeout)),
+                    application_name="meshfn-audit",
+                )
+                if self.readonly:
+                    self._conn.execute("SET default_transaction_read_only = on")
+            except psycopg.Error as exc:
+                self._conn = None
+                raise StoreError(f"{self.location}: cannot connect: {_message(exc)}") from None
+        return self._conn
+
+    def _execute_script(self, script: str) -> None:
+        with self._errors("cannot create the schema"):
+            self._connection().execute(script.encode())
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except errors.UniqueViolation as exc:
+            raise StoreConflict(
+                f"{self.location}: {what}: another writer was first ({_message(exc)})"
+            ) from None
+        except psycopg.OperationalError as exc:
+            self._drop()
+            raise StoreError(f"{self.location}: {what}: {_message(exc)}") from None
+        except psycopg.Error as exc:
+            raise StoreError(f"{self.location}: {what}: {_message(exc)}") from None
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+        self._conn = None
+        self._tx = None
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[None]:
+        with self._lock, self._errors("cannot store audit records"):
+            conn = self._connection()
+            with conn.transaction() as tx:
+                self._tx = tx
+                try:
+                    yield
+                finally:
+                    self._tx = None
+
+    @staticmethod
+    def _sql(sql: str) -> bytes:
+        return sql.replace("offset", '"offset"').replace("?", "%s").encode()
+
+    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+        with self._lock, self._errors("query failed"):
+            cursor = self._connection().execute(self._sql(sql), tuple(args), prepare=True)
+            return cursor.fetchall() if cursor.description else []
+
+    def _count(self, sql: str, args: Sequence[Any] = ()) -> int:
+        with self._lock, self._errors("write failed"):
+            return int(self._connection().execute(self._sql(sql), tuple(args)).rowcount)
+
+    def record_batches(self, chain: str, seq: int, batch: int = 5000) -> Iterator[list[VerifyRow]]:
+        """One streamed query (a server-side cursor on its own connection, in one snapshot)
+        instead of keyset pages: without fresh statistics the planner sorts every remaining
+        row for each LIMIT page, which made a whole-chain read quadratic."""
+        try:
+            conn = psycopg.connect(self.dsn, connect_timeout=max(1, int(self.connect_timeout)))
+        except psycopg.Error as exc:
+            raise StoreError(f"{self.location}: cannot connect: {_message(exc)}") from None
+        try:
+            with self._errors("query failed"), conn.transaction():
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                # walk the (chain, seq) index in order; without statistics the planner would
+                # sort the whole chain (on disk, for a large one) before the first row
+                conn.execute("SET LOCAL enable_sort = off")
+                conn.execute("SET LOCAL enable_bitmapscan = off")
+                with conn.cursor(name="meshfn_audit_records", binary=True) as cursor:
+                    cursor.execute(
+                        b"SELECT seq, record, prev, hash, time, subject, status, route FROM records"
+                        b" WHERE chain = %s AND seq > %s ORDER BY seq",
+                        (chain, seq),
+                    )
+                    while rows := cursor.fetchmany(batch):
+                        yield [(r[0], r[1], r[2], r[3], columns_agree(r[1], r[4:])) for r in rows]
+        finally:
+            conn.close()
+
+    def _insert_records(self, rows: list[RecordRow]) -> None:
+        with (
+            self._errors("cannot store audit records"),
+            self._connection().cursor() as cursor,
+            cursor.copy(
+                "COPY records (chain, seq, record, prev, hash, time, subject, status, route)"
+                " FROM STDIN (FORMAT BINARY)"
+            ) as copy,
+        ):
+            copy.set_types(
+                ["text", "int8", "text", "bytea", "bytea", "text", "text", "int4", "text"]
+            )
+            for row in rows:
+                copy.write_row((*row[:5], *query_columns(row[5])))
+
+    def _lock_erasures(self, exclusive: bool) -> str:
+        mode = "UPDATE" if exclusive else "SHARE"
+        return str(self._rows(f"SELECT value FROM meta WHERE key='erasures' FOR {mode}")[0][0])
+
+    def _shred(self) -> list[str]:
+        """DELETE leaves the row's bytes in the heap and index pages until they are reused:
+        rewrite the table and its indexes (VACUUM FULL) so no data file holds them, then
+        CHECKPOINT so crash recovery starts after the erasure."""
+        left = []
+        for statement, why in (
+            ("VACUUM FULL subjects", "the subjects table was not rewritten"),
+            ("CHECKPOINT", "no checkpoint was forced"),
+        ):
+            try:
+                with self._lock, self._errors(statement):
+                    self._connection().execute(statement)
+            except StoreError as exc:
+                left.append(f"{why} ({exc}); run `{statement}` as the table's owner or superuser")
+        return left
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

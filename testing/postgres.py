@@ -1,0 +1,174 @@
+"""A real PostgreSQL server (Debian's `postgresql` package) on loopback, for tests and benchmarks.
+
+PostgreSQL refuses to run as root, so as root `initdb` and `postgres` run as the `postgres` user
+(through `runuser`) in a temporary directory that user owns; otherwise as the current user.
+`trust` authentication on 127.0.0.1 only; stopped by PID (fast shutdown) and removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .ports import PortInUse, free_port, retry_on_port_clash
+
+INSTALL_HINT = "PostgreSQL is not installed: apt-get install postgresql (./dev.sh setup does it)"
+
+
+def bin_dir() -> Path:
+    """The newest installed server's bin directory (Debian: /usr/lib/postgresql/<v>/bin)."""
+    found = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/postgres"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+    )
+    if not found:
+        raise RuntimeError(INSTALL_HINT)
+    return found[-1].parent
+
+
+class PostgresServer:
+    """`with PostgresServer() as pg: pg.database("t1")` -> a DSN of a fresh database."""
+
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
+        # Tests need no durability; benchmarks pass {} to keep PostgreSQL's defaults.
+        self.settings = (
+            {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+            if settings is None
+            else settings
+        )
+        self.dir = Path(tempfile.mkdtemp(prefix="meshfn-pg-"))
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._as: list[str] = []
+        if os.geteuid() == 0:
+            try:
+                user = pwd.getpwnam("postgres")
+            except KeyError:
+                raise RuntimeError(
+                    f"no `postgres` user to run the server as; {INSTALL_HINT}"
+                ) from None
+            os.chown(self.dir, user.pw_uid, user.pw_gid)
+            self._as = ["runuser", "-u", "postgres", "--"]
+        self.bin = bin_dir()
+        self.log = self.dir / "server.log"
+        self._count = 0
+
+    @property
+    def data(self) -> Path:
+        return self.dir / "data"
+
+    def _run(self, *argv: str) -> None:
+        done = subprocess.run(
+            [*self._as, *argv], capture_output=True, text=True, timeout=120, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{argv[0]} failed ({done.returncode}): {done.stderr[-2000:]}")
+
+    def start(self) -> PostgresServer:
+        self._run(
+            str(self.bin / "initdb"),
+            "-D",
+            str(self.data),
+            "-U",
+            "meshfn",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        )
+        retry_on_port_clash(self._start_server)
+        return self
+
+    def _start_server(self) -> None:
+        self.port = free_port()
+        options = [f"-c{k}={v}" for k, v in self.settings.items()]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    *self._as,
+                    str(self.bin / "postgres"),
+                    "-D",
+                    str(self.data),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.port),
+                    "-k",
+                    str(self.dir),
+                    *options,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                text = self.log.read_text(errors="replace")
+                self.proc = None
+                if "already in use" in text.lower():
+                    self.log.write_text("")
+                    raise PortInUse(f"postgres on port {self.port}")
+                raise RuntimeError(f"postgres exited: {text[-3000:]}")
+            if self._ready():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"postgres not ready: {self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+
+    def _ready(self) -> bool:
+        import psycopg
+
+        try:
+            psycopg.connect(self.dsn("postgres"), connect_timeout=1).close()
+        except psycopg.OperationalError:
+            return False
+        return True
+
+    def dsn(self, database: str = "postgres") -> str:
+        return f"postgresql://meshfn@127.0.0.1:{self.port}/{database}"
+
+    def database(self, name: str | None = None) -> str:
+        """A new, empty database; its DSN."""
+        import psycopg
+
+        self._count += 1
+        name = name or f"t{self._count}"
+        with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"'.encode())
+        return self.dsn(name)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # fast shutdown: roll back, stop
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> PostgresServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def postgres(settings: dict[str, str] | None = None) -> Iterator[PostgresServer]:
+    server = PostgresServer(settings)
+    try:
+        yield server.start()
+    finally:
+        server.stop()

@@ -48,14 +48,9 @@ from meshfn.testing.processes import Proc, Processes, http_ok, wait_for
 RESULTS = Path(__file__).resolve().parent / "results"
 PY = sys.executable
 IRIS = load.IRIS
-DIGITS = json.dumps(
-    {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
-).encode()
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+DIGITS = load.DIGITS
+pct = load.pct
+sequential = load.sequential
 
 
 def wait_http(url: str, proc: Proc, timeout: float = 60) -> None:
@@ -181,23 +176,6 @@ def cold_starts(
     finally:
         client.close()
     return out, inside, idle_warm
-
-
-def sequential(port: int, path: str, body: bytes, n: int) -> list[float]:
-    client = RawHttp("127.0.0.1", port)
-    raw = client.encode("POST", path, body)
-    for _ in range(50):
-        client.send(raw)
-    times = []
-    try:
-        for _ in range(n):
-            t = time.perf_counter()
-            status, reply = client.send(raw)
-            times.append((time.perf_counter() - t) * 1e6)
-            assert status == 200, reply
-    finally:
-        client.close()
-    return times
 
 
 def paced(port: int, path: str, body: bytes, rate: float, seconds: float) -> list[float]:

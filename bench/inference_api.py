@@ -39,7 +39,7 @@ import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from tritonclient.grpc import service_pb2 as pb
 
-from meshfn.inference.devtools import RawHttp
+from meshfn.inference.devtools import RawHttp, get_json
 from meshfn.inference.examples import publish_examples
 from meshfn.testing import load
 from meshfn.testing.ports import free_ports
@@ -215,13 +215,7 @@ def batching(
 
 def batch_rows(port: int) -> dict[str, float]:
     """How full the batches were: rows per guest call of the batched function."""
-    http = RawHttp("127.0.0.1", port)
-    try:
-        status, reply = http.request("GET", "/v2/models/iris-batched/stats")
-    finally:
-        http.close()
-    assert status == 200, reply
-    (stats,) = json.loads(reply)["model_stats"]
+    (stats,) = get_json(port, "/v2/models/iris-batched/stats")["model_stats"]
     calls = sum(b["compute_infer"]["count"] for b in stats["batch_stats"])
     return {
         "executions": stats["execution_count"],

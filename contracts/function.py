@@ -127,6 +127,37 @@ class FunctionRepository(_Strict):
     )
 
 
+WarmupMode = Literal["off", "reactive", "predictive"]
+
+
+class FunctionWarmup(_Strict):
+    """When instances exist ahead of a request. Scale to zero holds in every mode: with no
+    traffic nothing stays warm longer than idleTtl (reactive) or maxWarmIdle (a prediction)."""
+
+    mode: WarmupMode = Field(
+        "reactive",
+        description="off: instances only on demand (no minIdle refill); reactive: keep used "
+        "instances for idleTtl and refill pool.minIdle while loaded; predictive: reactive plus "
+        "learning the arrival pattern and warming instances shortly before the predicted next "
+        "request, releasing them when it does not come",
+    )
+    maxWarmIdle: Duration = Field(
+        timedelta(seconds=30),
+        description="longest a predicted warm-up keeps an instance waiting for its request",
+    )
+    memoryBudget: Annotated[int, Field(ge=0, le=1 << 20)] = Field(
+        256,
+        description="MiB this function's predicted warm instances may hold on each backend "
+        "(each counted at limits.memoryMiB); the backend's warmupMemoryBudget caps them all",
+    )
+
+    @model_validator(mode="after")
+    def _window(self) -> Self:
+        if not timedelta(0) < self.maxWarmIdle <= timedelta(hours=1):
+            raise ValueError("maxWarmIdle must be between 0s (exclusive) and 1h")
+        return self
+
+
 class FunctionSettings(_Strict):
     """What the backend needs to serve one function (version)."""
 
@@ -154,6 +185,7 @@ class FunctionSettings(_Strict):
     )
     protocols: FunctionProtocols = Field(default_factory=FunctionProtocols)
     repository: FunctionRepository = Field(default_factory=FunctionRepository)
+    warmup: FunctionWarmup = Field(default_factory=FunctionWarmup)
 
     @model_validator(mode="after")
     def _sane(self) -> Self:
@@ -163,6 +195,14 @@ class FunctionSettings(_Strict):
             raise ValueError("codeTtl must not be shorter than idleTtl")
         if self.isolation == "reuse" and self.pool.minIdle > self.pool.maxIdle:
             raise ValueError("pool.minIdle exceeds pool.maxIdle")
+        if self.warmup.mode == "predictive":
+            if self.isolation != "reuse":
+                raise ValueError("warmup.mode predictive needs isolation: reuse")
+            if self.warmup.memoryBudget < self.limits.memoryMiB:
+                raise ValueError(
+                    f"warmup.memoryBudget ({self.warmup.memoryBudget} MiB) fits no instance of "
+                    f"limits.memoryMiB {self.limits.memoryMiB}"
+                )
         return self
 
     @property
@@ -194,7 +234,20 @@ class BackendConfig(BaseModel):
         default_factory=list, description="ed25519 public keys (files or directories)"
     )
     workers: Annotated[int, Field(ge=1, le=64)] = Field(
-        2, description="threads running wasm (the GIL is released while a guest runs)"
+        2, description="threads running wasm per process (the GIL is released while a guest runs)"
+    )
+    processes: Annotated[int, Field(ge=1, le=64)] = Field(
+        1,
+        description="serving processes sharing the listening sockets (each with its own pools, "
+        "limits, statistics and warm-up; a process that dies is restarted)",
+    )
+    warmupMemoryBudget: Annotated[int, Field(ge=0, le=1 << 20)] = Field(
+        1024, description="MiB all predicted warm instances of one process may hold together"
+    )
+    lowMemory: Annotated[int, Field(ge=0, le=1 << 20)] = Field(
+        128,
+        description="MiB of available system memory below which idle and predicted warm "
+        "instances are released first and no warm-up starts (0: never)",
     )
     functions: list[ServedFunction] | None = Field(
         None,

@@ -496,6 +496,8 @@ def status(
                 str(route["transitions"]),
             )
         out.print(routes)
+    if document.get("inference_backends"):
+        _print_functions(document["inference_backends"])
     if document.get("kube"):
         from .kube.cli import print_operator
 
@@ -504,6 +506,34 @@ def status(
         out.print("[red]NACK[/red] ", end="")
         out.print(f"{node} {type_name} version {nack['version'][:8]}: ", end="", markup=False)
         out.print(nack["error"], markup=False, highlight=False)
+
+
+def _print_functions(backends: list[dict[str, Any]]) -> None:
+    """Each inference backend's functions: state, warm-up predictions, hits, misses."""
+    table = Table(title="functions", title_justify="left")
+    for column in ("backend", "function", "state", "warmup", "predictions", "hits", "misses",
+                   "cold requests", "warm s"):  # fmt: skip
+        table.add_column(column)
+    for backend in backends:
+        url = f"http://{backend['address']}:{backend['port']}/meshfn/functions"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                functions = json.loads(response.read())["functions"]
+        except (OSError, ValueError, KeyError) as exc:
+            table.add_row(Text(backend["service"]), "-", f"[red]unreachable[/red] ({exc})")
+            continue
+        for f in functions:
+            warm = f.get("warmup", {})
+            table.add_row(
+                Text(backend["service"]),
+                Text(f"{f['name']}@{f['version']}"),
+                Text(f["state"]),
+                Text(warm.get("mode", "-")),
+                *(str(warm.get(k, "-")) for k in ("predictions", "hits", "misses")),
+                str(f.get("cold_requests", "-")),
+                f"{f.get('warm_instance_seconds', 0):.1f}",
+            )
+    out.print(table)
 
 
 @app.command("config-dump")

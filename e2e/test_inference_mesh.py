@@ -134,6 +134,21 @@ def test_repository_load_unload_only_for_the_named_caller(mesh: Mesh) -> None:
         assert client.is_model_ready("iris", headers=mesh.auth())
 
 
+def test_status_shows_each_functions_warm_up(mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`meshfn status` asks every backend for its functions: digits predicts (its Function sets
+    warmup.mode predictive), the others are reactive or off."""
+    client = thttp.InferenceServerClient(mesh.gateway)
+    pixels = thttp.InferInput("pixels", [1, 64], "FP32")
+    pixels.set_data_from_numpy(np.zeros((1, 64), dtype=np.float32))
+    client.infer("digits", [pixels], headers=mesh.auth())
+    admin = json.loads((mesh.state / "state.json").read_text())["admin"]
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line
+    out = meshfn("status", "--admin", admin)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("│")[2].strip(): line for line in out.stdout.splitlines() if "@1" in line}
+    assert "predictive" in rows["digits@1"] and "reactive" in rows["iris@1"], out.stdout
+
+
 def test_batched_requests_keep_their_own_answers_and_audit_records(mesh: Mesh) -> None:
     """iris batches (maxBatchSize 16): concurrent callers through the mesh each get their rows;
     every request is its own audit record (checked after shutdown, when the store is complete)."""

@@ -41,6 +41,7 @@ from .qos import Load, tenant_of
 from .registry import Registry, latest
 from .results import Completed
 from .signing import TrustedKeys
+from .warmup import WarmBudget
 
 log = logging.getLogger("meshfn.inference")
 
@@ -88,7 +89,16 @@ class Backend:
         self.ticker = EpochTicker(self.engine)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="meshfn-wasm")
         self.prewarm_executor = ThreadPoolExecutor(1, thread_name_prefix="meshfn-prewarm")
-        self.dispatcher = Dispatcher(self.executor, self.metrics, config.workers)
+        self.dispatcher = Dispatcher(
+            self.executor,
+            self.metrics,
+            config.workers,
+            self.prewarm_executor,
+            WarmBudget(config.warmupMemoryBudget),
+            lambda: self.pressure,
+        )
+        self.pressure = False  # available memory under config.lowMemory (the reaper checks)
+        self.pressure_releases = 0
         self.functions: dict[str, dict[str, FunctionRuntime]] = {}
         self.defaults: dict[str, str] = {}
         self.started = False
@@ -191,15 +201,42 @@ class Backend:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(interval)
+            if self.config.lowMemory:
+                await self._check_pressure(runtimes)
             now = time.monotonic()
             for rt in runtimes:
-                if not rt.loaded or rt.inflight:
+                if not rt.loaded or rt.inflight or now < rt.hold_until:
                     continue
                 idle = rt.idle_for(now)
                 if idle > rt.spec.code_ttl.total_seconds():
                     await loop.run_in_executor(self.prewarm_executor, rt.unload)
                 elif idle > rt.spec.idleTtl.total_seconds() and not rt.dormant:
                     await loop.run_in_executor(self.prewarm_executor, rt.drop_instances)
+
+    async def _check_pressure(self, runtimes: list[FunctionRuntime]) -> None:
+        """Under memory pressure warm instances go first: every predicted warm-up is released
+        and every idle instance dropped (code and running instances stay), and no warm-up
+        starts until memory is available again."""
+        available = available_mib()
+        self.pressure = available is not None and available < self.config.lowMemory
+        if not self.pressure:
+            return
+        loop = asyncio.get_running_loop()
+        released = False
+        for lane in self.dispatcher.lanes.values():
+            if lane.warmer is not None and lane.warmer.state != "idle":
+                lane.warmer.release()
+                released = True
+        for rt in runtimes:
+            if rt.idle_instances:
+                await loop.run_in_executor(self.prewarm_executor, rt.drop_instances)
+                released = True
+        if released:
+            self.pressure_releases += 1
+            log.warning(
+                "memory pressure: warm instances released",
+                extra={"available_mib": available, "low_memory_mib": self.config.lowMemory},
+            )
 
     async def drain(self, timeout: float = 10.0) -> None:
         """Stop taking requests, let running ones finish (bounded), release everything."""
@@ -210,6 +247,8 @@ class Backend:
         for lane in self.dispatcher.lanes.values():
             if lane.batcher is not None:
                 lane.batcher.close()
+            if lane.warmer is not None:
+                lane.warmer.release()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -423,3 +462,15 @@ class Backend:
             return await self.dispatcher.serve(rt, "rest", parse, encode, tenant)
         except KServeError as exc:
             return Reply.of(exc)
+
+
+def available_mib() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -179,7 +179,15 @@ def serve_cmd(
         int | None,
         typer.Option("--grpc-port", help="also serve KServe v2 gRPC (GRPCInferenceService) here"),
     ] = None,
-    workers: Annotated[int | None, typer.Option(help="threads running wasm")] = None,
+    workers: Annotated[int | None, typer.Option(help="threads running wasm per process")] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(help="serving processes sharing the port (a dead one is restarted)"),
+    ] = None,
+    loop: Annotated[
+        str, typer.Option(help="event loop: uvloop | asyncio (bench/coldstart.py measures both)")
+    ] = "uvloop",
+    listen_fd: Annotated[int | None, typer.Option(hidden=True)] = None,
     trusted_key: Annotated[
         list[Path] | None, typer.Option("--trusted-key", help="ed25519 public key file or dir")
     ] = None,
@@ -200,18 +208,36 @@ def serve_cmd(
         if config is not None:
             cfg = load_config(config)
             cfg = cfg.with_overrides(
-                registry=registry, workers=workers, trustedKeys=trusted_key or None
+                registry=registry,
+                workers=workers,
+                processes=processes,
+                trustedKeys=trusted_key or None,
             )
         elif registry is not None:
             cfg = parse_config(
                 {"registry": str(registry), "trustedKeys": [str(k) for k in trusted_key or []]}
-                | ({"workers": workers} if workers else {}),
+                | ({"workers": workers} if workers else {})
+                | ({"processes": processes} if processes else {}),
                 "flags",
             )
         else:
             _fail("pass --registry DIR or --config FILE")
             return
-        asyncio.run(serve(cfg, host, port, drain_timeout, grpc_port))
+        if loop not in ("asyncio", "uvloop"):
+            _fail(f"--loop must be asyncio or uvloop, not {loop!r}")
+        if cfg.processes > 1 and listen_fd is None:
+            from .supervisor import Supervisor
+
+            extra = ["--log-format", log_format, "--log-level", log_level, "--loop", loop]
+            asyncio.run(Supervisor(cfg, host, port, drain_timeout, grpc_port, extra).run())
+            return
+        main = serve(cfg, host, port, drain_timeout, grpc_port, listen_fd)
+        if loop == "uvloop":
+            import uvloop
+
+            uvloop.run(main)
+        else:
+            asyncio.run(main)
     except InferenceError as exc:
         _fail(exc)
     except OSError as exc:

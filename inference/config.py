@@ -6,6 +6,7 @@ The schema is meshfn.contracts.function (shared with the `Function` policy, so a
     registry: /var/lib/meshfn/functions      # where `meshfn fn publish` put the artifacts
     trustedKeys: [/etc/meshfn/keys/dev.pub]   # ed25519 public keys (files or directories)
     workers: 2                                # threads running wasm (the GIL is released)
+    processes: 1                              # serving processes on the port (supervisor.py)
     functions:
       - name: iris                            # served as /v2/models/iris
         version: "1"                          # default: the registry's latest
@@ -15,6 +16,7 @@ The schema is meshfn.contracts.function (shared with the `Function` policy, so a
         codeTtl: 1h                           # optional: keep the loaded code this long unused
         pool: {minIdle: 1, maxIdle: 4}        # warm instances kept while loaded
         limits: {memoryMiB: 64, timeout: 1s, maxConcurrency: 8, maxRequestBytes: 1048576}
+        warmup: {mode: predictive, maxWarmIdle: 30s, memoryBudget: 256}   # or off | reactive
 """
 
 from __future__ import annotations

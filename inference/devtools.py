@@ -10,8 +10,17 @@ from pathlib import Path
 from typing import Any
 
 
-def envoy_static_config(listener_port: int, admin_port: int, backend_port: int) -> dict[str, Any]:
-    """Envoy bootstrap routing /v2/ on `listener_port` to the backend on loopback."""
+def envoy_static_config(
+    listener_port: int, admin_port: int, backend_port: int, retries: int = 0
+) -> dict[str, Any]:
+    """Envoy bootstrap routing /v2/ on `listener_port` to the backend on loopback; `retries`:
+    retry a request whose upstream connection failed or was reset (as a Route's retryOn)."""
+    route: dict[str, Any] = {"cluster": "inference", "timeout": "10s"}
+    if retries:
+        route["retry_policy"] = {
+            "retry_on": "reset,connect-failure,refused-stream",
+            "num_retries": retries,
+        }
     router = {
         "name": "envoy.filters.http.router",
         "typed_config": {
@@ -30,7 +39,7 @@ def envoy_static_config(listener_port: int, admin_port: int, backend_port: int) 
                     "routes": [
                         {
                             "match": {"prefix": "/v2/"},
-                            "route": {"cluster": "inference", "timeout": "10s"},
+                            "route": route,
                         }
                     ],
                 }
@@ -77,9 +86,24 @@ def envoy_static_config(listener_port: int, admin_port: int, backend_port: int) 
     }
 
 
-def write_envoy_config(path: Path, listener_port: int, admin_port: int, backend_port: int) -> Path:
-    path.write_text(json.dumps(envoy_static_config(listener_port, admin_port, backend_port)))
+def write_envoy_config(
+    path: Path, listener_port: int, admin_port: int, backend_port: int, retries: int = 0
+) -> Path:
+    config = envoy_static_config(listener_port, admin_port, backend_port, retries)
+    path.write_text(json.dumps(config))
     return path
+
+
+def get_json(port: int, path: str) -> Any:
+    """GET `path` from a loopback port on a new connection; the JSON of its 200 answer."""
+    client = RawHttp("127.0.0.1", port)
+    try:
+        status, body = client.request("GET", path)
+    finally:
+        client.close()
+    if status != 200:
+        raise AssertionError(f"GET {path}: {status} {body[:200]!r}")
+    return json.loads(body)
 
 
 class RawHttp:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -25,11 +26,23 @@ from .pool import FunctionRuntime, Invocation, Refused
 from .qos import Admission
 from .results import Completed, deadline_error, failure
 from .stats import ModelStats, Timing
+from .warmup import WarmBudget, Warmer
 
 log = logging.getLogger("meshfn.inference")
 
 Protocol = Literal["rest", "grpc"]
 T = TypeVar("T")
+
+# A loaded core function first runs on the event loop itself, with a deadline of this many
+# epoch ticks (5-10 ms): the call (2-30 us) costs less than the two thread hand-offs (~70-130
+# us each). The slice bounds how long the loop is held (the ticker thread advances the epoch
+# while ctypes has released the GIL). A call the slice interrupts runs again, from the start
+# on a fresh instance, on a worker thread with what is left of its deadline: core guests import
+# nothing, so a call has no effect outside its instance, and the interrupted instance is
+# discarded. A deadline shorter than the slice is simply the deadline.
+INLINE_SLICE_TICKS = 2
+# MESHFN_INLINE_CORE=0 turns it off (to measure what it gives: bench/coldstart.py).
+INLINE_CORE = os.environ.get("MESHFN_INLINE_CORE", "1") != "0"
 
 
 class Lane:
@@ -55,6 +68,25 @@ class Lane:
             else None
         )
         self._dispatcher = dispatcher
+        self.warmer = (
+            Warmer(
+                rt,
+                rt.spec.warmup,
+                dispatcher.warm_budget,
+                dispatcher.prewarm_executor,
+                metrics,
+                dispatcher.under_pressure,
+            )
+            if rt.spec.warmup.mode == "predictive" and dispatcher.prewarm_executor is not None
+            else None
+        )
+
+    @property
+    def inline(self) -> bool:
+        """Run the guest call on the event loop first (see INLINE_SLICE_TICKS): a loaded core
+        function (its load, a file read, stays on a worker thread)."""
+        rt = self.rt
+        return INLINE_CORE and rt.loaded and rt.verified is not None and rt.verified.kind == "core"
 
     async def call(self, text: str, deadline: float | None) -> Invocation:
         """One guest call on a worker thread, never past `deadline` (monotonic seconds)."""
@@ -64,8 +96,23 @@ class Lane:
             if remaining <= 0:
                 raise deadline_error(self.rt, "before a worker was free")
             ticks = deadline_ticks(remaining)
-        loop = asyncio.get_running_loop()
         try:
+            if self.inline:
+                full = min(ticks, self.rt.ticks) if ticks else self.rt.ticks
+                started = time.monotonic()
+                invocation = self.rt.invoke(
+                    text, min(full, INLINE_SLICE_TICKS), full > INLINE_SLICE_TICKS
+                )
+                if full <= INLINE_SLICE_TICKS or invocation.result.outcome is not Outcome.TIMEOUT:
+                    return invocation
+                if deadline is None:
+                    deadline = started + self.rt.spec.limits.timeout.total_seconds()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:  # the slice was all the deadline had left: a timeout
+                    self.rt.metrics.traps.labels(self.rt.label, Outcome.TIMEOUT.value).inc()
+                    return invocation
+                ticks = deadline_ticks(remaining)
+            loop = asyncio.get_running_loop()
             return await loop.run_in_executor(
                 self._dispatcher.executor, self.rt.invoke, text, ticks
             )
@@ -108,10 +155,21 @@ class Lane:
 
 
 class Dispatcher:
-    def __init__(self, executor: Executor, metrics: Metrics, slots: int) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        metrics: Metrics,
+        slots: int,
+        prewarm_executor: Executor | None = None,
+        warm_budget: WarmBudget | None = None,
+        under_pressure: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.executor = executor
         self.metrics = metrics
         self.slots = slots  # guest calls one function may run at once (the worker threads)
+        self.prewarm_executor = prewarm_executor  # predicted warm-ups (None: none)
+        self.warm_budget = warm_budget or WarmBudget(0)
+        self.under_pressure = under_pressure
         self.lanes: dict[str, Lane] = {}
         self.inflight = 0
         self.draining = False
@@ -127,9 +185,10 @@ class Dispatcher:
     def admit(self, rt: FunctionRuntime, protocol: Protocol) -> None:
         if self.draining:
             raise KServeError(503, "the inference backend is shutting down")
-        if rt.refusal is not None or rt.signature is None:
-            refusal = rt.refusal or Refused(f"function {rt.label} is not verified", 403)
-            raise KServeError(refusal.status, str(refusal))
+        if rt.refusal is not None:
+            raise KServeError(rt.refusal.status, str(rt.refusal))
+        if rt.signature is None:  # still being verified (start-up): come back, not a refusal
+            raise KServeError(503, f"function {rt.label} is being verified (starting up)")
         if not getattr(rt.spec.protocols, protocol):
             raise KServeError(
                 404,
@@ -179,6 +238,8 @@ class Dispatcher:
         ticket = lane.admission.admit(tenant) if lane.admission is not None else None
         timing = Timing(time.perf_counter_ns())
         deadline = None if request.timeout is None else time.monotonic() + request.timeout
+        if lane.warmer is not None:
+            lane.warmer.arrived(rt.inflight)
         rt.inflight += 1
         self.inflight += 1
         self.drained.clear()
@@ -211,4 +272,6 @@ class Dispatcher:
                 self.drained.set()
             rt.last_used = time.monotonic()
             lane.inflight.set(rt.inflight)
+            if lane.warmer is not None:
+                lane.warmer.finished(rt.inflight)
             lane.stats.request(timing, ok, request.rows if rt.batch_dimension else 1)

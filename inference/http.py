@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -241,8 +242,14 @@ class HttpServer:
         self.draining = False
         self._server: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int, backlog: int = 1024) -> None:
+    async def start(
+        self, host: str, port: int, backlog: int = 1024, sock: socket.socket | None = None
+    ) -> None:
+        """Listen on host:port, or accept from `sock` (a supervisor's shared socket)."""
         loop = asyncio.get_running_loop()
+        if sock is not None:
+            self._server = await loop.create_server(lambda: HttpProtocol(self), sock=sock)
+            return
         self._server = await loop.create_server(
             lambda: HttpProtocol(self), host, port, backlog=backlog, reuse_address=True
         )

@@ -90,6 +90,43 @@ class Metrics:
             ["function", "tenant", "tenant_class", "window"],
             registry=r,
         )
+        self.cold_requests = Counter(
+            "meshfn_fn_cold_requests",
+            "Requests that found no idle instance and waited for one (load or instantiate)",
+            ["function"],
+            registry=r,
+        )
+        self.warm_seconds = Counter(
+            "meshfn_fn_warm_instance_seconds",
+            "Instance-seconds idle instances were kept warm (the memory cost of warmth)",
+            ["function"],
+            registry=r,
+        )
+        self.warmup_predictions = Counter(
+            "meshfn_fn_warmup_predictions",
+            "Predicted warm-ups that were started, or whose request came before they could be",
+            ["function"],
+            registry=r,
+        )
+        self.warmup_hits = Counter(
+            "meshfn_fn_warmup_hits",
+            "Requests that arrived in a predicted window to a warmed instance",
+            ["function"],
+            registry=r,
+        )
+        self.warmup_misses = Counter(
+            "meshfn_fn_warmup_misses",
+            "Predictions that failed: early (a request before the instance was ready), expired "
+            "(no request in the window: released)",
+            ["function", "reason"],
+            registry=r,
+        )
+        self.warmup_skipped = Counter(
+            "meshfn_fn_warmup_skipped",
+            "Predicted warm-ups not started: budget (memory budget full), pressure (low memory)",
+            ["function", "reason"],
+            registry=r,
+        )
         self.refused = Gauge(
             "meshfn_fn_refused", "1 if the function failed verification", ["function"], registry=r
         )

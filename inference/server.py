@@ -187,9 +187,12 @@ async def serve(
     port: int,
     drain_timeout: float = 10.0,
     grpc_port: int | None = None,
+    listen_fd: int | None = None,
 ) -> None:
-    """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0)."""
+    """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0). `listen_fd`: a
+    child of the supervisor (supervisor.py) accepting from its shared socket."""
     from .grpc_api import GrpcServer
+    from .supervisor import adopt
 
     backend = Backend(config)
     router = Router(backend)
@@ -199,12 +202,21 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await http.start(host, port)  # bind first: a port conflict fails before verification
+    # Alone, bind first: a port conflict fails before verification. A supervisor's child
+    # (listen_fd) verifies first and only then accepts: its socket is bound already, and the
+    # connections queued on it (a restarted child's, under load) must meet verified functions.
+    child = listen_fd is not None
+    if not child:
+        await http.start(host, port)
     try:
+        if listen_fd is not None:
+            await backend.start()
+            await http.start(host, port, sock=adopt(listen_fd))
         if grpc is not None:
             assert grpc_port is not None
             await grpc.start(host, grpc_port)
-        await backend.start()
+        if not child:
+            await backend.start()
         # Everything allocated so far (modules, config, metrics, verified metadata) lives as
         # long as the process. Left to the cyclic GC, each full collection walks it all: ~30 ms
         # that would land inside some unlucky request. Frozen, full collections only walk what

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .backend import Backend
     from .pool import FunctionRuntime
+    from .warmup import Warmer
 
 STATUS_PATH = "/meshfn/functions"
 
@@ -38,7 +39,7 @@ def _state(rt: FunctionRuntime) -> str:
     return "dormant" if rt.dormant else "loaded"
 
 
-def function_status(rt: FunctionRuntime) -> dict[str, Any]:
+def function_status(rt: FunctionRuntime, warmer: Warmer | None = None) -> dict[str, Any]:
     recent = sorted(rt.latencies)
     verified = rt.verified
     spec = rt.spec
@@ -67,6 +68,9 @@ def function_status(rt: FunctionRuntime) -> dict[str, Any]:
         "memory_limit_bytes": rt.memory_bytes,
         # Instances alive now (warm pool + running), each capped at memory_limit_bytes.
         "instances": rt.idle_instances + rt.inflight,
+        "cold_requests": rt.cold_requests,
+        "warm_instance_seconds": round(rt.warm_instance_seconds(), 3),
+        "warmup": warmer.status() if warmer is not None else {"mode": spec.warmup.mode},
     }
 
 
@@ -92,9 +96,17 @@ def functions_document(backend: Backend) -> dict[str, Any]:
     return {
         "ready": backend.ready,
         "rss_bytes": _rss_bytes(),
+        "processes": backend.config.processes,
+        "pid": os.getpid(),
+        "memory_pressure": backend.pressure,
         "functions": [
-            {**function_status(rt), "qos": _qos(backend, rt)}
+            {**function_status(rt, _warmer(backend, rt)), "qos": _qos(backend, rt)}
             for name in sorted(backend.functions)
             for _, rt in sorted(backend.functions[name].items())
         ],
     }
+
+
+def _warmer(backend: Backend, rt: FunctionRuntime) -> Warmer | None:
+    lane = backend.dispatcher.lanes.get(rt.label)
+    return lane.warmer if lane is not None else None

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,37 @@ IRIS = json.dumps(
         ]
     }
 ).encode()
+# A blank-ish 8x8 digit for the digits example (core wasm).
+DIGITS = json.dumps(
+    {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
+).encode()
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile of `values` by rank (the benchmarks' p50/p99; 0 for none)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def sequential(port: int, path: str, body: bytes, n: int, warmup: int = 50) -> list[float]:
+    """Microseconds of `n` back-to-back POSTs on one keep-alive loopback connection (after
+    `warmup` untimed ones); every answer must be 200."""
+    from meshfn.inference.devtools import RawHttp
+
+    client = RawHttp("127.0.0.1", port)
+    raw = client.encode("POST", path, body)
+    times = []
+    try:
+        for _ in range(warmup):
+            client.send(raw)
+        for _ in range(n):
+            started = time.perf_counter()
+            status, reply = client.send(raw)
+            times.append((time.perf_counter() - started) * 1e6)
+            assert status == 200, reply
+    finally:
+        client.close()
+    return times
 
 
 @dataclass(frozen=True)

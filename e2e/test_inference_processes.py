@@ -1,0 +1,120 @@
+"""`processes: 2`: two serving processes behind one port (SO_REUSEPORT sockets the supervisor
+keeps open). A process killed under load is restarted while the other serves, and no request
+through the gateway (a real Envoy that retries a reset, as a Route's retryOn does) fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from meshfn.inference.devtools import RawHttp, write_envoy_config
+from meshfn.inference.examples import publish_examples
+from meshfn.testing.envoy import argv as envoy_argv
+from meshfn.testing.envoy import start as start_envoy
+from meshfn.testing.ports import free_port, free_ports, retry_on_port_clash
+from meshfn.testing.processes import Processes, wait_for
+
+PY = sys.executable
+DIGITS = json.dumps(
+    {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
+).encode()
+
+
+def pids(port: int, connections: int = 8) -> Counter[int]:
+    """Which process answers each of `connections` new connections."""
+    seen: Counter[int] = Counter()
+    for _ in range(connections):
+        client = RawHttp("127.0.0.1", port)
+        try:
+            status, body = client.request("GET", "/meshfn/functions")
+            if status == 200:
+                seen[json.loads(body)["pid"]] += 1
+        finally:
+            client.close()
+    return seen
+
+
+def test_a_killed_process_is_restarted_under_load_with_no_failed_request(
+    tmp_path: Path,
+) -> None:
+    procs = Processes(tmp_path)
+    try:
+        _, key = publish_examples(tmp_path / "registry")
+        config = tmp_path / "backend.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "registry": str(tmp_path / "registry"),
+                    "trustedKeys": [str(key)],
+                    "processes": 2,
+                    "functions": [{"name": "digits", "limits": {"maxConcurrency": 64}}],
+                }
+            )
+        )
+        port = free_port()
+        backend = procs.start(
+            "backend",
+            [PY, "-P", "-m", "meshfn.inference", "serve", "--config", str(config),
+             "--port", str(port), "--log-level", "warning"],
+        )  # fmt: skip
+        wait_for("two processes", lambda: len(pids(port)) == 2, timeout=90, proc=backend)
+        first = set(pids(port, 16))
+        assert backend.pid not in first  # the supervisor serves nothing itself
+
+        def envoy_in_front() -> int:
+            listener, admin = free_ports(2)
+            cfg = write_envoy_config(tmp_path / "envoy.json", listener, admin, port, retries=3)
+            start_envoy(procs, "envoy", envoy_argv(cfg), admin)
+            return listener
+
+        listener = retry_on_port_clash(envoy_in_front)
+        statuses: Counter[int] = Counter()
+        errors: list[str] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            client = RawHttp("127.0.0.1", listener)
+            raw = client.encode("POST", "/v2/models/digits/infer", DIGITS)
+            try:
+                while not stop.is_set():
+                    status, body = client.send(raw)
+                    statuses[status] += 1
+                    if status != 200:
+                        errors.append(body.decode(errors="replace"))
+            except OSError as exc:
+                errors.append(f"client connection failed: {exc}")
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(
+            "the killed process replaced",
+            lambda: len(current := set(pids(port))) == 2 and victim not in current,
+            timeout=60,
+            proc=backend,
+        )
+        time.sleep(1.0)  # the replacement serves its share too
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        assert not errors, errors[:5]
+        assert statuses[200] > 100 and set(statuses) == {200}
+        assert backend.stop() == 0  # SIGTERM: every child drains, the supervisor exits 0
+        for pid in first - {victim}:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        procs.stop_all()

@@ -1,0 +1,163 @@
+"""`processes: N`: N serving processes behind one port, so every core runs guests and Python.
+
+One Python process is bound by its GIL (HTTP parsing, KServe JSON and the host side of every
+call hold it), so a second core sat idle. The supervisor binds N listening sockets to the one
+port with SO_REUSEPORT (the kernel spreads new connections over them by their addresses) and
+starts N children (`serve` with a hidden `--listen-fd`), child k accepting from socket k.
+
+Measured first: one socket shared by all children (the pre-fork model) put all 8 of wrk's
+connections on one process (whichever event loop woke first won every accept), so it bought
+nothing. With SO_REUSEPORT a socket whose process closes it resets the connections queued on
+it; here the supervisor keeps every socket open itself, so when a child dies its socket keeps
+listening and queueing, and the restarted child adopts the same socket and answers them:
+only the requests the dead process was running are lost (a gateway retries those on reset).
+gRPC, whose server cannot adopt a socket, binds the same port in each child with SO_REUSEPORT
+(grpc-core's default on Linux).
+
+The children share the registry's artifacts through the page cache: each mmaps the same
+`.cwasm` files (`deserialize_file`), so the code's pages exist once in memory.
+
+Per process (documented, not shared): pools, warm-up predictions and budgets, the
+`maxConcurrency` limit, statistics and /metrics (a scrape reads the process that accepted it;
+`/meshfn/functions` names its `pid`), and scale-to-zero. A child that exits unexpectedly is
+restarted (with a back-off when it keeps dying at start-up); SIGTERM/SIGINT is passed to every
+child, each drains, and the supervisor exits 0 once all have exited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .config import BackendConfig
+
+log = logging.getLogger("meshfn.inference.supervisor")
+
+RESTART_BACKOFF_S = (0.05, 0.2, 1.0, 2.0)  # after quick successive deaths
+STABLE_S = 5.0  # a child that lived this long resets the back-off
+
+
+def listening_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: BackendConfig,
+        host: str,
+        port: int,
+        drain_timeout: float,
+        grpc_port: int | None,
+        log_args: list[str],
+    ) -> None:
+        self.config = config
+        self.host, self.port, self.grpc_port = host, port, grpc_port
+        self.drain_timeout = drain_timeout
+        self.log_args = log_args
+        self.children: dict[int, asyncio.subprocess.Process] = {}
+        self.restarts = 0
+        self.stopping = False
+
+    def _argv(self, config_path: Path, fd: int) -> list[str]:
+        argv = [sys.executable, "-P", "-m", "meshfn.inference", "serve", "--config",
+                str(config_path), "--host", self.host, "--port", str(self.port),
+                "--listen-fd", str(fd),
+                "--drain-timeout", str(self.drain_timeout), *self.log_args]  # fmt: skip
+        if self.grpc_port is not None:
+            argv += ["--grpc-port", str(self.grpc_port)]
+        return argv
+
+    async def run(self) -> None:
+        first = listening_socket(self.host, self.port)
+        self.port = first.getsockname()[1]
+        socks = [first] + [
+            listening_socket(self.host, self.port) for _ in range(self.config.processes - 1)
+        ]
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        with tempfile.TemporaryDirectory(prefix="meshfn-backend-") as tmp:
+            config_path = Path(tmp) / "backend.json"
+            # One process each: the children must not supervise again.
+            child_config = self.config.model_copy(
+                update={
+                    "processes": 1,
+                    "registry": self.config.registry.resolve(),
+                    "trustedKeys": [k.resolve() for k in self.config.trustedKeys],
+                }
+            )
+            config_path.write_text(child_config.model_dump_json())
+            keepers = [
+                asyncio.create_task(self._keep(i, config_path, sock.fileno()))
+                for i, sock in enumerate(socks)
+            ]
+            log.info(
+                "supervising",
+                extra={"processes": self.config.processes, "host": self.host, "port": self.port},
+            )
+            await stop.wait()
+            self.stopping = True
+            for child in list(self.children.values()):
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(
+                    asyncio.gather(*keepers, return_exceptions=True), self.drain_timeout + 5
+                )
+            except TimeoutError:
+                for child in list(self.children.values()):
+                    with contextlib.suppress(ProcessLookupError):
+                        child.kill()
+                await asyncio.gather(*keepers, return_exceptions=True)
+        for sock in socks:
+            sock.close()
+
+    async def _keep(self, index: int, config_path: Path, fd: int) -> None:
+        """Run child `index` until stopping, restarting it whenever it exits."""
+        quick_deaths = 0
+        while not self.stopping:
+            started = time.monotonic()
+            child = await asyncio.create_subprocess_exec(
+                *self._argv(config_path, fd), pass_fds=(fd,), stdin=asyncio.subprocess.DEVNULL
+            )
+            self.children[index] = child
+            code = await child.wait()
+            self.children.pop(index, None)
+            if self.stopping:
+                return
+            lived = time.monotonic() - started
+            quick_deaths = 0 if lived > STABLE_S else quick_deaths + 1
+            self.restarts += 1
+            log.error(
+                "backend process exited; restarting",
+                extra={"index": index, "pid": child.pid, "code": code, "lived_s": round(lived, 2)},
+            )
+            if quick_deaths:
+                await asyncio.sleep(
+                    RESTART_BACKOFF_S[min(quick_deaths, len(RESTART_BACKOFF_S)) - 1]
+                )
+
+
+def adopt(fd: int) -> socket.socket:
+    """The supervisor's listening socket in a child."""
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(False)
+    os.set_inheritable(fd, False)
+    return sock

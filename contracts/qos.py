@@ -71,6 +71,8 @@ LIMIT_COMPUTE = "compute"
 LIMIT_SHED = "shed"
 # The rate limit descriptor entry that holds the verified tenant.
 DESCRIPTOR_TENANT = "meshfn_tenant"
+# A global rate limit's descriptor also names the policy (namespace/name), as its domain does.
+DESCRIPTOR_POLICY = "meshfn_policy"
 
 
 class _Strict(BaseModel):

@@ -22,10 +22,11 @@ from typing import Any
 from envoy.data.accesslog.v3 import accesslog_pb2
 
 from meshfn.contracts.journal import journal_dir
-from meshfn.ir import MeshModel, Overlay
+from meshfn.ir import MeshModel, Overlay, QoSPolicy
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import InconsistentSnapshot, Snapshot, SnapshotCache, prepare
 from meshfn.xds.names import LATENCY_LOG, primary_clusters
+from meshfn.xds.rls import RateLimitService, global_policies
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
 from meshfn.xds.translate import OFFLINE_HOST, ProxyHost, translate
@@ -137,6 +138,9 @@ class ControlPlane:
         self.als = AccessLogReceiver(self.ads.is_connected)
         self.als.subscribe(LATENCY_LOG, self._on_latency)
         self.ads.add_handler(self.als.handler())
+        self._global_qos: dict[str, QoSPolicy] = {}
+        self.rls = RateLimitService(lambda: self._global_qos, self.metrics.registry)
+        self.ads.add_handler(self.rls.handler())
         self.model: MeshModel | None = None
         # Extra sections of /debug/status from the runtime around the control plane (e.g. eBPF).
         self.status_providers: dict[str, Callable[[], Any]] = {}
@@ -334,6 +338,7 @@ class ControlPlane:
             self.metrics.translate_seconds.observe(seconds)
             self.metrics.reloads.labels("ok").inc()
             previous, self.model = self.model, model
+            self._global_qos = global_policies(model.qos)
             self.drift.configure(watched_routes(model))
             self.state.errors = []
             self.state.loaded_at = time.time()

@@ -187,6 +187,15 @@ class QoSTenant:
 
 
 @dataclass(frozen=True, slots=True)
+class GlobalRate:
+    """Rates counted across gateways by the control plane's rate-limit service; `deny`: refuse
+    when it cannot answer within `timeout_ms` (else admit)."""
+
+    deny: bool
+    timeout_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class QoSPolicy:
     """A QoSPolicy, resolved: every listed tenant with its effective limits. Requests whose
     verified `claim` names no listed tenant get the default class's limits (each such tenant
@@ -198,6 +207,7 @@ class QoSPolicy:
     default_class: str
     classes: tuple[QoSClass, ...]
     tenants: tuple[QoSTenant, ...] = ()
+    global_rate: GlobalRate | None = None
 
     @property
     def key(self) -> str:

@@ -6,6 +6,9 @@
   header); each listed tenant has its own descriptor, every other tenant a bucket of its own
   from the wildcard descriptor (the default class), and requests without the claim (no
   descriptor) share the filter's own bucket: the anonymous tenant of the default class.
+- `global_rate_limit`: a policy with `global` rates asks the control plane's rate-limit service
+  (Envoy's RLS protocol) instead: domain the policy (namespace/name), one descriptor with the
+  verified tenant as above (none: the anonymous tenant), its failure mode and a timeout.
 - `limited_reply`: the connection manager's local reply for those 429s: a JSON body naming the
   limit, the policy and the tenant.
 """
@@ -16,7 +19,7 @@ from typing import Any
 
 from meshfn import ir
 from meshfn.contracts.plugins import ROUTE_METADATA
-from meshfn.contracts.qos import DESCRIPTOR_TENANT, LIMIT_HEADER, LIMIT_RATE, TENANT_HEADER
+from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT, LIMIT_HEADER, LIMIT_RATE, TENANT_HEADER
 
 Obj = dict[str, Any]
 
@@ -138,6 +141,48 @@ def local_rate_limit(policy: ir.QoSPolicy, header: bool = False) -> Obj:
         "response_headers_to_add": [
             _header("retry-after", str(max(waits))),
             _header(LIMIT_HEADER, LIMIT_RATE),
+        ],
+    }
+
+
+GLOBAL_RATE_LIMIT = "envoy.filters.http.ratelimit"
+GLOBAL_RATE_LIMIT_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit"
+# What a gateway answers when a fail-closed policy's limit service cannot answer in time.
+LIMIT_SERVICE_ERROR_STATUS = "ServiceUnavailable"
+
+
+def global_rate_limit(policy: ir.QoSPolicy, cluster: str, header: bool = False) -> Obj:
+    """The policy's rates asked of the limit service behind `cluster` (module docstring)."""
+    assert policy.global_rate is not None
+    return {
+        "@type": GLOBAL_RATE_LIMIT_TYPE,
+        "domain": policy.key,
+        "stage": 0,
+        "request_type": "external",
+        "timeout": f"{policy.global_rate.timeout_ms / 1000:.3f}s",
+        "failure_mode_deny": policy.global_rate.deny,
+        "status_on_error": {"code": LIMIT_SERVICE_ERROR_STATUS},
+        "stat_prefix": STAT_PREFIX,
+        "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+        "rate_limit_service": {
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": cluster},
+                "timeout": f"{policy.global_rate.timeout_ms / 1000:.3f}s",
+            },
+            "transport_api_version": "V3",
+        },
+        "rate_limits": [
+            {
+                "actions": [
+                    {
+                        "generic_key": {
+                            "descriptor_key": DESCRIPTOR_POLICY,
+                            "descriptor_value": policy.key,
+                        }
+                    },
+                    tenant_action(policy.claim, header),
+                ]
+            }
         ],
     }
 

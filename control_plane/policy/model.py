@@ -749,6 +749,26 @@ class TargetRef(Strict):
     name: ObjectRef = Field(description='"name" (the policy\'s namespace) or "namespace/name"')
 
 
+class GlobalRate(Strict):
+    """The policy's rates counted once across every gateway it reaches, by the control plane's
+    rate-limit service (Envoy's RLS protocol), instead of by each gateway alone."""
+
+    onLimitServiceError: Literal["allow", "deny"] = Field(
+        description="when the limit service cannot answer in time: `allow` admits the request "
+        "(fail open), `deny` refuses it with 503 (fail closed)"
+    )
+    timeout: Duration = Field(
+        timedelta(milliseconds=100),
+        description="how long a gateway waits for the limit service (then onLimitServiceError)",
+    )
+
+    @model_validator(mode="after")
+    def _sane(self) -> Self:
+        if not timedelta(milliseconds=1) <= self.timeout <= timedelta(seconds=5):
+            raise ValueError("timeout must be between 1ms and 5s: requests must never hang")
+        return self
+
+
 class QoSPolicySpec(TenantClasses):
     """Per-tenant limits and priorities for the requests of what `targetRefs` names. Tenants
     are told apart by a JWT claim the gateway verified (RequestAuthentication), never by a
@@ -757,6 +777,12 @@ class QoSPolicySpec(TenantClasses):
     that serves the bound functions (per backend process)."""
 
     targetRefs: Annotated[list[TargetRef], Field(min_length=1, max_length=64)]
+    global_: GlobalRate | None = Field(
+        None,
+        alias="global",
+        description="count the rates across all gateways (the control plane's limit service); "
+        "default: each gateway counts alone",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

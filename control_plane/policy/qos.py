@@ -182,6 +182,7 @@ def _check_enforcement(items: list[Loaded], bindings: Bindings) -> list[PolicyEr
     for item in bindings.policies:
         assert isinstance(item.obj, QoSPolicy)
         spec = item.obj.spec
+        errors += _check_global(item)
         if item.ref not in budgeted and any(
             limits.compute for limits in (*spec.classes, *spec.tenants)
         ):
@@ -193,6 +194,28 @@ def _check_enforcement(items: list[Loaded], bindings: Bindings) -> list[PolicyEr
                 )
             )
     return errors
+
+
+def _check_global(item: Loaded) -> list[PolicyError]:
+    """A global rate is the rate of a whole gateway's policy (the limit service counts the
+    requests of every gateway it binds); a Route's or Function's own stays per gateway."""
+    assert isinstance(item.obj, QoSPolicy)
+    spec = item.obj.spec
+    if spec.global_ is None:
+        return []
+    loc = ("spec", "global")
+    if not any(limits.rate for limits in (*spec.classes, *spec.tenants)):
+        return [item.error(loc, "no class or tenant sets a rate: nothing to count globally")]
+    kinds = sorted({ref.kind for ref in spec.targetRefs if ref.kind != "Gateway"})
+    if kinds:
+        return [
+            item.error(
+                loc,
+                f"a global rate binds Gateways only (it also names {', '.join(kinds)}): bind "
+                "the Route or Function with a policy of its own without `global`",
+            )
+        ]
+    return []
 
 
 # ---------------------------------------------------------------- lowering
@@ -225,6 +248,12 @@ def lower(item: Loaded, mesh: Mesh) -> ir.QoSPolicy:
             ir.QoSTenant(t.name, spec.class_of(t.name).name, _limits(spec.limits_of(t.name)))
             for t in spec.tenants
         ),
+        global_rate=ir.GlobalRate(
+            deny=spec.global_.onLimitServiceError == "deny",
+            timeout_ms=max(1, int(spec.global_.timeout.total_seconds() * 1000)),
+        )
+        if spec.global_ is not None
+        else None,
     )
 
 

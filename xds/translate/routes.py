@@ -190,7 +190,13 @@ def _qos_per_route(route: ir.Route, gateway: ir.QoSPolicy | None) -> dict[str, a
         return {}
     typed = any_pb2.Any()
     typed.Pack(rate_limit_config(route.qos))
-    return {envoy_qos.LOCAL_RATE_LIMIT: typed}
+    out = {envoy_qos.LOCAL_RATE_LIMIT: typed}
+    if gateway is not None and gateway.global_rate is not None:
+        # The route's own policy replaces the gateway's global rate too.
+        off = any_pb2.Any()
+        off.Pack(rc.FilterConfig(disabled=True))
+        out[envoy_qos.GLOBAL_RATE_LIMIT] = off
+    return out
 
 
 def route_config_name(listener: ir.Listener) -> str:

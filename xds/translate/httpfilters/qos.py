@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
+from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
@@ -16,15 +17,27 @@ from google.protobuf import json_format
 from meshfn import ir
 from meshfn.ir import qos as envoy_qos
 
+from ...names import CONTROL_PLANE_CLUSTER
 from ..common import pack
 from .base import FilterContext, HttpFilter, QoSContext
 
 
 def rate_limit_config(policy: ir.QoSPolicy | None) -> local_rate_limit_pb2.LocalRateLimit:
-    """The filter's configuration for `policy` (None: disabled)."""
-    raw = dict(envoy_qos.local_rate_limit(policy) if policy else envoy_qos.disabled())
+    """The filter's configuration for `policy` (None, or a global rate: disabled)."""
+    local = policy is not None and policy.global_rate is None
+    raw = dict(envoy_qos.local_rate_limit(policy) if policy and local else envoy_qos.disabled())
     raw.pop("@type")
     message = local_rate_limit_pb2.LocalRateLimit()
+    json_format.ParseDict(raw, message)
+    return message
+
+
+def global_rate_limit_config(policy: ir.QoSPolicy) -> rate_limit_pb2.RateLimit:
+    """The gateway's global rate: asked of the control plane's limit service (xds/rls.py),
+    served on the ADS port."""
+    raw = dict(envoy_qos.global_rate_limit(policy, CONTROL_PLANE_CLUSTER))
+    raw.pop("@type")
+    message = rate_limit_pb2.RateLimit()
     json_format.ParseDict(raw, message)
     return message
 
@@ -34,12 +47,14 @@ class QoS(HttpFilter[QoSContext]):
         return ctx.qos if ctx.qos is not None and ctx.qos.rate_limited else None
 
     def http_filters(self, ctx: FilterContext, config: QoSContext) -> Iterable[hcm.HttpFilter]:
-        return (
-            hcm.HttpFilter(
-                name=envoy_qos.LOCAL_RATE_LIMIT,
-                typed_config=pack(rate_limit_config(config.gateway)),
-            ),
+        yield hcm.HttpFilter(
+            name=envoy_qos.LOCAL_RATE_LIMIT, typed_config=pack(rate_limit_config(config.gateway))
         )
+        if config.gateway is not None and config.gateway.global_rate is not None:
+            yield hcm.HttpFilter(
+                name=envoy_qos.GLOBAL_RATE_LIMIT,
+                typed_config=pack(global_rate_limit_config(config.gateway)),
+            )
 
     def local_reply_mappers(
         self, ctx: FilterContext, config: QoSContext

@@ -1,0 +1,205 @@
+"""Envoy's rate-limit service (RLS, `envoy.service.ratelimit.v3`), served next to ADS on the
+control plane's port: the global rates of QoSPolicies whose `global` asks for one count across
+every gateway they bind.
+
+A request's domain is the policy (namespace/name); its one descriptor names the policy again and
+the verified tenant (ir.qos.global_rate_limit), or no tenant: the anonymous tenant. Each
+(policy, tenant) has one token bucket for all gateways, refilled continuously at the tenant's
+rate and holding at most its burst, like the local limit's. Requests the service cannot answer
+(an unknown domain, a malformed descriptor) get a gRPC error, which the gateway treats as the
+limit service failing: the policy's `onLimitServiceError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ratelimit.v3 import rls_pb2
+from google.protobuf import duration_pb2
+from google.protobuf.message import DecodeError
+from prometheus_client import CollectorRegistry, Counter
+
+from meshfn import ir
+from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT, LIMIT_HEADER, LIMIT_RATE
+
+log = logging.getLogger("meshfn.rls")
+
+SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
+# Unlisted tenants kept per policy (least recently used first out), as each gateway's local
+# limit keeps them.
+MAX_BUCKETS = 10_000
+_UNITS = {1: "SECOND", 60: "MINUTE", 3600: "HOUR", 86400: "DAY"}
+Code = rls_pb2.RateLimitResponse.Code
+
+
+@dataclass(slots=True)
+class _Bucket:
+    tokens: float
+    at: float
+
+
+class RequestError(ValueError):
+    """A request the service cannot answer: the gRPC status and why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RateLimitService:
+    """`policies()`: the current global policies by key (the last good MeshModel's)."""
+
+    def __init__(
+        self,
+        policies: Callable[[], Mapping[str, ir.QoSPolicy]],
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policies = policies
+        self.clock = clock
+        self._buckets: OrderedDict[tuple[str, str], _Bucket] = OrderedDict()
+        registry = registry or CollectorRegistry()
+        self.decisions = Counter(
+            "meshfn_qos_global_requests",
+            "Global rate limit decisions of the control plane's limit service (tenant: a listed "
+            "tenant, '' the anonymous one, '*' any other)",
+            ["policy", "tenant", "outcome"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "meshfn_qos_global_errors",
+            "Limit service requests refused with a gRPC error",
+            ["reason"],
+            registry=registry,
+        )
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "ShouldRateLimit": grpc.unary_unary_rpc_method_handler(
+                    self._should_rate_limit,
+                    request_deserializer=lambda data: data,
+                    response_serializer=lambda message: message.SerializeToString(),
+                )
+            },
+        )
+
+    async def _should_rate_limit(
+        self, raw: bytes, context: grpc.aio.ServicerContext[bytes, rls_pb2.RateLimitResponse]
+    ) -> rls_pb2.RateLimitResponse:
+        try:
+            request = rls_pb2.RateLimitRequest.FromString(raw)
+            return self.decide(request)
+        except DecodeError:
+            self.errors.labels("malformed").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed RateLimitRequest")
+            raise
+        except RequestError as exc:
+            self.errors.labels(exc.code.name.lower()).inc()
+            log.warning("limit service request refused", extra={"reason": str(exc)})
+            await context.abort(exc.code, str(exc))
+            raise
+
+    def decide(self, request: rls_pb2.RateLimitRequest) -> rls_pb2.RateLimitResponse:
+        """Count the request against each descriptor's bucket; over any, it is over the limit."""
+        policy = self.policies().get(request.domain)
+        if policy is None:
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND, f"no QoSPolicy with a global rate is {request.domain!r}"
+            )
+        if not request.descriptors:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no descriptors")
+        hits = request.hits_addend or 1
+        response = rls_pb2.RateLimitResponse(overall_code=Code.OK)
+        waits: list[float] = []
+        for descriptor in request.descriptors:
+            tenant = _tenant(policy, descriptor.entries)
+            status, wait = self._take(policy, tenant, descriptor.hits_addend or hits)
+            response.statuses.append(status)
+            if status.code == Code.OVER_LIMIT:
+                response.overall_code = Code.OVER_LIMIT
+                waits.append(wait)
+        if waits:
+            for key, value in (
+                ("retry-after", str(max(1, math.ceil(max(waits))))),
+                (LIMIT_HEADER, LIMIT_RATE),
+            ):
+                response.response_headers_to_add.append(base_pb2.HeaderValue(key=key, value=value))
+        return response
+
+    def _take(
+        self, policy: ir.QoSPolicy, tenant: str, hits: int
+    ) -> tuple[rls_pb2.RateLimitResponse.DescriptorStatus, float]:
+        rate = policy.limits_of(tenant)[1].rate
+        label = tenant if tenant == "" or any(t.name == tenant for t in policy.tenants) else "*"
+        if rate is None:
+            self.decisions.labels(policy.key, label, "allowed").inc()
+            return rls_pb2.RateLimitResponse.DescriptorStatus(code=Code.OK), 0.0
+        now = self.clock()
+        key = (policy.key, tenant)
+        bucket = self._buckets.get(key)
+        per_second = rate.requests / rate.seconds
+        if bucket is None:
+            bucket = _Bucket(float(rate.burst), now)
+            self._buckets[key] = bucket
+            while len(self._buckets) > MAX_BUCKETS:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(key)
+            bucket.tokens = min(float(rate.burst), bucket.tokens + (now - bucket.at) * per_second)
+            bucket.at = now
+        allowed = bucket.tokens >= hits
+        if allowed:
+            bucket.tokens -= hits
+        wait = max(0.0, (hits - bucket.tokens) / per_second)
+        # Until the bucket is full again (the x-ratelimit-reset header).
+        full = (rate.burst - bucket.tokens) / per_second
+        status = rls_pb2.RateLimitResponse.DescriptorStatus(
+            code=Code.OK if allowed else Code.OVER_LIMIT,
+            limit_remaining=int(bucket.tokens),
+            duration_until_reset=_duration(full),
+        )
+        unit = _UNITS.get(rate.seconds)
+        if unit is not None:
+            status.current_limit.requests_per_unit = rate.requests
+            status.current_limit.unit = rls_pb2.RateLimitResponse.RateLimit.Unit.Value(unit)
+        self.decisions.labels(policy.key, label, "allowed" if allowed else "over_limit").inc()
+        return status, wait
+
+
+def _tenant(policy: ir.QoSPolicy, entries: Iterable[Any]) -> str:
+    """The descriptor's tenant ("" without one), checking it names this policy."""
+    found: dict[str, str] = {}
+    for entry in entries:
+        if entry.key not in (DESCRIPTOR_POLICY, DESCRIPTOR_TENANT) or entry.key in found:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"unexpected descriptor entry {entry.key!r}"
+            )
+        found[entry.key] = entry.value
+    if found.get(DESCRIPTOR_POLICY) != policy.key:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the descriptor must name the policy {policy.key!r} as {DESCRIPTOR_POLICY}",
+        )
+    tenant = found.get(DESCRIPTOR_TENANT, "")
+    if len(tenant) > 128 or any(ord(c) < 0x20 or ord(c) == 0x7F for c in tenant):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the tenant is not a claim value")
+    return tenant
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    whole = int(seconds)
+    return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+
+
+def global_policies(model_qos: tuple[ir.QoSPolicy, ...]) -> dict[str, ir.QoSPolicy]:
+    return {p.key: p for p in model_qos if p.global_rate is not None}

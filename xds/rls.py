@@ -123,7 +123,8 @@ class RateLimitService:
         waits: list[float] = []
         for descriptor in request.descriptors:
             tenant = _tenant(policy, descriptor.entries)
-            status, wait = self._take(policy, tenant, descriptor.hits_addend or hits)
+            own = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else 0
+            status, wait = self._take(policy, tenant, own or hits)
             response.statuses.append(status)
             if status.code == Code.OVER_LIMIT:
                 response.overall_code = Code.OVER_LIMIT

@@ -1,0 +1,160 @@
+"""A global rate limit through real Envoys: two gateways bound by one QoSPolicy with `global`
+share each tenant's bucket in the control plane's rate-limit service (Envoy's RLS protocol on
+the ADS port), so the total admitted across both stays within the limit; a third gateway's
+policy fails open. With the control plane frozen (SIGSTOP: the limit service cannot answer),
+the fail-closed gateways answer 503 within the policy's timeout and the fail-open one admits:
+no request hangs."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from meshfn_e2e import Processes, Reply, http
+
+from meshfn.testing import policies as p
+from meshfn.testing.ports import named_ports
+from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
+
+ISSUER = "https://issuer.meshfn.local"
+BURST = 6  # acme's requests per minute across both shared gateways
+
+
+def qos(name: str, gateways: list[str], on_error: str, rate: dict[str, object]) -> str:
+    return p.doc(
+        "QoSPolicy",
+        name,
+        {
+            "targetRefs": [{"kind": "Gateway", "name": g} for g in gateways],
+            "global": {"onLimitServiceError": on_error, "timeout": "200ms"},
+            "defaultClass": "standard",
+            "classes": [{"name": "standard", "rate": rate}],
+        },
+    )
+
+
+@dataclass
+class Rig:
+    up: Proc
+    ports: dict[str, int]
+    state: Path
+
+    def token(self, tenant: str) -> str:
+        out = meshfn(
+            "token", "issue", "--state-dir", str(self.state), "--sub", "alice", "--aud",
+            "meshfn", "--claim", f"tenant={tenant}",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    def get(self, gateway: str, bearer: str) -> Reply:
+        url = f"http://127.0.0.1:{self.ports[gateway]}/v1/x"
+        return http(url, headers={"authorization": f"Bearer {bearer}"})
+
+    def ready(self, gateway: str, bearer: str) -> bool:
+        reply = self.get(gateway, bearer)
+        if reply.status != 200:
+            raise ValueError(f"{reply.status} {reply.body[:200]!r}")  # "not yet", with why
+        return True
+
+    def metric(self, outcome: str, policy: str) -> float:
+        text = http(f"http://127.0.0.1:{self.ports['admin']}/metrics").body.decode()
+        pattern = (
+            rf'^meshfn_qos_global_requests_total\{{[^}}]*outcome="{outcome}"[^}}]*'
+            rf'policy="{policy}"[^}}]*\}} (\S+)$'
+        )
+        return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    tmp = tmp_path_factory.mktemp("qos-global")
+    ports = named_ports("xds", "admin", "a_admin", "a", "b_admin", "b", "c_admin", "c", "alpha")
+    root = tmp / "policies"
+    root.mkdir()
+    gateways = [("edge-a", "a"), ("edge-b", "b"), ("edge-c", "c")]
+    p.write(
+        root / "mesh.yaml",
+        p.documents(
+            p.mesh("e2e", "e2e.local", ports["xds"], ports["admin"]),
+            *(p.gateway(ports[f"{k}_admin"], ports[k], name=g) for g, k in gateways),
+            p.service("alpha", ports["alpha"]),
+            *(p.route(f"main-{k}", "alpha", "/v1", gateway=g) for g, k in gateways),
+            p.doc(
+                "RequestAuthentication",
+                "tokens",
+                {
+                    "jwtRules": [
+                        {
+                            "issuer": ISSUER,
+                            "audiences": ["meshfn"],
+                            "jwksUri": f"http://127.0.0.1:{ports['admin']}/.well-known/jwks.json",
+                        }
+                    ]
+                },
+            ),
+            qos("shared", ["edge-a", "edge-b"], "deny", {"requests": BURST, "per": "60s"}),
+            qos("open", ["edge-c"], "allow", {"requests": 1000}),
+        ),
+    )
+    procs = Processes(tmp)
+    state = tmp / "state"
+    try:
+        argv = [MESHFN, "up", "--policies", str(root), "--state-dir", str(state)]
+        up = procs.start("up", [*argv, "--envoy-concurrency", "1"])
+        wait_for("meshfn up", lambda: "Ctrl-C stops everything" in up.output(), 120, proc=up)
+        rig = Rig(up, ports, state)
+        probe = rig.token("probe")
+        for gateway in ("a", "b", "c"):
+            wait_for(f"gateway {gateway}", lambda g=gateway: rig.ready(g, probe), proc=up)
+        yield rig
+    finally:
+        procs.stop_all()
+
+
+def test_two_gateways_share_one_global_limit(rig: Rig) -> None:
+    acme = rig.token("acme")
+    replies = [(g, rig.get(g, acme)) for _ in range(BURST * 2) for g in ("a", "b")]
+    admitted = [g for g, r in replies if r.status == 200]
+    refused = [r for _, r in replies if r.status != 200]
+    # Each gateway alone would admit BURST; together they admit BURST (plus at most the
+    # one token a minute's refill adds while the test runs).
+    assert BURST <= len(admitted) <= BURST + 1, [r.status for _, r in replies]
+    assert set(admitted) == {"a", "b"}
+    assert {r.status for r in refused} == {429}
+    limited = refused[-1]
+    body = json.loads(limited.body)
+    assert body["error"] == "rate limit exceeded" and body["limit"] == "rate"
+    assert body["policy"] == "default/shared" and body["tenant"] == "acme"
+    headers = {k.lower(): v for k, v in limited.headers.items()}
+    assert int(headers["retry-after"]) >= 1
+    assert headers["x-meshfn-qos-limit"] == "rate"
+    assert headers["x-ratelimit-limit"].startswith(str(BURST))
+    assert headers["x-ratelimit-remaining"] == "0"
+    # Another tenant has a bucket of its own.
+    assert rig.get("a", rig.token("globex")).status == 200
+    assert rig.metric("over_limit", "default/shared") >= len(refused)
+    assert rig.metric("allowed", "default/shared") >= len(admitted)
+
+
+def test_limit_service_unreachable_fails_as_the_policy_says(rig: Rig) -> None:
+    initech = rig.token("initech")
+    rig.up.send(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        closed = [rig.get(g, initech) for g in ("a", "b")]
+        opened = [rig.get("c", initech) for _ in range(3)]
+        elapsed = time.monotonic() - started
+    finally:
+        rig.up.send(signal.SIGCONT)
+    assert [r.status for r in closed] == [503, 503]  # onLimitServiceError: deny
+    assert [r.status for r in opened] == [200, 200, 200]  # onLimitServiceError: allow
+    assert elapsed < 5 * 0.2 + 3  # each waited for the 200ms timeout, none hung
+    # Back: the shared gateways ask the service again.
+    wait_for("the limit service again", lambda: rig.get("a", initech).status == 200)

@@ -254,6 +254,14 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
     ]
     manager: Obj = {"@type": HCM_TYPE, "local_reply_config": no_upstream_reply()}
     qos_patches, qos_sources = _qos_patches(gw)
+    if gw.qos is not None and gw.qos.global_rate is not None:
+        ctx.warn(
+            "qos-global-rate-needs-meshfn-rls",
+            Source("QoSPolicy", gw.qos.namespace, gw.qos.name),
+            ("spec", "global"),
+            "a global rate is counted by meshfn's own rate-limit service, which Istio's "
+            "gateways cannot reach: rendered as each gateway's local rate limit",
+        )
     sources |= qos_sources
     if qos_patches:
         claim = envoy_qos.governing(gw)[0].claim

@@ -66,7 +66,7 @@ class RateLimitService:
         self.policies = policies
         self.clock = clock
         self._buckets: OrderedDict[tuple[str, str], _Bucket] = OrderedDict()
-        registry = registry or CollectorRegistry()
+        self.registry = registry = registry or CollectorRegistry()
         self.decisions = Counter(
             "meshfn_qos_global_requests",
             "Global rate limit decisions of the control plane's limit service (tenant: a listed "

@@ -19,7 +19,13 @@ from typing import Any
 
 from meshfn import ir
 from meshfn.contracts.plugins import ROUTE_METADATA
-from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT, LIMIT_HEADER, LIMIT_RATE, TENANT_HEADER
+from meshfn.contracts.qos import (
+    DESCRIPTOR_POLICY,
+    DESCRIPTOR_TENANT,
+    LIMIT_HEADER,
+    LIMIT_RATE,
+    TENANT_HEADER,
+)
 
 Obj = dict[str, Any]
 

@@ -151,9 +151,9 @@ def test_bad_global(tmp_path: Path) -> None:
     assert _errors(tmp_path, "timeout: 50ms", "timeout: 10s") == [
         "55: spec.global: timeout must be between 1ms and 5s: requests must never hang"
     ]
-    assert _errors(tmp_path, "onLimitServiceError: deny", "onLimitServiceError: maybe")[0].startswith(
-        "55: spec.global.onLimitServiceError"
-    )
+    assert _errors(tmp_path, "onLimitServiceError: deny", "onLimitServiceError: maybe")[
+        0
+    ].startswith("55: spec.global.onLimitServiceError")
     routed = "  targetRefs: [{kind: Route, name: batch}]\n"
     assert _errors(tmp_path, routed, routed + GLOBAL) == [
         "72: spec.global: a global rate binds Gateways only (it also names Route): bind the "

@@ -63,6 +63,15 @@ class Rig:
             raise ValueError(f"{reply.status} {reply.body[:200]!r}")  # "not yet", with why
         return True
 
+    def stat(self, gateway: str, suffix: str) -> int:
+        """The sum of a gateway Envoy's counters whose names end with `suffix`."""
+        text = http(f"http://127.0.0.1:{self.ports[gateway + '_admin']}/stats").body.decode()
+        return sum(
+            int(value)
+            for name, _, value in (line.partition(": ") for line in text.splitlines())
+            if name.endswith(suffix) and value.isdigit()
+        )
+
     def metric(self, outcome: str, policy: str) -> float:
         text = http(f"http://127.0.0.1:{self.ports['admin']}/metrics").body.decode()
         pattern = (
@@ -156,5 +165,9 @@ def test_limit_service_unreachable_fails_as_the_policy_says(rig: Rig) -> None:
     assert [r.status for r in closed] == [503, 503]  # onLimitServiceError: deny
     assert [r.status for r in opened] == [200, 200, 200]  # onLimitServiceError: allow
     assert elapsed < 5 * 0.2 + 3  # each waited for the 200ms timeout, none hung
+    # Each gateway counted its failures (Envoy's ratelimit stats, per route cluster).
+    assert rig.stat("a", "ratelimit.meshfn_qos.error") >= 1
+    assert rig.stat("a", "ratelimit.meshfn_qos.failure_mode_allowed") == 0
+    assert rig.stat("c", "ratelimit.meshfn_qos.failure_mode_allowed") >= 3
     # Back: the shared gateways ask the service again.
     wait_for("the limit service again", lambda: rig.get("a", initech).status == 200)

@@ -416,6 +416,20 @@ def _print_qos(backends: list[dict[str, Any]]) -> None:
         out.print(table)
 
 
+def _print_global_rates(rates: list[dict[str, Any]]) -> None:
+    """The control plane's rate-limit service: per policy and tenant, its decisions."""
+    table = Table(title="global rate limits (control plane)", title_justify="left")
+    for column in ("policy", "tenant", "allowed", "over limit"):
+        table.add_column(column)
+    for row in rates:
+        tenant = {"": "(no claim)", "*": "(other tenants)"}.get(row["tenant"], row["tenant"])
+        table.add_row(
+            Text(row["policy"]), Text(tenant), str(row["allowed"]), str(row["over_limit"])
+        )
+    if table.row_count:
+        out.print(table)
+
+
 @app.command()
 def status(
     admin: AdminOpt = None,
@@ -481,6 +495,7 @@ def status(
     if audit and audit.get("enabled"):
         _print_audit(audit)
     _print_qos(document.get("backends") or [])
+    _print_global_rates(document.get("global_rates") or [])
     if document.get("routes"):
         routes = Table(title="drift breaker", title_justify="left")
         for column in ("route", "state", "p95 ms", "baseline ms", "samples", "transitions"):

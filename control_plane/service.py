@@ -143,7 +143,7 @@ class ControlPlane:
         self.ads.add_handler(self.rls.handler())
         self.model: MeshModel | None = None
         # Extra sections of /debug/status from the runtime around the control plane (e.g. eBPF).
-        self.status_providers: dict[str, Callable[[], Any]] = {}
+        self.status_providers: dict[str, Callable[[], Any]] = {"global_rates": self.rls.summary}
         self.state = PolicyState()
         self.xds_port = 0
         self._lock = asyncio.Lock()

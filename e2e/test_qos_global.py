@@ -35,6 +35,7 @@ def qos(name: str, gateways: list[str], on_error: str, rate: dict[str, object]) 
             "global": {"onLimitServiceError": on_error, "timeout": "200ms"},
             "defaultClass": "standard",
             "classes": [{"name": "standard", "rate": rate}],
+            "tenants": [{"name": "acme", "class": "standard"}],  # listed: its own status row
         },
     )
 
@@ -150,6 +151,13 @@ def test_two_gateways_share_one_global_limit(rig: Rig) -> None:
     assert rig.get("a", rig.token("globex")).status == 200
     assert rig.metric("over_limit", "default/shared") >= len(refused)
     assert rig.metric("allowed", "default/shared") >= len(admitted)
+    status = meshfn("status", "--admin", f"http://127.0.0.1:{rig.ports['admin']}")
+    assert status.returncode == 0, status.stderr
+    assert "global rate limits" in status.stdout
+    row = next(
+        line for line in status.stdout.splitlines() if "default/shared" in line and "acme" in line
+    )
+    assert [c.strip() for c in row.split("│")[3:5]] == [str(len(admitted)), str(len(refused))]
 
 
 def test_limit_service_unreachable_fails_as_the_policy_says(rig: Rig) -> None:

@@ -16,6 +16,8 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf.message import DecodeError
 
+from .protocol import raw_service
+
 log = logging.getLogger("meshfn.als")
 
 SERVICE = "envoy.service.accesslog.v3.AccessLogService"
@@ -32,15 +34,8 @@ class AccessLogReceiver:
         self._sinks.setdefault(log_name, []).append(sink)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
-                    self._stream,
-                    request_deserializer=lambda data: data,
-                    response_serializer=lambda message: message.SerializeToString(),
-                )
-            },
+        return raw_service(
+            SERVICE, "StreamAccessLogs", grpc.stream_unary_rpc_method_handler, self._stream
         )
 
     async def _stream(

@@ -6,7 +6,8 @@ every other stream and the server carry on (README, "Control plane behaviour wor
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 import grpc
 
@@ -53,3 +54,21 @@ def check_names(names: Collection[str]) -> None:
             f"resource name longer than {MAX_NAME_BYTES} bytes",
             "bad_name",
         )
+
+
+def raw_service(
+    service: str, method: str, kind: Callable[..., grpc.RpcMethodHandler[Any, Any]], behaviour: Any
+) -> grpc.GenericRpcHandler:
+    """One method of a service served next to ADS (`kind`: grpc.unary_unary_rpc_method_handler
+    or another), taking the request bytes as they came so that the handler parses them itself
+    and answers a malformed message with its own gRPC status."""
+    return grpc.method_handlers_generic_handler(
+        service,
+        {
+            method: kind(
+                behaviour,
+                request_deserializer=lambda data: data,
+                response_serializer=lambda message: message.SerializeToString(),
+            )
+        },
+    )

@@ -30,6 +30,8 @@ from prometheus_client import CollectorRegistry, Counter
 from meshfn import ir
 from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT, LIMIT_HEADER, LIMIT_RATE
 
+from .protocol import raw_service
+
 log = logging.getLogger("meshfn.rls")
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
@@ -66,6 +68,8 @@ class RateLimitService:
         self.policies = policies
         self.clock = clock
         self._buckets: OrderedDict[tuple[str, str], _Bucket] = OrderedDict()
+        # (policy, tenant label) -> [allowed, over limit]: `meshfn status`.
+        self._counts: dict[tuple[str, str], list[int]] = {}
         self.registry = registry = registry or CollectorRegistry()
         self.decisions = Counter(
             "meshfn_qos_global_requests",
@@ -82,15 +86,8 @@ class RateLimitService:
         )
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "ShouldRateLimit": grpc.unary_unary_rpc_method_handler(
-                    self._should_rate_limit,
-                    request_deserializer=lambda data: data,
-                    response_serializer=lambda message: message.SerializeToString(),
-                )
-            },
+        return raw_service(
+            SERVICE, "ShouldRateLimit", grpc.unary_unary_rpc_method_handler, self._should_rate_limit
         )
 
     async def _should_rate_limit(
@@ -143,7 +140,7 @@ class RateLimitService:
         rate = policy.limits_of(tenant)[1].rate
         label = tenant if tenant == "" or any(t.name == tenant for t in policy.tenants) else "*"
         if rate is None:
-            self.decisions.labels(policy.key, label, "allowed").inc()
+            self._count(policy.key, label, True)
             return rls_pb2.RateLimitResponse.DescriptorStatus(code=Code.OK), 0.0
         now = self.clock()
         key = (policy.key, tenant)
@@ -173,8 +170,20 @@ class RateLimitService:
         if unit is not None:
             status.current_limit.requests_per_unit = rate.requests
             status.current_limit.unit = rls_pb2.RateLimitResponse.RateLimit.Unit.Value(unit)
-        self.decisions.labels(policy.key, label, "allowed" if allowed else "over_limit").inc()
+        self._count(policy.key, label, allowed)
         return status, wait
+
+    def _count(self, policy: str, label: str, allowed: bool) -> None:
+        self.decisions.labels(policy, label, "allowed" if allowed else "over_limit").inc()
+        counts = self._counts.setdefault((policy, label), [0, 0])
+        counts[0 if allowed else 1] += 1
+
+    def summary(self) -> list[dict[str, object]]:
+        """Per policy and tenant (listed, "" anonymous, "*" any other): the decisions so far."""
+        return [
+            {"policy": policy, "tenant": tenant, "allowed": counts[0], "over_limit": counts[1]}
+            for (policy, tenant), counts in sorted(self._counts.items())
+        ]
 
 
 def _tenant(policy: ir.QoSPolicy, entries: Iterable[Any]) -> str:

@@ -5,6 +5,8 @@ from any gateway, over a real gRPC channel, with a fake clock; bad requests get 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from meshfn import ir
 from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT
 from meshfn.control_plane.policy import PolicyErrors, load_policies
+from meshfn.istio import render
 from meshfn.xds.rls import RateLimitService, global_policies
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,3 +162,13 @@ def test_bad_global(tmp_path: Path) -> None:
         "72: spec.global: a global rate binds Gateways only (it also names Route): bind the "
         "Route or Function with a policy of its own without `global`"
     ]
+
+
+def test_istio_renders_a_global_rate_as_local_limits_with_a_warning(model: ir.MeshModel) -> None:
+    digests = {name: hashlib.sha256(name.encode()).hexdigest() for name in ("audit", "degrade")}
+    rendered = render(model, digests)
+    codes = {(w.code, w.source.name, w.path) for w in rendered.warnings}
+    assert ("qos-global-rate-needs-meshfn-rls", "tenants", ("spec", "global")) in codes
+    filters = json.dumps(rendered.objects["EnvoyFilter"])
+    assert "envoy.filters.http.local_ratelimit" in filters
+    assert 'envoy.filters.http.ratelimit"' not in filters

@@ -142,6 +142,7 @@ def test_two_gateways_share_one_global_limit(rig: Rig) -> None:
     body = json.loads(limited.body)
     assert body["error"] == "rate limit exceeded" and body["limit"] == "rate"
     assert body["policy"] == "default/shared" and body["tenant"] == "acme"
+    assert body["scope"] == "global"
     headers = {k.lower(): v for k, v in limited.headers.items()}
     assert int(headers["retry-after"]) >= 1
     assert headers["x-meshfn-qos-limit"] == "rate"

@@ -37,6 +37,14 @@ LOCAL_RATE_LIMIT_TYPE = (
 )
 UNLIMITED = 0xFFFFFFFF
 QOS_KEY = "qos"  # in the route metadata (ROUTE_METADATA): the governing policy
+QOS_SCOPE_KEY = "qos_scope"  # beside it: where its rate is counted (`scope` of the 429 body)
+
+
+def scope(policy: ir.QoSPolicy) -> str:
+    """Where a policy's rate is counted: across gateways (the limit service), or by each."""
+    return "global" if policy.global_rate is not None else "gateway"
+
+
 STAT_PREFIX = "meshfn_qos"
 # Tenants beyond the listed ones, each with its own bucket, kept per gateway (least recently
 # used first out: an evicted tenant starts again with a full bucket).
@@ -207,7 +215,7 @@ def limited_reply(claim: str, header: bool = False) -> Obj:
             "json_format": {
                 "error": "rate limit exceeded",
                 "limit": LIMIT_RATE,
-                "scope": "gateway",
+                "scope": f"%METADATA(ROUTE:{ROUTE_METADATA}:{QOS_SCOPE_KEY})%",
                 "policy": f"%METADATA(ROUTE:{ROUTE_METADATA}:{QOS_KEY})%",
                 "tenant": f"%REQ({TENANT_HEADER})%"
                 if header

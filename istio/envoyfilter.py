@@ -319,7 +319,15 @@ def _qos_patches(gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
             if policy is None:
                 continue
             value: Obj = {
-                "metadata": {"filter_metadata": {ROUTE_METADATA: {envoy_qos.QOS_KEY: policy.key}}}
+                "metadata": {
+                    "filter_metadata": {
+                        # Istio's gateways count every rate themselves (no limit service).
+                        ROUTE_METADATA: {
+                            envoy_qos.QOS_KEY: policy.key,
+                            envoy_qos.QOS_SCOPE_KEY: "gateway",
+                        }
+                    }
+                }
             }
             if route.qos is not None:
                 own = envoy_qos.local_rate_limit(route.qos, True)

@@ -167,6 +167,7 @@ def _metadata(
         fields[MESH_ROUTE_KEY] = struct_pb2.Value(string_value=mesh_route)
     if qos is not None:
         fields[envoy_qos.QOS_KEY] = struct_pb2.Value(string_value=qos.key)
+        fields[envoy_qos.QOS_SCOPE_KEY] = struct_pb2.Value(string_value=envoy_qos.scope(qos))
     if not fields:
         return None
     return base_pb2.Metadata(filter_metadata={ROUTE_METADATA: struct_pb2.Struct(fields=fields)})

@@ -772,7 +772,8 @@ class GlobalRate(Strict):
 class QoSPolicySpec(TenantClasses):
     """Per-tenant limits and priorities for the requests of what `targetRefs` names. Tenants
     are told apart by a JWT claim the gateway verified (RequestAuthentication), never by a
-    header. Rate limits hold at each gateway (Envoy's local rate limit); concurrency limits and
+    header. Rate limits hold at each gateway (Envoy's local rate limit), or with `global` across
+    all bound gateways (the control plane's rate-limit service); concurrency limits and
     compute budgets are kept, and priorities order and shed requests, by the inference backend
     that serves the bound functions (per backend process)."""
 

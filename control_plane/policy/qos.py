@@ -5,7 +5,8 @@ a Route's or Function's own policy governs its requests, the Gateway's policy ev
 that gateway (KServe's server routes and gRPC, whose messages name the model inside, included).
 Every gateway a policy reaches must verify JWTs (the tenant is a verified claim), all policies
 on one gateway read the same claim (one local reply names the tenant), and a backend that orders
-requests by priority must be behind proxies that verify the claim too.
+requests by priority must be behind proxies that verify the claim too. A `global` rate binds
+Gateways only (a Route's or Function's own policy replaces it on its routes and stays local).
 """
 
 from __future__ import annotations

@@ -172,6 +172,10 @@ def test_limit_service_unreachable_fails_as_the_policy_says(rig: Rig) -> None:
     finally:
         rig.up.send(signal.SIGCONT)
     assert [r.status for r in closed] == [503, 503]  # onLimitServiceError: deny
+    assert json.loads(closed[0].body) == {
+        "error": "rate limit service unavailable", "limit": "rate", "scope": "global",
+        "policy": "default/shared", "onLimitServiceError": "deny",
+    }  # fmt: skip
     assert [r.status for r in opened] == [200, 200, 200]  # onLimitServiceError: allow
     assert elapsed < 5 * 0.2 + 3  # each waited for the 200ms timeout, none hung
     # Each gateway counted its failures (Envoy's ratelimit stats, per route cluster).

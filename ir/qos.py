@@ -201,6 +201,24 @@ def global_rate_limit(policy: ir.QoSPolicy, cluster: str, header: bool = False) 
     }
 
 
+def limit_service_error_reply() -> Obj:
+    """The local reply mapper for a fail-closed global rate whose limit service did not answer
+    (Envoy's response flag RLSE): a JSON body saying so, beside the 503."""
+    return {
+        "filter": {"response_flag_filter": {"flags": ["RLSE"]}},
+        "body_format_override": {
+            "json_format": {
+                "error": "rate limit service unavailable",
+                "limit": LIMIT_RATE,
+                "scope": "global",
+                "policy": f"%METADATA(ROUTE:{ROUTE_METADATA}:{QOS_KEY})%",
+                "onLimitServiceError": "deny",
+            },
+            "content_type": "application/json",
+        },
+    }
+
+
 def limited_reply(claim: str, header: bool = False) -> Obj:
     """The local reply mapper for the rate limit's 429s: a JSON body naming the limit, the
     policy (route metadata) and the verified tenant. Mappers see only Envoy's own replies, and at

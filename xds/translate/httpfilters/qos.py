@@ -61,4 +61,7 @@ class QoS(HttpFilter[QoSContext]):
     ) -> Iterable[hcm.ResponseMapper]:
         mapper = hcm.ResponseMapper()
         json_format.ParseDict(envoy_qos.limited_reply(config.claim), mapper)
-        return (mapper,)
+        yield mapper
+        gateway = config.gateway
+        if gateway is not None and gateway.global_rate is not None and gateway.global_rate.deny:
+            yield json_format.ParseDict(envoy_qos.limit_service_error_reply(), hcm.ResponseMapper())

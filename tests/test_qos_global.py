@@ -140,8 +140,12 @@ async def test_over_grpc(stub: rls_pb2_grpc.RateLimitServiceStub) -> None:
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def _errors(tmp_path: Path, old: str, new: str) -> list[str]:
-    (tmp_path / "in.yaml").write_text(GOLDEN.read_text().replace(old, new, 1))
+def _errors(tmp_path: Path, old: str, new: str, *more: tuple[str, str]) -> list[str]:
+    text = GOLDEN.read_text()
+    for a, b in ((old, new), *more):
+        assert a in text
+        text = text.replace(a, b, 1)
+    (tmp_path / "in.yaml").write_text(text)
     with pytest.raises(PolicyErrors) as caught:
         load_policies(tmp_path)
     return [str(e).split("in.yaml:", 1)[-1] for e in caught.value.errors]
@@ -162,6 +166,18 @@ def test_bad_global(tmp_path: Path) -> None:
         "72: spec.global: a global rate binds Gateways only (it also names Route): bind the "
         "Route or Function with a policy of its own without `global`"
     ]
+
+
+def test_global_without_a_rate(tmp_path: Path) -> None:
+    bulk = "    - {name: bulk, rate: {requests: 5, per: 1m, burst: 10}}\n"
+    routed = "  targetRefs: [{kind: Route, name: batch}]\n"
+    found = _errors(
+        tmp_path,
+        bulk,
+        "    - {name: bulk, priority: 1}\n    - {name: rush, priority: 2}\n",
+        (routed, routed + GLOBAL),
+    )
+    assert found == ["72: spec.global: no class or tenant sets a rate: nothing to count globally"]
 
 
 def test_istio_renders_a_global_rate_as_local_limits_with_a_warning(model: ir.MeshModel) -> None:

@@ -35,8 +35,8 @@ from .protocol import raw_service
 log = logging.getLogger("meshfn.rls")
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
-# Unlisted tenants kept per policy (least recently used first out), as each gateway's local
-# limit keeps them.
+# (policy, tenant) buckets kept in all, least recently used first out (an evicted tenant starts
+# again with a full bucket, as with each gateway's local limit).
 MAX_BUCKETS = 10_000
 _UNITS = {1: "SECOND", 60: "MINUTE", 3600: "HOUR", 86400: "DAY"}
 Code = rls_pb2.RateLimitResponse.Code

@@ -389,20 +389,34 @@ def _type_cell(state: dict[str, Any] | None) -> str:
     return f"[yellow]STALE[/yellow] {state['acked'][:8] or '-'}<{state['sent'][:8]}"
 
 
-def _print_qos(backends: list[dict[str, Any]]) -> None:
+BackendFunctions = tuple[dict[str, Any], list[dict[str, Any]] | None, str]
+
+
+def _backend_functions(backends: list[dict[str, Any]]) -> list[BackendFunctions]:
+    """Each inference backend's own /meshfn/functions (on loopback), read once for every table
+    that shows it: (backend, its functions or None, why not)."""
+    fetched: list[BackendFunctions] = []
+    for backend in backends:
+        url = f"http://{backend['address']}:{backend['port']}/meshfn/functions"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                fetched.append((backend, json.loads(response.read())["functions"], ""))
+        except (OSError, ValueError, KeyError) as exc:
+            fetched.append((backend, None, str(exc)))
+    return fetched
+
+
+def _print_qos(backends: list[BackendFunctions]) -> None:
     """Per function and tenant: admitted, limited, shed, guest CPU and budget use, as each
-    inference backend counts them (its own status endpoint, on loopback)."""
+    inference backend counts them."""
     table = Table(title="multi-tenant QoS (per backend)", title_justify="left")
     for column in ("backend", "function", "tenant", "class", "admitted", "limited", "shed",
                    "guest CPU ms", "budget used ms"):  # fmt: skip
         table.add_column(column)
-    for backend in backends:
+    for backend, functions, problem in backends:
         where = f"{backend['address']}:{backend['port']}"
-        try:
-            with urllib.request.urlopen(f"http://{where}/meshfn/functions", timeout=2) as reply:
-                functions = json.load(reply).get("functions", [])
-        except (OSError, ValueError) as exc:
-            err.print(f"backend {where}: {exc}", markup=False, highlight=False)
+        if functions is None:
+            err.print(f"backend {where}: {problem}", markup=False, highlight=False)
             continue
         for function in functions:
             for t in (function.get("qos") or {}).get("tenants", []):
@@ -494,7 +508,8 @@ def status(
     audit = document.get("audit")
     if audit and audit.get("enabled"):
         _print_audit(audit)
-    _print_qos(document.get("backends") or [])
+    backends = _backend_functions(document.get("inference_backends") or [])
+    _print_qos(backends)
     _print_global_rates(document.get("global_rates") or [])
     if document.get("routes"):
         routes = Table(title="drift breaker", title_justify="left")
@@ -511,8 +526,8 @@ def status(
                 str(route["transitions"]),
             )
         out.print(routes)
-    if document.get("inference_backends"):
-        _print_functions(document["inference_backends"])
+    if backends:
+        _print_functions(backends)
     if document.get("kube"):
         from .kube.cli import print_operator
 
@@ -523,19 +538,15 @@ def status(
         out.print(nack["error"], markup=False, highlight=False)
 
 
-def _print_functions(backends: list[dict[str, Any]]) -> None:
+def _print_functions(backends: list[BackendFunctions]) -> None:
     """Each inference backend's functions: state, warm-up predictions, hits, misses."""
     table = Table(title="functions", title_justify="left")
     for column in ("backend", "function", "state", "warmup", "predictions", "hits", "misses",
                    "cold requests", "warm s"):  # fmt: skip
         table.add_column(column)
-    for backend in backends:
-        url = f"http://{backend['address']}:{backend['port']}/meshfn/functions"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                functions = json.loads(response.read())["functions"]
-        except (OSError, ValueError, KeyError) as exc:
-            table.add_row(Text(backend["service"]), "-", f"[red]unreachable[/red] ({exc})")
+    for backend, functions, problem in backends:
+        if functions is None:
+            table.add_row(Text(backend["service"]), "-", f"[red]unreachable[/red] ({problem})")
             continue
         for f in functions:
             warm = f.get("warmup", {})

@@ -248,15 +248,12 @@ async def run_up(
         audit=audit,
     )
     cp.status_providers["audit"] = audit.status
-    # `meshfn status` reads each backend's own /meshfn/functions (warm-up, cold requests).
+    # Where `meshfn status` reads each backend's own /meshfn/functions (warm-up, cold requests,
+    # per-tenant QoS counts).
     cp.status_providers["inference_backends"] = lambda: [
         {"service": b.service, "address": b.address, "port": b.port} for b in mesh.backends()
     ]
     cp.metrics.registry.register(CollectorMetrics(lambda: audit.collector))
-    # Where `meshfn status` reads each backend's own per-tenant QoS counts (/meshfn/functions).
-    cp.status_providers["backends"] = lambda: [
-        {"service": b.service, "address": b.address, "port": b.port} for b in mesh.backends()
-    ]
     admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

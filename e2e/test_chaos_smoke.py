@@ -6,9 +6,11 @@ running and nothing left attached."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+import pytest
 from meshfn_e2e import run_bench
 
 KINDS = {
@@ -34,12 +36,13 @@ def why(data: dict[str, object]) -> dict[str, object]:
 
 def test_chaos_soak_short(tmp_path: Path) -> None:
     line, data = run_bench("chaos.py", ["--seconds", "20", "--seed", "7"], tmp_path, timeout=240)
-    assert re.match(
+    if not re.match(
         r"^chaos: sent=\d+ failed=0 audit_missing=0 audit_duplicates=0 sidecar_records_lost=\d+ "
         r"executed_twice=\d+ "
         r"chain=ok max_recovery_ms=\d+ cp_rss_growth=[\d.]+ ",
         line,
-    ), (line, why(data))
+    ):  # pytest.fail: an assert's message would be cut short, and this one is the diagnosis
+        pytest.fail(f"{line}\n{json.dumps(why(data), indent=1)}", pytrace=False)
     assert {f["kind"] for f in data["faults"]} == KINDS
     assert all(f["recovery_ms"] is not None for f in data["faults"])
     assert data["fault_errors"] == [] and data["leftover_processes"] == []

@@ -702,6 +702,7 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         await chaos.until("the mesh in sync at the end", mesh.synced, 120)
         await asyncio.sleep(1.0)
         load.close()
+        result["gateway_upstream_stats"] = await asyncio.to_thread(upstream_stats, mesh)
         rss_end = {n: rss_kb(proc.pid) for n, proc in mesh.procs.items()}
         sampler.cancel()
         await asyncio.sleep(1.0)  # the proxies' last access-log flush (200 ms interval)
@@ -737,6 +738,22 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     ).most_common(10)
     result["failure_times_s"] = [round(r[1] - t0, 2) for r in failures[:50]]
     return result
+
+
+def upstream_stats(mesh: Mesh) -> dict[str, int]:
+    """The gateway's non-zero failure counters towards the model service (connect failures,
+    TLS handshake and verification failures, ejections): what a failed request ran into."""
+    wanted = ("cx_connect_fail", "ssl.", "outlier_detection.ejections", "upstream_rq_retry",
+              "upstream_cx_destroy_remote_with_active_rq", "lb_healthy_panic", "upstream_rq_5")  # fmt: skip
+    try:
+        stats = get_json(f"http://127.0.0.1:{mesh.ports['envoy_admin']}/stats?format=json")
+    except (OSError, ValueError):
+        return {}
+    return {
+        s["name"]: s["value"] for s in stats.get("stats", [])
+        if str(s.get("name", "")).startswith("cluster.model.") and s.get("value")
+        and any(w in s["name"] for w in wanted)
+    }  # fmt: skip
 
 
 def ebpf_left(mesh: Mesh) -> list[str]:

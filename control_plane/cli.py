@@ -837,6 +837,10 @@ def certs_show(
         out.print(
             f"trusts     {root.subject.rfc4514_string()} until {root.not_valid_after_utc.isoformat()}"
         )
+    if document.get("rolling_out"):
+        out.print(
+            f"rollout    a CA root change is rolling out (signing: {document['signing_root']})"
+        )
     if pem:
         out.print(document["certificate_pem"] + document["trust_bundle_pem"], markup=False)
 
@@ -856,8 +860,9 @@ def _ca(policies: Path, state_dir: Path) -> Any:
 def ca_rotate(
     policies: PoliciesOpt = DEFAULT_POLICIES, state_dir: StateOpt = DEFAULT_STATE
 ) -> None:
-    """Start signing with a new root. Both roots stay trusted; a running control plane
-    re-issues every workload certificate from the new root within seconds."""
+    """Add a new root. A running control plane puts it in every trust bundle, and once every
+    proxy has ACKed that bundle, re-issues every workload certificate from it; both roots stay
+    trusted until `retire`."""
     ca = _ca(policies, state_dir)
     new = ca.rotate()
     out.print(f"new root {new}; trusted: {', '.join(ca.root_fingerprints())}")
@@ -867,7 +872,9 @@ def ca_rotate(
 def ca_retire(
     policies: PoliciesOpt = DEFAULT_POLICIES, state_dir: StateOpt = DEFAULT_STATE
 ) -> None:
-    """Stop trusting every root but the newest (after all workloads were re-issued)."""
+    """Stop trusting every root but the newest. A running control plane keeps a retired root
+    in the trust bundles until every proxy has ACKed a certificate from the newest (at most
+    60 s), so no live certificate is distrusted by a peer."""
     ca = _ca(policies, state_dir)
     retired = ca.retire()
     out.print(

@@ -25,7 +25,7 @@ from meshfn.contracts.journal import journal_dir
 from meshfn.ir import MeshModel, Overlay, QoSPolicy
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import InconsistentSnapshot, Snapshot, SnapshotCache, prepare
-from meshfn.xds.names import LATENCY_LOG, primary_clusters
+from meshfn.xds.names import LATENCY_LOG, SECRET, SHORT_NAMES, primary_clusters
 from meshfn.xds.rls import RateLimitService, global_policies
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
@@ -219,9 +219,11 @@ class ControlPlane:
                 host,
             )
             assert resources is not None
-            snapshots.append(
-                prepare(workload.node_cluster, resources, self.cache.get(workload.node_cluster))
+            snapshot = prepare(
+                workload.node_cluster, resources, self.cache.get(workload.node_cluster)
             )
+            identity.sent(workload.node_cluster, snapshot.type(SECRET).version, workload.identity)
+            snapshots.append(snapshot)
         return snapshots
 
     def _credentials_due(self) -> bool:
@@ -230,6 +232,14 @@ class ControlPlane:
             return False
         if identity.reload_roots_if_changed():
             return True
+        if identity.rolling_out():
+            acked: dict[str, list[str]] = {}
+            for proxy in self.ads.proxies():
+                secrets = proxy["types"].get(SHORT_NAMES[SECRET], {})
+                acked.setdefault(proxy["workload"], []).append(secrets.get("acked", ""))
+            workloads = [w.node_cluster for w in model.workloads]
+            if identity.advance(workloads, acked, time.monotonic()):
+                return True
         due = identity.next_renewal()
         return due is not None and dt.datetime.now(dt.UTC) >= due
 
@@ -291,6 +301,8 @@ class ControlPlane:
             interval = 5.0
             if model is not None:
                 interval = min(interval, model.certificate_ttl.total_seconds() / 20)
+            if self.identity is not None and self.identity.rolling_out():
+                interval = min(interval, 0.2)  # a CA rollout step waits for the proxies' ACKs
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
             try:

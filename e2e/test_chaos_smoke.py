@@ -31,6 +31,7 @@ def why(data: dict[str, object]) -> dict[str, object]:
         "failures": data.get("failures"),
         "failure_times_s": data.get("failure_times_s"),
         "faults": timeline,
+        "gateway_upstream_stats": data.get("gateway_upstream_stats"),
     }
 
 

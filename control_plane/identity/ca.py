@@ -166,6 +166,14 @@ class CertificateAuthority:
         with self._lock:
             return [r.fingerprint for r in self._roots]
 
+    def root_pems(self) -> dict[str, str]:
+        """Fingerprint -> certificate PEM of every trusted root, oldest first."""
+        with self._lock:
+            return {
+                r.fingerprint: r.cert.public_bytes(serialization.Encoding.PEM).decode()
+                for r in self._roots
+            }
+
     def rotate(self) -> str:
         """Start signing with a new root; the old ones stay trusted until `retire`."""
         with self._lock:
@@ -188,19 +196,24 @@ class CertificateAuthority:
         ttl: dt.timedelta,
         now: dt.datetime | None = None,
         with_san: bool = True,
+        root: str | None = None,
     ) -> IssuedCertificate:
-        """A leaf certificate for `spiffe_id` (URI SAN), usable for both TLS client and server."""
+        """A leaf certificate for `spiffe_id` (URI SAN), usable for both TLS client and server,
+        signed by the trusted root with fingerprint `root` (default: the newest)."""
         if spiffe_id.trust_domain != self.trust_domain:
             raise ValueError(f"{spiffe_id} is outside trust domain {self.trust_domain!r}")
         with self._lock:
-            root = self._roots[-1]
+            candidates = [r for r in self._roots if root in (None, r.fingerprint)]
+            if not candidates:
+                raise ValueError(f"root {root} is not trusted by this CA")
+            signer = candidates[-1]
         key = ec.generate_private_key(ec.SECP256R1())
         start = (now or _now()) - CLOCK_SKEW
         serial = x509.random_serial_number()
         builder = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshfn")]))
-            .issuer_name(root.cert.subject)
+            .issuer_name(signer.cert.subject)
             .public_key(key.public_key())
             .serial_number(serial)
             .not_valid_before(start)
@@ -227,7 +240,7 @@ class CertificateAuthority:
                 critical=False,
             )
             .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(root.key.public_key()),
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.key.public_key()),
                 critical=False,
             )
         )
@@ -236,7 +249,7 @@ class CertificateAuthority:
                 x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(spiffe_id))]),
                 critical=True,
             )
-        cert = builder.sign(root.key, hashes.SHA256())
+        cert = builder.sign(signer.key, hashes.SHA256())
         return IssuedCertificate(
             spiffe_id=str(spiffe_id),
             certificate_pem=cert.public_bytes(serialization.Encoding.PEM).decode(),
@@ -248,5 +261,5 @@ class CertificateAuthority:
             serial=serial,
             not_before=cert.not_valid_before_utc,
             not_after=cert.not_valid_after_utc,
-            issuer_fingerprint=root.fingerprint,
+            issuer_fingerprint=signer.fingerprint,
         )

@@ -103,9 +103,11 @@ def certificates_document(cp: ControlPlane, node: str) -> dict[str, Any] | None:
         "not_after": cert.not_after.isoformat(),
         "renew_at": cert.renew_at().isoformat(),
         "issuer_root": cert.issuer_fingerprint,
-        "trusted_roots": identity.ca.root_fingerprints(),
+        "trusted_roots": identity.bundle_roots(),
+        "signing_root": identity.signing_root,
+        "rolling_out": identity.rolling_out(),
         "certificate_pem": cert.certificate_pem,
-        "trust_bundle_pem": identity.ca.trust_bundle_pem(),
+        "trust_bundle_pem": identity.trust_bundle_pem(),
     }
 
 

@@ -3,7 +3,10 @@ share each tenant's bucket in the control plane's rate-limit service (Envoy's RL
 the ADS port), so the total admitted across both stays within the limit; a third gateway's
 policy fails open. With the control plane frozen (SIGSTOP: the limit service cannot answer),
 the fail-closed gateways answer 503 within the policy's timeout and the fail-open one admits:
-no request hangs."""
+no request hangs. The limit service answers only the gateways a policy binds, proven by the
+limit-service token the control plane renders into each one's ratelimit filter: a raw gRPC
+client without it, with another node's, or as a gateway the policy does not bind spends nothing
+and is counted."""
 
 from __future__ import annotations
 
@@ -15,9 +18,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from meshfn_e2e import Processes, Reply, http
 
+from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT, LIMIT_SERVICE_NODE_HEADER
+from meshfn.control_plane.identity.bootstrap_token import LIMIT_SERVICE_PURPOSE, BootstrapTokens
 from meshfn.testing import policies as p
 from meshfn.testing.ports import named_ports
 from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
@@ -74,11 +82,17 @@ class Rig:
         )
 
     def metric(self, outcome: str, policy: str) -> float:
-        text = http(f"http://127.0.0.1:{self.ports['admin']}/metrics").body.decode()
         pattern = (
             rf'^meshfn_qos_global_requests_total\{{[^}}]*outcome="{outcome}"[^}}]*'
             rf'policy="{policy}"[^}}]*\}} (\S+)$'
         )
+        return self._sum(pattern)
+
+    def errors(self, reason: str) -> float:
+        return self._sum(rf'^meshfn_qos_global_errors_total\{{reason="{reason}"\}} (\S+)$')
+
+    def _sum(self, pattern: str) -> float:
+        text = http(f"http://127.0.0.1:{self.ports['admin']}/metrics").body.decode()
         return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
 
 
@@ -159,6 +173,52 @@ def test_two_gateways_share_one_global_limit(rig: Rig) -> None:
         line for line in status.stdout.splitlines() if "default/shared" in line and "acme" in line
     )
     assert [c.strip() for c in row.split("│")[3:5]] == [str(len(admitted)), str(len(refused))]
+
+
+def _ask(rig: Rig, metadata: tuple[tuple[str, str], ...], tenant: str) -> rls_pb2.RateLimitResponse:
+    """One RLS call on the control plane's ADS port, as a raw client sending `metadata`."""
+    entries = [(DESCRIPTOR_POLICY, "default/shared"), (DESCRIPTOR_TENANT, tenant)]
+    descriptor = ratelimit_pb2.RateLimitDescriptor(
+        entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=k, value=v) for k, v in entries]
+    )
+    request = rls_pb2.RateLimitRequest(domain="default/shared", descriptors=[descriptor])
+    with grpc.insecure_channel(f"127.0.0.1:{rig.ports['xds']}") as channel:
+        stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+        reply: rls_pb2.RateLimitResponse = stub.ShouldRateLimit(
+            request, metadata=metadata, timeout=5
+        )
+        return reply
+
+
+def test_limit_service_answers_only_the_gateways_a_policy_binds(rig: Rig) -> None:
+    # The real gateways' calls (the test above) all proved themselves.
+    assert rig.errors("unauthenticated") == 0 and rig.errors("permission_denied") == 0
+    tokens = BootstrapTokens(rig.state / "xds-token.key")
+
+    def gateway(
+        name: str, token_of: str | None = None, purpose: str = LIMIT_SERVICE_PURPOSE
+    ) -> tuple[tuple[str, str], ...]:
+        header = tokens.header(f"{token_of or name}.default", purpose)
+        return ((LIMIT_SERVICE_NODE_HEADER, f"{name}.default"), ("authorization", header))
+
+    hostile = [
+        ((), grpc.StatusCode.UNAUTHENTICATED),  # no credentials
+        (gateway("edge-a", token_of="edge-c"), grpc.StatusCode.UNAUTHENTICATED),  # another's
+        (gateway("edge-a", purpose="xds"), grpc.StatusCode.UNAUTHENTICATED),  # its ADS token
+        (gateway("edge-c"), grpc.StatusCode.PERMISSION_DENIED),  # proven, not bound to "shared"
+    ]
+    for metadata, code in hostile:
+        for _ in range(BURST + 1):  # more than the bucket holds: none of it was spent
+            with pytest.raises(grpc.RpcError) as caught:
+                _ask(rig, metadata, "mallory")
+            assert caught.value.code() == code, metadata  # type: ignore[attr-defined]
+    assert rig.errors("unauthenticated") == 3 * (BURST + 1)
+    assert rig.errors("permission_denied") == BURST + 1
+    # mallory's bucket is whole: the bound gateway's own call is the first to spend it.
+    reply = _ask(rig, gateway("edge-b"), "mallory")
+    assert reply.overall_code == rls_pb2.RateLimitResponse.OK
+    assert reply.statuses[0].limit_remaining == BURST - 1
+    assert rig.get("a", rig.token("mallory")).status == 200
 
 
 def test_limit_service_unreachable_fails_as_the_policy_says(rig: Rig) -> None:

@@ -165,9 +165,21 @@ GLOBAL_RATE_LIMIT_TYPE = "type.googleapis.com/envoy.extensions.filters.http.rate
 LIMIT_SERVICE_ERROR_STATUS = "ServiceUnavailable"
 
 
-def global_rate_limit(policy: ir.QoSPolicy, cluster: str, header: bool = False) -> Obj:
-    """The policy's rates asked of the limit service behind `cluster` (module docstring)."""
+def global_rate_limit(
+    policy: ir.QoSPolicy,
+    cluster: str,
+    header: bool = False,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> Obj:
+    """The policy's rates asked of the limit service behind `cluster` (module docstring), each
+    call carrying `metadata` (the gateway's node and limit-service token; none offline)."""
     assert policy.global_rate is not None
+    grpc_service: Obj = {
+        "envoy_grpc": {"cluster_name": cluster},
+        "timeout": f"{policy.global_rate.timeout_ms / 1000:.3f}s",
+    }
+    if metadata:
+        grpc_service["initial_metadata"] = [{"key": k, "value": v} for k, v in metadata]
     return {
         "@type": GLOBAL_RATE_LIMIT_TYPE,
         "domain": policy.key,
@@ -179,10 +191,7 @@ def global_rate_limit(policy: ir.QoSPolicy, cluster: str, header: bool = False) 
         "stat_prefix": STAT_PREFIX,
         "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
         "rate_limit_service": {
-            "grpc_service": {
-                "envoy_grpc": {"cluster_name": cluster},
-                "timeout": f"{policy.global_rate.timeout_ms / 1000:.3f}s",
-            },
+            "grpc_service": grpc_service,
             "transport_api_version": "V3",
         },
         "rate_limits": [

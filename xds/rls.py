@@ -8,6 +8,18 @@ the verified tenant (ir.qos.global_rate_limit), or no tenant: the anonymous tena
 rate and holding at most its burst, like the local limit's. Requests the service cannot answer
 (an unknown domain, a malformed descriptor) get a gRPC error, which the gateway treats as the
 limit service failing: the policy's `onLimitServiceError`.
+
+Every call must prove which gateway asks, as an ADS stream proves its workload: metadata
+`x-meshfn-node` (contracts.qos.LIMIT_SERVICE_NODE_HEADER, the gateway's node cluster) and
+`authorization: Bearer <token>` that `authenticate` accepts for that node (the control plane's
+limit-service token, rendered into that gateway's ratelimit filter only). A call without them, or
+whose token is another node's, is UNAUTHENTICATED before its request is even parsed; a proven
+gateway that the policy does not bind is PERMISSION_DENIED. Either way no bucket is touched, and
+the refusal is counted in meshfn_qos_global_errors_total{reason}.
+
+The buckets live in this process's memory only: a control-plane restart starts every tenant with
+a full bucket (one more burst per restart, never more than that), and several control-plane
+processes would each count their own callers (meshfn runs one limit service per mesh).
 """
 
 from __future__ import annotations
@@ -28,8 +40,15 @@ from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Counter
 
 from meshfn import ir
-from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT, LIMIT_HEADER, LIMIT_RATE
+from meshfn.contracts.qos import (
+    DESCRIPTOR_POLICY,
+    DESCRIPTOR_TENANT,
+    LIMIT_HEADER,
+    LIMIT_RATE,
+    LIMIT_SERVICE_NODE_HEADER,
+)
 
+from .auth import MAX_GROUP_CHARS, Authenticator, authorization, metadata
 from .protocol import raw_service
 
 log = logging.getLogger("meshfn.rls")
@@ -40,6 +59,15 @@ SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 MAX_BUCKETS = 10_000
 _UNITS = {1: "SECOND", 60: "MINUTE", 3600: "HOUR", 86400: "DAY"}
 Code = rls_pb2.RateLimitResponse.Code
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalPolicy:
+    """A QoSPolicy with a global rate and the node clusters of the gateways it binds (the only
+    callers that may spend its buckets)."""
+
+    policy: ir.QoSPolicy
+    gateways: frozenset[str]
 
 
 @dataclass(slots=True)
@@ -57,15 +85,18 @@ class RequestError(ValueError):
 
 
 class RateLimitService:
-    """`policies()`: the current global policies by key (the last good MeshModel's)."""
+    """`policies()`: the current global policies by key (the last good MeshModel's);
+    `authenticate(node_cluster, authorization)`: whether a call's token proves its node."""
 
     def __init__(
         self,
-        policies: Callable[[], Mapping[str, ir.QoSPolicy]],
+        policies: Callable[[], Mapping[str, GlobalPolicy]],
+        authenticate: Authenticator,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policies = policies
+        self.authenticate = authenticate
         self.clock = clock
         self._buckets: OrderedDict[tuple[str, str], _Bucket] = OrderedDict()
         # (policy, tenant label) -> [allowed, over limit]: `meshfn status`.
@@ -94,8 +125,11 @@ class RateLimitService:
         self, raw: bytes, context: grpc.aio.ServicerContext[bytes, rls_pb2.RateLimitResponse]
     ) -> rls_pb2.RateLimitResponse:
         try:
+            caller = self.caller(
+                metadata(context, LIMIT_SERVICE_NODE_HEADER), authorization(context)
+            )
             request = rls_pb2.RateLimitRequest.FromString(raw)
-            return self.decide(request)
+            return self.decide(request, caller)
         except DecodeError:
             self.errors.labels("malformed").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed RateLimitRequest")
@@ -106,13 +140,30 @@ class RateLimitService:
             await context.abort(exc.code, str(exc))
             raise
 
-    def decide(self, request: rls_pb2.RateLimitRequest) -> rls_pb2.RateLimitResponse:
-        """Count the request against each descriptor's bucket; over any, it is over the limit."""
-        policy = self.policies().get(request.domain)
-        if policy is None:
+    def caller(self, node: str | None, token: str | None) -> str:
+        """The gateway (node cluster) a call's metadata proves, or the error that refuses it."""
+        if not node or len(node) > MAX_GROUP_CHARS or not self.authenticate(node, token):
+            raise RequestError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"the limit service needs {LIMIT_SERVICE_NODE_HEADER} and a valid limit-service"
+                " token for that gateway",
+            )
+        return node
+
+    def decide(self, request: rls_pb2.RateLimitRequest, caller: str) -> rls_pb2.RateLimitResponse:
+        """Count the request of gateway `caller` (proven) against each descriptor's bucket; over
+        any, it is over the limit."""
+        bound = self.policies().get(request.domain)
+        if bound is None:
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND, f"no QoSPolicy with a global rate is {request.domain!r}"
             )
+        if caller not in bound.gateways:
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"QoSPolicy {request.domain!r} does not bind gateway {caller[:100]!r}",
+            )
+        policy = bound.policy
         if not request.descriptors:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no descriptors")
         hits = request.hits_addend or 1
@@ -211,5 +262,18 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
 
 
-def global_policies(model_qos: tuple[ir.QoSPolicy, ...]) -> dict[str, ir.QoSPolicy]:
-    return {p.key: p for p in model_qos if p.global_rate is not None}
+def global_policies(model: ir.MeshModel) -> dict[str, GlobalPolicy]:
+    """Each QoSPolicy with a global rate, with the gateways bound to it (global rates bind
+    whole gateways only)."""
+    return {
+        p.key: GlobalPolicy(
+            p,
+            frozenset(
+                w.node_cluster
+                for w in model.workloads
+                if w.kind == "gateway" and w.qos is not None and w.qos.key == p.key
+            ),
+        )
+        for p in model.qos
+        if p.global_rate is not None
+    }

@@ -149,6 +149,7 @@ def local_rate_limit(policy: ir.QoSPolicy, header: bool = False) -> Obj:
         "filter_enforced": _percent(f"{STAT_PREFIX}.enforced"),
         "always_consume_default_token_bucket": False,
         "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+        "rate_limited_as_resource_exhausted": True,  # gRPC clients: not UNAVAILABLE
         "rate_limits": [{"actions": [tenant_action(policy.claim, header)]}],
         "descriptors": descriptors,
         "max_dynamic_descriptors": DYNAMIC_DESCRIPTORS,
@@ -190,6 +191,7 @@ def global_rate_limit(
         "status_on_error": {"code": LIMIT_SERVICE_ERROR_STATUS},
         "stat_prefix": STAT_PREFIX,
         "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+        "rate_limited_as_resource_exhausted": True,
         "rate_limit_service": {
             "grpc_service": grpc_service,
             "transport_api_version": "V3",

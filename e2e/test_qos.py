@@ -30,7 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.testing.policies import qos_examples
-from meshfn.testing.processes import meshfn, up_with_functions, wait_for
+from meshfn.testing.processes import issue_token, meshfn, up_with_functions, wait_for
 
 TENANTS = Path(__file__).resolve().parents[1] / "policies" / "qos" / "tenants.yaml"
 IRIS = "/v2/models/iris/infer"
@@ -51,13 +51,7 @@ class Mesh:
     state: Path
 
     def token(self, tenant: str | None, sub: str = "alice") -> str:
-        claim = ["--claim", f"tenant={tenant}"] if tenant is not None else []
-        out = meshfn(
-            "token", "issue", "--state-dir", str(self.state), "--sub", sub, "--aud", "meshfn",
-            *claim,
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
+        return issue_token(self.state, sub, tenant)
 
     def infer(self, bearer: str | None, **headers: str) -> Any:
         if bearer is not None:

@@ -28,24 +28,9 @@ from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT, LIMIT_SER
 from meshfn.control_plane.identity.bootstrap_token import LIMIT_SERVICE_PURPOSE, BootstrapTokens
 from meshfn.testing import policies as p
 from meshfn.testing.ports import named_ports
-from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
+from meshfn.testing.processes import MESHFN, Proc, issue_token, meshfn, wait_for
 
-ISSUER = "https://issuer.meshfn.local"
 BURST = 6  # acme's requests per minute across both shared gateways
-
-
-def qos(name: str, gateways: list[str], on_error: str, rate: dict[str, object]) -> str:
-    return p.doc(
-        "QoSPolicy",
-        name,
-        {
-            "targetRefs": [{"kind": "Gateway", "name": g} for g in gateways],
-            "global": {"onLimitServiceError": on_error, "timeout": "200ms"},
-            "defaultClass": "standard",
-            "classes": [{"name": "standard", "rate": rate}],
-            "tenants": [{"name": "acme", "class": "standard"}],  # listed: its own status row
-        },
-    )
 
 
 @dataclass
@@ -55,12 +40,7 @@ class Rig:
     state: Path
 
     def token(self, tenant: str) -> str:
-        out = meshfn(
-            "token", "issue", "--state-dir", str(self.state), "--sub", "alice", "--aud",
-            "meshfn", "--claim", f"tenant={tenant}",
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
+        return issue_token(self.state, "alice", tenant)
 
     def get(self, gateway: str, bearer: str) -> Reply:
         url = f"http://127.0.0.1:{self.ports[gateway]}/v1/x"
@@ -110,21 +90,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
             *(p.gateway(ports[f"{k}_admin"], ports[k], name=g) for g, k in gateways),
             p.service("alpha", ports["alpha"]),
             *(p.route(f"main-{k}", "alpha", "/v1", gateway=g) for g, k in gateways),
-            p.doc(
-                "RequestAuthentication",
-                "tokens",
-                {
-                    "jwtRules": [
-                        {
-                            "issuer": ISSUER,
-                            "audiences": ["meshfn"],
-                            "jwksUri": f"http://127.0.0.1:{ports['admin']}/.well-known/jwks.json",
-                        }
-                    ]
-                },
-            ),
-            qos("shared", ["edge-a", "edge-b"], "deny", {"requests": BURST, "per": "60s"}),
-            qos("open", ["edge-c"], "allow", {"requests": 1000}),
+            p.token_authentication(ports["admin"]),
+            p.qos_policy("shared", ["edge-a", "edge-b"], {"requests": BURST, "per": "60s"}, "deny"),
+            p.qos_policy("open", ["edge-c"], {"requests": 1000}, "allow"),
         ),
     )
     procs = Processes(tmp)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,19 @@ def meshfn(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [MESHFN, *args], capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def issue_token(state: Path, sub: str, tenant: str | None = None, ttl: str | None = None) -> str:
+    """A token of the mesh in `state` (audience meshfn) for `sub`, with a `tenant` claim."""
+    claim = ["--claim", f"tenant={tenant}"] if tenant is not None else []
+    more = ["--ttl", ttl] if ttl is not None else []
+    out = meshfn(
+        "token", "issue", "--state-dir", str(state), "--sub", sub, "--aud", "meshfn",
+        *claim, *more,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"meshfn token issue: {out.stderr}")
+    return out.stdout.strip()
 
 
 def up_with_functions(policies: Path, state: Path, registry: Path) -> list[str]:
@@ -181,6 +195,18 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
     """A probe for `wait_for`: `url` answers 200."""
     with urllib.request.urlopen(url, timeout=timeout) as reply:
         return bool(reply.status == 200)
+
+
+def http_status(url: str, headers: dict[str, str] | None = None, timeout: float = 1.0) -> int:
+    """The status of one GET of `url` (any status, 4xx and 5xx included)."""
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            reply.read()
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return int(exc.code)
 
 
 def cpu_ns(pid: int) -> int:

@@ -143,6 +143,7 @@ class ControlPlane:
             lambda: self._global_qos,
             lambda node, header: self.tokens.verify(node, header, LIMIT_SERVICE_PURPOSE),
             self.metrics.registry,
+            state=self.state_dir / "rls-buckets.db",
         )
         self.ads.add_handler(self.rls.handler())
         self.model: MeshModel | None = None
@@ -401,3 +402,4 @@ class ControlPlane:
 
     async def stop(self) -> None:
         await self.ads.stop()
+        await self.rls.flush()

@@ -15,7 +15,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -35,9 +35,19 @@ BURST = 6  # acme's requests per minute across both shared gateways
 
 @dataclass
 class Rig:
-    up: Proc
     ports: dict[str, int]
     state: Path
+    procs: Processes
+    argv: list[str]
+    up: Proc = field(init=False)
+
+    def start(self, probe_tenant: str) -> None:
+        """`meshfn up` (again), until every gateway serves `probe_tenant`."""
+        self.up = up = self.procs.start("up", self.argv)
+        wait_for("meshfn up", lambda: "Ctrl-C stops everything" in up.output(), 120, proc=up)
+        probe = self.token(probe_tenant)
+        for gateway in ("a", "b", "c"):
+            wait_for(f"gateway {gateway}", lambda g=gateway: self.ready(g, probe), proc=up)
 
     def token(self, tenant: str) -> str:
         return issue_token(self.state, "alice", tenant)
@@ -99,12 +109,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     state = tmp / "state"
     try:
         argv = [MESHFN, "up", "--policies", str(root), "--state-dir", str(state)]
-        up = procs.start("up", [*argv, "--envoy-concurrency", "1"])
-        wait_for("meshfn up", lambda: "Ctrl-C stops everything" in up.output(), 120, proc=up)
-        rig = Rig(up, ports, state)
-        probe = rig.token("probe")
-        for gateway in ("a", "b", "c"):
-            wait_for(f"gateway {gateway}", lambda g=gateway: rig.ready(g, probe), proc=up)
+        rig = Rig(ports, state, procs, [*argv, "--envoy-concurrency", "1"])
+        rig.start("probe")
         yield rig
     finally:
         procs.stop_all()
@@ -212,3 +218,16 @@ def test_limit_service_unreachable_fails_as_the_policy_says(rig: Rig) -> None:
     assert rig.stat("c", "ratelimit.meshfn_qos.failure_mode_allowed") >= 3
     # Back: the shared gateways ask the service again.
     wait_for("the limit service again", lambda: rig.get("a", initech).status == 200)
+
+
+def test_a_restart_hands_out_no_fresh_burst(rig: Rig) -> None:
+    """The limit service's buckets are in the state directory: a drained tenant stays drained
+    across a control-plane restart (SIGTERM, then `meshfn up` again on the same state)."""
+    hooli = rig.token("hooli")
+    replies = [rig.get("a", hooli).status for _ in range(BURST + 2)]
+    assert replies == [200] * BURST + [429, 429], replies
+    rig.up.stop()
+    rig.start("probe-after-restart")
+    # A minute's refill of 6 for the seconds the restart took: a token or two, not a burst.
+    again = [rig.get(g, hooli).status for g in ("a", "b") for _ in range(BURST // 2)]
+    assert again.count(200) <= 2 and again.count(429) >= BURST - 2, again

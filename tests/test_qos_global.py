@@ -292,3 +292,48 @@ def test_each_bound_gateway_gets_its_own_limit_service_credentials(
             [(LIMIT_SERVICE_NODE_HEADER, node), ("authorization", header)]
         ]
     assert _limit_service_metadata(model, EDGE, None) == [[]]  # offline: none (golden files)
+
+
+async def test_buckets_survive_a_restart(
+    model: ir.MeshModel, tokens: BootstrapTokens, tmp_path: Path
+) -> None:
+    policies, path = global_policies(model), tmp_path / "rls-buckets.db"
+    wall = Clock()
+    wall.now = 1_700_000_000.0
+
+    def started() -> RateLimitService:
+        clock = Clock()  # each process its own monotonic clock
+        clock.now = 50.0
+
+        def authenticate(node: str, header: str | None) -> bool:
+            return tokens.verify(node, header, LIMIT_SERVICE_PURPOSE)
+
+        return RateLimitService(
+            lambda: policies, authenticate, CollectorRegistry(), clock, path, wall
+        )
+
+    first = started()
+    assert not path.exists()  # nothing decided, nothing written
+    codes = [first.decide(request("globex"), EDGE).overall_code for _ in range(21)]
+    assert codes == [OK] * 20 + [OVER]
+    await first.flush()
+    # Restarted at once: globex's bucket is still empty, not a fresh burst of 20.
+    assert started().decide(request("globex"), EDGE).overall_code == OVER
+    wall.now += 1.0  # down a second: 2 tokens back, no more
+    again = started()
+    assert [again.decide(request("globex"), EDGE_B).overall_code for _ in range(3)] == [
+        OK,
+        OK,
+        OVER,
+    ]
+    assert again.decide(request("initech"), EDGE).overall_code == OK  # others untouched
+    # An unreadable file: logged, counted, replaced; the buckets start full.
+    path.write_bytes(b"not a database" * 100)
+    broken = started()
+    assert (
+        'meshfn_qos_global_errors_total{reason="state"} 1.0'
+        in generate_latest(broken.registry).decode()
+    )
+    assert broken.decide(request("globex"), EDGE).statuses[0].limit_remaining == 19
+    await broken.flush()
+    assert started().decide(request("globex"), EDGE).statuses[0].limit_remaining == 18

@@ -42,7 +42,14 @@ import aiohttp
 from meshfn.testing import load
 from meshfn.testing import policies as p
 from meshfn.testing.ports import named_ports
-from meshfn.testing.processes import MESHFN, Processes, issue_token, up_with_functions, wait_for
+from meshfn.testing.processes import (
+    MESHFN,
+    CpuSplit,
+    Processes,
+    issue_token,
+    up_with_functions,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "policies" / "examples"
@@ -96,7 +103,7 @@ def _status(url: str, headers: dict[str, str]) -> int:
 
 
 def tenant_phases(
-    url: str, headers: dict[str, dict[str, str]], args: argparse.Namespace
+    url: str, headers: dict[str, dict[str, str]], args: argparse.Namespace, up: int
 ) -> dict[str, Any]:
     seconds, rate = args.seconds, args.quiet_rate
     quiet = ("open", (url, headers["acme"], rate, seconds))
@@ -109,6 +116,7 @@ def tenant_phases(
         quiet, ("open", (url, headers["globex"], noisy_rate, seconds))
     )
     allowed = GLOBEX_BURST + GLOBEX_RATE * seconds
+    split = CpuSplit(up)  # where the CPU goes at saturation (the README's analysis)
     saturated, low = load.run_loads(
         ("open", (url, headers["acme"], rate, seconds)),
         ("closed", (url, headers["initech"], args.low_connections, seconds + 0.5)),
@@ -120,6 +128,7 @@ def tenant_phases(
         "noisy": {"offered_rps": noisy_rate, "allowed": allowed, "statuses": noisy["statuses"]},
         "high_at_saturation": _summary(saturated),
         "low_at_saturation": {**low, "total": low_total},
+        "cpu_at_saturation": split.result(),
         "quiet_p99_ratio": p99(with_noisy["latencies_ms"]) / p99(alone["latencies_ms"]),
         "noisy_admitted_ratio": noisy["statuses"].get(200, 0) / allowed,
         "high_p99_ratio": p99(saturated["latencies_ms"]) / p99(alone["latencies_ms"]),
@@ -213,7 +222,7 @@ def main() -> None:
         procs = Processes(tmp)
         try:
             url, headers = tenants_mesh(tmp, procs)
-            tenants = tenant_phases(url, headers, args)
+            tenants = tenant_phases(url, headers, args, procs.started[0].pid)
             procs.stop_all()
             balancers = balancer_phases(tmp, procs, args)
         finally:

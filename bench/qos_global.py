@@ -50,19 +50,15 @@ def mesh(tmp: Path, procs: Processes, args: argparse.Namespace) -> tuple[Proc, d
     root.mkdir()
     timeout = f"{args.timeout_ms}ms"
     rate = {"requests": args.rate, "per": "1s", "burst": args.rate}
-    p.write(
-        root / "mesh.yaml",
-        p.documents(
-            p.mesh("bench", "bench.local", ports["xds"], ports["admin"]),
-            *(p.gateway(ports[f"{k}_admin"], ports[k], name=g) for k, g in GATEWAYS.items()),
-            p.service("alpha", ports["alpha"]),
-            *(p.route(f"main-{k}", "alpha", gateway=g) for k, g in GATEWAYS.items()),
-            p.token_authentication(ports["admin"]),
-            p.qos_policy("shared", ["edge-a", "edge-b"], rate, "deny", timeout),
-            p.qos_policy("open", ["edge-c"], UNLIMITED, "allow", timeout),
-            p.qos_policy("local", ["edge-l"], UNLIMITED),
-        ),
+    policies = p.gateways_mesh(
+        "bench",
+        ports,
+        GATEWAYS,
+        p.qos_policy("shared", ["edge-a", "edge-b"], rate, "deny", timeout),
+        p.qos_policy("open", ["edge-c"], UNLIMITED, "allow", timeout),
+        p.qos_policy("local", ["edge-l"], UNLIMITED),
     )
+    p.write(root / "mesh.yaml", policies)
     state = tmp / "state"
     argv = [MESHFN, "up", "--policies", str(root), "--state-dir", str(state)]
     up = procs.start("up", [*argv, "--envoy-concurrency", "1"])

@@ -92,19 +92,15 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     ports = named_ports("xds", "admin", "a_admin", "a", "b_admin", "b", "c_admin", "c", "alpha")
     root = tmp / "policies"
     root.mkdir()
-    gateways = [("edge-a", "a"), ("edge-b", "b"), ("edge-c", "c")]
-    p.write(
-        root / "mesh.yaml",
-        p.documents(
-            p.mesh("e2e", "e2e.local", ports["xds"], ports["admin"]),
-            *(p.gateway(ports[f"{k}_admin"], ports[k], name=g) for g, k in gateways),
-            p.service("alpha", ports["alpha"]),
-            *(p.route(f"main-{k}", "alpha", "/v1", gateway=g) for g, k in gateways),
-            p.token_authentication(ports["admin"]),
-            p.qos_policy("shared", ["edge-a", "edge-b"], {"requests": BURST, "per": "60s"}, "deny"),
-            p.qos_policy("open", ["edge-c"], {"requests": 1000}, "allow"),
-        ),
+    policies = p.gateways_mesh(
+        "e2e",
+        ports,
+        {"a": "edge-a", "b": "edge-b", "c": "edge-c"},
+        p.qos_policy("shared", ["edge-a", "edge-b"], {"requests": BURST, "per": "60s"}, "deny"),
+        p.qos_policy("open", ["edge-c"], {"requests": 1000}, "allow"),
+        prefix="/v1",
     )
+    p.write(root / "mesh.yaml", policies)
     procs = Processes(tmp)
     state = tmp / "state"
     try:

@@ -147,6 +147,26 @@ def token_authentication(admin_port: int) -> str:
     return doc("RequestAuthentication", "tokens", {"jwtRules": rules})
 
 
+def gateways_mesh(
+    name: str,
+    ports: dict[str, int],
+    gateways: dict[str, str],
+    *more: str,
+    prefix: str | None = None,
+) -> str:
+    """A mesh of several gateways (key -> Gateway name; ports KEY and KEY_admin) with a Route
+    each to one Service `alpha` (port "alpha"), verifying `meshfn token issue`'s tokens, and
+    `more` documents."""
+    return documents(
+        mesh(name, f"{name}.local", ports["xds"], ports["admin"]),
+        *(gateway(ports[f"{k}_admin"], ports[k], name=g) for k, g in gateways.items()),
+        service("alpha", ports["alpha"]),
+        *(route(f"main-{k}", "alpha", prefix, gateway=g) for k, g in gateways.items()),
+        token_authentication(ports["admin"]),
+        *more,
+    )
+
+
 def qos_policy(
     name: str,
     gateways: list[str],

@@ -22,7 +22,9 @@ Prints one line:
   (quiet tenant's p99 with the noisy neighbour / alone; globex's admitted requests / what its
   bucket allows in the phase; acme's p99 at saturation / alone; % of initech's requests shed by
   the backend; p99 with weighted round robin / least-request)
-and writes bench/results/qos.json (or --json) with every phase's figures.
+and writes bench/results/qos.json (or --json) with every phase's figures, and where the CPU went
+during the saturated phase (`cpu_at_saturation`: each process of the mesh, the load generators,
+the machine's busy share).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from meshfn.control_plane.identity.bootstrap_token import LIMIT_SERVICE_PURPOSE,
 from meshfn.control_plane.policy import PolicyErrors, load_policies
 from meshfn.ir.qos import GLOBAL_RATE_LIMIT
 from meshfn.istio import render
+from meshfn.xds.dump import REDACTED, resources_to_plain
 from meshfn.xds.names import LISTENER
 from meshfn.xds.rls import RateLimitService, global_policies
 from meshfn.xds.translate import translate
@@ -292,6 +293,13 @@ def test_each_bound_gateway_gets_its_own_limit_service_credentials(
             [(LIMIT_SERVICE_NODE_HEADER, node), ("authorization", header)]
         ]
     assert _limit_service_metadata(model, EDGE, None) == [[]]  # offline: none (golden files)
+    # Dumps (meshfn config dump, /debug/config_dump) show that a token is sent, not the token.
+    header = tokens.header(EDGE, LIMIT_SERVICE_PURPOSE)
+    resources = translate(model, EDGE, limit_service_token=header)
+    assert resources is not None
+    dumped = json.dumps(resources_to_plain(resources))
+    assert header not in dumped and tokens.token(EDGE, LIMIT_SERVICE_PURPOSE) not in dumped
+    assert f'"key": "authorization", "value": "{REDACTED}"' in dumped
 
 
 async def test_buckets_survive_a_restart(

@@ -22,7 +22,9 @@ Prints one line:
   (quiet tenant's p99 with the noisy neighbour / alone; globex's admitted requests / what its
   bucket allows in the phase; acme's p99 at saturation / alone; % of initech's requests shed by
   the backend; p99 with weighted round robin / least-request)
-and writes bench/results/qos.json (or --json) with every phase's figures.
+and writes bench/results/qos.json (or --json) with every phase's figures, and where the CPU went
+during the saturated phase (`cpu_at_saturation`: each process of the mesh, the load generators,
+the machine's busy share).
 """
 
 from __future__ import annotations
@@ -30,13 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
-from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
 
@@ -45,95 +44,20 @@ import aiohttp
 from meshfn.testing import load
 from meshfn.testing import policies as p
 from meshfn.testing.ports import named_ports
-from meshfn.testing.processes import MESHFN, Processes, meshfn, up_with_functions, wait_for
+from meshfn.testing.processes import (
+    MESHFN,
+    CpuSplit,
+    Processes,
+    issue_token,
+    up_with_functions,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "policies" / "examples"
 TENANTS = ROOT / "policies" / "qos" / "tenants.yaml"
 IRIS = "/v2/models/iris/infer"
 GLOBEX_RATE, GLOBEX_BURST = 20, 20  # policies/qos/tenants.yaml
-
-
-# ---------------------------------------------------------------- load generators (processes)
-
-
-async def _open_loop(
-    url: str, headers: dict[str, str], rate: float, seconds: float
-) -> dict[str, Any]:
-    """`rate` requests/s for `seconds`, each sent on schedule whatever the others do; the
-    latency of each 200 and the count of every status."""
-    latencies: list[float] = []
-    statuses: Counter[int] = Counter()
-    connector = aiohttp.TCPConnector(limit=256)
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def one() -> None:
-            started = time.perf_counter()
-            try:
-                async with session.post(url, data=load.IRIS, headers=headers) as response:
-                    await response.read()
-                    statuses[response.status] += 1
-                    if response.status == 200:
-                        latencies.append((time.perf_counter() - started) * 1000)
-            except aiohttp.ClientError:
-                statuses[0] += 1
-
-        tasks = []
-        start = time.perf_counter()
-        count = int(rate * seconds)
-        for i in range(count):
-            delay = start + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-        await asyncio.gather(*tasks)
-    return {"latencies_ms": latencies, "statuses": dict(statuses), "sent": count}
-
-
-async def _closed_loop(
-    url: str, headers: dict[str, str], connections: int, seconds: float
-) -> dict[str, Any]:
-    """`connections` clients, each sending its next request when the last one is answered."""
-    statuses: Counter[int] = Counter()
-    limits: Counter[str] = Counter()
-    deadline = time.perf_counter() + seconds
-    connector = aiohttp.TCPConnector(limit=connections)
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def client() -> None:
-            while time.perf_counter() < deadline:
-                try:
-                    async with session.post(url, data=load.IRIS, headers=headers) as response:
-                        body = await response.read()
-                        statuses[response.status] += 1
-                        if response.status == 429:
-                            limits[json.loads(body).get("limit", "?")] += 1
-                except aiohttp.ClientError:
-                    statuses[0] += 1
-
-        await asyncio.gather(*(client() for _ in range(connections)))
-    return {"statuses": dict(statuses), "limits": dict(limits)}
-
-
-def _worker(kind: str, args: tuple[Any, ...], out: Queue[Any]) -> None:
-    runner = _open_loop if kind == "open" else _closed_loop
-    out.put(asyncio.run(runner(*args)))  # type: ignore[operator]
-
-
-def run_loads(*loads: tuple[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
-    """Each load in a process of its own, all at once; their results in order."""
-    ctx = multiprocessing.get_context("fork")
-    queues = [ctx.Queue() for _ in loads]
-    procs = [
-        ctx.Process(target=_worker, args=(kind, args, q))
-        for (kind, args), q in zip(loads, queues, strict=True)
-    ]
-    for proc in procs:
-        proc.start()
-    results = [q.get(timeout=600) for q in queues]
-    for proc in procs:
-        proc.join(timeout=30)
-    return results
 
 
 def p99(values: list[float]) -> float:
@@ -153,18 +77,13 @@ def tenants_mesh(tmp: Path, procs: Processes) -> tuple[str, dict[str, dict[str, 
     state = tmp / "state"
     up = procs.start("up", up_with_functions(policies, state, tmp / "functions"))
     wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=300)
-    headers = {}
-    for tenant in ("acme", "globex", "initech"):
-        out = meshfn(
-            "token", "issue", "--state-dir", str(state), "--sub", f"bench-{tenant}",
-            "--aud", "meshfn", "--claim", f"tenant={tenant}", "--ttl", "2h",
-        )  # fmt: skip
-        if out.returncode != 0:
-            raise SystemExit(out.stderr)
-        headers[tenant] = {
-            "authorization": f"Bearer {out.stdout.strip()}",
+    headers = {
+        tenant: {
+            "authorization": f"Bearer {issue_token(state, f'bench-{tenant}', tenant, '2h')}",
             "content-type": "application/json",
         }
+        for tenant in ("acme", "globex", "initech")
+    }
     url = f"http://127.0.0.1:{mapping[10000]}{IRIS}"
     wait_for("iris through the mesh", lambda: _status(url, headers["acme"]) == 200, timeout=60)
     return url, headers
@@ -186,18 +105,21 @@ def _status(url: str, headers: dict[str, str]) -> int:
 
 
 def tenant_phases(
-    url: str, headers: dict[str, dict[str, str]], args: argparse.Namespace
+    url: str, headers: dict[str, dict[str, str]], args: argparse.Namespace, up: int
 ) -> dict[str, Any]:
     seconds, rate = args.seconds, args.quiet_rate
     quiet = ("open", (url, headers["acme"], rate, seconds))
     # Warm-up: instances, connections, the drift breaker's baseline.
-    run_loads(("open", (url, headers["acme"], rate, min(seconds, 3))))
-    alone = run_loads(quiet)[0]
+    load.run_loads(("open", (url, headers["acme"], rate, min(seconds, 3))))
+    alone = load.run_loads(quiet)[0]
     time.sleep(1.5)  # globex's bucket full again
     noisy_rate = 10 * GLOBEX_RATE
-    with_noisy, noisy = run_loads(quiet, ("open", (url, headers["globex"], noisy_rate, seconds)))
+    with_noisy, noisy = load.run_loads(
+        quiet, ("open", (url, headers["globex"], noisy_rate, seconds))
+    )
     allowed = GLOBEX_BURST + GLOBEX_RATE * seconds
-    saturated, low = run_loads(
+    split = CpuSplit(up)  # where the CPU goes at saturation (the README's analysis)
+    saturated, low = load.run_loads(
         ("open", (url, headers["acme"], rate, seconds)),
         ("closed", (url, headers["initech"], args.low_connections, seconds + 0.5)),
     )
@@ -208,6 +130,7 @@ def tenant_phases(
         "noisy": {"offered_rps": noisy_rate, "allowed": allowed, "statuses": noisy["statuses"]},
         "high_at_saturation": _summary(saturated),
         "low_at_saturation": {**low, "total": low_total},
+        "cpu_at_saturation": split.result(),
         "quiet_p99_ratio": p99(with_noisy["latencies_ms"]) / p99(alone["latencies_ms"]),
         "noisy_admitted_ratio": noisy["statuses"].get(200, 0) / allowed,
         "high_p99_ratio": p99(saturated["latencies_ms"]) / p99(alone["latencies_ms"]),
@@ -301,7 +224,7 @@ def main() -> None:
         procs = Processes(tmp)
         try:
             url, headers = tenants_mesh(tmp, procs)
-            tenants = tenant_phases(url, headers, args)
+            tenants = tenant_phases(url, headers, args, procs.started[0].pid)
             procs.stop_all()
             balancers = balancer_phases(tmp, procs, args)
         finally:

@@ -73,6 +73,11 @@ LIMIT_SHED = "shed"
 DESCRIPTOR_TENANT = "meshfn_tenant"
 # A global rate limit's descriptor also names the policy (namespace/name), as its domain does.
 DESCRIPTOR_POLICY = "meshfn_policy"
+# A gateway's calls to the control plane's limit service (xds/rls.py) say which workload (node
+# cluster) is asking in this metadata, beside `authorization: Bearer <its limit-service token>`
+# (control_plane/identity/bootstrap_token.py, purpose "rls"): only a proven gateway that the
+# policy binds may spend the policy's buckets.
+LIMIT_SERVICE_NODE_HEADER = "x-meshfn-node"
 
 
 class _Strict(BaseModel):

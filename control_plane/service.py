@@ -22,11 +22,11 @@ from typing import Any
 from envoy.data.accesslog.v3 import accesslog_pb2
 
 from meshfn.contracts.journal import journal_dir
-from meshfn.ir import MeshModel, Overlay, QoSPolicy
+from meshfn.ir import MeshModel, Overlay
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import InconsistentSnapshot, Snapshot, SnapshotCache, prepare
 from meshfn.xds.names import LATENCY_LOG, SECRET, SHORT_NAMES, primary_clusters
-from meshfn.xds.rls import RateLimitService, global_policies
+from meshfn.xds.rls import GlobalPolicy, RateLimitService, global_policies
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
 from meshfn.xds.translate import OFFLINE_HOST, ProxyHost, translate
@@ -34,7 +34,7 @@ from meshfn.xds.translate import OFFLINE_HOST, ProxyHost, translate
 from .audit.salt import load_or_create
 from .filters import BuildError, artifacts
 from .health.drift import DriftBreaker, Transition, WatchedRoute
-from .identity.bootstrap_token import BootstrapTokens
+from .identity.bootstrap_token import LIMIT_SERVICE_PURPOSE, BootstrapTokens
 from .identity.issuer import LocalIssuer
 from .identity.manager import IdentityManager
 from .policy import PolicyError, PolicyErrors, PolicyLoader
@@ -138,8 +138,13 @@ class ControlPlane:
         self.als = AccessLogReceiver(self.ads.is_connected)
         self.als.subscribe(LATENCY_LOG, self._on_latency)
         self.ads.add_handler(self.als.handler())
-        self._global_qos: dict[str, QoSPolicy] = {}
-        self.rls = RateLimitService(lambda: self._global_qos, self.metrics.registry)
+        self._global_qos: dict[str, GlobalPolicy] = {}
+        self.rls = RateLimitService(
+            lambda: self._global_qos,
+            lambda node, header: self.tokens.verify(node, header, LIMIT_SERVICE_PURPOSE),
+            self.metrics.registry,
+            state=self.state_dir / "rls-buckets.db",
+        )
         self.ads.add_handler(self.rls.handler())
         self.model: MeshModel | None = None
         # Extra sections of /debug/status from the runtime around the control plane (e.g. eBPF).
@@ -217,6 +222,7 @@ class ControlPlane:
                 identity.credentials(workload.identity),
                 overlay,
                 host,
+                self.tokens.header(workload.node_cluster, LIMIT_SERVICE_PURPOSE),
             )
             assert resources is not None
             snapshot = prepare(
@@ -350,7 +356,7 @@ class ControlPlane:
             self.metrics.translate_seconds.observe(seconds)
             self.metrics.reloads.labels("ok").inc()
             previous, self.model = self.model, model
-            self._global_qos = global_policies(model.qos)
+            self._global_qos = global_policies(model)
             self.drift.configure(watched_routes(model))
             self.state.errors = []
             self.state.loaded_at = time.time()
@@ -408,3 +414,4 @@ class ControlPlane:
 
     async def stop(self) -> None:
         await self.ads.stop()
+        await self.rls.flush()

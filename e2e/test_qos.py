@@ -3,13 +3,16 @@ policies/qos/tenants.yaml): the edge gateway's Envoy limits each verified tenant
 local rate limit filter, the inference backend behind the sidecars sheds the lowest priority
 at saturation and attributes guest CPU time to tenants. Tenants come only from verified
 tokens: a spoofed x-meshfn-tenant changes nothing, a token without the claim is the default
-class."""
+class. Over KServe gRPC the same: RESOURCE_EXHAUSTED from the gateway's rate limit and from the
+backend's shedding, spoofed tenant metadata ignored."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,12 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
+import numpy as np
 import pytest
+import tritonclient.grpc as tgrpc
 from meshfn_e2e import EXAMPLES, Processes, http
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
 
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.testing.policies import qos_examples
-from meshfn.testing.processes import meshfn, up_with_functions, wait_for
+from meshfn.testing.processes import issue_token, meshfn, up_with_functions, wait_for
 
 TENANTS = Path(__file__).resolve().parents[1] / "policies" / "qos" / "tenants.yaml"
 IRIS = "/v2/models/iris/infer"
@@ -43,13 +51,7 @@ class Mesh:
     state: Path
 
     def token(self, tenant: str | None, sub: str = "alice") -> str:
-        claim = ["--claim", f"tenant={tenant}"] if tenant is not None else []
-        out = meshfn(
-            "token", "issue", "--state-dir", str(self.state), "--sub", sub, "--aud", "meshfn",
-            *claim,
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
+        return issue_token(self.state, sub, tenant)
 
     def infer(self, bearer: str | None, **headers: str) -> Any:
         if bearer is not None:
@@ -239,3 +241,95 @@ def test_backend_sheds_the_lowest_priority_first(mesh: Mesh) -> None:
     shed_rows = [r for r in rows if r[2:4] == ["initech", "batch"] and r[6] != "0"]
     assert shed_rows and all(int(r[4]) > 0 for r in shed_rows), out.stdout
     assert all(r[6] == "0" for r in rows if r[2] == "acme"), out.stdout
+
+
+def _grpc_infer(
+    mesh: Mesh, bearer: str, **headers: str
+) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """One KServe gRPC ModelInfer of iris through the gateway: (code, details, trailers)."""
+    request = service_pb2.ModelInferRequest(model_name="iris")
+    tensor = request.inputs.add(name="features", datatype="FP32", shape=[1, 4])
+    tensor.contents.fp32_contents.extend([5.1, 3.5, 1.4, 0.2])
+    metadata = [("authorization", f"Bearer {bearer}"), *headers.items()]
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            stub.ModelInfer(request, metadata=metadata, timeout=10)
+        except grpc.RpcError as exc:
+            trailers = {k: str(v) for k, v in exc.trailing_metadata() or ()}  # type: ignore[attr-defined]
+            return exc.code(), exc.details() or "", trailers  # type: ignore[attr-defined]
+    return grpc.StatusCode.OK, "", {}
+
+
+def test_grpc_rate_limit_and_spoofing(mesh: Mesh) -> None:
+    """The same limits over KServe gRPC (tritonclient): the gateway's rate limit answers
+    RESOURCE_EXHAUSTED (not Envoy's default UNAVAILABLE), and tenant metadata a client sends is
+    ignored as the header is over HTTP/1."""
+    client = tgrpc.InferenceServerClient(mesh.gateway)
+    tensor = tgrpc.InferInput("features", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.array([[5.1, 3.5, 1.4, 0.2]], dtype=np.float32))
+    globex = mesh.token("globex", sub="grpc-globex")
+    time.sleep(1.1)  # globex's bucket (20/s, burst 20) full again after the tests before
+    codes: Counter[str] = Counter()
+    details = []
+    for _ in range(60):
+        spoofed = {"authorization": f"Bearer {globex}", TENANT_HEADER: "acme"}  # premium
+        try:
+            client.infer("iris", [tensor], headers=spoofed)
+            codes["OK"] += 1
+        except InferenceServerException as exc:
+            codes[str(exc.status())] += 1
+            details.append(exc.message())
+    assert set(codes) == {"OK", "StatusCode.RESOURCE_EXHAUSTED"}, codes
+    assert 20 <= codes["OK"] <= 40 and codes["StatusCode.RESOURCE_EXHAUSTED"] >= 20, codes
+    # The details are the JSON body REST clients get: the limit, the policy and who (globex,
+    # from the token, not the metadata it sent).
+    body = json.loads(details[-1])
+    assert (body["limit"], body["policy"], body["tenant"]) == ("rate", "ingress/tenants", "globex")
+    code, _, trailers = _grpc_infer(mesh, globex)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert trailers["x-meshfn-qos-limit"] == "rate" and int(trailers["retry-after"]) >= 1
+    # A spoofed tenant reaches the backend as the token's: acme, whatever the metadata says.
+    acme = mesh.token("acme")
+    before = mesh.metric("meshfn_qos_requests_total", tenant="initech")
+    acme_before = mesh.metric("meshfn_qos_requests_total", tenant="acme", outcome="admitted")
+    assert _grpc_infer(mesh, acme, **{TENANT_HEADER: "initech"})[0] == grpc.StatusCode.OK
+    assert mesh.metric("meshfn_qos_requests_total", tenant="initech") == before
+    assert mesh.metric("meshfn_qos_requests_total", tenant="acme", outcome="admitted") == (
+        acme_before + 1
+    )
+
+
+def test_grpc_backend_admission_is_resource_exhausted(mesh: Mesh) -> None:
+    """At saturation the backend sheds the lowest priority over gRPC as over REST: a gRPC
+    initech call is refused RESOURCE_EXHAUSTED with the QoS trailers, acme's is served."""
+    initech, acme = mesh.token("initech", sub="grpc-initech"), mesh.token("acme")
+    refused: list[tuple[grpc.StatusCode, str, dict[str, str]]] = []
+    served = Counter[grpc.StatusCode]()
+
+    def grpc_calls(stop: threading.Event) -> None:
+        while not stop.is_set():
+            result = _grpc_infer(mesh, initech)
+            if result[0] != grpc.StatusCode.OK:
+                refused.append(result)
+            served[_grpc_infer(mesh, acme)[0]] += 1
+
+    async def saturate() -> list[Any]:
+        url = f"http://{mesh.gateway}{IRIS}"
+        headers = {"authorization": f"Bearer {initech}", "content-type": "application/json"}
+        return await _burst(url, headers, 1500, 40)
+
+    stop = threading.Event()
+    caller = threading.Thread(target=grpc_calls, args=(stop,))
+    caller.start()
+    try:
+        low = asyncio.run(saturate())
+    finally:
+        stop.set()
+        caller.join(timeout=30)
+    assert any(s == 429 for s, _, _ in low), Counter(s for s, _, _ in low)  # it saturated
+    assert refused, "no gRPC call of the lowest priority was shed at saturation"
+    assert {code for code, _, _ in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, refused
+    assert {t.get("x-meshfn-qos-limit") for _, _, t in refused} == {"shed"}, refused
+    assert all(int(t["retry-after"]) >= 1 for _, _, t in refused)
+    assert set(served) == {grpc.StatusCode.OK}, served  # premium kept

@@ -3,7 +3,10 @@ share each tenant's bucket in the control plane's rate-limit service (Envoy's RL
 the ADS port), so the total admitted across both stays within the limit; a third gateway's
 policy fails open. With the control plane frozen (SIGSTOP: the limit service cannot answer),
 the fail-closed gateways answer 503 within the policy's timeout and the fail-open one admits:
-no request hangs."""
+no request hangs. The limit service answers only the gateways a policy binds, proven by the
+limit-service token the control plane renders into each one's ratelimit filter: a raw gRPC
+client without it, with another node's, or as a gateway the policy does not bind spends nothing
+and is counted."""
 
 from __future__ import annotations
 
@@ -12,47 +15,42 @@ import re
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import pytest
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from meshfn_e2e import Processes, Reply, http
 
+from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT, LIMIT_SERVICE_NODE_HEADER
+from meshfn.control_plane.identity.bootstrap_token import LIMIT_SERVICE_PURPOSE, BootstrapTokens
 from meshfn.testing import policies as p
 from meshfn.testing.ports import named_ports
-from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
+from meshfn.testing.processes import MESHFN, Proc, issue_token, meshfn, wait_for
 
-ISSUER = "https://issuer.meshfn.local"
 BURST = 6  # acme's requests per minute across both shared gateways
-
-
-def qos(name: str, gateways: list[str], on_error: str, rate: dict[str, object]) -> str:
-    return p.doc(
-        "QoSPolicy",
-        name,
-        {
-            "targetRefs": [{"kind": "Gateway", "name": g} for g in gateways],
-            "global": {"onLimitServiceError": on_error, "timeout": "200ms"},
-            "defaultClass": "standard",
-            "classes": [{"name": "standard", "rate": rate}],
-            "tenants": [{"name": "acme", "class": "standard"}],  # listed: its own status row
-        },
-    )
 
 
 @dataclass
 class Rig:
-    up: Proc
     ports: dict[str, int]
     state: Path
+    procs: Processes
+    argv: list[str]
+    up: Proc = field(init=False)
+
+    def start(self, probe_tenant: str) -> None:
+        """`meshfn up` (again), until every gateway serves `probe_tenant`."""
+        self.up = up = self.procs.start("up", self.argv)
+        wait_for("meshfn up", lambda: "Ctrl-C stops everything" in up.output(), 120, proc=up)
+        probe = self.token(probe_tenant)
+        for gateway in ("a", "b", "c"):
+            wait_for(f"gateway {gateway}", lambda g=gateway: self.ready(g, probe), proc=up)
 
     def token(self, tenant: str) -> str:
-        out = meshfn(
-            "token", "issue", "--state-dir", str(self.state), "--sub", "alice", "--aud",
-            "meshfn", "--claim", f"tenant={tenant}",
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
+        return issue_token(self.state, "alice", tenant)
 
     def get(self, gateway: str, bearer: str) -> Reply:
         url = f"http://127.0.0.1:{self.ports[gateway]}/v1/x"
@@ -74,11 +72,17 @@ class Rig:
         )
 
     def metric(self, outcome: str, policy: str) -> float:
-        text = http(f"http://127.0.0.1:{self.ports['admin']}/metrics").body.decode()
         pattern = (
             rf'^meshfn_qos_global_requests_total\{{[^}}]*outcome="{outcome}"[^}}]*'
             rf'policy="{policy}"[^}}]*\}} (\S+)$'
         )
+        return self._sum(pattern)
+
+    def errors(self, reason: str) -> float:
+        return self._sum(rf'^meshfn_qos_global_errors_total\{{reason="{reason}"\}} (\S+)$')
+
+    def _sum(self, pattern: str) -> float:
+        text = http(f"http://127.0.0.1:{self.ports['admin']}/metrics").body.decode()
         return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
 
 
@@ -88,41 +92,21 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     ports = named_ports("xds", "admin", "a_admin", "a", "b_admin", "b", "c_admin", "c", "alpha")
     root = tmp / "policies"
     root.mkdir()
-    gateways = [("edge-a", "a"), ("edge-b", "b"), ("edge-c", "c")]
-    p.write(
-        root / "mesh.yaml",
-        p.documents(
-            p.mesh("e2e", "e2e.local", ports["xds"], ports["admin"]),
-            *(p.gateway(ports[f"{k}_admin"], ports[k], name=g) for g, k in gateways),
-            p.service("alpha", ports["alpha"]),
-            *(p.route(f"main-{k}", "alpha", "/v1", gateway=g) for g, k in gateways),
-            p.doc(
-                "RequestAuthentication",
-                "tokens",
-                {
-                    "jwtRules": [
-                        {
-                            "issuer": ISSUER,
-                            "audiences": ["meshfn"],
-                            "jwksUri": f"http://127.0.0.1:{ports['admin']}/.well-known/jwks.json",
-                        }
-                    ]
-                },
-            ),
-            qos("shared", ["edge-a", "edge-b"], "deny", {"requests": BURST, "per": "60s"}),
-            qos("open", ["edge-c"], "allow", {"requests": 1000}),
-        ),
+    policies = p.gateways_mesh(
+        "e2e",
+        ports,
+        {"a": "edge-a", "b": "edge-b", "c": "edge-c"},
+        p.qos_policy("shared", ["edge-a", "edge-b"], {"requests": BURST, "per": "60s"}, "deny"),
+        p.qos_policy("open", ["edge-c"], {"requests": 1000}, "allow"),
+        prefix="/v1",
     )
+    p.write(root / "mesh.yaml", policies)
     procs = Processes(tmp)
     state = tmp / "state"
     try:
         argv = [MESHFN, "up", "--policies", str(root), "--state-dir", str(state)]
-        up = procs.start("up", [*argv, "--envoy-concurrency", "1"])
-        wait_for("meshfn up", lambda: "Ctrl-C stops everything" in up.output(), 120, proc=up)
-        rig = Rig(up, ports, state)
-        probe = rig.token("probe")
-        for gateway in ("a", "b", "c"):
-            wait_for(f"gateway {gateway}", lambda g=gateway: rig.ready(g, probe), proc=up)
+        rig = Rig(ports, state, procs, [*argv, "--envoy-concurrency", "1"])
+        rig.start("probe")
         yield rig
     finally:
         procs.stop_all()
@@ -161,6 +145,52 @@ def test_two_gateways_share_one_global_limit(rig: Rig) -> None:
     assert [c.strip() for c in row.split("│")[3:5]] == [str(len(admitted)), str(len(refused))]
 
 
+def _ask(rig: Rig, metadata: tuple[tuple[str, str], ...], tenant: str) -> rls_pb2.RateLimitResponse:
+    """One RLS call on the control plane's ADS port, as a raw client sending `metadata`."""
+    entries = [(DESCRIPTOR_POLICY, "default/shared"), (DESCRIPTOR_TENANT, tenant)]
+    descriptor = ratelimit_pb2.RateLimitDescriptor(
+        entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=k, value=v) for k, v in entries]
+    )
+    request = rls_pb2.RateLimitRequest(domain="default/shared", descriptors=[descriptor])
+    with grpc.insecure_channel(f"127.0.0.1:{rig.ports['xds']}") as channel:
+        stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+        reply: rls_pb2.RateLimitResponse = stub.ShouldRateLimit(
+            request, metadata=metadata, timeout=5
+        )
+        return reply
+
+
+def test_limit_service_answers_only_the_gateways_a_policy_binds(rig: Rig) -> None:
+    # The real gateways' calls (the test above) all proved themselves.
+    assert rig.errors("unauthenticated") == 0 and rig.errors("permission_denied") == 0
+    tokens = BootstrapTokens(rig.state / "xds-token.key")
+
+    def gateway(
+        name: str, token_of: str | None = None, purpose: str = LIMIT_SERVICE_PURPOSE
+    ) -> tuple[tuple[str, str], ...]:
+        header = tokens.header(f"{token_of or name}.default", purpose)
+        return ((LIMIT_SERVICE_NODE_HEADER, f"{name}.default"), ("authorization", header))
+
+    hostile = [
+        ((), grpc.StatusCode.UNAUTHENTICATED),  # no credentials
+        (gateway("edge-a", token_of="edge-c"), grpc.StatusCode.UNAUTHENTICATED),  # another's
+        (gateway("edge-a", purpose="xds"), grpc.StatusCode.UNAUTHENTICATED),  # its ADS token
+        (gateway("edge-c"), grpc.StatusCode.PERMISSION_DENIED),  # proven, not bound to "shared"
+    ]
+    for metadata, code in hostile:
+        for _ in range(BURST + 1):  # more than the bucket holds: none of it was spent
+            with pytest.raises(grpc.RpcError) as caught:
+                _ask(rig, metadata, "mallory")
+            assert caught.value.code() == code, metadata  # type: ignore[attr-defined]
+    assert rig.errors("unauthenticated") == 3 * (BURST + 1)
+    assert rig.errors("permission_denied") == BURST + 1
+    # mallory's bucket is whole: the bound gateway's own call is the first to spend it.
+    reply = _ask(rig, gateway("edge-b"), "mallory")
+    assert reply.overall_code == rls_pb2.RateLimitResponse.OK
+    assert reply.statuses[0].limit_remaining == BURST - 1
+    assert rig.get("a", rig.token("mallory")).status == 200
+
+
 def test_limit_service_unreachable_fails_as_the_policy_says(rig: Rig) -> None:
     initech = rig.token("initech")
     rig.up.send(signal.SIGSTOP)
@@ -184,3 +214,16 @@ def test_limit_service_unreachable_fails_as_the_policy_says(rig: Rig) -> None:
     assert rig.stat("c", "ratelimit.meshfn_qos.failure_mode_allowed") >= 3
     # Back: the shared gateways ask the service again.
     wait_for("the limit service again", lambda: rig.get("a", initech).status == 200)
+
+
+def test_a_restart_hands_out_no_fresh_burst(rig: Rig) -> None:
+    """The limit service's buckets are in the state directory: a drained tenant stays drained
+    across a control-plane restart (SIGTERM, then `meshfn up` again on the same state)."""
+    hooli = rig.token("hooli")
+    replies = [rig.get("a", hooli).status for _ in range(BURST + 2)]
+    assert replies == [200] * BURST + [429, 429], replies
+    rig.up.stop()
+    rig.start("probe-after-restart")
+    # A minute's refill of 6 for the seconds the restart took: a token or two, not a burst.
+    again = [rig.get(g, hooli).status for g in ("a", "b") for _ in range(BURST // 2)]
+    assert again.count(200) <= 2 and again.count(429) >= BURST - 2, again

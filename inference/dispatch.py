@@ -23,7 +23,7 @@ from .host import Outcome
 from .kserve import InferRequest, KServeError
 from .metrics import Metrics
 from .pool import FunctionRuntime, Invocation, Refused
-from .qos import Admission
+from .qos import Admission, Ticket
 from .results import Completed, deadline_error, failure
 from .stats import ModelStats, Timing
 from .warmup import WarmBudget, Warmer
@@ -209,13 +209,25 @@ class Dispatcher:
         tenant: str = "",
     ) -> T:
         """Admit, parse, run (alone or batched), encode; errors are KServeError. `tenant`: the
-        verified tenant (qos.tenant_of), for functions a QoSPolicy binds."""
+        verified tenant (qos.tenant_of), for functions a QoSPolicy binds. The concurrency
+        limit and QoS admission come before parsing, so a refused (shed) request costs no
+        decoding of its tensors."""
         started = time.perf_counter()
         status = 500
         try:
             self.admit(rt, protocol)
-            request = parse()
-            result = await self._run(rt, request, encode, tenant)
+            limit = rt.spec.limits.maxConcurrency
+            if rt.inflight >= limit:
+                raise KServeError(429, f"function {rt.label} is at its concurrency limit ({limit})")
+            admission = self.lane(rt).admission
+            ticket = admission.admit(tenant) if admission is not None else None
+            try:
+                request = parse()
+            except BaseException:
+                if ticket is not None:
+                    ticket.done(0)
+                raise
+            result = await self._run(rt, request, encode, ticket)
             status = 200
             return result
         except KServeError as exc:
@@ -229,13 +241,9 @@ class Dispatcher:
         rt: FunctionRuntime,
         request: InferRequest,
         encode: Callable[[Completed, InferRequest], T],
-        tenant: str = "",
+        ticket: Ticket | None,
     ) -> T:
-        limit = rt.spec.limits.maxConcurrency
-        if rt.inflight >= limit:
-            raise KServeError(429, f"function {rt.label} is at its concurrency limit ({limit})")
         lane = self.lane(rt)
-        ticket = lane.admission.admit(tenant) if lane.admission is not None else None
         timing = Timing(time.perf_counter_ns())
         deadline = None if request.timeout is None else time.monotonic() + request.timeout
         if lane.warmer is not None:

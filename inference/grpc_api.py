@@ -12,8 +12,9 @@ ModelInfer checks a request as strictly as REST does (tensors.py for the data: t
 `contents` element types and ranges, `raw_input_contents` sizes and BYTES framing, exactly one
 raw entry per input) and runs through the same Dispatcher. Errors are gRPC statuses with the
 KServe message: 400 INVALID_ARGUMENT, 403 PERMISSION_DENIED, 404 NOT_FOUND, 413 (and a message
-over the server's limit, refused by gRPC itself) RESOURCE_EXHAUSTED, 429/503 UNAVAILABLE,
-504 DEADLINE_EXCEEDED, 500 INTERNAL.
+over the server's limit, refused by gRPC itself) and every QoS refusal (a tenant's concurrency,
+compute budget, priority shedding; its Retry-After and x-ratelimit-* as trailers)
+RESOURCE_EXHAUSTED, other 429/503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, 500 INTERNAL.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .kserve import (
     select,
 )
 from .pool import FunctionRuntime
-from .qos import tenant_of
+from .qos import Refusal, tenant_of
 from .results import Completed
 from .tensors import TensorError, check_raw, dtype, element_count, pack
 
@@ -211,7 +212,10 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
     async def _fail(self, context: grpc.aio.ServicerContext[Any, Any], exc: KServeError) -> None:
         if exc.headers:  # a QoS refusal: Retry-After and x-ratelimit-* as trailers
             context.set_trailing_metadata(tuple((k.decode(), v.decode()) for k, v in exc.headers))
-        await context.abort(status_code(exc.status), exc.message)
+        # A QoS refusal is the tenant's quota, not the server being down: RESOURCE_EXHAUSTED, as
+        # the gateway's rate limits answer gRPC (UNAVAILABLE would invite transparent retries).
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, Refusal) else None
+        await context.abort(code or status_code(exc.status), exc.message)
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: Any

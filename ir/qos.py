@@ -149,6 +149,7 @@ def local_rate_limit(policy: ir.QoSPolicy, header: bool = False) -> Obj:
         "filter_enforced": _percent(f"{STAT_PREFIX}.enforced"),
         "always_consume_default_token_bucket": False,
         "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+        "rate_limited_as_resource_exhausted": True,  # gRPC clients: not UNAVAILABLE
         "rate_limits": [{"actions": [tenant_action(policy.claim, header)]}],
         "descriptors": descriptors,
         "max_dynamic_descriptors": DYNAMIC_DESCRIPTORS,
@@ -165,9 +166,21 @@ GLOBAL_RATE_LIMIT_TYPE = "type.googleapis.com/envoy.extensions.filters.http.rate
 LIMIT_SERVICE_ERROR_STATUS = "ServiceUnavailable"
 
 
-def global_rate_limit(policy: ir.QoSPolicy, cluster: str, header: bool = False) -> Obj:
-    """The policy's rates asked of the limit service behind `cluster` (module docstring)."""
+def global_rate_limit(
+    policy: ir.QoSPolicy,
+    cluster: str,
+    header: bool = False,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> Obj:
+    """The policy's rates asked of the limit service behind `cluster` (module docstring), each
+    call carrying `metadata` (the gateway's node and limit-service token; none offline)."""
     assert policy.global_rate is not None
+    grpc_service: Obj = {
+        "envoy_grpc": {"cluster_name": cluster},
+        "timeout": f"{policy.global_rate.timeout_ms / 1000:.3f}s",
+    }
+    if metadata:
+        grpc_service["initial_metadata"] = [{"key": k, "value": v} for k, v in metadata]
     return {
         "@type": GLOBAL_RATE_LIMIT_TYPE,
         "domain": policy.key,
@@ -178,11 +191,9 @@ def global_rate_limit(policy: ir.QoSPolicy, cluster: str, header: bool = False) 
         "status_on_error": {"code": LIMIT_SERVICE_ERROR_STATUS},
         "stat_prefix": STAT_PREFIX,
         "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+        "rate_limited_as_resource_exhausted": True,
         "rate_limit_service": {
-            "grpc_service": {
-                "envoy_grpc": {"cluster_name": cluster},
-                "timeout": f"{policy.global_rate.timeout_ms / 1000:.3f}s",
-            },
+            "grpc_service": grpc_service,
             "transport_api_version": "V3",
         },
         "rate_limits": [

@@ -1,15 +1,21 @@
-"""Closed-loop load with wrk (C, so the client costs little of the shared 2-vCPU machine) for the
-benchmarks and their smoke tests: requests/s and latency percentiles of one POST."""
+"""Load for the benchmarks and their smoke tests: closed-loop with wrk (C, so the client costs
+little of the shared 2-vCPU machine), requests/s and latency percentiles of one POST; and the
+tenants' open and closed loops (aiohttp, a process each) of the QoS benchmarks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
 import re
 import shutil
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass
+from multiprocessing.queues import Queue
 from pathlib import Path
+from typing import Any
 
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
 # One flower for the iris example function: the benchmarks' small JSON request.
@@ -126,3 +132,92 @@ def _latency(out: str, percentile: str) -> float:
     if match is None:
         raise SystemExit(f"unexpected wrk output (no {percentile} latency):\n{out}")
     return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+# ---------------------------------------------------------------- tenants' load (processes)
+
+
+async def _open_loop(
+    url: str, headers: dict[str, str], rate: float, seconds: float, body: bytes = IRIS
+) -> dict[str, Any]:
+    """`rate` POSTs/s for `seconds`, each sent on schedule whatever the others do; the
+    latency (ms) of each 200 and the count of every status (0: no answer)."""
+    import aiohttp
+
+    latencies: list[float] = []
+    statuses: Counter[int] = Counter()
+    connector = aiohttp.TCPConnector(limit=256)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one() -> None:
+            started = time.perf_counter()
+            try:
+                async with session.post(url, data=body, headers=headers) as response:
+                    await response.read()
+                    statuses[response.status] += 1
+                    if response.status == 200:
+                        latencies.append((time.perf_counter() - started) * 1000)
+            except aiohttp.ClientError:
+                statuses[0] += 1
+
+        tasks = []
+        start = time.perf_counter()
+        count = int(rate * seconds)
+        for i in range(count):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    return {"latencies_ms": latencies, "statuses": dict(statuses), "sent": count}
+
+
+async def _closed_loop(
+    url: str, headers: dict[str, str], connections: int, seconds: float, body: bytes = IRIS
+) -> dict[str, Any]:
+    """`connections` clients, each sending its next POST when the last one is answered; the
+    count of every status and of each 429's `limit`."""
+    import aiohttp
+
+    statuses: Counter[int] = Counter()
+    limits: Counter[str] = Counter()
+    deadline = time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=connections)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def client() -> None:
+            while time.perf_counter() < deadline:
+                try:
+                    async with session.post(url, data=body, headers=headers) as response:
+                        reply = await response.read()
+                        statuses[response.status] += 1
+                        if response.status == 429:
+                            limits[json.loads(reply).get("limit", "?")] += 1
+                except aiohttp.ClientError:
+                    statuses[0] += 1
+
+        await asyncio.gather(*(client() for _ in range(connections)))
+    return {"statuses": dict(statuses), "limits": dict(limits)}
+
+
+def _worker(kind: str, args: tuple[Any, ...], out: Queue[Any]) -> None:
+    runner = _open_loop if kind == "open" else _closed_loop
+    out.put(asyncio.run(runner(*args)))
+
+
+def run_loads(*loads: tuple[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """Each load ("open", (url, headers, rate, seconds[, body])) or ("closed", (url, headers,
+    connections, seconds[, body])) in a process of its own (its event loop is not the measured
+    one's), all at once; their results in order."""
+    ctx = multiprocessing.get_context("fork")
+    queues = [ctx.Queue() for _ in loads]
+    procs = [
+        ctx.Process(target=_worker, args=(kind, args, q))
+        for (kind, args), q in zip(loads, queues, strict=True)
+    ]
+    for proc in procs:
+        proc.start()
+    results = [q.get(timeout=600) for q in queues]
+    for proc in procs:
+        proc.join(timeout=30)
+    return results

@@ -136,6 +136,57 @@ def jwt_authentication(name: str, selector: dict[str, str], issuer: str, **rule:
     return doc("RequestAuthentication", name, {"selector": selector, "jwtRules": jwt_rules})
 
 
+ISSUER = "https://issuer.meshfn.local"  # `meshfn token issue`'s
+
+
+def token_authentication(admin_port: int) -> str:
+    """A RequestAuthentication for every proxy: tokens of `meshfn token issue` (audience
+    meshfn), keys from the control plane's admin port."""
+    jwks = f"http://127.0.0.1:{admin_port}/.well-known/jwks.json"
+    rules = [{"issuer": ISSUER, "audiences": ["meshfn"], "jwksUri": jwks}]
+    return doc("RequestAuthentication", "tokens", {"jwtRules": rules})
+
+
+def gateways_mesh(
+    name: str,
+    ports: dict[str, int],
+    gateways: dict[str, str],
+    *more: str,
+    prefix: str | None = None,
+) -> str:
+    """A mesh of several gateways (key -> Gateway name; ports KEY and KEY_admin) with a Route
+    each to one Service `alpha` (port "alpha"), verifying `meshfn token issue`'s tokens, and
+    `more` documents."""
+    return documents(
+        mesh(name, f"{name}.local", ports["xds"], ports["admin"]),
+        *(gateway(ports[f"{k}_admin"], ports[k], name=g) for k, g in gateways.items()),
+        service("alpha", ports["alpha"]),
+        *(route(f"main-{k}", "alpha", prefix, gateway=g) for k, g in gateways.items()),
+        token_authentication(ports["admin"]),
+        *more,
+    )
+
+
+def qos_policy(
+    name: str,
+    gateways: list[str],
+    rate: dict[str, object],
+    on_error: str | None = None,
+    timeout: str = "200ms",
+) -> str:
+    """A QoSPolicy on whole gateways: one class `standard` with `rate` for every tenant (acme
+    listed, so it has a status row of its own); with `on_error` a global rate."""
+    spec: dict[str, Any] = {"targetRefs": [{"kind": "Gateway", "name": g} for g in gateways]}
+    if on_error is not None:
+        spec["global"] = {"onLimitServiceError": on_error, "timeout": timeout}
+    spec |= {
+        "defaultClass": "standard",
+        "classes": [{"name": "standard", "rate": rate}],
+        "tenants": [{"name": "acme", "class": "standard"}],
+    }
+    return doc("QoSPolicy", name, spec)
+
+
 def authorization(
     name: str, selector: dict[str, str], rules: list[dict[str, Any]], **spec: Any
 ) -> str:

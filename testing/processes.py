@@ -3,11 +3,14 @@ its output in a log file, stopped by PID (also when a test or benchmark fails)."
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import resource
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +29,19 @@ def meshfn(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [MESHFN, *args], capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def issue_token(state: Path, sub: str, tenant: str | None = None, ttl: str | None = None) -> str:
+    """A token of the mesh in `state` (audience meshfn) for `sub`, with a `tenant` claim."""
+    claim = ["--claim", f"tenant={tenant}"] if tenant is not None else []
+    more = ["--ttl", ttl] if ttl is not None else []
+    out = meshfn(
+        "token", "issue", "--state-dir", str(state), "--sub", sub, "--aud", "meshfn",
+        *claim, *more,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"meshfn token issue: {out.stderr}")
+    return out.stdout.strip()
 
 
 def up_with_functions(policies: Path, state: Path, registry: Path) -> list[str]:
@@ -181,6 +197,84 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
     """A probe for `wait_for`: `url` answers 200."""
     with urllib.request.urlopen(url, timeout=timeout) as reply:
         return bool(reply.status == 200)
+
+
+def http_status(url: str, headers: dict[str, str] | None = None, timeout: float = 1.0) -> int:
+    """The status of one GET of `url` (any status, 4xx and 5xx included)."""
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            reply.read()
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return int(exc.code)
+
+
+class CpuSplit:
+    """Where the CPU went while it was running: each descendant process of `root` (labelled by
+    its program and last argument naming a file or port), `root` itself, this process's
+    waited-for children (e.g. load generators), and the whole machine's busy share."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.started = self._sample()
+
+    def _sample(self) -> tuple[dict[int, tuple[str, int]], float, list[int]]:
+        pids = {self.root: "root", **_descendants(self.root)}
+        cpu = {}
+        for pid, label in pids.items():
+            with contextlib.suppress(OSError):
+                cpu[pid] = (label, cpu_ns(pid))
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        with open("/proc/stat") as stat:
+            ticks = [int(x) for x in stat.readline().split()[1:8]]
+        return cpu, children.ru_utime + children.ru_stime, ticks
+
+    def result(self) -> dict[str, Any]:
+        (before, kids_before, ticks_before), (after, kids_after, ticks_after) = (
+            self.started,
+            self._sample(),
+        )
+        by_label: dict[str, float] = {}
+        for pid, (label, ns) in after.items():
+            spent = (ns - before[pid][1]) / 1e9 if pid in before else ns / 1e9
+            by_label[f"{label} [{pid}]"] = round(spent, 3)
+        ticks = [b - a for a, b in zip(ticks_before, ticks_after, strict=True)]
+        idle = ticks[3] + ticks[4]
+        return {
+            "cpu_seconds": dict(sorted(by_label.items(), key=lambda kv: -kv[1])),
+            "waited_children_cpu_seconds": round(kids_after - kids_before, 3),
+            "machine_busy_pct": round(100 * (sum(ticks) - idle) / max(1, sum(ticks)), 1),
+            "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+        }
+
+
+def _descendants(root: int) -> dict[int, str]:
+    parents: dict[int, list[int]] = {}
+    labels: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        words = [a.decode(errors="replace") for a in argv if a]
+        named = [w for w in words if w.endswith((".json", ".yaml")) or w.isdigit()]
+        program = Path(words[0]).name if words else "?"
+        if program.startswith("python") and "-m" in words:
+            program = words[words.index("-m") + 1]
+        labels[int(entry.name)] = f"{program} {Path(named[0]).name if named else ''}".strip()
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found: dict[int, str] = {}
+    stack = [root]
+    while stack:
+        for child in parents.get(stack.pop(), []):
+            found[child] = labels[child]
+            stack.append(child)
+    return found
 
 
 def cpu_ns(pid: int) -> int:

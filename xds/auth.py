@@ -25,9 +25,14 @@ MAX_GROUP_CHARS = 256
 MAX_NODE_ID_CHARS = 1024
 
 
+def metadata(context: grpc.aio.ServicerContext[Any, Any], key: str) -> str | None:
+    """A call's first `key` in its initial metadata (None: none sent)."""
+    return next((str(v) for k, v in context.invocation_metadata() or () if k == key), None)
+
+
 def authorization(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
     """The stream's bearer token as sent in its initial metadata (None: none sent)."""
-    return next((str(v) for k, v in context.invocation_metadata() or () if k == METADATA_KEY), None)
+    return metadata(context, METADATA_KEY)
 
 
 class StreamAuth:

@@ -29,8 +29,8 @@ def resources_to_plain(
     resources: Mapping[str, Mapping[str, Message]], redact: bool = True
 ) -> dict[str, Any]:
     """{listeners: [...], routes: [...], ...} in make-before-break order, resources by name.
-    Private keys in secrets and the audit subject salt are replaced by "[redacted]" unless
-    `redact` is False."""
+    Private keys in secrets, the audit subject salt and limit-service tokens are replaced by
+    "[redacted]" unless `redact` is False."""
     out: dict[str, Any] = {}
     for type_url in reversed(PUSH_ORDER):
         by_name = resources.get(type_url)
@@ -48,7 +48,11 @@ def resources_to_plain(
 
 
 def _redact_salt(value: Any) -> Any:
+    """The audit salt, and the bearer token a gateway shows the limit service (its ratelimit
+    filter's initialMetadata `authorization`)."""
     if isinstance(value, dict):
+        if value.get("key") == "authorization" and "value" in value:
+            return {**value, "value": REDACTED}
         return {k: _redact_salt(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_redact_salt(v) for v in value]

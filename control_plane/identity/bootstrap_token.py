@@ -6,6 +6,12 @@ metadata on the ADS stream (GrpcService.initial_metadata); the ADS server refuse
 token does not match the node.cluster it claims, before it sends anything, private keys included.
 The key lives in the state directory (0600) and never leaves the control plane host. In
 Kubernetes the same check is done with the proxy's service-account token and TokenReview.
+
+A gateway with a global rate limit gets a second token, for purpose "rls"
+(HMAC(key, "rls:" + node.cluster)), inside its ratelimit filter's configuration (over ADS, to that
+gateway only); it sends it with its node cluster on each call to the control plane's limit
+service (xds/rls.py). A separate purpose, so the copy in the listener configuration (visible in
+config dumps) opens no ADS stream, and an ADS token spends no limit-service tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 from meshfn.common.files import read_private, write_private
 
 METADATA_KEY = "authorization"
+LIMIT_SERVICE_PURPOSE = "rls"
 
 
 class BootstrapTokens:
@@ -32,14 +39,15 @@ class BootstrapTokens:
             raise ValueError(f"{key_file} holds a key shorter than 32 bytes")
         self._key = key
 
-    def token(self, node_cluster: str) -> str:
-        digest = hmac.new(self._key, f"xds:{node_cluster}".encode(), hashlib.sha256).digest()
+    def token(self, node_cluster: str, purpose: str = "xds") -> str:
+        message = f"{purpose}:{node_cluster}".encode()
+        digest = hmac.new(self._key, message, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
-    def header(self, node_cluster: str) -> str:
-        return f"Bearer {self.token(node_cluster)}"
+    def header(self, node_cluster: str, purpose: str = "xds") -> str:
+        return f"Bearer {self.token(node_cluster, purpose)}"
 
-    def verify(self, node_cluster: str, header: str | None) -> bool:
+    def verify(self, node_cluster: str, header: str | None, purpose: str = "xds") -> bool:
         if not header or not header.startswith("Bearer "):
             return False
-        return hmac.compare_digest(header[len("Bearer ") :], self.token(node_cluster))
+        return hmac.compare_digest(header[len("Bearer ") :], self.token(node_cluster, purpose))

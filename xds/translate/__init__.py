@@ -27,13 +27,15 @@ def translate(
     credentials: Credentials | None = None,
     overlay: ir.Overlay = NO_OVERLAY,
     host: ProxyHost = OFFLINE_HOST,
+    limit_service_token: str | None = None,
 ) -> Resources | None:
     """Everything an Envoy of workload `node_cluster` needs, or None for an unknown workload.
 
     `credentials` (certificate, key, trust bundle) become the SDS secrets; without them the
     secrets are left out (offline rendering, golden files). `overlay` carries runtime state such
     as routes the drift breaker has tripped. `host` says where the built wasm filters and audit
-    journals are and holds the subject salt.
+    journals are and holds the subject salt. `limit_service_token`: the `authorization` value a
+    gateway shows the control plane's limit service (xds/rls.py); None offline.
     """
     workload = model.workload(node_cluster)
     if workload is None:
@@ -49,7 +51,7 @@ def translate(
         )
         out = sidecar_resources(workload, filters, overlay)
     else:
-        out = gateway_resources(model, workload, overlay, host, audit)
+        out = gateway_resources(model, workload, overlay, host, audit, limit_service_token)
     if credentials is not None:
         out[SECRET] = dict(secrets(credentials))
     return out

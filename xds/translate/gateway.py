@@ -6,6 +6,7 @@ from __future__ import annotations
 from google.protobuf.message import Message
 
 from meshfn import ir
+from meshfn.contracts.qos import LIMIT_SERVICE_NODE_HEADER
 
 from ..names import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, cluster_name
 from . import httpfilters
@@ -26,6 +27,7 @@ def gateway_resources(
     overlay: ir.Overlay,
     host: ProxyHost,
     audit: AuditConfig | None,
+    limit_service_token: str | None = None,
 ) -> Resources:
     """Every service of the mesh becomes a cluster, not only those the current routes use
     (Istio's default without a Sidecar resource): when a route moves from one service to
@@ -76,6 +78,11 @@ def gateway_resources(
         ENDPOINT: endpoints,
         EXTENSION: {},
     }
+    limit_service_metadata = (
+        ((LIMIT_SERVICE_NODE_HEADER, workload.node_cluster), ("authorization", limit_service_token))
+        if limit_service_token and workload.qos is not None and workload.qos.global_rate
+        else ()
+    )
     for lst in workload.listeners:
         used = sorted({r.service for r in lst.routes})
         guarded = frozenset(r.key for r in lst.routes if targets[r.service].drift)
@@ -84,7 +91,7 @@ def gateway_resources(
             workload.authz,
             audit,
             degrade_for(lst, guarded, model.drill, host.wasm_dir),
-            qos=qos_context(workload.qos, lst),
+            qos=qos_context(workload.qos, lst, limit_service_metadata),
             mesh_route=model.audit is not None,
         )
         drift = any(model.service(key).drift is not None for key in used)
@@ -100,10 +107,19 @@ def gateway_resources(
     return out
 
 
-def qos_context(gateway: ir.QoSPolicy | None, lst: ir.Listener) -> QoSContext | None:
+def qos_context(
+    gateway: ir.QoSPolicy | None,
+    lst: ir.Listener,
+    limit_service_metadata: tuple[tuple[str, str], ...] = (),
+) -> QoSContext | None:
     """The listener's QoS: the gateway's policy and those its routes carry (policy checks make
     them read one claim)."""
     policies = [p for p in (gateway, *(r.qos for r in lst.routes)) if p is not None]
     if not policies:
         return None
-    return QoSContext(policies[0].claim, gateway, any(p.rate_limited for p in policies))
+    return QoSContext(
+        policies[0].claim,
+        gateway,
+        any(p.rate_limited for p in policies),
+        limit_service_metadata,
+    )

@@ -58,11 +58,14 @@ class QoSContext:
     """Multi-tenant QoS on one connection manager. `claim`: the verified JWT claim naming the
     tenant (jwt_authn writes it as contracts.qos.TENANT_HEADER for the inference backend);
     `gateway`: the QoSPolicy bound to the whole gateway; `rate_limited`: a policy governing some
-    route of this listener limits the rate (the local rate limit filter runs)."""
+    route of this listener limits the rate (the local rate limit filter runs);
+    `limit_service_metadata`: what the gateway's calls to the limit service carry to prove
+    which gateway asks (a global rate; empty offline)."""
 
     claim: str
     gateway: ir.QoSPolicy | None = None
     rate_limited: bool = False
+    limit_service_metadata: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

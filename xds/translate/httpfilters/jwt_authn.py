@@ -36,6 +36,7 @@ from .internal_headers import claim_headers
 
 JWT_FILTER = "envoy.filters.http.jwt_authn"
 SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
+JWT_CACHE_SIZE = 1000  # verified tokens kept per Envoy worker and provider
 
 
 class JwtAuthn(HttpFilter[tuple[ir.JwtRule, ...]]):
@@ -118,6 +119,9 @@ def _provider(rule: ir.JwtRule, claim_headers: tuple[tuple[str, str], ...] = ())
         + [jwt.JwtClaimToHeader(header_name=h, claim_name=c) for h, c in claim_headers],
         clock_skew_seconds=rule.clock_skew_seconds,
         require_expiration=rule.require_expiration,
+        # Each worker keeps the tokens it verified (expiry still checked on every hit): a
+        # client's repeated token costs no ES256/RS256 verification per request.
+        jwt_cache_config=jwt.JwtCacheConfig(jwt_cache_size=JWT_CACHE_SIZE),
     )
     if rule.max_lifetime_seconds is not None:
         provider.max_lifetime.CopyFrom(duration_pb2.Duration(seconds=rule.max_lifetime_seconds))

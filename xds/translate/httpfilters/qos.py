@@ -32,10 +32,12 @@ def rate_limit_config(policy: ir.QoSPolicy | None) -> local_rate_limit_pb2.Local
     return message
 
 
-def global_rate_limit_config(policy: ir.QoSPolicy) -> rate_limit_pb2.RateLimit:
+def global_rate_limit_config(
+    policy: ir.QoSPolicy, metadata: tuple[tuple[str, str], ...] = ()
+) -> rate_limit_pb2.RateLimit:
     """The gateway's global rate: asked of the control plane's limit service (xds/rls.py),
-    served on the ADS port."""
-    raw = dict(envoy_qos.global_rate_limit(policy, CONTROL_PLANE_CLUSTER))
+    served on the ADS port, with `metadata` proving which gateway asks."""
+    raw = dict(envoy_qos.global_rate_limit(policy, CONTROL_PLANE_CLUSTER, metadata=metadata))
     raw.pop("@type")
     message = rate_limit_pb2.RateLimit()
     json_format.ParseDict(raw, message)
@@ -53,7 +55,9 @@ class QoS(HttpFilter[QoSContext]):
         if config.gateway is not None and config.gateway.global_rate is not None:
             yield hcm.HttpFilter(
                 name=envoy_qos.GLOBAL_RATE_LIMIT,
-                typed_config=pack(global_rate_limit_config(config.gateway)),
+                typed_config=pack(
+                    global_rate_limit_config(config.gateway, config.limit_service_metadata)
+                ),
             )
 
     def local_reply_mappers(

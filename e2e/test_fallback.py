@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client as httpc
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -287,8 +288,15 @@ def test_a_slow_upstream_trips_the_drift_breaker_and_traffic_returns(topology: T
         degrade_and_recover(topology, load)
     assert all(status == 200 for _, status, _ in load.results)
     metrics = http_get(f"{topology.admin}/metrics")
-    assert 'meshfn_drift_transitions_total{route="default/model",to="degraded"} 1.0' in metrics
-    assert 'meshfn_drift_transitions_total{route="default/model",to="healthy"} 1.0' in metrics
+    # tripped and reset, and every trip reset (a loaded machine may trip it more than once)
+    transitions = {
+        to: float(value)
+        for to, value in re.findall(
+            r'meshfn_drift_transitions_total\{route="default/model",to="(\w+)"\} ([\d.]+)', metrics
+        )
+    }
+    assert transitions.get("degraded", 0) >= 1, transitions
+    assert transitions.get("healthy") == transitions["degraded"], transitions
 
 
 @pytest.mark.parametrize("topology", ["audit"], indirect=True)

@@ -216,12 +216,16 @@ class Dispatcher:
         status = 500
         try:
             self.admit(rt, protocol)
-            limit = rt.spec.limits.maxConcurrency
-            if rt.inflight >= limit:
-                raise KServeError(429, f"function {rt.label} is at its concurrency limit ({limit})")
+            # QoS first: at saturation a low-priority request is shed by name (limit "shed"),
+            # not refused as anyone's excess by the function's own limit
             admission = self.lane(rt).admission
             ticket = admission.admit(tenant) if admission is not None else None
             try:
+                limit = rt.spec.limits.maxConcurrency
+                if rt.inflight >= limit:
+                    raise KServeError(
+                        429, f"function {rt.label} is at its concurrency limit ({limit})"
+                    )
                 request = parse()
             except BaseException:
                 if ticket is not None:

@@ -169,6 +169,9 @@ async def main() -> None:
     parser.add_argument("--group", required=True)
     parser.add_argument("--protocol", choices=["sotw", "delta"], default="sotw")
     parser.add_argument("--authorization", default="", help="bootstrap token header value")
+    parser.add_argument(
+        "--shared-connection", action="store_true", help="all streams on one TCP connection"
+    )
     args = parser.parse_args()
     eds_names = [f"svc-{i:05d}.bench" for i in range(args.services)]
     fleet = Fleet(args.clients)
@@ -178,7 +181,13 @@ async def main() -> None:
     tasks = []
     for i in range(args.clients):
         channel = grpc.aio.insecure_channel(
-            args.target, options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)]
+            args.target,
+            options=[
+                ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                # One connection per simulated Envoy, as real ones have: otherwise grpc shares
+                # one subchannel (one TCP connection) between all channels to a target.
+                ("grpc.use_local_subchannel_pool", 0 if args.shared_connection else 1),
+            ],
         )
         channels.append(channel)
         tasks.append(

@@ -32,7 +32,7 @@ from .delta import DeltaHandler
 from .recording import Recorder
 from .sotw import SotwHandler
 from .status import Metrics, ProxyStatus
-from .stream import Context, Handler, Stream
+from .stream import Context, Handler, Stream, WriteBudget
 
 log = logging.getLogger("meshfn.xds")
 
@@ -48,21 +48,23 @@ def _identity(data: bytes) -> bytes:
 class AdsServer:
     """`authenticate(node_cluster, authorization_metadata)` decides whether a stream may have
     the configuration (and private keys) of the workload it claims to be; None trusts anyone
-    (tests of the protocol alone)."""
+    (tests of the protocol alone). `budget` bounds the bytes of large responses in flight."""
 
     def __init__(
         self,
         cache: SnapshotCache,
         metrics: Metrics | None = None,
         authenticate: Authenticator | None = None,
+        budget: WriteBudget | None = None,
     ) -> None:
         self.cache = cache
         self.metrics = metrics or Metrics()
         self.authenticate = authenticate
         recorder = Recorder(self.metrics)
         auth = StreamAuth(authenticate)
-        self._sotw = SotwHandler(cache, recorder, auth)
-        self._delta = DeltaHandler(cache, recorder, auth)
+        budget = budget or WriteBudget()  # one for both protocols: it bounds the memory
+        self._sotw = SotwHandler(cache, recorder, auth, budget)
+        self._delta = DeltaHandler(cache, recorder, auth, budget)
         self._recorder = recorder
         self._extra_handlers: list[grpc.GenericRpcHandler] = []
         self._streams: dict[int, Stream] = {}
@@ -79,6 +81,11 @@ class AdsServer:
                 # Large fleets reconnect at once after a restart: let calls wait for the
                 # handler instead of being dropped by grpc-core (FACTS.md, fan-out ceiling).
                 ("grpc.server_max_unrequested_time_in_server", 3600),
+                # Calls waiting for the handler beyond these counts are refused at random
+                # (grpc-core's early detection: clients see CANCELLED); a reconnect storm of
+                # thousands of proxies exceeded the defaults (1000 soft, 3000 hard).
+                ("grpc.server.max_pending_requests", 1_000_000),
+                ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
             ],
             maximum_concurrent_rpcs=None,
         )

@@ -21,7 +21,7 @@ names are answered at once, so a warming cluster never waits for the initial-fet
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -48,7 +48,9 @@ def _identity(data: bytes) -> bytes:
 class AdsServer:
     """`authenticate(node_cluster, authorization_metadata)` decides whether a stream may have
     the configuration (and private keys) of the workload it claims to be; None trusts anyone
-    (tests of the protocol alone). `budget` bounds the bytes of large responses in flight."""
+    (tests of the protocol alone). `budget` bounds the bytes of large responses in flight;
+    `on_streams(count)` hears how many streams are open whenever that changes (the process's
+    GC tuning scales with it)."""
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class AdsServer:
         metrics: Metrics | None = None,
         authenticate: Authenticator | None = None,
         budget: WriteBudget | None = None,
+        on_streams: Callable[[int], None] | None = None,
     ) -> None:
         self.cache = cache
         self.metrics = metrics or Metrics()
@@ -68,6 +71,7 @@ class AdsServer:
         self._recorder = recorder
         self._extra_handlers: list[grpc.GenericRpcHandler] = []
         self._streams: dict[int, Stream] = {}
+        self._on_streams = on_streams or (lambda count: None)
         self._server: grpc.aio.Server | None = None
 
     async def start(self, address: str = "127.0.0.1", port: int = 0) -> int:
@@ -141,11 +145,13 @@ class AdsServer:
             stream = Stream(handler.protocol, context)
             self._streams[stream.id] = stream
             self._recorder.opened(handler.protocol)
+            self._on_streams(len(self._streams))
             try:
                 await handler.serve(stream, requests)
             finally:
                 self._streams.pop(stream.id, None)
                 self._recorder.closed(handler.protocol)
+                self._on_streams(len(self._streams))
 
         return grpc.stream_stream_rpc_method_handler(
             serve, request_deserializer=_identity, response_serializer=_identity

@@ -4,6 +4,7 @@ behaviour, and hostile requests that must end only their own stream."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -647,3 +648,44 @@ async def test_streams_must_prove_their_workload(tmp_path: Any) -> None:
     finally:
         await channel.close()
         await server.stop(0)
+
+
+async def test_the_server_reports_open_streams_for_gc_tuning() -> None:
+    """on_streams hears every change of the open-stream count (control_plane.service scales
+    the young-generation GC threshold with it)."""
+    counts: list[int] = []
+    h = Harness()
+    h.server = AdsServer(h.cache, on_streams=counts.append)
+    h.port = await h.server.start("127.0.0.1", 0)
+    h.channel = grpc.aio.insecure_channel(f"127.0.0.1:{h.port}")
+    try:
+        h.publish({"a": 1})
+        streams = [delta(h), delta(h)]
+        for s in streams:
+            await s.send(discovery_pb2.DeltaDiscoveryRequest(node=NODE, type_url=CLUSTER))
+            await s.next()
+        assert counts == [1, 2]
+        for s in streams:
+            s.call.cancel()
+        await until("both streams closed", lambda: counts[-1:] == [0])
+        assert counts == [1, 2, 1, 0]
+    finally:
+        await h.channel.close()
+        await h.server.stop(0)
+
+
+def test_gc_threshold_grows_with_the_streams() -> None:
+    from meshfn.control_plane import service
+
+    before = gc.get_threshold()
+    try:
+        service.scale_gc(10_000)  # before tune_gc (meshfn serve/up call it): no effect
+        assert gc.get_threshold() == before
+        service._gc_tuned[0] = True  # what tune_gc sets, without its full collection
+        service.scale_gc(0)
+        assert gc.get_threshold()[0] == service.GC_YOUNG
+        service.scale_gc(10_000)
+        assert gc.get_threshold()[0] == service.GC_YOUNG + 10_000 * service.GC_YOUNG_PER_STREAM
+    finally:
+        service._gc_tuned[0] = False
+        gc.set_threshold(*before)

@@ -203,7 +203,10 @@ class Handler(ABC):
         sub.on_sent(ts, nonce, count, snapshot.published_at)
         self.recorder.pushed(ts.type_url, stream.protocol, len(data))
         stream.responses += 1
-        await self.budget.write(stream.context, data)
+        if len(data) < WriteBudget.SMALL:  # the common push: no coroutine in between
+            await stream.context.write(data)
+        else:
+            await self.budget.write(stream.context, data)
 
     def reply(self, stream: Stream, sub: Subscription, error: str | None, version: str) -> None:
         """The client answered our latest response: ACK (`error` None) or NACK."""

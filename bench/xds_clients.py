@@ -9,7 +9,9 @@ Driven over stdin/stdout by the benchmark:
                               EDS updates without it arrived meanwhile, e.g. duplicates)
                            <- TIMEOUT <streams that have it>
   -> QUIT
-Convergence is per stream and by content: a duplicate push to one stream cannot stand in for a
+Each stream has its own TCP connection, as each Envoy has (--shared-connection multiplexes them
+on one, as grpc does by default for channels to one target). Convergence is per stream and by
+content: a duplicate push to one stream cannot stand in for a
 stream that never got the update. Times are time.monotonic() (CLOCK_MONOTONIC, comparable
 across processes on Linux).
 """

@@ -9,7 +9,9 @@ Driven over stdin/stdout by the benchmark:
                               EDS updates without it arrived meanwhile, e.g. duplicates)
                            <- TIMEOUT <streams that have it>
   -> QUIT
-Convergence is per stream and by content: a duplicate push to one stream cannot stand in for a
+Each stream has its own TCP connection, as each Envoy has (--shared-connection multiplexes them
+on one, as grpc does by default for channels to one target). Convergence is per stream and by
+content: a duplicate push to one stream cannot stand in for a
 stream that never got the update. Times are time.monotonic() (CLOCK_MONOTONIC, comparable
 across processes on Linux).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import time
 
@@ -169,6 +172,9 @@ async def main() -> None:
     parser.add_argument("--group", required=True)
     parser.add_argument("--protocol", choices=["sotw", "delta"], default="sotw")
     parser.add_argument("--authorization", default="", help="bootstrap token header value")
+    parser.add_argument(
+        "--shared-connection", action="store_true", help="all streams on one TCP connection"
+    )
     args = parser.parse_args()
     eds_names = [f"svc-{i:05d}.bench" for i in range(args.services)]
     fleet = Fleet(args.clients)
@@ -178,7 +184,13 @@ async def main() -> None:
     tasks = []
     for i in range(args.clients):
         channel = grpc.aio.insecure_channel(
-            args.target, options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)]
+            args.target,
+            options=[
+                ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                # One connection per simulated Envoy, as real ones have: otherwise grpc shares
+                # one subchannel (one TCP connection) between all channels to a target.
+                ("grpc.use_local_subchannel_pool", 0 if args.shared_connection else 1),
+            ],
         )
         channels.append(channel)
         tasks.append(
@@ -199,6 +211,12 @@ async def main() -> None:
         )
         print(f"FAILED {len(errors)} streams: {detail}", flush=True)
         return
+    # Real Envoys are not Python: keep the harness's own cost low. Every stream keeps dozens of
+    # young objects alive (its pending read), which default GC thresholds walk many times per
+    # push (the control plane scales its threshold the same way, control_plane/service.py).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000 + 100 * args.clients, 50, 50)
     print(f"READY {time.monotonic() - started:.3f}", flush=True)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()

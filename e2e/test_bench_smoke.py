@@ -10,6 +10,7 @@ from meshfn_e2e import run_bench
 
 def test_xds_push_bench_smoke(tmp_path: Path) -> None:
     tiny = ["--changes", "5", "--services", "20", "--clients", "20", "30", "--fanout-changes", "2"]
+    tiny += ["--large-clients", "40", "--large-changes", "2"]
     line, data = run_bench("xds_push.py", tiny, tmp_path)
     assert re.match(
         r"^xds_push: visible_p50_ms=[\d.]+ visible_p99_ms=[\d.]+ clients=20 converge_max_ms=\d+ cp_peak_rss_mb=\d+ ",
@@ -19,6 +20,13 @@ def test_xds_push_bench_smoke(tmp_path: Path) -> None:
     assert all(len(r["converge_ms"]) == 2 for r in data["fanout"])
     assert len(data["visible"]["visible_ms"]) == 5
     assert [r["clients"] for r in data["fanout"]] == [20, 30]
+    assert re.search(
+        r" converge_p99_ms@40=\d+ cp_rss_mb@40=\d+ clients_cpu_pct@40=\d+ cp_cpu_pct@40=\d+ ",
+        line,
+    ), line
+    large = data["large"]
+    assert large["clients"] == 40 and large["protocol"] == "delta"
+    assert large["connections"] == "one per client" and len(large["converge_ms"]) == 2
 
 
 def test_failover_bench_smoke(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ behaviour, and hostile requests that must end only their own stream."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from meshfn.xds.cache import SnapshotCache, prepare
 from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from meshfn.xds.server import AdsServer
 from meshfn.xds.stream import Stream as ServerStream
+from meshfn.xds.stream import WriteBudget
 
 GROUP = "edge.default"
 NODE = base_pb2.Node(id="edge.default~test", cluster=GROUP)
@@ -396,6 +398,98 @@ async def test_delta_reconnect_skips_what_the_proxy_has(ads: Harness) -> None:
     assert list(first.removed_resources) == ["gone"]
 
 
+async def test_delta_fresh_streams_share_one_response(ads: Harness) -> None:
+    """A fleet connecting at once is answered with one shared response (one nonce, one bytes
+    object); a client that already holds something gets its own."""
+    ads.publish({"a": 1, "b": 2})
+    ts = ads.cache.get(GROUP).type(CLUSTER)  # type: ignore[union-attr]
+    first, second, holder = delta(ads), delta(ads), delta(ads)
+    for s in (first, second):
+        await s.send(discovery_pb2.DeltaDiscoveryRequest(node=NODE, type_url=CLUSTER))
+    await holder.send(
+        discovery_pb2.DeltaDiscoveryRequest(
+            node=NODE, type_url=CLUSTER, initial_resource_versions={"a": ts.resources["a"].version}
+        )
+    )
+    one, two, own = await first.next(), await second.next(), await holder.next()
+    assert one.nonce == two.nonce and sorted(r.name for r in one.resources) == ["a", "b"]
+    assert own.nonce != one.nonce and [r.name for r in own.resources] == ["b"]
+    # Each stream ACKs the shared nonce as its own.
+    for s, response in ((first, one), (second, two), (holder, own)):
+        await s.send(
+            discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER, response_nonce=response.nonce)
+        )
+    await until(
+        "three ACKs",
+        lambda: [p["types"]["clusters"]["in_sync"] for p in ads.server.proxies()] == [True] * 3,
+    )
+
+
+async def test_large_responses_wait_for_the_write_budget() -> None:
+    """With room for one large response at a time, every stream still gets its whole
+    configuration, and a later push still arrives: the budget delays, never loses."""
+    h = Harness()
+    budget = WriteBudget(limit=1)
+    h.server = AdsServer(h.cache, budget=budget)
+    h.port = await h.server.start("127.0.0.1", 0)
+    h.channel = grpc.aio.insecure_channel(f"127.0.0.1:{h.port}")
+    try:
+        ports = {f"cluster-{i:04d}-{'x' * 40}": 1000 + i for i in range(1500)}
+        h.publish(ports)
+        clusters = h.cache.get(GROUP).type(CLUSTER)  # type: ignore[union-attr]
+        assert sum(len(r.delta_entry) for r in clusters.resources.values()) > WriteBudget.SMALL
+        streams = [delta(h) for _ in range(6)]
+        for s in streams:
+            await s.send(discovery_pb2.DeltaDiscoveryRequest(node=NODE, type_url=CLUSTER))
+        for s in streams:
+            response = await s.next(timeout=20)
+            assert len(response.resources) == len(ports)
+            await s.send(
+                discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER, response_nonce=response.nonce)
+            )
+        assert budget.used == 0
+        h.publish(ports | {"added": 9})
+        for s in streams:
+            pushed = await s.next()
+            assert [r.name for r in pushed.resources] == ["added"]
+    finally:
+        await h.channel.close()
+        await h.server.stop(0)
+
+
+class Writes:
+    """The one call WriteBudget makes on a stream's context: writes complete when released."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+        self.release: dict[int, asyncio.Future[None]] = {}
+
+    async def write(self, data: bytes) -> None:
+        self.started.append(len(data))
+        gate = self.release[len(data)] = asyncio.get_running_loop().create_future()
+        await gate
+
+
+async def test_write_budget_queues_large_writes_and_lets_small_ones_pass() -> None:
+    budget = WriteBudget(limit=3 * WriteBudget.SMALL)
+    writes = Writes()
+    big = [b"x" * (WriteBudget.SMALL * 2 + i) for i in range(3)]
+    tasks = [asyncio.create_task(budget.write(writes, data)) for data in big]  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    assert writes.started == [len(big[0])]  # the second would exceed the limit: it waits
+    small = asyncio.create_task(budget.write(writes, b"tiny"))  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    assert writes.started[-1] == 4  # a small push never waits
+    writes.release[4].set_result(None)
+    tasks[1].cancel()  # a stream that ends while waiting gives up its place
+    writes.release[len(big[0])].set_result(None)
+    await asyncio.sleep(0.01)
+    assert writes.started == [len(big[0]), 4, len(big[2])]
+    writes.release[len(big[2])].set_result(None)
+    await asyncio.gather(tasks[0], tasks[2], small)
+    assert budget.used == 0
+
+
 async def test_delta_nack(ads: Harness) -> None:
     ads.publish({"a": 1})
     s = delta(ads)
@@ -554,3 +648,44 @@ async def test_streams_must_prove_their_workload(tmp_path: Any) -> None:
     finally:
         await channel.close()
         await server.stop(0)
+
+
+async def test_the_server_reports_open_streams_for_gc_tuning() -> None:
+    """on_streams hears every change of the open-stream count (control_plane.service scales
+    the young-generation GC threshold with it)."""
+    counts: list[int] = []
+    h = Harness()
+    h.server = AdsServer(h.cache, on_streams=counts.append)
+    h.port = await h.server.start("127.0.0.1", 0)
+    h.channel = grpc.aio.insecure_channel(f"127.0.0.1:{h.port}")
+    try:
+        h.publish({"a": 1})
+        streams = [delta(h), delta(h)]
+        for s in streams:
+            await s.send(discovery_pb2.DeltaDiscoveryRequest(node=NODE, type_url=CLUSTER))
+            await s.next()
+        assert counts == [1, 2]
+        for s in streams:
+            s.call.cancel()
+        await until("both streams closed", lambda: counts[-1:] == [0])
+        assert counts == [1, 2, 1, 0]
+    finally:
+        await h.channel.close()
+        await h.server.stop(0)
+
+
+def test_gc_threshold_grows_with_the_streams() -> None:
+    from meshfn.control_plane import service
+
+    before = gc.get_threshold()
+    try:
+        service.scale_gc(10_000)  # before tune_gc (meshfn serve/up call it): no effect
+        assert gc.get_threshold() == before
+        service._gc_tuned[0] = True  # what tune_gc sets, without its full collection
+        service.scale_gc(0)
+        assert gc.get_threshold()[0] == service.GC_YOUNG
+        service.scale_gc(10_000)
+        assert gc.get_threshold()[0] == service.GC_YOUNG + 10_000 * service.GC_YOUNG_PER_STREAM
+    finally:
+        service._gc_tuned[0] = False
+        gc.set_threshold(*before)

@@ -245,3 +245,74 @@ def test_reconnect_with_the_current_version(intern: SnapshotCache) -> None:
     sub.already_current(ts)
     assert sub.sent is ts and sub.status.as_dict()["in_sync"]
     assert sub.status.resources == 2  # z does not exist
+
+
+# ---------------------------------------------------------------- Delta: compact state
+
+
+def test_delta_known_is_compact_once_the_client_holds_exactly_a_snapshot(
+    intern: SnapshotCache,
+) -> None:
+    """No per-stream dict of versions: the shared snapshot says what the client holds. What
+    it holds must read the same as the explicit dict would, before and after a push."""
+    ts = types(ENDPOINT, "a", "b", "c")
+    sub = Subscription(ENDPOINT)
+    sub.start_delta(["a", "b"], {})
+    sub.update_delta(["a", "b"], [], intern.intern)
+    assert sub.holds_nothing()
+    sub.returned(ts, *sub.delta_changes(ts))
+    sub.on_sent(ts, next_nonce(), sub.known_count(), 0.0)
+    assert sub._known is None and sub.known_count() == 2 and not sub.holds_nothing()
+    newer = types(ENDPOINT, "a", "c", b=5)  # b changed: pushed by diff, state stays compact
+    changed, removed = sub.delta_changes(newer)
+    assert (changed, removed) == ({"b"}, frozenset())
+    sub.returned(newer, changed, removed)
+    assert sub._known is None
+    assert sub.known == {n: newer.resources[n].version for n in ("a", "b")}
+    # Reading `known` made it explicit; the next reconcile compacts it again.
+    sub.returned(newer, frozenset(), frozenset())
+    assert sub._known is None
+
+
+def test_delta_caught_up_moves_a_compact_state_to_the_new_snapshot(
+    intern: SnapshotCache,
+) -> None:
+    ts = types(ENDPOINT, "a", "b")
+    sub = Subscription(ENDPOINT)
+    sub.start_delta(["a"], {})
+    sub.update_delta(["a"], [], intern.intern)
+    sub.returned(ts, *sub.delta_changes(ts))
+    sub.on_sent(ts, next_nonce(), sub.known_count(), 0.0)
+    newer = types(ENDPOINT, "a", b=7)  # only an unwanted name changed
+    assert sub.delta_changes(newer) == (frozenset(), frozenset())
+    sub.caught_up(newer)
+    assert sub.sent is newer and sub._held is newer
+    assert sub.known == {"a": newer.resources["a"].version}
+
+
+def test_delta_hints_it_does_not_want_keep_the_state_explicit(intern: SnapshotCache) -> None:
+    """A reconnecting client's hint for a name it does not subscribe to stays known (and
+    counted): the compact form could not say it holds it."""
+    ts = types(ENDPOINT, "a", "b")
+    sub = Subscription(ENDPOINT)
+    sub.start_delta(["a"], {"other": "1"})
+    sub.update_delta(["a"], [], intern.intern)
+    assert not sub.holds_nothing()
+    sub.returned(ts, *sub.delta_changes(ts))
+    assert sub._known == {"a": ts.resources["a"].version, "other": "1"}
+    assert sub.known_count() == 2
+
+
+def test_delta_subscribing_more_names_while_compact_sends_only_the_new_ones(
+    intern: SnapshotCache,
+) -> None:
+    ts = types(ENDPOINT, "a", "b", "c")
+    sub = Subscription(ENDPOINT)
+    sub.start_delta(["a"], {})
+    sub.update_delta(["a"], [], intern.intern)
+    sub.returned(ts, *sub.delta_changes(ts))
+    sub.on_sent(ts, next_nonce(), sub.known_count(), 0.0)
+    sub.update_delta(["b"], [], intern.intern)  # what it holds is taken before names change
+    assert sub.delta_changes(ts) == ({"b"}, frozenset())
+    sub.update_delta([], ["a"], intern.intern)
+    assert sub.known == {} and sub.delta_changes(ts) == ({"b"}, frozenset())

@@ -72,15 +72,20 @@ class DeltaHandler(Handler):
     ) -> None:
         ts = snapshot.type(sub.type_url)
         # From a version sent before, the response is the same for every stream on it (with the
-        # same names): share it. After a subscription change it is this stream's own.
+        # same names): share it; so is the first one to a client that holds nothing (a fleet
+        # connecting at once would otherwise build, and hold in flight, one copy per stream).
+        # After any other subscription change it is this stream's own.
+        names = None if sub.wildcard else sub.names
         key: object = (
-            None
-            if sub.sent is None
-            else ("delta-diff", sub.sent.version, None if sub.wildcard else sub.names)
+            ("delta-diff", sub.sent.version, names)
+            if sub.sent is not None
+            else ("delta-fresh", names)
+            if sub.holds_nothing()
+            else None
         )
         changed, removed = sub.delta_changes(ts)
         if not changed and not removed and not force:
-            sub.sent = ts
+            sub.caught_up(ts)
             return
         sub.returned(ts, changed, removed)
         nonce, data = self.assemble(
@@ -94,4 +99,4 @@ class DeltaHandler(Handler):
                 nonce,
             ),
         )
-        await self.send(stream, sub, ts, snapshot, nonce, data, len(sub.known))
+        await self.send(stream, sub, ts, snapshot, nonce, data, sub.known_count())

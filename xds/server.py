@@ -16,12 +16,17 @@ an identity serializer; requests arrive as bytes and are parsed by the handlers,
 message ends only its own stream, with INVALID_ARGUMENT. Make-before-break: within one push, types
 go out in PUSH_ORDER (endpoints before clusters, routes before listeners), and newly subscribed
 names are answered at once, so a warming cluster never waits for the initial-fetch timeout.
+
+Memory per stream is kept small for fleets of 10,000: a Delta stream's record of what its client
+holds is a reference to the shared snapshot (subscription.py), first responses to clients that
+hold nothing are shared like diffs, and the large responses being written at once are bounded
+(stream.WriteBudget), since grpc keeps a copy of each until the client's window takes it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -32,7 +37,7 @@ from .delta import DeltaHandler
 from .recording import Recorder
 from .sotw import SotwHandler
 from .status import Metrics, ProxyStatus
-from .stream import Context, Handler, Stream
+from .stream import Context, Handler, Stream, WriteBudget
 
 log = logging.getLogger("meshfn.xds")
 
@@ -48,24 +53,30 @@ def _identity(data: bytes) -> bytes:
 class AdsServer:
     """`authenticate(node_cluster, authorization_metadata)` decides whether a stream may have
     the configuration (and private keys) of the workload it claims to be; None trusts anyone
-    (tests of the protocol alone)."""
+    (tests of the protocol alone). `budget` bounds the bytes of large responses in flight;
+    `on_streams(count)` hears how many streams are open whenever that changes (the process's
+    GC tuning scales with it)."""
 
     def __init__(
         self,
         cache: SnapshotCache,
         metrics: Metrics | None = None,
         authenticate: Authenticator | None = None,
+        budget: WriteBudget | None = None,
+        on_streams: Callable[[int], None] | None = None,
     ) -> None:
         self.cache = cache
         self.metrics = metrics or Metrics()
         self.authenticate = authenticate
         recorder = Recorder(self.metrics)
         auth = StreamAuth(authenticate)
-        self._sotw = SotwHandler(cache, recorder, auth)
-        self._delta = DeltaHandler(cache, recorder, auth)
+        budget = budget or WriteBudget()  # one for both protocols: it bounds the memory
+        self._sotw = SotwHandler(cache, recorder, auth, budget)
+        self._delta = DeltaHandler(cache, recorder, auth, budget)
         self._recorder = recorder
         self._extra_handlers: list[grpc.GenericRpcHandler] = []
         self._streams: dict[int, Stream] = {}
+        self._on_streams = on_streams or (lambda count: None)
         self._server: grpc.aio.Server | None = None
 
     async def start(self, address: str = "127.0.0.1", port: int = 0) -> int:
@@ -79,6 +90,11 @@ class AdsServer:
                 # Large fleets reconnect at once after a restart: let calls wait for the
                 # handler instead of being dropped by grpc-core (FACTS.md, fan-out ceiling).
                 ("grpc.server_max_unrequested_time_in_server", 3600),
+                # Calls waiting for the handler beyond these counts are refused at random
+                # (grpc-core's early detection: clients see CANCELLED); a reconnect storm of
+                # thousands of proxies exceeded the defaults (1000 soft, 3000 hard).
+                ("grpc.server.max_pending_requests", 1_000_000),
+                ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
             ],
             maximum_concurrent_rpcs=None,
         )
@@ -134,11 +150,13 @@ class AdsServer:
             stream = Stream(handler.protocol, context)
             self._streams[stream.id] = stream
             self._recorder.opened(handler.protocol)
+            self._on_streams(len(self._streams))
             try:
                 await handler.serve(stream, requests)
             finally:
                 self._streams.pop(stream.id, None)
                 self._recorder.closed(handler.protocol)
+                self._on_streams(len(self._streams))
 
         return grpc.stream_stream_rpc_method_handler(
             serve, request_deserializer=_identity, response_serializer=_identity

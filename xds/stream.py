@@ -46,6 +46,53 @@ def malformed() -> ProtocolError:
     )
 
 
+class WriteBudget:
+    """Bounds the bytes of large responses being written at once, across all streams.
+
+    grpc copies each response into its own buffer and holds it until the client's flow-control
+    window takes it. When a fleet connects at once, every stream is sent its whole
+    configuration (hundreds of KB) and a slow reader keeps it buffered: at 10,000 streams that
+    was gigabytes (bench/xds_push.py, cp_peak_rss_mb). A response waits here until the ones in
+    flight leave room. Small ones (pushes of a changed endpoint) never wait: they are the
+    latency that matters, and they are small.
+    """
+
+    SMALL = 64 * 1024
+
+    def __init__(self, limit: int = 64 * 1024 * 1024) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def write(self, context: Context, data: bytes) -> None:
+        size = len(data)
+        if size < self.SMALL:
+            await context.write(data)
+            return
+        while self.used and self.used + size > self.limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # it was this one's turn: pass it on
+                raise
+        self.used += size
+        try:
+            await context.write(data)
+        finally:
+            self.used -= size
+            self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
 class Stream:
     """One ADS stream: its node, subscriptions, and an inbox fed by the reader task."""
 
@@ -94,10 +141,17 @@ class Handler(ABC):
 
     protocol: ClassVar[str]
 
-    def __init__(self, cache: SnapshotCache, recorder: Recorder, auth: StreamAuth) -> None:
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        recorder: Recorder,
+        auth: StreamAuth,
+        budget: WriteBudget | None = None,
+    ) -> None:
         self.cache = cache
         self.recorder = recorder
         self.auth = auth
+        self.budget = budget or WriteBudget()
 
     @abstractmethod
     def parse(self, raw: bytes) -> Any:
@@ -149,7 +203,10 @@ class Handler(ABC):
         sub.on_sent(ts, nonce, count, snapshot.published_at)
         self.recorder.pushed(ts.type_url, stream.protocol, len(data))
         stream.responses += 1
-        await stream.context.write(data)
+        if len(data) < WriteBudget.SMALL:  # the common push: no coroutine in between
+            await stream.context.write(data)
+        else:
+            await self.budget.write(stream.context, data)
 
     def reply(self, stream: Stream, sub: Subscription, error: str | None, version: str) -> None:
         """The client answered our latest response: ACK (`error` None) or NACK."""

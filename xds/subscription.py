@@ -36,9 +36,10 @@ class Subscription:
     """See the module docstring; one per stream and type URL."""
 
     __slots__ = (
+        "_held",
+        "_known",
         "fingerprint",
         "first_nonce",
-        "known",
         "last_nonce",
         "legacy_wildcard",
         "names",
@@ -58,7 +59,12 @@ class Subscription:
         self.names: Names = frozenset()  # explicitly subscribed names (never "*"), interned
         self.fingerprint: bytes | None = None  # SotW: the last request's names, as raw bytes
         self.sent: TypeSnapshot | None = None  # the version the client was last brought to
-        self.known: dict[str, str] = {}  # Delta: name -> version the client holds
+        # Delta: what the client holds, name -> version. Usually it is exactly the wanted
+        # resources of one TypeSnapshot (`_held`), shared by every stream on it, so no per-stream
+        # dict is kept (two thousand entries per stream for CDS+EDS were most of a stream's
+        # memory); `_known` is the explicit dict otherwise (see `known` and `returned`).
+        self._known: dict[str, str] | None = {}
+        self._held: TypeSnapshot | None = None
         self.first_nonce = 0
         self.last_nonce = ""
         self.pending_since = 0.0  # published_at of the snapshot awaiting ACK (0: none)
@@ -70,6 +76,31 @@ class Subscription:
     def held(self, ts: TypeSnapshot) -> int:
         """How many resources of `ts` the client holds once it is current (for status)."""
         return len(ts) if self.wildcard else ts.count(self.names)
+
+    @property
+    def known(self) -> dict[str, str]:
+        """Delta: name -> version of every resource the client holds (built on demand from the
+        shared snapshot when compact; callers may change the dict it returns)."""
+        if self._known is None:
+            held = self._held
+            assert held is not None
+            self._known = {n: r.version for n, r in held.resources.items() if self.wants(n)}
+            self._held = None
+        return self._known
+
+    @known.setter
+    def known(self, value: dict[str, str]) -> None:
+        self._known, self._held = value, None
+
+    def holds_nothing(self) -> bool:
+        return self._known is not None and not self._known
+
+    def known_count(self) -> int:
+        """How many resources the client holds (for status), without building `known`."""
+        if self._known is None:
+            assert self._held is not None
+            return self.held(self._held)
+        return len(self._known)
 
     # ------------------------------------------------------------------ what the client wants
 
@@ -118,6 +149,7 @@ class Subscription:
         reports it removed: the client must learn which (go-control-plane does the same).
         Afterwards the client is reconciled against the whole snapshot (`sent` is cleared).
         """
+        known = self.known  # built before the names change: it is what the client holds now
         names = set(self.names)
         for name in subscribe:
             if name == WILDCARD:
@@ -129,10 +161,10 @@ class Subscription:
                 self.wildcard = False
             elif self.wildcard and name in names:
                 names.discard(name)
-                self.known[name] = ""  # never a real version: forces an update or a removal
+                known[name] = ""  # never a real version: forces an update or a removal
             else:
                 names.discard(name)
-                self.known.pop(name, None)
+                known.pop(name, None)
         self.names = intern(frozenset(names))
         self.sent = None
 
@@ -153,17 +185,35 @@ class Subscription:
             if self.wildcard
             else {n: ts.resources[n] for n in self.names if n in ts.resources}
         )
-        changed = frozenset(n for n, r in candidates.items() if self.known.get(n) != r.version)
-        removed = frozenset(n for n in self.known if n not in ts.resources and self.wants(n))
+        known = self.known
+        changed = frozenset(n for n, r in candidates.items() if known.get(n) != r.version)
+        removed = frozenset(n for n in known if n not in ts.resources and self.wants(n))
         return changed, removed
 
     def returned(self, ts: TypeSnapshot, changed: Names, removed: Names) -> None:
-        """Delta: the client is being sent `changed` and told `removed` (its resource hints)."""
-        known = self.known
+        """Delta: the client is being sent `changed` and told `removed` (its resource hints).
+
+        Afterwards it holds every wanted resource of `ts` at its version; when it holds nothing
+        else, that is all there is to know, and the state becomes compact again.
+        """
+        if self._known is None:
+            # Compact and brought from `sent` by a diff within what it wants: still exact.
+            self._held = ts
+            return
+        known = self._known
         for name in changed:
             known[name] = ts.resources[name].version
         for name in removed:
             known.pop(name, None)
+        if len(known) == self.held(ts):  # every entry is a wanted resource of `ts`
+            self._known, self._held = None, ts
+
+    def caught_up(self, ts: TypeSnapshot) -> None:
+        """Delta: nothing the client wants changed up to `ts`; it is current without a
+        response (and a compact state moves on, not pinning an old snapshot)."""
+        self.sent = ts
+        if self._known is None:
+            self._held = ts
 
     # ------------------------------------------------------------------ responses and replies
 

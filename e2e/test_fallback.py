@@ -318,13 +318,18 @@ def test_audit_and_degrade_run_as_one_plugin(topology: Topology) -> None:
     assert (
         envoy_stat(topology.ports["envoy_admin"], "wasm.envoy.wasm.runtime.v8.created") > vms_before
     )
-    wait_for(
-        "VMs of replaced plugin configurations released",
-        lambda: (
+    active: list[int] = []
+
+    def released() -> bool:
+        active.append(
             envoy_stat(topology.ports["envoy_admin"], "wasm.envoy.wasm.runtime.v8.active")
-            <= vms_before
-        ),
-    )
+        )
+        return active[-1] <= vms_before
+
+    try:  # workers free them as their last streams on the old configuration end
+        wait_for("VMs of replaced plugin configurations released", released, timeout=30)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: active VMs {active[-5:]}, before {vms_before}") from None
     journal = journal_path(topology.tmp / "state", "edge.default")
 
     def records() -> list[dict[str, str]]:

@@ -25,7 +25,7 @@ from meshfn.contracts.journal import journal_dir
 from meshfn.ir import MeshModel, Overlay
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import InconsistentSnapshot, Snapshot, SnapshotCache, prepare
-from meshfn.xds.names import LATENCY_LOG, SECRET, SHORT_NAMES, primary_clusters
+from meshfn.xds.names import LATENCY_LOG, SECRET, primary_clusters
 from meshfn.xds.rls import GlobalPolicy, RateLimitService, global_policies
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
@@ -260,12 +260,8 @@ class ControlPlane:
         if identity.reload_roots_if_changed():
             return True
         if identity.rolling_out():
-            acked: dict[str, list[str]] = {}
-            for proxy in self.ads.proxies():
-                secrets = proxy["types"].get(SHORT_NAMES[SECRET], {})
-                acked.setdefault(proxy["workload"], []).append(secrets.get("acked", ""))
             workloads = [w.node_cluster for w in model.workloads]
-            if identity.advance(workloads, acked, time.monotonic()):
+            if identity.advance(workloads, self.ads.acked(SECRET), time.monotonic()):
                 return True
         due = identity.next_renewal()
         return due is not None and dt.datetime.now(dt.UTC) >= due

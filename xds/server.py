@@ -138,6 +138,16 @@ class AdsServer:
         """The open streams, oldest first."""
         return sorted(self._streams.values(), key=lambda s: s.id)
 
+    def acked(self, type_url: str) -> dict[str, list[str]]:
+        """Per workload, the version of `type_url` each of its streams ACKed ("" for none yet):
+        cheap enough to poll, unlike `proxies()`, which renders every stream's whole status."""
+        out: dict[str, list[str]] = {}
+        for stream in self._streams.values():
+            if stream.group:
+                status = stream.status.types.get(type_url)
+                out.setdefault(stream.group, []).append(status.acked_version if status else "")
+        return out
+
     def proxies(self) -> list[dict[str, Any]]:
         return [
             s.status.as_dict(known_group=self.cache.get(s.group) is not None)

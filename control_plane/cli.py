@@ -276,6 +276,15 @@ def up(
     publish_examples: Annotated[
         bool, typer.Option(help="build, sign and publish the example functions first (cached)")
     ] = False,
+    backend_processes: Annotated[
+        int,
+        typer.Option(
+            min=1, max=64, help="serving processes per inference backend, sharing its port"
+        ),
+    ] = 1,
+    backend_workers: Annotated[
+        int, typer.Option(min=1, max=64, help="threads running wasm per backend process")
+    ] = 2,
     log_format: LogFormatOpt = "human",
     log_level: LogLevelOpt = "info",
     admin_listen: AdminListenOpt = "127.0.0.1",
@@ -299,7 +308,9 @@ def up(
             _fail(f"publishing the example functions failed: {exc}")
             return
         keys.append(public)
-    setup = FunctionsSetup(registry, tuple(keys)) if keys else None
+    setup = (
+        FunctionsSetup(registry, tuple(keys), backend_workers, backend_processes) if keys else None
+    )
     token = _admin_token(admin_token_file)
     code = asyncio.run(
         run_up(

@@ -118,3 +118,36 @@ def test_a_killed_process_is_restarted_under_load_with_no_failed_request(
                 os.kill(pid, 0)
     finally:
         procs.stop_all()
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for init's reap counts as exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def test_a_sigkilled_supervisor_leaves_no_serving_process(tmp_path: Path) -> None:
+    """The chaos soak SIGKILLs backends: the children must not keep serving with no parent."""
+    procs = Processes(tmp_path)
+    try:
+        _, key = publish_examples(tmp_path / "registry")
+        config = tmp_path / "backend.json"
+        config.write_text(
+            json.dumps({"registry": str(tmp_path / "registry"), "trustedKeys": [str(key)],
+                        "processes": 2, "functions": [{"name": "digits"}]})
+        )  # fmt: skip
+        port = free_port()
+        backend = procs.start(
+            "backend",
+            [PY, "-P", "-m", "meshfn.inference", "serve", "--config", str(config),
+             "--port", str(port), "--log-level", "warning", "--drain-timeout", "2"],
+        )  # fmt: skip
+        wait_for("two processes", lambda: len(pids(port)) == 2, timeout=90, proc=backend)
+        children = set(pids(port, 16))
+        os.kill(backend.pid, signal.SIGKILL)
+        wait_for("the children exited", lambda: all(map(_gone, children)), timeout=30)
+    finally:
+        procs.stop_all()

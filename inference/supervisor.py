@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from meshfn.common.processes import die_with_parent
+
 from .config import BackendConfig
 
 log = logging.getLogger("meshfn.inference.supervisor")
@@ -135,7 +137,10 @@ class Supervisor:
         while not self.stopping:
             started = time.monotonic()
             child = await asyncio.create_subprocess_exec(
-                *self._argv(config_path, fd), pass_fds=(fd,), stdin=asyncio.subprocess.DEVNULL
+                *self._argv(config_path, fd),
+                pass_fds=(fd,),
+                stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=die_with_parent,  # a SIGKILLed supervisor leaves no server behind
             )
             self.children[index] = child
             code = await child.wait()

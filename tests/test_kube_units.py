@@ -238,7 +238,11 @@ def test_backends_are_rendered_from_the_function_schema() -> None:
         )
     from meshfn.inference.config import parse_config
 
-    parse_config(yaml.safe_load(config_map["data"]["backend.yaml"]), "configmap")
+    assert parse_config(yaml.safe_load(config_map["data"]["backend.yaml"]), "cm").processes == 1
+    many = render_backends(model, BackendSettings(processes=3, workers=1), keda=False)
+    config_map = next(r.obj for r in many if r.obj["kind"] == "ConfigMap")
+    config = parse_config(yaml.safe_load(config_map["data"]["backend.yaml"]), "configmap")
+    assert (config.processes, config.workers) == (3, 1)  # Helm values backends.processes
     for item in rendered:
         valid(item.obj)
     pod = next(r.obj for r in rendered if r.obj["kind"] == "Deployment")["spec"]["template"]
@@ -370,6 +374,14 @@ def test_rendered_chart_validates_and_is_hardened() -> None:
     assert {"PodDisruptionBudget", "NetworkPolicy", "ServiceAccount", "ServiceMonitor"} <= kinds
     config_map = next(d for d in documents if d["kind"] == "ConfigMap")
     config = OperatorConfig.model_validate(yaml.safe_load(config_map["data"]["operator.yaml"]))
+    assert config.backends.processes == 1
+    two = next(d for d in chart("--set", "backends.processes=2") if d["kind"] == "ConfigMap")
+    assert (
+        OperatorConfig.model_validate(
+            yaml.safe_load(two["data"]["operator.yaml"])
+        ).backends.processes
+        == 2
+    )
     lease = next(d for d in documents if d["kind"] == "Role")["rules"][1]["resourceNames"]
     assert lease == [config.leaseName]
     services = {d["metadata"]["name"]: d for d in documents if d["kind"] == "Service"}

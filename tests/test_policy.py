@@ -559,6 +559,11 @@ def test_function_policies_become_the_backend_config(tmp_path: Path) -> None:
     )
     assert iris.pool.minIdle == 1 and alias.artifact == "iris@1"
     assert (alias.codeTtl, alias.code_ttl) == (None, alias.idleTtl)
+    config = parse_config(raw)
+    assert (config.processes, config.workers) == (1, 2)
+    raw = backend_config(spec, FunctionsSetup(tmp_path / "reg", (tmp_path / "k.pub",), 3, 2))
+    config = parse_config(raw)
+    assert (config.processes, config.workers) == (2, 3)  # meshfn up --backend-processes/-workers
 
 
 def test_two_functions_with_one_name_clash(tmp_path: Path) -> None:

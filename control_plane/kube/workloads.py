@@ -74,6 +74,12 @@ class BackendSettings(_Strict):
     image: str = "meshfn:0.1.0"
     imagePullPolicy: str = "IfNotPresent"
     workers: Annotated[int, Field(ge=1, le=64)] = 2
+    processes: Annotated[int, Field(ge=1, le=64)] = Field(
+        1,
+        description="serving processes per pod sharing its port (size with the pod's CPU; each "
+        "process keeps its own pools and /metrics, so the autoscaler's in-flight figure is one "
+        "process's: prefer more pods unless a pod has several cores)",
+    )
     resources: dict[str, Any] = Field(
         default_factory=lambda: {
             "requests": {"cpu": "250m", "memory": "256Mi"},
@@ -93,11 +99,12 @@ class Rendered:
     obj: Obj
 
 
-def backend_config(functions: list[ir.Function], workers: int) -> BackendConfig:
+def backend_config(functions: list[ir.Function], settings: BackendSettings) -> BackendConfig:
     return BackendConfig(
         registry=Path(REGISTRY_DIR),
         trustedKeys=[Path(KEYS_DIR)],
-        workers=workers,
+        workers=settings.workers,
+        processes=settings.processes,
         functions=[f.served() for f in functions],
     )
 
@@ -214,7 +221,7 @@ def render_backends(
         source = (("Service", ns, name),)
         # the Istio routes send KServe gRPC to this Service port (ir.Service.grpc_service_port)
         grpc_port = service.grpc_service_port if service.protocol == "http" else None
-        config = backend_config(functions, settings.workers)
+        config = backend_config(functions, settings)
         text = yaml.safe_dump(
             config.model_dump(mode="json", exclude_none=True), sort_keys=False, width=100
         )

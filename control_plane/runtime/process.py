@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import signal
 import time
@@ -17,14 +16,9 @@ from pathlib import Path
 
 import aiohttp
 
+from meshfn.common.processes import die_with_parent
+
 log = logging.getLogger("meshfn.runtime")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ProcessFailed(RuntimeError):
@@ -91,7 +85,7 @@ class SupervisedProcess:
         log.info("started %s (pid %d)", self.name, self._proc.pid)
 
     def _in_child(self) -> None:  # between fork and exec: plain syscalls only
-        _die_with_parent()
+        die_with_parent()
         if self.preexec is not None:
             self.preexec()
 

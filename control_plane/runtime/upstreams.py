@@ -28,6 +28,7 @@ class FunctionsSetup:
     registry: Path
     trusted_keys: tuple[Path, ...]
     workers: int = 2
+    processes: int = 1  # serving processes per backend (BackendConfig.processes)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
         registry=setup.registry.resolve(),
         trustedKeys=[k.resolve() for k in setup.trusted_keys],
         workers=setup.workers,
+        processes=setup.processes,
         functions=[f.served() for f in spec.functions],
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)

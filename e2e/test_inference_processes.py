@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from meshfn.inference.devtools import RawHttp, write_envoy_config
@@ -129,8 +130,12 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-def test_a_sigkilled_supervisor_leaves_no_serving_process(tmp_path: Path) -> None:
-    """The chaos soak SIGKILLs backends: the children must not keep serving with no parent."""
+def test_grpc_on_every_process_and_a_sigkilled_supervisor_leaves_none(tmp_path: Path) -> None:
+    """Every child serves KServe gRPC on the one port (it used to bind it alone: the second
+    child died at start, again and again). The chaos soak SIGKILLs backends: the children must
+    not keep serving with no parent."""
+    import tritonclient.grpc as tgrpc
+
     procs = Processes(tmp_path)
     try:
         _, key = publish_examples(tmp_path / "registry")
@@ -139,14 +144,24 @@ def test_a_sigkilled_supervisor_leaves_no_serving_process(tmp_path: Path) -> Non
             json.dumps({"registry": str(tmp_path / "registry"), "trustedKeys": [str(key)],
                         "processes": 2, "functions": [{"name": "digits"}]})
         )  # fmt: skip
-        port = free_port()
+        port, grpc_port = free_ports(2)
         backend = procs.start(
             "backend",
             [PY, "-P", "-m", "meshfn.inference", "serve", "--config", str(config),
-             "--port", str(port), "--log-level", "warning", "--drain-timeout", "2"],
+             "--port", str(port), "--grpc-port", str(grpc_port), "--log-level", "warning",
+             "--drain-timeout", "2"],
         )  # fmt: skip
         wait_for("two processes", lambda: len(pids(port)) == 2, timeout=90, proc=backend)
         children = set(pids(port, 16))
+        for _ in range(8):  # new connections: the kernel spreads them over both children
+            client = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+            pixels = tgrpc.InferInput("pixels", [1, 64], "FP32")
+            pixels.set_data_from_numpy(np.full((1, 64), 4, dtype=np.float32))
+            assert client.infer("digits", [pixels]).as_numpy("label") is not None
+            client.close()
+        time.sleep(1.0)
+        assert "restarting" not in backend.output(), backend.output()[-2000:]
+        assert set(pids(port, 16)) == children
         os.kill(backend.pid, signal.SIGKILL)
         wait_for("the children exited", lambda: all(map(_gone, children)), timeout=30)
     finally:

@@ -329,16 +329,19 @@ def _repository_parameters(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:
 
 class GrpcServer:
     """grpc.aio server for the Service; the message limit is the largest maxRequestBytes (each
-    function's own limit is checked again per request)."""
+    function's own limit is checked again per request). `share_port`: SO_REUSEPORT, for the
+    `processes: N` children only (the supervisor cannot hold a socket for grpc-core to adopt);
+    otherwise a second server on the port fails to bind instead of silently taking half the
+    connections."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, share_port: bool = False) -> None:
         limits = [f.limits.maxRequestBytes for f in backend.config.functions or []]
         self.max_message = max([1 << 20, *limits])
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.max_message),
                 ("grpc.max_send_message_length", 64 << 20),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(share_port)),
             ]
         )
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Service(backend), self.server)

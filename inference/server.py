@@ -197,7 +197,8 @@ async def serve(
     backend = Backend(config)
     router = Router(backend)
     http = HttpServer(router.handle, router.body_limit, error_body)
-    grpc = GrpcServer(backend) if grpc_port is not None else None
+    # a supervisor's children share the gRPC port (SO_REUSEPORT); a lone backend owns it
+    grpc = GrpcServer(backend, share_port=listen_fd is not None) if grpc_port is not None else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

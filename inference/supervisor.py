@@ -12,7 +12,8 @@ it; here the supervisor keeps every socket open itself, so when a child dies its
 listening and queueing, and the restarted child adopts the same socket and answers them:
 only the requests the dead process was running are lost (a gateway retries those on reset).
 gRPC, whose server cannot adopt a socket, binds the same port in each child with SO_REUSEPORT
-(grpc-core's default on Linux).
+(set for children only: a lone backend owns its gRPC port). Children get PR_SET_PDEATHSIG, so a
+SIGKILLed supervisor leaves no process serving on its port.
 
 The children share the registry's artifacts through the page cache: each mmaps the same
 `.cwasm` files (`deserialize_file`), so the code's pages exist once in memory.

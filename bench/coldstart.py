@@ -3,8 +3,9 @@ throughput (bench/coldstart.py).
 
 Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
   traces      three request traces replayed against the Python function (iris), each against
-              two functions of the same artifact at once, one `warmup.mode: reactive`, one
-              `predictive` (same run, same machine load):
+              three functions of the same artifact at once, one `warmup.mode: reactive`, one
+              `predictive`, and `kept`: reactive with its code kept (`codeTtl: 1h`, the lever
+              that skips deserializing) (same run, same machine load):
                 periodic  a request every T (> TTL) with uniform jitter of +-10%
                 bursty    on/off: bursts of requests 20 ms apart, random off periods > TTL
                 poisson   exponential gaps with a mean of 2 x TTL (below the TTL rate)
@@ -12,7 +13,14 @@ Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
               cold-request count, read from /meshfn/functions after each request);
               per function: instance-seconds kept warm (the memory cost). `*_cold_pct` leave
               out each trace's first LEARNING requests (the predictor's learning; the JSON's
-              `cold_pct_all` keeps them)
+              `cold_pct_all` keeps them). `cold_p99_ms`: the reactive functions' cold requests
+              (each one finds neither instances nor code: a full cold start), `cold_kept_*`
+              the kept ones' (instantiate + first call)
+  sequence    `--cold-samples` cold requests alone, one at a time, to a function whose code
+              went at the idle TTL (`seq_cold_*`) and to one that keeps it (`seq_kept_*`):
+              latency, and the backend process's CPU time and run-queue wait (schedstat: time
+              runnable but not running, i.e. waiting for a core) during each request. On the
+              shared 2-core machine the end-to-end tail is that wait, not the cold path's work
   throughput  requests/s (wrk, closed loop, 8 connections) for a core function (digits: called
               on the event loop) and the Python function (iris), with `processes: 1` and
               `processes: 2`; plus the levers: core calls with the thread hop
@@ -57,10 +65,11 @@ TRACES = ("periodic", "bursty", "poisson")
 # The first requests of a trace, which no predictor can foresee (warmup.py MIN_GAPS idle gaps,
 # so MIN_GAPS + 1 requests): the summary's cold_pct is over the rest (the JSON has both).
 LEARNING = 4
-MODES = ("reactive", "predictive")
-# The predictive replay runs this much later than the reactive one, so that their requests do
-# not compete for the same moment (a cold load beside a warm request slows both).
-OFFSET = {"reactive": 0.0, "predictive": 0.23}
+MODES = ("reactive", "kept", "predictive")
+# The replays are offset, so that their requests do not compete for the same moment (a cold
+# load beside a warm request slows both).
+OFFSET = {"reactive": 0.0, "kept": 0.115, "predictive": 0.23}
+KEPT = {"codeTtl": "1h"}  # the kept mode's code stays loaded past the idle TTL
 
 
 def backend(
@@ -165,6 +174,7 @@ def trace_functions() -> list[dict[str, Any]]:
     out = []
     for trace in TRACES:
         for mode in MODES:
+            warmup = "reactive" if mode == "kept" else mode
             out.append(
                 {
                     "name": f"iris-{trace}-{mode}",
@@ -172,7 +182,8 @@ def trace_functions() -> list[dict[str, Any]]:
                     "artifact": "iris@1",
                     "idleTtl": f"{int(TTL * 1000)}ms",
                     "pool": {"minIdle": 0, "maxIdle": 2},
-                    "warmup": {"mode": mode, "maxWarmIdle": "1s", "memoryBudget": 128},
+                    "warmup": {"mode": warmup, "maxWarmIdle": "1s", "memoryBudget": 128},
+                    **(KEPT if mode == "kept" else {}),
                 }
             )
     return out
@@ -201,6 +212,58 @@ def run_traces(port: int, traces: dict[str, list[float]]) -> dict[str, Any]:
         if key in results:
             results[key]["warmup"] = f["warmup"]
     return results
+
+
+def schedstat_ms(pid: int) -> tuple[float, float]:
+    """A process's CPU time and run-queue wait so far (ms, all its threads; /proc schedstat)."""
+    cpu = wait = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:  # the thread ended
+            continue
+        cpu, wait = cpu + int(fields[0]), wait + int(fields[1])
+    return cpu / 1e6, wait / 1e6
+
+
+def cold_sequence(
+    procs: Processes, tmp: Path, registry: Path, key: Path, samples: int
+) -> dict[str, dict[str, list[float]]]:
+    """Cold requests alone, one at a time (see the module doc): per kind, every request's
+    latency and the backend's CPU time and run-queue wait while it ran (ms)."""
+    ttl = {"idleTtl": "50ms", "pool": {"minIdle": 0, "maxIdle": 1}}
+    kinds = {"cold": ttl, "kept": {**ttl, **KEPT}}
+    functions = [
+        {"name": f"iris-{kind}", "version": "1", "artifact": "iris@1", **spec}
+        for kind, spec in kinds.items()
+    ]
+    proc, port = backend(procs, tmp, registry, key, "sequence", functions)
+    out: dict[str, dict[str, list[float]]] = {
+        k: {"ms": [], "cpu_ms": [], "wait_ms": []} for k in kinds
+    }
+    client, status = RawHttp("127.0.0.1", port), RawHttp("127.0.0.1", port)
+    try:
+        for _ in range(samples):
+            for kind in kinds:
+                function = f"iris-{kind}"
+                raw = client.encode("POST", f"/v2/models/{function}/infer", IRIS)
+                before, _ = cold_count(status, function)
+                time.sleep(0.12)  # past the idle TTL and the reaper's next pass
+                cpu, wait = schedstat_ms(proc.pid)
+                t = time.perf_counter()
+                code, reply = client.send(raw)
+                ms = (time.perf_counter() - t) * 1000
+                cpu2, wait2 = schedstat_ms(proc.pid)
+                assert code == 200, reply
+                assert cold_count(status, function)[0] == before + 1, "the request was not cold"
+                out[kind]["ms"].append(ms)
+                out[kind]["cpu_ms"].append(cpu2 - cpu)
+                out[kind]["wait_ms"].append(wait2 - wait)
+    finally:
+        client.close()
+        status.close()
+        assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
+    return out
 
 
 THROUGHPUT_FUNCTIONS = [
@@ -323,10 +386,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _, key = publish_examples(tmp / "registry")
         registry = tmp / "registry"
         data: dict[str, Any] = {"ttl_s": TTL, "period_s": args.period, "requests": args.n}
+        data["loadavg_before"] = os.getloadavg()
         proc, port = backend(procs, tmp, registry, key, "traces", trace_functions())
         traces = make_traces(args.n, args.period, random.Random(args.seed))
         data["traces"] = run_traces(port, traces)
         assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
+        data["sequence"] = cold_sequence(procs, tmp, registry, key, args.cold_samples)
         data["levers"] = levers(registry, key, args.lever_samples)
         rounds = throughput(procs, tmp, registry, key, args.wrk_seconds, args.rounds, args.loops)
         data["rps_rounds"] = rounds
@@ -352,6 +417,7 @@ def main() -> None:
     parser.add_argument("--wrk-seconds", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7, help="throughput rounds (medians)")
     parser.add_argument("--lever-samples", type=int, default=30)
+    parser.add_argument("--cold-samples", type=int, default=100, help="sequence: per kind")
     parser.add_argument(
         "--loops", nargs="+", default=["uvloop", "asyncio"], help="event loops to measure"
     )
@@ -364,14 +430,31 @@ def main() -> None:
         return float(traces[f"{trace}-{mode}"]["cold_pct"])
 
     warm = {m: sum(traces[f"{t}-{m}"]["warm_instance_s"] for t in TRACES) for m in MODES}
-    cold_latency = [
-        ms
-        for t in TRACES
-        for ms, cold in zip(
-            traces[f"{t}-reactive"]["latency_ms"], traces[f"{t}-reactive"]["cold"], strict=True
-        )
-        if cold
-    ]
+
+    def cold_latency(mode: str) -> list[float]:
+        return [
+            ms
+            for t in TRACES
+            for ms, cold in zip(
+                traces[f"{t}-{mode}"]["latency_ms"], traces[f"{t}-{mode}"]["cold"], strict=True
+            )
+            if cold
+        ]
+
+    sequence = {}
+    for kind, series in data["sequence"].items():
+        worst = max(range(len(series["ms"])), key=series["ms"].__getitem__, default=None)
+        sequence[kind] = {
+            "p50_ms": statistics.median(series["ms"]),
+            "p99_ms": pct(series["ms"], 0.99),
+            "cpu_p50_ms": statistics.median(series["cpu_ms"]),
+            "wait_p50_ms": statistics.median(series["wait_ms"]),
+            "wait_p99_ms": pct(series["wait_ms"], 0.99),
+            # the slowest request's split: how much of it was waiting for a core
+            "slowest": {k: v[worst] for k, v in series.items()} if worst is not None else {},
+        }
+        series.clear()
+        series.update(sequence[kind])
     base = data["rps"][f"1p-{args.loops[0]}"]
     two = data["rps"][f"2p-{args.loops[0]}"]
 
@@ -384,9 +467,17 @@ def main() -> None:
         **{f"{t}_reactive_cold_pct": cold_pct(t, "reactive") for t in TRACES},
         "warm_instance_s_ratio": warm["predictive"] / max(1e-9, warm["reactive"]),
         "warm_instance_s": warm,
-        "cold_p50_ms": statistics.median(cold_latency) if cold_latency else 0.0,
-        "cold_p99_ms": pct(cold_latency, 0.99),
-        "cold_samples": len(cold_latency),
+        "cold_p50_ms": statistics.median(cold_latency("reactive") or [0.0]),
+        "cold_p99_ms": pct(cold_latency("reactive"), 0.99),
+        "cold_samples": len(cold_latency("reactive")),
+        "cold_kept_p50_ms": statistics.median(cold_latency("kept") or [0.0]),
+        "cold_kept_p99_ms": pct(cold_latency("kept"), 0.99),
+        **{
+            f"seq_{kind}_{k}": v
+            for kind, d in sequence.items()
+            for k, v in d.items()
+            if k != "slowest"
+        },
         "core_rps_1p": base["digits"],
         "core_rps_2p": two["digits"],
         "core_rps_2p_ratio": ratio("digits", f"2p-{first}", f"1p-{first}"),
@@ -416,7 +507,11 @@ def main() -> None:
             entry["latency_ms"] = {"p50": statistics.median(xs), "p99": pct(xs, 0.99)}
             entry["cold"] = sum(entry["cold"])
     data["summary"] = summary
-    data["machine"] = {"cpus": os.cpu_count(), "loadavg_after": os.getloadavg()}
+    data["machine"] = {
+        "cpus": os.cpu_count(),
+        "loadavg_before": data.pop("loadavg_before"),
+        "loadavg_after": os.getloadavg(),
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (args.json or RESULTS / "coldstart.json").write_text(json.dumps(data, indent=1))
     s = summary
@@ -432,7 +527,15 @@ def main() -> None:
         f"py_rps_1p={s['py_rps_1p']:.0f} inline_over_hop={s['inline_over_hop']:.2f} "
         f"core_seq_p50_us={s['core_seq_p50_us']:.0f} inline_latency_ratio={s['inline_latency_ratio']:.2f} "
         f"py_deserialize_ms={s['py_deserialize_ms']:.2f} py_first_call_ms={s['py_first_call_ms']:.2f} "
-        f"py_prefaulted_first_call_ms={s['py_prefaulted_first_call_ms']:.2f}"
+        f"py_prefaulted_first_call_ms={s['py_prefaulted_first_call_ms']:.2f} "
+        f"cold_p50_ms={s['cold_p50_ms']:.2f} cold_kept_p50_ms={s['cold_kept_p50_ms']:.2f} "
+        f"cold_kept_p99_ms={s['cold_kept_p99_ms']:.2f} "
+        + " ".join(
+            f"seq_{kind}_{k}={s[f'seq_{kind}_{k}']:.2f}"
+            for kind in ("cold", "kept")
+            for k in ("p50_ms", "p99_ms", "cpu_p50_ms", "wait_p50_ms", "wait_p99_ms")
+        )
+        + f" load1={data['machine']['loadavg_after'][0]:.1f}"
         + (
             f" uvloop_over_asyncio_core={s['uvloop_over_asyncio_core']:.2f}"
             f" uvloop_over_asyncio_py={s['uvloop_over_asyncio_py']:.2f}"

@@ -417,7 +417,7 @@ def main() -> None:
     parser.add_argument("--wrk-seconds", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7, help="throughput rounds (medians)")
     parser.add_argument("--lever-samples", type=int, default=30)
-    parser.add_argument("--cold-samples", type=int, default=100, help="sequence: per kind")
+    parser.add_argument("--cold-samples", type=int, default=200, help="sequence: per kind")
     parser.add_argument(
         "--loops", nargs="+", default=["uvloop", "asyncio"], help="event loops to measure"
     )

@@ -30,7 +30,9 @@ Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
               a longer codeTtl), the same after posix_fadvise(WILLNEED) of the file,
               instantiating, the first and second call of a fresh instance, and the first call
               of an instance pre-faulted by one `metadata` call (what the warm pool and the
-              predicted warm-ups now do)
+              predicted warm-ups now do); and with wasmtime's pooling instance allocator
+              (`pooled_*`: slots reused, POOL_KEEP_RESIDENT of each memory kept resident and
+              reset when an instance closes), instantiating, the first call, closing
 Prints one summary line and writes bench/results/coldstart.json.
 """
 
@@ -324,6 +326,42 @@ def throughput(
     return out
 
 
+# The pooling allocator lever: instance slots reused, with this much of each linear memory
+# left resident (reset in place) when an instance goes, for the next instance of the module.
+POOL_KEEP_RESIDENT = 8 << 20
+
+
+def pooled_engine() -> Any:
+    """The backend's engine configuration with wasmtime's pooling instance allocator (not
+    in wasmtime-py's Config: its C API through `_ffi`)."""
+    import wasmtime
+    from wasmtime import _ffi
+
+    from meshfn.inference.engine import new_config
+
+    config = new_config()
+    pooling = _ffi.wasmtime_pooling_allocation_config_new()
+    for setter, value in (
+        ("total_memories", 64),
+        ("total_tables", 256),
+        ("total_core_instances", 256),
+        ("total_component_instances", 64),
+        ("max_memory_size", 256 << 20),
+        ("max_core_instance_size", 1 << 20),
+        ("max_component_instance_size", 1 << 20),
+        ("max_memories_per_component", 8),
+        ("max_tables_per_component", 64),
+        ("max_core_instances_per_component", 64),
+        ("table_elements", 100_000),
+        ("linear_memory_keep_resident", POOL_KEEP_RESIDENT),
+        ("max_unused_warm_slots", 16),
+    ):
+        getattr(_ffi, f"wasmtime_pooling_allocation_config_{setter}_set")(pooling, value)
+    _ffi.wasmtime_pooling_allocation_strategy_set(config.ptr(), pooling)
+    _ffi.wasmtime_pooling_allocation_config_delete(pooling)
+    return wasmtime.Engine(config)
+
+
 def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float]]:
     """Cold-path levers, timed in this process (see the module doc)."""
     from meshfn.inference import signing
@@ -334,6 +372,9 @@ def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float
     engine = new_engine()
     ticker = EpochTicker(engine).start()
     linker = component_linker(engine)
+    pooled = pooled_engine()
+    pooled_ticker = EpochTicker(pooled).start()
+    pooled_linker = component_linker(pooled)
     trusted = signing.TrustedKeys.from_paths([key])
     out: dict[str, dict[str, float]] = {}
     try:
@@ -358,7 +399,9 @@ def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float
                 t = time.perf_counter()
                 fresh.call(request, 1000)
                 since("second_call", t)
+                t = time.perf_counter()
                 fresh.close()
+                since("close", t)
                 faulted = art.instantiate(64 << 20)
                 faulted.metadata()
                 t = time.perf_counter()
@@ -373,9 +416,21 @@ def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float
                     since("deserialize_after_fadvise", t)
                 finally:
                     os.close(fd)
+            art = load_precompiled(pooled, verified.kind, verified.cwasm, pooled_linker)
+            for _ in range(samples):
+                t = time.perf_counter()
+                fresh = art.instantiate(64 << 20)
+                since("pooled_instantiate", t)
+                t = time.perf_counter()
+                fresh.call(request, 1000)
+                since("pooled_first_call", t)
+                t = time.perf_counter()
+                fresh.close()  # the memory reset happens here, off the request path
+                since("pooled_close", t)
             out[name] = {k: statistics.median(v) for k, v in times.items()}
     finally:
         ticker.stop()
+        pooled_ticker.stop()
     return out
 
 
@@ -487,6 +542,16 @@ def main() -> None:
         "py_deserialize_ms": data["levers"]["iris"]["deserialize"],
         "py_first_call_ms": data["levers"]["iris"]["first_call"],
         "py_prefaulted_first_call_ms": data["levers"]["iris"]["prefaulted_first_call"],
+        **{
+            f"py_{lever}_ms": data["levers"]["iris"][lever]
+            for lever in (
+                "instantiate",
+                "close",
+                "pooled_instantiate",
+                "pooled_first_call",
+                "pooled_close",
+            )
+        },
         "inline_over_hop": ratio("digits", f"1p-{first}", "1p-hop"),
         "core_seq_p50_us": base["digits_seq_p50_us"],
         "core_seq_p50_us_hop": data["rps"]["1p-hop"]["digits_seq_p50_us"],
@@ -528,6 +593,10 @@ def main() -> None:
         f"core_seq_p50_us={s['core_seq_p50_us']:.0f} inline_latency_ratio={s['inline_latency_ratio']:.2f} "
         f"py_deserialize_ms={s['py_deserialize_ms']:.2f} py_first_call_ms={s['py_first_call_ms']:.2f} "
         f"py_prefaulted_first_call_ms={s['py_prefaulted_first_call_ms']:.2f} "
+        f"py_instantiate_ms={s['py_instantiate_ms']:.2f} "
+        f"py_pooled_instantiate_ms={s['py_pooled_instantiate_ms']:.2f} "
+        f"py_pooled_first_call_ms={s['py_pooled_first_call_ms']:.2f} "
+        f"py_close_ms={s['py_close_ms']:.2f} py_pooled_close_ms={s['py_pooled_close_ms']:.2f} "
         f"cold_p50_ms={s['cold_p50_ms']:.2f} cold_kept_p50_ms={s['cold_kept_p50_ms']:.2f} "
         f"cold_kept_p99_ms={s['cold_kept_p99_ms']:.2f} "
         + " ".join(

@@ -386,22 +386,24 @@ def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float
             def since(what: str, started: float, times: dict[str, list[float]] = times) -> None:
                 times.setdefault(what, []).append((time.perf_counter() - started) * 1000)
 
+            def cycle(art: Any, prefix: str = "", request: str = request) -> None:
+                """A fresh instance: instantiate, call twice, close, each timed."""
+                t = time.perf_counter()
+                fresh = art.instantiate(64 << 20)
+                since(f"{prefix}instantiate", t)
+                for call in ("first_call", "second_call"):
+                    t = time.perf_counter()
+                    fresh.call(request, 1000)
+                    since(f"{prefix}{call}", t)
+                t = time.perf_counter()
+                fresh.close()  # a pooled instance's memory is reset here, off the request path
+                since(f"{prefix}close", t)
+
             for _ in range(samples):
                 t = time.perf_counter()
                 art = load_precompiled(engine, verified.kind, verified.cwasm, linker)
                 since("deserialize", t)
-                t = time.perf_counter()
-                fresh = art.instantiate(64 << 20)
-                since("instantiate", t)
-                t = time.perf_counter()
-                fresh.call(request, 1000)
-                since("first_call", t)
-                t = time.perf_counter()
-                fresh.call(request, 1000)
-                since("second_call", t)
-                t = time.perf_counter()
-                fresh.close()
-                since("close", t)
+                cycle(art)
                 faulted = art.instantiate(64 << 20)
                 faulted.metadata()
                 t = time.perf_counter()
@@ -418,15 +420,7 @@ def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float
                     os.close(fd)
             art = load_precompiled(pooled, verified.kind, verified.cwasm, pooled_linker)
             for _ in range(samples):
-                t = time.perf_counter()
-                fresh = art.instantiate(64 << 20)
-                since("pooled_instantiate", t)
-                t = time.perf_counter()
-                fresh.call(request, 1000)
-                since("pooled_first_call", t)
-                t = time.perf_counter()
-                fresh.close()  # the memory reset happens here, off the request path
-                since("pooled_close", t)
+                cycle(art, "pooled_")
             out[name] = {k: statistics.median(v) for k, v in times.items()}
     finally:
         ticker.stop()

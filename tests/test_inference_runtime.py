@@ -431,6 +431,18 @@ def test_kept_code_is_rechecked_before_every_new_instance(
     assert rt.refusal is not None and rt.refusal.status == 403 and not rt.loaded
 
 
+def test_kept_code_of_a_deleted_artifact_is_dropped(
+    copy_of: Published, engine: wasmtime.Engine, prewarm: ThreadPoolExecutor
+) -> None:
+    rt = runtime(copy_of, engine, prewarm, "chaos-core", codeTtl="1h")
+    assert counter(rt) == 1.0
+    rt.drop_instances()
+    shutil.rmtree(copy_of.root / "chaos-core")
+    with pytest.raises(Exception, match="refused"):
+        rt.invoke(X)
+    assert rt.refusal is not None and not rt.loaded
+
+
 # ---------------------------------------------------------------------- backend (no sockets)
 
 

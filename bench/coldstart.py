@@ -3,8 +3,9 @@ throughput (bench/coldstart.py).
 
 Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
   traces      three request traces replayed against the Python function (iris), each against
-              two functions of the same artifact at once, one `warmup.mode: reactive`, one
-              `predictive` (same run, same machine load):
+              three functions of the same artifact at once, one `warmup.mode: reactive`, one
+              `predictive`, and `kept`: reactive with its code kept (`codeTtl: 1h`, the lever
+              that skips deserializing) (same run, same machine load):
                 periodic  a request every T (> TTL) with uniform jitter of +-10%
                 bursty    on/off: bursts of requests 20 ms apart, random off periods > TTL
                 poisson   exponential gaps with a mean of 2 x TTL (below the TTL rate)
@@ -12,7 +13,15 @@ Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
               cold-request count, read from /meshfn/functions after each request);
               per function: instance-seconds kept warm (the memory cost). `*_cold_pct` leave
               out each trace's first LEARNING requests (the predictor's learning; the JSON's
-              `cold_pct_all` keeps them)
+              `cold_pct_all` keeps them). `cold_p99_ms`: the reactive functions' cold requests
+              (each one finds neither instances nor code: a full cold start), `cold_kept_*`
+              the kept ones' (instantiate + first call)
+  sequence    `--cold-samples` cold requests alone, one at a time, to a function whose code
+              went at the idle TTL (`seq_cold_*`) and to one that keeps it (`seq_kept_*`):
+              latency, and the CPU time and run-queue wait (schedstat: time runnable but not
+              running, i.e. waiting for a core; summed: two threads can wait at once) of the
+              backend's threads that worked for it.
+              On the shared 2-core machine the end-to-end tail is that wait, not the work
   throughput  requests/s (wrk, closed loop, 8 connections) for a core function (digits: called
               on the event loop) and the Python function (iris), with `processes: 1` and
               `processes: 2`; plus the levers: core calls with the thread hop
@@ -22,7 +31,9 @@ Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
               a longer codeTtl), the same after posix_fadvise(WILLNEED) of the file,
               instantiating, the first and second call of a fresh instance, and the first call
               of an instance pre-faulted by one `metadata` call (what the warm pool and the
-              predicted warm-ups now do)
+              predicted warm-ups now do); and with wasmtime's pooling instance allocator
+              (`pooled_*`: slots reused, POOL_KEEP_RESIDENT of each memory kept resident and
+              reset when an instance closes), instantiating, the first call, closing
 Prints one summary line and writes bench/results/coldstart.json.
 """
 
@@ -57,10 +68,11 @@ TRACES = ("periodic", "bursty", "poisson")
 # The first requests of a trace, which no predictor can foresee (warmup.py MIN_GAPS idle gaps,
 # so MIN_GAPS + 1 requests): the summary's cold_pct is over the rest (the JSON has both).
 LEARNING = 4
-MODES = ("reactive", "predictive")
-# The predictive replay runs this much later than the reactive one, so that their requests do
-# not compete for the same moment (a cold load beside a warm request slows both).
-OFFSET = {"reactive": 0.0, "predictive": 0.23}
+MODES = ("reactive", "kept", "predictive")
+# The replays are offset, so that their requests do not compete for the same moment (a cold
+# load beside a warm request slows both).
+OFFSET = {"reactive": 0.0, "kept": 0.115, "predictive": 0.23}
+KEPT = {"codeTtl": "1h"}  # the kept mode's code stays loaded past the idle TTL
 
 
 def backend(
@@ -165,6 +177,7 @@ def trace_functions() -> list[dict[str, Any]]:
     out = []
     for trace in TRACES:
         for mode in MODES:
+            warmup = "reactive" if mode == "kept" else mode
             out.append(
                 {
                     "name": f"iris-{trace}-{mode}",
@@ -172,7 +185,8 @@ def trace_functions() -> list[dict[str, Any]]:
                     "artifact": "iris@1",
                     "idleTtl": f"{int(TTL * 1000)}ms",
                     "pool": {"minIdle": 0, "maxIdle": 2},
-                    "warmup": {"mode": mode, "maxWarmIdle": "1s", "memoryBudget": 128},
+                    "warmup": {"mode": warmup, "maxWarmIdle": "1s", "memoryBudget": 128},
+                    **(KEPT if mode == "kept" else {}),
                 }
             )
     return out
@@ -201,6 +215,72 @@ def run_traces(port: int, traces: dict[str, list[float]]) -> dict[str, Any]:
         if key in results:
             results[key]["warmup"] = f["warmup"]
     return results
+
+
+def schedstat_ns(pid: int) -> dict[str, tuple[int, int]]:
+    """Per thread of a process: CPU time and run-queue wait so far (ns; /proc schedstat)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            cpu, wait = (task / "schedstat").read_text().split()[:2]
+        except OSError:  # the thread ended
+            continue
+        out[task.name] = (int(cpu), int(wait))
+    return out
+
+
+def request_split(
+    before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]
+) -> tuple[float, float]:
+    """CPU time and run-queue wait (ms) between two `schedstat_ns` of the threads that worked
+    for the request (>= 0.1 ms of CPU: the event loop and the worker; not the epoch ticker,
+    whose ticks take microseconds but wait for a core like anything else)."""
+    cpu = wait = 0
+    for tid, (cpu2, wait2) in after.items():
+        cpu1, wait1 = before.get(tid, (0, 0))
+        if cpu2 - cpu1 >= 100_000:
+            cpu, wait = cpu + cpu2 - cpu1, wait + wait2 - wait1
+    return cpu / 1e6, wait / 1e6
+
+
+def cold_sequence(
+    procs: Processes, tmp: Path, registry: Path, key: Path, samples: int
+) -> dict[str, dict[str, list[float]]]:
+    """Cold requests alone, one at a time (see the module doc): per kind, every request's
+    latency and the backend's CPU time and run-queue wait while it ran (ms)."""
+    ttl = {"idleTtl": "50ms", "pool": {"minIdle": 0, "maxIdle": 1}}
+    kinds = {"cold": ttl, "kept": {**ttl, **KEPT}}
+    functions = [
+        {"name": f"iris-{kind}", "version": "1", "artifact": "iris@1", **spec}
+        for kind, spec in kinds.items()
+    ]
+    proc, port = backend(procs, tmp, registry, key, "sequence", functions)
+    out: dict[str, dict[str, list[float]]] = {
+        k: {"ms": [], "cpu_ms": [], "wait_ms": []} for k in kinds
+    }
+    client, status = RawHttp("127.0.0.1", port), RawHttp("127.0.0.1", port)
+    try:
+        for _ in range(samples):
+            for kind in kinds:
+                function = f"iris-{kind}"
+                raw = client.encode("POST", f"/v2/models/{function}/infer", IRIS)
+                before, _ = cold_count(status, function)
+                time.sleep(0.12)  # past the idle TTL and the reaper's next pass
+                threads = schedstat_ns(proc.pid)
+                t = time.perf_counter()
+                code, reply = client.send(raw)
+                ms = (time.perf_counter() - t) * 1000
+                cpu, wait = request_split(threads, schedstat_ns(proc.pid))
+                assert code == 200, reply
+                assert cold_count(status, function)[0] == before + 1, "the request was not cold"
+                out[kind]["ms"].append(ms)
+                out[kind]["cpu_ms"].append(cpu)
+                out[kind]["wait_ms"].append(wait)
+    finally:
+        client.close()
+        status.close()
+        assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
+    return out
 
 
 THROUGHPUT_FUNCTIONS = [
@@ -261,6 +341,42 @@ def throughput(
     return out
 
 
+# The pooling allocator lever: instance slots reused, with this much of each linear memory
+# left resident (reset in place) when an instance goes, for the next instance of the module.
+POOL_KEEP_RESIDENT = 8 << 20
+
+
+def pooled_engine() -> Any:
+    """The backend's engine configuration with wasmtime's pooling instance allocator (not
+    in wasmtime-py's Config: its C API through `_ffi`)."""
+    import wasmtime
+    from wasmtime import _ffi
+
+    from meshfn.inference.engine import new_config
+
+    config = new_config()
+    pooling = _ffi.wasmtime_pooling_allocation_config_new()
+    for setter, value in (
+        ("total_memories", 64),
+        ("total_tables", 256),
+        ("total_core_instances", 256),
+        ("total_component_instances", 64),
+        ("max_memory_size", 256 << 20),
+        ("max_core_instance_size", 1 << 20),
+        ("max_component_instance_size", 1 << 20),
+        ("max_memories_per_component", 8),
+        ("max_tables_per_component", 64),
+        ("max_core_instances_per_component", 64),
+        ("table_elements", 100_000),
+        ("linear_memory_keep_resident", POOL_KEEP_RESIDENT),
+        ("max_unused_warm_slots", 16),
+    ):
+        getattr(_ffi, f"wasmtime_pooling_allocation_config_{setter}_set")(pooling, value)
+    _ffi.wasmtime_pooling_allocation_strategy_set(config.ptr(), pooling)
+    _ffi.wasmtime_pooling_allocation_config_delete(pooling)
+    return wasmtime.Engine(config)
+
+
 def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float]]:
     """Cold-path levers, timed in this process (see the module doc)."""
     from meshfn.inference import signing
@@ -271,6 +387,9 @@ def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float
     engine = new_engine()
     ticker = EpochTicker(engine).start()
     linker = component_linker(engine)
+    pooled = pooled_engine()
+    pooled_ticker = EpochTicker(pooled).start()
+    pooled_linker = component_linker(pooled)
     trusted = signing.TrustedKeys.from_paths([key])
     out: dict[str, dict[str, float]] = {}
     try:
@@ -282,20 +401,24 @@ def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float
             def since(what: str, started: float, times: dict[str, list[float]] = times) -> None:
                 times.setdefault(what, []).append((time.perf_counter() - started) * 1000)
 
+            def cycle(art: Any, prefix: str = "", request: str = request) -> None:
+                """A fresh instance: instantiate, call twice, close, each timed."""
+                t = time.perf_counter()
+                fresh = art.instantiate(64 << 20)
+                since(f"{prefix}instantiate", t)
+                for call in ("first_call", "second_call"):
+                    t = time.perf_counter()
+                    fresh.call(request, 1000)
+                    since(f"{prefix}{call}", t)
+                t = time.perf_counter()
+                fresh.close()  # a pooled instance's memory is reset here, off the request path
+                since(f"{prefix}close", t)
+
             for _ in range(samples):
                 t = time.perf_counter()
                 art = load_precompiled(engine, verified.kind, verified.cwasm, linker)
                 since("deserialize", t)
-                t = time.perf_counter()
-                fresh = art.instantiate(64 << 20)
-                since("instantiate", t)
-                t = time.perf_counter()
-                fresh.call(request, 1000)
-                since("first_call", t)
-                t = time.perf_counter()
-                fresh.call(request, 1000)
-                since("second_call", t)
-                fresh.close()
+                cycle(art)
                 faulted = art.instantiate(64 << 20)
                 faulted.metadata()
                 t = time.perf_counter()
@@ -310,9 +433,13 @@ def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float
                     since("deserialize_after_fadvise", t)
                 finally:
                     os.close(fd)
+            art = load_precompiled(pooled, verified.kind, verified.cwasm, pooled_linker)
+            for _ in range(samples):
+                cycle(art, "pooled_")
             out[name] = {k: statistics.median(v) for k, v in times.items()}
     finally:
         ticker.stop()
+        pooled_ticker.stop()
     return out
 
 
@@ -323,10 +450,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _, key = publish_examples(tmp / "registry")
         registry = tmp / "registry"
         data: dict[str, Any] = {"ttl_s": TTL, "period_s": args.period, "requests": args.n}
+        data["loadavg_before"] = os.getloadavg()
         proc, port = backend(procs, tmp, registry, key, "traces", trace_functions())
         traces = make_traces(args.n, args.period, random.Random(args.seed))
         data["traces"] = run_traces(port, traces)
         assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
+        data["sequence"] = cold_sequence(procs, tmp, registry, key, args.cold_samples)
         data["levers"] = levers(registry, key, args.lever_samples)
         rounds = throughput(procs, tmp, registry, key, args.wrk_seconds, args.rounds, args.loops)
         data["rps_rounds"] = rounds
@@ -352,6 +481,7 @@ def main() -> None:
     parser.add_argument("--wrk-seconds", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7, help="throughput rounds (medians)")
     parser.add_argument("--lever-samples", type=int, default=30)
+    parser.add_argument("--cold-samples", type=int, default=200, help="sequence: per kind")
     parser.add_argument(
         "--loops", nargs="+", default=["uvloop", "asyncio"], help="event loops to measure"
     )
@@ -364,14 +494,31 @@ def main() -> None:
         return float(traces[f"{trace}-{mode}"]["cold_pct"])
 
     warm = {m: sum(traces[f"{t}-{m}"]["warm_instance_s"] for t in TRACES) for m in MODES}
-    cold_latency = [
-        ms
-        for t in TRACES
-        for ms, cold in zip(
-            traces[f"{t}-reactive"]["latency_ms"], traces[f"{t}-reactive"]["cold"], strict=True
-        )
-        if cold
-    ]
+
+    def cold_latency(mode: str) -> list[float]:
+        return [
+            ms
+            for t in TRACES
+            for ms, cold in zip(
+                traces[f"{t}-{mode}"]["latency_ms"], traces[f"{t}-{mode}"]["cold"], strict=True
+            )
+            if cold
+        ]
+
+    sequence = {}
+    for kind, series in data["sequence"].items():
+        worst = max(range(len(series["ms"])), key=series["ms"].__getitem__, default=None)
+        sequence[kind] = {
+            "p50_ms": statistics.median(series["ms"]),
+            "p99_ms": pct(series["ms"], 0.99),
+            "cpu_p50_ms": statistics.median(series["cpu_ms"]),
+            "wait_p50_ms": statistics.median(series["wait_ms"]),
+            "wait_p99_ms": pct(series["wait_ms"], 0.99),
+            # the slowest request's split: how much of it was waiting for a core
+            "slowest": {k: v[worst] for k, v in series.items()} if worst is not None else {},
+        }
+        series.clear()
+        series.update(sequence[kind])
     base = data["rps"][f"1p-{args.loops[0]}"]
     two = data["rps"][f"2p-{args.loops[0]}"]
 
@@ -384,9 +531,17 @@ def main() -> None:
         **{f"{t}_reactive_cold_pct": cold_pct(t, "reactive") for t in TRACES},
         "warm_instance_s_ratio": warm["predictive"] / max(1e-9, warm["reactive"]),
         "warm_instance_s": warm,
-        "cold_p50_ms": statistics.median(cold_latency) if cold_latency else 0.0,
-        "cold_p99_ms": pct(cold_latency, 0.99),
-        "cold_samples": len(cold_latency),
+        "cold_p50_ms": statistics.median(cold_latency("reactive") or [0.0]),
+        "cold_p99_ms": pct(cold_latency("reactive"), 0.99),
+        "cold_samples": len(cold_latency("reactive")),
+        "cold_kept_p50_ms": statistics.median(cold_latency("kept") or [0.0]),
+        "cold_kept_p99_ms": pct(cold_latency("kept"), 0.99),
+        **{
+            f"seq_{kind}_{k}": v
+            for kind, d in sequence.items()
+            for k, v in d.items()
+            if k != "slowest"
+        },
         "core_rps_1p": base["digits"],
         "core_rps_2p": two["digits"],
         "core_rps_2p_ratio": ratio("digits", f"2p-{first}", f"1p-{first}"),
@@ -396,6 +551,16 @@ def main() -> None:
         "py_deserialize_ms": data["levers"]["iris"]["deserialize"],
         "py_first_call_ms": data["levers"]["iris"]["first_call"],
         "py_prefaulted_first_call_ms": data["levers"]["iris"]["prefaulted_first_call"],
+        **{
+            f"py_{lever}_ms": data["levers"]["iris"][lever]
+            for lever in (
+                "instantiate",
+                "close",
+                "pooled_instantiate",
+                "pooled_first_call",
+                "pooled_close",
+            )
+        },
         "inline_over_hop": ratio("digits", f"1p-{first}", "1p-hop"),
         "core_seq_p50_us": base["digits_seq_p50_us"],
         "core_seq_p50_us_hop": data["rps"]["1p-hop"]["digits_seq_p50_us"],
@@ -416,7 +581,11 @@ def main() -> None:
             entry["latency_ms"] = {"p50": statistics.median(xs), "p99": pct(xs, 0.99)}
             entry["cold"] = sum(entry["cold"])
     data["summary"] = summary
-    data["machine"] = {"cpus": os.cpu_count(), "loadavg_after": os.getloadavg()}
+    data["machine"] = {
+        "cpus": os.cpu_count(),
+        "loadavg_before": data.pop("loadavg_before"),
+        "loadavg_after": os.getloadavg(),
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (args.json or RESULTS / "coldstart.json").write_text(json.dumps(data, indent=1))
     s = summary
@@ -432,7 +601,19 @@ def main() -> None:
         f"py_rps_1p={s['py_rps_1p']:.0f} inline_over_hop={s['inline_over_hop']:.2f} "
         f"core_seq_p50_us={s['core_seq_p50_us']:.0f} inline_latency_ratio={s['inline_latency_ratio']:.2f} "
         f"py_deserialize_ms={s['py_deserialize_ms']:.2f} py_first_call_ms={s['py_first_call_ms']:.2f} "
-        f"py_prefaulted_first_call_ms={s['py_prefaulted_first_call_ms']:.2f}"
+        f"py_prefaulted_first_call_ms={s['py_prefaulted_first_call_ms']:.2f} "
+        f"py_instantiate_ms={s['py_instantiate_ms']:.2f} "
+        f"py_pooled_instantiate_ms={s['py_pooled_instantiate_ms']:.2f} "
+        f"py_pooled_first_call_ms={s['py_pooled_first_call_ms']:.2f} "
+        f"py_close_ms={s['py_close_ms']:.2f} py_pooled_close_ms={s['py_pooled_close_ms']:.2f} "
+        f"cold_p50_ms={s['cold_p50_ms']:.2f} cold_kept_p50_ms={s['cold_kept_p50_ms']:.2f} "
+        f"cold_kept_p99_ms={s['cold_kept_p99_ms']:.2f} "
+        + " ".join(
+            f"seq_{kind}_{k}={s[f'seq_{kind}_{k}']:.2f}"
+            for kind in ("cold", "kept")
+            for k in ("p50_ms", "p99_ms", "cpu_p50_ms", "wait_p50_ms", "wait_p99_ms")
+        )
+        + f" load1={data['machine']['loadavg_after'][0]:.1f}"
         + (
             f" uvloop_over_asyncio_core={s['uvloop_over_asyncio_core']:.2f}"
             f" uvloop_over_asyncio_py={s['uvloop_over_asyncio_py']:.2f}"

@@ -45,13 +45,18 @@ def engine_key() -> str:
 
 
 def new_engine() -> wasmtime.Engine:
+    return wasmtime.Engine(new_config())
+
+
+def new_config() -> wasmtime.Config:
+    """The engine's configuration (bench/coldstart.py adds allocators to it to measure them)."""
     config = wasmtime.Config()
     config.epoch_interruption = ENGINE_SETTINGS["epoch_interruption"]
     config.consume_fuel = ENGINE_SETTINGS["consume_fuel"]
     config.cranelift_opt_level = ENGINE_SETTINGS["cranelift_opt_level"]
     config.native_unwind_info = ENGINE_SETTINGS["native_unwind_info"]
     config.wasm_component_model = True
-    return wasmtime.Engine(config)
+    return config
 
 
 def deadline_ticks(timeout_s: float) -> int:

@@ -391,13 +391,56 @@ def test_file_changed_after_verification_is_rechecked(
     rt = runtime(copy_of, engine, prewarm, "chaos-core")
     assert rt.invoke(X).result.outcome is Outcome.OK
     rt.unload()
-    cwasm = next((copy_of.root / "chaos-core/1/compiled").glob("*.cwasm"))
-    data = bytearray(cwasm.read_bytes())
-    data[-100] ^= 0x01
-    cwasm.write_bytes(bytes(data))  # same size; mtime/ctime change
+    flip_a_byte(next((copy_of.root / "chaos-core/1/compiled").glob("*.cwasm")))
     with pytest.raises(Exception, match=r"refused: .*digest mismatch"):
         rt.invoke(X)
     assert rt.refusal is not None and rt.refusal.status == 403
+
+
+def flip_a_byte(cwasm: Path) -> None:
+    data = bytearray(cwasm.read_bytes())
+    data[-100] ^= 0x01
+    cwasm.write_bytes(bytes(data))  # same size; mtime/ctime change
+
+
+@pytest.mark.parametrize("path", ["request", "warm-up"])
+def test_kept_code_is_rechecked_before_every_new_instance(
+    copy_of: Published, engine: wasmtime.Engine, prewarm: ThreadPoolExecutor, path: str
+) -> None:
+    """Code kept past the idle TTL (codeTtl) is checked against its files before it makes a new
+    instance, on the request path and for a predicted warm-up: a rewritten artifact is verified
+    and loaded again (never instantiated from the old mapping), a tampered one refused."""
+    rt = runtime(copy_of, engine, prewarm, "chaos-core", codeTtl="1h")
+    assert counter(rt) == 1.0
+    first = rt._artifact
+    rt.drop_instances()
+    assert rt.dormant and rt.loaded
+    assert counter(rt) == 1.0 and rt._artifact is first  # unchanged: the kept code, a resume
+    rt.drop_instances()
+    cwasm = next((copy_of.root / "chaos-core/1/compiled").glob("*.cwasm"))
+    cwasm.write_bytes(cwasm.read_bytes())  # rewritten, same bytes: identity changed
+    if path == "warm-up":
+        rt.warm(1)
+    assert counter(rt) == 1.0
+    assert rt._artifact is not first and rt.refusal is None  # verified and deserialized again
+    assert rt.metrics.cold_starts.labels(rt.label)._value.get() == 2
+    rt.drop_instances()
+    flip_a_byte(cwasm)
+    with pytest.raises(Exception, match=r"refused: .*digest mismatch"):
+        rt.warm(1) if path == "warm-up" else rt.invoke(X)
+    assert rt.refusal is not None and rt.refusal.status == 403 and not rt.loaded
+
+
+def test_kept_code_of_a_deleted_artifact_is_dropped(
+    copy_of: Published, engine: wasmtime.Engine, prewarm: ThreadPoolExecutor
+) -> None:
+    rt = runtime(copy_of, engine, prewarm, "chaos-core", codeTtl="1h")
+    assert counter(rt) == 1.0
+    rt.drop_instances()
+    shutil.rmtree(copy_of.root / "chaos-core")
+    with pytest.raises(Exception, match="refused"):
+        rt.invoke(X)
+    assert rt.refusal is not None and not rt.loaded
 
 
 # ---------------------------------------------------------------------- backend (no sockets)

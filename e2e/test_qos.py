@@ -391,3 +391,19 @@ def test_gateway_sheds_the_lower_priorities_before_the_backend(mesh: Mesh) -> No
     # The audit trail (the gateway's records) names the tenant and the limit.
     records = audited(mesh, "gw-initech", "429")
     assert {(r["tenant"], r["qos_limit"]) for r in records} == {("initech", "shed")}
+    # Counted per class from those records: the control plane's /metrics and meshfn status.
+    series = re.compile(
+        r'^meshfn_qos_proxy_refusals_total\{class="batch",limit="shed",source="edge\.ingress",'
+        r'tenant="initech"\} (\S+)$',
+        re.M,
+    )
+
+    def counted() -> float:
+        found = series.search(http(f"{mesh.admin}/metrics").body.decode())
+        return float(found.group(1)) if found else 0.0
+
+    wait_for("the gateway's sheds in /metrics", lambda: counted() >= len(at_gateway), timeout=30)
+    out = meshfn("status", "--admin", mesh.admin)
+    assert out.returncode == 0, out.stderr
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in out.stdout.splitlines()]
+    assert any(r[:4] == ["edge.ingress", "initech", "batch", "shed"] for r in rows), out.stdout

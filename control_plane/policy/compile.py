@@ -254,8 +254,8 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         service = security.secure_service(item.lowered, item.obj.spec.serviceAccount or item.name)
         services.append(fallback.apply(service, fallback_policies))
     reach: dict[str, int] = {}
-    for routes in attached.values():
-        for key in {route.service for _, route, _ in routes}:
+    for gateway_routes in attached.values():
+        for key in {route.service for _, route, _ in gateway_routes}:
             reach[key] = reach.get(key, 0) + 1
     shed = qos.shed_limits(bindings, services, reach)
     if isinstance(shed, list):

@@ -11,28 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from google.protobuf import json_format
 
 from meshfn import ir
 from meshfn.contracts.qos import SHED_FLOOR, TENANT_HEADER, shed_threshold
 from meshfn.control_plane.policy import PolicyErrors, load_policies
 from meshfn.istio import render
-from meshfn.xds.translate import OFFLINE_HOST, translate
+
+from .test_qos import _edge
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "qos-shed" / "in.yaml"
 CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ROUTES = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ENDPOINTS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-
-
-def _edge(model: ir.MeshModel) -> dict[str, Any]:
-    out = translate(model, "edge.default", host=OFFLINE_HOST)
-    assert out is not None
-    return {
-        kind: {name: json_format.MessageToDict(m) for name, m in resources.items()}
-        for kind, resources in out.items()
-    }
 
 
 def _load(tmp_path: Path, text: str) -> ir.MeshModel:
@@ -242,3 +233,14 @@ def test_istio_warns_that_it_cannot_shed_by_priority(model: ir.MeshModel) -> Non
     assert ("qos-gateway-shedding", "tenants", ("spec", "gatewayShedding")) in codes
     # One DestinationRule limit per cluster is all Istio has: no per-priority thresholds.
     assert "HIGH" not in json.dumps(rendered.objects["DestinationRule"])
+
+
+def test_the_drift_breaker_also_degrades_the_priority_twins(model: ir.MeshModel) -> None:
+    from meshfn.ir.plugins import guarded_routes
+
+    gateway = next(w for w in model.workloads if w.kind == "gateway")
+    (listener,) = gateway.listeners
+    route = next(r for r in listener.routes if r.function == "iris")
+    ((key, names),) = guarded_routes(listener, frozenset({route.key}), gateway.qos)
+    assert key == route.key
+    assert {"default/function-iris/1", "default/function-iris/1|high"} <= set(names)

@@ -115,7 +115,7 @@ def gateway_resources(
             workload.jwt_rules,
             workload.authz,
             audit,
-            degrade_for(lst, guarded, model.drill, host.wasm_dir),
+            degrade_for(lst, guarded, model.drill, host.wasm_dir, workload.qos),
             qos=qos_context(workload.qos, lst, limit_service_metadata),
             mesh_route=model.audit is not None,
         )

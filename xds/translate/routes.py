@@ -14,6 +14,7 @@ from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2
 from google.protobuf import any_pb2, json_format, struct_pb2, wrappers_pb2
 
 from meshfn import ir
+from meshfn.contracts.naming import priority_route_name
 from meshfn.contracts.plugins import (
     MESH_ROUTE_HEADER,
     MESH_ROUTE_KEY,
@@ -294,7 +295,7 @@ def _by_priority(routes: list[rc.Route], qos: ir.QoSPolicy) -> list[rc.Route]:
     for route in routes:
         listed = rc.Route()
         listed.CopyFrom(route)
-        listed.name = f"{route.name}|{PRIORITY_NAMES[listed_side[0]].lower()}"
+        listed.name = priority_route_name(route.name, PRIORITY_NAMES[listed_side[0]].lower())
         listed.match.dynamic_metadata.append(matcher)
         for copy, (priority, classes) in ((listed, listed_side), (route, other_side)):
             copy.route.priority = priority

@@ -7,7 +7,9 @@ token; the tenant is its verified claim. Phases, each `--seconds` long, all in o
   quiet      acme (premium) alone, open loop at `--quiet-rate` requests/s: the baseline
   noisy      the same, beside globex (standard, 20/s with a burst of 20) sending 10x its limit
   saturated  the same quiet acme beside initech (batch, the lowest priority) in a closed loop
-             on `--low-connections` connections: the backend saturates and sheds initech
+             on `--low-connections` connections: the backend saturates and initech is shed,
+             by the gateway itself (the policy's gatewayShedding; `--no-gateway-shedding`: by
+             the backend alone, the baseline)
 Mesh 2: a gateway in front of two placeholder endpoints of one Service in one locality, one
   delayed by `--slow-ms` (meshfn up's delay file); closed-loop load (wrk, `--lb-seconds`) with
   the Service's loadBalancer weighted-round-robin (ORCA reports from the endpoints), then
@@ -18,10 +20,12 @@ Each load generator is its own process (its event loop is not the measured one's
   .venv/bin/python bench/qos.py                    # 10 s phases
   .venv/bin/python bench/qos.py --seconds 3        # the e2e smoke's short run
 Prints one line:
-  qos: quiet_p99_ratio=… noisy_admitted_ratio=… high_p99_ratio=… low_shed_pct=… wrr_p99_ratio=…
+  qos: quiet_p99_ratio=… noisy_admitted_ratio=… high_p99_ratio=… low_shed_pct=…
+       low_shed_at_gateway_pct=… wrr_p99_ratio=…
   (quiet tenant's p99 with the noisy neighbour / alone; globex's admitted requests / what its
-  bucket allows in the phase; acme's p99 at saturation / alone; % of initech's requests shed by
-  the backend; p99 with weighted round robin / least-request)
+  bucket allows in the phase; acme's p99 at saturation / alone; % of initech's requests shed
+  (at the gateway or by the backend), % shed at the gateway; p99 with weighted round robin /
+  least-request)
 and writes bench/results/qos.json (or --json) with every phase's figures, and where the CPU went
 during the saturated phase (`cpu_at_saturation`: each process of the mesh, the load generators,
 the machine's busy share).
@@ -70,10 +74,12 @@ def p99(values: list[float]) -> float:
 # ---------------------------------------------------------------- mesh 1: tenants
 
 
-def tenants_mesh(tmp: Path, procs: Processes) -> tuple[str, dict[str, dict[str, str]]]:
+def tenants_mesh(
+    tmp: Path, procs: Processes, gateway_shedding: bool = True
+) -> tuple[str, dict[str, dict[str, str]]]:
     """The example mesh with the tenant policy: (gateway URL, tenant -> request headers)."""
     policies = tmp / "examples"
-    mapping = p.qos_examples(EXAMPLES, TENANTS, policies)
+    mapping = p.qos_examples(EXAMPLES, TENANTS, policies, gateway_shedding=gateway_shedding)
     state = tmp / "state"
     up = procs.start("up", up_with_functions(policies, state, tmp / "functions"))
     wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=300)
@@ -135,6 +141,7 @@ def tenant_phases(
         "noisy_admitted_ratio": noisy["statuses"].get(200, 0) / allowed,
         "high_p99_ratio": p99(saturated["latencies_ms"]) / p99(alone["latencies_ms"]),
         "low_shed_pct": 100 * low["limits"].get("shed", 0) / max(low_total, 1),
+        "low_shed_at_gateway_pct": 100 * low["scopes"].get("gateway", 0) / max(low_total, 1),
     }
 
 
@@ -217,13 +224,18 @@ def main() -> None:
     parser.add_argument("--lb-connections", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5, help="balancer rounds (medians)")
     parser.add_argument("--lb-seconds", type=float, default=5, help="each balancer run")
+    parser.add_argument(
+        "--no-gateway-shedding",
+        action="store_true",
+        help="the policy without gatewayShedding: the backend alone sheds (the baseline)",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "qos.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshfn-qos-") as raw:
         tmp = Path(raw)
         procs = Processes(tmp)
         try:
-            url, headers = tenants_mesh(tmp, procs)
+            url, headers = tenants_mesh(tmp, procs, not args.no_gateway_shedding)
             tenants = tenant_phases(url, headers, args, procs.started[0].pid)
             procs.stop_all()
             balancers = balancer_phases(tmp, procs, args)
@@ -241,6 +253,7 @@ def main() -> None:
         f"noisy_admitted_ratio={tenants['noisy_admitted_ratio']:.3f} "
         f"high_p99_ratio={tenants['high_p99_ratio']:.2f} "
         f"low_shed_pct={tenants['low_shed_pct']:.1f} "
+        f"low_shed_at_gateway_pct={tenants['low_shed_at_gateway_pct']:.1f} "
         f"wrr_p99_ratio={balancers['wrr_p99_ratio']:.2f}"
     )
     sys.stdout.flush()

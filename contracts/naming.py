@@ -16,3 +16,9 @@ def route_name(route_key: str, index: int) -> str:
 def degraded_route_name(route_key: str, index: int) -> str:
     """The degraded twin of route `index` (drift breaker)."""
     return f"{route_name(route_key, index)}/degraded"
+
+
+def priority_route_name(name: str, priority: str) -> str:
+    """The twin of route `name` for one Envoy routing priority ("high" or "default") at a
+    gateway that sheds by QoS class; the degrade filter's rules list both (ir.plugins)."""
+    return f"{name}|{priority}"

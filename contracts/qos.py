@@ -12,6 +12,7 @@ A leaf: pydantic only.
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from typing import Annotated, Literal, Self
@@ -50,6 +51,20 @@ def orca_text(inflight: int, capacity: int, rps: float) -> str:
         f"TEXT application_utilization={utilization:.3f}, cpu_utilization="
         f"{min(utilization, 1.0):.3f}, rps_fractional={rps:.1f}, named_metrics.inflight={inflight}"
     )
+
+
+# Priority shedding in the inference backend (inference/qos.py): a function with maxConcurrency N
+# admits its highest priority up to N requests in flight and each lower one a smaller share, the
+# lowest SHED_FLOOR of N. Gateways that shed (GatewayShedding) derive their thresholds from it.
+SHED_FLOOR = 0.5
+
+
+def shed_threshold(rank: int, count: int, limit: int) -> int:
+    """In-flight requests at which the backend sheds the priority of `rank` (0: the highest)
+    of `count` distinct priorities on a function admitting `limit` at once."""
+    if rank == 0 or count < 2:
+        return limit
+    return max(1, math.floor(limit * (1 - (1 - SHED_FLOOR) * rank / (count - 1))))
 
 
 Window = Literal["second", "minute", "hour", "day", "month"]
@@ -295,3 +310,18 @@ class FunctionQoS(TenantClasses):
         """(class name, priority) of a tenant."""
         cls = self.class_of(tenant)
         return cls.name, cls.priority
+
+
+class GatewayShedding(_Strict):
+    """Shed the lower priorities at each gateway, before a request costs the backend's sidecar
+    and the backend anything: the top-priority class (or classes) routes as Envoy's HIGH
+    priority, the others as DEFAULT, and the gateway's cluster of each bound backend admits at
+    most the backend's own shedding threshold of DEFAULT requests at once (its functions'
+    maxConcurrency shares, divided among the gateways that reach it); beyond that a DEFAULT
+    request gets the backend's 429 (`limit: shed`) from the gateway itself."""
+
+    gateways: Annotated[int, Field(ge=1, le=1000)] | None = Field(
+        None,
+        description="how many gateway proxies share each backend's capacity; default: the "
+        "number of Gateways whose routes reach it",
+    )

@@ -441,6 +441,21 @@ def _print_qos(backends: list[BackendFunctions]) -> None:
         out.print(table)
 
 
+def _print_proxy_refusals(rows: list[dict[str, Any]]) -> None:
+    """QoS refusals the proxies' audit records name: a gateway's own (rate, shed) appear
+    nowhere else."""
+    table = Table(title="QoS refusals (audit records)", title_justify="left")
+    for column in ("proxy", "tenant", "class", "limit", "requests"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            Text(row["source"]), Text(row["tenant"] or "(no claim)"), Text(row["class"] or "-"),
+            Text(row["limit"]), str(row["count"]),
+        )  # fmt: skip
+    if table.row_count:
+        out.print(table)
+
+
 def _print_global_rates(rates: list[dict[str, Any]]) -> None:
     """The control plane's rate-limit service: per policy and tenant, its decisions."""
     table = Table(title="global rate limits (control plane)", title_justify="left")
@@ -519,6 +534,7 @@ def status(
     audit = document.get("audit")
     if audit and audit.get("enabled"):
         _print_audit(audit)
+        _print_proxy_refusals(audit.get("qos_refusals") or [])
     backends = _backend_functions(document.get("inference_backends") or [])
     _print_qos(backends)
     _print_global_rates(document.get("global_rates") or [])

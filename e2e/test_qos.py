@@ -29,7 +29,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from meshfn.contracts.qos import TENANT_HEADER
-from meshfn.testing.policies import qos_examples
+from meshfn.testing.policies import qos_examples, set_gateway_shedding
 from meshfn.testing.processes import issue_token, meshfn, up_with_functions, wait_for
 
 TENANTS = Path(__file__).resolve().parents[1] / "policies" / "qos" / "tenants.yaml"
@@ -49,6 +49,8 @@ class Mesh:
     admin: str  # the control plane's admin URL
     backends: list[str]  # host:port of each inference backend serving iris (its /metrics)
     state: Path
+    policies: Path
+    gateway_admin: str  # the gateway Envoy's admin host:port
 
     def token(self, tenant: str | None, sub: str = "alice") -> str:
         return issue_token(self.state, sub, tenant)
@@ -76,7 +78,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     tmp = tmp_path_factory.mktemp("qos")
     procs = Processes(tmp)
     policies = tmp / "examples"
-    mapping = qos_examples(EXAMPLES, TENANTS, policies, audit_gateway=True)
+    mapping = qos_examples(EXAMPLES, TENANTS, policies, audit_gateway=True, gateway_shedding=False)
     state = tmp / "state"
     try:
         up = procs.start("up", up_with_functions(policies, state, tmp / "functions"))
@@ -87,6 +89,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             # models' two endpoints and models-lite (its drift fallback) serve iris
             [f"127.0.0.1:{mapping[port]}" for port in (9101, 9102, 9103)],
             state,
+            policies,
+            f"127.0.0.1:{mapping[19000]}",
         )
         acme = result.token("acme")
         wait_for("iris through the mesh", lambda: result.infer(acme).status == 200, timeout=60)
@@ -333,3 +337,73 @@ def test_grpc_backend_admission_is_resource_exhausted(mesh: Mesh) -> None:
     assert {t.get("x-meshfn-qos-limit") for _, _, t in refused} == {"shed"}, refused
     assert all(int(t["retry-after"]) >= 1 for _, _, t in refused)
     assert set(served) == {grpc.StatusCode.OK}, served  # premium kept
+
+
+def test_gateway_sheds_the_lower_priorities_before_the_backend(mesh: Mesh) -> None:
+    """Gateway shedding (last: it reloads the policy with gatewayShedding on): at saturation
+    the gateway itself refuses the lower classes once half of iris's maxConcurrency of them is
+    in flight (the backend never sees those), with the backend's shed reply; premium routes
+    with Envoy's HIGH priority and is served. A client's tenant header cannot pick the HIGH
+    route: the route matches jwt_authn's verified payload."""
+    set_gateway_shedding(mesh.policies / TENANTS.name, True)
+
+    def routes_by_priority() -> bool:
+        dump = http(f"http://{mesh.gateway_admin}/config_dump?resource=dynamic_route_configs")
+        return b'"priority": "HIGH"' in dump.body
+
+    wait_for("the gateway's priority routes", routes_by_priority, timeout=30)
+    initech, acme = mesh.token("initech", sub="gw-initech"), mesh.token("acme")
+
+    def seen(tenant: str) -> float:
+        return sum(
+            mesh.metric("meshfn_qos_requests_total", tenant=tenant, outcome=outcome)
+            for outcome in ("admitted", "limited", "shed")
+        )
+
+    before = seen("initech")
+    spoofed = {TENANT_HEADER: "acme", "x-tenant": "acme"}  # premium's name: ignored
+
+    async def both() -> tuple[list[Any], list[Any]]:
+        url = f"http://{mesh.gateway}{IRIS}"
+        low_headers = {"authorization": f"Bearer {initech}", "content-type": "application/json"}
+        low = asyncio.create_task(_burst(url, {**low_headers, **spoofed}, 600, 40))
+        await asyncio.sleep(0.3)
+        high = await _burst(
+            url, {"authorization": f"Bearer {acme}", "content-type": "application/json"}, 100, 2
+        )
+        return await low, high
+
+    low, high = asyncio.run(both())
+    assert {s for s, _, _ in high} == {200}, Counter(s for s, _, _ in high)  # premium kept
+    refused = [(h, json.loads(b)) for s, h, b in low if s == 429]
+    at_gateway = [(h, b) for h, b in refused if b["scope"] == "gateway"]
+    assert at_gateway, Counter(
+        (s, json.loads(b).get("scope") if s == 429 else "") for s, _, b in low
+    )
+    assert {
+        (b["limit"], b["policy"], b["tenant"], b["class"], b["priority"]) for _, b in at_gateway
+    } == {("shed", "ingress/tenants", "initech", "standard,batch", "DEFAULT")}
+    assert all(h["x-meshfn-qos-limit"] == "shed" and h["retry-after"] == "1" for h, _ in at_gateway)
+    # The backends counted every initech request but those the gateway shed: those never
+    # reached them (nor their sidecars).
+    assert {s for s, _, _ in low} <= {200, 429}, Counter(s for s, _, _ in low)
+    assert seen("initech") - before == len(low) - len(at_gateway)
+    # The audit trail (the gateway's records) names the tenant and the limit.
+    records = audited(mesh, "gw-initech", "429")
+    assert {(r["tenant"], r["qos_limit"]) for r in records} == {("initech", "shed")}
+    # Counted per class from those records: the control plane's /metrics and meshfn status.
+    series = re.compile(
+        r'^meshfn_qos_proxy_refusals_total\{class="batch",limit="shed",source="edge\.ingress",'
+        r'tenant="initech"\} (\S+)$',
+        re.M,
+    )
+
+    def counted() -> float:
+        found = series.search(http(f"{mesh.admin}/metrics").body.decode())
+        return float(found.group(1)) if found else 0.0
+
+    wait_for("the gateway's sheds in /metrics", lambda: counted() >= len(at_gateway), timeout=30)
+    out = meshfn("status", "--admin", mesh.admin)
+    assert out.returncode == 0, out.stderr
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in out.stdout.splitlines()]
+    assert any(r[:4] == ["edge.ingress", "initech", "batch", "shed"] for r in rows), out.stdout

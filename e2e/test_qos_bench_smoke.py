@@ -15,7 +15,7 @@ def test_qos_bench_smoke(tmp_path: Path) -> None:
     line, data = run_bench("qos.py", short, tmp_path, timeout=400)
     assert re.match(
         r"^qos: quiet_p99_ratio=[\d.]+ noisy_admitted_ratio=[\d.]+ high_p99_ratio=[\d.]+ "
-        r"low_shed_pct=[\d.]+ wrr_p99_ratio=[\d.]+$",
+        r"low_shed_pct=[\d.]+ low_shed_at_gateway_pct=[\d.]+ wrr_p99_ratio=[\d.]+$",
         line,
     ), line
     tenants = data["tenants"]
@@ -28,7 +28,9 @@ def test_qos_bench_smoke(tmp_path: Path) -> None:
     noisy = tenants["noisy"]
     assert 20 <= noisy["statuses"]["200"] <= 1.5 * noisy["allowed"], noisy
     assert noisy["statuses"]["429"] > noisy["statuses"]["200"], noisy
-    # only what the backend shed was refused, and some was
+    # only what was shed by priority was refused, and some was: with the example's gateway
+    # shedding, by the gateway itself
     low = tenants["low_at_saturation"]
     assert set(low["limits"]) <= {"shed"} and low["limits"].get("shed", 0) > 0, low
+    assert low["scopes"].get("gateway", 0) > 0, low
     assert set(data["balancers"]["p99_ms"]) == {"weighted-round-robin", "least-request"}

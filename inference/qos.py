@@ -27,17 +27,19 @@ from meshfn.contracts.qos import (
     LIMIT_HEADER,
     LIMIT_SHED,
     ORCA_HEADER,
+    SHED_FLOOR,
     TENANT,
     FunctionQoS,
     Limits,
     orca_text,
+    shed_threshold,
     window_bounds,
 )
 
 from .kserve import KServeError
 from .metrics import Metrics
 
-SHED_FLOOR = 0.5  # the lowest priority's share of maxConcurrency
+__all__ = ["SHED_FLOOR", "Admission", "Load", "Refusal", "Ticket", "tenant_of"]
 _TENANT_OK = re.compile(TENANT)
 
 
@@ -111,14 +113,8 @@ class Admission:
         self.tenants: dict[str, TenantState] = {}
         ranks = sorted({c.priority for c in qos.classes}, reverse=True)
         self.thresholds = {
-            p: self._threshold(i, len(ranks), max_concurrency) for i, p in enumerate(ranks)
+            p: shed_threshold(i, len(ranks), max_concurrency) for i, p in enumerate(ranks)
         }
-
-    @staticmethod
-    def _threshold(rank: int, count: int, limit: int) -> int:
-        if rank == 0 or count < 2:
-            return limit
-        return max(1, math.floor(limit * (1 - (1 - SHED_FLOOR) * rank / (count - 1))))
 
     def state(self, tenant: str) -> TenantState:
         state = self.tenants.get(tenant)

@@ -102,6 +102,10 @@ class Service:
     drift: Drift | None = None
     external: bool = False  # its endpoints run outside Kubernetes (renderers for a cluster)
     load_balancer: LoadBalancer | None = None  # None: round robin
+    # Its functions' policies shed at the gateway: the limits of its cluster (every request to
+    # it) and of each such function's own cluster (that function's REST routes).
+    shed: PriorityLimits | None = None
+    function_shed: tuple[tuple[str, PriorityLimits], ...] = ()
 
     @property
     def key(self) -> str:
@@ -208,6 +212,9 @@ class QoSPolicy:
     classes: tuple[QoSClass, ...]
     tenants: tuple[QoSTenant, ...] = ()
     global_rate: GlobalRate | None = None
+    # Shed the lower priorities at the gateway (QoSPolicy.spec.gatewayShedding): the top
+    # priority's tenants route as Envoy's HIGH priority, the others DEFAULT (priority_split).
+    gateway_shed: bool = False
 
     @property
     def key(self) -> str:
@@ -242,6 +249,37 @@ class QoSPolicy:
     def budgeted(self) -> bool:
         return any(limits.compute for limits in self.every_limits())
 
+    def priority_split(self) -> PrioritySplit:
+        """Who routes HIGH at a shedding gateway: the classes of the top priority. A route can
+        name only listed tenants (the others are the default class's), so the listed tenants
+        on the side the default class is NOT on get a route of their own."""
+        top = max(c.priority for c in self.classes)
+        high = tuple(c.name for c in self.classes if c.priority == top)
+        low = tuple(c.name for c in self.classes if c.priority != top)
+        default_high = self.default_class in high
+        listed = tuple(t.name for t in self.tenants if (t.tenant_class in high) != default_high)
+        return PrioritySplit(high, low, listed, not default_high)
+
+
+@dataclass(frozen=True, slots=True)
+class PrioritySplit:
+    """`listed` tenants route with priority HIGH when `listed_high`, else DEFAULT; every other
+    request (unlisted tenants, no claim) with the other one."""
+
+    high: tuple[str, ...]  # class names
+    low: tuple[str, ...]
+    listed: tuple[str, ...]
+    listed_high: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityLimits:
+    """A gateway's concurrency towards one backend per Envoy routing priority (its cluster's
+    circuit breakers): DEFAULT well below HIGH, so the lower classes shed at the gateway."""
+
+    high: int
+    default: int
+
 
 @dataclass(frozen=True, slots=True)
 class Route:
@@ -254,6 +292,7 @@ class Route:
     retries: Retry | None = None
     grpc: bool = False  # its traffic is gRPC: renderers that name a Service port use the gRPC one
     qos: QoSPolicy | None = None  # a QoSPolicy of its own (bound to the Route or Function)
+    function: str = ""  # the Function whose KServe REST paths it serves
 
     @property
     def key(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from meshfn import ir
-from meshfn.contracts.naming import route_name
+from meshfn.contracts.naming import priority_route_name, route_name
 from meshfn.contracts.plugins import (
     AUDIT_FILTER_STATE,
     MESH_ROUTE_HEADER,
@@ -54,13 +54,21 @@ def drill_trigger(drill: ir.Drill | None) -> Trigger | None:
 GuardedRoutes = tuple[tuple[str, tuple[str, ...]], ...]  # (route key, its Envoy route names)
 
 
-def guarded_routes(listener: ir.Listener, drift_routes: frozenset[str]) -> GuardedRoutes:
-    """The listener's drift-guarded routes (keys in `drift_routes`) with their route names."""
-    return tuple(
-        (route.key, tuple(route_name(route.key, i) for i in range(len(route.matches))))
-        for route in listener.routes
-        if route.key in drift_routes
-    )
+def guarded_routes(
+    listener: ir.Listener, drift_routes: frozenset[str], gateway_qos: ir.QoSPolicy | None = None
+) -> GuardedRoutes:
+    """The listener's drift-guarded routes (keys in `drift_routes`) with their route names (and
+    their priority twins where the governing QoSPolicy sheds at the gateway)."""
+    out = []
+    for route in listener.routes:
+        if route.key not in drift_routes:
+            continue
+        names = [route_name(route.key, i) for i in range(len(route.matches))]
+        policy = route.qos or gateway_qos
+        if policy is not None and policy.gateway_shed:
+            names += [priority_route_name(n, p) for n in names for p in ("high", "default")]
+        out.append((route.key, tuple(names)))
+    return tuple(out)
 
 
 def degrade_rules(

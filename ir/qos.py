@@ -24,6 +24,7 @@ from meshfn.contracts.qos import (
     DESCRIPTOR_TENANT,
     LIMIT_HEADER,
     LIMIT_RATE,
+    LIMIT_SHED,
     TENANT_HEADER,
 )
 
@@ -38,6 +39,9 @@ LOCAL_RATE_LIMIT_TYPE = (
 UNLIMITED = 0xFFFFFFFF
 QOS_KEY = "qos"  # in the route metadata (ROUTE_METADATA): the governing policy
 QOS_SCOPE_KEY = "qos_scope"  # beside it: where its rate is counted (`scope` of the 429 body)
+# At a gateway that sheds by priority: the classes a route carries and its Envoy priority.
+QOS_CLASS_KEY = "qos_class"
+QOS_PRIORITY_KEY = "qos_priority"
 
 
 def scope(policy: ir.QoSPolicy) -> str:
@@ -253,3 +257,69 @@ def limited_reply(claim: str, header: bool = False) -> Obj:
             "content_type": "application/json",
         },
     }
+
+
+def tenant_matcher(claim: str, tenants: tuple[str, ...]) -> Obj:
+    """A route's dynamic-metadata matcher: the verified claim (jwt_authn's payload, which only
+    jwt_authn writes) is one of `tenants`."""
+    values = [{"string_match": {"exact": t}} for t in tenants]
+    return {
+        "filter": JWT_FILTER,
+        "path": [{"key": JWT_PAYLOAD}, {"key": claim}],
+        # Envoy's OrMatcher wants two or more.
+        "value": {"or_match": {"value_matchers": values}} if len(values) > 1 else values[0],
+    }
+
+
+def _tenant_field(claim: str, header: bool) -> str:
+    return (
+        f"%REQ({TENANT_HEADER})%"
+        if header
+        else f"%DYNAMIC_METADATA({JWT_FILTER}:{JWT_PAYLOAD}:{claim})%"
+    )
+
+
+GRPC_RESOURCE_EXHAUSTED = "8"
+
+
+def shed_replies(claim: str, header: bool = False) -> list[Obj]:
+    """The local reply mappers for a request shed at the gateway: its priority's circuit
+    breaker overflowed (response flag UO: no upstream request was made), answered like the
+    backend's shed: 429, a JSON body naming the limit, policy, tenant and class, Retry-After and
+    x-meshfn-qos-limit; a gRPC request first, with grpc-status RESOURCE_EXHAUSTED (Envoy keeps
+    a grpc-status a mapper set; it would say UNAVAILABLE) and the body as its message."""
+    route = f"%METADATA(ROUTE:{ROUTE_METADATA}:{{}})%"
+    overflow = {"response_flag_filter": {"flags": ["UO"]}}
+    grpc = {
+        "header_filter": {
+            "header": {"name": "content-type", "string_match": {"prefix": "application/grpc"}}
+        }
+    }
+    headers = [_header("retry-after", "1"), _header(LIMIT_HEADER, LIMIT_SHED)]
+    body = {
+        "json_format": {
+            "error": "the backend is saturated: the lower priorities are shed first, at the "
+            "gateway",
+            "limit": LIMIT_SHED,
+            "scope": "gateway",
+            "policy": route.format(QOS_KEY),
+            "tenant": _tenant_field(claim, header),
+            "class": route.format(QOS_CLASS_KEY),
+            "priority": route.format(QOS_PRIORITY_KEY),
+        },
+        "content_type": "application/json",
+    }
+    return [
+        {
+            "filter": {"and_filter": {"filters": [overflow, grpc]}},
+            "status_code": 429,
+            "headers_to_add": [*headers, _header("grpc-status", GRPC_RESOURCE_EXHAUSTED)],
+            "body_format_override": body,
+        },
+        {
+            "filter": overflow,
+            "status_code": 429,
+            "headers_to_add": headers,
+            "body_format_override": body,
+        },
+    ]

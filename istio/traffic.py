@@ -60,6 +60,7 @@ def destination_rules(ctx: Context) -> None:
         if tls is not None:
             policy["tls"] = {"mode": tls}
         _balancer(ctx, service, policy)
+        _shedding(ctx, service)
         spec = {"host": ctx.options.host(service.key), "trafficPolicy": policy}
         ctx.emit(
             resource(NETWORKING, "DestinationRule", service.name, service.namespace, spec), *sources
@@ -83,6 +84,27 @@ def _balancer(ctx: Context, service: ir.Service, policy: Obj) -> None:
         return
     simple = {"least-request": "LEAST_REQUEST", "round-robin": "ROUND_ROBIN"}[balancer]
     policy.setdefault("loadBalancer", {})["simple"] = simple
+
+
+def _shedding(ctx: Context, service: ir.Service) -> None:
+    """QoSPolicy.spec.gatewayShedding: a DestinationRule's connectionPool is one limit per
+    cluster for every request, and a VirtualService route has no Envoy priority, so Istio cannot
+    shed by class at the gateway: a warning; the backend still sheds by priority itself."""
+    if service.shed is None:
+        return
+    for function in ctx.model.functions:
+        if function.backend == service.key and function.qos is not None:
+            namespace, name = function.qos.policy.split("/", 1)
+            ctx.warn(
+                "qos-gateway-shedding",
+                Source("QoSPolicy", namespace, name),
+                ("spec", "gatewayShedding"),
+                f"Istio has no per-priority connection limits (a DestinationRule's connectionPool "
+                f"holds one for every request to {service.key}) nor route priorities: the "
+                "gateway does not shed by class; the inference backend sheds the lower "
+                "priorities itself",
+            )
+            return
 
 
 def _traffic(ctx: Context, service: ir.Service, traffic: ir.TrafficPolicy, policy: Obj) -> None:

@@ -176,11 +176,12 @@ async def _closed_loop(
     url: str, headers: dict[str, str], connections: int, seconds: float, body: bytes = IRIS
 ) -> dict[str, Any]:
     """`connections` clients, each sending its next POST when the last one is answered; the
-    count of every status and of each 429's `limit`."""
+    count of every status, of each 429's `limit` and of where it was refused (`scope`)."""
     import aiohttp
 
     statuses: Counter[int] = Counter()
     limits: Counter[str] = Counter()
+    scopes: Counter[str] = Counter()
     deadline = time.perf_counter() + seconds
     connector = aiohttp.TCPConnector(limit=connections)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -192,12 +193,14 @@ async def _closed_loop(
                         reply = await response.read()
                         statuses[response.status] += 1
                         if response.status == 429:
-                            limits[json.loads(reply).get("limit", "?")] += 1
+                            refusal = json.loads(reply)
+                            limits[refusal.get("limit", "?")] += 1
+                            scopes[refusal.get("scope", "?")] += 1
                 except aiohttp.ClientError:
                     statuses[0] += 1
 
         await asyncio.gather(*(client() for _ in range(connections)))
-    return {"statuses": dict(statuses), "limits": dict(limits)}
+    return {"statuses": dict(statuses), "limits": dict(limits), "scopes": dict(scopes)}
 
 
 def _worker(kind: str, args: tuple[Any, ...], out: Queue[Any]) -> None:

@@ -280,15 +280,34 @@ def _replace(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
+GATEWAY_SHEDDING = "gatewayShedding: {}"  # as policies/qos/tenants.yaml turns it on
+
+
 def qos_examples(
-    examples: Path, tenants: Path, target: Path, audit_gateway: bool = False
+    examples: Path,
+    tenants: Path,
+    target: Path,
+    audit_gateway: bool = False,
+    gateway_shedding: bool = True,
 ) -> dict[int, int]:
     """policies/examples with policies/qos/tenants.yaml beside them on free ports (`remap`), for
     the QoS e2e tests and bench/qos.py: tenant initech (class batch) may call the models too;
-    with `audit_gateway` the gateway's refusals are audited as well as the sidecars'."""
+    with `audit_gateway` the gateway's refusals are audited as well as the sidecars'; without
+    `gateway_shedding` the backend alone sheds by priority (set_gateway_shedding turns it on)."""
     mapping = remap(examples, target, tenants)
     allowed = "notValues: [acme, globex]"
     _replace(target / "security.yaml", allowed, "notValues: [acme, globex, initech]")
     if audit_gateway:
         _replace(target / "mesh.yaml", "proxies: sidecars", "proxies: all")
+    if not gateway_shedding:
+        set_gateway_shedding(target / tenants.name, False)
     return mapping
+
+
+def set_gateway_shedding(tenants: Path, on: bool) -> None:
+    """Turn the example QoSPolicy's gateway shedding on or off (a running mesh reloads it)."""
+    off = "# " + GATEWAY_SHEDDING
+    if on:
+        _replace(tenants, off, GATEWAY_SHEDDING)
+    else:
+        _replace(tenants, GATEWAY_SHEDDING, off)

@@ -498,3 +498,38 @@ async def test_postgres_outage_keeps_records_in_the_journal(
     assert ids(store) == [f"r{i}" for i in range(20)]
     assert collector.status()["error"] is None and chain_intact(store)
     store.close()
+
+
+async def test_qos_refusals_are_counted_per_tenant_and_limit(tmp_path: Path) -> None:
+    """A gateway's own QoS refusals (rate, shed at the gateway) are counted nowhere but in its
+    audit records: the collector counts them for /metrics and `meshfn status`."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from meshfn.control_plane.audit.collector import CollectorMetrics
+
+    store = SqliteStore(tmp_path / "a.db")
+    journal = tmp_path / "j.jsonl"
+
+    def refusal(i: int, tenant: str, limit: str) -> bytes:
+        record = {"id": f"q{i}", "time": "2026-01-01T00:00:00.000000Z", "status": 429,
+                  "audit": json.dumps({"tenant": tenant}), "qos_limit": limit}  # fmt: skip
+        return (json.dumps(record) + "\n").encode()
+
+    write(journal, line(1) + refusal(2, "initech", "shed") + refusal(3, "initech", "shed"))
+    write(journal, refusal(4, "globex", "rate"))
+    collector = await collect(store, journal)
+    await collector.drain()
+    await collector.stop()
+    assert collector.status()["qos_refusals"] == [
+        {"source": "edge~0", "tenant": "globex", "limit": "rate", "count": 1},
+        {"source": "edge~0", "tenant": "initech", "limit": "shed", "count": 2},
+    ]
+    registry = CollectorRegistry()
+    classes = {"initech": "batch", "globex": "standard"}
+    registry.register(CollectorMetrics(lambda: collector, classify=lambda _, t: classes[t]))
+    text = generate_latest(registry).decode()
+    assert (
+        'meshfn_qos_proxy_refusals_total{class="batch",limit="shed",source="edge~0",'
+        'tenant="initech"} 2.0' in text
+    ), text
+    store.close()

@@ -121,9 +121,10 @@ def static_config(resources: dict[str, Any], tmp_path: Path | None = None) -> di
     clusters = []
     for cluster in copy.deepcopy(resources.get("clusters", [])):
         if cluster.get("type") == "EDS":
-            cluster.pop("edsClusterConfig")
+            eds = cluster.pop("edsClusterConfig")
             cluster["type"] = "STATIC"
-            cluster["loadAssignment"] = endpoints[cluster["name"]]
+            assignment = copy.deepcopy(endpoints[eds.get("serviceName", cluster["name"])])
+            cluster["loadAssignment"] = {**assignment, "clusterName": cluster["name"]}
         clusters.append(cluster)
     return _static_secrets(
         {

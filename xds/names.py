@@ -64,6 +64,12 @@ def primary_clusters(service_key: str) -> frozenset[str]:
     return frozenset({own, *(tier_cluster_name(service_key, n) for n in range(PRIORITY_LEVELS))})
 
 
+def function_cluster_name(cluster: str, function: str) -> str:
+    """A gateway's twin of `cluster` for one Function's routes: the same endpoints (its EDS
+    resource), with circuit breakers of the function's own (QoS gateway shedding)."""
+    return f"fn|{function}|{cluster}"
+
+
 def fallback_cluster_name(members: tuple[str, ...]) -> str:
     """An aggregate cluster is named by its members: routes can share it, and the name tells a
     reader (and Envoy's stats) the order."""

@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +121,9 @@ class AuditCollector:
         self.parse_errors = 0
         self.store_errors = 0
         self.signer_errors = 0
+        # QoS refusals the proxies recorded (qos_limit), per (source, tenant, limit): a
+        # gateway's own (rate, shed) are counted nowhere else.
+        self.qos_refusals: Counter[tuple[str, str, str]] = Counter()
         self.last_checkpoint: int | None = None
         self._sign_task: asyncio.Task[None] | None = None
         self._sign_due = False
@@ -224,6 +228,10 @@ class AuditCollector:
             "parse_errors": self.parse_errors,
             "store_errors": self.store_errors,
             "signer_errors": self.signer_errors,
+            "qos_refusals": [
+                {"source": source, "tenant": tenant, "limit": limit, "count": count}
+                for (source, tenant, limit), count in sorted(self.qos_refusals.items())
+            ],
         }
 
     # ------------------------------------------------------------------ loop
@@ -464,6 +472,9 @@ class AuditCollector:
                 unparsed(tail, j.source, "truncated line at the end of a rotated journal")
             )
         for record in records:
+            if record.get("qos_limit"):
+                key = (j.source, str(record.get("tenant") or ""), str(record["qos_limit"]))
+                self.qos_refusals[key] += 1
             if "error" in record:
                 self.parse_errors += 1
                 log.error(
@@ -542,8 +553,14 @@ class CollectorMetrics(Collector):
     """/metrics for one or more collectors, read from their status at scrape time (register it
     in the registry that serves /metrics: the control plane's, or `collect --metrics-port`)."""
 
-    def __init__(self, *collectors: Callable[[], AuditCollector | None]) -> None:
+    def __init__(
+        self,
+        *collectors: Callable[[], AuditCollector | None],
+        classify: Callable[[str, str], str] | None = None,
+    ) -> None:
+        """`classify(source, tenant)`: the tenant's QoS class at that proxy (a label)."""
         self.collectors = collectors
+        self.classify = classify
 
     def collect(self) -> Iterator[Metric]:
         stored = CounterMetricFamily(
@@ -580,6 +597,12 @@ class CollectorMetrics(Collector):
         signer_up = GaugeMetricFamily(
             "meshfn_audit_signer_up", "1 while the last checkpoint request succeeded"
         )
+        refusals = CounterMetricFamily(
+            "meshfn_qos_proxy_refusals",
+            "QoS refusals the proxies' audit records name (qos_limit): a gateway's own rate "
+            "limits and priority shedding, and the backends' refusals they passed on",
+            labels=["source", "tenant", "class", "limit"],
+        )
         totals = dict.fromkeys(families, 0)
         store_ok = signer_ok = 1
         for get in self.collectors:
@@ -592,10 +615,13 @@ class CollectorMetrics(Collector):
                 pending.add_metric([journal["source"]], journal["pending_bytes"])
             for key in totals:
                 totals[key] += int(status[key])
+            for row in status["qos_refusals"]:
+                cls = self.classify(row["source"], row["tenant"]) if self.classify else ""
+                refusals.add_metric([row["source"], row["tenant"], cls, row["limit"]], row["count"])
             store_ok &= status["error"] is None
             signer_ok &= status["signer_error"] is None
         for key, family in families.items():
             family.add_metric([], totals[key])
         store_up.add_metric([], store_ok)
         signer_up.add_metric([], signer_ok)
-        yield from (stored, pending, *families.values(), store_up, signer_up)
+        yield from (stored, pending, *families.values(), store_up, signer_up, refusals)

@@ -70,6 +70,7 @@ def function_route(function: ir.Function) -> ir.Route | None:
         service=function.backend,
         timeout=kserve.function_timeout(function),
         retries=kserve.SAFE_RETRIES,
+        function=function.name,
     )
 
 
@@ -252,6 +253,19 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         assert isinstance(item.obj, Service) and isinstance(item.lowered, ir.Service)
         service = security.secure_service(item.lowered, item.obj.spec.serviceAccount or item.name)
         services.append(fallback.apply(service, fallback_policies))
+    reach: dict[str, int] = {}
+    for gateway_routes in attached.values():
+        for key in {route.service for _, route, _ in gateway_routes}:
+            reach[key] = reach.get(key, 0) + 1
+    shed = qos.shed_limits(bindings, services, reach)
+    if isinstance(shed, list):
+        return sorted(set(shed))
+    services = [
+        dataclasses.replace(s, shed=shed[s.key][0], function_shed=shed[s.key][1])
+        if s.key in shed
+        else s
+        for s in services
+    ]
     served = served_functions(functions, {s.key: s for s in services})
     services = [
         dataclasses.replace(s, load_balancer=FUNCTION_BACKEND_BALANCER)

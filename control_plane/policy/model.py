@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from meshfn.contracts.durations import Duration
 from meshfn.contracts.function import FunctionSettings
 from meshfn.contracts.principals import RequestPrincipal
-from meshfn.contracts.qos import LoadBalancer, TenantClasses
+from meshfn.contracts.qos import GatewayShedding, LoadBalancer, TenantClasses
 
 from .types import (
     ConditionKey,
@@ -783,6 +783,12 @@ class QoSPolicySpec(TenantClasses):
         alias="global",
         description="count the rates across all gateways (the control plane's limit service); "
         "default: each gateway counts alone",
+    )
+    gatewayShedding: GatewayShedding | None = Field(
+        None,
+        description="shed the lower priorities at the gateway (Envoy route priorities and "
+        "per-priority circuit breakers) before they reach the backend; default: the backend "
+        "sheds them",
     )
 
     @model_validator(mode="after")

@@ -14,10 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from meshfn import ir
-from meshfn.contracts.qos import FunctionQoS, Limits, TenantClasses, window_seconds
+from meshfn.contracts.qos import (
+    FunctionQoS,
+    Limits,
+    TenantClasses,
+    shed_threshold,
+    window_seconds,
+)
 
 from .errors import PolicyError
-from .model import Function, Gateway, Mesh, QoSPolicy, Route, Service
+from .model import Function, Gateway, Mesh, QoSPolicy, QoSPolicySpec, Route, Service
 from .references import resolve_gateway, where
 from .security import Security
 from .validate import Loaded
@@ -184,6 +190,7 @@ def _check_enforcement(items: list[Loaded], bindings: Bindings) -> list[PolicyEr
         assert isinstance(item.obj, QoSPolicy)
         spec = item.obj.spec
         errors += _check_global(item)
+        errors += _check_shedding(item, item.ref in budgeted)
         if item.ref not in budgeted and any(
             limits.compute for limits in (*spec.classes, *spec.tenants)
         ):
@@ -195,6 +202,138 @@ def _check_enforcement(items: list[Loaded], bindings: Bindings) -> list[PolicyEr
                 )
             )
     return errors
+
+
+def _check_shedding(item: Loaded, serves_functions: bool) -> list[PolicyError]:
+    """Gateway shedding needs two priorities, a tenant the route table can name on the side
+    the default class is not on, and a Function whose maxConcurrency sets the thresholds."""
+    assert isinstance(item.obj, QoSPolicy)
+    spec = item.obj.spec
+    if spec.gatewayShedding is None:
+        return []
+    loc = ("spec", "gatewayShedding")
+    priorities = {c.priority for c in spec.classes}
+    if len(priorities) < 2:
+        return [
+            item.error(loc, f"every class has priority {priorities.pop()}: no class to shed first")
+        ]
+    top = max(priorities)
+    high = [c.name for c in spec.classes if c.priority == top]
+    default_high = spec.defaultClass in high
+    listed = [t for t in spec.tenants if (spec.class_of(t.name).name in high) != default_high]
+    if not listed:
+        side = "below" if default_high else "in"
+        return [
+            item.error(
+                loc,
+                f"no listed tenant is {side} the top priority ({', '.join(high)}): every request "
+                f"would route with one priority (the default class {spec.defaultClass!r}'s), "
+                "so the gateway would shed all or none",
+            )
+        ]
+    if not serves_functions:
+        return [
+            item.error(
+                loc,
+                "binds no Function (nor a Gateway serving one): the gateway's thresholds come "
+                "from the functions' maxConcurrency",
+            )
+        ]
+    return []
+
+
+ShedLimits = tuple[ir.PriorityLimits, tuple[tuple[str, ir.PriorityLimits], ...]]
+
+
+def shed_limits(
+    bindings: Bindings, services: list[ir.Service], reach: dict[str, int]
+) -> dict[str, ShedLimits] | list[PolicyError]:
+    """Per backend Service whose functions a policy sheds at the gateway, each gateway's
+    per-priority concurrency towards it: (its cluster's, each such function's own cluster's).
+    HIGH admits every request the backend admits (maxConcurrency), DEFAULT what it admits
+    before it sheds its lowest priority (contracts.qos.shed_threshold: half), both divided among
+    the `reach[service]` Gateways whose routes reach it (or the policy's
+    `gatewayShedding.gateways`); the service's cluster sums its functions (all of a function
+    whose policy does not shed)."""
+    functions: dict[str, list[Loaded]] = {}
+    for item in bindings.items:
+        if isinstance(item.obj, Function):
+            key = f"{item.namespace}/{item.obj.spec.backend}"
+            functions.setdefault(key, []).append(item)
+    out: dict[str, ShedLimits] = {}
+    errors: list[PolicyError] = []
+    by_key = {s.key: s for s in services}
+    for key, served in sorted(functions.items()):
+        own: list[tuple[str, int, int, Loaded]] = []  # (function, N, DEFAULT share, policy)
+        high = default = 0
+        for function in served:
+            assert isinstance(function.obj, Function)
+            limit = function.obj.spec.limits.maxConcurrency
+            policy = bindings.for_function(function)
+            high += limit
+            spec = policy.obj.spec if policy is not None else None
+            if policy is None or not isinstance(spec, QoSPolicySpec) or not spec.gatewayShedding:
+                default += limit
+                continue
+            count = len({c.priority for c in spec.classes})
+            share = shed_threshold(count - 1, count, limit)
+            default += share
+            own.append((function.name, limit, share, policy))
+        if not own:
+            continue
+        shedding = own[0][3]
+        assert isinstance(shedding.obj, QoSPolicy) and shedding.obj.spec.gatewayShedding
+        loc = ("spec", "gatewayShedding")
+        given = shedding.obj.spec.gatewayShedding.gateways
+        gateways = reach.get(key, 1)
+        if given is not None and given < gateways:
+            errors.append(
+                shedding.error(
+                    (*loc, "gateways"),
+                    f"{given} gateway(s), but {gateways} Gateways reach the backend {key}: each "
+                    "would admit its share, together more than the backend sheds at",
+                )
+            )
+            continue
+        gateways = given or gateways
+        service = by_key.get(key)
+        breakers = service.traffic.breakers if service and service.traffic else None
+        caps = (breakers.max_requests, breakers.max_pending_requests) if breakers else ()
+        cap = min((c for c in caps if c is not None), default=None)
+        if cap is not None and cap < default // gateways:
+            errors.append(
+                shedding.error(
+                    loc,
+                    f"the backend {key}'s FallbackPolicy admits at most {cap} requests "
+                    f"(circuitBreakers), below the {default // gateways} lower-priority requests "
+                    "each gateway admits before it sheds: the gateway would never shed by "
+                    "priority; raise circuitBreakers or drop gatewayShedding",
+                )
+            )
+            continue
+        small = [(name, share) for name, _, share, _ in own if share // gateways < 1]
+        if small:
+            name, share = small[0]
+            errors.append(
+                shedding.error(
+                    loc,
+                    f"Function {name} sheds its lower priorities from {share} requests in "
+                    f"flight, fewer than the {gateways} gateways sharing its backend {key}: each "
+                    "gateway would shed every DEFAULT request (raise its maxConcurrency)",
+                )
+            )
+            continue
+        out[key] = (
+            _per_gateway(high, default, gateways, cap),
+            tuple((name, _per_gateway(n, share, gateways, cap)) for name, n, share, _ in own),
+        )
+    return errors or out
+
+
+def _per_gateway(high: int, default: int, gateways: int, cap: int | None) -> ir.PriorityLimits:
+    """One gateway's share; a FallbackPolicy's circuitBreakers bound both priorities."""
+    most = -(-high // gateways)
+    return ir.PriorityLimits(high=min(most, cap) if cap else most, default=default // gateways)
 
 
 def _check_global(item: Loaded) -> list[PolicyError]:
@@ -255,6 +394,7 @@ def lower(item: Loaded, mesh: Mesh) -> ir.QoSPolicy:
         )
         if spec.global_ is not None
         else None,
+        gateway_shed=spec.gatewayShedding is not None,
     )
 
 

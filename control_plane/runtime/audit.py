@@ -74,12 +74,14 @@ class AuditTrail:
         self.collector: AuditCollector | None = None
         self.signer: SupervisedProcess | None = None
         self.signer_address: str | None = None
+        self.model: ir.MeshModel | None = None  # the last reconciled: tenants' QoS classes
 
     async def reconcile(
         self, model: ir.MeshModel, host: ProxyHost, reopen: Mapping[str, Reopen]
     ) -> None:
         """Collect the journal of every proxy that records; `reopen` maps node clusters to
         their Envoy's /reopen_logs."""
+        self.model = model
         audit = model.audit
         if audit is None:
             return
@@ -109,13 +111,27 @@ class AuditTrail:
     def status(self) -> dict[str, Any]:
         if self.collector is None or self.store is None:
             return {"enabled": False}
+        status = self.collector.status()
         return {
             "enabled": True,
             "store": self.store.location,
             "signer": self.signer_address,
             "witness": str(layout.witness_path(self.state_dir)),
-            **self.collector.status(),
+            **status,
+            "qos_refusals": [
+                {**row, "class": self.tenant_class(row["source"], row["tenant"])}
+                for row in status["qos_refusals"]
+            ],
         }
+
+    def tenant_class(self, source: str, tenant: str) -> str:
+        """The QoS class of `tenant` at the gateway `source` (its own QoSPolicy's; "" for a
+        sidecar or a gateway without one)."""
+        model = self.model
+        for workload in model.workloads if model is not None else ():
+            if workload.node_cluster == source and workload.qos is not None:
+                return workload.qos.limits_of(tenant)[0]
+        return ""
 
     async def stop(self) -> None:
         """Store what the (already stopped) proxies wrote, sign a final checkpoint, close."""

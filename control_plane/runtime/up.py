@@ -253,7 +253,9 @@ async def run_up(
     cp.status_providers["inference_backends"] = lambda: [
         {"service": b.service, "address": b.address, "port": b.port} for b in mesh.backends()
     ]
-    cp.metrics.registry.register(CollectorMetrics(lambda: audit.collector))
+    cp.metrics.registry.register(
+        CollectorMetrics(lambda: audit.collector, classify=audit.tenant_class)
+    )
     admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -19,7 +19,7 @@ from google.protobuf import duration_pb2, wrappers_pb2
 from meshfn import ir
 from meshfn.contracts.qos import LoadBalancer
 
-from ..names import cluster_name, fallback_cluster_name
+from ..names import cluster_name, fallback_cluster_name, function_cluster_name
 from .common import ads_source, duration, pack
 from .security import mtls_socket_match
 
@@ -39,6 +39,57 @@ def cluster(service: ir.Service, name: str | None = None) -> cluster_pb2.Cluster
         service.identity if mtls else "",
         service.traffic,
         service.load_balancer,
+        service.shed,
+    )
+
+
+def function_cluster(
+    base: cluster_pb2.Cluster, function: str, limits: ir.PriorityLimits
+) -> cluster_pb2.Cluster:
+    """The twin of an EDS cluster for one Function's routes at a shedding gateway: the same
+    endpoints (an EDS resource of its own, gateway.py), with the function's own per-priority
+    limits."""
+    out = cluster_pb2.Cluster()
+    out.CopyFrom(base)
+    out.name = function_cluster_name(base.name, function)
+    thresholds = out.circuit_breakers.thresholds
+    breakers = priority_breakers(limits)
+    for mine, theirs in zip(breakers.thresholds, thresholds, strict=False):
+        _keep_others(theirs, mine)
+    out.circuit_breakers.CopyFrom(breakers)
+    return out
+
+
+def _keep_others(
+    base: circuit_breaker_pb2.CircuitBreakers.Thresholds,
+    into: circuit_breaker_pb2.CircuitBreakers.Thresholds,
+) -> None:
+    """A FallbackPolicy's retry and connection limits stay beside the shedding thresholds."""
+    into.max_retries.CopyFrom(base.max_retries)
+    if base.HasField("max_connections"):
+        into.max_connections.CopyFrom(base.max_connections)
+    if base.HasField("retry_budget"):
+        into.retry_budget.CopyFrom(base.retry_budget)
+
+
+def priority_breakers(limits: ir.PriorityLimits) -> circuit_breaker_pb2.CircuitBreakers:
+    """Envoy's routing priorities as QoS classes: DEFAULT (the lower classes) may have at most
+    `limits.default` requests in flight or waiting for a connection, HIGH `limits.high`; past
+    that Envoy answers at once (response flag UO), and the listener's local reply makes it the
+    backend's shed 429 (ir.qos.shed_reply). Retries stay unlimited (see UNLIMITED_RETRIES)."""
+    return circuit_breaker_pb2.CircuitBreakers(
+        thresholds=[
+            circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                priority=priority,
+                max_requests=_u32(limit),
+                max_pending_requests=_u32(limit),
+                max_retries=_u32(UNLIMITED_RETRIES),
+            )
+            for priority, limit in (
+                (base_pb2.DEFAULT, limits.default),
+                (base_pb2.HIGH, limits.high),
+            )
+        ]
     )
 
 
@@ -102,6 +153,7 @@ def _cluster(
     mtls_peer: str,
     traffic: ir.TrafficPolicy | None,
     balancer: LoadBalancer | None = None,
+    shed: ir.PriorityLimits | None = None,
 ) -> cluster_pb2.Cluster:
     out = cluster_pb2.Cluster(
         name=name,
@@ -132,6 +184,10 @@ def _cluster(
         out.transport_socket_matches.append(mtls_socket_match(mtls_peer, protocol))
     if traffic is not None:
         _apply_traffic(out, traffic)
+    if shed is not None:  # the FallbackPolicy's request limits are folded in (policy.qos)
+        breakers = priority_breakers(shed)
+        _keep_others(out.circuit_breakers.thresholds[0], breakers.thresholds[0])
+        out.circuit_breakers.CopyFrom(breakers)
     return out
 
 

@@ -3,6 +3,8 @@ Listener, its RouteConfiguration and what its HTTP filters refer to."""
 
 from __future__ import annotations
 
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 from google.protobuf.message import Message
 
 from meshfn import ir
@@ -10,7 +12,7 @@ from meshfn.contracts.qos import LIMIT_SERVICE_NODE_HEADER
 
 from ..names import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, cluster_name
 from . import httpfilters
-from .clusters import cluster, fallback_cluster
+from .clusters import cluster, fallback_cluster, function_cluster
 from .endpoints import load_assignment, tier_assignments
 from .host import ProxyHost
 from .httpfilters import FilterContext, QoSContext
@@ -18,7 +20,7 @@ from .httpfilters.base import AuditConfig
 from .httpfilters.degrade import degrade_for
 from .listeners import listener
 from .resources import Resources, merge
-from .routes import Target, route_configuration, target_for
+from .routes import Target, function_target, route_configuration, target_for
 
 
 def gateway_resources(
@@ -71,6 +73,29 @@ def gateway_resources(
             )
             clusters[aggregate.name] = aggregate
         targets[service.key] = target_for(service, primary + tail, tail)
+    for service in services:  # QoS gateway shedding: each Function's twin clusters (routes.py)
+        target = targets[service.key]
+        for function, limits in service.function_shed:
+            for name in dict.fromkeys((target.cluster, *target.members)):
+                base = clusters[name]
+                assert isinstance(base, cluster_pb2.Cluster)
+                twin = function_cluster(base, function, limits)
+                clusters[twin.name] = twin
+                # Its own EDS resource (a copy): a new cluster that shared another's would
+                # wait for endpoints Envoy already has until its fetch timed out (~15 s of 503).
+                assignment = endpoint_pb2.ClusterLoadAssignment()
+                assignment.CopyFrom(endpoints[name])
+                assignment.cluster_name = twin.name
+                endpoints[twin.name] = assignment
+            twins = function_target(target, function)
+            groups = [twins.members] if twins.tail else []
+            if twins.drift and len(twins.tail) > 1:
+                groups.append(twins.tail)
+            for group in groups:
+                aggregate = fallback_cluster(
+                    group, service.traffic.breakers if service.traffic else None
+                )
+                clusters[aggregate.name] = aggregate
     out: Resources = {
         LISTENER: {},
         ROUTE: {},
@@ -90,7 +115,7 @@ def gateway_resources(
             workload.jwt_rules,
             workload.authz,
             audit,
-            degrade_for(lst, guarded, model.drill, host.wasm_dir),
+            degrade_for(lst, guarded, model.drill, host.wasm_dir, workload.qos),
             qos=qos_context(workload.qos, lst, limit_service_metadata),
             mesh_route=model.audit is not None,
         )
@@ -122,4 +147,5 @@ def qos_context(
         gateway,
         any(p.rate_limited for p in policies),
         limit_service_metadata,
+        any(p.gateway_shed for p in policies),
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from envoy.config.core.v3 import base_pb2
@@ -10,10 +10,11 @@ from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
-from envoy.type.matcher.v3 import regex_pb2, string_pb2
-from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
+from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2
+from google.protobuf import any_pb2, json_format, struct_pb2, wrappers_pb2
 
 from meshfn import ir
+from meshfn.contracts.naming import priority_route_name
 from meshfn.contracts.plugins import (
     MESH_ROUTE_HEADER,
     MESH_ROUTE_KEY,
@@ -24,7 +25,7 @@ from meshfn.ir import qos as envoy_qos
 from meshfn.ir.routing import precedence
 
 from .. import names
-from ..names import cluster_name, fallback_cluster_name
+from ..names import cluster_name, fallback_cluster_name, function_cluster_name
 from .common import duration, pack
 from .httpfilters.qos import rate_limit_config
 
@@ -78,6 +79,8 @@ class Target:
     probe_percent: int = 0
     locality_failover: bool = False
     drift: bool = False  # a drift breaker may send it down the chain (see degraded_routes)
+    shed: bool = False  # per-priority circuit breakers (QoS gateway shedding)
+    functions: frozenset[str] = frozenset()  # Functions with a cluster of their own
 
     @property
     def normal_cluster(self) -> str:
@@ -99,6 +102,23 @@ def target_for(
         probe_percent=service.drift.probe_percent if service.drift else 0,
         locality_failover=bool(service.traffic and service.traffic.locality_failover),
         drift=service.drift is not None and bool(tail),
+        shed=service.shed is not None,
+        functions=frozenset(name for name, _ in service.function_shed),
+    )
+
+
+def function_target(target: Target, function: str) -> Target:
+    """Where a Function's own routes go at a shedding gateway: the twin of every cluster of
+    the service's target (its fallback chain's too), with the function's circuit breakers."""
+
+    def twin(name: str) -> str:
+        return function_cluster_name(name, function)
+
+    return replace(
+        target,
+        cluster=twin(target.cluster),
+        members=tuple(map(twin, target.members)),
+        tail=tuple(map(twin, target.tail)),
     )
 
 
@@ -226,6 +246,9 @@ def _routes(
     headers = _mesh_route_header(route) if mesh_route else []
     qos = route.qos or gateway_qos
     per_route = _qos_per_route(route, gateway_qos)
+    shed = qos is not None and qos.gateway_shed and target.shed
+    if shed and route.function in target.functions:
+        target = function_target(target, route.function)
     normal = rc.Route(
         name=route_name(route, index),
         match=_match(route.matches[index]),
@@ -235,7 +258,7 @@ def _routes(
         typed_per_filter_config=per_route,
     )
     if not target.drift:
-        return [normal]
+        return _by_priority([normal], qos) if shed and qos else [normal]
     degraded = rc.Route(
         name=degraded_route_name(route, index),
         match=_match(route.matches[index]),
@@ -249,7 +272,38 @@ def _routes(
             name=ROUTING_HEADER, string_match=string_pb2.StringMatcher(exact=route.key)
         )
     )
-    return [degraded, normal]
+    return _by_priority([degraded, normal], qos) if shed and qos else [degraded, normal]
+
+
+PRIORITY_NAMES = {base_pb2.HIGH: "HIGH", base_pb2.DEFAULT: "DEFAULT"}
+
+
+def _by_priority(routes: list[rc.Route], qos: ir.QoSPolicy) -> list[rc.Route]:
+    """Each route twice at a gateway that sheds: first for the listed tenants of one side
+    (matched on jwt_authn's verified payload, which jwt_authn re-matches routes after writing;
+    a client header can never select it), then for everyone else, each with its side's Envoy
+    priority (the cluster's per-priority circuit breakers shed DEFAULT first) and its classes in
+    the route metadata for the shed reply."""
+    split = qos.priority_split()
+    high, default = base_pb2.HIGH, base_pb2.DEFAULT
+    listed_side = (high, split.high) if split.listed_high else (default, split.low)
+    other_side = (default, split.low) if split.listed_high else (high, split.high)
+    matcher = json_format.ParseDict(
+        envoy_qos.tenant_matcher(qos.claim, split.listed), metadata_pb2.MetadataMatcher()
+    )
+    out = []
+    for route in routes:
+        listed = rc.Route()
+        listed.CopyFrom(route)
+        listed.name = priority_route_name(route.name, PRIORITY_NAMES[listed_side[0]].lower())
+        listed.match.dynamic_metadata.append(matcher)
+        for copy, (priority, classes) in ((listed, listed_side), (route, other_side)):
+            copy.route.priority = priority
+            fields = copy.metadata.filter_metadata[ROUTE_METADATA].fields
+            fields[envoy_qos.QOS_CLASS_KEY].string_value = ",".join(classes)
+            fields[envoy_qos.QOS_PRIORITY_KEY].string_value = PRIORITY_NAMES[priority]
+        out += [listed, route]
+    return out
 
 
 @lru_cache(maxsize=4096)

@@ -60,12 +60,14 @@ class QoSContext:
     `gateway`: the QoSPolicy bound to the whole gateway; `rate_limited`: a policy governing some
     route of this listener limits the rate (the local rate limit filter runs);
     `limit_service_metadata`: what the gateway's calls to the limit service carry to prove
-    which gateway asks (a global rate; empty offline)."""
+    which gateway asks (a global rate; empty offline); `shed`: a policy governing some route
+    sheds the lower priorities at this gateway (routes by priority, its local reply)."""
 
     claim: str
     gateway: ir.QoSPolicy | None = None
     rate_limited: bool = False
     limit_service_metadata: tuple[tuple[str, str], ...] = ()
+    shed: bool = False
 
 
 @dataclass(frozen=True)

@@ -57,11 +57,15 @@ class Degrade(HttpFilter[DegradeConfig]):
 
 
 def degrade_for(
-    listener: ir.Listener, guarded: frozenset[str], drill: ir.Drill | None, wasm_dir: Path
+    listener: ir.Listener,
+    guarded: frozenset[str],
+    drill: ir.Drill | None,
+    wasm_dir: Path,
+    gateway_qos: ir.QoSPolicy | None = None,
 ) -> DegradeConfig | None:
     """The listener's degrade filter, if any of its routes (keys in `guarded`) has a drift
     breaker that can send it down a fallback chain."""
-    routes = guarded_routes(listener, guarded)
+    routes = guarded_routes(listener, guarded, gateway_qos)
     return DegradeConfig(listener.name, routes, drill, wasm_dir) if routes else None
 
 

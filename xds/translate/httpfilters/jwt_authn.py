@@ -46,7 +46,10 @@ class JwtAuthn(HttpFilter[tuple[ir.JwtRule, ...]]):
     def http_filters(
         self, ctx: FilterContext, config: tuple[ir.JwtRule, ...]
     ) -> Iterable[hcm.HttpFilter]:
-        return (jwt_filter(config, claim_headers(ctx)),)
+        # A gateway that sheds by priority routes on the verified payload (routes.py): jwt_authn
+        # clears the route cache once it wrote the payload, so the route is matched again.
+        shed = ctx.qos is not None and ctx.qos.shed
+        return (jwt_filter(config, claim_headers(ctx), shed),)
 
     def resources(
         self, ctx: FilterContext, config: tuple[ir.JwtRule, ...], overlay: ir.Overlay
@@ -100,7 +103,11 @@ def jwks_cluster(uri: str) -> cluster_pb2.Cluster:
     return cluster
 
 
-def _provider(rule: ir.JwtRule, claim_headers: tuple[tuple[str, str], ...] = ()) -> jwt.JwtProvider:
+def _provider(
+    rule: ir.JwtRule,
+    claim_headers: tuple[tuple[str, str], ...] = (),
+    clear_route_cache: bool = False,
+) -> jwt.JwtProvider:
     """`claim_headers` ((header, claim) pairs, e.g. the audit filter's in jwt_headers mode) are
     added to the rule's own claim_to_headers and win over a rule entry for the same header."""
     ours = {header for header, _ in claim_headers}
@@ -122,6 +129,7 @@ def _provider(rule: ir.JwtRule, claim_headers: tuple[tuple[str, str], ...] = ())
         # Each worker keeps the tokens it verified (expiry still checked on every hit): a
         # client's repeated token costs no ES256/RS256 verification per request.
         jwt_cache_config=jwt.JwtCacheConfig(jwt_cache_size=JWT_CACHE_SIZE),
+        clear_route_cache=clear_route_cache,
     )
     if rule.max_lifetime_seconds is not None:
         provider.max_lifetime.CopyFrom(duration_pb2.Duration(seconds=rule.max_lifetime_seconds))
@@ -145,10 +153,13 @@ def _provider(rule: ir.JwtRule, claim_headers: tuple[tuple[str, str], ...] = ())
 
 @lru_cache(maxsize=1024)
 def jwt_filter(
-    rules: tuple[ir.JwtRule, ...], claim_headers: tuple[tuple[str, str], ...] = ()
+    rules: tuple[ir.JwtRule, ...],
+    claim_headers: tuple[tuple[str, str], ...] = (),
+    clear_route_cache: bool = False,
 ) -> hcm.HttpFilter:
-    """`claim_headers`: (header, claim) pairs every provider writes (see `_provider`)."""
-    providers = {provider_name(r): _provider(r, claim_headers) for r in rules}
+    """`claim_headers`: (header, claim) pairs every provider writes (see `_provider`);
+    `clear_route_cache`: routes match on the verified payload."""
+    providers = {provider_name(r): _provider(r, claim_headers, clear_route_cache) for r in rules}
     # A token that is present must be valid for one provider (else 401); a missing token passes
     # here and authorization decides (Istio semantics).
     requirement = jwt.JwtRequirement(

@@ -46,9 +46,12 @@ def global_rate_limit_config(
 
 class QoS(HttpFilter[QoSContext]):
     def config(self, ctx: FilterContext) -> QoSContext | None:
-        return ctx.qos if ctx.qos is not None and ctx.qos.rate_limited else None
+        qos = ctx.qos
+        return qos if qos is not None and (qos.rate_limited or qos.shed) else None
 
     def http_filters(self, ctx: FilterContext, config: QoSContext) -> Iterable[hcm.HttpFilter]:
+        if not config.rate_limited:
+            return
         yield hcm.HttpFilter(
             name=envoy_qos.LOCAL_RATE_LIMIT, typed_config=pack(rate_limit_config(config.gateway))
         )
@@ -63,6 +66,11 @@ class QoS(HttpFilter[QoSContext]):
     def local_reply_mappers(
         self, ctx: FilterContext, config: QoSContext
     ) -> Iterable[hcm.ResponseMapper]:
+        if config.shed:  # before the 429 mapper: Envoy applies the first that matches
+            for raw in envoy_qos.shed_replies(config.claim):
+                yield json_format.ParseDict(raw, hcm.ResponseMapper())
+        if not config.rate_limited:
+            return
         mapper = hcm.ResponseMapper()
         json_format.ParseDict(envoy_qos.limited_reply(config.claim), mapper)
         yield mapper

@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from .tensors import DType, TensorError, check_raw, dtype, element_count, json_to_raw, unpack
 
 HEADER_LENGTH = b"inference-header-content-length"
@@ -49,6 +51,17 @@ class KServeError(Exception):
 
     def body(self) -> bytes:
         return error_body(self.message)
+
+
+def loads(data: bytes) -> Any:
+    """JSON as `json.loads` reads it, decoded by orjson (~5x faster on request bodies) when it
+    can. What orjson refuses (NaN/Infinity literals, integers past 64 bits, floats that overflow,
+    UTF-16/32 or BOM-prefixed bodies, nesting past 1,024, malformed JSON) is read again by
+    `json.loads`, so the values accepted and the errors raised stay the standard library's."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 def error_body(message: str) -> bytes:
@@ -89,15 +102,18 @@ class Signature:
 
     def check_shape(self, name: str, shape: Any) -> tuple[int, ...]:
         sig = self.inputs[name]
-        if (
-            not isinstance(shape, list | tuple)
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-            or len(shape) != len(sig.shape)
-            or any(want not in (-1, got) for want, got in zip(sig.shape, shape, strict=True))
-        ):
-            shown = list(shape) if isinstance(shape, list | tuple) else shape
-            raise bad(f"input {name!r}: shape {shown!r} does not match {list(sig.shape)}")
-        return tuple(shape)
+        want = sig.shape
+        if isinstance(shape, list | tuple) and len(shape) == len(want):
+            for w, d in zip(want, shape, strict=True):
+                # exact int (bool is an int subclass); int subclasses take the general test
+                if not (type(d) is int or (isinstance(d, int) and not isinstance(d, bool))):
+                    break
+                if d < 0 or (w != -1 and w != d):
+                    break
+            else:
+                return tuple(shape)
+        shown = list(shape) if isinstance(shape, list | tuple) else shape
+        raise bad(f"input {name!r}: shape {shown!r} does not match {list(want)}")
 
     def input_named(self, name: Any, seen: set[str]) -> TensorSig:
         if not isinstance(name, str) or name not in self.inputs:
@@ -256,7 +272,7 @@ def parse_http(body: bytes, signature: Signature, json_length: int | None = None
     head = body if json_length is None else body[:json_length]
     blob = b"" if json_length is None else body[json_length:]
     try:
-        request = json.loads(head)
+        request = loads(head)
     except (UnicodeDecodeError, ValueError) as exc:
         hint = ""
         trailing = isinstance(exc, UnicodeDecodeError) or "Extra data" in str(exc)
@@ -265,8 +281,8 @@ def parse_http(body: bytes, signature: Signature, json_length: int | None = None
         raise bad(f"request body is not valid JSON: {exc}{hint}") from None
     if not isinstance(request, dict):
         raise bad("request body must be a JSON object")
-    unknown = set(request) - _REQUEST_KEYS
-    if unknown:
+    if not _REQUEST_KEYS.issuperset(request):
+        unknown = set(request) - _REQUEST_KEYS
         raise bad(f"unknown request field(s): {', '.join(sorted(unknown))}")
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
@@ -284,11 +300,11 @@ def parse_http(body: bytes, signature: Signature, json_length: int | None = None
     for i, tensor in enumerate(inputs):
         if not isinstance(tensor, dict):
             raise bad(f"inputs[{i}] must be an object")
-        missing = {"name", "datatype", "shape"} - set(tensor)
-        if missing:
+        if not ("name" in tensor and "datatype" in tensor and "shape" in tensor):
+            missing = {"name", "datatype", "shape"} - set(tensor)
             raise bad(f"inputs[{i}] lacks {', '.join(sorted(missing))}")
-        extra = set(tensor) - _INPUT_KEYS
-        if extra:
+        if not _INPUT_KEYS.issuperset(tensor):
+            extra = set(tensor) - _INPUT_KEYS
             raise bad(f"inputs[{i}] has unknown field(s): {', '.join(sorted(extra))}")
         sig = signature.input_named(tensor["name"], seen)
         name = sig.name
@@ -394,7 +410,7 @@ class Output:
 def parse_guest_outputs(text: str, label: str) -> tuple[list[Output], dict[str, Any] | None]:
     """The guest's `{"outputs": [...], "parameters"?: {...}}`; 500 if it is not that shape."""
     try:
-        response = json.loads(text)
+        response = loads(text)
         outputs = [
             Output(
                 str(o["name"]),

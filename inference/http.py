@@ -71,13 +71,15 @@ def encode(response: Response, keep_alive: bool) -> bytes:
 
 
 class _Pending:
-    __slots__ = ("body", "headers", "too_large", "url")
+    __slots__ = ("body", "headers", "limit", "path", "too_large", "url")
 
     def __init__(self) -> None:
         self.url = b""
         self.headers: dict[bytes, bytes] = {}
         self.body: list[bytes] = []
         self.too_large = 0  # the limit that was exceeded, 0 if none
+        self.path = ""  # known once the headers are complete
+        self.limit = 0  # the route's body limit, likewise
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -136,7 +138,9 @@ class HttpProtocol(asyncio.Protocol):
         self.pending.headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
-        limit = self.server.body_limit(self._path())
+        # the path and its body limit, once per request (the body callbacks reuse them)
+        self.pending.path = self._path()
+        limit = self.pending.limit = self.server.body_limit(self.pending.path)
         length = self.pending.headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             self.pending.too_large = limit
@@ -148,7 +152,7 @@ class HttpProtocol(asyncio.Protocol):
         if self.pending.too_large:
             return
         self.size += len(body)
-        limit = self.server.body_limit(self._path())
+        limit = self.pending.limit
         if self.size > limit:
             self.pending.too_large = limit
             self.pending.body.clear()
@@ -164,7 +168,7 @@ class HttpProtocol(asyncio.Protocol):
         self._enqueue(
             Request(
                 method=self.parser.get_method().decode("latin-1"),
-                path=self._path(),
+                path=pending.path,
                 headers=pending.headers,
                 body=b"".join(pending.body),
                 keep_alive=self.parser.should_keep_alive(),

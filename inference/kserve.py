@@ -84,6 +84,14 @@ class TensorSig:
 class Signature:
     inputs: dict[str, TensorSig]
     outputs: dict[str, TensorSig]
+    # Every input and output has a variable first dimension (the batch dimension); asked on
+    # every request (statistics count rows), so computed once.
+    batchable: bool = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tensors = [*self.inputs.values(), *self.outputs.values()]
+        batchable = all(t.shape and t.shape[0] == -1 for t in tensors)
+        object.__setattr__(self, "batchable", batchable)
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any]) -> Signature:
@@ -94,12 +102,6 @@ class Signature:
             {t["name"]: sig(t) for t in metadata["inputs"]},
             {t["name"]: sig(t) for t in metadata["outputs"]},
         )
-
-    @property
-    def batchable(self) -> bool:
-        """Every input and output has a variable first dimension (the batch dimension)."""
-        tensors = [*self.inputs.values(), *self.outputs.values()]
-        return all(t.shape and t.shape[0] == -1 for t in tensors)
 
     def check_shape(self, name: str, shape: Any) -> tuple[int, ...]:
         sig = self.inputs[name]
@@ -303,10 +305,7 @@ def parse_http(body: bytes, signature: Signature, json_length: int | None = None
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise bad("'id' must be a string")
-    params = dict(check_parameters(request.get("parameters"), "request"))
-    binary_output = _flag(params, "binary_data_output", "request") or False
-    _no_other_binary(params, None, "request")
-    timeout = request_timeout(params)
+    params, binary_output, timeout = _request_parameters(request.get("parameters"))
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise bad("'inputs' must be a non-empty list")
@@ -328,9 +327,12 @@ def parse_http(body: bytes, signature: Signature, json_length: int | None = None
             raise bad(f"input {name!r}: datatype {tensor['datatype']!r}, expected {sig.datatype}")
         shape = signature.check_shape(name, tensor["shape"])
         where = f"input {name!r}"
-        tparams = dict(check_parameters(tensor.get("parameters"), where))
-        size = tparams.pop("binary_data_size", None)
-        _no_other_binary(tparams, None, where)
+        tparams: dict[str, Any] = {}
+        size = None
+        if tensor.get("parameters") is not None:  # (none: nothing to check or take)
+            tparams = dict(check_parameters(tensor["parameters"], where))
+            size = tparams.pop("binary_data_size", None)
+            _no_other_binary(tparams, None, where)
         dt, count = dtype(sig.datatype), element_count(shape)
         try:
             if size is None:
@@ -372,6 +374,16 @@ def parse_http(body: bytes, signature: Signature, json_length: int | None = None
         binary_output,
         timeout,
     )
+
+
+def _request_parameters(given: Any) -> tuple[dict[str, Any], bool, float | None]:
+    """The request's own parameters (checked), binary_data_output and the timeout."""
+    if given is None:  # the usual case: nothing to check or take
+        return {}, False, None
+    params = dict(check_parameters(given, "request"))
+    binary_output = _flag(params, "binary_data_output", "request") or False
+    _no_other_binary(params, None, "request")
+    return params, binary_output, request_timeout(params)
 
 
 def _requested_outputs(outputs: Any, signature: Signature) -> list[Requested] | None:

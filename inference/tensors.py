@@ -106,7 +106,7 @@ def flatten_checked(data: Any, dt: DType) -> list[Any]:
     return flat
 
 
-_NUMBER_TYPES = {"float": {float, int}, "int": {int}}
+_NUMBER_TYPES: dict[str, set[type]] = {"float": {float, int}, "int": {int}}
 
 
 def _all_in_range(flat: list[Any], dt: DType) -> bool:

@@ -14,6 +14,7 @@ the connection is closed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import socket
 from collections import deque
@@ -130,6 +131,7 @@ class HttpProtocol(asyncio.Protocol):
         self.queue: deque[Request | Response | _Started] = deque()
         self.wakeup = asyncio.Event()
         self.worker: asyncio.Task[None] | None = None
+        self.context = contextvars.Context()
         self.closing = False
         self.busy = False
 
@@ -138,7 +140,10 @@ class HttpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.server.connections.add(self)
-        self.worker = asyncio.get_running_loop().create_task(self._work())
+        # the worker task's context, which handlers started in _start run in too (as they did
+        # when the worker ran every handler)
+        self.context = contextvars.copy_context()
+        self.worker = asyncio.get_running_loop().create_task(self._work(), context=self.context)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
@@ -237,7 +242,7 @@ class HttpProtocol(asyncio.Protocol):
         requests finish here: ~10 us less each). A handler that waits is queued as _Started."""
         coro = self.server.handler(request)
         try:
-            waiting = coro.send(None)
+            waiting = self.context.run(coro.send, None)
         except StopIteration as stop:
             self._respond(request, stop.value)
         except Exception:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 from collections.abc import AsyncIterator
 
@@ -175,3 +176,24 @@ async def test_closing_the_server_cancels_a_waiting_handler() -> None:
     assert CANCELLED == ["/forever"]  # the cancellation reached the handler it resumed
     assert await asyncio.wait_for(reader.read(-1), 5) == b""
     writer.close()
+
+
+async def test_a_resumed_handler_keeps_its_context() -> None:
+    """A handler started in the parser callback and resumed by the worker task runs in one
+    context (the worker's), as when the worker ran it from the start."""
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("v", default="unset")
+
+    async def handler(request: Request) -> Response:
+        before = var.get()
+        var.set(request.path)
+        await asyncio.sleep(0.01)
+        return Response(200, json.dumps({"path": f"{before}>{var.get()}"}).encode())
+
+    srv = HttpServer(handler, lambda path: 10_000, error_body)
+    await srv.start("127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        out = await exchange(port, post("/a", b"") + post("/b", b"", close=True))
+        assert answers(out) == ["unset>/a", "/a>/b"]  # one connection, one context
+    finally:
+        await srv.close()

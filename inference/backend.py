@@ -46,6 +46,7 @@ from .warmup import WarmBudget
 log = logging.getLogger("meshfn.inference")
 
 SERVER_NAME = "meshfn-inference"
+_TENANT_KEY = TENANT_HEADER.encode()
 # What the server metadata lists (Triton's extension names).
 EXTENSIONS = ("binary_tensor_data", "parameters", "model_repository", "statistics")
 
@@ -458,7 +459,7 @@ class Backend:
             )
 
         try:
-            tenant = tenant_of((headers or {}).get(TENANT_HEADER.encode()))
+            tenant = tenant_of((headers or {}).get(_TENANT_KEY))
             return await self.dispatcher.serve(rt, "rest", parse, encode, tenant)
         except KServeError as exc:
             return Reply.of(exc)

@@ -54,7 +54,9 @@ class Lane:
         # The label children, looked up once: `labels()` costs ~5 us a call, several per request.
         metrics = dispatcher.metrics
         self.latency = metrics.latency.labels(rt.label)
-        self.inflight = metrics.inflight.labels(rt.label)
+        # read when /metrics is scraped: no gauge update per request (the count itself is
+        # rt.inflight, kept by the dispatcher either way)
+        metrics.inflight.labels(rt.label).set_function(lambda: rt.inflight)
         self.batch_rows = metrics.batch_size.labels(rt.label)
         self._requests = metrics.requests
         self._by_status: dict[int, Any] = {}
@@ -214,11 +216,12 @@ class Dispatcher:
         decoding of its tensors."""
         started = time.perf_counter()
         status = 500
+        lane = self.lanes.get(rt.label) or self.lane(rt)
         try:
             self.admit(rt, protocol)
             # QoS first: at saturation a low-priority request is shed by name (limit "shed"),
             # not refused as anyone's excess by the function's own limit
-            admission = self.lane(rt).admission
+            admission = lane.admission
             ticket = admission.admit(tenant) if admission is not None else None
             try:
                 limit = rt.spec.limits.maxConcurrency
@@ -231,23 +234,23 @@ class Dispatcher:
                 if ticket is not None:
                     ticket.done(0)
                 raise
-            result = await self._run(rt, request, encode, ticket)
+            result = await self._run(rt, lane, request, encode, ticket)
             status = 200
             return result
         except KServeError as exc:
             status = exc.status
             raise
         finally:
-            self.lane(rt).answered(status, time.perf_counter() - started)
+            lane.answered(status, time.perf_counter() - started)
 
     async def _run(
         self,
         rt: FunctionRuntime,
+        lane: Lane,
         request: InferRequest,
         encode: Callable[[Completed, InferRequest], T],
         ticket: Ticket | None,
     ) -> T:
-        lane = self.lane(rt)
         timing = Timing(time.perf_counter_ns())
         deadline = None if request.timeout is None else time.monotonic() + request.timeout
         if lane.warmer is not None:
@@ -255,7 +258,6 @@ class Dispatcher:
         rt.inflight += 1
         self.inflight += 1
         self.drained.clear()
-        lane.inflight.set(rt.inflight)
         ok = False
         try:
             batched = lane.batcher is not None
@@ -283,7 +285,6 @@ class Dispatcher:
             if not self.inflight:
                 self.drained.set()
             rt.last_used = time.monotonic()
-            lane.inflight.set(rt.inflight)
             if lane.warmer is not None:
                 lane.warmer.finished(rt.inflight)
             lane.stats.request(timing, ok, request.rows if rt.batch_dimension else 1)

@@ -14,10 +14,11 @@ the connection is closed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, cast
@@ -48,7 +49,7 @@ class Response:
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]  # a coroutine: _start drives it
 BodyLimit = Callable[[str], int]
 ErrorBody = Callable[[str], bytes]
 
@@ -71,13 +72,52 @@ def encode(response: Response, keep_alive: bool) -> bytes:
 
 
 class _Pending:
-    __slots__ = ("body", "headers", "too_large", "url")
+    __slots__ = ("body", "headers", "limit", "path", "too_large", "url")
 
     def __init__(self) -> None:
         self.url = b""
         self.headers: dict[bytes, bytes] = {}
         self.body: list[bytes] = []
         self.too_large = 0  # the limit that was exceeded, 0 if none
+        self.path = ""  # known once the headers are complete
+        self.limit = 0  # the route's body limit, likewise
+
+
+class _Started:
+    """A request whose handler began in the parser's callback and then waited (for `future`):
+    the connection's worker task goes on with it, in order, where it stopped."""
+
+    __slots__ = ("coro", "future", "request")
+
+    def __init__(self, coro: Any, future: Any, request: Request) -> None:
+        self.coro, self.future, self.request = coro, future, request
+
+
+class _Resume:
+    """Awaiting this continues a started coroutine: the awaiting task first waits for what the
+    coroutine was waiting for, then sends on what the task gets (a result, or a cancellation
+    thrown in), as the task would have done had it run the coroutine from the start."""
+
+    __slots__ = ("coro", "first")
+
+    def __init__(self, coro: Any, first: Any) -> None:
+        self.coro, self.first = coro, first
+
+    def __await__(self) -> Any:
+        waiting = self.first
+        while True:
+            try:
+                sent = yield waiting
+            except BaseException as exc:  # a cancellation: passed on to the handler
+                try:
+                    waiting = self.coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    waiting = self.coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -88,9 +128,10 @@ class HttpProtocol(asyncio.Protocol):
         self.pending = _Pending()
         self.size = 0
         self.header_bytes = 0
-        self.queue: deque[Request | Response] = deque()
+        self.queue: deque[Request | Response | _Started] = deque()
         self.wakeup = asyncio.Event()
         self.worker: asyncio.Task[None] | None = None
+        self.context = contextvars.Context()
         self.closing = False
         self.busy = False
 
@@ -99,7 +140,10 @@ class HttpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.server.connections.add(self)
-        self.worker = asyncio.get_running_loop().create_task(self._work())
+        # the worker task's context, which handlers started in _start run in too (as they did
+        # when the worker ran every handler)
+        self.context = contextvars.copy_context()
+        self.worker = asyncio.get_running_loop().create_task(self._work(), context=self.context)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
@@ -136,7 +180,9 @@ class HttpProtocol(asyncio.Protocol):
         self.pending.headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
-        limit = self.server.body_limit(self._path())
+        # the path and its body limit, once per request (the body callbacks reuse them)
+        self.pending.path = self._path()
+        limit = self.pending.limit = self.server.body_limit(self.pending.path)
         length = self.pending.headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             self.pending.too_large = limit
@@ -148,7 +194,7 @@ class HttpProtocol(asyncio.Protocol):
         if self.pending.too_large:
             return
         self.size += len(body)
-        limit = self.server.body_limit(self._path())
+        limit = self.pending.limit
         if self.size > limit:
             self.pending.too_large = limit
             self.pending.body.clear()
@@ -164,7 +210,7 @@ class HttpProtocol(asyncio.Protocol):
         self._enqueue(
             Request(
                 method=self.parser.get_method().decode("latin-1"),
-                path=self._path(),
+                path=pending.path,
                 headers=pending.headers,
                 body=b"".join(pending.body),
                 keep_alive=self.parser.should_keep_alive(),
@@ -178,11 +224,48 @@ class HttpProtocol(asyncio.Protocol):
         cut = min((i for i in (url.find(b"?"), url.find(b"#")) if i >= 0), default=len(url))
         return url[:cut].decode("latin-1")
 
-    def _enqueue(self, item: Request | Response) -> None:
+    def _enqueue(self, item: Request | Response | _Started) -> None:
+        if type(item) is Request:
+            if self.closing:  # after a response that closes the connection: never run
+                return
+            if not self.queue and not self.busy:
+                self._start(item)
+                return
         self.queue.append(item)
         if len(self.queue) >= MAX_QUEUED and self.transport is not None:
             self.transport.pause_reading()
         self.wakeup.set()
+
+    def _start(self, request: Request) -> None:
+        """Run the handler at once, in this callback: a request nothing is queued before is
+        answered without waking the worker task (a warm core call never waits, so most
+        requests finish here: ~10 us less each). A handler that waits is queued as _Started."""
+        coro = self.server.handler(request)
+        try:
+            waiting = self.context.run(coro.send, None)
+        except StopIteration as stop:
+            self._respond(request, stop.value)
+        except Exception:
+            self._respond(request, self._crashed(request))
+        else:
+            self._enqueue(_Started(coro, waiting, request))
+
+    def _crashed(self, request: Request) -> Response:
+        log.exception("handler failed", extra={"path": request.path})
+        return Response(500, self.server.error_body("internal server error"))
+
+    def _respond(self, request: Request, response: Response) -> bool:
+        """Write the response; False once the connection is done (closed, or to be)."""
+        assert self.transport is not None
+        keep_alive = request.keep_alive and not response.close and not self.server.draining
+        if self.transport.is_closing():
+            self.closing = True
+            return False
+        self.transport.write(encode(response, keep_alive))
+        if not keep_alive:
+            self.closing = True
+            self.transport.close()
+        return keep_alive
 
     def _fail(self, status: int, message: str) -> None:
         self._enqueue(Response(status, self.server.error_body(message), close=True))
@@ -206,21 +289,23 @@ class HttpProtocol(asyncio.Protocol):
                 if len(self.queue) < MAX_QUEUED // 2 and not transport.is_closing():
                     transport.resume_reading()
                 if isinstance(item, Response):
-                    response, keep_alive = item, False
-                else:
-                    self.busy = True
-                    try:
-                        response = await self.server.handler(item)
-                    except Exception:
-                        log.exception("handler failed", extra={"path": item.path})
-                        response = Response(500, self.server.error_body("internal server error"))
-                    finally:
-                        self.busy = False
-                    keep_alive = item.keep_alive and not response.close and not self.server.draining
-                if transport.is_closing():
+                    if transport.is_closing():
+                        return
+                    transport.write(encode(item, False))
+                    transport.close()
                     return
-                transport.write(encode(response, keep_alive))
-                if not keep_alive:
+                request = item.request if isinstance(item, _Started) else item
+                self.busy = True
+                try:
+                    if isinstance(item, _Started):
+                        response = await _Resume(item.coro, item.future)
+                    else:
+                        response = await self.server.handler(item)
+                except Exception:
+                    response = self._crashed(request)
+                finally:
+                    self.busy = False
+                if not self._respond(request, response):
                     transport.close()
                     return
         except asyncio.CancelledError:

@@ -231,11 +231,26 @@ class Load:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self.recent: deque[float] = deque()
+        # (inflight, responses in the last second) -> the header: one text formatting per
+        # distinct pair instead of per response (bounded: cleared when full)
+        self._headers: dict[tuple[int, int], tuple[bytes, bytes]] = {}
 
     def header(self, inflight: int, now: float | None = None) -> tuple[bytes, bytes]:
         """The report for a response, counting it among the last second's."""
         moment = time.monotonic() if now is None else now
-        self.recent.append(moment)
-        while self.recent and self.recent[0] < moment - 1.0:
-            self.recent.popleft()
-        return ORCA_HEADER.encode(), orca_text(inflight, self.workers, len(self.recent)).encode()
+        recent = self.recent
+        recent.append(moment)
+        while recent[0] < moment - 1.0:
+            recent.popleft()
+        key = (inflight, len(recent))
+        header = self._headers.get(key)
+        if header is None:
+            if len(self._headers) >= _ORCA_CACHE:
+                self._headers.clear()
+            text = orca_text(inflight, self.workers, key[1]).encode()
+            header = self._headers[key] = (_ORCA_NAME, text)
+        return header
+
+
+_ORCA_NAME = ORCA_HEADER.encode()
+_ORCA_CACHE = 4096

@@ -11,6 +11,7 @@ instances are released, exit 0.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import logging
@@ -57,6 +58,20 @@ def _parse_model_path(parts: list[str]) -> tuple[str, str | None, str] | None:
     return None
 
 
+def _model_route(path: str) -> tuple[str, str | None, str] | None:
+    """A /v2/models/... path's (name, version, action): the body limit and the route both need
+    it on every request, so short paths are parsed once each (the cache holds at most 1,024 of
+    at most 256 characters: a client sending many or long paths cannot grow it)."""
+    if len(path) <= 256:
+        return _cached_route(path)
+    return _parse_model_path(path.strip("/").split("/"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_route(path: str) -> tuple[str, str | None, str] | None:
+    return _parse_model_path(path.strip("/").split("/"))
+
+
 def _parse_repository_path(parts: list[str]) -> tuple[str, str | None, str] | None:
     """['v2','repository','models',name,('versions',v)?,load|unload]."""
     if len(parts) < 4 or parts[2] != "models":
@@ -93,7 +108,7 @@ class Router:
     def body_limit(self, path: str) -> int:
         if not path.startswith("/v2/models/"):
             return _SMALL_BODY
-        parsed = _parse_model_path(path.strip("/").split("/"))
+        parsed = _model_route(path)
         if parsed is None or parsed[2] != "infer":
             return _SMALL_BODY
         return self.backend.limit_for(parsed[0], parsed[1])
@@ -110,10 +125,9 @@ class Router:
 
     async def _route(self, request: Request) -> Reply:
         path, method = request.path, request.method
-        parts = path.strip("/").split("/")
         b = self.backend
         if path.startswith("/v2/models/") and path != "/v2/models/stats":
-            parsed = _parse_model_path(parts)
+            parsed = _model_route(path)
             if parsed is None:
                 return Reply.error(404, f"no route for {path}")
             name, version, action = parsed
@@ -133,7 +147,7 @@ class Router:
                 if not isinstance(ready, bool):
                     raise KServeError(400, "'ready' must be true or false")
                 return Reply.json(b.repository_index(ready))
-            target = _parse_repository_path(parts)
+            target = _parse_repository_path(path.strip("/").split("/"))
             if target is None:
                 return Reply.error(404, f"no route for {path}")
             name, version, action = target

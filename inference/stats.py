@@ -79,7 +79,9 @@ class ModelStats:
 
     def execution(self, size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         self.execution_count += 1
-        stat = self.batches.setdefault(size, BatchStat())
+        stat = self.batches.get(size)
+        if stat is None:
+            stat = self.batches[size] = BatchStat()
         stat.compute_input.add(input_ns)
         stat.compute_infer.add(infer_ns)
         stat.compute_output.add(output_ns)

@@ -78,6 +78,8 @@ def flatten_checked(data: Any, dt: DType) -> list[Any]:
     if flat and type(flat[0]) is list:
         flat = _in_order(flat)
     kind = dt.kind
+    if kind in _NUMBER_TYPES and _all_in_range(flat, dt):
+        return flat
     if kind == "float":
         low, high = dt.low, dt.high
         for v in flat:
@@ -102,6 +104,27 @@ def flatten_checked(data: Any, dt: DType) -> list[Any]:
         if type(v) is not want:
             raise TensorError(f"{dt.name} element {v!r} is not {what}")
     return flat
+
+
+_NUMBER_TYPES: dict[str, set[type]] = {"float": {float, int}, "int": {int}}
+
+
+def _all_in_range(flat: list[Any], dt: DType) -> bool:
+    """Whether every element is a number of `dt`'s kind in its range, in C-speed passes (set,
+    sum, min, max instead of a Python loop: ~2x on small tensors). False sends the caller to
+    the element loop, which names the offending element; so a false False (a sum that
+    overflows) costs time, never a wrong answer."""
+    if not flat:
+        return True
+    kinds = set(map(type, flat))
+    if not kinds <= _NUMBER_TYPES[dt.kind]:
+        return False
+    try:
+        if float in kinds and not math.isfinite(sum(flat)):  # NaN or an infinity
+            return False
+        return bool(dt.low <= min(flat) and max(flat) <= dt.high)
+    except OverflowError:  # an integer too large for a float beside floats
+        return False
 
 
 def _in_order(data: list[Any]) -> list[Any]:

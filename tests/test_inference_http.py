@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 from collections.abc import AsyncIterator
 
@@ -11,10 +12,20 @@ import pytest
 from meshfn.inference.http import HttpServer, Request, Response
 from meshfn.inference.kserve import error_body
 
+HANDLED: list[str] = []  # paths in the order the handler started them
+CANCELLED: list[str] = []
+
 
 async def echo(request: Request) -> Response:
+    HANDLED.append(request.path)
     if request.path == "/slow":
         await asyncio.sleep(0.05)
+    if request.path == "/forever":
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            CANCELLED.append(request.path)
+            raise
     if request.path == "/boom":
         raise RuntimeError("handler bug")
     body = json.dumps({"method": request.method, "path": request.path, "len": len(request.body)})
@@ -116,3 +127,73 @@ async def test_stop_listening_closes_idle_keepalive(server: tuple[HttpServer, in
     writer.close()
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)
+
+
+def answers(out: bytes) -> list[str]:
+    return [
+        json.loads(part.split(b"\r\n\r\n", 1)[1])["path"] for part in out.split(b"HTTP/1.1 ")[1:]
+    ]
+
+
+async def test_inline_and_waiting_handlers_keep_the_order(server: tuple[HttpServer, int]) -> None:
+    """A request nothing waits before runs in the parser callback; one behind a waiting
+    handler is queued behind it; in every mix the answers come in request order."""
+    _, port = server
+    paths = ["/a", "/slow", "/b", "/slow", "/slow", "/c", "/d"]
+    raw = b"".join(post(p, b"") for p in paths[:-1]) + post(paths[-1], b"", close=True)
+    assert answers(await exchange(port, raw)) == paths
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for path in ("/e", "/slow", "/f"):  # one at a time: each starts inline
+        writer.write(post(path, b""))
+        await asyncio.wait_for(reader.readuntil(path.encode() + b'", "len": 0}'), 5)
+    writer.close()
+
+
+async def test_nothing_runs_after_a_closing_response(server: tuple[HttpServer, int]) -> None:
+    _, port = server
+    HANDLED.clear()
+    out = await exchange(port, post("/first", b"", close=True) + post("/never", b""))
+    assert answers(out) == ["/first"] and HANDLED == ["/first"]
+    HANDLED.clear()
+    out = await exchange(port, post("/slow", b"", close=True) + post("/never", b""))
+    assert answers(out) == ["/slow"] and HANDLED == ["/slow"]
+
+
+async def test_closing_the_server_cancels_a_waiting_handler() -> None:
+    srv = HttpServer(echo, lambda path: 10_000, error_body)
+    await srv.start("127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    CANCELLED.clear()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(post("/forever", b""))
+    await writer.drain()
+    for _ in range(100):
+        if "/forever" in HANDLED:
+            break
+        await asyncio.sleep(0.01)
+    await srv.close()
+    await asyncio.sleep(0)
+    assert CANCELLED == ["/forever"]  # the cancellation reached the handler it resumed
+    assert await asyncio.wait_for(reader.read(-1), 5) == b""
+    writer.close()
+
+
+async def test_a_resumed_handler_keeps_its_context() -> None:
+    """A handler started in the parser callback and resumed by the worker task runs in one
+    context (the worker's), as when the worker ran it from the start."""
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("v", default="unset")
+
+    async def handler(request: Request) -> Response:
+        before = var.get()
+        var.set(request.path)
+        await asyncio.sleep(0.01)
+        return Response(200, json.dumps({"path": f"{before}>{var.get()}"}).encode())
+
+    srv = HttpServer(handler, lambda path: 10_000, error_body)
+    await srv.start("127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        out = await exchange(port, post("/a", b"") + post("/b", b"", close=True))
+        assert answers(out) == ["unset>/a", "/a>/b"]  # one connection, one context
+    finally:
+        await srv.close()

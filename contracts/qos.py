@@ -13,6 +13,8 @@ A leaf: pydantic only.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from typing import Annotated, Literal, Self
@@ -65,6 +67,34 @@ def shed_threshold(rank: int, count: int, limit: int) -> int:
     if rank == 0 or count < 2:
         return limit
     return max(1, math.floor(limit * (1 - (1 - SHED_FLOOR) * rank / (count - 1))))
+
+
+@dataclass(frozen=True, slots=True)
+class PrioritySplit:
+    """Who routes with Envoy's HIGH priority at a gateway that sheds (GatewayShedding): the
+    classes of the top priority. `listed` tenants route with priority HIGH when `listed_high`,
+    else DEFAULT; every other request (unlisted tenants, no claim) with the other one."""
+
+    high: tuple[str, ...]  # class names
+    low: tuple[str, ...]
+    listed: tuple[str, ...]
+    listed_high: bool
+
+
+def split_priorities(
+    classes: Iterable[tuple[str, int]], default_class: str, tenants: Iterable[tuple[str, str]]
+) -> PrioritySplit:
+    """`classes`: (name, priority); `tenants`: (name, class). A route can name only listed
+    tenants (the others are the default class's), so the listed tenants on the side the
+    default class is NOT on get a route of their own. The policy's checks and the renderers
+    both ask this, so they cannot disagree about who is listed."""
+    ranked = list(classes)
+    top = max(priority for _, priority in ranked)
+    high = tuple(name for name, priority in ranked if priority == top)
+    low = tuple(name for name, priority in ranked if priority != top)
+    default_high = default_class in high
+    listed = tuple(name for name, cls in tenants if (cls in high) != default_high)
+    return PrioritySplit(high, low, listed, not default_high)
 
 
 Window = Literal["second", "minute", "hour", "day", "month"]

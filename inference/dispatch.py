@@ -216,7 +216,7 @@ class Dispatcher:
         decoding of its tensors."""
         started = time.perf_counter()
         status = 500
-        lane = self.lanes.get(rt.label) or self.lane(rt)
+        lane = self.lane(rt)
         try:
             self.admit(rt, protocol)
             # QoS first: at saturation a low-priority request is shed by name (limit "shed"),

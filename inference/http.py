@@ -305,8 +305,7 @@ class HttpProtocol(asyncio.Protocol):
                     response = self._crashed(request)
                 finally:
                     self.busy = False
-                if not self._respond(request, response):
-                    transport.close()
+                if not self._respond(request, response):  # it closed the connection
                     return
         except asyncio.CancelledError:
             transport.close()

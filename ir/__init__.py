@@ -12,7 +12,13 @@ from datetime import timedelta
 from typing import Literal
 
 from meshfn.contracts.function import FunctionSettings, ServedFunction
-from meshfn.contracts.qos import FunctionQoS, LoadBalancer, Window
+from meshfn.contracts.qos import (
+    FunctionQoS,
+    LoadBalancer,
+    PrioritySplit,
+    Window,
+    split_priorities,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,26 +256,12 @@ class QoSPolicy:
         return any(limits.compute for limits in self.every_limits())
 
     def priority_split(self) -> PrioritySplit:
-        """Who routes HIGH at a shedding gateway: the classes of the top priority. A route can
-        name only listed tenants (the others are the default class's), so the listed tenants
-        on the side the default class is NOT on get a route of their own."""
-        top = max(c.priority for c in self.classes)
-        high = tuple(c.name for c in self.classes if c.priority == top)
-        low = tuple(c.name for c in self.classes if c.priority != top)
-        default_high = self.default_class in high
-        listed = tuple(t.name for t in self.tenants if (t.tenant_class in high) != default_high)
-        return PrioritySplit(high, low, listed, not default_high)
-
-
-@dataclass(frozen=True, slots=True)
-class PrioritySplit:
-    """`listed` tenants route with priority HIGH when `listed_high`, else DEFAULT; every other
-    request (unlisted tenants, no claim) with the other one."""
-
-    high: tuple[str, ...]  # class names
-    low: tuple[str, ...]
-    listed: tuple[str, ...]
-    listed_high: bool
+        """Who routes HIGH at a shedding gateway (contracts.qos.split_priorities)."""
+        return split_priorities(
+            ((c.name, c.priority) for c in self.classes),
+            self.default_class,
+            ((t.name, t.tenant_class) for t in self.tenants),
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -234,6 +234,16 @@ def limit_service_error_reply() -> Obj:
     }
 
 
+def _tenant_field(claim: str, header: bool) -> str:
+    """The verified tenant in a local reply's body: jwt_authn's payload, or (Istio, which keys
+    the payload by issuer) the header written from the verified claim."""
+    return (
+        f"%REQ({TENANT_HEADER})%"
+        if header
+        else f"%DYNAMIC_METADATA({JWT_FILTER}:{JWT_PAYLOAD}:{claim})%"
+    )
+
+
 def limited_reply(claim: str, header: bool = False) -> Obj:
     """The local reply mapper for the rate limit's 429s: a JSON body naming the limit, the
     policy (route metadata) and the verified tenant. Mappers see only Envoy's own replies, and at
@@ -250,9 +260,7 @@ def limited_reply(claim: str, header: bool = False) -> Obj:
                 "limit": LIMIT_RATE,
                 "scope": f"%METADATA(ROUTE:{ROUTE_METADATA}:{QOS_SCOPE_KEY})%",
                 "policy": f"%METADATA(ROUTE:{ROUTE_METADATA}:{QOS_KEY})%",
-                "tenant": f"%REQ({TENANT_HEADER})%"
-                if header
-                else f"%DYNAMIC_METADATA({JWT_FILTER}:{JWT_PAYLOAD}:{claim})%",
+                "tenant": _tenant_field(claim, header),
             },
             "content_type": "application/json",
         },
@@ -269,14 +277,6 @@ def tenant_matcher(claim: str, tenants: tuple[str, ...]) -> Obj:
         # Envoy's OrMatcher wants two or more.
         "value": {"or_match": {"value_matchers": values}} if len(values) > 1 else values[0],
     }
-
-
-def _tenant_field(claim: str, header: bool) -> str:
-    return (
-        f"%REQ({TENANT_HEADER})%"
-        if header
-        else f"%DYNAMIC_METADATA({JWT_FILTER}:{JWT_PAYLOAD}:{claim})%"
-    )
 
 
 GRPC_RESOURCE_EXHAUSTED = "8"

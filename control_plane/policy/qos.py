@@ -19,6 +19,7 @@ from meshfn.contracts.qos import (
     Limits,
     TenantClasses,
     shed_threshold,
+    split_priorities,
     window_seconds,
 )
 
@@ -217,18 +218,19 @@ def _check_shedding(item: Loaded, serves_functions: bool) -> list[PolicyError]:
         return [
             item.error(loc, f"every class has priority {priorities.pop()}: no class to shed first")
         ]
-    top = max(priorities)
-    high = [c.name for c in spec.classes if c.priority == top]
-    default_high = spec.defaultClass in high
-    listed = [t for t in spec.tenants if (spec.class_of(t.name).name in high) != default_high]
-    if not listed:
-        side = "below" if default_high else "in"
+    split = split_priorities(
+        ((c.name, c.priority) for c in spec.classes),
+        spec.defaultClass,
+        ((t.name, spec.class_of(t.name).name) for t in spec.tenants),
+    )
+    if not split.listed:
+        side = "in" if split.listed_high else "below"
         return [
             item.error(
                 loc,
-                f"no listed tenant is {side} the top priority ({', '.join(high)}): every request "
-                f"would route with one priority (the default class {spec.defaultClass!r}'s), "
-                "so the gateway would shed all or none",
+                f"no listed tenant is {side} the top priority ({', '.join(split.high)}): every "
+                f"request would route with one priority (the default class "
+                f"{spec.defaultClass!r}'s), so the gateway would shed all or none",
             )
         ]
     if not serves_functions:

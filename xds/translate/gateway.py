@@ -56,6 +56,18 @@ def gateway_resources(
                 members[service.key] = (cluster_name(service.key),)
         return members[service.key]
 
+    def add_aggregates(service: ir.Service, chain: tuple[str, ...], tail: tuple[str, ...]) -> None:
+        """The aggregate over the whole chain, and over its tail alone where a drift breaker
+        can skip the primary."""
+        groups = [chain]
+        if service.drift is not None and len(tail) > 1:
+            groups.append(tail)
+        for group in groups:
+            aggregate = fallback_cluster(
+                group, service.traffic.breakers if service.traffic else None
+            )
+            clusters[aggregate.name] = aggregate
+
     targets: dict[str, Target] = {}
     for service in services:
         chain = tuple(model.service(key) for key in service.fallback)
@@ -64,14 +76,7 @@ def gateway_resources(
             continue
         primary = members_of(service)
         tail = tuple(name for fallback in chain for name in members_of(fallback))
-        groups = [primary + tail]
-        if service.drift is not None and len(tail) > 1:
-            groups.append(tail)
-        for group in groups:
-            aggregate = fallback_cluster(
-                group, service.traffic.breakers if service.traffic else None
-            )
-            clusters[aggregate.name] = aggregate
+        add_aggregates(service, primary + tail, tail)
         targets[service.key] = target_for(service, primary + tail, tail)
     for service in services:  # QoS gateway shedding: each Function's twin clusters (routes.py)
         target = targets[service.key]
@@ -88,14 +93,8 @@ def gateway_resources(
                 assignment.cluster_name = twin.name
                 endpoints[twin.name] = assignment
             twins = function_target(target, function)
-            groups = [twins.members] if twins.tail else []
-            if twins.drift and len(twins.tail) > 1:
-                groups.append(twins.tail)
-            for group in groups:
-                aggregate = fallback_cluster(
-                    group, service.traffic.breakers if service.traffic else None
-                )
-                clusters[aggregate.name] = aggregate
+            if twins.tail:
+                add_aggregates(service, twins.members, twins.tail)
     out: Resources = {
         LISTENER: {},
         ROUTE: {},

@@ -327,15 +327,22 @@ def test_grpc_backend_admission_is_resource_exhausted(mesh: Mesh) -> None:
         headers = {"authorization": f"Bearer {initech}", "content-type": "application/json"}
         return await _burst(url, headers, 1500, 40)
 
-    stop = threading.Event()
-    caller = threading.Thread(target=grpc_calls, args=(stop,))
-    caller.start()
-    try:
-        low = asyncio.run(saturate())
-    finally:
-        stop.set()
-        caller.join(timeout=30)
-    assert any(s == 429 for s, _, _ in low), Counter(s for s, _, _ in low)  # it saturated
+    # A gRPC call is shed only if it reaches the saturated backend while it is saturated (the
+    # examples' drift breaker moves traffic between backends under load): up to three bursts.
+    statuses = Counter[int]()
+    for _ in range(3):
+        stop = threading.Event()
+        caller = threading.Thread(target=grpc_calls, args=(stop,))
+        caller.start()
+        try:
+            low = asyncio.run(saturate())
+        finally:
+            stop.set()
+            caller.join(timeout=30)
+        statuses.update(s for s, _, _ in low)
+        if refused:
+            break
+    assert statuses[429], statuses  # it saturated
     assert refused, "no gRPC call of the lowest priority was shed at saturation"
     assert {code for code, _, _ in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, refused
     assert {t.get("x-meshfn-qos-limit") for _, _, t in refused} == {"shed"}, refused

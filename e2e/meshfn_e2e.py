@@ -84,14 +84,6 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def command_name(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()

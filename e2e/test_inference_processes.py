@@ -21,7 +21,7 @@ from meshfn.inference.examples import publish_examples
 from meshfn.testing.envoy import argv as envoy_argv
 from meshfn.testing.envoy import start as start_envoy
 from meshfn.testing.ports import free_port, free_ports, retry_on_port_clash
-from meshfn.testing.processes import Processes, wait_for
+from meshfn.testing.processes import Processes, alive, wait_for
 
 PY = sys.executable
 DIGITS = json.dumps(
@@ -122,15 +122,6 @@ def test_a_killed_process_is_restarted_under_load_with_no_failed_request(
         procs.stop_all()
 
 
-def _gone(pid: int) -> bool:
-    """Exited (a zombie waiting for init's reap counts as exited)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
-
-
 def test_grpc_on_every_process_and_a_sigkilled_supervisor_leaves_none(tmp_path: Path) -> None:
     """Every child serves KServe gRPC on the one port (it used to bind it alone: the second
     child died at start, again and again). The chaos soak SIGKILLs backends: the children must
@@ -164,6 +155,6 @@ def test_grpc_on_every_process_and_a_sigkilled_supervisor_leaves_none(tmp_path: 
         assert "restarting" not in backend.output(), backend.output()[-2000:]
         assert set(pids(port, 16)) == children
         os.kill(backend.pid, signal.SIGKILL)
-        wait_for("the children exited", lambda: all(map(_gone, children)), timeout=30)
+        wait_for("the children exited", lambda: not any(map(alive, children)), timeout=30)
     finally:
         procs.stop_all()

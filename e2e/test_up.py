@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from meshfn_e2e import (
     Processes,
-    alive,
     children_of,
     envoy_pids,
     http,
@@ -25,7 +24,7 @@ from meshfn_e2e import (
 from meshfn.contracts.plugins import BUILDS
 from meshfn.control_plane.runtime.hints import meshfn_command
 from meshfn.testing.policies import Policies
-from meshfn.testing.processes import MESHFN, meshfn, wait_for
+from meshfn.testing.processes import MESHFN, alive, meshfn, wait_for
 
 
 def test_route_change_becomes_visible(procs: Processes, policies: Policies) -> None:

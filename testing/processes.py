@@ -59,6 +59,15 @@ def upstream_argv(service: str, port: int, *extra: str) -> list[str]:
     return [*module, "--service", service, "--port", str(port), *extra]
 
 
+def alive(pid: int) -> bool:
+    """Running: not gone and not a zombie waiting for its parent's reap."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 @dataclass
 class Proc:
     """A subprocess we own; `stop()` is idempotent and verifies the process is gone.

@@ -14,14 +14,7 @@ from pathlib import Path
 import pytest
 
 from meshfn.control_plane.runtime.process import ProcessFailed, SupervisedProcess
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+from meshfn.testing.processes import alive
 
 
 def python(code: str) -> list[str]:

@@ -24,10 +24,10 @@ def parse_duration(value: object) -> timedelta:
     if not _DURATION.match(value):
         raise ValueError(f'invalid duration {value!r}: use e.g. "1s", "250ms" or "1m30s"')
     seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(value))
-    result = timedelta(seconds=seconds)
-    if result > MAX_DURATION:
+    # Bounded before timedelta sees it: a long run of digits overflows timedelta's C int.
+    if seconds > MAX_DURATION.total_seconds():
         raise ValueError(f"duration {value!r} is longer than 365 days")
-    return result
+    return timedelta(seconds=seconds)
 
 
 def format_duration(value: timedelta) -> str:

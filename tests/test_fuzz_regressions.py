@@ -16,6 +16,9 @@ CASES = sorted(
 # policy/unknown-key-like-a-pydantic-tag: an unknown key containing "[" (YAML `spec:[x`) was
 #   dropped from the error location as if it were a pydantic tag: IndexError instead of a
 #   file:line error (tests/test_policy.py::test_unknown_key_that_looks_like_a_tag).
+# policy/duration-past-a-c-int: a duration of 120 digits ("333...ms") overflowed timedelta's
+#   C int: OverflowError out of the loader instead of a file:line error
+#   (tests/test_policy.py, the connectTimeout case "longer than 365 days").
 # ads/sotw-node-with-invalid-utf8: a SotW request whose node had invalid UTF-8 passed the lazy
 #   head parse and raised DecodeError out of the stream loop: UNKNOWN and a traceback instead
 #   of INVALID_ARGUMENT (tests/test_ads.py::test_lazily_parsed_garbage_ends_the_stream_cleanly).

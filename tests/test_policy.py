@@ -133,6 +133,13 @@ SCHEMA_CASES = [
         "invalid duration '5 s'",
     ),
     (
+        # Past timedelta's C int: a fuzzer found it raised OverflowError instead of this error.
+        doc("Service", "  port: 80\n  connectTimeout: " + "3" * 120 + "ms\n"),
+        6,
+        "spec.connectTimeout",
+        "longer than 365 days",
+    ),
+    (
         doc("Service", "  port: 80\n  connectTimeout: 0s\n"),
         4,
         "spec",

@@ -67,7 +67,7 @@ CASES = [
     (
         jwt_rule("      jwksUri: http://k/j\n      maxLifetime: 0s\n"),
         "jwtRules[0]",
-        "maxLifetime must be between 1s and 366d",
+        "maxLifetime must be between 1s and 365 days (8760h)",
     ),
     (
         jwt_rule(

@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from meshfn.contracts.durations import Duration
+from meshfn.contracts.durations import MAX_DURATION, Duration
 from meshfn.contracts.function import FunctionSettings
 from meshfn.contracts.principals import RequestPrincipal
 from meshfn.contracts.qos import GatewayShedding, LoadBalancer, TenantClasses
@@ -500,8 +500,8 @@ class JwtRule(Strict):
         if not timedelta(0) <= self.clockSkew <= timedelta(minutes=10):
             raise ValueError("clockSkew must be between 0s and 10m")
         if self.maxLifetime is not None:
-            if not timedelta(seconds=1) <= self.maxLifetime <= timedelta(days=366):
-                raise ValueError("maxLifetime must be between 1s and 366d")
+            if not timedelta(seconds=1) <= self.maxLifetime <= MAX_DURATION:
+                raise ValueError("maxLifetime must be between 1s and 365 days (8760h)")
             if not self.requireExpiration:
                 raise ValueError(
                     "maxLifetime bounds exp - iat: it needs requireExpiration (a token without"

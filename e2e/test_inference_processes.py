@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -43,6 +44,14 @@ def pids(port: int, connections: int = 8) -> Counter[int]:
     return seen
 
 
+def envoy_retry_stats(admin: int) -> dict[str, int]:
+    """The front Envoy's retry counters: a failure says whether a retry was refused."""
+    url = f"http://127.0.0.1:{admin}/stats?format=json&filter=cluster.inference.upstream_rq_retry"
+    with urllib.request.urlopen(url, timeout=10) as answer:  # chunked: not RawHttp's
+        stats = json.load(answer)
+    return {s["name"]: s["value"] for s in stats["stats"] if "value" in s}
+
+
 def test_a_killed_process_is_restarted_under_load_with_no_failed_request(
     tmp_path: Path,
 ) -> None:
@@ -70,14 +79,13 @@ def test_a_killed_process_is_restarted_under_load_with_no_failed_request(
         first = set(pids(port, 16))
         assert backend.pid not in first  # the supervisor serves nothing itself
 
-        def envoy_in_front() -> int:
+        def envoy_in_front() -> tuple[int, int]:
             listener, admin = free_ports(2)
-            # the dead child's pooled connections close one by one: a retry can meet another
-            cfg = write_envoy_config(tmp_path / "envoy.json", listener, admin, port, retries=6)
+            cfg = write_envoy_config(tmp_path / "envoy.json", listener, admin, port, retries=3)
             start_envoy(procs, "envoy", envoy_argv(cfg), admin)
-            return listener
+            return listener, admin
 
-        listener = retry_on_port_clash(envoy_in_front)
+        listener, admin = retry_on_port_clash(envoy_in_front)
         statuses: Counter[int] = Counter()
         errors: list[str] = []
         stop = threading.Event()
@@ -96,7 +104,7 @@ def test_a_killed_process_is_restarted_under_load_with_no_failed_request(
             finally:
                 client.close()
 
-        threads = [threading.Thread(target=load) for _ in range(4)]
+        threads = [threading.Thread(target=load) for _ in range(8)]
         for t in threads:
             t.start()
         time.sleep(1.0)
@@ -112,7 +120,8 @@ def test_a_killed_process_is_restarted_under_load_with_no_failed_request(
         stop.set()
         for t in threads:
             t.join(timeout=30)
-        assert not errors, errors[:5]
+        retry_stats = envoy_retry_stats(admin)
+        assert not errors, (errors[:5], retry_stats)
         assert statuses[200] > 100 and set(statuses) == {200}
         assert backend.stop() == 0  # SIGTERM: every child drains, the supervisor exits 0
         for pid in first - {victim}:

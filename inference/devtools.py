@@ -76,6 +76,10 @@ def envoy_static_config(
                     "name": "inference",
                     "type": "STATIC",
                     "connect_timeout": "1s",
+                    # Envoy's default allows 3 retries in flight per cluster: a killed backend
+                    # process resets all its connections at once, and the 4th retry would be
+                    # refused (upstream_rq_retry_overflow). As the control plane's clusters do.
+                    "circuit_breakers": {"thresholds": [{"max_retries": 0xFFFFFFFF}]},
                     "load_assignment": {
                         "cluster_name": "inference",
                         "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],

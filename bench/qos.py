@@ -13,7 +13,8 @@ token; the tenant is its verified claim. Phases, each `--seconds` long, all in o
 Mesh 2: a gateway in front of two placeholder endpoints of one Service in one locality, one
   delayed by `--slow-ms` (meshfn up's delay file); closed-loop load (wrk, `--lb-seconds`) with
   the Service's loadBalancer weighted-round-robin (ORCA reports from the endpoints), then
-  least-request (hot reload), `--rounds` times alternating; medians.
+  least-request (hot reload), `--rounds` times alternating; medians, and the share of
+  requests each balancer sent to the slow endpoint (the gateway's per-host counters).
 
 Each load generator is its own process (its event loop is not the measured one's).
 
@@ -40,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +200,7 @@ def balancer_phases(tmp: Path, procs: Processes, args: argparse.Namespace) -> di
     delay.write_text(str(args.slow_ms))
     url = f"http://127.0.0.1:{ports['listener']}/"
     results: dict[str, list[float]] = {"weighted-round-robin": [], "least-request": []}
+    slow_share: dict[str, list[float]] = {"weighted-round-robin": [], "least-request": []}
     current = "least-request"
     for _ in range(args.rounds):
         for balancer in ("weighted-round-robin", "least-request"):
@@ -206,11 +209,35 @@ def balancer_phases(tmp: Path, procs: Processes, args: argparse.Namespace) -> di
                 current = balancer
                 time.sleep(2)  # the reload, pushed; weights after the blackout period
             load.wrk(url, b"{}", 1, args.lb_connections, tmp)  # weights from fresh reports
+            before = _requests_by_port(ports["envoy_admin"])
             result = load.wrk(url, b"{}", args.lb_seconds, args.lb_connections, tmp)
+            after = _requests_by_port(ports["envoy_admin"])
+            sent = {port: after.get(port, 0) - before.get(port, 0) for port in after}
             results[balancer].append(result.p99_ms)
+            slow_share[balancer].append(sent.get(ports["slow"], 0) / max(sum(sent.values()), 1))
     wrr = statistics.median(results["weighted-round-robin"])
     lr = statistics.median(results["least-request"])
-    return {"slow_ms": args.slow_ms, "p99_ms": results, "wrr_p99_ratio": wrr / lr}
+    return {
+        "slow_ms": args.slow_ms,
+        "p99_ms": results,
+        # the share of requests the gateway sent to the slow endpoint (its /clusters counters)
+        "slow_endpoint_share": slow_share,
+        "wrr_p99_ratio": wrr / lr,
+    }
+
+
+def _requests_by_port(admin: int) -> dict[int, int]:
+    """Requests the gateway has sent to each endpoint port (Envoy's per-host rq_total)."""
+    url = f"http://127.0.0.1:{admin}/clusters?format=json"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        clusters = json.load(answer)["cluster_statuses"]
+    totals: dict[int, int] = {}
+    for cluster in clusters:
+        for host in cluster.get("host_statuses", []):
+            port = host["address"]["socket_address"]["port_value"]
+            stats = {s["name"]: int(s.get("value", 0)) for s in host.get("stats", [])}
+            totals[port] = totals.get(port, 0) + stats.get("rq_total", 0)
+    return totals
 
 
 def main() -> None:

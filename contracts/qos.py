@@ -42,6 +42,10 @@ FUNCTION_BACKEND_BALANCER: LoadBalancer = "least-request"
 
 # ORCA's per-response load report (Envoy reads it for client_side_weighted_round_robin).
 ORCA_HEADER = "endpoint-load-metrics"
+# Both of ORCA's response headers: a gateway removes them from what it answers its clients (a
+# backend's load is the mesh's business, and a timing hint to an attacker) after its router has
+# read them (Envoy parses the report before it finalises the response headers).
+ORCA_HEADERS = (ORCA_HEADER, f"{ORCA_HEADER}-bin")
 
 
 def orca_text(inflight: int, capacity: int, rps: float) -> str:
@@ -103,10 +107,8 @@ _FIXED = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 
 # Where the proxy in front of the inference backend writes the verified tenant (jwt_authn
 # claim_to_headers) after removing any copy a client sent; the backend reads it (priority,
-# attribution). Where the backend reports each request's guest CPU time (microseconds), which the
-# gateway charges to the tenant's compute budget.
+# attribution).
 TENANT_HEADER = "x-meshfn-tenant"
-COST_HEADER = "x-meshfn-guest-cpu-us"
 # On every QoS refusal, naming which limit: "rate" (gateway), "concurrency", "compute" or "shed"
 # (backend).
 LIMIT_HEADER = "x-meshfn-qos-limit"

@@ -28,7 +28,7 @@ from meshfn_e2e import EXAMPLES, Processes, http
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from meshfn.contracts.qos import TENANT_HEADER
+from meshfn.contracts.qos import ORCA_HEADER, ORCA_HEADERS, TENANT_HEADER
 from meshfn.testing.policies import qos_examples, set_gateway_shedding
 from meshfn.testing.processes import issue_token, meshfn, up_with_functions, wait_for
 
@@ -182,6 +182,19 @@ def test_spoofed_tenant_header_is_ignored(mesh: Mesh) -> None:
     )
     # No token at all: the header buys nothing (the sidecar's tenant rule denies).
     assert mesh.infer(None, **{TENANT_HEADER: "acme"}).status == 403
+
+
+def test_backend_load_reports_stay_inside_the_mesh(mesh: Mesh) -> None:
+    """The backend reports its load (ORCA) on every answer for the gateway's balancer; the
+    gateway's clients never see it."""
+    direct = http(
+        f"http://{mesh.backends[0]}{IRIS}", "POST", {"content-type": "application/json"}, BODY
+    )
+    assert direct.status == 200, direct
+    assert ORCA_HEADER in {name.lower() for name in direct.headers}
+    through = mesh.infer(mesh.token("acme"))
+    assert through.status == 200, through
+    assert not {name.lower() for name in through.headers} & set(ORCA_HEADERS), through.headers
 
 
 def test_token_without_the_claim_is_the_default_class(mesh: Mesh) -> None:

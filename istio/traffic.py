@@ -13,6 +13,7 @@ from ipaddress import ip_address
 
 from meshfn import ir
 from meshfn.contracts.plugins import ROUTING_HEADER
+from meshfn.contracts.qos import ORCA_HEADERS
 from meshfn.ir.routing import precedence
 from meshfn.xds.names import degraded_route_name, route_name
 
@@ -312,6 +313,8 @@ def _http(ctx: Context, route: ir.Route, index: int, twin: bool) -> Obj:
         out["route"] = [_destination(ctx, service, grpc=route.grpc)]
     out["timeout"] = seconds(route.timeout) if route.timeout is not None else ENVOY_ROUTE_TIMEOUT
     out["retries"] = _retries(route, service)
+    # As meshfn's own gateways: backends' ORCA load reports stay inside the mesh.
+    out["headers"] = {"response": {"remove": list(ORCA_HEADERS)}}
     return out
 
 

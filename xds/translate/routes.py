@@ -21,6 +21,7 @@ from meshfn.contracts.plugins import (
     ROUTE_METADATA,
     ROUTING_HEADER,
 )
+from meshfn.contracts.qos import ORCA_HEADERS
 from meshfn.ir import qos as envoy_qos
 from meshfn.ir.routing import precedence
 
@@ -348,4 +349,5 @@ def route_configuration(
         virtual_hosts=virtual_hosts,
         validate_clusters=wrappers_pb2.BoolValue(value=False),
         request_headers_to_remove=headers_to_remove,
+        response_headers_to_remove=ORCA_HEADERS,
     )

@@ -24,8 +24,9 @@ Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
               On the shared 2-core machine the end-to-end tail is that wait, not the work
   throughput  requests/s (wrk, closed loop, 8 connections) for a core function (digits: called
               on the event loop) and the Python function (iris), with `processes: 1` and
-              `processes: 2`; plus the levers: core calls with the thread hop
-              (MESHFN_INLINE_CORE=0) and the event loop (asyncio vs uvloop)
+              `processes: 2`; plus the levers: guest calls with the thread hop
+              (MESHFN_INLINE_CORE=0 MESHFN_INLINE_PYTHON=0: `inline_over_hop` for core,
+              `py_inline_over_hop` for Python) and the event loop (asyncio vs uvloop)
   levers      in this process, per function (iris, digits), medians of `--lever-samples`:
               deserializing the .cwasm (what a process-wide code cache would save: the same as
               a longer codeTtl), the same after posix_fadvise(WILLNEED) of the file,
@@ -303,13 +304,14 @@ def throughput(
     """Every configuration's backend runs at once (idle ones cost nothing); each round runs wrk
     against digits and iris on each in turn, so a pair compared in one round saw the same
     machine load (the machine is shared: minute-to-minute load swings dwarf the effects)."""
-    # name: (processes, event loop, core calls inline); the hop lever on the first loop
+    # name: (processes, event loop, guest calls inline); the hop lever on the first loop
     configs = {f"{n}p-{loop}": (n, loop, True) for loop in loops for n in (1, 2)}
     configs["1p-hop"] = (1, loops[0], False)
     ports = {}
     started = []
     for name, (processes, loop, inline) in configs.items():
-        env = None if inline else {**os.environ, "MESHFN_INLINE_CORE": "0"}
+        hop = {"MESHFN_INLINE_CORE": "0", "MESHFN_INLINE_PYTHON": "0"}
+        env = None if inline else {**os.environ, **hop}
         proc, port = backend(procs, tmp, registry, key, f"rps-{name}", THROUGHPUT_FUNCTIONS,
                              processes, ["--loop", loop], env)  # fmt: skip
         ports[name] = port
@@ -326,8 +328,6 @@ def throughput(
             for name, port in ports.items():
                 results[name] = {}
                 for function, body in (("digits", DIGITS), ("iris", IRIS)):
-                    if function == "iris" and not configs[name][2]:
-                        continue  # the hop lever is about core calls only
                     url = f"http://127.0.0.1:{port}/v2/models/{function}/infer"
                     results[name][function] = load.wrk(url, body, seconds, 8, tmp).rps
                 if name in (f"1p-{loops[0]}", "1p-hop"):  # the hop's cost is latency
@@ -562,6 +562,7 @@ def main() -> None:
             )
         },
         "inline_over_hop": ratio("digits", f"1p-{first}", "1p-hop"),
+        "py_inline_over_hop": ratio("iris", f"1p-{first}", "1p-hop"),
         "core_seq_p50_us": base["digits_seq_p50_us"],
         "core_seq_p50_us_hop": data["rps"]["1p-hop"]["digits_seq_p50_us"],
         "inline_latency_ratio": ratio("digits_seq_p50_us", f"1p-{first}", "1p-hop"),
@@ -599,6 +600,7 @@ def main() -> None:
         f"reactive_bursty_cold_pct={s['bursty_reactive_cold_pct']:.1f} "
         f"reactive_poisson_cold_pct={s['poisson_reactive_cold_pct']:.1f} "
         f"py_rps_1p={s['py_rps_1p']:.0f} inline_over_hop={s['inline_over_hop']:.2f} "
+        f"py_inline_over_hop={s['py_inline_over_hop']:.2f} "
         f"core_seq_p50_us={s['core_seq_p50_us']:.0f} inline_latency_ratio={s['inline_latency_ratio']:.2f} "
         f"py_deserialize_ms={s['py_deserialize_ms']:.2f} py_first_call_ms={s['py_first_call_ms']:.2f} "
         f"py_prefaulted_first_call_ms={s['py_prefaulted_first_call_ms']:.2f} "

@@ -18,7 +18,7 @@ from concurrent.futures import Executor
 from typing import Any, Literal, TypeVar
 
 from .batching import Batcher
-from .engine import deadline_ticks
+from .engine import EPOCH_TICK_S, deadline_ticks
 from .host import Outcome
 from .kserve import InferRequest, KServeError
 from .metrics import Metrics
@@ -41,8 +41,21 @@ T = TypeVar("T")
 # nothing, so a call has no effect outside its instance, and the interrupted instance is
 # discarded. A deadline shorter than the slice is simply the deadline.
 INLINE_SLICE_TICKS = 2
-# MESHFN_INLINE_CORE=0 turns it off (to measure what it gives: bench/coldstart.py).
+SLICE_SECONDS = INLINE_SLICE_TICKS * EPOCH_TICK_S
+# A Python function runs there too while its recent guest calls took at most this long and an
+# idle instance is ready: the hand-off costs it more than the hop saves, because the guest
+# thread and the event loop then trade the GIL on every host call (measured, bench/coldstart.py:
+# 650-820 us of backend CPU per iris request with the hop, 400-640 us inline; two processes
+# 2,576-2,764 -> 3,381-4,733 req/s). Its calls (0.4-1 ms) stay far inside the slice, so the
+# loop is held briefly and an interrupted call is rare. A component's only imports are WASI
+# with nothing preopened, no environment and stdio discarded, so re-running one from the start
+# on a fresh instance has no effect outside it either. A cold call (no idle instance) and a
+# function whose calls grew longer stay on the worker threads.
+INLINE_PYTHON_MAX_S = 0.002
+# MESHFN_INLINE_CORE=0 / MESHFN_INLINE_PYTHON=0 turn them off (the levers in bench/coldstart.py).
 INLINE_CORE = os.environ.get("MESHFN_INLINE_CORE", "1") != "0"
+INLINE_PYTHON = os.environ.get("MESHFN_INLINE_PYTHON", "1") != "0"
+_CALL_EWMA_WEIGHT = 0.2  # of the newest call in a Python function's recent call time
 
 
 class Lane:
@@ -70,6 +83,7 @@ class Lane:
             else None
         )
         self._dispatcher = dispatcher
+        self.recent_call_s: float | None = None  # Python functions: see INLINE_PYTHON_MAX_S
         self.warmer = (
             Warmer(
                 rt,
@@ -86,9 +100,29 @@ class Lane:
     @property
     def inline(self) -> bool:
         """Run the guest call on the event loop first (see INLINE_SLICE_TICKS): a loaded core
-        function (its load, a file read, stays on a worker thread)."""
+        function (its load, a file read, stays on a worker thread), or a Python function with
+        an idle instance whose recent calls were short (INLINE_PYTHON_MAX_S)."""
         rt = self.rt
-        return INLINE_CORE and rt.loaded and rt.verified is not None and rt.verified.kind == "core"
+        if not rt.loaded or rt.verified is None:
+            return False
+        if rt.verified.kind == "core":
+            return INLINE_CORE
+        recent = self.recent_call_s
+        return (
+            INLINE_PYTHON
+            and recent is not None
+            and recent <= INLINE_PYTHON_MAX_S
+            and rt.idle_instances > 0
+        )
+
+    def _observed(self, invocation: Invocation, sliced: bool) -> Invocation:
+        """Keep a Python function's recent call time; a call the slice interrupted counts as
+        the whole slice, so the next calls go to the worker threads until they are short."""
+        if self.rt.verified is not None and self.rt.verified.kind != "core":
+            took = SLICE_SECONDS if sliced else invocation.seconds
+            last = self.recent_call_s
+            self.recent_call_s = took if last is None else last + _CALL_EWMA_WEIGHT * (took - last)
+        return invocation
 
     async def call(self, text: str, deadline: float | None) -> Invocation:
         """One guest call on a worker thread, never past `deadline` (monotonic seconds)."""
@@ -106,7 +140,8 @@ class Lane:
                     text, min(full, INLINE_SLICE_TICKS), full > INLINE_SLICE_TICKS
                 )
                 if full <= INLINE_SLICE_TICKS or invocation.result.outcome is not Outcome.TIMEOUT:
-                    return invocation
+                    return self._observed(invocation, sliced=False)
+                self._observed(invocation, sliced=True)
                 if deadline is None:
                     deadline = started + self.rt.spec.limits.timeout.total_seconds()
                 remaining = deadline - time.monotonic()
@@ -115,9 +150,10 @@ class Lane:
                     return invocation
                 ticks = deadline_ticks(remaining)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
+            invocation = await loop.run_in_executor(
                 self._dispatcher.executor, self.rt.invoke, text, ticks
             )
+            return self._observed(invocation, sliced=False)
         except Refused as exc:
             raise KServeError(exc.status, str(exc)) from None
         except KServeError:

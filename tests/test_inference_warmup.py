@@ -1,6 +1,7 @@
 """Predictive warm-up: the predictor on synthetic arrival patterns, the schema's rules, and the
 real backend (wasmtime, the example functions) warming ahead of a periodic client, releasing
-on a failed prediction, respecting budgets and memory pressure; and inline core calls."""
+on a failed prediction, respecting budgets and memory pressure; and guest calls on the event loop (core, and short
+Python calls)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pydantic import ValidationError
 
 from meshfn.contracts.function import FunctionSettings
 from meshfn.inference.backend import Backend
-from meshfn.inference.dispatch import INLINE_SLICE_TICKS
+from meshfn.inference.dispatch import INLINE_PYTHON_MAX_S, INLINE_SLICE_TICKS
 from meshfn.inference.warmup import Predictor, WarmBudget, quantile
 
 from .test_inference_runtime import Published, X, backend_for, chaos, published, until
@@ -240,5 +241,77 @@ async def test_core_calls_run_inline_and_a_long_one_finishes_on_a_worker(
         discarded = b.metrics.traps.labels(rt.label, "timeout")._value.get()
         assert discarded == 1  # the slice's own interruption is not counted
         assert (await b.infer("chaos-core", None, X.encode())).status == 200
+    finally:
+        await b.drain(1)
+
+
+async def test_short_python_calls_run_inline_and_a_long_one_sends_the_next_to_a_worker(
+    published: Published,
+) -> None:
+    b = backend_for(
+        published, [{"name": "chaos", "pool": {"minIdle": 1}, "limits": {"timeout": "300ms"}}]
+    )
+    await b.start()
+    try:
+        rt = b.lookup("chaos", None)
+        lane = b.dispatcher.lane(rt)
+        seen: list[tuple[int, int | None]] = []
+        invoke = rt.invoke
+
+        def spy(text: str, ticks: int | None = None, preemptible: bool = False):  # type: ignore[no-untyped-def]
+            seen.append((threading.get_ident(), ticks))
+            return invoke(text, ticks, preemptible)
+
+        rt.invoke = spy  # type: ignore[method-assign]
+        loop_thread = threading.get_ident()
+        # Unmeasured, or cold: worker threads. Then, short calls with an instance ready: inline.
+        assert (await b.infer("chaos", None, X.encode())).status == 200
+        assert seen[-1][0] != loop_thread
+        for _ in range(10):
+            await until(lambda: rt.idle_instances > 0)
+            assert (await b.infer("chaos", None, X.encode())).status == 200
+            if seen[-1][0] == loop_thread:
+                break
+        assert seen[-1] == (loop_thread, INLINE_SLICE_TICKS), seen
+        assert lane.recent_call_s is not None and lane.recent_call_s <= INLINE_PYTHON_MAX_S
+        # A spin outlives the slice: run again on a worker, interrupted by its own deadline.
+        seen.clear()
+        started = time.monotonic()
+        spin = await b.infer("chaos", None, chaos("spin").encode())
+        assert spin.status == 504 and time.monotonic() - started >= 0.28
+        assert "300 ms deadline" in json.loads(spin.body)["error"]
+        assert [t == loop_thread for t, _ in seen] == [True, False]
+        # The slice counted as a long call: the next one goes to a worker, and it still works.
+        assert lane.recent_call_s is not None and lane.recent_call_s > INLINE_PYTHON_MAX_S
+        seen.clear()
+        await until(lambda: rt.idle_instances > 0)
+        assert (await b.infer("chaos", None, X.encode())).status == 200
+        assert seen[-1][0] != loop_thread
+    finally:
+        await b.drain(1)
+
+
+async def test_python_calls_stay_on_workers_when_turned_off(
+    published: Published, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshfn.inference import dispatch
+
+    monkeypatch.setattr(dispatch, "INLINE_PYTHON", False)
+    b = backend_for(published, [{"name": "chaos", "pool": {"minIdle": 1}}])
+    await b.start()
+    try:
+        rt = b.lookup("chaos", None)
+        threads = []
+        invoke = rt.invoke
+
+        def spy(text: str, ticks: int | None = None, preemptible: bool = False):  # type: ignore[no-untyped-def]
+            threads.append(threading.get_ident())
+            return invoke(text, ticks, preemptible)
+
+        rt.invoke = spy  # type: ignore[method-assign]
+        for _ in range(5):
+            assert (await b.infer("chaos", None, X.encode())).status == 200
+            await until(lambda: rt.idle_instances > 0)
+        assert len(threads) == 5 and threading.get_ident() not in threads
     finally:
         await b.drain(1)

@@ -10,6 +10,7 @@ import json
 import random
 import threading
 import time
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -211,6 +212,19 @@ async def test_mode_off_creates_instances_only_on_demand(published: Published) -
         await b.drain(1)
 
 
+def calls_of(rt: Any) -> list[tuple[int, int | None]]:
+    """Each guest call of `rt` from now on: (the thread that ran it, its deadline in ticks)."""
+    seen: list[tuple[int, int | None]] = []
+    invoke = rt.invoke
+
+    def spy(text: str, ticks: int | None = None, preemptible: bool = False) -> Any:
+        seen.append((threading.get_ident(), ticks))
+        return invoke(text, ticks, preemptible)
+
+    rt.invoke = spy
+    return seen
+
+
 async def test_core_calls_run_inline_and_a_long_one_finishes_on_a_worker(
     published: Published,
 ) -> None:
@@ -218,14 +232,7 @@ async def test_core_calls_run_inline_and_a_long_one_finishes_on_a_worker(
     await b.start()
     try:
         rt = b.lookup("chaos-core", None)
-        seen: list[tuple[int, int | None]] = []
-        invoke = rt.invoke
-
-        def spy(text: str, ticks: int | None = None, preemptible: bool = False):  # type: ignore[no-untyped-def]
-            seen.append((threading.get_ident(), ticks))
-            return invoke(text, ticks, preemptible)
-
-        rt.invoke = spy  # type: ignore[method-assign]
+        seen = calls_of(rt)
         assert (await b.infer("chaos-core", None, X.encode())).status == 200  # loads (a thread)
         assert seen[-1][0] != threading.get_ident()
         assert (await b.infer("chaos-core", None, X.encode())).status == 200
@@ -255,14 +262,7 @@ async def test_short_python_calls_run_inline_and_a_long_one_sends_the_next_to_a_
     try:
         rt = b.lookup("chaos", None)
         lane = b.dispatcher.lane(rt)
-        seen: list[tuple[int, int | None]] = []
-        invoke = rt.invoke
-
-        def spy(text: str, ticks: int | None = None, preemptible: bool = False):  # type: ignore[no-untyped-def]
-            seen.append((threading.get_ident(), ticks))
-            return invoke(text, ticks, preemptible)
-
-        rt.invoke = spy  # type: ignore[method-assign]
+        seen = calls_of(rt)
         loop_thread = threading.get_ident()
         # Unmeasured, or cold: worker threads. Then, short calls with an instance ready: inline.
         assert (await b.infer("chaos", None, X.encode())).status == 200
@@ -301,17 +301,10 @@ async def test_python_calls_stay_on_workers_when_turned_off(
     await b.start()
     try:
         rt = b.lookup("chaos", None)
-        threads = []
-        invoke = rt.invoke
-
-        def spy(text: str, ticks: int | None = None, preemptible: bool = False):  # type: ignore[no-untyped-def]
-            threads.append(threading.get_ident())
-            return invoke(text, ticks, preemptible)
-
-        rt.invoke = spy  # type: ignore[method-assign]
+        seen = calls_of(rt)
         for _ in range(5):
             assert (await b.infer("chaos", None, X.encode())).status == 200
             await until(lambda: rt.idle_instances > 0)
-        assert len(threads) == 5 and threading.get_ident() not in threads
+        assert len(seen) == 5 and threading.get_ident() not in {thread for thread, _ in seen}
     finally:
         await b.drain(1)

@@ -41,7 +41,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ import aiohttp
 
 from meshfn.testing import load
 from meshfn.testing import policies as p
+from meshfn.testing.envoy import admin_json
 from meshfn.testing.ports import named_ports
 from meshfn.testing.processes import (
     MESHFN,
@@ -228,9 +228,7 @@ def balancer_phases(tmp: Path, procs: Processes, args: argparse.Namespace) -> di
 
 def _requests_by_port(admin: int) -> dict[int, int]:
     """Requests the gateway has sent to each endpoint port (Envoy's per-host rq_total)."""
-    url = f"http://127.0.0.1:{admin}/clusters?format=json"
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        clusters = json.load(answer)["cluster_statuses"]
+    clusters = admin_json(admin, "/clusters?format=json")["cluster_statuses"]
     totals: dict[int, int] = {}
     for cluster in clusters:
         for host in cluster.get("host_statuses", []):

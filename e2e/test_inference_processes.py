@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from meshfn.inference.devtools import RawHttp, write_envoy_config
 from meshfn.inference.examples import publish_examples
+from meshfn.testing.envoy import admin_json
 from meshfn.testing.envoy import argv as envoy_argv
 from meshfn.testing.envoy import start as start_envoy
 from meshfn.testing.ports import free_port, free_ports, retry_on_port_clash
@@ -46,9 +46,7 @@ def pids(port: int, connections: int = 8) -> Counter[int]:
 
 def envoy_retry_stats(admin: int) -> dict[str, int]:
     """The front Envoy's retry counters: a failure says whether a retry was refused."""
-    url = f"http://127.0.0.1:{admin}/stats?format=json&filter=cluster.inference.upstream_rq_retry"
-    with urllib.request.urlopen(url, timeout=10) as answer:  # chunked: not RawHttp's
-        stats = json.load(answer)
+    stats = admin_json(admin, "/stats?format=json&filter=cluster.inference.upstream_rq_retry")
     return {s["name"]: s["value"] for s in stats["stats"] if "value" in s}
 
 

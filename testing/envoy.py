@@ -67,6 +67,12 @@ def live(admin_port: int, timeout: float = 2.0) -> bool:
         return bool(reply.read().strip() == b"LIVE")
 
 
+def admin_json(admin_port: int, path: str, timeout: float = 10.0) -> Any:
+    """One of Envoy's admin answers in JSON (`path` with `format=json`, e.g. /clusters)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}{path}", timeout=timeout) as reply:
+        return json.load(reply)
+
+
 def stat(admin_port: int, name: str) -> int:
     """One Envoy counter or gauge from its admin interface (0 while Envoy has not created it)."""
     url = f"http://127.0.0.1:{admin_port}/stats?filter=^{name}$"

@@ -207,8 +207,17 @@ def balancer_phases(tmp: Path, procs: Processes, args: argparse.Namespace) -> di
             if balancer != current:
                 policy.write_text(balancer_policies(ports, balancer))
                 current = balancer
-                time.sleep(2)  # the reload, pushed; weights after the blackout period
-            load.wrk(url, b"{}", 1, args.lb_connections, tmp)  # weights from fresh reports
+                wait_for(
+                    f"the gateway on {balancer}",
+                    lambda want=balancer: (
+                        _balancer_of(ports["envoy_admin"], "pool.default") == want
+                    ),
+                    timeout=30,
+                )
+            # The balancer settles first: weighted round robin weighs from reports once its
+            # blackout (1 s from the first report) is over, and its weights take ~2.5 s more
+            # (five updates) to shrink the slow endpoint's share to its floor (measured).
+            load.wrk(url, b"{}", 4, args.lb_connections, tmp)
             before = _requests_by_port(ports["envoy_admin"])
             result = load.wrk(url, b"{}", args.lb_seconds, args.lb_connections, tmp)
             after = _requests_by_port(ports["envoy_admin"])
@@ -224,6 +233,15 @@ def balancer_phases(tmp: Path, procs: Processes, args: argparse.Namespace) -> di
         "slow_endpoint_share": slow_share,
         "wrr_p99_ratio": wrr / lr,
     }
+
+
+def _balancer_of(admin: int, cluster: str) -> str:
+    """The load balancer the gateway's active `cluster` runs (its config dump)."""
+    dump = admin_json(admin, "/config_dump?resource=dynamic_active_clusters")
+    (found,) = [c["cluster"] for c in dump["configs"] if c["cluster"]["name"] == cluster]
+    if "client_side_weighted_round_robin" in json.dumps(found.get("load_balancing_policy", {})):
+        return "weighted-round-robin"
+    return {"LEAST_REQUEST": "least-request"}.get(found.get("lb_policy", ""), "round-robin")
 
 
 def _requests_by_port(admin: int) -> dict[int, int]:

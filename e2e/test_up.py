@@ -23,7 +23,9 @@ from meshfn_e2e import (
 
 from meshfn.contracts.plugins import BUILDS
 from meshfn.control_plane.runtime.hints import meshfn_command
-from meshfn.testing.policies import Policies
+from meshfn.testing.envoy import admin_json
+from meshfn.testing.envoy import stat as envoy_stat
+from meshfn.testing.policies import Policies, documents, service
 from meshfn.testing.processes import MESHFN, alive, meshfn, wait_for
 
 
@@ -335,3 +337,34 @@ def test_a_broken_filter_is_nacked_and_nothing_runs_unaudited(
     assert "NACK edge.default~0 listeners" in cli.stdout, cli.stdout
     with pytest.raises(OSError):
         http(policies.gateway + "/v1/x", timeout=2)
+
+
+def test_a_changed_cluster_serves_at_once(procs: Processes, policies: Policies) -> None:
+    """A hot reload that changes a cluster (here its load balancer) takes effect at once. Envoy
+    replaces the cluster, and the new one warms until it gets its endpoints, which Envoy does
+    not ask for again: unless the control plane sends them, it waits for the initial-fetch
+    timeout (15 s), and meanwhile the old cluster serves."""
+    procs.up(policies)
+    wait_for_synced(policies)
+    admin = policies.ports["envoy_admin"]
+    p = policies.ports
+
+    def alpha() -> dict[str, Any]:
+        dump = admin_json(admin, "/config_dump?resource=dynamic_active_clusters")
+        (found,) = [
+            c["cluster"] for c in dump["configs"] if c["cluster"]["name"] == "alpha.default"
+        ]
+        return found
+
+    assert alpha().get("lb_policy") != "LEAST_REQUEST"
+    policies.write(
+        "services.yaml",
+        documents(
+            service("alpha", p["alpha"], loadBalancer="least-request"), service("beta", p["beta"])
+        ),
+    )
+    wait_for("the new cluster", lambda: alpha().get("lb_policy") == "LEAST_REQUEST", timeout=30)
+    # It took over because its endpoints came, not because it gave up waiting for them.
+    assert envoy_stat(admin, "cluster.alpha.default.init_fetch_timeout") == 0
+    assert envoy_stat(admin, "cluster_manager.warming_clusters") == 0
+    assert served_by(policies, "/v1/x") == "default/alpha"

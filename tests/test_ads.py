@@ -329,6 +329,94 @@ async def test_push_order_is_make_before_break(ads: Harness) -> None:
     assert [first.type_url, second.type_url] == [ENDPOINT, CLUSTER]
 
 
+def publish_with_changed_clusters(
+    h: Harness, ports: dict[str, int], changed: tuple[str, ...]
+) -> None:
+    """Publish `ports` with the clusters `changed` altered (a connect timeout) and their
+    endpoints as they were."""
+    res = resources(ports)
+    for name in changed:
+        res[CLUSTER][name].connect_timeout.seconds = 7
+    h.cache.publish(prepare(GROUP, res, h.cache.get(GROUP)))
+
+
+async def test_sotw_changed_cluster_gets_its_endpoints_again(ads: Harness) -> None:
+    """Envoy replaces a changed cluster, and the new one warms until it gets its endpoints,
+    which Envoy does not ask for again: they follow the clusters, even unchanged. Only the
+    changed clusters' (b's are not resent), and only subscribed ones (c's comes when asked)."""
+    ads.publish({"a": 1, "b": 2})
+    s = sotw(ads)
+    await s.send(discovery_pb2.DiscoveryRequest(node=NODE, type_url=CLUSTER))
+    cds = await s.next()
+    await s.send(discovery_pb2.DiscoveryRequest(type_url=ENDPOINT, resource_names=["a", "b"]))
+    eds = await s.next()
+    for response, names in ((cds, []), (eds, ["a", "b"])):
+        await s.send(
+            discovery_pb2.DiscoveryRequest(
+                type_url=response.type_url,
+                resource_names=names,
+                version_info=response.version_info,
+                response_nonce=response.nonce,
+            )
+        )
+    await s.silent()
+    publish_with_changed_clusters(ads, {"a": 1, "b": 2, "c": 3}, ("a",))
+    clusters, again = await s.next(), await s.next()
+    assert clusters.type_url == CLUSTER and names_in(clusters) == ["a", "b", "c"]
+    assert again.type_url == ENDPOINT and names_in(again) == ["a"]
+    assert again.resources[0] == eds.resources[0]  # unchanged, sent again
+    for response, names in ((clusters, []), (again, ["a", "b"])):
+        await s.send(
+            discovery_pb2.DiscoveryRequest(
+                type_url=response.type_url,
+                resource_names=names,
+                version_info=response.version_info,
+                response_nonce=response.nonce,
+            )
+        )
+    await s.silent()
+    assert all(t["in_sync"] for t in proxy(ads)["types"].values())
+    publish_with_changed_clusters(ads, {"a": 1, "b": 2, "c": 3}, ())  # only a changes back
+    clusters = await s.next()
+    assert clusters.type_url == CLUSTER
+    assert names_in(await s.next()) == ["a"]
+
+
+async def test_delta_changed_cluster_gets_its_endpoints_again(ads: Harness) -> None:
+    ads.publish({"a": 1, "b": 2})
+    s = delta(ads)
+    await s.send(discovery_pb2.DeltaDiscoveryRequest(node=NODE, type_url=CLUSTER))
+    cds = await s.next()
+    await s.send(discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER, response_nonce=cds.nonce))
+    await s.send(
+        discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=["a", "b"])
+    )
+    eds = await s.next()
+    await s.send(discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, response_nonce=eds.nonce))
+    await s.silent()
+    publish_with_changed_clusters(ads, {"a": 1, "b": 2, "c": 3}, ("a",))
+    clusters, again = await s.next(), await s.next()
+    assert clusters.type_url == CLUSTER
+    assert sorted(r.name for r in clusters.resources) == ["a", "c"]
+    assert again.type_url == ENDPOINT and [r.name for r in again.resources] == ["a"]
+    assert not again.removed_resources
+    version = {r.name: r.version for r in eds.resources}["a"]
+    assert again.resources[0].version == version  # unchanged, sent again
+    for response in (clusters, again):
+        await s.send(
+            discovery_pb2.DeltaDiscoveryRequest(
+                type_url=response.type_url, response_nonce=response.nonce
+            )
+        )
+    await s.silent()
+    assert all(t["in_sync"] for t in proxy(ads)["types"].values())
+    ads.publish({"a": 1, "b": 5, "c": 3})  # a's cluster back; b's endpoints changed
+    changed, clusters, again = await s.next(), await s.next(), await s.next()
+    assert changed.type_url == ENDPOINT and [r.name for r in changed.resources] == ["b"]
+    assert clusters.type_url == CLUSTER and [r.name for r in clusters.resources] == ["a"]
+    assert [r.name for r in again.resources] == ["a"]
+
+
 async def test_unknown_workload_waits_for_its_snapshot(ads: Harness) -> None:
     s = sotw(ads)
     await s.send(

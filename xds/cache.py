@@ -172,6 +172,14 @@ class TypeSnapshot:
             self._diffs[older.version] = cached
         return cached
 
+    def needed_by_changes(self, older: TypeSnapshot, type_url: str) -> Names:
+        """Names of `type_url` that the resources changed or added since `older` need (what a
+        cluster update makes Envoy wait for again: see Handler.rewarm)."""
+        changed, _removed = self.diff_from(older)
+        return frozenset(
+            name for n in changed for kind, name in self.resources[n].needs if kind == type_url
+        )
+
     def response(self, key: object, build: Callable[[str], bytes]) -> tuple[str, bytes]:
         """Memoise the bytes of a response under `key`; streams asking for the same thing share
         one bytes object and one nonce."""

@@ -13,8 +13,8 @@ import grpc
 from envoy.service.discovery.v3 import discovery_pb2
 
 from . import wire
-from .cache import Snapshot
-from .names import PUSH_ORDER
+from .cache import Names, Snapshot, TypeSnapshot
+from .names import CLUSTER, PUSH_ORDER
 from .protocol import MAX_NAMES_PER_REQUEST, ProtocolError, check_names, check_type
 from .stream import Handler, Stream
 from .subscription import Subscription
@@ -65,7 +65,15 @@ class DeltaHandler(Handler):
             sub = stream.subs.get(type_url)
             if sub is None or sub.sent is snapshot.type(type_url):
                 continue
+            before = sub.sent
             await self._reconcile(stream, sub, snapshot)
+            if type_url == CLUSTER:
+                await self.rewarm(stream, snapshot, before)
+
+    async def resend(
+        self, stream: Stream, sub: Subscription, ts: TypeSnapshot, snapshot: Snapshot, names: Names
+    ) -> None:
+        await self._respond(stream, sub, ts, snapshot, ("delta-again", names), names, frozenset())
 
     async def _reconcile(
         self, stream: Stream, sub: Subscription, snapshot: Snapshot, force: bool = False
@@ -88,6 +96,18 @@ class DeltaHandler(Handler):
             sub.caught_up(ts)
             return
         sub.returned(ts, changed, removed)
+        await self._respond(stream, sub, ts, snapshot, key, changed, removed)
+
+    async def _respond(
+        self,
+        stream: Stream,
+        sub: Subscription,
+        ts: TypeSnapshot,
+        snapshot: Snapshot,
+        key: object,
+        changed: Names,
+        removed: Names,
+    ) -> None:
         nonce, data = self.assemble(
             ts,
             key,

@@ -22,7 +22,7 @@ from google.rpc import status_pb2
 from . import wire
 from .cache import Names, Resource, Snapshot, TypeSnapshot
 from .lite import RequestHead, names_key
-from .names import PUSH_ORDER
+from .names import CLUSTER, PUSH_ORDER
 from .protocol import check_names, check_type
 from .stream import Handler, Stream
 from .subscription import WILDCARD_TYPES, Subscription
@@ -90,6 +90,8 @@ class SotwHandler(Handler):
                 continue
             if previous is None or sub.wildcard or type_url in WILDCARD_TYPES:
                 await self._send_full(stream, sub, ts, snapshot)
+                if type_url == CLUSTER:
+                    await self.rewarm(stream, snapshot, previous)
                 continue
             changed, _removed = ts.diff_from(previous)
             wanted = changed & sub.names
@@ -100,6 +102,11 @@ class SotwHandler(Handler):
             await self._send_names(
                 stream, sub, ts, snapshot, wanted, key=("sotw-diff", previous.version, sub.names)
             )
+
+    async def resend(
+        self, stream: Stream, sub: Subscription, ts: TypeSnapshot, snapshot: Snapshot, names: Names
+    ) -> None:
+        await self._send_names(stream, sub, ts, snapshot, names, key=("sotw-again", names))
 
     async def _send_full(
         self, stream: Stream, sub: Subscription, ts: TypeSnapshot, snapshot: Snapshot

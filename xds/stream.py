@@ -22,7 +22,8 @@ from envoy.config.core.v3 import base_pb2
 from google.protobuf.message import DecodeError
 
 from .auth import StreamAuth, authorization
-from .cache import Snapshot, SnapshotCache, TypeSnapshot, next_nonce
+from .cache import Names, Snapshot, SnapshotCache, TypeSnapshot, next_nonce
+from .names import CLUSTER, ENDPOINT
 from .protocol import ProtocolError
 from .recording import Recorder
 from .status import ProxyStatus
@@ -164,6 +165,37 @@ class Handler(ABC):
     @abstractmethod
     async def push(self, stream: Stream, snapshot: Snapshot) -> None:
         """Bring every subscription of the stream to `snapshot`, in make-before-break order."""
+
+    @abstractmethod
+    async def resend(
+        self, stream: Stream, sub: Subscription, ts: TypeSnapshot, snapshot: Snapshot, names: Names
+    ) -> None:
+        """Send `names` of `ts` again, although the client holds them at this version."""
+
+    async def rewarm(
+        self, stream: Stream, snapshot: Snapshot, clusters_before: TypeSnapshot | None
+    ) -> None:
+        """After a push that changed clusters, send their endpoints again.
+
+        Envoy replaces a changed cluster with a new one that warms until it gets its
+        ClusterLoadAssignment, but it does not ask again for an assignment it already
+        subscribes to. Unless the server sends it, the new cluster waits for the initial-fetch
+        timeout (15 s) before it serves, and the old one serves meanwhile: a hot reload that
+        changed a load balancer took 15 s to apply. Sent after the clusters, so the new ones
+        receive it (Istio pushes endpoints after every cluster push for the same reason).
+        """
+        sub = stream.subs.get(ENDPOINT)
+        clusters = snapshot.type(CLUSTER)
+        endpoints = snapshot.type(ENDPOINT)
+        if clusters_before is None or sub is None or sub.sent is not endpoints:
+            return
+        names = frozenset(
+            n
+            for n in clusters.needed_by_changes(clusters_before, ENDPOINT)
+            if sub.wants(n) and n in endpoints.resources
+        )
+        if names:
+            await self.resend(stream, sub, endpoints, snapshot, names)
 
     def identify(self, stream: Stream, node: base_pb2.Node, present: bool) -> None:
         """On the first request: check who the stream is and start watching its snapshot."""

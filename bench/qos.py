@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
@@ -209,9 +210,7 @@ def balancer_phases(tmp: Path, procs: Processes, args: argparse.Namespace) -> di
                 current = balancer
                 wait_for(
                     f"the gateway on {balancer}",
-                    lambda want=balancer: (
-                        _balancer_of(ports["envoy_admin"], "pool.default") == want
-                    ),
+                    functools.partial(_runs, ports["envoy_admin"], "pool.default", balancer),
                     timeout=30,
                 )
             # The balancer settles first: weighted round robin weighs from reports once its
@@ -235,13 +234,13 @@ def balancer_phases(tmp: Path, procs: Processes, args: argparse.Namespace) -> di
     }
 
 
-def _balancer_of(admin: int, cluster: str) -> str:
-    """The load balancer the gateway's active `cluster` runs (its config dump)."""
+def _runs(admin: int, cluster: str, balancer: str) -> bool:
+    """Whether the gateway's active `cluster` runs `balancer` (its config dump)."""
     dump = admin_json(admin, "/config_dump?resource=dynamic_active_clusters")
     (found,) = [c["cluster"] for c in dump["configs"] if c["cluster"]["name"] == cluster]
-    if "client_side_weighted_round_robin" in json.dumps(found.get("load_balancing_policy", {})):
-        return "weighted-round-robin"
-    return {"LEAST_REQUEST": "least-request"}.get(found.get("lb_policy", ""), "round-robin")
+    if balancer == "weighted-round-robin":
+        return "client_side_weighted_round_robin" in json.dumps(found)
+    return bool(found.get("lb_policy") == "LEAST_REQUEST")
 
 
 def _requests_by_port(admin: int) -> dict[int, int]:

@@ -351,9 +351,8 @@ def test_a_changed_cluster_serves_at_once(procs: Processes, policies: Policies) 
 
     def alpha() -> dict[str, Any]:
         dump = admin_json(admin, "/config_dump?resource=dynamic_active_clusters")
-        (found,) = [
-            c["cluster"] for c in dump["configs"] if c["cluster"]["name"] == "alpha.default"
-        ]
+        clusters: list[dict[str, Any]] = [c["cluster"] for c in dump["configs"]]
+        (found,) = [c for c in clusters if c["name"] == "alpha.default"]
         return found
 
     assert alpha().get("lb_policy") != "LEAST_REQUEST"

@@ -69,21 +69,28 @@ def destination_rules(ctx: Context) -> None:
 
 
 def _balancer(ctx: Context, service: ir.Service, policy: Obj) -> None:
-    """Service.spec.loadBalancer: Istio's `simple` for least-request and round-robin; weighted
-    round robin from ORCA reports has no Istio field (a warning; Istio's default applies)."""
+    """Service.spec.loadBalancer: Istio's `simple`. Weighted round robin from ORCA reports has
+    no Istio field: LEAST_REQUEST, the runner-up in bench/qos.py, stands in. That is a warning,
+    except for a service that serves Functions, where weighted round robin is meshfn's default
+    rather than the user's choice."""
     balancer = service.load_balancer
     if balancer is None:
         return
-    if balancer == "weighted-round-robin":
+    if balancer == "weighted-round-robin" and not any(
+        f.backend == service.key for f in ctx.model.functions
+    ):
         ctx.warn(
             "load-balancer-wrr",
             service_source(service),
             ("spec", "loadBalancer"),
-            "Istio's DestinationRule has no client-side weighted round robin (ORCA): Istio's "
-            "default balancer applies",
+            "Istio's DestinationRule has no client-side weighted round robin (ORCA): rendered "
+            "as LEAST_REQUEST",
         )
-        return
-    simple = {"least-request": "LEAST_REQUEST", "round-robin": "ROUND_ROBIN"}[balancer]
+    simple = {
+        "least-request": "LEAST_REQUEST",
+        "weighted-round-robin": "LEAST_REQUEST",
+        "round-robin": "ROUND_ROBIN",
+    }[balancer]
     policy.setdefault("loadBalancer", {})["simple"] = simple
 
 

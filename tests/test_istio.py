@@ -297,6 +297,20 @@ def test_routes_keep_meshfns_precedence_in_one_virtual_service() -> None:
     assert [h["name"] for h in vs["spec"]["http"]] == expected
 
 
+def test_weighted_round_robin_becomes_least_request() -> None:
+    """Istio has no ORCA-weighted balancer: LEAST_REQUEST stands in, with a warning where the
+    user chose weighted round robin (jobs), silently where it is meshfn's default (models
+    serves a Function)."""
+    result = rendering("qos")
+    simple = {
+        dr["metadata"]["name"]: dr["spec"]["trafficPolicy"]["loadBalancer"]["simple"]
+        for dr in result.objects["DestinationRule"]
+    }
+    assert simple == {"jobs": "LEAST_REQUEST", "models": "LEAST_REQUEST"}
+    warned = [w for w in result.warnings if w.code == "load-balancer-wrr"]
+    assert [(w.source.name, w.path) for w in warned] == [("jobs", ("spec", "loadBalancer"))]
+
+
 def test_request_principals_split_is_warned_only_when_ambiguous() -> None:
     issuers = {"https://a.example", "https://a.example/tenants"}
     assert ambiguous_principal("https://a.example/tenants/alice", issuers) == "https://a.example"

@@ -182,7 +182,7 @@ def test_qos_policy_lowering(golden: ir.MeshModel) -> None:
     assert batch.key == "default/batch-jobs"
     assert {s.name: s.load_balancer for s in golden.services} == {
         "jobs": "weighted-round-robin",
-        "models": "least-request",
+        "models": "weighted-round-robin",  # the default for a service serving Functions
     }
 
 

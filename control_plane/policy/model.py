@@ -263,8 +263,8 @@ class ServiceSpec(Strict):
         description="how a gateway picks an endpoint. weighted-round-robin: Envoy's "
         "client_side_weighted_round_robin, weighted by the load each endpoint reports (ORCA "
         "endpoint-load-metrics; the inference backend does); least-request; round-robin. "
-        "Default: least-request for a service that serves Functions (bench/qos.py: it matched "
-        "or beat weighted round robin with a slow endpoint), else round-robin",
+        "Default: weighted-round-robin for a service that serves Functions (bench/qos.py: "
+        "with a slow endpoint it beat least-request), else round-robin",
     )
     endpoints: Annotated[list[Endpoint], Field(max_length=10_000)] = Field(default_factory=list)
     external: bool = Field(

@@ -195,6 +195,24 @@ def test_backend_load_reports_stay_inside_the_mesh(mesh: Mesh) -> None:
     through = mesh.infer(mesh.token("acme"))
     assert through.status == 200, through
     assert not {name.lower() for name in through.headers} & set(ORCA_HEADERS), through.headers
+    # The gateway's weighted round robin (the default for a service serving Functions) weighs
+    # the endpoints that served from their reports: Envoy parsed them (a host without a valid
+    # report keeps the default weight, 1). The examples route through models' locality tiers.
+    acme = mesh.token("acme")
+
+    def weights() -> list[int] | None:
+        burst(mesh, acme, 40, connections=4)
+        clusters = http(f"http://{mesh.gateway_admin}/clusters?format=json").json()
+        served = [
+            int(host.get("weight", 1))
+            for cluster in clusters["cluster_statuses"]
+            if cluster["name"].startswith("models.default")
+            for host in cluster.get("host_statuses", [])
+            if any(s["name"] == "rq_total" and int(s.get("value", 0)) for s in host["stats"])
+        ]
+        return served if served and min(served) > 1 else None
+
+    wait_for("weights from the backends' load reports", weights, timeout=30, every=0.5)
 
 
 def test_token_without_the_claim_is_the_default_class(mesh: Mesh) -> None:

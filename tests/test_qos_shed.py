@@ -59,10 +59,10 @@ def test_thresholds_follow_the_backends_shedding_point(model: ir.MeshModel) -> N
     # admits half of maxConcurrency 16, HIGH all of it.
     for name in ("models.default", "fn|iris|models.default"):
         assert _thresholds(clusters[name]) == {"DEFAULT": (8, 8), "HIGH": (16, 16)}, name
-    # The twin has an EDS resource of its own with the same endpoints.
-    endpoints = _edge(model)[ENDPOINTS]
-    twin, base = endpoints["fn|iris|models.default"], endpoints["models.default"]
-    assert twin["endpoints"] == base["endpoints"]
+    # The twin reads the backend cluster's EDS resource: the same endpoints, one assignment.
+    twin = clusters["fn|iris|models.default"]
+    assert twin["edsClusterConfig"]["serviceName"] == "models.default"
+    assert set(_edge(model)[ENDPOINTS]) == {"models.default"}
 
 
 def test_two_gateways_share_the_backend(tmp_path: Path) -> None:

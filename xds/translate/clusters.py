@@ -47,11 +47,13 @@ def function_cluster(
     base: cluster_pb2.Cluster, function: str, limits: ir.PriorityLimits
 ) -> cluster_pb2.Cluster:
     """The twin of an EDS cluster for one Function's routes at a shedding gateway: the same
-    endpoints (an EDS resource of its own, gateway.py), with the function's own per-priority
-    limits."""
+    endpoints (the same EDS resource: the ADS server sends it again when a twin appears, see
+    xds Handler.rewarm), with the function's own per-priority limits."""
     out = cluster_pb2.Cluster()
     out.CopyFrom(base)
     out.name = function_cluster_name(base.name, function)
+    if out.HasField("eds_cluster_config"):
+        out.eds_cluster_config.service_name = base.eds_cluster_config.service_name or base.name
     thresholds = out.circuit_breakers.thresholds
     breakers = priority_breakers(limits)
     for mine, theirs in zip(breakers.thresholds, thresholds, strict=False):

@@ -4,7 +4,6 @@ Listener, its RouteConfiguration and what its HTTP filters refer to."""
 from __future__ import annotations
 
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
 from google.protobuf.message import Message
 
 from meshfn import ir
@@ -86,12 +85,6 @@ def gateway_resources(
                 assert isinstance(base, cluster_pb2.Cluster)
                 twin = function_cluster(base, function, limits)
                 clusters[twin.name] = twin
-                # Its own EDS resource (a copy): a new cluster that shared another's would
-                # wait for endpoints Envoy already has until its fetch timed out (~15 s of 503).
-                assignment = endpoint_pb2.ClusterLoadAssignment()
-                assignment.CopyFrom(endpoints[name])
-                assignment.cluster_name = twin.name
-                endpoints[twin.name] = assignment
             twins = function_target(target, function)
             if twins.tail:
                 add_aggregates(service, twins.members, twins.tail)

@@ -25,7 +25,7 @@ from meshfn.contracts.journal import journal_dir
 from meshfn.ir import MeshModel, Overlay
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import InconsistentSnapshot, Snapshot, SnapshotCache, prepare
-from meshfn.xds.names import LATENCY_LOG, SECRET, primary_clusters
+from meshfn.xds.names import LATENCY_LOG, SECRET, function_cluster_name, primary_clusters
 from meshfn.xds.rls import GlobalPolicy, RateLimitService, global_policies
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
@@ -81,8 +81,9 @@ class PolicyState:
 
 def watched_routes(model: MeshModel) -> list[WatchedRoute]:
     """Gateway routes whose destination has a drift breaker, and the clusters that carry its
-    primary: the service's own cluster and its per-locality tiers inside the fallback chain
-    (Envoy's access log names the member cluster that served a request)."""
+    primary: the service's own cluster, its per-locality tiers inside the fallback chain
+    (Envoy's access log names the member cluster that served a request) and their twins at a
+    shedding gateway."""
     out = {}
     for workload in model.workloads:
         for listener in workload.listeners:
@@ -90,10 +91,11 @@ def watched_routes(model: MeshModel) -> list[WatchedRoute]:
                 service = model.service(route.service)
                 if service.drift is None:
                     continue
+                own = primary_clusters(service.key)
+                # A shedding gateway routes each Function's REST calls to twins of these.
+                twins = {function_cluster_name(c, f) for c in own for f, _ in service.function_shed}
                 out[route.key] = WatchedRoute(
-                    route=route.key,
-                    primary_clusters=primary_clusters(service.key),
-                    settings=service.drift,
+                    route=route.key, primary_clusters=own | twins, settings=service.drift
                 )
     return list(out.values())
 

@@ -9,6 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
 from meshfn import ir
 from meshfn.control_plane.health.drift import DriftBreaker, WatchedRoute
@@ -174,6 +175,20 @@ def feed(
     steps = int((end - start) * rate)
     for i in range(steps):
         b.observe("default/r/0", cluster, latency, start + i / rate)
+
+
+def test_requests_shed_by_a_circuit_breaker_are_not_latency_samples() -> None:
+    """A shedding gateway answers a refused request at once (Envoy's UO): counting those
+    would pull the p95 down and hide a slow backend."""
+    b = breaker()
+    for i, shed in enumerate([False, True, True, False]):
+        entry = HTTPAccessLogEntry()
+        common = entry.common_properties
+        common.route_name, common.upstream_cluster = "default/r/0", "a.default"
+        common.time_to_last_downstream_tx_byte.FromMilliseconds(1 if shed else 100)
+        common.response_flags.upstream_overflow = shed
+        b.observe_access_log(entry, 1.0 + i)
+    assert [v for _, v in b._routes["default/r"].samples] == [0.1, 0.1]
 
 
 def test_trips_on_drift_and_recovers_with_hysteresis() -> None:

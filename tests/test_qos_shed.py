@@ -15,7 +15,10 @@ import pytest
 from meshfn import ir
 from meshfn.contracts.qos import SHED_FLOOR, TENANT_HEADER, shed_threshold
 from meshfn.control_plane.policy import PolicyErrors, load_policies
+from meshfn.control_plane.service import watched_routes
 from meshfn.istio import render
+from meshfn.testing.policies import qos_examples
+from meshfn.xds.translate import OFFLINE_HOST, translate
 
 from .test_qos import _edge
 
@@ -208,6 +211,24 @@ def test_fallback_breakers_below_the_threshold(tmp_path: Path) -> None:
         "DEFAULT": (8, 8),
         "HIGH": (12, 12),
     }
+
+
+def test_the_drift_breaker_watches_the_twins(tmp_path: Path) -> None:
+    """A shedding gateway sends a Function's REST calls through its twin clusters: the drift
+    breaker must read their latencies too, or it is blind to every such call (the examples
+    with the tenant policy: models has a drift breaker, iris is one of its Functions)."""
+    root = Path(__file__).resolve().parents[1] / "policies"
+    qos_examples(root / "examples", root / "qos" / "tenants.yaml", tmp_path / "examples")
+    model = load_policies(tmp_path / "examples")
+    gateway = next(w for w in model.workloads if w.kind == "gateway")
+    out = translate(model, f"{gateway.name}.{gateway.namespace}", host=OFFLINE_HOST)
+    assert out is not None
+    clusters = set(out[CLUSTER])
+    twins = {c for c in clusters if c.startswith("fn|iris|models.default")}
+    assert twins, sorted(clusters)
+    watched = {w.route: w.primary_clusters for w in watched_routes(model)}
+    iris = next(c for r, c in watched.items() if r.endswith("/function-iris"))
+    assert twins <= iris and "models.default" in iris
 
 
 def test_shedding_needs_a_function(tmp_path: Path) -> None:

@@ -126,8 +126,11 @@ class DriftBreaker:
 
     def observe_access_log(self, entry: HTTPAccessLogEntry, now: float) -> None:
         """One Envoy access-log entry (ALS): its route, upstream cluster and time to the last
-        byte sent downstream (the duration where Envoy did not record that)."""
+        byte sent downstream (the duration where Envoy did not record that). A request shed at
+        the gateway is answered at once: counted, it would hide a slow backend."""
         common = entry.common_properties
+        if common.response_flags.upstream_overflow:
+            return  # refused by a circuit breaker (a shedding gateway): no upstream's latency
         timing = common.time_to_last_downstream_tx_byte
         if not common.HasField("time_to_last_downstream_tx_byte"):
             timing = common.duration

@@ -172,6 +172,19 @@ def proxy(h: Harness) -> dict[str, Any]:
     return only
 
 
+async def ack_sotw(s: Stream, *answered: tuple[Any, list[str]]) -> None:
+    """ACK each SotW response, naming what the client subscribes to of its type."""
+    for response, names in answered:
+        await s.send(
+            discovery_pb2.DiscoveryRequest(
+                type_url=response.type_url,
+                resource_names=names,
+                version_info=response.version_info,
+                response_nonce=response.nonce,
+            )
+        )
+
+
 # ---------------------------------------------------------------- state of the world
 
 
@@ -314,15 +327,7 @@ async def test_push_order_is_make_before_break(ads: Harness) -> None:
     cds = await s.next()
     await s.send(discovery_pb2.DiscoveryRequest(type_url=ENDPOINT, resource_names=["a"]))
     eds = await s.next()
-    for response, names in ((cds, []), (eds, ["a"])):
-        await s.send(
-            discovery_pb2.DiscoveryRequest(
-                type_url=response.type_url,
-                resource_names=names,
-                version_info=response.version_info,
-                response_nonce=response.nonce,
-            )
-        )
+    await ack_sotw(s, (cds, []), (eds, ["a"]))
     await s.silent()
     ads.publish({"a": 2, "b": 3})  # changes endpoints of a and adds cluster b
     first, second = await s.next(), await s.next()
@@ -350,30 +355,14 @@ async def test_sotw_changed_cluster_gets_its_endpoints_again(ads: Harness) -> No
     cds = await s.next()
     await s.send(discovery_pb2.DiscoveryRequest(type_url=ENDPOINT, resource_names=["a", "b"]))
     eds = await s.next()
-    for response, names in ((cds, []), (eds, ["a", "b"])):
-        await s.send(
-            discovery_pb2.DiscoveryRequest(
-                type_url=response.type_url,
-                resource_names=names,
-                version_info=response.version_info,
-                response_nonce=response.nonce,
-            )
-        )
+    await ack_sotw(s, (cds, []), (eds, ["a", "b"]))
     await s.silent()
     publish_with_changed_clusters(ads, {"a": 1, "b": 2, "c": 3}, ("a",))
     clusters, again = await s.next(), await s.next()
     assert clusters.type_url == CLUSTER and names_in(clusters) == ["a", "b", "c"]
     assert again.type_url == ENDPOINT and names_in(again) == ["a"]
     assert again.resources[0] == eds.resources[0]  # unchanged, sent again
-    for response, names in ((clusters, []), (again, ["a", "b"])):
-        await s.send(
-            discovery_pb2.DiscoveryRequest(
-                type_url=response.type_url,
-                resource_names=names,
-                version_info=response.version_info,
-                response_nonce=response.nonce,
-            )
-        )
+    await ack_sotw(s, (clusters, []), (again, ["a", "b"]))
     await s.silent()
     assert all(t["in_sync"] for t in proxy(ads)["types"].values())
     publish_with_changed_clusters(ads, {"a": 1, "b": 2, "c": 3}, ())  # only a changes back

@@ -65,8 +65,9 @@ def primary_clusters(service_key: str) -> frozenset[str]:
 
 
 def function_cluster_name(cluster: str, function: str) -> str:
-    """A gateway's twin of `cluster` for one Function's routes: the same endpoints (its EDS
-    resource), with circuit breakers of the function's own (QoS gateway shedding)."""
+    """A gateway's twin of `cluster` for one Function's routes: the same endpoints (read from
+    the original's EDS resource), with circuit breakers of the function's own (QoS gateway
+    shedding)."""
     return f"fn|{function}|{cluster}"
 
 

@@ -49,7 +49,7 @@ import aiohttp
 
 from meshfn.testing import load
 from meshfn.testing import policies as p
-from meshfn.testing.envoy import admin_json
+from meshfn.testing.envoy import active_cluster, admin_json
 from meshfn.testing.ports import named_ports
 from meshfn.testing.processes import (
     MESHFN,
@@ -236,8 +236,7 @@ def balancer_phases(tmp: Path, procs: Processes, args: argparse.Namespace) -> di
 
 def _runs(admin: int, cluster: str, balancer: str) -> bool:
     """Whether the gateway's active `cluster` runs `balancer` (its config dump)."""
-    dump = admin_json(admin, "/config_dump?resource=dynamic_active_clusters")
-    (found,) = [c["cluster"] for c in dump["configs"] if c["cluster"]["name"] == cluster]
+    found = active_cluster(admin, cluster)
     if balancer == "weighted-round-robin":
         return "client_side_weighted_round_robin" in json.dumps(found)
     return bool(found.get("lb_policy") == "LEAST_REQUEST")

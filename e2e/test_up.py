@@ -23,7 +23,7 @@ from meshfn_e2e import (
 
 from meshfn.contracts.plugins import BUILDS
 from meshfn.control_plane.runtime.hints import meshfn_command
-from meshfn.testing.envoy import admin_json
+from meshfn.testing.envoy import active_cluster
 from meshfn.testing.envoy import stat as envoy_stat
 from meshfn.testing.policies import Policies, documents, service
 from meshfn.testing.processes import MESHFN, alive, meshfn, wait_for
@@ -350,10 +350,7 @@ def test_a_changed_cluster_serves_at_once(procs: Processes, policies: Policies) 
     p = policies.ports
 
     def alpha() -> dict[str, Any]:
-        dump = admin_json(admin, "/config_dump?resource=dynamic_active_clusters")
-        clusters: list[dict[str, Any]] = [c["cluster"] for c in dump["configs"]]
-        (found,) = [c for c in clusters if c["name"] == "alpha.default"]
-        return found
+        return active_cluster(admin, "alpha.default")
 
     assert alpha().get("lb_policy") != "LEAST_REQUEST"
     policies.write(

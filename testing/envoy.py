@@ -73,6 +73,14 @@ def admin_json(admin_port: int, path: str, timeout: float = 10.0) -> Any:
         return json.load(reply)
 
 
+def active_cluster(admin_port: int, name: str) -> dict[str, Any]:
+    """The cluster `name` as Envoy runs it (its config dump: active, not warming)."""
+    dump = admin_json(admin_port, "/config_dump?resource=dynamic_active_clusters")
+    clusters: list[dict[str, Any]] = [c["cluster"] for c in dump["configs"]]
+    (found,) = [c for c in clusters if c["name"] == name]
+    return found
+
+
 def stat(admin_port: int, name: str) -> int:
     """One Envoy counter or gauge from its admin interface (0 while Envoy has not created it)."""
     url = f"http://127.0.0.1:{admin_port}/stats?filter=^{name}$"

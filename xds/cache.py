@@ -138,7 +138,7 @@ class Resource:
 class TypeSnapshot:
     """All resources of one type for one group, with memoised responses and diffs."""
 
-    __slots__ = ("_counts", "_diffs", "_responses", "resources", "type_url", "version")
+    __slots__ = ("_counts", "_diffs", "_needs", "_responses", "resources", "type_url", "version")
 
     def __init__(self, type_url: str, resources: Mapping[str, Resource]) -> None:
         self.type_url = type_url
@@ -147,6 +147,7 @@ class TypeSnapshot:
             b"\0".join(f"{n}\0{r.version}".encode() for n, r in self.resources.items())
         )
         self._diffs: dict[str, tuple[Names, Names]] = {}
+        self._needs: dict[tuple[str, str], Names] = {}
         self._responses: dict[object, tuple[str, bytes]] = {}
         self._counts: dict[Names, int] = {}
 
@@ -174,11 +175,19 @@ class TypeSnapshot:
 
     def needed_by_changes(self, older: TypeSnapshot, type_url: str) -> Names:
         """Names of `type_url` that the resources changed or added since `older` need (what a
-        cluster update makes Envoy wait for again: see Handler.rewarm)."""
-        changed, _removed = self.diff_from(older)
-        return frozenset(
-            name for n in changed for kind, name in self.resources[n].needs if kind == type_url
-        )
+        cluster update makes Envoy wait for again: see Handler.rewarm). Memoised like
+        `diff_from`: every stream on `older` asks the same."""
+        key = (older.version, type_url)
+        found = self._needs.get(key)
+        if found is None:
+            changed, _removed = self.diff_from(older)
+            found = frozenset(
+                name for n in changed for kind, name in self.resources[n].needs if kind == type_url
+            )
+            if len(self._needs) > 64:
+                self._needs.clear()
+            self._needs[key] = found
+        return found
 
     def response(self, key: object, build: Callable[[str], bytes]) -> tuple[str, bytes]:
         """Memoise the bytes of a response under `key`; streams asking for the same thing share

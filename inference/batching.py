@@ -44,6 +44,7 @@ class Pending:
     timing: Timing
     deadline: float  # monotonic
     enqueued: float
+    priority: int  # its tenant class's (QoSPolicy), 0 without one
     future: asyncio.Future[Completed] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -55,7 +56,7 @@ class Lane(Protocol):
     rt: FunctionRuntime
     stats: ModelStats
 
-    async def call(self, text: str, deadline: float | None) -> Invocation: ...
+    async def call(self, text: str, deadline: float | None, priority: int = 0) -> Invocation: ...
 
     def executed(self, rows: int) -> None: ...
 
@@ -79,7 +80,7 @@ class Batcher:
     # ------------------------------------------------------------------ requests
 
     async def submit(
-        self, request: InferRequest, timing: Timing, deadline: float | None
+        self, request: InferRequest, timing: Timing, deadline: float | None, priority: int = 0
     ) -> Completed:
         rt = self.lane.rt
         rows = request.rows
@@ -90,7 +91,7 @@ class Batcher:
         own = now + self.allowance
         deadline = own if deadline is None else min(deadline, own)
         if rows <= self.max:
-            return await self._enqueue(request, rows, timing, deadline, now)
+            return await self._enqueue(request, rows, timing, deadline, now, priority)
         if not self.split:
             raise KServeError(
                 400,
@@ -102,14 +103,20 @@ class Batcher:
             for start in range(0, rows, self.max)
         ]
         parts = await asyncio.gather(
-            *(self._enqueue(c, c.rows, timing, deadline, now) for c in chunks)
+            *(self._enqueue(c, c.rows, timing, deadline, now, priority) for c in chunks)
         )
         return join([p.parsed(rt.label) for p in parts])
 
     async def _enqueue(
-        self, request: InferRequest, rows: int, timing: Timing, deadline: float, now: float
+        self,
+        request: InferRequest,
+        rows: int,
+        timing: Timing,
+        deadline: float,
+        now: float,
+        priority: int,
     ) -> Completed:
-        pending = Pending(request, request.batch_key(), rows, timing, deadline, now)
+        pending = Pending(request, request.batch_key(), rows, timing, deadline, now, priority)
         self.queue.append(pending)
         self.changed.set()
         if self.task is None or self.task.done():
@@ -153,9 +160,11 @@ class Batcher:
                 p.future.set_exception(deadline_error(self.lane.rt, "while queued for a batch"))
         if not self.queue:
             return None, None
-        head = self.queue[0]
+        # highest priority first, oldest first within one (a stable sort keeps arrival order)
+        ordered = sorted(self.queue, key=_by_priority) if self._prioritised() else self.queue
+        head = ordered[0]
         chosen, rows = [], 0
-        for p in self.queue:
+        for p in ordered:
             if p.key != head.key:
                 continue
             if rows + p.rows > self.max:
@@ -173,12 +182,16 @@ class Batcher:
                     cut = i + 1
             if cut:
                 chosen, ready = chosen[:cut], True
-        waited = now - head.enqueued
+        waited = now - min(p.enqueued for p in chosen)  # its oldest member's wait
         if not ready and waited < self.delay:
             return self.delay - waited, None
         for p in chosen:
             self.queue.remove(p)
         return None, chosen
+
+    def _prioritised(self) -> bool:
+        first = self.queue[0].priority
+        return any(p.priority != first for p in self.queue)
 
     async def _run_slot(self, batch: list[Pending]) -> None:
         try:
@@ -201,7 +214,9 @@ class Batcher:
         called = time.perf_counter_ns()
         try:
             invocation = await lane.call(
-                text, min(p.deadline for p in batch) if len(batch) == 1 else None
+                text,
+                min(p.deadline for p in batch) if len(batch) == 1 else None,
+                max(p.priority for p in batch),
             )
         except KServeError as exc:
             for p in batch:
@@ -254,6 +269,10 @@ class Batcher:
                 )
                 continue
             await self._run([p])
+
+
+def _by_priority(pending: Pending) -> int:
+    return -pending.priority
 
 
 # ---------------------------------------------------------------- merging and splitting

@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from .batching import Batcher
 from .engine import EPOCH_TICK_S, deadline_ticks
+from .gate import WorkerGate
 from .host import Outcome
 from .kserve import InferRequest, KServeError
 from .metrics import Metrics
@@ -124,8 +125,9 @@ class Lane:
             self.recent_call_s = took if last is None else last + _CALL_EWMA_WEIGHT * (took - last)
         return invocation
 
-    async def call(self, text: str, deadline: float | None) -> Invocation:
-        """One guest call on a worker thread, never past `deadline` (monotonic seconds)."""
+    async def call(self, text: str, deadline: float | None, priority: int = 0) -> Invocation:
+        """One guest call on a worker thread, never past `deadline` (monotonic seconds); a
+        call that waits for a thread waits behind this function's higher `priority` (gate.py)."""
         ticks = None
         if deadline is not None:
             remaining = deadline - time.monotonic()
@@ -149,10 +151,24 @@ class Lane:
                     self.rt.metrics.traps.labels(self.rt.label, Outcome.TIMEOUT.value).inc()
                     return invocation
                 ticks = deadline_ticks(remaining)
-            loop = asyncio.get_running_loop()
-            invocation = await loop.run_in_executor(
-                self._dispatcher.executor, self.rt.invoke, text, ticks
-            )
+            gate = self._dispatcher.gate
+            wait = None if deadline is None else deadline - time.monotonic()
+            try:
+                await gate.acquire(self, priority, wait)
+            except TimeoutError:
+                raise deadline_error(self.rt, "before a worker was free") from None
+            try:
+                if deadline is not None:  # what is left of it once a thread is free
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise deadline_error(self.rt, "before a worker was free")
+                    ticks = deadline_ticks(remaining)
+                loop = asyncio.get_running_loop()
+                invocation = await loop.run_in_executor(
+                    self._dispatcher.executor, self.rt.invoke, text, ticks
+                )
+            finally:
+                gate.release()
             return self._observed(invocation, sliced=False)
         except Refused as exc:
             raise KServeError(exc.status, str(exc)) from None
@@ -175,7 +191,7 @@ class Lane:
         self.rt.latencies.append(seconds)  # the status endpoint's recent p50/p99
 
     async def alone(
-        self, request: InferRequest, timing: Timing, deadline: float | None
+        self, request: InferRequest, timing: Timing, deadline: float | None, priority: int = 0
     ) -> Completed:
         """The request as its own guest call (its execution statistics are recorded once its
         response is encoded)."""
@@ -183,7 +199,7 @@ class Lane:
         text = request.guest_json(self.rt.raw_inputs)
         timing.started = time.perf_counter_ns()
         timing.compute_input = timing.started - started
-        invocation = await self.call(text, deadline)
+        invocation = await self.call(text, deadline, priority)
         timing.compute_infer = round(invocation.seconds * 1e9)
         timing.guest_cpu_ns += invocation.cpu_ns
         self.executed(request.rows)
@@ -205,6 +221,7 @@ class Dispatcher:
         self.executor = executor
         self.metrics = metrics
         self.slots = slots  # guest calls one function may run at once (the worker threads)
+        self.gate = WorkerGate(slots)  # who gets the next free worker thread
         self.prewarm_executor = prewarm_executor  # predicted warm-ups (None: none)
         self.warm_budget = warm_budget or WarmBudget(0)
         self.under_pressure = under_pressure
@@ -289,6 +306,7 @@ class Dispatcher:
     ) -> T:
         timing = Timing(time.perf_counter_ns())
         deadline = None if request.timeout is None else time.monotonic() + request.timeout
+        priority = ticket.state.priority if ticket is not None else 0
         if lane.warmer is not None:
             lane.warmer.arrived(rt.inflight)
         rt.inflight += 1
@@ -298,9 +316,9 @@ class Dispatcher:
         try:
             batched = lane.batcher is not None
             if lane.batcher is not None:
-                completed = await lane.batcher.submit(request, timing, deadline)
+                completed = await lane.batcher.submit(request, timing, deadline, priority)
             else:
-                completed = await lane.alone(request, timing, deadline)
+                completed = await lane.alone(request, timing, deadline, priority)
             before = time.perf_counter_ns()
             result = encode(completed, request)
             timing.compute_output += time.perf_counter_ns() - before

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import wasmtime
 
+from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.inference import signing
 from meshfn.inference.backend import Backend
 from meshfn.inference.build import BuildError, check_core_module
@@ -497,6 +498,88 @@ async def test_runaway_does_not_block_other_functions_and_limits(published: Publ
         assert hog.status == 500
         assert "exceeded its memory limit of 32 MiB" in json.loads(hog.body)["error"]
         assert (await b.infer("chaos", None, X.encode())).status == 200
+    finally:
+        await b.drain(1)
+
+
+PRIORITY_QOS = {
+    "policy": "tenants/qos",
+    "defaultClass": "low",
+    "classes": [{"name": "low", "priority": 0}, {"name": "high", "priority": 10}],
+    "tenants": [{"name": "acme", "class": "high"}],
+}
+
+
+async def _served_in_order(b: Backend, queued: Callable[[], int]) -> list[str]:
+    """One worker, held by a spinning call; then three requests of the low class and one of
+    the high class queue behind it, in that order. Returns who was answered in what order."""
+    order: list[str] = []
+
+    async def send(who: str, mode: str) -> None:
+        headers = {TENANT_HEADER.encode(): who.encode()}
+        reply = await b.infer("chaos", None, chaos(mode).encode(), headers)
+        order.append(f"{who}:{reply.status}")
+
+    tasks = [asyncio.create_task(send("initech", "spin"))]
+    await until(lambda: b.inflight == 1 and queued() == 0, 10)
+    for i, who in enumerate(("initech", "globex", "initech", "acme")):
+        tasks.append(asyncio.create_task(send(who, "echo")))
+        await until(lambda i=i: queued() == i + 1, 10)  # type: ignore[misc]
+    await asyncio.gather(*tasks)
+    return order
+
+
+async def test_a_higher_class_gets_the_next_free_worker_first(published: Published) -> None:
+    """At saturation the guest calls waiting for a worker thread run highest class first (a
+    QoSPolicy's priorities; arrival order within a class), not in the thread pool's FIFO."""
+    b = backend_for(published, [
+        {"name": "chaos", "limits": {"timeout": "300ms"}, "qos": PRIORITY_QOS},
+    ], workers=1)  # fmt: skip
+    await b.start()
+    try:
+        gate = b.dispatcher.gate
+        order = await _served_in_order(b, lambda: gate.waiting)
+        assert order == ["initech:504", "acme:200", "initech:200", "globex:200", "initech:200"]
+        assert gate.busy == 0 and gate.waiting == 0
+    finally:
+        await b.drain(1)
+
+
+async def test_a_higher_class_is_batched_first(published: Published) -> None:
+    # batches of one go at once; the queue delay lets the queued requests outwait the spin
+    b = backend_for(published, [
+        {"name": "chaos", "limits": {"timeout": "300ms"}, "qos": PRIORITY_QOS,
+         "batching": {"maxBatchSize": 1, "maxQueueDelay": "500ms"}},
+    ], workers=1)  # fmt: skip
+    await b.start()
+    try:
+
+        def queued() -> int:
+            lane = b.dispatcher.lanes.get("chaos@1")
+            return len(lane.batcher.queue) if lane is not None and lane.batcher else 0
+
+        order = await _served_in_order(b, queued)
+        assert order == ["initech:504", "acme:200", "initech:200", "globex:200", "initech:200"]
+    finally:
+        await b.drain(1)
+
+
+async def test_waiting_for_a_worker_honours_the_deadline(published: Published) -> None:
+    """A call that waits for a thread longer than its client's timeout is a 504 that never
+    runs, and the thread goes on to the next waiter."""
+    b = backend_for(published, [{"name": "chaos", "limits": {"timeout": "300ms"}}], workers=1)
+    await b.start()
+    try:
+        spin = asyncio.create_task(b.infer("chaos", None, chaos("spin").encode()))
+        await until(lambda: b.inflight == 1, 10)
+        hurried = json.dumps({**json.loads(X), "parameters": {"mode": "counter", "timeout": 50000}})
+        late = await b.infer("chaos", None, hurried.encode())
+        assert late.status == 504
+        assert "before a worker was free" in json.loads(late.body)["error"]
+        assert (await spin).status == 504
+        again = await b.infer("chaos", None, chaos("counter").encode())
+        assert again.status == 200
+        assert b.dispatcher.gate.busy == 0 and b.dispatcher.gate.waiting == 0
     finally:
         await b.drain(1)
 

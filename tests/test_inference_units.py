@@ -3,6 +3,7 @@ manifests, engine key, and the guest SDK (run on the host)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import stat
@@ -18,6 +19,7 @@ from meshfn.inference.build import FUNCTIONS_DIR
 from meshfn.inference.config import load_config, parse_config
 from meshfn.inference.engine import EPOCH_TICK_S, deadline_ticks, engine_key, engine_settings
 from meshfn.inference.errors import ConfigError, ManifestError, SignatureError
+from meshfn.inference.gate import WorkerGate
 from meshfn.inference.kserve import (
     KServeError,
     Output,
@@ -384,3 +386,53 @@ def test_sdk_handle_flatten_outputs_and_errors() -> None:
         assert info.value.kind == kind
     with pytest.raises(sdk.ModelError, match="unknown output"):
         sdk.handle(model, json.dumps({**request, "outputs": [{"name": "zz"}]}))
+
+
+# ---------------------------------------------------------------- the worker gate (gate.py)
+
+
+async def test_the_worker_gate_orders_by_priority_within_a_function_only() -> None:
+    gate = WorkerGate(1)
+    await gate.acquire("held", 0, None)  # the one thread, busy
+    served: list[str] = []
+
+    async def call(owner: str, priority: int, name: str) -> None:
+        await gate.acquire(owner, priority, None)
+        served.append(name)
+        gate.release()
+
+    tasks = []
+    for owner, priority, name in (("f", 0, "f-low"), ("g", 5, "g-high"), ("f", 5, "f-high"),
+                                  ("g", 0, "g-low"), ("f", 5, "f-high-2")):  # fmt: skip
+        tasks.append(asyncio.create_task(call(owner, priority, name)))
+        await asyncio.sleep(0)
+    gone = asyncio.create_task(call("f", 9, "cancelled"))
+    timed_out = asyncio.create_task(gate.acquire("g", 9, 0.01))
+    await asyncio.sleep(0.05)
+    gone.cancel()
+    with pytest.raises(TimeoutError):
+        await timed_out
+    assert gate.waiting == 5
+    gate.release()
+    await asyncio.gather(*tasks)
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    # f's and g's turns alternate as their waiters came; within each, higher first
+    assert served == ["f-high", "g-high", "f-high-2", "g-low", "f-low"]
+    assert gate.busy == 0 and gate.waiting == 0
+    await gate.acquire("f", 0, 0)  # free again: no wait at all
+    assert gate.busy == 1
+
+
+async def test_a_waiter_handed_a_thread_as_it_gives_up_passes_it_on() -> None:
+    gate = WorkerGate(1)
+    await gate.acquire("held", 0, None)
+    first = asyncio.create_task(gate.acquire("f", 0, None))
+    second = asyncio.create_task(gate.acquire("f", 0, None))
+    await asyncio.sleep(0)
+    gate.release()  # hands the thread to `first`...
+    first.cancel()  # ...which is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await second  # so the thread went on to the next waiter
+    assert gate.busy == 1 and gate.waiting == 0

@@ -305,8 +305,14 @@ def qos_examples(
 
 
 def set_gateway_shedding(tenants: Path, on: bool) -> None:
-    """Turn the example QoSPolicy's gateway shedding on or off (a running mesh reloads it)."""
+    """Turn the example QoSPolicy's gateway shedding on or off (a running mesh reloads it);
+    nothing to do if it already is."""
     off = "# " + GATEWAY_SHEDDING
+    text = tenants.read_text()
+    if GATEWAY_SHEDDING not in text:
+        raise ValueError(f"{tenants}: no {GATEWAY_SHEDDING!r}, on or off")
+    if (off not in text) == on:
+        return
     if on:
         _replace(tenants, off, GATEWAY_SHEDDING)
     else:

@@ -125,15 +125,20 @@ class Lane:
             self.recent_call_s = took if last is None else last + _CALL_EWMA_WEIGHT * (took - last)
         return invocation
 
+    def _ticks_left(self, deadline: float | None) -> int | None:
+        """Epoch ticks until `deadline` (None without one); a deadline already past is the
+        504 of a call that found no worker in time."""
+        if deadline is None:
+            return None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise deadline_error(self.rt, "before a worker was free")
+        return deadline_ticks(remaining)
+
     async def call(self, text: str, deadline: float | None, priority: int = 0) -> Invocation:
         """One guest call on a worker thread, never past `deadline` (monotonic seconds); a
         call that waits for a thread waits behind this function's higher `priority` (gate.py)."""
-        ticks = None
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise deadline_error(self.rt, "before a worker was free")
-            ticks = deadline_ticks(remaining)
+        ticks = self._ticks_left(deadline)
         try:
             if self.inline:
                 full = min(ticks, self.rt.ticks) if ticks else self.rt.ticks
@@ -159,10 +164,7 @@ class Lane:
                 raise deadline_error(self.rt, "before a worker was free") from None
             try:
                 if deadline is not None:  # what is left of it once a thread is free
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise deadline_error(self.rt, "before a worker was free")
-                    ticks = deadline_ticks(remaining)
+                    ticks = self._ticks_left(deadline)
                 loop = asyncio.get_running_loop()
                 invocation = await loop.run_in_executor(
                     self._dispatcher.executor, self.rt.invoke, text, ticks

@@ -110,8 +110,9 @@ def mesh_config(ctx: Context) -> Obj:
     return {
         "meshConfig": {
             "trustDomain": model.trust_domain,
-            # meshfn's gateways normalise paths and merge slashes before matching
-            "pathNormalization": {"normalization": "MERGE_SLASHES"},
+            # meshfn's proxies decode %2F and %5C, normalise paths and merge slashes before
+            # matching (xds.translate.security.path_hygiene)
+            "pathNormalization": {"normalization": "DECODE_AND_MERGE_SLASHES"},
             # workload certificates live as long as meshfn's (Mesh.spec.identity.certificateTTL)
             "defaultConfig": {"proxyMetadata": {"SECRET_TTL": seconds(model.certificate_ttl)}},
             "extensionProviders": sorted(providers, key=lambda p: p["name"]),

@@ -52,6 +52,7 @@ def make_app(
             # What the sidecar tells the application about the caller (mTLS identity, claims).
             "client_cert": request.headers.get("x-forwarded-client-cert", ""),
             "tenant": request.headers.get("x-tenant", ""),
+            "headers": sorted({name.lower() for name in request.headers}),
         }
         return web.Response(
             text=json.dumps(body) + "\n",

@@ -19,6 +19,7 @@ from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG
 from .common import ads_source, pack, socket_address
 from .httpfilters import FilterContext, build_connection_manager
 from .routes import route_config_name
+from .security import path_hygiene
 
 HCM = "envoy.filters.network.http_connection_manager"
 
@@ -79,13 +80,11 @@ def listener(
         stat_prefix=listener.name,
         codec_type=hcm.HttpConnectionManager.AUTO,
         rds=hcm.Rds(config_source=ads_source(), route_config_name=route_config_name(listener)),
-        # An edge proxy: normalise paths before matching so /a/../b cannot dodge a route.
-        normalize_path=wrappers_pb2.BoolValue(value=True),
-        merge_slashes=True,
         strip_any_host_port=True,
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         local_reply_config=_no_upstream_reply(),
         access_log=[_latency_log()] if latency_log else [],
+        **path_hygiene(),
     )
     build_connection_manager(manager, filters)
     return listener_pb2.Listener(

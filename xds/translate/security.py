@@ -11,7 +11,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import base_pb2
+from envoy.config.core.v3 import base_pb2, protocol_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
@@ -125,6 +125,27 @@ def mtls_socket_match(peer_spiffe_id: str, codec: str) -> cluster_pb2.Cluster.Tr
         ),
         transport_socket=upstream_mtls(peer_spiffe_id, codec),
     )
+
+
+def path_hygiene() -> dict[str, object]:
+    """What every connection manager does to a request's path and headers before any filter
+    or route sees it, so that an authorization rule matches the path the application acts on.
+
+    Istio's DECODE_AND_MERGE_SLASHES, Envoy's edge-proxy advice: %2F and %5C are decoded (an
+    application that decodes them would otherwise serve /a/b to a rule that saw /a%2Fb), then
+    dot segments are resolved (RFC 3986, with %2E and other encoded unreserved characters
+    decoded) and repeated slashes merged. Headers with underscores are dropped: servers that map
+    `x_meshfn_tenant` and `x-meshfn-tenant` to one name (CGI, WSGI) would let a caller forge
+    what the mesh strips. Sidecars do the same, because a caller can reach one directly.
+    """
+    return {
+        "normalize_path": wrappers_pb2.BoolValue(value=True),
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": hcm.HttpConnectionManager.UNESCAPE_AND_FORWARD,
+        "common_http_protocol_options": protocol_pb2.HttpProtocolOptions(
+            headers_with_underscores_action=protocol_pb2.HttpProtocolOptions.DROP_HEADER
+        ),
+    }
 
 
 def client_cert_details() -> dict[str, object]:

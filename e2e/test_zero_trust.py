@@ -123,7 +123,10 @@ def zero_trust_policies(ports: dict[str, int], jwks: str) -> str:
             ISSUER,
             audiences=["mesh"],
             jwks=jwks,
-            outputClaimToHeaders=[{"header": "x-tenant", "claim": "tenant"}],
+            outputClaimToHeaders=[
+                {"header": "x-tenant", "claim": "tenant"},
+                {"header": "x-role", "claim": "role"},
+            ],
             maxLifetime="1h",
         ),
         p.jwt_authentication(
@@ -143,7 +146,9 @@ def zero_trust_policies(ports: dict[str, int], jwks: str) -> str:
                     "from": [{"source": allowed}],
                     "to": [{"operation": {"methods": ["GET", "POST"], "paths": ["/v2/*"]}}],
                     "when": [tenant],
-                }
+                },
+                # Open to anyone the mesh lets in, with or without a token.
+                {"to": [{"operation": {"methods": ["GET"], "paths": ["/v2/public/*"]}}]},
             ],
         ),
         p.authorization(
@@ -681,3 +686,24 @@ def test_headers_with_underscores_never_reach_the_application(mesh: Mesh) -> Non
         body = reply.json()
         assert body["tenant"] == "acme"
         assert not [name for name in body["headers"] if "_" in name], body["headers"]
+
+
+def test_a_claim_header_is_only_ever_the_verified_claim(mesh: Mesh) -> None:
+    """outputClaimToHeaders writes x-role only for a token with a role claim: a client's own
+    x-role must not reach the application in its place, at the gateway or the sidecar."""
+    cert = write_cert(mesh.tmp, "trusted", issue(mesh, "trusted-client"))
+    forged = {"x-role": "admin", "x-tenant": "globex"}
+    cases = [
+        ("/v2/x", token(), {"x-tenant"}),
+        ("/v2/x", token(role="analyst"), {"x-tenant", "x-role"}),
+        ("/v2/public/x", None, set()),  # no token at all, where authorization allows that
+    ]
+    for path, bearer, claimed in cases:
+        for reply in (
+            request(mesh, path, bearer, headers=forged),
+            direct(mesh, cert, bearer, path, headers=forged),
+        ):
+            assert isinstance(reply, Reply) and reply.status == 200, (path, reply)
+            body = reply.json()
+            assert body["tenant"] == ("acme" if "x-tenant" in claimed else ""), (path, body)
+            assert claimed == {"x-tenant", "x-role"} & set(body["headers"]), (path, body)

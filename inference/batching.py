@@ -105,7 +105,10 @@ class Batcher:
         parts = await asyncio.gather(
             *(self._enqueue(c, c.rows, timing, deadline, now, priority) for c in chunks)
         )
-        return join([p.parsed(rt.label) for p in parts])
+        try:
+            return join([p.parsed(rt.label) for p in parts])
+        except TensorError as exc:
+            raise KServeError(500, f"function {rt.label} returned {exc}") from None
 
     async def _enqueue(
         self,

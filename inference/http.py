@@ -71,6 +71,10 @@ def encode(response: Response, keep_alive: bool) -> bytes:
     return head + b"\r\n" + response.body
 
 
+def _too_large(limit: int) -> str:
+    return f"request body exceeds {limit} bytes"
+
+
 class _Pending:
     __slots__ = ("body", "headers", "limit", "path", "too_large", "url")
 
@@ -184,9 +188,12 @@ class HttpProtocol(asyncio.Protocol):
         self.pending.path = self._path()
         limit = self.pending.limit = self.server.body_limit(self.pending.path)
         length = self.pending.headers.get(b"content-length")
+        expects = self.pending.headers.get(b"expect", b"").lower() == b"100-continue"
         if length is not None and length.isdigit() and int(length) > limit:
             self.pending.too_large = limit
-        elif self.pending.headers.get(b"expect", b"").lower() == b"100-continue":
+            if expects:  # the client waits to be told: the final status instead of 100
+                self._fail(413, _too_large(limit))
+        elif expects:
             assert self.transport is not None
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -203,9 +210,12 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         pending = self.pending
+        if self.closing:  # answered already (_fail), or the connection is done
+            return
         if pending.too_large:
-            message = f"request body exceeds {pending.too_large} bytes"
-            self._enqueue(Response(413, self.server.error_body(message), close=True))
+            self._enqueue(
+                Response(413, self.server.error_body(_too_large(pending.too_large)), close=True)
+            )
             return
         self._enqueue(
             Request(

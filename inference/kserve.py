@@ -67,7 +67,10 @@ def loads(data: bytes) -> Any:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(data)
+    try:
+        return json.loads(data)
+    except RecursionError:  # json.loads recurses per nesting level: a client error, not ours
+        raise ValueError("nested too deeply") from None
 
 
 _DIGIT_MAP = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))  # digit -> "0"

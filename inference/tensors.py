@@ -128,17 +128,25 @@ def _all_in_range(flat: list[Any], dt: DType) -> bool:
 
 
 def _in_order(data: list[Any]) -> list[Any]:
-    flat: list[Any] = []
-    stack = [iter(data)]
-    while stack:
-        for item in stack[-1]:
-            if type(item) is list:
-                stack.append(iter(item))
-                break
-            flat.append(item)
-        else:
-            stack.pop()
-    return flat
+    """Nested JSON arrays in row-major order. The nesting must be rectangular, as numpy reads
+    it: every list at one depth as long as the others. A ragged array has no row-major order
+    (read flat, [[1,2,3],[4]] for shape [2,2] would be [[1,2],[3,4]]), so it is refused rather
+    than reinterpreted. A list among the innermost values stays in `flat` for the element
+    check to name."""
+    level = data
+    while level and type(level[0]) is list:
+        width = len(level[0])
+        flat: list[Any] = []
+        for item in level:
+            if type(item) is not list or len(item) != width:
+                what = f"a list of {len(item)}" if type(item) is list else repr(item)
+                raise TensorError(
+                    f"ragged nested data: {what} beside a list of {width} "
+                    "(nested data must be rectangular, or flat in row-major order)"
+                )
+            flat += item
+        level = flat
+    return level
 
 
 def pack(values: list[Any], dt: DType) -> bytes:

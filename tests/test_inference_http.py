@@ -117,6 +117,22 @@ async def test_expect_100_continue(server: tuple[HttpServer, int]) -> None:
     assert out.startswith(b"HTTP/1.1 200 ")
 
 
+async def test_expect_100_continue_past_the_limit_is_413_at_once(
+    server: tuple[HttpServer, int],
+) -> None:
+    """A client that waits for 100 Continue is told the final status instead (RFC 9110
+    10.1.1), without sending the body it announced."""
+    _, port = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /small HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 1000\r\n\r\n"
+    )
+    out = await asyncio.wait_for(reader.read(-1), 5)  # answered and closed, no body sent
+    writer.close()
+    assert out.startswith(b"HTTP/1.1 413 ") and b"exceeds 100 bytes" in out
+    assert out.count(b"HTTP/1.1 ") == 1 and b"Connection: close" in out
+
+
 async def test_stop_listening_closes_idle_keepalive(server: tuple[HttpServer, int]) -> None:
     srv, port = server
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -4,6 +4,7 @@ ModelInfer messages (tritonclient's generated stubs), batch merging and splittin
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any
 
@@ -20,6 +21,7 @@ from meshfn.inference.kserve import (
     Signature,
     header_length,
     http_response,
+    loads,
     parse_http,
 )
 from meshfn.inference.results import Completed
@@ -86,13 +88,45 @@ def test_every_datatype_round_trips_json_and_raw(name: str) -> None:
         ("INT32", [True], "is not an integer"),
         ("BOOL", [1], "is not true/false"),
         ("BYTES", [b"x".decode(), 3], "is not a string"),
-        ("FP32", [[1.0, 2.0], [3.0]], "3 elements for shape [2, 2]"),
+        ("FP32", [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "6 elements for shape [2, 2]"),
     ],
 )
 def test_json_values_checked(datatype: str, data: list[Any], message: str) -> None:
     shape = [2, 2] if "shape [2, 2]" in message else [len(data)]
     with pytest.raises(TensorError, match=message.replace("[", r"\[").replace("]", r"\]")):
         json_to_raw(data, DTYPES[datatype], shape)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([[1.0, 2.0], [3.0]], "a list of 1 beside a list of 2"),
+        # the right element count: read flat it would be a different tensor
+        ([[1.0, 2.0, 3.0], [4.0]], "a list of 1 beside a list of 3"),
+        ([[1.0], [2.0, 3.0, 4.0]], "a list of 3 beside a list of 1"),
+        ([[1.0, 2.0], 3.0, 4.0], "3.0 beside a list of 2"),
+        ([[[1.0, 2.0]], [[3.0], [4.0]]], "a list of 2 beside a list of 1"),
+    ],
+)
+def test_ragged_nested_data_is_refused(data: list[Any], message: str) -> None:
+    with pytest.raises(TensorError, match=f"ragged nested data: {re.escape(message)}"):
+        json_to_raw(data, DTYPES["FP32"], [2, 2])
+
+
+def test_rectangular_nesting_in_any_depth_is_row_major() -> None:
+    """As numpy reads nested lists (and reshapes): flat, one level, or nested deeper."""
+    expected = struct.pack("<4f", 1, 2, 3, 4)
+    for data in ([1.0, 2.0, 3.0, 4.0], [[1.0, 2.0], [3.0, 4.0]], [[[1.0], [2.0]], [[3.0], [4.0]]]):
+        assert json_to_raw(data, DTYPES["FP32"], [2, 2]) == expected, data
+    with pytest.raises(TensorError, match=r"element \[3.0\] is not a number"):
+        json_to_raw([1.0, 2.0, [3.0], 4.0], DTYPES["FP32"], [2, 2])
+
+
+def test_json_nested_past_the_recursion_limit_is_a_client_error() -> None:
+    body = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":' + b"[" * 100_000
+    body += b"]" * 100_000 + b"}]}"
+    with pytest.raises(ValueError, match="nested too deeply"):
+        loads(body)
 
 
 @pytest.mark.parametrize(

@@ -309,6 +309,12 @@ class TenantClasses(_Strict):
             out.append((("classes",), "no limit and one priority: it would change nothing"))
         return out
 
+    @property
+    def counts_requests(self) -> bool:
+        """Whether some tenant has a rate or concurrency limit: the gateways count those per
+        HTTP request, so one gRPC stream of many inferences would count as one."""
+        return any(c.rate or c.concurrency for c in [*self.classes, *self.tenants])
+
     def class_of(self, tenant: str) -> TenantClass:
         """The class of a tenant ("" is the anonymous tenant: the default class)."""
         entry = self.entry(tenant)

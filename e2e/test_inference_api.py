@@ -43,6 +43,9 @@ FUNCTIONS: list[dict[str, Any]] = [
      "batching": {"maxBatchSize": 6, "maxQueueDelay": "30ms", "oversize": "split"}, **WIDE},
     {"name": "chaos-r", "artifact": "chaos@1", "batching": {"maxBatchSize": 4}},
     {"name": "ops-iris", "artifact": "iris@1", "repository": {"callers": [OPS]}},
+    {"name": "rated-iris", "artifact": "iris@1",
+     "qos": {"policy": "default/tenants", "defaultClass": "std",
+             "classes": [{"name": "std", "rate": {"requests": 100, "per": "1s"}}]}},
 ]  # fmt: skip
 FLOWERS = np.array([[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]], dtype=np.float32)
 
@@ -174,6 +177,106 @@ def test_tritonclient_grpc(backend: Backend) -> None:
     client.close()
 
 
+def test_model_configuration(backend: Backend) -> None:
+    """Triton's model configuration extension, as perf_analyzer reads it: with dynamic
+    batching the batch dimension leaves `dims`; REST and gRPC say the same."""
+    from google.protobuf import json_format
+    from tritonclient.grpc import model_config_pb2
+
+    http_client, grpc_client = backend.http_client(), backend.grpc_client()
+    batched = http_client.get_model_config("iris-batched")
+    assert batched["max_batch_size"] == 8
+    assert batched["input"] == [{"name": "features", "data_type": "TYPE_FP32", "dims": [4]}]
+    assert batched["dynamic_batching"]["max_queue_delay_microseconds"] == 20_000
+    assert batched["model_transaction_policy"] == {"decoupled": False}
+    plain = http_client.get_model_config("iris", "1")
+    assert plain["max_batch_size"] == 0 and "dynamic_batching" not in plain
+    assert plain["input"][0]["dims"] == [-1, 4]
+    assert http_client.get_model_config("embedder")["input"][0]["data_type"] == "TYPE_STRING"
+    for name in ("iris", "iris-batched", "chaos-b"):
+        from_grpc = grpc_client.get_model_config(name).config
+        rest = json_format.ParseDict(
+            http_client.get_model_config(name), model_config_pb2.ModelConfig()
+        )
+        assert from_grpc == rest, name
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        http_client.get_model_config("nope")
+    with pytest.raises(InferenceServerException, match="unknown model") as grpc_error:
+        grpc_client.get_model_config("nope")
+    assert grpc_error.value.status() == "StatusCode.NOT_FOUND"
+    assert http(backend.url + "/v2/models/iris/versions/9/config").status == 404
+
+
+def test_streaming_inference(backend: Backend) -> None:
+    """tritonclient's stream: every request answered once, matched by id, a bad request
+    answered with its error in the stream, which goes on serving."""
+    import queue
+
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = backend.grpc_client()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i, flowers in enumerate((FLOWERS, FLOWERS[:1], FLOWERS[1:])):
+            client.async_stream_infer(
+                "iris", [grpc_input(flowers, "features", "FP32")], request_id=f"s{i}"
+            )
+        bad = grpc_input(np.zeros((1, 3), np.float32), "features", "FP32")
+        client.async_stream_infer("iris", [bad], request_id="bad")
+        client.async_stream_infer("nope", [grpc_input(FLOWERS, "features", "FP32")], request_id="x")
+        client.async_stream_infer(
+            "iris", [grpc_input(FLOWERS, "features", "FP32")], request_id="after"
+        )
+        results, errors = {}, []
+        for _ in range(6):
+            result, error = answers.get(timeout=20)
+            if error is not None:
+                errors.append(str(error))
+            else:
+                results[result.get_response().id] = result.as_numpy("label").tolist()
+    finally:
+        client.stop_stream()
+        client.close()
+    assert results == {"s0": [0, 2], "s1": [0], "s2": [2], "after": [0, 2]}
+    assert len(errors) == 2
+    assert any("does not match [-1, 4]" in e for e in errors), errors
+    assert any("unknown model 'nope'" in e for e in errors), errors
+
+
+def test_no_stream_for_a_function_whose_gateway_counts_requests(backend: Backend) -> None:
+    """A QoSPolicy's rate and concurrency limits are counted per request at the gateway: a
+    stream of many calls would pass as one, so the backend answers each streamed call to such
+    a function with an error (a unary call is served)."""
+    import queue
+
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = backend.grpc_client()
+    tensor = grpc_input(FLOWERS, "features", "FP32")
+    assert client.infer("rated-iris", [tensor]).as_numpy("label").tolist() == [0, 2]
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer("rated-iris", [tensor])
+        result, error = answers.get(timeout=20)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert result is None and "under QoSPolicy default/tenants" in str(error), error
+    assert "use ModelInfer" in str(error)
+
+
+def test_unsupported_extensions_say_so(backend: Backend) -> None:
+    client = backend.grpc_client()
+    for call, message in (
+        (client.get_system_shared_memory_status, "does not support system shared memory"),
+        (client.get_cuda_shared_memory_status, "does not support CUDA shared memory"),
+        (client.get_trace_settings, "does not support Triton's trace extension"),
+        (client.get_log_settings, "does not support Triton's logging extension"),
+    ):
+        with pytest.raises(InferenceServerException, match=message) as error:
+            call()
+        assert error.value.status() == "StatusCode.UNIMPLEMENTED"
+    client.close()
+
+
 def _stub(backend: Backend) -> Any:
     from tritonclient.grpc import service_pb2_grpc
 
@@ -212,6 +315,7 @@ def test_server_endpoints(backend: Backend) -> None:
         "parameters",
         "model_repository",
         "statistics",
+        "model_configuration",
     ]
     names = [f["name"] for f in FUNCTIONS]
     assert http(url + "/v2/models").json() == {"models": sorted(names)}

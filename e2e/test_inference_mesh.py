@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,12 @@ def test_tritonclient_http_through_the_gateway(mesh: Mesh) -> None:
     }  # fmt: skip
     stats = client.get_inference_statistics("iris", headers=mesh.auth())["model_stats"]
     assert stats[0]["inference_count"] >= 4
+    config = client.get_model_config("iris", headers=mesh.auth())  # what perf_analyzer reads
+    assert config["name"] == "iris" and config["input"][0]["data_type"] == "TYPE_FP32"
+    grpc_config = tgrpc.InferenceServerClient(mesh.gateway).get_model_config(
+        "iris", headers=mesh.auth()
+    )
+    assert grpc_config.config.name == "iris"
 
 
 def test_tritonclient_grpc_through_the_gateway(mesh: Mesh) -> None:
@@ -111,6 +118,38 @@ def test_tritonclient_grpc_through_the_gateway(mesh: Mesh) -> None:
         with pytest.raises(InferenceServerException) as info:
             client.infer("iris", [tensor], headers=headers)
         assert info.value.status() == code, info.value
+
+
+def test_a_grpc_stream_through_the_gateway_outlives_a_call_timeout(mesh: Mesh) -> None:
+    """tritonclient's stream through the gateway and the sidecar: answered per request, and
+    open longer than the gRPC route's timeout (Envoy starts it once the request stream ends),
+    with the same authentication as a call."""
+    import queue
+
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = tgrpc.InferenceServerClient(mesh.gateway)
+    client.start_stream(lambda result, error: answers.put((result, error)), headers=mesh.auth())
+    tensor = tgrpc.InferInput("features", [2, 4], "FP32")
+    tensor.set_data_from_numpy(FLOWERS)
+    labels = []
+    try:
+        for i in range(3):  # 3 x 1.5 s: past the unary gRPC route's timeout
+            client.async_stream_infer("iris", [tensor], request_id=f"t{i}")
+            result, error = answers.get(timeout=20)
+            assert error is None, error
+            labels.append((result.get_response().id, result.as_numpy("label").tolist()))
+            time.sleep(1.5)
+    finally:
+        client.stop_stream()
+    assert labels == [(f"t{i}", [0, 2]) for i in range(3)]
+    client.start_stream(lambda result, error: answers.put((result, error)))  # no token
+    try:
+        client.async_stream_infer("iris", [tensor])
+        result, error = answers.get(timeout=20)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert result is None and "PERMISSION_DENIED" in str(error), error
 
 
 def test_repository_load_unload_only_for_the_named_caller(mesh: Mesh) -> None:

@@ -31,6 +31,7 @@ from .kserve import (
     error_body,
     header_length,
     http_response,
+    model_config,
     model_metadata,
     parse_http,
     select,
@@ -48,7 +49,13 @@ log = logging.getLogger("meshfn.inference")
 SERVER_NAME = "meshfn-inference"
 _TENANT_KEY = TENANT_HEADER.encode()
 # What the server metadata lists (Triton's extension names).
-EXTENSIONS = ("binary_tensor_data", "parameters", "model_repository", "statistics")
+EXTENSIONS = (
+    "binary_tensor_data",
+    "parameters",
+    "model_repository",
+    "statistics",
+    "model_configuration",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +301,20 @@ class Backend:
         assert rt.verified is not None
         versions = [version] if version else sorted(self.functions[name])
         return model_metadata(name, versions, rt.verified.metadata)
+
+    def model_config(self, name: str, version: str | None) -> dict[str, Any]:
+        rt = self.verified(name, version)
+        assert rt.verified is not None and rt.signature is not None
+        batching = rt.spec.batching  # (start refuses batching without a batch dimension)
+        return model_config(
+            name,
+            rt.signature,
+            str(rt.verified.metadata.get("platform", "meshfn-wasm")),
+            self.config.workers,
+            batching.maxBatchSize if batching else 0,
+            tuple(batching.preferredBatchSizes) if batching else (),
+            round(batching.maxQueueDelay.total_seconds() * 1e6) if batching else 0,
+        )
 
     def metadata(self, name: str, version: str | None) -> Reply:
         try:

@@ -15,12 +15,15 @@ KServe message: 400 INVALID_ARGUMENT, 403 PERMISSION_DENIED, 404 NOT_FOUND, 413 
 over the server's limit, refused by gRPC itself) and every QoS refusal (a tenant's concurrency,
 compute budget, priority shedding; its Retry-After and x-ratelimit-* as trailers)
 RESOURCE_EXHAUSTED, other 429/503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, 500 INTERNAL.
+ModelStreamInfer takes the same path per request and answers errors in-stream (Triton's
+error_message); ModelConfig is Triton's model configuration extension (kserve.model_config).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -255,32 +258,105 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: Any
     ) -> pb.ModelInferResponse:
-        backend = self.backend
         try:
-            rt = backend.lookup(request.model_name, request.model_version or None)
-
-            def parse() -> InferRequest:
-                limit = rt.spec.limits.maxRequestBytes
-                if request.ByteSize() > limit:
-                    raise KServeError(413, f"request message exceeds {limit} bytes for {rt.label}")
-                assert rt.signature is not None
-                parsed = parse_infer(request, rt.signature)
-                remaining = context.time_remaining()
-                if remaining is not None:
-                    parsed.timeout = (
-                        remaining if parsed.timeout is None else min(parsed.timeout, remaining)
-                    )
-                return parsed
-
-            def encode(completed: Completed, parsed: InferRequest) -> pb.ModelInferResponse:
-                return encode_infer(completed, parsed, rt)
-
-            metadata = dict(context.invocation_metadata() or ())
-            tenant = tenant_of(metadata.get(TENANT_HEADER))
-            return await backend.dispatcher.serve(rt, "grpc", parse, encode, tenant)
+            return await self._infer(request, context)
         except KServeError as exc:
             await self._fail(context, exc)
             raise
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Triton's streaming inference, for models that are not decoupled: one response per
+        request, each as soon as it is done (tritonclient matches them by id), the requests run
+        concurrently like unary calls. A failed request is a response with its error_message
+        (and its id): the stream goes on."""
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            try:
+                reply = pb.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, context, streamed=True)
+                )
+            except Exception as exc:
+                if not isinstance(exc, KServeError):
+                    log.exception("stream request failed", extra={"model": request.model_name})
+                message = exc.message if isinstance(exc, KServeError) else "internal error"
+                reply = pb.ModelStreamInferResponse(
+                    error_message=message,
+                    infer_response=pb.ModelInferResponse(
+                        model_name=request.model_name,
+                        model_version=request.model_version,
+                        id=request.id,
+                    ),
+                )
+            answers.put_nowait(reply)
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                while running:
+                    await asyncio.wait(set(running))
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (reply := await answers.get()) is not None:
+                yield reply
+            await reader  # a broken request stream ends the call with its error
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: Any
+    ) -> pb.ModelConfigResponse:
+        try:
+            config = self.backend.model_config(request.name, request.version or None)
+        except KServeError as exc:
+            await self._fail(context, exc)
+            raise
+        return json_format.ParseDict({"config": config}, pb.ModelConfigResponse())
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: Any, streamed: bool = False
+    ) -> pb.ModelInferResponse:
+        backend = self.backend
+        rt = backend.lookup(request.model_name, request.model_version or None)
+        qos = rt.spec.qos
+        if streamed and qos is not None and qos.counts_requests:
+            raise KServeError(
+                403,
+                f"model {rt.label} is under QoSPolicy {qos.policy}, whose rate and concurrency "
+                "limits the gateway counts per request: a stream would pass as one; use "
+                "ModelInfer",
+            )
+
+        def parse() -> InferRequest:
+            limit = rt.spec.limits.maxRequestBytes
+            if request.ByteSize() > limit:
+                raise KServeError(413, f"request message exceeds {limit} bytes for {rt.label}")
+            assert rt.signature is not None
+            parsed = parse_infer(request, rt.signature)
+            remaining = context.time_remaining()
+            if remaining is not None:
+                parsed.timeout = (
+                    remaining if parsed.timeout is None else min(parsed.timeout, remaining)
+                )
+            return parsed
+
+        def encode(completed: Completed, parsed: InferRequest) -> pb.ModelInferResponse:
+            return encode_infer(completed, parsed, rt)
+
+        metadata = dict(context.invocation_metadata() or ())
+        tenant = tenant_of(metadata.get(TENANT_HEADER))
+        return await backend.dispatcher.serve(rt, "grpc", parse, encode, tenant)
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Any
@@ -317,6 +393,38 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
         except KServeError as exc:
             await self._fail(context, exc)
             raise
+
+
+# Triton's extensions meshfn does not offer. Their methods say so, instead of the generated
+# base's "Unexpected <class 'NotImplementedError'>" (a client reading the server metadata's
+# `extensions` knows beforehand).
+_UNSUPPORTED = {
+    "SystemSharedMemoryStatus": "system shared memory",
+    "SystemSharedMemoryRegister": "system shared memory",
+    "SystemSharedMemoryUnregister": "system shared memory",
+    "CudaSharedMemoryStatus": "CUDA shared memory",
+    "CudaSharedMemoryRegister": "CUDA shared memory",
+    "CudaSharedMemoryUnregister": "CUDA shared memory",
+    "TraceSetting": "Triton's trace extension",
+    "LogSettings": "Triton's logging extension",
+}
+
+
+def _unsupported(method: str, what: str) -> Any:
+    async def refuse(self: Service, request: Any, context: Any) -> None:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"{method}: meshfn does not support {what} (send tensors in the request)"
+            if "memory" in what
+            else f"{method}: meshfn does not support {what}",
+        )
+
+    refuse.__name__ = method
+    return refuse
+
+
+for _method, _what in _UNSUPPORTED.items():
+    setattr(Service, _method, _unsupported(_method, _what))
 
 
 def _repository_parameters(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:

@@ -128,6 +128,11 @@ class Signature:
             else:
                 return tuple(shape)
         shown = list(shape) if isinstance(shape, list | tuple) else shape
+        if isinstance(shape, list | tuple) and any(type(d) is int and d < 0 for d in shape):
+            raise bad(
+                f"input {name!r}: shape {shown!r} has a negative dimension (a request's shape "
+                f"is its data's; -1 marks a variable dimension in metadata only: {list(want)})"
+            )
         raise bad(f"input {name!r}: shape {shown!r} does not match {list(want)}")
 
     def input_named(self, name: Any, seen: set[str]) -> TensorSig:
@@ -542,3 +547,48 @@ def model_metadata(name: str, versions: list[str], metadata: dict[str, Any]) -> 
         "inputs": metadata["inputs"],
         "outputs": metadata["outputs"],
     }
+
+
+def model_config(
+    name: str,
+    signature: Signature,
+    platform: str,
+    instances: int,
+    max_batch_size: int = 0,
+    preferred_batch_sizes: tuple[int, ...] = (),
+    max_queue_delay_us: int = 0,
+) -> dict[str, Any]:
+    """Triton's model configuration extension (GET /v2/models/{m}/config, gRPC ModelConfig), in
+    the JSON form of Triton's ModelConfig message. perf_analyzer and model_analyzer read it
+    before they send a request: max_batch_size > 0 (dynamic batching) takes the batch dimension
+    out of `dims`, a tensor with no other dimension is dims [1] reshaped to [] as Triton writes
+    it, and the model is not decoupled (one response per request, also on a stream)."""
+
+    def tensor(sig: TensorSig) -> dict[str, Any]:
+        dims = list(sig.shape[1:] if max_batch_size else sig.shape)
+        out: dict[str, Any] = {
+            "name": sig.name,
+            "data_type": "TYPE_STRING" if sig.datatype == "BYTES" else f"TYPE_{sig.datatype}",
+            "dims": dims or [1],
+        }
+        if not dims:
+            out["reshape"] = {"shape": []}
+        return out
+
+    config: dict[str, Any] = {
+        "name": name,
+        "platform": platform,
+        "backend": "meshfn",
+        "version_policy": {"latest": {"num_versions": 1}},
+        "max_batch_size": max_batch_size,
+        "input": [tensor(t) for t in signature.inputs.values()],
+        "output": [tensor(t) for t in signature.outputs.values()],
+        "instance_group": [{"name": name, "kind": "KIND_CPU", "count": instances}],
+        "model_transaction_policy": {"decoupled": False},
+    }
+    if max_batch_size:
+        config["dynamic_batching"] = {
+            "preferred_batch_size": list(preferred_batch_sizes),
+            "max_queue_delay_microseconds": max_queue_delay_us,
+        }
+    return config

@@ -28,7 +28,7 @@ from .status import STATUS_PATH, functions_document
 
 log = logging.getLogger("meshfn.inference")
 
-_MODEL_ACTIONS = ("ready", "infer", "stats")
+_MODEL_ACTIONS = ("ready", "infer", "stats", "config")
 _SMALL_BODY = 64 << 10  # everything but infer
 
 
@@ -139,6 +139,8 @@ class Router:
                 return b.model_ready(name, version)
             if action == "stats":
                 return Reply.json({"model_stats": b.statistics(name, version)})
+            if action == "config":
+                return Reply.json(b.model_config(name, version))
             return b.metadata(name, version)
         if path.startswith("/v2/repository/"):
             _method(method, "POST", path)

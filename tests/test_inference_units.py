@@ -161,7 +161,7 @@ def test_select_outputs() -> None:
         (json.dumps(with_input(0, datatype="FP64")).encode(), "expected FP32"),
         (json.dumps(with_input(0, shape=[2, 3])).encode(), "does not match"),
         (json.dumps(with_input(0, shape=[4])).encode(), "does not match"),
-        (json.dumps(with_input(0, shape=[-1, 2])).encode(), "does not match"),
+        (json.dumps(with_input(0, shape=[-1, 2])).encode(), "has a negative dimension"),
         (json.dumps(with_input(0, shape=[True, 2])).encode(), "does not match"),
         (json.dumps(with_input(0, data=[1, 2, 3])).encode(), "3 elements for shape"),
         (json.dumps(with_input(0, data=[1, 2, 3, "4"])).encode(), "is not a number"),

@@ -7,9 +7,11 @@ statistics' execution count proves it)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import struct
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -154,6 +156,11 @@ def test_tritonclient_grpc(backend: Backend) -> None:
     assert model["inputs"] == [{"name": "pixels", "datatype": "FP32", "shape": ["-1", "784"]}]
     result = client.infer("iris", [grpc_input(FLOWERS, "features", "FP32")], request_id="g1")
     assert result.as_numpy("label").tolist() == [0, 2] and result.get_response().id == "g1"
+    for coding in ("gzip", "deflate"):  # gRPC's own message compression
+        squeezed = client.infer(
+            "iris", [grpc_input(FLOWERS, "features", "FP32")], compression_algorithm=coding
+        )
+        assert squeezed.as_numpy("label").tolist() == [0, 2], coding
     http_result = backend.http_client().infer(
         "iris", [http_input(FLOWERS, "features", "FP32", True)]
     )
@@ -275,6 +282,39 @@ def test_unsupported_extensions_say_so(backend: Backend) -> None:
             call()
         assert error.value.status() == "StatusCode.UNIMPLEMENTED"
     client.close()
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_compressed_requests_and_responses(backend: Backend, coding: str) -> None:
+    """tritonclient's request_compression_algorithm and response_compression_algorithm, JSON
+    and binary: the same answers as uncompressed. Responses of 1 KiB or more are compressed
+    when the client accepts it."""
+    client = backend.http_client()
+    many = np.tile(FLOWERS, (100, 1))
+    for binary in (True, False):
+        plain = client.infer("iris", [http_input(many, "features", "FP32", binary)])
+        squeezed = client.infer(
+            "iris",
+            [http_input(many, "features", "FP32", binary)],
+            request_compression_algorithm=coding,
+            response_compression_algorithm=coding,
+        )
+        for output in ("label", "probabilities"):
+            assert np.array_equal(plain.as_numpy(output), squeezed.as_numpy(output)), output
+    body = json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": [200, 4],
+                                   "data": many.tolist()}]}).encode()  # fmt: skip
+    packed = gzip.compress(body) if coding == "gzip" else zlib.compress(body)
+    headers = {"Content-Encoding": coding, "Accept-Encoding": f"{coding};q=0.5, br"}
+    reply = http(backend.url + "/v2/models/iris/infer", "POST", headers, packed)
+    named = {k.lower(): v for k, v in reply.headers.items()}
+    assert reply.status == 200 and named.get("content-encoding") == coding, reply.headers
+    inflated = gzip.decompress(reply.body) if coding == "gzip" else zlib.decompress(reply.body)
+    assert json.loads(inflated)["outputs"][0]["data"] == [0, 2] * 100
+    refused = http(backend.url + "/v2/models/iris/infer", "POST",
+                   {"Accept-Encoding": f"{coding};q=0"}, body)  # fmt: skip
+    assert refused.status == 200
+    assert "content-encoding" not in {k.lower() for k in refused.headers}
+    assert json.loads(refused.body)["outputs"][0]["data"] == [0, 2] * 100
 
 
 def _stub(backend: Backend) -> Any:
@@ -482,6 +522,7 @@ def _binary(
 
 X4 = np.arange(4, dtype=np.float32).tobytes()
 XT = {"name": "x", "datatype": "FP32", "shape": [4]}
+JSON4 = json.dumps({"inputs": [{**XT, "data": [1, 2, 3, 4]}]}).encode()
 BAD_REST = [
     ("a binary size that contradicts the shape",
      _binary([{**XT, "parameters": {"binary_data_size": 12}}], X4[:12]), "the shape needs 4 x 4"),
@@ -494,8 +535,19 @@ BAD_REST = [
      _binary([{**XT, "parameters": {"binary_data_size": 16}}], X4 + b"\0"), "after the inputs"),
     ("tritonclient's binary body without its header",
      (_binary([{**XT, "parameters": {"binary_data_size": 16}}], X4)[0], {}), "Inference-Header"),
-    ("a compressed body", (json.dumps({"inputs": [{**XT, "data": [1, 2, 3, 4]}]}).encode(),
-                           {"Content-Encoding": "gzip"}), "Content-Encoding gzip"),
+    ("a body in an unsupported coding", (JSON4, {"Content-Encoding": "br"}),
+     "Content-Encoding br is not supported (gzip, deflate)"),
+    ("a body that is not the gzip it says", (JSON4, {"Content-Encoding": "gzip"}),
+     "not valid gzip data"),
+    ("a body that is not the deflate it says", (JSON4, {"Content-Encoding": "deflate"}),
+     "not valid deflate data"),
+    ("a truncated gzip stream", (gzip.compress(JSON4)[:-6], {"Content-Encoding": "gzip"}),
+     "truncated gzip stream"),
+    ("bytes after the gzip stream", (gzip.compress(JSON4) + b"{}", {"Content-Encoding": "gzip"}),
+     "2 bytes after the end of the gzip stream"),
+    # chaos-core takes 4096 bytes: 1 MiB of zeros arrives as ~1 KiB
+    ("a gzip bomb", (gzip.compress(b"0" * (1 << 20)), {"Content-Encoding": "gzip"}),
+     "inflates past 4096 bytes"),
 ]  # fmt: skip
 
 

@@ -25,15 +25,19 @@ from .engine import EpochTicker, engine_key, new_engine
 from .errors import ConfigError, SignatureError
 from .host import component_linker
 from .kserve import (
+    COMPRESS_MIN_BYTES,
     InferRequest,
     KServeError,
+    compress,
     envelope,
     error_body,
     header_length,
     http_response,
+    inflate,
     model_config,
     model_metadata,
     parse_http,
+    response_coding,
     select,
 )
 from .metrics import Metrics
@@ -447,17 +451,16 @@ class Backend:
         except KServeError as exc:
             return Reply.of(exc)
 
+        given = headers or {}
+
         def parse() -> InferRequest:
             limit = rt.spec.limits.maxRequestBytes
             if len(body) > limit:
                 raise KServeError(413, f"request body exceeds {limit} bytes for {rt.label}")
-            encoding = (headers or {}).get(b"content-encoding", b"identity").lower()
-            if encoding not in (b"identity", b""):
-                raise KServeError(
-                    415, f"Content-Encoding {encoding.decode('latin-1')} is not supported"
-                )
+            # The binary extension's header length counts the decoded body, as in Triton.
+            data = inflate(body, given.get(b"content-encoding", b""), limit)
             assert rt.signature is not None  # admitted: verified
-            return parse_http(body, rt.signature, header_length(headers or {}, len(body)))
+            return parse_http(data, rt.signature, header_length(given, len(data)))
 
         def encode(completed: Completed, request: InferRequest) -> Reply:
             if completed.text is not None and request.outputs is None and not request.binary_output:
@@ -466,17 +469,30 @@ class Backend:
                     raise KServeError(
                         500, f"function {rt.label} returned a response that is not a JSON object"
                     )
-                return Reply(200, out)
+                return coded(Reply(200, out))
             outputs, params = completed.parsed(rt.label)
             chosen = select(outputs, request.outputs, rt.label)
             data, json_length = http_response(request, chosen, params, rt.name, rt.version)
             if json_length is None:
-                return Reply(200, data)
+                return coded(Reply(200, data))
+            return coded(
+                Reply(
+                    200,
+                    data,
+                    ((b"Inference-Header-Content-Length", str(json_length).encode()),),
+                    b"application/octet-stream",
+                )
+            )
+
+        def coded(reply: Reply) -> Reply:
+            coding = response_coding(given.get(b"accept-encoding"))
+            if coding is None or len(reply.body) < COMPRESS_MIN_BYTES:
+                return reply
             return Reply(
-                200,
-                data,
-                ((b"Inference-Header-Content-Length", str(json_length).encode()),),
-                b"application/octet-stream",
+                reply.status,
+                compress(reply.body, coding),
+                (*reply.headers, (b"Content-Encoding", coding)),
+                reply.content_type,
             )
 
         try:

@@ -707,3 +707,35 @@ def test_a_claim_header_is_only_ever_the_verified_claim(mesh: Mesh) -> None:
             body = reply.json()
             assert body["tenant"] == ("acme" if "x-tenant" in claimed else ""), (path, body)
             assert claimed == {"x-tenant", "x-role"} & set(body["headers"]), (path, body)
+
+
+def test_a_client_that_sends_its_headers_slowly_is_cut_off(mesh: Mesh) -> None:
+    """Slow headers (slowloris) hold a connection only for the headers timeout, at the gateway
+    and at the sidecar (after the mTLS handshake), never for as long as the client likes."""
+    cert = write_cert(mesh.tmp, "trusted", issue(mesh, "trusted-client"))
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    context.check_hostname = False
+    bundle = mesh.tmp / "bundle.pem"
+    bundle.write_text(mesh.ca().trust_bundle_pem())
+    context.load_verify_locations(bundle)
+    context.load_cert_chain(*cert)
+    gateway = socket.create_connection(("127.0.0.1", mesh.ports["listener"]), timeout=30)
+    sidecar = context.wrap_socket(
+        socket.create_connection(("127.0.0.1", mesh.ports["sidecar"]), timeout=30)
+    )
+    started = time.monotonic()
+    answers = []
+    for sock in (gateway, sidecar):
+        sock.sendall(b"GET /v2/x HTTP/1.1\r\nHost: x\r\nx-slow: 1\r\n")  # never finished
+    for sock in (gateway, sidecar):
+        with sock:
+            data = b""
+            try:
+                while chunk := sock.recv(4096):
+                    data += chunk
+            except (ConnectionResetError, ssl.SSLError):
+                pass
+            answers.append((data.split(b"\r\n", 1)[0], time.monotonic() - started))
+    for status, after in answers:
+        assert status in (b"HTTP/1.1 408 Request Timeout", b""), answers
+        assert after < 25, answers  # 10 s, given a slow machine its slack

@@ -19,7 +19,7 @@ from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG
 from .common import ads_source, pack, socket_address
 from .httpfilters import FilterContext, build_connection_manager
 from .routes import route_config_name
-from .security import path_hygiene
+from .security import request_hygiene
 
 HCM = "envoy.filters.network.http_connection_manager"
 
@@ -84,7 +84,7 @@ def listener(
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         local_reply_config=_no_upstream_reply(),
         access_log=[_latency_log()] if latency_log else [],
-        **path_hygiene(),
+        **request_hygiene(),
     )
     build_connection_manager(manager, filters)
     return listener_pb2.Listener(

@@ -26,7 +26,7 @@ from .common import one_endpoint, pack, socket_address
 from .httpfilters import FilterContext
 from .listeners import HCM
 from .resources import Resources, merge
-from .security import client_cert_details, downstream_mtls, path_hygiene
+from .security import client_cert_details, downstream_mtls, request_hygiene
 
 
 def local_cluster_name(inbound: ir.Inbound) -> str:
@@ -79,7 +79,7 @@ def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb
             codec_type=hcm.HttpConnectionManager.AUTO,
             route_config=route_config,
             **client_cert_details(),
-            **path_hygiene(),
+            **request_hygiene(),
         )
         httpfilters.build_connection_manager(manager, filters)
         out = listener_components_pb2.FilterChain(

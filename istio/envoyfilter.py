@@ -14,12 +14,18 @@ On a gateway:
   route (clients can never pick the degraded twin);
 - the claim headers removed before requests go upstream.
 On sidecars that audit from claim headers, the same early removal and upstream removal.
+Mesh-wide (root namespace), on every gateway and inbound sidecar: meshfn's request hygiene
+(contracts.proxy), part of which (dropping underscore headers, the headers timeout, the HTTP/2
+stream limit) has no Istio API.
 """
 
 from __future__ import annotations
 
+import copy
+
 from meshfn import ir
 from meshfn.contracts.plugins import ROUTE_METADATA, ROUTING_HEADER
+from meshfn.contracts.proxy import REQUEST_HYGIENE
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.ir import qos as envoy_qos
 from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
@@ -343,7 +349,45 @@ def _qos_patches(gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
     return patches, {Source("QoSPolicy", p.namespace, p.name) for p in policies}
 
 
+def request_hygiene() -> Obj:
+    """The spec of the mesh-wide EnvoyFilter (root namespace, every gateway and inbound sidecar)
+    that gives istiod's connection managers what meshfn's own have (contracts.proxy): the path
+    clean-up the meshConfig's DECODE_AND_MERGE_SLASHES also asks for (here it holds even where
+    that snippet was not merged), and what Istio has no setting for: dropping headers with
+    underscores, the headers timeout, the HTTP/2 stream limit."""
+    return {
+        "priority": PRIORITY,
+        "configPatches": [
+            {
+                "applyTo": "NETWORK_FILTER",
+                "match": {
+                    "context": context,
+                    "listener": {"filterChain": {"filter": {"name": HCM}}},
+                },
+                "patch": {
+                    "operation": "MERGE",
+                    "value": {
+                        "name": HCM,
+                        "typed_config": {"@type": HCM_TYPE, **copy.deepcopy(REQUEST_HYGIENE)},
+                    },
+                },
+            }
+            for context in ("GATEWAY", "SIDECAR_INBOUND")
+        ],
+    }
+
+
 def envoy_filters(ctx: Context) -> None:
+    ctx.emit(
+        resource(
+            NETWORKING,
+            "EnvoyFilter",
+            "meshfn-request-hygiene",
+            ctx.options.root_namespace,
+            request_hygiene(),
+        ),
+        Source("Mesh", "", ctx.model.name),
+    )
     for gw in gateways(ctx.model):
         patches, sources = _gateway_patches(ctx, gw)
         spec = {

@@ -111,7 +111,7 @@ def mesh_config(ctx: Context) -> Obj:
         "meshConfig": {
             "trustDomain": model.trust_domain,
             # meshfn's proxies decode %2F and %5C, normalise paths and merge slashes before
-            # matching (xds.translate.security.request_hygiene)
+            # matching (contracts.proxy.REQUEST_HYGIENE)
             "pathNormalization": {"normalization": "DECODE_AND_MERGE_SLASHES"},
             # workload certificates live as long as meshfn's (Mesh.spec.identity.certificateTTL)
             "defaultConfig": {"proxyMetadata": {"SECRET_TTL": seconds(model.certificate_ttl)}},

@@ -19,7 +19,7 @@ from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG
 from .common import ads_source, pack, socket_address
 from .httpfilters import FilterContext, build_connection_manager
 from .routes import route_config_name
-from .security import request_hygiene
+from .security import with_request_hygiene
 
 HCM = "envoy.filters.network.http_connection_manager"
 
@@ -76,15 +76,16 @@ def listener(
 ) -> listener_pb2.Listener:
     """The gateway listener: routes over RDS, `filters`' chain, with `latency_log` the drift
     breaker's timings."""
-    manager = hcm.HttpConnectionManager(
-        stat_prefix=listener.name,
-        codec_type=hcm.HttpConnectionManager.AUTO,
-        rds=hcm.Rds(config_source=ads_source(), route_config_name=route_config_name(listener)),
-        strip_any_host_port=True,
-        use_remote_address=wrappers_pb2.BoolValue(value=True),
-        local_reply_config=_no_upstream_reply(),
-        access_log=[_latency_log()] if latency_log else [],
-        **request_hygiene(),
+    manager = with_request_hygiene(
+        hcm.HttpConnectionManager(
+            stat_prefix=listener.name,
+            codec_type=hcm.HttpConnectionManager.AUTO,
+            rds=hcm.Rds(config_source=ads_source(), route_config_name=route_config_name(listener)),
+            strip_any_host_port=True,
+            use_remote_address=wrappers_pb2.BoolValue(value=True),
+            local_reply_config=_no_upstream_reply(),
+            access_log=[_latency_log()] if latency_log else [],
+        )
     )
     build_connection_manager(manager, filters)
     return listener_pb2.Listener(

@@ -11,13 +11,15 @@ from functools import lru_cache
 from typing import Protocol
 
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import base_pb2, protocol_pb2
+from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
 from envoy.type.matcher.v3 import string_pb2
-from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
+from google.protobuf import json_format, struct_pb2, wrappers_pb2
+
+from meshfn.contracts.proxy import REQUEST_HYGIENE
 
 from ..names import CERT_SECRET, ROOT_SECRET
 from .common import ads_source, pack
@@ -127,37 +129,15 @@ def mtls_socket_match(peer_spiffe_id: str, codec: str) -> cluster_pb2.Cluster.Tr
     )
 
 
-def request_hygiene() -> dict[str, object]:
-    """What every connection manager does to a request before any filter or route sees it, so
-    that an authorization rule matches the path the application acts on, and what it allows a
-    client that is slow on purpose. Sidecars do the same as gateways: a caller can reach one
-    directly.
-
-    Istio's DECODE_AND_MERGE_SLASHES, Envoy's edge-proxy advice: %2F and %5C are decoded (an
-    application that decodes them would otherwise serve /a/b to a rule that saw /a%2Fb), then
-    dot segments are resolved (RFC 3986, with %2E and other encoded unreserved characters
-    decoded) and repeated slashes merged. Headers with underscores are dropped: servers that map
-    `x_meshfn_tenant` and `x-meshfn-tenant` to one name (CGI, WSGI) would let a caller forge
-    what the mesh strips. A request's headers must arrive within 10 s (Envoy waits forever by
-    default: a slow-headers client holds a connection for free), and one HTTP/2 connection
-    carries at most 100 streams at once (Envoy's default is 2^31).
-    """
-    return {
-        "normalize_path": wrappers_pb2.BoolValue(value=True),
-        "merge_slashes": True,
-        "path_with_escaped_slashes_action": hcm.HttpConnectionManager.UNESCAPE_AND_FORWARD,
-        "common_http_protocol_options": protocol_pb2.HttpProtocolOptions(
-            headers_with_underscores_action=protocol_pb2.HttpProtocolOptions.DROP_HEADER
-        ),
-        "request_headers_timeout": duration_pb2.Duration(seconds=REQUEST_HEADERS_TIMEOUT_S),
-        "http2_protocol_options": protocol_pb2.Http2ProtocolOptions(
-            max_concurrent_streams=wrappers_pb2.UInt32Value(value=MAX_CONCURRENT_STREAMS)
-        ),
-    }
+# Parsed once; merged into each connection manager as it is built (listener builders are
+# memoised, so this is paid per distinct listener, not per push).
+_HYGIENE = json_format.ParseDict(REQUEST_HYGIENE, hcm.HttpConnectionManager())
 
 
-REQUEST_HEADERS_TIMEOUT_S = 10
-MAX_CONCURRENT_STREAMS = 100
+def with_request_hygiene(manager: hcm.HttpConnectionManager) -> hcm.HttpConnectionManager:
+    """`manager` with `contracts.proxy.REQUEST_HYGIENE` merged in (gateways and sidecars)."""
+    manager.MergeFrom(_HYGIENE)
+    return manager
 
 
 def client_cert_details() -> dict[str, object]:

@@ -26,7 +26,7 @@ from .common import one_endpoint, pack, socket_address
 from .httpfilters import FilterContext
 from .listeners import HCM
 from .resources import Resources, merge
-from .security import client_cert_details, downstream_mtls, request_hygiene
+from .security import client_cert_details, downstream_mtls, with_request_hygiene
 
 
 def local_cluster_name(inbound: ir.Inbound) -> str:
@@ -74,12 +74,13 @@ def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb
     )
 
     def chain(tls: bool) -> listener_components_pb2.FilterChain:
-        manager = hcm.HttpConnectionManager(
-            stat_prefix=f"inbound_{inbound.port}",
-            codec_type=hcm.HttpConnectionManager.AUTO,
-            route_config=route_config,
-            **client_cert_details(),
-            **request_hygiene(),
+        manager = with_request_hygiene(
+            hcm.HttpConnectionManager(
+                stat_prefix=f"inbound_{inbound.port}",
+                codec_type=hcm.HttpConnectionManager.AUTO,
+                route_config=route_config,
+                **client_cert_details(),
+            )
         )
         httpfilters.build_connection_manager(manager, filters)
         out = listener_components_pb2.FilterChain(

@@ -244,6 +244,21 @@ def test_streaming_inference(backend: Backend) -> None:
         client.stop_stream()
         client.close()
     assert results == {"s0": [0, 2], "s1": [0], "s2": [2], "after": [0, 2]}
+    # more requests than the stream's window (64): each answered, in whatever order
+    client = backend.grpc_client()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i in range(200):
+            client.async_stream_infer(
+                "iris", [grpc_input(FLOWERS[i % 2 :][:1], "features", "FP32")], request_id=f"w{i}"
+            )
+        many = [answers.get(timeout=30) for _ in range(200)]
+    finally:
+        client.stop_stream()
+        client.close()
+    assert not [error for _, error in many if error is not None]
+    labels = {r.get_response().id: r.as_numpy("label").tolist() for r, _ in many}
+    assert labels == {f"w{i}": [[0], [2]][i % 2] for i in range(200)}
     assert len(errors) == 2
     assert any("does not match [-1, 4]" in e for e in errors), errors
     assert any("unknown model 'nope'" in e for e in errors), errors
@@ -271,6 +286,16 @@ def test_no_stream_for_a_function_whose_gateway_counts_requests(backend: Backend
 
 
 def test_unsupported_extensions_say_so(backend: Backend) -> None:
+    rest = backend.http_client()
+    for rest_call, message in (
+        (rest.get_system_shared_memory_status, "does not support system shared memory"),
+        (rest.get_cuda_shared_memory_status, "does not support CUDA shared memory"),
+        (rest.get_trace_settings, "does not support Triton's trace extension"),
+        (lambda: rest.get_trace_settings("iris"), "does not support Triton's trace extension"),
+        (rest.get_log_settings, "does not support Triton's logging extension"),
+    ):
+        with pytest.raises(InferenceServerException, match=message):
+            rest_call()
     client = backend.grpc_client()
     for call, message in (
         (client.get_system_shared_memory_status, "does not support system shared memory"),

@@ -53,6 +53,7 @@ from .tensors import TensorError, check_raw, dtype, element_count, pack
 log = logging.getLogger("meshfn.inference")
 
 SERVICE = "inference.GRPCInferenceService"
+STREAM_WINDOW = 64  # ModelStreamInfer: requests of one stream in flight or waiting to be sent
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     403: grpc.StatusCode.PERMISSION_DENIED,
@@ -273,6 +274,9 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
         (and its id): the stream goes on."""
         answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
+        # Requests in flight or answered but not yet sent: at STREAM_WINDOW the stream is not
+        # read on, so gRPC's flow control holds back a client that sends without reading.
+        window = asyncio.Semaphore(STREAM_WINDOW)
 
         async def answer(request: pb.ModelInferRequest) -> None:
             try:
@@ -296,6 +300,7 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
         async def read() -> None:
             try:
                 async for request in requests:
+                    await window.acquire()
                     task = asyncio.create_task(answer(request))
                     running.add(task)
                     task.add_done_callback(running.discard)
@@ -308,6 +313,7 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
         try:
             while (reply := await answers.get()) is not None:
                 yield reply
+                window.release()
             await reader  # a broken request stream ends the call with its error
         finally:
             reader.cancel()

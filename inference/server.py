@@ -129,7 +129,7 @@ class Router:
         if path.startswith("/v2/models/") and path != "/v2/models/stats":
             parsed = _model_route(path)
             if parsed is None:
-                return Reply.error(404, f"no route for {path}")
+                return Reply.error(404, _unsupported(path) or f"no route for {path}")
             name, version, action = parsed
             if action == "infer":
                 _method(method, "POST", path)
@@ -159,7 +159,7 @@ class Router:
             await (b.load if action == "load" else b.unload)(name, version, params)
             return Reply(200, b"{}")
         if path not in _GET_ROUTES:
-            return Reply.error(404, f"no route for {path}")
+            return Reply.error(404, _unsupported(path) or f"no route for {path}")
         _method(method, "GET", path)
         if path == "/v2/health/ready":
             reasons = b.unready_reasons()
@@ -190,6 +190,25 @@ _GET_ROUTES = {
     "/metrics",
     STATUS_PATH,
 }
+
+
+# Triton's extensions meshfn does not offer (the server metadata's `extensions` does not list
+# them), by path: a client that calls one is told so, not just "no route".
+_UNSUPPORTED = (
+    ("/v2/systemsharedmemory", "system shared memory (send tensors in the request)"),
+    ("/v2/cudasharedmemory", "CUDA shared memory (send tensors in the request)"),
+    ("/v2/trace/setting", "Triton's trace extension"),
+    ("/v2/logging", "Triton's logging extension"),
+)
+
+
+def _unsupported(path: str) -> str | None:
+    if path.startswith("/v2/models/") and path.endswith("/trace/setting"):
+        return "meshfn does not support Triton's trace extension"
+    for prefix, what in _UNSUPPORTED:
+        if path == prefix or path.startswith(prefix + "/"):
+            return f"meshfn does not support {what}"
+    return None
 
 
 def _method(got: str, want: str, path: str) -> None:

@@ -44,6 +44,7 @@ from .kserve import (
     check_parameters,
     request_timeout,
     select,
+    unsupported,
 )
 from .pool import FunctionRuntime
 from .qos import Refusal, tenant_of
@@ -401,36 +402,30 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
             raise
 
 
-# Triton's extensions meshfn does not offer. Their methods say so, instead of the generated
-# base's "Unexpected <class 'NotImplementedError'>" (a client reading the server metadata's
-# `extensions` knows beforehand).
-_UNSUPPORTED = {
-    "SystemSharedMemoryStatus": "system shared memory",
-    "SystemSharedMemoryRegister": "system shared memory",
-    "SystemSharedMemoryUnregister": "system shared memory",
-    "CudaSharedMemoryStatus": "CUDA shared memory",
-    "CudaSharedMemoryRegister": "CUDA shared memory",
-    "CudaSharedMemoryUnregister": "CUDA shared memory",
-    "TraceSetting": "Triton's trace extension",
-    "LogSettings": "Triton's logging extension",
+# The gRPC methods of Triton's extensions meshfn does not offer (kserve.UNSUPPORTED): they say
+# so, instead of the generated base's "Unexpected <class 'NotImplementedError'>".
+_UNSUPPORTED_METHODS = {
+    "SystemSharedMemoryStatus": "system_shared_memory",
+    "SystemSharedMemoryRegister": "system_shared_memory",
+    "SystemSharedMemoryUnregister": "system_shared_memory",
+    "CudaSharedMemoryStatus": "cuda_shared_memory",
+    "CudaSharedMemoryRegister": "cuda_shared_memory",
+    "CudaSharedMemoryUnregister": "cuda_shared_memory",
+    "TraceSetting": "trace",
+    "LogSettings": "logging",
 }
 
 
-def _unsupported(method: str, what: str) -> Any:
+def _refusal(method: str, extension: str) -> Any:
     async def refuse(self: Service, request: Any, context: Any) -> None:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            f"{method}: meshfn does not support {what} (send tensors in the request)"
-            if "memory" in what
-            else f"{method}: meshfn does not support {what}",
-        )
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method}: {unsupported(extension)}")
 
     refuse.__name__ = method
     return refuse
 
 
-for _method, _what in _UNSUPPORTED.items():
-    setattr(Service, _method, _unsupported(_method, _what))
+for _method, _extension in _UNSUPPORTED_METHODS.items():
+    setattr(Service, _method, _refusal(_method, _extension))
 
 
 def _repository_parameters(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:

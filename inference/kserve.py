@@ -303,6 +303,20 @@ def header_length(headers: dict[bytes, bytes], body_length: int) -> int | None:
     return length
 
 
+# Triton's extensions meshfn does not offer (the server metadata's `extensions` does not list
+# them): what a client that calls one over REST or gRPC is told.
+UNSUPPORTED = {
+    "system_shared_memory": "system shared memory (send tensors in the request)",
+    "cuda_shared_memory": "CUDA shared memory (send tensors in the request)",
+    "trace": "Triton's trace extension",
+    "logging": "Triton's logging extension",
+}
+
+
+def unsupported(extension: str) -> str:
+    return f"meshfn does not support {UNSUPPORTED[extension]}"
+
+
 # Content codings (RFC 9110 8.4.1) tritonclient sends and accepts: its
 # request_compression_algorithm / response_compression_algorithm. "deflate" is the zlib format.
 _WBITS = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}

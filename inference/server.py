@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .backend import Backend, Reply
 from .config import BackendConfig
 from .http import HttpServer, Request, Response
-from .kserve import KServeError, error_body
+from .kserve import KServeError, error_body, unsupported
 from .status import STATUS_PATH, functions_document
 
 log = logging.getLogger("meshfn.inference")
@@ -192,22 +192,22 @@ _GET_ROUTES = {
 }
 
 
-# Triton's extensions meshfn does not offer (the server metadata's `extensions` does not list
-# them), by path: a client that calls one is told so, not just "no route".
-_UNSUPPORTED = (
-    ("/v2/systemsharedmemory", "system shared memory (send tensors in the request)"),
-    ("/v2/cudasharedmemory", "CUDA shared memory (send tensors in the request)"),
-    ("/v2/trace/setting", "Triton's trace extension"),
-    ("/v2/logging", "Triton's logging extension"),
+# The REST paths of Triton's extensions meshfn does not offer (kserve.UNSUPPORTED).
+_UNSUPPORTED_PATHS = (
+    ("/v2/systemsharedmemory", "system_shared_memory"),
+    ("/v2/cudasharedmemory", "cuda_shared_memory"),
+    ("/v2/trace/setting", "trace"),
+    ("/v2/logging", "logging"),
 )
 
 
 def _unsupported(path: str) -> str | None:
+    """What a client calling an unsupported extension is told, instead of "no route"."""
     if path.startswith("/v2/models/") and path.endswith("/trace/setting"):
-        return "meshfn does not support Triton's trace extension"
-    for prefix, what in _UNSUPPORTED:
+        return unsupported("trace")
+    for prefix, extension in _UNSUPPORTED_PATHS:
         if path == prefix or path.startswith(prefix + "/"):
-            return f"meshfn does not support {what}"
+            return unsupported(extension)
     return None
 
 

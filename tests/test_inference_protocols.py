@@ -3,9 +3,12 @@ ModelInfer messages (tritonclient's generated stubs), batch merging and splittin
 
 from __future__ import annotations
 
+import gzip
 import json
+import random
 import re
 import struct
+import zlib
 from typing import Any
 
 import numpy as np
@@ -21,8 +24,10 @@ from meshfn.inference.kserve import (
     Signature,
     header_length,
     http_response,
+    inflate,
     loads,
     parse_http,
+    response_coding,
 )
 from meshfn.inference.results import Completed
 from meshfn.inference.stats import ModelStats, Timing
@@ -127,6 +132,57 @@ def test_json_nested_past_the_recursion_limit_is_a_client_error() -> None:
     body += b"]" * 100_000 + b"}]}"
     with pytest.raises(ValueError, match="nested too deeply"):
         loads(body)
+
+
+def test_inflate_takes_only_whole_streams_within_the_limit() -> None:
+    """Every mutation of a gzip or deflate stream is either its body (within the limit) or a
+    KServeError with a client status: never another exception, never more than the limit."""
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [64],
+                                   "data": [i / 7 for i in range(64)]}]}).encode()  # fmt: skip
+    rng = random.Random(7)
+    for coding, packed in ((b"gzip", gzip.compress(body)), (b"deflate", zlib.compress(body))):
+        assert inflate(packed, coding, len(body)) == body
+        assert inflate(packed, b" " + coding.upper(), len(body)) == body  # tokens are case-blind
+        with pytest.raises(KServeError, match="inflates past") as over:
+            inflate(packed, coding, len(body) - 1)
+        assert over.value.status == 413
+        for _ in range(1500):
+            mutated = bytearray(packed)
+            for _ in range(rng.randint(1, 4)):
+                mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+            cut = rng.choice([len(mutated), rng.randrange(len(mutated) + 1)])
+            try:
+                out = inflate(bytes(mutated[:cut]), coding, 4096)
+            except KServeError as exc:
+                assert exc.status in (400, 413), exc.message
+            else:
+                assert len(out) <= 4096
+    with pytest.raises(KServeError, match="Content-Encoding br is not supported") as other:
+        inflate(body, b"br", 4096)
+    assert other.value.status == 415
+    assert inflate(body, b"identity", 4096) == body
+
+
+@pytest.mark.parametrize(
+    ("accept", "coding"),
+    [
+        (None, None),
+        (b"", None),
+        (b"gzip", b"gzip"),
+        (b"deflate, gzip", b"gzip"),
+        (b"gzip;q=0, deflate", b"deflate"),
+        (b"GZIP ; Q=0.5", b"gzip"),
+        (b"*", b"gzip"),
+        (b"*;q=0, identity", None),
+        (b"br", None),
+        (b"gzip;q=nonsense", None),
+        (b",,;;=,", None),
+    ],
+)
+def test_response_coding_follows_accept_encoding(
+    accept: bytes | None, coding: bytes | None
+) -> None:
+    assert response_coding(accept) == coding
 
 
 @pytest.mark.parametrize(

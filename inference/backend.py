@@ -37,6 +37,7 @@ from .kserve import (
     model_config,
     model_metadata,
     parse_http,
+    platform_of,
     response_coding,
     select,
 )
@@ -313,7 +314,7 @@ class Backend:
         return model_config(
             name,
             rt.signature,
-            str(rt.verified.metadata.get("platform", "meshfn-wasm")),
+            platform_of(rt.verified.metadata),
             self.config.workers,
             batching.maxBatchSize if batching else 0,
             tuple(batching.preferredBatchSizes) if batching else (),
@@ -485,8 +486,10 @@ class Backend:
             )
 
         def coded(reply: Reply) -> Reply:
+            if len(reply.body) < COMPRESS_MIN_BYTES:  # before parsing Accept-Encoding
+                return reply
             coding = response_coding(given.get(b"accept-encoding"))
-            if coding is None or len(reply.body) < COMPRESS_MIN_BYTES:
+            if coding is None:
                 return reply
             return Reply(
                 reply.status,

@@ -163,8 +163,7 @@ class Lane:
             except TimeoutError:
                 raise deadline_error(self.rt, "before a worker was free") from None
             try:
-                if deadline is not None:  # what is left of it once a thread is free
-                    ticks = self._ticks_left(deadline)
+                ticks = self._ticks_left(deadline)  # what is left of it once a thread is free
                 loop = asyncio.get_running_loop()
                 invocation = await loop.run_in_executor(
                     self._dispatcher.executor, self.rt.invoke, text, ticks

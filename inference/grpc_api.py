@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -52,6 +52,7 @@ from .results import Completed
 from .tensors import TensorError, check_raw, dtype, element_count, pack
 
 log = logging.getLogger("meshfn.inference")
+T = TypeVar("T")
 
 SERVICE = "inference.GRPCInferenceService"
 STREAM_WINDOW = 64  # ModelStreamInfer: requests of one stream in flight or waiting to be sent
@@ -222,6 +223,16 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, Refusal) else None
         await context.abort(code or status_code(exc.status), exc.message)
 
+    async def _answered(
+        self, context: grpc.aio.ServicerContext[Any, Any], work: Callable[[], T]
+    ) -> T:
+        """`work()`, or its KServeError as the call's status (then re-raised)."""
+        try:
+            return work()
+        except KServeError as exc:
+            await self._fail(context, exc)
+            raise
+
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: Any
     ) -> pb.ServerLiveResponse:
@@ -240,21 +251,17 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: Any
     ) -> pb.ModelReadyResponse:
-        try:
-            rt = self.backend.lookup(request.name, request.version or None)
-        except KServeError as exc:
-            await self._fail(context, exc)
-            raise
+        rt = await self._answered(
+            context, lambda: self.backend.lookup(request.name, request.version or None)
+        )
         return pb.ModelReadyResponse(ready=self.backend.is_ready(rt))
 
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Any
     ) -> pb.ModelMetadataResponse:
-        try:
-            meta = self.backend.model_metadata(request.name, request.version or None)
-        except KServeError as exc:
-            await self._fail(context, exc)
-            raise
+        meta = await self._answered(
+            context, lambda: self.backend.model_metadata(request.name, request.version or None)
+        )
         return json_format.ParseDict(meta, pb.ModelMetadataResponse())
 
     async def ModelInfer(
@@ -324,11 +331,9 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: Any
     ) -> pb.ModelConfigResponse:
-        try:
-            config = self.backend.model_config(request.name, request.version or None)
-        except KServeError as exc:
-            await self._fail(context, exc)
-            raise
+        config = await self._answered(
+            context, lambda: self.backend.model_config(request.name, request.version or None)
+        )
         return json_format.ParseDict({"config": config}, pb.ModelConfigResponse())
 
     async def _infer(
@@ -368,11 +373,9 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Any
     ) -> pb.ModelStatisticsResponse:
-        try:
-            stats = self.backend.statistics(request.name or None, request.version or None)
-        except KServeError as exc:
-            await self._fail(context, exc)
-            raise
+        stats = await self._answered(
+            context, lambda: self.backend.statistics(request.name or None, request.version or None)
+        )
         return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
     async def RepositoryIndex(

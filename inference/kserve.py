@@ -616,11 +616,16 @@ def http_response(
     return head + b"".join(blobs), len(head)
 
 
+def platform_of(metadata: dict[str, Any]) -> str:
+    """The platform a function's metadata names (model metadata and model configuration)."""
+    return str(metadata.get("platform", "meshfn-wasm"))
+
+
 def model_metadata(name: str, versions: list[str], metadata: dict[str, Any]) -> dict[str, Any]:
     return {
         "name": name,
         "versions": versions,
-        "platform": metadata.get("platform", "meshfn-wasm"),
+        "platform": platform_of(metadata),
         "inputs": metadata["inputs"],
         "outputs": metadata["outputs"],
     }

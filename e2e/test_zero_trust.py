@@ -709,9 +709,8 @@ def test_a_claim_header_is_only_ever_the_verified_claim(mesh: Mesh) -> None:
             assert claimed == {"x-tenant", "x-role"} & set(body["headers"]), (path, body)
 
 
-def test_a_client_that_sends_its_headers_slowly_is_cut_off(mesh: Mesh) -> None:
-    """Slow headers (slowloris) hold a connection only for the headers timeout, at the gateway
-    and at the sidecar (after the mTLS handshake), never for as long as the client likes."""
+def raw_connections(mesh: Mesh, timeout: float) -> tuple[socket.socket, socket.socket]:
+    """A plain connection to the gateway and an mTLS one (a trusted client) to the sidecar."""
     cert = write_cert(mesh.tmp, "trusted", issue(mesh, "trusted-client"))
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
     context.check_hostname = False
@@ -719,10 +718,50 @@ def test_a_client_that_sends_its_headers_slowly_is_cut_off(mesh: Mesh) -> None:
     bundle.write_text(mesh.ca().trust_bundle_pem())
     context.load_verify_locations(bundle)
     context.load_cert_chain(*cert)
-    gateway = socket.create_connection(("127.0.0.1", mesh.ports["listener"]), timeout=30)
+    gateway = socket.create_connection(("127.0.0.1", mesh.ports["listener"]), timeout=timeout)
     sidecar = context.wrap_socket(
-        socket.create_connection(("127.0.0.1", mesh.ports["sidecar"]), timeout=30)
+        socket.create_connection(("127.0.0.1", mesh.ports["sidecar"]), timeout=timeout)
     )
+    return gateway, sidecar
+
+
+def _exchange(sock: socket.socket, head: str, body: bytes = b"") -> tuple[int, dict[str, str]]:
+    """One HTTP/1.1 request on `sock`; the response's status and headers (its body read)."""
+    sock.sendall(head.encode() + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    reader = sock.makefile("rb")
+    status = int(reader.readline().split()[1])
+    headers = {}
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    reader.read(int(headers.get("content-length", "0")))
+    return status, headers
+
+
+@pytest.mark.parametrize("size", [90, 65536, 65537])
+def test_a_refused_request_keeps_its_connection(mesh: Mesh, size: int) -> None:
+    """Envoy refuses from the headers (here authorization's 403 for a missing token) and, on
+    HTTP/1.1, closes a connection whose request body it has not read. A small body is read whole first
+    (contracts.proxy.WHOLE_SMALL_BODIES), so the client's next request goes on the same
+    connection (without the filter, the refusal says `connection: close`); past
+    WHOLE_BODY_BYTES the body streams as before."""
+    body = b"x" * size
+    for sock in raw_connections(mesh, 10):
+        with sock:
+            head = "POST /v2/x HTTP/1.1\r\nhost: x\r\n"
+            status, headers = _exchange(sock, head, body)
+            assert status == 403, (status, headers)
+            if size > 65536:  # streamed, not buffered: refused as before (never a 413)
+                continue
+            assert "connection" not in headers, headers
+            status, _ = _exchange(sock, f"{head}authorization: Bearer {token()}\r\n", body)
+            assert status == 200
+
+
+def test_a_client_that_sends_its_headers_slowly_is_cut_off(mesh: Mesh) -> None:
+    """Slow headers (slowloris) hold a connection only for the headers timeout, at the gateway
+    and at the sidecar (after the mTLS handshake), never for as long as the client likes."""
+    gateway, sidecar = raw_connections(mesh, 30)
     started = time.monotonic()
     answers = []
     for sock in (gateway, sidecar):

@@ -25,7 +25,7 @@ import copy
 
 from meshfn import ir
 from meshfn.contracts.plugins import ROUTE_METADATA, ROUTING_HEADER
-from meshfn.contracts.proxy import REQUEST_HYGIENE
+from meshfn.contracts.proxy import REQUEST_HYGIENE, WHOLE_SMALL_BODIES
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.ir import qos as envoy_qos
 from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
@@ -354,16 +354,16 @@ def request_hygiene() -> Obj:
     that gives istiod's connection managers what meshfn's own have (contracts.proxy): the path
     clean-up the meshConfig's DECODE_AND_MERGE_SLASHES also asks for (here it holds even where
     that snippet was not merged), and what Istio has no setting for: dropping headers with
-    underscores, the headers timeout, the HTTP/2 stream limit."""
-    return {
-        "priority": PRIORITY,
-        "configPatches": [
+    underscores, the headers timeout, the HTTP/2 stream limit; and small bodies read whole
+    first, so that a refusal (Istio's own rate limits and authorization too) keeps the
+    connection."""
+    patches: list[Obj] = []
+    for context in ("GATEWAY", "SIDECAR_INBOUND"):
+        listener = {"filterChain": {"filter": {"name": HCM}}}
+        patches.append(
             {
                 "applyTo": "NETWORK_FILTER",
-                "match": {
-                    "context": context,
-                    "listener": {"filterChain": {"filter": {"name": HCM}}},
-                },
+                "match": {"context": context, "listener": listener},
                 "patch": {
                     "operation": "MERGE",
                     "value": {
@@ -372,9 +372,15 @@ def request_hygiene() -> Obj:
                     },
                 },
             }
-            for context in ("GATEWAY", "SIDECAR_INBOUND")
-        ],
-    }
+        )
+        patches.append(
+            {
+                "applyTo": "HTTP_FILTER",
+                "match": {"context": context, "listener": copy.deepcopy(listener)},
+                "patch": {"operation": "INSERT_FIRST", "value": copy.deepcopy(WHOLE_SMALL_BODIES)},
+            }
+        )
+    return {"priority": PRIORITY, "configPatches": patches}
 
 
 def envoy_filters(ctx: Context) -> None:

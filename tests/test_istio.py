@@ -117,7 +117,7 @@ def test_envoyfilters_follow_istios_analyzer(case: str) -> None:
         for patch in f["spec"]["configPatches"]:
             assert patch["match"]["context"] in ("GATEWAY", "SIDECAR_INBOUND")
             op = patch["patch"]["operation"]
-            assert op in ("ADD", "MERGE", "INSERT_BEFORE")
+            assert op in ("ADD", "MERGE", "INSERT_BEFORE", "INSERT_FIRST")
             if op == "ADD":
                 assert patch["applyTo"] == "CLUSTER"
 
@@ -163,11 +163,14 @@ def _smallest_config(case: str) -> dict[str, Any]:
         elif patch["applyTo"] == "NETWORK_FILTER":
             typed = {k: v for k, v in value["typed_config"].items() if k != "@type"}
             manager.MergeFrom(json_format.ParseDict(typed, hcm_pb2.HttpConnectionManager()))
-        elif patch["applyTo"] == "HTTP_FILTER":  # INSERT_BEFORE the router
-            assert patch["patch"]["operation"] == "INSERT_BEFORE"
-            manager.http_filters.insert(
-                len(manager.http_filters) - 1, json_format.ParseDict(value, hcm_pb2.HttpFilter())
-            )
+        elif patch["applyTo"] == "HTTP_FILTER":  # INSERT_BEFORE the router, or INSERT_FIRST
+            operation = patch["patch"]["operation"]
+            assert operation in ("INSERT_BEFORE", "INSERT_FIRST")
+            entry = json_format.ParseDict(value, hcm_pb2.HttpFilter())
+            if operation == "INSERT_BEFORE":
+                manager.http_filters.insert(len(manager.http_filters) - 1, entry)
+            elif entry.name not in [f.name for f in manager.http_filters]:  # one per context
+                manager.http_filters.insert(0, entry)
         elif patch["applyTo"] == "ROUTE_CONFIGURATION":
             route_table.MergeFrom(json_format.ParseDict(value, route_pb2.RouteConfiguration()))
         else:

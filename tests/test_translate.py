@@ -149,6 +149,7 @@ def test_a_registered_filter_reaches_gateways_and_sidecars() -> None:
     assert gateway is not None and sidecar is not None
     ((names, _),) = _chains(gateway[LISTENER]["http"])
     assert names == [
+        "meshfn.whole_small_bodies",
         "envoy.filters.http.jwt_authn",
         "meshfn.authz.allow",
         "test.stamp",
@@ -198,3 +199,17 @@ def test_dumps_redact_the_subject_salt_wherever_it_travels(tmp_path: Path) -> No
         assert salt.hex not in dumped
         assert REDACTED in dumped
     assert seen >= 2
+
+
+def test_small_bodies_are_exactly_those_up_to_the_limit() -> None:
+    """The matcher's regex (RE2, matched whole) admits every decimal Content-Length up to
+    WHOLE_BODY_BYTES and nothing else: a larger or malformed one streams as before."""
+    import re
+
+    from meshfn.contracts.proxy import SMALL_CONTENT_LENGTH, WHOLE_BODY_BYTES
+
+    small = re.compile(SMALL_CONTENT_LENGTH)
+    assert all(small.fullmatch(str(n)) for n in range(WHOLE_BODY_BYTES + 1))
+    assert not any(small.fullmatch(str(n)) for n in range(WHOLE_BODY_BYTES + 1, 10**6, 7))
+    for bad in ("", "-1", "1e3", " 12", "12 ", "0x10", "99999999999", "65537"):
+        assert not small.fullmatch(bad), bad

@@ -30,13 +30,16 @@ from .jwt_authn import JwtAuthn
 from .qos import QoS
 from .rbac import Rbac
 from .router import Router
+from .whole_bodies import WholeSmallBodies
 
-# A request is cleared of headers only Envoy may set, authenticated, recorded (the audit filter
+# A request is cleared of headers only Envoy may set, read whole if its body is small (so a
+# refusal keeps the connection), authenticated, recorded (the audit filter
 # reads jwt_authn's verified claims), judged (a denied request is recorded with its subject
 # too), rate limited per verified tenant (only what authorization let through spends tokens),
 # degraded if its route's breaker has tripped, and routed.
 HTTP_FILTERS: tuple[HttpFilter[Any], ...] = (
     InternalHeaders(),
+    WholeSmallBodies(),
     JwtAuthn(),
     Audit(),
     Rbac(),

@@ -21,7 +21,7 @@ from __future__ import annotations
 from meshfn import ir
 from meshfn.contracts.plugins import AuditSettings, bare_filter_state
 from meshfn.ir.plugins import access_log_format
-from meshfn.xds.names import LATENCY_LOG
+from meshfn.xds.names import LATENCY_LOG, LATENCY_LOG_FILTER
 
 from .core import Context, Obj, Source, gateways, mesh_source, resource, seconds, sidecar_services
 from .plugins import audit_for, guarded
@@ -68,10 +68,15 @@ def telemetries(ctx: Context) -> None:
         providers = _providers(ctx, workload)
         if not providers:
             continue
-        spec = {
-            "selector": {"matchLabels": ctx.options.labels(name)},
-            "accessLogging": [{"providers": [{"name": p} for p in providers]}],
-        }
+        # the latency stream carries only requests that reached an upstream (as meshfn's own
+        # gateways send it), the audit journal every request
+        logging: list[Obj] = [
+            {"providers": [{"name": p}], "filter": {"expression": LATENCY_LOG_FILTER}}
+            if p == LATENCY_PROVIDER
+            else {"providers": [{"name": p}]}
+            for p in providers
+        ]
+        spec = {"selector": {"matchLabels": ctx.options.labels(name)}, "accessLogging": logging}
         ctx.emit(
             resource(TELEMETRY, "Telemetry", f"meshfn-{name}", workload.namespace, spec),
             source,

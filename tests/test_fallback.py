@@ -177,16 +177,25 @@ def feed(
         b.observe("default/r/0", cluster, latency, start + i / rate)
 
 
-def test_requests_shed_by_a_circuit_breaker_are_not_latency_samples() -> None:
-    """A shedding gateway answers a refused request at once (Envoy's UO): counting those
-    would pull the p95 down and hide a slow backend."""
+@pytest.mark.parametrize("refusal", ["upstream_overflow", "rate_limited", "unauthorized_details"])
+def test_requests_that_reached_no_upstream_are_not_latency_samples(refusal: str) -> None:
+    """A shedding gateway's refusal (Envoy's UO), a rate limit's (RL, which Envoy logs with its
+    route's cluster: measured) or a denial is answered at once: counting those would pull the
+    p95 down and hide a slow backend. Only entries with an upstream host are samples."""
     b = breaker()
-    for i, shed in enumerate([False, True, True, False]):
+    for i, refused in enumerate([False, True, True, False]):
         entry = HTTPAccessLogEntry()
         common = entry.common_properties
         common.route_name, common.upstream_cluster = "default/r/0", "a.default"
-        common.time_to_last_downstream_tx_byte.FromMilliseconds(1 if shed else 100)
-        common.response_flags.upstream_overflow = shed
+        common.time_to_last_downstream_tx_byte.FromMilliseconds(1 if refused else 100)
+        if refused:
+            flag = getattr(common.response_flags, refusal)
+            if isinstance(flag, bool):
+                setattr(common.response_flags, refusal, True)
+            else:
+                flag.reason = 1  # UAEX: ext_authz denied
+        else:
+            common.upstream_remote_address.socket_address.address = "127.0.0.1"
         b.observe_access_log(entry, 1.0 + i)
     assert [v for _, v in b._routes["default/r"].samples] == [0.1, 0.1]
 

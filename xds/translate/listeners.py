@@ -7,6 +7,7 @@ from functools import lru_cache
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import config_source_pb2, grpc_service_pb2, substitution_format_string_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2 as grpc_als_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
@@ -15,7 +16,7 @@ from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
 from meshfn import ir
 
-from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG
+from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG, LATENCY_LOG_FILTER
 from .common import ads_source, pack, socket_address
 from .httpfilters import FilterContext, build_connection_manager
 from .routes import route_config_name
@@ -40,7 +41,15 @@ def _latency_log() -> accesslog_pb2.AccessLog:
             buffer_size_bytes=wrappers_pb2.UInt32Value(value=16384),
         )
     )
-    return accesslog_pb2.AccessLog(name="envoy.access_loggers.http_grpc", typed_config=pack(config))
+    reached_upstream = accesslog_pb2.AccessLogFilter(
+        extension_filter=accesslog_pb2.ExtensionFilter(
+            name="envoy.access_loggers.extension_filters.cel",
+            typed_config=pack(cel_pb2.ExpressionFilter(expression=LATENCY_LOG_FILTER)),
+        )
+    )
+    return accesslog_pb2.AccessLog(
+        name="envoy.access_loggers.http_grpc", filter=reached_upstream, typed_config=pack(config)
+    )
 
 
 def _no_upstream_reply() -> hcm.LocalReplyConfig:

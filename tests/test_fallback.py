@@ -181,7 +181,8 @@ def feed(
 def test_requests_that_reached_no_upstream_are_not_latency_samples(refusal: str) -> None:
     """A shedding gateway's refusal (Envoy's UO), a rate limit's (RL, which Envoy logs with its
     route's cluster: measured) or a denial is answered at once: counting those would pull the
-    p95 down and hide a slow backend. Only entries with an upstream host are samples."""
+    p95 down and hide a slow backend. Only requests sent on an upstream connection are samples
+    (an overflow has an upstream host but no connection: measured)."""
     b = breaker()
     for i, refused in enumerate([False, True, True, False]):
         entry = HTTPAccessLogEntry()
@@ -194,8 +195,9 @@ def test_requests_that_reached_no_upstream_are_not_latency_samples(refusal: str)
                 setattr(common.response_flags, refusal, True)
             else:
                 flag.reason = 1  # UAEX: ext_authz denied
-        else:
             common.upstream_remote_address.socket_address.address = "127.0.0.1"
+        else:
+            common.upstream_local_address.socket_address.address = "127.0.0.1"
         b.observe_access_log(entry, 1.0 + i)
     assert [v for _, v in b._routes["default/r"].samples] == [0.1, 0.1]
 

@@ -34,10 +34,12 @@ CONTROL_PLANE_CLUSTER = "meshfn-xds"
 # The gRPC access-log stream that feeds the drift breaker.
 LATENCY_LOG = "meshfn-latency"
 # Which requests it carries (CEL, Envoy's access-log filter and Istio's Telemetry filter): those
-# that reached an upstream host. A refusal (a rate limit's or a shed's 429, a 401, a 403) names
+# sent on an upstream connection. A refusal (a rate limit's or a shed's 429, a 401, a 403) names
 # its route's cluster too, but measured nothing: it would pull the breaker's p95 down and hide
 # a slow backend, and at saturation most requests are refusals, each serialised and streamed.
-LATENCY_LOG_FILTER = "has(upstream.address)"
+# (Measured with Envoy 1.40: a circuit breaker's overflow has an upstream host but no local
+# address; a rate limit's refusal neither.)
+LATENCY_LOG_FILTER = "has(upstream.local_address)"
 
 # SDS secrets: the workload's certificate and key, and the trust bundle.
 CERT_SECRET = "default"

@@ -126,15 +126,12 @@ class DriftBreaker:
 
     def observe_access_log(self, entry: HTTPAccessLogEntry, now: float) -> None:
         """One Envoy access-log entry (ALS): its route, upstream cluster and time to the last
-        byte sent downstream (the duration where Envoy did not record that). A request that
-        reached no upstream host (shed by a circuit breaker, rate limited, denied) is answered
-        at once, yet names its route's cluster: counted, it would hide a slow backend. Envoy's
-        filter (names.LATENCY_LOG_FILTER) does not send those; this holds for any sender."""
+        byte sent downstream (the duration where Envoy did not record that). A request never
+        sent upstream (shed by a circuit breaker, rate limited, denied) is answered at once, yet
+        names its route's cluster: counted, it would hide a slow backend. Envoy's filter
+        (names.LATENCY_LOG_FILTER) does not send those; this holds for any sender."""
         common = entry.common_properties
-        if (
-            not common.HasField("upstream_remote_address")
-            or common.response_flags.upstream_overflow
-        ):
+        if not common.HasField("upstream_local_address"):
             return
         timing = common.time_to_last_downstream_tx_byte
         if not common.HasField("time_to_last_downstream_tx_byte"):

@@ -532,7 +532,8 @@ def test_leader_killed_during_updates(cluster: KubeCluster, operator: Operator) 
 
 
 def send_latencies(port: int, route: str, cluster_name: str, millis: float, count: int) -> None:
-    """Envoy's side of the access-log stream: `count` requests of `millis` on `route`."""
+    """Envoy's side of the access-log stream: `count` requests of `millis` on `route`, each
+    sent on an upstream connection (the only ones the gateway's filter streams)."""
     import grpc
     from envoy.service.accesslog.v3 import als_pb2
 
@@ -546,6 +547,7 @@ def send_latencies(port: int, route: str, cluster_name: str, millis: float, coun
         entry.common_properties.route_name = route
         entry.common_properties.upstream_cluster = cluster_name
         entry.common_properties.duration.FromMilliseconds(int(millis))
+        entry.common_properties.upstream_local_address.socket_address.address = "10.0.0.1"
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.stream_unary(
             "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",

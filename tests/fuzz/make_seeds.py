@@ -309,6 +309,7 @@ def als() -> None:
             e.common_properties.route_name = route
             e.common_properties.upstream_cluster = cluster
             e.common_properties.duration.CopyFrom(duration_pb2.Duration(nanos=micros * 1000))
+            e.common_properties.upstream_local_address.socket_address.address = "127.0.0.1"
         return bytes(m.SerializeToString())
 
     route = "default/iris/0"

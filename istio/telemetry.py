@@ -68,7 +68,7 @@ def telemetries(ctx: Context) -> None:
         providers = _providers(ctx, workload)
         if not providers:
             continue
-        # the latency stream carries only requests that reached an upstream (as meshfn's own
+        # the latency stream carries only requests sent on an upstream connection (as meshfn's own
         # gateways send it), the audit journal every request
         logging: list[Obj] = [
             {"providers": [{"name": p}], "filter": {"expression": LATENCY_LOG_FILTER}}

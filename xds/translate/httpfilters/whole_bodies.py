@@ -3,6 +3,7 @@ request refused from its headers alone costs its connection)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 from envoy.extensions.common.matching.v3 import extension_matcher_pb2  # noqa: F401 (Any types)
@@ -18,7 +19,9 @@ from meshfn.contracts.proxy import WHOLE_SMALL_BODIES
 
 from .base import FilterContext, HttpFilter
 
-_FILTER = json_format.ParseDict(WHOLE_SMALL_BODIES, hcm.HttpFilter())
+# a copy: ParseDict moves each Any's "@type" to the end of its dict, which would change the
+# shared definition's order in what the Istio renderer writes
+_FILTER = json_format.ParseDict(copy.deepcopy(WHOLE_SMALL_BODIES), hcm.HttpFilter())
 
 
 class WholeSmallBodies(HttpFilter[FilterContext]):

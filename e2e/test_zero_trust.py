@@ -30,6 +30,7 @@ from cryptography.x509.oid import NameOID
 from jwt.algorithms import ECAlgorithm
 from meshfn_e2e import Processes, http
 
+from meshfn.contracts.proxy import WHOLE_BODY_BYTES
 from meshfn.control_plane.identity.ca import CertificateAuthority, IssuedCertificate
 from meshfn.control_plane.identity.spiffe import SpiffeId
 from meshfn.testing import policies as p
@@ -738,12 +739,12 @@ def _exchange(sock: socket.socket, head: str, body: bytes = b"") -> tuple[int, d
     return status, headers
 
 
-@pytest.mark.parametrize("size", [90, 65536, 65537])
+@pytest.mark.parametrize("size", [90, WHOLE_BODY_BYTES, WHOLE_BODY_BYTES + 1])
 def test_a_refused_request_keeps_its_connection(mesh: Mesh, size: int) -> None:
     """Envoy refuses from the headers (here authorization's 403 for a missing token) and, on
-    HTTP/1.1, closes a connection whose request body it has not read. A small body is read whole first
-    (contracts.proxy.WHOLE_SMALL_BODIES), so the client's next request goes on the same
-    connection (without the filter, the refusal says `connection: close`); past
+    HTTP/1.1, closes a connection whose request body it has not read. A small body is read
+    whole first (contracts.proxy.WHOLE_SMALL_BODIES), so the client's next request goes on the
+    same connection (without the filter, the refusal says `connection: close`); past
     WHOLE_BODY_BYTES the body streams as before."""
     body = b"x" * size
     for sock in raw_connections(mesh, 10):
@@ -751,7 +752,7 @@ def test_a_refused_request_keeps_its_connection(mesh: Mesh, size: int) -> None:
             head = "POST /v2/x HTTP/1.1\r\nhost: x\r\n"
             status, headers = _exchange(sock, head, body)
             assert status == 403, (status, headers)
-            if size > 65536:  # streamed, not buffered: refused as before (never a 413)
+            if size > WHOLE_BODY_BYTES:  # streamed, not buffered: refused as before (never a 413)
                 continue
             assert "connection" not in headers, headers
             status, _ = _exchange(sock, f"{head}authorization: Bearer {token()}\r\n", body)

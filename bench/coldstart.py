@@ -14,10 +14,13 @@ Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
               per function: instance-seconds kept warm (the memory cost). `*_cold_pct` leave
               out each trace's first LEARNING requests (the predictor's learning; the JSON's
               `cold_pct_all` keeps them). `cold_p99_ms`: the reactive functions' cold requests
-              (each one finds neither instances nor code: a full cold start), `cold_kept_*`
-              the kept ones' (instantiate + first call)
+              (each finds no instance, and its function's code went at the idle TTL: with the
+              defaults the process-wide code cache still has it deserialized, so instantiate
+              + first call), `cold_kept_*` the kept ones' (the same, the function's own code)
   sequence    `--cold-samples` cold requests alone, one at a time, to a function whose code
-              went at the idle TTL (`seq_cold_*`) and to one that keeps it (`seq_kept_*`):
+              went at the idle TTL, on a backend with the code cache off (`seq_cold_*`: a full
+              cold start, deserialize too) and on one with the defaults (`seq_cached_*`), and
+              to one that keeps its code (`seq_kept_*`):
               latency, and the CPU time and run-queue wait (schedstat: time runnable but not
               running, i.e. waiting for a core; summed: two threads can wait at once) of the
               backend's threads that worked for it.
@@ -86,6 +89,7 @@ def backend(
     processes: int = 1,
     extra: list[str] | None = None,
     env: dict[str, str] | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> tuple[Proc, int]:
     config = {
         "registry": str(registry),
@@ -93,6 +97,7 @@ def backend(
         "workers": 2,
         "processes": processes,
         "functions": functions,
+        **(settings or {}),
     }
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(config))
@@ -250,37 +255,45 @@ def cold_sequence(
     """Cold requests alone, one at a time (see the module doc): per kind, every request's
     latency and the backend's CPU time and run-queue wait while it ran (ms)."""
     ttl = {"idleTtl": "50ms", "pool": {"minIdle": 0, "maxIdle": 1}}
-    kinds = {"cold": ttl, "kept": {**ttl, **KEPT}}
-    functions = [
-        {"name": f"iris-{kind}", "version": "1", "artifact": "iris@1", **spec}
-        for kind, spec in kinds.items()
+    # (backend settings, kinds): "cold" with the process-wide code cache off (a full cold
+    # start: deserialize too) and "kept" beside it; "cached" on a backend with the defaults
+    # (its code went at the code TTL and comes back from the code cache)
+    backends = [
+        ({"codeCache": {"maxEntries": 0}}, {"cold": ttl, "kept": {**ttl, **KEPT}}),
+        ({}, {"cached": ttl}),
     ]
-    proc, port = backend(procs, tmp, registry, key, "sequence", functions)
-    out: dict[str, dict[str, list[float]]] = {
-        k: {"ms": [], "cpu_ms": [], "wait_ms": []} for k in kinds
-    }
-    client, status = RawHttp("127.0.0.1", port), RawHttp("127.0.0.1", port)
-    try:
-        for _ in range(samples):
-            for kind in kinds:
-                function = f"iris-{kind}"
-                raw = client.encode("POST", f"/v2/models/{function}/infer", IRIS)
-                before, _ = cold_count(status, function)
-                time.sleep(0.12)  # past the idle TTL and the reaper's next pass
-                threads = schedstat_ns(proc.pid)
-                t = time.perf_counter()
-                code, reply = client.send(raw)
-                ms = (time.perf_counter() - t) * 1000
-                cpu, wait = request_split(threads, schedstat_ns(proc.pid))
-                assert code == 200, reply
-                assert cold_count(status, function)[0] == before + 1, "the request was not cold"
-                out[kind]["ms"].append(ms)
-                out[kind]["cpu_ms"].append(cpu)
-                out[kind]["wait_ms"].append(wait)
-    finally:
-        client.close()
-        status.close()
-        assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
+    out: dict[str, dict[str, list[float]]] = {}
+    for n, (settings, kinds) in enumerate(backends):
+        functions = [
+            {"name": f"iris-{kind}", "version": "1", "artifact": "iris@1", **spec}
+            for kind, spec in kinds.items()
+        ]
+        proc, port = backend(
+            procs, tmp, registry, key, f"sequence-{n}", functions, settings=settings
+        )
+        out.update({k: {"ms": [], "cpu_ms": [], "wait_ms": []} for k in kinds})
+        client, status = RawHttp("127.0.0.1", port), RawHttp("127.0.0.1", port)
+        try:
+            for _ in range(samples):
+                for kind in kinds:
+                    function = f"iris-{kind}"
+                    raw = client.encode("POST", f"/v2/models/{function}/infer", IRIS)
+                    before, _ = cold_count(status, function)
+                    time.sleep(0.12)  # past the idle TTL and the reaper's next pass
+                    threads = schedstat_ns(proc.pid)
+                    t = time.perf_counter()
+                    code, reply = client.send(raw)
+                    ms = (time.perf_counter() - t) * 1000
+                    cpu, wait = request_split(threads, schedstat_ns(proc.pid))
+                    assert code == 200, reply
+                    assert cold_count(status, function)[0] == before + 1, "not cold"
+                    out[kind]["ms"].append(ms)
+                    out[kind]["cpu_ms"].append(cpu)
+                    out[kind]["wait_ms"].append(wait)
+        finally:
+            client.close()
+            status.close()
+            assert proc.stop() == 0, "backend did not exit 0 on SIGTERM"
     return out
 
 
@@ -612,7 +625,7 @@ def main() -> None:
         f"cold_kept_p99_ms={s['cold_kept_p99_ms']:.2f} "
         + " ".join(
             f"seq_{kind}_{k}={s[f'seq_{kind}_{k}']:.2f}"
-            for kind in ("cold", "kept")
+            for kind in ("cold", "cached", "kept")
             for k in ("p50_ms", "p99_ms", "cpu_p50_ms", "wait_p50_ms", "wait_p99_ms")
         )
         + f" load1={data['machine']['loadavg_after'][0]:.1f}"

@@ -566,10 +566,11 @@ def status(
 
 
 def _print_functions(backends: list[BackendFunctions]) -> None:
-    """Each inference backend's functions: state, warm-up predictions, hits, misses."""
+    """Each inference backend's functions: state, warm-up predictions, hits, misses, loads
+    (cold starts, and of them how many found their code still deserialized)."""
     table = Table(title="functions", title_justify="left")
     for column in ("backend", "function", "state", "warmup", "predictions", "hits", "misses",
-                   "cold requests", "warm s"):  # fmt: skip
+                   "cold requests", "warm s", "loads", "cached code"):  # fmt: skip
         table.add_column(column)
     for backend, functions, problem in backends:
         if functions is None:
@@ -585,6 +586,8 @@ def _print_functions(backends: list[BackendFunctions]) -> None:
                 *(str(warm.get(k, "-")) for k in ("predictions", "hits", "misses")),
                 str(f.get("cold_requests", "-")),
                 f"{f.get('warm_instance_seconds', 0):.1f}",
+                str(f.get("cold_starts", "-")),
+                str(f.get("code_cache_hits", "-")),
             )
     out.print(table)
 

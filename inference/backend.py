@@ -19,6 +19,7 @@ from typing import Any
 
 from meshfn.contracts.qos import TENANT_HEADER
 
+from .codecache import CodeCache
 from .config import BackendConfig, ServedFunction
 from .dispatch import Dispatcher
 from .engine import EpochTicker, engine_key, new_engine
@@ -98,7 +99,11 @@ class Backend:
         if not len(self.trusted):
             raise ConfigError("no trusted keys found in " + ", ".join(map(str, config.trustedKeys)))
         self.engine = new_engine()
-        self.linker = component_linker(self.engine)  # one for every component function
+        # The process's deserialized code, shared by its functions and kept past their
+        # codeTtl (codecache.py); one component linker for them all.
+        self.code = CodeCache(
+            self.engine, self.metrics, config.codeCache, component_linker(self.engine)
+        )
         self.ticker = EpochTicker(self.engine)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="meshfn-wasm")
         self.prewarm_executor = ThreadPoolExecutor(1, thread_name_prefix="meshfn-prewarm")
@@ -158,7 +163,7 @@ class Backend:
             self.trusted,
             self.metrics,
             self.prewarm_executor,
-            self.linker,
+            self.code,
         )
 
     async def start(self) -> None:
@@ -225,11 +230,14 @@ class Backend:
                     await loop.run_in_executor(self.prewarm_executor, rt.unload)
                 elif idle > rt.spec.idleTtl.total_seconds() and not rt.dormant:
                     await loop.run_in_executor(self.prewarm_executor, rt.drop_instances)
+            if len(self.code) > self.code.held:
+                await loop.run_in_executor(self.prewarm_executor, self.code.expire)
 
     async def _check_pressure(self, runtimes: list[FunctionRuntime]) -> None:
         """Under memory pressure warm instances go first: every predicted warm-up is released
-        and every idle instance dropped (code and running instances stay), and no warm-up
-        starts until memory is available again."""
+        and every idle instance dropped, then the code no function holds (the code cache's
+        free entries; loaded code and running instances stay), and no warm-up starts until
+        memory is available again."""
         available = available_mib()
         self.pressure = available is not None and available < self.config.lowMemory
         if not self.pressure:
@@ -244,6 +252,9 @@ class Backend:
             if rt.idle_instances:
                 await loop.run_in_executor(self.prewarm_executor, rt.drop_instances)
                 released = True
+        # then code no function holds (cheap to restore: a deserialize, no instance state)
+        if await loop.run_in_executor(self.prewarm_executor, self.code.drop_free):
+            released = True
         if released:
             self.pressure_releases += 1
             log.warning(
@@ -270,6 +281,7 @@ class Backend:
         self.prewarm_executor.shutdown(wait=True, cancel_futures=True)
         for rt in self.runtimes:
             rt.close()
+        self.code.drop_free()
         self.ticker.stop()
 
     # ------------------------------------------------------------------ lookups

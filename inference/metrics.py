@@ -29,9 +29,24 @@ class Metrics:
         )
         self.cold_start_seconds = Histogram(
             "meshfn_fn_cold_start_seconds",
-            "Deserialize + first instantiate of an unloaded function",
+            "Load (deserialize, or take from the code cache) + first instantiate of an unloaded "
+            "function",
             ["function"],
             buckets=_LATENCY,
+            registry=r,
+        )
+        self.code_cache_lookups = Counter(
+            "meshfn_code_cache_lookups",
+            "Loads of a function's code: hit (still deserialized in the process-wide code "
+            "cache), miss (deserialized from its artifact)",
+            ["function", "outcome"],
+            registry=r,
+        )
+        self.code_cache_entries = Gauge(
+            "meshfn_code_cache_entries",
+            "Deserialized artifacts in the process-wide code cache: held by a loaded function, "
+            "or free (kept for codeCache.ttl)",
+            ["state"],
             registry=r,
         )
         self.resumes = Counter(

@@ -14,14 +14,17 @@ import time
 from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from datetime import timedelta
 
 import wasmtime
-from wasmtime import component as wc
 
+from meshfn.contracts.function import CodeCache as CodeCacheSettings
+
+from .codecache import CodeCache, CodeKey
 from .config import ServedFunction
 from .engine import deadline_ticks
 from .errors import InferenceError, RegistryError, SignatureError
-from .host import Artifact, CallResult, Instance, Outcome, component_linker, load_precompiled
+from .host import Artifact, CallResult, Instance, Outcome
 from .kserve import Signature
 from .metrics import Metrics
 from .registry import Registry, VerifiedArtifact
@@ -57,7 +60,7 @@ class FunctionRuntime:
         trusted: TrustedKeys,
         metrics: Metrics,
         prewarm_executor: Executor,
-        linker: wc.Linker | None = None,
+        code: CodeCache | None = None,
     ) -> None:
         self.spec = spec
         self.name = spec.name
@@ -68,9 +71,14 @@ class FunctionRuntime:
         self.trusted = trusted
         self.metrics = metrics
         self.prewarm_executor = prewarm_executor
-        # Shared across loads (and, from the Backend, across functions): it holds no state of
-        # this function, unlike the Component, which is dropped on every unload.
-        self.linker = linker
+        # The process's deserialized code (the Backend's, shared by its functions); alone, a
+        # cache of its own that keeps nothing this function lets go.
+        self.code = (
+            code
+            if code is not None
+            else CodeCache(engine, metrics, CodeCacheSettings(ttl=timedelta(0)))
+        )
+        self._code_key: CodeKey | None = None  # what this function holds of it while loaded
         self.verified: VerifiedArtifact | None = None
         self.signature: Signature | None = None
         self.refusal: Refused | None = None
@@ -90,6 +98,7 @@ class FunctionRuntime:
         self.label = f"{self.name}@{self.version}"
         # For /meshfn/functions (status.py): loads so far, and recent request latencies.
         self.cold_starts = 0
+        self.code_cache_hits = 0  # loads that found the code still deserialized (codecache.py)
         self.latencies: deque[float] = deque(maxlen=1024)
         # Requests that found no idle instance and waited for one to be made (load or
         # instantiate), and the instance-seconds idle instances were kept (the cost of warmth).
@@ -158,17 +167,18 @@ class FunctionRuntime:
                 verified = self.verified
                 if verified is None:
                     raise self.refusal or Refused(f"function {self.label} refused", 403)
-            if verified.kind == "python" and self.linker is None:
-                self.linker = component_linker(self.engine)
+            key = verified.code_key
             try:
-                artifact = load_precompiled(self.engine, verified.kind, verified.cwasm, self.linker)
+                artifact, hit = self.code.acquire(key, self.label)
             except wasmtime.WasmtimeError as exc:
                 self._refuse(f"cannot load the precompiled artifact: {exc}", 403)
                 raise self.refusal or Refused(str(exc), 403) from None
             with self._lock:
-                self._artifact = artifact
+                self._artifact, self._code_key = artifact, key
                 self._generation += 1
                 generation = self._generation
+            if hit:
+                self.code_cache_hits += 1
             self.metrics.loaded.labels(self.label).set(1)
             self.metrics.cold_starts.labels(self.label).inc()
             self.cold_starts += 1
@@ -198,8 +208,13 @@ class FunctionRuntime:
             self._generation += 1
             idle, self._idle = self._idle, deque()
             self._idle_changed()
+            key, self._code_key = self._code_key, None
         for instance in idle:
             instance.close()
+        # Only code let go at the code TTL stays in the cache: an artifact that changed or was
+        # refused is stale, and a repository unload (Triton's) means the memory goes now.
+        if key is not None:
+            self.code.release(key, keep=reason == "idle")
         self.metrics.loaded.labels(self.label).set(0)
         if reason == "idle":
             self.metrics.unloads.labels(self.label).inc()

@@ -92,6 +92,11 @@ class VerifiedArtifact:
     cwasm: Path
     identities: tuple[tuple[Path, FileIdentity], ...]
 
+    @property
+    def code_key(self) -> tuple[Kind, Path, FileIdentity]:
+        """What the process-wide code cache keys this artifact's code by (codecache.py)."""
+        return self.kind, self.cwasm, next(i for p, i in self.identities if p == self.cwasm)
+
     def intact(self) -> bool:
         """Cheap re-check before a load: True if no verified file changed since verification."""
         try:

@@ -62,6 +62,7 @@ def function_status(rt: FunctionRuntime, warmer: Warmer | None = None) -> dict[s
         "inflight": rt.inflight,
         "max_concurrency": spec.limits.maxConcurrency,
         "cold_starts": rt.cold_starts,
+        "code_cache_hits": rt.code_cache_hits,  # of cold_starts: no deserialize needed
         "recent_requests": len(recent),
         "p50_ms": _ms(_quantile(recent, 0.5)),
         "p99_ms": _ms(_quantile(recent, 0.99)),
@@ -99,6 +100,12 @@ def functions_document(backend: Backend) -> dict[str, Any]:
         "processes": backend.config.processes,
         "pid": os.getpid(),
         "memory_pressure": backend.pressure,
+        "code_cache": {
+            "entries": len(backend.code),
+            "held": backend.code.held,
+            "ttl_s": backend.code.settings.ttl.total_seconds(),
+            "max_entries": backend.code.settings.maxEntries,
+        },
         "functions": [
             {**function_status(rt, _warmer(backend, rt)), "qos": _qos(backend, rt)}
             for name in sorted(backend.functions)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -14,11 +15,14 @@ from pathlib import Path
 
 import pytest
 import wasmtime
+from prometheus_client import generate_latest
 
+from meshfn.contracts.function import CodeCache as CodeCacheSettings
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.inference import signing
 from meshfn.inference.backend import Backend
 from meshfn.inference.build import BuildError, check_core_module
+from meshfn.inference.codecache import CodeCache
 from meshfn.inference.config import ServedFunction, parse_config
 from meshfn.inference.engine import EpochTicker, engine_key, new_engine
 from meshfn.inference.errors import RegistryError, SignatureError
@@ -34,6 +38,7 @@ from meshfn.inference.host import (
 from meshfn.inference.metrics import Metrics
 from meshfn.inference.pool import FunctionRuntime
 from meshfn.inference.registry import Registry, sign_module
+from meshfn.inference.status import functions_document
 
 X = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]})
 
@@ -673,7 +678,21 @@ async def test_code_ttl_keeps_the_code_after_the_instances_go(published: Publish
         await b.drain(1)
 
 
-async def test_component_linker_is_shared_but_every_load_is_fresh(published: Published) -> None:
+def backend_with(pub: Published, functions: list[dict[str, object]], **config: object) -> Backend:
+    """backend_for with backend-level settings (e.g. codeCache)."""
+    base = backend_for(pub, functions)
+    return Backend(base.config.with_overrides(**config))
+
+
+def lookups(b: Backend, label: str) -> tuple[float, float]:
+    """(hits, misses) of `label` in the code cache's metric."""
+    counter = b.metrics.code_cache_lookups
+    return counter.labels(label, "hit")._value.get(), counter.labels(label, "miss")._value.get()
+
+
+async def test_component_linker_is_shared_and_code_outlives_the_code_ttl(
+    published: Published,
+) -> None:
     b = backend_for(
         published,
         [{"name": "chaos", "idleTtl": "50ms"}, {"name": "iris"}, {"name": "chaos-core"}],
@@ -683,12 +702,20 @@ async def test_component_linker_is_shared_but_every_load_is_fresh(published: Pub
         chaos_rt, iris_rt = b.lookup("chaos", None), b.lookup("iris", None)
         assert (await b.infer("chaos", None, X.encode())).status == 200
         first = chaos_rt._artifact
-        assert isinstance(first, ComponentArtifact) and first.linker is b.linker
-        await until(lambda: not chaos_rt.loaded)
+        assert isinstance(first, ComponentArtifact) and first.linker is b.code.linker
+        assert lookups(b, chaos_rt.label) == (0, 1) and b.code.held == 1
+        # the code TTL: the function lets its code go, and the process keeps it
+        await until(lambda: not chaos_rt.loaded and b.code.held == 0)
+        assert len(b.code) == 1
         assert (await b.infer("chaos", None, X.encode())).status == 200
-        second = chaos_rt._artifact
-        assert isinstance(second, ComponentArtifact) and second.linker is b.linker
-        assert second.component is not first.component  # unloaded means deserialized again
+        assert chaos_rt._artifact is first and lookups(b, chaos_rt.label) == (1, 1)
+        assert chaos_rt.cold_starts == 2 and chaos_rt.code_cache_hits == 1
+        document = functions_document(b)
+        assert document["code_cache"] == {
+            "entries": 1, "held": 1, "ttl_s": 900.0, "max_entries": 32,
+        }  # fmt: skip
+        chaos_status = next(f for f in document["functions"] if f["name"] == "chaos")
+        assert chaos_status["cold_starts"] == 2 and chaos_status["code_cache_hits"] == 1
         # many threads instantiate different components through the one linker at once
         iris = json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 4],
                                        "data": [5.1, 3.5, 1.4, 0.2]}]})  # fmt: skip
@@ -696,8 +723,140 @@ async def test_component_linker_is_shared_but_every_load_is_fresh(published: Pub
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda call: call[0].invoke(call[1]).result, calls))
         assert [r.outcome for r in results] == [Outcome.OK] * 8, results
+        metrics = generate_latest(b.metrics.registry).decode()
+        assert 'meshfn_code_cache_entries{state="held"} 2.0' in metrics  # chaos, iris
+        assert 'meshfn_code_cache_lookups_total{function="chaos@1",outcome="hit"} 1.0' in metrics
     finally:
         await b.drain(1)
+    assert len(b.code) == 0  # shutdown lets everything go
+
+
+async def test_code_cache_off_deserializes_every_load(published: Published) -> None:
+    b = backend_with(published, [{"name": "chaos", "idleTtl": "50ms"}], codeCache={"maxEntries": 0})
+    await b.start()
+    try:
+        rt = b.lookup("chaos", None)
+        assert (await b.infer("chaos", None, X.encode())).status == 200
+        first = rt._artifact
+        await until(lambda: not rt.loaded and len(b.code) == 0)  # nothing kept
+        assert (await b.infer("chaos", None, X.encode())).status == 200
+        second = rt._artifact
+        assert isinstance(first, ComponentArtifact) and isinstance(second, ComponentArtifact)
+        assert second.component is not first.component  # deserialized again
+        assert lookups(b, rt.label) == (0, 2) and rt.code_cache_hits == 0
+    finally:
+        await b.drain(1)
+
+
+async def test_code_cache_is_shared_by_one_artifacts_functions_and_expires(
+    published: Published,
+) -> None:
+    b = backend_with(
+        published,
+        [
+            {"name": "a", "artifact": "chaos-core@1", "idleTtl": "50ms"},
+            {"name": "b", "artifact": "chaos-core@1", "idleTtl": "50ms"},
+        ],
+        codeCache={"ttl": "300ms"},
+    )
+    await b.start()
+    try:
+        a, other = b.lookup("a", None), b.lookup("b", None)
+        assert (await b.infer("a", None, X.encode())).status == 200
+        assert (await b.infer("b", None, X.encode())).status == 200
+        assert a._artifact is other._artifact and len(b.code) == 1 and b.code.held == 1
+        assert lookups(b, a.label) == (0, 1) and lookups(b, other.label) == (1, 0)
+        await until(lambda: not a.loaded and not other.loaded and b.code.held == 0)
+        assert len(b.code) == 1
+        await until(lambda: len(b.code) == 0, seconds=3)  # the cache's own TTL
+        assert (await b.infer("a", None, X.encode())).status == 200
+        assert lookups(b, a.label) == (0, 2)  # gone: deserialized again
+    finally:
+        await b.drain(1)
+
+
+async def test_code_cache_never_hands_out_code_of_a_changed_file(copy_of: Published) -> None:
+    b = backend_for(copy_of, [{"name": "chaos-core", "idleTtl": "50ms"}])
+    await b.start()
+    try:
+        rt = b.lookup("chaos-core", None)
+        assert (await b.infer("chaos-core", None, X.encode())).status == 200
+        first = rt._artifact
+        await until(lambda: not rt.loaded and b.code.held == 0)
+        assert len(b.code) == 1
+        verified = rt.verified
+        assert verified is not None
+        os.utime(verified.cwasm)  # rewritten in place (same bytes, new identity)
+        assert (await b.infer("chaos-core", None, X.encode())).status == 200
+        assert rt._artifact is not first and lookups(b, rt.label) == (0, 2)
+        assert rt.verified is not None and rt.verified.code_key != verified.code_key
+    finally:
+        await b.drain(1)
+
+
+async def test_only_code_let_go_at_the_code_ttl_is_kept(published: Published) -> None:
+    """A repository unload (Triton's: free it now) and a refusal drop the code at once."""
+    b = backend_for(published, [{"name": "chaos-core"}])
+    await b.start()
+    try:
+        rt = b.lookup("chaos-core", None)
+        for reason, kept in (("repository", 0), ("refused", 0), ("idle", 1)):
+            assert (await b.infer("chaos-core", None, X.encode())).status == 200
+            rt.unload(reason)
+            assert len(b.code) == kept and b.code.held == 0, reason
+    finally:
+        await b.drain(1)
+
+
+async def test_memory_pressure_drops_free_code_after_warm_instances(published: Published) -> None:
+    b = backend_for(
+        published,
+        [
+            {"name": "chaos-core", "idleTtl": "50ms"},
+            {"name": "digits", "pool": {"minIdle": 1}, "idleTtl": "1h"},
+        ],
+    )
+    await b.start()
+    try:
+        rt, digits = b.lookup("chaos-core", None), b.lookup("digits", None)
+        assert (await b.infer("chaos-core", None, X.encode())).status == 200
+        body = json.dumps({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64],
+                                       "data": [0.0] * 64}]})  # fmt: skip
+        assert (await b.infer("digits", None, body.encode())).status == 200
+        await until(lambda: not rt.loaded and b.code.held == 1 and digits.idle_instances == 1)
+        assert len(b.code) == 2
+        b.config = b.config.with_overrides(lowMemory=1 << 20)  # more than this machine has
+        await until(lambda: b.pressure and len(b.code) == 1, seconds=3)
+        assert digits.loaded and digits.idle_instances == 0  # held code stays, instances go
+    finally:
+        await b.drain(1)
+
+
+def test_code_cache_bounds_and_errors(published: Published, tmp_path: Path) -> None:
+    """Unit: the size cap (least recently released first out), a failed load holds nothing,
+    and a release without an acquire is a bug, not a silent miscount."""
+    engine = new_engine()
+    trusted = signing.TrustedKeys.from_paths([published.key])
+    registry = Registry(published.root)
+    keys = [registry.verify(n, "1", trusted).code_key for n in ("chaos-core", "digits")]
+    cache = CodeCache(engine, Metrics(), CodeCacheSettings(maxEntries=1))
+    first, hit = cache.acquire(keys[0], "x")
+    assert not hit and cache.acquire(keys[0], "x") == (first, True) and cache.held == 1
+    cache.release(keys[0])
+    cache.release(keys[0])
+    assert len(cache) == 1 and cache.held == 0
+    cache.acquire(keys[1], "y")
+    cache.release(keys[1])
+    assert len(cache) == 1 and cache.acquire(keys[1], "y")[1]  # keys[0] went (the cap)
+    cache.release(keys[1])
+    with pytest.raises(RuntimeError, match="released more often"):
+        cache.release(keys[0])
+    other = wasmtime.Engine(wasmtime.Config())  # code of another engine does not load
+    broken = CodeCache(other, Metrics())
+    with pytest.raises(wasmtime.WasmtimeError):
+        broken.acquire(keys[0], "x")
+    assert len(broken) == 0
+    assert cache.drop_free() == 1 and len(cache) == 0
 
 
 def test_examples_are_cached_and_republish_is_skipped(published: Published) -> None:

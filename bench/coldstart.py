@@ -17,10 +17,10 @@ Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
               (each finds no instance, and its function's code went at the idle TTL: with the
               defaults the process-wide code cache still has it deserialized, so instantiate
               + first call), `cold_kept_*` the kept ones' (the same, the function's own code)
-  sequence    `--cold-samples` cold requests alone, one at a time, to a function whose code
-              went at the idle TTL, on a backend with the code cache off (`seq_cold_*`: a full
-              cold start, deserialize too) and on one with the defaults (`seq_cached_*`), and
-              to one that keeps its code (`seq_kept_*`):
+  sequence    `--cold-samples` cold requests alone, one at a time, each function alone on its
+              backend: one whose code went at the idle TTL, with the code cache off
+              (`seq_cold_*`: a full cold start, deserialize too) and with the defaults
+              (`seq_cached_*`), and one that keeps its code (`seq_kept_*`):
               latency, and the CPU time and run-queue wait (schedstat: time runnable but not
               running, i.e. waiting for a core; summed: two threads can wait at once) of the
               backend's threads that worked for it.
@@ -255,12 +255,14 @@ def cold_sequence(
     """Cold requests alone, one at a time (see the module doc): per kind, every request's
     latency and the backend's CPU time and run-queue wait while it ran (ms)."""
     ttl = {"idleTtl": "50ms", "pool": {"minIdle": 0, "maxIdle": 1}}
-    # (backend settings, kinds): "cold" with the process-wide code cache off (a full cold
-    # start: deserialize too) and "kept" beside it; "cached" on a backend with the defaults
-    # (its code went at the code TTL and comes back from the code cache)
+    # (backend settings, kinds), each function alone on its backend (functions of one artifact
+    # share its code while one holds it): "cold" with the process-wide code cache off (a full
+    # cold start: deserialize too), "cached" with the defaults (its code went at the code TTL
+    # and comes back from the code cache), "kept" keeping its own code (codeTtl)
     backends = [
-        ({"codeCache": {"maxEntries": 0}}, {"cold": ttl, "kept": {**ttl, **KEPT}}),
+        ({"codeCache": {"maxEntries": 0}}, {"cold": ttl}),
         ({}, {"cached": ttl}),
+        ({}, {"kept": {**ttl, **KEPT}}),
     ]
     out: dict[str, dict[str, list[float]]] = {}
     for n, (settings, kinds) in enumerate(backends):

@@ -15,7 +15,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import wasmtime
 from wasmtime import _ffi
@@ -143,6 +143,38 @@ class ComponentInstance:
         self._store.close()
 
 
+def _c_function(name: str, restype: Any, *argtypes: Any) -> Any:
+    """A function of wasmtime's C API as a ctypes function object of our own (`dll[name]` makes
+    a new one): the generated wrapper in `wasmtime._bindings` adds a Python call per use, and its
+    `wasmtime_memory_data` returns a POINTER(c_uint8) that needs a cast (~1-2 us) to become an
+    address; with `c_void_p` it is an int. Per-call path of core guests only (bench/coldstart.py)."""
+    function = _ffi.dll[name]
+    function.restype = restype
+    function.argtypes = argtypes
+    return function
+
+
+_CONTEXT = ctypes.POINTER(_ffi.wasmtime_context_t)
+_MEMORY = ctypes.POINTER(_ffi.wasmtime_memory_t)
+_TRAP = ctypes.POINTER(_ffi.wasm_trap_t)
+_FUNC_CALL = _c_function(
+    "wasmtime_func_call",
+    ctypes.POINTER(_ffi.wasmtime_error_t),
+    _CONTEXT,
+    ctypes.POINTER(_ffi.wasmtime_func_t),
+    ctypes.POINTER(_ffi.wasmtime_val_t),
+    ctypes.c_size_t,
+    ctypes.POINTER(_ffi.wasmtime_val_t),
+    ctypes.c_size_t,
+    ctypes.POINTER(_TRAP),
+)
+_MEMORY_DATA = _c_function("wasmtime_memory_data", ctypes.c_void_p, _CONTEXT, _MEMORY)
+_MEMORY_DATA_SIZE = _c_function("wasmtime_memory_data_size", ctypes.c_size_t, _CONTEXT, _MEMORY)
+_SET_EPOCH_DEADLINE = _c_function(
+    "wasmtime_context_set_epoch_deadline", None, _CONTEXT, ctypes.c_uint64
+)
+
+
 class _CoreCall:
     """One exported core function called through wasmtime's C API (`wasmtime_func_call`) with
     value arrays allocated once per instance.
@@ -155,7 +187,10 @@ class _CoreCall:
     Uses `wasmtime._ffi`, which is why `wasmtime` is pinned to one version.
     """
 
-    __slots__ = ("_func", "_nparams", "_params", "_result", "_store", "_wide")
+    __slots__ = (
+        "_args", "_func", "_nparams", "_params", "_result", "_returned", "_store", "_trap",
+        "_trap_ref", "_wide",
+    )  # fmt: skip
 
     def __init__(
         self, store: wasmtime.Store, func: _ffi.wasmtime_func_t, nparams: int, wide: bool
@@ -165,30 +200,36 @@ class _CoreCall:
         self._params = (_ffi.wasmtime_val_t * max(1, nparams))()
         for param in self._params:
             param.kind = _ffi.WASMTIME_I32
+        # Views into the value arrays, made once (indexing a ctypes array makes a new object).
+        self._args = [param.of for param in self._params[:nparams]]
         self._nparams = nparams
         self._result = (_ffi.wasmtime_val_t * 1)()
+        self._returned = self._result[0].of
         self._wide = wide  # i64 result
+        self._trap = _TRAP()  # NULL; wasmtime sets it only on a trap (then a fresh one)
+        self._trap_ref = ctypes.byref(self._trap)
 
     def __call__(self, *args: int) -> int:
-        params = self._params
-        for i, arg in enumerate(args):
-            params[i].of.i32 = arg
-        trap = ctypes.POINTER(_ffi.wasm_trap_t)()
-        error = _ffi.wasmtime_func_call(
+        for view, arg in zip(self._args, args, strict=True):
+            view.i32 = arg
+        error = _FUNC_CALL(
             self._store._context(),
             self._func,
-            params,
+            self._params,
             self._nparams,
             self._result,
             1,
-            ctypes.byref(trap),
+            self._trap_ref,
         )
         if error:
             raise wasmtime.WasmtimeError._from_ptr(error)
+        trap = self._trap
         if trap:
+            self._trap = _TRAP()
+            self._trap_ref = ctypes.byref(self._trap)
             raise wasmtime.Trap._from_ptr(trap)
-        result = self._result[0].of
-        return int(result.i64 if self._wide else result.i32)
+        returned = self._returned
+        return int(returned.i64 if self._wide else returned.i32)
 
 
 class _CoreMemory:
@@ -203,11 +244,10 @@ class _CoreMemory:
 
     def _base(self, start: int, length: int) -> int:
         context = self._store._context()  # raises ValueError once the store is closed
-        size = _ffi.wasmtime_memory_data_size(context, self._memory)
+        size = _MEMORY_DATA_SIZE(context, self._memory)
         if start < 0 or length < 0 or start + length > size:
             raise IndexError("outside linear memory")
-        data = _ffi.wasmtime_memory_data(context, self._memory)
-        return ctypes.cast(data, ctypes.c_void_p).value or 0
+        return cast(int, _MEMORY_DATA(context, self._memory) or 0)
 
     def write(self, start: int, data: bytes) -> None:
         ctypes.memmove(self._base(start, len(data)) + start, data, len(data))
@@ -258,7 +298,7 @@ class CoreInstance:
         return status, self._memory.read(ptr, length).decode("utf-8", errors="replace")
 
     def call(self, request: str, ticks: int) -> CallResult:
-        self._store.set_epoch_deadline(ticks)
+        _SET_EPOCH_DEADLINE(self._store._context(), ticks)
         raw = request.encode()
         try:
             ptr = self._alloc(len(raw)) & 0xFFFF_FFFF

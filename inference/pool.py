@@ -32,6 +32,8 @@ from .signing import TrustedKeys
 
 log = logging.getLogger("meshfn.inference")
 
+_METRIC_FLUSH_S = 0.1  # see FunctionRuntime._idle_changed
+
 
 class Refused(InferenceError):
     """The function cannot be served (failed verification or missing artifact)."""
@@ -110,7 +112,9 @@ class FunctionRuntime:
         self.hold_until = 0.0
         self._cold_requests = metrics.cold_requests.labels(self.label)
         self._warm_seconds = metrics.warm_seconds.labels(self.label)
-        self._idle_gauge = metrics.idle.labels(self.label)
+        metrics.idle.labels(self.label).set_function(lambda: self._idle_count)
+        self._exported = 0.0  # of warm_seconds, in the counter so far
+        self._flushed = time.monotonic()
 
     # ------------------------------------------------------------------ verification
 
@@ -242,14 +246,19 @@ class FunctionRuntime:
         log.debug("function instances dropped, code kept", extra={"function": self.label})
 
     def _idle_changed(self) -> None:
-        """The idle deque changed (caller holds `_lock`): gauge and instance-seconds."""
+        """The idle deque changed (caller holds `_lock`): instance-seconds. A warm request
+        changes it twice (take, give back), so the counter catches up at most every
+        _METRIC_FLUSH_S and whenever the pool empties, not on each change: two locked metric
+        updates per request cost more than the pool's own work (the idle gauge is read when
+        /metrics is scraped)."""
         now = time.monotonic()
-        spent = self._idle_count * (now - self._idle_since)
-        if spent:
-            self.warm_seconds += spent
-            self._warm_seconds.inc(spent)
+        self.warm_seconds += self._idle_count * (now - self._idle_since)
         self._idle_count, self._idle_since = len(self._idle), now
-        self._idle_gauge.set(self._idle_count)
+        if not self._idle_count or now - self._flushed >= _METRIC_FLUSH_S:
+            if self.warm_seconds > self._exported:
+                self._warm_seconds.inc(self.warm_seconds - self._exported)
+                self._exported = self.warm_seconds
+            self._flushed = now
 
     def warm_instance_seconds(self) -> float:
         """Idle instance-seconds so far, including the current stretch."""

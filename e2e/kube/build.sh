@@ -59,7 +59,7 @@ for deb in debs/*.deb; do dpkg-deb -x "$deb" root; done
 
 log "unpacking"
 tar xzf kubernetes_*.orig.tar.gz
-SRC=$(find "$W" -maxdepth 1 -type d -name 'kubernetes-1.*' | head -n 1)
+SRC=$(find "$W" -maxdepth 1 -type d -name 'kubernetes-1.*' | sed -n 1p)
 [ -n "$SRC" ] || { log "the kubernetes source tarball has no kubernetes-1.* folder"; exit 1; }
 ln -s "$SRC" gopath/src/k8s.io/kubernetes
 # reflect2 1.0.1 (vendored) reads runtime internals that changed in Go 1.18 and crashes at start;
@@ -96,6 +96,8 @@ for cmd in kube-apiserver kube-controller-manager; do
 done
 install -m 0755 "$W/root/usr/bin/etcd" "$BIN/etcd.new" && mv "$BIN/etcd.new" "$BIN/etcd"
 "$BIN/kube-apiserver" --version >&2
-"$BIN/etcd" --version | head -n 1 >&2
+# sed reads all of it: `head -n 1` would close the pipe early, and etcd, writing its next line,
+# would die of SIGPIPE and fail the build under pipefail (exit 141) before .version is written
+"$BIN/etcd" --version | sed -n 1p >&2
 echo "$VERSION" >"$BIN/.version"
 log "done: $BIN"

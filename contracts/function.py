@@ -241,7 +241,7 @@ class CodeCache(_Strict):
     @model_validator(mode="after")
     def _ttl(self) -> Self:
         if not timedelta(0) <= self.ttl <= timedelta(days=1):
-            raise ValueError("codeCache.ttl must be between 0s and 1d")
+            raise ValueError("codeCache.ttl must be between 0s and 24h")
         return self
 
 

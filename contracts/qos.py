@@ -168,7 +168,7 @@ class RateLimit(_Strict):
     requests: Annotated[int, Field(ge=1, le=1_000_000_000)] = Field(
         description="requests admitted per `per`"
     )
-    per: Duration = Field(timedelta(seconds=1), description="the period (1s to 1d)")
+    per: Duration = Field(timedelta(seconds=1), description="the period (1s to 24h)")
     burst: Annotated[int, Field(ge=1, le=1_000_000_000)] | None = Field(
         None, description="most requests admitted at once after a quiet spell; default: requests"
     )
@@ -176,7 +176,7 @@ class RateLimit(_Strict):
     @model_validator(mode="after")
     def _sane(self) -> Self:
         if not timedelta(seconds=1) <= self.per <= timedelta(days=1):
-            raise ValueError("per must be between 1s and 1d")
+            raise ValueError("per must be between 1s and 24h")
         if self.per.total_seconds() != int(self.per.total_seconds()):
             raise ValueError("per must be a whole number of seconds")
         if self.burst is not None and self.burst < self.requests:

@@ -270,6 +270,11 @@ def test_config_yaml_with_relative_paths(tmp_path: Path) -> None:
             "codeTtl must not be shorter than idleTtl",
         ),
         ({"registry": "r", "functions": [{"name": "a", "codeTtl": "0s"}]}, "codeTtl"),
+        ({"registry": "r", "codeCache": {"ttl": "25h"}}, "codeCache.ttl must be between"),
+        ({"registry": "r", "codeCache": {"maxEntries": -1}}, "codeCache.maxEntries"),
+        ({"registry": "r", "codeCache": {"maxEntries": "8"}}, "codeCache.maxEntries"),
+        ({"registry": "r", "codeCache": {"size": 8}}, "codeCache.size"),
+        ({"registry": "r", "codeCache": {"ttl": "soon"}}, "codeCache.ttl"),
         ({"workers": 2}, "registry"),
     ],
 )

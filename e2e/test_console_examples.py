@@ -140,6 +140,7 @@ def test_console_shows_functions_audit_and_acceleration(example: Example, browse
     wait_panel_text(page, "functions", "iris@1", timeout=20)
     functions = page.inner_text("#panel-functions")
     assert "verified (key" in functions and "default/models" in functions, functions
+    assert "Cached code" in functions, functions  # the backend's code cache, per function
 
     def served() -> list[str] | None:  # the iris row of the endpoint that took the requests
         rows = page.locator("#panel-functions tbody tr", has_text="iris@1").all_inner_texts()

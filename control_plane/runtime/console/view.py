@@ -352,6 +352,7 @@ class FunctionView:
     pool: str  # idle/min..max
     inflight: int
     cold_starts: int
+    code_cache_hits: int  # of cold_starts: code still deserialized (the backend's code cache)
     p50_ms: float | None
     p99_ms: float | None
     recent: int
@@ -385,6 +386,7 @@ def _function_view(doc: Mapping[str, Any]) -> FunctionView:
         pool=f"{pool.get('idle', 0)} idle (min {pool.get('min_idle', 0)}, max {pool.get('max_idle', 0)})",
         inflight=int(doc.get("inflight") or 0),
         cold_starts=int(doc.get("cold_starts") or 0),
+        code_cache_hits=int(doc.get("code_cache_hits") or 0),
         p50_ms=doc.get("p50_ms"),
         p99_ms=doc.get("p99_ms"),
         recent=int(doc.get("recent_requests") or 0),

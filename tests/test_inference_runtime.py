@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -830,6 +831,32 @@ async def test_memory_pressure_drops_free_code_after_warm_instances(published: P
         assert digits.loaded and digits.idle_instances == 0  # held code stays, instances go
     finally:
         await b.drain(1)
+
+
+def test_code_cache_loads_once_for_concurrent_callers(published: Published) -> None:
+    """Eight threads asking for one artifact's code at once: one deserialize, one shared
+    artifact, every hold released exactly once."""
+    engine = new_engine()
+    trusted = signing.TrustedKeys.from_paths([published.key])
+    key = Registry(published.root).verify("chaos", "1", trusted).code_key
+    metrics = Metrics()
+    cache = CodeCache(engine, metrics)
+    barrier = threading.Barrier(8)
+
+    def one(_: int) -> object:
+        barrier.wait()
+        artifact, _hit = cache.acquire(key, "chaos@1")
+        return artifact
+
+    with ThreadPoolExecutor(8) as pool:
+        artifacts = list(pool.map(one, range(8)))
+    assert len({id(a) for a in artifacts}) == 1 and cache.held == 1
+    lookups = metrics.code_cache_lookups
+    assert lookups.labels("chaos@1", "miss")._value.get() == 1
+    assert lookups.labels("chaos@1", "hit")._value.get() == 7
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: cache.release(key), range(8)))
+    assert cache.held == 0 and len(cache) == 1  # kept for the TTL
 
 
 def test_code_cache_bounds_and_errors(published: Published, tmp_path: Path) -> None:

@@ -93,7 +93,7 @@ class CodeCache:
 
     def release(self, key: CodeKey, keep: bool = True) -> None:
         """One holder of `key` let it go: the last one leaves it to the TTL and the size cap
-        (`keep=False`: the code is stale, its file changed or failed verification: drop it)."""
+        (`keep=False`: drop it now, see FunctionRuntime.unload)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.holders <= 0:
@@ -122,17 +122,16 @@ class CodeCache:
         now = time.monotonic() if now is None else now
         ttl = self._ttl()
         with self._lock:
-            gone = [key for key, released in self._free.items() if now - released >= ttl]
-            for key in gone:
-                del self._free[key]
-                del self._entries[key]
-        return len(gone)
+            return self._drop([k for k, released in self._free.items() if now - released >= ttl])
 
     def drop_free(self) -> int:
         """Memory pressure: drop every entry no function holds; how many went."""
         with self._lock:
-            gone = list(self._free)
-            self._free.clear()
-            for key in gone:
-                del self._entries[key]
-        return len(gone)
+            return self._drop(list(self._free))
+
+    def _drop(self, keys: list[CodeKey]) -> int:
+        """Forget free entries (caller holds `_lock`)."""
+        for key in keys:
+            del self._free[key]
+            del self._entries[key]
+        return len(keys)

@@ -224,8 +224,8 @@ class ServedFunction(FunctionSettings):
 
 
 class CodeCache(_Strict):
-    """Deserialized code one backend process keeps once no function holds it (the functions'
-    codeTtl passed, a repository unload, or none serves that artifact any more), so a request
+    """Deserialized code one backend process keeps once no function holds it (their codeTtl
+    passed; a repository unload or a changed artifact drops it at once), so a request
     after the TTLs instantiates instead of deserializing (a Python guest: ~2.8 of a ~7 ms cold
     start). An entry is the artifact's mmapped code (clean file pages the kernel may reclaim)
     plus ~1.6 MiB of wasmtime's own data; functions of one artifact share one entry."""

@@ -35,6 +35,9 @@ from typing import Any
 
 import grpc
 
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import pin, raise_open_files
+
 HERE = Path(__file__).resolve().parent
 METHOD = "/floor/Stream"
 PAYLOAD = b"x" * 300
@@ -151,14 +154,12 @@ def measure(streams: int, edits: int, port: int) -> dict[str, Any]:
     server.start()
     fleet = None
     try:
-        if (os.cpu_count() or 1) > 1:
-            os.sched_setaffinity(server.pid or 0, {0})
+        pin(server.pid or 0, 0)
         if not server_end.poll(60) or server_end.recv() != "up":
             raise SystemExit("the gRPC server did not start")
         fleet = ctx.Process(target=_run_fleet, args=(port, streams, fleet_child))
         fleet.start()
-        if (os.cpu_count() or 1) > 1:
-            os.sched_setaffinity(fleet.pid or 0, {1})
+        pin(fleet.pid or 0, 1)
         connected, last = 0, -1
         while connected < streams and connected != last:  # until all, or no more, connect
             last = connected
@@ -211,13 +212,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=HERE / "results" / "grpc_floor.json")
     args = parser.parse_args()
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no GOAWAY lines as the streams end
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # inherited by both processes
+    raise_open_files()  # inherited by both processes
     if args.port:
         port, other = args.port, args.port + 1
     else:
-        from meshfn.testing.ports import free_ports
-
         port, other = free_ports(2)
     baseline = measure(1, max(3, args.edits // 2), other)
     large = measure(args.streams, args.edits, port)

@@ -27,7 +27,6 @@ import argparse
 import http.client
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -40,7 +39,14 @@ from meshfn.control_plane.identity.bootstrap_token import BootstrapTokens
 from meshfn.testing import policies as p
 from meshfn.testing.policies import Policies
 from meshfn.testing.ports import free_ports
-from meshfn.testing.processes import MESHFN, Processes, http_ok, wait_for
+from meshfn.testing.processes import (
+    MESHFN,
+    Processes,
+    http_ok,
+    pin,
+    raise_open_files,
+    wait_for,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -64,14 +70,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time `pid` (all its threads) has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def raise_open_files() -> None:
-    """Each simulated Envoy holds a socket, and so does the control plane for each: 10,000
-    streams need more descriptors than the usual soft limit (children inherit it)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 # ---------------------------------------------------------------- (a) visible through Envoy
@@ -155,13 +153,6 @@ def service_doc(index: int, port: int) -> str:
         p.service(name, port, endpoints, namespace="bench"),
         p.route(name, name, f"/{name}/", namespace="bench"),
     )
-
-
-def pin(pid: int, cpu: int) -> None:
-    """Pin a just-started process (and the threads it starts later) to one CPU, so the control
-    plane and the simulated fleet do not steal each other's core."""
-    if cpu < (os.cpu_count() or 1):
-        os.sched_setaffinity(pid, {cpu})
 
 
 def bench_fanout(

@@ -405,6 +405,69 @@ def test_server_endpoints(backend: Backend) -> None:
     assert int(iris["inference_count"]) >= 2 and "compute_infer" in iris["inference_stats"]
 
 
+def test_what_clients_send_at_the_protocol_edges(backend: Backend) -> None:
+    """Spellings and modes of the protocol that real clients use: the OpenAPI document's
+    `/v2/`, a 405's Allow, polling readiness of a model that is not there over gRPC (False, as
+    Triton answers), an empty `outputs` list (all of them, as over gRPC), a body that names its
+    model (as Triton's examples do), and Triton's raw binary request."""
+    url = backend.url
+    assert http(url + "/v2/").json()["name"] == http(url + "/v2").json()["name"]
+    assert http(url + "/v2/health/ready/").status == 200
+    refused = http(url + "/v2/models/iris/infer")
+    assert refused.status == 405 and refused.headers["Allow"] == "POST"
+    assert http(url + "/v2/health/live", "POST", body=b"").headers["Allow"] == "GET"
+    client = backend.grpc_client()
+    assert client.is_model_ready("iris") is True
+    assert client.is_model_ready("no-such-model") is False
+    assert client.is_model_ready("iris", "9") is False
+    flower = {"name": "features", "datatype": "FP32", "shape": [1, 4], "data": [5.1, 3.5, 1.4, 0.2]}
+    infer = url + "/v2/models/iris/infer"
+    every = http(infer, "POST", body=json.dumps({"inputs": [flower]}).encode()).json()
+    empty = http(infer, "POST", body=json.dumps({"inputs": [flower], "outputs": []}).encode())
+    assert empty.status == 200 and empty.json()["outputs"] == every["outputs"]
+    named = {"model_name": "iris", "model_version": "1", "inputs": [flower]}
+    assert http(infer, "POST", body=json.dumps(named).encode()).json() == every
+    other = http(infer, "POST", body=json.dumps({**named, "model_name": "digits"}).encode())
+    assert other.status == 400 and "names 'iris'" in other.json()["error"]
+    # raw binary: the body is the only input's data; its one variable dimension from the size
+    raw = http(infer, "POST", {"Inference-Header-Content-Length": "0"}, FLOWERS.tobytes())
+    assert raw.status == 200, raw.body
+    length = int(raw.headers["Inference-Header-Content-Length"])
+    head = json.loads(raw.body[:length])
+    assert [o["shape"] for o in head["outputs"]] == [[2], [2, 3]]
+    labels = np.frombuffer(raw.body[length:][: 2 * 8], dtype=np.int64)
+    expected = backend.http_client().infer("iris", [http_input(FLOWERS, "features", "FP32", True)])
+    assert labels.tolist() == expected.as_numpy("label").tolist()
+    short = http(infer, "POST", {"Inference-Header-Content-Length": "0"}, b"\0" * 15)
+    assert short.status == 400 and "do not fill input 'features'" in short.json()["error"]
+
+
+def test_non_finite_outputs_reach_every_client(backend: Backend) -> None:
+    """A model's output may hold NaN and the infinities (log(0), an overflow): binary data and
+    gRPC carry them as the IEEE-754 values they are, JSON as Python's json writes them."""
+    x = np.array([1.5, np.nan, np.inf, -np.inf], dtype=np.float32)
+    out = backend.http_client().infer("chaos-r", [http_input(x, "x", "FP32", True)])
+    np.testing.assert_array_equal(out.as_numpy("y"), x)
+    out = backend.http_client().infer(
+        "chaos-r",
+        [http_input(x[:1], "x", "FP32", False)],
+        outputs=[thttp.InferRequestedOutput("y", binary_data=True)],
+    )
+    np.testing.assert_array_equal(out.as_numpy("y"), x[:1])
+    grpc_out = backend.grpc_client().infer("chaos-r", [grpc_input(x, "x", "FP32")])
+    np.testing.assert_array_equal(grpc_out.as_numpy("y"), x)
+    tensor = {"name": "x", "datatype": "FP32", "shape": [4]}
+    head = json.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": 16}}]}).encode()
+    reply = http(
+        backend.url + "/v2/models/chaos-r/infer",
+        "POST",
+        {"Inference-Header-Content-Length": str(len(head))},
+        head + x.tobytes(),
+    )
+    assert reply.status == 200
+    assert str(json.loads(reply.body)["outputs"][0]["data"]) == "[1.5, nan, inf, -inf]"
+
+
 def test_versions_on_the_infer_path(backend: Backend) -> None:
     flower = {"name": "features", "datatype": "FP32", "shape": [1, 4], "data": [5.1, 3.5, 1.4, 0.2]}
     body = json.dumps({"inputs": [flower]}).encode()

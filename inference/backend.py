@@ -473,7 +473,8 @@ class Backend:
             # The binary extension's header length counts the decoded body, as in Triton.
             data = inflate(body, given.get(b"content-encoding", b""), limit)
             assert rt.signature is not None  # admitted: verified
-            return parse_http(data, rt.signature, header_length(given, len(data)))
+            length = header_length(given, len(data))
+            return parse_http(data, rt.signature, length, (rt.name, rt.version))
 
         def encode(completed: Completed, request: InferRequest) -> Reply:
             if completed.text is not None and request.outputs is None and not request.binary_output:

@@ -251,9 +251,15 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: Any
     ) -> pb.ModelReadyResponse:
-        rt = await self._answered(
-            context, lambda: self.backend.lookup(request.name, request.version or None)
-        )
+        # An unknown model or version is not ready, not an error: Triton answers so, and a
+        # client polling is_model_ready() for a model to appear expects False, not an exception
+        try:
+            rt = self.backend.lookup(request.name, request.version or None)
+        except KServeError as exc:
+            if exc.status != 404:
+                await self._fail(context, exc)
+                raise
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=self.backend.is_ready(rt))
 
     async def ModelMetadata(

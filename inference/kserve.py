@@ -23,10 +23,19 @@ from typing import Any
 
 import orjson
 
-from .tensors import DType, TensorError, check_raw, dtype, element_count, json_to_raw, unpack
+from .tensors import (
+    DType,
+    TensorError,
+    check_raw,
+    dtype,
+    element_count,
+    frame,
+    json_to_raw,
+    unpack,
+)
 
 HEADER_LENGTH = b"inference-header-content-length"
-_REQUEST_KEYS = {"id", "parameters", "inputs", "outputs"}
+_REQUEST_KEYS = {"id", "parameters", "inputs", "outputs", "model_name", "model_version"}
 _INPUT_KEYS = {"name", "datatype", "shape", "data", "parameters"}
 _OUTPUT_KEYS = {"name", "parameters"}
 _SCALARS = (str, int, float, bool)
@@ -379,8 +388,17 @@ def compress(body: bytes, coding: bytes) -> bytes:
     return compressor.compress(body) + compressor.flush()
 
 
-def parse_http(body: bytes, signature: Signature, json_length: int | None = None) -> InferRequest:
-    """A REST inference body (JSON, or with `json_length` the binary extension's layout)."""
+def parse_http(
+    body: bytes,
+    signature: Signature,
+    json_length: int | None = None,
+    model: tuple[str, str] | None = None,
+) -> InferRequest:
+    """A REST inference body (JSON, or with `json_length` the binary extension's layout; a
+    `json_length` of 0 is its raw binary request: the body is the one input's data). `model`:
+    the (name, version) the path chose, which a body's model_name/model_version must match."""
+    if json_length == 0:
+        return _raw_binary_request(body, signature)
     head = body if json_length is None else body[:json_length]
     blob = b"" if json_length is None else body[json_length:]
     try:
@@ -396,6 +414,8 @@ def parse_http(body: bytes, signature: Signature, json_length: int | None = None
     if not _REQUEST_KEYS.issuperset(request):
         unknown = set(request) - _REQUEST_KEYS
         raise bad(f"unknown request field(s): {', '.join(sorted(unknown))}")
+    if "model_name" in request or "model_version" in request:
+        _check_named_model(request, model)
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise bad("'id' must be a string")
@@ -470,6 +490,59 @@ def parse_http(body: bytes, signature: Signature, json_length: int | None = None
     )
 
 
+def _check_named_model(request: dict[str, Any], model: tuple[str, str] | None) -> None:
+    """Triton's examples put model_name (and clients model_version) in the body too: taken
+    when it names the model of the path, refused when it names another."""
+    for key, chosen in zip(("model_name", "model_version"), model or (None, None), strict=True):
+        if key not in request:
+            continue
+        value = request[key]
+        if not isinstance(value, str):
+            raise bad(f"'{key}' must be a string")
+        if chosen is not None and value != chosen:
+            raise bad(f"'{key}' is {value!r}, but the request's path names {chosen!r}")
+
+
+def _raw_binary_request(body: bytes, signature: Signature) -> InferRequest:
+    """Triton's raw binary request (Inference-Header-Content-Length: 0): no JSON header, the
+    body is the data of the model's only input, whose shape follows from the byte count (at
+    most one variable dimension; BYTES: one element). Every output comes back binary."""
+    where = "a raw binary request (Inference-Header-Content-Length: 0)"
+    if len(signature.inputs) != 1:
+        raise bad(
+            f"{where} needs a model with exactly one input; this one takes "
+            f"{', '.join(sorted(signature.inputs))}"
+        )
+    (sig,) = signature.inputs.values()
+    dt = dtype(sig.datatype)
+    if dt.kind == "bytes":
+        if any(d not in (-1, 1) for d in sig.shape):
+            raise bad(f"{where}: BYTES input {sig.name!r} of shape {list(sig.shape)} is not [1]")
+        shape = tuple(1 for _ in sig.shape)
+        raw = frame([body])
+    else:
+        variable = [i for i, d in enumerate(sig.shape) if d == -1]
+        if len(variable) > 1:
+            raise bad(
+                f"{where}: input {sig.name!r} has {len(variable)} variable dimensions "
+                f"({list(sig.shape)}); its shape cannot follow from the byte count"
+            )
+        fixed = element_count([d for d in sig.shape if d != -1])
+        row = fixed * dt.size
+        if row == 0 or len(body) % row or (not variable and len(body) != row):
+            raise bad(
+                f"{where}: {len(body)} bytes of {dt.name} do not fill input {sig.name!r} "
+                f"of shape {list(sig.shape)} ({row} bytes per {'row' if variable else 'tensor'})"
+            )
+        shape = tuple(len(body) // row if d == -1 else d for d in sig.shape)
+        raw = body
+        try:
+            check_raw(raw, dt, element_count(shape))
+        except TensorError as exc:
+            raise bad(f"{where}: input {sig.name!r}: {exc}") from None
+    return InferRequest(None, [Input(sig.name, dt, shape, raw)], binary_output=True)
+
+
 def _request_parameters(given: Any) -> tuple[dict[str, Any], bool, float | None]:
     """The request's own parameters (checked), binary_data_output and the timeout."""
     if given is None:  # the usual case: nothing to check or take
@@ -481,7 +554,7 @@ def _request_parameters(given: Any) -> tuple[dict[str, Any], bool, float | None]
 
 
 def _requested_outputs(outputs: Any, signature: Signature) -> list[Requested] | None:
-    if outputs is None:
+    if outputs is None or outputs == []:  # none named: all of them (as gRPC and Triton read it)
         return None
     if not isinstance(outputs, list) or not all(
         isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs
@@ -516,7 +589,7 @@ class Output:
 
     def raw(self) -> bytes:
         try:
-            return json_to_raw(self.data, dtype(self.datatype), self.shape)
+            return json_to_raw(self.data, dtype(self.datatype), self.shape, finite=False)
         except TensorError as exc:
             raise KServeError(
                 500, f"the function returned an invalid output {self.name!r}: {exc}"

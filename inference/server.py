@@ -114,17 +114,20 @@ class Router:
         return self.backend.limit_for(parsed[0], parsed[1])
 
     async def handle(self, request: Request) -> Response:
+        # A trailing slash names the same resource (the OpenAPI document spells server
+        # metadata `/v2/`)
+        path = request.path.rstrip("/") or "/"
         try:
-            reply = await self._route(request)
+            reply = await self._route(request, path)
         except KServeError as exc:
             reply = Reply.of(exc)
         headers = list(reply.headers)
-        if request.path.endswith("/infer"):  # ORCA load report, for weighted round robin
+        if path.endswith("/infer"):  # ORCA load report, for weighted round robin
             headers.append(self.backend.orca.header(self.backend.dispatcher.inflight))
         return Response(reply.status, reply.body, reply.content_type, extra_headers=headers)
 
-    async def _route(self, request: Request) -> Reply:
-        path, method = request.path, request.method
+    async def _route(self, request: Request, path: str) -> Reply:
+        method = request.method
         b = self.backend
         if path.startswith("/v2/models/") and path != "/v2/models/stats":
             parsed = _model_route(path)
@@ -213,7 +216,9 @@ def _unsupported(path: str) -> str | None:
 
 def _method(got: str, want: str, path: str) -> None:
     if got != want:
-        raise KServeError(405, f"use {want} for {path}")
+        error = KServeError(405, f"use {want} for {path}")
+        error.headers = ((b"Allow", want.encode()),)  # a 405 must say what is allowed
+        raise error
 
 
 async def serve(

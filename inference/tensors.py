@@ -36,6 +36,11 @@ class DType:
 
 
 _I = {8: "b", 16: "h", 32: "i", 64: "q"}
+# The largest JSON numbers that round to a finite FP16/FP32 value (round to nearest, ties to
+# even: the tie above the largest finite value goes to infinity). A float32 writer prints
+# FLT_MAX as 3.4028235e38, a little more than FLT_MAX itself, and that must still be FLT_MAX.
+_FP16_MAX = math.nextafter(65520.0, 0.0)
+_FP32_MAX = math.nextafter(2.0**128 - 2.0**103, 0.0)
 _U = {8: "B", 16: "H", 32: "I", 64: "Q"}
 DTYPES: dict[str, DType] = {
     **{
@@ -48,8 +53,8 @@ DTYPES: dict[str, DType] = {
         f"UINT{bits}": DType(f"UINT{bits}", bits // 8, code, 0, (1 << bits) - 1)
         for bits, code in _U.items()
     },
-    "FP16": DType("FP16", 2, "e", -65504.0, 65504.0, "float"),
-    "FP32": DType("FP32", 4, "f", -3.4028234663852886e38, 3.4028234663852886e38, "float"),
+    "FP16": DType("FP16", 2, "e", -_FP16_MAX, _FP16_MAX, "float"),
+    "FP32": DType("FP32", 4, "f", -_FP32_MAX, _FP32_MAX, "float"),
     "FP64": DType("FP64", 8, "d", -sys.float_info.max, sys.float_info.max, "float"),
     "BOOL": DType("BOOL", 1, "", kind="bool"),
     "BYTES": DType("BYTES", 0, "", kind="bytes"),
@@ -70,10 +75,12 @@ def element_count(shape: tuple[int, ...] | list[int]) -> int:
 # ---------------------------------------------------------------- JSON values -> raw
 
 
-def flatten_checked(data: Any, dt: DType) -> list[Any]:
+def flatten_checked(data: Any, dt: DType, finite: bool = True) -> list[Any]:
     """The (possibly nested, row-major) JSON array `data` as a flat list, each element checked
     against `dt`. `data` comes from json.loads, so exact type tests are complete (bool, the only
-    subclass of int, is rejected where a number is expected); one tight loop per kind."""
+    subclass of int, is rejected where a number is expected); one tight loop per kind.
+    `finite=False` lets NaN and the infinities through: a model's output may hold them, and
+    the raw layouts (binary data, gRPC) carry any IEEE-754 value; a client's JSON never does."""
     flat = data if type(data) is list else [data]
     if flat and type(flat[0]) is list:
         flat = _in_order(flat)
@@ -88,7 +95,9 @@ def flatten_checked(data: Any, dt: DType) -> list[Any]:
                 raise TensorError(f"{dt.name} element {v!r} is not a number")
             if not low <= v <= high:
                 if t is float and not math.isfinite(v):
-                    raise TensorError(f"non-finite {dt.name} element")
+                    if finite:
+                        raise TensorError(f"non-finite {dt.name} element")
+                    continue
                 raise TensorError(f"{v} is out of range for {dt.name}")
         return flat
     if kind == "int":
@@ -160,8 +169,10 @@ def pack(values: list[Any], dt: DType) -> bytes:
     return array(dt.code, values).tobytes()
 
 
-def json_to_raw(data: Any, dt: DType, shape: tuple[int, ...] | list[int]) -> bytes:
-    flat = flatten_checked(data, dt)
+def json_to_raw(
+    data: Any, dt: DType, shape: tuple[int, ...] | list[int], finite: bool = True
+) -> bytes:
+    flat = flatten_checked(data, dt, finite)
     count = element_count(shape)
     if len(flat) != count:
         raise TensorError(f"{len(flat)} elements for shape {list(shape)} ({count} expected)")

@@ -102,6 +102,20 @@ def test_json_values_checked(datatype: str, data: list[Any], message: str) -> No
         json_to_raw(data, DTYPES[datatype], shape)
 
 
+def test_float_limits_as_float_writers_print_them() -> None:
+    """JSON from a float32 or float16 writer (Go, Java, numpy's str) prints the largest value
+    rounded (3.4028235e38 is a little more than FLT_MAX): it is that value, as Triton reads it.
+    The next value that rounds to infinity is refused."""
+    fp32, fp16 = DTYPES["FP32"], DTYPES["FP16"]
+    assert json_to_raw([3.4028235e38, -3.4028235e38], fp32, [2]) == struct.pack(
+        "<2f", 3.4028234663852886e38, -3.4028234663852886e38
+    )
+    assert json_to_raw([65519.0], fp16, [1]) == struct.pack("<e", 65504.0)
+    for too_large, dt in ((2.0**128 - 2.0**103, fp32), (65520.0, fp16)):  # ties go to infinity
+        with pytest.raises(TensorError, match="out of range"):
+            json_to_raw([too_large], dt, [1])
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [

@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import json
 import stat
+import struct
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
@@ -205,6 +206,94 @@ def test_non_finite_floats_refused() -> None:
     raw = json.dumps(with_input(0, data=[1, 2, 3, float("nan")])).encode()
     with pytest.raises(KServeError, match="non-finite"):
         parse_http(raw, SIG)
+
+
+ONE_INPUT = Signature.from_metadata(
+    {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1]}],
+    }
+)
+
+
+def test_raw_binary_request_is_the_only_inputs_data() -> None:
+    """Triton's raw binary request (Inference-Header-Content-Length: 0)."""
+    data = struct.pack("<4f", 1, 2, 3, 4)
+    parsed = parse_http(data, ONE_INPUT, 0)
+    (x,) = parsed.inputs
+    assert (x.name, x.shape, x.raw) == ("x", (2, 2), data)
+    assert parsed.binary_output and parsed.outputs is None and parsed.id is None
+    fixed = Signature.from_metadata(
+        {"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1]}], "outputs": []}
+    )
+    (t,) = parse_http(b"any bytes\xff", fixed, 0).inputs
+    assert (t.shape, t.raw) == ((1,), b"\x0a\x00\x00\x00any bytes\xff")
+
+
+@pytest.mark.parametrize(
+    ("signature", "body", "message"),
+    [
+        (SIG, b"\0" * 8, "needs a model with exactly one input; this one takes n, t, x"),
+        (ONE_INPUT, b"\0" * 12, "12 bytes of FP32 do not fill input 'x' of shape [-1, 2]"),
+        (ONE_INPUT, b"\0" * 3, "8 bytes per row"),
+        (
+            Signature.from_metadata(
+                {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, -1]}], "outputs": []}
+            ),
+            b"\0" * 8,
+            "has 2 variable dimensions",
+        ),
+        (
+            Signature.from_metadata(
+                {"inputs": [{"name": "x", "datatype": "INT8", "shape": [3]}], "outputs": []}
+            ),
+            b"\0" * 6,
+            "3 bytes per tensor",
+        ),
+        (
+            Signature.from_metadata(
+                {"inputs": [{"name": "b", "datatype": "BOOL", "shape": [2]}], "outputs": []}
+            ),
+            b"\x01\x02",
+            "BOOL bytes must be 0 or 1",
+        ),
+        (
+            Signature.from_metadata(
+                {"inputs": [{"name": "t", "datatype": "BYTES", "shape": [2]}], "outputs": []}
+            ),
+            b"ab",
+            "is not [1]",
+        ),
+    ],
+)
+def test_bad_raw_binary_requests(signature: Signature, body: bytes, message: str) -> None:
+    with pytest.raises(KServeError) as info:
+        parse_http(body, signature, 0)
+    assert info.value.status == 400 and message in info.value.message
+
+
+def test_empty_outputs_list_means_all_and_a_named_model_must_match() -> None:
+    assert parse_http(json.dumps(req(outputs=[])).encode(), SIG).outputs is None
+    named = json.dumps(req(model_name="m", model_version="2")).encode()
+    assert parse_http(named, SIG, model=("m", "2")).id == "r1"
+    assert parse_http(named, SIG).id == "r1"  # nothing chosen to compare with
+    for body, message in (
+        (req(model_name="other"), "'model_name' is 'other', but the request's path names 'm'"),
+        (req(model_version="1"), "'model_version' is '1', but the request's path names '2'"),
+        (req(model_name=7), "'model_name' must be a string"),
+    ):
+        with pytest.raises(KServeError, match=message):
+            parse_http(json.dumps(body).encode(), SIG, model=("m", "2"))
+
+
+def test_non_finite_outputs_are_carried_raw() -> None:
+    """NaN and the infinities are valid outputs (a client's JSON never holds them: refused
+    above); binary data and gRPC carry them bit for bit."""
+    out = Output("y", "FP32", [3], [float("nan"), float("inf"), float("-inf")])
+    assert out.raw() == struct.pack("<3f", float("nan"), float("inf"), float("-inf"))
+    assert Output("h", "FP16", [1], [float("inf")]).raw() == struct.pack("<e", float("inf"))
+    with pytest.raises(KServeError, match="out of range for FP32"):
+        Output("y", "FP32", [1], [1e39]).raw()  # a finite value too large is still wrong
 
 
 def test_envelope_adds_name_version_and_id() -> None:

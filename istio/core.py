@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from meshfn import ir
@@ -99,6 +100,26 @@ def seconds(value: Any) -> str:
     total = value.total_seconds()
     text = f"{total:.9f}".rstrip("0").rstrip(".")
     return f"{text or '0'}s"
+
+
+_MS = timedelta(milliseconds=1)
+
+
+def istio_duration(ctx: Context, value: timedelta, source: Source, path: Loc) -> str:
+    """A duration for an Istio API field: istiod takes whole milliseconds of at least 1ms
+    (agent.ValidateDuration rejects the object otherwise, and every route or setting in it with
+    it), so a finer one is rounded up, with the warning `duration-rounded`. Envoy's own fields
+    (EnvoyFilter patches) keep `seconds`."""
+    rounded = max(_MS, -(-value // _MS) * _MS)  # ceiling, in whole milliseconds
+    if rounded != value:
+        ctx.warn(
+            "duration-rounded",
+            source,
+            path,
+            f"Istio takes durations in whole milliseconds of at least 1ms: "
+            f"{seconds(value)} is rendered as {seconds(rounded)}",
+        )
+    return seconds(rounded)
 
 
 def service_source(service: ir.Service) -> Source:

@@ -24,9 +24,9 @@ from .core import (
     account,
     fallback_source,
     gateways,
+    istio_duration,
     resource,
     route_source,
-    seconds,
     service_source,
 )
 from .plugins import guarded
@@ -49,9 +49,10 @@ def _mtls(service: ir.Service) -> str | None:
 
 def destination_rules(ctx: Context) -> None:
     for service in ctx.model.services:
-        policy: Obj = {
-            "connectionPool": {"tcp": {"connectTimeout": seconds(service.connect_timeout)}}
-        }
+        connect = istio_duration(
+            ctx, service.connect_timeout, service_source(service), ("spec", "connectTimeout")
+        )
+        policy: Obj = {"connectionPool": {"tcp": {"connectTimeout": connect}}}
         sources = [service_source(service)]
         traffic = service.traffic
         if traffic is not None:
@@ -138,11 +139,14 @@ def _traffic(ctx: Context, service: ir.Service, traffic: ir.TrafficPolicy, polic
             policy["retryBudget"] = budget
     o = traffic.outlier
     if o is not None:
+        at = ("spec", "outlierDetection")
         policy["outlierDetection"] = {
             "consecutive5xxErrors": o.consecutive_5xx,
             "consecutiveGatewayErrors": o.consecutive_gateway,
-            "interval": seconds(o.interval),
-            "baseEjectionTime": seconds(o.base_ejection_time),
+            "interval": istio_duration(ctx, o.interval, source, (*at, "interval")),
+            "baseEjectionTime": istio_duration(
+                ctx, o.base_ejection_time, source, (*at, "baseEjectionTime")
+            ),
             "maxEjectionPercent": o.max_ejection_percent,
         }
     if traffic.locality_failover:
@@ -272,12 +276,18 @@ def _match(match: ir.RouteMatch) -> Obj:
     return out
 
 
-def _retries(route: ir.Route, target: ir.Service) -> Obj:
-    if route.retries is None:
+def _retries(ctx: Context, route: ir.Route, target: ir.Service) -> Obj:
+    if route.retries is None or route.retries.attempts == 0:
+        # Nothing else beside it: istiod refuses a retry policy with attempts 0 (validateHTTPRetry)
         return {"attempts": 0}
     out: Obj = {"attempts": route.retries.attempts, "retryOn": ",".join(route.retries.retry_on)}
     if route.retries.per_try_timeout is not None:
-        out["perTryTimeout"] = seconds(route.retries.per_try_timeout)
+        out["perTryTimeout"] = istio_duration(
+            ctx,
+            route.retries.per_try_timeout,
+            route_source(ctx.model, route),
+            ("spec", "retries", "perTryTimeout"),
+        )
     if target.traffic is not None and target.traffic.locality_failover:
         out["retryRemoteLocalities"] = True
     return out
@@ -318,11 +328,25 @@ def _http(ctx: Context, route: ir.Route, index: int, twin: bool) -> Obj:
     else:
         out["match"] = [_match(match)]
         out["route"] = [_destination(ctx, service, grpc=route.grpc)]
-    out["timeout"] = seconds(route.timeout) if route.timeout is not None else ENVOY_ROUTE_TIMEOUT
-    out["retries"] = _retries(route, service)
+    timeout = _timeout(ctx, route)
+    if timeout is not None:
+        out["timeout"] = timeout
+    out["retries"] = _retries(ctx, route, service)
     # As meshfn's own gateways: backends' ORCA load reports stay inside the mesh.
     out["headers"] = {"response": {"remove": list(ORCA_HEADERS)}}
     return out
+
+
+def _timeout(ctx: Context, route: ir.Route) -> str | None:
+    """The route's timeout; None for 0s, which means none in meshfn and Envoy: Istio's default
+    is none, and istiod refuses `timeout: 0s` (under 1ms) with the whole VirtualService."""
+    if route.timeout is None:
+        return ENVOY_ROUTE_TIMEOUT
+    if not route.timeout:
+        return None
+    source = route_source(ctx.model, route)
+    path = ("spec", "limits", "timeout") if source.kind == "Function" else ("spec", "timeout")
+    return istio_duration(ctx, route.timeout, source, path)
 
 
 def virtual_services(ctx: Context) -> None:

@@ -314,6 +314,52 @@ def test_weighted_round_robin_becomes_least_request() -> None:
     assert [(w.source.name, w.path) for w in warned] == [("jobs", ("spec", "loadBalancer"))]
 
 
+def test_what_istiod_would_refuse_is_not_rendered() -> None:
+    """istiod's validation (and the CRDs' CEL rules, which jsonschema does not run) refuse a
+    VirtualService with `timeout: 0s`, a retry policy beside `attempts: 0`, and durations finer
+    than a millisecond, and with it every route it holds: a 0s timeout is left out (Istio's
+    default is none, as meshfn's 0s means), attempts 0 stands alone, and finer durations are
+    rounded up to whole milliseconds with a warning naming the field."""
+    result = rendering("retries-timeouts")
+    (vs,) = result.objects["VirtualService"]
+    routes = {h["name"]: h for h in vs["spec"]["http"]}
+    assert "timeout" not in routes["default/stream/0"]
+    assert routes["default/stream/0"]["retries"] == {"attempts": 0}
+    fast = routes["default/fast/0"]
+    assert (fast["timeout"], fast["retries"]["perTryTimeout"]) == ("0.003s", "0.002s")
+    rounded = sorted(
+        (w.source.name, w.path) for w in result.warnings if w.code == "duration-rounded"
+    )
+    assert rounded == [
+        ("fast", ("spec", "retries", "perTryTimeout")),
+        ("fast", ("spec", "timeout")),
+    ]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_istio_durations_are_whole_milliseconds(case: str) -> None:
+    for obj in (o for objs in rendering(case).objects.values() for o in objs):
+        for text in _durations(obj):
+            total = float(text.removesuffix("s"))
+            assert total >= 0.001 and round(total * 1000, 6).is_integer(), (text, obj)
+
+
+def _durations(node: Any) -> list[str]:
+    """Istio API durations in an object (Envoy JSON inside EnvoyFilter patches aside)."""
+    if isinstance(node, dict):
+        if node.get("kind") == "EnvoyFilter":
+            return []
+        return [
+            v
+            for k, v in node.items()
+            if k in {"timeout", "perTryTimeout", "connectTimeout", "interval", "baseEjectionTime"}
+            and isinstance(v, str)
+        ] + [d for v in node.values() for d in _durations(v)]
+    if isinstance(node, list):
+        return [d for v in node for d in _durations(v)]
+    return []
+
+
 def test_request_principals_split_is_warned_only_when_ambiguous() -> None:
     issuers = {"https://a.example", "https://a.example/tenants"}
     assert ambiguous_principal("https://a.example/tenants/alice", issuers) == "https://a.example"

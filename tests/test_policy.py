@@ -285,6 +285,15 @@ SCHEMA_CASES = [
     ),
     ("- just\n- a list\n", 1, "", "a policy document is a mapping"),
     (
+        doc(
+            "FallbackPolicy",
+            "  service: echo\n  locality:\n    failover:\n      - {from: eu-west, to: eu-west}\n",
+        ),
+        8,
+        "spec.locality.failover[0]",
+        "region 'eu-west' cannot fail over to itself",
+    ),
+    (
         "apiVersion: meshfn.io/v1alpha1\nkind: Service\nmetadata: {name: x}\nspec: {port: 1}\nstatus: {}\n",
         5,
         "status",

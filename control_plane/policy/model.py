@@ -636,6 +636,14 @@ class RegionFailover(Strict):
     from_: LocalityName = Field(alias="from")
     to: LocalityName
 
+    @model_validator(mode="after")
+    def _elsewhere(self) -> Self:
+        # the region's own endpoints come first anyway; Istio refuses it (and the whole
+        # DestinationRule with it)
+        if self.from_ == self.to:
+            raise ValueError(f"region {self.to!r} cannot fail over to itself")
+        return self
+
 
 class LocalityLb(Strict):
     """Prefer endpoints near the calling proxy: same node, then zone, then region, then the

@@ -31,7 +31,7 @@ from meshfn.ir import qos as envoy_qos
 from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
 
 from .core import Context, Obj, Source, gateways, resource, seconds, sidecar_services
-from .plugins import plugins_of, stripped_headers
+from .plugins import logged_headers, plugins_of, stripped_headers
 from .traffic import ENVOY_ROUTE_TIMEOUT, degraded_twin_in_vs, istio_cluster
 
 NETWORKING = "networking.istio.io/v1alpha3"
@@ -280,7 +280,8 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
         "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM}}}},
         "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": manager}},
     }
-    upstream = [n for n in stripped if n not in (ROUTING_HEADER, TENANT_HEADER)]
+    kept = {ROUTING_HEADER, TENANT_HEADER, *logged_headers(ctx, gw)}
+    upstream = [n for n in stripped if n not in kept]
     tail_patches = []
     if upstream:
         tail_patches.append(
@@ -414,6 +415,7 @@ def envoy_filters(ctx: Context) -> None:
         stripped = stripped_headers(ctx, sidecar)
         if not stripped:
             continue
+        logged = logged_headers(ctx, sidecar)
         spec = {
             "workloadSelector": {"labels": ctx.options.labels(service.name)},
             "priority": PRIORITY,
@@ -443,8 +445,11 @@ def envoy_filters(ctx: Context) -> None:
                     "patch": {
                         "operation": "MERGE",
                         "value": {
-                            # the QoS tenant goes on: the backend sheds and meters by it
-                            "request_headers_to_remove": [n for n in stripped if n != TENANT_HEADER]
+                            # the QoS tenant goes on (the backend sheds and meters by it),
+                            # and what the access log reads after the route
+                            "request_headers_to_remove": [
+                                n for n in stripped if n not in {TENANT_HEADER, *logged}
+                            ]
                         },
                     },
                 },

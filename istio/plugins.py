@@ -11,6 +11,7 @@ from meshfn.contracts.plugins import (
     DegradeSettings,
     FilterKind,
     MeshfnSettings,
+    bare_filter_state,
     internal_headers,
 )
 from meshfn.contracts.qos import TENANT_HEADER
@@ -94,6 +95,18 @@ def claim_headers_for(ctx: Context, workload: ir.Workload) -> dict[str, str]:
     if claim is not None:  # the QoS tenant: the rate limit and the inference backend read it
         out[TENANT_HEADER] = claim
     return out
+
+
+def logged_headers(ctx: Context, workload: ir.Workload) -> set[str]:
+    """Claim headers the access log reads when the request is done: a bare audit's tenant
+    (telemetry.istio_log_format). A route's request_headers_to_remove edits the very header map
+    the access log reads afterwards (measured with Envoy 1.40: the tenant logged as null), so
+    these must reach the application: jwt_authn wrote them from the verified token, after the
+    early header mutation removed any a client sent."""
+    audit = audit_for(ctx, workload)
+    if audit is not None and bare_filter_state(audit) and audit.tenant_claim:
+        return {audit.tenant_header}
+    return set()
 
 
 def stripped_headers(ctx: Context, workload: ir.Workload) -> list[str]:

@@ -76,6 +76,11 @@ def telemetries(ctx: Context) -> None:
             else {"providers": [{"name": p}]}
             for p in providers
         ]
+        if workload.kind == "sidecar":
+            # the requests the workload serves, not its own outbound calls (Istio's default
+            # for a log without a match is CLIENT_AND_SERVER), as the audit plugin's match
+            for entry in logging:
+                entry["match"] = {"mode": "SERVER"}
         spec = {"selector": {"matchLabels": ctx.options.labels(name)}, "accessLogging": logging}
         ctx.emit(
             resource(TELEMETRY, "Telemetry", f"meshfn-{name}", workload.namespace, spec),

@@ -57,6 +57,11 @@ def _spec(ctx: Context, plugin: Plugin, workload: str) -> Obj:
     }
     if plugin.listener is not None:
         spec["match"] = [{"mode": "CLIENT", "ports": [{"number": plugin.listener.port}]}]
+    else:
+        # A sidecar audits the requests its workload serves. Without a match Istio puts the
+        # plugin on the outbound listeners too (CLIENT_AND_SERVER): the workload's own calls
+        # would be recorded as answered by it, with claim headers it could set itself.
+        spec["match"] = [{"mode": "SERVER"}]
     return spec
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -396,6 +397,50 @@ def test_audit_tenant_travels_in_a_claim_header() -> None:
     claims = {c["header"]: c["claim"] for c in ra["spec"]["jwtRules"][0]["outputClaimToHeaders"]}
     assert claims["x-meshfn-jwt-sub"] == "sub" and claims["x-meshfn-jwt-tenant"] == "tenant"
     assert claims["x-tenant"] == "tenant"  # the rule's own entry stays
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_route_removes_a_header_the_access_log_reads(case: str) -> None:
+    """A route's request_headers_to_remove edits the header map the access log reads after it
+    (Envoy 1.40 then logs the header as null): the bare audit's tenant, which Istio's audit
+    provider reads from jwt_authn's claim header, must survive every route."""
+    result = rendering(case)
+    providers = result.mesh_config["meshConfig"]["extensionProviders"]
+    logged = {
+        match.lower()
+        for p in providers
+        if "envoyFileAccessLog" in p
+        for value in p["envoyFileAccessLog"]["logFormat"]["labels"].values()
+        for match in re.findall(r"%REQ\(([^)]+)\)%", value)
+    }
+    removed = {
+        name
+        for ef in result.objects.get("EnvoyFilter", [])
+        for patch in ef["spec"]["configPatches"]
+        if patch["applyTo"] == "ROUTE_CONFIGURATION"
+        for name in patch["patch"]["value"].get("request_headers_to_remove", [])
+    }
+    assert not logged & removed
+    if case in ("examples", "audit_bare"):
+        assert "x-meshfn-jwt-tenant" in logged and "x-meshfn-jwt-sub" in removed
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sidecars_audit_only_what_they_serve(case: str) -> None:
+    """Without a match Istio runs a WasmPlugin and an access log on a sidecar's outbound
+    listeners too: the workload's own calls would become its audit records. Sidecars' run on
+    SERVER traffic, gateways' on their listener's port."""
+    result = rendering(case)
+    model = load_policies(source(case))
+    gateway_labels = [{"app": w.name} for w in model.workloads if w.kind == "gateway"]
+    for plugin in result.objects.get("WasmPlugin", []):
+        (match,) = plugin["spec"]["match"]
+        on_gateway = plugin["spec"]["selector"]["matchLabels"] in gateway_labels
+        assert match["mode"] == ("CLIENT" if on_gateway else "SERVER"), plugin["metadata"]
+    for telemetry in result.objects.get("Telemetry", []):
+        if telemetry["spec"]["selector"]["matchLabels"] not in gateway_labels:
+            for entry in telemetry["spec"]["accessLogging"]:
+                assert entry["match"] == {"mode": "SERVER"}, telemetry["metadata"]
 
 
 # ---------------------------------------------------------------- bad input

@@ -31,7 +31,7 @@ from meshfn.ir import qos as envoy_qos
 from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
 
 from .core import Context, Obj, Source, gateways, resource, seconds, sidecar_services
-from .plugins import logged_headers, plugins_of, stripped_headers
+from .plugins import guarded, logged_headers, plugins_of, stripped_headers
 from .traffic import ENVOY_ROUTE_TIMEOUT, degraded_twin_in_vs, istio_cluster
 
 NETWORKING = "networking.istio.io/v1alpha3"
@@ -259,7 +259,7 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
         for name in sorted(clusters)
     ]
     manager: Obj = {"@type": HCM_TYPE, "local_reply_config": no_upstream_reply()}
-    qos_patches, qos_sources = _qos_patches(gw)
+    qos_patches, qos_sources = _qos_patches(ctx, gw)
     if gw.qos is not None and gw.qos.global_rate is not None:
         ctx.warn(
             "qos-global-rate-needs-meshfn-rls",
@@ -294,10 +294,12 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
     return [*cluster_patches, hcm_patch, *qos_patches, *patches, *tail_patches], sources
 
 
-def _qos_patches(gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
+def _qos_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
     """Per-tenant rate limits (ir.qos, descriptors from the tenant header jwt_authn writes):
     Envoy's local rate limit before the router, the gateway's policy in it, a route's own policy
-    per route, and every governed route naming its policy (the 429's JSON body)."""
+    per route (and its degraded twin, which serves the route's requests while the drift breaker
+    has tripped: as the translator's), and every governed route naming its policy (the 429's
+    JSON body)."""
     policies = envoy_qos.governing(gw)
     if not any(p.rate_limited for p in policies):
         return [], set()
@@ -321,6 +323,7 @@ def _qos_patches(gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
         }
     ]
     for listener in gw.listeners:
+        twins = guarded(ctx.model, listener)
         for route in listener.routes:
             policy = route.qos or gateway
             if policy is None:
@@ -339,13 +342,16 @@ def _qos_patches(gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
             if route.qos is not None:
                 own = envoy_qos.local_rate_limit(route.qos, True)
                 value["typed_per_filter_config"] = {envoy_qos.LOCAL_RATE_LIMIT: own}
+            names = [route_name(route.key, i) for i in range(len(route.matches))]
+            if route.key in twins:
+                names += [degraded_route_name(route.key, i) for i in range(len(route.matches))]
             patches += [
                 {
                     "applyTo": "HTTP_ROUTE",
-                    "match": _route_match(route_name(route.key, index)),
+                    "match": _route_match(name),
                     "patch": {"operation": "MERGE", "value": value},
                 }
-                for index in range(len(route.matches))
+                for name in names
             ]
     return patches, {Source("QoSPolicy", p.namespace, p.name) for p in policies}
 

@@ -443,6 +443,18 @@ def test_sidecars_audit_only_what_they_serve(case: str) -> None:
                 assert entry["match"] == {"mode": "SERVER"}, telemetry["metadata"]
 
 
+def test_a_routes_own_rate_limit_holds_on_its_degraded_twin() -> None:
+    """While the drift breaker has tripped, the twin serves the route's requests: it carries the
+    route's own limit (as the translator's twin does), not the gateway's (here: none)."""
+    limited = {
+        patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]
+        for ef in rendering("qos-drift").objects["EnvoyFilter"]
+        for patch in ef["spec"]["configPatches"]
+        if patch["applyTo"] == "HTTP_ROUTE" and "typed_per_filter_config" in patch["patch"]["value"]
+    }
+    assert limited == {"default/batch/0", "default/batch/0/degraded"}
+
+
 # ---------------------------------------------------------------- bad input
 
 runner = CliRunner()

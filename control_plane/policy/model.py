@@ -326,7 +326,11 @@ class HeaderMatch(Strict):
     prefix: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     regex: Regex | None = None
     present: bool | None = None
-    invert: bool = False
+    invert: bool = Field(
+        False,
+        description="match requests whose header does NOT match; a request without the header "
+        "matches an inverted value (x-env not prod), as Istio's withoutHeaders",
+    )
 
     @model_validator(mode="after")
     def _one(self) -> Self:

@@ -54,6 +54,9 @@ def _match(match: ir.RouteMatch) -> rc.RouteMatch:
             matcher.present_match = True
         else:
             matcher.string_match.CopyFrom(_string_match(header.kind, header.value))
+            # "x-env is not prod" holds for a request without x-env, as Istio's withoutHeaders
+            # reads it (Envoy alone would not match an absent header, inverted or not)
+            matcher.treat_missing_header_as_empty = header.invert
         out.headers.append(matcher)
     if match.methods:
         methods = match.methods

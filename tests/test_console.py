@@ -15,6 +15,7 @@ from multidict import MultiDict
 
 from meshfn.control_plane.health.drift import DriftPoint, RouteDrift, Transition
 from meshfn.control_plane.runtime.admin import AdminAccessError, AdminServer
+from meshfn.control_plane.runtime.console import web
 from meshfn.control_plane.runtime.console.render import drift_chart
 from meshfn.control_plane.runtime.console.web import QueryError, hostname, parse_query
 from meshfn.control_plane.service import ControlPlane
@@ -127,6 +128,41 @@ async def test_events_stream_every_panel_then_ticks(admin: tuple[ControlPlane, s
                     break
     assert set(seen) == {"topology", "proxies", "drift", "functions", "audit", "policy"}
     assert "&lt;img src=x" in seen["policy"] and "<img" not in seen["policy"]
+
+
+async def test_streams_are_for_the_console_page_and_bounded(
+    admin: tuple[ControlPlane, str],
+) -> None:
+    """A foreign page cannot open the live stream (its Origin is not the console's), and a
+    process opening streams without end gets a 503 past MAX_STREAMS instead of the core."""
+    _, url = admin
+    host = url.removeprefix("http://")
+    foreign = await _get(
+        url + "/ui/events",
+        headers={"Origin": "http://evil.example"},
+        timeout=aiohttp.ClientTimeout(total=5),  # served, the stream would never end
+    )
+    assert foreign[0] == 403 and "its own page" in foreign[1]
+    async with aiohttp.ClientSession() as session:
+        held = []
+        try:
+            for _ in range(web.MAX_STREAMS):
+                reply = await session.get(url + "/ui/events", headers={"Origin": f"http://{host}"})
+                assert reply.status == 200
+                await reply.content.readline()  # the stream has started: it counts
+                held.append(reply)
+            async with session.get(url + "/ui/events") as refused:
+                assert refused.status == 503 and refused.headers["Retry-After"] == "5"
+        finally:
+            for reply in held:
+                reply.close()
+        # closed streams are let go (at their next poll), and a new one is served
+        for _ in range(50):
+            async with session.get(url + "/ui/events") as again:
+                if again.status == 200:
+                    break
+            await asyncio.sleep(0.1)
+        assert again.status == 200
 
 
 async def test_loopback_console_refuses_other_hosts(admin: tuple[ControlPlane, str]) -> None:

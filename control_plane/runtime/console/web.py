@@ -36,6 +36,9 @@ log = logging.getLogger("meshfn.console")
 TICK_SECONDS = 1.0
 POLL_SECONDS = 0.25
 REFRESH_SECONDS = 1.0
+# Live streams at once: each browser tab holds one; a local process opening hundreds would
+# otherwise take the control plane's one core from ADS, SDS and the access-log receiver.
+MAX_STREAMS = 32
 COOKIE = "meshfn_console"
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -154,6 +157,9 @@ class ConsoleHub:
         self.closing = asyncio.Event()
         self._refreshed = 0.0
         self._refresh_lock = asyncio.Lock()
+        # per query, the panels rendered at most POLL_SECONDS ago: watchers of the same query
+        # share one rendering per poll instead of one each
+        self._rendered: dict[AuditQuery, tuple[float, ConsoleView, dict[str, str]]] = {}
 
     async def refresh(self) -> None:
         async with self._refresh_lock:
@@ -171,17 +177,38 @@ class ConsoleHub:
     def panels(self, view: ConsoleView) -> dict[str, str]:
         return {name: render.panel(name, view) for name in render.PANELS}
 
-    async def stream(self, query: AuditQuery, send: Callable[[bytes], Awaitable[None]]) -> None:
-        """Every panel at once, then each panel again when its HTML changes; a tick a second."""
+    def current(self, query: AuditQuery) -> tuple[ConsoleView, dict[str, str]]:
+        now = time.monotonic()
+        cached = self._rendered.get(query)
+        if cached is not None and now - cached[0] < POLL_SECONDS:
+            return cached[1], cached[2]
+        view = self.view(query)
+        panels = self.panels(view)
+        self._rendered = {
+            q: entry for q, entry in self._rendered.items() if now - entry[0] < POLL_SECONDS
+        }
+        self._rendered[query] = (now, view, panels)
+        return view, panels
+
+    async def stream(
+        self,
+        query: AuditQuery,
+        send: Callable[[bytes], Awaitable[None]],
+        start: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
+        """Every panel at once, then each panel again when its HTML changes; a tick a second.
+        `start` (the response's headers) runs once this stream counts as a watcher."""
         sent: dict[str, str] = {}
         next_tick = 0.0
-        await send(b"retry: 1000\n\n")
-        self.watchers += 1
+        self.watchers += 1  # before any wait: the stream limit counts it at once
         try:
+            if start is not None:
+                await start()
+            await send(b"retry: 1000\n\n")
             while not self.closing.is_set():
                 await self.refresh()
-                view = self.view(query)
-                for name, html in self.panels(view).items():
+                view, panels = self.current(query)
+                for name, html in panels.items():
                     if sent.get(name) != html:
                         await send(_event("panel", {"id": name, "html": html}))
                         sent[name] = html
@@ -193,6 +220,15 @@ class ConsoleHub:
                     await asyncio.wait_for(self.closing.wait(), POLL_SECONDS)
         finally:
             self.watchers -= 1
+
+
+def same_origin(request: web.Request) -> bool:
+    """A browser names the page that opens a stream in `Origin`: the console's own page only.
+    (No Origin: not a cross-origin browser request; curl and meshfn's tests send none.)"""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return True
+    return origin in (f"http://{request.host}", f"https://{request.host}")
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
@@ -224,12 +260,19 @@ def add_routes(app: web.Application, hub: ConsoleHub) -> None:
             query = parse_query(request.query, len(request.query_string))
         except QueryError as exc:
             return web.Response(text=f"{exc}\n", status=400)
+        if not same_origin(request):
+            return web.Response(text="the console's stream is for its own page\n", status=403)
+        if hub.watchers >= MAX_STREAMS:
+            return web.Response(
+                text=f"too many live console streams (at most {MAX_STREAMS})\n",
+                status=503,
+                headers={"Retry-After": "5"},
+            )
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "X-Accel-Buffering": "no"}
         )
-        await response.prepare(request)
         with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
-            await hub.stream(query, response.write)
+            await hub.stream(query, response.write, lambda: response.prepare(request))
         return response
 
     async def static(request: web.Request) -> web.Response:

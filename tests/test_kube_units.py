@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from meshfn.contracts.function import BackendConfig
+from meshfn.contracts.plugins import BUILDS
 from meshfn.control_plane.audit import signing
 from meshfn.control_plane.kube import crds
 from meshfn.control_plane.kube.api import KubeClient, KubeConfig
@@ -28,6 +29,8 @@ from meshfn.control_plane.kube.source import KubePolicySource, ObjectKey, compil
 from meshfn.control_plane.kube.workloads import BackendSettings, Rendered, render_backends
 from meshfn.control_plane.policy import PolicyErrors, load_policies
 from meshfn.control_plane.policy.model import KINDS as MODELS
+from meshfn.istio import render
+from meshfn.istio.options import RenderOptions
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "policies" / "examples"
@@ -227,7 +230,13 @@ def test_backends_are_rendered_from_the_function_schema() -> None:
     model = load_policies(EXAMPLES)
     rendered = render_backends(model, BackendSettings(), keda=False, hpa_version="v2")
     kinds = sorted(r.obj["kind"] for r in rendered)
-    assert kinds == ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "Service"]
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "Service",
+        "ServiceAccount",
+    ]
     config_map = next(r.obj for r in rendered if r.obj["kind"] == "ConfigMap")
     config = BackendConfig.model_validate(yaml.safe_load(config_map["data"]["backend.yaml"]))
     by_name = {f.name: f for f in config.functions or []}
@@ -258,6 +267,39 @@ def test_backends_are_rendered_from_the_function_schema() -> None:
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     assert ports["grpc-kserve"]["port"] == backend.grpc_service_port
     assert ports["grpc-kserve"]["targetPort"] == "grpc"
+
+
+def test_backend_pods_are_what_the_istio_objects_select() -> None:
+    """The rendered Istio objects select a Service's pods by `istio.labelKey` and authorize its
+    SPIFFE identity's service account: the backends the operator deploys must carry that label
+    and run as that account, or the audit plugin, the Telemetry, the EnvoyFilters and the
+    repository guard never apply to them, and their principal is `default`."""
+    model = load_policies(EXAMPLES)
+    digests = {build: "0" * 64 for build in BUILDS}
+    for key in ("app", "workload"):
+        rendered = render_backends(model, BackendSettings(), keda=False, label_key=key)
+        deployment = next(r.obj for r in rendered if r.obj["kind"] == "Deployment")
+        pod = deployment["spec"]["template"]
+        labels = pod["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        (account,) = [r.obj for r in rendered if r.obj["kind"] == "ServiceAccount"]
+        backend = model.service(model.functions[0].backend)
+        assert account["metadata"]["name"] == backend.identity.rsplit("/sa/", 1)[1]
+        assert pod["spec"]["serviceAccountName"] == account["metadata"]["name"]
+        assert account["automountServiceAccountToken"] is False
+        valid(account)
+        selectors = [
+            o["spec"].get("selector") or o["spec"].get("workloadSelector")
+            for objects in render(model, digests, RenderOptions(label_key=key)).objects.values()
+            for o in objects
+        ]
+        chosen = [
+            sel.get("matchLabels") or sel.get("labels")
+            for sel in selectors
+            if sel and (sel.get("matchLabels") or sel.get("labels")) == {key: backend.name}
+        ]
+        assert len(chosen) >= 3  # the audit WasmPlugin, its Telemetry, its EnvoyFilter, ...
+        assert all(c.items() <= labels.items() for c in chosen)
 
 
 def test_keda_scales_to_zero_and_artifacts_come_from_an_image() -> None:

@@ -82,6 +82,7 @@ MANAGED: tuple[Resource, ...] = (
     *(_res(k.api_version, k.kind) for k in istio.KINDS),
     _res("v1", "ConfigMap"),
     _res("v1", "Service"),
+    _res("v1", "ServiceAccount"),
     _res("apps/v1", "Deployment"),
     _res("autoscaling/v2beta2", "HorizontalPodAutoscaler"),
     _res("keda.sh/v1alpha1", "ScaledObject"),
@@ -464,7 +465,9 @@ class Operator:
         self.warnings = {}
         for line in warnings:
             self.warnings.setdefault(line.split(": ", 1)[0], []).append(line.split(": ", 1)[1])
-        return objects + render_backends(model, self.config.backends, self.keda, self.hpa_version)
+        return objects + render_backends(
+            model, self.config.backends, self.keda, self.hpa_version, self.config.istio.labelKey
+        )
 
     async def _reconcile_loop(self, stop: asyncio.Event) -> None:
         backoff = Backoff()

@@ -10,6 +10,10 @@ serves Functions gets
     in Kubernetes 1.20) or from a volume; the backend verifies their signatures against the
     trusted keys as it does outside Kubernetes;
   - a Kubernetes Service with the policy's name and port (what the Istio routes point at);
+  - the ServiceAccount the pods run as: the policy's (its SPIFFE identity's) account, the
+    principal Istio's AuthorizationPolicies name; the pods also carry the label the rendered
+    Istio selectors match (`istio.labelKey`, `app: <name>`), so the audit WasmPlugin, the
+    Telemetry, the EnvoyFilters and the repository guard select them;
   - a KEDA ScaledObject (minimum 0 pods) when the cluster has KEDA, else an
     HorizontalPodAutoscaler (autoscaling/v2beta2, the version 1.20 serves), both on the
     backend's own `meshfn_fn_inflight`. Inside a pod, instances still scale to zero by idleTtl.
@@ -113,7 +117,14 @@ def _labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "inference-backend"}
 
 
-def _pod(name: str, config_hash: str, settings: BackendSettings, grpc: bool) -> Obj:
+def _pod(
+    name: str,
+    config_hash: str,
+    settings: BackendSettings,
+    grpc: bool,
+    labels: dict[str, str],
+    account: str,
+) -> Obj:
     art = settings.artifacts
     volumes: list[Obj] = [
         {"name": "config", "configMap": {"name": f"{name}-backend"}},
@@ -172,7 +183,7 @@ def _pod(name: str, config_hash: str, settings: BackendSettings, grpc: bool) -> 
     }
     return {
         "metadata": {
-            "labels": _labels(name),
+            "labels": labels,
             "annotations": {
                 "meshfn.io/config-hash": config_hash,
                 "prometheus.io/scrape": "true",
@@ -187,6 +198,7 @@ def _pod(name: str, config_hash: str, settings: BackendSettings, grpc: bool) -> 
                 "fsGroup": 65532,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
+            "serviceAccountName": account,
             "automountServiceAccountToken": False,
             "initContainers": init,
             "containers": [container],
@@ -204,10 +216,15 @@ def _container_security() -> Obj:
 
 
 def render_backends(
-    model: ir.MeshModel, settings: BackendSettings, keda: bool, hpa_version: str = "v2"
+    model: ir.MeshModel,
+    settings: BackendSettings,
+    keda: bool,
+    hpa_version: str = "v2",
+    label_key: str = "app",
 ) -> list[Rendered]:
     """Every Kubernetes object the model's Functions need, each with the policy it comes from
-    (the backend's meshfn Service: deleting it garbage-collects them)."""
+    (the backend's meshfn Service: deleting it garbage-collects them). `label_key`: the pod
+    label the Istio renderer's selectors match (RenderOptions.label_key)."""
     by_backend: dict[str, list[ir.Function]] = {}
     for function in model.functions:
         by_backend.setdefault(function.backend, []).append(function)
@@ -227,6 +244,18 @@ def render_backends(
         )
         config_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
         meta = {"name": name, "namespace": ns, "labels": _labels(name)}
+        account = service.identity.rsplit("/sa/", 1)[1]
+        out.append(
+            Rendered(
+                source,
+                {
+                    "apiVersion": "v1",
+                    "kind": "ServiceAccount",
+                    "metadata": {**meta, "name": account},
+                    "automountServiceAccountToken": False,
+                },
+            )
+        )
         out.append(
             Rendered(
                 source,
@@ -245,7 +274,14 @@ def render_backends(
             "metadata": meta,
             "spec": {
                 "selector": {"matchLabels": _labels(name)},
-                "template": _pod(name, config_hash, settings, grpc_port is not None),
+                "template": _pod(
+                    name,
+                    config_hash,
+                    settings,
+                    grpc_port is not None,
+                    {**_labels(name), label_key: name},
+                    account,
+                ),
             },
         }
         out.append(Rendered(source, deployment))

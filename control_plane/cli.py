@@ -664,7 +664,7 @@ def render_istio(
 ) -> None:
     """Istio objects for the policies (PeerAuthentication ... Telemetry), validated against
     Istio's schemas; kubectl-apply-ready. Nothing is written when anything is wrong."""
-    from meshfn.istio import MissingModule, RenderOptions, SchemaError, render
+    from meshfn.istio import MissingModule, RenderOptions, SchemaError, Unrenderable, render
     from meshfn.istio.output import files
 
     from .audit.salt import load_or_create
@@ -697,7 +697,7 @@ def render_istio(
         options = dataclasses.replace(options, salt=load_or_create(state_dir))
     try:
         rendering = render(model, artifacts(build()), options)
-    except (BuildError, MissingModule) as exc:
+    except (BuildError, MissingModule, Unrenderable) as exc:
         _fail(str(exc))
         return
     except SchemaError as exc:

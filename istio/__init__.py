@@ -10,7 +10,17 @@ from dataclasses import dataclass
 
 from meshfn import ir
 
-from .core import Context, Obj, ObjectId, RenderWarning, Source, mesh_source
+from .core import (
+    Context,
+    Obj,
+    ObjectId,
+    RenderWarning,
+    Source,
+    Unrenderable,
+    check_regexes,
+    check_selectable,
+    mesh_source,
+)
 from .options import DEFAULT, OFFLINE_SALT, RenderOptions
 from .registry import BY_KIND, KINDS, MESH_CONFIG_FILE
 from .schema import SchemaError, validate
@@ -38,7 +48,10 @@ def render(
     overlay: ir.Overlay = NO_OVERLAY,
 ) -> Rendering:
     """Every object, validated; raises SchemaError naming the first invalid object and the
-    schema path (nothing is returned then), MissingModule when `digests` lacks a build."""
+    schema path (nothing is returned then), MissingModule when `digests` lacks a build,
+    Unrenderable when Istio could not tell two workloads apart or refuses a route's regex."""
+    check_selectable(model, options)
+    check_regexes(model)
     ctx = Context(model, options, digests, overlay)
     for kind in KINDS:
         kind.render(ctx)
@@ -75,5 +88,6 @@ __all__ = [
     "Rendering",
     "SchemaError",
     "Source",
+    "Unrenderable",
     "render",
 ]

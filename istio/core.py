@@ -145,6 +145,46 @@ def mesh_source(model: ir.MeshModel) -> Source:
     return Source("Mesh", "", model.name)
 
 
+class Unrenderable(ValueError):
+    """Policies meshfn runs, but that Istio cannot tell apart: nothing is written."""
+
+
+def check_selectable(model: ir.MeshModel, options: RenderOptions) -> None:
+    """Istio selects a workload's pods by one label (`options.label_key`: the workload's name):
+    a Gateway and a Service with sidecars of one name in one namespace would get each other's
+    audit plugin, Telemetry, EnvoyFilters and authorization, and their objects' names collide."""
+    seen: dict[tuple[str, str], Source] = {}
+    workloads = [Source("Gateway", g.namespace, g.name) for g in gateways(model)]
+    workloads += [Source("Service", s.namespace, s.name) for s in sidecar_services(model)]
+    for source in workloads:
+        other = seen.setdefault((source.namespace, source.name), source)
+        if other is not source:
+            label = f"{options.label_key}: {source.name}"
+            raise Unrenderable(
+                f"{other} and {source} share the pod label {label!r}: Istio would apply each "
+                "one's audit plugin, Telemetry, EnvoyFilters and authorization to the other's "
+                "pods; rename one of them"
+            )
+
+
+ISTIO_REGEX_MAX = 1024  # istiod's validateStringRegexp: a longer one refuses the object
+
+
+def check_regexes(model: ir.MeshModel) -> None:
+    """Route regexes (path and header) istiod refuses, with the whole VirtualService."""
+    for gw in gateways(model):
+        for listener in gw.listeners:
+            for route in listener.routes:
+                for match in route.matches:
+                    regexes = [match.path] + [h for h in match.headers if h.kind == "regex"]
+                    for item in regexes:
+                        if item.kind == "regex" and len(item.value) > ISTIO_REGEX_MAX:
+                            raise Unrenderable(
+                                f"{route_source(model, route)}: a regex of {len(item.value)} "
+                                f"characters; Istio refuses regexes over {ISTIO_REGEX_MAX}"
+                            )
+
+
 def gateways(model: ir.MeshModel) -> list[ir.Workload]:
     return [w for w in model.workloads if w.kind == "gateway"]
 

@@ -58,6 +58,16 @@ def destination_rules(ctx: Context) -> None:
         if traffic is not None:
             sources.append(fallback_source(service))
             _traffic(ctx, service, traffic, policy)
+        if not service.external:
+            for i, endpoint in enumerate(service.endpoints):
+                if endpoint.weight != 1:
+                    ctx.warn(
+                        "endpoint-weight-ignored",
+                        service_source(service),
+                        ("spec", "endpoints", i, "weight"),
+                        "a Kubernetes Service's endpoints are its pods, which Istio weighs "
+                        "alike: the weight applies only to `external` endpoints (WorkloadEntry)",
+                    )
         tls = _mtls(service)
         if tls is not None:
             policy["tls"] = {"mode": tls}
@@ -116,6 +126,16 @@ def _shedding(ctx: Context, service: ir.Service) -> None:
             return
 
 
+def _zero_ignored(ctx: Context, source: Source, path: tuple[str, ...], default: str) -> None:
+    ctx.warn(
+        "istio-ignores-zero",
+        source,
+        path,
+        f"Istio applies this limit only above 0: 0 is left out, and Istio's default ({default}) "
+        "holds",
+    )
+
+
 def _traffic(ctx: Context, service: ir.Service, traffic: ir.TrafficPolicy, policy: Obj) -> None:
     source = fallback_source(service)
     b = traffic.breakers
@@ -128,14 +148,19 @@ def _traffic(ctx: Context, service: ir.Service, traffic: ir.TrafficPolicy, polic
             http["http1MaxPendingRequests"] = b.max_pending_requests
         if b.max_requests is not None:
             http["http2MaxRequests"] = b.max_requests
-        if b.max_retries is not None:
+        if b.max_retries:
             http["maxRetries"] = b.max_retries
+        elif b.max_retries == 0:
+            _zero_ignored(ctx, source, ("spec", "circuitBreakers", "maxRetries"), "unlimited")
         if http:
             pool["http"] = http
         if b.retry_budget_percent is not None:
             budget: Obj = {"percent": b.retry_budget_percent}
-            if b.retry_budget_min_concurrency is not None:
+            if b.retry_budget_min_concurrency:
                 budget["minRetryConcurrency"] = b.retry_budget_min_concurrency
+            elif b.retry_budget_min_concurrency == 0:
+                path = ("spec", "retryBudget", "minRetryConcurrency")
+                _zero_ignored(ctx, source, path, "3")
             policy["retryBudget"] = budget
     o = traffic.outlier
     if o is not None:

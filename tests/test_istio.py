@@ -521,6 +521,55 @@ def test_cli_invalid_policy_gives_validate_errors(tmp_path: Path) -> None:
     assert rendered.output == validated.output
 
 
+def test_a_gateway_and_a_service_of_one_name_are_refused(tmp_path: Path) -> None:
+    """Istio selects both by `app: <name>`: each would get the other's plugins and policies
+    (and their objects' names collide). meshfn runs them apart; for Istio, a clear refusal."""
+    policies = tmp_path / "p.yaml"
+    policies.write_text(
+        (GOLDEN / "basic" / "in.yaml").read_text()
+        + "\n---\napiVersion: meshfn.io/v1alpha1\nkind: Service\nmetadata: {name: edge}\n"
+        "spec: {port: 9101, endpoints: [{address: 127.0.0.1, sidecar: {port: 15101}}]}\n"
+    )
+    assert runner.invoke(app, ["validate", str(policies)]).exit_code == 0
+    out = tmp_path / "o"
+    result = runner.invoke(app, ["render", "istio", "-p", str(policies), "-o", str(out)])
+    assert result.exit_code == 1 and not out.exists()
+    assert "Gateway default/edge and Service default/edge share the pod label 'app: edge'" in (
+        " ".join(result.output.split())
+    )
+
+
+def test_what_istio_ignores_or_refuses_is_said(tmp_path: Path) -> None:
+    """Istio applies maxRetries and minRetryConcurrency only above 0 and weighs a Kubernetes
+    Service's pods alike: warnings naming the field. A route regex over 1024 characters makes
+    istiod refuse the VirtualService: a refusal, nothing written."""
+    from meshfn.istio import Unrenderable
+
+    text = (GOLDEN / "basic" / "in.yaml").read_text()
+    extra = (
+        "\n---\napiVersion: meshfn.io/v1alpha1\nkind: FallbackPolicy\nmetadata: {name: fb}\n"
+        "spec:\n  service: echo\n  outlierDetection: {consecutive5xxErrors: 3}\n"
+        "  circuitBreakers: {maxRetries: 0}\n  retryBudget: {percent: 10, minRetryConcurrency: 0}\n"
+    )
+    policies = tmp_path / "p.yaml"
+    policies.write_text(
+        text.replace("address: 127.0.0.1}", "address: 127.0.0.1, weight: 3}") + extra
+    )
+    model = load_policies(policies)
+    result = render(model, DIGESTS)
+    warned = {(w.code, w.path) for w in result.warnings}
+    assert ("istio-ignores-zero", ("spec", "circuitBreakers", "maxRetries")) in warned
+    assert ("istio-ignores-zero", ("spec", "retryBudget", "minRetryConcurrency")) in warned
+    assert ("endpoint-weight-ignored", ("spec", "endpoints", 0, "weight")) in warned
+    (dr,) = [d for d in result.objects["DestinationRule"] if d["metadata"]["name"] == "echo"]
+    assert "maxRetries" not in str(dr) and "minRetryConcurrency" not in str(dr)
+    long = "^/(" + "|".join(f"v{i}" for i in range(300)) + ")$"
+    assert len(long) > 1024
+    policies.write_text(text.replace("prefix: /", f"regex: '{long}'", 1))
+    with pytest.raises(Unrenderable, match="Istio refuses regexes over 1024"):
+        render(load_policies(policies), DIGESTS)
+
+
 def test_cli_uses_the_built_modules(tmp_path: Path) -> None:
     from meshfn.control_plane.filters import artifacts, build
 

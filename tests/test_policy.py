@@ -286,6 +286,17 @@ SCHEMA_CASES = [
     ("- just\n- a list\n", 1, "", "a policy document is a mapping"),
     (
         doc(
+            "RequestAuthentication",
+            "  jwtRules:\n    - issuer: https://i.example\n"
+            "      jwks: '{\"keys\": []}'\n"
+            "      outputClaimToHeaders: [{header: x_tenant, claim: tenant}]\n",
+        ),
+        8,
+        "spec.jwtRules[0].outputClaimToHeaders[0].header",
+        "should match pattern",
+    ),
+    (
+        doc(
             "FallbackPolicy",
             "  service: echo\n  locality:\n    failover:\n      - {from: eu-west, to: eu-west}\n",
         ),

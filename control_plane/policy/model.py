@@ -468,7 +468,9 @@ class JwtHeader(Strict):
 
 
 class ClaimToHeader(Strict):
-    header: HeaderName
+    # letters, digits and '-' (what Istio's validateJwtRule takes): every proxy drops headers
+    # with underscores (contracts.proxy.REQUEST_HYGIENE), so such a claim header never arrives
+    header: Annotated[str, Field(pattern=r"^[-A-Za-z0-9]+$", min_length=1, max_length=256)]
     claim: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]+$", max_length=128)]
 
 

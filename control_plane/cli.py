@@ -25,6 +25,7 @@ from rich.text import Text
 
 from meshfn.common.clihelp import reflow_help
 from meshfn.common.logs import setup_logging
+from meshfn.istio.options import DEFAULT as ISTIO_DEFAULTS
 
 from .audit.cli import audit_app
 from .kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
@@ -646,11 +647,11 @@ def render_istio(
     ),
     wasm_base_url: Annotated[
         str,
-        typer.Option(help="https://... (modules at <base><sha256>.wasm) or oci://registry/repo"),
-    ] = "https://meshfn-control-plane.meshfn-system.svc/wasm/",
+        typer.Option(help="http(s)://... (modules at <base><sha256>.wasm) or oci://registry/repo"),
+    ] = ISTIO_DEFAULTS.wasm_base_url,
     control_plane_host: Annotated[
         str, typer.Option(help="the control plane's Service host (access-log stream)")
-    ] = "meshfn-control-plane.meshfn-system.svc.cluster.local",
+    ] = ISTIO_DEFAULTS.control_plane_host,
     journal_path: Annotated[
         str, typer.Option(help="where istio-proxy writes the audit journal")
     ] = "/var/run/meshfn/journal/audit.jsonl",

@@ -13,8 +13,9 @@ OFFLINE_SALT = SubjectSalt("00" * 32)
 
 @dataclass(frozen=True)
 class RenderOptions:
-    """Defaults fit a cluster where meshfn's control plane runs as the Service
-    `meshfn-control-plane` in `meshfn-system` and workloads carry `app: <name>`."""
+    """Defaults fit the Helm chart (manifests/) installed as release `meshfn-control-plane` in
+    `meshfn-system` (its Services `meshfn-control-plane`, admin port 9090 serving /wasm/, and
+    `meshfn-control-plane-als`), and workloads that carry `app: <name>`."""
 
     # meshfn selects a Service (its sidecars) or a Gateway by name; Istio by pod labels.
     label_key: str = "app"
@@ -22,11 +23,12 @@ class RenderOptions:
     root_namespace: str = "istio-system"
     # Hosts are <service>.<namespace>.svc.<cluster domain>.
     cluster_domain: str = "cluster.local"
-    # Filter modules are fetched from <base><sha256>.wasm (https://) or <base>/<build>:<sha256>
-    # (oci://); the Kubernetes control plane serves the first, content-addressed.
-    wasm_base_url: str = "https://meshfn-control-plane.meshfn-system.svc/wasm/"
-    # The control plane's in-cluster Service: the access-log stream of the drift breaker.
-    control_plane_host: str = "meshfn-control-plane.meshfn-system.svc.cluster.local"
+    # Filter modules are fetched from <base><sha256>.wasm (http(s)://, checked against sha256)
+    # or <base>/<build>:<sha256> (oci://); the Kubernetes control plane serves the first,
+    # content-addressed, on its admin port.
+    wasm_base_url: str = "http://meshfn-control-plane.meshfn-system.svc:9090/wasm/"
+    # The control plane's in-cluster access-log Service: the drift breaker's stream.
+    control_plane_host: str = "meshfn-control-plane-als.meshfn-system.svc.cluster.local"
     # Where istio-proxy writes the audit journal (a volume the audit collector reads).
     journal_path: str = "/var/run/meshfn/journal/audit.jsonl"
     # The audit filter's subject salt (a secret: it ends up in the WasmPlugins' pluginConfig).

@@ -499,7 +499,7 @@ def _check_named_model(request: dict[str, Any], model: tuple[str, str] | None) -
         value = request[key]
         if not isinstance(value, str):
             raise bad(f"'{key}' must be a string")
-        if chosen is not None and value != chosen:
+        if chosen is not None and value and value != chosen:  # "": none named, as over gRPC
             raise bad(f"'{key}' is {value!r}, but the request's path names {chosen!r}")
 
 

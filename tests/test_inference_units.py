@@ -277,6 +277,8 @@ def test_empty_outputs_list_means_all_and_a_named_model_must_match() -> None:
     named = json.dumps(req(model_name="m", model_version="2")).encode()
     assert parse_http(named, SIG, model=("m", "2")).id == "r1"
     assert parse_http(named, SIG).id == "r1"  # nothing chosen to compare with
+    unnamed = json.dumps(req(model_name="", model_version="")).encode()
+    assert parse_http(unnamed, SIG, model=("m", "2")).id == "r1"  # "" names none
     for body, message in (
         (req(model_name="other"), "'model_name' is 'other', but the request's path names 'm'"),
         (req(model_version="1"), "'model_version' is '1', but the request's path names '2'"),

@@ -37,26 +37,10 @@ from meshfn.ir.routing import precedence
 from meshfn.istio import SchemaError, render
 from meshfn.istio.schema import validate
 from meshfn.istio.security import ambiguous_principal
+from meshfn.testing.istio_cases import CASES, DIGESTS, GOLDEN, rendering, source
 from meshfn.xds.dump import resources_to_plain
 from meshfn.xds.translate import translate
 
-
-def _golden_module() -> Any:
-    """The golden module's cases and helpers (tests are not a package here)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "istio_golden", Path(__file__).parent / "test_istio_golden.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_golden = _golden_module()
-CASES, DIGESTS, GOLDEN = _golden.CASES, _golden.DIGESTS, _golden.GOLDEN
-rendering, source = _golden.rendering, _golden.source
 XDS_GOLDEN = Path(__file__).parent / "golden"
 XDS_CASES = sorted(p.name for p in XDS_GOLDEN.iterdir() if (p / "in.yaml").exists())
 

@@ -9,19 +9,17 @@ known-good ones pass, and the Kubernetes library (Go durations, net/url) behaves
 from __future__ import annotations
 
 import copy
-import hashlib
 import re
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
 from meshfn import ir
-from meshfn.contracts.plugins import BUILDS
 from meshfn.control_plane.policy import load_policies
 from meshfn.istio import render
+from meshfn.testing.istio_cases import CASES, CRDS, DIGESTS, GOLDEN, source
 from meshfn.testing.istio_cel import (
     CelChecker,
     Failure,
@@ -32,17 +30,6 @@ from meshfn.testing.istio_cel import (
     go_url_parse,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "tests" / "golden" / "istio"
-# ../shared beside the checkout (a worktree may sit deeper: the nearest ancestor's), as in
-# test_istio_golden.py
-CRDS = next(
-    (p / "shared/istio/crd-all.gen.yaml" for p in ROOT.parents if (p / "shared/istio").is_dir()),
-    ROOT.parent / "shared/istio/crd-all.gen.yaml",
-)
-EXAMPLES = "examples"
-CASES = [EXAMPLES, *sorted(p.name for p in GOLDEN.iterdir() if (p / "in.yaml").exists())]
-DIGESTS = {name: hashlib.sha256(f"golden:{name}".encode()).hexdigest() for name in BUILDS}
 DURATION_RULE = "duration(self) >= duration('1ms')"
 DURATION_MESSAGE = "must be a valid duration greater than 1ms"
 
@@ -63,8 +50,7 @@ def golden_objects(case: str) -> list[dict[str, Any]]:
 
 
 def rendered_objects(case: str) -> list[dict[str, Any]]:
-    source = ROOT / "policies" / "examples" if case == EXAMPLES else GOLDEN / case / "in.yaml"
-    rendering = render(load_policies(source), DIGESTS, overlay=ir.Overlay())
+    rendering = render(load_policies(source(case)), DIGESTS, overlay=ir.Overlay())
     return [obj for objects in rendering.objects.values() for obj in objects]
 
 

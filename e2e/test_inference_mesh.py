@@ -230,3 +230,13 @@ def test_batched_requests_keep_their_own_answers_and_audit_records(mesh: Mesh) -
     records = [json.loads(line) for line in out.stdout.splitlines()]
     ours = [r for r in records if r["path"] == "/v2/models/iris/infer"]
     assert len(ours) == len(flowers) and {r["status"] for r in ours} == {200}, ours
+    # bob's gRPC call, denied by the tenant rule (test_tritonclient_grpc_through_the_gateway):
+    # HTTP 200 with grpc-status 7 on the wire, a 403 in the trail
+    out = meshfn(
+        "audit", "query", "--store", str(mesh.state / "audit" / "audit.db"), "--json",
+        "--subject-raw", "bob",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    denied = [json.loads(line) for line in out.stdout.splitlines()]
+    grpc = [r for r in denied if r["path"] == "/inference.GRPCInferenceService/ModelInfer"]
+    assert grpc and {r["status"] for r in grpc} == {403}, denied

@@ -125,6 +125,7 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
     "authority": "%REQ(:AUTHORITY)%",
     "path": "%PATH(NQ)%",  # never the query string: tokens travel there
     "status": "%RESPONSE_CODE%",
+    "grpc_status": "%GRPC_STATUS(NUMBER)%",  # a gRPC refusal's HTTP status is 200
     "duration_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
     "duration_ms": "%DURATION%",
     "upstream_cluster": "%UPSTREAM_CLUSTER%",

@@ -101,6 +101,27 @@ def test_integers_past_64_bits_are_dropped() -> None:
     assert r["duration_us"] == 2**63 - 1
 
 
+@pytest.mark.parametrize(
+    ("status", "grpc_status", "recorded"),
+    [
+        ("200", "7", 403),  # RBAC's denial of a gRPC call: trailers-only, HTTP 200
+        ("200", "16", 401),
+        ("200", "8", 429),  # a rate limit
+        ("200", "14", 503),
+        ("200", "99", 500),  # no such gRPC status: a failure all the same
+        ("200", "0", 200),  # gRPC OK
+        ("200", None, 200),  # not gRPC (Envoy writes null)
+        ("403", None, 403),
+        ("503", "14", 503),  # an HTTP status of its own stays
+    ],
+)
+def test_a_grpc_refusal_is_recorded_with_its_http_status(
+    status: str, grpc_status: str | None, recorded: int
+) -> None:
+    line = {"status": status, "grpc_status": grpc_status, "audit": None}
+    assert from_log_line(json.dumps(line).encode(), "n")["status"] == recorded
+
+
 def test_not_audited_lines_ignore_the_bare_fields() -> None:
     """A request the filter never saw (jwt_authn or the codec answered first) has no filter
     state: the constant fields Envoy logs anyway do not make it look audited."""

@@ -143,6 +143,25 @@ def trace_id(traceparent: Any, b3: Any) -> str | None:
     return None
 
 
+# gRPC status -> the HTTP status it stands for (as grpc-gateway maps them)
+_GRPC_HTTP = {
+    1: 499, 2: 500, 3: 400, 4: 504, 5: 404, 6: 409, 7: 403, 8: 429,
+    9: 400, 10: 409, 11: 400, 12: 501, 13: 500, 14: 503, 15: 500, 16: 401,
+}  # fmt: skip
+
+
+def _status(entry: dict[str, Any]) -> int:
+    """The request's outcome. A gRPC call refused or failed in its trailers has HTTP status 200
+    (Envoy's RBAC denial, a rate limit, the application's error): it is recorded with the HTTP
+    status its gRPC status stands for (PERMISSION_DENIED: 403), so a query for the denials finds
+    gRPC ones too instead of successes."""
+    status = _int(entry.get("status")) or 0
+    grpc = _int(entry.get("grpc_status"))
+    if status == 200 and grpc:
+        return _GRPC_HTTP.get(grpc, 500)
+    return status
+
+
 def from_log_line(line: bytes, source: str) -> dict[str, Any]:
     """One access-log line (without the newline) -> a record."""
     try:
@@ -160,7 +179,7 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         "method": _str(entry.get("method"), "method", cut),
         "authority": _str(entry.get("authority"), "authority", cut),
         "path": _str(entry.get("path"), "path", cut),
-        "status": _int(entry.get("status")) or 0,
+        "status": _status(entry),
         "duration_us": _int(entry.get("duration_us")),
         "upstream_cluster": _str(entry.get("upstream_cluster"), "upstream_cluster", cut),
         "envoy_route": _str(entry.get("route"), "envoy_route", cut),

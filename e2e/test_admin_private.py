@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 from meshfn_e2e import Processes, children_of, command_name, http, remap_examples
 
+from meshfn.testing import policies as p
 from meshfn.testing.envoy import admin_request, admin_socket, live
 from meshfn.testing.policies import Policies
+from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import listening_tcp_ports, meshfn, up_with_functions, wait_for
 
 pytestmark = pytest.mark.skipif(
@@ -174,5 +176,27 @@ def test_an_explicit_admin_port_serves_admin_over_tcp_and_warns(tmp_path: Path) 
         assert live(port) and live(admin_socket(procs.tmp / "state", "edge.default"))
         dump = admin_request(port, "/config_dump?resource=dynamic_active_clusters")
         assert b"alpha.default" in dump
+        # A reload that drops adminPort closes the port; one that sets it again warns again.
+        docs = (p.mesh("e2e", "e2e.local", policies.ports["xds"], policies.ports["admin"]),)
+        listener = policies.ports["listener"]
+        policies.write("mesh.yaml", p.documents(*docs, p.gateway(None, listener)))
+        wait_for("the TCP admin port to close", lambda: not tcp_answers(port), timeout=30)
+        sock = admin_socket(procs.tmp / "state", "edge.default")
+        wait_for("the gateway on its socket alone", lambda: live(sock), timeout=30)
+        (other,) = free_ports(1)
+        policies.write("mesh.yaml", p.documents(*docs, p.gateway(other, listener)))
+        wait_for("admin on the new port", lambda: live(other), timeout=30)
+        logged = " ".join(up.output().split())
+        assert f"Gateway default/edge sets adminPort {other}" in logged
     finally:
         procs.stop_all()
+
+
+def tcp_answers(port: int) -> bool:
+    try:
+        live(port, timeout=1)
+    except OSError as exc:
+        return not isinstance(exc, ConnectionRefusedError) and not isinstance(
+            getattr(exc, "reason", None), ConnectionRefusedError
+        )
+    return True

@@ -67,18 +67,21 @@ def admin_socket_path(state_dir: Path, node_id: str) -> Path:
     )
 
 
-def admin_port_warnings(model: ir.MeshModel) -> list[str]:
-    """One warning per gateway whose policy opts in to a TCP admin port."""
-    return [
+def admin_port_warning(w: ir.Workload) -> str:
+    """What a Gateway's adminPort exposes (it opts in to a TCP admin port)."""
+    return (
         f"warning: Gateway {w.namespace}/{w.name} sets adminPort {w.admin_port}: its Envoy's admin "
         f"interface also answers on 127.0.0.1:{w.admin_port}, without authentication. Any local "
         "user (and any web page that reaches loopback) can read its configuration, including "
         "the ADS token that obtains the gateway's private key and SPIFFE identity, and drain "
         "or stop the gateway. Remove adminPort unless you alone use this host (meshfn itself "
         "reaches its Envoys over a private unix socket in the state directory)."
-        for w in model.workloads
-        if w.kind == "gateway" and w.admin_port
-    ]
+    )
+
+
+def admin_port_warnings(model: ir.MeshModel) -> list[str]:
+    """One warning per gateway whose policy opts in to a TCP admin port."""
+    return [admin_port_warning(w) for w in model.workloads if w.kind == "gateway" and w.admin_port]
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,13 @@ from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
 from .admin import AdminAccessError, AdminServer, is_loopback
 from .audit import AuditTrail
-from .bootstrap import AdminSocketPathTooLong, ProxyIdentity, admin_port_warnings, admin_socket_path
+from .bootstrap import (
+    AdminSocketPathTooLong,
+    ProxyIdentity,
+    admin_port_warning,
+    admin_port_warnings,
+    admin_socket_path,
+)
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, print_hints, sample_request
@@ -79,6 +85,11 @@ class Mesh:
                 )
         await _gather_or_raise(starts)
 
+        if _old is not None:  # a reload; `meshfn up` printed the first model's warnings
+            before = {w.node_cluster: w.admin_port for w in _old.workloads}
+            for w in model.workloads:
+                if w.kind == "gateway" and w.admin_port not in (0, before.get(w.node_cluster)):
+                    log.warning("%s", admin_port_warning(w))
         wanted_envoys = {
             w.node_cluster: ProxyIdentity.for_workload(w, self.cp.tokens.header(w.node_cluster))
             for w in model.workloads

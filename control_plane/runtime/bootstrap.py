@@ -91,7 +91,7 @@ class ProxyIdentity:
     node_id: str
     node_cluster: str
     locality: ir.Locality
-    admin_port: int  # 0: none (with an admin socket), else Envoy picks one
+    admin_port: int  # a Gateway's adminPort, 0 for none (without an admin socket: Envoy picks)
     xds_protocol: Literal["delta", "sotw"]
     authorization: str = field(default="", repr=False)  # bootstrap token (see identity/)
 

@@ -248,6 +248,8 @@ def _requests_by_port(admin: int) -> dict[int, int]:
     totals: dict[int, int] = {}
     for cluster in clusters:
         for host in cluster.get("host_statuses", []):
+            if "socket_address" not in host["address"]:
+                continue  # the adminPort forwarder's cluster: the admin socket (a pipe)
             port = host["address"]["socket_address"]["port_value"]
             stats = {s["name"]: int(s.get("value", 0)) for s in host.get("stats", [])}
             totals[port] = totals.get(port, 0) + stats.get("rq_total", 0)

@@ -1,9 +1,12 @@
-"""Secret files: written atomically, readable by the owner only (0600)."""
+"""Secret files: written atomically, readable by the owner only (0600); private directories."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger("meshfn.state")
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -23,3 +26,25 @@ def read_private(path: Path) -> bytes:
     if mode & 0o077:
         raise PermissionError(f"{path} is readable by others (mode {mode:o}); expected 0600")
     return path.read_bytes()
+
+
+def private_directory(path: Path) -> int | None:
+    """Create `path` (mode 0700), or make an existing one 0700: nobody but its owner may list
+    or enter it, whatever the modes of the files inside. Returns the mode it had when that was
+    wider (for the caller to log), else None."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = path.stat().st_mode & 0o777
+    if mode == 0o700:
+        return None
+    path.chmod(0o700)
+    return mode if mode & 0o077 else None
+
+
+def secure_state_dir(state_dir: Path) -> None:
+    """meshfn's state directory is its owner's alone (0700): it holds keys, Envoy bootstraps
+    with their ADS tokens, the Envoys' admin sockets, logs, the audit store and its salt."""
+    was = private_directory(state_dir)
+    if was is not None:
+        log.warning(
+            "state directory %s was mode %o, open to other users: made it 0700", state_dir, was
+        )

@@ -179,6 +179,8 @@ def validate(
     threshold: ThresholdOpt = "error",
 ) -> None:
     """Check policies: schema, references, port clashes. Prints file:line: field: problem."""
+    from .runtime.bootstrap import admin_port_warnings
+
     model, items = _load_or_exit(path)
     routes = sum(len(lst.routes) for w in model.workloads for lst in w.listeners)
     gateways = sum(1 for w in model.workloads if w.kind == "gateway")
@@ -188,6 +190,8 @@ def validate(
         f"{len(model.services)} service(s), {sidecars} sidecar(s), "
         f"{routes} route attachment(s)"
     )
+    for warning in admin_port_warnings(model):
+        err.print(f"[yellow]{warning}[/yellow]", highlight=False)
     if run_analyze:
         raise typer.Exit(_analysis(path, model, items, state_dir, None, False, threshold))
 
@@ -293,10 +297,13 @@ def up(
 ) -> None:
     """Run the control plane, one Envoy per gateway and sidecar, the inference backends and
     placeholder upstreams; hot-reload policies. The web console is at ADMIN/ui."""
+    from meshfn.common.files import secure_state_dir
+
     from .runtime.up import run_up
     from .runtime.upstreams import FunctionsSetup
 
     setup_logging(log_format, log_level)
+    secure_state_dir(state_dir)  # before anything is published into it
     registry = functions_registry or state_dir / "functions"
     keys = list(trusted_key or [])
     if publish_examples:

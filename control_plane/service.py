@@ -222,7 +222,9 @@ class ControlPlane:
         them, so a mesh without audit or drift breakers needs no filters."""
         drift = any(s.drift is not None and s.fallback for s in model.services)
         if model.audit is not None:  # Envoy opens its journal at listener creation
-            journal_dir(self.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+            journals = journal_dir(self.state_dir)
+            journals.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            journals.mkdir(exist_ok=True, mode=0o700)
         return ProxyHost(
             wasm_dir=self._filters() if drift or model.audit is not None else OFFLINE_HOST.wasm_dir,
             state_dir=self.state_dir,

@@ -29,6 +29,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from meshfn.contracts.qos import ORCA_HEADER, ORCA_HEADERS, TENANT_HEADER
+from meshfn.testing.envoy import admin_json, admin_request, admin_socket
 from meshfn.testing.policies import qos_examples, set_gateway_shedding
 from meshfn.testing.processes import issue_token, meshfn, up_with_functions, wait_for
 
@@ -50,7 +51,7 @@ class Mesh:
     backends: list[str]  # host:port of each inference backend serving iris (its /metrics)
     state: Path
     policies: Path
-    gateway_admin: str  # the gateway Envoy's admin host:port
+    gateway_admin: Path  # the gateway Envoy's admin socket
 
     def token(self, tenant: str | None, sub: str = "alice") -> str:
         return issue_token(self.state, sub, tenant)
@@ -97,7 +98,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             [f"127.0.0.1:{mapping[port]}" for port in (9101, 9102, 9103)],
             state,
             policies,
-            f"127.0.0.1:{mapping[19000]}",
+            admin_socket(state, "edge.ingress"),
         )
         acme = result.token("acme")
         wait_for("iris through the mesh", lambda: result.infer(acme).status == 200, timeout=60)
@@ -209,7 +210,7 @@ def test_backend_load_reports_stay_inside_the_mesh(mesh: Mesh) -> None:
 
     def weights() -> list[int] | None:
         burst(mesh, acme, 40, connections=4)
-        clusters = http(f"http://{mesh.gateway_admin}/clusters?format=json").json()
+        clusters = admin_json(mesh.gateway_admin, "/clusters?format=json")
         served = [
             int(host.get("weight", 1))
             for cluster in clusters["cluster_statuses"]
@@ -431,8 +432,8 @@ def test_gateway_sheds_the_lower_priorities_before_the_backend(mesh: Mesh) -> No
     set_gateway_shedding(mesh.policies / TENANTS.name, True)
 
     def routes_by_priority() -> bool:
-        dump = http(f"http://{mesh.gateway_admin}/config_dump?resource=dynamic_route_configs")
-        return b'"priority": "HIGH"' in dump.body
+        dump = admin_request(mesh.gateway_admin, "/config_dump?resource=dynamic_route_configs")
+        return b'"priority": "HIGH"' in dump
 
     wait_for("the gateway's priority routes", routes_by_priority, timeout=30)
     initech, acme = mesh.token("initech", sub="gw-initech"), mesh.token("acme")
@@ -501,8 +502,8 @@ def test_gateway_sheds_grpc_as_resource_exhausted(mesh: Mesh) -> None:
     set_gateway_shedding(mesh.policies / TENANTS.name, True)  # on since the test above
 
     def routes_by_priority() -> bool:
-        dump = http(f"http://{mesh.gateway_admin}/config_dump?resource=dynamic_route_configs")
-        return b'"priority": "HIGH"' in dump.body
+        dump = admin_request(mesh.gateway_admin, "/config_dump?resource=dynamic_route_configs")
+        return b'"priority": "HIGH"' in dump
 
     wait_for("the gateway's priority routes", routes_by_priority, timeout=30)
     initech, acme = mesh.token("initech", sub="gw-grpc-initech"), mesh.token("acme")

@@ -382,7 +382,7 @@ class Workload:
     name: str
     namespace: str
     kind: Literal["gateway", "sidecar"]
-    admin_port: int  # 0: pick a free one (sidecars)
+    admin_port: int  # a TCP admin port the policy opts in to (Gateway adminPort); 0: none
     xds_protocol: Literal["delta", "sotw"]
     locality: Locality
     listeners: tuple[Listener, ...]

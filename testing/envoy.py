@@ -2,11 +2,16 @@
 
 The command line is meshfn's own (`runtime.envoy.envoy_argv`), with the defaults a test wants:
 one worker thread (the machine is small and shared) and warnings only.
+
+An admin interface is a TCP port on loopback (static configs of tests, a Gateway's explicit
+`adminPort`) or a unix socket (a Path: what every Envoy of `meshfn up` serves, `admin_socket`).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import subprocess
 import tempfile
 import urllib.request
@@ -14,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from meshfn.control_plane.runtime.bootstrap import admin_socket_path
 from meshfn.control_plane.runtime.envoy import envoy_argv, envoy_binary
 
 from .processes import Proc, Processes, wait_for
@@ -60,32 +66,72 @@ def validate(
         )
 
 
-def live(admin_port: int, timeout: float = 2.0) -> bool:
+Admin = int | Path  # a TCP port on 127.0.0.1, or a unix socket
+
+
+def admin_socket(state_dir: Path, node_cluster: str, instance: int = 0) -> Path:
+    """The admin socket of the Envoy `meshfn up` runs for a workload (e.g. "edge.ingress")."""
+    return admin_socket_path(state_dir, f"{node_cluster}~{instance}")
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over a unix socket (Envoy's admin `pipe` address)."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("envoy-admin", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(str(self.path))
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def admin_request(admin: Admin, path: str, timeout: float = 5.0, method: str = "GET") -> bytes:
+    """An admin answer's body; OSError (urllib's HTTPError, or one saying the status) unless
+    Envoy answered 200."""
+    if isinstance(admin, int):
+        request = urllib.request.Request(f"http://127.0.0.1:{admin}{path}", method=method)
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return bytes(reply.read())
+    connection = UnixHTTPConnection(admin, timeout)
+    try:
+        connection.request(method, path)
+        response = connection.getresponse()
+        body = response.read()
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise OSError(f"{admin}: {method} {path} answered {response.status}: {body[:200]!r}")
+    return body
+
+
+def live(admin: Admin, timeout: float = 2.0) -> bool:
     """Envoy's admin /ready says LIVE: listeners are up and the initial config is applied."""
-    url = f"http://127.0.0.1:{admin_port}/ready"
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
-        return bool(reply.read().strip() == b"LIVE")
+    return admin_request(admin, "/ready", timeout).strip() == b"LIVE"
 
 
-def admin_json(admin_port: int, path: str, timeout: float = 10.0) -> Any:
+def admin_json(admin: Admin, path: str, timeout: float = 10.0) -> Any:
     """One of Envoy's admin answers in JSON (`path` with `format=json`, e.g. /clusters)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}{path}", timeout=timeout) as reply:
-        return json.load(reply)
+    return json.loads(admin_request(admin, path, timeout))
 
 
-def active_cluster(admin_port: int, name: str) -> dict[str, Any]:
+def active_cluster(admin: Admin, name: str) -> dict[str, Any]:
     """The cluster `name` as Envoy runs it (its config dump: active, not warming)."""
-    dump = admin_json(admin_port, "/config_dump?resource=dynamic_active_clusters")
+    dump = admin_json(admin, "/config_dump?resource=dynamic_active_clusters")
     clusters: list[dict[str, Any]] = [c["cluster"] for c in dump["configs"]]
     (found,) = [c for c in clusters if c["name"] == name]
     return found
 
 
-def stat(admin_port: int, name: str) -> int:
+def stat(admin: Admin, name: str) -> int:
     """One Envoy counter or gauge from its admin interface (0 while Envoy has not created it)."""
-    url = f"http://127.0.0.1:{admin_port}/stats?filter=^{name}$"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
+    text = admin_request(admin, f"/stats?filter=^{name}$").decode()
     for line in text.splitlines():
         key, _, value = line.partition(": ")
         if key == name:

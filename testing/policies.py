@@ -50,13 +50,18 @@ def mesh(
 
 
 def gateway(
-    admin_port: int, listener: int, name: str = "edge", namespace: str | None = None, **spec: Any
+    admin_port: int | None,
+    listener: int,
+    name: str = "edge",
+    namespace: str | None = None,
+    **spec: Any,
 ) -> str:
-    """A Gateway with one HTTP listener; `spec` adds fields (xdsProtocol, locality, ...)."""
+    """A Gateway with one HTTP listener; `spec` adds fields (xdsProtocol, locality, ...).
+    `admin_port`: its Envoy's admin also on that loopback TCP port (None: on its unix socket
+    only, as policies/examples)."""
     listeners = [{"name": "http", "port": listener}]
-    return doc(
-        "Gateway", name, {"adminPort": admin_port, "listeners": listeners, **spec}, namespace
-    )
+    admin = {} if admin_port is None else {"adminPort": admin_port}
+    return doc("Gateway", name, {**admin, "listeners": listeners, **spec}, namespace)
 
 
 def service(

@@ -84,6 +84,28 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
+def listening_tcp_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on: its socket descriptors' inodes, looked up in
+    its network namespace's /proc/net/tcp{,6} (state 0A: LISTEN)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:
+                ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
 @dataclass
 class Proc:
     """A subprocess we own; `stop()` is idempotent and verifies the process is gone.

@@ -74,7 +74,7 @@ class SqliteStore(AuditStore):
                     isolation_level=None,
                 )
             else:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 if not self.path.exists():
                     self._create()
                 self._db = self._connect(self.path)
@@ -105,6 +105,9 @@ class SqliteStore(AuditStore):
         racing to create it, one wins and the other opens the winner's)."""
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.new")
         tmp.unlink(missing_ok=True)
+        # Owner-only (records carry subjects' pseudonyms); SQLite gives its -wal and -shm
+        # files the database file's mode.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         self._db = self._connect(tmp)
         try:
             self._db.executescript(_DDL)

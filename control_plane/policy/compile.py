@@ -225,7 +225,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
                 name=gw_item.name,
                 namespace=gw_item.namespace,
                 kind="gateway",
-                admin_port=spec.adminPort,
+                admin_port=spec.adminPort or 0,
                 xds_protocol=spec.xdsProtocol,
                 locality=_locality(spec.locality),
                 listeners=tuple(listeners),

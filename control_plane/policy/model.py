@@ -202,7 +202,14 @@ class GatewaySpec(Strict):
     """An Envoy the mesh runs and configures: the entry point that clients call."""
 
     listeners: Annotated[list[GatewayListener], Field(min_length=1, max_length=64)]
-    adminPort: Port = Field(description="Envoy admin port (always bound to 127.0.0.1)")
+    adminPort: Port | None = Field(
+        None,
+        description=(
+            "also serve the gateway Envoy's admin interface on this port of 127.0.0.1 (without"
+            " it, only on a unix socket in the state directory). Unauthenticated: every local"
+            " user can read its configuration, including its ADS token, and drain or stop it"
+        ),
+    )
     serviceAccount: Name | None = Field(None, description="identity; defaults to the name")
     locality: Locality | None = None
     xdsProtocol: Literal["delta", "sotw"] = Field(

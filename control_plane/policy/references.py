@@ -195,15 +195,16 @@ def _check_ports(items: list[Loaded]) -> list[PolicyError]:
                 )
             )
         elif isinstance(obj, Gateway):
-            binds.append(
-                _Bind(
-                    "127.0.0.1",
-                    obj.spec.adminPort,
-                    f"the admin port of Gateway {item.namespace}/{item.name}",
-                    item,
-                    ("spec", "adminPort"),
+            if obj.spec.adminPort is not None:
+                binds.append(
+                    _Bind(
+                        "127.0.0.1",
+                        obj.spec.adminPort,
+                        f"the admin port of Gateway {item.namespace}/{item.name}",
+                        item,
+                        ("spec", "adminPort"),
+                    )
                 )
-            )
             for i, listener in enumerate(obj.spec.listeners):
                 binds.append(
                     _Bind(

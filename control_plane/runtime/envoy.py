@@ -12,7 +12,7 @@ import aiohttp
 
 from meshfn.common.files import write_private
 
-from .bootstrap import ProxyIdentity, bootstrap_json
+from .bootstrap import ProxyIdentity, admin_socket_path, bootstrap_json
 from .process import SupervisedProcess
 
 
@@ -76,20 +76,28 @@ def envoy_argv(
 
 
 async def admin_request(
-    port: int, path: str, timeout: float = 2.0, method: str = "GET"
+    admin: Path | int, path: str, timeout: float = 2.0, method: str = "GET"
 ) -> tuple[int, bytes]:
-    """An HTTP request to an Envoy admin port on loopback."""
+    """An HTTP request to an Envoy admin interface: its unix socket (`meshfn up`'s Envoys), or
+    a TCP port on loopback."""
     client_timeout = aiohttp.ClientTimeout(total=timeout)
+    if isinstance(admin, Path):
+        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=str(admin))
+        url = f"http://envoy-admin{path}"
+    else:
+        connector = aiohttp.TCPConnector()
+        url = f"http://127.0.0.1:{admin}{path}"
     async with (
-        aiohttp.ClientSession(timeout=client_timeout) as session,
-        session.request(method, f"http://127.0.0.1:{port}{path}") as response,
+        aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session,
+        session.request(method, url) as response,
     ):
         return response.status, await response.read()
 
 
 class EnvoyProcess(SupervisedProcess):
     """A supervised Envoy whose bootstrap points at our ADS server. Ready means the admin
-    /ready endpoint says LIVE, i.e. the initial ADS fetch completed."""
+    /ready endpoint says LIVE, i.e. the initial ADS fetch completed. Its admin interface is
+    the unix socket `admin_socket` (see bootstrap.py), which only this user can connect to."""
 
     def __init__(
         self,
@@ -104,12 +112,14 @@ class EnvoyProcess(SupervisedProcess):
         self.identity = identity
         safe = identity.node_id.replace("/", "_").replace("~", "-").replace(":", "-")
         config = state_dir / "envoy" / f"{safe}.json"
+        self.admin_socket = admin_socket_path(state_dir, identity.node_id)
         # The bootstrap holds the proxy's bootstrap token: owner-only.
         write_private(
-            config, json.dumps(bootstrap_json(identity, xds_host, xds_port), indent=2).encode()
+            config,
+            json.dumps(
+                bootstrap_json(identity, xds_host, xds_port, self.admin_socket), indent=2
+            ).encode(),
         )
-        self.admin_file = state_dir / "envoy" / f"{safe}.admin"
-        self.admin_file.unlink(missing_ok=True)
         argv = envoy_argv(
             config,
             concurrency=concurrency,
@@ -117,7 +127,6 @@ class EnvoyProcess(SupervisedProcess):
             drain_time_s=1,
             # audit journals (file access logs) reach the collector within 0.2 s, not 10 s
             file_flush_interval_ms=200,
-            admin_address_path=self.admin_file,
         )
         super().__init__(
             name=f"envoy {identity.node_id}",
@@ -127,25 +136,21 @@ class EnvoyProcess(SupervisedProcess):
             preexec=preexec,
         )
 
-    def admin_port(self) -> int:
-        """The configured admin port, or the one Envoy picked (it writes "IP:PORT" to the
-        admin address file once the admin listener is bound)."""
-        if self.identity.admin_port:
-            return self.identity.admin_port
-        return int(self.admin_file.read_text().rsplit(":", 1)[1])
+    async def _spawn(self) -> None:
+        # Not a previous Envoy's socket: readiness must hear from this one.
+        self.admin_socket.unlink(missing_ok=True)
+        await super()._spawn()
 
     async def reopen_logs(self) -> None:
         """Have Envoy reopen its access-log files (after the audit collector renamed one)."""
-        status, body = await admin_request(self.admin_port(), "/reopen_logs", method="POST")
+        status, body = await admin_request(self.admin_socket, "/reopen_logs", method="POST")
         if status != 200:
             raise RuntimeError(f"{self.name}: /reopen_logs answered {status}: {body[:200]!r}")
 
     async def _ready(self) -> bool:
-        try:
-            port = self.admin_port()
-        except (OSError, ValueError, IndexError):
+        if not self.admin_socket.exists():
             return False
-        status, body = await admin_request(port, "/ready")
+        status, body = await admin_request(self.admin_socket, "/ready")
         return status == 200 and body.strip() == b"LIVE"
 
 

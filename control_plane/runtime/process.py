@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -70,17 +71,21 @@ class SupervisedProcess:
         self._task = asyncio.create_task(self._supervise(), name=f"supervise-{self.name}")
 
     async def _spawn(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log_file:
+        # Owner-only: a log may hold what a process was told (Envoy at debug logs headers).
+        self.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.argv,
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=log_file,
+                stdout=log_fd,
+                stderr=log_fd,
                 env=self.env,
                 start_new_session=True,
                 preexec_fn=self._in_child,
             )
+        finally:
+            os.close(log_fd)
         self._started_at = time.monotonic()
         log.info("started %s (pid %d)", self.name, self._proc.pid)
 

@@ -8,6 +8,8 @@ import logging
 import signal
 from pathlib import Path
 
+from meshfn.common.files import secure_state_dir
+
 from .. import filters
 from ..service import ControlPlane, tune_gc
 from .admin import AdminAccessError, AdminServer
@@ -24,6 +26,7 @@ async def run_serve(
     admin_host: str = "127.0.0.1",
     admin_token: str | None = None,
 ) -> int:
+    secure_state_dir(state_dir)
     wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare)
     cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
     result = await cp.reload()

@@ -21,6 +21,7 @@ import aiohttp
 from rich.console import Console
 
 from meshfn import ir
+from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
 from meshfn.ebpf import AccelerationUnavailable
 
@@ -31,7 +32,13 @@ from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
 from .admin import AdminAccessError, AdminServer, is_loopback
 from .audit import AuditTrail
-from .bootstrap import ProxyIdentity
+from .bootstrap import (
+    AdminSocketPathTooLong,
+    ProxyIdentity,
+    admin_port_warning,
+    admin_port_warnings,
+    admin_socket_path,
+)
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, print_hints, sample_request
@@ -78,6 +85,11 @@ class Mesh:
                 )
         await _gather_or_raise(starts)
 
+        if _old is not None:  # a reload; `meshfn up` printed the first model's warnings
+            before = {w.node_cluster: w.admin_port for w in _old.workloads}
+            for w in model.workloads:
+                if w.kind == "gateway" and w.admin_port not in (0, before.get(w.node_cluster)):
+                    log.warning("%s", admin_port_warning(w))
         wanted_envoys = {
             w.node_cluster: ProxyIdentity.for_workload(w, self.cp.tokens.header(w.node_cluster))
             for w in model.workloads
@@ -128,25 +140,23 @@ class Mesh:
             if spec.functions
         ]
 
-    def gateway_admin_ports(self) -> dict[str, int]:
-        """Gateway node cluster -> its Envoy's admin port (for endpoint health)."""
+    def gateway_admin_sockets(self) -> dict[str, Path]:
+        """Gateway node cluster -> its Envoy's admin socket (for endpoint health)."""
         model = self.cp.model
         gateways = (
             {w.node_cluster for w in model.workloads if w.kind == "gateway"} if model else set()
         )
-        out = {}
-        for group, (_, proc) in self.envoys.items():
-            if group not in gateways or not isinstance(proc, EnvoyProcess):
-                continue
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                out[group] = proc.admin_port()
-        return out
+        return {
+            group: proc.admin_socket
+            for group, (_, proc) in self.envoys.items()
+            if group in gateways and isinstance(proc, EnvoyProcess)
+        }
 
     def console_sources(self, acceleration: Acceleration | None) -> ConsoleSources:
         audit = self.audit
         return ConsoleSources(
             functions=FunctionStats(self.backends),
-            health=EndpointHealth(self.gateway_admin_ports),
+            health=EndpointHealth(self.gateway_admin_sockets),
             audit=AuditView(
                 lambda: audit.store.path if audit is not None and audit.store else None,
                 self.state_dir,
@@ -211,6 +221,7 @@ async def run_up(
             highlight=False,
         )
         return 1
+    secure_state_dir(state_dir)
     with RichReporter(Console(stderr=True), "proxy-wasm filters") as progress:
         wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare, progress)
     cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
@@ -223,7 +234,14 @@ async def run_up(
         return 1
     model = cp.model
     assert model is not None
-    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for workload in model.workloads:
+            admin_socket_path(state_dir, ProxyIdentity.for_workload(workload, "").node_id)
+    except AdminSocketPathTooLong as exc:
+        console.print(f"[red]{exc.strerror}[/red]", highlight=False)
+        return 1
+    for warning in admin_port_warnings(model):
+        console.print(f"[yellow]{warning}[/yellow]", highlight=False)
     if model.functions and functions is None:
         console.print("[red]the policies declare functions: give --functions-registry[/red]")
         return 1

@@ -115,20 +115,24 @@ def parse_clusters(document: Mapping[str, Any]) -> dict[str, list[HostHealth]]:
     return out
 
 
-class EndpointHealth:
-    """`gateways()` maps each gateway's node cluster to its Envoy's admin port."""
+async def _admin_json(socket: Path, path: str) -> Fetched:
+    """From an Envoy's admin interface on its unix socket (see runtime/bootstrap.py)."""
+    connector = aiohttp.UnixConnector(path=str(socket))
+    async with aiohttp.ClientSession(connector=connector, timeout=FETCH_TIMEOUT) as session:
+        return await _get_json(session, f"http://envoy-admin{path}")
 
-    def __init__(self, gateways: Callable[[], dict[str, int]]) -> None:
+
+class EndpointHealth:
+    """`gateways()` maps each gateway's node cluster to its Envoy's admin socket."""
+
+    def __init__(self, gateways: Callable[[], dict[str, Path]]) -> None:
         self.gateways = gateways
         self.latest: dict[str, Fetched] = {}
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         wanted = self.gateways()
         results = await asyncio.gather(
-            *(
-                _get_json(session, f"http://127.0.0.1:{port}/clusters?format=json")
-                for port in wanted.values()
-            )
+            *(_admin_json(socket, "/clusters?format=json") for socket in wanted.values())
         )
         self.latest = dict(zip(wanted, results, strict=True))
 

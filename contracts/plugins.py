@@ -149,7 +149,10 @@ class DegradeRule(_Strict):
         return self
 
 
-_CALLER = Annotated[str, Field(pattern=r"^[!#-+\--\[\]-~]{1,2048}$")]
+# What the C filters compare callers as: printable ASCII without space, '"', ',' and '\'
+# (the filters' JSON strings carry no escapes). Policies that name trigger callers check this.
+CALLER_PATTERN = r"^[!#-+\--\[\]-~]{1,2048}$"
+_CALLER = Annotated[str, Field(pattern=CALLER_PATTERN)]
 ISSUER_HEADER = "x-meshfn-jwt-iss"
 SUBJECT_HEADER = "x-meshfn-jwt-sub"
 

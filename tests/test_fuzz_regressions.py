@@ -19,6 +19,9 @@ CASES = sorted(
 # policy/duration-past-a-c-int: a duration of 120 digits ("333...ms") overflowed timedelta's
 #   C int: OverflowError out of the loader instead of a file:line error
 #   (tests/test_policy.py, the connectTimeout case "longer than 365 days").
+# policy/drill-caller-with-a-quote: a drill requestPrincipal with '"' passed the policy (any
+#   request principal) but not the degrade filter's caller pattern: a pydantic error out of the
+#   translator instead of a file:line error (tests/test_policy.py, the drill caller case).
 # ads/sotw-node-with-invalid-utf8: a SotW request whose node had invalid UTF-8 passed the lazy
 #   head parse and raised DecodeError out of the stream loop: UNKNOWN and a traceback instead
 #   of INVALID_ARGUMENT (tests/test_ads.py::test_lazily_parsed_garbage_ends_the_stream_cleanly).

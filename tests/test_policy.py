@@ -285,6 +285,13 @@ SCHEMA_CASES = [
     ),
     ("- just\n- a list\n", 1, "", "a policy document is a mapping"),
     (
+        "apiVersion: meshfn.io/v1alpha1\nkind: Mesh\nmetadata: {name: m2}\nspec:\n"
+        "  drill:\n    requestPrincipals: ['https://i.example/a,b']\n",
+        6,
+        "spec.drill.requestPrincipals[0]",
+        "the degrade filter compares callers as printable ASCII",
+    ),
+    (
         doc(
             "RequestAuthentication",
             "  jwtRules:\n    - issuer: https://i.example\n"

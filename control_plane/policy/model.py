@@ -7,13 +7,15 @@ a default is how meshes get opened up.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from meshfn.contracts.durations import MAX_DURATION, Duration
 from meshfn.contracts.function import FunctionSettings
+from meshfn.contracts.plugins import CALLER_PATTERN
 from meshfn.contracts.principals import RequestPrincipal
 from meshfn.contracts.qos import GatewayShedding, LoadBalancer, TenantClasses
 
@@ -132,6 +134,18 @@ class Audit(Strict):
     bodyHash: BodyHashing = Field(default_factory=BodyHashing)
 
 
+def _filter_caller(value: str) -> str:
+    if not re.fullmatch(CALLER_PATTERN, value):
+        raise ValueError(
+            f"{value!r}: the degrade filter compares callers as printable ASCII without spaces, "
+            "quotes, commas or backslashes"
+        )
+    return value
+
+
+DrillCaller = Annotated[RequestPrincipal, AfterValidator(_filter_caller)]
+
+
 class Drill(Strict):
     """Callers allowed to force drift-guarded routes onto their degraded route (game days,
     testing a fallback before it is needed): a request from them carrying `<header>: 1` goes
@@ -141,11 +155,10 @@ class Drill(Strict):
     live on gateways, whose clients authenticate with tokens, not mTLS."""
 
     header: HeaderName = Field("x-meshfn-degrade", description="the drill header (lowercase)")
-    requestPrincipals: Annotated[list[RequestPrincipal], Field(min_length=1, max_length=256)] = (
-        Field(
-            description="callers with a verified JWT: <iss>/<sub>, <iss>/* or *, as in"
-            " AuthorizationPolicy"
-        )
+    requestPrincipals: Annotated[list[DrillCaller], Field(min_length=1, max_length=256)] = Field(
+        description="callers with a verified JWT: <iss>/<sub>, <iss>/* or *, as in"
+        " AuthorizationPolicy (printable ASCII without spaces, quotes, commas or backslashes:"
+        " the degrade filter compares them as they are)"
     )
 
     @model_validator(mode="after")

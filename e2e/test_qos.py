@@ -536,12 +536,12 @@ def test_gateway_sheds_grpc_as_resource_exhausted(mesh: Mesh) -> None:
         ("shed", "initech", "DEFAULT")
     }
     assert all(t["x-meshfn-qos-limit"] == "shed" and t["retry-after"] == "1" for _, t in at_gateway)
-    # The audit trail names the tenant and the limit. A gRPC reply's HTTP status is 200 (the
-    # record's `status`; the gRPC status travels in grpc-status).
+    # The audit trail names the tenant and the limit. A gRPC reply's HTTP status is 200, with
+    # RESOURCE_EXHAUSTED in grpc-status: the record's `status` is the 429 that stands for.
     refused_here: list[dict[str, Any]] = []
 
     def all_recorded() -> bool:  # the collector runs behind
-        records = audited(mesh, "gw-grpc-initech", "200")
+        records = audited(mesh, "gw-grpc-initech", "429")
         refused_here[:] = [r for r in records if r["flags"] == "UO"]  # no upstream request made
         return len(refused_here) >= len(at_gateway)
 

@@ -50,12 +50,16 @@ class AdminSocketPathTooLong(OSError):
     """The state directory is too deep for a unix socket path."""
 
 
+def node_file_stem(node_id: str) -> str:
+    """A node id as a file name (its bootstrap STATE/envoy/<stem>.json, its admin socket)."""
+    return node_id.replace("/", "_").replace("~", "-").replace(":", "-")
+
+
 def admin_socket_path(state_dir: Path, node_id: str) -> Path:
     """Where an Envoy of `meshfn up` serves its admin interface: STATE/envoy/<node>.sock, or
     STATE/envoy/<digest>.sock when the node's name would not fit in a socket address."""
     directory = Path(os.path.abspath(state_dir)) / "envoy"
-    safe = node_id.replace("/", "_").replace("~", "-").replace(":", "-")
-    for name in (safe, hashlib.sha256(node_id.encode()).hexdigest()[:16]):
+    for name in (node_file_stem(node_id), hashlib.sha256(node_id.encode()).hexdigest()[:16]):
         path = directory / f"{name}.sock"
         if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
             return path

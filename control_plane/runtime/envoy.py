@@ -12,7 +12,7 @@ import aiohttp
 
 from meshfn.common.files import write_private
 
-from .bootstrap import ProxyIdentity, admin_socket_path, bootstrap_json
+from .bootstrap import ProxyIdentity, admin_socket_path, bootstrap_json, node_file_stem
 from .process import SupervisedProcess
 
 
@@ -75,22 +75,26 @@ def envoy_argv(
     return argv
 
 
+def admin_session(
+    admin: Path | int, timeout: aiohttp.ClientTimeout
+) -> tuple[aiohttp.ClientSession, str]:
+    """A session to an Envoy admin interface, and the base URL of its paths: its unix socket
+    (`meshfn up`'s Envoys), or a TCP port on loopback."""
+    if isinstance(admin, Path):
+        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=str(admin))
+        base = "http://envoy-admin"
+    else:
+        connector = aiohttp.TCPConnector()
+        base = f"http://127.0.0.1:{admin}"
+    return aiohttp.ClientSession(connector=connector, timeout=timeout), base
+
+
 async def admin_request(
     admin: Path | int, path: str, timeout: float = 2.0, method: str = "GET"
 ) -> tuple[int, bytes]:
-    """An HTTP request to an Envoy admin interface: its unix socket (`meshfn up`'s Envoys), or
-    a TCP port on loopback."""
-    client_timeout = aiohttp.ClientTimeout(total=timeout)
-    if isinstance(admin, Path):
-        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=str(admin))
-        url = f"http://envoy-admin{path}"
-    else:
-        connector = aiohttp.TCPConnector()
-        url = f"http://127.0.0.1:{admin}{path}"
-    async with (
-        aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session,
-        session.request(method, url) as response,
-    ):
+    """An HTTP request to an Envoy admin interface (`admin_session`)."""
+    session, base = admin_session(admin, aiohttp.ClientTimeout(total=timeout))
+    async with session, session.request(method, base + path) as response:
         return response.status, await response.read()
 
 
@@ -110,7 +114,7 @@ class EnvoyProcess(SupervisedProcess):
         preexec: Callable[[], None] | None = None,
     ) -> None:
         self.identity = identity
-        safe = identity.node_id.replace("/", "_").replace("~", "-").replace(":", "-")
+        safe = node_file_stem(identity.node_id)
         config = state_dir / "envoy" / f"{safe}.json"
         self.admin_socket = admin_socket_path(state_dir, identity.node_id)
         # The bootstrap holds the proxy's bootstrap token: owner-only.

@@ -28,6 +28,7 @@ from ...audit.sqlite import SqliteStore
 from ...audit.store import StoreError
 from ...audit.verify import VerifyReport, verify
 from ...audit.witness import FileWitness
+from ..envoy import admin_session
 
 log = logging.getLogger("meshfn.console")
 
@@ -117,9 +118,9 @@ def parse_clusters(document: Mapping[str, Any]) -> dict[str, list[HostHealth]]:
 
 async def _admin_json(socket: Path, path: str) -> Fetched:
     """From an Envoy's admin interface on its unix socket (see runtime/bootstrap.py)."""
-    connector = aiohttp.UnixConnector(path=str(socket))
-    async with aiohttp.ClientSession(connector=connector, timeout=FETCH_TIMEOUT) as session:
-        return await _get_json(session, f"http://envoy-admin{path}")
+    session, base = admin_session(socket, FETCH_TIMEOUT)
+    async with session:
+        return await _get_json(session, base + path)
 
 
 class EndpointHealth:

@@ -3,6 +3,8 @@
 #   ./dev.sh up     install what is needed, then run `meshfn up` on policies/examples (with the
 #                   example model functions built, signed and published)
 #   ./dev.sh test   install what is needed, then lint, type-check and run every test
+#   ./dev.sh unit   the unit tests only (no Envoy, PostgreSQL, clang, fuzzing or apiserver; < 60 s)
+#   ./dev.sh check  ruff, mypy and the import layering (lint-imports)
 #   ./dev.sh setup  only install
 # Works on a fresh Debian 12 as root with nothing but Python 3.11; everything else is installed
 # here (system packages via apt, Python packages into ./.venv).
@@ -13,7 +15,7 @@ cd "$(dirname "$0")"
 
 VENV=${MESHFN_VENV:-.venv}
 # Folders that hold meshfn's Python packages (mapped into the meshfn namespace by pyproject.toml).
-PY_PACKAGES="common contracts ir istio control_plane xds inference ebpf testing"
+PY_PACKAGES="common contracts ir policy istio xds health audit kube wasm_filters control_plane inference ebpf testing"
 PYTHON=${PYTHON:-python3}
 # Our top-level folder `xds/` would shadow xds-protos' `xds` package if the working directory
 # were on sys.path (`python -m`, `python -c`): never put it there.
@@ -115,6 +117,20 @@ setup_test() {
     || { log "fetching helm failed (e2e/kube/fetch-helm.sh)"; exit 1; }
 }
 
+# Lint, types and the layering: what `./dev.sh check` runs and `./dev.sh test` runs first.
+check() {
+  log "ruff"
+  # shellcheck disable=SC2086
+  "$VENV/bin/ruff" check $PY_PACKAGES functions tests e2e bench
+  # shellcheck disable=SC2086
+  "$VENV/bin/ruff" format --check --quiet $PY_PACKAGES functions tests e2e bench
+  log "mypy"
+  # shellcheck disable=SC2046
+  "$VENV/bin/mypy" $(printf -- '-p meshfn.%s ' $PY_PACKAGES)
+  log "import layering (lint-imports)"
+  "$VENV/bin/lint-imports" --no-cache
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
@@ -126,23 +142,23 @@ case "$cmd" in
   test)
     setup
     setup_test
-    log "ruff"
-    # shellcheck disable=SC2086
-    "$VENV/bin/ruff" check $PY_PACKAGES functions wasm_filters tests e2e bench
-    # shellcheck disable=SC2086
-    "$VENV/bin/ruff" format --check --quiet $PY_PACKAGES functions wasm_filters tests e2e bench
-    log "mypy"
-    # shellcheck disable=SC2046
-    "$VENV/bin/mypy" $(printf -- '-p meshfn.%s ' $PY_PACKAGES)
-    log "import layering (lint-imports)"
-    "$VENV/bin/lint-imports" --no-cache
+    check
     log "pytest"
     exec "$VENV/bin/pytest" -p no:cacheprovider "$@"
     ;;
-  help | -h | --help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' ;;
+  unit)
+    ensure_venv
+    exec "$VENV/bin/pytest" -p no:cacheprovider -q tests \
+      -m "not (e2e or slow or postgres or envoy or clang or fuzz)" "$@"
+    ;;
+  check)
+    ensure_venv
+    check
+    ;;
+  help | -h | --help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' ;;
   *)
     log "unknown command: $cmd"
-    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac

@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshfn.control_plane.audit import FileWitness, open_store, signing, verify
-from meshfn.control_plane.audit.collector import AuditCollector
-from meshfn.control_plane.audit.signer import SignerClient, wait_ready
+from meshfn.audit import FileWitness, open_store, signing, verify
+from meshfn.audit.collector import AuditCollector
+from meshfn.audit.signer import SignerClient, wait_ready
 from meshfn.testing.postgres import PostgresServer
 
 HERE = Path(__file__).resolve().parent
@@ -160,7 +160,7 @@ def scenario(location: str, journals: list[Path], tmp: Path, name: str) -> dict[
     witness = tmp / name / "witness" / "checkpoints.jsonl"
     address = f"unix:{tmp / f'{name}.sock'}"
     signer = subprocess.Popen(
-        [sys.executable, "-P", "-m", "meshfn.control_plane.audit.cli", "signer", "--store",
+        [sys.executable, "-P", "-m", "meshfn.audit.cli", "signer", "--store",
          location, "--key", str(key), "--witness", str(witness), "--listen", address],
         stdout=subprocess.DEVNULL,
         stderr=(tmp / f"{name}-signer.log").open("wb"),

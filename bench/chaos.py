@@ -60,19 +60,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshfn.audit import layout
+from meshfn.audit.sqlite import SqliteStore
+from meshfn.audit.store import StoreError
 from meshfn.contracts.journal import journal_path
-from meshfn.control_plane.audit import layout
-from meshfn.control_plane.audit.sqlite import SqliteStore
-from meshfn.control_plane.audit.store import StoreError
 from meshfn.control_plane.identity.bootstrap_token import BootstrapTokens
 from meshfn.control_plane.identity.issuer import LocalIssuer
-from meshfn.control_plane.policy import load_policies
 from meshfn.control_plane.runtime.audit import signer_process
 from meshfn.control_plane.runtime.bootstrap import ProxyIdentity
 from meshfn.control_plane.runtime.envoy import envoy_process
 from meshfn.control_plane.runtime.process import SupervisedProcess
 from meshfn.control_plane.runtime.upstreams import upstream_process, upstreams_for
 from meshfn.ebpf import Accelerator
+from meshfn.policy import load_policies
 from meshfn.testing import policies as p
 from meshfn.testing.ports import named_ports
 from meshfn.testing.processes import MESHFN

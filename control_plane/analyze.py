@@ -20,8 +20,7 @@ from typing import Any, Literal, TypeVar
 from cryptography import x509
 
 from meshfn.ir import MeshModel
-
-from .policy.model import (
+from meshfn.policy.model import (
     AuthorizationPolicy,
     Condition,
     FallbackPolicy,
@@ -35,7 +34,7 @@ from .policy.model import (
     Service,
     Source,
 )
-from .policy.validate import Loaded
+from meshfn.policy.validate import Loaded
 
 T = TypeVar("T")
 Severity = Literal["Error", "Warning", "Info"]

@@ -23,13 +23,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from meshfn.audit.cli import audit_app
 from meshfn.common.clihelp import reflow_help
 from meshfn.common.logs import setup_logging
 from meshfn.istio.options import DEFAULT as ISTIO_DEFAULTS
-
-from .audit.cli import audit_app
-from .kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
-from .policy import PolicyErrors, load_policies
+from meshfn.kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
+from meshfn.policy import PolicyErrors, load_policies
 
 app = typer.Typer(
     name="meshfn",
@@ -103,7 +102,7 @@ ThresholdOpt = Annotated[
 
 
 def _load_or_exit(path: Path) -> tuple[Any, list[Any]]:
-    from .policy import PolicyLoader
+    from meshfn.policy import PolicyLoader
 
     try:
         return PolicyLoader(path).load_with_sources()
@@ -229,7 +228,7 @@ def schema(
     out_dir: Annotated[Path, typer.Option("--out", help="directory")] = Path("policies/schema"),
 ) -> None:
     """Export the JSON Schema of every policy kind (generated from the models)."""
-    from .policy.schema import export
+    from meshfn.policy.schema import export
 
     for path in export(out_dir):
         out.print(f"wrote {path}")
@@ -492,7 +491,7 @@ def status(
     """Every connected proxy: per type the version sent and ACKed, and the last NACK. With
     --kube: every meshfn custom resource, its conditions and the objects it owns."""
     if kube:
-        from .kube.cli import print_status
+        from meshfn.kube.cli import print_status
 
         raise typer.Exit(print_status(out, kubeconfig, context, namespace))
     document = _get_json(_admin_url(admin) + "/debug/status")
@@ -564,7 +563,7 @@ def status(
     if backends:
         _print_functions(backends)
     if document.get("kube"):
-        from .kube.cli import print_operator
+        from meshfn.kube.cli import print_operator
 
         print_operator(out, document["kube"])
     for node, type_name, nack in nacks:
@@ -672,17 +671,16 @@ def render_istio(
 ) -> None:
     """Istio objects for the policies (PeerAuthentication ... Telemetry), validated against
     Istio's schemas; kubectl-apply-ready. Nothing is written when anything is wrong."""
+    from meshfn.audit.salt import load_or_create
     from meshfn.istio import MissingModule, RenderOptions, SchemaError, Unrenderable, render
     from meshfn.istio.output import files
-
-    from .audit.salt import load_or_create
-    from .filters import BuildError, artifacts, build
-    from .policy import PolicyLoader
+    from meshfn.policy import PolicyLoader
+    from meshfn.wasm_filters import BuildError, artifacts, build
 
     loader = PolicyLoader(policies)
     try:
         if from_cluster:
-            from .kube.cli import cluster_model
+            from meshfn.kube.cli import cluster_model
 
             model, provenance = cluster_model(kubeconfig, context, namespace)
         else:
@@ -715,7 +713,7 @@ def render_istio(
     for warning in rendering.warnings:
         source = warning.source
         where = provenance.where(source.kind, source.namespace, source.name, warning.path)
-        from .policy.source import format_loc
+        from meshfn.policy.source import format_loc
 
         lines.append(
             f"{where or source}: {format_loc(warning.path)}: {warning.message} "
@@ -934,8 +932,7 @@ def filters_build(
 ) -> None:
     """Build the filter modules (clang + lld) into the content-addressed cache; print where."""
     from meshfn.common.progress import RichReporter
-
-    from .filters import BuildError, artifacts, build
+    from meshfn.wasm_filters import BuildError, artifacts, build
 
     try:
         with RichReporter(err, "filters") as progress:
@@ -949,7 +946,7 @@ def filters_build(
 
 
 def _mount_kube_cli() -> None:
-    from .kube.cli import kube_app
+    from meshfn.kube.cli import kube_app
 
     app.add_typer(kube_app, name="kube")
 

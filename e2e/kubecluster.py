@@ -26,20 +26,13 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from meshfn.testing.istio_cases import CRDS
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import Proc, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "e2e" / "kube" / "build.sh"
-# Istio's CRDs are test data from ../shared (beside the clone; a worktree may sit one deeper).
-ISTIO_CRDS = next(
-    (
-        p / "shared" / "istio" / "crd-all.gen.yaml"
-        for p in (REPO.parent, REPO.parent.parent)
-        if (p / "shared" / "istio" / "crd-all.gen.yaml").exists()
-    ),
-    REPO.parent / "shared" / "istio" / "crd-all.gen.yaml",
-)
+ISTIO_CRDS = CRDS  # Istio 1.31's CRDs, vendored in istio/crds/
 CONTROLLER_NAMESPACE = "meshfn-system"
 CONTROLLER_USER = f"system:serviceaccount:{CONTROLLER_NAMESPACE}:meshfn"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}

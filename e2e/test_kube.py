@@ -21,7 +21,7 @@ import pytest
 import yaml
 from kubecluster import CONTROLLER_NAMESPACE, ISTIO_CRDS, REPO, KubeCluster, helm_path
 
-from meshfn.control_plane.kube.names import KINDS
+from meshfn.contracts.kube import KINDS
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
 

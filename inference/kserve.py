@@ -203,7 +203,7 @@ class InferRequest:
         """The request as the guest reads it (functions/wit/model.wit): every input's data as
         `raw` (base64 of the raw layout) for guests that take it, else as JSON `data`."""
         # Written piece by piece rather than through one json.dumps of a dict: the same text
-        # (tests/test_inference_units.py compares), at half the cost on small requests. Only
+        # (tests/inference/test_inference_units.py compares), at half the cost on small requests. Only
         # the name and the client's values need JSON escaping; datatype, shape and base64 do not.
         parts = []
         for t in self.inputs:

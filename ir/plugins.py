@@ -147,7 +147,7 @@ def _literal(text: str) -> str:
 
 
 def mesh_route_fields(trusted_gateways: tuple[str, ...] | None) -> dict[str, str]:
-    """How the access log names the mesh route (control_plane/audit/record.py: mesh_route reads
+    """How the access log names the mesh route (audit/record.py: mesh_route reads
     it). A gateway (`trusted_gateways` None) names it from its own route metadata; a sidecar
     copies the gateway's `x-meshfn-route` header and the SPIFFE IDs of the gateways it may
     believe, and the record names the route only when the request's verified mTLS peer is one of

@@ -104,7 +104,7 @@ class _Node:
 
 
 # Operators, macros' helpers and standard functions the engine evaluates as cel-go does
-# (tests/test_istio_cel.py holds them to it).
+# (tests/istio/test_istio_cel.py holds them to it).
 _STANDARD = frozenset(
     {
         "!_",

@@ -21,13 +21,13 @@ import aiohttp
 from rich.console import Console
 
 from meshfn import ir
+from meshfn import wasm_filters as filters
+from meshfn.audit.collector import CollectorMetrics
+from meshfn.audit.store import StoreError
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
 from meshfn.ebpf import AccelerationUnavailable
 
-from .. import filters
-from ..audit.collector import CollectorMetrics
-from ..audit.store import StoreError
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
 from .admin import AdminAccessError, AdminServer, is_loopback

@@ -1,0 +1,215 @@
+"""Translator properties beyond the golden files: memoisation on IR objects, scoping, ordering."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm,
+)
+from google.protobuf.message import Message
+
+from meshfn import ir
+from meshfn.policy import load_policies
+from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
+from meshfn.xds.translate import httpfilters, listeners, routes, sidecar, translate
+from meshfn.xds.translate.common import pack
+from meshfn.xds.translate.httpfilters import FilterContext, HttpFilter
+from meshfn.xds.translate.resources import Resources
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "policies" / "examples"
+
+
+def test_unknown_workload_gets_nothing() -> None:
+    assert translate(load_policies(EXAMPLES), "nobody.default") is None
+
+
+def test_unchanged_ir_yields_identical_messages() -> None:
+    model = load_policies(EXAMPLES)
+    first = translate(model, "edge.ingress")
+    second = translate(load_policies(EXAMPLES), "edge.ingress")
+    assert first is not None and second is not None
+    for type_url in (LISTENER, ROUTE, CLUSTER, ENDPOINT):
+        for name, message in first[type_url].items():
+            assert second[type_url][name] is message  # memoised on the (equal) IR object
+
+
+def test_a_changed_endpoint_changes_only_its_assignment() -> None:
+    model = load_policies(EXAMPLES)
+    first = translate(model, "edge.ingress")
+    service = model.service("default/echo")
+    moved = dataclasses.replace(
+        service, endpoints=(dataclasses.replace(service.endpoints[0], sidecar_port=15299),)
+    )
+    changed = dataclasses.replace(
+        model, services=tuple(moved if s.key == service.key else s for s in model.services)
+    )
+    second = translate(changed, "edge.ingress")
+    assert first is not None and second is not None
+    assert second[ENDPOINT]["echo.default"] is not first[ENDPOINT]["echo.default"]
+    assert second[ENDPOINT]["models-lite.default"] is first[ENDPOINT]["models-lite.default"]
+    assert second[CLUSTER]["echo.default"] is first[CLUSTER]["echo.default"]
+    port = second[ENDPOINT]["echo.default"].endpoints[0].lb_endpoints[0].endpoint.address
+    assert port.socket_address.port_value == 15299  # reached through its sidecar
+
+
+def test_methods_become_one_header_matcher() -> None:
+    from meshfn.xds.translate.routes import _match
+
+    one = _match(ir.RouteMatch(ir.PathMatch("prefix", "/"), methods=("POST",)))
+    assert one.headers[0].name == ":method" and one.headers[0].string_match.exact == "POST"
+    two = _match(ir.RouteMatch(ir.PathMatch("prefix", "/"), methods=("GET", "POST")))
+    assert two.headers[0].string_match.safe_regex.regex == "GET|POST"
+
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+
+
+def test_every_resource_is_memoised_with_filters_that_touch_routes() -> None:
+    """The audit filter in jwt_headers mode and the combined plugin add early header mutations,
+    route header removals and an ECDS resource: an equal IR still yields identical messages."""
+    for case, node in (("audit_drift", "edge.default"), ("audit", "llm.default:15001")):
+        first = translate(load_policies(GOLDEN / case / "in.yaml"), node)
+        second = translate(load_policies(GOLDEN / case / "in.yaml"), node)
+        assert first is not None and second is not None
+        assert first.keys() == second.keys()
+        for type_url, by_name in first.items():
+            for name, message in by_name.items():
+                assert second[type_url][name] is message, (case, type_url, name)
+
+
+class _Stamp(HttpFilter[FilterContext]):
+    """A filter a change might add: one entry, one header the routes remove, one cluster."""
+
+    def config(self, ctx: FilterContext) -> FilterContext | None:
+        return ctx if ctx.jwt_rules else None
+
+    def http_filters(self, ctx: FilterContext, config: FilterContext) -> Iterable[hcm.HttpFilter]:
+        return (hcm.HttpFilter(name="test.stamp", typed_config=pack(router_pb2.Router())),)
+
+    def request_headers_to_remove(self, ctx: FilterContext, config: FilterContext) -> Iterable[str]:
+        return ("x-test-stamp",)
+
+    def resources(
+        self, ctx: FilterContext, config: FilterContext, overlay: ir.Overlay
+    ) -> Resources:
+        return {CLUSTER: {"stamp": cluster_pb2.Cluster(name="stamp")}}
+
+
+def _clear_caches() -> None:
+    for cached in (
+        listeners.listener,
+        sidecar.inbound_listener,
+        routes.route_configuration,
+        httpfilters.request_headers_to_remove,
+        httpfilters.resources,
+    ):
+        cached.cache_clear()
+
+
+@pytest.fixture
+def stamped(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The registry with _Stamp before the router: the one line a new filter adds."""
+    registry = list(httpfilters.HTTP_FILTERS)
+    registry.insert(len(registry) - 1, _Stamp())
+    monkeypatch.setattr(httpfilters, "HTTP_FILTERS", tuple(registry))
+    _clear_caches()
+    yield
+    monkeypatch.undo()
+    _clear_caches()
+
+
+def _chains(listener: Message) -> list[tuple[list[str], list[str]]]:
+    """(filter names, route headers removed) of each connection manager of `listener`."""
+    assert isinstance(listener, listener_pb2.Listener)
+    out = []
+    chains = [*listener.filter_chains]
+    if listener.HasField("default_filter_chain"):
+        chains.append(listener.default_filter_chain)
+    for chain in chains:
+        manager = hcm.HttpConnectionManager()
+        chain.filters[0].typed_config.Unpack(manager)
+        removed = list(manager.route_config.request_headers_to_remove)
+        out.append(([f.name for f in manager.http_filters], removed))
+    return out
+
+
+@pytest.mark.usefixtures("stamped")
+def test_a_registered_filter_reaches_gateways_and_sidecars() -> None:
+    model = load_policies(GOLDEN / "jwt-authz" / "in.yaml")
+    gateway = translate(model, "edge.default")
+    sidecar = translate(model, "llm.models:15001")
+    assert gateway is not None and sidecar is not None
+    ((names, _),) = _chains(gateway[LISTENER]["http"])
+    assert names == [
+        "meshfn.whole_small_bodies",
+        "envoy.filters.http.jwt_authn",
+        "meshfn.authz.allow",
+        "test.stamp",
+        "envoy.filters.http.router",
+    ]
+    routes_removed = gateway[ROUTE]["http"]
+    assert isinstance(routes_removed, route_pb2.RouteConfiguration)
+    assert list(routes_removed.request_headers_to_remove) == ["x-test-stamp"]
+    for names, removed in _chains(sidecar[LISTENER]["inbound"]):
+        assert names[-2:] == ["test.stamp", "envoy.filters.http.router"]
+        assert removed == ["x-test-stamp"]
+    assert "stamp" in gateway[CLUSTER] and "stamp" in sidecar[CLUSTER]
+
+
+def test_without_the_filter_nothing_of_it_remains() -> None:
+    """`stamped` leaves no trace: the registry and the memoised builders are as they were."""
+    model = load_policies(GOLDEN / "jwt-authz" / "in.yaml")
+    gateway = translate(model, "edge.default")
+    assert gateway is not None
+    ((names, _),) = _chains(gateway[LISTENER]["http"])
+    assert "test.stamp" not in names and "stamp" not in gateway[CLUSTER]
+
+
+def test_dumps_redact_the_subject_salt_wherever_it_travels(tmp_path: Path) -> None:
+    """The salt reaches Envoy inside the audit filter (listeners) or the combined audit+degrade
+    plugin (ECDS extension configs): neither may show it in a config dump."""
+    from meshfn.contracts.plugins import SubjectSalt
+    from meshfn.xds.dump import REDACTED, resources_to_plain, to_yaml
+    from meshfn.xds.translate import ProxyHost
+
+    salt = SubjectSalt("5a" * 32)
+    host = ProxyHost(tmp_path / "wasm", tmp_path, salt)
+    seen = 0
+    # the combined plugin on a gateway (audit_drift), the audit filter on sidecars (audit)
+    cases = [
+        load_policies(Path(__file__).resolve().parents[1] / "golden" / c / "in.yaml")
+        for c in ("audit_drift", "audit")
+    ]
+    for model, workload in ((m, w) for m in cases for w in m.workloads):
+        resources = translate(model, workload.node_cluster, host=host)
+        assert resources is not None
+        raw = str({t: [str(m) for m in r.values()] for t, r in resources.items()})
+        if salt.hex not in raw:
+            continue
+        seen += 1
+        dumped = to_yaml(resources_to_plain(resources))
+        assert salt.hex not in dumped
+        assert REDACTED in dumped
+    assert seen >= 2
+
+
+def test_small_bodies_are_exactly_those_up_to_the_limit() -> None:
+    """The matcher's regex (RE2, matched whole) admits every decimal Content-Length up to
+    WHOLE_BODY_BYTES and nothing else: a larger or malformed one streams as before."""
+    import re
+
+    from meshfn.contracts.proxy import SMALL_CONTENT_LENGTH, WHOLE_BODY_BYTES
+
+    small = re.compile(SMALL_CONTENT_LENGTH)
+    assert all(small.fullmatch(str(n)) for n in range(WHOLE_BODY_BYTES + 1))
+    assert not any(small.fullmatch(str(n)) for n in range(WHOLE_BODY_BYTES + 1, 10**6, 7))
+    for bad in ("", "-1", "1e3", " 12", "12 ", "0x10", "99999999999", "65537"):
+        assert not small.fullmatch(bad), bad

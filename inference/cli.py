@@ -12,6 +12,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from meshfn.common.cli import console, fail, run_cli
+
 from .errors import InferenceError
 
 __all__ = ["InferenceError", "fn_app", "main", "publish_examples"]
@@ -23,14 +25,9 @@ fn_app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(soft_wrap=True, highlight=False, markup=False)
-err = Console(stderr=True, soft_wrap=True, highlight=False)
-
-
-def _fail(exc: Exception | str, code: int = 1) -> None:
-    err.print("[red]error:[/red] ", end="")
-    err.print(str(exc), markup=False)
-    raise typer.Exit(code)
+# What functions are named and where they are is printed as it is: no markup on stdout.
+out = console(highlight=False, markup=False)
+err = console(stderr=True, highlight=False)
 
 
 @fn_app.command("keygen")
@@ -44,7 +41,7 @@ def keygen(
     try:
         private, public = generate_key(out_dir, name)
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     out.print(f"private key: {private}\npublic key:  {public}")
 
 
@@ -67,7 +64,7 @@ def build_cmd(
             result = build(directory, out_dir, force=force, progress=progress)
             progress.finish(directory.name, cached=result.cached)
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     info = result.info()
     report = info["build"]["report"]
     accuracy = f"  held-out accuracy {report['heldout_accuracy']}" if report else ""
@@ -87,7 +84,7 @@ def sign_cmd(
     try:
         path = sign_module(wasm, load_private_key(key))
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     out.print(f"signed {wasm} -> {path}")
 
 
@@ -115,7 +112,7 @@ def publish_cmd(
             wasm, private, trusted, compile_cache=cache_root() / "functions" / "compiled"
         )
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     out.print(f"published {entry}")
 
 
@@ -140,7 +137,7 @@ def examples_cmd(
                 progress=NULL if as_json else progress,
             )
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     if as_json:
         rows = [
             {"name": p.name, "version": p.version, "kind": p.kind, "skipped": p.skipped}
@@ -221,10 +218,9 @@ def serve_cmd(
                 "flags",
             )
         else:
-            _fail("pass --registry DIR or --config FILE")
-            return
+            fail("pass --registry DIR or --config FILE")
         if loop not in ("asyncio", "uvloop"):
-            _fail(f"--loop must be asyncio or uvloop, not {loop!r}")
+            fail(f"--loop must be asyncio or uvloop, not {loop!r}")
         if cfg.processes > 1 and listen_fd is None:
             from .supervisor import Supervisor
 
@@ -239,9 +235,9 @@ def serve_cmd(
         else:
             asyncio.run(main)
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     except OSError as exc:
-        _fail(f"cannot serve on {host}:{port}: {exc}")
+        fail(f"cannot serve on {host}:{port}: {exc}")
 
 
 def publish_examples(registry: Path, console: Console | None = None) -> tuple[list[Any], Path]:
@@ -257,4 +253,4 @@ def publish_examples(registry: Path, console: Console | None = None) -> tuple[li
 
 
 def main() -> None:
-    sys.exit(main_app())
+    run_cli(main_app)

@@ -91,12 +91,18 @@ ensure_venv() {
   fi
 }
 
-setup() {
+install_deps() {
   ensure_system
   ensure_venv
   # eBPF acceleration: Debian's bcc, a kernel header tree, bcc exposed to the venv (idempotent).
   ebpf/setup_host.sh "$VENV"
-  # The proxy-wasm filters (content-addressed cache; the control plane never compiles them).
+}
+
+setup() {
+  install_deps
+  # The proxy-wasm filters (content-addressed cache; the control plane's reload path never
+  # compiles them). `meshfn up` builds them itself as it starts and says so in one line, so
+  # `./dev.sh up` leaves this step to it: the status is printed once.
   "$VENV/bin/meshfn" filters build >/dev/null
 }
 
@@ -136,7 +142,7 @@ shift || true
 case "$cmd" in
   setup) setup ;;
   up)
-    setup
+    install_deps
     exec "$VENV/bin/meshfn" up --policies policies/examples --publish-examples "$@"
     ;;
   test)

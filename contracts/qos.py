@@ -346,11 +346,6 @@ class FunctionQoS(TenantClasses):
     policy: Annotated[str, Field(pattern=r"^[a-z0-9-]{1,63}/[a-z0-9-]{1,63}$")]
     tenantClaim: Claim | None = Field("tenant", description="the claim the proxy verified")
 
-    def priority_of(self, tenant: str) -> tuple[str, int]:
-        """(class name, priority) of a tenant."""
-        cls = self.class_of(tenant)
-        return cls.name, cls.priority
-
 
 class GatewayShedding(_Strict):
     """Shed the lower priorities at each gateway, before a request costs the backend's sidecar

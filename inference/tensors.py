@@ -234,15 +234,3 @@ def unpack(raw: bytes, dt: DType, count: int) -> list[Any]:
     if dt.code == "e":
         return list(struct.unpack(f"<{count}e", raw))
     return array(dt.code, raw).tolist()
-
-
-def row_bytes(raw: bytes, dt: DType, count: int, rows: int) -> list[bytes]:
-    """Split checked raw data into `rows` equal rows along the first dimension."""
-    if rows == 0:
-        return []
-    if dt.kind != "bytes":
-        step = len(raw) // rows
-        return [raw[i * step : (i + 1) * step] for i in range(rows)]
-    per_row = count // rows
-    elements = unframe(raw, count)
-    return [frame(elements[i * per_row : (i + 1) * per_row]) for i in range(rows)]

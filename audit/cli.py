@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from prometheus_client import CollectorRegistry, start_http_server
 from rich.table import Table
 
-from meshfn.common.cli import fail, out, run_cli
+from meshfn.common.cli import command_app, fail, out, run_cli
 
 from . import layout, offline, signing
 from .collector import AuditCollector, CollectorMetrics
@@ -39,12 +39,8 @@ from .verify import VerifyReport
 from .verify import verify as verify_store
 from .witness import FileWitness, Witness, WitnessError
 
-audit_app = typer.Typer(
-    name="audit",
-    help="The audit trail: verify, query, erase, export, retention, collector, signer.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+audit_app = command_app(
+    "audit", "The audit trail: verify, query, erase, export, retention, collector, signer."
 )
 
 DEFAULT_STORE = str(layout.store_path(Path(".meshfn")))

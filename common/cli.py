@@ -22,6 +22,18 @@ from rich.console import Console
 WIDE = 200
 
 
+def command_app(name: str, help: str) -> typer.Typer:
+    """A CLI's typer app as meshfn's CLIs all are: help when called without a command, no
+    shell-completion options, and errors printed by the commands (no rich tracebacks)."""
+    return typer.Typer(
+        name=name,
+        help=help,
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+
+
 def is_terminal(stream: TextIO) -> bool:
     try:
         return stream.isatty()

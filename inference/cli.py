@@ -12,19 +12,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from meshfn.common.cli import console, fail, run_cli
+from meshfn.common.cli import command_app, console, fail, run_cli
 
 from .errors import InferenceError
 
 __all__ = ["InferenceError", "fn_app", "main", "publish_examples"]
 
-fn_app = typer.Typer(
-    name="fn",
-    help="Build, sign and publish WASM model functions.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+fn_app = command_app("fn", "Build, sign and publish WASM model functions.")
 # What functions are named and where they are is printed as it is: no markup on stdout.
 out = console(highlight=False, markup=False)
 err = console(stderr=True, highlight=False)
@@ -154,13 +148,7 @@ def examples_cmd(
     out.print(f"trusted key: {public}")
 
 
-main_app = typer.Typer(
-    name="meshfn.inference",
-    help="meshfn inference backend (KServe v2 over wasmtime).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+main_app = command_app("meshfn.inference", "meshfn inference backend (KServe v2 over wasmtime).")
 main_app.add_typer(fn_app)
 
 

@@ -14,10 +14,9 @@ import os
 # handlers only print warnings.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
-import typer
 
 from meshfn.audit.cli import audit_app
-from meshfn.common.cli import run_cli
+from meshfn.common.cli import command_app, run_cli
 from meshfn.common.clihelp import reflow_help
 from meshfn.inference.cli import fn_app
 from meshfn.kube.cli import kube_app
@@ -29,12 +28,8 @@ from .render import render_app
 
 __all__ = ["app", "main"]
 
-app = typer.Typer(
-    name="meshfn",
-    help="meshfn: a zero-trust service mesh for serverless AI inference (xDS control plane).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+app = command_app(
+    "meshfn", "meshfn: a zero-trust service mesh for serverless AI inference (xDS control plane)."
 )
 
 for command in (

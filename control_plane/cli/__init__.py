@@ -14,7 +14,6 @@ import os
 # handlers only print warnings.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
-
 from meshfn.audit.cli import audit_app
 from meshfn.common.cli import command_app, run_cli
 from meshfn.common.clihelp import reflow_help

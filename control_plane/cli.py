@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from meshfn.common import env
 from meshfn.common.clihelp import reflow_help
 from meshfn.common.logs import setup_logging
 from meshfn.istio.options import DEFAULT as ISTIO_DEFAULTS
@@ -77,7 +78,7 @@ AdminTokenOpt = Annotated[
 def _admin_token(path: Path | None) -> str | None:
     """The admin token from --admin-token-file or $MESHFN_ADMIN_TOKEN (at least 16 characters)."""
     try:
-        token = path.read_text().strip() if path else os.environ.get("MESHFN_ADMIN_TOKEN", "")
+        token = path.read_text().strip() if path else env.ADMIN_TOKEN.get_or("")
     except OSError as exc:
         _fail(f"--admin-token-file {path}: {exc.strerror or exc}")
         return None
@@ -365,8 +366,8 @@ def serve(
 def _admin_url(admin: str | None) -> str:
     if admin:
         return admin.rstrip("/")
-    if os.environ.get("MESHFN_ADMIN"):
-        return os.environ["MESHFN_ADMIN"].rstrip("/")
+    if from_env := env.ADMIN.get():
+        return from_env.rstrip("/")
     state = DEFAULT_STATE / "state.json"
     if state.exists():
         try:

@@ -21,6 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from meshfn.common import env
 from meshfn.common.progress import NULL, Reporter
 from meshfn.contracts.plugins import BUILDS
 
@@ -33,13 +34,11 @@ class BuildError(RuntimeError):
 
 
 def source_dir() -> Path:
-    return Path(
-        os.environ.get("MESHFN_WASM_SRC", Path(__file__).resolve().parents[1] / "wasm_filters")
-    )
+    return env.WASM_SRC.path() or Path(__file__).resolve().parents[1] / "wasm_filters"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MESHFN_CACHE", Path.home() / ".cache" / "meshfn")) / "wasm_filters"
+    return (env.CACHE.path() or Path.home() / ".cache" / "meshfn") / "wasm_filters"
 
 
 def source_key(source: Path | None = None) -> str:
@@ -56,7 +55,7 @@ def source_key(source: Path | None = None) -> str:
 
 
 def _prebuilt() -> Path | None:
-    prebuilt = os.environ.get("MESHFN_WASM_DIR")
+    prebuilt = env.WASM_DIR.get()
     if not prebuilt:
         return None
     path = Path(prebuilt)

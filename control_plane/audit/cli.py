@@ -28,6 +28,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from rich.console import Console
 from rich.table import Table
 
+from meshfn.common import env
+
 from . import layout, offline, signing
 from .collector import AuditCollector, CollectorMetrics
 from .salt import load as load_salt
@@ -53,7 +55,7 @@ StoreOpt = Annotated[
     str,
     typer.Option(
         "--store",
-        envvar="MESHFN_AUDIT_STORE",
+        envvar=env.AUDIT_STORE.name,
         help="audit store: an SQLite file or a postgresql:// DSN",
     ),
 ]
@@ -62,7 +64,7 @@ KeyOpt = Annotated[
     Path | None,
     typer.Option(
         "--public-key",
-        envvar="MESHFN_AUDIT_PUBLIC_KEY",
+        envvar=env.AUDIT_PUBLIC_KEY.name,
         help="the signer's ed25519 public key (PEM); default STATE/audit-signer/checkpoint.key.pub",
     ),
 ]
@@ -70,7 +72,7 @@ WitnessOpt = Annotated[
     Path | None,
     typer.Option(
         "--witness",
-        envvar=layout.WITNESS_ENV,
+        envvar=env.AUDIT_WITNESS.name,
         help="the witness file; default STATE/audit-witness/checkpoints.jsonl",
     ),
 ]
@@ -498,7 +500,7 @@ def collect(
         str | None,
         typer.Option(
             "--signer",
-            envvar="MESHFN_AUDIT_SIGNER",
+            envvar=env.AUDIT_SIGNER.name,
             help="the signer's address (unix:PATH or tcp:HOST:PORT); without it nothing is signed",
         ),
     ] = None,

@@ -36,7 +36,7 @@ ClassName = Annotated[str, Field(pattern=CLASS_NAME, min_length=1, max_length=63
 # How a gateway picks a service's endpoint (Service.spec.loadBalancer; the IR carries it as is).
 LoadBalancer = Literal["round-robin", "least-request", "weighted-round-robin"]
 # What services that serve Functions use unless they say: bench/qos.py compares the two with one
-# slow endpoint beside a fast one (README: wrr_p99_ratio). Measured (2026-12-02, quiet machine):
+# slow endpoint beside a fast one (docs/benchmarks.md: wrr_p99_ratio). Measured (2026-12-02, quiet machine):
 # weighted round robin sends the slow endpoint 0.5-0.75% of requests once its weights have
 # settled (~3.5 s), least-request 25-27.5% (Envoy's power of two choices draws the same one of
 # two endpoints a quarter of the time); p99 20.1-20.8 vs 22.5-31.2 ms, ratio 0.89.

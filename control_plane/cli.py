@@ -164,8 +164,9 @@ def analyze(
     as_json: Annotated[bool, typer.Option("--json", help="findings as JSON")] = False,
     threshold: ThresholdOpt = "error",
 ) -> None:
-    """Find unsafe or ineffective settings (codes MF01xx security, MF02xx reliability; see the
-    README), with file:line and the fix, like istioctl analyze. Exit 1 on errors."""
+    """Find unsafe or ineffective settings (codes MF01xx security, MF02xx reliability; one page
+    each in docs/reference/analyze/), with file:line and the fix, like istioctl analyze. Exit 1
+    on errors."""
     model, items = _load_or_exit(path)
     raise typer.Exit(_analysis(path, model, items, state_dir, admin, as_json, threshold))
 
@@ -379,7 +380,7 @@ def _admin_url(admin: str | None) -> str:
 
 def _get_json(url: str) -> Any:
     request = urllib.request.Request(url)
-    if token := os.environ.get("MESHFN_ADMIN_TOKEN"):  # an admin port beyond loopback
+    if token := env.ADMIN_TOKEN.get():  # an admin port beyond loopback
         request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=5) as response:

@@ -89,7 +89,7 @@ def sentence(text: str | None) -> str:
     if not text:
         return ""
     first = text.split(" ", 1)[0]
-    if first.islower():  # not eBPF, mTLS, gRPC, `code` or a name
+    if first.islower() and not first.endswith(":"):  # not eBPF, mTLS, `code`, or `off:`
         text = text[0].upper() + text[1:]
     return text if text.endswith((".", "!", "?", ":")) else text + "."
 
@@ -242,9 +242,19 @@ def _span(lo: int | None, hi: int | None, unit: str) -> str:
     return f"at most {hi:,} {unit}"
 
 
-def default_text(info: FieldInfo) -> str:
-    from meshfn.contracts.durations import format_duration
+def duration_text(value: timedelta) -> str:
+    """A duration as a person writes it in a policy: `5m`, `1h30m`, `250ms`."""
+    micros = round(value.total_seconds() * 1e6)
+    if micros % 1_000_000:
+        return f"{micros // 1000}ms" if micros % 1000 == 0 else f"{micros}us"
+    seconds = micros // 1_000_000
+    if seconds == 0:
+        return "0s"
+    parts = [(seconds // 3600, "h"), (seconds % 3600 // 60, "m"), (seconds % 60, "s")]
+    return "".join(f"{n}{unit}" for n, unit in parts if n)
 
+
+def default_text(info: FieldInfo) -> str:
     if info.is_required():
         return "**required**"
     factory = info.default_factory
@@ -260,7 +270,7 @@ def default_text(info: FieldInfo) -> str:
             return "its fields' defaults"
         return code(flow(value.model_dump(mode="json", by_alias=True, exclude_none=True)))
     if isinstance(value, timedelta):
-        return code(format_duration(value))
+        return code(duration_text(value))
     if isinstance(value, bool):
         return code("true" if value else "false")
     if isinstance(value, str):
@@ -271,12 +281,10 @@ def default_text(info: FieldInfo) -> str:
 
 
 def _jsonable(value: Any) -> Any:
-    from meshfn.contracts.durations import format_duration
-
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json", by_alias=True, exclude_none=True)
     if isinstance(value, timedelta):
-        return format_duration(value)
+        return duration_text(value)
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):

@@ -467,7 +467,7 @@ def _walk(
 
 
 def _command_section(title: str, anchor: str, cmd: Command, ctx: Context) -> str:
-    usage = " ".join([ctx.command_path, *cmd.collect_usage_pieces(ctx)])
+    usage = " ".join([ctx.command_path, *_usage_pieces(cmd)])
     lines = [f"## {title} {{#{anchor}}}", ""]
     help_text = (cmd.help or "").strip()
     if help_text:
@@ -515,6 +515,19 @@ def _command_section(title: str, anchor: str, cmd: Command, ctx: Context) -> str
             "",
         ]
     return "\n".join(lines)
+
+
+def _usage_pieces(cmd: Command) -> list[str]:
+    """`[OPTIONS] PATH [NAME]...`, as click writes usage (typer's own writes `{path}`)."""
+    params = [p for p in cmd.params if not getattr(p, "hidden", False)]
+    pieces = ["[OPTIONS]"] if any(p.param_type_name == "option" for p in params) else []
+    for argument in (p for p in params if p.param_type_name == "argument"):
+        name = argument.metavar or (argument.name or "").upper()
+        name += "..." if argument.nargs == -1 else ""
+        pieces.append(name if argument.required else f"[{name}]")
+    if getattr(cmd, "commands", None):
+        pieces.append("COMMAND [ARGS]...")
+    return pieces
 
 
 def _markdown_help(text: str) -> str:

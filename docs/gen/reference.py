@@ -580,6 +580,7 @@ def _param_help(param: Param) -> str:
     envvar = getattr(param, "envvar", None)
     if envvar:
         names = [envvar] if isinstance(envvar, str) else list(envvar)
+        text += "" if not text or text.endswith((".", ")", ":")) else "."
         text += (
             " Environment: "
             + ", ".join(f"[{code(n)}](environment.md#{n.lower()})" for n in names)

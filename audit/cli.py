@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from prometheus_client import CollectorRegistry, start_http_server
 from rich.table import Table
 
+from meshfn.common import env
 from meshfn.common.cli import command_app, fail, out, run_cli
 
 from . import layout, offline, signing
@@ -48,7 +49,7 @@ StoreOpt = Annotated[
     str,
     typer.Option(
         "--store",
-        envvar="MESHFN_AUDIT_STORE",
+        envvar=env.AUDIT_STORE.name,
         help="audit store: an SQLite file or a postgresql:// DSN",
     ),
 ]
@@ -57,7 +58,7 @@ KeyOpt = Annotated[
     Path | None,
     typer.Option(
         "--public-key",
-        envvar="MESHFN_AUDIT_PUBLIC_KEY",
+        envvar=env.AUDIT_PUBLIC_KEY.name,
         help="the signer's ed25519 public key (PEM); default STATE/audit-signer/checkpoint.key.pub",
     ),
 ]
@@ -65,7 +66,7 @@ WitnessOpt = Annotated[
     Path | None,
     typer.Option(
         "--witness",
-        envvar=layout.WITNESS_ENV,
+        envvar=env.AUDIT_WITNESS.name,
         help="the witness file; default STATE/audit-witness/checkpoints.jsonl",
     ),
 ]
@@ -492,7 +493,7 @@ def collect(
         str | None,
         typer.Option(
             "--signer",
-            envvar="MESHFN_AUDIT_SIGNER",
+            envvar=env.AUDIT_SIGNER.name,
             help="the signer's address (unix:PATH or tcp:HOST:PORT); without it nothing is signed",
         ),
     ] = None,

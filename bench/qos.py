@@ -127,7 +127,7 @@ def tenant_phases(
         quiet, ("open", (url, headers["globex"], noisy_rate, seconds))
     )
     allowed = GLOBEX_BURST + GLOBEX_RATE * seconds
-    split = CpuSplit(up)  # where the CPU goes at saturation (the README's analysis)
+    split = CpuSplit(up)  # where the CPU goes at saturation (docs/benchmarks.md's analysis)
     saturated, low = load.run_loads(
         ("open", (url, headers["acme"], rate, seconds)),
         ("closed", (url, headers["initech"], args.low_connections, seconds + 0.5)),

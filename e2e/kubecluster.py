@@ -12,7 +12,6 @@ own record rather than from meshfn's. Processes are tracked by PID and stopped b
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import time
@@ -26,6 +25,7 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from meshfn.common import env
 from meshfn.testing.istio_cases import CRDS
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import Proc, wait_for
@@ -40,7 +40,7 @@ WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
 
 def kube_bin() -> Path:
     """The binaries, building them first if this machine has none yet (~5-10 min, once)."""
-    out = Path(os.environ.get("MESHFN_KUBE_DIR", Path.home() / ".cache/meshfn/kube-1.20"))
+    out = env.KUBE_DIR.path() or Path.home() / ".cache/meshfn/kube-1.20"
     result = subprocess.run(
         [str(BUILD), str(out)], capture_output=True, text=True, timeout=1800, check=False
     )
@@ -337,7 +337,7 @@ def helm_path() -> str:
     import sys
 
     script = REPO / "e2e" / "kube" / "fetch-helm.sh"
-    out = Path(os.environ.get("MESHFN_HELM_DIR", Path.home() / ".cache/meshfn/helm"))
+    out = env.HELM_DIR.path() or Path.home() / ".cache/meshfn/helm"
     result = subprocess.run(
         [str(script), sys.executable, str(out)],
         capture_output=True,

@@ -37,7 +37,7 @@ class Source:
 @dataclass(frozen=True, order=True)
 class RenderWarning:
     """A part of a policy Istio cannot express (or can only approximate): `code` names the
-    case (README "meshfn on Istio"), `path` is the policy field."""
+    case (docs/concepts/istio.md), `path` is the policy field."""
 
     code: str
     source: Source

@@ -82,8 +82,9 @@ def analyze(
     as_json: Annotated[bool, typer.Option("--json", help="findings as JSON")] = False,
     threshold: ThresholdOpt = "error",
 ) -> None:
-    """Find unsafe or ineffective settings (codes MF01xx security, MF02xx reliability; see the
-    README), with file:line and the fix, like istioctl analyze. Exit 1 on errors."""
+    """Find unsafe or ineffective settings (codes MF01xx security, MF02xx reliability; one page
+    each in docs/reference/analyze/), with file:line and the fix, like istioctl analyze. Exit 1
+    on errors."""
     model, items = loaded(PolicyLoader(path).load_with_sources)
     raise typer.Exit(_analysis(path, model, items, state_dir, admin, as_json, threshold))
 

@@ -5,7 +5,6 @@ plane's admin port."""
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 
+from meshfn.common import env
 from meshfn.common.cli import err, fail, print_errors
 from meshfn.ir import MeshModel
 from meshfn.policy import PolicyErrors, PolicyLoader
@@ -98,15 +98,15 @@ def admin_url(given: str | None, state_dir: Path = DEFAULT_STATE) -> str:
     """--admin, else $MESHFN_ADMIN, else what `meshfn up` recorded, else the default port."""
     if given:
         return given.rstrip("/")
-    if os.environ.get("MESHFN_ADMIN"):
-        return os.environ["MESHFN_ADMIN"].rstrip("/")
+    if from_env := env.ADMIN.get():
+        return from_env.rstrip("/")
     return recorded_admin(state_dir) or DEFAULT_ADMIN
 
 
 def admin_json(url: str, timeout: float = 5) -> Any:
     """GET a JSON document from the admin port (with $MESHFN_ADMIN_TOKEN when set)."""
     request = urllib.request.Request(url)
-    if token := os.environ.get("MESHFN_ADMIN_TOKEN"):  # an admin port beyond loopback
+    if token := env.ADMIN_TOKEN.get():  # an admin port beyond loopback
         request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -135,7 +135,7 @@ def get_json(url: str) -> Any:
 def admin_token(path: Path | None) -> str | None:
     """The admin token from --admin-token-file or $MESHFN_ADMIN_TOKEN (at least 16 characters)."""
     try:
-        token = path.read_text().strip() if path else os.environ.get("MESHFN_ADMIN_TOKEN", "")
+        token = path.read_text().strip() if path else env.ADMIN_TOKEN.get_or("")
     except OSError as exc:
         fail(f"--admin-token-file {path}: {exc.strerror or exc}")
     if token and len(token) < 16:

@@ -294,9 +294,7 @@ async def test_short_python_calls_run_inline_and_a_long_one_sends_the_next_to_a_
 async def test_python_calls_stay_on_workers_when_turned_off(
     published: Published, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshfn.inference import dispatch
-
-    monkeypatch.setattr(dispatch, "INLINE_PYTHON", False)
+    monkeypatch.setenv("MESHFN_INLINE_PYTHON", "0")  # read when the backend starts
     b = backend_for(published, [{"name": "chaos", "pool": {"minIdle": 1}}])
     await b.start()
     try:

@@ -127,7 +127,7 @@ def service_source(service: ir.Service) -> Source:
 
 
 def route_source(model: ir.MeshModel, route: ir.Route) -> Source:
-    """A Function's routes are named function-<name> (policy.compile.function_route)."""
+    """A Function's routes are named function-<name> (policy.kserve.function_route)."""
     name = route.name.removeprefix("function-")
     if route.name != name and any(
         f.namespace == route.namespace and f.name == name for f in model.functions

@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from meshfn import ir
+from meshfn.xds.fragments.messages import seconds
 
 from .options import RenderOptions
 
@@ -93,13 +94,6 @@ def resource(api_version: str, kind: str, name: str, namespace: str, spec: Obj) 
 
 def selector(options: RenderOptions, workload: str) -> Obj:
     return {"matchLabels": options.labels(workload)}
-
-
-def seconds(value: Any) -> str:
-    """A protobuf Duration string ("1.5s") from a timedelta."""
-    total = value.total_seconds()
-    text = f"{total:.9f}".rstrip("0").rstrip(".")
-    return f"{text or '0'}s"
 
 
 _MS = timedelta(milliseconds=1)

@@ -18,9 +18,9 @@ from google.protobuf.message import Message
 
 from meshfn import ir
 from meshfn.policy import load_policies
+from meshfn.xds.fragments.messages import pack
 from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from meshfn.xds.translate import httpfilters, listeners, routes, sidecar, translate
-from meshfn.xds.translate.common import pack
 from meshfn.xds.translate.httpfilters import FilterContext, HttpFilter
 from meshfn.xds.translate.resources import Resources
 
@@ -61,7 +61,7 @@ def test_a_changed_endpoint_changes_only_its_assignment() -> None:
 
 
 def test_methods_become_one_header_matcher() -> None:
-    from meshfn.xds.translate.routes import _match
+    from meshfn.xds.fragments.routes import route_match as _match
 
     one = _match(ir.RouteMatch(ir.PathMatch("prefix", "/"), methods=("POST",)))
     assert one.headers[0].name == ":method" and one.headers[0].string_match.exact == "POST"

@@ -35,7 +35,8 @@ from meshfn.contracts.plugins import (
     needs_full_build,
     plugin_json,
 )
-from meshfn.ir.plugins import access_log_format, claim_header_pairs
+
+from ..fragments.plugins import access_log_format, claim_header_pairs
 
 
 def wasm_path(name: FilterKind, lean: bool, directory: Path) -> Path:

@@ -19,8 +19,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 
 from meshfn import ir
-from meshfn.ir.plugins import audit_settings
 
+from ...fragments.plugins import audit_settings
 from ..host import ProxyHost
 from ..wasm import access_log, audit_filter
 from .base import AuditConfig, FilterContext, HttpFilter

@@ -29,7 +29,7 @@ class AuditConfig:
     wasm_dir: Path
     # None on a gateway (it names the mesh route from its own routes); on a sidecar the SPIFFE
     # IDs of the gateways whose x-meshfn-route header its records believe
-    # (meshfn.ir.plugins.mesh_route_fields)
+    # (meshfn.xds.fragments.plugins.mesh_route_fields)
     trusted_gateways: tuple[str, ...] | None = ()
 
 

@@ -21,8 +21,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 
 from meshfn import ir
 from meshfn.contracts.plugins import DegradeSettings
-from meshfn.ir.plugins import degrade_rules, guarded_routes
 
+from ...fragments.plugins import degrade_rules, guarded_routes
 from ...names import EXTENSION
 from ..common import ads_source
 from ..resources import Resources
@@ -87,5 +87,5 @@ def ecds_slot(ctx: FilterContext, config: DegradeConfig) -> hcm.HttpFilter:
 
 
 def degrade_settings(config: DegradeConfig, degraded: frozenset[str]) -> DegradeSettings:
-    """The filter's plugin settings (meshfn.ir.plugins.degrade_rules, shared with Istio)."""
+    """The filter's plugin settings (fragments.plugins.degrade_rules, shared with Istio)."""
     return degrade_rules(config.routes, degraded, config.trigger)

@@ -185,7 +185,7 @@ def gateways(model: ir.MeshModel) -> list[ir.Workload]:
 
 def sidecar_services(model: ir.MeshModel) -> list[ir.Service]:
     """Services whose endpoints have sidecars (pods with istio-proxy, or VMs with it)."""
-    return [s for s in model.services if any(e.sidecar_port for e in s.endpoints)]
+    return [s for s in model.services if s.has_sidecars]
 
 
 def account(identity: str) -> str:

@@ -133,6 +133,35 @@ def server_routes(functions: list[ir.Function], backend: ir.Service) -> tuple[ir
     return tuple(routes)
 
 
+def repository_guards(
+    gateways: Mapping[str, list[ir.Function]],
+    services: Sequence[ir.Service],
+    served: Mapping[str, list[ir.Function]],
+) -> tuple[dict[tuple[str, str], ir.AuthzPolicy], tuple[ir.AuthzObject, ...]]:
+    """Where the repository guard goes: on the sidecars of every service that serves functions
+    (`served`: its functions by service key), and on a gateway (`gateways`: its functions, by
+    gateway key) for its functions whose backend has no sidecars. Per ("gateway" | "service",
+    key) the policy its proxies add, and the same as objects (gateways first, then services
+    with sidecars, each in the order given)."""
+    by_key = {s.key: s for s in services}
+    guards: dict[tuple[str, str], ir.AuthzPolicy] = {}
+    objects = []
+    for key, functions in gateways.items():
+        unguarded = [f for f in functions if not by_key[f.backend].has_sidecars]
+        if unguarded:
+            namespace, name = key.split("/")
+            guards[("gateway", key)] = repository_guard(namespace, unguarded)
+            objects.append(guard_object(namespace, ir.Selector("gateway", name), unguarded))
+    for service in services:
+        guarded = served.get(service.key)
+        if guarded:
+            guards[("service", service.key)] = repository_guard(service.namespace, guarded)
+            if service.has_sidecars:
+                selector = ir.Selector("service", service.name)
+                objects.append(guard_object(service.namespace, selector, guarded))
+    return guards, tuple(objects)
+
+
 def guard_object(
     namespace: str, selector: ir.Selector, functions: list[ir.Function]
 ) -> ir.AuthzObject:

@@ -54,23 +54,64 @@ class Served(Bound):
 
 def serve(bound: Bound) -> Served:
     services = {s.key: s for s in bound.services}
-    functions: dict[str, ir.Function] = {}  # namespace/name -> with its backend's QoS
+    functions = _with_qos(bound)
+    served = served_functions(list(functions.values()), services)
+    claims = {
+        key: claim
+        for key, on_it in served.items()
+        if (claim := next((f.qos.tenantClaim for f in on_it if f.qos is not None), None))
+    }
+    balanced = tuple(
+        dataclasses.replace(s, load_balancer=FUNCTION_BACKEND_BALANCER)
+        if s.key in served and s.load_balancer is None
+        else s
+        for s in bound.services
+    )
+    routes, hosted = _attach(bound, functions)
+    errors: list[PolicyError] = []
+    for key, on_it in hosted.items():
+        server = kserve.gateway_routes(key, on_it, services)
+        if isinstance(server, PolicyError):
+            errors.append(server)
+            continue
+        routes[key].extend(GatewayRoute(on_it[0][0], route, None) for route in server)
+    guards, objects = kserve.repository_guards(
+        {key: [f for _, f in hosted.get(key, [])] for key in bound.gateways}, balanced, served
+    )
+    return Served(
+        **(vars(bound) | {"services": balanced}),
+        functions=tuple(functions.values()),
+        routes={key: tuple(on_it) for key, on_it in routes.items()},
+        guards=guards,
+        guard_objects=objects,
+        tenant_claims=claims,
+        errors=tuple(errors),
+    )
+
+
+def _with_qos(bound: Bound) -> dict[str, ir.Function]:
+    """Every Function (by namespace/name, as written) with the QoS its backend applies."""
+    functions = {}
+    for attached in bound.attached:
+        item = attached.item
+        if isinstance(item.lowered, ir.Function):
+            backend = bound.backends.get(f"{item.namespace}/{item.name}")
+            qos = backend.classes if backend is not None else None
+            functions[f"{item.namespace}/{item.name}"] = dataclasses.replace(item.lowered, qos=qos)
+    return functions
+
+
+def _attach(
+    bound: Bound, functions: dict[str, ir.Function]
+) -> tuple[dict[str, list[GatewayRoute]], dict[str, list[tuple[Loaded, ir.Function]]]]:
+    """Per gateway key its Routes and Functions' routes in the order written (each with its own
+    QoSPolicy), and the Functions it hosts (with their objects)."""
+    routes: dict[str, list[GatewayRoute]] = {key: [] for key in bound.gateways}
+    hosted: dict[str, list[tuple[Loaded, ir.Function]]] = {}
     for attached in bound.attached:
         item, key = attached.item, f"{attached.item.namespace}/{attached.item.name}"
         if isinstance(item.lowered, ir.Function):
-            backend = bound.backends.get(key)
-            functions[key] = (
-                item.lowered
-                if backend is None
-                else dataclasses.replace(item.lowered, qos=backend.classes)
-            )
-    served = served_functions(list(functions.values()), services)
-    routes: dict[str, list[GatewayRoute]] = {key: [] for key in bound.gateways}
-    hosted: dict[str, list[tuple[Loaded, ir.Function]]] = {}  # gateway key -> its Functions
-    for attached in bound.attached:
-        item, key = attached.item, f"{attached.item.namespace}/{attached.item.name}"
-        function = functions.get(key) if isinstance(item.lowered, ir.Function) else None
-        if function is not None:
+            function = functions[key]
             hosted.setdefault(attached.gateway, []).append((item, function))
             route, only = kserve.function_route(function), None
             if route is None:
@@ -82,52 +123,7 @@ def serve(bound: Bound) -> Served:
         if own is not None:
             route = dataclasses.replace(route, qos=own)
         routes[attached.gateway].append(GatewayRoute(item, route, only))
-    errors: list[PolicyError] = []
-    for key, on_it in hosted.items():
-        server = kserve.gateway_routes(key, on_it, services)
-        if isinstance(server, PolicyError):
-            errors.append(server)
-            continue
-        routes[key].extend(GatewayRoute(on_it[0][0], route, None) for route in server)
-    guards: dict[tuple[str, str], ir.AuthzPolicy] = {}
-    objects = []
-    for key, gateway in bound.gateways.items():
-        unguarded = [
-            f
-            for _, f in hosted.get(key, [])
-            if not any(e.sidecar_port for e in services[f.backend].endpoints)
-        ]
-        if unguarded:
-            guards[("gateway", key)] = kserve.repository_guard(gateway.namespace, unguarded)
-            selector = ir.Selector("gateway", gateway.name)
-            objects.append(kserve.guard_object(gateway.namespace, selector, unguarded))
-    for service in bound.services:
-        guarded = served.get(service.key)
-        if guarded:
-            guards[("service", service.key)] = kserve.repository_guard(service.namespace, guarded)
-            if any(e.sidecar_port for e in service.endpoints):
-                selector = ir.Selector("service", service.name)
-                objects.append(kserve.guard_object(service.namespace, selector, guarded))
-    claims = {
-        key: claim
-        for key, guarded in served.items()
-        if (claim := next((f.qos.tenantClaim for f in guarded if f.qos is not None), None))
-    }
-    balanced = tuple(
-        dataclasses.replace(s, load_balancer=FUNCTION_BACKEND_BALANCER)
-        if s.key in served and s.load_balancer is None
-        else s
-        for s in bound.services
-    )
-    return Served(
-        **(vars(bound) | {"services": balanced}),
-        functions=tuple(functions.values()),
-        routes={key: tuple(on_it) for key, on_it in routes.items()},
-        guards=guards,
-        guard_objects=tuple(objects),
-        tenant_claims=claims,
-        errors=tuple(errors),
-    )
+    return routes, hosted
 
 
 def served_functions(

@@ -132,6 +132,7 @@ FLAT = {
     "meshfn.control_plane.identity",
     "meshfn.control_plane.runtime",
     "meshfn.control_plane.runtime.console",
+    "meshfn.xds.fragments",
     "meshfn.xds.translate",
     "meshfn.xds.translate.httpfilters",
 }

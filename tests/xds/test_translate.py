@@ -18,9 +18,9 @@ from google.protobuf.message import Message
 
 from meshfn import ir
 from meshfn.policy import load_policies
+from meshfn.xds.fragments.messages import pack
 from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from meshfn.xds.translate import httpfilters, listeners, routes, sidecar, translate
-from meshfn.xds.translate.common import pack
 from meshfn.xds.translate.httpfilters import FilterContext, HttpFilter
 from meshfn.xds.translate.resources import Resources
 
@@ -61,7 +61,7 @@ def test_a_changed_endpoint_changes_only_its_assignment() -> None:
 
 
 def test_methods_become_one_header_matcher() -> None:
-    from meshfn.xds.translate.routes import _match
+    from meshfn.xds.fragments.routes import route_match as _match
 
     one = _match(ir.RouteMatch(ir.PathMatch("prefix", "/"), methods=("POST",)))
     assert one.headers[0].name == ":method" and one.headers[0].string_match.exact == "POST"
@@ -213,3 +213,42 @@ def test_small_bodies_are_exactly_those_up_to_the_limit() -> None:
     assert not any(small.fullmatch(str(n)) for n in range(WHOLE_BODY_BYTES + 1, 10**6, 7))
     for bad in ("", "-1", "1e3", " 12", "12 ", "0x10", "99999999999", "65537"):
         assert not small.fullmatch(bad), bad
+
+
+def test_each_filter_unit_emits_only_its_own_configuration(tmp_path: Path) -> None:
+    """Audit alone: its filter and its access log. Degrade alone: its ECDS slot and config.
+    Both: the combined plugin's slot in the audit filter's place and its config; the audit
+    unit keeps its access log and the degrade unit adds nothing."""
+    from meshfn.contracts.plugins import AuditSettings
+    from meshfn.xds.names import EXTENSION
+    from meshfn.xds.translate.httpfilters.audit import Audit
+    from meshfn.xds.translate.httpfilters.base import AuditConfig, DegradeConfig
+    from meshfn.xds.translate.httpfilters.degrade import Degrade
+    from meshfn.xds.translate.httpfilters.plugin import Plugin
+
+    settings = AuditSettings(subject_salt="12" * 20, salt_id="k1", subject_source="jwt_authn")
+    audit = AuditConfig(settings, tmp_path / "journal", tmp_path)
+    degrade = DegradeConfig("http", (("default/chat", ("default/chat/0",)),), None, tmp_path)
+    overlay = ir.Overlay()
+
+    def emitted(ctx: FilterContext) -> dict[str, tuple[list[str], int, list[str]]]:
+        """Per unit that applies: its filters, access logs and ECDS resources."""
+        out = {}
+        for unit in (Audit(), Plugin(), Degrade()):
+            config = unit.config(ctx)
+            if config is not None:
+                out[type(unit).__name__] = (
+                    [f.name for f in unit.http_filters(ctx, config)],
+                    len(list(unit.access_logs(ctx, config))),
+                    list(unit.resources(ctx, config, overlay).get(EXTENSION, {})),
+                )
+        return out
+
+    assert emitted(FilterContext(audit=audit)) == {"Audit": (["meshfn.meshfn_audit"], 1, [])}
+    assert emitted(FilterContext(degrade=degrade)) == {
+        "Degrade": (["meshfn.degrade.http"], 0, ["meshfn.degrade.http"])
+    }
+    assert emitted(FilterContext(audit=audit, degrade=degrade)) == {
+        "Audit": ([], 1, []),
+        "Plugin": (["meshfn.plugin.http"], 0, ["meshfn.plugin.http"]),
+    }

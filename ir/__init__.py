@@ -19,6 +19,7 @@ from meshfn.contracts.qos import (
     Window,
     split_priorities,
 )
+from meshfn.contracts.tracing import ClientContext, TagName
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,6 +439,47 @@ class Audit:
         return self.proxies in ("all", f"{kind}s")
 
 
+@dataclass(frozen=True, slots=True)
+class TraceCollector:
+    """An OTLP collector (Mesh.spec.tracing.collector)."""
+
+    protocol: Literal["grpc", "http"]
+    host: str
+    port: int
+    path: str = "/v1/traces"
+    timeout: timedelta = timedelta(seconds=1)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayTracing:
+    """A gateway's effective tracing: its sampling percent and what it does with a client's
+    trace context (contracts.tracing.CLIENT_CONTEXT_HEADERS)."""
+
+    sampling: float
+    client_context: ClientContext
+
+
+@dataclass(frozen=True, slots=True)
+class Tracing:
+    """Mesh.spec.tracing with the gateways' and routes' overrides resolved. `collector` None:
+    the run mode's own (meshfn up: its embedded collector, a fact of the host the proxies run
+    on; Kubernetes: the render options' default)."""
+
+    sampling: float
+    collector: TraceCollector | None
+    tags: tuple[TagName, ...]
+    tenant_claim: str
+    client_context: ClientContext
+    gateways: tuple[tuple[str, GatewayTracing], ...] = ()  # (Workload.key, settings): overrides
+    routes: tuple[tuple[str, float], ...] = ()  # (Route.key, sampling percent): overrides
+
+    def gateway(self, key: str) -> GatewayTracing:
+        return dict(self.gateways).get(key) or GatewayTracing(self.sampling, self.client_context)
+
+    def route_sampling(self, key: str) -> float | None:
+        return dict(self.routes).get(key)
+
+
 @dataclass(frozen=True)
 class Drill:
     """Callers who may force degraded routes with `header` (policy: Mesh.spec.drill)."""
@@ -523,6 +565,7 @@ class MeshModel:
     drill: Drill | None = None
     policies: Policies = Policies()
     qos: tuple[QoSPolicy, ...] = ()  # every QoSPolicy, (namespace, name) order
+    tracing: Tracing | None = None
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

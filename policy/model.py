@@ -18,6 +18,7 @@ from meshfn.contracts.function import FunctionSettings
 from meshfn.contracts.plugins import CALLER_PATTERN
 from meshfn.contracts.principals import RequestPrincipal
 from meshfn.contracts.qos import GatewayShedding, LoadBalancer, TenantClasses
+from meshfn.contracts.tracing import ALL_TAGS, ClientContext, TagName
 
 from .types import (
     ConditionKey,
@@ -232,6 +233,107 @@ class Drill(Strict):
         return self
 
 
+Percent = Annotated[float, Field(ge=0, le=100)]
+CollectorHost = Annotated[
+    str,
+    Field(
+        pattern=r"^([a-zA-Z0-9]([-a-zA-Z0-9]*[a-zA-Z0-9])?(\.[a-zA-Z0-9]([-a-zA-Z0-9]*[a-zA-Z0-9])?)*"
+        r"|\[[0-9a-fA-F:.]+\])$",
+        max_length=253,
+    ),
+]
+
+
+class TracingCollector(Strict):
+    """An OpenTelemetry collector that takes OTLP traces: Jaeger, Tempo, an OpenTelemetry
+    Collector, or the one `meshfn up` embeds."""
+
+    protocol: Literal["grpc", "http"] = Field(
+        "grpc",
+        description="OTLP over gRPC (the TraceService), or OTLP over HTTP (protobuf POSTed to"
+        " `path`)",
+    )
+    host: CollectorHost = Field(
+        description="The collector's DNS name or IP address (an IPv6 address in brackets)."
+    )
+    port: Port = Field(description="Its OTLP port (conventionally 4317 for gRPC, 4318 for HTTP).")
+    path: HttpPath = Field(
+        "/v1/traces", description="OTLP over HTTP only: the path spans are POSTed to"
+    )
+    timeout: Duration = Field(
+        timedelta(seconds=1),
+        description="how long one export may take; a slow collector loses spans, never delays"
+        " a request",
+    )
+
+    @model_validator(mode="after")
+    def _timeout(self) -> Self:
+        if not timedelta(milliseconds=10) <= self.timeout <= timedelta(seconds=60):
+            raise ValueError("timeout must be between 10ms and 60s")
+        return self
+
+
+class Tracing(Strict):
+    """Distributed tracing (OpenTelemetry): gateways, sidecars and inference backends report
+    spans, W3C `traceparent` carries the trace from hop to hop."""
+
+    sampling: Percent = Field(
+        1.0,
+        description="percent of requests that start a trace (a request that carries a parent's"
+        " decision follows it; see clientContext)",
+    )
+    collector: TracingCollector | None = Field(
+        None,
+        description="where spans go; absent: meshfn up's embedded collector (on Kubernetes the"
+        " Helm value tracing.collector)",
+    )
+    tags: Annotated[list[TagName], Field(max_length=4)] = Field(
+        default_factory=lambda: list(ALL_TAGS),
+        description="span attributes to add, each from verified data only, never a client"
+        " header: tenant (the verified JWT claim tenantClaim), model (the function a route"
+        " serves), route (the mesh route), principal (the caller's mTLS SPIFFE ID, at sidecars)",
+    )
+    tenantClaim: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$")] = Field(
+        "tenant", description="the verified JWT claim the tenant tag reads"
+    )
+    clientContext: ClientContext = Field(
+        "restart",
+        description="what a gateway does with a client's trace context (traceparent,"
+        " tracestate, x-request-id and Envoy's force-trace headers): restart drops it and"
+        " starts a new trace under the gateway's own sampling, so an untrusted client can"
+        " neither force sampling nor join our trace to its own; honor continues the client's"
+        " trace and keeps its sampled flag (a traced proxy you trust in front of the gateway)",
+    )
+
+    @model_validator(mode="after")
+    def _unique_tags(self) -> Self:
+        if len(set(self.tags)) != len(self.tags):
+            raise ValueError("tags must not repeat")
+        return self
+
+
+class GatewayTracing(Strict):
+    """One gateway's tracing, where it differs from the Mesh's."""
+
+    sampling: Percent | None = Field(
+        None, description="percent of this gateway's requests that start a trace"
+    )
+    clientContext: ClientContext | None = Field(
+        None,
+        description="restart or honor a client's trace context at this gateway (see the Mesh's"
+        " tracing.clientContext)",
+    )
+
+
+class RouteTracing(Strict):
+    """One route's tracing, where it differs from its gateway's."""
+
+    sampling: Percent = Field(
+        description="percent of this route's requests that start a trace (not on a gateway that"
+        " honors client context: its sampler decides there)"
+    )
+
+
 class MeshSpec(Strict):
     """Settings that hold for every workload of the mesh."""
 
@@ -262,6 +364,9 @@ class MeshSpec(Strict):
     drill: Drill | None = Field(
         None, description="JWT callers who may force degraded routes with a header; absent: nobody"
     )
+    tracing: Tracing | None = Field(
+        None, description="distributed tracing (OpenTelemetry); absent: off"
+    )
 
     @model_validator(mode="after")
     def _ttl(self) -> Self:
@@ -274,8 +379,8 @@ class MeshSpec(Strict):
 class Mesh(Strict):
     """Settings that hold for the whole mesh: the trust domain of its identities, the control
     plane's ports, the default mTLS mode, certificate lifetime, eBPF acceleration, the
-    request audit trail and who may run degrade drills. One per mesh; cluster-scoped (no
-    namespace)."""
+    request audit trail, who may run degrade drills, and distributed tracing. One per mesh;
+    cluster-scoped (no namespace)."""
 
     apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
     kind: Literal["Mesh"] = Field(description="The kind of policy document: always `Mesh`.")
@@ -330,6 +435,9 @@ class GatewaySpec(Strict):
     )
     xdsProtocol: Literal["delta", "sotw"] = Field(
         "delta", description="incremental (delta) or state-of-the-world ADS"
+    )
+    tracing: GatewayTracing | None = Field(
+        None, description="this gateway's tracing, where it differs from the Mesh's"
     )
 
     @model_validator(mode="after")
@@ -636,6 +744,9 @@ class RouteSpec(Strict):
     timeout: Duration | None = Field(None, description='upstream timeout; "0s" disables it')
     retries: Retries | None = Field(
         None, description="How failed requests are retried; default: no retries."
+    )
+    tracing: RouteTracing | None = Field(
+        None, description="this route's tracing, where it differs from its gateway's"
     )
 
     @model_validator(mode="after")

@@ -31,6 +31,8 @@ SHORT_NAMES = {
 
 # The static cluster every bootstrap defines for the control plane (ADS, access logs).
 CONTROL_PLANE_CLUSTER = "meshfn-xds"
+# The cluster Envoy's OpenTelemetry tracer sends spans to (the OTLP collector).
+TRACE_COLLECTOR_CLUSTER = "meshfn-otlp"
 # The gRPC access-log stream that feeds the drift breaker.
 LATENCY_LOG = "meshfn-latency"
 # Which requests it carries (CEL, Envoy's access-log filter and Istio's Telemetry filter): those

@@ -1,5 +1,5 @@
 """Pass 9, assemble: the MeshModel from the last stage and the Mesh's own settings (ports,
-identity, acceleration, audit, drill)."""
+identity, acceleration, audit, drill) and the tracing setting (its own leaf pass)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..model import Audit, Drill
 from .sidecars import Complete
 
 
-def assemble(complete: Complete) -> ir.MeshModel:
+def assemble(complete: Complete, tracing: ir.Tracing | None = None) -> ir.MeshModel:
     spec = complete.mesh.spec
     return ir.MeshModel(
         name=complete.mesh.metadata.name,
@@ -27,6 +27,7 @@ def assemble(complete: Complete) -> ir.MeshModel:
         drill=_drill(spec.drill),
         policies=_with_guards(complete.written, complete.guard_objects),
         qos=complete.qos,
+        tracing=tracing,
     )
 
 

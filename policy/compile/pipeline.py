@@ -6,14 +6,28 @@ from meshfn import ir
 
 from ..errors import PolicyError
 from ..validate import Loaded
-from . import assemble, fallback, functions, gateways, qos, resolve, security, shedding, sidecars
+from . import (
+    assemble,
+    fallback,
+    functions,
+    gateways,
+    qos,
+    resolve,
+    security,
+    shedding,
+    sidecars,
+    tracing,
+)
 
 
 def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     """Validated objects (the reference and QoS checks passed) -> the MeshModel, or what only
     lowering the whole set finds: Functions on one gateway with different backends, routes that
-    shadow each other, shedding that cannot hold."""
+    shadow each other, shedding that cannot hold, tracing overrides that cannot apply."""
     resolved = resolve.resolve(items)
+    traced = tracing.trace(resolved.mesh, resolved.items)
+    if isinstance(traced, list):
+        return sorted(set(traced))
     secured = security.secure(resolved)
     chained = fallback.chain(secured)
     bound = qos.bind(chained)
@@ -25,4 +39,4 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     if isinstance(shed, list):
         return sorted(set(shed))
     complete = sidecars.place(shed)
-    return assemble.assemble(complete)
+    return assemble.assemble(complete, traced)

@@ -14,6 +14,7 @@ from .gateway import gateway_resources
 from .host import OFFLINE_HOST, ProxyHost
 from .httpfilters import FilterContext, QoSContext
 from .httpfilters.audit import audit_for
+from .httpfilters.tracing import tracing_for
 from .resources import Resources
 from .security import Credentials, secrets
 from .sidecar import sidecar_resources
@@ -48,6 +49,7 @@ def translate(
             workload.authz,
             audit,
             qos=QoSContext(claim) if claim is not None and workload.jwt_rules else None,
+            tracing=tracing_for(model, workload, host),
         )
         out = sidecar_resources(workload, filters, overlay)
     else:

@@ -17,6 +17,7 @@ from .host import ProxyHost
 from .httpfilters import FilterContext, QoSContext
 from .httpfilters.base import AuditConfig
 from .httpfilters.degrade import degrade_for
+from .httpfilters.tracing import tracing_for
 from .listeners import listener
 from .resources import Resources, merge
 from .routes import Target, function_target, route_configuration, target_for
@@ -100,6 +101,7 @@ def gateway_resources(
         if limit_service_token and workload.qos is not None and workload.qos.global_rate
         else ()
     )
+    tracing = tracing_for(model, workload, host)
     for lst in workload.listeners:
         used = sorted({r.service for r in lst.routes})
         guarded = frozenset(r.key for r in lst.routes if targets[r.service].drift)
@@ -110,6 +112,7 @@ def gateway_resources(
             degrade_for(lst, guarded, model.drill, host.wasm_dir, workload.qos),
             qos=qos_context(workload.qos, lst, limit_service_metadata),
             mesh_route=model.audit is not None,
+            tracing=tracing,
         )
         drift = any(model.service(key).drift is not None for key in used)
         out[LISTENER][lst.name] = listener(lst, filters, drift)
@@ -119,6 +122,7 @@ def gateway_resources(
             httpfilters.request_headers_to_remove(filters),
             model.audit is not None,
             gateway_qos=workload.qos,
+            tracing=tracing,
         )
         merge(out, httpfilters.resources(filters, overlay))
     return out

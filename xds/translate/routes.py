@@ -19,9 +19,11 @@ from meshfn.ir.routing import precedence
 
 from .. import names
 from ..fragments import qos as envoy_qos
+from ..fragments import tracing as envoy_tracing
 from ..fragments.messages import duration
 from ..fragments.routes import degraded_clusters, degraded_match, retry_policy, route_match
 from ..names import cluster_name, fallback_cluster_name, function_cluster_name
+from .httpfilters.base import TracingContext
 from .httpfilters.qos import rate_limit_config
 
 
@@ -160,6 +162,7 @@ def _routes(
     target: Target,
     mesh_route: bool,
     gateway_qos: ir.QoSPolicy | None = None,
+    tracing: TracingContext | None = None,
 ) -> list[rc.Route]:
     """The route, and for a drift-guarded target first its degraded twin: same match plus the
     internal routing header the degrade filter sets (clients cannot: the listener strips it before
@@ -178,6 +181,9 @@ def _routes(
         metadata=_metadata(target, key, qos),
         request_headers_to_add=headers,
         typed_per_filter_config=per_route,
+        tracing=envoy_tracing.route_tracing(tracing.tracing, tracing.settings, route)
+        if tracing is not None
+        else None,
     )
     if not target.drift:
         return _by_priority([normal], qos) if shed and qos else [normal]
@@ -188,6 +194,7 @@ def _routes(
         metadata=_metadata(target, key, qos),
         request_headers_to_add=headers,
         typed_per_filter_config=per_route,
+        tracing=normal.tracing if tracing is not None else None,
     )
     return _by_priority([degraded, normal], qos) if shed and qos else [degraded, normal]
 
@@ -230,10 +237,12 @@ def route_configuration(
     headers_to_remove: tuple[str, ...] = (),
     mesh_route: bool = False,
     gateway_qos: ir.QoSPolicy | None = None,
+    tracing: TracingContext | None = None,
 ) -> route_pb2.RouteConfiguration:
     """`targets` maps the service keys the routes use to their Target (a tuple so the result
     can be memoised); `headers_to_remove` are the HTTP filters' (httpfilters); `mesh_route`: the
-    mesh audits, so each route names itself (metadata, x-meshfn-route) for the records."""
+    mesh audits, so each route names itself (metadata, x-meshfn-route) for the records;
+    `tracing`: the gateway traces, so each route carries its sampling and tags."""
     by_target = dict(targets)
     by_host: dict[str, list[tuple[ir.Route, int]]] = {}
     for route in listener.routes:
@@ -256,6 +265,7 @@ def route_configuration(
                         by_target.get(route.service, Target(cluster_name(route.service))),
                         mesh_route,
                         gateway_qos,
+                        tracing,
                     )
                 ],
             )

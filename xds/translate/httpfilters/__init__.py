@@ -23,7 +23,7 @@ from meshfn import ir
 
 from ..resources import Resources, merge
 from .audit import Audit
-from .base import FilterContext, HttpFilter, QoSContext
+from .base import FilterContext, HttpFilter, QoSContext, TracingContext
 from .degrade import Degrade
 from .internal_headers import InternalHeaders
 from .jwt_authn import JwtAuthn
@@ -31,6 +31,7 @@ from .plugin import Plugin
 from .qos import QoS
 from .rbac import Rbac
 from .router import Router
+from .tracing import Tracing
 from .whole_bodies import WholeSmallBodies
 
 # A request is cleared of headers only Envoy may set, read whole if its body is small (so a
@@ -38,8 +39,11 @@ from .whole_bodies import WholeSmallBodies
 # reads jwt_authn's verified claims), judged (a denied request is recorded with its subject
 # too), rate limited per verified tenant (only what authorization let through spends tokens),
 # degraded if its route's breaker has tripped, and routed. Where a listener both audits and
-# degrades, the combined plugin records and degrades in the audit filter's place.
+# degrades, the combined plugin records and degrades in the audit filter's place. Tracing is no
+# filter of the chain but the connection manager's own (its tracer, and the early removal of an
+# untrusted client's trace headers), listed first.
 HTTP_FILTERS: tuple[HttpFilter[Any], ...] = (
+    Tracing(),
     InternalHeaders(),
     WholeSmallBodies(),
     JwtAuthn(),
@@ -60,6 +64,9 @@ def build_connection_manager(manager: hcm.HttpConnectionManager, ctx: FilterCont
     """Add the chain to `manager`, which the caller is building (listener-specific settings and
     access logs are its own and come first)."""
     for unit, config in _applied(ctx):
+        own = unit.connection_manager(ctx, config)
+        if own is not None:
+            manager.MergeFrom(own)
         manager.http_filters.extend(unit.http_filters(ctx, config))
         manager.access_log.extend(unit.access_logs(ctx, config))
         manager.early_header_mutation_extensions.extend(unit.early_header_mutations(ctx, config))
@@ -94,6 +101,7 @@ __all__ = [
     "FilterContext",
     "HttpFilter",
     "QoSContext",
+    "TracingContext",
     "build_connection_manager",
     "request_headers_to_remove",
     "resources",

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import extension_pb2
@@ -73,6 +73,28 @@ class QoSContext:
 
 
 @dataclass(frozen=True)
+class TracingContext:
+    """Tracing on one connection manager: the mesh's setting, the collector the run mode
+    chose, which proxy this is (`service`: its spans' service.name), the gateway's effective
+    settings (for a sidecar: the mesh's sampling; sidecars follow their callers' decisions)."""
+
+    tracing: ir.Tracing
+    collector: ir.TraceCollector
+    kind: Literal["gateway", "sidecar"]
+    service: str
+    settings: ir.GatewayTracing
+    verified_tokens: bool = False  # jwt_authn runs here: the tenant tag has a source
+
+    @property
+    def restarts(self) -> bool:
+        return self.kind == "gateway" and self.settings.client_context == "restart"
+
+    @property
+    def honors(self) -> bool:
+        return self.kind == "gateway" and self.settings.client_context == "honor"
+
+
+@dataclass(frozen=True)
 class FilterContext:
     """Everything the HTTP filters of one HTTP connection manager depend on. Hashable, so the
     listener and route builders memoise on it, and free of runtime state (the drift breaker's
@@ -84,6 +106,7 @@ class FilterContext:
     degrade: DegradeConfig | None = None  # gateways only
     mesh_route: bool = False  # a gateway of a mesh that audits: it sets x-meshfn-route
     qos: QoSContext | None = None
+    tracing: TracingContext | None = None
 
     @property
     def combined(self) -> bool:
@@ -108,6 +131,10 @@ class HttpFilter(ABC, Generic[C]):
     def http_filters(self, ctx: FilterContext, config: C) -> Iterable[hcm.HttpFilter]:
         """Entries of the HTTP connection manager's filter chain."""
         return ()
+
+    def connection_manager(self, ctx: FilterContext, config: C) -> hcm.HttpConnectionManager | None:
+        """Settings of the connection manager itself (its tracing), merged into it."""
+        return None
 
     def access_logs(self, ctx: FilterContext, config: C) -> Iterable[accesslog_pb2.AccessLog]:
         """The connection manager's access logs."""

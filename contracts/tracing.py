@@ -1,0 +1,156 @@
+"""Distributed tracing vocabulary shared by the renderers, the inference backend and the
+control plane's collector: W3C Trace Context (`traceparent`, `tracestate`), the span attribute
+names meshfn adds, the headers an external gateway drops from untrusted clients, and the
+backend's tracing settings (one schema, written by `meshfn up` and the operator from the Mesh
+policy, read by the backend).
+
+Parsing never raises: a malformed `traceparent` is None (the trace restarts), a malformed
+`tracestate` is dropped, as W3C Trace Context says. A leaf: pydantic only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+
+# What an external gateway with `clientContext: restart` removes from client requests before
+# Envoy reads them (its early header mutation): the W3C context, and Envoy's own ways of forcing
+# a sampling decision (x-client-trace-id, x-envoy-force-trace, and x-request-id, whose UUID
+# carries Envoy's trace decision between proxies). Envoy then starts a new trace under the
+# gateway's own sampling and makes a fresh request id.
+CLIENT_CONTEXT_HEADERS = (
+    TRACEPARENT,
+    TRACESTATE,
+    "x-client-trace-id",
+    "x-envoy-force-trace",
+    "x-request-id",
+)
+
+# Span attributes meshfn adds (custom tags on Envoy's spans, attributes on the backend's).
+# Never taken from a header a client sent: a verified JWT claim, the mTLS peer, route metadata.
+TAG_TENANT = "meshfn.tenant"
+TAG_MODEL = "meshfn.model"
+TAG_ROUTE = "meshfn.route"
+TAG_PRINCIPAL = "meshfn.principal"
+
+ClientContext = Literal["restart", "honor"]
+TagName = Literal["tenant", "model", "route", "principal"]
+ALL_TAGS: tuple[TagName, ...] = ("tenant", "model", "route", "principal")
+
+_HEX = frozenset("0123456789abcdef")
+_MAX_TRACESTATE = 512  # W3C: vendors should propagate at least 512 characters
+_MAX_MEMBERS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SpanContext:
+    """A parent's identity: trace id (32 lowercase hex), span id (16), sampled flag, and the
+    vendor `tracestate` passed on unchanged (empty when absent or malformed)."""
+
+    trace_id: str
+    span_id: str
+    sampled: bool
+    state: str = ""
+
+    def traceparent(self) -> str:
+        return f"00-{self.trace_id}-{self.span_id}-{'01' if self.sampled else '00'}"
+
+
+def _hex(text: str, length: int) -> bool:
+    return len(text) == length and not (set(text) - _HEX) and text.strip("0") != ""
+
+
+def _text(value: str | bytes | None) -> str | None:
+    """A header value as text, None when absent or not ASCII."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    return value
+
+
+def parse_traceparent(value: str | bytes | None) -> SpanContext | None:
+    """A W3C `traceparent` (version 00, or a later version read as 00 when its first four
+    fields are well formed), or None for anything else: wrong lengths, upper case, non-hex,
+    all-zero ids, version ff, trailing data on version 00."""
+    text = _text(value)
+    if text is None:
+        return None
+    text = text.strip(" \t")
+    if len(text) < 55 or text[2] != "-" or text[35] != "-" or text[52] != "-":
+        return None
+    version, trace_id, span_id, flags = text[:2], text[3:35], text[36:52], text[53:55]
+    well_formed = (
+        not (set(version) - _HEX)
+        and version != "ff"
+        and not (set(flags) - _HEX)
+        and (len(text) == 55 if version == "00" else len(text) == 55 or text[55] == "-")
+        and _hex(trace_id, 32)
+        and _hex(span_id, 16)
+    )
+    return SpanContext(trace_id, span_id, bool(int(flags, 16) & 1)) if well_formed else None
+
+
+def _member(member: str) -> bool:
+    key, eq, val = member.partition("=")
+    return (
+        bool(eq and key and val)
+        and len(key) <= 256
+        and len(val) <= 256
+        and "=" not in val
+        and all(0x20 < ord(c) < 0x7F for c in key + val)
+    )
+
+
+def parse_tracestate(value: str | bytes | None) -> str:
+    """`tracestate` passed on when it is well formed (list-members `key=value`, at most 32,
+    printable, within 512 characters), else "" (W3C: discard a malformed one)."""
+    text = _text(value)
+    if not text or len(text) > _MAX_TRACESTATE:
+        return ""
+    members = [m for m in (m.strip(" \t") for m in text.split(",")) if m]
+    if len(members) > _MAX_MEMBERS or not all(map(_member, members)):
+        return ""
+    return ",".join(members)
+
+
+def new_trace_id() -> str:
+    return os.urandom(16).hex()
+
+
+def new_span_id() -> str:
+    return os.urandom(8).hex()
+
+
+Endpoint = Annotated[str, Field(pattern=r"^(grpc|http)://[A-Za-z0-9.:\[\]-]{1,300}(/[!-~]*)?$")]
+
+
+class BackendTracing(BaseModel):
+    """The inference backend's tracing (its config's `tracing`): where its spans go and how it
+    samples requests that arrive without a usable `traceparent` (a request with one follows the
+    parent's sampled flag). `meshfn up` and the operator write it from Mesh.spec.tracing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint: Endpoint = Field(
+        description="the OTLP collector: grpc://host:port or http://host:port/v1/traces"
+    )
+    sampling: Annotated[float, Field(ge=0, le=100)] = Field(
+        1.0, description="percent of requests without a parent's decision that are traced"
+    )
+    serviceName: Annotated[str, Field(min_length=1, max_length=128)] = Field(
+        "meshfn-inference", description="the service.name of the backend's spans"
+    )
+    timeout: Annotated[float, Field(gt=0, le=60)] = Field(
+        1.0, description="seconds an export may take before its spans count as dropped"
+    )
+    queue: Annotated[int, Field(ge=16, le=1_000_000)] = Field(
+        4096, description="spans held for export at most; more are dropped and counted"
+    )

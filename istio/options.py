@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshfn import ir
 from meshfn.contracts.plugins import SubjectSalt
 
 # For offline rendering and golden files only: `meshfn render istio` passes the state
@@ -33,6 +34,8 @@ class RenderOptions:
     journal_path: str = "/var/run/meshfn/journal/audit.jsonl"
     # The audit filter's subject salt (a secret: it ends up in the WasmPlugins' pluginConfig).
     salt: SubjectSalt = field(default=OFFLINE_SALT, repr=False)
+    # The OTLP collector where Mesh.spec.tracing names none (the Helm value tracing.collector).
+    collector: ir.TraceCollector | None = None
 
     def host(self, service_key: str) -> str:
         namespace, name = service_key.split("/", 1)

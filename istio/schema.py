@@ -46,9 +46,21 @@ class RetryBudget(_Strict):
     budgetInterval: str | None = None
 
 
-# (kind, path) -> model, for fields newer than the packaged schemas.
+class FormatterTag(_Strict):
+    """Telemetry tracing customTags.<tag>.formatter (newer than 1.24; in Istio 1.31's CRD): an
+    access-log substitution format."""
+
+    value: Annotated[str, Field(min_length=1)]
+
+
+# (kind, path) -> model, for fields newer than the packaged schemas. (The principal tag is the
+# one meshfn renders with a formatter, in the one tracing entry of a sidecar's Telemetry.)
 NEWER_FIELDS: dict[tuple[str, Loc], type[BaseModel]] = {
     ("DestinationRule", ("spec", "trafficPolicy", "retryBudget")): RetryBudget,
+    (
+        "Telemetry",
+        ("spec", "tracing", 0, "customTags", "meshfn.principal", "formatter"),
+    ): FormatterTag,
 }
 
 
@@ -78,7 +90,10 @@ def _models() -> dict[str, type[BaseModel]]:
 def _pop(obj: Obj, path: Loc) -> Any:
     node: Any = obj
     for part in path[:-1]:
-        node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, list) and isinstance(part, int):
+            node = node[part] if part < len(node) else None
+        else:
+            node = node.get(part) if isinstance(node, dict) else None
         if node is None:
             return None
     return node.pop(path[-1], None) if isinstance(node, dict) else None

@@ -7,6 +7,9 @@
   collector's record format (meshfn.xds.fragments.plugins.access_log_format), on every audited
   workload. A workload-level Telemetry replaces the providers of namespace and mesh levels for that
   workload, so ours list every provider the workload needs.
+- `meshfn-otlp`: Envoy's OpenTelemetry tracer, where the Mesh traces: the `tracing` of every
+  Telemetry here, a mesh-wide one, and the EnvoyFilters of the routes' tracing
+  (meshfn.istio.tracing).
 
 How records reach the audit store: Envoy writes each request's line to `journal_path` in the
 istio-proxy container, a hostPath volume the node's collector tails (offsets committed with the
@@ -24,8 +27,9 @@ from meshfn.xds.fragments.messages import seconds
 from meshfn.xds.fragments.plugins import access_log_format
 from meshfn.xds.names import LATENCY_LOG, LATENCY_LOG_FILTER
 
+from . import tracing
 from .core import Context, Obj, Source, gateways, mesh_source, resource, sidecar_services
-from .plugins import audit_for, guarded
+from .plugins import audit_for, claim_headers_for, guarded
 
 TELEMETRY = "telemetry.istio.io/v1"
 LATENCY_PROVIDER = "meshfn-latency"
@@ -67,7 +71,8 @@ def telemetries(ctx: Context) -> None:
         targets.append((sidecar, service.name, Source("Service", service.namespace, service.name)))
     for workload, name, source in targets:
         providers = _providers(ctx, workload)
-        if not providers:
+        traced = tracing.workload_tracing(ctx, workload, claim_headers_for(ctx, workload))
+        if not providers and not traced:
             continue
         # the latency stream carries only requests sent on an upstream connection (as meshfn's own
         # gateways send it), the audit journal every request
@@ -82,12 +87,24 @@ def telemetries(ctx: Context) -> None:
             # for a log without a match is CLIENT_AND_SERVER), as the audit plugin's match
             for entry in logging:
                 entry["match"] = {"mode": "SERVER"}
-        spec = {"selector": {"matchLabels": ctx.options.labels(name)}, "accessLogging": logging}
+        spec: Obj = {"selector": {"matchLabels": ctx.options.labels(name)}}
+        if logging:
+            spec["accessLogging"] = logging
+        if traced:
+            spec["tracing"] = traced
         ctx.emit(
             resource(TELEMETRY, "Telemetry", f"meshfn-{name}", workload.namespace, spec),
             source,
             mesh_source(ctx.model),
         )
+    tracing.mesh_telemetry(ctx)
+    tracing.gateway_filters(
+        ctx,
+        {
+            gw.key: frozenset().union(*(guarded(ctx.model, lst) for lst in gw.listeners))
+            for gw in gateways(ctx.model)
+        },
+    )
 
 
 def mesh_config(ctx: Context) -> Obj:
@@ -103,6 +120,9 @@ def mesh_config(ctx: Context) -> Obj:
             },
         }
     ]
+    traced = tracing.provider(ctx)
+    if traced is not None:
+        providers.append(traced)
     seen = set()
     for workload in model.workloads:
         audit = audit_for(ctx, workload)

@@ -422,8 +422,10 @@ def test_sidecars_audit_only_what_they_serve(case: str) -> None:
         on_gateway = plugin["spec"]["selector"]["matchLabels"] in gateway_labels
         assert match["mode"] == ("CLIENT" if on_gateway else "SERVER"), plugin["metadata"]
     for telemetry in result.objects.get("Telemetry", []):
-        if telemetry["spec"]["selector"]["matchLabels"] not in gateway_labels:
-            for entry in telemetry["spec"]["accessLogging"]:
+        selector = telemetry["spec"].get("selector")  # none: the mesh-wide tracing default
+        if selector is not None and selector["matchLabels"] not in gateway_labels:
+            spec = telemetry["spec"]
+            for entry in spec.get("accessLogging", []) + spec.get("tracing", []):
                 assert entry["match"] == {"mode": "SERVER"}, telemetry["metadata"]
 
 

@@ -23,6 +23,7 @@ from meshfn.policy.compile import (
     security,
     shedding,
     sidecars,
+    tracing,
 )
 from meshfn.policy.compile import qos as qos_pass
 from meshfn.policy.compile.pipeline import compile_model
@@ -467,7 +468,9 @@ def test_each_pass_keeps_what_the_passes_before_it_produced(case: str) -> None:
         assert isinstance(stage, type(before)), stage
         carried = set(vars(before)) - refined
         assert {k: vars(stage)[k] for k in carried} == {k: vars(before)[k] for k in carried}
-    assert assemble.assemble(stage) == model == compile_model(items)
+    traced = tracing.trace(stage.mesh, stage.items)
+    assert not isinstance(traced, list), traced
+    assert assemble.assemble(stage, traced) == model == compile_model(items)
 
 
 def test_stages_are_plain_dataclasses() -> None:

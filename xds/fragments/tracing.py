@@ -90,21 +90,26 @@ def _literal(tag: str, value: str) -> custom_tag_pb2.CustomTag:
     return custom_tag_pb2.CustomTag(tag=tag, literal=custom_tag_pb2.CustomTag.Literal(value=value))
 
 
-def sampling(gateway: ir.GatewayTracing, route_override: float | None = None) -> float:
-    """Envoy's random sampling percent on a gateway route: 100 where the sampler decides
-    (honor), else the route's override or the gateway's rate."""
-    if gateway.client_context == "honor":
+def sampling(
+    gateway: ir.GatewayTracing, route_override: float | None = None, sampler: bool = True
+) -> float:
+    """Envoy's random sampling percent on a gateway route: 100 where the parent-based sampler
+    decides (a gateway that honors client context, when `sampler`: raw Envoy; Istio's provider
+    has no sampler to set), else the route's override or the gateway's rate."""
+    if gateway.client_context == "honor" and sampler:
         return 100.0
     return gateway.sampling if route_override is None else route_override
 
 
-def route_tracing(tracing: ir.Tracing, gateway: ir.GatewayTracing, route: ir.Route) -> rc.Tracing:
+def route_tracing(
+    tracing: ir.Tracing, gateway: ir.GatewayTracing, route: ir.Route, sampler: bool = True
+) -> rc.Tracing:
     """A gateway route's tracing. Set on every route (its tags), it replaces the connection
     manager's three percentages, so it repeats them: the route's sampling, no client forcing
     where client context restarts, everything past the first two."""
     restart = gateway.client_context == "restart"
     return rc.Tracing(
-        random_sampling=fraction(sampling(gateway, tracing.route_sampling(route.key))),
+        random_sampling=fraction(sampling(gateway, tracing.route_sampling(route.key), sampler)),
         client_sampling=fraction(0.0 if restart else 100.0),
         overall_sampling=fraction(100.0),
         custom_tags=route_tags(tracing, route),

@@ -112,6 +112,29 @@ CACHE = _var(
     "functions: `$XDG_CACHE_HOME/meshfn`, else `~/.cache/meshfn`; filters: `~/.cache/meshfn`",
 )
 
+# ------------------------------------------------------------------ tracing
+
+TRACE_STORE_TRACES = _var(
+    "MESHFN_TRACE_STORE_TRACES",
+    "mesh",
+    """The most traces `meshfn up`'s embedded trace collector keeps (the oldest go first; what
+    goes is counted as dropped spans).""",
+    "2000",
+)
+TRACE_STORE_MIB = _var(
+    "MESHFN_TRACE_STORE_MIB",
+    "mesh",
+    "The most memory, in MiB, the embedded trace collector's traces may take (estimated).",
+    "64",
+)
+TRACE_COLLECTOR = _var(
+    "MESHFN_TRACE_COLLECTOR",
+    "kubernetes",
+    """The OTLP collector the operator renders when the Mesh's tracing names none
+    (`grpc://host:port` or `http://host:port/path`; the Helm value `tracing.collector`).""",
+    "none: a Mesh with tracing and no collector renders no tracing, with a warning",
+)
+
 # ------------------------------------------------------------------ audit trail
 
 AUDIT_STORE = _var(
@@ -261,6 +284,9 @@ VARIABLES: tuple[Variable, ...] = (
     WASM_DIR,
     WASM_SRC,
     CACHE,
+    TRACE_STORE_TRACES,
+    TRACE_STORE_MIB,
+    TRACE_COLLECTOR,
     AUDIT_STORE,
     AUDIT_PUBLIC_KEY,
     AUDIT_WITNESS,

@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from contextvars import ContextVar
 from typing import Any
 
 from rich.logging import RichHandler
@@ -14,6 +15,11 @@ from .cli import console, is_terminal
 
 TIME_FORMAT = "%H:%M:%S"
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+# (trace id, span id) of the request being handled, in hex: a server sets it while it works on a
+# traced request, and every JSON line written meanwhile carries both (joins logs to the trace
+# and to its audit record).
+trace_context: ContextVar[tuple[str, str] | None] = ContextVar("meshfn_trace", default=None)
 
 
 class JsonFormatter(logging.Formatter):
@@ -24,6 +30,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        ids = trace_context.get()
+        if ids is not None:
+            out["trace_id"], out["span_id"] = ids
         out.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)

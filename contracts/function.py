@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .durations import Duration
 from .principals import RequestPrincipal
 from .qos import FunctionQoS
+from .tracing import BackendTracing
 
 # A published function's name and version (registry entries, /v2/models/{name}/versions/{v}).
 FUNCTION_NAME = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
@@ -296,6 +297,9 @@ class BackendConfig(BaseModel):
     functions: list[ServedFunction] | None = Field(
         None,
         description="None serves every function in the registry (each version) with defaults",
+    )
+    tracing: BackendTracing | None = Field(
+        None, description="where the backend's spans go (OTLP) and how it samples; None: off"
     )
 
     @model_validator(mode="after")

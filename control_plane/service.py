@@ -24,7 +24,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from meshfn.audit.salt import load_or_create
 from meshfn.contracts.journal import journal_dir
 from meshfn.health.drift import DriftBreaker, Transition, watched_routes
-from meshfn.ir import MeshModel, Overlay
+from meshfn.ir import MeshModel, Overlay, TraceCollector
 from meshfn.policy import PolicyError, PolicyErrors, PolicyLoader
 from meshfn.policy.loader import POLICY_SUFFIXES
 from meshfn.policy.watch import watch_directory
@@ -149,6 +149,9 @@ class ControlPlane:
         )
         self.ads.add_handler(self.rls.handler())
         self.model: MeshModel | None = None
+        # The run mode's own trace collector for a model that traces without naming one
+        # (`meshfn up`: its embedded collector); the translator points the proxies at it.
+        self.trace_collector: Callable[[MeshModel], TraceCollector | None] = lambda _: None
         # Extra sections of /debug/status from the runtime around the control plane (e.g. eBPF).
         self.status_providers: dict[str, Callable[[], Any]] = {"global_rates": self.rls.summary}
         self.state = PolicyState()
@@ -208,6 +211,7 @@ class ControlPlane:
             wasm_dir=self._filters() if drift or model.audit is not None else OFFLINE_HOST.wasm_dir,
             state_dir=self.state_dir,
             salt=load_or_create(self.state_dir) if model.audit is not None else OFFLINE_HOST.salt,
+            collector=self.trace_collector(model),
         )
 
     def _snapshots(self, model: MeshModel) -> list[Snapshot]:

@@ -48,6 +48,7 @@ from .qos import Load, tenant_of
 from .registry import Registry, latest
 from .results import Completed
 from .signing import TrustedKeys
+from .tracing import Tracer
 from .warmup import WarmBudget
 
 log = logging.getLogger("meshfn.inference")
@@ -107,6 +108,7 @@ class Backend:
         self.ticker = EpochTicker(self.engine)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="meshfn-wasm")
         self.prewarm_executor = ThreadPoolExecutor(1, thread_name_prefix="meshfn-prewarm")
+        self.tracer = Tracer(config.tracing, self.metrics.trace_spans_counters())
         self.dispatcher = Dispatcher(
             self.executor,
             self.metrics,
@@ -114,6 +116,7 @@ class Backend:
             self.prewarm_executor,
             WarmBudget(config.warmupMemoryBudget),
             lambda: self.pressure,
+            self.tracer,
         )
         self.pressure = False  # available memory under config.lowMemory (the reaper checks)
         self.pressure_releases = 0
@@ -283,6 +286,7 @@ class Backend:
             rt.close()
         self.code.drop_free()
         self.ticker.stop()
+        self.tracer.close()
 
     # ------------------------------------------------------------------ lookups
 
@@ -512,8 +516,11 @@ class Backend:
             )
 
         try:
-            tenant = tenant_of((headers or {}).get(_TENANT_KEY))
-            return await self.dispatcher.serve(rt, "rest", parse, encode, tenant)
+            tenant = tenant_of(given.get(_TENANT_KEY))
+            span = self.tracer.begin(
+                f"infer {name}", given.get(b"traceparent"), given.get(b"tracestate")
+            )
+            return await self.dispatcher.serve(rt, "rest", parse, encode, tenant, span)
         except KServeError as exc:
             return Reply.of(exc)
 

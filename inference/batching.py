@@ -33,6 +33,7 @@ from .pool import FunctionRuntime, Invocation
 from .results import Completed, deadline_error, failure
 from .stats import ModelStats, Timing
 from .tensors import TensorError, _in_order, element_count, frame, unframe
+from .tracing import RequestSpan, record_call
 
 log = logging.getLogger("meshfn.inference")
 
@@ -46,6 +47,7 @@ class Pending:
     deadline: float  # monotonic
     enqueued: float
     priority: int  # its tenant class's (QoSPolicy), 0 without one
+    span: RequestSpan | None = None  # its trace (tracing.py)
     future: asyncio.Future[Completed] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -81,7 +83,12 @@ class Batcher:
     # ------------------------------------------------------------------ requests
 
     async def submit(
-        self, request: InferRequest, timing: Timing, deadline: float | None, priority: int = 0
+        self,
+        request: InferRequest,
+        timing: Timing,
+        deadline: float | None,
+        priority: int = 0,
+        span: RequestSpan | None = None,
     ) -> Completed:
         rt = self.lane.rt
         rows = request.rows
@@ -92,7 +99,7 @@ class Batcher:
         own = now + self.allowance
         deadline = own if deadline is None else min(deadline, own)
         if rows <= self.max:
-            return await self._enqueue(request, rows, timing, deadline, now, priority)
+            return await self._enqueue(request, rows, timing, deadline, now, priority, span)
         if not self.split:
             raise KServeError(
                 400,
@@ -104,7 +111,7 @@ class Batcher:
             for start in range(0, rows, self.max)
         ]
         parts = await asyncio.gather(
-            *(self._enqueue(c, c.rows, timing, deadline, now, priority) for c in chunks)
+            *(self._enqueue(c, c.rows, timing, deadline, now, priority, span) for c in chunks)
         )
         try:
             return join([p.parsed(rt.label) for p in parts])
@@ -119,8 +126,9 @@ class Batcher:
         deadline: float,
         now: float,
         priority: int,
+        span: RequestSpan | None = None,
     ) -> Completed:
-        pending = Pending(request, request.batch_key(), rows, timing, deadline, now, priority)
+        pending = Pending(request, request.batch_key(), rows, timing, deadline, now, priority, span)
         self.queue.append(pending)
         self.changed.set()
         if self.task is None or self.task.done():
@@ -246,6 +254,7 @@ class Batcher:
         shares = self._shares(batch, result) if result.outcome is Outcome.OK else None
         lane.stats.execution(rows, called - started, infer_ns, time.perf_counter_ns() - returned)
         lane.executed(rows)
+        traced(batch, started, returned, invocation, rows)
         if shares is not None:
             for p, share in zip(batch, shares, strict=True):
                 p.timing.started = called
@@ -292,6 +301,26 @@ class Batcher:
                 )
                 continue
             await self._run([p])
+
+
+def traced(
+    batch: list[Pending], started: int, returned: int, invocation: Invocation, rows: int
+) -> None:
+    """Each traced member's share of a batch: its wait in the queue, the batch (with links to
+    the other members' spans) and the guest call (and cold start) under it."""
+    members = [p for p in batch if p.span is not None and p.span.sampled]
+    if not members:
+        return
+    ids = [(p.span.trace_id, p.span.span_id) for p in members if p.span is not None]
+    attrs = {"meshfn.batch.requests": len(batch), "meshfn.batch.rows": rows}
+    for p in members:
+        span = p.span
+        assert span is not None
+        span.child("queue", p.timing.admitted, started)
+        own = (span.trace_id, span.span_id)
+        links = [link for link in ids if link != own]
+        under = span.child("batch", started, returned, attrs, links or None)
+        record_call(span, invocation, under)
 
 
 def _by_priority(pending: Pending) -> int:

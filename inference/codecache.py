@@ -66,10 +66,14 @@ class CodeCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def acquire(self, key: CodeKey, label: str) -> tuple[Artifact, bool]:
+    def acquire(
+        self, key: CodeKey, label: str, timing: list[int] | None = None
+    ) -> tuple[Artifact, bool]:
         """The code for `key` (the caller verified its identity just now), and whether it was
         already deserialized; the caller holds it until `release(key)`. Raises what loading
-        raises (WasmtimeError for an artifact of another engine), holding nothing then."""
+        raises (WasmtimeError for an artifact of another engine), holding nothing then.
+        `timing` gets when the lookup ended and when the code was deserialized (perf_counter_ns;
+        the same on a hit): the cold start's spans (tracing.py)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -79,12 +83,15 @@ class CodeCache:
         try:
             with entry.loading:
                 hit = entry.artifact is not None
+                looked_up = time.perf_counter_ns() if timing is not None else 0
                 if entry.artifact is None:
                     kind, cwasm, _ = key
                     if kind == "python" and self.linker is None:
                         self.linker = component_linker(self.engine)
                     entry.artifact = load_precompiled(self.engine, kind, cwasm, self.linker)
                 artifact = entry.artifact
+                if timing is not None:
+                    timing += (looked_up, looked_up if hit else time.perf_counter_ns())
         except BaseException:
             self.release(key)
             raise

@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 from typing import Any, Literal, TypeVar
 
 from meshfn.common import env
+from meshfn.common.logs import trace_context
 
 from .batching import Batcher
 from .engine import EPOCH_TICK_S, deadline_ticks
@@ -28,6 +29,7 @@ from .pool import FunctionRuntime, Invocation, Refused
 from .qos import Admission, Ticket
 from .results import Completed, deadline_error, failure
 from .stats import ModelStats, Timing
+from .tracing import RequestSpan, Tracer, record_call
 from .warmup import WarmBudget, Warmer
 
 log = logging.getLogger("meshfn.inference")
@@ -192,7 +194,12 @@ class Lane:
         self.rt.latencies.append(seconds)  # the status endpoint's recent p50/p99
 
     async def alone(
-        self, request: InferRequest, timing: Timing, deadline: float | None, priority: int = 0
+        self,
+        request: InferRequest,
+        timing: Timing,
+        deadline: float | None,
+        priority: int = 0,
+        span: RequestSpan | None = None,
     ) -> Completed:
         """The request as its own guest call (its execution statistics are recorded once its
         response is encoded)."""
@@ -203,6 +210,10 @@ class Lane:
         invocation = await self.call(text, deadline, priority)
         timing.compute_infer = round(invocation.seconds * 1e9)
         timing.guest_cpu_ns += invocation.cpu_ns
+        if span is not None and span.sampled:
+            made = invocation.cold_start
+            span.child("queue", timing.admitted, made.begin if made else invocation.started_ns)
+            record_call(span, invocation)
         self.executed(request.rows)
         if invocation.result.outcome is not Outcome.OK:
             raise failure(self.rt, invocation.result)
@@ -218,8 +229,10 @@ class Dispatcher:
         prewarm_executor: Executor | None = None,
         warm_budget: WarmBudget | None = None,
         under_pressure: Callable[[], bool] = lambda: False,
+        tracer: Tracer | None = None,
     ) -> None:
         self.executor = executor
+        self.tracer = tracer or Tracer(None)
         self.metrics = metrics
         self.slots = slots  # guest calls one function may run at once (the worker threads)
         self.gate = WorkerGate(slots)  # who gets the next free worker thread
@@ -266,11 +279,47 @@ class Dispatcher:
         parse: Callable[[], InferRequest],
         encode: Callable[[Completed, InferRequest], T],
         tenant: str = "",
+        span: RequestSpan | None = None,
     ) -> T:
         """Admit, parse, run (alone or batched), encode; errors are KServeError. `tenant`: the
         verified tenant (qos.tenant_of), for functions a QoSPolicy binds. The concurrency
         limit and QoS admission come before parsing, so a refused (shed) request costs no
-        decoding of its tensors."""
+        decoding of its tensors. `span`: the request's trace (tracing.Tracer.begin), finished
+        here, its ids on every log line meanwhile."""
+        if span is None:
+            return await self._serve(rt, protocol, parse, encode, tenant, None)
+        token = trace_context.set(span.ids)
+        status = 500
+        try:
+            result = await self._serve(rt, protocol, parse, encode, tenant, span)
+            status = 200
+            return result
+        except KServeError as exc:
+            status = exc.status
+            raise
+        finally:
+            span.attrs.update(
+                {
+                    "meshfn.model": rt.name,
+                    "meshfn.version": rt.version,
+                    "meshfn.protocol": protocol,
+                    "http.response.status_code": status,
+                }
+            )
+            if tenant and rt.spec.qos is not None:  # the sidecar's verified claim
+                span.attrs["meshfn.tenant"] = tenant
+            self.tracer.finish(span, status)
+            trace_context.reset(token)
+
+    async def _serve(
+        self,
+        rt: FunctionRuntime,
+        protocol: Protocol,
+        parse: Callable[[], InferRequest],
+        encode: Callable[[Completed, InferRequest], T],
+        tenant: str,
+        span: RequestSpan | None,
+    ) -> T:
         started = time.perf_counter()
         status = 500
         lane = self.lane(rt)
@@ -291,7 +340,9 @@ class Dispatcher:
                 if ticket is not None:
                     ticket.done(0)
                 raise
-            result = await self._run(rt, lane, request, encode, ticket)
+            if span is not None:
+                span.child("admission", span.start, time.perf_counter_ns())
+            result = await self._run(rt, lane, request, encode, ticket, span)
             status = 200
             return result
         except KServeError as exc:
@@ -307,6 +358,7 @@ class Dispatcher:
         request: InferRequest,
         encode: Callable[[Completed, InferRequest], T],
         ticket: Ticket | None,
+        span: RequestSpan | None = None,
     ) -> T:
         timing = Timing(time.perf_counter_ns())
         deadline = None if request.timeout is None else time.monotonic() + request.timeout
@@ -320,9 +372,9 @@ class Dispatcher:
         try:
             batched = lane.batcher is not None
             if lane.batcher is not None:
-                completed = await lane.batcher.submit(request, timing, deadline, priority)
+                completed = await lane.batcher.submit(request, timing, deadline, priority, span)
             else:
-                completed = await lane.alone(request, timing, deadline, priority)
+                completed = await lane.alone(request, timing, deadline, priority, span)
             before = time.perf_counter_ns()
             result = encode(completed, request)
             timing.compute_output += time.perf_counter_ns() - before

@@ -374,7 +374,10 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
 
         metadata = dict(context.invocation_metadata() or ())
         tenant = tenant_of(metadata.get(TENANT_HEADER))
-        return await backend.dispatcher.serve(rt, "grpc", parse, encode, tenant)
+        span = backend.tracer.begin(
+            f"infer {rt.name}", metadata.get("traceparent"), metadata.get("tracestate")
+        )
+        return await backend.dispatcher.serve(rt, "grpc", parse, encode, tenant, span)
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Any

@@ -58,6 +58,13 @@ class Metrics:
         self.unloads = Counter(
             "meshfn_fn_unloads", "Idle functions unloaded (scale to zero)", ["function"], registry=r
         )
+        self.trace_spans = Counter(
+            "meshfn_fn_trace_spans",
+            "Spans of traced requests: exported to the collector, or dropped (the export queue "
+            "was full, or the collector failed or was too slow)",
+            ["outcome"],
+            registry=r,
+        )
         self.traps = Counter(
             "meshfn_fn_instances_discarded",
             "Instances discarded after a trap, timeout or out-of-memory",
@@ -145,3 +152,7 @@ class Metrics:
         self.refused = Gauge(
             "meshfn_fn_refused", "1 if the function failed verification", ["function"], registry=r
         )
+
+    def trace_spans_counters(self) -> tuple[Counter, Counter]:
+        """(exported, dropped): the tracer's exporter counts into them."""
+        return self.trace_spans.labels("exported"), self.trace_spans.labels("dropped")

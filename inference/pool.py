@@ -15,6 +15,7 @@ from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 import wasmtime
 
@@ -43,12 +44,27 @@ class Refused(InferenceError):
         self.status = status
 
 
+class ColdStart(NamedTuple):
+    """A request that waited for an instance to be made (perf_counter_ns): the code looked up
+    in the process's code cache and, on a miss, deserialized (`loaded`: the function's code was
+    not loaded; else both equal `begin`), then the instance made."""
+
+    begin: int
+    looked_up: int
+    deserialized: int
+    instantiated: int
+    loaded: bool
+    hit: bool
+
+
 @dataclass(frozen=True, slots=True)
 class Invocation:
     result: CallResult
     cold: bool
     seconds: float = 0.0  # the guest call itself (statistics: compute_infer)
     cpu_ns: int = 0  # the worker thread's CPU time during the call (QoS compute budgets)
+    started_ns: int = 0  # when the guest call began (perf_counter_ns)
+    cold_start: ColdStart | None = None  # an instance was made for it first
 
 
 class FunctionRuntime:
@@ -155,7 +171,7 @@ class FunctionRuntime:
 
     # ------------------------------------------------------------------ load / unload
 
-    def _load(self) -> tuple[Artifact, int]:
+    def _load(self, timing: list[int] | None = None) -> tuple[Artifact, int]:
         with self._load_lock:
             artifact = self._artifact
             if artifact is not None:
@@ -173,7 +189,7 @@ class FunctionRuntime:
                     raise self.refusal or Refused(f"function {self.label} refused", 403)
             key = verified.code_key
             try:
-                artifact, hit = self.code.acquire(key, self.label)
+                artifact, hit = self.code.acquire(key, self.label, timing)
             except wasmtime.WasmtimeError as exc:
                 self._refuse(f"cannot load the precompiled artifact: {exc}", 403)
                 raise self.refusal or Refused(str(exc), 403) from None
@@ -188,7 +204,9 @@ class FunctionRuntime:
             self.cold_starts += 1
             return artifact, generation
 
-    def _code(self, artifact: Artifact | None, generation: int) -> tuple[Artifact, int, bool]:
+    def _code(
+        self, artifact: Artifact | None, generation: int, timing: list[int] | None = None
+    ) -> tuple[Artifact, int, bool]:
         """The code to instantiate from, and whether it had to be loaded. Kept code (codeTtl)
         can sit unused for hours: before it makes a new instance, its files' identities are
         checked again (a `stat` each, ~20 us), so code whose artifact was replaced or rewritten
@@ -201,7 +219,7 @@ class FunctionRuntime:
                 "artifact changed on disk; dropping its code", extra={"function": self.label}
             )
             self.unload(reason="changed")
-        return *self._load(), True
+        return *self._load(timing), True
 
     def unload(self, reason: str = "idle") -> None:
         with self._lock:
@@ -267,8 +285,9 @@ class FunctionRuntime:
 
     # ------------------------------------------------------------------ instances
 
-    def _take(self) -> tuple[Instance, int, bool]:
-        """An idle instance, else a new one (loading the artifact first if needed)."""
+    def _take(self) -> tuple[Instance, int, ColdStart | None]:
+        """An idle instance, else a new one (loading the artifact first if needed), and how
+        that went (None: an idle one)."""
         with self._lock:
             # Any request ends dormancy, also one that races the drop and finds an instance
             # given back after it: the pool is then refilled and dropped again as usual.
@@ -276,20 +295,27 @@ class FunctionRuntime:
             if self._idle:
                 instance = self._idle.popleft()
                 self._idle_changed()
-                return instance, self._generation, False
+                return instance, self._generation, None
             artifact, generation = self._artifact, self._generation
             if dormant and artifact is not None:
                 self.metrics.resumes.labels(self.label).inc()
             self.cold_requests += 1
         self._cold_requests.inc()
-        started = time.perf_counter()
-        artifact, generation, cold = self._code(artifact, generation)
+        started = time.perf_counter_ns()
+        timing: list[int] = []
+        artifact, generation, cold = self._code(artifact, generation, timing)
         instance = artifact.instantiate(self.memory_bytes)
+        made = time.perf_counter_ns()
         if cold:
-            self.metrics.cold_start_seconds.labels(self.label).observe(
-                time.perf_counter() - started
-            )
-        return instance, generation, cold
+            self.metrics.cold_start_seconds.labels(self.label).observe((made - started) / 1e9)
+        looked_up, deserialized = timing if len(timing) == 2 else (started, started)
+        return (
+            instance,
+            generation,
+            ColdStart(
+                started, looked_up, deserialized, made, cold, cold and looked_up == deserialized
+            ),
+        )
 
     def _give_back(self, instance: Instance, generation: int, result: CallResult) -> None:
         poisoned = result.outcome.poisons
@@ -311,8 +337,9 @@ class FunctionRuntime:
         (a client's own timeout), never lengthen it. `preemptible`: a slice of the deadline
         on the event loop (dispatch.py); its interruption is no trap, the caller runs the
         request again on a fresh instance, so the interrupted one is closed uncounted."""
-        instance, generation, cold = self._take()
-        started = time.perf_counter()
+        instance, generation, made = self._take()
+        cold = made is not None and made.loaded
+        started = time.perf_counter_ns()
         cpu = time.thread_time_ns()
         try:
             result = instance.call(request, min(ticks, self.ticks) if ticks else self.ticks)
@@ -320,13 +347,13 @@ class FunctionRuntime:
             instance.close()
             raise
         cpu_ns = time.thread_time_ns() - cpu
-        seconds = time.perf_counter() - started
+        seconds = (time.perf_counter_ns() - started) / 1e9
         if preemptible and result.outcome is Outcome.TIMEOUT:
             instance.close()
-            return Invocation(result, cold, seconds)
+            return Invocation(result, cold, seconds, 0, started, made)
         self._give_back(instance, generation, result)
         self._maybe_refill()
-        return Invocation(result, cold, seconds, cpu_ns)
+        return Invocation(result, cold, seconds, cpu_ns, started, made)
 
     def _maybe_refill(self) -> None:
         if self.spec.warmup.mode == "off":

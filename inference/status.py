@@ -111,6 +111,8 @@ def functions_document(backend: Backend) -> dict[str, Any]:
             for name in sorted(backend.functions)
             for _, rt in sorted(backend.functions[name].items())
         ],
+        # spans exported and dropped (a collector down or slow never delays a request)
+        "tracing": backend.tracer.document(),
     }
 
 

@@ -19,7 +19,7 @@ from meshfn.contracts.qos import (
     Window,
     split_priorities,
 )
-from meshfn.contracts.tracing import ClientContext, TagName
+from meshfn.contracts.tracing import BackendTracing, ClientContext, TagName
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,6 +449,13 @@ class TraceCollector:
     path: str = "/v1/traces"
     timeout: timedelta = timedelta(seconds=1)
 
+    @property
+    def endpoint(self) -> str:
+        """As the inference backend's settings name it (contracts.tracing.BackendTracing)."""
+        if self.protocol == "grpc":
+            return f"grpc://{self.host}:{self.port}"
+        return f"http://{self.host}:{self.port}{self.path}"
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayTracing:
@@ -478,6 +485,20 @@ class Tracing:
 
     def route_sampling(self, key: str) -> float | None:
         return dict(self.routes).get(key)
+
+    def backend(self, service_key: str, fallback: TraceCollector | None) -> BackendTracing | None:
+        """The settings of the inference backends behind `service_key`: the policy's collector,
+        else `fallback` (the run mode's own); None when there is neither."""
+        collector = self.collector or fallback
+        if collector is None:
+            return None
+        namespace, name = service_key.split("/", 1)
+        return BackendTracing(
+            endpoint=collector.endpoint,
+            sampling=self.sampling,
+            serviceName=f"{name}.{namespace} inference",
+            timeout=collector.timeout.total_seconds(),
+        )
 
 
 @dataclass(frozen=True)
@@ -566,6 +587,9 @@ class MeshModel:
     policies: Policies = Policies()
     qos: tuple[QoSPolicy, ...] = ()  # every QoSPolicy, (namespace, name) order
     tracing: Tracing | None = None
+    # meshfn up's embedded trace collector listens here (OTLP gRPC, HTTP) when tracing names
+    # no collector (Mesh.spec.ports.otlp, otlpHttp)
+    collector_ports: tuple[int, int] = (4317, 4318)
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

@@ -45,7 +45,14 @@ from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth,
 from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, print_hints, sample_request
 from .process import ProcessFailed, SupervisedProcess
-from .upstreams import FunctionsSetup, UpstreamSpec, upstream_process, upstreams_for
+from .traces import TraceCollector, TraceMetrics
+from .upstreams import (
+    FunctionsSetup,
+    UpstreamSpec,
+    embedded_collector,
+    upstream_process,
+    upstreams_for,
+)
 
 log = logging.getLogger("meshfn.up")
 
@@ -61,6 +68,7 @@ class Mesh:
     envoy_log_level: str = "warning"
     preexec: Callable[[], None] | None = None  # e.g. join the eBPF cgroup
     audit: AuditTrail | None = None
+    traces: TraceCollector = field(default_factory=TraceCollector)
     envoys: dict[str, tuple[ProxyIdentity, SupervisedProcess]] = field(default_factory=dict)
     upstreams: dict[tuple[str, int], tuple[UpstreamSpec, SupervisedProcess]] = field(
         default_factory=dict
@@ -68,7 +76,9 @@ class Mesh:
 
     async def reconcile(self, model: ir.MeshModel, _old: ir.MeshModel | None = None) -> None:
         """Make the running processes what `model` wants: upstreams first (the Envoys route to
-        them), then one Envoy per workload, then the audit collectors of their journals."""
+        them), then one Envoy per workload, then the audit collectors of their journals. The
+        embedded trace collector comes first, once the mesh traces without naming one."""
+        await self._reconcile_traces(model)
         await self._reconcile_upstreams(model)
         if _old is not None:  # a reload; `meshfn up` printed the first model's warnings
             before = {w.node_cluster: w.admin_port for w in _old.workloads}
@@ -79,6 +89,22 @@ class Mesh:
         if self.audit is not None:
             reopen = {group: self._reopen(group) for group in self.envoys}
             await self.audit.reconcile(model, self.cp.proxy_host(model), reopen)
+
+    async def _reconcile_traces(self, model: ir.MeshModel) -> None:
+        """Start the embedded collector when it is first needed; it keeps running (and its
+        traces) if a reload stops tracing or names another collector."""
+        wanted = embedded_collector(model)
+        if wanted is None or self.traces.grpc_port:
+            return
+        grpc_port, http_port = model.collector_ports
+        try:
+            await self.traces.start(grpc_port, http_port)
+        except (OSError, RuntimeError) as exc:
+            raise OSError(
+                f"the embedded trace collector cannot listen on 127.0.0.1:{grpc_port} (OTLP/gRPC)"
+                f" and :{http_port} (OTLP/HTTP): {exc}; free them, or set Mesh spec.ports.otlp"
+                " and otlpHttp, or name a collector in spec.tracing.collector"
+            ) from None
 
     async def _reconcile_upstreams(self, model: ir.MeshModel) -> None:
         wanted = upstreams_for(model)
@@ -140,6 +166,7 @@ class Mesh:
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
         if self.audit is not None:  # after the proxies: it stores the last lines they wrote
             await self.audit.stop()
+        await self.traces.stop()  # after the proxies and backends: their last spans arrive
 
     def backends(self) -> list[Backend]:
         """The inference backends running now (for the console's Functions panel)."""
@@ -276,6 +303,7 @@ async def _loaded(
     with RichReporter(cli_console(stderr=True), "proxy-wasm filters") as progress:
         wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare, progress)
     cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
+    cp.trace_collector = embedded_collector  # the proxies send spans to meshfn up's own
     result = await cp.reload()
     tune_gc()
     if not result.ok:
@@ -347,6 +375,8 @@ def _wired_mesh(
     cp.metrics.registry.register(
         CollectorMetrics(lambda: audit.collector, classify=audit.tenant_class)
     )
+    cp.status_providers["tracing"] = lambda: mesh.traces.status() if mesh.traces.grpc_port else None
+    cp.metrics.registry.register(TraceMetrics(mesh.traces))
     return mesh
 
 

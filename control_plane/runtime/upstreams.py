@@ -16,6 +16,7 @@ import aiohttp
 
 from meshfn import ir
 from meshfn.contracts.function import BackendConfig
+from meshfn.contracts.tracing import BackendTracing
 from meshfn.policy import compile
 
 from .process import SupervisedProcess
@@ -39,6 +40,7 @@ class UpstreamSpec:
     locality: str
     functions: tuple[ir.Function, ...] = ()  # non-empty: run the inference backend
     grpc_port: int | None = None  # the backend's KServe gRPC port (the endpoint's grpcPort)
+    tracing: BackendTracing | None = None  # where the backend's spans go
 
 
 def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
@@ -46,9 +48,20 @@ def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
     return compile.served_functions(list(model.functions), {s.key: s for s in model.services})
 
 
+def embedded_collector(model: ir.MeshModel) -> ir.TraceCollector | None:
+    """Where `meshfn up`'s own trace collector listens, when the Mesh traces without naming a
+    collector (traces.TraceCollector)."""
+    tracing = model.tracing
+    if tracing is None or tracing.collector is not None:
+        return None
+    return ir.TraceCollector("grpc", "127.0.0.1", model.collector_ports[0])
+
+
 def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
     """One process per loopback HTTP endpoint; endpoints elsewhere are the user's to run."""
     functions = served_functions(model)
+    tracing = model.tracing
+    embedded = embedded_collector(model)
     out: dict[tuple[str, int], UpstreamSpec] = {}
     for service in model.services:
         if service.protocol != "http":
@@ -66,6 +79,7 @@ def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
                     locality,
                     served,
                     e.grpc_port if served else None,
+                    tracing.backend(service.key, embedded) if tracing and served else None,
                 )
     return out
 
@@ -79,6 +93,7 @@ def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
         workers=setup.workers,
         processes=setup.processes,
         functions=[f.served() for f in spec.functions],
+        tracing=spec.tracing,
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result

@@ -1,0 +1,486 @@
+"""`meshfn up`'s embedded trace collector: OTLP over gRPC and over HTTP on loopback, the recent
+traces kept in memory for `meshfn trace`, the console and the drift breaker's exemplars.
+
+Part of the composition, never of a renderer: the translator is told where it listens through
+the proxy host (xds.translate.ProxyHost.collector), exactly as it would be told about Jaeger,
+Tempo or an OpenTelemetry Collector named in the Mesh policy.
+
+Bounded by count and by memory (MESHFN_TRACE_STORE_TRACES, MESHFN_TRACE_STORE_MIB): a trace
+that arrives when either is full pushes out the oldest (first seen) traces, a trace holds at
+most MAX_SPANS_PER_TRACE spans, a span at most MAX_ATTRIBUTES attributes of at most MAX_VALUE
+characters, and a request body at most MAX_BODY bytes. Every span that is not kept is counted
+by reason (`/metrics`, `meshfn status`); a collector under a flood of spans keeps serving.
+Both receivers run on the control plane's event loop and only parse and append.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from aiohttp import web
+from google.protobuf.message import DecodeError
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from meshfn import ir
+from meshfn.common import env
+from meshfn.contracts import otlp
+
+log = logging.getLogger("meshfn.traces")
+
+MAX_SPANS_PER_TRACE = 1024
+MAX_ATTRIBUTES = 64
+MAX_VALUE = 1024
+MAX_BODY = 8 << 20
+_SPAN_OVERHEAD = 320  # bytes a stored span costs beyond its strings (measured, roughly)
+DROP_REASONS = ("evicted", "trace_full", "malformed", "too_large")
+
+
+@dataclass(slots=True)
+class Span:
+    trace_id: str
+    span_id: str
+    parent_id: str
+    name: str
+    service: str
+    kind: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, object]
+    status: str = "unset"  # unset | ok | error
+    message: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    links: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def duration_us(self) -> int:
+        return max(0, self.end_ns - self.start_ns) // 1000
+
+    @property
+    def failed(self) -> bool:
+        code = self.attributes.get(
+            "http.status_code", self.attributes.get("http.response.status_code")
+        )
+        try:
+            http_error = int(str(code)) >= 500
+        except ValueError:
+            http_error = False
+        return self.status == "error" or http_error
+
+    def size(self) -> int:
+        text = sum(len(k) + len(str(v)) for k, v in self.attributes.items())
+        return _SPAN_OVERHEAD + len(self.name) + len(self.service) + len(self.message) + text
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "span_id": self.span_id,
+            "parent_id": self.parent_id or None,
+            "name": self.name,
+            "service": self.service,
+            "kind": self.kind,
+            "start_ns": self.start_ns,
+            "end_ns": self.end_ns,
+            "duration_us": self.duration_us,
+            "status": "error" if self.failed else self.status,
+            "message": self.message or None,
+            "attributes": self.attributes,
+            "events": self.events,
+            "links": [{"trace_id": t, "span_id": s} for t, s in self.links],
+        }
+
+
+@dataclass(slots=True)
+class Trace:
+    trace_id: str
+    spans: list[Span] = field(default_factory=list)
+    bytes: int = 0
+    received: float = 0.0  # wall clock of its first span's arrival
+
+    @property
+    def start_ns(self) -> int:
+        return min(s.start_ns for s in self.spans)
+
+    @property
+    def duration_us(self) -> int:
+        return max(0, max(s.end_ns for s in self.spans) - self.start_ns) // 1000
+
+    def root(self) -> Span:
+        """The span whose parent is not in the trace (the earliest such), else the earliest."""
+        ids = {s.span_id for s in self.spans}
+        roots = [s for s in self.spans if not s.parent_id or s.parent_id not in ids]
+        return min(roots or self.spans, key=lambda s: s.start_ns)
+
+    def attribute(self, key: str) -> str | None:
+        for span in self.spans:
+            value = span.attributes.get(key)
+            if value not in (None, ""):
+                return str(value)
+        return None
+
+    @property
+    def failed(self) -> bool:
+        return any(s.failed for s in self.spans)
+
+    def summary(self) -> dict[str, Any]:
+        root = self.root()
+        return {
+            "trace_id": self.trace_id,
+            "root": root.name,
+            "service": root.service,
+            "route": self.attribute("meshfn.route"),
+            "model": self.attribute("meshfn.model"),
+            "start_ns": self.start_ns,
+            "duration_us": self.duration_us,
+            "spans": len(self.spans),
+            "services": sorted({s.service for s in self.spans}),
+            "status": "error" if self.failed else "ok",
+        }
+
+    def document(self) -> dict[str, Any]:
+        ordered = sorted(self.spans, key=lambda s: (s.start_ns, s.end_ns))
+        return {**self.summary(), "span_list": [s.document() for s in ordered]}
+
+
+class TraceStore:
+    """The recent traces, oldest first out. Event loop only."""
+
+    def __init__(self, max_traces: int | None = None, max_bytes: int | None = None) -> None:
+        self.max_traces = max_traces or int(env.TRACE_STORE_TRACES.get_or("2000"))
+        self.max_bytes = max_bytes or int(env.TRACE_STORE_MIB.get_or("64")) << 20
+        self._traces: OrderedDict[str, Trace] = OrderedDict()
+        self.bytes = 0
+        self.spans = 0
+        self.received = 0
+        self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
+        self.evicted_traces = 0
+        self.exports = 0
+
+    def __len__(self) -> int:
+        return len(self._traces)
+
+    def add(self, spans: Iterable[Span]) -> int:
+        """Keep `spans` (evicting the oldest traces to make room); how many were kept."""
+        kept = 0
+        now = time.time()
+        for span in spans:
+            self.received += 1
+            trace = self._traces.get(span.trace_id)
+            if trace is None:
+                trace = self._traces[span.trace_id] = Trace(span.trace_id, received=now)
+            if len(trace.spans) >= MAX_SPANS_PER_TRACE:
+                self.dropped["trace_full"] += 1
+                continue
+            size = span.size()
+            trace.spans.append(span)
+            trace.bytes += size
+            self.bytes += size
+            self.spans += 1
+            kept += 1
+            self._evict(keep=span.trace_id)
+        return kept
+
+    def _evict(self, keep: str) -> None:
+        while len(self._traces) > self.max_traces or self.bytes > self.max_bytes:
+            oldest = next(iter(self._traces))
+            if oldest == keep and len(self._traces) == 1:
+                # one trace over the memory bound on its own: its newest span goes
+                trace = self._traces[oldest]
+                span = trace.spans.pop()
+                trace.bytes -= span.size()
+                self.bytes -= span.size()
+                self.spans -= 1
+                self.dropped["evicted"] += 1
+                if not trace.spans:
+                    del self._traces[oldest]
+                return
+            trace = self._traces.pop(oldest)
+            self.bytes -= trace.bytes
+            self.spans -= len(trace.spans)
+            self.dropped["evicted"] += len(trace.spans)
+            self.evicted_traces += 1
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        self.dropped[reason] += count
+
+    def get(self, trace_id: str) -> Trace | None:
+        return self._traces.get(trace_id.lower())
+
+    def traces(self) -> Iterator[Trace]:
+        """Newest first."""
+        return reversed(self._traces.values())
+
+    def find(
+        self,
+        route: str | None = None,
+        min_duration_us: int = 0,
+        status: str | None = None,
+        service: str | None = None,
+        limit: int = 50,
+    ) -> list[Trace]:
+        """Newest first, matching every given filter: the mesh route (`meshfn.route`, or a
+        prefix of it ending in `/`), a least duration, ok/error, a service a span came from."""
+        out = []
+        for trace in self.traces():
+            if route is not None and not _route_matches(trace.attribute("meshfn.route"), route):
+                continue
+            if trace.duration_us < min_duration_us:
+                continue
+            if status is not None and ("error" if trace.failed else "ok") != status:
+                continue
+            if service is not None and service not in {s.service for s in trace.spans}:
+                continue
+            out.append(trace)
+            if len(out) >= limit:
+                break
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "traces": len(self._traces),
+            "spans": self.spans,
+            "bytes": self.bytes,
+            "max_traces": self.max_traces,
+            "max_bytes": self.max_bytes,
+            "received_spans": self.received,
+            "dropped_spans": dict(self.dropped),
+            "evicted_traces": self.evicted_traces,
+        }
+
+
+def _route_matches(value: str | None, wanted: str) -> bool:
+    if value is None:
+        return False
+    return value == wanted or (wanted.endswith("/") and value.startswith(wanted))
+
+
+# ---------------------------------------------------------------- decoding OTLP
+
+
+def _hex(raw: bytes, length: int) -> str | None:
+    return raw.hex() if len(raw) == length and any(raw) else None
+
+
+def _value(value: object) -> object:
+    if isinstance(value, str) and len(value) > MAX_VALUE:
+        return value[:MAX_VALUE] + "…"
+    if isinstance(value, list | dict):
+        text = str(value)
+        return text if len(text) <= MAX_VALUE else text[:MAX_VALUE] + "…"
+    return value
+
+
+def _attributes(pairs: Any) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for kv in list(pairs)[:MAX_ATTRIBUTES]:
+        out[kv.key[:256]] = _value(otlp.plain(kv.value))
+    return out
+
+
+_STATUS = {otlp.STATUS_UNSET: "unset", otlp.STATUS_OK: "ok", otlp.STATUS_ERROR: "error"}
+
+
+def _span(raw: Any, service: str) -> Span | None:
+    trace_id = _hex(raw.trace_id, 16)
+    span_id = _hex(raw.span_id, 8)
+    if trace_id is None or span_id is None:
+        return None
+    parent = _hex(raw.parent_span_id, 8) or ""
+    return Span(
+        trace_id=trace_id,
+        span_id=span_id,
+        parent_id=parent,
+        name=raw.name[:256],
+        service=service,
+        kind=otlp.KIND_NAMES.get(raw.kind, "unspecified"),
+        start_ns=raw.start_time_unix_nano,
+        end_ns=max(raw.end_time_unix_nano, raw.start_time_unix_nano),
+        attributes=_attributes(raw.attributes),
+        status=_STATUS.get(raw.status.code, "unset"),
+        message=raw.status.message[:MAX_VALUE],
+        events=[
+            {
+                "name": e.name[:256],
+                "time_ns": e.time_unix_nano,
+                "attributes": _attributes(e.attributes),
+            }
+            for e in list(raw.events)[:MAX_ATTRIBUTES]
+        ],
+        links=[
+            (t, s)
+            for link in list(raw.links)[:MAX_ATTRIBUTES]
+            if (t := _hex(link.trace_id, 16)) is not None
+            and (s := _hex(link.span_id, 8)) is not None
+        ],
+    )
+
+
+def decode(body: bytes) -> tuple[list[Span], int]:
+    """An ExportTraceServiceRequest -> its well-formed spans, and how many were not
+    (no 16-byte trace id or 8-byte span id). Raises DecodeError for bytes that are not one."""
+    request = otlp.ExportTraceServiceRequest.FromString(body)
+    spans, malformed = [], 0
+    for resource in request.resource_spans:
+        service = str(otlp.attributes(resource.resource.attributes).get("service.name", "unknown"))
+        for scope in resource.scope_spans:
+            for raw in scope.spans:
+                span = _span(raw, service[:128])
+                if span is None:
+                    malformed += 1
+                else:
+                    spans.append(span)
+    return spans, malformed
+
+
+def ingest(store: TraceStore, body: bytes) -> bytes:
+    """One export into the store; the ExportTraceServiceResponse to answer with (a partial
+    success names the spans not kept). Raises DecodeError for a body that is not OTLP."""
+    if len(body) > MAX_BODY:
+        store.drop("too_large")
+        raise ValueError(f"an export of {len(body)} bytes (at most {MAX_BODY})")
+    spans, malformed = decode(body)
+    store.exports += 1
+    if malformed:
+        store.drop("malformed", malformed)
+    kept = store.add(spans)
+    rejected = malformed + len(spans) - kept
+    response = otlp.ExportTraceServiceResponse()
+    if rejected:
+        response.partial_success.rejected_spans = rejected
+        response.partial_success.error_message = "spans without valid ids, or past a trace's cap"
+    data: bytes = response.SerializeToString()
+    return data
+
+
+# ---------------------------------------------------------------- receivers
+
+
+class TraceCollector:
+    """The store and its two OTLP receivers (loopback), started and stopped with `meshfn up`."""
+
+    def __init__(self, store: TraceStore | None = None) -> None:
+        self.store = store or TraceStore()
+        self._grpc: grpc.aio.Server | None = None
+        self._http: web.AppRunner | None = None
+        self.grpc_port = 0
+        self.http_port = 0
+
+    def address(self) -> ir.TraceCollector:
+        """Where the proxies send spans (gRPC)."""
+        return ir.TraceCollector("grpc", "127.0.0.1", self.grpc_port)
+
+    def backend_endpoint(self) -> str:
+        return f"grpc://127.0.0.1:{self.grpc_port}"
+
+    async def _export(self, body: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        try:
+            return ingest(self.store, body)
+        except (DecodeError, ValueError) as exc:
+            if isinstance(exc, DecodeError):
+                self.store.drop("malformed")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not an OTLP export: {exc}")
+            raise  # abort raises; for the type checker
+
+    async def _post(self, request: web.Request) -> web.Response:
+        if request.content_type not in (otlp.HTTP_CONTENT_TYPE, "application/protobuf"):
+            return web.Response(status=415, text="OTLP/HTTP: send application/x-protobuf\n")
+        if (request.content_length or 0) > MAX_BODY:
+            self.store.drop("too_large")
+            return web.Response(status=413, text=f"at most {MAX_BODY} bytes\n")
+        try:
+            body = await request.read()
+            data = ingest(self.store, body)
+        except web.HTTPRequestEntityTooLarge:
+            self.store.drop("too_large")
+            return web.Response(status=413, text=f"at most {MAX_BODY} bytes\n")
+        except (DecodeError, ValueError) as exc:
+            if isinstance(exc, DecodeError):
+                self.store.drop("malformed")
+            return web.Response(status=400, text=f"not an OTLP export: {exc}\n")
+        return web.Response(body=data, content_type=otlp.HTTP_CONTENT_TYPE)
+
+    async def start(self, grpc_port: int, http_port: int, host: str = "127.0.0.1") -> None:
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", MAX_BODY), ("grpc.so_reuseport", 0)]
+        )
+        service, method = otlp.GRPC_METHOD.strip("/").split("/")
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    service, {method: grpc.unary_unary_rpc_method_handler(self._export)}
+                ),
+            )
+        )
+        self.grpc_port = server.add_insecure_port(f"{host}:{grpc_port}")
+        if not self.grpc_port:
+            raise OSError(f"cannot listen on {host}:{grpc_port} for OTLP/gRPC")
+        await server.start()
+        self._grpc = server
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post(otlp.HTTP_PATH, self._post)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, host, http_port)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            await self.stop()
+            raise
+        self._http = runner
+        sockets = site._server.sockets if site._server is not None else ()  # type: ignore[attr-defined]
+        self.http_port = int(sockets[0].getsockname()[1]) if sockets else http_port
+        log.info(
+            "trace collector listening",
+            extra={"otlp_grpc": self.grpc_port, "otlp_http": self.http_port},
+        )
+
+    async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(0.5)
+            self._grpc = None
+        if self._http is not None:
+            await self._http.cleanup()
+            self._http = None
+
+    def status(self) -> dict[str, Any]:
+        """For /debug/status (meshfn status)."""
+        return {
+            "otlp_grpc": f"127.0.0.1:{self.grpc_port}",
+            "otlp_http": f"127.0.0.1:{self.http_port}{otlp.HTTP_PATH}",
+            **self.store.stats(),
+        }
+
+
+class TraceMetrics(Collector):
+    """/metrics of the embedded collector, read from its store at scrape time."""
+
+    def __init__(self, collector: TraceCollector) -> None:
+        self.collector = collector
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.collector.store.stats()
+        received = CounterMetricFamily(
+            "meshfn_trace_spans_received", "Spans the embedded trace collector received"
+        )
+        received.add_metric([], stats["received_spans"])
+        dropped = CounterMetricFamily(
+            "meshfn_trace_spans_dropped",
+            "Spans the embedded trace collector did not keep: evicted (the store was full, the"
+            " oldest traces went), trace_full (a trace's span cap), malformed, too_large",
+            labels=["reason"],
+        )
+        for reason, count in stats["dropped_spans"].items():
+            dropped.add_metric([reason], count)
+        traces = GaugeMetricFamily("meshfn_trace_store_traces", "Traces the collector holds")
+        traces.add_metric([], stats["traces"])
+        size = GaugeMetricFamily(
+            "meshfn_trace_store_bytes", "Estimated memory of the traces the collector holds"
+        )
+        size.add_metric([], stats["bytes"])
+        yield from (received, dropped, traces, size)

@@ -1,0 +1,403 @@
+"""The backend continues the trace: spans for each request, from the `traceparent` its sidecar
+forwards (HTTP header or gRPC metadata), exported over OTLP by a thread of their own.
+
+Spans of a request (children of the backend's server span `infer <model>`):
+- `admission`: admission (draining, refusals, QoS, the concurrency limit) and parsing;
+- `queue`: waiting for a worker thread, or for a batch;
+- `batch`: the merged guest call a request joined, with a link to every other member's span
+  (each member's trace keeps its own copy, so every trace is whole on its own);
+- `cold start`: an instance had to be made first; its children `code-cache lookup`,
+  `deserialize` (only on a miss) and `instantiate`;
+- `guest call`: the function itself.
+(Generative functions, once the backend serves them, add time to first token and the decode
+loop as events of the guest call: RequestSpan.event.)
+
+Hand-built, not the OpenTelemetry SDK (measured, bench/tracing.py `--sdk`): the hot path only
+reads clocks and appends tuples; protobuf messages are built on the exporter thread, in
+batches. A request without a usable parent is sampled at `sampling` percent; with one, it
+follows the parent's flag. A malformed `traceparent` is ignored: the request starts a new trace
+under the backend's own sampling (contracts.tracing.parse_traceparent never raises).
+
+The exporter never delays a request: the queue is bounded (`queue` spans), an export that fails
+or takes longer than `timeout` drops its spans, and drops are counted (metrics, /meshfn/functions)
+and logged at most once per LOG_EVERY seconds with the count since the last line.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+
+from meshfn.common.logs import trace_context
+from meshfn.contracts import otlp
+from meshfn.contracts.tracing import BackendTracing, parse_traceparent, parse_tracestate
+
+from .pool import ColdStart, Invocation
+
+log = logging.getLogger("meshfn.inference.tracing")
+
+# perf_counter_ns -> Unix nanoseconds (one offset per process: a request lasts milliseconds)
+_EPOCH_NS = time.time_ns() - time.perf_counter_ns()
+BATCH_SPANS = 512  # the exporter sends at most this many request spans per export
+FLUSH_S = 1.0  # and at least this often while spans wait
+LOG_EVERY = 30.0  # seconds between two log lines about lost spans
+_getrandbits = random.getrandbits
+
+Link = tuple[bytes, bytes]  # (trace id, span id)
+
+
+def wall(perf_ns: int) -> int:
+    return perf_ns + _EPOCH_NS
+
+
+class RequestSpan:
+    """One request's spans in the backend: the server span and its children, as plain tuples
+    (perf_counter_ns times) until the exporter thread builds the protobuf messages."""
+
+    __slots__ = (
+        "attrs",
+        "children",
+        "end",
+        "events",
+        "name",
+        "parent",
+        "sampled",
+        "span_id",
+        "start",
+        "state",
+        "status",
+        "trace_id",
+    )
+
+    def __init__(
+        self, name: str, trace_id: bytes, parent: bytes, sampled: bool, state: str = ""
+    ) -> None:
+        self.name = name
+        self.trace_id = trace_id
+        self.parent = parent
+        self.span_id = _getrandbits(64).to_bytes(8, "big") or b"\x01" * 8
+        self.sampled = sampled
+        self.state = state
+        self.start = time.perf_counter_ns()
+        self.end = 0
+        self.status = 0
+        self.attrs: dict[str, object] = {}
+        # (span id, parent id, name, start, end, attributes or None, links or None)
+        self.children: list[tuple[bytes, bytes, str, int, int, Any, Any]] = []
+        self.events: list[tuple[str, int, Any]] = []
+
+    def child(
+        self,
+        name: str,
+        start: int,
+        end: int,
+        attrs: Mapping[str, object] | None = None,
+        links: list[Link] | None = None,
+        parent: bytes | None = None,
+    ) -> bytes:
+        """A finished child span (perf_counter_ns times); its span id (a parent for others)."""
+        span_id = _getrandbits(64).to_bytes(8, "big") or b"\x01" * 8
+        if self.sampled:
+            self.children.append((span_id, parent or self.span_id, name, start, end, attrs, links))
+        return span_id
+
+    def event(self, name: str, attrs: Mapping[str, object] | None = None) -> None:
+        """A point in time on the server span (e.g. a generative function's first token)."""
+        if self.sampled:
+            self.events.append((name, time.perf_counter_ns(), attrs))
+
+    @property
+    def ids(self) -> tuple[str, str]:
+        """(trace id, span id) in hex, for log lines."""
+        return self.trace_id.hex(), self.span_id.hex()
+
+    def span_count(self) -> int:
+        return 1 + len(self.children)
+
+
+def record_call(span: RequestSpan, invocation: Invocation, parent: bytes | None = None) -> None:
+    """The guest call of `invocation`, and the cold start before it if an instance had to be
+    made, as children of `parent` (default: the request's span)."""
+    if not span.sampled:
+        return
+    made = invocation.cold_start
+    if made is not None:
+        record_cold_start(span, made, parent)
+    start = invocation.started_ns
+    span.child("guest call", start, start + round(invocation.seconds * 1e9), None, None, parent)
+
+
+def record_cold_start(span: RequestSpan, made: ColdStart, parent: bytes | None = None) -> None:
+    cold = span.child(
+        "cold start",
+        made.begin,
+        made.instantiated,
+        {"meshfn.code_loaded": made.loaded, "meshfn.code_cache_hit": made.hit},
+        None,
+        parent,
+    )
+    if made.loaded:
+        span.child("code-cache lookup", made.begin, made.looked_up, None, None, cold)
+        if not made.hit:
+            span.child("deserialize", made.looked_up, made.deserialized, None, None, cold)
+    span.child("instantiate", made.deserialized, made.instantiated, None, None, cold)
+
+
+class Tracer:
+    """Begins and finishes request spans and owns the exporter. `settings` None: tracing off
+    (begin returns None at once)."""
+
+    def __init__(self, settings: BackendTracing | None, counters: Any = None) -> None:
+        self.settings = settings
+        self._rate = settings.sampling / 100.0 if settings is not None else 0.0
+        self.exporter = Exporter(settings, counters) if settings is not None else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.exporter is not None
+
+    def begin(
+        self, name: str, traceparent: str | bytes | None, tracestate: str | bytes | None = None
+    ) -> RequestSpan | None:
+        """The request's span: continuing a well-formed parent (its sampled flag), or a new
+        trace sampled at the configured rate; None when tracing is off or a new trace is not
+        sampled (nothing anywhere would carry its id)."""
+        if self.exporter is None:
+            return None
+        parent = parse_traceparent(traceparent) if traceparent else None
+        if parent is not None:
+            state = parse_tracestate(tracestate) if tracestate else ""
+            return RequestSpan(
+                name,
+                bytes.fromhex(parent.trace_id),
+                bytes.fromhex(parent.span_id),
+                parent.sampled,
+                state,
+            )
+        if random.random() >= self._rate:
+            return None
+        trace_id = _getrandbits(128).to_bytes(16, "big") or b"\x01" * 16
+        return RequestSpan(name, trace_id, b"", True)
+
+    def finish(self, span: RequestSpan, status: int) -> None:
+        span.end = time.perf_counter_ns()
+        span.status = status
+        if span.sampled and self.exporter is not None:
+            self.exporter.submit(span)
+
+    def logged(self, span: RequestSpan) -> Any:
+        """Put the span's ids on every log line of this request (common.logs); the token to
+        reset with."""
+        return trace_context.set(span.ids)
+
+    def close(self, timeout: float = 2.0) -> None:
+        if self.exporter is not None:
+            self.exporter.close(timeout)
+
+    def document(self) -> dict[str, Any] | None:
+        """For /meshfn/functions (meshfn status)."""
+        if self.exporter is None or self.settings is None:
+            return None
+        return {
+            "endpoint": self.settings.endpoint,
+            "sampling": self.settings.sampling,
+            **self.exporter.counts(),
+        }
+
+
+def _attributes(pairs: Mapping[str, object] | None) -> list[Any]:
+    if not pairs:
+        return []
+    return [otlp.KeyValue(key=k, value=otlp.any_value(v)) for k, v in pairs.items()]
+
+
+def encode(spans: list[RequestSpan], service: str) -> bytes:
+    """ExportTraceServiceRequest bytes for finished request spans (the exporter thread)."""
+    request = otlp.ExportTraceServiceRequest()
+    resource = request.resource_spans.add()
+    resource.resource.attributes.extend(
+        _attributes({"service.name": service, "process.pid": os.getpid()})
+    )
+    scope = resource.scope_spans.add()
+    scope.scope.name = "meshfn.inference"
+    for span in spans:
+        out = scope.spans.add(
+            trace_id=span.trace_id,
+            span_id=span.span_id,
+            parent_span_id=span.parent,
+            trace_state=span.state,
+            name=span.name,
+            kind=otlp.KIND_SERVER,
+            start_time_unix_nano=wall(span.start),
+            end_time_unix_nano=wall(span.end),
+            # the W3C sampled bit; whether the parent is known and remote (OTLP's bits 8, 9)
+            flags=0x301 if span.parent else 0x101,
+        )
+        out.attributes.extend(_attributes(span.attrs))
+        if span.status >= 500:
+            out.status.code = otlp.STATUS_ERROR
+            out.status.message = f"HTTP {span.status}"
+        for name, at, attrs in span.events:
+            out.events.add(time_unix_nano=wall(at), name=name).attributes.extend(_attributes(attrs))
+        for span_id, parent, name, start, end, attrs, links in span.children:
+            child = scope.spans.add(
+                trace_id=span.trace_id,
+                span_id=span_id,
+                parent_span_id=parent,
+                name=name,
+                kind=otlp.KIND_INTERNAL,
+                start_time_unix_nano=wall(start),
+                end_time_unix_nano=wall(max(start, end)),
+            )
+            child.attributes.extend(_attributes(attrs))
+            for trace_id, linked in links or ():
+                child.links.add(trace_id=trace_id, span_id=linked)
+    data: bytes = request.SerializeToString()
+    return data
+
+
+class Exporter:
+    """A daemon thread that sends finished request spans in batches; bounded, never blocking
+    the event loop, counting what it had to drop."""
+
+    def __init__(self, settings: BackendTracing, counters: Any = None) -> None:
+        self.settings = settings
+        self.queue: deque[RequestSpan] = deque()
+        self.queued_spans = 0
+        self.exported = 0
+        self.dropped = 0
+        self.failures = 0
+        self.last_error = ""
+        self._counters = counters  # (exported, dropped) prometheus counters, or None
+        self._unlogged = 0
+        self._logged_at = 0.0
+        self._wake = threading.Event()
+        self._closed = False
+        self._lock = threading.Lock()  # the queue and its span count
+        self._log_lock = threading.Lock()
+        self._send = self._sender(settings.endpoint)
+        self._thread = threading.Thread(target=self._run, name="meshfn-otlp", daemon=True)
+        self._thread.start()
+
+    def submit(self, span: RequestSpan) -> None:
+        """Called on the event loop: O(1), never waits."""
+        count = span.span_count()
+        with self._lock:
+            full = self.queued_spans + count > self.settings.queue or self._closed
+            if not full:
+                self.queue.append(span)
+                self.queued_spans += count
+        if full:
+            self._lost(count, "the export queue is full")
+            return
+        if len(self.queue) >= BATCH_SPANS:
+            self._wake.set()
+
+    def _take(self) -> list[RequestSpan]:
+        batch: list[RequestSpan] = []
+        with self._lock:
+            while self.queue and len(batch) < BATCH_SPANS:
+                span = self.queue.popleft()
+                self.queued_spans -= span.span_count()
+                batch.append(span)
+        return batch
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(FLUSH_S)
+            self._wake.clear()
+            self._flush()
+
+    def _flush(self) -> None:
+        while self.queue:
+            batch = self._take()
+            spans = sum(s.span_count() for s in batch)
+            try:
+                self._send(encode(batch, self.settings.serviceName))
+            except Exception as exc:  # a collector down, slow or answering garbage
+                self.failures += 1
+                self.last_error = str(exc)[:200]
+                self._lost(spans, self.last_error)
+                return  # the rest waits for the next round (or is dropped when full)
+            self.exported += spans
+            if self._counters is not None:
+                self._counters[0].inc(spans)
+
+    def _lost(self, spans: int, reason: str) -> None:
+        with self._log_lock:
+            self.dropped += spans
+            self._unlogged += spans
+            if self._counters is not None:
+                self._counters[1].inc(spans)
+            now = time.monotonic()
+            if now - self._logged_at < LOG_EVERY:
+                return
+            lost, self._unlogged, self._logged_at = self._unlogged, 0, now
+        log.warning(
+            "dropped %d span(s) since the last report: %s",
+            lost,
+            reason,
+            extra={"endpoint": self.settings.endpoint, "dropped_total": self.dropped},
+        )
+
+    def _sender(self, endpoint: str) -> Any:
+        parts = urlsplit(endpoint)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 4317
+        timeout = self.settings.timeout
+        if parts.scheme == "grpc":
+            channel = grpc.insecure_channel(f"{host}:{port}")
+            call = channel.unary_unary(
+                otlp.GRPC_METHOD,
+                request_serializer=lambda body: body,
+                response_deserializer=lambda body: body,
+            )
+
+            def send_grpc(body: bytes) -> None:
+                call(body, timeout=timeout)
+
+            return send_grpc
+        path = parts.path or otlp.HTTP_PATH
+
+        def send_http(body: bytes) -> None:
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            try:
+                conn.request("POST", path, body, {"Content-Type": otlp.HTTP_CONTENT_TYPE})
+                reply = conn.getresponse()
+                reply.read()
+                if reply.status // 100 != 2:
+                    raise OSError(f"collector answered HTTP {reply.status}")
+            finally:
+                conn.close()
+
+        return send_http
+
+    def counts(self) -> dict[str, Any]:
+        return {
+            "exported_spans": self.exported,
+            "dropped_spans": self.dropped,
+            "queued_spans": self.queued_spans,
+            "failed_exports": self.failures,
+            "last_error": self.last_error or None,
+        }
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Send what is queued (bounded by `timeout`), then stop."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return
+        self._flush()
+
+
+__all__ = ["Exporter", "RequestSpan", "Tracer", "encode", "record_call"]

@@ -1,0 +1,246 @@
+"""The embedded trace collector (control_plane.runtime.traces) and the backend's exporter
+(inference.tracing) against it, over real sockets: OTLP over gRPC and over HTTP, a store bounded
+under a flood, malformed exports, and a collector that is down or never answers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from google.protobuf.message import DecodeError
+
+from meshfn.contracts import otlp
+from meshfn.contracts.tracing import BackendTracing
+from meshfn.control_plane.runtime.traces import (
+    MAX_SPANS_PER_TRACE,
+    Span,
+    TraceCollector,
+    TraceStore,
+    ingest,
+)
+from meshfn.inference import tracing as backend_tracing
+from meshfn.inference.tracing import Tracer, encode
+from meshfn.testing.ports import free_ports
+
+PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def _span(trace: int, n: int = 0, attributes: dict[str, object] | None = None) -> Span:
+    return Span(
+        trace_id=f"{trace:032x}",
+        span_id=f"{n + 1:016x}",
+        parent_id="",
+        name="s",
+        service="svc",
+        kind="server",
+        start_ns=trace * 1000,
+        end_ns=trace * 1000 + 500,
+        attributes=attributes or {},
+    )
+
+
+def test_the_store_keeps_the_newest_traces_within_its_count() -> None:
+    store = TraceStore(max_traces=100, max_bytes=1 << 30)
+    store.add(_span(t + 1, n) for t in range(5000) for n in range(2))
+    assert len(store) == 100
+    assert store.get(f"{5000:032x}") is not None and store.get(f"{4900:032x}") is None
+    stats = store.stats()
+    assert stats["dropped_spans"]["evicted"] == 4900 * 2 and stats["evicted_traces"] == 4900
+    assert stats["received_spans"] == 10000 and stats["spans"] == 200
+
+
+def test_the_store_stays_within_its_memory_under_a_flood_of_large_spans() -> None:
+    store = TraceStore(max_traces=1_000_000, max_bytes=1 << 20)
+    big = {f"k{i}": "v" * 900 for i in range(8)}
+    for t in range(2000):
+        store.add([_span(t + 1, 0, big)])
+        assert store.bytes <= store.max_bytes
+    assert 100 < len(store) < 200
+    assert store.stats()["dropped_spans"]["evicted"] == 2000 - len(store)
+
+
+def test_a_trace_holds_at_most_its_cap_of_spans() -> None:
+    store = TraceStore(max_traces=10, max_bytes=1 << 30)
+    kept = store.add(_span(1, n) for n in range(MAX_SPANS_PER_TRACE + 10))
+    assert kept == MAX_SPANS_PER_TRACE and store.dropped["trace_full"] == 10
+
+
+def _export(*spans: tuple[bytes, bytes]) -> bytes:
+    request = otlp.ExportTraceServiceRequest()
+    resource = request.resource_spans.add()
+    resource.resource.attributes.add(key="service.name", value=otlp.any_value("edge.ingress"))
+    scope = resource.scope_spans.add()
+    for trace_id, span_id in spans:
+        scope.spans.add(trace_id=trace_id, span_id=span_id, name="x", start_time_unix_nano=5)
+    data: bytes = request.SerializeToString()
+    return data
+
+
+def test_malformed_exports_are_refused_and_bad_spans_counted() -> None:
+    store = TraceStore()
+    with pytest.raises(DecodeError):
+        ingest(store, b"\xff\xff\xff\xff")
+    good = (b"\x01" * 16, b"\x02" * 8)
+    answer = otlp.ExportTraceServiceResponse.FromString(
+        ingest(store, _export(good, (b"\x00" * 16, b"\x02" * 8), (b"\x01" * 3, b"\x02" * 8)))
+    )
+    assert answer.partial_success.rejected_spans == 2
+    assert store.dropped["malformed"] == 2 and len(store) == 1
+    (trace,) = store.traces()
+    assert trace.spans[0].service == "edge.ingress" and trace.spans[0].end_ns == 5
+
+
+@pytest.fixture
+async def collector() -> AsyncIterator[TraceCollector]:
+    found = TraceCollector(TraceStore())
+    grpc_port, http_port = free_ports(2)
+    await found.start(grpc_port, http_port)
+    try:
+        yield found
+    finally:
+        await found.stop()
+
+
+async def _wait_for(predicate: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+async def test_the_backend_exports_its_spans_to_the_collector(
+    collector: TraceCollector, protocol: str
+) -> None:
+    port = collector.grpc_port if protocol == "grpc" else collector.http_port
+    path = "" if protocol == "grpc" else "/v1/traces"
+    tracer = Tracer(BackendTracing(endpoint=f"{protocol}://127.0.0.1:{port}{path}", sampling=0))
+    try:
+        span = tracer.begin("infer iris", PARENT, "vendor=1")
+        assert span is not None and span.sampled
+        now = time.perf_counter_ns()
+        queue = span.child("queue", now, now + 1000)
+        span.child("guest call", now + 1000, now + 5000, {"rows": 2}, None, queue)
+        span.event("first token")
+        tracer.finish(span, 200)
+        # a new trace at 0% is not sampled: nothing to carry its id
+        assert tracer.begin("infer iris", None) is None
+        trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+        await _wait_for(lambda: collector.store.get(trace_id) is not None)
+        await _wait_for(lambda: len(collector.store.get(trace_id).spans) == 3)  # type: ignore[union-attr]
+    finally:
+        tracer.close()
+    trace = collector.store.get(trace_id)
+    assert trace is not None
+    by_name = {s.name: s for s in trace.spans}
+    server = by_name["infer iris"]
+    assert server.parent_id == "00f067aa0ba902b7" and server.kind == "server"
+    assert by_name["queue"].parent_id == server.span_id
+    assert by_name["guest call"].parent_id == by_name["queue"].span_id
+    assert by_name["guest call"].attributes == {"rows": 2}
+    assert server.events[0]["name"] == "first token"
+    assert server.service == "meshfn-inference"
+    assert tracer.exporter is not None and tracer.exporter.exported == 3
+
+
+async def test_a_malformed_traceparent_restarts_the_trace() -> None:
+    tracer = Tracer(BackendTracing(endpoint="grpc://127.0.0.1:9", sampling=100))
+    try:
+        span = tracer.begin("infer x", "00-zz-00-01", "!!bad state!!")
+        assert span is not None and span.sampled and span.parent == b""
+        assert span.trace_id.hex() != "0" * 32 and span.state == ""
+    finally:
+        tracer.close(timeout=0.1)
+
+
+def _dead_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _silent_server() -> tuple[socket.socket, int]:
+    """Accepts connections and never answers (a collector that hangs)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server, int(server.getsockname()[1])
+
+
+@pytest.mark.parametrize("kind", ["down", "hanging"])
+def test_a_collector_down_or_hanging_never_delays_requests_and_loses_are_counted(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    silent = None
+    if kind == "down":
+        port = _dead_port()
+    else:
+        silent, port = _silent_server()
+    tracer = Tracer(
+        BackendTracing(endpoint=f"http://127.0.0.1:{port}/v1/traces", timeout=0.2, queue=64),
+        None,
+    )
+    exporter = tracer.exporter
+    assert exporter is not None
+    caplog.set_level(logging.WARNING, "meshfn.inference.tracing")
+    try:
+        worst = 0
+        for _ in range(2000):
+            started = time.perf_counter_ns()
+            span = tracer.begin("infer x", PARENT)
+            assert span is not None
+            now = time.perf_counter_ns()
+            span.child("guest call", now, now + 10)
+            tracer.finish(span, 200)
+            worst = max(worst, time.perf_counter_ns() - started)
+        # never waits on the collector: each request's tracing stays within microseconds
+        assert worst < 20_000_000, worst
+        exporter._wake.set()
+        deadline = time.monotonic() + 5
+        while exporter.failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert exporter.failures >= 1
+        # the queue was bounded: most spans were dropped at once, the rest when the export failed
+        assert exporter.dropped >= 2 * 2000 - 64 and exporter.queued_spans <= 64
+        assert exporter.counts()["dropped_spans"] == exporter.dropped
+    finally:
+        tracer.close(timeout=0.5)
+        if silent is not None:
+            silent.close()
+    lines = [r for r in caplog.records if "dropped" in r.getMessage()]
+    # rate limited: one line (with the count) however many spans were lost
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+def test_encoded_spans_carry_links_and_remote_parents() -> None:
+    tracer = Tracer(BackendTracing(endpoint="grpc://127.0.0.1:9"))
+    try:
+        span = tracer.begin("infer iris", PARENT)
+        assert span is not None
+        other = (b"\x05" * 16, b"\x06" * 8)
+        now = time.perf_counter_ns()
+        span.child("batch", now, now + 10, {"meshfn.batch.requests": 2}, [other])
+        span.end = now + 20
+        request = otlp.ExportTraceServiceRequest.FromString(encode([span], "svc"))
+    finally:
+        tracer.close(timeout=0.1)
+    server, batch = request.resource_spans[0].scope_spans[0].spans
+    assert server.flags & 0x300 == 0x300 and server.flags & 1
+    assert (batch.links[0].trace_id, batch.links[0].span_id) == other
+    assert backend_tracing.wall(now) == batch.start_time_unix_nano

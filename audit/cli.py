@@ -258,6 +258,9 @@ def query(
         str | None, typer.Option(help="mesh route (namespace/name, e.g. default/function-iris)")
     ] = None,
     chain: Annotated[str | None, typer.Option(help="journal (proxy node id)")] = None,
+    trace: Annotated[
+        str | None, typer.Option(help="trace id (32 hex digits, as meshfn trace shows it)")
+    ] = None,
     limit: Annotated[int, typer.Option(min=1, max=1_000_000)] = 100,
     as_json: JsonOpt = False,
 ) -> None:
@@ -275,6 +278,7 @@ def query(
             route=route,
             chain=chain,
             limit=limit,
+            trace=trace,
         )
     except StoreError as exc:
         fail(exc, FAILED)

@@ -122,8 +122,12 @@ def _hex(value: Any, length: int) -> str | None:
     return None
 
 
-def trace_id(traceparent: Any, b3: Any) -> str | None:
-    """W3C traceparent (version-traceid-parentid-flags, non-zero trace id), else B3."""
+def trace_id(traceparent: Any, b3: Any, traced: Any = None) -> str | None:
+    """The trace the proxy's tracer put the request in (`traced`: Envoy's %TRACE_ID%, 32 hex
+    digits), else the W3C traceparent (version-traceid-parentid-flags, non-zero trace id),
+    else B3."""
+    if isinstance(traced, str) and _hex(traced, 32) and traced.strip("0"):
+        return traced.lower()
     if isinstance(traceparent, str):
         parts = traceparent.strip().split("-")
         if (
@@ -194,7 +198,9 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         "tenant": None,
         "body": None,
         "body_sha256": None,
-        "trace_id": trace_id(entry.get("traceparent"), entry.get("b3_trace_id")),
+        "trace_id": trace_id(
+            entry.get("traceparent"), entry.get("b3_trace_id"), entry.get("trace_id")
+        ),
     }
     record.update(mesh_route(entry, record["principal"], cut))
     if record["duration_us"] is None and (ms := _int(entry.get("duration_ms"))) is not None:

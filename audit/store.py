@@ -53,6 +53,7 @@ DEFAULT_CHAIN = "local"
 CONTROL_CHAIN = "@control"
 _PSEUDONYM = re.compile(r"^[0-9a-f]{32}$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
+_TRACE = re.compile(r"^[0-9a-f]{32}$")
 
 Row = tuple[Any, ...]
 RecordRow = tuple[str, int, str, bytes, bytes, dict[str, Any]]
@@ -670,12 +671,21 @@ class AuditStore(ABC):
         route: str | None = None,
         chain: str | None = None,
         limit: int | None = 100,
+        trace: str | None = None,
     ) -> list[dict[str, Any]]:
         """Records matching every given filter, in the order they were stored, each with its
         `chain` and `seq`. Times are ISO 8601 UTC strings as the records carry them
         (`2026-01-31T12:00:00.000000Z`); `until` is exclusive. `subject`: the filter's HMAC of
-        the subject (64 hex) or a pseudonym (32 hex)."""
-        where, args = [], []
+        the subject (64 hex) or a pseudonym (32 hex). `trace`: a trace id (32 hex digits),
+        found in the canonical record itself (no column: bound the search with since/until
+        on a large store)."""
+        where: list[str] = []
+        args: list[str | int] = []
+        if trace is not None:
+            if not _TRACE.match(trace.lower()):
+                raise StoreError("a trace id is 32 hex digits")
+            where.append("record LIKE ?")
+            args.append(f'%"trace_id":"{trace.lower()}"%')
         for clause, value in (
             ("time >= ?", since),
             ("time < ?", until),

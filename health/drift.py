@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshfn import ir
+from meshfn.contracts.tracing import TRACEPARENT, parse_traceparent
 from meshfn.xds.names import function_cluster_name, primary_clusters
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ log = logging.getLogger("meshfn.drift")
 MAX_SAMPLES = 200_000
 HISTORY_POINTS = 600  # one per evaluation (every 0.2 s in the control plane): two minutes
 HISTORY_EVENTS = 50
+MAX_EXEMPLARS = 256  # recent traced samples per route, the slowest of which a trip names
+EXEMPLARS_PER_TRIP = 3
 
 
 def p95(values: Iterable[float]) -> float:
@@ -52,6 +55,8 @@ class Transition:
     p95_ms: float
     baseline_ms: float
     at: float
+    # a trip names the slowest sampled traces of its window (trace ids): exemplars to open
+    exemplars: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,10 @@ class RouteDrift:
 class _State:
     watched: WatchedRoute
     samples: deque[tuple[float, float]] = field(default_factory=deque)  # (time, seconds)
+    # (time, seconds, trace id) of recent samples whose trace was sampled
+    traced: deque[tuple[float, float, str]] = field(
+        default_factory=lambda: deque(maxlen=MAX_EXEMPLARS)
+    )
     degraded: bool = False
     since: float = 0.0
     frozen_baseline: float = 0.0
@@ -115,15 +124,20 @@ class DriftBreaker:
             else:
                 state.watched = watched
 
-    def observe(self, route_name: str, cluster: str, seconds: float, now: float) -> None:
+    def observe(
+        self, route_name: str, cluster: str, seconds: float, now: float, trace_id: str = ""
+    ) -> None:
         """`route_name` is Envoy's route name ("namespace/name/match-index", with "/degraded"
-        for the twin the degrade filter reroutes to: its probe share measures recovery)."""
+        for the twin the degrade filter reroutes to: its probe share measures recovery);
+        `trace_id`: the request's trace, when it was sampled (a trip's exemplars)."""
         state = self._routes.get("/".join(route_name.split("/", 2)[:2]))
         if state is None or cluster not in state.watched.primary_clusters:
             return
         state.samples.append((now, seconds))
         if len(state.samples) > MAX_SAMPLES:
             state.samples.popleft()
+        if trace_id:
+            state.traced.append((now, seconds, trace_id))
 
     def observe_access_log(self, entry: HTTPAccessLogEntry, now: float) -> None:
         """One Envoy access-log entry (ALS): its route, upstream cluster and time to the last
@@ -137,7 +151,15 @@ class DriftBreaker:
         timing = common.time_to_last_downstream_tx_byte
         if not common.HasField("time_to_last_downstream_tx_byte"):
             timing = common.duration
-        self.observe(common.route_name, common.upstream_cluster, timing.ToNanoseconds() / 1e9, now)
+        # the gateway logs the traceparent its tracer sent upstream (listeners._latency_log)
+        parent = parse_traceparent(entry.request.request_headers.get(TRACEPARENT))
+        self.observe(
+            common.route_name,
+            common.upstream_cluster,
+            timing.ToNanoseconds() / 1e9,
+            now,
+            parent.trace_id if parent is not None and parent.sampled else "",
+        )
 
     def degraded(self) -> frozenset[str]:
         return frozenset(k for k, s in self._routes.items() if s.degraded)
@@ -206,19 +228,30 @@ class DriftBreaker:
             return settings.cold_start_baseline.total_seconds()
         return None
 
+    @staticmethod
+    def _exemplars(state: _State, now: float) -> tuple[str, ...]:
+        """The slowest sampled traces of the trip's window (its recent samples)."""
+        since = now - state.watched.settings.window.total_seconds()
+        recent = [(seconds, trace) for at, seconds, trace in state.traced if at >= since]
+        slowest = sorted(recent, reverse=True)
+        return tuple(dict.fromkeys(trace for _, trace in slowest))[:EXEMPLARS_PER_TRIP]
+
     def _transition(self, state: _State, key: str, to: str, now: float) -> Transition:
         state.transitions += 1
         baseline = state.frozen_baseline or state.last_baseline
-        transition = Transition(key, to, state.last_p95 * 1000, baseline * 1000, now)
+        exemplars = self._exemplars(state, now) if to == "degraded" else ()
+        transition = Transition(key, to, state.last_p95 * 1000, baseline * 1000, now, exemplars)
         state.events.append(transition)
         if to == "degraded":
             log.warning(
                 "route %s degraded: p95 %.1f ms is more than %.0f%% above its baseline %.1f ms; "
-                "sending it down its fallback chain",
+                "sending it down its fallback chain%s",
                 key,
                 transition.p95_ms,
                 state.watched.settings.threshold_percent,
                 transition.baseline_ms,
+                "; slow traces: " + ", ".join(exemplars) if exemplars else "",
+                extra={"exemplars": list(exemplars)},
             )
         else:
             log.info(

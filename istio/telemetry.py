@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from meshfn import ir
 from meshfn.contracts.plugins import AuditSettings, bare_filter_state
+from meshfn.contracts.tracing import TRACEPARENT
 from meshfn.xds.fragments.messages import seconds
 from meshfn.xds.fragments.plugins import access_log_format
 from meshfn.xds.names import LATENCY_LOG, LATENCY_LOG_FILTER
@@ -117,6 +118,8 @@ def mesh_config(ctx: Context) -> Obj:
                 "service": ctx.options.control_plane_host,
                 "port": model.xds_port,
                 "logName": LATENCY_LOG,
+                # a trip names slow traces (the drift breaker's exemplars)
+                "additionalRequestHeadersToLog": [TRACEPARENT],
             },
         }
     ]

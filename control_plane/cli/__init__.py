@@ -1,7 +1,7 @@
 """`meshfn`: run the mesh, validate policies, and see inside the control plane.
 
 The command tree is assembled here, in the order `meshfn --help` lists it; each command group
-lives in a module of its own (policies, run, status, render, identity, filters) over `shared`
+lives in a module of its own (policies, run, status, render, identity, filters, traces) over `shared`
 (options, policy loading, the admin port). `meshfn audit`, `meshfn kube` and `meshfn fn` are the
 audit trail's, the operator's and the inference backend's own sub-apps, mounted as they are.
 """
@@ -24,6 +24,7 @@ from . import policies, run, status
 from .filters import filters_app
 from .identity import ca_app, certs_app, token_app
 from .render import render_app
+from .traces import trace_app
 
 __all__ = ["app", "main"]
 
@@ -47,6 +48,7 @@ for command in (
 app.add_typer(render_app, name="render")
 app.add_typer(token_app, name="token")
 app.add_typer(audit_app, name="audit")
+app.add_typer(trace_app, name="trace")
 app.add_typer(certs_app, name="certs")
 app.add_typer(ca_app, name="ca")
 app.add_typer(filters_app, name="filters")

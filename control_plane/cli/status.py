@@ -42,7 +42,9 @@ def _backend_functions(backends: list[dict[str, Any]]) -> list[BackendFunctions]
         url = f"http://{backend['address']}:{backend['port']}/meshfn/functions"
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
-                fetched.append((backend, json.loads(response.read())["functions"], ""))
+                document = json.loads(response.read())
+                tracing = {"tracing": document.get("tracing")}
+                fetched.append(({**backend, **tracing}, document["functions"], ""))
         except (OSError, ValueError, KeyError) as exc:
             fetched.append((backend, None, str(exc)))
     return fetched
@@ -212,6 +214,7 @@ def status(
     _print_qos(backends)
     _print_global_rates(document.get("global_rates") or [])
     _print_drift(document.get("routes") or {})
+    _print_tracing(document.get("tracing"), backends)
     if backends:
         _print_functions(backends)
     if document.get("kube"):
@@ -219,6 +222,43 @@ def status(
 
         print_operator(out, document["kube"])
     _print_nacks(nacks)
+
+
+def _print_tracing(collector: dict[str, Any] | None, backends: list[BackendFunctions]) -> None:
+    """Spans: what the embedded collector keeps and dropped (by reason), what each backend
+    exported and dropped, and what each proxy's tracer sent and failed to export (a collector
+    down or slow never delays a request: its spans are dropped and counted here)."""
+    if collector is not None:
+        dropped = collector["dropped_spans"]
+        lost = sum(dropped.values())
+        out.print(
+            f"trace collector {collector['otlp_grpc']} (gRPC), {collector['otlp_http']}: "
+            f"{collector['traces']} trace(s), {collector['bytes'] // 1024} of"
+            f" {collector['max_bytes'] // 1024} KiB, {collector['received_spans']} span(s)"
+            f" received, {lost} dropped"
+            + (" (" + ", ".join(f"{n} {r}" for r, n in dropped.items() if n) + ")" if lost else ""),
+            highlight=False,
+        )
+        for proxy in collector.get("proxies") or []:
+            failed = proxy.get("failed_exports", 0)
+            colour = "red" if failed else "dim"
+            out.print(
+                f"  proxy {proxy['proxy']}: {proxy.get('spans_sent', 0)} span(s) sent,"
+                f" [{colour}]{failed} export(s) failed[/{colour}]",
+                highlight=False,
+            )
+    for backend, _, _ in backends:
+        tracing = backend.get("tracing")
+        if not tracing:
+            continue
+        colour = "red" if tracing["dropped_spans"] else "dim"
+        error = f" (last error: {tracing['last_error']})" if tracing.get("last_error") else ""
+        out.print(
+            f"  backend {backend['address']}:{backend['port']}: {tracing['exported_spans']}"
+            f" span(s) exported to {tracing['endpoint']}, [{colour}]{tracing['dropped_spans']}"
+            f" dropped[/{colour}]{error}",
+            highlight=False,
+        )
 
 
 def _print_audit(audit: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
 """The control plane's admin port: /metrics, /debug/status, /debug/snapshots, /debug/config_dump,
-and the web console at /ui (console/).
+/debug/traces (meshfn up's embedded trace collector), and the web console at /ui (console/).
 
 Loopback only by default; a non-loopback listen needs a token, which every request but the
 liveness probe and the public JWKS must then carry (compared in constant time). Nothing here can
@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from meshfn.contracts.durations import parse_duration
 from meshfn.xds.dump import resources_to_plain, to_yaml
 
 from ..service import ControlPlane
 from .console.sources import ConsoleSources
 from .console.web import Access, ConsoleHub, access_middleware, add_routes
+from .traces import TraceStore
 
 log = logging.getLogger("meshfn.admin")
 
@@ -111,6 +115,52 @@ def certificates_document(cp: ControlPlane, node: str) -> dict[str, Any] | None:
     }
 
 
+_TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
+_PRINTABLE = re.compile(r"^[\x20-\x7e]{1,256}$")
+
+
+def trace_filters(query: Mapping[str, str]) -> dict[str, Any]:
+    """/debug/traces?route=&service=&model=&status=ok|error&min_duration=100ms&limit= ->
+    TraceStore.find's arguments (ValueError naming the bad one)."""
+    known = {"route", "service", "status", "min_duration", "limit"}
+    unknown = set(query) - known
+    if unknown:
+        raise ValueError(
+            f"unknown parameter(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})"
+        )
+    out: dict[str, Any] = {}
+    for key in ("route", "service"):
+        value = query.get(key, "")
+        if value:
+            if not _PRINTABLE.match(value):
+                raise ValueError(f"{key}: at most 256 printable ASCII characters")
+            out[key] = value
+    status = query.get("status", "")
+    if status:
+        if status not in ("ok", "error"):
+            raise ValueError("status: ok or error")
+        out["status"] = status
+    duration = query.get("min_duration", "")
+    if duration:
+        out["min_duration_us"] = round(parse_duration(duration).total_seconds() * 1e6)
+    limit = query.get("limit", "")
+    if limit:
+        if not limit.isdigit() or not 1 <= int(limit) <= 500:
+            raise ValueError("limit: a whole number from 1 to 500")
+        out["limit"] = int(limit)
+    return out
+
+
+def traces_document(store: TraceStore | None, query: Mapping[str, str]) -> dict[str, Any]:
+    if store is None:
+        raise LookupError(
+            "no trace collector runs here: meshfn up runs one while the Mesh traces without"
+            " naming a collector (spec.tracing); otherwise ask your collector"
+        )
+    found = store.find(**trace_filters(query))
+    return {"traces": [t.summary() for t in found], "store": store.stats()}
+
+
 class AdminAccessError(ValueError):
     """The admin port would listen beyond loopback without a token."""
 
@@ -122,6 +172,33 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def add_trace_routes(app: web.Application, hub_: ConsoleHub) -> None:
+    """/debug/traces (filtered summaries, newest first) and /debug/traces/<id> (every span)."""
+
+    async def traces(request: web.Request) -> web.Response:
+        try:
+            return web.json_response(traces_document(hub_.sources.traces, request.query))
+        except LookupError as exc:
+            return web.json_response({"error": str(exc)}, status=404)
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+
+    async def trace(request: web.Request) -> web.Response:
+        store, trace_id = hub_.sources.traces, request.match_info["trace_id"]
+        if not _TRACE_ID.match(trace_id):
+            return web.json_response({"error": "a trace id is 32 hex digits"}, status=400)
+        found = store.get(trace_id) if store is not None else None
+        if found is None:
+            return web.json_response(
+                {"error": f"no trace {trace_id} here (not sampled, not arrived yet, or evicted)"},
+                status=404,
+            )
+        return web.json_response(found.document())
+
+    app.router.add_get("/debug/traces", traces)
+    app.router.add_get("/debug/traces/{trace_id}", trace)
 
 
 def make_app(
@@ -164,8 +241,9 @@ def make_app(
             return web.json_response({"error": "no such node or workload"}, status=404)
         return web.json_response(document)
 
+    hub_ = hub or ConsoleHub(cp, ConsoleSources())
     app = web.Application(middlewares=[access_middleware(access or Access())])
-    add_routes(app, hub or ConsoleHub(cp, ConsoleSources()))
+    add_routes(app, hub_)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/status", status)
     app.router.add_get("/debug/snapshots", snapshots)
@@ -173,6 +251,7 @@ def make_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/.well-known/jwks.json", jwks)
     app.router.add_get("/debug/certs", certs)
+    add_trace_routes(app, hub_)
     return app
 
 

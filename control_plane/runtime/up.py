@@ -200,6 +200,7 @@ class Mesh:
             if audit is not None
             else None,
             acceleration=acceleration.document if acceleration is not None else None,
+            traces=self.traces.store,
         )
 
     def pids(self) -> dict[str, int | None]:

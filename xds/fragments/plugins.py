@@ -133,6 +133,9 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
     "principal": "%DOWNSTREAM_PEER_URI_SAN%",
     "flags": "%RESPONSE_FLAGS%",
     "qos_limit": f"%RESP({LIMIT_HEADER}):16%",  # which QoS limit refused the request
+    # The trace the proxy's tracer put the request in (empty without tracing); the headers
+    # stand in where tracing is off (a traceparent a client or a proxy in front sent)
+    "trace_id": "%TRACE_ID%",
     "traceparent": "%REQ(TRACEPARENT):128%",
     "b3_trace_id": "%REQ(X-B3-TRACEID):64%",
     "audit": f"%FILTER_STATE({AUDIT_FILTER_STATE}:PLAIN)%",

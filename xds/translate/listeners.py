@@ -15,6 +15,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
 from meshfn import ir
+from meshfn.contracts.tracing import TRACEPARENT
 
 from ..fragments.messages import pack
 from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG, LATENCY_LOG_FILTER
@@ -40,7 +41,9 @@ def _latency_log() -> accesslog_pb2.AccessLog:
             transport_api_version=config_source_pb2.ApiVersion.V3,
             buffer_flush_interval=duration_pb2.Duration(nanos=100_000_000),
             buffer_size_bytes=wrappers_pb2.UInt32Value(value=16384),
-        )
+        ),
+        # the trace the gateway's tracer sent the request in: a trip names slow traces
+        additional_request_headers_to_log=[TRACEPARENT],
     )
     reached_upstream = accesslog_pb2.AccessLogFilter(
         extension_filter=accesslog_pb2.ExtensionFilter(

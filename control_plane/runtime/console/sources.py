@@ -30,6 +30,7 @@ from meshfn.audit.verify import VerifyReport, verify
 from meshfn.audit.witness import FileWitness
 
 from ..envoy import admin_session
+from ..traces import TraceStore
 
 log = logging.getLogger("meshfn.console")
 
@@ -313,6 +314,7 @@ class ConsoleSources:
     health: EndpointHealth | None = None
     audit: AuditView | None = None
     acceleration: Callable[[], dict[str, Any]] | None = None
+    traces: TraceStore | None = None  # meshfn up's embedded trace collector
 
     async def refresh(self) -> None:
         async with aiohttp.ClientSession(timeout=FETCH_TIMEOUT) as session:

@@ -1,0 +1,69 @@
+"""A drift breaker's trip names the slowest sampled traces of its window (exemplars), read from
+the traceparent the gateway's access-log stream carries."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import pytest
+from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
+
+from meshfn import ir
+from meshfn.health.drift import DriftBreaker, WatchedRoute
+
+DRIFT = ir.Drift(
+    threshold_percent=40,
+    min_increase=timedelta(milliseconds=10),
+    min_samples=10,
+    window=timedelta(seconds=1),
+    baseline_window=timedelta(seconds=10),
+    cold_start_baseline=None,
+    recover_after=timedelta(seconds=2),
+    probe_percent=5,
+)
+
+
+def _entry(ms: float, trace: int | None, sampled: bool = True) -> HTTPAccessLogEntry:
+    entry = HTTPAccessLogEntry()
+    common = entry.common_properties
+    common.route_name, common.upstream_cluster = "default/r/0", "a.default"
+    common.upstream_local_address.socket_address.address = "127.0.0.1"
+    common.time_to_last_downstream_tx_byte.FromNanoseconds(round(ms * 1e6))
+    if trace is not None:
+        flags = "01" if sampled else "00"
+        entry.request.request_headers["traceparent"] = f"00-{trace:032x}-{1:016x}-{flags}"
+    return entry
+
+
+def test_a_trip_names_the_slowest_sampled_traces_of_its_window(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    breaker = DriftBreaker()
+    breaker.configure([WatchedRoute("default/r", frozenset({"a.default"}), DRIFT)])
+    for i in range(1000):  # ten seconds at 100 ms: the baseline
+        breaker.observe_access_log(_entry(100, i + 1 if i % 10 == 0 else None), i / 100)
+    assert breaker.evaluate(10) == []
+    for i in range(100):  # then a slow second; some requests traced, some not sampled
+        at = 10 + i / 100
+        slow = 200 + i  # the later, the slower
+        trace = 5000 + i if i % 7 == 0 else (9000 + i if i % 5 == 0 else None)
+        breaker.observe_access_log(_entry(slow, trace, sampled=i % 7 == 0), at)
+    caplog.set_level(logging.WARNING, "meshfn.drift")
+    (trip,) = breaker.evaluate(11)
+    assert trip.to == "degraded"
+    # the sampled ones only (i % 7 == 0), slowest first: i = 98, 91, 84
+    assert trip.exemplars == tuple(f"{5000 + i:032x}" for i in (98, 91, 84))
+    (line,) = [r for r in caplog.records if "degraded" in r.getMessage()]
+    assert f"{5098:032x}" in line.getMessage() and line.exemplars == list(trip.exemplars)  # type: ignore[attr-defined]
+
+
+def test_without_sampled_traces_a_trip_names_none() -> None:
+    breaker = DriftBreaker()
+    breaker.configure([WatchedRoute("default/r", frozenset({"a.default"}), DRIFT)])
+    for i in range(1000):
+        breaker.observe_access_log(_entry(100, None), i / 100)
+    for i in range(100):
+        breaker.observe_access_log(_entry(300, 7, sampled=False), 10 + i / 100)
+    (trip,) = breaker.evaluate(11)
+    assert trip.exemplars == ()

@@ -107,13 +107,25 @@ def functions_document(backend: Backend) -> dict[str, Any]:
             "max_entries": backend.code.settings.maxEntries,
         },
         "functions": [
-            {**function_status(rt, _warmer(backend, rt)), "qos": _qos(backend, rt)}
+            {
+                **function_status(rt, _warmer(backend, rt)),
+                "qos": _qos(backend, rt),
+                "requests": _requests(backend, rt),
+            }
             for name in sorted(backend.functions)
             for _, rt in sorted(backend.functions[name].items())
         ],
         # spans exported and dropped (a collector down or slow never delays a request)
         "tracing": backend.tracer.document(),
     }
+
+
+def _requests(backend: Backend, rt: FunctionRuntime) -> dict[str, int]:
+    """Requests that ran, answered or failed (the console's service graph takes rates)."""
+    lane = backend.dispatcher.lanes.get(rt.label)
+    if lane is None:
+        return {"ok": 0, "failed": 0}
+    return {"ok": lane.stats.success.count, "failed": lane.stats.fail.count}
 
 
 def _warmer(backend: Backend, rt: FunctionRuntime) -> Warmer | None:

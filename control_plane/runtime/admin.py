@@ -19,13 +19,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from meshfn.contracts.durations import parse_duration
 from meshfn.xds.dump import resources_to_plain, to_yaml
 
 from ..service import ControlPlane
 from .console.sources import ConsoleSources
 from .console.web import Access, ConsoleHub, access_middleware, add_routes
-from .traces import TraceStore
+from .traces import TraceStore, trace_filters
 
 log = logging.getLogger("meshfn.admin")
 
@@ -116,39 +115,6 @@ def certificates_document(cp: ControlPlane, node: str) -> dict[str, Any] | None:
 
 
 _TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
-_PRINTABLE = re.compile(r"^[\x20-\x7e]{1,256}$")
-
-
-def trace_filters(query: Mapping[str, str]) -> dict[str, Any]:
-    """/debug/traces?route=&service=&model=&status=ok|error&min_duration=100ms&limit= ->
-    TraceStore.find's arguments (ValueError naming the bad one)."""
-    known = {"route", "service", "status", "min_duration", "limit"}
-    unknown = set(query) - known
-    if unknown:
-        raise ValueError(
-            f"unknown parameter(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})"
-        )
-    out: dict[str, Any] = {}
-    for key in ("route", "service"):
-        value = query.get(key, "")
-        if value:
-            if not _PRINTABLE.match(value):
-                raise ValueError(f"{key}: at most 256 printable ASCII characters")
-            out[key] = value
-    status = query.get("status", "")
-    if status:
-        if status not in ("ok", "error"):
-            raise ValueError("status: ok or error")
-        out["status"] = status
-    duration = query.get("min_duration", "")
-    if duration:
-        out["min_duration_us"] = round(parse_duration(duration).total_seconds() * 1e6)
-    limit = query.get("limit", "")
-    if limit:
-        if not limit.isdigit() or not 1 <= int(limit) <= 500:
-            raise ValueError("limit: a whole number from 1 to 500")
-        out["limit"] = int(limit)
-    return out
 
 
 def traces_document(store: TraceStore | None, query: Mapping[str, str]) -> dict[str, Any]:
@@ -209,7 +175,10 @@ def make_app(
             body=generate_latest(cp.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
+    hub_ = hub or ConsoleHub(cp, ConsoleSources())
+
     async def status(_: web.Request) -> web.Response:
+        await hub_.refresh()  # the proxies' and backends' own figures, at most once a second
         return web.json_response(status_document(cp))
 
     async def snapshots(_: web.Request) -> web.Response:
@@ -241,7 +210,6 @@ def make_app(
             return web.json_response({"error": "no such node or workload"}, status=404)
         return web.json_response(document)
 
-    hub_ = hub or ConsoleHub(cp, ConsoleSources())
     app = web.Application(middlewares=[access_middleware(access or Access())])
     add_routes(app, hub_)
     app.router.add_get("/metrics", metrics)

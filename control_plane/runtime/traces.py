@@ -16,9 +16,10 @@ Both receivers run on the control plane's event loop and only parse and append.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from prometheus_client.registry import Collector
 from meshfn import ir
 from meshfn.common import env
 from meshfn.contracts import otlp
+from meshfn.contracts.durations import parse_duration
 
 log = logging.getLogger("meshfn.traces")
 
@@ -222,9 +224,12 @@ class TraceStore:
         status: str | None = None,
         service: str | None = None,
         limit: int = 50,
+        peer: str | None = None,
+        model: str | None = None,
     ) -> list[Trace]:
         """Newest first, matching every given filter: the mesh route (`meshfn.route`, or a
-        prefix of it ending in `/`), a least duration, ok/error, a service a span came from."""
+        prefix of it ending in `/`), a least duration, ok/error, services its spans came from
+        (`service` and `peer`: an edge of the service graph), the model it served."""
         out = []
         for trace in self.traces():
             if route is not None and not _route_matches(trace.attribute("meshfn.route"), route):
@@ -233,7 +238,12 @@ class TraceStore:
                 continue
             if status is not None and ("error" if trace.failed else "ok") != status:
                 continue
-            if service is not None and service not in {s.service for s in trace.spans}:
+            services = {s.service for s in trace.spans}
+            if (service is not None and service not in services) or (
+                peer is not None and peer not in services
+            ):
+                continue
+            if model is not None and trace.attribute("meshfn.model") != model:
                 continue
             out.append(trace)
             if len(out) >= limit:
@@ -257,6 +267,41 @@ def _route_matches(value: str | None, wanted: str) -> bool:
     if value is None:
         return False
     return value == wanted or (wanted.endswith("/") and value.startswith(wanted))
+
+
+_PRINTABLE = re.compile(r"^[\x20-\x7e]{1,256}$")
+
+
+def trace_filters(query: Mapping[str, str]) -> dict[str, Any]:
+    """/debug/traces?route=&service=&peer=&model=&status=ok|error&min_duration=100ms&limit= ->
+    TraceStore.find's arguments (ValueError naming the bad one)."""
+    known = {"route", "service", "peer", "model", "status", "min_duration", "limit"}
+    unknown = set(query) - known
+    if unknown:
+        raise ValueError(
+            f"unknown parameter(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})"
+        )
+    out: dict[str, Any] = {}
+    for key in ("route", "service", "peer", "model"):
+        value = query.get(key, "")
+        if value:
+            if not _PRINTABLE.match(value):
+                raise ValueError(f"{key}: at most 256 printable ASCII characters")
+            out[key] = value
+    status = query.get("status", "")
+    if status:
+        if status not in ("ok", "error"):
+            raise ValueError("status: ok or error")
+        out["status"] = status
+    duration = query.get("min_duration", "")
+    if duration:
+        out["min_duration_us"] = round(parse_duration(duration).total_seconds() * 1e6)
+    limit = query.get("limit", "")
+    if limit:
+        if not limit.isdigit() or not 1 <= int(limit) <= 500:
+            raise ValueError("limit: a whole number from 1 to 500")
+        out["limit"] = int(limit)
+    return out
 
 
 # ---------------------------------------------------------------- decoding OTLP

@@ -16,6 +16,7 @@ import signal
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from rich.console import Console
@@ -41,6 +42,7 @@ from .bootstrap import (
     admin_port_warnings,
     admin_socket_path,
 )
+from .console.graph import ProxyStats
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, print_hints, sample_request
@@ -188,10 +190,19 @@ class Mesh:
             if group in gateways and isinstance(proc, EnvoyProcess)
         }
 
+    def admin_sockets(self) -> dict[str, Path]:
+        """Every Envoy's admin socket by node cluster (the service graph's statistics)."""
+        return {
+            group: proc.admin_socket
+            for group, (_, proc) in self.envoys.items()
+            if isinstance(proc, EnvoyProcess)
+        }
+
     def console_sources(self, acceleration: Acceleration | None) -> ConsoleSources:
         audit = self.audit
+        functions = FunctionStats(self.backends)
         return ConsoleSources(
-            functions=FunctionStats(self.backends),
+            functions=functions,
             health=EndpointHealth(self.gateway_admin_sockets),
             audit=AuditView(
                 lambda: audit.store.path if audit is not None and audit.store else None,
@@ -201,7 +212,17 @@ class Mesh:
             else None,
             acceleration=acceleration.document if acceleration is not None else None,
             traces=self.traces.store,
+            proxies=ProxyStats(self.admin_sockets, functions),
         )
+
+    def tracing_status(self, proxies: ProxyStats | None = None) -> dict[str, Any] | None:
+        """The embedded collector's counts, and each proxy's exports (as last fetched)."""
+        if not self.traces.grpc_port:
+            return None
+        status = self.traces.status()
+        if proxies is not None:
+            status["proxies"] = proxies.export_status()
+        return status
 
     def pids(self) -> dict[str, int | None]:
         return {
@@ -281,7 +302,11 @@ async def run_up(
         refused.print(console)
         return 1
     mesh = _wired_mesh(cp, state_dir, functions, concurrency, envoy_log_level, acceleration)
-    admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
+    sources = mesh.console_sources(acceleration)
+    admin = AdminServer(cp, sources, admin_token)
+    proxies = sources.proxies
+    if isinstance(proxies, ProxyStats):  # what each proxy's tracer sent and failed to export
+        cp.status_providers["tracing"] = lambda: mesh.tracing_status(proxies)
     return await _serve(cp, model, mesh, admin, acceleration, admin_host, policies, console)
 
 
@@ -376,7 +401,6 @@ def _wired_mesh(
     cp.metrics.registry.register(
         CollectorMetrics(lambda: audit.collector, classify=audit.tenant_class)
     )
-    cp.status_providers["tracing"] = lambda: mesh.traces.status() if mesh.traces.grpc_port else None
     cp.metrics.registry.register(TraceMetrics(mesh.traces))
     return mesh
 

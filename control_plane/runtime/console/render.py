@@ -18,10 +18,13 @@ from markupsafe import Markup, escape
 
 from meshfn.health.drift import RouteDrift
 
+from .graph import SECURITY_WORDS, graph_svg
 from .view import ConsoleView
+from .waterfall import rows, waterfall_svg
 
-PANELS = ("topology", "proxies", "drift", "functions", "audit", "policy")
+PANELS = ("graph", "topology", "proxies", "drift", "functions", "audit", "policy")
 TITLES = {
+    "graph": "Service graph",
     "topology": "Topology",
     "proxies": "Proxies",
     "drift": "Drift breaker",
@@ -150,15 +153,48 @@ def _summary(route: RouteDrift, events: list[Any]) -> str:
 def panel(name: str, view: ConsoleView) -> str:
     """One panel's inner HTML (what the live stream sends and the page embeds)."""
     charts = {}
+    extra: dict[str, Any] = {}
     if name == "drift":
         charts = {r.route: drift_chart(r, view.clock_offset, view.now) for r in view.drift}
-    return _env.get_template(f"{name}.html").render(view=view, charts=charts, chart_id=_id)
+    if name == "graph":
+        extra = {
+            "graph_svg": graph_svg(view.graph) if view.graph is not None else Markup(""),
+            "security": SECURITY_WORDS,
+        }
+    return _env.get_template(f"{name}.html").render(view=view, charts=charts, chart_id=_id, **extra)
 
 
 def page(view: ConsoleView, panels: Mapping[str, Markup]) -> str:
     """The whole page around the panels (already rendered, hence Markup)."""
     return _env.get_template("page.html").render(
         view=view, panels=panels, titles=TITLES, order=PANELS
+    )
+
+
+def traces_page(
+    traces: list[dict[str, Any]],
+    store: Mapping[str, Any],
+    filters: Mapping[str, str],
+    error: str | None = None,
+) -> str:
+    """The collector's recent traces, filtered (a node's or an edge's of the service graph)."""
+    return _env.get_template("traces.html").render(
+        traces=traces, store=store, filters=filters, error=error
+    )
+
+
+def trace_page(
+    trace: Mapping[str, Any],
+    audit: list[Any] | None,
+    audit_error: str | None = None,
+) -> str:
+    """One trace: its waterfall, every span, and its audit records."""
+    return _env.get_template("trace.html").render(
+        trace=trace,
+        waterfall=waterfall_svg(trace),
+        rows=rows(trace),
+        audit=audit,
+        audit_error=audit_error,
     )
 
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -159,11 +159,17 @@ class AuditQuery:
     status: int | None = None
     status_class: int | None = None
     limit: int = 50
+    trace: str | None = None  # 32 hex digits: a trace's records (the trace page)
 
     @property
     def empty(self) -> bool:
         return not (
-            self.subject or self.subject_raw or self.route or self.status or self.status_class
+            self.subject
+            or self.subject_raw
+            or self.route
+            or self.status
+            or self.status_class
+            or self.trace
         )
 
 
@@ -286,6 +292,7 @@ class AuditView:
             "route": query.route,
             "status": query.status,
             "status_class": query.status_class,
+            "trace": query.trace,
         }
         # The store answers oldest first: look back over growing windows for the newest rows.
         for window in (60.0, 3600.0, 86400.0, None):
@@ -305,6 +312,10 @@ class AuditView:
             self._store = None
 
 
+class Refreshable(Protocol):
+    async def refresh(self, session: aiohttp.ClientSession) -> None: ...
+
+
 @dataclass
 class ConsoleSources:
     """Everything the console shows beyond the ControlPlane (each part optional: `meshfn serve`
@@ -315,6 +326,8 @@ class ConsoleSources:
     audit: AuditView | None = None
     acceleration: Callable[[], dict[str, Any]] | None = None
     traces: TraceStore | None = None  # meshfn up's embedded trace collector
+    # every Envoy's statistics, for the service graph (console.graph.ProxyStats)
+    proxies: Refreshable | None = None
 
     async def refresh(self) -> None:
         async with aiohttp.ClientSession(timeout=FETCH_TIMEOUT) as session:
@@ -326,6 +339,8 @@ class ConsoleSources:
                 ),
                 *([self.audit.refresh()] if self.audit is not None else []),
             )
+            if self.proxies is not None:  # after the functions: it reads their counts
+                await self.proxies.refresh(session)
 
     def close(self) -> None:
         if self.audit is not None:

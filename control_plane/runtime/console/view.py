@@ -19,6 +19,7 @@ from meshfn.xds.status import ProxyStatus, TypeStatus
 
 from ...service import ControlPlane, ReloadEvent
 from ..hints import describe_match
+from .graph import ProxyStats, ServiceGraph, build_graph
 from .sources import AuditQuery, ConsoleSources, HostHealth
 
 XDS_TYPES = ("clusters", "endpoints", "listeners", "routes", "secrets", "extension_configs")
@@ -443,7 +444,7 @@ class AuditView:
     error: str | None = None
 
 
-def _record(row: Mapping[str, Any]) -> AuditRecordView:
+def record_view(row: Mapping[str, Any]) -> AuditRecordView:
     def text(key: str) -> str:
         value = row.get(key)
         return "-" if value is None else str(value)
@@ -489,7 +490,7 @@ def audit(sources: ConsoleSources, query: AuditQuery) -> AuditView:
         )
         ok, problems = check.ok, tuple(check.problems)
     return AuditView(
-        True, str(path), query, tuple(_record(r) for r in rows), verified, ok, problems, error
+        True, str(path), query, tuple(record_view(r) for r in rows), verified, ok, problems, error
     )
 
 
@@ -532,17 +533,33 @@ class ConsoleView:
     audit: AuditView
     policy: PolicyView
     clock_offset: float = field(default=0.0)  # time.time() - time.monotonic()
+    graph: ServiceGraph | None = None
+
+
+def service_graph(
+    cp: ControlPlane, sources: ConsoleSources, view: TopologyView
+) -> ServiceGraph | None:
+    """The service graph, where the proxies' statistics are read (meshfn up)."""
+    model = cp.model
+    if model is None or not isinstance(sources.proxies, ProxyStats):
+        return None
+    serving = {s.key: s.serving_key for g in view.gateways for s in g.services}
+    return build_graph(
+        model, sources.proxies.rates, sources.functions, cp.drift.degraded(), serving
+    )
 
 
 def build(cp: ControlPlane, sources: ConsoleSources, query: AuditQuery) -> ConsoleView:
+    seen = topology(cp, sources)
     return ConsoleView(
         mesh=cp.model.name if cp.model is not None else "",
         now=time.time(),
-        topology=topology(cp, sources),
+        topology=seen,
         proxies=proxies(cp),
         drift=drift(cp),
         functions=functions(sources),
         audit=audit(sources, query),
         policy=policy(cp),
         clock_offset=time.time() - time.monotonic(),
+        graph=service_graph(cp, sources, seen),
     )

@@ -26,10 +26,13 @@ from typing import Any
 from aiohttp import web
 from markupsafe import Markup
 
+from meshfn.audit.store import StoreError
+
 from ...service import ControlPlane
+from ..traces import trace_filters
 from . import render
 from .sources import AuditQuery, ConsoleSources
-from .view import ConsoleView, build
+from .view import ConsoleView, build, record_view
 
 log = logging.getLogger("meshfn.console")
 
@@ -294,10 +297,54 @@ def add_routes(app: web.Application, hub: ConsoleHub) -> None:
     async def root(_: web.Request) -> web.Response:
         raise web.HTTPFound("/ui")
 
+    add_trace_pages(app, hub, html)
     app.router.add_get("/ui", page)
     app.router.add_get("/ui/", root)
     app.router.add_get("/ui/events", events)
     app.router.add_get("/ui/static/{name}", static)
+
+
+_TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
+
+
+def add_trace_pages(
+    app: web.Application, hub: ConsoleHub, html: Callable[[str, int], web.Response]
+) -> None:
+    """/ui/traces: the collector's recent traces, filtered as /debug/traces is (a node's or an
+    edge's of the service graph); /ui/traces/<id>: one trace's waterfall and audit records."""
+
+    async def traces(request: web.Request) -> web.Response:
+        store = hub.sources.traces
+        filters = {k: v for k, v in request.query.items() if v.strip()}
+        if store is None:
+            return html(render.error_page(404, "no trace collector runs here"), 404)
+        try:
+            found = store.find(**trace_filters(filters))
+        except ValueError as exc:
+            return html(render.traces_page([], store.stats(), filters, str(exc)), 400)
+        return html(render.traces_page([t.summary() for t in found], store.stats(), filters), 200)
+
+    async def trace(request: web.Request) -> web.Response:
+        trace_id = request.match_info["trace_id"]
+        store = hub.sources.traces
+        found = store.get(trace_id) if store is not None and _TRACE_ID.match(trace_id) else None
+        if found is None:
+            message = f"no trace {trace_id} here: not sampled, not arrived yet, or evicted"
+            return html(render.error_page(404, message), 404)
+        records, error = None, None
+        if hub.sources.audit is not None:
+            await hub.refresh()
+            try:
+                records = [
+                    record_view(row)
+                    for row in hub.sources.audit.records(AuditQuery(trace=trace_id.lower()))
+                ]
+            except (StoreError, OSError, ValueError) as exc:
+                records, error = [], str(exc)
+        return html(render.trace_page(found.document(), records, error), 200)
+
+    app.router.add_get("/ui/traces", traces)
+    app.router.add_get("/ui/traces/{trace_id}", trace)
 
 
 def access_middleware(access: Access) -> Any:

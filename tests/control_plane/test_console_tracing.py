@@ -66,7 +66,7 @@ def _stats(total: int, errors: int, p50: float, p99: float, cluster: str) -> dic
                                 {"interval": None, "cumulative": v}
                                 for v in (0, 1, p50, 3, 4, 5, p99, 7, 8, 9)
                             ],
-                        }  # fmt: skip
+                        }
                     ],
                 }
             },

@@ -127,13 +127,6 @@ TRACE_STORE_MIB = _var(
     "The most memory, in MiB, the embedded trace collector's traces may take (estimated).",
     "64",
 )
-TRACE_COLLECTOR = _var(
-    "MESHFN_TRACE_COLLECTOR",
-    "kubernetes",
-    """The OTLP collector the operator renders when the Mesh's tracing names none
-    (`grpc://host:port` or `http://host:port/path`; the Helm value `tracing.collector`).""",
-    "none: a Mesh with tracing and no collector renders no tracing, with a warning",
-)
 
 # ------------------------------------------------------------------ audit trail
 
@@ -286,7 +279,6 @@ VARIABLES: tuple[Variable, ...] = (
     CACHE,
     TRACE_STORE_TRACES,
     TRACE_STORE_MIB,
-    TRACE_COLLECTOR,
     AUDIT_STORE,
     AUDIT_PUBLIC_KEY,
     AUDIT_WITNESS,

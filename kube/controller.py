@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import grpc
 import yaml
@@ -43,7 +43,7 @@ from meshfn.common.kube.metrics import KubeMetrics
 from meshfn.contracts.kube import ANNOTATION_SOURCE, API_VERSION, BY_KIND
 from meshfn.contracts.plugins import SubjectSalt
 from meshfn.health.drift import DriftBreaker, WatchedRoute, watched_routes
-from meshfn.ir import MeshModel, Overlay
+from meshfn.ir import MeshModel, Overlay, TraceCollector
 from meshfn.istio import RenderOptions
 from meshfn.istio.core import Context as IstioContext
 from meshfn.istio.traffic import istio_cluster
@@ -120,6 +120,20 @@ class IstioSettings(_Strict):
     )
 
 
+class TracingCollector(_Strict):
+    """The cluster's OTLP collector (Helm values `tracing.collector`): where a Mesh that traces
+    without naming a collector sends its spans (the proxies through Istio's extension provider,
+    the inference backends directly)."""
+
+    host: str = Field(description="its Service's DNS name (or an IP address)")
+    port: Annotated[int, Field(ge=1, le=65535)] = 4317
+    protocol: Literal["grpc", "http"] = "grpc"
+    path: str = Field("/v1/traces", description="OTLP over HTTP: the path spans are POSTed to")
+
+    def ir(self) -> TraceCollector:
+        return TraceCollector(self.protocol, self.host, self.port, self.path)
+
+
 class TlsSettings(_Strict):
     certFile: str = Field(description="PEM certificate of the admin/wasm server")
     keyFile: str = Field(description="its private key")
@@ -157,6 +171,9 @@ class OperatorConfig(_Strict):
     istio: IstioSettings = Field(default_factory=IstioSettings)
     wasm: WasmSettings = Field(default_factory=WasmSettings)
     backends: BackendSettings = Field(default_factory=BackendSettings)
+    collector: TracingCollector | None = Field(
+        None, description="the OTLP collector of a Mesh whose tracing names none"
+    )
 
     @classmethod
     def load(cls, path: Path | None, **overrides: Any) -> OperatorConfig:
@@ -197,6 +214,7 @@ class OperatorConfig(_Strict):
             wasm_base_url=self.wasm_base(),
             control_plane_host=f"{self.service}-als.{self.namespace}.svc.{self.istio.clusterDomain}",
             journal_path=self.istio.journalPath,
+            collector=self.collector.ir() if self.collector is not None else None,
         )
         return options if salt is None else replace(options, salt=salt)
 
@@ -462,8 +480,14 @@ class Operator:
         self.warnings = {}
         for line in warnings:
             self.warnings.setdefault(line.split(": ", 1)[0], []).append(line.split(": ", 1)[1])
+        collector = self.config.collector
         return objects + render_backends(
-            model, self.config.backends, self.keda, self.hpa_version, self.config.istio.labelKey
+            model,
+            self.config.backends,
+            self.keda,
+            self.hpa_version,
+            self.config.istio.labelKey,
+            collector.ir() if collector is not None else None,
         )
 
     async def _reconcile_loop(self, stop: asyncio.Event) -> None:

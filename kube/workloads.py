@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshfn import ir
 from meshfn.contracts.function import BackendConfig
+from meshfn.contracts.tracing import BackendTracing
 
 Obj = dict[str, Any]
 
@@ -103,13 +104,16 @@ class Rendered:
     obj: Obj
 
 
-def backend_config(functions: list[ir.Function], settings: BackendSettings) -> BackendConfig:
+def backend_config(
+    functions: list[ir.Function], settings: BackendSettings, tracing: BackendTracing | None = None
+) -> BackendConfig:
     return BackendConfig(
         registry=Path(REGISTRY_DIR),
         trustedKeys=[Path(KEYS_DIR)],
         workers=settings.workers,
         processes=settings.processes,
         functions=[f.served() for f in functions],
+        tracing=tracing,
     )
 
 
@@ -221,10 +225,12 @@ def render_backends(
     keda: bool,
     hpa_version: str = "v2",
     label_key: str = "app",
+    collector: ir.TraceCollector | None = None,
 ) -> list[Rendered]:
     """Every Kubernetes object the model's Functions need, each with the policy it comes from
     (the backend's meshfn Service: deleting it garbage-collects them). `label_key`: the pod
-    label the Istio renderer's selectors match (RenderOptions.label_key)."""
+    label the Istio renderer's selectors match (RenderOptions.label_key); `collector`: the
+    cluster's trace collector where the Mesh traces without naming one."""
     by_backend: dict[str, list[ir.Function]] = {}
     for function in model.functions:
         by_backend.setdefault(function.backend, []).append(function)
@@ -238,7 +244,8 @@ def render_backends(
         source = (("Service", ns, name),)
         # the Istio routes send KServe gRPC to this Service port (ir.Service.grpc_service_port)
         grpc_port = service.grpc_service_port if service.protocol == "http" else None
-        config = backend_config(functions, settings)
+        tracing = model.tracing.backend(key, collector) if model.tracing is not None else None
+        config = backend_config(functions, settings, tracing)
         text = yaml.safe_dump(
             config.model_dump(mode="json", exclude_none=True), sort_keys=False, width=100
         )

@@ -287,8 +287,8 @@ class Tracing(Strict):
 
     sampling: Percent = Field(
         1.0,
-        description="percent of requests that start a trace (a request that carries a parent's"
-        " decision follows it; see clientContext)",
+        description="percent of requests that start a trace, in steps of 0.01 (a request that"
+        " carries a parent's decision follows it; see clientContext)",
     )
     collector: TracingCollector | None = Field(
         None,

@@ -228,7 +228,7 @@ def _print_tracing(collector: dict[str, Any] | None, backends: list[BackendFunct
     """Spans: what the embedded collector keeps and dropped (by reason), what each backend
     exported and dropped, and what each proxy's tracer sent and failed to export (a collector
     down or slow never delays a request: its spans are dropped and counted here)."""
-    if collector is not None:
+    if collector is not None and "otlp_grpc" in collector:
         dropped = collector["dropped_spans"]
         lost = sum(dropped.values())
         out.print(
@@ -239,14 +239,14 @@ def _print_tracing(collector: dict[str, Any] | None, backends: list[BackendFunct
             + (" (" + ", ".join(f"{n} {r}" for r, n in dropped.items() if n) + ")" if lost else ""),
             highlight=False,
         )
-        for proxy in collector.get("proxies") or []:
-            failed = proxy.get("failed_exports", 0)
-            colour = "red" if failed else "dim"
-            out.print(
-                f"  proxy {proxy['proxy']}: {proxy.get('spans_sent', 0)} span(s) sent,"
-                f" [{colour}]{failed} export(s) failed[/{colour}]",
-                highlight=False,
-            )
+    for proxy in (collector or {}).get("proxies") or []:
+        failed = proxy.get("failed_exports", 0)
+        colour = "red" if failed else "dim"
+        out.print(
+            f"  proxy {proxy['proxy']}: {proxy.get('spans_sent', 0)} span(s) sent,"
+            f" [{colour}]{failed} export(s) failed[/{colour}]",
+            highlight=False,
+        )
     for backend, _, _ in backends:
         tracing = backend.get("tracing")
         if not tracing:

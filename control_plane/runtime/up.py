@@ -216,13 +216,13 @@ class Mesh:
         )
 
     def tracing_status(self, proxies: ProxyStats | None = None) -> dict[str, Any] | None:
-        """The embedded collector's counts, and each proxy's exports (as last fetched)."""
-        if not self.traces.grpc_port:
-            return None
-        status = self.traces.status()
-        if proxies is not None:
-            status["proxies"] = proxies.export_status()
-        return status
+        """The embedded collector's counts (when it runs), and each proxy's exports to
+        whichever collector (as last fetched); None while nothing traces."""
+        status: dict[str, Any] = self.traces.status() if self.traces.grpc_port else {}
+        exports = proxies.export_status() if proxies is not None else []
+        if exports:
+            status["proxies"] = exports
+        return status or None
 
     def pids(self) -> dict[str, int | None]:
         return {

@@ -50,9 +50,12 @@ PEER_PRINCIPAL = "%DOWNSTREAM_PEER_URI_SAN%"
 
 
 def fraction(value: float) -> percent_pb2.FractionalPercent:
-    """A percent as Envoy's FractionalPercent (per million: 0.0001% steps)."""
+    """A percent as Envoy's FractionalPercent, per ten thousand (0.01% steps). Not per
+    million: Envoy draws a route's sampling from the request id modulo 10,000 and compares it
+    with the numerator modulo the denominator, so any share of a million above 1% sampled every
+    request (measured with Envoy 1.40: 20% per million traced 300 of 300)."""
     return percent_pb2.FractionalPercent(
-        numerator=round(value * 10_000), denominator=percent_pb2.FractionalPercent.MILLION
+        numerator=round(value * 100), denominator=percent_pb2.FractionalPercent.TEN_THOUSAND
     )
 
 

@@ -1,0 +1,561 @@
+"""Distributed tracing for real, through `meshfn up` with real Envoys and real backends:
+one request is one trace with the gateway's, the sidecar's and the backend's spans, parented;
+sampling is honoured within statistical bounds; a client's traceparent is restarted at the
+external gateway and honoured at a gateway that trusts its clients; a malformed one is
+ignored; the audit record carries the trace; the console's service graph shows live rates and
+opens a trace from an edge (headless Chromium, screenshots in build/artifacts/console/); a
+collector that hangs never delays or fails a request.
+
+`-k "trac or graph"` selects every test here."""
+
+from __future__ import annotations
+
+import http.client as httpclient
+import json
+import os
+import random
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from meshfn_e2e import Processes, http, remap_examples
+
+from meshfn.testing import policies as p
+from meshfn.testing.browser import ARTIFACTS, chromium, wait_panel_text
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
+
+FLOWER = json.dumps(
+    {
+        "inputs": [
+            {"name": "features", "datatype": "FP32", "shape": [1, 4], "data": [5.1, 3.5, 1.4, 0.2]}
+        ]
+    }
+).encode()
+DIGIT = json.dumps(
+    {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
+).encode()
+PARTNER = """\
+# A second gateway for trusted clients (another traced proxy in front of it): it honors their
+# trace context. It runs as the edge's identity, which the services' authorization admits.
+apiVersion: meshfn.io/v1alpha1
+kind: Gateway
+metadata: {name: partner, namespace: ingress}
+spec:
+  serviceAccount: edge
+  listeners: [{name: http, port: 10100}]
+  tracing: {clientContext: honor}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Route
+metadata: {name: partner-echo, namespace: default}
+spec:
+  gateway: ingress/partner
+  matches: [{path: {prefix: /echo}}]
+  destination: {service: echo}
+---
+apiVersion: meshfn.io/v1alpha1
+kind: Route
+metadata: {name: partner-iris, namespace: default}
+spec:
+  gateway: ingress/partner
+  matches: [{path: {prefix: /v2/models/iris}}]
+  destination: {service: models}
+"""
+
+
+@dataclass
+class Mesh:
+    up: Proc
+    admin: str
+    edge: int
+    partner: int
+    state: Path
+    token: str
+
+    def headers(self, **extra: str) -> dict[str, str]:
+        return {
+            "authorization": f"Bearer {self.token}",
+            "content-type": "application/json",
+            **extra,
+        }
+
+    def traces(self, **query: str) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = http_json(self.admin + "/debug/traces", limit="500", **query)[
+            "traces"
+        ]
+        return found
+
+    def trace(self, trace_id: str) -> dict[str, Any]:
+        found: dict[str, Any] = http_json(f"{self.admin}/debug/traces/{trace_id}")
+        return found
+
+
+def http_json(url: str, **query: str) -> Any:
+    from urllib.parse import urlencode
+
+    reply = http(url + ("?" + urlencode(query) if query else ""))
+    assert reply.status == 200, reply.body
+    return reply.json()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    tmp = tmp_path_factory.mktemp("tracing")
+    partner = tmp / "partner.yaml"
+    partner.write_text(PARTNER)
+    mapping = remap_examples(tmp / "examples", partner)
+    examples = tmp / "examples"
+    # every new trace at the gateways, but the echo route's at 20% (a Route's own sampling)
+    mesh_yaml = examples / "mesh.yaml"
+    mesh_yaml.write_text(mesh_yaml.read_text().replace("sampling: 10", "sampling: 100"))
+    routes = examples / "routes.yaml"
+    text = routes.read_text()
+    assert "  destination: {service: echo}\n" in text
+    routes.write_text(
+        text.replace(
+            "  destination: {service: echo}\n",
+            "  destination: {service: echo}\n  tracing: {sampling: 20}\n",
+            1,
+        )
+    )
+    state = tmp / "state"
+    procs = Processes(tmp)
+    try:
+        up = procs.start(
+            "up",
+            [MESHFN, "up", "--policies", str(examples), "--state-dir", str(state),
+             "--functions-registry", str(tmp / "functions"), "--publish-examples",
+             "--envoy-concurrency", "1"],
+            env={**os.environ, "MESHFN_CALLER_DIR": str(tmp)},
+        )  # fmt: skip
+        wait_for("the traced mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=240)
+        token = meshfn(
+            "token", "issue", "--state-dir", str(state), "--sub", "tracer", "--aud", "meshfn",
+            "--claim", "tenant=acme",
+        ).stdout.strip()  # fmt: skip
+        yield Mesh(
+            up,
+            f"http://127.0.0.1:{mapping[18001]}",
+            mapping[10000],
+            mapping[10100],
+            state,
+            token,
+        )
+    finally:
+        procs.stop_all()
+
+
+def _spans(trace: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for span in trace["span_list"]:
+        out.setdefault(span["service"], []).append(span)
+    return out
+
+
+def _complete(mesh: Mesh, trace_id: str, services: int = 3) -> dict[str, Any] | None:
+    reply = http(f"{mesh.admin}/debug/traces/{trace_id}")
+    if reply.status != 200:
+        return None
+    trace: dict[str, Any] = reply.json()
+    return trace if len(trace["services"]) >= services else None
+
+
+def test_tracing_one_request_is_one_trace_through_gateway_sidecar_and_backend(mesh: Mesh) -> None:
+    seen = {t["trace_id"] for t in mesh.traces(model="iris")}
+    reply = http(
+        f"http://127.0.0.1:{mesh.edge}/v2/models/iris/infer", "POST", mesh.headers(), FLOWER
+    )
+    assert reply.status == 200, reply.body
+
+    def arrived() -> dict[str, Any] | None:
+        new = [t for t in mesh.traces(model="iris") if t["trace_id"] not in seen]
+        return _complete(mesh, new[0]["trace_id"]) if len(new) == 1 else None
+
+    trace = wait_for("the request's trace with all its hops", arrived, timeout=30, every=0.5)
+    spans = _spans(trace)
+    assert set(spans) == {"edge.ingress", "models.default", "models.default inference"}
+    (gateway,) = spans["edge.ingress"]
+    (sidecar,) = spans["models.default"]
+    backend = {s["name"]: s for s in spans["models.default inference"]}
+    server = backend["infer iris"]
+    # correctly parented: gateway (root) > sidecar > backend server span > its steps
+    assert gateway["parent_id"] is None and gateway["kind"] == "server"
+    assert sidecar["parent_id"] == gateway["span_id"] and sidecar["kind"] == "server"
+    assert server["parent_id"] == sidecar["span_id"] and server["kind"] == "server"
+    assert {"admission", "queue", "guest call"} <= set(backend)
+    own = {s["span_id"] for s in spans["models.default inference"]}
+    assert all(s["parent_id"] in own for n, s in backend.items() if n != "infer iris")
+    # custom tags from verified data: the route and model (route table), the tenant (the
+    # sidecar's verified JWT), the caller's SPIFFE ID (the sidecar's mTLS handshake)
+    assert gateway["attributes"]["meshfn.route"] == "default/function-iris"
+    assert gateway["attributes"]["meshfn.model"] == "iris"
+    assert sidecar["attributes"]["meshfn.tenant"] == "acme"
+    assert sidecar["attributes"]["meshfn.principal"] == "spiffe://meshfn.local/ns/ingress/sa/edge"
+    assert server["attributes"]["meshfn.model"] == "iris"
+    assert server["attributes"]["http.response.status_code"] == 200
+    for outer, inner in ((gateway, sidecar), (sidecar, server)):  # nested in time as well
+        assert (
+            outer["start_ns"] <= inner["start_ns"]
+            and inner["end_ns"] <= outer["end_ns"] + 1_000_000
+        )
+    # joined up: the sidecar's audit record carries the trace, and the CLI finds it
+    store = mesh.state / "audit" / "audit.db"
+
+    def record() -> list[dict[str, Any]] | None:
+        out = meshfn(
+            "audit", "query", "--store", str(store), "--trace", trace["trace_id"], "--json"
+        )
+        rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        return rows or None
+
+    (row,) = wait_for("the audit record of the trace", record, timeout=30, every=0.5)
+    assert row["path"] == "/v2/models/iris/infer" and row["trace_id"] == trace["trace_id"]
+    shown = meshfn("trace", "show", trace["trace_id"], "--admin", mesh.admin)
+    assert shown.returncode == 0, shown.stderr
+    for name in ("infer iris", "guest call", "models.default", "edge.ingress"):
+        assert name in shown.stdout, shown.stdout
+    listed = meshfn("trace", "list", "--route", "default/function-iris", "--admin", mesh.admin)
+    assert trace["trace_id"] in listed.stdout
+
+
+def test_tracing_a_cold_start_is_split_and_a_batch_links_its_members(mesh: Mesh) -> None:
+    """digits has no warm pool: its first request loads it (lookup, deserialize, instantiate);
+    iris batches concurrent requests into one guest call."""
+    reply = http(
+        f"http://127.0.0.1:{mesh.edge}/v2/models/digits/infer", "POST", mesh.headers(), DIGIT
+    )
+    assert reply.status == 200, reply.body
+
+    def cold() -> dict[str, Any] | None:
+        for summary in mesh.traces(model="digits"):
+            trace = mesh.trace(summary["trace_id"])
+            names = {s["name"]: s for s in trace["span_list"]}
+            if "cold start" in names and "deserialize" in names:
+                return names
+        return None
+
+    names = wait_for("a split cold start", cold, timeout=30, every=0.5)
+    start = names["cold start"]
+    for step in ("code-cache lookup", "deserialize", "instantiate"):
+        assert names[step]["parent_id"] == start["span_id"], step
+    assert names["cold start"]["attributes"]["meshfn.code_loaded"] is True
+    assert names["guest call"]["start_ns"] >= names["instantiate"]["end_ns"]
+    # a batch: eight concurrent requests share guest calls; each trace links the others
+    url = f"http://127.0.0.1:{mesh.edge}/v2/models/iris/infer"
+    threads = [
+        threading.Thread(target=lambda: http(url, "POST", mesh.headers(), FLOWER)) for _ in range(8)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    def linked() -> tuple[dict[str, Any], dict[str, Any]] | None:
+        for summary in mesh.traces(model="iris"):
+            trace = mesh.trace(summary["trace_id"])
+            for span in trace["span_list"]:
+                if span["name"] == "batch" and span["links"]:
+                    return trace, span
+        return None
+
+    trace, batch = wait_for("a batch span with links", linked, timeout=30, every=0.5)
+    assert batch["attributes"]["meshfn.batch.requests"] >= 2
+    other = batch["links"][0]["trace_id"]
+    assert other != trace["trace_id"]
+    linked_trace = wait_for(
+        "the linked trace", lambda: _complete(mesh, other, 1), timeout=20, every=0.5
+    )
+    assert any(s["name"] == "batch" for s in linked_trace["span_list"])
+    guest = next(s for s in trace["span_list"] if s["name"] == "guest call")
+    assert guest["parent_id"] == batch["span_id"]
+
+
+def _send(port: int, path: str, count: int, headers: list[dict[str, str]]) -> None:
+    """`count` GETs over one keep-alive connection, each with its own headers."""
+    conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        for i in range(count):
+            conn.request("GET", path, headers=headers[i % len(headers)])
+            reply = conn.getresponse()
+            reply.read()
+            assert reply.status == 200, reply.status
+    finally:
+        conn.close()
+
+
+def _echo_traces(mesh: Mesh, route: str) -> list[dict[str, Any]]:
+    return mesh.traces(route=route)
+
+
+def test_tracing_sampling_is_honoured_within_statistical_bounds(mesh: Mesh) -> None:
+    """The echo route samples 20% (its own sampling; the gateway's is 100%). 600 requests: 120
+    expected, sd 9.8; the bounds are four sd. Every sampled trace has the sidecar's span too
+    (the sidecar follows the gateway's decision), and the sidecar starts none of its own."""
+    before = {t["trace_id"] for t in _echo_traces(mesh, "default/echo")}
+    _send(mesh.edge, "/echo", 600, [{"authorization": f"Bearer {mesh.token}"}])
+    time.sleep(7)  # Envoy flushes spans every 5 s
+    ids = {t["trace_id"] for t in _echo_traces(mesh, "default/echo")} - before
+    assert 81 <= len(ids) <= 159, len(ids)
+    for trace_id in ids:
+        services = set(mesh.trace(trace_id)["services"])
+        assert services == {"edge.ingress", "echo.default"}, (trace_id, services)
+    lone = [t for t in mesh.traces(service="echo.default") if "edge.ingress" not in t["services"]]
+    assert lone == []
+
+
+def _client_parent() -> tuple[str, str]:
+    return f"{random.getrandbits(128):032x}", f"{random.getrandbits(64) | 1:016x}"
+
+
+def test_tracing_a_client_forced_traceparent_at_the_external_gateway_is_restarted(
+    mesh: Mesh,
+) -> None:
+    """At the external gateway (clientContext restart) a client cannot force sampling or join
+    its trace: with every header Envoy could read as a decision forced, the echo route still
+    samples its 20% (300 requests: 60 expected, bounds four sd), under trace ids of its own."""
+    parents = [_client_parent() for _ in range(300)]
+    forced = [
+        {
+            "authorization": f"Bearer {mesh.token}",
+            "traceparent": f"00-{t}-{s}-01",
+            "tracestate": "vendor=1",
+            "x-client-trace-id": t,
+            "x-envoy-force-trace": "1",
+            "x-request-id": "00000000-0000-a000-8000-000000000000",
+        }
+        for t, s in parents
+    ]
+    before = {t["trace_id"] for t in _echo_traces(mesh, "default/echo")}
+    _send(mesh.edge, "/echo", 300, forced)
+    time.sleep(7)
+    new = {t["trace_id"] for t in _echo_traces(mesh, "default/echo")} - before
+    assert 32 <= len(new) <= 88, len(new)
+    assert not new & {t for t, _ in parents}
+    for trace_id in list(new)[:20]:
+        (gateway,) = _spans(mesh.trace(trace_id))["edge.ingress"]
+        assert gateway["parent_id"] is None  # a root: the client's span is not its parent
+
+
+def test_tracing_a_trusted_gateway_honors_the_clients_context(mesh: Mesh) -> None:
+    """The partner gateway (clientContext honor): a sampled client trace continues under the
+    client's trace id and parent; an unsampled one stays unsampled."""
+    sampled = [_client_parent() for _ in range(20)]
+    unsampled = [_client_parent() for _ in range(20)]
+    auth = {"authorization": f"Bearer {mesh.token}"}
+    _send(
+        mesh.partner, "/echo", 20, [{**auth, "traceparent": f"00-{t}-{s}-01"} for t, s in sampled]
+    )
+    _send(
+        mesh.partner, "/echo", 20, [{**auth, "traceparent": f"00-{t}-{s}-00"} for t, s in unsampled]
+    )
+
+    def continued() -> list[dict[str, Any]] | None:
+        found = [_complete(mesh, t, 2) for t, _ in sampled]
+        return None if None in found else found  # type: ignore[return-value]
+
+    traces = wait_for("the clients' traces", continued, timeout=30, every=0.5)
+    for (trace_id, span_id), trace in zip(sampled, traces, strict=True):
+        (gateway,) = _spans(trace)["partner.ingress"]
+        assert trace["trace_id"] == trace_id and gateway["parent_id"] == span_id
+        assert trace["route"] == "default/partner-echo"
+    for trace_id, _ in unsampled:
+        assert http(f"{mesh.admin}/debug/traces/{trace_id}").status == 404
+
+
+def test_tracing_a_malformed_traceparent_is_ignored_and_the_backend_restarts(mesh: Mesh) -> None:
+    """Through the partner gateway (which would honor a good one) Envoy cannot read it and
+    passes it on untouched; the backend ignores it and starts a trace of its own. Never a 400."""
+    url = f"http://127.0.0.1:{mesh.partner}/v2/models/iris/infer"
+    bad = ["00-zz-yy-01", "00-" + "0" * 32 + "-" + "1" * 16 + "-01", "x" * 300, "00-AB-CD"]
+    before = {t["trace_id"] for t in mesh.traces(model="iris")}
+    for value in bad:
+        reply = http(url, "POST", mesh.headers(traceparent=value, tracestate="=,=;"), FLOWER)
+        assert reply.status == 200, (value, reply.body)
+
+    def restarted() -> list[dict[str, Any]] | None:
+        new = [t for t in mesh.traces(model="iris") if t["trace_id"] not in before]
+        alone = [t for t in new if t["services"] == ["models.default inference"]]
+        return alone if len(alone) >= len(bad) else None
+
+    traces = wait_for("the backend's own traces", restarted, timeout=30, every=0.5)
+    for summary in traces:
+        root = next(
+            s for s in mesh.trace(summary["trace_id"])["span_list"] if s["name"] == "infer iris"
+        )
+        assert root["parent_id"] is None
+
+
+def test_graph_shows_live_rates_and_opens_a_trace_from_an_edge(mesh: Mesh) -> None:
+    """The console's service graph in headless Chromium: live rates on the edge from the gateway
+    to the models, its padlock, and a click on the edge that opens its traces, one trace's
+    waterfall and its audit record. Screenshots: console-graph.png, console-trace.png."""
+    stop = threading.Event()
+    url = f"http://127.0.0.1:{mesh.edge}/v2/models/iris/infer"
+
+    def traffic() -> None:
+        while not stop.is_set():
+            http(url, "POST", mesh.headers(), FLOWER)
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=traffic, daemon=True)
+    sender.start()
+    edge = "gw:ingress/edge>svc:default/models"
+    try:
+        with chromium(viewport=(1500, 1000)) as browser:
+            page = browser.page
+            page.goto(mesh.admin + "/ui")
+            page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
+            wait_panel_text(page, "graph", "default/models", timeout=20)
+            page.wait_for_function(
+                "(edge) => { const c = document.querySelector("
+                '`#panel-graph tr[data-edge="${edge}"] td.rps`);'
+                " return c !== null && Number(c.innerText) > 1; }",
+                arg=edge,
+                timeout=30_000,
+            )
+            row = page.locator(f'#panel-graph tr[data-edge="{edge}"]').inner_text()
+            assert "mTLS" in row and "ms" in row, row
+            assert page.locator(f'#panel-graph svg a[data-edge="{edge}"] .lock-mtls').count() == 1
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.locator("#graph").screenshot(path=str(ARTIFACTS / "console-graph.png"))
+            page.locator(f'#panel-graph svg a[data-edge="{edge}"]').click()
+            page.wait_for_url("**/ui/traces?service=edge.ingress&peer=models.default")
+            page.wait_for_selector("table.traces tbody a", timeout=15_000)
+            page.locator("table.traces tbody a").first.click()
+            page.wait_for_selector("svg.waterfall", timeout=15_000)
+
+            def complete() -> bool:
+                """Every hop's spans (the backend's and the proxies' arrive within seconds of
+                each other) and the sidecar's audit record, on the trace's page."""
+                page.reload()
+                page.wait_for_selector("svg.waterfall")
+                spans = page.inner_text("table.spans")
+                return (
+                    "infer iris" in spans
+                    and "guest call" in spans
+                    and "POST models.default" in spans
+                    and "/v2/models/iris/infer" in page.inner_text("table.audit-records")
+                )
+
+            wait_for("the whole trace and its audit record", complete, timeout=30, every=0.5)
+            page.screenshot(path=str(ARTIFACTS / "console-trace.png"), full_page=True)
+            assert browser.problems == []
+    finally:
+        stop.set()
+        sender.join(timeout=5)
+
+
+# ---------------------------------------------------------------- a collector that hangs
+
+
+def _hanging_collector() -> tuple[Any, int]:
+    """A TCP server that accepts and never answers."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(128)
+    held: list[Any] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server, int(server.getsockname()[1])
+
+
+def _latencies(port: int, count: int) -> list[float]:
+    conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=10)
+    out = []
+    try:
+        for _ in range(count):
+            started = time.perf_counter()
+            conn.request("GET", "/v1")
+            reply = conn.getresponse()
+            reply.read()
+            out.append(time.perf_counter() - started)
+            assert reply.status == 200, reply.status
+    finally:
+        conn.close()
+    return out
+
+
+def test_tracing_a_hanging_collector_never_delays_or_fails_requests(tmp_path: Path) -> None:
+    """Every request traced, the collector accepting but never answering: the same latency as
+    with tracing off, every request answered, and the failed exports counted in meshfn
+    status."""
+    server, collector = _hanging_collector()
+    policies = p.Policies(tmp_path / "p")
+    ports = policies.ports
+    sidecar = free_ports(1)[0]
+    traced = {
+        "sampling": 100,
+        "collector": {
+            "protocol": "http",
+            "host": "127.0.0.1",
+            "port": collector,
+            "timeout": "200ms",
+        },
+    }
+
+    def write_mesh(tracing: dict[str, Any] | None) -> None:
+        extra = {"tracing": tracing} if tracing else {}
+        policies.write(
+            "mesh.yaml",
+            p.documents(
+                p.mesh("e2e", "e2e.local", ports["xds"], ports["admin"], **extra),
+                p.gateway(ports["envoy_admin"], ports["listener"]),
+            ),
+        )
+
+    write_mesh(traced)
+    policies.write(
+        "services.yaml",
+        p.documents(
+            p.service("alpha", ports["alpha"], [p.endpoint(sidecar=sidecar)]),
+            p.service("beta", ports["beta"]),
+        ),
+    )
+    procs = Processes(tmp_path)
+    try:
+        up = procs.up(policies)
+        wait_for("the mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=120)
+        _latencies(ports["listener"], 50)  # warm up
+        dead = _latencies(ports["listener"], 300)
+
+        def failures() -> int | None:
+            status = json.loads(meshfn("status", "--json", "--admin", policies.admin).stdout)
+            found = sum(
+                x["failed_exports"] for x in (status.get("tracing") or {}).get("proxies", [])
+            )
+            return found or None
+
+        assert wait_for("failed exports in meshfn status", failures, timeout=30, every=0.5) >= 1
+        shown = meshfn("status", "--admin", policies.admin).stdout
+        assert "export(s) failed" in shown, shown
+        write_mesh(None)  # tracing off: the baseline
+
+        def untraced() -> bool:
+            dump = meshfn("config-dump", "edge.default", "--admin", policies.admin).stdout
+            return "opentelemetry" not in dump
+
+        wait_for("tracing removed from the gateway", untraced, timeout=30, every=0.5)
+        _latencies(ports["listener"], 50)
+        off = _latencies(ports["listener"], 300)
+    finally:
+        procs.stop_all()
+        server.close()
+    dead_p50, off_p50 = statistics.median(dead), statistics.median(off)
+    assert dead_p50 <= off_p50 * 1.5 + 0.002, (dead_p50, off_p50)
+    assert max(dead) < 1.0, max(dead)  # no request waited for an export

@@ -72,7 +72,9 @@ def sdk(n: int) -> dict[str, float]:
             finished.extend(spans)
             return SpanExportResult.SUCCESS
 
-    provider = TracerProvider(resource=Resource.create({"service.name": "models.default inference"}))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": "models.default inference"})
+    )
     # as the SDK is deployed: a batch processor (its thread hands batches to the exporter)
     provider.add_span_processor(
         BatchSpanProcessor(Keep(), max_queue_size=1 << 16, schedule_delay_millis=1000)

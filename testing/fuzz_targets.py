@@ -6,7 +6,8 @@ Each target feeds one input to the real code and checks what that code promises 
 input: the policy loader answers with file:line errors (or a model the translator renders into
 a consistent snapshot), the KServe decoder with a 4xx, the ADS handlers with a gRPC status that
 ends only that stream, the journal parser with a record whose hash `audit verify` can
-recompute, the access-log stream with an abort or a sink call. Anything else (another
+recompute, the access-log stream with an abort or a sink call, the trace-context parser with
+a parent continued or a trace restarted, the trace collector with a bounded store. Anything else (another
 exception, a hang, a response Envoy could not parse) is a finding: atheris stops and writes the
 input as `crash-<sha1>`. Every finding becomes a named case in tests/fuzz/test_fuzz_regressions.py.
 """
@@ -32,8 +33,12 @@ with atheris.instrument_imports(include=["meshfn"]):
     import grpc
     from envoy.data.accesslog.v3 import accesslog_pb2
     from envoy.service.discovery.v3 import discovery_pb2
+    from google.protobuf.message import DecodeError
 
     from meshfn.audit.record import canonical, from_log_line
+    from meshfn.contracts import otlp
+    from meshfn.contracts.tracing import BackendTracing, parse_traceparent, parse_tracestate
+    from meshfn.control_plane.runtime.traces import TraceStore, ingest
     from meshfn.health.drift import DriftBreaker, watched_routes
     from meshfn.inference.kserve import (
         HEADER_LENGTH,
@@ -43,6 +48,7 @@ with atheris.instrument_imports(include=["meshfn"]):
         parse_http,
     )
     from meshfn.inference.tensors import element_count
+    from meshfn.inference.tracing import Tracer
     from meshfn.policy import PolicyErrors, PolicyLoader
     from meshfn.xds.als import AccessLogReceiver
     from meshfn.xds.auth import StreamAuth
@@ -289,12 +295,74 @@ class AlsTarget:
         json.dumps(self.drift.snapshot(self.now), allow_nan=False)
 
 
+# ---------------------------------------------------------------------- tracing
+
+
+class TraceContextTarget:
+    """Two messages: a `traceparent` and a `tracestate`, as the inference backend reads them
+    (HTTP header or gRPC metadata). The parser never raises; what it accepts is well formed
+    (and formats back to itself); the backend continues a parent it accepts and restarts the
+    trace otherwise, with ids that are never zero."""
+
+    def __init__(self) -> None:
+        # sampling 100: every request gets a span; nothing is finished, so nothing is exported
+        self.tracer = Tracer(BackendTracing(endpoint="grpc://127.0.0.1:9", sampling=100))
+
+    def __call__(self, data: bytes) -> None:
+        raw = [*messages(data, 2), b"", b""]
+        parent, state = raw[0], raw[1]
+        found = parse_traceparent(parent)
+        if found is not None:
+            if len(found.trace_id) != 32 or len(found.span_id) != 16:
+                raise Finding(f"ids of the wrong length: {found}")
+            if parse_traceparent(found.traceparent()) != found:
+                raise Finding(f"{found.traceparent()!r} does not read back as itself")
+        kept = parse_tracestate(state)
+        if kept and (len(kept) > 512 or parse_tracestate(kept) != kept):
+            raise Finding(f"tracestate {kept!r} is not stable")
+        span = self.tracer.begin("infer x", parent, state)
+        if span is None or not any(span.trace_id) or not any(span.span_id):
+            raise Finding("no span, or a zero id, at 100% sampling")
+        if found is None and span.parent:
+            raise Finding("a parent from a traceparent that did not parse")
+        if found is not None and (span.trace_id.hex(), span.parent.hex()) != (
+            found.trace_id,
+            found.span_id,
+        ):
+            raise Finding("the parent was not continued")
+
+
+class OtlpTarget:
+    """One OTLP export into the embedded collector's store (small bounds: a few inputs evict):
+    refused as not OTLP, or answered with a response that parses; the store stays within its
+    bounds, counts what it drops, and every trace it keeps can be shown."""
+
+    def __init__(self) -> None:
+        self.store = TraceStore(max_traces=20, max_bytes=64 << 10)
+
+    def __call__(self, data: bytes) -> None:
+        try:
+            answer = ingest(self.store, data)
+        except (DecodeError, ValueError):
+            return
+        otlp.ExportTraceServiceResponse.FromString(answer)
+        store = self.store
+        if len(store) > store.max_traces or store.bytes > store.max_bytes:
+            raise Finding(f"the store grew past its bounds: {store.stats()}")
+        if store.spans != sum(len(t.spans) for t in store.traces()):
+            raise Finding("the store's span count disagrees with its traces")
+        for trace in store.traces():
+            json.dumps(trace.document())
+
+
 TARGETS: dict[str, Callable[[], Callable[[bytes], None]]] = {
     "policy": PolicyTarget,
     "kserve": lambda: kserve,
     "ads": AdsTarget,
     "journal": lambda: journal,
     "als": AlsTarget,
+    "tracecontext": TraceContextTarget,
+    "otlp": OtlpTarget,
 }
 
 

@@ -333,8 +333,47 @@ def als() -> None:
     put("als", framed(m.SerializeToString(), b"\xff\x00garbage"))
 
 
+def tracecontext() -> None:
+    trace, span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    for parent, state in (
+        (f"00-{trace}-{span}-01", "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"),
+        (f"00-{trace}-{span}-00", ""),
+        (f"01-{trace}-{span}-01-future", "a=b"),
+        ("00-zz-yy-01", "=,=;"),
+        (f"00-{'0' * 32}-{span}-01", "x" * 600),
+        (f"ff-{trace}-{span}-01", ",".join(f"k{i}=v" for i in range(40))),
+    ):
+        put("tracecontext", framed(parent.encode(), state.encode()))
+
+
+def otlp_exports() -> None:
+    from meshfn.contracts import otlp
+
+    request = otlp.ExportTraceServiceRequest()
+    resource = request.resource_spans.add()
+    resource.resource.attributes.add(key="service.name", value=otlp.any_value("edge.ingress"))
+    scope = resource.scope_spans.add()
+    for n in range(3):
+        span = scope.spans.add(
+            trace_id=bytes([n + 1]) * 16,
+            span_id=bytes([n + 1]) * 8,
+            parent_span_id=bytes([n]) * 8 if n else b"",
+            name=f"span {n}",
+            kind=otlp.KIND_SERVER,
+            start_time_unix_nano=1000 * n,
+            end_time_unix_nano=1000 * n + 500,
+        )
+        span.attributes.add(key="meshfn.route", value=otlp.any_value("default/echo"))
+        span.links.add(trace_id=b"\x09" * 16, span_id=b"\x09" * 8)
+        span.events.add(time_unix_nano=5, name="first token")
+    put("otlp", request.SerializeToString())
+    scope.spans.add(trace_id=b"\x00" * 16, span_id=b"\x01" * 8)  # a zero trace id
+    put("otlp", request.SerializeToString())
+    put("otlp", b"\xff\xff\xff garbage")
+
+
 if __name__ == "__main__":
-    for make in (filters, policies, kserve, ads, journal, als):
+    for make in (filters, policies, kserve, ads, journal, als, tracecontext, otlp_exports):
         make()
     for folder in sorted(CORPORA.iterdir()):
         print(f"{folder.name}: {sum(1 for _ in folder.iterdir())} seeds")

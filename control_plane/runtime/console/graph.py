@@ -492,7 +492,7 @@ def _service_node(
 # ---------------------------------------------------------------- drawing
 
 COLUMNS = ("clients", "gateway", "service", "workload", "function")
-NODE_W, NODE_H, ROW_H, COL_W, PAD = 190, 50, 84, 250, 24
+NODE_W, NODE_H, ROW_H, COL_W, PAD = 190, 50, 90, 300, 24
 
 
 def _fmt(value: float | None, unit: str, digits: int = 1) -> str:
@@ -547,6 +547,9 @@ def _lock(x: float, y: float, security: str) -> str:
 
 
 def _edge_svg(edge: Edge, src: tuple[float, float], dst: tuple[float, float]) -> str:
+    """A curve from the source's right side to the target's left side; an active edge carries
+    its figures above the curve's middle (an idle one only its padlock and notes, the table
+    below the graph has every figure)."""
     x1, y1 = src[0] + NODE_W, src[1] + NODE_H / 2
     x2, y2 = dst[0], dst[1] + NODE_H / 2
     mid = (x1 + x2) / 2
@@ -556,10 +559,8 @@ def _edge_svg(edge: Edge, src: tuple[float, float], dst: tuple[float, float]) ->
     if edge.degraded:
         classes.append("edge-degraded")
     notes = []
-    if edge.fallback and edge.active:
-        notes.append("fallback in use")
-    elif edge.fallback:
-        notes.append("fallback")
+    if edge.fallback:
+        notes.append("fallback in use" if edge.active else "fallback")
     if edge.tier:
         notes.append(f"tier {edge.tier}")
     if edge.degraded:
@@ -568,21 +569,22 @@ def _edge_svg(edge: Edge, src: tuple[float, float], dst: tuple[float, float]) ->
     title = f"{edge.source} to {edge.target}: {label}; {SECURITY_WORDS[edge.security]}" + (
         "; " + ", ".join(notes) if notes else ""
     )
-    ly = (y1 + y2) / 2 - 6
-    body = (
+    ly = (y1 + y2) / 2
+    parts = [
         f'<path class="{" ".join(classes)}" d="M{x1:.1f},{y1:.1f} C{mid:.1f},{y1:.1f}'
-        f' {mid:.1f},{y2:.1f} {x2:.1f},{y2:.1f}"/>'
-        f'<text class="edge-label" x="{mid:.1f}" y="{ly:.1f}" text-anchor="middle">'
-        f"{escape(_short(edge))}</text>"
-        + (
-            f'<text class="edge-note" x="{mid:.1f}" y="{ly + 24:.1f}" text-anchor="middle">'
-            f"{escape(', '.join(notes))}</text>"
-            if notes
-            else ""
+        f' {mid:.1f},{y2:.1f} {x2:.1f},{y2:.1f}"/>',
+        _lock(mid - 5, ly - 9, edge.security),
+    ]
+    if edge.active:
+        parts.append(
+            f'<text class="edge-label" x="{mid + 8:.1f}" y="{ly - 2:.1f}">{escape(_short(edge))}</text>'
         )
-        + _lock(mid - 5, ly + 2, edge.security)
-        + f"<title>{escape(title)}</title>"
-    )
+    if notes:
+        parts.append(
+            f'<text class="edge-note" x="{mid + 8:.1f}" y="{ly + 11:.1f}">{escape(", ".join(notes))}</text>'
+        )
+    parts.append(f"<title>{escape(title)}</title>")
+    body = "".join(parts)
     data = f'data-edge="{escape(edge.source + ">" + edge.target)}"'
     if edge.href:
         return f'<a class="edge-link" href="{escape(edge.href)}" {data}>{body}</a>'

@@ -1,0 +1,267 @@
+"""Cost of tracing through the mesh, in one run: `meshfn up` on policies/examples (its gateway,
+the models' sidecars, their inference backends), iris infer requests sent one at a time over a
+keep-alive connection, with tracing off, at 1% sampling and at 100% sampling.
+
+Each round measures the three phases, each round starting with another: 1% is the Mesh's
+sampling, 100% the edge gateway's own (its sidecars and backends follow the gateway's decision,
+so changing it restarts nothing); off removes tracing, which restarts the backends (their
+configuration changes), so each phase waits for them and warms up before measuring. Per phase: the client's p50 and the CPU of every
+process `meshfn up` started (Envoys, backends, upstreams) per request, schedstat run time; the
+control plane's own CPU (the embedded collector receiving the spans) separately. The added p50
+and CPU are medians of the per-round differences from that round's `off`.
+
+`backend_span_us`: what one traced request costs the backend (bench/tracing_spans.py, in
+process): its spans on the request's path plus its share of the exporter's OTLP encoding.
+`--sdk PYTHON`: the same spans with the OpenTelemetry SDK, run by PYTHON (a virtual environment
+with opentelemetry-sdk and opentelemetry-exporter-otlp-proto-common; never meshfn's own: see
+tracing_spans.py) for the comparison in the JSON.
+
+Prints one line:
+  tracing: off_p50_us=… p1_added_us=… p100_added_us=… backend_span_us=…
+Goals: p1_added_us at most 20 (within the noise), p100_added_us at most 150 (`--check` exits 1
+when one is missed); details in --json (default bench/results/tracing.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshfn.inference.devtools import RawHttp
+from meshfn.testing import load
+from meshfn.testing.policies import remap
+from meshfn.testing.processes import MESHFN, Processes, cpu_ns, meshfn, wait_for
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+EXAMPLES = ROOT / "policies" / "examples"
+PHASES = ("off", "p1", "p100")
+GOALS = {"p1_added_us": 20.0, "p100_added_us": 150.0}
+TRACING_AT_1 = "  tracing:\n    sampling: 10\n"
+
+
+def mesh_text(original: str, phase: str) -> str:
+    """policies/examples' mesh.yaml for a phase: no tracing, 1%, or 1% with the edge gateway
+    at 100%."""
+    assert TRACING_AT_1 in original, "policies/examples/mesh.yaml traces 10%: update this bench"
+    if phase == "off":
+        return original.replace(TRACING_AT_1, "")
+    text = original.replace(TRACING_AT_1, "  tracing:\n    sampling: 1\n")
+    if phase == "p100":
+        gateway = "kind: Gateway\nmetadata:\n  name: edge\n  namespace: ingress\nspec:\n"
+        assert gateway in text
+        text = text.replace(gateway, gateway + "  tracing: {sampling: 100}\n")
+    return text
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (what meshfn up started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _cpu(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            total += cpu_ns(pid)
+        except OSError:
+            continue
+    return total
+
+
+class Bench:
+    def __init__(self, tmp: Path, requests: int) -> None:
+        self.tmp = tmp
+        self.requests = requests
+        self.mapping = remap(EXAMPLES, tmp / "examples")
+        self.mesh = tmp / "examples" / "mesh.yaml"
+        self.original = self.mesh.read_text()
+        self.admin = f"http://127.0.0.1:{self.mapping[18001]}"
+        self.port = self.mapping[10000]
+        self.procs = Processes(tmp)
+        self.up_pid = 0
+        self.token = ""
+
+    def start(self) -> None:
+        self.mesh.write_text(mesh_text(self.original, "off"))
+        up = self.procs.start(
+            "up",
+            [MESHFN, "up", "--policies", str(self.tmp / "examples"), "--state-dir",
+             str(self.tmp / "state"), "--functions-registry", str(self.tmp / "functions"),
+             "--publish-examples", "--envoy-concurrency", "1"],
+            env={**os.environ, "MESHFN_CALLER_DIR": str(self.tmp)},
+        )  # fmt: skip
+        wait_for("meshfn up", lambda: "Ctrl-C stops everything" in up.output(), timeout=300)
+        assert up.pid is not None
+        self.up_pid = up.pid
+        self.token = meshfn(
+            "token", "issue", "--state-dir", str(self.tmp / "state"), "--sub", "bench",
+            "--aud", "meshfn", "--claim", "tenant=acme",
+        ).stdout.strip()  # fmt: skip
+
+    def switch(self, phase: str) -> None:
+        """Write the phase's policy and wait until the gateway has it and iris answers."""
+        self.mesh.write_text(mesh_text(self.original, phase))
+        want = {"off": None, "p1": 100, "p100": 10_000}[phase]  # per ten thousand
+
+        def applied() -> bool:
+            out = meshfn("config-dump", "edge.ingress", "--admin", self.admin, "--type", "routes")
+            tables = yaml.safe_load(out.stdout or "{}").get("routes") or {}
+            found = [
+                (route.get("tracing") or {}).get("randomSampling", {}).get("numerator")
+                for table in (tables.values() if isinstance(tables, dict) else tables)
+                for host in table.get("virtualHosts", [])
+                for route in host.get("routes", [])
+            ]
+            return bool(found) and all(n == want for n in found)
+
+        wait_for(f"the {phase} configuration at the gateway", applied, timeout=60, every=0.5)
+        wait_for(f"iris answering ({phase})", self._answers, timeout=120, every=0.5)
+
+    def _answers(self) -> bool:
+        client = RawHttp("127.0.0.1", self.port)
+        try:
+            status, _ = client.send(self._raw(client))
+        except OSError:
+            return False
+        finally:
+            client.close()
+        return status == 200
+
+    def _raw(self, client: RawHttp) -> bytes:
+        raw = client.encode("POST", "/v2/models/iris/infer", load.IRIS)
+        return raw.replace(
+            b"\r\n\r\n", f"\r\nauthorization: Bearer {self.token}\r\n\r\n".encode(), 1
+        )
+
+    def measure(self, warmup: int = 500) -> dict[str, float]:
+        """p50 over `requests` sequential requests; CPU per request of meshfn up's children
+        and of meshfn up itself."""
+        client = RawHttp("127.0.0.1", self.port)
+        raw = self._raw(client)
+        try:
+            for _ in range(warmup):
+                assert client.send(raw)[0] == 200
+            pids = children(self.up_pid)
+            mesh_before, cp_before = _cpu(pids), cpu_ns(self.up_pid)
+            times = []
+            for _ in range(self.requests):
+                started = time.perf_counter()
+                status, body = client.send(raw)
+                times.append((time.perf_counter() - started) * 1e6)
+                assert status == 200, body
+            mesh_after, cp_after = _cpu(pids), cpu_ns(self.up_pid)
+        finally:
+            client.close()
+        return {
+            "p50_us": statistics.median(times),
+            "p99_us": load.pct(times, 0.99),
+            "mesh_cpu_us": (mesh_after - mesh_before) / self.requests / 1000,
+            "control_plane_cpu_us": (cp_after - cp_before) / self.requests / 1000,
+        }
+
+
+def spans(python: str, count: int, side: str) -> dict[str, float]:
+    done = subprocess.run(
+        [python, "-P", str(HERE / "tracing_spans.py"), side, str(count)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="meshfn-bench-tracing-") as tmp:
+        bench = Bench(Path(tmp), args.requests)
+        rounds: list[dict[str, dict[str, float]]] = []
+        try:
+            bench.start()
+            for n in range(args.rounds):
+                measured = {}
+                for phase in PHASES[n % 3 :] + PHASES[: n % 3]:  # each phase first in turn
+                    bench.switch(phase)
+                    measured[phase] = bench.measure()
+                rounds.append(measured)
+        finally:
+            bench.procs.stop_all()
+    ours = spans(sys.executable, args.span_requests, "ours")
+    data: dict[str, Any] = {"rounds": rounds, "spans": {"ours": ours}, "goals": GOALS}
+    if args.sdk:
+        data["spans"]["sdk"] = spans(args.sdk, args.span_requests, "sdk")
+    return data
+
+
+def _added(rounds: list[dict[str, dict[str, float]]], phase: str, key: str) -> float:
+    return statistics.median(r[phase][key] - r["off"][key] for r in rounds)
+
+
+def summarise(data: dict[str, Any]) -> dict[str, Any]:
+    rounds = data["rounds"]
+    ours = data["spans"]["ours"]
+    summary: dict[str, Any] = {
+        "off_p50_us": statistics.median(r["off"]["p50_us"] for r in rounds),
+        "p1_added_us": _added(rounds, "p1", "p50_us"),
+        "p100_added_us": _added(rounds, "p100", "p50_us"),
+        "backend_span_us": ours["hot"] + ours["encode"],
+        "off_cpu_us": statistics.median(r["off"]["mesh_cpu_us"] for r in rounds),
+        "p1_added_cpu_us": _added(rounds, "p1", "mesh_cpu_us"),
+        "p100_added_cpu_us": _added(rounds, "p100", "mesh_cpu_us"),
+        "p100_collector_cpu_us": _added(rounds, "p100", "control_plane_cpu_us"),
+    }
+    summary["goals_met"] = {k: summary[k] <= limit for k, limit in GOALS.items()}
+    if "sdk" in data["spans"]:
+        sdk = data["spans"]["sdk"]
+        summary["sdk_span_us"] = sdk["hot"] + sdk["encode"]
+        summary["sdk_hot_us"] = sdk["hot"]
+        summary["ours_hot_us"] = ours["hot"]
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--requests", type=int, default=2000, help="per phase and round")
+    parser.add_argument("--span-requests", type=int, default=20000)
+    parser.add_argument("--sdk", help="a Python with opentelemetry-sdk, for the comparison")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
+    parser.add_argument("--json", type=Path, default=RESULTS / "tracing.json")
+    args = parser.parse_args()
+    data = run(args)
+    summary = summarise(data)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"summary": summary, **data}, indent=2) + "\n")
+    print(
+        f"tracing: off_p50_us={summary['off_p50_us']:.0f} p1_added_us={summary['p1_added_us']:.1f}"
+        f" p100_added_us={summary['p100_added_us']:.1f}"
+        f" backend_span_us={summary['backend_span_us']:.1f}"
+    )
+    if args.check and not all(summary["goals_met"].values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

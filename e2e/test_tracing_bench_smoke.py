@@ -1,0 +1,26 @@
+"""bench/tracing.py runs end to end (tiny sizes) and prints its one summary line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from meshfn_e2e import run_bench
+
+
+def test_tracing_bench_smoke(tmp_path: Path) -> None:
+    args = ["--rounds", "1", "--requests", "100", "--span-requests", "500"]
+    line, data = run_bench("tracing.py", args, tmp_path, timeout=600)
+    assert re.fullmatch(
+        r"tracing: off_p50_us=\d+ p1_added_us=-?[\d.]+ p100_added_us=-?[\d.]+"
+        r" backend_span_us=[\d.]+",
+        line,
+    ), line
+    (measured,) = data["rounds"]
+    assert set(measured) == {"off", "p1", "p100"}
+    # the collector works at 100% (spans arrive), and hardly at all with tracing off
+    assert measured["p100"]["control_plane_cpu_us"] > measured["off"]["control_plane_cpu_us"]
+    assert data["summary"]["backend_span_us"] > 0 and set(data["summary"]["goals_met"]) == {
+        "p1_added_us",
+        "p100_added_us",
+    }

@@ -293,6 +293,10 @@ class DriftBreaker:
                 "baseline_ms": v.baseline_ms,
                 "samples": v.samples,
                 "transitions": v.transitions,
+                # the last trip's slowest sampled traces
+                "exemplars": list(
+                    next((e.exemplars for e in reversed(v.events) if e.to == "degraded"), ())
+                ),
             }
             for v in self.views(now)
         }

@@ -449,6 +449,19 @@ class TraceCollector:
     path: str = "/v1/traces"
     timeout: timedelta = timedelta(seconds=1)
 
+    @classmethod
+    def parse(cls, endpoint: str) -> TraceCollector:
+        """grpc://host:port or http://host:port[/path] (ValueError otherwise)."""
+        scheme, sep, rest = endpoint.partition("://")
+        address, _, path = rest.partition("/")
+        host, _, port = address.rpartition(":")
+        if scheme not in ("grpc", "http") or not sep or not host or not port.isdigit():
+            raise ValueError(f"{endpoint!r}: give grpc://HOST:PORT or http://HOST:PORT/PATH")
+        if not 0 < int(port) < 65536:
+            raise ValueError(f"{endpoint!r}: the port must be 1-65535")
+        protocol: Literal["grpc", "http"] = "grpc" if scheme == "grpc" else "http"
+        return cls(protocol, host, int(port), "/" + path if path else "/v1/traces")
+
     @property
     def endpoint(self) -> str:
         """As the inference backend's settings name it (contracts.tracing.BackendTracing)."""

@@ -12,12 +12,11 @@
   and, where client context restarts, the early header mutation that drops a client's trace
   headers before Envoy reads them.
 
-What differs from raw Envoy (docs/concepts/tracing.md): Istio's provider takes no sampler, so
-a gateway that honors client context keeps the client's trace id and parent but decides
-sampling again at its own rate (a sampled parent stays sampled only if the gateway's decision
-agrees, or a trusted Envoy in front forwards its x-request-id); and the tenant tag needs a
-claim header (Istio keeps jwt_authn's payload under the issuer's name, which a tag cannot
-address).
+What differs from raw Envoy (docs/concepts/tracing.md): Istio's opentelemetry provider offers
+no parent-based sampler, so a gateway that honors client context keeps the client's trace id
+and parent but decides sampling again at its own rate (a sampled parent stays sampled only where
+that decision agrees); and the tenant tag needs a claim header (Istio keeps jwt_authn's payload
+under the issuer's name, which a tag cannot address).
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Counter
 
 from meshfn import ir
+from meshfn.common.logs import trace_context
 from meshfn.contracts.qos import (
     DESCRIPTOR_POLICY,
     DESCRIPTOR_TENANT,
@@ -56,6 +57,7 @@ from meshfn.contracts.qos import (
     LIMIT_RATE,
     LIMIT_SERVICE_NODE_HEADER,
 )
+from meshfn.contracts.tracing import TRACEPARENT, parse_traceparent
 
 from .auth import MAX_GROUP_CHARS, Authenticator, authorization, metadata
 from .protocol import raw_service
@@ -141,6 +143,18 @@ class RateLimitService:
         )
 
     async def _should_rate_limit(
+        self, raw: bytes, context: grpc.aio.ServicerContext[bytes, rls_pb2.RateLimitResponse]
+    ) -> rls_pb2.RateLimitResponse:
+        # Envoy's call carries the request's trace: this call's log lines name it
+        parent = parse_traceparent(metadata(context, TRACEPARENT))
+        token = trace_context.set((parent.trace_id, parent.span_id)) if parent else None
+        try:
+            return await self._answer(raw, context)
+        finally:
+            if token is not None:
+                trace_context.reset(token)
+
+    async def _answer(
         self, raw: bytes, context: grpc.aio.ServicerContext[bytes, rls_pb2.RateLimitResponse]
     ) -> rls_pb2.RateLimitResponse:
         try:

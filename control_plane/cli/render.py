@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshfn.common.cli import err, fail, out
+from meshfn.ir import TraceCollector
 from meshfn.istio.options import DEFAULT as ISTIO_DEFAULTS
 from meshfn.kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
 
@@ -101,6 +102,14 @@ def render_istio(
     journal_path: Annotated[
         str, typer.Option(help="where istio-proxy writes the audit journal")
     ] = "/var/run/meshfn/journal/audit.jsonl",
+    trace_collector: Annotated[
+        str | None,
+        typer.Option(
+            "--trace-collector",
+            help="the OTLP collector (grpc://HOST:PORT or http://HOST:PORT/PATH) for a Mesh"
+            " whose tracing names none (the Helm value tracing.collector)",
+        ),
+    ] = None,
     state_dir: StateOpt = DEFAULT_STATE,
     from_cluster: Annotated[
         bool, typer.Option("--from-cluster", help="the cluster's meshfn objects, not --policies")
@@ -124,6 +133,7 @@ def render_istio(
         wasm_base_url=wasm_base_url,
         control_plane_host=control_plane_host,
         journal_path=journal_path,
+        collector=_collector(trace_collector),
     )
     if model.audit is not None:
         options = dataclasses.replace(options, salt=load_or_create(state_dir))
@@ -149,6 +159,15 @@ def render_istio(
     elif not explain:
         text = "---\n".join(v for k, v in rendered.items() if k != "mesh-config.yaml")
         out.print(text, end="", markup=False, highlight=False)
+
+
+def _collector(endpoint: str | None) -> TraceCollector | None:
+    if endpoint is None:
+        return None
+    try:
+        return TraceCollector.parse(endpoint)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trace-collector") from None
 
 
 def _explain(rendering: Any, provenance: Any) -> None:

@@ -174,6 +174,9 @@ def _print_drift(routes: dict[str, Any]) -> None:
             str(route["transitions"]),
         )
     out.print(table)
+    for name, route in routes.items():
+        for trace in route.get("exemplars") or []:
+            out.print(f"  {name} tripped on slow trace: meshfn trace show {trace}", highlight=False)
 
 
 def _print_nacks(nacks: list[Nack]) -> None:

@@ -694,6 +694,7 @@ def metric_registries() -> list[tuple[str, str, list[MetricDoc]]]:
     from meshfn.audit.collector import CollectorMetrics
     from meshfn.common.kube.metrics import KubeMetrics
     from meshfn.control_plane.runtime.acceleration import AccelerationCollector
+    from meshfn.control_plane.runtime.traces import TraceCollector, TraceMetrics
     from meshfn.inference.metrics import Metrics as BackendMetrics
     from meshfn.xds.rls import RateLimitService
     from meshfn.xds.status import Metrics as ControlPlaneMetrics
@@ -706,6 +707,7 @@ def metric_registries() -> list[tuple[str, str, list[MetricDoc]]]:
 
     control = ControlPlaneMetrics()
     RateLimitService(dict, lambda *_: True, control.registry)
+    control.registry.register(TraceMetrics(TraceCollector()))  # meshfn up's trace collector
     audit = CollectorRegistry()
     audit.register(CollectorMetrics())
     ebpf = CollectorRegistry()

@@ -64,6 +64,7 @@ def test_metrics_named_in_the_docs_exist() -> None:
                         "meshfn_code_",
                         "meshfn_certificates_",
                         "meshfn_translate_",
+                        "meshfn_trace_",
                     )
                 )
                 and name not in known

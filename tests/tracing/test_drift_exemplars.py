@@ -54,6 +54,7 @@ def test_a_trip_names_the_slowest_sampled_traces_of_its_window(
     assert trip.to == "degraded"
     # the sampled ones only (i % 7 == 0), slowest first: i = 98, 91, 84
     assert trip.exemplars == tuple(f"{5000 + i:032x}" for i in (98, 91, 84))
+    assert breaker.snapshot(11)["default/r"]["exemplars"] == list(trip.exemplars)
     (line,) = [r for r in caplog.records if "degraded" in r.getMessage()]
     assert f"{5098:032x}" in line.getMessage() and line.exemplars == list(trip.exemplars)  # type: ignore[attr-defined]
 

@@ -11,6 +11,7 @@ Parsing never raises: a malformed `traceparent` is None (the trace restarts), a 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -43,7 +44,10 @@ ClientContext = Literal["restart", "honor"]
 TagName = Literal["tenant", "model", "route", "principal"]
 ALL_TAGS: tuple[TagName, ...] = ("tenant", "model", "route", "principal")
 
-_HEX = frozenset("0123456789abcdef")
+# version-trace_id-parent_id-flags, lowercase hex; a later version may append "-" and more.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?", re.S)
+_ZERO_TRACE = "0" * 32
+_ZERO_SPAN = "0" * 16
 _MAX_TRACESTATE = 512  # W3C: vendors should propagate at least 512 characters
 _MAX_MEMBERS = 32
 
@@ -60,10 +64,6 @@ class SpanContext:
 
     def traceparent(self) -> str:
         return f"00-{self.trace_id}-{self.span_id}-{'01' if self.sampled else '00'}"
-
-
-def _hex(text: str, length: int) -> bool:
-    return len(text) == length and not (set(text) - _HEX) and text.strip("0") != ""
 
 
 def _text(value: str | bytes | None) -> str | None:
@@ -83,19 +83,15 @@ def parse_traceparent(value: str | bytes | None) -> SpanContext | None:
     text = _text(value)
     if text is None:
         return None
-    text = text.strip(" \t")
-    if len(text) < 55 or text[2] != "-" or text[35] != "-" or text[52] != "-":
+    match = _TRACEPARENT.fullmatch(text.strip(" \t"))
+    if match is None:
         return None
-    version, trace_id, span_id, flags = text[:2], text[3:35], text[36:52], text[53:55]
-    well_formed = (
-        not (set(version) - _HEX)
-        and version != "ff"
-        and not (set(flags) - _HEX)
-        and (len(text) == 55 if version == "00" else len(text) == 55 or text[55] == "-")
-        and _hex(trace_id, 32)
-        and _hex(span_id, 16)
-    )
-    return SpanContext(trace_id, span_id, bool(int(flags, 16) & 1)) if well_formed else None
+    version, trace_id, span_id, flags, rest = match.groups()
+    if version == "ff" or (rest and version == "00") or trace_id == _ZERO_TRACE:
+        return None
+    if span_id == _ZERO_SPAN:
+        return None
+    return SpanContext(trace_id, span_id, bool(int(flags, 16) & 1))
 
 
 def _member(member: str) -> bool:

@@ -27,7 +27,7 @@ from meshfn_e2e import Processes, http, remap_examples
 
 from meshfn.testing import policies as p
 from meshfn.testing.browser import ARTIFACTS, chromium, wait_panel_text
-from meshfn.testing.ports import free_ports
+from meshfn.testing.ports import free_ports, hanging_server
 from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
 
 FLOWER = json.dumps(
@@ -454,27 +454,6 @@ def test_graph_shows_live_rates_and_opens_a_trace_from_an_edge(mesh: Mesh) -> No
 # ---------------------------------------------------------------- a collector that hangs
 
 
-def _hanging_collector() -> tuple[Any, int]:
-    """A TCP server that accepts and never answers."""
-    import socket
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(128)
-    held: list[Any] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            held.append(conn)
-
-    threading.Thread(target=accept, daemon=True).start()
-    return server, int(server.getsockname()[1])
-
-
 def _latencies(port: int, count: int) -> list[float]:
     conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=10)
     out = []
@@ -495,7 +474,7 @@ def test_tracing_a_hanging_collector_never_delays_or_fails_requests(tmp_path: Pa
     """Every request traced, the collector accepting but never answering: the same latency as
     with tracing off, every request answered, and the failed exports counted in meshfn
     status."""
-    server, collector = _hanging_collector()
+    server, collector = hanging_server()
     policies = p.Policies(tmp_path / "p")
     ports = policies.ports
     sidecar = free_ports(1)[0]

@@ -286,40 +286,7 @@ class Dispatcher:
         limit and QoS admission come before parsing, so a refused (shed) request costs no
         decoding of its tensors. `span`: the request's trace (tracing.Tracer.begin), finished
         here, its ids on every log line meanwhile."""
-        if span is None:
-            return await self._serve(rt, protocol, parse, encode, tenant, None)
-        token = trace_context.set(span.ids)
-        status = 500
-        try:
-            result = await self._serve(rt, protocol, parse, encode, tenant, span)
-            status = 200
-            return result
-        except KServeError as exc:
-            status = exc.status
-            raise
-        finally:
-            span.attrs.update(
-                {
-                    "meshfn.model": rt.name,
-                    "meshfn.version": rt.version,
-                    "meshfn.protocol": protocol,
-                    "http.response.status_code": status,
-                }
-            )
-            if tenant and rt.spec.qos is not None:  # the sidecar's verified claim
-                span.attrs["meshfn.tenant"] = tenant
-            self.tracer.finish(span, status)
-            trace_context.reset(token)
-
-    async def _serve(
-        self,
-        rt: FunctionRuntime,
-        protocol: Protocol,
-        parse: Callable[[], InferRequest],
-        encode: Callable[[Completed, InferRequest], T],
-        tenant: str,
-        span: RequestSpan | None,
-    ) -> T:
+        token = trace_context.set(span.ids) if span is not None else None
         started = time.perf_counter()
         status = 500
         lane = self.lane(rt)
@@ -350,6 +317,25 @@ class Dispatcher:
             raise
         finally:
             lane.answered(status, time.perf_counter() - started)
+            if span is not None and span.sampled:
+                self._finished(span, rt, protocol, status, tenant)
+            if token is not None:
+                trace_context.reset(token)
+
+    def _finished(
+        self, span: RequestSpan, rt: FunctionRuntime, protocol: Protocol, status: int, tenant: str
+    ) -> None:
+        span.attrs.update(
+            {
+                "meshfn.model": rt.name,
+                "meshfn.version": rt.version,
+                "meshfn.protocol": protocol,
+                "http.response.status_code": status,
+            }
+        )
+        if tenant and rt.spec.qos is not None:  # the sidecar's verified claim
+            span.attrs["meshfn.tenant"] = tenant
+        self.tracer.finish(span, status)
 
     async def _run(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -68,3 +69,23 @@ def retry_on_port_clash(start: Callable[[], T], attempts: int = 3) -> T:
             if not is_port_clash(exc):
                 raise
     return start()
+
+
+def hanging_server() -> tuple[socket.socket, int]:
+    """A loopback TCP server that accepts connections and never answers (a collector, or any
+    peer, that hangs); close the socket to stop it. Returns it and its port."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(128)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+
+    threading.Thread(target=accept, daemon=True, name="meshfn-hanging-server").start()
+    return server, int(server.getsockname()[1])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -25,7 +24,7 @@ from meshfn.control_plane.runtime.traces import (
 )
 from meshfn.inference import tracing as backend_tracing
 from meshfn.inference.tracing import Tracer, encode
-from meshfn.testing.ports import free_ports
+from meshfn.testing.ports import free_ports, hanging_server
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -164,25 +163,6 @@ def _dead_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _silent_server() -> tuple[socket.socket, int]:
-    """Accepts connections and never answers (a collector that hangs)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            held.append(conn)
-
-    threading.Thread(target=accept, daemon=True).start()
-    return server, int(server.getsockname()[1])
-
-
 @pytest.mark.parametrize("kind", ["down", "hanging"])
 def test_a_collector_down_or_hanging_never_delays_requests_and_loses_are_counted(
     kind: str, caplog: pytest.LogCaptureFixture
@@ -191,7 +171,7 @@ def test_a_collector_down_or_hanging_never_delays_requests_and_loses_are_counted
     if kind == "down":
         port = _dead_port()
     else:
-        silent, port = _silent_server()
+        silent, port = hanging_server()
     tracer = Tracer(
         BackendTracing(endpoint=f"http://127.0.0.1:{port}/v1/traces", timeout=0.2, queue=64),
         None,

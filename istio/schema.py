@@ -9,9 +9,9 @@ would prune silently (an unknown field, a null the schema does not allow) is ref
 ObjectMeta, which an apiserver prunes the same way.
 
 The CRDs are read lazily, once per process: the first validation parses the YAML (libyaml's C
-parser, ~0.5 s) into an index of the schemas without their descriptions and CEL rules, and keeps
+parser, ~0.25 s) into an index of the schemas without their descriptions and CEL rules, and keeps
 that index as JSON in meshfn's cache (`$MESHFN_CACHE`, else `$XDG_CACHE_HOME/meshfn`, else
-`~/.cache/meshfn`), keyed by the YAML's sha256. Later processes read the index (~30 ms); a
+`~/.cache/meshfn`), keyed by the YAML's sha256. Later processes read the index (~10 ms); a
 replaced YAML gets a new key. The YAML stays the one copy: the index is derived, never committed,
 and without a writable cache the index is simply built in memory.
 """

@@ -108,10 +108,8 @@ CACHE = _var(
     "MESHFN_CACHE",
     "build",
     """The root of meshfn's build cache: built filter modules (`wasm_filters/`), built model
-    functions, the componentize-py toolchain, and the index of Istio's CRDs that the Istio
-    renderer's schema check reads (`istio-crds/`).""",
-    "functions and the Istio CRDs' index: `$XDG_CACHE_HOME/meshfn`, else `~/.cache/meshfn`;"
-    " filters: `~/.cache/meshfn`",
+    functions and the componentize-py toolchain.""",
+    "functions: `$XDG_CACHE_HOME/meshfn`, else `~/.cache/meshfn`; filters: `~/.cache/meshfn`",
 )
 
 # ------------------------------------------------------------------ audit trail
@@ -197,8 +195,7 @@ KUBERNETES_SERVICE_PORT = _var(
 XDG_CACHE_HOME = _var(
     "XDG_CACHE_HOME",
     "build",
-    "The base of the function build cache, of the Istio CRDs' index and of the kernel headers for"
-    " eBPF (`meshfn/` below it).",
+    "The base of the function build cache and of the kernel headers for eBPF (`meshfn/` below it).",
     "`~/.cache`",
 )
 BCC_KERNEL_SOURCE = _var(

@@ -9,26 +9,17 @@ would prune silently (an unknown field, a null the schema does not allow) is ref
 ObjectMeta, which an apiserver prunes the same way.
 
 The CRDs are read lazily, once per process: the first validation parses the YAML (libyaml's C
-parser, ~0.25 s) into an index of the schemas without their descriptions and CEL rules, and keeps
-that index as JSON in meshfn's cache (`$MESHFN_CACHE`, else `$XDG_CACHE_HOME/meshfn`, else
-`~/.cache/meshfn`), keyed by the YAML's sha256. Later processes read the index (~10 ms); a
-replaced YAML gets a new key. The YAML stays the one copy: the index is derived, never committed,
-and without a writable cache the index is simply built in memory.
+parser, ~0.25 s) into an index of the schemas without their descriptions and CEL rules. Nothing is
+written anywhere: the renderer stays pure (a cached index on disk saved ~0.2 s per CLI run, not
+worth a renderer that writes files).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import os
 from functools import cache
 from importlib.resources import files
-from pathlib import Path
 
 import yaml
-
-from meshfn.common import env
 
 from .core import Loc, Obj
 from .structural import Schema, problems
@@ -39,9 +30,6 @@ SCHEMA_SOURCE = f"Istio {ISTIO_VERSION} CRDs"
 # the tests read too.
 CRDS_DIR = files("meshfn.istio") / "crds"
 CRDS = CRDS_DIR / "crd-all.gen.yaml"
-# Bumped when the index's layout changes (the cache key has it beside the YAML's sha256).
-INDEX_FORMAT = 1
-
 Index = dict[str, dict[str, Schema]]  # kind -> apiVersion -> openAPIV3Schema
 
 
@@ -140,22 +128,8 @@ OBJECT_META: Schema = {
 
 @cache
 def index() -> Index:
-    """Every served version's schema by kind and apiVersion: from the cache when it holds the
-    index of these CRDs, else parsed from the YAML (and cached)."""
-    text = CRDS.read_bytes()
-    cached = cache_file(hashlib.sha256(text).hexdigest())
-    found = _read_index(cached)
-    if found is not None:
-        return found
-    built = build_index(text)
-    _write_index(cached, built)
-    return built
-
-
-def cache_file(digest: str) -> Path:
-    """Where the index of the CRDs with this sha256 is kept."""
-    root = env.CACHE.path() or env.cache_home() / "meshfn"
-    return root / "istio-crds" / f"{digest}.index-v{INDEX_FORMAT}.json"
+    """Every served version's schema by kind and apiVersion, parsed from the vendored YAML."""
+    return build_index(CRDS.read_bytes())
 
 
 def build_index(text: bytes) -> Index:
@@ -193,24 +167,3 @@ def _pruned(node: Schema) -> Schema:
         else:
             out[key] = value
     return out
-
-
-def _read_index(path: Path) -> Index | None:
-    try:
-        found = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None  # not cached yet, or a broken file: built again
-    return found if isinstance(found, dict) else None
-
-
-def _write_index(path: Path, built: Index) -> None:
-    """Atomically (two processes may build it at once); not at all where the cache is not
-    writable."""
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(json.dumps(built, separators=(",", ":")))
-        os.replace(temporary, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)

@@ -1,11 +1,10 @@
 """meshfn.istio.schema: every rendered object is refused or accepted exactly as Istio 1.31's CRDs
 (vendored in istio/crds/, package data of meshfn.istio) say, with an apiserver's structural-schema
-semantics and pruning turned into errors; the CRDs are read once and their index cached."""
+semantics and pruning turned into errors; the CRDs are read once per process."""
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -264,48 +263,20 @@ def test_the_index_keeps_every_served_version_without_prose() -> None:
     assert "x-kubernetes-validations" not in found and "description" not in found
 
 
-@pytest.fixture
-def fresh_index(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Any]:
-    """index() with an empty cache of its own; the process's index is rebuilt afterwards."""
+def test_the_index_is_built_once_per_process_and_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """Parsed once (cached in the process); the renderer writes no file, not even a cache."""
     monkeypatch.setenv("MESHFN_CACHE", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     schema.index.cache_clear()
-    yield tmp_path
-    schema.index.cache_clear()
-
-
-def test_the_index_is_cached_by_the_yaml_sha256(
-    fresh_index: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
     built = schema.index()
-    digest = hashlib.sha256(CRDS.read_bytes()).hexdigest()
-    cached = schema.cache_file(digest)
-    assert cached.parent.parent == fresh_index and cached.is_file()
-    assert digest in cached.name
-    # a later process reads the cached index and never parses the YAML
-    schema.index.cache_clear()
-
-    def no_parse(text: bytes) -> schema.Index:
-        raise AssertionError("parsed the YAML although the index was cached")
-
-    monkeypatch.setattr(schema, "build_index", no_parse)
-    assert schema.index() == built
-
-
-def test_a_broken_or_unwritable_cache_only_costs_time(
-    fresh_index: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    built = schema.index()
-    cached = schema.cache_file(hashlib.sha256(CRDS.read_bytes()).hexdigest())
-    cached.write_text("{not json")
-    schema.index.cache_clear()
-    assert schema.index() == built
-    assert cached.read_text().startswith("{")  # written again
-    blocked = fresh_index / "file"
-    blocked.write_text("")  # a cache root that is a file: nothing can be written below it
-    monkeypatch.setenv("MESHFN_CACHE", str(blocked))
-    schema.index.cache_clear()
-    assert schema.index() == built
+    calls = []
+    monkeypatch.setattr(schema, "build_index", lambda text: calls.append(text) or {})
+    assert schema.index() is built and calls == []
     validate(destination_rule())
+    assert list(tmp_path.iterdir()) == []
+    schema.index.cache_clear()
 
 
 def test_importing_the_renderer_reads_no_crds() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .store import (
-    DEFAULT_RETENTION_DAYS,
+    MIGRATABLE,
     TABLES,
     AuditStore,
     RecordRow,
@@ -31,22 +31,44 @@ _QUERY_COLUMNS = """time TEXT GENERATED ALWAYS AS (json_extract(record, '$.time'
     subject TEXT GENERATED ALWAYS AS (json_extract(record, '$.subject')) VIRTUAL,
     status INTEGER GENERATED ALWAYS AS (json_extract(record, '$.status')) VIRTUAL,
     route TEXT GENERATED ALWAYS AS (json_extract(record, '$.route')) VIRTUAL"""
+# Append-only records and checkpoints; a chain starts at record 0, is never deleted, and its
+# anchor moves only to a point that a stored checkpoint's `prune` names (the signer's witnessed
+# prune: see retention.py), so retention deletes only what the signer let go.
+_TRIGGERS = (
+    """CREATE TRIGGER IF NOT EXISTS records_no_update BEFORE UPDATE ON records
+BEGIN SELECT RAISE(ABORT, 'audit records are append-only'); END""",
+    """CREATE TRIGGER IF NOT EXISTS records_no_delete BEFORE DELETE ON records
+WHEN old.seq > COALESCE((SELECT anchor_seq FROM chains WHERE chain = old.chain), 0)
+BEGIN SELECT RAISE(ABORT, 'audit records are append-only (retention deletes them)'); END""",
+    """CREATE TRIGGER IF NOT EXISTS checkpoints_no_update BEFORE UPDATE ON checkpoints
+BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END""",
+    """CREATE TRIGGER IF NOT EXISTS checkpoints_no_delete_ever BEFORE DELETE ON checkpoints
+BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END""",
+    """CREATE TRIGGER IF NOT EXISTS chains_start_at_genesis BEFORE INSERT ON chains
+WHEN new.anchor_seq <> 0
+BEGIN SELECT RAISE(ABORT, 'audit chains start at record 0'); END""",
+    """CREATE TRIGGER IF NOT EXISTS chains_no_delete BEFORE DELETE ON chains
+BEGIN SELECT RAISE(ABORT, 'audit chains are never deleted'); END""",
+    """CREATE TRIGGER IF NOT EXISTS chains_anchor_witnessed BEFORE UPDATE ON chains
+WHEN new.chain IS NOT old.chain
+  OR ((new.anchor_seq IS NOT old.anchor_seq OR new.anchor_hash IS NOT old.anchor_hash)
+      AND NOT EXISTS (
+        SELECT 1 FROM checkpoints c, json_each(c.body, '$.prune') p
+        WHERE c.body LIKE '%"prune":%' AND p.key = new.chain
+          AND json_extract(p.value, '$[0]') = new.anchor_seq
+          AND json_extract(p.value, '$[1]') = lower(hex(new.anchor_hash))))
+BEGIN
+  SELECT RAISE(ABORT, 'audit chains: the anchor moves only to a prune the signer witnessed');
+END""",
+)
+# schema 2's checkpoint trigger let the writer delete below a floor it set itself
+_OLD_TRIGGERS = ("checkpoints_no_delete",)
 _DDL = (
     TABLES.format(
         blob="BLOB", int="INTEGER", serial="INTEGER", offset="offset", query_columns=_QUERY_COLUMNS
     )
-    + """
-CREATE TRIGGER IF NOT EXISTS records_no_update BEFORE UPDATE ON records
-BEGIN SELECT RAISE(ABORT, 'audit records are append-only'); END;
-CREATE TRIGGER IF NOT EXISTS records_no_delete BEFORE DELETE ON records
-WHEN old.seq > COALESCE((SELECT anchor_seq FROM chains WHERE chain = old.chain), 0)
-BEGIN SELECT RAISE(ABORT, 'audit records are append-only (retention deletes them)'); END;
-CREATE TRIGGER IF NOT EXISTS checkpoints_no_update BEFORE UPDATE ON checkpoints
-BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END;
-CREATE TRIGGER IF NOT EXISTS checkpoints_no_delete BEFORE DELETE ON checkpoints
-WHEN old.n >= CAST((SELECT value FROM meta WHERE key = 'checkpoint_floor') AS INTEGER)
-BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END;
-"""
+    + ";\n".join(_TRIGGERS)
+    + ";\n"
 )
 
 
@@ -56,10 +78,9 @@ class SqliteStore(AuditStore):
         path: Path,
         *,
         readonly: bool = False,
-        retention_days: int = DEFAULT_RETENTION_DAYS,
         max_bytes: int | None = None,
     ) -> None:
-        super().__init__(readonly=readonly, retention_days=retention_days)
+        super().__init__(readonly=readonly)
         self.path = Path(path)
         self.location = self.open_location = str(self.path)
         self._in_tx = False
@@ -80,6 +101,8 @@ class SqliteStore(AuditStore):
                 self._db = self._connect(self.path)
                 self._db.executescript(_DDL)
                 self._init_meta()
+                if self._schema() == MIGRATABLE:  # the writer owns the file: migrate on open
+                    self.migrate()
                 if max_bytes is not None:
                     self.set_max_bytes(max_bytes)
             self._check_schema()
@@ -170,6 +193,12 @@ class SqliteStore(AuditStore):
                 "INSERT INTO records (chain, seq, record, prev, hash) VALUES (?, ?, ?, ?, ?)",
                 [row[:5] for row in rows],
             )
+
+    def _migrate(self) -> None:
+        for name in _OLD_TRIGGERS:
+            self._rows(f"DROP TRIGGER IF EXISTS {name}")
+        for statement in _TRIGGERS:
+            self._rows(statement)
 
     def _lock_erasures(self, exclusive: bool) -> str:
         # BEGIN IMMEDIATE already serialises every writer of the file

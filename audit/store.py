@@ -432,6 +432,9 @@ class AuditStore(ABC):
                 self._heads.pop(chain, None)
                 if position is not None:
                     self._positions.pop(position.source, None)
+                # pseudonyms made in the rolled-back transaction were never stored: a record
+                # carrying one later would be linked to no subject
+                self._pseudonyms.clear()
                 raise
 
     def _append(
@@ -698,6 +701,26 @@ class AuditStore(ABC):
         with self._lock:
             rows = self._rows(sql, args)
         return [{"chain": str(c), "seq": int(s), **json.loads(body)} for c, s, body in rows]
+
+    def unlinked(self, sample: int = 5) -> tuple[int, list[tuple[str, int]]]:
+        """Records whose subject is a pseudonym the subjects table no longer maps (an erasure
+        does that, and records it): how many, and the first few (chain, seq)."""
+        where = (
+            " FROM records r WHERE length(r.subject) = 32"
+            " AND NOT EXISTS (SELECT 1 FROM subjects s WHERE s.pseudonym = r.subject)"
+        )
+        with self._lock:
+            count = int(self._rows("SELECT COUNT(*)" + where)[0][0])
+            rows = self._rows(f"SELECT r.chain, r.seq{where} ORDER BY r.id LIMIT ?", (sample,))
+        return count, [(str(c), int(q)) for c, q in rows]
+
+    def erased(self) -> int:
+        """How many records the erasure records of the control chain say they unlinked."""
+        return sum(
+            int(r.get("records") or 0)
+            for r in self.query(chain=CONTROL_CHAIN, limit=None)
+            if r.get("event") == "erasure"
+        )
 
     def records_since(self, chain: str, since: str) -> int | None:
         """The first seq of `chain` whose record time is at or after `since`."""

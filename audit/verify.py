@@ -10,7 +10,9 @@ longer has: a deleted tail, or a whole journal gone), `resigned` (the store's ch
 from the witness's: history was re-signed), `signature` (a checkpoint not signed by the trusted
 key), `unwitnessed` (a checkpoint the witness never saw), `retention` (a chain starting where no
 witnessed prune says, or a witnessed prune its own signed retention did not allow), `witness`
-(the witness itself is damaged or missing).
+(the witness itself is damaged or missing), `unlinked` (records whose pseudonym no longer
+leads to its subject beyond what the erasure records account for: a subject hidden from
+`--subject` queries without an erasure).
 
 Retention is read from the signed checkpoints only (retention.py), never from the store.
 
@@ -161,7 +163,25 @@ class Verifier:
             self.check_chain(chain, signed.get(chain, {}), *walked)
             pruned = points.get(chain)
             self.report.chains[chain].pruned_seq = pruned[-1].seq if pruned else 0
+        self.check_subjects()
         return self.report
+
+    def check_subjects(self) -> None:
+        """What `query --subject` finds goes through the subjects table, which no hash covers:
+        only an erasure may remove a subject's pseudonym, and it records how many records it
+        unlinked; more unlinked records than that is a pseudonym deleted or changed by hand."""
+        count, sample = self.store.unlinked()
+        erased = self.store.erased()
+        if count > erased:
+            where = ", ".join(f"journal {c} record {q}" for c, q in sample)
+            self.problem(
+                "unlinked",
+                sample[0][0] if sample else None,
+                sample[0][1] if sample else None,
+                f"{count} record(s) carry a pseudonym the store no longer links to its subject"
+                f" (e.g. {where}), but the erasure records account for {erased}: a subject was"
+                " unlinked without an erasure (hidden from --subject queries)",
+            )
 
     def authority(self) -> list[Checkpoint]:
         """The checkpoints verify holds the store to: the witness's (read first: see the module

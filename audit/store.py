@@ -368,22 +368,26 @@ class AuditStore(ABC):
                 )
         return self._heads[chain]
 
-    def records_after(
-        self, chain: str, seq: int, batch: int = 5000
-    ) -> Iterator[tuple[int, str, bytes, bytes]]:
-        """(seq, record, prev, hash) of the chain's records after `seq`, in order, read in
-        batches (keyset pagination: no cursor stays open between them)."""
+    def _pages(self, columns: str, chain: str, seq: int, batch: int) -> Iterator[list[Row]]:
+        """`columns` of the chain's records after `seq`, in order, in batches (keyset
+        pagination: no cursor stays open between them); the first column is seq."""
         while True:
             with self._lock:
                 rows = self._rows(
-                    "SELECT seq, record, prev, hash FROM records WHERE chain=? AND seq>?"
-                    " ORDER BY seq LIMIT ?",
+                    f"SELECT {columns} FROM records WHERE chain=? AND seq>? ORDER BY seq LIMIT ?",
                     (chain, seq, batch),
                 )
-            yield from rows
+            yield rows
             if len(rows) < batch:
                 return
             seq = int(rows[-1][0])
+
+    def records_after(
+        self, chain: str, seq: int, batch: int = 5000
+    ) -> Iterator[tuple[int, str, bytes, bytes]]:
+        """(seq, record, prev, hash) of the chain's records after `seq`, in order."""
+        for rows in self._pages("seq, record, prev, hash", chain, seq, batch):
+            yield from rows
 
     def checked_records_after(self, chain: str, seq: int, batch: int = 5000) -> Iterator[VerifyRow]:
         """`records_after`, and whether each row's query columns agree with its record."""
@@ -395,17 +399,10 @@ class AuditStore(ABC):
         drivers return ints, str and bytes for these columns). The query columns are read as
         the table holds them and checked against the record (columns_agree), whatever the
         table's column definitions say: a table rebuilt with ordinary columns is caught."""
-        while True:
-            with self._lock:
-                rows = self._rows(
-                    "SELECT seq, record, prev, hash, time, subject, status, route FROM records"
-                    " WHERE chain=? AND seq>? ORDER BY seq LIMIT ?",
-                    (chain, seq, batch),
-                )
+        for rows in self._pages(
+            "seq, record, prev, hash, time, subject, status, route", chain, seq, batch
+        ):
             yield [(r[0], r[1], r[2], r[3], columns_agree(r[1], r[4:])) for r in rows]
-            if len(rows) < batch:
-                return
-            seq = int(rows[-1][0])
 
     # ------------------------------------------------------------------ writing
 
@@ -704,15 +701,23 @@ class AuditStore(ABC):
 
     def unlinked(self, sample: int = 5) -> tuple[int, list[tuple[str, int]]]:
         """Records whose subject is a pseudonym the subjects table no longer maps (an erasure
-        does that, and records it): how many, and the first few (chain, seq)."""
-        where = (
-            " FROM records r WHERE length(r.subject) = 32"
-            " AND NOT EXISTS (SELECT 1 FROM subjects s WHERE s.pseudonym = r.subject)"
-        )
+        does that, and records it): how many, and the first few (chain, seq). Counted per
+        pseudonym on the subject index, so it costs a scan of the index, not of the records."""
         with self._lock:
-            count = int(self._rows("SELECT COUNT(*)" + where)[0][0])
-            rows = self._rows(f"SELECT r.chain, r.seq{where} ORDER BY r.id LIMIT ?", (sample,))
-        return count, [(str(c), int(q)) for c, q in rows]
+            gone = self._rows(
+                "SELECT g.subject, g.n FROM (SELECT subject, COUNT(*) AS n FROM records"
+                " WHERE subject IS NOT NULL GROUP BY subject) g WHERE length(g.subject) = 32"
+                " AND NOT EXISTS (SELECT 1 FROM subjects s WHERE s.pseudonym = g.subject)"
+            )
+            if not gone:
+                return 0, []
+            names = [str(p) for p, _ in gone][:sample]
+            rows = self._rows(
+                f"SELECT chain, seq FROM records WHERE subject IN ({', '.join('?' * len(names))})"
+                " ORDER BY id LIMIT ?",
+                (*names, sample),
+            )
+        return sum(int(n) for _, n in gone), [(str(c), int(q)) for c, q in rows]
 
     def erased(self) -> int:
         """How many records the erasure records of the control chain say they unlinked."""

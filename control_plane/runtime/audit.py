@@ -28,6 +28,7 @@ from meshfn.audit import layout
 from meshfn.audit.collector import AuditCollector
 from meshfn.audit.signer import SignerClient, SignerError
 from meshfn.audit.sqlite import SqliteStore
+from meshfn.audit.store import DEFAULT_RETENTION_DAYS
 from meshfn.xds.translate import ProxyHost
 
 from .process import SupervisedProcess
@@ -42,7 +43,7 @@ def store_path(state_dir: Path) -> Path:
 
 
 def signer_process(
-    state_dir: Path, store: Path, retention_days: int
+    state_dir: Path, store: Path, retention_days: int = DEFAULT_RETENTION_DAYS
 ) -> tuple[SupervisedProcess, str]:
     address = layout.signer_socket(state_dir)
 

@@ -76,8 +76,7 @@ class Rig:
             raw.close()
 
 
-@pytest.fixture
-def rig(location: str, tmp_path: Path) -> Iterator[Rig]:
+def make_rig(location: str, tmp_path: Path) -> Rig:
     """100 requests through the models' sidecar (46 refused with 403, 5 of alice's), 20
     through the gateway, all signed and witnessed, laid out as `meshfn up` lays it out."""
     state = tmp_path / "state"
@@ -85,9 +84,14 @@ def rig(location: str, tmp_path: Path) -> Iterator[Rig]:
     trail.store.append([rec(i) for i in range(100)], chain=MODELS)
     trail.store.append([rec(i + 100) for i in range(20)], chain=GATEWAY)
     trail.checkpoint()
-    reader = trail.roles.get("reader", location)
-    yield Rig(trail, state, reader)
-    trail.close()
+    return Rig(trail, state, trail.roles.get("reader", location))
+
+
+@pytest.fixture
+def rig(location: str, tmp_path: Path) -> Iterator[Rig]:
+    made = make_rig(location, tmp_path)
+    yield made
+    made.trail.close()
 
 
 def test_the_rig_verifies(rig: Rig) -> None:
@@ -194,11 +198,44 @@ def _rebuild_with_ordinary_columns(rig: Rig) -> None:
     )
 
 
+def _rebuild_with_a_lying_expression(rig: Rig) -> None:
+    """SQLite: generated columns still, but `status` computed to hide the 403s."""
+    rig.raw(
+        "CREATE TABLE plain (id INTEGER PRIMARY KEY, chain TEXT NOT NULL, seq INTEGER NOT NULL,"
+        " record TEXT NOT NULL, prev BLOB NOT NULL, hash BLOB NOT NULL,"
+        " time TEXT GENERATED ALWAYS AS (json_extract(record, '$.time')) VIRTUAL,"
+        " subject TEXT GENERATED ALWAYS AS (json_extract(record, '$.subject')) VIRTUAL,"
+        " status INTEGER GENERATED ALWAYS AS (CASE json_extract(record, '$.status') WHEN 403"
+        " THEN 200 ELSE json_extract(record, '$.status') END) VIRTUAL,"
+        " route TEXT GENERATED ALWAYS AS (json_extract(record, '$.route')) VIRTUAL)",
+        "INSERT INTO plain (id, chain, seq, record, prev, hash) SELECT id, chain, seq, record,"
+        " prev, hash FROM records",
+        "DROP TABLE records",
+        "ALTER TABLE plain RENAME TO records",
+        "CREATE UNIQUE INDEX records_chain_seq ON records (chain, seq)",
+    )
+
+
 def test_query_columns_rewritten_to_hide_403s_are_named(rig: Rig) -> None:
     """`records` rebuilt with ordinary columns and `status=200 WHERE status=403`: query
     --status 403 goes from 46 records to 0; verify names every one of them."""
     _rebuild_with_ordinary_columns(rig)
     rig.raw("UPDATE records SET status = 200 WHERE status = 403")
+    _forbidden_are_named(rig)
+
+
+def test_a_generated_column_that_lies_is_named(tmp_path: Path) -> None:
+    """SQLite: `records` rebuilt with generated columns still, but a `status` that computes
+    200 for a 403: not meshfn's definition, so verify compares every row, and names them."""
+    rig = make_rig(str(layout.store_path(tmp_path / "state")), tmp_path)
+    try:
+        _rebuild_with_a_lying_expression(rig)
+        _forbidden_are_named(rig)
+    finally:
+        rig.trail.close()
+
+
+def _forbidden_are_named(rig: Rig) -> None:
     assert rig.query("--status", "403") == []
     code, output = rig.audit("verify")
     assert code == 1, output

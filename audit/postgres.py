@@ -74,9 +74,9 @@ CREATE OR REPLACE FUNCTION meshfn_audit_checkpoints_guard() RETURNS trigger LANG
 BEGIN
     RAISE EXCEPTION 'audit checkpoints are append-only';
 END $$;
--- A chain starts at record 0, is never deleted, and its anchor moves only to a point that a
--- stored checkpoint's prune names (the signer's witnessed prune; only the signer's role inserts
--- checkpoints).
+-- A chain starts at record 0, is never deleted, and its anchor moves only to a point that the
+-- stored checkpoint it names (anchor_checkpoint: one lookup) lists in its prune (the signer's
+-- witnessed prune; only the signer's role inserts checkpoints).
 CREATE OR REPLACE FUNCTION meshfn_audit_chains_guard() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'DELETE' THEN
@@ -91,7 +91,7 @@ BEGIN
     IF NEW.chain <> OLD.chain OR (
         (NEW.anchor_seq, NEW.anchor_hash) IS DISTINCT FROM (OLD.anchor_seq, OLD.anchor_hash)
         AND NOT EXISTS (
-            SELECT 1 FROM checkpoints WHERE body LIKE '%"prune":%'
+            SELECT 1 FROM checkpoints WHERE n = NEW.anchor_checkpoint
             AND body::jsonb -> 'prune' -> NEW.chain
                 = jsonb_build_array(NEW.anchor_seq, encode(NEW.anchor_hash, 'hex')))) THEN
         RAISE EXCEPTION 'audit chains: the anchor moves only to a prune the signer witnessed';

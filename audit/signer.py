@@ -196,8 +196,8 @@ class Signer:
                 " audit.retentionDays under `meshfn up`)"
             )
         moment = time.time() if now is None else now
+        found, _ = self.witness.read()  # (what is due is older than anything signed meanwhile)
         with self._lock:
-            found, _ = self.witness.read()
             pruned = {chain: point[0] for chain, point in self.pruned.items()}
             points = retention.due(found, days, moment, pruned)
             new = []

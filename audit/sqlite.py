@@ -34,8 +34,9 @@ _QUERY_COLUMNS = """time TEXT GENERATED ALWAYS AS (json_extract(record, '$.time'
     status INTEGER GENERATED ALWAYS AS (json_extract(record, '$.status')) VIRTUAL,
     route TEXT GENERATED ALWAYS AS (json_extract(record, '$.route')) VIRTUAL"""
 # Append-only records and checkpoints; a chain starts at record 0, is never deleted, and its
-# anchor moves only to a point that a stored checkpoint's `prune` names (the signer's witnessed
-# prune: see retention.py), so retention deletes only what the signer let go.
+# anchor moves only to a point that the stored checkpoint it names (`anchor_checkpoint`, one
+# lookup) lists in its `prune` (the signer's witnessed prune: see retention.py), so retention
+# deletes only what the signer let go.
 _TRIGGERS = (
     """CREATE TRIGGER IF NOT EXISTS records_no_update BEFORE UPDATE ON records
 BEGIN SELECT RAISE(ABORT, 'audit records are append-only'); END""",
@@ -56,7 +57,7 @@ WHEN new.chain IS NOT old.chain
   OR ((new.anchor_seq IS NOT old.anchor_seq OR new.anchor_hash IS NOT old.anchor_hash)
       AND NOT EXISTS (
         SELECT 1 FROM checkpoints c, json_each(c.body, '$.prune') p
-        WHERE c.body LIKE '%"prune":%' AND p.key = new.chain
+        WHERE c.n = new.anchor_checkpoint AND p.key = new.chain
           AND json_extract(p.value, '$[0]') = new.anchor_seq
           AND json_extract(p.value, '$[1]') = lower(hex(new.anchor_hash))))
 BEGIN

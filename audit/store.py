@@ -621,9 +621,9 @@ class AuditStore(ABC):
     def apply_prune(self, points: dict[str, tuple[int, bytes, int]]) -> int:
         """Delete what prunes the signer witnessed cover: `points` maps a chain to (seq, hash,
         checkpoint n), records up to seq go and the chain starts after them. The anchor moves
-        first (a trigger lets it move only to a point a stored checkpoint's `prune` names; the
-        delete trigger lets only what lies before the anchor go). Returns how many records were
-        deleted."""
+        first (a trigger lets it move only to a point that stored checkpoint n's `prune` names;
+        the delete trigger lets only what lies before the anchor go). Returns how many records
+        were deleted."""
         self._must_write()
         with self._lock:
             anchors = self.chains()

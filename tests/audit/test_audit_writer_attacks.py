@@ -164,6 +164,10 @@ def test_an_anchor_moved_past_a_witnessed_prune_is_named(location: str, tmp_path
         trail.checkpoint()
         assert trail.prune() == 50  # the first checkpoint is decades old
         seq, digest = trail.store.head(MODELS)
+        witnessed = trail.witness.read()[0][-1]
+        assert witnessed.prune[MODELS][0] == 50
+        with pytest.raises(StoreError, match="only to a prune the signer witnessed"):
+            trail.store.apply_prune({MODELS: (seq, digest, witnessed.n)})  # it says 50, not 100
         rig = Rig(trail, state, trail.roles.get("reader", location))
         assert rig.audit("verify")[0] == 0
         rig.raw(

@@ -561,18 +561,18 @@ def init(
     collector: Annotated[
         str | None,
         typer.Option(
-            envvar="MESHFN_AUDIT_COLLECTOR_DSN",
+            envvar=env.AUDIT_COLLECTOR_DSN.name,
             help="the collectors' role: a DSN (its user, and password for --create-roles) or a"
             " role name (PostgreSQL)",
         ),
     ] = None,
     signer: Annotated[
         str | None,
-        typer.Option(envvar="MESHFN_AUDIT_SIGNER_DSN", help="the signer's role (the same forms)"),
+        typer.Option(envvar=env.AUDIT_SIGNER_DSN.name, help="the signer's role (the same forms)"),
     ] = None,
     reader: Annotated[
         str | None,
-        typer.Option(envvar="MESHFN_AUDIT_READER_DSN", help="the readers' role (the same forms)"),
+        typer.Option(envvar=env.AUDIT_READER_DSN.name, help="the readers' role (the same forms)"),
     ] = None,
     create_roles: Annotated[
         bool,

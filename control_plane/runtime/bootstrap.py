@@ -11,8 +11,6 @@ listener on 127.0.0.1:adminPort forwarding to that socket (`admin_port_warnings`
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,26 +25,23 @@ from envoy.config.core.v3 import (
     grpc_service_pb2,
     protocol_pb2,
 )
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import duration_pb2, json_format, struct_pb2
 
 from meshfn import ir
+from meshfn.common.unix import SOCKET_MODE, SocketPathTooLong, socket_path
 from meshfn.xds.names import CONTROL_PLANE_CLUSTER as XDS_CLUSTER
-from meshfn.xds.translate.common import one_endpoint
+from meshfn.xds.translate.common import one_endpoint, pipe_address, pipe_endpoints
 
-ADMIN_SOCKET_MODE = 0o600
-# sockaddr_un.sun_path holds 108 bytes on Linux, the terminating NUL included (Envoy refuses a
-# longer pipe path).
-MAX_SOCKET_PATH = 107
+ADMIN_SOCKET_MODE = SOCKET_MODE
 # The opt-in TCP admin (a Gateway's adminPort): a static listener and cluster of these names.
 ADMIN_TCP_LISTENER = "meshfn-admin-tcp"
 ADMIN_CLUSTER = "meshfn-admin"
 
 
-class AdminSocketPathTooLong(OSError):
+class AdminSocketPathTooLong(SocketPathTooLong):
     """The state directory is too deep for a unix socket path."""
 
 
@@ -58,17 +53,10 @@ def node_file_stem(node_id: str) -> str:
 def admin_socket_path(state_dir: Path, node_id: str) -> Path:
     """Where an Envoy of `meshfn up` serves its admin interface: STATE/envoy/<node>.sock, or
     STATE/envoy/<digest>.sock when the node's name would not fit in a socket address."""
-    directory = Path(os.path.abspath(state_dir)) / "envoy"
-    for name in (node_file_stem(node_id), hashlib.sha256(node_id.encode()).hexdigest()[:16]):
-        path = directory / f"{name}.sock"
-        if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
-            return path
-    raise AdminSocketPathTooLong(
-        36,  # ENAMETOOLONG
-        f"the state directory {directory.parent} is too deep for Envoy's admin socket "
-        f"({len(os.fsencode(path))} bytes in {path}; a unix socket path holds at most "
-        f"{MAX_SOCKET_PATH}): use a shorter --state-dir",
-    )
+    try:
+        return socket_path(state_dir / "envoy", node_file_stem(node_id), "Envoy's admin socket")
+    except SocketPathTooLong as exc:
+        raise AdminSocketPathTooLong(exc.errno, exc.strerror) from None
 
 
 def admin_port_warning(w: ir.Workload) -> str:
@@ -119,10 +107,6 @@ def _seconds(value: float) -> duration_pb2.Duration:
     return out
 
 
-def _pipe(path: Path, mode: int = 0) -> address_pb2.Address:
-    return address_pb2.Address(pipe=address_pb2.Pipe(path=str(path), mode=mode))
-
-
 def _admin_over_tcp(port: int, socket: Path) -> tuple[listener_pb2.Listener, cluster_pb2.Cluster]:
     """A listener on 127.0.0.1:`port` whose connections go to the admin socket, unchanged."""
     proxy = tcp_proxy_pb2.TcpProxy(stat_prefix=ADMIN_TCP_LISTENER, cluster=ADMIN_CLUSTER)
@@ -139,18 +123,7 @@ def _admin_over_tcp(port: int, socket: Path) -> tuple[listener_pb2.Listener, clu
         name=ADMIN_CLUSTER,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=_seconds(1),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=ADMIN_CLUSTER,
-            endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(
-                    lb_endpoints=[
-                        endpoint_components_pb2.LbEndpoint(
-                            endpoint=endpoint_components_pb2.Endpoint(address=_pipe(socket))
-                        )
-                    ]
-                )
-            ],
-        ),
+        load_assignment=pipe_endpoints(ADMIN_CLUSTER, [str(socket)]),
     )
     return listener, cluster
 
@@ -188,7 +161,7 @@ def bootstrap(
     listeners: list[listener_pb2.Listener] = []
     clusters = [xds_cluster]
     if admin_socket is not None:
-        admin_address = _pipe(admin_socket, ADMIN_SOCKET_MODE)
+        admin_address = pipe_address(str(admin_socket), ADMIN_SOCKET_MODE)
         if identity.admin_port:
             listener, cluster = _admin_over_tcp(identity.admin_port, admin_socket)
             listeners.append(listener)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from meshfn.common.files import private_directory
+from meshfn.common.unix import MAX_SOCKET_PATH
 from meshfn.control_plane.runtime.bootstrap import (
     ADMIN_CLUSTER,
     ADMIN_TCP_LISTENER,
-    MAX_SOCKET_PATH,
     AdminSocketPathTooLong,
     ProxyIdentity,
     admin_port_warnings,

@@ -15,6 +15,7 @@ import http.client
 import os
 import socket
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 SOCKET_MODE = 0o600
@@ -83,12 +84,17 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 
 
 def unix_request(
-    socket_file: Path | str, path: str, timeout: float = 5.0, method: str = "GET"
+    socket_file: Path | str,
+    path: str,
+    timeout: float = 5.0,
+    method: str = "GET",
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[int, bytes]:
     """One HTTP/1.1 request over a unix socket: (status, body)."""
     connection = UnixHTTPConnection(socket_file, timeout)
     try:
-        connection.request(method, path)
+        connection.request(method, path, body, dict(headers or {}))
         response = connection.getresponse()
         return response.status, response.read()
     finally:

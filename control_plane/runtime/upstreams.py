@@ -72,6 +72,11 @@ def workload_sockets(state_dir: Path) -> Path:
     return state_dir / "workloads"
 
 
+def app_socket(state_dir: Path, address: str, port: int) -> Path:
+    """The socket of a one-process application behind a sidecar (e.g. the echo placeholder)."""
+    return _sockets(workload_sockets(state_dir), address, port, 1)[0]
+
+
 def _sockets(directory: Path, address: str, port: int, count: int) -> tuple[Path, ...]:
     stem = f"{address.replace(':', '_')}-{port}"
     names = [stem] if count == 1 else [f"{stem}.{k}" for k in range(count)]

@@ -79,7 +79,7 @@ def test_a_state_directory_too_deep_for_the_sockets_fails_clearly(tmp_path: Path
     deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path)) - longest - 1))
     for spec in local_upstreams(model, deep, None).values():  # just fits
         assert all(len(os.fsencode(s)) <= MAX_SOCKET_PATH for s in spec.sockets)
-    with pytest.raises(SocketPathTooLong, match="the workloads' sockets .* --state-dir"):
+    with pytest.raises(SocketPathTooLong, match=r"the workloads' sockets .* --state-dir"):
         local_upstreams(model, Path(f"{deep}d"), None)
 
 

@@ -12,9 +12,10 @@ Measures, on loopback with real processes:
               (and the same pacing against the backend alone, the baseline of the hop)
   hop         the Envoy -> backend hop over loopback TCP and over the backend's unix socket
               (how a sidecar of `meshfn up` reaches it: no port a local user could call past
-              the sidecar): sequential requests through each of two Envoys, each in front of a
-              backend of the same config, alternating in `--hop-rounds` rounds; the median of
-              the per-round differences of the p50s (unix - tcp, microseconds)
+              the sidecar): sequential requests to the core function through each of two
+              Envoys, each in front of a fresh backend of the same config, alternating in
+              `--hop-rounds` rounds; the median of the per-round differences of the p50s
+              (unix - tcp, microseconds)
   throughput  requests/s (wrk, closed loop) with 1 and 2 wasm worker threads
   memory      PSS (proportional set size) per additional warm instance of the Python function:
               two functions of the same artifact with warm pools of 4 and 33, each loaded on
@@ -85,8 +86,10 @@ def backend(
     workers: int,
     name: str,
     unix_socket: Path | None = None,
+    config_path: Path | None = None,
 ) -> tuple[Proc, int]:
-    """A backend on a free port, or on `unix_socket` instead (then the port returned is 0)."""
+    """A backend on a free port, or on `unix_socket` instead (then the port returned is 0);
+    `config_path`: another config than the one with every function of the measurements."""
     cold = {"idleTtl": "50ms", "pool": {"minIdle": 0, "maxIdle": 1}}
     resume = {**cold, "codeTtl": "1h"}
     config = {
@@ -113,8 +116,9 @@ def backend(
             },
         ],
     }
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(config))
+    path = config_path or tmp / f"{name}.json"
+    if config_path is None:
+        path.write_text(json.dumps(config))
     port = 0 if unix_socket is not None else free_port()
     listen = ["--unix-socket", str(unix_socket)] if unix_socket else ["--port", str(port)]
     proc = procs.start(
@@ -192,32 +196,39 @@ def cold_starts(
 
 
 def hops(
-    procs: Processes, tmp: Path, registry: Path, key: Path, tcp_envoy: int, args: argparse.Namespace
+    procs: Processes, tmp: Path, registry: Path, key: Path, args: argparse.Namespace
 ) -> dict[str, list[float]]:
-    """Per round, the p50 (us) of sequential requests through the Envoy that reaches its
-    backend over TCP (`tcp_envoy`) and through one that reaches a second backend of the same
-    config over its unix socket; the order alternates by round."""
+    """Per round, the p50 (us) of sequential requests to the core function (digits: the least
+    guest time, so the hop shows) through an Envoy that reaches its backend over loopback TCP,
+    and through one that reaches its backend over a unix socket; two fresh backends of one lean
+    config; the order alternates by round."""
+    config = tmp / "hop.json"
+    config.write_text(
+        json.dumps({"registry": str(registry), "trustedKeys": [str(key)], "workers": 2,
+                    "functions": [{"name": "digits", "pool": {"minIdle": 2, "maxIdle": 4}}]})
+    )  # fmt: skip
     sockets = tmp / "sockets"
     sockets.mkdir(mode=0o700)
     sock = sockets / "backend.sock"
-    unix_backend, _ = backend(procs, tmp, registry, key, 2, "backend-unix", sock)
-    listener, admin = free_ports(2)
-    config = write_envoy_config(tmp / "envoy-unix.json", listener, admin, 0, backend_socket=sock)
-    envoy = procs.start("envoy-unix", test_envoy.argv(config))
-    wait_http(f"http://127.0.0.1:{admin}/ready", envoy)
-    path = "/v2/models/iris/infer"
+    envoys = {}
+    for hop, where in (("tcp", None), ("unix", sock)):
+        _, port = backend(procs, tmp, registry, key, 2, f"hop-{hop}", where, config)
+        listener, admin = free_ports(2)
+        envoy_config = write_envoy_config(
+            tmp / f"envoy-{hop}.json", listener, admin, port, backend_socket=where
+        )
+        envoy = procs.start(f"envoy-{hop}", test_envoy.argv(envoy_config))
+        wait_http(f"http://127.0.0.1:{admin}/ready", envoy)
+        envoys[hop] = listener
+    path = "/v2/models/digits/infer"
     each = max(20, args.warm // args.hop_rounds)
     out: dict[str, list[float]] = {"tcp": [], "unix": []}
-    try:
-        for port in (tcp_envoy, listener):
-            sequential(port, path, IRIS, 50)
-        for index in range(args.hop_rounds):
-            order = [("tcp", tcp_envoy), ("unix", listener)]
-            for hop, port in order if index % 2 == 0 else order[::-1]:
-                out[hop].append(statistics.median(sequential(port, path, IRIS, each)))
-    finally:
-        envoy.stop()
-        unix_backend.stop()
+    for port in envoys.values():
+        sequential(port, path, DIGITS, 200)
+    for index in range(args.hop_rounds):
+        order = list(envoys.items())
+        for hop, port in order if index % 2 == 0 else order[::-1]:
+            out[hop].append(statistics.median(sequential(port, path, DIGITS, each)))
     return out
 
 
@@ -315,7 +326,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["paced_envoy_ms"] = paced(
             envoy_port, "/v2/models/iris/infer", IRIS, 200, args.paced_seconds
         )
-        result["hop_p50_us"] = hops(procs, tmp, registry, key, envoy_port, args)
         envoy.stop()
         result["rps_2w"] = wrk(port, "/v2/models/iris/infer", IRIS, args.wrk_seconds, 8, tmp)
         result["rps_2w_core"] = wrk(
@@ -331,6 +341,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             port1, "/v2/models/digits/infer", DIGITS, args.wrk_seconds, 8, tmp
         )
         assert proc1.stop() == 0, "backend did not exit 0 on SIGTERM"
+        result["hop_p50_us"] = hops(procs, tmp, registry, key, args)
         return result
     finally:
         procs.stop_all()
@@ -485,7 +496,7 @@ def main() -> None:
     parser.add_argument("--paced-seconds", type=float, default=10.0, help="seconds at 200 req/s")
     parser.add_argument("--wrk-seconds", type=int, default=5)
     parser.add_argument(
-        "--hop-rounds", type=int, default=8, help="alternating rounds of the TCP/unix hop"
+        "--hop-rounds", type=int, default=16, help="alternating rounds of the TCP/unix hop"
     )
     parser.add_argument("--json", type=Path, default=None, help="where to write the results")
     parser.add_argument("--http-stacks", action="store_true", help="compare HTTP servers instead")

@@ -263,18 +263,20 @@ def tcp_answers(port: int) -> bool:
 
 # ------------------------------------------------------------------------------ the census
 #
-# Issue 40 (the console and the admin API authenticate every caller) is not on main yet: today
-# the control plane's admin port, console included, answers any local user. When it lands, set
-# CONSOLE_NEEDS_TOKEN = True and have `console_headers` return its credential (from the token
-# it writes in the state directory): the census then expects every console path but the
-# public ones to refuse a caller without it, and to answer the owner with it.
+# THE CONSOLE'S EXPECTED STATE, in one place. Issue 40 (the console and the admin API
+# authenticate every caller) is not on main yet: today the control plane's admin port, console
+# included, answers any local user, and the census asserts exactly that (so it fails the day
+# that changes). When issue 40 lands, set CONSOLE_NEEDS_TOKEN = True and make `console_headers`
+# return its owner's credential (its branch has meshfn.common.adminauth.admin_headers(state),
+# from STATE/admin/token): the census then expects every console path but the public ones to
+# answer 401 without it or with a wrong one, and 200 with it.
 CONSOLE_NEEDS_TOKEN = False
 CONSOLE_OPEN_PATHS = ("/healthz", "/.well-known/jwks.json")  # public by design
 CONSOLE_PATHS = ("/ui", "/ui?subject_raw=alice", "/debug/status", "/metrics")
 
 
 def console_headers(state: Path) -> dict[str, str]:
-    """What the owner shows the console (issue 40: its token, read from `state`)."""
+    """What the owner shows the console: nothing today; issue 40: `admin_headers(state)`."""
     return {}
 
 

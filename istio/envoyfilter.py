@@ -153,7 +153,9 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
             Source("QoSPolicy", gw.qos.namespace, gw.qos.name),
             ("spec", "global"),
             "a global rate is counted by meshfn's own rate-limit service, which Istio's "
-            "gateways cannot reach: rendered as each gateway's local rate limit",
+            "gateways cannot reach: rendered as each gateway's local rate limit, counted per "
+            "gateway pod, so with N pods (replicas, or gateways it binds) a tenant is admitted "
+            "up to N times the rate and N times the burst",
         )
     sources |= qos_sources
     stripped = stripped_headers(ctx, gw)

@@ -1,0 +1,355 @@
+"""ONNX model -> core wasm module: load, build the graph, resolve each node through its unit
+(fold what is known at build time), plan buffers, emit C, clang, report."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from onnx import ModelProto
+
+from . import dtypes, graph, loader, toolchain, wasmfile
+from .codegen import Step, Unit, module_source
+from .dims import Batch, Dim, Shape, is_static, mul, numel, show
+from .dtypes import DType
+from .errors import CompileError, MemoryCapError, UnsupportedError
+from .graph import Graph, Node, Tensor
+from .ops import REGISTRY, Op, schema_version, supported_list
+from .plan import FOREVER, Buffer, plan
+
+# A folded constant larger than this stays a run-time computation (a module should not carry
+# a broadcast of its weights), unless the unit cannot run at all.
+FOLD_LIMIT = 1 << 16
+KNOWN_DOMAINS = ("", "ai.onnx.ml")
+PAGE = 65536
+
+
+@dataclass(frozen=True)
+class Options:
+    max_batch: int = 64
+    memory_cap_bytes: int | None = None
+    dims: Mapping[str, int] = field(default_factory=dict)
+    # Graph inputs baked in as constants (the conformance runner uses it for shape operands).
+    freeze_inputs: Mapping[str, np.ndarray[Any, Any]] = field(default_factory=dict)
+    use_cache: bool = True
+
+
+@dataclass
+class CompiledModel:
+    wasm: bytes
+    c_source: str
+    metadata: dict[str, Any]
+    report: dict[str, Any]
+
+
+class _Materialize(Op):
+    """Copies a build-time value into a graph output's buffer (outputs are always buffers)."""
+
+    OP = "(output)"
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        t = self.x(0)
+        return [(t.dtype, t.shape)]
+
+    def emit(self, e: Any) -> str:
+        n = self.numel_c(self.x(0).shape)
+        return f"for (u32 i = 0; i < {n}; i++) {e.out(0)}[i] = {e.inp(0)}[i];"
+
+
+def _reference_fold(node: Node, ins: list[Tensor | None], opsets: dict[str, int]) -> list[Any] | None:
+    """Outputs of a node whose inputs are all known, by ONNX's reference implementation."""
+    from onnx.reference import ReferenceEvaluator
+
+    feeds = {t.name: t.value for t in ins if t is not None}
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            ref = ReferenceEvaluator(node.proto, opsets=dict(opsets))
+            outs = ref.run(None, feeds)
+    except Exception:  # noqa: BLE001 - any failure means "cannot fold", never a wrong value
+        return None
+    return list(outs)
+
+
+def _check_inferred(g: Graph, t: Tensor, label: str) -> None:
+    """Our shape against ONNX's inference: a disagreement is refused, never run."""
+    known = g.inferred.get(t.name)
+    if known is None:
+        return
+    elem, dims = known
+    if elem and elem != t.dtype.onnx:
+        raise CompileError(
+            f"{g.where}: {label}: output {t.name!r} is {t.dtype.name} here but ONNX infers "
+            f"element type {elem} (a compiler bug; please report)"
+        )
+    if not dims and t.shape:
+        return  # unknown rank in ONNX's inference
+    if len(dims) != len(t.shape) or any(
+        d is not None and isinstance(s, int) and d != s for d, s in zip(dims, t.shape, strict=False)
+    ):
+        raise CompileError(
+            f"{g.where}: {label}: output {t.name!r} has shape {show(t.shape)} here but ONNX "
+            f"infers {list(dims)} (a compiler bug; please report)"
+        )
+
+
+def _set_value(t: Tensor, value: Any, label: str, where: str) -> None:
+    arr = np.asarray(value)
+    if arr.dtype != object:
+        arr = arr.astype(t.dtype.np, copy=False)
+    if not is_static(t.shape) or tuple(arr.shape) != tuple(t.shape):
+        raise CompileError(
+            f"{where}: {label}: folded output {t.name!r} has shape {list(arr.shape)}, expected "
+            f"{show(t.shape)} (a compiler bug; please report)"
+        )
+    t.value = arr
+
+
+def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn_") -> tuple[Unit, dict[str, Any]]:
+    """Everything but clang: the unit to emit and the report's model-side figures."""
+    g = graph.build(model, where, options.dims)
+    for name, value in options.freeze_inputs.items():
+        t = g.tensors[name]
+        t.value = np.asarray(value).astype(t.dtype.np)
+        t.shape = tuple(int(d) for d in t.value.shape)
+        t.is_input = False
+        g.inputs.remove(name)
+    g.batch_dynamic = any(
+        isinstance(d, Batch) for name in g.inputs for d in g.tensors[name].shape
+    )
+    for domain in g.opsets:
+        if domain not in KNOWN_DOMAINS:
+            used = [n for n in g.nodes if n.domain == domain]
+            if used:
+                raise UnsupportedError(
+                    f"{where}: {used[0].label}: operator domain {domain!r} is not supported "
+                    f"(supported: ai.onnx, ai.onnx.ml)"
+                )
+    steps: list[Step] = []
+    ops_used: Counter[str] = Counter()
+    folded = 0
+    for node in g.nodes:
+        label = node.label
+        ins: list[Tensor | None] = []
+        for name in node.inputs:
+            if not name:
+                ins.append(None)
+            elif name in g.tensors:
+                ins.append(g.tensors[name])
+            else:
+                raise CompileError(f"{where}: {label}: input {name!r} is never produced")
+        if node.domain not in g.opsets:
+            raise UnsupportedError(f"{where}: {label}: domain {node.domain!r} has no opset import")
+        version = schema_version(node.op_type, node.domain, g.opsets[node.domain])
+        cls = REGISTRY.get((node.domain, node.op_type))
+        known = [t for t in ins if t is not None]
+        all_known = all(t.value is not None and not t.symbolic for t in known)
+        if cls is None or version is None:
+            if version is not None and all_known and node.outputs:
+                outs = _reference_fold(node, ins, g.opsets)
+                if outs is not None:
+                    for name, value in zip(node.outputs, outs, strict=False):
+                        if name:
+                            arr = np.asarray(value)
+                            dtype = dtypes.from_numpy(arr.dtype, f"{where}: {label}")
+                            g.tensors[name] = Tensor(name, dtype, tuple(int(d) for d in arr.shape), arr)
+                    folded += 1
+                    continue
+            what = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+            if version is None:
+                raise UnsupportedError(
+                    f"{where}: {label}: {what} is not an operator of opset "
+                    f"{g.opsets[node.domain]} of domain {node.domain or 'ai.onnx'}"
+                )
+            advice = ""
+            if node.op_type == "ZipMap":
+                advice = (
+                    " (ZipMap turns probabilities into a list of maps: export with "
+                    "options={id(model): {'zipmap': False}} in skl2onnx)"
+                )
+            raise UnsupportedError(
+                f"{where}: {label}: operator {what} is not supported{advice}; supported: "
+                f"{supported_list()}"
+            )
+        if version < cls.SINCE:
+            raise UnsupportedError(
+                f"{where}: {label}: {node.op_type} from opset {g.opsets[node.domain]} (version "
+                f"{version}) is not supported; supported from version {cls.SINCE} (re-export "
+                f"with opset >= {cls.SINCE})"
+            )
+        op = cls(node, ins, version, f"{where}")
+        types = op.infer()
+        outs_t: list[Tensor | None] = []
+        for j, name in enumerate(node.outputs):
+            if not name:
+                outs_t.append(None)
+                continue
+            if j >= len(types):
+                op.fail(f"output {j} ({name!r}) is not supported")
+            dtype, shape = types[j]
+            t = Tensor(name, dtype, tuple(shape))
+            _check_inferred(g, t, label)
+            g.tensors[name] = t
+            outs_t.append(t)
+        op.outs = outs_t
+        if getattr(cls, "FROM_SHAPES", False) or (known and all(t.value is not None for t in known)):
+            values = op.fold()
+            if values is None and all_known and not getattr(cls, "FROM_SHAPES", False):
+                big = any(
+                    t is not None and is_static(t.shape) and int(numel(t.shape)) > FOLD_LIMIT  # type: ignore[call-overload]
+                    for t in outs_t
+                )
+                if not big or cls.VIEW:
+                    values = _reference_fold(node, ins, g.opsets)
+            if values is not None:
+                for t, v in zip(outs_t, values, strict=False):
+                    if t is not None:
+                        _set_value(t, v, label, where)
+                folded += 1
+                continue
+        steps.append(Step(op, ins, outs_t))  # type: ignore[arg-type]
+        ops_used[f"{node.domain}.{node.op_type}" if node.domain else node.op_type] += 1
+
+    out_tensors: list[Tensor] = []
+    out_names: list[str] = []
+    for name in g.outputs:
+        if name not in g.tensors:
+            raise CompileError(f"{where}: graph output {name!r} is never produced")
+        t = g.tensors[name]
+        if t.value is not None:
+            node = Node(-1, f"output {name}", "(output)", "", [name], [name + "#out"], {}, None)  # type: ignore[arg-type]
+            m = _Materialize(node, [t], 1, where)
+            o = Tensor(name + "#out", t.dtype, t.shape)
+            m.outs = [o]
+            steps.append(Step(m, [t], [o]))
+            t = o
+        out_tensors.append(t)
+        out_names.append(name)
+    in_tensors = [g.tensors[n] for n in g.inputs]
+
+    storage, scratch, buffers = _lifetimes(steps, in_tensors, out_tensors)
+    the_plan = plan(list(buffers.values()))
+    metadata = {
+        "abi": 2,
+        "batch": "dynamic" if g.batch_dynamic else "fixed",
+        "inputs": [_io(t, t.name) for t in in_tensors],
+        "outputs": [_io(t, n) for t, n in zip(out_tensors, out_names, strict=True)],
+    }
+    unit = Unit(prefix, steps, storage, scratch, the_plan, in_tensors, out_tensors, g.batch_dynamic, metadata)
+    params = sum(
+        int(np.asarray(init.dims, dtype=np.int64).prod()) if init.dims else 1
+        for init in model.graph.initializer
+    )
+    info = {
+        "model": where,
+        "opset": {(d or "ai.onnx"): v for d, v in sorted(g.opsets.items())},
+        "operators": dict(sorted(ops_used.items())),
+        "folded_nodes": folded,
+        "parameters": params,
+        "batch": metadata["batch"],
+        "inputs": metadata["inputs"],
+        "outputs": metadata["outputs"],
+    }
+    return unit, info
+
+
+def _io(t: Tensor, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "datatype": t.dtype.kserve,
+        "shape": [-1 if isinstance(d, Batch) else int(d) for d in t.shape],
+    }
+
+
+def _bytes(t: Tensor) -> Dim:
+    return mul(numel(t.shape), t.dtype.size)
+
+
+def _lifetimes(
+    steps: list[Step], inputs: list[Tensor], outputs: list[Tensor]
+) -> tuple[dict[str, int], dict[int, int], dict[int, Buffer]]:
+    storage: dict[str, int] = {}
+    buffers: dict[int, Buffer] = {}
+
+    def new(size: Dim, first: int) -> int:
+        key = len(buffers)
+        buffers[key] = Buffer(key, size, first, first)
+        return key
+
+    for t in inputs:
+        storage[t.name] = new(_bytes(t), -1)
+    scratch: dict[int, int] = {}
+    for k, step in enumerate(steps):
+        for t in step.inputs:
+            if t is not None and t.name in storage:
+                b = buffers[storage[t.name]]
+                b.last = max(b.last, k)
+        for j, t in enumerate(step.outputs):
+            if t is None:
+                continue
+            if step.op.VIEW and j == 0 and step.inputs[0] is not None and step.inputs[0].name in storage:
+                storage[t.name] = storage[step.inputs[0].name]
+            else:
+                storage[t.name] = new(_bytes(t), k)
+        s = step.op.scratch_bytes()
+        if s != 0:
+            scratch[k] = new(s, k)
+    for t in outputs:
+        buffers[storage[t.name]].last = FOREVER
+    # a view keeps its storage alive as long as any of its names is read
+    return storage, scratch, buffers
+
+
+def build_module(units: list[Unit], use_cache: bool = True) -> tuple[bytes, str]:
+    source = module_source(units, toolchain.RUNTIME_HEADER)
+    return toolchain.build(source, use_cache=use_cache), source
+
+
+def compile_model(
+    model: str | os.PathLike[str] | ModelProto, options: Options | None = None
+) -> CompiledModel:
+    """Compile an ONNX model (a path, with its external data beside it, or a ModelProto) into a
+    core wasm module speaking ABI v2, with its build report."""
+    options = options or Options()
+    if isinstance(model, ModelProto):
+        where = model.graph.name or "<model>"
+        proto = loader.prepare(model, where)
+    else:
+        where = str(model)
+        proto = loader.load(model)
+    unit, info = lower(proto, where, options)
+    wasm, source = build_module([unit], options.use_cache)
+    w = wasmfile.inspect(wasm)
+    if w.imports:
+        raise CompileError(f"{where}: the module imports {w.imports} (a compiler bug)")
+    base = (w.heap_base + 15) // 16 * 16
+    peak = base + unit.plan.bytes_at(options.max_batch)
+    peak_pages = max(w.initial_pages, (peak + PAGE - 1) // PAGE)
+    report = {
+        **info,
+        "module_bytes": len(wasm),
+        "constant_bytes": len(unit.blob),
+        "memory": {
+            "static_bytes": base,
+            "arena_bytes": unit.plan.const_bytes,
+            "arena_bytes_per_row": unit.plan.row_bytes,
+            "max_batch": options.max_batch,
+            "peak_bytes": peak_pages * PAGE,
+        },
+        "toolchain": {"clang": toolchain.clang_version(), "flags": " ".join(toolchain.CFLAGS)},
+    }
+    cap = options.memory_cap_bytes
+    if cap is not None and peak_pages * PAGE > cap:
+        need = peak_pages * PAGE
+        raise MemoryCapError(
+            f"{where}: needs {need} bytes ({need / 2**20:.1f} MiB) of linear memory at batch "
+            f"{options.max_batch}, more than the {cap} bytes ({cap / 2**20:.1f} MiB) allowed; "
+            "raise limits.memoryMiB or lower the largest batch",
+            need,
+        )
+    return CompiledModel(wasm, source, unit.metadata, report)

@@ -26,6 +26,9 @@ from .plan import FOREVER, Buffer, plan
 # a broadcast of its weights), unless the unit cannot run at all.
 FOLD_LIMIT = 1 << 16
 KNOWN_DOMAINS = ("", "ai.onnx.ml")
+NONDETERMINISTIC = frozenset(
+    ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial")
+)
 PAGE = 65536
 
 
@@ -150,7 +153,7 @@ def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn
         known = [t for t in ins if t is not None]
         all_known = all(t.value is not None and not t.symbolic for t in known)
         if cls is None or version is None:
-            if version is not None and all_known and node.outputs:
+            if version is not None and all_known and node.outputs and node.op_type not in NONDETERMINISTIC:
                 outs = _reference_fold(node, ins, g.opsets)
                 if outs is not None:
                     for name, value in zip(node.outputs, outs, strict=False):
@@ -197,9 +200,11 @@ def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn
             g.tensors[name] = t
             outs_t.append(t)
         op.outs = outs_t
-        if getattr(cls, "FROM_SHAPES", False) or (known and all(t.value is not None for t in known)):
+        if node.op_type in NONDETERMINISTIC:
+            op.fail("random operators are not supported")
+        if cls.FROM_SHAPES or all(t.value is not None for t in known):
             values = op.fold()
-            if values is None and all_known and not getattr(cls, "FROM_SHAPES", False):
+            if values is None and all_known and not cls.FROM_SHAPES:
                 big = any(
                     t is not None and is_static(t.shape) and int(numel(t.shape)) > FOLD_LIMIT  # type: ignore[call-overload]
                     for t in outs_t

@@ -38,7 +38,9 @@ class Runner:
         engine: wasmtime.Engine | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
-        self.engine = engine or (module.engine if module is not None else _engine())  # type: ignore[attr-defined]
+        if module is not None and engine is None:
+            raise ValueError("a precompiled module needs the engine it was compiled for")
+        self.engine = engine or _engine()
         self.module = module if module is not None else wasmtime.Module(self.engine, wasm)
         self.store = wasmtime.Store(self.engine)
         self.instance = wasmtime.Instance(self.store, self.module, [])

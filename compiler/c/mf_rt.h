@@ -219,6 +219,32 @@ MF_FN double mf_atan(double x) {
   return x < 0 ? -r : r;
 }
 
+/* C's fmod (the dividend's sign), exact: repeated subtraction of b scaled by powers of two. */
+MF_FN double mf_fmod(double a, double b) {
+  if (a != a || b != b || mf_fabs(a) == MF_INF || b == 0) return MF_NAN;
+  double x = mf_fabs(a), y = mf_fabs(b);
+  if (y == MF_INF || x < y) return a;
+  while (x >= y) {
+    double t = y;
+    while (t <= x * 0.5) t *= 2.0; /* largest y*2^k <= x: every step is exact */
+    x -= t;
+  }
+  return a < 0 ? -x : x;
+}
+
+/* Python's % on floats: the divisor's sign (numpy.mod). */
+MF_FN double mf_pymod(double a, double b) {
+  if (b == MF_INF || b == -MF_INF) {
+    if (a != a || mf_fabs(a) == MF_INF) return MF_NAN;
+    if (a == 0 || (a > 0) == (b > 0)) return a;
+    return b;
+  }
+  double r = mf_fmod(a, b);
+  if (r != 0 && ((r < 0) != (b < 0))) r += b;
+  if (r == 0) r = b < 0 ? -0.0 : 0.0;
+  return r;
+}
+
 /* float -> integer conversions saturate (clang's -mnontrapping-fptoint); NaN becomes 0. */
 
 #endif

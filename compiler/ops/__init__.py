@@ -11,6 +11,7 @@ from .base import REGISTRY, Emitter, Op, register, schema_version, supported_lis
 
 _MODULES = (
     "elementwise",
+    "shape",
 )
 
 for _name in _MODULES:

@@ -263,18 +263,14 @@ class Mod(Binary):
 
     def infer(self) -> list[tuple[DType, Shape]]:
         out = super().infer()
-        fmod = int(self.attr("fmod", 0))
-        dtype = self.x(0).dtype
-        if dtype.is_float and not fmod:
-            self.fail("fmod=0 is not defined for floating-point inputs")
-        self.fmod = fmod
+        self.fmod = int(self.attr("fmod", 0))
         return out
 
     def exprs(self) -> dict[str, str]:
         if self.fmod:  # C's: the result takes the dividend's sign
-            return {"f": "($T)((double)a - (double)b * __builtin_trunc((double)a / (double)b))", "n": "a % b"}
+            return {"f": "($T)mf_fmod(a, b)", "n": "a % b"}
         # Python's: the result takes the divisor's sign
-        return {"u": "a % b", "n": "((a % b) != 0 && (((a % b) < 0) != (b < 0))) ? (a % b) + b : (a % b)"}
+        return {"f": "mf_pymod(a, b)", "u": "a % b", "n": "((a % b) != 0 && (((a % b) < 0) != (b < 0))) ? (a % b) + b : (a % b)"}
 
     def emit(self, e: Emitter) -> str:
         check = ""

@@ -120,13 +120,30 @@ def _prepare(case: Any, index: int) -> _Prepared | Outcome:
             if name in frozen and not np.array_equal(frozen[name], _arr(value)):
                 return Outcome(case.name, "refused", f"data sets differ in build-time input {name!r}")
     try:
-        with warnings.catch_warnings(), np.errstate(all="ignore"):
-            warnings.simplefilter("ignore")
-            proto = loader.prepare(_copy(case.model), case.name)
-            unit, _ = lower(proto, case.name, Options(freeze_inputs=frozen), prefix=f"c{index}_")
+        unit = _lower(case, frozen, index)
     except CompileError as exc:
-        return Outcome(case.name, "refused", str(exc).removeprefix(case.name + ": "))
+        if "must be known when the model is compiled" not in str(exc):
+            return Outcome(case.name, "refused", str(exc).removeprefix(case.name + ": "))
+        # a shape operand computed from integer inputs: bake those in too (one data set only)
+        names = [vi.name for vi in case.model.graph.input]
+        inputs = [_arr(v) for v in case.data_sets[0][0]]
+        more = {n: v for n, v in zip(names, inputs, strict=False) if np.asarray(v).dtype.kind in "iu"}
+        if len(case.data_sets) > 1 or not set(more) - set(frozen):
+            return Outcome(case.name, "refused", str(exc).removeprefix(case.name + ": "))
+        frozen = {**frozen, **more}
+        try:
+            unit = _lower(case, frozen, index)
+        except CompileError as exc2:
+            return Outcome(case.name, "refused", str(exc2).removeprefix(case.name + ": "))
     return _Prepared(case, unit, frozen)
+
+
+def _lower(case: Any, frozen: dict[str, Any], index: int) -> Unit:
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        proto = loader.prepare(_copy(case.model), case.name)
+        unit, _ = lower(proto, case.name, Options(freeze_inputs=frozen), prefix=f"c{index}_")
+    return unit
 
 
 def _copy(model: Any) -> Any:

@@ -12,6 +12,8 @@ from .base import REGISTRY, Emitter, Op, register, schema_version, supported_lis
 _MODULES = (
     "elementwise",
     "shape",
+    "linalg",
+    "conv",
 )
 
 for _name in _MODULES:

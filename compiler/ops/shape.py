@@ -315,7 +315,7 @@ class Dropout(Op):
     """Inference: the input unchanged, the mask all true. Training mode is refused."""
 
     OP = "Dropout"
-    SINCE = 12
+    SINCE = 1
     STATIC_INPUTS = (2,)
 
     def infer(self) -> list[tuple[DType, Shape]]:

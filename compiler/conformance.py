@@ -232,9 +232,9 @@ def _module(engine: wasmtime.Engine, units: list[Unit]) -> wasmtime.Module:
 def _build_group(engine: wasmtime.Engine, group: list[_Prepared]) -> list[Outcome]:
     try:
         module = _module(engine, [p.unit for p in group])
-    except CompileError as exc:
+    except Exception as exc:  # noqa: BLE001 - a unit's bug fails its case, not the run
         if len(group) == 1:
-            return [Outcome(group[0].case.name, "failed", f"build: {str(exc)[:2000]}")]
+            return [Outcome(group[0].case.name, "failed", f"build: {type(exc).__name__}: {str(exc)[:2000]}")]
         half = len(group) // 2  # find the case that breaks the build
         return _build_group(engine, group[:half]) + _build_group(engine, group[half:])
     return [_run_case(engine, module, p) for p in group]

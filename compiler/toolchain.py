@@ -16,7 +16,7 @@ from .errors import ToolchainError
 RUNTIME_DIR = Path(__file__).parent / "c"
 CFLAGS = (
     "--target=wasm32", "-nostdlib", "-ffreestanding", "-O3", "-fno-math-errno", "-fwrapv",
-    "-msimd128", "-mbulk-memory", "-mnontrapping-fptoint", "-msign-ext", "-mmutable-globals",
+    "-msimd128", "-fno-slp-vectorize", "-mbulk-memory", "-mnontrapping-fptoint", "-msign-ext", "-mmutable-globals",
     "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-unused-variable",
     "-Wno-unused-but-set-variable",
 )  # fmt: skip

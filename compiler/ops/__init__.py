@@ -14,6 +14,8 @@ _MODULES = (
     "shape",
     "linalg",
     "conv",
+    "norm",
+    "reduce",
 )
 
 for _name in _MODULES:

@@ -77,12 +77,12 @@ def unary(op: str, exprs: dict[str, str], types: tuple[DType, ...] = FLOATS, sin
 
 def _f(fn: str) -> dict[str, str]:
     """A function of mf_rt.h computed in double."""
-    return {"f": f"(float){fn}((double)x)", "d": f"{fn}(x)"}
+    return {"float": f"(float){fn}((double)x)", "double": f"{fn}(x)"}
 
 
-unary("Abs", {"f": "__builtin_fabsf(x)", "d": "__builtin_fabs(x)", "i": "x < 0 ? -x : x", "u": "x"}, NUMERIC, 6)
+unary("Abs", {"float": "__builtin_fabsf(x)", "double": "__builtin_fabs(x)", "i": "x < 0 ? -x : x", "u": "x"}, NUMERIC, 6)
 unary("Neg", {"n": "-x"}, FLOATS + SIGNED, 6)
-unary("Sqrt", {"f": "__builtin_sqrtf(x)", "d": "__builtin_sqrt(x)"}, since=6)
+unary("Sqrt", {"float": "__builtin_sqrtf(x)", "double": "__builtin_sqrt(x)"}, since=6)
 unary("Exp", _f("mf_exp"), since=6)
 unary("Log", _f("mf_log"), since=6)
 unary("Tanh", _f("mf_tanh"), since=6)
@@ -91,10 +91,10 @@ unary("Erf", _f("mf_erf"), since=9)
 unary("Sin", _f("mf_sin"), since=7)
 unary("Cos", _f("mf_cos"), since=7)
 unary("Atan", _f("mf_atan"), since=7)
-unary("Reciprocal", {"f": "1.0f / x", "d": "1.0 / x"}, since=6)
-unary("Floor", {"f": "__builtin_floorf(x)", "d": "__builtin_floor(x)"}, since=6)
-unary("Ceil", {"f": "__builtin_ceilf(x)", "d": "__builtin_ceil(x)"}, since=6)
-unary("Round", {"f": "__builtin_rintf(x)", "d": "__builtin_rint(x)"}, since=11)
+unary("Reciprocal", {"float": "1.0f / x", "double": "1.0 / x"}, since=6)
+unary("Floor", {"float": "__builtin_floorf(x)", "double": "__builtin_floor(x)"}, since=6)
+unary("Ceil", {"float": "__builtin_ceilf(x)", "double": "__builtin_ceil(x)"}, since=6)
+unary("Round", {"float": "__builtin_rintf(x)", "double": "__builtin_rint(x)"}, since=11)
 unary("Relu", {"f": "x < 0 ? 0 : x", "i": "x < 0 ? 0 : x"}, FLOATS + SIGNED, 6)
 unary("Sign", {"f": "x > 0 ? 1 : (x < 0 ? -1 : x)", "i": "x > 0 ? 1 : (x < 0 ? -1 : 0)", "u": "x > 0 ? 1 : 0"}, NUMERIC, 9)
 unary("Softsign", {"f": "x / (1 + (x < 0 ? -x : x))"}, since=1)

@@ -16,6 +16,9 @@ _MODULES = (
     "conv",
     "norm",
     "reduce",
+    "ml",
+    "trees",
+    "svm",
 )
 
 for _name in _MODULES:

@@ -54,7 +54,8 @@ class Op:
     STATIC_INPUTS: ClassVar[tuple[int, ...]] = ()
     # Output 0 is input 0's bytes under another shape (Reshape, Flatten...): no code, no copy.
     VIEW: ClassVar[bool] = False
-    # `fold` works from input shapes alone (Shape, Size): tried even when inputs are unknown.
+    # `fold` may succeed without every input's value (Shape and Size need shapes only,
+    # CastLike only its first input's value): it is tried even when some are unknown.
     FROM_SHAPES: ClassVar[bool] = False
     # What the docs table says the unit refuses (attributes, dtypes).
     NOTES: ClassVar[str] = ""

@@ -282,9 +282,12 @@ class _CastBase(Op):
 
     def fold(self) -> list[np.ndarray[Any, Any]] | None:
         t = self.x(0)
-        if t.symbolic and self.target().is_int:
-            return [np.asarray(t.value, dtype=object)]
-        return None
+        if t.value is None:
+            return None
+        if t.symbolic:
+            return [np.asarray(t.value, dtype=object)] if self.target().is_int else None
+        with np.errstate(all="ignore"):
+            return [np.asarray(t.value).astype(self.target().np)]
 
     def emit(self, e: Emitter) -> str:
         src, dst = self.x(0).dtype, self.target()
@@ -305,6 +308,7 @@ class Cast(_CastBase):
 class CastLike(_CastBase):
     OP = "CastLike"
     SINCE = 15
+    FROM_SHAPES = True  # only input 1's dtype is read
 
     def target(self) -> DType:
         return self.x(1).dtype
@@ -591,7 +595,7 @@ class Tile(Op):
 class Pad(Op):
     OP = "Pad"
     SINCE = 11
-    STATIC_INPUTS = (1, 2, 3)
+    STATIC_INPUTS = (1, 3)  # the constant value (2) may be computed at run time
 
     def infer(self) -> list[tuple[DType, Shape]]:
         s = self.shape(0)
@@ -618,7 +622,11 @@ class Pad(Op):
                 if n < 0 or (self.mode != "constant" and d == 0 and n > 0):
                     self.fail("invalid pads")
                 out.append(n)
-        self.value = np.asarray(self.value(2)).reshape(-1)[0] if self.has(2) and numel(self.shape(2)) != 0 else 0
+        known = self.has(2) and self.x(2).value is not None
+        self.fill = (
+            lit(np.asarray(self.x(2).value).reshape(-1)[0], self.x(0).dtype) if known and numel(self.shape(2)) != 0
+            else ("pad_value" if self.has(2) and numel(self.shape(2)) != 0 else "0")
+        )
         return [(self.x(0).dtype, tuple(out))]
 
     def emit(self, e: Emitter) -> str:
@@ -648,8 +656,10 @@ class Pad(Op):
         src_ix = " + ".join(terms) or "0"
         if any(d == 0 for d in out):
             return "/* empty */"
+        if self.fill == "pad_value":
+            lines.append(f"const {dtype.c} pad_value = {e.inp(2)}[0];")
         if conds:
-            body = f"{e.out(0)}[o++] = ({' || '.join(conds)}) ? {lit(self.value, dtype)} : {e.inp(0)}[{src_ix}];"
+            body = f"{e.out(0)}[o++] = ({' || '.join(conds)}) ? {self.fill} : {e.inp(0)}[{src_ix}];"
         else:
             body = f"{e.out(0)}[o++] = {e.inp(0)}[{src_ix}];"
         lines.append(open_ + "{ " + body + " }")

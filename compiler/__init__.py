@@ -6,7 +6,7 @@ signed module. Nothing here imports meshfn's runtime."""
 from __future__ import annotations
 
 from .errors import CompileError, MemoryCapError, ModelFileError, ToolchainError, UnsupportedError
-from .pipeline import CompiledModel, Options, compile_model
+from .pipeline import CompiledModel, Options, analyze, compile_model
 
 __all__ = [
     "CompileError",
@@ -16,5 +16,6 @@ __all__ = [
     "Options",
     "ToolchainError",
     "UnsupportedError",
+    "analyze",
     "compile_model",
 ]

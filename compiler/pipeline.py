@@ -30,6 +30,7 @@ NONDETERMINISTIC = frozenset(
     ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial")
 )
 PAGE = 65536
+STACK_BYTES = 65536  # -z stack-size in toolchain.py
 
 
 @dataclass(frozen=True)
@@ -202,15 +203,14 @@ def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn
         op.outs = outs_t
         if node.op_type in NONDETERMINISTIC:
             op.fail("random operators are not supported")
-        if cls.FROM_SHAPES or all(t.value is not None for t in known):
+        small = all(
+            t is None or not is_static(t.shape) or int(numel(t.shape)) <= FOLD_LIMIT  # type: ignore[call-overload]
+            for t in outs_t
+        )
+        if (cls.FROM_SHAPES or all(t.value is not None for t in known)) and (small or cls.VIEW):
             values = op.fold()
             if values is None and all_known and not cls.FROM_SHAPES:
-                big = any(
-                    t is not None and is_static(t.shape) and int(numel(t.shape)) > FOLD_LIMIT  # type: ignore[call-overload]
-                    for t in outs_t
-                )
-                if not big or cls.VIEW:
-                    values = _reference_fold(node, ins, g.opsets)
+                values = _reference_fold(node, ins, g.opsets)
             if values is not None:
                 for t, v in zip(outs_t, values, strict=False):
                     if t is not None:
@@ -236,6 +236,7 @@ def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn
         out_tensors.append(t)
         out_names.append(name)
     in_tensors = [g.tensors[n] for n in g.inputs]
+    steps = _prune(steps, out_tensors)
 
     storage, scratch, buffers = _lifetimes(steps, in_tensors, out_tensors)
     the_plan = plan(list(buffers.values()))
@@ -261,6 +262,17 @@ def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn
         "outputs": metadata["outputs"],
     }
     return unit, info
+
+
+def _prune(steps: list[Step], outputs: list[Tensor]) -> list[Step]:
+    """Drop nodes no graph output depends on (exporters leave some; they cost time and memory)."""
+    needed = {t.name for t in outputs}
+    kept: list[Step] = []
+    for step in reversed(steps):
+        if any(t is not None and t.name in needed for t in step.outputs):
+            kept.append(step)
+            needed.update(t.name for t in step.inputs if t is not None)
+    return kept[::-1]
 
 
 def _io(t: Tensor, name: str) -> dict[str, Any]:
@@ -315,18 +327,48 @@ def build_module(units: list[Unit], use_cache: bool = True) -> tuple[bytes, str]
     return toolchain.build(source, use_cache=use_cache), source
 
 
+def _proto(model: str | os.PathLike[str] | ModelProto) -> tuple[ModelProto, str]:
+    if isinstance(model, ModelProto):
+        where = model.graph.name or "<model>"
+        copy = ModelProto()
+        copy.CopyFrom(model)  # sorting and shape inference must not change the caller's graph
+        return loader.prepare(copy, where), where
+    return loader.load(model), str(model)
+
+
+def analyze(
+    model: str | os.PathLike[str] | ModelProto, options: Options | None = None
+) -> dict[str, Any]:
+    """Everything the build checks, without clang: the metadata (inputs and outputs, the batch
+    as -1) and the report's model-side figures. Raises what `compile_model` would."""
+    options = options or Options()
+    proto, where = _proto(model)
+    unit, info = lower(proto, where, options)
+    steps = unit.steps
+    constants = sum(
+        int(t.value.nbytes) for s in steps for t in s.inputs
+        if t is not None and t.value is not None and not t.symbolic
+    )
+    # a lower bound of what compile_model measures exactly (data segment + stack + arena)
+    estimate = STACK_BYTES + constants + unit.plan.bytes_at(options.max_batch)
+    if options.memory_cap_bytes is not None and estimate > options.memory_cap_bytes:
+        raise MemoryCapError(
+            f"{where}: needs at least {estimate} bytes ({estimate / 2**20:.1f} MiB) of linear "
+            f"memory at batch {options.max_batch}, more than the {options.memory_cap_bytes} "
+            "allowed; raise limits.memoryMiB or lower the largest batch",
+            estimate,
+        )
+    return {**info, "arena_bytes": unit.plan.const_bytes, "arena_bytes_per_row": unit.plan.row_bytes,
+            "memory_lower_bound": estimate}
+
+
 def compile_model(
     model: str | os.PathLike[str] | ModelProto, options: Options | None = None
 ) -> CompiledModel:
     """Compile an ONNX model (a path, with its external data beside it, or a ModelProto) into a
     core wasm module speaking ABI v2, with its build report."""
     options = options or Options()
-    if isinstance(model, ModelProto):
-        where = model.graph.name or "<model>"
-        proto = loader.prepare(model, where)
-    else:
-        where = str(model)
-        proto = loader.load(model)
+    proto, where = _proto(model)
     unit, info = lower(proto, where, options)
     wasm, source = build_module([unit], options.use_cache)
     w = wasmfile.inspect(wasm)

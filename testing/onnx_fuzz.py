@@ -1,0 +1,159 @@
+"""Fuzzing the model compiler's loader with mutated ONNX files: byte flips, truncations,
+spliced and zeroed chunks of valid models, plus structural mutants (cycles, dangling inputs,
+huge dimensions, missing external data).
+
+`run(directory)` checks each file in a child process (`python -m meshfn.testing.onnx_fuzz
+DIR`) so that a crash in a C++ extension (protobuf, the ONNX checker) is a finding rather than
+the end of the test run; each file gets a time limit (a hang is a finding) and must end in a
+success or a CompileError naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+PER_FILE_S = 10
+
+
+def seeds() -> dict[str, bytes]:
+    """Small valid models that cover the loader's paths (initializers, attributes, ml ops)."""
+    from meshfn.testing import onnx_models
+
+    out = {
+        "mlp": onnx_models.mlp_example().model.SerializeToString(),
+        "tree": next(e for e in onnx_models.sklearn_examples() if e.name == "tree-iris").model.SerializeToString(),
+        "cnn": onnx_models.cnn_example().model.SerializeToString(),
+    }
+    return out
+
+
+def structural(directory: Path) -> Iterator[Path]:
+    """Hand-made bad models: a cycle, a dangling input, a huge dimension, missing data."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])
+    graphs = {
+        "cycle": [helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+                  helper.make_node("Relu", ["a"], ["y"])],
+        "dangling": [helper.make_node("Add", ["x", "nowhere"], ["y"])],
+        "huge": [helper.make_node("ConstantOfShape", ["shape"], ["big"]),
+                 helper.make_node("Add", ["x", "big"], ["y"])],
+    }
+    for name, nodes in graphs.items():
+        inits = [numpy_helper.from_array(np.array([1 << 20, 4], np.int64), "shape")] if name == "huge" else []
+        out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1 << 20, 4]) if name == "huge" else y
+        xin = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]) if name == "huge" else x
+        model = helper.make_model(helper.make_graph(nodes, name, [xin], [out], inits),
+                                  opset_imports=[helper.make_opsetid("", 17)])
+        path = directory / f"structural-{name}.onnx"
+        path.write_bytes(model.SerializeToString())
+        yield path
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    model = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "ext", [x], [y], [w]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    path = directory / "structural-missing-data.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, location="gone.data", size_threshold=0)
+    (directory / "gone.data").unlink()
+    yield path
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    b = bytearray(data)
+    kind = rng.randrange(5)
+    if kind == 0:  # flip a few bytes
+        for _ in range(rng.randint(1, 8)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+    elif kind == 1:  # truncate
+        del b[rng.randrange(1, len(b)) :]
+    elif kind == 2:  # zero a chunk
+        start = rng.randrange(len(b))
+        b[start : start + rng.randint(1, 64)] = bytes(min(64, len(b) - start))
+    elif kind == 3:  # duplicate a chunk somewhere else
+        start = rng.randrange(len(b))
+        chunk = b[start : start + rng.randint(1, 128)]
+        at = rng.randrange(len(b))
+        b[at:at] = chunk
+    else:  # a varint made huge (lengths, dims, indices)
+        at = rng.randrange(len(b))
+        b[at:at] = b"\xff\xff\xff\xff\x0f"
+    return bytes(b)
+
+
+def write_corpus(directory: Path, count: int, seed: int = 0) -> list[Path]:
+    rng = random.Random(seed)
+    base = seeds()
+    paths = list(structural(directory))
+    names = sorted(base)
+    for i in range(count):
+        name = names[i % len(names)]
+        path = directory / f"mutant-{i:04d}-{name}.onnx"
+        path.write_bytes(mutate(base[name], rng))
+        paths.append(path)
+    return paths
+
+
+def _alarm(_signum: int, _frame: Any) -> None:
+    raise TimeoutError
+
+
+def check_one(path: Path) -> dict[str, Any]:
+    from meshfn.compiler import CompileError, Options, analyze
+
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(PER_FILE_S)
+    try:
+        analyze(path, Options(memory_cap_bytes=8 << 20))
+        return {"file": str(path), "result": "ok"}
+    except CompileError as exc:
+        named = str(path) in str(exc)
+        return {"file": str(path), "result": "refused", "named": named, "message": str(exc)[:300]}
+    except TimeoutError:
+        return {"file": str(path), "result": "hang"}
+    except Exception as exc:  # noqa: BLE001 - an uncaught exception is the finding
+        return {"file": str(path), "result": "crash", "message": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        signal.alarm(0)
+
+
+def run(paths: list[Path], timeout_s: float = 600) -> list[dict[str, Any]]:
+    """Check `paths` in child processes; a child that dies is restarted after the file it was
+    on (recorded as a crash)."""
+    results: list[dict[str, Any]] = []
+    todo = [str(p) for p in paths]
+    while todo:
+        proc = subprocess.run(
+            [sys.executable, "-P", "-m", "meshfn.testing.onnx_fuzz", *todo],
+            capture_output=True, text=True, timeout=timeout_s, check=False,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+        done = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        results.extend(done)
+        todo = todo[len(done) :]
+        if todo and proc.returncode != 0:
+            results.append({"file": todo[0], "result": "crash", "message": f"exit {proc.returncode}: {proc.stderr[-500:]}"})
+            todo = todo[1:]
+        elif todo:
+            break
+    return results
+
+
+def main() -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    for arg in sys.argv[1:]:
+        print(json.dumps(check_one(Path(arg))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

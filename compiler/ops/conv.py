@@ -102,7 +102,52 @@ class Conv(_Window):
         self.c, self.m, self.cg, self.spatial, self.out = c, m, cg, spatial, out
         return [(dtype, (n, m, *out))]
 
+    def scratch_bytes(self) -> int:
+        if self.x(0).dtype.c != "float":
+            return 0
+        kh, kw = self.hw(self.kernel, 1)
+        oh, ow = self.hw(self.out, 1)
+        return self.cg * kh * kw * oh * ow * 4
+
     def emit(self, e: Emitter) -> str:
+        if self.x(0).dtype.c == "float":
+            return self.emit_gemm(e)
+        return self.emit_direct(e)
+
+    def emit_gemm(self, e: Emitter) -> str:
+        """im2col into scratch, then the SIMD kernel per image and group: the same sums in the
+        same order as the direct loops (bias, then channels, kernel rows, kernel columns)."""
+        ih, iw = self.hw(self.spatial, 1)
+        oh, ow = self.hw(self.out, 1)
+        kh, kw = self.hw(self.kernel, 1)
+        sh, sw = self.hw(self.strides, 1)
+        dh, dw = self.hw(self.dil, 1)
+        ph, pw = self.hw(self.pad_lo, 0)
+        mg = self.m // self.group
+        ckk = self.cg * kh * kw
+        n = cdim(self.shape(0)[0])
+        bias = f"{e.inp(2)}[g * {mg} + m]" if self.has(2) else "0"
+        return (
+            "float *cols = (float *)scratch;\n"
+            f"for (u32 b = 0; b < {n}; b++)\n"
+            f"for (u32 g = 0; g < {self.group}; g++) {{\n"
+            f"  for (u32 c = 0; c < {self.cg}; c++) {{\n"
+            f"    const float *x = {e.inp(0)} + (b * {self.c} + g * {self.cg} + c) * {ih * iw};\n"
+            f"    for (u32 u = 0; u < {kh}; u++) for (u32 v = 0; v < {kw}; v++) {{\n"
+            f"      float *col = cols + ((c * {kh} + u) * {kw} + v) * {oh * ow};\n"
+            f"      for (i32 r = 0; r < {oh}; r++) {{\n"
+            f"        const i32 yy = r * {sh} + (i32)u * {dh} - {ph};\n"
+            f"        for (i32 q = 0; q < {ow}; q++) {{\n"
+            f"          const i32 xx = q * {sw} + (i32)v * {dw} - {pw};\n"
+            f"          col[r * {ow} + q] = (yy >= 0 && yy < {ih} && xx >= 0 && xx < {iw}) ? x[yy * {iw} + xx] : 0.0f;\n"
+            "        }\n      }\n    }\n  }\n"
+            f"  float *y = {e.out(0)} + (b * {self.m} + g * {mg}) * {oh * ow};\n"
+            f"  for (u32 m = 0; m < {mg}; m++) for (u32 p = 0; p < {oh * ow}; p++) y[m * {oh * ow} + p] = {bias};\n"
+            f"  mf_gemm_f32({mg}, {ckk}, {oh * ow}, {e.inp(1)} + g * {mg * ckk}, cols, y, 1.0f);\n"
+            "}"
+        )
+
+    def emit_direct(self, e: Emitter) -> str:
         t = self.x(0).dtype.c
         ih, iw = self.hw(self.spatial, 1)
         oh, ow = self.hw(self.out, 1)

@@ -83,11 +83,11 @@ def _f(fn: str) -> dict[str, str]:
 unary("Abs", {"float": "__builtin_fabsf(x)", "double": "__builtin_fabs(x)", "i": "x < 0 ? -x : x", "u": "x"}, NUMERIC, 6)
 unary("Neg", {"n": "-x"}, FLOATS + SIGNED, 6)
 unary("Sqrt", {"float": "__builtin_sqrtf(x)", "double": "__builtin_sqrt(x)"}, since=6)
-unary("Exp", _f("mf_exp"), since=6)
+unary("Exp", {"float": "mf_expf(x)", "double": "mf_exp(x)"}, since=6)
 unary("Log", _f("mf_log"), since=6)
-unary("Tanh", _f("mf_tanh"), since=6)
-unary("Sigmoid", _f("mf_sigmoid"), since=6)
-unary("Erf", _f("mf_erf"), since=9)
+unary("Tanh", {"float": "mf_tanh_f(x)", "double": "mf_tanh(x)"}, since=6)
+unary("Sigmoid", {"float": "mf_sigmoid_f(x)", "double": "mf_sigmoid(x)"}, since=6)
+unary("Erf", {"float": "mf_erff(x)", "double": "mf_erf(x)"}, since=9)
 unary("Sin", _f("mf_sin"), since=7)
 unary("Cos", _f("mf_cos"), since=7)
 unary("Atan", _f("mf_atan"), since=7)
@@ -135,10 +135,13 @@ class Gelu(Unary):
     def exprs(self) -> dict[str, str]:
         approx = self.attr("approximate", "none")
         if approx == "tanh":
-            return {"f": "($T)(0.5 * x * (1 + mf_tanh(0.7978845608028654 * ((double)x + 0.044715 * (double)x * x * x))))"}
+            return {
+                "float": "0.5f * x * (1.0f + mf_tanh_f(0.797884561f * (x + 0.044715f * x * x * x)))",
+                "double": "0.5 * x * (1 + mf_tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))",
+            }
         if approx != "none":
             self.fail(f"approximate={approx!r} is not supported (none, tanh)")
-        return {"f": "($T)(0.5 * x * (1 + mf_erf((double)x * 0.7071067811865476)))"}
+        return {"float": "mf_gelu_f(x)", "double": "0.5 * x * (1 + mf_erf(x * 0.7071067811865476))"}
 
     def infer(self) -> list[tuple[DType, Shape]]:
         self.exprs()  # refuse a bad attribute at build

@@ -25,6 +25,12 @@ def kernel(
     """y[m,n] (= init) + alpha * sum_k a[m,k] * b[k,n]; `a_rows`: a is [m,k] (else [k,m]);
     `b_kn`: b is [k,n] (else [n,k]); `init(row, col)` is a C expression or None for 0."""
     t = dtype.c
+    if dtype.c == "float" and a_rows and b_kn:  # the SIMD kernel (mf_rt.h), same sums
+        fill = (
+            f"for (u32 r = 0; r < {cdim(m)}; r++) for (u32 c = 0; c < {n}; c++) {y}[r * {n} + c] = {init};\n"
+            if init else f"for (u32 i = 0; i < {cdim(m)} * {n}; i++) {y}[i] = 0;\n"
+        )
+        return fill + f"mf_gemm_f32({cdim(m)}, {k}, {n}, {a}, {b}, {y}, {lit(alpha, dtype)});"
     a_ix = "r * {K} + q".format(K=k) if a_rows else f"q * {cdim(m)} + r"
     b_ix = f"q * {n} + c" if b_kn else f"c * {k} + q"
     scale = "" if alpha == 1.0 else f"{lit(alpha, dtype)} * "

@@ -5,7 +5,8 @@ Per model (meshfn.testing.onnx_models): per-call latency at batch 1 and 32 (medi
 --calls calls after a warm-up; wasm through the C-API call path a serving host uses,
 compiler.runner.FastRunner; onnxruntime with one intra-op thread, its fastest for small
 models here), and the cold start: load + instantiate + first call of the precompiled module
-(.cwasm, as the backend keeps it) vs session creation + first run. `measure(example)` is what
+(.cwasm, as the backend keeps it) vs session creation + first run (default session options, as
+users create them; one thread also recorded). `measure(example)` is what
 bench/models.py can call. Prints one summary line and writes bench/results/models_inproc.json.
 """
 
@@ -30,14 +31,25 @@ from meshfn.compiler.runner import FastRunner
 from meshfn.testing import onnx_models
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODELS = ("logreg-iris", "mlp-digits", "forest-cancer", "gboost-cancer", "cnn-digits", "mlp-onnx", "decoder-block")
+MODELS = (
+    "logreg-iris",
+    "mlp-digits",
+    "forest-cancer",
+    "gboost-cancer",
+    "cnn-digits",
+    "mlp-onnx",
+    "decoder-block",
+)
 
 
-def _session(model: Any) -> ort.InferenceSession:
+def _session(model: Any, one_thread: bool = True) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    if one_thread:
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
 
 
 def _rows(x: np.ndarray[Any, Any], n: int) -> np.ndarray[Any, Any]:
@@ -57,7 +69,9 @@ def _times(fn: Any, calls: int) -> tuple[float, float]:
     return samples[len(samples) // 2] / 1000, samples[int(len(samples) * 0.99)] / 1000
 
 
-def measure(example: onnx_models.Example, calls: int = 2000, cold_samples: int = 15) -> dict[str, Any]:
+def measure(
+    example: onnx_models.Example, calls: int = 2000, cold_samples: int = 15
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     compiled = compile_model(example.model)
     build_s = time.perf_counter() - t0
@@ -73,18 +87,26 @@ def measure(example: onnx_models.Example, calls: int = 2000, cold_samples: int =
             runner = FastRunner(module=module, engine=engine, metadata=compiled.metadata)
             runner([first])
             colds.append(time.perf_counter_ns() - t)
-    ort_colds = []
+    ort_colds: dict[bool, list[int]] = {True: [], False: []}
     for _ in range(max(3, cold_samples // 3)):
-        t = time.perf_counter_ns()
-        session = _session(example.model)
-        name = session.get_inputs()[0].name
-        session.run(None, {name: first})
-        ort_colds.append(time.perf_counter_ns() - t)
+        for one in (False, True):
+            t = time.perf_counter_ns()
+            session = _session(example.model, one)
+            name = session.get_inputs()[0].name
+            session.run(None, {name: first})
+            ort_colds[one].append(time.perf_counter_ns() - t)
     out: dict[str, Any] = {
-        "model": example.name, "operators": compiled.report["operators"],
-        "parameters": compiled.report["parameters"], "module_bytes": compiled.report["module_bytes"],
+        "model": example.name,
+        "operators": compiled.report["operators"],
+        "parameters": compiled.report["parameters"],
+        "module_bytes": compiled.report["module_bytes"],
         "build_s": round(build_s, 3),
-        "cold_ms": {"wasm": statistics.median(colds) / 1e6, "ort": statistics.median(ort_colds) / 1e6},
+        # ort: default session options (what users create); ort_1thread: one intra-op thread
+        "cold_ms": {
+            "wasm": statistics.median(colds) / 1e6,
+            "ort": statistics.median(ort_colds[False]) / 1e6,
+            "ort_1thread": statistics.median(ort_colds[True]) / 1e6,
+        },
     }
     for batch in (1, 32):
         x = _rows(example.x, batch) if compiled.metadata["batch"] == "dynamic" else example.x[:1]
@@ -98,7 +120,12 @@ def measure(example: onnx_models.Example, calls: int = 2000, cold_samples: int =
                 out["label_mismatch"] = True
         w50, w99 = _times(lambda x=x: runner([x]), calls)
         o50, o99 = _times(lambda x=x: session.run(None, {name: x}), calls)
-        out[f"batch{batch}"] = {"wasm_p50_us": w50, "wasm_p99_us": w99, "ort_p50_us": o50, "ort_p99_us": o99}
+        out[f"batch{batch}"] = {
+            "wasm_p50_us": w50,
+            "wasm_p99_us": w99,
+            "ort_p50_us": o50,
+            "ort_p99_us": o99,
+        }
     return out
 
 
@@ -110,7 +137,9 @@ def main() -> None:
     warnings.simplefilter("ignore")
     examples = {e.name: e for e in onnx_models.all_examples()}
     rows = []
-    print(f"{'model':16} {'b1 wasm/ort p50 us':>22} {'b32 wasm/ort p50 us':>22} {'cold wasm/ort ms':>20}  max_abs_err")
+    print(
+        f"{'model':16} {'b1 wasm/ort p50 us':>22} {'b32 wasm/ort p50 us':>22} {'cold wasm/ort ms':>20}  max_abs_err"
+    )
     for name in args.models:
         r = measure(examples[name], args.calls)
         rows.append(r)

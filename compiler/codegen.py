@@ -17,7 +17,6 @@ import numpy as np
 
 from .dims import Batch, Dim, cdim, mul, numel
 from .dtypes import DType
-from .clit import flit, ilit, lit
 from .graph import Tensor
 
 if TYPE_CHECKING:
@@ -31,7 +30,7 @@ RT_INCLUDE = '#include "mf_rt.h"\n'
 class Step:
     op: Op
     inputs: list[Tensor | None]
-    outputs: list[Tensor]
+    outputs: list[Tensor | None]  # None: an optional output the model leaves out
 
 
 @dataclass
@@ -106,7 +105,9 @@ def _symbolic_array(t: Tensor) -> str:
     assert t.value is not None
     items = []
     for v in np.asarray(t.value).reshape(-1):
-        items.append(f"({t.dtype.c})({cdim(v)})" if isinstance(v, Batch) else f"({t.dtype.c})({int(v)})")
+        items.append(
+            f"({t.dtype.c})({cdim(v)})" if isinstance(v, Batch) else f"({t.dtype.c})({int(v)})"
+        )
     return "{" + ", ".join(items or ["0"]) + "}"
 
 
@@ -153,6 +154,8 @@ def emit_unit(unit: Unit) -> str:
             params.append(f"const {t.dtype.c} *restrict i{i}")
             args.append(tensor_expr(t, True))
         for i, t in enumerate(step.outputs):
+            if t is None:
+                continue
             params.append(f"{t.dtype.c} *restrict o{i}")
             args.append(tensor_expr(t, False))
         if k in unit.scratch:
@@ -169,7 +172,11 @@ def emit_unit(unit: Unit) -> str:
     io_lines = []
     for j, t in enumerate(unit.inputs + unit.outputs):
         b = unit.plan.buffers[unit.storage[t.name]]
-        addr = f"base + {unit.plan.const_bytes}u + {b.offset}u * n" if b.batch else f"base + {b.offset}u"
+        addr = (
+            f"base + {unit.plan.const_bytes}u + {b.offset}u * n"
+            if b.batch
+            else f"base + {b.offset}u"
+        )
         io_lines.append(f"  {p}io[{2 * j}] = {addr};")
         io_lines.append(f"  {p}io[{2 * j + 1}] = {cdim(_tensor_bytes(t)).replace('N', 'n')};")
     nio = max(1, 2 * (len(unit.inputs) + len(unit.outputs)))
@@ -185,7 +192,7 @@ def emit_unit(unit: Unit) -> str:
     out.append(f"static const char {p}meta[] = {json.dumps(meta)};")
     out.extend(fns)
     out.append(
-        f"MF_EXPORT(\"{p}plan\") u32 {p}plan(i32 n) {{\n"
+        f'MF_EXPORT("{p}plan") u32 {p}plan(i32 n) {{\n'
         f"  if (n < 1{fixed}) return 0;\n"
         f"  u32 base = mf_arena_base();\n"
         f"  u64 need = (u64)base + {unit.plan.const_bytes}ull + {unit.plan.row_bytes}ull * (u64)n;\n"
@@ -194,8 +201,8 @@ def emit_unit(unit: Unit) -> str:
         + f"\n  {p}planned = (u32)n;\n  return (u32){p}io;\n}}\n"
     )
     out.append(
-        f"MF_EXPORT(\"{p}run\") i32 {p}run(i32 n) {{\n"
-        f"  if (n < 1 || (u32)n != {p}planned) return mf_fail(\"run(batch) without plan(batch)\");\n"
+        f'MF_EXPORT("{p}run") i32 {p}run(i32 n) {{\n'
+        f'  if (n < 1 || (u32)n != {p}planned) return mf_fail("run(batch) without plan(batch)");\n'
         "  const u32 N = (u32)n;\n"
         "  u8 *const A = (u8 *)mf_arena_base();\n"
         f"  u8 *const R = A + {unit.plan.const_bytes}u;\n"
@@ -207,7 +214,7 @@ def emit_unit(unit: Unit) -> str:
         + "\n  return 0;\n}\n"
     )
     out.append(
-        f"MF_EXPORT(\"{p}metadata\") i64 {p}metadata(void) {{ return mf_pack(0, {p}meta, sizeof({p}meta) - 1); }}\n"
+        f'MF_EXPORT("{p}metadata") i64 {p}metadata(void) {{ return mf_pack(0, {p}meta, sizeof({p}meta) - 1); }}\n'
     )
     return "\n".join(out)
 

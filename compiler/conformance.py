@@ -118,7 +118,9 @@ def _prepare(case: Any, index: int) -> _Prepared | Outcome:
         names = [vi.name for vi in case.model.graph.input]
         for name, value in zip(names, inputs, strict=False):
             if name in frozen and not np.array_equal(frozen[name], _arr(value)):
-                return Outcome(case.name, "refused", f"data sets differ in build-time input {name!r}")
+                return Outcome(
+                    case.name, "refused", f"data sets differ in build-time input {name!r}"
+                )
     try:
         unit = _lower(case, frozen, index)
     except CompileError as exc:
@@ -127,7 +129,9 @@ def _prepare(case: Any, index: int) -> _Prepared | Outcome:
         # a shape operand computed from integer inputs: bake those in too (one data set only)
         names = [vi.name for vi in case.model.graph.input]
         inputs = [_arr(v) for v in case.data_sets[0][0]]
-        more = {n: v for n, v in zip(names, inputs, strict=False) if np.asarray(v).dtype.kind in "iu"}
+        more = {
+            n: v for n, v in zip(names, inputs, strict=False) if np.asarray(v).dtype.kind in "iu"
+        }
         if len(case.data_sets) > 1 or not set(more) - set(frozen):
             return Outcome(case.name, "refused", str(exc).removeprefix(case.name + ": "))
         frozen = {**frozen, **more}
@@ -163,8 +167,8 @@ def _arr(v: Any) -> Any:
 def _compare(case: Any, got: list[np.ndarray[Any, Any]], want: list[Any]) -> str | None:
     if len(got) != len(want):
         return f"{len(got)} outputs, expected {len(want)}"
-    for k, (g, w) in enumerate(zip(got, want, strict=True)):
-        w = np.asarray(w)
+    for k, (g0, w0) in enumerate(zip(got, want, strict=True)):
+        g, w = g0, np.asarray(w0)
         if g.dtype != w.dtype:
             return f"output {k}: dtype {g.dtype}, expected {w.dtype}"
         if g.shape != w.shape:
@@ -176,7 +180,9 @@ def _compare(case: Any, got: list[np.ndarray[Any, Any]], want: list[Any]) -> str
             try:
                 np.testing.assert_allclose(g, w, rtol=case.rtol, atol=case.atol)
             except AssertionError as exc:
-                lines = [line for line in str(exc).splitlines() if "Max" in line or "Mismatch" in line]
+                lines = [
+                    line for line in str(exc).splitlines() if "Max" in line or "Mismatch" in line
+                ]
                 return f"output {k}: " + "; ".join(lines)
         elif not np.array_equal(g, w):
             bad = int(np.sum(g != w))
@@ -192,9 +198,9 @@ def _run_case(engine: wasmtime.Engine, module: wasmtime.Module, prepared: _Prepa
     except (wasmtime.WasmtimeError, KeyError) as exc:
         return Outcome(case.name, "failed", f"instantiate: {exc}")
     names = [vi.name for vi in case.model.graph.input]
-    for inputs, outputs in case.data_sets:
+    for inputs, expected in case.data_sets:
         feed = [_arr(v) for n, v in zip(names, inputs, strict=False) if n not in prepared.frozen]
-        outputs = [_arr(v) for v in outputs]
+        outputs = [_arr(v) for v in expected]
         try:
             got = runner(feed)
         except (RunError, wasmtime.WasmtimeError, wasmtime.Trap, ValueError, TypeError) as exc:
@@ -232,9 +238,13 @@ def _module(engine: wasmtime.Engine, units: list[Unit]) -> wasmtime.Module:
 def _build_group(engine: wasmtime.Engine, group: list[_Prepared]) -> list[Outcome]:
     try:
         module = _module(engine, [p.unit for p in group])
-    except Exception as exc:  # noqa: BLE001 - a unit's bug fails its case, not the run
+    except Exception as exc:
         if len(group) == 1:
-            return [Outcome(group[0].case.name, "failed", f"build: {type(exc).__name__}: {str(exc)[:2000]}")]
+            return [
+                Outcome(
+                    group[0].case.name, "failed", f"build: {type(exc).__name__}: {str(exc)[:2000]}"
+                )
+            ]
         half = len(group) // 2  # find the case that breaks the build
         return _build_group(engine, group[:half]) + _build_group(engine, group[half:])
     return [_run_case(engine, module, p) for p in group]

@@ -66,6 +66,21 @@ def numel(shape: Iterable[Dim]) -> Dim:
     return total
 
 
+def static(d: Dim) -> int:
+    """A size that must not depend on the batch (callers have checked it does not)."""
+    if isinstance(d, Batch):
+        raise UnsupportedError(f"a size that depends on the batch ({d}) is not supported here")
+    return d
+
+
+def add(a: Dim, b: Dim) -> Dim:
+    if isinstance(a, Batch):
+        return a + b
+    if isinstance(b, Batch):
+        return b + a
+    return a + b
+
+
 def cdim(d: Dim) -> str:
     """A C expression (of the run function's `N`) for a dimension or element count."""
     return d.c() if isinstance(d, Batch) else str(d)

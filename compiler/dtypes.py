@@ -62,7 +62,11 @@ SUPPORTED_NAMES = ", ".join(d.name for d in ALL)
 def from_onnx(elem_type: int, where: str) -> DType:
     dtype = BY_ONNX.get(elem_type)
     if dtype is None:
-        name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else str(elem_type)
+        name = (
+            TensorProto.DataType.Name(elem_type)
+            if elem_type in TensorProto.DataType.values()
+            else str(elem_type)
+        )
         raise UnsupportedError(
             f"{where}: element type {name} is not supported (supported: {SUPPORTED_NAMES})"
         )
@@ -73,4 +77,6 @@ def from_numpy(dtype: np.dtype[np.generic], where: str) -> DType:
     for d in ALL:
         if d.np == dtype:
             return d
-    raise UnsupportedError(f"{where}: element type {dtype} is not supported (supported: {SUPPORTED_NAMES})")
+    raise UnsupportedError(
+        f"{where}: element type {dtype} is not supported (supported: {SUPPORTED_NAMES})"
+    )

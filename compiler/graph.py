@@ -156,8 +156,6 @@ def build(model: ModelProto, where: str, pins: Mapping[str, int] | None = None) 
     for vi in list(g.value_info) + list(g.output):
         t = vi.type.tensor_type
         if vi.type.HasField("tensor_type") and t.HasField("shape"):
-            dims = tuple(
-                int(d.dim_value) if d.HasField("dim_value") else None for d in t.shape.dim
-            )
+            dims = tuple(int(d.dim_value) if d.HasField("dim_value") else None for d in t.shape.dim)
             inferred[vi.name] = (t.elem_type, dims)
     return Graph(where, opsets, tensors, nodes, inputs, outputs, inferred, dynamic)

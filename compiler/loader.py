@@ -68,7 +68,11 @@ def _read_external_data(model: ModelProto, base: Path, where: str) -> None:
             ) from None
         offset = int(info.offset or 0)
         length = info.length
-        if offset < 0 or offset > file_size or (length is not None and offset + int(length) > file_size):
+        if (
+            offset < 0
+            or offset > file_size
+            or (length is not None and offset + int(length) > file_size)
+        ):
             raise ModelFileError(
                 f"{where}: tensor {tensor.name!r} needs bytes {offset}..{offset + int(length or 0)} "
                 f"of {location!r}, which has only {file_size} (truncated?)"
@@ -165,4 +169,3 @@ def _kahn_order(nodes: list[onnx.NodeProto], producer: dict[str, int]) -> list[i
 
 def _label(node: onnx.NodeProto, index: int) -> str:
     return f"node {node.name or '#' + str(index)} ({node.op_type})"
-

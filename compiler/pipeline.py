@@ -15,7 +15,7 @@ from onnx import ModelProto
 
 from . import dtypes, graph, loader, toolchain, wasmfile
 from .codegen import Step, Unit, module_source
-from .dims import Batch, Dim, Shape, is_static, mul, numel, show
+from .dims import Batch, Dim, Shape, is_static, mul, numel, show, static
 from .dtypes import DType
 from .errors import CompileError, MemoryCapError, UnsupportedError
 from .graph import Graph, Node, Tensor
@@ -27,7 +27,14 @@ from .plan import FOREVER, Buffer, plan
 FOLD_LIMIT = 1 << 16
 KNOWN_DOMAINS = ("", "ai.onnx.ml")
 NONDETERMINISTIC = frozenset(
-    ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial")
+    (
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Bernoulli",
+        "Multinomial",
+    )
 )
 PAGE = 65536
 STACK_BYTES = 65536  # -z stack-size in toolchain.py
@@ -65,7 +72,9 @@ class _Materialize(Op):
         return f"for (u32 i = 0; i < {n}; i++) {e.out(0)}[i] = {e.inp(0)}[i];"
 
 
-def _reference_fold(node: Node, ins: list[Tensor | None], opsets: dict[str, int]) -> list[Any] | None:
+def _reference_fold(
+    node: Node, ins: list[Tensor | None], opsets: dict[str, int]
+) -> list[Any] | None:
     """Outputs of a node whose inputs are all known, by ONNX's reference implementation."""
     from onnx.reference import ReferenceEvaluator
 
@@ -75,7 +84,7 @@ def _reference_fold(node: Node, ins: list[Tensor | None], opsets: dict[str, int]
             warnings.simplefilter("ignore")
             ref = ReferenceEvaluator(node.proto, opsets=dict(opsets))
             outs = ref.run(None, feeds)
-    except Exception:  # noqa: BLE001 - any failure means "cannot fold", never a wrong value
+    except Exception:
         return None
     return list(outs)
 
@@ -114,7 +123,9 @@ def _set_value(t: Tensor, value: Any, label: str, where: str) -> None:
     t.value = arr
 
 
-def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn_") -> tuple[Unit, dict[str, Any]]:
+def lower(
+    model: ModelProto, where: str, options: Options, prefix: str = "meshfn_"
+) -> tuple[Unit, dict[str, Any]]:
     """Everything but clang: the unit to emit and the report's model-side figures."""
     g = graph.build(model, where, options.dims)
     for name, value in options.freeze_inputs.items():
@@ -123,9 +134,7 @@ def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn
         t.shape = tuple(int(d) for d in t.value.shape)
         t.is_input = False
         g.inputs.remove(name)
-    g.batch_dynamic = any(
-        isinstance(d, Batch) for name in g.inputs for d in g.tensors[name].shape
-    )
+    g.batch_dynamic = any(isinstance(d, Batch) for name in g.inputs for d in g.tensors[name].shape)
     for domain in g.opsets:
         if domain not in KNOWN_DOMAINS:
             used = [n for n in g.nodes if n.domain == domain]
@@ -154,14 +163,21 @@ def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn
         known = [t for t in ins if t is not None]
         all_known = all(t.value is not None and not t.symbolic for t in known)
         if cls is None or version is None:
-            if version is not None and all_known and node.outputs and node.op_type not in NONDETERMINISTIC:
+            if (
+                version is not None
+                and all_known
+                and node.outputs
+                and node.op_type not in NONDETERMINISTIC
+            ):
                 outs = _reference_fold(node, ins, g.opsets)
                 if outs is not None:
                     for name, value in zip(node.outputs, outs, strict=False):
                         if name:
                             arr = np.asarray(value)
                             dtype = dtypes.from_numpy(arr.dtype, f"{where}: {label}")
-                            g.tensors[name] = Tensor(name, dtype, tuple(int(d) for d in arr.shape), arr)
+                            g.tensors[name] = Tensor(
+                                name, dtype, tuple(int(d) for d in arr.shape), arr
+                            )
                     folded += 1
                     continue
             what = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
@@ -204,7 +220,7 @@ def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn
         if node.op_type in NONDETERMINISTIC:
             op.fail("random operators are not supported")
         small = all(
-            t is None or not is_static(t.shape) or int(numel(t.shape)) <= FOLD_LIMIT  # type: ignore[call-overload]
+            t is None or not is_static(t.shape) or static(numel(t.shape)) <= FOLD_LIMIT
             for t in outs_t
         )
         if (cls.FROM_SHAPES or all(t.value is not None for t in known)) and (small or cls.VIEW):
@@ -212,12 +228,12 @@ def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn
             if values is None and all_known and not cls.FROM_SHAPES:
                 values = _reference_fold(node, ins, g.opsets)
             if values is not None:
-                for t, v in zip(outs_t, values, strict=False):
-                    if t is not None:
-                        _set_value(t, v, label, where)
+                for out_t, v in zip(outs_t, values, strict=False):
+                    if out_t is not None:
+                        _set_value(out_t, v, label, where)
                 folded += 1
                 continue
-        steps.append(Step(op, ins, outs_t))  # type: ignore[arg-type]
+        steps.append(Step(op, ins, outs_t))
         ops_used[f"{node.domain}.{node.op_type}" if node.domain else node.op_type] += 1
 
     out_tensors: list[Tensor] = []
@@ -246,7 +262,17 @@ def lower(model: ModelProto, where: str, options: Options, prefix: str = "meshfn
         "inputs": [_io(t, t.name) for t in in_tensors],
         "outputs": [_io(t, n) for t, n in zip(out_tensors, out_names, strict=True)],
     }
-    unit = Unit(prefix, steps, storage, scratch, the_plan, in_tensors, out_tensors, g.batch_dynamic, metadata)
+    unit = Unit(
+        prefix,
+        steps,
+        storage,
+        scratch,
+        the_plan,
+        in_tensors,
+        out_tensors,
+        g.batch_dynamic,
+        metadata,
+    )
     params = sum(
         int(np.asarray(init.dims, dtype=np.int64).prod()) if init.dims else 1
         for init in model.graph.initializer
@@ -302,17 +328,22 @@ def _lifetimes(
         storage[t.name] = new(_bytes(t), -1)
     scratch: dict[int, int] = {}
     for k, step in enumerate(steps):
-        for t in step.inputs:
-            if t is not None and t.name in storage:
-                b = buffers[storage[t.name]]
+        for t_in in step.inputs:
+            if t_in is not None and t_in.name in storage:
+                b = buffers[storage[t_in.name]]
                 b.last = max(b.last, k)
-        for j, t in enumerate(step.outputs):
-            if t is None:
+        for j, t_out in enumerate(step.outputs):
+            if t_out is None:
                 continue
-            if step.op.VIEW and j == 0 and step.inputs[0] is not None and step.inputs[0].name in storage:
-                storage[t.name] = storage[step.inputs[0].name]
+            if (
+                step.op.VIEW
+                and j == 0
+                and step.inputs[0] is not None
+                and step.inputs[0].name in storage
+            ):
+                storage[t_out.name] = storage[step.inputs[0].name]
             else:
-                storage[t.name] = new(_bytes(t), k)
+                storage[t_out.name] = new(_bytes(t_out), k)
         s = step.op.scratch_bytes()
         if s != 0:
             scratch[k] = new(s, k)
@@ -346,7 +377,9 @@ def analyze(
     unit, info = lower(proto, where, options)
     steps = unit.steps
     constants = sum(
-        int(t.value.nbytes) for s in steps for t in s.inputs
+        int(t.value.nbytes)
+        for s in steps
+        for t in s.inputs
         if t is not None and t.value is not None and not t.symbolic
     )
     # a lower bound of what compile_model measures exactly (data segment + stack + arena)
@@ -358,8 +391,12 @@ def analyze(
             "allowed; raise limits.memoryMiB or lower the largest batch",
             estimate,
         )
-    return {**info, "arena_bytes": unit.plan.const_bytes, "arena_bytes_per_row": unit.plan.row_bytes,
-            "memory_lower_bound": estimate}
+    return {
+        **info,
+        "arena_bytes": unit.plan.const_bytes,
+        "arena_bytes_per_row": unit.plan.row_bytes,
+        "memory_lower_bound": estimate,
+    }
 
 
 def compile_model(

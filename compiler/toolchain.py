@@ -35,7 +35,9 @@ def cache_dir() -> Path:
 def clang_version() -> str:
     clang = shutil.which("clang")
     if clang is None:
-        raise ToolchainError("clang not found: install Debian's clang and lld (apt-get install clang lld)")
+        raise ToolchainError(
+            "clang not found: install Debian's clang and lld (apt-get install clang lld)"
+        )
     if shutil.which("wasm-ld") is None:
         raise ToolchainError("wasm-ld not found: install Debian's lld (apt-get install lld)")
     out = subprocess.run([clang, "--version"], capture_output=True, text=True, check=False)
@@ -66,7 +68,9 @@ def build(source: str, use_cache: bool = True) -> bytes:
         c_file.write_text(source)
         cmd = ["clang", *CFLAGS, *LDFLAGS, f"-I{RUNTIME_DIR}", "-o", str(out), str(c_file)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+            )
         except subprocess.TimeoutExpired:
             raise ToolchainError(f"clang took more than {TIMEOUT_S} s") from None
         if proc.returncode != 0:
@@ -83,5 +87,6 @@ def build(source: str, use_cache: bool = True) -> bytes:
         tmp_path.write_bytes(wasm)
         tmp_path.replace(cached)
     return wasm
+
 
 RUNTIME_HEADER = '#include "mf_rt.h"\n'

@@ -65,7 +65,7 @@ def inspect(wasm: bytes) -> WasmInfo:
         elif sid == 5:  # memory
             count, p = _leb(wasm, p)
             if count:
-                flags, p = _leb(wasm, p)
+                _flags, p = _leb(wasm, p)
                 info.initial_pages, p = _leb(wasm, p)
         elif sid == 6:  # globals
             count, p = _leb(wasm, p)
@@ -74,9 +74,7 @@ def inspect(wasm: bytes) -> WasmInfo:
                 opcode = wasm[p]
                 p += 1
                 value = 0
-                if opcode == 0x41:  # i32.const
-                    value, p = _sleb(wasm, p)
-                elif opcode == 0x42:
+                if opcode in {65, 66}:  # i32.const
                     value, p = _sleb(wasm, p)
                 elif opcode in (0x43,):
                     p += 4

@@ -32,7 +32,9 @@ def seeds() -> dict[str, bytes]:
 
     out = {
         "mlp": onnx_models.mlp_example().model.SerializeToString(),
-        "tree": next(e for e in onnx_models.sklearn_examples() if e.name == "tree-iris").model.SerializeToString(),
+        "tree": next(
+            e for e in onnx_models.sklearn_examples() if e.name == "tree-iris"
+        ).model.SerializeToString(),
         "cnn": onnx_models.cnn_example().model.SerializeToString(),
     }
     return out
@@ -43,26 +45,45 @@ def structural(directory: Path) -> Iterator[Path]:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])
     graphs = {
-        "cycle": [helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
-                  helper.make_node("Relu", ["a"], ["y"])],
+        "cycle": [
+            helper.make_node("Add", ["x", "b"], ["a"]),
+            helper.make_node("Relu", ["a"], ["b"]),
+            helper.make_node("Relu", ["a"], ["y"]),
+        ],
         "dangling": [helper.make_node("Add", ["x", "nowhere"], ["y"])],
-        "huge": [helper.make_node("ConstantOfShape", ["shape"], ["big"]),
-                 helper.make_node("Add", ["x", "big"], ["y"])],
+        "huge": [
+            helper.make_node("ConstantOfShape", ["shape"], ["big"]),
+            helper.make_node("Add", ["x", "big"], ["y"]),
+        ],
     }
     for name, nodes in graphs.items():
-        inits = [numpy_helper.from_array(np.array([1 << 20, 4], np.int64), "shape")] if name == "huge" else []
-        out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1 << 20, 4]) if name == "huge" else y
+        inits = (
+            [numpy_helper.from_array(np.array([1 << 20, 4], np.int64), "shape")]
+            if name == "huge"
+            else []
+        )
+        out = (
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [1 << 20, 4])
+            if name == "huge"
+            else y
+        )
         xin = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]) if name == "huge" else x
-        model = helper.make_model(helper.make_graph(nodes, name, [xin], [out], inits),
-                                  opset_imports=[helper.make_opsetid("", 17)])
+        model = helper.make_model(
+            helper.make_graph(nodes, name, [xin], [out], inits),
+            opset_imports=[helper.make_opsetid("", 17)],
+        )
         path = directory / f"structural-{name}.onnx"
         path.write_bytes(model.SerializeToString())
         yield path
     w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
-    model = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "ext", [x], [y], [w]),
-                              opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(
+        helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "ext", [x], [y], [w]),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
     path = directory / "structural-missing-data.onnx"
-    onnx.save_model(model, str(path), save_as_external_data=True, location="gone.data", size_threshold=0)
+    onnx.save_model(
+        model, str(path), save_as_external_data=True, location="gone.data", size_threshold=0
+    )
     (directory / "gone.data").unlink()
     yield path
 
@@ -119,8 +140,12 @@ def check_one(path: Path) -> dict[str, Any]:
         return {"file": str(path), "result": "refused", "named": named, "message": str(exc)[:300]}
     except TimeoutError:
         return {"file": str(path), "result": "hang"}
-    except Exception as exc:  # noqa: BLE001 - an uncaught exception is the finding
-        return {"file": str(path), "result": "crash", "message": f"{type(exc).__name__}: {exc}"[:500]}
+    except Exception as exc:
+        return {
+            "file": str(path),
+            "result": "crash",
+            "message": f"{type(exc).__name__}: {exc}"[:500],
+        }
     finally:
         signal.alarm(0)
 
@@ -133,14 +158,23 @@ def run(paths: list[Path], timeout_s: float = 600) -> list[dict[str, Any]]:
     while todo:
         proc = subprocess.run(
             [sys.executable, "-P", "-m", "meshfn.testing.onnx_fuzz", *todo],
-            capture_output=True, text=True, timeout=timeout_s, check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
         )
         done = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         results.extend(done)
         todo = todo[len(done) :]
         if todo and proc.returncode != 0:
-            results.append({"file": todo[0], "result": "crash", "message": f"exit {proc.returncode}: {proc.stderr[-500:]}"})
+            results.append(
+                {
+                    "file": todo[0],
+                    "result": "crash",
+                    "message": f"exit {proc.returncode}: {proc.stderr[-500:]}",
+                }
+            )
             todo = todo[1:]
         elif todo:
             break

@@ -50,13 +50,23 @@ def _split(x: Any, y: Any, seed: int = 0) -> tuple[Any, Any, Any]:
     return x[idx[:cut]].astype(np.float32), y[idx[:cut]], x[idx[cut:]].astype(np.float32)
 
 
-def _sk(name: str, family: str, make: Callable[[], Any], data: str, labels: bool = True,
-        nan_rows: bool = False) -> Example:
+def _sk(
+    name: str,
+    family: str,
+    make: Callable[[], Any],
+    data: str,
+    labels: bool = True,
+    nan_rows: bool = False,
+) -> Example:
     from skl2onnx import to_onnx
     from sklearn import datasets
 
-    loader = {"iris": datasets.load_iris, "digits": datasets.load_digits,
-              "cancer": datasets.load_breast_cancer, "diabetes": datasets.load_diabetes}[data]
+    loader = {
+        "iris": datasets.load_iris,
+        "digits": datasets.load_digits,
+        "cancer": datasets.load_breast_cancer,
+        "diabetes": datasets.load_diabetes,
+    }[data]
     x, y = loader(return_X_y=True)
     xtr, ytr, xte = _split(x, y)
     if nan_rows:  # some missing values for the imputer, in training and held-out rows
@@ -90,22 +100,59 @@ def sklearn_examples() -> list[Example]:
 
     return [
         _sk("logreg-iris", "linear", lambda: LogisticRegression(max_iter=1000), "iris"),
-        _sk("logreg-cancer", "linear", lambda: make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000)), "cancer"),
+        _sk(
+            "logreg-cancer",
+            "linear",
+            lambda: make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000)),
+            "cancer",
+        ),
         _sk("linreg-diabetes", "linear", LinearRegression, "diabetes", labels=False),
-        _sk("mlp-digits", "mlp", lambda: MLPClassifier((32,), max_iter=300, random_state=0), "digits"),
+        _sk(
+            "mlp-digits",
+            "mlp",
+            lambda: MLPClassifier((32,), max_iter=300, random_state=0),
+            "digits",
+        ),
         _sk("tree-iris", "trees", lambda: DecisionTreeClassifier(random_state=0), "iris"),
         _sk("forest-cancer", "trees", lambda: RandomForestClassifier(50, random_state=0), "cancer"),
         _sk("forest-digits", "trees", lambda: RandomForestClassifier(30, random_state=0), "digits"),
-        _sk("forest-diabetes", "trees", lambda: RandomForestRegressor(30, random_state=0), "diabetes", labels=False),
-        _sk("gboost-cancer", "trees", lambda: GradientBoostingClassifier(n_estimators=50, random_state=0), "cancer"),
-        _sk("gboost-iris", "trees", lambda: GradientBoostingClassifier(n_estimators=30, random_state=0), "iris"),
-        _sk("hgboost-iris", "trees", lambda: HistGradientBoostingClassifier(max_iter=30, random_state=0), "iris"),
-        _sk("svc-iris", "svm", lambda: SVC(), "iris"),
+        _sk(
+            "forest-diabetes",
+            "trees",
+            lambda: RandomForestRegressor(30, random_state=0),
+            "diabetes",
+            labels=False,
+        ),
+        _sk(
+            "gboost-cancer",
+            "trees",
+            lambda: GradientBoostingClassifier(n_estimators=50, random_state=0),
+            "cancer",
+        ),
+        _sk(
+            "gboost-iris",
+            "trees",
+            lambda: GradientBoostingClassifier(n_estimators=30, random_state=0),
+            "iris",
+        ),
+        _sk(
+            "hgboost-iris",
+            "trees",
+            lambda: HistGradientBoostingClassifier(max_iter=30, random_state=0),
+            "iris",
+        ),
+        _sk("svc-iris", "svm", SVC, "iris"),
         _sk("svc-cancer", "svm", lambda: make_pipeline(StandardScaler(), SVC()), "cancer"),
         _sk("svr-diabetes", "svm", SVR, "diabetes", labels=False),
-        _sk("pipeline-iris", "linear", lambda: make_pipeline(
-            SimpleImputer(), StandardScaler(), Normalizer(), LogisticRegression(max_iter=1000)
-        ), "iris", nan_rows=True),
+        _sk(
+            "pipeline-iris",
+            "linear",
+            lambda: make_pipeline(
+                SimpleImputer(), StandardScaler(), Normalizer(), LogisticRegression(max_iter=1000)
+            ),
+            "iris",
+            nan_rows=True,
+        ),
     ]
 
 
@@ -117,9 +164,18 @@ def _init(name: str, value: np.ndarray[Any, Any]) -> TensorProto:
 def mlp_example() -> Example:
     """A PyTorch-style MLP (Gemm with transB=1 weights, Relu, Gelu, Softmax) on random data."""
     rng = np.random.default_rng(2)
-    w1, b1 = rng.normal(0, 0.3, (64, 16)).astype(np.float32), rng.normal(0, 0.1, 64).astype(np.float32)
-    w2, b2 = rng.normal(0, 0.3, (32, 64)).astype(np.float32), rng.normal(0, 0.1, 32).astype(np.float32)
-    w3, b3 = rng.normal(0, 0.3, (4, 32)).astype(np.float32), rng.normal(0, 0.1, 4).astype(np.float32)
+    w1, b1 = (
+        rng.normal(0, 0.3, (64, 16)).astype(np.float32),
+        rng.normal(0, 0.1, 64).astype(np.float32),
+    )
+    w2, b2 = (
+        rng.normal(0, 0.3, (32, 64)).astype(np.float32),
+        rng.normal(0, 0.1, 32).astype(np.float32),
+    )
+    w3, b3 = (
+        rng.normal(0, 0.3, (4, 32)).astype(np.float32),
+        rng.normal(0, 0.1, 4).astype(np.float32),
+    )
     nodes = [
         helper.make_node("Gemm", ["x", "w1", "b1"], ["h1"], transB=1),
         helper.make_node("Relu", ["h1"], ["a1"]),
@@ -129,9 +185,14 @@ def mlp_example() -> Example:
         helper.make_node("Softmax", ["logits"], ["probabilities"], axis=-1),
     ]
     graph = helper.make_graph(
-        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
         [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", 4])],
-        [_init(n, v) for n, v in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2), ("w3", w3), ("b3", b3))],
+        [
+            _init(n, v)
+            for n, v in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2), ("w3", w3), ("b3", b3))
+        ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     return Example("mlp-onnx", "mlp", model, rng.normal(0, 1, (64, 16)).astype(np.float32))
@@ -182,8 +243,12 @@ def _trained_cnn() -> dict[str, np.ndarray[Any, Any]]:
             b -= lr * ga.sum((0, 1))
             v -= lr * gv
             c -= lr * gc
-    return {"w": w.astype(np.float32), "b": b.astype(np.float32), "v": v.astype(np.float32),
-            "c": c.astype(np.float32)}
+    return {
+        "w": w.astype(np.float32),
+        "b": b.astype(np.float32),
+        "v": v.astype(np.float32),
+        "c": c.astype(np.float32),
+    }
 
 
 def cnn_example(directory: Path | None = None) -> Example:
@@ -202,9 +267,13 @@ def cnn_example(directory: Path | None = None) -> Example:
         helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0),
     ]
     graph = helper.make_graph(
-        nodes, "cnn-digits", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 8, 8])],
-        [helper.make_tensor_value_info("label", TensorProto.INT64, ["batch"]),
-         helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", 10])],
+        nodes,
+        "cnn-digits",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 8, 8])],
+        [
+            helper.make_tensor_value_info("label", TensorProto.INT64, ["batch"]),
+            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", 10]),
+        ],
         [_init(n, p[n]) for n in ("w", "b", "v", "c")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -212,8 +281,14 @@ def cnn_example(directory: Path | None = None) -> Example:
     _, _, xte = _split(x / 16.0, y)
     if directory is not None:
         directory.mkdir(parents=True, exist_ok=True)
-        onnx.save_model(model, str(directory / "model.onnx"), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
+        onnx.save_model(
+            model,
+            str(directory / "model.onnx"),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location="model.onnx.data",
+            size_threshold=0,
+        )
         model = onnx.load_model(str(directory / "model.onnx"), load_external_data=False)
     return Example("cnn-digits", "cnn", model, xte.reshape(-1, 1, 8, 8).astype(np.float32), (0,))
 
@@ -230,8 +305,18 @@ def decoder_block_example() -> Example:
         return rng.normal(0, 0.2, shape).astype(np.float32)
 
     inits = {
-        "emb": w(vocab, d), "pos": w(seq, d), "g1": 1 + w(d), "b1": w(d), "wq": w(d, d), "wk": w(d, d),
-        "wv": w(d, d), "wo": w(d, d), "g2": 1 + w(d), "b2": w(d), "w1": w(d, 4 * d), "w2": w(4 * d, d),
+        "emb": w(vocab, d),
+        "pos": w(seq, d),
+        "g1": 1 + w(d),
+        "b1": w(d),
+        "wq": w(d, d),
+        "wk": w(d, d),
+        "wv": w(d, d),
+        "wo": w(d, d),
+        "g2": 1 + w(d),
+        "b2": w(d),
+        "w1": w(d, 4 * d),
+        "w2": w(4 * d, d),
         "heads_shape": np.array([0, seq, heads, hd], np.int64),
         "merge_shape": np.array([0, seq, d], np.int64),
         "scale": np.array(1 / np.sqrt(hd), np.float32),
@@ -264,7 +349,9 @@ def decoder_block_example() -> Example:
         n("Add", ["h1", "ff2"], ["hidden"]),
     ]
     graph = helper.make_graph(
-        nodes, "decoder-block", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", seq])],
+        nodes,
+        "decoder-block",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", seq])],
         [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", seq, d])],
         [_init(k, v) for k, v in inits.items()],
     )

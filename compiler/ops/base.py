@@ -145,11 +145,13 @@ class Op:
         assert t is not None
         return t.shape
 
+    def out_dtype(self, i: int = 0) -> DType:
+        t = self.outs[i]
+        assert t is not None
+        return t.dtype
+
     def has_out(self, i: int) -> bool:
         return i < len(self.outs) and self.outs[i] is not None
-
-    def n(self, d: Dim) -> str:
-        return cdim(d)
 
     def numel_c(self, shape: Shape) -> str:
         return cdim(numel(shape))
@@ -177,9 +179,7 @@ def schema_version(op_type: str, domain: str, opset: int) -> int | None:
 
 
 def supported_list(domain: str | None = None) -> str:
-    names = sorted(
-        (f"{d}.{o}" if d else o) for d, o in REGISTRY if domain is None or d == domain
-    )
+    names = sorted((f"{d}.{o}" if d else o) for d, o in REGISTRY if domain is None or d == domain)
     return ", ".join(names)
 
 

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from .. import dtypes as D
-from ..dims import Batch, Dim, Shape, cdim
+from ..dims import Batch, Dim, Shape, cdim, static
 from ..dtypes import DType
 from .base import Emitter, Op, register
 
@@ -35,7 +35,9 @@ class _Window(Op):
                 o = -(-spatial[i] // self.strides[i])
                 total = max(0, (o - 1) * self.strides[i] + eff - spatial[i])
                 small, big = total // 2, total - total // 2
-                self.pad_lo[i], self.pad_hi[i] = (small, big) if auto == "SAME_UPPER" else (big, small)
+                self.pad_lo[i], self.pad_hi[i] = (
+                    (small, big) if auto == "SAME_UPPER" else (big, small)
+                )
             elif auto == "VALID":
                 o = (spatial[i] - eff) // self.strides[i] + 1
             elif auto == "NOTSET":
@@ -60,7 +62,7 @@ class _Window(Op):
             self.fail(f"only 1-D and 2-D images (rank 3 or 4) are supported, got rank {len(s)}")
         if any(isinstance(d, Batch) for d in s[1:]):
             self.fail("only the first dimension may be the batch")
-        return s[0], int(s[1]), [int(d) for d in s[2:]]  # type: ignore[arg-type]
+        return s[0], static(s[1]), [static(d) for d in s[2:]]
 
     def hw(self, v: list[int], fill: int) -> tuple[int, int]:
         return (fill, v[0]) if len(v) == 1 else (v[0], v[1])
@@ -92,11 +94,11 @@ class Conv(_Window):
         if len(w) != len(spatial) + 2:
             self.fail("weights rank does not match the input")
         self.group = int(self.attr("group", 1))
-        m, cg = int(w[0]), int(w[1])  # type: ignore[arg-type]
+        m, cg = static(w[0]), static(w[1])
         if cg * self.group != c or m % self.group:
             self.fail(f"channels {c}, weights {self.show(w)} and group {self.group} do not fit")
         kernel = [int(d) for d in self.attr("kernel_shape", list(w[2:]))]
-        if kernel != [int(d) for d in w[2:]]:  # type: ignore[arg-type]
+        if kernel != [static(d) for d in w[2:]]:
             self.fail("kernel_shape does not match the weights")
         out = self.geometry(spatial, kernel)
         self.c, self.m, self.cg, self.spatial, self.out = c, m, cg, spatial, out
@@ -242,8 +244,13 @@ class MaxPool(_Pool):
         t = self.x(0).dtype
         lowest = "-MF_INF" if t.is_float else ("-128" if t.c == "i8" else "0")
         return self.window(
-            e, f"{t.c} best = {lowest};",
-            "if (in) { const " + t.c + " v = x[yy * " + str(self.hw(self.spatial, 1)[1]) + " + xx]; if (v > best || v != v) best = v; }",
+            e,
+            f"{t.c} best = {lowest};",
+            "if (in) { const "
+            + t.c
+            + " v = x[yy * "
+            + str(self.hw(self.spatial, 1)[1])
+            + " + xx]; if (v > best || v != v) best = v; }",
             "y[r * " + str(self.hw(self.out, 1)[1]) + " + q] = best;",
         )
 
@@ -260,7 +267,8 @@ class AveragePool(_Pool):
         include = int(self.attr("count_include_pad", 0))
         count = "inpad" if include else "in"
         return self.window(
-            e, "double acc = 0; u32 cnt = 0;",
+            e,
+            "double acc = 0; u32 cnt = 0;",
             f"if (in) acc += x[yy * {iw} + xx]; if ({count} && yy >= -{self.hw(self.pad_lo, 0)[0]} && xx >= -{self.hw(self.pad_lo, 0)[1]}) cnt++;",
             f"y[r * {ow} + q] = ({t})(cnt ? acc / cnt : 0);",
         )
@@ -279,7 +287,7 @@ class _Global(Op):
         t = self.x(0).dtype.c
         area = 1
         for d in s[2:]:
-            area *= int(d)  # type: ignore[arg-type]
+            area *= static(d)
         rows = f"{cdim(s[0])} * {s[1]}"
         if self.OP == "GlobalAveragePool":
             return (

@@ -68,10 +68,19 @@ class Unary(Op):
         )
 
 
-def unary(op: str, exprs: dict[str, str], types: tuple[DType, ...] = FLOATS, since: int = 1,
-          attrs: dict[str, float] | None = None, out: DType | None = None) -> type[Op]:
-    cls = type(op, (Unary,), {"OP": op, "EXPR": exprs, "TYPES": types, "SINCE": since,
-                              "ATTRS": attrs or {}, "OUT": out})
+def unary(
+    op: str,
+    exprs: dict[str, str],
+    types: tuple[DType, ...] = FLOATS,
+    since: int = 1,
+    attrs: dict[str, float] | None = None,
+    out: DType | None = None,
+) -> type[Op]:
+    cls = type(
+        op,
+        (Unary,),
+        {"OP": op, "EXPR": exprs, "TYPES": types, "SINCE": since, "ATTRS": attrs or {}, "OUT": out},
+    )
     return register(cls)
 
 
@@ -80,7 +89,12 @@ def _f(fn: str) -> dict[str, str]:
     return {"float": f"(float){fn}((double)x)", "double": f"{fn}(x)"}
 
 
-unary("Abs", {"float": "__builtin_fabsf(x)", "double": "__builtin_fabs(x)", "i": "x < 0 ? -x : x", "u": "x"}, NUMERIC, 6)
+unary(
+    "Abs",
+    {"float": "__builtin_fabsf(x)", "double": "__builtin_fabs(x)", "i": "x < 0 ? -x : x", "u": "x"},
+    NUMERIC,
+    6,
+)
 unary("Neg", {"n": "-x"}, FLOATS + SIGNED, 6)
 unary("Sqrt", {"float": "__builtin_sqrtf(x)", "double": "__builtin_sqrt(x)"}, since=6)
 unary("Exp", {"float": "mf_expf(x)", "double": "mf_exp(x)"}, since=6)
@@ -96,23 +110,68 @@ unary("Floor", {"float": "__builtin_floorf(x)", "double": "__builtin_floor(x)"},
 unary("Ceil", {"float": "__builtin_ceilf(x)", "double": "__builtin_ceil(x)"}, since=6)
 unary("Round", {"float": "__builtin_rintf(x)", "double": "__builtin_rint(x)"}, since=11)
 unary("Relu", {"f": "x < 0 ? 0 : x", "i": "x < 0 ? 0 : x"}, FLOATS + SIGNED, 6)
-unary("Sign", {"f": "x > 0 ? 1 : (x < 0 ? -1 : x)", "i": "x > 0 ? 1 : (x < 0 ? -1 : 0)", "u": "x > 0 ? 1 : 0"}, NUMERIC, 9)
+unary(
+    "Sign",
+    {
+        "f": "x > 0 ? 1 : (x < 0 ? -1 : x)",
+        "i": "x > 0 ? 1 : (x < 0 ? -1 : 0)",
+        "u": "x > 0 ? 1 : 0",
+    },
+    NUMERIC,
+    9,
+)
 unary("Softsign", {"f": "x / (1 + (x < 0 ? -x : x))"}, since=1)
-unary("Softplus", {"f": "($T)(x > 0 ? (double)x + mf_log1p(mf_exp(-(double)x)) : mf_log1p(mf_exp((double)x)))"}, since=1)
+unary(
+    "Softplus",
+    {"f": "($T)(x > 0 ? (double)x + mf_log1p(mf_exp(-(double)x)) : mf_log1p(mf_exp((double)x)))"},
+    since=1,
+)
 unary("Not", {"b": "!x"}, (D.BOOL,), 1)
 unary("IsNaN", {"f": "x != x"}, FLOATS, 9, out=D.BOOL)
 unary("BitwiseNot", {"n": "~x"}, INTS, 18)
 unary("LeakyRelu", {"f": "x < 0 ? $alpha * x : x"}, FLOATS, 6, {"alpha": 0.01})
 unary("Elu", {"f": "x < 0 ? ($T)($alpha * mf_expm1((double)x)) : x"}, FLOATS, 6, {"alpha": 1.0})
-unary("Celu", {"f": "x > 0 ? x : ($T)($alpha * mf_expm1((double)x / $alpha))"}, FLOATS, 12, {"alpha": 1.0})
-unary("Selu", {"f": "x <= 0 ? ($T)($gamma * ($alpha * mf_exp((double)x) - $alpha)) : $gamma * x"}, FLOATS, 6,
-      {"alpha": 1.67326319217681884765625, "gamma": 1.05070102214813232421875})
-unary("HardSigmoid", {"f": "mf_max(0, mf_min(1, $alpha * x + $beta))"}, FLOATS, 6, {"alpha": 0.2, "beta": 0.5})
+unary(
+    "Celu",
+    {"f": "x > 0 ? x : ($T)($alpha * mf_expm1((double)x / $alpha))"},
+    FLOATS,
+    12,
+    {"alpha": 1.0},
+)
+unary(
+    "Selu",
+    {"f": "x <= 0 ? ($T)($gamma * ($alpha * mf_exp((double)x) - $alpha)) : $gamma * x"},
+    FLOATS,
+    6,
+    {"alpha": 1.67326319217681884765625, "gamma": 1.05070102214813232421875},
+)
+unary(
+    "HardSigmoid",
+    {"f": "mf_max(0, mf_min(1, $alpha * x + $beta))"},
+    FLOATS,
+    6,
+    {"alpha": 0.2, "beta": 0.5},
+)
 unary("HardSwish", {"f": "x * mf_max(0, mf_min(1, ($T)(1.0 / 6) * x + ($T)0.5))"}, FLOATS, 14)
 unary("ThresholdedRelu", {"f": "x > $alpha ? x : 0"}, FLOATS, 10, {"alpha": 1.0})
-unary("Shrink", {"f": "x < -$lambd ? x + $bias : (x > $lambd ? x - $bias : 0)"}, FLOATS + SIGNED, 9, {"bias": 0.0, "lambd": 0.5})
-unary("Mish", {"f": "($T)((double)x * mf_tanh(x > 0 ? (double)x + mf_log1p(mf_exp(-(double)x)) : mf_log1p(mf_exp((double)x))))"}, FLOATS, 18)
-unary("Swish", {"f": "($T)((double)x * mf_sigmoid($alpha * (double)x))"}, FLOATS, 24, {"alpha": 1.0})
+unary(
+    "Shrink",
+    {"f": "x < -$lambd ? x + $bias : (x > $lambd ? x - $bias : 0)"},
+    FLOATS + SIGNED,
+    9,
+    {"bias": 0.0, "lambd": 0.5},
+)
+unary(
+    "Mish",
+    {
+        "f": "($T)((double)x * mf_tanh(x > 0 ? (double)x + mf_log1p(mf_exp(-(double)x)) : mf_log1p(mf_exp((double)x))))"
+    },
+    FLOATS,
+    18,
+)
+unary(
+    "Swish", {"f": "($T)((double)x * mf_sigmoid($alpha * (double)x))"}, FLOATS, 24, {"alpha": 1.0}
+)
 
 
 @register
@@ -211,17 +270,33 @@ class Binary(Broadcast):
         return _symbolic([t.value for t in ins if t.value is not None], type(self).SYMBOLIC)
 
 
-def binary(op: str, exprs: dict[str, str], types: tuple[DType, ...] = NUMERIC, since: int = 7,
-           out: DType | None = None, symbolic: Any = None) -> type[Op]:
-    cls = type(op, (Binary,), {"OP": op, "EXPR": exprs, "TYPES": types, "SINCE": since,
-                               "OUT": out, "SYMBOLIC": staticmethod(symbolic) if symbolic else None})
+def binary(
+    op: str,
+    exprs: dict[str, str],
+    types: tuple[DType, ...] = NUMERIC,
+    since: int = 7,
+    out: DType | None = None,
+    symbolic: Any = None,
+) -> type[Op]:
+    cls = type(
+        op,
+        (Binary,),
+        {
+            "OP": op,
+            "EXPR": exprs,
+            "TYPES": types,
+            "SINCE": since,
+            "OUT": out,
+            "SYMBOLIC": staticmethod(symbolic) if symbolic else None,
+        },
+    )
     return register(cls)
 
 
 binary("Add", {"n": "a + b"}, since=7, symbolic=lambda a, b: a + b)
 binary("Sub", {"n": "a - b"}, since=7, symbolic=lambda a, b: a - b)
 binary("Mul", {"n": "a * b"}, since=7, symbolic=lambda a, b: a * b)
-binary("Equal", {"n": "a == b"}, NUMERIC + (D.BOOL,), 7, D.BOOL)
+binary("Equal", {"n": "a == b"}, (*NUMERIC, D.BOOL), 7, D.BOOL)
 binary("Less", {"n": "a < b"}, NUMERIC, 7, D.BOOL)
 binary("Greater", {"n": "a > b"}, NUMERIC, 7, D.BOOL)
 binary("LessOrEqual", {"n": "a <= b"}, NUMERIC, 12, D.BOOL)
@@ -242,7 +317,7 @@ class Div(Binary):
     SINCE = 7
 
     @staticmethod
-    def SYMBOLIC(a: Any, b: Any) -> Any:  # noqa: N802
+    def SYMBOLIC(a: Any, b: Any) -> Any:
         return a // b
 
     EXPR = {"f": "a / b", "n": "b == 0 ? 0 : a / b"}
@@ -273,15 +348,22 @@ class Mod(Binary):
         if self.fmod:  # C's: the result takes the dividend's sign
             return {"f": "($T)mf_fmod(a, b)", "n": "a % b"}
         # Python's: the result takes the divisor's sign
-        return {"f": "mf_pymod(a, b)", "u": "a % b", "n": "((a % b) != 0 && (((a % b) < 0) != (b < 0))) ? (a % b) + b : (a % b)"}
+        return {
+            "f": "mf_pymod(a, b)",
+            "u": "a % b",
+            "n": "((a % b) != 0 && (((a % b) < 0) != (b < 0))) ? (a % b) + b : (a % b)",
+        }
 
     def emit(self, e: Emitter) -> str:
         check = ""
         if not self.x(0).dtype.is_float:
             guard = e.error("integer modulo by zero")
-            check = loops.nest(
-                self.shape(1), [], lambda o, _ins: f"if ({e.inp(1)}[{o}] == 0) {guard}", "z"
-            ) + "\n"
+            check = (
+                loops.nest(
+                    self.shape(1), [], lambda o, _ins: f"if ({e.inp(1)}[{o}] == 0) {guard}", "z"
+                )
+                + "\n"
+            )
         return check + super().emit(e)
 
 
@@ -351,11 +433,23 @@ class Variadic(Broadcast):
 
 
 def variadic(op: str, comb: dict[str, str], types: tuple[DType, ...], since: int) -> type[Op]:
-    return register(type(op, (Variadic,), {"OP": op, "REDUCE": comb, "TYPES": types, "SINCE": since}))
+    return register(
+        type(op, (Variadic,), {"OP": op, "REDUCE": comb, "TYPES": types, "SINCE": since})
+    )
 
 
-variadic("Max", {"float": "mf_maxf(acc, v)", "double": "mf_max(acc, v)", "n": "v > acc ? v : acc"}, NUMERIC, 8)
-variadic("Min", {"float": "mf_minf(acc, v)", "double": "mf_min(acc, v)", "n": "v < acc ? v : acc"}, NUMERIC, 8)
+variadic(
+    "Max",
+    {"float": "mf_maxf(acc, v)", "double": "mf_max(acc, v)", "n": "v > acc ? v : acc"},
+    NUMERIC,
+    8,
+)
+variadic(
+    "Min",
+    {"float": "mf_minf(acc, v)", "double": "mf_min(acc, v)", "n": "v < acc ? v : acc"},
+    NUMERIC,
+    8,
+)
 variadic("Sum", {"n": "acc + v"}, FLOATS, 8)
 variadic("Mean", {"n": "acc + v"}, FLOATS, 8)
 
@@ -371,7 +465,9 @@ class Where(Broadcast):
             self.fail("condition must be bool")
         dtype = self.same_dtype(1, 2)
         self.attrs = {}
-        out = loops.broadcast([self.shape(i) for i in (0, 1, 2)], f"{self.where}: {self.node.label}")
+        out = loops.broadcast(
+            [self.shape(i) for i in (0, 1, 2)], f"{self.where}: {self.node.label}"
+        )
         return [(dtype, out)]
 
     def emit(self, e: Emitter) -> str:
@@ -389,7 +485,7 @@ class Where(Broadcast):
 class PRelu(Broadcast):
     OP = "PRelu"
     SINCE = 9
-    TYPES = FLOATS + (D.INT32, D.INT64)
+    TYPES = (*FLOATS, D.INT32, D.INT64)
     EXPR = {"n": "a < 0 ? a * b : a"}
 
 
@@ -416,7 +512,9 @@ class Clip(Op):
             expr = f"({expr} < lo ? lo : {expr})"
         if hi:
             expr = f"({expr} > hi ? hi : {expr})"
-        decl = (f"const {dtype.c} lo = {lo}; " if lo else "") + (f"const {dtype.c} hi = {hi};" if hi else "")
+        decl = (f"const {dtype.c} lo = {lo}; " if lo else "") + (
+            f"const {dtype.c} hi = {hi};" if hi else ""
+        )
         n = self.numel_c(self.shape(0))
         return (
             f"{decl}\nfor (u32 k = 0; k < {n}; k++) {{ const {dtype.c} x = {e.inp(0)}[k]; "

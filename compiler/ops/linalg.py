@@ -10,17 +10,26 @@ import numpy as np
 
 from .. import dtypes as D
 from ..clit import lit
-from ..dims import Batch, Dim, Shape, cdim, mul, numel
+from ..dims import Batch, Dim, Shape, cdim, mul, numel, static
 from ..dtypes import DType
 from . import loops
 from .base import Emitter, Op, register
 
-TYPES = D.FLOATS + (D.INT32, D.INT64, D.UINT32, D.UINT64)
+TYPES = (*D.FLOATS, D.INT32, D.INT64, D.UINT32, D.UINT64)
 
 
 def kernel(
-    dtype: DType, m: Dim, k: int, n: int, a: str, b: str, y: str, a_rows: bool = True,
-    alpha: float = 1.0, init: str | None = None, b_kn: bool = True,
+    dtype: DType,
+    m: Dim,
+    k: int,
+    n: int,
+    a: str,
+    b: str,
+    y: str,
+    a_rows: bool = True,
+    alpha: float = 1.0,
+    init: str | None = None,
+    b_kn: bool = True,
 ) -> str:
     """y[m,n] (= init) + alpha * sum_k a[m,k] * b[k,n]; `a_rows`: a is [m,k] (else [k,m]);
     `b_kn`: b is [k,n] (else [n,k]); `init(row, col)` is a C expression or None for 0."""
@@ -28,10 +37,11 @@ def kernel(
     if dtype.c == "float" and a_rows and b_kn:  # the SIMD kernel (mf_rt.h), same sums
         fill = (
             f"for (u32 r = 0; r < {cdim(m)}; r++) for (u32 c = 0; c < {n}; c++) {y}[r * {n} + c] = {init};\n"
-            if init else f"for (u32 i = 0; i < {cdim(m)} * {n}; i++) {y}[i] = 0;\n"
+            if init
+            else f"for (u32 i = 0; i < {cdim(m)} * {n}; i++) {y}[i] = 0;\n"
         )
         return fill + f"mf_gemm_f32({cdim(m)}, {k}, {n}, {a}, {b}, {y}, {lit(alpha, dtype)});"
-    a_ix = "r * {K} + q".format(K=k) if a_rows else f"q * {cdim(m)} + r"
+    a_ix = f"r * {k} + q" if a_rows else f"q * {cdim(m)} + r"
     b_ix = f"q * {n} + c" if b_kn else f"c * {k} + q"
     scale = "" if alpha == 1.0 else f"{lit(alpha, dtype)} * "
     init_c = init or "0"
@@ -62,12 +72,14 @@ class Gemm(Op):
         m, k = (a[1], a[0]) if self.ta else (a[0], a[1])
         k2, n = (b[1], b[0]) if self.tb else (b[0], b[1])
         if k != k2 or isinstance(k, Batch) or isinstance(n, Batch):
-            self.fail(f"cannot multiply {self.show(a)} by {self.show(b)} (transA={self.ta}, transB={self.tb})")
+            self.fail(
+                f"cannot multiply {self.show(a)} by {self.show(b)} (transA={self.ta}, transB={self.tb})"
+            )
         self.m, self.k, self.n = m, int(k), int(n)
         if self.has(2):
             try:
                 loops.broadcast([self.shape(2), (m, n)], "")
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self.fail(f"C {self.show(self.shape(2))} does not broadcast to {self.show((m, n))}")
             if loops.broadcast([self.shape(2), (m, n)], "") != (m, n):
                 self.fail("C must broadcast to A x B's shape")
@@ -82,12 +94,30 @@ class Gemm(Op):
         init = None
         if self.has(2) and self.beta != 0.0:
             cs = loops.bstrides(self.shape(2), (self.m, self.n))
-            terms = [t for t in (f"r * {cdim(cs[0])}" if cs[0] != 0 else "", f"c * {cdim(cs[1])}" if cs[1] != 0 else "") if t]
+            terms = [
+                t
+                for t in (
+                    f"r * {cdim(cs[0])}" if cs[0] != 0 else "",
+                    f"c * {cdim(cs[1])}" if cs[1] != 0 else "",
+                )
+                if t
+            ]
             ix = " + ".join(terms) or "0"
             beta = "" if self.beta == 1.0 else f"{lit(self.beta, dtype)} * "
             init = f"{beta}{e.inp(2)}[{ix}]"
-        return kernel(dtype, self.m, self.k, self.n, e.inp(0), b_ptr, e.out(0), not self.ta,
-                      self.alpha, init, b_kn)
+        return kernel(
+            dtype,
+            self.m,
+            self.k,
+            self.n,
+            e.inp(0),
+            b_ptr,
+            e.out(0),
+            not self.ta,
+            self.alpha,
+            init,
+            b_kn,
+        )
 
 
 @register
@@ -110,7 +140,7 @@ class MatMul(Op):
             self.fail(f"cannot multiply {self.show(self.shape(0))} by {self.show(self.shape(1))}")
         batch = loops.broadcast([tuple(a[:-2]), tuple(b[:-2])], f"{self.where}: {self.node.label}")
         self.a, self.b, self.batch = tuple(a), tuple(b), batch
-        out = list(batch) + [a[-2], b[-1]]
+        out = [*list(batch), a[-2], b[-1]]
         if self.a1:
             del out[-2]
         if self.b1:
@@ -120,17 +150,26 @@ class MatMul(Op):
     def emit(self, e: Emitter) -> str:
         dtype = self.x(0).dtype
         a, b, batch = self.a, self.b, self.batch
-        m, k, n = a[-2], int(a[-1]), int(b[-1])  # type: ignore[arg-type]
+        m, k, n = a[-2], static(a[-1]), static(b[-1])
         ma, mb = mul(m, k), k * n
         a_st = [mul(s, ma) for s in loops.bstrides(tuple(a[:-2]), batch)]
         b_st = [mul(s, mb) for s in loops.bstrides(tuple(b[:-2]), batch)]
         y_stride = mul(m, n)
 
         def body(o: str, ins: list[str]) -> str:
-            return "{\n" + kernel(
-                dtype, m, k, n, f"({e.inp(0)} + {ins[0]})", f"({e.inp(1)} + {ins[1]})",
-                f"({e.out(0)} + ({o}) * {cdim(y_stride)})",
-            ) + "\n}"
+            return (
+                "{\n"
+                + kernel(
+                    dtype,
+                    m,
+                    k,
+                    n,
+                    f"({e.inp(0)} + {ins[0]})",
+                    f"({e.inp(1)} + {ins[1]})",
+                    f"({e.out(0)} + ({o}) * {cdim(y_stride)})",
+                )
+                + "\n}"
+            )
 
         # nest's output index counts batch entries; the kernel scales it by m*n
         return loops.nest(batch, [a_st, b_st], body, "bb", collapse=False)

@@ -30,9 +30,7 @@ def broadcast(shapes: Sequence[Shape], what: str) -> Shape:
             continue
         first = big[0]
         if any(d != first for d in big):
-            raise UnsupportedError(
-                f"{what}: shapes {', '.join(map(str, shapes))} do not broadcast"
-            )
+            raise UnsupportedError(f"{what}: shapes {', '.join(map(str, shapes))} do not broadcast")
         out.append(first)
     return tuple(out)
 
@@ -45,7 +43,9 @@ def bstrides(in_shape: Shape, out_shape: Shape) -> list[Dim]:
     return [0 if shape[k] == 1 and out_shape[k] != 1 else st[k] for k in range(len(out_shape))]
 
 
-def _collapse(dims: list[Dim], operand_strides: list[list[Dim]]) -> tuple[list[Dim], list[list[Dim]]]:
+def _collapse(
+    dims: list[Dim], operand_strides: list[list[Dim]]
+) -> tuple[list[Dim], list[list[Dim]]]:
     """Drop size-1 axes and merge adjacent axes that every operand walks contiguously."""
     keep = [k for k, d in enumerate(dims) if d != 1]
     dims = [dims[k] for k in keep]

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import dtypes as D
 from ..clit import lit
-from ..dims import Batch, Shape, cdim, numel
+from ..dims import Batch, Shape, cdim, numel, static
 from ..dtypes import DType
 from .base import Emitter, Op, register
 
@@ -145,7 +145,9 @@ class LinearClassifier(_ML):
                 lines.append(f"  {e.out(1)}[r] = s[0];")
         else:
             labels = e.const(np.asarray(self.labels_, np.int64), D.INT64)
-            lines.append("  u32 best = 0; for (u32 k = 1; k < %d; k++) if (s[k] > s[best]) best = k;" % c)
+            lines.append(
+                f"  u32 best = 0; for (u32 k = 1; k < {c}; k++) if (s[k] > s[best]) best = k;"
+            )
             lines.append(f"  {e.out(0)}[r] = {labels}[best];")
             lines.append("  " + post_transform("s", c, self.how))
             lines.append(f"  for (u32 k = 0; k < {width}; k++) {e.out(1)}[r * {width} + k] = s[k];")
@@ -168,9 +170,9 @@ class Normalizer(_ML):
     def emit(self, e: Emitter) -> str:
         f = self.f
         acc = {
-            "MAX": "double a = x[0]; for (u32 k = 1; k < %d; k++) if (x[k] > a) a = x[k];" % f,
-            "L1": "double a = 0; for (u32 k = 0; k < %d; k++) a += x[k] < 0 ? -(double)x[k] : (double)x[k];" % f,
-            "L2": "double a = 0; for (u32 k = 0; k < %d; k++) a += (double)x[k] * x[k]; a = mf_sqrt(a);" % f,
+            "MAX": f"double a = x[0]; for (u32 k = 1; k < {f}; k++) if (x[k] > a) a = x[k];",
+            "L1": f"double a = 0; for (u32 k = 0; k < {f}; k++) a += x[k] < 0 ? -(double)x[k] : (double)x[k];",
+            "L2": f"double a = 0; for (u32 k = 0; k < {f}; k++) a += (double)x[k] * x[k]; a = mf_sqrt(a);",
         }[self.norm]
         t = self.x(0).dtype.c
         return (
@@ -258,7 +260,7 @@ class ArrayFeatureExtractor(_ML):
     OP = "ArrayFeatureExtractor"
 
     def infer(self) -> list[tuple[DType, Shape]]:
-        dtype = self.need(0, IN_TYPES + (D.BOOL,))
+        dtype = self.need(0, (*IN_TYPES, D.BOOL))
         self.need(1, (D.INT64,))
         s = self.shape(0)
         if not s or isinstance(s[-1], Batch):
@@ -270,7 +272,7 @@ class ArrayFeatureExtractor(_ML):
 
     def emit(self, e: Emitter) -> str:
         s = self.shape(0)
-        last = int(s[-1])  # type: ignore[arg-type]
+        last = static(s[-1])
         outer = numel(s[:-1]) if len(s) > 1 else 1
         count = numel(self.shape(1))
         bad = e.error("index out of range")
@@ -294,13 +296,17 @@ class LabelEncoder(_ML):
             keys, vals = np.asarray(a["keys_tensor"]), np.asarray(a["values_tensor"])
         else:
             keys = np.asarray(a.get("keys_int64s", a.get("keys_floats", a.get("keys_strings", []))))
-            vals = np.asarray(a.get("values_int64s", a.get("values_floats", a.get("values_strings", []))))
+            vals = np.asarray(
+                a.get("values_int64s", a.get("values_floats", a.get("values_strings", [])))
+            )
         if keys.dtype.kind in "US" or vals.dtype.kind in "US" or keys.dtype == object:
             self.fail("string keys or values are not supported")
         if keys.size != vals.size:
             self.fail("keys and values differ in length")
         in_t = self.need(0, (D.INT64, D.FLOAT, D.INT32, D.DOUBLE))
-        out_t = D.from_numpy(vals.dtype, f"{self.where}: {self.node.label}") if vals.size else D.INT64
+        out_t = (
+            D.from_numpy(vals.dtype, f"{self.where}: {self.node.label}") if vals.size else D.INT64
+        )
         if "default_tensor" in a:
             default = np.asarray(a["default_tensor"]).reshape(-1)[0]
         elif out_t.is_float:
@@ -311,7 +317,7 @@ class LabelEncoder(_ML):
         return [(out_t, self.shape(0))]
 
     def emit(self, e: Emitter) -> str:
-        in_t, out_t = self.x(0).dtype, self.outs[0].dtype  # type: ignore[union-attr]
+        in_t, out_t = self.x(0).dtype, self.out_dtype(0)
         k = e.const(self.keys, in_t)
         v = e.const(self.vals, out_t)
         n = self.numel_c(self.shape(0))

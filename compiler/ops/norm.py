@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .. import dtypes as D
 from ..clit import lit
-from ..dims import Batch, Shape, cdim, numel
+from ..dims import Batch, Shape, cdim, numel, static
 from ..dtypes import DType
 from .base import Emitter, Op, register
 
@@ -34,7 +34,7 @@ class BatchNormalization(Op):
     def emit(self, e: Emitter) -> str:
         s = self.shape(0)
         t = self.x(0).dtype.c
-        c = int(s[1])  # type: ignore[arg-type]
+        c = static(s[1])
         inner = numel(s[2:])
         return (
             f"for (u32 b = 0; b < {cdim(s[0])}; b++) for (u32 ch = 0; ch < {c}; ch++) {{\n"
@@ -57,10 +57,10 @@ class LayerNormalization(Op):
         self.ax = self.axis(int(self.attr("axis", -1)), len(s))
         if any(isinstance(d, Batch) for d in s[self.ax :]):
             self.fail("cannot normalise over the batch")
-        self.inner = int(numel(s[self.ax :]))  # type: ignore[call-overload]
+        self.inner = static(numel(s[self.ax :]))
         self.eps = float(self.attr("epsilon", 1e-5))
         for i in (1, 2):
-            if self.has(i) and int(numel(self.shape(i))) not in (1, self.inner):  # type: ignore[call-overload]
+            if self.has(i) and static(numel(self.shape(i))) not in (1, self.inner):
                 self.fail(f"input {i} must have the normalised shape (or one element)")
         stat = tuple(s[: self.ax]) + (1,) * (len(s) - self.ax)
         stash = D.from_onnx(int(self.attr("stash_type", 1)), f"{self.where}: {self.node.label}")
@@ -75,7 +75,7 @@ class LayerNormalization(Op):
         def pick(i: int) -> str:
             if not self.has(i):
                 return "0"
-            return f"{e.inp(i)}[k]" if int(numel(self.shape(i))) == n else f"{e.inp(i)}[0]"  # type: ignore[call-overload]
+            return f"{e.inp(i)}[k]" if static(numel(self.shape(i))) == n else f"{e.inp(i)}[0]"
 
         stats = ""
         if self.has_out(1):
@@ -113,8 +113,8 @@ class InstanceNormalization(Op):
     def emit(self, e: Emitter) -> str:
         s = self.shape(0)
         t = self.x(0).dtype.c
-        c = int(s[1])  # type: ignore[arg-type]
-        n = int(numel(s[2:]))  # type: ignore[call-overload]
+        c = static(s[1])
+        n = static(numel(s[2:]))
         return (
             f"for (u32 r = 0; r < {cdim(s[0])} * {c}; r++) {{\n"
             f"  const u32 ch = r % {c};\n"
@@ -166,17 +166,23 @@ class Softmax(_Softmax):
         t = self.x(0).dtype.c
         L, inner = self.length, self.inner
         if t == "float":  # float exp (2 ulp), sum in double, one division
-            return self.loop(e, (
+            return self.loop(
+                e,
+                (
+                    f"  double sum = 0;\n"
+                    f"  for (u32 k = 0; k < {L}; k++) {{ const float v = mf_expf(x[k * {inner}] - top); y[k * {inner}] = v; sum += v; }}\n"
+                    f"  const float inv = (float)(1.0 / sum);\n"
+                    f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] = (float)((double)y[k * {inner}] / sum);"
+                ),
+            )
+        return self.loop(
+            e,
+            (
                 f"  double sum = 0;\n"
-                f"  for (u32 k = 0; k < {L}; k++) {{ const float v = mf_expf(x[k * {inner}] - top); y[k * {inner}] = v; sum += v; }}\n"
-                f"  const float inv = (float)(1.0 / sum);\n"
-                f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] = (float)((double)y[k * {inner}] / sum);"
-            ))
-        return self.loop(e, (
-            f"  double sum = 0;\n"
-            f"  for (u32 k = 0; k < {L}; k++) sum += mf_exp((double)x[k * {inner}] - top);\n"
-            f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] = ({t})(mf_exp((double)x[k * {inner}] - top) / sum);"
-        ))
+                f"  for (u32 k = 0; k < {L}; k++) sum += mf_exp((double)x[k * {inner}] - top);\n"
+                f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] = ({t})(mf_exp((double)x[k * {inner}] - top) / sum);"
+            ),
+        )
 
 
 @register
@@ -186,12 +192,15 @@ class LogSoftmax(_Softmax):
     def emit(self, e: Emitter) -> str:
         t = self.x(0).dtype.c
         L, inner = self.length, self.inner
-        return self.loop(e, (
-            f"  double sum = 0;\n"
-            f"  for (u32 k = 0; k < {L}; k++) sum += mf_exp((double)x[k * {inner}] - top);\n"
-            f"  const double ls = mf_log(sum);\n"
-            f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] = ({t})((double)x[k * {inner}] - top - ls);"
-        ))
+        return self.loop(
+            e,
+            (
+                f"  double sum = 0;\n"
+                f"  for (u32 k = 0; k < {L}; k++) sum += mf_exp((double)x[k * {inner}] - top);\n"
+                f"  const double ls = mf_log(sum);\n"
+                f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] = ({t})((double)x[k * {inner}] - top - ls);"
+            ),
+        )
 
 
 @register
@@ -200,11 +209,14 @@ class Hardmax(_Softmax):
 
     def emit(self, e: Emitter) -> str:
         L, inner = self.length, self.inner
-        return self.loop(e, (
-            f"  u32 best = 0;\n"
-            f"  for (u32 k = 1; k < {L}; k++) if (x[k * {inner}] > x[best * {inner}]) best = k;\n"
-            f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] = k == best ? 1 : 0;"
-        ))
+        return self.loop(
+            e,
+            (
+                f"  u32 best = 0;\n"
+                f"  for (u32 k = 1; k < {L}; k++) if (x[k * {inner}] > x[best * {inner}]) best = k;\n"
+                f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] = k == best ? 1 : 0;"
+            ),
+        )
 
 
 _ = lit

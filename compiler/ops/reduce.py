@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .. import dtypes as D
-from ..dims import Batch, Dim, Shape, cdim, numel
+from ..dims import Batch, Dim, Shape, cdim, numel, static
 from ..dtypes import DType
 from . import loops
 from .base import Emitter, Op, register
@@ -37,7 +37,7 @@ class _Reduce(Op):
             axes = [] if noop else list(range(len(s)))
         self.axes = sorted({self.axis(int(a), len(s)) for a in axes})
         self.keep = keep
-        out = []
+        out: list[Dim] = []
         for k, d in enumerate(s):
             if k in self.axes:
                 if keep:
@@ -66,11 +66,19 @@ class _Reduce(Op):
         red_shape = tuple(s[k] for k in red)
 
         def inner(o: str, ins: list[str]) -> str:
-            body = loops.nest(
-                red_shape, [[st[k] for k in red]],
-                lambda _o, ix: f"const {acc_t} v = ({acc_t}){e.inp(0)}[base + {ix[0]}]; acc = {step};",
-                "rr", collapse=False,
-            ) if red_shape else f"const {acc_t} v = ({acc_t}){e.inp(0)}[base]; acc = {step};"
+            body = (
+                loops.nest(
+                    red_shape,
+                    [[st[k] for k in red]],
+                    lambda _o, ix: (
+                        f"const {acc_t} v = ({acc_t}){e.inp(0)}[base + {ix[0]}]; acc = {step};"
+                    ),
+                    "rr",
+                    collapse=False,
+                )
+                if red_shape
+                else f"const {acc_t} v = ({acc_t}){e.inp(0)}[base]; acc = {step};"
+            )
             return (
                 f"{{ const u32 base = {ins[0]}; {acc_t} acc = {init};\n{body}\n"
                 f"{e.out(0)}[{o}] = ({dtype.c})({final}); }}"
@@ -84,25 +92,49 @@ def _int_limit(dtype: DType, low: bool) -> str:
 
     if dtype.is_bool:
         return "0" if low else "1"
-    info = np.iinfo(dtype.np)
+    info = np.iinfo(dtype.np)  # type: ignore[type-var]
     v = int(info.min if low else info.max)
     if dtype.c == "i64" and low:
         return "(-9223372036854775807LL - 1)"
     return f"(({dtype.c}){v}{'ULL' if dtype.c == 'u64' else 'LL'})"
 
 
-def _reduce(op: str, init: str, step: str, final: str, since: int, axes_input: int,
-            types: tuple[DType, ...] = NUMERIC, acc_double: bool = True) -> None:
-    register(type(op, (_Reduce,), {
-        "OP": op, "INIT": init, "STEP": step, "FINAL": final, "SINCE": since,
-        "AXES_INPUT": axes_input, "TYPES": types, "ACC_DOUBLE": acc_double,
-    }))
+def _reduce(
+    op: str,
+    init: str,
+    step: str,
+    final: str,
+    since: int,
+    axes_input: int,
+    types: tuple[DType, ...] = NUMERIC,
+    acc_double: bool = True,
+) -> None:
+    register(
+        type(
+            op,
+            (_Reduce,),
+            {
+                "OP": op,
+                "INIT": init,
+                "STEP": step,
+                "FINAL": final,
+                "SINCE": since,
+                "AXES_INPUT": axes_input,
+                "TYPES": types,
+                "ACC_DOUBLE": acc_double,
+            },
+        )
+    )
 
 
 _reduce("ReduceSum", "0", "acc + v", "acc", 1, 13)
 _reduce("ReduceMean", "0", "acc + v", "acc / $N", 1, 18)
-_reduce("ReduceMax", "$LOW", "(v > acc || v != v) ? v : acc", "acc", 1, 18, NUMERIC + (D.BOOL,), False)
-_reduce("ReduceMin", "$HIGH", "(v < acc || v != v) ? v : acc", "acc", 1, 18, NUMERIC + (D.BOOL,), False)
+_reduce(
+    "ReduceMax", "$LOW", "(v > acc || v != v) ? v : acc", "acc", 1, 18, (*NUMERIC, D.BOOL), False
+)
+_reduce(
+    "ReduceMin", "$HIGH", "(v < acc || v != v) ? v : acc", "acc", 1, 18, (*NUMERIC, D.BOOL), False
+)
 _reduce("ReduceProd", "1", "acc * v", "acc", 1, 18)
 _reduce("ReduceL1", "0", "acc + (v < 0 ? -v : v)", "acc", 1, 18)
 _reduce("ReduceL2", "0", "acc + v * v", "mf_sqrt((double)acc)", 1, 18)
@@ -132,7 +164,7 @@ class _Arg(Op):
     def emit(self, e: Emitter) -> str:
         s = self.shape(0)
         t = self.x(0).dtype.c
-        outer, length, inner = numel(s[: self.ax]), int(s[self.ax]), numel(s[self.ax + 1 :])  # type: ignore[arg-type]
+        outer, length, inner = numel(s[: self.ax]), static(s[self.ax]), numel(s[self.ax + 1 :])
         cmp = self.CMP + ("=" if self.last else "")
         return (
             f"for (u32 r = 0; r < {cdim(outer)}; r++) for (u32 c = 0; c < {cdim(inner)}; c++) {{\n"

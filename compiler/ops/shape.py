@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import dtypes as D
 from ..clit import lit
-from ..dims import Batch, Dim, Shape, cdim, mul, numel
+from ..dims import Batch, Dim, Shape, add, cdim, mul, numel, static
 from ..dtypes import DType
 from ..errors import UnsupportedError
 from . import loops
@@ -48,7 +48,7 @@ class View(Op):
         v = self.x(0).value
         if v is None:
             return None
-        return [np.asarray(v).reshape([int(d) for d in self.oshape()])]  # type: ignore[arg-type]
+        return [np.asarray(v).reshape([static(d) for d in self.oshape()])]
 
     def emit(self, e: Emitter) -> str:  # pragma: no cover - views emit nothing
         return ""
@@ -221,11 +221,11 @@ class ConstantOfShape(Op):
     def fold(self) -> list[np.ndarray[Any, Any]] | None:
         shape = self.oshape()
         if all(isinstance(d, int) for d in shape):
-            return [np.full([int(d) for d in shape], self.v[0], dtype=self.v.dtype)]  # type: ignore[arg-type]
+            return [np.full([static(d) for d in shape], self.v[0], dtype=self.v.dtype)]
         return None
 
     def emit(self, e: Emitter) -> str:
-        dtype = self.outs[0].dtype  # type: ignore[union-attr]
+        dtype = self.out_dtype(0)
         n = self.numel_c(self.oshape())
         return f"for (u32 k = 0; k < {n}; k++) {e.out(0)}[k] = {lit(self.v[0], dtype)};"
 
@@ -249,9 +249,9 @@ class Range(Op):
     def fold(self) -> list[np.ndarray[Any, Any]] | None:
         if isinstance(self.oshape()[0], Batch):
             return None
-        start, limit, delta = (np.asarray(self.value(i)).reshape(-1)[0] for i in (0, 1, 2))
+        start, _limit, delta = (np.asarray(self.value(i)).reshape(-1)[0] for i in (0, 1, 2))
         dtype = self.x(0).dtype.np
-        n = int(self.oshape()[0])  # type: ignore[arg-type]
+        n = static(self.oshape()[0])
         return [(start + np.arange(n) * delta).astype(dtype)]
 
     def emit(self, e: Emitter) -> str:
@@ -342,7 +342,9 @@ class Transpose(Op):
     def infer(self) -> list[tuple[DType, Shape]]:
         s = self.shape(0)
         perm = self.attr("perm", None)
-        perm = list(range(len(s)))[::-1] if perm is None else [self.axis(int(p), len(s)) for p in perm]
+        perm = (
+            list(range(len(s)))[::-1] if perm is None else [self.axis(int(p), len(s)) for p in perm]
+        )
         if sorted(perm) != list(range(len(s))):
             self.fail(f"perm {perm} is not a permutation of {len(s)} axes")
         self.perm = perm
@@ -379,7 +381,7 @@ class Concat(Op):
             for k in range(rank):
                 if k != self.ax and s[k] != out[k]:
                     self.fail(f"shapes {', '.join(map(self.show, shapes))} differ off the axis")
-            total = s[self.ax] + total if isinstance(s[self.ax], Batch) else total + s[self.ax]  # type: ignore[operator]
+            total = add(total, s[self.ax])
         out[self.ax] = total
         return [(dtype, tuple(out))]
 
@@ -387,9 +389,10 @@ class Concat(Op):
         vals = [self.x(i).value for i in range(len(self.inputs)) if self.has(i)]
         if any(v is None for v in vals):
             return None
-        if any(v.dtype == object for v in vals):  # type: ignore[union-attr]
-            vals = [np.asarray(v, dtype=object) for v in vals]
-        return [np.concatenate(vals, axis=self.ax)]  # type: ignore[arg-type]
+        arrays = [v for v in vals if v is not None]
+        if any(v.dtype == object for v in arrays):
+            arrays = [np.asarray(v, dtype=object) for v in arrays]
+        return [np.concatenate(arrays, axis=self.ax)]
 
     def emit(self, e: Emitter) -> str:
         out = self.oshape()
@@ -407,7 +410,7 @@ class Concat(Op):
                 f"for (u32 a = 0; a < {cdim(outer)}; a++) for (u32 b = 0; b < {cdim(inner)}; b++) "
                 f"{e.out(0)}[a * {cdim(row)} + {cdim(offset)} + b] = {e.inp(i)}[a * {cdim(inner)} + b];"
             )
-            offset = inner + offset if isinstance(inner, Batch) else offset + inner  # type: ignore[operator]
+            offset = add(offset, inner)
         return "\n".join(lines)
 
 
@@ -435,7 +438,9 @@ class Split(Op):
         if sum(sizes) != s[self.ax] or len(sizes) != n_out:
             self.fail(f"split sizes {sizes} do not fit axis {self.ax} of {self.show(s)}")
         self.sizes = sizes
-        return [(self.x(0).dtype, tuple(s[: self.ax]) + (z,) + tuple(s[self.ax + 1 :])) for z in sizes]
+        return [
+            (self.x(0).dtype, (*tuple(s[: self.ax]), z, *tuple(s[self.ax + 1 :]))) for z in sizes
+        ]
 
     def emit(self, e: Emitter) -> str:
         s = self.shape(0)
@@ -511,17 +516,26 @@ class Slice(Op):
         self.start = [0] * len(s)
         self.step = [1] * len(s)
         out = list(s)
-        for a, b, ax, st in zip(starts, ends, axes, steps, strict=True):
-            ax = self.axis(int(ax), len(s))
+        for a, b, axis, st in zip(starts, ends, axes, steps, strict=True):
+            ax = self.axis(int(axis), len(s))
             dim = s[ax]
             if st == 0:
                 self.fail("a step of 0")
             if isinstance(dim, Batch):
-                if a == 0 and st == 1 and (isinstance(b, Batch) and b == dim or (isinstance(b, int) and b >= INT_MAX // 2)):
+                if (
+                    a == 0
+                    and st == 1
+                    and (
+                        (isinstance(b, Batch) and b == dim)
+                        or (isinstance(b, int) and b >= INT_MAX // 2)
+                    )
+                ):
                     continue
                 self.fail("slicing the batch axis is not supported")
             if isinstance(a, Batch) or isinstance(b, Batch):
-                self.fail("slice bounds computed from the batch are only supported on the batch axis")
+                self.fail(
+                    "slice bounds computed from the batch are only supported on the batch axis"
+                )
             lo, hi, step = slice(int(a), int(b), int(st)).indices(int(dim))
             n = len(range(lo, hi, step))
             self.start[ax], self.step[ax], out[ax] = lo, step, n
@@ -532,18 +546,23 @@ class Slice(Op):
         if v is None:
             return None
         idx = tuple(
-            slice(st, st + step * int(n), step) if step > 0 else slice(st, (st + step * int(n)) if st + step * int(n) >= 0 else None, step)
+            slice(st, st + step * static(n), step)
+            if step > 0
+            else slice(st, (st + step * static(n)) if st + step * static(n) >= 0 else None, step)
             for st, step, n in zip(self.start, self.step, self.oshape(), strict=True)
         )
         return [np.asarray(v)[idx]]
 
     def emit(self, e: Emitter) -> str:
         st = loops.strides(self.shape(0))
-        base = sum(self.start[k] * int(st[k]) for k in range(len(st)) if self.start[k])  # type: ignore[call-overload]
+        base = sum(self.start[k] * static(st[k]) for k in range(len(st)) if self.start[k])
         in_st = [mul(st[k], self.step[k]) for k in range(len(st))]
         return loops.nest(
-            self.oshape(), [in_st],
-            lambda o, i: f"{e.out(0)}[{o}] = {e.inp(0)}[{base} + {i[0]}];", "j", collapse=False,
+            self.oshape(),
+            [in_st],
+            lambda o, i: f"{e.out(0)}[{o}] = {e.inp(0)}[{base} + {i[0]}];",
+            "j",
+            collapse=False,
         )
 
 
@@ -561,8 +580,10 @@ class Expand(Op):
     def emit(self, e: Emitter) -> str:
         out = self.oshape()
         return loops.nest(
-            out, [loops.bstrides(self.shape(0), out)],
-            lambda o, i: f"{e.out(0)}[{o}] = {e.inp(0)}[{i[0]}];", "j",
+            out,
+            [loops.bstrides(self.shape(0), out)],
+            lambda o, i: f"{e.out(0)}[{o}] = {e.inp(0)}[{i[0]}];",
+            "j",
         )
 
 
@@ -584,8 +605,15 @@ class Tile(Op):
         out = self.oshape()
         st = loops.strides(s)
         idx = [f"t{k}" for k in range(len(s))]
-        loops_c = "".join(f"for (u32 {i} = 0; {i} < {cdim(d)}; {i}++) " for i, d in zip(idx, out, strict=True))
-        src = " + ".join(f"({i} % {cdim(d)}) * {cdim(stv)}" for i, d, stv in zip(idx, s, st, strict=True)) or "0"
+        loops_c = "".join(
+            f"for (u32 {i} = 0; {i} < {cdim(d)}; {i}++) " for i, d in zip(idx, out, strict=True)
+        )
+        src = (
+            " + ".join(
+                f"({i} % {cdim(d)}) * {cdim(stv)}" for i, d, stv in zip(idx, s, st, strict=True)
+            )
+            or "0"
+        )
         if any(d == 0 for d in out):
             return "/* empty */"
         return f"{{ u32 o = 0; {loops_c}{e.out(0)}[o++] = {e.inp(0)}[{src}]; }}"
@@ -611,7 +639,7 @@ class Pad(Op):
         self.after = [0] * len(s)
         for j, a in enumerate(axes):
             self.before[a], self.after[a] = int(pads[j]), int(pads[j + len(axes)])
-        out = []
+        out: list[Dim] = []
         for k, d in enumerate(s):
             if isinstance(d, Batch):
                 if self.before[k] or self.after[k]:
@@ -624,7 +652,8 @@ class Pad(Op):
                 out.append(n)
         known = self.has(2) and self.x(2).value is not None
         self.fill = (
-            lit(np.asarray(self.x(2).value).reshape(-1)[0], self.x(0).dtype) if known and numel(self.shape(2)) != 0
+            lit(np.asarray(self.x(2).value).reshape(-1)[0], self.x(0).dtype)
+            if known and numel(self.shape(2)) != 0
             else ("pad_value" if self.has(2) and numel(self.shape(2)) != 0 else "0")
         )
         return [(self.x(0).dtype, tuple(out))]
@@ -636,7 +665,9 @@ class Pad(Op):
         dtype = self.x(0).dtype
         lines = ["u32 o = 0;"]
         idx = [f"p{k}" for k in range(len(s))]
-        open_ = "".join(f"for (i64 {i} = 0; {i} < {cdim(d)}; {i}++) " for i, d in zip(idx, out, strict=True))
+        open_ = "".join(
+            f"for (i64 {i} = 0; {i} < {cdim(d)}; {i}++) " for i, d in zip(idx, out, strict=True)
+        )
         conds = []
         terms = []
         for k, d in enumerate(s):
@@ -646,7 +677,9 @@ class Pad(Op):
                 conds.append(f"{src} < 0 || {src} >= {dc}")
                 terms.append(f"{src} * {cdim(st[k])}")
             elif self.mode == "edge":
-                terms.append(f"({src} < 0 ? 0 : ({src} >= {dc} ? {dc} - 1 : {src})) * {cdim(st[k])}")
+                terms.append(
+                    f"({src} < 0 ? 0 : ({src} >= {dc} ? {dc} - 1 : {src})) * {cdim(st[k])}"
+                )
             elif self.mode == "wrap":
                 terms.append(f"((({src} % (i64){dc}) + {dc}) % (i64){dc}) * {cdim(st[k])}")
             else:  # reflect: period 2*(d-1)

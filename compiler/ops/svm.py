@@ -10,7 +10,7 @@ from .. import dtypes as D
 from ..dims import Shape, cdim
 from ..dtypes import DType
 from .base import Emitter, register
-from .ml import IN_TYPES, _ML, post_transform
+from .ml import _ML, IN_TYPES, post_transform
 
 KERNELS = ("LINEAR", "POLY", "RBF", "SIGMOID")
 
@@ -65,14 +65,21 @@ class SVMRegressor(_SVM):
         f = self.f
         t = self.x(0).dtype.c
         coef = e.const(self.coef, D.FLOAT)
-        lines = [f"for (u32 r = 0; r < {cdim(self.n)}; r++) {{", f"  const {t} *x = {e.inp(0)} + r * {f};"]
+        lines = [
+            f"for (u32 r = 0; r < {cdim(self.n)}; r++) {{",
+            f"  const {t} *x = {e.inp(0)} + r * {f};",
+        ]
         if self.nsv:
             sv = e.const(self.sv, D.FLOAT)
             lines.append(f"  float k[{self.nsv}];")
             lines.append("  " + self.kernel_c(e, sv, self.nsv, f, "x", "k"))
-            lines.append(f"  double s = 0; for (u32 j = 0; j < {self.nsv}; j++) s += (double){coef}[j] * k[j];")
+            lines.append(
+                f"  double s = 0; for (u32 j = 0; j < {self.nsv}; j++) s += (double){coef}[j] * k[j];"
+            )
         else:
-            lines.append(f"  double s = 0; for (u32 q = 0; q < {f}; q++) s += (double)(float)x[q] * {coef}[q];")
+            lines.append(
+                f"  double s = 0; for (u32 q = 0; q < {f}; q++) s += (double)(float)x[q] * {coef}[q];"
+            )
         lines.append(f"  float y = (float)(s + {self.rho!r});")
         if self.one_class:
             lines.append("  y = y > 0 ? 1.0f : -1.0f;")
@@ -107,7 +114,11 @@ class SVMClassifier(_SVM):
         self.coef = np.asarray(self.attr("coefficients"), np.float32)
         self.rho = np.asarray(self.attr("rho"), np.float32)
         pairs = self.c * (self.c - 1) // 2
-        if self.sv.size != self.nsv * self.f or self.coef.size < (self.c - 1) * self.nsv or self.rho.size < pairs:
+        if (
+            self.sv.size != self.nsv * self.f
+            or self.coef.size < (self.c - 1) * self.nsv
+            or self.rho.size < pairs
+        ):
             self.fail("support_vectors, coefficients or rho do not fit the classes and features")
         self.how = self.transform()
         self.pairs = pairs
@@ -138,12 +149,16 @@ class SVMClassifier(_SVM):
                     f"    s[{idx}] = (float)sum; votes[sum > 0 ? {i} : {j}]++; }}"
                 )
                 idx += 1
-        lines.append("  u32 best = 0; for (u32 q = 1; q < %d; q++) if (votes[q] > votes[best]) best = q;" % c)
+        lines.append(
+            f"  u32 best = 0; for (u32 q = 1; q < {c}; q++) if (votes[q] > votes[best]) best = q;"
+        )
         lines.append(f"  {e.out(0)}[r] = {labels}[best];")
         z = e.out(1)
         if c > 2:
             lines.append("  " + post_transform("s", self.pairs, self.how))
-            lines.append(f"  for (u32 q = 0; q < {self.pairs}; q++) {z}[r * {self.pairs} + q] = s[q];")
+            lines.append(
+                f"  for (u32 q = 0; q < {self.pairs}; q++) {z}[r * {self.pairs} + q] = s[q];"
+            )
         elif self.how == "NONE":
             lines.append(f"  {z}[r * 2] = -s[0]; {z}[r * 2 + 1] = s[0];")
         else:  # onnxruntime writes [1 - s, s] without the transform here

@@ -14,9 +14,17 @@ from .. import dtypes as D
 from ..dims import Shape, cdim
 from ..dtypes import DType
 from .base import Emitter, register
-from .ml import IN_TYPES, _ML, post_transform
+from .ml import _ML, IN_TYPES, post_transform
 
-MODES = {"BRANCH_LEQ": 0, "BRANCH_LT": 1, "BRANCH_GTE": 2, "BRANCH_GT": 3, "BRANCH_EQ": 4, "BRANCH_NEQ": 5, "LEAF": 6}
+MODES = {
+    "BRANCH_LEQ": 0,
+    "BRANCH_LT": 1,
+    "BRANCH_GTE": 2,
+    "BRANCH_GT": 3,
+    "BRANCH_EQ": 4,
+    "BRANCH_NEQ": 5,
+    "LEAF": 6,
+}
 COMPARE = {0: "v <= t", 1: "v < t", 2: "v >= t", 3: "v > t", 4: "v == t", 5: "v != t"}
 
 
@@ -89,10 +97,10 @@ class _Trees(_ML):
             self.fail(f"the {w}_* attributes differ in length")
         leaves: dict[int, list[tuple[int, float]]] = {}
         for t, i, c, v in zip(wt, wn, wi, wv.tolist(), strict=True):
-            k = pos.get((t, i))
-            if k is None:
+            leaf = pos.get((t, i))
+            if leaf is None:
                 self.fail(f"a weight names missing node {i} of tree {t}")
-            leaves.setdefault(k, []).append((c, v))
+            leaves.setdefault(leaf, []).append((c, v))
         begin = [0]
         wcls: list[int] = []
         wval: list[float] = []
@@ -102,7 +110,7 @@ class _Trees(_ML):
                 wval.append(v)
             begin.append(len(wcls))
         self.n_nodes = n
-        self.arrays = {
+        self.arrays: dict[str, tuple[np.ndarray[Any, Any], DType]] = {
             "feat": (np.asarray(feat, np.int32), D.INT32),
             "thr": (thr, D.FLOAT if thr.dtype == np.float32 else D.DOUBLE),
             "mode": (np.asarray(modes, np.uint8), D.UINT8),
@@ -143,7 +151,9 @@ class _Trees(_ML):
             lines.append(f"    if (v != v && {arr['miss']}[n]) go = 1;")
         lines.append(f"    n = go ? {arr['tru']}[n] : {arr['fal']}[n];")
         lines.append("  }")
-        lines.append(f"  for (i32 w = {arr['wbeg']}[n]; w < {arr['wbeg']}[n + 1]; w++) {{ const i32 c = {arr['wcls']}[w]; const float wv = {arr['wval']}[w]; {leaf} }}")
+        lines.append(
+            f"  for (i32 w = {arr['wbeg']}[n]; w < {arr['wbeg']}[n + 1]; w++) {{ const i32 c = {arr['wcls']}[w]; const float wv = {arr['wval']}[w]; {leaf} }}"
+        )
         lines.append("}")
         return "\n".join(lines)
 
@@ -188,39 +198,57 @@ class TreeEnsembleClassifier(_Trees):
         body: list[str] = []
         if c > 2:
             for k, b in enumerate(base[:c]):
-                body.append(f"  if (!has[{k}]) {{ has[{k}] = 1; sc[{k}] = {float(np.float32(b)).hex()}f; }} else sc[{k}] += {float(np.float32(b)).hex()}f;")
-            body.append("  i32 best = -1; for (u32 k = 0; k < %d; k++) if (has[k] && (best < 0 || sc[k] > sc[best])) best = (i32)k;" % c)
+                body.append(
+                    f"  if (!has[{k}]) {{ has[{k}] = 1; sc[{k}] = {float(np.float32(b)).hex()}f; }} else sc[{k}] += {float(np.float32(b)).hex()}f;"
+                )
+            body.append(
+                f"  i32 best = -1; for (u32 k = 0; k < {c}; k++) if (has[k] && (best < 0 || sc[k] > sc[best])) best = (i32)k;"
+            )
             body.append(f"  if (best < 0) {e.error('no tree produced a score')}")
             body.append(f"  {y}[r] = {labels}[best];")
-            body.append("  float zz[%d]; for (u32 k = 0; k < %d; k++) zz[k] = has[k] ? sc[k] : 0;" % (c, c))
+            body.append(
+                f"  float zz[{c}]; for (u32 k = 0; k < {c}; k++) zz[k] = has[k] ? sc[k] : 0;"
+            )
             body.append("  " + post_transform("zz", c, self.how))
             body.append(f"  for (u32 k = 0; k < {c}; k++) {z}[r * {c} + k] = zz[k];")
         else:
-            b = [float(np.float32(v)) for v in base]
+            bv = [float(np.float32(v)) for v in base]
             body.append("  u32 size = 2; i32 wa = -1;")
-            if len(b) == 2:
-                body.append(f"  if (has[1]) {{ sc[1] = {b[1].hex()}f + sc[0]; sc[0] = -sc[1]; }} else {{ sc[1] += {b[1].hex()}f; sc[0] += {b[0].hex()}f; }}")
-            elif len(b) == 1:
-                body.append(f"  sc[0] += {b[0].hex()}f; if (!has[1]) size = 1;")
-            elif not b:
+            if len(bv) == 2:
+                body.append(
+                    f"  if (has[1]) {{ sc[1] = {bv[1].hex()}f + sc[0]; sc[0] = -sc[1]; }} else {{ sc[1] += {bv[1].hex()}f; sc[0] += {bv[0].hex()}f; }}"
+                )
+            elif len(bv) == 1:
+                body.append(f"  sc[0] += {bv[0].hex()}f; if (!has[1]) size = 1;")
+            elif not bv:
                 body.append("  wa = 3; if (!has[1]) size = 1;")
             else:
-                self.fail(f"{len(b)} base values for 2 classes")
+                self.fail(f"{len(bv)} base values for 2 classes")
             body.append("  const float pos = (size == 2 && has[1]) ? sc[1] : (has[0] ? sc[0] : 0);")
             if self.binary_case and self.all_positive:
-                body.append(f"  if (pos > 0.5f) {{ wa = 0; {y}[r] = {self.labels_[1]}; }} else {{ wa = 1; {y}[r] = {self.labels_[0]}; }}")
+                body.append(
+                    f"  if (pos > 0.5f) {{ wa = 0; {y}[r] = {self.labels_[1]}; }} else {{ wa = 1; {y}[r] = {self.labels_[0]}; }}"
+                )
             elif self.binary_case:
-                body.append(f"  if (pos > 0) {{ wa = 2; {y}[r] = {self.labels_[1]}; }} else {{ wa = 3; {y}[r] = {self.labels_[0]}; }}")
+                body.append(
+                    f"  if (pos > 0) {{ wa = 2; {y}[r] = {self.labels_[1]}; }} else {{ wa = 3; {y}[r] = {self.labels_[0]}; }}"
+                )
             else:
                 body.append(f"  {y}[r] = pos > 0 ? 1 : 0;")
             logistic = self.how == "LOGISTIC"
             body.append("  float zz[2];")
-            body.append("  if (size == 2) { zz[0] = has[0] ? sc[0] : 0; zz[1] = has[1] ? sc[1] : 0; " + post_transform("zz", 2, self.how) + " }")
+            body.append(
+                "  if (size == 2) { zz[0] = has[0] ? sc[0] : 0; zz[1] = has[1] ? sc[1] : 0; "
+                + post_transform("zz", 2, self.how)
+                + " }"
+            )
             body.append("  else {")
             body.append("    const float s = has[0] ? sc[0] : 0;")
             body.append("    if (wa == 0 || wa == 1) { zz[0] = 1.0f - s; zz[1] = s; }")
             if logistic:
-                body.append("    else if (wa == 2 || wa == 3) { zz[0] = (float)mf_sigmoid(-(double)s); zz[1] = (float)mf_sigmoid((double)s); }")
+                body.append(
+                    "    else if (wa == 2 || wa == 3) { zz[0] = (float)mf_sigmoid(-(double)s); zz[1] = (float)mf_sigmoid((double)s); }"
+                )
             else:
                 body.append("    else if (wa == 2 || wa == 3) { zz[0] = -s; zz[1] = s; }")
             body.append("    else { zz[0] = s; zz[1] = 0; }")

@@ -38,7 +38,9 @@ def test_node_conformance() -> None:
     assert not newly, "cases newly excluded (regenerate the list and say why):\n" + "\n".join(
         f"{n}: {now[n]}" for n in newly
     )
-    assert not stale, "listed as excluded but now attempted (regenerate the list):\n" + "\n".join(stale)
+    assert not stale, "listed as excluded but now attempted (regenerate the list):\n" + "\n".join(
+        stale
+    )
 
     missing = REQUIRED - conformance.covered_operators(summary)
     assert not missing, f"no passing ONNX case exercises {sorted(missing)}"

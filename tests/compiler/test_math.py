@@ -14,15 +14,33 @@ from onnx import TensorProto, helper
 from meshfn.compiler import compile_model
 from meshfn.compiler.runner import Runner
 
-GRID = np.concatenate([np.linspace(-30, 30, 6001), np.linspace(-1, 1, 2001), [0.0, 1e-8, -1e-8, 1e-30]])
+GRID = np.concatenate(
+    [np.linspace(-30, 30, 6001), np.linspace(-1, 1, 2001), [0.0, 1e-8, -1e-8, 1e-30]]
+)
 ERF = np.vectorize(math.erf)
 ERFC = np.vectorize(math.erfc)
 REFERENCE: dict[str, Any] = {
-    "Exp": np.exp, "Log": np.log, "Tanh": np.tanh, "Sigmoid": lambda v: 1 / (1 + np.exp(-v)),
-    "Erf": ERF, "Sin": np.sin, "Cos": np.cos, "Atan": np.arctan,
+    "Exp": np.exp,
+    "Log": np.log,
+    "Tanh": np.tanh,
+    "Sigmoid": lambda v: 1 / (1 + np.exp(-v)),
+    "Erf": ERF,
+    "Sin": np.sin,
+    "Cos": np.cos,
+    "Atan": np.arctan,
     "Gelu": lambda v: 0.5 * v * ERFC(-v / math.sqrt(2)),  # 1 + erf would cancel
 }
-FLOAT_ULPS = {"Exp": 2, "Tanh": 4, "Sigmoid": 3, "Erf": 4, "Gelu": 6, "Log": 1, "Sin": 1, "Cos": 1, "Atan": 1}
+FLOAT_ULPS = {
+    "Exp": 2,
+    "Tanh": 4,
+    "Sigmoid": 3,
+    "Erf": 4,
+    "Gelu": 6,
+    "Log": 1,
+    "Sin": 1,
+    "Cos": 1,
+    "Atan": 1,
+}
 
 
 def run(op: str, x: np.ndarray[Any, Any], elem: int) -> np.ndarray[Any, Any]:

@@ -24,11 +24,15 @@ EXAMPLES = {e.name: e for e in onnx_models.all_examples()}
 def reference(model: Any, x: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
     return [np.asarray(v) for v in session.run(None, {session.get_inputs()[0].name: x})]
 
 
-def check(example: onnx_models.Example, got: list[np.ndarray[Any, Any]], want: list[np.ndarray[Any, Any]]) -> float:
+def check(
+    example: onnx_models.Example, got: list[np.ndarray[Any, Any]], want: list[np.ndarray[Any, Any]]
+) -> float:
     rtol, atol = example.tolerance
     worst = 0.0
     assert len(got) == len(want)

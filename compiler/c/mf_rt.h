@@ -413,6 +413,38 @@ static __attribute__((noinline, unused)) void mf_gemm_f32(u32 m, u32 k, u32 n, c
   }
 }
 
+MF_INLINE double mf_tan(double x) { return mf_sin(x) / mf_cos(x); }
+MF_FN double mf_asin(double x) {
+  if (x != x || x > 1 || x < -1) return MF_NAN;
+  if (x == 1 || x == -1) return x * 1.5707963267948966;
+  return mf_atan(x / mf_sqrt((1 - x) * (1 + x)));
+}
+MF_INLINE double mf_acos(double x) {
+  if (x != x || x > 1 || x < -1) return MF_NAN;
+  double a = mf_atan(mf_sqrt((1 - x) * (1 + x)) / x); /* for x > 0; reflect below */
+  if (x == 0) return 1.5707963267948966;
+  return x > 0 ? a : a + 3.141592653589793;
+}
+MF_FN double mf_sinh(double x) {
+  double a = mf_fabs(x);
+  double r = a < 0.5 ? (x == 0 ? 0 : mf_expm1(a) * (1 + 1 / (mf_expm1(a) + 1)) * 0.5) : 0.5 * (mf_exp(a) - mf_exp(-a));
+  return x < 0 ? -r : r;
+}
+MF_INLINE double mf_cosh(double x) { double a = mf_fabs(x); return 0.5 * (mf_exp(a) + mf_exp(-a)); }
+MF_FN double mf_asinh(double x) {
+  double a = mf_fabs(x);
+  double r = a > 1e8 ? mf_log(a) + 0.6931471805599453 : mf_log1p(a + a * a / (1 + mf_sqrt(1 + a * a)));
+  return x < 0 ? -r : r;
+}
+MF_INLINE double mf_acosh(double x) {
+  if (x != x || x < 1) return MF_NAN;
+  return x > 1e8 ? mf_log(x) + 0.6931471805599453 : mf_log(x + mf_sqrt((x - 1) * (x + 1)));
+}
+MF_INLINE double mf_atanh(double x) {
+  if (x != x || x > 1 || x < -1) return MF_NAN;
+  return 0.5 * mf_log1p(2 * x / (1 - x));
+}
+
 /* float -> integer conversions saturate (clang's -mnontrapping-fptoint); NaN becomes 0. */
 
 #endif

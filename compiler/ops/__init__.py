@@ -19,6 +19,7 @@ _MODULES = (
     "ml",
     "trees",
     "svm",
+    "index",
 )
 
 for _name in _MODULES:

@@ -220,3 +220,67 @@ class Hardmax(_Softmax):
 
 
 _ = lit
+
+
+@register
+class RMSNormalization(Op):
+    """x / sqrt(mean(x^2) + epsilon) * scale over the trailing axes from `axis` (opset 23)."""
+
+    OP = "RMSNormalization"
+    SINCE = 23
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.FLOATS)
+        s = self.shape(0)
+        self.ax = self.axis(int(self.attr("axis", -1)), len(s))
+        if any(isinstance(d, Batch) for d in s[self.ax :]):
+            self.fail("cannot normalise over the batch")
+        self.inner = static(numel(s[self.ax :]))
+        self.eps = float(self.attr("epsilon", 1e-5))
+        scale = static(numel(self.shape(1)))
+        if scale not in (1, self.inner) or len(self.shape(1)) > len(s) - self.ax:
+            self.fail("scale must have the normalised shape (or one element)")
+        return [(dtype, s)]
+
+    def emit(self, e: Emitter) -> str:
+        s = self.shape(0)
+        t = self.x(0).dtype.c
+        n = self.inner
+        sc = f"{e.inp(1)}[k]" if static(numel(self.shape(1))) == n else f"{e.inp(1)}[0]"
+        return (
+            f"for (u32 r = 0; r < {cdim(numel(s[: self.ax]))}; r++) {{\n"
+            f"  const {t} *x = {e.inp(0)} + r * {n};\n  {t} *y = {e.out(0)} + r * {n};\n"
+            f"  double sq = 0; for (u32 k = 0; k < {n}; k++) sq += (double)x[k] * x[k];\n"
+            f"  const double inv = 1.0 / mf_sqrt(sq / {n} + {self.eps!r});\n"
+            f"  for (u32 k = 0; k < {n}; k++) y[k] = ({t})((double)x[k] * inv * {sc});\n}}"
+        )
+
+
+@register
+class LpNormalization(Op):
+    OP = "LpNormalization"
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.FLOATS)
+        s = self.shape(0)
+        self.ax = self.axis(int(self.attr("axis", -1)), len(s))
+        if isinstance(s[self.ax], Batch):
+            self.fail("cannot normalise over the batch")
+        self.p = int(self.attr("p", 2))
+        if self.p not in (1, 2):
+            self.fail(f"p={self.p} is not 1 or 2")
+        return [(dtype, s)]
+
+    def emit(self, e: Emitter) -> str:
+        s = self.shape(0)
+        t = self.x(0).dtype.c
+        outer, length, inner = numel(s[: self.ax]), static(s[self.ax]), numel(s[self.ax + 1 :])
+        acc = "a += v < 0 ? -v : v;" if self.p == 1 else "a += v * v;"
+        fin = "" if self.p == 1 else "a = mf_sqrt(a);"
+        return (
+            f"for (u32 r = 0; r < {cdim(outer)}; r++) for (u32 c = 0; c < {cdim(inner)}; c++) {{\n"
+            f"  const {t} *x = {e.inp(0)} + r * {length} * {cdim(inner)} + c;\n"
+            f"  {t} *y = {e.out(0)} + r * {length} * {cdim(inner)} + c;\n"
+            f"  double a = 0; for (u32 k = 0; k < {length}; k++) {{ const double v = x[k * {cdim(inner)}]; {acc} }} {fin}\n"
+            f"  for (u32 k = 0; k < {length}; k++) y[k * {cdim(inner)}] = a == 0 ? 0 : ({t})(x[k * {cdim(inner)}] / a);\n}}"
+        )

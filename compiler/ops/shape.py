@@ -700,3 +700,60 @@ class Pad(Op):
 
 
 _ = (ClassVar, INT_MAX)
+
+
+class _DepthSpace(Op):
+    def infer(self) -> list[tuple[DType, Shape]]:
+        s = self.shape(0)
+        if len(s) != 4 or any(isinstance(d, Batch) for d in s[1:]):
+            self.fail("expects [N, C, H, W] with the batch first")
+        self.bs = int(self.attr("blocksize"))
+        n, c, h, w = s[0], static(s[1]), static(s[2]), static(s[3])
+        b = self.bs
+        if self.OP == "DepthToSpace":
+            if c % (b * b):
+                self.fail(f"channels {c} are not a multiple of blocksize^2")
+            self.mode = self.attr("mode", "DCR")
+            if self.mode not in ("DCR", "CRD"):
+                self.fail(f"mode={self.mode!r} is not DCR or CRD")
+            return [(self.x(0).dtype, (n, c // (b * b), h * b, w * b))]
+        if h % b or w % b:
+            self.fail("height and width must be multiples of blocksize")
+        self.mode = self.attr("mode", "DCR")
+        if self.mode not in ("DCR", "CRD"):
+            self.fail(f"mode={self.mode!r} is not DCR or CRD")
+        return [(self.x(0).dtype, (n, c * b * b, h // b, w // b))]
+
+    def emit(self, e: Emitter) -> str:
+        # expressed as a 6-D transpose of a reshaped view (as the spec defines both)
+        s = self.shape(0)
+        n, c, h, w = s[0], static(s[1]), static(s[2]), static(s[3])
+        b = self.bs
+        if self.OP == "DepthToSpace":
+            if self.mode == "DCR":
+                shape6, perm = (n, b, b, c // (b * b), h, w), [0, 3, 4, 1, 5, 2]
+            else:
+                shape6, perm = (n, c // (b * b), b, b, h, w), [0, 1, 4, 2, 5, 3]
+        elif self.mode == "DCR":
+            shape6, perm = (n, c, h // b, b, w // b, b), [0, 3, 5, 1, 2, 4]
+        else:
+            shape6, perm = (n, c, h // b, b, w // b, b), [0, 1, 3, 5, 2, 4]
+        st = loops.strides(shape6)
+        out6 = tuple(shape6[p] for p in perm)
+        return loops.nest(
+            out6,
+            [[st[p] for p in perm]],
+            lambda o, i: f"{e.out(0)}[{o}] = {e.inp(0)}[{i[0]}];",
+            "j",
+        )
+
+
+@register
+class DepthToSpace(_DepthSpace):
+    OP = "DepthToSpace"
+    SINCE = 11
+
+
+@register
+class SpaceToDepth(_DepthSpace):
+    OP = "SpaceToDepth"

@@ -25,4 +25,18 @@ _MODULES = (
 for _name in _MODULES:
     importlib.import_module(f"{__name__}.{_name}")
 
-__all__ = ["REGISTRY", "Emitter", "Op", "register", "schema_version", "supported_list"]
+
+def table() -> str:
+    """The supported operators as a Markdown table, generated from the registry (for the docs):
+    domain, operator, the oldest opset version implemented, and what the unit refuses."""
+    rows = ["| domain | operator | from version | notes |", "|---|---|---|---|"]
+    for (domain, op), cls in sorted(REGISTRY.items()):
+        doc = (cls.__doc__ or "").strip().split("\n\n")[0]
+        note = (
+            " ".join((cls.NOTES or doc).split()) if cls.NOTES or cls.__doc__ != Op.__doc__ else ""
+        )
+        rows.append(f"| {domain or 'ai.onnx'} | {op} | {cls.SINCE} | {note} |")
+    return "\n".join(rows) + "\n"
+
+
+__all__ = ["REGISTRY", "Emitter", "Op", "register", "schema_version", "supported_list", "table"]

@@ -165,14 +165,15 @@ class Softmax(_Softmax):
     def emit(self, e: Emitter) -> str:
         t = self.x(0).dtype.c
         L, inner = self.length, self.inner
-        if t == "float":  # float exp (2 ulp), sum in double, one division
+        if t == "float":  # exps in one vectorisable loop, the sum in double, one reciprocal
             return self.loop(
                 e,
                 (
+                    f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] = mf_expf(x[k * {inner}] - top);\n"
                     f"  double sum = 0;\n"
-                    f"  for (u32 k = 0; k < {L}; k++) {{ const float v = mf_expf(x[k * {inner}] - top); y[k * {inner}] = v; sum += v; }}\n"
+                    f"  for (u32 k = 0; k < {L}; k++) sum += y[k * {inner}];\n"
                     f"  const float inv = (float)(1.0 / sum);\n"
-                    f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] = (float)((double)y[k * {inner}] / sum);"
+                    f"  for (u32 k = 0; k < {L}; k++) y[k * {inner}] *= inv;"
                 ),
             )
         return self.loop(

@@ -144,6 +144,13 @@ def sklearn_examples() -> list[Example]:
         _sk("svc-iris", "svm", SVC, "iris"),
         _sk("svc-cancer", "svm", lambda: make_pipeline(StandardScaler(), SVC()), "cancer"),
         _sk("svr-diabetes", "svm", SVR, "diabetes", labels=False),
+        _sk("svc-proba-iris", "svm", lambda: SVC(probability=True, random_state=0), "iris"),
+        _sk(
+            "svc-proba-cancer",
+            "svm",
+            lambda: make_pipeline(StandardScaler(), SVC(probability=True, random_state=0)),
+            "cancer",
+        ),
         _sk(
             "pipeline-iris",
             "linear",

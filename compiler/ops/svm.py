@@ -95,11 +95,8 @@ class SVMClassifier(_SVM):
         self.need(0, IN_TYPES)
         self.n, self.f = self.rows()
         self.kernel()
-        if self.attr("prob_a", None):
-            self.fail(
-                "probability estimates (prob_a/prob_b, from SVC(probability=True)) are not "
-                "supported; export with probability=False (decision scores and votes)"
-            )
+        self.prob_a = np.asarray(self.attr("prob_a", []), np.float32)
+        self.prob_b = np.asarray(self.attr("prob_b", []), np.float32)
         self.labels_ = self.labels()
         per = [int(v) for v in self.attr("vectors_per_class", [])]
         if not per:
@@ -122,7 +119,12 @@ class SVMClassifier(_SVM):
             self.fail("support_vectors, coefficients or rho do not fit the classes and features")
         self.how = self.transform()
         self.pairs = pairs
-        width = pairs if self.c > 2 else 2
+        self.proba = self.prob_a.size > 0
+        if self.proba and (self.prob_a.size < pairs or self.prob_b.size < pairs):
+            self.fail("prob_a/prob_b need one value per pair of classes")
+        if self.proba and self.how != "NONE":
+            self.fail("post_transform must be NONE with probability estimates")
+        width = self.c if self.proba else (pairs if self.c > 2 else 2)
         return [(D.INT64, (self.n,)), (D.FLOAT, (self.n, width))]
 
     def emit(self, e: Emitter) -> str:
@@ -154,7 +156,9 @@ class SVMClassifier(_SVM):
         )
         lines.append(f"  {e.out(0)}[r] = {labels}[best];")
         z = e.out(1)
-        if c > 2:
+        if self.proba:
+            lines.append("  " + self.coupling(e, z))
+        elif c > 2:
             lines.append("  " + post_transform("s", self.pairs, self.how))
             lines.append(
                 f"  for (u32 q = 0; q < {self.pairs}; q++) {z}[r * {self.pairs} + q] = s[q];"
@@ -165,3 +169,40 @@ class SVMClassifier(_SVM):
             lines.append(f"  {z}[r * 2] = 1.0f - s[0]; {z}[r * 2 + 1] = s[0];")
         lines.append("}")
         return "\n".join(lines)
+
+    def coupling(self, e: Emitter, z: str) -> str:
+        """Platt-scaled pairwise probabilities coupled into class probabilities (Wu, Lin and
+        Weng's second method, as libsvm and onnxruntime: float arithmetic, at most 100
+        iterations, stopping at 0.005 / classes)."""
+        c = self.c
+        pa, pb = e.const(self.prob_a, D.FLOAT), e.const(self.prob_b, D.FLOAT)
+        return (
+            f"{{ float rr[{c * c}], Q[{c * c}], Qp[{c}], p[{c}];\n"
+            f"  for (u32 q = 0; q < {c * c}; q++) {{ rr[q] = 0; Q[q] = 0; }}\n"
+            f"  u32 idx = 0;\n"
+            f"  for (u32 i = 0; i + 1 < {c}; i++) for (u32 j = i + 1; j < {c}; j++, idx++) {{\n"
+            f"    const float v = s[idx] * {pa}[idx] + {pb}[idx];\n"
+            f"    const float lg = 1.0f / (1.0f + mf_expf(-(v < 0 ? -v : v)));\n"
+            f"    float p1 = 1.0f - (v < 0 ? 1.0f - lg : lg);\n"
+            f"    p1 = p1 < 1.0e-7f ? 1.0e-7f : p1; p1 = p1 > 1.0f - 1.0e-7f ? 1.0f - 1.0e-7f : p1;\n"
+            f"    rr[i * {c} + j] = p1; rr[j * {c} + i] = 1.0f - p1;\n  }}\n"
+            f"  const float eps = 0.005f / (float){c};\n"
+            f"  for (u32 i = 0; i < {c}; i++) {{\n"
+            f"    p[i] = 1.0f / (float){c};\n"
+            f"    for (u32 j = 0; j < i; j++) {{ Q[i * {c} + i] += rr[j * {c} + i] * rr[j * {c} + i]; Q[i * {c} + j] = Q[j * {c} + i]; }}\n"
+            f"    for (u32 j = i + 1; j < {c}; j++) {{ Q[i * {c} + i] += rr[j * {c} + i] * rr[j * {c} + i]; Q[i * {c} + j] = -rr[j * {c} + i] * rr[i * {c} + j]; }}\n"
+            f"  }}\n"
+            f"  for (u32 loop = 0; loop < 100; loop++) {{\n"
+            f"    float pQp = 0;\n"
+            f"    for (u32 i = 0; i < {c}; i++) {{ Qp[i] = 0; for (u32 j = 0; j < {c}; j++) Qp[i] += Q[i * {c} + j] * p[j]; pQp += p[i] * Qp[i]; }}\n"
+            f"    float max_error = 0;\n"
+            f"    for (u32 i = 0; i < {c}; i++) {{ float er = Qp[i] - pQp; er = er < 0 ? -er : er; if (er > max_error) max_error = er; }}\n"
+            f"    if (max_error < eps) break;\n"
+            f"    for (u32 i = 0; i < {c}; i++) {{\n"
+            f"      const float diff = (-Qp[i] + pQp) / Q[i * {c} + i];\n"
+            f"      p[i] += diff;\n"
+            f"      pQp = (pQp + diff * (diff * Q[i * {c} + i] + 2 * Qp[i])) / (1 + diff) / (1 + diff);\n"
+            f"      for (u32 j = 0; j < {c}; j++) {{ Qp[j] = (Qp[j] + diff * Q[i * {c} + j]) / (1 + diff); p[j] /= (1 + diff); }}\n"
+            f"    }}\n  }}\n"
+            f"  for (u32 i = 0; i < {c}; i++) {z}[r * {c} + i] = p[i]; }}"
+        )

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from onnx import ModelProto
 
-from . import dtypes, graph, loader, toolchain, wasmfile
+from . import dtypes, graph, inline, loader, toolchain, wasmfile
 from .codegen import Step, Unit, module_source
 from .dims import Batch, Dim, Shape, is_static, mul, numel, show, static
 from .dtypes import DType
@@ -123,10 +123,19 @@ def _set_value(t: Tensor, value: Any, label: str, where: str) -> None:
     t.value = arr
 
 
+def _implemented(domain: str, op_type: str, opset: int) -> bool:
+    cls = REGISTRY.get((domain, op_type))
+    if cls is None:
+        return False
+    version = schema_version(op_type, domain, opset)
+    return version is not None and version >= cls.SINCE
+
+
 def lower(
     model: ModelProto, where: str, options: Options, prefix: str = "meshfn_"
 ) -> tuple[Unit, dict[str, Any]]:
     """Everything but clang: the unit to emit and the report's model-side figures."""
+    inlined = inline.expand(model, _implemented, where)
     g = graph.build(model, where, options.dims)
     for name, value in options.freeze_inputs.items():
         t = g.tensors[name]
@@ -282,6 +291,7 @@ def lower(
         "opset": {(d or "ai.onnx"): v for d, v in sorted(g.opsets.items())},
         "operators": dict(sorted(ops_used.items())),
         "folded_nodes": folded,
+        "inlined_functions": inlined,
         "parameters": params,
         "batch": metadata["batch"],
         "inputs": metadata["inputs"],

@@ -72,3 +72,23 @@ def test_operator_table_lists_the_registry() -> None:
     text = table()
     assert text.count("\n") == len(REGISTRY) + 2
     assert "| ai.onnx.ml | TreeEnsembleClassifier | 1 |" in text
+
+
+def test_onnx_functions_are_inlined() -> None:
+    """MeanVarianceNormalization has no unit: its ONNX function body is compiled instead."""
+    import onnxruntime as ort
+
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 3, 4]) for n in ("x", "y")]
+    node = helper.make_node("MeanVarianceNormalization", ["x"], ["y"], axes=[0, 2])
+    model = helper.make_model(
+        helper.make_graph([node], "mvn", vi[:1], vi[1:]),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    compiled = compile_model(model)
+    assert compiled.report["inlined_functions"] == 1
+    assert "MeanVarianceNormalization" not in compiled.report["operators"]
+    x = np.random.default_rng(0).normal(size=(5, 3, 4)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )[0]
+    np.testing.assert_allclose(Runner(compiled.wasm)([x])[0], want, rtol=1e-5, atol=1e-6)

@@ -20,6 +20,7 @@ _MODULES = (
     "trees",
     "svm",
     "index",
+    "quant",
 )
 
 for _name in _MODULES:

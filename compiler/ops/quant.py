@@ -4,8 +4,10 @@ with a DequantizeLinear in front fold at build time."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import dtypes as D
-from ..dims import Batch, Shape, cdim, numel, static
+from ..dims import Batch, Dim, Shape, cdim, numel, static
 from ..dtypes import DType
 from .base import Emitter, Op, register
 
@@ -24,7 +26,8 @@ class _Linear(Op):
             self.fail("blocked quantisation (block_size) is not supported")
         if not scale or static(numel(scale)) == 1:
             self.per_axis = False
-            self.outer, self.count, self.inner = numel(s), 1, 1
+            self.outer, self.count = numel(s), 1
+            self.inner: Dim = 1
             return
         if len(scale) != 1:
             self.fail("the scale must be a scalar or 1-D (per axis)")
@@ -34,7 +37,8 @@ class _Linear(Op):
                 f"a per-axis scale of {scale[0]} values does not fit axis {ax} of {self.show(s)}"
             )
         self.per_axis = True
-        self.outer, self.count, self.inner = numel(s[:ax]), static(s[ax]), numel(s[ax + 1 :])
+        self.outer, self.count = numel(s[:ax]), static(s[ax])
+        self.inner = numel(s[ax + 1 :])
 
     def loop(self, body: str) -> str:
         if not self.per_axis:
@@ -66,7 +70,7 @@ class QuantizeLinear(_Linear):
     OP = "QuantizeLinear"
 
     def infer(self) -> list[tuple[DType, Shape]]:
-        self.need(0, D.FLOATS + (D.INT32,))
+        self.need(0, (*D.FLOATS, D.INT32))
         self.need(1, D.FLOATS)
         out = (
             self.need(2, QTYPES)
@@ -80,8 +84,6 @@ class QuantizeLinear(_Linear):
 
     def emit(self, e: Emitter) -> str:
         out = self.out_dtype(0)
-        import numpy as np
-
         info = np.iinfo(out.np)  # type: ignore[type-var]
         zp = f"(double){e.inp(2)}[c]" if self.has(2) else "0"
         t = self.x(1).dtype.c  # x / scale in the scale's precision, as the spec's reference

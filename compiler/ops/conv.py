@@ -313,3 +313,75 @@ class GlobalMaxPool(_Global):
 
 
 _ = Any
+
+
+@register
+class ConvTranspose(_Window):
+    """Transposed convolution (1-D, 2-D) as a scatter: each input pixel adds its kernel-weighted
+    contribution to the outputs it reaches (pads, output_padding, output_shape, auto_pad)."""
+
+    OP = "ConvTranspose"
+    SINCE = 1
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.FLOATS)
+        self.same_dtype(0, 1)
+        n, c, spatial = self.image(0)
+        w = self.shape(1)
+        r = len(spatial)
+        self.group = int(self.attr("group", 1))
+        if len(w) != r + 2 or static(w[0]) != c or c % self.group:
+            self.fail(f"weights {self.show(w)} do not fit {c} channels and group {self.group}")
+        mg = static(w[1])
+        self.kernel = [static(d) for d in w[2:]]
+        self.strides = [int(v) for v in self.attr("strides", [1] * r)]
+        self.dil = [int(v) for v in self.attr("dilations", [1] * r)]
+        outpad = [int(v) for v in self.attr("output_padding", [0] * r)]
+        pads = [int(v) for v in self.attr("pads", [0] * (2 * r))]
+        auto = self.attr("auto_pad", "NOTSET")
+        want = self.attr("output_shape", None)
+        self.pad_lo, out = [0] * r, []
+        for i in range(r):
+            full = self.strides[i] * (spatial[i] - 1) + outpad[i] + (self.kernel[i] - 1) * self.dil[i] + 1
+            if want is not None or auto in ("SAME_UPPER", "SAME_LOWER"):
+                o = int(want[-r + i]) if want is not None else spatial[i] * self.strides[i]
+                total = full - o  # the spec: SAME_UPPER puts the odd pixel at the end
+                self.pad_lo[i] = total // 2 if auto == "SAME_UPPER" else total - total // 2
+            elif auto in ("NOTSET", "VALID"):
+                if auto == "VALID":
+                    pads = [0] * (2 * r)
+                self.pad_lo[i] = pads[i]
+                o = full - pads[i] - pads[i + r]
+            else:
+                self.fail(f"auto_pad={auto!r} is not supported")
+            if o <= 0:
+                self.fail("the output would be empty")
+            out.append(o)
+        self.c, self.m, self.cg, self.mg, self.spatial, self.out = c, mg * self.group, c // self.group, mg, spatial, out
+        return [(dtype, (n, self.m, *out))]
+
+    def emit(self, e: Emitter) -> str:
+        t = self.x(0).dtype.c
+        ih, iw = self.hw(self.spatial, 1)
+        oh, ow = self.hw(self.out, 1)
+        kh, kw = self.hw(self.kernel, 1)
+        sh, sw = self.hw(self.strides, 1)
+        dh, dw = self.hw(self.dil, 1)
+        ph, pw = self.hw(self.pad_lo, 0)
+        n = cdim(self.shape(0)[0])
+        bias = f"{e.inp(2)}[m]" if self.has(2) else "0"
+        return (
+            f"for (u32 b = 0; b < {n}; b++) {{\n"
+            f"  for (u32 m = 0; m < {self.m}; m++) for (u32 p = 0; p < {oh * ow}; p++) "
+            f"{e.out(0)}[(b * {self.m} + m) * {oh * ow} + p] = {bias};\n"
+            f"  for (u32 g = 0; g < {self.group}; g++) for (u32 c = 0; c < {self.cg}; c++)\n"
+            f"  for (i32 y = 0; y < {ih}; y++) for (i32 x = 0; x < {iw}; x++) {{\n"
+            f"    const {t} v = {e.inp(0)}[((b * {self.c} + g * {self.cg} + c) * {ih} + y) * {iw} + x];\n"
+            f"    for (u32 m = 0; m < {self.mg}; m++) for (i32 u = 0; u < {kh}; u++) {{\n"
+            f"      const i32 yy = y * {sh} + u * {dh} - {ph}; if (yy < 0 || yy >= {oh}) continue;\n"
+            f"      for (i32 q = 0; q < {kw}; q++) {{\n"
+            f"        const i32 xx = x * {sw} + q * {dw} - {pw}; if (xx < 0 || xx >= {ow}) continue;\n"
+            f"        {e.out(0)}[((b * {self.m} + g * {self.mg} + m) * {oh} + yy) * {ow} + xx] += "
+            f"v * {e.inp(1)}[(((g * {self.cg} + c) * {self.mg} + m) * {kh} + u) * {kw} + q];\n"
+            "      }\n    }\n  }\n}"
+        )

@@ -21,6 +21,7 @@ _MODULES = (
     "svm",
     "index",
     "quant",
+    "resize",
 )
 
 for _name in _MODULES:

@@ -342,7 +342,12 @@ class ConvTranspose(_Window):
         want = self.attr("output_shape", None)
         self.pad_lo, out = [0] * r, []
         for i in range(r):
-            full = self.strides[i] * (spatial[i] - 1) + outpad[i] + (self.kernel[i] - 1) * self.dil[i] + 1
+            full = (
+                self.strides[i] * (spatial[i] - 1)
+                + outpad[i]
+                + (self.kernel[i] - 1) * self.dil[i]
+                + 1
+            )
             if want is not None or auto in ("SAME_UPPER", "SAME_LOWER"):
                 o = int(want[-r + i]) if want is not None else spatial[i] * self.strides[i]
                 total = full - o  # the spec: SAME_UPPER puts the odd pixel at the end
@@ -357,7 +362,14 @@ class ConvTranspose(_Window):
             if o <= 0:
                 self.fail("the output would be empty")
             out.append(o)
-        self.c, self.m, self.cg, self.mg, self.spatial, self.out = c, mg * self.group, c // self.group, mg, spatial, out
+        self.c, self.m, self.cg, self.mg, self.spatial, self.out = (
+            c,
+            mg * self.group,
+            c // self.group,
+            mg,
+            spatial,
+            out,
+        )
         return [(dtype, (n, self.m, *out))]
 
     def emit(self, e: Emitter) -> str:

@@ -122,6 +122,7 @@ def emit_unit(unit: Unit) -> str:
     body: list[str] = []
     locals_: dict[str, str] = {}
     sym_decls: list[str] = []
+    shared: dict[tuple[str, str], str] = {}
 
     def storage_ptr(key: int) -> str:
         b = unit.plan.buffers[key]
@@ -161,13 +162,19 @@ def emit_unit(unit: Unit) -> str:
         if k in unit.scratch:
             params.append("u8 *restrict scratch")
             args.append(storage_ptr(unit.scratch[k]))
-        fns.append(
-            f"/* {op.node.label} */\n"
-            f"static __attribute__((noinline)) i32 {p}n{k}({', '.join(params)}) {{\n"
-            "  (void)N;\n"
-            f"{_indent(code)}\n  return 0;\n}}\n"
-        )
-        body.append(f"  if ((st = {p}n{k}({', '.join(args)})) != 0) return st;")
+        # nodes that emit the same code over the same parameters share one function (unrolled
+        # loops, repeated layers): constants are arguments, so their bodies are identical
+        key = (", ".join(params), code)
+        fn = shared.get(key)
+        if fn is None:
+            fn = shared[key] = f"{p}n{k}"
+            fns.append(
+                f"/* {op.node.label} */\n"
+                f"static __attribute__((noinline)) i32 {fn}({', '.join(params)}) {{\n"
+                "  (void)N;\n"
+                f"{_indent(code)}\n  return 0;\n}}\n"
+            )
+        body.append(f"  if ((st = {fn}({', '.join(args)})) != 0) return st;")
 
     io_lines = []
     for j, t in enumerate(unit.inputs + unit.outputs):

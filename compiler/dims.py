@@ -36,6 +36,8 @@ class Batch:
     def __add__(self, other: object) -> Batch:
         if other == 0:
             return self
+        if isinstance(other, Batch):
+            return Batch(self.k + other.k)
         raise UnsupportedError("a size would be the batch plus a constant")
 
     __radd__ = __add__

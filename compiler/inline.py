@@ -1,4 +1,4 @@
-"""Operators defined as ONNX functions (Attention, Celu, Mish, GroupNormalization, the loss
+"""Scan loops with a trip count known at build time are unrolled, and operators defined as ONNX functions (Attention, Celu, Mish, GroupNormalization, the loss
 functions...) that no unit implements are replaced by their function bodies before lowering,
 so their semantics come from the ONNX schema itself and every unit they use is already tested.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx.defs
 from onnx import ModelProto, NodeProto
@@ -141,8 +142,9 @@ def _inline(
 
 
 def expand(model: ModelProto, implemented: Callable[[str, str, int], bool], where: str) -> int:
-    """Inline, in place, every node no unit implements whose operator is an ONNX function;
-    returns how many were inlined (shape inference is run again when any was)."""
+    """Unroll, in place, Scans with a static trip count, and inline every node no unit
+    implements whose operator is an ONNX function; returns how many nodes were replaced (shape
+    inference is run again when any was)."""
     opsets = {
         ("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in model.opset_import
     }
@@ -154,6 +156,16 @@ def expand(model: ModelProto, implemented: Callable[[str, str, int], bool], wher
         for i, node in enumerate(model.graph.node):
             domain = "" if node.domain == "ai.onnx" else node.domain
             version = opsets.get(domain, 0)
+            if node.op_type == "Scan" and not domain and version >= 9:
+                unrolled = (
+                    None
+                    if implemented(domain, "Scan", version)
+                    else _unroll_scan(model, node, total + changed, where)
+                )
+                if unrolled is not None:
+                    nodes.extend(unrolled)
+                    changed += 1
+                    continue
             body = (
                 None if implemented(domain, node.op_type, version) else _body(node, opsets, types)
             )
@@ -178,3 +190,149 @@ def expand(model: ModelProto, implemented: Callable[[str, str, int], bool], wher
             ) from None
         model.CopyFrom(inferred)
     return total
+
+
+MAX_UNROLLED_NODES = 50_000
+
+
+def _scan_static_trip(
+    model: ModelProto, node: NodeProto, where: str
+) -> tuple[int, list[int], int] | None:
+    """(trip count, scan input axes, number of state variables) of a Scan whose trip count is
+    known at build time, else None (then the node is refused as an unsupported operator)."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    n_scan = int(attrs.get("num_scan_inputs", 0))
+    n_state = len(node.input) - n_scan
+    if n_scan <= 0 or n_state < 0:
+        return None
+    axes = [int(a) for a in attrs.get("scan_input_axes", [0] * n_scan)]
+    shapes = {
+        vi.name: vi.type.tensor_type.shape for vi in [*model.graph.input, *model.graph.value_info]
+    }
+    inits = {i.name: list(i.dims) for i in model.graph.initializer}
+    trips = set()
+    for name, axis in zip(node.input[n_state:], axes, strict=True):
+        if name in inits:
+            dims = inits[name]
+            trips.add(int(dims[axis + len(dims) if axis < 0 else axis]))
+        elif name in shapes and len(shapes[name].dim) > 0:
+            rank = len(shapes[name].dim)
+            d = shapes[name].dim[axis + rank if axis < 0 else axis]
+            if not d.HasField("dim_value"):
+                return None
+            trips.add(int(d.dim_value))
+        else:
+            return None
+    if len(trips) != 1:
+        return None
+    return trips.pop(), axes, n_state
+
+
+def _unroll_scan(
+    model: ModelProto, node: NodeProto, index: int, where: str
+) -> list[NodeProto] | None:
+    """Scan (opset 9+) with a trip count known at build time, unrolled: each iteration's slice
+    is a Gather (folded when the scanned tensor is a constant, as k-nearest-neighbour exports'
+    training rows are), the body's names are renamed per iteration, scan outputs are stacked
+    with Unsqueeze + Concat. Names the body reads from the outer graph stay as they are."""
+    info = _scan_static_trip(model, node, where)
+    if info is None:
+        return None
+    trip, axes, n_state = info
+    attrs = {a.name: a for a in node.attribute}
+    body = attrs["body"].g
+    if any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+        for n in body.node
+        for a in n.attribute
+    ):
+        return None
+    get = onnx.helper.get_attribute_value
+    in_dirs = [
+        int(v)
+        for v in (get(attrs["scan_input_directions"]) if "scan_input_directions" in attrs else [])
+    ]
+    out_dirs = [
+        int(v)
+        for v in (get(attrs["scan_output_directions"]) if "scan_output_directions" in attrs else [])
+    ]
+    out_axes = [
+        int(v) for v in (get(attrs["scan_output_axes"]) if "scan_output_axes" in attrs else [])
+    ]
+    n_scan_out = len(body.output) - n_state
+    if trip * (len(body.node) + 3) > MAX_UNROLLED_NODES or trip == 0:
+        return None
+    prefix = f"{node.name or 'Scan'}_{index}__"
+    make = onnx.helper.make_node
+    out: list[NodeProto] = []
+    state = list(node.input[:n_state])
+    scan_outs: list[list[str]] = [[] for _ in range(n_scan_out)]
+    inner = {o for n in body.node for o in n.output} | {i.name for i in body.input}
+    for t in range(trip):
+        names: dict[str, str] = {}
+        for k, vi in enumerate(body.input):
+            if k < n_state:
+                names[vi.name] = state[k]
+                continue
+            j = k - n_state
+            reverse = j < len(in_dirs) and in_dirs[j] == 1
+            step = trip - 1 - t if reverse else t
+            idx = f"{prefix}i{t}_{j}_index"
+            sliced = f"{prefix}i{t}_{j}"
+            out.append(
+                make("Constant", [], [idx], name=idx,
+                     value=onnx.numpy_helper.from_array(np.array(step, dtype=np.int64)))
+            )  # fmt: skip
+            out.append(
+                make("Gather", [node.input[n_state + j], idx], [sliced], name=sliced, axis=axes[j])
+            )
+            names[vi.name] = sliced
+
+        def rename(x: str, names: dict[str, str] = names, t: int = t) -> str:
+            if not x:
+                return x
+            if x in names:
+                return names[x]
+            if x in inner:
+                names[x] = f"{prefix}t{t}_{x}"
+                return names[x]
+            return x  # the outer graph's
+
+        for n in body.node:
+            copy = NodeProto()
+            copy.CopyFrom(n)
+            del copy.input[:]
+            del copy.output[:]
+            copy.input.extend(rename(x) for x in n.input)
+            copy.output.extend(rename(x) for x in n.output)
+            copy.name = f"{prefix}t{t}_{n.name or n.op_type}"
+            out.append(copy)
+        state = [rename(vi.name) for vi in body.output[:n_state]]
+        for j, vi in enumerate(body.output[n_state:]):
+            scan_outs[j].append(rename(vi.name))
+    for k in range(n_state):
+        if k < len(node.output) and node.output[k]:
+            out.append(make("Identity", [state[k]], [node.output[k]], name=f"{prefix}state{k}"))
+    for j in range(n_scan_out):
+        target = node.output[n_state + j] if n_state + j < len(node.output) else ""
+        if not target:
+            continue
+        axis = out_axes[j] if j < len(out_axes) else 0
+        parts = scan_outs[j][::-1] if j < len(out_dirs) and out_dirs[j] == 1 else scan_outs[j]
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+        axis_name = f"{prefix}o{j}_axis"
+        if opset >= 13:  # Unsqueeze takes its axes as an input from opset 13
+            out.append(
+                make("Constant", [], [axis_name], name=axis_name,
+                     value=onnx.numpy_helper.from_array(np.array([axis], dtype=np.int64)))
+            )  # fmt: skip
+        stacked = []
+        for t, p in enumerate(parts):
+            u = f"{prefix}o{j}_{t}"
+            if opset >= 13:
+                out.append(make("Unsqueeze", [p, axis_name], [u], name=u))
+            else:
+                out.append(make("Unsqueeze", [p], [u], name=u, axes=[axis]))
+            stacked.append(u)
+        out.append(make("Concat", stacked, [target], name=f"{prefix}o{j}", axis=axis))
+    return out

@@ -212,7 +212,12 @@ def lower(
                 f"with opset >= {cls.SINCE})"
             )
         op = cls(node, ins, version, f"{where}")
-        types = op.infer()
+        try:
+            types = op.infer()
+        except UnsupportedError as exc:
+            if str(exc).startswith(where):
+                raise
+            raise UnsupportedError(f"{where}: {label}: {exc}") from None
         outs_t: list[Tensor | None] = []
         for j, name in enumerate(node.outputs):
             if not name:

@@ -92,6 +92,7 @@ def sklearn_examples() -> list[Example]:
     )
     from sklearn.impute import SimpleImputer
     from sklearn.linear_model import LinearRegression, LogisticRegression
+    from sklearn.neighbors import KNeighborsClassifier, KNeighborsRegressor
     from sklearn.neural_network import MLPClassifier
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import Normalizer, StandardScaler
@@ -145,6 +146,8 @@ def sklearn_examples() -> list[Example]:
         _sk("svc-cancer", "svm", lambda: make_pipeline(StandardScaler(), SVC()), "cancer"),
         _sk("svr-diabetes", "svm", SVR, "diabetes", labels=False),
         _sk("svc-proba-iris", "svm", lambda: SVC(probability=True, random_state=0), "iris"),
+        _sk("knn-iris", "linear", lambda: KNeighborsClassifier(5), "iris"),
+        _sk("knn-diabetes", "linear", lambda: KNeighborsRegressor(5), "diabetes", labels=False),
         _sk(
             "svc-proba-cancer",
             "svm",

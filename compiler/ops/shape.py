@@ -398,14 +398,24 @@ class Concat(Op):
         out = self.oshape()
         outer = numel(out[: self.ax])
         row = numel(out[self.ax :])
+        parts = [i for i in range(len(self.inputs)) if self.has(i) and numel(self.shape(i)) != 0]
+        t = self.out_dtype(0).c
+        if len(parts) > 8:  # many inputs (an unrolled Scan's outputs): one loop over a table
+            srcs = ", ".join(e.inp(i) for i in parts)
+            lens = ", ".join(cdim(numel(self.shape(i)[self.ax :])) for i in parts)
+            return (
+                f"const {t} *const src[{len(parts)}] = {{{srcs}}};\n"
+                f"const u32 len[{len(parts)}] = {{{lens}}};\n"
+                "u32 off = 0;\n"
+                f"for (u32 j = 0; j < {len(parts)}; j++) {{\n"
+                f"  for (u32 a = 0; a < {cdim(outer)}; a++) for (u32 b = 0; b < len[j]; b++)\n"
+                f"    {e.out(0)}[a * {cdim(row)} + off + b] = src[j][a * len[j] + b];\n"
+                "  off += len[j];\n}"
+            )
         lines = []
         offset: Dim = 0
-        for i in range(len(self.inputs)):
-            if not self.has(i):
-                continue
+        for i in parts:
             inner = numel(self.shape(i)[self.ax :])
-            if numel(self.shape(i)) == 0:
-                continue
             lines.append(
                 f"for (u32 a = 0; a < {cdim(outer)}; a++) for (u32 b = 0; b < {cdim(inner)}; b++) "
                 f"{e.out(0)}[a * {cdim(row)} + {cdim(offset)} + b] = {e.inp(i)}[a * {cdim(inner)} + b];"

@@ -328,7 +328,8 @@ class Div(Binary):
     def SYMBOLIC(a: Any, b: Any) -> Any:
         return a // b
 
-    EXPR = {"f": "a / b", "n": "b == 0 ? 0 : a / b"}
+    # b == -1 negates: INT_MIN / -1 would trap in wasm (the result wraps, as numpy)
+    EXPR = {"f": "a / b", "u": "b == 0 ? 0 : a / b", "n": "b == 0 ? 0 : (b == -1 ? -a : a / b)"}
 
     def emit(self, e: Emitter) -> str:
         dtype = self.x(0).dtype

@@ -32,14 +32,9 @@ from meshfn.testing import onnx_models
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = (
-    "logreg-iris",
-    "mlp-digits",
-    "forest-cancer",
-    "gboost-cancer",
-    "cnn-digits",
-    "mlp-onnx",
-    "decoder-block",
-)
+    "logreg-iris", "mlp-digits", "forest-cancer", "gboost-cancer", "svc-proba-iris", "knn-iris",
+    "cnn-digits", "mlp-onnx", "decoder-block",
+)  # fmt: skip
 
 
 def _session(model: Any, one_thread: bool = True) -> ort.InferenceSession:

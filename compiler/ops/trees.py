@@ -128,6 +128,7 @@ class _Trees(_ML):
         self.wcls_all = wcls
         self.wval_all = wval
         self.thr_c = "float" if thr.dtype == np.float32 else "double"
+        self.acc_c = "float"  # scores accumulate in float, as onnxruntime's (double: TreeEnsemble)
 
     def walk(self, e: Emitter, x: str, leaf: str) -> str:
         """C: for each tree, walk from the root to a leaf and run `leaf` (with `n` the leaf)."""
@@ -152,7 +153,7 @@ class _Trees(_ML):
         lines.append(f"    n = go ? {arr['tru']}[n] : {arr['fal']}[n];")
         lines.append("  }")
         lines.append(
-            f"  for (i32 w = {arr['wbeg']}[n]; w < {arr['wbeg']}[n + 1]; w++) {{ const i32 c = {arr['wcls']}[w]; const float wv = {arr['wval']}[w]; {leaf} }}"
+            f"  for (i32 w = {arr['wbeg']}[n]; w < {arr['wbeg']}[n + 1]; w++) {{ const i32 c = {arr['wcls']}[w]; const {self.acc_c} wv = {arr['wval']}[w]; {leaf} }}"
         )
         lines.append("}")
         return "\n".join(lines)
@@ -294,21 +295,24 @@ class TreeEnsembleRegressor(_Trees):
         lines = [
             f"for (u32 r = 0; r < {cdim(self.n)}; r++) {{",
             f"  const {x_t} *x = {e.inp(0)} + r * {f};",
-            f"  float sc[{t}]; u8 has[{t}];",
+            f"  {self.acc_c} sc[{t}]; u8 has[{t}];",
             f"  for (u32 k = 0; k < {t}; k++) {{ sc[k] = 0; has[k] = 0; }}",
             self.walk(e, "x", step),
         ]
-        avg = f" / {self.n_trees}.0f" if self.agg == "AVERAGE" else ""
+        sfx = "f" if self.acc_c == "float" else ""
+        avg = f" / {self.n_trees}.0{sfx}" if self.agg == "AVERAGE" else ""
         if t == 1:
             origin = self.base[0] if len(self.base) == 1 else 0.0
             if self.agg in ("SUM", "AVERAGE"):
-                lines.append(f"  {z}[r] = sc[0]{avg} + {origin.hex()}f;")
+                lines.append(f"  {z}[r] = sc[0]{avg} + {origin.hex()}{sfx};")
             else:
-                lines.append(f"  {z}[r] = has[0] ? sc[0] + {origin.hex()}f : {origin.hex()}f;")
+                lines.append(
+                    f"  {z}[r] = has[0] ? sc[0] + {origin.hex()}{sfx} : {origin.hex()}{sfx};"
+                )
         else:
             use_base = len(self.base) == t
             for k in range(t):
-                b = f"{self.base[k].hex()}f" if use_base else "0.0f"
+                b = f"{self.base[k].hex()}{sfx}" if use_base else f"0.0{sfx}"
                 if self.agg in ("SUM", "AVERAGE"):
                     lines.append(f"  sc[{k}] = sc[{k}]{avg} + {b};")
                 else:
@@ -320,3 +324,95 @@ class TreeEnsembleRegressor(_Trees):
 
 
 _ = Any
+
+
+@register
+class TreeEnsemble(TreeEnsembleRegressor):
+    """ai.onnx.ml 5's unified tree ensemble (leaves in their own array, splits as a tensor),
+    mapped onto the same flattened forest; set-membership splits are refused."""
+
+    OP = "TreeEnsemble"
+    SINCE = 5
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.FLOATS)
+        self.n, self.f = self.rows()
+        a = self.attr
+        modes = [int(m) for m in np.asarray(a("nodes_modes")).reshape(-1)]
+        if any(m == 6 for m in modes):
+            self.fail("set-membership splits (BRANCH_MEMBER) are not supported")
+        feat = [int(v) for v in a("nodes_featureids")]
+        split = np.asarray(a("nodes_splits")).reshape(-1)
+        tru, fal = (
+            [int(v) for v in a("nodes_truenodeids")],
+            [int(v) for v in a("nodes_falsenodeids")],
+        )
+        tleaf, fleaf = (
+            [int(v) for v in a("nodes_trueleafs")],
+            [int(v) for v in a("nodes_falseleafs")],
+        )
+        miss = [int(v) for v in a("nodes_missing_value_tracks_true", [0] * len(feat))]
+        roots = [int(v) for v in a("tree_roots")]
+        targets = [int(v) for v in a("leaf_targetids")]
+        weights = np.asarray(a("leaf_weights")).reshape(-1)
+        n, leaves = len(feat), len(targets)
+        if not all(len(x) == n for x in (modes, tru, fal, tleaf, fleaf, miss)) or split.size != n:
+            self.fail("the nodes_* attributes differ in length")
+        if weights.size != leaves:
+            self.fail("leaf_targetids and leaf_weights differ in length")
+        self.t = int(a("n_targets"))
+        if any(not 0 <= c < self.t for c in targets):
+            self.fail("a leaf names a target beyond n_targets")
+
+        def child(ix: int, leaf: int) -> int:
+            limit = leaves if leaf else n
+            if not 0 <= ix < limit:
+                self.fail(f"a node points to missing {'leaf' if leaf else 'node'} {ix}")
+            return n + ix if leaf else ix
+
+        true_ix = [child(tru[k], tleaf[k]) for k in range(n)]
+        false_ix = [child(fal[k], fleaf[k]) for k in range(n)]
+        if any(not 0 <= feat[k] < self.f for k in range(n)):
+            self.fail("a node reads a feature beyond the input's")
+        for r in roots:  # every walk ends: an internal node is never reached twice
+            if not 0 <= r < n:
+                self.fail(f"tree root {r} is not a node")
+            seen: set[int] = set()
+            stack = [r]
+            while stack:
+                k = stack.pop()
+                if k >= n:
+                    continue
+                if k in seen:
+                    self.fail(f"the tree at root {r} is not a tree (node {k} is reached twice)")
+                seen.add(k)
+                stack += [true_ix[k], false_ix[k]]
+        thr_dtype = D.FLOAT if split.dtype == np.float32 else D.DOUBLE
+        self.arrays = {
+            "feat": (np.asarray(feat + [0] * leaves, np.int32), D.INT32),
+            "thr": (np.concatenate([split, np.zeros(leaves, split.dtype)]), thr_dtype),
+            "mode": (np.asarray(modes + [6] * leaves, np.uint8), D.UINT8),
+            "tru": (np.asarray(true_ix + [-1] * leaves, np.int32), D.INT32),
+            "fal": (np.asarray(false_ix + [-1] * leaves, np.int32), D.INT32),
+            "miss": (np.asarray(miss + [0] * leaves, np.uint8), D.UINT8),
+            "wbeg": (np.asarray([0] * (n + 1) + list(range(1, leaves + 1)), np.int32), D.INT32),
+            "wcls": (np.asarray(targets or [0], np.int32), D.INT32),
+            "wval": (weights.astype(dtype.np) if leaves else np.zeros(1, dtype.np), dtype),
+            "root": (np.asarray(roots, np.int32), D.INT32),
+        }
+        self.modes_used = sorted(set(modes))
+        self.any_missing = any(miss)
+        self.n_trees = len(roots)
+        self.wcls_all, self.wval_all = targets, weights.tolist()
+        self.thr_c = thr_dtype.c
+        self.acc_c = dtype.c
+        agg = int(a("aggregate_function", 1))
+        self.agg = {0: "AVERAGE", 1: "SUM", 2: "MIN", 3: "MAX"}.get(agg, "")
+        how = int(a("post_transform", 0))
+        self.how = {0: "NONE", 1: "SOFTMAX", 2: "LOGISTIC", 3: "SOFTMAX_ZERO"}.get(how, "")
+        if not self.agg or not self.how:
+            self.fail("aggregate_function or post_transform is not supported (PROBIT is not)")
+        if dtype == D.DOUBLE and self.how != "NONE":
+            self.fail("post_transform on float64 scores is not supported (they are float32 here)")
+        self.base = []
+        return [(dtype, (self.n, self.t))]

@@ -2,7 +2,7 @@
 spliced and zeroed chunks of valid models, plus structural mutants (cycles, dangling inputs,
 huge dimensions, missing external data).
 
-`run(directory)` checks each file in a child process (`python -m meshfn.testing.onnx_fuzz
+`run(paths)` loads, checks and (when it loads) builds each file in a child process (`python -m meshfn.testing.onnx_fuzz
 DIR`) so that a crash in a C++ extension (protobuf, the ONNX checker) is a finding rather than
 the end of the test run; each file gets a time limit (a hang is a finding) and must end in a
 success or a CompileError naming the file."""
@@ -128,13 +128,17 @@ def _alarm(_signum: int, _frame: Any) -> None:
 
 
 def check_one(path: Path) -> dict[str, Any]:
-    from meshfn.compiler import CompileError, Options, analyze
+    from meshfn.compiler import CompileError, Options, ToolchainError, analyze, compile_model
 
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(PER_FILE_S)
     try:
-        analyze(path, Options(memory_cap_bytes=8 << 20))
+        options = Options(memory_cap_bytes=8 << 20)
+        analyze(path, options)
+        compile_model(path, options)  # what loads is built too: clang must accept the C
         return {"file": str(path), "result": "ok"}
+    except ToolchainError as exc:  # clang refusing accepted C is a compiler bug, not a refusal
+        return {"file": str(path), "result": "crash", "message": str(exc)[:500]}
     except CompileError as exc:
         named = str(path) in str(exc)
         return {"file": str(path), "result": "refused", "named": named, "message": str(exc)[:300]}

@@ -182,7 +182,10 @@ def check_one(path: Path) -> dict[str, Any]:
     try:
         options = Options(memory_cap_bytes=8 << 20)
         analyze(path, options)
-        compile_model(path, options)  # what loads is built too: clang must accept the C
+        compiled = compile_model(path, options)  # what loads is built too
+        wrong = _differential(path, compiled)
+        if wrong:
+            return {"file": str(path), "result": "wrong", "message": wrong}
         return {"file": str(path), "result": "ok"}
     except ToolchainError as exc:  # clang refusing accepted C is a compiler bug, not a refusal
         return {"file": str(path), "result": "crash", "message": str(exc)[:500]}
@@ -199,6 +202,49 @@ def check_one(path: Path) -> dict[str, Any]:
         }
     finally:
         signal.alarm(0)
+
+
+def _differential(path: Path, compiled: Any) -> str | None:
+    """Run a mutant that compiled on random rows here and in onnxruntime (when it accepts the
+    model too): a disagreement is a wrong answer, the one thing the compiler must never give."""
+    import onnxruntime as ort
+
+    from meshfn.compiler.runner import Runner
+
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for spec in compiled.metadata["inputs"]:
+        shape = [2 if d == -1 else d for d in spec["shape"]]
+        kind = spec["datatype"]
+        if kind.startswith("FP"):
+            value = rng.normal(size=shape).astype(np.float32 if kind == "FP32" else np.float64)
+        elif kind == "BOOL":
+            value = rng.integers(0, 2, size=shape).astype(bool)
+        else:
+            value = rng.integers(0, 3, size=shape).astype(kind.lower())
+        feeds[spec["name"]] = value
+    try:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.log_severity_level = 4
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        want = session.run([o["name"] for o in compiled.metadata["outputs"]], feeds)
+    except Exception:
+        return None
+    try:
+        got = Runner(compiled.wasm)([feeds[s["name"]] for s in compiled.metadata["inputs"]])
+    except Exception as exc:
+        return f"wasm failed where onnxruntime answered: {exc}"[:300]
+    for k, (g, w0) in enumerate(zip(got, want, strict=True)):
+        w = np.asarray(w0)
+        if g.shape != w.shape:
+            return f"output {k}: shape {g.shape}, onnxruntime {w.shape}"
+        if w.dtype.kind == "f":
+            if not np.allclose(g, w, rtol=1e-4, atol=1e-5, equal_nan=True):
+                return f"output {k}: max abs difference {np.nanmax(np.abs(g - w))}"
+        elif not np.array_equal(g, w):
+            return f"output {k}: {int((g != w).sum())} elements differ"
+    return None
 
 
 def run(paths: list[Path], timeout_s: float = 600) -> list[dict[str, Any]]:

@@ -157,6 +157,9 @@ class LinearClassifier(_ML):
 
 @register
 class Normalizer(_ML):
+    """Norms are summed in double: onnxruntime sums squares in float32, so a feature above
+    ~1.8e19 overflows there (the row turns to NaN) and is normalised correctly here."""
+
     OP = "Normalizer"
 
     def infer(self) -> list[tuple[DType, Shape]]:

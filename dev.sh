@@ -3,6 +3,9 @@
 #   ./dev.sh up     install what is needed, then run `meshfn up` on policies/examples (with the
 #                   example model functions built, signed and published)
 #   ./dev.sh test   install what is needed, then lint, type-check and run every test
+#   ./dev.sh unit   the unit tests only (no Envoy, PostgreSQL, clang, fuzzing or apiserver; < 60 s)
+#   ./dev.sh check  ruff, mypy, the import layering (lint-imports) and test collection
+#   ./dev.sh docs   regenerate the reference pages, then serve the documentation on 127.0.0.1:8000
 #   ./dev.sh setup  only install
 # Works on a fresh Debian 12 as root with nothing but Python 3.11; everything else is installed
 # here (system packages via apt, Python packages into ./.venv).
@@ -13,7 +16,7 @@ cd "$(dirname "$0")"
 
 VENV=${MESHFN_VENV:-.venv}
 # Folders that hold meshfn's Python packages (mapped into the meshfn namespace by pyproject.toml).
-PY_PACKAGES="common contracts ir istio control_plane xds inference ebpf testing compiler"
+PY_PACKAGES="common contracts ir policy istio xds health audit kube wasm_filters control_plane inference ebpf testing compiler"
 PYTHON=${PYTHON:-python3}
 # Our top-level folder `xds/` would shadow xds-protos' `xds` package if the working directory
 # were on sys.path (`python -m`, `python -c`): never put it there.
@@ -89,12 +92,18 @@ ensure_venv() {
   fi
 }
 
-setup() {
+install_deps() {
   ensure_system
   ensure_venv
   # eBPF acceleration: Debian's bcc, a kernel header tree, bcc exposed to the venv (idempotent).
   ebpf/setup_host.sh "$VENV"
-  # The proxy-wasm filters (content-addressed cache; the control plane never compiles them).
+}
+
+setup() {
+  install_deps
+  # The proxy-wasm filters (content-addressed cache; the control plane's reload path never
+  # compiles them). `meshfn up` builds them itself as it starts and says so in one line, so
+  # `./dev.sh up` leaves this step to it: the status is printed once.
   "$VENV/bin/meshfn" filters build >/dev/null
 }
 
@@ -115,34 +124,59 @@ setup_test() {
     || { log "fetching helm failed (e2e/kube/fetch-helm.sh)"; exit 1; }
 }
 
+# Lint, types and the layering: what `./dev.sh check` runs and `./dev.sh test` runs first.
+check() {
+  log "ruff"
+  # shellcheck disable=SC2086
+  "$VENV/bin/ruff" check $PY_PACKAGES functions tests e2e bench docs/gen
+  # shellcheck disable=SC2086
+  "$VENV/bin/ruff" format --check --quiet $PY_PACKAGES functions tests e2e bench docs/gen
+  log "mypy"
+  # shellcheck disable=SC2046
+  "$VENV/bin/mypy" $(printf -- '-p meshfn.%s ' $PY_PACKAGES)
+  "$VENV/bin/mypy" docs/gen/reference.py  # the documentation's reference generator
+  log "import layering (lint-imports)"
+  "$VENV/bin/lint-imports" --no-cache
+  log "every test module imports (pytest --collect-only)"
+  "$VENV/bin/pytest" -p no:cacheprovider --collect-only -q >/dev/null \
+    || { "$VENV/bin/pytest" -p no:cacheprovider --collect-only -q | tail -n 20; exit 1; }
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
   setup) setup ;;
   up)
-    setup
+    install_deps
     exec "$VENV/bin/meshfn" up --policies policies/examples --publish-examples "$@"
     ;;
   test)
     setup
     setup_test
-    log "ruff"
-    # shellcheck disable=SC2086
-    "$VENV/bin/ruff" check $PY_PACKAGES functions wasm_filters tests e2e bench
-    # shellcheck disable=SC2086
-    "$VENV/bin/ruff" format --check --quiet $PY_PACKAGES functions wasm_filters tests e2e bench
-    log "mypy"
-    # shellcheck disable=SC2046
-    "$VENV/bin/mypy" $(printf -- '-p meshfn.%s ' $PY_PACKAGES)
-    log "import layering (lint-imports)"
-    "$VENV/bin/lint-imports" --no-cache
+    check
     log "pytest"
     exec "$VENV/bin/pytest" -p no:cacheprovider "$@"
     ;;
-  help | -h | --help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' ;;
+  unit)
+    ensure_venv
+    exec "$VENV/bin/pytest" -p no:cacheprovider -q tests \
+      -m "not (e2e or slow or postgres or envoy or clang or fuzz)" "$@"
+    ;;
+  check)
+    ensure_venv
+    check
+    ;;
+  docs)
+    ensure_venv
+    # The reference pages are generated from the code (tests/docs/test_reference.py checks them).
+    "$VENV/bin/python" -P docs/gen/reference.py
+    export NO_MKDOCS_2_WARNING=1
+    exec "$VENV/bin/mkdocs" serve --dev-addr 127.0.0.1:8000 "$@"
+    ;;
+  help | -h | --help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' ;;
   *)
     log "unknown command: $cmd"
-    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac

@@ -7,7 +7,7 @@
 Prints one line per target on stderr and one summary line on stdout (executions and coverage
 per target); writes bench/results/fuzz.json (or --json PATH). A finding is
 copied to bench/results/fuzz-findings/<target>/ and makes the exit status 1: turn it into a
-named regression (tests/fuzz/regressions/<target>/<name>, tests/test_fuzz_regressions.py).
+named regression (tests/fuzz/regressions/<target>/<name>, tests/fuzz/test_fuzz_regressions.py).
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ from typing import Any, Literal, TypeVar
 from cryptography import x509
 
 from meshfn.ir import MeshModel
-
-from .policy.model import (
+from meshfn.policy.model import (
     AuthorizationPolicy,
     Condition,
     FallbackPolicy,
@@ -35,14 +34,15 @@ from .policy.model import (
     Service,
     Source,
 )
-from .policy.validate import Loaded
+from meshfn.policy.validate import Loaded
 
 T = TypeVar("T")
 Severity = Literal["Error", "Warning", "Info"]
 SEVERITIES: tuple[Severity, ...] = ("Error", "Warning", "Info")
 EXPIRY_WARNING = dt.timedelta(days=30)
 
-# code -> (severity, what it means); the README's table is this catalogue.
+# code -> (severity, what it means): docs/reference/analyze/ has a page per code, generated from
+# this catalogue and docs/gen/analyze.yaml (the explanations and examples).
 CATALOGUE: dict[str, tuple[Severity, str]] = {
     "MF0101": ("Error", "mTLS DISABLE: plaintext between proxies"),
     "MF0102": ("Warning", "mTLS PERMISSIVE: plaintext accepted beside mTLS"),

@@ -21,25 +21,25 @@ from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 
+from meshfn.audit.salt import load_or_create
 from meshfn.contracts.journal import journal_dir
+from meshfn.health.drift import DriftBreaker, Transition, watched_routes
 from meshfn.ir import MeshModel, Overlay
+from meshfn.policy import PolicyError, PolicyErrors, PolicyLoader
+from meshfn.policy.loader import POLICY_SUFFIXES
+from meshfn.policy.watch import watch_directory
+from meshfn.wasm_filters import BuildError, artifacts
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import InconsistentSnapshot, Snapshot, SnapshotCache, prepare
-from meshfn.xds.names import LATENCY_LOG, SECRET, function_cluster_name, primary_clusters
+from meshfn.xds.names import LATENCY_LOG, SECRET
 from meshfn.xds.rls import GlobalPolicy, RateLimitService, global_policies
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
 from meshfn.xds.translate import OFFLINE_HOST, ProxyHost, translate
 
-from .audit.salt import load_or_create
-from .filters import BuildError, artifacts
-from .health.drift import DriftBreaker, Transition, WatchedRoute
 from .identity.bootstrap_token import LIMIT_SERVICE_PURPOSE, BootstrapTokens
 from .identity.issuer import LocalIssuer
 from .identity.manager import IdentityManager
-from .policy import PolicyError, PolicyErrors, PolicyLoader
-from .policy.loader import POLICY_SUFFIXES
-from .policy.watch import watch_directory
 
 log = logging.getLogger("meshfn.control_plane")
 
@@ -77,27 +77,6 @@ class PolicyState:
         self.errors = errors
         self.failed_at = time.time()
         self.history.append(ReloadEvent(self.failed_at, False, self.generation, (), tuple(errors)))
-
-
-def watched_routes(model: MeshModel) -> list[WatchedRoute]:
-    """Gateway routes whose destination has a drift breaker, and the clusters that carry its
-    primary: the service's own cluster, its per-locality tiers inside the fallback chain
-    (Envoy's access log names the member cluster that served a request) and their twins at a
-    shedding gateway."""
-    out = {}
-    for workload in model.workloads:
-        for listener in workload.listeners:
-            for route in listener.routes:
-                service = model.service(route.service)
-                if service.drift is None:
-                    continue
-                own = primary_clusters(service.key)
-                # A shedding gateway routes each Function's REST calls to twins of these.
-                twins = {function_cluster_name(c, f) for c in own for f, _ in service.function_shed}
-                out[route.key] = WatchedRoute(
-                    route=route.key, primary_clusters=own | twins, settings=service.drift
-                )
-    return list(out.values())
 
 
 def tune_gc() -> None:

@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from meshfn_e2e import http
 
+from meshfn.audit import open_store
 from meshfn.contracts.plugins import AuditSettings, DegradeRule, DegradeSettings
-from meshfn.control_plane.audit import open_store
 from meshfn.testing.envoy import argv as envoy_argv
 from meshfn.testing.envoy import start as start_envoy
 from meshfn.testing.envoy import stat as envoy_stat
@@ -36,7 +36,7 @@ es = harness("envoy_static")
 
 def audit_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-P", "-m", "meshfn.control_plane.audit.cli", *args],
+        [sys.executable, "-P", "-m", "meshfn.audit.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -90,12 +90,12 @@ async def test_exactly_once_across_collector_restarts(tmp_path: Path) -> None:
     open_store(store_path).close()  # the signer reads it: it must exist first
     signer_socket = f"unix:{tmp_path / 'signer.sock'}"
     signer = [
-        sys.executable, "-P", "-m", "meshfn.control_plane.audit.cli", "signer",
+        sys.executable, "-P", "-m", "meshfn.audit.cli", "signer",
         "--store", str(store_path), "--key", str(tmp_path / "signer" / "checkpoint.key"),
         "--witness", str(tmp_path / "witness" / "checkpoints.jsonl"), "--listen", signer_socket,
     ]  # fmt: skip
     collect = [
-        sys.executable, "-P", "-m", "meshfn.control_plane.audit.cli", "collect",
+        sys.executable, "-P", "-m", "meshfn.audit.cli", "collect",
         "--store", str(store_path), "--journal", f"edge~0={journal}",
         "--checkpoint-every", "500", "--signer", signer_socket,
     ]  # fmt: skip

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from meshfn_e2e import http
 
+from meshfn.audit import AuditCollector, AuditStore
+from meshfn.audit.sqlite import SqliteStore
 from meshfn.contracts.plugins import AuditSettings, BodyHash, DegradeSettings
-from meshfn.control_plane.audit import AuditCollector, AuditStore
-from meshfn.control_plane.audit.sqlite import SqliteStore
 from meshfn.testing.audit import Trail
 from meshfn.testing.envoy import argv as envoy_argv
 from meshfn.testing.envoy import start as start_envoy

@@ -144,7 +144,7 @@ class Accelerator:
         prefer `child_preexec()`, which joins before the child opens any socket. Only processes
         that use non-blocking sockets belong here (Envoy, asyncio servers): under redirection a
         *blocking* recv() on a socket that was shut down for writing, or woken for another
-        reason, can fail with EAGAIN (tests/test_ebpf_redirect.py shows it).
+        reason, can fail with EAGAIN (e2e/test_ebpf_redirect.py shows it).
         """
         if self._state is None:
             return False

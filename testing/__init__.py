@@ -1,5 +1,5 @@
 """Test support shared by tests/, e2e/ and bench/ (bench scripts import it too: it is installed
-with meshfn). Never imported by meshfn itself (tests/test_testing_support.py checks).
+with meshfn). Never imported by meshfn itself (tests/testing/test_testing_support.py checks).
 
 ports      free loopback ports; `retry_on_port_clash` when one was taken before it was bound
 envoy      the Envoy command line (meshfn's own, test defaults), `validate`, admin probes, start

@@ -10,8 +10,8 @@ from typing import Any
 
 import psycopg
 
-from meshfn.control_plane.audit import Checkpoint, FileWitness, Signer, open_store, signing, verify
-from meshfn.control_plane.audit.verify import VerifyReport
+from meshfn.audit import Checkpoint, FileWitness, Signer, open_store, signing, verify
+from meshfn.audit.verify import VerifyReport
 
 
 class Trail:

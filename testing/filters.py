@@ -13,8 +13,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3.http_connection
     HttpFilter,
 )
 
+from meshfn import wasm_filters as filters
 from meshfn.contracts.plugins import AuditSettings, DegradeSettings, FilterKind, build_name
-from meshfn.control_plane import filters
 from meshfn.xds.translate import wasm
 
 

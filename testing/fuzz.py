@@ -5,7 +5,7 @@ under libFuzzer with AddressSanitizer + UndefinedBehaviorSanitizer
 (wasm_filters/fuzz/fuzz_filter.c); Python targets run under atheris (testing/fuzz_targets.py).
 Corpora live in tests/fuzz/corpus/<target>/ (seeded from the tests by tests/fuzz/make_seeds.py);
 a run works on a copy, so a test run never changes the checkout (`bench/fuzz.py --merge`
-folds new inputs back in). tests/test_fuzz.py runs every target for a few seconds,
+folds new inputs back in). tests/fuzz/test_fuzz.py runs every target for a few seconds,
 bench/fuzz.py for as long as asked.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
-from meshfn.control_plane import filters
+from meshfn import wasm_filters as filters
 from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,7 +201,7 @@ def replay(target: str, inputs: list[Path], work: Path) -> subprocess.CompletedP
 
 
 def ads_resources() -> dict[str, dict[str, dict[str, Any]]]:
-    """The snapshot the ADS target's streams are served from (the shape of tests/test_ads.py's):
+    """The snapshot the ADS target's streams are served from (the shape of tests/xds/test_ads.py's):
     two workloads, clusters with endpoints."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for group, names in (("edge.default", ("a", "b", "c")), ("model.default", ("m",))):

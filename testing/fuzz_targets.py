@@ -8,7 +8,7 @@ a consistent snapshot), the KServe decoder with a 4xx, the ADS handlers with a g
 ends only that stream, the journal parser with a record whose hash `audit verify` can
 recompute, the access-log stream with an abort or a sink call. Anything else (another
 exception, a hang, a response Envoy could not parse) is a finding: atheris stops and writes the
-input as `crash-<sha1>`. Every finding becomes a named case in tests/test_fuzz_regressions.py.
+input as `crash-<sha1>`. Every finding becomes a named case in tests/fuzz/test_fuzz_regressions.py.
 """
 
 from __future__ import annotations
@@ -33,10 +33,8 @@ with atheris.instrument_imports(include=["meshfn"]):
     from envoy.data.accesslog.v3 import accesslog_pb2
     from envoy.service.discovery.v3 import discovery_pb2
 
-    from meshfn.control_plane.audit.record import canonical, from_log_line
-    from meshfn.control_plane.health.drift import DriftBreaker
-    from meshfn.control_plane.policy import PolicyErrors, PolicyLoader
-    from meshfn.control_plane.service import watched_routes
+    from meshfn.audit.record import canonical, from_log_line
+    from meshfn.health.drift import DriftBreaker, watched_routes
     from meshfn.inference.kserve import (
         HEADER_LENGTH,
         KServeError,
@@ -45,6 +43,7 @@ with atheris.instrument_imports(include=["meshfn"]):
         parse_http,
     )
     from meshfn.inference.tensors import element_count
+    from meshfn.policy import PolicyErrors, PolicyLoader
     from meshfn.xds.als import AccessLogReceiver
     from meshfn.xds.auth import StreamAuth
     from meshfn.xds.cache import InconsistentSnapshot, SnapshotCache, prepare
@@ -264,7 +263,7 @@ class AlsTarget:
     of the example mesh (which has drift-guarded routes)."""
 
     def __init__(self) -> None:
-        from meshfn.control_plane.policy import load_policies
+        from meshfn.policy import load_policies
 
         self.loop = asyncio.new_event_loop()
         model = load_policies(MESH)

@@ -1,5 +1,5 @@
 """The Istio golden cases every Istio test reads: where they are, their policies and renderings,
-and Istio's real CRDs (shared test data beside the checkout, never part of the project)."""
+and Istio's real CRDs (vendored in istio/crds/ with their licence and version)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,12 @@ from pathlib import Path
 
 from meshfn import ir
 from meshfn.contracts.plugins import BUILDS
-from meshfn.control_plane.policy import load_policies
 from meshfn.istio import Rendering, render
+from meshfn.policy import load_policies
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "istio"
-# ../shared beside the checkout (a worktree may sit deeper: the nearest ancestor's)
-CRDS = next(
-    (p / "shared/istio/crd-all.gen.yaml" for p in ROOT.parents if (p / "shared/istio").is_dir()),
-    ROOT.parent / "shared/istio/crd-all.gen.yaml",
-)
+CRDS = ROOT / "istio" / "crds" / "crd-all.gen.yaml"  # Istio 1.31's own, unmodified
 EXAMPLES = "examples"
 CASES = [EXAMPLES, *sorted(p.name for p in GOLDEN.iterdir() if (p / "in.yaml").exists())]
 # Stable stand-ins for the built modules' digests (the CLI passes the real ones).

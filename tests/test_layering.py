@@ -1,4 +1,4 @@
-"""The layering is a contract (ARCHITECTURE.md): checked here as well as by `lint-imports`."""
+"""The layering is a contract (docs/concepts/architecture.md): checked here as well as by `lint-imports`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import grimp
 ROOT = Path(__file__).resolve().parents[1]
 
 # What a pure stage must never pull in: storage, servers, metrics, process spawning.
-IMPURE = ("sqlite3", "prometheus_client", "grpc", "subprocess", "meshfn.control_plane.audit.store")
+IMPURE = ("sqlite3", "prometheus_client", "grpc", "subprocess", "meshfn.audit.store")
 
 _PROBE = """
 import json, sys
@@ -30,7 +30,7 @@ def imported_by(module: str) -> list[str]:
         capture_output=True,
         text=True,
         check=True,
-        cwd=ROOT.parent,
+        cwd="/",  # with -P nothing of the working directory is on sys.path anyway
     )
     loaded: list[str] = json.loads(done.stdout)
     return loaded
@@ -118,3 +118,40 @@ def test_lint_imports_passes() -> None:
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# Packages whose modules are one layer: vocabulary (ir, contracts, common), one module
+# (health), test support, and the packages a layered parent already places as one unit.
+FLAT = {
+    "meshfn.ir",
+    "meshfn.contracts",
+    "meshfn.common",
+    "meshfn.common.kube",
+    "meshfn.health",
+    "meshfn.testing",
+    "meshfn.control_plane.identity",
+    "meshfn.control_plane.runtime",
+    "meshfn.control_plane.runtime.console",
+    "meshfn.xds.fragments",
+    "meshfn.xds.translate",
+    "meshfn.xds.translate.httpfilters",
+}
+
+
+def test_every_package_is_layered_exhaustively() -> None:
+    """The folder tree is the layering: every package with modules of its own has an
+    exhaustive layers contract (a module that sits in no layer then fails lint-imports), or is
+    flat on purpose (FLAT, above). A new package has to choose."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layered = {
+        f"meshfn.{c}" if c != "meshfn" and not c.startswith("meshfn.") else c
+        for contract in config["contracts"]
+        if contract["type"] == "layers" and contract.get("exhaustive")
+        for c in contract.get("containers", ())
+    }
+    graph = grimp.build_graph("meshfn")
+    packages = {m for m in graph.modules if graph.find_children(m)}
+    assert packages - layered - FLAT == set(), "layer these packages (pyproject.toml)"
+    assert (layered | FLAT) - packages == set(), "contracts or FLAT name packages that are gone"

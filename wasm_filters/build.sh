@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the proxy-wasm filters with Debian's clang + lld, and with --native the same filter code
 # as shared libraries linked against the fake ABI host for the test harness.
-# Output goes to a content-addressed cache dir (or --out DIR: meshfn.control_plane.filters passes
+# Output goes to a content-addressed cache dir (or --out DIR: meshfn.wasm_filters passes
 # the directory named by its own source key); the last line printed is that directory.
 #   wasm_filters/build.sh            -> <dir>/{audit,degrade,meshfn}{,-lean}.wasm
 #   wasm_filters/build.sh --native   -> also <dir>/{audit,degrade,meshfn}{,-lean}_native.so
@@ -69,7 +69,7 @@ compile() { # kind(wasm|native) name -> prints the link inputs
 build() { # kind name
   local kind=$1 name=$2 target objdir
   if [ "$kind" = wasm ]; then target=$out/$name.wasm; else target=$out/${name}_native.so; fi
-  # One progress line per module on stdout (meshfn.control_plane.filters reports it).
+  # One progress line per module on stdout (meshfn.wasm_filters reports it).
   [ -s "$target" ] && { echo "cached ${target##*/}"; return 0; }
   objdir=$(cd "$here" && compile "$kind" "$name")
   # concurrent builders (tests, a control plane) each link to their own file, then rename

@@ -5,7 +5,7 @@ A `Subscription` knows what the client asked for (names, wildcard or not), what 
 brought to (`sent`, and for Delta the version of every resource it holds), which response it
 must answer next (nonces) and what it answered (its `TypeStatus`). It does no I/O: the SotW and
 Delta handlers (sotw.py, delta.py) decide what to send from it, so the protocol's subtleties live
-and are tested here (tests/test_subscription.py).
+and are tested here (tests/xds/test_subscription.py).
 
 Spec: https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol (section anchors below).
 """

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from meshfn import ir
+from meshfn.audit import layout
+from meshfn.audit.collector import AuditCollector
+from meshfn.audit.signer import SignerClient, SignerError
+from meshfn.audit.sqlite import SqliteStore
 from meshfn.xds.translate import ProxyHost
 
-from ..audit import layout
-from ..audit.collector import AuditCollector
-from ..audit.signer import SignerClient, SignerError
-from ..audit.sqlite import SqliteStore
 from .process import SupervisedProcess
 
 log = logging.getLogger("meshfn.audit")
@@ -52,7 +52,7 @@ def signer_process(state_dir: Path, store: Path) -> tuple[SupervisedProcess, str
         sys.executable,
         "-P",
         "-m",
-        "meshfn.control_plane.audit.cli",
+        "meshfn.audit.cli",
         "signer",
         "--store",
         str(store),

@@ -8,9 +8,9 @@ import logging
 import signal
 from pathlib import Path
 
+from meshfn import wasm_filters as filters
 from meshfn.common.files import secure_state_dir
 
-from .. import filters
 from ..service import ControlPlane, tune_gc
 from .admin import AdminAccessError, AdminServer
 

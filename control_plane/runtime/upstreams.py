@@ -16,8 +16,8 @@ import aiohttp
 
 from meshfn import ir
 from meshfn.contracts.function import BackendConfig
+from meshfn.policy import compile
 
-from ..policy import compile
 from .process import SupervisedProcess
 
 

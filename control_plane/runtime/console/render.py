@@ -16,7 +16,8 @@ from typing import Any
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup, escape
 
-from ...health.drift import RouteDrift
+from meshfn.health.drift import RouteDrift
+
 from .view import ConsoleView
 
 PANELS = ("topology", "proxies", "drift", "functions", "audit", "policy")

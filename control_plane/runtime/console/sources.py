@@ -22,12 +22,13 @@ from typing import Any
 
 import aiohttp
 
-from ...audit import layout, signing
-from ...audit.salt import load as load_salt
-from ...audit.sqlite import SqliteStore
-from ...audit.store import StoreError
-from ...audit.verify import VerifyReport, verify
-from ...audit.witness import FileWitness
+from meshfn.audit import layout, signing
+from meshfn.audit.salt import load as load_salt
+from meshfn.audit.sqlite import SqliteStore
+from meshfn.audit.store import StoreError
+from meshfn.audit.verify import VerifyReport, verify
+from meshfn.audit.witness import FileWitness
+
 from ..envoy import admin_session
 
 log = logging.getLogger("meshfn.console")

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshfn import ir
+from meshfn.audit.store import StoreError
+from meshfn.health.drift import RouteDrift
 from meshfn.xds.names import SHORT_NAMES, cluster_name, primary_clusters
 from meshfn.xds.status import ProxyStatus, TypeStatus
 
-from ...audit.store import StoreError
-from ...health.drift import RouteDrift
 from ...service import ControlPlane, ReloadEvent
 from ..hints import describe_match
 from .sources import AuditQuery, ConsoleSources, HostHealth

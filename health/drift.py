@@ -1,0 +1,286 @@
+"""The drift breaker: per-route latency against the route's own baseline.
+
+Envoy streams every request's duration (gRPC access-log service); for each route with a
+`driftBreaker` we keep recent samples. The route trips when the p95 of the last `window` exceeds
+the baseline p95 (the `baselineWindow` before it, or `coldStartBaseline` until there are enough
+samples) by more than `threshold` percent and by at least `minIncrease`. While tripped, the baseline is frozen and only the
+probe share of traffic still reaches the primary; the route recovers when the probe's p95 over the
+last `recoverAfter` is within half the trip margin (half the threshold, or half `minIncrease` where
+that is larger): hysteresis, so a route does not flap.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from meshfn import ir
+from meshfn.xds.names import function_cluster_name, primary_clusters
+
+if TYPE_CHECKING:
+    from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
+
+log = logging.getLogger("meshfn.drift")
+
+MAX_SAMPLES = 200_000
+HISTORY_POINTS = 600  # one per evaluation (every 0.2 s in the control plane): two minutes
+HISTORY_EVENTS = 50
+
+
+def p95(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+@dataclass(frozen=True)
+class WatchedRoute:
+    """A route whose destination has a drift breaker: which clusters carry its primary."""
+
+    route: str  # Route.key
+    primary_clusters: frozenset[str]  # the primary, and the aggregate that starts with it
+    settings: ir.Drift
+
+
+@dataclass(frozen=True)
+class Transition:
+    route: str
+    to: str  # "degraded" | "healthy"
+    p95_ms: float
+    baseline_ms: float
+    at: float
+
+
+@dataclass(frozen=True)
+class DriftPoint:
+    """One evaluation of a route: what the console charts (times are time.monotonic())."""
+
+    at: float
+    p95_ms: float
+    baseline_ms: float
+    degraded: bool
+
+
+@dataclass(frozen=True)
+class RouteDrift:
+    """A guarded route as the breaker sees it now, with its recent history."""
+
+    route: str
+    degraded: bool
+    since_s: float | None
+    p95_ms: float
+    baseline_ms: float
+    trip_at_ms: float  # the p95 that trips the route (or, while tripped, blocks recovery)
+    samples: int
+    transitions: int
+    history: tuple[DriftPoint, ...]
+    events: tuple[Transition, ...]
+
+
+@dataclass
+class _State:
+    watched: WatchedRoute
+    samples: deque[tuple[float, float]] = field(default_factory=deque)  # (time, seconds)
+    degraded: bool = False
+    since: float = 0.0
+    frozen_baseline: float = 0.0
+    warm_baseline: float | None = None  # after a recovery, until the baseline refills
+    last_p95: float = 0.0
+    last_baseline: float = 0.0
+    transitions: int = 0
+    history: deque[DriftPoint] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
+    events: deque[Transition] = field(default_factory=lambda: deque(maxlen=HISTORY_EVENTS))
+
+    def baseline(self) -> float:
+        return self.frozen_baseline if self.degraded else self.last_baseline
+
+
+class DriftBreaker:
+    def __init__(self) -> None:
+        self._routes: dict[str, _State] = {}
+
+    def configure(self, routes: Iterable[WatchedRoute]) -> None:
+        """Follow the routes of a new MeshModel; keep the history of routes that stay."""
+        wanted = {r.route: r for r in routes}
+        for key in list(self._routes):
+            if key not in wanted:
+                del self._routes[key]
+        for key, watched in wanted.items():
+            state = self._routes.get(key)
+            if state is None:
+                self._routes[key] = _State(watched)
+            else:
+                state.watched = watched
+
+    def observe(self, route_name: str, cluster: str, seconds: float, now: float) -> None:
+        """`route_name` is Envoy's route name ("namespace/name/match-index", with "/degraded"
+        for the twin the degrade filter reroutes to: its probe share measures recovery)."""
+        state = self._routes.get("/".join(route_name.split("/", 2)[:2]))
+        if state is None or cluster not in state.watched.primary_clusters:
+            return
+        state.samples.append((now, seconds))
+        if len(state.samples) > MAX_SAMPLES:
+            state.samples.popleft()
+
+    def observe_access_log(self, entry: HTTPAccessLogEntry, now: float) -> None:
+        """One Envoy access-log entry (ALS): its route, upstream cluster and time to the last
+        byte sent downstream (the duration where Envoy did not record that). A request never
+        sent upstream (shed by a circuit breaker, rate limited, denied) is answered at once, yet
+        names its route's cluster: counted, it would hide a slow backend. Envoy's filter
+        (names.LATENCY_LOG_FILTER) does not send those; this holds for any sender."""
+        common = entry.common_properties
+        if not common.HasField("upstream_local_address"):
+            return
+        timing = common.time_to_last_downstream_tx_byte
+        if not common.HasField("time_to_last_downstream_tx_byte"):
+            timing = common.duration
+        self.observe(common.route_name, common.upstream_cluster, timing.ToNanoseconds() / 1e9, now)
+
+    def degraded(self) -> frozenset[str]:
+        return frozenset(k for k, s in self._routes.items() if s.degraded)
+
+    def evaluate(self, now: float) -> list[Transition]:
+        transitions = []
+        for key, state in self._routes.items():
+            settings = state.watched.settings
+            window = settings.window.total_seconds()
+            span = settings.recover_after.total_seconds()
+            horizon = now - max(settings.baseline_window.total_seconds() + window, span)
+            while state.samples and state.samples[0][0] < horizon:
+                state.samples.popleft()
+            if not state.degraded:
+                recent = [v for t, v in state.samples if t >= now - window]
+                older = [v for t, v in state.samples if t < now - window]
+                baseline = self._baseline(state, older)
+                state.last_baseline = baseline or 0.0
+                if baseline is None or len(recent) < settings.min_samples:
+                    continue
+                state.last_p95 = p95(recent)
+                if state.last_p95 > self._limit(settings, baseline, 1.0):
+                    state.degraded, state.since = True, now
+                    state.frozen_baseline = baseline
+                    transitions.append(self._transition(state, key, "degraded", now))
+            else:
+                # One p95 over the whole recoverAfter span, not one per `window` that must all
+                # pass: the probe share gives a window a dozen samples, whose p95 is their
+                # maximum, so a single slow request anywhere in the span held the trip.
+                probes = [v for t, v in state.samples if t >= now - max(span, window)]
+                if len(probes) < max(3, settings.min_samples // 4):  # the probe share is small
+                    continue
+                state.last_p95 = p95(probes)
+                if now - state.since < span:
+                    continue
+                if state.last_p95 <= self._limit(settings, state.frozen_baseline, 0.5):
+                    state.degraded, state.since = False, now
+                    state.warm_baseline = state.frozen_baseline
+                    state.samples.clear()  # the slow period must not become the new normal
+                    transitions.append(self._transition(state, key, "healthy", now))
+        for state in self._routes.values():
+            state.history.append(
+                DriftPoint(now, state.last_p95 * 1000, state.baseline() * 1000, state.degraded)
+            )
+        return transitions
+
+    @staticmethod
+    def _limit(settings: ir.Drift, baseline: float, share: float) -> float:
+        """The p95 that trips (share 1) or still blocks recovery (share 0.5, the hysteresis
+        midpoint). The minIncrease floor applies to both: without it in the recovery limit, a
+        2 ms baseline would need every probe under 2.4 ms, and the few probe samples' p95 (their
+        maximum) rarely is, so a healed route stayed on its fallback."""
+        rise = max(
+            baseline * settings.threshold_percent / 100, settings.min_increase.total_seconds()
+        )
+        return baseline + share * rise
+
+    def _baseline(self, state: _State, older: list[float]) -> float | None:
+        settings = state.watched.settings
+        if len(older) >= settings.min_samples:
+            state.warm_baseline = None
+            return p95(older)
+        if state.warm_baseline is not None:
+            return state.warm_baseline
+        if settings.cold_start_baseline is not None:
+            return settings.cold_start_baseline.total_seconds()
+        return None
+
+    def _transition(self, state: _State, key: str, to: str, now: float) -> Transition:
+        state.transitions += 1
+        baseline = state.frozen_baseline or state.last_baseline
+        transition = Transition(key, to, state.last_p95 * 1000, baseline * 1000, now)
+        state.events.append(transition)
+        if to == "degraded":
+            log.warning(
+                "route %s degraded: p95 %.1f ms is more than %.0f%% above its baseline %.1f ms; "
+                "sending it down its fallback chain",
+                key,
+                transition.p95_ms,
+                state.watched.settings.threshold_percent,
+                transition.baseline_ms,
+            )
+        else:
+            log.info(
+                "route %s recovered: p95 %.1f ms near its baseline %.1f ms; traffic returns",
+                key,
+                transition.p95_ms,
+                transition.baseline_ms,
+            )
+        return transition
+
+    def views(self, now: float) -> list[RouteDrift]:
+        """Every guarded route, by name, with its bounded history (for the console)."""
+        out = []
+        for key, s in sorted(self._routes.items()):
+            baseline = s.baseline()
+            limit = self._limit(s.watched.settings, baseline, 0.5 if s.degraded else 1.0)
+            out.append(
+                RouteDrift(
+                    route=key,
+                    degraded=s.degraded,
+                    since_s=round(now - s.since, 3) if s.since else None,
+                    p95_ms=round(s.last_p95 * 1000, 3),
+                    baseline_ms=round(baseline * 1000, 3),
+                    trip_at_ms=round(limit * 1000, 3) if baseline else 0.0,
+                    samples=len(s.samples),
+                    transitions=s.transitions,
+                    history=tuple(s.history),
+                    events=tuple(s.events),
+                )
+            )
+        return out
+
+    def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
+        return {
+            v.route: {
+                "state": "degraded" if v.degraded else "healthy",
+                "since_s": v.since_s,
+                "p95_ms": v.p95_ms,
+                "baseline_ms": v.baseline_ms,
+                "samples": v.samples,
+                "transitions": v.transitions,
+            }
+            for v in self.views(now)
+        }
+
+
+def watched_routes(model: ir.MeshModel) -> list[WatchedRoute]:
+    """Gateway routes whose destination has a drift breaker, and the clusters that carry its
+    primary: the service's own cluster, its per-locality tiers inside the fallback chain
+    (Envoy's access log names the member cluster that served a request) and their twins at a
+    shedding gateway."""
+    out = {}
+    for workload in model.workloads:
+        for listener in workload.listeners:
+            for route in listener.routes:
+                service = model.service(route.service)
+                if service.drift is None:
+                    continue
+                own = primary_clusters(service.key)
+                # A shedding gateway routes each Function's REST calls to twins of these.
+                twins = {function_cluster_name(c, f) for c in own for f, _ in service.function_shed}
+                out[route.key] = WatchedRoute(
+                    route=route.key, primary_clusters=own | twins, settings=service.drift
+                )
+    return list(out.values())

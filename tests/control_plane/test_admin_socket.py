@@ -1,0 +1,160 @@
+"""Envoy's admin interface in `meshfn up`: a unix socket (mode 0600) in the state directory, a
+TCP port only where a Gateway's `adminPort` opts in (with a warning), and a private state
+directory. Real Envoy checks the bootstraps (`--mode validate`) and serves one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from meshfn.common.files import private_directory
+from meshfn.control_plane.runtime.bootstrap import (
+    ADMIN_CLUSTER,
+    ADMIN_TCP_LISTENER,
+    MAX_SOCKET_PATH,
+    AdminSocketPathTooLong,
+    ProxyIdentity,
+    admin_port_warnings,
+    admin_socket_path,
+    bootstrap_json,
+)
+from meshfn.policy import load_policies
+from meshfn.testing import policies as p
+from meshfn.testing.envoy import argv, live, validate
+from meshfn.testing.ports import free_ports
+from meshfn.testing.processes import MESHFN, Processes, listening_tcp_ports, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "policies" / "examples"
+
+
+def identity(admin_port: int = 0) -> ProxyIdentity:
+    model = load_policies(EXAMPLES)
+    gateway = next(w for w in model.workloads if w.kind == "gateway")
+    found = ProxyIdentity.for_workload(gateway, "Bearer test-token")
+    return dataclasses.replace(found, admin_port=admin_port)
+
+
+def test_examples_open_no_admin_port() -> None:
+    model = load_policies(EXAMPLES)
+    assert all(w.admin_port == 0 for w in model.workloads)
+    assert admin_port_warnings(model) == []
+    assert "adminPort" not in (EXAMPLES / "mesh.yaml").read_text()
+
+
+def test_bootstrap_serves_admin_on_a_private_socket(tmp_path: Path) -> None:
+    sock = admin_socket_path(tmp_path, "edge.ingress~0")
+    assert sock == tmp_path / "envoy" / "edge.ingress-0.sock"
+    config = bootstrap_json(identity(), "127.0.0.1", 18000, sock)
+    assert config["admin"] == {"address": {"pipe": {"path": str(sock), "mode": 0o600}}}
+    assert "listeners" not in config["static_resources"]  # nothing on TCP but the proxies
+    assert [c["name"] for c in config["static_resources"]["clusters"]] == ["meshfn-xds"]
+    result = validate(config)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_an_admin_port_forwards_to_the_socket(tmp_path: Path) -> None:
+    sock = admin_socket_path(tmp_path, "edge.ingress~0")
+    config = bootstrap_json(identity(19000), "127.0.0.1", 18000, sock)
+    assert config["admin"]["address"]["pipe"]["path"] == str(sock)
+    (listener,) = config["static_resources"]["listeners"]
+    assert listener["name"] == ADMIN_TCP_LISTENER
+    assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 19000}
+    (tcp_proxy,) = listener["filter_chains"][0]["filters"]
+    assert tcp_proxy["typed_config"]["cluster"] == ADMIN_CLUSTER
+    admin = next(c for c in config["static_resources"]["clusters"] if c["name"] == ADMIN_CLUSTER)
+    endpoint = admin["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"] == {"pipe": {"path": str(sock)}}
+    result = validate(config)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_meshfn_bootstrap_without_a_socket_keeps_tcp() -> None:
+    """`meshfn bootstrap` (an Envoy run elsewhere, e.g. in a pod) keeps a loopback TCP admin."""
+    config = bootstrap_json(identity(), "127.0.0.1", 18000)
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_socket_paths_fit_or_fail_clearly(tmp_path: Path) -> None:
+    long_node = "a-very-long-service-name-" * 3 + ".default:15101~0"
+    deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path)) - 40))
+    short = admin_socket_path(deep, long_node)  # the node's name does not fit: a digest does
+    assert len(os.fsencode(short)) <= MAX_SOCKET_PATH
+    assert short.parent == deep / "envoy" and len(short.stem) == 16
+    assert short == admin_socket_path(deep, long_node)  # stable
+    assert short != admin_socket_path(deep, long_node.replace("15101", "15102"))
+    too_deep = tmp_path / ("d" * MAX_SOCKET_PATH)
+    with pytest.raises(AdminSocketPathTooLong, match="use a shorter --state-dir"):
+        admin_socket_path(too_deep, "edge.ingress~0")
+    relative = admin_socket_path(Path("state"), "edge.ingress~0")
+    assert relative.is_absolute()  # Envoy may run elsewhere than its supervisor's cwd
+
+
+def test_admin_port_warning_names_the_risk(tmp_path: Path) -> None:
+    (tmp_path / "mesh.yaml").write_text(
+        p.documents(p.mesh("m", "m.local"), p.gateway(19000, 10000, namespace="ingress"))
+    )
+    model = load_policies(tmp_path)
+    (warning,) = admin_port_warnings(model)
+    assert warning.startswith("warning: Gateway ingress/edge sets adminPort 19000")
+    for risk in ("without authentication", "Any local user", "ADS token", "private key",
+                 "drain or stop"):  # fmt: skip
+        assert risk in warning
+    shown = subprocess.run(
+        [MESHFN, "validate", str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert shown.returncode == 0 and warning in shown.stderr, shown.stderr
+    quiet = subprocess.run(
+        [MESHFN, "validate", str(EXAMPLES)], capture_output=True, text=True, check=False
+    )
+    assert quiet.returncode == 0 and "adminPort" not in quiet.stderr + quiet.stdout
+
+
+def test_private_directory(tmp_path: Path) -> None:
+    fresh = tmp_path / "a" / "state"
+    assert private_directory(fresh) is None
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    fresh.chmod(0o755)
+    assert private_directory(fresh) == 0o755  # tightened: the caller logs it
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    fresh.chmod(0o750)
+    assert private_directory(fresh) == 0o750
+    fresh.chmod(0o500)  # narrower: made usable by its owner, nothing to report
+    assert private_directory(fresh) is None
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+
+
+def test_envoy_serves_admin_on_the_socket_only(tmp_path: Path) -> None:
+    """A real Envoy on the bootstrap (no control plane: it stays initializing, which admin
+    reports): the socket answers, with mode 0600, and Envoy binds no TCP port for admin."""
+    sock = admin_socket_path(tmp_path, "edge.ingress~0")
+    sock.parent.mkdir(mode=0o700)
+    (xds,) = free_ports(1)
+    config = tmp_path / "bootstrap.json"
+    config.write_text(json.dumps(bootstrap_json(identity(), "127.0.0.1", xds, sock)))
+    procs = Processes(tmp_path)
+    try:
+        proc = procs.start("envoy", argv(config))
+        wait_for("the admin socket", sock.exists, proc=proc)
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.settimeout(5)
+        client.connect(str(sock))
+        client.sendall(b"GET /server_info HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+        client.close()
+        assert answer.startswith(b"HTTP/1.1 200") and b'"state"' in answer
+        with pytest.raises(OSError, match="503"):  # not LIVE: no ADS server behind it
+            live(sock)
+        assert listening_tcp_ports(proc.pid) == set()
+    finally:
+        procs.stop_all()

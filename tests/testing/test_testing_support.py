@@ -1,0 +1,152 @@
+"""meshfn.testing itself: a port taken between pick and bind is retried, the shared Envoy
+command line, policy builders that load, and product code that never imports the test support."""
+
+from __future__ import annotations
+
+import errno
+import re
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn.policy import load_policies
+from meshfn.testing import envoy
+from meshfn.testing.policies import Policies
+from meshfn.testing.ports import PortInUse, free_port, is_port_clash, retry_on_port_clash
+from meshfn.testing.processes import Processes, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ["common", "contracts", "ir", "control_plane", "xds", "inference", "ebpf"]
+# Binds the port in argv[1] and serves until stopped: a stand-in for any server we start.
+SERVER = (
+    "import socket, sys, time\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\n"
+    "time.sleep(60)\n"
+)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Processes]:
+    rig = Processes(tmp_path)
+    yield rig
+    rig.stop_all()
+
+
+def test_retry_picks_again_only_on_eaddrinuse() -> None:
+    calls: list[OSError] = []
+    refused = OSError(errno.ECONNREFUSED, "refused")
+
+    def start(*failures: OSError) -> str:
+        if len(calls) < len(failures):
+            calls.append(failures[len(calls)])
+            raise calls[-1]
+        return "up"
+
+    assert retry_on_port_clash(lambda: start(PortInUse("a"), PortInUse("b"))) == "up"
+    calls.clear()
+    with pytest.raises(PortInUse):  # a clash on every attempt
+        retry_on_port_clash(lambda: start(*[PortInUse("c")] * 3), attempts=2)
+    assert len(calls) == 2
+    calls.clear()
+    with pytest.raises(OSError) as caught:  # anything else is not retried
+        retry_on_port_clash(lambda: start(refused))
+    assert caught.value is refused and len(calls) == 1
+    assert is_port_clash(OSError(errno.EADDRINUSE, "x")) and not is_port_clash(refused)
+
+
+def listening(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+
+
+def test_a_child_that_finds_its_port_taken_is_started_again_on_another(
+    procs: Processes,
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))  # taken, but not listening: no answer to the probe
+        busy = taken.getsockname()[1]
+        ports = [busy, free_port()]
+
+        def start() -> int:
+            port = ports.pop(0)
+            proc = procs.start(f"server-{port}", [sys.executable, "-c", SERVER, str(port)])
+            wait_for("the server", lambda: listening(port), proc=proc)
+            return port
+
+        # the first attempt dies of EADDRINUSE (seen in its log), the second one serves
+        assert retry_on_port_clash(start) != busy
+    first, second = procs.started
+    assert first.poll() == 1 and "address already in use" in first.output().lower()
+    assert second.poll() is None
+
+
+def test_one_envoy_command_line() -> None:
+    argv = envoy.argv(Path("/c.json"))
+    assert argv[:4] == [str(envoy_binary()), "-c", "/c.json", "--disable-hot-restart"]
+    assert argv[argv.index("--concurrency") + 1] == "1" and "--base-id" not in argv
+    wasm = envoy.argv(Path("/c.json"), wasm=True)
+    assert wasm[wasm.index("--component-log-level") + 1] == "wasm:info"
+
+
+def test_envoy_validate_accepts_and_refuses() -> None:
+    admin = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}
+    assert envoy.validate({"admin": admin}).returncode == 0
+    refused = envoy.validate({"admin": admin, "no_such_field": 1})
+    assert refused.returncode != 0 and "no_such_field" in refused.stdout + refused.stderr
+
+
+def test_the_standard_mesh_loads(tmp_path: Path) -> None:
+    policies = Policies(tmp_path / "p", protocol="sotw")
+    policies.route("/v2", "beta")
+    model = load_policies(policies.root)
+    (gateway,) = [w for w in model.workloads if w.kind == "gateway"]
+    assert {service.name for service in model.services} == {"alpha", "beta"}
+    assert gateway.admin_port == policies.ports["envoy_admin"]
+    assert len(set(policies.ports.values())) == len(policies.ports)
+
+
+def test_product_code_never_imports_the_test_support() -> None:
+    importing = re.compile(r"^\s*(from|import)\s+(meshfn\.testing\b|\.+testing\b)", re.M)
+    found = [
+        str(path.relative_to(ROOT))
+        for folder in PRODUCT
+        for path in (ROOT / folder).rglob("*.py")
+        if importing.search(path.read_text())
+    ]
+    assert found == []
+
+
+def test_the_kube_build_reports_its_steps_and_whether_it_was_cached(tmp_path: Path) -> None:
+    """The progress wrapper of e2e/kube/build.sh: each step line advances the bar, everything
+    reaches the log, and the last line tells a fresh build from a cached one."""
+    import io
+
+    from rich.console import Console
+
+    from meshfn.testing import kubebuild
+
+    fresh = tmp_path / "fresh.sh"
+    fresh.write_text(
+        "echo noise\n"
+        "echo '[kube-build 10:00:00] apt update' >&2\n"
+        "echo '[kube-build 10:00:01] go build kube-apiserver' >&2\n"
+        "echo '[kube-build 10:00:02] done: /x' >&2\n"
+    )
+    cached = tmp_path / "cached.sh"
+    cached.write_text("exit 0\n")
+    failing = tmp_path / "failing.sh"
+    failing.write_text("echo '[kube-build 10:00:00] apt update' >&2; exit 3\n")
+    for script, code, last in ((fresh, 0, "built"), (cached, 0, "all 1 cached"), (failing, 3, "")):
+        text = io.StringIO()
+        log = tmp_path / f"{script.stem}.log"
+        assert kubebuild.run(log, Console(file=text, width=200), script) == code
+        lines = text.getvalue().strip().splitlines()
+        if last:
+            assert last in lines[-1], lines
+        else:
+            assert not any("kube binaries: built" in line for line in lines), lines
+    assert "noise" in (tmp_path / "fresh.log").read_text()

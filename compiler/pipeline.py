@@ -131,11 +131,155 @@ def _implemented(domain: str, op_type: str, opset: int) -> bool:
     return version is not None and version >= cls.SINCE
 
 
-def lower(
-    model: ModelProto, where: str, options: Options, prefix: str = "meshfn_"
-) -> tuple[Unit, dict[str, Any]]:
-    """Everything but clang: the unit to emit and the report's model-side figures."""
-    inlined = inline.expand(model, _implemented, where)
+def _unsupported(node: Node, where: str, version: int | None, opset: int) -> UnsupportedError:
+    what = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+    if version is None:
+        return UnsupportedError(
+            f"{where}: {node.label}: {what} is not an operator of opset {opset} of domain "
+            f"{node.domain or 'ai.onnx'}"
+        )
+    advice = ""
+    if node.op_type == "ZipMap":
+        advice = (
+            " (ZipMap turns probabilities into a list of maps: export with "
+            "options={id(model): {'zipmap': False}} in skl2onnx)"
+        )
+    return UnsupportedError(
+        f"{where}: {node.label}: operator {what} is not supported{advice}; supported: "
+        f"{supported_list()}"
+    )
+
+
+class _Lowering:
+    """The node-by-node walk of `lower`: each node is folded at build time or becomes a step."""
+
+    def __init__(self, g: Graph, where: str) -> None:
+        self.g, self.where = g, where
+        self.steps: list[Step] = []
+        self.ops_used: Counter[str] = Counter()
+        self.folded = 0
+
+    def inputs_of(self, node: Node) -> list[Tensor | None]:
+        ins: list[Tensor | None] = []
+        for name in node.inputs:
+            if name and name not in self.g.tensors:
+                raise CompileError(f"{self.where}: {node.label}: input {name!r} is never produced")
+            ins.append(self.g.tensors[name] if name else None)
+        return ins
+
+    def node(self, node: Node) -> None:
+        g, where = self.g, self.where
+        ins = self.inputs_of(node)
+        if node.domain not in g.opsets:
+            raise UnsupportedError(
+                f"{where}: {node.label}: domain {node.domain!r} has no opset import"
+            )
+        version = schema_version(node.op_type, node.domain, g.opsets[node.domain])
+        cls = REGISTRY.get((node.domain, node.op_type))
+        known = [t for t in ins if t is not None]
+        all_known = all(t.value is not None and not t.symbolic for t in known)
+        if cls is None or version is None:
+            if not (version is not None and all_known and self.fold_unregistered(node, ins)):
+                raise _unsupported(node, where, version, g.opsets[node.domain])
+            return
+        if version < cls.SINCE:
+            raise UnsupportedError(
+                f"{where}: {node.label}: {node.op_type} from opset {g.opsets[node.domain]} "
+                f"(version {version}) is not supported; supported from version {cls.SINCE} "
+                f"(re-export with opset >= {cls.SINCE})"
+            )
+        op = cls(node, ins, version, where)
+        outs = self.outputs(op, node)
+        if node.op_type in NONDETERMINISTIC:
+            op.fail("random operators are not supported")
+        if self.fold(op, cls, node, ins, outs, all_known):
+            return
+        self.steps.append(Step(op, ins, outs))
+        self.ops_used[f"{node.domain}.{node.op_type}" if node.domain else node.op_type] += 1
+
+    def fold_unregistered(self, node: Node, ins: list[Tensor | None]) -> bool:
+        """An operator no unit implements, all of whose inputs are known: ONNX's reference
+        implementation computes it at build time (constant subgraphs of exporters)."""
+        if not node.outputs or node.op_type in NONDETERMINISTIC:
+            return False
+        outs = _reference_fold(node, ins, self.g.opsets)
+        if outs is None:
+            return False
+        for name, value in zip(node.outputs, outs, strict=False):
+            if name:
+                arr = np.asarray(value)
+                dtype = dtypes.from_numpy(arr.dtype, f"{self.where}: {node.label}")
+                self.g.tensors[name] = Tensor(name, dtype, tuple(int(d) for d in arr.shape), arr)
+        self.folded += 1
+        return True
+
+    def outputs(self, op: Op, node: Node) -> list[Tensor | None]:
+        try:
+            types = op.infer()
+        except UnsupportedError as exc:
+            if str(exc).startswith(self.where):
+                raise
+            raise UnsupportedError(f"{self.where}: {node.label}: {exc}") from None
+        outs: list[Tensor | None] = []
+        for j, name in enumerate(node.outputs):
+            if not name:
+                outs.append(None)
+                continue
+            if j >= len(types):
+                op.fail(f"output {j} ({name!r}) is not supported")
+            dtype, shape = types[j]
+            t = Tensor(name, dtype, tuple(shape))
+            _check_inferred(self.g, t, node.label)
+            self.g.tensors[name] = t
+            outs.append(t)
+        op.outs = outs
+        return outs
+
+    def fold(
+        self, op: Op, cls: type[Op], node: Node, ins: list[Tensor | None],
+        outs: list[Tensor | None], all_known: bool,
+    ) -> bool:  # fmt: skip
+        known = [t for t in ins if t is not None]
+        small = all(
+            t is None or not is_static(t.shape) or static(numel(t.shape)) <= FOLD_LIMIT
+            for t in outs
+        )
+        if not (cls.FROM_SHAPES or all(t.value is not None for t in known)) or not (
+            small or cls.VIEW
+        ):
+            return False
+        values = op.fold()
+        if values is None and all_known and not cls.FROM_SHAPES:
+            values = _reference_fold(node, ins, self.g.opsets)
+        if values is None:
+            return False
+        for out_t, v in zip(outs, values, strict=False):
+            if out_t is not None:
+                _set_value(out_t, v, node.label, self.where)
+        self.folded += 1
+        return True
+
+    def graph_outputs(self) -> tuple[list[Tensor], list[str]]:
+        """The graph's outputs as buffers: a value known at build time is copied into one."""
+        out_tensors: list[Tensor] = []
+        out_names: list[str] = []
+        for name in self.g.outputs:
+            if name not in self.g.tensors:
+                raise CompileError(f"{self.where}: graph output {name!r} is never produced")
+            t = self.g.tensors[name]
+            if t.value is not None:
+                node = Node(-1, f"output {name}", "(output)", "", [name], [name + "#out"], {}, None)  # type: ignore[arg-type]
+                m = _Materialize(node, [t], 1, self.where)
+                o = Tensor(name + "#out", t.dtype, t.shape)
+                m.outs = [o]
+                self.steps.append(Step(m, [t], [o]))
+                t = o
+            out_tensors.append(t)
+            out_names.append(name)
+        return out_tensors, out_names
+
+
+def _graph(model: ModelProto, where: str, options: Options) -> Graph:
     g = graph.build(model, where, options.dims)
     for name, value in options.freeze_inputs.items():
         t = g.tensors[name]
@@ -145,128 +289,28 @@ def lower(
         g.inputs.remove(name)
     g.batch_dynamic = any(isinstance(d, Batch) for name in g.inputs for d in g.tensors[name].shape)
     for domain in g.opsets:
-        if domain not in KNOWN_DOMAINS:
-            used = [n for n in g.nodes if n.domain == domain]
-            if used:
-                raise UnsupportedError(
-                    f"{where}: {used[0].label}: operator domain {domain!r} is not supported "
-                    f"(supported: ai.onnx, ai.onnx.ml)"
-                )
-    steps: list[Step] = []
-    ops_used: Counter[str] = Counter()
-    folded = 0
-    for node in g.nodes:
-        label = node.label
-        ins: list[Tensor | None] = []
-        for name in node.inputs:
-            if not name:
-                ins.append(None)
-            elif name in g.tensors:
-                ins.append(g.tensors[name])
-            else:
-                raise CompileError(f"{where}: {label}: input {name!r} is never produced")
-        if node.domain not in g.opsets:
-            raise UnsupportedError(f"{where}: {label}: domain {node.domain!r} has no opset import")
-        version = schema_version(node.op_type, node.domain, g.opsets[node.domain])
-        cls = REGISTRY.get((node.domain, node.op_type))
-        known = [t for t in ins if t is not None]
-        all_known = all(t.value is not None and not t.symbolic for t in known)
-        if cls is None or version is None:
-            if (
-                version is not None
-                and all_known
-                and node.outputs
-                and node.op_type not in NONDETERMINISTIC
-            ):
-                outs = _reference_fold(node, ins, g.opsets)
-                if outs is not None:
-                    for name, value in zip(node.outputs, outs, strict=False):
-                        if name:
-                            arr = np.asarray(value)
-                            dtype = dtypes.from_numpy(arr.dtype, f"{where}: {label}")
-                            g.tensors[name] = Tensor(
-                                name, dtype, tuple(int(d) for d in arr.shape), arr
-                            )
-                    folded += 1
-                    continue
-            what = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
-            if version is None:
-                raise UnsupportedError(
-                    f"{where}: {label}: {what} is not an operator of opset "
-                    f"{g.opsets[node.domain]} of domain {node.domain or 'ai.onnx'}"
-                )
-            advice = ""
-            if node.op_type == "ZipMap":
-                advice = (
-                    " (ZipMap turns probabilities into a list of maps: export with "
-                    "options={id(model): {'zipmap': False}} in skl2onnx)"
-                )
+        used = [n for n in g.nodes if n.domain == domain]
+        if domain not in KNOWN_DOMAINS and used:
             raise UnsupportedError(
-                f"{where}: {label}: operator {what} is not supported{advice}; supported: "
-                f"{supported_list()}"
+                f"{where}: {used[0].label}: operator domain {domain!r} is not supported "
+                f"(supported: ai.onnx, ai.onnx.ml)"
             )
-        if version < cls.SINCE:
-            raise UnsupportedError(
-                f"{where}: {label}: {node.op_type} from opset {g.opsets[node.domain]} (version "
-                f"{version}) is not supported; supported from version {cls.SINCE} (re-export "
-                f"with opset >= {cls.SINCE})"
-            )
-        op = cls(node, ins, version, f"{where}")
-        try:
-            types = op.infer()
-        except UnsupportedError as exc:
-            if str(exc).startswith(where):
-                raise
-            raise UnsupportedError(f"{where}: {label}: {exc}") from None
-        outs_t: list[Tensor | None] = []
-        for j, name in enumerate(node.outputs):
-            if not name:
-                outs_t.append(None)
-                continue
-            if j >= len(types):
-                op.fail(f"output {j} ({name!r}) is not supported")
-            dtype, shape = types[j]
-            t = Tensor(name, dtype, tuple(shape))
-            _check_inferred(g, t, label)
-            g.tensors[name] = t
-            outs_t.append(t)
-        op.outs = outs_t
-        if node.op_type in NONDETERMINISTIC:
-            op.fail("random operators are not supported")
-        small = all(
-            t is None or not is_static(t.shape) or static(numel(t.shape)) <= FOLD_LIMIT
-            for t in outs_t
-        )
-        if (cls.FROM_SHAPES or all(t.value is not None for t in known)) and (small or cls.VIEW):
-            values = op.fold()
-            if values is None and all_known and not cls.FROM_SHAPES:
-                values = _reference_fold(node, ins, g.opsets)
-            if values is not None:
-                for out_t, v in zip(outs_t, values, strict=False):
-                    if out_t is not None:
-                        _set_value(out_t, v, label, where)
-                folded += 1
-                continue
-        steps.append(Step(op, ins, outs_t))
-        ops_used[f"{node.domain}.{node.op_type}" if node.domain else node.op_type] += 1
+    return g
 
-    out_tensors: list[Tensor] = []
-    out_names: list[str] = []
-    for name in g.outputs:
-        if name not in g.tensors:
-            raise CompileError(f"{where}: graph output {name!r} is never produced")
-        t = g.tensors[name]
-        if t.value is not None:
-            node = Node(-1, f"output {name}", "(output)", "", [name], [name + "#out"], {}, None)  # type: ignore[arg-type]
-            m = _Materialize(node, [t], 1, where)
-            o = Tensor(name + "#out", t.dtype, t.shape)
-            m.outs = [o]
-            steps.append(Step(m, [t], [o]))
-            t = o
-        out_tensors.append(t)
-        out_names.append(name)
+
+def lower(
+    model: ModelProto, where: str, options: Options, prefix: str = "meshfn_"
+) -> tuple[Unit, dict[str, Any]]:
+    """Everything but clang: the unit to emit and the report's model-side figures."""
+    inlined = inline.expand(model, _implemented, where)
+    g = _graph(model, where, options)
+    walk = _Lowering(g, where)
+    for node in g.nodes:
+        walk.node(node)
+    out_tensors, out_names = walk.graph_outputs()
     in_tensors = [g.tensors[n] for n in g.inputs]
-    steps = _prune(steps, out_tensors)
+    steps = _prune(walk.steps, out_tensors)
+    ops_used, folded = walk.ops_used, walk.folded
 
     storage, scratch, buffers = _lifetimes(steps, in_tensors, out_tensors)
     the_plan = plan(list(buffers.values()))
@@ -277,16 +321,9 @@ def lower(
         "outputs": [_io(t, n) for t, n in zip(out_tensors, out_names, strict=True)],
     }
     unit = Unit(
-        prefix,
-        steps,
-        storage,
-        scratch,
-        the_plan,
-        in_tensors,
-        out_tensors,
-        g.batch_dynamic,
+        prefix, steps, storage, scratch, the_plan, in_tensors, out_tensors, g.batch_dynamic,
         metadata,
-    )
+    )  # fmt: skip
     params = sum(
         int(np.asarray(init.dims, dtype=np.int64).prod()) if init.dims else 1
         for init in model.graph.initializer

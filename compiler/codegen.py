@@ -115,66 +115,71 @@ def _tensor_bytes(t: Tensor) -> Dim:
     return mul(numel(t.shape), t.dtype.size)
 
 
-def emit_unit(unit: Unit) -> str:
-    p = unit.prefix
-    out: list[str] = []
-    fns: list[str] = []
-    body: list[str] = []
-    locals_: dict[str, str] = {}
-    sym_decls: list[str] = []
-    shared: dict[tuple[str, str], str] = {}
+class _Nodes:
+    """The run function's body: one call per node, to a function shared by nodes that emit the
+    same code over the same parameters (unrolled loops, repeated layers: constants are
+    arguments, so their bodies are identical)."""
 
-    def storage_ptr(key: int) -> str:
-        b = unit.plan.buffers[key]
+    def __init__(self, unit: Unit) -> None:
+        self.unit = unit
+        self.fns: list[str] = []
+        self.body: list[str] = []
+        self.sym_decls: list[str] = []
+        self.locals: dict[str, str] = {}
+        self.shared: dict[tuple[str, str], str] = {}
+
+    def storage_ptr(self, key: int) -> str:
+        b = self.unit.plan.buffers[key]
         return f"(R + {b.offset}u * N)" if b.batch else f"(A + {b.offset}u)"
 
-    def tensor_expr(t: Tensor, const: bool) -> str:
-        q = "const " if const else ""
+    def tensor_expr(self, t: Tensor, const: bool) -> str:
         if t.value is not None and not t.symbolic:
-            return const_ptr(unit, t.value, t.dtype)
-        if t.symbolic:
-            name = locals_.get(t.name)
+            return const_ptr(self.unit, t.value, t.dtype)
+        if t.symbolic:  # a shape computed from the batch: a local array filled per run
+            name = self.locals.get(t.name)
             if name is None:
-                name = f"sym{len(locals_)}"
-                locals_[t.name] = name
-                sym_decls.append(f"  {t.dtype.c} {name}[] = {_symbolic_array(t)};")
+                name = self.locals[t.name] = f"sym{len(self.locals)}"
+                self.sym_decls.append(f"  {t.dtype.c} {name}[] = {_symbolic_array(t)};")
             return name
-        return f"(({q}{t.dtype.c} *){storage_ptr(unit.storage[t.name])})"
+        q = "const " if const else ""
+        return f"(({q}{t.dtype.c} *){self.storage_ptr(self.unit.storage[t.name])})"
 
-    for k, step in enumerate(unit.steps):
+    def add(self, k: int, step: Step) -> None:
         op = step.op
-        if op.VIEW:
-            continue
-        e = _NodeEmitter(unit, k, step)
-        code = op.emit(e)
-        params = ["u32 N"]
-        args = ["N"]
+        code = op.emit(_NodeEmitter(self.unit, k, step))
+        params, args = ["u32 N"], ["N"]
         for i, t in enumerate(step.inputs):
-            if t is None:
-                continue
-            params.append(f"const {t.dtype.c} *restrict i{i}")
-            args.append(tensor_expr(t, True))
+            if t is not None:
+                params.append(f"const {t.dtype.c} *restrict i{i}")
+                args.append(self.tensor_expr(t, True))
         for i, t in enumerate(step.outputs):
-            if t is None:
-                continue
-            params.append(f"{t.dtype.c} *restrict o{i}")
-            args.append(tensor_expr(t, False))
-        if k in unit.scratch:
+            if t is not None:
+                params.append(f"{t.dtype.c} *restrict o{i}")
+                args.append(self.tensor_expr(t, False))
+        if k in self.unit.scratch:
             params.append("u8 *restrict scratch")
-            args.append(storage_ptr(unit.scratch[k]))
-        # nodes that emit the same code over the same parameters share one function (unrolled
-        # loops, repeated layers): constants are arguments, so their bodies are identical
+            args.append(self.storage_ptr(self.unit.scratch[k]))
         key = (", ".join(params), code)
-        fn = shared.get(key)
+        fn = self.shared.get(key)
         if fn is None:
-            fn = shared[key] = f"{p}n{k}"
-            fns.append(
+            fn = self.shared[key] = f"{self.unit.prefix}n{k}"
+            self.fns.append(
                 f"/* {op.node.label} */\n"
                 f"static __attribute__((noinline)) i32 {fn}({', '.join(params)}) {{\n"
                 "  (void)N;\n"
                 f"{_indent(code)}\n  return 0;\n}}\n"
             )
-        body.append(f"  if ((st = {fn}({', '.join(args)})) != 0) return st;")
+        self.body.append(f"  if ((st = {fn}({', '.join(args)})) != 0) return st;")
+
+
+def emit_unit(unit: Unit) -> str:
+    p = unit.prefix
+    out: list[str] = []
+    nodes = _Nodes(unit)
+    for k, step in enumerate(unit.steps):
+        if not step.op.VIEW:
+            nodes.add(k, step)
+    fns, body, sym_decls = nodes.fns, nodes.body, nodes.sym_decls
 
     io_lines = []
     for j, t in enumerate(unit.inputs + unit.outputs):

@@ -117,6 +117,36 @@ class _Prepared:
     frozen: dict[str, Any]
 
 
+def _differing_frozen(case: Any, frozen: dict[str, Any]) -> str | None:
+    names = [vi.name for vi in case.model.graph.input]
+    for inputs, _ in case.data_sets[1:]:
+        for name, value in zip(names, inputs, strict=False):
+            if name in frozen and not np.array_equal(frozen[name], _arr(value)):
+                return str(name)
+    return None
+
+
+def _lower_baking_ints(
+    case: Any, frozen: dict[str, Any], index: int
+) -> tuple[Unit, dict[str, Any]]:
+    """Lower; if a shape operand is computed from the case's integer inputs, bake those in too
+    (a case with one data set only: the values are then fixed)."""
+    try:
+        return _lower(case, frozen, index), frozen
+    except CompileError as exc:
+        if "must be known when the model is compiled" not in str(exc) or len(case.data_sets) > 1:
+            raise
+        names = [vi.name for vi in case.model.graph.input]
+        inputs = [_arr(v) for v in case.data_sets[0][0]]
+        more = {
+            n: v for n, v in zip(names, inputs, strict=False) if np.asarray(v).dtype.kind in "iu"
+        }
+        if not set(more) - set(frozen):
+            raise
+        frozen = {**frozen, **more}
+        return _lower(case, frozen, index), frozen
+
+
 def _prepare(case: Any, index: int) -> _Prepared | Outcome:
     missing = _claimed(case.model)
     if missing:
@@ -124,31 +154,13 @@ def _prepare(case: Any, index: int) -> _Prepared | Outcome:
     if not case.data_sets:
         return Outcome(case.name, "refused", "the case has no data")
     frozen = _freeze(case.model, [_arr(v) for v in case.data_sets[0][0]])
-    for inputs, _ in case.data_sets[1:]:
-        names = [vi.name for vi in case.model.graph.input]
-        for name, value in zip(names, inputs, strict=False):
-            if name in frozen and not np.array_equal(frozen[name], _arr(value)):
-                return Outcome(
-                    case.name, "refused", f"data sets differ in build-time input {name!r}"
-                )
+    differing = _differing_frozen(case, frozen)
+    if differing:
+        return Outcome(case.name, "refused", f"data sets differ in build-time input {differing!r}")
     try:
-        unit = _lower(case, frozen, index)
+        unit, frozen = _lower_baking_ints(case, frozen, index)
     except CompileError as exc:
-        if "must be known when the model is compiled" not in str(exc):
-            return Outcome(case.name, "refused", str(exc).removeprefix(case.name + ": "))
-        # a shape operand computed from integer inputs: bake those in too (one data set only)
-        names = [vi.name for vi in case.model.graph.input]
-        inputs = [_arr(v) for v in case.data_sets[0][0]]
-        more = {
-            n: v for n, v in zip(names, inputs, strict=False) if np.asarray(v).dtype.kind in "iu"
-        }
-        if len(case.data_sets) > 1 or not set(more) - set(frozen):
-            return Outcome(case.name, "refused", str(exc).removeprefix(case.name + ": "))
-        frozen = {**frozen, **more}
-        try:
-            unit = _lower(case, frozen, index)
-        except CompileError as exc2:
-            return Outcome(case.name, "refused", str(exc2).removeprefix(case.name + ": "))
+        return Outcome(case.name, "refused", str(exc).removeprefix(case.name + ": "))
     return _Prepared(case, unit, frozen)
 
 

@@ -47,33 +47,52 @@ def _defaults(node: NodeProto, opsets: dict[str, int]) -> dict[str, onnx.Attribu
     return out
 
 
+def _raw_body(
+    schema: Any, node: NodeProto, version: int, types: dict[str, onnx.TypeProto]
+) -> bytes | None:
+    """The serialized FunctionProto of the schema's body for this node, if it has one."""
+    if schema.has_context_dependent_function:
+        usable = [v for v in schema.context_dependent_function_opset_versions if v <= version]
+        if not usable or any(n and n not in types for n in node.input):
+            return None
+        empty = onnx.TypeProto()
+        tps = [(types[n] if n else empty).SerializeToString() for n in node.input]
+        try:
+            raw: bytes = schema.get_context_dependent_function_with_opset_version(
+                max(usable), node.SerializeToString(), tps
+            )
+        except Exception:
+            return None
+        return raw
+    if schema.has_function:
+        usable = [v for v in schema.function_opset_versions if v <= version]
+        return schema.get_function_with_opset_version(max(usable)) if usable else None
+    return None
+
+
+def _same_meaning(body: onnx.FunctionProto, opsets: dict[str, int]) -> bool:
+    """Every body node means at the body's opset what it means at the model's."""
+    for op in body.opset_import:
+        d = "" if op.domain == "ai.onnx" else op.domain
+        if d not in opsets:
+            return False
+        for n in body.node:
+            if ("" if n.domain == "ai.onnx" else n.domain) != d:
+                continue
+            a, b = _schema(n.op_type, d, op.version), _schema(n.op_type, d, opsets[d])
+            if a is None or b is None or a.since_version != b.since_version:
+                return False
+    return True
+
+
 def _body(
     node: NodeProto, opsets: dict[str, int], types: dict[str, onnx.TypeProto]
 ) -> onnx.FunctionProto | None:
     domain = "" if node.domain == "ai.onnx" else node.domain
     version = opsets.get(domain)
-    if version is None:
-        return None
     # the function-body API is missing from onnx's type stubs
-    schema: Any = _schema(node.op_type, domain, version)
-    if schema is None:
-        return None
-    raw = None
-    if schema.has_context_dependent_function:
-        usable = [v for v in schema.context_dependent_function_opset_versions if v <= version]
-        if usable and all(not n or n in types for n in node.input):
-            empty = onnx.TypeProto()
-            tps = [(types[n] if n else empty).SerializeToString() for n in node.input]
-            try:
-                raw = schema.get_context_dependent_function_with_opset_version(
-                    max(usable), node.SerializeToString(), tps
-                )
-            except Exception:
-                raw = None
-    elif schema.has_function:
-        usable = [v for v in schema.function_opset_versions if v <= version]
-        if usable:
-            raw = schema.get_function_with_opset_version(max(usable))
+    schema: Any = None if version is None else _schema(node.op_type, domain, version)
+    raw = None if schema is None or version is None else _raw_body(schema, node, version, types)
     if not raw:
         return None
     body = onnx.FunctionProto()
@@ -81,18 +100,7 @@ def _body(
     graphs = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
     if any(a.type in graphs for n in body.node for a in n.attribute):
         return None  # control flow inside (If, Scan, Loop): not compiled, so not inlined
-    for op in body.opset_import:  # every body node must mean what it means in the model
-        d = "" if op.domain == "ai.onnx" else op.domain
-        if d not in opsets:
-            return None
-        for n in body.node:
-            nd = "" if n.domain == "ai.onnx" else n.domain
-            if nd != d:
-                continue
-            a, b = _schema(n.op_type, d, op.version), _schema(n.op_type, d, opsets[d])
-            if a is None or b is None or a.since_version != b.since_version:
-                return None
-    return body
+    return body if _same_meaning(body, opsets) else None
 
 
 def _inline(
@@ -228,111 +236,134 @@ def _scan_static_trip(
     return trips.pop(), axes, n_state
 
 
-def _unroll_scan(
-    model: ModelProto, node: NodeProto, index: int, where: str
-) -> list[NodeProto] | None:
+def _ints(attrs: dict[str, onnx.AttributeProto], name: str) -> list[int]:
+    return [int(v) for v in onnx.helper.get_attribute_value(attrs[name])] if name in attrs else []
+
+
+def _const(name: str, value: Any) -> NodeProto:
+    tensor = onnx.numpy_helper.from_array(np.asarray(value, dtype=np.int64))
+    return onnx.helper.make_node("Constant", [], [name], name=name, value=tensor)
+
+
+class _Unroller:
     """Scan (opset 9+) with a trip count known at build time, unrolled: each iteration's slice
     is a Gather (folded when the scanned tensor is a constant, as k-nearest-neighbour exports'
     training rows are), the body's names are renamed per iteration, scan outputs are stacked
     with Unsqueeze + Concat. Names the body reads from the outer graph stay as they are."""
-    info = _scan_static_trip(model, node, where)
-    if info is None:
-        return None
-    trip, axes, n_state = info
-    attrs = {a.name: a for a in node.attribute}
-    body = attrs["body"].g
-    if any(
-        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-        for n in body.node
-        for a in n.attribute
-    ):
-        return None
-    get = onnx.helper.get_attribute_value
-    in_dirs = [
-        int(v)
-        for v in (get(attrs["scan_input_directions"]) if "scan_input_directions" in attrs else [])
-    ]
-    out_dirs = [
-        int(v)
-        for v in (get(attrs["scan_output_directions"]) if "scan_output_directions" in attrs else [])
-    ]
-    out_axes = [
-        int(v) for v in (get(attrs["scan_output_axes"]) if "scan_output_axes" in attrs else [])
-    ]
-    n_scan_out = len(body.output) - n_state
-    if trip * (len(body.node) + 3) > MAX_UNROLLED_NODES or trip == 0:
-        return None
-    prefix = f"{node.name or 'Scan'}_{index}__"
-    make = onnx.helper.make_node
-    out: list[NodeProto] = []
-    state = list(node.input[:n_state])
-    scan_outs: list[list[str]] = [[] for _ in range(n_scan_out)]
-    inner = {o for n in body.node for o in n.output} | {i.name for i in body.input}
-    for t in range(trip):
+
+    def __init__(
+        self,
+        model: ModelProto,
+        node: NodeProto,
+        trip: int,
+        axes: list[int],
+        n_state: int,
+        index: int,
+    ) -> None:
+        attrs = {a.name: a for a in node.attribute}
+        self.node, self.trip, self.axes, self.n_state = node, trip, axes, n_state
+        self.body = attrs["body"].g
+        self.in_dirs = _ints(attrs, "scan_input_directions")
+        self.out_dirs = _ints(attrs, "scan_output_directions")
+        self.out_axes = _ints(attrs, "scan_output_axes")
+        self.opset = next(
+            (o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13
+        )
+        self.prefix = f"{node.name or 'Scan'}_{index}__"
+        self.inner = {o for n in self.body.node for o in n.output} | {
+            i.name for i in self.body.input
+        }
+        self.out: list[NodeProto] = []
+        self.state = list(node.input[:n_state])
+        self.scan_outs: list[list[str]] = [[] for _ in range(len(self.body.output) - n_state)]
+
+    def iteration(self, t: int) -> None:
         names: dict[str, str] = {}
-        for k, vi in enumerate(body.input):
-            if k < n_state:
-                names[vi.name] = state[k]
+        for k, vi in enumerate(self.body.input):
+            if k < self.n_state:
+                names[vi.name] = self.state[k]
                 continue
-            j = k - n_state
-            reverse = j < len(in_dirs) and in_dirs[j] == 1
-            step = trip - 1 - t if reverse else t
-            idx = f"{prefix}i{t}_{j}_index"
-            sliced = f"{prefix}i{t}_{j}"
-            out.append(
-                make("Constant", [], [idx], name=idx,
-                     value=onnx.numpy_helper.from_array(np.array(step, dtype=np.int64)))
-            )  # fmt: skip
-            out.append(
-                make("Gather", [node.input[n_state + j], idx], [sliced], name=sliced, axis=axes[j])
+            j = k - self.n_state
+            step = self.trip - 1 - t if j < len(self.in_dirs) and self.in_dirs[j] == 1 else t
+            idx, sliced = f"{self.prefix}i{t}_{j}_index", f"{self.prefix}i{t}_{j}"
+            self.out.append(_const(idx, step))
+            source = self.node.input[self.n_state + j]
+            self.out.append(
+                onnx.helper.make_node(
+                    "Gather", [source, idx], [sliced], name=sliced, axis=self.axes[j]
+                )
             )
             names[vi.name] = sliced
 
-        def rename(x: str, names: dict[str, str] = names, t: int = t) -> str:
-            if not x:
-                return x
-            if x in names:
-                return names[x]
-            if x in inner:
-                names[x] = f"{prefix}t{t}_{x}"
-                return names[x]
-            return x  # the outer graph's
+        def rename(x: str) -> str:
+            if x and x not in names and x in self.inner:
+                names[x] = f"{self.prefix}t{t}_{x}"
+            return names.get(x, x)  # otherwise the outer graph's (or an omitted input)
 
-        for n in body.node:
+        for n in self.body.node:
             copy = NodeProto()
             copy.CopyFrom(n)
             del copy.input[:]
             del copy.output[:]
             copy.input.extend(rename(x) for x in n.input)
             copy.output.extend(rename(x) for x in n.output)
-            copy.name = f"{prefix}t{t}_{n.name or n.op_type}"
-            out.append(copy)
-        state = [rename(vi.name) for vi in body.output[:n_state]]
-        for j, vi in enumerate(body.output[n_state:]):
-            scan_outs[j].append(rename(vi.name))
-    for k in range(n_state):
-        if k < len(node.output) and node.output[k]:
-            out.append(make("Identity", [state[k]], [node.output[k]], name=f"{prefix}state{k}"))
-    for j in range(n_scan_out):
-        target = node.output[n_state + j] if n_state + j < len(node.output) else ""
-        if not target:
-            continue
-        axis = out_axes[j] if j < len(out_axes) else 0
-        parts = scan_outs[j][::-1] if j < len(out_dirs) and out_dirs[j] == 1 else scan_outs[j]
-        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
-        axis_name = f"{prefix}o{j}_axis"
-        if opset >= 13:  # Unsqueeze takes its axes as an input from opset 13
-            out.append(
-                make("Constant", [], [axis_name], name=axis_name,
-                     value=onnx.numpy_helper.from_array(np.array([axis], dtype=np.int64)))
-            )  # fmt: skip
+            copy.name = f"{self.prefix}t{t}_{n.name or n.op_type}"
+            self.out.append(copy)
+        self.state = [rename(vi.name) for vi in self.body.output[: self.n_state]]
+        for j, vi in enumerate(self.body.output[self.n_state :]):
+            self.scan_outs[j].append(rename(vi.name))
+
+    def stack(self, j: int, target: str) -> None:
+        axis = self.out_axes[j] if j < len(self.out_axes) else 0
+        parts = self.scan_outs[j]
+        if j < len(self.out_dirs) and self.out_dirs[j] == 1:
+            parts = parts[::-1]
+        axis_name = f"{self.prefix}o{j}_axis"
+        if self.opset >= 13:  # Unsqueeze takes its axes as an input from opset 13
+            self.out.append(_const(axis_name, [axis]))
         stacked = []
-        for t, p in enumerate(parts):
-            u = f"{prefix}o{j}_{t}"
-            if opset >= 13:
-                out.append(make("Unsqueeze", [p, axis_name], [u], name=u))
+        for t, part in enumerate(parts):
+            u = f"{self.prefix}o{j}_{t}"
+            if self.opset >= 13:
+                self.out.append(onnx.helper.make_node("Unsqueeze", [part, axis_name], [u], name=u))
             else:
-                out.append(make("Unsqueeze", [p], [u], name=u, axes=[axis]))
+                self.out.append(
+                    onnx.helper.make_node("Unsqueeze", [part], [u], name=u, axes=[axis])
+                )
             stacked.append(u)
-        out.append(make("Concat", stacked, [target], name=f"{prefix}o{j}", axis=axis))
-    return out
+        self.out.append(
+            onnx.helper.make_node("Concat", stacked, [target], name=f"{self.prefix}o{j}", axis=axis)
+        )
+
+    def nodes(self) -> list[NodeProto]:
+        for t in range(self.trip):
+            self.iteration(t)
+        outputs = list(self.node.output)
+        for k in range(self.n_state):
+            if k < len(outputs) and outputs[k]:
+                self.out.append(
+                    onnx.helper.make_node(
+                        "Identity", [self.state[k]], [outputs[k]], name=f"{self.prefix}state{k}"
+                    )
+                )
+        for j in range(len(self.scan_outs)):
+            target = outputs[self.n_state + j] if self.n_state + j < len(outputs) else ""
+            if target:
+                self.stack(j, target)
+        return self.out
+
+
+def _unroll_scan(
+    model: ModelProto, node: NodeProto, index: int, where: str
+) -> list[NodeProto] | None:
+    info = _scan_static_trip(model, node, where)
+    if info is None:
+        return None
+    trip, axes, n_state = info
+    body = next(a.g for a in node.attribute if a.name == "body")
+    graphs = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    if any(a.type in graphs for n in body.node for a in n.attribute):
+        return None  # nested control flow
+    if trip == 0 or trip * (len(body.node) + 3) > MAX_UNROLLED_NODES:
+        return None
+    return _Unroller(model, node, trip, axes, n_state, index).nodes()

@@ -81,6 +81,35 @@ class Resize(Op):
             return o * (n_in - 1) / (n_out - 1) if n_out > 1 else np.zeros_like(o)
         return o / scale
 
+    def _nearest(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        half = x - np.floor(x) == 0.5
+        if self.nearest == "round_prefer_floor":
+            out = np.where(half, np.floor(x), np.round(x))
+        elif self.nearest == "round_prefer_ceil":
+            out = np.where(half, np.ceil(x), np.round(x))
+        else:
+            out = np.floor(x) if self.nearest == "floor" else np.ceil(x)
+        return np.asarray(out)
+
+    def table(self, e: Emitter, n_in: int, n_out: int, scale: float) -> tuple[str, str, str]:
+        """One axis's source indices (nearest) or the two neighbours and the weight of the
+        upper one (linear), as baked constants."""
+        # the transform uses the unrounded resized length (input * scale), as the spec's reference
+        x = self._source(np.arange(n_out, dtype=np.float64), n_in, n_out, n_in * scale, scale)
+        if self.mode == "nearest":
+            j = np.clip(self._nearest(x), 0, n_in - 1).astype(np.int32)
+            return e.const(j, D.INT32), "", ""
+        dtype = self.x(0).dtype
+        wtype = dtype if dtype.is_float else D.FLOAT
+        xc = np.clip(x, 0, n_in - 1)
+        lo = np.floor(xc).astype(np.int32)
+        hi = np.minimum(lo + 1, n_in - 1).astype(np.int32)
+        return (
+            e.const(lo, D.INT32),
+            e.const(hi, D.INT32),
+            e.const((xc - lo).astype(wtype.np), wtype),
+        )
+
     def emit(self, e: Emitter) -> str:
         s, out = self.shape(0), self.oshape()
         st = loops.strides(s)
@@ -92,38 +121,7 @@ class Resize(Op):
         idx = [f"rz{k}" for k in range(len(s))]
         dtype = self.x(0).dtype
         lines = []
-        tables: dict[int, tuple[str, str, str]] = {}
-        for k in resized:
-            n_in, n_out = static(s[k]), static(out[k])
-            # the transform uses the unrounded resized length (input * scale), as the spec's reference
-            x = self._source(
-                np.arange(n_out, dtype=np.float64),
-                n_in,
-                n_out,
-                n_in * self.scales[k],
-                self.scales[k],
-            )
-            if self.mode == "nearest":
-                if self.nearest == "round_prefer_floor":
-                    j = np.where(x - np.floor(x) == 0.5, np.floor(x), np.round(x))
-                elif self.nearest == "round_prefer_ceil":
-                    j = np.where(x - np.floor(x) == 0.5, np.ceil(x), np.round(x))
-                elif self.nearest == "floor":
-                    j = np.floor(x)
-                else:
-                    j = np.ceil(x)
-                j = np.clip(j, 0, n_in - 1).astype(np.int32)
-                tables[k] = (e.const(j, D.INT32), "", "")
-            else:
-                xc = np.clip(x, 0, n_in - 1)
-                lo = np.floor(xc).astype(np.int32)
-                hi = np.minimum(lo + 1, n_in - 1).astype(np.int32)
-                w = (xc - lo).astype(dtype.np if dtype.is_float else np.float32)
-                tables[k] = (
-                    e.const(lo, D.INT32),
-                    e.const(hi, D.INT32),
-                    e.const(w, D.FLOAT if not dtype.is_float else dtype),
-                )
+        tables = {k: self.table(e, static(s[k]), static(out[k]), self.scales[k]) for k in resized}
         for k, d in enumerate(out):
             lines.append(f"for (u32 {idx[k]} = 0; {idx[k]} < {cdim(d)}; {idx[k]}++)")
         fixed = (

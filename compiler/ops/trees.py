@@ -31,68 +31,69 @@ COMPARE = {0: "v <= t", 1: "v < t", 2: "v >= t", 3: "v > t", 4: "v == t", 5: "v 
 class _Trees(_ML):
     WEIGHTS = "class"
 
-    def forest(self, features: int) -> None:
-        a = self.attr
-        tree = [int(v) for v in a("nodes_treeids")]
-        node = [int(v) for v in a("nodes_nodeids")]
-        n = len(tree)
-        feat = [int(v) for v in a("nodes_featureids")]
-        modes_s = list(a("nodes_modes"))
-        tru = [int(v) for v in a("nodes_truenodeids")]
-        fal = [int(v) for v in a("nodes_falsenodeids")]
+    def thresholds(self) -> np.ndarray[Any, Any]:
         if self.node.attrs.get("nodes_values") is not None:
-            thr = np.asarray(a("nodes_values"), np.float32)
-        else:
-            thr = np.asarray(a("nodes_values_as_tensor"))
-            if thr.dtype not in (np.float32, np.float64):
-                self.fail("nodes_values_as_tensor must be float or double")
-        miss = [int(v) for v in a("nodes_missing_value_tracks_true", [0] * n)]
-        if not all(len(x) == n for x in (node, feat, modes_s, tru, fal, miss)) or thr.size != n:
-            self.fail("the nodes_* attributes differ in length")
-        if any(m not in MODES for m in modes_s):
-            self.fail(f"unknown node modes {sorted(set(modes_s) - set(MODES))}")
-        modes = [MODES[m] for m in modes_s]
+            return np.asarray(self.attr("nodes_values"), np.float32)
+        thr = np.asarray(self.attr("nodes_values_as_tensor"))
+        if thr.dtype not in (np.float32, np.float64):
+            self.fail("nodes_values_as_tensor must be float or double")
+        return thr
+
+    def links(
+        self, tree: list[int], node: list[int], modes: list[int], feat: list[int], features: int
+    ) -> tuple[dict[tuple[int, int], int], list[int], list[int], set[int]]:
+        """(tree, node) -> index, each node's true and false child index, the children."""
         pos = {(t, i): k for k, (t, i) in enumerate(zip(tree, node, strict=True))}
-        if len(pos) != n:
+        if len(pos) != len(tree):
             self.fail("a (tree, node) id appears twice")
-        true_ix, false_ix = [0] * n, [0] * n
+        n = len(tree)
+        true_ix, false_ix = [-1] * n, [-1] * n
         child: set[int] = set()
-        for k in range(n):
-            if modes[k] == 6:
-                true_ix[k] = false_ix[k] = -1
-                continue
+        ids = {"true": [int(v) for v in self.attr("nodes_truenodeids")],
+               "false": [int(v) for v in self.attr("nodes_falsenodeids")]}  # fmt: skip
+        if len(ids["true"]) != n or len(ids["false"]) != n:
+            self.fail("the nodes_* attributes differ in length")
+        for k in (k for k in range(n) if modes[k] != 6):
             if not 0 <= feat[k] < features:
                 self.fail(f"node {node[k]} of tree {tree[k]} reads feature {feat[k]} of {features}")
-            for ids, out in ((tru, true_ix), (fal, false_ix)):
-                target = pos.get((tree[k], ids[k]))
+            for side, out in (("true", true_ix), ("false", false_ix)):
+                target = pos.get((tree[k], ids[side][k]))
                 if target is None:
-                    self.fail(f"node {node[k]} of tree {tree[k]} points to missing node {ids[k]}")
+                    self.fail(
+                        f"node {node[k]} of tree {tree[k]} points to missing node {ids[side][k]}"
+                    )
                 out[k] = target
                 child.add(target)
-        roots = [k for k in range(n) if k not in child]
-        trees = sorted(set(tree))
-        by_tree = {t: [k for k in roots if tree[k] == t] for t in trees}
-        if any(len(v) != 1 for v in by_tree.values()):
-            self.fail("each tree must have exactly one root")
-        root_list = [by_tree[t][0] for t in trees]
-        for r in root_list:  # a walk from the root must end: no node reached twice
+        return pos, true_ix, false_ix, child
+
+    def check_walks(
+        self, roots: list[int], true_ix: list[int], false_ix: list[int], leaf: Any
+    ) -> None:
+        """A walk from each root must end: no internal node is reached twice."""
+        for r in roots:
             seen: set[int] = set()
             stack = [r]
             while stack:
                 k = stack.pop()
+                if leaf(k):
+                    continue
                 if k in seen:
-                    self.fail(f"tree {tree[r]} is not a tree (node {node[k]} is reached twice)")
+                    self.fail(f"the tree at node {r} is not a tree (node {k} is reached twice)")
                 seen.add(k)
-                if modes[k] != 6:
-                    stack += [true_ix[k], false_ix[k]]
+                stack += [true_ix[k], false_ix[k]]
+
+    def leaf_weights(
+        self, pos: dict[tuple[int, int], int], n: int
+    ) -> tuple[list[int], list[int], list[float]]:
+        """Per node, where its weights start; every weight's class (target) and value."""
         w = self.WEIGHTS
-        wt = [int(v) for v in a(f"{w}_treeids")]
-        wn = [int(v) for v in a(f"{w}_nodeids")]
-        wi = [int(v) for v in a(f"{w}_ids")]
+        wt, wn, wi = (
+            [int(v) for v in self.attr(f"{w}_{k}")] for k in ("treeids", "nodeids", "ids")
+        )
         if self.node.attrs.get(f"{w}_weights") is not None:
-            wv = np.asarray(a(f"{w}_weights"), np.float32)
+            wv = np.asarray(self.attr(f"{w}_weights"), np.float32)
         else:
-            wv = np.asarray(a(f"{w}_weights_as_tensor")).astype(np.float32)
+            wv = np.asarray(self.attr(f"{w}_weights_as_tensor")).astype(np.float32)
         if not len(wt) == len(wn) == len(wi) == wv.size:
             self.fail(f"the {w}_* attributes differ in length")
         leaves: dict[int, list[tuple[int, float]]] = {}
@@ -101,15 +102,35 @@ class _Trees(_ML):
             if leaf is None:
                 self.fail(f"a weight names missing node {i} of tree {t}")
             leaves.setdefault(leaf, []).append((c, v))
-        begin = [0]
-        wcls: list[int] = []
-        wval: list[float] = []
+        begin, wcls, wval = [0], [], []
         for k in range(n):
             for c, v in leaves.get(k, []):
                 wcls.append(c)
                 wval.append(v)
             begin.append(len(wcls))
-        self.n_nodes = n
+        return begin, wcls, wval
+
+    def forest(self, features: int) -> None:
+        tree = [int(v) for v in self.attr("nodes_treeids")]
+        node = [int(v) for v in self.attr("nodes_nodeids")]
+        feat = [int(v) for v in self.attr("nodes_featureids")]
+        modes_s = list(self.attr("nodes_modes"))
+        thr = self.thresholds()
+        n = len(tree)
+        miss = [int(v) for v in self.attr("nodes_missing_value_tracks_true", [0] * n)]
+        if not all(len(x) == n for x in (node, feat, modes_s, miss)) or thr.size != n:
+            self.fail("the nodes_* attributes differ in length")
+        if any(m not in MODES for m in modes_s):
+            self.fail(f"unknown node modes {sorted(set(modes_s) - set(MODES))}")
+        modes = [MODES[m] for m in modes_s]
+        pos, true_ix, false_ix, child = self.links(tree, node, modes, feat, features)
+        trees = sorted(set(tree))
+        by_tree = {t: [k for k in range(n) if k not in child and tree[k] == t] for t in trees}
+        if any(len(v) != 1 for v in by_tree.values()):
+            self.fail("each tree must have exactly one root")
+        roots = [by_tree[t][0] for t in trees]
+        self.check_walks(roots, true_ix, false_ix, lambda k: modes[k] == 6)
+        begin, wcls, wval = self.leaf_weights(pos, n)
         self.arrays: dict[str, tuple[np.ndarray[Any, Any], DType]] = {
             "feat": (np.asarray(feat, np.int32), D.INT32),
             "thr": (thr, D.FLOAT if thr.dtype == np.float32 else D.DOUBLE),
@@ -120,11 +141,11 @@ class _Trees(_ML):
             "wbeg": (np.asarray(begin, np.int32), D.INT32),
             "wcls": (np.asarray(wcls or [0], np.int32), D.INT32),
             "wval": (np.asarray(wval or [0.0], np.float32), D.FLOAT),
-            "root": (np.asarray(root_list, np.int32), D.INT32),
+            "root": (np.asarray(roots, np.int32), D.INT32),
         }
         self.modes_used = sorted({m for m in modes if m != 6})
         self.any_missing = any(miss)
-        self.n_trees = len(root_list)
+        self.n_trees = len(roots)
         self.wcls_all = wcls
         self.wval_all = wval
         self.thr_c = "float" if thr.dtype == np.float32 else "double"
@@ -334,59 +355,60 @@ class TreeEnsemble(TreeEnsembleRegressor):
     OP = "TreeEnsemble"
     SINCE = 5
 
+    def v5_children(self, n: int, leaves: int) -> tuple[list[int], list[int]]:
+        """Children as indices into one array of nodes then leaves (leaf i at n + i)."""
+        sides = []
+        for ids_name, leaf_name in (
+            ("nodes_truenodeids", "nodes_trueleafs"),
+            ("nodes_falsenodeids", "nodes_falseleafs"),
+        ):
+            ids = [int(v) for v in self.attr(ids_name)]
+            is_leaf = [int(v) for v in self.attr(leaf_name)]
+            if len(ids) != n or len(is_leaf) != n:
+                self.fail("the nodes_* attributes differ in length")
+            out = []
+            for ix, leaf in zip(ids, is_leaf, strict=True):
+                if not 0 <= ix < (leaves if leaf else n):
+                    self.fail(f"a node points to missing {'leaf' if leaf else 'node'} {ix}")
+                out.append(n + ix if leaf else ix)
+            sides.append(out)
+        return sides[0], sides[1]
+
+    def v5_options(self, dtype: DType) -> None:
+        self.agg = {0: "AVERAGE", 1: "SUM", 2: "MIN", 3: "MAX"}.get(
+            int(self.attr("aggregate_function", 1)), ""
+        )
+        how = int(self.attr("post_transform", 0))
+        self.how = {0: "NONE", 1: "SOFTMAX", 2: "LOGISTIC", 3: "SOFTMAX_ZERO"}.get(how, "")
+        if not self.agg or not self.how:
+            self.fail("aggregate_function or post_transform is not supported (PROBIT is not)")
+        if dtype == D.DOUBLE and self.how != "NONE":
+            self.fail("post_transform on float64 scores is not supported (they are float32 here)")
+        self.base = []
+
     def infer(self) -> list[tuple[DType, Shape]]:
         dtype = self.need(0, D.FLOATS)
         self.n, self.f = self.rows()
-        a = self.attr
-        modes = [int(m) for m in np.asarray(a("nodes_modes")).reshape(-1)]
-        if any(m == 6 for m in modes):
+        modes = [int(m) for m in np.asarray(self.attr("nodes_modes")).reshape(-1)]
+        if 6 in modes:
             self.fail("set-membership splits (BRANCH_MEMBER) are not supported")
-        feat = [int(v) for v in a("nodes_featureids")]
-        split = np.asarray(a("nodes_splits")).reshape(-1)
-        tru, fal = (
-            [int(v) for v in a("nodes_truenodeids")],
-            [int(v) for v in a("nodes_falsenodeids")],
-        )
-        tleaf, fleaf = (
-            [int(v) for v in a("nodes_trueleafs")],
-            [int(v) for v in a("nodes_falseleafs")],
-        )
-        miss = [int(v) for v in a("nodes_missing_value_tracks_true", [0] * len(feat))]
-        roots = [int(v) for v in a("tree_roots")]
-        targets = [int(v) for v in a("leaf_targetids")]
-        weights = np.asarray(a("leaf_weights")).reshape(-1)
-        n, leaves = len(feat), len(targets)
-        if not all(len(x) == n for x in (modes, tru, fal, tleaf, fleaf, miss)) or split.size != n:
-            self.fail("the nodes_* attributes differ in length")
-        if weights.size != leaves:
-            self.fail("leaf_targetids and leaf_weights differ in length")
-        self.t = int(a("n_targets"))
-        if any(not 0 <= c < self.t for c in targets):
-            self.fail("a leaf names a target beyond n_targets")
-
-        def child(ix: int, leaf: int) -> int:
-            limit = leaves if leaf else n
-            if not 0 <= ix < limit:
-                self.fail(f"a node points to missing {'leaf' if leaf else 'node'} {ix}")
-            return n + ix if leaf else ix
-
-        true_ix = [child(tru[k], tleaf[k]) for k in range(n)]
-        false_ix = [child(fal[k], fleaf[k]) for k in range(n)]
-        if any(not 0 <= feat[k] < self.f for k in range(n)):
-            self.fail("a node reads a feature beyond the input's")
-        for r in roots:  # every walk ends: an internal node is never reached twice
-            if not 0 <= r < n:
-                self.fail(f"tree root {r} is not a node")
-            seen: set[int] = set()
-            stack = [r]
-            while stack:
-                k = stack.pop()
-                if k >= n:
-                    continue
-                if k in seen:
-                    self.fail(f"the tree at root {r} is not a tree (node {k} is reached twice)")
-                seen.add(k)
-                stack += [true_ix[k], false_ix[k]]
+        feat = [int(v) for v in self.attr("nodes_featureids")]
+        split = np.asarray(self.attr("nodes_splits")).reshape(-1)
+        n = len(feat)
+        miss = [int(v) for v in self.attr("nodes_missing_value_tracks_true", [0] * n)]
+        roots = [int(v) for v in self.attr("tree_roots")]
+        targets = [int(v) for v in self.attr("leaf_targetids")]
+        weights = np.asarray(self.attr("leaf_weights")).reshape(-1)
+        leaves = len(targets)
+        if len(modes) != n or len(miss) != n or split.size != n or weights.size != leaves:
+            self.fail("the nodes_* or leaf_* attributes differ in length")
+        self.t = int(self.attr("n_targets"))
+        if any(not 0 <= c < self.t for c in targets) or any(not 0 <= f < self.f for f in feat):
+            self.fail("a leaf names a target beyond n_targets, or a node a feature beyond X's")
+        if any(not 0 <= r < n for r in roots):
+            self.fail("a tree root is not a node")
+        true_ix, false_ix = self.v5_children(n, leaves)
+        self.check_walks(roots, true_ix, false_ix, lambda k: k >= n)
         thr_dtype = D.FLOAT if split.dtype == np.float32 else D.DOUBLE
         self.arrays = {
             "feat": (np.asarray(feat + [0] * leaves, np.int32), D.INT32),
@@ -404,15 +426,6 @@ class TreeEnsemble(TreeEnsembleRegressor):
         self.any_missing = any(miss)
         self.n_trees = len(roots)
         self.wcls_all, self.wval_all = targets, weights.tolist()
-        self.thr_c = thr_dtype.c
-        self.acc_c = dtype.c
-        agg = int(a("aggregate_function", 1))
-        self.agg = {0: "AVERAGE", 1: "SUM", 2: "MIN", 3: "MAX"}.get(agg, "")
-        how = int(a("post_transform", 0))
-        self.how = {0: "NONE", 1: "SOFTMAX", 2: "LOGISTIC", 3: "SOFTMAX_ZERO"}.get(how, "")
-        if not self.agg or not self.how:
-            self.fail("aggregate_function or post_transform is not supported (PROBIT is not)")
-        if dtype == D.DOUBLE and self.how != "NONE":
-            self.fail("post_transform on float64 scores is not supported (they are float32 here)")
-        self.base = []
+        self.thr_c, self.acc_c = thr_dtype.c, dtype.c
+        self.v5_options(dtype)
         return [(dtype, (self.n, self.t))]

@@ -110,48 +110,67 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
     return bytes(b)
 
 
+def _attribute(g: onnx.GraphProto, rng: random.Random) -> None:
+    """An integer attribute gets another value."""
+    node = rng.choice(list(g.node))
+    ints = [
+        a for a in node.attribute if a.type in (onnx.AttributeProto.INT, onnx.AttributeProto.INTS)
+    ]
+    if not ints:
+        return
+    attr = rng.choice(ints)
+    if attr.type == onnx.AttributeProto.INT:
+        attr.i = rng.randint(-3, 10)
+    elif attr.ints:
+        attr.ints[rng.randrange(len(attr.ints))] = rng.randint(-3, 10)
+
+
+def _dimension(g: onnx.GraphProto, rng: random.Random) -> None:
+    """An input or output dimension changes."""
+    dims = rng.choice([*g.input, *g.output]).type.tensor_type.shape.dim
+    if dims:
+        dims[rng.randrange(len(dims))].dim_value = rng.randint(0, 20)
+
+
+def _operators(g: onnx.GraphProto, rng: random.Random) -> None:
+    """Two nodes swap operators."""
+    if len(g.node) > 1:
+        i, j = rng.sample(range(len(g.node)), 2)
+        g.node[i].op_type, g.node[j].op_type = g.node[j].op_type, g.node[i].op_type
+
+
+def _edge(g: onnx.GraphProto, rng: random.Random) -> None:
+    """An edge is rewired to another tensor."""
+    node = rng.choice(list(g.node))
+    names = [n for other in g.node for n in other.output] + [i.name for i in g.input]
+    if node.input:
+        node.input[rng.randrange(len(node.input))] = rng.choice(names)
+
+
+def _initializer(g: onnx.GraphProto, rng: random.Random) -> None:
+    """An initializer's dims stop matching its data."""
+    if g.initializer:
+        init = rng.choice(list(g.initializer))
+        if init.dims:
+            init.dims[rng.randrange(len(init.dims))] = rng.randint(0, 40)
+
+
+def _drop(g: onnx.GraphProto, rng: random.Random) -> None:
+    """A node disappears."""
+    del g.node[rng.randrange(len(g.node))]
+
+
+MODEL_MUTATIONS = (_attribute, _dimension, _operators, _edge, _initializer, _drop)
+
+
 def mutate_model(data: bytes, rng: random.Random) -> bytes:
-    """A well-formed protobuf with a wrong model inside: attributes, dims, operators, edges
-    and initializer shapes changed, so the mutant gets past parsing into checking, lowering
-    and code generation."""
+    """A well-formed protobuf with a wrong model inside, so the mutant gets past parsing into
+    checking, lowering and code generation."""
     model = onnx.ModelProto()
     model.ParseFromString(data)
-    g = model.graph
     for _ in range(rng.randint(1, 3)):
-        kind = rng.randrange(6)
-        if kind == 0 and g.node:  # an integer attribute gets another value
-            node = rng.choice(list(g.node))
-            ints = [
-                a
-                for a in node.attribute
-                if a.type in (onnx.AttributeProto.INT, onnx.AttributeProto.INTS)
-            ]
-            if ints:
-                attr = rng.choice(ints)
-                if attr.type == onnx.AttributeProto.INT:
-                    attr.i = rng.randint(-3, 10)
-                elif attr.ints:
-                    attr.ints[rng.randrange(len(attr.ints))] = rng.randint(-3, 10)
-        elif kind == 1:  # an input or output dimension changes
-            vis = [*g.input, *g.output]
-            vi = rng.choice(vis)
-            dims = vi.type.tensor_type.shape.dim
-            if dims:
-                dims[rng.randrange(len(dims))].dim_value = rng.randint(0, 20)
-        elif kind == 2 and len(g.node) > 1:  # two nodes swap operators
-            i, j = rng.sample(range(len(g.node)), 2)
-            g.node[i].op_type, g.node[j].op_type = g.node[j].op_type, g.node[i].op_type
-        elif kind == 3 and g.node:  # an edge is rewired to another tensor
-            node = rng.choice(list(g.node))
-            names = [n for other in g.node for n in other.output] + [i.name for i in g.input]
-            if node.input:
-                node.input[rng.randrange(len(node.input))] = rng.choice(names)
-        elif kind == 4 and g.initializer:  # an initializer's dims stop matching its data
-            init = rng.choice(list(g.initializer))
-            if init.dims:
-                init.dims[rng.randrange(len(init.dims))] = rng.randint(0, 40)
-        elif g.node:  # a node disappears
-            del g.node[rng.randrange(len(g.node))]
+        if model.graph.node:
+            rng.choice(MODEL_MUTATIONS)(model.graph, rng)
     return model.SerializeToString()
 
 

@@ -11,6 +11,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from meshfn.common import env
+
 from .errors import ToolchainError
 
 RUNTIME_DIR = Path(__file__).parent / "c"
@@ -27,8 +29,8 @@ TIMEOUT_S = 600
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MESHFN_CACHE") or str(Path.home() / ".cache" / "meshfn")
-    return Path(root) / "compiler"
+    root = env.CACHE.path() or env.cache_home() / "meshfn"
+    return root / "compiler"
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from markupsafe import Markup, escape
 from meshfn import ir
 from meshfn.xds.names import function_cluster_name, primary_clusters
 
-from .sources import Fetched, FunctionStats, _admin_json
+from .sources import Fetched, FunctionStats, _local_json
 
 # The statistics each Envoy is asked for (RE2, whole names): request counts, errors and time per
 # upstream cluster and per connection manager, TLS handshakes, and the tracer's own counters.
@@ -144,7 +144,7 @@ class ProxyStats:
     async def refresh(self, _session: Any = None) -> None:
         wanted = self.sockets()
         results: list[Fetched] = await asyncio.gather(
-            *(_admin_json(socket, STATS_PATH) for socket in wanted.values())
+            *(_local_json(socket, STATS_PATH) for socket in wanted.values())
         )
         now = time.monotonic()
         for group, fetched in zip(wanted, results, strict=True):

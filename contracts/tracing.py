@@ -125,7 +125,10 @@ def new_span_id() -> str:
     return os.urandom(8).hex()
 
 
-Endpoint = Annotated[str, Field(pattern=r"^(grpc|http)://[A-Za-z0-9.:\[\]-]{1,300}(/[!-~]*)?$")]
+Endpoint = Annotated[
+    str,
+    Field(pattern=r"^((grpc|http)://[A-Za-z0-9.:\[\]-]{1,300}(/[!-~]*)?|unix:///[!-~]{1,300})$"),
+]
 
 
 class BackendTracing(BaseModel):
@@ -136,7 +139,8 @@ class BackendTracing(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     endpoint: Endpoint = Field(
-        description="the OTLP collector: grpc://host:port or http://host:port/v1/traces"
+        description="the OTLP collector: grpc://host:port, http://host:port/v1/traces, or"
+        " unix:///path (OTLP/gRPC over a unix socket: meshfn up's own collector)"
     )
     sampling: Annotated[float, Field(ge=0, le=100)] = Field(
         1.0, description="percent of requests without a parent's decision that are traced"

@@ -354,8 +354,9 @@ class Exporter:
         parts = urlsplit(endpoint)
         host, port = parts.hostname or "127.0.0.1", parts.port or 4317
         timeout = self.settings.timeout
-        if parts.scheme == "grpc":
-            channel = grpc.insecure_channel(f"{host}:{port}")
+        if parts.scheme in ("grpc", "unix"):
+            target = f"unix:{parts.path}" if parts.scheme == "unix" else f"{host}:{port}"
+            channel = grpc.insecure_channel(target)
             call = channel.unary_unary(
                 otlp.GRPC_METHOD,
                 request_serializer=lambda body: body,

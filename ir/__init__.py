@@ -441,13 +441,21 @@ class Audit:
 
 @dataclass(frozen=True, slots=True)
 class TraceCollector:
-    """An OTLP collector (Mesh.spec.tracing.collector)."""
+    """An OTLP collector (Mesh.spec.tracing.collector), or with `socket`, one on the proxies'
+    own host reached over that unix socket instead of host:port (`meshfn up`'s embedded
+    collector, OTLP/gRPC)."""
 
     protocol: Literal["grpc", "http"]
     host: str
     port: int
     path: str = "/v1/traces"
     timeout: timedelta = timedelta(seconds=1)
+    socket: str = ""
+
+    @classmethod
+    def on_socket(cls, path: str) -> TraceCollector:
+        """OTLP/gRPC over the unix socket at `path` (absolute)."""
+        return cls("grpc", "localhost", 0, socket=path)
 
     @classmethod
     def parse(cls, endpoint: str) -> TraceCollector:
@@ -465,6 +473,8 @@ class TraceCollector:
     @property
     def endpoint(self) -> str:
         """As the inference backend's settings name it (contracts.tracing.BackendTracing)."""
+        if self.socket:
+            return f"unix://{self.socket}"
         if self.protocol == "grpc":
             return f"grpc://{self.host}:{self.port}"
         return f"http://{self.host}:{self.port}{self.path}"
@@ -600,9 +610,6 @@ class MeshModel:
     policies: Policies = Policies()
     qos: tuple[QoSPolicy, ...] = ()  # every QoSPolicy, (namespace, name) order
     tracing: Tracing | None = None
-    # meshfn up's embedded trace collector listens here (OTLP gRPC, HTTP) when tracing names
-    # no collector (Mesh.spec.ports.otlp, otlpHttp)
-    collector_ports: tuple[int, int] = (4317, 4318)
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
 

@@ -146,14 +146,6 @@ class MeshPorts(Strict):
 
     xds: Port = Field(18000, description="ADS (gRPC) port of the control plane, on loopback")
     admin: Port = Field(18001, description="control plane admin: /metrics, /debug/*")
-    otlp: Port = Field(
-        4317,
-        description="meshfn up's embedded trace collector, OTLP over gRPC (only while tracing"
-        " names no collector of its own)",
-    )
-    otlpHttp: Port = Field(
-        4318, description="the embedded trace collector's OTLP over HTTP (/v1/traces)"
-    )
 
 
 MtlsMode = Literal["STRICT", "PERMISSIVE", "DISABLE"]
@@ -254,7 +246,7 @@ CollectorHost = Annotated[
 
 class TracingCollector(Strict):
     """An OpenTelemetry collector that takes OTLP traces: Jaeger, Tempo, an OpenTelemetry
-    Collector, or the one `meshfn up` embeds."""
+    Collector. Without one, `meshfn up` collects the spans itself."""
 
     protocol: Literal["grpc", "http"] = Field(
         "grpc",

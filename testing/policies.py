@@ -270,9 +270,7 @@ def remap(source: Path, target: Path, *extra: Path) -> dict[int, int]:
 def _collect_ports(node: object, ports: set[int]) -> None:
     if isinstance(node, dict):
         for key, value in node.items():
-            if isinstance(value, int) and (
-                "port" in key.lower() or key in ("xds", "admin", "otlp", "otlpHttp")
-            ):
+            if isinstance(value, int) and ("port" in key.lower() or key in ("xds", "admin")):
                 ports.add(value)
             _collect_ports(value, ports)
     elif isinstance(node, list):

@@ -246,7 +246,8 @@ def _print_tracing(collector: dict[str, Any] | None, backends: list[BackendFunct
         dropped = collector["dropped_spans"]
         lost = sum(dropped.values())
         out.print(
-            f"trace collector {collector['otlp_grpc']} (gRPC), {collector['otlp_http']}: "
+            f"trace collector {collector['otlp_grpc']} (OTLP/gRPC), {collector['otlp_http']}"
+            " (OTLP/HTTP): "
             f"{collector['traces']} trace(s), {collector['bytes'] // 1024} of"
             f" {collector['max_bytes'] // 1024} KiB, {collector['received_spans']} span(s)"
             f" received, {lost} dropped"

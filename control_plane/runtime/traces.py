@@ -1,5 +1,8 @@
-"""`meshfn up`'s embedded trace collector: OTLP over gRPC and over HTTP on loopback, the recent
-traces kept in memory for `meshfn trace`, the console and the drift breaker's exemplars.
+"""`meshfn up`'s embedded trace collector: OTLP over gRPC and over HTTP on unix sockets in the
+state directory (STATE/collector/otlp.sock and otlp-http.sock, 0600 in a 0700 directory: the
+proxies and backends `meshfn up` runs reach them, no other local user; a loopback port would
+let anyone on the host write spans), the recent traces kept in memory for `meshfn trace`, the
+console and the drift breaker's exemplars.
 
 Part of the composition, never of a renderer: the translator is told where it listens through
 the proxy host (xds.translate.ProxyHost.collector), exactly as it would be told about Jaeger,
@@ -15,12 +18,15 @@ Both receivers run on the control plane's event loop and only parse and append.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -31,6 +37,8 @@ from prometheus_client.registry import Collector
 
 from meshfn import ir
 from meshfn.common import env
+from meshfn.common.files import private_directory
+from meshfn.common.unix import SOCKET_MODE, listen_private, socket_path
 from meshfn.contracts import otlp
 from meshfn.contracts.durations import parse_duration
 
@@ -405,22 +413,33 @@ def ingest(store: TraceStore, body: bytes) -> bytes:
 # ---------------------------------------------------------------- receivers
 
 
+def sockets(directory: Path) -> tuple[Path, Path]:
+    """The collector's OTLP/gRPC and OTLP/HTTP sockets in `directory` (STATE/collector)."""
+    return (
+        socket_path(directory, "otlp", "the trace collector's socket"),
+        socket_path(directory, "otlp-http", "the trace collector's socket"),
+    )
+
+
 class TraceCollector:
-    """The store and its two OTLP receivers (loopback), started and stopped with `meshfn up`."""
+    """The store and its two OTLP receivers (unix sockets), started and stopped with `meshfn
+    up`."""
 
     def __init__(self, store: TraceStore | None = None) -> None:
         self.store = store or TraceStore()
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
-        self.grpc_port = 0
-        self.http_port = 0
+        self.grpc_socket: Path | None = None
+        self.http_socket: Path | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._grpc is not None
 
     def address(self) -> ir.TraceCollector:
-        """Where the proxies send spans (gRPC)."""
-        return ir.TraceCollector("grpc", "127.0.0.1", self.grpc_port)
-
-    def backend_endpoint(self) -> str:
-        return f"grpc://127.0.0.1:{self.grpc_port}"
+        """Where the proxies and the backends send spans (OTLP/gRPC on its socket)."""
+        assert self.grpc_socket is not None, "not started"
+        return ir.TraceCollector.on_socket(str(self.grpc_socket))
 
     async def _export(self, body: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         try:
@@ -449,10 +468,17 @@ class TraceCollector:
             return web.Response(status=400, text=f"not an OTLP export: {exc}\n")
         return web.Response(body=data, content_type=otlp.HTTP_CONTENT_TYPE)
 
-    async def start(self, grpc_port: int, http_port: int, host: str = "127.0.0.1") -> None:
-        server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", MAX_BODY), ("grpc.so_reuseport", 0)]
-        )
+    def http_app(self) -> web.Application:
+        """The OTLP/HTTP receiver (POST /v1/traces), for a site on any transport."""
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post(otlp.HTTP_PATH, self._post)
+        return app
+
+    async def start(self, directory: Path) -> None:
+        """Listen on DIRECTORY/otlp.sock (gRPC) and otlp-http.sock (HTTP), made private."""
+        private_directory(directory)
+        grpc_socket, http_socket = sockets(directory)
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_BODY)])
         service, method = otlp.GRPC_METHOD.strip("/").split("/")
         server.add_generic_rpc_handlers(
             (
@@ -461,28 +487,25 @@ class TraceCollector:
                 ),
             )
         )
-        self.grpc_port = server.add_insecure_port(f"{host}:{grpc_port}")
-        if not self.grpc_port:
-            raise OSError(f"cannot listen on {host}:{grpc_port} for OTLP/gRPC")
+        with contextlib.suppress(FileNotFoundError):
+            grpc_socket.unlink()  # a stale one (the directory is meshfn's own)
+        if not server.add_insecure_port(f"unix:{grpc_socket}"):
+            raise OSError(f"cannot listen on {grpc_socket} for OTLP/gRPC")
+        os.chmod(grpc_socket, SOCKET_MODE)  # before it accepts (the directory is private too)
         await server.start()
-        self._grpc = server
-        app = web.Application(client_max_size=MAX_BODY)
-        app.router.add_post(otlp.HTTP_PATH, self._post)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        self._grpc, self.grpc_socket = server, grpc_socket
+        runner = web.AppRunner(self.http_app(), access_log=None, shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, host, http_port)
         try:
-            await site.start()
+            await web.SockSite(runner, listen_private(http_socket)).start()
         except OSError:
             await runner.cleanup()
             await self.stop()
             raise
-        self._http = runner
-        sockets = site._server.sockets if site._server is not None else ()  # type: ignore[attr-defined]
-        self.http_port = int(sockets[0].getsockname()[1]) if sockets else http_port
+        self._http, self.http_socket = runner, http_socket
         log.info(
             "trace collector listening",
-            extra={"otlp_grpc": self.grpc_port, "otlp_http": self.http_port},
+            extra={"otlp_grpc": str(grpc_socket), "otlp_http": str(http_socket)},
         )
 
     async def stop(self) -> None:
@@ -492,12 +515,15 @@ class TraceCollector:
         if self._http is not None:
             await self._http.cleanup()
             self._http = None
+        for path in (self.grpc_socket, self.http_socket):
+            if path is not None:
+                path.unlink(missing_ok=True)
 
     def status(self) -> dict[str, Any]:
         """For /debug/status (meshfn status)."""
         return {
-            "otlp_grpc": f"127.0.0.1:{self.grpc_port}",
-            "otlp_http": f"127.0.0.1:{self.http_port}{otlp.HTTP_PATH}",
+            "otlp_grpc": f"unix:{self.grpc_socket}",
+            "otlp_http": f"unix:{self.http_socket} {otlp.HTTP_PATH}",
             **self.store.stats(),
         }
 

@@ -52,6 +52,7 @@ from .upstreams import (
     FunctionsSetup,
     UpstreamSpec,
     app_sockets,
+    collector_directory,
     embedded_collector,
     local_upstreams,
     upstream_process,
@@ -97,17 +98,16 @@ class Mesh:
     async def _reconcile_traces(self, model: ir.MeshModel) -> None:
         """Start the embedded collector when it is first needed; it keeps running (and its
         traces) if a reload stops tracing or names another collector."""
-        wanted = embedded_collector(model)
-        if wanted is None or self.traces.grpc_port:
+        wanted = embedded_collector(model, self.state_dir)
+        if wanted is None or self.traces.started:
             return
-        grpc_port, http_port = model.collector_ports
+        directory = collector_directory(self.state_dir)
         try:
-            await self.traces.start(grpc_port, http_port)
+            await self.traces.start(directory)
         except (OSError, RuntimeError) as exc:
             raise OSError(
-                f"the embedded trace collector cannot listen on 127.0.0.1:{grpc_port} (OTLP/gRPC)"
-                f" and :{http_port} (OTLP/HTTP): {exc}; free them, or set Mesh spec.ports.otlp"
-                " and otlpHttp, or name a collector in spec.tracing.collector"
+                f"the embedded trace collector cannot listen in {directory}: {exc}; or name a"
+                " collector in the Mesh's spec.tracing.collector"
             ) from None
 
     async def _reconcile_upstreams(self, model: ir.MeshModel) -> None:
@@ -220,7 +220,7 @@ class Mesh:
     def tracing_status(self, proxies: ProxyStats | None = None) -> dict[str, Any] | None:
         """The embedded collector's counts (when it runs), and each proxy's exports to
         whichever collector (as last fetched); None while nothing traces."""
-        status: dict[str, Any] = self.traces.status() if self.traces.grpc_port else {}
+        status: dict[str, Any] = self.traces.status() if self.traces.started else {}
         exports = proxies.export_status() if proxies is not None else []
         if exports:
             status["proxies"] = exports
@@ -335,7 +335,8 @@ async def _loaded(
         # the sidecars reach what Mesh.reconcile starts behind them over its unix sockets
         app_sockets=lambda m: app_sockets(local_upstreams(m, state_dir, functions).values()),
     )
-    cp.trace_collector = embedded_collector  # the proxies send spans to meshfn up's own
+    # the proxies send spans to meshfn up's own collector where the Mesh names none
+    cp.trace_collector = lambda m: embedded_collector(m, state_dir)
     result = await cp.reload()
     tune_gc()
     if not result.ok:

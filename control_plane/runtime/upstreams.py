@@ -30,6 +30,7 @@ from meshfn.contracts.tracing import BackendTracing
 from meshfn.policy import compile
 from meshfn.xds.translate import AppSockets
 
+from . import traces
 from .envoy import local_session
 from .process import SupervisedProcess
 
@@ -69,13 +70,23 @@ def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
     return compile.served_functions(list(model.functions), {s.key: s for s in model.services})
 
 
-def embedded_collector(model: ir.MeshModel) -> ir.TraceCollector | None:
-    """Where `meshfn up`'s own trace collector listens, when the Mesh traces without naming a
-    collector (traces.TraceCollector)."""
+def embedded_collector(model: ir.MeshModel, state_dir: Path) -> ir.TraceCollector | None:
+    """Where `meshfn up`'s own trace collector listens (its OTLP/gRPC socket in the state
+    directory), when the Mesh traces without naming a collector (traces.TraceCollector)."""
     tracing = model.tracing
     if tracing is None or tracing.collector is not None:
         return None
-    return ir.TraceCollector("grpc", "127.0.0.1", model.collector_ports[0])
+    return ir.TraceCollector.on_socket(str(collector_sockets(state_dir)[0]))
+
+
+def collector_directory(state_dir: Path) -> Path:
+    """The embedded trace collector's sockets' directory (private)."""
+    return state_dir / "collector"
+
+
+def collector_sockets(state_dir: Path) -> tuple[Path, Path]:
+    """The embedded trace collector's OTLP/gRPC and OTLP/HTTP sockets."""
+    return traces.sockets(collector_directory(state_dir))
 
 
 def workload_sockets(state_dir: Path) -> Path:
@@ -103,7 +114,7 @@ def upstreams_for(
     fit."""
     functions = served_functions(model)
     tracing = model.tracing
-    embedded = embedded_collector(model)
+    embedded = embedded_collector(model, state_dir) if state_dir is not None else None
     out: dict[tuple[str, int], UpstreamSpec] = {}
     for service in model.services:
         if service.protocol != "http":

@@ -28,7 +28,6 @@ def assemble(complete: Complete, tracing: ir.Tracing | None = None) -> ir.MeshMo
         policies=_with_guards(complete.written, complete.guard_objects),
         qos=complete.qos,
         tracing=tracing,
-        collector_ports=(spec.ports.otlp, spec.ports.otlpHttp),
     )
 
 

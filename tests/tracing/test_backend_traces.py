@@ -22,7 +22,6 @@ from meshfn.inference.backend import Backend
 from meshfn.inference.config import parse_config
 from meshfn.inference.examples import publish_examples
 from meshfn.inference.kserve import InferRequest, parse_http
-from meshfn.testing.ports import free_ports
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SIDECAR = "00f067aa0ba902b7"
@@ -37,9 +36,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture
-async def collector() -> AsyncIterator[TraceCollector]:
+async def collector(tmp_path: Path) -> AsyncIterator[TraceCollector]:
     found = TraceCollector(TraceStore())
-    await found.start(*free_ports(2))
+    await found.start(tmp_path / "collector")
     yield found
     await found.stop()
 
@@ -52,7 +51,7 @@ async def backend(registry: tuple[Path, Path], collector: TraceCollector) -> Asy
             "registry": str(root),
             "trustedKeys": [str(key)],
             "functions": [{"name": "chaos-core"}],
-            "tracing": {"endpoint": collector.backend_endpoint(), "sampling": 100},
+            "tracing": {"endpoint": collector.address().endpoint, "sampling": 100},
         }
     )
     found = Backend(config)

@@ -7,12 +7,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import stat
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
+from aiohttp import web
 from google.protobuf.message import DecodeError
 
+from meshfn.common.unix import unix_request
 from meshfn.contracts import otlp
 from meshfn.contracts.tracing import BackendTracing
 from meshfn.control_plane.runtime.traces import (
@@ -23,7 +27,7 @@ from meshfn.control_plane.runtime.traces import (
     ingest,
 )
 from meshfn.inference import tracing as backend_tracing
-from meshfn.inference.tracing import Tracer, encode
+from meshfn.inference.tracing import RequestSpan, Tracer, encode
 from meshfn.testing.ports import free_ports, hanging_server
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -95,14 +99,63 @@ def test_malformed_exports_are_refused_and_bad_spans_counted() -> None:
 
 
 @pytest.fixture
-async def collector() -> AsyncIterator[TraceCollector]:
+async def collector(tmp_path: Path) -> AsyncIterator[TraceCollector]:
     found = TraceCollector(TraceStore())
-    grpc_port, http_port = free_ports(2)
-    await found.start(grpc_port, http_port)
+    await found.start(tmp_path / "collector")
     try:
         yield found
     finally:
         await found.stop()
+
+
+async def test_the_collector_listens_on_private_sockets_only(tmp_path: Path) -> None:
+    """Unix sockets (0600) in a private directory (0700): what `meshfn up` runs reaches them,
+    no other local user (a loopback port would let anyone write spans); gone when it stops."""
+    collector = TraceCollector(TraceStore())
+    await collector.start(tmp_path / "collector")
+    try:
+        assert stat.S_IMODE((tmp_path / "collector").stat().st_mode) == 0o700
+        for path in (collector.grpc_socket, collector.http_socket):
+            assert path is not None and path.parent == tmp_path / "collector"
+            info = path.stat()
+            assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+        assert collector.address().endpoint == f"unix://{collector.grpc_socket}"
+        assert collector.http_socket is not None
+        body = encode([_request_span()], "svc")
+        status, answer = await asyncio.to_thread(
+            unix_request, collector.http_socket, "/v1/traces", 5.0, "POST", body,
+            {"Content-Type": otlp.HTTP_CONTENT_TYPE},
+        )  # fmt: skip
+        assert status == 200 and otlp.ExportTraceServiceResponse.FromString(answer)
+        assert collector.store.get(PARENT.split("-")[1]) is not None
+    finally:
+        await collector.stop()
+    assert not list((tmp_path / "collector").iterdir())
+
+
+def _request_span() -> RequestSpan:
+    tracer = Tracer(BackendTracing(endpoint="grpc://127.0.0.1:9"))
+    try:
+        span = tracer.begin("infer iris", PARENT)
+    finally:
+        tracer.close(timeout=0.1)
+    assert span is not None
+    span.end = span.start + 1000
+    return span
+
+
+@pytest.fixture
+async def http_port(collector: TraceCollector) -> AsyncIterator[int]:
+    """The collector's OTLP/HTTP receiver on a loopback port, as an external collector would
+    listen (the backends' HTTP exporter is for those)."""
+    runner = web.AppRunner(collector.http_app(), access_log=None)
+    await runner.setup()
+    (port,) = free_ports(1)
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield port
+    finally:
+        await runner.cleanup()
 
 
 async def _wait_for(predicate: object, timeout: float = 10.0) -> None:
@@ -114,11 +167,15 @@ async def _wait_for(predicate: object, timeout: float = 10.0) -> None:
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 async def test_the_backend_exports_its_spans_to_the_collector(
-    collector: TraceCollector, protocol: str
+    collector: TraceCollector, http_port: int, protocol: str
 ) -> None:
-    port = collector.grpc_port if protocol == "grpc" else collector.http_port
-    path = "" if protocol == "grpc" else "/v1/traces"
-    tracer = Tracer(BackendTracing(endpoint=f"{protocol}://127.0.0.1:{port}{path}", sampling=0))
+    """OTLP/gRPC over the embedded collector's socket (as under `meshfn up`), OTLP/HTTP to a
+    port (as to an external collector)."""
+    if protocol == "grpc":
+        endpoint = collector.address().endpoint
+    else:
+        endpoint = f"http://127.0.0.1:{http_port}/v1/traces"
+    tracer = Tracer(BackendTracing(endpoint=endpoint, sampling=0))
     try:
         span = tracer.begin("infer iris", PARENT, "vendor=1")
         assert span is not None and span.sampled

@@ -29,7 +29,7 @@ from ...fragments import tracing as fragments
 from ...fragments.messages import duration, pack
 from ...names import CLUSTER, TRACE_COLLECTOR_CLUSTER
 from ..clusters import HTTP_PROTOCOL_OPTIONS, http2_options
-from ..common import one_endpoint
+from ..common import one_endpoint, pipe_endpoints
 from ..host import ProxyHost
 from ..resources import Resources
 from .base import FilterContext, HttpFilter, TracingContext
@@ -112,18 +112,23 @@ def client_context_removal() -> extension_pb2.TypedExtensionConfig:
 
 @lru_cache(maxsize=64)
 def collector_cluster(collector: ir.TraceCollector) -> cluster_pb2.Cluster:
-    """The collector: an IP literal STATIC, a name STRICT_DNS; HTTP/2 for OTLP over gRPC."""
+    """The collector: a unix socket (a pipe address) or an IP literal STATIC, a name
+    STRICT_DNS; HTTP/2 for OTLP over gRPC."""
     host = collector.host.strip("[]")
-    try:
-        ipaddress.ip_address(host)
-        kind = cluster_pb2.Cluster.STATIC
-    except ValueError:
-        kind = cluster_pb2.Cluster.STRICT_DNS
+    kind = cluster_pb2.Cluster.STATIC
+    if collector.socket:
+        endpoints = pipe_endpoints(TRACE_COLLECTOR_CLUSTER, [collector.socket])
+    else:
+        endpoints = one_endpoint(TRACE_COLLECTOR_CLUSTER, host, collector.port)
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            kind = cluster_pb2.Cluster.STRICT_DNS
     cluster = cluster_pb2.Cluster(
         name=TRACE_COLLECTOR_CLUSTER,
         type=kind,
         connect_timeout=duration_pb2.Duration(seconds=1),
-        load_assignment=one_endpoint(TRACE_COLLECTOR_CLUSTER, host, collector.port),
+        load_assignment=endpoints,
     )
     if collector.protocol == "grpc":
         cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(http2_options())

@@ -96,7 +96,11 @@ setup() {
   ensure_venv
   # eBPF acceleration: Debian's bcc, a kernel header tree, bcc exposed to the venv (idempotent).
   ebpf/setup_host.sh "$VENV"
-  # The proxy-wasm filters (content-addressed cache; the control plane never compiles them).
+}
+
+# The proxy-wasm filters (content-addressed cache; the control plane never compiles them). Not
+# before `up`: `meshfn up` builds or finds them itself and says which, once.
+build_filters() {
   "$VENV/bin/meshfn" filters build >/dev/null
 }
 
@@ -134,13 +138,14 @@ check() {
 cmd=${1:-help}
 shift || true
 case "$cmd" in
-  setup) setup ;;
+  setup) setup; build_filters ;;
   up)
     setup
     exec "$VENV/bin/meshfn" up --policies policies/examples --publish-examples "$@"
     ;;
   test)
     setup
+    build_filters
     setup_test
     check
     log "pytest"

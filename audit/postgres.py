@@ -19,6 +19,8 @@ line, not the only one.
 from __future__ import annotations
 
 import contextlib
+import re
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,6 +40,8 @@ from .store import (
     query_columns,
 )
 
+# VACUUM VERBOSE's detail line for rows an open snapshot still sees (English messages)
+_KEPT = re.compile(r"(\d+) dead row versions? cannot be removed yet")
 _SCHEMA_LOCK = (
     0x6D657368666E  # "meshfn": serialises schema creation by collectors starting together
 )
@@ -93,6 +97,9 @@ def _redacted(dsn: str) -> str:
 
 
 class PostgresStore(AuditStore):
+    # How long an erasure waits for transactions older than it to end (_vacuum_subjects).
+    shred_patience = 10.0
+
     def __init__(
         self,
         dsn: str,
@@ -227,12 +234,21 @@ class PostgresStore(AuditStore):
         return str(self._rows(f"SELECT value FROM meta WHERE key='erasures' FOR {mode}")[0][0])
 
     def _shred(self) -> list[str]:
-        """DELETE leaves the row's bytes in the heap and index pages until they are reused:
-        rewrite the table and its indexes (VACUUM FULL) so no data file holds them, then
-        CHECKPOINT so crash recovery starts after the erasure."""
-        left = []
+        """DELETE leaves the row's bytes in the heap and index pages until they are reused, and
+        in the write-ahead log. So, once the erasure has committed:
+        1. VACUUM FULL rewrites the subjects table and its indexes without the row. It keeps a
+           dead row that a transaction older than the erasure can still see (a reader's
+           snapshot: the row versions a reader could still see), so it is repeated, for up to
+           10 s, until it reports no such row left;
+        2. pg_switch_wal() and CHECKPOINT end the WAL segments that logged the row's insert, and
+           PostgreSQL removes them at the checkpoint. With `wal_recycle = on` (its default) it
+           renames them for reuse instead, and their old bytes stay until overwritten: set
+           `wal_recycle = off` on a server that holds audit stores.
+        What could not be done (no privilege: pg_switch_wal and CHECKPOINT need a superuser, or
+        the grants the README names) is returned, with the statement to run."""
+        left = self._vacuum_subjects()
         for statement, why in (
-            ("VACUUM FULL subjects", "the subjects table was not rewritten"),
+            ("SELECT pg_switch_wal()", "the write-ahead log segment was not switched"),
             ("CHECKPOINT", "no checkpoint was forced"),
         ):
             try:
@@ -240,7 +256,53 @@ class PostgresStore(AuditStore):
                     self._connection().execute(statement)
             except StoreError as exc:
                 left.append(f"{why} ({exc}); run `{statement}` as the table's owner or superuser")
+        try:
+            recycle = self._rows("SHOW wal_recycle")[0][0]
+        except StoreError:
+            recycle = "on"
+        if recycle != "off":
+            left.append(
+                "the server recycles write-ahead log segments (wal_recycle = on): the old"
+                " segments' bytes, the erased row among them, stay in pg_wal until overwritten;"
+                " set wal_recycle = off"
+            )
         return left
+
+    def _vacuum_subjects(self) -> list[str]:
+        conn = self._connection()
+        deadline = time.monotonic() + self.shred_patience
+        details: list[str] = []
+
+        def note(diagnostic: psycopg.errors.Diagnostic) -> None:
+            details.append(f"{diagnostic.message_primary} {diagnostic.message_detail}")
+
+        while True:
+            details.clear()
+            conn.add_notice_handler(note)
+            try:
+                with self._lock, self._errors("VACUUM FULL subjects"):
+                    conn.execute("SET lock_timeout = '10s'")
+                    try:
+                        conn.execute("VACUUM (FULL, VERBOSE) subjects")
+                    finally:
+                        conn.execute("RESET lock_timeout")
+            except StoreError as exc:
+                return [
+                    f"the subjects table was not rewritten ({exc}); run `VACUUM FULL subjects`"
+                    " as the table's owner or superuser"
+                ]
+            finally:
+                conn.remove_notice_handler(note)
+            kept = sum(int(m.group(1)) for d in details for m in _KEPT.finditer(d))
+            if not kept:
+                return []
+            if time.monotonic() > deadline:
+                return [
+                    f"{kept} erased row version(s) stay in the subjects table's files: a"
+                    " transaction older than the erasure still runs, and VACUUM FULL keeps what"
+                    " its snapshot can see; run `VACUUM FULL subjects` once it has ended"
+                ]
+            time.sleep(0.2)
 
     def close(self) -> None:
         with self._lock:

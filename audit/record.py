@@ -23,6 +23,8 @@ import json
 import re
 from typing import Any
 
+from meshfn.contracts.journal import ERASED_SUBJECT
+
 from .offline import canonical
 
 RECORD_VERSION = 2
@@ -202,7 +204,7 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
     raw_state = entry.get("audit")
     if isinstance(raw_state, str) and raw_state not in ("", "-"):
         state: Any = None
-        if raw_state == "null" or _hex(raw_state, 64):
+        if raw_state in ("null", ERASED_SUBJECT) or _hex(raw_state, 64):
             state = _bare_state(raw_state, entry)
             if state is None:
                 record["error"] = "audit filter state without its access log fields"
@@ -217,6 +219,8 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         if isinstance(state, dict):
             record["audited"] = True
             record["subject"] = _hex(state.get("subject"), 64)
+            if state.get("subject") == ERASED_SUBJECT:  # `meshfn audit erase` redacted the line
+                record["subject_erased"] = True
             record["salt_id"] = _str(state.get("salt_id"), "salt_id", cut)
             record["subject_source"] = _str(state.get("subject_source"), "subject_source", cut)
             record["tenant"] = _str(state.get("tenant"), "tenant", cut)
@@ -248,7 +252,7 @@ def _bare_state(subject: str, entry: dict[str, Any]) -> dict[str, Any] | None:
     if entry.get("audit_v") != "1":
         return None
     return {
-        "subject": None if subject == "null" else subject,
+        "subject": None if subject == "null" else subject,  # ERASED_SUBJECT: see from_log_line
         "salt_id": entry.get("salt_id"),
         "subject_source": entry.get("subject_source"),
         "tenant": entry.get("tenant"),

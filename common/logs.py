@@ -40,10 +40,16 @@ class ExtrasFormatter(logging.Formatter):
 
 
 def setup_logging(fmt: str = "human", level: str = "INFO") -> None:
+    """`human` on a terminal: rich's columns, wrapped to the terminal; `human` into a file or a
+    pipe: one plain line per record, never wrapped (a log file has no width); `json`: one JSON
+    object per line."""
     handler: logging.Handler
     if fmt == "json":
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter())
+    elif not sys.stderr.isatty():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(ExtrasFormatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
     else:
         handler = RichHandler(
             console=Console(stderr=True),

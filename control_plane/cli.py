@@ -24,6 +24,16 @@ from rich.table import Table
 from rich.text import Text
 
 from meshfn.audit.cli import audit_app
+from meshfn.common.adminauth import (
+    ROLES,
+    AdminCallError,
+    AdminTokens,
+    AuthError,
+    call_admin,
+    key_path,
+    owner_token_path,
+    read_owner_token,
+)
 from meshfn.common.clihelp import reflow_help
 from meshfn.common.logs import setup_logging
 from meshfn.istio.options import DEFAULT as ISTIO_DEFAULTS
@@ -48,7 +58,8 @@ PoliciesOpt = Annotated[Path, typer.Option("--policies", "-p", help="policy file
 AdminOpt = Annotated[
     str | None,
     typer.Option(
-        "--admin", help="control plane admin URL (default: $MESHFN_ADMIN, .meshfn/state.json)"
+        "--admin",
+        help="control plane admin URL (default: $MESHFN_ADMIN, STATE_DIR/state.json)",
     ),
 ]
 LogFormatOpt = Annotated[str, typer.Option("--log-format", help="human | json")]
@@ -60,15 +71,24 @@ AdminListenOpt = Annotated[
     str,
     typer.Option(
         "--admin-listen",
-        help="address of the admin port and its web console (beyond loopback it needs a token)",
+        help="address of the admin port and its web console (every request needs a token;"
+        " beyond loopback, put TLS in front)",
     ),
 ]
 AdminTokenOpt = Annotated[
     Path | None,
     typer.Option(
         "--admin-token-file",
-        help="file holding the admin token (default: $MESHFN_ADMIN_TOKEN); every admin request"
-        " and the console must then present it",
+        help="file holding a fixed admin token accepted besides the signed ones, with the"
+        " auditor role (default: $MESHFN_ADMIN_TOKEN)",
+    ),
+]
+ClientStateOpt = Annotated[
+    Path,
+    typer.Option(
+        "--state-dir",
+        help="the control plane's state directory: its admin URL (state.json) and the admin"
+        " token (admin/token), unless --admin / $MESHFN_ADMIN_TOKEN say otherwise",
     ),
 ]
 
@@ -133,11 +153,11 @@ def _analysis(
                 url = None
         if url is not None:
             try:
-                with urllib.request.urlopen(url + "/debug/status", timeout=3) as response:
-                    drift = json.loads(response.read()).get("routes", {})
-            except (urllib.error.URLError, OSError, ValueError):
+                document = call_admin(url + "/debug/status", _client_token(state_dir), timeout=3)
+                drift = document.get("routes", {})
+            except (AdminCallError, AttributeError) as exc:
                 if admin is not None:
-                    _fail(f"cannot reach the control plane at {url}")
+                    _fail(f"cannot read the control plane at {url}: {exc}")
     findings = analyze(items, model, state_dir, drift)
     if as_json:
         print(json.dumps([f.as_dict() for f in findings], indent=2))
@@ -361,12 +381,12 @@ def serve(
 # ------------------------------------------------------------------ seeing inside
 
 
-def _admin_url(admin: str | None) -> str:
+def _admin_url(admin: str | None, state_dir: Path = DEFAULT_STATE) -> str:
     if admin:
         return admin.rstrip("/")
     if os.environ.get("MESHFN_ADMIN"):
         return os.environ["MESHFN_ADMIN"].rstrip("/")
-    state = DEFAULT_STATE / "state.json"
+    state = state_dir / "state.json"
     if state.exists():
         try:
             return str(json.loads(state.read_text())["admin"]).rstrip("/")
@@ -375,22 +395,33 @@ def _admin_url(admin: str | None) -> str:
     return "http://127.0.0.1:18001"
 
 
-def _get_json(url: str) -> Any:
-    request = urllib.request.Request(url)
-    if token := os.environ.get("MESHFN_ADMIN_TOKEN"):  # an admin port beyond loopback
-        request.add_header("Authorization", f"Bearer {token}")
+def _client_token(state_dir: Path) -> str | None:
+    """What the CLI presents to the admin port: $MESHFN_ADMIN_TOKEN, else the owner's token
+    that the control plane wrote into its state directory."""
+    if token := os.environ.get("MESHFN_ADMIN_TOKEN"):
+        return token
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            detail = json.loads(exc.read()).get("error", exc.reason)
-        except ValueError:
-            detail = exc.reason
-        _fail(str(detail))
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        _fail(f"cannot reach the control plane at {url}: {reason} (is meshfn up running?)")
+        return read_owner_token(state_dir)
+    except OSError as exc:
+        _fail(f"cannot read the admin token in {state_dir}: {exc.strerror or exc}")
+        return None
+
+
+def _get_json(url: str, state_dir: Path = DEFAULT_STATE) -> Any:
+    token = _client_token(state_dir)
+    try:
+        return call_admin(url, token, timeout=5)
+    except AdminCallError as exc:
+        if exc.status == 0:
+            _fail(f"{exc} (is meshfn up running?)")
+        if exc.status == 401:
+            where = owner_token_path(state_dir)
+            _fail(
+                f"the control plane refused the admin token ({'none' if token is None else 'given'}"
+                f"; the owner's is in {where}): give --state-dir of the control plane at"
+                f" {url.split('/', 3)[:3][-1]}, or set $MESHFN_ADMIN_TOKEN"
+            )
+        _fail(str(exc))
     return None
 
 
@@ -487,6 +518,7 @@ def status(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
 ) -> None:
     """Every connected proxy: per type the version sent and ACKed, and the last NACK. With
     --kube: every meshfn custom resource, its conditions and the objects it owns."""
@@ -494,7 +526,7 @@ def status(
         from meshfn.kube.cli import print_status
 
         raise typer.Exit(print_status(out, kubeconfig, context, namespace))
-    document = _get_json(_admin_url(admin) + "/debug/status")
+    document = _get_json(_admin_url(admin, state_dir) + "/debug/status", state_dir)
     if as_json:
         out.print_json(json.dumps(document))
         return
@@ -608,12 +640,13 @@ def config_dump(
     resource_type: Annotated[
         str | None, typer.Option("--type", help="listeners | routes | clusters | endpoints")
     ] = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
 ) -> None:
     """What the control plane sends NODE, as YAML."""
     from meshfn.xds.dump import to_yaml
 
     query = urllib.parse.urlencode({"node": node})
-    document = _get_json(f"{_admin_url(admin)}/debug/config_dump?{query}")
+    document = _get_json(f"{_admin_url(admin, state_dir)}/debug/config_dump?{query}", state_dir)
     if resource_type:
         if resource_type not in document:
             _fail(
@@ -770,6 +803,57 @@ def _explain(rendering: Any, provenance: Any) -> None:
     out.print(table)
 
 
+# ------------------------------------------------------------------ the console and admin tokens
+
+admin_app = typer.Typer(help="Who may use the admin port and console: tokens and their roles.")
+app.add_typer(admin_app, name="admin")
+
+
+@app.command()
+def console(
+    admin: AdminOpt = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
+    role: Annotated[
+        str | None, typer.Option(help="viewer | auditor (default: your token's role)")
+    ] = None,
+) -> None:
+    """Print a one-time login link to the web console (asked of the running control plane with
+    your admin token; it signs one browser in, once)."""
+    url = _admin_url(admin, state_dir)
+    body = {"role": role} if role else {}
+    try:
+        answer = call_admin(f"{url}/ui/links", _client_token(state_dir), "POST", body)
+    except AdminCallError as exc:
+        _fail(str(exc) if exc.status != 401 else f"the control plane refused the token: {exc}")
+        return
+    out.print(f"{url}{answer['path']}", markup=False, highlight=False, soft_wrap=True)
+
+
+@admin_app.command("token")
+def admin_token(
+    name: Annotated[str, typer.Option("--name", help="who holds it (access records name it)")],
+    role: Annotated[str, typer.Option(help="viewer | auditor")] = "viewer",
+    ttl: Annotated[str, typer.Option(help='lifetime, e.g. "8h", "7d" (at most 366d)')] = "8h",
+    state_dir: StateOpt = DEFAULT_STATE,
+) -> None:
+    """Issue an admin token for someone else (signed with the state directory's admin key, so
+    only its owner can): `Authorization: Bearer TOKEN`, the console's login form, or
+    MESHFN_ADMIN_TOKEN for `meshfn status` and `meshfn console`. Prints the token."""
+    from meshfn.contracts.durations import parse_duration
+
+    if role not in ROLES:
+        _fail(f"--role must be one of {', '.join(ROLES)}")
+    try:
+        token = AdminTokens(key_path(state_dir)).issue(name, role, parse_duration(ttl))
+    except (AuthError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    except OSError as exc:
+        _fail(f"cannot read the admin key in {state_dir}: {exc.strerror or exc}")
+        return
+    out.print(token, markup=False, highlight=False, soft_wrap=True)
+
+
 # ------------------------------------------------------------------ identity
 
 token_app = typer.Typer(help="JWTs from the local issuer the example policies trust.")
@@ -849,12 +933,13 @@ def certs_show(
     node: Annotated[str, typer.Argument(help="node id or workload")],
     admin: AdminOpt = None,
     pem: Annotated[bool, typer.Option(help="also print the PEM chain")] = False,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
 ) -> None:
     """Chain, SANs and expiry of the certificate a proxy holds (never its key)."""
     from cryptography import x509
 
     query = urllib.parse.urlencode({"node": node})
-    document = _get_json(f"{_admin_url(admin)}/debug/certs?{query}")
+    document = _get_json(f"{_admin_url(admin, state_dir)}/debug/certs?{query}", state_dir)
     leaf = x509.load_pem_x509_certificate(document["certificate_pem"].encode())
     roots = x509.load_pem_x509_certificates(document["trust_bundle_pem"].encode())
     try:

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from meshfn import istio
 from meshfn import wasm_filters as filters
+from meshfn.common.adminauth import Guard, KubeAuthenticator, guard_middleware
 from meshfn.common.kube.api import ApiError, Backoff, KubeClient, Obj, Resource, Unreachable
 from meshfn.common.kube.metrics import KubeMetrics
 from meshfn.contracts.kube import ANNOTATION_SOURCE, API_VERSION, BY_KIND
@@ -151,6 +152,11 @@ class OperatorConfig(_Strict):
         "spec.ports.xds as the port of the access-log Service",
     )
     tls: TlsSettings | None = Field(None, description="serve admin and /wasm over HTTPS")
+    metricsOpen: bool = Field(
+        True,
+        description="serve /metrics without a token (who may connect is the NetworkPolicy's"
+        " adminFrom); off: a Kubernetes token with the viewer role, as /debug/status",
+    )
     saltFile: str | None = Field(
         None, description="the audit subject salt (hex), from a Secret shared by every replica"
     )
@@ -653,7 +659,19 @@ class Operator:
                     )
             return web.Response(status=404, text="unknown module\n")
 
-        app = web.Application()
+        def is_open(request: web.Request) -> bool:
+            """Probes and the filter modules (content-addressed public code that istio-agent
+            fetches without a credential); /metrics while `metricsOpen`."""
+            path = request.path
+            if path in ("/healthz", "/readyz") or path.startswith("/wasm/"):
+                return True
+            return path == "/metrics" and self.config.metricsOpen
+
+        async def review(path: str, body: Obj) -> Obj:
+            return await self.kube.request("POST", path, body=body)
+
+        guard = Guard(KubeAuthenticator(review, self.config.namespace), is_open)
+        app = web.Application(middlewares=[guard_middleware(guard)])
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)

@@ -24,13 +24,14 @@ from meshfn import ir
 from meshfn import wasm_filters as filters
 from meshfn.audit.collector import CollectorMetrics
 from meshfn.audit.store import StoreError
+from meshfn.common.adminauth import owner_token_path
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
 from meshfn.ebpf import AccelerationUnavailable
 
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
-from .admin import AdminAccessError, AdminServer, is_loopback
+from .admin import AdminServer
 from .audit import AuditTrail
 from .bootstrap import (
     AdminSocketPathTooLong,
@@ -41,7 +42,7 @@ from .bootstrap import (
 )
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
-from .hints import hints, print_hints, sample_request
+from .hints import hints, meshfn_command, print_hints, sample_request, shell_path, state_option
 from .process import ProcessFailed, SupervisedProcess
 from .upstreams import FunctionsSetup, UpstreamSpec, upstream_process, upstreams_for
 
@@ -164,6 +165,7 @@ class Mesh:
             if audit is not None
             else None,
             acceleration=acceleration.document if acceleration is not None else None,
+            trail=audit,
         )
 
     def pids(self) -> dict[str, int | None]:
@@ -213,14 +215,6 @@ async def run_up(
     admin_token: str | None = None,
 ) -> int:
     console = console or Console()
-    if not is_loopback(admin_host) and not admin_token:
-        console.print(
-            f"the admin port (and its console) would listen on {admin_host} without a token:"
-            " set MESHFN_ADMIN_TOKEN or --admin-token-file",
-            markup=False,
-            highlight=False,
-        )
-        return 1
     secure_state_dir(state_dir)
     with RichReporter(Console(stderr=True), "proxy-wasm filters") as progress:
         wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare, progress)
@@ -287,7 +281,7 @@ async def run_up(
         try:
             await cp.start()
             await admin.start(admin_host, port=model.admin_port)
-        except (OSError, AdminAccessError) as exc:
+        except OSError as exc:
             console.print(f"[red]cannot start the control plane: {exc}[/red]")
             return 1
         try:
@@ -312,14 +306,16 @@ async def run_up(
         rotator = asyncio.create_task(cp.rotate_credentials_forever(stop))
         drift = asyncio.create_task(cp.drift_forever(stop))
         admin_url = admin.url
+        console_hint = f"{meshfn_command()} console{state_option(state_dir)} prints another"
         samples = await function_samples(spec for spec, _ in mesh.upstreams.values())
         print_hints(
             console,
             hints(model, state_dir, admin_url, samples),
             [
-                f"console: {admin.url}/ui",
-                f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin_url}; watching "
-                f"{policies} for changes; Ctrl-C stops everything.",
+                f"console: {admin.login_link()}   # a one-time login link ({console_hint})",
+                f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin_url} (token in"
+                f" {shell_path(owner_token_path(state_dir))}); watching {policies} for changes;"
+                " Ctrl-C stops everything.",
             ],
         )
         await stop.wait()

@@ -405,15 +405,27 @@ class AuditStore(ABC):
         chain = chain or (position.source if position is not None else DEFAULT_CHAIN)
         if chain.startswith("@") and chain != CONTROL_CHAIN:
             raise StoreError(f"chain names starting with '@' are meshfn's own: {chain!r}")
-        with self._lock:
-            try:
-                with self._write():
-                    return self._append(records, position, chain)
-            except BaseException:
-                self._heads.pop(chain, None)
-                if position is not None:
-                    self._positions.pop(position.source, None)
-                raise
+        # A journal's chain has one writer (the compare-and-swap on its position); the control
+        # chain has several (the control plane, CLI commands, the console): its head is read in
+        # the transaction, and a racing writer's rows only mean "try again".
+        tries = 3 if chain == CONTROL_CHAIN and position is None else 1
+        for attempt in range(tries):
+            with self._lock:
+                try:
+                    with self._write():
+                        return self._append(records, position, chain)
+                except StoreConflict:
+                    self._heads.pop(chain, None)
+                    if position is not None:
+                        self._positions.pop(position.source, None)
+                    if attempt + 1 == tries:
+                        raise
+                except BaseException:
+                    self._heads.pop(chain, None)
+                    if position is not None:
+                        self._positions.pop(position.source, None)
+                    raise
+        raise AssertionError("unreachable")
 
     def _append(
         self, records: Sequence[dict[str, Any]], position: JournalPosition | None, chain: str
@@ -426,7 +438,7 @@ class AuditStore(ABC):
             records = self._pseudonymise(records)
         if position is not None:
             self._move_position(position)
-        seq, prev = self._read_head(chain)
+        seq, prev = self._read_head(chain, fresh=chain == CONTROL_CHAIN)
         if seq == 0 and records:
             self._rows(
                 "INSERT INTO chains (chain, anchor_seq, anchor_hash) VALUES (?, 0, ?)"

@@ -21,7 +21,9 @@ Credentials:
 - **Kubernetes** (`meshfn kube run`): the caller's own bearer token, authenticated by the
   apiserver (TokenReview) and authorized by it (SubjectAccessReview on the virtual resources
   `console` and `auditrecords` of group meshfn.io, verb `get`), so the cluster's RBAC decides
-  (as Kiali's token strategy does). Decisions are cached for 30 s.
+  (as Kiali's token strategy does). Decisions are cached for 30 s; while the apiserver cannot
+  be reached, a principal it admitted within the last 5 minutes stays admitted (the operator's
+  status, which says the apiserver is down, stays readable), and nobody else gets in.
 
 Failures: a missing, malformed, wrong, expired or revoked credential is the same 401 (no detail
 about which), answered no sooner than `FAILURE_FLOOR_S` after the request arrived, whatever the
@@ -127,10 +129,12 @@ def read_owner_token(state_dir: Path) -> str | None:
 
 def admin_headers(state_dir: Path) -> dict[str, str]:
     """`{"Authorization": "Bearer <owner token>"}` for a request to the admin port of the
-    control plane that runs with `state_dir` (an AssertionError if it has not started yet)."""
+    control plane that runs with `state_dir` (FileNotFoundError if it has not started yet)."""
     token = read_owner_token(state_dir)
     if token is None:
-        raise AssertionError(f"no admin token in {owner_token_path(state_dir)}: is meshfn running?")
+        raise FileNotFoundError(
+            f"no admin token in {owner_token_path(state_dir)} (has the control plane started?)"
+        )
     return {"Authorization": f"Bearer {token}"}
 
 
@@ -293,6 +297,7 @@ class LocalAuthenticator:
 KUBE_GROUP = "meshfn.io"
 KUBE_RESOURCES = {VIEWER: "console", AUDITOR: "auditrecords"}
 KUBE_CACHE_S = 30.0
+KUBE_STALE_S = 300.0  # how long an admitted principal stays admitted while the apiserver is down
 KubeCreate = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
@@ -306,7 +311,8 @@ class KubeAuthenticator:
     create: KubeCreate
     namespace: str
     cache_s: float = KUBE_CACHE_S
-    _cache: dict[bytes, tuple[float, Principal | None]] = field(default_factory=dict)
+    stale_s: float = KUBE_STALE_S
+    _cache: dict[bytes, tuple[float, Principal]] = field(default_factory=dict)
 
     async def authenticate(self, token: str) -> Principal | None:
         if not token or len(token) > 16384:
@@ -318,12 +324,16 @@ class KubeAuthenticator:
             return cached[1]
         try:
             principal = await self._review(token)
-        except Exception:  # the apiserver is unreachable or refuses: nobody gets in
+        except Exception:  # unreachable, or refusing us: only whom it admitted lately
+            if cached is not None and now - cached[0] < self.stale_s:
+                return cached[1]
             return None
         if len(self._cache) > 1024:
-            self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self.cache_s}
+            self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self.stale_s}
         if principal is not None:
             self._cache[key] = (now, principal)
+        else:
+            self._cache.pop(key, None)
         return principal
 
     async def _review(self, token: str) -> Principal | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshfn.common.adminauth import admin_headers
 from meshfn.testing import processes
 from meshfn.testing.policies import Policies, remap
 from meshfn.testing.processes import MESHFN, Proc, wait_for
@@ -95,6 +96,7 @@ class Processes(processes.Processes):
     """The process rig, plus `meshfn up` started the way e2e tests want it."""
 
     def up(self, policies: Policies, *extra: str) -> Proc:
+        policies.state = self.tmp / "state"
         proc = self.start(
             "up",
             [
@@ -114,18 +116,29 @@ class Processes(processes.Processes):
         return proc
 
 
-def proxies(policies: Policies | str) -> list[dict[str, Any]]:
-    """Connected proxies, from a Policies or an admin URL."""
-    admin = policies if isinstance(policies, str) else policies.admin
-    result: list[dict[str, Any]] = http(admin + "/debug/status").json()["proxies"]
+def admin_get(where: Policies | str, path: str, state: Path | None = None) -> Reply:
+    """GET a control plane's admin port as its owner: with the admin token the control plane
+    wrote into its state directory (`state`, or the Policies' own)."""
+    admin = where if isinstance(where, str) else where.admin
+    state = state if state is not None or isinstance(where, str) else where.state
+    assert state is not None, "which state directory holds this control plane's admin token?"
+    return http(admin + path, headers=admin_headers(state))
+
+
+def proxies(policies: Policies | str, state: Path | None = None) -> list[dict[str, Any]]:
+    """Connected proxies, from a Policies or an admin URL (and the control plane's state)."""
+    reply = admin_get(policies, "/debug/status", state)
+    if reply.status != 200:  # a ValueError: `wait_for` tries again
+        raise ValueError(f"/debug/status answered {reply.status}: {reply.body[:300]!r}")
+    result: list[dict[str, Any]] = reply.json()["proxies"]
     return result
 
 
 def wait_for_synced(
-    policies: Policies | str, proc: Proc | None = None, count: int = 1
+    policies: Policies | str, proc: Proc | None = None, count: int = 1, state: Path | None = None
 ) -> list[dict[str, Any]]:
     def probe() -> list[dict[str, Any]] | None:
-        found = proxies(policies)
+        found = proxies(policies, state)
         synced = [
             p
             for p in found

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from meshfn_e2e import Processes, children_of, command_name, http, remap_examples
+from meshfn_e2e import Processes, admin_get, children_of, command_name, remap_examples
 
 from meshfn.testing import policies as p
 from meshfn.testing.envoy import admin_request, admin_socket, live
@@ -145,17 +145,17 @@ def test_meshfn_still_reaches_its_envoys(mesh: Mesh) -> None:
     in sync."""
 
     def healthy() -> bool:
-        page = http(mesh.admin + "/ui").body.decode()
+        page = admin_get(mesh.admin, "/ui", mesh.state).body.decode()
         if "Endpoint health is unknown" in page:
             raise ValueError(page[page.index("Endpoint health is unknown") :][:300])
         return "health-healthy" in page
 
     wait_for("endpoint health in the console", healthy, timeout=30)
-    status = http(mesh.admin + "/debug/status").json()
+    status = admin_get(mesh.admin, "/debug/status", mesh.state).json()
     assert len(status["proxies"]) == 5 and all(
         t["in_sync"] for p in status["proxies"] for t in p["types"].values()
     ), json.dumps(status["proxies"])[:2000]
-    cli = meshfn("status", "--admin", mesh.admin)
+    cli = meshfn("status", "--state-dir", str(mesh.state))
     assert cli.returncode == 0 and cli.stdout.count("SYNCED") >= 10, cli.stdout
 
 

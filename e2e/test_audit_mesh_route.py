@@ -81,7 +81,7 @@ def test_records_name_the_mesh_route_and_resist_spoofing(procs: Processes, tmp_p
     # 2. a mesh workload that is no gateway calls the sidecar directly and claims a route
     claim = {"x-meshfn-route": "default/model"}
     assert _direct(tmp_path, state, ports["sidecar"], "intruder", claim) == 200
-    status = meshfn("status", "--admin", f"http://127.0.0.1:{ports['admin']}")
+    status = meshfn("status", "--state-dir", str(state))
     assert "audit trail" in status.stdout and "witness" in status.stdout, status.stdout
     assert up.stop() == 0
 

@@ -403,6 +403,20 @@ def test_racing_writers_store_each_batch_once(location: str) -> None:
     b.close()
 
 
+def test_the_control_chain_has_many_writers(location: str) -> None:
+    """The control plane, the CLI and the console all append access records to @control, each
+    through its own store object: none may trip over another's head."""
+    a, b = open_store(location), open_store(location)
+    try:
+        assert a.append([{"v": 2, "event": "access", "n": 1}], chain=CONTROL_CHAIN) == 1
+        assert b.append([{"v": 2, "event": "access", "n": 2}], chain=CONTROL_CHAIN) == 2
+        assert a.append([{"v": 2, "event": "access", "n": 3}], chain=CONTROL_CHAIN) == 3
+        assert [r["n"] for r in b.query(chain=CONTROL_CHAIN, limit=None)] == [1, 2, 3]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_reserved_chain_names(trail: Trail) -> None:
     with pytest.raises(StoreError, match="meshfn's own"):
         trail.store.append([rec(1)], chain="@x")

@@ -7,6 +7,7 @@ import io
 import os
 import pty
 import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -110,6 +111,39 @@ def test_help_texts_never_break_mid_sentence() -> None:
     shown = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "250"}).output
     assert "to run an Envoy against meshfn yourself. It carries the workload's" in shown
     assert reflow("  a\n  b.\n\n  c\n  d") == "a b.\n\nc d"
+
+
+def test_help_into_a_pipe_keeps_every_option_name() -> None:
+    """rich's 80 columns for output that is no terminal cut `--envoy-concurrency` to
+    `--envoy-concurr…`: help into a pipe or a file is as wide as its longest line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
+    piped = subprocess.run(
+        [str(Path(sys.executable).parent / "meshfn"), "up", "--help"],
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert piped.returncode == 0, piped.stderr
+    for option in ("--envoy-concurrency", "--publish-examples", "--functions-registry",
+                   "--admin-token-file", "--backend-processes"):  # fmt: skip
+        assert option in piped.stdout, option
+    assert "…" not in piped.stdout
+
+
+def test_log_lines_into_a_file_never_wrap() -> None:
+    """Logged into a file (not a terminal), a long line stays one line: no wrap at 80 columns
+    in the middle of a value ("(pid" / "7111)")."""
+    message = "started inference default/models-lite 127.0.0.1:9103 (pid 7111) " + "x" * 150
+    code = (
+        "import logging; from meshfn.common.logs import setup_logging; setup_logging('human');"
+        f" logging.getLogger('meshfn.up').info({message!r}, extra={{'node': 'edge'}})"
+    )
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", code],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert message in line and line.endswith("node=edge") and "INFO" in line
+    assert "\x1b" not in line
 
 
 def test_dev_sh_logs_plain_text_into_files(tmp_path: Path) -> None:

@@ -25,10 +25,10 @@ import typer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from prometheus_client import CollectorRegistry, start_http_server
-from rich.console import Console
 from rich.table import Table
 
-from meshfn.common import adminauth
+from meshfn.common import adminauth, env
+from meshfn.common.cli import command_app, fail, out, run_cli
 from meshfn.contracts.journal import journal_dir
 
 from . import layout, offline, signing
@@ -42,22 +42,16 @@ from .verify import VerifyReport
 from .verify import verify as verify_store
 from .witness import FileWitness, Witness, WitnessError
 
-audit_app = typer.Typer(
-    name="audit",
-    help="The audit trail: verify, query, erase, export, retention, collector, signer.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+audit_app = command_app(
+    "audit", "The audit trail: verify, query, erase, export, retention, collector, signer."
 )
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
 
 DEFAULT_STORE = str(layout.store_path(Path(".meshfn")))
 StoreOpt = Annotated[
     str,
     typer.Option(
         "--store",
-        envvar="MESHFN_AUDIT_STORE",
+        envvar=env.AUDIT_STORE.name,
         help="audit store: an SQLite file or a postgresql:// DSN",
     ),
 ]
@@ -66,7 +60,7 @@ KeyOpt = Annotated[
     Path | None,
     typer.Option(
         "--public-key",
-        envvar="MESHFN_AUDIT_PUBLIC_KEY",
+        envvar=env.AUDIT_PUBLIC_KEY.name,
         help="the signer's ed25519 public key (PEM); default STATE/audit-signer/checkpoint.key.pub",
     ),
 ]
@@ -74,33 +68,32 @@ WitnessOpt = Annotated[
     Path | None,
     typer.Option(
         "--witness",
-        envvar=layout.WITNESS_ENV,
+        envvar=env.AUDIT_WITNESS.name,
         help="the witness file; default STATE/audit-witness/checkpoints.jsonl",
     ),
 ]
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}", highlight=False, markup=True)
-    return typer.Exit(code)
+# `meshfn audit` exits 2 when it cannot do what was asked (1: it did, and found a problem).
+FAILED = 2
 
 
 def _open(location: str, readonly: bool = True) -> AuditStore:
     try:
         return open_store(location, readonly=readonly)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
 
 
 def _public_key(store: str, given: Path | None) -> Ed25519PublicKey:
     state = layout.state_of(store)
     path = given or (layout.public_key_path(state) if state is not None else None)
     if path is None:
-        raise _fail("give --public-key (the signer's public key) for a store outside a state dir")
+        fail("give --public-key (the signer's public key) for a store outside a state dir", FAILED)
     try:
         return signing.load_public(path)
     except signing.KeyError_ as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
 
 
 def _witness(store: str, given: Path | None, skip: bool) -> Witness | None:
@@ -109,7 +102,7 @@ def _witness(store: str, given: Path | None, skip: bool) -> Witness | None:
     state = layout.state_of(store)
     path = given or (layout.witness_path(state) if state is not None else None)
     if path is None:
-        raise _fail("give --witness FILE (or --no-witness) for a store outside a state dir")
+        fail("give --witness FILE (or --no-witness) for a store outside a state dir", FAILED)
     return FileWitness(path)
 
 
@@ -197,7 +190,7 @@ def verify(
     try:
         report = verify_store(db, key, checked, workers=None)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     if as_json:
@@ -215,7 +208,7 @@ def _local_salt(store: str) -> str | None:
     try:
         found = load_salt(state)
     except (OSError, ValueError) as exc:
-        raise _fail(f"cannot read the subject salt: {exc}") from None
+        fail(f"cannot read the subject salt: {exc}", FAILED)
     return found.hex if found is not None else None
 
 
@@ -300,7 +293,7 @@ def query(
             limit=limit,
         )
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     if wanted is not None:  # before anything is shown: an unrecorded read must not happen
@@ -344,10 +337,11 @@ def _record(store: str, action: str, pseudonyms: list[str], records: int, **deta
     try:
         record_access(db, event)
     except StoreError as exc:
-        raise _fail(
+        fail(
             f"this {action} reads personal data and must be recorded in the trail, which"
-            f" refused the record: {exc}"
-        ) from None
+            f" refused the record: {exc}",
+            FAILED,
+        )
     finally:
         db.close()
 
@@ -357,7 +351,7 @@ def _print_accessed(store: str, limit: int, as_json: bool) -> None:
     try:
         rows = accessed(db, limit)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     if as_json:
@@ -419,7 +413,7 @@ def erase(
                 access_event(principal=adminauth.local_principal(), action="erase", via="cli"),
             )
     except (StoreError, OSError) as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     if done is None:
@@ -435,7 +429,8 @@ def _print_erasure(records: int, seq: int, copies: int, residue: Any) -> None:
         " HMAC overwritten in the journals"
     )
     for line in residue:
-        out.print(f"[yellow]warning[/yellow]: {line}", highlight=False)
+        out.print("[yellow]warning[/yellow]: ", end="", highlight=False)
+        out.print(str(line), markup=False, highlight=False)
 
 
 def _erase_online(state: Path, url: str, subject: str) -> None:
@@ -445,7 +440,7 @@ def _erase_online(state: Path, url: str, subject: str) -> None:
             f"{url}/audit/erase", token, "POST", {"subject": subject}, timeout=60
         )
     except adminauth.AdminCallError as exc:
-        raise _fail(f"the control plane running on {state} did not erase: {exc}") from None
+        fail(f"the control plane running on {state} did not erase: {exc}", FAILED)
     if not answer.get("erased"):
         out.print("nothing to erase: the store holds no pseudonym for this subject (recorded)")
         return
@@ -549,7 +544,7 @@ def export(
             if output:
                 handle.close()
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     if output:
@@ -606,7 +601,7 @@ def prune(
     try:
         deleted = db.apply_retention(days=days)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     out.print(f"deleted {deleted} record(s) older than {days} day(s)")
@@ -622,7 +617,7 @@ def collect(
         str | None,
         typer.Option(
             "--signer",
-            envvar="MESHFN_AUDIT_SIGNER",
+            envvar=env.AUDIT_SIGNER.name,
             help="the signer's address (unix:PATH or tcp:HOST:PORT); without it nothing is signed",
         ),
     ] = None,
@@ -647,7 +642,7 @@ def collect(
     try:
         db = open_store(store, max_bytes=max_bytes)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     if signer is None:
         logging.getLogger("meshfn.audit").warning(
             "no --signer: records are chained but not signed (no checkpoints)"
@@ -707,17 +702,17 @@ def signer_command(
     witness = witness or (layout.witness_path(state) if state else None)
     listen = listen or (layout.signer_socket(state) if state else None)
     if key is None or witness is None or listen is None:
-        raise _fail("give --key, --witness and --listen for a store outside a state dir")
+        fail("give --key, --witness and --listen for a store outside a state dir", FAILED)
     try:
         private = signing.load_or_create(key)
         db = open_store(store, readonly=True)
     except (signing.KeyError_, StoreError, OSError) as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     try:
         the_signer = Signer(db, private, FileWitness(witness))
     except (SignerError, WitnessError, StoreError) as exc:
         db.close()
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -733,4 +728,4 @@ def signer_command(
 
 
 if __name__ == "__main__":  # `python -P -m meshfn.audit.cli ...` before it is mounted
-    audit_app()
+    run_cli(audit_app)

@@ -1,7 +1,7 @@
 """Audit records: from one Envoy access-log line to the canonical form the hash chain covers.
 
-The access log (meshfn.ir.plugins.access_log_format) writes one JSON object per request: Envoy's
-own fields plus the audit filter's filter state (`wasm.meshfn_audit`) as a string. That state has
+The access log (meshfn.xds.fragments.plugins.access_log_format) writes one JSON object per
+request: Envoy's own fields plus the audit filter's filter state (`wasm.meshfn_audit`) as a string. That state has
 two shapes: a JSON object with every audit field, or (jwt_headers mode without body hashing,
 `contracts.plugins.bare_filter_state`) just the subject as 64 hex digits or `null`, with salt_id,
 subject_source, the record version (`audit_v`) and the tenant written by Envoy next to it. A line
@@ -217,24 +217,32 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
                 if not isinstance(state, dict):
                     record["error"] = "audit filter state is not a JSON object"
         if isinstance(state, dict):
-            record["audited"] = True
-            record["subject"] = _hex(state.get("subject"), 64)
-            if state.get("subject") == ERASED_SUBJECT:  # `meshfn audit erase` redacted the line
-                record["subject_erased"] = True
-            record["salt_id"] = _str(state.get("salt_id"), "salt_id", cut)
-            record["subject_source"] = _str(state.get("subject_source"), "subject_source", cut)
-            record["tenant"] = _str(state.get("tenant"), "tenant", cut)
-            record["body"] = _str(state.get("body"), "body", cut)
-            record["body_sha256"] = _hex(state.get("body_sha256"), 64)
+            record.update(_audited(state, cut))
     if cut:
         record["truncated"] = sorted(set(cut))
     return record
 
 
+def _audited(state: dict[str, Any], cut: list[str]) -> dict[str, Any]:
+    """The audit filter's fields of a record, from its filter state (either shape)."""
+    fields: dict[str, Any] = {
+        "audited": True,
+        "subject": _hex(state.get("subject"), 64),
+        "salt_id": _str(state.get("salt_id"), "salt_id", cut),
+        "subject_source": _str(state.get("subject_source"), "subject_source", cut),
+        "tenant": _str(state.get("tenant"), "tenant", cut),
+        "body": _str(state.get("body"), "body", cut),
+        "body_sha256": _hex(state.get("body_sha256"), 64),
+    }
+    if state.get("subject") == ERASED_SUBJECT:  # `meshfn audit erase` redacted the line
+        fields["subject_erased"] = True
+    return fields
+
+
 def mesh_route(entry: dict[str, Any], principal: str | None, cut: list[str]) -> dict[str, Any]:
     """`route`, `route_source` and `route_claimed` (see the module docstring): what the access
-    log's mesh-route fields (meshfn.ir.plugins.mesh_route_fields) say, believed only as far as
-    the proxy's configuration lets it."""
+    log's mesh-route fields (meshfn.xds.fragments.plugins.mesh_route_fields) say, believed only
+    as far as the proxy's configuration lets it."""
     claimed = _str(entry.get("mesh_route"), "route", cut)
     if entry.get("mesh_route_by") == "proxy":
         return {"route": claimed, "route_source": "proxy" if claimed else None}

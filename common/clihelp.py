@@ -6,14 +6,8 @@ from __future__ import annotations
 
 import inspect
 import re
-import sys
 
 import typer
-import typer.rich_utils
-
-# Help printed into a file or a pipe has no terminal width: rich's 80 columns cut option names
-# (`--envoy-concurr…`). Wide enough for the longest line instead (a terminal keeps its own).
-PIPED_HELP_WIDTH = 160
 
 
 def reflow(text: str | None) -> str | None:
@@ -40,6 +34,4 @@ def reflow_help(app: typer.Typer) -> typer.Typer:
             reflow_help(group.typer_instance)
     if isinstance(app.info.help, str):
         app.info.help = reflow(app.info.help)
-    if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty():
-        typer.rich_utils.MAX_WIDTH = PIPED_HELP_WIDTH
     return app

@@ -6,7 +6,6 @@ import hmac
 import json
 import os
 import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -368,16 +367,3 @@ def test_a_changed_cluster_serves_at_once(procs: Processes, policies: Policies) 
     assert envoy_stat(admin, "cluster.alpha.default.init_fetch_timeout") == 0
     assert envoy_stat(admin, "cluster_manager.warming_clusters") == 0
     assert served_by(policies, "/v1/x") == "default/alpha"
-
-
-def test_dev_sh_up_leaves_the_filters_to_meshfn_up() -> None:
-    """`./dev.sh up` printed the filter build twice (its own `meshfn filters build`, then
-    `meshfn up`'s): now only `meshfn up` says it. With --help, neither builds anything."""
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [str(root / "dev.sh"), "up", "--help"],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "Usage: meshfn up" in done.stdout and "--envoy-concurrency" in done.stdout
-    assert "filters" not in done.stderr and "sha256:" not in done.stderr, done.stderr

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import socket
 import ssl
@@ -38,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from meshfn import istio
 from meshfn import wasm_filters as filters
+from meshfn.common import env
 from meshfn.common.adminauth import Guard, KubeAuthenticator, guard_middleware
 from meshfn.common.kube.api import ApiError, Backoff, KubeClient, Obj, Resource, Unreachable
 from meshfn.common.kube.metrics import KubeMetrics
@@ -340,9 +340,7 @@ class Operator:
         self.registry = registry or CollectorRegistry()
         self.metrics = KubeMetrics(self.registry)
         self.identity = (
-            identity
-            or os.environ.get("POD_NAME")
-            or (f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+            identity or env.POD_NAME.get() or (f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
         )
         self.keda = False
         self.hpa_version = "v2beta2"
@@ -410,7 +408,7 @@ class Operator:
 
     async def _label_self(self, leader: bool) -> None:
         """Point the access-log Service at the leader (its selector has meshfn.io/leader)."""
-        pod = os.environ.get("POD_NAME")
+        pod = env.POD_NAME.get()
         if not pod:
             return
         body = {"metadata": {"labels": {LEADER_LABEL: "true" if leader else None}}}
@@ -627,6 +625,24 @@ class Operator:
             "now": time.time(),
         }
 
+    def _is_open(self, request: web.Request) -> bool:
+        """What the admin port answers without a credential: probes, the filter modules
+        (content-addressed public code that istio-agent fetches without one), and /metrics while
+        `metricsOpen` (the NetworkPolicy's adminFrom scopes it)."""
+        path = request.path
+        if path in ("/healthz", "/readyz") or path.startswith("/wasm/"):
+            return True
+        return path == "/metrics" and self.config.metricsOpen
+
+    def _guard(self) -> Guard:
+        """Everything else: the caller's Kubernetes token, TokenReview and SubjectAccessReview
+        (meshfn.common.adminauth.KubeAuthenticator); /debug/status needs the viewer role."""
+
+        async def review(path: str, body: Obj) -> Obj:
+            return await self.kube.request("POST", path, body=body)
+
+        return Guard(KubeAuthenticator(review, self.config.namespace), self._is_open)
+
     def _app(self) -> web.Application:
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(
@@ -659,19 +675,7 @@ class Operator:
                     )
             return web.Response(status=404, text="unknown module\n")
 
-        def is_open(request: web.Request) -> bool:
-            """Probes and the filter modules (content-addressed public code that istio-agent
-            fetches without a credential); /metrics while `metricsOpen`."""
-            path = request.path
-            if path in ("/healthz", "/readyz") or path.startswith("/wasm/"):
-                return True
-            return path == "/metrics" and self.config.metricsOpen
-
-        async def review(path: str, body: Obj) -> Obj:
-            return await self.kube.request("POST", path, body=body)
-
-        guard = Guard(KubeAuthenticator(review, self.config.namespace), is_open)
-        app = web.Application(middlewares=[guard_middleware(guard)])
+        app = web.Application(middlewares=[guard_middleware(self._guard())])
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)

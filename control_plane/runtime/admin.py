@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -66,6 +67,7 @@ OPEN = {
     **OPEN_PATHS,
 }
 _SUBJECT = re.compile(r"^(?:[0-9a-fA-F]{64}|[0-9a-fA-F]{32})$")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def status_document(cp: ControlPlane) -> dict[str, Any]:
@@ -168,6 +170,61 @@ def is_open(request: web.Request) -> bool:
     return is_console_open(request)
 
 
+async def _subject_of(request: web.Request) -> str | None:
+    """The subject of an erasure request's JSON body (an HMAC or a pseudonym), or None."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return None
+    subject = body.get("subject") if isinstance(body, dict) else None
+    return subject.lower() if isinstance(subject, str) and _SUBJECT.match(subject) else None
+
+
+def erasure(hub: ConsoleHub, access: ConsoleAccess) -> Handler:
+    """POST /audit/erase {"subject": HMAC or pseudonym}: what `meshfn audit erase` asks of a
+    running control plane (it owns the journals). The auditor role, within the principal's
+    rate of lookups."""
+
+    async def erase(request: web.Request) -> web.Response:
+        principal = require(request, AUDITOR)
+        subject = await _subject_of(request)
+        if subject is None:
+            return web.json_response(
+                {"error": "a JSON body {\"subject\": the filter's HMAC (64 hex digits) or a"
+                 " pseudonym (32)}"},
+                status=400,
+            )  # fmt: skip
+        wait = access.limiter.take(principal.name)
+        trail = hub.sources.trail
+        if wait or trail is None:
+            why = f"too many lookups by {principal.name}: try again in {wait:.0f} s"
+            return web.json_response(
+                {"error": why if wait else "this control plane keeps no audit trail"},
+                status=429 if wait else 409,
+                headers={"Retry-After": str(max(1, round(wait)))} if wait else None,
+            )
+        try:
+            answer = await trail.erase(subject, principal)
+        except (StoreError, OSError) as exc:
+            log.error("erasure by %s failed: %s", principal.name, exc)
+            return web.json_response({"error": f"the erasure failed: {exc}"}, status=503)
+        hub.forget()
+        return web.json_response(answer)
+
+    return erase
+
+
+def readiness(cp: ControlPlane) -> Handler:
+    """/readyz: ok once the policies are loaded and ADS serves (no credential needed)."""
+
+    async def readyz(_: web.Request) -> web.Response:
+        if cp.model is None or not cp.xds_port:
+            return web.Response(status=503, text="not serving yet\n")
+        return web.Response(text="ok\n")
+
+    return readyz
+
+
 def make_app(
     cp: ControlPlane,
     hub: ConsoleHub,
@@ -199,11 +256,6 @@ def make_app(
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
-    async def readyz(_: web.Request) -> web.Response:
-        if cp.model is None or not cp.xds_port:
-            return web.Response(status=503, text="not serving yet\n")
-        return web.Response(text="ok\n")
-
     async def jwks(_: web.Request) -> web.Response:
         # Public keys of the local issuer (`meshfn token issue`), fetched by Envoy through a
         # cluster when a RequestAuthentication names this URI.
@@ -214,40 +266,6 @@ def make_app(
         if document is None:
             return web.json_response({"error": "no such node or workload"}, status=404)
         return web.json_response(document)
-
-    async def erase(request: web.Request) -> web.Response:
-        """POST {"subject": HMAC or pseudonym}: what `meshfn audit erase` asks of a running
-        control plane (it owns the journals)."""
-        principal = require(request, AUDITOR)
-        try:
-            body = await request.json()
-        except ValueError:
-            return web.json_response({"error": "the body is not JSON"}, status=400)
-        subject = body.get("subject") if isinstance(body, dict) else None
-        if not isinstance(subject, str) or not _SUBJECT.match(subject):
-            return web.json_response(
-                {"error": "subject: the filter's HMAC (64 hex digits) or a pseudonym (32)"},
-                status=400,
-            )
-        wait = access.limiter.take(principal.name)
-        if wait:
-            return web.json_response(
-                {"error": f"too many lookups by {principal.name}: try again in {wait:.0f} s"},
-                status=429,
-                headers={"Retry-After": str(max(1, round(wait)))},
-            )
-        trail = hub.sources.trail
-        if trail is None:
-            return web.json_response(
-                {"error": "this control plane keeps no audit trail"}, status=409
-            )
-        try:
-            answer = await trail.erase(subject.lower(), principal)
-        except (StoreError, OSError) as exc:
-            log.error("erasure by %s failed: %s", principal.name, exc)
-            return web.json_response({"error": f"the erasure failed: {exc}"}, status=503)
-        hub.forget()
-        return web.json_response(answer)
 
     app = web.Application(
         middlewares=[
@@ -261,10 +279,10 @@ def make_app(
     app.router.add_get("/debug/snapshots", snapshots)
     app.router.add_get("/debug/config_dump", dump)
     app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/readyz", readiness(cp))
     app.router.add_get("/.well-known/jwks.json", jwks)
     app.router.add_get("/debug/certs", certs)
-    app.router.add_post("/audit/erase", erase)
+    app.router.add_post("/audit/erase", erasure(hub, access))
     return app
 
 

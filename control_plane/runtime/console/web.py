@@ -98,17 +98,7 @@ class QueryError(ValueError):
 
 def parse_query(query: Any, raw_length: int = 0) -> AuditQuery:
     """`request.query` -> AuditQuery. Empty fields count as absent (an HTML form sends them)."""
-    if raw_length > 4096:
-        raise QueryError("the query string is longer than 4096 characters")
-    values: dict[str, str] = {}
-    for key in query:
-        if key not in QUERY_KEYS:
-            raise QueryError(f"unknown query parameter {key!r} (known: {', '.join(QUERY_KEYS)})")
-        found = query.getall(key)
-        if len(found) > 1:
-            raise QueryError(f"query parameter {key!r} given {len(found)} times")
-        if found[0].strip():
-            values[key] = found[0].strip()
+    values = _query_values(query, raw_length)
     subject = values.get("subject")
     if subject is not None and not _HEX64.match(subject):
         raise QueryError("subject: the salted subject is 64 hex digits (as in the records)")
@@ -120,15 +110,7 @@ def parse_query(query: Any, raw_length: int = 0) -> AuditQuery:
     route = values.get("route")
     if route is not None and (len(route) > 256 or not _PRINTABLE.match(route)):
         raise QueryError("route: at most 256 printable ASCII characters")
-    status, status_class = None, None
-    if "status" in values:
-        text = values["status"].lower()
-        if not _STATUS.match(text):
-            raise QueryError("status: a status code (503) or a class (5xx)")
-        if text.endswith("xx"):
-            status_class = int(text[0])
-        else:
-            status = int(text)
+    status, status_class = _status(values.get("status"))
     limit = 50
     if "limit" in values:
         if not values["limit"].isdigit() or not 1 <= int(values["limit"]) <= 500:
@@ -142,6 +124,34 @@ def parse_query(query: Any, raw_length: int = 0) -> AuditQuery:
         status_class=status_class,
         limit=limit,
     )
+
+
+def _query_values(query: Any, raw_length: int) -> dict[str, str]:
+    """The known parameters, each given at most once; empty ones left out."""
+    if raw_length > 4096:
+        raise QueryError("the query string is longer than 4096 characters")
+    values: dict[str, str] = {}
+    for key in query:
+        if key not in QUERY_KEYS:
+            raise QueryError(f"unknown query parameter {key!r} (known: {', '.join(QUERY_KEYS)})")
+        found = query.getall(key)
+        if len(found) > 1:
+            raise QueryError(f"query parameter {key!r} given {len(found)} times")
+        if found[0].strip():
+            values[key] = found[0].strip()
+    return values
+
+
+def _status(given: str | None) -> tuple[int | None, int | None]:
+    """status=503 -> (503, None); status=5xx -> (None, 5)."""
+    if given is None:
+        return None, None
+    text = given.lower()
+    if not _STATUS.match(text):
+        raise QueryError("status: a status code (503) or a class (5xx)")
+    if text.endswith("xx"):
+        return None, int(text[0])
+    return int(text), None
 
 
 @dataclass
@@ -301,25 +311,44 @@ def _forbidden(request: web.Request) -> str:
 def add_routes(app: web.Application, hub: ConsoleHub, access: ConsoleAccess) -> None:
     """Mount the console on an admin app (whose guard authenticates every request but the
     OPEN_PATHS, and security_headers adds the headers)."""
+    pages, sign_in = _Pages(hub, access), _SignIn(access)
+    app.router.add_get("/ui", pages.page)
+    app.router.add_get("/ui/", pages.root)
+    app.router.add_get("/ui/events", pages.events)
+    app.router.add_get("/ui/static/{name}", pages.static)
+    app.router.add_get("/ui/login", sign_in.login_link)
+    app.router.add_post("/ui/login", sign_in.login_form)
+    app.router.add_post("/ui/logout", sign_in.logout)
+    app.router.add_post("/ui/links", sign_in.links)
+
+
+def _too_many(principal: Principal, wait: float) -> web.Response:
+    message = f"Too many queries by subject from {principal.name}: try again in {wait:.0f} s."
+    return web.Response(
+        text=render.error_page(429, message),
+        status=429,
+        content_type="text/html",
+        charset="utf-8",
+        headers={"Retry-After": str(max(1, round(wait)))},
+    )
+
+
+@dataclass
+class _Pages:
+    """The page, its live stream and its static files."""
+
+    hub: ConsoleHub
+    access: ConsoleAccess
 
     async def lookup(
-        request: web.Request, principal: Principal, query: AuditQuery
+        self, principal: Principal, query: AuditQuery
     ) -> list[dict[str, Any]] | web.Response:
-        """A query by subject: the auditor role, within the principal's rate, recorded in the
-        trail before anything is shown (the rows, or a response that refuses)."""
-        wait = access.limiter.take(principal.name)
+        """A query by subject (the auditor role was checked): within the principal's rate, and
+        recorded in the trail before anything is shown. The rows, or a response that refuses."""
+        wait = self.access.limiter.take(principal.name)
         if wait:
-            message = (
-                f"Too many queries by subject from {principal.name}: try again in {wait:.0f} s."
-            )
-            return web.Response(
-                text=render.error_page(429, message),
-                status=429,
-                content_type="text/html",
-                charset="utf-8",
-                headers={"Retry-After": str(max(1, round(wait)))},
-            )
-        audit, trail = hub.sources.audit, hub.sources.trail
+            return _too_many(principal, wait)
+        audit, trail = self.hub.sources.audit, self.hub.sources.trail
         if audit is None or audit.path() is None:
             return []
         try:
@@ -329,34 +358,30 @@ def add_routes(app: web.Application, hub: ConsoleHub, access: ConsoleAccess) -> 
             await trail.record_access(principal, "query", pseudonyms, len(rows))
         except (StoreError, OSError, ValueError) as exc:
             log.error("a query by subject by %s was refused: %s", principal.name, exc)
-            return html(
-                render.error_page(
-                    503, f"The query was not answered: it could not be recorded ({exc})."
-                ),
-                503,
-            )
+            message = f"The query was not answered: it could not be recorded ({exc})."
+            return html(render.error_page(503, message), 503)
         return rows
 
-    async def page(request: web.Request) -> web.Response:
+    async def page(self, request: web.Request) -> web.Response:
         principal = principal_of(request)
         try:
             query = parse_query(request.query, len(request.query_string))
         except QueryError as exc:
             return html(render.error_page(400, str(exc)), 400)
-        reader = principal.may(AUDITOR)
         found: list[dict[str, Any]] | None = None
         if query.by_subject:
             require(request, AUDITOR)
-            looked = await lookup(request, principal, query)
+            looked = await self.lookup(principal, query)
             if isinstance(looked, web.Response):
                 return looked
             found = looked
-        await hub.refresh()
-        view = hub.view(query, reader, found, f"{principal.name} ({principal.role})")
-        panels = {k: Markup(v) for k, v in hub.panels(view).items()}  # rendered, escaped
+        await self.hub.refresh()
+        who = f"{principal.name} ({principal.role})"
+        view = self.hub.view(query, principal.may(AUDITOR), found, who)
+        panels = {k: Markup(v) for k, v in self.hub.panels(view).items()}  # rendered, escaped
         return html(render.page(view, panels))
 
-    async def events(request: web.Request) -> web.StreamResponse:
+    async def events(self, request: web.Request) -> web.StreamResponse:
         principal = principal_of(request)
         try:
             query = parse_query(request.query, len(request.query_string))
@@ -366,7 +391,7 @@ def add_routes(app: web.Application, hub: ConsoleHub, access: ConsoleAccess) -> 
             require(request, AUDITOR)  # the stream itself reads no subject's records
         if not same_origin(request):
             return web.Response(text="the console's stream is for its own page\n", status=403)
-        if hub.watchers >= MAX_STREAMS:
+        if self.hub.watchers >= MAX_STREAMS:
             return web.Response(
                 text=f"too many live console streams (at most {MAX_STREAMS})\n",
                 status=503,
@@ -380,25 +405,32 @@ def add_routes(app: web.Application, hub: ConsoleHub, access: ConsoleAccess) -> 
             }
         )
         with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
-            await hub.stream(
+            await self.hub.stream(
                 query, response.write, lambda: response.prepare(request), principal.may(AUDITOR)
             )
         return response
 
-    async def static(request: web.Request) -> web.Response:
+    async def static(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         if name not in STATIC:
             return web.Response(text="not found\n", status=404)
         return web.Response(body=_static(name), content_type=STATIC[name], charset="utf-8")
 
-    async def root(_: web.Request) -> web.Response:
+    async def root(self, _: web.Request) -> web.Response:
         raise web.HTTPFound("/ui")
 
-    def signed_in(principal: Principal) -> web.Response:
+
+@dataclass
+class _SignIn:
+    """Signing in and out: a one-time login link, the login form's token, and new links."""
+
+    access: ConsoleAccess
+
+    def signed_in(self, principal: Principal) -> web.Response:
         response = web.Response(status=303, headers={"Location": "/ui"})
         response.set_cookie(
             COOKIE,
-            access.session(principal),
+            self.access.session(principal),
             httponly=True,
             samesite="Strict",
             path="/",
@@ -407,15 +439,17 @@ def add_routes(app: web.Application, hub: ConsoleHub, access: ConsoleAccess) -> 
         )
         return response
 
-    async def refused_login(started: float, message: str) -> web.Response:
+    @staticmethod
+    async def refused(started: float, message: str) -> web.Response:
+        """The login page again, no sooner than the guard's floor (the timing says nothing)."""
         await asyncio.sleep(max(0.0, FAILURE_FLOOR_S - (time.monotonic() - started)))
         return html(render.login_page(message), 401)
 
-    async def login_link(request: web.Request) -> web.Response:
+    async def login_link(self, request: web.Request) -> web.Response:
         """GET /ui/login?code=...: a one-time login link (`meshfn up` prints one)."""
         started = time.monotonic()
         code = request.query.get("code", "")
-        principal = access.links.redeem(code) if code else None
+        principal = self.access.links.redeem(code) if code else None
         if principal is None:
             message = (
                 "That login link is not good (used already, expired, or from an earlier run"
@@ -423,29 +457,29 @@ def add_routes(app: web.Application, hub: ConsoleHub, access: ConsoleAccess) -> 
                 if code
                 else ""
             )
-            return await refused_login(started, message)
+            return await self.refused(started, message)
         log.info("console: %s (%s) signed in with a login link", principal.name, principal.role)
-        return signed_in(principal)
+        return self.signed_in(principal)
 
-    async def login_form(request: web.Request) -> web.Response:
+    async def login_form(self, request: web.Request) -> web.Response:
         """POST /ui/login: an admin token typed into the login form."""
         started = time.monotonic()
         form = await request.post()
         offered = form.get("token")
         principal = None
         if isinstance(offered, str) and offered.strip():
-            principal = await access.authenticator.authenticate(offered.strip())
+            principal = await self.access.authenticator.authenticate(offered.strip())
         if principal is None or principal.role is None:
-            return await refused_login(started, "That token is not good here.")
+            return await self.refused(started, "That token is not good here.")
         log.info("console: %s (%s) signed in with a token", principal.name, principal.role)
-        return signed_in(principal)
+        return self.signed_in(principal)
 
-    async def logout(_: web.Request) -> web.Response:
+    async def logout(self, _: web.Request) -> web.Response:
         response = web.Response(status=303, headers={"Location": "/ui"})
         response.del_cookie(COOKIE, path="/")
         return response
 
-    async def links(request: web.Request) -> web.Response:
+    async def links(self, request: web.Request) -> web.Response:
         """POST /ui/links {"role": "viewer"}: a one-time login link for the caller (at most its
         own role), as a path to append to the admin URL."""
         principal = principal_of(request)
@@ -455,25 +489,15 @@ def add_routes(app: web.Application, hub: ConsoleHub, access: ConsoleAccess) -> 
                 body = await request.json()
             except ValueError:
                 return web.json_response({"error": "the body is not JSON"}, status=400)
-            wanted = body.get("role", role) if isinstance(body, dict) else role
-            if wanted not in ROLES:
-                return web.json_response({"error": f"role: one of {', '.join(ROLES)}"}, status=400)
-            if not role_allows(role, wanted):
-                return web.json_response(
-                    {"error": f"your role ({role}) cannot hand out {wanted}"}, status=403
-                )
-            role = wanted
-        code = access.links.mint(Principal(principal.name, role, "link"))
+            role = body.get("role", role) if isinstance(body, dict) else role
+        if role not in ROLES:
+            return web.json_response({"error": f"role: one of {', '.join(ROLES)}"}, status=400)
+        if not role_allows(principal.role, role):
+            return web.json_response(
+                {"error": f"your role ({principal.role}) cannot hand out {role}"}, status=403
+            )
+        code = self.access.links.mint(Principal(principal.name, role, "link"))
         return web.json_response({"path": f"/ui/login?code={code}"})
-
-    app.router.add_get("/ui", page)
-    app.router.add_get("/ui/", root)
-    app.router.add_get("/ui/events", events)
-    app.router.add_get("/ui/static/{name}", static)
-    app.router.add_get("/ui/login", login_link)
-    app.router.add_post("/ui/login", login_form)
-    app.router.add_post("/ui/logout", logout)
-    app.router.add_post("/ui/links", links)
 
 
 def is_console_open(request: web.Request) -> bool:

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import jwt
 from aiohttp import web
 
-from meshfn.common.files import read_private, write_private
+from meshfn.common.files import read_private, secret_key, write_private
 
 VIEWER = "viewer"
 AUDITOR = "auditor"
@@ -206,14 +206,10 @@ class AdminTokens:
 
     def __init__(self, key_file: Path) -> None:
         self.key_file = key_file
-        if key_file.exists():
-            key = read_private(key_file)
-        else:
-            key = secrets.token_bytes(32)
-            write_private(key_file, key)
-        if len(key) < 32:
-            raise AuthError(f"{key_file} holds a key shorter than 32 bytes")
-        self._key = key
+        try:
+            self._key = secret_key(key_file)
+        except ValueError as exc:
+            raise AuthError(str(exc)) from None
 
     def issue(
         self,

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -92,8 +93,29 @@ def command_name(pid: int) -> str:
         return ""
 
 
+def world_searchable_tmp(prefix: str) -> Path:
+    """A new directory under /tmp (not pytest's base directory, 0700 itself, which would hide
+    everything anyway), world-searchable as a home or project directory usually is: what the
+    user `nobody` may walk into is up to meshfn's own modes. Remove it when done."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    tmp.chmod(0o755)
+    return tmp
+
+
 class Processes(processes.Processes):
     """The process rig, plus `meshfn up` started the way e2e tests want it."""
+
+    def up_at(self, root: Path, state: Path, timeout: float = 120) -> Proc:
+        """`meshfn up` on the policies in `root` (their own ports), until it is up."""
+        proc = self.start(
+            "up",
+            [MESHFN, "up", "--policies", str(root), "--state-dir", str(state),
+             "--envoy-concurrency", "1"],
+        )  # fmt: skip
+        wait_for(
+            "meshfn up", lambda: "Ctrl-C stops everything" in proc.output(), timeout, proc=proc
+        )
+        return proc
 
     def up(self, policies: Policies, *extra: str) -> Proc:
         policies.state = self.tmp / "state"

@@ -11,14 +11,20 @@ import os
 import shutil
 import stat
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from meshfn_e2e import Processes, admin_get, children_of, command_name, remap_examples
+from meshfn_e2e import (
+    Processes,
+    admin_get,
+    children_of,
+    command_name,
+    remap_examples,
+    world_searchable_tmp,
+)
 
 from meshfn.testing import policies as p
 from meshfn.testing.envoy import admin_request, admin_socket, live
@@ -74,11 +80,8 @@ class Mesh:
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[Mesh]:
-    # Not under pytest's base directory (0700 itself, which would hide everything anyway): a
-    # world-searchable directory, as a home or project directory usually is, with a state
-    # directory that starts out world-readable too (meshfn up must tighten it).
-    tmp = Path(tempfile.mkdtemp(prefix="meshfn-private-", dir="/tmp"))
-    tmp.chmod(0o755)
+    # With a state directory that starts out world-readable too (meshfn up must tighten it).
+    tmp = world_searchable_tmp("meshfn-private-")
     procs = Processes(tmp)
     try:
         mapping = remap_examples(tmp / "examples")

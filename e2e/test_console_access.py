@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from meshfn_e2e import Processes, admin_get, http
+from meshfn_e2e import Processes, admin_get, http, world_searchable_tmp
 
 from meshfn.audit.salt import load as load_salt
 from meshfn.common.adminauth import local_principal, owner_token_path
@@ -37,7 +36,7 @@ from meshfn.control_plane.runtime.admin import OPEN
 from meshfn.testing import policies as p
 from meshfn.testing.browser import ARTIFACTS, Browser, chromium, sign_in
 from meshfn.testing.ports import named_ports
-from meshfn.testing.processes import MESHFN, Proc, issue_token, meshfn, wait_for
+from meshfn.testing.processes import Proc, issue_token, meshfn, wait_for
 
 # The subject the erasure test erases: distinctive, so finding its raw value in a file means
 # it was written there (a short name could turn up by chance in keys or random bytes).
@@ -92,10 +91,8 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig() -> Iterator[Rig]:
-    # a world-searchable directory, as a project directory usually is: `nobody` may walk to the
-    # state directory, which meshfn keeps 0700
-    tmp = Path(tempfile.mkdtemp(prefix="meshfn-access-", dir="/tmp"))
-    tmp.chmod(0o755)
+    # `nobody` may walk to the state directory, which meshfn keeps 0700
+    tmp = world_searchable_tmp("meshfn-access-")
     procs = Processes(tmp)
     try:
         ports = named_ports("xds", "admin", "listener", "alpha")
@@ -112,13 +109,7 @@ def rig() -> Iterator[Rig]:
             )
         )  # fmt: skip
         state = tmp / "state"
-        up = procs.start(
-            "up",
-            [MESHFN, "up", "--policies", str(root), "--state-dir", str(state),
-             "--envoy-concurrency", "1"],
-        )  # fmt: skip
-        wait_for("meshfn up", lambda: "Ctrl-C stops everything" in up.output(), 120, proc=up)
-        found = Rig(tmp, state, ports, up)
+        found = Rig(tmp, state, ports, procs.up_at(root, state))
         wait_for("a first answer", lambda: found.request("warmup") == 200, 30)
         yield found
     finally:

@@ -336,7 +336,8 @@ def test_a_broken_filter_is_nacked_and_nothing_runs_unaudited(
 
     listeners = wait_for("the NACK", nacked, timeout=30)
     assert "wasm" in listeners["last_nack"]["error"].lower(), listeners
-    cli = meshfn("status", "--state-dir", str(policies.state))
+    # the mesh never finished starting: no state.json yet, so the admin URL is given
+    cli = meshfn("status", "--admin", policies.admin, "--state-dir", str(policies.state))
     assert "NACK edge.default~0 listeners" in cli.stdout, cli.stdout
     with pytest.raises(OSError):
         http(policies.gateway + "/v1/x", timeout=2)

@@ -239,9 +239,10 @@ def rss_kb(pid: int | None) -> int:
     return 0
 
 
-def get_json(url: str, state: Path, timeout: float = 2) -> Any:
-    """A GET on the control plane's admin port, as its owner (the token in `state`)."""
-    request = urllib.request.Request(url, headers=admin_headers(state))
+def get_json(url: str, state: Path | None = None, timeout: float = 2) -> Any:
+    """A GET of a JSON document: on the control plane's admin port as its owner (the token in
+    its state directory `state`), or an Envoy admin's (no token)."""
+    request = urllib.request.Request(url, headers=admin_headers(state) if state else {})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 

@@ -12,7 +12,8 @@ Credentials:
   expiry. `meshfn up` and `meshfn serve` write the owner's token (auditor) to
   `STATE/admin/token` (0600) at every start: the CLI (`meshfn status`, `meshfn console`...)
   reads it there, and `read_owner_token` / `admin_headers` are how tests and scripts get it.
-  `meshfn admin token issue` mints more (a viewer for a colleague). A separate key and
+  Revoking: a new key (delete `token.key`, restart) ends every token and session at once.
+  `meshfn admin token` mints more (a viewer for a colleague). A separate key and
   audience from the mesh's own JWT issuer: a token that calls a model is never an admin token.
 - **Console sessions**: the same key, audience `meshfn-console`, in an HttpOnly, SameSite=Strict
   cookie set by the login form or a one-time login link (control_plane/runtime/console).
@@ -25,7 +26,7 @@ Credentials:
   be reached, a principal it admitted within the last 5 minutes stays admitted (the operator's
   status, which says the apiserver is down, stays readable), and nobody else gets in.
 
-Failures: a missing, malformed, wrong, expired or revoked credential is the same 401 (no detail
+Failures: a missing, malformed, wrong or expired credential is the same 401 (no detail
 about which), answered no sooner than `FAILURE_FLOOR_S` after the request arrived, whatever the
 check cost; an authenticated principal without the role an endpoint needs gets a 403.
 """

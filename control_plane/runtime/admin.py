@@ -32,6 +32,7 @@ from meshfn.audit.store import StoreError
 from meshfn.common.adminauth import (
     AUDITOR,
     AdminTokens,
+    Forbidden,
     Guard,
     LocalAuthenticator,
     LoginLinks,
@@ -187,6 +188,8 @@ def erasure(hub: ConsoleHub, access: ConsoleAccess) -> Handler:
 
     async def erase(request: web.Request) -> web.Response:
         principal = require(request, AUDITOR)
+        if principal.via == "session":  # a browser's cookie: never the way to erase
+            raise Forbidden("erasures take a token (meshfn audit erase), not a console session")
         subject = await _subject_of(request)
         if subject is None:
             return web.json_response(

@@ -215,6 +215,7 @@ async def test_an_auditors_query_by_subject_is_recorded_then_rate_limited(admin:
     # the page lists it (auditors see who read personal data)
     status, body, _ = await _call(admin.url + "/ui", "GET", auditor)
     assert 'id="audit-accesses"' in body and "audrey" in body and pseudonym[0][:16] in body
+    assert "@control" not in body  # the latest records are requests; accesses are listed apart
     # three lookups per principal at once (this test's limiter), then 429 with Retry-After
     for _ in range(2):
         assert (await _call(admin.url + "/ui?subject_raw=bob", "GET", auditor))[0] == 200
@@ -263,6 +264,13 @@ async def test_a_login_link_signs_in_once(admin: Admin) -> None:
             assert reply.status == 303
         async with browser.get(admin.url + "/ui") as reply:
             assert reply.status == 401
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser:
+        async with browser.get(admin.server.login_link(), allow_redirects=False) as reply:
+            assert reply.status == 303
+        async with browser.post(
+            admin.url + "/audit/erase", json={"subject": "ab" * 32}
+        ) as reply:  # an erasure never rides on a browser's session
+            assert reply.status == 403
     async with aiohttp.ClientSession() as other:
         async with other.get(link, allow_redirects=False) as reply:  # used: worthless now
             assert reply.status == 401 and "not good" in await reply.text()

@@ -28,7 +28,7 @@ from meshfn.audit import layout, signing
 from meshfn.audit.access import accessed
 from meshfn.audit.salt import load as load_salt
 from meshfn.audit.sqlite import SqliteStore
-from meshfn.audit.store import StoreError
+from meshfn.audit.store import CONTROL_CHAIN, StoreError
 from meshfn.audit.verify import VerifyReport, verify
 from meshfn.audit.witness import FileWitness
 from meshfn.common.adminauth import Principal
@@ -327,6 +327,9 @@ class AuditView:
                     "%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(time.time() - window)
                 )
             rows = store.query(since=since, limit=None, **filters)
+            # requests only: the control chain's access and erasure records have a table of
+            # their own (accessed)
+            rows = [r for r in rows if r["chain"] != CONTROL_CHAIN]
             if len(rows) >= query.limit or window is None:
                 return rows[-query.limit :][::-1]
         return []

@@ -25,8 +25,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import now_iso
 from .redact import fingerprint, fingerprint_length, journal_files, redact_file
-from .store import CONTROL_CHAIN, AuditStore, now_iso
+from .store import CONTROL_CHAIN, AuditStore
 
 ACTIONS = ("query", "export", "erase")
 EVENTS = ("access", "erasure")

@@ -306,6 +306,14 @@ class AdminServer:
         self.hub = ConsoleHub(cp, console or ConsoleSources())
         tokens = AdminTokens(key_path(cp.state_dir))
         self.owner_token = ensure_owner_token(cp.state_dir)
+        if token and tokens.verify(token) is not None:
+            # $MESHFN_ADMIN_TOKEN is also what the CLI sends: a signed token found there must
+            # not become a fixed token with the auditor role (a viewer's would be raised)
+            log.warning(
+                "the fixed admin token given is one of this control plane's signed tokens:"
+                " ignored as a fixed token (it keeps its own role)"
+            )
+            token = None
         self.access = ConsoleAccess(
             tokens,
             LocalAuthenticator(tokens, token or None),

@@ -315,6 +315,18 @@ async def test_a_fixed_token_is_an_auditor(tmp_path: Path) -> None:
         assert (await _call(url + "/readyz"))[0] == 503  # ADS is not serving: not ready
     finally:
         await server.stop()
+    # a viewer's signed token in $MESHFN_ADMIN_TOKEN where the control plane starts (the CLI
+    # reads that variable too) stays a viewer's: never a fixed auditor's token
+    viewer = AdminTokens(key_path(tmp_path / "state")).issue("vera", VIEWER, timedelta(hours=1))
+    server = AdminServer(cp, token=viewer)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        bearer = {"Authorization": f"Bearer {viewer}"}
+        url = f"http://127.0.0.1:{port}"
+        assert (await _call(url + "/debug/status", "GET", bearer))[0] == 200
+        assert (await _call(url + "/ui?subject_raw=x", "GET", bearer))[0] == 403
+    finally:
+        await server.stop()
 
 
 async def test_many_refusals_do_not_hold_up_others(admin: Admin) -> None:

@@ -109,7 +109,7 @@ CACHE = _var(
     "MESHFN_CACHE",
     "build",
     """The root of meshfn's build cache: built filter modules (`wasm_filters/`), built model
-    functions and the componentize-py toolchain.""",
+    functions, compiled ONNX models (`compiler/`) and the componentize-py toolchain.""",
     "functions: `$XDG_CACHE_HOME/meshfn`, else `~/.cache/meshfn`; filters: `~/.cache/meshfn`",
 )
 

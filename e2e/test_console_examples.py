@@ -17,7 +17,7 @@ import pytest
 from meshfn_e2e import Processes, http, remap_examples
 
 from meshfn.control_plane.runtime.hints import meshfn_command
-from meshfn.testing.browser import ARTIFACTS, Browser, chromium, wait_panel_text
+from meshfn.testing.browser import ARTIFACTS, Browser, chromium, sign_in, wait_panel_text
 from meshfn.testing.processes import MESHFN, Proc, wait_for
 
 
@@ -110,7 +110,7 @@ def test_printed_lines_work_when_pasted(example: Example) -> None:
 
 def test_console_shows_functions_audit_and_acceleration(example: Example, browser: Browser) -> None:
     page = browser.page
-    page.goto(example.admin + "/ui")
+    sign_in(browser, example.admin, example.tmp / "state")  # the owner: an auditor
     page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
     token = subprocess.run(
         [MESHFN, "token", "issue", "--state-dir", str(example.tmp / "state"), "--sub", "carol",

@@ -16,7 +16,7 @@ from meshfn.common.cli import err, fail, out
 from meshfn.common.unix import unix_request
 from meshfn.kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
 
-from .shared import AdminOpt, admin_url, get_json
+from .shared import DEFAULT_STATE, AdminOpt, ClientStateOpt, admin_url, get_json
 
 
 def _type_cell(state: dict[str, Any] | None) -> str:
@@ -202,6 +202,7 @@ def status(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
 ) -> None:
     """Every connected proxy: per type the version sent and ACKed, and the last NACK. With
     --kube: every meshfn custom resource, its conditions and the objects it owns."""
@@ -209,7 +210,7 @@ def status(
         from meshfn.kube.cli import print_status
 
         raise typer.Exit(print_status(out, kubeconfig, context, namespace))
-    document = get_json(admin_url(admin) + "/debug/status")
+    document = get_json(admin_url(admin, state_dir) + "/debug/status", state_dir)
     if as_json:
         out.print_json(json.dumps(document))
         return
@@ -293,12 +294,13 @@ def config_dump(
     resource_type: Annotated[
         str | None, typer.Option("--type", help="listeners | routes | clusters | endpoints")
     ] = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
 ) -> None:
     """What the control plane sends NODE, as YAML."""
     from meshfn.xds.dump import to_yaml
 
     query = urllib.parse.urlencode({"node": node})
-    document = get_json(f"{admin_url(admin)}/debug/config_dump?{query}")
+    document = get_json(f"{admin_url(admin, state_dir)}/debug/config_dump?{query}", state_dir)
     if resource_type:
         if resource_type not in document:
             have = ", ".join(k for k in document if k not in ("workload", "version"))

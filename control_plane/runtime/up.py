@@ -25,6 +25,7 @@ from meshfn import ir
 from meshfn import wasm_filters as filters
 from meshfn.audit.collector import CollectorMetrics
 from meshfn.audit.store import StoreError
+from meshfn.common.adminauth import owner_token_path
 from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
@@ -33,7 +34,7 @@ from meshfn.ebpf import AccelerationUnavailable
 
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
-from .admin import AdminAccessError, AdminServer, is_loopback
+from .admin import AdminServer
 from .audit import AuditTrail
 from .bootstrap import (
     ProxyIdentity,
@@ -43,7 +44,7 @@ from .bootstrap import (
 )
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
-from .hints import hints, print_hints, sample_request
+from .hints import hints, meshfn_command, print_hints, sample_request, shell_path, state_option
 from .process import ProcessFailed, SupervisedProcess
 from .upstreams import (
     FunctionsSetup,
@@ -180,6 +181,7 @@ class Mesh:
             if audit is not None
             else None,
             acceleration=acceleration.document if acceleration is not None else None,
+            trail=audit,
         )
 
     def pids(self) -> dict[str, int | None]:
@@ -237,10 +239,10 @@ async def run_up(
     """`meshfn up`: run the whole mesh until Ctrl-C or SIGTERM; the exit status.
 
     It runs in three steps, and the order is the point:
-    1. Check everything that can refuse the start before anything runs (an admin port beyond
-       loopback without a token, policy errors, socket paths (Envoy admin, the applications
-       behind sidecars) too long for a unix socket, functions without a registry, eBPF
-       required but unavailable): a refusal leaves no process behind and says what to change.
+    1. Check everything that can refuse the start before anything runs (policy errors, socket
+       paths (Envoy admin, the applications behind sidecars) too long for a unix socket,
+       functions without a registry, eBPF required but unavailable): a refusal leaves no
+       process behind and says what to change.
     2. Start the control plane and its admin port before the mesh: every Envoy connects to the
        control plane as it starts, and the console must see the first proxy arrive.
     3. Once the mesh runs, write STATE/state.json (`meshfn status` and `analyze` find the admin
@@ -249,7 +251,6 @@ async def run_up(
     """
     console = console or cli_console()
     try:
-        _check_admin_listen(admin_host, admin_token)
         cp, model = await _loaded(policies, state_dir, functions, console)
         _check_functions(model, functions)
         acceleration = await _accelerated(cp, model, state_dir)
@@ -259,16 +260,6 @@ async def run_up(
     mesh = _wired_mesh(cp, state_dir, functions, concurrency, envoy_log_level, acceleration)
     admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
     return await _serve(cp, model, mesh, admin, acceleration, admin_host, policies, console)
-
-
-def _check_admin_listen(admin_host: str, admin_token: str | None) -> None:
-    if not is_loopback(admin_host) and not admin_token:
-        raise _Refused(
-            Text(
-                f"the admin port (and its console) would listen on {admin_host} without a token:"
-                " set MESHFN_ADMIN_TOKEN or --admin-token-file"
-            )
-        )
 
 
 async def _loaded(
@@ -375,7 +366,7 @@ async def _start(
     try:
         await cp.start()
         await admin.start(admin_host, port=model.admin_port)
-    except (OSError, AdminAccessError) as exc:
+    except OSError as exc:
         raise _Refused(f"[red]cannot start the control plane: {exc}[/red]") from None
     try:
         await mesh.reconcile(model)
@@ -402,15 +393,18 @@ async def _print_ready(
     console: Console, cp: ControlPlane, model: ir.MeshModel, admin: AdminServer, mesh: Mesh,
     policies: Path,
 ) -> None:  # fmt: skip
-    """The routes, commands to try them with, and where the console is."""
+    """The routes, commands to try them with, and the console: a one-time login link (as
+    Jupyter prints one), and where the admin token is."""
     samples = await function_samples(spec for spec, _ in mesh.upstreams.values())
+    another = f"{meshfn_command()} console{state_option(mesh.state_dir)} prints another"
+    token = shell_path(owner_token_path(mesh.state_dir))
     print_hints(
         console,
         hints(model, mesh.state_dir, admin.url, samples),
         [
-            f"console: {admin.url}/ui",
-            f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin.url}; watching "
-            f"{policies} for changes; Ctrl-C stops everything.",
+            f"console: {admin.login_link()}   # a one-time login link ({another})",
+            f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin.url} (token in {token});"
+            f" watching {policies} for changes; Ctrl-C stops everything.",
         ],
     )
 

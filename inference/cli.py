@@ -231,7 +231,8 @@ def serve_cmd(
             extra = ["--log-format", log_format, "--log-level", log_level, "--loop", loop]
             asyncio.run(Supervisor(cfg, host, port, drain_timeout, grpc_port, extra).run())
             return
-        main = serve(cfg, host, port, drain_timeout, grpc_port, listen_fd)
+        sandbox = _confine(cfg, config, host, port, grpc_port, listen_fd)
+        main = serve(cfg, host, port, drain_timeout, grpc_port, listen_fd, sandbox)
         if loop == "uvloop":
             import uvloop
 
@@ -242,6 +243,22 @@ def serve_cmd(
         _fail(exc)
     except OSError as exc:
         _fail(f"cannot serve on {host}:{port}: {exc}")
+
+
+def _confine(
+    cfg: Any, config: Path | None, host: str, port: int, grpc_port: int | None, fd: int | None
+) -> Any:
+    """Landlock before anything else runs (sandbox.py: one thread, nothing read yet); the
+    returned Sandbox adds seccomp once the server has started."""
+    from .sandbox import Sandbox, SandboxError
+
+    own_ports = ([] if fd is not None else [port]) + ([grpc_port] if grpc_port else [])
+    sandbox = Sandbox(cfg, config.resolve() if config else None, tuple(own_ports))
+    try:
+        sandbox.at_start()
+    except SandboxError as exc:
+        _fail(exc)
+    return sandbox
 
 
 def publish_examples(registry: Path, console: Console | None = None) -> tuple[list[Any], Path]:

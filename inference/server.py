@@ -24,6 +24,7 @@ from .backend import Backend, Reply
 from .config import BackendConfig
 from .http import HttpServer, Request, Response
 from .kserve import KServeError, error_body, unsupported
+from .sandbox import Sandbox
 from .status import STATUS_PATH, functions_document
 
 log = logging.getLogger("meshfn.inference")
@@ -228,9 +229,11 @@ async def serve(
     drain_timeout: float = 10.0,
     grpc_port: int | None = None,
     listen_fd: int | None = None,
+    sandbox: Sandbox | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0). `listen_fd`: a
-    child of the supervisor (supervisor.py) accepting from its shared socket."""
+    child of the supervisor (supervisor.py) accepting from its shared socket. `sandbox`: its
+    Landlock domain is in force already; its seccomp filter goes on once everything started."""
     from .grpc_api import GrpcServer
     from .supervisor import adopt
 
@@ -258,6 +261,12 @@ async def serve(
             await grpc.start(host, grpc_port)
         if not child:
             await backend.start()
+        if sandbox is not None:
+            # Start-up is over: from here the process only serves (sandbox.py's allow-list).
+            sandbox.confine_syscalls()
+            backend.sandbox = sandbox.report()
+            sandbox.write_report()
+            log.info(sandbox.line(), extra={"sandbox": backend.sandbox})
         # Everything allocated so far (modules, config, metrics, verified metadata) lives as
         # long as the process. Left to the cyclic GC, each full collection walks it all: ~30 ms
         # that would land inside some unlucky request. Frozen, full collections only walk what

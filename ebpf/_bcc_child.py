@@ -1,4 +1,5 @@
-"""The bcc child of loader.load_in_child: C text on stdin, the bpffs directory as argument.
+"""The bcc child of loader.load_in_child: C text on stdin, the bpffs directory as argument,
+then the program set: `acceleration` (programs.py, the default) or `egress` (egress_programs.py).
 
 Kept out of the package's imports so that `python -m` runs it without a second copy; the only
 module that imports bcc (untyped, hence `Any`).
@@ -10,17 +11,19 @@ import importlib
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import bpfsys, programs
+from . import bpfsys, egress_programs, programs
 
 
-def child_main(bpffs: Path, text: str) -> int:
+def child_main(bpffs: Path, text: str, plan: str = "acceleration") -> int:
     """The child: compile the C text, load, pin into `bpffs`; prints one JSON line."""
 
-    def reply(ok: bool, stage: str = "", reason: str = "") -> int:
-        print(json.dumps({"ok": ok, "stage": stage, "reason": reason}), flush=True)
+    def reply(ok: bool, stage: str = "", reason: str = "", skipped: list[str] | None = None) -> int:
+        out = {"ok": ok, "stage": stage, "reason": reason, "skipped": skipped or []}
+        print(json.dumps(out), flush=True)
         return 0
 
     try:
@@ -32,6 +35,8 @@ def child_main(bpffs: Path, text: str) -> int:
         module = bcc.BPF(text=text.encode())
     except Exception as exc:
         return reply(False, "compile", str(exc))
+    if plan == "egress":
+        return _egress(bcc, libbcc, module, bpffs, reply)
     fds: dict[str, int] = {}
     try:
         fds[programs.PIN_SOCK_OPS] = module.load_func(
@@ -64,6 +69,36 @@ def child_main(bpffs: Path, text: str) -> int:
     return reply(True)
 
 
+def _egress(bcc: Any, libbcc: Any, module: Any, bpffs: Path, reply: Callable[..., int]) -> int:
+    """Load egress_programs.PROGRAMS (skipping optional ones the kernel lacks) and pin them."""
+    fds: dict[str, int] = {}
+    skipped: list[str] = []
+    for program in egress_programs.PROGRAMS:
+        try:
+            fds[program.pin] = module.load_func(
+                program.function.encode(), program.prog_type, attach_type=program.attach_type
+            ).fd
+        except Exception as exc:
+            if not program.optional:
+                return reply(False, "verify", _bcc_reason(exc))
+            skipped.append(program.pin)
+    for pin, name in egress_programs.MAPS:
+        fd = int(libbcc.lib.bpf_table_fd(module.module, name.encode()))
+        if fd < 0:
+            return reply(False, "pin", f"bcc has no map {name}")
+        fds[pin] = fd
+    pinned: list[Path] = []
+    try:
+        for pin, fd in fds.items():
+            bpfsys.obj_pin(fd, bpffs / pin)
+            pinned.append(bpffs / pin)
+    except OSError as exc:
+        for path in pinned:
+            path.unlink(missing_ok=True)
+        return reply(False, "pin", str(exc))
+    return reply(True, skipped=skipped)
+
+
 def _bcc_reason(exc: Exception) -> str:
     # "Failed to load BPF program b'meshfn_sock_ops': Permission denied"
     text = str(exc)
@@ -71,4 +106,4 @@ def _bcc_reason(exc: Exception) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(child_main(Path(sys.argv[1]), sys.stdin.read()))
+    sys.exit(child_main(Path(sys.argv[1]), sys.stdin.read(), *sys.argv[2:3]))

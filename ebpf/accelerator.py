@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Final, Literal, get_args
 
 from . import bpfsys, loader, programs
+from .cgroups import cgroup2_root, collect, detach_quietly, open_dir, remove_cgroup, unmount_own
 from .host import (
     Host,
     Unavailable,
@@ -256,7 +257,7 @@ class Accelerator:
         return f"{how}: sock_ops on cgroup {state.cgroup}, sk_msg on the sockhash"
 
     def _attach(self, build: str, headers: Path) -> _State:
-        root, mounted = self._cgroup2_root()
+        root, mounted = cgroup2_root(self.dir / "cgroup2")
         state = _State(
             build=build,
             cgroup=str(root / cgroup_name(self.state_dir)),
@@ -290,25 +291,9 @@ class Accelerator:
             bpfsys.prog_attach(
                 fds[programs.PIN_SK_MSG], fds[programs.PIN_SOCKS], bpfsys.ATTACH_SK_MSG_VERDICT
             )
-            with _open_dir(cgroup) as cgfd:
+            with open_dir(cgroup) as cgfd:
                 bpfsys.prog_attach(fds[programs.PIN_SOCK_OPS], cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS)
         return state
-
-    def _cgroup2_root(self) -> tuple[Path, bool]:
-        """An existing cgroup2 mount, else one we mount under the state directory."""
-        for mount in cgroup2_mounts():
-            if is_mounted(mount, bpfsys.CGROUP2_SUPER_MAGIC):
-                return mount, False
-        target = self.dir / "cgroup2"
-        target.mkdir(exist_ok=True)
-        try:
-            bpfsys.mount("cgroup2", target, "cgroup2")
-        except OSError as exc:
-            target.rmdir()
-            raise Unavailable(
-                f"no cgroup v2: none is mounted and mounting one at {target} failed ({exc})"
-            ) from None
-        return target, True
 
     def _verify(self, state: _State) -> bool:
         """True if the pinned objects are exactly what state.json says and both are attached."""
@@ -321,7 +306,7 @@ class Accelerator:
                     if bpfsys.map_info(fds[pin]).id != ident:
                         return False
                 on_map = bpfsys.prog_query(fds[programs.PIN_SOCKS], bpfsys.ATTACH_SK_MSG_VERDICT)
-                with _open_dir(Path(state.cgroup)) as cgfd:
+                with open_dir(Path(state.cgroup)) as cgfd:
                     on_cgroup = bpfsys.prog_query(cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS)
         except (OSError, KeyError):
             return False
@@ -349,22 +334,17 @@ class Accelerator:
             cgroup = self._find_cgroup()
         if is_mounted(bpffs, bpfsys.BPF_FS_MAGIC):
             problems += self._detach_pinned(bpffs, cgroup)
-            with _collect(problems, f"unmount {bpffs}"):
+            with collect(problems, f"unmount {bpffs}"):
                 bpfsys.umount(bpffs)
         if state is not None:
             problems += _detach_map_by_id(state)
         with contextlib.suppress(OSError):
             bpffs.rmdir()
         if cgroup is not None and cgroup.is_dir():
-            problems += _remove_cgroup(cgroup)
+            problems += remove_cgroup(cgroup, (bpfsys.ATTACH_CGROUP_SOCK_OPS,))
         # Our own cgroup2 mount point is always <dir>/cgroup2 (also if a crash came before
         # state.json recorded it).
-        own_mount = self.dir / "cgroup2"
-        if is_mounted(own_mount, bpfsys.CGROUP2_SUPER_MAGIC):
-            with _collect(problems, f"unmount {own_mount}"):
-                bpfsys.umount(own_mount)
-        with contextlib.suppress(OSError):
-            own_mount.rmdir()
+        unmount_own(self.dir / "cgroup2", problems)
         if not problems:
             (self.dir / "state.json").unlink(missing_ok=True)
         return problems
@@ -373,19 +353,19 @@ class Accelerator:
         problems: list[str] = []
         fds: dict[str, int] = {}
         for pin in programs.PINS:
-            with _collect(problems, f"open {bpffs / pin}", ignore=(errno.ENOENT,)):
+            with collect(problems, f"open {bpffs / pin}", ignore=(errno.ENOENT,)):
                 fds[pin] = bpfsys.obj_get(bpffs / pin)
         try:
             # Off first: from here new messages take the TCP path, behind the queued ones.
             if programs.PIN_CONFIG in fds:
-                with _collect(problems, "turn redirection off"):
+                with collect(problems, "turn redirection off"):
                     bpfsys.map_update(fds[programs.PIN_CONFIG], programs.CONFIG_ENABLED, _DISABLED)
             if programs.PIN_SOCK_OPS in fds and cgroup is not None and cgroup.is_dir():
-                with _collect(problems, "detach sock_ops"), _open_dir(cgroup) as cgfd:
-                    _detach_quietly(fds[programs.PIN_SOCK_OPS], cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS)
+                with collect(problems, "detach sock_ops"), open_dir(cgroup) as cgfd:
+                    detach_quietly(fds[programs.PIN_SOCK_OPS], cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS)
             if programs.PIN_SK_MSG in fds and programs.PIN_SOCKS in fds:
-                with _collect(problems, "detach sk_msg"):
-                    _detach_quietly(
+                with collect(problems, "detach sk_msg"):
+                    detach_quietly(
                         fds[programs.PIN_SK_MSG],
                         fds[programs.PIN_SOCKS],
                         bpfsys.ATTACH_SK_MSG_VERDICT,
@@ -394,7 +374,7 @@ class Accelerator:
             for fd in fds.values():
                 os.close(fd)
         for pin in programs.PINS:
-            with _collect(problems, f"unpin {bpffs / pin}"):
+            with collect(problems, f"unpin {bpffs / pin}"):
                 (bpffs / pin).unlink(missing_ok=True)
         return problems
 
@@ -450,34 +430,6 @@ def detach(state_dir: Path, host: Host | None = None) -> list[str]:
 # --- helpers -------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _open_dir(path: Path) -> Iterator[int]:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _collect(problems: list[str], what: str, ignore: tuple[int, ...] = ()) -> Iterator[None]:
-    """Teardown goes on after a failed step, so one problem does not leave the rest attached.
-    Errors whose errno is in `ignore` mean "already gone" and are no problem."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno not in ignore:
-            problems.append(f"{what}: {exc.strerror or exc}")
-
-
-def _detach_quietly(prog_fd: int, target_fd: int, attach_type: int) -> None:
-    try:
-        bpfsys.prog_detach(prog_fd, target_fd, attach_type)
-    except OSError as exc:
-        if exc.errno != errno.ENOENT:  # ENOENT: not attached (crash before attach, or done)
-            raise
-
-
 def _detach_map_by_id(state: _State) -> list[str]:
     """The sk_msg attachment lives on the map, which outlives its pin while sockets hold it."""
     problems: list[str] = []
@@ -493,36 +445,12 @@ def _detach_map_by_id(state: _State) -> list[str]:
         if bpfsys.map_info(map_fd).name != programs.MAP_SOCKS[:15]:
             return problems  # the id was reused by someone else's map
         if prog_id in bpfsys.prog_query(map_fd, bpfsys.ATTACH_SK_MSG_VERDICT):
-            with _collect(problems, "detach sk_msg by id"):
+            with collect(problems, "detach sk_msg by id"):
                 prog_fd = bpfsys.prog_fd_by_id(prog_id)
                 try:
-                    _detach_quietly(prog_fd, map_fd, bpfsys.ATTACH_SK_MSG_VERDICT)
+                    detach_quietly(prog_fd, map_fd, bpfsys.ATTACH_SK_MSG_VERDICT)
                 finally:
                     os.close(prog_fd)
     finally:
         os.close(map_fd)
-    return problems
-
-
-def _remove_cgroup(cgroup: Path) -> list[str]:
-    """Detach anything left on our cgroup, hand its processes back to the parent, remove it."""
-    problems: list[str] = []
-    with _open_dir(cgroup) as cgfd, _collect(problems, f"query {cgroup}"):
-        for ident in bpfsys.prog_query(cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS):
-            with _collect(problems, f"detach program {ident} from {cgroup}"):
-                prog_fd = bpfsys.prog_fd_by_id(ident)
-                try:
-                    _detach_quietly(prog_fd, cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS)
-                finally:
-                    os.close(prog_fd)
-    parent_procs = cgroup.parent / "cgroup.procs"
-    for _ in range(10):  # a process may fork while we move it
-        pids = (cgroup / "cgroup.procs").read_text().split()
-        if not pids:
-            break
-        for pid in pids:
-            with _collect(problems, f"move pid {pid} out of {cgroup}", ignore=(errno.ESRCH,)):
-                parent_procs.write_text(pid)
-    with _collect(problems, f"remove {cgroup}"):
-        cgroup.rmdir()
     return problems

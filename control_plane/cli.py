@@ -538,6 +538,7 @@ def status(
             f"{counters.get('messages_redirected', 0)} messages redirected, "
             f"{counters.get('sockets_in_map', 0)} sockets in the map"
         )
+    _print_sandbox(document.get("sandbox"))
     audit = document.get("audit")
     if audit and audit.get("enabled"):
         _print_audit(audit)
@@ -570,6 +571,32 @@ def status(
         out.print("[red]NACK[/red] ", end="")
         out.print(f"{node} {type_name} version {nack['version'][:8]}: ", end="", markup=False)
         out.print(nack["error"], markup=False, highlight=False)
+
+
+_LAYER_STYLE = {"on": "green", "off": "yellow"}
+
+
+def _print_sandbox(sandbox: dict[str, Any] | None) -> None:
+    """Per inference backend: which kernel layers confine it, why any does not, and what the
+    egress control refused (docs/concepts/sandbox.md)."""
+    if not sandbox:
+        return
+    for backend in sandbox["backends"]:
+        line = Text(f"sandbox {backend['backend']}: ")
+        for i, layer in enumerate(("landlock", "seccomp", "egress")):
+            state = backend[layer]["state"]
+            line.append(", " if i else "")
+            line.append(f"{layer} {state}", style=_LAYER_STYLE.get(state, "red"))
+        out.print(line)
+        for layer in ("landlock", "seccomp", "egress"):
+            entry = backend[layer]
+            out.print(Text(f"  {layer}: {entry['detail']}"), highlight=False)
+        if backend["denied"]:
+            refused = ", ".join(
+                f"{reason} {d['count']}" + (f" (last {d['last']})" if d["last"] else "")
+                for reason, d in backend["denied"].items()
+            )
+            out.print(Text(f"  egress denied: {refused}", style="red"))
 
 
 def _print_functions(backends: list[BackendFunctions]) -> None:

@@ -48,7 +48,12 @@ def _function(item: Loaded) -> ir.Function:
         namespace=item.namespace,
         backend=f"{item.namespace}/{spec.backend}",
         settings=settings,
+        egress=tuple(sorted({_qualified(p.service, item.namespace) for p in spec.egress})),
     )
+
+
+def _qualified(ref: str, namespace: str) -> str:
+    return ref if "/" in ref else f"{namespace}/{ref}"
 
 
 def function_route(function: ir.Function) -> ir.Route | None:
@@ -293,6 +298,7 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
         certificate_ttl=mesh.obj.spec.identity.certificateTTL,
         functions=tuple(sorted(functions, key=lambda f: (f.namespace, f.name))),
         acceleration=mesh.obj.spec.acceleration,
+        sandbox=ir.Sandbox(**mesh.obj.spec.sandbox.model_dump()),
         audit=_audit(mesh.obj.spec.audit),
         drill=_drill(mesh.obj.spec.drill),
         policies=_with_guards(security.as_written(), guards),

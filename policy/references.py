@@ -126,6 +126,17 @@ def _check_routes(items: list[Loaded]) -> list[PolicyError]:
                         "backend speaks KServe v2 over HTTP",
                     )
                 )
+            for index, peer in enumerate(item.obj.spec.egress):
+                ref = peer.service
+                peer_key = ref if "/" in ref else f"{item.namespace}/{ref}"
+                if peer_key not in services:
+                    errors.append(
+                        item.error(
+                            ("spec", "egress", index, "service"),
+                            f"unknown Service {peer_key}: an egress peer must be a Service of "
+                            f"the mesh{_did_you_mean(peer_key, services)}",
+                        )
+                    )
             continue
         if not isinstance(item.obj, Route):
             continue

@@ -26,7 +26,7 @@ from meshfn.audit.collector import CollectorMetrics
 from meshfn.audit.store import StoreError
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
-from meshfn.ebpf import AccelerationUnavailable
+from meshfn.ebpf import AccelerationUnavailable, EgressUnavailable
 
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
@@ -43,6 +43,7 @@ from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth,
 from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, print_hints, sample_request
 from .process import ProcessFailed, SupervisedProcess
+from .sandbox import BackendSandbox, EgressCollector
 from .upstreams import FunctionsSetup, UpstreamSpec, upstream_process, upstreams_for
 
 log = logging.getLogger("meshfn.up")
@@ -59,6 +60,7 @@ class Mesh:
     envoy_log_level: str = "warning"
     preexec: Callable[[], None] | None = None  # e.g. join the eBPF cgroup
     audit: AuditTrail | None = None
+    sandbox: BackendSandbox | None = None  # the backends' egress cgroups
     envoys: dict[str, tuple[ProxyIdentity, SupervisedProcess]] = field(default_factory=dict)
     upstreams: dict[tuple[str, int], tuple[UpstreamSpec, SupervisedProcess]] = field(
         default_factory=dict
@@ -70,10 +72,13 @@ class Mesh:
             if wanted_upstreams.get(key) != spec:
                 del self.upstreams[key]
                 await proc.stop()
+                if self.sandbox is not None:
+                    self.sandbox.release(spec)
         starts = []
         for key, spec in wanted_upstreams.items():
             if key not in self.upstreams:
-                proc = upstream_process(spec, self.state_dir, self.functions, self.preexec)
+                own = self.sandbox.preexec(spec) if self.sandbox is not None else None
+                proc = upstream_process(spec, self.state_dir, self.functions, own or self.preexec)
                 self.upstreams[key] = (spec, proc)
                 starts.append(proc.start())
         for service in model.services:
@@ -129,6 +134,8 @@ class Mesh:
         self.envoys.clear()
         self.upstreams.clear()
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+        if self.sandbox is not None:  # the egress cgroups nest in the acceleration cgroup
+            await self.sandbox.shutdown()
         if self.audit is not None:  # after the proxies: it stores the last lines they wrote
             await self.audit.stop()
 
@@ -255,6 +262,21 @@ async def run_up(
             return 1
         cp.status_providers["acceleration"] = acceleration.document
         cp.metrics.registry.register(AccelerationCollector(acceleration))
+    sandbox = None
+    if model.functions:
+        sandbox = BackendSandbox(
+            state_dir,
+            model.sandbox.egress,
+            lambda: [spec for spec, _ in mesh.upstreams.values()],
+            parent=acceleration.status.cgroup if acceleration and acceleration.status else None,
+        )
+        try:
+            await sandbox.setup()
+        except EgressUnavailable as exc:
+            console.print(f"[red]sandbox: egress was required but is unavailable: {exc}[/red]")
+            return 1
+        cp.status_providers["sandbox"] = sandbox.document
+        cp.metrics.registry.register(EgressCollector(sandbox))
     audit = AuditTrail(state_dir)
     mesh = Mesh(
         cp,
@@ -264,6 +286,7 @@ async def run_up(
         envoy_log_level,
         preexec=acceleration.preexec() if acceleration else None,
         audit=audit,
+        sandbox=sandbox,
     )
     cp.status_providers["audit"] = audit.status
     # Where `meshfn status` reads each backend's own /meshfn/functions (warm-up, cold requests,
@@ -283,6 +306,7 @@ async def run_up(
     watcher: asyncio.Task[None] | None = None
     rotator: asyncio.Task[None] | None = None
     drift: asyncio.Task[None] | None = None
+    denials: asyncio.Task[None] | None = None
     try:
         try:
             await cp.start()
@@ -311,6 +335,10 @@ async def run_up(
         watcher = asyncio.create_task(cp.watch(stop))
         rotator = asyncio.create_task(cp.rotate_credentials_forever(stop))
         drift = asyncio.create_task(cp.drift_forever(stop))
+        if sandbox is not None:
+            denials = asyncio.create_task(sandbox.log_denials_forever(stop))
+            for line in sandbox.start_lines():
+                console.print(line, markup=False, highlight=False)
         admin_url = admin.url
         samples = await function_samples(spec for spec, _ in mesh.upstreams.values())
         print_hints(
@@ -327,7 +355,7 @@ async def run_up(
         return 0
     finally:
         stop.set()
-        for task in (watcher, rotator, drift):
+        for task in (watcher, rotator, drift, denials):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -8,14 +8,14 @@ import ipaddress
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from meshfn import ir
-from meshfn.contracts.function import BackendConfig
+from meshfn.contracts.function import BackendConfig, EgressAddress, SandboxSettings
 from meshfn.policy import compile
 
 from .process import SupervisedProcess
@@ -39,6 +39,15 @@ class UpstreamSpec:
     locality: str
     functions: tuple[ir.Function, ...] = ()  # non-empty: run the inference backend
     grpc_port: int | None = None  # the backend's KServe gRPC port (the endpoint's grpcPort)
+    # Where its functions' egress peers are reached (Function.spec.egress): each endpoint's
+    # sidecar where it has one (the mesh's way in), else the endpoint itself.
+    egress: tuple[tuple[str, int], ...] = ()
+    sandbox: ir.Sandbox = field(default_factory=ir.Sandbox)
+
+    @property
+    def name(self) -> str:
+        """The backend's name in its egress cgroup, /metrics and `meshfn status`."""
+        return f"{self.service} {self.address}:{self.port}"
 
 
 def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
@@ -66,19 +75,47 @@ def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
                     locality,
                     served,
                     e.grpc_port if served else None,
+                    egress_peers(model, served),
+                    model.sandbox if served else ir.Sandbox(),
                 )
     return out
 
 
-def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
+def egress_peers(
+    model: ir.MeshModel, functions: tuple[ir.Function, ...]
+) -> tuple[tuple[str, int], ...]:
+    """(address, port) of every endpoint of the Services the functions name as egress peers."""
+    peers = set()
+    for function in functions:
+        for key in function.egress:
+            for e in model.service(key).endpoints:
+                peers.add((e.address, e.sidecar_port or e.port))
+    return tuple(sorted(peers))
+
+
+def backend_state_dir(state_dir: Path, spec: UpstreamSpec) -> Path:
+    """The one directory a backend may write (its Landlock rules), which holds its config and
+    the report of what confines it (sandbox.json)."""
+    return state_dir / "inference" / f"{spec.address}-{spec.port}"
+
+
+def backend_config(
+    spec: UpstreamSpec, setup: FunctionsSetup, state: Path | None = None
+) -> dict[str, Any]:
     """The inference backend's config for one endpoint: each Function's settings as the policy
-    gave them (the same schema), named."""
+    gave them (the same schema), named; its sandbox (`state`: its own state directory)."""
     config = BackendConfig(
         registry=setup.registry.resolve(),
         trustedKeys=[k.resolve() for k in setup.trusted_keys],
         workers=setup.workers,
         processes=setup.processes,
         functions=[f.served() for f in spec.functions],
+        sandbox=SandboxSettings(
+            landlock=spec.sandbox.landlock,
+            seccomp=spec.sandbox.seccomp,
+            stateDir=state.resolve() if state is not None else None,
+            connect=[EgressAddress(address=a, port=p) for a, p in spec.egress],
+        ),
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result
@@ -99,9 +136,11 @@ def upstream_process(
     if spec.functions:
         if setup is None:
             raise ValueError(f"{spec.service} serves functions but no registry is configured")
-        config = state_dir / "inference" / f"{spec.address}-{spec.port}.json"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(json.dumps(backend_config(spec, setup), indent=2))
+        own = backend_state_dir(state_dir, spec)
+        own.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (own / "sandbox.json").unlink(missing_ok=True)  # the report of the backend to come
+        config = own / "backend.json"
+        config.write_text(json.dumps(backend_config(spec, setup, own), indent=2))
 
         async def backend_ready() -> bool:
             timeout = aiohttp.ClientTimeout(total=1)

@@ -11,7 +11,7 @@ import re
 from datetime import timedelta
 from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from meshfn.contracts.durations import MAX_DURATION, Duration
 from meshfn.contracts.function import FunctionSettings
@@ -168,7 +168,12 @@ class Drill(Strict):
         return self
 
 
-SandboxMode = Literal["auto", "required", "off"]
+def _yaml_off(value: object) -> object:
+    """YAML 1.1 reads a bare `off` as false: a sandbox layer written `landlock: off` means it."""
+    return "off" if value is False else value
+
+
+SandboxMode = Annotated[Literal["auto", "required", "off"], BeforeValidator(_yaml_off)]
 
 
 class Sandbox(Strict):

@@ -252,7 +252,7 @@ class EgressControl:
     def _setup(self, mode: str) -> EgressStatus:
         if platform.system() != "Linux":
             raise Unavailable(f"eBPF needs Linux, this is {platform.system()}")
-        check_privileges()
+        check_privileges("the eBPF egress control")
         check_bcc()
         headers = find_headers(self.host)
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from meshfn.contracts.function import SandboxSettings
+
 from . import landlock, seccomp
 from .config import BackendConfig
 from .errors import InferenceError
@@ -191,7 +193,7 @@ class Sandbox:
     _pinned: list[int] = field(default_factory=list)
 
     @property
-    def settings(self) -> Any:
+    def settings(self) -> SandboxSettings:
         return self.config.sandbox
 
     # --- Landlock -------------------------------------------------------------------------------
@@ -268,6 +270,11 @@ class Sandbox:
             return layer
         layer.state = "on"
         layer.detail = _landlock_detail(applied, rules)
+        if state is not None:
+            wide = [p for p in rules.read if p in state.resolve().parents]
+            if wide:  # e.g. a registry that holds the control plane's state directory
+                layer.detail += f"; reads include {', '.join(map(str, wide))}, above its state dir"
+                log.warning("Landlock grants reading %s, which holds the state directory", wide)
         return layer
 
     def _pin_proc_entries(self, rules: landlock.Rules) -> None:

@@ -67,6 +67,13 @@ class Mesh:
     )
 
     async def reconcile(self, model: ir.MeshModel, _old: ir.MeshModel | None = None) -> None:
+        if self.sandbox is not None and model.sandbox.egress != self.sandbox.mode:
+            log.warning(
+                "sandbox.egress is now %s: the egress control stays %s until meshfn up restarts"
+                " (Landlock and seccomp follow the policy: the backends restart)",
+                model.sandbox.egress,
+                self.sandbox.mode,
+            )
         wanted_upstreams = upstreams_for(model)
         for key, (spec, proc) in list(self.upstreams.items()):
             if wanted_upstreams.get(key) != spec:

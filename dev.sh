@@ -4,7 +4,8 @@
 #                   example model functions built, signed and published)
 #   ./dev.sh test   install what is needed, then lint, type-check and run every test
 #   ./dev.sh unit   the unit tests only (no Envoy, PostgreSQL, clang, fuzzing or apiserver; < 60 s)
-#   ./dev.sh check  ruff, mypy and the import layering (lint-imports)
+#   ./dev.sh check  ruff, mypy, the import layering (lint-imports) and test collection
+#   ./dev.sh docs   regenerate the reference pages, then serve the documentation on 127.0.0.1:8000
 #   ./dev.sh setup  only install
 # Works on a fresh Debian 12 as root with nothing but Python 3.11; everything else is installed
 # here (system packages via apt, Python packages into ./.venv).
@@ -91,12 +92,18 @@ ensure_venv() {
   fi
 }
 
-setup() {
+install_deps() {
   ensure_system
   ensure_venv
   # eBPF acceleration: Debian's bcc, a kernel header tree, bcc exposed to the venv (idempotent).
   ebpf/setup_host.sh "$VENV"
-  # The proxy-wasm filters (content-addressed cache; the control plane never compiles them).
+}
+
+setup() {
+  install_deps
+  # The proxy-wasm filters (content-addressed cache; the control plane's reload path never
+  # compiles them). `meshfn up` builds them itself as it starts and says so in one line, so
+  # `./dev.sh up` leaves this step to it: the status is printed once.
   "$VENV/bin/meshfn" filters build >/dev/null
 }
 
@@ -121,14 +128,18 @@ setup_test() {
 check() {
   log "ruff"
   # shellcheck disable=SC2086
-  "$VENV/bin/ruff" check $PY_PACKAGES functions tests e2e bench
+  "$VENV/bin/ruff" check $PY_PACKAGES functions tests e2e bench docs/gen
   # shellcheck disable=SC2086
-  "$VENV/bin/ruff" format --check --quiet $PY_PACKAGES functions tests e2e bench
+  "$VENV/bin/ruff" format --check --quiet $PY_PACKAGES functions tests e2e bench docs/gen
   log "mypy"
   # shellcheck disable=SC2046
   "$VENV/bin/mypy" $(printf -- '-p meshfn.%s ' $PY_PACKAGES)
+  "$VENV/bin/mypy" docs/gen/reference.py  # the documentation's reference generator
   log "import layering (lint-imports)"
   "$VENV/bin/lint-imports" --no-cache
+  log "every test module imports (pytest --collect-only)"
+  "$VENV/bin/pytest" -p no:cacheprovider --collect-only -q >/dev/null \
+    || { "$VENV/bin/pytest" -p no:cacheprovider --collect-only -q | tail -n 20; exit 1; }
 }
 
 cmd=${1:-help}
@@ -136,7 +147,7 @@ shift || true
 case "$cmd" in
   setup) setup ;;
   up)
-    setup
+    install_deps
     exec "$VENV/bin/meshfn" up --policies policies/examples --publish-examples "$@"
     ;;
   test)
@@ -155,10 +166,17 @@ case "$cmd" in
     ensure_venv
     check
     ;;
-  help | -h | --help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' ;;
+  docs)
+    ensure_venv
+    # The reference pages are generated from the code (tests/docs/test_reference.py checks them).
+    "$VENV/bin/python" -P docs/gen/reference.py
+    export NO_MKDOCS_2_WARNING=1
+    exec "$VENV/bin/mkdocs" serve --dev-addr 127.0.0.1:8000 "$@"
+    ;;
+  help | -h | --help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' ;;
   *)
     log "unknown command: $cmd"
-    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac

@@ -25,8 +25,10 @@ import typer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from prometheus_client import CollectorRegistry, start_http_server
-from rich.console import Console
 from rich.table import Table
+
+from meshfn.common import env
+from meshfn.common.cli import command_app, fail, out, run_cli
 
 from . import layout, offline, signing
 from .collector import AuditCollector, CollectorMetrics
@@ -38,22 +40,16 @@ from .verify import VerifyReport
 from .verify import verify as verify_store
 from .witness import FileWitness, Witness, WitnessError
 
-audit_app = typer.Typer(
-    name="audit",
-    help="The audit trail: verify, query, erase, export, retention, collector, signer.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+audit_app = command_app(
+    "audit", "The audit trail: verify, query, erase, export, retention, collector, signer."
 )
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
 
 DEFAULT_STORE = str(layout.store_path(Path(".meshfn")))
 StoreOpt = Annotated[
     str,
     typer.Option(
         "--store",
-        envvar="MESHFN_AUDIT_STORE",
+        envvar=env.AUDIT_STORE.name,
         help="audit store: an SQLite file or a postgresql:// DSN",
     ),
 ]
@@ -62,7 +58,7 @@ KeyOpt = Annotated[
     Path | None,
     typer.Option(
         "--public-key",
-        envvar="MESHFN_AUDIT_PUBLIC_KEY",
+        envvar=env.AUDIT_PUBLIC_KEY.name,
         help="the signer's ed25519 public key (PEM); default STATE/audit-signer/checkpoint.key.pub",
     ),
 ]
@@ -70,33 +66,32 @@ WitnessOpt = Annotated[
     Path | None,
     typer.Option(
         "--witness",
-        envvar=layout.WITNESS_ENV,
+        envvar=env.AUDIT_WITNESS.name,
         help="the witness file; default STATE/audit-witness/checkpoints.jsonl",
     ),
 ]
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}", highlight=False, markup=True)
-    return typer.Exit(code)
+# `meshfn audit` exits 2 when it cannot do what was asked (1: it did, and found a problem).
+FAILED = 2
 
 
 def _open(location: str, readonly: bool = True) -> AuditStore:
     try:
         return open_store(location, readonly=readonly)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
 
 
 def _public_key(store: str, given: Path | None) -> Ed25519PublicKey:
     state = layout.state_of(store)
     path = given or (layout.public_key_path(state) if state is not None else None)
     if path is None:
-        raise _fail("give --public-key (the signer's public key) for a store outside a state dir")
+        fail("give --public-key (the signer's public key) for a store outside a state dir", FAILED)
     try:
         return signing.load_public(path)
     except signing.KeyError_ as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
 
 
 def _witness(store: str, given: Path | None, skip: bool) -> Witness | None:
@@ -105,7 +100,7 @@ def _witness(store: str, given: Path | None, skip: bool) -> Witness | None:
     state = layout.state_of(store)
     path = given or (layout.witness_path(state) if state is not None else None)
     if path is None:
-        raise _fail("give --witness FILE (or --no-witness) for a store outside a state dir")
+        fail("give --witness FILE (or --no-witness) for a store outside a state dir", FAILED)
     return FileWitness(path)
 
 
@@ -193,7 +188,7 @@ def verify(
     try:
         report = verify_store(db, key, checked, workers=None)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     if as_json:
@@ -211,7 +206,7 @@ def _local_salt(store: str) -> str | None:
     try:
         found = load_salt(state)
     except (OSError, ValueError) as exc:
-        raise _fail(f"cannot read the subject salt: {exc}") from None
+        fail(f"cannot read the subject salt: {exc}", FAILED)
     return found.hex if found is not None else None
 
 
@@ -282,7 +277,7 @@ def query(
             limit=limit,
         )
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     if as_json:
@@ -332,7 +327,7 @@ def erase(
     try:
         done = db.erase(wanted)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     if done is None:
@@ -425,7 +420,7 @@ def export(
             if output:
                 handle.close()
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     if output:
@@ -482,7 +477,7 @@ def prune(
     try:
         deleted = db.apply_retention(days=days)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     finally:
         db.close()
     out.print(f"deleted {deleted} record(s) older than {days} day(s)")
@@ -498,7 +493,7 @@ def collect(
         str | None,
         typer.Option(
             "--signer",
-            envvar="MESHFN_AUDIT_SIGNER",
+            envvar=env.AUDIT_SIGNER.name,
             help="the signer's address (unix:PATH or tcp:HOST:PORT); without it nothing is signed",
         ),
     ] = None,
@@ -523,7 +518,7 @@ def collect(
     try:
         db = open_store(store, max_bytes=max_bytes)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     if signer is None:
         logging.getLogger("meshfn.audit").warning(
             "no --signer: records are chained but not signed (no checkpoints)"
@@ -583,17 +578,17 @@ def signer_command(
     witness = witness or (layout.witness_path(state) if state else None)
     listen = listen or (layout.signer_socket(state) if state else None)
     if key is None or witness is None or listen is None:
-        raise _fail("give --key, --witness and --listen for a store outside a state dir")
+        fail("give --key, --witness and --listen for a store outside a state dir", FAILED)
     try:
         private = signing.load_or_create(key)
         db = open_store(store, readonly=True)
     except (signing.KeyError_, StoreError, OSError) as exc:
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
     try:
         the_signer = Signer(db, private, FileWitness(witness))
     except (SignerError, WitnessError, StoreError) as exc:
         db.close()
-        raise _fail(str(exc)) from None
+        fail(exc, FAILED)
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -609,4 +604,4 @@ def signer_command(
 
 
 if __name__ == "__main__":  # `python -P -m meshfn.audit.cli ...` before it is mounted
-    audit_app()
+    run_cli(audit_app)

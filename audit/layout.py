@@ -10,10 +10,11 @@ store's volume.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
-WITNESS_ENV = "MESHFN_AUDIT_WITNESS"
+from meshfn.common import env
+
+WITNESS_ENV = env.AUDIT_WITNESS.name
 _SOCKET_MAX = 100  # sun_path holds 108 bytes
 
 
@@ -34,7 +35,7 @@ def public_key_path(state_dir: Path) -> Path:
 
 
 def witness_path(state_dir: Path) -> Path:
-    configured = os.environ.get(WITNESS_ENV)
+    configured = env.AUDIT_WITNESS.get()
     return Path(configured) if configured else state_dir / "audit-witness" / "checkpoints.jsonl"
 
 

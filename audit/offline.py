@@ -204,51 +204,74 @@ def verify_export(entries: Iterable[dict[str, Any]], key: Ed25519PublicKey) -> E
         if kind in (EXPORT_TYPE, "export"):
             store = str(entry.get("store"))
         elif kind == "checkpoint":
-            try:
-                body = str(entry["body"]).encode()
-                doc = parse_checkpoint(body)
-                signature = bytes.fromhex(str(entry["signature"]))
-            except (KeyError, ValueError) as exc:
-                report.problems.append(f"a checkpoint entry is malformed: {exc}")
-                continue
-            n = doc["n"]
-            if not signature_ok(key, signature, body):
-                report.problems.append(f"checkpoint {n}: signature invalid for this public key")
-                continue
-            if store is not None and doc.get("store") != store:
-                report.problems.append(f"checkpoint {n} belongs to another store")
-            if prev_checkpoint is not None and (
-                n != prev_checkpoint[0] + 1 or doc.get("prev") != prev_checkpoint[1]
-            ):
-                report.problems.append(
-                    f"checkpoint {n} does not follow checkpoint {prev_checkpoint[0]}"
-                    " (checkpoints missing or reordered)"
-                )
-            prev_checkpoint = (n, checkpoint_digest(body))
-            report.checkpoints += 1
-            for chain, (seq, digest) in doc["chains"].items():
-                signed[(chain, seq)] = digest
+            prev_checkpoint = _check_checkpoint(entry, key, store, prev_checkpoint, signed, report)
         elif kind == "record":
             _check_record(entry, runs, signed, matched, report)
         elif kind == "malformed":
             report.problems.append(f"line {entry.get('line')}: not JSON")
     for chain, run in runs.items():
-        last = run.expected - 1
-        report.chains[chain] = (run.first, last)
-        if (chain, last) not in matched:
-            report.problems.append(
-                f"chain {chain}: the export ends at record {last}, which no checkpoint signed"
-                " (cut short, or records added)"
-            )
-        beyond = [s for (c, s) in signed if c == chain and s > last]
-        if beyond:
-            report.problems.append(
-                f"chain {chain}: checkpoints signed records up to {max(beyond)} but the export"
-                f" ends at {last} (records {last + 1}-{max(beyond)} missing)"
-            )
+        _check_end(chain, run, signed, matched, report)
     if report.checkpoints == 0:
         report.problems.append("the export holds no valid checkpoint")
     return report
+
+
+def _check_checkpoint(
+    entry: dict[str, Any],
+    key: Ed25519PublicKey,
+    store: str | None,
+    prev: tuple[int, str] | None,
+    signed: dict[tuple[str, int], str],
+    report: ExportReport,
+) -> tuple[int, str] | None:
+    """A checkpoint entry: signed by `key`, of this store, following `prev`; what it signed
+    goes into `signed`. The checkpoint the next one must follow."""
+    try:
+        body = str(entry["body"]).encode()
+        doc = parse_checkpoint(body)
+        signature = bytes.fromhex(str(entry["signature"]))
+    except (KeyError, ValueError) as exc:
+        report.problems.append(f"a checkpoint entry is malformed: {exc}")
+        return prev
+    n = doc["n"]
+    if not signature_ok(key, signature, body):
+        report.problems.append(f"checkpoint {n}: signature invalid for this public key")
+        return prev
+    if store is not None and doc.get("store") != store:
+        report.problems.append(f"checkpoint {n} belongs to another store")
+    if prev is not None and (n != prev[0] + 1 or doc.get("prev") != prev[1]):
+        report.problems.append(
+            f"checkpoint {n} does not follow checkpoint {prev[0]}"
+            " (checkpoints missing or reordered)"
+        )
+    report.checkpoints += 1
+    for chain, (seq, digest) in doc["chains"].items():
+        signed[(chain, seq)] = digest
+    return n, checkpoint_digest(body)
+
+
+def _check_end(
+    chain: str,
+    run: _Run,
+    signed: dict[tuple[str, int], str],
+    matched: set[tuple[str, int]],
+    report: ExportReport,
+) -> None:
+    """A chain's run in the export ends at a head some checkpoint signed, and no checkpoint
+    signed records beyond it."""
+    last = run.expected - 1
+    report.chains[chain] = (run.first, last)
+    if (chain, last) not in matched:
+        report.problems.append(
+            f"chain {chain}: the export ends at record {last}, which no checkpoint signed"
+            " (cut short, or records added)"
+        )
+    beyond = [s for (c, s) in signed if c == chain and s > last]
+    if beyond:
+        report.problems.append(
+            f"chain {chain}: checkpoints signed records up to {max(beyond)} but the export"
+            f" ends at {last} (records {last + 1}-{max(beyond)} missing)"
+        )
 
 
 def _check_record(

@@ -1,7 +1,7 @@
 """Audit records: from one Envoy access-log line to the canonical form the hash chain covers.
 
-The access log (meshfn.ir.plugins.access_log_format) writes one JSON object per request: Envoy's
-own fields plus the audit filter's filter state (`wasm.meshfn_audit`) as a string. That state has
+The access log (meshfn.xds.fragments.plugins.access_log_format) writes one JSON object per
+request: Envoy's own fields plus the audit filter's filter state (`wasm.meshfn_audit`) as a string. That state has
 two shapes: a JSON object with every audit field, or (jwt_headers mode without body hashing,
 `contracts.plugins.bare_filter_state`) just the subject as 64 hex digits or `null`, with salt_id,
 subject_source, the record version (`audit_v`) and the tenant written by Envoy next to it. A line
@@ -229,8 +229,8 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
 
 def mesh_route(entry: dict[str, Any], principal: str | None, cut: list[str]) -> dict[str, Any]:
     """`route`, `route_source` and `route_claimed` (see the module docstring): what the access
-    log's mesh-route fields (meshfn.ir.plugins.mesh_route_fields) say, believed only as far as
-    the proxy's configuration lets it."""
+    log's mesh-route fields (meshfn.xds.fragments.plugins.mesh_route_fields) say, believed only
+    as far as the proxy's configuration lets it."""
     claimed = _str(entry.get("mesh_route"), "route", cut)
     if entry.get("mesh_route_by") == "proxy":
         return {"route": claimed, "route_source": "proxy" if claimed else None}

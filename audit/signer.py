@@ -167,32 +167,39 @@ class Signer:
             return None, f"the store ends at record {top} but record {known[0]} was signed"
         if known is not None and top == known[0] and top_hash != known[1]:
             return None, f"record {top} differs from the one signed"
-        if known is None:
-            anchor = self.store.chains().get(chain)
-            if anchor is not None and anchor.seq > 0:
-                log.warning(
-                    "journal %s: first seen after retention (starts at %d): trusted as found",
-                    chain,
-                    anchor.seq,
-                )
-                known = (anchor.seq, anchor.hash)
-            else:
-                known = (0, offline.chain_genesis(self.store.store_id, chain))
-        seq, prev = known
+        seq, prev = known if known is not None else self._anchor(chain)
+        problem = self._link_problem(chain, seq, prev)
+        return (None, problem) if problem else ((top, top_hash), "")
+
+    def _anchor(self, chain: str) -> tuple[int, bytes]:
+        """Where a chain never signed before starts: its genesis, or where retention left it."""
+        anchor = self.store.chains().get(chain)
+        if anchor is not None and anchor.seq > 0:
+            log.warning(
+                "journal %s: first seen after retention (starts at %d): trusted as found",
+                chain,
+                anchor.seq,
+            )
+            return anchor.seq, anchor.hash
+        return 0, offline.chain_genesis(self.store.store_id, chain)
+
+    def _link_problem(self, chain: str, seq: int, prev: bytes) -> str:
+        """Why record `seq` (signed, with hash `prev`) and the next one do not hold together
+        in the store; "" when they do."""
         # two rows, whatever the chain's length: the record signed last and the one after it
         rows = list(itertools.islice(self.store.records_after(chain, max(0, seq - 1), 2), 2))
         if seq > 0:
             if rows and rows[0][0] == seq:
                 if rows[0][3] != prev:
-                    return None, f"record {seq} differs from the one signed"
+                    return f"record {seq} differs from the one signed"
                 rows = rows[1:]
             elif self.store.chains().get(chain) != Anchor(seq, prev):  # not retention either
-                return None, f"record {seq}, which was signed, is gone"
+                return f"record {seq}, which was signed, is gone"
         if not rows or rows[0][0] != seq + 1:
-            return None, f"record {seq + 1} is missing"
+            return f"record {seq + 1} is missing"
         if rows[0][2] != prev:
-            return None, f"record {seq + 1} does not link to record {seq} as signed"
-        return (top, top_hash), ""
+            return f"record {seq + 1} does not link to record {seq} as signed"
+        return ""
 
     def status(self) -> dict[str, Any]:
         return {

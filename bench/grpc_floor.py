@@ -15,7 +15,9 @@ server (xds/) adds its protocol work on top of exactly these writes and reads.
   .venv/bin/python bench/grpc_floor.py --streams 2000
 Prints one line:
   grpc_floor: streams=… converge_p50_ms=… converge_max_ms=… one_stream_p50_ms=…
-              server_us_per_stream=… clients_us_per_stream=… server_rss_mb=…
+              server_us_per_stream=… clients_us_per_stream=… server_peak_rss_mb=…
+  (server_peak_rss_mb: the server process's peak resident set, ru_maxrss, initial connections
+  included; not its RSS at the end)
 and writes bench/results/grpc_floor.json (or --json).
 """
 
@@ -182,7 +184,7 @@ def measure(streams: int, edits: int, port: int) -> dict[str, Any]:
             clients_cpu.append(1e6 * (fleet_cpu_after - fleet_cpu_before) / connected)
             time.sleep(0.3)
         server_end.send("quit")
-        rss = server_end.recv()
+        peak_rss = server_end.recv()
         fleet_end.send("quit")
     finally:
         for proc in (server, fleet):
@@ -198,7 +200,7 @@ def measure(streams: int, edits: int, port: int) -> dict[str, Any]:
         "converge_max_ms": max(converge),
         "server_us_per_stream": statistics.median(server_cpu),
         "clients_us_per_stream": statistics.median(clients_cpu),
-        "server_rss_mb": rss,
+        "server_peak_rss_mb": peak_rss,
     }
 
 
@@ -229,7 +231,7 @@ def main() -> None:
         f"one_stream_p50_ms={baseline['converge_p50_ms']:.2f} "
         f"server_us_per_stream={large['server_us_per_stream']:.0f} "
         f"clients_us_per_stream={large['clients_us_per_stream']:.0f} "
-        f"server_rss_mb={large['server_rss_mb']:.0f}",
+        f"server_peak_rss_mb={large['server_peak_rss_mb']:.0f}",
         flush=True,
     )
 

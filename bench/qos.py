@@ -23,10 +23,14 @@ Each load generator is its own process (its event loop is not the measured one's
 Prints one line:
   qos: quiet_p99_ratio=… noisy_admitted_ratio=… high_p99_ratio=… low_shed_pct=…
        low_shed_at_gateway_pct=… wrr_p99_ratio=…
+       acme_not_200=… unexpected_statuses=…
   (quiet tenant's p99 with the noisy neighbour / alone; globex's admitted requests / what its
   bucket allows in the phase; acme's p99 at saturation / alone; % of initech's requests shed
   (at the gateway or by the backend), % shed at the gateway; p99 with weighted round robin /
-  least-request)
+  least-request. The p99s are of 200 answers: acme's requests answered otherwise, or not at
+  all, over the three phases, and any answer a tenant should never get (anything but 200 for
+  acme; anything but 200 or 429 for globex and initech) are counted, and either fails the run
+  after the line is printed)
 and writes bench/results/qos.json (or --json) with every phase's figures, and where the CPU went
 during the saturated phase (`cpu_at_saturation`: each process of the mesh, the load generators,
 the machine's busy share).
@@ -65,6 +69,8 @@ EXAMPLES = ROOT / "policies" / "examples"
 TENANTS = ROOT / "policies" / "qos" / "tenants.yaml"
 IRIS = "/v2/models/iris/infer"
 GLOBEX_RATE, GLOBEX_BURST = 20, 20  # policies/qos/tenants.yaml
+EVERY_ANSWER_200 = {200}
+SERVED_OR_LIMITED = {200, 429}  # a refusal by the tenant's limit or by priority shedding
 
 
 def p99(values: list[float]) -> float:
@@ -127,13 +133,30 @@ def tenant_phases(
         quiet, ("open", (url, headers["globex"], noisy_rate, seconds))
     )
     allowed = GLOBEX_BURST + GLOBEX_RATE * seconds
-    split = CpuSplit(up)  # where the CPU goes at saturation (the README's analysis)
+    split = CpuSplit(up)  # where the CPU goes at saturation (docs/benchmarks.md's analysis)
     saturated, low = load.run_loads(
         ("open", (url, headers["acme"], rate, seconds)),
         ("closed", (url, headers["initech"], args.low_connections, seconds + 0.5)),
     )
     low_total = sum(low["statuses"].values())
+    # Who must be served: acme (premium) in every phase; globex only up to its bucket (429
+    # beyond); initech only what is not shed (429). Anything else (a 503, no answer) is a
+    # failure the ratios above would not show: they are of 200s only.
+    answered_as = {
+        "acme": (EVERY_ANSWER_200, [alone, with_noisy, saturated]),
+        "globex": (SERVED_OR_LIMITED, [noisy]),
+        "initech": (SERVED_OR_LIMITED, [low]),
+    }
+    unexpected = {
+        tenant: sum(n for r in runs for s, n in r["statuses"].items() if s not in allowed_statuses)
+        for tenant, (allowed_statuses, runs) in answered_as.items()
+    }
     return {
+        "acme_not_200": {
+            phase: r["not_200"]
+            for phase, r in (("alone", alone), ("with_noisy", with_noisy), ("saturated", saturated))
+        },
+        "unexpected_statuses": unexpected,
         "quiet_alone": _summary(alone),
         "quiet_with_noisy": _summary(with_noisy),
         "noisy": {"offered_rps": noisy_rate, "allowed": allowed, "statuses": noisy["statuses"]},
@@ -153,6 +176,7 @@ def _summary(result: dict[str, Any]) -> dict[str, Any]:
     return {
         "sent": result["sent"],
         "statuses": result["statuses"],
+        "not_200": result["not_200"],
         "p50_ms": statistics.median(latencies) if latencies else None,
         "p99_ms": p99(latencies),
     }
@@ -291,15 +315,23 @@ def main() -> None:
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
+    acme_not_200 = sum(tenants["acme_not_200"].values())
+    unexpected = sum(tenants["unexpected_statuses"].values())
     print(
         f"qos: quiet_p99_ratio={tenants['quiet_p99_ratio']:.2f} "
         f"noisy_admitted_ratio={tenants['noisy_admitted_ratio']:.3f} "
         f"high_p99_ratio={tenants['high_p99_ratio']:.2f} "
         f"low_shed_pct={tenants['low_shed_pct']:.1f} "
         f"low_shed_at_gateway_pct={tenants['low_shed_at_gateway_pct']:.1f} "
-        f"wrr_p99_ratio={balancers['wrr_p99_ratio']:.2f}"
+        f"wrr_p99_ratio={balancers['wrr_p99_ratio']:.2f} "
+        f"acme_not_200={acme_not_200} unexpected_statuses={unexpected}"
     )
     sys.stdout.flush()
+    if acme_not_200 or unexpected:  # the ratios are of 200s only: they would hide this
+        sys.exit(
+            f"qos: the premium tenant was not served ({tenants['acme_not_200']}), or a tenant "
+            f"got an answer it should not ({tenants['unexpected_statuses']}); see {args.json}"
+        )
 
 
 if __name__ == "__main__":

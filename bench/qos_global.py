@@ -18,7 +18,10 @@ Prints one line:
   qos_global: global_admitted_ratio=… global_p50_over_local_us=… fail_closed_p50_ms=…
   fail_open_p50_ms=… timeout_ms=…
   (admitted across both gateways / what one bucket allows; the gateway p50 with the RLS hop
-  minus without, in us; each frozen request's latency, median, beside the policy's timeout)
+  minus without, in us; each frozen request's latency, median, beside the policy's timeout).
+  The run fails when the shared phase answered anything but 200 or 429, the hop's wrk saw an
+  answer outside 2xx or a socket error, or a frozen request was not answered as its policy
+  says (503 on a, fail closed; 200 on c, fail open)
 and writes bench/results/qos_global.json (or --json) with every phase's figures.
 """
 
@@ -83,6 +86,12 @@ def shared(state: Path, ports: dict[str, int], args: argparse.Namespace) -> dict
     )
     admitted = {k: r["statuses"].get(200, 0) for k, r in zip("ab", runs, strict=True)}
     allowed = args.rate + args.rate * args.seconds
+    other = {
+        k: {s: n for s, n in r["statuses"].items() if s not in (200, 429)}
+        for k, r in zip("ab", runs, strict=True)
+    }
+    if any(other.values()):  # admitted or limited, nothing else (no 503, no lost request)
+        raise SystemExit(f"qos_global: shared phase answered other than 200 or 429: {other}")
     return {
         "offered_rps_per_gateway": offered,
         "allowed": allowed,
@@ -129,6 +138,14 @@ def frozen(
                 statuses[key].append(status)
     finally:
         up.send(signal.SIGCONT)
+    # The latencies say how long the policy's timeout held each request; they are only that
+    # if each answer is what the policy says: deny (503) on a, allow (200) on c.
+    expected = {"a": 503, "c": 200}
+    wrong = {k: [s for s in statuses[k] if s != want] for k, want in expected.items()}
+    if any(wrong.values()):
+        raise SystemExit(
+            f"qos_global: with the limit service frozen, answers other than {expected}: {wrong}"
+        )
     return {
         "timeout_ms": args.timeout_ms,
         "latency_ms": times,

@@ -1,7 +1,9 @@
 """xDS push benchmark.
 
-(a) A policy file edit -> the change visible through one real Envoy (`meshfn up`): >= 50 edits,
-    median and p99. Baseline in the same run: one plain request through the same Envoy.
+(a) A policy file edit -> the change visible through one real Envoy (`meshfn up`): 300 edits
+    by default (`--changes`), median and p99 (the fourth slowest of 300; with fewer edits
+    `visible_p99_ms` nears the maximum, and is the maximum below 51). Baseline in the same run:
+    one plain request through the same Envoy.
 (b) N simulated Envoys (bench/xds_clients.py, own process, pinned to CPU 1) on ADS to `meshfn
     serve` (pinned to CPU 0) with 1000 services (clusters, endpoints, routes); an endpoint edited
     in one policy file -> EVERY stream has received and ACKed the new endpoint (checked per
@@ -10,14 +12,15 @@
     control plane's peak RSS (VmHWM) over the run. Baseline in the same run: one client.
     Each simulated Envoy has its own TCP connection, as real ones do (--shared-connection
     multiplexes them all on one, as this bench did before: cheaper for both sides, unrealistic).
-(c) The same with 10,000 Delta streams (--large-clients, --large-protocol): `converge_p99_ms@N`
-    (the p99 over the edits), `cp_rss_mb@N` (the control plane's peak RSS, initial sync
-    included), and the CPU of the control plane and of the simulated fleet while the edits are
-    pushed (`cp_cpu_pct@N`, `clients_cpu_pct@N`, % of one core): the fleet shares this machine.
+(c) The same with 10,000 Delta streams (--large-clients, --large-protocol): `converge_max_ms@N`
+    (the maximum over the 20 edits: too few for a p99), `cp_peak_rss_mb@N` (the control plane's
+    peak RSS, VmHWM, initial sync included), and the CPU of the control plane and of the
+    simulated fleet while the edits are pushed (`cp_cpu_pct@N`, `clients_cpu_pct@N`, % of one
+    core): the fleet shares this machine.
 
 Prints one line:
   xds_push: visible_p50_ms=… visible_p99_ms=… clients=… converge_max_ms=… cp_peak_rss_mb=… …
-    converge_p99_ms@10000=… cp_rss_mb@10000=… clients_cpu_pct@10000=… cp_cpu_pct@10000=…
+    converge_max_ms@10000=… cp_peak_rss_mb@10000=… clients_cpu_pct@10000=… cp_cpu_pct@10000=…
 and writes the details as JSON (--json, default bench/results/xds_push.json).
 """
 
@@ -265,8 +268,7 @@ def bench_fanout(
         "initial_sync_s": sync_s,
         "converge_ms": converge,
         "converge_p50_ms": statistics.median(converge),
-        "converge_max_ms": max(converge),
-        "converge_p99_ms": percentile(converge, 99),
+        "converge_max_ms": max(converge),  # ~20 edits: too few for a p99
         "connections": "shared" if shared_connection else "one per client",
         "eds_updates_without_the_change": other_updates,
         "cp_rss_mb_at_end": rss,
@@ -284,7 +286,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--changes", type=int, default=60, help="edits for (a)")
+    parser.add_argument("--changes", type=int, default=300, help="edits for (a) (>= 300: a p99)")
     parser.add_argument("--services", type=int, default=1000)
     parser.add_argument("--clients", type=int, nargs="+", default=[1000, 3000])
     parser.add_argument("--fanout-changes", type=int, default=20)
@@ -355,8 +357,8 @@ def main() -> None:
     if large is not None:
         n = large["clients"]
         parts += [
-            f"converge_p99_ms@{n}={large['converge_p99_ms']:.0f}",
-            f"cp_rss_mb@{n}={large['cp_peak_rss_mb']:.0f}",
+            f"converge_max_ms@{n}={large['converge_max_ms']:.0f}",
+            f"cp_peak_rss_mb@{n}={large['cp_peak_rss_mb']:.0f}",
             f"clients_cpu_pct@{n}={large['clients_cpu_pct']:.0f}",
             f"cp_cpu_pct@{n}={large['cp_cpu_pct']:.0f}",
             f"converge_p50_ms@{n}={large['converge_p50_ms']:.0f}",

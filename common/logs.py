@@ -8,9 +8,11 @@ import sys
 import time
 from typing import Any
 
-from rich.console import Console
 from rich.logging import RichHandler
 
+from .cli import console, is_terminal
+
+TIME_FORMAT = "%H:%M:%S"
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
@@ -40,19 +42,27 @@ class ExtrasFormatter(logging.Formatter):
 
 
 def setup_logging(fmt: str = "human", level: str = "INFO") -> None:
+    """Log records to stderr: JSON lines (`json`), or human lines (`human`): rich's columns on a
+    terminal, and the same columns as plain text elsewhere, one record a line whatever its
+    length (rich would wrap them at the console's width, in the middle of a value)."""
     handler: logging.Handler
     if fmt == "json":
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter())
-    else:
+    elif is_terminal(sys.stderr):
         handler = RichHandler(
-            console=Console(stderr=True),
+            console=console(stderr=True),
             show_path=False,
             markup=False,
             rich_tracebacks=False,
-            log_time_format="%H:%M:%S",
+            log_time_format=TIME_FORMAT,
         )
         handler.setFormatter(ExtrasFormatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            ExtrasFormatter("%(asctime)s %(levelname)-8s %(message)s", TIME_FORMAT)
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

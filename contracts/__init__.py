@@ -1,4 +1,4 @@
-"""Vocabulary that two stages share and neither owns (ARCHITECTURE.md, "Contracts").
+"""Vocabulary that two stages share and neither owns (docs/concepts/architecture.md, "Contracts").
 
 - `plugins`: the plugin-configuration JSON of the proxy-wasm filters (xDS translator, Istio
   renderer, the C filters);

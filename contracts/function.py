@@ -40,6 +40,8 @@ class _Strict(BaseModel):
 
 
 class FunctionPool(_Strict):
+    """The function's pool of instances on each backend."""
+
     minIdle: Annotated[int, Field(ge=0, le=256)] = Field(
         0, description="pre-instantiated instances kept ready while the function is loaded"
     )
@@ -49,6 +51,8 @@ class FunctionPool(_Strict):
 
 
 class FunctionLimits(_Strict):
+    """Limits per instance and per request."""
+
     memoryMiB: Annotated[int, Field(ge=13, le=4096)] = Field(
         64, description="linear memory per instance (a componentize-py guest needs >= 13)"
     )
@@ -178,14 +182,27 @@ class FunctionSettings(_Strict):
         description="keep the loaded code (not the instances) until unused this long: a request "
         "after idleTtl then only instantiates (~1.6 MiB per Python function); default: idleTtl",
     )
-    pool: FunctionPool = Field(default_factory=FunctionPool)
-    limits: FunctionLimits = Field(default_factory=FunctionLimits)
+    pool: FunctionPool = Field(
+        default_factory=FunctionPool, description="The instances kept ready on each backend."
+    )
+    limits: FunctionLimits = Field(
+        default_factory=FunctionLimits,
+        description="Memory, deadline, concurrency and request size limits.",
+    )
     batching: FunctionBatching | None = Field(
         None, description="dynamic batching; default: every request is its own guest call"
     )
-    protocols: FunctionProtocols = Field(default_factory=FunctionProtocols)
-    repository: FunctionRepository = Field(default_factory=FunctionRepository)
-    warmup: FunctionWarmup = Field(default_factory=FunctionWarmup)
+    protocols: FunctionProtocols = Field(
+        default_factory=FunctionProtocols,
+        description="Which KServe v2 front ends serve it (REST, gRPC).",
+    )
+    repository: FunctionRepository = Field(
+        default_factory=FunctionRepository,
+        description="Who may load and unload it through Triton's repository API.",
+    )
+    warmup: FunctionWarmup = Field(
+        default_factory=FunctionWarmup, description="When instances are made ahead of requests."
+    )
 
     @model_validator(mode="after")
     def _sane(self) -> Self:

@@ -20,5 +20,5 @@ def degraded_route_name(route_key: str, index: int) -> str:
 
 def priority_route_name(name: str, priority: str) -> str:
     """The twin of route `name` for one Envoy routing priority ("high" or "default") at a
-    gateway that sheds by QoS class; the degrade filter's rules list both (ir.plugins)."""
+    gateway that sheds by QoS class; the degrade filter's rules list both (fragments.plugins)."""
     return f"{name}|{priority}"

@@ -26,7 +26,7 @@ ROUTING_HEADER = "x-meshfn-degrade-route"
 # an mTLS peer that is a gateway identity (audit/record.py: mesh_route).
 MESH_ROUTE_HEADER = "x-meshfn-route"
 # Envoy route metadata: filter_metadata[ROUTE_METADATA][MESH_ROUTE_KEY] is a gateway route's mesh
-# route, which its access log names (meshfn.ir.plugins.mesh_route_fields).
+# route, which its access log names (meshfn.xds.fragments.plugins.mesh_route_fields).
 ROUTE_METADATA = "meshfn"
 MESH_ROUTE_KEY = "route"
 TRIGGER_HEADER = "x-meshfn-degrade"

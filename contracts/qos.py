@@ -36,7 +36,7 @@ ClassName = Annotated[str, Field(pattern=CLASS_NAME, min_length=1, max_length=63
 # How a gateway picks a service's endpoint (Service.spec.loadBalancer; the IR carries it as is).
 LoadBalancer = Literal["round-robin", "least-request", "weighted-round-robin"]
 # What services that serve Functions use unless they say: bench/qos.py compares the two with one
-# slow endpoint beside a fast one (README: wrr_p99_ratio). Measured (2026-12-02, quiet machine):
+# slow endpoint beside a fast one (docs/benchmarks.md: wrr_p99_ratio). Measured (2026-12-02, quiet machine):
 # weighted round robin sends the slow endpoint 0.5-0.75% of requests once its weights have
 # settled (~3.5 s), least-request 25-27.5% (Envoy's power of two choices draws the same one of
 # two endpoints a quarter of the time); p99 20.1-20.8 vs 22.5-31.2 ms, ratio 0.89.
@@ -236,7 +236,9 @@ class TenantClass(Limits):
     """A class of tenants: its limits apply to each of its tenants, its priority to their
     requests when a backend saturates (lower priorities shed first)."""
 
-    name: ClassName
+    name: ClassName = Field(
+        description="The class's name (a DNS label), referred to by defaultClass and tenants."
+    )
     priority: Annotated[int, Field(ge=0, le=1000)] = Field(
         0, description="higher keeps its latency when a backend saturates; lower sheds first"
     )
@@ -247,7 +249,11 @@ class TenantEntry(Limits):
     for this tenant (each given field replaces the class's; the others stay)."""
 
     name: Tenant = Field(description="the verified claim's value")
-    class_: ClassName | None = Field(None, alias="class")
+    class_: ClassName | None = Field(
+        None,
+        alias="class",
+        description="The tenant's class; default: defaultClass. Written `class`.",
+    )
 
 
 class TenantClasses(_Strict):
@@ -261,8 +267,15 @@ class TenantClasses(_Strict):
     defaultClass: ClassName = Field(
         description="the class of tenants not listed, and of requests without the claim"
     )
-    classes: Annotated[list[TenantClass], Field(min_length=1, max_length=64)]
-    tenants: Annotated[list[TenantEntry], Field(max_length=10_000)] = Field(default_factory=list)
+    classes: Annotated[list[TenantClass], Field(min_length=1, max_length=64)] = Field(
+        description="The tenant classes (1-64), each with its priority and limits."
+    )
+    tenants: Annotated[list[TenantEntry], Field(max_length=10_000)] = Field(
+        default_factory=list,
+        description=(
+            "Tenants named one by one (at most 10,000): their class, and limits of their own."
+        ),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -345,11 +358,6 @@ class FunctionQoS(TenantClasses):
 
     policy: Annotated[str, Field(pattern=r"^[a-z0-9-]{1,63}/[a-z0-9-]{1,63}$")]
     tenantClaim: Claim | None = Field("tenant", description="the claim the proxy verified")
-
-    def priority_of(self, tenant: str) -> tuple[str, int]:
-        """(class name, priority) of a tenant."""
-        cls = self.class_of(tenant)
-        return cls.name, cls.priority
 
 
 class GatewayShedding(_Strict):

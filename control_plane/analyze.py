@@ -41,7 +41,8 @@ Severity = Literal["Error", "Warning", "Info"]
 SEVERITIES: tuple[Severity, ...] = ("Error", "Warning", "Info")
 EXPIRY_WARNING = dt.timedelta(days=30)
 
-# code -> (severity, what it means); the README's table is this catalogue.
+# code -> (severity, what it means): docs/reference/analyze/ has a page per code, generated from
+# this catalogue and docs/gen/analyze.yaml (the explanations and examples).
 CATALOGUE: dict[str, tuple[Severity, str]] = {
     "MF0101": ("Error", "mTLS DISABLE: plaintext between proxies"),
     "MF0102": ("Warning", "mTLS PERMISSIVE: plaintext accepted beside mTLS"),

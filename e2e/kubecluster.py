@@ -1,6 +1,8 @@
 """A real Kubernetes control plane on loopback for the e2e tests: etcd, kube-apiserver and
 kube-controller-manager (for garbage collection), built from Debian's sources by
-e2e/kube/build.sh and cached under ~/.cache/meshfn/kube-1.20.
+e2e/kube/build.sh and cached under ~/.cache/meshfn/kube-1.20. `./dev.sh test` builds them (and
+fetches Helm) before any test runs; a test never builds or downloads: without them it fails
+with the command to run.
 
 Everything runs as this user on free loopback ports in a temporary directory: a private CA and
 serving certificate, static bearer tokens (an admin in system:masters, and the meshfn
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import time
@@ -20,12 +23,14 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import pytest
 import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from meshfn.common import env
 from meshfn.testing.istio_cases import CRDS
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import Proc, wait_for
@@ -38,14 +43,39 @@ CONTROLLER_USER = f"system:serviceaccount:{CONTROLLER_NAMESPACE}:meshfn"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
 
 
+FETCH_HELM = REPO / "e2e" / "kube" / "fetch-helm.sh"
+
+
+def _pinned(script: Path, name: str) -> str:
+    """A `NAME=value` line of a setup script (the version it builds or fetches)."""
+    match = re.search(rf"^{name}=(\S+)$", script.read_text(), re.M)
+    assert match is not None, f"{script}: no {name}= line"
+    return match.group(1)
+
+
+def _missing(what: str, command: str) -> NoReturn:
+    """A test never builds or downloads (./dev.sh test does, once, before any test runs): it
+    fails, saying what to run."""
+    pytest.fail(f"{what}; run once (./dev.sh test does it first):\n  {command}", pytrace=False)
+
+
 def kube_bin() -> Path:
-    """The binaries, building them first if this machine has none yet (~5-10 min, once)."""
-    out = Path(os.environ.get("MESHFN_KUBE_DIR", Path.home() / ".cache/meshfn/kube-1.20"))
-    result = subprocess.run(
-        [str(BUILD), str(out)], capture_output=True, text=True, timeout=1800, check=False
-    )
-    assert result.returncode == 0, f"building kube-apiserver failed:\n{result.stderr[-3000:]}"
-    return out / "bin"
+    """The binaries e2e/kube/build.sh built (./dev.sh test runs it before the tests: ~5-10 min
+    the first time, then cached)."""
+    out = env.KUBE_DIR.path() or Path.home() / ".cache/meshfn/kube-1.20"
+    bin_dir, version = out / "bin", _pinned(BUILD, "VERSION")
+    names = ("kube-apiserver", "kube-controller-manager", "etcd")
+    stamp = bin_dir / ".version"
+    if not (
+        all(os.access(bin_dir / name, os.X_OK) for name in names)
+        and stamp.is_file()
+        and stamp.read_text().strip() == version
+    ):
+        _missing(
+            f"no {version} kube-apiserver, kube-controller-manager and etcd in {bin_dir}",
+            f"{BUILD} {out}",
+        )
+    return bin_dir
 
 
 def _certificates(directory: Path) -> None:
@@ -333,18 +363,12 @@ def kubectl_path() -> str:
 
 
 def helm_path() -> str:
-    """The real Helm binary e2e/kube/fetch-helm.sh cached (./dev.sh setup runs it)."""
+    """The real Helm binary e2e/kube/fetch-helm.sh fetched (./dev.sh test runs it before the
+    tests), at the version the script pins."""
     import sys
 
-    script = REPO / "e2e" / "kube" / "fetch-helm.sh"
-    out = Path(os.environ.get("MESHFN_HELM_DIR", Path.home() / ".cache/meshfn/helm"))
-    result = subprocess.run(
-        [str(script), sys.executable, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, f"fetching helm failed:\n{result.stderr[-2000:]}"
-    (found,) = sorted(out.glob("*/helm"))[-1:]
+    out = env.HELM_DIR.path() or Path.home() / ".cache/meshfn/helm"
+    found = out / _pinned(FETCH_HELM, "VERSION") / "helm"
+    if not os.access(found, os.X_OK):
+        _missing(f"no Helm binary at {found}", f"{FETCH_HELM} {sys.executable} {out}")
     return str(found)

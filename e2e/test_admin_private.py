@@ -13,6 +13,7 @@ import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,27 @@ def as_nobody(*argv: str, timeout: float = 20) -> subprocess.CompletedProcess[st
         timeout=timeout,
         check=False,
     )
+
+
+@contextmanager
+def searchable(*directories: Path) -> Iterator[None]:
+    """The directories searchable by everyone (o+x, not o+r) for a while, then as they were:
+    a probe inside reaches each file and socket by name, so only the entry's own mode can
+    refuse it (the state directory's 0700 otherwise refuses everything first)."""
+    modes = {d: stat.S_IMODE(d.stat().st_mode) for d in directories}
+    try:
+        for directory, mode in modes.items():
+            directory.chmod(mode | 0o011)
+        yield
+    finally:
+        for directory, mode in modes.items():
+            directory.chmod(mode)
+
+
+def reachable_by_name(path: Path) -> None:
+    """`nobody` can look `path` up (stat): the directories above let it through."""
+    found = as_nobody("stat", "-c", "%a", str(path))
+    assert found.returncode == 0, (path, found.stderr)
 
 
 @dataclass
@@ -112,6 +134,16 @@ def test_admin_sockets_are_the_owners_alone(mesh: Mesh) -> None:
             "curl", "-s", "-m", "5", "--unix-socket", str(socket), "http://x/config_dump"
         )
         assert dump.returncode != 0 and not dump.stdout, (node, dump)
+    # The same with the directories searchable: the sockets' own mode (0600) refuses nobody.
+    sockets = [admin_socket(mesh.state, node) for node in nodes]
+    with searchable(mesh.state, *{s.parent for s in sockets}):
+        for node, socket in zip(nodes, sockets, strict=True):
+            reachable_by_name(socket)
+            probe = as_nobody(
+                "curl", "-s", "-m", "5", "--unix-socket", str(socket), "http://x/config_dump"
+            )
+            # curl's 7: could not connect (EACCES on the socket), not a refused request
+            assert probe.returncode == 7 and not probe.stdout, (node, probe)
 
 
 def test_state_directory_is_private(mesh: Mesh) -> None:
@@ -133,6 +165,13 @@ def test_state_directory_is_private(mesh: Mesh) -> None:
         read = as_nobody("cat", str(path))
         assert read.returncode != 0 and "Permission denied" in read.stderr, path
         assert not read.stdout
+    # The same with the directories searchable: each file's own mode (0600) refuses nobody.
+    with searchable(state, *{path.parent for path in private}):
+        for path in private:
+            reachable_by_name(path)
+            read = as_nobody("cat", str(path))
+            assert read.returncode != 0 and "Permission denied" in read.stderr, path
+            assert not read.stdout
     if shutil.which("sqlite3"):  # the store itself, as an SQLite client would open it
         db = str(state / "audit" / "audit.db")
         query = as_nobody("sqlite3", "-readonly", db, "SELECT count(*) FROM sqlite_master")

@@ -21,7 +21,7 @@ def test_xds_push_bench_smoke(tmp_path: Path) -> None:
     assert len(data["visible"]["visible_ms"]) == 5
     assert [r["clients"] for r in data["fanout"]] == [20, 30]
     assert re.search(
-        r" converge_p99_ms@40=\d+ cp_rss_mb@40=\d+ clients_cpu_pct@40=\d+ cp_cpu_pct@40=\d+ ",
+        r" converge_max_ms@40=\d+ cp_peak_rss_mb@40=\d+ clients_cpu_pct@40=\d+ cp_cpu_pct@40=\d+ ",
         line,
     ), line
     large = data["large"]

@@ -15,7 +15,8 @@ def test_qos_bench_smoke(tmp_path: Path) -> None:
     line, data = run_bench("qos.py", short, tmp_path, timeout=400)
     assert re.match(
         r"^qos: quiet_p99_ratio=[\d.]+ noisy_admitted_ratio=[\d.]+ high_p99_ratio=[\d.]+ "
-        r"low_shed_pct=[\d.]+ low_shed_at_gateway_pct=[\d.]+ wrr_p99_ratio=[\d.]+$",
+        r"low_shed_pct=[\d.]+ low_shed_at_gateway_pct=[\d.]+ wrr_p99_ratio=[\d.]+ "
+        r"acme_not_200=0 unexpected_statuses=0$",
         line,
     ), line
     tenants = data["tenants"]

@@ -30,7 +30,7 @@ from cryptography.x509.oid import NameOID
 from jwt.algorithms import ECAlgorithm
 from meshfn_e2e import Processes, http
 
-from meshfn.contracts.proxy import WHOLE_BODY_BYTES
+from meshfn.contracts.proxy import REQUEST_HYGIENE, WHOLE_BODY_BYTES
 from meshfn.control_plane.identity.ca import CertificateAuthority, IssuedCertificate
 from meshfn.control_plane.identity.spiffe import SpiffeId
 from meshfn.testing import policies as p
@@ -41,6 +41,9 @@ TD = "zt.local"
 ISSUER = "https://issuer.test"
 LEGACY = "https://legacy.test"  # an issuer whose rule opts out of requireExpiration
 NOW = dt.datetime.now(dt.UTC)
+TRUSTED_CLIENT_URI = f"URI=spiffe://{TD}/ns/default/sa/trusted-client"
+# A client's own x-forwarded-client-cert naming the trusted client (the format Envoy writes).
+SPOOFED_XFCC = {"x-forwarded-client-cert": TRUSTED_CLIENT_URI}
 
 
 @dataclass
@@ -116,6 +119,13 @@ def zero_trust_policies(ports: dict[str, int], jwks: str) -> str:
         p.gateway(ports["envoy_admin"], ports["listener"], namespace="ingress"),
         p.service("model", ports["app"], [p.endpoint(sidecar=ports["sidecar"])]),
         p.service("keyless", ports["app2"], [p.endpoint(sidecar=ports["sidecar2"])]),
+        # The control for the plaintext probe: a sidecar that accepts plaintext beside mTLS.
+        p.service("migrating", ports["app3"], [p.endpoint(sidecar=ports["sidecar3"])]),
+        p.doc(
+            "PeerAuthentication",
+            "migrating",
+            {"selector": {"service": "migrating"}, "mtls": {"mode": "PERMISSIVE"}},
+        ),
         p.route("keyless", "keyless", "/keyless", gateway="ingress/edge"),
         p.route("model", "model", gateway="ingress/edge"),
         p.jwt_authentication(
@@ -150,6 +160,21 @@ def zero_trust_policies(ports: dict[str, int], jwks: str) -> str:
                 },
                 # Open to anyone the mesh lets in, with or without a token.
                 {"to": [{"operation": {"methods": ["GET"], "paths": ["/v2/public/*"]}}]},
+                # A rule that trusts x-forwarded-client-cert, the header the application is
+                # told its caller by: /xfcc/* for whoever that header names as trusted-client
+                # (first, as a client would forge it, or last, as the sidecar writes it after
+                # By= and Hash=). Safe only because the sidecar replaces a client's header with
+                # its own from the TLS peer before authorization reads it: the XFCC tests.
+                {
+                    "from": [{"source": {"requestPrincipals": [f"{ISSUER}/*"]}}],
+                    "to": [{"operation": {"paths": ["/xfcc/*"]}}],
+                    "when": [
+                        {
+                            "key": "request.headers[x-forwarded-client-cert]",
+                            "values": [f"{TRUSTED_CLIENT_URI}*", f"*{TRUSTED_CLIENT_URI}"],
+                        }
+                    ],
+                },
             ],
         ),
         p.authorization(
@@ -198,6 +223,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         "sidecar",
         "app2",
         "sidecar2",
+        "app3",
+        "sidecar3",
         "dead",
     ]
     jwks = json.dumps({"keys": [TRUSTED.jwk()]})
@@ -316,27 +343,14 @@ GATEWAY_CASES: list[tuple[str, str, str, Callable[[], str | None], dict[str, str
     ("garbage token", "/v2/x", "GET", lambda: "not-a-jwt", {}, 401),
     ("truncated signature", "/v2/x", "GET", lambda: token()[:-10], {}, 401),
     ("token in the wrong header", "/v2/x", "GET", lambda: None, {"x-token": token()}, 403),
-    (
-        "token as a query parameter Envoy is not told to read",
-        "/v2/x?token=abc",
-        "GET",
-        lambda: None,
-        {},
-        403,
-    ),
     ("tenant not allowed by policy", "/v2/x", "GET", lambda: token(tenant="globex"), {}, 403),
     ("claim hits a DENY rule", "/v2/x", "GET", lambda: token(role="banned"), {}, 403),
     ("path hits a DENY rule", "/v2/admin/users", "GET", token, {}, 403),
     ("method not allowed", "/v2/x", "DELETE", token, {}, 403),
     ("path not allowed", "/v1/x", "GET", token, {}, 403),
-    (
-        "spoofed x-forwarded-client-cert",
-        "/v2/x",
-        "GET",
-        lambda: None,
-        {"x-forwarded-client-cert": f"URI=spiffe://{TD}/ns/default/sa/trusted-client"},
-        403,
-    ),
+    # A valid token and the header naming the trusted client, on the path whose rule admits
+    # by that header: the sidecar sees the gateway's identity, whatever the client wrote.
+    ("spoofed x-forwarded-client-cert", "/xfcc/x", "GET", token, SPOOFED_XFCC, 403),
     ("JWKS URI down: a valid token cannot be verified", "/keyless/x", "GET", token, {}, 401),
     ("JWKS URI down: no token", "/keyless/x", "GET", lambda: None, {}, 403),
 ]
@@ -360,6 +374,22 @@ def test_denied_through_the_gateway(
     reply = request(mesh, path, make_token(), method, headers)
     assert reply.status == expected, f"{name}: {reply.status} {reply.body[:200]!r}"
     assert upstream_count(mesh) == before + 1, f"{name} reached the upstream"
+
+
+def test_a_valid_token_in_the_access_token_parameter_is_not_read(mesh: Mesh) -> None:
+    """Envoy's jwt_authn, given neither from_headers nor from_params, reads the Authorization
+    header and the `access_token` query parameter (Istio's default as well). meshfn always
+    names the locations: the Authorization header only (RequestAuthentication `fromHeaders`'
+    default), a query parameter only where a rule lists it in `fromParams`. By design: a token
+    in a URL ends up in access logs, proxies' logs and browser history. So a valid token in
+    `?access_token=` is no token at all: authorization refuses the request (403), where the
+    same token in the header is served."""
+    bearer = token()
+    before = upstream_count(mesh)
+    reply = request(mesh, f"/v2/x?access_token={bearer}")
+    assert reply.status == 403, reply
+    assert upstream_count(mesh) == before + 1, "a token in the URL reached the upstream"
+    assert request(mesh, "/v2/x", bearer).status == 200  # the token itself is valid
 
 
 def test_a_rule_that_opts_out_of_exp_accepts_a_token_without_one(mesh: Mesh) -> None:
@@ -520,16 +550,39 @@ def test_denied_at_the_sidecar(
     assert upstream_count(mesh) == before + 1, f"{name} reached the upstream"
 
 
-def test_plaintext_to_a_strict_port_is_refused(mesh: Mesh) -> None:
-    before = upstream_count(mesh)
-    with socket.create_connection(("127.0.0.1", mesh.ports["sidecar"]), timeout=5) as sock:
-        sock.sendall(b"GET /v2/x HTTP/1.1\r\nHost: x\r\n\r\n")
+def plaintext_probe(port: int, bearer: str) -> bytes:
+    """A plaintext HTTP/1.1 request with `bearer` to a sidecar port; every byte that comes back
+    until the connection ends (b"": closed or reset without a byte)."""
+    request = f"GET /v2/x HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {bearer}\r\n"
+    data = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(request.encode() + b"Connection: close\r\n\r\n")
         try:
-            data = sock.recv(4096)
+            while chunk := sock.recv(4096):
+                data += chunk
         except ConnectionResetError:
-            data = b""
-    assert not data.startswith(b"HTTP/1.1 200")
+            pass
+    return data
+
+
+def test_plaintext_to_a_strict_port_is_refused(mesh: Mesh) -> None:
+    """No TLS, no HTTP: with a valid token (so that authorization has nothing to refuse), a
+    plaintext request to the STRICT sidecar gets no HTTP answer at all, not even a 403 (which
+    would mean plaintext was served and only authorization said no), and never reaches the
+    upstream. The probe can tell: see the PERMISSIVE control below."""
+    before = upstream_count(mesh)
+    data = plaintext_probe(mesh.ports["sidecar"], token())
+    assert b"HTTP/" not in data, data[:300]
     assert upstream_count(mesh) == before + 1
+
+
+def test_the_plaintext_probe_gets_an_answer_from_a_permissive_port(mesh: Mesh) -> None:
+    """The control: the same probe against a PERMISSIVE sidecar (service `migrating`) is
+    answered over plaintext, so the STRICT port's silence above is its refusal, not the
+    probe's failure."""
+    data = plaintext_probe(mesh.ports["sidecar3"], token())
+    assert data.startswith(b"HTTP/1.1 200 "), data[:300]
+    assert json.loads(data.partition(b"\r\n\r\n")[2])["service"] == "default/migrating"
 
 
 def test_a_trusted_client_with_a_token_gets_through(mesh: Mesh) -> None:
@@ -539,6 +592,36 @@ def test_a_trusted_client_with_a_token_gets_through(mesh: Mesh) -> None:
     assert isinstance(direct(mesh, cert, None), Reply)
     denied = direct(mesh, cert, None)
     assert isinstance(denied, Reply) and denied.status == 403  # a certificate is not a token
+
+
+def test_a_spoofed_client_certificate_header_does_not_admit(mesh: Mesh) -> None:
+    """The `allow` policy admits /xfcc/* by x-forwarded-client-cert alone (a rule that trusts
+    the header). An intruder with a mesh certificate of its own identity and a valid token
+    sends the header naming the trusted client: 403, the upstream untouched, because the
+    sidecar replaces a client's header with its own, from the TLS peer, before authorization
+    reads it. The control: the trusted client's own certificate is admitted by that rule, so
+    the rule does read the header, and the header authorization sees names the TLS peer."""
+    intruder = write_cert(mesh.tmp, "intruder", issue(mesh, "intruder"))
+    trusted = write_cert(mesh.tmp, "trusted", issue(mesh, "trusted-client"))
+    before = upstream_count(mesh)
+    spoofed = direct(mesh, intruder, token(), "/xfcc/x", SPOOFED_XFCC)
+    assert isinstance(spoofed, Reply) and spoofed.status == 403, spoofed
+    assert upstream_count(mesh) == before + 1, "the spoofed header reached the upstream"
+    admitted = direct(mesh, trusted, token(), "/xfcc/x")
+    assert isinstance(admitted, Reply) and admitted.status == 200, admitted
+    assert admitted.json()["client_cert"].endswith(TRUSTED_CLIENT_URI), admitted
+
+
+def test_the_application_is_told_the_tls_peer_not_the_clients_header(mesh: Mesh) -> None:
+    """A trusted client sending a header that names another identity (the gateway's): the
+    application's x-forwarded-client-cert names the TLS peer and nothing the client wrote
+    (neither replaced nor appended to)."""
+    trusted = write_cert(mesh.tmp, "trusted", issue(mesh, "trusted-client"))
+    edge = f"URI=spiffe://{TD}/ns/ingress/sa/edge"
+    reply = direct(mesh, trusted, token(), "/v2/x", {"x-forwarded-client-cert": edge})
+    assert isinstance(reply, Reply) and reply.status == 200, reply
+    told = reply.json()["client_cert"]
+    assert told.endswith(TRUSTED_CLIENT_URI) and "sa/edge" not in told, told
 
 
 def test_private_keys_never_leave_the_control_plane(mesh: Mesh) -> None:
@@ -710,6 +793,9 @@ def test_a_claim_header_is_only_ever_the_verified_claim(mesh: Mesh) -> None:
             assert claimed == {"x-tenant", "x-role"} & set(body["headers"]), (path, body)
 
 
+HEADERS_TIMEOUT_S = float(REQUEST_HYGIENE["request_headers_timeout"].removesuffix("s"))
+
+
 def raw_connections(mesh: Mesh, timeout: float) -> tuple[socket.socket, socket.socket]:
     """A plain connection to the gateway and an mTLS one (a trusted client) to the sidecar."""
     cert = write_cert(mesh.tmp, "trusted", issue(mesh, "trusted-client"))
@@ -778,4 +864,9 @@ def test_a_client_that_sends_its_headers_slowly_is_cut_off(mesh: Mesh) -> None:
             answers.append((data.split(b"\r\n", 1)[0], time.monotonic() - started))
     for status, after in answers:
         assert status in (b"HTTP/1.1 408 Request Timeout", b""), answers
-        assert after < 25, answers  # 10 s, given a slow machine its slack
+        # Cut by the headers timeout, not before: a slow machine only makes this later.
+        assert after >= HEADERS_TIMEOUT_S - 0.5, answers
+        # A functional deadline with a wide margin (2.5x the timeout): a loaded machine delays
+        # Envoy's timer a little, a missing timeout holds the connection for the 30 s socket
+        # timeout of this client.
+        assert after < 2.5 * HEADERS_TIMEOUT_S, answers

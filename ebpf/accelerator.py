@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
-import json
 import logging
 import os
 import platform
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal, get_args
 
-from . import bpfsys, loader, programs
+from . import bpfsys, loader, programs, statedir
 from .cgroups import cgroup2_root, collect, detach_quietly, open_dir, remove_cgroup, unmount_own
 from .host import (
     Host,
@@ -387,28 +385,15 @@ class Accelerator:
 
     # --- state file and lock ---------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
+    def _lock(self) -> contextlib.AbstractContextManager[None]:
         """Serialises setup and teardown between processes sharing the state directory."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        return statedir.locked(self.dir)
 
     def _load_state(self) -> _State | None:
-        try:
-            data = json.loads((self.dir / "state.json").read_text())
-            return _State(**data)
-        except (OSError, ValueError, TypeError):
-            return None
+        return statedir.load(self.dir, _State)
 
     def _save_state(self, state: _State) -> None:
-        tmp = self.dir / ".state.json.tmp"
-        tmp.write_text(json.dumps(asdict(state), indent=2))
-        tmp.replace(self.dir / "state.json")
+        statedir.save(self.dir, state)
 
     @contextlib.contextmanager
     def _pins(self, state: _State) -> Iterator[dict[str, int]]:

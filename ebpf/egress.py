@@ -23,21 +23,19 @@ run left, then attaches afresh (the backends are restarted with the control plan
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import ipaddress
-import json
 import logging
 import os
 import platform
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
-from . import bpfsys, egress_programs, loader
+from . import bpfsys, egress_programs, loader, statedir
 from .cgroups import cgroup2_root, collect, open_dir, remove_cgroup, unmount_own
 from .host import Host, Unavailable, check_bcc, check_privileges, find_headers, is_mounted
 
@@ -76,7 +74,6 @@ class Denial:
 
 @dataclass
 class _State:
-    build: str
     cgroup: str
     bpffs: str
     mounted_cgroup2: bool
@@ -282,7 +279,6 @@ class EgressControl:
         else:
             root, mounted = cgroup2_root(self.dir / "cgroup2")
         state = _State(
-            build=egress_programs.digest(self._text),
             cgroup=str(root / cgroup_name(self.state_dir)),
             bpffs=str(self.dir / "bpffs"),
             mounted_cgroup2=mounted,
@@ -387,26 +383,15 @@ class EgressControl:
             raise RuntimeError("egress control is not attached")
         return self._state
 
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def _lock(self) -> contextlib.AbstractContextManager[None]:
+        """Serialises setup and teardown between processes sharing the state directory."""
+        return statedir.locked(self.dir)
 
     def _load_state(self) -> _State | None:
-        try:
-            return _State(**json.loads((self.dir / "state.json").read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
+        return statedir.load(self.dir, _State)
 
     def _save_state(self, state: _State) -> None:
-        tmp = self.dir / ".state.json.tmp"
-        tmp.write_text(json.dumps(asdict(state), indent=2))
-        tmp.replace(self.dir / "state.json")
+        statedir.save(self.dir, state)
 
 
 def detach(state_dir: Path) -> list[str]:

@@ -18,7 +18,6 @@ control plane turns into /metrics and rate-limited log lines.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from dataclasses import dataclass
 from typing import Final
@@ -219,7 +218,3 @@ def source(body: str = _BODY) -> str:
     lines.append(f"#define ALLOW_ENTRIES {ALLOW_ENTRIES}")
     lines.append(f"#define DENIED_ENTRIES {DENIED_ENTRIES}")
     return "\n".join(lines) + "\n" + body
-
-
-def digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -13,6 +13,8 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshfn.common import env
+
 from . import bpfsys, programs
 
 
@@ -21,7 +23,7 @@ class Unavailable(RuntimeError):
 
 
 def default_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshfn"
+    return env.cache_home() / "meshfn"
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class Host:
     def env_headers(self) -> str:
         if self.kernel_source_env is not None:
             return self.kernel_source_env
-        return os.environ.get("BCC_KERNEL_SOURCE", "")
+        return env.BCC_KERNEL_SOURCE.get_or("")
 
 
 # --- privileges and kernel features --------------------------------------------------------------

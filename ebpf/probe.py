@@ -544,7 +544,7 @@ def _tcp_payload(frame: bytes) -> tuple[int, int, int] | None:
     return sport, dport, length - offset
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -P -m meshfn.ebpf.probe")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("pingpong", "exchange", "halfclose", "hold", "echo", "rtt", "stream"):
@@ -565,7 +565,11 @@ def main(argv: list[str] | None = None) -> int:
         if name == "halfclose":
             cmd.add_argument("--trials", type=int, default=10)
             cmd.add_argument("--mode", choices=["blocking", "asyncio"], default="blocking")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.command in ("echo", "hold"):
         (echo if args.command == "echo" else hold)(args.family)
         return 0

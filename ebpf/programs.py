@@ -38,6 +38,7 @@ PROG_PINS: Final = (PIN_SOCK_OPS, PIN_SK_MSG)
 MAP_PINS: Final = (PIN_SOCKS, PIN_COUNTERS, PIN_CONFIG, PIN_TCP_PATH, PIN_CLIENTS)
 PINS: Final = PROG_PINS + MAP_PINS
 
+
 # Function / map names in SOURCE (BPF object names are cut at 15 characters).
 FN_SOCK_OPS: Final = "meshfn_sock_ops"
 FN_SK_MSG: Final = "meshfn_sk_msg"
@@ -46,6 +47,14 @@ MAP_COUNTERS: Final = "meshfn_counters"
 MAP_CONFIG: Final = "meshfn_config"
 MAP_TCP_PATH: Final = "meshfn_tcp_path"
 MAP_CLIENTS: Final = "meshfn_clients"
+# (pin, map name in SOURCE) of every map, in MAP_PINS order: what the loader pins.
+MAP_PINS_NAMES: Final = (
+    (PIN_SOCKS, MAP_SOCKS),
+    (PIN_COUNTERS, MAP_COUNTERS),
+    (PIN_CONFIG, MAP_CONFIG),
+    (PIN_TCP_PATH, MAP_TCP_PATH),
+    (PIN_CLIENTS, MAP_CLIENTS),
+)
 
 SOCK_KEY_SIZE: Final = 40  # struct sock_key below
 SOCKHASH_ENTRIES: Final = 65536

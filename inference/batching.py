@@ -21,12 +21,13 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from meshfn.contracts.function import FunctionBatching
 
-from .host import Outcome
+from .host import CallResult, Outcome
 from .kserve import InferRequest, Input, KServeError, Output
 from .pool import FunctionRuntime, Invocation
 from .results import Completed, deadline_error, failure
@@ -155,16 +156,32 @@ class Batcher:
 
     def _take(self, now: float) -> tuple[float | None, list[Pending] | None]:
         """The next batch, or how long to wait for it to fill."""
+        self._drop_expired(now)
+        if not self.queue:
+            return None, None
+        # highest priority first, oldest first within one (a stable sort keeps arrival order)
+        ordered = sorted(self.queue, key=_by_priority) if self._prioritised() else self.queue
+        chosen, ready = self._fill(ordered)
+        waited = now - min(p.enqueued for p in chosen)  # its oldest member's wait
+        if not ready and waited < self.delay:
+            return self.delay - waited, None
+        for p in chosen:
+            self.queue.remove(p)
+        return None, chosen
+
+    def _drop_expired(self, now: float) -> None:
+        """Forget requests whose client went away; fail those past their deadline."""
         for p in list(self.queue):
             if p.future.done():  # the client went away
                 self.queue.remove(p)
             elif now >= p.deadline:
                 self.queue.remove(p)
                 p.future.set_exception(deadline_error(self.lane.rt, "while queued for a batch"))
-        if not self.queue:
-            return None, None
-        # highest priority first, oldest first within one (a stable sort keeps arrival order)
-        ordered = sorted(self.queue, key=_by_priority) if self._prioritised() else self.queue
+
+    def _fill(self, ordered: Sequence[Pending]) -> tuple[list[Pending], bool]:
+        """The head's batch: the requests compatible with the first, up to the maximum rows,
+        cut to the largest preferred size it reaches; and whether it may run now (full, or
+        at a preferred size)."""
         head = ordered[0]
         chosen, rows = [], 0
         for p in ordered:
@@ -185,12 +202,7 @@ class Batcher:
                     cut = i + 1
             if cut:
                 chosen, ready = chosen[:cut], True
-        waited = now - min(p.enqueued for p in chosen)  # its oldest member's wait
-        if not ready and waited < self.delay:
-            return self.delay - waited, None
-        for p in chosen:
-            self.queue.remove(p)
-        return None, chosen
+        return chosen, ready
 
     def _prioritised(self) -> bool:
         first = self.queue[0].priority
@@ -231,21 +243,7 @@ class Batcher:
             p.timing.guest_cpu_ns += invocation.cpu_ns * p.rows // rows
         infer_ns = round(invocation.seconds * 1e9)
         result = invocation.result
-        shares: list[Completed] | None = None
-        if result.outcome is Outcome.OK:
-            if len(batch) == 1:
-                shares = [Completed(result.body)]
-            else:
-                try:
-                    outputs, params = Completed(result.body).parsed(rt.label)
-                    shares = [
-                        Completed(None, o, params) for o in split(outputs, [p.rows for p in batch])
-                    ]
-                except (KServeError, TensorError, ValueError) as exc:
-                    log.warning(
-                        "batched outputs cannot be split; running each request alone",
-                        extra={"function": rt.label, "reason": str(exc)},
-                    )
+        shares = self._shares(batch, result) if result.outcome is Outcome.OK else None
         lane.stats.execution(rows, called - started, infer_ns, time.perf_counter_ns() - returned)
         lane.executed(rows)
         if shares is not None:
@@ -256,11 +254,33 @@ class Batcher:
                 if not p.future.done():
                     p.future.set_result(share)
             return
+        await self._failed(batch, result)
+
+    def _shares(self, batch: list[Pending], result: CallResult) -> list[Completed] | None:
+        """Each member's part of a successful call's outputs; None when a merged call's
+        outputs cannot be split by rows (each member then runs alone)."""
+        if len(batch) == 1:
+            return [Completed(result.body)]
+        rt = self.lane.rt
+        try:
+            outputs, params = Completed(result.body).parsed(rt.label)
+            return [Completed(None, o, params) for o in split(outputs, [p.rows for p in batch])]
+        except (KServeError, TensorError, ValueError) as exc:
+            log.warning(
+                "batched outputs cannot be split; running each request alone",
+                extra={"function": rt.label, "reason": str(exc)},
+            )
+            return None
+
+    async def _failed(self, batch: list[Pending], result: CallResult) -> None:
+        """A call that failed, or whose merged outputs could not be split: a lone request gets
+        the failure; the members of a batch run alone, each to its own outcome (one member, or
+        more, may have broken the merged call), unless their deadline has passed."""
+        rt = self.lane.rt
         if len(batch) == 1:
             if not batch[0].future.done():
                 batch[0].future.set_exception(failure(rt, result))
             return
-        # One member (or more) broke the merged call: each gets its own outcome.
         for p in batch:
             if p.future.done():
                 continue

@@ -23,6 +23,7 @@ from typing import Any
 
 import wasmtime
 
+from meshfn.common import env
 from meshfn.common.progress import NULL, Reporter
 
 from .errors import BuildError
@@ -39,10 +40,7 @@ CORE_EXPORTS = ("memory", "meshfn_abi_version", "meshfn_metadata", "meshfn_alloc
 
 def cache_root() -> Path:
     """$MESHFN_CACHE, else $XDG_CACHE_HOME/meshfn, else ~/.cache/meshfn."""
-    if env := os.environ.get("MESHFN_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "meshfn"
+    return env.CACHE.path() or env.cache_home() / "meshfn"
 
 
 @dataclass(frozen=True)
@@ -99,11 +97,17 @@ def build_key(directory: Path, manifest: FunctionManifest) -> str:
 
 
 def _run(argv: list[str], cwd: Path, what: str, timeout: float = 600) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV", "PYTHONPATH"}}
-    env["PYTHONSAFEPATH"] = "1"
+    child_env = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV", "PYTHONPATH"}}
+    child_env["PYTHONSAFEPATH"] = "1"
     try:
         out = subprocess.run(
-            argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False, env=env
+            argv,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=child_env,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise BuildError(f"{what} failed: {exc}") from None

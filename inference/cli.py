@@ -12,25 +12,16 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from meshfn.common.cli import command_app, console, fail, run_cli
+
 from .errors import InferenceError
 
 __all__ = ["InferenceError", "fn_app", "main", "publish_examples"]
 
-fn_app = typer.Typer(
-    name="fn",
-    help="Build, sign and publish WASM model functions.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-out = Console(soft_wrap=True, highlight=False, markup=False)
-err = Console(stderr=True, soft_wrap=True, highlight=False)
-
-
-def _fail(exc: Exception | str, code: int = 1) -> None:
-    err.print("[red]error:[/red] ", end="")
-    err.print(str(exc), markup=False)
-    raise typer.Exit(code)
+fn_app = command_app("fn", "Build, sign and publish WASM model functions.")
+# What functions are named and where they are is printed as it is: no markup on stdout.
+out = console(highlight=False, markup=False)
+err = console(stderr=True, highlight=False)
 
 
 @fn_app.command("keygen")
@@ -44,7 +35,7 @@ def keygen(
     try:
         private, public = generate_key(out_dir, name)
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     out.print(f"private key: {private}\npublic key:  {public}")
 
 
@@ -67,7 +58,7 @@ def build_cmd(
             result = build(directory, out_dir, force=force, progress=progress)
             progress.finish(directory.name, cached=result.cached)
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     info = result.info()
     report = info["build"]["report"]
     accuracy = f"  held-out accuracy {report['heldout_accuracy']}" if report else ""
@@ -87,7 +78,7 @@ def sign_cmd(
     try:
         path = sign_module(wasm, load_private_key(key))
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     out.print(f"signed {wasm} -> {path}")
 
 
@@ -115,7 +106,7 @@ def publish_cmd(
             wasm, private, trusted, compile_cache=cache_root() / "functions" / "compiled"
         )
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     out.print(f"published {entry}")
 
 
@@ -140,7 +131,7 @@ def examples_cmd(
                 progress=NULL if as_json else progress,
             )
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     if as_json:
         rows = [
             {"name": p.name, "version": p.version, "kind": p.kind, "skipped": p.skipped}
@@ -157,13 +148,7 @@ def examples_cmd(
     out.print(f"trusted key: {public}")
 
 
-main_app = typer.Typer(
-    name="meshfn.inference",
-    help="meshfn inference backend (KServe v2 over wasmtime).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+main_app = command_app("meshfn.inference", "meshfn inference backend (KServe v2 over wasmtime).")
 main_app.add_typer(fn_app)
 
 
@@ -221,10 +206,9 @@ def serve_cmd(
                 "flags",
             )
         else:
-            _fail("pass --registry DIR or --config FILE")
-            return
+            fail("pass --registry DIR or --config FILE")
         if loop not in ("asyncio", "uvloop"):
-            _fail(f"--loop must be asyncio or uvloop, not {loop!r}")
+            fail(f"--loop must be asyncio or uvloop, not {loop!r}")
         if cfg.processes > 1 and listen_fd is None:
             from .supervisor import Supervisor
 
@@ -240,9 +224,9 @@ def serve_cmd(
         else:
             asyncio.run(main)
     except InferenceError as exc:
-        _fail(exc)
+        fail(exc)
     except OSError as exc:
-        _fail(f"cannot serve on {host}:{port}: {exc}")
+        fail(f"cannot serve on {host}:{port}: {exc}")
 
 
 def _confine(
@@ -257,7 +241,7 @@ def _confine(
     try:
         sandbox.at_start()
     except SandboxError as exc:
-        _fail(exc)
+        fail(exc)
     return sandbox
 
 
@@ -274,4 +258,4 @@ def publish_examples(registry: Path, console: Console | None = None) -> tuple[li
 
 
 def main() -> None:
-    sys.exit(main_app())
+    run_cli(main_app)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Literal, TypeVar
+
+from meshfn.common import env
 
 from .batching import Batcher
 from .engine import EPOCH_TICK_S, deadline_ticks
@@ -53,9 +54,8 @@ SLICE_SECONDS = INLINE_SLICE_TICKS * EPOCH_TICK_S
 # on a fresh instance has no effect outside it either. A cold call (no idle instance) and a
 # function whose calls grew longer stay on the worker threads.
 INLINE_PYTHON_MAX_S = 0.002
-# MESHFN_INLINE_CORE=0 / MESHFN_INLINE_PYTHON=0 turn them off (the levers in bench/coldstart.py).
-INLINE_CORE = os.environ.get("MESHFN_INLINE_CORE", "1") != "0"
-INLINE_PYTHON = os.environ.get("MESHFN_INLINE_PYTHON", "1") != "0"
+# MESHFN_INLINE_CORE=0 / MESHFN_INLINE_PYTHON=0 turn them off (the levers in bench/coldstart.py),
+# read when a Dispatcher is made (meshfn.common.env).
 _CALL_EWMA_WEIGHT = 0.2  # of the newest call in a Python function's recent call time
 
 
@@ -107,10 +107,10 @@ class Lane:
         if not rt.loaded or rt.verified is None:
             return False
         if rt.verified.kind == "core":
-            return INLINE_CORE
+            return self._dispatcher.inline_core
         recent = self.recent_call_s
         return (
-            INLINE_PYTHON
+            self._dispatcher.inline_python
             and recent is not None
             and recent <= INLINE_PYTHON_MAX_S
             and rt.idle_instances > 0
@@ -226,6 +226,9 @@ class Dispatcher:
         self.prewarm_executor = prewarm_executor  # predicted warm-ups (None: none)
         self.warm_budget = warm_budget or WarmBudget(0)
         self.under_pressure = under_pressure
+        # guest calls on the event loop first (see INLINE_SLICE_TICKS), unless turned off
+        self.inline_core = env.INLINE_CORE.enabled()
+        self.inline_python = env.INLINE_PYTHON.enabled()
         self.lanes: dict[str, Lane] = {}
         self.inflight = 0
         self.draining = False

@@ -285,41 +285,49 @@ class HttpProtocol(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         try:
-            while True:
-                while not self.queue:
-                    if self.closing and not self.busy:
-                        transport.close()
-                        return
-                    self.wakeup.clear()
-                    await self.wakeup.wait()
-                    if self.closing and not self.queue:
-                        transport.close()
-                        return
-                item = self.queue.popleft()
+            while (item := await self._next(transport)) is not None:
                 if len(self.queue) < MAX_QUEUED // 2 and not transport.is_closing():
                     transport.resume_reading()
-                if isinstance(item, Response):
-                    if transport.is_closing():
-                        return
-                    transport.write(encode(item, False))
-                    transport.close()
+                if isinstance(item, Response):  # an error the parser answered: the last one
+                    if not transport.is_closing():
+                        transport.write(encode(item, False))
+                        transport.close()
                     return
-                request = item.request if isinstance(item, _Started) else item
-                self.busy = True
-                try:
-                    if isinstance(item, _Started):
-                        response = await _Resume(item.coro, item.future)
-                    else:
-                        response = await self.server.handler(item)
-                except Exception:
-                    response = self._crashed(request)
-                finally:
-                    self.busy = False
-                if not self._respond(request, response):  # it closed the connection
+                if not await self._answer(item):  # it closed the connection
                     return
         except asyncio.CancelledError:
             transport.close()
             raise
+
+    async def _next(self, transport: asyncio.Transport) -> Request | Response | _Started | None:
+        """The next item in the queue, waiting for one; None (and the connection closed) once
+        it is closing with nothing left to answer."""
+        while not self.queue:
+            if self.closing and not self.busy:
+                transport.close()
+                return None
+            self.wakeup.clear()
+            await self.wakeup.wait()
+            if self.closing and not self.queue:
+                transport.close()
+                return None
+        return self.queue.popleft()
+
+    async def _answer(self, item: Request | _Started) -> bool:
+        """Run the handler for a request (or resume one started at once) and write its
+        response; False when that closed the connection."""
+        request = item.request if isinstance(item, _Started) else item
+        self.busy = True
+        try:
+            if isinstance(item, _Started):
+                response = await _Resume(item.coro, item.future)
+            else:
+                response = await self.server.handler(item)
+        except Exception:
+            response = self._crashed(request)
+        finally:
+            self.busy = False
+        return self._respond(request, response)
 
     def close_if_idle(self) -> None:
         if not self.busy and not self.queue and self.transport is not None:

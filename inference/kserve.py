@@ -401,19 +401,7 @@ def parse_http(
         return _raw_binary_request(body, signature)
     head = body if json_length is None else body[:json_length]
     blob = b"" if json_length is None else body[json_length:]
-    try:
-        request = loads(head)
-    except (UnicodeDecodeError, ValueError) as exc:
-        hint = ""
-        trailing = isinstance(exc, UnicodeDecodeError) or "Extra data" in str(exc)
-        if json_length is None and trailing:
-            hint = " (binary tensor data needs the Inference-Header-Content-Length header)"
-        raise bad(f"request body is not valid JSON: {exc}{hint}") from None
-    if not isinstance(request, dict):
-        raise bad("request body must be a JSON object")
-    if not _REQUEST_KEYS.issuperset(request):
-        unknown = set(request) - _REQUEST_KEYS
-        raise bad(f"unknown request field(s): {', '.join(sorted(unknown))}")
+    request = _request_object(head, json_length)
     if "model_name" in request or "model_version" in request:
         _check_named_model(request, model)
     request_id = request.get("id")
@@ -427,53 +415,8 @@ def parse_http(
     parsed: list[Input] = []
     offset = 0
     for i, tensor in enumerate(inputs):
-        if not isinstance(tensor, dict):
-            raise bad(f"inputs[{i}] must be an object")
-        if not ("name" in tensor and "datatype" in tensor and "shape" in tensor):
-            missing = {"name", "datatype", "shape"} - set(tensor)
-            raise bad(f"inputs[{i}] lacks {', '.join(sorted(missing))}")
-        if not _INPUT_KEYS.issuperset(tensor):
-            extra = set(tensor) - _INPUT_KEYS
-            raise bad(f"inputs[{i}] has unknown field(s): {', '.join(sorted(extra))}")
-        sig = signature.input_named(tensor["name"], seen)
-        name = sig.name
-        if tensor["datatype"] != sig.datatype:
-            raise bad(f"input {name!r}: datatype {tensor['datatype']!r}, expected {sig.datatype}")
-        shape = signature.check_shape(name, tensor["shape"])
-        where = f"input {name!r}"
-        tparams: dict[str, Any] = {}
-        size = None
-        if tensor.get("parameters") is not None:  # (none: nothing to check or take)
-            tparams = dict(check_parameters(tensor["parameters"], where))
-            size = tparams.pop("binary_data_size", None)
-            _no_other_binary(tparams, None, where)
-        dt, count = dtype(sig.datatype), element_count(shape)
-        try:
-            if size is None:
-                if "data" not in tensor:
-                    raise bad(f"inputs[{i}] lacks data (or parameters.binary_data_size)")
-                raw = json_to_raw(tensor["data"], dt, shape)
-            else:
-                if json_length is None:
-                    raise bad(
-                        f"{where}: binary_data_size needs the Inference-Header-Content-Length "
-                        "header"
-                    )
-                if "data" in tensor:
-                    raise bad(f"{where}: both data and binary_data_size given")
-                if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                    raise bad(f"{where}: binary_data_size must be a non-negative integer")
-                if offset + size > len(blob):
-                    raise bad(
-                        f"{where}: binary_data_size {size} runs past the end of the binary data "
-                        f"({len(blob) - offset} bytes left)"
-                    )
-                raw = blob[offset : offset + size]
-                offset += size
-                check_raw(raw, dt, count)
-        except TensorError as exc:
-            raise bad(f"{where}: {exc}") from None
-        parsed.append(Input(name, dt, shape, raw, tparams))
+        tensor_in, offset = _input(i, tensor, signature, seen, blob, offset, json_length)
+        parsed.append(tensor_in)
     if offset != len(blob):
         raise bad(
             f"{len(blob) - offset} bytes of binary data after the inputs that claim "
@@ -488,6 +431,84 @@ def parse_http(
         binary_output,
         timeout,
     )
+
+
+def _request_object(head: bytes, json_length: int | None) -> dict[str, Any]:
+    """The request's JSON object, with only the fields KServe v2 defines."""
+    try:
+        request = loads(head)
+    except (UnicodeDecodeError, ValueError) as exc:
+        hint = ""
+        trailing = isinstance(exc, UnicodeDecodeError) or "Extra data" in str(exc)
+        if json_length is None and trailing:
+            hint = " (binary tensor data needs the Inference-Header-Content-Length header)"
+        raise bad(f"request body is not valid JSON: {exc}{hint}") from None
+    if not isinstance(request, dict):
+        raise bad("request body must be a JSON object")
+    if not _REQUEST_KEYS.issuperset(request):
+        unknown = set(request) - _REQUEST_KEYS
+        raise bad(f"unknown request field(s): {', '.join(sorted(unknown))}")
+    return request
+
+
+def _input(
+    i: int, tensor: Any, signature: Signature, seen: set[str], blob: bytes, offset: int,
+    json_length: int | None,
+) -> tuple[Input, int]:  # fmt: skip
+    """inputs[i], checked against the signature (its name is added to `seen`), and the offset
+    of the next input's binary data in `blob`."""
+    if not isinstance(tensor, dict):
+        raise bad(f"inputs[{i}] must be an object")
+    if not ("name" in tensor and "datatype" in tensor and "shape" in tensor):
+        missing = {"name", "datatype", "shape"} - set(tensor)
+        raise bad(f"inputs[{i}] lacks {', '.join(sorted(missing))}")
+    if not _INPUT_KEYS.issuperset(tensor):
+        extra = set(tensor) - _INPUT_KEYS
+        raise bad(f"inputs[{i}] has unknown field(s): {', '.join(sorted(extra))}")
+    sig = signature.input_named(tensor["name"], seen)
+    name = sig.name
+    if tensor["datatype"] != sig.datatype:
+        raise bad(f"input {name!r}: datatype {tensor['datatype']!r}, expected {sig.datatype}")
+    shape = signature.check_shape(name, tensor["shape"])
+    where = f"input {name!r}"
+    tparams: dict[str, Any] = {}
+    size = None
+    if tensor.get("parameters") is not None:  # (none: nothing to check or take)
+        tparams = dict(check_parameters(tensor["parameters"], where))
+        size = tparams.pop("binary_data_size", None)
+        _no_other_binary(tparams, None, where)
+    dt, count = dtype(sig.datatype), element_count(shape)
+    try:
+        if size is None:
+            if "data" not in tensor:
+                raise bad(f"inputs[{i}] lacks data (or parameters.binary_data_size)")
+            raw = json_to_raw(tensor["data"], dt, shape)
+        else:
+            raw = _binary_data(tensor, size, blob, offset, json_length, where)
+            offset += size
+            check_raw(raw, dt, count)
+    except TensorError as exc:
+        raise bad(f"{where}: {exc}") from None
+    return Input(name, dt, shape, raw, tparams), offset
+
+
+def _binary_data(
+    tensor: dict[str, Any], size: Any, blob: bytes, offset: int, json_length: int | None,
+    where: str,
+) -> bytes:  # fmt: skip
+    """An input's data from the binary extension's part of the body: `size` bytes at `offset`."""
+    if json_length is None:
+        raise bad(f"{where}: binary_data_size needs the Inference-Header-Content-Length header")
+    if "data" in tensor:
+        raise bad(f"{where}: both data and binary_data_size given")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise bad(f"{where}: binary_data_size must be a non-negative integer")
+    if offset + size > len(blob):
+        raise bad(
+            f"{where}: binary_data_size {size} runs past the end of the binary data "
+            f"({len(blob) - offset} bytes left)"
+        )
+    return blob[offset : offset + size]
 
 
 def _check_named_model(request: dict[str, Any], model: tuple[str, str] | None) -> None:

@@ -156,85 +156,16 @@ class Registry:
         """
         trusted = trusted or signing.TrustedKeys([key.public_key()])
         sig_path = signature_path(wasm)
-        try:
-            envelope = json.loads(sig_path.read_text())
-        except FileNotFoundError:
-            raise SignatureError(
-                f"{wasm} is not signed ({sig_path} missing): run fn sign"
-            ) from None
-        except (OSError, ValueError) as exc:
-            raise SignatureError(f"{sig_path}: {exc}") from None
-        payload = signing.verify(envelope, "module", trusted)
-        digest = signing.sha256_file(wasm)
-        if payload.get("module_sha256") != digest:
-            raise SignatureError(f"{wasm}: digest does not match its signature (tampered?)")
+        payload, digest = _signed_payload(wasm, sig_path, trusted)
         name, version, kind = str(payload["name"]), str(payload["version"]), payload["kind"]
         if kind not in ("python", "core"):
             raise RegistryError(f"{sig_path}: unknown function kind {kind!r}")
-        target = self.entry(name, version)
-        if kind == "core":
-            try:
-                check_core_module(wasm.read_bytes(), str(wasm))
-            except BuildError as exc:
-                raise RegistryError(str(exc)) from None
-        engine = new_engine()
         key_name = engine_key()
         cached = compile_cache / f"{digest}-{key_name}.cwasm" if compile_cache else None
-        try:
-            if cached is not None and cached.exists():
-                artifact = load_precompiled(engine, cast(Kind, kind), cached)
-                native = cached.read_bytes()
-            else:
-                artifact, native = compile_module(engine, cast(Kind, kind), wasm)
-                if cached is not None:
-                    cached.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = cached.with_suffix(f".tmp{os.getpid()}")
-                    tmp.write_bytes(native)
-                    tmp.replace(cached)
-            imports = component_imports(artifact)
-            if imports:
-                raise RegistryError(
-                    f"{wasm}: component imports {', '.join(imports)}; model functions get no host "
-                    "capabilities (build with `meshfn fn build`, i.e. componentize-py --stub-wasi)"
-                )
-            actual = metadata_of(artifact)
-        except RegistryError:
-            raise
-        except Exception as exc:  # wasmtime raises several types for a bad module
-            raise RegistryError(f"{wasm}: cannot compile or instantiate: {exc}") from None
-        if actual != payload["metadata"]:
-            raise RegistryError(f"{wasm}: metadata() differs from the signed metadata")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=target.parent))
-        try:
-            shutil.copyfile(wasm, stage / "module.wasm")
-            shutil.copyfile(sig_path, stage / MODULE_SIG)
-            (stage / "compiled").mkdir()
-            cwasm = stage / "compiled" / f"{key_name}.cwasm"
-            cwasm.write_bytes(native)
-            record = {
-                "name": name,
-                "version": version,
-                "module_sha256": digest,
-                "cwasm_sha256": signing.sha256_file(cwasm),
-                "cwasm_size": cwasm.stat().st_size,
-                "engine_key": key_name,
-                "engine": engine_settings(),
-            }
-            (stage / "compiled" / f"{key_name}.json").write_text(
-                json.dumps(signing.sign(key, "compiled", record), indent=1)
-            )
-            for path in [stage, *stage.rglob("*")]:
-                path.chmod(0o755 if path.is_dir() else 0o644)
-            if target.exists():
-                trash = Path(tempfile.mkdtemp(prefix=f".{version}.old.", dir=target.parent))
-                target.rename(trash / "entry")
-                stage.rename(target)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                stage.rename(target)
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
+        native = _precompiled(wasm, cast(Kind, kind), payload["metadata"], cached)
+        target = self.entry(name, version)
+        record = {"name": name, "version": version, "module_sha256": digest}
+        _install(target, wasm, sig_path, native, record, key)
         return target
 
     # ------------------------------------------------------------------ verify
@@ -290,6 +221,100 @@ class Registry:
             cwasm=cwasm,
             identities=identities,
         )
+
+
+def _signed_payload(
+    wasm: Path, sig_path: Path, trusted: signing.TrustedKeys
+) -> tuple[dict[str, Any], str]:
+    """The module's signed payload, checked against its signature and its digest."""
+    try:
+        envelope = json.loads(sig_path.read_text())
+    except FileNotFoundError:
+        raise SignatureError(f"{wasm} is not signed ({sig_path} missing): run fn sign") from None
+    except (OSError, ValueError) as exc:
+        raise SignatureError(f"{sig_path}: {exc}") from None
+    payload = signing.verify(envelope, "module", trusted)
+    digest = signing.sha256_file(wasm)
+    if payload.get("module_sha256") != digest:
+        raise SignatureError(f"{wasm}: digest does not match its signature (tampered?)")
+    return payload, digest
+
+
+def _precompiled(wasm: Path, kind: Kind, signed_metadata: Any, cached: Path | None) -> bytes:
+    """The module compiled for this engine (from `cached` when it is there, kept there when it
+    is given), instantiated once to check that it imports nothing and that its own
+    `metadata()` is the signed metadata."""
+    if kind == "core":
+        try:
+            check_core_module(wasm.read_bytes(), str(wasm))
+        except BuildError as exc:
+            raise RegistryError(str(exc)) from None
+    engine = new_engine()
+    try:
+        if cached is not None and cached.exists():
+            artifact = load_precompiled(engine, kind, cached)
+            native = cached.read_bytes()
+        else:
+            artifact, native = compile_module(engine, kind, wasm)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cached.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_bytes(native)
+                tmp.replace(cached)
+        imports = component_imports(artifact)
+        if imports:
+            raise RegistryError(
+                f"{wasm}: component imports {', '.join(imports)}; model functions get no host "
+                "capabilities (build with `meshfn fn build`, i.e. componentize-py --stub-wasi)"
+            )
+        actual = metadata_of(artifact)
+    except RegistryError:
+        raise
+    except Exception as exc:  # wasmtime raises several types for a bad module
+        raise RegistryError(f"{wasm}: cannot compile or instantiate: {exc}") from None
+    if actual != signed_metadata:
+        raise RegistryError(f"{wasm}: metadata() differs from the signed metadata")
+    return native
+
+
+def _install(
+    target: Path, wasm: Path, sig_path: Path, native: bytes, module: dict[str, str],
+    key: Ed25519PrivateKey,
+) -> None:  # fmt: skip
+    """The entry, staged beside `target` and renamed into place (a reader sees the old entry
+    or the new one, never a part): the module, its signature, the native code and its compile
+    record (`module`: name, version, module_sha256; signed with `key`)."""
+    key_name = engine_key()
+    version = module["version"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=target.parent))
+    try:
+        shutil.copyfile(wasm, stage / "module.wasm")
+        shutil.copyfile(sig_path, stage / MODULE_SIG)
+        (stage / "compiled").mkdir()
+        cwasm = stage / "compiled" / f"{key_name}.cwasm"
+        cwasm.write_bytes(native)
+        record = {
+            **module,
+            "cwasm_sha256": signing.sha256_file(cwasm),
+            "cwasm_size": cwasm.stat().st_size,
+            "engine_key": key_name,
+            "engine": engine_settings(),
+        }
+        (stage / "compiled" / f"{key_name}.json").write_text(
+            json.dumps(signing.sign(key, "compiled", record), indent=1)
+        )
+        for path in [stage, *stage.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        if target.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{version}.old.", dir=target.parent))
+            target.rename(trash / "entry")
+            stage.rename(target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            stage.rename(target)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _version_key(version: str) -> tuple[tuple[int, int | str], ...]:

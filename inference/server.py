@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -105,6 +106,22 @@ def _json_body(body: bytes, allowed: set[str]) -> dict[str, Any]:
 class Router:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        # The server-wide GET endpoints (each a handler of no arguments).
+        self._gets: dict[str, Callable[[], Reply]] = {
+            "/v2": lambda: Reply(200, self.backend.server_meta),
+            "/v2/health/ready": self._ready,
+            "/v2/health/live": lambda: Reply(200, b'{"live": true}'),
+            "/v2/models": lambda: Reply.json({"models": self.backend.model_names()}),
+            "/v2/models/stats": lambda: Reply.json(
+                {"model_stats": self.backend.statistics(None, None)}
+            ),
+            "/metrics": lambda: Reply(
+                200,
+                generate_latest(self.backend.metrics.registry),
+                content_type=CONTENT_TYPE_LATEST.encode(),
+            ),
+            STATUS_PATH: lambda: Reply.json(functions_document(self.backend)),
+        }
 
     def body_limit(self, path: str) -> int:
         if not path.startswith("/v2/models/"):
@@ -128,72 +145,60 @@ class Router:
         return Response(reply.status, reply.body, reply.content_type, extra_headers=headers)
 
     async def _route(self, request: Request, path: str) -> Reply:
-        method = request.method
-        b = self.backend
         if path.startswith("/v2/models/") and path != "/v2/models/stats":
-            parsed = _model_route(path)
-            if parsed is None:
-                return Reply.error(404, _unsupported(path) or f"no route for {path}")
-            name, version, action = parsed
-            if action == "infer":
-                _method(method, "POST", path)
-                return await b.infer(name, version, request.body, request.headers)
-            _method(method, "GET", path)
-            if action == "ready":
-                return b.model_ready(name, version)
-            if action == "stats":
-                return Reply.json({"model_stats": b.statistics(name, version)})
-            if action == "config":
-                return Reply.json(b.model_config(name, version))
-            return b.metadata(name, version)
+            return await self._model(request, path)
         if path.startswith("/v2/repository/"):
-            _method(method, "POST", path)
-            if path == "/v2/repository/index":
-                ready = _json_body(request.body, {"ready"}).get("ready", False)
-                if not isinstance(ready, bool):
-                    raise KServeError(400, "'ready' must be true or false")
-                return Reply.json(b.repository_index(ready))
-            target = _parse_repository_path(path.strip("/").split("/"))
-            if target is None:
-                return Reply.error(404, f"no route for {path}")
-            name, version, action = target
-            params = _json_body(request.body, {"parameters"}).get("parameters", {})
-            if not isinstance(params, dict):
-                raise KServeError(400, "'parameters' must be an object")
-            await (b.load if action == "load" else b.unload)(name, version, params)
-            return Reply(200, b"{}")
-        if path not in _GET_ROUTES:
+            return await self._repository(request, path)
+        get = self._gets.get(path)
+        if get is None:
             return Reply.error(404, _unsupported(path) or f"no route for {path}")
-        _method(method, "GET", path)
-        if path == "/v2/health/ready":
-            reasons = b.unready_reasons()
-            body: dict[str, Any] = {"ready": not reasons}
-            if reasons:
-                body["reasons"] = reasons
-            return Reply.json(body, 503 if reasons else 200)
-        if path == "/v2/health/live":
-            return Reply(200, b'{"live": true}')
-        if path == "/v2":
-            return Reply(200, b.server_meta)
-        if path == "/v2/models":
-            return Reply.json({"models": b.model_names()})
-        if path == "/v2/models/stats":
-            return Reply.json({"model_stats": b.statistics(None, None)})
-        if path == STATUS_PATH:
-            return Reply.json(functions_document(b))
-        data = generate_latest(b.metrics.registry)
-        return Reply(200, data, content_type=CONTENT_TYPE_LATEST.encode())
+        _method(request.method, "GET", path)
+        return get()
 
+    async def _model(self, request: Request, path: str) -> Reply:
+        """/v2/models/NAME[/versions/V][/infer|ready|stats|config]."""
+        b = self.backend
+        parsed = _model_route(path)
+        if parsed is None:
+            return Reply.error(404, _unsupported(path) or f"no route for {path}")
+        name, version, action = parsed
+        if action == "infer":
+            _method(request.method, "POST", path)
+            return await b.infer(name, version, request.body, request.headers)
+        _method(request.method, "GET", path)
+        if action == "ready":
+            return b.model_ready(name, version)
+        if action == "stats":
+            return Reply.json({"model_stats": b.statistics(name, version)})
+        if action == "config":
+            return Reply.json(b.model_config(name, version))
+        return b.metadata(name, version)
 
-_GET_ROUTES = {
-    "/v2",
-    "/v2/health/ready",
-    "/v2/health/live",
-    "/v2/models",
-    "/v2/models/stats",
-    "/metrics",
-    STATUS_PATH,
-}
+    async def _repository(self, request: Request, path: str) -> Reply:
+        """The model repository extension: index, load, unload."""
+        b = self.backend
+        _method(request.method, "POST", path)
+        if path == "/v2/repository/index":
+            ready = _json_body(request.body, {"ready"}).get("ready", False)
+            if not isinstance(ready, bool):
+                raise KServeError(400, "'ready' must be true or false")
+            return Reply.json(b.repository_index(ready))
+        target = _parse_repository_path(path.strip("/").split("/"))
+        if target is None:
+            return Reply.error(404, f"no route for {path}")
+        name, version, action = target
+        params = _json_body(request.body, {"parameters"}).get("parameters", {})
+        if not isinstance(params, dict):
+            raise KServeError(400, "'parameters' must be an object")
+        await (b.load if action == "load" else b.unload)(name, version, params)
+        return Reply(200, b"{}")
+
+    def _ready(self) -> Reply:
+        reasons = self.backend.unready_reasons()
+        body: dict[str, Any] = {"ready": not reasons}
+        if reasons:
+            body["reasons"] = reasons
+        return Reply.json(body, 503 if reasons else 200)
 
 
 # The REST paths of Triton's extensions meshfn does not offer (kserve.UNSUPPORTED).

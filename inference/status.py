@@ -2,7 +2,7 @@
 
 The control plane's console reads it from each backend it started (on loopback, beside the
 KServe routes) instead of reaching into the backend: the backend talks to the control plane only
-through Envoy-facing protocols and this status endpoint (ARCHITECTURE.md). Read-only; it names
+through Envoy-facing protocols and this status endpoint (docs/concepts/architecture.md). Read-only; it names
 no file paths, keys or request data.
 """
 

@@ -88,31 +88,38 @@ def flatten_checked(data: Any, dt: DType, finite: bool = True) -> list[Any]:
     if kind in _NUMBER_TYPES and _all_in_range(flat, dt):
         return flat
     if kind == "float":
-        low, high = dt.low, dt.high
+        _check_floats(flat, dt, finite)
+    elif kind == "int":
+        _check_ints(flat, dt)
+    else:
+        want, what = (bool, "true/false") if kind == "bool" else (str, "a string")
         for v in flat:
-            t = type(v)
-            if t is not float and t is not int:
-                raise TensorError(f"{dt.name} element {v!r} is not a number")
-            if not low <= v <= high:
-                if t is float and not math.isfinite(v):
-                    if finite:
-                        raise TensorError(f"non-finite {dt.name} element")
-                    continue
-                raise TensorError(f"{v} is out of range for {dt.name}")
-        return flat
-    if kind == "int":
-        low, high = dt.low, dt.high
-        for v in flat:
-            if type(v) is not int:
-                raise TensorError(f"{dt.name} element {v!r} is not an integer")
-            if not low <= v <= high:
-                raise TensorError(f"{v} is out of range for {dt.name}")
-        return flat
-    want, what = (bool, "true/false") if kind == "bool" else (str, "a string")
-    for v in flat:
-        if type(v) is not want:
-            raise TensorError(f"{dt.name} element {v!r} is not {what}")
+            if type(v) is not want:
+                raise TensorError(f"{dt.name} element {v!r} is not {what}")
     return flat
+
+
+def _check_floats(flat: list[Any], dt: DType, finite: bool) -> None:
+    low, high = dt.low, dt.high
+    for v in flat:
+        t = type(v)
+        if t is not float and t is not int:
+            raise TensorError(f"{dt.name} element {v!r} is not a number")
+        if not low <= v <= high:
+            if t is float and not math.isfinite(v):
+                if finite:
+                    raise TensorError(f"non-finite {dt.name} element")
+                continue
+            raise TensorError(f"{v} is out of range for {dt.name}")
+
+
+def _check_ints(flat: list[Any], dt: DType) -> None:
+    low, high = dt.low, dt.high
+    for v in flat:
+        if type(v) is not int:
+            raise TensorError(f"{dt.name} element {v!r} is not an integer")
+        if not low <= v <= high:
+            raise TensorError(f"{v} is out of range for {dt.name}")
 
 
 _NUMBER_TYPES: dict[str, set[type]] = {"float": {float, int}, "int": {int}}
@@ -234,15 +241,3 @@ def unpack(raw: bytes, dt: DType, count: int) -> list[Any]:
     if dt.code == "e":
         return list(struct.unpack(f"<{count}e", raw))
     return array(dt.code, raw).tolist()
-
-
-def row_bytes(raw: bytes, dt: DType, count: int, rows: int) -> list[bytes]:
-    """Split checked raw data into `rows` equal rows along the first dimension."""
-    if rows == 0:
-        return []
-    if dt.kind != "bytes":
-        step = len(raw) // rows
-        return [raw[i * step : (i + 1) * step] for i in range(rows)]
-    per_row = count // rows
-    elements = unframe(raw, count)
-    return [frame(elements[i * per_row : (i + 1) * per_row]) for i in range(rows)]

@@ -118,6 +118,11 @@ class Service:
         return f"{self.namespace}/{self.name}"
 
     @property
+    def has_sidecars(self) -> bool:
+        """Its endpoints are behind sidecars (the policy checks: every one of them or none)."""
+        return any(e.sidecar_port for e in self.endpoints)
+
+    @property
     def speaks_grpc(self) -> bool:
         """gRPC requests can reach it: its protocol, or an HTTP service whose endpoints also
         have a gRPC port (their sidecars route gRPC there)."""

@@ -1,7 +1,8 @@
 """MeshModel -> Istio objects (plain dicts), validated against Istio's schemas. Pure and
-deterministic like the xDS translator, and built on the same shared pieces (meshfn.ir.plugins for
-the filters' settings, meshfn.xds.names for route and cluster names), so one policy set means the
-same on raw Envoy and on an Istio mesh. README "meshfn on Istio" maps every field."""
+deterministic like the xDS translator, and built on the same shared pieces (meshfn.xds.fragments
+for the filters' settings and the Envoy pieces of its EnvoyFilters, meshfn.xds.names for route
+and cluster names), so one policy set means the same on raw Envoy and on an Istio mesh.
+docs/concepts/istio.md maps every field."""
 
 from __future__ import annotations
 

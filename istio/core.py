@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from meshfn import ir
+from meshfn.xds.fragments.messages import seconds
 
 from .options import RenderOptions
 
@@ -37,7 +38,7 @@ class Source:
 @dataclass(frozen=True, order=True)
 class RenderWarning:
     """A part of a policy Istio cannot express (or can only approximate): `code` names the
-    case (README "meshfn on Istio"), `path` is the policy field."""
+    case (docs/concepts/istio.md), `path` is the policy field."""
 
     code: str
     source: Source
@@ -95,13 +96,6 @@ def selector(options: RenderOptions, workload: str) -> Obj:
     return {"matchLabels": options.labels(workload)}
 
 
-def seconds(value: Any) -> str:
-    """A protobuf Duration string ("1.5s") from a timedelta."""
-    total = value.total_seconds()
-    text = f"{total:.9f}".rstrip("0").rstrip(".")
-    return f"{text or '0'}s"
-
-
 _MS = timedelta(milliseconds=1)
 
 
@@ -127,7 +121,7 @@ def service_source(service: ir.Service) -> Source:
 
 
 def route_source(model: ir.MeshModel, route: ir.Route) -> Source:
-    """A Function's routes are named function-<name> (policy.compile.function_route)."""
+    """A Function's routes are named function-<name> (policy.kserve.function_route)."""
     name = route.name.removeprefix("function-")
     if route.name != name and any(
         f.namespace == route.namespace and f.name == name for f in model.functions
@@ -191,7 +185,7 @@ def gateways(model: ir.MeshModel) -> list[ir.Workload]:
 
 def sidecar_services(model: ir.MeshModel) -> list[ir.Service]:
     """Services whose endpoints have sidecars (pods with istio-proxy, or VMs with it)."""
-    return [s for s in model.services if any(e.sidecar_port for e in s.endpoints)]
+    return [s for s in model.services if s.has_sidecars]
 
 
 def account(identity: str) -> str:

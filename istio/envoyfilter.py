@@ -27,10 +27,12 @@ from meshfn import ir
 from meshfn.contracts.plugins import ROUTE_METADATA, ROUTING_HEADER
 from meshfn.contracts.proxy import REQUEST_HYGIENE, WHOLE_SMALL_BODIES
 from meshfn.contracts.qos import TENANT_HEADER
-from meshfn.ir import qos as envoy_qos
+from meshfn.xds.fragments import qos as envoy_qos
+from meshfn.xds.fragments.messages import envoy_json, seconds
+from meshfn.xds.fragments.routes import degraded_clusters, degraded_match, retry_policy
 from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
 
-from .core import Context, Obj, Source, gateways, resource, seconds, sidecar_services
+from .core import Context, Obj, Source, gateways, resource, sidecar_services
 from .plugins import guarded, logged_headers, plugins_of, stripped_headers
 from .traffic import ENVOY_ROUTE_TIMEOUT, degraded_twin_in_vs, istio_cluster
 
@@ -40,9 +42,6 @@ HCM = "envoy.filters.network.http_connection_manager"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 AGGREGATE_TYPE = "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig"
 HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
-PREVIOUS_HOSTS_TYPE = (
-    "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-)
 UNLIMITED = 0xFFFFFFFF
 
 
@@ -118,74 +117,23 @@ def _route_match(name: str) -> Obj:
     return {"context": "GATEWAY", "routeConfiguration": {"vhost": {"route": {"name": name}}}}
 
 
-def _envoy_match(match: ir.RouteMatch) -> Obj:
-    """An Envoy RouteMatch (the translator's), for the routes meshfn inserts itself."""
-    out: Obj = {
-        {"exact": "path", "prefix": "prefix", "regex": "safe_regex"}[match.path.kind]: (
-            {"regex": match.path.value} if match.path.kind == "regex" else match.path.value
-        )
-    }
-    headers = []
-    for h in match.headers:
-        header: Obj = {"name": h.name}
-        if h.kind == "present":
-            header["present_match"] = True
-        elif h.kind == "regex":
-            header["string_match"] = {"safe_regex": {"regex": h.value}}
-        else:
-            header["string_match"] = {h.kind: h.value}
-        if h.invert:
-            header["invert_match"] = True
-        headers.append(header)
-    if match.methods:
-        methods = match.methods
-        value = (
-            {"exact": methods[0]}
-            if len(methods) == 1
-            else {"safe_regex": {"regex": "|".join(methods)}}
-        )
-        headers.append({"name": ":method", "string_match": value})
-    if headers:
-        out["headers"] = headers
-    return out
-
-
 def degraded_twin(ctx: Context, route: ir.Route, index: int, tail_cluster: str) -> Obj:
     """The twin the VirtualService cannot hold: weighted between the primary (probe share) and
-    the aggregate of the chain's tail. Retries as the translator's (skip the failed host)."""
+    the aggregate of the chain's tail; its match and retries are the translator's."""
     service = ctx.model.service(route.service)
     assert service.drift is not None
-    match = _envoy_match(route.matches[index])
-    match.setdefault("headers", []).append(
-        {"name": ROUTING_HEADER, "string_match": {"exact": route.key}}
+    split = degraded_clusters(
+        istio_cluster(ctx, service), tail_cluster, service.drift.probe_percent
     )
     action: Obj = {
-        "weighted_clusters": {
-            "clusters": [
-                {"name": istio_cluster(ctx, service), "weight": service.drift.probe_percent},
-                {"name": tail_cluster, "weight": 100 - service.drift.probe_percent},
-            ]
-        },
+        "weighted_clusters": envoy_json(split),
         "timeout": seconds(route.timeout) if route.timeout is not None else ENVOY_ROUTE_TIMEOUT,
     }
     if route.retries is not None:
-        retry: Obj = {
-            "retry_on": ",".join(route.retries.retry_on),
-            "num_retries": route.retries.attempts,
-            "retry_host_predicate": [
-                {
-                    "name": "envoy.retry_host_predicates.previous_hosts",
-                    "typed_config": {"@type": PREVIOUS_HOSTS_TYPE},
-                }
-            ],
-            "host_selection_retry_max_attempts": 3,
-        }
-        if route.retries.per_try_timeout is not None:
-            retry["per_try_timeout"] = seconds(route.retries.per_try_timeout)
-        action["retry_policy"] = retry
+        action["retry_policy"] = envoy_json(retry_policy(route.retries))
     return {
         "name": degraded_route_name(route.key, index),
-        "match": match,
+        "match": envoy_json(degraded_match(route, index)),
         "route": action,
         "metadata": {
             "filter_metadata": {ROUTE_METADATA: {"chain": _chain_names(ctx.model, service)}}
@@ -295,7 +243,7 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
 
 
 def _qos_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
-    """Per-tenant rate limits (ir.qos, descriptors from the tenant header jwt_authn writes):
+    """Per-tenant rate limits (fragments.qos, descriptors from the tenant header jwt_authn writes):
     Envoy's local rate limit before the router, the gateway's policy in it, a route's own policy
     per route (and its degraded twin, which serves the route's requests while the drift breaker
     has tripped: as the translator's), and every governed route naming its policy (the 429's

@@ -1,5 +1,5 @@
-"""Which of meshfn's filters each Istio workload runs, with the settings from meshfn.ir.plugins
-(the builders the xDS translator uses: the same JSON either way)."""
+"""Which of meshfn's filters each Istio workload runs, with the settings from
+meshfn.xds.fragments.plugins (the builders the xDS translator uses: the same JSON either way)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,13 @@ from meshfn.contracts.plugins import (
     internal_headers,
 )
 from meshfn.contracts.qos import TENANT_HEADER
-from meshfn.ir import qos as envoy_qos
-from meshfn.ir.plugins import audit_settings, claim_header_pairs, degrade_settings, drill_trigger
+from meshfn.xds.fragments import qos as envoy_qos
+from meshfn.xds.fragments.plugins import (
+    audit_settings,
+    claim_header_pairs,
+    degrade_settings,
+    drill_trigger,
+)
 
 from .core import Context
 

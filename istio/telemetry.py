@@ -4,8 +4,8 @@
   drift-guarded routes: the drift breaker's input (route names are meshfn's: the VirtualService
   routes carry them).
 - `meshfn-audit` / `meshfn-audit-bare`: the audit journal, Envoy's file access log with the
-  collector's record format (meshfn.ir.plugins.access_log_format), on every audited workload.
-  A workload-level Telemetry replaces the providers of namespace and mesh levels for that
+  collector's record format (meshfn.xds.fragments.plugins.access_log_format), on every audited
+  workload. A workload-level Telemetry replaces the providers of namespace and mesh levels for that
   workload, so ours list every provider the workload needs.
 
 How records reach the audit store: Envoy writes each request's line to `journal_path` in the
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from meshfn import ir
 from meshfn.contracts.plugins import AuditSettings, bare_filter_state
-from meshfn.ir.plugins import access_log_format
+from meshfn.xds.fragments.messages import seconds
+from meshfn.xds.fragments.plugins import access_log_format
 from meshfn.xds.names import LATENCY_LOG, LATENCY_LOG_FILTER
 
-from .core import Context, Obj, Source, gateways, mesh_source, resource, seconds, sidecar_services
+from .core import Context, Obj, Source, gateways, mesh_source, resource, sidecar_services
 from .plugins import audit_for, guarded
 
 TELEMETRY = "telemetry.istio.io/v1"

@@ -211,7 +211,7 @@ def service_entries(ctx: Context) -> None:
     for service in ctx.model.services:
         if not service.external:
             continue
-        sidecars = any(e.sidecar_port for e in service.endpoints)
+        sidecars = service.has_sidecars
         port_name = service.protocol
         spec = {
             "hosts": [ctx.options.host(service.key)],

@@ -1,6 +1,7 @@
 """WasmPlugin: meshfn's audit and degrade filters on Istio's proxies.
 
-- `pluginConfig` is the translator's plugin JSON, from the same builders (meshfn.ir.plugins).
+- `pluginConfig` is the translator's plugin JSON, from the same builders
+  (meshfn.xds.fragments.plugins).
 - Placement as in the translator: audit (and the combined plugin) in phase AUTHZ, i.e. after
   Istio's jwt_authn and before its RBAC; the degrade filter alone in STATS (after RBAC).
   Within a phase a higher priority runs first: ours run before other plugins of the phase, so a

@@ -61,26 +61,34 @@ def mismatch(live: Any, want: Any, path: str = "") -> str | None:
     An empty or false value matches a missing field: the apiserver omits Go zero values
     (`readOnly: false`), and other field managers may add fields of their own."""
     if isinstance(want, dict):
-        if not isinstance(live, dict):
-            return path or "."
-        for key, value in want.items():
-            if key not in live:
-                if value in (False, 0, "", [], {}, None):
-                    continue
-                return f"{path}.{key}"
-            found = mismatch(live[key], value, f"{path}.{key}")
-            if found is not None:
-                return found
-        return None
+        return _dict_mismatch(live, want, path)
     if isinstance(want, list):
-        if not isinstance(live, list) or len(live) != len(want):
-            return path or "."
-        for i, (a, b) in enumerate(zip(live, want, strict=True)):
-            found = mismatch(a, b, f"{path}[{i}]")
-            if found is not None:
-                return found
-        return None
+        return _list_mismatch(live, want, path)
     return None if live == want else (path or ".")
+
+
+def _dict_mismatch(live: Any, want: dict[str, Any], path: str) -> str | None:
+    if not isinstance(live, dict):
+        return path or "."
+    for key, value in want.items():
+        if key not in live:
+            if value in (False, 0, "", [], {}, None):
+                continue
+            return f"{path}.{key}"
+        found = mismatch(live[key], value, f"{path}.{key}")
+        if found is not None:
+            return found
+    return None
+
+
+def _list_mismatch(live: Any, want: list[Any], path: str) -> str | None:
+    if not isinstance(live, list) or len(live) != len(want):
+        return path or "."
+    for i, (a, b) in enumerate(zip(live, want, strict=True)):
+        found = mismatch(a, b, f"{path}[{i}]")
+        if found is not None:
+            return found
+    return None
 
 
 @dataclass(frozen=True)
@@ -198,63 +206,11 @@ class Applier:
         caller retries with backoff); conflicts and rejections are per object. `leading` is
         asked before every write: a replica that lost the Lease mid-way stops writing at once."""
         report = Report()
-        wanted: set[Key] = set()
-        for item in desired:
-            if not leading():
-                report.unreachable = "lost the leader Lease"
-                return report
-            obj = self.label(item.obj)
-            key = key_of(obj)
-            wanted.add(key)
-            want_hash = obj["metadata"]["annotations"][ANNOTATION_HASH]
-            if self.inventory.get(key) == want_hash:
-                report.unchanged += 1
-                continue
-            if item.resource.kind in self.missing_kinds:
-                report.failed[key] = f"the {item.resource.kind} API is not installed in the cluster"
-                continue
-            try:
-                await self.kube.apply(item.resource, obj, self.field_manager, force=self.force)
-            except ApiError as exc:
-                if exc.status == 409:
-                    report.conflicts[key] = _conflict_text(exc)
-                    self.metrics.applies.labels(item.resource.kind, "conflict").inc()
-                    log.error(
-                        "apply conflict on %s (from %s): %s; not forcing (--force-conflicts would)",
-                        describe(key),
-                        item.source or "meshfn",
-                        report.conflicts[key],
-                    )
-                else:
-                    report.failed[key] = f"{exc.status} {exc.reason}: {exc.message}"
-                    self.metrics.applies.labels(item.resource.kind, "error").inc()
-                    log.error("applying %s failed: %s", describe(key), report.failed[key])
-                continue
-            except Unreachable as exc:
-                report.unreachable = str(exc)
-                break
-            self.inventory[key] = want_hash
-            self.resources[key] = item.resource
-            report.applied.append(key)
-            self.metrics.applies.labels(item.resource.kind, "applied").inc()
+        wanted = await self._apply_all(desired, report, leading)
+        if wanted is None:  # lost the Lease: nothing more is written, nor counted
+            return report
         if prune and not report.unreachable:
-            for key in sorted(set(self.inventory) - wanted):
-                if not leading():
-                    report.unreachable = "lost the leader Lease"
-                    break
-                res = self.resources[key]
-                try:
-                    await self.kube.delete(res, key[3], key[2] or None)
-                except ApiError as exc:
-                    report.failed[key] = f"cannot prune: {exc.status} {exc.message}"
-                    continue
-                except Unreachable as exc:
-                    report.unreachable = str(exc)
-                    break
-                del self.inventory[key]
-                self.resources.pop(key, None)
-                report.pruned.append(key)
-                self.metrics.prunes.labels(res.kind).inc()
+            await self._prune(sorted(set(self.inventory) - wanted), report, leading)
         pending = len(report.conflicts) + len(report.failed)
         if report.unreachable:
             pending += sum(1 for d in desired if self.inventory.get(d.key) is None)
@@ -268,3 +224,77 @@ class Applier:
                 ", ".join(describe(k) for k in [*report.applied, *report.pruned][:8]),
             )
         return report
+
+    async def _apply_all(
+        self, desired: list[Desired], report: Report, leading: Callable[[], bool]
+    ) -> set[Key] | None:
+        """Apply each object whose hash changed; the keys of all of them, or None when the
+        Lease was lost."""
+        wanted: set[Key] = set()
+        for item in desired:
+            if not leading():
+                report.unreachable = "lost the leader Lease"
+                return None
+            obj = self.label(item.obj)
+            key = key_of(obj)
+            wanted.add(key)
+            want_hash = obj["metadata"]["annotations"][ANNOTATION_HASH]
+            if self.inventory.get(key) == want_hash:
+                report.unchanged += 1
+                continue
+            if item.resource.kind in self.missing_kinds:
+                report.failed[key] = f"the {item.resource.kind} API is not installed in the cluster"
+                continue
+            if not await self._apply(item, obj, want_hash, report):
+                break
+        return wanted
+
+    async def _apply(self, item: Desired, obj: Obj, want_hash: str, report: Report) -> bool:
+        """Server-side apply of one object; a conflict or a rejection is the object's (in
+        `report`); False when the apiserver stopped answering."""
+        key = key_of(obj)
+        try:
+            await self.kube.apply(item.resource, obj, self.field_manager, force=self.force)
+        except ApiError as exc:
+            if exc.status == 409:
+                report.conflicts[key] = _conflict_text(exc)
+                self.metrics.applies.labels(item.resource.kind, "conflict").inc()
+                log.error(
+                    "apply conflict on %s (from %s): %s; not forcing (--force-conflicts would)",
+                    describe(key),
+                    item.source or "meshfn",
+                    report.conflicts[key],
+                )
+            else:
+                report.failed[key] = f"{exc.status} {exc.reason}: {exc.message}"
+                self.metrics.applies.labels(item.resource.kind, "error").inc()
+                log.error("applying %s failed: %s", describe(key), report.failed[key])
+            return True
+        except Unreachable as exc:
+            report.unreachable = str(exc)
+            return False
+        self.inventory[key] = want_hash
+        self.resources[key] = item.resource
+        report.applied.append(key)
+        self.metrics.applies.labels(item.resource.kind, "applied").inc()
+        return True
+
+    async def _prune(self, gone: list[Key], report: Report, leading: Callable[[], bool]) -> None:
+        """Delete what meshfn applied before and no longer wants."""
+        for key in gone:
+            if not leading():
+                report.unreachable = "lost the leader Lease"
+                break
+            res = self.resources[key]
+            try:
+                await self.kube.delete(res, key[3], key[2] or None)
+            except ApiError as exc:
+                report.failed[key] = f"cannot prune: {exc.status} {exc.message}"
+                continue
+            except Unreachable as exc:
+                report.unreachable = str(exc)
+                break
+            del self.inventory[key]
+            self.resources.pop(key, None)
+            report.pruned.append(key)
+            self.metrics.prunes.labels(res.kind).inc()

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from meshfn.common.cli import fail
 from meshfn.common.kube.api import ApiError, KubeClient, KubeConfig, Obj, Unreachable
 from meshfn.common.logs import setup_logging
 from meshfn.contracts.kube import KINDS
@@ -102,8 +103,7 @@ def run(
             forceConflicts=force_conflicts or None,
         )
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(exc, 2)
     kube_config = load_config(kubeconfig, context)
 
     async def main() -> int:
@@ -142,8 +142,7 @@ def cluster_model(
     try:
         objects = asyncio.run(cluster_status(config, namespace))
     except (Unreachable, ApiError, RuntimeError) as exc:
-        typer.echo(f"error: cannot read meshfn objects from {config.server}: {exc}", err=True)
-        raise typer.Exit(1) from None
+        fail(f"cannot read meshfn objects from {config.server}: {exc}")
     model = compile_objects({ObjectKey.of(o): o for o in objects})
     return model, Provenance({})
 

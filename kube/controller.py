@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import socket
 import ssl
@@ -38,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from meshfn import istio
 from meshfn import wasm_filters as filters
+from meshfn.common import env
 from meshfn.common.kube.api import ApiError, Backoff, KubeClient, Obj, Resource, Unreachable
 from meshfn.common.kube.metrics import KubeMetrics
 from meshfn.contracts.kube import ANNOTATION_SOURCE, API_VERSION, BY_KIND
@@ -334,9 +334,7 @@ class Operator:
         self.registry = registry or CollectorRegistry()
         self.metrics = KubeMetrics(self.registry)
         self.identity = (
-            identity
-            or os.environ.get("POD_NAME")
-            or (f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+            identity or env.POD_NAME.get() or (f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
         )
         self.keda = False
         self.hpa_version = "v2beta2"
@@ -404,7 +402,7 @@ class Operator:
 
     async def _label_self(self, leader: bool) -> None:
         """Point the access-log Service at the leader (its selector has meshfn.io/leader)."""
-        pod = os.environ.get("POD_NAME")
+        pod = env.POD_NAME.get()
         if not pod:
             return
         body = {"metadata": {"labels": {LEADER_LABEL: "true" if leader else None}}}

@@ -1,5 +1,6 @@
-"""What Functions add to a gateway beyond their own /v2/models/{name} routes: KServe's server
-endpoints, the gRPC service, and the guard on Triton's repository load/unload.
+"""A Function's KServe routes: its own /v2/models/{name} paths, and what Functions add to a
+gateway beyond those: KServe's server endpoints, the gRPC service, and the guard on Triton's
+repository load/unload.
 
 Server endpoints (/v2, health, the model list, Triton's repository index and statistics) and
 gRPC (whose ModelInfer names the model inside the message, where Envoy cannot route on it) are
@@ -12,9 +13,13 @@ those two methods are refused to everyone there (use REST).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 from meshfn import ir
+
+from .errors import PolicyError
+from .validate import Loaded
 
 GRPC_SERVICE = "/inference.GRPCInferenceService/"
 SERVER_PATHS = (
@@ -46,6 +51,48 @@ def _queue_delay(function: ir.Function) -> timedelta:
 
 def function_timeout(function: ir.Function) -> timedelta:
     return call_timeout(function.settings.limits.timeout, _queue_delay(function))
+
+
+def function_route(function: ir.Function) -> ir.Route | None:
+    """KServe v2 REST paths of a function (and its Triton repository load/unload), to its
+    backend; None when the function is not served over REST. Only retries that cannot repeat
+    an inference (the request never reached the backend) are on."""
+    if not function.settings.protocols.rest:
+        return None
+    base = f"/v2/models/{function.name}"
+    return ir.Route(
+        name=f"function-{function.name}",
+        namespace=function.namespace,
+        hosts=("*",),
+        matches=(
+            ir.RouteMatch(ir.PathMatch("exact", base)),
+            ir.RouteMatch(ir.PathMatch("prefix", base + "/")),
+            ir.RouteMatch(ir.PathMatch("prefix", f"{REPOSITORY_MODELS}{function.name}/")),
+        ),
+        service=function.backend,
+        timeout=function_timeout(function),
+        retries=SAFE_RETRIES,
+        function=function.name,
+    )
+
+
+def gateway_routes(
+    gateway: str, hosted: Sequence[tuple[Loaded, ir.Function]], services: Mapping[str, ir.Service]
+) -> tuple[ir.Route, ...] | PolicyError:
+    """The server routes of Gateway `gateway` (its key) for the Functions it hosts (each with
+    its object, where an error points), which must share one backend."""
+    first = hosted[0][1]
+    for item, function in hosted:
+        if function.backend != first.backend:
+            return item.error(
+                ("spec", "backend"),
+                f"the Functions on Gateway {gateway} must share one backend: {first.name} is "
+                f"served by {first.backend}, {function.name} by {function.backend}. KServe's "
+                "server endpoints (/v2, health, the model list) and gRPC (which names the model "
+                "inside the message) reach one backend per gateway; attach this Function to "
+                "another Gateway",
+            )
+    return server_routes([f for _, f in hosted], services[first.backend])
 
 
 def server_routes(functions: list[ir.Function], backend: ir.Service) -> tuple[ir.Route, ...]:
@@ -84,6 +131,35 @@ def server_routes(functions: list[ir.Function], backend: ir.Service) -> tuple[ir
             )
         )
     return tuple(routes)
+
+
+def repository_guards(
+    gateways: Mapping[str, list[ir.Function]],
+    services: Sequence[ir.Service],
+    served: Mapping[str, list[ir.Function]],
+) -> tuple[dict[tuple[str, str], ir.AuthzPolicy], tuple[ir.AuthzObject, ...]]:
+    """Where the repository guard goes: on the sidecars of every service that serves functions
+    (`served`: its functions by service key), and on a gateway (`gateways`: its functions, by
+    gateway key) for its functions whose backend has no sidecars. Per ("gateway" | "service",
+    key) the policy its proxies add, and the same as objects (gateways first, then services
+    with sidecars, each in the order given)."""
+    by_key = {s.key: s for s in services}
+    guards: dict[tuple[str, str], ir.AuthzPolicy] = {}
+    objects = []
+    for key, functions in gateways.items():
+        unguarded = [f for f in functions if not by_key[f.backend].has_sidecars]
+        if unguarded:
+            namespace, name = key.split("/")
+            guards[("gateway", key)] = repository_guard(namespace, unguarded)
+            objects.append(guard_object(namespace, ir.Selector("gateway", name), unguarded))
+    for service in services:
+        guarded = served.get(service.key)
+        if guarded:
+            guards[("service", service.key)] = repository_guard(service.namespace, guarded)
+            if service.has_sidecars:
+                selector = ir.Selector("service", service.name)
+                objects.append(guard_object(service.namespace, selector, guarded))
+    return guards, tuple(objects)
 
 
 def guard_object(

@@ -40,6 +40,9 @@ from .types import (
 
 
 class Strict(BaseModel):
+    """The base of every policy model: unknown fields and wrong types are errors, never
+    coerced, and a loaded object is frozen."""
+
     model_config = ConfigDict(
         extra="forbid", strict=True, frozen=True, populate_by_name=False, validate_default=False
     )
@@ -56,28 +59,73 @@ def _exactly_one(model: BaseModel, fields: tuple[str, ...]) -> None:
 
 # ---------------------------------------------------------------- metadata
 
+API_VERSION_DOC = "The schema version of the document: always `meshfn.io/v1alpha1`."
+METADATA_DOC = (
+    "The object's name and namespace, and labels and annotations as on any Kubernetes object."
+)
+
 
 class ObjectMeta(Strict):
-    name: Name
-    namespace: Name = "default"
-    labels: dict[str, str] = Field(default_factory=dict)
-    annotations: dict[str, str] = Field(default_factory=dict)
+    """Metadata of a namespaced policy object, as in Kubernetes."""
+
+    name: Name = Field(
+        description=(
+            "The object's name, unique per kind in its namespace: a DNS label (lowercase letters,"
+            " digits and '-', at most 63 characters)."
+        )
+    )
+    namespace: Name = Field(
+        "default",
+        description=(
+            "The namespace the object belongs to. A policy without a selector applies to the "
+            "workloads of its own namespace, and references without a namespace resolve in it."
+        ),
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Labels, as on any Kubernetes object; meshfn keeps them and does not act on them."
+        ),
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Annotations, as on any Kubernetes object; meshfn keeps them and does not act on them."
+        ),
+    )
 
 
 class ClusterMeta(Strict):
     """Metadata of cluster-scoped kinds (Mesh): no namespace."""
 
-    name: Name
-    labels: dict[str, str] = Field(default_factory=dict)
-    annotations: dict[str, str] = Field(default_factory=dict)
+    name: Name = Field(
+        description=(
+            "The mesh's name: a DNS label. It names the mesh-wide objects rendered for Istio "
+            "(e.g. PeerAuthentication meshfn-<name>)."
+        )
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Labels, as on any Kubernetes object; meshfn keeps them and does not act on them."
+        ),
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Annotations, as on any Kubernetes object; meshfn keeps them and does not act on them."
+        ),
+    )
 
 
 class Locality(Strict):
     """Where an endpoint or proxy runs; `node` maps to Envoy's sub_zone."""
 
-    region: LocalityName | None = None
-    zone: LocalityName | None = None
-    node: LocalityName | None = None
+    region: LocalityName | None = Field(None, description="The region (Envoy's locality region).")
+    zone: LocalityName | None = Field(None, description="The zone within the region; needs region.")
+    node: LocalityName | None = Field(
+        None, description="The node within the zone (Envoy's sub_zone); needs zone."
+    )
 
     @model_validator(mode="after")
     def _nested(self) -> Self:
@@ -92,6 +140,9 @@ class Locality(Strict):
 
 
 class MeshPorts(Strict):
+    """The control plane's listening ports. The ADS port also carries the SDS secrets, the
+    access-log stream of the drift breaker and the rate-limit service of global QoS rates."""
+
     xds: Port = Field(18000, description="ADS (gRPC) port of the control plane, on loopback")
     admin: Port = Field(18001, description="control plane admin: /metrics, /debug/*")
 
@@ -100,7 +151,15 @@ MtlsMode = Literal["STRICT", "PERMISSIVE", "DISABLE"]
 
 
 class MtlsSetting(Strict):
-    mode: MtlsMode
+    """An mTLS mode."""
+
+    mode: MtlsMode = Field(
+        description=(
+            "STRICT: only mTLS from a mesh identity is accepted; PERMISSIVE: mTLS or plaintext "
+            "(while clients migrate); DISABLE: plaintext only, so authorization sees no caller "
+            "identity (meshfn analyze reports it as MF0101)."
+        )
+    )
 
 
 class Identity(Strict):
@@ -110,6 +169,8 @@ class Identity(Strict):
 
 
 class BodyHashing(Strict):
+    """Whether audit records carry a SHA-256 digest of each request body (never the body)."""
+
     enabled: bool = Field(False, description="record SHA-256 of request bodies (not streams)")
     maxBytes: Annotated[int, Field(ge=1, le=1 << 30)] = Field(
         1 << 20, description="longer bodies are recorded as too large, not hashed"
@@ -131,7 +192,10 @@ class Audit(Strict):
     tenantClaim: Annotated[str, Field(pattern=r"^[!-~]{0,128}$")] = Field(
         "tenant", description="JWT claim recorded as tenant; empty: none"
     )
-    bodyHash: BodyHashing = Field(default_factory=BodyHashing)
+    bodyHash: BodyHashing = Field(
+        default_factory=BodyHashing,
+        description="Record a SHA-256 of request bodies (off by default).",
+    )
 
 
 def _filter_caller(value: str) -> str:
@@ -199,13 +263,26 @@ class Sandbox(Strict):
 
 
 class MeshSpec(Strict):
-    trustDomain: TrustDomain
-    ports: MeshPorts = Field(default_factory=MeshPorts)
+    """Settings that hold for every workload of the mesh."""
+
+    trustDomain: TrustDomain = Field(
+        description=(
+            "The SPIFFE trust domain: every workload's identity is "
+            "spiffe://<trustDomain>/ns/<namespace>/sa/<serviceAccount>, and the mesh CA is kept "
+            "per trust domain in the state directory (ca/<trustDomain>/)."
+        )
+    )
+    ports: MeshPorts = Field(
+        default_factory=MeshPorts,
+        description="The control plane's ports on loopback (meshfn up and meshfn serve).",
+    )
     mtls: MtlsSetting = Field(
         default_factory=lambda: MtlsSetting(mode="STRICT"),
         description="mesh-wide default for sidecars (Istio defaults to PERMISSIVE)",
     )
-    identity: Identity = Field(default_factory=Identity)
+    identity: Identity = Field(
+        default_factory=Identity, description="The workload certificates the mesh CA issues."
+    )
     acceleration: Literal["ebpf", "off", "auto"] = Field(
         "off",
         description="eBPF socket redirection between the mesh's own processes (meshfn up): "
@@ -229,26 +306,47 @@ class MeshSpec(Strict):
 
 
 class Mesh(Strict):
-    apiVersion: Literal["meshfn.io/v1alpha1"]
-    kind: Literal["Mesh"]
-    metadata: ClusterMeta
-    spec: MeshSpec
+    """Settings that hold for the whole mesh: the trust domain of its identities, the control
+    plane's ports, the default mTLS mode, certificate lifetime, eBPF acceleration, the
+    request audit trail and who may run degrade drills. One per mesh; cluster-scoped (no
+    namespace)."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["Mesh"] = Field(description="The kind of policy document: always `Mesh`.")
+    metadata: ClusterMeta = Field(
+        description="The mesh's name (Meshes have no namespace), labels and annotations."
+    )
+    spec: MeshSpec = Field(description="The mesh-wide settings.")
 
 
 # ---------------------------------------------------------------- Gateway
 
 
 class GatewayListener(Strict):
-    name: Name
-    port: Port
-    address: IPAddress = "127.0.0.1"
-    protocol: Literal["http"] = "http"
+    """One address and port a gateway accepts client requests on."""
+
+    name: Name = Field(
+        description="The listener's name: a Route can bind to it alone (spec.listener)."
+    )
+    port: Port = Field(description="The TCP port.")
+    address: IPAddress = Field(
+        "127.0.0.1",
+        description="The IP address to bind; 127.0.0.1 accepts clients on this host only.",
+    )
+    protocol: Literal["http"] = Field(
+        "http", description="Always http: HTTP/1.1, and HTTP/2 cleartext (gRPC) on the same port."
+    )
 
 
 class GatewaySpec(Strict):
     """An Envoy the mesh runs and configures: the entry point that clients call."""
 
-    listeners: Annotated[list[GatewayListener], Field(min_length=1, max_length=64)]
+    listeners: Annotated[list[GatewayListener], Field(min_length=1, max_length=64)] = Field(
+        description=(
+            "The addresses and ports the gateway accepts client requests on (1-64; names and "
+            "ports unique)."
+        )
+    )
     adminPort: Port | None = Field(
         None,
         description=(
@@ -258,7 +356,12 @@ class GatewaySpec(Strict):
         ),
     )
     serviceAccount: Name | None = Field(None, description="identity; defaults to the name")
-    locality: Locality | None = None
+    locality: Locality | None = Field(
+        None,
+        description=(
+            "Where the gateway runs: with FallbackPolicy.locality, endpoints near it are preferred."
+        ),
+    )
     xdsProtocol: Literal["delta", "sotw"] = Field(
         "delta", description="incremental (delta) or state-of-the-world ADS"
     )
@@ -278,10 +381,16 @@ class GatewaySpec(Strict):
 
 
 class Gateway(Strict):
-    apiVersion: Literal["meshfn.io/v1alpha1"]
-    kind: Literal["Gateway"]
-    metadata: ObjectMeta
-    spec: GatewaySpec
+    """An Envoy that the mesh runs for clients: the entry point whose listeners accept their
+    requests and whose routes send them to services (rendered for Istio as a Gateway and
+    VirtualServices)."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["Gateway"] = Field(description="The kind of policy document: always `Gateway`.")
+    metadata: ObjectMeta = Field(description=METADATA_DOC)
+    spec: GatewaySpec = Field(
+        description="The gateway's listeners, locality and how it receives its configuration."
+    )
 
 
 # ---------------------------------------------------------------- Service
@@ -291,27 +400,60 @@ class Sidecar(Strict):
     """A server-side Envoy meshfn runs in front of this endpoint: mTLS, JWT and authorization
     are enforced there, and the gateways reach the endpoint only through it."""
 
-    port: Port
+    port: Port = Field(
+        description=(
+            "The port the sidecar listens on; gateways and other workloads reach the endpoint "
+            "only through it."
+        )
+    )
 
 
 class Endpoint(Strict):
-    address: IPAddress
+    """One instance of a service."""
+
+    address: IPAddress = Field(description="Its IPv4 or IPv6 address.")
     port: Port | None = Field(None, description="defaults to the service port")
     grpcPort: Port | None = Field(
         None,
         description="where the endpoint also speaks gRPC (HTTP/2), e.g. the inference backend's "
         "KServe GRPCInferenceService; its sidecar sends gRPC requests there",
     )
-    weight: Annotated[int, Field(ge=1, le=10_000)] = 1
-    locality: Locality | None = None
-    sidecar: Sidecar | None = None
+    weight: Annotated[int, Field(ge=1, le=10_000)] = Field(
+        1,
+        description=(
+            "Its share of requests relative to the other endpoints of the same priority (1-10,000)."
+        ),
+    )
+    locality: Locality | None = Field(
+        None,
+        description=(
+            "Where it runs: with FallbackPolicy.locality, gateways prefer endpoints near them."
+        ),
+    )
+    sidecar: Sidecar | None = Field(
+        None,
+        description=(
+            "A sidecar Envoy that meshfn runs in front of this endpoint; either every endpoint of"
+            " a service has one or none does."
+        ),
+    )
 
 
 class ServiceSpec(Strict):
+    """A service's port, protocol, endpoints and load balancing."""
+
     port: Port = Field(description="service port; endpoints without a port use it")
-    protocol: Literal["http", "grpc"] = "http"
+    protocol: Literal["http", "grpc"] = Field(
+        "http",
+        description=(
+            "What the endpoints speak on their port: http (HTTP/1.1; add grpcPort for gRPC beside"
+            " it) or grpc (HTTP/2)."
+        ),
+    )
     serviceAccount: Name | None = Field(None, description="identity; defaults to the name")
-    connectTimeout: Duration = timedelta(seconds=1)
+    connectTimeout: Duration = Field(
+        timedelta(seconds=1), description="How long a proxy waits for a connection to an endpoint."
+    )
     loadBalancer: LoadBalancer | None = Field(
         None,
         description="how a gateway picks an endpoint. weighted-round-robin: Envoy's "
@@ -320,7 +462,13 @@ class ServiceSpec(Strict):
         "Default: weighted-round-robin for a service that serves Functions (bench/qos.py: "
         "with a slow endpoint it beat least-request), else round-robin",
     )
-    endpoints: Annotated[list[Endpoint], Field(max_length=10_000)] = Field(default_factory=list)
+    endpoints: Annotated[list[Endpoint], Field(max_length=10_000)] = Field(
+        default_factory=list,
+        description=(
+            "The service's instances (at most 10,000). An empty list is allowed (in Kubernetes "
+            "the Service of this name provides them), except for an external service."
+        ),
+    )
     external: bool = Field(
         False,
         description="the endpoints run outside Kubernetes (VMs, other hosts). Rendered for Istio "
@@ -354,19 +502,31 @@ class ServiceSpec(Strict):
 
 
 class Service(Strict):
-    apiVersion: Literal["meshfn.io/v1alpha1"]
-    kind: Literal["Service"]
-    metadata: ObjectMeta
-    spec: ServiceSpec
+    """A set of endpoints that routes and fallback chains send requests to: their addresses,
+    locality and weights, whether a sidecar Envoy guards each of them, and how a gateway
+    balances load among them."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["Service"] = Field(description="The kind of policy document: always `Service`.")
+    metadata: ObjectMeta = Field(description=METADATA_DOC)
+    spec: ServiceSpec = Field(
+        description="The service's port, protocol, endpoints and load balancing."
+    )
 
 
 # ---------------------------------------------------------------- Route
 
 
 class PathMatch(Strict):
-    prefix: HttpPath | None = None
-    exact: HttpPath | None = None
-    regex: Regex | None = None
+    """A condition on the request path (without the query string): exactly one of prefix, exact
+    or regex. Paths are normalised before matching (percent-decoding, dot segments, merged
+    slashes)."""
+
+    prefix: HttpPath | None = Field(None, description="The path starts with this.")
+    exact: HttpPath | None = Field(None, description="The path is exactly this.")
+    regex: Regex | None = Field(
+        None, description="An RE2 regular expression the whole path matches."
+    )
 
     @model_validator(mode="after")
     def _one(self) -> Self:
@@ -375,11 +535,30 @@ class PathMatch(Strict):
 
 
 class HeaderMatch(Strict):
-    name: HeaderName
-    exact: Annotated[str, Field(max_length=4096)] | None = None
-    prefix: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
-    regex: Regex | None = None
-    present: bool | None = None
+    """A condition on one request header: exactly one of exact, prefix, regex or present."""
+
+    name: HeaderName = Field(
+        description=(
+            "The header's name (pseudo-headers such as :authority allowed; match methods with "
+            "`methods`, not :method)."
+        )
+    )
+    exact: Annotated[str, Field(max_length=4096)] | None = Field(
+        None, description="The header's value is exactly this."
+    )
+    prefix: Annotated[str, Field(min_length=1, max_length=4096)] | None = Field(
+        None, description="The header's value starts with this."
+    )
+    regex: Regex | None = Field(
+        None, description="An RE2 regular expression the whole value matches."
+    )
+    present: bool | None = Field(
+        None,
+        description=(
+            "true: the header is present, with any value (absent is `present: true` with `invert:"
+            " true`)."
+        ),
+    )
     invert: bool = Field(
         False,
         description="match requests whose header does NOT match; a request without the header "
@@ -400,13 +579,24 @@ Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CO
 
 
 class RouteMatch(Strict):
-    path: PathMatch = Field(default_factory=lambda: PathMatch(prefix="/"))
-    headers: Annotated[list[HeaderMatch], Field(max_length=32)] = Field(default_factory=list)
-    methods: Annotated[list[Method], Field(max_length=9)] = Field(default_factory=list)
+    """One way a request matches: its path, and every header condition and method given."""
+
+    path: PathMatch = Field(
+        default_factory=lambda: PathMatch(prefix="/"),
+        description="The path condition; default: any path (prefix /).",
+    )
+    headers: Annotated[list[HeaderMatch], Field(max_length=32)] = Field(
+        default_factory=list, description="Header conditions, all of which must hold (at most 32)."
+    )
+    methods: Annotated[list[Method], Field(max_length=9)] = Field(
+        default_factory=list, description="HTTP methods, any of which matches; empty: any method."
+    )
 
 
 class Destination(Strict):
-    service: Name
+    """The service a route sends its requests to."""
+
+    service: Name = Field(description="The Service's name.")
     namespace: Name | None = Field(None, description="defaults to the route's namespace")
 
 
@@ -430,10 +620,21 @@ DEFAULT_RETRY_ON: tuple[RetryOn, ...] = ("connect-failure", "refused-stream", "r
 
 
 class Retries(Strict):
-    attempts: Annotated[int, Field(ge=0, le=10)]
-    perTryTimeout: Duration | None = None
+    """How a gateway retries a request that failed."""
+
+    attempts: Annotated[int, Field(ge=0, le=10)] = Field(
+        description="Retries after the first try (0-10)."
+    )
+    perTryTimeout: Duration | None = Field(
+        None,
+        description=(
+            "The timeout of each try; without it one hung try uses up the route's whole timeout "
+            "(meshfn analyze: MF0204)."
+        ),
+    )
     retryOn: Annotated[list[RetryOn], Field(min_length=1)] = Field(
-        default_factory=lambda: list(DEFAULT_RETRY_ON)
+        default_factory=lambda: list(DEFAULT_RETRY_ON),
+        description="The failures that are retried (Envoy's retry_on conditions).",
     )
 
     @model_validator(mode="after")
@@ -444,20 +645,32 @@ class Retries(Strict):
 
 
 class RouteSpec(Strict):
+    """Which requests of which gateway go to which service, and how."""
+
     gateway: ObjectRef | None = Field(
         None,
         description='"name" or "namespace/name" of a Gateway; may be omitted when there is one',
     )
     listener: Name | None = Field(None, description="one listener of the gateway; default all")
     hosts: Annotated[list[Host], Field(min_length=1, max_length=64)] = Field(
-        default_factory=lambda: ["*"]
+        default_factory=lambda: ["*"],
+        description=(
+            "The host names (authority) the route answers: `*` any, `*.example.com` a suffix "
+            "(1-64)."
+        ),
     )
     matches: Annotated[list[RouteMatch], Field(min_length=1, max_length=64)] = Field(
-        default_factory=lambda: [RouteMatch()]
+        default_factory=lambda: [RouteMatch()],
+        description=(
+            "The ways a request can match; the route takes a request that any one of them matches"
+            " (1-64)."
+        ),
     )
-    destination: Destination
+    destination: Destination = Field(description="The service the requests go to.")
     timeout: Duration | None = Field(None, description='upstream timeout; "0s" disables it')
-    retries: Retries | None = None
+    retries: Retries | None = Field(
+        None, description="How failed requests are retried; default: no retries."
+    )
 
     @model_validator(mode="after")
     def _timeouts(self) -> Self:
@@ -467,10 +680,13 @@ class RouteSpec(Strict):
 
 
 class Route(Strict):
-    apiVersion: Literal["meshfn.io/v1alpha1"]
-    kind: Literal["Route"]
-    metadata: ObjectMeta
-    spec: RouteSpec
+    """Which requests a gateway sends to a service: the gateway and listener, the hosts and
+    matches that select requests, the destination, the timeout and the retries."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["Route"] = Field(description="The kind of policy document: always `Route`.")
+    metadata: ObjectMeta = Field(description=METADATA_DOC)
+    spec: RouteSpec = Field(description="What the route matches and where it sends requests.")
 
 
 # ---------------------------------------------------------------- zero trust
@@ -480,8 +696,10 @@ class WorkloadSelector(Strict):
     """Selects one Service (its sidecars) or one Gateway in the policy's namespace; without a
     selector a policy applies to every such workload of its namespace."""
 
-    service: Name | None = None
-    gateway: Name | None = None
+    service: Name | None = Field(
+        None, description="A Service (its sidecars) in the policy's namespace."
+    )
+    gateway: Name | None = Field(None, description="A Gateway in the policy's namespace.")
 
     @model_validator(mode="after")
     def _one(self) -> Self:
@@ -490,8 +708,22 @@ class WorkloadSelector(Strict):
 
 
 class PeerAuthenticationSpec(Strict):
-    selector: WorkloadSelector | None = None
-    mtls: MtlsSetting | None = None
+    """The workloads selected and the mTLS mode they accept."""
+
+    selector: WorkloadSelector | None = Field(
+        None,
+        description=(
+            "The service whose sidecars the policy applies to; without it, every service of the "
+            "namespace (a gateway cannot be selected)."
+        ),
+    )
+    mtls: MtlsSetting | None = Field(
+        None,
+        description=(
+            "The mode on every port not in portLevelMtls; without it the namespace's or the "
+            "mesh's mode holds."
+        ),
+    )
     portLevelMtls: dict[Annotated[str, Field(pattern=r"^[1-9][0-9]{0,4}$")], MtlsSetting] = Field(
         default_factory=dict, description="endpoint (application) port -> mode"
     )
@@ -510,39 +742,73 @@ class PeerAuthenticationSpec(Strict):
 
 
 class PeerAuthentication(Strict):
-    apiVersion: Literal["meshfn.io/v1alpha1"]
-    kind: Literal["PeerAuthentication"]
-    metadata: ObjectMeta
-    spec: PeerAuthenticationSpec
+    """Which mTLS mode the sidecars of a namespace's services, one service, or one of its ports
+    accept (Istio's PeerAuthentication; meshfn defaults to STRICT)."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["PeerAuthentication"] = Field(
+        description="The kind of policy document: always `PeerAuthentication`."
+    )
+    metadata: ObjectMeta = Field(description=METADATA_DOC)
+    spec: PeerAuthenticationSpec = Field(
+        description="The workloads selected and the mTLS mode they accept."
+    )
 
 
 class JwtHeader(Strict):
-    name: HeaderName
-    prefix: Annotated[str, Field(max_length=64)] = ""
+    """A request header that may carry the token."""
+
+    name: HeaderName = Field(description="The header's name.")
+    prefix: Annotated[str, Field(max_length=64)] = Field(
+        "", description="The text before the token in its value, e.g. `Bearer `."
+    )
 
 
 class ClaimToHeader(Strict):
     # letters, digits and '-' (what Istio's validateJwtRule takes): every proxy drops headers
     # with underscores (contracts.proxy.REQUEST_HYGIENE), so such a claim header never arrives
-    header: Annotated[str, Field(pattern=r"^[-A-Za-z0-9]+$", min_length=1, max_length=256)]
-    claim: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]+$", max_length=128)]
+    """A claim of the verified token copied into a request header."""
+
+    header: Annotated[str, Field(pattern=r"^[-A-Za-z0-9]+$", min_length=1, max_length=256)] = Field(
+        description=(
+            "The header to write (letters, digits and '-': every proxy drops headers with "
+            "underscores)."
+        )
+    )
+    claim: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]+$", max_length=128)] = Field(
+        description="The claim to copy."
+    )
 
 
 class JwtRule(Strict):
-    issuer: Annotated[str, Field(min_length=1, max_length=512)]
+    """One trusted token issuer: its keys, the audiences accepted, where the token is found and
+    which claims are passed on."""
+
+    issuer: Annotated[str, Field(min_length=1, max_length=512)] = Field(
+        description="The issuer (`iss` claim) whose tokens this rule verifies."
+    )
     audiences: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
         default_factory=list, description="accepted `aud` values; empty accepts any"
     )
     jwks: Jwks | None = Field(None, description="inline JWKS (JSON text)")
     jwksUri: JwksUri | None = Field(None, description="fetched by Envoy through a cluster")
     fromHeaders: list[JwtHeader] = Field(
-        default_factory=lambda: [JwtHeader(name="authorization", prefix="Bearer ")]
+        default_factory=lambda: [JwtHeader(name="authorization", prefix="Bearer ")],
+        description="Headers the token may be in, each with the prefix before it.",
     )
     fromParams: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")]] = Field(
-        default_factory=list
+        default_factory=list, description="Query parameters the token may be in."
     )
-    outputClaimToHeaders: list[ClaimToHeader] = Field(default_factory=list)
-    forwardOriginalToken: bool = False
+    outputClaimToHeaders: list[ClaimToHeader] = Field(
+        default_factory=list,
+        description="Claims of a verified token copied into request headers for the upstream.",
+    )
+    forwardOriginalToken: bool = Field(
+        False,
+        description=(
+            "Keep the token in the request sent upstream; default: it is removed once verified."
+        ),
+    )
     clockSkew: Duration = Field(timedelta(seconds=60), description="allowed leeway for exp/nbf")
     requireExpiration: bool = Field(
         True,
@@ -571,45 +837,113 @@ class JwtRule(Strict):
 
 
 class RequestAuthenticationSpec(Strict):
-    selector: WorkloadSelector | None = None
-    jwtRules: Annotated[list[JwtRule], Field(min_length=1, max_length=16)]
+    """The workloads selected and the token issuers they trust."""
+
+    selector: WorkloadSelector | None = Field(
+        None,
+        description=(
+            "The service (its sidecars) or gateway the policy applies to; without it, every "
+            "workload of the namespace, gateways included."
+        ),
+    )
+    jwtRules: Annotated[list[JwtRule], Field(min_length=1, max_length=16)] = Field(
+        description=("The trusted issuers (1-16): a token is verified by the rule of its issuer.")
+    )
 
 
 class RequestAuthentication(Strict):
-    apiVersion: Literal["meshfn.io/v1alpha1"]
-    kind: Literal["RequestAuthentication"]
-    metadata: ObjectMeta
-    spec: RequestAuthenticationSpec
+    """Which JWTs the selected workloads accept (Istio's RequestAuthentication): a request with
+    an invalid token is refused (401), a request without a token is passed on for
+    authorization to decide."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["RequestAuthentication"] = Field(
+        description="The kind of policy document: always `RequestAuthentication`."
+    )
+    metadata: ObjectMeta = Field(description=METADATA_DOC)
+    spec: RequestAuthenticationSpec = Field(
+        description="The workloads selected and the token issuers they trust."
+    )
 
 
 class Source(Strict):
-    principals: list[Principal] = Field(default_factory=list)
-    notPrincipals: list[Principal] = Field(default_factory=list)
-    namespaces: list[NamespaceMatch] = Field(default_factory=list)
-    notNamespaces: list[NamespaceMatch] = Field(default_factory=list)
-    requestPrincipals: list[RequestPrincipal] = Field(default_factory=list)
-    notRequestPrincipals: list[RequestPrincipal] = Field(default_factory=list)
+    """Caller identities: each non-empty field must match."""
+
+    principals: list[Principal] = Field(
+        default_factory=list,
+        description=(
+            "The mTLS peer's identity, any of: <trust-domain>/ns/<namespace>/sa/<account>, `*` "
+            "(any authenticated peer), or a prefix* or *suffix."
+        ),
+    )
+    notPrincipals: list[Principal] = Field(
+        default_factory=list, description="The mTLS peer's identity is none of these."
+    )
+    namespaces: list[NamespaceMatch] = Field(
+        default_factory=list,
+        description=("The mTLS peer's namespace, any of these (`*` and a trailing `*` allowed)."),
+    )
+    notNamespaces: list[NamespaceMatch] = Field(
+        default_factory=list, description="The mTLS peer's namespace is none of these."
+    )
+    requestPrincipals: list[RequestPrincipal] = Field(
+        default_factory=list,
+        description=(
+            "The verified JWT's <iss>/<sub> (split at the last '/'), any of these; <iss>/* or * "
+            "allowed."
+        ),
+    )
+    notRequestPrincipals: list[RequestPrincipal] = Field(
+        default_factory=list, description="The verified JWT's <iss>/<sub> is none of these."
+    )
 
 
 class From(Strict):
-    source: Source
+    """One caller condition of a rule."""
+
+    source: Source = Field(description="The caller's identities.")
 
 
 class Operation(Strict):
-    paths: list[PathPattern] = Field(default_factory=list)
-    notPaths: list[PathPattern] = Field(default_factory=list)
-    methods: list[Method] = Field(default_factory=list)
-    notMethods: list[Method] = Field(default_factory=list)
+    """Request operations: each non-empty field must match."""
+
+    paths: list[PathPattern] = Field(
+        default_factory=list,
+        description="The normalised request path, any of: exact, prefix*, *suffix or `*`.",
+    )
+    notPaths: list[PathPattern] = Field(
+        default_factory=list, description="The path is none of these."
+    )
+    methods: list[Method] = Field(
+        default_factory=list, description="The HTTP method, any of these."
+    )
+    notMethods: list[Method] = Field(
+        default_factory=list, description="The HTTP method is none of these."
+    )
 
 
 class To(Strict):
-    operation: Operation
+    """One operation condition of a rule."""
+
+    operation: Operation = Field(description="What is requested.")
 
 
 class Condition(Strict):
-    key: ConditionKey
-    values: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list)
-    notValues: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list)
+    """A condition on one request attribute (Istio's `when`)."""
+
+    key: ConditionKey = Field(
+        description=(
+            "The attribute: request.auth.claims[<claim>], request.auth.principal, "
+            "request.auth.audiences, source.principal, source.namespace or "
+            "request.headers[<name>]."
+        )
+    )
+    values: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, description="The attribute has one of these values."
+    )
+    notValues: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, description="The attribute has none of these values."
+    )
 
     @model_validator(mode="after")
     def _some(self) -> Self:
@@ -619,14 +953,37 @@ class Condition(Strict):
 
 
 class Rule(Strict):
-    from_: list[From] = Field(default_factory=list, alias="from")
-    to: list[To] = Field(default_factory=list)
-    when: list[Condition] = Field(default_factory=list)
+    """Matches a request when each of its non-empty lists holds: one `from` entry, one `to`
+    entry and every `when` condition."""
+
+    from_: list[From] = Field(
+        default_factory=list,
+        alias="from",
+        description=("Who the caller is (any entry matches); empty: any caller. Written `from`."),
+    )
+    to: list[To] = Field(
+        default_factory=list,
+        description="What is requested (any entry matches); empty: any request.",
+    )
+    when: list[Condition] = Field(
+        default_factory=list,
+        description="Conditions on request attributes, all of which must hold.",
+    )
 
 
 class AuthorizationPolicySpec(Strict):
-    selector: WorkloadSelector | None = None
-    action: Literal["ALLOW", "DENY"] = "ALLOW"
+    """The workloads selected, the action and the rules."""
+
+    selector: WorkloadSelector | None = Field(
+        None,
+        description=(
+            "The service (its sidecars) or gateway the policy applies to; without it, every "
+            "workload of the namespace, gateways included."
+        ),
+    )
+    action: Literal["ALLOW", "DENY"] = Field(
+        "ALLOW", description="ALLOW or DENY the requests a rule matches."
+    )
     rules: list[Rule] = Field(
         default_factory=list,
         description="ALLOW with no rules allows nothing; a rule with no fields matches anything",
@@ -634,10 +991,18 @@ class AuthorizationPolicySpec(Strict):
 
 
 class AuthorizationPolicy(Strict):
-    apiVersion: Literal["meshfn.io/v1alpha1"]
-    kind: Literal["AuthorizationPolicy"]
-    metadata: ObjectMeta
-    spec: AuthorizationPolicySpec
+    """Who may call the selected workloads and how (Istio's AuthorizationPolicy): DENY policies
+    are evaluated first; once an ALLOW policy selects a workload, a request that no ALLOW
+    rule matches gets 403."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["AuthorizationPolicy"] = Field(
+        description="The kind of policy document: always `AuthorizationPolicy`."
+    )
+    metadata: ObjectMeta = Field(description=METADATA_DOC)
+    spec: AuthorizationPolicySpec = Field(
+        description="The workloads selected, the action and the rules."
+    )
 
 
 # ---------------------------------------------------------------- topology fallback
@@ -647,11 +1012,31 @@ class OutlierDetection(Strict):
     """Passive health: eject an endpoint after consecutive failures (connection failures count
     as gateway errors and 5xx), like Istio's DestinationRule.outlierDetection."""
 
-    consecutive5xxErrors: Annotated[int, Field(ge=0, le=1000)] = 5
-    consecutiveGatewayErrors: Annotated[int, Field(ge=0, le=1000)] = 0
-    interval: Duration = timedelta(seconds=1)
-    baseEjectionTime: Duration = timedelta(seconds=30)
-    maxEjectionPercent: Annotated[int, Field(ge=0, le=100)] = 100
+    consecutive5xxErrors: Annotated[int, Field(ge=0, le=1000)] = Field(
+        5,
+        description=(
+            "5xx answers in a row (connection failures included) that eject an endpoint; 0: off."
+        ),
+    )
+    consecutiveGatewayErrors: Annotated[int, Field(ge=0, le=1000)] = Field(
+        0,
+        description=(
+            "502, 503 and 504 answers and connection failures in a row that eject an endpoint; 0:"
+            " off."
+        ),
+    )
+    interval: Duration = Field(
+        timedelta(seconds=1), description="How often ejections are evaluated."
+    )
+    baseEjectionTime: Duration = Field(
+        timedelta(seconds=30),
+        description=(
+            "How long an endpoint stays ejected the first time; each further ejection lasts longer."
+        ),
+    )
+    maxEjectionPercent: Annotated[int, Field(ge=0, le=100)] = Field(
+        100, description="The most endpoints ejected at once, in percent."
+    )
 
     @model_validator(mode="after")
     def _sane(self) -> Self:
@@ -663,27 +1048,54 @@ class OutlierDetection(Strict):
 
 
 class CircuitBreakers(Strict):
-    maxConnections: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    maxPendingRequests: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    maxRequests: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    maxRetries: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    """Limits on what each proxy sends the service at once (Envoy's circuit breakers); beyond
+    them requests fail at once with 503."""
+
+    maxConnections: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
+        None, description="Connections to the service's endpoints."
+    )
+    maxPendingRequests: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
+        None, description="Requests waiting for a connection."
+    )
+    maxRequests: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
+        None, description="Requests in flight."
+    )
+    maxRetries: Annotated[int, Field(ge=0, le=1_000_000)] | None = Field(
+        None, description="Retries in flight."
+    )
 
 
 class RetryBudget(Strict):
     """Retries may add at most `percent` of active requests (Envoy's retry budget)."""
 
-    percent: Annotated[float, Field(gt=0, le=100)] = 20.0
-    minRetryConcurrency: Annotated[int, Field(ge=0, le=10_000)] = 3
+    percent: Annotated[float, Field(gt=0, le=100)] = Field(
+        20.0, description="Retries in flight, as a percent of the requests in flight."
+    )
+    minRetryConcurrency: Annotated[int, Field(ge=0, le=10_000)] = Field(
+        3, description="Retries allowed in flight whatever the percent."
+    )
 
 
 class HealthCheck(Strict):
     """Active HTTP health checks."""
 
-    path: HttpPath = "/"
-    interval: Duration = timedelta(seconds=1)
-    timeout: Duration = timedelta(milliseconds=500)
-    unhealthyThreshold: Annotated[int, Field(ge=1, le=100)] = 2
-    healthyThreshold: Annotated[int, Field(ge=1, le=100)] = 1
+    path: HttpPath = Field(
+        "/",
+        description=(
+            "The path each check requests (it crosses the sidecar's authorization like any "
+            "request)."
+        ),
+    )
+    interval: Duration = Field(timedelta(seconds=1), description="Time between checks.")
+    timeout: Duration = Field(
+        timedelta(milliseconds=500), description="How long one check may take."
+    )
+    unhealthyThreshold: Annotated[int, Field(ge=1, le=100)] = Field(
+        2, description="Failed checks in a row that mark an endpoint unhealthy."
+    )
+    healthyThreshold: Annotated[int, Field(ge=1, le=100)] = Field(
+        1, description="Passed checks in a row that mark it healthy again."
+    )
 
     @model_validator(mode="after")
     def _sane(self) -> Self:
@@ -693,8 +1105,12 @@ class HealthCheck(Strict):
 
 
 class RegionFailover(Strict):
-    from_: LocalityName = Field(alias="from")
-    to: LocalityName
+    """The region a region's requests fail over to."""
+
+    from_: LocalityName = Field(
+        alias="from", description="The region whose endpoints failed. Written `from`."
+    )
+    to: LocalityName = Field(description="The region tried next.")
 
     @model_validator(mode="after")
     def _elsewhere(self) -> Self:
@@ -709,8 +1125,15 @@ class LocalityLb(Strict):
     """Prefer endpoints near the calling proxy: same node, then zone, then region, then the
     `failover` region, then anywhere (EDS priorities)."""
 
-    enabled: bool = True
-    failover: list[RegionFailover] = Field(default_factory=list)
+    enabled: bool = Field(
+        True, description="Prefer near endpoints; false turns the preference off."
+    )
+    failover: list[RegionFailover] = Field(
+        default_factory=list,
+        description=(
+            "Where a region's requests go when its endpoints fail, before any other region."
+        ),
+    )
 
 
 class DriftBreaker(Strict):
@@ -724,7 +1147,13 @@ class DriftBreaker(Strict):
         description="the p95 must also rise by at least this much: at a 2 ms baseline, +40% "
         "is noise (a retry, a new connection), not a degraded model",
     )
-    minSamples: Annotated[int, Field(ge=5, le=100_000)] = 20
+    minSamples: Annotated[int, Field(ge=5, le=100_000)] = Field(
+        20,
+        description=(
+            "Answers a window needs before the breaker judges it (meshfn analyze checks it "
+            "against live traffic: MF0202)."
+        ),
+    )
     window: Duration = Field(timedelta(seconds=3), description="recent samples compared")
     baselineWindow: Duration = Field(timedelta(seconds=60), description="what normal looks like")
     coldStartBaseline: Duration | None = Field(
@@ -747,18 +1176,42 @@ class DriftBreaker(Strict):
 
 
 class FallbackPolicySpec(Strict):
+    """The service this policy protects and how its requests fail over."""
+
     service: Name = Field(description="the primary service, in this namespace")
-    locality: LocalityLb | None = None
-    outlierDetection: OutlierDetection | None = None
-    circuitBreakers: CircuitBreakers | None = None
-    retryBudget: RetryBudget | None = None
-    healthCheck: HealthCheck | None = None
+    locality: LocalityLb | None = Field(
+        None,
+        description=(
+            "Prefer endpoints near the gateway and fail over by locality (needs outlierDetection "
+            "or healthCheck to see endpoints fail)."
+        ),
+    )
+    outlierDetection: OutlierDetection | None = Field(
+        None, description="Eject endpoints that fail repeatedly (passive health)."
+    )
+    circuitBreakers: CircuitBreakers | None = Field(
+        None, description="Caps on connections and requests in flight to the service."
+    )
+    retryBudget: RetryBudget | None = Field(
+        None, description="Caps retries to a share of the requests in flight."
+    )
+    healthCheck: HealthCheck | None = Field(
+        None, description="Active HTTP health checks of the endpoints."
+    )
     chain: Annotated[list[Name], Field(max_length=16)] = Field(
         default_factory=list,
         description="services tried in order when the primary has no healthy endpoint",
     )
-    maxFallbackDepth: Annotated[int, Field(ge=1, le=16)] = 3
-    driftBreaker: DriftBreaker | None = None
+    maxFallbackDepth: Annotated[int, Field(ge=1, le=16)] = Field(
+        3, description="How many services of the chain may be tried (1-16)."
+    )
+    driftBreaker: DriftBreaker | None = Field(
+        None,
+        description=(
+            "Send the routes to this service down the chain while their latency drifts above its "
+            "baseline (needs a chain)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -782,10 +1235,18 @@ class FallbackPolicySpec(Strict):
 
 
 class FallbackPolicy(Strict):
-    apiVersion: Literal["meshfn.io/v1alpha1"]
-    kind: Literal["FallbackPolicy"]
-    metadata: ObjectMeta
-    spec: FallbackPolicySpec
+    """How requests to a service survive failures: locality-aware failover, outlier detection,
+    circuit breakers, a retry budget, active health checks, a chain of fallback services and
+    the latency-drift breaker."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["FallbackPolicy"] = Field(
+        description="The kind of policy document: always `FallbackPolicy`."
+    )
+    metadata: ObjectMeta = Field(description=METADATA_DOC)
+    spec: FallbackPolicySpec = Field(
+        description="The service this policy protects and how it fails over."
+    )
 
 
 # ---------------------------------------------------------------- functions
@@ -815,10 +1276,18 @@ class FunctionSpec(FunctionSettings):
 
 
 class Function(Strict):
-    apiVersion: Literal["meshfn.io/v1alpha1"]
-    kind: Literal["Function"]
-    metadata: ObjectMeta
-    spec: FunctionSpec
+    """A model function compiled to WebAssembly and served over the KServe v2 inference protocol
+    (REST at /v2/models/{name}, and gRPC) by the inference backends running on a Service's
+    endpoints."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["Function"] = Field(description="The kind of policy document: always `Function`.")
+    metadata: ObjectMeta = Field(description=METADATA_DOC)
+    spec: FunctionSpec = Field(
+        description=(
+            "Where the function is served and how (artifact, instances, limits, batching)."
+        )
+    )
 
 
 # ---------------------------------------------------------------- multi-tenant QoS
@@ -827,7 +1296,9 @@ class Function(Strict):
 class TargetRef(Strict):
     """What a QoSPolicy binds: a whole Gateway, one Route or one Function."""
 
-    kind: Literal["Gateway", "Route", "Function"]
+    kind: Literal["Gateway", "Route", "Function"] = Field(
+        description="The kind of object: Gateway, Route or Function."
+    )
     name: ObjectRef = Field(description='"name" (the policy\'s namespace) or "namespace/name"')
 
 
@@ -859,7 +1330,12 @@ class QoSPolicySpec(TenantClasses):
     compute budgets are kept, and priorities order and shed requests, by the inference backend
     that serves the bound functions (per backend process)."""
 
-    targetRefs: Annotated[list[TargetRef], Field(min_length=1, max_length=64)]
+    targetRefs: Annotated[list[TargetRef], Field(min_length=1, max_length=64)] = Field(
+        description=(
+            "What the policy binds (1-64): Gateways, Routes or Functions. The most specific wins:"
+            " a Route's or a Function's own policy replaces its gateway's for its requests."
+        )
+    )
     global_: GlobalRate | None = Field(
         None,
         alias="global",
@@ -881,10 +1357,18 @@ class QoSPolicySpec(TenantClasses):
 
 
 class QoSPolicy(Strict):
-    apiVersion: Literal["meshfn.io/v1alpha1"]
-    kind: Literal["QoSPolicy"]
-    metadata: ObjectMeta
-    spec: QoSPolicySpec
+    """Multi-tenant quality of service for the Gateways, Routes or Functions it targets:
+    per-tenant request rates, concurrency, compute budgets and priorities, tenants told apart
+    by a verified JWT claim."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["QoSPolicy"] = Field(
+        description="The kind of policy document: always `QoSPolicy`."
+    )
+    metadata: ObjectMeta = Field(description=METADATA_DOC)
+    spec: QoSPolicySpec = Field(
+        description="What the policy targets, its tenant classes and their limits."
+    )
 
 
 PolicyObject = (

@@ -1,4 +1,5 @@
-"""QoSPolicy: its checks across documents and its lowering to the IR.
+"""QoSPolicy: which policy binds what, and its checks across documents (compile/qos.py lowers
+the policies, compile/shedding.py the gateways' shedding).
 
 A policy binds Gateways, Routes and Functions (`targetRefs`). The most specific binding wins:
 a Route's or Function's own policy governs its requests, the Gateway's policy everything else on
@@ -11,23 +12,15 @@ Gateways only (a Route's or Function's own policy replaces it on its routes and 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from meshfn import ir
-from meshfn.contracts.qos import (
-    FunctionQoS,
-    Limits,
-    TenantClasses,
-    shed_threshold,
-    split_priorities,
-    window_seconds,
-)
+from meshfn.contracts.qos import TenantClasses, split_priorities
 
 from .errors import PolicyError
-from .model import Function, Gateway, Mesh, QoSPolicy, QoSPolicySpec, Route, Service
-from .references import resolve_gateway, where
+from .model import Function, Gateway, Mesh, QoSPolicy, Route, Service
+from .references import resolve_gateway
 from .security import Security
-from .validate import Loaded
+from .validate import Loaded, where
 
 DEFAULT_CLAIM = "tenant"
 
@@ -47,7 +40,7 @@ def claim_of(spec: TenantClasses, mesh: Mesh) -> str:
 class Bindings:
     """Which QoSPolicy governs what: per target (kind, namespace/name) the binding policy."""
 
-    def __init__(self, items: list[Loaded]) -> None:
+    def __init__(self, items: Sequence[Loaded]) -> None:
         self.items = items
         self.policies = sorted(
             (i for i in items if isinstance(i.obj, QoSPolicy)), key=lambda i: (i.namespace, i.name)
@@ -85,13 +78,17 @@ class Bindings:
 
     def for_function(self, item: Loaded) -> Loaded | None:
         """The policy a Function's backend applies: the Function's own, else its gateway's."""
-        own = self.of("Function", f"{item.namespace}/{item.name}")
-        if own is not None:
-            return own
         gateway = resolve_gateway(item, self.gateways)
         if isinstance(gateway, PolicyError):
-            return None
-        return self.of("Gateway", f"{gateway.namespace}/{gateway.name}")
+            return self.for_function_on(item, None)
+        return self.for_function_on(item, f"{gateway.namespace}/{gateway.name}")
+
+    def for_function_on(self, item: Loaded, gateway: str | None) -> Loaded | None:
+        """for_function, with the key of the Gateway the Function attaches to (None: none)."""
+        own = self.of("Function", f"{item.namespace}/{item.name}")
+        if own is not None or gateway is None:
+            return own
+        return self.of("Gateway", gateway)
 
 
 def check(items: list[Loaded]) -> list[PolicyError]:
@@ -244,100 +241,6 @@ def _check_shedding(item: Loaded, serves_functions: bool) -> list[PolicyError]:
     return []
 
 
-ShedLimits = tuple[ir.PriorityLimits, tuple[tuple[str, ir.PriorityLimits], ...]]
-
-
-def shed_limits(
-    bindings: Bindings, services: list[ir.Service], reach: dict[str, int]
-) -> dict[str, ShedLimits] | list[PolicyError]:
-    """Per backend Service whose functions a policy sheds at the gateway, each gateway's
-    per-priority concurrency towards it: (its cluster's, each such function's own cluster's).
-    HIGH admits every request the backend admits (maxConcurrency), DEFAULT what it admits
-    before it sheds its lowest priority (contracts.qos.shed_threshold: half), both divided among
-    the `reach[service]` Gateways whose routes reach it (or the policy's
-    `gatewayShedding.gateways`); the service's cluster sums its functions (all of a function
-    whose policy does not shed)."""
-    functions: dict[str, list[Loaded]] = {}
-    for item in bindings.items:
-        if isinstance(item.obj, Function):
-            key = f"{item.namespace}/{item.obj.spec.backend}"
-            functions.setdefault(key, []).append(item)
-    out: dict[str, ShedLimits] = {}
-    errors: list[PolicyError] = []
-    by_key = {s.key: s for s in services}
-    for key, served in sorted(functions.items()):
-        own: list[tuple[str, int, int, Loaded]] = []  # (function, N, DEFAULT share, policy)
-        high = default = 0
-        for function in served:
-            assert isinstance(function.obj, Function)
-            limit = function.obj.spec.limits.maxConcurrency
-            policy = bindings.for_function(function)
-            high += limit
-            spec = policy.obj.spec if policy is not None else None
-            if policy is None or not isinstance(spec, QoSPolicySpec) or not spec.gatewayShedding:
-                default += limit
-                continue
-            count = len({c.priority for c in spec.classes})
-            share = shed_threshold(count - 1, count, limit)
-            default += share
-            own.append((function.name, limit, share, policy))
-        if not own:
-            continue
-        shedding = own[0][3]
-        assert isinstance(shedding.obj, QoSPolicy) and shedding.obj.spec.gatewayShedding
-        loc = ("spec", "gatewayShedding")
-        given = shedding.obj.spec.gatewayShedding.gateways
-        gateways = reach.get(key, 1)
-        if given is not None and given < gateways:
-            errors.append(
-                shedding.error(
-                    (*loc, "gateways"),
-                    f"{given} gateway(s), but {gateways} Gateways reach the backend {key}: each "
-                    "would admit its share, together more than the backend sheds at",
-                )
-            )
-            continue
-        gateways = given or gateways
-        service = by_key.get(key)
-        breakers = service.traffic.breakers if service and service.traffic else None
-        caps = (breakers.max_requests, breakers.max_pending_requests) if breakers else ()
-        cap = min((c for c in caps if c is not None), default=None)
-        if cap is not None and cap < default // gateways:
-            errors.append(
-                shedding.error(
-                    loc,
-                    f"the backend {key}'s FallbackPolicy admits at most {cap} requests "
-                    f"(circuitBreakers), below the {default // gateways} lower-priority requests "
-                    "each gateway admits before it sheds: the gateway would never shed by "
-                    "priority; raise circuitBreakers or drop gatewayShedding",
-                )
-            )
-            continue
-        small = [(name, share) for name, _, share, _ in own if share // gateways < 1]
-        if small:
-            name, share = small[0]
-            errors.append(
-                shedding.error(
-                    loc,
-                    f"Function {name} sheds its lower priorities from {share} requests in "
-                    f"flight, fewer than the {gateways} gateways sharing its backend {key}: each "
-                    "gateway would shed every DEFAULT request (raise its maxConcurrency)",
-                )
-            )
-            continue
-        out[key] = (
-            _per_gateway(high, default, gateways, cap),
-            tuple((name, _per_gateway(n, share, gateways, cap)) for name, n, share, _ in own),
-        )
-    return errors or out
-
-
-def _per_gateway(high: int, default: int, gateways: int, cap: int | None) -> ir.PriorityLimits:
-    """One gateway's share; a FallbackPolicy's circuitBreakers bound both priorities."""
-    most = -(-high // gateways)
-    return ir.PriorityLimits(high=min(most, cap) if cap else most, default=default // gateways)
-
-
 def _check_global(item: Loaded) -> list[PolicyError]:
     """A global rate is the rate of a whole gateway's policy (the limit service counts the
     requests of every gateway it binds); a Route's or Function's own stays per gateway."""
@@ -358,56 +261,3 @@ def _check_global(item: Loaded) -> list[PolicyError]:
             )
         ]
     return []
-
-
-# ---------------------------------------------------------------- lowering
-
-
-def _limits(limits: Limits) -> ir.TenantLimits:
-    rate = limits.rate
-    return ir.TenantLimits(
-        rate=ir.Bucket(rate.requests, rate.seconds, rate.bucket) if rate is not None else None,
-        concurrency=limits.concurrency,
-        compute=tuple(
-            sorted(
-                (ir.Budget(b.cpuMs, b.per) for b in limits.compute),
-                key=lambda b: window_seconds(b.window),
-            )
-        ),
-    )
-
-
-def lower(item: Loaded, mesh: Mesh) -> ir.QoSPolicy:
-    assert isinstance(item.obj, QoSPolicy)
-    spec = item.obj.spec
-    return ir.QoSPolicy(
-        name=item.name,
-        namespace=item.namespace,
-        claim=claim_of(spec, mesh),
-        default_class=spec.defaultClass,
-        classes=tuple(ir.QoSClass(c.name, c.priority, _limits(c)) for c in spec.classes),
-        tenants=tuple(
-            ir.QoSTenant(t.name, spec.class_of(t.name).name, _limits(spec.limits_of(t.name)))
-            for t in spec.tenants
-        ),
-        global_rate=ir.GlobalRate(
-            deny=spec.global_.onLimitServiceError == "deny",
-            timeout_ms=max(1, int(spec.global_.timeout.total_seconds() * 1000)),
-        )
-        if spec.global_ is not None
-        else None,
-        gateway_shed=spec.gatewayShedding is not None,
-    )
-
-
-def function_qos(item: Loaded, mesh: Mesh) -> FunctionQoS:
-    """The backend's view of a policy: its tenant classes, as written (the contract schema)."""
-    assert isinstance(item.obj, QoSPolicy)
-    spec = item.obj.spec
-    return FunctionQoS.model_construct(
-        policy=f"{item.namespace}/{item.name}",
-        tenantClaim=claim_of(spec, mesh),
-        defaultClass=spec.defaultClass,
-        classes=spec.classes,
-        tenants=spec.tenants,
-    )

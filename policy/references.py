@@ -28,12 +28,7 @@ from .model import (
     Service,
 )
 from .source import Loc
-from .validate import Loaded
-
-
-def where(item: Loaded, loc: Loc = ()) -> str:
-    line = item.doc.line_of(loc)
-    return f"{item.doc.file}:{line}" if line > 0 else item.doc.file  # custom resources: no line
+from .validate import Loaded, where
 
 
 def check_references(items: list[Loaded]) -> list[PolicyError]:

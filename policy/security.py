@@ -8,6 +8,7 @@ wins (port level > service > namespace > Mesh default).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from meshfn import ir
 
@@ -36,7 +37,7 @@ def selects(selector: WorkloadSelector | None, kind: str, name: str) -> bool:
 class Security:
     """The zero-trust policies of one policy set, indexed for per-workload lookups."""
 
-    def __init__(self, items: list[Loaded]) -> None:
+    def __init__(self, items: Sequence[Loaded]) -> None:
         mesh = next(i.obj for i in items if isinstance(i.obj, Mesh))
         assert isinstance(mesh, Mesh)
         self.trust_domain = mesh.spec.trustDomain

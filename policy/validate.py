@@ -81,6 +81,13 @@ class Loaded:
         return self.doc.error(loc, message)
 
 
+def where(item: Loaded, loc: Loc = ()) -> str:
+    """`file:line` of `loc` in the item's document (or of its closest ancestor), for messages
+    that point at a counterpart."""
+    line = item.doc.line_of(loc)
+    return f"{item.doc.file}:{line}" if line > 0 else item.doc.file  # custom resources: no line
+
+
 def validate_document(doc: Document) -> Loaded | list[PolicyError]:
     data = doc.data
     if not isinstance(data, dict):

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshfn.common import env
+
 # Screenshots the console's tests save (build/ is not committed).
 ARTIFACTS = Path(__file__).resolve().parents[1] / "build" / "artifacts" / "console"
-CHROMIUM = os.environ.get("MESHFN_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM = env.CHROMIUM.get_or("/usr/bin/chromium")
 # Headless Chromium as root, with nothing that phones home (FACTS.md).
 CHROMIUM_ARGS = [
     "--headless",

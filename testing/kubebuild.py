@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from meshfn.common.cli import console
 from meshfn.common.progress import RichReporter
 
 SCRIPT = Path(__file__).resolve().parents[1] / "e2e" / "kube" / "build.sh"
@@ -48,7 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--log", type=Path, required=True)
     args = parser.parse_args()
-    sys.exit(run(args.log, Console(stderr=True)))
+    sys.exit(run(args.log, console(stderr=True)))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The layering is a contract (ARCHITECTURE.md): checked here as well as by `lint-imports`."""
+"""The layering is a contract (docs/concepts/architecture.md): checked here as well as by `lint-imports`."""
 
 from __future__ import annotations
 
@@ -132,6 +132,7 @@ FLAT = {
     "meshfn.control_plane.identity",
     "meshfn.control_plane.runtime",
     "meshfn.control_plane.runtime.console",
+    "meshfn.xds.fragments",
     "meshfn.xds.translate",
     "meshfn.xds.translate.httpfilters",
 }

@@ -22,6 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from meshfn.common import env
 from meshfn.common.progress import NULL, Reporter
 from meshfn.contracts.plugins import BUILDS
 
@@ -34,11 +35,11 @@ class BuildError(RuntimeError):
 
 
 def source_dir() -> Path:
-    return Path(os.environ.get("MESHFN_WASM_SRC", Path(__file__).resolve().parent))
+    return env.WASM_SRC.path() or Path(__file__).resolve().parent
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MESHFN_CACHE", Path.home() / ".cache" / "meshfn")) / "wasm_filters"
+    return (env.CACHE.path() or Path.home() / ".cache" / "meshfn") / "wasm_filters"
 
 
 def source_key(source: Path | None = None) -> str:
@@ -55,7 +56,7 @@ def source_key(source: Path | None = None) -> str:
 
 
 def _prebuilt() -> Path | None:
-    prebuilt = os.environ.get("MESHFN_WASM_DIR")
+    prebuilt = env.WASM_DIR.get()
     if not prebuilt:
         return None
     path = Path(prebuilt)

@@ -1,7 +1,7 @@
 """What ends an ADS stream: the protocol error type and the limits on hostile requests.
 
 Any request that breaks a rule here ends only its own stream, with a gRPC status that says why;
-every other stream and the server carry on (README, "Control plane behaviour worth knowing").
+every other stream and the server carry on (docs/operations/faults.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ control plane's port: the global rates of QoSPolicies whose `global` asks for on
 every gateway they bind.
 
 A request's domain is the policy (namespace/name); its one descriptor names the policy again and
-the verified tenant (ir.qos.global_rate_limit), or no tenant: the anonymous tenant. Each
+the verified tenant (fragments.qos.global_rate_limit), or no tenant: the anonymous tenant. Each
 (policy, tenant) has one token bucket for all gateways, refilled continuously at the tenant's
 rate and holding at most its burst, like the local limit's. Requests the service cannot answer
 (an unknown domain, a malformed descriptor) get a gRPC error, which the gateway treats as the

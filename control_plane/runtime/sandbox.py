@@ -38,16 +38,11 @@ LAYERS = ("landlock", "seccomp", "egress")
 
 
 class BackendSandbox:
-    def __init__(
-        self,
-        state_dir: Path,
-        mode: str,
-        backends: Callable[[], Iterable[UpstreamSpec]],
-        parent: Path | None = None,
-    ) -> None:
+    def __init__(self, state_dir: Path, mode: str, parent: Path | None = None) -> None:
         self.state_dir = state_dir
         self.mode = mode
-        self.backends = backends
+        # the backends running now (the mesh's upstreams serving functions), once it exists
+        self.backends: Callable[[], Iterable[UpstreamSpec]] = list
         self.egress = EgressControl(state_dir, parent)
         self.status = EgressStatus(mode, False, "not set up")
         self._logged: dict[tuple[str, str], tuple[int, float]] = {}

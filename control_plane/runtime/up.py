@@ -19,11 +19,13 @@ from pathlib import Path
 
 import aiohttp
 from rich.console import Console
+from rich.text import Text
 
 from meshfn import ir
 from meshfn import wasm_filters as filters
 from meshfn.audit.collector import CollectorMetrics
 from meshfn.audit.store import StoreError
+from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
 from meshfn.ebpf import AccelerationUnavailable, EgressUnavailable
@@ -67,6 +69,20 @@ class Mesh:
     )
 
     async def reconcile(self, model: ir.MeshModel, _old: ir.MeshModel | None = None) -> None:
+        """Make the running processes what `model` wants: upstreams first (the Envoys route to
+        them), then one Envoy per workload, then the audit collectors of their journals."""
+        await self._reconcile_upstreams(model)
+        if _old is not None:  # a reload; `meshfn up` printed the first model's warnings
+            before = {w.node_cluster: w.admin_port for w in _old.workloads}
+            for w in model.workloads:
+                if w.kind == "gateway" and w.admin_port not in (0, before.get(w.node_cluster)):
+                    log.warning("%s", admin_port_warning(w))
+        await self._reconcile_envoys(model)
+        if self.audit is not None:
+            reopen = {group: self._reopen(group) for group in self.envoys}
+            await self.audit.reconcile(model, self.cp.proxy_host(model), reopen)
+
+    async def _reconcile_upstreams(self, model: ir.MeshModel) -> None:
         if self.sandbox is not None and model.sandbox.egress != self.sandbox.mode:
             log.warning(
                 "sandbox.egress is now %s: the egress control stays %s until meshfn up restarts"
@@ -74,15 +90,15 @@ class Mesh:
                 model.sandbox.egress,
                 self.sandbox.mode,
             )
-        wanted_upstreams = upstreams_for(model)
+        wanted = upstreams_for(model)
         for key, (spec, proc) in list(self.upstreams.items()):
-            if wanted_upstreams.get(key) != spec:
+            if wanted.get(key) != spec:
                 del self.upstreams[key]
                 await proc.stop()
                 if self.sandbox is not None:
                     self.sandbox.release(spec)
         starts = []
-        for key, spec in wanted_upstreams.items():
+        for key, spec in wanted.items():
             if key not in self.upstreams:
                 own = self.sandbox.preexec(spec) if self.sandbox is not None else None
                 proc = upstream_process(spec, self.state_dir, self.functions, own or self.preexec)
@@ -97,21 +113,17 @@ class Mesh:
                 )
         await _gather_or_raise(starts)
 
-        if _old is not None:  # a reload; `meshfn up` printed the first model's warnings
-            before = {w.node_cluster: w.admin_port for w in _old.workloads}
-            for w in model.workloads:
-                if w.kind == "gateway" and w.admin_port not in (0, before.get(w.node_cluster)):
-                    log.warning("%s", admin_port_warning(w))
-        wanted_envoys = {
+    async def _reconcile_envoys(self, model: ir.MeshModel) -> None:
+        wanted = {
             w.node_cluster: ProxyIdentity.for_workload(w, self.cp.tokens.header(w.node_cluster))
             for w in model.workloads
         }
         for group, (identity, proc) in list(self.envoys.items()):
-            if wanted_envoys.get(group) != identity:
+            if wanted.get(group) != identity:
                 del self.envoys[group]
                 await proc.stop()
         starts = []
-        for group, identity in wanted_envoys.items():
+        for group, identity in wanted.items():
             if group not in self.envoys:
                 proc = envoy_process(
                     identity,
@@ -124,9 +136,6 @@ class Mesh:
                 self.envoys[group] = (identity, proc)
                 starts.append(proc.start())
         await _gather_or_raise(starts)
-        if self.audit is not None:
-            reopen = {group: self._reopen(group) for group in self.envoys}
-            await self.audit.reconcile(model, self.cp.proxy_host(model), reopen)
 
     def _reopen(self, group: str) -> Callable[[], Awaitable[None]]:
         async def reopen() -> None:  # whichever process serves the group by then
@@ -216,6 +225,15 @@ async def function_samples(
     return out
 
 
+class _Refused(Exception):
+    """`meshfn up` does not start, or stops starting; each argument is a line saying why (markup,
+    or rich Text for what must print as it is)."""
+
+    def print(self, console: Console) -> None:
+        for line in self.args:
+            console.print(line)
+
+
 async def run_up(
     policies: Path,
     state_dir: Path,
@@ -226,64 +244,132 @@ async def run_up(
     admin_host: str = "127.0.0.1",
     admin_token: str | None = None,
 ) -> int:
-    console = console or Console()
-    if not is_loopback(admin_host) and not admin_token:
-        console.print(
-            f"the admin port (and its console) would listen on {admin_host} without a token:"
-            " set MESHFN_ADMIN_TOKEN or --admin-token-file",
-            markup=False,
-            highlight=False,
-        )
+    """`meshfn up`: run the whole mesh until Ctrl-C or SIGTERM; the exit status.
+
+    It runs in three steps, and the order is the point:
+    1. Check everything that can refuse the start before anything runs (an admin port beyond
+       loopback without a token, policy errors, admin socket paths too long for a unix socket,
+       functions without a registry, eBPF required but unavailable): a refusal leaves no
+       process behind and says what to change.
+    2. Start the control plane and its admin port before the mesh: every Envoy connects to the
+       control plane as it starts, and the console must see the first proxy arrive.
+    3. Once the mesh runs, write STATE/state.json (`meshfn status` and `analyze` find the admin
+       port there), print how to try it, and wait. Teardown is a `finally` in the reverse
+       order, so Ctrl-C, SIGTERM and a failed start all stop every child.
+    """
+    console = console or cli_console()
+    try:
+        _check_admin_listen(admin_host, admin_token)
+        cp, model = await _loaded(policies, state_dir, console)
+        _check_functions(model, functions)
+        acceleration = await _accelerated(cp, model, state_dir)
+        sandbox = await _sandboxed(cp, model, state_dir, acceleration)
+    except _Refused as refused:
+        refused.print(console)
         return 1
+    mesh = _wired_mesh(cp, state_dir, functions, concurrency, envoy_log_level, acceleration)
+    if sandbox is not None:
+        mesh.sandbox = sandbox
+        sandbox.backends = lambda: [spec for spec, _ in mesh.upstreams.values()]
+    admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
+    return await _serve(cp, model, mesh, admin, acceleration, admin_host, policies, console)
+
+
+def _check_admin_listen(admin_host: str, admin_token: str | None) -> None:
+    if not is_loopback(admin_host) and not admin_token:
+        raise _Refused(
+            Text(
+                f"the admin port (and its console) would listen on {admin_host} without a token:"
+                " set MESHFN_ADMIN_TOKEN or --admin-token-file"
+            )
+        )
+
+
+async def _loaded(
+    policies: Path, state_dir: Path, console: Console
+) -> tuple[ControlPlane, ir.MeshModel]:
+    """The control plane with the policies loaded (the proxy-wasm filters built first, with
+    progress on stderr and one line saying what was cached); its warnings printed."""
     secure_state_dir(state_dir)
-    with RichReporter(Console(stderr=True), "proxy-wasm filters") as progress:
+    with RichReporter(cli_console(stderr=True), "proxy-wasm filters") as progress:
         wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare, progress)
     cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
     result = await cp.reload()
     tune_gc()
     if not result.ok:
-        console.print(f"[red]{len(result.errors)} policy error(s); nothing started:[/red]")
-        for error in result.errors:
-            console.print(f"  {error}", markup=False, highlight=False)
-        return 1
+        raise _Refused(
+            f"[red]{len(result.errors)} policy error(s); nothing started:[/red]",
+            *(Text(f"  {error}") for error in result.errors),
+        )
     model = cp.model
     assert model is not None
     try:
         for workload in model.workloads:
             admin_socket_path(state_dir, ProxyIdentity.for_workload(workload, "").node_id)
     except AdminSocketPathTooLong as exc:
-        console.print(f"[red]{exc.strerror}[/red]", highlight=False)
-        return 1
+        raise _Refused(Text(f"{exc.strerror}", style="red")) from None
     for warning in admin_port_warnings(model):
         console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+    return cp, model
+
+
+def _check_functions(model: ir.MeshModel, functions: FunctionsSetup | None) -> None:
     if model.functions and functions is None:
-        console.print("[red]the policies declare functions: give --functions-registry[/red]")
-        return 1
-    acceleration = None
-    if model.acceleration != "off":
-        acceleration = Acceleration(state_dir)
-        try:
-            await acceleration.setup(model.acceleration)
-        except AccelerationUnavailable as exc:
-            console.print(f"[red]acceleration: ebpf was required but is unavailable: {exc}[/red]")
-            return 1
-        cp.status_providers["acceleration"] = acceleration.document
-        cp.metrics.registry.register(AccelerationCollector(acceleration))
-    sandbox = None
-    if model.functions:
-        sandbox = BackendSandbox(
-            state_dir,
-            model.sandbox.egress,
-            lambda: [spec for spec, _ in mesh.upstreams.values()],
-            parent=acceleration.status.cgroup if acceleration and acceleration.status else None,
-        )
-        try:
-            await sandbox.setup()
-        except EgressUnavailable as exc:
-            console.print(f"[red]sandbox: egress was required but is unavailable: {exc}[/red]")
-            return 1
-        cp.status_providers["sandbox"] = sandbox.document
-        cp.metrics.registry.register(EgressCollector(sandbox))
+        raise _Refused("[red]the policies declare functions: give --functions-registry[/red]")
+
+
+async def _accelerated(
+    cp: ControlPlane, model: ir.MeshModel, state_dir: Path
+) -> Acceleration | None:
+    """eBPF acceleration as the policies ask for it (set up before any child starts: they join
+    its cgroup), reported in /debug/status and /metrics."""
+    if model.acceleration == "off":
+        return None
+    acceleration = Acceleration(state_dir)
+    try:
+        await acceleration.setup(model.acceleration)
+    except AccelerationUnavailable as exc:
+        raise _Refused(
+            f"[red]acceleration: ebpf was required but is unavailable: {exc}[/red]"
+        ) from None
+    cp.status_providers["acceleration"] = acceleration.document
+    cp.metrics.registry.register(AccelerationCollector(acceleration))
+    return acceleration
+
+
+async def _sandboxed(
+    cp: ControlPlane, model: ir.MeshModel, state_dir: Path, acceleration: Acceleration | None
+) -> BackendSandbox | None:
+    """The inference backends' egress control as the policies ask for it (set up before any
+    backend starts: each joins its own cgroup, inside the acceleration cgroup when that is
+    on), and what confines each backend in /debug/status and /metrics."""
+    if not model.functions:
+        return None
+    sandbox = BackendSandbox(
+        state_dir,
+        model.sandbox.egress,
+        parent=acceleration.status.cgroup if acceleration and acceleration.status else None,
+    )
+    try:
+        await sandbox.setup()
+    except EgressUnavailable as exc:
+        raise _Refused(
+            f"[red]sandbox: egress was required but is unavailable: {exc}[/red]"
+        ) from None
+    cp.status_providers["sandbox"] = sandbox.document
+    cp.metrics.registry.register(EgressCollector(sandbox))
+    return sandbox
+
+
+def _wired_mesh(
+    cp: ControlPlane,
+    state_dir: Path,
+    functions: FunctionsSetup | None,
+    concurrency: int,
+    envoy_log_level: str,
+    acceleration: Acceleration | None,
+) -> Mesh:
+    """The mesh, not started yet, with what it runs reported in /debug/status and /metrics."""
     audit = AuditTrail(state_dir)
     mesh = Mesh(
         cp,
@@ -293,7 +379,6 @@ async def run_up(
         envoy_log_level,
         preexec=acceleration.preexec() if acceleration else None,
         audit=audit,
-        sandbox=sandbox,
     )
     cp.status_providers["audit"] = audit.status
     # Where `meshfn status` reads each backend's own /meshfn/functions (warm-up, cold requests,
@@ -304,69 +389,93 @@ async def run_up(
     cp.metrics.registry.register(
         CollectorMetrics(lambda: audit.collector, classify=audit.tenant_class)
     )
-    admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
+    return mesh
+
+
+async def _start(
+    cp: ControlPlane, admin: AdminServer, admin_host: str, model: ir.MeshModel, mesh: Mesh
+) -> None:
+    """The control plane and its admin port, then the mesh (the Envoys connect at once)."""
+    try:
+        await cp.start()
+        await admin.start(admin_host, port=model.admin_port)
+    except (OSError, AdminAccessError) as exc:
+        raise _Refused(f"[red]cannot start the control plane: {exc}[/red]") from None
+    try:
+        await mesh.reconcile(model)
+    except (ProcessFailed, OSError, StoreError) as exc:
+        raise _Refused(f"[red]could not start the mesh: {exc}[/red]") from None
+    cp.on_model(mesh.reconcile)
+
+
+def _state_document(cp: ControlPlane, admin: AdminServer, mesh: Mesh, policies: Path) -> str:
+    """STATE/state.json: where the running mesh is (read by `meshfn status`, `analyze`, tests)."""
+    return json.dumps(
+        {
+            "pid": os.getpid(),
+            "admin": admin.url,
+            "xds": f"127.0.0.1:{cp.xds_port}",
+            "policies": str(policies),
+            "children": mesh.pids(),
+        },
+        indent=2,
+    )
+
+
+async def _print_ready(
+    console: Console, cp: ControlPlane, model: ir.MeshModel, admin: AdminServer, mesh: Mesh,
+    policies: Path,
+) -> None:  # fmt: skip
+    """The routes, commands to try them with, and where the console is."""
+    samples = await function_samples(spec for spec, _ in mesh.upstreams.values())
+    print_hints(
+        console,
+        hints(model, mesh.state_dir, admin.url, samples),
+        [
+            f"console: {admin.url}/ui",
+            f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin.url}; watching "
+            f"{policies} for changes; Ctrl-C stops everything.",
+        ],
+    )
+
+
+async def _serve(
+    cp: ControlPlane, model: ir.MeshModel, mesh: Mesh, admin: AdminServer,
+    acceleration: Acceleration | None, admin_host: str, policies: Path, console: Console,
+) -> int:  # fmt: skip
+    """Start, serve until a signal, and stop everything in the reverse order."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    state_file = state_dir / "state.json"
-    watcher: asyncio.Task[None] | None = None
-    rotator: asyncio.Task[None] | None = None
-    drift: asyncio.Task[None] | None = None
-    denials: asyncio.Task[None] | None = None
+    state_file = mesh.state_dir / "state.json"
+    tasks: list[asyncio.Task[None]] = []
     try:
         try:
-            await cp.start()
-            await admin.start(admin_host, port=model.admin_port)
-        except (OSError, AdminAccessError) as exc:
-            console.print(f"[red]cannot start the control plane: {exc}[/red]")
+            await _start(cp, admin, admin_host, model, mesh)
+        except _Refused as refused:
+            refused.print(console)
             return 1
-        try:
-            await mesh.reconcile(model)
-        except (ProcessFailed, OSError, StoreError) as exc:
-            console.print(f"[red]could not start the mesh: {exc}[/red]")
-            return 1
-        cp.on_model(mesh.reconcile)
-        state_file.write_text(
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "admin": admin.url,
-                    "xds": f"127.0.0.1:{cp.xds_port}",
-                    "policies": str(policies),
-                    "children": mesh.pids(),
-                },
-                indent=2,
-            )
-        )
-        watcher = asyncio.create_task(cp.watch(stop))
-        rotator = asyncio.create_task(cp.rotate_credentials_forever(stop))
-        drift = asyncio.create_task(cp.drift_forever(stop))
-        if sandbox is not None:
-            denials = asyncio.create_task(sandbox.log_denials_forever(stop))
-            for line in sandbox.start_lines():
+        state_file.write_text(_state_document(cp, admin, mesh, policies))
+        tasks = [
+            asyncio.create_task(cp.watch(stop)),
+            asyncio.create_task(cp.rotate_credentials_forever(stop)),
+            asyncio.create_task(cp.drift_forever(stop)),
+        ]
+        if mesh.sandbox is not None:
+            tasks.append(asyncio.create_task(mesh.sandbox.log_denials_forever(stop)))
+            for line in mesh.sandbox.start_lines():
                 console.print(line, markup=False, highlight=False)
-        admin_url = admin.url
-        samples = await function_samples(spec for spec, _ in mesh.upstreams.values())
-        print_hints(
-            console,
-            hints(model, state_dir, admin_url, samples),
-            [
-                f"console: {admin.url}/ui",
-                f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin_url}; watching "
-                f"{policies} for changes; Ctrl-C stops everything.",
-            ],
-        )
+        await _print_ready(console, cp, model, admin, mesh, policies)
         await stop.wait()
         console.print("stopping...")
         return 0
     finally:
         stop.set()
-        for task in (watcher, rotator, drift, denials):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await mesh.stop()
         if acceleration is not None:  # after the children: their sockets must be closed first
             await acceleration.shutdown()

@@ -1,7 +1,11 @@
-"""Placeholder upstream for `meshfn up` until the inference backend lands.
+"""The placeholder upstream: what `meshfn up` runs behind a loopback endpoint of a service that
+serves no functions (those get the inference backend; runtime.upstreams chooses).
 
-Answers every request with JSON naming the service, endpoint and locality that served it, so a
-user (and the e2e tests) can see where Envoy routed a request.
+Answers every request with JSON naming the service, endpoint and locality that served it, the
+caller's identity as the sidecar passed it on, and how many requests it has served, with an ORCA
+load report like the backend's, so a user (and the e2e tests) can see where Envoy routed a
+request. A delay file injects latency into a running upstream (drift and failover demos).
+Run as `python -P -m meshfn.control_plane.runtime.upstream --service ns/name --port N`.
 """
 
 from __future__ import annotations

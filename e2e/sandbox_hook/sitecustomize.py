@@ -102,8 +102,16 @@ def _install() -> None:
     server.Router._route = _route  # type: ignore[method-assign]
 
 
-if os.environ.get("MESHFN_TEST_SANDBOX_HOOK") == "1" and _is_backend():
-    missing = {x for x in os.environ.get("MESHFN_TEST_KERNEL_WITHOUT", "").split(",") if x}
+def _main() -> None:
+    from meshfn.common import env
+
+    if env.TEST_SANDBOX_HOOK.get() != "1":
+        return
+    missing = {x for x in env.TEST_KERNEL_WITHOUT.get_or("").split(",") if x}
     if missing:
         _without(missing)
     _install()
+
+
+if _is_backend():
+    _main()

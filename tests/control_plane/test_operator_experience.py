@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import os
 import pty
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -96,7 +98,7 @@ def test_sample_requests_follow_the_signature() -> None:
 
 def _commands(group: click.Command, prefix: str = "meshfn") -> list[tuple[str, click.Command]]:
     out = [(prefix, group)]
-    if isinstance(group, click.Group):
+    if isinstance(group, click.Group) or hasattr(group, "commands"):  # typer has its own click
         for name, command in group.commands.items():
             out += _commands(command, f"{prefix} {name}")
     return out
@@ -170,3 +172,91 @@ def test_hostile_policy_names_print_as_text(tmp_path: Path) -> None:
     shown = CliRunner().invoke(app, ["validate", str(tmp_path)], env={"COLUMNS": "250"})
     assert shown.exit_code == 1
     assert hostile in shown.output and "route.yaml:3: metadata.name" in shown.output
+
+
+_LONG = "started inference default/models-lite 127.0.0.1:9103 (pid 7111) " + "x" * 180
+_WRITE_TO_A_FILE = f"""
+import logging
+from rich.table import Table
+from meshfn.common.cli import console
+from meshfn.common.logs import setup_logging
+
+setup_logging("human", "info")
+logging.getLogger("meshfn.process").info("{_LONG}", extra={{"node": "edge.default~0"}})
+console(stderr=True).print("{_LONG}")
+table = Table("route", "destination")
+table.add_row("/v2/models/iris/infer", "{_LONG[:150]}")
+console().print(table)
+"""
+
+
+def test_output_sent_to_a_file_never_wraps() -> None:
+    """Issue 40: log lines wrapped at 80 columns in the middle of a value ("... (pid" / "7111)")
+    when `meshfn up` wrote to a file. Off a terminal: one record a line, no padding."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", _WRITE_TO_A_FILE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
+    )
+    log, echoed = done.stderr.splitlines()
+    assert re.fullmatch(rf"\d\d:\d\d:\d\d INFO     {re.escape(_LONG)}  node=edge.default~0", log)
+    assert echoed == _LONG
+    assert "\x1b" not in done.stderr + done.stdout
+    table = done.stdout.splitlines()
+    assert any(_LONG[:150] in line for line in table), done.stdout  # tables: WIDE, not 80
+    assert all(line == line.rstrip() for line in done.stderr.splitlines())
+
+
+def test_help_outside_a_terminal_keeps_option_names() -> None:
+    """Issue 40: `meshfn up --help | less` cut option names (`--envoy-concurr…`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
+    shown = subprocess.run(
+        [str(Path(sys.executable).parent / "meshfn"), "up", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
+    ).stdout
+    assert "…" not in shown, shown
+    for option in ("--envoy-concurrency", "--publish-examples", "--functions-registry"):
+        assert option in shown
+
+
+def _shell_functions(script: str) -> dict[str, str]:
+    """name -> body of each `name() {` ... `}` function of a shell script."""
+    found = re.finditer(r"^([a-z_]+)\(\) \{\n(.*?)^\}", script, re.M | re.S)
+    return {m.group(1): m.group(2) for m in found}
+
+
+def _reached(body: str, functions: dict[str, str]) -> str:
+    """`body` with the bodies of the functions it calls, transitively."""
+    seen: set[str] = set()
+    todo = [body]
+    text = ""
+    while todo:
+        part = todo.pop()
+        text += part
+        for name in set(re.findall(r"[a-z_]+", part)) & set(functions) - seen:
+            seen.add(name)
+            todo.append(functions[name])
+    return text
+
+
+def test_dev_sh_up_reports_the_filter_build_once() -> None:
+    """Issue 40: `./dev.sh up` printed the filter status twice: `filters: all 6 cached` and six
+    `sha256:` lines from setup's `meshfn filters build`, then `proxy-wasm filters: all 6
+    cached` from `meshfn up`, which builds them itself. `up` now leaves them to `meshfn up`."""
+    script = (ROOT / "dev.sh").read_text()
+    functions = _shell_functions(script)
+    branches = dict(re.findall(r"^  ([a-z| -]+)\)\s(.*?);;", script, re.M | re.S))
+    up = _reached(branches["up"], functions)
+    assert 'meshfn" up ' in up
+    assert "filters build" not in up
+    assert "ensure_venv" in up and "setup_host.sh" in up  # still installs what it needs
+    for command in ("setup", "test"):  # the other commands still build them up front
+        assert "filters build" in _reached(branches[command], functions)

@@ -32,7 +32,8 @@ def write_report(state: Path, report: dict[str, object]) -> None:
 def test_no_report_is_unknown_and_a_seccomp_claim_the_kernel_denies_is_failed(
     tmp_path: Path,
 ) -> None:
-    box = sandbox.BackendSandbox(tmp_path, "off", lambda: [SPEC])
+    box = sandbox.BackendSandbox(tmp_path, "off")
+    box.backends = lambda: [SPEC]
     (backend,) = box.document()["backends"]
     assert backend["landlock"]["state"] == backend["seccomp"]["state"] == "unknown"
     assert backend["egress"] == {"state": "off", "detail": "not set up"}
@@ -48,7 +49,7 @@ def test_no_report_is_unknown_and_a_seccomp_claim_the_kernel_denies_is_failed(
 def test_denials_are_logged_once_per_backend_and_reason_per_interval(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    box = sandbox.BackendSandbox(tmp_path, "auto", lambda: [SPEC])
+    box = sandbox.BackendSandbox(tmp_path, "auto")
     name = SPEC.name
 
     def denial(count: int) -> dict[str, dict[str, Denial]]:

@@ -7,11 +7,11 @@ MESHFN_FUZZ_SECONDS overrides every target's budget (0 runs only the corpus)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from meshfn.common import env
 from meshfn.testing import fuzz
 
 # Seconds per target in the test command: ~2.5 minutes in all, with the interpreter start-up of
@@ -22,7 +22,7 @@ BUDGET = {t: 15 for t in fuzz.TARGETS} | {"policy": 20, "filter-audit": 20}
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("target", fuzz.TARGETS)
 def test_fuzz_target_finds_nothing(target: str, tmp_path: Path) -> None:
-    seconds = float(os.environ.get("MESHFN_FUZZ_SECONDS", BUDGET[target]))
+    seconds = float(env.FUZZ_SECONDS.get() or BUDGET[target])
     result = fuzz.run(target, seconds, tmp_path)
     print(result.line())
     assert result.finding is None, (

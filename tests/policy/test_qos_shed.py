@@ -257,7 +257,7 @@ def test_istio_warns_that_it_cannot_shed_by_priority(model: ir.MeshModel) -> Non
 
 
 def test_the_drift_breaker_also_degrades_the_priority_twins(model: ir.MeshModel) -> None:
-    from meshfn.ir.plugins import guarded_routes
+    from meshfn.xds.fragments.plugins import guarded_routes
 
     gateway = next(w for w in model.workloads if w.kind == "gateway")
     (listener,) = gateway.listeners

@@ -18,10 +18,10 @@ from meshfn import wasm_filters as build
 from meshfn.common.progress import RichReporter
 from meshfn.contracts import plugins
 from meshfn.contracts.plugins import AuditSettings, BodyHash, DegradeRule, DegradeSettings, Trigger
-from meshfn.ir import plugins as ir_plugins
 from meshfn.testing import filters as built
 from meshfn.testing.envoy import validate
 from meshfn.testing.filters import harness
+from meshfn.xds.fragments import plugins as plugin_fragments
 from meshfn.xds.translate import wasm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,35 +197,42 @@ def test_lean_build_unless_body_hashing_with_a_vm_per_configuration() -> None:
 def test_access_log_writes_what_a_bare_filter_state_leaves_out() -> None:
     """jwt_headers mode without body hashing: the filter publishes only the subject; the access
     log adds the record version, salt_id, subject_source and the verified tenant."""
-    route = ir_plugins.mesh_route_fields(())
+    route = plugin_fragments.mesh_route_fields(())
     for settings in (AUDITS[0], AUDITS[2]):
         assert not plugins.bare_filter_state(settings)
-        assert ir_plugins.access_log_format(settings) == ir_plugins.ACCESS_LOG_FORMAT | route
+        assert (
+            plugin_fragments.access_log_format(settings)
+            == plugin_fragments.ACCESS_LOG_FORMAT | route
+        )
     bare = AuditSettings(
         subject_salt="12" * 20, subject_source="jwt_headers", salt_id="k%1", tenant_claim="org"
     )
     assert plugins.bare_filter_state(bare) and plugins.bare_filter_state(AUDITS[1])
-    fields = ir_plugins.access_log_format(bare)
-    assert {k: v for k, v in fields.items() if k not in ir_plugins.ACCESS_LOG_FORMAT | route} == {
+    fields = plugin_fragments.access_log_format(bare)
+    assert {
+        k: v for k, v in fields.items() if k not in plugin_fragments.ACCESS_LOG_FORMAT | route
+    } == {
         "audit_v": "1",
         "salt_id": "k%%1",  # a literal % in an Envoy format string
         "subject_source": "jwt_headers",
         "tenant": "%DYNAMIC_METADATA(envoy.filters.http.jwt_authn:jwt_payload:org)%",
     }
     no_tenant = bare.model_copy(update={"tenant_claim": ""})
-    assert "tenant" not in ir_plugins.access_log_format(no_tenant)
+    assert "tenant" not in plugin_fragments.access_log_format(no_tenant)
     hashing = bare.model_copy(update={"body_hash": BodyHash(enabled=True)})
-    assert ir_plugins.access_log_format(hashing) == ir_plugins.ACCESS_LOG_FORMAT | route
+    assert plugin_fragments.access_log_format(hashing) == plugin_fragments.ACCESS_LOG_FORMAT | route
 
 
 def test_access_log_names_the_mesh_route() -> None:
     """A gateway from its own route metadata; a sidecar copies the gateway's header and the
     gateway identities it may believe (record.mesh_route decides)."""
-    assert ir_plugins.mesh_route_fields(None) == {
+    assert plugin_fragments.mesh_route_fields(None) == {
         "mesh_route": "%METADATA(ROUTE:meshfn:route)%",
         "mesh_route_by": "proxy",
     }
-    assert ir_plugins.mesh_route_fields(("spiffe://td/ns/i/sa/edge", "spiffe://td/ns/i/sa/b")) == {
+    assert plugin_fragments.mesh_route_fields(
+        ("spiffe://td/ns/i/sa/edge", "spiffe://td/ns/i/sa/b")
+    ) == {
         "mesh_route": "%REQ(X-MESHFN-ROUTE):256%",
         "mesh_route_from": "spiffe://td/ns/i/sa/edge spiffe://td/ns/i/sa/b",
     }

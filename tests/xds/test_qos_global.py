@@ -23,10 +23,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from meshfn import ir
 from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT, LIMIT_SERVICE_NODE_HEADER
 from meshfn.control_plane.identity.bootstrap_token import LIMIT_SERVICE_PURPOSE, BootstrapTokens
-from meshfn.ir.qos import GLOBAL_RATE_LIMIT
 from meshfn.istio import render
 from meshfn.policy import PolicyErrors, load_policies
 from meshfn.xds.dump import REDACTED, resources_to_plain
+from meshfn.xds.fragments.qos import GLOBAL_RATE_LIMIT
 from meshfn.xds.names import LISTENER
 from meshfn.xds.rls import RateLimitService, global_policies
 from meshfn.xds.translate import translate

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from envoy.config.cluster.v3 import cluster_pb2
@@ -18,9 +20,9 @@ from google.protobuf.message import Message
 
 from meshfn import ir
 from meshfn.policy import load_policies
+from meshfn.xds.fragments.messages import pack
 from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from meshfn.xds.translate import httpfilters, listeners, routes, sidecar, translate
-from meshfn.xds.translate.common import pack
 from meshfn.xds.translate.httpfilters import FilterContext, HttpFilter
 from meshfn.xds.translate.resources import Resources
 
@@ -61,7 +63,7 @@ def test_a_changed_endpoint_changes_only_its_assignment() -> None:
 
 
 def test_methods_become_one_header_matcher() -> None:
-    from meshfn.xds.translate.routes import _match
+    from meshfn.xds.fragments.routes import route_match as _match
 
     one = _match(ir.RouteMatch(ir.PathMatch("prefix", "/"), methods=("POST",)))
     assert one.headers[0].name == ":method" and one.headers[0].string_match.exact == "POST"
@@ -201,9 +203,15 @@ def test_dumps_redact_the_subject_salt_wherever_it_travels(tmp_path: Path) -> No
     assert seen >= 2
 
 
+SMALL_LENGTH_CASES = ("", "-1", "1e3", " 12", "12 ", "0x10", "99999999999", "65537")
+
+
 def test_small_bodies_are_exactly_those_up_to_the_limit() -> None:
-    """The matcher's regex (RE2, matched whole) admits every decimal Content-Length up to
-    WHOLE_BODY_BYTES and nothing else: a larger or malformed one streams as before."""
+    """The matcher's regex, matched whole, admits every decimal Content-Length up to
+    WHOLE_BODY_BYTES and nothing else: a larger or malformed one streams as before. Checked
+    exhaustively with Python's `re`, which reads this pattern (digit classes, counted
+    repetition, alternation: no syntax where the two differ) as RE2 does; Envoy's own RE2
+    gives the same verdicts in test_envoy_re2_agrees_on_small_bodies."""
     import re
 
     from meshfn.contracts.proxy import SMALL_CONTENT_LENGTH, WHOLE_BODY_BYTES
@@ -211,5 +219,141 @@ def test_small_bodies_are_exactly_those_up_to_the_limit() -> None:
     small = re.compile(SMALL_CONTENT_LENGTH)
     assert all(small.fullmatch(str(n)) for n in range(WHOLE_BODY_BYTES + 1))
     assert not any(small.fullmatch(str(n)) for n in range(WHOLE_BODY_BYTES + 1, 10**6, 7))
-    for bad in ("", "-1", "1e3", " 12", "12 ", "0x10", "99999999999", "65537"):
+    for bad in SMALL_LENGTH_CASES:
         assert not small.fullmatch(bad), bad
+
+
+def test_each_filter_unit_emits_only_its_own_configuration(tmp_path: Path) -> None:
+    """Audit alone: its filter and its access log. Degrade alone: its ECDS slot and config.
+    Both: the combined plugin's slot in the audit filter's place and its config; the audit
+    unit keeps its access log and the degrade unit adds nothing."""
+    from meshfn.contracts.plugins import AuditSettings
+    from meshfn.xds.names import EXTENSION
+    from meshfn.xds.translate.httpfilters.audit import Audit
+    from meshfn.xds.translate.httpfilters.base import AuditConfig, DegradeConfig
+    from meshfn.xds.translate.httpfilters.degrade import Degrade
+    from meshfn.xds.translate.httpfilters.plugin import Plugin
+
+    settings = AuditSettings(subject_salt="12" * 20, salt_id="k1", subject_source="jwt_authn")
+    audit = AuditConfig(settings, tmp_path / "journal", tmp_path)
+    degrade = DegradeConfig("http", (("default/chat", ("default/chat/0",)),), None, tmp_path)
+    overlay = ir.Overlay()
+
+    def emitted(ctx: FilterContext) -> dict[str, tuple[list[str], int, list[str]]]:
+        """Per unit that applies: its filters, access logs and ECDS resources."""
+        out = {}
+        for unit in (Audit(), Plugin(), Degrade()):
+            config = unit.config(ctx)
+            if config is not None:
+                out[type(unit).__name__] = (
+                    [f.name for f in unit.http_filters(ctx, config)],
+                    len(list(unit.access_logs(ctx, config))),
+                    list(unit.resources(ctx, config, overlay).get(EXTENSION, {})),
+                )
+        return out
+
+    assert emitted(FilterContext(audit=audit)) == {"Audit": (["meshfn.meshfn_audit"], 1, [])}
+    assert emitted(FilterContext(degrade=degrade)) == {
+        "Degrade": (["meshfn.degrade.http"], 0, ["meshfn.degrade.http"])
+    }
+    assert emitted(FilterContext(audit=audit, degrade=degrade)) == {
+        "Audit": ([], 1, []),
+        "Plugin": (["meshfn.plugin.http"], 0, ["meshfn.plugin.http"]),
+    }
+
+
+@pytest.mark.envoy  # starts a real Envoy: never part of ./dev.sh unit
+def test_envoy_re2_agrees_on_small_bodies(tmp_path: Path) -> None:
+    """The whole-small-bodies matcher's value match (contracts.proxy: RE2, matched whole), as a
+    real Envoy applies it to a header: a route on `x-len` with that very StringMatcher answers
+    "small", the next "other". Its verdicts on the limits of every alternative, numbers around
+    them, a seeded sample up to 200,000 and malformed values equal Python's (above)."""
+    import random
+    import re
+    import socket
+
+    from meshfn.contracts.proxy import SMALL_CONTENT_LENGTH, WHOLE_BODY_BYTES, WHOLE_SMALL_BODIES
+    from meshfn.testing import envoy
+    from meshfn.testing.ports import free_ports
+    from meshfn.testing.processes import Processes, wait_for
+
+    matcher = WHOLE_SMALL_BODIES["typed_config"]["xds_matcher"]["matcher_list"]["matchers"][0]
+    value_match = matcher["predicate"]["not_matcher"]["single_predicate"]["value_match"]
+    assert value_match["safe_regex"]["regex"] == SMALL_CONTENT_LENGTH
+
+    def answer(name: str, header: dict[str, Any] | None = None) -> dict[str, Any]:
+        match: dict[str, Any] = {"prefix": "/"}
+        if header is not None:
+            match["headers"] = [header]
+        return {"match": match, "direct_response": {"status": 200, "body": {"inline_string": name}}}
+
+    port, admin = free_ports(2)
+    routes = [answer("small", {"name": "x-len", "string_match": value_match}), answer("other")]
+    manager = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
+        ".v3.HttpConnectionManager",
+        "stat_prefix": "re2",
+        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            }
+        ],
+    }
+    address = {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+    config = {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "http",
+                    "address": address,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": manager,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ]
+        },
+    }
+    path = tmp_path / "envoy.json"
+    path.write_text(json.dumps(config))
+    limits = [9, 10, 9999, 10000, 19999, 20000, 59999, 60000, 64999, 65000, 65499, 65500]
+    limits += [65529, 65530, WHOLE_BODY_BYTES, 99999, 100000, 10**6]
+    numbers = set(range(0, 200)) | {n + d for n in limits for d in (-1, 0, 1)}
+    numbers |= set(random.Random(7).sample(range(200_000), 400))
+    # Header values Envoy keeps as they are (its codec trims surrounding spaces: not sent)
+    values = [str(n) for n in sorted(numbers)] + [v for v in SMALL_LENGTH_CASES if v.strip() == v]
+    values += ["0000", "00000", "065536", "+1", "1.5", "12a"]
+    procs = Processes(tmp_path)
+    try:
+        proc = procs.start("envoy", envoy.argv(path))
+        wait_for("envoy live", lambda: envoy.live(admin), timeout=30, proc=proc)
+        verdicts = {}
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            reader = sock.makefile("rb")
+            for value in values:
+                sock.sendall(f"GET / HTTP/1.1\r\nhost: x\r\nx-len: {value}\r\n\r\n".encode())
+                status = reader.readline()
+                length = 0
+                while (line := reader.readline()) not in (b"\r\n", b""):
+                    name, _, field = line.decode().partition(":")
+                    if name.strip().lower() == "content-length":
+                        length = int(field)
+                assert status.startswith(b"HTTP/1.1 200"), (value, status)
+                verdicts[value] = reader.read(length).decode()
+    finally:
+        procs.stop_all()
+    small = re.compile(SMALL_CONTENT_LENGTH)
+    expected = {v: "small" if small.fullmatch(v) else "other" for v in values}
+    assert verdicts == expected, {v: verdicts[v] for v in values if verdicts[v] != expected[v]}
+    assert verdicts["65536"] == "small" and verdicts["65537"] == "other"

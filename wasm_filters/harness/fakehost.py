@@ -16,11 +16,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import itertools
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from meshfn.common import env
 
 REQUEST_HEADERS, REQUEST_TRAILERS, RESPONSE_HEADERS, RESPONSE_TRAILERS = 0, 1, 2, 3
 CONTINUE, PAUSE = 0, 1
@@ -69,7 +70,7 @@ class FakeHost:
         # no per-request context callbacks: the lean build (one configuration per VM)
         self.lean = "proxy_on_context_create" not in self.exports
         self._configured = False
-        record = os.environ.get("MESHFN_FUZZ_RECORD")
+        record = env.FUZZ_RECORD.get()
         filter_name = library.name.removesuffix("_native.so").removesuffix("-lean")
         self._record_dir = Path(record) / filter_name if record else None
         self._script: list[bytes] = []

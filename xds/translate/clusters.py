@@ -19,8 +19,9 @@ from google.protobuf import duration_pb2, wrappers_pb2
 from meshfn import ir
 from meshfn.contracts.qos import LoadBalancer
 
+from ..fragments.messages import duration, pack
 from ..names import cluster_name, fallback_cluster_name, function_cluster_name
-from .common import ads_source, duration, pack
+from .common import ads_source
 from .security import mtls_socket_match
 
 HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -78,7 +79,7 @@ def priority_breakers(limits: ir.PriorityLimits) -> circuit_breaker_pb2.CircuitB
     """Envoy's routing priorities as QoS classes: DEFAULT (the lower classes) may have at most
     `limits.default` requests in flight or waiting for a connection, HIGH `limits.high`; past
     that Envoy answers at once (response flag UO), and the listener's local reply makes it the
-    backend's shed 429 (ir.qos.shed_reply). Retries stay unlimited (see UNLIMITED_RETRIES)."""
+    backend's shed 429 (fragments.qos.shed_replies). Retries stay unlimited (UNLIMITED_RETRIES)."""
     return circuit_breaker_pb2.CircuitBreakers(
         thresholds=[
             circuit_breaker_pb2.CircuitBreakers.Thresholds(

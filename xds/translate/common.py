@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from envoy.config.core.v3 import address_pb2, config_source_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
-from google.protobuf import any_pb2, duration_pb2
-from google.protobuf.message import Message
-
-
-def duration(value: timedelta) -> duration_pb2.Duration:
-    out = duration_pb2.Duration()
-    out.FromTimedelta(value)
-    return out
 
 
 def socket_address(address: str, port: int) -> address_pb2.Address:
@@ -45,9 +35,3 @@ def ads_source() -> config_source_pb2.ConfigSource:
         ads=config_source_pb2.AggregatedConfigSource(),
         resource_api_version=config_source_pb2.ApiVersion.V3,
     )
-
-
-def pack(message: Message) -> any_pb2.Any:
-    out = any_pb2.Any()
-    out.Pack(message, deterministic=True)
-    return out

@@ -16,8 +16,9 @@ from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
 from meshfn import ir
 
+from ..fragments.messages import pack
 from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG, LATENCY_LOG_FILTER
-from .common import ads_source, pack, socket_address
+from .common import ads_source, socket_address
 from .httpfilters import FilterContext, build_connection_manager
 from .routes import route_config_name
 from .security import with_request_hygiene

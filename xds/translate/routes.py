@@ -8,67 +8,21 @@ from functools import lru_cache
 from envoy.config.core.v3 import base_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
-from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
-from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
-from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2
+from envoy.type.matcher.v3 import metadata_pb2
 from google.protobuf import any_pb2, json_format, struct_pb2, wrappers_pb2
 
 from meshfn import ir
 from meshfn.contracts.naming import priority_route_name
-from meshfn.contracts.plugins import (
-    MESH_ROUTE_HEADER,
-    MESH_ROUTE_KEY,
-    ROUTE_METADATA,
-    ROUTING_HEADER,
-)
+from meshfn.contracts.plugins import MESH_ROUTE_HEADER, MESH_ROUTE_KEY, ROUTE_METADATA
 from meshfn.contracts.qos import ORCA_HEADERS
-from meshfn.ir import qos as envoy_qos
 from meshfn.ir.routing import precedence
 
 from .. import names
+from ..fragments import qos as envoy_qos
+from ..fragments.messages import duration
+from ..fragments.routes import degraded_clusters, degraded_match, retry_policy, route_match
 from ..names import cluster_name, fallback_cluster_name, function_cluster_name
-from .common import duration, pack
 from .httpfilters.qos import rate_limit_config
-
-
-def _string_match(kind: str, value: str) -> string_pb2.StringMatcher:
-    if kind == "exact":
-        return string_pb2.StringMatcher(exact=value)
-    if kind == "prefix":
-        return string_pb2.StringMatcher(prefix=value)
-    return string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=value))
-
-
-def _match(match: ir.RouteMatch) -> rc.RouteMatch:
-    path = match.path
-    out = rc.RouteMatch()
-    if path.kind == "exact":
-        out.path = path.value
-    elif path.kind == "prefix":
-        out.prefix = path.value
-    else:
-        out.safe_regex.regex = path.value
-    for header in match.headers:
-        matcher = rc.HeaderMatcher(name=header.name, invert_match=header.invert)
-        if header.kind == "present":
-            matcher.present_match = True
-        else:
-            matcher.string_match.CopyFrom(_string_match(header.kind, header.value))
-            # "x-env is not prod" holds for a request without x-env, as Istio's withoutHeaders
-            # reads it (Envoy alone would not match an absent header, inverted or not)
-            matcher.treat_missing_header_as_empty = header.invert
-        out.headers.append(matcher)
-    if match.methods:
-        methods = match.methods
-        out.headers.append(
-            rc.HeaderMatcher(
-                name=":method",
-                string_match=_string_match("exact", methods[0])
-                if len(methods) == 1
-                else _string_match("regex", "|".join(methods)),
-            )
-        )
-    return out
 
 
 @dataclass(frozen=True)
@@ -129,52 +83,16 @@ def function_target(target: Target, function: str) -> Target:
 def _action(route: ir.Route, target: Target, degraded: bool) -> rc.RouteAction:
     action = rc.RouteAction()
     if degraded:
-        # Chosen by the degrade filter once the drift breaker trips: most traffic goes down the
-        # chain, a probe share keeps measuring the primary so the breaker can see it recover.
+        # Chosen by the degrade filter once the drift breaker trips.
         action.weighted_clusters.CopyFrom(
-            rc.WeightedCluster(
-                clusters=[
-                    rc.WeightedCluster.ClusterWeight(
-                        name=target.cluster,
-                        weight=wrappers_pb2.UInt32Value(value=target.probe_percent),
-                    ),
-                    rc.WeightedCluster.ClusterWeight(
-                        name=target.degraded_cluster,
-                        weight=wrappers_pb2.UInt32Value(value=100 - target.probe_percent),
-                    ),
-                ]
-            )
+            degraded_clusters(target.cluster, target.degraded_cluster, target.probe_percent)
         )
     else:
         action.cluster = target.normal_cluster
     if route.timeout is not None:
         action.timeout.CopyFrom(duration(route.timeout))
     if route.retries is not None:
-        retry = rc.RetryPolicy(
-            retry_on=",".join(route.retries.retry_on),
-            num_retries=wrappers_pb2.UInt32Value(value=route.retries.attempts),
-            # A retry should not pick the host (or, with locality failover, the priority)
-            # that just failed.
-            retry_host_predicate=[
-                rc.RetryPolicy.RetryHostPredicate(
-                    name="envoy.retry_host_predicates.previous_hosts",
-                    typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
-                )
-            ],
-            host_selection_retry_max_attempts=3,
-        )
-        if target.locality_failover:
-            retry.retry_priority.CopyFrom(
-                rc.RetryPolicy.RetryPriority(
-                    name="envoy.retry_priorities.previous_priorities",
-                    typed_config=pack(
-                        previous_priorities_config_pb2.PreviousPrioritiesConfig(update_frequency=1)
-                    ),
-                )
-            )
-        if route.retries.per_try_timeout is not None:
-            retry.per_try_timeout.CopyFrom(duration(route.retries.per_try_timeout))
-        action.retry_policy.CopyFrom(retry)
+        action.retry_policy.CopyFrom(retry_policy(route.retries, target.locality_failover))
     return action
 
 
@@ -183,7 +101,7 @@ def _metadata(
 ) -> base_pb2.Metadata | None:
     """The chain, for the JSON body of a 503 when every member is down (see listeners.py), in
     a mesh that audits the mesh route (the gateway's audit records name it), and the QoSPolicy
-    governing the route, for the JSON body of its 429s (ir.qos)."""
+    governing the route, for the JSON body of its 429s (fragments.qos)."""
     fields = {}
     if target.chain:
         fields["chain"] = struct_pb2.Value(string_value=" > ".join((target.cluster, *target.chain)))
@@ -255,7 +173,7 @@ def _routes(
         target = function_target(target, route.function)
     normal = rc.Route(
         name=route_name(route, index),
-        match=_match(route.matches[index]),
+        match=route_match(route.matches[index]),
         route=_action(route, target, degraded=False),
         metadata=_metadata(target, key, qos),
         request_headers_to_add=headers,
@@ -265,16 +183,11 @@ def _routes(
         return _by_priority([normal], qos) if shed and qos else [normal]
     degraded = rc.Route(
         name=degraded_route_name(route, index),
-        match=_match(route.matches[index]),
+        match=degraded_match(route, index),
         route=_action(route, target, degraded=True),
         metadata=_metadata(target, key, qos),
         request_headers_to_add=headers,
         typed_per_filter_config=per_route,
-    )
-    degraded.match.headers.append(
-        rc.HeaderMatcher(
-            name=ROUTING_HEADER, string_match=string_pb2.StringMatcher(exact=route.key)
-        )
     )
     return _by_priority([degraded, normal], qos) if shed and qos else [degraded, normal]
 

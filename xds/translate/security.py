@@ -21,8 +21,9 @@ from google.protobuf import json_format, struct_pb2, wrappers_pb2
 
 from meshfn.contracts.proxy import REQUEST_HYGIENE
 
+from ..fragments.messages import pack
 from ..names import CERT_SECRET, ROOT_SECRET
-from .common import ads_source, pack
+from .common import ads_source
 
 TLS_SOCKET = "envoy.transport_sockets.tls"
 TLS_MATCH = {"tlsMode": "mtls"}  # endpoint metadata that selects the mTLS transport socket

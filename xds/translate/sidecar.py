@@ -19,10 +19,11 @@ from google.protobuf import duration_pb2
 from meshfn import ir
 
 from .. import names
+from ..fragments.messages import pack
 from ..names import CLUSTER, INBOUND_LISTENER, LISTENER
 from . import httpfilters
 from .clusters import HTTP_PROTOCOL_OPTIONS, http2_options
-from .common import one_endpoint, pack, socket_address
+from .common import one_endpoint, socket_address
 from .httpfilters import FilterContext
 from .listeners import HCM
 from .resources import Resources, merge

@@ -12,7 +12,12 @@ from pathlib import Path
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
-from envoy.config.core.v3 import base_pb2, extension_pb2, substitution_format_string_pb2
+from envoy.config.core.v3 import (
+    base_pb2,
+    config_source_pb2,
+    extension_pb2,
+    substitution_format_string_pb2,
+)
 from envoy.extensions.access_loggers.file.v3 import file_pb2
 from envoy.extensions.filters.http.jwt_authn.v3 import config_pb2 as jwt_authn_pb2
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2 as http_wasm_pb2
@@ -35,7 +40,11 @@ from meshfn.contracts.plugins import (
     needs_full_build,
     plugin_json,
 )
-from meshfn.ir.plugins import access_log_format, claim_header_pairs
+
+from ..fragments.plugins import access_log_format, claim_header_pairs
+from .common import ads_source
+
+WASM_FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 
 
 def wasm_path(name: FilterKind, lean: bool, directory: Path) -> Path:
@@ -100,6 +109,23 @@ def meshfn_filter(
     order, but Envoy's fixed per-filter, per-request wasm cost is paid once. Place it after
     jwt_authn."""
     return plugin_filter("meshfn", MeshfnSettings(audit=audit, degrade=degrade), directory)
+
+
+def ecds_slot(name: str) -> hcm_pb2.HttpFilter:
+    """A wasm filter's place in the chain, its configuration sent over ECDS as `name` (Envoy
+    pairs the two by name): Envoy fetches it over ADS and, while it has none, keeps the listener
+    warming (never serves without it). A new configuration then changes only that resource."""
+    return hcm_pb2.HttpFilter(
+        name=name,
+        config_discovery=config_source_pb2.ExtensionConfigSource(
+            config_source=ads_source(), type_urls=[WASM_FILTER_TYPE]
+        ),
+    )
+
+
+def ecds_config(name: str, built: hcm_pb2.HttpFilter) -> extension_pb2.TypedExtensionConfig:
+    """The ECDS resource `name` holding the configuration of the filter `built`."""
+    return extension_pb2.TypedExtensionConfig(name=name, typed_config=built.typed_config)
 
 
 def early_header_mutation(

@@ -69,17 +69,7 @@ class QueryError(ValueError):
 
 def parse_query(query: Any, raw_length: int = 0) -> AuditQuery:
     """`request.query` -> AuditQuery. Empty fields count as absent (an HTML form sends them)."""
-    if raw_length > 4096:
-        raise QueryError("the query string is longer than 4096 characters")
-    values: dict[str, str] = {}
-    for key in query:
-        if key not in QUERY_KEYS:
-            raise QueryError(f"unknown query parameter {key!r} (known: {', '.join(QUERY_KEYS)})")
-        found = query.getall(key)
-        if len(found) > 1:
-            raise QueryError(f"query parameter {key!r} given {len(found)} times")
-        if found[0].strip():
-            values[key] = found[0].strip()
+    values = _query_values(query, raw_length)
     subject = values.get("subject")
     if subject is not None and not _HEX64.match(subject):
         raise QueryError("subject: the salted subject is 64 hex digits (as in the records)")
@@ -91,15 +81,7 @@ def parse_query(query: Any, raw_length: int = 0) -> AuditQuery:
     route = values.get("route")
     if route is not None and (len(route) > 256 or not _PRINTABLE.match(route)):
         raise QueryError("route: at most 256 printable ASCII characters")
-    status, status_class = None, None
-    if "status" in values:
-        text = values["status"].lower()
-        if not _STATUS.match(text):
-            raise QueryError("status: a status code (503) or a class (5xx)")
-        if text.endswith("xx"):
-            status_class = int(text[0])
-        else:
-            status = int(text)
+    status, status_class = _status(values.get("status"))
     limit = 50
     if "limit" in values:
         if not values["limit"].isdigit() or not 1 <= int(values["limit"]) <= 500:
@@ -113,6 +95,34 @@ def parse_query(query: Any, raw_length: int = 0) -> AuditQuery:
         status_class=status_class,
         limit=limit,
     )
+
+
+def _query_values(query: Any, raw_length: int) -> dict[str, str]:
+    """The known parameters, each given at most once; empty ones left out."""
+    if raw_length > 4096:
+        raise QueryError("the query string is longer than 4096 characters")
+    values: dict[str, str] = {}
+    for key in query:
+        if key not in QUERY_KEYS:
+            raise QueryError(f"unknown query parameter {key!r} (known: {', '.join(QUERY_KEYS)})")
+        found = query.getall(key)
+        if len(found) > 1:
+            raise QueryError(f"query parameter {key!r} given {len(found)} times")
+        if found[0].strip():
+            values[key] = found[0].strip()
+    return values
+
+
+def _status(given: str | None) -> tuple[int | None, int | None]:
+    """status=503 -> (503, None); status=5xx -> (None, 5)."""
+    if given is None:
+        return None, None
+    text = given.lower()
+    if not _STATUS.match(text):
+        raise QueryError("status: a status code (503) or a class (5xx)")
+    if text.endswith("xx"):
+        return None, int(text[0])
+    return int(text), None
 
 
 def hostname(host: str) -> str:

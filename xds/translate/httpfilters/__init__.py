@@ -27,6 +27,7 @@ from .base import FilterContext, HttpFilter, QoSContext
 from .degrade import Degrade
 from .internal_headers import InternalHeaders
 from .jwt_authn import JwtAuthn
+from .plugin import Plugin
 from .qos import QoS
 from .rbac import Rbac
 from .router import Router
@@ -36,12 +37,14 @@ from .whole_bodies import WholeSmallBodies
 # refusal keeps the connection), authenticated, recorded (the audit filter
 # reads jwt_authn's verified claims), judged (a denied request is recorded with its subject
 # too), rate limited per verified tenant (only what authorization let through spends tokens),
-# degraded if its route's breaker has tripped, and routed.
+# degraded if its route's breaker has tripped, and routed. Where a listener both audits and
+# degrades, the combined plugin records and degrades in the audit filter's place.
 HTTP_FILTERS: tuple[HttpFilter[Any], ...] = (
     InternalHeaders(),
     WholeSmallBodies(),
     JwtAuthn(),
     Audit(),
+    Plugin(),
     Rbac(),
     QoS(),
     Degrade(),

@@ -4,9 +4,8 @@ It sits after jwt_authn (it reads the verified payload, or in jwt_headers mode t
 jwt_authn writes: see internal_headers) and before RBAC (so denied requests carry their subject
 too), and Envoy's file access log writes each request as one journal line the control plane's
 collector stores. Proxies without jwt rules keep jwt_authn mode (no verified token, no
-subject). Where the listener also runs the degrade filter, both run as ONE plugin (meshfn.wasm)
-over ECDS, in this filter's place: Envoy's fixed cost per wasm filter and request is then paid
-once, not twice (degrade.py builds its configuration).
+subject). Where the listener also runs the degrade filter, the combined plugin (plugin.py) runs
+both in this filter's place, and this unit adds the access log only.
 """
 
 from __future__ import annotations
@@ -19,12 +18,11 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 
 from meshfn import ir
-from meshfn.ir.plugins import audit_settings
 
+from ...fragments.plugins import audit_settings
 from ..host import ProxyHost
 from ..wasm import access_log, audit_filter
 from .base import AuditConfig, FilterContext, HttpFilter
-from .degrade import ecds_slot
 
 
 class Audit(HttpFilter[AuditConfig]):
@@ -32,9 +30,7 @@ class Audit(HttpFilter[AuditConfig]):
         return ctx.audit
 
     def http_filters(self, ctx: FilterContext, config: AuditConfig) -> Iterable[hcm.HttpFilter]:
-        if ctx.degrade is not None:  # the combined plugin, whose configuration degrade.py builds
-            return (ecds_slot(ctx, ctx.degrade),)
-        return (audit_filter(config.settings, config.wasm_dir),)
+        return () if ctx.combined else (audit_filter(config.settings, config.wasm_dir),)
 
     def access_logs(
         self, ctx: FilterContext, config: AuditConfig

@@ -15,8 +15,9 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 
 from meshfn import ir
-from meshfn.contracts.plugins import AuditSettings, Trigger
+from meshfn.contracts.plugins import AuditSettings, DegradeSettings, Trigger
 
+from ...fragments.plugins import degrade_rules, drill_trigger
 from ..resources import Resources
 
 
@@ -29,7 +30,7 @@ class AuditConfig:
     wasm_dir: Path
     # None on a gateway (it names the mesh route from its own routes); on a sidecar the SPIFFE
     # IDs of the gateways whose x-meshfn-route header its records believe
-    # (meshfn.ir.plugins.mesh_route_fields)
+    # (meshfn.xds.fragments.plugins.mesh_route_fields)
     trusted_gateways: tuple[str, ...] | None = ()
 
 
@@ -46,11 +47,12 @@ class DegradeConfig:
     @property
     def trigger(self) -> Trigger | None:
         """The filter's trigger for the callers Mesh.spec.drill names."""
-        if self.drill is None:
-            return None
-        return Trigger(
-            header=self.drill.header, request_principals=list(self.drill.request_principals)
-        )
+        return drill_trigger(self.drill)
+
+    def settings(self, degraded: frozenset[str]) -> DegradeSettings:
+        """The filter's plugin settings, with the routes in `degraded` rerouted (their drift
+        breaker has tripped): fragments.plugins.degrade_rules, shared with Istio."""
+        return degrade_rules(self.routes, degraded, self.trigger)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,12 @@ class FilterContext:
     degrade: DegradeConfig | None = None  # gateways only
     mesh_route: bool = False  # a gateway of a mesh that audits: it sets x-meshfn-route
     qos: QoSContext | None = None
+
+    @property
+    def combined(self) -> bool:
+        """Audit and degrade run as ONE plugin (meshfn.wasm, httpfilters.plugin) in the audit
+        filter's place: Envoy's fixed cost per wasm filter and request is then paid once."""
+        return self.audit is not None and self.degrade is not None
 
 
 C = TypeVar("C")

@@ -3,10 +3,10 @@
 Its configuration arrives over ECDS, not inside the listener: tripping or resetting the breaker
 then pushes only new plugin configuration; the listener, its connections and the route table
 stay as they are (a listener update would drain keep-alive connections slowly and leave them on
-the old configuration meanwhile). It runs after RBAC; where the listener also audits, both run
-as one plugin in the audit filter's place (see audit.py), and this unit builds that plugin's
-configuration too. Each guarded route has a degraded twin matching the routing header (routes.py)
-that the connection manager strips from client requests (internal_headers.py).
+the old configuration meanwhile). It runs after RBAC. Where the listener also audits, the
+combined plugin (plugin.py) runs both in the audit filter's place, and this unit adds nothing.
+Each guarded route has a degraded twin matching the routing header (routes.py) that the
+connection manager strips from client requests (internal_headers.py).
 """
 
 from __future__ import annotations
@@ -14,46 +14,36 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from envoy.config.core.v3 import config_source_pb2, extension_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
 
 from meshfn import ir
-from meshfn.contracts.plugins import DegradeSettings
-from meshfn.ir.plugins import degrade_rules, guarded_routes
 
+from ...fragments.plugins import guarded_routes
 from ...names import EXTENSION
-from ..common import ads_source
 from ..resources import Resources
-from ..wasm import degrade_filter, meshfn_filter
+from ..wasm import degrade_filter, ecds_config, ecds_slot
 from .base import DegradeConfig, FilterContext, HttpFilter
-
-WASM_FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 
 
 class Degrade(HttpFilter[DegradeConfig]):
     def config(self, ctx: FilterContext) -> DegradeConfig | None:
-        return ctx.degrade
+        return None if ctx.combined else ctx.degrade
 
     def http_filters(self, ctx: FilterContext, config: DegradeConfig) -> Iterable[hcm.HttpFilter]:
-        # With audit, the combined plugin sits in the audit filter's place (audit.py).
-        return (ecds_slot(ctx, config),) if ctx.audit is None else ()
+        return (ecds_slot(_name(config)),)
 
     def resources(
         self, ctx: FilterContext, config: DegradeConfig, overlay: ir.Overlay
     ) -> Resources:
-        name = ecds_name(ctx, config)
-        settings = degrade_settings(config, overlay.degraded_routes)
-        if ctx.audit is not None:
-            built = meshfn_filter(ctx.audit.settings, settings, config.wasm_dir)
-        else:
-            built = degrade_filter(settings, config.wasm_dir)
-        return {
-            EXTENSION: {
-                name: extension_pb2.TypedExtensionConfig(name=name, typed_config=built.typed_config)
-            }
-        }
+        built = degrade_filter(config.settings(overlay.degraded_routes), config.wasm_dir)
+        return {EXTENSION: {_name(config): ecds_config(_name(config), built)}}
+
+
+def _name(config: DegradeConfig) -> str:
+    """The filter's name and its ECDS resource's (Envoy pairs them by name)."""
+    return f"meshfn.degrade.{config.listener}"
 
 
 def degrade_for(
@@ -67,25 +57,3 @@ def degrade_for(
     breaker that can send it down a fallback chain."""
     routes = guarded_routes(listener, guarded, gateway_qos)
     return DegradeConfig(listener.name, routes, drill, wasm_dir) if routes else None
-
-
-def ecds_name(ctx: FilterContext, config: DegradeConfig) -> str:
-    """The HTTP filter's name and its ECDS resource name (Envoy pairs them by name): the
-    degrade filter, or the combined plugin where the listener audits too."""
-    return f"meshfn.{'plugin' if ctx.audit is not None else 'degrade'}.{config.listener}"
-
-
-def ecds_slot(ctx: FilterContext, config: DegradeConfig) -> hcm.HttpFilter:
-    """The filter's place in the chain: Envoy fetches its configuration over ADS and, while it
-    has none, keeps the listener warming (never serves without it)."""
-    return hcm.HttpFilter(
-        name=ecds_name(ctx, config),
-        config_discovery=config_source_pb2.ExtensionConfigSource(
-            config_source=ads_source(), type_urls=[WASM_FILTER_TYPE]
-        ),
-    )
-
-
-def degrade_settings(config: DegradeConfig, degraded: frozenset[str]) -> DegradeSettings:
-    """The filter's plugin settings (meshfn.ir.plugins.degrade_rules, shared with Istio)."""
-    return degrade_rules(config.routes, degraded, config.trigger)

@@ -23,8 +23,8 @@ from meshfn.contracts.plugins import (
     internal_headers,
 )
 from meshfn.contracts.qos import TENANT_HEADER
-from meshfn.ir.plugins import claim_header_pairs
 
+from ...fragments.plugins import claim_header_pairs
 from ..wasm import early_header_mutation
 from .base import FilterContext, HttpFilter
 

@@ -25,10 +25,11 @@ from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
 from google.protobuf import duration_pb2, empty_pb2
 
 from meshfn import ir
-from meshfn.ir.plugins import JWT_PAYLOAD  # where the verified payload goes: RBAC and audit read it
 
+from ...fragments.messages import pack
+from ...fragments.plugins import JWT_PAYLOAD  # the verified payload: RBAC and audit read it
 from ...names import CLUSTER
-from ..common import one_endpoint, pack
+from ..common import one_endpoint
 from ..resources import Resources
 from ..security import TLS_SOCKET
 from .base import FilterContext, HttpFilter

@@ -1,6 +1,6 @@
 """Multi-tenant QoS at a gateway: Envoy's local rate limit with one token bucket per verified
-tenant (meshfn.ir.qos builds its configuration, shared with the Istio renderer), and the JSON
-body of its 429s. A route bound to a QoSPolicy of its own carries that policy's configuration
+tenant (meshfn.xds.fragments.qos builds its configuration, shared with the Istio renderer), and
+the JSON body of its 429s. A route bound to a QoSPolicy of its own carries that policy's configuration
 per route (routes.py); the listener's filter carries the gateway's policy, or none."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from google.protobuf import json_format
 
 from meshfn import ir
-from meshfn.ir import qos as envoy_qos
 
+from ...fragments import qos as envoy_qos
+from ...fragments.messages import pack
 from ...names import CONTROL_PLANE_CLUSTER
-from ..common import pack
 from .base import FilterContext, HttpFilter, QoSContext
 
 

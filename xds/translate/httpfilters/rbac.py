@@ -18,9 +18,9 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.type.matcher.v3 import metadata_pb2, path_pb2, regex_pb2, string_pb2, value_pb2
 
 from meshfn import ir
-from meshfn.ir.plugins import JWT_PAYLOAD
 
-from ..common import pack
+from ...fragments.messages import pack
+from ...fragments.plugins import JWT_PAYLOAD
 from .base import FilterContext, HttpFilter
 from .jwt_authn import JWT_FILTER
 

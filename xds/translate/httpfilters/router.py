@@ -9,7 +9,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
 
-from ..common import pack
+from ...fragments.messages import pack
 from .base import FilterContext, HttpFilter
 
 ROUTER = "envoy.filters.http.router"

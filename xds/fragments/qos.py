@@ -28,10 +28,11 @@ from meshfn.contracts.qos import (
     TENANT_HEADER,
 )
 
+from .plugins import JWT_PAYLOAD  # where the translator's jwt_authn writes the verified payload
+
 Obj = dict[str, Any]
 
 JWT_FILTER = "envoy.filters.http.jwt_authn"
-JWT_PAYLOAD = "payload"  # the providers' payload_in_metadata (meshfn.ir.plugins.JWT_PAYLOAD)
 LOCAL_RATE_LIMIT = "envoy.filters.http.local_ratelimit"
 LOCAL_RATE_LIMIT_TYPE = (
     "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"

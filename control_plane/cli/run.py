@@ -1,0 +1,143 @@
+"""`meshfn up | serve | bootstrap`: run the mesh, only its control plane, or an Envoy of your own
+against it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from meshfn.common.cli import err, fail, out
+from meshfn.common.logs import setup_logging
+
+from .shared import (
+    DEFAULT_POLICIES,
+    DEFAULT_STATE,
+    AdminListenOpt,
+    AdminTokenOpt,
+    LogFormatOpt,
+    LogLevelOpt,
+    PoliciesOpt,
+    StateOpt,
+    admin_token,
+    known_workloads,
+    load_model,
+)
+
+
+def _published_examples(registry: Path) -> Path:
+    """Build, sign and publish the example functions into `registry` (cached; progress bars
+    while something builds, one line saying what was cached); the key they are signed with."""
+    from meshfn.inference.cli import InferenceError, publish_examples
+
+    try:
+        _, public = publish_examples(registry, err)
+    except (InferenceError, OSError) as exc:
+        fail(f"publishing the example functions failed: {exc}")
+    return public
+
+
+def up(
+    policies: PoliciesOpt = DEFAULT_POLICIES,
+    state_dir: StateOpt = DEFAULT_STATE,
+    envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads")] = 2,
+    envoy_log_level: Annotated[str, typer.Option(help="Envoy log level")] = "warning",
+    functions_registry: Annotated[
+        Path | None, typer.Option(help="published functions (default: STATE_DIR/functions)")
+    ] = None,
+    trusted_key: Annotated[
+        list[Path] | None, typer.Option(help="ed25519 public key functions must be signed with")
+    ] = None,
+    publish_examples: Annotated[
+        bool, typer.Option(help="build, sign and publish the example functions first (cached)")
+    ] = False,
+    backend_processes: Annotated[
+        int,
+        typer.Option(
+            min=1, max=64, help="serving processes per inference backend, sharing its port"
+        ),
+    ] = 1,
+    backend_workers: Annotated[
+        int, typer.Option(min=1, max=64, help="threads running wasm per backend process")
+    ] = 2,
+    log_format: LogFormatOpt = "human",
+    log_level: LogLevelOpt = "info",
+    admin_listen: AdminListenOpt = "127.0.0.1",
+    admin_token_file: AdminTokenOpt = None,
+) -> None:
+    """Run the control plane, one Envoy per gateway and sidecar, the inference backends and
+    placeholder upstreams; hot-reload policies. The web console is at ADMIN/ui."""
+    from meshfn.common.files import secure_state_dir
+
+    from ..runtime.up import run_up
+    from ..runtime.upstreams import FunctionsSetup
+
+    setup_logging(log_format, log_level)
+    secure_state_dir(state_dir)  # before anything is published into it
+    registry = functions_registry or state_dir / "functions"
+    keys = list(trusted_key or [])
+    if publish_examples:
+        keys.append(_published_examples(registry))
+    setup = (
+        FunctionsSetup(registry, tuple(keys), backend_workers, backend_processes) if keys else None
+    )
+    token = admin_token(admin_token_file)
+    code = asyncio.run(
+        run_up(
+            policies,
+            state_dir,
+            envoy_concurrency,
+            envoy_log_level,
+            out,
+            setup,
+            admin_listen,
+            token,
+        )
+    )
+    raise typer.Exit(code)
+
+
+def serve(
+    policies: PoliciesOpt = DEFAULT_POLICIES,
+    state_dir: StateOpt = DEFAULT_STATE,
+    xds_port: Annotated[int | None, typer.Option(help="override the Mesh xds port")] = None,
+    admin_port: Annotated[int | None, typer.Option(help="override the Mesh admin port")] = None,
+    watch: Annotated[bool, typer.Option(help="hot-reload on policy changes")] = True,
+    log_format: LogFormatOpt = "json",
+    log_level: LogLevelOpt = "info",
+    admin_listen: AdminListenOpt = "127.0.0.1",
+    admin_token_file: AdminTokenOpt = None,
+) -> None:
+    """Run only the control plane (ADS + admin and its console), for Envoys you run yourself."""
+    from ..runtime.serve import run_serve
+
+    setup_logging(log_format, log_level)
+    token = admin_token(admin_token_file)
+    raise typer.Exit(
+        asyncio.run(
+            run_serve(policies, state_dir, xds_port, admin_port, watch, admin_listen, token)
+        )
+    )
+
+
+def bootstrap(
+    workload: Annotated[str, typer.Argument(help="workload (name.namespace)")],
+    policies: PoliciesOpt = DEFAULT_POLICIES,
+    state_dir: StateOpt = DEFAULT_STATE,
+    instance: Annotated[int, typer.Option(help="instance number in the node id")] = 0,
+) -> None:
+    """Print the Envoy bootstrap for a workload, to run an Envoy against meshfn yourself. It
+    carries the workload's bootstrap token: treat it as a secret."""
+    from ..identity.bootstrap_token import BootstrapTokens
+    from ..runtime.bootstrap import ProxyIdentity, bootstrap_json
+
+    model = load_model(policies)
+    found = model.workload(workload)
+    if found is None:
+        fail(f"no workload {workload!r} (known: {known_workloads(model)})")
+    tokens = BootstrapTokens(state_dir / "xds-token.key")
+    identity = ProxyIdentity.for_workload(found, tokens.header(found.node_cluster), instance)
+    out.print_json(json.dumps(bootstrap_json(identity, "127.0.0.1", model.xds_port)))

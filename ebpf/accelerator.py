@@ -116,22 +116,13 @@ class Accelerator:
         """
         if mode not in MODES:
             raise ValueError(f"acceleration mode must be one of {', '.join(MODES)}, not {mode!r}")
-        if mode == "off":
-            try:
-                problems = self.shutdown()
-            except OSError as exc:
-                problems = [str(exc)]
-            reason = "disabled by policy"
-            if problems:
-                reason += "; removing an earlier attachment failed: " + "; ".join(problems)
-            return AccelerationStatus(mode, False, reason)
-        try:
-            status = self._setup(mode)
-        except Unavailable as exc:
-            status = AccelerationStatus(mode, False, str(exc))
-        except Exception as exc:  # auto must never raise; ebpf gets the same one line
-            log.debug("eBPF setup failed", exc_info=True)
-            status = AccelerationStatus(mode, False, f"eBPF setup failed: {exc}")
+        status = statedir.attempt(
+            mode,
+            self.shutdown,
+            lambda: self._setup(mode),
+            lambda reason: AccelerationStatus(mode, False, reason),
+            "eBPF",
+        )
         if not status.attached and mode == "ebpf":
             raise AccelerationUnavailable(status.reason)
         return status
@@ -172,7 +163,7 @@ class Accelerator:
         survive a loader restart and start from zero after a detach.
         """
         out = dict.fromkeys(STATS_KEYS, 0)
-        state = self._state or self._load_state()
+        state = self._state or statedir.load(self.dir, _State)
         if state is None:
             return out
         bpffs = Path(state.bpffs)
@@ -206,14 +197,14 @@ class Accelerator:
         if not self.dir.exists():
             self._state = None
             return []
-        with self._lock():
+        with statedir.locked(self.dir):
             problems = self._teardown()
         self._state = None
         return problems
 
     def attached_ids(self) -> tuple[dict[str, int], dict[str, int]]:
         """(program ids, map ids) of the current attachment, for tests and diagnostics."""
-        state = self._state or self._load_state()
+        state = self._state or statedir.load(self.dir, _State)
         return (dict(state.prog_ids), dict(state.map_ids)) if state else ({}, {})
 
     # --- setup -----------------------------------------------------------------------------------
@@ -227,8 +218,8 @@ class Accelerator:
         headers = find_headers(self.host)
         build = programs.digest(self._text)
         self.dir.mkdir(parents=True, exist_ok=True)
-        with self._lock():
-            state = self._load_state()
+        with statedir.locked(self.dir):
+            state = statedir.load(self.dir, _State)
             if state is not None and state.build == build and self._verify(state):
                 self._set_enabled(state, True)
                 self._state = state
@@ -263,7 +254,7 @@ class Accelerator:
             mounted_cgroup2=mounted,
             bpffs=str(self.dir / "bpffs"),
         )
-        self._save_state(state)  # from here on a crash leaves a record that teardown follows
+        statedir.save(self.dir, state)  # from here on a crash leaves a record that teardown follows
         cgroup = Path(state.cgroup)
         if cgroup == root or cgroup.parent != root:
             raise Unavailable(f"refusing to attach to {cgroup}: not a child of {root}")
@@ -283,7 +274,7 @@ class Accelerator:
                 state.prog_ids[pin] = bpfsys.prog_info(fds[pin]).id
             for pin in programs.MAP_PINS:
                 state.map_ids[pin] = bpfsys.map_info(fds[pin]).id
-            self._save_state(state)
+            statedir.save(self.dir, state)
             bpfsys.map_update(fds[programs.PIN_CONFIG], programs.CONFIG_ENABLED, _ENABLED)
             # sk_msg first: a socket recorded by sock_ops is useful only once sk_msg runs on it.
             bpfsys.prog_attach(
@@ -324,7 +315,7 @@ class Accelerator:
     def _teardown(self) -> list[str]:
         """Undo whatever an earlier setup (of any process, complete or not) left. Locked."""
         problems: list[str] = []
-        state = self._load_state()
+        state = statedir.load(self.dir, _State)
         bpffs = Path(state.bpffs) if state else self.dir / "bpffs"
         # state.json's path can be missing here if it was under a mount of another namespace.
         cgroup = Path(state.cgroup) if state else None
@@ -384,16 +375,6 @@ class Accelerator:
         return None
 
     # --- state file and lock ---------------------------------------------------------------------
-
-    def _lock(self) -> contextlib.AbstractContextManager[None]:
-        """Serialises setup and teardown between processes sharing the state directory."""
-        return statedir.locked(self.dir)
-
-    def _load_state(self) -> _State | None:
-        return statedir.load(self.dir, _State)
-
-    def _save_state(self, state: _State) -> None:
-        statedir.save(self.dir, state)
 
     @contextlib.contextmanager
     def _pins(self, state: _State) -> Iterator[dict[str, int]]:

@@ -131,19 +131,13 @@ class EgressControl:
     def setup(self, mode: EgressMode = "auto") -> EgressStatus:
         """Attach per `mode`; `auto` never raises, `required` raises EgressUnavailable. Nothing
         stays half attached: a failure part way rolls back what this call made."""
-        if mode == "off":
-            problems = self._shutdown_quietly()
-            reason = "disabled by policy"
-            if problems:
-                reason += "; removing an earlier attachment failed: " + "; ".join(problems)
-            return EgressStatus(mode, False, reason)
-        try:
-            status = self._setup(mode)
-        except Unavailable as exc:
-            status = EgressStatus(mode, False, str(exc))
-        except Exception as exc:  # auto must never raise; required gets the same line
-            log.debug("egress setup failed", exc_info=True)
-            status = EgressStatus(mode, False, f"egress setup failed: {exc}")
+        status = statedir.attempt(
+            mode,
+            self.shutdown,
+            lambda: self._setup(mode),
+            lambda reason: EgressStatus(mode, False, reason),
+            "egress",
+        )
         if not status.attached and mode == "required":
             raise EgressUnavailable(status.reason)
         return status
@@ -156,7 +150,7 @@ class EgressControl:
         cgroup = Path(state.cgroup) / slug
         cgroup.mkdir(exist_ok=True)
         cgroup_id = os.stat(cgroup).st_ino  # a cgroup2 directory's inode number is its id
-        with self._lock(), self._map(egress_programs.PIN_ALLOW) as fd:
+        with statedir.locked(self.dir), self._map(egress_programs.PIN_ALLOW) as fd:
             for key in self._allow_keys(cgroup_id):
                 bpfsys.map_delete(fd, key)
             for address, port in peers:
@@ -164,7 +158,7 @@ class EgressControl:
                 key = egress_programs.ALLOW_KEY.pack(cgroup_id, a, b, c, d, port, 0)
                 bpfsys.map_update(fd, key, b"\1\0\0\0")
             state.backends[name] = str(cgroup)
-            self._save_state(state)
+            statedir.save(self.dir, state)
         procs = os.fsencode(cgroup / "cgroup.procs")
 
         def join() -> None:  # runs in the forked child: plain syscalls only
@@ -187,9 +181,9 @@ class EgressControl:
             return []
         cgroup = Path(state.backends.pop(name))
         problems: list[str] = []
-        with self._lock():
+        with statedir.locked(self.dir):
             self._forget(cgroup, problems)
-            self._save_state(state)
+            statedir.save(self.dir, state)
         return problems
 
     def denials(self) -> dict[str, dict[str, Denial]]:
@@ -239,7 +233,7 @@ class EgressControl:
         if not self.dir.exists():
             self._state = None
             return []
-        with self._lock():
+        with statedir.locked(self.dir):
             problems = self._teardown()
         self._state = None
         return problems
@@ -253,7 +247,7 @@ class EgressControl:
         check_bcc()
         headers = find_headers(self.host)
         self.dir.mkdir(parents=True, exist_ok=True)
-        with self._lock():
+        with statedir.locked(self.dir):
             leftovers = self._teardown()
             if leftovers:
                 raise Unavailable(
@@ -283,7 +277,7 @@ class EgressControl:
             bpffs=str(self.dir / "bpffs"),
             mounted_cgroup2=mounted,
         )
-        self._save_state(state)  # from here on a crash leaves a record that teardown follows
+        statedir.save(self.dir, state)  # from here on a crash leaves a record that teardown follows
         cgroup = Path(state.cgroup)
         cgroup.mkdir(exist_ok=True)
         bpffs = Path(state.bpffs)
@@ -303,7 +297,7 @@ class EgressControl:
                 fd = bpfsys.obj_get(bpffs / program.pin)
                 try:
                     state.prog_ids[program.pin] = bpfsys.prog_info(fd).id
-                    self._save_state(state)
+                    statedir.save(self.dir, state)
                     bpfsys.prog_attach(fd, cgfd, program.attach_type)
                 finally:
                     os.close(fd)
@@ -313,7 +307,7 @@ class EgressControl:
                 state.map_ids[pin] = bpfsys.map_info(fd).id
             finally:
                 os.close(fd)
-        self._save_state(state)
+        statedir.save(self.dir, state)
         return state
 
     # --- teardown --------------------------------------------------------------------------------
@@ -321,7 +315,7 @@ class EgressControl:
     def _teardown(self) -> list[str]:
         """Undo whatever an earlier setup (of any process, complete or not) left. Locked."""
         problems: list[str] = []
-        state = self._load_state()
+        state = statedir.load(self.dir, _State)
         bpffs = Path(state.bpffs) if state else self.dir / "bpffs"
         cgroup = Path(state.cgroup) if state else None
         if cgroup is not None and cgroup.is_dir():
@@ -353,17 +347,11 @@ class EgressControl:
                 bpfsys.map_delete(fd, key)
         problems += remove_cgroup(cgroup, ())
 
-    def _shutdown_quietly(self) -> list[str]:
-        try:
-            return self.shutdown()
-        except OSError as exc:
-            return [str(exc)]
-
     # --- maps, state file, lock ------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _map(self, pin: str) -> Iterator[int]:
-        state = self._state or self._load_state()
+        state = self._state or statedir.load(self.dir, _State)
         bpffs = Path(state.bpffs) if state else self.dir / "bpffs"
         fd = bpfsys.obj_get(bpffs / pin)
         try:
@@ -382,16 +370,6 @@ class EgressControl:
         if self._state is None:
             raise RuntimeError("egress control is not attached")
         return self._state
-
-    def _lock(self) -> contextlib.AbstractContextManager[None]:
-        """Serialises setup and teardown between processes sharing the state directory."""
-        return statedir.locked(self.dir)
-
-    def _load_state(self) -> _State | None:
-        return statedir.load(self.dir, _State)
-
-    def _save_state(self, state: _State) -> None:
-        statedir.save(self.dir, state)
 
 
 def detach(state_dir: Path) -> list[str]:

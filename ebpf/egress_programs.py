@@ -22,6 +22,8 @@ import struct
 from dataclasses import dataclass
 from typing import Final
 
+from .programs import IS_LOOPBACK_C
+
 # Why a connection or datagram was refused. The C enum is generated from this tuple.
 REASONS: Final = (
     "tcp_loopback",  # a TCP connect to a loopback port the policy does not name (a workload)
@@ -81,7 +83,8 @@ ALLOW_KEY: Final = struct.Struct("=Q4III")
 DENY_KEY: Final = struct.Struct("=QII")
 DENY_VALUE: Final = struct.Struct("=QQ4III")
 
-_BODY: Final = r"""
+_BODY: Final = (
+    r"""
 #include <uapi/linux/bpf.h>
 
 #define AF_UNIX 1
@@ -136,14 +139,9 @@ static __always_inline int deny(__u32 reason, const __u32 addr[4], __u32 port) {
     return 0;  /* the caller gets EPERM */
 }
 
-static __always_inline int is_loopback(const __u32 ip[4]) {
-    if (ip[0] != 0 || ip[1] != 0)
-        return 0;
-    if (ip[2] == bpf_htonl(0xffff))
-        return (bpf_ntohl(ip[3]) >> 24) == 127;
-    return ip[2] == 0 && ip[3] == bpf_htonl(1);
-}
-
+"""
+    + IS_LOOPBACK_C
+    + r"""
 static __always_inline int check(__u32 addr[4], __u32 port, int datagram) {
     struct allow_key key = {};
     key.cgroup = bpf_get_current_cgroup_id();
@@ -210,6 +208,7 @@ int meshfn_eg_sock_create(struct bpf_sock *ctx) {
     return deny(MESHFN_R_raw_socket, none, protocol);
 }
 """
+)
 
 
 def source(body: str = _BODY) -> str:

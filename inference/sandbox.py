@@ -264,10 +264,7 @@ class Sandbox:
         if not _denied_root():
             # Never claim a layer that is not there: a ruleset that does not refuse listing /
             # (granted by no rule) is not in force.
-            layer.state, layer.detail = "failed", "applied, but / is still readable"
-            if mode == "required":
-                raise SandboxError("landlock: " + layer.detail)
-            return layer
+            return self._not_in_force("landlock", mode, "applied, but / is still readable")
         layer.state = "on"
         layer.detail = _landlock_detail(applied, rules)
         if state is not None:
@@ -303,16 +300,24 @@ class Sandbox:
             return self._unavailable("seccomp", mode, exc.strerror or str(exc))
         mode_now, filters = seccomp.status()
         if mode_now != 2:
-            layer.state, layer.detail = "failed", f"loaded, but the kernel reports mode {mode_now}"
-            if mode == "required":
-                raise SandboxError("seccomp: " + layer.detail)
-            return layer
+            return self._not_in_force(
+                "seccomp", mode, f"loaded, but the kernel says mode {mode_now}"
+            )
         layer.state = "on"
         layer.detail = (
             f"{len(ALLOWED)}+ syscalls allowed, killed on exec/ptrace/mount/bpf/keyring/"
             "process_vm and anonymous executable mmap, EPERM otherwise"
             f" ({filters} filter{'s' if filters != 1 else ''})"
         )
+        return layer
+
+    def _not_in_force(self, name: str, mode: str, detail: str) -> Layer:
+        """Applied, yet the kernel does not show it: "failed", never "on"."""
+        if mode == "required":
+            raise SandboxError(f"{name}: {detail}")
+        layer = self.layers[name]
+        layer.state, layer.detail = "failed", detail
+        log.error("%s is not in force: %s", name, detail)
         return layer
 
     def _unavailable(self, name: str, mode: str, reason: str) -> Layer:

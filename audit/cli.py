@@ -1,5 +1,6 @@
 """`meshfn audit ...`: verify the chains against the witness, query, erase a subject, export for
-auditors, apply retention, run a collector or the signer.
+auditors, apply retention (witnessed by the signer), run a collector or the signer, create or
+migrate a store and its PostgreSQL roles (`init`).
 
 Mounted by the main CLI with `app.add_typer(audit_app, name="audit")`. `--store` takes an SQLite
 file or a `postgresql://` DSN (or $MESHFN_AUDIT_STORE); for a store at STATE/audit/audit.db the
@@ -30,18 +31,21 @@ from rich.table import Table
 from meshfn.common import env
 from meshfn.common.cli import command_app, fail, out, run_cli
 
-from . import layout, offline, signing
+from . import layout, offline, roles, signing
+from .checkpoint import now_iso
 from .collector import AuditCollector, CollectorMetrics
+from .postgres import PostgresStore
 from .salt import load as load_salt
-from .signer import Signer, SignerClient, SignerError, serve
-from .store import CONTROL_CHAIN, AuditStore, StoreError, now_iso
+from .signer import PruneRefused, PruneResult, Signer, SignerClient, SignerError, serve
+from .store import CONTROL_CHAIN, DEFAULT_RETENTION_DAYS, AuditStore, StoreError
 from .stores import open_store
 from .verify import VerifyReport
 from .verify import verify as verify_store
 from .witness import FileWitness, Witness, WitnessError
 
 audit_app = command_app(
-    "audit", "The audit trail: verify, query, erase, export, retention, collector, signer."
+    "audit",
+    "The audit trail: verify, query, erase, export, retention, collector, signer, init.",
 )
 
 DEFAULT_STORE = str(layout.store_path(Path(".meshfn")))
@@ -60,6 +64,14 @@ KeyOpt = Annotated[
         "--public-key",
         envvar=env.AUDIT_PUBLIC_KEY.name,
         help="the signer's ed25519 public key (PEM); default STATE/audit-signer/checkpoint.key.pub",
+    ),
+]
+SignerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--signer",
+        envvar=env.AUDIT_SIGNER.name,
+        help="the signer's address (unix:PATH or tcp:HOST:PORT)",
     ),
 ]
 WitnessOpt = Annotated[
@@ -154,6 +166,7 @@ def _print_report(report: VerifyReport) -> None:
             f" {report.unsigned_tail} record(s) after it not yet signed",
             highlight=False,
         )
+        _print_unsigned(report)
     else:
         for problem in report.problems:
             where = f"seq {problem.seq}: " if problem.seq is not None else ""
@@ -165,8 +178,24 @@ def _print_report(report: VerifyReport) -> None:
             f" record(s) of {chains} chain(s){witness}",
             highlight=False,
         )
+        _print_unsigned(report)
+    if report.retention_days is not None:
+        out.print(f"retention: {report.retention_days} day(s), as the signer signed it")
     for note in report.notes:
         out.print(f"note: {note}", highlight=False)
+
+
+def _print_unsigned(report: VerifyReport) -> None:
+    """The unsigned tail, journal by journal: what a writer could still cut undetected."""
+    for name, chain in sorted(report.chains.items()):
+        if chain.unsigned:
+            first = max(chain.signed_seq, chain.anchor_seq) + 1
+            last = chain.last_seq if chain.last_seq is not None else chain.anchor_seq
+            span = f"record {last}" if first == last else f"records {first}-{last}"
+            out.print(
+                f"unsigned: journal {name}: {span} ({chain.unsigned}) not yet signed",
+                highlight=False,
+            )
 
 
 @audit_app.command()
@@ -470,17 +499,120 @@ def verify_export(
 @audit_app.command()
 def prune(
     store: StoreOpt = DEFAULT_STORE,
-    days: Annotated[int, typer.Option(min=0, help="keep this many days")] = 730,
+    signer: SignerOpt = None,
+    days: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="prune only what is older than this (never less than the signer's retention)",
+        ),
+    ] = None,
 ) -> None:
-    """Apply retention now: delete records older than DAYS up to a signed checkpoint."""
+    """Apply retention now: the signer witnesses a prune of every journal up to its newest
+    record signed longer ago than its retention (or DAYS, if longer), then those records are
+    deleted. The retention is the signer's, never the store's."""
+    state = layout.state_of(store)
+    address = signer or (layout.signer_socket(state) if state is not None else None)
+    if address is None:
+        fail(
+            "give --signer (the signer witnesses every prune) for a store outside a state dir",
+            FAILED,
+        )
     db = _open(store, readonly=False)
     try:
-        deleted = db.apply_retention(days=days)
+        result = SignerClient(address).prune(days)
+        deleted = db.apply_prune(result.points)
+    except PruneRefused as exc:
+        fail(f"refused: {exc}", FAILED)
+    except SignerError as exc:
+        fail(
+            f"{exc}: every prune is witnessed by the signer; start it (`meshfn up` runs it, or"
+            " `meshfn audit signer`) or give --signer",
+            FAILED,
+        )
     except StoreError as exc:
         fail(exc, FAILED)
     finally:
         db.close()
-    out.print(f"deleted {deleted} record(s) older than {days} day(s)")
+    _print_prune(result, deleted)
+
+
+def _print_prune(result: PruneResult, deleted: int) -> None:
+    if result.checkpoints:
+        new = result.checkpoints[-1]
+        reach = ", ".join(f"journal {c} up to record {s}" for c, (s, _) in new.prune.items())
+        out.print(
+            f"the signer witnessed a prune in checkpoint {new.n} (retention"
+            f" {result.retention_days} day(s)): {reach}",
+            highlight=False,
+        )
+    else:
+        out.print(
+            f"nothing new to prune: no record signed longer ago than the retention"
+            f" ({result.retention_days} day(s)) is left to witness",
+            highlight=False,
+        )
+    out.print(f"deleted {deleted} record(s)")
+
+
+@audit_app.command()
+def init(
+    store: StoreOpt = DEFAULT_STORE,
+    collector: Annotated[
+        str | None,
+        typer.Option(
+            envvar=env.AUDIT_COLLECTOR_DSN.name,
+            help="the collectors' role: a DSN (its user, and password for --create-roles) or a"
+            " role name (PostgreSQL)",
+        ),
+    ] = None,
+    signer: Annotated[
+        str | None,
+        typer.Option(envvar=env.AUDIT_SIGNER_DSN.name, help="the signer's role (the same forms)"),
+    ] = None,
+    reader: Annotated[
+        str | None,
+        typer.Option(envvar=env.AUDIT_READER_DSN.name, help="the readers' role (the same forms)"),
+    ] = None,
+    create_roles: Annotated[
+        bool,
+        typer.Option(
+            "--create-roles", help="create missing login roles (and set the DSNs' passwords)"
+        ),
+    ] = False,
+) -> None:
+    """Create the store, or migrate an older one, as its owner; on PostgreSQL also give each
+    component its own role: collectors insert records and advance journals, the signer only
+    inserts checkpoints, readers only read. Safe to run again (grants are reset to these)."""
+    given = {"collector": collector, "signer": signer, "reader": reader}
+    wanted = {kind: value for kind, value in given.items() if value}
+    db = _open(store, readonly=False)
+    try:
+        if not isinstance(db, PostgresStore):
+            if wanted:
+                fail(
+                    "an SQLite store has no roles: whoever can write its file writes it all",
+                    FAILED,
+                )
+            out.print(f"audit store {db.location}: schema ready")
+            return
+        lines = roles.init_roles(
+            db, [roles.role_of(k, v) for k, v in wanted.items()], create=create_roles
+        )
+    except StoreError as exc:
+        fail(exc, FAILED)
+    finally:
+        db.close()
+    out.print(f"audit store {db.location}: schema ready", highlight=False)
+    for line in lines:
+        out.print(f"role {line}", highlight=False)
+    missing = [kind for kind in roles.KINDS if kind not in wanted]
+    if missing:
+        out.print(
+            f"[yellow]warning[/yellow]: no role given for {', '.join(missing)}: such a"
+            " component would need the owner's credentials, which can rewrite the trail",
+            highlight=False,
+        )
 
 
 @audit_app.command()
@@ -489,14 +621,7 @@ def collect(
         list[str], typer.Option("--journal", help="SOURCE=PATH of an Envoy audit journal")
     ],
     store: StoreOpt = DEFAULT_STORE,
-    signer: Annotated[
-        str | None,
-        typer.Option(
-            "--signer",
-            envvar=env.AUDIT_SIGNER.name,
-            help="the signer's address (unix:PATH or tcp:HOST:PORT); without it nothing is signed",
-        ),
-    ] = None,
+    signer: SignerOpt = None,
     max_bytes: Annotated[
         int | None, typer.Option("--max-bytes", min=4096, help="cap the store's size (SQLite)")
     ] = None,
@@ -568,10 +693,18 @@ def signer_command(
     listen: Annotated[
         str | None, typer.Option(help="unix:PATH or tcp:HOST:PORT (default: STATE's socket)")
     ] = None,
+    retention_days: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="keep records this many days: signed into every checkpoint; the signer"
+            " witnesses no prune of younger records",
+        ),
+    ] = DEFAULT_RETENTION_DAYS,
 ) -> None:
-    """Run the checkpoint signer: the only holder of the signing key. It reads the store
-    read-only, signs only chain heads it has re-verified, and appends every checkpoint to the
-    witness before answering."""
+    """Run the checkpoint signer: the only holder of the signing key and of the retention.
+    It reads the store, signs only chain heads it has re-verified, appends every checkpoint
+    to the witness before inserting it (its only write), and witnesses each prune."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     state = layout.state_of(store)
     key = key or (layout.key_path(state) if state else None)
@@ -581,11 +714,11 @@ def signer_command(
         fail("give --key, --witness and --listen for a store outside a state dir", FAILED)
     try:
         private = signing.load_or_create(key)
-        db = open_store(store, readonly=True)
+        db = open_store(store)
     except (signing.KeyError_, StoreError, OSError) as exc:
         fail(exc, FAILED)
     try:
-        the_signer = Signer(db, private, FileWitness(witness))
+        the_signer = Signer(db, private, FileWitness(witness), retention_days)
     except (SignerError, WitnessError, StoreError) as exc:
         db.close()
         fail(exc, FAILED)

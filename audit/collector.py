@@ -18,10 +18,15 @@ the other) re-reads the position and goes on from there (store.StoreConflict): n
 twice or skipped.
 
 Checkpoints come from the signer (signer.py), which the collector asks every `checkpoint_every`
-records or `checkpoint_interval` seconds, in the background. The records stored since the last
-checkpoint are the ones a writer of the store could still remove undetected: at most
-`checkpoint_every` records, or `checkpoint_interval` seconds of traffic, per collector (plus one
-signing round trip); lower either to shrink that bound.
+records or `checkpoint_interval` seconds, in the background; the signer stores them itself (the
+collector's role may not insert checkpoints). The records stored since the last checkpoint are
+the ones a writer of the store could still remove undetected: at most `checkpoint_every`
+records, or `checkpoint_interval` seconds of traffic, per collector (plus one signing round
+trip); lower either to shrink that bound.
+
+Retention: every `retention_interval` the collector asks the signer to witness a prune (the
+signer decides how far, from its own retention setting) and deletes up to the witnessed points;
+without a signer nothing is ever deleted.
 """
 
 from __future__ import annotations
@@ -281,14 +286,13 @@ class AuditCollector:
             self._sign_task = asyncio.create_task(asyncio.to_thread(self._checkpoint))
 
     def _checkpoint(self) -> None:
-        """Ask the signer for a checkpoint and keep it in the store too (the witness has it)."""
+        """Ask the signer for a checkpoint (it stores it, after its witness has it)."""
         if self.signer is None:
             return
         pending = self._since_checkpoint
         try:
             result = self.signer.sign()
             for checkpoint in result.checkpoints:
-                self.store.add_checkpoint(checkpoint)
                 self.last_checkpoint = checkpoint.n
         except (SignerError, StoreError) as exc:
             self.signer_errors += 1
@@ -542,11 +546,28 @@ class AuditCollector:
         ):
             self._sign_due = True
             self._last_checkpoint = now
-        if self.retention_interval and now - self._last_retention >= self.retention_interval:
+        if (
+            self.signer is not None
+            and self.retention_interval
+            and now - self._last_retention >= self.retention_interval
+        ):
             self._last_retention = now
-            deleted = self.store.apply_retention()
-            if deleted:
-                log.info("audit retention removed %d records", deleted)
+            self._prune(self.signer)
+
+    def _prune(self, signer: CheckpointSigner) -> None:
+        """Retention: the signer witnesses what may go, then the store deletes that much."""
+        try:
+            result = signer.prune()
+        except SignerError as exc:
+            log.error("audit retention: the signer witnessed no prune: %s", exc)
+            return
+        deleted = self.store.apply_prune(result.points)
+        if deleted:
+            log.info(
+                "audit retention (%d days, witnessed by the signer) removed %d records",
+                result.retention_days,
+                deleted,
+            )
 
 
 class CollectorMetrics(Collector):

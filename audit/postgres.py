@@ -10,10 +10,14 @@ Concurrency: each collector writes its own chains; its transaction compare-and-s
 journal position and inserts `(chain, seq)` rows that a racing writer's rows would clash with
 (UNIQUE), so exactly one of two racing writers commits a batch. Appends take a shared lock on
 the erasure counter and an erasure an exclusive one, so a collector never keeps using a
-pseudonym that an erasure has just destroyed. The schema is created under an advisory lock
-(collectors start together). Give collectors a role that may INSERT and SELECT (and UPDATE
-journals), the signer and readers a role that may only SELECT: then the triggers are a second
-line, not the only one.
+pseudonym that an erasure has just destroyed (advisory locks: a row lock would need UPDATE
+on meta, which collectors do not get).
+
+Roles (roles.py): the schema belongs to its owner, who creates and migrates it (`meshfn audit
+init`); collectors, the signer and readers connect as their own roles, which may not run DDL,
+so this store creates or migrates the schema only when it finds it missing or old and is
+allowed to, and otherwise says who must. The triggers are then a second line behind the grants
+(a collector's role cannot drop them), not the only one.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import psycopg
 from psycopg import errors
 
 from .store import (
-    DEFAULT_RETENTION_DAYS,
+    MIGRATABLE,
+    SCHEMA,
     TABLES,
     AuditStore,
     RecordRow,
@@ -41,6 +46,7 @@ from .store import (
 _SCHEMA_LOCK = (
     0x6D657368666E  # "meshfn": serialises schema creation by collectors starting together
 )
+_ERASURE_LOCK = 0x6D657368666F  # appends share it, an erasure takes it alone
 
 # Query columns filled by the writer from the record it chains (PostgreSQL parsing the JSON for
 # generated columns doubled the cost of an insert); verify checks they agree (columns_agree).
@@ -66,16 +72,48 @@ BEGIN
 END $$;
 CREATE OR REPLACE FUNCTION meshfn_audit_checkpoints_guard() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF TG_OP = 'UPDATE'
-       OR OLD.n >= (SELECT value::bigint FROM meta WHERE key = 'checkpoint_floor') THEN
-        RAISE EXCEPTION 'audit checkpoints are append-only';
+    RAISE EXCEPTION 'audit checkpoints are append-only';
+END $$;
+-- A chain starts at record 0, is never deleted, and its anchor moves only to a point that the
+-- stored checkpoint it names (anchor_checkpoint: one lookup) lists in its prune (the signer's
+-- witnessed prune; only the signer's role inserts checkpoints).
+CREATE OR REPLACE FUNCTION meshfn_audit_chains_guard() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        RAISE EXCEPTION 'audit chains are never deleted';
     END IF;
-    RETURN OLD;
+    IF TG_OP = 'INSERT' THEN
+        IF NEW.anchor_seq <> 0 THEN
+            RAISE EXCEPTION 'audit chains start at record 0';
+        END IF;
+        RETURN NEW;
+    END IF;
+    IF NEW.chain <> OLD.chain OR (
+        (NEW.anchor_seq, NEW.anchor_hash) IS DISTINCT FROM (OLD.anchor_seq, OLD.anchor_hash)
+        AND NOT EXISTS (
+            SELECT 1 FROM checkpoints WHERE n = NEW.anchor_checkpoint
+            AND body::jsonb -> 'prune' -> NEW.chain
+                = jsonb_build_array(NEW.anchor_seq, encode(NEW.anchor_hash, 'hex')))) THEN
+        RAISE EXCEPTION 'audit chains: the anchor moves only to a prune the signer witnessed';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE OR REPLACE FUNCTION meshfn_audit_no_truncate() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'the audit trail is never truncated';
 END $$;
 CREATE OR REPLACE TRIGGER records_append_only BEFORE UPDATE OR DELETE ON records
     FOR EACH ROW EXECUTE FUNCTION meshfn_audit_records_guard();
 CREATE OR REPLACE TRIGGER checkpoints_append_only BEFORE UPDATE OR DELETE ON checkpoints
     FOR EACH ROW EXECUTE FUNCTION meshfn_audit_checkpoints_guard();
+CREATE OR REPLACE TRIGGER chains_guarded BEFORE INSERT OR UPDATE OR DELETE ON chains
+    FOR EACH ROW EXECUTE FUNCTION meshfn_audit_chains_guard();
+CREATE OR REPLACE TRIGGER records_no_truncate BEFORE TRUNCATE ON records
+    FOR EACH STATEMENT EXECUTE FUNCTION meshfn_audit_no_truncate();
+CREATE OR REPLACE TRIGGER checkpoints_no_truncate BEFORE TRUNCATE ON checkpoints
+    FOR EACH STATEMENT EXECUTE FUNCTION meshfn_audit_no_truncate();
+CREATE OR REPLACE TRIGGER chains_no_truncate BEFORE TRUNCATE ON chains
+    FOR EACH STATEMENT EXECUTE FUNCTION meshfn_audit_no_truncate();
 """
 )
 
@@ -98,10 +136,9 @@ class PostgresStore(AuditStore):
         dsn: str,
         *,
         readonly: bool = False,
-        retention_days: int = DEFAULT_RETENTION_DAYS,
         connect_timeout: float = 5.0,
     ) -> None:
-        super().__init__(readonly=readonly, retention_days=retention_days)
+        super().__init__(readonly=readonly)
         self.dsn = self.open_location = dsn
         self.location = _redacted(dsn)
         self.connect_timeout = connect_timeout
@@ -109,12 +146,33 @@ class PostgresStore(AuditStore):
         self._tx: psycopg.Transaction | None = None
         with self._lock:
             self._connection()
-            if not readonly:
-                with self._write():
-                    self._rows("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
-                    self._execute_script(_DDL)
-                self._init_meta()
+            if not readonly and self._found_schema() != str(SCHEMA):
+                self.create_schema()
             self._check_schema()
+
+    def _found_schema(self) -> str | None:
+        """The schema version, or None where there is no audit store yet."""
+        exists = self._rows("SELECT to_regclass('meta') IS NOT NULL")
+        return self._schema() if exists and exists[0][0] else None
+
+    def create_schema(self) -> None:
+        """Create the tables and triggers, or migrate a schema-2 store: the owner's job (other
+        roles may not run DDL, and are told who must)."""
+        try:
+            with self._write():
+                self._rows("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
+                self._execute_script(_DDL)
+            self._init_meta()
+            if self._schema() == MIGRATABLE:
+                self.migrate()
+        except StoreError as exc:
+            if "permission denied" not in str(exc) and "must be owner" not in str(exc):
+                raise
+            raise StoreError(
+                f"{self.location}: the audit store's schema is missing or old, and this role"
+                " may not create it: run `meshfn audit init --store OWNER_DSN` as the database"
+                f" owner first ({exc})"
+            ) from None
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
@@ -156,6 +214,14 @@ class PostgresStore(AuditStore):
                 self._conn.close()
         self._conn = None
         self._tx = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[psycopg.Connection[Any]]:
+        """This store's connection inside one transaction (the owner's grants: roles.py)."""
+        with self._lock, self._errors("cannot set the roles"):
+            conn = self._connection()
+            with conn.transaction():
+                yield conn
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[None]:
@@ -222,9 +288,15 @@ class PostgresStore(AuditStore):
             for row in rows:
                 copy.write_row((*row[:5], *query_columns(row[5])))
 
+    def _migrate(self) -> None:
+        # schema 2's checkpoint guard allowed deletes below a floor the writer set: the DDL
+        # above replaced it (CREATE OR REPLACE); the new chain guard came with it
+        pass
+
     def _lock_erasures(self, exclusive: bool) -> str:
-        mode = "UPDATE" if exclusive else "SHARE"
-        return str(self._rows(f"SELECT value FROM meta WHERE key='erasures' FOR {mode}")[0][0])
+        lock = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
+        self._rows(f"SELECT {lock}(?)", (_ERASURE_LOCK,))
+        return str(self._rows("SELECT value FROM meta WHERE key='erasures'")[0][0])
 
     def _shred(self) -> list[str]:
         """DELETE leaves the row's bytes in the heap and index pages until they are reused:

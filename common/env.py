@@ -137,9 +137,28 @@ AUDIT_WITNESS = _var(
 AUDIT_SIGNER = _var(
     "MESHFN_AUDIT_SIGNER",
     "cli",
-    """The signer that `meshfn audit collect` asks for checkpoints (`--signer`): `unix:PATH` or
-    `tcp:HOST:PORT`.""",
-    "no signer: records are stored unsigned",
+    """The signer that `meshfn audit collect` asks for checkpoints and `meshfn audit prune`
+    asks to witness a prune (`--signer`): `unix:PATH` or `tcp:HOST:PORT`.""",
+    "collect: no signer, records are stored unsigned; prune: the state directory's signer",
+)
+AUDIT_COLLECTOR_DSN = _var(
+    "MESHFN_AUDIT_COLLECTOR_DSN",
+    "cli",
+    """The collectors' database role for `meshfn audit init` (`--collector`): a DSN (its user,
+    and its password for `--create-roles`) or a role name.""",
+    "no collector role is granted",
+)
+AUDIT_SIGNER_DSN = _var(
+    "MESHFN_AUDIT_SIGNER_DSN",
+    "cli",
+    "The signer's database role for `meshfn audit init` (`--signer`), in the same forms.",
+    "no signer role is granted",
+)
+AUDIT_READER_DSN = _var(
+    "MESHFN_AUDIT_READER_DSN",
+    "cli",
+    "The readers' database role for `meshfn audit init` (`--reader`), in the same forms.",
+    "no reader role is granted",
 )
 
 # ------------------------------------------------------------------ inference backend
@@ -281,6 +300,9 @@ VARIABLES: tuple[Variable, ...] = (
     AUDIT_PUBLIC_KEY,
     AUDIT_WITNESS,
     AUDIT_SIGNER,
+    AUDIT_COLLECTOR_DSN,
+    AUDIT_SIGNER_DSN,
+    AUDIT_READER_DSN,
     INLINE_CORE,
     INLINE_PYTHON,
     POD_NAME,

@@ -9,16 +9,13 @@ rig creates and removes (traffic to it never leaves the machine).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
-import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +24,8 @@ from typing import Any
 
 from meshfn_e2e import http
 
+from meshfn.common.unix import unix_request
+from meshfn.control_plane.runtime.upstreams import app_socket, backend_state_dir
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import MESHFN, Proc, Processes, wait_for
 
@@ -118,10 +117,25 @@ class Mesh:
     def backend_name(self) -> str:
         return f"default/models 127.0.0.1:{self.ports.models}"
 
+    @property
+    def backend_dir(self) -> Path:
+        """The backend's own directory (its only writable place), with its sockets."""
+        return backend_state_dir(self.state, "127.0.0.1", self.ports.models)
+
+    @property
+    def backend_socket(self) -> Path:
+        """Where its sidecar reaches it (and the hook's route is): `meshfn up` serves a backend
+        behind a sidecar on a unix socket only."""
+        return self.backend_dir / "http.sock"
+
+    @property
+    def echo_socket(self) -> Path:
+        """Another workload's unix socket: the echo placeholder's, behind its sidecar."""
+        return app_socket(self.state, "127.0.0.1", self.ports.echo)
+
     def report(self) -> dict[str, Any]:
         """What the backend says confines it (its sandbox.json)."""
-        path = self.state / "inference" / f"127.0.0.1-{self.ports.models}" / "sandbox.json"
-        result: dict[str, Any] = json.loads(path.read_text())
+        result: dict[str, Any] = json.loads((self.backend_dir / "sandbox.json").read_text())
         return result
 
     def log(self) -> str:
@@ -146,19 +160,15 @@ class Mesh:
 
     def attack(self, **spec: Any) -> dict[str, Any] | None:
         """Run one attempt inside the backend; None if the process died answering it."""
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.ports.models}/meshfn-test/attack",
-            data=json.dumps(spec).encode(),
-            method="POST",
-        )
         try:
-            with urllib.request.urlopen(request, timeout=10) as reply:
-                result: dict[str, Any] = json.loads(reply.read())
-                return result
-        except (urllib.error.URLError, ConnectionError, OSError) as exc:
-            if isinstance(exc, urllib.error.HTTPError):
-                raise
+            status, body = unix_request(
+                self.backend_socket, "/meshfn-test/attack", 10, "POST", json.dumps(spec).encode()
+            )
+        except (ConnectionError, http.client.HTTPException, OSError):
             return None
+        assert status == 200, body
+        result: dict[str, Any] = json.loads(body)
+        return result
 
     def outcome(self, **spec: Any) -> str:
         """ "allowed", the errno name the kernel answered, or KILLED (then the backend is
@@ -180,10 +190,9 @@ class Mesh:
         """Until a new backend process has started, confined itself and reported it."""
 
         def back() -> bool:
-            return (
-                self.backend_pid() != old_pid
-                and http(f"http://127.0.0.1:{self.ports.models}/v2/health/ready").status == 200
-            )
+            if self.backend_pid() == old_pid:
+                return False
+            return unix_request(self.backend_socket, "/v2/health/ready", 2)[0] == 200
 
         wait_for("the backend to be restarted", back, timeout=30)
 
@@ -294,32 +303,3 @@ def remote(procs: Processes, ports: list[int], udp: int) -> Iterator[Remote]:
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
         subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30, check=False)
-
-
-@contextmanager
-def unix_workload(path: Path) -> Iterator[list[int]]:
-    """A unix socket standing for another workload's (backends behind unix sockets): counts
-    the connections it accepts."""
-    accepted = [0]
-    server = socket.socket(socket.AF_UNIX)
-    server.bind(str(path))
-    server.listen(16)
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            accepted[0] += 1
-            conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield accepted
-    finally:
-        server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (a close alone does not)
-        server.close()
-        thread.join(5)
-        path.unlink(missing_ok=True)

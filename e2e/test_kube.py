@@ -673,6 +673,17 @@ def test_chart_passes_a_server_side_dry_run(cluster: KubeCluster) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("(server dry run)") == len(rendered), result.stdout
+    # the audit trail on the trial PostgreSQL: its roles' Secret, the init Job, the signer...
+    audit = chart(
+        "--kube-version", "1.20.2", "--set", "serviceMonitor.enabled=false",
+        "--set", "auditCollector.enabled=true,auditStore.postgresql.trial.enabled=true",
+    )  # fmt: skip
+    assert {"Job", "StatefulSet", "DaemonSet"} <= {d["kind"] for d in audit}
+    result = cluster.kubectl(
+        "apply", "--server-side", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(audit)
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("(server dry run)") == len(audit), result.stdout
 
 
 def test_deleting_a_policy_garbage_collects_what_it_owns(cluster: KubeCluster) -> None:

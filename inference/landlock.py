@@ -112,7 +112,7 @@ class Rules:
     read: tuple[Path, ...] = ()  # read files, list directories, beneath each
     list_dirs: tuple[Path, ...] = ()  # list these directories only (their files need rules)
     write: tuple[Path, ...] = ()  # everything beneath each (a state directory)
-    make_sock: tuple[Path, ...] = ()  # bind unix sockets directly inside these directories
+    make_sock: tuple[Path, ...] = ()  # bind (and replace) unix sockets in these directories
     bind_ports: tuple[int, ...] = ()  # TCP ports it may bind (ABI 4+)
     connect_ports: tuple[int, ...] = ()  # TCP ports it may connect to (ABI 4+)
 
@@ -173,7 +173,7 @@ def restrict(rules: Rules) -> Applied:
     try:
         grants = [(p, READ) for p in rules.read] + [(p, handled_fs) for p in rules.write]
         grants += [(p, READ_DIR) for p in rules.list_dirs]
-        grants += [(p, MAKE_SOCK) for p in rules.make_sock]
+        grants += [(p, MAKE_SOCK | REMOVE_FILE) for p in rules.make_sock]
         for path, rights in grants:
             if not _add_path(ruleset, path, rights & handled_fs):
                 missing.append(path)

@@ -214,11 +214,14 @@ class Sandbox:
         read += [Path(p) for p in (*LIBRARY_DIRS, *SYSTEM_READ)]
         read.append(Path(f"/proc/{os.getpid()}"))
         state = self.settings.stateDir
+        writable = (state,) if state is not None else ()
+        # its unix sockets: in its state dir under meshfn up; elsewhere, their directory
+        writable_or_below = {p.parent for p in self.unix_paths if state and state in p.parents}
         return landlock.Rules(
             read=landlock.minimal(read),
             list_dirs=tuple(list_only),
-            write=(state,) if state is not None else (),
-            make_sock=tuple(sorted({p.parent for p in self.unix_paths})),
+            write=writable,
+            make_sock=tuple(sorted({p.parent for p in self.unix_paths} - writable_or_below)),
             bind_ports=self.bind_ports,
             connect_ports=tuple(sorted({peer.port for peer in self.settings.connect})),
         )

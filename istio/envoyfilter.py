@@ -142,62 +142,59 @@ def degraded_twin(ctx: Context, route: ir.Route, index: int, tail_cluster: str) 
 
 
 def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
+    """A gateway's patches: the fallback chains' clusters, its connection manager, its rate
+    limits, the routes that use the chains, and the headers kept from upstreams."""
+    cluster_patches, route_patches, sources = _fallback_patches(ctx, gw)
+    sources.add(Source("Gateway", gw.namespace, gw.name))
+    qos_patches, qos_sources = _qos_patches(ctx, gw)
+    if gw.qos is not None and gw.qos.global_rate is not None:
+        ctx.warn(
+            "qos-global-rate-needs-meshfn-rls",
+            Source("QoSPolicy", gw.qos.namespace, gw.qos.name),
+            ("spec", "global"),
+            "a global rate is counted by meshfn's own rate-limit service, which Istio's "
+            "gateways cannot reach: rendered as each gateway's local rate limit, counted per "
+            "gateway pod, so with N pods (replicas, or gateways it binds) a tenant is admitted "
+            "up to N times the rate and N times the burst",
+        )
+    sources |= qos_sources
+    stripped = stripped_headers(ctx, gw)
+    return [
+        *cluster_patches,
+        _manager_patch(gw, bool(qos_patches), stripped),
+        *qos_patches,
+        *route_patches,
+        *_upstream_header_patches(ctx, gw, stripped),
+    ], sources
+
+
+def _fallback_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], list[Obj], set[Source]]:
+    """For each route of the gateway whose service has a fallback chain (by route key): the
+    chain's aggregate cluster (and its tail's, where the drift breaker's twin is ours), the
+    route patches that use them, and the FallbackPolicies they came from."""
     model = ctx.model
-    patches: list[Obj] = []
-    sources = {Source("Gateway", gw.namespace, gw.name)}
-    clusters: dict[str, Obj] = {}
     routes: dict[str, tuple[ir.Route, ir.Service]] = {}
     for listener in gw.listeners:
         for route in listener.routes:
             service = model.service(route.service)
             if service.fallback:
                 routes[route.key] = (route, service)
+    sources: set[Source] = set()
+    clusters: dict[str, Obj] = {}
+    patches: list[Obj] = []
     for key in sorted(routes):
         route, service = routes[key]
         assert service.traffic is not None
         sources.add(Source("FallbackPolicy", service.namespace, service.traffic.policy))
         members = [istio_cluster(ctx, model.service(k)) for k in (service.key, *service.fallback)]
-        breakers = service.traffic.breakers
-        chain = aggregate_cluster(members, breakers)
+        chain = aggregate_cluster(members, service.traffic.breakers)
         clusters[chain["name"]] = chain
         tail_cluster = None
         if service.drift is not None and not degraded_twin_in_vs(service):
             tail = aggregate_cluster(members[1:], None)
             clusters[tail["name"]] = tail
             tail_cluster = tail["name"]
-        metadata = {"filter_metadata": {ROUTE_METADATA: {"chain": _chain_names(model, service)}}}
-        for index in range(len(route.matches)):
-            name = route_name(route.key, index)
-            patches.append(
-                {
-                    "applyTo": "HTTP_ROUTE",
-                    "match": _route_match(name),
-                    "patch": {
-                        "operation": "MERGE",
-                        "value": {"route": {"cluster": chain["name"]}, "metadata": metadata},
-                    },
-                }
-            )
-            if tail_cluster is not None:
-                patches.append(
-                    {
-                        "applyTo": "HTTP_ROUTE",
-                        "match": _route_match(name),
-                        "patch": {
-                            "operation": "INSERT_BEFORE",
-                            "value": degraded_twin(ctx, route, index, tail_cluster),
-                        },
-                    }
-                )
-            elif service.drift is not None:
-                # the VirtualService's twin: the chain's metadata for its 503 body
-                patches.append(
-                    {
-                        "applyTo": "HTTP_ROUTE",
-                        "match": _route_match(degraded_route_name(route.key, index)),
-                        "patch": {"operation": "MERGE", "value": {"metadata": metadata}},
-                    }
-                )
+        patches += _chain_route_patches(ctx, route, service, chain["name"], tail_cluster)
     cluster_patches = [
         {
             "applyTo": "CLUSTER",
@@ -206,40 +203,81 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
         }
         for name in sorted(clusters)
     ]
-    manager: Obj = {"@type": HCM_TYPE, "local_reply_config": no_upstream_reply()}
-    qos_patches, qos_sources = _qos_patches(ctx, gw)
-    if gw.qos is not None and gw.qos.global_rate is not None:
-        ctx.warn(
-            "qos-global-rate-needs-meshfn-rls",
-            Source("QoSPolicy", gw.qos.namespace, gw.qos.name),
-            ("spec", "global"),
-            "a global rate is counted by meshfn's own rate-limit service, which Istio's "
-            "gateways cannot reach: rendered as each gateway's local rate limit",
+    return cluster_patches, patches, sources
+
+
+def _chain_route_patches(
+    ctx: Context, route: ir.Route, service: ir.Service, chain: str, tail_cluster: str | None
+) -> list[Obj]:
+    """Each match of the route goes to the chain's aggregate; with a drift breaker, its degraded
+    twin is inserted before it (`tail_cluster`: ours) or, where the VirtualService holds the
+    twin, given the chain's metadata for its 503 body."""
+    metadata = {"filter_metadata": {ROUTE_METADATA: {"chain": _chain_names(ctx.model, service)}}}
+    patches: list[Obj] = []
+    for index in range(len(route.matches)):
+        name = route_name(route.key, index)
+        patches.append(
+            {
+                "applyTo": "HTTP_ROUTE",
+                "match": _route_match(name),
+                "patch": {
+                    "operation": "MERGE",
+                    "value": {"route": {"cluster": chain}, "metadata": metadata},
+                },
+            }
         )
-    sources |= qos_sources
-    if qos_patches:
+        if tail_cluster is not None:
+            patches.append(
+                {
+                    "applyTo": "HTTP_ROUTE",
+                    "match": _route_match(name),
+                    "patch": {
+                        "operation": "INSERT_BEFORE",
+                        "value": degraded_twin(ctx, route, index, tail_cluster),
+                    },
+                }
+            )
+        elif service.drift is not None:
+            # the VirtualService's twin: the chain's metadata for its 503 body
+            patches.append(
+                {
+                    "applyTo": "HTTP_ROUTE",
+                    "match": _route_match(degraded_route_name(route.key, index)),
+                    "patch": {"operation": "MERGE", "value": {"metadata": metadata}},
+                }
+            )
+    return patches
+
+
+def _manager_patch(gw: ir.Workload, rate_limited: bool, stripped: list[str]) -> Obj:
+    """The gateway's HTTP connection manager: local replies (a 429's body when rate limits
+    apply) and the headers stripped from every request before routing."""
+    manager: Obj = {"@type": HCM_TYPE, "local_reply_config": no_upstream_reply()}
+    if rate_limited:
         claim = envoy_qos.governing(gw)[0].claim
         manager["local_reply_config"]["mappers"].append(envoy_qos.limited_reply(claim, True))
-    stripped = stripped_headers(ctx, gw)
     if stripped:
         manager["early_header_mutation_extensions"] = [early_header_mutation(stripped)]
-    hcm_patch = {
+    return {
         "applyTo": "NETWORK_FILTER",
         "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM}}}},
         "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": manager}},
     }
+
+
+def _upstream_header_patches(ctx: Context, gw: ir.Workload, stripped: list[str]) -> list[Obj]:
+    """Stripped headers the gateway itself does not read are removed again before upstreams."""
     kept = {ROUTING_HEADER, TENANT_HEADER, *logged_headers(ctx, gw)}
     upstream = [n for n in stripped if n not in kept]
-    tail_patches = []
-    if upstream:
-        tail_patches.append(
-            {
-                "applyTo": "ROUTE_CONFIGURATION",
-                "match": {"context": "GATEWAY"},
-                "patch": {"operation": "MERGE", "value": {"request_headers_to_remove": upstream}},
-            }
-        )
-    return [*cluster_patches, hcm_patch, *qos_patches, *patches, *tail_patches], sources
+    if not upstream:
+        return []
+    return [
+        {
+            "applyTo": "ROUTE_CONFIGURATION",
+            "match": {"context": "GATEWAY"},
+            "patch": {"operation": "MERGE", "value": {"request_headers_to_remove": upstream}},
+        }
+    ]
 
 
 def _qos_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Source]]:

@@ -3,6 +3,11 @@
 PostgreSQL refuses to run as root, so as root `initdb` and `postgres` run as the `postgres` user
 (through `runuser`) in a temporary directory that user owns; otherwise as the current user.
 `trust` authentication on 127.0.0.1 only; stopped by PID (fast shutdown) and removed.
+
+The server's own user (`meshfn`) is a superuser: it owns what it creates, as the owner of an
+audit store does. `role_dsns` gives an audit store's components their own least-privilege roles
+(meshfn.audit.roles), as a deployment must, so tests run collectors, the signer and readers
+with exactly the grants they get in production.
 """
 
 from __future__ import annotations
@@ -22,6 +27,39 @@ from .ports import PortInUse, free_port, retry_on_port_clash
 from .processes import alive
 
 INSTALL_HINT = "PostgreSQL is not installed: apt-get install postgresql (./dev.sh setup does it)"
+
+
+AUDIT_ROLES = {
+    "collector": "meshfn_audit_collector",
+    "signer": "meshfn_audit_signer",
+    "reader": "meshfn_audit_reader",
+}
+
+
+def with_user(dsn: str, user: str) -> str:
+    """`dsn` connecting as `user` instead (trust authentication: no password)."""
+    import psycopg
+
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    info["user"] = user
+    info.pop("password", None)
+    return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+
+
+def role_dsns(owner_dsn: str) -> dict[str, str]:
+    """Create the audit store at `owner_dsn` (as its owner) and the components' roles with
+    their grants (`meshfn audit init --create-roles`); the DSN of each role, by kind."""
+    from meshfn.audit import roles
+    from meshfn.audit.postgres import PostgresStore
+
+    store = PostgresStore(owner_dsn)
+    try:
+        roles.init_roles(
+            store, [roles.Role(k, name) for k, name in AUDIT_ROLES.items()], create=True
+        )
+    finally:
+        store.close()
+    return {kind: with_user(owner_dsn, name) for kind, name in AUDIT_ROLES.items()}
 
 
 def bin_dir() -> Path:

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshfn.common.cli import err, fail, out
+from meshfn.common.unix import unix_request
 from meshfn.kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
 
 from .shared import AdminOpt, admin_url, get_json
@@ -35,17 +36,28 @@ BackendFunctions = tuple[dict[str, Any], list[dict[str, Any]] | None, str]
 
 
 def _backend_functions(backends: list[dict[str, Any]]) -> list[BackendFunctions]:
-    """Each inference backend's own /meshfn/functions (on loopback), read once for every table
-    that shows it: (backend, its functions or None, why not)."""
+    """Each inference backend's own /meshfn/functions (on its private socket behind a sidecar,
+    else on loopback), read once for every table that shows it: (backend, its functions or
+    None, why not)."""
     fetched: list[BackendFunctions] = []
     for backend in backends:
-        url = f"http://{backend['address']}:{backend['port']}/meshfn/functions"
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                fetched.append((backend, json.loads(response.read())["functions"], ""))
+            document = json.loads(_backend_get(backend, "/meshfn/functions"))
+            fetched.append((backend, document["functions"], ""))
         except (OSError, ValueError, KeyError) as exc:
             fetched.append((backend, None, str(exc)))
     return fetched
+
+
+def _backend_get(backend: dict[str, Any], path: str) -> bytes:
+    if not backend.get("socket"):
+        url = f"http://{backend['address']}:{backend['port']}{path}"
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bytes(response.read())
+    status, body = unix_request(backend["socket"], path, timeout=2)
+    if status != 200:
+        raise OSError(f"{backend['socket']}: GET {path} answered {status}")
+    return body
 
 
 def _print_qos(backends: list[BackendFunctions]) -> None:

@@ -86,7 +86,7 @@ class BackendSandbox:
         }
 
     def _backend(self, spec: UpstreamSpec, denied: dict[str, Denial]) -> dict[str, Any]:
-        report = _report(backend_state_dir(self.state_dir, spec))
+        report = _report(backend_state_dir(self.state_dir, spec.address, spec.port))
         out: dict[str, Any] = {"backend": spec.name}
         for layer in ("landlock", "seccomp"):
             out[layer] = _own_layer(report, layer)

@@ -28,6 +28,7 @@ from meshfn.audit.store import StoreError
 from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
+from meshfn.common.unix import SocketPathTooLong
 from meshfn.ebpf import AccelerationUnavailable, EgressUnavailable
 
 from ..service import ControlPlane, tune_gc
@@ -35,7 +36,6 @@ from .acceleration import Acceleration, AccelerationCollector
 from .admin import AdminAccessError, AdminServer, is_loopback
 from .audit import AuditTrail
 from .bootstrap import (
-    AdminSocketPathTooLong,
     ProxyIdentity,
     admin_port_warning,
     admin_port_warnings,
@@ -46,7 +46,14 @@ from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, print_hints, sample_request
 from .process import ProcessFailed, SupervisedProcess
 from .sandbox import BackendSandbox, EgressCollector
-from .upstreams import FunctionsSetup, UpstreamSpec, upstream_process, upstreams_for
+from .upstreams import (
+    FunctionsSetup,
+    UpstreamSpec,
+    app_sockets,
+    local_upstreams,
+    upstream_process,
+    upstream_request,
+)
 
 log = logging.getLogger("meshfn.up")
 
@@ -90,7 +97,7 @@ class Mesh:
                 model.sandbox.egress,
                 self.sandbox.mode,
             )
-        wanted = upstreams_for(model)
+        wanted = local_upstreams(model, self.state_dir, self.functions)
         for key, (spec, proc) in list(self.upstreams.items()):
             if wanted.get(key) != spec:
                 del self.upstreams[key]
@@ -158,7 +165,7 @@ class Mesh:
     def backends(self) -> list[Backend]:
         """The inference backends running now (for the console's Functions panel)."""
         return [
-            Backend(spec.service, spec.address, spec.port)
+            Backend(spec.service, spec.address, spec.port, spec.where)
             for spec, _ in self.upstreams.values()
             if spec.functions
         ]
@@ -210,18 +217,15 @@ async def function_samples(
     backend, not the control plane, knows a function's inputs)."""
     where = {f.name: spec for spec in upstreams for f in spec.functions}
     out: dict[str, str] = {}
-    client_timeout = aiohttp.ClientTimeout(total=timeout)
-    async with aiohttp.ClientSession(timeout=client_timeout) as session:
-        for name, spec in where.items():
-            url = f"http://{spec.address}:{spec.port}/v2/models/{name}"
-            try:
-                async with session.get(url) as reply:
-                    metadata = await reply.json() if reply.status == 200 else {}
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                continue
-            body = sample_request(metadata) if isinstance(metadata, dict) else None
-            if body is not None:
-                out[name] = body
+    for name, spec in where.items():
+        try:
+            status, raw = await upstream_request(spec.where, f"/v2/models/{name}", timeout)
+            metadata = json.loads(raw) if status == 200 else {}
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            continue
+        body = sample_request(metadata) if isinstance(metadata, dict) else None
+        if body is not None:
+            out[name] = body
     return out
 
 
@@ -248,9 +252,9 @@ async def run_up(
 
     It runs in three steps, and the order is the point:
     1. Check everything that can refuse the start before anything runs (an admin port beyond
-       loopback without a token, policy errors, admin socket paths too long for a unix socket,
-       functions without a registry, eBPF required but unavailable): a refusal leaves no
-       process behind and says what to change.
+       loopback without a token, policy errors, socket paths (Envoy admin, the applications
+       behind sidecars) too long for a unix socket, functions without a registry, eBPF
+       required but unavailable): a refusal leaves no process behind and says what to change.
     2. Start the control plane and its admin port before the mesh: every Envoy connects to the
        control plane as it starts, and the console must see the first proxy arrive.
     3. Once the mesh runs, write STATE/state.json (`meshfn status` and `analyze` find the admin
@@ -260,7 +264,7 @@ async def run_up(
     console = console or cli_console()
     try:
         _check_admin_listen(admin_host, admin_token)
-        cp, model = await _loaded(policies, state_dir, console)
+        cp, model = await _loaded(policies, state_dir, functions, console)
         _check_functions(model, functions)
         acceleration = await _accelerated(cp, model, state_dir)
         sandbox = await _sandboxed(cp, model, state_dir, acceleration)
@@ -286,14 +290,21 @@ def _check_admin_listen(admin_host: str, admin_token: str | None) -> None:
 
 
 async def _loaded(
-    policies: Path, state_dir: Path, console: Console
+    policies: Path, state_dir: Path, functions: FunctionsSetup | None, console: Console
 ) -> tuple[ControlPlane, ir.MeshModel]:
     """The control plane with the policies loaded (the proxy-wasm filters built first, with
     progress on stderr and one line saying what was cached); its warnings printed."""
     secure_state_dir(state_dir)
     with RichReporter(cli_console(stderr=True), "proxy-wasm filters") as progress:
         wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare, progress)
-    cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
+    cp = ControlPlane(
+        policies,
+        state_dir,
+        wasm_dir=wasm_dir,
+        wasm_missing=wasm_missing,
+        # the sidecars reach what Mesh.reconcile starts behind them over its unix sockets
+        app_sockets=lambda m: app_sockets(local_upstreams(m, state_dir, functions).values()),
+    )
     result = await cp.reload()
     tune_gc()
     if not result.ok:
@@ -306,7 +317,8 @@ async def _loaded(
     try:
         for workload in model.workloads:
             admin_socket_path(state_dir, ProxyIdentity.for_workload(workload, "").node_id)
-    except AdminSocketPathTooLong as exc:
+        local_upstreams(model, state_dir, functions)
+    except SocketPathTooLong as exc:
         raise _Refused(Text(f"{exc.strerror}", style="red")) from None
     for warning in admin_port_warnings(model):
         console.print(f"[yellow]{warning}[/yellow]", highlight=False)
@@ -384,7 +396,13 @@ def _wired_mesh(
     # Where `meshfn status` reads each backend's own /meshfn/functions (warm-up, cold requests,
     # per-tenant QoS counts).
     cp.status_providers["inference_backends"] = lambda: [
-        {"service": b.service, "address": b.address, "port": b.port} for b in mesh.backends()
+        {
+            "service": b.service,
+            "address": b.address,
+            "port": b.port,
+            "socket": str(b.where) if isinstance(b.where, Path) else None,
+        }
+        for b in mesh.backends()
     ]
     cp.metrics.registry.register(
         CollectorMetrics(lambda: audit.collector, classify=audit.tenant_class)

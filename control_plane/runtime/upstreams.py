@@ -1,5 +1,14 @@
 """What `meshfn up` runs behind the sidecars: the inference backend for services that serve
-functions, a placeholder upstream for the other loopback HTTP endpoints."""
+functions, a placeholder upstream for the other loopback HTTP endpoints.
+
+An endpoint behind a sidecar is reached through its sidecar only: its application listens on
+unix sockets in STATE/workloads (an inference backend: in its own STATE/inference/<address>-
+<port>/; 0700, each socket 0600), not on its loopback port, which any local user could call
+directly, past mTLS, JWT, authorization, QoS and the audit trail. The
+sidecar reaches the sockets over Envoy `pipe` addresses (the control plane learns them from
+`app_sockets`). The policy's ports still name the endpoint (its sidecar's cluster, logs,
+`endpoint` in the placeholder's answers). An endpoint without a sidecar is called directly by
+the gateways, so its application listens on its port."""
 
 from __future__ import annotations
 
@@ -7,7 +16,7 @@ import asyncio
 import ipaddress
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,9 +24,13 @@ from typing import Any
 import aiohttp
 
 from meshfn import ir
+from meshfn.common.files import private_directory
+from meshfn.common.unix import socket_path
 from meshfn.contracts.function import BackendConfig, EgressAddress, SandboxSettings
 from meshfn.policy import compile
+from meshfn.xds.translate import AppSockets
 
+from .envoy import local_session
 from .process import SupervisedProcess
 
 
@@ -39,10 +52,19 @@ class UpstreamSpec:
     locality: str
     functions: tuple[ir.Function, ...] = ()  # non-empty: run the inference backend
     grpc_port: int | None = None  # the backend's KServe gRPC port (the endpoint's grpcPort)
+    # Behind a sidecar: serve on these unix sockets (one per serving process) instead of
+    # address:port, and gRPC on `grpc_sockets` instead of grpc_port.
+    sockets: tuple[Path, ...] = ()
+    grpc_sockets: tuple[Path, ...] = ()
     # Where its functions' egress peers are reached (Function.spec.egress): each endpoint's
     # sidecar where it has one (the mesh's way in), else the endpoint itself.
     egress: tuple[tuple[str, int], ...] = ()
     sandbox: ir.Sandbox = field(default_factory=ir.Sandbox)
+
+    @property
+    def where(self) -> Path | str:
+        """Where to reach it: its (first) socket, or address:port."""
+        return self.sockets[0] if self.sockets else f"{self.address}:{self.port}"
 
     @property
     def name(self) -> str:
@@ -55,8 +77,40 @@ def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
     return compile.served_functions(list(model.functions), {s.key: s for s in model.services})
 
 
-def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
-    """One process per loopback HTTP endpoint; endpoints elsewhere are the user's to run."""
+def workload_sockets(state_dir: Path) -> Path:
+    """The directory of the applications' sockets (private, like the state directory)."""
+    return state_dir / "workloads"
+
+
+def app_socket(state_dir: Path, address: str, port: int) -> Path:
+    """The socket of a one-process application behind a sidecar (e.g. the echo placeholder)."""
+    return _sockets(workload_sockets(state_dir), _stem(address, port), 1)[0]
+
+
+def backend_state_dir(state_dir: Path, address: str, port: int) -> Path:
+    """An inference backend's own directory, the one place it may write (its Landlock rules):
+    its config, the report of what confines it (sandbox.json) and, behind a sidecar, its
+    sockets. In the shared STATE/workloads it would need the right to remove files there, and
+    with it the other workloads' sockets."""
+    return state_dir / "inference" / _stem(address, port)
+
+
+def _stem(address: str, port: int) -> str:
+    return f"{address.replace(':', '_')}-{port}"
+
+
+def _sockets(directory: Path, stem: str, count: int) -> tuple[Path, ...]:
+    names = [stem] if count == 1 else [f"{stem}.{k}" for k in range(count)]
+    return tuple(socket_path(directory, name, "the workloads' sockets") for name in names)
+
+
+def upstreams_for(
+    model: ir.MeshModel, state_dir: Path | None = None, processes: int = 1
+) -> dict[tuple[str, int], UpstreamSpec]:
+    """One process per loopback HTTP endpoint; endpoints elsewhere are the user's to run.
+    With `state_dir`, those behind a sidecar listen on unix sockets in it (`processes`: the
+    inference backends' serving processes, one socket each); SocketPathTooLong if they do not
+    fit."""
     functions = served_functions(model)
     out: dict[tuple[str, int], UpstreamSpec] = {}
     for service in model.services:
@@ -68,13 +122,26 @@ def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
                     p for p in (e.locality.region, e.locality.zone, e.locality.sub_zone) if p
                 )
                 served = tuple(functions.get(service.key, ()))
+                grpc_port = e.grpc_port if served else None
+                sockets: tuple[Path, ...] = ()
+                grpc_sockets: tuple[Path, ...] = ()
+                if state_dir is not None and e.sidecar_port is not None and served:
+                    directory = backend_state_dir(state_dir, e.address, e.port)
+                    sockets = _sockets(directory, "http", processes)
+                    if grpc_port is not None:
+                        grpc_sockets = _sockets(directory, "grpc", processes)
+                elif state_dir is not None and e.sidecar_port is not None:
+                    directory = workload_sockets(state_dir)
+                    sockets = _sockets(directory, _stem(e.address, e.port), 1)
                 out[(e.address, e.port)] = UpstreamSpec(
                     service.key,
                     e.address,
                     e.port,
                     locality,
                     served,
-                    e.grpc_port if served else None,
+                    grpc_port,
+                    sockets,
+                    grpc_sockets,
                     egress_peers(model, served),
                     model.sandbox if served else ir.Sandbox(),
                 )
@@ -93,10 +160,22 @@ def egress_peers(
     return tuple(sorted(peers))
 
 
-def backend_state_dir(state_dir: Path, spec: UpstreamSpec) -> Path:
-    """The one directory a backend may write (its Landlock rules), which holds its config and
-    the report of what confines it (sandbox.json)."""
-    return state_dir / "inference" / f"{spec.address}-{spec.port}"
+def local_upstreams(
+    model: ir.MeshModel, state_dir: Path, setup: FunctionsSetup | None
+) -> dict[tuple[str, int], UpstreamSpec]:
+    """What `meshfn up` runs: upstreams_for with its state directory and backend processes."""
+    return upstreams_for(model, state_dir, setup.processes if setup is not None else 1)
+
+
+def app_sockets(upstreams: Iterable[UpstreamSpec]) -> AppSockets:
+    """What the translator needs (ProxyHost.app_sockets): each port served on sockets."""
+    out = []
+    for spec in upstreams:
+        if spec.sockets:
+            out.append(((spec.address, spec.port), tuple(map(str, spec.sockets))))
+        if spec.grpc_sockets and spec.grpc_port is not None:
+            out.append(((spec.address, spec.grpc_port), tuple(map(str, spec.grpc_sockets))))
+    return tuple(sorted(out))
 
 
 def backend_config(
@@ -133,20 +212,30 @@ def upstream_process(
     preexec: Callable[[], None] | None = None,
 ) -> SupervisedProcess:
     log_path = state_dir / "logs" / f"upstream-{spec.address}-{spec.port}.log"
+    for directory in {p.parent for p in (*spec.sockets, *spec.grpc_sockets)}:
+        private_directory(directory)
+    if spec.sockets:
+        listen = [arg for path in spec.sockets for arg in ("--unix-socket", str(path))]
+        listen += [arg for path in spec.grpc_sockets for arg in ("--grpc-unix-socket", str(path))]
+    else:
+        listen = ["--host", spec.address, "--port", str(spec.port)]
+        listen += ["--grpc-port", str(spec.grpc_port)] if spec.grpc_port else []
     if spec.functions:
         if setup is None:
             raise ValueError(f"{spec.service} serves functions but no registry is configured")
-        own = backend_state_dir(state_dir, spec)
-        own.mkdir(parents=True, exist_ok=True, mode=0o700)
+        own = backend_state_dir(state_dir, spec.address, spec.port)
+        private_directory(own)
         (own / "sandbox.json").unlink(missing_ok=True)  # the report of the backend to come
         config = own / "backend.json"
         config.write_text(json.dumps(backend_config(spec, setup, own), indent=2))
 
         async def backend_ready() -> bool:
-            timeout = aiohttp.ClientTimeout(total=1)
-            url = f"http://{spec.address}:{spec.port}/v2/health/ready"
-            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as r:
-                return r.status == 200
+            # every serving process, where each has a socket of its own
+            for where in spec.sockets or (spec.where,):
+                status, _ = await upstream_request(where, "/v2/health/ready", timeout=1)
+                if status != 200:
+                    return False
+            return True
 
         return SupervisedProcess(
             name=f"inference {spec.service} {spec.address}:{spec.port}",
@@ -158,11 +247,7 @@ def upstream_process(
                 "serve",
                 "--config",
                 str(config),
-                "--host",
-                spec.address,
-                "--port",
-                str(spec.port),
-                *(("--grpc-port", str(spec.grpc_port)) if spec.grpc_port else ()),
+                *listen,
                 "--log-format",
                 "json",
             ],
@@ -173,7 +258,10 @@ def upstream_process(
         )
 
     async def ready() -> bool:
-        _, writer = await asyncio.open_connection(spec.address, spec.port)
+        if spec.sockets:
+            _, writer = await asyncio.open_unix_connection(spec.sockets[0])
+        else:
+            _, writer = await asyncio.open_connection(spec.address, spec.port)
         writer.close()
         return True
 
@@ -190,6 +278,7 @@ def upstream_process(
             spec.address,
             "--port",
             str(spec.port),
+            *(("--unix-socket", str(spec.sockets[0])) if spec.sockets else ()),
             "--locality",
             spec.locality,
             # Demos and tests make an endpoint slow by writing milliseconds into this file.
@@ -200,3 +289,10 @@ def upstream_process(
         ready=ready,
         preexec=preexec,
     )
+
+
+async def upstream_request(where: Path | str, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    """GET `path` from an application `meshfn up` runs: its unix socket, or "address:port"."""
+    session, base = local_session(where, aiohttp.ClientTimeout(total=timeout))
+    async with session, session.get(base + path) as response:
+        return response.status, await response.read()

@@ -262,13 +262,28 @@ def test_export_verifies_offline_and_tampering_shows(tmp_path: Path, fmt: str) -
 
 
 def test_prune(tmp_path: Path) -> None:
+    """Every prune goes through the signer, which decides how far from its own retention."""
     db = make_store(tmp_path)
-    code, output = audit("prune", "--store", str(db), "--days", "730")
-    assert code == 0 and "deleted 0 record(s)" in output
-    code, output = audit("prune", "--store", str(db), "--days", "0")
-    assert code == 0 and "deleted 20 record(s)" in output
-    # retention with 0 days is only legitimate because it was configured: verify says so
-    assert audit("verify", "--store", str(db))[0] == 0
+    code, output = audit("prune", "--store", str(db))
+    assert code == 2 and "every prune is witnessed by the signer" in output, output
+    code, output = audit("prune", "--store", "postgresql://x@127.0.0.1:1/db")
+    assert code == 2 and "give --signer" in output, output
+    trail = Trail(db, tmp_path, retention_days=0)  # the signer restarted with 0 days
+    try:
+        with trail.serving(layout.signer_socket(tmp_path)):
+            code, output = audit("prune", "--store", str(db), "--days", "36500")
+            assert code == 0 and "nothing new to prune" in output, output
+            assert "deleted 0 record(s)" in output
+            code, output = audit("prune", "--store", str(db))
+            assert code == 0 and "deleted 20 record(s)" in output, output
+            assert "witnessed a prune in checkpoint 2 (retention 0 day(s)): journal" in output
+    finally:
+        trail.close()
+    # retention with 0 days is legitimate only because the signer was set so: verify says so
+    code, output = audit("verify", "--store", str(db))
+    assert code == 0, output
+    assert "retention: 0 day(s), as the signer signed it" in output
+    assert "retention changed from 730 to 0 day(s) at checkpoint 2" in output
 
 
 def test_collect_bad_journal_argument(tmp_path: Path) -> None:

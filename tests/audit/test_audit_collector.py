@@ -369,6 +369,40 @@ async def test_checkpoints_come_from_the_signer(tmp_path: Path) -> None:
     trail.close()
 
 
+async def test_retention_deletes_only_what_the_signer_witnessed(tmp_path: Path) -> None:
+    """The collector's retention tick asks the signer (over its socket) to witness a prune;
+    with the signer's retention at 0 days everything signed goes, and what the collector
+    stores afterwards verifies from the witnessed start. Without a signer nothing goes."""
+    trail = Trail(tmp_path / "a.db", tmp_path, retention_days=0)
+    journal = tmp_path / "j.jsonl"
+    write(journal, b"".join(line(i) for i in range(20)))
+    with trail.serving(f"unix:{tmp_path / 'signer.sock'}") as address:
+        collector = await collect(
+            trail.store, journal, signer=SignerClient(address), retention_interval=0.05
+        )
+        await until(
+            "signed and pruned",
+            lambda: (
+                [a.seq for a in trail.store.chains().values()] == [20] and trail.store.count() == 0
+            ),
+        )
+        write(journal, b"".join(line(i) for i in range(20, 25)))
+        await collector.drain()
+        await collector.stop()
+    report = trail.verify()
+    assert report.ok, report.problems
+    chain = report.chains["edge~0"]
+    assert chain.pruned_seq == 20 and chain.last_seq == 25 and report.retention_days == 0
+    trail.close()
+    unsigned = SqliteStore(tmp_path / "b.db")
+    collector = await collect(unsigned, journal, retention_interval=0.01)
+    await collector.drain()
+    await asyncio.sleep(0.05)
+    await collector.stop()
+    assert unsigned.count() == 25
+    unsigned.close()
+
+
 async def test_an_unreachable_signer_is_loud_and_loses_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -24,7 +24,7 @@ SPEC = UpstreamSpec(
 
 
 def write_report(state: Path, report: dict[str, object]) -> None:
-    own = backend_state_dir(state, SPEC)
+    own = backend_state_dir(state, SPEC.address, SPEC.port)
     own.mkdir(parents=True)
     (own / "sandbox.json").write_text(json.dumps(report))
 

@@ -1,6 +1,6 @@
 """What the console reads besides the ControlPlane: state that lives in other processes.
 
-- `FunctionStats`: each inference backend's own `/meshfn/functions` (on loopback).
+- `FunctionStats`: each inference backend's own `/meshfn/functions` (on its private socket).
 - `EndpointHealth`: each gateway Envoy's admin `/clusters?format=json` (host health, priority).
 - `AuditView`: the audit store, opened read-only through its in-process query/verify API.
 
@@ -29,11 +29,12 @@ from meshfn.audit.store import StoreError
 from meshfn.audit.verify import VerifyReport, verify
 from meshfn.audit.witness import FileWitness
 
-from ..envoy import admin_session
+from ..envoy import local_session
 
 log = logging.getLogger("meshfn.console")
 
 FETCH_TIMEOUT = aiohttp.ClientTimeout(total=0.8)
+STATUS_PATH = "/meshfn/functions"  # the backend's own view of its functions (inference.status)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Backend:
     service: str
     address: str
     port: int
+    where: Path | str  # where it listens: its unix socket (behind a sidecar), or address:port
 
 
 class FunctionStats:
@@ -75,9 +77,7 @@ class FunctionStats:
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         wanted = self.backends()
-        results = await asyncio.gather(
-            *(_get_json(session, f"http://{b.address}:{b.port}/meshfn/functions") for b in wanted)
-        )
+        results = await asyncio.gather(*(_local_json(b.where, STATUS_PATH) for b in wanted))
         self.latest = dict(zip(wanted, results, strict=True))
 
 
@@ -117,9 +117,10 @@ def parse_clusters(document: Mapping[str, Any]) -> dict[str, list[HostHealth]]:
     return out
 
 
-async def _admin_json(socket: Path, path: str) -> Fetched:
-    """From an Envoy's admin interface on its unix socket (see runtime/bootstrap.py)."""
-    session, base = admin_session(socket, FETCH_TIMEOUT)
+async def _local_json(where: Path | str, path: str) -> Fetched:
+    """From a server of the mesh's own: an Envoy's admin interface on its unix socket (see
+    runtime/bootstrap.py), a backend on its socket or address:port."""
+    session, base = local_session(where, FETCH_TIMEOUT)
     async with session:
         return await _get_json(session, base + path)
 
@@ -134,7 +135,7 @@ class EndpointHealth:
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         wanted = self.gateways()
         results = await asyncio.gather(
-            *(_admin_json(socket, "/clusters?format=json") for socket in wanted.values())
+            *(_local_json(socket, "/clusters?format=json") for socket in wanted.values())
         )
         self.latest = dict(zip(wanted, results, strict=True))
 

@@ -21,8 +21,14 @@ from meshfn.testing.processes import Processes, meshfn
 
 
 @pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Processes]:
-    rig = Processes(tmp_path)
+def short(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A short directory: the state directory holds unix sockets (at most 107 bytes a path)."""
+    return tmp_path_factory.mktemp("sbx")
+
+
+@pytest.fixture
+def procs(short: Path) -> Iterator[Processes]:
+    rig = Processes(short)
     try:
         yield rig
     finally:
@@ -46,10 +52,10 @@ def test_sandbox_egress_peer_that_does_not_exist_is_a_file_line_error(tmp_path: 
 
 
 def test_sandbox_kernel_without_landlock_and_seccomp_runs_with_egress(
-    procs: Processes, tmp_path: Path
+    procs: Processes, short: Path
 ) -> None:
     mesh = start_mesh(
-        procs, tmp_path, tmp_path / "functions", {}, "old-kernel", kernel_without="landlock,seccomp"
+        procs, short, short / "functions", {}, "old", kernel_without="landlock,seccomp"
     )
     name = mesh.backend_name
     for text in (mesh.log(), mesh.status_text()):
@@ -66,10 +72,10 @@ def test_sandbox_kernel_without_landlock_and_seccomp_runs_with_egress(
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
 def test_sandbox_control_plane_without_privileges_runs_without_egress(
-    procs: Processes, tmp_path: Path
+    procs: Processes, short: Path
 ) -> None:
     drop = ["setpriv", "--bounding-set", "-sys_admin,-net_admin,-bpf", "--"]
-    mesh = start_mesh(procs, tmp_path, tmp_path / "functions", {}, "no-caps", wrap=drop)
+    mesh = start_mesh(procs, short, short / "functions", {}, "nocaps", wrap=drop)
     name = mesh.backend_name
     for text in (mesh.log(), mesh.status_text()):
         assert f"sandbox {name}: landlock on, seccomp on, egress off" in text

@@ -212,9 +212,9 @@ def test_meshfn_up_runs_each_backend_process_behind_its_own_socket(tmp_path: Pat
             assert status == 200, body
             return int(json.loads(body)["model_stats"][0]["inference_count"])
 
-        counts = {path.name: served(path) for path in http_sockets.values()}
+        counts = {str(path): served(path) for path in http_sockets.values()}
         assert sum(counts.values()) == 40, counts
-        local = [counts[http_sockets[9101, k].name] for k in (0, 1)]
+        local = [counts[str(http_sockets[9101, k])] for k in (0, 1)]
         assert min(local) > 0, counts  # the local endpoint's two processes both served
 
         grpc = tgrpc.InferenceServerClient(gateway)

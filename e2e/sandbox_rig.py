@@ -25,7 +25,7 @@ from typing import Any
 from meshfn_e2e import http
 
 from meshfn.common.unix import unix_request
-from meshfn.control_plane.runtime.upstreams import app_socket, backend_state_dir
+from meshfn.control_plane.runtime.upstreams import app_socket, backend_socket, backend_state_dir
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import MESHFN, Proc, Processes, wait_for
 
@@ -126,7 +126,7 @@ class Mesh:
     def backend_socket(self) -> Path:
         """Where its sidecar reaches it (and the hook's route is): `meshfn up` serves a backend
         behind a sidecar on a unix socket only."""
-        return self.backend_dir / "http.sock"
+        return backend_socket(self.state, "127.0.0.1", self.ports.models)
 
     @property
     def echo_socket(self) -> Path:

@@ -95,6 +95,11 @@ def backend_state_dir(state_dir: Path, address: str, port: int) -> Path:
     return state_dir / "inference" / _stem(address, port)
 
 
+def backend_socket(state_dir: Path, address: str, port: int) -> Path:
+    """The REST socket of a one-process inference backend behind a sidecar."""
+    return _sockets(backend_state_dir(state_dir, address, port), "http", 1)[0]
+
+
 def _stem(address: str, port: int) -> str:
     return f"{address.replace(':', '_')}-{port}"
 

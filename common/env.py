@@ -279,6 +279,22 @@ FUZZ_RECORD = _var(
     "no recording",
     meshfn_reads=False,
 )
+TEST_SANDBOX_HOOK = _var(
+    "MESHFN_TEST_SANDBOX_HOOK",
+    "tests",
+    "`1`: the sandbox tests' attack hook (`e2e/sandbox_hook/sitecustomize.py`, on PYTHONPATH"
+    " only for them) adds its test-only route to the inference backends they start.",
+    "no hook (and without that PYTHONPATH there is none to enable)",
+    meshfn_reads=False,
+)
+TEST_KERNEL_WITHOUT = _var(
+    "MESHFN_TEST_KERNEL_WITHOUT",
+    "tests",
+    "With the sandbox tests' hook: `landlock`, `seccomp` (comma-separated), the kernel features"
+    " a backend meets as missing (its syscalls answer ENOSYS or EINVAL, as such a kernel does).",
+    "the kernel as it is",
+    meshfn_reads=False,
+)
 
 VARIABLES: tuple[Variable, ...] = (
     ADMIN,
@@ -310,6 +326,8 @@ VARIABLES: tuple[Variable, ...] = (
     CHROMIUM,
     FUZZ_SECONDS,
     FUZZ_RECORD,
+    TEST_SANDBOX_HOOK,
+    TEST_KERNEL_WITHOUT,
 )
 
 BY_NAME: dict[str, Variable] = {v.name: v for v in VARIABLES}

@@ -372,7 +372,7 @@ def role(mesh: Mesh, sock: Socket) -> Role | None:
     private = "a unix socket (mode 0600) in the private state directory (0700)"
     if path.parent == mesh.state / "envoy":
         return Role(f"Envoy's admin ({path.stem})", "private", private)
-    if path.parent == mesh.state / "workloads":
+    if path.parent == mesh.state / "workloads" or path.parent.parent == mesh.state / "inference":
         return Role(
             f"the application behind a sidecar ({path.stem})",
             "private",
@@ -415,6 +415,8 @@ def test_every_listening_socket_is_accounted_for(mesh: Mesh, census: list[Any]) 
         info = Path(sock.where).stat()
         assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600, sock
     assert stat.S_IMODE((mesh.state / "workloads").stat().st_mode) == 0o700
+    for own in (mesh.state / "inference").iterdir():  # each backend's own directory
+        assert stat.S_IMODE(own.stat().st_mode) == 0o700, own
     # with eBPF redirection on (the examples' `acceleration: auto`): it redirects TCP between
     # the mesh's own sockets and leaves unix sockets alone, so it opens no way around a sidecar
     status = admin_get(mesh.admin, "/debug/status", mesh.state).json()
@@ -469,9 +471,9 @@ def _private(mesh: Mesh, sock: Socket) -> None:
         owner.settimeout(5)
         owner.connect(sock.where)
     path = Path(sock.where)
-    if path.parent != mesh.state / "workloads":
+    original = _application_port(mesh, path)
+    if original is None:
         return
-    original = {v: k for k, v in mesh.mapping.items()}[int(path.stem.rsplit("-", 1)[1])]
     if original in (9111, 9112, 9113):  # the backends' KServe gRPC
         with grpc.insecure_channel(f"unix:{path}") as channel:
             live = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
@@ -481,6 +483,19 @@ def _private(mesh: Mesh, sock: Socket) -> None:
     else:
         status, body = unix_request(path, "/v2/health/ready" if original < 9200 else "/echo")
         assert status == 200, (sock, body[:200])
+
+
+def _application_port(mesh: Mesh, path: Path) -> int | None:
+    """The policies' port of the application behind a sidecar listening at `path`: the echo
+    placeholder's socket in STATE/workloads, a backend's http.sock or grpc.sock in its own
+    STATE/inference/<address>-<port>/ (the only directory its sandbox lets it write)."""
+    original = {v: k for k, v in mesh.mapping.items()}
+    if path.parent == mesh.state / "workloads":
+        return original[int(path.stem.rsplit("-", 1)[1])]
+    if path.parent.parent == mesh.state / "inference":
+        http_port = original[int(path.parent.name.rsplit("-", 1)[1])]
+        return http_port + 10 if path.stem == "grpc" else http_port  # the examples' grpcPort
+    return None
 
 
 def _gateway(port: int) -> None:

@@ -31,7 +31,7 @@ from tritonclient.utils import InferenceServerException
 
 from meshfn.common.unix import UnixHTTPConnection, unix_request
 from meshfn.contracts.qos import ORCA_HEADER, ORCA_HEADERS, TENANT_HEADER
-from meshfn.control_plane.runtime.upstreams import app_socket
+from meshfn.control_plane.runtime.upstreams import backend_socket
 from meshfn.testing.envoy import admin_json, admin_request, admin_socket
 from meshfn.testing.policies import qos_examples, set_gateway_shedding
 from meshfn.testing.processes import issue_token, meshfn, up_with_functions, wait_for
@@ -101,7 +101,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             f"127.0.0.1:{mapping[10000]}",
             f"http://127.0.0.1:{mapping[18001]}",
             # models' two endpoints and models-lite (its drift fallback) serve iris
-            [app_socket(state, "127.0.0.1", mapping[port]) for port in (9101, 9102, 9103)],
+            [backend_socket(state, "127.0.0.1", mapping[port]) for port in (9101, 9102, 9103)],
             state,
             policies,
             admin_socket(state, "edge.ingress"),

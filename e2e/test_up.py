@@ -219,6 +219,7 @@ def test_up_on_the_examples_and_clean_shutdown(
     assert children_of(up.pid) == []
     assert not (state / "state.json").exists()
     assert not list((state / "workloads").iterdir())  # the applications removed their sockets
+    assert not list((state / "inference").glob("*/*.sock"))  # the backends' own directories
     _check_audit_trail(state)
     from meshfn.ebpf import Accelerator
 

@@ -166,6 +166,31 @@ def _print_acceleration(acceleration: dict[str, Any] | None) -> None:
         )
 
 
+_LAYER_STYLE = {"on": "green", "off": "yellow"}
+
+
+def _print_sandbox(sandbox: dict[str, Any] | None) -> None:
+    """Per inference backend: which kernel layers confine it, why any does not, and what the
+    egress control refused (docs/concepts/sandbox.md)."""
+    if not sandbox:
+        return
+    for backend in sandbox["backends"]:
+        line = Text(f"sandbox {backend['backend']}: ")
+        for i, layer in enumerate(("landlock", "seccomp", "egress")):
+            state = backend[layer]["state"]
+            line.append(", " if i else "")
+            line.append(f"{layer} {state}", style=_LAYER_STYLE.get(state, "red"))
+        out.print(line)
+        for layer in ("landlock", "seccomp", "egress"):
+            out.print(Text(f"  {layer}: {backend[layer]['detail']}"), highlight=False)
+        if backend["denied"]:
+            refused = ", ".join(
+                f"{reason} {d['count']}" + (f" (last {d['last']})" if d["last"] else "")
+                for reason, d in backend["denied"].items()
+            )
+            out.print(Text(f"  egress denied: {refused}", style="red"))
+
+
 def _print_drift(routes: dict[str, Any]) -> None:
     """The drift breaker: per route its state, p95 against the baseline."""
     if not routes:
@@ -217,6 +242,7 @@ def status(
     _print_rejected(document["policy_errors"])
     nacks = _print_proxies(document)
     _print_acceleration(document.get("acceleration"))
+    _print_sandbox(document.get("sandbox"))
     audit = document.get("audit")
     if audit and audit.get("enabled"):
         _print_audit(audit)

@@ -30,7 +30,7 @@ from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
 from meshfn.common.unix import SocketPathTooLong
-from meshfn.ebpf import AccelerationUnavailable
+from meshfn.ebpf import AccelerationUnavailable, EgressUnavailable
 
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
@@ -46,6 +46,7 @@ from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth,
 from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, meshfn_command, print_hints, sample_request, shell_path, state_option
 from .process import ProcessFailed, SupervisedProcess
+from .sandbox import BackendSandbox, EgressCollector
 from .upstreams import (
     FunctionsSetup,
     UpstreamSpec,
@@ -69,6 +70,7 @@ class Mesh:
     envoy_log_level: str = "warning"
     preexec: Callable[[], None] | None = None  # e.g. join the eBPF cgroup
     audit: AuditTrail | None = None
+    sandbox: BackendSandbox | None = None  # the backends' egress cgroups
     envoys: dict[str, tuple[ProxyIdentity, SupervisedProcess]] = field(default_factory=dict)
     upstreams: dict[tuple[str, int], tuple[UpstreamSpec, SupervisedProcess]] = field(
         default_factory=dict
@@ -89,15 +91,25 @@ class Mesh:
             await self.audit.reconcile(model, self.cp.proxy_host(model), reopen)
 
     async def _reconcile_upstreams(self, model: ir.MeshModel) -> None:
+        if self.sandbox is not None and model.sandbox.egress != self.sandbox.mode:
+            log.warning(
+                "sandbox.egress is now %s: the egress control stays %s until meshfn up restarts"
+                " (Landlock and seccomp follow the policy: the backends restart)",
+                model.sandbox.egress,
+                self.sandbox.mode,
+            )
         wanted = local_upstreams(model, self.state_dir, self.functions)
         for key, (spec, proc) in list(self.upstreams.items()):
             if wanted.get(key) != spec:
                 del self.upstreams[key]
                 await proc.stop()
+                if self.sandbox is not None:
+                    self.sandbox.release(spec)
         starts = []
         for key, spec in wanted.items():
             if key not in self.upstreams:
-                proc = upstream_process(spec, self.state_dir, self.functions, self.preexec)
+                own = self.sandbox.preexec(spec) if self.sandbox is not None else None
+                proc = upstream_process(spec, self.state_dir, self.functions, own or self.preexec)
                 self.upstreams[key] = (spec, proc)
                 starts.append(proc.start())
         for service in model.services:
@@ -146,6 +158,8 @@ class Mesh:
         self.envoys.clear()
         self.upstreams.clear()
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+        if self.sandbox is not None:  # the egress cgroups nest in the acceleration cgroup
+            await self.sandbox.shutdown()
         if self.audit is not None:  # after the proxies: it stores the last lines they wrote
             await self.audit.stop()
 
@@ -254,10 +268,14 @@ async def run_up(
         cp, model = await _loaded(policies, state_dir, functions, console)
         _check_functions(model, functions)
         acceleration = await _accelerated(cp, model, state_dir)
+        sandbox = await _sandboxed(cp, model, state_dir, acceleration)
     except _Refused as refused:
         refused.print(console)
         return 1
     mesh = _wired_mesh(cp, state_dir, functions, concurrency, envoy_log_level, acceleration)
+    if sandbox is not None:
+        mesh.sandbox = sandbox
+        sandbox.backends = lambda: [spec for spec, _ in mesh.upstreams.values()]
     admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
     return await _serve(cp, model, mesh, admin, acceleration, admin_host, policies, console)
 
@@ -320,6 +338,30 @@ async def _accelerated(
     cp.status_providers["acceleration"] = acceleration.document
     cp.metrics.registry.register(AccelerationCollector(acceleration))
     return acceleration
+
+
+async def _sandboxed(
+    cp: ControlPlane, model: ir.MeshModel, state_dir: Path, acceleration: Acceleration | None
+) -> BackendSandbox | None:
+    """The inference backends' egress control as the policies ask for it (set up before any
+    backend starts: each joins its own cgroup, inside the acceleration cgroup when that is
+    on), and what confines each backend in /debug/status and /metrics."""
+    if not model.functions:
+        return None
+    sandbox = BackendSandbox(
+        state_dir,
+        model.sandbox.egress,
+        parent=acceleration.status.cgroup if acceleration and acceleration.status else None,
+    )
+    try:
+        await sandbox.setup()
+    except EgressUnavailable as exc:
+        raise _Refused(
+            f"[red]sandbox: egress was required but is unavailable: {exc}[/red]"
+        ) from None
+    cp.status_providers["sandbox"] = sandbox.document
+    cp.metrics.registry.register(EgressCollector(sandbox))
+    return sandbox
 
 
 def _wired_mesh(
@@ -432,6 +474,10 @@ async def _serve(
             asyncio.create_task(cp.rotate_credentials_forever(stop)),
             asyncio.create_task(cp.drift_forever(stop)),
         ]
+        if mesh.sandbox is not None:
+            tasks.append(asyncio.create_task(mesh.sandbox.log_denials_forever(stop)))
+            for line in mesh.sandbox.start_lines():
+                console.print(line, markup=False, highlight=False)
         await _print_ready(console, cp, model, admin, mesh, policies)
         await stop.wait()
         console.print("stopping...")

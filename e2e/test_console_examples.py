@@ -146,7 +146,12 @@ def test_console_shows_functions_audit_and_acceleration(example: Example, browse
         rows = page.locator("#panel-functions tbody tr", has_text="iris@1").all_inner_texts()
         cells = [r.split("\t") for r in rows]
         return next(
-            (c for c in cells if c[1] == "loaded" and int(c[4]) >= 1 and "ms" in c[5]), None
+            (
+                c
+                for c in cells
+                if len(c) > 5 and c[1] == "loaded" and int(c[4]) >= 1 and "ms" in c[5]
+            ),
+            None,
         )
 
     cells = wait_for("iris loaded with a cold start and latencies", served, timeout=20)

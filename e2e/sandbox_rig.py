@@ -24,6 +24,7 @@ from typing import Any
 
 from meshfn_e2e import http
 
+from meshfn.common.adminauth import admin_headers
 from meshfn.common.unix import unix_request
 from meshfn.control_plane.runtime.upstreams import app_socket, backend_socket, backend_state_dir
 from meshfn.testing.ports import free_ports
@@ -147,7 +148,8 @@ class Mesh:
 
     def sandbox(self) -> dict[str, Any]:
         """The backend's entry of /debug/status's sandbox document."""
-        (backend,) = http(self.admin + "/debug/status").json()["sandbox"]["backends"]
+        reply = http(self.admin + "/debug/status", headers=admin_headers(self.state))
+        (backend,) = reply.json()["sandbox"]["backends"]
         result: dict[str, Any] = backend
         return result
 
@@ -198,7 +200,7 @@ class Mesh:
 
     def status_text(self) -> str:
         out = subprocess.run(
-            [MESHFN, "status", "--admin", self.admin],
+            [MESHFN, "status", "--admin", self.admin, "--state-dir", str(self.state)],
             capture_output=True, text=True, timeout=30, check=False,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr

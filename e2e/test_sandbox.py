@@ -21,6 +21,7 @@ import pytest
 from meshfn_e2e import http
 from sandbox_rig import KILLED, Mesh, Ports, Remote, remote, start_mesh
 
+from meshfn.common.adminauth import admin_headers
 from meshfn.testing.processes import Processes, wait_for
 
 CONFIGS = {
@@ -186,7 +187,7 @@ def test_sandbox_egress_denials_are_counted_and_logged_with_a_rate_limit(
             result = mesh.attack(attempt="connect", host=far.address, port=ports.peer_sidecar)
             assert result is not None and result["errno"] == "EPERM"
         wait_for("5 denials in the map", lambda: mesh.denied("tcp_remote") == 5)
-        metrics = http(mesh.admin + "/metrics").body
+        metrics = http(mesh.admin + "/metrics", headers=admin_headers(mesh.state)).body
         line = (
             f'meshfn_egress_denied_total{{backend="{mesh.backend_name}",reason="tcp_remote"}} 5.0'
         )

@@ -134,7 +134,10 @@ class Bench:
         want = {"off": None, "p1": 100, "p100": 10_000}[phase]  # per ten thousand
 
         def applied() -> bool:
-            out = meshfn("config-dump", "edge.ingress", "--admin", self.admin, "--type", "routes")
+            out = meshfn(
+                "config-dump", "edge.ingress", "--admin", self.admin, "--type", "routes",
+                "--state-dir", str(self.tmp / "state"),
+            )  # fmt: skip
             tables = yaml.safe_load(out.stdout or "{}").get("routes") or {}
             found = [
                 (route.get("tracing") or {}).get("randomSampling", {}).get("numerator")

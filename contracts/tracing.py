@@ -13,11 +13,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TRACEPARENT = "traceparent"
+# Where `meshfn up` collects an inference backend's spans (BackendTracing.pullToken).
+SPANS_PATH = "/meshfn/spans"
 TRACESTATE = "tracestate"
 
 # What an external gateway with `clientContext: restart` removes from client requests before
@@ -131,16 +134,37 @@ Endpoint = Annotated[
 ]
 
 
+def endpoint_port(endpoint: str) -> int | None:
+    """The TCP port of a grpc:// or http:// endpoint (OTLP's 4317 and 4318 where it names
+    none), None for unix:///path."""
+    parts = urlsplit(endpoint)
+    if parts.scheme == "unix":
+        return None
+    return parts.port or (4317 if parts.scheme == "grpc" else 4318)
+
+
 class BackendTracing(BaseModel):
     """The inference backend's tracing (its config's `tracing`): where its spans go and how it
     samples requests that arrive without a usable `traceparent` (a request with one follows the
-    parent's sampled flag). `meshfn up` and the operator write it from Mesh.spec.tracing."""
+    parent's sampled flag). `meshfn up` and the operator write it from Mesh.spec.tracing.
+
+    Pushed to `endpoint`, or, with `pullToken` instead, held for `meshfn up` to collect
+    (POST /meshfn/spans with that bearer token, on the backend's own private socket): under
+    `meshfn up` the backend needs no outbound connection for its spans, so its egress sandbox
+    stays closed (it refuses every unix socket connect, and TCP to anything the policy does not
+    name)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    endpoint: Endpoint = Field(
+    endpoint: Endpoint | None = Field(
+        None,
         description="the OTLP collector: grpc://host:port, http://host:port/v1/traces, or"
-        " unix:///path (OTLP/gRPC over a unix socket: meshfn up's own collector)"
+        " unix:///path (OTLP/gRPC over a unix socket)",
+    )
+    pullToken: Annotated[str, Field(pattern=r"^[0-9a-f]{32,128}$")] | None = Field(
+        None,
+        description="no endpoint: the spans wait (bounded by `queue`) until POST /meshfn/spans"
+        " with this bearer token takes them (meshfn up's embedded collector)",
     )
     sampling: Annotated[float, Field(ge=0, le=100)] = Field(
         1.0, description="percent of requests without a parent's decision that are traced"
@@ -154,3 +178,9 @@ class BackendTracing(BaseModel):
     queue: Annotated[int, Field(ge=16, le=1_000_000)] = Field(
         4096, description="spans held for export at most; more are dropped and counted"
     )
+
+    @model_validator(mode="after")
+    def _one_way(self) -> Self:
+        if (self.endpoint is None) == (self.pullToken is None):
+            raise ValueError("give an endpoint or a pullToken (exactly one)")
+        return self

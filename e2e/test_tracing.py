@@ -21,12 +21,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
-from meshfn_e2e import Processes, http, remap_examples
+from meshfn_e2e import Processes, Reply, http, remap_examples
 
+from meshfn.common.adminauth import admin_headers
 from meshfn.testing import policies as p
-from meshfn.testing.browser import ARTIFACTS, chromium, wait_panel_text
+from meshfn.testing.browser import ARTIFACTS, chromium, sign_in, wait_panel_text
 from meshfn.testing.ports import free_ports, hanging_server
 from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
 
@@ -85,23 +87,22 @@ class Mesh:
             **extra,
         }
 
+    def admin_get(self, path: str) -> Reply:
+        """The admin port as its owner (the token `meshfn up` wrote into its state)."""
+        return http(self.admin + path, headers=admin_headers(self.state))
+
     def traces(self, **query: str) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = http_json(self.admin + "/debug/traces", limit="500", **query)[
-            "traces"
-        ]
+        found: list[dict[str, Any]] = self.json("/debug/traces", limit="500", **query)["traces"]
         return found
 
     def trace(self, trace_id: str) -> dict[str, Any]:
-        found: dict[str, Any] = http_json(f"{self.admin}/debug/traces/{trace_id}")
+        found: dict[str, Any] = self.json(f"/debug/traces/{trace_id}")
         return found
 
-
-def http_json(url: str, **query: str) -> Any:
-    from urllib.parse import urlencode
-
-    reply = http(url + ("?" + urlencode(query) if query else ""))
-    assert reply.status == 200, reply.body
-    return reply.json()
+    def json(self, path: str, **query: str) -> Any:
+        reply = self.admin_get(path + ("?" + urlencode(query) if query else ""))
+        assert reply.status == 200, reply.body
+        return reply.json()
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def _spans(trace: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
 
 def _complete(mesh: Mesh, trace_id: str, services: int = 3) -> dict[str, Any] | None:
-    reply = http(f"{mesh.admin}/debug/traces/{trace_id}")
+    reply = mesh.admin_get(f"/debug/traces/{trace_id}")
     if reply.status != 200:
         return None
     trace: dict[str, Any] = reply.json()
@@ -216,11 +217,13 @@ def test_tracing_one_request_is_one_trace_through_gateway_sidecar_and_backend(me
 
     (row,) = wait_for("the audit record of the trace", record, timeout=30, every=0.5)
     assert row["path"] == "/v2/models/iris/infer" and row["trace_id"] == trace["trace_id"]
-    shown = meshfn("trace", "show", trace["trace_id"], "--admin", mesh.admin)
+    shown = meshfn("trace", "show", trace["trace_id"], "--state-dir", str(mesh.state))
     assert shown.returncode == 0, shown.stderr
     for name in ("infer iris", "guest call", "models.default", "edge.ingress"):
         assert name in shown.stdout, shown.stdout
-    listed = meshfn("trace", "list", "--route", "default/function-iris", "--admin", mesh.admin)
+    listed = meshfn(
+        "trace", "list", "--route", "default/function-iris", "--state-dir", str(mesh.state)
+    )
     assert trace["trace_id"] in listed.stdout
 
 
@@ -365,7 +368,7 @@ def test_tracing_a_trusted_gateway_honors_the_clients_context(mesh: Mesh) -> Non
         assert trace["trace_id"] == trace_id and gateway["parent_id"] == span_id
         assert trace["route"] == "default/partner-echo"
     for trace_id, _ in unsampled:
-        assert http(f"{mesh.admin}/debug/traces/{trace_id}").status == 404
+        assert mesh.admin_get(f"/debug/traces/{trace_id}").status == 404
 
 
 def test_tracing_a_malformed_traceparent_is_ignored_and_the_backend_restarts(mesh: Mesh) -> None:
@@ -409,7 +412,7 @@ def test_graph_shows_live_rates_and_opens_a_trace_from_an_edge(mesh: Mesh) -> No
     try:
         with chromium(viewport=(1500, 1000)) as browser:
             page = browser.page
-            page.goto(mesh.admin + "/ui")
+            sign_in(browser, mesh.admin, mesh.state)  # an auditor: the trace's audit record shows
             page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
             wait_panel_text(page, "graph", "default/models", timeout=20)
             page.wait_for_function(
@@ -514,19 +517,21 @@ def test_tracing_a_hanging_collector_never_delays_or_fails_requests(tmp_path: Pa
         dead = _latencies(ports["listener"], 300)
 
         def failures() -> int | None:
-            status = json.loads(meshfn("status", "--json", "--admin", policies.admin).stdout)
+            status = json.loads(
+                meshfn("status", "--json", "--state-dir", str(policies.state)).stdout
+            )
             found = sum(
                 x["failed_exports"] for x in (status.get("tracing") or {}).get("proxies", [])
             )
             return found or None
 
         assert wait_for("failed exports in meshfn status", failures, timeout=30, every=0.5) >= 1
-        shown = meshfn("status", "--admin", policies.admin).stdout
+        shown = meshfn("status", "--state-dir", str(policies.state)).stdout
         assert "export(s) failed" in shown, shown
         write_mesh(None)  # tracing off: the baseline
 
         def untraced() -> bool:
-            dump = meshfn("config-dump", "edge.default", "--admin", policies.admin).stdout
+            dump = meshfn("config-dump", "edge.default", "--state-dir", str(policies.state)).stdout
             return "opentelemetry" not in dump
 
         wait_for("tracing removed from the gateway", untraced, timeout=30, every=0.5)

@@ -3,7 +3,8 @@ the process that serves it and the gRPC service (grpc_api.py) side by side.
 
 Routes: /v2, /v2/health/{live,ready}, /v2/models (the list), /v2/models/stats,
 /v2/models/{name}[/versions/{v}][/ready|/infer|/stats], Triton's /v2/repository/index and
-/v2/repository/models/{name}[/versions/{v}]/{load,unload}, /metrics.
+/v2/repository/models/{name}[/versions/{v}]/{load,unload}, /metrics, /meshfn/functions, and
+POST /meshfn/spans (tracing.py).
 SIGTERM/SIGINT: readiness turns 503, the listeners close, running requests finish (bounded),
 instances are released, exit 0.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import hmac
 import json
 import logging
 import signal
@@ -23,11 +25,14 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from meshfn.common.unix import listen_private
+from meshfn.contracts import otlp
+from meshfn.contracts.tracing import SPANS_PATH
 
 from .backend import Backend, Reply
 from .config import BackendConfig
 from .http import HttpServer, Request, Response
 from .kserve import KServeError, error_body, unsupported
+from .sandbox import Sandbox
 from .status import STATUS_PATH, functions_document
 
 if TYPE_CHECKING:
@@ -152,6 +157,8 @@ class Router:
     async def _route(self, request: Request, path: str) -> Reply:
         if path.startswith("/v2/models/") and path != "/v2/models/stats":
             return await self._model(request, path)
+        if path == SPANS_PATH:
+            return await self._spans(request)
         if path.startswith("/v2/repository/"):
             return await self._repository(request, path)
         get = self._gets.get(path)
@@ -159,6 +166,23 @@ class Router:
             return Reply.error(404, _unsupported(path) or f"no route for {path}")
         _method(request.method, "GET", path)
         return get()
+
+    async def _spans(self, request: Request) -> Reply:
+        """POST /meshfn/spans: `meshfn up` collects the queued spans (BackendTracing.pullToken,
+        as a bearer token: the sidecar forwards mesh requests to this same socket, and no
+        caller of the mesh may take them). 200 with OTLP protobuf, 204 while none wait."""
+        _method(request.method, "POST", SPANS_PATH)
+        exporter, settings = self.backend.tracer.exporter, self.backend.tracer.settings
+        token = settings.pullToken if settings is not None else None
+        offered = request.headers.get(b"authorization", b"")
+        if token is None or exporter is None or not exporter.pulled:
+            return Reply.error(404, "this backend's spans are not collected here")
+        if not hmac.compare_digest(offered, b"Bearer " + token.encode()):
+            return Reply.error(401, "the collector's token is wrong or missing")
+        collected = await asyncio.to_thread(exporter.collect)  # encoding: off the event loop
+        if collected is None:
+            return Reply(204, b"")
+        return Reply(200, collected[0], content_type=otlp.HTTP_CONTENT_TYPE.encode())
 
     async def _model(self, request: Request, path: str) -> Reply:
         """/v2/models/NAME[/versions/V][/infer|ready|stats|config]."""
@@ -251,11 +275,13 @@ async def serve(
     listen_fd: int | None = None,
     unix_socket: Path | None = None,
     grpc_unix_socket: Path | None = None,
+    sandbox: Sandbox | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0). `listen_fd`: a
     child of the supervisor (supervisor.py) accepting from its shared socket. `unix_socket`,
     `grpc_unix_socket`: serve there (mode 0600) instead of host:port and grpc_port (what
-    `meshfn up` does behind a sidecar: only the sidecar's user can connect)."""
+    `meshfn up` does behind a sidecar: only the sidecar's user can connect). `sandbox`: its
+    Landlock domain is in force already; its seccomp filter goes on once everything started."""
     from .grpc_api import GrpcServer
     from .supervisor import adopt
 
@@ -287,6 +313,12 @@ async def serve(
             await _start_grpc(grpc, host, grpc_port, grpc_unix_socket)
         if not child:
             await backend.start()
+        if sandbox is not None:
+            # Start-up is over: from here the process only serves (sandbox.py's allow-list).
+            sandbox.confine_syscalls()
+            backend.sandbox = sandbox.report()
+            sandbox.write_report()
+            log.info(sandbox.line(), extra={"sandbox": backend.sandbox})
         # Everything allocated so far (modules, config, metrics, verified metadata) lives as
         # long as the process. Left to the cyclic GC, each full collection walks it all: ~30 ms
         # that would land inside some unlucky request. Frozen, full collections only walk what

@@ -18,6 +18,11 @@ batches. A request without a usable parent is sampled at `sampling` percent; wit
 follows the parent's flag. A malformed `traceparent` is ignored: the request starts a new trace
 under the backend's own sampling (contracts.tracing.parse_traceparent never raises).
 
+Under `meshfn up` the spans are not sent but collected: they wait in the same bounded queue
+until the control plane takes them (POST /meshfn/spans, a bearer token from the backend's
+configuration, on the backend's private socket), so the sandboxed backend opens no connection
+for them (its egress control refuses unix socket connects, and TCP the policy does not name).
+
 The exporter never delays a request: the queue is bounded (`queue` spans), an export that fails
 or takes longer than `timeout` drops its spans, and drops are counted (metrics, /meshfn/functions)
 and logged at most once per LOG_EVERY seconds with the count since the last line.
@@ -40,7 +45,12 @@ import grpc
 
 from meshfn.common.logs import trace_context
 from meshfn.contracts import otlp
-from meshfn.contracts.tracing import BackendTracing, parse_traceparent, parse_tracestate
+from meshfn.contracts.tracing import (
+    BackendTracing,
+    endpoint_port,
+    parse_traceparent,
+    parse_tracestate,
+)
 
 from .pool import ColdStart, Invocation
 
@@ -267,8 +277,8 @@ def encode(spans: list[RequestSpan], service: str) -> bytes:
 
 
 class Exporter:
-    """A daemon thread that sends finished request spans in batches; bounded, never blocking
-    the event loop, counting what it had to drop."""
+    """A daemon thread that sends finished request spans in batches (or, pulled, a queue that
+    `collect` empties); bounded, never blocking the event loop, counting what it had to drop."""
 
     def __init__(self, settings: BackendTracing, counters: Any = None) -> None:
         self.settings = settings
@@ -285,9 +295,29 @@ class Exporter:
         self._closed = False
         self._lock = threading.Lock()  # the queue and its span count
         self._log_lock = threading.Lock()
-        self._send = self._sender(settings.endpoint)
-        self._thread = threading.Thread(target=self._run, name="meshfn-otlp", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if settings.endpoint is not None:
+            self._send = self._sender(settings.endpoint)
+            self._thread = threading.Thread(target=self._run, name="meshfn-otlp", daemon=True)
+            self._thread.start()
+
+    @property
+    def pulled(self) -> bool:
+        """Held for `meshfn up` to collect (BackendTracing.pullToken), not sent."""
+        return self._thread is None
+
+    def collect(self) -> tuple[bytes, int] | None:
+        """Pulled: the oldest queued spans as one ExportTraceServiceRequest (at most
+        BATCH_SPANS request spans) and their count, None while nothing waits. Encoding is the
+        caller's thread's (server: a worker thread, not the event loop)."""
+        batch = self._take()
+        if not batch:
+            return None
+        spans = sum(s.span_count() for s in batch)
+        self.exported += spans
+        if self._counters is not None:
+            self._counters[0].inc(spans)
+        return encode(batch, self.settings.serviceName), spans
 
     def submit(self, span: RequestSpan) -> None:
         """Called on the event loop: O(1), never waits."""
@@ -300,7 +330,7 @@ class Exporter:
         if full:
             self._lost(count, "the export queue is full")
             return
-        if len(self.queue) >= BATCH_SPANS:
+        if len(self.queue) >= BATCH_SPANS and not self.pulled:
             self._wake.set()
 
     def _take(self) -> list[RequestSpan]:
@@ -352,7 +382,7 @@ class Exporter:
 
     def _sender(self, endpoint: str) -> Any:
         parts = urlsplit(endpoint)
-        host, port = parts.hostname or "127.0.0.1", parts.port or 4317
+        host, port = parts.hostname or "127.0.0.1", endpoint_port(endpoint)
         timeout = self.settings.timeout
         if parts.scheme in ("grpc", "unix"):
             target = f"unix:{parts.path}" if parts.scheme == "unix" else f"{host}:{port}"
@@ -384,6 +414,7 @@ class Exporter:
 
     def counts(self) -> dict[str, Any]:
         return {
+            "collected_by": "meshfn up" if self.pulled else None,
             "exported_spans": self.exported,
             "dropped_spans": self.dropped,
             "queued_spans": self.queued_spans,
@@ -394,6 +425,8 @@ class Exporter:
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued (bounded by `timeout`), then stop."""
         self._closed = True
+        if self._thread is None:
+            return
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():

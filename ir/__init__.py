@@ -421,6 +421,8 @@ class Function:
     # The tenant classes of the QoSPolicy binding it (its own, else its gateway's): the backend
     # orders and sheds its requests by their priority (contracts.qos, the backend's schema).
     qos: FunctionQoS | None = None
+    # Services (keys) its backend's processes may connect to (Function.spec.egress).
+    egress: tuple[str, ...] = ()
 
     def served(self) -> ServedFunction:
         """Its entry in an inference backend's configuration (meshfn up, Kubernetes alike)."""
@@ -509,18 +511,24 @@ class Tracing:
     def route_sampling(self, key: str) -> float | None:
         return dict(self.routes).get(key)
 
-    def backend(self, service_key: str, fallback: TraceCollector | None) -> BackendTracing | None:
-        """The settings of the inference backends behind `service_key`: the policy's collector,
-        else `fallback` (the run mode's own); None when there is neither."""
-        collector = self.collector or fallback
-        if collector is None:
+    def backend(
+        self, service_key: str, fallback: TraceCollector | None, pull_token: str | None = None
+    ) -> BackendTracing | None:
+        """The settings of the inference backends behind `service_key`: push to the policy's
+        collector, else hold the spans for the run mode to collect (`pull_token`: meshfn up),
+        else push to `fallback` (the operator's collector); None when there is none."""
+        collector = self.collector or (None if pull_token else fallback)
+        if collector is None and pull_token is None:
             return None
         namespace, name = service_key.split("/", 1)
         return BackendTracing(
-            endpoint=collector.endpoint,
+            endpoint=collector.endpoint if collector is not None else None,
+            pullToken=None if collector is not None else pull_token,
             sampling=self.sampling,
             serviceName=f"{name}.{namespace} inference",
-            timeout=collector.timeout.total_seconds(),
+            timeout=(
+                collector.timeout if collector is not None else timedelta(seconds=1)
+            ).total_seconds(),
         )
 
 
@@ -594,6 +602,18 @@ class Policies:
     authz: tuple[AuthzObject, ...] = ()
 
 
+SandboxMode = Literal["auto", "required", "off"]
+
+
+@dataclass(frozen=True, slots=True)
+class Sandbox:
+    """How the kernel confines the inference backends (Mesh.spec.sandbox)."""
+
+    landlock: SandboxMode = "auto"
+    seccomp: SandboxMode = "auto"
+    egress: SandboxMode = "auto"
+
+
 @dataclass(frozen=True)
 class MeshModel:
     name: str
@@ -605,6 +625,7 @@ class MeshModel:
     certificate_ttl: timedelta = timedelta(hours=1)
     functions: tuple[Function, ...] = ()
     acceleration: Literal["ebpf", "off", "auto"] = "off"
+    sandbox: Sandbox = Sandbox()
     audit: Audit | None = None
     drill: Drill | None = None
     policies: Policies = Policies()

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from meshfn.common.cli import command_app, out
 
-from .shared import AdminOpt, admin_url, get_json
+from .shared import DEFAULT_STATE, AdminOpt, ClientStateOpt, admin_url, get_json
 
 trace_app = command_app(
     "trace", "Traces from meshfn up's embedded collector: list them, show one as a waterfall."
@@ -41,6 +41,7 @@ def list_traces(
     service: Annotated[str | None, typer.Option(help="a service its spans came from")] = None,
     limit: Annotated[int, typer.Option(min=1, max=500)] = 20,
     admin: AdminOpt = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
     as_json: JsonOpt = False,
 ) -> None:
     """The newest traces matching every given filter."""
@@ -55,7 +56,8 @@ def list_traces(
         }.items()
         if v
     }
-    document = get_json(f"{admin_url(admin)}/debug/traces?{urllib.parse.urlencode(query)}")
+    url = f"{admin_url(admin, state_dir)}/debug/traces?{urllib.parse.urlencode(query)}"
+    document = get_json(url, state_dir)
     if as_json:
         out.print_json(json.dumps(document))
         return
@@ -129,11 +131,13 @@ def _title(trace: dict[str, Any]) -> str:
 def show(
     trace_id: Annotated[str, typer.Argument(help="the trace id (32 hex digits)")],
     admin: AdminOpt = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
     as_json: JsonOpt = False,
 ) -> None:
     """One trace as a waterfall: which hop took the time (gateway, sidecar, backend; admission,
     queue, batch, cold start, guest call)."""
-    document = get_json(f"{admin_url(admin)}/debug/traces/{urllib.parse.quote(trace_id)}")
+    url = f"{admin_url(admin, state_dir)}/debug/traces/{urllib.parse.quote(trace_id)}"
+    document = get_json(url, state_dir)
     if as_json:
         out.print_json(json.dumps(document))
         return

@@ -18,17 +18,19 @@ Both receivers run on the control plane's event loop and only parse and append.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 from aiohttp import web
 from google.protobuf.message import DecodeError
@@ -41,9 +43,14 @@ from meshfn.common.files import private_directory
 from meshfn.common.unix import SOCKET_MODE, listen_private, socket_path
 from meshfn.contracts import otlp
 from meshfn.contracts.durations import parse_duration
+from meshfn.contracts.tracing import SPANS_PATH
+
+from .envoy import local_session
 
 log = logging.getLogger("meshfn.traces")
 
+PULL_EVERY = 0.5  # seconds between two collections of the backends' spans
+MAX_PULLS = 8  # batches taken from one backend process per collection
 MAX_SPANS_PER_TRACE = 1024
 MAX_ATTRIBUTES = 64
 MAX_VALUE = 1024
@@ -429,8 +436,11 @@ class TraceCollector:
         self.store = store or TraceStore()
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
+        self._puller: asyncio.Task[None] | None = None
         self.grpc_socket: Path | None = None
         self.http_socket: Path | None = None
+        self.pulled = 0  # spans collected from the backends
+        self.pull_failures = 0
 
     @property
     def started(self) -> bool:
@@ -508,7 +518,52 @@ class TraceCollector:
             extra={"otlp_grpc": str(grpc_socket), "otlp_http": str(http_socket)},
         )
 
+    def pull_from(self, backends: Callable[[], Iterable[tuple[Path | str, str]]]) -> None:
+        """Collect the spans of the backends `meshfn up` runs, every PULL_EVERY seconds:
+        `backends()` names each serving process's socket (or address:port) and its token."""
+        if self._puller is None:
+            self._puller = asyncio.create_task(self._pull_loop(backends), name="span-puller")
+
+    async def _pull_loop(self, backends: Callable[[], Iterable[tuple[Path | str, str]]]) -> None:
+        while True:
+            await asyncio.sleep(PULL_EVERY)
+            await asyncio.gather(*(self.pull(where, token) for where, token in backends()))
+
+    async def pull(self, where: Path | str, token: str) -> None:
+        """Take what one backend process holds (a batch at a time, until it has no more)."""
+        session, base = local_session(where, aiohttp.ClientTimeout(total=2.0))
+        headers = {"Authorization": f"Bearer {token}"}
+        async with session:
+            for _ in range(MAX_PULLS):
+                try:
+                    async with session.post(base + SPANS_PATH, headers=headers) as reply:
+                        body = await reply.read()
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    self._pull_failed(where, str(exc) or exc.__class__.__name__)
+                    return
+                if reply.status != 200:
+                    if reply.status != 204:
+                        self._pull_failed(where, f"HTTP {reply.status}")
+                    return
+                try:
+                    ingest(self.store, body)
+                except (DecodeError, ValueError) as exc:
+                    self.store.drop("malformed")
+                    self._pull_failed(where, str(exc))
+                    return
+                self.pulled += 1
+
+    def _pull_failed(self, where: Path | str, why: str) -> None:
+        """A backend starting or restarting is not there yet: counted, logged at debug."""
+        self.pull_failures += 1
+        log.debug("collecting spans from %s failed: %s", where, why)
+
     async def stop(self) -> None:
+        if self._puller is not None:
+            self._puller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._puller
+            self._puller = None
         if self._grpc is not None:
             await self._grpc.stop(0.5)
             self._grpc = None
@@ -524,6 +579,8 @@ class TraceCollector:
         return {
             "otlp_grpc": f"unix:{self.grpc_socket}",
             "otlp_http": f"unix:{self.http_socket} {otlp.HTTP_PATH}",
+            "backend_collections": self.pulled,
+            "backend_collection_failures": self.pull_failures,
             **self.store.stats(),
         }
 

@@ -2,8 +2,9 @@
 functions, a placeholder upstream for the other loopback HTTP endpoints.
 
 An endpoint behind a sidecar is reached through its sidecar only: its application listens on
-unix sockets in STATE/workloads (0700, each socket 0600), not on its loopback port, which any
-local user could call directly, past mTLS, JWT, authorization, QoS and the audit trail. The
+unix sockets in STATE/workloads (an inference backend: in its own STATE/inference/<address>-
+<port>/; 0700, each socket 0600), not on its loopback port, which any local user could call
+directly, past mTLS, JWT, authorization, QoS and the audit trail. The
 sidecar reaches the sockets over Envoy `pipe` addresses (the control plane learns them from
 `app_sockets`). The policy's ports still name the endpoint (its sidecar's cluster, logs,
 `endpoint` in the placeholder's answers). An endpoint without a sidecar is called directly by
@@ -16,16 +17,16 @@ import ipaddress
 import json
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from meshfn import ir
-from meshfn.common.files import private_directory
+from meshfn.common.files import private_directory, secret_key
 from meshfn.common.unix import socket_path
-from meshfn.contracts.function import BackendConfig
+from meshfn.contracts.function import BackendConfig, EgressAddress, SandboxSettings
 from meshfn.contracts.tracing import BackendTracing
 from meshfn.policy import compile
 from meshfn.xds.translate import AppSockets
@@ -57,12 +58,21 @@ class UpstreamSpec:
     # address:port, and gRPC on `grpc_sockets` instead of grpc_port.
     sockets: tuple[Path, ...] = ()
     grpc_sockets: tuple[Path, ...] = ()
+    # Where its functions' egress peers are reached (Function.spec.egress): each endpoint's
+    # sidecar where it has one (the mesh's way in), else the endpoint itself.
+    egress: tuple[tuple[str, int], ...] = ()
+    sandbox: ir.Sandbox = field(default_factory=ir.Sandbox)
     tracing: BackendTracing | None = None  # where the backend's spans go
 
     @property
     def where(self) -> Path | str:
         """Where to reach it: its (first) socket, or address:port."""
         return self.sockets[0] if self.sockets else f"{self.address}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """The backend's name in its egress cgroup, /metrics and `meshfn status`."""
+        return f"{self.service} {self.address}:{self.port}"
 
 
 def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
@@ -77,6 +87,15 @@ def embedded_collector(model: ir.MeshModel, state_dir: Path) -> ir.TraceCollecto
     if tracing is None or tracing.collector is not None:
         return None
     return ir.TraceCollector.on_socket(str(collector_sockets(state_dir)[0]))
+
+
+def spans_token(state_dir: Path) -> str:
+    """The bearer token meshfn up collects the backends' spans with (POST /meshfn/spans on
+    their private sockets; inference.tracing): a key in the collector's directory, so it stays
+    the same across reloads and restarts (a new one would restart every backend)."""
+    directory = collector_directory(state_dir)
+    private_directory(directory)
+    return secret_key(directory / "spans.key", 16).hex()
 
 
 def collector_directory(state_dir: Path) -> Path:
@@ -96,11 +115,27 @@ def workload_sockets(state_dir: Path) -> Path:
 
 def app_socket(state_dir: Path, address: str, port: int) -> Path:
     """The socket of a one-process application behind a sidecar (e.g. the echo placeholder)."""
-    return _sockets(workload_sockets(state_dir), address, port, 1)[0]
+    return _sockets(workload_sockets(state_dir), _stem(address, port), 1)[0]
 
 
-def _sockets(directory: Path, address: str, port: int, count: int) -> tuple[Path, ...]:
-    stem = f"{address.replace(':', '_')}-{port}"
+def backend_state_dir(state_dir: Path, address: str, port: int) -> Path:
+    """An inference backend's own directory, the one place it may write (its Landlock rules):
+    its config, the report of what confines it (sandbox.json) and, behind a sidecar, its
+    sockets. In the shared STATE/workloads it would need the right to remove files there, and
+    with it the other workloads' sockets."""
+    return state_dir / "inference" / _stem(address, port)
+
+
+def backend_socket(state_dir: Path, address: str, port: int) -> Path:
+    """The REST socket of a one-process inference backend behind a sidecar."""
+    return _sockets(backend_state_dir(state_dir, address, port), "http", 1)[0]
+
+
+def _stem(address: str, port: int) -> str:
+    return f"{address.replace(':', '_')}-{port}"
+
+
+def _sockets(directory: Path, stem: str, count: int) -> tuple[Path, ...]:
     names = [stem] if count == 1 else [f"{stem}.{k}" for k in range(count)]
     return tuple(socket_path(directory, name, "the workloads' sockets") for name in names)
 
@@ -114,7 +149,8 @@ def upstreams_for(
     fit."""
     functions = served_functions(model)
     tracing = model.tracing
-    embedded = embedded_collector(model, state_dir) if state_dir is not None else None
+    # meshfn up's own collector takes the backends' spans from them (pull_token)
+    pull = spans_token(state_dir) if state_dir and embedded_collector(model, state_dir) else None
     out: dict[tuple[str, int], UpstreamSpec] = {}
     for service in model.services:
         if service.protocol != "http":
@@ -128,12 +164,14 @@ def upstreams_for(
                 grpc_port = e.grpc_port if served else None
                 sockets: tuple[Path, ...] = ()
                 grpc_sockets: tuple[Path, ...] = ()
-                if state_dir is not None and e.sidecar_port is not None:
-                    count = processes if served else 1
-                    directory = workload_sockets(state_dir)
-                    sockets = _sockets(directory, e.address, e.port, count)
+                if state_dir is not None and e.sidecar_port is not None and served:
+                    directory = backend_state_dir(state_dir, e.address, e.port)
+                    sockets = _sockets(directory, "http", processes)
                     if grpc_port is not None:
-                        grpc_sockets = _sockets(directory, e.address, grpc_port, count)
+                        grpc_sockets = _sockets(directory, "grpc", processes)
+                elif state_dir is not None and e.sidecar_port is not None:
+                    directory = workload_sockets(state_dir)
+                    sockets = _sockets(directory, _stem(e.address, e.port), 1)
                 out[(e.address, e.port)] = UpstreamSpec(
                     service.key,
                     e.address,
@@ -143,9 +181,36 @@ def upstreams_for(
                     grpc_port,
                     sockets,
                     grpc_sockets,
-                    tracing.backend(service.key, embedded) if tracing and served else None,
+                    egress_peers(model, served),
+                    model.sandbox if served else ir.Sandbox(),
+                    tracing.backend(service.key, None, pull) if tracing and served else None,
                 )
     return out
+
+
+def egress_peers(
+    model: ir.MeshModel, functions: tuple[ir.Function, ...]
+) -> tuple[tuple[str, int], ...]:
+    """(address, port) of every endpoint of the Services the functions name as egress peers,
+    and of the Mesh's trace collector where it is an address (the backends push spans there;
+    a name cannot be allowed: push to it from a sandboxed backend is refused)."""
+    peers = set()
+    for function in functions:
+        for key in function.egress:
+            for e in model.service(key).endpoints:
+                peers.add((e.address, e.sidecar_port or e.port))
+    collector = model.tracing.collector if model.tracing is not None and functions else None
+    if collector is not None and _is_ip(collector.host):  # the backends push spans there
+        peers.add((collector.host.strip("[]"), collector.port))
+    return tuple(sorted(peers))
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def local_upstreams(
@@ -166,9 +231,11 @@ def app_sockets(upstreams: Iterable[UpstreamSpec]) -> AppSockets:
     return tuple(sorted(out))
 
 
-def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
+def backend_config(
+    spec: UpstreamSpec, setup: FunctionsSetup, state: Path | None = None
+) -> dict[str, Any]:
     """The inference backend's config for one endpoint: each Function's settings as the policy
-    gave them (the same schema), named."""
+    gave them (the same schema), named; its sandbox (`state`: its own state directory)."""
     config = BackendConfig(
         registry=setup.registry.resolve(),
         trustedKeys=[k.resolve() for k in setup.trusted_keys],
@@ -176,6 +243,12 @@ def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
         processes=setup.processes,
         functions=[f.served() for f in spec.functions],
         tracing=spec.tracing,
+        sandbox=SandboxSettings(
+            landlock=spec.sandbox.landlock,
+            seccomp=spec.sandbox.seccomp,
+            stateDir=state.resolve() if state is not None else None,
+            connect=[EgressAddress(address=a, port=p) for a, p in spec.egress],
+        ),
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result
@@ -204,9 +277,11 @@ def upstream_process(
     if spec.functions:
         if setup is None:
             raise ValueError(f"{spec.service} serves functions but no registry is configured")
-        config = state_dir / "inference" / f"{spec.address}-{spec.port}.json"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(json.dumps(backend_config(spec, setup), indent=2))
+        own = backend_state_dir(state_dir, spec.address, spec.port)
+        private_directory(own)
+        (own / "sandbox.json").unlink(missing_ok=True)  # the report of the backend to come
+        config = own / "backend.json"
+        config.write_text(json.dumps(backend_config(spec, setup, own), indent=2))
 
         async def backend_ready() -> bool:
             # every serving process, where each has a socket of its own

@@ -108,7 +108,7 @@ def test_missing_or_escaping_external_data(tmp_path: Path) -> None:
     loaded = onnx.load_model(str(tmp_path / "model.onnx"), load_external_data=False)
     for entry in loaded.graph.initializer[0].external_data:
         if entry.key == "location":
-            entry.value = "../../etc/passwd"
+            entry.value = "../../etc/passwd"  # hostile path: refused, never read
     onnx.save_model(loaded, str(tmp_path / "evil.onnx"))
     with pytest.raises(ModelFileError, match=r"outside the model's folder"):
         compile_model(tmp_path / "evil.onnx")

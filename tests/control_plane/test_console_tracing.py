@@ -1,17 +1,20 @@
 """The console's service graph, trace pages and /debug/traces with a real ControlPlane and a
 real aiohttp server: figures from the proxies' statistics, fallback and degraded marks, links
-to traces, escaping of hostile span content, filters, and the token guarding every new page."""
+to traces, escaping of hostile span content, filters, and the admin guard on every new page (viewers see no audit records)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from meshfn import ir
+from meshfn.audit import layout
+from meshfn.common.adminauth import VIEWER, AdminTokens, admin_headers, key_path
 from meshfn.control_plane.runtime.admin import AdminServer
 from meshfn.control_plane.runtime.console.graph import (
     ProxyStats,
@@ -20,14 +23,13 @@ from meshfn.control_plane.runtime.console.graph import (
     graph_svg,
     parse_stats,
 )
-from meshfn.control_plane.runtime.console.sources import ConsoleSources
+from meshfn.control_plane.runtime.console.sources import AuditView, ConsoleSources
 from meshfn.control_plane.runtime.traces import Span, TraceStore
 from meshfn.control_plane.service import ControlPlane
 from meshfn.testing import policies as p
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
-TOKEN = "s3cret-admin-token-0123456789"
 
 
 def _policies(root: Path) -> Path:
@@ -153,12 +155,19 @@ async def console(tmp_path: Path) -> AsyncIterator[str]:
     proxies.rates = _rates("models.default")
     server = AdminServer(cp, ConsoleSources(traces=_store(), proxies=proxies))
     port = await server.start()
+    OWNER.update(admin_headers(cp.state_dir))
     yield f"http://127.0.0.1:{port}"
     await server.stop()
 
 
-async def _get(url: str, **kwargs: object) -> tuple[int, str]:
-    async with aiohttp.ClientSession() as session, session.get(url, **kwargs) as reply:  # type: ignore[arg-type]
+OWNER: dict[str, str] = {}  # the owner's admin token (an auditor), once the console runs
+
+
+async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(url, headers=OWNER if headers is None else headers) as reply,
+    ):
         return reply.status, await reply.text()
 
 
@@ -185,7 +194,7 @@ async def test_the_console_draws_the_graph_and_opens_traces_from_it(console: str
 
 
 async def test_debug_traces_filters_and_refuses_bad_ones(console: str) -> None:
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=OWNER) as session:
         async with session.get(console + "/debug/traces", params={"route": "default/"}) as r:
             document = await r.json()
         assert [t["trace_id"] for t in document["traces"]] == [TRACE]
@@ -206,12 +215,19 @@ async def test_debug_traces_filters_and_refuses_bad_ones(console: str) -> None:
             assert r.status == 400
 
 
-async def test_the_token_guards_the_trace_pages(tmp_path: Path) -> None:
+async def test_the_admin_guard_covers_the_trace_pages_and_viewers_see_no_records(
+    tmp_path: Path,
+) -> None:
+    """Every trace page and /debug/traces needs a credential; a viewer sees traces but not
+    the audit records a trace's page shows an auditor."""
     cp = ControlPlane(_policies(tmp_path / "p"), tmp_path / "state")
     assert (await cp.reload()).ok
-    server = AdminServer(cp, ConsoleSources(traces=_store()), token=TOKEN)
+    state = tmp_path / "state"
+    audit = AuditView(lambda: layout.store_path(state), state)
+    server = AdminServer(cp, ConsoleSources(traces=_store(), audit=audit))
     port = await server.start()
     url = f"http://127.0.0.1:{port}"
+    viewer = AdminTokens(key_path(state)).issue("vera", VIEWER, timedelta(minutes=5))
     try:
         for path in (
             "/ui/traces",
@@ -219,8 +235,13 @@ async def test_the_token_guards_the_trace_pages(tmp_path: Path) -> None:
             "/debug/traces",
             f"/debug/traces/{TRACE}",
         ):
-            assert (await _get(url + path))[0] == 401, path
-            good = {"Authorization": "Bearer " + TOKEN}
-            assert (await _get(url + path, headers=good))[0] == 200, path
+            assert (await _get(url + path, {}))[0] == 401, path
+            status, _ = await _get(url + path, {"Authorization": f"Bearer {viewer}"})
+            assert status == 200, path
+            assert (await _get(url + path, admin_headers(state)))[0] == 200, path
+        _, page = await _get(f"{url}/ui/traces/{TRACE}", {"Authorization": f"Bearer {viewer}"})
+        assert 'id="audit-restricted"' in page and "audit-records" not in page
+        _, page = await _get(f"{url}/ui/traces/{TRACE}", admin_headers(state))
+        assert 'id="audit-restricted"' not in page and "audit-records" in page
     finally:
         await server.stop()

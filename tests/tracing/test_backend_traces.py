@@ -1,27 +1,35 @@
-"""The inference backend continues a request's trace (a real Backend, a real function, the
-embedded collector over OTLP/gRPC): its server span under the sidecar's, admission, queue, the
-cold start split into code-cache lookup, deserialize and instantiate, the guest call; JSON log
-lines written while it handles the request carry the trace's ids; a malformed traceparent
-restarts the trace, never fails the request."""
+"""The inference backend continues a request's trace (a real Backend, a real function, its HTTP
+server on a private unix socket, the embedded collector taking the spans from it as `meshfn up`
+does: POST /meshfn/spans with the backend's pull token): its server span under the sidecar's,
+admission, queue, the cold start split into code-cache lookup, deserialize and instantiate, the
+guest call; JSON log lines written while it handles the request carry the trace's ids; a
+malformed traceparent restarts the trace, never fails the request; nobody without the token
+takes the spans."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from meshfn.common.logs import JsonFormatter, trace_context
+from meshfn.common.unix import listen_private, unix_request
+from meshfn.contracts import otlp
 from meshfn.control_plane.runtime.traces import TraceCollector, TraceStore
 from meshfn.inference.backend import Backend
 from meshfn.inference.config import parse_config
 from meshfn.inference.examples import publish_examples
-from meshfn.inference.kserve import InferRequest, parse_http
+from meshfn.inference.http import HttpServer
+from meshfn.inference.kserve import InferRequest, error_body, parse_http
+from meshfn.inference.server import Router
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SIDECAR = "00f067aa0ba902b7"
@@ -35,6 +43,15 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root, public
 
 
+TOKEN = "ab" * 16
+
+
+@dataclass
+class Served:
+    backend: Backend
+    socket: Path
+
+
 @pytest.fixture
 async def collector(tmp_path: Path) -> AsyncIterator[TraceCollector]:
     found = TraceCollector(TraceStore())
@@ -43,21 +60,42 @@ async def collector(tmp_path: Path) -> AsyncIterator[TraceCollector]:
     await found.stop()
 
 
-@pytest.fixture
-async def backend(registry: tuple[Path, Path], collector: TraceCollector) -> AsyncIterator[Backend]:
+@contextlib.asynccontextmanager
+async def serving(registry: tuple[Path, Path], path: Path) -> AsyncIterator[Served]:
+    """A backend holding its spans for a collector (pullToken), served on `path`."""
     root, key = registry
     config = parse_config(
         {
             "registry": str(root),
             "trustedKeys": [str(key)],
             "functions": [{"name": "chaos-core"}],
-            "tracing": {"endpoint": collector.address().endpoint, "sampling": 100},
+            "tracing": {"pullToken": TOKEN, "sampling": 100},
         }
     )
     found = Backend(config)
     await found.start()
-    yield found
-    await found.drain(1)
+    router = Router(found)
+    server = HttpServer(router.handle, router.body_limit, error_body)
+    await server.start("", 0, sock=listen_private(path))
+    try:
+        yield Served(found, path)
+    finally:
+        await server.close()
+        await found.drain(1)
+
+
+@pytest.fixture
+async def served(
+    registry: tuple[Path, Path], collector: TraceCollector, tmp_path: Path
+) -> AsyncIterator[Served]:
+    async with serving(registry, tmp_path / "http.sock") as found:
+        collector.pull_from(lambda: [(found.socket, TOKEN)])
+        yield found
+
+
+@pytest.fixture
+def backend(served: Served) -> Backend:
+    return served.backend
 
 
 async def _trace(collector: TraceCollector, trace_id: str, spans: int) -> list[dict[str, object]]:
@@ -140,3 +178,33 @@ async def test_json_log_lines_of_a_request_carry_its_trace(backend: Backend) -> 
     assert (inside["trace_id"], inside["span_id"]) == (TRACE, span.span_id.hex())
     assert inside["function"] == "chaos-core@1"
     assert "trace_id" not in after and "span_id" not in after
+
+
+async def test_only_the_collectors_token_takes_the_spans(
+    registry: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The sidecar forwards the mesh's requests to this same socket: without the token (or
+    with another) nothing is taken and a GET is refused; with it, the spans come as OTLP and the
+    queue empties."""
+    async with serving(registry, tmp_path / "http.sock") as found:
+        headers = {b"traceparent": f"00-{TRACE}-{SIDECAR}-01".encode()}
+        reply = await found.backend.infer("chaos-core", None, BODY.encode(), headers)
+        assert reply.status == 200
+        exporter = found.backend.tracer.exporter
+        assert exporter is not None and exporter.pulled and exporter.queued_spans > 0
+        queued = exporter.queued_spans
+
+        async def post(given: dict[str, str], method: str = "POST") -> tuple[int, bytes]:
+            return await asyncio.to_thread(
+                unix_request, found.socket, "/meshfn/spans", 5.0, method, None, given
+            )
+
+        for given in ({}, {"Authorization": "Bearer " + "cd" * 16}, {"Authorization": TOKEN}):
+            assert (await post(given))[0] == 401, given
+        assert (await post({"Authorization": f"Bearer {TOKEN}"}, "GET"))[0] == 405
+        assert exporter.queued_spans == queued and exporter.exported == 0
+        status, body = await post({"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200 and exporter.queued_spans == 0 and exporter.exported == queued
+        request = otlp.ExportTraceServiceRequest.FromString(body)
+        assert {s.trace_id.hex() for s in request.resource_spans[0].scope_spans[0].spans} == {TRACE}
+        assert (await post({"Authorization": f"Bearer {TOKEN}"}))[0] == 204  # none left

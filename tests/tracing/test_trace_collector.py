@@ -26,8 +26,11 @@ from meshfn.control_plane.runtime.traces import (
     TraceStore,
     ingest,
 )
+from meshfn.control_plane.runtime.upstreams import embedded_collector, spans_token, upstreams_for
 from meshfn.inference import tracing as backend_tracing
 from meshfn.inference.tracing import RequestSpan, Tracer, encode
+from meshfn.policy.loader import load_policies
+from meshfn.testing import policies as p
 from meshfn.testing.ports import free_ports, hanging_server
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -281,3 +284,38 @@ def test_encoded_spans_carry_links_and_remote_parents() -> None:
     assert server.flags & 0x300 == 0x300 and server.flags & 1
     assert (batch.links[0].trace_id, batch.links[0].span_id) == other
     assert backend_tracing.wall(now) == batch.start_time_unix_nano
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_meshfn_up_collects_its_backends_spans_or_lets_them_reach_the_named_collector(
+    tmp_path: Path, named: bool
+) -> None:
+    """The embedded collector: the backends get a pull token (no endpoint, so no connection of
+    theirs is needed: the egress sandbox stays closed), the same across reloads. A collector
+    the Mesh names by address: the backends push there, and their egress allows exactly it."""
+    collector = {"collector": {"host": "10.1.2.3", "port": 4317}} if named else {}
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "mesh.yaml").write_text(
+        p.documents(
+            p.mesh("m", "m.local", tracing={"sampling": 5, **collector}),
+            p.gateway(None, 10000),
+            p.service("models", 9000, [p.endpoint(sidecar=15000)]),
+            p.doc("Function", "iris", {"backend": "models"}),
+        )
+    )
+    model = load_policies(tmp_path / "p")
+    state = tmp_path / "state"
+    (spec,) = upstreams_for(model, state, 1).values()
+    assert spec.tracing is not None and spec.tracing.sampling == 5
+    if named:
+        assert spec.tracing.endpoint == "grpc://10.1.2.3:4317" and spec.tracing.pullToken is None
+        assert ("10.1.2.3", 4317) in spec.egress
+        assert embedded_collector(model, state) is None
+    else:
+        assert spec.tracing.endpoint is None and spec.tracing.pullToken == spans_token(state)
+        assert spec.egress == ()
+        again = upstreams_for(model, state, 1)  # a reload: the same token, no backend restart
+        assert list(again.values()) == [spec]
+        assert stat.S_IMODE((state / "collector" / "spans.key").stat().st_mode) == 0o600
+        address = embedded_collector(model, state)
+        assert address is not None and address.socket.endswith("/collector/otlp.sock")

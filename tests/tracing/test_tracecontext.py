@@ -1,12 +1,23 @@
 """W3C Trace Context parsing (meshfn.contracts.tracing) and the OTLP messages (contracts.otlp):
-what the backend and the collector read from the wire."""
+what the backend and the collector read from the wire; the backend's tracing settings (push or
+pulled) and the one TCP port its Landlock rules open for them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from pydantic import ValidationError
 
 from meshfn.contracts import otlp
-from meshfn.contracts.tracing import SpanContext, parse_traceparent, parse_tracestate
+from meshfn.contracts.function import BackendConfig
+from meshfn.contracts.tracing import (
+    BackendTracing,
+    SpanContext,
+    parse_traceparent,
+    parse_tracestate,
+)
+from meshfn.inference import sandbox
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = "00f067aa0ba902b7"
@@ -96,3 +107,37 @@ def test_otlp_wire_numbers_match_upstream() -> None:
     scope = otlp.ResourceSpans()
     scope.scope_spans.add()
     assert scope.SerializeToString() == b"\x12\x00"
+
+
+@pytest.mark.parametrize(
+    ("tracing", "ports"),
+    [
+        ({"endpoint": "grpc://10.0.0.9:4317"}, (4317, 15201)),
+        ({"endpoint": "http://collector.observability:14318/v1/traces"}, (14318, 15201)),
+        ({"endpoint": "http://collector.observability/v1/traces"}, (4318, 15201)),
+        ({"endpoint": "unix:///run/otel/otlp.sock"}, (15201,)),
+        ({"pullToken": "ab" * 16}, (15201,)),  # meshfn up collects: no connection at all
+        (None, (15201,)),
+    ],
+)
+def test_landlock_lets_a_backend_reach_the_collector_it_pushes_to_and_nothing_more(
+    tmp_path: Path, tracing: dict[str, str] | None, ports: tuple[int, ...]
+) -> None:
+    (tmp_path / "registry").mkdir()
+    config = BackendConfig.model_validate(
+        {
+            "registry": str(tmp_path / "registry"),
+            "trustedKeys": [],
+            "sandbox": {"connect": [{"address": "127.0.0.1", "port": 15201}]},
+            **({"tracing": tracing} if tracing else {}),
+        }
+    )
+    assert sandbox.Sandbox(config).rules().connect_ports == tuple(sorted(ports))
+
+
+@pytest.mark.parametrize(
+    "given", [{}, {"endpoint": "grpc://a:1", "pullToken": "ab" * 16}, {"pullToken": "short"}]
+)
+def test_backend_tracing_pushes_or_is_pulled_never_both_nor_neither(given: dict[str, str]) -> None:
+    with pytest.raises(ValidationError):
+        BackendTracing.model_validate(given)

@@ -29,8 +29,8 @@ class ProxyHost:
     wasm_dir: Path
     state_dir: Path
     salt: SubjectSalt = field(repr=False)
-    collector: ir.TraceCollector | None = None
     app_sockets: AppSockets = ()
+    collector: ir.TraceCollector | None = None
     _sockets: Mapping[tuple[str, int], tuple[str, ...]] = field(
         init=False, repr=False, compare=False, hash=False
     )

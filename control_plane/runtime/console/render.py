@@ -187,14 +187,17 @@ def trace_page(
     trace: Mapping[str, Any],
     audit: list[Any] | None,
     audit_error: str | None = None,
+    reader: bool = True,
 ) -> str:
-    """One trace: its waterfall, every span, and its audit records."""
+    """One trace: its waterfall, every span, and its audit records (`reader`: the auditor
+    role, who may see records)."""
     return _env.get_template("trace.html").render(
         trace=trace,
         waterfall=waterfall_svg(trace),
         rows=rows(trace),
         audit=audit,
         audit_error=audit_error,
+        reader=reader,
     )
 
 

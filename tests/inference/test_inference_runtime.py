@@ -21,13 +21,12 @@ from prometheus_client import generate_latest
 from meshfn.contracts.function import CodeCache as CodeCacheSettings
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.inference import signing
-from meshfn.inference.backend import Backend
 from meshfn.inference.abi import check_core_module
-from meshfn.inference.errors import BuildError
+from meshfn.inference.backend import Backend
 from meshfn.inference.codecache import CodeCache
 from meshfn.inference.config import ServedFunction, parse_config
 from meshfn.inference.engine import EpochTicker, engine_key, new_engine
-from meshfn.inference.errors import RegistryError, SignatureError
+from meshfn.inference.errors import BuildError, RegistryError, SignatureError
 from meshfn.inference.examples import publish_examples
 from meshfn.inference.host import (
     CallResult,

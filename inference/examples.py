@@ -24,7 +24,7 @@ EXAMPLES = (
     "examples/iris", "examples/embedder", "examples/digits", "examples/digits28",
     "examples/cancer", "examples/digits-cnn",
 )  # fmt: skip
-TESTING = ("testing/chaos", "testing/chaos-core")
+TESTING = ("testing/chaos", "testing/chaos-core", "testing/iris-py")
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,12 @@ def backend(
         "trustedKeys": [str(key)],
         "workers": workers,
         "functions": [
-            {"name": "iris", "version": "1", "artifact": "iris-py@1",
-             "pool": {"minIdle": 1, "maxIdle": 4}},
+            {
+                "name": "iris",
+                "version": "1",
+                "artifact": "iris-py@1",
+                "pool": {"minIdle": 1, "maxIdle": 4},
+            },
             {"name": "digits", "version": "1", "pool": {"minIdle": 1, "maxIdle": 4}},
             {"name": "iris-cold", "version": "1", "artifact": "iris-py@1", **cold},
             {"name": "digits-cold", "version": "1", "artifact": "digits@1", **cold},

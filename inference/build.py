@@ -34,6 +34,9 @@ FUNCTIONS_DIR = Path(__file__).resolve().parents[1] / "functions"
 WIT_DIR = FUNCTIONS_DIR / "wit"
 SDK_FILE = FUNCTIONS_DIR / "sdk" / "meshfn_sdk.py"
 CORE_INCLUDE = FUNCTIONS_DIR / "core"
+# How the example ONNX functions' models are made (their train.py calls it): part of the build
+# key of an onnx function with a prepare script, so a changed recipe rebuilds them.
+EXAMPLE_RECIPES = FUNCTIONS_DIR.parent / "testing" / "onnx_models.py"
 
 
 def cache_root() -> Path:
@@ -99,6 +102,8 @@ def build_key(directory: Path, manifest: FunctionManifest) -> str:
     extra = [SDK_FILE, *sorted(WIT_DIR.glob("*.wit"))] if manifest.kind == "python" else []
     if manifest.kind == "core":
         extra = sorted(CORE_INCLUDE.glob("*.h"))
+    if manifest.kind == "onnx" and manifest.prepare:
+        extra = [EXAMPLE_RECIPES]  # the examples' prepare scripts make their models with it
     for path in [*_source_files(directory), *extra]:
         rel = path.name if path in extra else str(path.relative_to(directory))
         digest.update(f"{rel}\0{len(path.read_bytes())}\0".encode())

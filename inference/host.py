@@ -361,35 +361,60 @@ class TensorInstance:
     input, one `meshfn_run`, one copy out per output. The host checked every input's size
     against the signed metadata before (tensorio.py); the sizes are checked again against
     the module's own table here, so a module that disagrees with its metadata is refused
-    rather than read past."""
+    rather than read past.
 
-    __slots__ = ("_error", "_memory", "_meta", "_plan", "_rows", "_run", "_store", "_table")
+    The per-call path is the serving cost of a small model (a few microseconds of wasm), so it
+    asks wasmtime for the memory's base once per call instead of per tensor: the planned
+    tensors are checked to lie inside the memory when they are planned (linear memory never
+    shrinks), and the base is asked again after the run, which may have grown (and so moved)
+    the memory. Exports a call does
+    not need (error, metadata) are looked up when first used, and the ABI version is checked
+    once per artifact (bench/models.py: the cold start)."""
+
+    __slots__ = (
+        "_error", "_instance", "_memory", "_plan", "_rows", "_run", "_store", "_table",
+    )  # fmt: skip
 
     def __init__(self, artifact: TensorArtifact, memory_bytes: int) -> None:
         self._store = store = _store(artifact.engine, memory_bytes)
-        instance = wasmtime.Instance(store, artifact.module, [])
+        self._instance = instance = wasmtime.Instance(store, artifact.module, [])
         memory = _core_export(store, instance, "memory", _EXTERN_MEMORY).of.memory
-        plan, run, error, meta, version = (
+        plan, run = (
             _core_export(store, instance, name, _EXTERN_FUNC).of.func
-            for name in (
-                "meshfn_plan", "meshfn_run", "meshfn_error", "meshfn_metadata",
-                "meshfn_abi_version",
-            )
-        )  # fmt: skip
-        if _CoreCall(store, version, 0, wide=False)() != 2:
-            raise wasmtime.WasmtimeError("compiled model speaks an unknown meshfn ABI version")
-        self._memory = _CoreMemory(store, memory)
+            for name in ("meshfn_plan", "meshfn_run")
+        )
+        if not artifact.checked:
+            version = _core_export(store, instance, "meshfn_abi_version", _EXTERN_FUNC).of.func
+            if _CoreCall(store, version, 0, wide=False)() != 2:
+                raise wasmtime.WasmtimeError("compiled model speaks an unknown meshfn ABI version")
+            artifact.checked = True
+        self._memory = ctypes.byref(memory)
         self._plan = _CoreCall(store, plan, 1, wide=False)
         self._run = _CoreCall(store, run, 1, wide=False)
-        self._error = _CoreCall(store, error, 0, wide=True)
-        self._meta = _CoreCall(store, meta, 0, wide=True)
+        self._error: _CoreCall | None = None
         self._rows = 0  # the batch size planned last
         self._table: tuple[tuple[int, int], ...] = ()
+
+    def _read(self, start: int, length: int) -> bytes:
+        context = self._store._context()
+        if start < 0 or length < 0 or start + length > _MEMORY_DATA_SIZE(context, self._memory):
+            raise IndexError("outside linear memory")
+        return ctypes.string_at(cast(int, _MEMORY_DATA(context, self._memory)) + start, length)
+
+    def _call(self, name: str) -> int:
+        """A metadata or error call (export looked up on first use)."""
+        if name == "meshfn_error" and self._error is not None:
+            return self._error()
+        func = _core_export(self._store, self._instance, name, _EXTERN_FUNC).of.func
+        call = _CoreCall(self._store, func, 0, wide=True)
+        if name == "meshfn_error":
+            self._error = call
+        return call()
 
     def _text(self, packed: int) -> str:
         packed &= 0xFFFF_FFFF_FFFF_FFFF
         ptr, length = (packed >> 32) & 0x3FFF_FFFF, packed & 0xFFFF_FFFF
-        return self._memory.read(ptr, length).decode("utf-8", errors="replace")
+        return self._read(ptr, length).decode("utf-8", errors="replace")
 
     def _planned(self, request: TensorCall) -> tuple[tuple[int, int], ...] | None:
         if request.rows != self._rows:
@@ -398,12 +423,16 @@ class TensorInstance:
             if not table:
                 return None
             count = len(request.inputs) + request.outputs
-            self._table = _plan_table(self._memory.read(table, 8 * count))
+            self._table = _plan_table(self._read(table, 8 * count))
+            end = max((a + n for a, n in self._table), default=0)
+            if end > _MEMORY_DATA_SIZE(self._store._context(), self._memory):
+                raise IndexError("outside linear memory")  # memory never shrinks: once is enough
             self._rows = request.rows
         return self._table
 
-    def _write(self, table: tuple[tuple[int, int], ...], request: TensorCall) -> CallResult | None:
-        write = self._memory.write
+    def _write(
+        self, table: tuple[tuple[int, int], ...], request: TensorCall, base: int
+    ) -> CallResult | None:
         for (address, size), data in zip(table, request.inputs, strict=False):
             if len(data) != size:
                 return CallResult(
@@ -411,32 +440,37 @@ class TensorInstance:
                     f"the module takes {size} bytes for an input of {request.rows} row(s), "
                     f"not {len(data)}: it disagrees with its signed metadata",
                 )
-            write(address, data)
+            ctypes.memmove(base + address, data, size)
         return None
 
-    def _once(self, request: TensorCall) -> CallResult:
+    def _once(self, request: TensorCall, context: Any) -> CallResult:
         table = self._planned(request)
         if table is None:
             return CallResult(
                 Outcome.OUT_OF_MEMORY, f"no memory for a batch of {request.rows} row(s)"
             )
-        wrong = self._write(table, request)
+        memory = self._memory
+        wrong = self._write(table, request, cast(int, _MEMORY_DATA(context, memory)))
         if wrong is not None:
             return wrong
         status = self._run(request.rows)
         if status:
-            return CallResult(_CORE_STATUS.get(status, Outcome.INTERNAL), self._text(self._error()))
-        read = self._memory.read
+            return CallResult(
+                _CORE_STATUS.get(status, Outcome.INTERNAL), self._text(self._call("meshfn_error"))
+            )
+        base = cast(int, _MEMORY_DATA(context, memory))  # the run may have moved it
+        string_at = ctypes.string_at
         return CallResult(
-            Outcome.OK, "", tuple(read(a, n) for a, n in table[len(request.inputs) :])
+            Outcome.OK, "", tuple(string_at(base + a, n) for a, n in table[len(request.inputs) :])
         )
 
     def call(self, request: GuestRequest, ticks: int) -> CallResult:
         if not isinstance(request, TensorCall):
             return _wrong_request(request)
-        _SET_EPOCH_DEADLINE(self._store._context(), ticks)
+        context = self._store._context()  # raises ValueError once the store is closed
+        _SET_EPOCH_DEADLINE(context, ticks)
         try:
-            return self._once(request)
+            return self._once(request, context)
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             return classify_trap(exc)
         except IndexError:  # a table outside memory: a broken module
@@ -444,7 +478,7 @@ class TensorInstance:
 
     def metadata(self) -> str:
         self._store.set_epoch_deadline(INSTANTIATE_TICKS)
-        return self._text(self._meta())
+        return self._text(self._call("meshfn_metadata"))
 
     def close(self) -> None:
         self._store.close()
@@ -493,6 +527,7 @@ class TensorArtifact:
     def __init__(self, engine: wasmtime.Engine, module: wasmtime.Module) -> None:
         self.engine = engine
         self.module = module
+        self.checked = False  # its meshfn_abi_version() was 2 (checked at the first instance)
 
     def instantiate(self, memory_bytes: int) -> Instance:
         return TensorInstance(self, memory_bytes)

@@ -439,11 +439,18 @@ def _function_recipes() -> dict[str, tuple[Callable[[], Any], Callable[[], Any],
     }
 
 
-def sklearn_function(name: str, input_name: str) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """An example function's scikit-learn model as skl2onnx exports it, and its report."""
-    from skl2onnx import to_onnx
-    from skl2onnx.common.data_types import FloatTensorType
+@dataclass
+class Fitted:
+    """An example function's fitted scikit-learn estimator and its held-out rows."""
 
+    estimator: Any
+    what: str
+    train_size: int
+    x_test: np.ndarray[Any, Any]
+    y_test: np.ndarray[Any, Any]
+
+
+def fit_function_model(name: str) -> Fitted:
     data, make, what = _function_recipes()[name]
     x, y = data()
     xtr, ytr, xte, yte = _split4(x, y)
@@ -451,17 +458,29 @@ def sklearn_function(name: str, input_name: str) -> tuple[onnx.ModelProto, dict[
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # convergence chatter
         model.fit(xtr, ytr)
+    return Fitted(model, what, len(ytr), xte, yte)
+
+
+def sklearn_function(
+    name: str, input_name: str, fitted: Fitted | None = None
+) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """An example function's scikit-learn model as skl2onnx exports it, and its report."""
+    from skl2onnx import to_onnx
+    from skl2onnx.common.data_types import FloatTensorType
+
+    fitted = fitted or fit_function_model(name)
+    model, xte, yte = fitted.estimator, fitted.x_test, fitted.y_test
     final = model.steps[-1][1] if hasattr(model, "steps") else model
     onx = to_onnx(
         model,
-        initial_types=[(input_name, FloatTensorType([None, xtr.shape[1]]))],
+        initial_types=[(input_name, FloatTensorType([None, xte.shape[1]]))],
         options={id(final): {"zipmap": False}},  # probabilities as a tensor, not a list of maps
         target_opset={"": 17, "ai.onnx.ml": 3},
     )
     onx.graph.name = name
     report = {
-        "model": what,
-        "train_size": len(ytr),
+        "model": fitted.what,
+        "train_size": fitted.train_size,
         "sklearn_heldout_accuracy": round(float(model.score(xte, yte)), 4),
         "heldout": {"x": xte.tolist(), "y": yte.tolist()},
     }

@@ -814,7 +814,7 @@ def onnx_operators_page() -> str:
         [
             "# ONNX operators",
             "",
-            "What `meshfn fn init --from-onnx` and `meshfn fn build` compile (`kind = \"onnx\"`,"
+            'What `meshfn fn init --from-onnx` and `meshfn fn build` compile (`kind = "onnx"`,'
             " [Bring your own model](../tasks/bring-your-own-model.md)), from the compiler's"
             f" operator registry (`meshfn.compiler.ops`, {len(ops.REGISTRY)} operators): one unit"
             " per operator, each tested on its own and against ONNX's node conformance cases"

@@ -456,6 +456,20 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         "max_abs_err": max(r["max_abs_err"] for r in rows),
         # beside the headline (the JSON only)
         "wasm_vs_ort_p50_ratio_median": statistics.median(b1),
+        # the backend's own call path (deadline, bytes in and out, its result object)
+        "host_vs_ort_p50_ratio": max(
+            r["batch1"]["host_p50_us"] / r["batch1"]["ort_p50_us"] for r in rows
+        ),
+        "host_vs_ort_p50_ratio_median": statistics.median(
+            r["batch1"]["host_p50_us"] / r["batch1"]["ort_p50_us"] for r in rows
+        ),
+        "cold_vs_ort_1thread_ratio": max(
+            r["cold_ms"]["wasm"] / r["cold_ms"]["ort_1thread"] for r in rows
+        ),
+        "meshfn_rps": server["meshfn"]["rps"],
+        "mlserver_rps": server["mlserver"]["rps"],
+        "meshfn_p99_ms": server["meshfn"]["p99_ms"],
+        "mlserver_p99_ms": server["mlserver"]["p99_ms"],
         "wasm_vs_ort_p50_ratio_b32": max(
             r["batch32"]["wasm_p50_us"] / r["batch32"]["ort_p50_us"] for r in rows
         ),

@@ -80,6 +80,12 @@ class Batcher:
         # A request may wait for its batch, then run: both within its deadline.
         self.allowance = self.delay + rt.spec.limits.timeout.total_seconds()
 
+    def most(self) -> int:
+        """Rows per guest call: maxBatchSize, or fewer where a compiled model's memory limit
+        holds fewer (tensorio.py)."""
+        tensors = self.lane.rt.tensors
+        return self.max if tensors is None else max(1, min(self.max, tensors.max_rows))
+
     # ------------------------------------------------------------------ requests
 
     async def submit(
@@ -93,7 +99,8 @@ class Batcher:
         now = time.monotonic()
         own = now + self.allowance
         deadline = own if deadline is None else min(deadline, own)
-        if rows <= self.max:
+        most = self.most()
+        if rows <= most:
             return await self._enqueue(request, rows, timing, deadline, now, priority)
         if not self.split:
             raise KServeError(
@@ -102,8 +109,7 @@ class Batcher:
                 "(its Function sets batching.maxBatchSize and oversize: refuse)",
             )
         chunks = [
-            slice_rows(request, start, min(start + self.max, rows))
-            for start in range(0, rows, self.max)
+            slice_rows(request, start, min(start + most, rows)) for start in range(0, rows, most)
         ]
         parts = await asyncio.gather(
             *(self._enqueue(c, c.rows, timing, deadline, now, priority) for c in chunks)
@@ -187,9 +193,7 @@ class Batcher:
         head = ordered[0]
         chosen: list[Pending] = []
         rows = 0
-        # a compiled model's memory limit may hold fewer rows than maxBatchSize (tensorio.py)
-        tensors = self.lane.rt.tensors
-        most = self.max if tensors is None else max(1, min(self.max, tensors.max_rows))
+        most = self.most()
         for p in ordered:
             if p.key != head.key:
                 continue

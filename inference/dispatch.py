@@ -290,7 +290,7 @@ class Dispatcher:
                     )
                 request = parse()
                 if rt.tensors is not None:  # a compiled model's batch checks, before any queue
-                    rt.tensors.rows(request)
+                    rt.tensors.rows(request, lane.batcher is not None and lane.batcher.split)
             except BaseException:
                 if ticket is not None:
                     ticket.done(0)

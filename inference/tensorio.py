@@ -101,9 +101,10 @@ class TensorIO:
             f"for one row, more than its limits.memoryMiB allows ({self.cap >> 20} MiB)"
         )
 
-    def rows(self, request: InferRequest) -> int:
+    def rows(self, request: InferRequest, split: bool = False) -> int:
         """The request's batch, checked: every batched input agrees, at least one row, and no
-        more than the memory limit holds (400s, before the guest runs)."""
+        more than the memory limit holds (400s, before the guest runs); `split`: the batcher
+        cuts it into calls that fit (`oversize: split`), so any number of rows goes."""
         if not self.dynamic:
             return 1
         by_name = {t.name: t.shape[0] for t in request.inputs}
@@ -116,7 +117,7 @@ class TensorIO:
             )
         if rows < 1:
             raise KServeError(400, f"{self.label} needs at least one row (the batch is 0)")
-        if rows > self.max_rows:
+        if rows > self.max_rows and not split:
             raise KServeError(
                 400,
                 f"request has {rows} rows but {self.label} takes at most {self.max_rows} per call "

@@ -300,8 +300,13 @@ def test_shape_errors_are_400s_before_the_guest_runs(tmp_path: Path, keys: Keys,
         backend = serve(
             tmp_path / "reg",
             keys,
-            [{"name": "iris"}, {"name": "wide", "limits": {"memoryMiB": 13}}],
-        )
+            [
+                {"name": "iris"},
+                {"name": "wide", "limits": {"memoryMiB": 13}},
+                {"name": "wide-split", "artifact": "wide@1", "limits": {"memoryMiB": 13},
+                 "batching": {"maxBatchSize": 4096, "oversize": "split"}},
+            ],
+        )  # fmt: skip
         await backend.start()
         wrong = json.dumps({"inputs": [{"name": "features", "datatype": "FP32",
                                         "shape": [1, 3], "data": [1, 2, 3]}]}).encode()  # fmt: skip

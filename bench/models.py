@@ -67,7 +67,7 @@ from meshfn.inference.host import Outcome, TensorCall, load_precompiled
 from meshfn.inference.onnxfn import init
 from meshfn.inference.registry import Registry, sign_module
 from meshfn.inference.signing import load_private_key
-from meshfn.testing import onnx_models
+from meshfn.testing import load, onnx_models
 from meshfn.testing.load import pct
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import Processes, http_ok, wait_for
@@ -411,15 +411,30 @@ def servers(args: argparse.Namespace) -> dict[str, Any]:
         if args.python_guest:
             targets["meshfn_python"] = (meshfn_port, "iris-py", "label")
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
+        raw: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
         for r in range(args.rounds):
             order = list(targets) if r % 2 == 0 else list(reversed(targets))
             for name in order:
                 rounds[name].append(drive(*targets[name], args))
+                if args.wrk:  # context: a C client, as the calibration measured
+                    port, served, _ = targets[name]
+                    url = f"http://127.0.0.1:{port}/v2/models/{served}/infer"
+                    done = load.wrk(url, load.IRIS, args.seconds, args.concurrency, tmp)
+                    raw[name].append(
+                        {"rps": done.rps, "p50_ms": done.p50_ms, "p99_ms": done.p99_ms}
+                    )
+        keys = ("rps", "p50_ms", "p99_ms")
         summary = {
-            name: {k: statistics.median(m[k] for m in ms) for k in ("rps", "p50_ms", "p99_ms")}
+            name: {k: statistics.median(m[k] for m in ms) for k in keys}
             for name, ms in rounds.items()
         }
-        return {"rounds": rounds, "median": summary, "mlserver": config, "agreed_rows": rows}
+        out = {"rounds": rounds, "median": summary, "mlserver": config, "agreed_rows": rows}
+        if args.wrk:
+            out["wrk"] = {
+                name: {k: statistics.median(m[k] for m in ms) for k in keys}
+                for name, ms in raw.items()
+            }
+        return out
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -495,6 +510,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also serve the hand-written Python iris (calibration)",
+    )
+    parser.add_argument(
+        "--wrk",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also drive each server with wrk (JSON only; the headline is tritonclient's)",
     )
     parser.add_argument("--json", type=Path, default=None, help="where to write the results")
     args = parser.parse_args()

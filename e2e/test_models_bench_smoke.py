@@ -27,5 +27,5 @@ def test_models_bench_smoke(tmp_path: Path) -> None:
     server = data["server"]
     assert server["agreed_rows"] > 30  # both servers labelled the held-out rows alike
     assert server["mlserver"]["settings.json"]["parallel_workers"] == 0
-    assert set(server["median"]) == {"meshfn", "mlserver"}
+    assert set(server["median"]) == set(server["wrk"]) == {"meshfn", "mlserver"}
     assert all(m["rps"] > 0 and m["p99_ms"] >= m["p50_ms"] for m in server["median"].values())

@@ -225,6 +225,11 @@ def test_tracing_one_request_is_one_trace_through_gateway_sidecar_and_backend(me
         "trace", "list", "--route", "default/function-iris", "--state-dir", str(mesh.state)
     )
     assert trace["trace_id"] in listed.stdout
+    # the backend pushed nothing: meshfn up collected its spans (over its own socket)
+    status = meshfn("status", "--json", "--state-dir", str(mesh.state))
+    assert json.loads(status.stdout)["tracing"]["backend_collections"] >= 1, status.stdout
+    text = meshfn("status", "--state-dir", str(mesh.state)).stdout
+    assert "collected by meshfn up" in text and "collection(s) from the backends" in text, text
 
 
 def test_tracing_a_cold_start_is_split_and_a_batch_links_its_members(mesh: Mesh) -> None:

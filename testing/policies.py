@@ -10,15 +10,32 @@ from __future__ import annotations
 import re
 import shutil
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from meshfn import ir
+
 from .ports import free_ports, named_ports
 
 API_VERSION = "meshfn.io/v1alpha1"
 _DUMPER: type[yaml.SafeDumper] = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+# The drift breaker's settings as the compiler gives them, for tests that drive a DriftBreaker
+# directly (fallback, exemplars): 40% over a 10 s baseline, 10 samples, 1 s windows.
+DRIFT = ir.Drift(
+    threshold_percent=40,
+    min_increase=timedelta(milliseconds=10),
+    min_samples=10,
+    window=timedelta(seconds=1),
+    baseline_window=timedelta(seconds=10),
+    cold_start_baseline=None,
+    recover_after=timedelta(seconds=2),
+    probe_percent=5,
+)
 
 
 def flow(value: Any) -> str:

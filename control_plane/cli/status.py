@@ -278,7 +278,9 @@ def _print_tracing(collector: dict[str, Any] | None, backends: list[BackendFunct
             f"{collector['traces']} trace(s), {collector['bytes'] // 1024} of"
             f" {collector['max_bytes'] // 1024} KiB, {collector['received_spans']} span(s)"
             f" received, {lost} dropped"
-            + (" (" + ", ".join(f"{n} {r}" for r, n in dropped.items() if n) + ")" if lost else ""),
+            + (" (" + ", ".join(f"{n} {r}" for r, n in dropped.items() if n) + ")" if lost else "")
+            + f"; {collector.get('backend_collections', 0)} collection(s) from the backends,"
+            f" {collector.get('backend_collection_failures', 0)} failed",
             highlight=False,
         )
     for proxy in (collector or {}).get("proxies") or []:

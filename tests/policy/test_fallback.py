@@ -14,7 +14,7 @@ from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 from meshfn import ir
 from meshfn.health.drift import DriftBreaker, WatchedRoute
 from meshfn.policy import PolicyErrors, load_policies
-from meshfn.testing.policies import documents, gateway, mesh
+from meshfn.testing.policies import DRIFT, documents, gateway, mesh
 from meshfn.xds.translate.endpoints import priority
 
 BASE = documents(mesh("t", "t.local"), gateway(19000, 10000, locality={"region": "eu"}))
@@ -138,18 +138,6 @@ def test_priorities_by_proximity() -> None:
     assert priority(ir.Locality("us", "us-1"), proxy, failover) == 3
     assert priority(ir.Locality("ap", "ap-1"), proxy, failover) == 4
     assert priority(ir.Locality(), ir.Locality(), ()) == 4
-
-
-DRIFT = ir.Drift(
-    threshold_percent=40,
-    min_increase=timedelta(milliseconds=10),
-    min_samples=10,
-    window=timedelta(seconds=1),
-    baseline_window=timedelta(seconds=10),
-    cold_start_baseline=None,
-    recover_after=timedelta(seconds=2),
-    probe_percent=5,
-)
 
 
 def breaker(settings: ir.Drift = DRIFT) -> DriftBreaker:

@@ -4,24 +4,12 @@ the traceparent the gateway's access-log stream carries."""
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 
 import pytest
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
-from meshfn import ir
 from meshfn.health.drift import DriftBreaker, WatchedRoute
-
-DRIFT = ir.Drift(
-    threshold_percent=40,
-    min_increase=timedelta(milliseconds=10),
-    min_samples=10,
-    window=timedelta(seconds=1),
-    baseline_window=timedelta(seconds=10),
-    cold_start_baseline=None,
-    recover_after=timedelta(seconds=2),
-    probe_percent=5,
-)
+from meshfn.testing.policies import DRIFT
 
 
 def _entry(ms: float, trace: int | None, sampled: bool = True) -> HTTPAccessLogEntry:

@@ -14,6 +14,7 @@ import http.client as httpclient
 import json
 import os
 import random
+import re
 import statistics
 import threading
 import time
@@ -230,6 +231,11 @@ def test_tracing_one_request_is_one_trace_through_gateway_sidecar_and_backend(me
     assert json.loads(status.stdout)["tracing"]["backend_collections"] >= 1, status.stdout
     text = meshfn("status", "--state-dir", str(mesh.state)).stdout
     assert "collected by meshfn up" in text and "collection(s) from the backends" in text, text
+    # ... with its egress control on (it refuses every unix-socket connect) and no peer or TCP
+    # port opened for tracing
+    sandboxed = r"^sandbox default/models \S+: landlock on, seccomp on, egress on\n"
+    connects = r"  landlock: .*TCP connect: none.*\n  seccomp: .*\n  egress: .*peers: none$"
+    assert re.search(sandboxed + connects, text, re.M), text
 
 
 def test_tracing_a_cold_start_is_split_and_a_batch_links_its_members(mesh: Mesh) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshfn import ir
-from meshfn.xds.names import function_cluster_name, primary_clusters
+from meshfn.xds.names import function_cluster_name, primary_clusters, version_cluster_name
 
 if TYPE_CHECKING:
     from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
@@ -278,8 +278,16 @@ def watched_routes(model: ir.MeshModel) -> list[WatchedRoute]:
                 if service.drift is None:
                     continue
                 own = primary_clusters(service.key)
-                # A shedding gateway routes each Function's REST calls to twins of these.
+                # A shedding gateway routes each Function's REST calls to twins of these, and
+                # a rolled-out Function's to one twin per version.
                 twins = {function_cluster_name(c, f) for c in own for f, _ in service.function_shed}
+                rollout = model.rollout_of(f"{route.namespace}/{route.function}")
+                if rollout is not None:
+                    twins |= {
+                        version_cluster_name(c, route.function, v)
+                        for c in own
+                        for v in (rollout.stable, rollout.candidate)
+                    }
                 out[route.key] = WatchedRoute(
                     route=route.key, primary_clusters=own | twins, settings=service.drift
                 )

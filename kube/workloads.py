@@ -109,7 +109,7 @@ def backend_config(functions: list[ir.Function], settings: BackendSettings) -> B
         trustedKeys=[Path(KEYS_DIR)],
         workers=settings.workers,
         processes=settings.processes,
-        functions=[f.served() for f in functions],
+        functions=[v for f in functions for v in f.served_versions()],
     )
 
 

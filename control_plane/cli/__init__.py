@@ -1,8 +1,8 @@
 """`meshfn`: run the mesh, validate policies, and see inside the control plane.
 
 The command tree is assembled here, in the order `meshfn --help` lists it; each command group
-lives in a module of its own (policies, run, status, render, identity, filters) over `shared`
-(options, policy loading, the admin port). `meshfn audit`, `meshfn kube` and `meshfn fn` are the
+lives in a module of its own (policies, run, status, render, identity, filters, rollout) over
+`shared` (options, policy loading, the admin port). `meshfn audit`, `meshfn kube` and `meshfn fn` are the
 audit trail's, the operator's and the inference backend's own sub-apps, mounted as they are.
 """
 
@@ -24,6 +24,7 @@ from . import policies, run, status
 from .filters import filters_app
 from .identity import ca_app, certs_app, token_app
 from .render import render_app
+from .rollout import rollout_app
 
 __all__ = ["app", "main"]
 
@@ -45,6 +46,7 @@ for command in (
     app.command()(command)  # named after the function: config_dump -> config-dump
 
 app.add_typer(render_app, name="render")
+app.add_typer(rollout_app, name="rollout")
 app.add_typer(token_app, name="token")
 app.add_typer(audit_app, name="audit")
 app.add_typer(certs_app, name="certs")

@@ -103,9 +103,13 @@ def admin_url(given: str | None, state_dir: Path = DEFAULT_STATE) -> str:
     return recorded_admin(state_dir) or DEFAULT_ADMIN
 
 
-def admin_json(url: str, timeout: float = 5) -> Any:
-    """GET a JSON document from the admin port (with $MESHFN_ADMIN_TOKEN when set)."""
-    request = urllib.request.Request(url)
+def admin_json(url: str, timeout: float = 5, body: Any = None) -> Any:
+    """GET a JSON document from the admin port (with $MESHFN_ADMIN_TOKEN when set); with
+    `body`, POST it as JSON instead."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
     if token := env.ADMIN_TOKEN.get():  # an admin port beyond loopback
         request.add_header("Authorization", f"Bearer {token}")
     try:
@@ -128,6 +132,14 @@ def get_json(url: str) -> Any:
     """`admin_json`, or the reason printed and exit 1."""
     try:
         return admin_json(url)
+    except AdminUnreachable as exc:
+        fail(exc)
+
+
+def post_json(url: str, body: Any) -> Any:
+    """POST `body` to the admin port (`admin_json`), or the reason printed and exit 1."""
+    try:
+        return admin_json(url, body=body)
     except AdminUnreachable as exc:
         fail(exc)
 

@@ -30,6 +30,8 @@ from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
 from meshfn.common.unix import SocketPathTooLong
 from meshfn.ebpf import AccelerationUnavailable
+from meshfn.rollout.controller import Event as RolloutEvent
+from meshfn.rollout.shadow import Backend as ShadowBackend
 
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
@@ -148,6 +150,17 @@ class Mesh:
         if self.audit is not None:  # after the proxies: it stores the last lines they wrote
             await self.audit.stop()
 
+    def shadow_backends(self) -> list[ShadowBackend]:
+        """Every serving process of every inference backend (each keeps its own shadow
+        comparisons), for the rollout controller."""
+        out = []
+        for spec, _ in self.upstreams.values():
+            if not spec.functions:
+                continue
+            for where in spec.sockets or (spec.where,):
+                out.append(ShadowBackend(spec.service, str(where), _fetcher(where)))
+        return out
+
     def backends(self) -> list[Backend]:
         """The inference backends running now (for the console's Functions panel)."""
         return [
@@ -187,6 +200,16 @@ class Mesh:
             **{p.name: p.pid for _, p in self.envoys.values()},
             **{p.name: p.pid for _, p in self.upstreams.values()},
         }
+
+
+def _fetcher(where: Path | str) -> Callable[[str], Awaitable[tuple[int, bytes]]]:
+    async def fetch(path: str) -> tuple[int, bytes]:
+        try:
+            return await upstream_request(where, path, timeout=2)
+        except aiohttp.ClientError as exc:
+            raise OSError(str(exc)) from exc
+
+    return fetch
 
 
 async def _gather_or_raise(starts: Sequence[Awaitable[None]]) -> None:
@@ -351,6 +374,12 @@ def _wired_mesh(
         audit=audit,
     )
     cp.status_providers["audit"] = audit.status
+    cp.shadow_backends = mesh.shadow_backends
+
+    async def record(events: list[RolloutEvent]) -> None:
+        await audit.record([event.audit_record() for event in events])
+
+    cp.rollout_listeners.append(record)
     # Where `meshfn status` reads each backend's own /meshfn/functions (warm-up, cold requests,
     # per-tenant QoS counts).
     cp.status_providers["inference_backends"] = lambda: [
@@ -437,6 +466,7 @@ async def _serve(
             asyncio.create_task(cp.watch(stop)),
             asyncio.create_task(cp.rotate_credentials_forever(stop)),
             asyncio.create_task(cp.drift_forever(stop)),
+            asyncio.create_task(cp.rollouts_forever(stop)),
         ]
         await _print_ready(console, cp, model, admin, mesh, policies)
         await stop.wait()

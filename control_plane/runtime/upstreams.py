@@ -149,7 +149,7 @@ def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
         trustedKeys=[k.resolve() for k in setup.trusted_keys],
         workers=setup.workers,
         processes=setup.processes,
-        functions=[f.served() for f in spec.functions],
+        functions=[v for f in spec.functions for v in f.served_versions()],
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result

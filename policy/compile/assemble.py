@@ -1,4 +1,4 @@
-"""Pass 9, assemble: the MeshModel from the last stage and the Mesh's own settings (ports,
+"""Pass 10, assemble: the MeshModel from the last stage and the Mesh's own settings (ports,
 identity, acceleration, audit, drill)."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def assemble(complete: Complete) -> ir.MeshModel:
         drill=_drill(spec.drill),
         policies=_with_guards(complete.written, complete.guard_objects),
         qos=complete.qos,
+        rollouts=complete.rollouts,
     )
 
 

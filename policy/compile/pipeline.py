@@ -6,7 +6,18 @@ from meshfn import ir
 
 from ..errors import PolicyError
 from ..validate import Loaded
-from . import assemble, fallback, functions, gateways, qos, resolve, security, shedding, sidecars
+from . import (
+    assemble,
+    fallback,
+    functions,
+    gateways,
+    qos,
+    resolve,
+    rollouts,
+    security,
+    shedding,
+    sidecars,
+)
 
 
 def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
@@ -18,7 +29,8 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     chained = fallback.chain(secured)
     bound = qos.bind(chained)
     served = functions.serve(bound)
-    routed = gateways.route(served)
+    rolled = rollouts.roll(served)
+    routed = gateways.route(rolled)
     if routed.errors:
         return sorted(set(routed.errors))
     shed = shedding.shed(routed)

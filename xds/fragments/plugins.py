@@ -26,6 +26,7 @@ from meshfn.contracts.plugins import (
     bare_filter_state,
 )
 from meshfn.contracts.qos import LIMIT_HEADER
+from meshfn.contracts.rollout import MODEL_VERSION_HEADER
 
 # The jwt_authn metadata key the translator's providers write the verified payload under.
 JWT_PAYLOAD = "payload"
@@ -133,6 +134,8 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
     "principal": "%DOWNSTREAM_PEER_URI_SAN%",
     "flags": "%RESPONSE_FLAGS%",
     "qos_limit": f"%RESP({LIMIT_HEADER}):16%",  # which QoS limit refused the request
+    # the Function version that answered (the backend names it; a rollout has two)
+    "model_version": f"%RESP({MODEL_VERSION_HEADER}):64%",
     "traceparent": "%REQ(TRACEPARENT):128%",
     "b3_trace_id": "%REQ(X-B3-TRACEID):64%",
     "audit": f"%FILTER_STATE({AUDIT_FILTER_STATE}:PLAIN)%",

@@ -30,7 +30,7 @@ from meshfn.inference.registry import Registry
 Variant = Literal["same", "broken-weight", "trap", "slow"]
 SOURCE = FUNCTIONS_DIR / "examples" / "digits-core"
 CORE = FUNCTIONS_DIR / "core"
-SLOW_SPIN = 60_000_000  # ~40-150 ms of guest time on the test machines
+SLOW_SPIN = 10_000_000  # ~40-60 ms of guest time on the test machines
 
 # Run after train.py (the function's own prepare step): swap the weight rows of classes 3 and 8,
 # so the model answers 8 where it meant 3 and the other way round.
@@ -84,9 +84,7 @@ def build(workdir: Path, name: str, version: str, variant: Variant) -> Built:
     return Built(name, version, variant, target)
 
 
-def publish(
-    workdir: Path, registry: Path, versions: list[tuple[str, str, Variant]]
-) -> Path:
+def publish(workdir: Path, registry: Path, versions: list[tuple[str, str, Variant]]) -> Path:
     """Build, sign (the development key) and publish each (name, version, variant) into
     `registry`; returns the public key the backends must trust."""
     private, public = dev_key()

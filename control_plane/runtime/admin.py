@@ -12,7 +12,6 @@ send that without a CORS preflight, which this port never grants. Private keys n
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import time
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from meshfn.rollout.controller import ActionError
+from meshfn.rollout.http import add_routes as rollout_routes
 from meshfn.xds.dump import resources_to_plain, to_yaml
 
 from ..service import ControlPlane
@@ -116,29 +115,6 @@ def certificates_document(cp: ControlPlane, node: str) -> dict[str, Any] | None:
     }
 
 
-async def rollout_action(cp: ControlPlane, request: web.Request) -> web.Response:
-    """POST /rollouts/actions {"rollout": NAME, "action": promote|abort|pause|resume, "by":
-    who}: JSON only (see the module docstring)."""
-    if request.content_type != "application/json":
-        return web.json_response({"error": "send application/json"}, status=415)
-    try:
-        body = json.loads(await request.read())
-    except ValueError:
-        return web.json_response({"error": "the body is not JSON"}, status=400)
-    if not isinstance(body, dict) or not all(
-        isinstance(body.get(k), str) for k in ("rollout", "action")
-    ):
-        return web.json_response({"error": "give rollout and action (strings)"}, status=400)
-    by = body.get("by")
-    who = by[:128] if isinstance(by, str) and by else "admin"
-    try:
-        event = await cp.rollout_action(body["rollout"], body["action"], f"{who} (admin port)")
-    except ActionError as exc:
-        return web.json_response({"error": str(exc)}, status=exc.status)
-    rollout = next(d for d in cp.rollouts.document() if d["rollout"] == event.rollout)
-    return web.json_response({"event": event.describe(), "rollout": rollout})
-
-
 class AdminAccessError(ValueError):
     """The admin port would listen beyond loopback without a token."""
 
@@ -201,21 +177,8 @@ def make_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/.well-known/jwks.json", jwks)
     app.router.add_get("/debug/certs", certs)
-    add_rollout_routes(app, cp)
+    rollout_routes(app, cp.rollouts.document, cp.rollout_action)
     return app
-
-
-def add_rollout_routes(app: web.Application, cp: ControlPlane) -> None:
-    """GET /rollouts (what `meshfn rollout status` shows), POST /rollouts/actions."""
-
-    async def rollouts(_: web.Request) -> web.Response:
-        return web.json_response({"rollouts": cp.rollouts.document()})
-
-    async def actions(request: web.Request) -> web.Response:
-        return await rollout_action(cp, request)
-
-    app.router.add_get("/rollouts", rollouts)
-    app.router.add_post("/rollouts/actions", actions)
 
 
 class AdminServer:

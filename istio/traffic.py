@@ -69,13 +69,13 @@ def _rollouts_served_by(ctx: Context, service: ir.Service) -> list[ir.Rollout]:
     return out
 
 
-def _subsets(ctx: Context, service: ir.Service) -> tuple[list[Obj], list[Source]]:
+def _subsets(ctx: Context, service: ir.Service) -> list[Obj]:
     """One subset per version of every rollout the service serves: all of its endpoints (each
     serves every version), under a name per version, so the gateway's clusters (and its
     access-log stream) tell the versions apart."""
     rollouts = _rollouts_served_by(ctx, service)
     versions = dict.fromkeys(v for r in rollouts for v in (r.stable, r.candidate))
-    return [{"name": subset_name(v)} for v in versions], [rollout_source(r) for r in rollouts]
+    return [{"name": subset_name(v)} for v in versions]
 
 
 def _mtls(service: ir.Service) -> str | None:
@@ -112,10 +112,11 @@ def destination_rules(ctx: Context) -> None:
         _balancer(ctx, service, policy)
         _shedding(ctx, service)
         spec = {"host": ctx.options.host(service.key), "trafficPolicy": policy}
-        subsets, rollouts = _subsets(ctx, service)
+        # The Rollout is no owner of what it only adds to (subsets, weights): deleting it
+        # would let the garbage collector edit the object's owners under meshfn's apply.
+        subsets = _subsets(ctx, service)
         if subsets:
             spec["subsets"] = subsets
-            sources += rollouts
         ctx.emit(
             resource(NETWORKING, "DestinationRule", service.name, service.namespace, spec), *sources
         )
@@ -512,8 +513,7 @@ def virtual_services(ctx: Context) -> None:
                 for route, index in sorted(entries, key=lambda pair: precedence(*pair)):
                     sources.add(route_source(ctx.model, route))
                     rollout = rolled_out(ctx.model, route, index)
-                    if rollout is not None:
-                        sources.add(rollout_source(rollout))
+                    if rollout is not None:  # the Rollout is no owner (see destination_rules)
                         http += _rollout_http(ctx, route, index, rollout)
                         continue
                     service = ctx.model.service(route.service)

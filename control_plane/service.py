@@ -28,6 +28,7 @@ from meshfn.health.drift import DriftBreaker, Transition, watched_routes
 from meshfn.ir import MeshModel, Overlay
 from meshfn.policy import PolicyError, PolicyErrors, PolicyLoader
 from meshfn.policy.loader import POLICY_SUFFIXES
+from meshfn.policy.rollout import Published
 from meshfn.policy.watch import watch_directory
 from meshfn.rollout.controller import Event as RolloutEvent
 from meshfn.rollout.controller import RolloutController
@@ -130,6 +131,7 @@ class ControlPlane:
         wasm_dir: Path | None = None,
         wasm_missing: str = "",
         app_sockets: AppSocketsOf | None = None,
+        published: Published | None = None,
     ) -> None:
         self.policies = Path(policies)
         self.state_dir = Path(state_dir)
@@ -139,7 +141,8 @@ class ControlPlane:
         # The applications behind sidecars that the runtime around us serves on unix sockets
         # (`meshfn up`; ProxyHost.app_sockets); None: every application on its endpoint.
         self.app_sockets = app_sockets
-        self.loader = PolicyLoader(self.policies)
+        # `published`: the function registry's versions (Rollouts' versions are checked there)
+        self.loader = PolicyLoader(self.policies, published)
         self.cache = SnapshotCache()
         self.metrics = metrics or Metrics()
         self.tokens = BootstrapTokens(self.state_dir / "xds-token.key")

@@ -163,6 +163,29 @@ def _event_at(doc: dict[str, Any], event: str) -> float:
     return next(h["at"] for h in doc["history"] if h["event"] == event)
 
 
+def test_a_candidate_not_published_is_refused_at_its_line(rig: Rig) -> None:
+    """The registry is asked: the reload is refused (file:line), the configuration in force
+    stays, and no rollout starts."""
+    doc = {
+        "apiVersion": API_VERSION,
+        "kind": "Rollout",
+        "metadata": {"name": "good"},
+        "spec": {"function": "good", "stable": "1", "candidate": "9",
+                 "canary": {"steps": [{"weight": 10}]}},
+    }  # fmt: skip
+    path = rig.policies / "rollout-good.yaml"
+    path.write_text(yaml.safe_dump(doc))
+
+    def refused() -> list[str]:
+        return list(http(rig.admin + "/debug/status").json()["policy_errors"])
+
+    (error,) = wait_for("the reload refused", refused, timeout=30)
+    assert error.startswith(f"{path}:9: spec.candidate: version '9' of good is not published")
+    assert rig.status("good") is None
+    path.unlink()
+    wait_for("the errors gone", lambda: not refused(), timeout=30)
+
+
 def test_a_good_candidate_is_promoted_through_every_step_without_a_failed_request(
     rig: Rig,
 ) -> None:
@@ -189,6 +212,12 @@ def test_a_good_candidate_is_promoted_through_every_step_without_a_failed_reques
     assert {a.version for a in answers if a.sent < shadow_passed - 0.5} == {"1"}
     assert {a.version for a in answers if a.sent > promoted + 0.5} == {"2"}
     assert Counter(a.version for a in answers)["2"] > 0
+    # the console shows it: the step, the weights, each check against its limit, the history
+    page = http(rig.admin + "/ui").body.decode()
+    panel = page.split('id="panel-rollouts"', 1)[1].split("</section>", 1)[0]
+    for shown in ("default/good", "Promoted", "stable 0%, candidate 100%", "error ratio",
+                  "p99 vs stable", "promoted</strong>", "step 1 passed"):  # fmt: skip
+        assert shown in panel, shown
 
 
 def _rolled_back(rig: Rig, function: str, **spec: Any) -> tuple[dict[str, Any], list[Answer]]:

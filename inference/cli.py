@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -276,6 +277,15 @@ def _unix_sockets(
     if grpc_sockets and grpc_port is not None:
         fail("give --grpc-port or --grpc-unix-socket, not both")
     return sockets, grpc_sockets
+
+
+def published_versions(registry: Path) -> Callable[[str], list[str]]:
+    """What the registry at `registry` holds of a function (name -> its published versions):
+    the policy loader checks Rollouts' versions against it (the control plane's CLI reaches
+    the registry only through this module)."""
+    from .registry import Registry
+
+    return Registry(registry).versions
 
 
 def publish_examples(registry: Path, console: Console | None = None) -> tuple[list[Any], Path]:

@@ -30,6 +30,7 @@ from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
 from meshfn.common.unix import SocketPathTooLong
 from meshfn.ebpf import AccelerationUnavailable
+from meshfn.policy.rollout import Published
 from meshfn.rollout.controller import Event as RolloutEvent
 from meshfn.rollout.shadow import Backend as ShadowBackend
 
@@ -256,8 +257,10 @@ async def run_up(
     functions: FunctionsSetup | None = None,
     admin_host: str = "127.0.0.1",
     admin_token: str | None = None,
+    published: Published | None = None,
 ) -> int:
-    """`meshfn up`: run the whole mesh until Ctrl-C or SIGTERM; the exit status.
+    """`meshfn up`: run the whole mesh until Ctrl-C or SIGTERM; the exit status. `published`:
+    the function registry's versions of a function (Rollouts are checked against it).
 
     It runs in three steps, and the order is the point:
     1. Check everything that can refuse the start before anything runs (an admin port beyond
@@ -273,7 +276,7 @@ async def run_up(
     console = console or cli_console()
     try:
         _check_admin_listen(admin_host, admin_token)
-        cp, model = await _loaded(policies, state_dir, functions, console)
+        cp, model = await _loaded(policies, state_dir, functions, console, published)
         _check_functions(model, functions)
         acceleration = await _accelerated(cp, model, state_dir)
     except _Refused as refused:
@@ -295,7 +298,11 @@ def _check_admin_listen(admin_host: str, admin_token: str | None) -> None:
 
 
 async def _loaded(
-    policies: Path, state_dir: Path, functions: FunctionsSetup | None, console: Console
+    policies: Path,
+    state_dir: Path,
+    functions: FunctionsSetup | None,
+    console: Console,
+    published: Published | None = None,
 ) -> tuple[ControlPlane, ir.MeshModel]:
     """The control plane with the policies loaded (the proxy-wasm filters built first, with
     progress on stderr and one line saying what was cached); its warnings printed."""
@@ -309,6 +316,7 @@ async def _loaded(
         wasm_missing=wasm_missing,
         # the sidecars reach what Mesh.reconcile starts behind them over its unix sockets
         app_sockets=lambda m: app_sockets(local_upstreams(m, state_dir, functions).values()),
+        published=published,
     )
     result = await cp.reload()
     tune_gc()

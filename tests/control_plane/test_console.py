@@ -126,7 +126,9 @@ async def test_events_stream_every_panel_then_ticks(admin: tuple[ControlPlane, s
                 ticks += 1
                 if ticks == 2:
                     break
-    assert set(seen) == {"topology", "proxies", "drift", "functions", "audit", "policy"}
+    assert set(seen) == {
+        "topology", "proxies", "drift", "rollouts", "functions", "audit", "policy",
+    }  # fmt: skip
     assert "&lt;img src=x" in seen["policy"] and "<img" not in seen["policy"]
 
 
@@ -190,6 +192,17 @@ async def test_token_guards_every_admin_route(tmp_path: Path) -> None:
         assert (await _get(url + "/debug/status", headers=bad))[0] == 401
         good = {"Authorization": "Bearer " + TOKEN}
         assert (await _get(url + "/debug/status", headers=good))[0] == 200
+        assert (await _get(url + "/rollouts"))[0] == 401
+        assert (await _get(url + "/rollouts", headers=good))[0] == 200
+        async with aiohttp.ClientSession() as session:
+            act = url + "/rollouts/actions"
+            body = {"rollout": "x", "action": "abort"}
+            async with session.post(act, json=body) as reply:
+                assert reply.status == 401  # the one action the admin port takes: token too
+            async with session.post(act, data=body, headers=good) as reply:
+                assert reply.status == 415  # a form (what another page could post): refused
+            async with session.post(act, json=body, headers=good) as reply:
+                assert reply.status == 404 and "no rollout 'x'" in (await reply.json())["error"]
         assert (await _get(url + "/healthz"))[0] == 200
         assert (await _get(url + "/.well-known/jwks.json"))[0] == 200  # Envoy fetches it
         assert (await _get(url + "/ui/static/console.css"))[0] == 200

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 VERSION_HEADER = "x-meshfn-version"
 MODEL_VERSION_HEADER = "x-meshfn-model-version"
-ROLLOUT_AUTHORITY = "rollout.meshfn.internal"
+ROLLOUT_AUTHORITY = "meshfn-rollout.internal"
 SHADOW_SUFFIX = "-shadow"  # what Envoy appends to a mirrored request's Host
 SHADOW_AUTHORITY = ROLLOUT_AUTHORITY + SHADOW_SUFFIX
 SHADOW_PATH = "/meshfn/shadow"

@@ -490,6 +490,10 @@ class ControlPlane:
                     await listener(model, previous)
                 except Exception as exc:
                     log.error("applying configuration %d failed: %s", self.state.generation, exc)
+        # The listeners have made the backends serve the new candidates (`meshfn up` restarts a
+        # backend whose functions changed, and waits for it): their first step starts now.
+        for event in begun:
+            self.rollouts.restart_step(event.rollout)
 
     async def start(self, host: str = "127.0.0.1", xds_port: int | None = None) -> int:
         """Start ADS on the Mesh's xds port (or `xds_port`, 0 for any free port)."""

@@ -205,6 +205,17 @@ class RolloutController:
         state.log(HistoryEntry(now, "started", 0, split.weight, split.mirror, state.reason))
         return state
 
+    def restart_step(self, key: str) -> None:
+        """The rollout's current step starts over now with a fresh window: what came before
+        (a backend restarting to serve the candidate) is not the candidate's doing."""
+        tracked = self._tracked.get(key)
+        if tracked is None or tracked.state.ended:
+            return
+        tracked.state.step_started, tracked.state.requests = self.clock(), 0
+        tracked.counted_until = self.monotonic()
+        tracked.figures.clear()
+        self.store.save(tracked.state)
+
     def splits(self) -> tuple[ir.Split, ...]:
         return tuple(
             sorted((t.state.split() for t in self._tracked.values()), key=lambda s: s.rollout)
@@ -228,9 +239,12 @@ class RolloutController:
 
     def observe_access_log(self, entry: HTTPAccessLogEntry, now: float) -> None:
         """One gateway access-log entry (the drift breaker's stream): its upstream cluster names
-        the version; a 5xx (Envoy's own for a reset or timeout too) is a failure."""
+        the version; a 5xx (Envoy's own for a reset or timeout too) is a failure. Only
+        inferences count: a metadata or readiness call is no answer of the model's."""
         common = entry.common_properties
         if common.upstream_cluster not in self._by_cluster:
+            return
+        if not entry.request.path.split("?", 1)[0].endswith("/infer"):
             return
         timing = common.time_to_last_downstream_tx_byte
         if not common.HasField("time_to_last_downstream_tx_byte"):

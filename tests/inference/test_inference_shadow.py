@@ -38,7 +38,7 @@ def test_labels_must_be_equal_and_numbers_within_the_tolerance() -> None:
 
 def test_a_shadow_is_known_by_its_authority_and_a_version_by_its_header() -> None:
     assert is_shadow({b"host": SHADOW_AUTHORITY.encode()})
-    assert not is_shadow({b"host": b"rollout.meshfn.internal"})
+    assert not is_shadow({b"host": b"meshfn-rollout.internal"})
     assert not is_shadow({b"host": b"evil-shadow"})  # only the authority meshfn sets
     assert requested_version({b"x-meshfn-version": b"2"}) == "2"
     assert requested_version({}) is None

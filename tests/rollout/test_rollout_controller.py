@@ -247,3 +247,28 @@ def test_agreement() -> None:
     assert agreement(Window((), (), agree=19, disagree=1), 0.95, 20).verdict == "pass"
     assert agreement(Window((), (), agree=5, disagree=2), 0.95, 20).verdict == "breach"
     assert agreement(Window((), (), agree=5), 0.95, 20).verdict == "pending"
+
+
+def test_the_gateways_access_log_counts_inferences_by_version(tmp_path: Path) -> None:
+    from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
+
+    clock = Clock()
+    c = _controller(MemoryStore(), clock)
+    c.configure(_model(tmp_path))
+
+    def entry(cluster: str, path: str, status: int) -> HTTPAccessLogEntry:
+        out = HTTPAccessLogEntry()
+        out.common_properties.upstream_cluster = cluster
+        out.common_properties.duration.FromMilliseconds(3)
+        out.request.path = path
+        out.response.response_code.value = status
+        return out
+
+    clock.now += 0.5
+    c.observe_access_log(entry(CANDIDATE, "/v2/models/digits/infer", 503), clock.now)
+    c.observe_access_log(entry(CANDIDATE, "/v2/models/digits/ready", 503), clock.now)  # no answer
+    c.observe_access_log(entry("other.default", "/v2/models/x/infer", 500), clock.now)
+    c.observe_access_log(entry(STABLE, "/v2/models/digits/infer?x=1", 200), clock.now)
+    (event,) = _evaluate(c, clock)
+    assert event.event == "rolled-back"
+    assert "1 answers" in event.reason and "stable 0.00%" in event.reason

@@ -111,7 +111,7 @@ def destination_rules(ctx: Context) -> None:
             policy["tls"] = {"mode": tls}
         _balancer(ctx, service, policy)
         _shedding(ctx, service)
-        spec = {"host": ctx.options.host(service.key), "trafficPolicy": policy}
+        spec: Obj = {"host": ctx.options.host(service.key), "trafficPolicy": policy}
         # The Rollout is no owner of what it only adds to (subsets, weights): deleting it
         # would let the garbage collector edit the object's owners under meshfn's apply.
         subsets = _subsets(ctx, service)

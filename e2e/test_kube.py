@@ -532,9 +532,12 @@ def test_leader_killed_during_updates(cluster: KubeCluster, operator: Operator) 
         follower.stop()
 
 
-def send_latencies(port: int, route: str, cluster_name: str, millis: float, count: int) -> None:
+def send_latencies(
+    port: int, route: str, cluster_name: str, millis: float, count: int, status: int = 0
+) -> None:
     """Envoy's side of the access-log stream: `count` requests of `millis` on `route`, each
-    sent on an upstream connection (the only ones the gateway's filter streams)."""
+    sent on an upstream connection (the only ones the gateway's filter streams); with
+    `status`, inferences answered with it (what the rollout controller judges)."""
     import grpc
     from envoy.service.accesslog.v3 import als_pb2
 
@@ -549,6 +552,9 @@ def send_latencies(port: int, route: str, cluster_name: str, millis: float, coun
         entry.common_properties.upstream_cluster = cluster_name
         entry.common_properties.duration.FromMilliseconds(int(millis))
         entry.common_properties.upstream_local_address.socket_address.address = "10.0.0.1"
+        if status:
+            entry.request.path = "/v2/models/digits/infer"
+            entry.response.response_code.value = status
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.stream_unary(
             "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
@@ -607,33 +613,6 @@ def test_drift_trip_patches_the_degrade_plugin_and_recovery_reverts_it(
     assert config_writes(cluster, mark) == {"patch wasmplugins": 2}
 
 
-def send_answers(port: int, cluster_name: str, status: int, count: int, millis: float = 5) -> None:
-    """The gateway's access-log entries of `count` answers of one version (its subset's
-    cluster) with HTTP `status`: what the rollout controller judges."""
-    import grpc
-    from envoy.service.accesslog.v3 import als_pb2
-
-    from meshfn.xds.names import LATENCY_LOG
-
-    message = als_pb2.StreamAccessLogsMessage()
-    message.identifier.node.id = "edge-http~0"
-    message.identifier.log_name = LATENCY_LOG
-    for _ in range(count):
-        entry = message.http_logs.log_entry.add()
-        entry.common_properties.route_name = "default/function-digits/1"
-        entry.common_properties.upstream_cluster = cluster_name
-        entry.common_properties.duration.FromMilliseconds(int(millis))
-        entry.common_properties.upstream_local_address.socket_address.address = "10.0.0.1"
-        entry.response.response_code.value = status
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = channel.stream_unary(
-            "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=als_pb2.StreamAccessLogsResponse.FromString,
-        )
-        call(iter([message]), timeout=10)
-
-
 ROLLOUT = """apiVersion: meshfn.io/v1alpha1
 kind: Rollout
 metadata: {name: digits-v2, namespace: default}
@@ -648,6 +627,11 @@ spec:
     steps: [{weight: 10}, {weight: 50}, {weight: 100}]
   slo: {minSamples: 5}
 """
+
+
+def send_answers(port: int, cluster_name: str, status: int, count: int) -> None:
+    """Inferences of digits answered by one version (its subset's cluster) with `status`."""
+    send_latencies(port, "default/function-digits/1", cluster_name, 5, count, status)
 
 
 def _digits_split(cluster: KubeCluster) -> list[tuple[str, int]]:

@@ -122,6 +122,19 @@ def scale_gc(streams: int) -> None:
         gc.set_threshold(GC_YOUNG + GC_YOUNG_PER_STREAM * streams, 50, 50)
 
 
+async def _every(
+    stop: asyncio.Event, seconds: float, step: Callable[[], Awaitable[object]], what: str
+) -> None:
+    """`step()` every `seconds` until `stop`; a step that fails is logged and tried again."""
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
+        try:
+            await step()
+        except Exception:
+            log.exception("%s failed; retrying", what)
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -322,13 +335,7 @@ class ControlPlane:
         return transitions
 
     async def drift_forever(self, stop: asyncio.Event, interval: float = 0.2) -> None:
-        while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
-            try:
-                await self.apply_drift()
-            except Exception:
-                log.exception("evaluating the drift breaker failed; retrying")
+        await _every(stop, interval, self.apply_drift, "evaluating the drift breaker")
 
     async def _push_splits(self) -> list[str]:
         """Re-translate and push when the rollouts' splits moved (call under the lock)."""
@@ -390,13 +397,7 @@ class ControlPlane:
     async def rollouts_forever(self, stop: asyncio.Event, tick: float = 0.1) -> None:
         """Evaluate each rollout every `interval` (its own), checking often enough that a
         breach acts within a tick of its evaluation."""
-        while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), tick)
-            try:
-                await self.apply_rollouts()
-            except Exception:
-                log.exception("evaluating the rollouts failed; retrying")
+        await _every(stop, tick, self.apply_rollouts, "evaluating the rollouts")
 
     async def rotate_credentials_forever(self, stop: asyncio.Event) -> None:
         """Check a few times per certificate half-life (at least every 5 s)."""

@@ -64,6 +64,13 @@ from .workloads import BackendSettings, Rendered, render_backends
 log = logging.getLogger("meshfn.kube")
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# What the operator does not do yet: read each backend pod's shadow comparisons (reaching every
+# pod of a Deployment through its sidecar's mTLS is not wired), so a shadow step waits for data.
+SHADOW_WARNING = (
+    "spec.shadow: the operator does not read the backends' shadow comparisons yet: the shadow "
+    "step waits for them and then follows onBreach (use canary steps in Kubernetes) "
+    "[rollout-shadow-kubernetes]"
+)
 
 
 def plural(kind: str) -> str:
@@ -533,6 +540,9 @@ class Operator:
         self.warnings = {}
         for line in warnings:
             self.warnings.setdefault(line.split(": ", 1)[0], []).append(line.split(": ", 1)[1])
+        for rollout in model.rollouts:
+            if any(step.kind == "shadow" for step in rollout.steps):
+                self.warnings.setdefault(f"Rollout {rollout.key}", []).append(SHADOW_WARNING)
         return objects + render_backends(
             model, self.config.backends, self.keda, self.hpa_version, self.config.istio.labelKey
         )

@@ -451,11 +451,6 @@ class Function:
         )
         return (stable, candidate)
 
-    def artifact_name(self) -> str:
-        """The registry name its versions are published under."""
-        artifact = self.settings.artifact
-        return artifact.partition("@")[0] if artifact is not None else self.name
-
 
 @dataclass(frozen=True, slots=True)
 class Audit:

@@ -272,3 +272,20 @@ def test_the_gateways_access_log_counts_inferences_by_version(tmp_path: Path) ->
     (event,) = _evaluate(c, clock)
     assert event.event == "rolled-back"
     assert "1 answers" in event.reason and "stable 0.00%" in event.reason
+
+
+def test_the_drift_breaker_watches_the_versions_twins_too() -> None:
+    """A rolled-out Function's requests go through its versions' twins of the primary's
+    clusters: the drift breaker counts them as the primary's."""
+    from meshfn.health.drift import watched_routes
+
+    golden = Path(__file__).resolve().parents[1] / "golden" / "rollout-chain" / "in.yaml"
+    model = load_policies(golden)
+    watched = {w.route: w.primary_clusters for w in watched_routes(model)}
+    clusters = watched["default/function-iris"]
+    assert {
+        "models.default",
+        "version|iris@2|models.default",
+        "version|iris@3|models.default|p0",
+    } <= clusters
+    assert not any("models-lite" in c for c in clusters)  # the chain's tail is no primary

@@ -17,7 +17,7 @@ import logging
 import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,10 +28,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from prometheus_client import CollectorRegistry, start_http_server
 from rich.table import Table
 
-from meshfn.common import env
+from meshfn.common import adminauth, env
 from meshfn.common.cli import command_app, fail, out, run_cli
+from meshfn.contracts.journal import journal_dir
 
 from . import layout, offline, roles, signing
+from .access import access_event, accessed, record_access, redact_journals
 from .checkpoint import now_iso
 from .collector import AuditCollector, CollectorMetrics
 from .postgres import PostgresStore
@@ -289,12 +291,26 @@ def query(
     chain: Annotated[str | None, typer.Option(help="journal (proxy node id)")] = None,
     limit: Annotated[int, typer.Option(min=1, max=1_000_000)] = 100,
     as_json: JsonOpt = False,
+    show_accessed: Annotated[
+        bool,
+        typer.Option(
+            "--accessed",
+            help="list who read personal data instead: every query by subject, export and"
+            " erasure (newest first)",
+        ),
+    ] = False,
 ) -> None:
-    """Records matching all given filters, oldest first."""
+    """Records matching all given filters, oldest first. A query by subject is itself recorded
+    in the trail (who, when, the pseudonym, how many records came back): it is refused when the
+    store cannot take that record."""
+    if show_accessed:
+        _print_accessed(store, limit, as_json)
+        return
     wanted = _subject(store, subject, subject_raw, salt, "--subject")
     code, klass = _status(status)
     db = _open(store)
     try:
+        pseudonyms = db.pseudonyms(wanted) if wanted is not None else []
         rows = db.query(
             since=parse_time(since) if since else None,
             until=parse_time(until) if until else None,
@@ -309,6 +325,8 @@ def query(
         fail(exc, FAILED)
     finally:
         db.close()
+    if wanted is not None:  # before anything is shown: an unrecorded read must not happen
+        _record(store, "query", pseudonyms, len(rows))
     if as_json:
         for row in rows:
             print(json.dumps(row, sort_keys=True))
@@ -333,6 +351,57 @@ def query(
     out.print(f"{len(rows)} record(s)")
 
 
+def _record(store: str, action: str, pseudonyms: list[str], records: int, **detail: Any) -> None:
+    """Record this command's read of personal data (as the local user: whoever can open the
+    store's files); refuse to go on when the store will not take the record."""
+    event = access_event(
+        principal=adminauth.local_principal(),
+        action=action,
+        via="cli",
+        pseudonyms=pseudonyms,
+        records=records,
+        **detail,
+    )
+    db = _open(store, readonly=False)
+    try:
+        record_access(db, event)
+    except StoreError as exc:
+        fail(
+            f"this {action} reads personal data and must be recorded in the trail, which"
+            f" refused the record: {exc}",
+            FAILED,
+        )
+    finally:
+        db.close()
+
+
+def _print_accessed(store: str, limit: int, as_json: bool) -> None:
+    db = _open(store)
+    try:
+        rows = accessed(db, limit)
+    except StoreError as exc:
+        fail(exc, FAILED)
+    finally:
+        db.close()
+    if as_json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+        return
+    table = Table("seq", "time", "principal", "via", "action", "pseudonyms", "records")
+    for row in rows:
+        table.add_row(
+            str(row["seq"]),
+            str(row.get("time")),
+            str(row.get("principal") or "-"),
+            str(row.get("via") or "-"),
+            str(row.get("action") or row.get("event")),
+            ", ".join(p[:16] for p in row.get("pseudonyms") or []) or "-",
+            str(row.get("records", 0)),
+        )
+    out.print(table)
+    out.print(f"{len(rows)} access(es) to personal data")
+
+
 @audit_app.command()
 def erase(
     store: StoreOpt = DEFAULT_STORE,
@@ -347,40 +416,96 @@ def erase(
     salt: SaltOpt = None,
 ) -> None:
     """GDPR Art. 17: make the subject's records unlinkable to the subject (crypto-shredding:
-    its pseudonym key is destroyed; the records stay and still verify). Records the erasure
-    itself, without naming the subject. Exit 1 if the store knows no such subject."""
+    its pseudonym key is destroyed; the records stay and still verify), and overwrite the
+    subject's HMAC in the proxies' journals. With `meshfn up` running on the store's state
+    directory, that control plane does it (with its auditor token from STATE/admin/token), so
+    no line of the subject is stored after the erasure. Records the erasure itself (who, the
+    destroyed pseudonym, how many records), never the subject. A subject the store does not
+    know: "nothing to erase", exit 0, and the attempt is recorded."""
     wanted = _subject(store, subject_hash, subject_raw, salt, "--subject-hash")
     if wanted is None:
         raise typer.BadParameter("give --subject-raw or --subject-hash")
+    state = layout.state_of(store)
+    url = adminauth.running_admin_url(state) if state is not None else None
+    if state is not None and url is not None:
+        _erase_online(state, url, wanted)
+        return
     db = _open(store, readonly=False)
     try:
-        done = db.erase(wanted)
-    except StoreError as exc:
+        done = db.erase(wanted, principal=adminauth.local_principal(), via="cli")
+        copies = 0
+        if done is not None and state is not None:
+            copies = redact_journals(db, journal_dir(state), done.hashes)
+        elif done is None:
+            record_access(
+                db,
+                access_event(principal=adminauth.local_principal(), action="erase", via="cli"),
+            )
+    except (StoreError, OSError) as exc:
         fail(exc, FAILED)
     finally:
         db.close()
     if done is None:
-        out.print("unknown subject: the store holds no pseudonym for it; nothing changed")
-        raise typer.Exit(1)
+        out.print("nothing to erase: the store holds no pseudonym for this subject (recorded)")
+        return
+    _print_erasure(done.records, done.seq, copies, done.residue)
+
+
+def _print_erasure(records: int, seq: int, copies: int, residue: Any) -> None:
     out.print(
-        f"erased: {done.records} record(s) can no longer be linked to the subject; erasure"
-        f" recorded as {CONTROL_CHAIN} record {done.seq}"
+        f"erased: {records} record(s) can no longer be linked to the subject; erasure"
+        f" recorded as {CONTROL_CHAIN} record {seq}; {copies} copy(ies) of the subject's"
+        " HMAC overwritten in the journals"
     )
-    for residue in done.residue:
-        out.print(f"[yellow]warning[/yellow]: {residue}", highlight=False)
+    for line in residue:
+        out.print("[yellow]warning[/yellow]: ", end="", highlight=False)
+        out.print(str(line), markup=False, highlight=False)
+
+
+def _erase_online(state: Path, url: str, subject: str) -> None:
+    token = adminauth.read_owner_token(state)
+    try:
+        answer = adminauth.call_admin(
+            f"{url}/audit/erase", token, "POST", {"subject": subject}, timeout=60
+        )
+    except adminauth.AdminCallError as exc:
+        fail(f"the control plane running on {state} did not erase: {exc}", FAILED)
+    if not answer.get("erased"):
+        out.print("nothing to erase: the store holds no pseudonym for this subject (recorded)")
+        return
+    _print_erasure(
+        int(answer["records"]),
+        int(answer["seq"]),
+        int(answer.get("journal_copies", 0)),
+        answer.get("residue") or [],
+    )
 
 
 def _export_entries(
-    db: AuditStore, since: str, until: str | None, key_pem: str
+    db: AuditStore,
+    since: str,
+    until: str | None,
+    key_pem: str,
+    before: Callable[[int], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Header, the checkpoints, then per chain the records from the first at or after
     `since` up to the newest signed head (the unsigned tail is left out: everything exported
-    is covered by a signature)."""
+    is covered by a signature). `before(records)` runs before the first entry is produced,
+    with how many records follow (the access record of an export is written there)."""
     checkpoints = db.checkpoints()
     signed: dict[str, int] = {}
     for checkpoint in checkpoints:
         for chain, (seq, _) in checkpoint.heads.items():
             signed[chain] = seq
+    runs: dict[str, tuple[int, int]] = {}
+    for chain in db.chains():
+        first = db.records_since(chain, since)
+        top = signed.get(chain)
+        if first is None or top is None or first > top:
+            continue
+        runs[chain] = (first, top)
+    if before is not None:
+        before(sum(top - first + 1 for first, top in runs.values()))
     yield {
         "type": offline.EXPORT_TYPE,
         "v": 1,
@@ -390,13 +515,6 @@ def _export_entries(
         "created": now_iso(),
         "public_key": key_pem,
     }
-    runs: dict[str, tuple[int, int]] = {}
-    for chain in db.chains():
-        first = db.records_since(chain, since)
-        top = signed.get(chain)
-        if first is None or top is None or first > top:
-            continue
-        runs[chain] = (first, top)
     needed_from = min(
         (
             c.n
@@ -440,11 +558,17 @@ def export(
     pem = key.public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     ).decode()
+    start = parse_time(since)
+
+    def recorded(records: int) -> None:  # before any record is written out
+        _record(store, "export", [], records, since=start)
+
     db = _open(store)
     try:
         handle = output.open("w", newline="", encoding="utf-8") if output else sys.stdout
         try:
-            count = _write_export(handle, _export_entries(db, parse_time(since), None, pem), fmt)
+            entries = _export_entries(db, start, None, pem, recorded)
+            count = _write_export(handle, entries, fmt)
         finally:
             if output:
                 handle.close()
@@ -574,6 +698,14 @@ def init(
         str | None,
         typer.Option(envvar=env.AUDIT_READER_DSN.name, help="the readers' role (the same forms)"),
     ] = None,
+    auditor: Annotated[
+        str | None,
+        typer.Option(
+            envvar=env.AUDIT_AUDITOR_DSN.name,
+            help="the auditors' role: queries by subject and exports, each recorded (the same"
+            " forms)",
+        ),
+    ] = None,
     create_roles: Annotated[
         bool,
         typer.Option(
@@ -583,8 +715,9 @@ def init(
 ) -> None:
     """Create the store, or migrate an older one, as its owner; on PostgreSQL also give each
     component its own role: collectors insert records and advance journals, the signer only
-    inserts checkpoints, readers only read. Safe to run again (grants are reset to these)."""
-    given = {"collector": collector, "signer": signer, "reader": reader}
+    inserts checkpoints, auditors read and record their reads of personal data, readers only
+    read. Safe to run again (grants are reset to these)."""
+    given = {"collector": collector, "signer": signer, "reader": reader, "auditor": auditor}
     wanted = {kind: value for kind, value in given.items() if value}
     db = _open(store, readonly=False)
     try:

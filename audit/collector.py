@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import threading
@@ -48,15 +47,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .record import from_log_line, unparsed
+from .redact import FINGERPRINT_BYTES, fingerprint_length, journal_files, redact_file
+from .redact import fingerprint as _fingerprint
 from .signer import CheckpointSigner, SignerError
-from .store import AuditStore, JournalPosition, StoreConflict, StoreError
+from .store import AuditStore, Erasure, JournalPosition, StoreConflict, StoreError
 
 log = logging.getLogger("meshfn.audit")
 
 _MAX_BATCH = 1 << 20  # bytes of journal per transaction
 _REPEAT_ERROR_S = 30.0
 _ROTATION_QUIET_S = 1.0
-_FINGERPRINT = 4096
+_FINGERPRINT = FINGERPRINT_BYTES
 _REOPEN_TIMEOUT_S = 10.0
 
 
@@ -79,11 +80,6 @@ class _Journal:
         return JournalPosition(
             self.source, str(self.path), self.inode, self.offset, self.fingerprint
         )
-
-
-def _fingerprint(fd: int, length: int) -> str:
-    n = min(length, _FINGERPRINT)
-    return f"{n}:{hashlib.sha256(os.pread(fd, n, 0)).hexdigest()}"
 
 
 class AuditCollector:
@@ -195,6 +191,57 @@ class AuditCollector:
             journal.rotated_to = target
             journal.reopen_pending = True
             return target
+
+    def appended(self, records: int) -> None:
+        """Records someone else appended through this collector's store (the control chain's
+        access records): counted, so the next checkpoint signs them soon."""
+        with self._counting:
+            self._since_checkpoint += records
+
+    def erase(
+        self, subject: str, principal: str | None = None, via: str | None = None
+    ) -> tuple[Erasure | None, int]:
+        """Erase a subject (store.erase) and every copy of its HMAC in the journals: store
+        every complete line first (so no line of the subject is stored after the erasure with
+        a pseudonym of its own), erase, then redact the journals in place (redact.py), keeping
+        each stored position's fingerprint in step. Call it from a worker thread, after the
+        proxies have flushed what they buffered (Envoy's file flush interval). Returns the
+        erasure (None: the store knew no such subject, and nothing was redacted) and how many
+        copies of the HMAC were overwritten."""
+        with self._mutex:  # no tick runs meanwhile: nothing is read or stored under us
+            for journal in self._journals.values():
+                while self._ingest(journal):
+                    pass
+            done = self.store.erase(subject, principal=principal, via=via)
+            if done is None:
+                return None, 0
+            with self._counting:
+                self._since_checkpoint += 1  # the erasure record
+            self._sign_due = True
+            return done, self._redact(done.hashes)
+
+    def _redact(self, hashes: tuple[str, ...]) -> int:
+        files: set[Path] = set()
+        for journal in self._journals.values():
+            files |= set(journal_files(journal.path.parent))
+        count = 0
+        for path in sorted(files):
+            written = redact_file(path, hashes)
+            count += len(written)
+            if not written:
+                continue
+            for journal in self._journals.values():
+                # the file this journal's collector reads (and whose fingerprint is stored)
+                if journal.fd is None or os.stat(path).st_ino != journal.inode:
+                    continue
+                length = fingerprint_length(journal.fingerprint)
+                if written[0] >= length:
+                    continue
+                journal.fingerprint = _fingerprint(journal.fd, length)
+                self.store.append([], journal.position())
+        if count:
+            log.info("audit erasure: %d copies of the subject's HMAC redacted in journals", count)
+        return count
 
     async def drain(self, timeout: float = 10.0) -> None:
         """Wait until every complete line currently in the journals is stored (for tests and

@@ -23,6 +23,8 @@ allowed to, and otherwise says who must. The triggers are then a second line beh
 from __future__ import annotations
 
 import contextlib
+import re
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,6 +32,7 @@ import psycopg
 from psycopg import errors
 
 from .store import (
+    CONTROL_CHAIN,
     MIGRATABLE,
     SCHEMA,
     TABLES,
@@ -43,6 +46,8 @@ from .store import (
     query_columns,
 )
 
+# VACUUM VERBOSE's detail line for rows an open snapshot still sees (English messages)
+_KEPT = re.compile(r"(\d+) dead row versions? cannot be removed yet")
 _SCHEMA_LOCK = (
     0x6D657368666E  # "meshfn": serialises schema creation by collectors starting together
 )
@@ -115,7 +120,41 @@ CREATE OR REPLACE TRIGGER checkpoints_no_truncate BEFORE TRUNCATE ON checkpoints
 CREATE OR REPLACE TRIGGER chains_no_truncate BEFORE TRUNCATE ON chains
     FOR EACH STATEMENT EXECUTE FUNCTION meshfn_audit_no_truncate();
 """
+    + "\n"
 )
+
+# The control chain's one way in for a role that may not insert records: the auditor's (roles.py),
+# whose reads of personal data must each leave an access record. The function runs with its
+# owner's rights, appends to the control chain only, and only a record that links to the chain's
+# head (prev is the head's hash, or the genesis for the first; hash = SHA-256(prev || record)):
+# an auditor's role can record its reads, not write a journal's chain or a broken link. Part of
+# the schema; `meshfn audit init` applies it again (stores created before it had none).
+CONTROL_SIGNATURE = "meshfn_audit_append_control(bigint, text, bytea, bytea, text)"
+CONTROL_DDL = f"""
+CREATE OR REPLACE FUNCTION meshfn_audit_append_control(
+    p_seq BIGINT, p_record TEXT, p_prev BYTEA, p_hash BYTEA, p_time TEXT
+) RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+BEGIN
+    IF p_hash <> sha256(p_prev || convert_to(p_record, 'UTF8')) THEN
+        RAISE EXCEPTION 'a control record must hash as the chain links it';
+    END IF;
+    IF p_seq = 1 THEN
+        INSERT INTO chains (chain, anchor_seq, anchor_hash) VALUES ('{CONTROL_CHAIN}', 0, p_prev)
+            ON CONFLICT (chain) DO NOTHING;
+        IF p_prev <> (SELECT anchor_hash FROM chains WHERE chain = '{CONTROL_CHAIN}') THEN
+            RAISE EXCEPTION 'the first control record must link to the chain''s genesis';
+        END IF;
+    ELSIF p_prev IS DISTINCT FROM (
+        SELECT hash FROM records WHERE chain = '{CONTROL_CHAIN}' AND seq = p_seq - 1
+    ) THEN
+        RAISE EXCEPTION 'a control record must link to the head of the control chain';
+    END IF;
+    INSERT INTO records (chain, seq, record, prev, hash, time)
+        VALUES ('{CONTROL_CHAIN}', p_seq, p_record, p_prev, p_hash, p_time);
+END $$;
+REVOKE ALL ON FUNCTION {CONTROL_SIGNATURE} FROM PUBLIC;
+"""
+_DDL += CONTROL_DDL
 
 
 def _redacted(dsn: str) -> str:
@@ -131,6 +170,9 @@ def _redacted(dsn: str) -> str:
 
 
 class PostgresStore(AuditStore):
+    # How long an erasure waits for transactions older than it to end (_vacuum_subjects).
+    shred_patience = 10.0
+
     def __init__(
         self,
         dsn: str,
@@ -273,7 +315,18 @@ class PostgresStore(AuditStore):
         finally:
             conn.close()
 
+    def _start_chain(self, chain: str, genesis: bytes) -> None:
+        if chain != CONTROL_CHAIN:  # the control chain: meshfn_audit_append_control does it
+            super()._start_chain(chain, genesis)
+
     def _insert_records(self, rows: list[RecordRow]) -> None:
+        if rows and all(row[0] == CONTROL_CHAIN for row in rows):
+            for _, seq, body, prev, digest, record in rows:
+                self._rows(
+                    "SELECT meshfn_audit_append_control(?, ?, ?, ?, ?)",
+                    (seq, body, prev, digest, query_columns(record)[0]),
+                )
+            return
         with (
             self._errors("cannot store audit records"),
             self._connection().cursor() as cursor,
@@ -299,12 +352,21 @@ class PostgresStore(AuditStore):
         return str(self._rows("SELECT value FROM meta WHERE key='erasures'")[0][0])
 
     def _shred(self) -> list[str]:
-        """DELETE leaves the row's bytes in the heap and index pages until they are reused:
-        rewrite the table and its indexes (VACUUM FULL) so no data file holds them, then
-        CHECKPOINT so crash recovery starts after the erasure."""
-        left = []
+        """DELETE leaves the row's bytes in the heap and index pages until they are reused, and
+        in the write-ahead log. So, once the erasure has committed:
+        1. VACUUM FULL rewrites the subjects table and its indexes without the row. It keeps a
+           dead row that a transaction older than the erasure can still see (a reader's
+           snapshot: the row versions a reader could still see), so it is repeated, for up to
+           10 s, until it reports no such row left;
+        2. pg_switch_wal() and CHECKPOINT end the WAL segments that logged the row's insert, and
+           PostgreSQL removes them at the checkpoint. With `wal_recycle = on` (its default) it
+           renames them for reuse instead, and their old bytes stay until overwritten: set
+           `wal_recycle = off` on a server that holds audit stores.
+        What could not be done (no privilege: pg_switch_wal and CHECKPOINT need a superuser, or
+        the grants the README names) is returned, with the statement to run."""
+        left = self._vacuum_subjects()
         for statement, why in (
-            ("VACUUM FULL subjects", "the subjects table was not rewritten"),
+            ("SELECT pg_switch_wal()", "the write-ahead log segment was not switched"),
             ("CHECKPOINT", "no checkpoint was forced"),
         ):
             try:
@@ -312,7 +374,53 @@ class PostgresStore(AuditStore):
                     self._connection().execute(statement)
             except StoreError as exc:
                 left.append(f"{why} ({exc}); run `{statement}` as the table's owner or superuser")
+        try:
+            recycle = self._rows("SHOW wal_recycle")[0][0]
+        except StoreError:
+            recycle = "on"
+        if recycle != "off":
+            left.append(
+                "the server recycles write-ahead log segments (wal_recycle = on): the old"
+                " segments' bytes, the erased row among them, stay in pg_wal until overwritten;"
+                " set wal_recycle = off"
+            )
         return left
+
+    def _vacuum_subjects(self) -> list[str]:
+        conn = self._connection()
+        deadline = time.monotonic() + self.shred_patience
+        details: list[str] = []
+
+        def note(diagnostic: psycopg.errors.Diagnostic) -> None:
+            details.append(f"{diagnostic.message_primary} {diagnostic.message_detail}")
+
+        while True:
+            details.clear()
+            conn.add_notice_handler(note)
+            try:
+                with self._lock, self._errors("VACUUM FULL subjects"):
+                    conn.execute("SET lock_timeout = '10s'")
+                    try:
+                        conn.execute("VACUUM (FULL, VERBOSE) subjects")
+                    finally:
+                        conn.execute("RESET lock_timeout")
+            except StoreError as exc:
+                return [
+                    f"the subjects table was not rewritten ({exc}); run `VACUUM FULL subjects`"
+                    " as the table's owner or superuser"
+                ]
+            finally:
+                conn.remove_notice_handler(note)
+            kept = sum(int(m.group(1)) for d in details for m in _KEPT.finditer(d))
+            if not kept:
+                return []
+            if time.monotonic() > deadline:
+                return [
+                    f"{kept} erased row version(s) stay in the subjects table's files: a"
+                    " transaction older than the erasure still runs, and VACUUM FULL keeps what"
+                    " its snapshot can see; run `VACUUM FULL subjects` once it has ended"
+                ]
+            time.sleep(0.2)
 
     def close(self) -> None:
         with self._lock:

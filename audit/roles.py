@@ -5,7 +5,10 @@
 - collectors insert records and chains, advance journals, pseudonymise subjects, and delete
   what a prune the signer witnessed covers (triggers check every delete and anchor move);
 - the signer reads the chains and inserts checkpoints, nothing else;
-- readers (verify, query, export, the console) only read.
+- auditors read everything and append access records to the control chain, nothing else (a
+  query by subject, an export and an erasure attempt each leave one: meshfn.audit.access),
+  through `meshfn_audit_append_control` (postgres.py), never an INSERT of their own;
+- readers (verify, queries not by subject) only read.
 
 Neither a collector's role nor the signer's may change a trigger, a table or another's rows: a
 collector's credentials cannot insert a checkpoint, edit or delete a record, or move a chain's
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from .postgres import PostgresStore
+from .postgres import CONTROL_DDL, CONTROL_SIGNATURE, PostgresStore
 from .store import StoreError
 
 TABLES = ("meta", "chains", "records", "checkpoints", "journals", "subjects")
@@ -40,13 +43,17 @@ GRANTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("INSERT", "checkpoints"),
     ),
     "reader": (("SELECT", "meta, chains, records, checkpoints, journals, subjects"),),
+    "auditor": (
+        ("SELECT", "meta, chains, records, checkpoints, journals, subjects"),
+        ("EXECUTE", f"FUNCTION {CONTROL_SIGNATURE}"),
+    ),
 }
 KINDS = tuple(GRANTS)
 
 
 @dataclass(frozen=True)
 class Role:
-    kind: str  # collector, signer or reader
+    kind: str  # collector, signer, auditor or reader
     name: str
     password: str | None = None  # set (created or changed) only with create=True
 
@@ -80,6 +87,7 @@ def init_roles(store: PostgresStore, roles: list[Role], create: bool = False) ->
         row = owner.fetchone()
         if row is None:
             raise StoreError(f"{store.location}: no audit tables (run init as the owner)")
+        conn.execute(CONTROL_DDL.encode())  # stores made before the auditor's role had none
         for role in roles:
             if create:
                 _create(conn, role)
@@ -128,6 +136,7 @@ def _grant(conn: psycopg.Connection[tuple[object, ...]], role: Role) -> None:
     conn.execute(sql.SQL("REVOKE ALL ON {} FROM PUBLIC").format(tables))
     conn.execute(sql.SQL("REVOKE ALL ON {} FROM {}").format(tables, who))
     conn.execute(sql.SQL("REVOKE ALL ON SEQUENCE records_id_seq FROM {}").format(who))
+    conn.execute(sql.SQL(f"REVOKE ALL ON FUNCTION {CONTROL_SIGNATURE} FROM {{}}").format(who))
     conn.execute(sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(
         sql.Identifier(str(conn.info.dbname)), who
     ))  # fmt: skip

@@ -108,6 +108,10 @@ class Erasure:
     records: int  # records that carried the subject's pseudonym
     seq: int  # the erasure record in the control chain
     residue: tuple[str, ...] = ()  # what the database could not scrub (see _shred)
+    pseudonyms: tuple[str, ...] = ()  # the destroyed pseudonyms (named by the erasure record)
+    # The filter's HMACs of the subject the destroyed rows held: what must now go from the
+    # journals too (collector.erase, access.redact_journals). Returned, never stored.
+    hashes: tuple[str, ...] = ()
 
 
 def query_columns(record: dict[str, Any]) -> tuple[str | None, str | None, int | None, str | None]:
@@ -251,6 +255,15 @@ class AuditStore(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def _start_chain(self, chain: str, genesis: bytes) -> None:
+        """Record a chain's first use (its anchor: the genesis hash), inside the transaction
+        that stores its first records."""
+        self._rows(
+            "INSERT INTO chains (chain, anchor_seq, anchor_hash) VALUES (?, 0, ?)"
+            " ON CONFLICT(chain) DO NOTHING",
+            (chain, genesis),
+        )
 
     def _upsert(self, table: str, keys: Sequence[str], values: dict[str, Any]) -> None:
         columns = list(values)
@@ -421,18 +434,25 @@ class AuditStore(ABC):
         chain = chain or (position.source if position is not None else DEFAULT_CHAIN)
         if chain.startswith("@") and chain != CONTROL_CHAIN:
             raise StoreError(f"chain names starting with '@' are meshfn's own: {chain!r}")
-        with self._lock:
-            try:
-                with self._write():
-                    return self._append(records, position, chain)
-            except BaseException:
-                self._heads.pop(chain, None)
-                if position is not None:
-                    self._positions.pop(position.source, None)
-                # pseudonyms made in the rolled-back transaction were never stored: a record
-                # carrying one later would be linked to no subject
-                self._pseudonyms.clear()
-                raise
+        # A journal's chain has one writer (the compare-and-swap on its position); the control
+        # chain has several (the control plane, CLI commands, the console): its head is read in
+        # the transaction, and a racing writer's rows only mean "try again".
+        tries = 3 if chain == CONTROL_CHAIN and position is None else 1
+        for attempt in range(tries):
+            with self._lock:
+                try:
+                    with self._write():
+                        return self._append(records, position, chain)
+                except BaseException as exc:
+                    self._heads.pop(chain, None)
+                    if position is not None:
+                        self._positions.pop(position.source, None)
+                    # pseudonyms made in the rolled-back transaction were never stored: a record
+                    # carrying one later would be linked to no subject
+                    self._pseudonyms.clear()
+                    if not isinstance(exc, StoreConflict) or attempt + 1 == tries:
+                        raise
+        raise AssertionError("unreachable")
 
     def _append(
         self, records: Sequence[dict[str, Any]], position: JournalPosition | None, chain: str
@@ -445,13 +465,9 @@ class AuditStore(ABC):
             records = self._pseudonymise(records)
         if position is not None:
             self._move_position(position)
-        seq, prev = self._read_head(chain)
+        seq, prev = self._read_head(chain, fresh=chain == CONTROL_CHAIN)
         if seq == 0 and records:
-            self._rows(
-                "INSERT INTO chains (chain, anchor_seq, anchor_hash) VALUES (?, 0, ?)"
-                " ON CONFLICT(chain) DO NOTHING",
-                (chain, prev),
-            )
+            self._start_chain(chain, prev)
         rows = []
         for record in records:
             body = canonical(record)
@@ -497,6 +513,13 @@ class AuditStore(ABC):
             return None
         s, p, i, o, f = rows[0]
         return JournalPosition(str(s), str(p), int(i), int(o), str(f))
+
+    def journal_positions(self) -> list[JournalPosition]:
+        """Every journal's stored position (what an offline erasure checks its redactions
+        against)."""
+        with self._lock:
+            rows = self._rows("SELECT source FROM journals ORDER BY source")
+        return [p for (source,) in rows if (p := self.journal_position(str(source))) is not None]
 
     def journal_position(self, source: str) -> JournalPosition | None:
         """The stored position, read fresh (and remembered as what the next append moves)."""
@@ -574,13 +597,21 @@ class AuditStore(ABC):
             rows = self._rows("SELECT pseudonym FROM subjects WHERE hash=?", (subject,))
         return [str(r[0]) for r in rows]
 
-    def erase(self, subject: str, now: float | None = None) -> Erasure | None:
+    def erase(
+        self,
+        subject: str,
+        now: float | None = None,
+        principal: str | None = None,
+        via: str | None = None,
+    ) -> Erasure | None:
         """GDPR Art. 17 by crypto-shredding: delete the subject's pseudonym row, so the records
         that carry the pseudonym (unchanged: the chain still verifies) can no longer be linked
         to the subject, not even with the salt and the raw subject, here or in backups taken
-        from now on. Appends an erasure record (the count only, no subject) to the control
-        chain. `subject`: the filter's HMAC (64 hex) or a pseudonym (32 hex). None: no such
-        subject, nothing changed."""
+        from now on. Appends an erasure record to the control chain: who erased (`principal`,
+        `via`), when, the destroyed pseudonyms and how many records carried them; never the
+        subject or its HMAC. `subject`: the filter's HMAC (64 hex) or a pseudonym (32 hex).
+        None: no such subject, nothing changed. The journals still hold the HMAC: the
+        collector (online) or access.redact_journals (offline) redacts them."""
         self._must_write()
         subject = subject.lower()
         column = "pseudonym" if _PSEUDONYM.match(subject) else "hash"
@@ -607,14 +638,23 @@ class AuditStore(ABC):
                     int(self._rows("SELECT value FROM meta WHERE key='erasures'")[0][0]) + 1
                 )
                 self._count("UPDATE meta SET value=? WHERE key='erasures'", (epoch,))
-                seq = self._append(
-                    [{"v": 2, "event": "erasure", "time": now_iso(now), "records": count}],
-                    None,
-                    CONTROL_CHAIN,
-                )
+                event: dict[str, Any] = {
+                    "v": 2,
+                    "event": "erasure",
+                    "action": "erase",
+                    "time": now_iso(now),
+                    "records": count,
+                    "pseudonyms": sorted(pseudonyms),
+                }
+                if principal is not None:
+                    event["principal"] = principal
+                if via is not None:
+                    event["via"] = via
+                seq = self._append([event], None, CONTROL_CHAIN)
             self._pseudonyms.clear()
             self._erasures = None
-            return Erasure(count, seq, tuple(self._shred()))
+            hashes = tuple(sorted({str(r[1]) for r in rows}))
+            return Erasure(count, seq, tuple(self._shred()), tuple(sorted(pseudonyms)), hashes)
 
     # ------------------------------------------------------------------ retention
 
@@ -663,9 +703,10 @@ class AuditStore(ABC):
         route: str | None = None,
         chain: str | None = None,
         limit: int | None = 100,
+        newest_first: bool = False,
     ) -> list[dict[str, Any]]:
-        """Records matching every given filter, in the order they were stored, each with its
-        `chain` and `seq`. Times are ISO 8601 UTC strings as the records carry them
+        """Records matching every given filter, in the order they were stored (`newest_first`:
+        the reverse, so `limit` keeps the newest), each with its `chain` and `seq`. Times are ISO 8601 UTC strings as the records carry them
         (`2026-01-31T12:00:00.000000Z`); `until` is exclusive. `subject`: the filter's HMAC of
         the subject (64 hex) or a pseudonym (32 hex)."""
         where, args = [], []
@@ -691,7 +732,7 @@ class AuditStore(ABC):
         sql = "SELECT chain, seq, record FROM records"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY id"
+        sql += " ORDER BY id DESC" if newest_first else " ORDER BY id"
         if limit is not None:
             sql += " LIMIT ?"
             args.append(limit)

@@ -33,9 +33,17 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
-from meshfn_e2e import Processes, children_of, command_name, http, remap_examples
+from meshfn_e2e import (
+    Processes,
+    admin_get,
+    children_of,
+    command_name,
+    remap_examples,
+    world_searchable_tmp,
+)
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from meshfn.common.adminauth import admin_headers
 from meshfn.common.unix import unix_request
 from meshfn.testing import policies as p
 from meshfn.testing.envoy import admin_request, admin_socket, live
@@ -93,11 +101,8 @@ class Mesh:
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[Mesh]:
-    # Not under pytest's base directory (0700 itself, which would hide everything anyway): a
-    # world-searchable directory, as a home or project directory usually is, with a state
-    # directory that starts out world-readable too (meshfn up must tighten it).
-    tmp = Path(tempfile.mkdtemp(prefix="meshfn-private-", dir="/tmp"))
-    tmp.chmod(0o755)
+    # With a state directory that starts out world-readable too (meshfn up must tighten it).
+    tmp = world_searchable_tmp("meshfn-private-")
     procs = Processes(tmp)
     try:
         mapping = remap_examples(tmp / "examples")
@@ -204,17 +209,17 @@ def test_meshfn_still_reaches_its_envoys(mesh: Mesh) -> None:
     in sync."""
 
     def healthy() -> bool:
-        page = http(mesh.admin + "/ui").body.decode()
+        page = admin_get(mesh.admin, "/ui", mesh.state).body.decode()
         if "Endpoint health is unknown" in page:
             raise ValueError(page[page.index("Endpoint health is unknown") :][:300])
         return "health-healthy" in page
 
     wait_for("endpoint health in the console", healthy, timeout=30)
-    status = http(mesh.admin + "/debug/status").json()
+    status = admin_get(mesh.admin, "/debug/status", mesh.state).json()
     assert len(status["proxies"]) == 5 and all(
         t["in_sync"] for p in status["proxies"] for t in p["types"].values()
     ), json.dumps(status["proxies"])[:2000]
-    cli = meshfn("status", "--admin", mesh.admin)
+    cli = meshfn("status", "--state-dir", str(mesh.state))
     assert cli.returncode == 0 and cli.stdout.count("SYNCED") >= 10, cli.stdout
 
 
@@ -263,21 +268,17 @@ def tcp_answers(port: int) -> bool:
 
 # ------------------------------------------------------------------------------ the census
 #
-# THE CONSOLE'S EXPECTED STATE, in one place. Issue 40 (the console and the admin API
-# authenticate every caller) is not on main yet: today the control plane's admin port, console
-# included, answers any local user, and the census asserts exactly that (so it fails the day
-# that changes). When issue 40 lands, set CONSOLE_NEEDS_TOKEN = True and make `console_headers`
-# return its owner's credential (its branch has meshfn.common.adminauth.admin_headers(state),
-# from STATE/admin/token): the census then expects every console path but the public ones to
-# answer 401 without it or with a wrong one, and 200 with it.
-CONSOLE_NEEDS_TOKEN = False
-CONSOLE_OPEN_PATHS = ("/healthz", "/.well-known/jwks.json")  # public by design
+# THE CONSOLE'S EXPECTED STATE, in one place: the control plane's admin API and console
+# authenticate every caller (issue 40; meshfn.control_plane.runtime.admin.OPEN lists what
+# answers without a credential, with why). Every console path but the public ones answers 401
+# without the owner's credential or with a wrong one, and 200 with it.
+CONSOLE_OPEN_PATHS = ("/healthz", "/readyz", "/.well-known/jwks.json")  # public by design
 CONSOLE_PATHS = ("/ui", "/ui?subject_raw=alice", "/debug/status", "/metrics")
 
 
 def console_headers(state: Path) -> dict[str, str]:
-    """What the owner shows the console: nothing today; issue 40: `admin_headers(state)`."""
-    return {}
+    """What the owner shows the console: the admin token it wrote into STATE/admin/token."""
+    return admin_headers(state)
 
 
 Access = Literal["public", "credential", "private"]
@@ -362,10 +363,8 @@ def role(mesh: Mesh, sock: Socket) -> Role | None:
     if sock.kind == "tcp" and port == 18001:
         return Role(
             "the control plane: admin API and console",
-            "credential" if CONSOLE_NEEDS_TOKEN else "public",
-            "token-protected (issue 40)"
-            if CONSOLE_NEEDS_TOKEN
-            else "KNOWN GAP until issue 40: answers any local user on loopback",
+            "credential",
+            "token-protected: an admin token or a console session, viewer or auditor (issue 40)",
         )
     if sock.kind != "unix":
         return None
@@ -373,7 +372,7 @@ def role(mesh: Mesh, sock: Socket) -> Role | None:
     private = "a unix socket (mode 0600) in the private state directory (0700)"
     if path.parent == mesh.state / "envoy":
         return Role(f"Envoy's admin ({path.stem})", "private", private)
-    if path.parent == mesh.state / "workloads":
+    if path.parent == mesh.state / "workloads" or path.parent.parent == mesh.state / "inference":
         return Role(
             f"the application behind a sidecar ({path.stem})",
             "private",
@@ -416,9 +415,11 @@ def test_every_listening_socket_is_accounted_for(mesh: Mesh, census: list[Any]) 
         info = Path(sock.where).stat()
         assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600, sock
     assert stat.S_IMODE((mesh.state / "workloads").stat().st_mode) == 0o700
+    for own in (mesh.state / "inference").iterdir():  # each backend's own directory
+        assert stat.S_IMODE(own.stat().st_mode) == 0o700, own
     # with eBPF redirection on (the examples' `acceleration: auto`): it redirects TCP between
     # the mesh's own sockets and leaves unix sockets alone, so it opens no way around a sidecar
-    status = http(mesh.admin + "/debug/status", headers=console_headers(mesh.state)).json()
+    status = admin_get(mesh.admin, "/debug/status", mesh.state).json()
     assert status["acceleration"]["attached"], status["acceleration"]
     for port in (9101, 9102, 9103, 9111, 9112, 9113, 9201):  # the policies' application ports
         assert m[port] not in tcp
@@ -449,7 +450,7 @@ def test_nobody_gets_an_answer_only_where_the_mesh_means_to(mesh: Mesh, census: 
 def _plain_answer(sock: Socket) -> str | None:
     """What `nobody` gets from a plain request (HTTP/1.1, then HTTP/2 without TLS): the first
     HTTP status, or None when neither gets one or it is 401 (a server that wants a credential
-    and says so: the console's once issue 40 lands)."""
+    and says so: the console and its admin API)."""
     where = ["--unix-socket", sock.where, "http://x/"] if sock.kind == "unix" else []
     where = where or [f"http://127.0.0.1:{sock.port}/"]
     for version in ("--http1.1", "--http2-prior-knowledge"):
@@ -470,9 +471,9 @@ def _private(mesh: Mesh, sock: Socket) -> None:
         owner.settimeout(5)
         owner.connect(sock.where)
     path = Path(sock.where)
-    if path.parent != mesh.state / "workloads":
+    original = _application_port(mesh, path)
+    if original is None:
         return
-    original = {v: k for k, v in mesh.mapping.items()}[int(path.stem.rsplit("-", 1)[1])]
     if original in (9111, 9112, 9113):  # the backends' KServe gRPC
         with grpc.insecure_channel(f"unix:{path}") as channel:
             live = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
@@ -482,6 +483,19 @@ def _private(mesh: Mesh, sock: Socket) -> None:
     else:
         status, body = unix_request(path, "/v2/health/ready" if original < 9200 else "/echo")
         assert status == 200, (sock, body[:200])
+
+
+def _application_port(mesh: Mesh, path: Path) -> int | None:
+    """The policies' port of the application behind a sidecar listening at `path`: the echo
+    placeholder's socket in STATE/workloads, a backend's http.sock or grpc.sock in its own
+    STATE/inference/<address>-<port>/ (the only directory its sandbox lets it write)."""
+    original = {v: k for k, v in mesh.mapping.items()}
+    if path.parent == mesh.state / "workloads":
+        return original[int(path.stem.rsplit("-", 1)[1])]
+    if path.parent.parent == mesh.state / "inference":
+        http_port = original[int(path.parent.name.rsplit("-", 1)[1])]
+        return http_port + 10 if path.stem == "grpc" else http_port  # the examples' grpcPort
+    return None
 
 
 def _gateway(port: int) -> None:
@@ -559,9 +573,6 @@ def _console(mesh: Mesh, port: int) -> None:
         assert status(path) == "200", path
     owner = console_headers(mesh.state)
     for path in CONSOLE_PATHS:
-        if CONSOLE_NEEDS_TOKEN:
-            assert status(path) == "401", path
-            assert status(path, "authorization: Bearer wrong") == "401", path
-            assert status(path, *(f"{k}: {v}" for k, v in owner.items())) == "200", path
-        else:  # what holds today (issue 40): a local user reads the console
-            assert status(path) == "200", path
+        assert status(path) == "401", path
+        assert status(path, "authorization: Bearer wrong") == "401", path
+        assert status(path, *(f"{k}: {v}" for k, v in owner.items())) == "200", path

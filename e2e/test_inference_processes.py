@@ -183,14 +183,17 @@ def test_meshfn_up_runs_each_backend_process_behind_its_own_socket(tmp_path: Pat
         argv = up_with_functions(tmp_path / "examples", state, tmp_path / "functions")
         up = procs.start("up", [*argv, "--backend-processes", "2"])
         wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=240)
-        workloads = state / "workloads"
-        http_sockets = {(p, k): workloads / f"127.0.0.1-{mapping[p]}.{k}.sock"
-                        for p in (9101, 9102, 9103) for k in (0, 1)}  # fmt: skip
-        found = sorted(path.name for path in workloads.iterdir())
-        assert len(found) == 3 * 2 * 2 + 1, found  # HTTP and gRPC per process, and echo
+        # each backend's sockets are in its own directory (its sandbox's only writable one)
+        own = {p: state / "inference" / f"127.0.0.1-{mapping[p]}" for p in (9101, 9102, 9103)}
+        http_sockets = {(p, k): own[p] / f"http.{k}.sock" for p in own for k in (0, 1)}
+        found = sorted(str(path) for d in own.values() for path in d.glob("*.sock"))
+        assert len(found) == 3 * 2 * 2, found  # HTTP and gRPC per process
+        assert [p.name for p in (state / "workloads").iterdir()] == [
+            f"127.0.0.1-{mapping[9201]}.sock"
+        ]  # echo
         backend_pids = set()
-        for path in workloads.iterdir():
-            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        for path in found:
+            assert stat.S_IMODE(Path(path).stat().st_mode) == 0o600, path
         for path in http_sockets.values():
             status, body = unix_request(path, "/meshfn/functions")
             assert status == 200, body
@@ -209,9 +212,9 @@ def test_meshfn_up_runs_each_backend_process_behind_its_own_socket(tmp_path: Pat
             assert status == 200, body
             return int(json.loads(body)["model_stats"][0]["inference_count"])
 
-        counts = {path.name: served(path) for path in http_sockets.values()}
+        counts = {str(path): served(path) for path in http_sockets.values()}
         assert sum(counts.values()) == 40, counts
-        local = [counts[http_sockets[9101, k].name] for k in (0, 1)]
+        local = [counts[str(http_sockets[9101, k])] for k in (0, 1)]
         assert min(local) > 0, counts  # the local endpoint's two processes both served
 
         grpc = tgrpc.InferenceServerClient(gateway)
@@ -224,3 +227,4 @@ def test_meshfn_up_runs_each_backend_process_behind_its_own_socket(tmp_path: Pat
     finally:
         procs.stop_all()
     assert not list((state / "workloads").iterdir())  # every process removed its sockets
+    assert not list((state / "inference").glob("*/*.sock"))

@@ -25,13 +25,13 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
-from meshfn_e2e import EXAMPLES, Processes, http
+from meshfn_e2e import EXAMPLES, Processes, admin_get, http
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from meshfn.common.unix import UnixHTTPConnection, unix_request
 from meshfn.contracts.qos import ORCA_HEADER, ORCA_HEADERS, TENANT_HEADER
-from meshfn.control_plane.runtime.upstreams import app_socket
+from meshfn.control_plane.runtime.upstreams import backend_socket
 from meshfn.testing.envoy import admin_json, admin_request, admin_socket
 from meshfn.testing.policies import qos_examples, set_gateway_shedding
 from meshfn.testing.processes import issue_token, meshfn, up_with_functions, wait_for
@@ -101,7 +101,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             f"127.0.0.1:{mapping[10000]}",
             f"http://127.0.0.1:{mapping[18001]}",
             # models' two endpoints and models-lite (its drift fallback) serve iris
-            [app_socket(state, "127.0.0.1", mapping[port]) for port in (9101, 9102, 9103)],
+            [backend_socket(state, "127.0.0.1", mapping[port]) for port in (9101, 9102, 9103)],
             state,
             policies,
             admin_socket(state, "edge.ingress"),
@@ -293,7 +293,7 @@ def test_backend_sheds_the_lowest_priority_first(mesh: Mesh) -> None:
     records = audited(mesh, "low-initech", "429")
     assert {(r["tenant"], r["qos_limit"]) for r in records} == {("initech", "shed")}
     # meshfn status shows the same per tenant (each backend's own counts).
-    out = meshfn("status", "--admin", mesh.admin)
+    out = meshfn("status", "--state-dir", str(mesh.state))
     assert out.returncode == 0, out.stderr
     assert "multi-tenant QoS" in out.stdout
     rows = [
@@ -509,11 +509,11 @@ def test_gateway_sheds_the_lower_priorities_before_the_backend(mesh: Mesh) -> No
     )
 
     def counted() -> float:
-        found = series.search(http(f"{mesh.admin}/metrics").body.decode())
+        found = series.search(admin_get(mesh.admin, "/metrics", mesh.state).body.decode())
         return float(found.group(1)) if found else 0.0
 
     wait_for("the gateway's sheds in /metrics", lambda: counted() >= len(at_gateway), timeout=30)
-    out = meshfn("status", "--admin", mesh.admin)
+    out = meshfn("status", "--state-dir", str(mesh.state))
     assert out.returncode == 0, out.stderr
     rows = [[c.strip() for c in line.split("│")[1:-1]] for line in out.stdout.splitlines()]
     assert any(r[:4] == ["edge.ingress", "initech", "batch", "shed"] for r in rows), out.stdout

@@ -238,6 +238,7 @@ def serve_cmd(
             )
             asyncio.run(supervisor.run())
             return
+        sandbox = _confine(cfg, config, host, port, grpc_port, listen_fd, sockets, grpc_sockets)
         main = serve(
             cfg,
             host,
@@ -247,6 +248,7 @@ def serve_cmd(
             listen_fd,
             sockets[0] if sockets else None,
             grpc_sockets[0] if grpc_sockets else None,
+            sandbox,
         )
         if loop == "uvloop":
             import uvloop
@@ -277,6 +279,34 @@ def _unix_sockets(
     if grpc_sockets and grpc_port is not None:
         fail("give --grpc-port or --grpc-unix-socket, not both")
     return sockets, grpc_sockets
+
+
+def _confine(
+    cfg: BackendConfig,
+    config: Path | None,
+    host: str,
+    port: int,
+    grpc_port: int | None,
+    fd: int | None,
+    sockets: list[Path],
+    grpc_sockets: list[Path],
+) -> Any:
+    """Landlock before anything else runs (sandbox.py: one thread, nothing read yet); the
+    returned Sandbox adds seccomp once the server has started. What this process binds itself
+    (a supervisor's child adopts its HTTP socket) is granted: its TCP ports, its unix sockets."""
+    from .sandbox import Sandbox, SandboxError
+
+    own_ports = [] if fd is not None or sockets else [port]
+    own_ports += [grpc_port] if grpc_port else []
+    own_sockets = ([] if fd is not None else sockets[:1]) + grpc_sockets[:1]
+    sandbox = Sandbox(
+        cfg, config.resolve() if config else None, tuple(own_ports), tuple(own_sockets)
+    )
+    try:
+        sandbox.at_start()
+    except SandboxError as exc:
+        fail(exc)
+    return sandbox
 
 
 def published_versions(registry: Path) -> Callable[[str], list[str]]:

@@ -29,6 +29,7 @@ from .backend import Backend, Reply
 from .config import BackendConfig
 from .http import HttpServer, Request, Response
 from .kserve import KServeError, error_body, unsupported
+from .sandbox import Sandbox
 from .shadow import Shadows, is_shadow, requested_version
 from .status import STATUS_PATH, functions_document
 
@@ -282,11 +283,13 @@ async def serve(
     listen_fd: int | None = None,
     unix_socket: Path | None = None,
     grpc_unix_socket: Path | None = None,
+    sandbox: Sandbox | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0). `listen_fd`: a
     child of the supervisor (supervisor.py) accepting from its shared socket. `unix_socket`,
     `grpc_unix_socket`: serve there (mode 0600) instead of host:port and grpc_port (what
-    `meshfn up` does behind a sidecar: only the sidecar's user can connect)."""
+    `meshfn up` does behind a sidecar: only the sidecar's user can connect). `sandbox`: its
+    Landlock domain is in force already; its seccomp filter goes on once everything started."""
     from .grpc_api import GrpcServer
     from .supervisor import adopt
 
@@ -318,6 +321,12 @@ async def serve(
             await _start_grpc(grpc, host, grpc_port, grpc_unix_socket)
         if not child:
             await backend.start()
+        if sandbox is not None:
+            # Start-up is over: from here the process only serves (sandbox.py's allow-list).
+            sandbox.confine_syscalls()
+            backend.sandbox = sandbox.report()
+            sandbox.write_report()
+            log.info(sandbox.line(), extra={"sandbox": backend.sandbox})
         # Everything allocated so far (modules, config, metrics, verified metadata) lives as
         # long as the process. Left to the cyclic GC, each full collection walks it all: ~30 ms
         # that would land inside some unlucky request. Frozen, full collections only walk what

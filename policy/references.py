@@ -122,6 +122,7 @@ def _check_routes(items: list[Loaded]) -> list[PolicyError]:
                         "backend speaks KServe v2 over HTTP",
                     )
                 )
+            errors += _check_egress(item, services)
             continue
         if not isinstance(item.obj, Route):
             continue
@@ -147,6 +148,24 @@ def _check_routes(items: list[Loaded]) -> list[PolicyError]:
                 item.error(
                     ("spec", "destination", "service"),
                     f"unknown Service {key}{_did_you_mean(key, services)}",
+                )
+            )
+    return errors
+
+
+def _check_egress(item: Loaded, services: dict[str, Loaded]) -> list[PolicyError]:
+    """A Function's egress peers are Services of the mesh."""
+    assert isinstance(item.obj, Function)
+    errors = []
+    for index, peer in enumerate(item.obj.spec.egress):
+        ref = peer.service
+        key = ref if "/" in ref else f"{item.namespace}/{ref}"
+        if key not in services:
+            errors.append(
+                item.error(
+                    ("spec", "egress", index, "service"),
+                    f"unknown Service {key}: an egress peer must be a Service of the mesh"
+                    f"{_did_you_mean(key, services)}",
                 )
             )
     return errors

@@ -1,7 +1,9 @@
-"""The rollouts' HTTP surface on an admin port (the control plane's, the operator's):
-GET /rollouts (what `meshfn rollout status` shows) and POST /rollouts/actions {"rollout": NAME,
-"action": promote|abort|pause|resume, "by": who}. The POST takes JSON only: a page on another
-origin cannot send that without a CORS preflight, which these ports never grant."""
+"""The rollouts' HTTP surface on an admin port (the control plane's, the operator's), behind its
+guard (meshfn.common.adminauth): GET /rollouts (what `meshfn rollout status` shows; any role)
+and POST /rollouts/actions {"rollout": NAME, "action": promote|abort|pause|resume}: the auditor
+role, with a token (never a console session), recorded as the principal the guard
+authenticated. It takes JSON only: a page on another origin cannot send that without a CORS
+preflight, which these ports never grant."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+
+from meshfn.common.adminauth import AUDITOR, Forbidden, require
 
 from .controller import ActionError, Event
 
@@ -29,6 +33,9 @@ def add_routes(app: web.Application, documents: Documents, act: Act) -> None:
 
 
 async def _action(request: web.Request, documents: Documents, act: Act) -> web.Response:
+    principal = require(request, AUDITOR)
+    if principal.via == "session":  # a browser's cookie: never the way to move traffic
+        raise Forbidden("rollout actions take a token (meshfn rollout), not a console session")
     if request.content_type != "application/json":
         return web.json_response({"error": "send application/json"}, status=415)
     try:
@@ -39,10 +46,8 @@ async def _action(request: web.Request, documents: Documents, act: Act) -> web.R
         isinstance(body.get(k), str) for k in ("rollout", "action")
     ):
         return web.json_response({"error": "give rollout and action (strings)"}, status=400)
-    by = body.get("by")
-    who = by[:128] if isinstance(by, str) and by else "admin"
     try:
-        event = await act(body["rollout"], body["action"], f"{who} (admin port)")
+        event = await act(body["rollout"], body["action"], principal.name)
     except ActionError as exc:
         return web.json_response({"error": str(exc)}, status=exc.status)
     rollout = next(d for d in documents() if d["rollout"] == event.rollout)

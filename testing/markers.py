@@ -35,6 +35,10 @@ _SUPPORT = {
     "meshfn.testing.kubebuild": ("slow",),
     "meshfn.inference.build": ("clang",),
     "meshfn.inference.examples": ("clang",),
+    # the model compiler builds every model it is given with clang
+    "meshfn.compiler.pipeline": ("clang",),
+    "meshfn.compiler.conformance": ("clang",),
+    "meshfn.testing.onnx_fuzz": ("clang",),
 }
 # Test files that are slow by what they do, not by what they import: the task pages' command
 # sequences (each a dozen `meshfn` processes, a function build), the strict site build.

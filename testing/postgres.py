@@ -33,6 +33,7 @@ AUDIT_ROLES = {
     "collector": "meshfn_audit_collector",
     "signer": "meshfn_audit_signer",
     "reader": "meshfn_audit_reader",
+    "auditor": "meshfn_audit_auditor",
 }
 
 
@@ -77,9 +78,16 @@ class PostgresServer:
     """`with PostgresServer() as pg: pg.database("t1")` -> a DSN of a fresh database."""
 
     def __init__(self, settings: dict[str, str] | None = None) -> None:
-        # Tests need no durability; benchmarks pass {} to keep PostgreSQL's defaults.
+        # Tests need no durability; benchmarks pass {} to keep PostgreSQL's defaults. A server
+        # that holds audit stores removes old WAL segments instead of recycling them (what the
+        # README asks of one: an erasure then leaves nothing in pg_wal; audit/postgres.py).
         self.settings = (
-            {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+            {
+                "fsync": "off",
+                "synchronous_commit": "off",
+                "full_page_writes": "off",
+                "wal_recycle": "off",
+            }
             if settings is None
             else settings
         )

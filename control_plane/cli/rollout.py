@@ -1,12 +1,13 @@
 """`meshfn rollout status|promote|abort|pause|resume NAME`: a running control plane's rollouts,
-from its admin port (and the actions a person takes on them, each an audit record)."""
+from its admin port (and the actions a person takes on them, each an audit record naming the
+principal of the admin token: the owner's, from the state directory, unless
+$MESHFN_ADMIN_TOKEN names another; the actions need the auditor role)."""
 
 from __future__ import annotations
 
 import datetime as dt
-import getpass
 import json
-import socket
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -15,7 +16,7 @@ from rich.text import Text
 
 from meshfn.common.cli import command_app, fail, out
 
-from .shared import AdminOpt, admin_url, get_json, post_json
+from .shared import DEFAULT_STATE, AdminOpt, ClientStateOpt, admin_url, get_json, post_json
 
 rollout_app = command_app(
     "rollout",
@@ -106,10 +107,11 @@ def _print(doc: dict[str, Any]) -> None:
 def status(
     name: Annotated[str | None, typer.Argument(help="one Rollout (default: every one)")] = None,
     admin: AdminOpt = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
     as_json: JsonOpt = False,
 ) -> None:
     """Where each rollout is: step, weights, each SLO check against its limit, history."""
-    docs = get_json(admin_url(admin) + "/rollouts")["rollouts"]
+    docs = get_json(admin_url(admin, state_dir) + "/rollouts", state_dir)["rollouts"]
     if name is not None:
         docs = [d for d in docs if name in (d["rollout"], d["rollout"].split("/", 1)[1])]
         if not docs:
@@ -123,32 +125,36 @@ def status(
         _print(doc)
 
 
-def _act(action: str, name: str, admin: str | None) -> None:
-    who = f"{getpass.getuser()}@{socket.gethostname()}"
-    body = {"rollout": name, "action": action, "by": who}
-    answer = post_json(admin_url(admin) + "/rollouts/actions", body)
+def _act(action: str, name: str, admin: str | None, state_dir: Path) -> None:
+    """One action, as the principal of the admin token (the owner's, in `state_dir`)."""
+    body = {"rollout": name, "action": action}
+    answer = post_json(admin_url(admin, state_dir) + "/rollouts/actions", body, state_dir)
     out.print(Text(f"{answer['rollout']['rollout']}: {answer['event']}"))
 
 
 @rollout_app.command()
-def promote(name: NameArg, admin: AdminOpt = None) -> None:
+def promote(
+    name: NameArg, admin: AdminOpt = None, state_dir: ClientStateOpt = DEFAULT_STATE
+) -> None:
     """Send every request to the candidate now, skipping the steps left."""
-    _act("promote", name, admin)
+    _act("promote", name, admin, state_dir)
 
 
 @rollout_app.command()
-def abort(name: NameArg, admin: AdminOpt = None) -> None:
+def abort(name: NameArg, admin: AdminOpt = None, state_dir: ClientStateOpt = DEFAULT_STATE) -> None:
     """Send every request back to the stable version now."""
-    _act("abort", name, admin)
+    _act("abort", name, admin, state_dir)
 
 
 @rollout_app.command()
-def pause(name: NameArg, admin: AdminOpt = None) -> None:
+def pause(name: NameArg, admin: AdminOpt = None, state_dir: ClientStateOpt = DEFAULT_STATE) -> None:
     """Hold the rollout where it is (its split stays) until resumed, promoted or aborted."""
-    _act("pause", name, admin)
+    _act("pause", name, admin, state_dir)
 
 
 @rollout_app.command()
-def resume(name: NameArg, admin: AdminOpt = None) -> None:
+def resume(
+    name: NameArg, admin: AdminOpt = None, state_dir: ClientStateOpt = DEFAULT_STATE
+) -> None:
     """Go on from a pause: the current step starts over with a fresh window."""
-    _act("resume", name, admin)
+    _act("resume", name, admin, state_dir)

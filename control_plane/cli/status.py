@@ -16,7 +16,7 @@ from meshfn.common.cli import err, fail, out
 from meshfn.common.unix import unix_request
 from meshfn.kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
 
-from .shared import AdminOpt, admin_url, get_json
+from .shared import DEFAULT_STATE, AdminOpt, ClientStateOpt, admin_url, get_json
 
 
 def _type_cell(state: dict[str, Any] | None) -> str:
@@ -166,6 +166,31 @@ def _print_acceleration(acceleration: dict[str, Any] | None) -> None:
         )
 
 
+_LAYER_STYLE = {"on": "green", "off": "yellow"}
+
+
+def _print_sandbox(sandbox: dict[str, Any] | None) -> None:
+    """Per inference backend: which kernel layers confine it, why any does not, and what the
+    egress control refused (docs/concepts/sandbox.md)."""
+    if not sandbox:
+        return
+    for backend in sandbox["backends"]:
+        line = Text(f"sandbox {backend['backend']}: ")
+        for i, layer in enumerate(("landlock", "seccomp", "egress")):
+            state = backend[layer]["state"]
+            line.append(", " if i else "")
+            line.append(f"{layer} {state}", style=_LAYER_STYLE.get(state, "red"))
+        out.print(line)
+        for layer in ("landlock", "seccomp", "egress"):
+            out.print(Text(f"  {layer}: {backend[layer]['detail']}"), highlight=False)
+        if backend["denied"]:
+            refused = ", ".join(
+                f"{reason} {d['count']}" + (f" (last {d['last']})" if d["last"] else "")
+                for reason, d in backend["denied"].items()
+            )
+            out.print(Text(f"  egress denied: {refused}", style="red"))
+
+
 def _print_drift(routes: dict[str, Any]) -> None:
     """The drift breaker: per route its state, p95 against the baseline."""
     if not routes:
@@ -202,6 +227,7 @@ def status(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
 ) -> None:
     """Every connected proxy: per type the version sent and ACKed, and the last NACK. With
     --kube: every meshfn custom resource, its conditions and the objects it owns."""
@@ -209,13 +235,14 @@ def status(
         from meshfn.kube.cli import print_status
 
         raise typer.Exit(print_status(out, kubeconfig, context, namespace))
-    document = get_json(admin_url(admin) + "/debug/status")
+    document = get_json(admin_url(admin, state_dir) + "/debug/status", state_dir)
     if as_json:
         out.print_json(json.dumps(document))
         return
     _print_rejected(document["policy_errors"])
     nacks = _print_proxies(document)
     _print_acceleration(document.get("acceleration"))
+    _print_sandbox(document.get("sandbox"))
     audit = document.get("audit")
     if audit and audit.get("enabled"):
         _print_audit(audit)
@@ -293,12 +320,13 @@ def config_dump(
     resource_type: Annotated[
         str | None, typer.Option("--type", help="listeners | routes | clusters | endpoints")
     ] = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
 ) -> None:
     """What the control plane sends NODE, as YAML."""
     from meshfn.xds.dump import to_yaml
 
     query = urllib.parse.urlencode({"node": node})
-    document = get_json(f"{admin_url(admin)}/debug/config_dump?{query}")
+    document = get_json(f"{admin_url(admin, state_dir)}/debug/config_dump?{query}", state_dir)
     if resource_type:
         if resource_type not in document:
             have = ", ".join(k for k in document if k not in ("workload", "version"))

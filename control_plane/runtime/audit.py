@@ -25,10 +25,12 @@ from typing import Any
 
 from meshfn import ir
 from meshfn.audit import layout
+from meshfn.audit.access import access_event, record_access
 from meshfn.audit.collector import AuditCollector
 from meshfn.audit.signer import SignerClient, SignerError
 from meshfn.audit.sqlite import SqliteStore
-from meshfn.audit.store import CONTROL_CHAIN, DEFAULT_RETENTION_DAYS
+from meshfn.audit.store import CONTROL_CHAIN, DEFAULT_RETENTION_DAYS, StoreError
+from meshfn.common.adminauth import Principal
 from meshfn.xds.translate import ProxyHost
 
 from .process import SupervisedProcess
@@ -36,6 +38,10 @@ from .process import SupervisedProcess
 log = logging.getLogger("meshfn.audit")
 
 Reopen = Callable[[], Awaitable[None]]
+# How long an erasure waits before it stores what the journals hold: Envoy writes its access logs
+# every 200 ms (envoy.py: file_flush_interval_ms), so a request finished before the erasure began
+# is in its journal by then.
+FLUSH_WAIT_S = 0.5
 
 
 def store_path(state_dir: Path) -> Path:
@@ -152,6 +158,57 @@ class AuditTrail:
                 {**row, "class": self.tenant_class(row["source"], row["tenant"])}
                 for row in status["qos_refusals"]
             ],
+        }
+
+    async def record_access(
+        self,
+        principal: Principal,
+        action: str,
+        pseudonyms: list[str],
+        records: int,
+        via: str = "console",
+    ) -> int:
+        """Append an access record (meshfn.audit.access) to the control chain; its seq.
+        StoreError when the trail is off or refuses: the caller must not show the data."""
+        store, collector = self.store, self.collector
+        if store is None or collector is None:
+            raise StoreError("the audit trail is not running: nowhere to record this access")
+        event = access_event(
+            principal=principal.name,
+            role=principal.role,
+            action=action,
+            via=via,
+            pseudonyms=pseudonyms,
+            records=records,
+        )
+        seq = await asyncio.to_thread(record_access, store, event)
+        collector.appended(1)
+        return seq
+
+    async def erase(self, subject: str, principal: Principal, via: str = "api") -> dict[str, Any]:
+        """Erase a subject from the store and every journal (collector.erase), after the
+        proxies' buffered lines reached the journals. The answer of POST /audit/erase."""
+        collector = self.collector
+        if collector is None:
+            raise StoreError("the audit trail is not running: nothing to erase")
+        await asyncio.sleep(FLUSH_WAIT_S)
+        done, copies = await asyncio.to_thread(collector.erase, subject, principal.name, via)
+        if done is None:
+            await self.record_access(principal, "erase", [], 0, via)
+            return {"erased": False}
+        log.info(
+            "audit erasure by %s: %d record(s) unlinked, %d journal copies overwritten",
+            principal.name,
+            done.records,
+            copies,
+        )
+        return {
+            "erased": True,
+            "records": done.records,
+            "seq": done.seq,
+            "pseudonyms": list(done.pseudonyms),
+            "journal_copies": copies,
+            "residue": list(done.residue),
         }
 
     def tenant_class(self, source: str, tenant: str) -> str:

@@ -25,18 +25,19 @@ from meshfn import ir
 from meshfn import wasm_filters as filters
 from meshfn.audit.collector import CollectorMetrics
 from meshfn.audit.store import StoreError
+from meshfn.common.adminauth import owner_token_path
 from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
 from meshfn.common.unix import SocketPathTooLong
-from meshfn.ebpf import AccelerationUnavailable
+from meshfn.ebpf import AccelerationUnavailable, EgressUnavailable
 from meshfn.policy.rollout import Published
 from meshfn.rollout.controller import Event as RolloutEvent
 from meshfn.rollout.shadow import Backend as ShadowBackend
 
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
-from .admin import AdminAccessError, AdminServer, is_loopback
+from .admin import AdminServer
 from .audit import AuditTrail
 from .bootstrap import (
     ProxyIdentity,
@@ -46,8 +47,9 @@ from .bootstrap import (
 )
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
-from .hints import hints, print_hints, sample_request
+from .hints import hints, meshfn_command, print_hints, sample_request, shell_path, state_option
 from .process import ProcessFailed, SupervisedProcess
+from .sandbox import BackendSandbox, EgressCollector
 from .upstreams import (
     FunctionsSetup,
     UpstreamSpec,
@@ -71,6 +73,7 @@ class Mesh:
     envoy_log_level: str = "warning"
     preexec: Callable[[], None] | None = None  # e.g. join the eBPF cgroup
     audit: AuditTrail | None = None
+    sandbox: BackendSandbox | None = None  # the backends' egress cgroups
     envoys: dict[str, tuple[ProxyIdentity, SupervisedProcess]] = field(default_factory=dict)
     upstreams: dict[tuple[str, int], tuple[UpstreamSpec, SupervisedProcess]] = field(
         default_factory=dict
@@ -91,15 +94,25 @@ class Mesh:
             await self.audit.reconcile(model, self.cp.proxy_host(model), reopen)
 
     async def _reconcile_upstreams(self, model: ir.MeshModel) -> None:
+        if self.sandbox is not None and model.sandbox.egress != self.sandbox.mode:
+            log.warning(
+                "sandbox.egress is now %s: the egress control stays %s until meshfn up restarts"
+                " (Landlock and seccomp follow the policy: the backends restart)",
+                model.sandbox.egress,
+                self.sandbox.mode,
+            )
         wanted = local_upstreams(model, self.state_dir, self.functions)
         for key, (spec, proc) in list(self.upstreams.items()):
             if wanted.get(key) != spec:
                 del self.upstreams[key]
                 await proc.stop()
+                if self.sandbox is not None:
+                    self.sandbox.release(spec)
         starts = []
         for key, spec in wanted.items():
             if key not in self.upstreams:
-                proc = upstream_process(spec, self.state_dir, self.functions, self.preexec)
+                own = self.sandbox.preexec(spec) if self.sandbox is not None else None
+                proc = upstream_process(spec, self.state_dir, self.functions, own or self.preexec)
                 self.upstreams[key] = (spec, proc)
                 starts.append(proc.start())
         for service in model.services:
@@ -148,6 +161,8 @@ class Mesh:
         self.envoys.clear()
         self.upstreams.clear()
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+        if self.sandbox is not None:  # the egress cgroups nest in the acceleration cgroup
+            await self.sandbox.shutdown()
         if self.audit is not None:  # after the proxies: it stores the last lines they wrote
             await self.audit.stop()
 
@@ -194,6 +209,7 @@ class Mesh:
             if audit is not None
             else None,
             acceleration=acceleration.document if acceleration is not None else None,
+            trail=audit,
         )
 
     def pids(self) -> dict[str, int | None]:
@@ -263,10 +279,10 @@ async def run_up(
     the function registry's versions of a function (Rollouts are checked against it).
 
     It runs in three steps, and the order is the point:
-    1. Check everything that can refuse the start before anything runs (an admin port beyond
-       loopback without a token, policy errors, socket paths (Envoy admin, the applications
-       behind sidecars) too long for a unix socket, functions without a registry, eBPF
-       required but unavailable): a refusal leaves no process behind and says what to change.
+    1. Check everything that can refuse the start before anything runs (policy errors, socket
+       paths (Envoy admin, the applications behind sidecars) too long for a unix socket,
+       functions without a registry, eBPF required but unavailable): a refusal leaves no
+       process behind and says what to change.
     2. Start the control plane and its admin port before the mesh: every Envoy connects to the
        control plane as it starts, and the console must see the first proxy arrive.
     3. Once the mesh runs, write STATE/state.json (`meshfn status` and `analyze` find the admin
@@ -275,26 +291,19 @@ async def run_up(
     """
     console = console or cli_console()
     try:
-        _check_admin_listen(admin_host, admin_token)
         cp, model = await _loaded(policies, state_dir, functions, console, published)
         _check_functions(model, functions)
         acceleration = await _accelerated(cp, model, state_dir)
+        sandbox = await _sandboxed(cp, model, state_dir, acceleration)
     except _Refused as refused:
         refused.print(console)
         return 1
     mesh = _wired_mesh(cp, state_dir, functions, concurrency, envoy_log_level, acceleration)
+    if sandbox is not None:
+        mesh.sandbox = sandbox
+        sandbox.backends = lambda: [spec for spec, _ in mesh.upstreams.values()]
     admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
     return await _serve(cp, model, mesh, admin, acceleration, admin_host, policies, console)
-
-
-def _check_admin_listen(admin_host: str, admin_token: str | None) -> None:
-    if not is_loopback(admin_host) and not admin_token:
-        raise _Refused(
-            Text(
-                f"the admin port (and its console) would listen on {admin_host} without a token:"
-                " set MESHFN_ADMIN_TOKEN or --admin-token-file"
-            )
-        )
 
 
 async def _loaded(
@@ -362,6 +371,30 @@ async def _accelerated(
     return acceleration
 
 
+async def _sandboxed(
+    cp: ControlPlane, model: ir.MeshModel, state_dir: Path, acceleration: Acceleration | None
+) -> BackendSandbox | None:
+    """The inference backends' egress control as the policies ask for it (set up before any
+    backend starts: each joins its own cgroup, inside the acceleration cgroup when that is
+    on), and what confines each backend in /debug/status and /metrics."""
+    if not model.functions:
+        return None
+    sandbox = BackendSandbox(
+        state_dir,
+        model.sandbox.egress,
+        parent=acceleration.status.cgroup if acceleration and acceleration.status else None,
+    )
+    try:
+        await sandbox.setup()
+    except EgressUnavailable as exc:
+        raise _Refused(
+            f"[red]sandbox: egress was required but is unavailable: {exc}[/red]"
+        ) from None
+    cp.status_providers["sandbox"] = sandbox.document
+    cp.metrics.registry.register(EgressCollector(sandbox))
+    return sandbox
+
+
 def _wired_mesh(
     cp: ControlPlane,
     state_dir: Path,
@@ -412,7 +445,7 @@ async def _start(
     try:
         await cp.start()
         await admin.start(admin_host, port=model.admin_port)
-    except (OSError, AdminAccessError) as exc:
+    except OSError as exc:
         raise _Refused(f"[red]cannot start the control plane: {exc}[/red]") from None
     try:
         await mesh.reconcile(model)
@@ -439,15 +472,18 @@ async def _print_ready(
     console: Console, cp: ControlPlane, model: ir.MeshModel, admin: AdminServer, mesh: Mesh,
     policies: Path,
 ) -> None:  # fmt: skip
-    """The routes, commands to try them with, and where the console is."""
+    """The routes, commands to try them with, and the console: a one-time login link (as
+    Jupyter prints one), and where the admin token is."""
     samples = await function_samples(spec for spec, _ in mesh.upstreams.values())
+    another = f"{meshfn_command()} console{state_option(mesh.state_dir)} prints another"
+    token = shell_path(owner_token_path(mesh.state_dir))
     print_hints(
         console,
         hints(model, mesh.state_dir, admin.url, samples),
         [
-            f"console: {admin.url}/ui",
-            f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin.url}; watching "
-            f"{policies} for changes; Ctrl-C stops everything.",
+            f"console: {admin.login_link()}   # a one-time login link ({another})",
+            f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin.url} (token in {token});"
+            f" watching {policies} for changes; Ctrl-C stops everything.",
         ],
     )
 
@@ -476,6 +512,10 @@ async def _serve(
             asyncio.create_task(cp.drift_forever(stop)),
             asyncio.create_task(cp.rollouts_forever(stop)),
         ]
+        if mesh.sandbox is not None:
+            tasks.append(asyncio.create_task(mesh.sandbox.log_denials_forever(stop)))
+            for line in mesh.sandbox.start_lines():
+                console.print(line, markup=False, highlight=False)
         await _print_ready(console, cp, model, admin, mesh, policies)
         await stop.wait()
         console.print("stopping...")

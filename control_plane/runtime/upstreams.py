@@ -2,8 +2,9 @@
 functions, a placeholder upstream for the other loopback HTTP endpoints.
 
 An endpoint behind a sidecar is reached through its sidecar only: its application listens on
-unix sockets in STATE/workloads (0700, each socket 0600), not on its loopback port, which any
-local user could call directly, past mTLS, JWT, authorization, QoS and the audit trail. The
+unix sockets in STATE/workloads (an inference backend: in its own STATE/inference/<address>-
+<port>/; 0700, each socket 0600), not on its loopback port, which any local user could call
+directly, past mTLS, JWT, authorization, QoS and the audit trail. The
 sidecar reaches the sockets over Envoy `pipe` addresses (the control plane learns them from
 `app_sockets`). The policy's ports still name the endpoint (its sidecar's cluster, logs,
 `endpoint` in the placeholder's answers). An endpoint without a sidecar is called directly by
@@ -16,7 +17,7 @@ import ipaddress
 import json
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import aiohttp
 from meshfn import ir
 from meshfn.common.files import private_directory
 from meshfn.common.unix import socket_path
-from meshfn.contracts.function import BackendConfig
+from meshfn.contracts.function import BackendConfig, EgressAddress, SandboxSettings
 from meshfn.policy import compile
 from meshfn.xds.translate import AppSockets
 
@@ -55,11 +56,20 @@ class UpstreamSpec:
     # address:port, and gRPC on `grpc_sockets` instead of grpc_port.
     sockets: tuple[Path, ...] = ()
     grpc_sockets: tuple[Path, ...] = ()
+    # Where its functions' egress peers are reached (Function.spec.egress): each endpoint's
+    # sidecar where it has one (the mesh's way in), else the endpoint itself.
+    egress: tuple[tuple[str, int], ...] = ()
+    sandbox: ir.Sandbox = field(default_factory=ir.Sandbox)
 
     @property
     def where(self) -> Path | str:
         """Where to reach it: its (first) socket, or address:port."""
         return self.sockets[0] if self.sockets else f"{self.address}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """The backend's name in its egress cgroup, /metrics and `meshfn status`."""
+        return f"{self.service} {self.address}:{self.port}"
 
 
 def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
@@ -74,11 +84,27 @@ def workload_sockets(state_dir: Path) -> Path:
 
 def app_socket(state_dir: Path, address: str, port: int) -> Path:
     """The socket of a one-process application behind a sidecar (e.g. the echo placeholder)."""
-    return _sockets(workload_sockets(state_dir), address, port, 1)[0]
+    return _sockets(workload_sockets(state_dir), _stem(address, port), 1)[0]
 
 
-def _sockets(directory: Path, address: str, port: int, count: int) -> tuple[Path, ...]:
-    stem = f"{address.replace(':', '_')}-{port}"
+def backend_state_dir(state_dir: Path, address: str, port: int) -> Path:
+    """An inference backend's own directory, the one place it may write (its Landlock rules):
+    its config, the report of what confines it (sandbox.json) and, behind a sidecar, its
+    sockets. In the shared STATE/workloads it would need the right to remove files there, and
+    with it the other workloads' sockets."""
+    return state_dir / "inference" / _stem(address, port)
+
+
+def backend_socket(state_dir: Path, address: str, port: int) -> Path:
+    """The REST socket of a one-process inference backend behind a sidecar."""
+    return _sockets(backend_state_dir(state_dir, address, port), "http", 1)[0]
+
+
+def _stem(address: str, port: int) -> str:
+    return f"{address.replace(':', '_')}-{port}"
+
+
+def _sockets(directory: Path, stem: str, count: int) -> tuple[Path, ...]:
     names = [stem] if count == 1 else [f"{stem}.{k}" for k in range(count)]
     return tuple(socket_path(directory, name, "the workloads' sockets") for name in names)
 
@@ -104,12 +130,14 @@ def upstreams_for(
                 grpc_port = e.grpc_port if served else None
                 sockets: tuple[Path, ...] = ()
                 grpc_sockets: tuple[Path, ...] = ()
-                if state_dir is not None and e.sidecar_port is not None:
-                    count = processes if served else 1
-                    directory = workload_sockets(state_dir)
-                    sockets = _sockets(directory, e.address, e.port, count)
+                if state_dir is not None and e.sidecar_port is not None and served:
+                    directory = backend_state_dir(state_dir, e.address, e.port)
+                    sockets = _sockets(directory, "http", processes)
                     if grpc_port is not None:
-                        grpc_sockets = _sockets(directory, e.address, grpc_port, count)
+                        grpc_sockets = _sockets(directory, "grpc", processes)
+                elif state_dir is not None and e.sidecar_port is not None:
+                    directory = workload_sockets(state_dir)
+                    sockets = _sockets(directory, _stem(e.address, e.port), 1)
                 out[(e.address, e.port)] = UpstreamSpec(
                     service.key,
                     e.address,
@@ -119,8 +147,22 @@ def upstreams_for(
                     grpc_port,
                     sockets,
                     grpc_sockets,
+                    egress_peers(model, served),
+                    model.sandbox if served else ir.Sandbox(),
                 )
     return out
+
+
+def egress_peers(
+    model: ir.MeshModel, functions: tuple[ir.Function, ...]
+) -> tuple[tuple[str, int], ...]:
+    """(address, port) of every endpoint of the Services the functions name as egress peers."""
+    peers = set()
+    for function in functions:
+        for key in function.egress:
+            for e in model.service(key).endpoints:
+                peers.add((e.address, e.sidecar_port or e.port))
+    return tuple(sorted(peers))
 
 
 def local_upstreams(
@@ -141,15 +183,23 @@ def app_sockets(upstreams: Iterable[UpstreamSpec]) -> AppSockets:
     return tuple(sorted(out))
 
 
-def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
+def backend_config(
+    spec: UpstreamSpec, setup: FunctionsSetup, state: Path | None = None
+) -> dict[str, Any]:
     """The inference backend's config for one endpoint: each Function's settings as the policy
-    gave them (the same schema), named."""
+    gave them (the same schema), named; its sandbox (`state`: its own state directory)."""
     config = BackendConfig(
         registry=setup.registry.resolve(),
         trustedKeys=[k.resolve() for k in setup.trusted_keys],
         workers=setup.workers,
         processes=setup.processes,
         functions=[v for f in spec.functions for v in f.served_versions()],
+        sandbox=SandboxSettings(
+            landlock=spec.sandbox.landlock,
+            seccomp=spec.sandbox.seccomp,
+            stateDir=state.resolve() if state is not None else None,
+            connect=[EgressAddress(address=a, port=p) for a, p in spec.egress],
+        ),
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result
@@ -178,9 +228,11 @@ def upstream_process(
     if spec.functions:
         if setup is None:
             raise ValueError(f"{spec.service} serves functions but no registry is configured")
-        config = state_dir / "inference" / f"{spec.address}-{spec.port}.json"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(json.dumps(backend_config(spec, setup), indent=2))
+        own = backend_state_dir(state_dir, spec.address, spec.port)
+        private_directory(own)
+        (own / "sandbox.json").unlink(missing_ok=True)  # the report of the backend to come
+        config = own / "backend.json"
+        config.write_text(json.dumps(backend_config(spec, setup, own), indent=2))
 
         async def backend_ready() -> bool:
             # every serving process, where each has a socket of its own

@@ -54,6 +54,7 @@ true
 collector: meshfn_audit_collector
 signer: meshfn_audit_signer
 reader: meshfn_audit_reader
+auditor: meshfn_audit_auditor
 {{- end -}}
 
 {{- define "meshfn.signerAddress" -}}

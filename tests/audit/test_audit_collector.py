@@ -567,3 +567,59 @@ async def test_qos_refusals_are_counted_per_tenant_and_limit(tmp_path: Path) -> 
         'tenant="initech"} 2.0' in text
     ), text
     store.close()
+
+
+def subject_line(i: int, subject: str) -> bytes:
+    state = json.dumps({"subject": subject, "salt_id": "s", "tenant": "t"})
+    record = {"id": f"s{i}", "time": "2026-01-01T00:00:00.000000Z", "status": 200, "audit": state}
+    return (json.dumps(record) + "\n").encode()
+
+
+async def test_an_erasure_while_lines_arrive_leaves_no_copy_and_loses_nothing(
+    location: str, tmp_path: Path
+) -> None:
+    """collector.erase while another writer keeps appending to the journal: afterwards neither
+    the store nor the journal links anything to the subject, every line is stored exactly once
+    (the subject's too, unlinkable), the chain verifies, and a restarted collector resumes where
+    this one stopped (the redaction kept the stored fingerprint in step)."""
+    import threading
+
+    alice, bob = "5a" * 32, "6b" * 32
+    store = open_store(location)
+    journal = tmp_path / "journal" / "edge.jsonl"
+    journal.parent.mkdir()
+    write(journal, b"".join(subject_line(i, (alice, bob)[i % 2]) for i in range(40)))
+    collector = await collect(store, journal)
+    await collector.drain()
+    write(journal, b"".join(subject_line(i, (alice, bob)[i % 2]) for i in range(40, 50)))
+    stop = threading.Event()
+
+    def others() -> None:  # bob keeps making requests through the erasure
+        for i in range(50, 250):
+            write(journal, subject_line(i, bob))
+            if stop.wait(0.002):
+                return
+
+    writer = threading.Thread(target=others)
+    writer.start()
+    try:
+        done, copies = await asyncio.to_thread(collector.erase, alice, "tester", "test")
+    finally:
+        writer.join()
+    assert done is not None and done.records == 25 and copies == 25
+    await collector.drain()
+    await collector.stop()
+    assert alice.encode() not in journal.read_bytes()
+    assert journal.read_bytes().count(bob.encode()) == 225
+    assert store.pseudonyms(alice) == [] and store.query(subject=alice, limit=None) == []
+    rows = [r for r in store.query(limit=None) if r["chain"] == "edge~0"]
+    assert sorted(int(r["id"][1:]) for r in rows) == list(range(250))  # each once
+    assert len(store.query(subject=bob, limit=None)) == 225
+    assert chain_intact(store)
+    collector = await collect(store, journal)  # restarted: nothing read twice
+    write(journal, subject_line(250, alice))  # alice, after her erasure: a new pseudonym
+    await collector.drain()
+    await collector.stop()
+    assert len([r for r in store.query(limit=None) if r["chain"] == "edge~0"]) == 251
+    assert len(store.query(subject=alice, limit=None)) == 1
+    store.close()

@@ -194,3 +194,58 @@ def test_a_missing_schema_is_explained_to_a_role(pg: PostgresServer) -> None:
         conn.execute("CREATE ROLE meshfn_audit_bare LOGIN")
     with pytest.raises(StoreError, match="may not create it"):
         PostgresStore(with_user(dsn, "meshfn_audit_bare"))
+
+
+def test_an_auditor_records_its_reads_and_writes_nothing_else(trail: Trail, tmp_path: Path) -> None:
+    """Issue 40: a query by subject (and an export) must leave an access record, which the
+    readers' role cannot write: the auditors' role reads, and appends to the control chain
+    through meshfn_audit_append_control only, a record that links to its head and nothing else."""
+    subject = hashlib.sha256(b"alice").hexdigest()
+    trail.owner.append(
+        [{"v": 2, "subject": subject, "time": "2026-01-01T00:00:01.000000Z"}], chain="a"
+    )
+    runner = CliRunner()
+    as_reader = runner.invoke(
+        audit_app, ["query", "--store", trail.roles["reader"], "--subject", subject, "--json"]
+    )
+    assert as_reader.exit_code == 2, as_reader.output
+    assert "must be recorded in the trail" in as_reader.output
+    assert "permission denied" in as_reader.output
+    as_auditor = runner.invoke(
+        audit_app, ["query", "--store", trail.roles["auditor"], "--subject", subject, "--json"]
+    )
+    assert as_auditor.exit_code == 0 and len(as_auditor.output.splitlines()) == 1, as_auditor.output
+    (access,) = trail.reader.query(chain="@control", limit=None)
+    assert access["action"] == "query" and access["records"] == 1 and subject not in str(access)
+    again = runner.invoke(
+        audit_app, ["query", "--store", trail.roles["auditor"], "--subject", subject, "--json"]
+    )
+    assert again.exit_code == 0  # the next one links to the first
+    assert trail.verify().ok, trail.verify().problems
+    # nothing else: no journal's chain, no forged link, no other table
+    (head_seq, head_hash) = trail.reader.head("@control")
+    error = refused(
+        trail.roles["auditor"],
+        "INSERT INTO records (chain, seq, record, prev, hash) VALUES ('a', 9, %s, %s, %s)",
+        RECORD, b"\x00" * 32, b"\x00" * 32,
+    )  # fmt: skip
+    assert error.startswith("InsufficientPrivilege"), error
+    bad = hashlib.sha256(b"\x01" * 32 + RECORD.encode()).digest()
+    error = refused(
+        trail.roles["auditor"],
+        "SELECT meshfn_audit_append_control(%s, %s, %s, %s, 'x')",
+        head_seq + 1, RECORD, b"\x01" * 32, bad,
+    )  # fmt: skip
+    assert "link to the head of the control chain" in error, error
+    error = refused(
+        trail.roles["auditor"],
+        "SELECT meshfn_audit_append_control(%s, %s, %s, %s, 'x')",
+        head_seq + 1, RECORD, head_hash, b"\x02" * 32,
+    )  # fmt: skip
+    assert "hash as the chain links it" in error, error
+    for sql in ("UPDATE meta SET value = '0'", "DELETE FROM subjects", "DELETE FROM records"):
+        assert "InsufficientPrivilege" in refused(trail.roles["auditor"], sql), sql
+    assert "InsufficientPrivilege" in refused(
+        trail.roles["reader"],
+        "SELECT meshfn_audit_append_control(1, 'x', ''::bytea, ''::bytea, 'x')",
+    )

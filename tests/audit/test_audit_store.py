@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from meshfn.audit import Checkpoint, layout, offline, open_store, verify
 from meshfn.audit.cli import audit_app
+from meshfn.audit.postgres import PostgresStore
 from meshfn.audit.record import canonical
 from meshfn.audit.signer import Signer
 from meshfn.audit.sqlite import SqliteStore
@@ -431,6 +432,20 @@ def test_racing_writers_store_each_batch_once(location: str) -> None:
     b.close()
 
 
+def test_the_control_chain_has_many_writers(location: str) -> None:
+    """The control plane, the CLI and the console all append access records to @control, each
+    through its own store object: none may trip over another's head."""
+    a, b = open_store(location), open_store(location)
+    try:
+        assert a.append([{"v": 2, "event": "access", "n": 1}], chain=CONTROL_CHAIN) == 1
+        assert b.append([{"v": 2, "event": "access", "n": 2}], chain=CONTROL_CHAIN) == 2
+        assert a.append([{"v": 2, "event": "access", "n": 3}], chain=CONTROL_CHAIN) == 3
+        assert [r["n"] for r in b.query(chain=CONTROL_CHAIN, limit=None)] == [1, 2, 3]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_reserved_chain_names(trail: Trail) -> None:
     with pytest.raises(StoreError, match="meshfn's own"):
         trail.store.append([rec(1)], chain="@x")
@@ -440,7 +455,8 @@ def test_reserved_chain_names(trail: Trail) -> None:
 
 
 def _database_bytes(trail: Trail, pg: PostgresServer | None) -> bytes:
-    """Everything a reader of the database's files, or of a backup taken now, could see."""
+    """Everything a reader of the database's files, or of a backup taken now, could see: for
+    PostgreSQL the database's files, a dump, and the write-ahead log."""
     if not trail.location.startswith("postgresql://"):
         path = Path(trail.location)
         return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
@@ -452,7 +468,8 @@ def _database_bytes(trail: Trail, pg: PostgresServer | None) -> bytes:
         "SELECT oid FROM pg_database WHERE datname = current_database()"
     )[0]
     files = b"".join(p.read_bytes() for p in (pg.data / "base" / str(oid)).iterdir() if p.is_file())
-    return dump + files
+    wal = b"".join(p.read_bytes() for p in (pg.data / "pg_wal").iterdir() if p.is_file())
+    return dump + files + wal
 
 
 def test_erasure_leaves_the_records_unlinkable_and_verifiable(
@@ -473,10 +490,12 @@ def test_erasure_leaves_the_records_unlinkable_and_verifiable(
     assert len(trail.store.query(subject=pseudonym, limit=None)) == 10
     trail.checkpoint()
     assert trail.verify().ok, trail.verify().problems
-    # the erasure is a record of its own that names no subject
+    # the erasure is a record of its own: who, the destroyed pseudonym (random, and now linked
+    # to no one), how many records; never the subject's HMAC
     (erasure,) = trail.store.query(chain=CONTROL_CHAIN, limit=None)
     assert erasure["event"] == "erasure" and erasure["records"] == 10
-    assert target not in json.dumps(erasure) and pseudonym not in json.dumps(erasure)
+    assert erasure["pseudonyms"] == [pseudonym] and target not in json.dumps(erasure)
+    assert done.hashes == (target,) and done.pseudonyms == (pseudonym,)
     # nothing in the database files (or a dump) links the pseudonym to the subject any more
     data = _database_bytes(trail, pg)
     assert target.encode() not in data and bytes.fromhex(target) not in data
@@ -485,6 +504,49 @@ def test_erasure_leaves_the_records_unlinkable_and_verifiable(
     trail.store.append([rec(1, subject=target)], chain="edge")
     fresh = trail.store.query(subject=target, limit=None)
     assert len(fresh) == 1 and fresh[0]["subject"] != pseudonym
+
+
+def test_erasure_outlasts_a_reader_that_still_sees_the_row(
+    pg: PostgresServer, tmp_path: Path
+) -> None:
+    """A transaction older than the erasure still sees the deleted row, and VACUUM FULL keeps
+    what it can see: the erasure rewrites the table again once that reader has ended, so no
+    file keeps the row (and says so when a reader outlives its patience)."""
+    import threading
+
+    import psycopg
+
+    trail = Trail(pg.database(), tmp_path)
+    try:
+        fill(trail, 9)
+        target = SUBJECTS[2]
+        reader = psycopg.connect(trail.location)
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM subjects").fetchall()  # its snapshot has the row
+        reader.execute("COMMIT")
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM records").fetchall()  # an old snapshot, no lock
+        threading.Timer(1.0, reader.close).start()
+        started = time.monotonic()
+        done = trail.owner.erase(target)  # the owner erases (roles.py)
+        assert done is not None and done.residue == (), done
+        assert time.monotonic() - started >= 0.9  # it waited for the reader
+        assert target.encode() not in _database_bytes(trail, pg)
+        # a reader that never ends: said, with what to run
+        stubborn = psycopg.connect(trail.location)
+        stubborn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        stubborn.execute("SELECT count(*) FROM records").fetchall()
+        store = trail.owner
+        assert isinstance(store, PostgresStore)
+        store.shred_patience = 1.0
+        try:
+            leftover = store.erase(SUBJECTS[1])
+            assert leftover is not None
+        finally:
+            stubborn.close()
+        assert any("VACUUM FULL subjects" in line for line in leftover.residue), leftover
+    finally:
+        trail.close()
 
 
 def test_erasing_an_unknown_subject_changes_nothing(trail: Trail) -> None:

@@ -51,13 +51,16 @@ class Rig:
     trail: Trail
     state: Path
     reader: str  # where verify and query read: the file, or the readers' role
+    # where a query by subject reads (and records that it did): the file, or the auditors' role
+    auditor: str
 
     def audit(self, *args: str) -> tuple[int, str]:
         keys = ["--public-key", str(layout.public_key_path(self.state))]
         witness = ["--witness", str(layout.witness_path(self.state))]
         command, *rest = args
         extra = keys + witness if command == "verify" else []
-        result = CliRunner().invoke(audit_app, [command, "--store", self.reader, *extra, *rest])
+        store = self.auditor if "--subject-raw" in rest or "--subject" in rest else self.reader
+        result = CliRunner().invoke(audit_app, [command, "--store", store, *extra, *rest])
         assert result.exception is None or isinstance(result.exception, SystemExit), result.output
         return result.exit_code, result.output
 
@@ -84,7 +87,9 @@ def make_rig(location: str, tmp_path: Path) -> Rig:
     trail.store.append([rec(i) for i in range(100)], chain=MODELS)
     trail.store.append([rec(i + 100) for i in range(20)], chain=GATEWAY)
     trail.checkpoint()
-    return Rig(trail, state, trail.roles.get("reader", location))
+    return Rig(
+        trail, state, trail.roles.get("reader", location), trail.roles.get("auditor", location)
+    )
 
 
 @pytest.fixture
@@ -168,7 +173,9 @@ def test_an_anchor_moved_past_a_witnessed_prune_is_named(location: str, tmp_path
         assert witnessed.prune[MODELS][0] == 50
         with pytest.raises(StoreError, match="only to a prune the signer witnessed"):
             trail.store.apply_prune({MODELS: (seq, digest, witnessed.n)})  # it says 50, not 100
-        rig = Rig(trail, state, trail.roles.get("reader", location))
+        rig = Rig(
+            trail, state, trail.roles.get("reader", location), trail.roles.get("auditor", location)
+        )
         assert rig.audit("verify")[0] == 0
         rig.raw(
             ("UPDATE chains SET anchor_seq = ?, anchor_hash = ?", (seq, digest)),

@@ -15,6 +15,7 @@ from meshfn.control_plane.runtime.upstreams import (
     FunctionsSetup,
     app_socket,
     app_sockets,
+    backend_state_dir,
     local_upstreams,
     upstreams_for,
 )
@@ -36,11 +37,12 @@ def test_behind_a_sidecar_on_sockets_one_per_backend_process(tmp_path: Path) -> 
     sockets = tmp_path.resolve() / "workloads"
     models = specs[("127.0.0.1", 9101)]
     assert models.functions and models.grpc_port == 9111
-    assert models.sockets == (sockets / "127.0.0.1-9101.0.sock", sockets / "127.0.0.1-9101.1.sock")
-    assert models.grpc_sockets == (
-        sockets / "127.0.0.1-9111.0.sock",
-        sockets / "127.0.0.1-9111.1.sock",
-    )
+    # a backend's sockets are in its own directory, the one place its Landlock rules let it
+    # write (in the shared one it could remove the other workloads' sockets)
+    own = tmp_path.resolve() / "inference" / "127.0.0.1-9101"
+    assert own == backend_state_dir(tmp_path.resolve(), "127.0.0.1", 9101)
+    assert models.sockets == (own / "http.0.sock", own / "http.1.sock")
+    assert models.grpc_sockets == (own / "grpc.0.sock", own / "grpc.1.sock")
     assert models.where == models.sockets[0]
     echo = specs[("127.0.0.1", 9201)]  # a placeholder: one process, one socket, no gRPC
     assert echo.sockets == (sockets / "127.0.0.1-9201.sock",) and echo.grpc_sockets == ()
@@ -50,7 +52,7 @@ def test_behind_a_sidecar_on_sockets_one_per_backend_process(tmp_path: Path) -> 
     assert len(mapped) == 7  # three backends' HTTP and gRPC, and echo
     # one process per backend (the default): one socket each
     single = local_upstreams(model, tmp_path, None)[("127.0.0.1", 9103)]
-    assert single.sockets == (sockets / "127.0.0.1-9103.sock",)
+    assert single.sockets == (tmp_path.resolve() / "inference" / "127.0.0.1-9103" / "http.sock",)
     # without a state directory (meshfn serve's rig, bench/chaos.py): the ports, as written
     assert all(not s.sockets and not s.grpc_sockets for s in upstreams_for(model).values())
 
@@ -75,7 +77,7 @@ def test_without_a_sidecar_an_endpoint_keeps_its_port(tmp_path: Path) -> None:
 
 def test_a_state_directory_too_deep_for_the_sockets_fails_clearly(tmp_path: Path) -> None:
     model = load_policies(EXAMPLES)
-    longest = len("/workloads/127.0.0.1-9101.sock")
+    longest = len("/inference/127.0.0.1-9101/http.sock")
     deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path)) - longest - 1))
     for spec in local_upstreams(model, deep, None).values():  # just fits
         assert all(len(os.fsencode(s)) <= MAX_SOCKET_PATH for s in spec.sockets)

@@ -528,6 +528,7 @@ def test_chart_audit_trail_on_postgresql(values: str, tmp_path: Path) -> None:
         "MESHFN_AUDIT_COLLECTOR_DSN": "dsn",
         "MESHFN_AUDIT_SIGNER_DSN": "signerDsn",
         "MESHFN_AUDIT_READER_DSN": "readonlyDsn",
+        "MESHFN_AUDIT_AUDITOR_DSN": "auditorDsn",  # optional: an external Secret may lack it
     }
     assert init["args"][:2] == ["audit", "init"]
     assert ("--create-roles" in init["args"]) == (values == PG_TRIAL)
@@ -546,6 +547,7 @@ def test_chart_audit_trail_on_postgresql(values: str, tmp_path: Path) -> None:
             ("dsn", "meshfn_audit_collector"),
             ("signerDsn", "meshfn_audit_signer"),
             ("readonlyDsn", "meshfn_audit_reader"),
+            ("auditorDsn", "meshfn_audit_auditor"),
         ):
             assert dsns[key].startswith(f"postgresql://{user}:"), key
             assert "@meshfn-audit-postgresql." in dsns[key]

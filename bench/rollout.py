@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from meshfn.common.adminauth import admin_headers
 from meshfn.testing import candidates
 from meshfn.testing import policies as p
 from meshfn.testing.load import DIGITS, SteadyLoad
@@ -103,7 +104,10 @@ class Mesh:
         return up
 
     def status(self, function: str) -> dict[str, Any] | None:
-        with urllib.request.urlopen(self.admin + "/rollouts", timeout=5) as response:
+        request = urllib.request.Request(
+            self.admin + "/rollouts", headers=admin_headers(self.work / "state")
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
             docs = json.loads(response.read())["rollouts"]
         return next((d for d in docs if d["rollout"] == f"default/{function}"), None)
 

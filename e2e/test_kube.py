@@ -717,8 +717,9 @@ def test_a_rollout_moves_step_by_step_in_the_cluster(
     follower = Operator(cluster, "replica-b").start()
     try:
         refused = meshfn(
-            "rollout", "pause", "digits-v2", "--admin", f"http://127.0.0.1:{follower.admin}"
-        )
+            "rollout", "pause", "digits-v2", "--admin", f"http://127.0.0.1:{follower.admin}",
+            env={"MESHFN_ADMIN_TOKEN": follower.token},
+        )  # fmt: skip
         assert refused.returncode == 1 and "does not lead" in refused.stderr, refused.stderr
         # A breach: the candidate fails; every request back to the stable version.
         send_answers(operator.als, stable, 200, 20)
@@ -750,8 +751,9 @@ def test_a_rollout_moves_step_by_step_in_the_cluster(
         (doc,) = json.loads(follower.get("/rollouts"))["rollouts"]
         assert (doc["phase"], doc["weight"]) == ("RolledBack", 0)
         promoted = meshfn(
-            "rollout", "promote", "digits-v2", "--admin", f"http://127.0.0.1:{follower.admin}"
-        )
+            "rollout", "promote", "digits-v2", "--admin", f"http://127.0.0.1:{follower.admin}",
+            env={"MESHFN_ADMIN_TOKEN": follower.token},
+        )  # fmt: skip
         assert promoted.returncode == 0, promoted.stderr
         wait_for(
             "the promotion applied",

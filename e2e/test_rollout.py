@@ -25,6 +25,7 @@ import pytest
 import yaml
 from meshfn_e2e import http
 
+from meshfn.common.adminauth import admin_headers, local_principal
 from meshfn.testing import candidates, envoy
 from meshfn.testing.load import DIGITS, Answer, SteadyLoad
 from meshfn.testing.policies import API_VERSION, documents, gateway, mesh, service
@@ -85,8 +86,12 @@ class Rig:
     def get(self, path: str) -> int:
         return http(self.gateway + path).status
 
+    def admin_get(self, path: str) -> Any:
+        """GET on the admin port with the owner's token (the one `meshfn up` wrote)."""
+        return http(self.admin + path, headers=admin_headers(self.state))
+
     def status(self, function: str) -> dict[str, Any] | None:
-        docs = http(self.admin + "/rollouts").json()["rollouts"]
+        docs = self.admin_get("/rollouts").json()["rollouts"]
         return next((d for d in docs if d["rollout"] == f"default/{function}"), None)
 
     def until(self, function: str, phase: str, timeout: float) -> dict[str, Any]:
@@ -177,7 +182,7 @@ def test_a_candidate_not_published_is_refused_at_its_line(rig: Rig) -> None:
     path.write_text(yaml.safe_dump(doc))
 
     def refused() -> list[str]:
-        return list(http(rig.admin + "/debug/status").json()["policy_errors"])
+        return list(rig.admin_get("/debug/status").json()["policy_errors"])
 
     (error,) = wait_for("the reload refused", refused, timeout=30)
     assert error.startswith(f"{path}:9: spec.candidate: version '9' of good is not published")
@@ -213,7 +218,7 @@ def test_a_good_candidate_is_promoted_through_every_step_without_a_failed_reques
     assert {a.version for a in answers if a.sent > promoted + 0.5} == {"2"}
     assert Counter(a.version for a in answers)["2"] > 0
     # the console shows it: the step, the weights, each check against its limit, the history
-    page = http(rig.admin + "/ui").body.decode()
+    page = rig.admin_get("/ui").body.decode()
     panel = page.split('id="panel-rollouts"', 1)[1].split("</section>", 1)[0]
     for shown in ("default/good", "Promoted", "stable 0%, candidate 100%", "error ratio",
                   "p99 vs stable", "promoted</strong>", "step 1 passed"):  # fmt: skip
@@ -351,22 +356,23 @@ def _envoy_weights(rig: Rig, route: str) -> list[int]:
 
 def test_people_act_with_meshfn_rollout(rig: Rig) -> None:
     def rollout(*args: str) -> str:
-        out = meshfn("rollout", *args, "--admin", rig.admin)
+        out = meshfn("rollout", *args, "--admin", rig.admin, "--state-dir", str(rig.state))
         assert out.returncode == 0, out.stderr
         return out.stdout
 
     assert "paused" in rollout("pause", "resume")
     assert (rig.status("resume") or {})["phase"] == "Paused"
-    refused = meshfn("rollout", "pause", "resume", "--admin", rig.admin)
+    state = ["--admin", rig.admin, "--state-dir", str(rig.state)]
+    refused = meshfn("rollout", "pause", "resume", *state)
     assert refused.returncode == 1 and "cannot be paused now" in refused.stderr
     assert "resumed" in rollout("resume", "default/resume")
     assert "promoted" in rollout("promote", "resume")
     doc = rig.status("resume")
     assert doc is not None and (doc["phase"], doc["weight"]) == ("Promoted", 100)
-    assert doc["history"][-1]["by"].endswith("(admin port)")
+    assert doc["history"][-1]["by"] == local_principal()  # the owner's token: its principal
     shown = rollout("status", "resume")
     assert "Promoted" in shown and "history" in shown and "promoted" in shown
-    unknown = meshfn("rollout", "abort", "nope", "--admin", rig.admin)
+    unknown = meshfn("rollout", "abort", "nope", *state)
     assert unknown.returncode == 1 and "no rollout 'nope'" in unknown.stderr
 
 

@@ -11,7 +11,7 @@
 Medians over the repeats are reported. Prints one line:
   rollout: rollback_s=… failed_ratio_vs_min=… promote_failed=… interval_s=… weight_pct=… rate=… repeats=…
 
-The candidates are meshfn.testing.candidates' (the core-wasm digits classifier today).
+The candidates are meshfn.testing.candidates' (the digits example, compiled from ONNX).
 """
 
 from __future__ import annotations

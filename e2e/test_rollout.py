@@ -7,8 +7,9 @@ request; a control plane killed in the middle of a rollout resumes it at the sam
 act on rollouts with `meshfn rollout`; every step and action is an audit record, and each
 request's record names the version that answered.
 
-The candidates are built by meshfn.testing.candidates (today the core-wasm digits classifier;
-compiled ONNX pairs once `meshfn fn build` makes them)."""
+The candidates are built by meshfn.testing.candidates: the digits example compiled from ONNX by
+`meshfn fn build`, the bad ones the same model with a changed graph (a swapped weight, a division
+by zero, extra matrix products)."""
 
 from __future__ import annotations
 

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import wasmtime
-
 from meshfn.common import env
 from meshfn.common.progress import NULL, Reporter
 
+from .abi import check_core_module
 from .errors import BuildError
 from .manifest import FunctionManifest, load_manifest
 from .signing import sha256_file
@@ -35,7 +34,9 @@ FUNCTIONS_DIR = Path(__file__).resolve().parents[1] / "functions"
 WIT_DIR = FUNCTIONS_DIR / "wit"
 SDK_FILE = FUNCTIONS_DIR / "sdk" / "meshfn_sdk.py"
 CORE_INCLUDE = FUNCTIONS_DIR / "core"
-CORE_EXPORTS = ("memory", "meshfn_abi_version", "meshfn_metadata", "meshfn_alloc", "meshfn_infer")
+# How the example ONNX functions' models are made (their train.py calls it): part of the build
+# key of an onnx function with a prepare script, so a changed recipe rebuilds them.
+EXAMPLE_RECIPES = FUNCTIONS_DIR.parent / "testing" / "onnx_models.py"
 
 
 def cache_root() -> Path:
@@ -52,7 +53,8 @@ class BuildResult:
 
     @property
     def report(self) -> dict[str, Any]:
-        """The prepare step's full report (accuracy, held-out rows), from the build cache."""
+        """The build's full report (the prepare step's accuracy and held-out rows; for an onnx
+        function the compiler's figures too), from the build cache."""
         path = self.meta.with_name(self.meta.name.removesuffix(".json") + ".report.json")
         data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
         return data
@@ -65,6 +67,17 @@ class BuildResult:
 def _tool_versions(kind: str) -> str:
     if kind == "python":
         return "componentize-py " + importlib.metadata.version("componentize-py")
+    if kind == "onnx":  # the compiler, and what example prepare scripts export with
+        from .onnxfn import compiler_digest
+
+        versions = [
+            f"{p} {importlib.metadata.version(p)}" for p in ("onnx", "skl2onnx", "scikit-learn")
+        ]
+        return f"{_clang_version()}; meshfn.compiler {compiler_digest()}; {', '.join(versions)}"
+    return _clang_version()
+
+
+def _clang_version() -> str:
     clang = shutil.which("clang")
     if clang is None:
         raise BuildError(
@@ -89,6 +102,8 @@ def build_key(directory: Path, manifest: FunctionManifest) -> str:
     extra = [SDK_FILE, *sorted(WIT_DIR.glob("*.wit"))] if manifest.kind == "python" else []
     if manifest.kind == "core":
         extra = sorted(CORE_INCLUDE.glob("*.h"))
+    if manifest.kind == "onnx" and manifest.prepare:
+        extra = [EXAMPLE_RECIPES]  # the examples' prepare scripts make their models with it
     for path in [*_source_files(directory), *extra]:
         rel = path.name if path in extra else str(path.relative_to(directory))
         digest.update(f"{rel}\0{len(path.read_bytes())}\0".encode())
@@ -180,19 +195,64 @@ def _clang(manifest: FunctionManifest, stage: Path, out: Path) -> None:
     check_core_module(out.read_bytes(), str(out))
 
 
-def check_core_module(wasm: bytes, where: str) -> None:
-    """Enforce the core ABI's import/export rules (ABI.md) before anything runs the module."""
-    try:
-        module = wasmtime.Module(wasmtime.Engine(), wasm)
-    except wasmtime.WasmtimeError as exc:
-        raise BuildError(f"{where}: not a valid core wasm module: {exc}") from None
-    imports = [f"{i.module}.{i.name}" for i in module.imports]
-    if imports:
-        raise BuildError(f"{where}: core functions may not import anything, found {imports}")
-    exports = {e.name for e in module.exports}
-    missing = [e for e in CORE_EXPORTS if e not in exports]
-    if missing:
-        raise BuildError(f"{where}: missing core ABI exports {missing}")
+def _compile(
+    manifest: FunctionManifest, directory: Path, stage: Path, wasm: Path, report: dict[str, Any]
+) -> dict[str, Any]:
+    """The kind's compile step into `wasm`; returns the build info's kind-specific fields
+    (the metadata to sign, for an onnx function its model record) and fills `report`."""
+    if manifest.kind == "python":
+        _componentize(manifest, stage, wasm)
+    elif manifest.kind == "core":
+        _clang(manifest, stage, wasm)
+    else:
+        from .onnxfn import compile_into
+
+        built = compile_into(manifest, stage, directory, wasm, report)
+        report.update(built.report)
+        return {"metadata": built.metadata, "model": built.model}
+    return {"metadata": manifest.metadata()}
+
+
+_STEP = {"python": "componentize-py", "core": "clang", "onnx": "compile (ONNX -> C -> wasm)"}
+
+
+def _build_into(
+    manifest: FunctionManifest, directory: Path, key: str, cached_dir: Path,
+    progress: Reporter, item: str,
+) -> None:  # fmt: skip
+    stem = f"{manifest.name}-{manifest.version}"
+    with tempfile.TemporaryDirectory(dir=cached_dir.parent, prefix=".stage-") as tmp:
+        stage = Path(tmp) / "src"
+        shutil.copytree(directory, stage, ignore=shutil.ignore_patterns("__pycache__"))
+        if manifest.kind == "python":  # prepare scripts may import the model (and so the SDK)
+            shutil.copy(SDK_FILE, stage / "meshfn_sdk.py")
+        if manifest.prepare:
+            progress.step(item, f"prepare ({manifest.prepare})")
+        report = _prepare(manifest, stage)
+        out = Path(tmp) / "out"
+        out.mkdir()
+        progress.step(item, _STEP[manifest.kind])
+        wasm = out / f"{stem}.wasm"
+        fields = _compile(manifest, directory, stage, wasm, report)
+        info = {
+            "name": manifest.name,
+            "version": manifest.version,
+            "kind": manifest.kind,
+            "description": manifest.description,
+            "module_sha256": sha256_file(wasm),
+            "module_size": wasm.stat().st_size,
+            **fields,
+            "build": {
+                "key": key,
+                "tool": _tool_versions(manifest.kind),
+                # held-out rows stay out of the signed metadata; they live in .report.json
+                "report": {k: v for k, v in report.items() if k != "heldout"},
+            },
+        }
+        (out / f"{stem}.json").write_text(json.dumps(info, indent=1))
+        (out / f"{stem}.report.json").write_text(json.dumps(report))
+        shutil.rmtree(cached_dir, ignore_errors=True)
+        out.rename(cached_dir)
 
 
 def build(
@@ -214,44 +274,15 @@ def build(
     cached = wasm.exists() and meta.exists() and not force
     if not cached:
         cached_dir.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cached_dir.parent, prefix=".stage-") as tmp:
-            stage = Path(tmp) / "src"
-            shutil.copytree(directory, stage, ignore=shutil.ignore_patterns("__pycache__"))
-            if manifest.kind == "python":  # prepare scripts may import the model (and so the SDK)
-                shutil.copy(SDK_FILE, stage / "meshfn_sdk.py")
-            if manifest.prepare:
-                progress.step(item, f"prepare ({manifest.prepare})")
-            report = _prepare(manifest, stage)
-            out = Path(tmp) / "out"
-            out.mkdir()
-            progress.step(item, "componentize-py" if manifest.kind == "python" else "clang")
-            if manifest.kind == "python":
-                _componentize(manifest, stage, out / wasm.name)
-            else:
-                _clang(manifest, stage, out / wasm.name)
-            info = {
-                "name": manifest.name,
-                "version": manifest.version,
-                "kind": manifest.kind,
-                "description": manifest.description,
-                "module_sha256": sha256_file(out / wasm.name),
-                "module_size": (out / wasm.name).stat().st_size,
-                "metadata": manifest.metadata(),
-                "build": {
-                    "key": key,
-                    "tool": _tool_versions(manifest.kind),
-                    # held-out rows stay out of the signed metadata; they live in .report.json
-                    "report": {k: v for k, v in report.items() if k != "heldout"},
-                },
-            }
-            (out / meta.name).write_text(json.dumps(info, indent=1))
-            (out / f"{stem}.report.json").write_text(json.dumps(report))
-            shutil.rmtree(cached_dir, ignore_errors=True)
-            out.rename(cached_dir)
+        _build_into(manifest, directory, key, cached_dir, progress, item)
     if out_dir is None:
         return BuildResult(manifest, wasm, meta, cached)
     out_dir.mkdir(parents=True, exist_ok=True)
     report_file = cached_dir / f"{stem}.report.json"
     for src in (wasm, meta, report_file):
         shutil.copyfile(src, out_dir / src.name)
+    models = cached_dir / f"{stem}.model"
+    if models.is_dir():  # kind onnx: the model file(s), signed with the module by digest
+        shutil.rmtree(out_dir / models.name, ignore_errors=True)
+        shutil.copytree(models, out_dir / models.name)
     return BuildResult(manifest, out_dir / wasm.name, out_dir / meta.name, cached)

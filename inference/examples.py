@@ -20,8 +20,11 @@ from .build import FUNCTIONS_DIR, build, cache_root
 from .errors import SignatureError
 from .registry import Registry, sign_module, signature_path
 
-EXAMPLES = ("examples/iris", "examples/embedder", "examples/digits-core", "examples/digits28-core")
-TESTING = ("testing/chaos", "testing/chaos-core")
+EXAMPLES = (
+    "examples/iris", "examples/embedder", "examples/digits", "examples/digits28",
+    "examples/cancer", "examples/digits-cnn",
+)  # fmt: skip
+TESTING = ("testing/chaos", "testing/chaos-core", "testing/iris-py")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import ctypes
 import enum
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
@@ -21,7 +22,10 @@ import wasmtime
 from wasmtime import _ffi
 from wasmtime import component as wc
 
-Kind = Literal["python", "core"]
+# python: a component (meshfn:model); core: a core module of ABI v1 (JSON); onnx: a compiled
+# model, a core module of ABI v2 (raw tensors, compiler/ABI.md)
+Kind = Literal["python", "core", "onnx"]
+KINDS: tuple[Kind, ...] = ("python", "core", "onnx")
 
 _EXTERN_FUNC = _ffi.WASMTIME_EXTERN_FUNC.value
 _EXTERN_MEMORY = _ffi.WASMTIME_EXTERN_MEMORY.value
@@ -48,7 +52,23 @@ class Outcome(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class CallResult:
     outcome: Outcome
-    body: str  # response JSON for OK, else a message
+    body: str  # response JSON for OK (ABI v2: ""), else a message
+    outputs: tuple[bytes, ...] = ()  # ABI v2: each output's raw bytes, in metadata order
+
+
+@dataclass(frozen=True, slots=True)
+class TensorCall:
+    """One ABI v2 call (compiler/ABI.md): `rows` is the batch it is planned for, `inputs` each
+    input's raw little-endian bytes in metadata order, already checked by the host against
+    the signed metadata (tensorio.py); `outputs` how many tensors come back."""
+
+    rows: int
+    inputs: tuple[bytes, ...]
+    outputs: int
+
+
+# What a guest call takes: a request JSON text (python, ABI v1) or raw tensors (ABI v2).
+GuestRequest = str | TensorCall
 
 
 _CORE_STATUS = {
@@ -86,7 +106,7 @@ def classify_trap(exc: Exception) -> CallResult:
 
 
 class Instance(Protocol):
-    def call(self, request: str, ticks: int) -> CallResult: ...
+    def call(self, request: GuestRequest, ticks: int) -> CallResult: ...
 
     def metadata(self) -> str: ...
 
@@ -115,7 +135,9 @@ class ComponentInstance:
             raise wasmtime.WasmtimeError("component does not export meshfn:model infer/metadata")
         self._infer, self._meta = infer, meta
 
-    def call(self, request: str, ticks: int) -> CallResult:
+    def call(self, request: GuestRequest, ticks: int) -> CallResult:
+        if not isinstance(request, str):
+            return _wrong_request(request)
         self._store.set_epoch_deadline(ticks)
         try:
             result = self._infer(self._store, request)
@@ -297,7 +319,9 @@ class CoreInstance:
         status, ptr, length = packed >> 62, (packed >> 32) & 0x3FFF_FFFF, packed & 0xFFFF_FFFF
         return status, self._memory.read(ptr, length).decode("utf-8", errors="replace")
 
-    def call(self, request: str, ticks: int) -> CallResult:
+    def call(self, request: GuestRequest, ticks: int) -> CallResult:
+        if not isinstance(request, str):
+            return _wrong_request(request)
         _SET_EPOCH_DEADLINE(self._store._context(), ticks)
         raw = request.encode()
         try:
@@ -315,6 +339,146 @@ class CoreInstance:
     def metadata(self) -> str:
         self._store.set_epoch_deadline(INSTANTIATE_TICKS)
         return self._unpack(self._meta())[1]
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def _wrong_request(request: object) -> CallResult:
+    """A request of the other ABI reached an instance (a host bug, never the client's)."""
+    return CallResult(Outcome.INTERNAL, f"this guest does not take a {type(request).__name__}")
+
+
+def _plan_table(words: bytes) -> tuple[tuple[int, int], ...]:
+    """ABI v2's I/O table: little-endian u32 (address, size) pairs."""
+    flat = struct.unpack(f"<{len(words) // 4}I", words)
+    return tuple(zip(flat[::2], flat[1::2], strict=True))
+
+
+class TensorInstance:
+    """A compiled model (core ABI v2, compiler/ABI.md): per call, at most one `meshfn_plan`
+    (only when the batch size changes: the layout is a pure function of it), one copy in per
+    input, one `meshfn_run`, one copy out per output. The host checked every input's size
+    against the signed metadata before (tensorio.py); the sizes are checked again against
+    the module's own table here, so a module that disagrees with its metadata is refused
+    rather than read past.
+
+    The per-call path is the serving cost of a small model (a few microseconds of wasm), so it
+    asks wasmtime for the memory's base once per call instead of per tensor: the planned
+    tensors are checked to lie inside the memory when they are planned (linear memory never
+    shrinks), and the base is asked again after the run, which may have grown (and so moved)
+    the memory. Exports a call does
+    not need (error, metadata) are looked up when first used, and the ABI version is checked
+    once per artifact (bench/models.py: the cold start)."""
+
+    __slots__ = (
+        "_error", "_instance", "_memory", "_plan", "_rows", "_run", "_store", "_table",
+    )  # fmt: skip
+
+    def __init__(self, artifact: TensorArtifact, memory_bytes: int) -> None:
+        self._store = store = _store(artifact.engine, memory_bytes)
+        self._instance = instance = wasmtime.Instance(store, artifact.module, [])
+        memory = _core_export(store, instance, "memory", _EXTERN_MEMORY).of.memory
+        plan, run = (
+            _core_export(store, instance, name, _EXTERN_FUNC).of.func
+            for name in ("meshfn_plan", "meshfn_run")
+        )
+        if not artifact.checked:
+            version = _core_export(store, instance, "meshfn_abi_version", _EXTERN_FUNC).of.func
+            if _CoreCall(store, version, 0, wide=False)() != 2:
+                raise wasmtime.WasmtimeError("compiled model speaks an unknown meshfn ABI version")
+            artifact.checked = True
+        self._memory = ctypes.byref(memory)
+        self._plan = _CoreCall(store, plan, 1, wide=False)
+        self._run = _CoreCall(store, run, 1, wide=False)
+        self._error: _CoreCall | None = None
+        self._rows = 0  # the batch size planned last
+        self._table: tuple[tuple[int, int], ...] = ()
+
+    def _read(self, start: int, length: int) -> bytes:
+        context = self._store._context()
+        if start < 0 or length < 0 or start + length > _MEMORY_DATA_SIZE(context, self._memory):
+            raise IndexError("outside linear memory")
+        return ctypes.string_at(cast(int, _MEMORY_DATA(context, self._memory)) + start, length)
+
+    def _call(self, name: str) -> int:
+        """A metadata or error call (export looked up on first use)."""
+        if name == "meshfn_error" and self._error is not None:
+            return self._error()
+        func = _core_export(self._store, self._instance, name, _EXTERN_FUNC).of.func
+        call = _CoreCall(self._store, func, 0, wide=True)
+        if name == "meshfn_error":
+            self._error = call
+        return call()
+
+    def _text(self, packed: int) -> str:
+        packed &= 0xFFFF_FFFF_FFFF_FFFF
+        ptr, length = (packed >> 32) & 0x3FFF_FFFF, packed & 0xFFFF_FFFF
+        return self._read(ptr, length).decode("utf-8", errors="replace")
+
+    def _planned(self, request: TensorCall) -> tuple[tuple[int, int], ...] | None:
+        if request.rows != self._rows:
+            self._rows = 0
+            table = self._plan(request.rows) & 0xFFFF_FFFF
+            if not table:
+                return None
+            count = len(request.inputs) + request.outputs
+            self._table = _plan_table(self._read(table, 8 * count))
+            end = max((a + n for a, n in self._table), default=0)
+            if end > _MEMORY_DATA_SIZE(self._store._context(), self._memory):
+                raise IndexError("outside linear memory")  # memory never shrinks: once is enough
+            self._rows = request.rows
+        return self._table
+
+    def _write(
+        self, table: tuple[tuple[int, int], ...], request: TensorCall, base: int
+    ) -> CallResult | None:
+        for (address, size), data in zip(table, request.inputs, strict=False):
+            if len(data) != size:
+                return CallResult(
+                    Outcome.INTERNAL,
+                    f"the module takes {size} bytes for an input of {request.rows} row(s), "
+                    f"not {len(data)}: it disagrees with its signed metadata",
+                )
+            ctypes.memmove(base + address, data, size)
+        return None
+
+    def _once(self, request: TensorCall, context: Any) -> CallResult:
+        table = self._planned(request)
+        if table is None:
+            return CallResult(
+                Outcome.OUT_OF_MEMORY, f"no memory for a batch of {request.rows} row(s)"
+            )
+        memory = self._memory
+        wrong = self._write(table, request, cast(int, _MEMORY_DATA(context, memory)))
+        if wrong is not None:
+            return wrong
+        status = self._run(request.rows)
+        if status:
+            return CallResult(
+                _CORE_STATUS.get(status, Outcome.INTERNAL), self._text(self._call("meshfn_error"))
+            )
+        base = cast(int, _MEMORY_DATA(context, memory))  # the run may have moved it
+        string_at = ctypes.string_at
+        return CallResult(
+            Outcome.OK, "", tuple(string_at(base + a, n) for a, n in table[len(request.inputs) :])
+        )
+
+    def call(self, request: GuestRequest, ticks: int) -> CallResult:
+        if not isinstance(request, TensorCall):
+            return _wrong_request(request)
+        context = self._store._context()  # raises ValueError once the store is closed
+        _SET_EPOCH_DEADLINE(context, ticks)
+        try:
+            return self._once(request, context)
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            return classify_trap(exc)
+        except IndexError:  # a table outside memory: a broken module
+            return CallResult(Outcome.TRAP, "the module planned tensors outside linear memory")
+
+    def metadata(self) -> str:
+        self._store.set_epoch_deadline(INSTANTIATE_TICKS)
+        return self._text(self._call("meshfn_metadata"))
 
     def close(self) -> None:
         self._store.close()
@@ -357,7 +521,19 @@ class CoreArtifact:
         return CoreInstance(self, memory_bytes)
 
 
-Artifact = ComponentArtifact | CoreArtifact
+class TensorArtifact:
+    kind: Kind = "onnx"
+
+    def __init__(self, engine: wasmtime.Engine, module: wasmtime.Module) -> None:
+        self.engine = engine
+        self.module = module
+        self.checked = False  # its meshfn_abi_version() was 2 (checked at the first instance)
+
+    def instantiate(self, memory_bytes: int) -> Instance:
+        return TensorInstance(self, memory_bytes)
+
+
+Artifact = ComponentArtifact | CoreArtifact | TensorArtifact
 
 
 def load_precompiled(
@@ -370,7 +546,8 @@ def load_precompiled(
     if kind == "python":
         component = wc.Component.deserialize_file(engine, str(cwasm))
         return ComponentArtifact(engine, component, linker)
-    return CoreArtifact(engine, wasmtime.Module.deserialize_file(engine, str(cwasm)))
+    module = wasmtime.Module.deserialize_file(engine, str(cwasm))
+    return TensorArtifact(engine, module) if kind == "onnx" else CoreArtifact(engine, module)
 
 
 def component_imports(artifact: Artifact) -> list[str]:
@@ -386,7 +563,8 @@ def compile_module(engine: wasmtime.Engine, kind: Kind, wasm: Path) -> tuple[Art
         component = wc.Component.from_file(engine, str(wasm))
         return ComponentArtifact(engine, component), bytes(component.serialize())
     module = wasmtime.Module.from_file(engine, str(wasm))
-    return CoreArtifact(engine, module), bytes(module.serialize())
+    artifact = TensorArtifact(engine, module) if kind == "onnx" else CoreArtifact(engine, module)
+    return artifact, bytes(module.serialize())
 
 
 def metadata_of(artifact: Artifact, memory_bytes: int = 64 << 20) -> dict[str, object]:

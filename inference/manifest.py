@@ -47,6 +47,8 @@ Datatype = Literal[
     "BYTES",
 ]
 MANIFEST = "function.toml"
+# The field naming each kind's entry point.
+ENTRY = {"python": "module", "core": "source", "onnx": "model"}
 
 
 class TensorSpec(BaseModel):
@@ -69,10 +71,15 @@ class FunctionManifest(BaseModel):
 
     name: str
     version: str
-    kind: Literal["python", "core"]
+    kind: Literal["python", "core", "onnx"]
     description: str = ""
     module: str | None = None  # python: the module defining MODEL
     source: str | None = None  # core: the C file
+    model: str | None = None  # onnx: the ONNX file (external data beside it is read too)
+    # onnx: the largest batch the build checks the memory for, and the linear memory it may
+    # need there (the Function's limits.memoryMiB should be at least this)
+    max_batch: int = Field(default=64, ge=1, le=65536)
+    memory_mib: int = Field(default=64, ge=1, le=4096)
     prepare: str | None = None  # host-side script run at build time with the staging dir
     # core: the module reads base64 `raw` input data (meshfn_core.h's mf_read_f32 does); else the
     # host converts every input to JSON `data` first. Python functions always read it (the SDK).
@@ -94,6 +101,15 @@ class FunctionManifest(BaseModel):
             raise ValueError("letters, digits, '.', '_' or '-', at most 63 characters")
         return version
 
+    @field_validator("model")
+    @classmethod
+    def _model(cls, model: str | None) -> str | None:
+        if model is not None and (
+            not model or model.startswith("/") or ".." in model.replace("\\", "/").split("/")
+        ):
+            raise ValueError("a path inside the function directory")
+        return model
+
     def platform(self) -> str:
         return f"meshfn-wasm-{self.kind}"
 
@@ -106,7 +122,7 @@ class FunctionManifest(BaseModel):
             "platform": self.platform(),
             "inputs": [t.model_dump() for t in self.inputs],
             "outputs": [t.model_dump() for t in self.outputs],
-            "raw_inputs": self.kind == "python" or self.raw_inputs,
+            "raw_inputs": self.kind != "core" or self.raw_inputs,
         }
 
 
@@ -125,16 +141,21 @@ def load_manifest(directory: Path) -> FunctionManifest:
             f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
         )
         raise ManifestError(f"{path}: {problems}") from None
-    entry = manifest.module if manifest.kind == "python" else manifest.source
-    if not entry:
-        field = "module" if manifest.kind == "python" else "source"
+    field = ENTRY[manifest.kind]
+    if not getattr(manifest, field):
         raise ManifestError(f"{path}: kind {manifest.kind!r} needs `{field}`")
+    for other in set(ENTRY.values()) - {field}:
+        if getattr(manifest, other):
+            raise ManifestError(f"{path}: `{other}` is not for kind {manifest.kind!r}")
     names = [t.name for t in manifest.inputs]
     if len(set(names)) != len(names):
         raise ManifestError(f"{path}: duplicate input names")
     for rel in filter(None, [manifest.source, manifest.prepare]):
         if not (directory / rel).is_file():
             raise ManifestError(f"{path}: {rel} does not exist")
+    # a model the prepare script writes at build time need not be there yet
+    if manifest.model and not manifest.prepare and not (directory / manifest.model).is_file():
+        raise ManifestError(f"{path}: model {manifest.model} does not exist")
     if manifest.module and not (directory / f"{manifest.module}.py").is_file():
         raise ManifestError(f"{path}: module {manifest.module}.py does not exist")
     return manifest

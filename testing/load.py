@@ -26,7 +26,7 @@ IRIS = json.dumps(
         ]
     }
 ).encode()
-# A blank-ish 8x8 digit for the digits example (core wasm).
+# A blank-ish 8x8 digit for the digits example (an ONNX function).
 DIGITS = json.dumps(
     {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
 ).encode()

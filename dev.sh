@@ -16,7 +16,7 @@ cd "$(dirname "$0")"
 
 VENV=${MESHFN_VENV:-.venv}
 # Folders that hold meshfn's Python packages (mapped into the meshfn namespace by pyproject.toml).
-PY_PACKAGES="common contracts ir policy istio xds health audit kube wasm_filters control_plane inference ebpf testing compiler"
+PY_PACKAGES="common contracts ir policy istio xds health rollout audit kube wasm_filters control_plane inference ebpf testing compiler"
 PYTHON=${PYTHON:-python3}
 # Our top-level folder `xds/` would shadow xds-protos' `xds` package if the working directory
 # were on sys.path (`python -m`, `python -c`): never put it there.

@@ -39,6 +39,7 @@ LIMITS = {
     "route_claimed": 256,
     "envoy_route": 256,
     "qos_limit": 16,
+    "model_version": 64,
 }
 _RAW_KEEP = 4096
 
@@ -66,6 +67,7 @@ FIELDS = (
     "trace_id",
     "flags",
     "qos_limit",
+    "model_version",
     "source",
     "audited",
 )
@@ -193,6 +195,8 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         "flags": _str(entry.get("flags"), "flags", cut),
         # A QoS refusal (429) names its limit: rate (gateway), concurrency, compute or shed.
         "qos_limit": _str(entry.get("qos_limit"), "qos_limit", cut),
+        # The Function version that computed the answer (the backend's response header).
+        "model_version": _str(entry.get("model_version"), "model_version", cut),
         "audited": False,
         "subject": None,
         "salt_id": None,

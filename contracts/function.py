@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .durations import Duration
 from .principals import RequestPrincipal
 from .qos import FunctionQoS
+from .rollout import FunctionRollout
 from .tracing import BackendTracing
 
 # A published function's name and version (registry entries, /v2/models/{name}/versions/{v}).
@@ -238,6 +239,11 @@ class ServedFunction(FunctionSettings):
     qos: FunctionQoS | None = Field(
         None,
         description="the tenant classes of the QoSPolicy binding the function (control plane)",
+    )
+    rollout: FunctionRollout | None = Field(
+        None,
+        description="the Rollout this version takes part in (control plane): both of its "
+        "versions are listed, each with the same rollout",
     )
 
 

@@ -40,6 +40,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("AuthorizationPolicy", "authorizationpolicies", "mfap", "Namespaced"),
     Kind("FallbackPolicy", "fallbackpolicies", "mffp", "Namespaced"),
     Kind("QoSPolicy", "qospolicies", "mfqos", "Namespaced"),
+    Kind("Rollout", "rollouts", "mfro", "Namespaced"),
 )
 BY_KIND = {k.kind: k for k in KINDS}
 

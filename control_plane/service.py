@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import gc
 import logging
@@ -27,7 +28,13 @@ from meshfn.health.drift import DriftBreaker, Transition, watched_routes
 from meshfn.ir import MeshModel, Overlay, TraceCollector
 from meshfn.policy import PolicyError, PolicyErrors, PolicyLoader
 from meshfn.policy.loader import POLICY_SUFFIXES
+from meshfn.policy.rollout import Published
 from meshfn.policy.watch import watch_directory
+from meshfn.rollout.controller import Event as RolloutEvent
+from meshfn.rollout.controller import RolloutController
+from meshfn.rollout.shadow import Backend as ShadowBackend
+from meshfn.rollout.shadow import ShadowReader
+from meshfn.rollout.state import FileStore
 from meshfn.wasm_filters import BuildError, artifacts
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import InconsistentSnapshot, Snapshot, SnapshotCache, prepare
@@ -45,6 +52,8 @@ log = logging.getLogger("meshfn.control_plane")
 
 ModelListener = Callable[[MeshModel, MeshModel | None], Awaitable[None]]
 AppSocketsOf = Callable[[MeshModel], AppSockets]
+RolloutListener = Callable[[list[RolloutEvent]], Awaitable[None]]
+SHADOW_READ_SECONDS = 0.5  # how often the backends' shadow comparisons are read
 
 
 @dataclass
@@ -113,6 +122,19 @@ def scale_gc(streams: int) -> None:
         gc.set_threshold(GC_YOUNG + GC_YOUNG_PER_STREAM * streams, 50, 50)
 
 
+async def _every(
+    stop: asyncio.Event, seconds: float, step: Callable[[], Awaitable[object]], what: str
+) -> None:
+    """`step()` every `seconds` until `stop`; a step that fails is logged and tried again."""
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
+        try:
+            await step()
+        except Exception:
+            log.exception("%s failed; retrying", what)
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -122,6 +144,7 @@ class ControlPlane:
         wasm_dir: Path | None = None,
         wasm_missing: str = "",
         app_sockets: AppSocketsOf | None = None,
+        published: Published | None = None,
     ) -> None:
         self.policies = Path(policies)
         self.state_dir = Path(state_dir)
@@ -131,7 +154,8 @@ class ControlPlane:
         # The applications behind sidecars that the runtime around us serves on unix sockets
         # (`meshfn up`; ProxyHost.app_sockets); None: every application on its endpoint.
         self.app_sockets = app_sockets
-        self.loader = PolicyLoader(self.policies)
+        # `published`: the function registry's versions (Rollouts' versions are checked there)
+        self.loader = PolicyLoader(self.policies, published)
         self.cache = SnapshotCache()
         self.metrics = metrics or Metrics()
         self.tokens = BootstrapTokens(self.state_dir / "xds-token.key")
@@ -141,6 +165,15 @@ class ControlPlane:
             self.cache, self.metrics, authenticate=self.tokens.verify, on_streams=scale_gc
         )
         self.drift = DriftBreaker()
+        # Rollouts: their state survives a restart in STATE/rollouts (rollout/state.py).
+        self.rollouts = RolloutController(FileStore(self.state_dir / "rollouts"))
+        self.rollout_listeners: list[RolloutListener] = []
+        self._unheard: list[RolloutEvent] = []
+        # The backends whose shadow comparisons feed the rollouts (the runtime around us sets
+        # it: `meshfn up` knows where its backends listen).
+        self.shadow_backends: Callable[[], list[ShadowBackend]] = list
+        self._shadow_reader = ShadowReader()
+        self._shadow_read_at = 0.0
         self.overlay = Overlay()
         self.als = AccessLogReceiver(self.ads.is_connected)
         self.als.subscribe(LATENCY_LOG, self._on_latency)
@@ -178,10 +211,12 @@ class ControlPlane:
         """Call `listener(new, old)` after every reload that produced a new MeshModel."""
         self._listeners.append(listener)
 
-    def _build(self) -> tuple[MeshModel, list[Snapshot]]:
-        """Load + translate + encode. Runs in a worker thread; touches no loop state."""
+    def _build(self) -> tuple[MeshModel, Overlay, list[Snapshot]]:
+        """Load + translate + encode. Runs in a worker thread under the reload lock (the
+        rollouts' states only change under it); touches no loop state."""
         model = self.loader.load()
-        return model, self._snapshots(model)
+        overlay = dataclasses.replace(self.overlay, splits=self.rollouts.positions(model))
+        return model, overlay, self._snapshots(model, overlay)
 
     def _identities(self, model: MeshModel) -> IdentityManager:
         identity = self.identity
@@ -220,14 +255,14 @@ class ControlPlane:
             app_sockets=self.app_sockets(model) if self.app_sockets is not None else (),
         )
 
-    def _snapshots(self, model: MeshModel) -> list[Snapshot]:
+    def _snapshots(self, model: MeshModel, overlay: Overlay | None = None) -> list[Snapshot]:
         """Certificates first (issued or renewed as due), then translate every workload."""
         identity = self._identities(model)
         identity.reload_roots_if_changed()
         issued = identity.ensure(w.identity for w in model.workloads)
         self.metrics.certificates.inc(len(issued))
         snapshots = []
-        overlay = self.overlay
+        overlay = self.overlay if overlay is None else overlay
         host = self.proxy_host(model)
         for workload in model.workloads:
             resources = translate(
@@ -273,7 +308,9 @@ class ControlPlane:
         return changed
 
     def _on_latency(self, _node: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        self.drift.observe_access_log(entry, time.monotonic())
+        now = time.monotonic()
+        self.drift.observe_access_log(entry, now)
+        self.rollouts.observe_access_log(entry, now)
 
     async def apply_drift(self) -> list[Transition]:
         """Evaluate the drift breaker; when a route trips or recovers, re-translate with the
@@ -286,7 +323,7 @@ class ControlPlane:
         if degraded == self.overlay.degraded_routes:
             return transitions
         async with self._lock:
-            self.overlay = Overlay(degraded_routes=degraded)
+            self.overlay = dataclasses.replace(self.overlay, degraded_routes=degraded)
             model = self.model
             if model is None:
                 return transitions
@@ -302,13 +339,69 @@ class ControlPlane:
         return transitions
 
     async def drift_forever(self, stop: asyncio.Event, interval: float = 0.2) -> None:
-        while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
+        await _every(stop, interval, self.apply_drift, "evaluating the drift breaker")
+
+    async def _push_splits(self) -> list[str]:
+        """Re-translate and push when the rollouts' splits moved (call under the lock)."""
+        splits = self.rollouts.splits()
+        model = self.model
+        if splits == self.overlay.splits or model is None:
+            return []
+        self.overlay = dataclasses.replace(self.overlay, splits=splits)
+        snapshots = await asyncio.to_thread(self._snapshots, model)
+        return [s.group for s in snapshots if self.cache.publish(s)]
+
+    async def _rollout_events(self, events: list[RolloutEvent]) -> None:
+        """Count the events and hand them to the listeners (the audit trail); events from
+        before the first listener (the first reload's) wait for it."""
+        for event in events:
+            self.metrics.rollout_steps.labels(event.rollout, event.event).inc()
+        self._unheard += events
+        if not self.rollout_listeners:
+            return
+        events, self._unheard = self._unheard, []
+        for listener in self.rollout_listeners:
             try:
-                await self.apply_drift()
+                await listener(events)
             except Exception:
-                log.exception("evaluating the drift breaker failed; retrying")
+                log.exception("recording rollout events failed")
+
+    async def _read_shadows(self) -> None:
+        wanted = set(self.rollouts.shadowing())
+        now = time.monotonic()
+        if not wanted or now - self._shadow_read_at < SHADOW_READ_SECONDS:
+            return
+        self._shadow_read_at = now
+        found = await self._shadow_reader.read(self.shadow_backends(), wanted)
+        for (function, candidate), pairs in found.items():
+            self.rollouts.observe_shadow(function, candidate, pairs)
+
+    async def apply_rollouts(self) -> list[RolloutEvent]:
+        """Judge the rollouts whose interval has come; push the splits that moved (the new
+        state is saved before the push: a restart in between pushes it again)."""
+        await self._read_shadows()
+        async with self._lock:
+            events = self.rollouts.evaluate()
+            changed = await self._push_splits()
+        if changed:
+            log.info("pushed rollout splits to %s", ", ".join(changed))
+        if events:
+            await self._rollout_events(events)
+        return events
+
+    async def rollout_action(self, name: str, action: str, by: str) -> RolloutEvent:
+        """A person's promote, abort, pause or resume (rollout.ActionError if it cannot be),
+        pushed at once."""
+        async with self._lock:
+            event = self.rollouts.act(name, action, by)
+            await self._push_splits()
+        await self._rollout_events([event])
+        return event
+
+    async def rollouts_forever(self, stop: asyncio.Event, tick: float = 0.1) -> None:
+        """Evaluate each rollout every `interval` (its own), checking often enough that a
+        breach acts within a tick of its evaluation."""
+        await _every(stop, tick, self.apply_rollouts, "evaluating the rollouts")
 
     async def rotate_credentials_forever(self, stop: asyncio.Event) -> None:
         """Check a few times per certificate half-life (at least every 5 s)."""
@@ -330,7 +423,7 @@ class ControlPlane:
         async with self._lock:
             started = time.perf_counter()
             try:
-                model, snapshots = await asyncio.to_thread(self._build)
+                model, overlay, snapshots = await asyncio.to_thread(self._build)
             except PolicyErrors as exc:
                 self.state.rejected(exc.errors)
                 self.metrics.reloads.labels("invalid").inc()
@@ -365,9 +458,10 @@ class ControlPlane:
             seconds = time.perf_counter() - started
             self.metrics.translate_seconds.observe(seconds)
             self.metrics.reloads.labels("ok").inc()
-            previous, self.model = self.model, model
+            previous, self.model, self.overlay = self.model, model, overlay
             self._global_qos = global_policies(model)
             self.drift.configure(watched_routes(model))
+            begun = self.rollouts.configure(model)
             self.state.errors = []
             self.state.loaded_at = time.time()
             if changed or removed or previous is None:
@@ -381,6 +475,15 @@ class ControlPlane:
                     seconds * 1000,
                     ", ".join(changed) or "no proxy changes",
                 )
+        await self._after_reload(model, previous, begun)
+        return ReloadResult(ok=True, changed=changed, seconds=seconds)
+
+    async def _after_reload(
+        self, model: MeshModel, previous: MeshModel | None, begun: list[RolloutEvent]
+    ) -> None:
+        """What follows a taken reload: the rollouts it started, the model's listeners."""
+        if begun:
+            await self._rollout_events(begun)
         if previous is not None and (previous.xds_port, previous.admin_port) != (
             model.xds_port,
             model.admin_port,
@@ -392,7 +495,10 @@ class ControlPlane:
                     await listener(model, previous)
                 except Exception as exc:
                     log.error("applying configuration %d failed: %s", self.state.generation, exc)
-        return ReloadResult(ok=True, changed=changed, seconds=seconds)
+        # The listeners have made the backends serve the new candidates (`meshfn up` restarts a
+        # backend whose functions changed, and waits for it): their first step starts now.
+        for event in begun:
+            self.rollouts.restart_step(event.rollout)
 
     async def start(self, host: str = "127.0.0.1", xds_port: int | None = None) -> int:
         """Start ADS on the Mesh's xds port (or `xds_port`, 0 for any free port)."""

@@ -90,7 +90,7 @@ def _panel(page: Any, name: str) -> str:
 
 def test_panels_render_without_console_errors(mesh: Mesh, browser: Browser) -> None:
     page = _open(browser, mesh.console)
-    for name in ("topology", "proxies", "drift", "functions", "audit", "policy"):
+    for name in ("topology", "proxies", "drift", "rollouts", "functions", "audit", "policy"):
         assert page.is_visible(f"section#{name} h2"), name
     wait_panel_text(page, "proxies", "SYNCED")
     topology = _panel(page, "topology")

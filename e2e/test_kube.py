@@ -555,9 +555,12 @@ def test_leader_killed_during_updates(cluster: KubeCluster, operator: Operator) 
         follower.stop()
 
 
-def send_latencies(port: int, route: str, cluster_name: str, millis: float, count: int) -> None:
+def send_latencies(
+    port: int, route: str, cluster_name: str, millis: float, count: int, status: int = 0
+) -> None:
     """Envoy's side of the access-log stream: `count` requests of `millis` on `route`, each
-    sent on an upstream connection (the only ones the gateway's filter streams)."""
+    sent on an upstream connection (the only ones the gateway's filter streams); with
+    `status`, inferences answered with it (what the rollout controller judges)."""
     import grpc
     from envoy.service.accesslog.v3 import als_pb2
 
@@ -572,6 +575,9 @@ def send_latencies(port: int, route: str, cluster_name: str, millis: float, coun
         entry.common_properties.upstream_cluster = cluster_name
         entry.common_properties.duration.FromMilliseconds(int(millis))
         entry.common_properties.upstream_local_address.socket_address.address = "10.0.0.1"
+        if status:
+            entry.request.path = "/v2/models/digits/infer"
+            entry.response.response_code.value = status
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.stream_unary(
             "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
@@ -628,6 +634,141 @@ def test_drift_trip_patches_the_degrade_plugin_and_recovery_reverts_it(
         time.sleep(0.2)
     assert get(cluster, path)["spec"] == before["spec"]
     assert config_writes(cluster, mark) == {"patch wasmplugins": 2}
+
+
+ROLLOUT = """apiVersion: meshfn.io/v1alpha1
+kind: Rollout
+metadata: {name: digits-v2, namespace: default}
+spec:
+  function: digits
+  stable: "1"
+  candidate: "2"
+  interval: 300ms
+  canary:
+    minRequests: 5
+    minTime: 1s
+    steps: [{weight: 10}, {weight: 50}, {weight: 100}]
+  slo: {minSamples: 5}
+"""
+
+
+def send_answers(port: int, cluster_name: str, status: int, count: int) -> None:
+    """Inferences of digits answered by one version (its subset's cluster) with `status`."""
+    send_latencies(port, "default/function-digits/1", cluster_name, 5, count, status)
+
+
+def _digits_split(cluster: KubeCluster) -> list[tuple[str, int]]:
+    """(subset, weight) of the split route of digits in the gateway's VirtualService."""
+    vs = get(
+        cluster, "/apis/networking.istio.io/v1/namespaces/ingress/virtualservices/edge-http.any"
+    )
+    route = next(
+        h
+        for h in vs["spec"]["http"]
+        if h["name"] == "default/function-digits/0" and "mirror" not in h
+    )
+    return [(d["destination"]["subset"], d["weight"]) for d in route["route"]]
+
+
+def test_a_rollout_moves_step_by_step_in_the_cluster(
+    cluster: KubeCluster, operator: Operator
+) -> None:
+    """The leader steps the Rollout on the access-log stream: each step patches the
+    VirtualService's weights (and nothing else of what it renders), writes the Rollout's
+    status (where it is, and its Progressing condition) and records an Event; a breach rolls it
+    back; only the leader acts, and a new leader resumes from the status."""
+    wait_for("every example Accepted", lambda: all_accepted(cluster), 30)
+    cluster.apply(ROLLOUT)
+    wait_for(
+        "step 1 applied",
+        lambda: _digits_split(cluster) == [("version-1", 90), ("version-2", 10)],
+        20,
+    )
+    port = meshfn_object(cluster, "services", "models")["spec"]["port"]
+    stable, candidate = (
+        f"outbound|{port}|version-{v}|models.default.svc.cluster.local" for v in ("1", "2")
+    )
+    time.sleep(1)
+    mark = len(cluster.audit())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _digits_split(cluster)[1][1] != 50:
+        send_answers(operator.als, stable, 200, 20)
+        send_answers(operator.als, candidate, 200, 5)
+        time.sleep(0.3)
+    assert _digits_split(cluster) == [("version-1", 50), ("version-2", 50)]
+    writes = config_writes(cluster, mark)
+    # one step: the VirtualService patched once, nothing else of what meshfn renders
+    assert writes.get("patch virtualservices") == 1, writes
+    assert set(writes) <= {"patch virtualservices", "patch rollouts/status", "create events"}, (
+        writes
+    )
+    rollout = meshfn_object(cluster, "rollouts", "digits-v2")
+    assert (rollout["status"]["rollout"]["phase"], rollout["status"]["rollout"]["step"]) == (
+        "Progressing", 1,
+    )  # fmt: skip
+    progressing = wait_for(
+        "Progressing condition",
+        lambda: condition(meshfn_object(cluster, "rollouts", "digits-v2"), "Progressing"),
+        10,
+    )
+    assert (progressing["status"], progressing["reason"]) == ("True", "Progressing")
+    reasons = [e["reason"] for e in events_for(cluster, "digits-v2")]
+    assert "RolloutStarted" in reasons and "RolloutStep" in reasons, reasons
+
+    # A follower neither acts nor takes actions; the leader does.
+    follower = Operator(cluster, "replica-b").start()
+    try:
+        refused = meshfn(
+            "rollout", "pause", "digits-v2", "--admin", f"http://127.0.0.1:{follower.admin}",
+            env={"MESHFN_ADMIN_TOKEN": follower.token},
+        )  # fmt: skip
+        assert refused.returncode == 1 and "does not lead" in refused.stderr, refused.stderr
+        # A breach: the candidate fails; every request back to the stable version.
+        send_answers(operator.als, stable, 200, 20)
+        send_answers(operator.als, candidate, 500, 5)
+        wait_for(
+            "the rollback applied",
+            lambda: _digits_split(cluster) == [("version-1", 100), ("version-2", 0)],
+            10,
+        )
+        rolled = wait_for(
+            "RolledBack condition",
+            lambda: (
+                (
+                    c := condition(meshfn_object(cluster, "rollouts", "digits-v2"), "Progressing")
+                ).get("reason")
+                == "RolledBack"
+                and c
+            ),
+            10,
+        )
+        assert rolled["status"] == "False" and "error ratio" in rolled["message"]
+        warning = [
+            e for e in events_for(cluster, "digits-v2") if e["reason"] == "RolloutRolledBack"
+        ]
+        assert warning and warning[0]["type"] == "Warning"
+        # The leader goes; the follower leads and resumes from the status.
+        operator.stop()
+        wait_for("replica-b to lead", follower.leading, LEASE["duration"] + 5)
+        (doc,) = json.loads(follower.get("/rollouts"))["rollouts"]
+        assert (doc["phase"], doc["weight"]) == ("RolledBack", 0)
+        promoted = meshfn(
+            "rollout", "promote", "digits-v2", "--admin", f"http://127.0.0.1:{follower.admin}",
+            env={"MESHFN_ADMIN_TOKEN": follower.token},
+        )  # fmt: skip
+        assert promoted.returncode == 0, promoted.stderr
+        wait_for(
+            "the promotion applied",
+            lambda: _digits_split(cluster) == [("version-1", 0), ("version-2", 100)],
+            10,
+        )
+        assert "RolloutPromoted" in [e["reason"] for e in events_for(cluster, "digits-v2")]
+    finally:
+        follower.stop()
+        assert (
+            cluster.kubectl("delete", "rollouts.meshfn.io", "digits-v2", "-n", "default").returncode
+            == 0
+        )
 
 
 def as_files(cluster: KubeCluster, folder: Path) -> Path:

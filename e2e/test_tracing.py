@@ -426,10 +426,13 @@ def test_graph_shows_live_rates_and_opens_a_trace_from_an_edge(mesh: Mesh) -> No
             sign_in(browser, mesh.admin, mesh.state)  # an auditor: the trace's audit record shows
             page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
             wait_panel_text(page, "graph", "default/models", timeout=20)
+            # the rate shows from the second sample, the latency once the gateway's Envoy has
+            # flushed its histograms (every 5 s): the first tests of a fresh mesh wait for both
             page.wait_for_function(
                 "(edge) => { const c = document.querySelector("
                 '`#panel-graph tr[data-edge="${edge}"] td.rps`);'
-                " return c !== null && Number(c.innerText) > 1; }",
+                " return c !== null && Number(c.innerText) > 1"
+                ' && c.parentElement.innerText.includes(" ms"); }',
                 arg=edge,
                 timeout=30_000,
             )

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshfn import ir
 from meshfn.contracts.tracing import TRACEPARENT, parse_traceparent
-from meshfn.xds.names import function_cluster_name, primary_clusters
+from meshfn.xds.names import function_cluster_name, primary_clusters, version_cluster_name
 
 if TYPE_CHECKING:
     from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
@@ -302,11 +302,29 @@ class DriftBreaker:
         }
 
 
+def carrying_clusters(
+    model: ir.MeshModel, service: ir.Service, routes: Iterable[ir.Route]
+) -> frozenset[str]:
+    """The clusters a gateway sends `service`'s requests to, for `routes`: the service's own
+    cluster, its per-locality tiers inside the fallback chain (Envoy's access log names the
+    member cluster that served a request), their twins at a shedding gateway (one per Function)
+    and, for a rolled-out Function's route, one twin per version."""
+    own = primary_clusters(service.key)
+    twins = {function_cluster_name(c, f) for c in own for f, _ in service.function_shed}
+    for route in routes:
+        rollout = model.rollout_of(f"{route.namespace}/{route.function}")
+        if route.function and rollout is not None:
+            twins |= {
+                version_cluster_name(c, route.function, v)
+                for c in own
+                for v in (rollout.stable, rollout.candidate)
+            }
+    return own | twins
+
+
 def watched_routes(model: ir.MeshModel) -> list[WatchedRoute]:
     """Gateway routes whose destination has a drift breaker, and the clusters that carry its
-    primary: the service's own cluster, its per-locality tiers inside the fallback chain
-    (Envoy's access log names the member cluster that served a request) and their twins at a
-    shedding gateway."""
+    primary (carrying_clusters)."""
     out = {}
     for workload in model.workloads:
         for listener in workload.listeners:
@@ -314,10 +332,9 @@ def watched_routes(model: ir.MeshModel) -> list[WatchedRoute]:
                 service = model.service(route.service)
                 if service.drift is None:
                     continue
-                own = primary_clusters(service.key)
-                # A shedding gateway routes each Function's REST calls to twins of these.
-                twins = {function_cluster_name(c, f) for c in own for f, _ in service.function_shed}
                 out[route.key] = WatchedRoute(
-                    route=route.key, primary_clusters=own | twins, settings=service.drift
+                    route=route.key,
+                    primary_clusters=carrying_clusters(model, service, (route,)),
+                    settings=service.drift,
                 )
     return list(out.values())

@@ -182,6 +182,9 @@ class Backend:
             self.functions[rt.name][rt.version] = rt
         for name, versions in self.functions.items():
             self.defaults[name] = latest(list(versions))
+        for rt in runtimes:  # in a rollout the stable version answers what names none
+            if rt.spec.rollout is not None and rt.spec.rollout.stable in self.functions[rt.name]:
+                self.defaults[rt.name] = rt.spec.rollout.stable
         await asyncio.gather(*(loop.run_in_executor(self.executor, rt.verify) for rt in runtimes))
         for rt in runtimes:
             if rt.spec.batching is not None and rt.signature and not rt.signature.batchable:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -359,6 +360,15 @@ def _confine(
     except SandboxError as exc:
         fail(exc)
     return sandbox
+
+
+def published_versions(registry: Path) -> Callable[[str], list[str]]:
+    """What the registry at `registry` holds of a function (name -> its published versions):
+    the policy loader checks Rollouts' versions against it (the control plane's CLI reaches
+    the registry only through this module)."""
+    from .registry import Registry
+
+    return Registry(registry).versions
 
 
 def publish_examples(registry: Path, console: Console | None = None) -> tuple[list[Any], Path]:

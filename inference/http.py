@@ -38,6 +38,7 @@ class Request:
     headers: dict[bytes, bytes]
     body: bytes
     keep_alive: bool
+    query: str = ""  # after `?`, undecoded
 
 
 @dataclass(slots=True)
@@ -69,6 +70,14 @@ def encode(response: Response, keep_alive: bool) -> bytes:
     if not keep_alive:
         head += b"Connection: close\r\n"
     return head + b"\r\n" + response.body
+
+
+def _query(url: bytes) -> str:
+    """The query string of a request target (before any fragment), as text."""
+    mark = url.find(b"?")
+    if mark < 0:
+        return ""
+    return url[mark + 1 :].split(b"#", 1)[0].decode("latin-1")
 
 
 def _too_large(limit: int) -> str:
@@ -224,6 +233,7 @@ class HttpProtocol(asyncio.Protocol):
                 headers=pending.headers,
                 body=b"".join(pending.body),
                 keep_alive=self.parser.should_keep_alive(),
+                query=_query(pending.url),
             )
         )
 

@@ -149,6 +149,13 @@ class Metrics:
             ["function", "reason"],
             registry=r,
         )
+        self.shadow_comparisons = Counter(
+            "meshfn_fn_shadow_comparisons",
+            "Mirrored requests of a rollout answered by the candidate and the stable version on "
+            "the same input, by outcome (agree, disagree, candidate_error, stable_error)",
+            ["function", "outcome"],
+            registry=r,
+        )
         self.refused = Gauge(
             "meshfn_fn_refused", "1 if the function failed verification", ["function"], registry=r
         )

@@ -3,8 +3,8 @@ the process that serves it and the gRPC service (grpc_api.py) side by side.
 
 Routes: /v2, /v2/health/{live,ready}, /v2/models (the list), /v2/models/stats,
 /v2/models/{name}[/versions/{v}][/ready|/infer|/stats], Triton's /v2/repository/index and
-/v2/repository/models/{name}[/versions/{v}]/{load,unload}, /metrics, /meshfn/functions, and
-POST /meshfn/spans (tracing.py).
+/v2/repository/models/{name}[/versions/{v}]/{load,unload}, /metrics, /meshfn/functions,
+/meshfn/shadow (a rollout's shadow comparisons, shadow.py) and POST /meshfn/spans (tracing.py).
 SIGTERM/SIGINT: readiness turns 503, the listeners close, running requests finish (bounded),
 instances are released, exit 0.
 """
@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from meshfn.common.unix import listen_private
 from meshfn.contracts import otlp
+from meshfn.contracts.rollout import MODEL_VERSION_HEADER, SHADOW_PATH
 from meshfn.contracts.tracing import SPANS_PATH
 
 from .backend import Backend, Reply
@@ -33,6 +34,7 @@ from .config import BackendConfig
 from .http import HttpServer, Request, Response
 from .kserve import KServeError, error_body, unsupported
 from .sandbox import Sandbox
+from .shadow import Shadows, is_shadow, requested_version
 from .status import STATUS_PATH, functions_document
 
 if TYPE_CHECKING:
@@ -113,9 +115,13 @@ def _json_body(body: bytes, allowed: set[str]) -> dict[str, Any]:
     return value
 
 
+_MODEL_VERSION = MODEL_VERSION_HEADER.encode()
+
+
 class Router:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        self.shadows = Shadows(backend)
         # The server-wide GET endpoints (each a handler of no arguments).
         self._gets: dict[str, Callable[[], Reply]] = {
             "/v2": lambda: Reply(200, self.backend.server_meta),
@@ -161,6 +167,9 @@ class Router:
             return await self._spans(request)
         if path.startswith("/v2/repository/"):
             return await self._repository(request, path)
+        if path == SHADOW_PATH:
+            _method(request.method, "GET", path)
+            return Reply.json(self.shadows.report(request.query))
         get = self._gets.get(path)
         if get is None:
             return Reply.error(404, _unsupported(path) or f"no route for {path}")
@@ -191,9 +200,11 @@ class Router:
         if parsed is None:
             return Reply.error(404, _unsupported(path) or f"no route for {path}")
         name, version, action = parsed
+        if version is None:  # a gateway splitting a rollout names the version in a header
+            version = requested_version(request.headers)
         if action == "infer":
             _method(request.method, "POST", path)
-            return await b.infer(name, version, request.body, request.headers)
+            return await self._infer(name, version, request)
         _method(request.method, "GET", path)
         if action == "ready":
             return b.model_ready(name, version)
@@ -202,6 +213,26 @@ class Router:
         if action == "config":
             return Reply.json(b.model_config(name, version))
         return b.metadata(name, version)
+
+    async def _infer(self, name: str, version: str | None, request: Request) -> Reply:
+        """An inference, its answer naming the version that computed it; a rollout's shadow
+        copy answered by the candidate and compared (shadow.py)."""
+        rollout = self.shadows.rollout(name) if is_shadow(request.headers) else None
+        if rollout is not None:
+            version = rollout.candidate
+            reply = await self.shadows.infer(name, rollout, request.body, request.headers)
+        else:
+            reply = await self.backend.infer(name, version, request.body, request.headers)
+        try:
+            answered = self.backend.lookup(name, version).version
+        except KServeError:
+            return reply
+        return Reply(
+            reply.status,
+            reply.body,
+            (*reply.headers, (_MODEL_VERSION, answered.encode())),
+            reply.content_type,
+        )
 
     async def _repository(self, request: Request, path: str) -> Reply:
         """The model repository extension: index, load, unload."""

@@ -19,6 +19,7 @@ from meshfn.contracts.qos import (
     Window,
     split_priorities,
 )
+from meshfn.contracts.rollout import FunctionRollout
 from meshfn.contracts.tracing import BackendTracing, ClientContext, TagName
 
 
@@ -423,10 +424,35 @@ class Function:
     qos: FunctionQoS | None = None
     # Services (keys) its backend's processes may connect to (Function.spec.egress).
     egress: tuple[str, ...] = ()
+    # The Rollout of a new version (its backend serves both: stable and candidate).
+    rollout: FunctionRollout | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
 
     def served(self) -> ServedFunction:
         """Its entry in an inference backend's configuration (meshfn up, Kubernetes alike)."""
         return ServedFunction.model_construct(name=self.name, qos=self.qos, **dict(self.settings))
+
+    def served_versions(self) -> tuple[ServedFunction, ...]:
+        """Its entries in an inference backend's configuration: itself, and during a rollout
+        its candidate too (the same settings, the candidate's version or artifact)."""
+        own = self.served()
+        if self.rollout is None:
+            return (own,)
+        stable = own.model_copy(update={"version": self.rollout.stable, "rollout": self.rollout})
+        artifact = self.settings.artifact
+        candidate = own.model_copy(
+            update={
+                "version": self.rollout.candidate,
+                "artifact": None
+                if artifact is None
+                else f"{artifact.partition('@')[0]}@{self.rollout.candidate}",
+                "rollout": self.rollout,
+            }
+        )
+        return (stable, candidate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -540,12 +566,117 @@ class Drill:
     request_principals: tuple[str, ...]  # "<iss>/<sub>", "<iss>/*", "*"
 
 
+@dataclass(frozen=True, slots=True)
+class RolloutStep:
+    """One step of a rollout: `shadow` mirrors `percent` of the Function's requests to the
+    candidate (its answers discarded), `canary` sends it `percent` of them. The step is done
+    after `min_time` and `min_requests` candidate answers, with every check passing."""
+
+    kind: Literal["shadow", "canary"]
+    percent: int
+    min_requests: int
+    min_time: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyCheck:
+    """The candidate's p`percentile` at most `max`, or at most `max_ratio` times the stable
+    version's over the same window (and then only once it is also `min_increase` above it)."""
+
+    percentile: Literal[95, 99]
+    max: timedelta | None = None
+    max_ratio: float | None = None
+    min_increase: timedelta = timedelta(0)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSlo:
+    """What every step checks, candidate against stable over the same window. A check is
+    judged on at least `min_samples` candidate answers (or sooner, once the answers so far
+    break it whatever the rest would be)."""
+
+    max_error_ratio: float
+    max_error_increase: float | None
+    latency: tuple[LatencyCheck, ...]
+    min_agreement: float | None  # shadow steps: share of compared answers that agree
+    tolerance: float  # numbers agree within it; labels must be equal
+    min_samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pinning:
+    """Tenants (the verified JWT `claim`) kept on one version while the rollout runs."""
+
+    claim: str
+    stable: tuple[str, ...] = ()
+    candidate: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """A new version of a Function taking over from the one in service, step by step, judged
+    on what the gateways and the backend measure (the rollout controller moves it; where it
+    is now is runtime state: Overlay.splits)."""
+
+    name: str
+    namespace: str
+    function: str  # Function.key
+    stable: str
+    candidate: str
+    steps: tuple[RolloutStep, ...]
+    slo: RolloutSlo
+    on_breach: Literal["rollback", "pause"]
+    interval: timedelta
+    window: timedelta  # the most recent span a step's checks look at
+    no_data_timeout: timedelta
+    pinning: Pinning | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def function_name(self) -> str:
+        return self.function.split("/", 1)[1]
+
+    def initial(self) -> Split:
+        """Where it starts: its first step."""
+        return Split.at_step(self, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Where a rollout's traffic is now: `weight` percent of the Function's requests answered
+    by the candidate, `mirror` percent copied to it, and whether its tenant pinning holds (it
+    does until the rollout ends)."""
+
+    rollout: str  # Rollout.key
+    weight: int = 0
+    mirror: int = 0
+    pinned: bool = True
+
+    @classmethod
+    def at_step(cls, rollout: Rollout, index: int) -> Split:
+        step = rollout.steps[index]
+        if step.kind == "shadow":
+            return cls(rollout.key, 0, step.percent)
+        return cls(rollout.key, step.percent, 0)
+
+
 @dataclass(frozen=True)
 class Overlay:
     """Runtime state layered over the policies (never written back to them): routes the drift
-    breaker has sent down their fallback chain."""
+    breaker has sent down their fallback chain, and where each rollout's traffic is (a rollout
+    without a split here is at its first step)."""
 
     degraded_routes: frozenset[str] = frozenset()
+    splits: tuple[Split, ...] = ()
+
+    def split(self, rollout: Rollout) -> Split:
+        for split in self.splits:
+            if split.rollout == rollout.key:
+                return split
+        return rollout.initial()
 
 
 # ---------------------------------------------------------------- policies as written
@@ -630,6 +761,7 @@ class MeshModel:
     drill: Drill | None = None
     policies: Policies = Policies()
     qos: tuple[QoSPolicy, ...] = ()  # every QoSPolicy, (namespace, name) order
+    rollouts: tuple[Rollout, ...] = ()  # every Rollout, (namespace, name) order
     tracing: Tracing | None = None
     _services: dict[str, Service] = field(init=False, repr=False, compare=False, hash=False)
     _workloads: dict[str, Workload] = field(init=False, repr=False, compare=False, hash=False)
@@ -643,3 +775,13 @@ class MeshModel:
 
     def workload(self, node_cluster: str) -> Workload | None:
         return self._workloads.get(node_cluster)
+
+    def rollout_of(self, function_key: str) -> Rollout | None:
+        """The Rollout of a Function (there is at most one)."""
+        for rollout in self.rollouts:
+            if rollout.function == function_key:
+                return rollout
+        return None
+
+    def function(self, key: str) -> Function | None:
+        return next((f for f in self.functions if f.key == key), None)

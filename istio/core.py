@@ -183,6 +183,14 @@ def gateways(model: ir.MeshModel) -> list[ir.Workload]:
     return [w for w in model.workloads if w.kind == "gateway"]
 
 
+def rolled_out(model: ir.MeshModel, route: ir.Route, index: int) -> ir.Rollout | None:
+    """The rollout splitting match `index` of a route: a Function's /v2/models/{name} paths
+    (Triton's repository load and unload act on every version: never split nor mirrored)."""
+    if not route.function or not route.matches[index].path.value.startswith("/v2/models/"):
+        return None
+    return model.rollout_of(f"{route.namespace}/{route.function}")
+
+
 def sidecar_services(model: ir.MeshModel) -> list[ir.Service]:
     """Services whose endpoints have sidecars (pods with istio-proxy, or VMs with it)."""
     return [s for s in model.services if s.has_sidecars]

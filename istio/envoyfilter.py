@@ -32,7 +32,7 @@ from meshfn.xds.fragments.messages import envoy_json, seconds
 from meshfn.xds.fragments.routes import degraded_clusters, degraded_match, retry_policy
 from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
 
-from .core import Context, Obj, Source, gateways, resource, sidecar_services
+from .core import Context, Obj, Source, gateways, resource, rolled_out, sidecar_services
 from .plugins import guarded, logged_headers, plugins_of, stripped_headers
 from .traffic import ENVOY_ROUTE_TIMEOUT, degraded_twin_in_vs, istio_cluster
 
@@ -215,6 +215,8 @@ def _chain_route_patches(
     metadata = {"filter_metadata": {ROUTE_METADATA: {"chain": _chain_names(ctx.model, service)}}}
     patches: list[Obj] = []
     for index in range(len(route.matches)):
+        if rolled_out(ctx.model, route, index) is not None:
+            continue  # the rollout's split to the primary's versions (traffic._rollout_http)
         name = route_name(route.key, index)
         patches.append(
             {

@@ -1,8 +1,9 @@
 """Telemetry, and the meshConfig snippet its providers need.
 
 - `meshfn-latency`: Envoy's gRPC access-log stream (ALS) to the control plane, from gateways with
-  drift-guarded routes: the drift breaker's input (route names are meshfn's: the VirtualService
-  routes carry them).
+  drift-guarded routes or a rolled-out Function: the drift breaker's and the rollout
+  controller's input (route names are meshfn's: the VirtualService routes carry them; a
+  rollout's versions are its subsets' clusters).
 - `meshfn-audit` / `meshfn-audit-bare`: the audit journal, Envoy's file access log with the
   collector's record format (meshfn.xds.fragments.plugins.access_log_format), on every audited
   workload. A workload-level Telemetry replaces the providers of namespace and mesh levels for that
@@ -51,9 +52,21 @@ def istio_log_format(settings: AuditSettings) -> dict[str, str]:
     return fields
 
 
+def _rolls_out(model: ir.MeshModel, workload: ir.Workload) -> bool:
+    """The gateway carries a rolled-out Function's routes (the controller reads its stream)."""
+    return any(
+        route.function and model.rollout_of(f"{route.namespace}/{route.function}")
+        for listener in workload.listeners
+        for route in listener.routes
+    )
+
+
 def _providers(ctx: Context, workload: ir.Workload) -> list[str]:
     names = []
-    if workload.kind == "gateway" and any(guarded(ctx.model, lst) for lst in workload.listeners):
+    if workload.kind == "gateway" and (
+        any(guarded(ctx.model, lst) for lst in workload.listeners)
+        or _rolls_out(ctx.model, workload)
+    ):
         names.append(LATENCY_PROVIDER)
     audit = audit_for(ctx, workload)
     if audit is not None:

@@ -27,7 +27,7 @@ from meshfn.xds.fragments import tracing as fragments
 from meshfn.xds.fragments.messages import envoy_json, seconds
 from meshfn.xds.names import degraded_route_name, route_name
 
-from .core import Context, Obj, Source, gateways, mesh_source, resource
+from .core import Context, Obj, Source, gateways, mesh_source, resource, rolled_out
 
 PROVIDER = "meshfn-otlp"
 NETWORKING = "networking.istio.io/v1alpha3"
@@ -145,7 +145,8 @@ def _route_patch(name: str, value: Obj) -> Obj:
 
 def gateway_filters(ctx: Context, guarded: dict[str, frozenset[str]]) -> None:
     """Per gateway, its routes' tracing and (restart) the removal of client trace headers.
-    `guarded`: per gateway key, the routes with a degraded twin in the route table."""
+    `guarded`: per gateway key, the routes with a degraded twin in the route table. One patch
+    per route name: a rolled-out match's pinned tenants and split share theirs."""
     tracing = active(ctx)
     if tracing is None:
         return
@@ -180,8 +181,12 @@ def gateway_filters(ctx: Context, guarded: dict[str, frozenset[str]]) -> None:
             for route in listener.routes:
                 value = envoy_json(fragments.route_tracing(tracing, settings, route, sampler=False))
                 names = [route_name(route.key, i) for i in range(len(route.matches))]
-                if route.key in twins:
-                    names += [degraded_route_name(route.key, i) for i in range(len(route.matches))]
+                if route.key in twins:  # a rollout's split has no degraded twin in Istio
+                    names += [
+                        degraded_route_name(route.key, i)
+                        for i in range(len(route.matches))
+                        if rolled_out(ctx.model, route, i) is None
+                    ]
                 patches += [_route_patch(name, value) for name in names]
                 if tracing.route_sampling(route.key) is not None:
                     sources.add(Source("Route", route.namespace, route.name))

@@ -9,11 +9,14 @@ order: Istio orders routes within an object, not across objects.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from ipaddress import ip_address
 
 from meshfn import ir
 from meshfn.contracts.plugins import ROUTING_HEADER
 from meshfn.contracts.qos import ORCA_HEADERS
+from meshfn.contracts.rollout import ROLLOUT_AUTHORITY, VERSION_HEADER
 from meshfn.ir.routing import precedence
 from meshfn.xds.names import degraded_route_name, route_name
 
@@ -26,6 +29,7 @@ from .core import (
     gateways,
     istio_duration,
     resource,
+    rolled_out,
     route_source,
     service_source,
 )
@@ -35,9 +39,44 @@ NETWORKING = "networking.istio.io/v1"
 ENVOY_ROUTE_TIMEOUT = "15s"  # what an Envoy route without a timeout waits (meshfn's default)
 
 
-def istio_cluster(ctx: Context, service: ir.Service) -> str:
-    """istiod's name for a service's outbound cluster."""
-    return f"outbound|{service.port}||{ctx.options.host(service.key)}"
+def istio_cluster(ctx: Context, service: ir.Service, subset: str = "") -> str:
+    """istiod's name for a service's outbound cluster (of one subset)."""
+    return f"outbound|{service.port}|{subset}|{ctx.options.host(service.key)}"
+
+
+def subset_name(version: str) -> str:
+    """A Function version's DestinationRule subset: a DNS label naming it (with a digest of
+    the version where the label had to change it, so two versions never share one)."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", version.lower()).strip("-")[:40] or "x"
+    name = f"version-{slug}"
+    if slug != version:
+        name += "-" + hashlib.sha256(version.encode()).hexdigest()[:6]
+    return name
+
+
+def rollout_source(rollout: ir.Rollout) -> Source:
+    return Source("Rollout", rollout.namespace, rollout.name)
+
+
+def _rollouts_served_by(ctx: Context, service: ir.Service) -> list[ir.Rollout]:
+    """The rollouts of the Functions `service` serves (as their backend or in its chain)."""
+    out = []
+    for rollout in ctx.model.rollouts:
+        function = ctx.model.function(rollout.function)
+        assert function is not None
+        backend = ctx.model.service(function.backend)
+        if service.key in (backend.key, *backend.fallback):
+            out.append(rollout)
+    return out
+
+
+def _subsets(ctx: Context, service: ir.Service) -> list[Obj]:
+    """One subset per version of every rollout the service serves: all of its endpoints (each
+    serves every version), under a name per version, so the gateway's clusters (and its
+    access-log stream) tell the versions apart."""
+    rollouts = _rollouts_served_by(ctx, service)
+    versions = dict.fromkeys(v for r in rollouts for v in (r.stable, r.candidate))
+    return [{"name": subset_name(v)} for v in versions]
 
 
 def _mtls(service: ir.Service) -> str | None:
@@ -73,7 +112,12 @@ def destination_rules(ctx: Context) -> None:
             policy["tls"] = {"mode": tls}
         _balancer(ctx, service, policy)
         _shedding(ctx, service)
-        spec = {"host": ctx.options.host(service.key), "trafficPolicy": policy}
+        spec: Obj = {"host": ctx.options.host(service.key), "trafficPolicy": policy}
+        # The Rollout is no owner of what it only adds to (subsets, weights): deleting it
+        # would let the garbage collector edit the object's owners under meshfn's apply.
+        subsets = _subsets(ctx, service)
+        if subsets:
+            spec["subsets"] = subsets
         ctx.emit(
             resource(NETWORKING, "DestinationRule", service.name, service.namespace, spec), *sources
         )
@@ -330,12 +374,70 @@ def _retries(ctx: Context, route: ir.Route, target: ir.Service) -> Obj:
 
 
 def _destination(
-    ctx: Context, service: ir.Service, weight: int | None = None, grpc: bool = False
+    ctx: Context,
+    service: ir.Service,
+    weight: int | None = None,
+    grpc: bool = False,
+    version: str | None = None,
 ) -> Obj:
+    """A route destination; with `version`, that version's subset, and the header that tells
+    the backend which version answers (contracts.rollout)."""
     port = (service.grpc_service_port if grpc else None) or service.port
     out: Obj = {"destination": {"host": ctx.options.host(service.key), "port": {"number": port}}}
+    if version is not None:
+        out["destination"]["subset"] = subset_name(version)
+        out["headers"] = {"request": {"set": {VERSION_HEADER: version}}}
     if weight is not None:
         out["weight"] = weight
+    return out
+
+
+def _rollout_http(ctx: Context, route: ir.Route, index: int, rollout: ir.Rollout) -> list[Obj]:
+    """A rolled-out Function's routes: its pinned tenants' (matched on the verified claim,
+    which Istio's gateways read as `@request.auth.claims.<claim>`), then the split by weight,
+    with the shadow step's mirror; every one with meshfn's authority (the backend's sign of a
+    mirrored copy is its `-shadow` suffix)."""
+    service = ctx.model.service(route.service)
+    split = ctx.overlay.split(rollout)
+    if service.fallback:
+        ctx.warn(
+            "rollout-fallback-chain",
+            rollout_source(rollout),
+            ("spec", "function"),
+            f"in Istio the rollout's requests go to {service.key}'s versions only: its "
+            "fallback chain (an EnvoyFilter aggregate of one cluster per service) and drift "
+            "breaker take the Function's requests again once the Rollout is removed",
+        )
+    base = _http(ctx, route, index, twin=False)
+    base["rewrite"] = {"authority": ROLLOUT_AUTHORITY}
+    out = []
+    pinning = rollout.pinning if split.pinned else None
+    for tenants, version in (
+        (pinning.stable if pinning else (), rollout.stable),
+        (pinning.candidate if pinning else (), rollout.candidate),
+    ):
+        if not tenants:
+            continue
+        assert pinning is not None
+        claim = f"@request.auth.claims.{pinning.claim}"
+        matches = [
+            {**_match(route.matches[index]), "headers": {claim: {"exact": tenant}}}
+            for tenant in tenants
+        ]
+        destination = _destination(ctx, service, grpc=route.grpc, version=version)
+        out.append({**base, "match": matches, "route": [destination]})
+    split_route: Obj = {
+        **base,
+        "route": [
+            _destination(ctx, service, 100 - split.weight, route.grpc, rollout.stable),
+            _destination(ctx, service, split.weight, route.grpc, rollout.candidate),
+        ],
+    }
+    if split.mirror:
+        mirror = _destination(ctx, service, version=rollout.candidate)["destination"]
+        split_route["mirror"] = mirror
+        split_route["mirrorPercentage"] = {"value": float(split.mirror)}
+    out.append(split_route)
     return out
 
 
@@ -403,6 +505,10 @@ def virtual_services(ctx: Context) -> None:
                 sources = {Source("Gateway", gw.namespace, gw.name)}
                 for route, index in sorted(entries, key=lambda pair: precedence(*pair)):
                     sources.add(route_source(ctx.model, route))
+                    rollout = rolled_out(ctx.model, route, index)
+                    if rollout is not None:  # the Rollout is no owner (see destination_rules)
+                        http += _rollout_http(ctx, route, index, rollout)
+                        continue
                     service = ctx.model.service(route.service)
                     if route.key in guarded_routes and degraded_twin_in_vs(service):
                         http.append(_http(ctx, route, index, twin=True))

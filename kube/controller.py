@@ -35,7 +35,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from meshfn import istio
+from meshfn import ir, istio
 from meshfn import wasm_filters as filters
 from meshfn.common import env
 from meshfn.common.adminauth import Guard, KubeAuthenticator, guard_middleware
@@ -47,20 +47,31 @@ from meshfn.health.drift import DriftBreaker, WatchedRoute, watched_routes
 from meshfn.ir import MeshModel, Overlay, TraceCollector
 from meshfn.istio import RenderOptions
 from meshfn.istio.core import Context as IstioContext
-from meshfn.istio.traffic import istio_cluster
+from meshfn.istio.traffic import istio_cluster, subset_name
 from meshfn.policy.kube_source import Build, KubePolicySource, ObjectKey, wait_either
 from meshfn.policy.source import format_loc
+from meshfn.rollout.controller import ActionError
+from meshfn.rollout.controller import Event as RolloutEvent
+from meshfn.rollout.http import add_routes as rollout_routes
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.names import LATENCY_LOG
 
 from .apply import Applier, Desired, Report, describe
 from .lease import LeaderElector, Timing
+from .rollouts import KubeRollouts
 from .status import Outcome, StatusWriter
 from .workloads import BackendSettings, Rendered, render_backends
 
 log = logging.getLogger("meshfn.kube")
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# What the operator does not do yet: read each backend pod's shadow comparisons (reaching every
+# pod of a Deployment through its sidecar's mTLS is not wired), so a shadow step waits for data.
+SHADOW_WARNING = (
+    "spec.shadow: the operator does not read the backends' shadow comparisons yet: the shadow "
+    "step waits for them and then follows onBreach (use canary steps in Kubernetes) "
+    "[rollout-shadow-kubernetes]"
+)
 
 
 def plural(kind: str) -> str:
@@ -383,6 +394,7 @@ class Operator:
         )
         self.status_writer = StatusWriter(kube, self.metrics)
         self.drift = DriftBreaker()
+        self.rollouts = KubeRollouts(kube, self.source.objects, self.clusters_of)
         self.overlay = Overlay()
         self.als = AccessLogReceiver(lambda _node: True)
         self.als.subscribe(LATENCY_LOG, self._on_latency)
@@ -403,25 +415,58 @@ class Operator:
     async def _on_build(self, build: Build) -> None:
         if build.model is not None:
             self.drift.configure(self.watched_routes(build.model))
+            if self.elector.leading.is_set():
+                await self._configure_rollouts(build.model)
         self._wake.set()
+
+    async def _configure_rollouts(self, model: MeshModel) -> None:
+        """The leader follows the model's rollouts (resuming each from its status)."""
+        events = self.rollouts.controller.configure(model)
+        await self.rollouts.flush()
+        self.overlay = replace(self.overlay, splits=self.rollouts.controller.splits())
+        await self.rollouts.events(events)
 
     def watched_routes(self, model: MeshModel) -> list[WatchedRoute]:
         """The drift breaker's routes with istiod's cluster names: in Istio's access logs the
-        primary is `outbound|port||host`, not meshfn's own cluster name."""
+        primary is `outbound|port||host` (and a rolled-out Function's, its versions'
+        subsets), not meshfn's own cluster names."""
         ctx = IstioContext(model, self.config.render_options(self.salt), {}, Overlay())
-        return [
-            replace(w, primary_clusters=frozenset({istio_cluster(ctx, model.service(key))}))
-            for w in watched_routes(model)
-            for key in [_route_service(model, w.route)]
-        ]
+        out = []
+        for watched in watched_routes(model):
+            service = model.service(_route_service(model, watched.route))
+            names = {istio_cluster(ctx, service)}
+            for rollout in model.rollouts:
+                function = model.function(rollout.function)
+                if function is not None and function.backend == service.key:
+                    names |= {
+                        istio_cluster(ctx, service, subset_name(v))
+                        for v in (rollout.stable, rollout.candidate)
+                    }
+            out.append(replace(watched, primary_clusters=frozenset(names)))
+        return out
+
+    def clusters_of(self, model: MeshModel, rollout: ir.Rollout) -> tuple[str, str]:
+        """istiod's clusters of a rollout's versions: its backend's subsets."""
+        ctx = IstioContext(model, self.config.render_options(self.salt), {}, Overlay())
+        function = model.function(rollout.function)
+        assert function is not None
+        service = model.service(function.backend)
+        return (
+            istio_cluster(ctx, service, subset_name(rollout.stable)),
+            istio_cluster(ctx, service, subset_name(rollout.candidate)),
+        )
 
     async def _on_leading(self) -> None:
         self.applier.synced = False
         self.status_writer.written.clear()
+        self.rollouts.reset()
+        if self.source.last is not None and self.source.last.model is not None:
+            await self._configure_rollouts(self.source.last.model)
         await self._label_self(True)
         self._wake.set()
 
     async def _on_following(self) -> None:
+        self.rollouts.reset()  # the leader's now: it resumes them from their status
         await self._label_self(False)
 
     async def _label_self(self, leader: bool) -> None:
@@ -447,7 +492,40 @@ class Operator:
             )
 
     def _on_latency(self, _node: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        self.drift.observe_access_log(entry, time.monotonic())
+        now = time.monotonic()
+        self.drift.observe_access_log(entry, now)
+        self.rollouts.controller.observe_access_log(entry, now)
+
+    async def _rollout_loop(self, stop: asyncio.Event, tick: float = 0.1) -> None:
+        """The leader evaluates each rollout every `interval`; a new state is written to the
+        Rollout's status before the reconcile applies its split."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), tick)
+            if not self.elector.leading.is_set():
+                continue
+            try:
+                events = self.rollouts.controller.evaluate()
+                await self._after_rollout_events(events)
+            except Exception:
+                log.exception("evaluating the rollouts failed; retrying")
+
+    async def _after_rollout_events(self, events: list[RolloutEvent]) -> None:
+        await self.rollouts.flush()
+        splits = self.rollouts.controller.splits()
+        if events or splits != self.overlay.splits:
+            self.overlay = replace(self.overlay, splits=splits)
+            self._wake.set()  # the VirtualService's weights, the Progressing condition
+        await self.rollouts.events(events)
+
+    async def rollout_action(self, name: str, action: str, by: str) -> RolloutEvent:
+        """A person's promote, abort, pause or resume: the leader's to take."""
+        if not self.elector.leading.is_set():
+            leader = self.elector.status().get("holder") or "unknown"
+            raise ActionError(503, f"this replica does not lead (the leader is {leader})")
+        event = self.rollouts.controller.act(name, action, by)
+        await self._after_rollout_events([event])
+        return event
 
     async def _drift_loop(self, stop: asyncio.Event, interval: float = 0.2) -> None:
         while not stop.is_set():
@@ -463,7 +541,7 @@ class Operator:
                 )
             degraded = self.drift.degraded()
             if degraded != self.overlay.degraded_routes:
-                self.overlay = Overlay(degraded_routes=degraded)
+                self.overlay = replace(self.overlay, degraded_routes=degraded)
                 self._wake.set()
 
     # ------------------------------------------------------------ reconcile
@@ -486,6 +564,9 @@ class Operator:
         self.warnings = {}
         for line in warnings:
             self.warnings.setdefault(line.split(": ", 1)[0], []).append(line.split(": ", 1)[1])
+        for rollout in model.rollouts:
+            if any(step.kind == "shadow" for step in rollout.steps):
+                self.warnings.setdefault(f"Rollout {rollout.key}", []).append(SHADOW_WARNING)
         collector = self.config.collector
         return objects + render_backends(
             model,
@@ -611,6 +692,7 @@ class Operator:
                 (render_error,) if render_error else tuple(problems.get(key.ref, ())),
                 tuple(sorted(resources.get(key.ref, ()), key=lambda r: tuple(r.values()))),
                 tuple(self.warnings.get(key.ref, ())),
+                tuple(c for c in [self.rollouts.condition(key)] if c is not None),
             )
             for key, verdict in build.verdicts.items()
         }
@@ -631,6 +713,7 @@ class Operator:
             "policy_errors": [str(e) for e in last.errors] if last else [],
             "proxies": [],
             "routes": self.drift.snapshot(time.monotonic()),
+            "rollouts": self.rollouts.controller.document(),
             "kube": {
                 "identity": self.identity,
                 "election": self.elector.status(),
@@ -699,7 +782,11 @@ class Operator:
                     )
             return web.Response(status=404, text="unknown module\n")
 
+        def rollouts() -> list[dict[str, Any]]:  # the controller is replaced with the lead
+            return self.rollouts.controller.document()
+
         app = web.Application(middlewares=[guard_middleware(self._guard())])
+        rollout_routes(app, rollouts, self.rollout_action)
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)
@@ -743,6 +830,7 @@ class Operator:
             asyncio.create_task(self.elector.run(stop)),
             asyncio.create_task(self._reconcile_loop(stop)),
             asyncio.create_task(self._drift_loop(stop)),
+            asyncio.create_task(self._rollout_loop(stop)),
         ]
         try:
             await stop.wait()

@@ -36,6 +36,8 @@ class Outcome:
     apply_problems: tuple[str, ...] = ()  # conflicts and rejections of what it rendered
     resources: tuple[dict[str, str], ...] = ()
     warnings: tuple[str, ...] = ()  # what Istio cannot express (in force without it)
+    # conditions of the kind's own (a Rollout's Progressing), after Accepted and Invalid
+    extra: tuple[dict[str, Any], ...] = ()
 
     def conditions(self) -> list[dict[str, Any]]:
         verdict = self.verdict
@@ -71,6 +73,7 @@ class Outcome:
                     "observedGeneration": verdict.generation,
                 }
             )
+        out += [{**c, "observedGeneration": verdict.generation} for c in self.extra]
         return out
 
 
@@ -135,7 +138,14 @@ class StatusWriter:
                 continue
             self.metrics.status_writes.labels("status").inc()
             patched += 1
-            transition = not _same(live, want, _STATE)  # a new generation alone is no news
+            # a new generation alone is no news, nor a kind's own condition (a Rollout's
+            # Progressing: its transitions are Events of their own, meshfn.kube.rollouts)
+            own = (CONDITION_ACCEPTED, CONDITION_INVALID)
+            transition = not _same(
+                [c for c in live if c.get("type") in own],
+                [c for c in want if c.get("type") in own],
+                _STATE,
+            )
             self.written[key] = (want, resources)
             if transition:
                 await self._event(obj, outcome, want[0])
@@ -145,37 +155,44 @@ class StatusWriter:
         return patched
 
     async def _event(self, obj: Obj, outcome: Outcome, accepted: dict[str, Any]) -> None:
-        meta = obj.get("metadata") or {}
-        namespace = meta.get("namespace") or "default"
         warning = accepted["status"] != "True"
-        reason = accepted["reason"]
         message = accepted["message"] or "in force"
-        stamp = _now()
-        suffix = hashlib.sha256(f"{meta.get('uid')}{reason}{message}{stamp}".encode()).hexdigest()
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"name": f"{meta.get('name')}.{suffix[:16]}", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": obj.get("apiVersion"),
-                "kind": obj.get("kind"),
-                "name": meta.get("name"),
-                "namespace": meta.get("namespace", ""),
-                "uid": meta.get("uid"),
-                "resourceVersion": meta.get("resourceVersion"),
-            },
-            "reason": reason,
-            "message": message[:1024],
-            "type": "Warning" if warning else "Normal",
-            "source": {"component": "meshfn"},
-            "reportingComponent": "meshfn",
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-        }
-        try:
-            await self.kube.create(EVENTS, event, namespace)
-        except (ApiError, Unreachable) as exc:
-            log.warning("cannot record an Event for %s: %s", meta.get("name"), exc)
-            return
-        self.metrics.status_writes.labels("event").inc()
+        if await create_event(self.kube, obj, accepted["reason"], message, warning):
+            self.metrics.status_writes.labels("event").inc()
+
+
+async def create_event(
+    kube: KubeClient, obj: Obj, reason: str, message: str, warning: bool
+) -> bool:
+    """A Kubernetes Event on `obj`; False (logged) when the apiserver would not take it."""
+    meta = obj.get("metadata") or {}
+    namespace = meta.get("namespace") or "default"
+    stamp = _now()
+    suffix = hashlib.sha256(f"{meta.get('uid')}{reason}{message}{stamp}".encode()).hexdigest()
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta.get('name')}.{suffix[:16]}", "namespace": namespace},
+        "involvedObject": {
+            "apiVersion": obj.get("apiVersion"),
+            "kind": obj.get("kind"),
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace", ""),
+            "uid": meta.get("uid"),
+            "resourceVersion": meta.get("resourceVersion"),
+        },
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning" if warning else "Normal",
+        "source": {"component": "meshfn"},
+        "reportingComponent": "meshfn",
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+    try:
+        await kube.create(EVENTS, event, namespace)
+    except (ApiError, Unreachable) as exc:
+        log.warning("cannot record an Event for %s: %s", meta.get("name"), exc)
+        return False
+    return True

@@ -112,7 +112,7 @@ def backend_config(
         trustedKeys=[Path(KEYS_DIR)],
         workers=settings.workers,
         processes=settings.processes,
-        functions=[f.served() for f in functions],
+        functions=[v for f in functions for v in f.served_versions()],
         tracing=tracing,
     )
 

@@ -49,6 +49,12 @@ _COLUMNS: dict[str, list[tuple[str, str, str]]] = {
     "AuthorizationPolicy": [("Action", "string", ".spec.action")],
     "FallbackPolicy": [("Service", "string", ".spec.service")],
     "QoSPolicy": [("Default Class", "string", ".spec.defaultClass")],
+    "Rollout": [
+        ("Function", "string", ".spec.function"),
+        ("Candidate", "string", ".spec.candidate"),
+        ("Phase", "string", ".status.rollout.phase"),
+        ("Weight", "integer", ".status.rollout.weight"),
+    ],
 }
 
 
@@ -174,12 +180,15 @@ _KEYWORDS: dict[str, _Keyword] = {
 }
 
 
-def _status_schema() -> dict[str, Any]:
+def _status_schema(kind: str) -> dict[str, Any]:
     condition = {
         "type": "object",
         "required": ["type", "status"],
         "properties": {
-            "type": {"type": "string", "description": "Accepted or Invalid"},
+            "type": {
+                "type": "string",
+                "description": "Accepted or Invalid (a Rollout also has Progressing)",
+            },
             "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
             "reason": {"type": "string"},
             "message": {
@@ -194,10 +203,19 @@ def _status_schema() -> dict[str, Any]:
         "type": "object",
         "properties": {k: {"type": "string"} for k in ("apiVersion", "kind", "namespace", "name")},
     }
+    properties: dict[str, Any] = {}
+    if kind == "Rollout":
+        properties["rollout"] = {
+            "type": "object",
+            "description": "where the rollout is (phase, step, weights, the last checks, its "
+            "history): the controller's state, so a new leader resumes at the same step",
+            "x-kubernetes-preserve-unknown-fields": True,
+        }
     return {
         "type": "object",
         "description": "Written by the meshfn controller (the leader replica) only.",
         "properties": {
+            **properties,
             "observedGeneration": {
                 "type": "integer",
                 "description": "the metadata.generation the conditions describe",
@@ -234,7 +252,7 @@ def object_schema(kind: str) -> dict[str, Any]:
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
             "spec": spec,
-            "status": _status_schema(),
+            "status": _status_schema(kind),
         },
     }
 

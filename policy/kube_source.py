@@ -170,6 +170,11 @@ class KubePolicySource:
     def on_build(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
+    def objects(self) -> dict[ObjectKey, Obj]:
+        """Every custom resource as the watches last saw it, status included (a build's
+        `objects` are as of the build; status-only changes do not build)."""
+        return {k: o for r in self._reflectors for k, o in r.objects.items()}
+
     def status(self) -> dict[str, object]:
         """For /debug/status and `meshfn status`."""
         return {
@@ -307,8 +312,7 @@ class KubePolicySource:
                 except TimeoutError:
                     break
             self._dirty.clear()
-            objects = {k: o for r in self._reflectors for k, o in r.objects.items()}
-            build = await asyncio.to_thread(self.build, objects)
+            build = await asyncio.to_thread(self.build, self.objects())
             self.last = build
             for listener in self._listeners:
                 try:

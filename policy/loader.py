@@ -15,7 +15,7 @@ from pathlib import Path
 
 from meshfn.ir import MeshModel
 
-from . import qos
+from . import qos, rollout
 from .compile import compile_model, lower
 from .errors import PolicyError, PolicyErrors
 from .model import Mesh
@@ -80,8 +80,11 @@ class Provenance:
 class PolicyLoader:
     """Loads one policy directory; reuse the instance across reloads to get per-file caching."""
 
-    def __init__(self, root: Path | str) -> None:
+    def __init__(self, root: Path | str, published: rollout.Published | None = None) -> None:
+        """`published`: the versions the function registry holds of a function (Rollouts'
+        versions are checked against it); None: no registry to ask."""
         self.root = Path(root)
+        self.published = published
         self._files: dict[str, _FileResult] = {}
 
     def load(self) -> MeshModel:
@@ -92,7 +95,7 @@ class PolicyLoader:
         """The MeshModel and the validated objects it was compiled from (their documents know
         every field's line: `meshfn analyze` points at them), or PolicyErrors."""
         items, errors = self._load_items()
-        return build_model(items, errors), items
+        return build_model(items, errors, self.published), items
 
     def provenance(self) -> Provenance:
         """Where the objects of the last load() came from."""
@@ -159,13 +162,18 @@ class PolicyLoader:
         return _FileResult(stat, digest, tuple(items), tuple(errors))
 
 
-def build_model(items: list[Loaded], errors: list[PolicyError]) -> MeshModel:
+def build_model(
+    items: list[Loaded], errors: list[PolicyError], published: rollout.Published | None = None
+) -> MeshModel:
     """Validated documents (and the errors found while validating them) -> the MeshModel, or
-    PolicyErrors. Every policy source (files, Kubernetes) ends here: one path to the IR."""
+    PolicyErrors. Every policy source (files, Kubernetes) ends here: one path to the IR.
+    `published`: the function registry's versions of a function, where there is one to ask."""
     if not errors:
         errors = check_references(items)
     if not errors:  # after the references: it follows them
         errors = qos.check(items)
+    if not errors:
+        errors = rollout.check(items, published)
     if not errors:
         result = compile_model(items)
         if isinstance(result, MeshModel):

@@ -14,10 +14,10 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from meshfn.contracts.durations import MAX_DURATION, Duration
-from meshfn.contracts.function import FunctionSettings
+from meshfn.contracts.function import FUNCTION_VERSION, FunctionSettings
 from meshfn.contracts.plugins import CALLER_PATTERN
 from meshfn.contracts.principals import RequestPrincipal
-from meshfn.contracts.qos import GatewayShedding, LoadBalancer, TenantClasses
+from meshfn.contracts.qos import Claim, GatewayShedding, LoadBalancer, Tenant, TenantClasses
 from meshfn.contracts.tracing import ALL_TAGS, ClientContext, TagName
 
 from .types import (
@@ -1470,6 +1470,204 @@ class QoSPolicy(Strict):
     )
 
 
+# ---------------------------------------------------------------- rollouts
+
+VersionName = Annotated[str, Field(pattern=FUNCTION_VERSION)]
+
+
+def _percent(value: int) -> int:
+    if value > 100:
+        raise ValueError(f"{value} is over 100: a weight is a percentage of the requests")
+    return value
+
+
+# a share of a Function's requests, whole percent (tracing's sampling Percent is finer)
+TrafficPercent = Annotated[int, Field(ge=1), AfterValidator(_percent)]
+
+
+class RolloutStepSpec(Strict):
+    """One canary step: the candidate's share of the Function's requests, held until enough
+    of them were answered, long enough, with every SLO check passing."""
+
+    weight: TrafficPercent = Field(
+        description="percent of the requests answered by the candidate (1-100)"
+    )
+    minRequests: Annotated[int, Field(ge=1, le=100_000_000)] | None = Field(
+        None, description="candidate answers the step needs; default: the strategy's minRequests"
+    )
+    minTime: Duration | None = Field(
+        None, description="how long the step lasts at least; default: the strategy's minTime"
+    )
+
+
+class CanarySpec(Strict):
+    """Weighted steps: a growing share of real requests answered by the candidate."""
+
+    steps: Annotated[list[RolloutStepSpec], Field(min_length=1, max_length=32)] = Field(
+        description="the steps, each a larger weight than the one before (e.g. 1, 5, 25, 50, "
+        "100); after the last the candidate takes every request"
+    )
+    minRequests: Annotated[int, Field(ge=1, le=100_000_000)] = Field(
+        100, description="candidate answers each step needs before it may pass"
+    )
+    minTime: Duration = Field(
+        timedelta(seconds=30), description="how long each step lasts at least"
+    )
+
+
+class ShadowSpec(Strict):
+    """A first step that takes no real traffic: a share of the requests is copied to the
+    candidate, whose answers are compared with the stable version's and then discarded."""
+
+    percent: TrafficPercent = Field(
+        description="percent of the requests copied to the candidate (1-100)"
+    )
+    minRequests: Annotated[int, Field(ge=1, le=100_000_000)] = Field(
+        100, description="compared answers the step needs before it may pass"
+    )
+    minTime: Duration = Field(timedelta(seconds=30), description="how long the step lasts at least")
+
+
+class ErrorRatioSlo(Strict):
+    """The candidate's share of failed answers (5xx, resets, timeouts)."""
+
+    max: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.01, description="the most it may be (0.01: 1 in 100)"
+    )
+    maxIncrease: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        None,
+        description="and at most this much above the stable version's in the same window; "
+        "default: no relative check",
+    )
+
+
+class LatencySlo(Strict):
+    """A latency percentile of the candidate: below a ceiling, or within a ratio of the
+    stable version's over the same window."""
+
+    percentile: Literal[95, 99] = Field(description="95 or 99")
+    max: Duration | None = Field(None, description="the ceiling (set max or maxRatio)")
+    maxRatio: Annotated[float, Field(ge=1, le=1000)] | None = Field(
+        None, description="the most it may be as a multiple of the stable version's"
+    )
+    minIncrease: Duration = Field(
+        timedelta(milliseconds=5),
+        description="with maxRatio: a rise smaller than this is never a breach (at 2 ms, "
+        "x1.5 is noise)",
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        _exactly_one(self, ("max", "maxRatio"))
+        return self
+
+
+class AgreementSlo(Strict):
+    """Shadow steps: the candidate's answers compared with the stable version's on the same
+    input. Labels (integers, strings, booleans) must be equal; numbers may differ by
+    `tolerance`."""
+
+    minRatio: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.99, description="the share of compared answers that must agree"
+    )
+    tolerance: Annotated[float, Field(ge=0, le=1e9)] = Field(
+        0.0, description="the largest absolute difference between two numbers that agree"
+    )
+
+
+class RolloutSloSpec(Strict):
+    """What each step checks, the candidate against the stable version over the same window."""
+
+    errorRatio: ErrorRatioSlo = Field(
+        default_factory=ErrorRatioSlo, description="The candidate's failed answers."
+    )
+    latency: Annotated[list[LatencySlo], Field(max_length=8)] = Field(
+        default_factory=list, description="Latency percentiles, absolute or against stable."
+    )
+    agreement: AgreementSlo | None = Field(
+        None, description="shadow steps: answers that must agree with the stable version's"
+    )
+    minSamples: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
+        20,
+        description="candidate answers a check is judged on (it breaches sooner when the "
+        "answers so far already break it)",
+    )
+
+
+class PinningSpec(Strict):
+    """Tenants kept on one version for the whole rollout, told apart by a verified JWT claim
+    (the gateway's RequestAuthentication), never by a header a client sends."""
+
+    claim: Claim = Field("tenant", description="the verified claim naming the tenant")
+    stable: Annotated[list[Tenant], Field(max_length=1000)] = Field(
+        default_factory=list, description="tenants answered by the stable version throughout"
+    )
+    candidate: Annotated[list[Tenant], Field(max_length=1000)] = Field(
+        default_factory=list, description="tenants answered by the candidate throughout"
+    )
+
+
+class RolloutSpec(Strict):
+    """A Function's next version taking over from the one in service, step by step (a shadow
+    step, then canary steps), each step judged against SLOs on what the gateways and the
+    backend measure, rolled back or paused on a breach."""
+
+    function: Name = Field(description="the Function (this namespace) rolled out")
+    stable: VersionName = Field(
+        description="the version in service (the Function's spec.version, if it sets one)"
+    )
+    candidate: VersionName = Field(description="the new version, published in the registry")
+    shadow: ShadowSpec | None = Field(
+        None, description="first mirror requests to the candidate; its answers are discarded"
+    )
+    canary: CanarySpec | None = Field(
+        None, description="then weighted steps; without them a passed shadow step promotes"
+    )
+    slo: RolloutSloSpec = Field(
+        default_factory=RolloutSloSpec, description="The checks of every step."
+    )
+    onBreach: Literal["rollback", "pause"] = Field(
+        "rollback",
+        description="rollback: every request back to the stable version at once; pause: hold "
+        "the step as it is until a person decides (meshfn rollout promote|abort|resume)",
+    )
+    interval: Duration = Field(
+        timedelta(seconds=10), description="how often the checks run (a breach acts at once)"
+    )
+    window: Duration = Field(
+        timedelta(seconds=60),
+        description="the most recent span of a step the checks look at",
+    )
+    noDataTimeout: Duration = Field(
+        timedelta(minutes=5),
+        description="a step without enough answers for this long follows onBreach (a step "
+        "never passes without data)",
+    )
+    pinning: PinningSpec | None = Field(
+        None, description="tenants kept on one version while the rollout runs"
+    )
+
+    @model_validator(mode="after")
+    def _strategy(self) -> Self:
+        if self.shadow is None and self.canary is None:
+            raise ValueError("set shadow, canary or both (shadow runs first)")
+        for name in ("interval", "window", "noDataTimeout"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be positive")
+        return self
+
+
+class Rollout(Strict):
+    """A new version of a Function rolled out on its SLOs: shadow traffic and canary steps,
+    promoted when every step passes, rolled back (or paused) on a breach. The rollout
+    controller of the control plane moves it; `meshfn rollout` shows and steers it."""
+
+    apiVersion: Literal["meshfn.io/v1alpha1"] = Field(description=API_VERSION_DOC)
+    kind: Literal["Rollout"] = Field(description="The kind of policy document: always `Rollout`.")
+    metadata: ObjectMeta = Field(description=METADATA_DOC)
+    spec: RolloutSpec = Field(description="The Function, its two versions, the steps and SLOs.")
+
+
 PolicyObject = (
     Mesh
     | Gateway
@@ -1481,6 +1679,7 @@ PolicyObject = (
     | FallbackPolicy
     | Function
     | QoSPolicy
+    | Rollout
 )
 
 KINDS: dict[str, type[PolicyObject]] = {
@@ -1494,4 +1693,5 @@ KINDS: dict[str, type[PolicyObject]] = {
     "FallbackPolicy": FallbackPolicy,
     "Function": Function,
     "QoSPolicy": QoSPolicy,
+    "Rollout": Rollout,
 }

@@ -26,7 +26,7 @@ IRIS = json.dumps(
         ]
     }
 ).encode()
-# A blank-ish 8x8 digit for the digits example (core wasm).
+# A blank-ish 8x8 digit for the digits example (an ONNX function).
 DIGITS = json.dumps(
     {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [4] * 64}]}
 ).encode()
@@ -277,3 +277,77 @@ def run_loads(*loads: tuple[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
     for proc in procs:
         proc.join(timeout=30)
     return results
+
+
+# ---------------------------------------------------------------- steady load (a thread)
+
+
+@dataclass(frozen=True)
+class Answer:
+    sent: float  # time.time() when sent
+    status: int  # 0: no answer (refused, reset, timed out)
+    version: str  # the answering version (x-meshfn-model-version), "" if none
+    ms: float
+
+
+class SteadyLoad:
+    """`rate` POSTs/s on schedule (open loop) from a thread of its own, until `stop()`; every
+    answer kept with its status and the version that gave it (the rollout tests and
+    bench/rollout.py: a rollout's steps must not cost a request)."""
+
+    def __init__(
+        self,
+        url: str,
+        body: bytes | list[bytes],
+        rate: float,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """`body`: the request, or requests sent in turn."""
+        import threading
+
+        self.url, self.rate = url, rate
+        self.bodies = body if isinstance(body, list) else [body]
+        self.headers = {"content-type": "application/json", **(headers or {})}
+        self.answers: list[Answer] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> SteadyLoad:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[Answer]:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        return list(self.answers)
+
+    async def _run(self) -> None:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=10)
+        connector = aiohttp.TCPConnector(limit=256)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+            async def one(body: bytes) -> None:
+                sent, started = time.time(), time.perf_counter()
+                status, version = 0, ""
+                try:
+                    async with session.post(self.url, data=body, headers=self.headers) as response:
+                        await response.read()
+                        status = response.status
+                        version = response.headers.get("x-meshfn-model-version", "")
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                ms = (time.perf_counter() - started) * 1000
+                self.answers.append(Answer(sent, status, version, ms))
+
+            tasks = []
+            start = time.perf_counter()
+            i = 0
+            while not self._stop.is_set():
+                delay = start + i / self.rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(self.bodies[i % len(self.bodies)])))
+                i += 1
+            await asyncio.gather(*tasks)

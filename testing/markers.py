@@ -31,6 +31,7 @@ _SUPPORT = {
     "meshfn.testing.fuzz": ("fuzz", "clang"),
     "meshfn.testing.fuzz_targets": ("fuzz",),
     "meshfn.testing.ebpf": ("clang",),
+    "meshfn.testing.candidates": ("clang",),
     "meshfn.testing.kubebuild": ("slow",),
     "meshfn.inference.build": ("clang",),
     "meshfn.inference.examples": ("clang",),

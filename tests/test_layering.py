@@ -55,6 +55,7 @@ def test_the_ir_and_the_contracts_import_no_stage() -> None:
             "meshfn.contracts.plugins",
             "meshfn.contracts.principals",
             "meshfn.contracts.qos",
+            "meshfn.contracts.rollout",
             "meshfn.contracts.tracing",
         }, (module, sorted(meshfn))
         assert [m for m in IMPURE if m in loaded] == [], module

@@ -80,6 +80,13 @@ def function_cluster_name(cluster: str, function: str) -> str:
     return f"fn|{function}|{cluster}"
 
 
+def version_cluster_name(cluster: str, function: str, version: str) -> str:
+    """A gateway's twin of `cluster` for one version of a Function in a rollout: the same
+    endpoints (the same EDS resource), so its requests, statistics and access-log entries name
+    the version (the backend serves the one the route's header names)."""
+    return f"version|{function}@{version}|{cluster}"
+
+
 def fallback_cluster_name(members: tuple[str, ...]) -> str:
     """An aggregate cluster is named by its members: routes can share it, and the name tells a
     reader (and Envoy's stats) the order."""

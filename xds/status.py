@@ -119,6 +119,13 @@ class Metrics:
             ["route", "to"],
             registry=r,
         )
+        self.rollout_steps = Counter(
+            "meshfn_rollout_events",
+            "Rollout transitions and manual actions (started, step, promoted, rolled-back, "
+            "paused, resumed, aborted)",
+            ["rollout", "event"],
+            registry=r,
+        )
         self.snapshots = Gauge(
             "meshfn_xds_snapshot_resources",
             "Resources in the current snapshot",

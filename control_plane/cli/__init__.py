@@ -1,10 +1,10 @@
 """`meshfn`: run the mesh, validate policies, and see inside the control plane.
 
 The command tree is assembled here, in the order `meshfn --help` lists it; each command group
-lives in a module of its own (policies, run, status, access, render, identity, filters, traces)
-over `shared` (options, policy loading, the admin port). `meshfn audit`, `meshfn kube` and
-`meshfn fn` are the audit trail's, the operator's and the inference backend's own sub-apps,
-mounted as they are.
+lives in a module of its own (policies, run, status, access, render, identity, filters,
+rollout, traces) over `shared` (options, policy loading, the admin port). `meshfn audit`,
+`meshfn kube` and `meshfn fn` are the audit trail's, the operator's and the inference backend's
+own sub-apps, mounted as they are.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .access import admin_app
 from .filters import filters_app
 from .identity import ca_app, certs_app, token_app
 from .render import render_app
+from .rollout import rollout_app
 from .traces import trace_app
 
 __all__ = ["app", "main"]
@@ -49,6 +50,7 @@ for command in (
     app.command()(command)  # named after the function: config_dump -> config-dump
 
 app.add_typer(render_app, name="render")
+app.add_typer(rollout_app, name="rollout")
 app.add_typer(token_app, name="token")
 app.add_typer(audit_app, name="audit")
 app.add_typer(trace_app, name="trace")

@@ -97,11 +97,18 @@ def validate(
     ] = False,
     state_dir: StateOpt = DEFAULT_STATE,
     threshold: ThresholdOpt = "error",
+    functions_registry: Annotated[
+        Path | None,
+        typer.Option(help="also check that the versions Rollouts name are published there"),
+    ] = None,
 ) -> None:
     """Check policies: schema, references, port clashes. Prints file:line: field: problem."""
+    from meshfn.inference.cli import published_versions
+
     from ..runtime.bootstrap import admin_port_warnings
 
-    model, items = loaded(PolicyLoader(path).load_with_sources)
+    published = published_versions(functions_registry) if functions_registry else None
+    model, items = loaded(PolicyLoader(path, published).load_with_sources)
     routes = sum(len(lst.routes) for w in model.workloads for lst in w.listeners)
     gateways = sum(1 for w in model.workloads if w.kind == "gateway")
     sidecars = sum(1 for w in model.workloads if w.kind == "sidecar")

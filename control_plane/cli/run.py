@@ -75,6 +75,7 @@ def up(
     """Run the control plane, one Envoy per gateway and sidecar, the inference backends and
     placeholder upstreams; hot-reload policies. The web console is at ADMIN/ui."""
     from meshfn.common.files import secure_state_dir
+    from meshfn.inference.cli import published_versions
 
     from ..runtime.up import run_up
     from ..runtime.upstreams import FunctionsSetup
@@ -99,6 +100,7 @@ def up(
             setup,
             admin_listen,
             token,
+            published_versions(registry) if setup is not None else None,
         )
     )
     raise typer.Exit(code)

@@ -122,11 +122,15 @@ def client_token(state_dir: Path = DEFAULT_STATE) -> str | None:
         fail(f"cannot read the admin token in {state_dir}: {exc.strerror or exc}")
 
 
-def admin_json(url: str, timeout: float = 5, state_dir: Path = DEFAULT_STATE) -> Any:
-    """GET a JSON document from the admin port, with the admin token (`client_token`)."""
+def admin_json(
+    url: str, timeout: float = 5, state_dir: Path = DEFAULT_STATE, body: Any = None
+) -> Any:
+    """GET a JSON document from the admin port, with the admin token (`client_token`); with
+    `body`, POST it as JSON instead."""
     token = client_token(state_dir)
+    method = "GET" if body is None else "POST"
     try:
-        return call_admin(url, token, timeout=timeout)
+        return call_admin(url, token, method=method, body=body, timeout=timeout)
     except AdminCallError as exc:
         if exc.status == 0:
             raise AdminUnreachable(f"{exc} (is meshfn up running?)") from None
@@ -143,6 +147,14 @@ def get_json(url: str, state_dir: Path = DEFAULT_STATE) -> Any:
     """`admin_json`, or the reason printed and exit 1."""
     try:
         return admin_json(url, state_dir=state_dir)
+    except AdminUnreachable as exc:
+        fail(exc)
+
+
+def post_json(url: str, body: Any, state_dir: Path = DEFAULT_STATE) -> Any:
+    """POST `body` to the admin port (`admin_json`), or the reason printed and exit 1."""
+    try:
+        return admin_json(url, state_dir=state_dir, body=body)
     except AdminUnreachable as exc:
         fail(exc)
 

@@ -1,15 +1,16 @@
 """The control plane's admin port: /metrics, /debug/status, /debug/snapshots, /debug/config_dump,
-/debug/certs, /debug/traces (meshfn up's embedded trace collector), POST /audit/erase, and the web
-console at /ui (console/).
+/debug/certs, /debug/traces (meshfn up's embedded trace collector), POST /audit/erase, /rollouts
+and POST /rollouts/actions, and the web console at /ui (console/).
 
 Every request names a principal (meshfn.common.adminauth: an admin token, or the console's
 session cookie), on every listen address, loopback included: loopback is shared by every user
 of a host. Open without a credential: only `/healthz`, `/readyz`, the public JWKS (Envoy fetches
 it) and the console's login and static files (OPEN). The viewer role reads everything here but
 the audit trail's personal data; the auditor role also queries by subject and erases, and each
-such read is recorded in the trail itself. Nothing here can change configuration; private keys
-never appear (the snapshots hold only what Envoy is sent, and secrets are redacted before they
-are dumped).
+such read is recorded in the trail itself; the auditor role also acts on rollouts (promote,
+abort, pause, resume: each an audit record). Nothing else here can change configuration; private
+keys never appear (the snapshots hold only what Envoy is sent, and secrets are redacted before
+they are dumped).
 
 Why a token on TCP, not a unix socket for the API and a token only for the console: the console
 must be on TCP for a browser, and Envoy fetches the JWKS over TCP, so a socket would be a second
@@ -45,6 +46,7 @@ from meshfn.common.adminauth import (
     local_principal,
     require,
 )
+from meshfn.rollout.http import add_routes as rollout_routes
 from meshfn.xds.dump import resources_to_plain, to_yaml
 
 from ..service import ControlPlane
@@ -330,6 +332,7 @@ def make_app(
     app.router.add_get("/debug/certs", certs)
     app.router.add_post("/audit/erase", erasure(hub, access))
     add_trace_routes(app, hub)
+    rollout_routes(app, cp.rollouts.document, cp.rollout_action)
     return app
 
 

@@ -29,7 +29,7 @@ from meshfn.audit.access import access_event, record_access
 from meshfn.audit.collector import AuditCollector
 from meshfn.audit.signer import SignerClient, SignerError
 from meshfn.audit.sqlite import SqliteStore
-from meshfn.audit.store import DEFAULT_RETENTION_DAYS, StoreError
+from meshfn.audit.store import CONTROL_CHAIN, DEFAULT_RETENTION_DAYS, StoreError
 from meshfn.common.adminauth import Principal
 from meshfn.xds.translate import ProxyHost
 
@@ -90,6 +90,19 @@ class AuditTrail:
         self.signer_address: str | None = None
         self.retention_days: int | None = None  # the running signer's
         self.model: ir.MeshModel | None = None  # the last reconciled: tenants' QoS classes
+        # The control plane's own records (rollout steps) made before the store was opened
+        # (the first reload comes before the mesh starts): stored once it is.
+        self.pending: list[dict[str, Any]] = []
+
+    async def record(self, records: list[dict[str, Any]]) -> None:
+        """Records of the control plane's own actions (rollouts), in the control chain; kept
+        until the store is open. Without audit in the policies there is no trail: the
+        rollouts' own history (STATE/rollouts) still has them."""
+        self.pending += records
+        if self.store is None or not self.pending:
+            return
+        records, self.pending = self.pending, []
+        await asyncio.to_thread(self.store.append, records, None, CONTROL_CHAIN)
 
     async def reconcile(
         self, model: ir.MeshModel, host: ProxyHost, reopen: Mapping[str, Reopen]
@@ -108,6 +121,7 @@ class AuditTrail:
             assert self.signer_address is not None
             self.collector = AuditCollector(self.store, signer=SignerClient(self.signer_address))
             await self.collector.start()
+            await self.record([])  # what the control plane did before the store was open
             log.info(
                 "audit trail: %s, signer %s, witness %s",
                 path,

@@ -61,6 +61,7 @@ async def run_serve(
             tasks.append(asyncio.create_task(cp.watch(stop)))
         tasks.append(asyncio.create_task(cp.rotate_credentials_forever(stop)))
         tasks.append(asyncio.create_task(cp.drift_forever(stop)))
+        tasks.append(asyncio.create_task(cp.rollouts_forever(stop)))
         await stop.wait()
         return 0
     finally:

@@ -32,6 +32,9 @@ from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
 from meshfn.common.unix import SocketPathTooLong
 from meshfn.ebpf import AccelerationUnavailable, EgressUnavailable
+from meshfn.policy.rollout import Published
+from meshfn.rollout.controller import Event as RolloutEvent
+from meshfn.rollout.shadow import Backend as ShadowBackend
 
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
@@ -197,6 +200,17 @@ class Mesh:
             await self.audit.stop()
         await self.traces.stop()  # after the proxies and backends: their last spans arrive
 
+    def shadow_backends(self) -> list[ShadowBackend]:
+        """Every serving process of every inference backend (each keeps its own shadow
+        comparisons), for the rollout controller."""
+        out = []
+        for spec, _ in self.upstreams.values():
+            if not spec.functions:
+                continue
+            for where in spec.sockets or (spec.where,):
+                out.append(ShadowBackend(spec.service, str(where), _fetcher(where)))
+        return out
+
     def backends(self) -> list[Backend]:
         """The inference backends running now (for the console's Functions panel)."""
         return [
@@ -259,6 +273,16 @@ class Mesh:
         }
 
 
+def _fetcher(where: Path | str) -> Callable[[str], Awaitable[tuple[int, bytes]]]:
+    async def fetch(path: str) -> tuple[int, bytes]:
+        try:
+            return await upstream_request(where, path, timeout=2)
+        except aiohttp.ClientError as exc:
+            raise OSError(str(exc)) from exc
+
+    return fetch
+
+
 async def _gather_or_raise(starts: Sequence[Awaitable[None]]) -> None:
     results = await asyncio.gather(*starts, return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
@@ -303,8 +327,10 @@ async def run_up(
     functions: FunctionsSetup | None = None,
     admin_host: str = "127.0.0.1",
     admin_token: str | None = None,
+    published: Published | None = None,
 ) -> int:
-    """`meshfn up`: run the whole mesh until Ctrl-C or SIGTERM; the exit status.
+    """`meshfn up`: run the whole mesh until Ctrl-C or SIGTERM; the exit status. `published`:
+    the function registry's versions of a function (Rollouts are checked against it).
 
     It runs in three steps, and the order is the point:
     1. Check everything that can refuse the start before anything runs (policy errors, socket
@@ -319,7 +345,7 @@ async def run_up(
     """
     console = console or cli_console()
     try:
-        cp, model = await _loaded(policies, state_dir, functions, console)
+        cp, model = await _loaded(policies, state_dir, functions, console, published)
         _check_functions(model, functions)
         acceleration = await _accelerated(cp, model, state_dir)
         sandbox = await _sandboxed(cp, model, state_dir, acceleration)
@@ -339,7 +365,11 @@ async def run_up(
 
 
 async def _loaded(
-    policies: Path, state_dir: Path, functions: FunctionsSetup | None, console: Console
+    policies: Path,
+    state_dir: Path,
+    functions: FunctionsSetup | None,
+    console: Console,
+    published: Published | None = None,
 ) -> tuple[ControlPlane, ir.MeshModel]:
     """The control plane with the policies loaded (the proxy-wasm filters built first, with
     progress on stderr and one line saying what was cached); its warnings printed."""
@@ -353,6 +383,7 @@ async def _loaded(
         wasm_missing=wasm_missing,
         # the sidecars reach what Mesh.reconcile starts behind them over its unix sockets
         app_sockets=lambda m: app_sockets(local_upstreams(m, state_dir, functions).values()),
+        published=published,
     )
     # the proxies send spans to meshfn up's own collector where the Mesh names none
     cp.trace_collector = lambda m: embedded_collector(m, state_dir)
@@ -444,6 +475,12 @@ def _wired_mesh(
         audit=audit,
     )
     cp.status_providers["audit"] = audit.status
+    cp.shadow_backends = mesh.shadow_backends
+
+    async def record(events: list[RolloutEvent]) -> None:
+        await audit.record([event.audit_record() for event in events])
+
+    cp.rollout_listeners.append(record)
     # Where `meshfn status` reads each backend's own /meshfn/functions (warm-up, cold requests,
     # per-tenant QoS counts).
     cp.status_providers["inference_backends"] = lambda: [
@@ -534,6 +571,7 @@ async def _serve(
             asyncio.create_task(cp.watch(stop)),
             asyncio.create_task(cp.rotate_credentials_forever(stop)),
             asyncio.create_task(cp.drift_forever(stop)),
+            asyncio.create_task(cp.rollouts_forever(stop)),
         ]
         if mesh.sandbox is not None:
             tasks.append(asyncio.create_task(mesh.sandbox.log_denials_forever(stop)))

@@ -241,7 +241,7 @@ def backend_config(
         trustedKeys=[k.resolve() for k in setup.trusted_keys],
         workers=setup.workers,
         processes=setup.processes,
-        functions=[f.served() for f in spec.functions],
+        functions=[v for f in spec.functions for v in f.served_versions()],
         tracing=spec.tracing,
         sandbox=SandboxSettings(
             landlock=spec.sandbox.landlock,

@@ -1,7 +1,7 @@
 """The policy compiler: validated objects -> MeshModel, in passes (pipeline.py runs them).
 
-    resolve -> security -> fallback -> qos -> functions -> gateways -> shedding -> sidecars
-    -> assemble
+    resolve -> security -> fallback -> qos -> functions -> rollouts -> gateways -> shedding
+    -> sidecars -> assemble
 
 One module per pass. Each pass takes the stage the pass before it produced, a frozen dataclass,
 and returns its own: the stage before plus what the pass adds (a subclass of it), so a pass

@@ -1,4 +1,4 @@
-"""Pass 9, assemble: the MeshModel from the last stage and the Mesh's own settings (ports,
+"""Pass 10, assemble: the MeshModel from the last stage and the Mesh's own settings (ports,
 identity, acceleration, sandbox, audit, drill) and the tracing setting (its own leaf pass)."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def assemble(complete: Complete, tracing: ir.Tracing | None = None) -> ir.MeshMo
         drill=_drill(spec.drill),
         policies=_with_guards(complete.written, complete.guard_objects),
         qos=complete.qos,
+        rollouts=complete.rollouts,
         tracing=tracing,
     )
 

@@ -1,4 +1,4 @@
-"""Pass 6, gateways: one workload per Gateway, each listener with its routes (those limited to
+"""Pass 7, gateways: one workload per Gateway, each listener with its routes (those limited to
 another listener left out), what the gateway enforces and its own QoSPolicy; and two routes
 that claim the exact same requests refused (one could never be used)."""
 
@@ -12,12 +12,13 @@ from meshfn import ir
 from ..errors import PolicyError
 from ..model import Gateway
 from ..validate import where
-from .functions import GatewayRoute, Served
+from .functions import GatewayRoute
 from .objects import locality
+from .rollouts import Rolled
 
 
 @dataclass(frozen=True)
-class Routed(Served):
+class Routed(Rolled):
     """`gateway_workloads`: in gateway key order; `reach`: per service key, how many gateways
     have routes to it; `errors` now with the routes that shadow each other."""
 
@@ -25,7 +26,7 @@ class Routed(Served):
     reach: Mapping[str, int]
 
 
-def route(served: Served) -> Routed:
+def route(served: Rolled) -> Routed:
     errors = list(served.errors)
     workloads = []
     for key, gateway in served.gateways.items():

@@ -13,6 +13,7 @@ from . import (
     gateways,
     qos,
     resolve,
+    rollouts,
     security,
     shedding,
     sidecars,
@@ -32,7 +33,8 @@ def compile_model(items: list[Loaded]) -> ir.MeshModel | list[PolicyError]:
     chained = fallback.chain(secured)
     bound = qos.bind(chained)
     served = functions.serve(bound)
-    routed = gateways.route(served)
+    rolled = rollouts.roll(served)
+    routed = gateways.route(rolled)
     if routed.errors:
         return sorted(set(routed.errors))
     shed = shedding.shed(routed)

@@ -1,4 +1,4 @@
-"""Pass 7, shedding: where a QoSPolicy sheds the lower priorities at the gateways
+"""Pass 8, shedding: where a QoSPolicy sheds the lower priorities at the gateways
 (`gatewayShedding`), each backend's per-priority concurrency limits at every gateway that
 reaches it, from its functions' maxConcurrency; or why they cannot hold."""
 

@@ -1,4 +1,4 @@
-"""Pass 8, sidecars: one workload per endpoint that declares a sidecar, each with its own node
+"""Pass 9, sidecars: one workload per endpoint that declares a sidecar, each with its own node
 cluster, enforcing what its service's workloads enforce (and the repository guard of the
 functions it serves), passing on the verified tenant where those functions have QoS."""
 

@@ -335,3 +335,21 @@ async def test_many_refusals_do_not_hold_up_others(admin: Admin) -> None:
     replies = await asyncio.gather(*(_call(admin.url + "/metrics") for _ in range(40)))
     assert {r[0] for r in replies} == {401}
     assert time.perf_counter() - started < 2.0
+
+
+async def test_rollout_actions_need_an_auditors_token(admin: Admin) -> None:
+    """Any role reads the rollouts; moving one (the admin port's one traffic change) takes the
+    auditor role, with a token (never a console session), as JSON; the principal is recorded."""
+    act = admin.url + "/rollouts/actions"
+    body = {"rollout": "x", "action": "abort"}
+    viewer = admin.bearer(VIEWER, "vera")
+    assert (await _call(admin.url + "/rollouts", "GET", viewer))[0] == 200
+    assert (await _call(act, "POST", None, json=body))[0] == 401
+    assert (await _call(act, "POST", viewer, json=body))[0] == 403
+    session = admin.tokens.issue("ann", AUDITOR, timedelta(hours=1), SESSION_AUDIENCE)
+    cookie = {"Cookie": f"meshfn_console={session}"}
+    assert (await _call(act, "POST", cookie, json=body))[0] == 403
+    auditor = admin.bearer(AUDITOR, "ann")
+    assert (await _call(act, "POST", auditor, data=body))[0] == 415  # a form: refused
+    status, text, _ = await _call(act, "POST", auditor, json=body)
+    assert status == 404 and "no rollout 'x'" in text

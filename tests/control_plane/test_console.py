@@ -124,7 +124,9 @@ async def test_events_stream_every_panel_then_ticks(admin: tuple[ControlPlane, s
                 ticks += 1
                 if ticks == 2:
                     break
-    assert set(seen) == {"graph", "topology", "proxies", "drift", "functions", "audit", "policy"}
+    assert set(seen) == {
+        "graph", "topology", "proxies", "drift", "rollouts", "functions", "audit", "policy",
+    }  # fmt: skip
     assert "&lt;img src=x" in seen["policy"] and "<img" not in seen["policy"]
 
 

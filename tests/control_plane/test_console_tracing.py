@@ -123,6 +123,55 @@ def test_fallback_in_use_and_degraded_routes_are_marked(tmp_path: Path) -> None:
     assert "fallback in use, degraded" in svg and "edge-degraded" in svg and "mark-degraded" in svg
 
 
+def test_a_rolled_out_functions_versions_count_on_its_services_edge(tmp_path: Path) -> None:
+    """During a rollout the gateway sends the Function's requests through one twin of the
+    service's cluster per version: the edge adds them up (and times them there)."""
+    root = _policies(tmp_path / "p")
+    p.write(
+        root / "rollout.yaml",
+        p.documents(
+            p.doc("Function", "iris", {"backend": "models", "version": "1"}),
+            p.doc(
+                "Rollout",
+                "iris-v2",
+                {
+                    "function": "iris",
+                    "stable": "1",
+                    "candidate": "2",
+                    "canary": {"steps": [{"weight": 10}]},
+                },
+            ),
+        ),
+    )
+    from meshfn.policy.loader import load_policies
+    from meshfn.xds.names import version_cluster_name
+
+    model = load_policies(root)
+    rates = Rates()
+    for at, total, errors in ((100.0, 0, 0), (105.0, 50, 5)):
+        counters: dict[str, float] = {}
+        quantiles: dict[str, tuple[float | None, float | None]] = {}
+        for version in ("1", "2"):
+            c, q = parse_stats(
+                _stats(
+                    total,
+                    errors,
+                    2.5,
+                    40.0,
+                    version_cluster_name("models.default", "iris", version),
+                )
+            )
+            counters.update({k: counters.get(k, 0) + v for k, v in c.items()})
+            quantiles.update(q)
+        rates.record("edge.default", counters, quantiles, at)
+    graph = build_graph(model, rates, None, frozenset(), {})
+    edge = next(
+        e for e in graph.edges if (e.source, e.target) == ("gw:default/edge", "svc:default/models")
+    )
+    assert edge.rps == pytest.approx(20.0) and edge.error_ratio == pytest.approx(0.1)
+    assert (edge.p50_ms, edge.p99_ms, edge.security) == (2.5, 40.0, "mtls")
+
+
 def _load(tmp_path: Path) -> ir.MeshModel:
     from meshfn.policy.loader import load_policies
 

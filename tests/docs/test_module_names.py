@@ -14,7 +14,7 @@ from meshfn.testing.docs import DOCS, ROOT
 # domain (meshfn.local), the filter module file (meshfn.wasm), plugin names (meshfn.plugin.x),
 # and the span attributes meshfn adds (contracts.tracing: meshfn.route, meshfn.batch.rows...).
 NOT_MODULES = {"io", "local", "wasm", "plugin"} | {
-    "route", "model", "tenant", "principal", "batch", "code_loaded", "code_cache_hit",
+    "route", "model", "version", "tenant", "principal", "batch", "code_loaded", "code_cache_hit",
 }  # fmt: skip
 NAME = re.compile(r"\bmeshfn\.([a-z_]+(?:\.[a-z_]+)*)")
 SOURCES = [*DOCS.rglob("*.md"), ROOT / "README.md"]

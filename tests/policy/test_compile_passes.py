@@ -20,6 +20,7 @@ from meshfn.policy.compile import (
     functions,
     gateways,
     resolve,
+    rollouts,
     security,
     shedding,
     sidecars,
@@ -85,8 +86,10 @@ def _allow_all(name: str, selector: dict[str, str]) -> str:
     return doc("AuthorizationPolicy", name, {"selector": selector, "rules": rules})
 
 
-def _until_served(items: list[Loaded]) -> functions.Served:
-    return functions.serve(qos_pass.bind(fallback.chain(security.secure(resolve.resolve(items)))))
+def _until_served(items: list[Loaded]) -> rollouts.Rolled:
+    """Every pass up to the gateways' (functions, then rollouts)."""
+    served = functions.serve(qos_pass.bind(fallback.chain(security.secure(resolve.resolve(items)))))
+    return rollouts.roll(served)
 
 
 def test_resolve_looks_every_reference_up_once() -> None:
@@ -449,6 +452,7 @@ REFINES = {
     fallback.chain: {"services"},
     qos_pass.bind: set(),
     functions.serve: {"services"},
+    rollouts.roll: {"functions"},
     gateways.route: {"errors"},
     shedding.shed: {"services"},
     sidecars.place: set(),
@@ -481,6 +485,7 @@ def test_stages_are_plain_dataclasses() -> None:
         fallback.Chained,
         qos_pass.Bound,
         functions.Served,
+        rollouts.Rolled,
         gateways.Routed,
         shedding.Shed,
         sidecars.Complete,

@@ -277,7 +277,7 @@ SCHEMA_CASES = [
         "apiVersion: meshfn.io/v1alpha1\nkind: Widget\n",
         2,
         "kind",
-        "unknown kind 'Widget'; known kinds: AuthorizationPolicy, FallbackPolicy, Function, Gateway, Mesh, PeerAuthentication, QoSPolicy, RequestAuthentication, Route, Service",
+        "unknown kind 'Widget'; known kinds: AuthorizationPolicy, FallbackPolicy, Function, Gateway, Mesh, PeerAuthentication, QoSPolicy, RequestAuthentication, Rollout, Route, Service",
     ),
     (
         "apiVersion: meshfn.io/v1alpha1\nmetadata: {name: x}\n",

@@ -26,6 +26,7 @@ from meshfn.contracts.plugins import (
     bare_filter_state,
 )
 from meshfn.contracts.qos import LIMIT_HEADER
+from meshfn.contracts.rollout import MODEL_VERSION_HEADER
 
 # The jwt_authn metadata key the translator's providers write the verified payload under.
 JWT_PAYLOAD = "payload"
@@ -136,6 +137,8 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
     # The trace the proxy's tracer put the request in (empty without tracing); the headers
     # stand in where tracing is off (a traceparent a client or a proxy in front sent)
     "trace_id": "%TRACE_ID%",
+    # the Function version that answered (the backend names it; a rollout has two)
+    "model_version": f"%RESP({MODEL_VERSION_HEADER}):64%",
     "traceparent": "%REQ(TRACEPARENT):128%",
     "b3_trace_id": "%REQ(X-B3-TRACEID):64%",
     "audit": f"%FILTER_STATE({AUDIT_FILTER_STATE}:PLAIN)%",

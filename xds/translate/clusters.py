@@ -20,7 +20,12 @@ from meshfn import ir
 from meshfn.contracts.qos import LoadBalancer
 
 from ..fragments.messages import duration, pack
-from ..names import cluster_name, fallback_cluster_name, function_cluster_name
+from ..names import (
+    cluster_name,
+    fallback_cluster_name,
+    function_cluster_name,
+    version_cluster_name,
+)
 from .common import ads_source
 from .security import mtls_socket_match
 
@@ -60,6 +65,18 @@ def function_cluster(
     for mine, theirs in zip(breakers.thresholds, thresholds, strict=False):
         _keep_others(theirs, mine)
     out.circuit_breakers.CopyFrom(breakers)
+    return out
+
+
+def version_cluster(base: cluster_pb2.Cluster, function: str, version: str) -> cluster_pb2.Cluster:
+    """The twin of a cluster for one version of a rolled-out Function: the same endpoints (the
+    same EDS resource) and settings, under a name that says the version, so the gateway's
+    statistics and access-log entries tell the versions apart."""
+    out = cluster_pb2.Cluster()
+    out.CopyFrom(base)
+    out.name = version_cluster_name(base.name, function, version)
+    if out.HasField("eds_cluster_config"):
+        out.eds_cluster_config.service_name = base.eds_cluster_config.service_name or base.name
     return out
 
 

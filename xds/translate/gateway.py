@@ -13,7 +13,7 @@ from meshfn.contracts.qos import LIMIT_SERVICE_NODE_HEADER
 
 from ..names import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, cluster_name
 from . import httpfilters
-from .clusters import cluster, fallback_cluster, function_cluster
+from .clusters import cluster, fallback_cluster, function_cluster, version_cluster
 from .endpoints import load_assignment, tier_assignments
 from .host import ProxyHost
 from .httpfilters import FilterContext, QoSContext
@@ -22,7 +22,14 @@ from .httpfilters.degrade import degrade_for
 from .httpfilters.tracing import tracing_for
 from .listeners import listener
 from .resources import Resources, merge
-from .routes import Target, function_target, route_configuration, target_for
+from .routes import (
+    Target,
+    Versions,
+    function_target,
+    rollout_versions,
+    route_configuration,
+    target_for,
+)
 
 
 def gateway_resources(
@@ -40,6 +47,8 @@ def gateway_resources(
     built = _Clusters.of(model.services, workload.locality)
     targets = built.targets(model)
     built.add_shedding_twins(model.services, targets)
+    versions = rollout_versions(model, overlay)
+    built.add_version_twins(model, versions, targets)
     out: Resources = {
         LISTENER: {},
         ROUTE: {},
@@ -65,8 +74,16 @@ def gateway_resources(
             mesh_route=model.audit is not None,
             tracing=tracing,
         )
-        drift = any(model.service(key).drift is not None for key in used)
-        out[LISTENER][lst.name] = listener(lst, filters, drift)
+        rolled = sorted(
+            {
+                key
+                for r in lst.routes
+                if r.function and (key := f"{r.namespace}/{r.function}") in versions
+            }
+        )
+        # the access-log stream feeds the drift breaker and the rollout controller
+        watched = bool(rolled) or any(model.service(key).drift is not None for key in used)
+        out[LISTENER][lst.name] = listener(lst, filters, watched)
         out[ROUTE][lst.name] = route_configuration(
             lst,
             tuple((key, targets[key]) for key in used),
@@ -74,6 +91,7 @@ def gateway_resources(
             model.audit is not None,
             gateway_qos=workload.qos,
             tracing=tracing,
+            rollouts=tuple((key, versions[key]) for key in rolled),
         )
         merge(out, httpfilters.resources(filters, overlay))
     return out
@@ -153,6 +171,25 @@ class _Clusters:
                     twin = function_cluster(base, function, limits)
                     self.clusters[twin.name] = twin
                 twins = function_target(target, function)
+                if twins.tail:
+                    self.add_aggregates(service, twins.members, twins.tail)
+
+    def add_version_twins(
+        self, model: ir.MeshModel, versions: dict[str, Versions], targets: dict[str, Target]
+    ) -> None:
+        """A rolled-out Function's twins of its target's clusters, per version (routes.py)."""
+        for key, split in versions.items():
+            function = model.function(key)
+            assert function is not None
+            service = model.service(function.backend)
+            target = targets[service.key]
+            for version in (split.stable, split.candidate):
+                for name in dict.fromkeys((target.cluster, *target.members)):
+                    base = self.clusters[name]
+                    assert isinstance(base, cluster_pb2.Cluster)
+                    twin = version_cluster(base, function.name, version)
+                    self.clusters[twin.name] = twin
+                twins = split.target(target, version)
                 if twins.tail:
                     self.add_aggregates(service, twins.members, twins.tail)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -15,14 +16,21 @@ from meshfn import ir
 from meshfn.contracts.naming import priority_route_name
 from meshfn.contracts.plugins import MESH_ROUTE_HEADER, MESH_ROUTE_KEY, ROUTE_METADATA
 from meshfn.contracts.qos import ORCA_HEADERS
+from meshfn.contracts.rollout import ROLLOUT_AUTHORITY
 from meshfn.ir.routing import precedence
 
 from .. import names
 from ..fragments import qos as envoy_qos
+from ..fragments import rollout as versions_split
 from ..fragments import tracing as envoy_tracing
 from ..fragments.messages import duration
 from ..fragments.routes import degraded_clusters, degraded_match, retry_policy, route_match
-from ..names import cluster_name, fallback_cluster_name, function_cluster_name
+from ..names import (
+    cluster_name,
+    fallback_cluster_name,
+    function_cluster_name,
+    version_cluster_name,
+)
 from .httpfilters.base import TracingContext
 from .httpfilters.qos import rate_limit_config
 
@@ -82,9 +90,92 @@ def function_target(target: Target, function: str) -> Target:
     )
 
 
-def _action(route: ir.Route, target: Target, degraded: bool) -> rc.RouteAction:
+@dataclass(frozen=True)
+class Versions:
+    """A rolled-out Function's traffic at the gateway now: `weight` percent to the candidate,
+    `mirror` percent copied to it, and (until the rollout ends) its pinned tenants."""
+
+    function: str  # the Function's name
+    stable: str
+    candidate: str
+    weight: int
+    mirror: int
+    pinning: ir.Pinning | None = None
+
+    def target(self, target: Target, version: str) -> Target:
+        """Where one version's requests go: the twin of every cluster of the Function's
+        target (its fallback chain's too), named by the version."""
+
+        def twin(name: str) -> str:
+            return version_cluster_name(name, self.function, version)
+
+        return replace(
+            target,
+            cluster=twin(target.cluster),
+            members=tuple(map(twin, target.members)),
+            tail=tuple(map(twin, target.tail)),
+        )
+
+
+def rollout_versions(model: ir.MeshModel, overlay: ir.Overlay) -> dict[str, Versions]:
+    """Per Function key, its rollout's traffic now (where the overlay puts it)."""
+    out = {}
+    for rollout in model.rollouts:
+        split = overlay.split(rollout)
+        out[rollout.function] = Versions(
+            rollout.function_name,
+            rollout.stable,
+            rollout.candidate,
+            split.weight,
+            split.mirror,
+            rollout.pinning if split.pinned else None,
+        )
+    return out
+
+
+def _versioned(
+    action: rc.RouteAction,
+    target: Target,
+    versions: Versions,
+    degraded: bool,
+    only: str | None = None,
+) -> None:
+    """The split between the versions' twins (`only`: a pinned tenant's one version), with
+    the drift breaker's probe share inside each version once degraded, and the shadow
+    mirror; and the authority only meshfn sets (contracts.rollout)."""
+    weight = versions.weight * 100
+    shares = {versions.stable: 10_000 - weight, versions.candidate: weight}
+    if only is not None:
+        shares = {v: 10_000 if v == only else 0 for v in shares}
+    entries = []
+    for version, share in shares.items():
+        if only is not None and version != only:
+            continue
+        twin = versions.target(target, version)
+        if degraded:
+            probe = target.probe_percent
+            entries.append((twin.cluster, share * probe // 100, version))
+            entries.append((twin.degraded_cluster, share * (100 - probe) // 100, version))
+        else:
+            entries.append((twin.normal_cluster, share, version))
+    action.weighted_clusters.CopyFrom(versions_split.versioned_clusters(entries))
+    if versions.mirror and only is None:
+        shadow = versions.target(target, versions.candidate).normal_cluster
+        action.request_mirror_policies.append(versions_split.mirror(shadow, versions.mirror))
+    action.host_rewrite_literal = ROLLOUT_AUTHORITY
+
+
+def _action(
+    route: ir.Route,
+    target: Target,
+    degraded: bool,
+    versions: Versions | None = None,
+    only: str | None = None,
+) -> rc.RouteAction:
     action = rc.RouteAction()
-    if degraded:
+    if versions is not None:
+        _versioned(action, target, versions, degraded, only)
+    elif degraded:
         # Chosen by the degrade filter once the drift breaker trips.
         action.weighted_clusters.CopyFrom(
             degraded_clusters(target.cluster, target.degraded_cluster, target.probe_percent)
@@ -163,10 +254,13 @@ def _routes(
     mesh_route: bool,
     gateway_qos: ir.QoSPolicy | None = None,
     tracing: TracingContext | None = None,
+    versions: Versions | None = None,
 ) -> list[rc.Route]:
     """The route, and for a drift-guarded target first its degraded twin: same match plus the
     internal routing header the degrade filter sets (clients cannot: the listener strips it before
-    routing), so tripping the breaker changes only the filter's config, never this table."""
+    routing), so tripping the breaker changes only the filter's config, never this table. A
+    rolled-out Function's route splits between its versions, after the routes of its pinned
+    tenants (same names: the degrade filter and the drift breaker see one route)."""
     key = route.key if mesh_route else None
     headers = _mesh_route_header(route) if mesh_route else []
     qos = route.qos or gateway_qos
@@ -174,29 +268,62 @@ def _routes(
     shed = qos is not None and qos.gateway_shed and target.shed
     if shed and route.function in target.functions:
         target = function_target(target, route.function)
-    normal = rc.Route(
-        name=route_name(route, index),
-        match=route_match(route.matches[index]),
-        route=_action(route, target, degraded=False),
-        metadata=_metadata(target, key, qos),
-        request_headers_to_add=headers,
-        typed_per_filter_config=per_route,
-        tracing=envoy_tracing.route_tracing(tracing.tracing, tracing.settings, route)
+    # the same tracing on every twin: the degraded one, the pinned tenants' and the split
+    traced = (
+        envoy_tracing.route_tracing(tracing.tracing, tracing.settings, route)
         if tracing is not None
-        else None,
+        else None
     )
-    if not target.drift:
-        return _by_priority([normal], qos) if shed and qos else [normal]
-    degraded = rc.Route(
-        name=degraded_route_name(route, index),
-        match=degraded_match(route, index),
-        route=_action(route, target, degraded=True),
-        metadata=_metadata(target, key, qos),
-        request_headers_to_add=headers,
-        typed_per_filter_config=per_route,
-        tracing=normal.tracing if tracing is not None else None,
-    )
-    return _by_priority([degraded, normal], qos) if shed and qos else [degraded, normal]
+
+    def make(degraded: bool, only: str | None = None) -> rc.Route:
+        return rc.Route(
+            name=degraded_route_name(route, index) if degraded else route_name(route, index),
+            match=degraded_match(route, index) if degraded else route_match(route.matches[index]),
+            route=_action(route, target, degraded, versions, only),
+            metadata=_metadata(target, key, qos),
+            request_headers_to_add=headers,
+            typed_per_filter_config=per_route,
+            tracing=traced,
+        )
+
+    twins = [True, False] if target.drift else [False]
+    out = [make(degraded) for degraded in twins]
+    if versions is not None and versions.pinning is not None:
+        out = _pinned(versions, versions.pinning, twins, make) + out
+    return _by_priority(out, qos) if shed and qos else out
+
+
+def _pinned(
+    versions: Versions,
+    pinning: ir.Pinning,
+    twins: list[bool],
+    make: Callable[[bool, str | None], rc.Route],
+) -> list[rc.Route]:
+    """The routes of tenants pinned to one version: the route's own, matched also on the
+    verified claim (jwt_authn's payload, which jwt_authn re-matches routes after writing)."""
+    out = []
+    for tenants, version in (
+        (pinning.stable, versions.stable),
+        (pinning.candidate, versions.candidate),
+    ):
+        if not tenants:
+            continue
+        matcher = json_format.ParseDict(
+            envoy_qos.tenant_matcher(pinning.claim, tenants), metadata_pb2.MetadataMatcher()
+        )
+        for degraded in twins:
+            pinned = make(degraded, version)
+            pinned.match.dynamic_metadata.append(matcher)
+            out.append(pinned)
+    return out
+
+
+def _versions(route: ir.Route, index: int, rollouts: dict[str, Versions]) -> Versions | None:
+    """A rolled-out Function's split, for its /v2/models/{name} paths only: Triton's
+    repository load and unload act on every version and must never be mirrored."""
+    if not route.function or not route.matches[index].path.value.startswith("/v2/models/"):
+        return None
+    return rollouts.get(f"{route.namespace}/{route.function}")
 
 
 PRIORITY_NAMES = {base_pb2.HIGH: "HIGH", base_pb2.DEFAULT: "DEFAULT"}
@@ -238,12 +365,15 @@ def route_configuration(
     mesh_route: bool = False,
     gateway_qos: ir.QoSPolicy | None = None,
     tracing: TracingContext | None = None,
+    rollouts: tuple[tuple[str, Versions], ...] = (),
 ) -> route_pb2.RouteConfiguration:
     """`targets` maps the service keys the routes use to their Target (a tuple so the result
     can be memoised); `headers_to_remove` are the HTTP filters' (httpfilters); `mesh_route`: the
     mesh audits, so each route names itself (metadata, x-meshfn-route) for the records;
-    `tracing`: the gateway traces, so each route carries its sampling and tags."""
+    `tracing`: the gateway traces, so each route carries its sampling and tags; `rollouts`: per
+    Function key (namespace/name) its rollout's traffic now."""
     by_target = dict(targets)
+    by_function = dict(rollouts)
     by_host: dict[str, list[tuple[ir.Route, int]]] = {}
     for route in listener.routes:
         for host in route.hosts:
@@ -266,6 +396,7 @@ def route_configuration(
                         mesh_route,
                         gateway_qos,
                         tracing,
+                        _versions(route, index, by_function),
                     )
                 ],
             )

@@ -23,7 +23,8 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from meshfn import ir
-from meshfn.xds.names import function_cluster_name, primary_clusters
+from meshfn.health.drift import carrying_clusters
+from meshfn.xds.names import primary_clusters
 
 from .sources import Fetched, FunctionStats, _local_json
 
@@ -293,9 +294,9 @@ class _Builder:
     ) -> None:
         group = gw.node_cluster
         own = sorted(primary_clusters(service.key))
-        clusters = own + [
-            function_cluster_name(c, f) for c in own for f, _ in service.function_shed
-        ]
+        # with the twins a shedding gateway and a rollout's versions send through
+        carrying = carrying_clusters(self.model, service, routes)
+        clusters = own + sorted(carrying - set(own))
         total = [f"cluster.{c}.upstream_rq_total" for c in clusters]
         rps = self.rates.rate(group, total)
         tiers = [
@@ -317,7 +318,7 @@ class _Builder:
                 name
                 for name in sample.quantiles
                 if name.startswith("cluster.fallback|")
-                and name.removeprefix("cluster.fallback|").split(">", 1)[0] in own
+                and name.removeprefix("cluster.fallback|").split(">", 1)[0] in carrying
             ]
         security = _security(service)
         if security == "plaintext" and handshakes:

@@ -1,5 +1,6 @@
 """Server-side rendering of the console: Jinja2 templates with autoescaping on, one HTML fragment
-per panel (what the live stream sends), and the drift chart as inline SVG computed here.
+per panel (what the live stream sends; the rollouts' is rollouts.html), and the drift chart as
+inline SVG computed here.
 
 Every value a policy, a proxy or a request can influence (names, regexes, NACK texts, paths in
 audit records) reaches HTML only through autoescaping; no template marks anything `safe` except
@@ -22,12 +23,13 @@ from .graph import SECURITY_WORDS, graph_svg
 from .view import ConsoleView
 from .waterfall import rows, waterfall_svg
 
-PANELS = ("graph", "topology", "proxies", "drift", "functions", "audit", "policy")
+PANELS = ("graph", "topology", "proxies", "drift", "rollouts", "functions", "audit", "policy")
 TITLES = {
     "graph": "Service graph",
     "topology": "Topology",
     "proxies": "Proxies",
     "drift": "Drift breaker",
+    "rollouts": "Rollouts",
     "functions": "Functions",
     "audit": "Audit",
     "policy": "Policy",

@@ -541,6 +541,85 @@ def audit(
     )
 
 
+# ------------------------------------------------------------------ rollouts
+
+
+@dataclass(frozen=True)
+class CheckView:
+    name: str
+    candidate: str
+    limit: str
+    stable: str
+    samples: int
+    verdict: str  # pass | breach | pending
+
+
+@dataclass(frozen=True)
+class RolloutView:
+    """One rollout: where it is, each SLO check of its last evaluation against its limit, its
+    history (newest first)."""
+
+    key: str
+    function: str
+    stable: str
+    candidate: str
+    phase: str
+    step: str  # "2 of 4: canary 25%"
+    weights: str  # "stable 75%, candidate 25%" (and what is mirrored)
+    progress: str  # answers and time against the step's minimums
+    reason: str
+    pinning: str
+    checks: tuple[CheckView, ...]
+    history: tuple[dict[str, Any], ...]
+
+
+def _figure(unit: str, value: Any) -> str:
+    if not isinstance(value, int | float):
+        return "-"
+    return f"{value:.2f} ms" if unit == "ms" else f"{value:.2%}"
+
+
+def _rollout_view(doc: Mapping[str, Any]) -> RolloutView:
+    steps = doc["steps"]
+    step = steps[doc["step"] - 1]
+    weights = f"stable {100 - doc['weight']}%, candidate {doc['weight']}%"
+    if doc["mirror"]:
+        weights += f"; {doc['mirror']}% mirrored to the candidate"
+    pinning = doc.get("pinning") if doc.get("pinned") else None
+    return RolloutView(
+        key=doc["rollout"],
+        function=doc["function"],
+        stable=doc["stable"],
+        candidate=doc["candidate"],
+        phase=doc["phase"],
+        step=f"{doc['step']} of {len(steps)}: {step['kind']} {step['percent']}%",
+        weights=weights,
+        progress=f"{doc['requests']} of {doc['min_requests']} answers, "
+        f"{doc['step_elapsed_s']:.0f} of {doc['min_time_s']:.0f} s",
+        reason=doc["reason"],
+        pinning=f"{pinning['claim']}: stable {', '.join(pinning['stable']) or '-'}, candidate "
+        f"{', '.join(pinning['candidate']) or '-'}"
+        if pinning
+        else "",
+        checks=tuple(
+            CheckView(
+                c["name"],
+                _figure(c["unit"], c["candidate"]),
+                _figure(c["unit"], c["limit"]),
+                _figure(c["unit"], c["stable"]),
+                int(c["samples"]),
+                c["verdict"],
+            )
+            for c in doc["checks"]
+        ),
+        history=tuple(reversed(doc["history"])),
+    )
+
+
+def rollouts(cp: ControlPlane) -> tuple[RolloutView, ...]:
+    return tuple(_rollout_view(doc) for doc in cp.rollouts.document())
+
+
 # ------------------------------------------------------------------ policy
 
 
@@ -576,6 +655,7 @@ class ConsoleView:
     topology: TopologyView
     proxies: tuple[ProxyView, ...]
     drift: tuple[RouteDrift, ...]
+    rollouts: tuple[RolloutView, ...]
     functions: tuple[BackendView, ...] | None
     audit: AuditView
     policy: PolicyView
@@ -614,6 +694,7 @@ def build(
         topology=seen,
         proxies=proxies(cp),
         drift=drift(cp),
+        rollouts=rollouts(cp),
         functions=functions(sources),
         audit=audit(sources, query, reader, found),
         policy=policy(cp),

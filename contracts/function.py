@@ -162,6 +162,76 @@ class FunctionWarmup(_Strict):
         return self
 
 
+class GenerationBatching(_Strict):
+    """Continuous batching of decode steps: the backend runs one step of every active stream of
+    a step function in one guest call, streams joining and leaving between steps."""
+
+    maxStreams: Annotated[int, Field(ge=1, le=256)] = Field(
+        16, description="most streams whose steps share one call; more wait for a later step"
+    )
+
+
+GENERATION_TIMEOUT = timedelta(seconds=60)
+TOKEN_TIMEOUT = timedelta(milliseconds=250)
+
+
+class FunctionGeneration(_Strict):
+    """How a generative function generates, and the bounds its requests must keep (a request
+    outside them is refused with 400 naming the field, and nothing is generated). Only for
+    functions whose artifact is generative (its metadata has a `generate` section)."""
+
+    maxTokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
+        256, description="the most completion tokens a request may ask for (max_tokens)"
+    )
+    defaultMaxTokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
+        64, description="completion tokens when a request does not say (at most maxTokens)"
+    )
+    maxTemperature: Annotated[float, Field(ge=0, le=100)] = Field(
+        2.0, description="the highest sampling temperature a request may ask for"
+    )
+    maxStop: Annotated[int, Field(ge=0, le=64)] = Field(
+        4, description="most stop sequences in one request"
+    )
+    timeout: Duration = Field(
+        GENERATION_TIMEOUT,
+        description="deadline of a whole generation: a longer one ends with finish_reason "
+        "length (the gateway's route timeout sits above it, so it never cuts a healthy stream)",
+    )
+    tokenTimeout: Duration = Field(
+        TOKEN_TIMEOUT,
+        description="time budget of each decode step or generated piece: a guest stuck longer is "
+        "interrupted (epoch deadline) and the stream fails; the proxies' idle timeout derives "
+        "from it, so they cut a stuck stream too",
+    )
+    truncatePrompt: bool = Field(
+        False,
+        description="a prompt longer than the model's context minus max_tokens: refused (400, "
+        "saying the limit), or with true, cut to its last tokens that fit",
+    )
+    batching: GenerationBatching | None = Field(
+        default_factory=GenerationBatching,
+        description="continuous batching of decode steps across streams (step functions); "
+        "null: each stream's steps are calls of their own",
+    )
+    auditText: Literal["none", "hmac"] = Field(
+        "none",
+        description="none: audit records keep no prompt or completion text; hmac: they carry "
+        "HMAC-SHA256 digests of both under the backend's audit text salt",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Self:
+        if self.defaultMaxTokens > self.maxTokens:
+            raise ValueError(
+                f"defaultMaxTokens ({self.defaultMaxTokens}) exceeds maxTokens ({self.maxTokens})"
+            )
+        if not timedelta(0) < self.tokenTimeout <= self.timeout:
+            raise ValueError("tokenTimeout must be positive and at most timeout")
+        if self.timeout > timedelta(hours=1):
+            raise ValueError("timeout must be at most 1h")
+        return self
+
+
 class FunctionSettings(_Strict):
     """What the backend needs to serve one function (version)."""
 
@@ -202,6 +272,12 @@ class FunctionSettings(_Strict):
     )
     warmup: FunctionWarmup = Field(
         default_factory=FunctionWarmup, description="When instances are made ahead of requests."
+    )
+    generation: FunctionGeneration | None = Field(
+        None,
+        description="A generative function (OpenAI chat and completions, Triton's generate "
+        "extension, gRPC streaming): its generation bounds. Required for, and only for, a "
+        "function whose artifact generates.",
     )
 
     @model_validator(mode="after")

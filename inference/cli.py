@@ -61,9 +61,21 @@ def build_cmd(
         fail(exc)
     info = result.info()
     report = info["build"]["report"]
-    accuracy = f"  held-out accuracy {report['heldout_accuracy']}" if report else ""
+    summary = _held_out(report)
     state = "cached" if result.cached else "built"
-    out.print(f"{state} {result.wasm} ({info['module_size']} bytes){accuracy}")
+    out.print(
+        f"{state} {result.wasm} ({info['module_size']} bytes){' ' + summary if summary else ''}"
+    )
+
+
+def _held_out(report: dict[str, Any]) -> str:
+    """What a build report says of the held-out data: a classifier's accuracy, a language
+    model's loss (nats per token)."""
+    if "heldout_accuracy" in report:
+        return f"held-out accuracy {report['heldout_accuracy']}"
+    if "heldout_loss_nats" in report:
+        return f"held-out loss {report['heldout_loss_nats']} nats/token"
+    return ""
 
 
 @fn_app.command("sign")
@@ -140,8 +152,8 @@ def examples_cmd(
         sys.stdout.write(json.dumps({"trusted_key": str(public), "functions": rows}) + "\n")
         return
     for p in published:
-        acc = p.report.get("heldout_accuracy")
-        extra = f" held-out accuracy {acc}" if acc is not None else ""
+        summary = _held_out(p.report)
+        extra = f" {summary}" if summary else ""
         out.print(
             f"{'unchanged' if p.skipped else 'published'} {p.name}@{p.version} ({p.kind}){extra}"
         )

@@ -20,8 +20,14 @@ from .build import FUNCTIONS_DIR, build, cache_root
 from .errors import SignatureError
 from .registry import Registry, sign_module, signature_path
 
-EXAMPLES = ("examples/iris", "examples/embedder", "examples/digits-core", "examples/digits28-core")
-TESTING = ("testing/chaos", "testing/chaos-core")
+EXAMPLES = (
+    "examples/iris",
+    "examples/embedder",
+    "examples/digits-core",
+    "examples/digits28-core",
+    "examples/tiny-lm",
+)
+TESTING = ("testing/chaos", "testing/chaos-core", "testing/chaos-gen")
 
 
 @dataclass(frozen=True)

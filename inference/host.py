@@ -104,7 +104,7 @@ def _store(engine: wasmtime.Engine, memory_bytes: int) -> wasmtime.Store:
 class ComponentInstance:
     """A componentize-py guest implementing the `meshfn:model` world."""
 
-    __slots__ = ("_infer", "_meta", "_store")
+    __slots__ = ("_generate_next", "_generate_start", "_infer", "_meta", "_store")
 
     def __init__(self, artifact: ComponentArtifact, memory_bytes: int) -> None:
         self._store = _store(artifact.engine, memory_bytes)
@@ -114,11 +114,29 @@ class ComponentInstance:
         if infer is None or meta is None:
             raise wasmtime.WasmtimeError("component does not export meshfn:model infer/metadata")
         self._infer, self._meta = infer, meta
+        # generation (built before the world had it: absent, and such a guest does not generate)
+        self._generate_start = instance.get_func(self._store, "generate-start")
+        self._generate_next = instance.get_func(self._store, "generate-next")
 
     def call(self, request: str, ticks: int) -> CallResult:
+        return self._result(self._infer, ticks, request)
+
+    def generate_start(self, request: str, ticks: int) -> CallResult:
+        """Start a generation (JSON settings and prompt in, {"prompt_tokens": n} out)."""
+        if self._generate_start is None:
+            return CallResult(Outcome.INTERNAL, "the guest was built without generation")
+        return self._result(self._generate_start, ticks, request)
+
+    def generate_next(self, ticks: int) -> CallResult:
+        """The current generation's next piece, under `ticks` (the per-token budget)."""
+        if self._generate_next is None:
+            return CallResult(Outcome.INTERNAL, "the guest was built without generation")
+        return self._result(self._generate_next, ticks)
+
+    def _result(self, func: Any, ticks: int, *args: str) -> CallResult:
         self._store.set_epoch_deadline(ticks)
         try:
-            result = self._infer(self._store, request)
+            result = func(self._store, *args)
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             return classify_trap(exc)
         # wasmtime-py lifts result<string, infer-error> untagged (the two cases have distinct
@@ -272,21 +290,23 @@ def _core_export(
     return item
 
 
+def _abi_version(store: wasmtime.Store, instance: wasmtime.Instance) -> int:
+    version = _core_export(store, instance, "meshfn_abi_version", _EXTERN_FUNC).of.func
+    return _CoreCall(store, version, 0, wide=False)()
+
+
 class CoreInstance:
     """A core module implementing the meshfn core ABI v1 (functions/core/ABI.md)."""
 
     __slots__ = ("_alloc", "_infer", "_memory", "_meta", "_store")
 
-    def __init__(self, artifact: CoreArtifact, memory_bytes: int) -> None:
-        self._store = store = _store(artifact.engine, memory_bytes)
-        instance = wasmtime.Instance(store, artifact.module, [])
+    def __init__(self, store: wasmtime.Store, instance: wasmtime.Instance) -> None:
+        self._store = store
         memory = _core_export(store, instance, "memory", _EXTERN_MEMORY).of.memory
-        alloc, infer, meta, version = (
+        alloc, infer, meta = (
             _core_export(store, instance, name, _EXTERN_FUNC).of.func
-            for name in ("meshfn_alloc", "meshfn_infer", "meshfn_metadata", "meshfn_abi_version")
+            for name in ("meshfn_alloc", "meshfn_infer", "meshfn_metadata")
         )
-        if _CoreCall(store, version, 0, wide=False)() != 1:
-            raise wasmtime.WasmtimeError("core module speaks an unknown meshfn ABI version")
         self._memory = _CoreMemory(store, memory)
         self._alloc = _CoreCall(store, alloc, 1, wide=False)
         self._infer = _CoreCall(store, infer, 2, wide=True)
@@ -315,6 +335,99 @@ class CoreInstance:
     def metadata(self) -> str:
         self._store.set_epoch_deadline(INSTANTIATE_TICKS)
         return self._unpack(self._meta())[1]
+
+    def close(self) -> None:
+        self._store.close()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorResult:
+    """A v2 run: OK with each output's raw bytes, or another outcome with a message."""
+
+    outcome: Outcome
+    outputs: tuple[bytes, ...] = ()
+    message: str = ""
+
+
+class TensorInstance:
+    """A core module implementing the meshfn core ABI v2 (functions/core/ABI.md, version 2):
+    raw tensors in an I/O table (`meshfn_plan(batch)`), one `meshfn_run(batch)`, outputs read
+    back. What meshfn's model compiler emits and what the tiny-lm step function implements by
+    hand; the backend runs generative step functions through `run` (generation.py). The I/O
+    table is planned again only when the batch size changes (the module accepts a run only for
+    the batch it planned last)."""
+
+    __slots__ = ("_error", "_memory", "_meta", "_plan", "_planned", "_run", "_store", "_table")
+
+    def __init__(self, store: wasmtime.Store, instance: wasmtime.Instance) -> None:
+        self._store = store
+        memory = _core_export(store, instance, "memory", _EXTERN_MEMORY).of.memory
+        plan, run, error, meta = (
+            _core_export(store, instance, name, _EXTERN_FUNC).of.func
+            for name in ("meshfn_plan", "meshfn_run", "meshfn_error", "meshfn_metadata")
+        )
+        self._memory = _CoreMemory(store, memory)
+        self._plan = _CoreCall(store, plan, 1, wide=False)
+        self._run = _CoreCall(store, run, 1, wide=False)
+        self._error = _CoreCall(store, error, 0, wide=True)
+        self._meta = _CoreCall(store, meta, 0, wide=True)
+        self._planned = 0
+        self._table: list[tuple[int, int]] = []
+
+    def _packed(self, packed: int) -> str:
+        packed &= 0xFFFF_FFFF_FFFF_FFFF
+        ptr, length = (packed >> 32) & 0x3FFF_FFFF, packed & 0xFFFF_FFFF
+        return self._memory.read(ptr, length).decode("utf-8", errors="replace")
+
+    def _plan_for(self, batch: int, entries: int) -> list[tuple[int, int]] | None:
+        if batch != self._planned:
+            address = self._plan(batch) & 0xFFFF_FFFF
+            if not address:
+                return None
+            words = self._memory.read(address, 8 * entries)
+            values = [int.from_bytes(words[i : i + 4], "little") for i in range(0, len(words), 4)]
+            self._table = list(zip(values[0::2], values[1::2], strict=True))
+            self._planned = batch
+        return self._table
+
+    def run(self, batch: int, inputs: tuple[bytes, ...], outputs: int, ticks: int) -> TensorResult:
+        """One run over `batch` rows: `inputs` each exactly its table size, `outputs` the
+        number of outputs to read; never past `ticks` epoch ticks."""
+        _SET_EPOCH_DEADLINE(self._store._context(), ticks)
+        try:
+            table = self._plan_for(batch, len(inputs) + outputs)
+            if table is None:
+                return TensorResult(
+                    Outcome.OUT_OF_MEMORY, message=f"cannot plan a batch of {batch}"
+                )
+            for (address, size), data in zip(table, inputs, strict=False):
+                if len(data) != size:
+                    return TensorResult(
+                        Outcome.INTERNAL, message=f"an input of {len(data)} bytes, not {size}"
+                    )
+                self._memory.write(address, data)
+            status = self._run(batch)
+            if status:
+                message = self._packed(self._error())
+                return TensorResult(_CORE_STATUS.get(status, Outcome.INTERNAL), message=message)
+            return TensorResult(
+                Outcome.OK, tuple(self._memory.read(a, n) for a, n in table[len(inputs) :])
+            )
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            failed = classify_trap(exc)
+            return TensorResult(failed.outcome, message=failed.body)
+        except IndexError:
+            return TensorResult(Outcome.TRAP, message="the I/O table points outside memory")
+
+    def call(self, request: str, ticks: int) -> CallResult:
+        return CallResult(
+            Outcome.BAD_REQUEST,
+            "this function is a generative step function: use its generate endpoints",
+        )
+
+    def metadata(self) -> str:
+        self._store.set_epoch_deadline(INSTANTIATE_TICKS)
+        return self._packed(self._meta())
 
     def close(self) -> None:
         self._store.close()
@@ -354,7 +467,14 @@ class CoreArtifact:
         self.module = module
 
     def instantiate(self, memory_bytes: int) -> Instance:
-        return CoreInstance(self, memory_bytes)
+        store = _store(self.engine, memory_bytes)
+        instance = wasmtime.Instance(store, self.module, [])
+        version = _abi_version(store, instance)
+        if version == 1:
+            return CoreInstance(store, instance)
+        if version == 2:
+            return TensorInstance(store, instance)
+        raise wasmtime.WasmtimeError(f"core module speaks an unknown meshfn ABI version {version}")
 
 
 Artifact = ComponentArtifact | CoreArtifact

@@ -328,6 +328,17 @@ class FunctionRuntime:
         self._maybe_refill()
         return Invocation(result, cold, seconds, cpu_ns)
 
+    def lease(self) -> tuple[Instance, int]:
+        """An instance for a caller that runs it itself (worker thread): generation's steps
+        and generator streams. Give it back with `give_back`."""
+        instance, generation, _ = self._take()
+        return instance, generation
+
+    def give_back(self, instance: Instance, generation: int, outcome: Outcome) -> None:
+        """A leased instance back to the pool (dropped if `outcome` poisons it)."""
+        self._give_back(instance, generation, CallResult(outcome, ""))
+        self._maybe_refill()
+
     def _maybe_refill(self) -> None:
         if self.spec.warmup.mode == "off":
             return  # instances only on demand

@@ -32,6 +32,7 @@ from .build import check_core_module
 from .engine import engine_key, engine_settings, new_engine
 from .errors import BuildError, RegistryError, SignatureError
 from .host import Kind, compile_module, component_imports, load_precompiled, metadata_of
+from .manifest import expected_module_metadata
 
 MODULE_SIG = "module.sig.json"
 
@@ -244,9 +245,10 @@ def _precompiled(wasm: Path, kind: Kind, signed_metadata: Any, cached: Path | No
     """The module compiled for this engine (from `cached` when it is there, kept there when it
     is given), instantiated once to check that it imports nothing and that its own
     `metadata()` is the signed metadata."""
+    abi, expected = expected_module_metadata(signed_metadata)
     if kind == "core":
         try:
-            check_core_module(wasm.read_bytes(), str(wasm))
+            check_core_module(wasm.read_bytes(), str(wasm), abi)
         except BuildError as exc:
             raise RegistryError(str(exc)) from None
     engine = new_engine()
@@ -272,7 +274,7 @@ def _precompiled(wasm: Path, kind: Kind, signed_metadata: Any, cached: Path | No
         raise
     except Exception as exc:  # wasmtime raises several types for a bad module
         raise RegistryError(f"{wasm}: cannot compile or instantiate: {exc}") from None
-    if actual != signed_metadata:
+    if actual != expected:
         raise RegistryError(f"{wasm}: metadata() differs from the signed metadata")
     return native
 

@@ -30,13 +30,13 @@ from meshfn.inference.examples import publish_examples
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import Processes, wait_for
 
-TINY = {"generation": {"maxTokens": 512, "defaultMaxTokens": 24}, "limits": {"maxConcurrency": 64}}
+TINY = {"generation": {"maxTokens": 1000, "defaultMaxTokens": 24}, "limits": {"maxConcurrency": 64}}
 FUNCTIONS: list[dict[str, Any]] = [
     {"name": "tiny-lm", **TINY},
     {"name": "tiny-solo", "artifact": "tiny-lm@1", "limits": {"maxConcurrency": 64},
-     "generation": {"maxTokens": 512, "batching": None}},
+     "generation": {"maxTokens": 1000, "batching": None}},
     {"name": "tiny-short", "artifact": "tiny-lm@1",
-     "generation": {"maxTokens": 4000, "timeout": "300ms", "tokenTimeout": "100ms"}},
+     "generation": {"maxTokens": 1000, "timeout": "50ms", "tokenTimeout": "40ms"}},
     {"name": "tiny-trunc", "artifact": "tiny-lm@1",
      "generation": {"maxTokens": 64, "truncatePrompt": True}},
     {"name": "chaos-gen", "generation": {"maxTokens": 64, "tokenTimeout": "150ms"}},
@@ -60,12 +60,15 @@ class Backend:
             base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs
         )
 
-    def metric(self, name: str, labels: str = "") -> float:
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a metric's samples whose labels include `labels`."""
         text = http(f"{self.url}/metrics").body.decode()
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(name) and labels in line:
-                total += float(line.rsplit(" ", 1)[1])
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                if all(w in line for w in wanted):
+                    total += float(line.rsplit(" ", 1)[1])
         return total
 
     def status(self, function: str) -> dict[str, Any]:
@@ -198,7 +201,7 @@ def test_bad_input_is_a_400_naming_the_field_and_generates_nothing(backend: Back
     client = backend.client()
     before = backend.metric("meshfn_gen_streams_total")
     cases: list[tuple[dict[str, Any], str | None]] = [
-        ({"max_tokens": 10_000}, "max_tokens"),
+        ({"max_tokens": 1001}, "max_tokens"),
         ({"temperature": 3.5}, "temperature"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
@@ -403,12 +406,15 @@ def test_the_deadline_ends_a_long_generation(backend: Backend) -> None:
     head, raw = _raw(
         backend,
         "/v1/completions",
-        {"model": "tiny-short", "prompt": "x", "max_tokens": 3990, "stream": True},
+        # greedy from "The ": 1,000 tokens without the end token (it loops), so only the
+        # 50 ms deadline can end it early
+        {"model": "tiny-short", "prompt": "The ", "max_tokens": 1000, "stream": True,
+         "temperature": 0},
     )
     record = json.loads(raw.split(b"\x00TRAILERS\x00")[1].strip().partition(b": ")[2])
     assert record["finish_reason"] == "deadline" and record["note"] == "deadline"
     assert b'"finish_reason":"length"' in raw  # the client reads "length"
-    assert record["completion_tokens"] < 3990
+    assert record["completion_tokens"] < 1000
 
 
 async def _read_then_leave(url: str, body: dict[str, Any], chunks: int) -> None:
@@ -423,6 +429,7 @@ async def _read_then_leave(url: str, body: dict[str, Any], chunks: int) -> None:
     seen = 0
     while seen < chunks:
         line = await reader.readline()
+        assert line, "the stream ended before the client left"
         if line.startswith(b"data: "):
             seen += 1
     writer.close()
@@ -430,19 +437,19 @@ async def _read_then_leave(url: str, body: dict[str, Any], chunks: int) -> None:
 
 def test_a_client_that_leaves_stops_the_generation_and_frees_the_instance(backend: Backend) -> None:
     for model in ("tiny-lm", "tiny-solo"):
-        cancelled = backend.metric("meshfn_gen_streams_total", f'function="{model}@1",finish="cancelled"')
-        tokens_before = backend.metric("gen_ai_client_token_usage_sum", f'gen_ai_request_model="{model}"')
-        body = {"model": model, "prompt": "a", "max_tokens": 500, "stream": True, "temperature": 1}
+        streams = {"function": f"{model}@1", "finish": "cancelled"}
+        cancelled = backend.metric("meshfn_gen_streams_total", **streams)
+        output = {"gen_ai_request_model": model, "gen_ai_token_type": "output"}
+        tokens_before = backend.metric("gen_ai_client_token_usage_sum", **output)
+        body = {"model": model, "prompt": "a", "max_tokens": 1000, "stream": True}
         asyncio.run(_read_then_leave(backend.url, body, chunks=3))
         wait_for(
             "cancelled stream",
-            lambda m=model, c=cancelled: backend.metric(
-                "meshfn_gen_streams_total", f'function="{m}@1",finish="cancelled"'
-            ) == c + 1,
+            lambda s=streams, c=cancelled: backend.metric("meshfn_gen_streams_total", **s) == c + 1,
             timeout=10,
         )
-        used = backend.metric("gen_ai_client_token_usage_sum", f'gen_ai_request_model="{model}"')
-        assert used - tokens_before < 100, used - tokens_before  # stopped, far from 500
+        used = backend.metric("gen_ai_client_token_usage_sum", **output) - tokens_before
+        assert 3 <= used < 1000, used  # stopped (what the socket buffers took, not 1000)
         assert backend.status(model)["inflight"] == 0
 
 

@@ -225,9 +225,12 @@ def handle(model: Model, request_json: str) -> str:
 
 
 class _Generation:
-    """The instance's current generation (one at a time; a new start ends the last)."""
+    """The instance's current generation (one at a time; a new start ends the last). Its
+    first piece is made at the start, so a generator that refuses its prompt (BadRequest
+    before it yields) refuses the start: nothing is generated."""
 
     pieces: Iterator[str | Piece] | None = None
+    first: str | Piece | None = None
     done: str | None = None
 
 
@@ -240,9 +243,14 @@ def generate_start(model: Model, request_json: str) -> str:
         request = json.loads(request_json)
         prompt = request["prompt"]
         settings = Settings(request)
-        _GENERATION.pieces, _GENERATION.done = None, None
+        _GENERATION.pieces, _GENERATION.first, _GENERATION.done = None, None, None
         count = model.count_tokens(prompt)
-        _GENERATION.pieces = iter(model.generate(prompt, settings))
+        pieces = iter(model.generate(prompt, settings))
+        try:
+            _GENERATION.first = next(pieces)
+            _GENERATION.pieces = pieces
+        except StopIteration as end:
+            _GENERATION.done = "length" if end.value == "length" else "stop"
         return json.dumps({"prompt_tokens": int(count)})
     except Exception as exc:
         raise _model_error(exc) from None
@@ -250,6 +258,9 @@ def generate_start(model: Model, request_json: str) -> str:
 
 def generate_next(model: Model) -> str:
     """The next piece of the current generation (WIT generate-next)."""
+    if _GENERATION.first is not None:
+        piece, _GENERATION.first = _GENERATION.first, None
+        return _piece_json(piece)
     if _GENERATION.done is not None or _GENERATION.pieces is None:
         reason = _GENERATION.done or "stop"
         return json.dumps({"done": True, "finish_reason": reason})
@@ -262,6 +273,10 @@ def generate_next(model: Model) -> str:
     except Exception as exc:
         _GENERATION.pieces = None
         raise _model_error(exc) from None
+    return _piece_json(piece)
+
+
+def _piece_json(piece: str | Piece) -> str:
     if isinstance(piece, str):
         piece = Piece(piece)
     return json.dumps({"text": str(piece.text), "tokens": int(piece.tokens)})

@@ -56,9 +56,7 @@ class Backend:
         return f"http://{self.rest}"
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs
-        )
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of a metric's samples whose labels include `labels`."""
@@ -66,9 +64,9 @@ class Backend:
         wanted = [f'{k}="{v}"' for k, v in labels.items()]
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                if all(w in line for w in wanted):
-                    total += float(line.rsplit(" ", 1)[1])
+            named = line.startswith(name + "{") or line.startswith(name + " ")
+            if named and all(w in line for w in wanted):
+                total += float(line.rsplit(" ", 1)[1])
         return total
 
     def status(self, function: str) -> dict[str, Any]:
@@ -193,7 +191,9 @@ def test_stop_sequences_end_the_text_before_them(backend: Backend) -> None:
     cut = client.completions.create(**args, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
-    streamed = "".join(c.choices[0].text for c in client.completions.create(**args, stop=stop, stream=True))
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(**args, stop=stop, stream=True)
+    )
     assert streamed == cut.choices[0].text
 
 
@@ -270,7 +270,8 @@ def _raw(backend: Backend, path: str, body: dict[str, Any]) -> tuple[bytes, byte
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(
             f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+            + data
         )
         raw = b""
         while chunk := sock.recv(65536):
@@ -370,7 +371,9 @@ def test_tritonclient_grpc_streams_a_decoupled_model(backend: Backend) -> None:
     whole = http(
         f"{backend.url}/v2/models/tiny-lm/generate",
         method="POST",
-        body=json.dumps({"text_input": "The ", "parameters": {"max_tokens": 12, "temperature": 0}}).encode(),
+        body=json.dumps(
+            {"text_input": "The ", "parameters": {"max_tokens": 12, "temperature": 0}}
+        ).encode(),
     ).json()
     assert "".join(pieces) == whole["text_output"]
 
@@ -403,13 +406,18 @@ def test_a_stuck_guest_is_interrupted_by_the_token_budget(backend: Backend) -> N
 
 
 def test_the_deadline_ends_a_long_generation(backend: Backend) -> None:
-    head, raw = _raw(
+    _, raw = _raw(
         backend,
         "/v1/completions",
         # greedy from "The ": 1,000 tokens without the end token (it loops), so only the
         # 50 ms deadline can end it early
-        {"model": "tiny-short", "prompt": "The ", "max_tokens": 1000, "stream": True,
-         "temperature": 0},
+        {
+            "model": "tiny-short",
+            "prompt": "The ",
+            "max_tokens": 1000,
+            "stream": True,
+            "temperature": 0,
+        },
     )
     record = json.loads(raw.split(b"\x00TRAILERS\x00")[1].strip().partition(b": ")[2])
     assert record["finish_reason"] == "deadline" and record["note"] == "deadline"
@@ -481,7 +489,9 @@ def test_embeddings_through_the_sdk(backend: Backend) -> None:
     assert len(out.data[0].embedding) == 32
     assert abs(sum(v * v for v in out.data[0].embedding) - 1.0) < 1e-3
     assert out.usage.prompt_tokens == 5  # the embedder counts words
-    as_float = client.embeddings.create(model="embedder", input="hello world", encoding_format="float")
+    as_float = client.embeddings.create(
+        model="embedder", input="hello world", encoding_format="float"
+    )
     assert np.allclose(as_float.data[0].embedding, out.data[0].embedding, atol=1e-6)
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="tiny-lm", input="x")

@@ -303,7 +303,8 @@ def completion_request(body: dict[str, Any], bounds: Bounds) -> TextRequest:
     _unsupported(body, "logprobs", (None,), "meshfn does not return log probabilities")
     _unsupported(body, "best_of", (None, 1), "meshfn generates one choice per request")
     _unsupported(body, "suffix", (None, ""), "meshfn's models do not insert text")
-    default = min(COMPLETION_DEFAULT_MAX_TOKENS, bounds.max_tokens)
+    # OpenAI's default for text completions, within the policy's own
+    default = min(COMPLETION_DEFAULT_MAX_TOKENS, bounds.default_max_tokens)
     return TextRequest(
         model,
         prompt,

@@ -173,6 +173,7 @@ class GenerationBatching(_Strict):
 
 GENERATION_TIMEOUT = timedelta(seconds=60)
 TOKEN_TIMEOUT = timedelta(milliseconds=250)
+IDLE_TIMEOUT = timedelta(seconds=10)
 
 
 class FunctionGeneration(_Strict):
@@ -203,6 +204,12 @@ class FunctionGeneration(_Strict):
         "interrupted (epoch deadline) and the stream fails; the proxies' idle timeout derives "
         "from it, so they cut a stuck stream too",
     )
+    idleTimeout: Duration = Field(
+        IDLE_TIMEOUT,
+        description="the longest a stream may send nothing: the backend sends a keep-alive "
+        "comment after half of it while a long prompt is read, and the proxies (the "
+        "gateway's route) cut a stream quiet for longer, a stuck backend's",
+    )
     truncatePrompt: bool = Field(
         False,
         description="a prompt longer than the model's context minus max_tokens: refused (400, "
@@ -227,6 +234,11 @@ class FunctionGeneration(_Strict):
             )
         if not timedelta(0) < self.tokenTimeout <= self.timeout:
             raise ValueError("tokenTimeout must be positive and at most timeout")
+        if self.idleTimeout < 2 * self.tokenTimeout:
+            raise ValueError(
+                "idleTimeout must be at least twice tokenTimeout (a healthy stream sends a token "
+                "at least every tokenTimeout)"
+            )
         if self.timeout > timedelta(hours=1):
             raise ValueError("timeout must be at most 1h")
         return self

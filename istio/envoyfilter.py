@@ -29,6 +29,7 @@ from meshfn.contracts.proxy import REQUEST_HYGIENE, WHOLE_SMALL_BODIES
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.xds.fragments import qos as envoy_qos
 from meshfn.xds.fragments.messages import envoy_json, seconds
+from meshfn.xds.fragments.openai import openai_replies
 from meshfn.xds.fragments.routes import degraded_clusters, degraded_match, retry_policy
 from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
 
@@ -198,6 +199,7 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
                         "patch": {"operation": "MERGE", "value": {"metadata": metadata}},
                     }
                 )
+    patches += _stream_patches(gw)
     cluster_patches = [
         {
             "applyTo": "CLUSTER",
@@ -206,7 +208,6 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
         }
         for name in sorted(clusters)
     ]
-    manager: Obj = {"@type": HCM_TYPE, "local_reply_config": no_upstream_reply()}
     qos_patches, qos_sources = _qos_patches(ctx, gw)
     if gw.qos is not None and gw.qos.global_rate is not None:
         ctx.warn(
@@ -217,9 +218,7 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
             "gateways cannot reach: rendered as each gateway's local rate limit",
         )
     sources |= qos_sources
-    if qos_patches:
-        claim = envoy_qos.governing(gw)[0].claim
-        manager["local_reply_config"]["mappers"].append(envoy_qos.limited_reply(claim, True))
+    manager = _manager(gw, bool(qos_patches))
     stripped = stripped_headers(ctx, gw)
     if stripped:
         manager["early_header_mutation_extensions"] = [early_header_mutation(stripped)]
@@ -240,6 +239,37 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
             }
         )
     return [*cluster_patches, hcm_patch, *qos_patches, *patches, *tail_patches], sources
+
+
+def _manager(gw: ir.Workload, rate_limited: bool) -> Obj:
+    """The gateway connection manager's merge: its local replies (no upstream, the rate
+    limit's 429, and on OpenAI's paths OpenAI's error objects, as the translator's)."""
+    mappers = no_upstream_reply()["mappers"]
+    if rate_limited:
+        claim = envoy_qos.governing(gw)[0].claim
+        mappers.append(envoy_qos.limited_reply(claim, True))
+    if any(r.model for listener in gw.listeners for r in listener.routes):
+        mappers = openai_replies(mappers)
+    return {"@type": HCM_TYPE, "local_reply_config": {"mappers": mappers}}
+
+
+def _stream_patches(gw: ir.Workload) -> list[Obj]:
+    """A generative function's routes: its stream idle timeout, which a VirtualService cannot
+    say (its `timeout` is the whole request's)."""
+    return [
+        {
+            "applyTo": "HTTP_ROUTE",
+            "match": _route_match(route_name(route.key, index)),
+            "patch": {
+                "operation": "MERGE",
+                "value": {"route": {"idle_timeout": seconds(route.idle_timeout)}},
+            },
+        }
+        for listener in gw.listeners
+        for route in listener.routes
+        if route.idle_timeout is not None
+        for index in range(len(route.matches))
+    ]
 
 
 def _qos_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Source]]:

@@ -9,13 +9,14 @@ from google.protobuf.message import Message
 from meshfn import ir
 from meshfn.contracts.qos import LIMIT_SERVICE_NODE_HEADER
 
+from ..fragments.plugins import route_settings
 from ..names import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, cluster_name
 from . import httpfilters
 from .clusters import cluster, fallback_cluster, function_cluster
 from .endpoints import load_assignment, tier_assignments
 from .host import ProxyHost
 from .httpfilters import FilterContext, QoSContext
-from .httpfilters.base import AuditConfig
+from .httpfilters.base import AuditConfig, RouteConfig
 from .httpfilters.degrade import degrade_for
 from .listeners import listener
 from .resources import Resources, merge
@@ -103,6 +104,7 @@ def gateway_resources(
     for lst in workload.listeners:
         used = sorted({r.service for r in lst.routes})
         guarded = frozenset(r.key for r in lst.routes if targets[r.service].drift)
+        route = model_router(model, lst, host)
         filters = FilterContext(
             workload.jwt_rules,
             workload.authz,
@@ -110,6 +112,8 @@ def gateway_resources(
             degrade_for(lst, guarded, model.drill, host.wasm_dir, workload.qos),
             qos=qos_context(workload.qos, lst, limit_service_metadata),
             mesh_route=model.audit is not None,
+            route=route,
+            openai=route is not None,
         )
         drift = any(model.service(key).drift is not None for key in used)
         out[LISTENER][lst.name] = listener(lst, filters, drift)
@@ -122,6 +126,14 @@ def gateway_resources(
         )
         merge(out, httpfilters.resources(filters, overlay))
     return out
+
+
+def model_router(model: ir.MeshModel, lst: ir.Listener, host: ProxyHost) -> RouteConfig | None:
+    """The listener's model router, if it routes OpenAI requests by the model in their body."""
+    settings = route_settings(model, lst)
+    if settings is None:
+        return None
+    return RouteConfig(lst.name, tuple(settings.models), settings.max_body_bytes, host.wasm_dir)
 
 
 def qos_context(

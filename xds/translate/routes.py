@@ -20,7 +20,13 @@ from meshfn.ir.routing import precedence
 from .. import names
 from ..fragments import qos as envoy_qos
 from ..fragments.messages import duration
-from ..fragments.routes import degraded_clusters, degraded_match, retry_policy, route_match
+from ..fragments.routes import (
+    degraded_clusters,
+    degraded_match,
+    path_rewrite,
+    retry_policy,
+    route_match,
+)
 from ..names import cluster_name, fallback_cluster_name, function_cluster_name
 from .httpfilters.qos import rate_limit_config
 
@@ -91,6 +97,10 @@ def _action(route: ir.Route, target: Target, degraded: bool) -> rc.RouteAction:
         action.cluster = target.normal_cluster
     if route.timeout is not None:
         action.timeout.CopyFrom(duration(route.timeout))
+    if route.idle_timeout is not None:
+        action.idle_timeout.CopyFrom(duration(route.idle_timeout))
+    if route.rewrite is not None:
+        action.regex_rewrite.CopyFrom(path_rewrite(route.rewrite))
     if route.retries is not None:
         action.retry_policy.CopyFrom(retry_policy(route.retries, target.locality_failover))
     return action

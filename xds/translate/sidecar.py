@@ -22,7 +22,7 @@ from .. import names
 from ..fragments.messages import pack
 from ..names import CLUSTER, INBOUND_LISTENER, LISTENER
 from . import httpfilters
-from .clusters import HTTP_PROTOCOL_OPTIONS, http2_options
+from .clusters import HTTP_PROTOCOL_OPTIONS, http1_trailers, http2_options
 from .common import one_endpoint, socket_address
 from .httpfilters import FilterContext
 from .listeners import HCM
@@ -83,6 +83,8 @@ def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb
                 **client_cert_details(),
             )
         )
+        if inbound.functions:  # a stream's usage record (a trailer) goes on to the gateway
+            manager.http_protocol_options.enable_trailers = True
         httpfilters.build_connection_manager(manager, filters)
         out = listener_components_pb2.FilterChain(
             filters=[listener_components_pb2.Filter(name=HCM, typed_config=pack(manager))]
@@ -113,7 +115,9 @@ def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb
 
 
 @lru_cache(maxsize=4096)
-def local_cluster(address: str, port: int, http2: bool) -> cluster_pb2.Cluster:
+def local_cluster(
+    address: str, port: int, http2: bool, trailers: bool = False
+) -> cluster_pb2.Cluster:
     name = names.local_cluster_name(port)
     cluster = cluster_pb2.Cluster(
         name=name,
@@ -123,11 +127,17 @@ def local_cluster(address: str, port: int, http2: bool) -> cluster_pb2.Cluster:
     )
     if http2:
         cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(http2_options())
+    elif trailers:
+        cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(http1_trailers())
     return cluster
 
 
 def local_clusters(inbound: ir.Inbound) -> dict[str, cluster_pb2.Cluster]:
-    clusters = [local_cluster(inbound.address, inbound.app_port, inbound.protocol == "grpc")]
+    clusters = [
+        local_cluster(
+            inbound.address, inbound.app_port, inbound.protocol == "grpc", inbound.functions
+        )
+    ]
     if inbound.grpc_app_port is not None:
         clusters.append(local_cluster(inbound.address, inbound.grpc_app_port, True))
     return {c.name: c for c in clusters}

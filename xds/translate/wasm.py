@@ -35,6 +35,7 @@ from meshfn.contracts.plugins import (
     DegradeSettings,
     FilterKind,
     MeshfnSettings,
+    RouteSettings,
     build_name,
     internal_headers,
     needs_full_build,
@@ -103,12 +104,16 @@ def degrade_filter(settings: DegradeSettings, directory: Path) -> hcm_pb2.HttpFi
 
 
 def meshfn_filter(
-    audit: AuditSettings | None, degrade: DegradeSettings | None, directory: Path
+    audit: AuditSettings | None,
+    degrade: DegradeSettings | None,
+    directory: Path,
+    route: RouteSettings | None = None,
 ) -> hcm_pb2.HttpFilter:
-    """Audit and degrade as ONE filter (meshfn.wasm): same behaviour as the two filters in that
-    order, but Envoy's fixed per-filter, per-request wasm cost is paid once. Place it after
-    jwt_authn."""
-    return plugin_filter("meshfn", MeshfnSettings(audit=audit, degrade=degrade), directory)
+    """Audit, the model router and degrade as ONE filter (meshfn.wasm): same behaviour as the
+    filters in that order, but Envoy's fixed per-filter, per-request wasm cost is paid once.
+    Place it after jwt_authn."""
+    settings = MeshfnSettings(audit=audit, degrade=degrade, route=route)
+    return plugin_filter("meshfn", settings, directory)
 
 
 def ecds_slot(name: str) -> hcm_pb2.HttpFilter:
@@ -133,6 +138,7 @@ def early_header_mutation(
     audit: AuditSettings | None = None,
     mesh_route: bool = False,
     tenant: bool = False,
+    route: RouteSettings | None = None,
 ) -> extension_pb2.TypedExtensionConfig:
     """For HttpConnectionManager.early_header_mutation_extensions: removes `internal_headers`
     from client requests BEFORE Envoy matches a route or runs a filter. Envoy picks the route
@@ -140,7 +146,7 @@ def early_header_mutation(
     route first; the degrade filter then strips it and clears the route cache (routing ends up
     right), but it can only evaluate its rules against the route Envoy had picked. In jwt_headers
     mode it is what makes the claim headers trustworthy: only jwt_authn can have set them."""
-    names = internal_headers(degrade, audit, mesh_route, tenant)
+    names = internal_headers(degrade, audit, mesh_route, tenant, route)
     if not names:
         raise ValueError("early_header_mutation needs degrade settings, jwt_headers audit or QoS")
     mutation = header_mutation_pb2.HeaderMutation(

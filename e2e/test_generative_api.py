@@ -40,6 +40,9 @@ FUNCTIONS: list[dict[str, Any]] = [
     {"name": "tiny-trunc", "artifact": "tiny-lm@1",
      "generation": {"maxTokens": 64, "truncatePrompt": True}},
     {"name": "chaos-gen", "generation": {"maxTokens": 64, "tokenTimeout": "150ms"}},
+    {"name": "tiny-idle", "artifact": "tiny-lm@1",
+     "generation": {"maxTokens": 8, "defaultMaxTokens": 8, "tokenTimeout": "5ms",
+                    "idleTimeout": "10ms"}},
     {"name": "embedder"},
     {"name": "iris"},
 ]  # fmt: skip
@@ -513,3 +516,16 @@ def test_genai_metrics_and_status(backend: Backend) -> None:
     assert 'gen_ai_operation_name="text_completion"' in text and "meshfn_tenant=" in text
     generation = backend.status("tiny-lm")["generation"]
     assert generation["ttft_p50_ms"] > 0 and generation["completion_tokens"] > 0
+
+
+def test_a_long_prefill_sends_keep_alives_the_sdk_skips(backend: Backend) -> None:
+    """While a long prompt is read (no token yet) the stream sends an SSE comment every half
+    idle timeout, so a proxy's idle timeout only cuts a stuck stream; clients skip comments."""
+    body = {"model": "tiny-idle", "prompt": "x" * 1000, "max_tokens": 8, "stream": True}
+    head, raw = _raw(backend, "/v1/completions", body)
+    assert head.startswith(b"HTTP/1.1 200")
+    assert raw.startswith(b": keep-alive\n\n"), raw[:80]
+    events = raw.split(b"\x00TRAILERS\x00")[0].split(b"\n\n")
+    assert events[-2] == b"data: [DONE]"
+    streamed = backend.client().completions.create(**body)  # type: ignore[call-overload]
+    assert sum(len(c.choices[0].text) for c in streamed) > 0

@@ -18,6 +18,7 @@ naming it in the body and another in the path.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -29,7 +30,7 @@ from meshfn.contracts.qos import TENANT_HEADER
 
 from . import openai_api
 from .backend import Backend, Reply
-from .generation import Event, Finished, GenerationError, Piece, Stream
+from .generation import Event, Finished, GenerationError, Piece
 from .generative import (
     Opened,
     bounds_of,
@@ -67,19 +68,92 @@ class _Outcome:
     unregister: Callable[[], None] = field(default=lambda: None)
 
 
-async def _opening(
-    stream: Stream,
-) -> tuple[AsyncGenerator[Event, None], list[Piece], Finished | None]:
-    """Events up to the first text (or the end): a stream's response starts with them."""
-    events = stream.events()
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see a byte
+
+
+async def _quiet_ticks(
+    events: AsyncGenerator[Event, None], quiet: float
+) -> AsyncGenerator[Event | None, None]:
+    """The stream's events, and None whenever `quiet` seconds pass without one (a long prompt
+    being read, a reader that fell behind): the response then sends a keep-alive, so the
+    proxies' idle timeout (generation.idleTimeout, twice `quiet`) cuts only a stuck stream."""
+    pending: asyncio.Future[Event] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=quiet)
+            if not done:
+                yield None
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield event
+            if isinstance(event, Finished):
+                return
+    finally:
+        if pending is not None:
+            pending.cancel()
+        await events.aclose()
+
+
+@dataclass(slots=True)
+class _Opening:
+    """What a stream's response starts with: events up to its first text, its end, or a quiet
+    spell (then it starts with a keep-alive)."""
+
+    pieces: list[Piece]
+    done: Finished | None
+    quiet: bool
+
+
+async def _opening(events: AsyncGenerator[Event | None, None]) -> _Opening:
     pieces: list[Piece] = []
     async for event in events:
+        if event is None:
+            return _Opening(pieces, None, True)
         if isinstance(event, Finished):
-            return events, pieces, event
+            return _Opening(pieces, event, False)
         pieces.append(event)
         if event.text:
             break
-    return events, pieces, None
+    return _Opening(pieces, None, False)
+
+
+Render = Callable[[str], bytes]
+End = Callable[[Finished], bytes]
+
+
+async def _sse(
+    events: AsyncGenerator[Event | None, None],
+    opening: _Opening,
+    text: Render,
+    end: End,
+    outcome: _Outcome,
+) -> AsyncGenerator[bytes, None]:
+    """A stream's response body: each text as its event, keep-alives while quiet, the end."""
+    try:
+        head = b"".join(text(p.text) for p in opening.pieces if p.text)
+        if opening.quiet:
+            head += KEEP_ALIVE
+        if opening.done is not None:
+            yield head + end(opening.done)
+            return
+        yield head
+        async for event in events:
+            if event is None:
+                yield KEEP_ALIVE
+            elif isinstance(event, Finished):
+                yield end(event)
+                return
+            elif event.text:
+                yield text(event.text)
+    finally:
+        outcome.unregister()
+        await events.aclose()
 
 
 def _openai_error(exc: KServeError | GenerationError, param: str | None = None) -> Reply:
@@ -190,40 +264,30 @@ class GenerateFront:
     ) -> Reply | StreamReply:
         stream = opened.stream
         outcome = _Outcome(unregister=on_disconnect(stream.cancel))
-        events, pieces, done = await _opening(stream)
-        if done is not None and done.reason == "error" and not any(p.text for p in pieces):
+        events = _quiet_ticks(stream.events(), self._quiet(rt))
+        opening = await _opening(events)
+        done = opening.done
+        if done is not None and done.reason == "error" and not any(p.text for p in opening.pieces):
             outcome.unregister()
+            await events.aclose()
             raise GenerationError(500, f"model {rt.name} failed: {done.error}")
 
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                head = b"".join(writer.text(p.text) for p in pieces if p.text)
-                if done is not None:
-                    yield head + self._ending(rt, operation, writer, done, outcome)
-                    return
-                yield head
-                async for event in events:
-                    if isinstance(event, Finished):
-                        yield self._ending(rt, operation, writer, event, outcome)
-                        return
-                    if event.text:
-                        yield writer.text(event.text)
-            finally:
-                outcome.unregister()
-                await events.aclose()
+        def end(event: Finished) -> bytes:
+            outcome.record = generation_record(rt, operation, event)
+            if event.reason == "error":
+                return openai_api.stream_error(500, f"model {rt.name} failed: {event.error}")
+            return writer.end(event)
 
         return StreamReply(
-            200, chunks(), lambda: [(_GENERATION_KEY, outcome.record)], opened.headers
+            200,
+            _sse(events, opening, writer.text, end, outcome),
+            lambda: [(_GENERATION_KEY, outcome.record)],
+            opened.headers,
         )
 
-    @staticmethod
-    def _ending(
-        rt: FunctionRuntime, operation: str, writer: ChunkWriter, done: Finished, outcome: _Outcome
-    ) -> bytes:
-        outcome.record = generation_record(rt, operation, done)
-        if done.reason == "error":
-            return openai_api.stream_error(500, f"model {rt.name} failed: {done.error}")
-        return writer.end(done)
+    def _quiet(self, rt: FunctionRuntime) -> float:
+        """Seconds a stream may send nothing before a keep-alive: half its idle timeout."""
+        return self.backend.generative.settings(rt).idleTimeout.total_seconds() / 2
 
     async def _embeddings(self, rt: FunctionRuntime, data: dict[str, Any], tenant: str) -> Reply:
         spec = embeddings_section(rt)
@@ -346,36 +410,28 @@ class GenerateFront:
 
         stream = opened.stream
         outcome = _Outcome(unregister=on_disconnect(stream.cancel))
-        events, pieces, done = await _opening(stream)
-        if done is not None and done.reason == "error" and not any(p.text for p in pieces):
+        events = _quiet_ticks(stream.events(), self._quiet(rt))
+        opening = await _opening(events)
+        done = opening.done
+        if done is not None and done.reason == "error" and not any(p.text for p in opening.pieces):
             outcome.unregister()
+            await events.aclose()
             return Reply.error(500, f"model {rt.name} failed: {done.error}")
 
-        def ending(event: Finished) -> bytes:
+        def text(piece: str) -> bytes:
+            return triton_generate.event(rt, piece)
+
+        def end(event: Finished) -> bytes:
             outcome.record = generation_record(rt, "generate", event)
             if event.reason == "error":
                 return openai_api.sse({"error": f"model {rt.name} failed: {event.error}"})
             return triton_generate.event(rt, "", event)
 
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                head = b"".join(triton_generate.event(rt, p.text) for p in pieces if p.text)
-                if done is not None:
-                    yield head + ending(done)
-                    return
-                yield head
-                async for event in events:
-                    if isinstance(event, Finished):
-                        yield ending(event)
-                        return
-                    if event.text:
-                        yield triton_generate.event(rt, event.text)
-            finally:
-                outcome.unregister()
-                await events.aclose()
-
         return StreamReply(
-            200, chunks(), lambda: [(_GENERATION_KEY, outcome.record)], opened.headers
+            200,
+            _sse(events, opening, text, end, outcome),
+            lambda: [(_GENERATION_KEY, outcome.record)],
+            opened.headers,
         )
 
 

@@ -92,6 +92,9 @@ class Drift:
     cold_start_baseline: timedelta | None
     recover_after: timedelta
     probe_percent: int
+    # what drifts on a generative route: a stream's time to first token or its inter-token
+    # latency (other routes: their duration; health.drift)
+    streams: Literal["ttft", "itl"] = "ttft"
 
 
 @dataclass(frozen=True, slots=True)

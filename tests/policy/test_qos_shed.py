@@ -252,7 +252,8 @@ def test_shedding_needs_a_function(tmp_path: Path) -> None:
 
 
 def test_istio_warns_that_it_cannot_shed_by_priority(model: ir.MeshModel) -> None:
-    digests = {name: hashlib.sha256(name.encode()).hexdigest() for name in ("audit", "degrade")}
+    names = ("audit", "degrade", "meshfn")  # meshfn: the model router (OpenAI routes)
+    digests = {name: hashlib.sha256(name.encode()).hexdigest() for name in names}
     rendered = render(model, digests)
     codes = {(w.code, w.source.name, w.path) for w in rendered.warnings}
     assert ("qos-gateway-shedding", "tenants", ("spec", "gatewayShedding")) in codes

@@ -45,6 +45,12 @@ FUNCTIONS: list[dict[str, Any]] = [
                     "idleTimeout": "10ms"}},
     {"name": "embedder"},
     {"name": "iris"},
+    {"name": "tiny-budget", "artifact": "tiny-lm@1", "generation": {"maxTokens": 100},
+     "qos": {"policy": "default/tokens", "defaultClass": "std",
+             "classes": [{"name": "std", "tokens": [{"tokens": 200, "per": "month"}]}]}},
+    {"name": "tiny-partial", "artifact": "tiny-lm@1", "generation": {"maxTokens": 100},
+     "qos": {"policy": "default/tokens", "defaultClass": "std", "tokenReservation": "partial",
+             "classes": [{"name": "std", "tokens": [{"tokens": 60, "per": "day"}]}]}},
 ]  # fmt: skip
 CONTEXT = 1024  # tiny-lm's (function.toml)
 
@@ -529,3 +535,56 @@ def test_a_long_prefill_sends_keep_alives_the_sdk_skips(backend: Backend) -> Non
     assert events[-2] == b"data: [DONE]"
     streamed = backend.client().completions.create(**body)  # type: ignore[call-overload]
     assert sum(len(c.choices[0].text) for c in streamed) > 0
+
+
+def test_token_budgets_reserve_report_and_refuse(backend: Backend) -> None:
+    """A tenant's token budget: each request reserves prompt + max_tokens, x-ratelimit-remaining
+    (in tokens) goes down with every request, the reservation settles to what was used, and a
+    request the rest cannot hold is a 429 with OpenAI's error object (nothing generated)."""
+    client = backend.client(default_headers={"x-meshfn-tenant": "acme"})
+    remaining = []
+    for _ in range(3):
+        raw = client.completions.with_raw_response.create(
+            model="tiny-budget", prompt="ab", max_tokens=40, temperature=0
+        )
+        remaining.append(int(raw.headers["x-ratelimit-remaining"]))
+        assert raw.headers["x-ratelimit-remaining-tokens"] == raw.headers["x-ratelimit-remaining"]
+        assert raw.headers["x-ratelimit-limit-tokens"] == "200"
+    assert remaining[0] > remaining[1] > remaining[2]  # it moves, in tokens
+    # greedy from "ab" runs its 40 tokens: each request reserved 3 + 40 and used 43
+    assert remaining == [200 - 43, 200 - 86, 200 - 129]
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(model="tiny-budget", prompt="ab", max_tokens=100)
+    error = caught.value.body
+    assert error["code"] == "insufficient_quota" and error["limit"] == "tokens"
+    assert error["window"] == "month" and error["tokens_left"] == 200 - 129
+    assert caught.value.response.headers["x-meshfn-qos-limit"] == "tokens"
+    status = backend.status("tiny-budget")["qos"]["tenants"]
+    (acme,) = [t for t in status if t["tenant"] == "acme"]
+    assert acme["token_budget_used"] == {"month": 129} and acme["tokens_reserved"] == {"month": 0}
+    # another tenant has a budget of its own
+    other = backend.client(default_headers={"x-meshfn-tenant": "globex"})
+    assert other.completions.create(model="tiny-budget", prompt="ab", max_tokens=100).usage
+
+
+def test_a_partial_reservation_stops_the_stream_when_the_budget_runs_out(
+    backend: Backend,
+) -> None:
+    body = {"model": "tiny-partial", "prompt": "The ", "max_tokens": 100, "stream": True,
+            "temperature": 0}  # fmt: skip
+    data = json.dumps(body).encode()
+    host, port = backend.rest.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nx-meshfn-tenant: initech\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+            + data
+        )
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    record = json.loads(raw.rsplit(b"x-meshfn-generation: ", 1)[1].split(b"\r\n")[0])
+    # 60 tokens a day: the prompt (5) and 55 completion tokens, then "length", noted budget
+    assert record["finish_reason"] == "budget" and record["note"] == "budget"
+    assert record["completion_tokens"] == 55 and record["prompt_tokens"] == 5
+    assert b'"finish_reason":"length"' in raw

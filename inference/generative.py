@@ -37,7 +37,7 @@ from .kserve import KServeError
 from .metrics import Metrics
 from .openai_api import Bounds
 from .pool import FunctionRuntime
-from .qos import Ticket
+from .qos import Ticket, TokenGrant
 
 log = logging.getLogger("meshfn.inference")
 T = TypeVar("T")
@@ -247,28 +247,41 @@ class Generative:
             if ticket is not None:
                 ticket.done(0)
             raise
+        try:
+            grant = (
+                admission.reserve(ticket, prepared.prompt_tokens, sampling.max_tokens)
+                if admission is not None and ticket is not None
+                else None
+            )
+        except BaseException:  # a token budget refused it: nothing is generated
+            engine.abandon(prepared)
+            if ticket is not None:
+                ticket.done(0)
+            raise
         started = time.monotonic()
         stream = Stream(
             prepared.prompt_tokens, sampling, started + settings.timeout.total_seconds()
         )
-        stream.on_finish = self._finisher(rt, lane, stream, ticket, tenant, operation)
+        stream.budget = grant.completion if grant is not None else None
+        stream.on_finish = self._finisher(rt, lane, stream, (ticket, grant), tenant, operation)
         rt.inflight += 1
         dispatcher.inflight += 1
         dispatcher.drained.clear()
         engine.start(stream, prepared)
-        return Opened(stream)
+        return Opened(stream, grant.headers if grant is not None else ())
 
     def _finisher(
         self,
         rt: FunctionRuntime,
         lane: Lane,
         stream: Stream,
-        ticket: Ticket | None,
+        qos: tuple[Ticket | None, TokenGrant | None],
         tenant: str,
         operation: Operation,
     ) -> Any:
         dispatcher = self.dispatcher
         labels = (operation, genai.PROVIDER_NAME, rt.name, tenant)
+        ticket, grant = qos
 
         def finished(done: Finished) -> None:
             rt.inflight -= 1
@@ -277,6 +290,8 @@ class Generative:
                 dispatcher.drained.set()
             rt.last_used = time.monotonic()
             if ticket is not None:
+                if grant is not None:  # the budget pays for what was generated, cut or not
+                    ticket.admission.settle(ticket, grant, done.usage.total_tokens)
                 ticket.done(stream.cpu_ns)
             seconds = time.monotonic() - stream.started
             lane.answered(200 if done.reason != "error" else 500, seconds)

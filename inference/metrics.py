@@ -114,6 +114,13 @@ class Metrics:
             ["function", "tenant", "tenant_class", "window"],
             registry=r,
         )
+        self.qos_tokens = Gauge(
+            "meshfn_qos_tokens_used",
+            "Tokens (prompt + completion) a tenant's generative requests used in its current "
+            "token-budget window",
+            ["function", "tenant", "tenant_class", "window"],
+            registry=r,
+        )
         self.cold_requests = Counter(
             "meshfn_fn_cold_requests",
             "Requests that found no idle instance and waited for one (load or instantiate)",

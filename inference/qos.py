@@ -26,6 +26,7 @@ from meshfn.contracts.qos import (
     LIMIT_CONCURRENCY,
     LIMIT_HEADER,
     LIMIT_SHED,
+    LIMIT_TOKENS,
     ORCA_HEADER,
     SHED_FLOOR,
     TENANT,
@@ -39,7 +40,7 @@ from meshfn.contracts.qos import (
 from .kserve import KServeError
 from .metrics import Metrics
 
-__all__ = ["SHED_FLOOR", "Admission", "Load", "Refusal", "Ticket", "tenant_of"]
+__all__ = ["SHED_FLOOR", "Admission", "Load", "Refusal", "Ticket", "TokenGrant", "tenant_of"]
 _TENANT_OK = re.compile(TENANT)
 
 
@@ -71,6 +72,13 @@ class _Usage:
 
 
 @dataclass(slots=True)
+class _TokenUsage:
+    window_start: float = 0.0
+    used: int = 0  # tokens generative requests used in this window (settled)
+    reserved: int = 0  # tokens held by requests still running
+
+
+@dataclass(slots=True)
 class TenantState:
     tenant_class: str
     priority: int
@@ -79,6 +87,21 @@ class TenantState:
     usage: dict[str, _Usage] = field(default_factory=dict)  # window -> this window's use
     outcomes: dict[str, int] = field(default_factory=dict)  # admitted / limited / shed
     cpu_ns: int = 0  # guest CPU time so far
+    tokens: dict[str, _TokenUsage] = field(default_factory=dict)  # window -> token use
+    tokens_used: int = 0  # tokens so far
+
+
+@dataclass(frozen=True, slots=True)
+class TokenGrant:
+    """A generative request's share of its tenant's token budgets: `reserved` tokens held in
+    each window (window -> its start) until the request ends and settles what it used;
+    `completion`, the most completion tokens they allow (None: no budget limits it); and the
+    x-ratelimit-* headers in tokens its response carries (remaining after this reservation)."""
+
+    reserved: int
+    windows: tuple[tuple[str, float], ...]
+    completion: int | None
+    headers: tuple[tuple[bytes, bytes], ...]
 
 
 @dataclass(slots=True)
@@ -193,6 +216,101 @@ class Admission:
         self._count(tenant, state, "admitted")
         return Ticket(state, self, tenant)
 
+    def reserve(
+        self, ticket: Ticket, prompt: int, max_tokens: int, now: float | None = None
+    ) -> TokenGrant | None:
+        """Hold a generative request's tokens against its tenant's token budgets: its prompt
+        plus max_tokens (`tokenReservation: full`: refused with 429 unless every budget has
+        that much left), or with `partial` as much of it as is left (the prompt and at least
+        one completion token must fit; the stream then stops at what is left). None: no token
+        budget applies."""
+        state = ticket.state
+        budgets = state.limits.tokens
+        if not budgets:
+            return None
+        wall = time.time() if now is None else now
+        lefts = []
+        for budget in budgets:
+            start, end = window_bounds(budget.per, wall)
+            usage = state.tokens.setdefault(budget.per, _TokenUsage(start))
+            if usage.window_start != start:  # a new window: what is held now counts in it
+                usage.window_start, usage.used = start, 0
+            lefts.append((budget.tokens - usage.used - usage.reserved, budget, end))
+        want = prompt + max_tokens
+        need = want if self.qos.tokenReservation == "full" else prompt + 1
+        for left, budget, end in lefts:
+            if left < need:
+                raise self._refuse(ticket.tenant, state, self._token_refusal(
+                    ticket.tenant, state, budget.tokens, budget.per, left, need, wall, end
+                ))  # fmt: skip
+        room = min(left for left, _, _ in lefts)
+        reserved = min(want, room)
+        for budget in budgets:
+            state.tokens[budget.per].reserved += reserved
+        tightest = min(lefts, key=lambda item: item[0])
+        left, budget, end = tightest
+        reset = str(max(1, math.ceil(end - wall))).encode()
+        remaining = str(max(0, left - reserved)).encode()
+        limit = str(budget.tokens).encode()
+        headers = (
+            (b"x-ratelimit-limit-tokens", limit),
+            (b"x-ratelimit-remaining-tokens", remaining),
+            (b"x-ratelimit-reset-tokens", reset),
+            (b"x-ratelimit-limit", limit),
+            (b"x-ratelimit-remaining", remaining),
+            (b"x-ratelimit-reset", reset),
+        )
+        completion = None if reserved >= want else reserved - prompt
+        windows = tuple((b.per, state.tokens[b.per].window_start) for b in budgets)
+        return TokenGrant(reserved, windows, completion, headers)
+
+    def _token_refusal(
+        self,
+        tenant: str,
+        state: TenantState,
+        quota: int,
+        window: str,
+        left: int,
+        need: int,
+        wall: float,
+        end: float,
+    ) -> Refusal:
+        body = {
+            "function": self.function,
+            "policy": self.qos.policy,
+            "tenant": tenant,
+            "class": state.tenant_class,
+            "window": window,
+            "tokens_left": max(0, left),
+            "tokens_needed": need,
+        }
+        what = "its prompt plus max_tokens" if self.qos.tokenReservation == "full" else "its prompt"
+        return Refusal(
+            LIMIT_TOKENS,
+            f"tenant {tenant or '(anonymous)'} has {max(0, left)} of its {quota} tokens per "
+            f"{window} left; this request needs {need} ({what})",
+            max(1, math.ceil(end - wall)),
+            quota,
+            body,
+        )
+
+    def settle(self, ticket: Ticket, grant: TokenGrant, used: int) -> None:
+        """A generative request ended having used `used` tokens (prompt + completion, the
+        backend's own count; a cut stream: what it generated): its reservation is released and
+        its use charged."""
+        state = ticket.state
+        state.tokens_used += used
+        for window, start in grant.windows:
+            usage = state.tokens.get(window)
+            if usage is None:
+                continue
+            if usage.window_start == start:
+                usage.reserved = max(0, usage.reserved - grant.reserved)
+            usage.used += used
+            self.metrics.qos_tokens.labels(
+                self.function, ticket.tenant, state.tenant_class, window
+            ).set(usage.used)
+
     def release(self, ticket: Ticket, guest_cpu_ns: int) -> None:
         state = ticket.state
         state.inflight -= 1
@@ -219,6 +337,9 @@ class Admission:
                 **{o: s.outcomes.get(o, 0) for o in ("admitted", "limited", "shed")},
                 "guest_cpu_ms": s.cpu_ns // 1_000_000,
                 "budget_used_ms": {w: u.used_us // 1000 for w, u in s.usage.items()},
+                "tokens_used": s.tokens_used,
+                "token_budget_used": {w: u.used for w, u in s.tokens.items()},
+                "tokens_reserved": {w: u.reserved for w, u in s.tokens.items()},
             }
             for tenant, s in sorted(self.tenants.items())
         ]

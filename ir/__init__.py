@@ -187,10 +187,17 @@ class Budget:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenBudget:
+    tokens: int
+    window: Window
+
+
+@dataclass(frozen=True, slots=True)
 class TenantLimits:
     rate: Bucket | None = None
     concurrency: int | None = None
     compute: tuple[Budget, ...] = ()
+    tokens: tuple[TokenBudget, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +271,8 @@ class QoSPolicy:
 
     @property
     def budgeted(self) -> bool:
-        return any(limits.compute for limits in self.every_limits())
+        """Some tenant has a compute or token budget: only a backend can meter those."""
+        return any(limits.compute or limits.tokens for limits in self.every_limits())
 
     def priority_split(self) -> PrioritySplit:
         """Who routes HIGH at a shedding gateway (contracts.qos.split_priorities)."""

@@ -17,6 +17,7 @@ import pytest
 import wasmtime
 
 from meshfn.contracts import genai
+from meshfn.contracts.qos import FunctionQoS
 from meshfn.inference import openai_api
 from meshfn.inference.engine import new_engine
 from meshfn.inference.generation import (
@@ -34,6 +35,8 @@ from meshfn.inference.generation import (
 )
 from meshfn.inference.host import CoreArtifact, Outcome, TensorInstance, TensorResult
 from meshfn.inference.manifest import FunctionManifest
+from meshfn.inference.metrics import Metrics
+from meshfn.inference.qos import Admission, Refusal
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUNDS = openai_api.Bounds(max_tokens=100, default_max_tokens=10, max_temperature=2.0, max_stop=2)
@@ -401,3 +404,74 @@ def test_tiny_lm_backward_pass_matches_numerical_gradients() -> None:
     assert worst < 1e-7
     logits, state = gru.step(p, inputs[0], h0)  # the step lm.c computes
     assert logits.shape == (3, 7) and state.shape == (3, 5)
+
+
+# ---------------------------------------------------------------------- token budgets
+
+
+def _admission(reservation: str = "full", **limits: Any) -> Admission:
+    qos = FunctionQoS.model_validate(
+        {
+            "policy": "default/tokens",
+            "defaultClass": "std",
+            "classes": [{"name": "std", **limits}],
+            "tokenReservation": reservation,
+        }
+    )
+    return Admission("tiny-lm@1", qos, 64, Metrics())
+
+
+# the middle of a month, so the windows below do not roll over under the test
+MID_MONTH = 1_800_000_000.0  # 2027-01-15
+
+
+def test_a_reservation_is_prompt_plus_max_tokens_and_settles_to_what_was_used() -> None:
+    admission = _admission(
+        tokens=[{"tokens": 1000, "per": "month"}, {"tokens": 300, "per": "minute"}]
+    )
+    ticket = admission.admit("acme")
+    grant = admission.reserve(ticket, prompt=20, max_tokens=100, now=MID_MONTH)
+    assert grant is not None and grant.reserved == 120 and grant.completion is None
+    headers = dict(grant.headers)
+    assert headers[b"x-ratelimit-limit-tokens"] == b"300"  # the tightest window: the minute
+    assert headers[b"x-ratelimit-remaining-tokens"] == headers[b"x-ratelimit-remaining"] == b"180"
+    # a second request while the first runs sees the first's reservation
+    second = admission.reserve(admission.admit("acme"), prompt=10, max_tokens=100, now=MID_MONTH)
+    assert second is not None and dict(second.headers)[b"x-ratelimit-remaining"] == b"70"
+    with pytest.raises(Refusal) as caught:  # 10 + 100 > 70 left: refused, nothing generated
+        admission.reserve(admission.admit("acme"), prompt=10, max_tokens=100, now=MID_MONTH)
+    refusal = caught.value
+    assert refusal.status == 429 and refusal.limit == "tokens"
+    assert refusal.payload["window"] == "minute" and refusal.payload["tokens_left"] == 70
+    assert (
+        dict(refusal.headers)[b"retry-after"]
+        and dict(refusal.headers)[b"x-ratelimit-remaining"] == b"0"
+    )
+    admission.settle(ticket, grant, used=20 + 35)  # it stopped early: charged what it used
+    state = admission.tenants["acme"]
+    assert state.tokens["minute"].reserved == 110 and state.tokens["minute"].used == 55
+    assert state.tokens["month"].used == 55 and state.tokens_used == 55
+    third = admission.reserve(admission.admit("acme"), prompt=10, max_tokens=100, now=MID_MONTH)
+    assert third is not None and dict(third.headers)[b"x-ratelimit-remaining"] == b"25"
+
+
+def test_partial_reservations_cap_the_completion() -> None:
+    admission = _admission("partial", tokens=[{"tokens": 100, "per": "hour"}])
+    grant = admission.reserve(admission.admit("t"), prompt=30, max_tokens=200, now=MID_MONTH)
+    assert grant is not None and grant.reserved == 100 and grant.completion == 70
+    with pytest.raises(Refusal):  # nothing left, not even for the prompt
+        admission.reserve(admission.admit("t"), prompt=1, max_tokens=1, now=MID_MONTH)
+    assert _admission(concurrency=2).reserve(_admission(concurrency=2).admit("t"), 1, 1) is None
+
+
+def test_token_budgets_follow_calendar_months() -> None:
+    admission = _admission(tokens=[{"tokens": 50, "per": "month"}])
+    ticket = admission.admit("t")
+    end_of_january = 1_801_439_999.0  # 2027-01-31T23:59:59Z
+    grant = admission.reserve(ticket, 10, 40, now=end_of_january)
+    assert grant is not None
+    admission.settle(ticket, grant, 50)
+    with pytest.raises(Refusal) as caught:
+        admission.reserve(admission.admit("t"), 1, 1, now=end_of_january)
+    assert dict(caught.value.headers)[b"retry-after"] == b"1"  # February starts in a second
+    assert admission.reserve(admission.admit("t"), 10, 40, now=end_of_january + 2) is not None

@@ -71,8 +71,8 @@ def guarded(model: ir.MeshModel, listener: ir.Listener) -> frozenset[str]:
 
 def plugins_of(ctx: Context, workload: ir.Workload) -> list[Plugin]:
     """As the translator: per gateway listener ONE plugin (meshfn) where it both audits and
-    degrades or routes OpenAI requests by model, else the degrade filter where routes are
-    guarded, else audit; a sidecar audits or runs nothing."""
+    degrades, else the degrade filter where routes are guarded, else audit; a sidecar audits or
+    runs nothing. The model router is not a WasmPlugin here (routers_of)."""
     audit = audit_for(ctx, workload)
     if workload.kind == "sidecar":
         return [Plugin("audit", audit)] if audit is not None else []
@@ -84,14 +84,27 @@ def plugins_of(ctx: Context, workload: ir.Workload) -> list[Plugin]:
             if routes
             else None
         )
-        route = route_settings(ctx.model, listener)
-        if route is not None or (degrade is not None and audit is not None):
-            settings = MeshfnSettings(audit=audit, degrade=degrade, route=route)
-            out.append(Plugin("meshfn", settings, listener))
+        if degrade is not None and audit is not None:
+            out.append(Plugin("meshfn", MeshfnSettings(audit=audit, degrade=degrade), listener))
         elif degrade is not None:
             out.append(Plugin("degrade", degrade, listener))
         elif audit is not None:
             out.append(Plugin("audit", audit, listener))
+    return out
+
+
+def routers_of(ctx: Context, workload: ir.Workload) -> list[Plugin]:
+    """The model router of each gateway listener with OpenAI routes: the meshfn plugin with only
+    its route part, first in the chain (envoyfilter.router_patches). Not a WasmPlugin: the
+    router holds the headers until it has read the body, which Envoy allows a wasm plugin only
+    with its PluginConfig's allow_on_headers_stop_iteration, a field WasmPlugin does not have."""
+    if workload.kind == "sidecar":
+        return []
+    out = []
+    for listener in workload.listeners:
+        route = route_settings(ctx.model, listener)
+        if route is not None:
+            out.append(Plugin("meshfn", MeshfnSettings(route=route), listener))
     return out
 
 
@@ -128,7 +141,7 @@ def stripped_headers(ctx: Context, workload: ir.Workload) -> list[str]:
     """Headers only Envoy may set on this workload (removed from client requests before any
     route is picked or filter runs): the routing header, the claim headers."""
     names: list[str] = []
-    for plugin in plugins_of(ctx, workload):
+    for plugin in [*plugins_of(ctx, workload), *routers_of(ctx, workload)]:
         names += internal_headers(plugin.degrade, plugin.audit, route=plugin.route)
     if envoy_qos.claim_of(workload) is not None:
         names.append(TENANT_HEADER)

@@ -59,9 +59,14 @@ def wasm_http_filter(
     *,
     fail_open: bool = False,
     vm_id: str | None = None,
+    waits_for_body: bool = False,
 ) -> hcm_pb2.HttpFilter:
     """An `envoy.filters.http.wasm` entry. Fail closed by default: if the VM dies, requests get
-    503 instead of passing unaudited (audit) or with a spoofable routing header (degrade)."""
+    503 instead of passing unaudited (audit) or with a spoofable routing header (degrade).
+
+    `waits_for_body`: the plugin pauses the headers until it has read the body (the model
+    router). Envoy turns a plugin's paused headers into StopAllIteration unless told otherwise,
+    and StopAllIteration holds the body back from the plugin itself: it would wait forever."""
     plugin = wasm_pb2.PluginConfig(
         name=name,
         root_id=name,
@@ -72,6 +77,8 @@ def wasm_http_filter(
         ),
         failure_policy=wasm_pb2.FAIL_OPEN if fail_open else wasm_pb2.FAIL_CLOSED,
     )
+    if waits_for_body:
+        plugin.allow_on_headers_stop_iteration.value = True
     plugin.configuration.Pack(wrappers_pb2.StringValue(value=configuration))
     typed = any_pb2.Any()
     typed.Pack(http_wasm_pb2.Wasm(config=plugin))
@@ -92,7 +99,8 @@ def plugin_filter(
     lean = not needs_full_build(settings)
     wasm = wasm_path(kind, lean, directory)
     vm_id = f"{name}.{hashlib.sha256(configuration.encode()).hexdigest()[:16]}" if lean else name
-    return wasm_http_filter(name, wasm, configuration, vm_id=vm_id)
+    waits = isinstance(settings, MeshfnSettings) and settings.route is not None
+    return wasm_http_filter(name, wasm, configuration, vm_id=vm_id, waits_for_body=waits)
 
 
 def audit_filter(settings: AuditSettings, directory: Path) -> hcm_pb2.HttpFilter:

@@ -20,6 +20,13 @@ class ChaosGen(meshfn_sdk.Model):
             for i in range(1, settings.max_tokens + 1):
                 yield f"{i} "
             return "length"
+        if mode == "slow":  # "slow N word...": each piece after N loop iterations of work
+            spin = int(words[1]) if len(words) > 1 and words[1].isdigit() else 100_000
+            for i in range(settings.max_tokens):
+                for _ in range(spin):
+                    pass
+                yield f"{words[2 + i % max(1, len(words) - 2)] if len(words) > 2 else i} "
+            return "length"
         for i, word in enumerate(words * 4):
             if i == 2 and mode == "spin":
                 while True:

@@ -128,6 +128,15 @@ DESCRIPTOR_POLICY = "meshfn_policy"
 # (control_plane/identity/bootstrap_token.py, purpose "rls"): only a proven gateway that the
 # policy binds may spend the policy's buckets.
 LIMIT_SERVICE_NODE_HEADER = "x-meshfn-node"
+# The mesh's book of token budgets, served beside the limit service (xds/ledger.py): JSON in,
+# JSON out, the caller proven as there (a backend: node "backend:<service key>").
+TOKEN_LEDGER_SERVICE = "meshfn.qos.v1.TokenLedger"
+TOKEN_LEDGER_PURPOSE = "ledger"  # the bootstrap token's purpose (control_plane.identity)
+
+
+def ledger_node(service_key: str) -> str:
+    """A backend's identity towards the token ledger: the service it serves."""
+    return f"backend:{service_key}"
 
 
 class _Strict(BaseModel):

@@ -9,6 +9,7 @@ goes away, and every bad input of the issue refused before anything is generated
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import queue
 import re
@@ -48,11 +49,14 @@ FUNCTIONS: list[dict[str, Any]] = [
     {"name": "tiny-budget", "artifact": "tiny-lm@1", "generation": {"maxTokens": 100},
      "qos": {"policy": "default/tokens", "defaultClass": "std",
              "classes": [{"name": "std", "tokens": [{"tokens": 200, "per": "month"}]}]}},
+    {"name": "tiny-hashed", "artifact": "tiny-lm@1",
+     "generation": {"maxTokens": 100, "auditText": "hmac"}},
     {"name": "tiny-partial", "artifact": "tiny-lm@1", "generation": {"maxTokens": 100},
      "qos": {"policy": "default/tokens", "defaultClass": "std", "tokenReservation": "partial",
              "classes": [{"name": "std", "tokens": [{"tokens": 60, "per": "day"}]}]}},
 ]  # fmt: skip
 CONTEXT = 1024  # tiny-lm's (function.toml)
+TEXT_KEY = "5e" * 32  # the backend's auditTextKey
 
 
 @dataclass
@@ -93,7 +97,7 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
         config.write_text(
             yaml.safe_dump(
                 {"registry": str(tmp / "registry"), "trustedKeys": [str(key)],
-                 "functions": FUNCTIONS}
+                 "functions": FUNCTIONS, "auditTextKey": TEXT_KEY}
             )
         )  # fmt: skip
         port, grpc_port = free_ports(2)
@@ -316,6 +320,30 @@ def test_sse_framing_and_the_usage_trailer(backend: Backend) -> None:
     assert record["model"] == "tiny-lm" and record["outcome"] == "completed"
     assert record["prompt_tokens"] == 1 + len(b"a\n") and record["completion_tokens"] >= 1
     assert record["ttft_ms"] > 0 and record["finish_reason"] in ("stop", "length")
+
+
+def test_audit_text_hmac_puts_digests_never_text_in_the_usage_record(backend: Backend) -> None:
+    """generation.auditText hmac: the usage record carries HMAC-SHA256 digests of the prompt
+    and of the text the client got, under the backend's key; other functions' records carry
+    neither."""
+    prompt = "The class "
+    for model, hashed in (("tiny-hashed", True), ("tiny-lm", False)):
+        _, raw = _raw(backend, "/v1/completions", {"model": model, "prompt": prompt,
+                                                   "max_tokens": 12, "stream": True})  # fmt: skip
+        body, trailers = raw.split(b"\x00TRAILERS\x00")
+        text = "".join(
+            json.loads(e[6:])["choices"][0]["text"]
+            for e in body.split(b"\n\n")
+            if e.startswith(b"data: {")
+        )
+        record = json.loads(trailers.strip().partition(b": ")[2])
+        if not hashed:
+            assert not {"prompt_hmac", "completion_hmac", "text_salt_id"} & set(record)
+            continue
+        key = bytes.fromhex(TEXT_KEY)
+        assert record["prompt_hmac"] == hmac.new(key, prompt.encode(), "sha256").hexdigest()
+        assert record["completion_hmac"] == hmac.new(key, text.encode(), "sha256").hexdigest()
+        assert len(record["text_salt_id"]) == 16 and text and text not in trailers.decode()
 
 
 def test_triton_generate_and_generate_stream(backend: Backend) -> None:

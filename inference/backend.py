@@ -47,6 +47,7 @@ from .kserve import (
     response_coding,
     select,
 )
+from .ledger import TokenLedger
 from .metrics import Metrics
 from .pool import FunctionRuntime, Refused
 from .qos import Load, tenant_of
@@ -120,6 +121,8 @@ class Backend:
             WarmBudget(config.warmupMemoryBudget),
             lambda: self.pressure,
         )
+        if config.tokenLedger is not None:  # before any lane (their admissions use it)
+            self.dispatcher.ledger = TokenLedger(config.tokenLedger, self.metrics)
         self.pressure = False  # available memory under config.lowMemory (the reaper checks)
         self.pressure_releases = 0
         self.functions: dict[str, dict[str, FunctionRuntime]] = {}
@@ -128,7 +131,10 @@ class Backend:
         self._reaper: asyncio.Task[None] | None = None
         self.server_meta = json.dumps(self.server_metadata()).encode()
         self.generative = Generative(
-            self.dispatcher, self.metrics, defaults=config.functions is None
+            self.dispatcher,
+            self.metrics,
+            defaults=config.functions is None,
+            text_key=bytes.fromhex(config.auditTextKey) if config.auditTextKey else None,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -277,6 +283,8 @@ class Backend:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.dispatcher.drained.wait(), timeout)
         self.generative.close()
+        if self.dispatcher.ledger is not None:  # the last settles
+            await self.dispatcher.ledger.close()
         for lane in self.dispatcher.lanes.values():
             if lane.batcher is not None:
                 lane.batcher.close()

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import hashlib
+import hmac
 import json
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -104,6 +106,7 @@ class Finished:
     usage: Usage
     ttft_s: float | None  # from the stream's start to its first completion token
     error: str | None = None
+    text_digests: Mapping[str, str] | None = None  # auditText hmac: the usage record's digests
 
     @property
     def client_reason(self) -> str:
@@ -233,6 +236,31 @@ class TextAssembler:
 OnFinish = Callable[[Finished], None]
 
 
+class TextDigest:
+    """A Function's `generation.auditText: hmac`: HMAC-SHA256 of the prompt and of the text the
+    client got, under the backend's audit text key, for the usage record (the audit trail can
+    then match a text someone presents without ever holding any). `salt_id` names the key."""
+
+    def __init__(self, key: bytes, prompt: str) -> None:
+        self.key = key
+        self.prompt = hmac.new(key, prompt.encode("utf-8", "surrogatepass"), "sha256").hexdigest()
+        self.text = hmac.new(key, digestmod="sha256")
+
+    def add(self, text: str) -> None:
+        self.text.update(text.encode("utf-8", "surrogatepass"))
+
+    def digests(self) -> dict[str, str]:
+        return {
+            "prompt_hmac": self.prompt,
+            "completion_hmac": self.text.hexdigest(),
+            "text_salt_id": salt_id(self.key),
+        }
+
+
+def salt_id(key: bytes) -> str:
+    return hashlib.sha256(b"meshfn audit text key:" + key).hexdigest()[:16]
+
+
 @dataclass(eq=False)
 class Stream:
     """One generation as its front end sees it: `prompt_tokens` once started, then `events()`
@@ -250,6 +278,7 @@ class Stream:
     finished: Finished | None = None
     budget: int | None = None  # most completion tokens the tenant's token budget allows
     cpu_ns: int = 0  # guest CPU time on its behalf (a batched step's split by streams)
+    audit_text: TextDigest | None = None  # auditText hmac: digests of the prompt and the text
     _queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
     @property
@@ -262,6 +291,8 @@ class Stream:
         if self.first_token_at is None and piece.tokens:
             self.first_token_at = time.monotonic()
         self.completion_tokens += piece.tokens
+        if self.audit_text is not None:
+            self.audit_text.add(piece.text)
         self._queue.put_nowait(piece)
 
     def finish(self, reason: Reason, error: str | None = None) -> Finished:
@@ -269,7 +300,9 @@ class Stream:
         if self.finished is not None:
             return self.finished
         ttft = None if self.first_token_at is None else self.first_token_at - self.started
-        done = Finished(reason, Usage(self.prompt_tokens, self.completion_tokens), ttft, error)
+        digests = self.audit_text.digests() if self.audit_text is not None else None
+        usage = Usage(self.prompt_tokens, self.completion_tokens)
+        done = Finished(reason, usage, ttft, error, digests)
         self.finished = done
         self._queue.put_nowait(done)
         if self.on_finish is not None:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,6 +32,7 @@ from .generation import (
     StepEngine,
     StepShape,
     Stream,
+    TextDigest,
 )
 from .host import CallResult, ComponentInstance, Instance, Outcome, TensorInstance, TensorResult
 from .kserve import KServeError
@@ -87,6 +89,7 @@ def generation_record(rt: FunctionRuntime, operation: str, done: Finished) -> by
         "finish_reason": done.reason,
         "outcome": done.outcome,
         "note": note,
+        **(done.text_digests or {}),
     }
     return json.dumps(value, separators=(",", ":")).encode("ascii")
 
@@ -104,9 +107,16 @@ async def collect(stream: Stream) -> tuple[str, Finished]:
 class Generative:
     """The backend's generative functions: one engine per function, made on first use."""
 
-    def __init__(self, dispatcher: Dispatcher, metrics: Metrics, defaults: bool = False) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        metrics: Metrics,
+        defaults: bool = False,
+        text_key: bytes | None = None,
+    ) -> None:
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.text_key = text_key  # auditText hmac's key (BackendConfig.auditTextKey)
         # a backend serving its whole registry without a configuration: generative functions
         # get the default generation settings
         self.defaults = defaults
@@ -133,6 +143,12 @@ class Generative:
                     "add it (the proxies' timeouts for its streams derive from it)",
                 )
             return DEFAULT_GENERATION
+        if settings.auditText == "hmac" and self.text_key is None:
+            raise KServeError(
+                503,
+                f"model {rt.name}'s Function asks for generation.auditText hmac, but this "
+                "backend has no auditTextKey to make the digests with",
+            )
         return settings
 
     def engine(self, rt: FunctionRuntime) -> Engine:
@@ -249,7 +265,7 @@ class Generative:
             raise
         try:
             grant = (
-                admission.reserve(ticket, prepared.prompt_tokens, sampling.max_tokens)
+                await admission.reserve(ticket, prepared.prompt_tokens, sampling.max_tokens)
                 if admission is not None and ticket is not None
                 else None
             )
@@ -263,6 +279,8 @@ class Generative:
             prepared.prompt_tokens, sampling, started + settings.timeout.total_seconds()
         )
         stream.budget = grant.completion if grant is not None else None
+        if settings.auditText == "hmac" and self.text_key is not None:
+            stream.audit_text = TextDigest(self.text_key, text)
         stream.on_finish = self._finisher(rt, lane, stream, (ticket, grant), tenant, operation)
         rt.inflight += 1
         dispatcher.inflight += 1
@@ -332,8 +350,6 @@ class GenerationStats:
     """Recent generations of one function, for `meshfn status` and the console."""
 
     def __init__(self) -> None:
-        from collections import deque
-
         self.ttft: deque[float] = deque(maxlen=512)
         self.tpot: deque[float] = deque(maxlen=512)
         self.finished: dict[str, int] = {}

@@ -121,6 +121,12 @@ class Metrics:
             ["function", "tenant", "tenant_class", "window"],
             registry=r,
         )
+        self.qos_ledger_errors = Counter(
+            "meshfn_qos_ledger_errors",
+            "Calls to the control plane's token ledger that failed (call: reserve, settle)",
+            ["call"],
+            registry=r,
+        )
         self.cold_requests = Counter(
             "meshfn_fn_cold_requests",
             "Requests that found no idle instance and waited for one (load or instantiate)",

@@ -24,10 +24,13 @@ from rich.text import Text
 from meshfn import ir
 from meshfn import wasm_filters as filters
 from meshfn.audit.collector import CollectorMetrics
+from meshfn.audit.salt import audit_text_key, load_or_create
 from meshfn.audit.store import StoreError
 from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
+from meshfn.contracts.function import TokenLedgerAccess
+from meshfn.contracts.qos import TOKEN_LEDGER_PURPOSE, ledger_node
 from meshfn.ebpf import AccelerationUnavailable
 
 from ..service import ControlPlane, tune_gc
@@ -45,7 +48,13 @@ from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth,
 from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, print_hints, sample_request
 from .process import ProcessFailed, SupervisedProcess
-from .upstreams import FunctionsSetup, UpstreamSpec, upstream_process, upstreams_for
+from .upstreams import (
+    BackendLinks,
+    FunctionsSetup,
+    UpstreamSpec,
+    upstream_process,
+    upstreams_for,
+)
 
 log = logging.getLogger("meshfn.up")
 
@@ -89,7 +98,8 @@ class Mesh:
         starts = []
         for key, spec in wanted.items():
             if key not in self.upstreams:
-                proc = upstream_process(spec, self.state_dir, self.functions, self.preexec)
+                links = self._links(spec)
+                proc = upstream_process(spec, self.state_dir, self.functions, self.preexec, links)
                 self.upstreams[key] = (spec, proc)
                 starts.append(proc.start())
         for service in model.services:
@@ -100,6 +110,22 @@ class Mesh:
                     service.key,
                 )
         await _gather_or_raise(starts)
+
+    def _links(self, spec: UpstreamSpec) -> BackendLinks:
+        """A backend's proof towards the mesh's token ledger, and the key of its audit text
+        digests (derived from the audit subject salt) when one of its Functions asks for them."""
+        node = ledger_node(spec.service)
+        ledger = TokenLedgerAccess(
+            target=f"127.0.0.1:{self.cp.xds_port}",
+            node=node,
+            authorization=self.cp.tokens.header(node, TOKEN_LEDGER_PURPOSE),
+        )
+        hashed = any(
+            f.settings.generation is not None and f.settings.generation.auditText == "hmac"
+            for f in spec.functions
+        )
+        key = audit_text_key(load_or_create(self.state_dir)) if hashed else None
+        return BackendLinks(ledger, key)
 
     async def _reconcile_envoys(self, model: ir.MeshModel) -> None:
         wanted = {

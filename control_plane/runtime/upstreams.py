@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from meshfn import ir
-from meshfn.contracts.function import BackendConfig
+from meshfn.contracts.function import BackendConfig, TokenLedgerAccess
 from meshfn.policy import compile
 
 from .process import SupervisedProcess
@@ -70,15 +70,29 @@ def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
     return out
 
 
-def backend_config(spec: UpstreamSpec, setup: FunctionsSetup) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BackendLinks:
+    """What a backend gets from the control plane beyond its functions: where the mesh's token
+    budgets are kept (and its proof), the key of its functions' audit text digests."""
+
+    ledger: TokenLedgerAccess | None = None
+    audit_text_key: str | None = None
+
+
+def backend_config(
+    spec: UpstreamSpec, setup: FunctionsSetup, links: BackendLinks | None = None
+) -> dict[str, Any]:
     """The inference backend's config for one endpoint: each Function's settings as the policy
-    gave them (the same schema), named."""
+    gave them (the same schema), named, and its links to the control plane."""
+    links = links or BackendLinks()
     config = BackendConfig(
         registry=setup.registry.resolve(),
         trustedKeys=[k.resolve() for k in setup.trusted_keys],
         workers=setup.workers,
         processes=setup.processes,
         functions=[f.served() for f in spec.functions],
+        tokenLedger=links.ledger,
+        auditTextKey=links.audit_text_key,
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result
@@ -94,6 +108,7 @@ def upstream_process(
     state_dir: Path,
     setup: FunctionsSetup | None,
     preexec: Callable[[], None] | None = None,
+    links: BackendLinks | None = None,
 ) -> SupervisedProcess:
     log_path = state_dir / "logs" / f"upstream-{spec.address}-{spec.port}.log"
     if spec.functions:
@@ -101,7 +116,8 @@ def upstream_process(
             raise ValueError(f"{spec.service} serves functions but no registry is configured")
         config = state_dir / "inference" / f"{spec.address}-{spec.port}.json"
         config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(json.dumps(backend_config(spec, setup), indent=2))
+        config.write_text(json.dumps(backend_config(spec, setup, links), indent=2))
+        config.chmod(0o600)  # its ledger token and audit text key
 
         async def backend_ready() -> bool:
             timeout = aiohttp.ClientTimeout(total=1)

@@ -36,7 +36,7 @@ from meshfn.inference.generation import (
 from meshfn.inference.host import CoreArtifact, Outcome, TensorInstance, TensorResult
 from meshfn.inference.manifest import FunctionManifest
 from meshfn.inference.metrics import Metrics
-from meshfn.inference.qos import Admission, Refusal
+from meshfn.inference.qos import Admission, Refusal, TokenGrant
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUNDS = openai_api.Bounds(max_tokens=100, default_max_tokens=10, max_temperature=2.0, max_stop=2)
@@ -425,21 +425,26 @@ def _admission(reservation: str = "full", **limits: Any) -> Admission:
 MID_MONTH = 1_800_000_000.0  # 2027-01-15
 
 
+def _reserve(admission: Admission, tenant: str, prompt: int, max_tokens: int,
+             now: float = MID_MONTH) -> TokenGrant | None:  # fmt: skip
+    return asyncio.run(admission.reserve(admission.admit(tenant), prompt, max_tokens, now))
+
+
 def test_a_reservation_is_prompt_plus_max_tokens_and_settles_to_what_was_used() -> None:
     admission = _admission(
         tokens=[{"tokens": 1000, "per": "month"}, {"tokens": 300, "per": "minute"}]
     )
     ticket = admission.admit("acme")
-    grant = admission.reserve(ticket, prompt=20, max_tokens=100, now=MID_MONTH)
-    assert grant is not None and grant.reserved == 120 and grant.completion is None
+    grant = asyncio.run(admission.reserve(ticket, prompt=20, max_tokens=100, now=MID_MONTH))
+    assert grant is not None and grant.reservation.reserved == 120 and grant.completion is None
     headers = dict(grant.headers)
     assert headers[b"x-ratelimit-limit-tokens"] == b"300"  # the tightest window: the minute
     assert headers[b"x-ratelimit-remaining-tokens"] == headers[b"x-ratelimit-remaining"] == b"180"
     # a second request while the first runs sees the first's reservation
-    second = admission.reserve(admission.admit("acme"), prompt=10, max_tokens=100, now=MID_MONTH)
+    second = _reserve(admission, "acme", 10, 100)
     assert second is not None and dict(second.headers)[b"x-ratelimit-remaining"] == b"70"
     with pytest.raises(Refusal) as caught:  # 10 + 100 > 70 left: refused, nothing generated
-        admission.reserve(admission.admit("acme"), prompt=10, max_tokens=100, now=MID_MONTH)
+        _reserve(admission, "acme", 10, 100)
     refusal = caught.value
     assert refusal.status == 429 and refusal.limit == "tokens"
     assert refusal.payload["window"] == "minute" and refusal.payload["tokens_left"] == 70
@@ -448,30 +453,31 @@ def test_a_reservation_is_prompt_plus_max_tokens_and_settles_to_what_was_used() 
         and dict(refusal.headers)[b"x-ratelimit-remaining"] == b"0"
     )
     admission.settle(ticket, grant, used=20 + 35)  # it stopped early: charged what it used
-    state = admission.tenants["acme"]
-    assert state.tokens["minute"].reserved == 110 and state.tokens["minute"].used == 55
-    assert state.tokens["month"].used == 55 and state.tokens_used == 55
-    third = admission.reserve(admission.admit("acme"), prompt=10, max_tokens=100, now=MID_MONTH)
+    usage = admission.book.usage(("tiny-lm@1", "acme"))
+    assert usage["minute"] == (55, 110) and usage["month"] == (55, 110)
+    assert admission.tenants["acme"].tokens_used == 55
+    assert admission.tenants["acme"].tokens_window == {"minute": 55, "month": 55}
+    third = _reserve(admission, "acme", 10, 100)
     assert third is not None and dict(third.headers)[b"x-ratelimit-remaining"] == b"25"
 
 
 def test_partial_reservations_cap_the_completion() -> None:
     admission = _admission("partial", tokens=[{"tokens": 100, "per": "hour"}])
-    grant = admission.reserve(admission.admit("t"), prompt=30, max_tokens=200, now=MID_MONTH)
-    assert grant is not None and grant.reserved == 100 and grant.completion == 70
+    grant = _reserve(admission, "t", 30, 200)
+    assert grant is not None and grant.reservation.reserved == 100 and grant.completion == 70
     with pytest.raises(Refusal):  # nothing left, not even for the prompt
-        admission.reserve(admission.admit("t"), prompt=1, max_tokens=1, now=MID_MONTH)
-    assert _admission(concurrency=2).reserve(_admission(concurrency=2).admit("t"), 1, 1) is None
+        _reserve(admission, "t", 1, 1)
+    assert _reserve(_admission(concurrency=2), "t", 1, 1) is None
 
 
 def test_token_budgets_follow_calendar_months() -> None:
     admission = _admission(tokens=[{"tokens": 50, "per": "month"}])
     ticket = admission.admit("t")
     end_of_january = 1_801_439_999.0  # 2027-01-31T23:59:59Z
-    grant = admission.reserve(ticket, 10, 40, now=end_of_january)
+    grant = asyncio.run(admission.reserve(ticket, 10, 40, end_of_january))
     assert grant is not None
     admission.settle(ticket, grant, 50)
     with pytest.raises(Refusal) as caught:
-        admission.reserve(admission.admit("t"), 1, 1, now=end_of_january)
+        _reserve(admission, "t", 1, 1, end_of_january)
     assert dict(caught.value.headers)[b"retry-after"] == b"1"  # February starts in a second
-    assert admission.reserve(admission.admit("t"), 10, 40, now=end_of_january + 2) is not None
+    assert _reserve(admission, "t", 10, 40, end_of_january + 2) is not None

@@ -4,7 +4,7 @@
 #                   example model functions built, signed and published)
 #   ./dev.sh test   install what is needed, then lint, type-check and run every test
 #   ./dev.sh unit   the unit tests only (no Envoy, PostgreSQL, clang, fuzzing or apiserver; < 60 s)
-#   ./dev.sh check  ruff, mypy and the import layering (lint-imports)
+#   ./dev.sh check  ruff, mypy, the import layering (lint-imports) and test collection
 #   ./dev.sh docs   regenerate the reference pages, then serve the documentation on 127.0.0.1:8000
 #   ./dev.sh setup  only install
 # Works on a fresh Debian 12 as root with nothing but Python 3.11; everything else is installed
@@ -16,7 +16,7 @@ cd "$(dirname "$0")"
 
 VENV=${MESHFN_VENV:-.venv}
 # Folders that hold meshfn's Python packages (mapped into the meshfn namespace by pyproject.toml).
-PY_PACKAGES="common contracts ir policy istio xds health audit kube wasm_filters control_plane inference ebpf testing"
+PY_PACKAGES="common contracts ir policy istio xds health audit kube wasm_filters control_plane inference ebpf testing compiler"
 PYTHON=${PYTHON:-python3}
 # Our top-level folder `xds/` would shadow xds-protos' `xds` package if the working directory
 # were on sys.path (`python -m`, `python -c`): never put it there.
@@ -137,6 +137,9 @@ check() {
   "$VENV/bin/mypy" docs/gen/reference.py  # the documentation's reference generator
   log "import layering (lint-imports)"
   "$VENV/bin/lint-imports" --no-cache
+  log "every test module imports (pytest --collect-only)"
+  "$VENV/bin/pytest" -p no:cacheprovider --collect-only -q >/dev/null \
+    || { "$VENV/bin/pytest" -p no:cacheprovider --collect-only -q | tail -n 20; exit 1; }
 }
 
 cmd=${1:-help}

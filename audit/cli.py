@@ -1,5 +1,6 @@
 """`meshfn audit ...`: verify the chains against the witness, query, erase a subject, export for
-auditors, apply retention, run a collector or the signer.
+auditors, apply retention (witnessed by the signer), run a collector or the signer, create or
+migrate a store and its PostgreSQL roles (`init`).
 
 Mounted by the main CLI with `app.add_typer(audit_app, name="audit")`. `--store` takes an SQLite
 file or a `postgresql://` DSN (or $MESHFN_AUDIT_STORE); for a store at STATE/audit/audit.db the
@@ -16,7 +17,7 @@ import logging
 import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -27,21 +28,26 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from prometheus_client import CollectorRegistry, start_http_server
 from rich.table import Table
 
-from meshfn.common import env
+from meshfn.common import adminauth, env
 from meshfn.common.cli import command_app, fail, out, run_cli
+from meshfn.contracts.journal import journal_dir
 
-from . import layout, offline, signing
+from . import layout, offline, roles, signing
+from .access import access_event, accessed, record_access, redact_journals
+from .checkpoint import now_iso
 from .collector import AuditCollector, CollectorMetrics
+from .postgres import PostgresStore
 from .salt import load as load_salt
-from .signer import Signer, SignerClient, SignerError, serve
-from .store import CONTROL_CHAIN, AuditStore, StoreError, now_iso
+from .signer import PruneRefused, PruneResult, Signer, SignerClient, SignerError, serve
+from .store import CONTROL_CHAIN, DEFAULT_RETENTION_DAYS, AuditStore, StoreError
 from .stores import open_store
 from .verify import VerifyReport
 from .verify import verify as verify_store
 from .witness import FileWitness, Witness, WitnessError
 
 audit_app = command_app(
-    "audit", "The audit trail: verify, query, erase, export, retention, collector, signer."
+    "audit",
+    "The audit trail: verify, query, erase, export, retention, collector, signer, init.",
 )
 
 DEFAULT_STORE = str(layout.store_path(Path(".meshfn")))
@@ -60,6 +66,14 @@ KeyOpt = Annotated[
         "--public-key",
         envvar=env.AUDIT_PUBLIC_KEY.name,
         help="the signer's ed25519 public key (PEM); default STATE/audit-signer/checkpoint.key.pub",
+    ),
+]
+SignerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--signer",
+        envvar=env.AUDIT_SIGNER.name,
+        help="the signer's address (unix:PATH or tcp:HOST:PORT)",
     ),
 ]
 WitnessOpt = Annotated[
@@ -154,6 +168,7 @@ def _print_report(report: VerifyReport) -> None:
             f" {report.unsigned_tail} record(s) after it not yet signed",
             highlight=False,
         )
+        _print_unsigned(report)
     else:
         for problem in report.problems:
             where = f"seq {problem.seq}: " if problem.seq is not None else ""
@@ -165,8 +180,24 @@ def _print_report(report: VerifyReport) -> None:
             f" record(s) of {chains} chain(s){witness}",
             highlight=False,
         )
+        _print_unsigned(report)
+    if report.retention_days is not None:
+        out.print(f"retention: {report.retention_days} day(s), as the signer signed it")
     for note in report.notes:
         out.print(f"note: {note}", highlight=False)
+
+
+def _print_unsigned(report: VerifyReport) -> None:
+    """The unsigned tail, journal by journal: what a writer could still cut undetected."""
+    for name, chain in sorted(report.chains.items()):
+        if chain.unsigned:
+            first = max(chain.signed_seq, chain.anchor_seq) + 1
+            last = chain.last_seq if chain.last_seq is not None else chain.anchor_seq
+            span = f"record {last}" if first == last else f"records {first}-{last}"
+            out.print(
+                f"unsigned: journal {name}: {span} ({chain.unsigned}) not yet signed",
+                highlight=False,
+            )
 
 
 @audit_app.command()
@@ -260,12 +291,26 @@ def query(
     chain: Annotated[str | None, typer.Option(help="journal (proxy node id)")] = None,
     limit: Annotated[int, typer.Option(min=1, max=1_000_000)] = 100,
     as_json: JsonOpt = False,
+    show_accessed: Annotated[
+        bool,
+        typer.Option(
+            "--accessed",
+            help="list who read personal data instead: every query by subject, export and"
+            " erasure (newest first)",
+        ),
+    ] = False,
 ) -> None:
-    """Records matching all given filters, oldest first."""
+    """Records matching all given filters, oldest first. A query by subject is itself recorded
+    in the trail (who, when, the pseudonym, how many records came back): it is refused when the
+    store cannot take that record."""
+    if show_accessed:
+        _print_accessed(store, limit, as_json)
+        return
     wanted = _subject(store, subject, subject_raw, salt, "--subject")
     code, klass = _status(status)
     db = _open(store)
     try:
+        pseudonyms = db.pseudonyms(wanted) if wanted is not None else []
         rows = db.query(
             since=parse_time(since) if since else None,
             until=parse_time(until) if until else None,
@@ -280,6 +325,8 @@ def query(
         fail(exc, FAILED)
     finally:
         db.close()
+    if wanted is not None:  # before anything is shown: an unrecorded read must not happen
+        _record(store, "query", pseudonyms, len(rows))
     if as_json:
         for row in rows:
             print(json.dumps(row, sort_keys=True))
@@ -304,6 +351,57 @@ def query(
     out.print(f"{len(rows)} record(s)")
 
 
+def _record(store: str, action: str, pseudonyms: list[str], records: int, **detail: Any) -> None:
+    """Record this command's read of personal data (as the local user: whoever can open the
+    store's files); refuse to go on when the store will not take the record."""
+    event = access_event(
+        principal=adminauth.local_principal(),
+        action=action,
+        via="cli",
+        pseudonyms=pseudonyms,
+        records=records,
+        **detail,
+    )
+    db = _open(store, readonly=False)
+    try:
+        record_access(db, event)
+    except StoreError as exc:
+        fail(
+            f"this {action} reads personal data and must be recorded in the trail, which"
+            f" refused the record: {exc}",
+            FAILED,
+        )
+    finally:
+        db.close()
+
+
+def _print_accessed(store: str, limit: int, as_json: bool) -> None:
+    db = _open(store)
+    try:
+        rows = accessed(db, limit)
+    except StoreError as exc:
+        fail(exc, FAILED)
+    finally:
+        db.close()
+    if as_json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+        return
+    table = Table("seq", "time", "principal", "via", "action", "pseudonyms", "records")
+    for row in rows:
+        table.add_row(
+            str(row["seq"]),
+            str(row.get("time")),
+            str(row.get("principal") or "-"),
+            str(row.get("via") or "-"),
+            str(row.get("action") or row.get("event")),
+            ", ".join(p[:16] for p in row.get("pseudonyms") or []) or "-",
+            str(row.get("records", 0)),
+        )
+    out.print(table)
+    out.print(f"{len(rows)} access(es) to personal data")
+
+
 @audit_app.command()
 def erase(
     store: StoreOpt = DEFAULT_STORE,
@@ -318,40 +416,96 @@ def erase(
     salt: SaltOpt = None,
 ) -> None:
     """GDPR Art. 17: make the subject's records unlinkable to the subject (crypto-shredding:
-    its pseudonym key is destroyed; the records stay and still verify). Records the erasure
-    itself, without naming the subject. Exit 1 if the store knows no such subject."""
+    its pseudonym key is destroyed; the records stay and still verify), and overwrite the
+    subject's HMAC in the proxies' journals. With `meshfn up` running on the store's state
+    directory, that control plane does it (with its auditor token from STATE/admin/token), so
+    no line of the subject is stored after the erasure. Records the erasure itself (who, the
+    destroyed pseudonym, how many records), never the subject. A subject the store does not
+    know: "nothing to erase", exit 0, and the attempt is recorded."""
     wanted = _subject(store, subject_hash, subject_raw, salt, "--subject-hash")
     if wanted is None:
         raise typer.BadParameter("give --subject-raw or --subject-hash")
+    state = layout.state_of(store)
+    url = adminauth.running_admin_url(state) if state is not None else None
+    if state is not None and url is not None:
+        _erase_online(state, url, wanted)
+        return
     db = _open(store, readonly=False)
     try:
-        done = db.erase(wanted)
-    except StoreError as exc:
+        done = db.erase(wanted, principal=adminauth.local_principal(), via="cli")
+        copies = 0
+        if done is not None and state is not None:
+            copies = redact_journals(db, journal_dir(state), done.hashes)
+        elif done is None:
+            record_access(
+                db,
+                access_event(principal=adminauth.local_principal(), action="erase", via="cli"),
+            )
+    except (StoreError, OSError) as exc:
         fail(exc, FAILED)
     finally:
         db.close()
     if done is None:
-        out.print("unknown subject: the store holds no pseudonym for it; nothing changed")
-        raise typer.Exit(1)
+        out.print("nothing to erase: the store holds no pseudonym for this subject (recorded)")
+        return
+    _print_erasure(done.records, done.seq, copies, done.residue)
+
+
+def _print_erasure(records: int, seq: int, copies: int, residue: Any) -> None:
     out.print(
-        f"erased: {done.records} record(s) can no longer be linked to the subject; erasure"
-        f" recorded as {CONTROL_CHAIN} record {done.seq}"
+        f"erased: {records} record(s) can no longer be linked to the subject; erasure"
+        f" recorded as {CONTROL_CHAIN} record {seq}; {copies} copy(ies) of the subject's"
+        " HMAC overwritten in the journals"
     )
-    for residue in done.residue:
-        out.print(f"[yellow]warning[/yellow]: {residue}", highlight=False)
+    for line in residue:
+        out.print("[yellow]warning[/yellow]: ", end="", highlight=False)
+        out.print(str(line), markup=False, highlight=False)
+
+
+def _erase_online(state: Path, url: str, subject: str) -> None:
+    token = adminauth.read_owner_token(state)
+    try:
+        answer = adminauth.call_admin(
+            f"{url}/audit/erase", token, "POST", {"subject": subject}, timeout=60
+        )
+    except adminauth.AdminCallError as exc:
+        fail(f"the control plane running on {state} did not erase: {exc}", FAILED)
+    if not answer.get("erased"):
+        out.print("nothing to erase: the store holds no pseudonym for this subject (recorded)")
+        return
+    _print_erasure(
+        int(answer["records"]),
+        int(answer["seq"]),
+        int(answer.get("journal_copies", 0)),
+        answer.get("residue") or [],
+    )
 
 
 def _export_entries(
-    db: AuditStore, since: str, until: str | None, key_pem: str
+    db: AuditStore,
+    since: str,
+    until: str | None,
+    key_pem: str,
+    before: Callable[[int], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Header, the checkpoints, then per chain the records from the first at or after
     `since` up to the newest signed head (the unsigned tail is left out: everything exported
-    is covered by a signature)."""
+    is covered by a signature). `before(records)` runs before the first entry is produced,
+    with how many records follow (the access record of an export is written there)."""
     checkpoints = db.checkpoints()
     signed: dict[str, int] = {}
     for checkpoint in checkpoints:
         for chain, (seq, _) in checkpoint.heads.items():
             signed[chain] = seq
+    runs: dict[str, tuple[int, int]] = {}
+    for chain in db.chains():
+        first = db.records_since(chain, since)
+        top = signed.get(chain)
+        if first is None or top is None or first > top:
+            continue
+        runs[chain] = (first, top)
+    if before is not None:
+        before(sum(top - first + 1 for first, top in runs.values()))
     yield {
         "type": offline.EXPORT_TYPE,
         "v": 1,
@@ -361,13 +515,6 @@ def _export_entries(
         "created": now_iso(),
         "public_key": key_pem,
     }
-    runs: dict[str, tuple[int, int]] = {}
-    for chain in db.chains():
-        first = db.records_since(chain, since)
-        top = signed.get(chain)
-        if first is None or top is None or first > top:
-            continue
-        runs[chain] = (first, top)
     needed_from = min(
         (
             c.n
@@ -411,11 +558,17 @@ def export(
     pem = key.public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     ).decode()
+    start = parse_time(since)
+
+    def recorded(records: int) -> None:  # before any record is written out
+        _record(store, "export", [], records, since=start)
+
     db = _open(store)
     try:
         handle = output.open("w", newline="", encoding="utf-8") if output else sys.stdout
         try:
-            count = _write_export(handle, _export_entries(db, parse_time(since), None, pem), fmt)
+            entries = _export_entries(db, start, None, pem, recorded)
+            count = _write_export(handle, entries, fmt)
         finally:
             if output:
                 handle.close()
@@ -470,17 +623,129 @@ def verify_export(
 @audit_app.command()
 def prune(
     store: StoreOpt = DEFAULT_STORE,
-    days: Annotated[int, typer.Option(min=0, help="keep this many days")] = 730,
+    signer: SignerOpt = None,
+    days: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="prune only what is older than this (never less than the signer's retention)",
+        ),
+    ] = None,
 ) -> None:
-    """Apply retention now: delete records older than DAYS up to a signed checkpoint."""
+    """Apply retention now: the signer witnesses a prune of every journal up to its newest
+    record signed longer ago than its retention (or DAYS, if longer), then those records are
+    deleted. The retention is the signer's, never the store's."""
+    state = layout.state_of(store)
+    address = signer or (layout.signer_socket(state) if state is not None else None)
+    if address is None:
+        fail(
+            "give --signer (the signer witnesses every prune) for a store outside a state dir",
+            FAILED,
+        )
     db = _open(store, readonly=False)
     try:
-        deleted = db.apply_retention(days=days)
+        result = SignerClient(address).prune(days)
+        deleted = db.apply_prune(result.points)
+    except PruneRefused as exc:
+        fail(f"refused: {exc}", FAILED)
+    except SignerError as exc:
+        fail(
+            f"{exc}: every prune is witnessed by the signer; start it (`meshfn up` runs it, or"
+            " `meshfn audit signer`) or give --signer",
+            FAILED,
+        )
     except StoreError as exc:
         fail(exc, FAILED)
     finally:
         db.close()
-    out.print(f"deleted {deleted} record(s) older than {days} day(s)")
+    _print_prune(result, deleted)
+
+
+def _print_prune(result: PruneResult, deleted: int) -> None:
+    if result.checkpoints:
+        new = result.checkpoints[-1]
+        reach = ", ".join(f"journal {c} up to record {s}" for c, (s, _) in new.prune.items())
+        out.print(
+            f"the signer witnessed a prune in checkpoint {new.n} (retention"
+            f" {result.retention_days} day(s)): {reach}",
+            highlight=False,
+        )
+    else:
+        out.print(
+            f"nothing new to prune: no record signed longer ago than the retention"
+            f" ({result.retention_days} day(s)) is left to witness",
+            highlight=False,
+        )
+    out.print(f"deleted {deleted} record(s)")
+
+
+@audit_app.command()
+def init(
+    store: StoreOpt = DEFAULT_STORE,
+    collector: Annotated[
+        str | None,
+        typer.Option(
+            envvar=env.AUDIT_COLLECTOR_DSN.name,
+            help="the collectors' role: a DSN (its user, and password for --create-roles) or a"
+            " role name (PostgreSQL)",
+        ),
+    ] = None,
+    signer: Annotated[
+        str | None,
+        typer.Option(envvar=env.AUDIT_SIGNER_DSN.name, help="the signer's role (the same forms)"),
+    ] = None,
+    reader: Annotated[
+        str | None,
+        typer.Option(envvar=env.AUDIT_READER_DSN.name, help="the readers' role (the same forms)"),
+    ] = None,
+    auditor: Annotated[
+        str | None,
+        typer.Option(
+            envvar=env.AUDIT_AUDITOR_DSN.name,
+            help="the auditors' role: queries by subject and exports, each recorded (the same"
+            " forms)",
+        ),
+    ] = None,
+    create_roles: Annotated[
+        bool,
+        typer.Option(
+            "--create-roles", help="create missing login roles (and set the DSNs' passwords)"
+        ),
+    ] = False,
+) -> None:
+    """Create the store, or migrate an older one, as its owner; on PostgreSQL also give each
+    component its own role: collectors insert records and advance journals, the signer only
+    inserts checkpoints, auditors read and record their reads of personal data, readers only
+    read. Safe to run again (grants are reset to these)."""
+    given = {"collector": collector, "signer": signer, "reader": reader, "auditor": auditor}
+    wanted = {kind: value for kind, value in given.items() if value}
+    db = _open(store, readonly=False)
+    try:
+        if not isinstance(db, PostgresStore):
+            if wanted:
+                fail(
+                    "an SQLite store has no roles: whoever can write its file writes it all",
+                    FAILED,
+                )
+            out.print(f"audit store {db.location}: schema ready")
+            return
+        lines = roles.init_roles(
+            db, [roles.role_of(k, v) for k, v in wanted.items()], create=create_roles
+        )
+    except StoreError as exc:
+        fail(exc, FAILED)
+    finally:
+        db.close()
+    out.print(f"audit store {db.location}: schema ready", highlight=False)
+    for line in lines:
+        out.print(f"role {line}", highlight=False)
+    missing = [kind for kind in roles.KINDS if kind not in wanted]
+    if missing:
+        out.print(
+            f"[yellow]warning[/yellow]: no role given for {', '.join(missing)}: such a"
+            " component would need the owner's credentials, which can rewrite the trail",
+            highlight=False,
+        )
 
 
 @audit_app.command()
@@ -489,14 +754,7 @@ def collect(
         list[str], typer.Option("--journal", help="SOURCE=PATH of an Envoy audit journal")
     ],
     store: StoreOpt = DEFAULT_STORE,
-    signer: Annotated[
-        str | None,
-        typer.Option(
-            "--signer",
-            envvar=env.AUDIT_SIGNER.name,
-            help="the signer's address (unix:PATH or tcp:HOST:PORT); without it nothing is signed",
-        ),
-    ] = None,
+    signer: SignerOpt = None,
     max_bytes: Annotated[
         int | None, typer.Option("--max-bytes", min=4096, help="cap the store's size (SQLite)")
     ] = None,
@@ -568,10 +826,18 @@ def signer_command(
     listen: Annotated[
         str | None, typer.Option(help="unix:PATH or tcp:HOST:PORT (default: STATE's socket)")
     ] = None,
+    retention_days: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="keep records this many days: signed into every checkpoint; the signer"
+            " witnesses no prune of younger records",
+        ),
+    ] = DEFAULT_RETENTION_DAYS,
 ) -> None:
-    """Run the checkpoint signer: the only holder of the signing key. It reads the store
-    read-only, signs only chain heads it has re-verified, and appends every checkpoint to the
-    witness before answering."""
+    """Run the checkpoint signer: the only holder of the signing key and of the retention.
+    It reads the store, signs only chain heads it has re-verified, appends every checkpoint
+    to the witness before inserting it (its only write), and witnesses each prune."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     state = layout.state_of(store)
     key = key or (layout.key_path(state) if state else None)
@@ -581,11 +847,11 @@ def signer_command(
         fail("give --key, --witness and --listen for a store outside a state dir", FAILED)
     try:
         private = signing.load_or_create(key)
-        db = open_store(store, readonly=True)
+        db = open_store(store)
     except (signing.KeyError_, StoreError, OSError) as exc:
         fail(exc, FAILED)
     try:
-        the_signer = Signer(db, private, FileWitness(witness))
+        the_signer = Signer(db, private, FileWitness(witness), retention_days)
     except (SignerError, WitnessError, StoreError) as exc:
         db.close()
         fail(exc, FAILED)

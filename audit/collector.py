@@ -18,17 +18,21 @@ the other) re-reads the position and goes on from there (store.StoreConflict): n
 twice or skipped.
 
 Checkpoints come from the signer (signer.py), which the collector asks every `checkpoint_every`
-records or `checkpoint_interval` seconds, in the background. The records stored since the last
-checkpoint are the ones a writer of the store could still remove undetected: at most
-`checkpoint_every` records, or `checkpoint_interval` seconds of traffic, per collector (plus one
-signing round trip); lower either to shrink that bound.
+records or `checkpoint_interval` seconds, in the background; the signer stores them itself (the
+collector's role may not insert checkpoints). The records stored since the last checkpoint are
+the ones a writer of the store could still remove undetected: at most `checkpoint_every`
+records, or `checkpoint_interval` seconds of traffic, per collector (plus one signing round
+trip); lower either to shrink that bound.
+
+Retention: every `retention_interval` the collector asks the signer to witness a prune (the
+signer decides how far, from its own retention setting) and deletes up to the witnessed points;
+without a signer nothing is ever deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import threading
@@ -43,15 +47,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .record import from_log_line, unparsed
+from .redact import FINGERPRINT_BYTES, fingerprint_length, journal_files, redact_file
+from .redact import fingerprint as _fingerprint
 from .signer import CheckpointSigner, SignerError
-from .store import AuditStore, JournalPosition, StoreConflict, StoreError
+from .store import AuditStore, Erasure, JournalPosition, StoreConflict, StoreError
 
 log = logging.getLogger("meshfn.audit")
 
 _MAX_BATCH = 1 << 20  # bytes of journal per transaction
 _REPEAT_ERROR_S = 30.0
 _ROTATION_QUIET_S = 1.0
-_FINGERPRINT = 4096
+_FINGERPRINT = FINGERPRINT_BYTES
 _REOPEN_TIMEOUT_S = 10.0
 
 
@@ -74,11 +80,6 @@ class _Journal:
         return JournalPosition(
             self.source, str(self.path), self.inode, self.offset, self.fingerprint
         )
-
-
-def _fingerprint(fd: int, length: int) -> str:
-    n = min(length, _FINGERPRINT)
-    return f"{n}:{hashlib.sha256(os.pread(fd, n, 0)).hexdigest()}"
 
 
 class AuditCollector:
@@ -191,6 +192,57 @@ class AuditCollector:
             journal.reopen_pending = True
             return target
 
+    def appended(self, records: int) -> None:
+        """Records someone else appended through this collector's store (the control chain's
+        access records): counted, so the next checkpoint signs them soon."""
+        with self._counting:
+            self._since_checkpoint += records
+
+    def erase(
+        self, subject: str, principal: str | None = None, via: str | None = None
+    ) -> tuple[Erasure | None, int]:
+        """Erase a subject (store.erase) and every copy of its HMAC in the journals: store
+        every complete line first (so no line of the subject is stored after the erasure with
+        a pseudonym of its own), erase, then redact the journals in place (redact.py), keeping
+        each stored position's fingerprint in step. Call it from a worker thread, after the
+        proxies have flushed what they buffered (Envoy's file flush interval). Returns the
+        erasure (None: the store knew no such subject, and nothing was redacted) and how many
+        copies of the HMAC were overwritten."""
+        with self._mutex:  # no tick runs meanwhile: nothing is read or stored under us
+            for journal in self._journals.values():
+                while self._ingest(journal):
+                    pass
+            done = self.store.erase(subject, principal=principal, via=via)
+            if done is None:
+                return None, 0
+            with self._counting:
+                self._since_checkpoint += 1  # the erasure record
+            self._sign_due = True
+            return done, self._redact(done.hashes)
+
+    def _redact(self, hashes: tuple[str, ...]) -> int:
+        files: set[Path] = set()
+        for journal in self._journals.values():
+            files |= set(journal_files(journal.path.parent))
+        count = 0
+        for path in sorted(files):
+            written = redact_file(path, hashes)
+            count += len(written)
+            if not written:
+                continue
+            for journal in self._journals.values():
+                # the file this journal's collector reads (and whose fingerprint is stored)
+                if journal.fd is None or os.stat(path).st_ino != journal.inode:
+                    continue
+                length = fingerprint_length(journal.fingerprint)
+                if written[0] >= length:
+                    continue
+                journal.fingerprint = _fingerprint(journal.fd, length)
+                self.store.append([], journal.position())
+        if count:
+            log.info("audit erasure: %d copies of the subject's HMAC redacted in journals", count)
+        return count
+
     async def drain(self, timeout: float = 10.0) -> None:
         """Wait until every complete line currently in the journals is stored (for tests and
         orderly shutdowns). Raises TimeoutError with the reason if the store refuses."""
@@ -281,14 +333,13 @@ class AuditCollector:
             self._sign_task = asyncio.create_task(asyncio.to_thread(self._checkpoint))
 
     def _checkpoint(self) -> None:
-        """Ask the signer for a checkpoint and keep it in the store too (the witness has it)."""
+        """Ask the signer for a checkpoint (it stores it, after its witness has it)."""
         if self.signer is None:
             return
         pending = self._since_checkpoint
         try:
             result = self.signer.sign()
             for checkpoint in result.checkpoints:
-                self.store.add_checkpoint(checkpoint)
                 self.last_checkpoint = checkpoint.n
         except (SignerError, StoreError) as exc:
             self.signer_errors += 1
@@ -542,11 +593,28 @@ class AuditCollector:
         ):
             self._sign_due = True
             self._last_checkpoint = now
-        if self.retention_interval and now - self._last_retention >= self.retention_interval:
+        if (
+            self.signer is not None
+            and self.retention_interval
+            and now - self._last_retention >= self.retention_interval
+        ):
             self._last_retention = now
-            deleted = self.store.apply_retention()
-            if deleted:
-                log.info("audit retention removed %d records", deleted)
+            self._prune(self.signer)
+
+    def _prune(self, signer: CheckpointSigner) -> None:
+        """Retention: the signer witnesses what may go, then the store deletes that much."""
+        try:
+            result = signer.prune()
+        except SignerError as exc:
+            log.error("audit retention: the signer witnessed no prune: %s", exc)
+            return
+        deleted = self.store.apply_prune(result.points)
+        if deleted:
+            log.info(
+                "audit retention (%d days, witnessed by the signer) removed %d records",
+                result.retention_days,
+                deleted,
+            )
 
 
 class CollectorMetrics(Collector):

@@ -12,10 +12,13 @@ chains and checkpoints with these same functions, so the format has exactly one 
 Formats (all hashes SHA-256, hex in JSON):
 - record i of chain c: `h_i = SHA-256(h_{i-1} || canonical(record_i))`, `h_0` = `chain_genesis`;
   canonical = JSON with sorted keys, no spaces, ASCII only.
-- checkpoint n: canonical JSON `{"type": "meshfn-audit-checkpoint", "v": 2, "store": id, "n": n,
+- checkpoint n: canonical JSON `{"type": "meshfn-audit-checkpoint", "v": 3, "store": id, "n": n,
   "time": ISO-8601, "prev": SHA-256 of checkpoint n-1's body (checkpoint_genesis for n = 1),
-  "chains": {c: [seq, h_seq], ...}}` listing every chain whose head moved since checkpoint n-1;
-  ed25519-signed over those exact bytes.
+  "chains": {c: [seq, h_seq], ...}, "retention_days": days}` listing every chain whose head moved
+  since checkpoint n-1, and the retention the signer applies; a prune the signer witnessed adds
+  `"prune": {c: [seq, h_seq], ...}` (records of c up to seq may be deleted: the chain then starts
+  after h_seq). ed25519-signed over those exact bytes. Version 2 (before retention and prunes
+  were signed) has neither field.
 - export: a header `{"type": "meshfn-audit-export", ...}`, then the checkpoints
   (`{"type": "checkpoint", "body": ..., "signature": ...}`), then per chain a contiguous run of
   records (`{"type": "record", "chain", "seq", "prev", "hash", "record"}`) that ends at a signed
@@ -39,7 +42,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 CHECKPOINT_TYPE = "meshfn-audit-checkpoint"
-CHECKPOINT_VERSION = 2
+CHECKPOINT_VERSION = 3
+# Version 2: no retention_days and no prune (stores written before prunes were witnessed).
+CHECKPOINT_VERSIONS = (2, 3)
 EXPORT_TYPE = "meshfn-audit-export"
 CSV_COLUMNS = (
     "type",
@@ -103,14 +108,27 @@ def parse_checkpoint(body: bytes) -> dict[str, Any]:
     doc = json.loads(body)
     if not isinstance(doc, dict) or doc.get("type") != CHECKPOINT_TYPE:
         raise ValueError("not a meshfn audit checkpoint")
-    if doc.get("v") != CHECKPOINT_VERSION:
-        raise ValueError(f"checkpoint version {doc.get('v')!r} is not {CHECKPOINT_VERSION}")
+    if doc.get("v") not in CHECKPOINT_VERSIONS:
+        raise ValueError(f"checkpoint version {doc.get('v')!r} is not one of {CHECKPOINT_VERSIONS}")
     if canonical(doc) != body:
         raise ValueError("checkpoint body is not in canonical form")
     chains = doc.get("chains")
     if not isinstance(doc.get("n"), int) or not isinstance(chains, dict):
         raise ValueError("checkpoint without n or chains")
-    for chain, head in chains.items():
+    _check_heads(chains, "head")
+    if doc["v"] >= 3:
+        days = doc.get("retention_days")
+        if not isinstance(days, int) or isinstance(days, bool) or days < 0:
+            raise ValueError("checkpoint without a retention (retention_days >= 0)")
+        prune = doc.get("prune", {})
+        if not isinstance(prune, dict):
+            raise ValueError("checkpoint prune is not a map of chains")
+        _check_heads(prune, "prune point")
+    return doc
+
+
+def _check_heads(heads: dict[Any, Any], what: str) -> None:
+    for chain, head in heads.items():
         if not (
             isinstance(chain, str)
             and isinstance(head, list)
@@ -119,8 +137,7 @@ def parse_checkpoint(body: bytes) -> dict[str, Any]:
             and isinstance(head[1], str)
             and len(head[1]) == 64
         ):
-            raise ValueError(f"checkpoint head of chain {chain!r} is malformed")
-    return doc
+            raise ValueError(f"checkpoint {what} of chain {chain!r} is malformed")
 
 
 def checkpoint_digest(body: bytes) -> str:

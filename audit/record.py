@@ -33,6 +33,8 @@ import json
 import re
 from typing import Any
 
+from meshfn.contracts.journal import ERASED_SUBJECT
+
 from .offline import canonical
 
 RECORD_VERSION = 2
@@ -212,7 +214,7 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
     raw_state = entry.get("audit")
     if isinstance(raw_state, str) and raw_state not in ("", "-"):
         state: Any = None
-        if raw_state == "null" or _hex(raw_state, 64):
+        if raw_state in ("null", ERASED_SUBJECT) or _hex(raw_state, 64):
             state = _bare_state(raw_state, entry)
             if state is None:
                 record["error"] = "audit filter state without its access log fields"
@@ -225,13 +227,7 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
                 if not isinstance(state, dict):
                     record["error"] = "audit filter state is not a JSON object"
         if isinstance(state, dict):
-            record["audited"] = True
-            record["subject"] = _hex(state.get("subject"), 64)
-            record["salt_id"] = _str(state.get("salt_id"), "salt_id", cut)
-            record["subject_source"] = _str(state.get("subject_source"), "subject_source", cut)
-            record["tenant"] = _str(state.get("tenant"), "tenant", cut)
-            record["body"] = _str(state.get("body"), "body", cut)
-            record["body_sha256"] = _hex(state.get("body_sha256"), 64)
+            record.update(_audited(state, cut))
     return _finished(record, entry, cut)
 
 
@@ -304,6 +300,22 @@ def _outcome_from_flags(flags: str, status: Any) -> str:
     return "refused" if isinstance(status, int) and status >= 400 else "completed"
 
 
+def _audited(state: dict[str, Any], cut: list[str]) -> dict[str, Any]:
+    """The audit filter's fields of a record, from its filter state (either shape)."""
+    fields: dict[str, Any] = {
+        "audited": True,
+        "subject": _hex(state.get("subject"), 64),
+        "salt_id": _str(state.get("salt_id"), "salt_id", cut),
+        "subject_source": _str(state.get("subject_source"), "subject_source", cut),
+        "tenant": _str(state.get("tenant"), "tenant", cut),
+        "body": _str(state.get("body"), "body", cut),
+        "body_sha256": _hex(state.get("body_sha256"), 64),
+    }
+    if state.get("subject") == ERASED_SUBJECT:  # `meshfn audit erase` redacted the line
+        fields["subject_erased"] = True
+    return fields
+
+
 def mesh_route(entry: dict[str, Any], principal: str | None, cut: list[str]) -> dict[str, Any]:
     """`route`, `route_source` and `route_claimed` (see the module docstring): what the access
     log's mesh-route fields (meshfn.xds.fragments.plugins.mesh_route_fields) say, believed only
@@ -325,7 +337,7 @@ def _bare_state(subject: str, entry: dict[str, Any]) -> dict[str, Any] | None:
     if entry.get("audit_v") != "1":
         return None
     return {
-        "subject": None if subject == "null" else subject,
+        "subject": None if subject == "null" else subject,  # ERASED_SUBJECT: see from_log_line
         "salt_id": entry.get("salt_id"),
         "subject_source": entry.get("subject_source"),
         "tenant": entry.get("tenant"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
@@ -16,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from .store import (
-    DEFAULT_RETENTION_DAYS,
+    MIGRATABLE,
     TABLES,
     AuditStore,
     RecordRow,
     Row,
     StoreConflict,
     StoreError,
+    VerifyRow,
 )
 
 # Query columns generated from the record (they cannot disagree with what the chain covers;
@@ -31,23 +33,52 @@ _QUERY_COLUMNS = """time TEXT GENERATED ALWAYS AS (json_extract(record, '$.time'
     subject TEXT GENERATED ALWAYS AS (json_extract(record, '$.subject')) VIRTUAL,
     status INTEGER GENERATED ALWAYS AS (json_extract(record, '$.status')) VIRTUAL,
     route TEXT GENERATED ALWAYS AS (json_extract(record, '$.route')) VIRTUAL"""
-_DDL = (
-    TABLES.format(
-        blob="BLOB", int="INTEGER", serial="INTEGER", offset="offset", query_columns=_QUERY_COLUMNS
-    )
-    + """
-CREATE TRIGGER IF NOT EXISTS records_no_update BEFORE UPDATE ON records
-BEGIN SELECT RAISE(ABORT, 'audit records are append-only'); END;
-CREATE TRIGGER IF NOT EXISTS records_no_delete BEFORE DELETE ON records
+# Append-only records and checkpoints; a chain starts at record 0, is never deleted, and its
+# anchor moves only to a point that the stored checkpoint it names (`anchor_checkpoint`, one
+# lookup) lists in its `prune` (the signer's witnessed prune: see retention.py), so retention
+# deletes only what the signer let go.
+_TRIGGERS = (
+    """CREATE TRIGGER IF NOT EXISTS records_no_update BEFORE UPDATE ON records
+BEGIN SELECT RAISE(ABORT, 'audit records are append-only'); END""",
+    """CREATE TRIGGER IF NOT EXISTS records_no_delete BEFORE DELETE ON records
 WHEN old.seq > COALESCE((SELECT anchor_seq FROM chains WHERE chain = old.chain), 0)
-BEGIN SELECT RAISE(ABORT, 'audit records are append-only (retention deletes them)'); END;
-CREATE TRIGGER IF NOT EXISTS checkpoints_no_update BEFORE UPDATE ON checkpoints
-BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END;
-CREATE TRIGGER IF NOT EXISTS checkpoints_no_delete BEFORE DELETE ON checkpoints
-WHEN old.n >= CAST((SELECT value FROM meta WHERE key = 'checkpoint_floor') AS INTEGER)
-BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END;
-"""
+BEGIN SELECT RAISE(ABORT, 'audit records are append-only (retention deletes them)'); END""",
+    """CREATE TRIGGER IF NOT EXISTS checkpoints_no_update BEFORE UPDATE ON checkpoints
+BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END""",
+    """CREATE TRIGGER IF NOT EXISTS checkpoints_no_delete_ever BEFORE DELETE ON checkpoints
+BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END""",
+    """CREATE TRIGGER IF NOT EXISTS chains_start_at_genesis BEFORE INSERT ON chains
+WHEN new.anchor_seq <> 0
+BEGIN SELECT RAISE(ABORT, 'audit chains start at record 0'); END""",
+    """CREATE TRIGGER IF NOT EXISTS chains_no_delete BEFORE DELETE ON chains
+BEGIN SELECT RAISE(ABORT, 'audit chains are never deleted'); END""",
+    """CREATE TRIGGER IF NOT EXISTS chains_anchor_witnessed BEFORE UPDATE ON chains
+WHEN new.chain IS NOT old.chain
+  OR ((new.anchor_seq IS NOT old.anchor_seq OR new.anchor_hash IS NOT old.anchor_hash)
+      AND NOT EXISTS (
+        SELECT 1 FROM checkpoints c, json_each(c.body, '$.prune') p
+        WHERE c.n = new.anchor_checkpoint AND p.key = new.chain
+          AND json_extract(p.value, '$[0]') = new.anchor_seq
+          AND json_extract(p.value, '$[1]') = lower(hex(new.anchor_hash))))
+BEGIN
+  SELECT RAISE(ABORT, 'audit chains: the anchor moves only to a prune the signer witnessed');
+END""",
 )
+# The records table as meshfn creates it (SQLite keeps the statement's text, without IF NOT
+# EXISTS): while the file says exactly this, the query columns are computed from the record on
+# every read and cannot disagree with it; any other definition (a table rebuilt with ordinary
+# columns, another expression) has verify compare every row.
+_TABLES_SQL = TABLES.format(
+    blob="BLOB", int="INTEGER", serial="INTEGER", offset="offset", query_columns=_QUERY_COLUMNS
+)
+_RECORDS_SQL = " ".join(
+    re.search(r"CREATE TABLE IF NOT EXISTS (records \(.*?\n\));", _TABLES_SQL, re.S)
+    .group(1)  # type: ignore[union-attr]
+    .split()
+)
+# schema 2's checkpoint trigger let the writer delete below a floor it set itself
+_OLD_TRIGGERS = ("checkpoints_no_delete",)
+_DDL = _TABLES_SQL + ";\n".join(_TRIGGERS) + ";\n"
 
 
 class SqliteStore(AuditStore):
@@ -56,10 +87,9 @@ class SqliteStore(AuditStore):
         path: Path,
         *,
         readonly: bool = False,
-        retention_days: int = DEFAULT_RETENTION_DAYS,
         max_bytes: int | None = None,
     ) -> None:
-        super().__init__(readonly=readonly, retention_days=retention_days)
+        super().__init__(readonly=readonly)
         self.path = Path(path)
         self.location = self.open_location = str(self.path)
         self._in_tx = False
@@ -80,6 +110,8 @@ class SqliteStore(AuditStore):
                 self._db = self._connect(self.path)
                 self._db.executescript(_DDL)
                 self._init_meta()
+                if self._schema() == MIGRATABLE:  # the writer owns the file: migrate on open
+                    self.migrate()
                 if max_bytes is not None:
                     self.set_max_bytes(max_bytes)
             self._check_schema()
@@ -164,12 +196,30 @@ class SqliteStore(AuditStore):
         with self._lock, self._errors("write failed"):
             return int(self._db.execute(sql, tuple(args)).rowcount)
 
+    def record_batches(self, chain: str, seq: int, batch: int = 5000) -> Iterator[list[VerifyRow]]:
+        """The base class's rows, each compared with its query columns, unless the records
+        table is exactly meshfn's (generated columns: nothing to compare, half the time)."""
+        if not self._columns_generated():
+            yield from super().record_batches(chain, seq, batch)
+            return
+        yield from self._pages("seq, record, prev, hash, 1", chain, seq, batch)
+
+    def _columns_generated(self) -> bool:
+        found = self._rows("SELECT sql FROM sqlite_master WHERE type='table' AND name='records'")
+        return bool(found) and " ".join(str(found[0][0]).split()) == "CREATE TABLE " + _RECORDS_SQL
+
     def _insert_records(self, rows: list[RecordRow]) -> None:
         with self._errors("cannot store audit records"):
             self._db.executemany(
                 "INSERT INTO records (chain, seq, record, prev, hash) VALUES (?, ?, ?, ?, ?)",
                 [row[:5] for row in rows],
             )
+
+    def _migrate(self) -> None:
+        for name in _OLD_TRIGGERS:
+            self._rows(f"DROP TRIGGER IF EXISTS {name}")
+        for statement in _TRIGGERS:
+            self._rows(statement)
 
     def _lock_erasures(self, exclusive: bool) -> str:
         # BEGIN IMMEDIATE already serialises every writer of the file

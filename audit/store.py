@@ -5,16 +5,21 @@ Layout (the same tables on both):
   Row `(chain, seq)` holds the canonical record, the previous hash and its own hash
   `h_seq = SHA-256(h_{seq-1} || canonical(record))` (offline.link), starting at
   `offline.chain_genesis(store_id, chain)`. Query columns are generated from the record JSON,
-  so they can never disagree with what the chain covers.
+  so they can never disagree with what the chain covers; `verify` still checks every row's
+  columns against its record, whatever the table's column definitions (a rebuilt table with
+  ordinary columns could say anything).
 - `checkpoints`: ed25519-signed documents naming the newest (seq, hash) of every chain that moved
-  since the previous one, each linked to its predecessor (offline.py). Signed by the signer
-  (signer.py), which is not the writer and also publishes each one to a witness outside the DB.
+  since the previous one, each linked to its predecessor (offline.py), with the retention the
+  signer applies. Signed AND inserted by the signer (signer.py), which is not the writer and
+  publishes each one to a witness outside the DB first. A checkpoint may witness a prune
+  (`prune`: chain -> the record up to which retention may delete): the only thing that lets a
+  chain's anchor move (a trigger checks it; `verify` checks it again against the witness).
 - `journals`: how far each journal has been stored, written in the same transaction as the
   records read up to there. The update is a compare-and-swap on the position this store object
   last saw, so of two collectors racing on one journal exactly one stores each line, and a
   collector restarted mid-batch resumes where the last committed batch ended.
 - `chains`: every chain ever written, with its retention anchor (records up to `anchor_seq` were
-  deleted by retention; `anchor_hash` is the hash there, vouched for by a signed checkpoint).
+  deleted by retention; `anchor_hash` is the hash there, as a witnessed prune names it).
 - `subjects`: the per-subject pseudonyms (crypto-shredding, see `erase`): records carry a random
   pseudonym, never the filter's HMAC of the subject; erasing a subject destroys its row.
 
@@ -26,7 +31,13 @@ chains together (a cross-checkpoint covers all of them), so dropping a whole cha
 chain's tail is detected like a truncated single chain.
 
 Append-only in the database itself (triggers), so a mistake cannot edit the trail; whoever
-drops them is an attacker, and `verify` (verify.py) is for that case.
+drops them is an attacker, and `verify` (verify.py) is for that case. On PostgreSQL each
+component connects as its own role (roles.py): collectors cannot sign, insert checkpoints or drop
+the triggers; the signer can only insert checkpoints; readers only read.
+
+Retention is not the store's: the signer holds the retention setting, signs it into every
+checkpoint and witnesses every prune (retention.py); the store only deletes what a witnessed
+prune covers (`apply_prune`).
 """
 
 from __future__ import annotations
@@ -36,17 +47,17 @@ import json
 import re
 import secrets
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, now_iso
 from .offline import canonical, chain_genesis, link
 
-SCHEMA = 2
+SCHEMA = 3
+# Schema 2 (before prunes were witnessed) is migrated in place by its owner (`migrate`).
+MIGRATABLE = "2"
 DEFAULT_RETENTION_DAYS = 730
 DEFAULT_CHAIN = "local"
 # Written by meshfn itself (erasures), never by a journal: sources may not start with "@".
@@ -97,6 +108,10 @@ class Erasure:
     records: int  # records that carried the subject's pseudonym
     seq: int  # the erasure record in the control chain
     residue: tuple[str, ...] = ()  # what the database could not scrub (see _shred)
+    pseudonyms: tuple[str, ...] = ()  # the destroyed pseudonyms (named by the erasure record)
+    # The filter's HMACs of the subject the destroyed rows held: what must now go from the
+    # journals too (collector.erase, access.redact_journals). Returned, never stored.
+    hashes: tuple[str, ...] = ()
 
 
 def query_columns(record: dict[str, Any]) -> tuple[str | None, str | None, int | None, str | None]:
@@ -185,15 +200,6 @@ def columns_agree(body: str, columns: tuple[Any, ...]) -> bool:
     return True
 
 
-def now_iso(now: float | None = None) -> str:
-    moment = datetime.fromtimestamp(time.time() if now is None else now, UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def parse_iso(text: str) -> float:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
-
-
 class AuditStore(ABC):
     """What collectors, the signer, the CLI and the console use. Thread-safe; one open store
     per process and database. `SqliteStore` and `PostgresStore` differ only in SQL dialect,
@@ -205,14 +211,10 @@ class AuditStore(ABC):
     # may carry a password: never print it)
     open_location: str
     readonly: bool
-    retention_days: int
     _store_id: str | None = None
 
-    def __init__(self, *, readonly: bool, retention_days: int) -> None:
-        if retention_days < 0:
-            raise StoreError("retention_days must be >= 0")
+    def __init__(self, *, readonly: bool) -> None:
         self.readonly = readonly
-        self.retention_days = retention_days
         self._lock = threading.RLock()
         self._heads: dict[str, tuple[int, bytes]] = {}
         self._positions: dict[str, JournalPosition | None] = {}
@@ -248,7 +250,20 @@ class AuditStore(ABC):
         files (and so from backups taken from now on). Returns what could not be done."""
 
     @abstractmethod
+    def _migrate(self) -> None:
+        """Inside a write transaction: bring a schema-2 store's triggers to this schema."""
+
+    @abstractmethod
     def close(self) -> None: ...
+
+    def _start_chain(self, chain: str, genesis: bytes) -> None:
+        """Record a chain's first use (its anchor: the genesis hash), inside the transaction
+        that stores its first records."""
+        self._rows(
+            "INSERT INTO chains (chain, anchor_seq, anchor_hash) VALUES (?, 0, ?)"
+            " ON CONFLICT(chain) DO NOTHING",
+            (chain, genesis),
+        )
 
     def _upsert(self, table: str, keys: Sequence[str], values: dict[str, Any]) -> None:
         columns = list(values)
@@ -274,23 +289,44 @@ class AuditStore(ABC):
                     ("store_id", secrets.token_hex(16)),
                     ("created", now_iso()),
                     ("erasures", "0"),
-                    ("checkpoint_floor", "0"),
                 ):
                     self._rows(
                         "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO NOTHING",
                         (key, value),
                     )
 
-    def _check_schema(self) -> None:
+    def _schema(self) -> str | None:
         row = self._rows("SELECT value FROM meta WHERE key='schema'")
-        if not row:
+        return str(row[0][0]) if row else None
+
+    def _check_schema(self) -> None:
+        found = self._schema()
+        if found is None:
             raise StoreError(f"{self.location}: not an audit store (no schema)")
-        if row[0][0] != str(SCHEMA):
+        if found == MIGRATABLE:
             raise StoreError(
-                f"{self.location}: an audit store of schema {row[0][0]}, this meshfn reads"
+                f"{self.location}: an audit store of schema {found}, this meshfn reads schema"
+                f" {SCHEMA}: migrate it in place with `meshfn audit init --store STORE` (as the"
+                " store's owner; `meshfn up` does it on start)"
+            )
+        if found != str(SCHEMA):
+            raise StoreError(
+                f"{self.location}: an audit store of schema {found}, this meshfn reads"
                 f" schema {SCHEMA}: keep it (the meshfn that wrote it still verifies it) and"
                 " start a new store"
             )
+
+    def migrate(self) -> bool:
+        """Bring a schema-2 store to this schema (its owner only: new triggers, and the
+        retention the store kept itself dropped: the signer's is signed). True if it did."""
+        self._must_write()
+        with self._lock, self._write():
+            if self._schema() != MIGRATABLE:
+                return False
+            self._migrate()
+            self._count("DELETE FROM meta WHERE key IN ('retention_days', 'checkpoint_floor')")
+            self._count("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA),))
+        return True
 
     def meta(self, key: str) -> str:
         with self._lock:
@@ -345,22 +381,26 @@ class AuditStore(ABC):
                 )
         return self._heads[chain]
 
-    def records_after(
-        self, chain: str, seq: int, batch: int = 5000
-    ) -> Iterator[tuple[int, str, bytes, bytes]]:
-        """(seq, record, prev, hash) of the chain's records after `seq`, in order, read in
-        batches (keyset pagination: no cursor stays open between them)."""
+    def _pages(self, columns: str, chain: str, seq: int, batch: int) -> Iterator[list[Row]]:
+        """`columns` of the chain's records after `seq`, in order, in batches (keyset
+        pagination: no cursor stays open between them); the first column is seq."""
         while True:
             with self._lock:
                 rows = self._rows(
-                    "SELECT seq, record, prev, hash FROM records WHERE chain=? AND seq>?"
-                    " ORDER BY seq LIMIT ?",
+                    f"SELECT {columns} FROM records WHERE chain=? AND seq>? ORDER BY seq LIMIT ?",
                     (chain, seq, batch),
                 )
-            yield from rows
+            yield rows
             if len(rows) < batch:
                 return
             seq = int(rows[-1][0])
+
+    def records_after(
+        self, chain: str, seq: int, batch: int = 5000
+    ) -> Iterator[tuple[int, str, bytes, bytes]]:
+        """(seq, record, prev, hash) of the chain's records after `seq`, in order."""
+        for rows in self._pages("seq, record, prev, hash", chain, seq, batch):
+            yield from rows
 
     def checked_records_after(self, chain: str, seq: int, batch: int = 5000) -> Iterator[VerifyRow]:
         """`records_after`, and whether each row's query columns agree with its record."""
@@ -369,20 +409,13 @@ class AuditStore(ABC):
 
     def record_batches(self, chain: str, seq: int, batch: int = 5000) -> Iterator[list[VerifyRow]]:
         """The rows of `checked_records_after` in batches as the database returns them (both
-        drivers return ints, str and bytes for these columns). Here the query columns are
-        generated from the record and cannot disagree; a backend that has the writer fill them
-        checks them (columns_agree)."""
-        while True:
-            with self._lock:
-                rows = self._rows(
-                    "SELECT seq, record, prev, hash, 1 FROM records WHERE chain=? AND seq>?"
-                    " ORDER BY seq LIMIT ?",
-                    (chain, seq, batch),
-                )
-            yield rows
-            if len(rows) < batch:
-                return
-            seq = int(rows[-1][0])
+        drivers return ints, str and bytes for these columns). The query columns are read as
+        the table holds them and checked against the record (columns_agree), whatever the
+        table's column definitions say: a table rebuilt with ordinary columns is caught."""
+        for rows in self._pages(
+            "seq, record, prev, hash, time, subject, status, route", chain, seq, batch
+        ):
+            yield [(r[0], r[1], r[2], r[3], columns_agree(r[1], r[4:])) for r in rows]
 
     # ------------------------------------------------------------------ writing
 
@@ -401,15 +434,25 @@ class AuditStore(ABC):
         chain = chain or (position.source if position is not None else DEFAULT_CHAIN)
         if chain.startswith("@") and chain != CONTROL_CHAIN:
             raise StoreError(f"chain names starting with '@' are meshfn's own: {chain!r}")
-        with self._lock:
-            try:
-                with self._write():
-                    return self._append(records, position, chain)
-            except BaseException:
-                self._heads.pop(chain, None)
-                if position is not None:
-                    self._positions.pop(position.source, None)
-                raise
+        # A journal's chain has one writer (the compare-and-swap on its position); the control
+        # chain has several (the control plane, CLI commands, the console): its head is read in
+        # the transaction, and a racing writer's rows only mean "try again".
+        tries = 3 if chain == CONTROL_CHAIN and position is None else 1
+        for attempt in range(tries):
+            with self._lock:
+                try:
+                    with self._write():
+                        return self._append(records, position, chain)
+                except BaseException as exc:
+                    self._heads.pop(chain, None)
+                    if position is not None:
+                        self._positions.pop(position.source, None)
+                    # pseudonyms made in the rolled-back transaction were never stored: a record
+                    # carrying one later would be linked to no subject
+                    self._pseudonyms.clear()
+                    if not isinstance(exc, StoreConflict) or attempt + 1 == tries:
+                        raise
+        raise AssertionError("unreachable")
 
     def _append(
         self, records: Sequence[dict[str, Any]], position: JournalPosition | None, chain: str
@@ -422,13 +465,9 @@ class AuditStore(ABC):
             records = self._pseudonymise(records)
         if position is not None:
             self._move_position(position)
-        seq, prev = self._read_head(chain)
+        seq, prev = self._read_head(chain, fresh=chain == CONTROL_CHAIN)
         if seq == 0 and records:
-            self._rows(
-                "INSERT INTO chains (chain, anchor_seq, anchor_hash) VALUES (?, 0, ?)"
-                " ON CONFLICT(chain) DO NOTHING",
-                (chain, prev),
-            )
+            self._start_chain(chain, prev)
         rows = []
         for record in records:
             body = canonical(record)
@@ -474,6 +513,13 @@ class AuditStore(ABC):
             return None
         s, p, i, o, f = rows[0]
         return JournalPosition(str(s), str(p), int(i), int(o), str(f))
+
+    def journal_positions(self) -> list[JournalPosition]:
+        """Every journal's stored position (what an offline erasure checks its redactions
+        against)."""
+        with self._lock:
+            rows = self._rows("SELECT source FROM journals ORDER BY source")
+        return [p for (source,) in rows if (p := self.journal_position(str(source))) is not None]
 
     def journal_position(self, source: str) -> JournalPosition | None:
         """The stored position, read fresh (and remembered as what the next append moves)."""
@@ -551,13 +597,21 @@ class AuditStore(ABC):
             rows = self._rows("SELECT pseudonym FROM subjects WHERE hash=?", (subject,))
         return [str(r[0]) for r in rows]
 
-    def erase(self, subject: str, now: float | None = None) -> Erasure | None:
+    def erase(
+        self,
+        subject: str,
+        now: float | None = None,
+        principal: str | None = None,
+        via: str | None = None,
+    ) -> Erasure | None:
         """GDPR Art. 17 by crypto-shredding: delete the subject's pseudonym row, so the records
         that carry the pseudonym (unchanged: the chain still verifies) can no longer be linked
         to the subject, not even with the salt and the raw subject, here or in backups taken
-        from now on. Appends an erasure record (the count only, no subject) to the control
-        chain. `subject`: the filter's HMAC (64 hex) or a pseudonym (32 hex). None: no such
-        subject, nothing changed."""
+        from now on. Appends an erasure record to the control chain: who erased (`principal`,
+        `via`), when, the destroyed pseudonyms and how many records carried them; never the
+        subject or its HMAC. `subject`: the filter's HMAC (64 hex) or a pseudonym (32 hex).
+        None: no such subject, nothing changed. The journals still hold the HMAC: the
+        collector (online) or access.redact_journals (offline) redacts them."""
         self._must_write()
         subject = subject.lower()
         column = "pseudonym" if _PSEUDONYM.match(subject) else "hash"
@@ -584,72 +638,51 @@ class AuditStore(ABC):
                     int(self._rows("SELECT value FROM meta WHERE key='erasures'")[0][0]) + 1
                 )
                 self._count("UPDATE meta SET value=? WHERE key='erasures'", (epoch,))
-                seq = self._append(
-                    [{"v": 2, "event": "erasure", "time": now_iso(now), "records": count}],
-                    None,
-                    CONTROL_CHAIN,
-                )
+                event: dict[str, Any] = {
+                    "v": 2,
+                    "event": "erasure",
+                    "action": "erase",
+                    "time": now_iso(now),
+                    "records": count,
+                    "pseudonyms": sorted(pseudonyms),
+                }
+                if principal is not None:
+                    event["principal"] = principal
+                if via is not None:
+                    event["via"] = via
+                seq = self._append([event], None, CONTROL_CHAIN)
             self._pseudonyms.clear()
             self._erasures = None
-            return Erasure(count, seq, tuple(self._shred()))
+            hashes = tuple(sorted({str(r[1]) for r in rows}))
+            return Erasure(count, seq, tuple(self._shred()), tuple(sorted(pseudonyms)), hashes)
 
     # ------------------------------------------------------------------ retention
 
-    def apply_retention(self, days: int | None = None, now: float | None = None) -> int:
-        """Delete records older than `days` (default: the store's retention): per chain, up to
-        its head as signed by the newest checkpoint that is itself older than that, so what
-        stays verifies from a signed starting point. Returns how many records were deleted."""
+    def apply_prune(self, points: dict[str, tuple[int, bytes, int]]) -> int:
+        """Delete what prunes the signer witnessed cover: `points` maps a chain to (seq, hash,
+        checkpoint n), records up to seq go and the chain starts after them. The anchor moves
+        first (a trigger lets it move only to a point that stored checkpoint n's `prune` names;
+        the delete trigger lets only what lies before the anchor go). Returns how many records
+        were deleted."""
         self._must_write()
-        days = self.retention_days if days is None else days
-        cutoff = now_iso(
-            (time.time() if now is None else now) - timedelta(days=days).total_seconds()
-        )
         with self._lock:
-            old = [
-                Checkpoint(str(b).encode("ascii"), bytes(s), str(k))
-                for b, s, k in self._rows(
-                    "SELECT body, signature, key_id FROM checkpoints WHERE created < ? ORDER BY n",
-                    (cutoff,),
-                )
-            ]
-            if not old:
-                return 0
-            newest: dict[str, tuple[int, str, int]] = {}
-            for checkpoint in old:
-                for chain, (seq, digest) in checkpoint.heads.items():
-                    newest[chain] = (seq, digest, checkpoint.n)
             anchors = self.chains()
             deleted = 0
             with self._write():
-                self._upsert("meta", ["key"], {"key": "retention_days", "value": str(days)})
-                floor = old[-1].n
-                self._upsert("meta", ["key"], {"key": "checkpoint_floor", "value": str(floor)})
-                keep = set()
-                for chain, (seq, digest, n) in newest.items():
-                    keep.add(n)
+                for chain, (seq, digest, n) in sorted(points.items()):
                     anchor = anchors.get(chain)
                     if anchor is None or seq <= anchor.seq:
-                        if anchor is not None and anchor.seq > 0:
-                            keep.add(self._anchor_checkpoint(chain))
                         continue
-                    # the anchor moves first: the delete trigger allows only what lies before it
                     self._count(
                         "UPDATE chains SET anchor_seq=?, anchor_hash=?, anchor_checkpoint=?"
                         " WHERE chain=?",
-                        (seq, bytes.fromhex(digest), n, chain),
+                        (seq, digest, n, chain),
                     )
                     deleted += self._count(
                         "DELETE FROM records WHERE chain=? AND seq<=?", (chain, seq)
                     )
                     self._heads.pop(chain, None)
-                for (n,) in self._rows("SELECT n FROM checkpoints WHERE n<?", (floor,)):
-                    if int(n) not in keep:
-                        self._count("DELETE FROM checkpoints WHERE n=?", (int(n),))
             return deleted
-
-    def _anchor_checkpoint(self, chain: str) -> int:
-        rows = self._rows("SELECT anchor_checkpoint FROM chains WHERE chain=?", (chain,))
-        return int(rows[0][0] or 0) if rows else 0
 
     # ------------------------------------------------------------------ reading
 
@@ -670,9 +703,10 @@ class AuditStore(ABC):
         route: str | None = None,
         chain: str | None = None,
         limit: int | None = 100,
+        newest_first: bool = False,
     ) -> list[dict[str, Any]]:
-        """Records matching every given filter, in the order they were stored, each with its
-        `chain` and `seq`. Times are ISO 8601 UTC strings as the records carry them
+        """Records matching every given filter, in the order they were stored (`newest_first`:
+        the reverse, so `limit` keeps the newest), each with its `chain` and `seq`. Times are ISO 8601 UTC strings as the records carry them
         (`2026-01-31T12:00:00.000000Z`); `until` is exclusive. `subject`: the filter's HMAC of
         the subject (64 hex) or a pseudonym (32 hex)."""
         where, args = [], []
@@ -698,13 +732,41 @@ class AuditStore(ABC):
         sql = "SELECT chain, seq, record FROM records"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY id"
+        sql += " ORDER BY id DESC" if newest_first else " ORDER BY id"
         if limit is not None:
             sql += " LIMIT ?"
             args.append(limit)
         with self._lock:
             rows = self._rows(sql, args)
         return [{"chain": str(c), "seq": int(s), **json.loads(body)} for c, s, body in rows]
+
+    def unlinked(self, sample: int = 5) -> tuple[int, list[tuple[str, int]]]:
+        """Records whose subject is a pseudonym the subjects table no longer maps (an erasure
+        does that, and records it): how many, and the first few (chain, seq). Counted per
+        pseudonym on the subject index, so it costs a scan of the index, not of the records."""
+        with self._lock:
+            gone = self._rows(
+                "SELECT g.subject, g.n FROM (SELECT subject, COUNT(*) AS n FROM records"
+                " WHERE subject IS NOT NULL GROUP BY subject) g WHERE length(g.subject) = 32"
+                " AND NOT EXISTS (SELECT 1 FROM subjects s WHERE s.pseudonym = g.subject)"
+            )
+            if not gone:
+                return 0, []
+            names = [str(p) for p, _ in gone][:sample]
+            rows = self._rows(
+                f"SELECT chain, seq FROM records WHERE subject IN ({', '.join('?' * len(names))})"
+                " ORDER BY id LIMIT ?",
+                (*names, sample),
+            )
+        return sum(int(n) for _, n in gone), [(str(c), int(q)) for c, q in rows]
+
+    def erased(self) -> int:
+        """How many records the erasure records of the control chain say they unlinked."""
+        return sum(
+            int(r.get("records") or 0)
+            for r in self.query(chain=CONTROL_CHAIN, limit=None)
+            if r.get("event") == "erasure"
+        )
 
     def records_since(self, chain: str, since: str) -> int | None:
         """The first seq of `chain` whose record time is at or after `since`."""

@@ -1,13 +1,20 @@
 """`verify`: every chain of the store against the signed checkpoints, in the store and in the
 witness, with each problem named by kind, journal (chain) and record.
 
-Kinds: `edited` (a record no longer matches its hash), `deleted` / `inserted` / `reordered`
-(the chain's order is broken there), `rewritten` (a record differs from what a checkpoint
+Kinds: `edited` (a record no longer matches its hash, or its query columns say something else
+than it), `deleted` / `inserted` / `reordered` (the chain's order is broken there; `deleted`
+also for records gone from a chain's start that no prune the signer witnessed covers),
+`rewritten` (a record differs from what a checkpoint
 signed: the chain up to it was recomputed), `truncated` (a checkpoint signed records the store no
 longer has: a deleted tail, or a whole journal gone), `resigned` (the store's checkpoint differs
 from the witness's: history was re-signed), `signature` (a checkpoint not signed by the trusted
-key), `unwitnessed` (a checkpoint the witness never saw), `retention` (records removed early, or
-without a signed starting point), `witness` (the witness itself is damaged or missing).
+key), `unwitnessed` (a checkpoint the witness never saw), `retention` (a chain starting where no
+witnessed prune says, or a witnessed prune its own signed retention did not allow), `witness`
+(the witness itself is damaged or missing), `unlinked` (records whose pseudonym no longer
+leads to its subject beyond what the erasure records account for: a subject hidden from
+`--subject` queries without an erasure).
+
+Retention is read from the signed checkpoints only (retention.py), never from the store.
 
 The witness is read before the store: the signer only signs records that are already stored,
 so everything it witnessed before this run started must be found.
@@ -23,15 +30,15 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from queue import Queue
 from typing import TYPE_CHECKING, Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from . import offline
+from . import offline, retention
 from .checkpoint import Checkpoint
-from .store import Anchor, AuditStore, StoreError, VerifyRow, parse_iso
+from .retention import PrunePoint
+from .store import Anchor, AuditStore, VerifyRow
 from .stores import open_store
 from .witness import Witness, WitnessError
 
@@ -56,6 +63,7 @@ class ChainReport:
     last_seq: int | None = None
     anchor_seq: int = 0
     signed_seq: int = 0  # newest record a checkpoint signed
+    pruned_seq: int = 0  # newest witnessed prune point (records up to it may be gone)
 
     @property
     def unsigned(self) -> int:
@@ -71,6 +79,7 @@ class VerifyReport:
     witness: str | None = None
     last_checkpoint: int | None = None
     last_checkpoint_time: str | None = None
+    retention_days: int | None = None  # as the newest checkpoint signed it
     problems: list[Problem] = field(default_factory=list)
     truncated_problems: bool = False
     notes: list[str] = field(default_factory=list)
@@ -97,6 +106,7 @@ class VerifyReport:
             "witness": self.witness,
             "last_checkpoint": self.last_checkpoint,
             "last_checkpoint_time": self.last_checkpoint_time,
+            "retention_days": self.retention_days,
             "unsigned_tail": self.unsigned_tail,
             "problems": [asdict(p) for p in self.problems],
             "more_problems_not_shown": self.truncated_problems,
@@ -127,6 +137,7 @@ class Verifier:
         self.witness = witness
         self.now = time.time() if now is None else now
         self.report = VerifyReport(witness=witness.location if witness is not None else None)
+        self.legacy = False  # only version-2 checkpoints: prunes were not witnessed yet
 
     def problem(self, kind: str, chain: str | None, seq: int | None, detail: str) -> None:
         if len(self.report.problems) >= _MAX_PROBLEMS:
@@ -137,30 +148,49 @@ class Verifier:
     # ------------------------------------------------------------------ checkpoints
 
     def run(self) -> VerifyReport:
-        witnessed = self.read_witness()  # first: see the module docstring
+        authority = self.authority()
+        signed: dict[str, dict[int, _Signed]] = {}
+        for checkpoint in authority:
+            for chain, (seq, digest) in checkpoint.heads.items():
+                signed.setdefault(chain, {})[seq] = _Signed(digest, checkpoint.n, checkpoint.time)
+        points = retention.prune_points(authority)
+        self.check_retention(authority)
+        anchors = self.store.chains()
+        chains = sorted(set(anchors) | set(signed))
+        starts = {c: self.start(c, anchors.get(c), points.get(c, [])) for c in chains}
+        walks = self.walk_chains([(c, starts[c], signed.get(c, {})) for c in chains])
+        for chain, walked in zip(chains, walks, strict=True):
+            self.check_chain(chain, signed.get(chain, {}), *walked)
+            pruned = points.get(chain)
+            self.report.chains[chain].pruned_seq = pruned[-1].seq if pruned else 0
+        self.check_subjects()
+        return self.report
+
+    def check_subjects(self) -> None:
+        """What `query --subject` finds goes through the subjects table, which no hash covers:
+        only an erasure may remove a subject's pseudonym, and it records how many records it
+        unlinked; more unlinked records than that is a pseudonym deleted or changed by hand."""
+        count, sample = self.store.unlinked()
+        erased = self.store.erased()
+        if count > erased:
+            where = ", ".join(f"journal {c} record {q}" for c, q in sample)
+            self.problem(
+                "unlinked",
+                sample[0][0] if sample else None,
+                sample[0][1] if sample else None,
+                f"{count} record(s) carry a pseudonym the store no longer links to its subject"
+                f" (e.g. {where}), but the erasure records account for {erased}: a subject was"
+                " unlinked without an erasure (hidden from --subject queries)",
+            )
+
+    def authority(self) -> list[Checkpoint]:
+        """The checkpoints verify holds the store to: the witness's (read first: see the module
+        docstring), each compared with the store's; the store's own without a witness."""
+        witnessed = self.read_witness()
         stored = self.valid(self.store.checkpoints(), "store")
         self.report.checkpoints = len(stored)
-        by_n = {c.n: c for c in stored}
         if witnessed is not None:
-            seen = {c.n: c for c in witnessed}
-            for n, checkpoint in sorted(by_n.items()):
-                other = seen.get(n)
-                if other is None:
-                    self.problem(
-                        "unwitnessed",
-                        None,
-                        None,
-                        f"checkpoint {n} is in the store but not in the witness: it was not"
-                        " made by the signer (or the witness lost it)",
-                    )
-                elif other.body != checkpoint.body:
-                    self.problem(
-                        "resigned",
-                        None,
-                        None,
-                        f"checkpoint {n} in the store differs from the witnessed checkpoint {n}:"
-                        " the history was re-signed",
-                    )
+            self.compare(stored, witnessed)
             authority = witnessed
         else:
             authority = stored
@@ -171,17 +201,94 @@ class Verifier:
         if authority:
             self.report.last_checkpoint = authority[-1].n
             self.report.last_checkpoint_time = authority[-1].time
-        signed: dict[str, dict[int, _Signed]] = {}
-        for checkpoint in authority:
-            for chain, (seq, digest) in checkpoint.heads.items():
-                signed.setdefault(chain, {})[seq] = _Signed(digest, checkpoint.n, checkpoint.time)
+        return authority
 
-        anchors = self.store.chains()
-        chains = sorted(set(anchors) | set(signed))
-        walks = self.walk_chains([(c, anchors.get(c), signed.get(c, {})) for c in chains])
-        for chain, walked in zip(chains, walks, strict=True):
-            self.check_chain(chain, anchors.get(chain), signed.get(chain, {}), *walked)
-        return self.report
+    def compare(self, stored: list[Checkpoint], witnessed: list[Checkpoint]) -> None:
+        seen = {c.n: c for c in witnessed}
+        for checkpoint in sorted(stored, key=lambda c: c.n):
+            n = checkpoint.n
+            other = seen.get(n)
+            if other is None:
+                self.problem(
+                    "unwitnessed",
+                    None,
+                    None,
+                    f"checkpoint {n} is in the store but not in the witness: it was not"
+                    " made by the signer (or the witness lost it)",
+                )
+            elif other.body != checkpoint.body:
+                self.problem(
+                    "resigned",
+                    None,
+                    None,
+                    f"checkpoint {n} in the store differs from the witnessed checkpoint {n}:"
+                    " the history was re-signed",
+                )
+
+    def check_retention(self, authority: list[Checkpoint]) -> None:
+        """The retention as signed (a change is a note), and every witnessed prune against the
+        retention signed with it."""
+        days: int | None = None
+        for checkpoint in authority:
+            if checkpoint.retention_days is not None and checkpoint.retention_days != days:
+                if days is not None:
+                    self.report.notes.append(
+                        f"the signer's retention changed from {days} to"
+                        f" {checkpoint.retention_days} day(s) at checkpoint {checkpoint.n}"
+                        f" ({checkpoint.time})"
+                    )
+                days = checkpoint.retention_days
+        self.report.retention_days = days
+        self.legacy = bool(authority) and days is None
+        for point, why in retention.early(authority):
+            self.problem(
+                "retention",
+                point.chain,
+                point.seq,
+                f"journal {point.chain}: checkpoint {point.n} ({point.time}) witnessed a prune up"
+                f" to record {point.seq}, but {why}",
+            )
+
+    def start(self, chain: str, anchor: Anchor | None, points: list[PrunePoint]) -> Anchor | None:
+        """Where the chain's walk starts (None: its genesis): the store's anchor, held to the
+        prunes the signer witnessed (a start no witnessed prune names is reported)."""
+        if anchor is None or anchor.seq == 0:
+            return None
+        if any(p.seq == anchor.seq and p.hash == anchor.hash.hex() for p in points):
+            return anchor
+        reach = points[-1].seq if points else 0
+        if anchor.seq <= reach:
+            self.problem(
+                "retention",
+                chain,
+                anchor.seq,
+                f"journal {chain}: the chain starts after record {anchor.seq}, which no witnessed"
+                f" prune names as it is (the witnessed prunes reach record {reach})",
+            )
+        elif self.legacy:
+            self.problem(
+                "retention",
+                chain,
+                anchor.seq,
+                f"journal {chain}: records 1-{anchor.seq} were pruned before prunes were"
+                " witnessed (checkpoints of version 2): the signer of this meshfn witnesses"
+                " such a start at its first checkpoint if its retention allows it; run it"
+                " (`meshfn up`, or `meshfn audit signer`) and verify again",
+            )
+        else:
+            since = (
+                f"the newest witnessed prune reaches record {reach}"
+                if points
+                else ("the signer never witnessed a prune of this journal")
+            )
+            self.problem(
+                "deleted",
+                chain,
+                reach + 1,
+                f"journal {chain}: records {reach + 1}-{anchor.seq} were removed, but no prune"
+                f" the signer witnessed covers them ({since}): deleted, not retention",
+            )
+        return anchor
 
     def walk_chains(self, jobs: list[_Job]) -> Iterator[tuple[ChainReport, list[Problem]]]:
         """Each chain's walk, in order: in worker processes when there are several chains
@@ -272,14 +379,11 @@ class Verifier:
     def check_chain(
         self,
         chain: str,
-        anchor: Anchor | None,
         signed: dict[int, _Signed],
         report: ChainReport,
         walked: list[Problem],
     ) -> None:
         self.report.chains[chain] = report
-        if anchor is not None and anchor.seq > 0:
-            self.check_anchor(chain, anchor, signed)
         for problem in walked:
             self.problem(problem.kind, problem.chain, problem.seq, problem.detail)
         self.report.records += report.records
@@ -300,30 +404,6 @@ class Verifier:
                     f"journal {chain}: {what}; checkpoint {signed[top].n} ({signed[top].time})"
                     f" signed record {top}",
                 )
-
-    def check_anchor(self, chain: str, anchor: Anchor, signed: dict[int, _Signed]) -> None:
-        vouch = signed.get(anchor.seq)
-        if vouch is None or vouch.hash != anchor.hash.hex():
-            self.problem(
-                "retention",
-                chain,
-                anchor.seq,
-                f"journal {chain}: the chain starts after record {anchor.seq} but no valid signed"
-                " checkpoint vouches for that starting point",
-            )
-            return
-        try:
-            days = int(self.store.meta("retention_days"))
-        except StoreError:
-            days = self.store.retention_days
-        if parse_iso(vouch.time) > self.now - timedelta(days=days).total_seconds() + 1:
-            self.problem(
-                "retention",
-                chain,
-                anchor.seq,
-                f"journal {chain}: records up to {anchor.seq} were removed although checkpoint"
-                f" {vouch.n} ({vouch.time}) is younger than the {days}-day retention",
-            )
 
 
 _Job = tuple[str, "Anchor | None", dict[int, _Signed]]
@@ -385,6 +465,7 @@ class _ChainWalk:
         self.store = store
         self.chain = chain
         self.start = anchor.seq if anchor else 0
+        # a chain that was never pruned starts at its genesis, whatever its row says
         self.start_hash = anchor.hash if anchor else offline.chain_genesis(store.store_id, chain)
         self.signed = signed
         self.report = report

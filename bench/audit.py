@@ -11,12 +11,13 @@ and `verify` time per million records, in one run.
   (chains walked in parallel); verify_s_per_m_pg1: the one-chain PostgreSQL store (one core).
 
 Each run has the checkpoint signer as its own process (`meshfn audit signer`), asked every 1000
-records or 5 s, as in production. Journal lines are the sidecar's access-log lines (the bare
-filter state, a mesh route, a tenant; 1000 subjects). rps = records / wall time, from the
-moment the first collector is told to start until the last has stored its journal (measured
-here, the parent of the collectors; each collector's own elapsed time is in the JSON). Each
-collector must have stored every line of its journal, without conflicts, and `verify` must
-count every line sent; otherwise the run fails. Prints one line:
+records or 5 s, as in production; on PostgreSQL the collectors, the signer and verify connect
+as their own least-privilege roles (`meshfn audit init`), as in a cluster. Journal lines are the
+sidecar's access-log lines (the bare filter state, a mesh route, a tenant; 1000 subjects). rps =
+records / wall time, from the moment the first collector is told to start until the last has
+stored its journal (measured here, the parent of the collectors; each collector's own elapsed
+time is in the JSON). Each collector must have stored every line of its journal, without
+conflicts, and `verify` must count every line sent; otherwise the run fails. Prints one line:
   audit: sqlite_rps=… pg_rps=… pg4_rps=… verify_s_per_m=… …
 Goals (issue 15), reported as met or not: pg4_rps >= 20,000 (the store never limits the mesh),
 verify_s_per_m <= 10.
@@ -39,7 +40,8 @@ from typing import Any
 from meshfn.audit import FileWitness, open_store, signing, verify
 from meshfn.audit.collector import AuditCollector
 from meshfn.audit.signer import SignerClient, wait_ready
-from meshfn.testing.postgres import PostgresServer
+from meshfn.audit.stores import is_postgres
+from meshfn.testing.postgres import PostgresServer, role_dsns
 
 HERE = Path(__file__).resolve().parent
 SUBJECTS = [hashlib.sha256(f"subject-{i}".encode()).hexdigest() for i in range(1000)]
@@ -172,23 +174,25 @@ def journal_lines(path: Path) -> int:
 
 def scenario(location: str, journals: list[Path], tmp: Path, name: str) -> dict[str, Any]:
     """Signer process + collectors; then verify the store against the witness."""
-    open_store(location).close()  # the signer reads it: it exists first
+    open_store(location).close()  # created by its owner before anyone else opens it
+    roles = role_dsns(location) if is_postgres(location) else {}
     key = tmp / name / "signer" / "checkpoint.key"
     witness = tmp / name / "witness" / "checkpoints.jsonl"
     address = f"unix:{tmp / f'{name}.sock'}"
     signer = subprocess.Popen(
         [sys.executable, "-P", "-m", "meshfn.audit.cli", "signer", "--store",
-         location, "--key", str(key), "--witness", str(witness), "--listen", address],
+         roles.get("signer", location), "--key", str(key), "--witness", str(witness),
+         "--listen", address],
         stdout=subprocess.DEVNULL,
         stderr=(tmp / f"{name}-signer.log").open("wb"),
     )  # fmt: skip
     try:
         wait_ready(address, timeout=30)
-        result = run_collectors(location, journals, address, tmp)
+        result = run_collectors(roles.get("collector", location), journals, address, tmp)
     finally:
         signer.terminate()
         signer.wait(30)
-    store = open_store(location, readonly=True)
+    store = open_store(roles.get("reader", location), readonly=True)
     try:
         started = time.perf_counter()
         public = signing.load_public(signing.public_path(key))

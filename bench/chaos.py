@@ -69,6 +69,7 @@ from typing import Any
 from meshfn.audit import layout
 from meshfn.audit.sqlite import SqliteStore
 from meshfn.audit.store import StoreError
+from meshfn.common.adminauth import admin_headers
 from meshfn.contracts.journal import journal_path
 from meshfn.control_plane.identity.bootstrap_token import BootstrapTokens
 from meshfn.control_plane.identity.issuer import LocalIssuer
@@ -238,8 +239,11 @@ def rss_kb(pid: int | None) -> int:
     return 0
 
 
-def get_json(url: str, timeout: float = 2) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def get_json(url: str, state: Path | None = None, timeout: float = 2) -> Any:
+    """A GET of a JSON document: on the control plane's admin port as its owner (the token in
+    its state directory `state`), or an Envoy admin's (no token)."""
+    request = urllib.request.Request(url, headers=admin_headers(state) if state else {})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
 
@@ -357,7 +361,7 @@ class Mesh:
 
     def status(self) -> dict[str, Any] | None:
         try:
-            document: dict[str, Any] = get_json(self.admin + "/debug/status")
+            document: dict[str, Any] = get_json(self.admin + "/debug/status", self.state)
             return document
         except (OSError, ValueError):
             return None
@@ -520,7 +524,9 @@ class Chaos:
             return False
         for proxy in document["proxies"]:
             try:
-                certs = get_json(f"{self.mesh.admin}/debug/certs?node={proxy['workload']}")
+                certs = get_json(
+                    f"{self.mesh.admin}/debug/certs?node={proxy['workload']}", self.mesh.state
+                )
             except (OSError, ValueError):
                 return False
             if certs.get("issuer_root") != root:

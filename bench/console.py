@@ -17,11 +17,11 @@ import random
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from meshfn.common.adminauth import call_admin, read_owner_token
 from meshfn.testing import policies as p
-from meshfn.testing.browser import chromium
+from meshfn.testing.browser import chromium, sign_in
 from meshfn.testing.processes import MESHFN, Processes, wait_for
 
 HERE = Path(__file__).resolve().parent
@@ -34,9 +34,11 @@ OBSERVE = """(text) => {
 }"""
 
 
-def generation(admin: str) -> int:
-    with urllib.request.urlopen(admin + "/debug/status", timeout=2) as reply:
-        return int(json.loads(reply.read())["generation"])
+def generation(admin: str, state: Path) -> int:
+    """The configuration generation, from /debug/status (as the control plane's owner)."""
+    return int(
+        call_admin(admin + "/debug/status", read_owner_token(state), timeout=2)["generation"]
+    )
 
 
 def main() -> None:
@@ -59,17 +61,18 @@ def main() -> None:
             visible, reload = [], []
             with chromium() as browser:
                 page = browser.page
-                page.goto(policies.admin + "/ui")
+                wait_for("the admin token", lambda: read_owner_token(tmp / "s"), 30)
+                sign_in(browser, policies.admin, tmp / "s")
                 page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
                 for n in range(args.rounds):
                     prefix = f"/round-{n}"
-                    before = generation(policies.admin)
+                    before = generation(policies.admin, tmp / "s")
                     page.evaluate(OBSERVE, f"prefix {prefix}")
                     started = time.time()
                     policies.route(prefix, "alpha")
                     wait_for(
                         "the reload",
-                        lambda b=before: generation(policies.admin) > b,
+                        lambda b=before: generation(policies.admin, tmp / "s") > b,
                         every=0.002,
                     )
                     reload.append((time.time() - started) * 1000)

@@ -14,12 +14,16 @@
     redirected (JSON also has the client inside the mesh). The backend is a minimal asyncio
     responder from this file (--backend fast, default; the placeholder aiohttp upstream with
     --backend aiohttp): aiohttp costs far more per request than the hop we accelerate.
+    "unix": the fast backend on a unix socket, Envoy in the cgroup: how `meshfn up` runs the hop
+    behind a sidecar now (no port a local user could call past the sidecar); redirection only
+    acts on TCP, so this is what the sidecar hop costs with acceleration on.
 
 On and off alternate round by round (ABBA order); a ratio is the median of the per-round
 ratios, a latency the median over rounds: the machine is a shared, noisy 2-vCPU VM.
 
 Prints one line:
-  ebpf: rtt_ratio_same_cpu=… rtt_ratio_unpinned=… mesh_p50_ratio=…        (on / off)
+  ebpf: rtt_ratio_same_cpu=… rtt_ratio_unpinned=… mesh_p50_ratio=… mesh_unix_p50_ratio=…
+(on / off; unix / off: a unix socket against plain TCP, JSON ratio_unix_vs_on: against on)
 and writes the details as JSON (--json, default bench/results/ebpf.json).
 """
 
@@ -41,6 +45,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from meshfn.common.unix import listen_private
 from meshfn.testing import envoy
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import Proc, Processes, upstream_argv, wait_for
@@ -247,8 +252,9 @@ def c_hop(args: argparse.Namespace, work: Path, join: Preexec, children: Process
 RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"
 
 
-def serve_fast_backend(port: int) -> None:
-    """The leanest HTTP/1.1 keep-alive responder asyncio allows (GET without body only)."""
+def serve_fast_backend(where: str) -> None:
+    """The leanest HTTP/1.1 keep-alive responder asyncio allows (GET without body only), on a
+    loopback port or (a path) a unix socket."""
 
     class Http(asyncio.Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -263,9 +269,11 @@ def serve_fast_backend(port: int) -> None:
                 self.transport.write(RESPONSE)
 
     async def run() -> None:
-        server = await asyncio.get_running_loop().create_server(
-            Http, "127.0.0.1", port, backlog=1024
-        )
+        loop = asyncio.get_running_loop()
+        if where.isdigit():
+            server = await loop.create_server(Http, "127.0.0.1", int(where), backlog=1024)
+        else:
+            server = await loop.create_unix_server(Http, sock=listen_private(Path(where)))
         async with server:
             await server.serve_forever()
 
@@ -273,9 +281,13 @@ def serve_fast_backend(port: int) -> None:
 
 
 def envoy_config(
-    listen: int, admin: int, backend: int, requests_per_connection: int | None = None
+    listen: int,
+    admin: int,
+    backend: int | Path,
+    requests_per_connection: int | None = None,
 ) -> Json:
-    """A static Envoy: one listener routing everything to one backend cluster.
+    """A static Envoy: one listener routing everything to one backend cluster (a loopback port,
+    or a unix socket as a sidecar of `meshfn up` reaches its application).
     `requests_per_connection`: close upstream connections after that many requests."""
     api = "type.googleapis.com/envoy.extensions"
 
@@ -296,7 +308,8 @@ def envoy_config(
             "http_filters": [router],
         },
     }
-    endpoint = {"endpoint": {"address": address(backend)}}
+    upstream = {"pipe": {"path": str(backend)}} if isinstance(backend, Path) else address(backend)
+    endpoint = {"endpoint": {"address": upstream}}
     cluster: Json = {
         "name": "backend",
         "connect_timeout": "1s",
@@ -328,20 +341,35 @@ def start_stack(
     children: Processes,
     name: str,
     requests_per_connection: int | None = None,
+    unix: bool = False,
 ) -> tuple[int, int]:
-    """Backend + Envoy, both in the cgroup when `join`; returns (Envoy's listener, backend)."""
+    """Backend + Envoy, both in the cgroup when `join`; returns (Envoy's listener, backend).
+    `unix`: the (fast) backend listens on a unix socket in `work` instead (port 0)."""
     backend, listen, admin = free_ports(3)
-    if backend_kind == "fast":
+    target: int | Path = backend
+    if unix:
+        target = work / f"{name}.sock"
+        argv = [sys.executable, "-P", str(HERE), "_backend", str(target)]
+    elif backend_kind == "fast":
         argv = [sys.executable, "-P", str(HERE), "_backend", str(backend)]
     else:
         argv = upstream_argv("bench/backend", backend)
     children.start(f"{name}-backend", argv, preexec=join)
-    wait_for("backend", lambda: socket.create_connection(("127.0.0.1", backend)).close() is None)
+    wait_for("backend", lambda: _connects(target))
     config = work / f"envoy-{name}.json"
-    config.write_text(json.dumps(envoy_config(listen, admin, backend, requests_per_connection)))
+    config.write_text(json.dumps(envoy_config(listen, admin, target, requests_per_connection)))
     proc = children.start(f"{name}-envoy", envoy.argv(config), preexec=join)
     wait_for("envoy", lambda: envoy.live(admin, timeout=1), proc=proc)
     return listen, backend
+
+
+def _connects(target: int | Path) -> bool:
+    if isinstance(target, Path):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(target))
+    else:
+        socket.create_connection(("127.0.0.1", target)).close()
+    return True
 
 
 def http_client(port: int, count: int) -> Json:
@@ -384,13 +412,16 @@ def http_client(port: int, count: int) -> Json:
 def mesh(
     args: argparse.Namespace, work: Path, join: Preexec, accel: Any, children: Processes
 ) -> Json:
-    """(c) Both stacks run side by side; the client alternates between them round by round."""
+    """(c) The stacks run side by side; the client alternates between them round by round. A
+    third, "unix", is how `meshfn up` now runs the hop behind a sidecar: Envoy (in the cgroup)
+    -> the backend's unix socket, which redirection does not touch."""
     cpus = None if args.mesh_cpu < 0 else {args.mesh_cpu}
     ports = {
         "on": start_stack(args.backend, work, preexec(join, cpus), children, "on")[0],
         "off": start_stack(args.backend, work, preexec(None, cpus), children, "off")[0],
     }
-    p50: dict[str, list[float]] = {"on": [], "off": [], "client_in_mesh": []}
+    unix = start_stack("fast", work, preexec(join, cpus), children, "unix", unix=True)[0]
+    p50: dict[str, list[float]] = {"on": [], "off": [], "client_in_mesh": [], "unix": []}
 
     def client(port: int, pre: Preexec | None) -> float:
         argv = [sys.executable, "-P", str(HERE), "_client", str(port), str(args.requests)]
@@ -401,10 +432,12 @@ def mesh(
         return value
 
     before = accel.stats()
-    for _, mode in abba(args.mesh_rounds):
-        p50[mode].append(client(ports[mode], preexec(None, cpus)))
-        if mode == "on":
-            p50["client_in_mesh"].append(client(ports["on"], preexec(join, cpus)))
+    order = ("on", "off", "unix")
+    for index in range(args.mesh_rounds):
+        for mode in order if index % 2 == 0 else order[::-1]:
+            p50[mode].append(client(unix if mode == "unix" else ports[mode], preexec(None, cpus)))
+            if mode == "on":
+                p50["client_in_mesh"].append(client(ports["on"], preexec(join, cpus)))
     after = accel.stats()
     medians = {mode: statistics.median(v) for mode, v in p50.items()}
     log(f"mesh p50 (median of rounds): { {m: round(v, 1) for m, v in medians.items()} }")
@@ -416,13 +449,15 @@ def mesh(
         "rounds_p50_us": p50,
         "ratio": ratio(p50["on"], p50["off"]),
         "ratio_client_in_mesh": ratio(p50["client_in_mesh"], p50["off"]),
+        "ratio_unix": ratio(p50["unix"], p50["off"]),
+        "ratio_unix_vs_on": ratio(p50["unix"], p50["on"]),
         "counters": {k: after[k] - before[k] for k in after if k != "attached"},
     }
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_backend":
-        serve_fast_backend(int(sys.argv[2]))
+        serve_fast_backend(sys.argv[2])
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_client":
         print(json.dumps(http_client(int(sys.argv[2]), int(sys.argv[3]))))
@@ -466,9 +501,10 @@ def main() -> int:
     def r(part: str) -> str:
         return f"{results[part]['ratio']:.2f}" if part in results else "n/a"
 
+    unix = results["mesh"]["ratio_unix"]
     line = (
         f"ebpf: rtt_ratio_same_cpu={r('same_cpu')} rtt_ratio_unpinned={r('unpinned')} "
-        f"mesh_p50_ratio={r('mesh')}"
+        f"mesh_p50_ratio={r('mesh')} mesh_unix_p50_ratio={unix:.2f}"
     )
     results["summary"] = line
     args.json.parent.mkdir(parents=True, exist_ok=True)

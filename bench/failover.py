@@ -25,6 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from meshfn.common.adminauth import call_admin, read_owner_token
 from meshfn.testing import envoy
 from meshfn.testing import policies as p
 from meshfn.testing.ports import named_ports
@@ -191,8 +192,8 @@ def main() -> None:
                     (work / f"delay-{n}").write_text("100")
 
                 def tripped() -> bool:
-                    with urllib.request.urlopen(admin + "/debug/status", timeout=2) as response:
-                        routes = json.loads(response.read())["routes"]
+                    token = read_owner_token(work / "s")
+                    routes = call_admin(admin + "/debug/status", token, timeout=2)["routes"]
                     return bool(routes["default/model"]["state"] == "degraded")
 
                 wait_for("the breaker", tripped, 20)

@@ -10,6 +10,12 @@ Measures, on loopback with real processes:
   warm        sequential keep-alive requests to a loaded function, backend alone, p50/p99
   e2e         paced 200 requests/s through a static Envoy in front of the backend, p99
               (and the same pacing against the backend alone, the baseline of the hop)
+  hop         the Envoy -> backend hop over loopback TCP and over the backend's unix socket
+              (how a sidecar of `meshfn up` reaches it: no port a local user could call past
+              the sidecar): sequential requests to the core function through each of two
+              Envoys, each in front of a fresh backend of the same config, alternating in
+              `--hop-rounds` rounds; the median of the per-round differences of the p50s
+              (unix - tcp, microseconds)
   throughput  requests/s (wrk, closed loop) with 1 and 2 wasm worker threads
   memory      PSS (proportional set size) per additional warm instance of the Python function:
               two functions of the same artifact with warm pools of 4 and 33, each loaded on
@@ -38,6 +44,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from meshfn.common.unix import unix_request
 from meshfn.inference.devtools import RawHttp, write_envoy_config
 from meshfn.inference.examples import publish_examples
 from meshfn.testing import envoy as test_envoy
@@ -72,8 +79,17 @@ def pss_mb(pid: int) -> float:
 
 
 def backend(
-    procs: Processes, tmp: Path, registry: Path, key: Path, workers: int, name: str
+    procs: Processes,
+    tmp: Path,
+    registry: Path,
+    key: Path,
+    workers: int,
+    name: str,
+    unix_socket: Path | None = None,
+    config_path: Path | None = None,
 ) -> tuple[Proc, int]:
+    """A backend on a free port, or on `unix_socket` instead (then the port returned is 0);
+    `config_path`: another config than the one with every function of the measurements."""
     cold = {"idleTtl": "50ms", "pool": {"minIdle": 0, "maxIdle": 1}}
     resume = {**cold, "codeTtl": "1h"}
     config = {
@@ -100,26 +116,27 @@ def backend(
             },
         ],
     }
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(config))
-    port = free_port()
+    path = config_path or tmp / f"{name}.json"
+    if config_path is None:
+        path.write_text(json.dumps(config))
+    port = 0 if unix_socket is not None else free_port()
+    listen = ["--unix-socket", str(unix_socket)] if unix_socket else ["--port", str(port)]
     proc = procs.start(
         name,
-        [
-            PY,
-            "-P",
-            "-m",
-            "meshfn.inference",
-            "serve",
-            "--config",
-            str(path),
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-    )
-    wait_http(f"http://127.0.0.1:{port}/v2/health/ready", proc)
+        [PY, "-P", "-m", "meshfn.inference", "serve", "--config", str(path), *listen,
+         "--log-level", "warning"],
+    )  # fmt: skip
+    if unix_socket is None:
+        wait_http(f"http://127.0.0.1:{port}/v2/health/ready", proc)
+    else:
+
+        def ready() -> bool:
+            try:
+                return unix_request(unix_socket, "/v2/health/ready")[0] == 200
+            except OSError:
+                return False
+
+        wait_for(str(unix_socket), ready, 60, every=0.05, proc=proc)
     return proc, port
 
 
@@ -176,6 +193,43 @@ def cold_starts(
     finally:
         client.close()
     return out, inside, idle_warm
+
+
+def hops(
+    procs: Processes, tmp: Path, registry: Path, key: Path, args: argparse.Namespace
+) -> dict[str, list[float]]:
+    """Per round, the p50 (us) of sequential requests to the core function (digits: the least
+    guest time, so the hop shows) through an Envoy that reaches its backend over loopback TCP,
+    and through one that reaches its backend over a unix socket; two fresh backends of one lean
+    config; the order alternates by round."""
+    config = tmp / "hop.json"
+    config.write_text(
+        json.dumps({"registry": str(registry), "trustedKeys": [str(key)], "workers": 2,
+                    "functions": [{"name": "digits", "pool": {"minIdle": 2, "maxIdle": 4}}]})
+    )  # fmt: skip
+    sockets = tmp / "sockets"
+    sockets.mkdir(mode=0o700)
+    sock = sockets / "backend.sock"
+    envoys = {}
+    for hop, where in (("tcp", None), ("unix", sock)):
+        _, port = backend(procs, tmp, registry, key, 2, f"hop-{hop}", where, config)
+        listener, admin = free_ports(2)
+        envoy_config = write_envoy_config(
+            tmp / f"envoy-{hop}.json", listener, admin, port, backend_socket=where
+        )
+        envoy = procs.start(f"envoy-{hop}", test_envoy.argv(envoy_config))
+        wait_http(f"http://127.0.0.1:{admin}/ready", envoy)
+        envoys[hop] = listener
+    path = "/v2/models/digits/infer"
+    each = max(20, args.warm // args.hop_rounds)
+    out: dict[str, list[float]] = {"tcp": [], "unix": []}
+    for port in envoys.values():
+        sequential(port, path, DIGITS, 200)
+    for index in range(args.hop_rounds):
+        order = list(envoys.items())
+        for hop, port in order if index % 2 == 0 else order[::-1]:
+            out[hop].append(statistics.median(sequential(port, path, DIGITS, each)))
+    return out
 
 
 def paced(port: int, path: str, body: bytes, rate: float, seconds: float) -> list[float]:
@@ -287,6 +341,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             port1, "/v2/models/digits/infer", DIGITS, args.wrk_seconds, 8, tmp
         )
         assert proc1.stop() == 0, "backend did not exit 0 on SIGTERM"
+        result["hop_p50_us"] = hops(procs, tmp, registry, key, args)
         return result
     finally:
         procs.stop_all()
@@ -440,6 +495,9 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=2000, help="sequential warm requests")
     parser.add_argument("--paced-seconds", type=float, default=10.0, help="seconds at 200 req/s")
     parser.add_argument("--wrk-seconds", type=int, default=5)
+    parser.add_argument(
+        "--hop-rounds", type=int, default=16, help="alternating rounds of the TCP/unix hop"
+    )
     parser.add_argument("--json", type=Path, default=None, help="where to write the results")
     parser.add_argument("--http-stacks", action="store_true", help="compare HTTP servers instead")
     parser.add_argument(
@@ -485,6 +543,12 @@ def main() -> None:
         "core_warm_p50_us": statistics.median(data["warm_core_us"]),
         "envoy_warm_p50_us": statistics.median(envoy_warm),
         "envoy_hop_p50_us": statistics.median(envoy_warm) - statistics.median(warm),
+        "unix_minus_tcp_p50_us": statistics.median(
+            u - t
+            for u, t in zip(data["hop_p50_us"]["unix"], data["hop_p50_us"]["tcp"], strict=True)
+        ),
+        "hop_tcp_p50_us": statistics.median(data["hop_p50_us"]["tcp"]),
+        "hop_unix_p50_us": statistics.median(data["hop_p50_us"]["unix"]),
         "backend_p99_ms_at_200rps": pct(data["paced_backend_ms"], 0.99),
         "e2e_p50_ms": statistics.median(data["paced_envoy_ms"]),
         "e2e_p99_ms": pct(data["paced_envoy_ms"], 0.99),
@@ -524,6 +588,7 @@ def main() -> None:
         f"resume_p99_ms={s['resume_p99_ms']:.2f} "
         f"load_p99_ms={s['load_p99_ms']:.2f} core_load_p99_ms={s['core_load_p99_ms']:.3f} "
         f"envoy_hop_p50_us={s['envoy_hop_p50_us']:.0f} backend_p99_ms_at_200rps={s['backend_p99_ms_at_200rps']:.2f} "
+        f"unix_minus_tcp_p50_us={s['unix_minus_tcp_p50_us']:.0f} "
         f"rps_1w={s['rps_1w']:.0f} rps_2w={s['rps_2w']:.0f} core_rps_1w={s['core_rps_1w']:.0f} core_rps_2w={s['core_rps_2w']:.0f}"
     )
 

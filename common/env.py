@@ -65,17 +65,18 @@ def _var(
 ADMIN = _var(
     "MESHFN_ADMIN",
     "cli",
-    """The control plane's admin URL for `meshfn status`, `config-dump`, `certs show` and
-    `analyze` when `--admin` is not given.""",
+    """The control plane's admin URL for `meshfn status`, `config-dump`, `certs show`,
+    `analyze` and `console` when `--admin` is not given.""",
     "the URL in `STATE/state.json`, which `meshfn up` writes",
 )
 ADMIN_TOKEN = _var(
     "MESHFN_ADMIN_TOKEN",
     "mesh",
-    """The admin token (at least 16 characters). The control plane requires it on every admin
-    request but `/healthz` and the JWKS when its admin port listens beyond loopback
-    (`--admin-listen`); the CLI commands send it. `--admin-token-file` takes precedence.""",
-    "no token: the admin port must listen on loopback",
+    """An admin token. The CLI commands that read the admin port send it (`meshfn admin token`
+    mints one; in Kubernetes mode, a Kubernetes token). Where the control plane starts, a fixed
+    token (at least 16 characters) it accepts besides the signed ones, with the auditor role;
+    `--admin-token-file` takes precedence.""",
+    "the owner's token in `STATE/admin/token`, which the control plane writes at every start",
 )
 CALLER_DIR = _var(
     "MESHFN_CALLER_DIR",
@@ -108,7 +109,7 @@ CACHE = _var(
     "MESHFN_CACHE",
     "build",
     """The root of meshfn's build cache: built filter modules (`wasm_filters/`), built model
-    functions and the componentize-py toolchain.""",
+    functions, compiled ONNX models (`compiler/`) and the componentize-py toolchain.""",
     "functions: `$XDG_CACHE_HOME/meshfn`, else `~/.cache/meshfn`; filters: `~/.cache/meshfn`",
 )
 
@@ -137,9 +138,35 @@ AUDIT_WITNESS = _var(
 AUDIT_SIGNER = _var(
     "MESHFN_AUDIT_SIGNER",
     "cli",
-    """The signer that `meshfn audit collect` asks for checkpoints (`--signer`): `unix:PATH` or
-    `tcp:HOST:PORT`.""",
-    "no signer: records are stored unsigned",
+    """The signer that `meshfn audit collect` asks for checkpoints and `meshfn audit prune`
+    asks to witness a prune (`--signer`): `unix:PATH` or `tcp:HOST:PORT`.""",
+    "collect: no signer, records are stored unsigned; prune: the state directory's signer",
+)
+AUDIT_COLLECTOR_DSN = _var(
+    "MESHFN_AUDIT_COLLECTOR_DSN",
+    "cli",
+    """The collectors' database role for `meshfn audit init` (`--collector`): a DSN (its user,
+    and its password for `--create-roles`) or a role name.""",
+    "no collector role is granted",
+)
+AUDIT_SIGNER_DSN = _var(
+    "MESHFN_AUDIT_SIGNER_DSN",
+    "cli",
+    "The signer's database role for `meshfn audit init` (`--signer`), in the same forms.",
+    "no signer role is granted",
+)
+AUDIT_READER_DSN = _var(
+    "MESHFN_AUDIT_READER_DSN",
+    "cli",
+    "The readers' database role for `meshfn audit init` (`--reader`), in the same forms.",
+    "no reader role is granted",
+)
+AUDIT_AUDITOR_DSN = _var(
+    "MESHFN_AUDIT_AUDITOR_DSN",
+    "cli",
+    """The auditors' database role for `meshfn audit init` (`--auditor`), in the same forms: it
+    reads, and records each query by subject and export in the trail.""",
+    "no auditor role is granted",
 )
 
 # ------------------------------------------------------------------ inference backend
@@ -252,6 +279,22 @@ FUZZ_RECORD = _var(
     "no recording",
     meshfn_reads=False,
 )
+TEST_SANDBOX_HOOK = _var(
+    "MESHFN_TEST_SANDBOX_HOOK",
+    "tests",
+    "`1`: the sandbox tests' attack hook (`e2e/sandbox_hook/sitecustomize.py`, on PYTHONPATH"
+    " only for them) adds its test-only route to the inference backends they start.",
+    "no hook (and without that PYTHONPATH there is none to enable)",
+    meshfn_reads=False,
+)
+TEST_KERNEL_WITHOUT = _var(
+    "MESHFN_TEST_KERNEL_WITHOUT",
+    "tests",
+    "With the sandbox tests' hook: `landlock`, `seccomp` (comma-separated), the kernel features"
+    " a backend meets as missing (its syscalls answer ENOSYS or EINVAL, as such a kernel does).",
+    "the kernel as it is",
+    meshfn_reads=False,
+)
 
 VARIABLES: tuple[Variable, ...] = (
     ADMIN,
@@ -265,6 +308,10 @@ VARIABLES: tuple[Variable, ...] = (
     AUDIT_PUBLIC_KEY,
     AUDIT_WITNESS,
     AUDIT_SIGNER,
+    AUDIT_COLLECTOR_DSN,
+    AUDIT_SIGNER_DSN,
+    AUDIT_READER_DSN,
+    AUDIT_AUDITOR_DSN,
     INLINE_CORE,
     INLINE_PYTHON,
     POD_NAME,
@@ -279,6 +326,8 @@ VARIABLES: tuple[Variable, ...] = (
     CHROMIUM,
     FUZZ_SECONDS,
     FUZZ_RECORD,
+    TEST_SANDBOX_HOOK,
+    TEST_KERNEL_WITHOUT,
 )
 
 BY_NAME: dict[str, Variable] = {v.name: v for v in VARIABLES}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from pathlib import Path
 
 log = logging.getLogger("meshfn.state")
@@ -19,6 +20,19 @@ def write_private(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def secret_key(path: Path, size: int = 32) -> bytes:
+    """A random key of `size` bytes kept at `path` (0600), created on first use; ValueError for
+    a shorter one (someone's hand, or another program's file)."""
+    if path.exists():
+        key = read_private(path)
+    else:
+        key = secrets.token_bytes(size)
+        write_private(path, key)
+    if len(key) < size:
+        raise ValueError(f"{path} holds a key shorter than {size} bytes")
+    return key
 
 
 def read_private(path: Path) -> bytes:

@@ -134,6 +134,11 @@ TOKEN_LEDGER_SERVICE = "meshfn.qos.v1.TokenLedger"
 TOKEN_LEDGER_PURPOSE = "ledger"  # the bootstrap token's purpose (control_plane.identity)
 
 
+def has_token_budgets(qos: FunctionQoS | None) -> bool:
+    """Whether a Function's QoS gives any tenant a token budget."""
+    return qos is not None and any(e.tokens for e in [*qos.classes, *qos.tenants])
+
+
 def ledger_node(service_key: str) -> str:
     """A backend's identity towards the token ledger: the service it serves."""
     return f"backend:{service_key}"

@@ -37,7 +37,7 @@ from meshfn.xds.names import LATENCY_LOG, SECRET
 from meshfn.xds.rls import GlobalPolicy, RateLimitService, global_policies
 from meshfn.xds.server import AdsServer
 from meshfn.xds.status import Metrics
-from meshfn.xds.translate import OFFLINE_HOST, ProxyHost, translate
+from meshfn.xds.translate import OFFLINE_HOST, AppSockets, ProxyHost, translate
 
 from .identity.bootstrap_token import LIMIT_SERVICE_PURPOSE, BootstrapTokens
 from .identity.issuer import LocalIssuer
@@ -46,6 +46,7 @@ from .identity.manager import IdentityManager
 log = logging.getLogger("meshfn.control_plane")
 
 ModelListener = Callable[[MeshModel, MeshModel | None], Awaitable[None]]
+AppSocketsOf = Callable[[MeshModel], AppSockets]
 
 
 @dataclass
@@ -122,12 +123,16 @@ class ControlPlane:
         metrics: Metrics | None = None,
         wasm_dir: Path | None = None,
         wasm_missing: str = "",
+        app_sockets: AppSocketsOf | None = None,
     ) -> None:
         self.policies = Path(policies)
         self.state_dir = Path(state_dir)
         # Built before serving (filters.prepare); reloads only check it (filters.artifacts).
         self.wasm_dir = wasm_dir
         self.wasm_missing = wasm_missing
+        # The applications behind sidecars that the runtime around us serves on unix sockets
+        # (`meshfn up`; ProxyHost.app_sockets); None: every application on its endpoint.
+        self.app_sockets = app_sockets
         self.loader = PolicyLoader(self.policies)
         self.cache = SnapshotCache()
         self.metrics = metrics or Metrics()
@@ -222,6 +227,7 @@ class ControlPlane:
             wasm_dir=self._filters() if drift or model.audit is not None else OFFLINE_HOST.wasm_dir,
             state_dir=self.state_dir,
             salt=load_or_create(self.state_dir) if model.audit is not None else OFFLINE_HOST.salt,
+            app_sockets=self.app_sockets(model) if self.app_sockets is not None else (),
         )
 
     def _snapshots(self, model: MeshModel) -> list[Snapshot]:

@@ -8,12 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshfn.common.adminauth import admin_headers
 from meshfn.testing import processes
 from meshfn.testing.policies import Policies, remap
 from meshfn.testing.processes import MESHFN, Proc, wait_for
@@ -91,10 +93,32 @@ def command_name(pid: int) -> str:
         return ""
 
 
+def world_searchable_tmp(prefix: str) -> Path:
+    """A new directory under /tmp (not pytest's base directory, 0700 itself, which would hide
+    everything anyway), world-searchable as a home or project directory usually is: what the
+    user `nobody` may walk into is up to meshfn's own modes. Remove it when done."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    tmp.chmod(0o755)
+    return tmp
+
+
 class Processes(processes.Processes):
     """The process rig, plus `meshfn up` started the way e2e tests want it."""
 
+    def up_at(self, root: Path, state: Path, timeout: float = 120) -> Proc:
+        """`meshfn up` on the policies in `root` (their own ports), until it is up."""
+        proc = self.start(
+            "up",
+            [MESHFN, "up", "--policies", str(root), "--state-dir", str(state),
+             "--envoy-concurrency", "1"],
+        )  # fmt: skip
+        wait_for(
+            "meshfn up", lambda: "Ctrl-C stops everything" in proc.output(), timeout, proc=proc
+        )
+        return proc
+
     def up(self, policies: Policies, *extra: str) -> Proc:
+        policies.state = self.tmp / "state"
         proc = self.start(
             "up",
             [
@@ -114,18 +138,29 @@ class Processes(processes.Processes):
         return proc
 
 
-def proxies(policies: Policies | str) -> list[dict[str, Any]]:
-    """Connected proxies, from a Policies or an admin URL."""
-    admin = policies if isinstance(policies, str) else policies.admin
-    result: list[dict[str, Any]] = http(admin + "/debug/status").json()["proxies"]
+def admin_get(where: Policies | str, path: str, state: Path | None = None) -> Reply:
+    """GET a control plane's admin port as its owner: with the admin token the control plane
+    wrote into its state directory (`state`, or the Policies' own)."""
+    admin = where if isinstance(where, str) else where.admin
+    state = state if state is not None or isinstance(where, str) else where.state
+    assert state is not None, "which state directory holds this control plane's admin token?"
+    return http(admin + path, headers=admin_headers(state))
+
+
+def proxies(policies: Policies | str, state: Path | None = None) -> list[dict[str, Any]]:
+    """Connected proxies, from a Policies or an admin URL (and the control plane's state)."""
+    reply = admin_get(policies, "/debug/status", state)
+    if reply.status != 200:  # a ValueError: `wait_for` tries again
+        raise ValueError(f"/debug/status answered {reply.status}: {reply.body[:300]!r}")
+    result: list[dict[str, Any]] = reply.json()["proxies"]
     return result
 
 
 def wait_for_synced(
-    policies: Policies | str, proc: Proc | None = None, count: int = 1
+    policies: Policies | str, proc: Proc | None = None, count: int = 1, state: Path | None = None
 ) -> list[dict[str, Any]]:
     def probe() -> list[dict[str, Any]] | None:
-        found = proxies(policies)
+        found = proxies(policies, state)
         synced = [
             p
             for p in found

@@ -1,30 +1,56 @@
 """On a shared host, other local users get nothing from a running `meshfn up`: no Envoy admin
-interface on loopback TCP (it is a unix socket in the state directory), and the state
+interface on loopback TCP (it is a unix socket in the state directory), no application behind a
+sidecar on a port of its own (unix sockets there too: nobody skips the sidecar), and the state
 directory (bootstraps with ADS tokens, logs, the audit store and its salt) is the owner's
 alone. Checked as the unprivileged user `nobody` against the example mesh; meshfn itself still
-reaches every Envoy (readiness, the console's endpoint health, `meshfn status`)."""
+reaches every Envoy (readiness, the console's endpoint health, `meshfn status`).
+
+The census (`test_every_listening_socket_is_accounted_for`) lists every socket the mesh's
+processes listen on (`ss -lntupx`) with who answers and why; a new one fails it until it is
+classified, and `test_nobody_gets_an_answer_only_where_the_mesh_means_to` fails if any but the
+gateway's answers a caller without a credential."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import stat
+import struct
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
+import grpc
 import pytest
-from meshfn_e2e import Processes, children_of, command_name, http, remap_examples
+from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.ratelimit.v3 import rls_pb2
+from meshfn_e2e import (
+    Processes,
+    admin_get,
+    children_of,
+    command_name,
+    remap_examples,
+    world_searchable_tmp,
+)
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from meshfn.common.adminauth import admin_headers
+from meshfn.common.unix import unix_request
 from meshfn.testing import policies as p
 from meshfn.testing.envoy import admin_request, admin_socket, live
 from meshfn.testing.policies import Policies
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import listening_tcp_ports, meshfn, up_with_functions, wait_for
+from meshfn.xds.names import CLUSTER as CLUSTER_TYPE
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("runuser") is None or shutil.which("curl") is None,
@@ -70,15 +96,13 @@ class Mesh:
     admin: str
     mapping: dict[int, int]
     envoys: list[int]
+    pid: int  # meshfn up's
 
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[Mesh]:
-    # Not under pytest's base directory (0700 itself, which would hide everything anyway): a
-    # world-searchable directory, as a home or project directory usually is, with a state
-    # directory that starts out world-readable too (meshfn up must tighten it).
-    tmp = Path(tempfile.mkdtemp(prefix="meshfn-private-", dir="/tmp"))
-    tmp.chmod(0o755)
+    # With a state directory that starts out world-readable too (meshfn up must tighten it).
+    tmp = world_searchable_tmp("meshfn-private-")
     procs = Processes(tmp)
     try:
         mapping = remap_examples(tmp / "examples")
@@ -88,7 +112,8 @@ def mesh() -> Iterator[Mesh]:
         up = procs.start("up", up_with_functions(tmp / "examples", state, tmp / "functions"))
         wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=240)
         envoys = [p for p in children_of(up.pid) if command_name(p) == "envoy"]
-        yield Mesh(up.output(), state, f"http://127.0.0.1:{mapping[18001]}", mapping, envoys)
+        admin = f"http://127.0.0.1:{mapping[18001]}"
+        yield Mesh(up.output(), state, admin, mapping, envoys, up.pid)
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,17 +209,17 @@ def test_meshfn_still_reaches_its_envoys(mesh: Mesh) -> None:
     in sync."""
 
     def healthy() -> bool:
-        page = http(mesh.admin + "/ui").body.decode()
+        page = admin_get(mesh.admin, "/ui", mesh.state).body.decode()
         if "Endpoint health is unknown" in page:
             raise ValueError(page[page.index("Endpoint health is unknown") :][:300])
         return "health-healthy" in page
 
     wait_for("endpoint health in the console", healthy, timeout=30)
-    status = http(mesh.admin + "/debug/status").json()
+    status = admin_get(mesh.admin, "/debug/status", mesh.state).json()
     assert len(status["proxies"]) == 5 and all(
         t["in_sync"] for p in status["proxies"] for t in p["types"].values()
     ), json.dumps(status["proxies"])[:2000]
-    cli = meshfn("status", "--admin", mesh.admin)
+    cli = meshfn("status", "--state-dir", str(mesh.state))
     assert cli.returncode == 0 and cli.stdout.count("SYNCED") >= 10, cli.stdout
 
 
@@ -239,3 +264,315 @@ def tcp_answers(port: int) -> bool:
             getattr(exc, "reason", None), ConnectionRefusedError
         )
     return True
+
+
+# ------------------------------------------------------------------------------ the census
+#
+# THE CONSOLE'S EXPECTED STATE, in one place: the control plane's admin API and console
+# authenticate every caller (issue 40; meshfn.control_plane.runtime.admin.OPEN lists what
+# answers without a credential, with why). Every console path but the public ones answers 401
+# without the owner's credential or with a wrong one, and 200 with it.
+CONSOLE_OPEN_PATHS = ("/healthz", "/readyz", "/.well-known/jwks.json")  # public by design
+CONSOLE_PATHS = ("/ui", "/ui?subject_raw=alice", "/debug/status", "/metrics")
+
+
+def console_headers(state: Path) -> dict[str, str]:
+    """What the owner shows the console: the admin token it wrote into STATE/admin/token."""
+    return admin_headers(state)
+
+
+Access = Literal["public", "credential", "private"]
+
+
+@dataclass(frozen=True)
+class Socket:
+    """One listening socket of the mesh: "tcp"/"udp" with its port, or "unix" with its path."""
+
+    kind: str
+    where: str
+    port: int
+    pid: int
+    process: str
+
+
+@dataclass(frozen=True)
+class Role:
+    who: str
+    access: Access
+    why: str
+
+
+def mesh_pids(root: int) -> set[int]:
+    found, todo = {root}, [root]
+    while todo:
+        children = children_of(todo.pop())
+        found.update(children)
+        todo += children
+    return found
+
+
+def listening(pids: set[int]) -> list[Socket]:
+    """Every socket `pids` listen on (TCP, UDP and unix), as `ss -lntupx` (run as root, so
+    it names every process) lists them."""
+    out = subprocess.run(
+        ["ss", "-H", "-l", "-n", "-t", "-u", "-p", "-x"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    found = []
+    for line in out.splitlines():
+        owners = {int(pid): name for name, pid in re.findall(r'\("([^"]*)",pid=(\d+)', line)}
+        mine = owners.keys() & pids
+        if not mine:
+            continue
+        netid, local = line.split()[0], line.split()[4]
+        pid = min(mine)
+        if netid in ("tcp", "udp"):
+            port = int(local.rsplit(":", 1)[1])
+            found.append(Socket(netid, local, port, pid, owners[pid]))
+        else:
+            found.append(Socket("unix", local, 0, pid, owners[pid]))
+    return found
+
+
+def role(mesh: Mesh, sock: Socket) -> Role | None:
+    """Who answers on `sock` and why that is safe; None: a socket nobody has classified."""
+    port = {mapped: original for original, mapped in mesh.mapping.items()}.get(sock.port)
+    if sock.kind == "tcp" and port == 10000:
+        return Role(
+            "the gateway edge.ingress (Envoy)",
+            "public",
+            "the mesh's front door: every route's policy decides (the models want a tenant "
+            "token: 403 without one), and the sidecars audit what reaches a service",
+        )
+    if sock.kind == "tcp" and port in (15101, 15102, 15103, 15201):
+        return Role(
+            f"a sidecar (Envoy) of the endpoint on {port}",
+            "credential",
+            "mTLS STRICT: no request is read before a client certificate of the mesh's CA, "
+            "then JWT and authorization for the service",
+        )
+    if sock.kind == "tcp" and port == 18000:
+        return Role(
+            "the control plane: ADS, access logs, rate-limit service (gRPC)",
+            "credential",
+            "every ADS stream and limit-service call shows its node's bootstrap token (an HMAC "
+            "under a key in the state directory); access logs only from connected proxies",
+        )
+    if sock.kind == "tcp" and port == 18001:
+        return Role(
+            "the control plane: admin API and console",
+            "credential",
+            "token-protected: an admin token or a console session, viewer or auditor (issue 40)",
+        )
+    if sock.kind != "unix":
+        return None
+    path = Path(sock.where)
+    private = "a unix socket (mode 0600) in the private state directory (0700)"
+    if path.parent == mesh.state / "envoy":
+        return Role(f"Envoy's admin ({path.stem})", "private", private)
+    if path.parent == mesh.state / "workloads" or path.parent.parent == mesh.state / "inference":
+        return Role(
+            f"the application behind a sidecar ({path.stem})",
+            "private",
+            f"{private}: only its sidecar's user reaches it, over an Envoy pipe address",
+        )
+    if path == mesh.state / "audit-signer" / "signer.sock":
+        return Role("the audit signer", "private", private)
+    return None
+
+
+@pytest.fixture(scope="module")
+def census(mesh: Mesh) -> list[tuple[Socket, Role | None]]:
+    found = listening(mesh_pids(mesh.pid))
+    return [(sock, role(mesh, sock)) for sock in found]
+
+
+def census_table(census: list[tuple[Socket, Role | None]]) -> str:
+    rows = [
+        f"{s.kind:4} {s.where:60} {s.process:7} {r.access if r else '???':10} "
+        f"{r.who if r else 'UNCLASSIFIED'}: {r.why if r else ''}"
+        for s, r in sorted(census, key=lambda c: (c[0].kind, c[0].where))
+    ]
+    return "\n".join(rows)
+
+
+def test_every_listening_socket_is_accounted_for(mesh: Mesh, census: list[Any]) -> None:
+    table = census_table(census)
+    print(table)
+    assert all(r is not None for _, r in census), table
+    m = mesh.mapping
+    tcp = {s.port for s, _ in census if s.kind == "tcp"}
+    assert tcp == {m[p] for p in (10000, 15101, 15102, 15103, 15201, 18000, 18001)}, table
+    assert not [s for s, _ in census if s.kind == "udp"], table
+    unix = [s for s, _ in census if s.kind == "unix"]
+    # 5 Envoy admins, 3 backends with an HTTP and a gRPC socket each, the echo upstream, the
+    # audit signer: 13, beside the 7 TCP listeners (the issue counted 20 before: the same
+    # number, with the 7 application ports on TCP).
+    assert len(unix) == 13, table
+    for sock in unix:
+        info = Path(sock.where).stat()
+        assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600, sock
+    assert stat.S_IMODE((mesh.state / "workloads").stat().st_mode) == 0o700
+    for own in (mesh.state / "inference").iterdir():  # each backend's own directory
+        assert stat.S_IMODE(own.stat().st_mode) == 0o700, own
+    # with eBPF redirection on (the examples' `acceleration: auto`): it redirects TCP between
+    # the mesh's own sockets and leaves unix sockets alone, so it opens no way around a sidecar
+    status = admin_get(mesh.admin, "/debug/status", mesh.state).json()
+    assert status["acceleration"]["attached"], status["acceleration"]
+    for port in (9101, 9102, 9103, 9111, 9112, 9113, 9201):  # the policies' application ports
+        assert m[port] not in tcp
+        probe = as_nobody("curl", "-s", "-m", "5", f"http://127.0.0.1:{m[port]}/v2/models")
+        assert probe.returncode == 7, (port, probe)  # connection refused: nothing listens
+
+
+def test_nobody_gets_an_answer_only_where_the_mesh_means_to(mesh: Mesh, census: list[Any]) -> None:
+    """As `nobody`, without any credential: the gateway answers (its policies refuse what needs
+    a token), everything else refuses before it serves anything."""
+    for sock, found in census:
+        if found is None or found.access != "public":
+            assert _plain_answer(sock) is None, (sock, found, _plain_answer(sock))
+        if found is None:
+            raise AssertionError(f"unclassified: {sock}")
+        if sock.kind == "unix":
+            _private(mesh, sock)
+        elif found.access == "public" and sock.port == mesh.mapping[10000]:
+            _gateway(sock.port)
+        elif sock.port == mesh.mapping[18001]:
+            _console(mesh, sock.port)
+        elif sock.port == mesh.mapping[18000]:
+            _control_plane(sock.port, mesh.state)
+        else:
+            _sidecar(sock.port)
+
+
+def _plain_answer(sock: Socket) -> str | None:
+    """What `nobody` gets from a plain request (HTTP/1.1, then HTTP/2 without TLS): the first
+    HTTP status, or None when neither gets one or it is 401 (a server that wants a credential
+    and says so: the console and its admin API)."""
+    where = ["--unix-socket", sock.where, "http://x/"] if sock.kind == "unix" else []
+    where = where or [f"http://127.0.0.1:{sock.port}/"]
+    for version in ("--http1.1", "--http2-prior-knowledge"):
+        probe = as_nobody(
+            "curl", "-s", "-m", "5", version, "-o", "/dev/null", "-w", "%{http_code}", *where
+        )
+        if probe.stdout not in ("", "000", "401"):
+            return f"{version}: HTTP {probe.stdout}"
+    return None
+
+
+def _private(mesh: Mesh, sock: Socket) -> None:
+    """Refused by the kernel (the directory's permissions), while the owner reaches it: an
+    application behind a sidecar answers its owner as it would its sidecar."""
+    probe = as_nobody("curl", "-sv", "-m", "5", "--unix-socket", sock.where, "http://x/")
+    assert probe.returncode == 7 and "Permission denied" in probe.stderr, (sock, probe)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as owner:
+        owner.settimeout(5)
+        owner.connect(sock.where)
+    path = Path(sock.where)
+    original = _application_port(mesh, path)
+    if original is None:
+        return
+    if original in (9111, 9112, 9113):  # the backends' KServe gRPC
+        with grpc.insecure_channel(f"unix:{path}") as channel:
+            live = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+                service_pb2.ServerLiveRequest(), timeout=5
+            )
+        assert live.live, sock
+    else:
+        status, body = unix_request(path, "/v2/health/ready" if original < 9200 else "/echo")
+        assert status == 200, (sock, body[:200])
+
+
+def _application_port(mesh: Mesh, path: Path) -> int | None:
+    """The policies' port of the application behind a sidecar listening at `path`: the echo
+    placeholder's socket in STATE/workloads, a backend's http.sock or grpc.sock in its own
+    STATE/inference/<address>-<port>/ (the only directory its sandbox lets it write)."""
+    original = {v: k for k, v in mesh.mapping.items()}
+    if path.parent == mesh.state / "workloads":
+        return original[int(path.stem.rsplit("-", 1)[1])]
+    if path.parent.parent == mesh.state / "inference":
+        http_port = original[int(path.parent.name.rsplit("-", 1)[1])]
+        return http_port + 10 if path.stem == "grpc" else http_port  # the examples' grpcPort
+    return None
+
+
+def _gateway(port: int) -> None:
+    def status(path: str) -> str:
+        return as_nobody(
+            "curl", "-s", "-m", "5", "-o", "/dev/null", "-w", "%{http_code}",
+            f"http://127.0.0.1:{port}{path}",
+        ).stdout  # fmt: skip
+
+    assert status("/v2/models") == "403"  # the models want a tenant's token
+    assert status("/v2/models/iris") == "403"
+    assert status("/echo/hi") == "200"  # a route the examples leave open
+
+
+def _sidecar(port: int) -> None:
+    """mTLS STRICT: neither plaintext nor TLS without a client certificate gets an answer."""
+    for url in (f"http://127.0.0.1:{port}/", f"https://127.0.0.1:{port}/"):
+        probe = as_nobody("curl", "-sk", "-m", "5", "-o", "/dev/null", "-w", "%{http_code}", url)
+        assert probe.returncode != 0 and probe.stdout == "000", (url, probe)
+
+
+def _control_plane(port: int, state: Path) -> None:
+    """ADS and the limit service: UNAUTHENTICATED without a node's token; access logs only
+    from proxies connected over ADS; plain HTTP gets no answer."""
+    node = base_pb2.Node(id="edge.ingress~0", cluster="edge.ingress")
+    bodies = {
+        "envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources": (
+            discovery_pb2.DeltaDiscoveryRequest(node=node, type_url=CLUSTER_TYPE),
+            "16",
+        ),
+        "envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources": (
+            discovery_pb2.DiscoveryRequest(node=node, type_url=CLUSTER_TYPE),
+            "16",
+        ),
+        "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit": (
+            rls_pb2.RateLimitRequest(domain="default/tenants"),
+            "16",
+        ),
+        "envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs": (
+            als_pb2.StreamAccessLogsMessage(),
+            "7",
+        ),
+    }
+    probes = Path(tempfile.mkdtemp(prefix="meshfn-probe-", dir="/tmp"))
+    try:
+        probes.chmod(0o755)
+        for index, (method, (message, code)) in enumerate(bodies.items()):
+            raw = message.SerializeToString()
+            frame = probes / f"{index}.grpc"
+            frame.write_bytes(b"\0" + struct.pack(">I", len(raw)) + raw)
+            frame.chmod(0o644)
+            probe = as_nobody(
+                "curl", "-s", "-m", "5", "--http2-prior-knowledge", "-X", "POST",
+                "-H", "content-type: application/grpc", "-H", "te: trailers",
+                "-H", "x-meshfn-node: edge.ingress", "--data-binary", f"@{frame}",
+                "-D", "-", "-o", "/dev/null", f"http://127.0.0.1:{port}/{method}",
+            )  # fmt: skip
+            assert f"grpc-status: {code}" in probe.stdout, (method, probe)
+    finally:
+        shutil.rmtree(probes)
+    plain = as_nobody("curl", "-s", "-m", "5", "-o", "/dev/null", "-w", "%{http_code}",
+                      f"http://127.0.0.1:{port}/")  # fmt: skip
+    assert not plain.stdout.startswith("2"), plain
+
+
+def _console(mesh: Mesh, port: int) -> None:
+    def status(path: str, *headers: str) -> str:
+        args = [arg for header in headers for arg in ("-H", header)]
+        return as_nobody(
+            "curl", "-s", "-m", "5", "-o", "/dev/null", "-w", "%{http_code}", *args,
+            f"http://127.0.0.1:{port}{path}",
+        ).stdout  # fmt: skip
+
+    for path in CONSOLE_OPEN_PATHS:
+        assert status(path) == "200", path
+    owner = console_headers(mesh.state)
+    for path in CONSOLE_PATHS:
+        assert status(path) == "401", path
+        assert status(path, "authorization: Bearer wrong") == "401", path
+        assert status(path, *(f"{k}: {v}" for k, v in owner.items())) == "200", path

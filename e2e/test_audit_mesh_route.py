@@ -20,7 +20,7 @@ from meshfn.control_plane.identity.ca import CertificateAuthority
 from meshfn.control_plane.identity.spiffe import SpiffeId
 from meshfn.testing import policies as p
 from meshfn.testing.ports import named_ports
-from meshfn.testing.processes import MESHFN, meshfn, wait_for
+from meshfn.testing.processes import meshfn, wait_for
 
 pytestmark = pytest.mark.e2e
 TD = "route.local"
@@ -68,12 +68,7 @@ def test_records_name_the_mesh_route_and_resist_spoofing(procs: Processes, tmp_p
         )
     )
     state = tmp_path / "state"
-    up = procs.start(
-        "up",
-        [MESHFN, "up", "--policies", str(policies), "--state-dir", str(state),
-         "--envoy-concurrency", "1"],
-    )  # fmt: skip
-    wait_for("the mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=60)
+    up = procs.up_at(policies, state, timeout=60)
     gateway = f"127.0.0.1:{ports['listener']}"
     wait_for("a first answer", lambda: _get(gateway, "/warmup", {}) == 200, timeout=20)
     # 1. a client spoofs the header at the gateway
@@ -81,7 +76,7 @@ def test_records_name_the_mesh_route_and_resist_spoofing(procs: Processes, tmp_p
     # 2. a mesh workload that is no gateway calls the sidecar directly and claims a route
     claim = {"x-meshfn-route": "default/model"}
     assert _direct(tmp_path, state, ports["sidecar"], "intruder", claim) == 200
-    status = meshfn("status", "--admin", f"http://127.0.0.1:{ports['admin']}")
+    status = meshfn("status", "--state-dir", str(state))
     assert "audit trail" in status.stdout and "witness" in status.stdout, status.stdout
     assert up.stop() == 0
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from meshfn_e2e import Processes, http, wait_for_synced
+from meshfn_e2e import Processes, admin_get, http, wait_for_synced
 
 from meshfn.testing import policies as p
-from meshfn.testing.browser import ARTIFACTS, Browser, chromium, wait_panel_text
+from meshfn.testing.browser import ARTIFACTS, Browser, chromium, sign_in, wait_panel_text
 from meshfn.testing.processes import Proc, wait_for
 
 # RE2 accepts this, but its program is far above Envoy's default size limit: Envoy NACKs it.
@@ -65,8 +65,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
+def browser(mesh: Mesh) -> Iterator[Browser]:
     with chromium() as found:
+        sign_in(found, mesh.policies.admin, mesh.state)  # the session outlives restarts
         yield found
 
 
@@ -198,10 +199,10 @@ def test_malformed_queries_get_400(mesh: Mesh) -> None:
         ("route=%00", "printable"),
     ]:
         for path in ("/ui", "/ui/events"):
-            reply = http(f"{mesh.policies.admin}{path}?{query}")
+            reply = admin_get(mesh.policies, f"{path}?{query}")
             assert reply.status == 400, (path, query, reply.status)
             assert message in reply.body.decode(), (path, query, reply.body)
-    assert "Content-Security-Policy" in http(mesh.console).headers
+    assert "Content-Security-Policy" in admin_get(mesh.policies, "/ui").headers
 
 
 def test_dead_control_plane_is_shown_lost_then_reconnects(mesh: Mesh, browser: Browser) -> None:

@@ -17,7 +17,7 @@ import pytest
 from meshfn_e2e import Processes, http, remap_examples
 
 from meshfn.control_plane.runtime.hints import meshfn_command
-from meshfn.testing.browser import ARTIFACTS, Browser, chromium, wait_panel_text
+from meshfn.testing.browser import ARTIFACTS, Browser, chromium, sign_in, wait_panel_text
 from meshfn.testing.processes import MESHFN, Proc, wait_for
 
 
@@ -110,7 +110,7 @@ def test_printed_lines_work_when_pasted(example: Example) -> None:
 
 def test_console_shows_functions_audit_and_acceleration(example: Example, browser: Browser) -> None:
     page = browser.page
-    page.goto(example.admin + "/ui")
+    sign_in(browser, example.admin, example.tmp / "state")  # the owner: an auditor
     page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
     token = subprocess.run(
         [MESHFN, "token", "issue", "--state-dir", str(example.tmp / "state"), "--sub", "carol",
@@ -146,7 +146,12 @@ def test_console_shows_functions_audit_and_acceleration(example: Example, browse
         rows = page.locator("#panel-functions tbody tr", has_text="iris@1").all_inner_texts()
         cells = [r.split("\t") for r in rows]
         return next(
-            (c for c in cells if c[1] == "loaded" and int(c[4]) >= 1 and "ms" in c[5]), None
+            (
+                c
+                for c in cells
+                if len(c) > 5 and c[1] == "loaded" and int(c[4]) >= 1 and "ms" in c[5]
+            ),
+            None,
         )
 
     cells = wait_for("iris loaded with a cold start and latencies", served, timeout=20)

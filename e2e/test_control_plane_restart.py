@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import stat
 import time
 
 from meshfn_e2e import Processes, proxies, served_by, wait_for_synced
@@ -27,6 +28,10 @@ def test_envoy_survives_a_control_plane_restart(procs: Processes, policies: Poli
     procs.start("envoy", envoy.argv(config))
     wait_for_synced(policies, serve)
     assert served_by(policies, "/v1/x") == "default/alpha"
+    # `meshfn bootstrap` puts Envoy's admin on a private socket (and, as the rig's Gateway sets
+    # adminPort, on that port too)
+    admin = envoy.admin_socket(policies.root.parent / "state", "edge.default")
+    assert stat.S_IMODE(admin.stat().st_mode) == 0o600 and envoy.live(admin)
 
     serve.stop(signal.SIGKILL)  # a crash, not a clean shutdown
     failures = 0

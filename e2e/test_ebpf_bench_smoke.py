@@ -17,7 +17,8 @@ def test_ebpf_bench_smoke(tmp_path: Path) -> None:
     line, data = run_bench("ebpf.py", tiny, tmp_path, timeout=170)
     number = r"\d+\.\d\d"
     assert re.fullmatch(
-        rf"ebpf: rtt_ratio_same_cpu={number} rtt_ratio_unpinned={number} mesh_p50_ratio={number}",
+        rf"ebpf: rtt_ratio_same_cpu={number} rtt_ratio_unpinned={number} "
+        rf"mesh_p50_ratio={number} mesh_unix_p50_ratio={number}",
         line,
     ), line
     assert data["summary"] == line
@@ -27,5 +28,6 @@ def test_ebpf_bench_smoke(tmp_path: Path) -> None:
         assert len(part["rounds_p50_us"]["on"]) == len(part["rounds_p50_us"]["off"]) == 2
     for chunk in (65536, 1024):
         assert min(data[f"throughput_{chunk}"]["mib_per_s"].values()) > 0
+    assert len(data["mesh"]["rounds_p50_us"]["unix"]) == 2 and data["mesh"]["p50_us"]["unix"] > 0
     assert data["mesh"]["counters"]["messages_redirected"] >= 2 * 2 * 100
     assert data["mesh"]["counters"]["messages_no_peer"] == 0

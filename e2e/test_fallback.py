@@ -22,7 +22,7 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
-from meshfn_e2e import Processes, wait_for_synced
+from meshfn_e2e import Processes, admin_get, wait_for_synced
 
 from meshfn.contracts.journal import journal_path
 from meshfn.testing import envoy
@@ -121,6 +121,12 @@ class Topology:
     def admin(self) -> str:
         return f"http://127.0.0.1:{self.ports['admin']}"
 
+    def admin_text(self, path: str) -> str:
+        """GET the control plane's admin port as its owner."""
+        reply = admin_get(self.admin, path, self.tmp / "state")
+        assert reply.status == 200, (path, reply.status, reply.body[:300])
+        return reply.body.decode()
+
     def delay(self, name: str, ms: float) -> None:
         (self.tmp / f"delay-{name}").write_text(str(ms))
 
@@ -162,7 +168,7 @@ def topology(
         ).stdout
     )
     procs.start("envoy", envoy.argv(config, concurrency=2, file_flush_interval_ms=200))
-    wait_for_synced(topo.admin, serve)
+    wait_for_synced(topo.admin, serve, state=state)
     wait_for("traffic", lambda: served(topo) is not None, timeout=20)
     yield topo
 
@@ -270,7 +276,7 @@ def degrade_and_recover(topology: Topology, load: Load) -> None:
         return bool(recent) and sum(who == lite for _, _, who in recent) / len(recent) > 0.7
 
     wait_for("traffic on the degraded service", on_lite, timeout=30)
-    status = json.loads(http_get(f"{topology.admin}/debug/status"))["routes"]["default/model"]
+    status = json.loads(topology.admin_text("/debug/status"))["routes"]["default/model"]
     assert status["state"] == "degraded"
     for name in ("a", "b", "c"):
         topology.delay(name, 0)
@@ -287,7 +293,7 @@ def test_a_slow_upstream_trips_the_drift_breaker_and_traffic_returns(topology: T
         baseline(load)
         degrade_and_recover(topology, load)
     assert all(status == 200 for _, status, _ in load.results)
-    metrics = http_get(f"{topology.admin}/metrics")
+    metrics = topology.admin_text("/metrics")
     # tripped and reset, and every trip reset (a loaded machine may trip it more than once)
     transitions = {
         to: float(value)

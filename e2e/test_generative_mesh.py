@@ -26,8 +26,10 @@ from typing import Any
 
 import openai
 import pytest
-from meshfn_e2e import http, remap_examples
+from meshfn_e2e import admin_get, http, remap_examples
 
+from meshfn.common.unix import unix_request
+from meshfn.control_plane.runtime.upstreams import backend_socket
 from meshfn.inference.examples import publish_examples
 from meshfn.testing.processes import MESHFN, Processes, meshfn, wait_for
 
@@ -81,7 +83,7 @@ class Mesh:
     gateway: str  # http://127.0.0.1:PORT
     admin: str
     state: Path
-    backends: list[str]  # the models backends' own addresses (loopback)
+    backends: list[Path]  # the models backends' own unix sockets (behind their sidecars)
 
     def token(self, tenant: str) -> str:
         out = meshfn(
@@ -103,7 +105,9 @@ class Mesh:
     def backend_metric(self, name: str, **labels: str) -> float:
         total = 0.0
         for backend in self.backends:
-            text = http(f"http://{backend}/metrics").body.decode()
+            status, body = unix_request(backend, "/metrics")
+            assert status == 200, status
+            text = body.decode()
             for line in text.splitlines():
                 named = line.startswith(name + "{") or line.startswith(name + " ")
                 if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -140,7 +144,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             f"http://127.0.0.1:{mapping[10000]}",
             f"http://127.0.0.1:{mapping[18001]}",
             state,
-            [f"127.0.0.1:{mapping[9101]}", f"127.0.0.1:{mapping[9102]}"],
+            [backend_socket(state, "127.0.0.1", mapping[p]) for p in (9101, 9102)],
         )
         wait_for(
             "tiny-lm through the gateway",
@@ -219,7 +223,7 @@ def test_the_first_token_arrives_while_generation_goes_on(mesh: Mesh) -> None:
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(data)]
     assert data[-1][0] - data[0][0] > 0.2, gaps
     assert sorted(gaps)[len(gaps) // 2] > 0.01, gaps
-    status = http(mesh.admin + "/debug/status").json()
+    status = admin_get(mesh.admin, "/debug/status", mesh.state).json()
     if status["acceleration"]["attached"]:  # the loopback hops were eBPF's
         assert status["acceleration"]["counters"]["messages_redirected"] > 0
 
@@ -393,7 +397,7 @@ def test_token_budgets_follow_the_verified_tenant(mesh: Mesh) -> None:
     # acme, whose name globex sent, was not charged: only its own two small requests count
     assert 0 < acme_before - remaining(acme, 1) <= 6
     # one book for both backends: the control plane's ledger
-    status = http(mesh.admin + "/debug/status").json()
+    status = admin_get(mesh.admin, "/debug/status", mesh.state).json()
     globex = [r for r in status["token_budgets"] if r["tenant"] == "globex"]
     assert globex and globex[0]["function"] == "tiny-lm" and globex[0]["window"] == "month"
     assert 9 <= globex[0]["used"] <= 700

@@ -20,3 +20,6 @@ def test_functions_bench_smoke(tmp_path: Path) -> None:
     assert len(data["idle_warm_python_ms"]) == len(data["idle_warm_core_ms"]) == 3
     assert len(data["resume_python_ms"]) == 3
     assert data["summary"]["rps_1w"] > 0 and data["summary"]["rps_2w"] > 0
+    # the Envoy -> backend hop over TCP and over the backend's unix socket (as meshfn up runs it)
+    assert len(data["hop_p50_us"]["tcp"]) == len(data["hop_p50_us"]["unix"]) == 16
+    assert re.search(r" unix_minus_tcp_p50_us=-?\d+ ", line), line

@@ -107,3 +107,22 @@ def test_cli_errors_are_messages_not_tracebacks(tmp_path: Path) -> None:
             "--port", str(port),
         )  # fmt: skip
         assert failed(result, "cannot serve on 127.0.0.1")
+    # unix sockets: one per serving process, never both gRPC ways, never over another file
+    key = str(keys / "meshfn-signing.pub")
+    two = tmp_path / "two.yaml"
+    two.write_text(f"registry: {tmp_path}\ntrustedKeys: [{key}]\nprocesses: 2\n")
+    sock = str(tmp_path / "a.sock")
+    result = run("serve", "--config", str(two), "--unix-socket", sock)
+    assert failed(result, "--unix-socket given 1 time(s) for 2 serving process(es)"), result
+    result = run(
+        "serve", "--registry", str(tmp_path), "--trusted-key", key, "--unix-socket", sock,
+        "--grpc-port", "1", "--grpc-unix-socket", str(tmp_path / "g.sock"),
+    )  # fmt: skip
+    assert failed(result, "give --grpc-port or --grpc-unix-socket, not both"), result
+    (tmp_path / "file").write_text("not a socket")
+    result = run(
+        "serve", "--registry", str(tmp_path), "--trusted-key", key,
+        "--unix-socket", str(tmp_path / "file"),
+    )  # fmt: skip
+    assert failed(result, "exists and is not a socket"), result
+    assert (tmp_path / "file").read_text() == "not a socket"

@@ -183,9 +183,8 @@ def test_status_shows_each_functions_warm_up(mesh: Mesh, monkeypatch: pytest.Mon
     pixels = thttp.InferInput("pixels", [1, 64], "FP32")
     pixels.set_data_from_numpy(np.zeros((1, 64), dtype=np.float32))
     client.infer("digits", [pixels], headers=mesh.auth())
-    admin = json.loads((mesh.state / "state.json").read_text())["admin"]
     monkeypatch.setenv("COLUMNS", "200")  # one table row per line
-    out = meshfn("status", "--admin", admin)
+    out = meshfn("status", "--state-dir", str(mesh.state))
     assert out.returncode == 0, out.stderr
     rows = {line.split("│")[2].strip(): line for line in out.stdout.splitlines() if "@1" in line}
     assert "predictive" in rows["digits@1"] and "reactive" in rows["iris@1"], out.stdout

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -15,14 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from meshfn_e2e import http, remap_examples
 
+from meshfn.common.unix import unix_request
 from meshfn.inference.devtools import RawHttp, write_envoy_config
 from meshfn.inference.examples import publish_examples
 from meshfn.testing.envoy import admin_json
 from meshfn.testing.envoy import argv as envoy_argv
 from meshfn.testing.envoy import start as start_envoy
 from meshfn.testing.ports import free_port, free_ports, retry_on_port_clash
-from meshfn.testing.processes import Processes, alive, wait_for
+from meshfn.testing.processes import Processes, alive, issue_token, up_with_functions, wait_for
 
 PY = sys.executable
 DIGITS = json.dumps(
@@ -165,3 +168,63 @@ def test_grpc_on_every_process_and_a_sigkilled_supervisor_leaves_none(tmp_path: 
         wait_for("the children exited", lambda: not any(map(alive, children)), timeout=30)
     finally:
         procs.stop_all()
+
+
+def test_meshfn_up_runs_each_backend_process_behind_its_own_socket(tmp_path: Path) -> None:
+    """`meshfn up --backend-processes 2`: behind a sidecar a backend serves on unix sockets, and
+    a unix socket has no SO_REUSEPORT, so each serving process has its own (HTTP and gRPC) and
+    the sidecar balances over them: both processes answer requests through the gateway."""
+    import tritonclient.grpc as tgrpc
+
+    procs = Processes(tmp_path)
+    mapping = remap_examples(tmp_path / "examples")
+    state = tmp_path / "state"
+    try:
+        argv = up_with_functions(tmp_path / "examples", state, tmp_path / "functions")
+        up = procs.start("up", [*argv, "--backend-processes", "2"])
+        wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=240)
+        # each backend's sockets are in its own directory (its sandbox's only writable one)
+        own = {p: state / "inference" / f"127.0.0.1-{mapping[p]}" for p in (9101, 9102, 9103)}
+        http_sockets = {(p, k): own[p] / f"http.{k}.sock" for p in own for k in (0, 1)}
+        found = sorted(str(path) for d in own.values() for path in d.glob("*.sock"))
+        assert len(found) == 3 * 2 * 2, found  # HTTP and gRPC per process
+        assert [p.name for p in (state / "workloads").iterdir()] == [
+            f"127.0.0.1-{mapping[9201]}.sock"
+        ]  # echo
+        backend_pids = set()
+        for path in found:
+            assert stat.S_IMODE(Path(path).stat().st_mode) == 0o600, path
+        for path in http_sockets.values():
+            status, body = unix_request(path, "/meshfn/functions")
+            assert status == 200, body
+            backend_pids.add(json.loads(body)["pid"])
+        assert len(backend_pids) == 6  # every socket its own process
+
+        token = issue_token(state, "alice", "acme")
+        gateway = f"127.0.0.1:{mapping[10000]}"
+        headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
+        for _ in range(40):
+            answer = http(f"http://{gateway}/v2/models/digits/infer", "POST", headers, DIGITS)
+            assert answer.status == 200, answer
+
+        def served(path: Path) -> int:
+            status, body = unix_request(path, "/v2/models/digits/stats")
+            assert status == 200, body
+            return int(json.loads(body)["model_stats"][0]["inference_count"])
+
+        counts = {str(path): served(path) for path in http_sockets.values()}
+        assert sum(counts.values()) == 40, counts
+        local = [counts[str(http_sockets[9101, k])] for k in (0, 1)]
+        assert min(local) > 0, counts  # the local endpoint's two processes both served
+
+        grpc = tgrpc.InferenceServerClient(gateway)
+        pixels = tgrpc.InferInput("pixels", [1, 64], "FP32")
+        pixels.set_data_from_numpy(np.full((1, 64), 4, dtype=np.float32))
+        for _ in range(4):
+            answer = grpc.infer("digits", [pixels], headers={"authorization": f"Bearer {token}"})
+            assert answer.as_numpy("label") is not None
+        grpc.close()
+    finally:
+        procs.stop_all()
+    assert not list((state / "workloads").iterdir())  # every process removed its sockets
+    assert not list((state / "inference").glob("*/*.sock"))

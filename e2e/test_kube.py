@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,14 @@ from typing import Any
 
 import pytest
 import yaml
-from kubecluster import CONTROLLER_NAMESPACE, ISTIO_CRDS, REPO, KubeCluster, helm_path
+from kubecluster import (
+    CONTROLLER_NAMESPACE,
+    CONTROLLER_USER,
+    ISTIO_CRDS,
+    REPO,
+    KubeCluster,
+    helm_path,
+)
 
 from meshfn.contracts.kube import KINDS
 from meshfn.testing.ports import free_ports
@@ -87,6 +95,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
 class Operator:
     def __init__(self, cluster: KubeCluster, name: str) -> None:
         self.name = name
+        # the apiserver's admin: TokenReview and SubjectAccessReview admit it to /debug/status
+        self.token = cluster.tokens["admin"]
         self.admin, self.als = free_ports(2)
         salt = cluster.root / "salt"
         if not salt.exists():
@@ -121,8 +131,13 @@ class Operator:
         wait_for(f"operator {self.name} ready", lambda: self.get("/readyz") == "ok\n", 30)
         return self
 
-    def get(self, path: str) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}{path}", timeout=10) as r:
+    def get(self, path: str, token: str | None = "") -> str:
+        """GET on the admin port with the cluster admin's token (or `token`; None: none)."""
+        request = urllib.request.Request(f"http://127.0.0.1:{self.admin}{path}")
+        token = self.token if token == "" else token
+        if token is not None:
+            request.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(request, timeout=10) as r:
             return str(r.read().decode())
 
     def status(self) -> dict[str, Any]:
@@ -437,6 +452,7 @@ def test_apiserver_restart_resumes_watches_without_a_resync_storm(
     time.sleep(1)
     mark = len(cluster.audit())
     relists = operator.metric("meshfn_kube_relists_total")
+    operator.status()  # someone watching: the apiserver has admitted their token lately
     cluster.stop_apiserver()
     # Down: the operator says so, in its status document and through `meshfn status`.
     wait_for(
@@ -444,7 +460,12 @@ def test_apiserver_restart_resumes_watches_without_a_resync_storm(
         lambda: any(k["error"] for k in operator.status()["kube"]["source"]["kinds"].values()),
         20,
     )
-    shown = meshfn("status", "--admin", f"http://127.0.0.1:{operator.admin}")
+    shown = meshfn(  # authenticated by the apiserver that is down: the last decision holds
+        "status",
+        "--admin",
+        f"http://127.0.0.1:{operator.admin}",
+        env={"MESHFN_ADMIN_TOKEN": operator.token},
+    )
     assert shown.returncode == 0, shown.stderr
     assert "apiserver unreachable" in shown.stdout, shown.stdout
     assert operator.metric("meshfn_kube_apiserver_reachable") == 0
@@ -660,6 +681,43 @@ def test_cli_status_and_render_from_cluster(cluster: KubeCluster, operator: Oper
     assert "Traceback" not in failed.stdout + failed.stderr
 
 
+def test_the_admin_port_asks_the_apiserver_who_may_read_it(
+    cluster: KubeCluster, operator: Operator
+) -> None:
+    """TokenReview says who calls, SubjectAccessReview on the chart's roles says what they may:
+    the cluster's RBAC decides. Probes, the filter modules and /metrics (the NetworkPolicy's to
+    scope) are open; /debug/status needs the viewer role."""
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "vera-views-meshfn"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": "meshfn-console-viewer"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "vera"}],
+    }  # fmt: skip
+    cluster.apply(yaml.safe_dump(binding))
+
+    def status_of(token: str | None) -> int:
+        try:
+            operator.get("/debug/status", token)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        return 200
+
+    wait_for("vera's binding to count", lambda: status_of(cluster.tokens["vera"]) == 200, 20)
+    assert status_of(None) == 401
+    assert status_of("not-a-token") == 401
+    assert status_of(cluster.tokens["nora"]) == 403  # authenticated, no role
+    assert status_of(cluster.tokens["meshfn"]) == 403  # the operator's own identity neither
+    assert operator.get("/healthz", None) == "ok\n" and operator.get("/readyz", None) == "ok\n"
+    assert "meshfn_kube_apiserver_reachable" in operator.get("/metrics", None)
+    reviews = [
+        e for e in cluster.audit(None)
+        if e.get("objectRef", {}).get("resource") in ("tokenreviews", "subjectaccessreviews")
+    ]  # fmt: skip
+    assert reviews and {e["user"]["username"] for e in reviews} == {CONTROLLER_USER}
+
+
 def test_chart_passes_a_server_side_dry_run(cluster: KubeCluster) -> None:
     rendered = chart("--kube-version", "1.20.2", "--set", "serviceMonitor.enabled=false")
     kinds = sorted({d["kind"] for d in rendered})
@@ -673,6 +731,17 @@ def test_chart_passes_a_server_side_dry_run(cluster: KubeCluster) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("(server dry run)") == len(rendered), result.stdout
+    # the audit trail on the trial PostgreSQL: its roles' Secret, the init Job, the signer...
+    audit = chart(
+        "--kube-version", "1.20.2", "--set", "serviceMonitor.enabled=false",
+        "--set", "auditCollector.enabled=true,auditStore.postgresql.trial.enabled=true",
+    )  # fmt: skip
+    assert {"Job", "StatefulSet", "DaemonSet"} <= {d["kind"] for d in audit}
+    result = cluster.kubectl(
+        "apply", "--server-side", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(audit)
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("(server dry run)") == len(audit), result.stdout
 
 
 def test_deleting_a_policy_garbage_collects_what_it_owns(cluster: KubeCluster) -> None:

@@ -25,11 +25,13 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
-from meshfn_e2e import EXAMPLES, Processes, http
+from meshfn_e2e import EXAMPLES, Processes, admin_get, http
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from meshfn.common.unix import UnixHTTPConnection, unix_request
 from meshfn.contracts.qos import ORCA_HEADER, ORCA_HEADERS, TENANT_HEADER
+from meshfn.control_plane.runtime.upstreams import backend_socket
 from meshfn.testing.envoy import admin_json, admin_request, admin_socket
 from meshfn.testing.policies import qos_examples, set_gateway_shedding
 from meshfn.testing.processes import issue_token, meshfn, up_with_functions, wait_for
@@ -50,7 +52,7 @@ BODY = json.dumps(
 class Mesh:
     gateway: str
     admin: str  # the control plane's admin URL
-    backends: list[str]  # host:port of each inference backend serving iris (its /metrics)
+    backends: list[Path]  # each inference backend serving iris: its unix socket (/metrics)
     state: Path
     policies: Path
     gateway_admin: Path  # the gateway Envoy's admin socket
@@ -68,7 +70,9 @@ class Mesh:
         """The sum over both backends of `name` series whose labels include `labels`."""
         total = 0.0
         for backend in self.backends:
-            text = http(f"http://{backend}/metrics").body.decode()
+            status, body = unix_request(backend, "/metrics")
+            assert status == 200, body[:200]
+            text = body.decode()
             for line in text.splitlines():
                 match = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
                 if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
@@ -97,7 +101,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             f"127.0.0.1:{mapping[10000]}",
             f"http://127.0.0.1:{mapping[18001]}",
             # models' two endpoints and models-lite (its drift fallback) serve iris
-            [f"127.0.0.1:{mapping[port]}" for port in (9101, 9102, 9103)],
+            [backend_socket(state, "127.0.0.1", mapping[port]) for port in (9101, 9102, 9103)],
             state,
             policies,
             admin_socket(state, "edge.ingress"),
@@ -208,11 +212,15 @@ def test_spoofed_tenant_header_is_ignored(mesh: Mesh) -> None:
 def test_backend_load_reports_stay_inside_the_mesh(mesh: Mesh) -> None:
     """The backend reports its load (ORCA) on every answer for the gateway's balancer; the
     gateway's clients never see it."""
-    direct = http(
-        f"http://{mesh.backends[0]}{IRIS}", "POST", {"content-type": "application/json"}, BODY
-    )
-    assert direct.status == 200, direct
-    assert ORCA_HEADER in {name.lower() for name in direct.headers}
+    connection = UnixHTTPConnection(mesh.backends[0], timeout=5)  # the backend, past its sidecar
+    try:
+        connection.request("POST", IRIS, BODY, {"content-type": "application/json"})
+        direct = connection.getresponse()
+        answer = direct.read()
+    finally:
+        connection.close()
+    assert direct.status == 200, answer
+    assert ORCA_HEADER in {name.lower() for name, _ in direct.getheaders()}
     through = mesh.infer(mesh.token("acme"))
     assert through.status == 200, through
     assert not {name.lower() for name in through.headers} & set(ORCA_HEADERS), through.headers
@@ -285,7 +293,7 @@ def test_backend_sheds_the_lowest_priority_first(mesh: Mesh) -> None:
     records = audited(mesh, "low-initech", "429")
     assert {(r["tenant"], r["qos_limit"]) for r in records} == {("initech", "shed")}
     # meshfn status shows the same per tenant (each backend's own counts).
-    out = meshfn("status", "--admin", mesh.admin)
+    out = meshfn("status", "--state-dir", str(mesh.state))
     assert out.returncode == 0, out.stderr
     assert "multi-tenant QoS" in out.stdout
     rows = [
@@ -501,11 +509,11 @@ def test_gateway_sheds_the_lower_priorities_before_the_backend(mesh: Mesh) -> No
     )
 
     def counted() -> float:
-        found = series.search(http(f"{mesh.admin}/metrics").body.decode())
+        found = series.search(admin_get(mesh.admin, "/metrics", mesh.state).body.decode())
         return float(found.group(1)) if found else 0.0
 
     wait_for("the gateway's sheds in /metrics", lambda: counted() >= len(at_gateway), timeout=30)
-    out = meshfn("status", "--admin", mesh.admin)
+    out = meshfn("status", "--state-dir", str(mesh.state))
     assert out.returncode == 0, out.stderr
     rows = [[c.strip() for c in line.split("│")[1:-1]] for line in out.stdout.splitlines()]
     assert any(r[:4] == ["edge.ingress", "initech", "batch", "shed"] for r in rows), out.stdout

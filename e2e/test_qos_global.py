@@ -22,7 +22,7 @@ import grpc
 import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from meshfn_e2e import Processes, Reply, http
+from meshfn_e2e import Processes, Reply, admin_get, http
 
 from meshfn.contracts.qos import DESCRIPTOR_POLICY, DESCRIPTOR_TENANT, LIMIT_SERVICE_NODE_HEADER
 from meshfn.control_plane.identity.bootstrap_token import LIMIT_SERVICE_PURPOSE, BootstrapTokens
@@ -83,7 +83,8 @@ class Rig:
         return self._sum(rf'^meshfn_qos_global_errors_total\{{reason="{reason}"\}} (\S+)$')
 
     def _sum(self, pattern: str) -> float:
-        text = http(f"http://127.0.0.1:{self.ports['admin']}/metrics").body.decode()
+        admin = f"http://127.0.0.1:{self.ports['admin']}"
+        text = admin_get(admin, "/metrics", self.state).body.decode()
         return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
 
 
@@ -143,7 +144,7 @@ def test_two_gateways_share_one_global_limit(rig: Rig) -> None:
     assert rig.get("a", rig.token("globex")).status == 200
     assert rig.metric("over_limit", "default/shared") >= len(refused)
     assert rig.metric("allowed", "default/shared") >= len(admitted)
-    status = meshfn("status", "--admin", f"http://127.0.0.1:{rig.ports['admin']}")
+    status = meshfn("status", "--state-dir", str(rig.state))
     assert status.returncode == 0, status.stderr
     assert "global rate limits" in status.stdout
     row = next(

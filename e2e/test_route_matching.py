@@ -16,7 +16,7 @@ from meshfn import ir
 from meshfn.testing import envoy
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import Processes, wait_for
-from meshfn.xds.translate.routes import _match
+from meshfn.xds.fragments.routes import route_match
 
 ROUTES = {
     "not-prod": ir.RouteMatch(
@@ -35,7 +35,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port, admin = free_ports(2)
     routes = [
         {
-            "match": json_format.MessageToDict(_match(match), preserving_proto_field_name=True),
+            "match": json_format.MessageToDict(
+                route_match(match), preserving_proto_field_name=True
+            ),
             "direct_response": {"status": 200, "body": {"inline_string": name}},
         }
         for name, match in ROUTES.items()

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from meshfn_e2e import (
     Processes,
+    admin_get,
     children_of,
     envoy_pids,
     http,
@@ -41,16 +42,16 @@ def test_route_change_becomes_visible(procs: Processes, policies: Policies) -> N
     assert http(policies.gateway + "/v1/x").status == 404
     assert up.popen is not None and up.popen.poll() is None
     # What changed is visible on the admin port too.
-    metrics = http(policies.admin + "/metrics").body.decode()
+    metrics = admin_get(policies, "/metrics").body.decode()
     label = f'protocol="{policies.protocol}",type="routes"'
     assert f"meshfn_xds_pushes_total{{{label}}} 2.0" in metrics
     assert f'meshfn_xds_connected_proxies{{protocol="{policies.protocol}"}} 1.0' in metrics
     assert 'meshfn_xds_push_latency_seconds_count{type="routes"} 2.0' in metrics
     assert 'meshfn_policy_reloads_total{result="ok"}' in metrics
-    snapshots = http(policies.admin + "/debug/snapshots").json()
+    snapshots = admin_get(policies, "/debug/snapshots").json()
     routes_version = snapshots["edge.default"]["types"]["RouteConfiguration"]["version"]
     wait_for("the ACK", lambda: proxies(policies)[0]["types"]["routes"]["acked"] == routes_version)
-    assert http(policies.admin + "/debug/config_dump?node=nobody").status == 404
+    assert admin_get(policies, "/debug/config_dump?node=nobody").status == 404
 
 
 def test_invalid_policy_is_rejected_and_envoy_keeps_serving(
@@ -66,7 +67,7 @@ def test_invalid_policy_is_rejected_and_envoy_keeps_serving(
     )
     status = wait_for(
         "the policy error",
-        lambda: (d := http(policies.admin + "/debug/status").json())["policy_errors"] and d,
+        lambda: (d := admin_get(policies, "/debug/status").json())["policy_errors"] and d,
     )
     (error,) = status["policy_errors"]
     assert (
@@ -75,7 +76,7 @@ def test_invalid_policy_is_rejected_and_envoy_keeps_serving(
     )
     assert served_by(policies, "/v1/x") == "default/alpha"
     assert proxies(policies)[0]["types"] == before  # nothing was pushed
-    cli = meshfn("status", "--admin", policies.admin)
+    cli = meshfn("status", "--state-dir", str(policies.state))
     assert cli.returncode == 0, cli.stderr
     assert "route.yaml:5: spec.destination.service: unknown Service default/gamma" in cli.stderr
     assert "SYNCED" in cli.stdout
@@ -85,13 +86,13 @@ def test_invalid_policy_is_rejected_and_envoy_keeps_serving(
         "the YAML error",
         lambda: any(
             "malformed YAML" in e
-            for e in http(policies.admin + "/debug/status").json()["policy_errors"]
+            for e in admin_get(policies, "/debug/status").json()["policy_errors"]
         ),
     )
     assert served_by(policies, "/v1/x") == "default/alpha"
     policies.route("/v1", "beta")
     wait_for("the fix", lambda: served_by(policies, "/v1/x") == "default/beta")
-    assert http(policies.admin + "/debug/status").json()["policy_errors"] == []
+    assert admin_get(policies, "/debug/status").json()["policy_errors"] == []
 
 
 # RE2 accepts this, but its program is far above Envoy's default size limit (100).
@@ -115,14 +116,15 @@ def test_config_envoy_nacks_shows_in_status(procs: Processes, policies: Policies
     routes = wait_for("the NACK", nacked)
     assert "program size" in routes["last_nack"]["error"].lower()
     assert (
-        'meshfn_xds_nacks_total{type="routes"} 1.0'
-        in http(policies.admin + "/metrics").body.decode()
+        'meshfn_xds_nacks_total{type="routes"} 1.0' in admin_get(policies, "/metrics").body.decode()
     )
     assert routes["acked"] != routes["sent"]
     assert served_by(policies, "/v1/x") == "default/alpha"  # old version still in force
-    cli = meshfn("status", "--admin", policies.admin)
+    cli = meshfn("status", "--state-dir", str(policies.state))
     assert "NACKED" in cli.stdout and "NACK edge.default~0 routes" in cli.stdout
-    dump = meshfn("config-dump", "edge.default~0", "--admin", policies.admin, "--type", "routes")
+    dump = meshfn(
+        "config-dump", "edge.default~0", "--state-dir", str(policies.state), "--type", "routes"
+    )
     assert dump.returncode == 0 and "model-39" in dump.stdout  # what we send, NACKed or not
     policies.route("/v1", "beta")
     wait_for("recovery", lambda: served_by(policies, "/v1/x") == "default/beta")
@@ -186,11 +188,11 @@ def test_up_on_the_examples_and_clean_shutdown(
     assert http(base + "/debug/stats", headers=auth).status == 404  # no x-debug header
     debug = http(base + "/debug/stats", headers={**auth, "x-debug": "1"})
     assert debug.json()["service"] == "default/echo"
-    status = http(f"http://127.0.0.1:{admin}/debug/status").json()
+    status = admin_get(f"http://127.0.0.1:{admin}", "/debug/status", state).json()
     # acceleration: auto attaches here (root, a kernel with sockmap): the hops are redirected.
     assert status["acceleration"]["attached"], status["acceleration"]
     assert status["acceleration"]["counters"]["messages_redirected"] > 0
-    metrics = http(f"http://127.0.0.1:{admin}/metrics").body.decode()
+    metrics = admin_get(f"http://127.0.0.1:{admin}", "/metrics", state).body.decode()
     assert "meshfn_ebpf_messages_redirected" in metrics
     assert len(status["proxies"]) == 5 and all(
         t["in_sync"] for p in status["proxies"] for t in p["types"].values()
@@ -209,13 +211,15 @@ def test_up_on_the_examples_and_clean_shutdown(
     )
 
     assert status["audit"]["enabled"] and status["audit"]["error"] is None, status["audit"]
-    cli = meshfn("status", "--admin", f"http://127.0.0.1:{admin}").stdout
+    cli = meshfn("status", "--state-dir", str(state)).stdout
     assert "audit trail" in cli and "4 journal(s)" in cli, cli
 
     assert up.stop(stop_signal) == 0
     assert not any(alive(pid) for pid in children), "a child outlived meshfn up"
     assert children_of(up.pid) == []
     assert not (state / "state.json").exists()
+    assert not list((state / "workloads").iterdir())  # the applications removed their sockets
+    assert not list((state / "inference").glob("*/*.sock"))  # the backends' own directories
     _check_audit_trail(state)
     from meshfn.ebpf import Accelerator
 
@@ -294,7 +298,8 @@ def test_audit_switched_on_by_hot_reload(procs: Processes, policies: Policies) -
     def audited() -> bool:
         """A request reaches the journal (the new listener took over from the draining one)."""
         served_by(policies, "/v1/probe")
-        journals = http(admin + "/debug/status").json()["audit"].get("journals", [])
+        journals = admin_get(admin, "/debug/status", policies.state).json()["audit"]
+        journals = journals.get("journals", [])
         return bool(journals) and Path(journals[0]["path"]).stat().st_size > 0
 
     wait_for("the audited listener", audited, timeout=20, every=0.3)
@@ -333,7 +338,8 @@ def test_a_broken_filter_is_nacked_and_nothing_runs_unaudited(
 
     listeners = wait_for("the NACK", nacked, timeout=30)
     assert "wasm" in listeners["last_nack"]["error"].lower(), listeners
-    cli = meshfn("status", "--admin", policies.admin)
+    # the mesh never finished starting: no state.json yet, so the admin URL is given
+    cli = meshfn("status", "--admin", policies.admin, "--state-dir", str(policies.state))
     assert "NACK edge.default~0 listeners" in cli.stdout, cli.stdout
     with pytest.raises(OSError):
         http(policies.gateway + "/v1/x", timeout=2)

@@ -28,7 +28,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from jwt.algorithms import ECAlgorithm
-from meshfn_e2e import Processes, http
+from meshfn_e2e import Processes, admin_get
+from meshfn_e2e import Reply as AdminReply
 
 from meshfn.contracts.proxy import REQUEST_HYGIENE, WHOLE_BODY_BYTES
 from meshfn.control_plane.identity.ca import CertificateAuthority, IssuedCertificate
@@ -207,6 +208,10 @@ class Mesh:
     @property
     def admin(self) -> str:
         return f"http://127.0.0.1:{self.ports['admin']}"
+
+    def admin_get(self, path: str) -> AdminReply:
+        """The control plane's admin port, as its owner (the token in the state directory)."""
+        return admin_get(self.admin, path, self.state)
 
     def ca(self) -> CertificateAuthority:
         return CertificateAuthority(self.state / "ca" / TD, TD)
@@ -625,16 +630,16 @@ def test_the_application_is_told_the_tls_peer_not_the_clients_header(mesh: Mesh)
 
 
 def test_private_keys_never_leave_the_control_plane(mesh: Mesh) -> None:
-    dump = http(f"{mesh.admin}/debug/config_dump?node=edge.ingress&format=yaml").body.decode()
+    dump = mesh.admin_get("/debug/config_dump?node=edge.ingress&format=yaml").body.decode()
     assert "secrets:" in dump and "[redacted]" in dump
     assert "PRIVATE KEY" not in dump
     for path in ("/debug/status", "/debug/snapshots", "/metrics", "/debug/certs?node=edge.ingress"):
-        assert "PRIVATE KEY" not in http(mesh.admin + path).body.decode(), path
+        assert "PRIVATE KEY" not in mesh.admin_get(path).body.decode(), path
 
 
 def test_certificates_rotate_without_a_failed_request(mesh: Mesh) -> None:
     """TTL 20 s: certificates renew every ~10 s. 25 s of requests, none may fail."""
-    first = http(f"{mesh.admin}/debug/certs?node=model.default:{mesh.ports['sidecar']}").json()
+    first = mesh.admin_get(f"/debug/certs?node=model.default:{mesh.ports['sidecar']}").json()
     failures, total = 0, 0
     deadline = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=25)
     conn = httpc.HTTPConnection(mesh.gateway, timeout=5)
@@ -646,7 +651,7 @@ def test_certificates_rotate_without_a_failed_request(mesh: Mesh) -> None:
         total += 1
         failures += response.status != 200
     conn.close()
-    after = http(f"{mesh.admin}/debug/certs?node=model.default:{mesh.ports['sidecar']}").json()
+    after = mesh.admin_get(f"/debug/certs?node=model.default:{mesh.ports['sidecar']}").json()
     assert after["serial"] != first["serial"], "the sidecar's certificate was not renewed"
     assert total > 200 and failures == 0, f"{failures} of {total} failed"
 
@@ -691,8 +696,8 @@ def test_ca_rotation_with_overlap(mesh: Mesh) -> None:
         return count
 
     def reissued() -> bool:
-        document = http(f"{mesh.admin}/debug/certs?node={node}").json()
-        edge = http(f"{mesh.admin}/debug/certs?node=edge.ingress").json()
+        document = mesh.admin_get(f"/debug/certs?node={node}").json()
+        edge = mesh.admin_get("/debug/certs?node=edge.ingress").json()
         return bool(document["issuer_root"] == new_root == edge["issuer_root"])
 
     sent = hammer(reissued)

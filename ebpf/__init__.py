@@ -5,6 +5,8 @@ status = accel.setup("auto")        # never raises in "auto"; status.reason says
 Popen(..., preexec_fn=accel.child_preexec())   # or accel.add_pid(pid)
 accel.stats()                       # {"messages_redirected": ..., "sockets_in_map": ...}
 accel.shutdown()                    # idempotent; `python -P -m meshfn.ebpf detach` after a crash
+
+and the inference backends' egress control (egress.py): EgressControl(state_dir, parent).
 """
 
 from .accelerator import (
@@ -17,6 +19,8 @@ from .accelerator import (
     cgroup_name,
     detach,
 )
+from .egress import Denial, EgressControl, EgressStatus, EgressUnavailable
+from .egress import detach as detach_egress
 from .host import Host, Unavailable
 
 __all__ = [
@@ -25,9 +29,14 @@ __all__ = [
     "AccelerationStatus",
     "AccelerationUnavailable",
     "Accelerator",
+    "Denial",
+    "EgressControl",
+    "EgressStatus",
+    "EgressUnavailable",
     "Host",
     "Mode",
     "Unavailable",
     "cgroup_name",
     "detach",
+    "detach_egress",
 ]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import cast
 
 from .accelerator import MODES, AccelerationUnavailable, Accelerator, Mode, detach
+from .egress import detach as detach_egress
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "detach":
-        problems = detach(args.state_dir)
+        # The egress cgroups may sit inside the acceleration cgroup: they go first.
+        problems = detach_egress(args.state_dir) + detach(args.state_dir)
         for problem in problems:
             print(f"meshfn ebpf detach: {problem}", file=sys.stderr)
         return 1 if problems else 0

@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
-import json
 import logging
 import os
 import platform
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal, get_args
 
-from . import bpfsys, loader, programs
+from . import bpfsys, loader, programs, statedir
+from .cgroups import cgroup2_root, collect, detach_quietly, open_dir, remove_cgroup, unmount_own
 from .host import (
     Host,
     Unavailable,
@@ -117,22 +116,13 @@ class Accelerator:
         """
         if mode not in MODES:
             raise ValueError(f"acceleration mode must be one of {', '.join(MODES)}, not {mode!r}")
-        if mode == "off":
-            try:
-                problems = self.shutdown()
-            except OSError as exc:
-                problems = [str(exc)]
-            reason = "disabled by policy"
-            if problems:
-                reason += "; removing an earlier attachment failed: " + "; ".join(problems)
-            return AccelerationStatus(mode, False, reason)
-        try:
-            status = self._setup(mode)
-        except Unavailable as exc:
-            status = AccelerationStatus(mode, False, str(exc))
-        except Exception as exc:  # auto must never raise; ebpf gets the same one line
-            log.debug("eBPF setup failed", exc_info=True)
-            status = AccelerationStatus(mode, False, f"eBPF setup failed: {exc}")
+        status = statedir.attempt(
+            mode,
+            self.shutdown,
+            lambda: self._setup(mode),
+            lambda reason: AccelerationStatus(mode, False, reason),
+            "eBPF",
+        )
         if not status.attached and mode == "ebpf":
             raise AccelerationUnavailable(status.reason)
         return status
@@ -173,7 +163,7 @@ class Accelerator:
         survive a loader restart and start from zero after a detach.
         """
         out = dict.fromkeys(STATS_KEYS, 0)
-        state = self._state or self._load_state()
+        state = self._state or statedir.load(self.dir, _State)
         if state is None:
             return out
         bpffs = Path(state.bpffs)
@@ -207,14 +197,14 @@ class Accelerator:
         if not self.dir.exists():
             self._state = None
             return []
-        with self._lock():
+        with statedir.locked(self.dir):
             problems = self._teardown()
         self._state = None
         return problems
 
     def attached_ids(self) -> tuple[dict[str, int], dict[str, int]]:
         """(program ids, map ids) of the current attachment, for tests and diagnostics."""
-        state = self._state or self._load_state()
+        state = self._state or statedir.load(self.dir, _State)
         return (dict(state.prog_ids), dict(state.map_ids)) if state else ({}, {})
 
     # --- setup -----------------------------------------------------------------------------------
@@ -228,8 +218,8 @@ class Accelerator:
         headers = find_headers(self.host)
         build = programs.digest(self._text)
         self.dir.mkdir(parents=True, exist_ok=True)
-        with self._lock():
-            state = self._load_state()
+        with statedir.locked(self.dir):
+            state = statedir.load(self.dir, _State)
             if state is not None and state.build == build and self._verify(state):
                 self._set_enabled(state, True)
                 self._state = state
@@ -256,7 +246,7 @@ class Accelerator:
         return f"{how}: sock_ops on cgroup {state.cgroup}, sk_msg on the sockhash"
 
     def _attach(self, build: str, headers: Path) -> _State:
-        root, mounted = self._cgroup2_root()
+        root, mounted = cgroup2_root(self.dir / "cgroup2")
         state = _State(
             build=build,
             cgroup=str(root / cgroup_name(self.state_dir)),
@@ -264,7 +254,7 @@ class Accelerator:
             mounted_cgroup2=mounted,
             bpffs=str(self.dir / "bpffs"),
         )
-        self._save_state(state)  # from here on a crash leaves a record that teardown follows
+        statedir.save(self.dir, state)  # from here on a crash leaves a record that teardown follows
         cgroup = Path(state.cgroup)
         if cgroup == root or cgroup.parent != root:
             raise Unavailable(f"refusing to attach to {cgroup}: not a child of {root}")
@@ -284,31 +274,15 @@ class Accelerator:
                 state.prog_ids[pin] = bpfsys.prog_info(fds[pin]).id
             for pin in programs.MAP_PINS:
                 state.map_ids[pin] = bpfsys.map_info(fds[pin]).id
-            self._save_state(state)
+            statedir.save(self.dir, state)
             bpfsys.map_update(fds[programs.PIN_CONFIG], programs.CONFIG_ENABLED, _ENABLED)
             # sk_msg first: a socket recorded by sock_ops is useful only once sk_msg runs on it.
             bpfsys.prog_attach(
                 fds[programs.PIN_SK_MSG], fds[programs.PIN_SOCKS], bpfsys.ATTACH_SK_MSG_VERDICT
             )
-            with _open_dir(cgroup) as cgfd:
+            with open_dir(cgroup) as cgfd:
                 bpfsys.prog_attach(fds[programs.PIN_SOCK_OPS], cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS)
         return state
-
-    def _cgroup2_root(self) -> tuple[Path, bool]:
-        """An existing cgroup2 mount, else one we mount under the state directory."""
-        for mount in cgroup2_mounts():
-            if is_mounted(mount, bpfsys.CGROUP2_SUPER_MAGIC):
-                return mount, False
-        target = self.dir / "cgroup2"
-        target.mkdir(exist_ok=True)
-        try:
-            bpfsys.mount("cgroup2", target, "cgroup2")
-        except OSError as exc:
-            target.rmdir()
-            raise Unavailable(
-                f"no cgroup v2: none is mounted and mounting one at {target} failed ({exc})"
-            ) from None
-        return target, True
 
     def _verify(self, state: _State) -> bool:
         """True if the pinned objects are exactly what state.json says and both are attached."""
@@ -321,7 +295,7 @@ class Accelerator:
                     if bpfsys.map_info(fds[pin]).id != ident:
                         return False
                 on_map = bpfsys.prog_query(fds[programs.PIN_SOCKS], bpfsys.ATTACH_SK_MSG_VERDICT)
-                with _open_dir(Path(state.cgroup)) as cgfd:
+                with open_dir(Path(state.cgroup)) as cgfd:
                     on_cgroup = bpfsys.prog_query(cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS)
         except (OSError, KeyError):
             return False
@@ -341,7 +315,7 @@ class Accelerator:
     def _teardown(self) -> list[str]:
         """Undo whatever an earlier setup (of any process, complete or not) left. Locked."""
         problems: list[str] = []
-        state = self._load_state()
+        state = statedir.load(self.dir, _State)
         bpffs = Path(state.bpffs) if state else self.dir / "bpffs"
         # state.json's path can be missing here if it was under a mount of another namespace.
         cgroup = Path(state.cgroup) if state else None
@@ -349,22 +323,17 @@ class Accelerator:
             cgroup = self._find_cgroup()
         if is_mounted(bpffs, bpfsys.BPF_FS_MAGIC):
             problems += self._detach_pinned(bpffs, cgroup)
-            with _collect(problems, f"unmount {bpffs}"):
+            with collect(problems, f"unmount {bpffs}"):
                 bpfsys.umount(bpffs)
         if state is not None:
             problems += _detach_map_by_id(state)
         with contextlib.suppress(OSError):
             bpffs.rmdir()
         if cgroup is not None and cgroup.is_dir():
-            problems += _remove_cgroup(cgroup)
+            problems += remove_cgroup(cgroup, (bpfsys.ATTACH_CGROUP_SOCK_OPS,))
         # Our own cgroup2 mount point is always <dir>/cgroup2 (also if a crash came before
         # state.json recorded it).
-        own_mount = self.dir / "cgroup2"
-        if is_mounted(own_mount, bpfsys.CGROUP2_SUPER_MAGIC):
-            with _collect(problems, f"unmount {own_mount}"):
-                bpfsys.umount(own_mount)
-        with contextlib.suppress(OSError):
-            own_mount.rmdir()
+        unmount_own(self.dir / "cgroup2", problems)
         if not problems:
             (self.dir / "state.json").unlink(missing_ok=True)
         return problems
@@ -373,19 +342,19 @@ class Accelerator:
         problems: list[str] = []
         fds: dict[str, int] = {}
         for pin in programs.PINS:
-            with _collect(problems, f"open {bpffs / pin}", ignore=(errno.ENOENT,)):
+            with collect(problems, f"open {bpffs / pin}", ignore=(errno.ENOENT,)):
                 fds[pin] = bpfsys.obj_get(bpffs / pin)
         try:
             # Off first: from here new messages take the TCP path, behind the queued ones.
             if programs.PIN_CONFIG in fds:
-                with _collect(problems, "turn redirection off"):
+                with collect(problems, "turn redirection off"):
                     bpfsys.map_update(fds[programs.PIN_CONFIG], programs.CONFIG_ENABLED, _DISABLED)
             if programs.PIN_SOCK_OPS in fds and cgroup is not None and cgroup.is_dir():
-                with _collect(problems, "detach sock_ops"), _open_dir(cgroup) as cgfd:
-                    _detach_quietly(fds[programs.PIN_SOCK_OPS], cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS)
+                with collect(problems, "detach sock_ops"), open_dir(cgroup) as cgfd:
+                    detach_quietly(fds[programs.PIN_SOCK_OPS], cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS)
             if programs.PIN_SK_MSG in fds and programs.PIN_SOCKS in fds:
-                with _collect(problems, "detach sk_msg"):
-                    _detach_quietly(
+                with collect(problems, "detach sk_msg"):
+                    detach_quietly(
                         fds[programs.PIN_SK_MSG],
                         fds[programs.PIN_SOCKS],
                         bpfsys.ATTACH_SK_MSG_VERDICT,
@@ -394,7 +363,7 @@ class Accelerator:
             for fd in fds.values():
                 os.close(fd)
         for pin in programs.PINS:
-            with _collect(problems, f"unpin {bpffs / pin}"):
+            with collect(problems, f"unpin {bpffs / pin}"):
                 (bpffs / pin).unlink(missing_ok=True)
         return problems
 
@@ -406,29 +375,6 @@ class Accelerator:
         return None
 
     # --- state file and lock ---------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        """Serialises setup and teardown between processes sharing the state directory."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-    def _load_state(self) -> _State | None:
-        try:
-            data = json.loads((self.dir / "state.json").read_text())
-            return _State(**data)
-        except (OSError, ValueError, TypeError):
-            return None
-
-    def _save_state(self, state: _State) -> None:
-        tmp = self.dir / ".state.json.tmp"
-        tmp.write_text(json.dumps(asdict(state), indent=2))
-        tmp.replace(self.dir / "state.json")
 
     @contextlib.contextmanager
     def _pins(self, state: _State) -> Iterator[dict[str, int]]:
@@ -450,34 +396,6 @@ def detach(state_dir: Path, host: Host | None = None) -> list[str]:
 # --- helpers -------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _open_dir(path: Path) -> Iterator[int]:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _collect(problems: list[str], what: str, ignore: tuple[int, ...] = ()) -> Iterator[None]:
-    """Teardown goes on after a failed step, so one problem does not leave the rest attached.
-    Errors whose errno is in `ignore` mean "already gone" and are no problem."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno not in ignore:
-            problems.append(f"{what}: {exc.strerror or exc}")
-
-
-def _detach_quietly(prog_fd: int, target_fd: int, attach_type: int) -> None:
-    try:
-        bpfsys.prog_detach(prog_fd, target_fd, attach_type)
-    except OSError as exc:
-        if exc.errno != errno.ENOENT:  # ENOENT: not attached (crash before attach, or done)
-            raise
-
-
 def _detach_map_by_id(state: _State) -> list[str]:
     """The sk_msg attachment lives on the map, which outlives its pin while sockets hold it."""
     problems: list[str] = []
@@ -493,36 +411,12 @@ def _detach_map_by_id(state: _State) -> list[str]:
         if bpfsys.map_info(map_fd).name != programs.MAP_SOCKS[:15]:
             return problems  # the id was reused by someone else's map
         if prog_id in bpfsys.prog_query(map_fd, bpfsys.ATTACH_SK_MSG_VERDICT):
-            with _collect(problems, "detach sk_msg by id"):
+            with collect(problems, "detach sk_msg by id"):
                 prog_fd = bpfsys.prog_fd_by_id(prog_id)
                 try:
-                    _detach_quietly(prog_fd, map_fd, bpfsys.ATTACH_SK_MSG_VERDICT)
+                    detach_quietly(prog_fd, map_fd, bpfsys.ATTACH_SK_MSG_VERDICT)
                 finally:
                     os.close(prog_fd)
     finally:
         os.close(map_fd)
-    return problems
-
-
-def _remove_cgroup(cgroup: Path) -> list[str]:
-    """Detach anything left on our cgroup, hand its processes back to the parent, remove it."""
-    problems: list[str] = []
-    with _open_dir(cgroup) as cgfd, _collect(problems, f"query {cgroup}"):
-        for ident in bpfsys.prog_query(cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS):
-            with _collect(problems, f"detach program {ident} from {cgroup}"):
-                prog_fd = bpfsys.prog_fd_by_id(ident)
-                try:
-                    _detach_quietly(prog_fd, cgfd, bpfsys.ATTACH_CGROUP_SOCK_OPS)
-                finally:
-                    os.close(prog_fd)
-    parent_procs = cgroup.parent / "cgroup.procs"
-    for _ in range(10):  # a process may fork while we move it
-        pids = (cgroup / "cgroup.procs").read_text().split()
-        if not pids:
-            break
-        for pid in pids:
-            with _collect(problems, f"move pid {pid} out of {cgroup}", ignore=(errno.ESRCH,)):
-                parent_procs.write_text(pid)
-    with _collect(problems, f"remove {cgroup}"):
-        cgroup.rmdir()
     return problems

@@ -45,13 +45,13 @@ class Host:
 _NEEDED_CAPS = {"CAP_SYS_ADMIN": bpfsys.CAP_SYS_ADMIN, "CAP_NET_ADMIN": bpfsys.CAP_NET_ADMIN}
 
 
-def check_privileges() -> None:
+def check_privileges(what: str = "eBPF acceleration") -> None:
     """Mounting bpffs/cgroup2 needs CAP_SYS_ADMIN, attaching sock_ops CAP_NET_ADMIN."""
     caps = bpfsys.effective_caps()
     missing = [name for name, bit in _NEEDED_CAPS.items() if not caps >> bit & 1]
     if missing:
         raise Unavailable(
-            f"no privileges: eBPF acceleration needs {' and '.join(_NEEDED_CAPS)} "
+            f"no privileges: {what} needs {' and '.join(_NEEDED_CAPS)} "
             f"(run meshfn as root); missing {', '.join(missing)}"
         )
 

@@ -23,16 +23,21 @@ class LoadResult:
     ok: bool
     stage: str  # "import", "compile", "verify", "pin", "crash"
     reason: str
+    skipped: tuple[str, ...] = ()  # optional programs this kernel would not load
 
 
 def load_in_child(
-    text: str, bpffs: Path, headers: Path, timeout: float = LOAD_TIMEOUT_S
+    text: str,
+    bpffs: Path,
+    headers: Path,
+    timeout: float = LOAD_TIMEOUT_S,
+    plan: str = "acceleration",
 ) -> LoadResult:
     """Run `python -m meshfn.ebpf._bcc_child` and report what it did in one line."""
     env = dict(os.environ, BCC_KERNEL_SOURCE=str(headers), PYTHONSAFEPATH="1")
     try:
         proc = subprocess.run(
-            [sys.executable, "-P", "-m", "meshfn.ebpf._bcc_child", str(bpffs)],
+            [sys.executable, "-P", "-m", "meshfn.ebpf._bcc_child", str(bpffs), plan],
             input=text,
             capture_output=True,
             text=True,
@@ -49,7 +54,7 @@ def load_in_child(
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
         return LoadResult(False, "crash", f"the bcc loader exited {proc.returncode}: {tail}")
     if reply["ok"]:
-        return LoadResult(True, "done", "")
+        return LoadResult(True, "done", "", tuple(reply.get("skipped", ())))
     stage = str(reply["stage"])
     return LoadResult(False, stage, _explain(stage, str(reply["reason"]), proc.stderr))
 

@@ -38,6 +38,7 @@ PROG_PINS: Final = (PIN_SOCK_OPS, PIN_SK_MSG)
 MAP_PINS: Final = (PIN_SOCKS, PIN_COUNTERS, PIN_CONFIG, PIN_TCP_PATH, PIN_CLIENTS)
 PINS: Final = PROG_PINS + MAP_PINS
 
+
 # Function / map names in SOURCE (BPF object names are cut at 15 characters).
 FN_SOCK_OPS: Final = "meshfn_sock_ops"
 FN_SK_MSG: Final = "meshfn_sk_msg"
@@ -46,12 +47,32 @@ MAP_COUNTERS: Final = "meshfn_counters"
 MAP_CONFIG: Final = "meshfn_config"
 MAP_TCP_PATH: Final = "meshfn_tcp_path"
 MAP_CLIENTS: Final = "meshfn_clients"
+# (pin, map name in SOURCE) of every map, in MAP_PINS order: what the loader pins.
+MAP_PINS_NAMES: Final = (
+    (PIN_SOCKS, MAP_SOCKS),
+    (PIN_COUNTERS, MAP_COUNTERS),
+    (PIN_CONFIG, MAP_CONFIG),
+    (PIN_TCP_PATH, MAP_TCP_PATH),
+    (PIN_CLIENTS, MAP_CLIENTS),
+)
 
 SOCK_KEY_SIZE: Final = 40  # struct sock_key below
 SOCKHASH_ENTRIES: Final = 65536
 CONFIG_ENABLED: Final = struct.pack("=I", 0)  # key of the "redirect enabled" flag
 
-_BODY: Final = r"""
+# 127.0.0.0/8 as ::ffff:127.x.y.z, or ::1 (addresses in IPv6 form, network byte order); the
+# egress programs (egress_programs.py) use it too.
+IS_LOOPBACK_C: Final = r"""static __always_inline int is_loopback(const __u32 ip[4]) {
+    if (ip[0] != 0 || ip[1] != 0)
+        return 0;
+    if (ip[2] == bpf_htonl(0xffff))
+        return (bpf_ntohl(ip[3]) >> 24) == 127;
+    return ip[2] == 0 && ip[3] == bpf_htonl(1);
+}
+"""
+
+_BODY: Final = (
+    r"""
 #include <uapi/linux/bpf.h>
 
 #define AF_INET 2
@@ -90,14 +111,9 @@ static __always_inline void count(int slot, u64 n) {
         __sync_fetch_and_add(value, n);
 }
 
-static __always_inline int is_loopback(const __u32 ip[4]) {
-    if (ip[0] != 0 || ip[1] != 0)
-        return 0;
-    if (ip[2] == bpf_htonl(0xffff))
-        return (bpf_ntohl(ip[3]) >> 24) == 127;
-    return ip[2] == 0 && ip[3] == bpf_htonl(1);
-}
-
+"""
+    + IS_LOOPBACK_C
+    + r"""
 /* Fill key with (a, b) taken from either the IPv4 or the IPv6 fields, by family. */
 static __always_inline int fill(struct sock_key *key, __u32 family, __u32 a4, __u32 b4,
                                 const __u32 a6[4], const __u32 b6[4]) {
@@ -214,6 +230,7 @@ int meshfn_sk_msg(struct sk_msg_md *msg) {
     return SK_PASS;
 }
 """
+)
 
 
 def source(body: str = _BODY) -> str:

@@ -94,6 +94,8 @@ class Backend:
     def __init__(self, config: BackendConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        # What the kernel confines this process with (sandbox.py), once serve() applied it.
+        self.sandbox: dict[str, Any] = {}
         self.orca = Load(config.workers)
         self.registry = Registry(config.registry)
         if not config.trustedKeys:

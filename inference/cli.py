@@ -7,7 +7,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -15,6 +15,9 @@ from rich.console import Console
 from meshfn.common.cli import command_app, console, fail, run_cli
 
 from .errors import InferenceError
+
+if TYPE_CHECKING:
+    from .config import BackendConfig
 
 __all__ = ["InferenceError", "fn_app", "main", "publish_examples"]
 
@@ -184,6 +187,21 @@ def serve_cmd(
     loop: Annotated[
         str, typer.Option(help="event loop: uvloop | asyncio (bench/coldstart.py measures both)")
     ] = "uvloop",
+    unix_socket: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--unix-socket",
+            help="serve HTTP on this unix socket (mode 0600; put it in a directory only you can "
+            "enter) instead of --host/--port; one per serving process",
+        ),
+    ] = None,
+    grpc_unix_socket: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--grpc-unix-socket",
+            help="serve gRPC on this unix socket instead of --grpc-port; one per serving process",
+        ),
+    ] = None,
     listen_fd: Annotated[int | None, typer.Option(hidden=True)] = None,
     trusted_key: Annotated[
         list[Path] | None, typer.Option("--trusted-key", help="ed25519 public key file or dir")
@@ -221,13 +239,28 @@ def serve_cmd(
             fail("pass --registry DIR or --config FILE")
         if loop not in ("asyncio", "uvloop"):
             fail(f"--loop must be asyncio or uvloop, not {loop!r}")
+        sockets, grpc_sockets = _unix_sockets(cfg, unix_socket, grpc_unix_socket, grpc_port)
         if cfg.processes > 1 and listen_fd is None:
             from .supervisor import Supervisor
 
             extra = ["--log-format", log_format, "--log-level", log_level, "--loop", loop]
-            asyncio.run(Supervisor(cfg, host, port, drain_timeout, grpc_port, extra).run())
+            supervisor = Supervisor(
+                cfg, host, port, drain_timeout, grpc_port, extra, sockets, grpc_sockets
+            )
+            asyncio.run(supervisor.run())
             return
-        main = serve(cfg, host, port, drain_timeout, grpc_port, listen_fd)
+        sandbox = _confine(cfg, config, host, port, grpc_port, listen_fd, sockets, grpc_sockets)
+        main = serve(
+            cfg,
+            host,
+            port,
+            drain_timeout,
+            grpc_port,
+            listen_fd,
+            sockets[0] if sockets else None,
+            grpc_sockets[0] if grpc_sockets else None,
+            sandbox,
+        )
         if loop == "uvloop":
             import uvloop
 
@@ -237,7 +270,54 @@ def serve_cmd(
     except InferenceError as exc:
         fail(exc)
     except OSError as exc:
-        fail(f"cannot serve on {host}:{port}: {exc}")
+        fail(f"cannot serve on {', '.join(map(str, unix_socket or [])) or f'{host}:{port}'}: {exc}")
+
+
+def _unix_sockets(
+    cfg: BackendConfig,
+    unix_socket: list[Path] | None,
+    grpc_unix_socket: list[Path] | None,
+    grpc_port: int | None,
+) -> tuple[list[Path], list[Path]]:
+    """--unix-socket and --grpc-unix-socket: one per serving process; gRPC one way only."""
+    sockets, grpc_sockets = unix_socket or [], grpc_unix_socket or []
+    for option, given in (("--unix-socket", sockets), ("--grpc-unix-socket", grpc_sockets)):
+        if given and len(given) != cfg.processes:
+            fail(
+                f"{option} given {len(given)} time(s) for {cfg.processes} serving process(es):"
+                " give one socket per process"
+            )
+    if grpc_sockets and grpc_port is not None:
+        fail("give --grpc-port or --grpc-unix-socket, not both")
+    return sockets, grpc_sockets
+
+
+def _confine(
+    cfg: BackendConfig,
+    config: Path | None,
+    host: str,
+    port: int,
+    grpc_port: int | None,
+    fd: int | None,
+    sockets: list[Path],
+    grpc_sockets: list[Path],
+) -> Any:
+    """Landlock before anything else runs (sandbox.py: one thread, nothing read yet); the
+    returned Sandbox adds seccomp once the server has started. What this process binds itself
+    (a supervisor's child adopts its HTTP socket) is granted: its TCP ports, its unix sockets."""
+    from .sandbox import Sandbox, SandboxError
+
+    own_ports = [] if fd is not None or sockets else [port]
+    own_ports += [grpc_port] if grpc_port else []
+    own_sockets = ([] if fd is not None else sockets[:1]) + grpc_sockets[:1]
+    sandbox = Sandbox(
+        cfg, config.resolve() if config else None, tuple(own_ports), tuple(own_sockets)
+    )
+    try:
+        sandbox.at_start()
+    except SandboxError as exc:
+        fail(exc)
+    return sandbox
 
 
 def publish_examples(registry: Path, console: Console | None = None) -> tuple[list[Any], Path]:

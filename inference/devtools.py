@@ -11,10 +11,15 @@ from typing import Any
 
 
 def envoy_static_config(
-    listener_port: int, admin_port: int, backend_port: int, retries: int = 0
+    listener_port: int,
+    admin_port: int,
+    backend_port: int,
+    retries: int = 0,
+    backend_socket: Path | None = None,
 ) -> dict[str, Any]:
-    """Envoy bootstrap routing /v2/ on `listener_port` to the backend on loopback; `retries`:
-    retry a request whose upstream connection failed or was reset (as a Route's retryOn)."""
+    """Envoy bootstrap routing /v2/ on `listener_port` to the backend on loopback, or on its
+    unix socket (`backend_socket`: as a sidecar of `meshfn up` reaches it); `retries`: retry a
+    request whose upstream connection failed or was reset (as a Route's retryOn)."""
     route: dict[str, Any] = {"cluster": "inference", "timeout": "10s"}
     if retries:
         route["retry_policy"] = {
@@ -47,7 +52,11 @@ def envoy_static_config(
         },
         "http_filters": [router],
     }
-    address = {"socket_address": {"address": "127.0.0.1", "port_value": backend_port}}
+    address: dict[str, Any] = (
+        {"pipe": {"path": str(backend_socket)}}
+        if backend_socket is not None
+        else {"socket_address": {"address": "127.0.0.1", "port_value": backend_port}}
+    )
     return {
         "admin": {
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
@@ -91,9 +100,14 @@ def envoy_static_config(
 
 
 def write_envoy_config(
-    path: Path, listener_port: int, admin_port: int, backend_port: int, retries: int = 0
+    path: Path,
+    listener_port: int,
+    admin_port: int,
+    backend_port: int,
+    retries: int = 0,
+    backend_socket: Path | None = None,
 ) -> Path:
-    config = envoy_static_config(listener_port, admin_port, backend_port, retries)
+    config = envoy_static_config(listener_port, admin_port, backend_port, retries, backend_socket)
     path.write_text(json.dumps(config))
     return path
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -31,6 +33,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from meshfn.common.unix import SOCKET_MODE
 from meshfn.contracts.genai import GENERATION_HEADER
 from meshfn.contracts.qos import TENANT_HEADER
 
@@ -591,6 +594,18 @@ class GrpcServer:
         )
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Service(backend), self.server)
         self.port = 0
+
+    async def start_unix(self, path: Path) -> None:
+        """Serve on a unix socket (mode 0600) instead of a port."""
+        address = f"unix:{path}"
+        try:
+            bound = self.server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
+        if not bound:
+            raise OSError(f"cannot listen for gRPC on {address}")
+        os.chmod(path, SOCKET_MODE)  # before it accepts (the directory is private too)
+        await self.server.start()
 
     async def start(self, host: str, port: int) -> int:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

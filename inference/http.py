@@ -470,8 +470,14 @@ class HttpServer:
     async def start(
         self, host: str, port: int, backlog: int = 1024, sock: socket.socket | None = None
     ) -> None:
-        """Listen on host:port, or accept from `sock` (a supervisor's shared socket)."""
+        """Listen on host:port, or accept from `sock` (a listening TCP or unix socket: a
+        supervisor's, or one of the backend's own)."""
         loop = asyncio.get_running_loop()
+        if sock is not None and sock.family == socket.AF_UNIX:
+            self._server = await loop.create_unix_server(
+                lambda: HttpProtocol(self), sock=sock, backlog=backlog
+            )
+            return
         if sock is not None:
             self._server = await loop.create_server(lambda: HttpProtocol(self), sock=sock)
             return

@@ -17,9 +17,12 @@ import json
 import logging
 import signal
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from meshfn.common.unix import listen_private
 
 from .backend import Backend, Reply
 from .config import BackendConfig
@@ -27,7 +30,11 @@ from .generate_http import OPENAI_OPERATIONS, GenerateFront, StreamReply
 from .http import HttpServer, Request, Response
 from .kserve import KServeError, error_body, unsupported
 from .openai_api import error_body as openai_error_body
+from .sandbox import Sandbox
 from .status import STATUS_PATH, functions_document
+
+if TYPE_CHECKING:
+    from .grpc_api import GrpcServer
 
 log = logging.getLogger("meshfn.inference")
 
@@ -284,6 +291,16 @@ def _method(got: str, want: str, path: str) -> None:
         raise error
 
 
+async def _start_grpc(
+    grpc: GrpcServer, host: str, port: int | None, unix_socket: Path | None
+) -> None:
+    if unix_socket is not None:
+        await grpc.start_unix(unix_socket)
+    else:
+        assert port is not None
+        await grpc.start(host, port)
+
+
 async def serve(
     config: BackendConfig,
     host: str,
@@ -291,9 +308,15 @@ async def serve(
     drain_timeout: float = 10.0,
     grpc_port: int | None = None,
     listen_fd: int | None = None,
+    unix_socket: Path | None = None,
+    grpc_unix_socket: Path | None = None,
+    sandbox: Sandbox | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0). `listen_fd`: a
-    child of the supervisor (supervisor.py) accepting from its shared socket."""
+    child of the supervisor (supervisor.py) accepting from its shared socket. `unix_socket`,
+    `grpc_unix_socket`: serve there (mode 0600) instead of host:port and grpc_port (what
+    `meshfn up` does behind a sidecar: only the sidecar's user can connect). `sandbox`: its
+    Landlock domain is in force already; its seccomp filter goes on once everything started."""
     from .grpc_api import GrpcServer
     from .supervisor import adopt
 
@@ -301,7 +324,8 @@ async def serve(
     router = Router(backend)
     http = HttpServer(router.handle, router.body_limit, error_body)
     # a supervisor's children share the gRPC port (SO_REUSEPORT); a lone backend owns it
-    grpc = GrpcServer(backend, share_port=listen_fd is not None) if grpc_port is not None else None
+    grpc_wanted = grpc_port is not None or grpc_unix_socket is not None
+    grpc = GrpcServer(backend, share_port=listen_fd is not None) if grpc_wanted else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -310,26 +334,37 @@ async def serve(
     # (listen_fd) verifies first and only then accepts: its socket is bound already, and the
     # connections queued on it (a restarted child's, under load) must meet verified functions.
     child = listen_fd is not None
+    # removed at exit (a child's HTTP socket is its supervisor's)
+    owned = [p for p in (None if child else unix_socket, grpc_unix_socket) if p is not None]
     if not child:
-        await http.start(host, port)
+        await http.start(
+            host, port, sock=listen_private(unix_socket) if unix_socket is not None else None
+        )
     try:
         if listen_fd is not None:
             await backend.start()
             await http.start(host, port, sock=adopt(listen_fd))
         if grpc is not None:
-            assert grpc_port is not None
-            await grpc.start(host, grpc_port)
+            await _start_grpc(grpc, host, grpc_port, grpc_unix_socket)
         if not child:
             await backend.start()
+        if sandbox is not None:
+            # Start-up is over: from here the process only serves (sandbox.py's allow-list).
+            sandbox.confine_syscalls()
+            backend.sandbox = sandbox.report()
+            sandbox.write_report()
+            log.info(sandbox.line(), extra={"sandbox": backend.sandbox})
         # Everything allocated so far (modules, config, metrics, verified metadata) lives as
         # long as the process. Left to the cyclic GC, each full collection walks it all: ~30 ms
         # that would land inside some unlucky request. Frozen, full collections only walk what
         # requests allocate.
         gc.freeze()
-        log.info(
-            "listening",
-            extra={"host": host, "port": port, "grpc_port": grpc_port, "workers": config.workers},
+        where = (
+            {"unix_socket": str(unix_socket), "grpc_unix_socket": str(grpc_unix_socket)}
+            if unix_socket is not None
+            else {"host": host, "port": port, "grpc_port": grpc_port}
         )
+        log.info("listening", extra={**where, "workers": config.workers})
         await stop.wait()
         log.info("draining", extra={"inflight": backend.inflight})
         backend.dispatcher.draining = True
@@ -343,3 +378,5 @@ async def serve(
             await grpc.stop(0)
         if not backend.draining:
             await backend.drain(0)
+        for path in owned:
+            path.unlink(missing_ok=True)

@@ -132,6 +132,7 @@ def functions_document(backend: Backend) -> dict[str, Any]:
         "processes": backend.config.processes,
         "pid": os.getpid(),
         "memory_pressure": backend.pressure,
+        "sandbox": backend.sandbox,
         "code_cache": {
             "entries": len(backend.code),
             "held": backend.code.held,

@@ -12,7 +12,10 @@ it; here the supervisor keeps every socket open itself, so when a child dies its
 listening and queueing, and the restarted child adopts the same socket and answers them:
 only the requests the dead process was running are lost (a gateway retries those on reset).
 gRPC, whose server cannot adopt a socket, binds the same port in each child with SO_REUSEPORT
-(set for children only: a lone backend owns its gRPC port). Children get PR_SET_PDEATHSIG, so a
+(set for children only: a lone backend owns its gRPC port). On unix sockets (`--unix-socket`,
+what `meshfn up` uses behind a sidecar) there is no SO_REUSEPORT: each child has a socket of its
+own (the supervisor keeps the HTTP ones, as above; a child binds its gRPC one), one per process,
+and the sidecar's cluster balances over them. Children get PR_SET_PDEATHSIG, so a
 SIGKILLed supervisor leaves no process serving on its port.
 
 The children share the registry's artifacts through the page cache: each mmaps the same
@@ -36,9 +39,11 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from meshfn.common.processes import die_with_parent
+from meshfn.common.unix import listen_private
 
 from .config import BackendConfig
 
@@ -68,30 +73,44 @@ class Supervisor:
         drain_timeout: float,
         grpc_port: int | None,
         log_args: list[str],
+        unix_sockets: Sequence[Path] = (),
+        grpc_unix_sockets: Sequence[Path] = (),
     ) -> None:
         self.config = config
         self.host, self.port, self.grpc_port = host, port, grpc_port
+        # One socket per child, instead of the shared port: child k accepts from the k-th (a
+        # unix socket has no SO_REUSEPORT; the sidecar balances over the sockets).
+        self.unix_sockets, self.grpc_unix_sockets = list(unix_sockets), list(grpc_unix_sockets)
         self.drain_timeout = drain_timeout
         self.log_args = log_args
         self.children: dict[int, asyncio.subprocess.Process] = {}
         self.restarts = 0
         self.stopping = False
 
-    def _argv(self, config_path: Path, fd: int) -> list[str]:
+    def _argv(self, config_path: Path, index: int, fd: int) -> list[str]:
         argv = [sys.executable, "-P", "-m", "meshfn.inference", "serve", "--config",
                 str(config_path), "--host", self.host, "--port", str(self.port),
                 "--listen-fd", str(fd),
                 "--drain-timeout", str(self.drain_timeout), *self.log_args]  # fmt: skip
-        if self.grpc_port is not None:
+        if self.unix_sockets:
+            argv += ["--unix-socket", str(self.unix_sockets[index])]
+        if self.grpc_unix_sockets:
+            argv += ["--grpc-unix-socket", str(self.grpc_unix_sockets[index])]
+        elif self.grpc_port is not None:
             argv += ["--grpc-port", str(self.grpc_port)]
         return argv
 
-    async def run(self) -> None:
+    def _listen(self) -> list[socket.socket]:
+        if self.unix_sockets:
+            return [listen_private(path) for path in self.unix_sockets]
         first = listening_socket(self.host, self.port)
         self.port = first.getsockname()[1]
-        socks = [first] + [
+        return [first] + [
             listening_socket(self.host, self.port) for _ in range(self.config.processes - 1)
         ]
+
+    async def run(self) -> None:
+        socks = self._listen()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -111,10 +130,12 @@ class Supervisor:
                 asyncio.create_task(self._keep(i, config_path, sock.fileno()))
                 for i, sock in enumerate(socks)
             ]
-            log.info(
-                "supervising",
-                extra={"processes": self.config.processes, "host": self.host, "port": self.port},
+            where = (
+                {"unix_sockets": [str(p) for p in self.unix_sockets]}
+                if self.unix_sockets
+                else {"host": self.host, "port": self.port}
             )
+            log.info("supervising", extra={"processes": self.config.processes, **where})
             await stop.wait()
             self.stopping = True
             for child in list(self.children.values()):
@@ -131,6 +152,8 @@ class Supervisor:
                 await asyncio.gather(*keepers, return_exceptions=True)
         for sock in socks:
             sock.close()
+        for path in self.unix_sockets:
+            path.unlink(missing_ok=True)
 
     async def _keep(self, index: int, config_path: Path, fd: int) -> None:
         """Run child `index` until stopping, restarting it whenever it exits."""
@@ -138,7 +161,7 @@ class Supervisor:
         while not self.stopping:
             started = time.monotonic()
             child = await asyncio.create_subprocess_exec(
-                *self._argv(config_path, fd),
+                *self._argv(config_path, index, fd),
                 pass_fds=(fd,),
                 stdin=asyncio.subprocess.DEVNULL,
                 preexec_fn=die_with_parent,  # a SIGKILLed supervisor leaves no server behind

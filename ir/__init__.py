@@ -453,6 +453,8 @@ class Function:
     # The tenant classes of the QoSPolicy binding it (its own, else its gateway's): the backend
     # orders and sheds its requests by their priority (contracts.qos, the backend's schema).
     qos: FunctionQoS | None = None
+    # Services (keys) its backend's processes may connect to (Function.spec.egress).
+    egress: tuple[str, ...] = ()
 
     def served(self) -> ServedFunction:
         """Its entry in an inference backend's configuration (meshfn up, Kubernetes alike)."""
@@ -541,6 +543,18 @@ class Policies:
     authz: tuple[AuthzObject, ...] = ()
 
 
+SandboxMode = Literal["auto", "required", "off"]
+
+
+@dataclass(frozen=True, slots=True)
+class Sandbox:
+    """How the kernel confines the inference backends (Mesh.spec.sandbox)."""
+
+    landlock: SandboxMode = "auto"
+    seccomp: SandboxMode = "auto"
+    egress: SandboxMode = "auto"
+
+
 @dataclass(frozen=True)
 class MeshModel:
     name: str
@@ -552,6 +566,7 @@ class MeshModel:
     certificate_ttl: timedelta = timedelta(hours=1)
     functions: tuple[Function, ...] = ()
     acceleration: Literal["ebpf", "off", "auto"] = "off"
+    sandbox: Sandbox = Sandbox()
     audit: Audit | None = None
     drill: Drill | None = None
     policies: Policies = Policies()

@@ -63,31 +63,52 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _load(kind: Any, value: Any, path: str) -> Any:
+    """`value` as an IR value of type `kind`: one step per kind of type."""
     origin = get_origin(kind)
     if dataclasses.is_dataclass(kind) and isinstance(kind, type):
         return _load_dataclass(kind, value, path)
     if origin is tuple:
         return _load_tuple(get_args(kind), value, path)
     if isinstance(kind, type) and issubclass(kind, BaseModel):
-        try:
-            return kind.model_validate(value)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ValueError(
-                f"{path}.{where}: {first['msg']}" if where else f"{path}: {first['msg']}"
-            ) from None
+        return _load_contract(kind, value, path)
     if origin in (Union, types.UnionType):
-        arms = [arm for arm in get_args(kind) if arm is not type(None)]
-        if value is None and len(arms) < len(get_args(kind)):
-            return None
-        if len(arms) != 1:
-            raise TypeError(f"{path}: unions other than X | None are not IR types")
-        return _load(arms[0], value, path)
+        return _load_optional(kind, value, path)
     if origin is Literal:
-        if value not in get_args(kind):
-            raise ValueError(f"{path}: {value!r} is not one of {list(get_args(kind))}")
-        return value
+        return _load_literal(kind, value, path)
+    return _load_scalar(kind, value, path)
+
+
+def _load_contract(kind: type[BaseModel], value: Any, path: str) -> BaseModel:
+    """A shared contract (meshfn.contracts), validated by its own model."""
+    try:
+        return kind.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(
+            f"{path}.{where}: {first['msg']}" if where else f"{path}: {first['msg']}"
+        ) from None
+
+
+def _load_optional(kind: Any, value: Any, path: str) -> Any:
+    """`X | None`, the only union the IR uses."""
+    arms = [arm for arm in get_args(kind) if arm is not type(None)]
+    if value is None and len(arms) < len(get_args(kind)):
+        return None
+    if len(arms) != 1:
+        raise TypeError(f"{path}: unions other than X | None are not IR types")
+    return _load(arms[0], value, path)
+
+
+def _load_literal(kind: Any, value: Any, path: str) -> Any:
+    if value not in get_args(kind):
+        raise ValueError(f"{path}: {value!r} is not one of {list(get_args(kind))}")
+    return value
+
+
+def _load_scalar(kind: Any, value: Any, path: str) -> Any:
+    """A duration (a Go duration string), or a str, int, float or bool as itself (an int is
+    a float too; a bool is never an int)."""
     if kind is timedelta:
         if not isinstance(value, str):
             raise ValueError(f"{path}: expected a duration string, got {value!r}")

@@ -30,7 +30,7 @@ import copy
 from meshfn import ir
 from meshfn.contracts.plugins import ROUTE_METADATA, ROUTING_HEADER, plugin_json
 from meshfn.contracts.proxy import REQUEST_HYGIENE, WHOLE_SMALL_BODIES
-from meshfn.contracts.qos import TENANT_HEADER
+from meshfn.contracts.qos import TENANT_HEADER, has_token_budgets
 from meshfn.xds.fragments import qos as envoy_qos
 from meshfn.xds.fragments.messages import envoy_json, seconds
 from meshfn.xds.fragments.openai import openai_replies
@@ -150,63 +150,61 @@ def degraded_twin(ctx: Context, route: ir.Route, index: int, tail_cluster: str) 
 
 
 def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Source]]:
+    """A gateway's patches: the fallback chains' clusters, its connection manager, its rate
+    limits, the routes that use the chains, and the headers kept from upstreams."""
+    cluster_patches, route_patches, sources = _fallback_patches(ctx, gw)
+    sources.add(Source("Gateway", gw.namespace, gw.name))
+    qos_patches, qos_sources = _qos_patches(ctx, gw)
+    if gw.qos is not None and gw.qos.global_rate is not None:
+        ctx.warn(
+            "qos-global-rate-needs-meshfn-rls",
+            Source("QoSPolicy", gw.qos.namespace, gw.qos.name),
+            ("spec", "global"),
+            "a global rate is counted by meshfn's own rate-limit service, which Istio's "
+            "gateways cannot reach: rendered as each gateway's local rate limit, counted per "
+            "gateway pod, so with N pods (replicas, or gateways it binds) a tenant is admitted "
+            "up to N times the rate and N times the burst",
+        )
+    sources |= qos_sources
+    stripped = stripped_headers(ctx, gw)
+    return [
+        *router_patches(ctx, gw),
+        *cluster_patches,
+        _manager_patch(gw, bool(qos_patches), stripped),
+        *qos_patches,
+        *route_patches,
+        *_stream_patches(gw),
+        *_upstream_header_patches(ctx, gw, stripped),
+    ], sources
+
+
+def _fallback_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], list[Obj], set[Source]]:
+    """For each route of the gateway whose service has a fallback chain (by route key): the
+    chain's aggregate cluster (and its tail's, where the drift breaker's twin is ours), the
+    route patches that use them, and the FallbackPolicies they came from."""
     model = ctx.model
-    patches: list[Obj] = []
-    sources = {Source("Gateway", gw.namespace, gw.name)}
-    clusters: dict[str, Obj] = {}
     routes: dict[str, tuple[ir.Route, ir.Service]] = {}
     for listener in gw.listeners:
         for route in listener.routes:
             service = model.service(route.service)
             if service.fallback:
                 routes[route.key] = (route, service)
+    sources: set[Source] = set()
+    clusters: dict[str, Obj] = {}
+    patches: list[Obj] = []
     for key in sorted(routes):
         route, service = routes[key]
         assert service.traffic is not None
         sources.add(Source("FallbackPolicy", service.namespace, service.traffic.policy))
         members = [istio_cluster(ctx, model.service(k)) for k in (service.key, *service.fallback)]
-        breakers = service.traffic.breakers
-        chain = aggregate_cluster(members, breakers)
+        chain = aggregate_cluster(members, service.traffic.breakers)
         clusters[chain["name"]] = chain
         tail_cluster = None
         if service.drift is not None and not degraded_twin_in_vs(service):
             tail = aggregate_cluster(members[1:], None)
             clusters[tail["name"]] = tail
             tail_cluster = tail["name"]
-        metadata = {"filter_metadata": {ROUTE_METADATA: {"chain": _chain_names(model, service)}}}
-        for index in range(len(route.matches)):
-            name = route_name(route.key, index)
-            patches.append(
-                {
-                    "applyTo": "HTTP_ROUTE",
-                    "match": _route_match(name),
-                    "patch": {
-                        "operation": "MERGE",
-                        "value": {"route": {"cluster": chain["name"]}, "metadata": metadata},
-                    },
-                }
-            )
-            if tail_cluster is not None:
-                patches.append(
-                    {
-                        "applyTo": "HTTP_ROUTE",
-                        "match": _route_match(name),
-                        "patch": {
-                            "operation": "INSERT_BEFORE",
-                            "value": degraded_twin(ctx, route, index, tail_cluster),
-                        },
-                    }
-                )
-            elif service.drift is not None:
-                # the VirtualService's twin: the chain's metadata for its 503 body
-                patches.append(
-                    {
-                        "applyTo": "HTTP_ROUTE",
-                        "match": _route_match(degraded_route_name(route.key, index)),
-                        "patch": {"operation": "MERGE", "value": {"metadata": metadata}},
-                    }
-                )
-    patches += _stream_patches(gw)
+        patches += _chain_route_patches(ctx, route, service, chain["name"], tail_cluster)
     cluster_patches = [
         {
             "applyTo": "CLUSTER",
@@ -215,38 +213,50 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
         }
         for name in sorted(clusters)
     ]
-    qos_patches, qos_sources = _qos_patches(ctx, gw)
-    if gw.qos is not None and gw.qos.global_rate is not None:
-        ctx.warn(
-            "qos-global-rate-needs-meshfn-rls",
-            Source("QoSPolicy", gw.qos.namespace, gw.qos.name),
-            ("spec", "global"),
-            "a global rate is counted by meshfn's own rate-limit service, which Istio's "
-            "gateways cannot reach: rendered as each gateway's local rate limit",
-        )
-    sources |= qos_sources
-    manager = _manager(gw, bool(qos_patches))
-    stripped = stripped_headers(ctx, gw)
-    if stripped:
-        manager["early_header_mutation_extensions"] = [early_header_mutation(stripped)]
-    hcm_patch = {
-        "applyTo": "NETWORK_FILTER",
-        "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM}}}},
-        "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": manager}},
-    }
-    kept = {ROUTING_HEADER, TENANT_HEADER, *logged_headers(ctx, gw)}
-    upstream = [n for n in stripped if n not in kept]
-    tail_patches = []
-    if upstream:
-        tail_patches.append(
+    return cluster_patches, patches, sources
+
+
+def _chain_route_patches(
+    ctx: Context, route: ir.Route, service: ir.Service, chain: str, tail_cluster: str | None
+) -> list[Obj]:
+    """Each match of the route goes to the chain's aggregate; with a drift breaker, its degraded
+    twin is inserted before it (`tail_cluster`: ours) or, where the VirtualService holds the
+    twin, given the chain's metadata for its 503 body."""
+    metadata = {"filter_metadata": {ROUTE_METADATA: {"chain": _chain_names(ctx.model, service)}}}
+    patches: list[Obj] = []
+    for index in range(len(route.matches)):
+        name = route_name(route.key, index)
+        patches.append(
             {
-                "applyTo": "ROUTE_CONFIGURATION",
-                "match": {"context": "GATEWAY"},
-                "patch": {"operation": "MERGE", "value": {"request_headers_to_remove": upstream}},
+                "applyTo": "HTTP_ROUTE",
+                "match": _route_match(name),
+                "patch": {
+                    "operation": "MERGE",
+                    "value": {"route": {"cluster": chain}, "metadata": metadata},
+                },
             }
         )
-    routers = router_patches(ctx, gw)
-    return [*routers, *cluster_patches, hcm_patch, *qos_patches, *patches, *tail_patches], sources
+        if tail_cluster is not None:
+            patches.append(
+                {
+                    "applyTo": "HTTP_ROUTE",
+                    "match": _route_match(name),
+                    "patch": {
+                        "operation": "INSERT_BEFORE",
+                        "value": degraded_twin(ctx, route, index, tail_cluster),
+                    },
+                }
+            )
+        elif service.drift is not None:
+            # the VirtualService's twin: the chain's metadata for its 503 body
+            patches.append(
+                {
+                    "applyTo": "HTTP_ROUTE",
+                    "match": _route_match(degraded_route_name(route.key, index)),
+                    "patch": {"operation": "MERGE", "value": {"metadata": metadata}},
+                }
+            )
+    return patches
 
 
 def router_patches(ctx: Context, gw: ir.Workload) -> list[Obj]:
@@ -302,16 +312,23 @@ def router_patches(ctx: Context, gw: ir.Workload) -> list[Obj]:
     return patches
 
 
-def _manager(gw: ir.Workload, rate_limited: bool) -> Obj:
-    """The gateway connection manager's merge: its local replies (no upstream, the rate
-    limit's 429, and on OpenAI's paths OpenAI's error objects, as the translator's)."""
-    mappers = no_upstream_reply()["mappers"]
+def _manager_patch(gw: ir.Workload, rate_limited: bool, stripped: list[str]) -> Obj:
+    """The gateway's HTTP connection manager: local replies (a 429's body when rate limits
+    apply) and the headers stripped from every request before routing."""
+    manager: Obj = {"@type": HCM_TYPE, "local_reply_config": no_upstream_reply()}
     if rate_limited:
         claim = envoy_qos.governing(gw)[0].claim
-        mappers.append(envoy_qos.limited_reply(claim, True))
-    if any(r.model for listener in gw.listeners for r in listener.routes):
-        mappers = openai_replies(mappers)
-    return {"@type": HCM_TYPE, "local_reply_config": {"mappers": mappers}}
+        manager["local_reply_config"]["mappers"].append(envoy_qos.limited_reply(claim, True))
+    if any(r.model for listener in gw.listeners for r in listener.routes):  # OpenAI's errors
+        mappers = manager["local_reply_config"]["mappers"]
+        manager["local_reply_config"]["mappers"] = openai_replies(mappers)
+    if stripped:
+        manager["early_header_mutation_extensions"] = [early_header_mutation(stripped)]
+    return {
+        "applyTo": "NETWORK_FILTER",
+        "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM}}}},
+        "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": manager}},
+    }
 
 
 def _stream_patches(gw: ir.Workload) -> list[Obj]:
@@ -330,6 +347,21 @@ def _stream_patches(gw: ir.Workload) -> list[Obj]:
         for route in listener.routes
         if route.idle_timeout is not None
         for index in range(len(route.matches))
+    ]
+
+
+def _upstream_header_patches(ctx: Context, gw: ir.Workload, stripped: list[str]) -> list[Obj]:
+    """Stripped headers the gateway itself does not read are removed again before upstreams."""
+    kept = {ROUTING_HEADER, TENANT_HEADER, *logged_headers(ctx, gw)}
+    upstream = [n for n in stripped if n not in kept]
+    if not upstream:
+        return []
+    return [
+        {
+            "applyTo": "ROUTE_CONFIGURATION",
+            "match": {"context": "GATEWAY"},
+            "patch": {"operation": "MERGE", "value": {"request_headers_to_remove": upstream}},
+        }
     ]
 
 
@@ -433,9 +465,8 @@ def _token_budget_warnings(ctx: Context) -> None:
     """Token budgets (QoSPolicy `tokens`) are the backends' to keep; the mesh's one book is the
     meshfn control plane's ledger (xds/ledger.py), which Istio's data plane has no counterpart
     for: each backend process keeps its own."""
-    for policy in sorted({f.qos.policy for f in ctx.model.functions if f.qos and any(
-        c.tokens for c in [*f.qos.classes, *f.qos.tenants]
-    )}):  # fmt: skip
+    budgeted = {f.qos.policy for f in ctx.model.functions if f.qos and has_token_budgets(f.qos)}
+    for policy in sorted(budgeted):
         namespace, _, name = policy.partition("/")
         ctx.warn(
             "qos-token-budgets-per-backend-process",

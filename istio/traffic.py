@@ -137,31 +137,10 @@ def _zero_ignored(ctx: Context, source: Source, path: tuple[str, ...], default: 
 
 
 def _traffic(ctx: Context, service: ir.Service, traffic: ir.TrafficPolicy, policy: Obj) -> None:
+    """FallbackPolicy: circuit breakers, retry budget, outlier detection, locality failover."""
     source = fallback_source(service)
-    b = traffic.breakers
-    if b is not None:
-        pool = policy["connectionPool"]
-        if b.max_connections is not None:
-            pool["tcp"]["maxConnections"] = b.max_connections
-        http: Obj = {}
-        if b.max_pending_requests is not None:
-            http["http1MaxPendingRequests"] = b.max_pending_requests
-        if b.max_requests is not None:
-            http["http2MaxRequests"] = b.max_requests
-        if b.max_retries:
-            http["maxRetries"] = b.max_retries
-        elif b.max_retries == 0:
-            _zero_ignored(ctx, source, ("spec", "circuitBreakers", "maxRetries"), "unlimited")
-        if http:
-            pool["http"] = http
-        if b.retry_budget_percent is not None:
-            budget: Obj = {"percent": b.retry_budget_percent}
-            if b.retry_budget_min_concurrency:
-                budget["minRetryConcurrency"] = b.retry_budget_min_concurrency
-            elif b.retry_budget_min_concurrency == 0:
-                path = ("spec", "retryBudget", "minRetryConcurrency")
-                _zero_ignored(ctx, source, path, "3")
-            policy["retryBudget"] = budget
+    if traffic.breakers is not None:
+        _breakers(ctx, source, traffic.breakers, policy)
     o = traffic.outlier
     if o is not None:
         at = ("spec", "outlierDetection")
@@ -174,21 +153,7 @@ def _traffic(ctx: Context, service: ir.Service, traffic: ir.TrafficPolicy, polic
             ),
             "maxEjectionPercent": o.max_ejection_percent,
         }
-    if traffic.locality_failover:
-        setting: Obj = {"enabled": True}
-        if traffic.failover_regions:
-            setting["failover"] = [{"from": a, "to": b} for a, b in traffic.failover_regions]
-        policy["loadBalancer"] = {"localityLbSetting": setting}
-        if o is None:
-            ctx.warn(
-                "locality-needs-outlier-detection",
-                source,
-                ("spec", "locality"),
-                "Istio applies locality failover only with outlierDetection; healthCheck alone "
-                "does not enable it",
-            )
-    elif o is not None:
-        policy["loadBalancer"] = {"localityLbSetting": {"enabled": False}}
+    _locality_lb(ctx, source, traffic, policy)
     if traffic.health_check is not None:
         ctx.warn(
             "no-active-health-checks",
@@ -197,6 +162,52 @@ def _traffic(ctx: Context, service: ir.Service, traffic: ir.TrafficPolicy, polic
             "Istio has no active upstream health checks; Kubernetes readiness probes (and "
             "outlierDetection) decide instead",
         )
+
+
+def _breakers(ctx: Context, source: Source, b: ir.CircuitBreakers, policy: Obj) -> None:
+    """Circuit breakers: the connection pool's limits, and the retry budget."""
+    pool = policy["connectionPool"]
+    if b.max_connections is not None:
+        pool["tcp"]["maxConnections"] = b.max_connections
+    http: Obj = {}
+    if b.max_pending_requests is not None:
+        http["http1MaxPendingRequests"] = b.max_pending_requests
+    if b.max_requests is not None:
+        http["http2MaxRequests"] = b.max_requests
+    if b.max_retries:
+        http["maxRetries"] = b.max_retries
+    elif b.max_retries == 0:
+        _zero_ignored(ctx, source, ("spec", "circuitBreakers", "maxRetries"), "unlimited")
+    if http:
+        pool["http"] = http
+    if b.retry_budget_percent is not None:
+        budget: Obj = {"percent": b.retry_budget_percent}
+        if b.retry_budget_min_concurrency:
+            budget["minRetryConcurrency"] = b.retry_budget_min_concurrency
+        elif b.retry_budget_min_concurrency == 0:
+            path = ("spec", "retryBudget", "minRetryConcurrency")
+            _zero_ignored(ctx, source, path, "3")
+        policy["retryBudget"] = budget
+
+
+def _locality_lb(ctx: Context, source: Source, traffic: ir.TrafficPolicy, policy: Obj) -> None:
+    """Locality failover, written out either way: Istio prefers localities whenever outlier
+    detection is on, meshfn only when asked."""
+    if traffic.locality_failover:
+        setting: Obj = {"enabled": True}
+        if traffic.failover_regions:
+            setting["failover"] = [{"from": a, "to": b} for a, b in traffic.failover_regions]
+        policy["loadBalancer"] = {"localityLbSetting": setting}
+        if traffic.outlier is None:
+            ctx.warn(
+                "locality-needs-outlier-detection",
+                source,
+                ("spec", "locality"),
+                "Istio applies locality failover only with outlierDetection; healthCheck alone "
+                "does not enable it",
+            )
+    elif traffic.outlier is not None:
+        policy["loadBalancer"] = {"localityLbSetting": {"enabled": False}}
 
 
 # ---------------------------------------------------------------- outside Kubernetes

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from meshfn import istio
 from meshfn import wasm_filters as filters
 from meshfn.common import env
+from meshfn.common.adminauth import Guard, KubeAuthenticator, guard_middleware
 from meshfn.common.kube.api import ApiError, Backoff, KubeClient, Obj, Resource, Unreachable
 from meshfn.common.kube.metrics import KubeMetrics
 from meshfn.contracts.kube import ANNOTATION_SOURCE, API_VERSION, BY_KIND
@@ -151,6 +152,11 @@ class OperatorConfig(_Strict):
         "spec.ports.xds as the port of the access-log Service",
     )
     tls: TlsSettings | None = Field(None, description="serve admin and /wasm over HTTPS")
+    metricsOpen: bool = Field(
+        True,
+        description="serve /metrics without a token (who may connect is the NetworkPolicy's"
+        " adminFrom); off: a Kubernetes token with the viewer role, as /debug/status",
+    )
     saltFile: str | None = Field(
         None, description="the audit subject salt (hex), from a Secret shared by every replica"
     )
@@ -619,6 +625,24 @@ class Operator:
             "now": time.time(),
         }
 
+    def _is_open(self, request: web.Request) -> bool:
+        """What the admin port answers without a credential: probes, the filter modules
+        (content-addressed public code that istio-agent fetches without one), and /metrics while
+        `metricsOpen` (the NetworkPolicy's adminFrom scopes it)."""
+        path = request.path
+        if path in ("/healthz", "/readyz") or path.startswith("/wasm/"):
+            return True
+        return path == "/metrics" and self.config.metricsOpen
+
+    def _guard(self) -> Guard:
+        """Everything else: the caller's Kubernetes token, TokenReview and SubjectAccessReview
+        (meshfn.common.adminauth.KubeAuthenticator); /debug/status needs the viewer role."""
+
+        async def review(path: str, body: Obj) -> Obj:
+            return await self.kube.request("POST", path, body=body)
+
+        return Guard(KubeAuthenticator(review, self.config.namespace), self._is_open)
+
     def _app(self) -> web.Application:
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(
@@ -651,7 +675,7 @@ class Operator:
                     )
             return web.Response(status=404, text="unknown module\n")
 
-        app = web.Application()
+        app = web.Application(middlewares=[guard_middleware(self._guard())])
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)

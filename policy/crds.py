@@ -15,6 +15,7 @@ in the descriptions, so `kubectl explain` shows them and stored objects stay as 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -74,52 +75,16 @@ def structural(node: dict[str, Any], defs: dict[str, Any], path: str = "") -> di
         merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
         return structural(merged, defs, path)
     if "anyOf" in node:
-        options = [o for o in node["anyOf"] if o != {"type": "null"}]
-        if len(options) != 1:
-            raise SchemaError(f"{path or '.'}: a union of several types has no structural schema")
-        outer = {k: v for k, v in node.items() if k != "anyOf"}
-        inner = structural({**options[0], **outer}, defs, path)
-        if len(options) < len(node["anyOf"]):
-            inner["nullable"] = True
-        return inner
+        return _nullable(node, defs, path)
     out: dict[str, Any] = {}
-    description = node.get("description", "")
-    if "default" in node and node["default"] is not None:
-        default = f"Default: {_default_text(node['default'])}."
-        description = f"{description.rstrip('.')}. {default}" if description else default
+    description = _description(node)
     if description:
         out["description"] = " ".join(description.split())
     if "const" in node:
         out["enum"] = [node["const"]]
     for key, value in node.items():
-        if key in _DROPPED or key in ("description", "const"):
-            continue
-        if key == "properties":
-            out[key] = {
-                name: structural(sub, defs, f"{path}.{name}") for name, sub in value.items()
-            }
-        elif key == "items":
-            out[key] = structural(value, defs, f"{path}[]")
-        elif key == "patternProperties":
-            # Keys with a pattern (portLevelMtls ports): structural schemas have no
-            # patternProperties; the value schema stays, the model checks the keys.
-            (value_schema,) = value.values()
-            out["additionalProperties"] = structural(value_schema, defs, f"{path}{{}}")
-        elif key == "additionalProperties":
-            if value is False:
-                out["x-kubernetes-preserve-unknown-fields"] = True
-            elif isinstance(value, dict):
-                out[key] = structural(value, defs, f"{path}{{}}")
-        elif key in ("exclusiveMinimum", "exclusiveMaximum"):
-            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
-            out[key] = True
-        elif key == "format":
-            if value in _KNOWN_FORMATS:
-                out[key] = value
-        elif key == "$defs":
-            continue
-        else:
-            out[key] = value
+        if key not in _DROPPED and key not in ("description", "const", "$defs"):
+            out.update(_KEYWORDS.get(key, _as_is)(key, value, defs, path))
     if "type" not in out:
         if "enum" in out and all(isinstance(v, str) for v in out["enum"]):
             out["type"] = "string"
@@ -131,6 +96,82 @@ def structural(node: dict[str, Any], defs: dict[str, Any], path: str = "") -> di
         **({"description": out.pop("description")} if "description" in out else {}),
         **out,
     }
+
+
+def _nullable(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str, Any]:
+    """`X | None` (pydantic's anyOf with null): X, nullable. Other unions have no structural
+    schema."""
+    options = [o for o in node["anyOf"] if o != {"type": "null"}]
+    if len(options) != 1:
+        raise SchemaError(f"{path or '.'}: a union of several types has no structural schema")
+    outer = {k: v for k, v in node.items() if k != "anyOf"}
+    inner = structural({**options[0], **outer}, defs, path)
+    if len(options) < len(node["anyOf"]):
+        inner["nullable"] = True
+    return inner
+
+
+def _description(node: dict[str, Any]) -> str:
+    """The field's description, with its default quoted (defaults stay in the models)."""
+    description: str = node.get("description", "")
+    if "default" in node and node["default"] is not None:
+        default = f"Default: {_default_text(node['default'])}."
+        description = f"{description.rstrip('.')}. {default}" if description else default
+    return description
+
+
+# One JSON Schema keyword -> what it becomes in a structural schema (the keywords not listed stay
+# as they are): (keyword, value, defs, path) -> keywords of the structural node.
+_Keyword = Callable[[str, Any, dict[str, Any], str], dict[str, Any]]
+
+
+def _as_is(key: str, value: Any, defs: dict[str, Any], path: str) -> dict[str, Any]:
+    return {key: value}
+
+
+def _properties(key: str, value: Any, defs: dict[str, Any], path: str) -> dict[str, Any]:
+    return {key: {name: structural(sub, defs, f"{path}.{name}") for name, sub in value.items()}}
+
+
+def _items(key: str, value: Any, defs: dict[str, Any], path: str) -> dict[str, Any]:
+    return {key: structural(value, defs, f"{path}[]")}
+
+
+def _pattern_properties(key: str, value: Any, defs: dict[str, Any], path: str) -> dict[str, Any]:
+    """Keys with a pattern (portLevelMtls ports): structural schemas have no patternProperties;
+    the value schema stays, the model checks the keys."""
+    (value_schema,) = value.values()
+    return {"additionalProperties": structural(value_schema, defs, f"{path}{{}}")}
+
+
+def _additional_properties(key: str, value: Any, defs: dict[str, Any], path: str) -> dict[str, Any]:
+    """A map's value schema; `false` (a closed model) keeps unknown fields for the strict model
+    to report (the module docstring says why)."""
+    if value is False:
+        return {"x-kubernetes-preserve-unknown-fields": True}
+    if isinstance(value, dict):
+        return {key: structural(value, defs, f"{path}{{}}")}
+    return {}
+
+
+def _exclusive_bound(key: str, value: Any, defs: dict[str, Any], path: str) -> dict[str, Any]:
+    """JSON Schema's numeric exclusive bound -> OpenAPI v3.0's bound with a boolean flag."""
+    return {"minimum" if key == "exclusiveMinimum" else "maximum": value, key: True}
+
+
+def _format(key: str, value: Any, defs: dict[str, Any], path: str) -> dict[str, Any]:
+    return {key: value} if value in _KNOWN_FORMATS else {}
+
+
+_KEYWORDS: dict[str, _Keyword] = {
+    "properties": _properties,
+    "items": _items,
+    "patternProperties": _pattern_properties,
+    "additionalProperties": _additional_properties,
+    "exclusiveMinimum": _exclusive_bound,
+    "exclusiveMaximum": _exclusive_bound,
+    "format": _format,
+}
 
 
 def _status_schema() -> dict[str, Any]:

@@ -11,7 +11,7 @@ import re
 from datetime import timedelta
 from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from meshfn.contracts.durations import MAX_DURATION, Duration
 from meshfn.contracts.function import FunctionSettings
@@ -232,6 +232,36 @@ class Drill(Strict):
         return self
 
 
+def _yaml_off(value: object) -> object:
+    """YAML 1.1 reads a bare `off` as false: a sandbox layer written `landlock: off` means it."""
+    return "off" if value is False else value
+
+
+SandboxMode = Annotated[Literal["auto", "required", "off"], BeforeValidator(_yaml_off)]
+
+
+class Sandbox(Strict):
+    """How the kernel confines the inference backends `meshfn up` runs (docs/concepts/sandbox.md).
+    Each layer: `auto` (on where the kernel allows it, otherwise off with the reason at start and
+    in `meshfn status`), `required` (refuse to start without it) or `off`."""
+
+    landlock: SandboxMode = Field(
+        "auto",
+        description="filesystem (and, with Landlock ABI 4+, TCP ports): read the registry, keys, "
+        "config and code only, write the backend's state directory only, execute nothing",
+    )
+    seccomp: SandboxMode = Field(
+        "auto",
+        description="after start-up, a syscall allow-list; exec, ptrace, mount, bpf, keyring, "
+        "process_vm_* and anonymous executable memory kill the process",
+    )
+    egress: SandboxMode = Field(
+        "auto",
+        description="eBPF on the backend's cgroup: no outbound connection or datagram except to "
+        "the peers its Functions name in spec.egress (needs root and bcc)",
+    )
+
+
 class MeshSpec(Strict):
     """Settings that hold for every workload of the mesh."""
 
@@ -257,6 +287,10 @@ class MeshSpec(Strict):
         "off",
         description="eBPF socket redirection between the mesh's own processes (meshfn up): "
         "ebpf requires it, auto uses it where the kernel allows",
+    )
+    sandbox: Sandbox = Field(
+        default_factory=Sandbox,
+        description="the kernel's confinement of the inference backends (meshfn up)",
     )
     audit: Audit | None = Field(None, description="request audit trail; absent: off")
     drill: Drill | None = Field(
@@ -1226,6 +1260,13 @@ class FallbackPolicy(Strict):
 # ---------------------------------------------------------------- functions
 
 
+class EgressPeer(Strict):
+    """A peer a function may reach: a Service of the mesh, on the addresses and ports it is
+    reached at (each endpoint's sidecar where it has one: the mesh's way in, mTLS and all)."""
+
+    service: ObjectRef = Field(description='"name" (this namespace) or "namespace/name"')
+
+
 class FunctionSpec(FunctionSettings):
     """A model function served over KServe v2 at /v2/models/{metadata.name} by the inference
     backend running on the endpoints of `backend` (and of the services in its fallback chain).
@@ -1233,6 +1274,13 @@ class FunctionSpec(FunctionSettings):
 
     backend: Name = Field(description="the Service (this namespace) whose endpoints serve it")
     gateway: ObjectRef | None = Field(None, description="like Route.spec.gateway")
+    egress: Annotated[list[EgressPeer], Field(max_length=64)] = Field(
+        default_factory=list,
+        description="what the function may connect to beyond its backend, which is nothing by "
+        "default: its backend's processes may then open connections to these peers (Landlock's "
+        "TCP ports and the eBPF egress control's addresses let them through; every other "
+        "connection stays refused)",
+    )
 
 
 class Function(Strict):

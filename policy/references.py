@@ -21,6 +21,7 @@ from .model import (
     FallbackPolicy,
     Function,
     Gateway,
+    LocalityLb,
     Mesh,
     PeerAuthentication,
     RequestAuthentication,
@@ -121,6 +122,7 @@ def _check_routes(items: list[Loaded]) -> list[PolicyError]:
                         "backend speaks KServe v2 over HTTP",
                     )
                 )
+            errors += _check_egress(item, services)
             continue
         if not isinstance(item.obj, Route):
             continue
@@ -151,6 +153,24 @@ def _check_routes(items: list[Loaded]) -> list[PolicyError]:
     return errors
 
 
+def _check_egress(item: Loaded, services: dict[str, Loaded]) -> list[PolicyError]:
+    """A Function's egress peers are Services of the mesh."""
+    assert isinstance(item.obj, Function)
+    errors = []
+    for index, peer in enumerate(item.obj.spec.egress):
+        ref = peer.service
+        key = ref if "/" in ref else f"{item.namespace}/{ref}"
+        if key not in services:
+            errors.append(
+                item.error(
+                    ("spec", "egress", index, "service"),
+                    f"unknown Service {key}: an egress peer must be a Service of the mesh"
+                    f"{_did_you_mean(key, services)}",
+                )
+            )
+    return errors
+
+
 @dataclass(frozen=True)
 class _Bind:
     address: str
@@ -172,56 +192,67 @@ class _Bind:
 
 def _check_ports(items: list[Loaded]) -> list[PolicyError]:
     """Everything meshfn binds must be distinct, and no endpoint may point back into meshfn."""
-    binds: list[_Bind] = []
-    for item in items:
-        obj = item.obj
-        if isinstance(obj, Mesh):
-            ports = obj.spec.ports
-            binds.append(
-                _Bind("127.0.0.1", ports.xds, "the Mesh xds port", item, ("spec", "ports", "xds"))
+    binds = [bind for item in items for bind in _binds(item)]
+    return _bind_clashes(binds) + _endpoint_clashes(items, binds)
+
+
+def _binds(item: Loaded) -> list[_Bind]:
+    """What one document makes meshfn bind: the Mesh's xds and admin ports, a Gateway's admin
+    port and listeners, a Service's sidecars."""
+    obj = item.obj
+    if isinstance(obj, Mesh):
+        ports = obj.spec.ports
+        return [
+            _Bind("127.0.0.1", ports.xds, "the Mesh xds port", item, ("spec", "ports", "xds")),
+            _Bind(
+                "127.0.0.1", ports.admin, "the Mesh admin port", item, ("spec", "ports", "admin")
+            ),
+        ]
+    if isinstance(obj, Gateway):
+        return _gateway_binds(item, obj)
+    if isinstance(obj, Service):
+        return [
+            _Bind(
+                declared.address,
+                declared.sidecar.port,
+                f"the sidecar of {item.ref} endpoint {i}",
+                item,
+                ("spec", "endpoints", i, "sidecar", "port"),
             )
-            binds.append(
-                _Bind(
-                    "127.0.0.1",
-                    ports.admin,
-                    "the Mesh admin port",
-                    item,
-                    ("spec", "ports", "admin"),
-                )
+            for i, declared in enumerate(obj.spec.endpoints)
+            if declared.sidecar is not None
+        ]
+    return []
+
+
+def _gateway_binds(item: Loaded, obj: Gateway) -> list[_Bind]:
+    gateway = f"Gateway {item.namespace}/{item.name}"
+    binds = []
+    if obj.spec.adminPort is not None:
+        binds.append(
+            _Bind(
+                "127.0.0.1",
+                obj.spec.adminPort,
+                f"the admin port of {gateway}",
+                item,
+                ("spec", "adminPort"),
             )
-        elif isinstance(obj, Gateway):
-            if obj.spec.adminPort is not None:
-                binds.append(
-                    _Bind(
-                        "127.0.0.1",
-                        obj.spec.adminPort,
-                        f"the admin port of Gateway {item.namespace}/{item.name}",
-                        item,
-                        ("spec", "adminPort"),
-                    )
-                )
-            for i, listener in enumerate(obj.spec.listeners):
-                binds.append(
-                    _Bind(
-                        listener.address,
-                        listener.port,
-                        f"listener {listener.name} of Gateway {item.namespace}/{item.name}",
-                        item,
-                        ("spec", "listeners", i, "port"),
-                    )
-                )
-        elif isinstance(obj, Service):
-            for i, declared in enumerate(obj.spec.endpoints):
-                if declared.sidecar is not None:
-                    binds.append(
-                        _Bind(
-                            declared.address,
-                            declared.sidecar.port,
-                            f"the sidecar of {item.ref} endpoint {i}",
-                            item,
-                            ("spec", "endpoints", i, "sidecar", "port"),
-                        )
-                    )
+        )
+    for i, listener in enumerate(obj.spec.listeners):
+        binds.append(
+            _Bind(
+                listener.address,
+                listener.port,
+                f"listener {listener.name} of {gateway}",
+                item,
+                ("spec", "listeners", i, "port"),
+            )
+        )
+    return binds
+
+
+def _bind_clashes(binds: list[_Bind]) -> list[PolicyError]:
+    """Each bind that clashes with an earlier one (named once, with the first it meets)."""
     errors: list[PolicyError] = []
     for i, bind in enumerate(binds):
         for earlier in binds[:i]:
@@ -234,57 +265,80 @@ def _check_ports(items: list[Loaded]) -> list[PolicyError]:
                     )
                 )
                 break
-    seen: dict[tuple[str, int], tuple[Loaded, Loc]] = {}
+    return errors
+
+
+# Endpoint targets seen so far: (address, port) -> the first document and place that has it.
+_Seen = dict[tuple[str, int], tuple[Loaded, Loc]]
+
+
+def _endpoint_clashes(items: list[Loaded], binds: list[_Bind]) -> list[PolicyError]:
+    """An endpoint target (address and port, the gRPC port too) belongs to one Service, and none
+    is a loopback port meshfn binds itself."""
+    errors: list[PolicyError] = []
+    seen: _Seen = {}
     loopback_binds = {b.port: b for b in reversed(binds)}
     for item in items:
         service = item.lowered
         if not isinstance(service, ir.Service):
             continue
         for i, endpoint in enumerate(service.endpoints):
-            extra = [endpoint.grpc_port] if endpoint.grpc_port else []
-            for port in extra:  # the gRPC port is an endpoint target like the port
-                target = (endpoint.address, port)
-                other = seen.get(target)
-                if other is not None:
-                    errors.append(
-                        item.error(
-                            ("spec", "endpoints", i, "grpcPort"),
-                            f"endpoint {_hostport(*target)} is also an endpoint of "
-                            f"{other[0].ref} ({where(*other)})",
-                        )
-                    )
-                seen.setdefault(target, (item, ("spec", "endpoints", i, "grpcPort")))
-                hit = loopback_binds.get(port)
-                if hit is not None and _is_loopback(endpoint.address):
-                    errors.append(
-                        item.error(
-                            ("spec", "endpoints", i, "grpcPort"),
-                            f"grpcPort {port} points at {hit.what} "
-                            f"({where(hit.item, hit.loc)}): traffic would loop into meshfn",
-                        )
-                    )
-            target = (endpoint.address, endpoint.port)
-            other = seen.get(target)
-            if other is not None:
-                errors.append(
-                    item.error(
-                        ("spec", "endpoints", i),
-                        f"endpoint {_hostport(*target)} is also an endpoint of {other[0].ref} "
-                        f"({where(*other)})",
-                    )
-                )
-                continue
-            seen[target] = (item, ("spec", "endpoints", i))
-            hit = loopback_binds.get(endpoint.port)
-            if hit is not None and _is_loopback(endpoint.address):
-                errors.append(
-                    item.error(
-                        ("spec", "endpoints", i),
-                        f"endpoint {_hostport(*target)} points at {hit.what} "
-                        f"({where(hit.item, hit.loc)}): traffic would loop into meshfn",
-                    )
-                )
+            errors += _endpoint_errors(item, i, endpoint, seen, loopback_binds)
     return errors
+
+
+def _endpoint_errors(
+    item: Loaded, i: int, endpoint: ir.Endpoint, seen: _Seen, loopback_binds: dict[int, _Bind]
+) -> list[PolicyError]:
+    at: Loc = ("spec", "endpoints", i)
+    found: list[PolicyError | None] = []
+    if endpoint.grpc_port:  # the gRPC port is an endpoint target like the port
+        port = endpoint.grpc_port
+        found.append(_taken(item, (endpoint.address, port), (*at, "grpcPort"), seen))
+        found.append(
+            _loops(
+                item, endpoint.address, port, (*at, "grpcPort"), f"grpcPort {port}", loopback_binds
+            )
+        )
+    target = (endpoint.address, endpoint.port)
+    taken = _taken(item, target, at, seen)
+    if taken is not None:
+        found.append(taken)
+    else:
+        subject = f"endpoint {_hostport(*target)}"
+        found.append(_loops(item, endpoint.address, endpoint.port, at, subject, loopback_binds))
+    return [error for error in found if error is not None]
+
+
+def _taken(item: Loaded, target: tuple[str, int], loc: Loc, seen: _Seen) -> PolicyError | None:
+    """The target is another endpoint's already (the first one keeps it), or it is noted."""
+    other = seen.get(target)
+    if other is None:
+        seen[target] = (item, loc)
+        return None
+    return item.error(
+        loc,
+        f"endpoint {_hostport(*target)} is also an endpoint of {other[0].ref} ({where(*other)})",
+    )
+
+
+def _loops(
+    item: Loaded,
+    address: str,
+    port: int,
+    loc: Loc,
+    subject: str,
+    loopback_binds: dict[int, _Bind],
+) -> PolicyError | None:
+    """A loopback target on a port meshfn binds: traffic would come back into meshfn."""
+    hit = loopback_binds.get(port)
+    if hit is None or not _is_loopback(address):
+        return None
+    return item.error(
+        loc,
+        f"{subject} points at {hit.what} ({where(hit.item, hit.loc)}): traffic would loop into "
+        "meshfn",
+    )
 
 
 @lru_cache(maxsize=65536)
@@ -376,57 +430,75 @@ def _check_fallback(items: list[Loaded]) -> list[PolicyError]:
     services = {f"{i.namespace}/{i.name}": i.obj for i in items if isinstance(i.obj, Service)}
     seen: dict[str, Loaded] = {}
     for item in items:
-        obj = item.obj
-        if not isinstance(obj, FallbackPolicy):
-            continue
-        spec = obj.spec
-        key = f"{item.namespace}/{spec.service}"
-        service = services.get(key)
-        if service is None:
+        if isinstance(item.obj, FallbackPolicy):
+            errors += _check_fallback_policy(item, item.obj, services, seen)
+    return errors or _fallback_cycles(items)
+
+
+def _check_fallback_policy(
+    item: Loaded,
+    policy: FallbackPolicy,
+    services: dict[str, Service],
+    seen: dict[str, Loaded],
+) -> list[PolicyError]:
+    """One FallbackPolicy: its service exists and has no other policy, its chain's services
+    exist, its locality settings match the service's endpoints."""
+    spec = policy.spec
+    key = f"{item.namespace}/{spec.service}"
+    service = services.get(key)
+    if service is None:
+        return [
+            item.error(("spec", "service"), f"unknown Service {key}{_did_you_mean(key, services)}")
+        ]
+    if key in seen:
+        return [
+            item.error(
+                ("spec", "service"),
+                f"a second FallbackPolicy for Service {key} ({seen[key].ref} at {where(seen[key])})",
+            )
+        ]
+    seen[key] = item
+    errors = [
+        item.error(("spec", "chain", i), f"unknown Service {item.namespace}/{name}")
+        for i, name in enumerate(spec.chain)
+        if f"{item.namespace}/{name}" not in services
+    ]
+    return errors + _check_fallback_locality(item, key, spec.locality, service)
+
+
+def _check_fallback_locality(
+    item: Loaded, key: str, locality: LocalityLb | None, service: Service
+) -> list[PolicyError]:
+    """Locality preference needs endpoints with a region, and failover goes to regions the
+    service's endpoints are in."""
+    if locality is None:
+        return []
+    regions = {
+        e.locality.region for e in service.spec.endpoints if e.locality and e.locality.region
+    }
+    errors: list[PolicyError] = []
+    if locality.enabled and not regions:
+        errors.append(
+            item.error(
+                ("spec", "locality"),
+                f"no endpoint of Service {key} declares a locality, so there is nothing to prefer",
+            )
+        )
+    for i, rule in enumerate(locality.failover):
+        if rule.to not in regions:
             errors.append(
                 item.error(
-                    ("spec", "service"),
-                    f"unknown Service {key}{_did_you_mean(key, services)}",
+                    ("spec", "locality", "failover", i, "to"),
+                    f"no endpoint of Service {key} is in region {rule.to!r} "
+                    f"(its regions: {', '.join(sorted(regions)) or 'none'})",
                 )
             )
-            continue
-        if key in seen:
-            errors.append(
-                item.error(
-                    ("spec", "service"),
-                    f"a second FallbackPolicy for Service {key} ({seen[key].ref} at {where(seen[key])})",
-                )
-            )
-            continue
-        seen[key] = item
-        for i, name in enumerate(spec.chain):
-            if f"{item.namespace}/{name}" not in services:
-                errors.append(
-                    item.error(("spec", "chain", i), f"unknown Service {item.namespace}/{name}")
-                )
-        assert isinstance(service, Service)
-        regions = {
-            e.locality.region for e in service.spec.endpoints if e.locality and e.locality.region
-        }
-        if spec.locality is not None and spec.locality.enabled and not regions:
-            errors.append(
-                item.error(
-                    ("spec", "locality"),
-                    f"no endpoint of Service {key} declares a locality, so there is nothing to prefer",
-                )
-            )
-        if spec.locality is not None:
-            for i, rule in enumerate(spec.locality.failover):
-                if rule.to not in regions:
-                    errors.append(
-                        item.error(
-                            ("spec", "locality", "failover", i, "to"),
-                            f"no endpoint of Service {key} is in region {rule.to!r} "
-                            f"(its regions: {', '.join(sorted(regions)) or 'none'})",
-                        )
-                    )
-    if errors:
-        return errors
+    return errors
+
+
+def _fallback_cycles(items: list[Loaded]) -> list[PolicyError]:
+    """Each cycle of fallback chains, once."""
+    errors: list[PolicyError] = []
     policies = policies_by_service(items)
     reported: set[frozenset[str]] = set()
     for key, item in policies.items():

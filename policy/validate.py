@@ -155,19 +155,21 @@ def _is_tag(part: str) -> bool:
     return "[" in part or part in ("str", "int", "bool", "float", "none", "literal")
 
 
+# How an error message names the value it got, by type: the first that matches (bool before int).
+_VALUE_NAMES: tuple[tuple[type | types.UnionType, str], ...] = (
+    (type(None), "null"),
+    (bool, "a boolean"),
+    (int | float, "the number {value}"),
+    (str, "the string {value!r}"),
+    (list, "a list"),
+    (dict, "a mapping"),
+)
+
+
 def _describe(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return f"the number {value}"
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
+    for kind, name in _VALUE_NAMES:
+        if isinstance(value, kind):
+            return name.format(value=value)
     return type(value).__name__
 
 

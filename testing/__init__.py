@@ -8,6 +8,8 @@ policies   policy document builders and `Policies`, the small mesh most e2e test
 ebpf       an accelerator attached for a test and checked to detach; a host without headers
 filters    the built proxy-wasm filters and their native/static-Envoy harness
 istio_cases the Istio golden cases: their paths, policies, renderings, and Istio's CRDs
+onnx_models example ONNX models (skl2onnx exports, an MLP, a trained CNN, a decoder block) with
+           held-out rows and tolerances, for the model compiler's tests and benchmarks
 istio_cel  the CEL rules (x-kubernetes-validations) of Istio's CRDs, run on objects as a
            v1.25+ apiserver runs them (meshfn's v1.20 apiserver and jsonschema ignore them)
 """

@@ -1,44 +1,92 @@
-"""An audit trail wired as `meshfn up` wires it (store, a read-only store for the signer, the
-signer with its own key, a file witness), in one process, for tests and benchmarks; and raw
-write access to a store that bypasses its append-only triggers (what an attacker has)."""
+"""An audit trail wired as `meshfn up` wires it (store, the signer with its own key and its own
+connection, a file witness, a read-only store for verify), in one process, for tests and
+benchmarks; on PostgreSQL each component connects as its own least-privilege role, as in a
+cluster; and raw write access to a store that bypasses its append-only triggers (what an
+attacker has)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sqlite3
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from meshfn.audit import Checkpoint, FileWitness, Signer, open_store, signing, verify
+from meshfn.audit.signer import serve, wait_ready
+from meshfn.audit.store import DEFAULT_RETENTION_DAYS
+from meshfn.audit.stores import is_postgres
 from meshfn.audit.verify import VerifyReport
+
+from .postgres import role_dsns
 
 
 class Trail:
-    def __init__(self, location: str | Path, tmp: Path, **store_options: Any) -> None:
+    """`store`: the collectors' (append); `owner`: the owner's (erase); the signer's and the
+    reader's connections of their own. On SQLite all are the one file's writer."""
+
+    def __init__(
+        self,
+        location: str | Path,
+        tmp: Path,
+        retention_days: int = DEFAULT_RETENTION_DAYS,
+        **store_options: Any,
+    ) -> None:
         self.location = str(location)
-        self.store = open_store(location, **store_options)
+        self.owner = open_store(location, **store_options)
+        self.roles = role_dsns(self.location) if is_postgres(location) else {}
+        self.store = open_store(self.roles["collector"]) if self.roles else self.owner
+        self.signer_store = open_store(self.roles.get("signer", self.location))
+        self.reader = open_store(self.roles.get("reader", self.location), readonly=True)
         self.key = signing.load_or_create(tmp / "audit-signer" / "checkpoint.key")
         self.public_key = self.key.public_key()
         self.witness = FileWitness(tmp / "audit-witness" / "checkpoints.jsonl")
-        self.reader = open_store(location, readonly=True)
-        self.signer = Signer(self.reader, self.key, self.witness)
+        self.signer = Signer(self.signer_store, self.key, self.witness, retention_days)
 
-    def checkpoint(self) -> Checkpoint | None:
-        result = self.signer.sign()
-        for checkpoint in result.checkpoints:
-            self.store.add_checkpoint(checkpoint)
-        return result.checkpoint
+    def checkpoint(self, now: float | None = None) -> Checkpoint | None:
+        """Ask the signer (it stores the checkpoint itself)."""
+        return self.signer.sign(now).checkpoint
+
+    def prune(self, days: int | None = None, now: float | None = None) -> int:
+        """Retention as the collector applies it: the signer witnesses, the store deletes."""
+        return self.store.apply_prune(self.signer.prune(days, now).points)
+
+    @contextlib.contextmanager
+    def serving(self, address: str) -> Iterator[str]:
+        """This trail's signer answering on `address` (the real protocol, in a thread)."""
+        started: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+        async def main() -> None:
+            stop = asyncio.Event()
+            started.append((asyncio.get_running_loop(), stop))
+            await serve(self.signer, address, stop)
+
+        thread = threading.Thread(target=asyncio.run, args=(main(),), name="audit-signer")
+        thread.start()
+        try:
+            wait_ready(address)
+            yield address
+        finally:
+            if started:
+                loop, stop = started[0]
+                loop.call_soon_threadsafe(stop.set)
+            thread.join(10)
 
     def verify(self, witness: bool = True, now: float | None = None) -> VerifyReport:
-        return verify(self.store, self.public_key, self.witness if witness else None, now)
+        return verify(self.reader, self.public_key, self.witness if witness else None, now)
 
     def problems(self, witness: bool = True) -> list[tuple[str, str | None, int | None]]:
         return [(p.kind, p.chain, p.seq) for p in self.verify(witness).problems]
 
     def close(self) -> None:
-        self.store.close()
-        self.reader.close()
+        for store in {
+            id(s): s for s in (self.store, self.owner, self.signer_store, self.reader)
+        }.values():
+            store.close()
 
 
 class Raw:

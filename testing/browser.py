@@ -105,3 +105,19 @@ def wait_panel_text(page: Any, panel: str, text: str, timeout: float = 10) -> No
         arg=[panel, text],
         timeout=timeout * 1000,
     )
+
+
+def sign_in(
+    browser: Browser, admin: str, state: Path, role: str = "auditor", page: Any = None
+) -> str:
+    """Sign the browser in to the console of the control plane at `admin` (state directory
+    `state`) as `meshfn console` would: a one-time login link asked for with the owner's admin
+    token, opened once. Returns the link (used: worth nothing now)."""
+    from meshfn.common.adminauth import call_admin, read_owner_token
+
+    answer = call_admin(f"{admin}/ui/links", read_owner_token(state), "POST", {"role": role})
+    link = f"{admin}{answer['path']}"
+    target = page if page is not None else browser.page
+    target.goto(link)
+    target.wait_for_url(f"{admin}/ui", timeout=15_000)
+    return link

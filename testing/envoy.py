@@ -9,9 +9,7 @@ An admin interface is a TCP port on loopback (static configs of tests, a Gateway
 
 from __future__ import annotations
 
-import http.client
 import json
-import socket
 import subprocess
 import tempfile
 import urllib.request
@@ -19,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from meshfn.common.unix import unix_request
 from meshfn.control_plane.runtime.bootstrap import admin_socket_path
 from meshfn.control_plane.runtime.envoy import envoy_argv, envoy_binary
 
@@ -74,24 +73,6 @@ def admin_socket(state_dir: Path, node_cluster: str, instance: int = 0) -> Path:
     return admin_socket_path(state_dir, f"{node_cluster}~{instance}")
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """HTTP/1.1 over a unix socket (Envoy's admin `pipe` address)."""
-
-    def __init__(self, path: Path, timeout: float) -> None:
-        super().__init__("envoy-admin", timeout=timeout)
-        self.path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(str(self.path))
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
-
-
 def admin_request(admin: Admin, path: str, timeout: float = 5.0, method: str = "GET") -> bytes:
     """An admin answer's body; OSError (urllib's HTTPError, or one saying the status) unless
     Envoy answered 200."""
@@ -99,15 +80,9 @@ def admin_request(admin: Admin, path: str, timeout: float = 5.0, method: str = "
         request = urllib.request.Request(f"http://127.0.0.1:{admin}{path}", method=method)
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             return bytes(reply.read())
-    connection = UnixHTTPConnection(admin, timeout)
-    try:
-        connection.request(method, path)
-        response = connection.getresponse()
-        body = response.read()
-    finally:
-        connection.close()
-    if response.status != 200:
-        raise OSError(f"{admin}: {method} {path} answered {response.status}: {body[:200]!r}")
+    status, body = unix_request(admin, path, timeout, method)
+    if status != 200:
+        raise OSError(f"{admin}: {method} {path} answered {status}: {body[:200]!r}")
     return body
 
 

@@ -1,5 +1,6 @@
 """The Istio golden cases every Istio test reads: where they are, their policies and renderings,
-and Istio's real CRDs (vendored in istio/crds/ with their licence and version)."""
+and Istio's real CRDs: the one copy vendored in istio/crds/ with their licence and version, which
+the renderer's own schema check (meshfn.istio.schema, from the package data) reads too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from meshfn.policy import load_policies
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "istio"
-CRDS = ROOT / "istio" / "crds" / "crd-all.gen.yaml"  # Istio 1.31's own, unmodified
+CRDS = ROOT / "istio" / "crds" / "crd-all.gen.yaml"  # Istio 1.31's own, unmodified (= schema.CRDS)
 EXAMPLES = "examples"
 CASES = [EXAMPLES, *sorted(p.name for p in GOLDEN.iterdir() if (p / "in.yaml").exists())]
 # Stable stand-ins for the built modules' digests (the CLI passes the real ones).

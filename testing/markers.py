@@ -15,7 +15,7 @@ import pytest
 
 MARKERS = {
     "e2e": "starts meshfn's real processes (e2e/)",
-    "slow": "a real kube-apiserver or a benchmark run (minutes)",
+    "slow": "a real kube-apiserver, a benchmark run, the docs' command sequences or site build",
     "postgres": "starts a real PostgreSQL server",
     "envoy": "starts real Envoy (or `envoy --mode validate`)",
     "clang": "compiles C with clang (filters, core-wasm functions, fuzz targets)",
@@ -34,7 +34,14 @@ _SUPPORT = {
     "meshfn.testing.kubebuild": ("slow",),
     "meshfn.inference.build": ("clang",),
     "meshfn.inference.examples": ("clang",),
+    # the model compiler builds every model it is given with clang
+    "meshfn.compiler.pipeline": ("clang",),
+    "meshfn.compiler.conformance": ("clang",),
+    "meshfn.testing.onnx_fuzz": ("clang",),
 }
+# Test files that are slow by what they do, not by what they import: the task pages' command
+# sequences (each a dozen `meshfn` processes, a function build), the strict site build.
+_SLOW_FILES = {"test_tasks.py", "test_site.py", "test_kube.py"}
 # Fixtures -> what they start.
 _FIXTURES = {"pg": ("postgres",)}
 
@@ -63,7 +70,7 @@ def markers_for(item: pytest.Item) -> set[str]:
         found.add("e2e")
     if path.parent.name == "fuzz" and path.parent.parent.name == "tests":
         found.add("fuzz")
-    if path.name.endswith("_bench_smoke.py") or path.name == "test_kube.py":
+    if path.name.endswith("_bench_smoke.py") or path.name in _SLOW_FILES:
         found.add("slow")
     module = getattr(item, "module", None)
     if module is not None:

@@ -214,8 +214,13 @@ class Policies:
     root: Path
     protocol: str = "delta"
     ports: dict[str, int] = field(default_factory=dict)
+    # The state directory of the control plane serving these policies (where its admin token
+    # is: adminauth.admin_headers); by default ROOT/../state, the rig's own.
+    state: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.state is None:
+            self.state = self.root.parent / "state"
         self.ports = named_ports("xds", "admin", "envoy_admin", "listener", "alpha", "beta")
         p = self.ports
         self.root.mkdir(parents=True, exist_ok=True)

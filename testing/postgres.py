@@ -3,6 +3,11 @@
 PostgreSQL refuses to run as root, so as root `initdb` and `postgres` run as the `postgres` user
 (through `runuser`) in a temporary directory that user owns; otherwise as the current user.
 `trust` authentication on 127.0.0.1 only; stopped by PID (fast shutdown) and removed.
+
+The server's own user (`meshfn`) is a superuser: it owns what it creates, as the owner of an
+audit store does. `role_dsns` gives an audit store's components their own least-privilege roles
+(meshfn.audit.roles), as a deployment must, so tests run collectors, the signer and readers
+with exactly the grants they get in production.
 """
 
 from __future__ import annotations
@@ -24,6 +29,40 @@ from .processes import alive
 INSTALL_HINT = "PostgreSQL is not installed: apt-get install postgresql (./dev.sh setup does it)"
 
 
+AUDIT_ROLES = {
+    "collector": "meshfn_audit_collector",
+    "signer": "meshfn_audit_signer",
+    "reader": "meshfn_audit_reader",
+    "auditor": "meshfn_audit_auditor",
+}
+
+
+def with_user(dsn: str, user: str) -> str:
+    """`dsn` connecting as `user` instead (trust authentication: no password)."""
+    import psycopg
+
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    info["user"] = user
+    info.pop("password", None)
+    return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+
+
+def role_dsns(owner_dsn: str) -> dict[str, str]:
+    """Create the audit store at `owner_dsn` (as its owner) and the components' roles with
+    their grants (`meshfn audit init --create-roles`); the DSN of each role, by kind."""
+    from meshfn.audit import roles
+    from meshfn.audit.postgres import PostgresStore
+
+    store = PostgresStore(owner_dsn)
+    try:
+        roles.init_roles(
+            store, [roles.Role(k, name) for k, name in AUDIT_ROLES.items()], create=True
+        )
+    finally:
+        store.close()
+    return {kind: with_user(owner_dsn, name) for kind, name in AUDIT_ROLES.items()}
+
+
 def bin_dir() -> Path:
     """The newest installed server's bin directory (Debian: /usr/lib/postgresql/<v>/bin)."""
     found = sorted(
@@ -39,9 +78,16 @@ class PostgresServer:
     """`with PostgresServer() as pg: pg.database("t1")` -> a DSN of a fresh database."""
 
     def __init__(self, settings: dict[str, str] | None = None) -> None:
-        # Tests need no durability; benchmarks pass {} to keep PostgreSQL's defaults.
+        # Tests need no durability; benchmarks pass {} to keep PostgreSQL's defaults. A server
+        # that holds audit stores removes old WAL segments instead of recycling them (what the
+        # README asks of one: an erasure then leaves nothing in pg_wal; audit/postgres.py).
         self.settings = (
-            {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+            {
+                "fsync": "off",
+                "synchronous_commit": "off",
+                "full_page_writes": "off",
+                "wal_recycle": "off",
+            }
             if settings is None
             else settings
         )

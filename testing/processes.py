@@ -25,10 +25,17 @@ MESHFN = str(BIN / "meshfn")
 T = TypeVar("T")
 
 
-def meshfn(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run the meshfn CLI; the caller checks returncode and output."""
+def meshfn(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the meshfn CLI (`env`: variables to add); the caller checks returncode and output."""
     return subprocess.run(
-        [MESHFN, *args], capture_output=True, text=True, timeout=timeout, check=False
+        [MESHFN, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **env} if env else None,
     )
 
 

@@ -38,6 +38,7 @@ from meshfn.contracts.qos import (
     TENANT,
     TOKEN_LEDGER_SERVICE,
     FunctionQoS,
+    has_token_budgets,
     ledger_node,
 )
 from meshfn.contracts.token_book import Reservation, Shortfall, TokenBook
@@ -62,15 +63,11 @@ class Budgeted:
 
 def budgeted_functions(model: ir.MeshModel) -> dict[str, Budgeted]:
     """Functions whose QoSPolicy gives some tenant a token budget, by name."""
-    out = {}
-    for f in model.functions:
-        qos = f.qos
-        if qos is None:
-            continue
-        limits = [c.tokens for c in qos.classes] + [t.tokens for t in qos.tenants]
-        if any(limits):
-            out[f.name] = Budgeted(qos, ledger_node(f.backend))
-    return out
+    return {
+        f.name: Budgeted(f.qos, ledger_node(f.backend))
+        for f in model.functions
+        if f.qos is not None and has_token_budgets(f.qos)
+    }
 
 
 class BadCall(ValueError):

@@ -15,6 +15,7 @@ from .shared import (
     DEFAULT_POLICIES,
     DEFAULT_STATE,
     AdminOpt,
+    ClientStateOpt,
     PoliciesOpt,
     StateOpt,
     admin_url,
@@ -70,12 +71,13 @@ def certs_show(
     node: Annotated[str, typer.Argument(help="node id or workload")],
     admin: AdminOpt = None,
     pem: Annotated[bool, typer.Option(help="also print the PEM chain")] = False,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
 ) -> None:
     """Chain, SANs and expiry of the certificate a proxy holds (never its key)."""
     from cryptography import x509
 
     query = urllib.parse.urlencode({"node": node})
-    document = get_json(f"{admin_url(admin)}/debug/certs?{query}")
+    document = get_json(f"{admin_url(admin, state_dir)}/debug/certs?{query}", state_dir)
     leaf = x509.load_pem_x509_certificate(document["certificate_pem"].encode())
     roots = x509.load_pem_x509_certificates(document["trust_bundle_pem"].encode())
     try:

@@ -42,10 +42,11 @@ def _drift(admin: str | None, state_dir: Path) -> dict[str, Any] | None:
     if url is None:
         return None
     try:
-        routes: dict[str, Any] = admin_json(url + "/debug/status", timeout=3).get("routes", {})
-    except AdminUnreachable:
+        document = admin_json(url + "/debug/status", timeout=3, state_dir=state_dir)
+        routes: dict[str, Any] = document.get("routes", {})
+    except AdminUnreachable as exc:
         if admin is not None:
-            fail(f"cannot reach the control plane at {url}")
+            fail(f"cannot read the control plane at {url}: {exc}")
         return None
     return routes
 

@@ -4,9 +4,10 @@ against it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -26,6 +27,9 @@ from .shared import (
     known_workloads,
     load_model,
 )
+
+if TYPE_CHECKING:
+    from ..runtime.bootstrap import ProxyIdentity
 
 
 def _published_examples(registry: Path) -> Path:
@@ -128,11 +132,34 @@ def bootstrap(
     policies: PoliciesOpt = DEFAULT_POLICIES,
     state_dir: StateOpt = DEFAULT_STATE,
     instance: Annotated[int, typer.Option(help="instance number in the node id")] = 0,
+    admin_socket: Annotated[
+        Path | None,
+        typer.Option(
+            help="Envoy's admin interface on this unix socket (mode 0600) "
+            "[default: STATE_DIR/envoy/NODE.sock, in a directory only you may enter]"
+        ),
+    ] = None,
+    admin_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="also serve admin on 127.0.0.1:PORT, unauthenticated: any local user could "
+            "read the bootstrap token and stop the proxy (a warning says so)",
+        ),
+    ] = None,
 ) -> None:
     """Print the Envoy bootstrap for a workload, to run an Envoy against meshfn yourself. It
-    carries the workload's bootstrap token: treat it as a secret."""
+    carries the workload's bootstrap token: treat it as a secret. Envoy's admin interface (which
+    shows that token to whoever connects) is a unix socket only its user reaches; a TCP admin
+    port only with --admin-port or the Gateway's adminPort, and a warning."""
     from ..identity.bootstrap_token import BootstrapTokens
-    from ..runtime.bootstrap import ProxyIdentity, bootstrap_json
+    from ..runtime.bootstrap import (
+        ProxyIdentity,
+        admin_port_warning,
+        admin_tcp_warning,
+        bootstrap_json,
+    )
 
     model = load_model(policies)
     found = model.workload(workload)
@@ -140,4 +167,25 @@ def bootstrap(
         fail(f"no workload {workload!r} (known: {known_workloads(model)})")
     tokens = BootstrapTokens(state_dir / "xds-token.key")
     identity = ProxyIdentity.for_workload(found, tokens.header(found.node_cluster), instance)
-    out.print_json(json.dumps(bootstrap_json(identity, "127.0.0.1", model.xds_port)))
+    if admin_port is not None:
+        identity = dataclasses.replace(identity, admin_port=admin_port)
+        opted = f"--admin-port {admin_port} for {found.node_cluster}"
+        err.print(admin_tcp_warning(opted, admin_port, "Drop --admin-port"), markup=False)
+    elif found.admin_port:
+        err.print(admin_port_warning(found), markup=False)
+    socket = admin_socket.absolute() if admin_socket else _default_admin_socket(state_dir, identity)
+    out.print_json(json.dumps(bootstrap_json(identity, "127.0.0.1", model.xds_port, socket)))
+
+
+def _default_admin_socket(state_dir: Path, identity: ProxyIdentity) -> Path:
+    """STATE_DIR/envoy/NODE.sock, its directory made (0700) for Envoy to bind in."""
+    from meshfn.common.files import private_directory
+
+    from ..runtime.bootstrap import AdminSocketPathTooLong, admin_socket_path
+
+    try:
+        socket = admin_socket_path(state_dir, identity.node_id)
+    except AdminSocketPathTooLong as exc:
+        fail(exc.strerror or str(exc))
+    private_directory(socket.parent)
+    return socket

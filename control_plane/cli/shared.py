@@ -5,8 +5,6 @@ plane's admin port."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -14,6 +12,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 import typer
 
 from meshfn.common import env
+from meshfn.common.adminauth import AdminCallError, call_admin, owner_token_path, read_owner_token
 from meshfn.common.cli import err, fail, print_errors
 from meshfn.ir import MeshModel
 from meshfn.policy import PolicyErrors, PolicyLoader
@@ -28,7 +27,7 @@ PoliciesOpt = Annotated[Path, typer.Option("--policies", "-p", help="policy file
 AdminOpt = Annotated[
     str | None,
     typer.Option(
-        "--admin", help="control plane admin URL (default: $MESHFN_ADMIN, .meshfn/state.json)"
+        "--admin", help="control plane admin URL (default: $MESHFN_ADMIN, STATE_DIR/state.json)"
     ),
 ]
 LogFormatOpt = Annotated[str, typer.Option("--log-format", help="human | json")]
@@ -40,15 +39,24 @@ AdminListenOpt = Annotated[
     str,
     typer.Option(
         "--admin-listen",
-        help="address of the admin port and its web console (beyond loopback it needs a token)",
+        help="address of the admin port and its web console (every request needs a token;"
+        " beyond loopback, put TLS in front)",
     ),
 ]
 AdminTokenOpt = Annotated[
     Path | None,
     typer.Option(
         "--admin-token-file",
-        help="file holding the admin token (default: $MESHFN_ADMIN_TOKEN); every admin request"
-        " and the console must then present it",
+        help="file holding a fixed admin token accepted besides the signed ones, with the"
+        " auditor role (default: $MESHFN_ADMIN_TOKEN)",
+    ),
+]
+ClientStateOpt = Annotated[
+    Path,
+    typer.Option(
+        "--state-dir",
+        help="the control plane's state directory: its admin URL (state.json) and the admin"
+        " token (admin/token), unless --admin / $MESHFN_ADMIN_TOKEN say otherwise",
     ),
 ]
 
@@ -103,31 +111,38 @@ def admin_url(given: str | None, state_dir: Path = DEFAULT_STATE) -> str:
     return recorded_admin(state_dir) or DEFAULT_ADMIN
 
 
-def admin_json(url: str, timeout: float = 5) -> Any:
-    """GET a JSON document from the admin port (with $MESHFN_ADMIN_TOKEN when set)."""
-    request = urllib.request.Request(url)
-    if token := env.ADMIN_TOKEN.get():  # an admin port beyond loopback
-        request.add_header("Authorization", f"Bearer {token}")
+def client_token(state_dir: Path = DEFAULT_STATE) -> str | None:
+    """What the CLI presents to the admin port: $MESHFN_ADMIN_TOKEN, else the owner's token
+    that the control plane wrote into its state directory (adminauth)."""
+    if token := env.ADMIN_TOKEN.get():
+        return token
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            detail = json.loads(exc.read()).get("error", exc.reason)
-        except ValueError:
-            detail = exc.reason
-        raise AdminUnreachable(str(detail)) from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise AdminUnreachable(
-            f"cannot reach the control plane at {url}: {reason} (is meshfn up running?)"
-        ) from None
+        return read_owner_token(state_dir)
+    except OSError as exc:
+        fail(f"cannot read the admin token in {state_dir}: {exc.strerror or exc}")
 
 
-def get_json(url: str) -> Any:
+def admin_json(url: str, timeout: float = 5, state_dir: Path = DEFAULT_STATE) -> Any:
+    """GET a JSON document from the admin port, with the admin token (`client_token`)."""
+    token = client_token(state_dir)
+    try:
+        return call_admin(url, token, timeout=timeout)
+    except AdminCallError as exc:
+        if exc.status == 0:
+            raise AdminUnreachable(f"{exc} (is meshfn up running?)") from None
+        if exc.status == 401:
+            raise AdminUnreachable(
+                f"the control plane refused the admin token ({'none' if token is None else 'given'};"
+                f" the owner's is in {owner_token_path(state_dir)}): give the --state-dir of the"
+                f" control plane at {url.split('/', 3)[2]}, or set $MESHFN_ADMIN_TOKEN"
+            ) from None
+        raise AdminUnreachable(str(exc)) from None
+
+
+def get_json(url: str, state_dir: Path = DEFAULT_STATE) -> Any:
     """`admin_json`, or the reason printed and exit 1."""
     try:
-        return admin_json(url)
+        return admin_json(url, state_dir=state_dir)
     except AdminUnreachable as exc:
         fail(exc)
 

@@ -13,10 +13,11 @@ from rich.table import Table
 from rich.text import Text
 
 from meshfn.common.cli import err, fail, out
+from meshfn.common.unix import unix_request
 from meshfn.contracts import genai
 from meshfn.kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
 
-from .shared import AdminOpt, admin_url, get_json
+from .shared import DEFAULT_STATE, AdminOpt, ClientStateOpt, admin_url, get_json
 
 
 def _type_cell(state: dict[str, Any] | None) -> str:
@@ -36,17 +37,28 @@ BackendFunctions = tuple[dict[str, Any], list[dict[str, Any]] | None, str]
 
 
 def _backend_functions(backends: list[dict[str, Any]]) -> list[BackendFunctions]:
-    """Each inference backend's own /meshfn/functions (on loopback), read once for every table
-    that shows it: (backend, its functions or None, why not)."""
+    """Each inference backend's own /meshfn/functions (on its private socket behind a sidecar,
+    else on loopback), read once for every table that shows it: (backend, its functions or
+    None, why not)."""
     fetched: list[BackendFunctions] = []
     for backend in backends:
-        url = f"http://{backend['address']}:{backend['port']}/meshfn/functions"
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                fetched.append((backend, json.loads(response.read())["functions"], ""))
+            document = json.loads(_backend_get(backend, "/meshfn/functions"))
+            fetched.append((backend, document["functions"], ""))
         except (OSError, ValueError, KeyError) as exc:
             fetched.append((backend, None, str(exc)))
     return fetched
+
+
+def _backend_get(backend: dict[str, Any], path: str) -> bytes:
+    if not backend.get("socket"):
+        url = f"http://{backend['address']}:{backend['port']}{path}"
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bytes(response.read())
+    status, body = unix_request(backend["socket"], path, timeout=2)
+    if status != 200:
+        raise OSError(f"{backend['socket']}: GET {path} answered {status}")
+    return body
 
 
 def _print_qos(backends: list[BackendFunctions]) -> None:
@@ -202,6 +214,31 @@ def _print_acceleration(acceleration: dict[str, Any] | None) -> None:
         )
 
 
+_LAYER_STYLE = {"on": "green", "off": "yellow"}
+
+
+def _print_sandbox(sandbox: dict[str, Any] | None) -> None:
+    """Per inference backend: which kernel layers confine it, why any does not, and what the
+    egress control refused (docs/concepts/sandbox.md)."""
+    if not sandbox:
+        return
+    for backend in sandbox["backends"]:
+        line = Text(f"sandbox {backend['backend']}: ")
+        for i, layer in enumerate(("landlock", "seccomp", "egress")):
+            state = backend[layer]["state"]
+            line.append(", " if i else "")
+            line.append(f"{layer} {state}", style=_LAYER_STYLE.get(state, "red"))
+        out.print(line)
+        for layer in ("landlock", "seccomp", "egress"):
+            out.print(Text(f"  {layer}: {backend[layer]['detail']}"), highlight=False)
+        if backend["denied"]:
+            refused = ", ".join(
+                f"{reason} {d['count']}" + (f" (last {d['last']})" if d["last"] else "")
+                for reason, d in backend["denied"].items()
+            )
+            out.print(Text(f"  egress denied: {refused}", style="red"))
+
+
 def _print_drift(routes: dict[str, Any]) -> None:
     """The drift breaker: per route its state, p95 against the baseline."""
     if not routes:
@@ -238,6 +275,7 @@ def status(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
 ) -> None:
     """Every connected proxy: per type the version sent and ACKed, and the last NACK. With
     --kube: every meshfn custom resource, its conditions and the objects it owns."""
@@ -245,13 +283,14 @@ def status(
         from meshfn.kube.cli import print_status
 
         raise typer.Exit(print_status(out, kubeconfig, context, namespace))
-    document = get_json(admin_url(admin) + "/debug/status")
+    document = get_json(admin_url(admin, state_dir) + "/debug/status", state_dir)
     if as_json:
         out.print_json(json.dumps(document))
         return
     _print_rejected(document["policy_errors"])
     nacks = _print_proxies(document)
     _print_acceleration(document.get("acceleration"))
+    _print_sandbox(document.get("sandbox"))
     audit = document.get("audit")
     if audit and audit.get("enabled"):
         _print_audit(audit)
@@ -331,12 +370,13 @@ def config_dump(
     resource_type: Annotated[
         str | None, typer.Option("--type", help="listeners | routes | clusters | endpoints")
     ] = None,
+    state_dir: ClientStateOpt = DEFAULT_STATE,
 ) -> None:
     """What the control plane sends NODE, as YAML."""
     from meshfn.xds.dump import to_yaml
 
     query = urllib.parse.urlencode({"node": node})
-    document = get_json(f"{admin_url(admin)}/debug/config_dump?{query}")
+    document = get_json(f"{admin_url(admin, state_dir)}/debug/config_dump?{query}", state_dir)
     if resource_type:
         if resource_type not in document:
             have = ", ".join(k for k in document if k not in ("workload", "version"))

@@ -19,10 +19,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import secrets
 from pathlib import Path
 
-from meshfn.common.files import read_private, write_private
+from meshfn.common.files import secret_key
 
 METADATA_KEY = "authorization"
 LIMIT_SERVICE_PURPOSE = "rls"
@@ -30,14 +29,7 @@ LIMIT_SERVICE_PURPOSE = "rls"
 
 class BootstrapTokens:
     def __init__(self, key_file: Path) -> None:
-        if key_file.exists():
-            key = read_private(key_file)
-        else:
-            key = secrets.token_bytes(32)
-            write_private(key_file, key)
-        if len(key) < 32:
-            raise ValueError(f"{key_file} holds a key shorter than 32 bytes")
-        self._key = key
+        self._key = secret_key(key_file)
 
     def token(self, node_cluster: str, purpose: str = "xds") -> str:
         message = f"{purpose}:{node_cluster}".encode()

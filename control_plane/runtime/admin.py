@@ -1,29 +1,74 @@
 """The control plane's admin port: /metrics, /debug/status, /debug/snapshots, /debug/config_dump,
-and the web console at /ui (console/).
+/debug/certs, POST /audit/erase, and the web console at /ui (console/).
 
-Loopback only by default; a non-loopback listen needs a token, which every request but the
-liveness probe and the public JWKS must then carry (compared in constant time). Nothing here can
-change configuration; private keys never appear (the snapshots hold only what Envoy is sent, and
-secrets are redacted before they are dumped).
+Every request names a principal (meshfn.common.adminauth: an admin token, or the console's
+session cookie), on every listen address, loopback included: loopback is shared by every user
+of a host. Open without a credential: only `/healthz`, `/readyz`, the public JWKS (Envoy fetches
+it) and the console's login and static files (OPEN). The viewer role reads everything here but
+the audit trail's personal data; the auditor role also queries by subject and erases, and each
+such read is recorded in the trail itself. Nothing here can change configuration; private keys
+never appear (the snapshots hold only what Envoy is sent, and secrets are redacted before they
+are dumped).
+
+Why a token on TCP, not a unix socket for the API and a token only for the console: the console
+must be on TCP for a browser, and Envoy fetches the JWKS over TCP, so a socket would be a second
+listener with a second rule; a token file that only the owner can read (STATE/admin/token, 0600)
+gives the CLI what an owner-only socket would, and tokens carry the roles a socket cannot.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from meshfn.audit.store import StoreError
+from meshfn.common.adminauth import (
+    AUDITOR,
+    AdminTokens,
+    Forbidden,
+    Guard,
+    LocalAuthenticator,
+    LoginLinks,
+    LookupLimiter,
+    Principal,
+    ensure_owner_token,
+    guard_middleware,
+    key_path,
+    local_principal,
+    require,
+)
 from meshfn.xds.dump import resources_to_plain, to_yaml
 
 from ..service import ControlPlane
 from .console.sources import ConsoleSources
-from .console.web import Access, ConsoleHub, access_middleware, add_routes
+from .console.web import (
+    OPEN_PATHS,
+    ConsoleAccess,
+    ConsoleHub,
+    add_routes,
+    is_console_open,
+    refusal,
+    security_headers,
+)
 
 log = logging.getLogger("meshfn.admin")
+
+# Everything that answers without a credential, and why (the listener test lists these).
+OPEN = {
+    "/healthz": "liveness: 'ok'",
+    "/readyz": "readiness: 'ok' once the policies are loaded and ADS serves",
+    "/.well-known/jwks.json": "the local issuer's public keys (Envoy fetches them)",
+    **OPEN_PATHS,
+}
+_SUBJECT = re.compile(r"^(?:[0-9a-fA-F]{64}|[0-9a-fA-F]{32})$")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def status_document(cp: ControlPlane) -> dict[str, Any]:
@@ -111,10 +156,6 @@ def certificates_document(cp: ControlPlane, node: str) -> dict[str, Any] | None:
     }
 
 
-class AdminAccessError(ValueError):
-    """The admin port would listen beyond loopback without a token."""
-
-
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -124,8 +165,73 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_open(request: web.Request) -> bool:
+    if request.path in ("/healthz", "/readyz", "/.well-known/jwks.json"):
+        return request.method in ("GET", "HEAD")
+    return is_console_open(request)
+
+
+async def _subject_of(request: web.Request) -> str | None:
+    """The subject of an erasure request's JSON body (an HMAC or a pseudonym), or None."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return None
+    subject = body.get("subject") if isinstance(body, dict) else None
+    return subject.lower() if isinstance(subject, str) and _SUBJECT.match(subject) else None
+
+
+def erasure(hub: ConsoleHub, access: ConsoleAccess) -> Handler:
+    """POST /audit/erase {"subject": HMAC or pseudonym}: what `meshfn audit erase` asks of a
+    running control plane (it owns the journals). The auditor role, within the principal's
+    rate of lookups."""
+
+    async def erase(request: web.Request) -> web.Response:
+        principal = require(request, AUDITOR)
+        if principal.via == "session":  # a browser's cookie: never the way to erase
+            raise Forbidden("erasures take a token (meshfn audit erase), not a console session")
+        subject = await _subject_of(request)
+        if subject is None:
+            return web.json_response(
+                {"error": "a JSON body {\"subject\": the filter's HMAC (64 hex digits) or a"
+                 " pseudonym (32)}"},
+                status=400,
+            )  # fmt: skip
+        wait = access.limiter.take(principal.name)
+        trail = hub.sources.trail
+        if wait or trail is None:
+            why = f"too many lookups by {principal.name}: try again in {wait:.0f} s"
+            return web.json_response(
+                {"error": why if wait else "this control plane keeps no audit trail"},
+                status=429 if wait else 409,
+                headers={"Retry-After": str(max(1, round(wait)))} if wait else None,
+            )
+        try:
+            answer = await trail.erase(subject, principal)
+        except (StoreError, OSError) as exc:
+            log.error("erasure by %s failed: %s", principal.name, exc)
+            return web.json_response({"error": f"the erasure failed: {exc}"}, status=503)
+        hub.forget()
+        return web.json_response(answer)
+
+    return erase
+
+
+def readiness(cp: ControlPlane) -> Handler:
+    """/readyz: ok once the policies are loaded and ADS serves (no credential needed)."""
+
+    async def readyz(_: web.Request) -> web.Response:
+        if cp.model is None or not cp.xds_port:
+            return web.Response(status=503, text="not serving yet\n")
+        return web.Response(text="ok\n")
+
+    return readyz
+
+
 def make_app(
-    cp: ControlPlane, hub: ConsoleHub | None = None, access: Access | None = None
+    cp: ControlPlane,
+    hub: ConsoleHub,
+    access: ConsoleAccess,
 ) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(
@@ -164,28 +270,56 @@ def make_app(
             return web.json_response({"error": "no such node or workload"}, status=404)
         return web.json_response(document)
 
-    app = web.Application(middlewares=[access_middleware(access or Access())])
-    add_routes(app, hub or ConsoleHub(cp, ConsoleSources()))
+    app = web.Application(
+        middlewares=[
+            security_headers,
+            guard_middleware(Guard(access.authenticator, is_open, access.tokens, refusal=refusal)),
+        ]
+    )
+    add_routes(app, hub, access)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/status", status)
     app.router.add_get("/debug/snapshots", snapshots)
     app.router.add_get("/debug/config_dump", dump)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readiness(cp))
     app.router.add_get("/.well-known/jwks.json", jwks)
     app.router.add_get("/debug/certs", certs)
+    app.router.add_post("/audit/erase", erasure(hub, access))
     return app
 
 
 class AdminServer:
     """`console`: what the web console shows beyond the ControlPlane (meshfn up's processes);
-    `token`: required of every request (and required for a non-loopback listen)."""
+    `token`: a fixed token accepted besides the signed ones (the auditor role); `limiter`: how
+    many lookups of personal data a principal may make. Writes the owner's admin token to
+    STATE/admin/token (adminauth.ensure_owner_token) on creation."""
 
     def __init__(
-        self, cp: ControlPlane, console: ConsoleSources | None = None, token: str | None = None
+        self,
+        cp: ControlPlane,
+        console: ConsoleSources | None = None,
+        token: str | None = None,
+        limiter: LookupLimiter | None = None,
     ) -> None:
         self.cp = cp
         self.hub = ConsoleHub(cp, console or ConsoleSources())
-        self.access = Access(token or None)
+        tokens = AdminTokens(key_path(cp.state_dir))
+        self.owner_token = ensure_owner_token(cp.state_dir)
+        if token and tokens.verify(token) is not None:
+            # $MESHFN_ADMIN_TOKEN is also what the CLI sends: a signed token found there must
+            # not become a fixed token with the auditor role (a viewer's would be raised)
+            log.warning(
+                "the fixed admin token given is one of this control plane's signed tokens:"
+                " ignored as a fixed token (it keeps its own role)"
+            )
+            token = None
+        self.access = ConsoleAccess(
+            tokens,
+            LocalAuthenticator(tokens, token or None),
+            LoginLinks(),
+            limiter or LookupLimiter(),
+        )
         self._runner: web.AppRunner | None = None
         self.host = "127.0.0.1"
         self.port = 0
@@ -200,11 +334,18 @@ class AdminServer:
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
 
+    def login_link(self, role: str = AUDITOR) -> str:
+        """A one-time link that signs the owner in to the console (what `meshfn up` prints)."""
+        code = self.access.links.mint(Principal(local_principal(), role, "link"))
+        return f"{self.url}/ui/login?code={code}"
+
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        if not is_loopback(host) and self.access.token is None:
-            raise AdminAccessError(
-                f"the admin port would listen on {host}, beyond loopback, without a token: set"
-                " MESHFN_ADMIN_TOKEN (or --admin-token-file) or listen on 127.0.0.1"
+        if not is_loopback(host):
+            log.warning(
+                "the admin port and its console listen on %s, beyond loopback, over plain HTTP:"
+                " admin tokens and console cookies cross the network in clear there (put it"
+                " behind TLS, or keep it on loopback)",
+                host,
             )
         runner = web.AppRunner(
             make_app(self.cp, self.hub, self.access), access_log=None, shutdown_timeout=2.0

@@ -5,14 +5,13 @@ Envoy's admin interface answers anyone who can connect to it, unauthenticated: i
 private key), and `/quitquitquit`, `/drain_listeners`, `/logging` change the proxy. On a host
 with several users, loopback TCP is shared by all of them, so the Envoys `meshfn up` runs serve
 admin on a unix socket in the state directory instead (mode 0600, in a 0700 directory): only
-meshfn's own user reaches it. A Gateway's explicit `adminPort` opts in to TCP as well: a static
-listener on 127.0.0.1:adminPort forwarding to that socket (`admin_port_warnings` names the risk).
+meshfn's own user reaches it, and so do those of `meshfn bootstrap` (an Envoy you run yourself).
+A Gateway's explicit `adminPort` (or `meshfn bootstrap --admin-port`) opts in to TCP as well: a
+static listener on 127.0.0.1:PORT forwarding to that socket (`admin_tcp_warning` names the risk).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,26 +26,23 @@ from envoy.config.core.v3 import (
     grpc_service_pb2,
     protocol_pb2,
 )
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import duration_pb2, json_format, struct_pb2
 
 from meshfn import ir
+from meshfn.common.unix import SOCKET_MODE, SocketPathTooLong, socket_path
 from meshfn.xds.names import CONTROL_PLANE_CLUSTER as XDS_CLUSTER
-from meshfn.xds.translate.common import one_endpoint
+from meshfn.xds.translate.common import one_endpoint, pipe_address, pipe_endpoints
 
-ADMIN_SOCKET_MODE = 0o600
-# sockaddr_un.sun_path holds 108 bytes on Linux, the terminating NUL included (Envoy refuses a
-# longer pipe path).
-MAX_SOCKET_PATH = 107
+ADMIN_SOCKET_MODE = SOCKET_MODE
 # The opt-in TCP admin (a Gateway's adminPort): a static listener and cluster of these names.
 ADMIN_TCP_LISTENER = "meshfn-admin-tcp"
 ADMIN_CLUSTER = "meshfn-admin"
 
 
-class AdminSocketPathTooLong(OSError):
+class AdminSocketPathTooLong(SocketPathTooLong):
     """The state directory is too deep for a unix socket path."""
 
 
@@ -58,28 +54,32 @@ def node_file_stem(node_id: str) -> str:
 def admin_socket_path(state_dir: Path, node_id: str) -> Path:
     """Where an Envoy of `meshfn up` serves its admin interface: STATE/envoy/<node>.sock, or
     STATE/envoy/<digest>.sock when the node's name would not fit in a socket address."""
-    directory = Path(os.path.abspath(state_dir)) / "envoy"
-    for name in (node_file_stem(node_id), hashlib.sha256(node_id.encode()).hexdigest()[:16]):
-        path = directory / f"{name}.sock"
-        if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
-            return path
-    raise AdminSocketPathTooLong(
-        36,  # ENAMETOOLONG
-        f"the state directory {directory.parent} is too deep for Envoy's admin socket "
-        f"({len(os.fsencode(path))} bytes in {path}; a unix socket path holds at most "
-        f"{MAX_SOCKET_PATH}): use a shorter --state-dir",
+    try:
+        return socket_path(state_dir / "envoy", node_file_stem(node_id), "Envoy's admin socket")
+    except SocketPathTooLong as exc:
+        raise AdminSocketPathTooLong(exc.errno, exc.strerror) from None
+
+
+def admin_tcp_warning(opted: str, port: int, remedy: str, proxy: str = "the proxy") -> str:
+    """What a TCP admin port exposes; `opted`: who asked for it (a Gateway's adminPort,
+    `meshfn bootstrap --admin-port`)."""
+    return (
+        f"warning: {opted}: its Envoy's admin interface also answers on 127.0.0.1:{port}, "
+        "without authentication. Any local user (and any web page that reaches loopback) can "
+        "read its configuration, including the ADS token that obtains "
+        f"{proxy}'s private key and SPIFFE identity, and drain or stop {proxy}. {remedy} "
+        "unless you alone use this host (meshfn itself reaches its Envoys over a private unix "
+        "socket in the state directory)."
     )
 
 
 def admin_port_warning(w: ir.Workload) -> str:
     """What a Gateway's adminPort exposes (it opts in to a TCP admin port)."""
-    return (
-        f"warning: Gateway {w.namespace}/{w.name} sets adminPort {w.admin_port}: its Envoy's admin "
-        f"interface also answers on 127.0.0.1:{w.admin_port}, without authentication. Any local "
-        "user (and any web page that reaches loopback) can read its configuration, including "
-        "the ADS token that obtains the gateway's private key and SPIFFE identity, and drain "
-        "or stop the gateway. Remove adminPort unless you alone use this host (meshfn itself "
-        "reaches its Envoys over a private unix socket in the state directory)."
+    return admin_tcp_warning(
+        f"Gateway {w.namespace}/{w.name} sets adminPort {w.admin_port}",
+        w.admin_port,
+        "Remove adminPort",
+        "the gateway",
     )
 
 
@@ -95,7 +95,7 @@ class ProxyIdentity:
     node_id: str
     node_cluster: str
     locality: ir.Locality
-    admin_port: int  # a Gateway's adminPort, 0 for none (without an admin socket: Envoy picks)
+    admin_port: int  # a TCP admin port besides the socket (a Gateway's adminPort), 0 for none
     xds_protocol: Literal["delta", "sotw"]
     authorization: str = field(default="", repr=False)  # bootstrap token (see identity/)
 
@@ -119,10 +119,6 @@ def _seconds(value: float) -> duration_pb2.Duration:
     return out
 
 
-def _pipe(path: Path, mode: int = 0) -> address_pb2.Address:
-    return address_pb2.Address(pipe=address_pb2.Pipe(path=str(path), mode=mode))
-
-
 def _admin_over_tcp(port: int, socket: Path) -> tuple[listener_pb2.Listener, cluster_pb2.Cluster]:
     """A listener on 127.0.0.1:`port` whose connections go to the admin socket, unchanged."""
     proxy = tcp_proxy_pb2.TcpProxy(stat_prefix=ADMIN_TCP_LISTENER, cluster=ADMIN_CLUSTER)
@@ -139,28 +135,17 @@ def _admin_over_tcp(port: int, socket: Path) -> tuple[listener_pb2.Listener, clu
         name=ADMIN_CLUSTER,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=_seconds(1),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=ADMIN_CLUSTER,
-            endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(
-                    lb_endpoints=[
-                        endpoint_components_pb2.LbEndpoint(
-                            endpoint=endpoint_components_pb2.Endpoint(address=_pipe(socket))
-                        )
-                    ]
-                )
-            ],
-        ),
+        load_assignment=pipe_endpoints(ADMIN_CLUSTER, [str(socket)]),
     )
     return listener, cluster
 
 
 def bootstrap(
-    identity: ProxyIdentity, xds_host: str, xds_port: int, admin_socket: Path | None = None
+    identity: ProxyIdentity, xds_host: str, xds_port: int, admin_socket: Path
 ) -> bootstrap_pb2.Bootstrap:
-    """`admin_socket`: serve admin there (mode 0600), and on the identity's admin port too
-    when it has one, through a forwarding listener. Without it (`meshfn bootstrap`, for an
-    Envoy run elsewhere) admin listens on 127.0.0.1 at the admin port (0: Envoy picks)."""
+    """Admin on `admin_socket` (mode 0600), and on the identity's admin port too when it has
+    one (a Gateway's adminPort, `meshfn bootstrap --admin-port`), through a forwarding
+    listener: never on TCP alone."""
     h2 = http_protocol_options_pb2.HttpProtocolOptions(
         explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions(
@@ -187,18 +172,11 @@ def bootstrap(
     locality = identity.locality
     listeners: list[listener_pb2.Listener] = []
     clusters = [xds_cluster]
-    if admin_socket is not None:
-        admin_address = _pipe(admin_socket, ADMIN_SOCKET_MODE)
-        if identity.admin_port:
-            listener, cluster = _admin_over_tcp(identity.admin_port, admin_socket)
-            listeners.append(listener)
-            clusters.append(cluster)
-    else:
-        admin_address = address_pb2.Address(
-            socket_address=address_pb2.SocketAddress(
-                address="127.0.0.1", port_value=identity.admin_port
-            )
-        )
+    admin_address = pipe_address(str(admin_socket), ADMIN_SOCKET_MODE)
+    if identity.admin_port:
+        listener, cluster = _admin_over_tcp(identity.admin_port, admin_socket)
+        listeners.append(listener)
+        clusters.append(cluster)
     return bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(
             id=identity.node_id,
@@ -247,7 +225,7 @@ def bootstrap(
 
 
 def bootstrap_json(
-    identity: ProxyIdentity, xds_host: str, xds_port: int, admin_socket: Path | None = None
+    identity: ProxyIdentity, xds_host: str, xds_port: int, admin_socket: Path
 ) -> dict[str, Any]:
     result: dict[str, Any] = json_format.MessageToDict(
         bootstrap(identity, xds_host, xds_port, admin_socket), preserving_proto_field_name=True

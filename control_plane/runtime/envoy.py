@@ -76,18 +76,27 @@ def envoy_argv(
     return argv
 
 
+def local_session(
+    where: Path | str, timeout: aiohttp.ClientTimeout
+) -> tuple[aiohttp.ClientSession, str]:
+    """A session to an HTTP server of the mesh's own, and the base URL of its paths: a unix
+    socket (a Path), or "host:port"."""
+    if isinstance(where, Path):
+        return (
+            aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=str(where)), timeout=timeout
+            ),
+            "http://localhost",
+        )
+    return aiohttp.ClientSession(timeout=timeout), f"http://{where}"
+
+
 def admin_session(
     admin: Path | int, timeout: aiohttp.ClientTimeout
 ) -> tuple[aiohttp.ClientSession, str]:
     """A session to an Envoy admin interface, and the base URL of its paths: its unix socket
     (`meshfn up`'s Envoys), or a TCP port on loopback."""
-    if isinstance(admin, Path):
-        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=str(admin))
-        base = "http://envoy-admin"
-    else:
-        connector = aiohttp.TCPConnector()
-        base = f"http://127.0.0.1:{admin}"
-    return aiohttp.ClientSession(connector=connector, timeout=timeout), base
+    return local_session(admin if isinstance(admin, Path) else f"127.0.0.1:{admin}", timeout)
 
 
 async def admin_request(

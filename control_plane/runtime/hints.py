@@ -196,9 +196,7 @@ def hints(
             f"TOKEN=$({command} token issue{_state_option(state_dir)} --sub you --aud meshfn"
             " --claim tenant=acme)"
         )
-    status = f"{command} status" + (
-        "" if _is_default(state_dir) else f" --admin {shlex.quote(admin_url)}"
-    )
+    status = f"{command} status{state_option(state_dir)}"
     tail = [*refused, f"{status}   # every proxy: SYNCED / STALE / NACKED"]
     if model.audit is not None:
         store = (
@@ -219,6 +217,11 @@ def _is_default(state_dir: Path) -> bool:
 
 def _state_option(state_dir: Path) -> str:
     return f" --state-dir {shell_path(state_dir)}"
+
+
+def state_option(state_dir: Path) -> str:
+    """` --state-dir DIR` for a command that reads the admin token there (none: the default)."""
+    return "" if _is_default(state_dir) else _state_option(state_dir)
 
 
 def print_hints(console: Console, found: Hints, footer: Iterable[str]) -> None:

@@ -9,10 +9,11 @@ import signal
 from pathlib import Path
 
 from meshfn import wasm_filters as filters
+from meshfn.common.adminauth import owner_token_path
 from meshfn.common.files import secure_state_dir
 
 from ..service import ControlPlane, tune_gc
-from .admin import AdminAccessError, AdminServer
+from .admin import AdminServer
 
 log = logging.getLogger("meshfn.serve")
 
@@ -46,10 +47,16 @@ async def run_serve(
             bound_admin = await admin.start(
                 admin_host, port=cp.model.admin_port if admin_port is None else admin_port
             )
-        except (OSError, AdminAccessError) as exc:
+        except OSError as exc:
             log.error("cannot start the control plane: %s", exc)
             return 1
-        log.info("control plane ready", extra={"xds_port": bound_xds, "admin_port": bound_admin})
+        log.info(
+            "control plane ready; the admin port wants a token (%s; `meshfn console --state-dir"
+            " %s` prints a login link)",
+            owner_token_path(state_dir),
+            state_dir,
+            extra={"xds_port": bound_xds, "admin_port": bound_admin},
+        )
         if watch:
             tasks.append(asyncio.create_task(cp.watch(stop)))
         tasks.append(asyncio.create_task(cp.rotate_credentials_forever(stop)))

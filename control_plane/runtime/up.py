@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -26,19 +26,20 @@ from meshfn import wasm_filters as filters
 from meshfn.audit.collector import CollectorMetrics
 from meshfn.audit.salt import audit_text_key, load_or_create
 from meshfn.audit.store import StoreError
+from meshfn.common.adminauth import owner_token_path
 from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
+from meshfn.common.unix import SocketPathTooLong
 from meshfn.contracts.function import TokenLedgerAccess
-from meshfn.contracts.qos import TOKEN_LEDGER_PURPOSE, ledger_node
-from meshfn.ebpf import AccelerationUnavailable
+from meshfn.contracts.qos import TOKEN_LEDGER_PURPOSE, has_token_budgets, ledger_node
+from meshfn.ebpf import AccelerationUnavailable, EgressUnavailable
 
 from ..service import ControlPlane, tune_gc
 from .acceleration import Acceleration, AccelerationCollector
-from .admin import AdminAccessError, AdminServer, is_loopback
+from .admin import AdminServer
 from .audit import AuditTrail
 from .bootstrap import (
-    AdminSocketPathTooLong,
     ProxyIdentity,
     admin_port_warning,
     admin_port_warnings,
@@ -46,14 +47,17 @@ from .bootstrap import (
 )
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
-from .hints import hints, print_hints, sample_request
+from .hints import hints, meshfn_command, print_hints, sample_request, shell_path, state_option
 from .process import ProcessFailed, SupervisedProcess
+from .sandbox import BackendSandbox, EgressCollector
 from .upstreams import (
     BackendLinks,
     FunctionsSetup,
     UpstreamSpec,
+    app_sockets,
+    local_upstreams,
     upstream_process,
-    upstreams_for,
+    upstream_request,
 )
 
 log = logging.getLogger("meshfn.up")
@@ -70,6 +74,7 @@ class Mesh:
     envoy_log_level: str = "warning"
     preexec: Callable[[], None] | None = None  # e.g. join the eBPF cgroup
     audit: AuditTrail | None = None
+    sandbox: BackendSandbox | None = None  # the backends' egress cgroups
     envoys: dict[str, tuple[ProxyIdentity, SupervisedProcess]] = field(default_factory=dict)
     upstreams: dict[tuple[str, int], tuple[UpstreamSpec, SupervisedProcess]] = field(
         default_factory=dict
@@ -90,16 +95,32 @@ class Mesh:
             await self.audit.reconcile(model, self.cp.proxy_host(model), reopen)
 
     async def _reconcile_upstreams(self, model: ir.MeshModel) -> None:
-        wanted = upstreams_for(model)
+        if self.sandbox is not None and model.sandbox.egress != self.sandbox.mode:
+            log.warning(
+                "sandbox.egress is now %s: the egress control stays %s until meshfn up restarts"
+                " (Landlock and seccomp follow the policy: the backends restart)",
+                model.sandbox.egress,
+                self.sandbox.mode,
+            )
+        wanted = local_upstreams(model, self.state_dir, self.functions)
         for key, (spec, proc) in list(self.upstreams.items()):
             if wanted.get(key) != spec:
                 del self.upstreams[key]
                 await proc.stop()
+                if self.sandbox is not None:
+                    self.sandbox.release(spec)
         starts = []
         for key, spec in wanted.items():
             if key not in self.upstreams:
                 links = self._links(spec)
-                proc = upstream_process(spec, self.state_dir, self.functions, self.preexec, links)
+                run = spec
+                if links.ledger is not None:  # its sandbox lets it reach the ledger, no more
+                    peer = ("127.0.0.1", self.cp.xds_port)
+                    run = replace(spec, egress=tuple(sorted({*spec.egress, peer})))
+                own = self.sandbox.preexec(run) if self.sandbox is not None else None
+                proc = upstream_process(
+                    run, self.state_dir, self.functions, own or self.preexec, links
+                )
                 self.upstreams[key] = (spec, proc)
                 starts.append(proc.start())
         for service in model.services:
@@ -112,14 +133,17 @@ class Mesh:
         await _gather_or_raise(starts)
 
     def _links(self, spec: UpstreamSpec) -> BackendLinks:
-        """A backend's proof towards the mesh's token ledger, and the key of its audit text
-        digests (derived from the audit subject salt) when one of its Functions asks for them."""
-        node = ledger_node(spec.service)
-        ledger = TokenLedgerAccess(
-            target=f"127.0.0.1:{self.cp.xds_port}",
-            node=node,
-            authorization=self.cp.tokens.header(node, TOKEN_LEDGER_PURPOSE),
-        )
+        """A backend's proof towards the mesh's token ledger when one of its Functions has
+        token budgets, and the key of its audit text digests (derived from the audit subject
+        salt) when one asks for them."""
+        ledger = None
+        if any(has_token_budgets(f.qos) for f in spec.functions):
+            node = ledger_node(spec.service)
+            ledger = TokenLedgerAccess(
+                target=f"127.0.0.1:{self.cp.xds_port}",
+                node=node,
+                authorization=self.cp.tokens.header(node, TOKEN_LEDGER_PURPOSE),
+            )
         hashed = any(
             f.settings.generation is not None and f.settings.generation.auditText == "hmac"
             for f in spec.functions
@@ -164,13 +188,15 @@ class Mesh:
         self.envoys.clear()
         self.upstreams.clear()
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+        if self.sandbox is not None:  # the egress cgroups nest in the acceleration cgroup
+            await self.sandbox.shutdown()
         if self.audit is not None:  # after the proxies: it stores the last lines they wrote
             await self.audit.stop()
 
     def backends(self) -> list[Backend]:
         """The inference backends running now (for the console's Functions panel)."""
         return [
-            Backend(spec.service, spec.address, spec.port)
+            Backend(spec.service, spec.address, spec.port, spec.where)
             for spec, _ in self.upstreams.values()
             if spec.functions
         ]
@@ -199,6 +225,7 @@ class Mesh:
             if audit is not None
             else None,
             acceleration=acceleration.document if acceleration is not None else None,
+            trail=audit,
         )
 
     def pids(self) -> dict[str, int | None]:
@@ -222,18 +249,15 @@ async def function_samples(
     backend, not the control plane, knows a function's inputs)."""
     where = {f.name: spec for spec in upstreams for f in spec.functions}
     out: dict[str, str] = {}
-    client_timeout = aiohttp.ClientTimeout(total=timeout)
-    async with aiohttp.ClientSession(timeout=client_timeout) as session:
-        for name, spec in where.items():
-            url = f"http://{spec.address}:{spec.port}/v2/models/{name}"
-            try:
-                async with session.get(url) as reply:
-                    metadata = await reply.json() if reply.status == 200 else {}
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                continue
-            body = sample_request(metadata) if isinstance(metadata, dict) else None
-            if body is not None:
-                out[name] = body
+    for name, spec in where.items():
+        try:
+            status, raw = await upstream_request(spec.where, f"/v2/models/{name}", timeout)
+            metadata = json.loads(raw) if status == 200 else {}
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            continue
+        body = sample_request(metadata) if isinstance(metadata, dict) else None
+        if body is not None:
+            out[name] = body
     return out
 
 
@@ -259,8 +283,8 @@ async def run_up(
     """`meshfn up`: run the whole mesh until Ctrl-C or SIGTERM; the exit status.
 
     It runs in three steps, and the order is the point:
-    1. Check everything that can refuse the start before anything runs (an admin port beyond
-       loopback without a token, policy errors, admin socket paths too long for a unix socket,
+    1. Check everything that can refuse the start before anything runs (policy errors, socket
+       paths (Envoy admin, the applications behind sidecars) too long for a unix socket,
        functions without a registry, eBPF required but unavailable): a refusal leaves no
        process behind and says what to change.
     2. Start the control plane and its admin port before the mesh: every Envoy connects to the
@@ -271,37 +295,37 @@ async def run_up(
     """
     console = console or cli_console()
     try:
-        _check_admin_listen(admin_host, admin_token)
-        cp, model = await _loaded(policies, state_dir, console)
+        cp, model = await _loaded(policies, state_dir, functions, console)
         _check_functions(model, functions)
         acceleration = await _accelerated(cp, model, state_dir)
+        sandbox = await _sandboxed(cp, model, state_dir, acceleration)
     except _Refused as refused:
         refused.print(console)
         return 1
     mesh = _wired_mesh(cp, state_dir, functions, concurrency, envoy_log_level, acceleration)
+    if sandbox is not None:
+        mesh.sandbox = sandbox
+        sandbox.backends = lambda: [spec for spec, _ in mesh.upstreams.values()]
     admin = AdminServer(cp, mesh.console_sources(acceleration), admin_token)
     return await _serve(cp, model, mesh, admin, acceleration, admin_host, policies, console)
 
 
-def _check_admin_listen(admin_host: str, admin_token: str | None) -> None:
-    if not is_loopback(admin_host) and not admin_token:
-        raise _Refused(
-            Text(
-                f"the admin port (and its console) would listen on {admin_host} without a token:"
-                " set MESHFN_ADMIN_TOKEN or --admin-token-file"
-            )
-        )
-
-
 async def _loaded(
-    policies: Path, state_dir: Path, console: Console
+    policies: Path, state_dir: Path, functions: FunctionsSetup | None, console: Console
 ) -> tuple[ControlPlane, ir.MeshModel]:
     """The control plane with the policies loaded (the proxy-wasm filters built first, with
     progress on stderr and one line saying what was cached); its warnings printed."""
     secure_state_dir(state_dir)
     with RichReporter(cli_console(stderr=True), "proxy-wasm filters") as progress:
         wasm_dir, wasm_missing = await asyncio.to_thread(filters.prepare, progress)
-    cp = ControlPlane(policies, state_dir, wasm_dir=wasm_dir, wasm_missing=wasm_missing)
+    cp = ControlPlane(
+        policies,
+        state_dir,
+        wasm_dir=wasm_dir,
+        wasm_missing=wasm_missing,
+        # the sidecars reach what Mesh.reconcile starts behind them over its unix sockets
+        app_sockets=lambda m: app_sockets(local_upstreams(m, state_dir, functions).values()),
+    )
     result = await cp.reload()
     tune_gc()
     if not result.ok:
@@ -314,7 +338,8 @@ async def _loaded(
     try:
         for workload in model.workloads:
             admin_socket_path(state_dir, ProxyIdentity.for_workload(workload, "").node_id)
-    except AdminSocketPathTooLong as exc:
+        local_upstreams(model, state_dir, functions)
+    except SocketPathTooLong as exc:
         raise _Refused(Text(f"{exc.strerror}", style="red")) from None
     for warning in admin_port_warnings(model):
         console.print(f"[yellow]{warning}[/yellow]", highlight=False)
@@ -345,6 +370,30 @@ async def _accelerated(
     return acceleration
 
 
+async def _sandboxed(
+    cp: ControlPlane, model: ir.MeshModel, state_dir: Path, acceleration: Acceleration | None
+) -> BackendSandbox | None:
+    """The inference backends' egress control as the policies ask for it (set up before any
+    backend starts: each joins its own cgroup, inside the acceleration cgroup when that is
+    on), and what confines each backend in /debug/status and /metrics."""
+    if not model.functions:
+        return None
+    sandbox = BackendSandbox(
+        state_dir,
+        model.sandbox.egress,
+        parent=acceleration.status.cgroup if acceleration and acceleration.status else None,
+    )
+    try:
+        await sandbox.setup()
+    except EgressUnavailable as exc:
+        raise _Refused(
+            f"[red]sandbox: egress was required but is unavailable: {exc}[/red]"
+        ) from None
+    cp.status_providers["sandbox"] = sandbox.document
+    cp.metrics.registry.register(EgressCollector(sandbox))
+    return sandbox
+
+
 def _wired_mesh(
     cp: ControlPlane,
     state_dir: Path,
@@ -368,7 +417,13 @@ def _wired_mesh(
     # Where `meshfn status` reads each backend's own /meshfn/functions (warm-up, cold requests,
     # per-tenant QoS counts).
     cp.status_providers["inference_backends"] = lambda: [
-        {"service": b.service, "address": b.address, "port": b.port} for b in mesh.backends()
+        {
+            "service": b.service,
+            "address": b.address,
+            "port": b.port,
+            "socket": str(b.where) if isinstance(b.where, Path) else None,
+        }
+        for b in mesh.backends()
     ]
     cp.metrics.registry.register(
         CollectorMetrics(lambda: audit.collector, classify=audit.tenant_class)
@@ -383,7 +438,7 @@ async def _start(
     try:
         await cp.start()
         await admin.start(admin_host, port=model.admin_port)
-    except (OSError, AdminAccessError) as exc:
+    except OSError as exc:
         raise _Refused(f"[red]cannot start the control plane: {exc}[/red]") from None
     try:
         await mesh.reconcile(model)
@@ -410,15 +465,18 @@ async def _print_ready(
     console: Console, cp: ControlPlane, model: ir.MeshModel, admin: AdminServer, mesh: Mesh,
     policies: Path,
 ) -> None:  # fmt: skip
-    """The routes, commands to try them with, and where the console is."""
+    """The routes, commands to try them with, and the console: a one-time login link (as
+    Jupyter prints one), and where the admin token is."""
     samples = await function_samples(spec for spec, _ in mesh.upstreams.values())
+    another = f"{meshfn_command()} console{state_option(mesh.state_dir)} prints another"
+    token = shell_path(owner_token_path(mesh.state_dir))
     print_hints(
         console,
         hints(model, mesh.state_dir, admin.url, samples),
         [
-            f"console: {admin.url}/ui",
-            f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin.url}; watching "
-            f"{policies} for changes; Ctrl-C stops everything.",
+            f"console: {admin.login_link()}   # a one-time login link ({another})",
+            f"control plane: xds 127.0.0.1:{cp.xds_port}, admin {admin.url} (token in {token});"
+            f" watching {policies} for changes; Ctrl-C stops everything.",
         ],
     )
 
@@ -446,6 +504,10 @@ async def _serve(
             asyncio.create_task(cp.rotate_credentials_forever(stop)),
             asyncio.create_task(cp.drift_forever(stop)),
         ]
+        if mesh.sandbox is not None:
+            tasks.append(asyncio.create_task(mesh.sandbox.log_denials_forever(stop)))
+            for line in mesh.sandbox.start_lines():
+                console.print(line, markup=False, highlight=False)
         await _print_ready(console, cp, model, admin, mesh, policies)
         await stop.wait()
         console.print("stopping...")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from meshfn.common.unix import listen_private
 from meshfn.contracts.qos import ORCA_HEADER, orca_text
 
 
@@ -92,16 +93,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--locality", default="")
     parser.add_argument("--delay-file", type=Path, help="inject latency: ms read per request")
+    parser.add_argument(
+        "--unix-socket",
+        type=Path,
+        help="listen on this unix socket (mode 0600) instead of address:port, which then only "
+        "names the endpoint",
+    )
     args = parser.parse_args(argv)
     endpoint = f"{args.address}:{args.port}"
-    web.run_app(
-        make_app(args.service, endpoint, args.locality, args.delay_file),
-        host=args.address,
-        port=args.port,
-        access_log=None,
-        print=None,
-        backlog=1024,
-    )
+    app = make_app(args.service, endpoint, args.locality, args.delay_file)
+    if args.unix_socket is not None:
+        sock = listen_private(args.unix_socket)
+        try:
+            web.run_app(app, sock=sock, access_log=None, print=None, backlog=1024)
+        finally:
+            args.unix_socket.unlink(missing_ok=True)
+    else:
+        web.run_app(
+            app, host=args.address, port=args.port, access_log=None, print=None, backlog=1024
+        )
     sys.exit(0)
 
 

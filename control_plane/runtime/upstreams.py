@@ -1,5 +1,14 @@
 """What `meshfn up` runs behind the sidecars: the inference backend for services that serve
-functions, a placeholder upstream for the other loopback HTTP endpoints."""
+functions, a placeholder upstream for the other loopback HTTP endpoints.
+
+An endpoint behind a sidecar is reached through its sidecar only: its application listens on
+unix sockets in STATE/workloads (an inference backend: in its own STATE/inference/<address>-
+<port>/; 0700, each socket 0600), not on its loopback port, which any local user could call
+directly, past mTLS, JWT, authorization, QoS and the audit trail. The
+sidecar reaches the sockets over Envoy `pipe` addresses (the control plane learns them from
+`app_sockets`). The policy's ports still name the endpoint (its sidecar's cluster, logs,
+`endpoint` in the placeholder's answers). An endpoint without a sidecar is called directly by
+the gateways, so its application listens on its port."""
 
 from __future__ import annotations
 
@@ -7,17 +16,26 @@ import asyncio
 import ipaddress
 import json
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from meshfn import ir
-from meshfn.contracts.function import BackendConfig, TokenLedgerAccess
+from meshfn.common.files import private_directory
+from meshfn.common.unix import socket_path
+from meshfn.contracts.function import (
+    BackendConfig,
+    EgressAddress,
+    SandboxSettings,
+    TokenLedgerAccess,
+)
 from meshfn.policy import compile
+from meshfn.xds.translate import AppSockets
 
+from .envoy import local_session
 from .process import SupervisedProcess
 
 
@@ -39,6 +57,24 @@ class UpstreamSpec:
     locality: str
     functions: tuple[ir.Function, ...] = ()  # non-empty: run the inference backend
     grpc_port: int | None = None  # the backend's KServe gRPC port (the endpoint's grpcPort)
+    # Behind a sidecar: serve on these unix sockets (one per serving process) instead of
+    # address:port, and gRPC on `grpc_sockets` instead of grpc_port.
+    sockets: tuple[Path, ...] = ()
+    grpc_sockets: tuple[Path, ...] = ()
+    # Where its functions' egress peers are reached (Function.spec.egress): each endpoint's
+    # sidecar where it has one (the mesh's way in), else the endpoint itself.
+    egress: tuple[tuple[str, int], ...] = ()
+    sandbox: ir.Sandbox = field(default_factory=ir.Sandbox)
+
+    @property
+    def where(self) -> Path | str:
+        """Where to reach it: its (first) socket, or address:port."""
+        return self.sockets[0] if self.sockets else f"{self.address}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """The backend's name in its egress cgroup, /metrics and `meshfn status`."""
+        return f"{self.service} {self.address}:{self.port}"
 
 
 def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
@@ -46,8 +82,45 @@ def served_functions(model: ir.MeshModel) -> dict[str, list[ir.Function]]:
     return compile.served_functions(list(model.functions), {s.key: s for s in model.services})
 
 
-def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
-    """One process per loopback HTTP endpoint; endpoints elsewhere are the user's to run."""
+def workload_sockets(state_dir: Path) -> Path:
+    """The directory of the applications' sockets (private, like the state directory)."""
+    return state_dir / "workloads"
+
+
+def app_socket(state_dir: Path, address: str, port: int) -> Path:
+    """The socket of a one-process application behind a sidecar (e.g. the echo placeholder)."""
+    return _sockets(workload_sockets(state_dir), _stem(address, port), 1)[0]
+
+
+def backend_state_dir(state_dir: Path, address: str, port: int) -> Path:
+    """An inference backend's own directory, the one place it may write (its Landlock rules):
+    its config, the report of what confines it (sandbox.json) and, behind a sidecar, its
+    sockets. In the shared STATE/workloads it would need the right to remove files there, and
+    with it the other workloads' sockets."""
+    return state_dir / "inference" / _stem(address, port)
+
+
+def backend_socket(state_dir: Path, address: str, port: int) -> Path:
+    """The REST socket of a one-process inference backend behind a sidecar."""
+    return _sockets(backend_state_dir(state_dir, address, port), "http", 1)[0]
+
+
+def _stem(address: str, port: int) -> str:
+    return f"{address.replace(':', '_')}-{port}"
+
+
+def _sockets(directory: Path, stem: str, count: int) -> tuple[Path, ...]:
+    names = [stem] if count == 1 else [f"{stem}.{k}" for k in range(count)]
+    return tuple(socket_path(directory, name, "the workloads' sockets") for name in names)
+
+
+def upstreams_for(
+    model: ir.MeshModel, state_dir: Path | None = None, processes: int = 1
+) -> dict[tuple[str, int], UpstreamSpec]:
+    """One process per loopback HTTP endpoint; endpoints elsewhere are the user's to run.
+    With `state_dir`, those behind a sidecar listen on unix sockets in it (`processes`: the
+    inference backends' serving processes, one socket each); SocketPathTooLong if they do not
+    fit."""
     functions = served_functions(model)
     out: dict[tuple[str, int], UpstreamSpec] = {}
     for service in model.services:
@@ -59,15 +132,60 @@ def upstreams_for(model: ir.MeshModel) -> dict[tuple[str, int], UpstreamSpec]:
                     p for p in (e.locality.region, e.locality.zone, e.locality.sub_zone) if p
                 )
                 served = tuple(functions.get(service.key, ()))
+                grpc_port = e.grpc_port if served else None
+                sockets: tuple[Path, ...] = ()
+                grpc_sockets: tuple[Path, ...] = ()
+                if state_dir is not None and e.sidecar_port is not None and served:
+                    directory = backend_state_dir(state_dir, e.address, e.port)
+                    sockets = _sockets(directory, "http", processes)
+                    if grpc_port is not None:
+                        grpc_sockets = _sockets(directory, "grpc", processes)
+                elif state_dir is not None and e.sidecar_port is not None:
+                    directory = workload_sockets(state_dir)
+                    sockets = _sockets(directory, _stem(e.address, e.port), 1)
                 out[(e.address, e.port)] = UpstreamSpec(
                     service.key,
                     e.address,
                     e.port,
                     locality,
                     served,
-                    e.grpc_port if served else None,
+                    grpc_port,
+                    sockets,
+                    grpc_sockets,
+                    egress_peers(model, served),
+                    model.sandbox if served else ir.Sandbox(),
                 )
     return out
+
+
+def egress_peers(
+    model: ir.MeshModel, functions: tuple[ir.Function, ...]
+) -> tuple[tuple[str, int], ...]:
+    """(address, port) of every endpoint of the Services the functions name as egress peers."""
+    peers = set()
+    for function in functions:
+        for key in function.egress:
+            for e in model.service(key).endpoints:
+                peers.add((e.address, e.sidecar_port or e.port))
+    return tuple(sorted(peers))
+
+
+def local_upstreams(
+    model: ir.MeshModel, state_dir: Path, setup: FunctionsSetup | None
+) -> dict[tuple[str, int], UpstreamSpec]:
+    """What `meshfn up` runs: upstreams_for with its state directory and backend processes."""
+    return upstreams_for(model, state_dir, setup.processes if setup is not None else 1)
+
+
+def app_sockets(upstreams: Iterable[UpstreamSpec]) -> AppSockets:
+    """What the translator needs (ProxyHost.app_sockets): each port served on sockets."""
+    out = []
+    for spec in upstreams:
+        if spec.sockets:
+            out.append(((spec.address, spec.port), tuple(map(str, spec.sockets))))
+        if spec.grpc_sockets and spec.grpc_port is not None:
+            out.append(((spec.address, spec.grpc_port), tuple(map(str, spec.grpc_sockets))))
+    return tuple(sorted(out))
 
 
 @dataclass(frozen=True)
@@ -80,10 +198,14 @@ class BackendLinks:
 
 
 def backend_config(
-    spec: UpstreamSpec, setup: FunctionsSetup, links: BackendLinks | None = None
+    spec: UpstreamSpec,
+    setup: FunctionsSetup,
+    state: Path | None = None,
+    links: BackendLinks | None = None,
 ) -> dict[str, Any]:
     """The inference backend's config for one endpoint: each Function's settings as the policy
-    gave them (the same schema), named, and its links to the control plane."""
+    gave them (the same schema), named; its sandbox (`state`: its own state directory); its
+    links to the control plane."""
     links = links or BackendLinks()
     config = BackendConfig(
         registry=setup.registry.resolve(),
@@ -91,6 +213,12 @@ def backend_config(
         workers=setup.workers,
         processes=setup.processes,
         functions=[f.served() for f in spec.functions],
+        sandbox=SandboxSettings(
+            landlock=spec.sandbox.landlock,
+            seccomp=spec.sandbox.seccomp,
+            stateDir=state.resolve() if state is not None else None,
+            connect=[EgressAddress(address=a, port=p) for a, p in spec.egress],
+        ),
         tokenLedger=links.ledger,
         auditTextKey=links.audit_text_key,
     )
@@ -111,19 +239,31 @@ def upstream_process(
     links: BackendLinks | None = None,
 ) -> SupervisedProcess:
     log_path = state_dir / "logs" / f"upstream-{spec.address}-{spec.port}.log"
+    for directory in {p.parent for p in (*spec.sockets, *spec.grpc_sockets)}:
+        private_directory(directory)
+    if spec.sockets:
+        listen = [arg for path in spec.sockets for arg in ("--unix-socket", str(path))]
+        listen += [arg for path in spec.grpc_sockets for arg in ("--grpc-unix-socket", str(path))]
+    else:
+        listen = ["--host", spec.address, "--port", str(spec.port)]
+        listen += ["--grpc-port", str(spec.grpc_port)] if spec.grpc_port else []
     if spec.functions:
         if setup is None:
             raise ValueError(f"{spec.service} serves functions but no registry is configured")
-        config = state_dir / "inference" / f"{spec.address}-{spec.port}.json"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(json.dumps(backend_config(spec, setup, links), indent=2))
+        own = backend_state_dir(state_dir, spec.address, spec.port)
+        private_directory(own)
+        (own / "sandbox.json").unlink(missing_ok=True)  # the report of the backend to come
+        config = own / "backend.json"
+        config.write_text(json.dumps(backend_config(spec, setup, own, links), indent=2))
         config.chmod(0o600)  # its ledger token and audit text key
 
         async def backend_ready() -> bool:
-            timeout = aiohttp.ClientTimeout(total=1)
-            url = f"http://{spec.address}:{spec.port}/v2/health/ready"
-            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as r:
-                return r.status == 200
+            # every serving process, where each has a socket of its own
+            for where in spec.sockets or (spec.where,):
+                status, _ = await upstream_request(where, "/v2/health/ready", timeout=1)
+                if status != 200:
+                    return False
+            return True
 
         return SupervisedProcess(
             name=f"inference {spec.service} {spec.address}:{spec.port}",
@@ -135,11 +275,7 @@ def upstream_process(
                 "serve",
                 "--config",
                 str(config),
-                "--host",
-                spec.address,
-                "--port",
-                str(spec.port),
-                *(("--grpc-port", str(spec.grpc_port)) if spec.grpc_port else ()),
+                *listen,
                 "--log-format",
                 "json",
             ],
@@ -150,7 +286,10 @@ def upstream_process(
         )
 
     async def ready() -> bool:
-        _, writer = await asyncio.open_connection(spec.address, spec.port)
+        if spec.sockets:
+            _, writer = await asyncio.open_unix_connection(spec.sockets[0])
+        else:
+            _, writer = await asyncio.open_connection(spec.address, spec.port)
         writer.close()
         return True
 
@@ -167,6 +306,7 @@ def upstream_process(
             spec.address,
             "--port",
             str(spec.port),
+            *(("--unix-socket", str(spec.sockets[0])) if spec.sockets else ()),
             "--locality",
             spec.locality,
             # Demos and tests make an endpoint slow by writing milliseconds into this file.
@@ -177,3 +317,10 @@ def upstream_process(
         ready=ready,
         preexec=preexec,
     )
+
+
+async def upstream_request(where: Path | str, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    """GET `path` from an application `meshfn up` runs: its unix socket, or "address:port"."""
+    session, base = local_session(where, aiohttp.ClientTimeout(total=timeout))
+    async with session, session.get(base + path) as response:
+        return response.status, await response.read()

@@ -694,6 +694,7 @@ def metric_registries() -> list[tuple[str, str, list[MetricDoc]]]:
     from meshfn.audit.collector import CollectorMetrics
     from meshfn.common.kube.metrics import KubeMetrics
     from meshfn.control_plane.runtime.acceleration import AccelerationCollector
+    from meshfn.control_plane.runtime.sandbox import BackendSandbox, EgressCollector
     from meshfn.inference.metrics import Metrics as BackendMetrics
     from meshfn.xds.rls import RateLimitService
     from meshfn.xds.status import Metrics as ControlPlaneMetrics
@@ -710,6 +711,8 @@ def metric_registries() -> list[tuple[str, str, list[MetricDoc]]]:
     audit.register(CollectorMetrics())
     ebpf = CollectorRegistry()
     ebpf.register(AccelerationCollector(_NoAcceleration()))  # type: ignore[arg-type]
+    sandbox = CollectorRegistry()
+    sandbox.register(EgressCollector(BackendSandbox(Path("/nonexistent"), "off")))
     return [
         (
             "Control plane",
@@ -725,6 +728,11 @@ def metric_registries() -> list[tuple[str, str, list[MetricDoc]]]:
             "eBPF acceleration",
             "the control plane's `/metrics` under `meshfn up` while acceleration is attached",
             metric_docs(ebpf),
+        ),
+        (
+            "Inference backends' egress control",
+            "the control plane's `/metrics` under `meshfn up` while backends serve functions",
+            metric_docs(sandbox),
         ),
         (
             "Inference backend",

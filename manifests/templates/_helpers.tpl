@@ -40,13 +40,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- /* "true" when the chart deploys the trial PostgreSQL, else empty. */ -}}
 {{- define "meshfn.postgres" -}}
-{{- if and (eq .Values.auditStore.type "postgresql") .Values.auditStore.postgresql.trial.enabled (not .Values.auditStore.postgresql.existingSecret) -}}
+{{- if and .Values.auditStore.postgresql.trial.enabled (not .Values.auditStore.postgresql.existingSecret) -}}
 true
 {{- end -}}
 {{- end -}}
 
 {{- define "meshfn.storeSecret" -}}
 {{- default (printf "%s-audit-store" (include "meshfn.fullname" .)) .Values.auditStore.postgresql.existingSecret -}}
+{{- end -}}
+
+{{- /* The audit store's database roles, one per component (meshfn audit init grants them). */ -}}
+{{- define "meshfn.auditRoles" -}}
+collector: meshfn_audit_collector
+signer: meshfn_audit_signer
+reader: meshfn_audit_reader
+auditor: meshfn_audit_auditor
 {{- end -}}
 
 {{- define "meshfn.signerAddress" -}}

@@ -1,5 +1,5 @@
 """Pass 9, assemble: the MeshModel from the last stage and the Mesh's own settings (ports,
-identity, acceleration, audit, drill)."""
+identity, acceleration, sandbox, audit, drill)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def assemble(complete: Complete) -> ir.MeshModel:
         certificate_ttl=spec.identity.certificateTTL,
         functions=tuple(sorted(complete.functions, key=lambda f: (f.namespace, f.name))),
         acceleration=spec.acceleration,
+        sandbox=ir.Sandbox(**spec.sandbox.model_dump()),
         audit=_audit(spec.audit),
         drill=_drill(spec.drill),
         policies=_with_guards(complete.written, complete.guard_objects),

@@ -43,7 +43,12 @@ def _function(item: Loaded) -> ir.Function:
         namespace=item.namespace,
         backend=f"{item.namespace}/{spec.backend}",
         settings=settings,
+        egress=tuple(sorted({_qualified(p.service, item.namespace) for p in spec.egress})),
     )
+
+
+def _qualified(ref: str, namespace: str) -> str:
+    return ref if "/" in ref else f"{namespace}/{ref}"
 
 
 def _service(item: Loaded) -> ir.Service:

@@ -176,21 +176,78 @@ def test_query_bad_input(tmp_path: Path, args: list[str], message: str) -> None:
 def test_erase(tmp_path: Path) -> None:
     db = make_store(tmp_path)
     code, output = audit("erase", "--store", str(db), "--subject-raw", "mallory")
-    assert code == 1 and "unknown subject" in output and "nothing changed" in output
+    assert code == 0 and "nothing to erase" in output and "(recorded)" in output
     code, output = audit("erase", "--store", str(db), "--subject-raw", "alice")
     assert code == 0, output
     assert "erased: 5 record(s) can no longer be linked" in output and "@control" in output
     code, output = audit("query", "--store", str(db), "--json", "--subject-raw", "alice")
     assert code == 0 and output.strip() == ""
     code, output = audit("erase", "--store", str(db), "--subject-hash", subject_of("alice"))
-    assert code == 1 and "unknown subject" in output
+    assert code == 0 and "nothing to erase" in output
     code, output = audit("erase", "--store", str(db))
     assert code == 2 and "give --subject-raw or --subject-hash" in output
     code, output = audit("erase", "--store", str(db), "--subject-hash", "nothex")
     assert code == 2 and "64 hex digits" in output
-    # the erasure record is not signed yet; everything else still verifies
+    # every attempt is recorded: who, the destroyed pseudonym, how many records; never alice
+    code, output = audit("query", "--store", str(db), "--accessed", "--json")
+    rows = [json.loads(line) for line in output.splitlines()]
+    assert [(r["event"], r["action"], r["records"]) for r in rows] == [  # newest first
+        ("access", "erase", 0),  # alice again: nothing left to erase
+        ("access", "query", 0),  # the query after the erasure: nothing came back
+        ("erasure", "erase", 5),
+        ("access", "erase", 0),  # mallory: unknown
+    ]
+    assert all(r["via"] == "cli" and r["principal"].startswith("local:") for r in rows)
+    assert len(rows[2]["pseudonyms"]) == 1 and "alice" not in output
+    assert subject_of("alice") not in output
+    # the erasure and access records are not signed yet; everything else still verifies
     code, output = audit("verify", "--store", str(db))
-    assert code == 0 and "1 record(s) after it not yet signed" in output
+    assert code == 0 and "4 record(s) after it not yet signed" in output, output
+
+
+def test_erase_redacts_the_journals_left_in_the_state_directory(tmp_path: Path) -> None:
+    """No control plane running: the CLI overwrites the subject's HMAC in every journal file
+    (the current one and a rotated one), keeps the stored position's fingerprint in step, and
+    leaves everyone else's lines alone."""
+    from meshfn.audit.collector import AuditCollector
+    from meshfn.audit.stores import open_store
+    from meshfn.contracts.journal import ERASED_SUBJECT, journal_path
+
+    db = make_store(tmp_path)
+    journal = journal_path(tmp_path, "edge.ingress")
+    journal.parent.mkdir(parents=True, exist_ok=True)
+
+    def line(i: int, who: str) -> str:
+        state = json.dumps({"subject": subject_of(who), "salt_id": "s", "tenant": "t"})
+        return json.dumps({"id": f"r{i}", "time": f"2026-01-02T00:00:{i:02d}.000000Z",
+                           "method": "GET", "path": f"/j{i}", "status": 200, "audit": state})  # fmt: skip
+
+    rotated = journal.with_name(journal.name + ".1700000000000")
+    rotated.write_text("".join(line(i, "alice") + "\n" for i in range(2)))
+    journal.write_text("".join(line(i, ("alice", "bob")[i % 2]) + "\n" for i in range(2, 8)))
+    store = open_store(str(db))
+    collector = AuditCollector(store)
+    collector.watch(journal, "edge.ingress")
+    assert collector._tick()  # the first lines stored (the subject's among them)
+    store.close()
+    with journal.open("a") as out:  # written after the collector stopped: not stored yet
+        out.write(line(8, "alice") + "\n")
+    code, output = audit("erase", "--store", str(db), "--subject-raw", "alice")
+    assert code == 0 and "6 copy(ies) of the subject's HMAC overwritten" in output, output
+    assert "erased: 8 record(s)" in output  # 5 of the store, 3 the collector stored
+    assert subject_of("alice") not in journal.read_text() + rotated.read_text()
+    assert journal.read_text().count(subject_of("bob")) == 3  # the others' lines untouched
+    assert journal.read_text().count(ERASED_SUBJECT) == 4
+    # the next collector goes on where the last stopped: nothing twice, the new line erased
+    store = open_store(str(db))
+    collector = AuditCollector(store)
+    collector.watch(journal, "edge.ingress")
+    assert collector._tick()
+    rows = store.query(chain="edge.ingress", limit=None)
+    assert [r["path"] for r in rows] == [f"/j{i}" for i in range(2, 9)]
+    assert rows[-1]["subject"] is None and rows[-1]["subject_erased"] is True
+    assert store.pseudonyms(subject_of("alice")) == []
+    store.close()
 
 
 def test_offline_checker_needs_nothing_of_meshfn() -> None:
@@ -262,13 +319,28 @@ def test_export_verifies_offline_and_tampering_shows(tmp_path: Path, fmt: str) -
 
 
 def test_prune(tmp_path: Path) -> None:
+    """Every prune goes through the signer, which decides how far from its own retention."""
     db = make_store(tmp_path)
-    code, output = audit("prune", "--store", str(db), "--days", "730")
-    assert code == 0 and "deleted 0 record(s)" in output
-    code, output = audit("prune", "--store", str(db), "--days", "0")
-    assert code == 0 and "deleted 20 record(s)" in output
-    # retention with 0 days is only legitimate because it was configured: verify says so
-    assert audit("verify", "--store", str(db))[0] == 0
+    code, output = audit("prune", "--store", str(db))
+    assert code == 2 and "every prune is witnessed by the signer" in output, output
+    code, output = audit("prune", "--store", "postgresql://x@127.0.0.1:1/db")
+    assert code == 2 and "give --signer" in output, output
+    trail = Trail(db, tmp_path, retention_days=0)  # the signer restarted with 0 days
+    try:
+        with trail.serving(layout.signer_socket(tmp_path)):
+            code, output = audit("prune", "--store", str(db), "--days", "36500")
+            assert code == 0 and "nothing new to prune" in output, output
+            assert "deleted 0 record(s)" in output
+            code, output = audit("prune", "--store", str(db))
+            assert code == 0 and "deleted 20 record(s)" in output, output
+            assert "witnessed a prune in checkpoint 2 (retention 0 day(s)): journal" in output
+    finally:
+        trail.close()
+    # retention with 0 days is legitimate only because the signer was set so: verify says so
+    code, output = audit("verify", "--store", str(db))
+    assert code == 0, output
+    assert "retention: 0 day(s), as the signer signed it" in output
+    assert "retention changed from 730 to 0 day(s) at checkpoint 2" in output
 
 
 def test_collect_bad_journal_argument(tmp_path: Path) -> None:
@@ -340,19 +412,22 @@ def test_every_command_on_postgresql(pg: PostgresServer, tmp_path: Path) -> None
     )
     assert code == 0 and len(output.splitlines()) == 5, output
     code, output = audit("erase", "--store", dsn, "--subject-raw", "mallory", "--salt", SALT)
-    assert code == 1 and "nothing changed" in output
+    assert code == 0 and "nothing to erase" in output
     code, output = audit("erase", "--store", dsn, "--subject-raw", "alice", "--salt", SALT)
     assert code == 0 and "erased: 5 record(s)" in output, output
+    assert "warning" not in output  # the database kept nothing (testing.postgres: wal_recycle off)
     code, output = audit(
         "query", "--store", dsn, "--json", "--subject-raw", "alice", "--salt", SALT
     )
     assert code == 0 and output.strip() == ""
     code, output = audit("query", "--store", dsn, "--json", "--chain", "@control")
-    (erasure,) = [json.loads(line) for line in output.splitlines()]
-    assert erasure["event"] == "erasure" and erasure["records"] == 5
+    control = [json.loads(line) for line in output.splitlines()]
+    (erasure,) = [r for r in control if r["event"] == "erasure"]
+    assert erasure["records"] == 5 and len(erasure["pseudonyms"]) == 1
+    assert [r["action"] for r in control] == ["query", "erase", "erase", "query"]
     assert subject_of("alice") not in output and "alice" not in output
     code, output = audit("verify", "--store", dsn, *key, *witness)
-    assert code == 0 and "1 record(s) after it not yet signed" in output, output
+    assert code == 0 and "4 record(s) after it not yet signed" in output, output
     export = tmp_path / "export.jsonl"
     code, output = audit(
         "export", "--store", dsn, "--since", "2026-01-01T00:00:00Z", "--out", str(export), *key

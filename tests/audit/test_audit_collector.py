@@ -369,6 +369,40 @@ async def test_checkpoints_come_from_the_signer(tmp_path: Path) -> None:
     trail.close()
 
 
+async def test_retention_deletes_only_what_the_signer_witnessed(tmp_path: Path) -> None:
+    """The collector's retention tick asks the signer (over its socket) to witness a prune;
+    with the signer's retention at 0 days everything signed goes, and what the collector
+    stores afterwards verifies from the witnessed start. Without a signer nothing goes."""
+    trail = Trail(tmp_path / "a.db", tmp_path, retention_days=0)
+    journal = tmp_path / "j.jsonl"
+    write(journal, b"".join(line(i) for i in range(20)))
+    with trail.serving(f"unix:{tmp_path / 'signer.sock'}") as address:
+        collector = await collect(
+            trail.store, journal, signer=SignerClient(address), retention_interval=0.05
+        )
+        await until(
+            "signed and pruned",
+            lambda: (
+                [a.seq for a in trail.store.chains().values()] == [20] and trail.store.count() == 0
+            ),
+        )
+        write(journal, b"".join(line(i) for i in range(20, 25)))
+        await collector.drain()
+        await collector.stop()
+    report = trail.verify()
+    assert report.ok, report.problems
+    chain = report.chains["edge~0"]
+    assert chain.pruned_seq == 20 and chain.last_seq == 25 and report.retention_days == 0
+    trail.close()
+    unsigned = SqliteStore(tmp_path / "b.db")
+    collector = await collect(unsigned, journal, retention_interval=0.01)
+    await collector.drain()
+    await asyncio.sleep(0.05)
+    await collector.stop()
+    assert unsigned.count() == 25
+    unsigned.close()
+
+
 async def test_an_unreachable_signer_is_loud_and_loses_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -532,4 +566,60 @@ async def test_qos_refusals_are_counted_per_tenant_and_limit(tmp_path: Path) -> 
         'meshfn_qos_proxy_refusals_total{class="batch",limit="shed",source="edge~0",'
         'tenant="initech"} 2.0' in text
     ), text
+    store.close()
+
+
+def subject_line(i: int, subject: str) -> bytes:
+    state = json.dumps({"subject": subject, "salt_id": "s", "tenant": "t"})
+    record = {"id": f"s{i}", "time": "2026-01-01T00:00:00.000000Z", "status": 200, "audit": state}
+    return (json.dumps(record) + "\n").encode()
+
+
+async def test_an_erasure_while_lines_arrive_leaves_no_copy_and_loses_nothing(
+    location: str, tmp_path: Path
+) -> None:
+    """collector.erase while another writer keeps appending to the journal: afterwards neither
+    the store nor the journal links anything to the subject, every line is stored exactly once
+    (the subject's too, unlinkable), the chain verifies, and a restarted collector resumes where
+    this one stopped (the redaction kept the stored fingerprint in step)."""
+    import threading
+
+    alice, bob = "5a" * 32, "6b" * 32
+    store = open_store(location)
+    journal = tmp_path / "journal" / "edge.jsonl"
+    journal.parent.mkdir()
+    write(journal, b"".join(subject_line(i, (alice, bob)[i % 2]) for i in range(40)))
+    collector = await collect(store, journal)
+    await collector.drain()
+    write(journal, b"".join(subject_line(i, (alice, bob)[i % 2]) for i in range(40, 50)))
+    stop = threading.Event()
+
+    def others() -> None:  # bob keeps making requests through the erasure
+        for i in range(50, 250):
+            write(journal, subject_line(i, bob))
+            if stop.wait(0.002):
+                return
+
+    writer = threading.Thread(target=others)
+    writer.start()
+    try:
+        done, copies = await asyncio.to_thread(collector.erase, alice, "tester", "test")
+    finally:
+        writer.join()
+    assert done is not None and done.records == 25 and copies == 25
+    await collector.drain()
+    await collector.stop()
+    assert alice.encode() not in journal.read_bytes()
+    assert journal.read_bytes().count(bob.encode()) == 225
+    assert store.pseudonyms(alice) == [] and store.query(subject=alice, limit=None) == []
+    rows = [r for r in store.query(limit=None) if r["chain"] == "edge~0"]
+    assert sorted(int(r["id"][1:]) for r in rows) == list(range(250))  # each once
+    assert len(store.query(subject=bob, limit=None)) == 225
+    assert chain_intact(store)
+    collector = await collect(store, journal)  # restarted: nothing read twice
+    write(journal, subject_line(250, alice))  # alice, after her erasure: a new pseudonym
+    await collector.drain()
+    await collector.stop()
+    assert len([r for r in store.query(limit=None) if r["chain"] == "edge~0"]) == 251
+    assert len(store.query(subject=alice, limit=None)) == 1
     store.close()

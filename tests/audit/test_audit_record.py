@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from meshfn.audit.record import canonical, from_log_line, trace_id
+from meshfn.contracts.journal import ERASED_SUBJECT
 
 EDGE = "spiffe://td/ns/ingress/sa/edge"
 
@@ -78,6 +79,22 @@ def test_bare_filter_state_with_its_access_log_fields() -> None:
     r = from_log_line(json.dumps({**entry, "tenant": {"a": [1]}}).encode(), "n")
     assert r["tenant"] == '{"a":[1]}'
     canonical(r)
+
+
+def test_an_erased_subject_is_stored_as_erased() -> None:
+    """A journal line an erasure redacted (redact.py): the subject is null and says why, in
+    both shapes of the filter state; nothing else changes, and no error."""
+    bare = {"status": 200, "audit": ERASED_SUBJECT, "tenant": "acme", **BARE_FIELDS}
+    full = {"status": 200, "audit": json.dumps({"subject": ERASED_SUBJECT, "tenant": "acme"})}
+    for entry in (bare, full):
+        r = from_log_line(json.dumps(entry).encode(), "n")
+        assert r["audited"] and r["subject"] is None and r["subject_erased"] is True
+        assert r["tenant"] == "acme" and "error" not in r
+    assert len(ERASED_SUBJECT) == 64  # the HMAC's length: every stored offset stays valid
+    with pytest.raises(ValueError):
+        bytes.fromhex(ERASED_SUBJECT)  # and never taken for a subject
+    r = from_log_line(json.dumps({**bare, "audit": "ab" * 32}).encode(), "n")
+    assert "subject_erased" not in r
 
 
 def test_non_string_fields_are_kept_as_json() -> None:

@@ -1,7 +1,8 @@
-"""The audit store on BOTH backends (SQLite and a real PostgreSQL server): chains per journal,
-signed cross-checkpoints made by the signer and kept in a witness, tamper detection that names
-journal and record (a truncated tail, a rewritten record and a re-signed history each by name),
-retention, queries, racing writers, and erasure by crypto-shredding."""
+"""The audit store on BOTH backends (SQLite and a real PostgreSQL server, where each component
+connects as its own role): chains per journal, signed cross-checkpoints made and stored by the
+signer and kept in a witness, tamper detection that names journal and record (a truncated tail,
+a rewritten record and a re-signed history each by name), retention witnessed by the signer,
+queries, racing writers, and erasure by crypto-shredding."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typer.testing import CliRunner
 
 from meshfn.audit import Checkpoint, layout, offline, open_store, verify
 from meshfn.audit.cli import audit_app
+from meshfn.audit.postgres import PostgresStore
 from meshfn.audit.record import canonical
 from meshfn.audit.signer import Signer
 from meshfn.audit.sqlite import SqliteStore
@@ -92,6 +94,8 @@ def rewrite(trail: Trail, new_rows: list[list[Any]], chain: str = "edge") -> Non
 
 
 def test_records_and_checkpoints_are_append_only(trail: Trail) -> None:
+    """The triggers, even for the owner (on PostgreSQL the collectors' role is refused most of
+    this before a trigger runs: test_audit_roles)."""
     fill(trail, 20)
     for sql in (
         "UPDATE records SET record = '{}' WHERE seq = 3",
@@ -101,7 +105,14 @@ def test_records_and_checkpoints_are_append_only(trail: Trail) -> None:
         "DELETE FROM checkpoints WHERE n = 1",
     ):
         with pytest.raises(StoreError, match="append-only"):
-            trail.store._count(sql)
+            trail.owner._count(sql)
+    for sql, why in (
+        ("UPDATE chains SET anchor_seq = 5 WHERE chain = 'edge'", "signer witnessed"),
+        ("DELETE FROM chains WHERE chain = 'edge'", "never deleted"),
+        ("INSERT INTO chains (chain, anchor_seq, anchor_hash) VALUES ('x', 3, ?)", "record 0"),
+    ):
+        with pytest.raises(StoreError, match=why):
+            trail.owner._count(sql, (b"\x00" * 32,) if "?" in sql else ())
     assert trail.store.count() == 20 and trail.verify().ok
 
 
@@ -275,7 +286,7 @@ def test_forged_signature_and_unwitnessed_checkpoint(trail: Trail) -> None:
     elsewhere.parent.mkdir()
     elsewhere.write_bytes(trail.witness.path.read_bytes())  # a copy that then goes its own way
     other = Trail(trail.location, elsewhere.parent)
-    other.signer = Signer(other.reader, trail.key, FileWitness(elsewhere))
+    other.signer = Signer(other.signer_store, trail.key, FileWitness(elsewhere))
     trail.store.append([rec(21)], chain="edge")
     other.checkpoint()
     assert ("unwitnessed", None, None) in trail.problems()
@@ -299,14 +310,18 @@ def test_signer_refuses_a_chain_rewritten_under_it(trail: Trail) -> None:
     assert any("the store ends at record 0" in r for r in trail.signer.sign().refused)
 
 
-def test_checkpoints_a_dead_collector_never_stored_are_handed_out_again(trail: Trail) -> None:
+def test_checkpoints_the_store_lost_are_stored_again(trail: Trail) -> None:
+    """Witnessed, but gone from the store (the signer died between its witness and its
+    insert): the signer's next answer stores it again, before the new one."""
     trail.store.append([rec(1)], chain="edge")
-    lost = trail.signer.sign()  # answered, but the collector died before storing it
+    lost = trail.signer.sign()
+    raw = Raw(trail.location)
+    raw.run("DELETE FROM checkpoints")
+    raw.close()
+    assert trail.store.last_checkpoint() == 0
     trail.store.append([rec(2)], chain="edge")
     result = trail.signer.sign()
     assert [c.n for c in result.checkpoints] == [lost.checkpoints[0].n, lost.checkpoints[0].n + 1]
-    for checkpoint in result.checkpoints:
-        trail.store.add_checkpoint(checkpoint)
     assert trail.verify().ok and trail.verify().checkpoints == 2
 
 
@@ -318,19 +333,31 @@ def test_a_signer_restart_continues_from_its_witness(trail: Trail) -> None:
         Signer(trail.reader, Ed25519PrivateKey.generate(), trail.witness)
 
 
-def test_retention_keeps_the_rest_verifiable(trail: Trail) -> None:
-    fill(trail, 30)
-    fill(trail, 5, chain="other")
-    now = time.time()
-    assert trail.store.apply_retention(days=730, now=now) == 0
-    deleted = trail.store.apply_retention(days=1, now=now + 2 * 86400)
-    assert deleted == 35  # every checkpoint is old enough: up to the newest
-    trail.store.append([rec(31), rec(32)], chain="edge")
-    trail.checkpoint()
-    report = trail.verify(now=now + 2 * 86400)
-    assert report.ok, report.problems
-    assert report.chains["edge"].anchor_seq == 30 and report.chains["edge"].first_seq == 31
-    assert report.records == 2
+def test_retention_keeps_the_rest_verifiable(location: str, tmp_path: Path) -> None:
+    """The signer (1-day retention) witnesses the prune, the store deletes that much; what
+    stays verifies from the witnessed starting point."""
+    trail = Trail(location, tmp_path, retention_days=1)
+    try:
+        fill(trail, 30)
+        fill(trail, 5, chain="other")
+        now = time.time()
+        assert trail.prune(now=now) == 0  # nothing is a day old yet
+        assert trail.prune(now=now + 2 * 86400) == 35  # every checkpoint is: up to the newest
+        assert trail.prune(now=now + 2 * 86400) == 0  # witnessed once
+        (prune,) = [c for c in trail.witness.read()[0] if c.prune]
+        assert prune.prune.keys() == {"edge", "other"} and prune.prune["edge"][0] == 30
+        assert prune.retention_days == 1 and not prune.heads
+        trail.store.append([rec(31), rec(32)], chain="edge")
+        trail.checkpoint()
+        report = trail.verify(now=now + 2 * 86400)
+        assert report.ok, report.problems
+        assert report.chains["edge"].anchor_seq == 30 and report.chains["edge"].first_seq == 31
+        assert report.chains["edge"].pruned_seq == 30 and report.retention_days == 1
+        assert report.records == 2
+        with pytest.raises(Exception, match=r"retention is 1 day\(s\)"):
+            trail.prune(days=0)
+    finally:
+        trail.close()
 
 
 def test_early_deletion_disguised_as_retention(trail: Trail) -> None:
@@ -343,11 +370,14 @@ def test_early_deletion_disguised_as_retention(trail: Trail) -> None:
         (all_rows[19][3],),
     )
     raw.close()
-    assert trail.problems() == [("retention", "edge", 20)]
+    assert trail.problems() == [("deleted", "edge", 1)]
+    assert "records 1-20 were removed, but no prune the signer witnessed covers them" in (
+        trail.verify().problems[0].detail
+    )
     raw = Raw(trail.location)
     raw.run("UPDATE chains SET anchor_hash = ? WHERE chain = 'edge'", (b"\x00" * 32,))
     raw.close()
-    assert ("retention", "edge", 20) in trail.problems()
+    assert ("deleted", "edge", 1) in trail.problems()
 
 
 def test_query_filters(trail: Trail) -> None:
@@ -402,6 +432,20 @@ def test_racing_writers_store_each_batch_once(location: str) -> None:
     b.close()
 
 
+def test_the_control_chain_has_many_writers(location: str) -> None:
+    """The control plane, the CLI and the console all append access records to @control, each
+    through its own store object: none may trip over another's head."""
+    a, b = open_store(location), open_store(location)
+    try:
+        assert a.append([{"v": 2, "event": "access", "n": 1}], chain=CONTROL_CHAIN) == 1
+        assert b.append([{"v": 2, "event": "access", "n": 2}], chain=CONTROL_CHAIN) == 2
+        assert a.append([{"v": 2, "event": "access", "n": 3}], chain=CONTROL_CHAIN) == 3
+        assert [r["n"] for r in b.query(chain=CONTROL_CHAIN, limit=None)] == [1, 2, 3]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_reserved_chain_names(trail: Trail) -> None:
     with pytest.raises(StoreError, match="meshfn's own"):
         trail.store.append([rec(1)], chain="@x")
@@ -411,7 +455,8 @@ def test_reserved_chain_names(trail: Trail) -> None:
 
 
 def _database_bytes(trail: Trail, pg: PostgresServer | None) -> bytes:
-    """Everything a reader of the database's files, or of a backup taken now, could see."""
+    """Everything a reader of the database's files, or of a backup taken now, could see: for
+    PostgreSQL the database's files, a dump, and the write-ahead log."""
     if not trail.location.startswith("postgresql://"):
         path = Path(trail.location)
         return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
@@ -423,7 +468,8 @@ def _database_bytes(trail: Trail, pg: PostgresServer | None) -> bytes:
         "SELECT oid FROM pg_database WHERE datname = current_database()"
     )[0]
     files = b"".join(p.read_bytes() for p in (pg.data / "base" / str(oid)).iterdir() if p.is_file())
-    return dump + files
+    wal = b"".join(p.read_bytes() for p in (pg.data / "pg_wal").iterdir() if p.is_file())
+    return dump + files + wal
 
 
 def test_erasure_leaves_the_records_unlinkable_and_verifiable(
@@ -435,7 +481,7 @@ def test_erasure_leaves_the_records_unlinkable_and_verifiable(
     pseudonym = trail.store.query(subject=target, limit=1)[0]["subject"]
     before = trail.store.count()
     trail.store._rows("SELECT 1")  # any reader would do: the erasure must not wait for it
-    done = trail.store.erase(target)
+    done = trail.owner.erase(target)
     assert done is not None and done.records == 10 and not done.residue
     assert trail.store.query(subject=target, limit=None) == []
     assert trail.store.pseudonyms(target) == []
@@ -444,10 +490,12 @@ def test_erasure_leaves_the_records_unlinkable_and_verifiable(
     assert len(trail.store.query(subject=pseudonym, limit=None)) == 10
     trail.checkpoint()
     assert trail.verify().ok, trail.verify().problems
-    # the erasure is a record of its own that names no subject
+    # the erasure is a record of its own: who, the destroyed pseudonym (random, and now linked
+    # to no one), how many records; never the subject's HMAC
     (erasure,) = trail.store.query(chain=CONTROL_CHAIN, limit=None)
     assert erasure["event"] == "erasure" and erasure["records"] == 10
-    assert target not in json.dumps(erasure) and pseudonym not in json.dumps(erasure)
+    assert erasure["pseudonyms"] == [pseudonym] and target not in json.dumps(erasure)
+    assert done.hashes == (target,) and done.pseudonyms == (pseudonym,)
     # nothing in the database files (or a dump) links the pseudonym to the subject any more
     data = _database_bytes(trail, pg)
     assert target.encode() not in data and bytes.fromhex(target) not in data
@@ -458,20 +506,63 @@ def test_erasure_leaves_the_records_unlinkable_and_verifiable(
     assert len(fresh) == 1 and fresh[0]["subject"] != pseudonym
 
 
+def test_erasure_outlasts_a_reader_that_still_sees_the_row(
+    pg: PostgresServer, tmp_path: Path
+) -> None:
+    """A transaction older than the erasure still sees the deleted row, and VACUUM FULL keeps
+    what it can see: the erasure rewrites the table again once that reader has ended, so no
+    file keeps the row (and says so when a reader outlives its patience)."""
+    import threading
+
+    import psycopg
+
+    trail = Trail(pg.database(), tmp_path)
+    try:
+        fill(trail, 9)
+        target = SUBJECTS[2]
+        reader = psycopg.connect(trail.location)
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM subjects").fetchall()  # its snapshot has the row
+        reader.execute("COMMIT")
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM records").fetchall()  # an old snapshot, no lock
+        threading.Timer(1.0, reader.close).start()
+        started = time.monotonic()
+        done = trail.owner.erase(target)  # the owner erases (roles.py)
+        assert done is not None and done.residue == (), done
+        assert time.monotonic() - started >= 0.9  # it waited for the reader
+        assert target.encode() not in _database_bytes(trail, pg)
+        # a reader that never ends: said, with what to run
+        stubborn = psycopg.connect(trail.location)
+        stubborn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        stubborn.execute("SELECT count(*) FROM records").fetchall()
+        store = trail.owner
+        assert isinstance(store, PostgresStore)
+        store.shred_patience = 1.0
+        try:
+            leftover = store.erase(SUBJECTS[1])
+            assert leftover is not None
+        finally:
+            stubborn.close()
+        assert any("VACUUM FULL subjects" in line for line in leftover.residue), leftover
+    finally:
+        trail.close()
+
+
 def test_erasing_an_unknown_subject_changes_nothing(trail: Trail) -> None:
     fill(trail, 10)
     heads = trail.store.heads()
-    assert trail.store.erase("ee" * 32) is None
-    assert trail.store.erase("ee" * 16) is None
+    assert trail.owner.erase("ee" * 32) is None
+    assert trail.owner.erase("ee" * 16) is None
     assert trail.store.heads() == heads and trail.store.query(chain=CONTROL_CHAIN) == []
     with pytest.raises(StoreError, match="64 hex"):
-        trail.store.erase("not-a-subject")
+        trail.owner.erase("not-a-subject")
 
 
 def test_erasure_by_pseudonym(trail: Trail) -> None:
     fill(trail, 9)
     pseudonym = trail.store.query(subject=SUBJECTS[0], limit=1)[0]["subject"]
-    done = trail.store.erase(pseudonym)
+    done = trail.owner.erase(pseudonym)
     assert done is not None and done.records == 3
     assert trail.store.query(subject=SUBJECTS[0]) == []
 

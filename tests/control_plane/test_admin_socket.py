@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from meshfn.common.files import private_directory
+from meshfn.common.unix import MAX_SOCKET_PATH
 from meshfn.control_plane.runtime.bootstrap import (
     ADMIN_CLUSTER,
     ADMIN_TCP_LISTENER,
-    MAX_SOCKET_PATH,
     AdminSocketPathTooLong,
     ProxyIdentity,
     admin_port_warnings,
@@ -76,10 +76,47 @@ def test_an_admin_port_forwards_to_the_socket(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_meshfn_bootstrap_without_a_socket_keeps_tcp() -> None:
-    """`meshfn bootstrap` (an Envoy run elsewhere, e.g. in a pod) keeps a loopback TCP admin."""
-    config = bootstrap_json(identity(), "127.0.0.1", 18000)
-    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+def bootstrap_command(state: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [MESHFN, "bootstrap", "edge.ingress", "--policies", str(EXAMPLES),
+         "--state-dir", str(state), *extra],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+
+
+def test_meshfn_bootstrap_serves_admin_on_a_private_socket_too(tmp_path: Path) -> None:
+    """`meshfn bootstrap` (an Envoy you run yourself) as `meshfn up`: admin on a unix socket in
+    the state directory; TCP only on request (--admin-port), with `meshfn up`'s warning."""
+    state = tmp_path / "state"
+    result = bootstrap_command(state)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    config = json.loads(result.stdout)
+    sock = admin_socket_path(state, "edge.ingress~0")
+    assert config["admin"] == {"address": {"pipe": {"path": str(sock), "mode": 0o600}}}
+    assert "listeners" not in config["static_resources"]
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700  # made for Envoy to bind in
+    assert validate(config).returncode == 0
+
+    tcp = bootstrap_command(state, "--admin-port", "19000")
+    assert tcp.returncode == 0
+    warning = " ".join(tcp.stderr.split())
+    assert warning.startswith("warning: --admin-port 19000 for edge.ingress: its Envoy's admin")
+    for risk in ("127.0.0.1:19000", "without authentication", "Any local user", "ADS token",
+                 "private key", "drain or stop", "Drop --admin-port"):  # fmt: skip
+        assert risk in warning, warning
+    config = json.loads(tcp.stdout)
+    assert config["admin"]["address"]["pipe"]["path"] == str(sock)
+    (listener,) = config["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 19000}
+    assert validate(config).returncode == 0
+
+    elsewhere = tmp_path / "run" / "admin.sock"
+    moved = json.loads(bootstrap_command(state, "--admin-socket", str(elsewhere)).stdout)
+    assert moved["admin"]["address"]["pipe"]["path"] == str(elsewhere)
+    assert not elsewhere.parent.exists()  # a directory of the user's: never made or chmodded
+    deep = bootstrap_command(tmp_path / ("d" * MAX_SOCKET_PATH))
+    assert deep.returncode == 1 and "use a shorter --state-dir" in deep.stderr, deep.stderr
+    assert "Traceback" not in deep.stderr
 
 
 def test_socket_paths_fit_or_fail_clearly(tmp_path: Path) -> None:

@@ -58,6 +58,7 @@ def test_metrics_named_in_the_docs_exist() -> None:
                         "meshfn_audit_",
                         "meshfn_qos_",
                         "meshfn_ebpf_",
+                        "meshfn_egress_",
                         "meshfn_route_",
                         "meshfn_drift_",
                         "meshfn_policy_",

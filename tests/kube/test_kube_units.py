@@ -14,10 +14,13 @@ from typing import Any
 
 import jsonschema
 import kubernetes_validate
+import psycopg
 import pytest
 import yaml
+from typer.testing import CliRunner
 
-from meshfn.audit import signing
+from meshfn.audit import open_store, signing
+from meshfn.audit.cli import audit_app
 from meshfn.common.kube.api import KubeClient, KubeConfig
 from meshfn.contracts.function import BackendConfig
 from meshfn.contracts.kube import ANNOTATION_HASH, KINDS
@@ -30,6 +33,7 @@ from meshfn.kube.workloads import BackendSettings, Rendered, render_backends
 from meshfn.policy import PolicyErrors, crds, load_policies
 from meshfn.policy.kube_source import KubePolicySource, ObjectKey, compile_objects
 from meshfn.policy.model import KINDS as MODELS
+from meshfn.testing.postgres import PostgresServer
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "policies" / "examples"
@@ -375,7 +379,7 @@ def assert_hardened(documents: list[dict[str, Any]]) -> None:
     """Every workload: non-root, read-only root, no privilege escalation, no capabilities,
     requests and limits."""
     for doc in documents:
-        if doc["kind"] not in ("Deployment", "DaemonSet", "StatefulSet"):
+        if doc["kind"] not in ("Deployment", "DaemonSet", "StatefulSet", "Job"):
             continue
         pod = doc["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, doc["metadata"]["name"]
@@ -387,8 +391,12 @@ def assert_hardened(documents: list[dict[str, Any]]) -> None:
             assert container["resources"]["requests"] and container["resources"]["limits"]
 
 
+PG_TRIAL = "auditCollector.enabled=true,auditStore.postgresql.trial.enabled=true"
+PG_EXTERNAL = "auditCollector.enabled=true,auditStore.postgresql.existingSecret=ext-pg"
+
+
 def test_helm_lint_is_clean() -> None:
-    for extra in ([], ["--set", "serviceMonitor.enabled=true,auditCollector.enabled=true"]):
+    for extra in ([], ["--set", f"serviceMonitor.enabled=true,{PG_TRIAL}"]):
         result = subprocess.run(
             [helm(), "lint", str(REPO / "manifests"), *extra],
             capture_output=True,
@@ -401,14 +409,14 @@ def test_helm_lint_is_clean() -> None:
 
 
 def test_rendered_chart_validates_and_is_hardened() -> None:
-    documents = chart("--set", "serviceMonitor.enabled=true,auditCollector.enabled=true")
+    documents = chart("--set", f"serviceMonitor.enabled=true,{PG_TRIAL}")
     for doc in documents:
         if doc["kind"] == "ServiceMonitor":
             assert doc["apiVersion"] == "monitoring.coreos.com/v1"
             continue
         valid(doc)
     assert_hardened(documents)
-    operator = next(d for d in documents if d["kind"] == "Deployment")
+    operator = _by(documents, "Deployment")["meshfn"]  # (the audit signer is one too)
     container = operator["spec"]["template"]["spec"]["containers"][0]
     assert {"livenessProbe", "readinessProbe", "startupProbe"} <= set(container)
     kinds = {d["kind"] for d in documents}
@@ -429,10 +437,6 @@ def test_rendered_chart_validates_and_is_hardened() -> None:
     als = services[f"{config.service}-als"]
     assert als["spec"]["ports"][0]["port"] == config.alsPort
     assert als["spec"]["selector"]["meshfn.io/leader"] == "true"
-
-
-PG_TRIAL = "auditCollector.enabled=true,auditStore.type=postgresql,auditStore.postgresql.trial.enabled=true"
-PG_EXTERNAL = "auditCollector.enabled=true,auditStore.type=postgresql,auditStore.postgresql.existingSecret=ext-pg"
 
 
 def _by(documents: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -475,9 +479,10 @@ def test_chart_audit_trail_on_postgresql(values: str, tmp_path: Path) -> None:
     assert service["spec"]["ports"][0]["port"] == int(port)
     signer_labels = signer_deployment["spec"]["template"]["metadata"]["labels"]
     assert _selects(service["spec"]["selector"], signer_labels)
-    # the signer reads the store (read-only role for an external server) and holds the key
-    signer_store = _secret_key(signer, "MESHFN_AUDIT_STORE")
-    assert signer_store == (store_secret, "dsn" if values == PG_TRIAL else "readonlyDsn")
+    # the signer connects as its own role (it inserts checkpoints only), holds the key and the
+    # retention
+    assert _secret_key(signer, "MESHFN_AUDIT_STORE") == (store_secret, "signerDsn")
+    assert signer["args"][signer["args"].index("--retention-days") + 1] == "730"
     assert signer_deployment["spec"]["replicas"] == 1
     assert signer_deployment["spec"]["strategy"]["type"] == "Recreate"
     volumes = {v["name"]: v for v in signer_deployment["spec"]["template"]["spec"]["volumes"]}
@@ -514,11 +519,41 @@ def test_chart_audit_trail_on_postgresql(values: str, tmp_path: Path) -> None:
     (rule,) = policy["spec"]["ingress"]
     collector_labels = _by(documents, "DaemonSet")["meshfn-audit"]["spec"]["template"]["metadata"]
     assert _selects(rule["from"][0]["podSelector"]["matchLabels"], collector_labels["labels"])
+    # the owner's DSN goes to the init Job only (as the tables' owner it could drop triggers)
+    (job,) = [d for d in documents if d["kind"] == "Job"]
+    init = _container(job)
+    assert _secret_key(init, "MESHFN_AUDIT_STORE") == (store_secret, "ownerDsn")
+    assert {e["name"]: _secret_key(init, e["name"])[1] for e in init["env"]} == {
+        "MESHFN_AUDIT_STORE": "ownerDsn",
+        "MESHFN_AUDIT_COLLECTOR_DSN": "dsn",
+        "MESHFN_AUDIT_SIGNER_DSN": "signerDsn",
+        "MESHFN_AUDIT_READER_DSN": "readonlyDsn",
+        "MESHFN_AUDIT_AUDITOR_DSN": "auditorDsn",  # optional: an external Secret may lack it
+    }
+    assert init["args"][:2] == ["audit", "init"]
+    assert ("--create-roles" in init["args"]) == (values == PG_TRIAL)
+    for doc in documents:
+        if doc["kind"] in ("Deployment", "DaemonSet", "StatefulSet"):
+            assert "ownerDsn" not in json.dumps(doc), doc["metadata"]["name"]
+    init_labels = job["spec"]["template"]["metadata"]["labels"]
+    init_policy = _by(documents, "NetworkPolicy")["meshfn-audit-init"]
+    assert _selects(init_policy["spec"]["podSelector"]["matchLabels"], init_labels)
     statefulsets = _by(documents, "StatefulSet")
     if values == PG_TRIAL:
         database = statefulsets["meshfn-audit-postgresql"]
-        dsn = _by(documents, "Secret")[store_secret]["stringData"]["dsn"]
-        assert dsn.startswith("postgresql://meshfn:") and "@meshfn-audit-postgresql." in dsn
+        dsns = _by(documents, "Secret")[store_secret]["stringData"]
+        for key, user in (
+            ("ownerDsn", "meshfn"),
+            ("dsn", "meshfn_audit_collector"),
+            ("signerDsn", "meshfn_audit_signer"),
+            ("readonlyDsn", "meshfn_audit_reader"),
+            ("auditorDsn", "meshfn_audit_auditor"),
+        ):
+            assert dsns[key].startswith(f"postgresql://{user}:"), key
+            assert "@meshfn-audit-postgresql." in dsns[key]
+        (rule,) = _by(documents, "NetworkPolicy")["meshfn-audit-postgresql"]["spec"]["ingress"]
+        allowed = rule["from"][0]["podSelector"]["matchExpressions"][2]["values"]
+        assert init_labels["app.kubernetes.io/component"] in allowed
         assert _selects(
             services["meshfn-audit-postgresql"]["spec"]["selector"],
             database["spec"]["template"]["metadata"]["labels"],
@@ -531,11 +566,10 @@ def test_chart_audit_trail_on_postgresql(values: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ("auditCollector.enabled=true,auditStore.type=mysql", "neither sqlite nor postgresql"),
-        (
-            "auditCollector.enabled=true,auditStore.type=postgresql",
-            "needs auditStore.postgresql.existingSecret",
-        ),
+        ("auditCollector.enabled=true,auditStore.type=mysql", '"mysql" is not postgresql'),
+        ("auditCollector.enabled=true", "needs auditStore.postgresql.existingSecret"),
+        # the per-node store had no signer and no witness: removed, and said so
+        ("auditCollector.enabled=true,auditStore.type=sqlite", "sqlite (a store per node,"),
     ],
 )
 def test_chart_refuses_an_audit_store_it_cannot_wire(values: str, message: str) -> None:
@@ -543,11 +577,46 @@ def test_chart_refuses_an_audit_store_it_cannot_wire(values: str, message: str) 
     assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
-def test_chart_sqlite_collectors_keep_a_store_per_node() -> None:
-    documents = chart("--set", "auditCollector.enabled=true")
-    collector = _container(_by(documents, "DaemonSet")["meshfn-audit"])
-    assert "--store" in collector["args"] and "--signer" not in collector["args"]
-    assert not {"StatefulSet", "PersistentVolumeClaim"} & {d["kind"] for d in documents}
+def test_chart_trial_roles_hold_on_a_real_server(pg: PostgresServer) -> None:
+    """The trial chart's init Job, run as rendered (its arguments, and its environment from
+    the rendered Secret, pointed at a real server): each component's DSN is a role of its own;
+    the signer's cannot insert a record, the collectors' cannot insert a checkpoint, and both
+    work as the store's components."""
+    documents = chart("--set", PG_TRIAL)
+    secret = _by(documents, "Secret")["meshfn-audit-store"]["stringData"]
+    (job,) = [d for d in documents if d["kind"] == "Job"]
+    init = _container(job)
+    database = pg.database()
+    here = psycopg.conninfo.conninfo_to_dict(database)
+
+    def local(dsn: str) -> str:  # the chart's host -> the test server (trust: passwords kept)
+        info = psycopg.conninfo.conninfo_to_dict(dsn)
+        info.update(host=here["host"], port=here["port"], dbname=here["dbname"])
+        return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+
+    env = {e["name"]: local(secret[_secret_key(init, e["name"])[1]]) for e in init["env"]}
+    done = CliRunner().invoke(audit_app, init["args"][1:], env=env)
+    assert done.exit_code == 0, done.output
+    assert "role signer meshfn_audit_signer: SELECT on meta" in " ".join(done.output.split())
+    for key, table, sql in (
+        ("signerDsn", "records", "INSERT INTO records (chain, seq, record, prev, hash)"
+         " VALUES ('a', 1, '{}', '', '')"),
+        ("dsn", "checkpoints", "INSERT INTO checkpoints (n, body, signature, key_id, created)"
+         " VALUES (1, '{}', '', '', '')"),
+    ):  # fmt: skip
+        with (
+            psycopg.connect(local(secret[key]), autocommit=True) as conn,
+            pytest.raises(psycopg.errors.InsufficientPrivilege, match=table),
+        ):
+            conn.execute(sql.encode())
+    collector = open_store(local(secret["dsn"]))
+    reader = open_store(local(secret["readonlyDsn"]), readonly=True)
+    try:
+        collector.append([{"v": 2, "status": 200}], chain="node-1")
+        assert reader.count() == 1
+    finally:
+        collector.close()
+        reader.close()
 
 
 def _resources(cell: str) -> set[str]:

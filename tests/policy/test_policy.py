@@ -404,6 +404,11 @@ REFERENCE_CASES = [
         "spec.endpoints[0]",
         "[::1]:18001 points at the Mesh admin port",
     ),
+    (
+        doc("Function", "  backend: echo\n  egress: [{service: echo}, {service: nowhere}]\n"),
+        "spec.egress[1].service",
+        "unknown Service default/nowhere: an egress peer must be a Service of the mesh",
+    ),
 ]
 
 
@@ -752,3 +757,21 @@ def test_unknown_key_that_looks_like_a_tag(tmp_path: Path) -> None:
     unknown = [e for e in errors if "unknown field" in e.message]
     assert [(e.line, e.path) for e in unknown] == [(4, "spec:[x")], errors
     assert "(did you mean 'spec'?)" in unknown[0].message
+
+
+def test_sandbox_modes_and_egress_peers_reach_the_ir(tmp_path: Path) -> None:
+    files = base_files()
+    # a bare YAML `off` is read as false: for a sandbox layer it means "off"
+    files["mesh.yaml"] = (
+        MESH.replace(
+            "ports: {xds: 18000, admin: 18001}}",
+            "ports: {xds: 18000, admin: 18001}, sandbox: {landlock: off, seccomp: required}}",
+        )
+        + "---\n"
+        + GATEWAY
+    )
+    files["fn.yaml"] = doc("Function", "  backend: echo\n  egress: [{service: default/echo}]\n")
+    model = load_policies(write(tmp_path, files))
+    assert model.sandbox == ir.Sandbox(landlock="off", seccomp="required", egress="auto")
+    (function,) = model.functions
+    assert function.egress == ("default/echo",)

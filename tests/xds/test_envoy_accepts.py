@@ -26,10 +26,10 @@ GOLDEN = ROOT / "tests" / "golden"
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
-def test_bootstrap_validates() -> None:
+def test_bootstrap_validates(tmp_path: Path) -> None:
     model = load_policies(ROOT / "policies" / "examples")
     identity = ProxyIdentity.for_workload(model.workloads[0], "Bearer test-token")
-    result = validate(bootstrap_json(identity, "127.0.0.1", 18000))
+    result = validate(bootstrap_json(identity, "127.0.0.1", 18000, tmp_path / "admin.sock"))
     assert result.returncode == 0, result.stdout + result.stderr
 
 

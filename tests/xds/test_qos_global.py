@@ -261,6 +261,8 @@ def test_istio_renders_a_global_rate_as_local_limits_with_a_warning(model: ir.Me
     rendered = render(model, digests)
     codes = {(w.code, w.source.name, w.path) for w in rendered.warnings}
     assert ("qos-global-rate-needs-meshfn-rls", "tenants", ("spec", "global")) in codes
+    (text,) = {w.message for w in rendered.warnings if w.code == "qos-global-rate-needs-meshfn-rls"}
+    assert "up to N times the rate and N times the burst" in text  # the error of splitting
     filters = json.dumps(rendered.objects["EnvoyFilter"])
     assert "envoy.filters.http.local_ratelimit" in filters
     assert 'envoy.filters.http.ratelimit"' not in filters

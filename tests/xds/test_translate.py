@@ -22,7 +22,7 @@ from meshfn import ir
 from meshfn.policy import load_policies
 from meshfn.xds.fragments.messages import pack
 from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
-from meshfn.xds.translate import httpfilters, listeners, routes, sidecar, translate
+from meshfn.xds.translate import OFFLINE_HOST, httpfilters, listeners, routes, sidecar, translate
 from meshfn.xds.translate.httpfilters import FilterContext, HttpFilter
 from meshfn.xds.translate.resources import Resources
 
@@ -357,3 +357,45 @@ def test_envoy_re2_agrees_on_small_bodies(tmp_path: Path) -> None:
     expected = {v: "small" if small.fullmatch(v) else "other" for v in values}
     assert verdicts == expected, {v: verdicts[v] for v in values if verdicts[v] != expected[v]}
     assert verdicts["65536"] == "small" and verdicts["65537"] == "other"
+
+
+def test_a_sidecar_reaches_an_application_on_unix_sockets_where_the_host_says_so() -> None:
+    """`meshfn up` serves what runs behind a sidecar on unix sockets (ProxyHost.app_sockets):
+    the sidecar's local clusters then have `pipe` endpoints, one per serving process, under the
+    same names; without them (offline, `meshfn serve`) the endpoint's own port."""
+    model = load_policies(EXAMPLES)
+    node = next(w.node_cluster for w in model.workloads if w.name == "models")
+    inbound = model.workload(node).inbound  # type: ignore[union-attr]
+    assert inbound is not None and inbound.grpc_app_port is not None
+    offline = translate(model, node)
+    assert offline is not None
+    http_name = sidecar.local_cluster_name(inbound)
+    grpc_name = f"inbound|{inbound.grpc_app_port}"
+    for name, port in ((http_name, inbound.app_port), (grpc_name, inbound.grpc_app_port)):
+        (lb,) = offline[CLUSTER][name].load_assignment.endpoints[0].lb_endpoints
+        assert lb.endpoint.address.socket_address.port_value == port
+
+    sockets = {
+        (inbound.address, inbound.app_port): ("/s/http.0.sock", "/s/http.1.sock"),
+        (inbound.address, inbound.grpc_app_port): ("/s/grpc.0.sock", "/s/grpc.1.sock"),
+    }
+    host = dataclasses.replace(OFFLINE_HOST, app_sockets=tuple(sockets.items()))
+    local = translate(model, node, host=host)
+    assert local is not None
+    for name, port in ((http_name, inbound.app_port), (grpc_name, inbound.grpc_app_port)):
+        cluster = local[CLUSTER][name]
+        paths = [
+            lb.endpoint.address.pipe.path
+            for lb in cluster.load_assignment.endpoints[0].lb_endpoints
+        ]
+        assert paths == list(sockets[(inbound.address, port)])
+        assert cluster.type == cluster_pb2.Cluster.STATIC
+    # gRPC still speaks HTTP/2 to its socket; nothing else of the sidecar changes
+    assert local[CLUSTER][grpc_name].typed_extension_protocol_options
+    assert local[LISTENER] == offline[LISTENER]
+    # another sidecar (echo) is not named: its port
+    echo = next(w.node_cluster for w in model.workloads if w.name == "echo")
+    echo_clusters = translate(model, echo, host=host)
+    assert echo_clusters is not None
+    address = echo_clusters[CLUSTER]["inbound|9201"].load_assignment.endpoints[0].lb_endpoints[0]
+    assert address.endpoint.address.socket_address.port_value == 9201

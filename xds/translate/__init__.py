@@ -11,7 +11,7 @@ from meshfn import ir
 
 from ..names import SECRET
 from .gateway import gateway_resources
-from .host import OFFLINE_HOST, ProxyHost
+from .host import OFFLINE_HOST, AppSockets, ProxyHost
 from .httpfilters import FilterContext, QoSContext
 from .httpfilters.audit import audit_for
 from .resources import Resources
@@ -50,7 +50,7 @@ def translate(
             qos=QoSContext(claim) if claim is not None and workload.jwt_rules else None,
             openai=workload.inbound is not None and workload.inbound.functions,
         )
-        out = sidecar_resources(workload, filters, overlay)
+        out = sidecar_resources(workload, filters, overlay, host)
     else:
         out = gateway_resources(model, workload, overlay, host, audit, limit_service_token)
     if credentials is not None:
@@ -58,4 +58,4 @@ def translate(
     return out
 
 
-__all__ = ["OFFLINE_HOST", "Credentials", "ProxyHost", "Resources", "translate"]
+__all__ = ["OFFLINE_HOST", "AppSockets", "Credentials", "ProxyHost", "Resources", "translate"]

@@ -3,6 +3,8 @@ Listener, its RouteConfiguration and what its HTTP filters refer to."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf.message import Message
 
@@ -35,65 +37,14 @@ def gateway_resources(
     (Istio's default without a Sidecar resource): when a route moves from one service to
     another, or Envoy NACKs a new route table and keeps the old one, the clusters the routes in
     force point at still exist."""
-    services = model.services
-    proxy = workload.locality
-    clusters: dict[str, Message] = {cluster_name(s.key): cluster(s) for s in services}
-    endpoints: dict[str, Message] = {
-        cluster_name(s.key): load_assignment(s, proxy) for s in services
-    }
-    members: dict[str, tuple[str, ...]] = {}
-
-    def members_of(service: ir.Service) -> tuple[str, ...]:
-        """How a service joins an aggregate: as itself, or one cluster per locality tier."""
-        if service.key not in members:
-            if service.traffic is not None and service.traffic.locality_failover:
-                tiers = tier_assignments(service, proxy)
-                for assignment in tiers:
-                    clusters[assignment.cluster_name] = cluster(service, assignment.cluster_name)
-                    endpoints[assignment.cluster_name] = assignment
-                members[service.key] = tuple(a.cluster_name for a in tiers)
-            else:
-                members[service.key] = (cluster_name(service.key),)
-        return members[service.key]
-
-    def add_aggregates(service: ir.Service, chain: tuple[str, ...], tail: tuple[str, ...]) -> None:
-        """The aggregate over the whole chain, and over its tail alone where a drift breaker
-        can skip the primary."""
-        groups = [chain]
-        if service.drift is not None and len(tail) > 1:
-            groups.append(tail)
-        for group in groups:
-            aggregate = fallback_cluster(
-                group, service.traffic.breakers if service.traffic else None
-            )
-            clusters[aggregate.name] = aggregate
-
-    targets: dict[str, Target] = {}
-    for service in services:
-        chain = tuple(model.service(key) for key in service.fallback)
-        if not chain:
-            targets[service.key] = target_for(service)
-            continue
-        primary = members_of(service)
-        tail = tuple(name for fallback in chain for name in members_of(fallback))
-        add_aggregates(service, primary + tail, tail)
-        targets[service.key] = target_for(service, primary + tail, tail)
-    for service in services:  # QoS gateway shedding: each Function's twin clusters (routes.py)
-        target = targets[service.key]
-        for function, limits in service.function_shed:
-            for name in dict.fromkeys((target.cluster, *target.members)):
-                base = clusters[name]
-                assert isinstance(base, cluster_pb2.Cluster)
-                twin = function_cluster(base, function, limits)
-                clusters[twin.name] = twin
-            twins = function_target(target, function)
-            if twins.tail:
-                add_aggregates(service, twins.members, twins.tail)
+    built = _Clusters.of(model.services, workload.locality)
+    targets = built.targets(model)
+    built.add_shedding_twins(model.services, targets)
     out: Resources = {
         LISTENER: {},
         ROUTE: {},
-        CLUSTER: clusters,
-        ENDPOINT: endpoints,
+        CLUSTER: built.clusters,
+        ENDPOINT: built.endpoints,
         EXTENSION: {},
     }
     limit_service_metadata = (
@@ -126,6 +77,84 @@ def gateway_resources(
         )
         merge(out, httpfilters.resources(filters, overlay))
     return out
+
+
+@dataclass
+class _Clusters:
+    """A gateway's clusters and endpoints by name: one per service, then what fallback chains
+    (aggregates, locality tiers) and gateway shedding (a Function's twins) add."""
+
+    proxy: ir.Locality
+    clusters: dict[str, Message]
+    endpoints: dict[str, Message]
+    members: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, services: tuple[ir.Service, ...], proxy: ir.Locality) -> _Clusters:
+        return cls(
+            proxy,
+            {cluster_name(s.key): cluster(s) for s in services},
+            {cluster_name(s.key): load_assignment(s, proxy) for s in services},
+        )
+
+    def members_of(self, service: ir.Service) -> tuple[str, ...]:
+        """How a service joins an aggregate: as itself, or one cluster per locality tier."""
+        if service.key not in self.members:
+            if service.traffic is not None and service.traffic.locality_failover:
+                tiers = tier_assignments(service, self.proxy)
+                for assignment in tiers:
+                    self.clusters[assignment.cluster_name] = cluster(
+                        service, assignment.cluster_name
+                    )
+                    self.endpoints[assignment.cluster_name] = assignment
+                self.members[service.key] = tuple(a.cluster_name for a in tiers)
+            else:
+                self.members[service.key] = (cluster_name(service.key),)
+        return self.members[service.key]
+
+    def add_aggregates(
+        self, service: ir.Service, chain: tuple[str, ...], tail: tuple[str, ...]
+    ) -> None:
+        """The aggregate over the whole chain, and over its tail alone where a drift breaker
+        can skip the primary."""
+        groups = [chain]
+        if service.drift is not None and len(tail) > 1:
+            groups.append(tail)
+        for group in groups:
+            aggregate = fallback_cluster(
+                group, service.traffic.breakers if service.traffic else None
+            )
+            self.clusters[aggregate.name] = aggregate
+
+    def targets(self, model: ir.MeshModel) -> dict[str, Target]:
+        """Where each service's routes go: its cluster, or its fallback chain's aggregate."""
+        targets: dict[str, Target] = {}
+        for service in model.services:
+            chain = tuple(model.service(key) for key in service.fallback)
+            if not chain:
+                targets[service.key] = target_for(service)
+                continue
+            primary = self.members_of(service)
+            tail = tuple(name for fallback in chain for name in self.members_of(fallback))
+            self.add_aggregates(service, primary + tail, tail)
+            targets[service.key] = target_for(service, primary + tail, tail)
+        return targets
+
+    def add_shedding_twins(
+        self, services: tuple[ir.Service, ...], targets: dict[str, Target]
+    ) -> None:
+        """QoS gateway shedding: each Function's twin clusters (routes.py)."""
+        for service in services:
+            target = targets[service.key]
+            for function, limits in service.function_shed:
+                for name in dict.fromkeys((target.cluster, *target.members)):
+                    base = self.clusters[name]
+                    assert isinstance(base, cluster_pb2.Cluster)
+                    twin = function_cluster(base, function, limits)
+                    self.clusters[twin.name] = twin
+                twins = function_target(target, function)
+                if twins.tail:
+                    self.add_aggregates(service, twins.members, twins.tail)
 
 
 def model_router(model: ir.MeshModel, lst: ir.Listener, host: ProxyHost) -> RouteConfig | None:

@@ -23,7 +23,8 @@ from ..fragments.messages import pack
 from ..names import CLUSTER, INBOUND_LISTENER, LISTENER
 from . import httpfilters
 from .clusters import HTTP_PROTOCOL_OPTIONS, http1_trailers, http2_options
-from .common import one_endpoint, socket_address
+from .common import one_endpoint, pipe_endpoints, socket_address
+from .host import ProxyHost
 from .httpfilters import FilterContext
 from .listeners import HCM
 from .resources import Resources, merge
@@ -116,14 +117,19 @@ def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb
 
 @lru_cache(maxsize=4096)
 def local_cluster(
-    address: str, port: int, http2: bool, trailers: bool = False
+    address: str, port: int, http2: bool, sockets: tuple[str, ...] = (), trailers: bool = False
 ) -> cluster_pb2.Cluster:
+    """The sidecar's cluster for its application: address:port, or the application's unix
+    sockets (`ProxyHost.app_sockets`, one endpoint per serving process) where it has them;
+    `trailers`: HTTP/1.1 trailers pass (a generative function's usage record)."""
     name = names.local_cluster_name(port)
     cluster = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=duration_pb2.Duration(seconds=1),
-        load_assignment=one_endpoint(name, address, port),
+        load_assignment=pipe_endpoints(name, sockets)
+        if sockets
+        else one_endpoint(name, address, port),
     )
     if http2:
         cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(http2_options())
@@ -132,25 +138,25 @@ def local_cluster(
     return cluster
 
 
-def local_clusters(inbound: ir.Inbound) -> dict[str, cluster_pb2.Cluster]:
-    clusters = [
-        local_cluster(
-            inbound.address, inbound.app_port, inbound.protocol == "grpc", inbound.functions
-        )
-    ]
+def local_clusters(inbound: ir.Inbound, host: ProxyHost) -> dict[str, cluster_pb2.Cluster]:
+    def cluster(port: int, http2: bool) -> cluster_pb2.Cluster:
+        sockets = host.app_socket(inbound.address, port)
+        return local_cluster(inbound.address, port, http2, sockets, inbound.functions)
+
+    clusters = [cluster(inbound.app_port, inbound.protocol == "grpc")]
     if inbound.grpc_app_port is not None:
-        clusters.append(local_cluster(inbound.address, inbound.grpc_app_port, True))
+        clusters.append(cluster(inbound.grpc_app_port, True))
     return {c.name: c for c in clusters}
 
 
 def sidecar_resources(
-    workload: ir.Workload, filters: FilterContext, overlay: ir.Overlay
+    workload: ir.Workload, filters: FilterContext, overlay: ir.Overlay, host: ProxyHost
 ) -> Resources:
     inbound = workload.inbound
     assert inbound is not None
     out: Resources = {
         LISTENER: {INBOUND_LISTENER: inbound_listener(inbound, filters)},
-        CLUSTER: local_clusters(inbound),
+        CLUSTER: local_clusters(inbound, host),
     }
     merge(out, httpfilters.resources(filters, overlay))
     return out

@@ -1,8 +1,10 @@
 """What the console reads besides the ControlPlane: state that lives in other processes.
 
-- `FunctionStats`: each inference backend's own `/meshfn/functions` (on loopback).
+- `FunctionStats`: each inference backend's own `/meshfn/functions` (on its private socket).
 - `EndpointHealth`: each gateway Envoy's admin `/clusters?format=json` (host health, priority).
 - `AuditView`: the audit store, opened read-only through its in-process query/verify API.
+- `AuditAccess`: the writer of the trail (`meshfn up`'s AuditTrail), for what reading personal
+  data leaves behind (access records) and for erasures.
 
 Pollers fetch only while someone watches the console (`ConsoleHub` calls `refresh` at most once
 a second), and say when they last succeeded: the console shows an unreachable backend as
@@ -18,22 +20,25 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
 from meshfn.audit import layout, signing
+from meshfn.audit.access import accessed
 from meshfn.audit.salt import load as load_salt
 from meshfn.audit.sqlite import SqliteStore
-from meshfn.audit.store import StoreError
+from meshfn.audit.store import CONTROL_CHAIN, StoreError
 from meshfn.audit.verify import VerifyReport, verify
 from meshfn.audit.witness import FileWitness
+from meshfn.common.adminauth import Principal
 
-from ..envoy import admin_session
+from ..envoy import local_session
 
 log = logging.getLogger("meshfn.console")
 
 FETCH_TIMEOUT = aiohttp.ClientTimeout(total=0.8)
+STATUS_PATH = "/meshfn/functions"  # the backend's own view of its functions (inference.status)
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class Backend:
     service: str
     address: str
     port: int
+    where: Path | str  # where it listens: its unix socket (behind a sidecar), or address:port
 
 
 class FunctionStats:
@@ -75,9 +81,7 @@ class FunctionStats:
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         wanted = self.backends()
-        results = await asyncio.gather(
-            *(_get_json(session, f"http://{b.address}:{b.port}/meshfn/functions") for b in wanted)
-        )
+        results = await asyncio.gather(*(_local_json(b.where, STATUS_PATH) for b in wanted))
         self.latest = dict(zip(wanted, results, strict=True))
 
 
@@ -117,9 +121,10 @@ def parse_clusters(document: Mapping[str, Any]) -> dict[str, list[HostHealth]]:
     return out
 
 
-async def _admin_json(socket: Path, path: str) -> Fetched:
-    """From an Envoy's admin interface on its unix socket (see runtime/bootstrap.py)."""
-    session, base = admin_session(socket, FETCH_TIMEOUT)
+async def _local_json(where: Path | str, path: str) -> Fetched:
+    """From a server of the mesh's own: an Envoy's admin interface on its unix socket (see
+    runtime/bootstrap.py), a backend on its socket or address:port."""
+    session, base = local_session(where, FETCH_TIMEOUT)
     async with session:
         return await _get_json(session, base + path)
 
@@ -134,7 +139,7 @@ class EndpointHealth:
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         wanted = self.gateways()
         results = await asyncio.gather(
-            *(_admin_json(socket, "/clusters?format=json") for socket in wanted.values())
+            *(_local_json(socket, "/clusters?format=json") for socket in wanted.values())
         )
         self.latest = dict(zip(wanted, results, strict=True))
 
@@ -164,6 +169,11 @@ class AuditQuery:
         return not (
             self.subject or self.subject_raw or self.route or self.status or self.status_class
         )
+
+    @property
+    def by_subject(self) -> bool:
+        """A lookup of personal data: auditors only, rate-limited, recorded, never live."""
+        return bool(self.subject or self.subject_raw)
 
 
 @dataclass
@@ -256,9 +266,31 @@ class AuditView:
             raise StoreError(f"no checkpoint key yet: {exc}") from None
         return verify(store, key, FileWitness(layout.witness_path(self.state_dir)))
 
+    def lookup(self, query: AuditQuery) -> tuple[list[dict[str, Any]], list[str]]:
+        """A query by subject, asked of the store every time (never cached: each one is
+        recorded): the newest matching records, and the pseudonyms the subject's records carry
+        (for the access record)."""
+        store = self._open()
+        if store is None:
+            return [], []
+        subject = self._subject(query)
+        pseudonyms = store.pseudonyms(subject) if subject is not None else []
+        return self._query(store, query), pseudonyms
+
+    def accessed(self, limit: int = 20) -> list[dict[str, Any]]:
+        """The newest access and erasure records (the console's access list)."""
+        store = self._open()
+        return accessed(store, limit) if store is not None else []
+
+    def forget(self) -> None:
+        """Drop every cached answer (after an erasure: nothing of the subject stays here)."""
+        self._records.clear()
+
     def records(self, query: AuditQuery) -> list[dict[str, Any]]:
         """The newest `query.limit` records matching `query`, newest first (asked of the store
-        again only when its chain has grown)."""
+        again only when its chain has grown). Not for queries by subject: `lookup`."""
+        if query.by_subject:
+            raise ValueError("a query by subject goes through lookup(), which is recorded")
         store = self._open()
         if store is None:
             return []
@@ -272,14 +304,16 @@ class AuditView:
         self._records[query] = (head, rows)
         return rows
 
+    def _subject(self, query: AuditQuery) -> str | None:
+        if query.subject_raw is None:
+            return query.subject
+        salt = load_salt(self.state_dir)
+        if salt is None:
+            raise StoreError("no subject salt next to the store: cannot hash subject_raw")
+        return hmac.new(bytes.fromhex(salt.hex), query.subject_raw.encode(), "sha256").hexdigest()
+
     def _query(self, store: SqliteStore, query: AuditQuery) -> list[dict[str, Any]]:
-        subject = query.subject
-        if query.subject_raw is not None:
-            salt = load_salt(self.state_dir)
-            if salt is None:
-                raise StoreError("no subject salt next to the store: cannot hash subject_raw")
-            key = bytes.fromhex(salt.hex)
-            subject = hmac.new(key, query.subject_raw.encode(), "sha256").hexdigest()
+        subject = self._subject(query)
         filters: dict[str, Any] = {
             "subject": subject,
             "route": query.route,
@@ -294,6 +328,9 @@ class AuditView:
                     "%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(time.time() - window)
                 )
             rows = store.query(since=since, limit=None, **filters)
+            # requests only: the control chain's access and erasure records have a table of
+            # their own (accessed)
+            rows = [r for r in rows if r["chain"] != CONTROL_CHAIN]
             if len(rows) >= query.limit or window is None:
                 return rows[-query.limit :][::-1]
         return []
@@ -302,6 +339,23 @@ class AuditView:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+class AuditAccess(Protocol):
+    """The trail's writer (runtime/audit.py's AuditTrail)."""
+
+    async def record_access(
+        self,
+        principal: Principal,
+        action: str,
+        pseudonyms: list[str],
+        records: int,
+        via: str = "console",
+    ) -> int: ...
+
+    async def erase(
+        self, subject: str, principal: Principal, via: str = "api"
+    ) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -313,6 +367,7 @@ class ConsoleSources:
     health: EndpointHealth | None = None
     audit: AuditView | None = None
     acceleration: Callable[[], dict[str, Any]] | None = None
+    trail: AuditAccess | None = None
 
     async def refresh(self) -> None:
         async with aiohttp.ClientSession(timeout=FETCH_TIMEOUT) as session:

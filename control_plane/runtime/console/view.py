@@ -467,6 +467,19 @@ class AuditRecordView:
 
 
 @dataclass(frozen=True)
+class AccessView:
+    """One access to personal data (an access or erasure record of the control chain)."""
+
+    seq: int
+    time: str
+    principal: str
+    via: str
+    action: str
+    pseudonyms: str
+    records: str
+
+
+@dataclass(frozen=True)
 class AuditView:
     enabled: bool
     store: str
@@ -476,6 +489,8 @@ class AuditView:
     verified_ok: bool | None = None
     problems: tuple[str, ...] = ()
     error: str | None = None
+    reader: bool = False  # the viewer may see records (the auditor role)
+    accesses: tuple[AccessView, ...] = ()  # who read personal data (auditors only)
 
 
 def _record(row: Mapping[str, Any]) -> AuditRecordView:
@@ -497,14 +512,37 @@ def _record(row: Mapping[str, Any]) -> AuditRecordView:
     )
 
 
-def audit(sources: ConsoleSources, query: AuditQuery) -> AuditView:
+def _access(row: Mapping[str, Any]) -> AccessView:
+    return AccessView(
+        seq=int(row.get("seq", 0)),
+        time=str(row.get("time") or "-"),
+        principal=str(row.get("principal") or "-"),
+        via=str(row.get("via") or "-"),
+        action=str(row.get("action") or row.get("event") or "-"),
+        pseudonyms=", ".join(str(p)[:16] for p in row.get("pseudonyms") or []) or "-",
+        records=str(row.get("records", 0)),
+    )
+
+
+def audit(
+    sources: ConsoleSources,
+    query: AuditQuery,
+    reader: bool = False,
+    found: list[dict[str, Any]] | None = None,
+) -> AuditView:
+    """`reader`: records and the access list are shown (the auditor role); `found`: the rows
+    of a query by subject, already looked up (and recorded) by the page's handler."""
     view = sources.audit
     path = view.path() if view is not None else None
     if view is None or path is None:
-        return AuditView(False, "", query)
+        return AuditView(False, "", query, reader=reader)
     error = view.error
+    rows: list[dict[str, Any]] = []
+    accesses: list[dict[str, Any]] = []
     try:
-        rows = view.records(query)
+        if reader:
+            rows = (found or []) if query.by_subject else view.records(query)
+            accesses = view.accessed()
     except (StoreError, OSError, ValueError) as exc:
         rows, error = [], str(exc)
     check = view.verification
@@ -524,7 +562,16 @@ def audit(sources: ConsoleSources, query: AuditQuery) -> AuditView:
         )
         ok, problems = check.ok, tuple(check.problems)
     return AuditView(
-        True, str(path), query, tuple(_record(r) for r in rows), verified, ok, problems, error
+        True,
+        str(path),
+        query,
+        tuple(_record(r) for r in rows),
+        verified,
+        ok,
+        problems,
+        error,
+        reader,
+        tuple(_access(a) for a in accesses),
     )
 
 
@@ -567,9 +614,19 @@ class ConsoleView:
     audit: AuditView
     policy: PolicyView
     clock_offset: float = field(default=0.0)  # time.time() - time.monotonic()
+    principal: str = ""  # who is signed in, with the role ("local:alice (auditor)")
 
 
-def build(cp: ControlPlane, sources: ConsoleSources, query: AuditQuery) -> ConsoleView:
+def build(
+    cp: ControlPlane,
+    sources: ConsoleSources,
+    query: AuditQuery,
+    reader: bool = False,
+    found: list[dict[str, Any]] | None = None,
+    principal: str = "",
+) -> ConsoleView:
+    """The whole view for one viewer: `reader` (the auditor role) sees the audit records,
+    `found` are a query by subject's rows, `principal` names who is signed in."""
     return ConsoleView(
         mesh=cp.model.name if cp.model is not None else "",
         now=time.time(),
@@ -577,7 +634,8 @@ def build(cp: ControlPlane, sources: ConsoleSources, query: AuditQuery) -> Conso
         proxies=proxies(cp),
         drift=drift(cp),
         functions=functions(sources),
-        audit=audit(sources, query),
+        audit=audit(sources, query, reader, found),
         policy=policy(cp),
         clock_offset=time.time() - time.monotonic(),
+        principal=principal,
     )

@@ -1,30 +1,51 @@
 """The console's HTTP surface on the admin port: `/ui` (the page, server-rendered), `/ui/events`
-(server-sent events: a panel's new HTML when it changes, a tick every second), `/ui/static/*`.
+(server-sent events: a panel's new HTML when it changes, a tick every second), `/ui/static/*`,
+and signing in: `/ui/login` (a one-time login link's code, or the login form's token),
+`/ui/logout`, `/ui/links` (a new one-time link, for `meshfn console`).
 
-Read-only. Every answer carries a strict Content-Security-Policy (scripts and styles only from
-/ui/static, no inline code, no frames), so even an escaping mistake could not run a script. On
-loopback without a token, the Host header must name a loopback address (a DNS-rebinding page
-cannot read the console); with a token (required for a non-loopback listen) every request must
-carry it: `Authorization: Bearer`, or the session cookie that POST /ui/login sets.
+Read-only. Every request but the login and the static files names a principal (the admin
+guard, meshfn.common.adminauth: a bearer token or the session cookie a login sets), and what the
+page shows depends on its role: a viewer sees everything but the audit trail's records; an
+auditor also sees the records, may query them by subject (rate-limited per principal, and every
+such query is itself recorded in the trail before its answer is shown), and sees who read
+personal data. A query by subject is never live: the stream leaves its audit panel alone.
+Every answer carries a strict Content-Security-Policy (scripts and styles only from /ui/static,
+no inline code, no frames), so even an escaping mistake could not run a script.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
 from markupsafe import Markup
+
+from meshfn.audit.store import StoreError
+from meshfn.common.adminauth import (
+    AUDITOR,
+    FAILURE_FLOOR_S,
+    PRINCIPAL,
+    ROLES,
+    SESSION_AUDIENCE,
+    SESSION_TTL,
+    AdminTokens,
+    Authenticator,
+    LoginLinks,
+    LookupLimiter,
+    Principal,
+    principal_of,
+    require,
+    role_allows,
+)
 
 from ...service import ControlPlane
 from . import render
@@ -57,7 +78,15 @@ STATIC = {
     "favicon.svg": "image/svg+xml",
 }
 QUERY_KEYS = ("subject", "subject_raw", "route", "status", "limit")
-LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+# What answers without a credential: the console's own script, style and icon (constant files,
+# no data) and the login (a form, and the one-time link's code exchange).
+OPEN_PATHS = {
+    "/ui/login": "the login form and the one-time login link (answer 401 unless the token or"
+    " code is good)",
+    **{
+        f"/ui/static/{name}": "the console's own script, style or icon (no data)" for name in STATIC
+    },
+}
 _STATUS = re.compile(r"^(?:[1-5]\d\d|[1-5]xx)$")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _PRINTABLE = re.compile(r"^[\x20-\x7e]+$")
@@ -125,35 +154,20 @@ def _status(given: str | None) -> tuple[int | None, int | None]:
     return int(text), None
 
 
-def hostname(host: str) -> str:
-    """The Host header without its port: "127.0.0.1:18001" -> "127.0.0.1", "[::1]:80" -> "[::1]"."""
-    if host.startswith("["):
-        return host.split("]", 1)[0] + "]"
-    return host.rsplit(":", 1)[0].lower()
+@dataclass
+class ConsoleAccess:
+    """How the console signs people in: sessions (cookies) under the admin tokens' key, the
+    authenticator a login form's token goes to, one-time login links, and the limit on lookups
+    of personal data per principal."""
 
+    tokens: AdminTokens
+    authenticator: Authenticator
+    links: LoginLinks = field(default_factory=LoginLinks)
+    limiter: LookupLimiter = field(default_factory=LookupLimiter)
 
-@dataclass(frozen=True)
-class Access:
-    """Who may read the admin port: anyone on loopback (token None), else token holders."""
-
-    token: str | None = None
-
-    def session(self) -> str:
-        assert self.token is not None
-        return hmac.new(self.token.encode(), b"meshfn console session", hashlib.sha256).hexdigest()
-
-    def allows(self, request: web.Request) -> bool:
-        if self.token is None:
-            return hostname(request.host or "") in LOOPBACK_HOSTS
-        header = request.headers.get("Authorization", "")
-        offered = header[7:] if header.startswith("Bearer ") else ""
-        if offered and hmac.compare_digest(offered.encode(), self.token.encode()):
-            return True
-        cookie = request.cookies.get(COOKIE, "")
-        return bool(cookie) and hmac.compare_digest(cookie.encode(), self.session().encode())
-
-    def check_token(self, offered: str) -> bool:
-        return self.token is not None and hmac.compare_digest(offered.encode(), self.token.encode())
+    def session(self, principal: Principal) -> str:
+        assert principal.role is not None
+        return self.tokens.issue(principal.name, principal.role, SESSION_TTL, SESSION_AUDIENCE)
 
 
 class ConsoleHub:
@@ -167,9 +181,11 @@ class ConsoleHub:
         self.closing = asyncio.Event()
         self._refreshed = 0.0
         self._refresh_lock = asyncio.Lock()
-        # per query, the panels rendered at most POLL_SECONDS ago: watchers of the same query
-        # share one rendering per poll instead of one each
-        self._rendered: dict[AuditQuery, tuple[float, ConsoleView, dict[str, str]]] = {}
+        # per query and role, the panels rendered at most POLL_SECONDS ago: watchers of the same
+        # query share one rendering per poll instead of one each
+        self._rendered: dict[
+            tuple[AuditQuery, bool], tuple[float, ConsoleView, dict[str, str]]
+        ] = {}
 
     async def refresh(self) -> None:
         async with self._refresh_lock:
@@ -181,30 +197,47 @@ class ConsoleHub:
                 log.exception("refreshing the console's sources failed")
             self._refreshed = time.monotonic()
 
-    def view(self, query: AuditQuery) -> ConsoleView:
-        return build(self.cp, self.sources, query)
+    def view(
+        self,
+        query: AuditQuery,
+        reader: bool = False,
+        found: list[dict[str, Any]] | None = None,
+        principal: str = "",
+    ) -> ConsoleView:
+        return build(self.cp, self.sources, query, reader, found, principal)
 
-    def panels(self, view: ConsoleView) -> dict[str, str]:
-        return {name: render.panel(name, view) for name in render.PANELS}
+    def panels(self, view: ConsoleView, skip: tuple[str, ...] = ()) -> dict[str, str]:
+        return {name: render.panel(name, view) for name in render.PANELS if name not in skip}
 
-    def current(self, query: AuditQuery) -> tuple[ConsoleView, dict[str, str]]:
+    def current(self, query: AuditQuery, reader: bool) -> tuple[ConsoleView, dict[str, str]]:
+        """The view and panels of a live stream. A query by subject's audit panel is not among
+        them: it stays as the page rendered it (recorded once, never re-queried)."""
         now = time.monotonic()
-        cached = self._rendered.get(query)
+        key = (query, reader)
+        cached = self._rendered.get(key)
         if cached is not None and now - cached[0] < POLL_SECONDS:
             return cached[1], cached[2]
-        view = self.view(query)
-        panels = self.panels(view)
+        live = AuditQuery(limit=query.limit) if query.by_subject else query
+        view = self.view(live, reader)
+        panels = self.panels(view, ("audit",) if query.by_subject else ())
         self._rendered = {
-            q: entry for q, entry in self._rendered.items() if now - entry[0] < POLL_SECONDS
+            k: entry for k, entry in self._rendered.items() if now - entry[0] < POLL_SECONDS
         }
-        self._rendered[query] = (now, view, panels)
+        self._rendered[key] = (now, view, panels)
         return view, panels
+
+    def forget(self) -> None:
+        """Drop every cached rendering and answer (after an erasure)."""
+        self._rendered.clear()
+        if self.sources.audit is not None:
+            self.sources.audit.forget()
 
     async def stream(
         self,
         query: AuditQuery,
         send: Callable[[bytes], Awaitable[None]],
         start: Callable[[], Awaitable[Any]] | None = None,
+        reader: bool = False,
     ) -> None:
         """Every panel at once, then each panel again when its HTML changes; a tick a second.
         `start` (the response's headers) runs once this stream counts as a watcher."""
@@ -217,7 +250,7 @@ class ConsoleHub:
             await send(b"retry: 1000\n\n")
             while not self.closing.is_set():
                 await self.refresh()
-                view, panels = self.current(query)
+                view, panels = self.current(query, reader)
                 for name, html in panels.items():
                     if sent.get(name) != html:
                         await send(_event("panel", {"id": name, "html": html}))
@@ -249,105 +282,239 @@ def _static(name: str) -> bytes:
     return (resources.files(__package__) / "static" / name).read_bytes()
 
 
-def add_routes(app: web.Application, hub: ConsoleHub) -> None:
-    """Mount the console on an admin app (the app's access middleware guards it)."""
+def html(text: str, status: int = 200) -> web.Response:
+    return web.Response(text=text, status=status, content_type="text/html", charset="utf-8")
 
-    def html(text: str, status: int = 200) -> web.Response:
-        return web.Response(text=text, status=status, content_type="text/html", charset="utf-8")
 
-    async def page(request: web.Request) -> web.Response:
+def refusal(request: web.Request, status: int) -> web.StreamResponse:
+    """How the admin guard refuses: the login page for the console's page, an error page for
+    the rest of the console, JSON for the admin API."""
+    if request.path in ("/ui", "/ui/") and request.method == "GET":
+        if status == 401:
+            return html(render.login_page(), 401)
+        return html(render.error_page(403, _forbidden(request)), 403)
+    if request.path.startswith("/ui/"):
+        text = "sign in first" if status == 401 else _forbidden(request)
+        return web.Response(text=text + "\n", status=status)
+    message = "authentication required" if status == 401 else _forbidden(request)
+    return web.json_response({"error": message}, status=status)
+
+
+def _forbidden(request: web.Request) -> str:
+    principal = request.get(PRINCIPAL)
+    role = principal.role if isinstance(principal, Principal) else None
+    if role is None:
+        return "you are signed in, but hold no role here"
+    return f"your role ({role}) does not allow this: it needs the auditor role"
+
+
+def add_routes(app: web.Application, hub: ConsoleHub, access: ConsoleAccess) -> None:
+    """Mount the console on an admin app (whose guard authenticates every request but the
+    OPEN_PATHS, and security_headers adds the headers)."""
+    pages, sign_in = _Pages(hub, access), _SignIn(access)
+    app.router.add_get("/ui", pages.page)
+    app.router.add_get("/ui/", pages.root)
+    app.router.add_get("/ui/events", pages.events)
+    app.router.add_get("/ui/static/{name}", pages.static)
+    app.router.add_get("/ui/login", sign_in.login_link)
+    app.router.add_post("/ui/login", sign_in.login_form)
+    app.router.add_post("/ui/logout", sign_in.logout)
+    app.router.add_post("/ui/links", sign_in.links)
+
+
+def _too_many(principal: Principal, wait: float) -> web.Response:
+    message = f"Too many queries by subject from {principal.name}: try again in {wait:.0f} s."
+    return web.Response(
+        text=render.error_page(429, message),
+        status=429,
+        content_type="text/html",
+        charset="utf-8",
+        headers={"Retry-After": str(max(1, round(wait)))},
+    )
+
+
+@dataclass
+class _Pages:
+    """The page, its live stream and its static files."""
+
+    hub: ConsoleHub
+    access: ConsoleAccess
+
+    async def lookup(
+        self, principal: Principal, query: AuditQuery
+    ) -> list[dict[str, Any]] | web.Response:
+        """A query by subject (the auditor role was checked): within the principal's rate, and
+        recorded in the trail before anything is shown. The rows, or a response that refuses."""
+        wait = self.access.limiter.take(principal.name)
+        if wait:
+            return _too_many(principal, wait)
+        audit, trail = self.hub.sources.audit, self.hub.sources.trail
+        if audit is None or audit.path() is None:
+            return []
+        try:
+            rows, pseudonyms = await asyncio.to_thread(audit.lookup, query)
+            if trail is None:
+                raise StoreError("this control plane keeps no audit trail to record it in")
+            await trail.record_access(principal, "query", pseudonyms, len(rows))
+        except (StoreError, OSError, ValueError) as exc:
+            log.error("a query by subject by %s was refused: %s", principal.name, exc)
+            message = f"The query was not answered: it could not be recorded ({exc})."
+            return html(render.error_page(503, message), 503)
+        return rows
+
+    async def page(self, request: web.Request) -> web.Response:
+        principal = principal_of(request)
         try:
             query = parse_query(request.query, len(request.query_string))
         except QueryError as exc:
             return html(render.error_page(400, str(exc)), 400)
-        await hub.refresh()
-        view = hub.view(query)
-        panels = {k: Markup(v) for k, v in hub.panels(view).items()}  # rendered, escaped
+        found: list[dict[str, Any]] | None = None
+        if query.by_subject:
+            require(request, AUDITOR)
+            looked = await self.lookup(principal, query)
+            if isinstance(looked, web.Response):
+                return looked
+            found = looked
+        await self.hub.refresh()
+        who = f"{principal.name} ({principal.role})"
+        view = self.hub.view(query, principal.may(AUDITOR), found, who)
+        panels = {k: Markup(v) for k, v in self.hub.panels(view).items()}  # rendered, escaped
         return html(render.page(view, panels))
 
-    async def events(request: web.Request) -> web.StreamResponse:
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        principal = principal_of(request)
         try:
             query = parse_query(request.query, len(request.query_string))
         except QueryError as exc:
             return web.Response(text=f"{exc}\n", status=400)
+        if query.by_subject:
+            require(request, AUDITOR)  # the stream itself reads no subject's records
         if not same_origin(request):
             return web.Response(text="the console's stream is for its own page\n", status=403)
-        if hub.watchers >= MAX_STREAMS:
+        if self.hub.watchers >= MAX_STREAMS:
             return web.Response(
                 text=f"too many live console streams (at most {MAX_STREAMS})\n",
                 status=503,
                 headers={"Retry-After": "5"},
             )
         response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "X-Accel-Buffering": "no"}
+            headers={
+                "Content-Type": "text/event-stream",
+                "X-Accel-Buffering": "no",
+                **SECURITY_HEADERS,
+            }
         )
         with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
-            await hub.stream(query, response.write, lambda: response.prepare(request))
+            await self.hub.stream(
+                query, response.write, lambda: response.prepare(request), principal.may(AUDITOR)
+            )
         return response
 
-    async def static(request: web.Request) -> web.Response:
+    async def static(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         if name not in STATIC:
             return web.Response(text="not found\n", status=404)
         return web.Response(body=_static(name), content_type=STATIC[name], charset="utf-8")
 
-    async def root(_: web.Request) -> web.Response:
+    async def root(self, _: web.Request) -> web.Response:
         raise web.HTTPFound("/ui")
 
-    app.router.add_get("/ui", page)
-    app.router.add_get("/ui/", root)
-    app.router.add_get("/ui/events", events)
-    app.router.add_get("/ui/static/{name}", static)
 
+@dataclass
+class _SignIn:
+    """Signing in and out: a one-time login link, the login form's token, and new links."""
 
-def access_middleware(access: Access) -> Any:
-    """Guards every admin route but the liveness probe and the public JWKS (Envoy fetches it),
-    and puts the security headers on every console answer."""
-    open_paths = {"/healthz", "/.well-known/jwks.json"}
+    access: ConsoleAccess
 
-    @web.middleware
-    async def middleware(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        console = request.path == "/ui" or request.path.startswith("/ui/")
-        if request.path == "/ui/login" and request.method == "POST" and access.token:
-            response: web.StreamResponse = await _login(request, access)
-        elif (
-            request.path in open_paths
-            or request.path.startswith("/ui/static/")
-            or access.allows(request)
-        ):
-            response = await handler(request)
-        elif access.token is None:
-            response = web.Response(
-                text="the console answers only requests addressed to a loopback host\n",
-                status=403,
-            )
-        elif console and request.method == "GET" and request.path == "/ui":
-            response = web.Response(
-                text=render.login_page(), status=401, content_type="text/html", charset="utf-8"
-            )
-        else:
-            response = web.json_response({"error": "this admin port needs its token"}, status=401)
-        if console or response.status in (401, 403):
-            response.headers.update(SECURITY_HEADERS)
+    def signed_in(self, principal: Principal) -> web.Response:
+        response = web.Response(status=303, headers={"Location": "/ui"})
+        response.set_cookie(
+            COOKIE,
+            self.access.session(principal),
+            httponly=True,
+            samesite="Strict",
+            path="/",
+            secure=False,
+            max_age=int(SESSION_TTL.total_seconds()),
+        )
         return response
 
-    return middleware
+    @staticmethod
+    async def refused(started: float, message: str) -> web.Response:
+        """The login page again, no sooner than the guard's floor (the timing says nothing)."""
+        await asyncio.sleep(max(0.0, FAILURE_FLOOR_S - (time.monotonic() - started)))
+        return html(render.login_page(message), 401)
+
+    async def login_link(self, request: web.Request) -> web.Response:
+        """GET /ui/login?code=...: a one-time login link (`meshfn up` prints one)."""
+        started = time.monotonic()
+        code = request.query.get("code", "")
+        principal = self.access.links.redeem(code) if code else None
+        if principal is None:
+            message = (
+                "That login link is not good (used already, expired, or from an earlier run"
+                " of the control plane): `meshfn console` prints a new one."
+                if code
+                else ""
+            )
+            return await self.refused(started, message)
+        log.info("console: %s (%s) signed in with a login link", principal.name, principal.role)
+        return self.signed_in(principal)
+
+    async def login_form(self, request: web.Request) -> web.Response:
+        """POST /ui/login: an admin token typed into the login form."""
+        started = time.monotonic()
+        form = await request.post()
+        offered = form.get("token")
+        principal = None
+        if isinstance(offered, str) and offered.strip():
+            principal = await self.access.authenticator.authenticate(offered.strip())
+        if principal is None or principal.role is None:
+            return await self.refused(started, "That token is not good here.")
+        log.info("console: %s (%s) signed in with a token", principal.name, principal.role)
+        return self.signed_in(principal)
+
+    async def logout(self, _: web.Request) -> web.Response:
+        response = web.Response(status=303, headers={"Location": "/ui"})
+        response.del_cookie(COOKIE, path="/")
+        return response
+
+    async def links(self, request: web.Request) -> web.Response:
+        """POST /ui/links {"role": "viewer"}: a one-time login link for the caller (at most its
+        own role), as a path to append to the admin URL."""
+        principal = principal_of(request)
+        role = principal.role
+        if request.can_read_body:
+            try:
+                body = await request.json()
+            except ValueError:
+                return web.json_response({"error": "the body is not JSON"}, status=400)
+            role = body.get("role", role) if isinstance(body, dict) else role
+        if role not in ROLES:
+            return web.json_response({"error": f"role: one of {', '.join(ROLES)}"}, status=400)
+        if not role_allows(principal.role, role):
+            return web.json_response(
+                {"error": f"your role ({principal.role}) cannot hand out {role}"}, status=403
+            )
+        code = self.access.links.mint(Principal(principal.name, role, "link"))
+        return web.json_response({"path": f"/ui/login?code={code}"})
 
 
-async def _login(request: web.Request, access: Access) -> web.Response:
-    form = await request.post()
-    offered = form.get("token")
-    if not isinstance(offered, str) or not access.check_token(offered):
-        return web.Response(
-            text=render.login_page("That token is not this control plane's."),
-            status=401,
-            content_type="text/html",
-            charset="utf-8",
-        )
-    response = web.Response(status=303, headers={"Location": "/ui"})
-    response.set_cookie(
-        COOKIE, access.session(), httponly=True, samesite="Strict", path="/", secure=False
-    )
+def is_console_open(request: web.Request) -> bool:
+    """The console's requests that need no credential (OPEN_PATHS)."""
+    if request.path == "/ui/login":
+        return request.method in ("GET", "POST")
+    return request.method in ("GET", "HEAD") and request.path in OPEN_PATHS
+
+
+@web.middleware
+async def security_headers(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """The console's security headers on every console answer and every refusal."""
+    response = await handler(request)
+    if (
+        request.path == "/ui" or request.path.startswith("/ui/") or response.status in (401, 403)
+    ) and not response.prepared:
+        response.headers.update(SECURITY_HEADERS)
     return response

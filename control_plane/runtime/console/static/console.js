@@ -74,8 +74,15 @@
     source.addEventListener("error", () => {
       lost();
       // EventSource retries by itself after a network error; a refused request (HTTP error)
-      // closes it for good, so retry here.
-      if (source.readyState === EventSource.CLOSED) retryTimer = setTimeout(connect, RETRY_MS);
+      // closes it for good, so retry here, unless the refusal is a signed-out session (expired,
+      // or signed out elsewhere): then show the login form instead of retrying for ever.
+      if (source.readyState !== EventSource.CLOSED) return;
+      fetch("/ui", { method: "HEAD", credentials: "same-origin", cache: "no-store" })
+        .then((reply) => {
+          if (reply.status === 401) window.location.reload();
+          else retryTimer = setTimeout(connect, RETRY_MS);
+        })
+        .catch(() => { retryTimer = setTimeout(connect, RETRY_MS); });
     });
   }
 

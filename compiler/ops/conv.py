@@ -1,0 +1,399 @@
+"""Conv and pooling over 1-D and 2-D images (NCW, NCHW). Direct loops whose innermost runs
+along an output row with the padding bounds hoisted out, so stride-1 rows vectorise."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .. import dtypes as D
+from ..dims import Batch, Dim, Shape, cdim, static
+from ..dtypes import DType
+from .base import Emitter, Op, register
+
+
+class _Window(Op):
+    """Shared geometry: kernel, strides, dilations, pads (auto_pad), ceil_mode."""
+
+    CEIL = False
+
+    def geometry(self, spatial: list[int], kernel: list[int]) -> list[int]:
+        r = len(spatial)
+        self.kernel = kernel
+        self.strides = [int(v) for v in self.attr("strides", [1] * r)]
+        self.dil = [int(v) for v in self.attr("dilations", [1] * r)]
+        pads = [int(v) for v in self.attr("pads", [0] * (2 * r))]
+        auto = self.attr("auto_pad", "NOTSET")
+        ceil = int(self.attr("ceil_mode", 0)) if self.CEIL else 0
+        if len(self.strides) != r or len(self.dil) != r or len(pads) != 2 * r:
+            self.fail("strides, dilations and pads must match the spatial rank")
+        out = []
+        self.pad_lo, self.pad_hi = [0] * r, [0] * r
+        for i in range(r):
+            eff = self.dil[i] * (kernel[i] - 1) + 1
+            if auto in ("SAME_UPPER", "SAME_LOWER"):
+                o = -(-spatial[i] // self.strides[i])
+                total = max(0, (o - 1) * self.strides[i] + eff - spatial[i])
+                small, big = total // 2, total - total // 2
+                self.pad_lo[i], self.pad_hi[i] = (
+                    (small, big) if auto == "SAME_UPPER" else (big, small)
+                )
+            elif auto == "VALID":
+                o = (spatial[i] - eff) // self.strides[i] + 1
+            elif auto == "NOTSET":
+                self.pad_lo[i], self.pad_hi[i] = pads[i], pads[i + r]
+                span = spatial[i] + pads[i] + pads[i + r] - eff
+                if ceil:
+                    o = math.ceil(span / self.strides[i]) + 1
+                    if (o - 1) * self.strides[i] >= spatial[i] + pads[i]:
+                        o -= 1  # the last window must start inside the input or left pad
+                else:
+                    o = span // self.strides[i] + 1
+            else:
+                self.fail(f"auto_pad={auto!r} is not supported")
+            if o <= 0:
+                self.fail("the window does not fit the input")
+            out.append(o)
+        return out
+
+    def image(self, i: int) -> tuple[Dim, int, list[int]]:
+        s = self.shape(i)
+        if len(s) not in (3, 4):
+            self.fail(f"only 1-D and 2-D images (rank 3 or 4) are supported, got rank {len(s)}")
+        if any(isinstance(d, Batch) for d in s[1:]):
+            self.fail("only the first dimension may be the batch")
+        return s[0], static(s[1]), [static(d) for d in s[2:]]
+
+    def hw(self, v: list[int], fill: int) -> tuple[int, int]:
+        return (fill, v[0]) if len(v) == 1 else (v[0], v[1])
+
+    def ranges(self) -> str:
+        """C helpers: the output rows/cols whose input index stays inside the image."""
+        return ""
+
+
+def _bounds(pad: int, step: int, dil: int, size: int, out: int, kvar: str, lo: str, hi: str) -> str:
+    # first o with o*step + k*dil - pad >= 0; last o with o*step + k*dil - pad <= size-1
+    return (
+        f"i32 {lo} = (i32){pad} - (i32){kvar} * {dil}; {lo} = {lo} <= 0 ? 0 : ({lo} + {step} - 1) / {step};\n"
+        f"i32 {hi} = (i32)({size - 1 + pad}) - (i32){kvar} * {dil}; {hi} = {hi} < 0 ? 0 : {hi} / {step} + 1;\n"
+        f"if ({hi} > {out}) {hi} = {out};\n"
+    )
+
+
+@register
+class Conv(_Window):
+    OP = "Conv"
+    SINCE = 1
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.FLOATS)
+        self.same_dtype(0, 1)
+        n, c, spatial = self.image(0)
+        w = self.shape(1)
+        if len(w) != len(spatial) + 2:
+            self.fail("weights rank does not match the input")
+        self.group = int(self.attr("group", 1))
+        m, cg = static(w[0]), static(w[1])
+        if cg * self.group != c or m % self.group:
+            self.fail(f"channels {c}, weights {self.show(w)} and group {self.group} do not fit")
+        kernel = [int(d) for d in self.attr("kernel_shape", list(w[2:]))]
+        if kernel != [static(d) for d in w[2:]]:
+            self.fail("kernel_shape does not match the weights")
+        out = self.geometry(spatial, kernel)
+        self.c, self.m, self.cg, self.spatial, self.out = c, m, cg, spatial, out
+        return [(dtype, (n, m, *out))]
+
+    def scratch_bytes(self) -> int:
+        if self.x(0).dtype.c != "float":
+            return 0
+        kh, kw = self.hw(self.kernel, 1)
+        oh, ow = self.hw(self.out, 1)
+        return self.cg * kh * kw * oh * ow * 4
+
+    def emit(self, e: Emitter) -> str:
+        if self.x(0).dtype.c == "float":
+            return self.emit_gemm(e)
+        return self.emit_direct(e)
+
+    def emit_gemm(self, e: Emitter) -> str:
+        """im2col into scratch, then the SIMD kernel per image and group: the same sums in the
+        same order as the direct loops (bias, then channels, kernel rows, kernel columns)."""
+        ih, iw = self.hw(self.spatial, 1)
+        oh, ow = self.hw(self.out, 1)
+        kh, kw = self.hw(self.kernel, 1)
+        sh, sw = self.hw(self.strides, 1)
+        dh, dw = self.hw(self.dil, 1)
+        ph, pw = self.hw(self.pad_lo, 0)
+        mg = self.m // self.group
+        ckk = self.cg * kh * kw
+        n = cdim(self.shape(0)[0])
+        bias = f"{e.inp(2)}[g * {mg} + m]" if self.has(2) else "0"
+        return (
+            "float *cols = (float *)scratch;\n"
+            f"for (u32 b = 0; b < {n}; b++)\n"
+            f"for (u32 g = 0; g < {self.group}; g++) {{\n"
+            f"  for (u32 c = 0; c < {self.cg}; c++) {{\n"
+            f"    const float *x = {e.inp(0)} + (b * {self.c} + g * {self.cg} + c) * {ih * iw};\n"
+            f"    for (u32 u = 0; u < {kh}; u++) for (u32 v = 0; v < {kw}; v++) {{\n"
+            f"      float *col = cols + ((c * {kh} + u) * {kw} + v) * {oh * ow};\n"
+            f"      for (i32 r = 0; r < {oh}; r++) {{\n"
+            f"        const i32 yy = r * {sh} + (i32)u * {dh} - {ph};\n"
+            f"        for (i32 q = 0; q < {ow}; q++) {{\n"
+            f"          const i32 xx = q * {sw} + (i32)v * {dw} - {pw};\n"
+            f"          col[r * {ow} + q] = (yy >= 0 && yy < {ih} && xx >= 0 && xx < {iw}) ? x[yy * {iw} + xx] : 0.0f;\n"
+            "        }\n      }\n    }\n  }\n"
+            f"  float *y = {e.out(0)} + (b * {self.m} + g * {mg}) * {oh * ow};\n"
+            f"  for (u32 m = 0; m < {mg}; m++) for (u32 p = 0; p < {oh * ow}; p++) y[m * {oh * ow} + p] = {bias};\n"
+            f"  mf_gemm_f32({mg}, {ckk}, {oh * ow}, {e.inp(1)} + g * {mg * ckk}, cols, y, 1.0f);\n"
+            "}"
+        )
+
+    def emit_direct(self, e: Emitter) -> str:
+        t = self.x(0).dtype.c
+        ih, iw = self.hw(self.spatial, 1)
+        oh, ow = self.hw(self.out, 1)
+        kh, kw = self.hw(self.kernel, 1)
+        sh, sw = self.hw(self.strides, 1)
+        dh, dw = self.hw(self.dil, 1)
+        ph, pw = self.hw(self.pad_lo, 0)
+        mg = self.m // self.group
+        n = cdim(self.shape(0)[0])
+        bias = f"{e.inp(2)}[m]" if self.has(2) else "0"
+        return (
+            f"for (u32 b = 0; b < {n}; b++)\n"
+            f"for (u32 m = 0; m < {self.m}; m++) {{\n"
+            f"  {t} *y = {e.out(0)} + (b * {self.m} + m) * {oh * ow};\n"
+            f"  for (u32 p = 0; p < {oh * ow}; p++) y[p] = {bias};\n"
+            f"  const u32 g = m / {mg};\n"
+            f"  for (u32 c = 0; c < {self.cg}; c++) {{\n"
+            f"    const {t} *x = {e.inp(0)} + (b * {self.c} + g * {self.cg} + c) * {ih * iw};\n"
+            f"    const {t} *w = {e.inp(1)} + (m * {self.cg} + c) * {kh * kw};\n"
+            f"    for (u32 u = 0; u < {kh}; u++) {{\n"
+            + _indent(_bounds(ph, sh, dh, ih, oh, "u", "y0", "y1"), 6)
+            + f"      for (u32 v = 0; v < {kw}; v++) {{\n"
+            + _indent(_bounds(pw, sw, dw, iw, ow, "v", "x0", "x1"), 8)
+            + f"        const {t} wv = w[u * {kw} + v];\n"
+            f"        for (i32 r = y0; r < y1; r++) {{\n"
+            f"          const {t} *xr = x + (r * {sh} + (i32)u * {dh} - {ph}) * {iw} + ((i32)v * {dw} - {pw});\n"
+            f"          {t} *yr = y + r * {ow};\n"
+            f"          for (i32 q = x0; q < x1; q++) yr[q] += wv * xr[q * {sw}];\n"
+            "        }\n      }\n    }\n  }\n}"
+        )
+
+
+def _indent(code: str, n: int) -> str:
+    return "".join(" " * n + line + "\n" for line in code.splitlines())
+
+
+class _Pool(_Window):
+    CEIL = True
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.FLOATS + ((D.INT8, D.UINT8) if self.OP == "MaxPool" else ()))
+        n, c, spatial = self.image(0)
+        kernel = [int(v) for v in self.attr("kernel_shape")]
+        if len(kernel) != len(spatial):
+            self.fail("kernel_shape does not match the input")
+        if self.has_output_indices():
+            self.fail("the Indices output is not supported")
+        out = self.geometry(spatial, kernel)
+        self.c, self.spatial, self.out = c, spatial, out
+        return [(dtype, (n, c, *out))]
+
+    def has_output_indices(self) -> bool:
+        return len(self.node.outputs) > 1 and bool(self.node.outputs[1])
+
+    def window(self, e: Emitter, init: str, acc: str, final: str) -> str:
+        t = self.x(0).dtype.c
+        ih, iw = self.hw(self.spatial, 1)
+        oh, ow = self.hw(self.out, 1)
+        kh, kw = self.hw(self.kernel, 1)
+        sh, sw = self.hw(self.strides, 1)
+        dh, dw = self.hw(self.dil, 1)
+        ph, pw = self.hw(self.pad_lo, 0)
+        n = cdim(self.shape(0)[0])
+        return (
+            f"for (u32 p = 0; p < {n} * {self.c}; p++) {{\n"
+            f"  const {t} *x = {e.inp(0)} + p * {ih * iw};\n"
+            f"  {t} *y = {e.out(0)} + p * {oh * ow};\n"
+            f"  for (i32 r = 0; r < {oh}; r++) for (i32 q = 0; q < {ow}; q++) {{\n"
+            f"    {init}\n"
+            f"    for (i32 u = 0; u < {kh}; u++) {{\n"
+            f"      const i32 yy = r * {sh} + u * {dh} - {ph};\n"
+            f"      const int rin = yy >= 0 && yy < {ih};\n"
+            f"      const int rpad = yy < {ih + self.hw(self.pad_hi, 0)[0]};\n"
+            f"      for (i32 v = 0; v < {kw}; v++) {{\n"
+            f"        const i32 xx = q * {sw} + v * {dw} - {pw};\n"
+            f"        const int in = rin && xx >= 0 && xx < {iw};\n"
+            f"        const int inpad = rpad && xx < {iw + self.hw(self.pad_hi, 0)[1]};\n"
+            f"        (void)inpad;\n"
+            f"        {acc}\n"
+            "      }\n    }\n"
+            f"    {final}\n"
+            "  }\n}"
+        )
+
+
+@register
+class MaxPool(_Pool):
+    OP = "MaxPool"
+    SINCE = 8
+
+    def emit(self, e: Emitter) -> str:
+        t = self.x(0).dtype
+        lowest = "-MF_INF" if t.is_float else ("-128" if t.c == "i8" else "0")
+        return self.window(
+            e,
+            f"{t.c} best = {lowest};",
+            "if (in) { const "
+            + t.c
+            + " v = x[yy * "
+            + str(self.hw(self.spatial, 1)[1])
+            + " + xx]; if (v > best || v != v) best = v; }",
+            "y[r * " + str(self.hw(self.out, 1)[1]) + " + q] = best;",
+        )
+
+
+@register
+class AveragePool(_Pool):
+    OP = "AveragePool"
+    SINCE = 7
+
+    def emit(self, e: Emitter) -> str:
+        t = self.x(0).dtype.c
+        iw = self.hw(self.spatial, 1)[1]
+        ow = self.hw(self.out, 1)[1]
+        include = int(self.attr("count_include_pad", 0))
+        count = "inpad" if include else "in"
+        return self.window(
+            e,
+            "double acc = 0; u32 cnt = 0;",
+            f"if (in) acc += x[yy * {iw} + xx]; if ({count} && yy >= -{self.hw(self.pad_lo, 0)[0]} && xx >= -{self.hw(self.pad_lo, 0)[1]}) cnt++;",
+            f"y[r * {ow} + q] = ({t})(cnt ? acc / cnt : 0);",
+        )
+
+
+class _Global(Op):
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.FLOATS)
+        s = self.shape(0)
+        if len(s) < 3 or any(isinstance(d, Batch) for d in s[1:]):
+            self.fail("expects [N, C, spatial...] with the batch first")
+        return [(dtype, (s[0], s[1], *([1] * (len(s) - 2))))]
+
+    def emit(self, e: Emitter) -> str:
+        s = self.shape(0)
+        t = self.x(0).dtype.c
+        area = 1
+        for d in s[2:]:
+            area *= static(d)
+        rows = f"{cdim(s[0])} * {s[1]}"
+        if self.OP == "GlobalAveragePool":
+            return (
+                f"for (u32 p = 0; p < {rows}; p++) {{ double acc = 0; "
+                f"for (u32 k = 0; k < {area}; k++) acc += {e.inp(0)}[p * {area} + k]; "
+                f"{e.out(0)}[p] = ({t})(acc / {area}); }}"
+            )
+        return (
+            f"for (u32 p = 0; p < {rows}; p++) {{ {t} best = -MF_INF; "
+            f"for (u32 k = 0; k < {area}; k++) {{ {t} v = {e.inp(0)}[p * {area} + k]; if (v > best || v != v) best = v; }} "
+            f"{e.out(0)}[p] = best; }}"
+        )
+
+
+@register
+class GlobalAveragePool(_Global):
+    OP = "GlobalAveragePool"
+
+
+@register
+class GlobalMaxPool(_Global):
+    OP = "GlobalMaxPool"
+
+
+_ = Any
+
+
+@register
+class ConvTranspose(_Window):
+    """Transposed convolution (1-D, 2-D) as a scatter: each input pixel adds its kernel-weighted
+    contribution to the outputs it reaches (pads, output_padding, output_shape, auto_pad)."""
+
+    OP = "ConvTranspose"
+    SINCE = 1
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.FLOATS)
+        self.same_dtype(0, 1)
+        n, c, spatial = self.image(0)
+        w = self.shape(1)
+        r = len(spatial)
+        self.group = int(self.attr("group", 1))
+        if len(w) != r + 2 or static(w[0]) != c or c % self.group:
+            self.fail(f"weights {self.show(w)} do not fit {c} channels and group {self.group}")
+        mg = static(w[1])
+        self.kernel = [static(d) for d in w[2:]]
+        self.strides = [int(v) for v in self.attr("strides", [1] * r)]
+        self.dil = [int(v) for v in self.attr("dilations", [1] * r)]
+        outpad = [int(v) for v in self.attr("output_padding", [0] * r)]
+        pads = [int(v) for v in self.attr("pads", [0] * (2 * r))]
+        auto = self.attr("auto_pad", "NOTSET")
+        want = self.attr("output_shape", None)
+        self.pad_lo, out = [0] * r, []
+        for i in range(r):
+            full = (
+                self.strides[i] * (spatial[i] - 1)
+                + outpad[i]
+                + (self.kernel[i] - 1) * self.dil[i]
+                + 1
+            )
+            if want is not None or auto in ("SAME_UPPER", "SAME_LOWER"):
+                o = int(want[-r + i]) if want is not None else spatial[i] * self.strides[i]
+                total = full - o  # the spec: SAME_UPPER puts the odd pixel at the end
+                self.pad_lo[i] = total // 2 if auto == "SAME_UPPER" else total - total // 2
+            elif auto in ("NOTSET", "VALID"):
+                if auto == "VALID":
+                    pads = [0] * (2 * r)
+                self.pad_lo[i] = pads[i]
+                o = full - pads[i] - pads[i + r]
+            else:
+                self.fail(f"auto_pad={auto!r} is not supported")
+            if o <= 0:
+                self.fail("the output would be empty")
+            out.append(o)
+        self.c, self.m, self.cg, self.mg, self.spatial, self.out = (
+            c,
+            mg * self.group,
+            c // self.group,
+            mg,
+            spatial,
+            out,
+        )
+        return [(dtype, (n, self.m, *out))]
+
+    def emit(self, e: Emitter) -> str:
+        t = self.x(0).dtype.c
+        ih, iw = self.hw(self.spatial, 1)
+        oh, ow = self.hw(self.out, 1)
+        kh, kw = self.hw(self.kernel, 1)
+        sh, sw = self.hw(self.strides, 1)
+        dh, dw = self.hw(self.dil, 1)
+        ph, pw = self.hw(self.pad_lo, 0)
+        n = cdim(self.shape(0)[0])
+        bias = f"{e.inp(2)}[m]" if self.has(2) else "0"
+        return (
+            f"for (u32 b = 0; b < {n}; b++) {{\n"
+            f"  for (u32 m = 0; m < {self.m}; m++) for (u32 p = 0; p < {oh * ow}; p++) "
+            f"{e.out(0)}[(b * {self.m} + m) * {oh * ow} + p] = {bias};\n"
+            f"  for (u32 g = 0; g < {self.group}; g++) for (u32 c = 0; c < {self.cg}; c++)\n"
+            f"  for (i32 y = 0; y < {ih}; y++) for (i32 x = 0; x < {iw}; x++) {{\n"
+            f"    const {t} v = {e.inp(0)}[((b * {self.c} + g * {self.cg} + c) * {ih} + y) * {iw} + x];\n"
+            f"    for (u32 m = 0; m < {self.mg}; m++) for (i32 u = 0; u < {kh}; u++) {{\n"
+            f"      const i32 yy = y * {sh} + u * {dh} - {ph}; if (yy < 0 || yy >= {oh}) continue;\n"
+            f"      for (i32 q = 0; q < {kw}; q++) {{\n"
+            f"        const i32 xx = x * {sw} + q * {dw} - {pw}; if (xx < 0 || xx >= {ow}) continue;\n"
+            f"        {e.out(0)}[((b * {self.m} + g * {self.mg} + m) * {oh} + yy) * {ow} + xx] += "
+            f"v * {e.inp(1)}[(((g * {self.cg} + c) * {self.mg} + m) * {kh} + u) * {kw} + q];\n"
+            "      }\n    }\n  }\n}"
+        )

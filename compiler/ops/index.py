@@ -1,0 +1,257 @@
+"""Index operators: GatherElements, GatherND, OneHot, Trilu, EyeLike, CumSum, TopK. Indices
+read at run time are checked (out of range ends the run with an error, never a stray read)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes as D
+from ..clit import lit
+from ..dims import Batch, Shape, cdim, numel, static
+from ..dtypes import DType
+from . import loops
+from .base import Emitter, Op, register
+
+INDEX = (D.INT32, D.INT64)
+
+
+@register
+class GatherElements(Op):
+    OP = "GatherElements"
+    SINCE = 11
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        s, i = self.shape(0), self.shape(1)
+        self.need(1, INDEX)
+        if len(s) != len(i):
+            self.fail("data and indices differ in rank")
+        self.ax = self.axis(int(self.attr("axis", 0)), len(s))
+        if isinstance(s[self.ax], Batch):
+            self.fail("gathering along the batch axis is not supported")
+        return [(self.x(0).dtype, i)]
+
+    def emit(self, e: Emitter) -> str:
+        s, i = self.shape(0), self.shape(1)
+        dim = static(s[self.ax])
+        st = loops.strides(s)
+        ax_stride = cdim(st[self.ax])
+        other = [st[k] if k != self.ax else 0 for k in range(len(s))]
+        bad = e.error("index out of range")
+
+        def body(o: str, ins: list[str]) -> str:
+            return (
+                f"i64 ix = (i64){e.inp(1)}[{o}]; if (ix < -{dim} || ix >= {dim}) {bad} "
+                f"if (ix < 0) ix += {dim}; "
+                f"{e.out(0)}[{o}] = {e.inp(0)}[{ins[0]} + (u32)ix * {ax_stride}];"
+            )
+
+        return loops.nest(i, [other], body, "j", collapse=False)
+
+
+@register
+class GatherND(Op):
+    OP = "GatherND"
+    SINCE = 11
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        s, i = self.shape(0), self.shape(1)
+        self.need(1, (D.INT64,))
+        self.b = int(self.attr("batch_dims", 0))
+        if self.b:
+            self.fail("batch_dims > 0 is not supported")
+        if not i or isinstance(i[-1], Batch):
+            self.fail("the last axis of the indices must be static")
+        self.depth = static(i[-1])
+        if self.depth > len(s) or any(isinstance(d, Batch) for d in s[: self.depth]):
+            self.fail("indices index the batch axis or too many axes")
+        return [(self.x(0).dtype, tuple(i[:-1]) + tuple(s[self.depth :]))]
+
+    def emit(self, e: Emitter) -> str:
+        s, i = self.shape(0), self.shape(1)
+        st = loops.strides(s)
+        inner = numel(s[self.depth :])
+        count = numel(i[:-1])
+        bad = e.error("index out of range")
+        lines = [f"for (u32 q = 0; q < {cdim(count)}; q++) {{", "  u32 base = 0;"]
+        for k in range(self.depth):
+            d = static(s[k])
+            lines.append(
+                f"  {{ i64 ix = {e.inp(1)}[q * {self.depth} + {k}]; if (ix < -{d} || ix >= {d}) {bad} "
+                f"if (ix < 0) ix += {d}; base += (u32)ix * {cdim(st[k])}; }}"
+            )
+        lines.append(
+            f"  for (u32 b = 0; b < {cdim(inner)}; b++) {e.out(0)}[q * {cdim(inner)} + b] = {e.inp(0)}[base + b];"
+        )
+        lines.append("}")
+        return "\n".join(lines)
+
+
+@register
+class OneHot(Op):
+    OP = "OneHot"
+    SINCE = 9
+    STATIC_INPUTS = (1, 2)
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        self.need(0, D.NUMERIC)
+        depth = np.asarray(self.value(1)).reshape(-1)[0]
+        if isinstance(depth, Batch):
+            self.fail("depth cannot depend on the batch")
+        self.depth = int(depth)
+        self.values = np.asarray(self.value(2)).reshape(-1)
+        s = list(self.shape(0))
+        self.ax = self.axis(int(self.attr("axis", -1)), len(s) + 1)
+        s.insert(self.ax, self.depth)
+        return [(self.x(2).dtype, tuple(s))]
+
+    def emit(self, e: Emitter) -> str:
+        s = self.shape(0)
+        outer, inner = numel(s[: self.ax]), numel(s[self.ax :])
+        dtype = self.x(2).dtype
+        off, on = lit(self.values[0], dtype), lit(self.values[1], dtype)
+        d = self.depth
+        return (
+            f"for (u32 a = 0; a < {cdim(outer)}; a++) for (u32 c = 0; c < {d}; c++) "
+            f"for (u32 b = 0; b < {cdim(inner)}; b++) {{\n"
+            f"  i64 v = (i64){e.inp(0)}[a * {cdim(inner)} + b]; if (v < 0) v += {d};\n"
+            f"  {e.out(0)}[(a * {d} + c) * {cdim(inner)} + b] = v == (i64)c ? {on} : {off}; }}"
+        )
+
+
+@register
+class Trilu(Op):
+    OP = "Trilu"
+    SINCE = 14
+    STATIC_INPUTS = (1,)
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        s = self.shape(0)
+        if len(s) < 2 or any(isinstance(d, Batch) for d in s[-2:]):
+            self.fail("expects [..., rows, cols] with static rows and cols")
+        self.k = int(np.asarray(self.value(1)).reshape(-1)[0]) if self.has(1) else 0
+        self.upper = int(self.attr("upper", 1))
+        return [(self.x(0).dtype, s)]
+
+    def emit(self, e: Emitter) -> str:
+        s = self.shape(0)
+        rows, cols = static(s[-2]), static(s[-1])
+        keep = f"(i64)c - (i64)r >= {self.k}" if self.upper else f"(i64)c - (i64)r <= {self.k}"
+        return (
+            f"for (u32 m = 0; m < {cdim(numel(s[:-2]))}; m++) for (u32 r = 0; r < {rows}; r++) "
+            f"for (u32 c = 0; c < {cols}; c++) {{ const u32 i = (m * {rows} + r) * {cols} + c; "
+            f"{e.out(0)}[i] = ({keep}) ? {e.inp(0)}[i] : 0; }}"
+        )
+
+
+@register
+class EyeLike(Op):
+    OP = "EyeLike"
+    SINCE = 9
+    FROM_SHAPES = True
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        s = self.shape(0)
+        if len(s) != 2 or any(isinstance(d, Batch) for d in s):
+            self.fail("expects a static matrix")
+        dt = self.attr("dtype", None)
+        self.dt = (
+            D.from_onnx(int(dt), f"{self.where}: {self.node.label}")
+            if dt is not None
+            else self.x(0).dtype
+        )
+        return [(self.dt, s)]
+
+    def fold(self) -> list[np.ndarray[Any, Any]] | None:
+        r, c = (static(d) for d in self.shape(0))
+        return [np.eye(r, c, k=int(self.attr("k", 0)), dtype=self.dt.np)]
+
+
+@register
+class CumSum(Op):
+    OP = "CumSum"
+    SINCE = 11
+    STATIC_INPUTS = (1,)
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.NUMERIC)
+        s = self.shape(0)
+        self.ax = self.axis(int(np.asarray(self.value(1)).reshape(-1)[0]), len(s))
+        if isinstance(s[self.ax], Batch):
+            self.fail("a cumulative sum along the batch is not supported")
+        self.exclusive = int(self.attr("exclusive", 0))
+        self.reverse = int(self.attr("reverse", 0))
+        return [(dtype, s)]
+
+    def emit(self, e: Emitter) -> str:
+        s = self.shape(0)
+        t = self.x(0).dtype.c
+        outer, length, inner = numel(s[: self.ax]), static(s[self.ax]), numel(s[self.ax + 1 :])
+        order = f"(u32)({length - 1} - j)" if self.reverse else "j"
+        step = "y[p] = acc; acc += x[p];" if self.exclusive else "acc += x[p]; y[p] = acc;"
+        return (
+            f"for (u32 a = 0; a < {cdim(outer)}; a++) for (u32 b = 0; b < {cdim(inner)}; b++) {{\n"
+            f"  const {t} *x = {e.inp(0)} + a * {length} * {cdim(inner)} + b;\n"
+            f"  {t} *y = {e.out(0)} + a * {length} * {cdim(inner)} + b;\n"
+            f"  {t} acc = 0;\n"
+            f"  for (u32 j = 0; j < {length}; j++) {{ const u32 p = {order} * {cdim(inner)}; {step} }}\n}}"
+        )
+
+
+@register
+class TopK(Op):
+    """Selection by repeated scans (k is small in practice); ties keep the lower index first,
+    as the spec asks; NaN counts as the largest value (numpy's order)."""
+
+    OP = "TopK"
+    SINCE = 10
+    STATIC_INPUTS = (1,)
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.NUMERIC)
+        s = list(self.shape(0))
+        self.ax = self.axis(int(self.attr("axis", -1)), len(s))
+        if isinstance(s[self.ax], Batch):
+            self.fail("TopK along the batch is not supported")
+        k = np.asarray(self.value(1)).reshape(-1)[0]
+        if isinstance(k, Batch) or not 0 <= int(k) <= static(s[self.ax]):
+            self.fail(f"k={k} does not fit axis {self.ax} of size {s[self.ax]}")
+        self.k = int(k)
+        self.largest = int(self.attr("largest", 1))
+        if not int(self.attr("sorted", 1)):
+            pass  # sorted output is one valid order of an unsorted TopK
+        s[self.ax] = self.k
+        return [(dtype, tuple(s)), (D.INT64, tuple(s))]
+
+    def emit(self, e: Emitter) -> str:
+        s = self.shape(0)
+        t = self.x(0).dtype
+        outer, length, inner = numel(s[: self.ax]), static(s[self.ax]), numel(s[self.ax + 1 :])
+        nan_big = " || (v != v && bv == bv)" if t.is_float else ""
+        better = (
+            f"(v > bv{nan_big})"
+            if self.largest
+            else "(v < bv || (bv != bv && v == v))"
+            if t.is_float
+            else "(v < bv)"
+        )
+        k = self.k
+        vals = e.out(0)
+        idx = e.out(1) if self.has_out(1) else None
+        store_idx = f" {idx}[base_o + q * {cdim(inner)}] = best;" if idx else ""
+        return (
+            f"u8 *taken = scratch;\n"
+            f"for (u32 a = 0; a < {cdim(outer)}; a++) for (u32 b = 0; b < {cdim(inner)}; b++) {{\n"
+            f"  const {t.c} *x = {e.inp(0)} + a * {length} * {cdim(inner)} + b;\n"
+            f"  const u32 base_o = a * {k} * {cdim(inner)} + b;\n"
+            f"  for (u32 j = 0; j < {length}; j++) taken[j] = 0;\n"
+            f"  for (u32 q = 0; q < {k}; q++) {{\n"
+            f"    i32 best = -1; {t.c} bv = 0;\n"
+            f"    for (u32 j = 0; j < {length}; j++) {{ if (taken[j]) continue; const {t.c} v = x[j * {cdim(inner)}];\n"
+            f"      if (best < 0 || {better}) {{ best = (i32)j; bv = v; }} }}\n"
+            f"    taken[best] = 1; {vals}[base_o + q * {cdim(inner)}] = bv;{store_idx}\n  }}\n}}"
+        )
+
+    def scratch_bytes(self) -> int:
+        return max(1, static(self.shape(0)[self.ax]))

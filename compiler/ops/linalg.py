@@ -1,0 +1,178 @@
+"""Gemm and MatMul: row-major i-k-j kernels whose inner loop runs along the output row, so
+clang vectorises it with SIMD128 without reassociating sums. Constant transposed weights
+(PyTorch's Linear, skl2onnx's Gemm) are re-laid out at build time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes as D
+from ..clit import lit
+from ..dims import Batch, Dim, Shape, cdim, mul, numel, static
+from ..dtypes import DType
+from . import loops
+from .base import Emitter, Op, register
+
+TYPES = (*D.FLOATS, D.INT32, D.INT64, D.UINT32, D.UINT64)
+
+
+def kernel(
+    dtype: DType,
+    m: Dim,
+    k: int,
+    n: int,
+    a: str,
+    b: str,
+    y: str,
+    a_rows: bool = True,
+    alpha: float = 1.0,
+    init: str | None = None,
+    b_kn: bool = True,
+) -> str:
+    """y[m,n] (= init) + alpha * sum_k a[m,k] * b[k,n]; `a_rows`: a is [m,k] (else [k,m]);
+    `b_kn`: b is [k,n] (else [n,k]); `init(row, col)` is a C expression or None for 0."""
+    t = dtype.c
+    if dtype.c == "float" and a_rows and b_kn:  # the SIMD kernel (mf_rt.h), same sums
+        fill = (
+            f"for (u32 r = 0; r < {cdim(m)}; r++) for (u32 c = 0; c < {n}; c++) {y}[r * {n} + c] = {init};\n"
+            if init
+            else f"for (u32 i = 0; i < {cdim(m)} * {n}; i++) {y}[i] = 0;\n"
+        )
+        return fill + f"mf_gemm_f32({cdim(m)}, {k}, {n}, {a}, {b}, {y}, {lit(alpha, dtype)});"
+    a_ix = f"r * {k} + q" if a_rows else f"q * {cdim(m)} + r"
+    b_ix = f"q * {n} + c" if b_kn else f"c * {k} + q"
+    scale = "" if alpha == 1.0 else f"{lit(alpha, dtype)} * "
+    init_c = init or "0"
+    return (
+        f"for (u32 r = 0; r < {cdim(m)}; r++) {{\n"
+        f"  {t} *yr = {y} + r * {n};\n"
+        f"  for (u32 c = 0; c < {n}; c++) yr[c] = {init_c};\n"
+        f"  for (u32 q = 0; q < {k}; q++) {{\n"
+        f"    const {t} av = {scale}{a}[{a_ix}];\n"
+        f"    for (u32 c = 0; c < {n}; c++) yr[c] += av * {b}[{b_ix}];\n"
+        "  }\n}"
+    )
+
+
+@register
+class Gemm(Op):
+    OP = "Gemm"
+    SINCE = 7
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, TYPES)
+        self.same_dtype(0, 1)
+        a, b = self.shape(0), self.shape(1)
+        if len(a) != 2 or len(b) != 2:
+            self.fail("A and B must be matrices")
+        self.ta, self.tb = int(self.attr("transA", 0)), int(self.attr("transB", 0))
+        self.alpha, self.beta = float(self.attr("alpha", 1.0)), float(self.attr("beta", 1.0))
+        m, k = (a[1], a[0]) if self.ta else (a[0], a[1])
+        k2, n = (b[1], b[0]) if self.tb else (b[0], b[1])
+        if k != k2 or isinstance(k, Batch) or isinstance(n, Batch):
+            self.fail(
+                f"cannot multiply {self.show(a)} by {self.show(b)} (transA={self.ta}, transB={self.tb})"
+            )
+        self.m, self.k, self.n = m, int(k), int(n)
+        if self.has(2):
+            try:
+                loops.broadcast([self.shape(2), (m, n)], "")
+            except Exception:
+                self.fail(f"C {self.show(self.shape(2))} does not broadcast to {self.show((m, n))}")
+            if loops.broadcast([self.shape(2), (m, n)], "") != (m, n):
+                self.fail("C must broadcast to A x B's shape")
+        return [(dtype, (m, n))]
+
+    def emit(self, e: Emitter) -> str:
+        dtype = self.x(0).dtype
+        b_ptr, b_kn = e.inp(1), not self.tb
+        bv = self.x(1).value
+        if self.tb and bv is not None:  # transpose constant weights once, at build time
+            b_ptr, b_kn = e.const(np.ascontiguousarray(np.asarray(bv).T), dtype), True
+        init = None
+        if self.has(2) and self.beta != 0.0:
+            cs = loops.bstrides(self.shape(2), (self.m, self.n))
+            terms = [
+                t
+                for t in (
+                    f"r * {cdim(cs[0])}" if cs[0] != 0 else "",
+                    f"c * {cdim(cs[1])}" if cs[1] != 0 else "",
+                )
+                if t
+            ]
+            ix = " + ".join(terms) or "0"
+            beta = "" if self.beta == 1.0 else f"{lit(self.beta, dtype)} * "
+            init = f"{beta}{e.inp(2)}[{ix}]"
+        return kernel(
+            dtype,
+            self.m,
+            self.k,
+            self.n,
+            e.inp(0),
+            b_ptr,
+            e.out(0),
+            not self.ta,
+            self.alpha,
+            init,
+            b_kn,
+        )
+
+
+@register
+class MatMul(Op):
+    OP = "MatMul"
+    SINCE = 1
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, TYPES)
+        self.same_dtype(0, 1)
+        a, b = list(self.shape(0)), list(self.shape(1))
+        if not a or not b:
+            self.fail("MatMul of a scalar")
+        self.a1, self.b1 = len(a) == 1, len(b) == 1
+        if self.a1:
+            a = [1, *a]
+        if self.b1:
+            b = [*b, 1]
+        if a[-1] != b[-2] or isinstance(a[-1], Batch) or isinstance(b[-1], Batch):
+            self.fail(f"cannot multiply {self.show(self.shape(0))} by {self.show(self.shape(1))}")
+        batch = loops.broadcast([tuple(a[:-2]), tuple(b[:-2])], f"{self.where}: {self.node.label}")
+        self.a, self.b, self.batch = tuple(a), tuple(b), batch
+        out = [*list(batch), a[-2], b[-1]]
+        if self.a1:
+            del out[-2]
+        if self.b1:
+            del out[-1]
+        return [(dtype, tuple(out))]
+
+    def emit(self, e: Emitter) -> str:
+        dtype = self.x(0).dtype
+        a, b, batch = self.a, self.b, self.batch
+        m, k, n = a[-2], static(a[-1]), static(b[-1])
+        ma, mb = mul(m, k), k * n
+        a_st = [mul(s, ma) for s in loops.bstrides(tuple(a[:-2]), batch)]
+        b_st = [mul(s, mb) for s in loops.bstrides(tuple(b[:-2]), batch)]
+        y_stride = mul(m, n)
+
+        def body(o: str, ins: list[str]) -> str:
+            return (
+                "{\n"
+                + kernel(
+                    dtype,
+                    m,
+                    k,
+                    n,
+                    f"({e.inp(0)} + {ins[0]})",
+                    f"({e.inp(1)} + {ins[1]})",
+                    f"({e.out(0)} + ({o}) * {cdim(y_stride)})",
+                )
+                + "\n}"
+            )
+
+        # nest's output index counts batch entries; the kernel scales it by m*n
+        return loops.nest(batch, [a_st, b_st], body, "bb", collapse=False)
+
+
+_ = (Any, numel)

@@ -1,0 +1,154 @@
+"""Resize (nearest and linear, any coordinate transformation mode but tf_crop_and_resize):
+the per-axis source indices and weights are computed at build time and baked in, so the
+run-time loop only gathers and blends."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes as D
+from ..dims import Batch, Dim, Shape, cdim, static
+from ..dtypes import DType
+from . import loops
+from .base import Emitter, Op, register
+
+TRANSFORMS = (
+    "half_pixel",
+    "half_pixel_symmetric",
+    "pytorch_half_pixel",
+    "align_corners",
+    "asymmetric",
+)
+
+
+@register
+class Resize(Op):
+    OP = "Resize"
+    SINCE = 11
+    STATIC_INPUTS = (1, 2, 3)
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, (*D.FLOATS, D.INT8, D.UINT8))
+        s = self.shape(0)
+        self.mode = self.attr("mode", "nearest")
+        self.ct = self.attr("coordinate_transformation_mode", "half_pixel")
+        self.nearest = self.attr("nearest_mode", "round_prefer_floor")
+        if self.mode not in ("nearest", "linear"):
+            self.fail(f"mode={self.mode!r} is not supported (nearest, linear)")
+        if self.ct not in TRANSFORMS:
+            self.fail(f"coordinate_transformation_mode={self.ct!r} is not supported")
+        if int(self.attr("antialias", 0)):
+            self.fail("antialias is not supported")
+        if self.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+            self.fail("keep_aspect_ratio_policy other than stretch is not supported")
+        axes = [self.axis(int(a), len(s)) for a in self.attr("axes", list(range(len(s))))]
+        scales = [1.0] * len(s)
+        sizes: list[Dim] = list(s)
+        if self.has(3) and np.asarray(self.value(3)).size:
+            want = [int(v) for v in np.asarray(self.value(3)).reshape(-1)]
+            for a, n in zip(axes, want, strict=True):
+                sizes[a] = n
+                scales[a] = n / static(s[a]) if not isinstance(s[a], Batch) else 1.0
+        elif self.has(2) and np.asarray(self.value(2)).size:
+            given = [float(v) for v in np.asarray(self.value(2)).reshape(-1)]
+            for a, sc in zip(axes, given, strict=True):
+                scales[a] = sc
+                if not isinstance(s[a], Batch):
+                    sizes[a] = math.floor(static(s[a]) * sc)
+        else:
+            self.fail("needs scales or sizes")
+        for k, d in enumerate(s):
+            if isinstance(d, Batch) and (sizes[k] != d or scales[k] != 1.0):
+                self.fail("resizing the batch axis is not supported")
+        self.scales, self.sizes = scales, sizes
+        return [(dtype, tuple(sizes))]
+
+    def _source(
+        self, o: np.ndarray[Any, Any], n_in: int, n_int: int, n_out: float, scale: float
+    ) -> np.ndarray[Any, Any]:
+        if self.ct == "half_pixel":
+            return (o + 0.5) / scale - 0.5
+        if self.ct == "half_pixel_symmetric":
+            adjustment = n_int / n_out
+            offset = n_in / 2 * (1 - adjustment)
+            return offset + (o + 0.5) / scale - 0.5
+        if self.ct == "pytorch_half_pixel":
+            return (o + 0.5) / scale - 0.5 if n_out > 1 else np.zeros_like(o)
+        if self.ct == "align_corners":
+            return o * (n_in - 1) / (n_out - 1) if n_out > 1 else np.zeros_like(o)
+        return o / scale
+
+    def _nearest(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        half = x - np.floor(x) == 0.5
+        if self.nearest == "round_prefer_floor":
+            out = np.where(half, np.floor(x), np.round(x))
+        elif self.nearest == "round_prefer_ceil":
+            out = np.where(half, np.ceil(x), np.round(x))
+        else:
+            out = np.floor(x) if self.nearest == "floor" else np.ceil(x)
+        return np.asarray(out)
+
+    def table(self, e: Emitter, n_in: int, n_out: int, scale: float) -> tuple[str, str, str]:
+        """One axis's source indices (nearest) or the two neighbours and the weight of the
+        upper one (linear), as baked constants."""
+        # the transform uses the unrounded resized length (input * scale), as the spec's reference
+        x = self._source(np.arange(n_out, dtype=np.float64), n_in, n_out, n_in * scale, scale)
+        if self.mode == "nearest":
+            j = np.clip(self._nearest(x), 0, n_in - 1).astype(np.int32)
+            return e.const(j, D.INT32), "", ""
+        dtype = self.x(0).dtype
+        wtype = dtype if dtype.is_float else D.FLOAT
+        xc = np.clip(x, 0, n_in - 1)
+        lo = np.floor(xc).astype(np.int32)
+        hi = np.minimum(lo + 1, n_in - 1).astype(np.int32)
+        return (
+            e.const(lo, D.INT32),
+            e.const(hi, D.INT32),
+            e.const((xc - lo).astype(wtype.np), wtype),
+        )
+
+    def emit(self, e: Emitter) -> str:
+        s, out = self.shape(0), self.oshape()
+        st = loops.strides(s)
+        resized = [
+            k
+            for k in range(len(s))
+            if not isinstance(s[k], Batch) and (out[k] != s[k] or self.scales[k] != 1.0)
+        ]
+        idx = [f"rz{k}" for k in range(len(s))]
+        dtype = self.x(0).dtype
+        lines = []
+        tables = {k: self.table(e, static(s[k]), static(out[k]), self.scales[k]) for k in resized}
+        for k, d in enumerate(out):
+            lines.append(f"for (u32 {idx[k]} = 0; {idx[k]} < {cdim(d)}; {idx[k]}++)")
+        fixed = (
+            " + ".join(f"{idx[k]} * {cdim(st[k])}" for k in range(len(s)) if k not in resized)
+            or "0"
+        )
+        if self.mode == "nearest":
+            src = " + ".join(
+                [fixed] + [f"(u32){tables[k][0]}[{idx[k]}] * {cdim(st[k])}" for k in resized]
+            )
+            body = f"{e.out(0)}[o++] = {e.inp(0)}[{src}];"
+        else:
+            terms = []
+            for corner in range(1 << len(resized)):
+                parts, weights = [fixed], []
+                for bit, k in enumerate(resized):
+                    lo, hi, w = tables[k]
+                    if corner >> bit & 1:
+                        parts.append(f"(u32){hi}[{idx[k]}] * {cdim(st[k])}")
+                        weights.append(f"(double){w}[{idx[k]}]")
+                    else:
+                        parts.append(f"(u32){lo}[{idx[k]}] * {cdim(st[k])}")
+                        weights.append(f"(1.0 - (double){w}[{idx[k]}])")
+                terms.append(
+                    f"{' * '.join(weights) or '1.0'} * (double){e.inp(0)}[{' + '.join(parts)}]"
+                )
+            cast = dtype.c
+            rnd = "" if dtype.is_float else "mf_rint"
+            body = f"{e.out(0)}[o++] = ({cast}){rnd}({' + '.join(terms)});"
+        return "{ u32 o = 0;\n" + "\n".join(lines) + " {\n  " + body + "\n} }"

@@ -1,0 +1,374 @@
+"""Example ONNX models for the model compiler's tests and benchmarks: scikit-learn models
+exported with skl2onnx (trained on scikit-learn's bundled data sets, so nothing is
+downloaded), and graphs written with onnx.helper (an MLP, a small CNN trained here with numpy
+on the 8x8 digits, a transformer decoder block). Each comes with held-out rows and the
+tolerance its operator family is held to against onnxruntime."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+# Tolerances against onnxruntime, per operator family (max |got - want| <= atol + rtol*|want|).
+# float32 arithmetic differs by summation order only; transcendental functions are computed in
+# double here and in float32 there; tree ensembles must give identical labels.
+TOLERANCE = {
+    "linear": (1e-5, 1e-6),  # Gemm/MatMul/linear models/scalers/normalisers (rtol, atol)
+    "mlp": (1e-5, 1e-6),
+    "cnn": (1e-5, 1e-5),
+    "trees": (1e-5, 1e-6),
+    "svm": (1e-4, 1e-5),  # kernels: exp/tanh/pow in double vs float32
+    "transformer": (1e-4, 1e-5),  # LayerNorm, Softmax, Gelu (erf)
+}
+
+
+@dataclass
+class Example:
+    name: str
+    family: str
+    model: onnx.ModelProto
+    x: np.ndarray[Any, Any]  # held-out rows
+    label_outputs: tuple[int, ...] = ()  # outputs that must match exactly (class labels)
+
+    @property
+    def tolerance(self) -> tuple[float, float]:
+        return TOLERANCE[self.family]
+
+
+def _split(x: Any, y: Any, seed: int = 0) -> tuple[Any, Any, Any]:
+    rng = np.random.default_rng(seed)
+    idx = rng.permutation(len(x))
+    cut = int(len(x) * 0.75)
+    return x[idx[:cut]].astype(np.float32), y[idx[:cut]], x[idx[cut:]].astype(np.float32)
+
+
+def _sk(
+    name: str,
+    family: str,
+    make: Callable[[], Any],
+    data: str,
+    labels: bool = True,
+    nan_rows: bool = False,
+) -> Example:
+    from skl2onnx import to_onnx
+    from sklearn import datasets
+
+    loader = {
+        "iris": datasets.load_iris,
+        "digits": datasets.load_digits,
+        "cancer": datasets.load_breast_cancer,
+        "diabetes": datasets.load_diabetes,
+    }[data]
+    x, y = loader(return_X_y=True)
+    xtr, ytr, xte = _split(x, y)
+    if nan_rows:  # some missing values for the imputer, in training and held-out rows
+        rng = np.random.default_rng(1)
+        xtr[rng.random(xtr.shape) < 0.05] = np.nan
+        xte[rng.random(xte.shape) < 0.05] = np.nan
+    model = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(xtr, ytr)
+        options = {id(model): {"zipmap": False}} if labels else None
+        onx = to_onnx(model, xtr[:1], options=options, target_opset={"": 17, "ai.onnx.ml": 3})
+    onx.graph.name = name
+    return Example(name, family, onx, xte, (0,) if labels else ())
+
+
+def sklearn_examples() -> list[Example]:
+    from sklearn.ensemble import (
+        GradientBoostingClassifier,
+        HistGradientBoostingClassifier,
+        RandomForestClassifier,
+        RandomForestRegressor,
+    )
+    from sklearn.impute import SimpleImputer
+    from sklearn.linear_model import LinearRegression, LogisticRegression
+    from sklearn.neighbors import KNeighborsClassifier, KNeighborsRegressor
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import Normalizer, StandardScaler
+    from sklearn.svm import SVC, SVR
+    from sklearn.tree import DecisionTreeClassifier
+
+    return [
+        _sk("logreg-iris", "linear", lambda: LogisticRegression(max_iter=1000), "iris"),
+        _sk(
+            "logreg-cancer",
+            "linear",
+            lambda: make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000)),
+            "cancer",
+        ),
+        _sk("linreg-diabetes", "linear", LinearRegression, "diabetes", labels=False),
+        _sk(
+            "mlp-digits",
+            "mlp",
+            lambda: MLPClassifier((32,), max_iter=300, random_state=0),
+            "digits",
+        ),
+        _sk("tree-iris", "trees", lambda: DecisionTreeClassifier(random_state=0), "iris"),
+        _sk("forest-cancer", "trees", lambda: RandomForestClassifier(50, random_state=0), "cancer"),
+        _sk("forest-digits", "trees", lambda: RandomForestClassifier(30, random_state=0), "digits"),
+        _sk(
+            "forest-diabetes",
+            "trees",
+            lambda: RandomForestRegressor(30, random_state=0),
+            "diabetes",
+            labels=False,
+        ),
+        _sk(
+            "gboost-cancer",
+            "trees",
+            lambda: GradientBoostingClassifier(n_estimators=50, random_state=0),
+            "cancer",
+        ),
+        _sk(
+            "gboost-iris",
+            "trees",
+            lambda: GradientBoostingClassifier(n_estimators=30, random_state=0),
+            "iris",
+        ),
+        _sk(
+            "hgboost-iris",
+            "trees",
+            lambda: HistGradientBoostingClassifier(max_iter=30, random_state=0),
+            "iris",
+        ),
+        _sk("svc-iris", "svm", SVC, "iris"),
+        _sk("svc-cancer", "svm", lambda: make_pipeline(StandardScaler(), SVC()), "cancer"),
+        _sk("svr-diabetes", "svm", SVR, "diabetes", labels=False),
+        _sk("svc-proba-iris", "svm", lambda: SVC(probability=True, random_state=0), "iris"),
+        _sk("knn-iris", "linear", lambda: KNeighborsClassifier(5), "iris"),
+        _sk("knn-diabetes", "linear", lambda: KNeighborsRegressor(5), "diabetes", labels=False),
+        _sk(
+            "svc-proba-cancer",
+            "svm",
+            lambda: make_pipeline(StandardScaler(), SVC(probability=True, random_state=0)),
+            "cancer",
+        ),
+        _sk(
+            "pipeline-iris",
+            "linear",
+            lambda: make_pipeline(
+                SimpleImputer(), StandardScaler(), Normalizer(), LogisticRegression(max_iter=1000)
+            ),
+            "iris",
+            nan_rows=True,
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- hand-built graphs
+def _init(name: str, value: np.ndarray[Any, Any]) -> TensorProto:
+    return numpy_helper.from_array(np.ascontiguousarray(value), name)
+
+
+def mlp_example() -> Example:
+    """A PyTorch-style MLP (Gemm with transB=1 weights, Relu, Gelu, Softmax) on random data."""
+    rng = np.random.default_rng(2)
+    w1, b1 = (
+        rng.normal(0, 0.3, (64, 16)).astype(np.float32),
+        rng.normal(0, 0.1, 64).astype(np.float32),
+    )
+    w2, b2 = (
+        rng.normal(0, 0.3, (32, 64)).astype(np.float32),
+        rng.normal(0, 0.1, 32).astype(np.float32),
+    )
+    w3, b3 = (
+        rng.normal(0, 0.3, (4, 32)).astype(np.float32),
+        rng.normal(0, 0.1, 4).astype(np.float32),
+    )
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h1"], transB=1),
+        helper.make_node("Relu", ["h1"], ["a1"]),
+        helper.make_node("Gemm", ["a1", "w2", "b2"], ["h2"], transB=1),
+        helper.make_node("Gelu", ["h2"], ["a2"]),
+        helper.make_node("Gemm", ["a2", "w3", "b3"], ["logits"], transB=1),
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", 4])],
+        [
+            _init(n, v)
+            for n, v in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2), ("w3", w3), ("b3", b3))
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    return Example("mlp-onnx", "mlp", model, rng.normal(0, 1, (64, 16)).astype(np.float32))
+
+
+@functools.cache
+def _trained_cnn() -> dict[str, np.ndarray[Any, Any]]:
+    """A tiny CNN (conv 3x3x8 + ReLU + maxpool 2 + dense 10) trained on the 8x8 digits with
+    numpy and a hand-written backward pass (a few epochs of SGD: ~97% held-out accuracy)."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    xtr, ytr, _ = _split(x / 16.0, y)
+    xtr = xtr.reshape(-1, 1, 8, 8)
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.3, (8, 1, 3, 3))
+    b = np.zeros(8)
+    v = rng.normal(0, 0.05, (10, 128))
+    c = np.zeros(10)
+
+    def im2col(imgs: Any) -> Any:  # [n,1,8,8] -> [n, 64, 9] (pad 1)
+        p = np.pad(imgs[:, 0], ((0, 0), (1, 1), (1, 1)))
+        cols = np.stack([p[:, i : i + 8, j : j + 8] for i in range(3) for j in range(3)], axis=-1)
+        return cols.reshape(len(imgs), 64, 9)
+
+    lr = 0.1
+    for _epoch in range(12):
+        for start in range(0, len(xtr), 32):
+            xb, yb = xtr[start : start + 32], ytr[start : start + 32]
+            cols = im2col(xb)
+            z = cols @ w.reshape(8, 9).T + b  # [n,64,8]
+            a = np.maximum(z, 0)
+            a4 = a.reshape(-1, 4, 2, 4, 2, 8)
+            pooled = a4.max(axis=(2, 4))  # [n,4,4,8]
+            flat = pooled.transpose(0, 3, 1, 2).reshape(len(xb), 128)  # NCHW flatten
+            logits = flat @ v.T + c
+            p = np.exp(logits - logits.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            g = p.copy()
+            g[np.arange(len(xb)), yb] -= 1
+            g /= len(xb)
+            gv, gc = g.T @ flat, g.sum(0)
+            gflat = (g @ v).reshape(-1, 8, 4, 4).transpose(0, 2, 3, 1)  # [n,4,4,8]
+            mask = a4 == pooled[:, :, None, :, None, :]
+            ga = (mask * gflat[:, :, None, :, None, :]).reshape(-1, 64, 8) * (z > 0)
+            gw = np.einsum("npk,npc->kc", ga, cols).reshape(8, 1, 3, 3)
+            w -= lr * gw
+            b -= lr * ga.sum((0, 1))
+            v -= lr * gv
+            c -= lr * gc
+    return {
+        "w": w.astype(np.float32),
+        "b": b.astype(np.float32),
+        "v": v.astype(np.float32),
+        "c": c.astype(np.float32),
+    }
+
+
+def cnn_example(directory: Path | None = None) -> Example:
+    """The trained CNN as an ONNX graph. With `directory`, saved there as model.onnx with its
+    weights in model.onnx.data (PyTorch's exporter's layout), to prove external data is read."""
+    from sklearn.datasets import load_digits
+
+    p = _trained_cnn()
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c1"], pads=[1, 1, 1, 1], kernel_shape=[3, 3]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Flatten", ["p1"], ["f1"], axis=1),
+        helper.make_node("Gemm", ["f1", "v", "c"], ["logits"], transB=1),
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+        helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn-digits",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 8, 8])],
+        [
+            helper.make_tensor_value_info("label", TensorProto.INT64, ["batch"]),
+            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", 10]),
+        ],
+        [_init(n, p[n]) for n in ("w", "b", "v", "c")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x, y = load_digits(return_X_y=True)
+    _, _, xte = _split(x / 16.0, y)
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        onnx.save_model(
+            model,
+            str(directory / "model.onnx"),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location="model.onnx.data",
+            size_threshold=0,
+        )
+        model = onnx.load_model(str(directory / "model.onnx"), load_external_data=False)
+    return Example("cnn-digits", "cnn", model, xte.reshape(-1, 1, 8, 8).astype(np.float32), (0,))
+
+
+def decoder_block_example() -> Example:
+    """One pre-norm transformer decoder block over token ids: Gather (embeddings),
+    LayerNormalization, MatMul with broadcasting, causal mask (Where), Softmax over the last
+    axis, Gelu, residual Adds, Reshape/Transpose for 2 heads. Random weights, batch symbolic."""
+    rng = np.random.default_rng(3)
+    vocab, seq, d, heads = 50, 8, 16, 2
+    hd = d // heads
+
+    def w(*shape: int) -> np.ndarray[Any, Any]:
+        return rng.normal(0, 0.2, shape).astype(np.float32)
+
+    inits = {
+        "emb": w(vocab, d),
+        "pos": w(seq, d),
+        "g1": 1 + w(d),
+        "b1": w(d),
+        "wq": w(d, d),
+        "wk": w(d, d),
+        "wv": w(d, d),
+        "wo": w(d, d),
+        "g2": 1 + w(d),
+        "b2": w(d),
+        "w1": w(d, 4 * d),
+        "w2": w(4 * d, d),
+        "heads_shape": np.array([0, seq, heads, hd], np.int64),
+        "merge_shape": np.array([0, seq, d], np.int64),
+        "scale": np.array(1 / np.sqrt(hd), np.float32),
+        "causal": np.tril(np.ones((seq, seq), bool)),
+        "neg": np.array(-1e9, np.float32),
+    }
+    n = helper.make_node
+    nodes = [
+        n("Gather", ["emb", "ids"], ["tok"]),
+        n("Add", ["tok", "pos"], ["h0"]),
+        n("LayerNormalization", ["h0", "g1", "b1"], ["ln1"], axis=-1, epsilon=1e-5),
+        *[n("MatMul", ["ln1", f"w{k}"], [k]) for k in "qkv"],
+        *[n("Reshape", [k, "heads_shape"], [f"{k}h"]) for k in "qkv"],
+        n("Transpose", ["qh"], ["qt"], perm=[0, 2, 1, 3]),
+        n("Transpose", ["kh"], ["kt"], perm=[0, 2, 3, 1]),
+        n("Transpose", ["vh"], ["vt"], perm=[0, 2, 1, 3]),
+        n("MatMul", ["qt", "kt"], ["att0"]),
+        n("Mul", ["att0", "scale"], ["att1"]),
+        n("Where", ["causal", "att1", "neg"], ["att2"]),
+        n("Softmax", ["att2"], ["att"], axis=-1),
+        n("MatMul", ["att", "vt"], ["ctx0"]),
+        n("Transpose", ["ctx0"], ["ctx1"], perm=[0, 2, 1, 3]),
+        n("Reshape", ["ctx1", "merge_shape"], ["ctx"]),
+        n("MatMul", ["ctx", "wo"], ["attn_out"]),
+        n("Add", ["h0", "attn_out"], ["h1"]),
+        n("LayerNormalization", ["h1", "g2", "b2"], ["ln2"], axis=-1, epsilon=1e-5),
+        n("MatMul", ["ln2", "w1"], ["ff0"]),
+        n("Gelu", ["ff0"], ["ff1"]),
+        n("MatMul", ["ff1", "w2"], ["ff2"]),
+        n("Add", ["h1", "ff2"], ["hidden"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "decoder-block",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", seq])],
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", seq, d])],
+        [_init(k, v) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    x = rng.integers(0, vocab, (16, seq)).astype(np.int64)
+    return Example("decoder-block", "transformer", model, x)
+
+
+def all_examples() -> list[Example]:
+    return [*sklearn_examples(), mlp_example(), cnn_example(), decoder_block_example()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -30,12 +31,16 @@ from .errors import BuildError
 from .manifest import FunctionManifest, load_manifest
 from .signing import sha256_file
 
-BUILD_FORMAT = "meshfn-build-6"  # bump when the build recipe changes
+BUILD_FORMAT = "meshfn-build-7"  # bump when the build recipe changes
 FUNCTIONS_DIR = Path(__file__).resolve().parents[1] / "functions"
 WIT_DIR = FUNCTIONS_DIR / "wit"
 SDK_FILE = FUNCTIONS_DIR / "sdk" / "meshfn_sdk.py"
 CORE_INCLUDE = FUNCTIONS_DIR / "core"
 CORE_EXPORTS = ("memory", "meshfn_abi_version", "meshfn_metadata", "meshfn_alloc", "meshfn_infer")
+# The most streams one decode step of a compiled step function carries (a Function's
+# generation.batching.maxStreams is at most this): the compiler sizes its report's peak memory
+# for it.
+MAX_STEP_BATCH = 256
 # core ABI v2 (tensors in an I/O table: what meshfn's model compiler emits)
 CORE_EXPORTS_V2 = (
     "memory", "meshfn_abi_version", "meshfn_metadata", "meshfn_plan", "meshfn_run", "meshfn_error",
@@ -87,14 +92,25 @@ def _source_files(directory: Path) -> list[Path]:
     )
 
 
+def _compiler_files() -> list[Path]:
+    """meshfn's model compiler (its code and C runtime), found without importing it."""
+    spec = importlib.util.find_spec("meshfn.compiler")
+    if spec is None or not spec.submodule_search_locations:
+        raise BuildError("meshfn's model compiler (meshfn.compiler) is not installed")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return sorted(p for p in root.rglob("*") if p.suffix in (".py", ".h") and p.is_file())
+
+
 def build_key(directory: Path, manifest: FunctionManifest) -> str:
     digest = hashlib.sha256()
     digest.update(f"{BUILD_FORMAT}\n{_tool_versions(manifest.kind)}\n{sys.version}\n".encode())
     extra = [SDK_FILE, *sorted(WIT_DIR.glob("*.wit"))] if manifest.kind == "python" else []
     if manifest.kind == "core":
         extra = sorted(CORE_INCLUDE.glob("*.h"))
+    if manifest.model is not None:  # a new compiler compiles the graph again
+        extra = _compiler_files()
     for path in [*_source_files(directory), *extra]:
-        rel = path.name if path in extra else str(path.relative_to(directory))
+        rel = str(path) if path in extra else str(path.relative_to(directory))
         digest.update(f"{rel}\0{len(path.read_bytes())}\0".encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:20]
@@ -186,6 +202,31 @@ def _clang(manifest: FunctionManifest, stage: Path, out: Path) -> None:
     check_core_module(out.read_bytes(), str(out), manifest.abi)
 
 
+def _compile_model(manifest: FunctionManifest, stage: Path, out: Path) -> dict[str, Any]:
+    """The ONNX graph `model` through meshfn's model compiler: a core ABI v2 module whose
+    tensors must be what the manifest says the module has (a step function's). Returns the
+    compiler's report."""
+    from meshfn.compiler import CompileError, Options, compile_model
+
+    assert manifest.model is not None
+    graph = stage / manifest.model
+    if not graph.is_file():
+        raise BuildError(f"{manifest.model}: not found (neither shipped nor written by prepare)")
+    try:
+        compiled = compile_model(graph, Options(max_batch=MAX_STEP_BATCH))
+    except CompileError as exc:
+        raise BuildError(f"{manifest.model}: {exc}") from None
+    expected = manifest.module_metadata()
+    if compiled.metadata != expected:
+        raise BuildError(
+            f"{manifest.model}: the graph's tensors {json.dumps(compiled.metadata)} are not the "
+            f"module's the manifest describes {json.dumps(expected)}"
+        )
+    out.write_bytes(compiled.wasm)
+    check_core_module(compiled.wasm, str(out), 2)
+    return compiled.report
+
+
 def check_core_module(wasm: bytes, where: str, abi: int = 1) -> None:
     """Enforce the core ABI's import/export rules (ABI.md) before anything runs the module."""
     try:
@@ -230,9 +271,12 @@ def build(
             report = _prepare(manifest, stage)
             out = Path(tmp) / "out"
             out.mkdir()
-            progress.step(item, "componentize-py" if manifest.kind == "python" else "clang")
+            tool = "componentize-py" if manifest.kind == "python" else "clang"
+            progress.step(item, "model compiler" if manifest.model else tool)
             if manifest.kind == "python":
                 _componentize(manifest, stage, out / wasm.name)
+            elif manifest.model is not None:
+                report["compiler"] = _compile_model(manifest, stage, out / wasm.name)
             else:
                 _clang(manifest, stage, out / wasm.name)
             info = {

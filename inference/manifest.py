@@ -147,12 +147,15 @@ class FunctionManifest(BaseModel):
     description: str = ""
     module: str | None = None  # python: the module defining MODEL
     source: str | None = None  # core: the C file
+    # core, abi 2: an ONNX graph (in the directory, or written by `prepare`) that meshfn's model
+    # compiler turns into the module, instead of C
+    model: str | None = None
     prepare: str | None = None  # host-side script run at build time with the staging dir
     # core: the module reads base64 `raw` input data (meshfn_core.h's mf_read_f32 does); else the
     # host converts every input to JSON `data` first. Python functions always read it (the SDK).
     raw_inputs: bool = False
     # core: 1 (JSON in and out, functions/core/ABI.md) or 2 (raw tensors in an I/O table, what
-    # meshfn's model compiler emits; hand-written in C with meshfn_tensor.h)
+    # meshfn's model compiler emits from `model`: compiler/ABI.md)
     abi: Literal[1, 2] = 1
     simd: bool = False  # core: build with wasm SIMD128 (-msimd128) at -O3
     inputs: list[TensorSpec] = Field(min_length=1)
@@ -210,6 +213,11 @@ class FunctionManifest(BaseModel):
         out = []
         if self.kind == "python" and (self.abi != 1 or self.simd):
             out.append("abi and simd are for core functions")
+        if self.model is not None and (self.kind != "core" or self.abi != 2 or self.source):
+            out.append(
+                "model (an ONNX graph for meshfn's model compiler) is for core functions of abi 2, "
+                "instead of source"
+            )
         if self.abi == 2 and (self.generate is None or self.generate.engine != "step"):
             out.append(
                 'abi 2 is supported for generative step functions ([generate] engine = "step") only'
@@ -287,9 +295,9 @@ def load_manifest(directory: Path) -> FunctionManifest:
             f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
         )
         raise ManifestError(f"{path}: {problems}") from None
-    entry = manifest.module if manifest.kind == "python" else manifest.source
+    entry = manifest.module if manifest.kind == "python" else manifest.source or manifest.model
     if not entry:
-        field = "module" if manifest.kind == "python" else "source"
+        field = "module" if manifest.kind == "python" else "source (C) or model (ONNX)"
         raise ManifestError(f"{path}: kind {manifest.kind!r} needs `{field}`")
     names = [t.name for t in manifest.inputs]
     if len(set(names)) != len(names):
@@ -297,7 +305,10 @@ def load_manifest(directory: Path) -> FunctionManifest:
     contradictions = manifest.problems()
     if contradictions:
         raise ManifestError(f"{path}: {'; '.join(contradictions)}")
-    for rel in filter(None, [manifest.source, manifest.prepare]):
+    shipped = [manifest.source, manifest.prepare]
+    if not manifest.prepare:  # else the prepare step may write the model
+        shipped.append(manifest.model)
+    for rel in filter(None, shipped):
         if not (directory / rel).is_file():
             raise ManifestError(f"{path}: {rel} does not exist")
     if manifest.module and not (directory / f"{manifest.module}.py").is_file():

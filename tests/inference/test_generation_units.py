@@ -402,7 +402,7 @@ def test_tiny_lm_backward_pass_matches_numerical_gradients() -> None:
             array[index] = old
             worst = max(worst, abs((up - down) / 2e-6 - grad[index]))
     assert worst < 1e-7
-    logits, state = gru.step(p, inputs[0], h0)  # the step lm.c computes
+    logits, state = gru.step(p, inputs[0], h0)  # the step the served graph computes
     assert logits.shape == (3, 7) and state.shape == (3, 5)
 
 

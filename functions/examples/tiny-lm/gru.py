@@ -1,7 +1,7 @@
 """A byte-level GRU language model in numpy: forward, a hand-written backward pass through time
 (BPTT), Adam. Imported by train.py (build time, on the host) and by the unit tests, which check
 the backward pass against numerical gradients. Nothing here runs in the served function: the
-step lm.c computes is `step` below, in C.
+served step is `step` below as an ONNX graph (step_onnx.py), compiled by meshfn's model compiler.
 
 One layer, PyTorch's GRU equations, with the input projection folded into a table (a token's
 row of `x` is its embedding times the input weights plus the input bias):

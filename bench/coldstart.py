@@ -1,6 +1,9 @@
 """Benchmark of cold starts users see, reactive vs predictive warm-up, and multi-process
 throughput (bench/coldstart.py).
 
+The Python function is the hand-written iris (functions/testing/iris-py, served as `iris`); the
+core function is digits, an ONNX model compiled to a core module (ABI v2).
+
 Measures, on loopback with real backend processes (a short idle TTL, 200 ms):
   traces      three request traces replayed against the Python function (iris), each against
               three functions of the same artifact at once, one `warmup.mode: reactive`, one
@@ -192,7 +195,7 @@ def trace_functions() -> list[dict[str, Any]]:
                 {
                     "name": f"iris-{trace}-{mode}",
                     "version": "1",
-                    "artifact": "iris@1",
+                    "artifact": "iris-py@1",
                     "idleTtl": f"{int(TTL * 1000)}ms",
                     "pool": {"minIdle": 0, "maxIdle": 2},
                     "warmup": {"mode": warmup, "maxWarmIdle": "1s", "memoryBudget": 128},
@@ -271,7 +274,7 @@ def cold_sequence(
     out: dict[str, dict[str, list[float]]] = {}
     for n, (settings, kinds) in enumerate(backends):
         functions = [
-            {"name": f"iris-{kind}", "version": "1", "artifact": "iris@1", **spec}
+            {"name": f"iris-{kind}", "version": "1", "artifact": "iris-py@1", **spec}
             for kind, spec in kinds.items()
         ]
         proc, port = backend(
@@ -304,7 +307,7 @@ def cold_sequence(
 
 
 THROUGHPUT_FUNCTIONS = [
-    {"name": "iris", "version": "1", "pool": {"minIdle": 2, "maxIdle": 4},
+    {"name": "iris", "version": "1", "artifact": "iris-py@1", "pool": {"minIdle": 2, "maxIdle": 4},
      "limits": {"maxConcurrency": 256}},
     {"name": "digits", "version": "1", "pool": {"minIdle": 2, "maxIdle": 4},
      "limits": {"maxConcurrency": 256}},
@@ -396,6 +399,17 @@ def pooled_engine() -> Any:
     return wasmtime.Engine(config)
 
 
+def _guest_request(kind: str, metadata: dict[str, Any], body: bytes) -> Any:
+    """A request body as the backend hands it to this kind of guest (its own classes)."""
+    from meshfn.inference.kserve import Signature, parse_http
+    from meshfn.inference.tensorio import TensorIO
+
+    request = parse_http(body, Signature.from_metadata(metadata), None)
+    if kind == "onnx":
+        return TensorIO(metadata, 64 << 20, "bench").call(request)
+    return request.guest_json(metadata.get("raw_inputs") is True)
+
+
 def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float]]:
     """Cold-path levers, timed in this process (see the module doc)."""
     from meshfn.inference import signing
@@ -412,15 +426,16 @@ def levers(registry: Path, key: Path, samples: int) -> dict[str, dict[str, float
     trusted = signing.TrustedKeys.from_paths([key])
     out: dict[str, dict[str, float]] = {}
     try:
-        for name, body in (("iris", IRIS), ("digits", DIGITS)):
-            verified = Registry(registry).verify(name, "1", trusted)
-            request = json.dumps(json.loads(body))
+        # the Python function is the hand-written iris (iris-py); digits is a compiled model
+        for name, artifact, body in (("iris", "iris-py", IRIS), ("digits", "digits", DIGITS)):
+            verified = Registry(registry).verify(artifact, "1", trusted)
+            request = _guest_request(verified.kind, verified.metadata, body)
             times: dict[str, list[float]] = {}
 
             def since(what: str, started: float, times: dict[str, list[float]] = times) -> None:
                 times.setdefault(what, []).append((time.perf_counter() - started) * 1000)
 
-            def cycle(art: Any, prefix: str = "", request: str = request) -> None:
+            def cycle(art: Any, prefix: str = "", request: Any = request) -> None:
                 """A fresh instance: instantiate, call twice, close, each timed."""
                 t = time.perf_counter()
                 fresh = art.instantiate(64 << 20)
@@ -466,7 +481,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="meshfn-bench-coldstart-"))
     procs = Processes(tmp)
     try:
-        _, key = publish_examples(tmp / "registry")
+        _, key = publish_examples(tmp / "registry", include_testing=True)
         registry = tmp / "registry"
         data: dict[str, Any] = {"ttl_s": TTL, "period_s": args.period, "requests": args.n}
         data["loadavg_before"] = os.getloadavg()

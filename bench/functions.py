@@ -2,7 +2,8 @@
 
 Measures, on loopback with real processes:
   cold start  first request to an unloaded function (scale-to-zero TTL expired), from its
-              precompiled .cwasm: Python component (iris) and core wasm (digits), p50/p99;
+              precompiled .cwasm: Python component (iris-py, the hand-written iris, served as
+              `iris`) and core wasm (digits, an ONNX model compiled to ABI v2), p50/p99;
               also the server's own part of it (deserialize + instantiate, `load_*`) and the
               baseline: a loaded function's request after the same idle gap (`*idle_warm*`)
   resume      the Python function's first request after its instances were dropped at the
@@ -97,21 +98,26 @@ def backend(
         "trustedKeys": [str(key)],
         "workers": workers,
         "functions": [
-            {"name": "iris", "version": "1", "pool": {"minIdle": 1, "maxIdle": 4}},
+            {
+                "name": "iris",
+                "version": "1",
+                "artifact": "iris-py@1",
+                "pool": {"minIdle": 1, "maxIdle": 4},
+            },
             {"name": "digits", "version": "1", "pool": {"minIdle": 1, "maxIdle": 4}},
-            {"name": "iris-cold", "version": "1", "artifact": "iris@1", **cold},
+            {"name": "iris-cold", "version": "1", "artifact": "iris-py@1", **cold},
             {"name": "digits-cold", "version": "1", "artifact": "digits@1", **cold},
-            {"name": "iris-resume", "version": "1", "artifact": "iris@1", **resume},
+            {"name": "iris-resume", "version": "1", "artifact": "iris-py@1", **resume},
             {
                 "name": "iris-pool",
                 "version": "1",
-                "artifact": "iris@1",
+                "artifact": "iris-py@1",
                 "pool": {"minIdle": 33, "maxIdle": 64},
             },
             {
                 "name": "iris-pool4",
                 "version": "1",
-                "artifact": "iris@1",
+                "artifact": "iris-py@1",
                 "pool": {"minIdle": 4, "maxIdle": 64},
             },
         ],
@@ -296,7 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="meshfn-bench-fn-"))
     procs = Processes(tmp)
     try:
-        published, key = publish_examples(tmp / "registry")
+        published, key = publish_examples(tmp / "registry", include_testing=True)
         registry = tmp / "registry"
         result: dict[str, Any] = {"published": [p.name for p in published]}
         proc, port = backend(procs, tmp, registry, key, 2, "backend-2w")

@@ -1,11 +1,11 @@
 """Benchmark of the inference API (bench/inference_api.py): dynamic batching and the three ways
 KServe clients send tensors, against one backend process on loopback.
 
-  batching   the same function (iris, a Python guest) served twice by one backend, without and
+  batching   the same function (iris-py, the hand-written Python iris) served twice by one backend, without and
              with `batching` (maxBatchSize 32, maxQueueDelay 1 ms); wrk with 32 connections
              (closed loop), the two alternating in `--rounds` rounds: requests/s and p99, as
              the median of the per-round ratios (batched / unbatched)
-  protocols  a 1x784-float request to digits28 (a core guest) sequentially on one connection,
+  protocols  a 1x784-float request to digits28 (a compiled model, core ABI v2) sequentially on one connection,
              three ways: REST JSON (data and outputs as JSON numbers), REST with the binary
              tensor extension (binary inputs and outputs) and gRPC ModelInfer with
              raw_input_contents; interleaved blocks, median of the per-round p50s.
@@ -58,10 +58,10 @@ def backend(procs: Processes, tmp: Path, registry: Path, key: Path) -> tuple[Pro
         "trustedKeys": [str(key)],
         "workers": 2,
         "functions": [
-            {"name": "iris", "artifact": "iris@1", "pool": {"minIdle": 2}, **wide},
+            {"name": "iris", "artifact": "iris-py@1", "pool": {"minIdle": 2}, **wide},
             {
                 "name": "iris-batched",
-                "artifact": "iris@1",
+                "artifact": "iris-py@1",
                 "pool": {"minIdle": 2},
                 "batching": {"maxBatchSize": 32, "maxQueueDelay": "1ms"},
                 **wide,
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="meshfn-bench-api-"))
     procs = Processes(tmp)
     try:
-        _, key = publish_examples(tmp / "registry")
+        _, key = publish_examples(tmp / "registry", include_testing=True)
         _, port, grpc_port = backend(procs, tmp, tmp / "registry", key)
         data: dict[str, Any] = {
             "client_p50_us": clients(port, grpc_port, args.requests, args.rounds),

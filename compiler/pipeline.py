@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from onnx import ModelProto
+from onnx import AttributeProto, ModelProto
 
 from . import dtypes, graph, inline, loader, toolchain, wasmfile
 from .codegen import Step, Unit, module_source
@@ -324,10 +324,7 @@ def lower(
         prefix, steps, storage, scratch, the_plan, in_tensors, out_tensors, g.batch_dynamic,
         metadata,
     )  # fmt: skip
-    params = sum(
-        int(np.asarray(init.dims, dtype=np.int64).prod()) if init.dims else 1
-        for init in model.graph.initializer
-    )
+    params = _parameters(model)
     info = {
         "model": where,
         "opset": {(d or "ai.onnx"): v for d, v in sorted(g.opsets.items())},
@@ -340,6 +337,25 @@ def lower(
         "outputs": metadata["outputs"],
     }
     return unit, info
+
+
+def _parameters(model: ModelProto) -> int:
+    """Learned values: initializer elements, and the float values of ai.onnx.ml operators'
+    attributes (coefficients, tree thresholds and leaf weights, scaler offsets: skl2onnx keeps
+    them there, not in initializers)."""
+    count = sum(
+        int(np.asarray(init.dims, dtype=np.int64).prod()) if init.dims else 1
+        for init in model.graph.initializer
+    )
+    for node in model.graph.node:
+        if node.domain != "ai.onnx.ml":
+            continue
+        for attr in node.attribute:
+            if attr.type == AttributeProto.FLOATS:
+                count += len(attr.floats)
+            elif attr.type == AttributeProto.TENSOR:
+                count += int(np.asarray(attr.t.dims, dtype=np.int64).prod()) if attr.t.dims else 1
+    return count
 
 
 def _prune(steps: list[Step], outputs: list[Tensor]) -> list[Step]:

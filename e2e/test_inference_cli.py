@@ -3,6 +3,7 @@ which the control plane mounts as `meshfn fn ...`), including their error paths.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import socket
@@ -126,3 +127,67 @@ def test_cli_errors_are_messages_not_tracebacks(tmp_path: Path) -> None:
     )  # fmt: skip
     assert failed(result, "exists and is not a socket"), result
     assert (tmp_path / "file").read_text() == "not a socket"
+
+
+def test_onnx_model_init_build_sign_publish_serve(tmp_path: Path) -> None:
+    """Bring your own model: a scikit-learn model exported with skl2onnx becomes a signed,
+    served function in five commands, and tritonclient gets the model's own answers."""
+    import numpy as np
+    import onnxruntime as ort
+    import tritonclient.http as thttp
+
+    from meshfn.testing import onnx_models
+
+    model, report = onnx_models.sklearn_function("cancer", "features")
+    (tmp_path / "cancer.onnx").write_bytes(model.SerializeToString())
+    keys, registry = tmp_path / "keys", tmp_path / "registry"
+    assert run("fn", "keygen", "--out", str(keys)).returncode == 0
+    key, pub = keys / "meshfn-signing.key", keys / "meshfn-signing.pub"
+    made = run("fn", "init", str(tmp_path / "fn"), "--from-onnx", str(tmp_path / "cancer.onnx"))
+    assert made.returncode == 0, made.stderr
+    assert "inputs: features FP32 [-1, 30]" in made.stdout
+    assert "ai.onnx.ml.TreeEnsembleClassifier" in made.stdout
+    built = run("fn", "build", str(tmp_path / "fn"), "--out", str(tmp_path / "dist"))
+    assert built.returncode == 0, built.stderr
+    digest = hashlib.sha256(model.SerializeToString()).hexdigest()
+    for shown in ("opset ai.onnx", "parameters", "peak linear memory", f"model sha256 {digest}"):
+        assert shown in built.stdout, built.stdout
+    wasm = tmp_path / "dist" / "cancer-1.wasm"
+    assert run("fn", "sign", str(wasm), "--key", str(key)).returncode == 0
+    published = run("fn", "publish", str(wasm), "--registry", str(registry), "--key", str(key))
+    assert published.returncode == 0, published.stderr
+    assert (registry / "cancer/1/model/cancer.onnx").read_bytes() == model.SerializeToString()
+
+    (port,) = free_ports(1)
+    procs = Processes(tmp_path)
+    try:
+        procs.start(
+            "serve",
+            [*CLI, "serve", "--registry", str(registry), "--trusted-key", str(pub),
+             "--port", str(port)],
+        )  # fmt: skip
+        url = f"127.0.0.1:{port}"
+        wait_for("ready", lambda: urllib.request.urlopen(f"http://{url}/v2/health/ready"))
+        client = thttp.InferenceServerClient(url)
+        assert client.get_model_metadata("cancer")["platform"] == "meshfn-wasm-onnx"
+        x = np.asarray(report["heldout"]["x"], dtype=np.float32)
+        tensor = thttp.InferInput("features", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        result = client.infer("cancer", [tensor])
+        session = ort.InferenceSession(model.SerializeToString())
+        label, probabilities = session.run(None, {"features": x})
+        assert result.as_numpy("label").tolist() == label.tolist()  # trees: identical labels
+        rtol, atol = onnx_models.TOLERANCE["trees"]
+        got = result.as_numpy("probabilities")
+        np.testing.assert_allclose(got, probabilities, rtol=rtol, atol=atol)
+    finally:
+        procs.stop_all()
+
+
+def test_init_refuses_a_file_that_is_no_model(tmp_path: Path) -> None:
+    (tmp_path / "model.onnx").write_bytes(b"\x0a\x03abc" * 20)
+    result = run("fn", "init", str(tmp_path / "fn"), "--from-onnx", str(tmp_path / "model.onnx"))
+    assert failed(result, f"{tmp_path / 'model.onnx'}: not an ONNX model (no graph")
+    assert not (tmp_path / "fn" / "function.toml").exists()
+    missing = run("fn", "init", str(tmp_path / "fn"), "--from-onnx", str(tmp_path / "no.onnx"))
+    assert failed(missing, "no.onnx: cannot read the model")

@@ -79,11 +79,12 @@ def test_tritonclient_http_through_the_gateway(mesh: Mesh) -> None:
         client.infer("iris", [tensor])  # no token: the sidecar's RBAC
     assert info.value.status() == "403"
     models = http(f"http://{mesh.gateway}/v2/models", headers=mesh.auth()).json()
-    assert models == {"models": ["digits", "embedder", "iris"]}
+    assert models == {"models": ["cancer", "digits", "digits-cnn", "embedder", "iris"]}
     assert http(f"http://{mesh.gateway}/v2/models").status == 403  # a tenant lists models
     index = client.get_model_repository_index(headers=mesh.auth())
     assert {m["name"]: m["state"] for m in index} == {
-        "digits": "READY", "embedder": "READY", "iris": "READY",
+        "cancer": "READY", "digits": "READY", "digits-cnn": "READY", "embedder": "READY",
+        "iris": "READY",
     }  # fmt: skip
     stats = client.get_inference_statistics("iris", headers=mesh.auth())["model_stats"]
     assert stats[0]["inference_count"] >= 4
@@ -103,7 +104,19 @@ def test_tritonclient_grpc_through_the_gateway(mesh: Mesh) -> None:
     result = client.infer("iris", [tensor], headers=mesh.auth(), request_id="m1")
     assert result.as_numpy("label").tolist() == [0, 2] and result.get_response().id == "m1"
     meta = client.get_model_metadata("digits", headers=mesh.auth(), as_json=True)
-    assert meta["inputs"][0]["shape"] == ["-1", "64"]
+    assert meta["inputs"][0]["shape"] == ["-1", "64"] and meta["platform"] == "meshfn-wasm-onnx"
+    # the compiled CNN and gradient-boosted trees through the mesh: raw tensors both ways
+    images = np.zeros((3, 1, 8, 8), np.float32)
+    images[:, 0, 1:7, 3:5] = 1.0  # a vertical bar: the same answer for the three rows
+    pixels = tgrpc.InferInput("pixels", [3, 1, 8, 8], "FP32")
+    pixels.set_data_from_numpy(images)
+    cnn = client.infer("digits-cnn", [pixels], headers=mesh.auth())
+    assert cnn.as_numpy("probabilities").shape == (3, 10)
+    assert len(set(cnn.as_numpy("label").tolist())) == 1
+    np.testing.assert_allclose(cnn.as_numpy("probabilities").sum(axis=1), 1, rtol=1e-5)
+    cells = tgrpc.InferInput("features", [1, 30], "FP32")
+    cells.set_data_from_numpy(np.full((1, 30), 0.5, np.float32))
+    assert client.infer("cancer", [cells], headers=mesh.auth()).as_numpy("label").shape == (1,)
     text = tgrpc.InferInput("text", [1], "BYTES")
     text.set_data_from_numpy(np.array([b"hello mesh"], dtype=np.object_))
     assert client.infer("embedder", [text], headers=mesh.auth()).as_numpy("tokens").tolist() == [2]

@@ -264,7 +264,9 @@ def test_examples_applied_updated_and_status(cluster: KubeCluster, operator: Ope
     } <= owned
     config = get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")
     backend = yaml.safe_load(config["data"]["backend.yaml"])
-    assert {f["name"] for f in backend["functions"]} == {"iris", "embedder", "digits"}
+    assert {f["name"] for f in backend["functions"]} == {
+        "iris", "embedder", "digits", "cancer", "digits-cnn",
+    }  # fmt: skip
 
     # An update rewrites only what changed: the backend's ConfigMap and its Deployment's
     # config hash, plus the Function's status (its observedGeneration).

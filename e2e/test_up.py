@@ -179,6 +179,21 @@ def test_up_on_the_examples_and_clean_shutdown(
     assert outputs["label"] == [0]  # a setosa, the iris model trained at build time says so
     metadata = http(base + "/v2/models/digits", headers=auth).json()
     assert metadata["name"] == "digits" and metadata["inputs"][0]["shape"] == [-1, 64]
+    assert metadata["platform"] == "meshfn-wasm-onnx"  # compiled from ONNX at setup
+    # the gradient-boosted trees and the CNN, compiled at setup too, answer through the mesh
+    cells = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [2, 30],
+                         "data": [[14.0] + [0.1] * 29, [20.0] + [1.0] * 29]}]}  # fmt: skip
+    trees = http(base + "/v2/models/cancer/infer", "POST", auth, json.dumps(cells).encode())
+    assert trees.status == 200, trees.body
+    assert {o["name"]: o["shape"] for o in trees.json()["outputs"]} == {
+        "label": [2], "probabilities": [2, 2],
+    }  # fmt: skip
+    blank = {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 1, 8, 8],
+                         "data": [0.0] * 64}]}  # fmt: skip
+    cnn = http(base + "/v2/models/digits-cnn/infer", "POST", auth, json.dumps(blank).encode())
+    assert cnn.status == 200, cnn.body
+    probabilities = next(o for o in cnn.json()["outputs"] if o["name"] == "probabilities")
+    assert abs(sum(probabilities["data"]) - 1) < 1e-5
     text = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]}
     embedded = http(base + "/v2/models/embedder/infer", "POST", auth, json.dumps(text).encode())
     assert embedded.status == 200, embedded.body

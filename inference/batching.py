@@ -27,10 +27,10 @@ from typing import Protocol
 
 from meshfn.contracts.function import FunctionBatching
 
-from .host import CallResult, Outcome
+from .host import CallResult, GuestRequest, Outcome
 from .kserve import InferRequest, Input, KServeError, Output
 from .pool import FunctionRuntime, Invocation
-from .results import Completed, deadline_error, failure
+from .results import Completed, completed, deadline_error, failure
 from .stats import ModelStats, Timing
 from .tensors import TensorError, _in_order, element_count, frame, unframe
 
@@ -57,7 +57,9 @@ class Lane(Protocol):
     rt: FunctionRuntime
     stats: ModelStats
 
-    async def call(self, text: str, deadline: float | None, priority: int = 0) -> Invocation: ...
+    async def call(
+        self, text: GuestRequest, deadline: float | None, priority: int = 0
+    ) -> Invocation: ...
 
     def executed(self, rows: int) -> None: ...
 
@@ -78,6 +80,12 @@ class Batcher:
         # A request may wait for its batch, then run: both within its deadline.
         self.allowance = self.delay + rt.spec.limits.timeout.total_seconds()
 
+    def most(self) -> int:
+        """Rows per guest call: maxBatchSize, or fewer where a compiled model's memory limit
+        holds fewer (tensorio.py)."""
+        tensors = self.lane.rt.tensors
+        return self.max if tensors is None else max(1, min(self.max, tensors.max_rows))
+
     # ------------------------------------------------------------------ requests
 
     async def submit(
@@ -91,7 +99,8 @@ class Batcher:
         now = time.monotonic()
         own = now + self.allowance
         deadline = own if deadline is None else min(deadline, own)
-        if rows <= self.max:
+        most = self.most()
+        if rows <= most:
             return await self._enqueue(request, rows, timing, deadline, now, priority)
         if not self.split:
             raise KServeError(
@@ -100,8 +109,7 @@ class Batcher:
                 "(its Function sets batching.maxBatchSize and oversize: refuse)",
             )
         chunks = [
-            slice_rows(request, start, min(start + self.max, rows))
-            for start in range(0, rows, self.max)
+            slice_rows(request, start, min(start + most, rows)) for start in range(0, rows, most)
         ]
         parts = await asyncio.gather(
             *(self._enqueue(c, c.rows, timing, deadline, now, priority) for c in chunks)
@@ -183,17 +191,19 @@ class Batcher:
         cut to the largest preferred size it reaches; and whether it may run now (full, or
         at a preferred size)."""
         head = ordered[0]
-        chosen, rows = [], 0
+        chosen: list[Pending] = []
+        rows = 0
+        most = self.most()
         for p in ordered:
             if p.key != head.key:
                 continue
-            if rows + p.rows > self.max:
+            if rows + p.rows > most and chosen:
                 break
             chosen.append(p)
             rows += p.rows
-            if rows == self.max:
+            if rows >= most:
                 break
-        ready = rows >= self.max or rows in self.preferred
+        ready = rows >= most or rows in self.preferred
         if not ready and self.preferred:
             total, cut = 0, 0
             for i, p in enumerate(chosen):
@@ -225,9 +235,10 @@ class Batcher:
         started = time.perf_counter_ns()
         rows = sum(p.rows for p in batch)
         request = batch[0].request if len(batch) == 1 else merge([p.request for p in batch])
-        text = request.guest_json(rt.raw_inputs)
-        called = time.perf_counter_ns()
+        called = started
         try:
+            text = rt.guest_request(request)  # a 400 here fails the batch's members alike
+            called = time.perf_counter_ns()
             invocation = await lane.call(
                 text,
                 min(p.deadline for p in batch) if len(batch) == 1 else None,
@@ -259,11 +270,11 @@ class Batcher:
     def _shares(self, batch: list[Pending], result: CallResult) -> list[Completed] | None:
         """Each member's part of a successful call's outputs; None when a merged call's
         outputs cannot be split by rows (each member then runs alone)."""
-        if len(batch) == 1:
-            return [Completed(result.body)]
         rt = self.lane.rt
+        if len(batch) == 1:
+            return [completed(rt, result)]
         try:
-            outputs, params = Completed(result.body).parsed(rt.label)
+            outputs, params = completed(rt, result).parsed(rt.label)
             return [Completed(None, o, params) for o in split(outputs, [p.rows for p in batch])]
         except (KServeError, TensorError, ValueError) as exc:
             log.warning(
@@ -343,6 +354,16 @@ def split(outputs: list[Output], rows: list[int]) -> list[list[Output]]:
     for out in outputs:
         if not out.shape or out.shape[0] != total:
             raise ValueError(f"output {out.name!r} has shape {out.shape}, not [{total}, ...]")
+        if out.packed is not None:  # a compiled model's raw bytes (sized by the host)
+            step = len(out.packed) // total if total else 0
+            offset = 0
+            for i, n in enumerate(rows):
+                piece = out.packed[offset * step : (offset + n) * step]
+                shares[i].append(
+                    Output(out.name, out.datatype, [n, *out.shape[1:]], None, out.parameters, piece)
+                )
+                offset += n
+            continue
         data = out.data if type(out.data) is list else [out.data]
         if data and type(data[0]) is list:
             data = _in_order(data)
@@ -366,10 +387,16 @@ def join(parts: list[tuple[list[Output], dict[str, object] | None]]) -> Complete
     joined = []
     for i, out in enumerate(first):
         pieces = [p[0][i] for p in parts]
+        rows = sum(piece.shape[0] for piece in pieces)
+        shape = [rows, *out.shape[1:]]
+        if all(piece.packed is not None for piece in pieces):
+            packed = b"".join(piece.packed or b"" for piece in pieces)
+            joined.append(Output(out.name, out.datatype, shape, None, out.parameters, packed))
+            continue
         data: list[object] = []
         for piece in pieces:
-            flat = piece.data if type(piece.data) is list else [piece.data]
+            values = piece.values()
+            flat = values if type(values) is list else [values]
             data.extend(_in_order(flat) if flat and type(flat[0]) is list else flat)
-        rows = sum(piece.shape[0] for piece in pieces)
-        joined.append(Output(out.name, out.datatype, [rows, *out.shape[1:]], data, out.parameters))
+        joined.append(Output(out.name, out.datatype, shape, data, out.parameters))
     return Completed(None, joined, dict(params) if params else None)

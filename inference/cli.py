@@ -42,6 +42,67 @@ def keygen(
     out.print(f"private key: {private}\npublic key:  {public}")
 
 
+@fn_app.command("init")
+def init_cmd(
+    directory: Annotated[Path, typer.Argument(help="function directory to create")],
+    from_onnx: Annotated[
+        Path, typer.Option("--from-onnx", help="ONNX model (external data beside it is copied too)")
+    ],
+    name: Annotated[
+        str | None, typer.Option(help="function name (default: the file's stem)")
+    ] = None,
+    version: Annotated[str, typer.Option(help="function version")] = "1",
+    max_batch: Annotated[
+        int, typer.Option("--max-batch", help="largest batch the build checks the memory at")
+    ] = 64,
+) -> None:
+    """Start a function from a model: copy it in and write function.toml (kind onnx) with the
+    graph's inputs and outputs (-1: the batch). Refuses what the build would refuse."""
+    from .onnxfn import init
+
+    try:
+        done = init(from_onnx, directory, name, version, max_batch)
+    except InferenceError as exc:
+        fail(exc)
+    info = done.info
+    shapes = ", ".join(f"{t['name']} {t['datatype']} {t['shape']}" for t in info["inputs"])
+    outs = ", ".join(f"{t['name']} {t['datatype']} {t['shape']}" for t in info["outputs"])
+    out.print(f"wrote {done.manifest} ({', '.join(done.files)} copied beside it)")
+    out.print(f"inputs: {shapes}\noutputs: {outs}")
+    out.print(f"operators: {', '.join(info['operators']) or 'none'}")
+    out.print(f"next: meshfn fn build {directory} --out dist/")
+
+
+def _held_out(report: dict[str, Any]) -> str:
+    """What a build report says of the held-out data: a classifier's accuracy, a language
+    model's loss (nats per token)."""
+    if "heldout_accuracy" in report:
+        return f"held-out accuracy {report['heldout_accuracy']}"
+    if "heldout_loss_nats" in report:
+        return f"held-out loss {report['heldout_loss_nats']} nats/token"
+    return ""
+
+
+def _report_lines(info: dict[str, Any]) -> list[str]:
+    """What `fn build` shows of the build report (all of it is in NAME-VERSION.json)."""
+    report = info["build"]["report"]
+    held_out = _held_out(report)
+    lines = [held_out] if held_out else []
+    if info["kind"] == "onnx":
+        memory = report["memory"]
+        opset = ", ".join(f"{d} {v}" for d, v in report["opset"].items())
+        ops = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in report["operators"].items())
+        lines += [
+            f"opset {opset}; {report['parameters']} parameters",
+            f"operators: {ops}",
+            f"module {report['module_bytes']} bytes; peak linear memory "
+            f"{memory['peak_bytes']} bytes at batch {memory['max_batch']} "
+            f"({memory['arena_bytes_per_row']} bytes per row)",
+            f"model sha256 {info['model']['sha256']}",
+        ]
+    return lines
+
+
 @fn_app.command("build")
 def build_cmd(
     directory: Annotated[Path, typer.Argument(help="function directory with function.toml")],
@@ -50,7 +111,8 @@ def build_cmd(
     ] = None,
     force: Annotated[bool, typer.Option(help="rebuild even if the cache is current")] = False,
 ) -> None:
-    """Build a function: componentize-py (Python) or clang (core wasm) -> NAME-VERSION.wasm."""
+    """Build a function: componentize-py (Python), clang (core wasm) or the model compiler
+    (ONNX) -> NAME-VERSION.wasm, with its report in NAME-VERSION.json."""
     from meshfn.common.progress import RichReporter
 
     from .build import build
@@ -63,22 +125,10 @@ def build_cmd(
     except InferenceError as exc:
         fail(exc)
     info = result.info()
-    report = info["build"]["report"]
-    summary = _held_out(report)
     state = "cached" if result.cached else "built"
-    out.print(
-        f"{state} {result.wasm} ({info['module_size']} bytes){' ' + summary if summary else ''}"
-    )
-
-
-def _held_out(report: dict[str, Any]) -> str:
-    """What a build report says of the held-out data: a classifier's accuracy, a language
-    model's loss (nats per token)."""
-    if "heldout_accuracy" in report:
-        return f"held-out accuracy {report['heldout_accuracy']}"
-    if "heldout_loss_nats" in report:
-        return f"held-out loss {report['heldout_loss_nats']} nats/token"
-    return ""
+    out.print(f"{state} {result.wasm} ({info['module_size']} bytes)")
+    for line in _report_lines(info):
+        out.print(f"  {line}")
 
 
 @fn_app.command("sign")

@@ -21,13 +21,13 @@ from meshfn.common import env
 from .batching import Batcher
 from .engine import EPOCH_TICK_S, deadline_ticks
 from .gate import WorkerGate
-from .host import Outcome
+from .host import GuestRequest, Outcome
 from .kserve import InferRequest, KServeError
 from .ledger import TokenLedger
 from .metrics import Metrics
 from .pool import FunctionRuntime, Invocation, Refused
 from .qos import Admission, Ticket
-from .results import Completed, deadline_error, failure
+from .results import Completed, completed, deadline_error, failure
 from .stats import ModelStats, Timing
 from .warmup import WarmBudget, Warmer
 
@@ -109,7 +109,7 @@ class Lane:
         rt = self.rt
         if not rt.loaded or rt.verified is None:
             return False
-        if rt.verified.kind == "core":
+        if rt.verified.kind != "python":  # core modules: ABI v1 and compiled models (v2)
             return self._dispatcher.inline_core
         recent = self.recent_call_s
         return (
@@ -122,7 +122,7 @@ class Lane:
     def _observed(self, invocation: Invocation, sliced: bool) -> Invocation:
         """Keep a Python function's recent call time; a call the slice interrupted counts as
         the whole slice, so the next calls go to the worker threads until they are short."""
-        if self.rt.verified is not None and self.rt.verified.kind != "core":
+        if self.rt.verified is not None and self.rt.verified.kind == "python":
             took = SLICE_SECONDS if sliced else invocation.seconds
             last = self.recent_call_s
             self.recent_call_s = took if last is None else last + _CALL_EWMA_WEIGHT * (took - last)
@@ -138,7 +138,9 @@ class Lane:
             raise deadline_error(self.rt, "before a worker was free")
         return deadline_ticks(remaining)
 
-    async def call(self, text: str, deadline: float | None, priority: int = 0) -> Invocation:
+    async def call(
+        self, text: GuestRequest, deadline: float | None, priority: int = 0
+    ) -> Invocation:
         """One guest call on a worker thread, never past `deadline` (monotonic seconds); a
         call that waits for a thread waits behind this function's higher `priority` (gate.py)."""
         ticks = self._ticks_left(deadline)
@@ -200,7 +202,7 @@ class Lane:
         """The request as its own guest call (its execution statistics are recorded once its
         response is encoded)."""
         started = time.perf_counter_ns()
-        text = request.guest_json(self.rt.raw_inputs)
+        text = self.rt.guest_request(request)
         timing.started = time.perf_counter_ns()
         timing.compute_input = timing.started - started
         invocation = await self.call(text, deadline, priority)
@@ -209,7 +211,7 @@ class Lane:
         self.executed(request.rows)
         if invocation.result.outcome is not Outcome.OK:
             raise failure(self.rt, invocation.result)
-        return Completed(invocation.result.body)
+        return completed(self.rt, invocation.result)
 
 
 class Dispatcher:
@@ -291,6 +293,8 @@ class Dispatcher:
                         429, f"function {rt.label} is at its concurrency limit ({limit})"
                     )
                 request = parse()
+                if rt.tensors is not None:  # a compiled model's batch checks, before any queue
+                    rt.tensors.rows(request, lane.batcher is not None and lane.batcher.split)
             except BaseException:
                 if ticket is not None:
                     ticket.done(0)

@@ -21,13 +21,10 @@ from .errors import SignatureError
 from .registry import Registry, sign_module, signature_path
 
 EXAMPLES = (
-    "examples/iris",
-    "examples/embedder",
-    "examples/digits-core",
-    "examples/digits28-core",
-    "examples/tiny-lm",
-)
-TESTING = ("testing/chaos", "testing/chaos-core", "testing/chaos-gen")
+    "examples/iris", "examples/embedder", "examples/digits", "examples/digits28",
+    "examples/cancer", "examples/digits-cnn", "examples/tiny-lm",
+)  # fmt: skip
+TESTING = ("testing/chaos", "testing/chaos-core", "testing/chaos-gen", "testing/iris-py")
 
 
 @dataclass(frozen=True)

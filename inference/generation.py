@@ -4,8 +4,9 @@ generate extension, gRPC streaming) reads from it.
 
 Two engines, one stream of events (`Piece`s of text, then one `Finished`):
 
-- **step** functions (core ABI v2, e.g. tiny-lm): the guest computes one decode step for a
-  batch of streams, (tokens, state) -> (logits, state_out). The host tokenises (bytes), keeps
+- **step** functions (`kind = "onnx"`: an ONNX decode step compiled by meshfn's model
+  compiler, core ABI v2, e.g. tiny-lm): the guest computes one decode step for a batch of
+  streams, (tokens, state) -> (logits, state_out). The host tokenises (bytes), keeps
   each stream's recurrent state, feeds the prompt one token per step, samples (temperature,
   top_p, a seeded generator per stream), and with `batching` runs one step of every active
   stream in ONE guest call: continuous batching, streams joining and leaving between steps.
@@ -38,7 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .host import CallResult, Outcome, TensorResult
+from .host import CallResult, Outcome
 
 log = logging.getLogger("meshfn.inference")
 
@@ -352,7 +353,7 @@ class StepShape:
 
 
 # One step on a worker thread: (batch, tokens, states) -> (its result, the guest's CPU time).
-StepCall = Callable[[int, bytes, bytes], Awaitable[tuple[TensorResult, int]]]
+StepCall = Callable[[int, bytes, bytes], Awaitable[tuple[CallResult, int]]]
 
 
 @dataclass(eq=False)
@@ -497,7 +498,7 @@ class StepEngine:
         self.stepped_tokens += len(batch)
         self._on_step(len(batch))
         if result.outcome is not Outcome.OK:
-            why = f"the step function failed ({result.outcome.value}): {result.message}"
+            why = f"the step function failed ({result.outcome.value}): {result.body}"
             for entry in batch:
                 entry.stream.finish("error", why)
             return

@@ -34,7 +34,7 @@ from .generation import (
     Stream,
     TextDigest,
 )
-from .host import CallResult, ComponentInstance, Instance, Outcome, TensorInstance, TensorResult
+from .host import CallResult, ComponentInstance, Instance, Outcome, TensorCall, TensorInstance
 from .kserve import KServeError
 from .metrics import Metrics
 from .openai_api import Bounds
@@ -190,14 +190,14 @@ class Generative:
         """One decode step on a worker thread, bounded by the token budget."""
         ticks = deadline_ticks(settings.tokenTimeout.total_seconds())
 
-        def run(batch: int, tokens: bytes, states: bytes) -> tuple[TensorResult, int]:
+        def run(batch: int, tokens: bytes, states: bytes) -> tuple[CallResult, int]:
             instance, generation = rt.lease()
             cpu = time.thread_time_ns()
             try:
                 if not isinstance(instance, TensorInstance):
-                    result = TensorResult(Outcome.INTERNAL, message="not a step function")
+                    result = CallResult(Outcome.INTERNAL, "not a step function")
                 else:
-                    result = instance.run(batch, (tokens, states), 2, ticks)
+                    result = instance.call(TensorCall(batch, (tokens, states), 2), ticks)
             except BaseException:
                 instance.close()
                 raise
@@ -205,7 +205,7 @@ class Generative:
             rt.give_back(instance, generation, result.outcome)
             return result, cpu_ns
 
-        async def call(batch: int, tokens: bytes, states: bytes) -> tuple[TensorResult, int]:
+        async def call(batch: int, tokens: bytes, states: bytes) -> tuple[CallResult, int]:
             return await self._on_worker(rt, run, batch, tokens, states)
 
         return call

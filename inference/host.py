@@ -13,6 +13,7 @@ import ctypes
 import enum
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
@@ -21,7 +22,10 @@ import wasmtime
 from wasmtime import _ffi
 from wasmtime import component as wc
 
-Kind = Literal["python", "core"]
+# python: a component (meshfn:model); core: a core module of ABI v1 (JSON); onnx: a compiled
+# model, a core module of ABI v2 (raw tensors, compiler/ABI.md)
+Kind = Literal["python", "core", "onnx"]
+KINDS: tuple[Kind, ...] = ("python", "core", "onnx")
 
 _EXTERN_FUNC = _ffi.WASMTIME_EXTERN_FUNC.value
 _EXTERN_MEMORY = _ffi.WASMTIME_EXTERN_MEMORY.value
@@ -48,7 +52,23 @@ class Outcome(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class CallResult:
     outcome: Outcome
-    body: str  # response JSON for OK, else a message
+    body: str  # response JSON for OK (ABI v2: ""), else a message
+    outputs: tuple[bytes, ...] = ()  # ABI v2: each output's raw bytes, in metadata order
+
+
+@dataclass(frozen=True, slots=True)
+class TensorCall:
+    """One ABI v2 call (compiler/ABI.md): `rows` is the batch it is planned for, `inputs` each
+    input's raw little-endian bytes in metadata order, already checked by the host against
+    the signed metadata (tensorio.py); `outputs` how many tensors come back."""
+
+    rows: int
+    inputs: tuple[bytes, ...]
+    outputs: int
+
+
+# What a guest call takes: a request JSON text (python, ABI v1) or raw tensors (ABI v2).
+GuestRequest = str | TensorCall
 
 
 _CORE_STATUS = {
@@ -86,7 +106,7 @@ def classify_trap(exc: Exception) -> CallResult:
 
 
 class Instance(Protocol):
-    def call(self, request: str, ticks: int) -> CallResult: ...
+    def call(self, request: GuestRequest, ticks: int) -> CallResult: ...
 
     def metadata(self) -> str: ...
 
@@ -118,7 +138,9 @@ class ComponentInstance:
         self._generate_start = instance.get_func(self._store, "generate-start")
         self._generate_next = instance.get_func(self._store, "generate-next")
 
-    def call(self, request: str, ticks: int) -> CallResult:
+    def call(self, request: GuestRequest, ticks: int) -> CallResult:
+        if not isinstance(request, str):
+            return _wrong_request(request)
         return self._result(self._infer, ticks, request)
 
     def generate_start(self, request: str, ticks: int) -> CallResult:
@@ -290,23 +312,21 @@ def _core_export(
     return item
 
 
-def _abi_version(store: wasmtime.Store, instance: wasmtime.Instance) -> int:
-    version = _core_export(store, instance, "meshfn_abi_version", _EXTERN_FUNC).of.func
-    return _CoreCall(store, version, 0, wide=False)()
-
-
 class CoreInstance:
     """A core module implementing the meshfn core ABI v1 (functions/core/ABI.md)."""
 
     __slots__ = ("_alloc", "_infer", "_memory", "_meta", "_store")
 
-    def __init__(self, store: wasmtime.Store, instance: wasmtime.Instance) -> None:
-        self._store = store
+    def __init__(self, artifact: CoreArtifact, memory_bytes: int) -> None:
+        self._store = store = _store(artifact.engine, memory_bytes)
+        instance = wasmtime.Instance(store, artifact.module, [])
         memory = _core_export(store, instance, "memory", _EXTERN_MEMORY).of.memory
-        alloc, infer, meta = (
+        alloc, infer, meta, version = (
             _core_export(store, instance, name, _EXTERN_FUNC).of.func
-            for name in ("meshfn_alloc", "meshfn_infer", "meshfn_metadata")
+            for name in ("meshfn_alloc", "meshfn_infer", "meshfn_metadata", "meshfn_abi_version")
         )
+        if _CoreCall(store, version, 0, wide=False)() != 1:
+            raise wasmtime.WasmtimeError("core module speaks an unknown meshfn ABI version")
         self._memory = _CoreMemory(store, memory)
         self._alloc = _CoreCall(store, alloc, 1, wide=False)
         self._infer = _CoreCall(store, infer, 2, wide=True)
@@ -317,7 +337,9 @@ class CoreInstance:
         status, ptr, length = packed >> 62, (packed >> 32) & 0x3FFF_FFFF, packed & 0xFFFF_FFFF
         return status, self._memory.read(ptr, length).decode("utf-8", errors="replace")
 
-    def call(self, request: str, ticks: int) -> CallResult:
+    def call(self, request: GuestRequest, ticks: int) -> CallResult:
+        if not isinstance(request, str):
+            return _wrong_request(request)
         _SET_EPOCH_DEADLINE(self._store._context(), ticks)
         raw = request.encode()
         try:
@@ -340,94 +362,142 @@ class CoreInstance:
         self._store.close()
 
 
-@dataclass(frozen=True, slots=True)
-class TensorResult:
-    """A v2 run: OK with each output's raw bytes, or another outcome with a message."""
+def _wrong_request(request: object) -> CallResult:
+    """A request of the other ABI reached an instance (a host bug, never the client's)."""
+    return CallResult(Outcome.INTERNAL, f"this guest does not take a {type(request).__name__}")
 
-    outcome: Outcome
-    outputs: tuple[bytes, ...] = ()
-    message: str = ""
+
+def _plan_table(words: bytes) -> tuple[tuple[int, int], ...]:
+    """ABI v2's I/O table: little-endian u32 (address, size) pairs."""
+    flat = struct.unpack(f"<{len(words) // 4}I", words)
+    return tuple(zip(flat[::2], flat[1::2], strict=True))
 
 
 class TensorInstance:
-    """A core module implementing the meshfn core ABI v2 (functions/core/ABI.md, version 2):
-    raw tensors in an I/O table (`meshfn_plan(batch)`), one `meshfn_run(batch)`, outputs read
-    back. What meshfn's model compiler emits and what the tiny-lm step function implements by
-    hand; the backend runs generative step functions through `run` (generation.py). The I/O
-    table is planned again only when the batch size changes (the module accepts a run only for
-    the batch it planned last)."""
+    """A compiled model (core ABI v2, compiler/ABI.md): per call, at most one `meshfn_plan`
+    (only when the batch size changes: the layout is a pure function of it), one copy in per
+    input, one `meshfn_run`, one copy out per output. The host checked every input's size
+    against the signed metadata before (tensorio.py); the sizes are checked again against
+    the module's own table here, so a module that disagrees with its metadata is refused
+    rather than read past.
 
-    __slots__ = ("_error", "_memory", "_meta", "_plan", "_planned", "_run", "_store", "_table")
+    The per-call path is the serving cost of a small model (a few microseconds of wasm), so it
+    asks wasmtime for the memory's base once per call instead of per tensor: the planned
+    tensors are checked to lie inside the memory when they are planned (linear memory never
+    shrinks), and the base is asked again after the run, which may have grown (and so moved)
+    the memory. Exports a call does
+    not need (error, metadata) are looked up when first used, and the ABI version is checked
+    once per artifact (bench/models.py: the cold start). A generative step function's decode
+    steps (generation.py) are such calls too, one per step of a batch of streams."""
 
-    def __init__(self, store: wasmtime.Store, instance: wasmtime.Instance) -> None:
-        self._store = store
+    __slots__ = (
+        "_error", "_instance", "_memory", "_plan", "_rows", "_run", "_store", "_table",
+    )  # fmt: skip
+
+    def __init__(self, artifact: TensorArtifact, memory_bytes: int) -> None:
+        self._store = store = _store(artifact.engine, memory_bytes)
+        self._instance = instance = wasmtime.Instance(store, artifact.module, [])
         memory = _core_export(store, instance, "memory", _EXTERN_MEMORY).of.memory
-        plan, run, error, meta = (
+        plan, run = (
             _core_export(store, instance, name, _EXTERN_FUNC).of.func
-            for name in ("meshfn_plan", "meshfn_run", "meshfn_error", "meshfn_metadata")
+            for name in ("meshfn_plan", "meshfn_run")
         )
-        self._memory = _CoreMemory(store, memory)
+        if not artifact.checked:
+            version = _core_export(store, instance, "meshfn_abi_version", _EXTERN_FUNC).of.func
+            if _CoreCall(store, version, 0, wide=False)() != 2:
+                raise wasmtime.WasmtimeError("compiled model speaks an unknown meshfn ABI version")
+            artifact.checked = True
+        self._memory = ctypes.byref(memory)
         self._plan = _CoreCall(store, plan, 1, wide=False)
         self._run = _CoreCall(store, run, 1, wide=False)
-        self._error = _CoreCall(store, error, 0, wide=True)
-        self._meta = _CoreCall(store, meta, 0, wide=True)
-        self._planned = 0
-        self._table: list[tuple[int, int]] = []
+        self._error: _CoreCall | None = None
+        self._rows = 0  # the batch size planned last
+        self._table: tuple[tuple[int, int], ...] = ()
 
-    def _packed(self, packed: int) -> str:
+    def _read(self, start: int, length: int) -> bytes:
+        context = self._store._context()
+        if start < 0 or length < 0 or start + length > _MEMORY_DATA_SIZE(context, self._memory):
+            raise IndexError("outside linear memory")
+        return ctypes.string_at(cast(int, _MEMORY_DATA(context, self._memory)) + start, length)
+
+    def _call(self, name: str) -> int:
+        """A metadata or error call (export looked up on first use)."""
+        if name == "meshfn_error" and self._error is not None:
+            return self._error()
+        func = _core_export(self._store, self._instance, name, _EXTERN_FUNC).of.func
+        call = _CoreCall(self._store, func, 0, wide=True)
+        if name == "meshfn_error":
+            self._error = call
+        return call()
+
+    def _text(self, packed: int) -> str:
         packed &= 0xFFFF_FFFF_FFFF_FFFF
         ptr, length = (packed >> 32) & 0x3FFF_FFFF, packed & 0xFFFF_FFFF
-        return self._memory.read(ptr, length).decode("utf-8", errors="replace")
+        return self._read(ptr, length).decode("utf-8", errors="replace")
 
-    def _plan_for(self, batch: int, entries: int) -> list[tuple[int, int]] | None:
-        if batch != self._planned:
-            address = self._plan(batch) & 0xFFFF_FFFF
-            if not address:
+    def _planned(self, request: TensorCall) -> tuple[tuple[int, int], ...] | None:
+        if request.rows != self._rows:
+            self._rows = 0
+            table = self._plan(request.rows) & 0xFFFF_FFFF
+            if not table:
                 return None
-            words = self._memory.read(address, 8 * entries)
-            values = [int.from_bytes(words[i : i + 4], "little") for i in range(0, len(words), 4)]
-            self._table = list(zip(values[0::2], values[1::2], strict=True))
-            self._planned = batch
+            count = len(request.inputs) + request.outputs
+            self._table = _plan_table(self._read(table, 8 * count))
+            end = max((a + n for a, n in self._table), default=0)
+            if end > _MEMORY_DATA_SIZE(self._store._context(), self._memory):
+                raise IndexError("outside linear memory")  # memory never shrinks: once is enough
+            self._rows = request.rows
         return self._table
 
-    def run(self, batch: int, inputs: tuple[bytes, ...], outputs: int, ticks: int) -> TensorResult:
-        """One run over `batch` rows: `inputs` each exactly its table size, `outputs` the
-        number of outputs to read; never past `ticks` epoch ticks."""
-        _SET_EPOCH_DEADLINE(self._store._context(), ticks)
-        try:
-            table = self._plan_for(batch, len(inputs) + outputs)
-            if table is None:
-                return TensorResult(
-                    Outcome.OUT_OF_MEMORY, message=f"cannot plan a batch of {batch}"
+    def _write(
+        self, table: tuple[tuple[int, int], ...], request: TensorCall, base: int
+    ) -> CallResult | None:
+        for (address, size), data in zip(table, request.inputs, strict=False):
+            if len(data) != size:
+                return CallResult(
+                    Outcome.INTERNAL,
+                    f"the module takes {size} bytes for an input of {request.rows} row(s), "
+                    f"not {len(data)}: it disagrees with its signed metadata",
                 )
-            for (address, size), data in zip(table, inputs, strict=False):
-                if len(data) != size:
-                    return TensorResult(
-                        Outcome.INTERNAL, message=f"an input of {len(data)} bytes, not {size}"
-                    )
-                self._memory.write(address, data)
-            status = self._run(batch)
-            if status:
-                message = self._packed(self._error())
-                return TensorResult(_CORE_STATUS.get(status, Outcome.INTERNAL), message=message)
-            return TensorResult(
-                Outcome.OK, tuple(self._memory.read(a, n) for a, n in table[len(inputs) :])
-            )
-        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
-            failed = classify_trap(exc)
-            return TensorResult(failed.outcome, message=failed.body)
-        except IndexError:
-            return TensorResult(Outcome.TRAP, message="the I/O table points outside memory")
+            ctypes.memmove(base + address, data, size)
+        return None
 
-    def call(self, request: str, ticks: int) -> CallResult:
+    def _once(self, request: TensorCall, context: Any) -> CallResult:
+        table = self._planned(request)
+        if table is None:
+            return CallResult(
+                Outcome.OUT_OF_MEMORY, f"no memory for a batch of {request.rows} row(s)"
+            )
+        memory = self._memory
+        wrong = self._write(table, request, cast(int, _MEMORY_DATA(context, memory)))
+        if wrong is not None:
+            return wrong
+        status = self._run(request.rows)
+        if status:
+            return CallResult(
+                _CORE_STATUS.get(status, Outcome.INTERNAL), self._text(self._call("meshfn_error"))
+            )
+        base = cast(int, _MEMORY_DATA(context, memory))  # the run may have moved it
+        string_at = ctypes.string_at
         return CallResult(
-            Outcome.BAD_REQUEST,
-            "this function is a generative step function: use its generate endpoints",
+            Outcome.OK, "", tuple(string_at(base + a, n) for a, n in table[len(request.inputs) :])
         )
+
+    def call(self, request: GuestRequest, ticks: int) -> CallResult:
+        if not isinstance(request, TensorCall):
+            return _wrong_request(request)
+        context = self._store._context()  # raises ValueError once the store is closed
+        _SET_EPOCH_DEADLINE(context, ticks)
+        try:
+            return self._once(request, context)
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            return classify_trap(exc)
+        except IndexError:  # a table outside memory: a broken module
+            return CallResult(Outcome.TRAP, "the module planned tensors outside linear memory")
 
     def metadata(self) -> str:
         self._store.set_epoch_deadline(INSTANTIATE_TICKS)
-        return self._packed(self._meta())
+        return self._text(self._call("meshfn_metadata"))
 
     def close(self) -> None:
         self._store.close()
@@ -467,17 +537,22 @@ class CoreArtifact:
         self.module = module
 
     def instantiate(self, memory_bytes: int) -> Instance:
-        store = _store(self.engine, memory_bytes)
-        instance = wasmtime.Instance(store, self.module, [])
-        version = _abi_version(store, instance)
-        if version == 1:
-            return CoreInstance(store, instance)
-        if version == 2:
-            return TensorInstance(store, instance)
-        raise wasmtime.WasmtimeError(f"core module speaks an unknown meshfn ABI version {version}")
+        return CoreInstance(self, memory_bytes)
 
 
-Artifact = ComponentArtifact | CoreArtifact
+class TensorArtifact:
+    kind: Kind = "onnx"
+
+    def __init__(self, engine: wasmtime.Engine, module: wasmtime.Module) -> None:
+        self.engine = engine
+        self.module = module
+        self.checked = False  # its meshfn_abi_version() was 2 (checked at the first instance)
+
+    def instantiate(self, memory_bytes: int) -> Instance:
+        return TensorInstance(self, memory_bytes)
+
+
+Artifact = ComponentArtifact | CoreArtifact | TensorArtifact
 
 
 def load_precompiled(
@@ -490,7 +565,8 @@ def load_precompiled(
     if kind == "python":
         component = wc.Component.deserialize_file(engine, str(cwasm))
         return ComponentArtifact(engine, component, linker)
-    return CoreArtifact(engine, wasmtime.Module.deserialize_file(engine, str(cwasm)))
+    module = wasmtime.Module.deserialize_file(engine, str(cwasm))
+    return TensorArtifact(engine, module) if kind == "onnx" else CoreArtifact(engine, module)
 
 
 def component_imports(artifact: Artifact) -> list[str]:
@@ -506,7 +582,8 @@ def compile_module(engine: wasmtime.Engine, kind: Kind, wasm: Path) -> tuple[Art
         component = wc.Component.from_file(engine, str(wasm))
         return ComponentArtifact(engine, component), bytes(component.serialize())
     module = wasmtime.Module.from_file(engine, str(wasm))
-    return CoreArtifact(engine, module), bytes(module.serialize())
+    artifact = TensorArtifact(engine, module) if kind == "onnx" else CoreArtifact(engine, module)
+    return artifact, bytes(module.serialize())
 
 
 def metadata_of(artifact: Artifact, memory_bytes: int = 64 << 20) -> dict[str, object]:

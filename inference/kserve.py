@@ -600,15 +600,20 @@ def _requested_outputs(outputs: Any, signature: Signature) -> list[Requested] | 
 
 @dataclass(slots=True)
 class Output:
-    """One output as the guest returned it (JSON data), checked when it is encoded."""
+    """One output as the guest returned it: JSON data (checked when it is encoded), or, from a
+    compiled model (ABI v2), `packed` raw bytes whose size the host checked against the shape
+    (`data` is then None: JSON responses unpack it, binary and gRPC ones send it as it is)."""
 
     name: str
     datatype: str
     shape: list[int]
     data: Any
     parameters: dict[str, Any] | None = None
+    packed: bytes | None = None
 
     def raw(self) -> bytes:
+        if self.packed is not None:
+            return self.packed
         try:
             return json_to_raw(self.data, dtype(self.datatype), self.shape, finite=False)
         except TensorError as exc:
@@ -616,8 +621,19 @@ class Output:
                 500, f"the function returned an invalid output {self.name!r}: {exc}"
             ) from None
 
+    def values(self) -> Any:
+        """The data as JSON values (flat, row-major, for packed outputs)."""
+        if self.packed is None:
+            return self.data
+        return unpack(self.packed, dtype(self.datatype), element_count(self.shape))
+
     def as_json(self) -> dict[str, Any]:
-        out = {"name": self.name, "datatype": self.datatype, "shape": self.shape, "data": self.data}
+        out = {
+            "name": self.name,
+            "datatype": self.datatype,
+            "shape": self.shape,
+            "data": self.values(),
+        }
         if self.parameters:
             out["parameters"] = self.parameters
         return out

@@ -47,6 +47,8 @@ Datatype = Literal[
     "BYTES",
 ]
 MANIFEST = "function.toml"
+# The field naming each kind's entry point.
+ENTRY = {"python": "module", "core": "source", "onnx": "model"}
 
 # The text interface every generative function serves over KServe (Triton's generate extension
 # and LLM backends name it so): a prompt in, text out. Settings travel as request parameters.
@@ -75,8 +77,9 @@ class TensorSpec(BaseModel):
 class GenerateSpec(BaseModel):
     """How a generative function produces text (function.toml `[generate]`).
 
-    `step`: a core ABI v2 module computing one decode step for a batch of streams
-    ((tokens, state) -> (logits, state_out), `state` floats per stream); the backend tokenises
+    `step`: a compiled model (`kind = "onnx"`, core ABI v2) whose graph computes one decode
+    step for a batch of streams ((tokens, state) -> (logits, state_out), `state` floats per
+    stream); the backend tokenises
     (`tokenizer`), keeps each stream's state, samples, and batches the steps of concurrent
     streams into one call. `generator`: a Python guest whose `generate` method is a generator
     of text pieces (meshfn_sdk.Model.generate): it tokenises and samples itself and reports its
@@ -143,21 +146,19 @@ class FunctionManifest(BaseModel):
 
     name: str
     version: str
-    kind: Literal["python", "core"]
+    kind: Literal["python", "core", "onnx"]
     description: str = ""
     module: str | None = None  # python: the module defining MODEL
     source: str | None = None  # core: the C file
-    # core, abi 2: an ONNX graph (in the directory, or written by `prepare`) that meshfn's model
-    # compiler turns into the module, instead of C
-    model: str | None = None
+    model: str | None = None  # onnx: the ONNX file (external data beside it is read too)
+    # onnx: the largest batch the build checks the memory for, and the linear memory it may
+    # need there (the Function's limits.memoryMiB should be at least this)
+    max_batch: int = Field(default=64, ge=1, le=65536)
+    memory_mib: int = Field(default=64, ge=1, le=4096)
     prepare: str | None = None  # host-side script run at build time with the staging dir
     # core: the module reads base64 `raw` input data (meshfn_core.h's mf_read_f32 does); else the
     # host converts every input to JSON `data` first. Python functions always read it (the SDK).
     raw_inputs: bool = False
-    # core: 1 (JSON in and out, functions/core/ABI.md) or 2 (raw tensors in an I/O table, what
-    # meshfn's model compiler emits from `model`: compiler/ABI.md)
-    abi: Literal[1, 2] = 1
-    simd: bool = False  # core: build with wasm SIMD128 (-msimd128) at -O3
     inputs: list[TensorSpec] = Field(min_length=1)
     outputs: list[TensorSpec] = Field(min_length=1)
     generate: GenerateSpec | None = None
@@ -177,6 +178,15 @@ class FunctionManifest(BaseModel):
             raise ValueError("letters, digits, '.', '_' or '-', at most 63 characters")
         return version
 
+    @field_validator("model")
+    @classmethod
+    def _model(cls, model: str | None) -> str | None:
+        if model is not None and (
+            not model or model.startswith("/") or ".." in model.replace("\\", "/").split("/")
+        ):
+            raise ValueError("a path inside the function directory")
+        return model
+
     def platform(self) -> str:
         return f"meshfn-wasm-{self.kind}"
 
@@ -190,7 +200,7 @@ class FunctionManifest(BaseModel):
             "platform": self.platform(),
             "inputs": [t.model_dump() for t in self.inputs],
             "outputs": [t.model_dump() for t in self.outputs],
-            "raw_inputs": self.kind == "python" or self.raw_inputs,
+            "raw_inputs": self.kind != "core" or self.raw_inputs,
         }
         if self.generate is not None:
             section = self.generate.model_dump(exclude_none=True)
@@ -201,27 +211,19 @@ class FunctionManifest(BaseModel):
             out["openai"] = self.openai.model_dump(exclude_none=True)
         return out
 
-    def module_metadata(self) -> dict[str, Any]:
-        """What the module's own `metadata()` returns: the KServe metadata (ABI 1, Python), or
-        a step function's tensors (ABI 2)."""
-        if self.abi == 2 and self.generate is not None:
-            return self.generate.step_metadata()
-        return self.metadata()
-
     def problems(self) -> list[str]:
         """What contradicts itself across fields (load_manifest reports them)."""
-        out = []
-        if self.kind == "python" and (self.abi != 1 or self.simd):
-            out.append("abi and simd are for core functions")
-        if self.model is not None and (self.kind != "core" or self.abi != 2 or self.source):
-            out.append(
-                "model (an ONNX graph for meshfn's model compiler) is for core functions of abi 2, "
-                "instead of source"
-            )
-        if self.abi == 2 and (self.generate is None or self.generate.engine != "step"):
-            out.append(
-                'abi 2 is supported for generative step functions ([generate] engine = "step") only'
-            )
+        field = ENTRY[self.kind]
+        if not getattr(self, field):
+            return [f"kind {self.kind!r} needs `{field}`"]
+        out = [
+            f"`{other}` is not for kind {self.kind!r}"
+            for other in sorted(set(ENTRY.values()) - {field})
+            if getattr(self, other)
+        ]
+        names = [t.name for t in self.inputs]
+        if len(set(names)) != len(names):
+            out.append("duplicate input names")
         generate = self.generate
         if generate is not None:
             out += _generate_problems(self, generate)
@@ -230,13 +232,23 @@ class FunctionManifest(BaseModel):
         return out
 
 
-def expected_module_metadata(signed: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """(ABI, what the module's own `metadata()` must return) for a function's signed metadata:
-    a step function's tensors (ABI 2) or the signed metadata itself."""
+def module_metadata(kind: str, signed: dict[str, Any]) -> dict[str, Any]:
+    """What the module's own `metadata()` must return for a function of `kind` with this
+    signed metadata: the signed metadata itself (core ABI v1, Python components); for a
+    compiled model (ABI v2), which knows its tensors and batch only, the signed tensors and
+    batch, or a generative step function's step tensors (`generate.step`), whose signed
+    inputs and outputs are its text interface."""
+    if kind != "onnx":
+        return signed
     generate = signed.get("generate")
     if isinstance(generate, dict) and isinstance(generate.get("step"), dict):
-        return 2, generate["step"]
-    return 1, signed
+        return dict(generate["step"])
+    return {
+        "abi": 2,
+        "batch": signed.get("batch"),
+        "inputs": signed.get("inputs"),
+        "outputs": signed.get("outputs"),
+    }
 
 
 def _generate_problems(manifest: FunctionManifest, generate: GenerateSpec) -> list[str]:
@@ -251,8 +263,8 @@ def _generate_problems(manifest: FunctionManifest, generate: GenerateSpec) -> li
     if generate.engine == "generator" and manifest.kind != "python":
         out.append('[generate] engine "generator" is for Python functions')
     if generate.engine == "step":
-        if manifest.kind != "core" or manifest.abi != 2:
-            out.append('[generate] engine "step" needs kind "core" and abi 2')
+        if manifest.kind != "onnx":
+            out.append('[generate] engine "step" needs kind "onnx" (a compiled step graph)')
         missing = [k for k in ("tokenizer", "vocab", "state") if getattr(generate, k) is None]
         if missing:
             out.append(f'[generate] engine "step" needs {", ".join(missing)}')
@@ -295,22 +307,15 @@ def load_manifest(directory: Path) -> FunctionManifest:
             f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
         )
         raise ManifestError(f"{path}: {problems}") from None
-    entry = manifest.module if manifest.kind == "python" else manifest.source or manifest.model
-    if not entry:
-        field = "module" if manifest.kind == "python" else "source (C) or model (ONNX)"
-        raise ManifestError(f"{path}: kind {manifest.kind!r} needs `{field}`")
-    names = [t.name for t in manifest.inputs]
-    if len(set(names)) != len(names):
-        raise ManifestError(f"{path}: duplicate input names")
     contradictions = manifest.problems()
     if contradictions:
         raise ManifestError(f"{path}: {'; '.join(contradictions)}")
-    shipped = [manifest.source, manifest.prepare]
-    if not manifest.prepare:  # else the prepare step may write the model
-        shipped.append(manifest.model)
-    for rel in filter(None, shipped):
+    for rel in filter(None, [manifest.source, manifest.prepare]):
         if not (directory / rel).is_file():
             raise ManifestError(f"{path}: {rel} does not exist")
+    # a model the prepare script writes at build time need not be there yet
+    if manifest.model and not manifest.prepare and not (directory / manifest.model).is_file():
+        raise ManifestError(f"{path}: model {manifest.model} does not exist")
     if manifest.module and not (directory / f"{manifest.module}.py").is_file():
         raise ManifestError(f"{path}: module {manifest.module}.py does not exist")
     return manifest

@@ -24,11 +24,12 @@ from .codecache import CodeCache, CodeKey
 from .config import ServedFunction
 from .engine import deadline_ticks
 from .errors import InferenceError, RegistryError, SignatureError
-from .host import Artifact, CallResult, Instance, Outcome
-from .kserve import Signature
+from .host import Artifact, CallResult, GuestRequest, Instance, Outcome
+from .kserve import InferRequest, KServeError, Signature
 from .metrics import Metrics
 from .registry import Registry, VerifiedArtifact
 from .signing import TrustedKeys
+from .tensorio import TensorIO
 
 log = logging.getLogger("meshfn.inference")
 
@@ -83,6 +84,8 @@ class FunctionRuntime:
         self._code_key: CodeKey | None = None  # what this function holds of it while loaded
         self.verified: VerifiedArtifact | None = None
         self.signature: Signature | None = None
+        # A compiled model's (ABI v2) tensor calls and their checks; None for other kinds.
+        self.tensors: TensorIO | None = None
         self.refusal: Refused | None = None
         # Triton's repository unload makes the model unavailable until a load (event loop).
         self.available = True
@@ -123,7 +126,17 @@ class FunctionRuntime:
         name, version = self.artifact_ref
         try:
             verified = self.registry.verify(name, version, self.trusted)
-            self.signature = Signature.from_metadata(verified.metadata)
+            signature = Signature.from_metadata(verified.metadata)
+            tensors = None
+            # a compiled model's tensor calls; a generative step function's steps are the
+            # decode loop's (generation.py), its KServe signature is its text interface
+            if verified.kind == "onnx" and "generate" not in verified.metadata:
+                tensors = TensorIO(verified.metadata, self.memory_bytes, self.label)
+                too_big = tensors.refusal()
+                if too_big is not None:
+                    self._refuse(too_big, 403)
+                    return
+            self.signature, self.tensors = signature, tensors
             self.verified, self.refusal = verified, None
             self.metrics.refused.labels(self.label).set(0)
         except SignatureError as exc:
@@ -152,6 +165,18 @@ class FunctionRuntime:
         """Whether the guest reads input data as base64 `raw` (built by an SDK or core header
         that declares it in the signed metadata), else it gets JSON `data`."""
         return self.verified is not None and self.verified.metadata.get("raw_inputs") is True
+
+    def guest_request(self, request: InferRequest) -> GuestRequest:
+        """The request as this function's guest takes it: raw tensors for a compiled model
+        (ABI v2; a shape it cannot take is a 400 here), else the request JSON."""
+        tensors = self.tensors
+        if tensors is not None:
+            return tensors.call(request)
+        if self.verified is not None and self.verified.kind == "onnx":  # a step function's
+            raise KServeError(
+                400, f"{self.label} is a generative step function: use its generate endpoints"
+            )
+        return request.guest_json(self.raw_inputs)
 
     # ------------------------------------------------------------------ load / unload
 
@@ -305,7 +330,7 @@ class FunctionRuntime:
         instance.close()
 
     def invoke(
-        self, request: str, ticks: int | None = None, preemptible: bool = False
+        self, request: GuestRequest, ticks: int | None = None, preemptible: bool = False
     ) -> Invocation:
         """Run one guest call on an instance (worker thread); `ticks` may shorten the deadline
         (a client's own timeout), never lengthen it. `preemptible`: a slice of the deadline

@@ -6,6 +6,10 @@ Layout (one directory per published version, replaced atomically on republish):
     REGISTRY/<name>/<version>/module.sig.json       detached signature: digest + metadata
     REGISTRY/<name>/<version>/compiled/<engine_key>.cwasm   native code for one engine
     REGISTRY/<name>/<version>/compiled/<engine_key>.json    signed record binding the two digests
+    REGISTRY/<name>/<version>/model/model.onnx      (kind onnx) the ONNX file it was compiled
+                                                    from, and its external data: signed with
+                                                    the module (payload `model`), checked at
+                                                    publish and at every verification
 
 Verification hashes both files (tens of MB for a Python function, ~20-40 ms) and remembers the
 files' identity (device, inode, size, mtime, ctime). A load re-checks only the identity (a
@@ -20,7 +24,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -28,11 +32,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshfn.contracts.function import NAME_RE, VERSION_RE
 
 from . import signing
-from .build import check_core_module
+from .abi import check_core_module
 from .engine import engine_key, engine_settings, new_engine
 from .errors import BuildError, RegistryError, SignatureError
-from .host import Kind, compile_module, component_imports, load_precompiled, metadata_of
-from .manifest import expected_module_metadata
+from .host import KINDS, Kind, compile_module, component_imports, load_precompiled, metadata_of
+from .manifest import module_metadata
 
 MODULE_SIG = "module.sig.json"
 
@@ -61,6 +65,9 @@ def sign_module(wasm: Path, key: Ed25519PrivateKey) -> Path:
         "metadata": info["metadata"],
         "build": info.get("build", {}),
     }
+    if "model" in info:  # kind onnx: the model file(s) it was compiled from, by digest
+        payload["model"] = info["model"]
+        check_model_files(model_files(model_dir(wasm), info["model"]))
     out = signature_path(wasm)
     out.write_text(json.dumps(signing.sign(key, "module", payload), indent=1))
     return out
@@ -159,14 +166,18 @@ class Registry:
         sig_path = signature_path(wasm)
         payload, digest = _signed_payload(wasm, sig_path, trusted)
         name, version, kind = str(payload["name"]), str(payload["version"]), payload["kind"]
-        if kind not in ("python", "core"):
+        if kind not in KINDS:
             raise RegistryError(f"{sig_path}: unknown function kind {kind!r}")
+        models = None
+        if kind == "onnx":  # the ONNX file(s) as signed, or nothing is published
+            models = (model_dir(wasm), model_files(model_dir(wasm), payload.get("model")))
+            check_model_files(models[1])
         key_name = engine_key()
         cached = compile_cache / f"{digest}-{key_name}.cwasm" if compile_cache else None
         native = _precompiled(wasm, cast(Kind, kind), payload["metadata"], cached)
         target = self.entry(name, version)
         record = {"name": name, "version": version, "module_sha256": digest}
-        _install(target, wasm, sig_path, native, record, key)
+        _install(target, wasm, sig_path, native, record, key, models)
         return target
 
     # ------------------------------------------------------------------ verify
@@ -194,6 +205,7 @@ class Registry:
             envelope = json.loads(record_path.read_text())
         except ValueError:
             raise SignatureError(f"{name}@{version}: signature file is not JSON") from None
+        identities += _verified_models(entry, payload)
         record = signing.verify(envelope, "compiled", trusted)
         if (payload.get("name"), payload.get("version")) != (name, version):
             raise SignatureError(f"{name}@{version}: signature is for another function")
@@ -210,7 +222,7 @@ class Registry:
         if identities != tuple((p, FileIdentity.of(p)) for p, _ in identities):
             raise SignatureError(f"{name}@{version}: files changed during verification")
         kind = payload.get("kind")
-        if kind not in ("python", "core"):
+        if kind not in KINDS:
             raise SignatureError(f"{name}@{version}: unknown kind {kind!r}")
         return VerifiedArtifact(
             name=name,
@@ -222,6 +234,58 @@ class Registry:
             cwasm=cwasm,
             identities=identities,
         )
+
+
+def model_dir(wasm: Path) -> Path:
+    """`iris-1.wasm` -> `iris-1.model/`: the ONNX file(s) `fn build` compiled it from."""
+    return wasm.with_name(wasm.name.removesuffix(".wasm") + ".model")
+
+
+def model_files(directory: Path, model: Any) -> list[tuple[Path, str]]:
+    """The files a signed model record names, under `directory`, with their digests."""
+    files = model.get("files") if isinstance(model, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise SignatureError(f"{directory}: the signature names no model file (kind onnx)")
+    found = []
+    for name, digest in files.items():
+        rel = PurePosixPath(str(name))
+        if not rel.parts or rel.is_absolute() or ".." in rel.parts:
+            raise SignatureError(f"{directory}: the signature names model file {name!r}")
+        found.append((directory.joinpath(*rel.parts), str(digest)))
+    return found
+
+
+def check_model_files(files: list[tuple[Path, str]]) -> None:
+    """Each model file has the digest it was signed with (SignatureError names the file)."""
+    for path, digest in files:
+        try:
+            actual = signing.sha256_file(path)
+        except OSError:
+            raise SignatureError(
+                f"{path}: missing (the model file signed with the module)"
+            ) from None
+        if actual != digest:
+            raise SignatureError(
+                f"{path}: the model file does not match its signature (changed after signing?)"
+            )
+
+
+def _verified_models(entry: Path, payload: dict[str, Any]) -> tuple[tuple[Path, FileIdentity], ...]:
+    """A compiled model's ONNX file(s) in its registry entry, checked against the signature
+    (their identities taken first, as for the entry's other files)."""
+    if payload.get("kind") != "onnx":
+        return ()
+    models = model_files(entry / "model", payload.get("model"))
+    identities = tuple((p, _identity(p)) for p, _ in models)
+    check_model_files(models)
+    return identities
+
+
+def _identity(path: Path) -> FileIdentity:
+    try:
+        return FileIdentity.of(path)
+    except OSError:
+        raise SignatureError(f"{path}: missing (the model file signed with the module)") from None
 
 
 def _signed_payload(
@@ -245,10 +309,9 @@ def _precompiled(wasm: Path, kind: Kind, signed_metadata: Any, cached: Path | No
     """The module compiled for this engine (from `cached` when it is there, kept there when it
     is given), instantiated once to check that it imports nothing and that its own
     `metadata()` is the signed metadata."""
-    abi, expected = expected_module_metadata(signed_metadata)
-    if kind == "core":
+    if kind != "python":
         try:
-            check_core_module(wasm.read_bytes(), str(wasm), abi)
+            check_core_module(wasm.read_bytes(), str(wasm), 2 if kind == "onnx" else 1)
         except BuildError as exc:
             raise RegistryError(str(exc)) from None
     engine = new_engine()
@@ -274,18 +337,20 @@ def _precompiled(wasm: Path, kind: Kind, signed_metadata: Any, cached: Path | No
         raise
     except Exception as exc:  # wasmtime raises several types for a bad module
         raise RegistryError(f"{wasm}: cannot compile or instantiate: {exc}") from None
-    if actual != expected:
+    if not isinstance(signed_metadata, dict) or actual != module_metadata(kind, signed_metadata):
         raise RegistryError(f"{wasm}: metadata() differs from the signed metadata")
     return native
 
 
 def _install(
     target: Path, wasm: Path, sig_path: Path, native: bytes, module: dict[str, str],
-    key: Ed25519PrivateKey,
+    key: Ed25519PrivateKey, models: tuple[Path, list[tuple[Path, str]]] | None = None,
 ) -> None:  # fmt: skip
     """The entry, staged beside `target` and renamed into place (a reader sees the old entry
     or the new one, never a part): the module, its signature, the native code and its compile
-    record (`module`: name, version, module_sha256; signed with `key`)."""
+    record (`module`: name, version, module_sha256; signed with `key`), and a compiled
+    model's ONNX file(s) (`models`, checked against the signature; copied, then checked
+    again where they lie)."""
     key_name = engine_key()
     version = module["version"]
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -293,6 +358,15 @@ def _install(
     try:
         shutil.copyfile(wasm, stage / "module.wasm")
         shutil.copyfile(sig_path, stage / MODULE_SIG)
+        if models is not None:
+            base, files = models
+            copies = []
+            for path, digest in files:
+                copy = stage / "model" / path.relative_to(base)
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, copy)
+                copies.append((copy, digest))
+            check_model_files(copies)
         (stage / "compiled").mkdir()
         cwasm = stage / "compiled" / f"{key_name}.cwasm"
         cwasm.write_bytes(native)

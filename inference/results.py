@@ -30,6 +30,14 @@ class Completed:
         return parse_guest_outputs(self.text, label)
 
 
+def completed(rt: FunctionRuntime, result: CallResult) -> Completed:
+    """A successful guest call's result: a compiled model's raw outputs (ABI v2), or the
+    guest's response text."""
+    if rt.tensors is not None:
+        return Completed(None, rt.tensors.outputs_of(result))
+    return Completed(result.body)
+
+
 def failure(rt: FunctionRuntime, result: CallResult) -> KServeError:
     """A failed guest call as the client sees it (the instance was already dealt with)."""
     outcome = result.outcome

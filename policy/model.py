@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -65,6 +65,14 @@ METADATA_DOC = (
 )
 
 
+def _kept(what: str) -> Any:
+    """Labels and annotations: kept as written on every kind, never acted on."""
+    return Field(
+        default_factory=dict,
+        description=f"{what}, as on any Kubernetes object; meshfn keeps them and does not act on them.",
+    )
+
+
 class ObjectMeta(Strict):
     """Metadata of a namespaced policy object, as in Kubernetes."""
 
@@ -81,18 +89,8 @@ class ObjectMeta(Strict):
             "workloads of its own namespace, and references without a namespace resolve in it."
         ),
     )
-    labels: dict[str, str] = Field(
-        default_factory=dict,
-        description=(
-            "Labels, as on any Kubernetes object; meshfn keeps them and does not act on them."
-        ),
-    )
-    annotations: dict[str, str] = Field(
-        default_factory=dict,
-        description=(
-            "Annotations, as on any Kubernetes object; meshfn keeps them and does not act on them."
-        ),
-    )
+    labels: dict[str, str] = _kept("Labels")
+    annotations: dict[str, str] = _kept("Annotations")
 
 
 class ClusterMeta(Strict):
@@ -104,18 +102,8 @@ class ClusterMeta(Strict):
             "(e.g. PeerAuthentication meshfn-<name>)."
         )
     )
-    labels: dict[str, str] = Field(
-        default_factory=dict,
-        description=(
-            "Labels, as on any Kubernetes object; meshfn keeps them and does not act on them."
-        ),
-    )
-    annotations: dict[str, str] = Field(
-        default_factory=dict,
-        description=(
-            "Annotations, as on any Kubernetes object; meshfn keeps them and does not act on them."
-        ),
-    )
+    labels: dict[str, str] = _kept("Labels")
+    annotations: dict[str, str] = _kept("Annotations")
 
 
 class Locality(Strict):

@@ -43,11 +43,18 @@ class Example:
         return TOLERANCE[self.family]
 
 
-def _split(x: Any, y: Any, seed: int = 0) -> tuple[Any, Any, Any]:
+def _split4(x: Any, y: Any, seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """75% training rows, 25% held out (features as float32): x_train, y_train, x_test, y_test."""
     rng = np.random.default_rng(seed)
     idx = rng.permutation(len(x))
     cut = int(len(x) * 0.75)
-    return x[idx[:cut]].astype(np.float32), y[idx[:cut]], x[idx[cut:]].astype(np.float32)
+    train, test = idx[:cut], idx[cut:]
+    return x[train].astype(np.float32), y[train], x[test].astype(np.float32), y[test]
+
+
+def _split(x: Any, y: Any, seed: int = 0) -> tuple[Any, Any, Any]:
+    xtr, ytr, xte, _ = _split4(x, y, seed)
+    return xtr, ytr, xte
 
 
 def _sk(
@@ -261,14 +268,18 @@ def _trained_cnn() -> dict[str, np.ndarray[Any, Any]]:
     }
 
 
-def cnn_example(directory: Path | None = None) -> Example:
+def cnn_example(
+    directory: Path | None = None, input_name: str = "x", file_name: str = "model.onnx"
+) -> Example:
     """The trained CNN as an ONNX graph. With `directory`, saved there as model.onnx with its
     weights in model.onnx.data (PyTorch's exporter's layout), to prove external data is read."""
     from sklearn.datasets import load_digits
 
     p = _trained_cnn()
     nodes = [
-        helper.make_node("Conv", ["x", "w", "b"], ["c1"], pads=[1, 1, 1, 1], kernel_shape=[3, 3]),
+        helper.make_node(
+            "Conv", [input_name, "w", "b"], ["c1"], pads=[1, 1, 1, 1], kernel_shape=[3, 3]
+        ),
         helper.make_node("Relu", ["c1"], ["r1"]),
         helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
         helper.make_node("Flatten", ["p1"], ["f1"], axis=1),
@@ -279,7 +290,7 @@ def cnn_example(directory: Path | None = None) -> Example:
     graph = helper.make_graph(
         nodes,
         "cnn-digits",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 8, 8])],
+        [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", 1, 8, 8])],
         [
             helper.make_tensor_value_info("label", TensorProto.INT64, ["batch"]),
             helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", 10]),
@@ -293,13 +304,13 @@ def cnn_example(directory: Path | None = None) -> Example:
         directory.mkdir(parents=True, exist_ok=True)
         onnx.save_model(
             model,
-            str(directory / "model.onnx"),
+            str(directory / file_name),
             save_as_external_data=True,
             all_tensors_to_one_file=True,
-            location="model.onnx.data",
+            location=f"{file_name}.data",
             size_threshold=0,
         )
-        model = onnx.load_model(str(directory / "model.onnx"), load_external_data=False)
+        model = onnx.load_model(str(directory / file_name), load_external_data=False)
     return Example("cnn-digits", "cnn", model, xte.reshape(-1, 1, 8, 8).astype(np.float32), (0,))
 
 
@@ -372,3 +383,131 @@ def decoder_block_example() -> Example:
 
 def all_examples() -> list[Example]:
     return [*sklearn_examples(), mlp_example(), cnn_example(), decoder_block_example()]
+
+
+# --------------------------------------------------------------------------- example functions
+# The models of the example functions (functions/examples/*: each train.py calls
+# `prepare_function`), made at build time the way a user makes theirs: trained on a data set
+# scikit-learn bundles and exported with skl2onnx, or, for the CNN, a graph as PyTorch's
+# exporter writes it (weights in external data). The held-out rows go into the build report;
+# `meshfn fn build` scores the compiled module on them (the accuracy of what is served).
+
+
+def _digits(side: int) -> tuple[Any, Any]:
+    """scikit-learn's 8x8 digits (pixels 0-16), upsampled (bilinear) to side x side."""
+    from scipy.ndimage import zoom
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = data.images
+    if side != 8:
+        images = zoom(images, (1, side / 8, side / 8), order=1).clip(0, 16).round(4)
+    return images.reshape(len(images), side * side), data.target
+
+
+def _function_recipes() -> dict[str, tuple[Callable[[], Any], Callable[[], Any], str]]:
+    """name -> (its data, its estimator, what it is)."""
+    from sklearn import datasets
+    from sklearn.ensemble import GradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    def scaled_logreg() -> Any:
+        return make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000))
+
+    return {
+        "iris": (
+            lambda: datasets.load_iris(return_X_y=True),
+            lambda: make_pipeline(
+                StandardScaler(), MLPClassifier((16,), max_iter=3000, random_state=0)
+            ),
+            "standard scaler + MLP 4-16-3 (relu, softmax)",
+        ),
+        "digits": (lambda: _digits(8), scaled_logreg, "scaler + logistic regression 64 -> 10"),
+        "digits28": (
+            lambda: _digits(28),
+            scaled_logreg,
+            "the digits upsampled to 28x28: scaler + logistic regression 784 -> 10",
+        ),
+        "cancer": (
+            lambda: datasets.load_breast_cancer(return_X_y=True),
+            lambda: GradientBoostingClassifier(n_estimators=50, max_depth=3, random_state=0),
+            "gradient-boosted trees (50, depth 3), Wisconsin breast cancer data",
+        ),
+    }
+
+
+@dataclass
+class Fitted:
+    """An example function's fitted scikit-learn estimator and its held-out rows."""
+
+    estimator: Any
+    what: str
+    train_size: int
+    x_test: np.ndarray[Any, Any]
+    y_test: np.ndarray[Any, Any]
+
+
+def fit_function_model(name: str) -> Fitted:
+    data, make, what = _function_recipes()[name]
+    x, y = data()
+    xtr, ytr, xte, yte = _split4(x, y)
+    model = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # convergence chatter
+        model.fit(xtr, ytr)
+    return Fitted(model, what, len(ytr), xte, yte)
+
+
+def sklearn_function(
+    name: str, input_name: str, fitted: Fitted | None = None
+) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """An example function's scikit-learn model as skl2onnx exports it, and its report."""
+    from skl2onnx import to_onnx
+    from skl2onnx.common.data_types import FloatTensorType
+
+    fitted = fitted or fit_function_model(name)
+    model, xte, yte = fitted.estimator, fitted.x_test, fitted.y_test
+    final = model.steps[-1][1] if hasattr(model, "steps") else model
+    onx = to_onnx(
+        model,
+        initial_types=[(input_name, FloatTensorType([None, xte.shape[1]]))],
+        options={id(final): {"zipmap": False}},  # probabilities as a tensor, not a list of maps
+        target_opset={"": 17, "ai.onnx.ml": 3},
+    )
+    onx.graph.name = name
+    report = {
+        "model": fitted.what,
+        "train_size": fitted.train_size,
+        "sklearn_heldout_accuracy": round(float(model.score(xte, yte)), 4),
+        "heldout": {"x": xte.tolist(), "y": yte.tolist()},
+    }
+    return onx, report
+
+
+def prepare_function(out: Path, manifest: Path = Path("function.toml")) -> dict[str, Any]:
+    """What an example function's train.py does in its staging folder: write the model its
+    function.toml names into `out`, and `out/build-report.json` (with held-out rows)."""
+    import json
+    import tomllib
+
+    spec = tomllib.loads(manifest.read_text())
+    name, file_name, input_name = spec["name"], spec["model"], spec["inputs"][0]["name"]
+    if name == "digits-cnn":  # saved with its weights in external data, as PyTorch does
+        from sklearn.datasets import load_digits
+
+        example = cnn_example(out, input_name, file_name)
+        x, y = load_digits(return_X_y=True)
+        _, _, _, yte = _split4(x / 16.0, y)
+        report: dict[str, Any] = {
+            "model": "CNN: conv 3x3x8 + relu + maxpool 2 + dense 10, numpy-trained",
+            "heldout": {"x": example.x.tolist(), "y": yte.tolist()},
+        }
+    else:
+        model, report = sklearn_function(name, input_name)
+        (out / file_name).write_bytes(model.SerializeToString())
+    report = {"dataset": f"scikit-learn's bundled data ({name})", **report}
+    (out / "build-report.json").write_text(json.dumps(report))
+    return report

@@ -46,6 +46,7 @@ def pages() -> dict[str, str]:
     out["reference/environment.md"] = environment_page()
     out["reference/plugin-settings.md"] = plugin_settings_page()
     out["reference/helm-values.md"] = helm_values_page()
+    out["reference/onnx-operators.md"] = onnx_operators_page()
     return {path: _finish(text) for path, text in out.items()}
 
 
@@ -809,6 +810,39 @@ def environment_page() -> str:
                 "",
             ]
     return "\n".join(parts)
+
+
+# -------------------------------------------------------------------------- ONNX operators
+
+
+def onnx_operators_page() -> str:
+    from meshfn.compiler import dtypes, ops
+
+    return "\n".join(
+        [
+            "# ONNX operators",
+            "",
+            'What `meshfn fn init --from-onnx` and `meshfn fn build` compile (`kind = "onnx"`,'
+            " [Bring your own model](../tasks/bring-your-own-model.md)), from the compiler's"
+            f" operator registry (`meshfn.compiler.ops`, {len(ops.REGISTRY)} operators): one unit"
+            " per operator, each tested on its own and against ONNX's node conformance cases"
+            " (compiler/README.md). `from version` is the oldest opset version of the operator"
+            " whose meaning the unit implements: a model that uses an older one, or an operator"
+            " or attribute not listed, is refused at init and build with a message naming the"
+            " node, its operator and what is supported; never a wrong answer at run time.",
+            "",
+            "Operators ONNX defines as functions of others (for example `Attention`,"
+            " `GroupNormalization`, `MeanVarianceNormalization`) are compiled through their"
+            " definitions when every operator of the body is listed here; `Scan` with a trip"
+            " count known at build time is unrolled. Other control flow (`If`, `Loop`) is"
+            " refused.",
+            "",
+            f"Element types: {dtypes.SUPPORTED_NAMES}. Strings, float16 and bfloat16 tensors"
+            " are refused.",
+            "",
+            ops.table(),
+        ]
+    )
 
 
 # -------------------------------------------------------------------------- plugin settings

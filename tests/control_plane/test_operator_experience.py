@@ -70,7 +70,7 @@ def test_try_lines_paste_as_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         'curl -s -H "authorization: Bearer $TOKEN" -X POST'
         f" http://127.0.0.1:10000/v2/models/iris/infer -d '{IRIS}'" in tries
     )
-    assert "curl -s http://127.0.0.1:10000/v2/models/digits   # without the token" in tries
+    assert "curl -s http://127.0.0.1:10000/v2/models/cancer   # without the token" in tries
     assert any(t.startswith(".venv/bin/meshfn status   #") for t in tries)  # default state dir
     assert any(t.startswith(".venv/bin/meshfn audit query --subject-raw you") for t in tries)
     assert not any(t.startswith("meshfn ") or "$(meshfn " in t for t in tries)

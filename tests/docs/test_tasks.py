@@ -25,8 +25,8 @@ RUN = re.compile(r"^(?:exits (?P<code>\d+)|with (?P<fixture>[a-z-]+))?$")
 def test_there_are_task_pages() -> None:
     names = {p.stem for p in TASKS}
     for wanted in (
-        "secure-a-service", "add-a-fallback-chain", "publish-a-function", "rotate-the-ca",
-        "verify-the-audit-trail", "render-for-istio", "install-on-kubernetes",
+        "secure-a-service", "add-a-fallback-chain", "publish-a-function", "bring-your-own-model",
+        "rotate-the-ca", "verify-the-audit-trail", "render-for-istio", "install-on-kubernetes",
         "run-the-benchmarks",
     ):  # fmt: skip
         assert wanted in names, wanted

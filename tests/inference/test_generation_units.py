@@ -33,8 +33,8 @@ from meshfn.inference.generation import (
     generator_for,
     sample,
 )
-from meshfn.inference.host import CoreArtifact, Outcome, TensorInstance, TensorResult
-from meshfn.inference.manifest import FunctionManifest
+from meshfn.inference.host import CallResult, Outcome, TensorArtifact, TensorCall, TensorInstance
+from meshfn.inference.manifest import FunctionManifest, module_metadata
 from meshfn.inference.metrics import Metrics
 from meshfn.inference.qos import Admission, Refusal, TokenGrant
 
@@ -243,7 +243,7 @@ STEP = """(module
 @pytest.fixture(scope="module")
 def step_instance() -> TensorInstance:
     engine = new_engine()
-    instance = CoreArtifact(engine, wasmtime.Module(engine, STEP)).instantiate(1 << 20)
+    instance = TensorArtifact(engine, wasmtime.Module(engine, STEP)).instantiate(1 << 20)
     assert isinstance(instance, TensorInstance)
     return instance
 
@@ -251,29 +251,33 @@ def step_instance() -> TensorInstance:
 def test_a_v2_module_runs_tensors_through_its_io_table(step_instance: TensorInstance) -> None:
     tokens = np.array([0, 3], np.int32).tobytes()
     state = np.array([5, 7], np.float32).tobytes()
-    result = step_instance.run(2, (tokens, state), 2, 100)
+    result = step_instance.call(TensorCall(2, (tokens, state), 2), 100)
     assert result.outcome is Outcome.OK
     logits = np.frombuffer(result.outputs[0], np.float32).reshape(2, 4)
     assert [int(np.argmax(row)) for row in logits] == [1, 0]
     assert np.frombuffer(result.outputs[1], np.float32).tolist() == [6, 8]
-    failed = step_instance.run(1, (np.array([9], np.int32).tobytes(), b"\0" * 4), 2, 100)
-    assert failed == TensorResult(Outcome.BAD_REQUEST, message="bad")
-    short = step_instance.run(1, (b"\0\0", b"\0" * 4), 2, 100)
+    failed = step_instance.call(
+        TensorCall(1, (np.array([9], np.int32).tobytes(), b"\0" * 4), 2), 100
+    )
+    assert failed == CallResult(Outcome.BAD_REQUEST, "bad")
+    short = step_instance.call(TensorCall(1, (b"\0\0", b"\0" * 4), 2), 100)
     assert short.outcome is Outcome.INTERNAL
 
 
 def _engine(max_streams: int, steps: list[int]) -> StepEngine:
     """A StepEngine over the WAT step function (each call's batch size goes to `steps`)."""
     engine = new_engine()
-    instance = CoreArtifact(engine, wasmtime.Module(engine, STEP)).instantiate(1 << 20)
+    instance = TensorArtifact(engine, wasmtime.Module(engine, STEP)).instantiate(1 << 20)
     assert isinstance(instance, TensorInstance)
     ticker = __import__("meshfn.inference.engine", fromlist=["EpochTicker"]).EpochTicker(engine)
     ticker.start()
 
-    async def call(batch: int, tokens: bytes, states: bytes) -> tuple[TensorResult, int]:
+    async def call(batch: int, tokens: bytes, states: bytes) -> tuple[CallResult, int]:
         steps.append(batch)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, instance.run, batch, (tokens, states), 2, 4), 0
+        return await loop.run_in_executor(
+            None, instance.call, TensorCall(batch, (tokens, states), 2), 4
+        ), 0
 
     return StepEngine(StepShape(4, 1, None, None), call, max_streams, context=64)
 
@@ -343,7 +347,7 @@ def test_a_cancelled_stream_leaves_before_its_next_step() -> None:
 
 def _manifest(**fields: Any) -> FunctionManifest:
     base: dict[str, Any] = {
-        "name": "g", "version": "1", "kind": "core", "abi": 2, "source": "x.c",
+        "name": "g", "version": "1", "kind": "onnx", "model": "step.onnx",
         "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
         "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
         "generate": {"engine": "step", "tokenizer": "bytes", "vocab": 257, "state": 8, "eos": 256},
@@ -353,15 +357,18 @@ def _manifest(**fields: Any) -> FunctionManifest:
 
 def test_generative_manifests_contradicting_themselves_are_refused() -> None:
     assert _manifest().problems() == []
-    assert _manifest().module_metadata()["abi"] == 2
-    assert "abi 2" in _manifest(abi=1).problems()[0] or _manifest(abi=1).problems()
+    signed = _manifest().metadata()
+    assert module_metadata("onnx", signed) == signed["generate"]["step"]  # what the module says
+    assert module_metadata("onnx", signed)["inputs"][0]["name"] == "tokens"
+    c_step = _manifest(kind="core", model=None, source="x.c").problems()
+    assert any('needs kind "onnx"' in p for p in c_step)
     wrong_io = _manifest(inputs=[{"name": "x", "datatype": "FP32", "shape": [1]}]).problems()
     assert any("text_input" in p for p in wrong_io)
     no_vocab = _manifest(generate={"engine": "step", "tokenizer": "bytes", "state": 8}).problems()
     assert any("vocab" in p for p in no_vocab)
     small = _manifest(generate={"engine": "step", "tokenizer": "bytes", "vocab": 10, "state": 8})
     assert any("vocab >= 256" in p for p in small.problems())
-    python_step = _manifest(kind="python", abi=1, module="m", source=None)
+    python_step = _manifest(kind="python", module="m", model=None)
     assert python_step.problems()
 
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,12 +22,12 @@ from prometheus_client import generate_latest
 from meshfn.contracts.function import CodeCache as CodeCacheSettings
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.inference import signing
+from meshfn.inference.abi import check_core_module
 from meshfn.inference.backend import Backend
-from meshfn.inference.build import BuildError, check_core_module
 from meshfn.inference.codecache import CodeCache
 from meshfn.inference.config import ServedFunction, parse_config
 from meshfn.inference.engine import EpochTicker, engine_key, new_engine
-from meshfn.inference.errors import RegistryError, SignatureError
+from meshfn.inference.errors import BuildError, RegistryError, SignatureError
 from meshfn.inference.examples import publish_examples
 from meshfn.inference.host import (
     CallResult,
@@ -34,6 +35,7 @@ from meshfn.inference.host import (
     CoreArtifact,
     CoreInstance,
     Outcome,
+    TensorCall,
     load_precompiled,
 )
 from meshfn.inference.metrics import Metrics
@@ -155,15 +157,16 @@ def test_core_trap_and_model_errors(published: Published, engine: wasmtime.Engin
     assert py.call(X, 400).outcome is Outcome.OK  # model errors do not poison
 
 
-def test_iris_component_predicts(published: Published, engine: wasmtime.Engine) -> None:
+def test_iris_compiled_model_predicts(published: Published, engine: wasmtime.Engine) -> None:
     inst = instance(published, engine, "iris")
-    body = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [2, 4],
-                        "data": [[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]]}]}  # fmt: skip
-    result = inst.call(json.dumps(body), 400)
+    flowers = struct.pack("<8f", 5.1, 3.5, 1.4, 0.2, 6.7, 3.0, 5.2, 2.3)
+    result = inst.call(TensorCall(2, (flowers,), 2), 400)
     assert result.outcome is Outcome.OK
-    outputs = {o["name"]: o for o in json.loads(result.body)["outputs"]}
-    assert outputs["label"]["data"] == [0, 2]  # setosa, virginica
-    assert outputs["probabilities"]["shape"] == [2, 3]
+    labels, probabilities = result.outputs
+    assert struct.unpack("<2q", labels) == (0, 2)  # setosa, virginica
+    rows = struct.unpack("<6f", probabilities)
+    assert all(abs(sum(rows[i : i + 3]) - 1) < 1e-5 for i in (0, 3))
+    assert inst.call(json.dumps({}), 400).outcome is Outcome.INTERNAL  # never ABI v1's JSON
 
 
 def core_module(
@@ -237,7 +240,8 @@ def test_core_abi_mismatches_fail_cleanly(engine: wasmtime.Engine) -> None:
 
 def test_verify_good_entry(published: Published) -> None:
     v = published.registry.verify("digits", "1", published.trusted)
-    assert v.kind == "core" and v.metadata["name"] == "digits"
+    assert v.kind == "onnx" and v.metadata["name"] == "digits" and v.metadata["abi"] == 2
+    assert published.registry.verify("chaos-core", "1", published.trusted).kind == "core"
     assert v.cwasm.name == f"{engine_key()}.cwasm" and v.intact()
     assert v.build["report"]["heldout_accuracy"] > 0.9
 
@@ -699,11 +703,11 @@ async def test_component_linker_is_shared_and_code_outlives_the_code_ttl(
 ) -> None:
     b = backend_for(
         published,
-        [{"name": "chaos", "idleTtl": "50ms"}, {"name": "iris"}, {"name": "chaos-core"}],
+        [{"name": "chaos", "idleTtl": "50ms"}, {"name": "embedder"}, {"name": "chaos-core"}],
     )
     await b.start()
     try:
-        chaos_rt, iris_rt = b.lookup("chaos", None), b.lookup("iris", None)
+        chaos_rt, embedder_rt = b.lookup("chaos", None), b.lookup("embedder", None)
         assert (await b.infer("chaos", None, X.encode())).status == 200
         first = chaos_rt._artifact
         assert isinstance(first, ComponentArtifact) and first.linker is b.code.linker
@@ -721,14 +725,14 @@ async def test_component_linker_is_shared_and_code_outlives_the_code_ttl(
         chaos_status = next(f for f in document["functions"] if f["name"] == "chaos")
         assert chaos_status["cold_starts"] == 2 and chaos_status["code_cache_hits"] == 1
         # many threads instantiate different components through the one linker at once
-        iris = json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 4],
-                                       "data": [5.1, 3.5, 1.4, 0.2]}]})  # fmt: skip
-        calls = [(chaos_rt, X), (iris_rt, iris)] * 4
+        text = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1],
+                                       "data": ["hello mesh"]}]})  # fmt: skip
+        calls = [(chaos_rt, X), (embedder_rt, text)] * 4
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda call: call[0].invoke(call[1]).result, calls))
         assert [r.outcome for r in results] == [Outcome.OK] * 8, results
         metrics = generate_latest(b.metrics.registry).decode()
-        assert 'meshfn_code_cache_entries{state="held"} 2.0' in metrics  # chaos, iris
+        assert 'meshfn_code_cache_entries{state="held"} 2.0' in metrics  # chaos, embedder
         assert 'meshfn_code_cache_lookups_total{function="chaos@1",outcome="hit"} 1.0' in metrics
     finally:
         await b.drain(1)
@@ -892,6 +896,6 @@ def test_code_cache_bounds_and_errors(published: Published, tmp_path: Path) -> N
 def test_examples_are_cached_and_republish_is_skipped(published: Published) -> None:
     from meshfn.inference.build import FUNCTIONS_DIR, build
 
-    assert build(FUNCTIONS_DIR / "examples/digits-core").cached
+    assert build(FUNCTIONS_DIR / "examples/digits").cached
     again, _ = publish_examples(published.root, include_testing=True)
     assert all(p.skipped for p in again)

@@ -388,10 +388,20 @@ def test_config_file_errors(tmp_path: Path) -> None:
 
 def test_example_manifests_load() -> None:
     kinds = {
-        load_manifest(FUNCTIONS_DIR / d).name: load_manifest(FUNCTIONS_DIR / d).kind
-        for d in ("examples/iris", "examples/embedder", "examples/digits-core")
+        load_manifest(p.parent).name: load_manifest(p.parent).kind
+        for p in (FUNCTIONS_DIR / "examples").glob("*/function.toml")
     }
-    assert kinds == {"iris": "python", "embedder": "python", "digits": "core"}
+    assert kinds == {
+        "iris": "onnx", "digits": "onnx", "digits28": "onnx", "cancer": "onnx",
+        "digits-cnn": "onnx", "embedder": "python",
+    }  # fmt: skip
+    iris = load_manifest(FUNCTIONS_DIR / "examples" / "iris")
+    assert (iris.model, iris.prepare, iris.max_batch, iris.memory_mib) == (
+        "model.onnx", "train.py", 64, 64,
+    )  # fmt: skip
+
+
+_IO = '[[inputs]]\nname="x"\ndatatype="FP32"\nshape=[-1]\n[[outputs]]\nname="y"\ndatatype="FP32"\nshape=[-1]'
 
 
 @pytest.mark.parametrize(
@@ -419,6 +429,16 @@ def test_example_manifests_load() -> None:
             'name="a"\nversion="1"\nkind="python"\nmodule="m"\n[[inputs]]\nname="x"\ndatatype="FP32"\n'
             'shape=[1]\n[[outputs]]\nname="y"\ndatatype="FP32"\nshape=[1]',
             "m.py does not exist",
+        ),
+        *(
+            (f'name="a"\nversion="1"\nkind="onnx"\n{extra}{_IO}', message)
+            for extra, message in (
+                ("", "needs `model`"),
+                ('model="m.onnx"\n', "model m.onnx does not exist"),
+                ('model="../m.onnx"\n', "a path inside the function directory"),
+                ('model="m.onnx"\nsource="m.c"\n', "`source` is not for kind 'onnx'"),
+                ('model="m.onnx"\nmax_batch=0\n', "max_batch"),
+            )
         ),
     ],
 )

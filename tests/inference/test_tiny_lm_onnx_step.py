@@ -16,7 +16,7 @@ import wasmtime
 
 from meshfn.compiler import compile_model
 from meshfn.inference.engine import new_engine
-from meshfn.inference.host import CoreArtifact, Outcome, TensorInstance
+from meshfn.inference.host import Outcome, TensorArtifact, TensorCall, TensorInstance
 from meshfn.inference.manifest import load_manifest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "functions" / "examples" / "tiny-lm"
@@ -42,14 +42,15 @@ def test_the_compiled_onnx_step_is_the_step_function() -> None:
     compiled = compile_model(step_onnx.step_graph(*params.arrays()))
     assert compiled.metadata == generate.step_metadata()  # what the registry checks
     engine = new_engine()
-    instance = CoreArtifact(engine, wasmtime.Module(engine, compiled.wasm)).instantiate(64 << 20)
+    instance = TensorArtifact(engine, wasmtime.Module(engine, compiled.wasm)).instantiate(64 << 20)
     assert isinstance(instance, TensorInstance)
     tokens = rng.integers(0, generate.vocab, 16).astype(np.int32)
     state = (rng.standard_normal((16, generate.state)) * 0.5).astype(np.float32)
     rows = None
     for batch in (16, 1, 5, 2):
-        result = instance.run(batch, (tokens[:batch].tobytes(), state[:batch].tobytes()), 2, 1000)
-        assert result.outcome is Outcome.OK, result.message
+        inputs = (tokens[:batch].tobytes(), state[:batch].tobytes())
+        result = instance.call(TensorCall(batch, inputs, 2), 1000)
+        assert result.outcome is Outcome.OK, result.body
         logits = np.frombuffer(result.outputs[0], np.float32).reshape(batch, generate.vocab)
         state_out = np.frombuffer(result.outputs[1], np.float32).reshape(batch, generate.state)
         want_logits, want_state = gru.step(params, tokens[:batch], state[:batch])
@@ -57,6 +58,6 @@ def test_the_compiled_onnx_step_is_the_step_function() -> None:
         np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-4)
         rows = logits if rows is None else rows
         assert (logits == rows[:batch]).all()  # alone or batched: the same bits
-    bad = instance.run(1, (np.array([generate.vocab], np.int32).tobytes(), state[:1].tobytes()),
-                       2, 1000)  # fmt: skip
+    past = (np.array([generate.vocab], np.int32).tobytes(), state[:1].tobytes())
+    bad = instance.call(TensorCall(1, past, 2), 1000)
     assert bad.outcome is Outcome.BAD_REQUEST  # a token past the table: Gather refuses it

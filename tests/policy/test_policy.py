@@ -77,7 +77,9 @@ def test_examples_load() -> None:
         "default/models",
         "default/models-lite",
     }
-    assert [f.name for f in model.functions] == ["digits", "embedder", "iris", "tiny-lm"]
+    assert [f.name for f in model.functions] == [
+        "cancer", "digits", "digits-cnn", "embedder", "iris", "tiny-lm",
+    ]  # fmt: skip
 
 
 def test_base_loads_with_defaults(tmp_path: Path) -> None:

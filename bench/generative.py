@@ -12,11 +12,14 @@ Two ways to the same model (functions/examples/tiny-lm, its decode step compiled
 Each measure streams `--streams` concurrent `/v1/completions` (stream: true, a fixed seed and
 `--tokens` max_tokens, temperature 0.8) `--rounds` times, the two ways alternating:
   ttft  the time from sending the request to its first text chunk
-  itl   the gaps between a stream's text chunks after the first (one chunk per token but for
-        the text held back around a possible stop sequence or split UTF-8 character)
+  itl   a stream's inter-token latency: the time from its first text chunk to its last over
+        its completion tokens after the first (OpenTelemetry's time per output token, per
+        request). Not the gaps between chunks as the client reads them: a client reading 16
+        streams in one event loop, or a proxy's read, joins chunks that came apart, which
+        would make gaps of ~0 out of real decode steps
   tokens_per_s  completion tokens (the usage the backend reports) over the wall time of a
         round, summed over its streams
-Percentiles are over every stream and gap of every round.
+Percentiles are over every stream of every round.
 
 Prints one line:
   generative: ttft_p50_ms=… ttft_p99_ms=… itl_p50_ms=… itl_p99_ms=… mesh_ttft_added_ms=…
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import statistics
 import sys
@@ -77,8 +79,9 @@ def pct(values: list[float], q: float) -> float:
 async def one_stream(
     session: aiohttp.ClientSession, url: str, model: str, headers: dict[str, str], tokens: int,
     seed: int,
-) -> tuple[float, list[float], int]:  # fmt: skip
-    """(TTFT s, gaps between text chunks s, completion tokens) of one streamed completion."""
+) -> tuple[float, float | None, int]:  # fmt: skip
+    """(TTFT s, inter-token latency s or None for a one-token text, completion tokens) of one
+    streamed completion."""
     body = {
         "model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0.8,
         "seed": seed, "stream": True, "stream_options": {"include_usage": True},
@@ -100,8 +103,8 @@ async def one_stream(
                 stamps.append(time.perf_counter())
     if not stamps:
         raise SystemExit(f"{model}: a stream without text")
-    gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return stamps[0] - started, gaps, used
+    itl = (stamps[-1] - stamps[0]) / (used - 1) if used > 1 else None
+    return stamps[0] - started, itl, used
 
 
 async def measure(
@@ -116,7 +119,7 @@ async def measure(
         wall = time.perf_counter() - started
     return {
         "ttft": [r[0] for r in results],
-        "itl": [g for r in results for g in r[1]],
+        "itl": [r[1] for r in results if r[1] is not None],
         "tokens": sum(r[2] for r in results),
         "wall": wall,
     }
@@ -170,7 +173,7 @@ def start_mesh(procs: Processes, tmp: Path, registry: Path, key: Path) -> tuple[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=48, help="max_tokens per stream")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", default="1,4,16", help="streams at once, comma-separated")
     parser.add_argument("--json", type=Path, default=RESULTS / "generative.json")
     args = parser.parse_args()

@@ -48,6 +48,7 @@ def translate(
             workload.authz,
             audit,
             qos=QoSContext(claim) if claim is not None and workload.jwt_rules else None,
+            openai=workload.inbound is not None and workload.inbound.functions,
         )
         out = sidecar_resources(workload, filters, overlay, host)
     else:

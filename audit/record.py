@@ -8,6 +8,16 @@ subject_source, the record version (`audit_v`) and the tenant written by Envoy n
 that does not parse is kept as an `unparsed` record, never dropped: losing a line silently would
 defeat the point of the trail.
 
+A generative request (OpenAI's completions, Triton's generate, their paths below a model) also
+gets `generation`, written when its stream ended: the model, prompt and completion tokens, the
+backend's time to first token, the finish reason and how the stream ended (completed,
+cancelled, failed), from the backend's usage record (contracts.genai, a trailer after a stream,
+a header on a whole response), plus the proxy's own time to the first upstream byte. A stream
+the client or a proxy cut (or a backend that crashed) carries no usage record: its outcome is
+then read from the proxy's response flags, its token counts are null. No prompt or completion
+text is ever recorded; with a Function's `generation.auditText: hmac` the backend's salted
+digests of both are.
+
 `route` is the MESH route (`namespace/name` of the Route or Function route), not the recording
 proxy's own Envoy route (that is `envoy_route`: a sidecar's is always `local`). A gateway names
 it from its own route table (`route_source: proxy`); a sidecar takes it from the gateway's
@@ -228,9 +238,76 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
                     record["error"] = "audit filter state is not a JSON object"
         if isinstance(state, dict):
             record.update(_audited(state, cut))
+    return _finished(record, entry, cut)
+
+
+def _finished(record: dict[str, Any], entry: dict[str, Any], cut: list[str]) -> dict[str, Any]:
+    """The record with what is optional: a generation, and which fields were cut."""
+    generation = generation_of(entry, record)
+    if generation is not None:
+        record["generation"] = generation
     if cut:
         record["truncated"] = sorted(set(cut))
     return record
+
+
+# Paths whose responses generate text (OpenAI's, below a model or not; Triton's generate).
+_GENERATIVE = re.compile(
+    r"^(/v2/models/[^/]+(/versions/[^/]+)?)?(/openai)?/v1/(chat/completions|completions)$"
+    r"|^/v2/models/[^/]+(/versions/[^/]+)?/generate(_stream)?$"
+)
+_MODEL_IN_PATH = re.compile(r"^/v2/models/([^/]+)")
+# The usage record's fields (contracts.genai.GENERATION_KEYS) and their types.
+_GENERATION_INTS = ("prompt_tokens", "completion_tokens")
+_GENERATION_TEXT = ("model", "operation", "finish_reason", "outcome", "note",
+                    "prompt_hmac", "completion_hmac", "text_salt_id")  # fmt: skip
+# Response flags that say who ended a stream early: the client (or the proxy before us) went
+# away, or the upstream failed or timed out.
+_CANCELLED_FLAGS = {"DC", "DR", "DPE"}
+_FAILED_FLAGS = {"UC", "UR", "UF", "UT", "SI", "URX", "UH", "UO", "UPE"}
+
+
+def generation_of(entry: dict[str, Any], record: dict[str, Any]) -> dict[str, Any] | None:
+    """The `generation` of a generative request's record (module docstring), else None."""
+    given = [entry.get(k) for k in ("generation", "generation_whole")]
+    raw = next((g for g in given if isinstance(g, str) and g not in ("", "-")), None)
+    usage: Any = None
+    if raw is not None:
+        try:
+            usage = json.loads(raw)
+        except (ValueError, RecursionError):
+            usage = None
+    path = record.get("path") or ""
+    if not isinstance(usage, dict) and not _GENERATIVE.match(path):
+        return None
+    out: dict[str, Any] = {key: None for key in ("model", "operation", *_GENERATION_INTS,
+                                                   "ttft_ms", "finish_reason", "outcome", "note")}  # fmt: skip
+    if isinstance(usage, dict):
+        for key in _GENERATION_INTS:
+            out[key] = _int(usage.get(key))
+        for key in _GENERATION_TEXT:
+            if usage.get(key) is not None:
+                out[key] = _str(usage.get(key), key, [])
+        ttft = usage.get("ttft_ms")
+        out["ttft_ms"] = (
+            ttft if isinstance(ttft, int | float) and not isinstance(ttft, bool) else None
+        )
+    else:
+        out["outcome"] = _outcome_from_flags(record.get("flags") or "", record.get("status"))
+        model = _MODEL_IN_PATH.match(path)
+        out["model"] = model.group(1) if model else None
+    out["proxy_ttft_us"] = _int(entry.get("upstream_first_byte_us"))
+    return out
+
+
+def _outcome_from_flags(flags: str, status: Any) -> str:
+    """How a stream without a usage record ended, from the proxy's response flags."""
+    given = set(flags.split(",")) if flags not in ("", "-") else set()
+    if given & _CANCELLED_FLAGS:
+        return "cancelled"
+    if given & _FAILED_FLAGS or (isinstance(status, int) and status >= 500) or status == 0:
+        return "failed"
+    return "refused" if isinstance(status, int) and status >= 400 else "completed"
 
 
 def _audited(state: dict[str, Any], cut: list[str]) -> dict[str, Any]:

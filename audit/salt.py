@@ -8,6 +8,7 @@ config dumps redact it.
 
 from __future__ import annotations
 
+import hmac
 import re
 import secrets
 from pathlib import Path
@@ -35,3 +36,10 @@ def load_or_create(state_dir: Path) -> SubjectSalt:
 def load(state_dir: Path) -> SubjectSalt | None:
     """The salt if this state directory has one (for query tools; never creates it)."""
     return load_or_create(state_dir) if salt_path(state_dir).exists() else None
+
+
+def audit_text_key(salt: SubjectSalt) -> str:
+    """The key of the digests of prompts and completions (generation.auditText hmac) that the
+    backends put in their usage records, as hex: derived from the subject salt (one secret to
+    keep), never equal to it (a digest of a text and a subject's hash never match)."""
+    return hmac.new(salt.hex.encode(), b"meshfn audit text key", "sha256").hexdigest()

@@ -164,6 +164,89 @@ class FunctionWarmup(_Strict):
         return self
 
 
+class GenerationBatching(_Strict):
+    """Continuous batching of decode steps: the backend runs one step of every active stream of
+    a step function in one guest call, streams joining and leaving between steps."""
+
+    maxStreams: Annotated[int, Field(ge=1, le=256)] = Field(
+        16, description="most streams whose steps share one call; more wait for a later step"
+    )
+
+
+GENERATION_TIMEOUT = timedelta(seconds=60)
+TOKEN_TIMEOUT = timedelta(milliseconds=250)
+IDLE_TIMEOUT = timedelta(seconds=10)
+
+
+class FunctionGeneration(_Strict):
+    """How a generative function generates, and the bounds its requests must keep (a request
+    outside them is refused with 400 naming the field, and nothing is generated). Only for
+    functions whose artifact is generative (its metadata has a `generate` section)."""
+
+    maxTokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
+        256, description="the most completion tokens a request may ask for (max_tokens)"
+    )
+    defaultMaxTokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
+        64, description="completion tokens when a request does not say (at most maxTokens)"
+    )
+    maxTemperature: Annotated[float, Field(ge=0, le=100)] = Field(
+        2.0, description="the highest sampling temperature a request may ask for"
+    )
+    maxStop: Annotated[int, Field(ge=0, le=64)] = Field(
+        4, description="most stop sequences in one request"
+    )
+    timeout: Duration = Field(
+        GENERATION_TIMEOUT,
+        description="deadline of a whole generation: a longer one ends with finish_reason "
+        "length (the gateway's route timeout sits above it, so it never cuts a healthy stream)",
+    )
+    tokenTimeout: Duration = Field(
+        TOKEN_TIMEOUT,
+        description="time budget of each decode step or generated piece: a guest stuck longer is "
+        "interrupted (epoch deadline) and the stream fails; the proxies' idle timeout derives "
+        "from it, so they cut a stuck stream too",
+    )
+    idleTimeout: Duration = Field(
+        IDLE_TIMEOUT,
+        description="the longest a stream may send nothing: the backend sends a keep-alive "
+        "comment after half of it while a long prompt is read, and the proxies (the "
+        "gateway's route) cut a stream quiet for longer, a stuck backend's",
+    )
+    truncatePrompt: bool = Field(
+        False,
+        description="a prompt longer than the model's context minus max_tokens: refused (400, "
+        "saying the limit), or with true, cut to its last tokens that fit",
+    )
+    batching: GenerationBatching | None = Field(
+        default_factory=GenerationBatching,
+        description="continuous batching of decode steps across streams (step functions); "
+        "null: each stream's steps are calls of their own",
+    )
+    auditText: Literal["none", "hmac"] = Field(
+        "none",
+        description="none: audit records keep no prompt or completion text; hmac: they carry "
+        "HMAC-SHA256 digests of both (the text the client got) under the backend's audit text "
+        "key, which lets an auditor check a text someone presents without the trail holding any",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Self:
+        if self.defaultMaxTokens > self.maxTokens:
+            raise ValueError(
+                f"defaultMaxTokens ({self.defaultMaxTokens}) exceeds maxTokens ({self.maxTokens})"
+            )
+        if not timedelta(0) < self.tokenTimeout <= self.timeout:
+            raise ValueError("tokenTimeout must be positive and at most timeout")
+        if self.idleTimeout < 2 * self.tokenTimeout:
+            raise ValueError(
+                "idleTimeout must be at least twice tokenTimeout (a healthy stream sends a token "
+                "at least every tokenTimeout)"
+            )
+        if self.timeout > timedelta(hours=1):
+            raise ValueError("timeout must be at most 1h")
+        return self
+
+
 class FunctionSettings(_Strict):
     """What the backend needs to serve one function (version)."""
 
@@ -204,6 +287,12 @@ class FunctionSettings(_Strict):
     )
     warmup: FunctionWarmup = Field(
         default_factory=FunctionWarmup, description="When instances are made ahead of requests."
+    )
+    generation: FunctionGeneration | None = Field(
+        None,
+        description="A generative function (OpenAI chat and completions, Triton's generate "
+        "extension, gRPC streaming): its generation bounds. Required for, and only for, a "
+        "function whose artifact generates.",
     )
 
     @model_validator(mode="after")
@@ -267,6 +356,19 @@ class CodeCache(_Strict):
         if not timedelta(0) <= self.ttl <= timedelta(days=1):
             raise ValueError("codeCache.ttl must be between 0s and 24h")
         return self
+
+
+class TokenLedgerAccess(BaseModel):
+    """Where the mesh keeps its token budgets (the control plane's limit service) and how this
+    backend proves itself to it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str = Field(description="host:port of the control plane's gRPC server")
+    node: str = Field(description="the backend's identity there (backend:<namespace>/<service>)")
+    authorization: str = Field(
+        description="the bearer token the control plane issued to that identity for the ledger"
+    )
 
 
 LayerMode = Literal["auto", "required", "off"]
@@ -344,6 +446,18 @@ class BackendConfig(BaseModel):
     )
     tracing: BackendTracing | None = Field(
         None, description="where the backend's spans go (OTLP) and how it samples; None: off"
+    )
+    auditTextKey: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="hex HMAC-SHA256 key for the digests of prompts and completions that "
+        "Functions with generation.auditText hmac put in their usage records (the control "
+        "plane derives it from the audit subject salt)",
+    )
+    tokenLedger: TokenLedgerAccess | None = Field(
+        None,
+        description="the mesh's book of token budgets (QoSPolicy tokens), shared by every "
+        "backend and process; None: each process keeps its own",
     )
     sandbox: SandboxSettings = Field(
         default_factory=SandboxSettings,

@@ -210,16 +210,48 @@ class DegradeSettings(_Strict):
         return trigger
 
 
+# The header a gateway's model router writes from the JSON body's `model` (OpenAI requests):
+# stripped from client requests before Envoy picks a route, matched by the model routes.
+MODEL_HEADER = "x-meshfn-model"
+# The OpenAI operations a gateway routes by the body's model, in both spellings (OpenAI's /v1
+# and KServe's /openai/v1), and where they go: below the model, so the path names it.
+OPENAI_OPERATIONS = ("chat/completions", "completions", "embeddings")
+OPENAI_PREFIXES = ("/v1/", "/openai/v1/")
+MODEL_ROUTED_PATHS = tuple(p + op for p in OPENAI_PREFIXES for op in OPENAI_OPERATIONS)
+_ModelName = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")]
+_RoutedPath = Annotated[str, Field(pattern=r"^/[!-~]{1,127}$")]
+
+
+class RouteSettings(_Strict):
+    """Plugin configuration of the model router (part of the combined filter): POST requests to
+    `paths` are routed by their JSON body's `model`, one of `models`, written to `header`."""
+
+    header: Annotated[str, Field(pattern=_HEADER)] = Field(
+        MODEL_HEADER, description="where the model goes (the listener strips it from clients)"
+    )
+    paths: Annotated[list[_RoutedPath], Field(min_length=1, max_length=16)] = Field(
+        default_factory=lambda: list(MODEL_ROUTED_PATHS),
+        description="exact request paths (no query) whose body names the model",
+    )
+    models: Annotated[list[_ModelName], Field(min_length=1, max_length=4096)] = Field(
+        description="the models this gateway serves; any other is a 404 (model_not_found)"
+    )
+    max_body_bytes: Annotated[int, Field(ge=1, le=64 << 20)] = Field(
+        1 << 20, description="a longer body is refused (413) before it is parsed"
+    )
+
+
 class MeshfnSettings(_Strict):
-    """Plugin configuration of the combined filter (meshfn.wasm): both parts in one plugin."""
+    """Plugin configuration of the combined filter (meshfn.wasm): the parts in one plugin."""
 
     audit: AuditSettings | None = None
     degrade: DegradeSettings | None = None
+    route: RouteSettings | None = None
 
     @model_validator(mode="after")
     def _something(self) -> MeshfnSettings:
-        if self.audit is None and self.degrade is None:
-            raise ValueError("needs audit or degrade settings")
+        if self.audit is None and self.degrade is None and self.route is None:
+            raise ValueError("needs audit, degrade or route settings")
         return self
 
 
@@ -251,8 +283,11 @@ def build_name(kind: FilterKind, lean: bool) -> str:
 
 
 def needs_full_build(settings: AuditSettings | DegradeSettings | MeshfnSettings) -> bool:
-    """Only body hashing needs per-request state beyond the request headers; everything else
-    runs on the -lean build (no per-request context: ~2.5 us less Envoy CPU per request)."""
+    """Only body hashing and model routing need per-request state beyond the request headers;
+    everything else runs on the -lean build (no per-request context: ~2.5 us less Envoy CPU
+    per request)."""
+    if isinstance(settings, MeshfnSettings) and settings.route is not None:
+        return True
     audit = settings.audit if isinstance(settings, MeshfnSettings) else settings
     return isinstance(audit, AuditSettings) and audit.body_hash.enabled
 
@@ -262,12 +297,15 @@ def internal_headers(
     audit: AuditSettings | None = None,
     mesh_route: bool = False,
     tenant: bool = False,
+    route: RouteSettings | None = None,
 ) -> list[str]:
     """Headers only Envoy itself may set: the routing header, the claim headers jwt_authn
     writes (audit in jwt_headers mode; a trigger naming request principals), on gateways of a
-    mesh that audits the mesh-route header, and with `tenant` the QoS tenant (which the
-    gateway's rate limit and the inference backend read)."""
+    mesh that audits the mesh-route header, with `tenant` the QoS tenant (which the gateway's
+    rate limit and the inference backend read), and the model router's model header."""
     names = [degrade.routing_header] if degrade is not None else []
+    if route is not None:
+        names.append(route.header)
     if mesh_route:
         names.append(MESH_ROUTE_HEADER)
     if tenant:
@@ -283,7 +321,7 @@ def internal_headers(
 
 
 def schemas() -> dict[str, Any]:
-    """JSON Schema of both plugin configurations (documented in wasm_filters/README.md)."""
+    """JSON Schema of the plugin configurations (documented in wasm_filters/README.md)."""
     return {
         "audit": AuditSettings.model_json_schema(),
         "degrade": DegradeSettings.model_json_schema(),

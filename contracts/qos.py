@@ -111,12 +111,13 @@ _FIXED = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 # claim_to_headers) after removing any copy a client sent; the backend reads it (priority,
 # attribution).
 TENANT_HEADER = "x-meshfn-tenant"
-# On every QoS refusal, naming which limit: "rate" (gateway), "concurrency", "compute" or "shed"
-# (backend).
+# On every QoS refusal, naming which limit: "rate" (gateway), "concurrency", "compute", "tokens"
+# or "shed" (backend).
 LIMIT_HEADER = "x-meshfn-qos-limit"
 LIMIT_RATE = "rate"
 LIMIT_CONCURRENCY = "concurrency"
 LIMIT_COMPUTE = "compute"
+LIMIT_TOKENS = "tokens"
 LIMIT_SHED = "shed"
 # The rate limit descriptor entry that holds the verified tenant.
 DESCRIPTOR_TENANT = "meshfn_tenant"
@@ -127,6 +128,20 @@ DESCRIPTOR_POLICY = "meshfn_policy"
 # (control_plane/identity/bootstrap_token.py, purpose "rls"): only a proven gateway that the
 # policy binds may spend the policy's buckets.
 LIMIT_SERVICE_NODE_HEADER = "x-meshfn-node"
+# The mesh's book of token budgets, served beside the limit service (xds/ledger.py): JSON in,
+# JSON out, the caller proven as there (a backend: node "backend:<service key>").
+TOKEN_LEDGER_SERVICE = "meshfn.qos.v1.TokenLedger"
+TOKEN_LEDGER_PURPOSE = "ledger"  # the bootstrap token's purpose (control_plane.identity)
+
+
+def has_token_budgets(qos: FunctionQoS | None) -> bool:
+    """Whether a Function's QoS gives any tenant a token budget."""
+    return qos is not None and any(e.tokens for e in [*qos.classes, *qos.tenants])
+
+
+def ledger_node(service_key: str) -> str:
+    """A backend's identity towards the token ledger: the service it serves."""
+    return f"backend:{service_key}"
 
 
 class _Strict(BaseModel):
@@ -205,6 +220,29 @@ class ComputeBudget(_Strict):
     per: Window = Field(description="second, minute, hour, day or month (calendar, UTC)")
 
 
+class TokenBudget(_Strict):
+    """Tokens (prompt + completion, as the model counts them) a tenant's generative requests
+    may use per calendar window (UTC)."""
+
+    tokens: Annotated[int, Field(ge=1, le=10**15)] = Field(
+        description="prompt + completion tokens per window"
+    )
+    per: Window = Field(description="second, minute, hour, day or month (calendar, UTC)")
+
+
+def _ordered(name: str, budgets: list[tuple[Window, int]], unit: str) -> None:
+    """One budget per window, and a longer window never smaller than a shorter one."""
+    ordered = sorted(budgets, key=lambda b: window_seconds(b[0]))
+    for (short, small), (long, large) in pairwise(ordered):
+        if short == long:
+            raise ValueError(f"{name}: two budgets per {short}")
+        if large < small:
+            raise ValueError(
+                f"{name}: {large} {unit} per {long} is less than {small} {unit} per {short}: "
+                f"the per-{short} budget could never be used up"
+            )
+
+
 class Limits(_Strict):
     rate: RateLimit | None = Field(None, description="request rate with burst")
     concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
@@ -213,23 +251,23 @@ class Limits(_Strict):
     compute: Annotated[list[ComputeBudget], Field(max_length=5)] = Field(
         default_factory=list, description="guest CPU budgets, at most one per window"
     )
+    tokens: Annotated[list[TokenBudget], Field(max_length=5)] = Field(
+        default_factory=list,
+        description="token budgets of generative Functions (prompt + completion tokens), at "
+        "most one per window",
+    )
 
     @model_validator(mode="after")
     def _budgets(self) -> Self:
-        ordered = sorted(self.compute, key=lambda b: window_seconds(b.per))
-        for shorter, longer in pairwise(ordered):
-            if shorter.per == longer.per:
-                raise ValueError(f"compute: two budgets per {shorter.per}")
-            if longer.cpuMs < shorter.cpuMs:
-                raise ValueError(
-                    f"compute: {longer.cpuMs} ms per {longer.per} is less than {shorter.cpuMs} "
-                    f"ms per {shorter.per}: the per-{shorter.per} budget could never be used up"
-                )
+        _ordered("compute", [(b.per, b.cpuMs) for b in self.compute], "ms")
+        _ordered("tokens", [(b.per, b.tokens) for b in self.tokens], "tokens")
         return self
 
     @property
     def empty(self) -> bool:
-        return self.rate is None and self.concurrency is None and not self.compute
+        return (
+            self.rate is None and self.concurrency is None and not self.compute and not self.tokens
+        )
 
 
 class TenantClass(Limits):
@@ -275,6 +313,15 @@ class TenantClasses(_Strict):
         description=(
             "Tenants named one by one (at most 10,000): their class, and limits of their own."
         ),
+    )
+    tokenReservation: Literal["full", "partial"] = Field(
+        "full",
+        description="how a generative request meets its tenant's token budgets: full, it is "
+        "admitted only if its prompt plus max_tokens fits what is left of every budget (else "
+        "429), reserved then, and reconciled with the tokens it used when it ends; partial, it "
+        "is admitted while its prompt and one completion token fit, generates at most what is "
+        "left, and stops with finish_reason length when the budget runs out (its audit record "
+        "notes budget)",
     )
 
     @model_validator(mode="after")
@@ -342,11 +389,17 @@ class TenantClasses(_Strict):
         base = self.class_of(tenant)
         entry = self.entry(tenant)
         if entry is None:
-            return Limits(rate=base.rate, concurrency=base.concurrency, compute=base.compute)
+            return Limits(
+                rate=base.rate,
+                concurrency=base.concurrency,
+                compute=base.compute,
+                tokens=base.tokens,
+            )
         return Limits(
             rate=entry.rate or base.rate,
             concurrency=entry.concurrency or base.concurrency,
             compute=entry.compute or base.compute,
+            tokens=entry.tokens or base.tokens,
         )
 
 

@@ -24,6 +24,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 
 from meshfn.audit.salt import load_or_create
 from meshfn.contracts.journal import journal_dir
+from meshfn.contracts.qos import TOKEN_LEDGER_PURPOSE
 from meshfn.health.drift import DriftBreaker, Transition, watched_routes
 from meshfn.ir import MeshModel, Overlay, TraceCollector
 from meshfn.policy import PolicyError, PolicyErrors, PolicyLoader
@@ -38,6 +39,7 @@ from meshfn.rollout.state import FileStore
 from meshfn.wasm_filters import BuildError, artifacts
 from meshfn.xds.als import AccessLogReceiver
 from meshfn.xds.cache import InconsistentSnapshot, Snapshot, SnapshotCache, prepare
+from meshfn.xds.ledger import Budgeted, TokenLedgerService, budgeted_functions
 from meshfn.xds.names import LATENCY_LOG, SECRET
 from meshfn.xds.rls import GlobalPolicy, RateLimitService, global_policies
 from meshfn.xds.server import AdsServer
@@ -186,12 +188,24 @@ class ControlPlane:
             state=self.state_dir / "rls-buckets.db",
         )
         self.ads.add_handler(self.rls.handler())
+        # the mesh's token budgets, which the backends reserve and settle in
+        self._budgeted: dict[str, Budgeted] = {}
+        self.ledger = TokenLedgerService(
+            lambda: self._budgeted,
+            lambda node, header: self.tokens.verify(node, header, TOKEN_LEDGER_PURPOSE),
+            self.metrics.registry,
+            state=self.state_dir / "token-ledger.json",
+        )
+        self.ads.add_handler(self.ledger.handler())
         self.model: MeshModel | None = None
         # The run mode's own trace collector for a model that traces without naming one
         # (`meshfn up`: its embedded collector); the translator points the proxies at it.
         self.trace_collector: Callable[[MeshModel], TraceCollector | None] = lambda _: None
         # Extra sections of /debug/status from the runtime around the control plane (e.g. eBPF).
-        self.status_providers: dict[str, Callable[[], Any]] = {"global_rates": self.rls.summary}
+        self.status_providers: dict[str, Callable[[], Any]] = {
+            "global_rates": self.rls.summary,
+            "token_budgets": self.ledger.usage,
+        }
         self.state = PolicyState()
         self.xds_port = 0
         self._lock = asyncio.Lock()
@@ -460,6 +474,7 @@ class ControlPlane:
             self.metrics.reloads.labels("ok").inc()
             previous, self.model, self.overlay = self.model, model, overlay
             self._global_qos = global_policies(model)
+            self._budgeted = budgeted_functions(model)
             self.drift.configure(watched_routes(model))
             begun = self.rollouts.configure(model)
             self.state.errors = []
@@ -531,3 +546,4 @@ class ControlPlane:
     async def stop(self) -> None:
         await self.ads.stop()
         await self.rls.flush()
+        self.ledger.flush()

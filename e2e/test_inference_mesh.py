@@ -79,12 +79,12 @@ def test_tritonclient_http_through_the_gateway(mesh: Mesh) -> None:
         client.infer("iris", [tensor])  # no token: the sidecar's RBAC
     assert info.value.status() == "403"
     models = http(f"http://{mesh.gateway}/v2/models", headers=mesh.auth()).json()
-    assert models == {"models": ["cancer", "digits", "digits-cnn", "embedder", "iris"]}
+    assert models == {"models": ["cancer", "digits", "digits-cnn", "embedder", "iris", "tiny-lm"]}
     assert http(f"http://{mesh.gateway}/v2/models").status == 403  # a tenant lists models
     index = client.get_model_repository_index(headers=mesh.auth())
     assert {m["name"]: m["state"] for m in index} == {
         "cancer": "READY", "digits": "READY", "digits-cnn": "READY", "embedder": "READY",
-        "iris": "READY",
+        "iris": "READY", "tiny-lm": "READY",
     }  # fmt: skip
     stats = client.get_inference_statistics("iris", headers=mesh.auth())["model_stats"]
     assert stats[0]["inference_count"] >= 4

@@ -265,7 +265,7 @@ def test_examples_applied_updated_and_status(cluster: KubeCluster, operator: Ope
     config = get(cluster, "/api/v1/namespaces/default/configmaps/models-backend")
     backend = yaml.safe_load(config["data"]["backend.yaml"])
     assert {f["name"] for f in backend["functions"]} == {
-        "iris", "embedder", "digits", "cancer", "digits-cnn",
+        "iris", "embedder", "digits", "cancer", "digits-cnn", "tiny-lm",
     }  # fmt: skip
 
     # An update rewrites only what changed: the backend's ConfigMap and its Deployment's

@@ -11,6 +11,7 @@ that is larger): hysteresis, so a route does not flap.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections import deque
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshfn import ir
+from meshfn.contracts.genai import GENERATION_HEADER
 from meshfn.contracts.tracing import TRACEPARENT, parse_traceparent
 from meshfn.xds.names import function_cluster_name, primary_clusters, version_cluster_name
 
@@ -39,13 +41,53 @@ def p95(values: Iterable[float]) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
+def sample(entry: HTTPAccessLogEntry, metric: str) -> float | None:
+    """The seconds an access-log entry contributes to a breaker reading `metric` (ir.Drift):
+    the time to the last byte sent downstream (duration, where Envoy recorded it), to the first
+    upstream byte (ttft: a stream's response starts with its first token), or a stream's time
+    per token after the first (itl: from the backend's usage record, which the entry's trailers
+    or headers carry; None without one, or with fewer than two tokens)."""
+    common = entry.common_properties
+    if metric == "ttft":
+        if not common.HasField("time_to_first_upstream_rx_byte"):
+            return None
+        return float(common.time_to_first_upstream_rx_byte.ToNanoseconds()) / 1e9
+    if metric == "itl":
+        tokens = _completion_tokens(entry)
+        first, last = common.time_to_first_upstream_rx_byte, common.time_to_last_upstream_rx_byte
+        if tokens is None or tokens < 2 or not common.HasField("time_to_last_upstream_rx_byte"):
+            return None
+        return float(last.ToNanoseconds() - first.ToNanoseconds()) / 1e9 / (tokens - 1)
+    timing = common.time_to_last_downstream_tx_byte
+    if not common.HasField("time_to_last_downstream_tx_byte"):
+        timing = common.duration
+    return float(timing.ToNanoseconds()) / 1e9
+
+
+def _completion_tokens(entry: HTTPAccessLogEntry) -> int | None:
+    response = entry.response
+    raw = response.response_trailers.get(GENERATION_HEADER) or response.response_headers.get(
+        GENERATION_HEADER
+    )
+    if not raw:
+        return None
+    try:
+        tokens = json.loads(raw).get("completion_tokens")
+    except (ValueError, AttributeError):
+        return None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+
+
 @dataclass(frozen=True)
 class WatchedRoute:
-    """A route whose destination has a drift breaker: which clusters carry its primary."""
+    """A route whose destination has a drift breaker: which clusters carry its primary, and
+    what drifts (`sample`): its duration, or on a generative route (a stream) its time to first
+    token or inter-token latency (ir.Drift.streams)."""
 
     route: str  # Route.key
     primary_clusters: frozenset[str]  # the primary, and the aggregate that starts with it
     settings: ir.Drift
+    metric: str = "duration"
 
 
 @dataclass(frozen=True)
@@ -140,23 +182,25 @@ class DriftBreaker:
             state.traced.append((now, seconds, trace_id))
 
     def observe_access_log(self, entry: HTTPAccessLogEntry, now: float) -> None:
-        """One Envoy access-log entry (ALS): its route, upstream cluster and time to the last
-        byte sent downstream (the duration where Envoy did not record that). A request never
-        sent upstream (shed by a circuit breaker, rate limited, denied) is answered at once, yet
-        names its route's cluster: counted, it would hide a slow backend. Envoy's filter
-        (names.LATENCY_LOG_FILTER) does not send those; this holds for any sender."""
+        """One Envoy access-log entry (ALS): its route, upstream cluster and the sample its
+        route's breaker reads (`sample`). A request never sent upstream (shed by a circuit
+        breaker, rate limited, denied) is answered at once, yet names its route's cluster:
+        counted, it would hide a slow backend. Envoy's filter (names.LATENCY_LOG_FILTER) does
+        not send those; this holds for any sender."""
         common = entry.common_properties
         if not common.HasField("upstream_local_address"):
             return
-        timing = common.time_to_last_downstream_tx_byte
-        if not common.HasField("time_to_last_downstream_tx_byte"):
-            timing = common.duration
+        state = self._routes.get("/".join(common.route_name.split("/", 2)[:2]))
+        metric = state.watched.metric if state is not None else "duration"
+        seconds = sample(entry, metric)
+        if seconds is None:
+            return
         # the gateway logs the traceparent its tracer sent upstream (listeners._latency_log)
         parent = parse_traceparent(entry.request.request_headers.get(TRACEPARENT))
         self.observe(
             common.route_name,
             common.upstream_cluster,
-            timing.ToNanoseconds() / 1e9,
+            seconds,
             now,
             parent.trace_id if parent is not None and parent.sampled else "",
         )
@@ -336,5 +380,7 @@ def watched_routes(model: ir.MeshModel) -> list[WatchedRoute]:
                     route=route.key,
                     primary_clusters=carrying_clusters(model, service, (route,)),
                     settings=service.drift,
+                    # a generative function's routes (streams: their idle timeout is set)
+                    metric=service.drift.streams if route.idle_timeout else "duration",
                 )
     return list(out.values())

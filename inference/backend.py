@@ -12,18 +12,23 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from typing import Any
 
+from meshfn.contracts.genai import GENERATION_HEADER
 from meshfn.contracts.qos import TENANT_HEADER
 
+from . import triton_generate
 from .codecache import CodeCache
 from .config import BackendConfig, ServedFunction
 from .dispatch import Dispatcher
 from .engine import EpochTicker, engine_key, new_engine
 from .errors import ConfigError, SignatureError
+from .generation import GenerationError
+from .generative import Generative, bounds_of, collect, generation_record
 from .host import component_linker
 from .kserve import (
     COMPRESS_MIN_BYTES,
@@ -42,6 +47,7 @@ from .kserve import (
     response_coding,
     select,
 )
+from .ledger import TokenLedger
 from .metrics import Metrics
 from .pool import FunctionRuntime, Refused
 from .qos import Load, tenant_of
@@ -120,6 +126,8 @@ class Backend:
             lambda: self.pressure,
             self.tracer,
         )
+        if config.tokenLedger is not None:  # before any lane (their admissions use it)
+            self.dispatcher.ledger = TokenLedger(config.tokenLedger, self.metrics)
         self.pressure = False  # available memory under config.lowMemory (the reaper checks)
         self.pressure_releases = 0
         self.functions: dict[str, dict[str, FunctionRuntime]] = {}
@@ -127,6 +135,12 @@ class Backend:
         self.started = False
         self._reaper: asyncio.Task[None] | None = None
         self.server_meta = json.dumps(self.server_metadata()).encode()
+        self.generative = Generative(
+            self.dispatcher,
+            self.metrics,
+            defaults=config.functions is None,
+            text_key=bytes.fromhex(config.auditTextKey) if config.auditTextKey else None,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -276,6 +290,9 @@ class Backend:
         if self.inflight:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.dispatcher.drained.wait(), timeout)
+        self.generative.close()
+        if self.dispatcher.ledger is not None:  # the last settles
+            await self.dispatcher.ledger.close()
         for lane in self.dispatcher.lanes.values():
             if lane.batcher is not None:
                 lane.batcher.close()
@@ -340,6 +357,7 @@ class Backend:
             batching.maxBatchSize if batching else 0,
             tuple(batching.preferredBatchSizes) if batching else (),
             round(batching.maxQueueDelay.total_seconds() * 1e6) if batching else 0,
+            decoupled=self.generative.generates(rt),
         )
 
     def metadata(self, name: str, version: str | None) -> Reply:
@@ -369,6 +387,10 @@ class Backend:
         elif not rt.available:
             body["error"] = f"model {rt.label} is unloaded"
         return Reply.json(body, 200 if ready else 503)
+
+    def largest_limit(self) -> int:
+        """The largest request body any function takes (a body that names its model)."""
+        return max((rt.spec.limits.maxRequestBytes for rt in self.runtimes), default=1 << 20)
 
     def limit_for(self, name: str, version: str | None) -> int:
         try:
@@ -476,14 +498,10 @@ class Backend:
         given = headers or {}
 
         def parse() -> InferRequest:
-            limit = rt.spec.limits.maxRequestBytes
-            if len(body) > limit:
-                raise KServeError(413, f"request body exceeds {limit} bytes for {rt.label}")
-            # The binary extension's header length counts the decoded body, as in Triton.
-            data = inflate(body, given.get(b"content-encoding", b""), limit)
-            assert rt.signature is not None  # admitted: verified
-            length = header_length(given, len(data))
-            return parse_http(data, rt.signature, length, (rt.name, rt.version))
+            return self._parse_http(rt, body, given)
+
+        if self.generative.generates(rt):
+            return await self._generate_infer(rt, parse, tenant_of(given.get(_TENANT_KEY)))
 
         def encode(completed: Completed, request: InferRequest) -> Reply:
             if completed.text is not None and request.outputs is None and not request.binary_output:
@@ -528,6 +546,39 @@ class Backend:
             return await self.dispatcher.serve(rt, "rest", parse, encode, tenant, span)
         except KServeError as exc:
             return Reply.of(exc)
+
+    @staticmethod
+    def _parse_http(rt: FunctionRuntime, body: bytes, given: dict[bytes, bytes]) -> InferRequest:
+        limit = rt.spec.limits.maxRequestBytes
+        if len(body) > limit:
+            raise KServeError(413, f"request body exceeds {limit} bytes for {rt.label}")
+        # The binary extension's header length counts the decoded body, as in Triton.
+        data = inflate(body, given.get(b"content-encoding", b""), limit)
+        assert rt.signature is not None  # admitted: verified
+        length = header_length(given, len(data))
+        return parse_http(data, rt.signature, length, (rt.name, rt.version))
+
+    async def _generate_infer(
+        self, rt: FunctionRuntime, parse: Callable[[], InferRequest], tenant: str
+    ) -> Reply:
+        """/infer of a generative model: the whole text as text_output (its settings are the
+        request's parameters; usage and finish reason come back as response parameters)."""
+        try:
+            self.dispatcher.admit(rt, "rest")  # (refusals are KServeError: the caller's)
+            request, _ = triton_generate.from_infer(
+                parse(), bounds_of(self.generative.settings(rt))
+            )
+            opened = await self.generative.open(
+                rt, "rest", request.prompt, request.sampling, tenant, "text_completion"
+            )
+        except GenerationError as exc:
+            return Reply.error(exc.status, str(exc))
+        text, done = await collect(opened.stream)
+        if done.reason == "error":
+            return Reply.error(500, f"model {rt.label} failed: {done.error}")
+        header = (GENERATION_HEADER.encode(), generation_record(rt, "text_completion", done))
+        body = triton_generate.infer_response(rt, request.id, text, done)
+        return Reply(200, body, (*opened.headers, header))
 
 
 def available_mib() -> int | None:

@@ -29,7 +29,7 @@ from .errors import BuildError
 from .manifest import FunctionManifest, load_manifest
 from .signing import sha256_file
 
-BUILD_FORMAT = "meshfn-build-5"  # bump when the build recipe changes
+BUILD_FORMAT = "meshfn-build-7"  # bump when the build recipe changes
 FUNCTIONS_DIR = Path(__file__).resolve().parents[1] / "functions"
 WIT_DIR = FUNCTIONS_DIR / "wit"
 SDK_FILE = FUNCTIONS_DIR / "sdk" / "meshfn_sdk.py"

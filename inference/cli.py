@@ -74,12 +74,21 @@ def init_cmd(
     out.print(f"next: meshfn fn build {directory} --out dist/")
 
 
+def _held_out(report: dict[str, Any]) -> str:
+    """What a build report says of the held-out data: a classifier's accuracy, a language
+    model's loss (nats per token)."""
+    if "heldout_accuracy" in report:
+        return f"held-out accuracy {report['heldout_accuracy']}"
+    if "heldout_loss_nats" in report:
+        return f"held-out loss {report['heldout_loss_nats']} nats/token"
+    return ""
+
+
 def _report_lines(info: dict[str, Any]) -> list[str]:
     """What `fn build` shows of the build report (all of it is in NAME-VERSION.json)."""
     report = info["build"]["report"]
-    lines = []
-    if "heldout_accuracy" in report:
-        lines.append(f"held-out accuracy {report['heldout_accuracy']}")
+    held_out = _held_out(report)
+    lines = [held_out] if held_out else []
     if info["kind"] == "onnx":
         memory = report["memory"]
         opset = ", ".join(f"{d} {v}" for d, v in report["opset"].items())
@@ -197,8 +206,8 @@ def examples_cmd(
         sys.stdout.write(json.dumps({"trusted_key": str(public), "functions": rows}) + "\n")
         return
     for p in published:
-        acc = p.report.get("heldout_accuracy")
-        extra = f" held-out accuracy {acc}" if acc is not None else ""
+        summary = _held_out(p.report)
+        extra = f" {summary}" if summary else ""
         out.print(
             f"{'unchanged' if p.skipped else 'published'} {p.name}@{p.version} ({p.kind}){extra}"
         )

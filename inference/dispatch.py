@@ -24,6 +24,7 @@ from .engine import EPOCH_TICK_S, deadline_ticks
 from .gate import WorkerGate
 from .host import GuestRequest, Outcome
 from .kserve import InferRequest, KServeError
+from .ledger import TokenLedger
 from .metrics import Metrics
 from .pool import FunctionRuntime, Invocation, Refused
 from .qos import Admission, Ticket
@@ -81,7 +82,9 @@ class Lane:
         self.batcher = Batcher(self, settings, dispatcher.slots) if settings is not None else None
         qos = rt.spec.qos
         self.admission = (
-            Admission(rt.label, qos, rt.spec.limits.maxConcurrency, metrics)
+            Admission(
+                rt.label, qos, rt.spec.limits.maxConcurrency, metrics, rt.name, dispatcher.ledger
+            )
             if qos is not None
             else None
         )
@@ -241,6 +244,7 @@ class Dispatcher:
         self.prewarm_executor = prewarm_executor  # predicted warm-ups (None: none)
         self.warm_budget = warm_budget or WarmBudget(0)
         self.under_pressure = under_pressure
+        self.ledger: TokenLedger | None = None  # the mesh's token budgets (None: local)
         # guest calls on the event loop first (see INLINE_SLICE_TICKS), unless turned off
         self.inline_core = env.INLINE_CORE.enabled()
         self.inline_python = env.INLINE_PYTHON.enabled()

@@ -22,9 +22,9 @@ from .registry import Registry, sign_module, signature_path
 
 EXAMPLES = (
     "examples/iris", "examples/embedder", "examples/digits", "examples/digits28",
-    "examples/cancer", "examples/digits-cnn",
+    "examples/cancer", "examples/digits-cnn", "examples/tiny-lm",
 )  # fmt: skip
-TESTING = ("testing/chaos", "testing/chaos-core", "testing/iris-py")
+TESTING = ("testing/chaos", "testing/chaos-core", "testing/chaos-gen", "testing/iris-py")
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,13 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from meshfn.common.unix import SOCKET_MODE
+from meshfn.contracts.genai import GENERATION_HEADER
 from meshfn.contracts.qos import TENANT_HEADER
 
+from . import triton_generate
 from .backend import Backend
+from .generation import Finished, GenerationError
+from .generative import Opened, bounds_of, collect, generation_record
 from .kserve import (
     InferRequest,
     Input,
@@ -49,6 +53,7 @@ from .kserve import (
     select,
     unsupported,
 )
+from .manifest import TEXT_OUTPUT
 from .pool import FunctionRuntime
 from .qos import Refusal, tenant_of
 from .results import Completed
@@ -211,6 +216,35 @@ def encode_infer(
     return response
 
 
+def _text_response(
+    rt: FunctionRuntime, ident: str | None, text: str | None, params: Mapping[str, Any]
+) -> pb.ModelInferResponse:
+    """A generative model's response: text_output BYTES [1] (none: an empty final response)."""
+    response = pb.ModelInferResponse(model_name=rt.name, model_version=rt.version, id=ident or "")
+    set_parameters(response.parameters, params)
+    if text is not None:
+        response.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=[1])
+        response.raw_output_contents.append(pack([text], dtype("BYTES")))
+    return response
+
+
+def _stream_text(
+    rt: FunctionRuntime, ident: str | None, text: str | None, params: Mapping[str, Any]
+) -> pb.ModelStreamInferResponse:
+    return pb.ModelStreamInferResponse(infer_response=_text_response(rt, ident, text, params))
+
+
+def _stream_error(
+    rt: FunctionRuntime, ident: str | None, message: str
+) -> pb.ModelStreamInferResponse:
+    return pb.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=pb.ModelInferResponse(
+            model_name=rt.name, model_version=rt.version, id=ident or ""
+        ),
+    )
+
+
 # ---------------------------------------------------------------- the service
 
 
@@ -297,6 +331,9 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
 
         async def answer(request: pb.ModelInferRequest) -> None:
             try:
+                if self._generates(request):  # decoupled: many responses per request
+                    await self._generate_stream(request, context, answers.put_nowait)
+                    return
                 reply = pb.ModelStreamInferResponse(
                     infer_response=await self._infer(request, context, streamed=True)
                 )
@@ -345,19 +382,109 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
         )
         return json_format.ParseDict({"config": config}, pb.ModelConfigResponse())
 
-    async def _infer(
-        self, request: pb.ModelInferRequest, context: Any, streamed: bool = False
-    ) -> pb.ModelInferResponse:
-        backend = self.backend
-        rt = backend.lookup(request.model_name, request.model_version or None)
+    def _generates(self, request: pb.ModelInferRequest) -> bool:
+        try:
+            rt = self.backend.lookup(request.model_name, request.model_version or None)
+        except KServeError:
+            return False
+        return self.backend.generative.generates(rt)
+
+    @staticmethod
+    def _no_counted_stream(rt: FunctionRuntime) -> None:
         qos = rt.spec.qos
-        if streamed and qos is not None and qos.counts_requests:
+        if qos is not None and qos.counts_requests:
             raise KServeError(
                 403,
                 f"model {rt.label} is under QoSPolicy {qos.policy}, whose rate and concurrency "
                 "limits the gateway counts per request: a stream would pass as one; use "
                 "ModelInfer",
             )
+
+    async def _open(
+        self, request: pb.ModelInferRequest, context: Any
+    ) -> tuple[FunctionRuntime, Opened, bool, str | None]:
+        """Start a generation from an inference request of a generative model: the model,
+        the stream, whether the client wants an empty final response, the request's id."""
+        backend = self.backend
+        rt = backend.lookup(request.model_name, request.model_version or None)
+        backend.dispatcher.admit(rt, "grpc")
+        limit = rt.spec.limits.maxRequestBytes
+        if request.ByteSize() > limit:
+            raise KServeError(413, f"request message exceeds {limit} bytes for {rt.label}")
+        assert rt.signature is not None
+        try:
+            parsed, empty_final = triton_generate.from_infer(
+                parse_infer(request, rt.signature), bounds_of(backend.generative.settings(rt))
+            )
+            metadata = dict(context.invocation_metadata() or ())
+            opened = await backend.generative.open(
+                rt,
+                "grpc",
+                parsed.prompt,
+                parsed.sampling,
+                tenant_of(metadata.get(TENANT_HEADER)),
+                "text_completion",
+            )
+        except GenerationError as exc:
+            raise KServeError(exc.status, str(exc)) from None
+        return rt, opened, empty_final, parsed.id
+
+    async def _generate_whole(
+        self, request: pb.ModelInferRequest, context: Any
+    ) -> pb.ModelInferResponse:
+        """ModelInfer of a generative model: the whole text in one response."""
+        rt, opened, _, ident = await self._open(request, context)
+        text, done = await collect(opened.stream)
+        if done.reason == "error":
+            raise KServeError(500, f"model {rt.label} failed: {done.error}")
+        context.set_trailing_metadata(
+            ((GENERATION_HEADER, generation_record(rt, "text_completion", done).decode()),)
+        )
+        return _text_response(rt, ident, text, triton_generate.usage_parameters(done))
+
+    async def _generate_stream(
+        self,
+        request: pb.ModelInferRequest,
+        context: Any,
+        send: Callable[[pb.ModelStreamInferResponse], None],
+    ) -> None:
+        """ModelStreamInfer of a generative (decoupled) model: a response per piece of text, as
+        it comes. With `triton_enable_empty_final_response` the last response is empty and says
+        `triton_final_response: true` (the others false), as Triton does; without it the last
+        piece carries the flag (one piece is held back for that)."""
+        rt = self.backend.lookup(request.model_name, request.model_version or None)
+        self._no_counted_stream(rt)
+        rt, opened, empty_final, ident = await self._open(request, context)
+        held: str | None = None
+        async for event in opened.stream.events():
+            if isinstance(event, Finished):
+                if event.reason == "error":
+                    send(_stream_error(rt, ident, f"model {rt.label} failed: {event.error}"))
+                    return
+                final = {**triton_generate.usage_parameters(event), triton_generate.FINAL: True}
+                if empty_final:
+                    send(_stream_text(rt, ident, None, final))
+                else:
+                    send(_stream_text(rt, ident, held or "", final))
+                return
+            if not event.text:
+                continue
+            if empty_final:
+                send(_stream_text(rt, ident, event.text, {triton_generate.FINAL: False}))
+            else:
+                if held is not None:
+                    send(_stream_text(rt, ident, held, {}))
+                held = event.text
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: Any, streamed: bool = False
+    ) -> pb.ModelInferResponse:
+        backend = self.backend
+        rt = backend.lookup(request.model_name, request.model_version or None)
+        if streamed:
+            self._no_counted_stream(rt)
+        if backend.generative.generates(rt):
+            return await self._generate_whole(request, context)
 
         def parse() -> InferRequest:
             limit = rt.spec.limits.maxRequestBytes

@@ -124,7 +124,7 @@ def _store(engine: wasmtime.Engine, memory_bytes: int) -> wasmtime.Store:
 class ComponentInstance:
     """A componentize-py guest implementing the `meshfn:model` world."""
 
-    __slots__ = ("_infer", "_meta", "_store")
+    __slots__ = ("_generate_next", "_generate_start", "_infer", "_meta", "_store")
 
     def __init__(self, artifact: ComponentArtifact, memory_bytes: int) -> None:
         self._store = _store(artifact.engine, memory_bytes)
@@ -134,13 +134,31 @@ class ComponentInstance:
         if infer is None or meta is None:
             raise wasmtime.WasmtimeError("component does not export meshfn:model infer/metadata")
         self._infer, self._meta = infer, meta
+        # generation (built before the world had it: absent, and such a guest does not generate)
+        self._generate_start = instance.get_func(self._store, "generate-start")
+        self._generate_next = instance.get_func(self._store, "generate-next")
 
     def call(self, request: GuestRequest, ticks: int) -> CallResult:
         if not isinstance(request, str):
             return _wrong_request(request)
+        return self._result(self._infer, ticks, request)
+
+    def generate_start(self, request: str, ticks: int) -> CallResult:
+        """Start a generation (JSON settings and prompt in, {"prompt_tokens": n} out)."""
+        if self._generate_start is None:
+            return CallResult(Outcome.INTERNAL, "the guest was built without generation")
+        return self._result(self._generate_start, ticks, request)
+
+    def generate_next(self, ticks: int) -> CallResult:
+        """The current generation's next piece, under `ticks` (the per-token budget)."""
+        if self._generate_next is None:
+            return CallResult(Outcome.INTERNAL, "the guest was built without generation")
+        return self._result(self._generate_next, ticks)
+
+    def _result(self, func: Any, ticks: int, *args: str) -> CallResult:
         self._store.set_epoch_deadline(ticks)
         try:
-            result = self._infer(self._store, request)
+            result = func(self._store, *args)
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             return classify_trap(exc)
         # wasmtime-py lifts result<string, infer-error> untagged (the two cases have distinct
@@ -369,7 +387,8 @@ class TensorInstance:
     shrinks), and the base is asked again after the run, which may have grown (and so moved)
     the memory. Exports a call does
     not need (error, metadata) are looked up when first used, and the ABI version is checked
-    once per artifact (bench/models.py: the cold start)."""
+    once per artifact (bench/models.py: the cold start). A generative step function's decode
+    steps (generation.py) are such calls too, one per step of a batch of streams."""
 
     __slots__ = (
         "_error", "_instance", "_memory", "_plan", "_rows", "_run", "_store", "_table",

@@ -9,6 +9,12 @@ Per connection, requests are answered strictly in order (pipelining-safe) by one
 pauses while too many are queued. Bodies larger than the route's limit get 413 from the
 Content-Length header before they are read, or as soon as a chunked body crosses the limit, and
 the connection is closed.
+
+A response may stream (`Response.stream`, generation's server-sent events): its chunks go out
+with chunked transfer encoding as they come, never gathered, then its trailers (`trailers()`,
+read once the stream ends: the generation's usage record). Writing waits while the client does
+not read (the transport's flow control), so generation waits too instead of buffering ahead;
+a client that goes away cancels the stream (its generation stops before its next token).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import contextvars
 import logging
 import socket
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, cast
@@ -39,6 +45,10 @@ class Request:
     body: bytes
     keep_alive: bool
     query: str = ""  # after `?`, undecoded
+    http11: bool = True  # HTTP/1.1 (chunked responses); else 1.0: a stream ends with the close
+
+
+Trailers = Callable[[], list[tuple[bytes, bytes]]]
 
 
 @dataclass(slots=True)
@@ -48,6 +58,9 @@ class Response:
     content_type: bytes = b"application/json"
     close: bool = False
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    # A streamed body: chunks written as they come (chunked encoding), then `trailers()`.
+    stream: AsyncIterator[bytes] | None = None
+    trailers: Trailers | None = None
 
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]  # a coroutine: _start drives it
@@ -55,6 +68,46 @@ BodyLimit = Callable[[str], int]
 ErrorBody = Callable[[str], bytes]
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+
+# The connection a handler serves (set in each connection's context, which handlers run in).
+_connection: contextvars.ContextVar[HttpProtocol | None] = contextvars.ContextVar(
+    "meshfn_http_connection", default=None
+)
+
+
+def on_disconnect(callback: Callable[[], None]) -> Callable[[], None]:
+    """Call `callback` if the current request's client goes away (a generation stops); returns
+    the function that forgets it (the request finished first)."""
+    connection = _connection.get()
+    if connection is None:
+        return lambda: None
+    connection.on_lost.add(callback)
+    return lambda: connection.on_lost.discard(callback)
+
+
+def stream_head(response: Response, keep_alive: bool, chunked: bool) -> bytes:
+    """The status line and headers of a streamed response (no Content-Length)."""
+    reason = _REASONS.get(response.status, b"Unknown")
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nCache-Control: no-cache\r\n" % (
+        response.status,
+        reason,
+        response.content_type,
+    )
+    if chunked:
+        head += b"Transfer-Encoding: chunked\r\n"
+    for name, value in response.extra_headers:
+        head += name + b": " + value + b"\r\n"
+    if not keep_alive:
+        head += b"Connection: close\r\n"
+    return head + b"\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def last_chunk(trailers: list[tuple[bytes, bytes]]) -> bytes:
+    return b"0\r\n" + b"".join(name + b": " + value + b"\r\n" for name, value in trailers) + b"\r\n"
 
 
 def encode(response: Response, keep_alive: bool) -> bytes:
@@ -133,6 +186,11 @@ class _Resume:
                     return stop.value
 
 
+async def _ready(response: Response) -> Response:
+    """A response the handler finished at once, for the worker task to write (a stream)."""
+    return response
+
+
 class HttpProtocol(asyncio.Protocol):
     def __init__(self, server: HttpServer) -> None:
         self.server = server
@@ -147,6 +205,10 @@ class HttpProtocol(asyncio.Protocol):
         self.context = contextvars.Context()
         self.closing = False
         self.busy = False
+        self.streaming = False  # a streamed response is being written
+        self.writable = asyncio.Event()  # the transport takes more (flow control)
+        self.writable.set()
+        self.on_lost: set[Callable[[], None]] = set()  # on_disconnect's callbacks
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -156,12 +218,30 @@ class HttpProtocol(asyncio.Protocol):
         # the worker task's context, which handlers started in _start run in too (as they did
         # when the worker ran every handler)
         self.context = contextvars.copy_context()
+        self.context.run(_connection.set, self)
         self.worker = asyncio.get_running_loop().create_task(self._work(), context=self.context)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
         self.server.connections.discard(self)
         self.wakeup.set()
+        self.writable.set()
+        for callback in list(self.on_lost):
+            try:
+                callback()
+            except Exception:
+                log.exception("disconnect callback failed")
+        self.on_lost.clear()
+        if self.streaming and self.worker is not None:
+            # the client is gone mid-stream: stop the stream (and its generation) now, not
+            # when its next chunk would have been written
+            self.worker.cancel()
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -234,6 +314,7 @@ class HttpProtocol(asyncio.Protocol):
                 body=b"".join(pending.body),
                 keep_alive=self.parser.should_keep_alive(),
                 query=_query(pending.url),
+                http11=self.parser.get_http_version() != "1.0",
             )
         )
 
@@ -264,6 +345,9 @@ class HttpProtocol(asyncio.Protocol):
         try:
             waiting = self.context.run(coro.send, None)
         except StopIteration as stop:
+            if stop.value.stream is not None:  # the worker task writes it as it comes
+                self._enqueue(_Started(_ready(stop.value), None, request))
+                return
             self._respond(request, stop.value)
         except Exception:
             self._respond(request, self._crashed(request))
@@ -333,11 +417,50 @@ class HttpProtocol(asyncio.Protocol):
                 response = await _Resume(item.coro, item.future)
             else:
                 response = await self.server.handler(item)
+            if response.stream is not None:
+                return await self._stream(request, response)
         except Exception:
             response = self._crashed(request)
         finally:
             self.busy = False
         return self._respond(request, response)
+
+    async def _stream(self, request: Request, response: Response) -> bool:
+        """Write a streamed response as its chunks come; False when the connection is done.
+        HTTP/1.0 clients get the body unframed, ended by closing the connection."""
+        transport = self.transport
+        assert transport is not None and response.stream is not None
+        chunked = request.http11
+        keep_alive = chunked and request.keep_alive and not response.close
+        keep_alive = keep_alive and not self.server.draining
+        stream = response.stream
+        self.streaming = True
+        complete = False
+        try:
+            if transport.is_closing():
+                return False
+            transport.write(stream_head(response, keep_alive, chunked))
+            async for data in stream:
+                if transport.is_closing():
+                    return False
+                if data:
+                    transport.write(chunk(data) if chunked else data)
+                if not self.writable.is_set():
+                    await self.writable.wait()
+            complete = not transport.is_closing()
+        finally:
+            self.streaming = False
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if not complete:
+            return False
+        if chunked:
+            transport.write(last_chunk(response.trailers() if response.trailers else []))
+        if not keep_alive:
+            self.closing = True
+            transport.close()
+        return keep_alive
 
     def close_if_idle(self) -> None:
         if not self.busy and not self.queue and self.transport is not None:

@@ -749,12 +749,14 @@ def model_config(
     max_batch_size: int = 0,
     preferred_batch_sizes: tuple[int, ...] = (),
     max_queue_delay_us: int = 0,
+    decoupled: bool = False,
 ) -> dict[str, Any]:
     """Triton's model configuration extension (GET /v2/models/{m}/config, gRPC ModelConfig), in
     the JSON form of Triton's ModelConfig message. perf_analyzer and model_analyzer read it
     before they send a request: max_batch_size > 0 (dynamic batching) takes the batch dimension
     out of `dims`, a tensor with no other dimension is dims [1] reshaped to [] as Triton writes
-    it, and the model is not decoupled (one response per request, also on a stream)."""
+    it, and the model is not decoupled (one response per request, also on a stream) unless it
+    generates text (`decoupled`: many responses per request on a stream)."""
 
     def tensor(sig: TensorSig) -> dict[str, Any]:
         dims = list(sig.shape[1:] if max_batch_size else sig.shape)
@@ -776,7 +778,7 @@ def model_config(
         "input": [tensor(t) for t in signature.inputs.values()],
         "output": [tensor(t) for t in signature.outputs.values()],
         "instance_group": [{"name": name, "kind": "KIND_CPU", "count": instances}],
-        "model_transaction_policy": {"decoupled": False},
+        "model_transaction_policy": {"decoupled": decoupled},
     }
     if max_batch_size:
         config["dynamic_batching"] = {

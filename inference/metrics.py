@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from meshfn.contracts import genai
+
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+# OpenTelemetry's GenAI conventions' advisory buckets (token counts, and seconds)
+_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216)
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_TPOT = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+         0.3, 0.4, 0.5, 0.75, 1.0, 2.5)  # fmt: skip
+_GEN_DURATION = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96,
+                 81.92)  # fmt: skip
 
 
 class Metrics:
@@ -112,6 +121,19 @@ class Metrics:
             ["function", "tenant", "tenant_class", "window"],
             registry=r,
         )
+        self.qos_tokens = Gauge(
+            "meshfn_qos_tokens_used",
+            "Tokens (prompt + completion) a tenant's generative requests used in its current "
+            "token-budget window",
+            ["function", "tenant", "tenant_class", "window"],
+            registry=r,
+        )
+        self.qos_ledger_errors = Counter(
+            "meshfn_qos_ledger_errors",
+            "Calls to the control plane's token ledger that failed (call: reserve, settle)",
+            ["call"],
+            registry=r,
+        )
         self.cold_requests = Counter(
             "meshfn_fn_cold_requests",
             "Requests that found no idle instance and waited for one (load or instantiate)",
@@ -159,7 +181,56 @@ class Metrics:
         self.refused = Gauge(
             "meshfn_fn_refused", "1 if the function failed verification", ["function"], registry=r
         )
+        self._generation(r)
 
     def trace_spans_counters(self) -> tuple[Counter, Counter]:
         """(exported, dropped): the tracer's exporter counts into them."""
         return self.trace_spans.labels("exported"), self.trace_spans.labels("dropped")
+
+    def _generation(self, r: CollectorRegistry) -> None:
+        """Generative functions: OpenTelemetry's GenAI metrics (names: contracts.genai), and
+        what the decode loop does."""
+        self.gen_tokens = Histogram(
+            genai.PROM_TOKEN_USAGE,
+            f"{genai.TOKEN_USAGE}: tokens per request, input (prompt) or output (completion), "
+            "as the model counts them",
+            genai.TOKEN_LABELS,
+            buckets=_TOKENS,
+            registry=r,
+        )
+        self.gen_ttft = Histogram(
+            genai.PROM_TIME_TO_FIRST_TOKEN,
+            f"{genai.TIME_TO_FIRST_TOKEN}: from a generation's start to its first token",
+            genai.LABELS,
+            buckets=_TTFT,
+            registry=r,
+        )
+        self.gen_tpot = Histogram(
+            genai.PROM_TIME_PER_OUTPUT_TOKEN,
+            f"{genai.TIME_PER_OUTPUT_TOKEN}: a generation's time per output token after the first",
+            genai.LABELS,
+            buckets=_TPOT,
+            registry=r,
+        )
+        self.gen_duration = Histogram(
+            genai.PROM_REQUEST_DURATION,
+            f"{genai.REQUEST_DURATION}: a generative request from its start to its end "
+            "(error_type set when it failed or was cancelled)",
+            genai.DURATION_LABELS,
+            buckets=_GEN_DURATION,
+            registry=r,
+        )
+        self.gen_finished = Counter(
+            "meshfn_gen_streams",
+            "Generations by how they ended (finish: stop, length, budget, deadline, cancelled, "
+            "error)",
+            ["function", "finish"],
+            registry=r,
+        )
+        self.gen_step_rows = Histogram(
+            "meshfn_gen_step_rows",
+            "Streams per decode-step call (continuous batching puts several in one)",
+            ["function"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )

@@ -161,7 +161,18 @@ class Built:
 
 
 def _check_signature(manifest: FunctionManifest, compiled: CompiledModel, where: str) -> None:
-    """function.toml's inputs and outputs are the graph's (its only source of metadata)."""
+    """function.toml's inputs and outputs are the graph's (its only source of metadata); a
+    generative step function's graph is its decode step (GenerateSpec.step_metadata), behind
+    the text interface function.toml declares."""
+    generate = manifest.generate
+    if generate is not None:
+        step = generate.step_metadata()
+        if compiled.metadata != step:
+            raise BuildError(
+                f"{where}: the graph's tensors {json.dumps(compiled.metadata)} are not the decode "
+                f"step [generate] describes {json.dumps(step)}"
+            )
+        return
     for kind in ("inputs", "outputs"):
         declared = [t.model_dump() for t in getattr(manifest, kind)]
         actual = compiled.metadata[kind]

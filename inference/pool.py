@@ -26,7 +26,7 @@ from .config import ServedFunction
 from .engine import deadline_ticks
 from .errors import InferenceError, RegistryError, SignatureError
 from .host import Artifact, CallResult, GuestRequest, Instance, Outcome
-from .kserve import InferRequest, Signature
+from .kserve import InferRequest, KServeError, Signature
 from .metrics import Metrics
 from .registry import Registry, VerifiedArtifact
 from .signing import TrustedKeys
@@ -144,7 +144,9 @@ class FunctionRuntime:
             verified = self.registry.verify(name, version, self.trusted)
             signature = Signature.from_metadata(verified.metadata)
             tensors = None
-            if verified.kind == "onnx":
+            # a compiled model's tensor calls; a generative step function's steps are the
+            # decode loop's (generation.py), its KServe signature is its text interface
+            if verified.kind == "onnx" and "generate" not in verified.metadata:
                 tensors = TensorIO(verified.metadata, self.memory_bytes, self.label)
                 too_big = tensors.refusal()
                 if too_big is not None:
@@ -186,6 +188,10 @@ class FunctionRuntime:
         tensors = self.tensors
         if tensors is not None:
             return tensors.call(request)
+        if self.verified is not None and self.verified.kind == "onnx":  # a step function's
+            raise KServeError(
+                400, f"{self.label} is a generative step function: use its generate endpoints"
+            )
         return request.guest_json(self.raw_inputs)
 
     # ------------------------------------------------------------------ load / unload
@@ -373,6 +379,17 @@ class FunctionRuntime:
         self._give_back(instance, generation, result)
         self._maybe_refill()
         return Invocation(result, cold, seconds, cpu_ns, started, made)
+
+    def lease(self) -> tuple[Instance, int]:
+        """An instance for a caller that runs it itself (worker thread): generation's steps
+        and generator streams. Give it back with `give_back`."""
+        instance, generation, _ = self._take()
+        return instance, generation
+
+    def give_back(self, instance: Instance, generation: int, outcome: Outcome) -> None:
+        """A leased instance back to the pool (dropped if `outcome` poisons it)."""
+        self._give_back(instance, generation, CallResult(outcome, ""))
+        self._maybe_refill()
 
     def _maybe_refill(self) -> None:
         if self.spec.warmup.mode == "off":

@@ -26,6 +26,7 @@ from meshfn.contracts.qos import (
     LIMIT_CONCURRENCY,
     LIMIT_HEADER,
     LIMIT_SHED,
+    LIMIT_TOKENS,
     ORCA_HEADER,
     SHED_FLOOR,
     TENANT,
@@ -35,11 +36,13 @@ from meshfn.contracts.qos import (
     shed_threshold,
     window_bounds,
 )
+from meshfn.contracts.token_book import Reservation, Shortfall, TokenBook
 
 from .kserve import KServeError
+from .ledger import TokenLedger
 from .metrics import Metrics
 
-__all__ = ["SHED_FLOOR", "Admission", "Load", "Refusal", "Ticket", "tenant_of"]
+__all__ = ["SHED_FLOOR", "Admission", "Load", "Refusal", "Ticket", "TokenGrant", "tenant_of"]
 _TENANT_OK = re.compile(TENANT)
 
 
@@ -79,6 +82,40 @@ class TenantState:
     usage: dict[str, _Usage] = field(default_factory=dict)  # window -> this window's use
     outcomes: dict[str, int] = field(default_factory=dict)  # admitted / limited / shed
     cpu_ns: int = 0  # guest CPU time so far
+    tokens_used: int = 0  # tokens so far (this process's requests)
+    tokens_window: dict[str, int] = field(default_factory=dict)  # window -> used, as last settled
+
+
+@dataclass(frozen=True, slots=True)
+class TokenGrant:
+    """A generative request's share of its tenant's token budgets (the book's reservation,
+    settled when the request ends); `completion`, the most completion tokens they allow (None:
+    no budget limits it); the x-ratelimit-* headers in tokens its response carries (remaining
+    after this reservation)."""
+
+    reservation: Reservation
+    headers: tuple[tuple[bytes, bytes], ...]
+
+    @property
+    def completion(self) -> int | None:
+        return self.reservation.completion
+
+    @staticmethod
+    def of(reservation: Reservation) -> TokenGrant:
+        limit = str(reservation.limit).encode()
+        remaining = str(reservation.remaining).encode()
+        reset = str(reservation.reset).encode()
+        return TokenGrant(
+            reservation,
+            (
+                (b"x-ratelimit-limit-tokens", limit),
+                (b"x-ratelimit-remaining-tokens", remaining),
+                (b"x-ratelimit-reset-tokens", reset),
+                (b"x-ratelimit-limit", limit),
+                (b"x-ratelimit-remaining", remaining),
+                (b"x-ratelimit-reset", reset),
+            ),
+        )
 
 
 @dataclass(slots=True)
@@ -104,8 +141,19 @@ def tenant_of(value: bytes | str | None) -> str:
 class Admission:
     """One function's QoS: who may start a request now, and what each tenant used."""
 
-    def __init__(self, function: str, qos: FunctionQoS, max_concurrency: int, metrics: Metrics):
-        self.function = function
+    def __init__(
+        self,
+        function: str,
+        qos: FunctionQoS,
+        max_concurrency: int,
+        metrics: Metrics,
+        name: str | None = None,
+        ledger: TokenLedger | None = None,
+    ) -> None:
+        self.function = function  # its label (name@version)
+        self.name = name or function  # its name: the key of its token budgets
+        self.ledger = ledger  # the mesh's token budgets (None: this process keeps its own)
+        self.book = TokenBook()
         self.qos = qos
         self.max = max_concurrency
         self.metrics = metrics
@@ -193,6 +241,79 @@ class Admission:
         self._count(tenant, state, "admitted")
         return Ticket(state, self, tenant)
 
+    async def reserve(
+        self, ticket: Ticket, prompt: int, max_tokens: int, now: float | None = None
+    ) -> TokenGrant | None:
+        """Hold a generative request's tokens against its tenant's token budgets: its prompt
+        plus max_tokens (`tokenReservation: full`: refused with 429 unless every budget has
+        that much left), or with `partial` as much of it as is left (the prompt and at least
+        one completion token must fit; the stream then stops at what is left). In the mesh's
+        book when the backend has the control plane's ledger, else in this process's. None: no
+        token budget applies."""
+        state = ticket.state
+        budgets = state.limits.tokens
+        if not budgets:
+            return None
+        if self.ledger is not None:
+            result = await self.ledger.reserve(self.name, ticket.tenant, prompt, max_tokens)
+        else:
+            result = self.book.reserve(
+                (self.name, ticket.tenant),
+                budgets,
+                prompt,
+                max_tokens,
+                self.qos.tokenReservation,
+                time.time() if now is None else now,
+            )
+        if isinstance(result, Shortfall):
+            raise self._refuse(
+                ticket.tenant, state, self._token_refusal(ticket.tenant, state, result)
+            )
+        return TokenGrant.of(result) if result is not None else None
+
+    def _token_refusal(self, tenant: str, state: TenantState, short: Shortfall) -> Refusal:
+        body = {
+            "function": self.function,
+            "policy": self.qos.policy,
+            "tenant": tenant,
+            "class": state.tenant_class,
+            "window": short.window,
+            "tokens_left": short.left,
+            "tokens_needed": short.need,
+        }
+        what = "its prompt plus max_tokens" if self.qos.tokenReservation == "full" else "its prompt"
+        return Refusal(
+            LIMIT_TOKENS,
+            f"tenant {tenant or '(anonymous)'} has {short.left} of its {short.quota} tokens per "
+            f"{short.window} left; this request needs {short.need} ({what})",
+            short.reset,
+            short.quota,
+            body,
+        )
+
+    def settle(self, ticket: Ticket, grant: TokenGrant, used: int) -> None:
+        """A generative request ended having used `used` tokens (prompt + completion, the
+        backend's own count; a cut stream: what it generated): its reservation is released and
+        its use charged (in the mesh's book: sent behind, the stream has ended)."""
+        state = ticket.state
+        state.tokens_used += used
+        held = grant.reservation
+        if self.ledger is not None:
+            self.ledger.settle(
+                self.name, ticket.tenant, held, used, lambda w: self._used(ticket, w)
+            )
+        else:
+            key = (self.name, ticket.tenant)
+            self._used(ticket, self.book.settle(key, held.windows, held.reserved, used))
+
+    def _used(self, ticket: Ticket, windows: Mapping[str, int]) -> None:
+        state = ticket.state
+        for window, used in windows.items():
+            state.tokens_window[window] = used
+            self.metrics.qos_tokens.labels(
+                self.function, ticket.tenant, state.tenant_class, window
+            ).set(used)
+
     def release(self, ticket: Ticket, guest_cpu_ns: int) -> None:
         state = ticket.state
         state.inflight -= 1
@@ -209,7 +330,9 @@ class Admission:
             ).set(usage.used_us / 1000)
 
     def snapshot(self) -> list[dict[str, object]]:
-        """Per tenant: class, outcomes, guest CPU, budget use (the status endpoint)."""
+        """Per tenant: class, outcomes, guest CPU, budget use (the status endpoint). Token
+        budgets: this process's book, or with the mesh's ledger what it last said was used
+        (what running requests hold is the ledger's to show)."""
         return [
             {
                 "tenant": tenant,
@@ -219,9 +342,20 @@ class Admission:
                 **{o: s.outcomes.get(o, 0) for o in ("admitted", "limited", "shed")},
                 "guest_cpu_ms": s.cpu_ns // 1_000_000,
                 "budget_used_ms": {w: u.used_us // 1000 for w, u in s.usage.items()},
+                "tokens_used": s.tokens_used,
+                **self._token_use(tenant, s),
             }
             for tenant, s in sorted(self.tenants.items())
         ]
+
+    def _token_use(self, tenant: str, state: TenantState) -> dict[str, object]:
+        if self.ledger is not None:
+            return {"token_budget_used": dict(state.tokens_window), "tokens_reserved": None}
+        usage = self.book.usage((self.name, tenant))
+        return {
+            "token_budget_used": {w: used for w, (used, _) in usage.items()},
+            "tokens_reserved": {w: held for w, (_, held) in usage.items()},
+        }
 
 
 class Load:

@@ -36,6 +36,7 @@ from .abi import check_core_module
 from .engine import engine_key, engine_settings, new_engine
 from .errors import BuildError, RegistryError, SignatureError
 from .host import KINDS, Kind, compile_module, component_imports, load_precompiled, metadata_of
+from .manifest import module_metadata
 
 MODULE_SIG = "module.sig.json"
 
@@ -336,22 +337,9 @@ def _precompiled(wasm: Path, kind: Kind, signed_metadata: Any, cached: Path | No
         raise
     except Exception as exc:  # wasmtime raises several types for a bad module
         raise RegistryError(f"{wasm}: cannot compile or instantiate: {exc}") from None
-    if not _same_metadata(kind, actual, signed_metadata):
+    if not isinstance(signed_metadata, dict) or actual != module_metadata(kind, signed_metadata):
         raise RegistryError(f"{wasm}: metadata() differs from the signed metadata")
     return native
-
-
-def _same_metadata(kind: Kind, actual: dict[str, object], signed: Any) -> bool:
-    """A module's own metadata against the signed one. A compiled model (ABI v2) knows its
-    tensors and batch only; the signed metadata adds the KServe fields and its memory."""
-    if kind != "onnx":
-        return bool(actual == signed)
-    return isinstance(signed, dict) and actual == {
-        "abi": 2,
-        "batch": signed.get("batch"),
-        "inputs": signed.get("inputs"),
-        "outputs": signed.get("outputs"),
-    }
 
 
 def _install(

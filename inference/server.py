@@ -18,7 +18,7 @@ import hmac
 import json
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +31,10 @@ from meshfn.contracts.tracing import SPANS_PATH
 
 from .backend import Backend, Reply
 from .config import BackendConfig
+from .generate_http import OPENAI_OPERATIONS, GenerateFront, StreamReply
 from .http import HttpServer, Request, Response
 from .kserve import KServeError, error_body, unsupported
+from .openai_api import error_body as openai_error_body
 from .sandbox import Sandbox
 from .shadow import Shadows, is_shadow, requested_version
 from .status import STATUS_PATH, functions_document
@@ -42,8 +44,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshfn.inference")
 
-_MODEL_ACTIONS = ("ready", "infer", "stats", "config")
+_MODEL_ACTIONS = ("ready", "infer", "stats", "config", "generate", "generate_stream")
 _SMALL_BODY = 64 << 10  # everything but infer
+_BODY_ACTIONS = ("infer", "generate", "generate_stream")
+# OpenAI's API at the root (/v1/...), in KServe's spelling (/openai/v1/...), and below a model
+# (/v2/models/{model}/openai/v1/..., where the mesh's gateway sends what it routed by `model`)
+_OPENAI_ROOTS = ("/v1/", "/openai/v1/")
+_OPENAI = "openai:"  # a model route's action prefix for the OpenAI operation below the model
 
 
 def _versioned(parts: list[str]) -> tuple[str, str | None, list[str]] | None:
@@ -69,6 +76,8 @@ def _parse_model_path(parts: list[str]) -> tuple[str, str | None, str] | None:
         return name, version, "metadata"
     if len(rest) == 1 and rest[0] in _MODEL_ACTIONS:
         return name, version, rest[0]
+    if len(rest) >= 3 and rest[:2] == ["openai", "v1"]:
+        return name, version, _OPENAI + "/".join(rest[2:])
     return None
 
 
@@ -117,11 +126,24 @@ def _json_body(body: bytes, allowed: set[str]) -> dict[str, Any]:
 
 _MODEL_VERSION = MODEL_VERSION_HEADER.encode()
 
+_LOADED_PATHS = ("/infer", "/generate", "/generate_stream", "/completions", "/embeddings")
+
+
+def _openai_405(message: str, allowed: str) -> Reply:
+    return Reply(405, openai_error_body(405, message), ((b"Allow", allowed.encode()),))
+
 
 class Router:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.shadows = Shadows(backend)
+        self.front = GenerateFront(backend)
+        # What `meshfn up` reads on the backend's own socket (the mesh's repository guard
+        # denies these paths at every sidecar: policy.kserve).
+        self._private: dict[str, Callable[[Request], Awaitable[Reply]]] = {
+            SHADOW_PATH: self._shadow,
+            SPANS_PATH: self._spans,
+        }
         # The server-wide GET endpoints (each a handler of no arguments).
         self._gets: dict[str, Callable[[], Reply]] = {
             "/v2": lambda: Reply(200, self.backend.server_meta),
@@ -140,10 +162,12 @@ class Router:
         }
 
     def body_limit(self, path: str) -> int:
+        if path.startswith(_OPENAI_ROOTS):  # the model is in the body: the largest limit
+            return self.backend.largest_limit()
         if not path.startswith("/v2/models/"):
             return _SMALL_BODY
         parsed = _model_route(path)
-        if parsed is None or parsed[2] != "infer":
+        if parsed is None or not (parsed[2] in _BODY_ACTIONS or parsed[2].startswith(_OPENAI)):
             return _SMALL_BODY
         return self.backend.limit_for(parsed[0], parsed[1])
 
@@ -156,25 +180,39 @@ class Router:
         except KServeError as exc:
             reply = Reply.of(exc)
         headers = list(reply.headers)
-        if path.endswith("/infer"):  # ORCA load report, for weighted round robin
+        if path.endswith(_LOADED_PATHS):  # ORCA load report, for weighted round robin
             headers.append(self.backend.orca.header(self.backend.dispatcher.inflight))
+        if isinstance(reply, StreamReply):
+            return Response(
+                reply.status,
+                b"",
+                reply.content_type,
+                extra_headers=headers,
+                stream=reply.chunks,
+                trailers=reply.trailers,
+            )
         return Response(reply.status, reply.body, reply.content_type, extra_headers=headers)
 
-    async def _route(self, request: Request, path: str) -> Reply:
+    async def _route(self, request: Request, path: str) -> Reply | StreamReply:
+        if path.startswith(_OPENAI_ROOTS):
+            return await self._openai(request, path.split("/v1/", 1)[1], None)
         if path.startswith("/v2/models/") and path != "/v2/models/stats":
             return await self._model(request, path)
-        if path == SPANS_PATH:
-            return await self._spans(request)
         if path.startswith("/v2/repository/"):
             return await self._repository(request, path)
-        if path == SHADOW_PATH:
-            _method(request.method, "GET", path)
-            return Reply.json(self.shadows.report(request.query))
+        private = self._private.get(path)
+        if private is not None:
+            return await private(request)
         get = self._gets.get(path)
         if get is None:
             return Reply.error(404, _unsupported(path) or f"no route for {path}")
         _method(request.method, "GET", path)
         return get()
+
+    async def _shadow(self, request: Request) -> Reply:
+        """GET /meshfn/shadow: the controller reads the rollouts' comparisons (shadow.py)."""
+        _method(request.method, "GET", SHADOW_PATH)
+        return Reply.json(self.shadows.report(request.query))
 
     async def _spans(self, request: Request) -> Reply:
         """POST /meshfn/spans: `meshfn up` collects the queued spans (BackendTracing.pullToken,
@@ -193,8 +231,24 @@ class Router:
             return Reply(204, b"")
         return Reply(200, collected[0], content_type=otlp.HTTP_CONTENT_TYPE.encode())
 
-    async def _model(self, request: Request, path: str) -> Reply:
-        """/v2/models/NAME[/versions/V][/infer|ready|stats|config]."""
+    async def _openai(
+        self, request: Request, operation: str, model: str | None
+    ) -> Reply | StreamReply:
+        """OpenAI's API: /v1/models[/{model}] (GET) and the operations (POST)."""
+        if operation == "models" or operation.startswith("models/"):
+            if request.method != "GET":
+                return _openai_405(f"use GET for /v1/{operation}", "GET")
+            name = operation.removeprefix("models").strip("/")
+            return self.front.model(name) if name else self.front.models()
+        if operation not in OPENAI_OPERATIONS:
+            return Reply(404, openai_error_body(404, f"no OpenAI operation /v1/{operation}"))
+        if request.method != "POST":
+            return _openai_405(f"use POST for /v1/{operation}", "POST")
+        return await self.front.openai(operation, request.body, request.headers, model)
+
+    async def _model(self, request: Request, path: str) -> Reply | StreamReply:
+        """/v2/models/NAME[/versions/V][/infer|ready|stats|config|generate|generate_stream],
+        and OpenAI's operations below a model (/v2/models/NAME/openai/v1/...)."""
         b = self.backend
         parsed = _model_route(path)
         if parsed is None:
@@ -202,17 +256,29 @@ class Router:
         name, version, action = parsed
         if version is None:  # a gateway splitting a rollout names the version in a header
             version = requested_version(request.headers)
+        if action.startswith(_OPENAI) or action in ("generate", "generate_stream"):
+            return await self._generation(request, path, name, version, action)
         if action == "infer":
             _method(request.method, "POST", path)
             return await self._infer(name, version, request)
         _method(request.method, "GET", path)
-        if action == "ready":
-            return b.model_ready(name, version)
-        if action == "stats":
-            return Reply.json({"model_stats": b.statistics(name, version)})
-        if action == "config":
-            return Reply.json(b.model_config(name, version))
-        return b.metadata(name, version)
+        gets: dict[str, Callable[[], Reply]] = {
+            "ready": lambda: b.model_ready(name, version),
+            "stats": lambda: Reply.json({"model_stats": b.statistics(name, version)}),
+            "config": lambda: Reply.json(b.model_config(name, version)),
+        }
+        return gets.get(action, lambda: b.metadata(name, version))()
+
+    async def _generation(
+        self, request: Request, path: str, name: str, version: str | None, action: str
+    ) -> Reply | StreamReply:
+        """A model's generate endpoints: Triton's, and OpenAI's below the model."""
+        if action.startswith(_OPENAI):
+            return await self._openai(request, action.removeprefix(_OPENAI), name)
+        _method(request.method, "POST", path)
+        return await self.front.generate(
+            name, version, request.body, request.headers, action == "generate_stream"
+        )
 
     async def _infer(self, name: str, version: str | None, request: Request) -> Reply:
         """An inference, its answer naming the version that computed it; a rollout's shadow

@@ -12,6 +12,8 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from .generation import StepEngine
+
 if TYPE_CHECKING:
     from .backend import Backend
     from .pool import FunctionRuntime
@@ -85,6 +87,36 @@ def _qos(backend: Backend, rt: FunctionRuntime) -> dict[str, Any] | None:
     return {"policy": qos.policy, "tenants": tenants}
 
 
+def _generation(backend: Backend, rt: FunctionRuntime) -> dict[str, Any] | None:
+    """A generative function's recent generations: streams, tokens, time to first token and
+    per output token (p50, p99), how they ended, and with continuous batching how many streams
+    shared a decode step on average (batched_tokens_ratio)."""
+    generative = backend.generative
+    if not generative.generates(rt):
+        return None
+    stats = generative.recent.get(rt.label)
+    engine = generative.engines.get(rt.label)
+    ttft = sorted(stats.ttft) if stats else []
+    tpot = sorted(stats.tpot) if stats else []
+    step = engine if isinstance(engine, StepEngine) else None
+    steps = step.steps if step is not None else 0
+    batching = rt.spec.generation.batching if rt.spec.generation is not None else None
+    return {
+        "engine": "step" if step else ("generator" if engine else None),
+        "active_streams": engine.streams if engine is not None else 0,
+        "max_streams_per_step": batching.maxStreams if batching is not None else 1,
+        "finished": dict(stats.finished) if stats else {},
+        "prompt_tokens": stats.prompt_tokens if stats else 0,
+        "completion_tokens": stats.completion_tokens if stats else 0,
+        "ttft_p50_ms": _ms(_quantile(ttft, 0.5)),
+        "ttft_p99_ms": _ms(_quantile(ttft, 0.99)),
+        "tpot_p50_ms": _ms(_quantile(tpot, 0.5)),
+        "tpot_p99_ms": _ms(_quantile(tpot, 0.99)),
+        "decode_steps": steps,
+        "batched_tokens_ratio": round(step.stepped_tokens / steps, 3) if step and steps else None,
+    }
+
+
 def _rss_bytes() -> int | None:
     try:
         with open("/proc/self/statm") as statm:
@@ -112,6 +144,7 @@ def functions_document(backend: Backend) -> dict[str, Any]:
                 **function_status(rt, _warmer(backend, rt)),
                 "qos": _qos(backend, rt),
                 "requests": _requests(backend, rt),
+                "generation": _generation(backend, rt),
             }
             for name in sorted(backend.functions)
             for _, rt in sorted(backend.functions[name].items())

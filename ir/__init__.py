@@ -94,6 +94,9 @@ class Drift:
     cold_start_baseline: timedelta | None
     recover_after: timedelta
     probe_percent: int
+    # what drifts on a generative route: a stream's time to first token or its inter-token
+    # latency (other routes: their duration; health.drift)
+    streams: Literal["ttft", "itl"] = "ttft"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +117,9 @@ class Service:
     # it) and of each such function's own cluster (that function's REST routes).
     shed: PriorityLimits | None = None
     function_shed: tuple[tuple[str, PriorityLimits], ...] = ()
+    # Its endpoints serve Functions: HTTP/1.1 trailers (a stream's usage record) pass through
+    # its clusters.
+    functions: bool = False
 
     @property
     def key(self) -> str:
@@ -183,10 +189,17 @@ class Budget:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenBudget:
+    tokens: int
+    window: Window
+
+
+@dataclass(frozen=True, slots=True)
 class TenantLimits:
     rate: Bucket | None = None
     concurrency: int | None = None
     compute: tuple[Budget, ...] = ()
+    tokens: tuple[TokenBudget, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +273,8 @@ class QoSPolicy:
 
     @property
     def budgeted(self) -> bool:
-        return any(limits.compute for limits in self.every_limits())
+        """Some tenant has a compute or token budget: only a backend can meter those."""
+        return any(limits.compute or limits.tokens for limits in self.every_limits())
 
     def priority_split(self) -> PrioritySplit:
         """Who routes HIGH at a shedding gateway (contracts.qos.split_priorities)."""
@@ -281,6 +295,15 @@ class PriorityLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class PathRewrite:
+    """The path a route sends upstream: every match of `pattern` (RE2) replaced by
+    `substitution` (\\1-style groups)."""
+
+    pattern: str
+    substitution: str
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
     name: str
     namespace: str
@@ -292,6 +315,13 @@ class Route:
     grpc: bool = False  # its traffic is gRPC: renderers that name a Service port use the gRPC one
     qos: QoSPolicy | None = None  # a QoSPolicy of its own (bound to the Route or Function)
     function: str = ""  # the Function whose KServe REST paths it serves
+    # The longest a response may send nothing (a stream's idle timeout; None: the proxy's own):
+    # a generative function's routes cut a stuck stream, never a healthy one.
+    idle_timeout: timedelta | None = None
+    rewrite: PathRewrite | None = None
+    # An OpenAI model route: it serves the requests whose JSON body names this model (the
+    # gateway's model router writes it to contracts.plugins.MODEL_HEADER, which it matches)
+    model: str = ""
 
     @property
     def key(self) -> str:
@@ -378,6 +408,9 @@ class Inbound:
     # The backend behind it serves functions with QoS: its jwt_authn writes this verified claim
     # as contracts.qos.TENANT_HEADER for the backend (priority, attribution).
     tenant_claim: str | None = None
+    # The application is an inference backend serving Functions: its local replies on OpenAI
+    # paths are OpenAI's error objects, and its streams' trailers (usage records) pass through.
+    functions: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,11 @@ On a gateway:
 - on the HTTP connection manager: the JSON 503 when no upstream is healthy, and the early header
   mutation that removes the routing and claim headers from client requests before Envoy picks a
   route (clients can never pick the degraded twin);
-- the claim headers removed before requests go upstream.
+- the claim headers removed before requests go upstream;
+- the model router (OpenAI's requests routed by their body's model): an extension config and
+  the filter first in the chain, since a WasmPlugin cannot let a plugin hold the headers for the
+  body; a generative route's idle timeout; Envoy's own replies on OpenAI's paths as OpenAI's
+  error objects.
 On sidecars that audit from claim headers, the same early removal and upstream removal.
 Mesh-wide (root namespace), on every gateway and inbound sidecar: meshfn's request hygiene
 (contracts.proxy), part of which (dropping underscore headers, the headers timeout, the HTTP/2
@@ -24,23 +28,27 @@ from __future__ import annotations
 import copy
 
 from meshfn import ir
-from meshfn.contracts.plugins import ROUTE_METADATA, ROUTING_HEADER
+from meshfn.contracts.plugins import ROUTE_METADATA, ROUTING_HEADER, plugin_json
 from meshfn.contracts.proxy import REQUEST_HYGIENE, WHOLE_SMALL_BODIES
-from meshfn.contracts.qos import TENANT_HEADER
+from meshfn.contracts.qos import TENANT_HEADER, has_token_budgets
 from meshfn.xds.fragments import qos as envoy_qos
 from meshfn.xds.fragments.messages import envoy_json, seconds
+from meshfn.xds.fragments.openai import openai_replies
 from meshfn.xds.fragments.routes import degraded_clusters, degraded_match, retry_policy
 from meshfn.xds.names import degraded_route_name, fallback_cluster_name, route_name
 
 from .core import Context, Obj, Source, gateways, resource, rolled_out, sidecar_services
-from .plugins import guarded, logged_headers, plugins_of, stripped_headers
+from .plugins import guarded, logged_headers, plugins_of, routers_of, stripped_headers
 from .traffic import ENVOY_ROUTE_TIMEOUT, degraded_twin_in_vs, istio_cluster
+from .wasm import module_source
 
 NETWORKING = "networking.istio.io/v1alpha3"
 PRIORITY = 10  # after EnvoyFilters at the default 0 that replace what we merge into
 HCM = "envoy.filters.network.http_connection_manager"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 AGGREGATE_TYPE = "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig"
+WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+STRING_TYPE = "type.googleapis.com/google.protobuf.StringValue"
 HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 UNLIMITED = 0xFFFFFFFF
 
@@ -160,10 +168,12 @@ def _gateway_patches(ctx: Context, gw: ir.Workload) -> tuple[list[Obj], set[Sour
     sources |= qos_sources
     stripped = stripped_headers(ctx, gw)
     return [
+        *router_patches(ctx, gw),
         *cluster_patches,
         _manager_patch(gw, bool(qos_patches), stripped),
         *qos_patches,
         *route_patches,
+        *_stream_patches(gw),
         *_upstream_header_patches(ctx, gw, stripped),
     ], sources
 
@@ -251,6 +261,59 @@ def _chain_route_patches(
     return patches
 
 
+def router_patches(ctx: Context, gw: ir.Workload) -> list[Obj]:
+    """The model router (OpenAI's requests routed by the model their body names) as Istio's own
+    documented pattern for a wasm filter WasmPlugin cannot describe: an extension config (ECDS;
+    istio-agent fetches the module as for a WasmPlugin) with allow_on_headers_stop_iteration,
+    and the filter first in the listener's chain (it reads only the body, so it needs no claim,
+    and the WasmPlugins after it see the route it chose)."""
+    patches: list[Obj] = []
+    for plugin in routers_of(ctx, gw):
+        assert plugin.listener is not None
+        name = f"meshfn-router-{gw.name}-{plugin.listener.name}"
+        build, url, digest = module_source(ctx, plugin)
+        remote: Obj = {"http_uri": {"uri": url, "cluster": "meshfn-wasm", "timeout": "30s"}}
+        if digest is not None:
+            remote["sha256"] = digest
+        config = {
+            "name": name,
+            "root_id": "meshfn",
+            "vm_config": {
+                "vm_id": name,
+                "runtime": "envoy.wasm.runtime.v8",
+                "code": {"remote": remote},
+                "environment_variables": {"key_values": {"MESHFN_FILTER_BUILD": build}},
+            },
+            "configuration": {"@type": STRING_TYPE, "value": plugin_json(plugin.settings)},
+            "failure_policy": "FAIL_CLOSED",
+            "allow_on_headers_stop_iteration": True,
+        }
+        listener = {"portNumber": plugin.listener.port, "filterChain": {"filter": {"name": HCM}}}
+        discovery = {
+            "config_source": {"ads": {}, "initial_fetch_timeout": "0s"},
+            "type_urls": [WASM_TYPE],
+        }
+        patches += [
+            {
+                "applyTo": "EXTENSION_CONFIG",
+                "match": {"context": "GATEWAY"},
+                "patch": {
+                    "operation": "ADD",
+                    "value": {"name": name, "typed_config": {"@type": WASM_TYPE, "config": config}},
+                },
+            },
+            {
+                "applyTo": "HTTP_FILTER",
+                "match": {"context": "GATEWAY", "listener": listener},
+                "patch": {
+                    "operation": "INSERT_FIRST",
+                    "value": {"name": name, "config_discovery": discovery},
+                },
+            },
+        ]
+    return patches
+
+
 def _manager_patch(gw: ir.Workload, rate_limited: bool, stripped: list[str]) -> Obj:
     """The gateway's HTTP connection manager: local replies (a 429's body when rate limits
     apply) and the headers stripped from every request before routing."""
@@ -258,6 +321,9 @@ def _manager_patch(gw: ir.Workload, rate_limited: bool, stripped: list[str]) -> 
     if rate_limited:
         claim = envoy_qos.governing(gw)[0].claim
         manager["local_reply_config"]["mappers"].append(envoy_qos.limited_reply(claim, True))
+    if any(r.model for listener in gw.listeners for r in listener.routes):  # OpenAI's errors
+        mappers = manager["local_reply_config"]["mappers"]
+        manager["local_reply_config"]["mappers"] = openai_replies(mappers)
     if stripped:
         manager["early_header_mutation_extensions"] = [early_header_mutation(stripped)]
     return {
@@ -265,6 +331,25 @@ def _manager_patch(gw: ir.Workload, rate_limited: bool, stripped: list[str]) -> 
         "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM}}}},
         "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": manager}},
     }
+
+
+def _stream_patches(gw: ir.Workload) -> list[Obj]:
+    """A generative function's routes: its stream idle timeout, which a VirtualService cannot
+    say (its `timeout` is the whole request's)."""
+    return [
+        {
+            "applyTo": "HTTP_ROUTE",
+            "match": _route_match(route_name(route.key, index)),
+            "patch": {
+                "operation": "MERGE",
+                "value": {"route": {"idle_timeout": seconds(route.idle_timeout)}},
+            },
+        }
+        for listener in gw.listeners
+        for route in listener.routes
+        if route.idle_timeout is not None
+        for index in range(len(route.matches))
+    ]
 
 
 def _upstream_header_patches(ctx: Context, gw: ir.Workload, stripped: list[str]) -> list[Obj]:
@@ -378,7 +463,25 @@ def request_hygiene() -> Obj:
     return {"priority": PRIORITY, "configPatches": patches}
 
 
+def _token_budget_warnings(ctx: Context) -> None:
+    """Token budgets (QoSPolicy `tokens`) are the backends' to keep; the mesh's one book is the
+    meshfn control plane's ledger (xds/ledger.py), which Istio's data plane has no counterpart
+    for: each backend process keeps its own."""
+    budgeted = {f.qos.policy for f in ctx.model.functions if f.qos and has_token_budgets(f.qos)}
+    for policy in sorted(budgeted):
+        namespace, _, name = policy.partition("/")
+        ctx.warn(
+            "qos-token-budgets-per-backend-process",
+            Source("QoSPolicy", namespace, name),
+            ("spec", "classes"),
+            "token budgets are kept by each inference backend process under Istio: the mesh's "
+            "one book is meshfn's control-plane ledger, and no Istio API counts a tenant's "
+            "tokens; with N backend processes a tenant may use up to N times its budget",
+        )
+
+
 def envoy_filters(ctx: Context) -> None:
+    _token_budget_warnings(ctx)
     ctx.emit(
         resource(
             NETWORKING,

@@ -11,6 +11,7 @@ from meshfn.contracts.plugins import (
     DegradeSettings,
     FilterKind,
     MeshfnSettings,
+    RouteSettings,
     bare_filter_state,
     internal_headers,
 )
@@ -21,6 +22,7 @@ from meshfn.xds.fragments.plugins import (
     claim_header_pairs,
     degrade_settings,
     drill_trigger,
+    route_settings,
 )
 
 from .core import Context
@@ -46,6 +48,10 @@ class Plugin:
             return self.settings
         return self.settings.degrade if isinstance(self.settings, MeshfnSettings) else None
 
+    @property
+    def route(self) -> RouteSettings | None:
+        return self.settings.route if isinstance(self.settings, MeshfnSettings) else None
+
 
 def audit_for(ctx: Context, workload: ir.Workload) -> AuditSettings | None:
     audit = ctx.model.audit
@@ -64,24 +70,41 @@ def guarded(model: ir.MeshModel, listener: ir.Listener) -> frozenset[str]:
 
 
 def plugins_of(ctx: Context, workload: ir.Workload) -> list[Plugin]:
-    """As the translator: per gateway listener the degrade filter where routes are guarded (both
-    in ONE plugin with audit), else audit; a sidecar audits or runs nothing."""
+    """As the translator: per gateway listener ONE plugin (meshfn) where it both audits and
+    degrades, else the degrade filter where routes are guarded, else audit; a sidecar audits or
+    runs nothing. The model router is not a WasmPlugin here (routers_of)."""
     audit = audit_for(ctx, workload)
     if workload.kind == "sidecar":
         return [Plugin("audit", audit)] if audit is not None else []
     out = []
     for listener in workload.listeners:
         routes = guarded(ctx.model, listener)
-        if routes:
-            degrade = degrade_settings(
-                listener, routes, ctx.overlay.degraded_routes, ctx.model.drill
-            )
-            if audit is not None:
-                out.append(Plugin("meshfn", MeshfnSettings(audit=audit, degrade=degrade), listener))
-            else:
-                out.append(Plugin("degrade", degrade, listener))
+        degrade = (
+            degrade_settings(listener, routes, ctx.overlay.degraded_routes, ctx.model.drill)
+            if routes
+            else None
+        )
+        if degrade is not None and audit is not None:
+            out.append(Plugin("meshfn", MeshfnSettings(audit=audit, degrade=degrade), listener))
+        elif degrade is not None:
+            out.append(Plugin("degrade", degrade, listener))
         elif audit is not None:
             out.append(Plugin("audit", audit, listener))
+    return out
+
+
+def routers_of(ctx: Context, workload: ir.Workload) -> list[Plugin]:
+    """The model router of each gateway listener with OpenAI routes: the meshfn plugin with only
+    its route part, first in the chain (envoyfilter.router_patches). Not a WasmPlugin: the
+    router holds the headers until it has read the body, which Envoy allows a wasm plugin only
+    with its PluginConfig's allow_on_headers_stop_iteration, a field WasmPlugin does not have."""
+    if workload.kind == "sidecar":
+        return []
+    out = []
+    for listener in workload.listeners:
+        route = route_settings(ctx.model, listener)
+        if route is not None:
+            out.append(Plugin("meshfn", MeshfnSettings(route=route), listener))
     return out
 
 
@@ -118,8 +141,8 @@ def stripped_headers(ctx: Context, workload: ir.Workload) -> list[str]:
     """Headers only Envoy may set on this workload (removed from client requests before any
     route is picked or filter runs): the routing header, the claim headers."""
     names: list[str] = []
-    for plugin in plugins_of(ctx, workload):
-        names += internal_headers(plugin.degrade, plugin.audit)
+    for plugin in [*plugins_of(ctx, workload), *routers_of(ctx, workload)]:
+        names += internal_headers(plugin.degrade, plugin.audit, route=plugin.route)
     if envoy_qos.claim_of(workload) is not None:
         names.append(TENANT_HEADER)
     return sorted(set(names))

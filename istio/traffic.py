@@ -466,6 +466,13 @@ def _http(ctx: Context, route: ir.Route, index: int, twin: bool) -> Obj:
     else:
         out["match"] = [_match(match)]
         out["route"] = [_destination(ctx, service, grpc=route.grpc)]
+    if route.rewrite is not None:  # OpenAI's operations, below the model the body names
+        out["rewrite"] = {
+            "uriRegexRewrite": {
+                "match": route.rewrite.pattern,
+                "rewrite": route.rewrite.substitution,
+            }
+        }
     timeout = _timeout(ctx, route)
     if timeout is not None:
         out["timeout"] = timeout
@@ -483,7 +490,9 @@ def _timeout(ctx: Context, route: ir.Route) -> str | None:
     if not route.timeout:
         return None
     source = route_source(ctx.model, route)
-    path = ("spec", "limits", "timeout") if source.kind == "Function" else ("spec", "timeout")
+    path: tuple[str, ...] = ("spec", "timeout")
+    if source.kind == "Function":  # a generative function's: its generation's deadline
+        path = ("spec", "generation" if route.idle_timeout else "limits", "timeout")
     return istio_duration(ctx, route.timeout, source, path)
 
 

@@ -31,19 +31,23 @@ class MissingModule(LookupError):
     """The digests given to the renderer lack a build (the filters were not built)."""
 
 
-def _spec(ctx: Context, plugin: Plugin, workload: str) -> Obj:
+def module_source(ctx: Context, plugin: Plugin) -> tuple[str, str, str | None]:
+    """(build, url, sha256) of the module that runs `plugin` (always the full build). Istio
+    checks an OCI image's manifest digest against sha256, not the module's: an OCI URL is
+    pinned by its tag (the module's sha256) instead, and has no sha256."""
     build = build_name(plugin.kind, lean=False)
     digest = ctx.digests.get(build)
     if digest is None:
         raise MissingModule(f"no sha256 for the {build} filter module: run `meshfn filters build`")
+    url = ctx.options.wasm_url(build, digest)
+    return build, url, None if url.startswith("oci://") else digest
+
+
+def _spec(ctx: Context, plugin: Plugin, workload: str) -> Obj:
+    build, url, digest = module_source(ctx, plugin)
     config = plugin_json(plugin.settings)
-    spec: Obj = {
-        "selector": selector(ctx.options, workload),
-        "url": ctx.options.wasm_url(build, digest),
-    }
-    if not spec["url"].startswith("oci://"):
-        # Istio checks an OCI image's manifest digest against sha256, not the module's: an OCI
-        # URL is pinned by its tag (the module's sha256) instead.
+    spec: Obj = {"selector": selector(ctx.options, workload), "url": url}
+    if digest is not None:
         spec["sha256"] = digest
     spec |= {
         "imagePullPolicy": "IfNotPresent",  # content-addressed: never changes under one URL

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 from meshfn import ir
+from meshfn.contracts.plugins import MODEL_HEADER, OPENAI_OPERATIONS
 
 from .errors import PolicyError
 from .validate import Loaded
@@ -50,7 +51,20 @@ def _queue_delay(function: ir.Function) -> timedelta:
 
 
 def function_timeout(function: ir.Function) -> timedelta:
+    """A function's route timeout: above the backend's own deadline, so the backend's answer
+    (a 504, or a generation ended at its deadline) comes first. For a generative function that
+    is the whole generation's deadline: a route timeout never cuts a healthy stream."""
+    generation = function.settings.generation
+    if generation is not None:
+        return generation.timeout + DEADLINE_MARGIN
     return call_timeout(function.settings.limits.timeout, _queue_delay(function))
+
+
+def idle_timeout(function: ir.Function) -> timedelta | None:
+    """How long a generative function's stream may send nothing before a proxy cuts it (the
+    backend sends a keep-alive after half of it); other functions: the proxy's default."""
+    generation = function.settings.generation
+    return generation.idleTimeout if generation is not None else None
 
 
 def function_route(function: ir.Function) -> ir.Route | None:
@@ -73,6 +87,46 @@ def function_route(function: ir.Function) -> ir.Route | None:
         timeout=function_timeout(function),
         retries=SAFE_RETRIES,
         function=function.name,
+        idle_timeout=idle_timeout(function),
+    )
+
+
+# OpenAI's API under /v1 (and KServe's /openai/v1): the operations name their model in the JSON
+# body, so the gateway's model router (part of its meshfn plugin) writes it to MODEL_HEADER and
+# these routes, one per model, send the request below that model: /v2/models/{model}/openai/v1/
+# ..., the path the backend's sidecars authorise (the same policies as the model's KServe
+# paths), where the backend refuses a body naming another model than the path.
+OPENAI_MODEL_PATHS = ("/v1/models", "/openai/v1/models")
+_OPENAI_ROOT = r"^/(?:openai/)?v1/"
+# the model router's paths (contracts.plugins.MODEL_ROUTED_PATHS) as one RE2, matched whole
+OPENAI_OPERATIONS_PATH = (
+    r"/(?:openai/)?v1/(?:" + "|".join(op.replace("/", r"/") for op in OPENAI_OPERATIONS) + ")"
+)
+
+
+def openai_route(function: ir.Function) -> ir.Route | None:
+    """The function's OpenAI operations (chat and text completions, embeddings) on a gateway:
+    a POST to one of them whose body names this model. None when it is not served over REST."""
+    if not function.settings.protocols.rest:
+        return None
+    return ir.Route(
+        name=f"openai-{function.name}",
+        namespace=function.namespace,
+        hosts=("*",),
+        matches=(
+            ir.RouteMatch(
+                ir.PathMatch("regex", OPENAI_OPERATIONS_PATH),
+                headers=(ir.HeaderMatch(MODEL_HEADER, "exact", function.name),),
+                methods=("POST",),
+            ),
+        ),
+        service=function.backend,
+        timeout=function_timeout(function),
+        retries=SAFE_RETRIES,
+        function=function.name,
+        idle_timeout=idle_timeout(function),
+        rewrite=ir.PathRewrite(_OPENAI_ROOT, f"/v2/models/{function.name}/openai/v1/"),
+        model=function.name,
     )
 
 
@@ -111,6 +165,24 @@ def server_routes(functions: list[ir.Function], backend: ir.Service) -> tuple[ir
             retries=SAFE_RETRIES,
         )
     ]
+    if any(f.settings.protocols.rest for f in functions):  # OpenAI's model list (and one model)
+        routes.append(
+            ir.Route(
+                name="openai-models",
+                namespace=backend.namespace,
+                hosts=("*",),
+                matches=tuple(
+                    match
+                    for path in OPENAI_MODEL_PATHS
+                    for match in (
+                        ir.RouteMatch(ir.PathMatch("exact", path), methods=("GET",)),
+                        ir.RouteMatch(ir.PathMatch("prefix", path + "/"), methods=("GET",)),
+                    )
+                ),
+                service=backend.key,
+                retries=SAFE_RETRIES,
+            )
+        )
     grpc = [f for f in functions if f.settings.protocols.grpc]
     if grpc and backend.speaks_grpc:
         routes.append(

@@ -1264,6 +1264,14 @@ class DriftBreaker(Strict):
     probePercent: Annotated[int, Field(ge=1, le=50)] = Field(
         5, description="traffic still sent to the primary while tripped, to see it recover"
     )
+    streams: Literal["ttft", "itl"] = Field(
+        "ttft",
+        description="what drifts on the routes of generative Functions, whose whole duration "
+        "measures how long an answer was, not how its backend does: ttft (time to the first "
+        "byte from upstream: a stream's first token) or itl (inter-token latency: a stream's "
+        "tokens after the first over the time they took, from the backend's usage record). "
+        "Other routes drift on their duration",
+    )
 
     @model_validator(mode="after")
     def _windows(self) -> Self:

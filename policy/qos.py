@@ -190,13 +190,13 @@ def _check_enforcement(items: list[Loaded], bindings: Bindings) -> list[PolicyEr
         errors += _check_global(item)
         errors += _check_shedding(item, item.ref in budgeted)
         if item.ref not in budgeted and any(
-            limits.compute for limits in (*spec.classes, *spec.tenants)
+            limits.compute or limits.tokens for limits in (*spec.classes, *spec.tenants)
         ):
             errors.append(
                 item.error(
                     ("spec", "targetRefs"),
-                    "sets compute budgets, which the inference backend meters, but binds no "
-                    "Function (nor a Gateway serving one)",
+                    "sets compute or token budgets, which the inference backend meters, but "
+                    "binds no Function (nor a Gateway serving one)",
                 )
             )
     return errors

@@ -5,7 +5,8 @@
 # the directory named by its own source key); the last line printed is that directory.
 #   wasm_filters/build.sh            -> <dir>/{audit,degrade,meshfn}{,-lean}.wasm
 #   wasm_filters/build.sh --native   -> also <dir>/{audit,degrade,meshfn}{,-lean}_native.so
-# audit.wasm and degrade.wasm are the two filters; meshfn.wasm is both in one plugin (one
+# audit.wasm and degrade.wasm are the two filters; meshfn.wasm is both in one plugin, with the
+# model router (route/, full build only: it reads request bodies) beside them (one
 # per-request wasm overhead instead of two). The -lean builds keep no per-request context
 # (cheaper per request; request headers only, so no body hashing; one configuration per VM:
 # see common/filter_base.c). Needs: clang, lld (wasm-ld).
@@ -41,7 +42,7 @@ declare -A WANTS=([audit]="-DFILTER_WANTS_BODY" [degrade]="" [meshfn]="-DFILTER_
 
 if [ -z "$out" ]; then
   key=$(cd "$here" && { "$CLANG" --version | head -1;
-    cat build.sh common/*.h common/*.c audit/*.c degrade/*.c meshfn/*.c harness/*.c; } | sha256sum | cut -c1-16)
+    cat build.sh common/*.h common/*.c audit/*.c degrade/*.c route/*.[ch] meshfn/*.c harness/*.c; } | sha256sum | cut -c1-16)
   out=${MESHFN_CACHE:-$HOME/.cache/meshfn}/wasm_filters/$key
 fi
 mkdir -p "$out"
@@ -54,6 +55,7 @@ compile() { # kind(wasm|native) name -> prints the link inputs
   if [ "$src" = meshfn ]; then
     "$CLANG" "${cflags[@]}" -c -DFILTER_NS=audit ${WANTS[${name/meshfn/audit}]} -o "$objdir/audit.o" audit/audit.c
     "$CLANG" "${cflags[@]}" -c -DFILTER_NS=degrade -o "$objdir/degrade.o" degrade/degrade.c
+    "$CLANG" "${cflags[@]}" -c -DFILTER_NS=route -o "$objdir/route.o" route/route.c
     "$CLANG" "${cflags[@]}" -c ${WANTS[$name]} -o "$objdir/meshfn.o" meshfn/meshfn.c
   else
     "$CLANG" "${cflags[@]}" -c ${WANTS[$name]} -o "$objdir/$src.o" "$src/$src.c"

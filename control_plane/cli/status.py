@@ -14,6 +14,7 @@ from rich.text import Text
 
 from meshfn.common.cli import err, fail, out
 from meshfn.common.unix import unix_request
+from meshfn.contracts import genai
 from meshfn.kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
 
 from .shared import DEFAULT_STATE, AdminOpt, ClientStateOpt, admin_url, get_json
@@ -66,7 +67,7 @@ def _print_qos(backends: list[BackendFunctions]) -> None:
     inference backend counts them."""
     table = Table(title="multi-tenant QoS (per backend)", title_justify="left")
     for column in ("backend", "function", "tenant", "class", "admitted", "limited", "shed",
-                   "guest CPU ms", "budget used ms"):  # fmt: skip
+                   "guest CPU ms", "budget used ms", "tokens"):  # fmt: skip
         table.add_column(column)
     for backend, functions, problem in backends:
         where = f"{backend['address']}:{backend['port']}"
@@ -80,6 +81,7 @@ def _print_qos(backends: list[BackendFunctions]) -> None:
                     Text(where), Text(f"{function['name']}@{function['version']}"),
                     Text(t["tenant"] or "(no claim)"), Text(t["class"]), str(t["admitted"]),
                     str(t["limited"]), str(t["shed"]), str(t["guest_cpu_ms"]), budget or "-",
+                    str(t.get("tokens_used", 0)),
                 )  # fmt: skip
     if table.row_count:
         out.print(table)
@@ -112,6 +114,52 @@ def _print_global_rates(rates: list[dict[str, Any]]) -> None:
         )
     if table.row_count:
         out.print(table)
+
+
+def _print_generation(backends: list[BackendFunctions]) -> None:
+    """Generative functions as each backend measures them (OpenTelemetry GenAI names,
+    contracts.genai): streams, tokens, time to first token and per output token, how streams
+    ended, and how many streams a decode step carried on average (continuous batching)."""
+    table = Table(title="generative functions (per backend)", title_justify="left")
+    for column in ("backend", "function", "streams", "finished", "tokens in/out",
+                   f"{genai.TIME_TO_FIRST_TOKEN} p50/p99 ms",
+                   f"{genai.TIME_PER_OUTPUT_TOKEN} p50/p99 ms", "streams per step"):  # fmt: skip
+        table.add_column(column)
+    for backend, functions, _ in backends:
+        for f in functions or []:
+            g = f.get("generation")
+            if not g:
+                continue
+            finished = ", ".join(f"{n} {r}" for r, n in sorted(g["finished"].items()))
+            table.add_row(
+                Text(backend["service"]), Text(f"{f['name']}@{f['version']}"),
+                f"{g['active_streams']} active", Text(finished or "-"),
+                f"{g['prompt_tokens']}/{g['completion_tokens']}",
+                f"{_num(g['ttft_p50_ms'])}/{_num(g['ttft_p99_ms'])}",
+                f"{_num(g['tpot_p50_ms'])}/{_num(g['tpot_p99_ms'])}",
+                _num(g["batched_tokens_ratio"]),
+            )  # fmt: skip
+    if table.row_count:
+        out.print(table)
+
+
+def _print_token_budgets(rows: list[dict[str, Any]]) -> None:
+    """The mesh's book of token budgets (the control plane's ledger): per function, tenant and
+    calendar window, the tokens used and those running requests hold."""
+    table = Table(title="token budgets (control plane)", title_justify="left")
+    for column in ("function", "tenant", "window", "used", "held"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            Text(row["function"]), Text(row["tenant"] or "(no claim)"), Text(row["window"]),
+            str(row["used"]), str(row["reserved"]),
+        )  # fmt: skip
+    if table.row_count:
+        out.print(table)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
 
 
 def _print_rejected(errors: list[str]) -> None:
@@ -254,10 +302,12 @@ def status(
     backends = _backend_functions(document.get("inference_backends") or [])
     _print_qos(backends)
     _print_global_rates(document.get("global_rates") or [])
+    _print_token_budgets(document.get("token_budgets") or [])
     _print_drift(document.get("routes") or {})
     _print_tracing(document.get("tracing"), backends)
     if backends:
         _print_functions(backends)
+        _print_generation(backends)
     if document.get("kube"):
         from meshfn.kube.cli import print_operator
 

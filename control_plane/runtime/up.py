@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,15 @@ from rich.text import Text
 from meshfn import ir
 from meshfn import wasm_filters as filters
 from meshfn.audit.collector import CollectorMetrics
+from meshfn.audit.salt import audit_text_key, load_or_create
 from meshfn.audit.store import StoreError
 from meshfn.common.adminauth import owner_token_path
 from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
 from meshfn.common.progress import RichReporter
 from meshfn.common.unix import SocketPathTooLong
+from meshfn.contracts.function import TokenLedgerAccess
+from meshfn.contracts.qos import TOKEN_LEDGER_PURPOSE, has_token_budgets, ledger_node
 from meshfn.ebpf import AccelerationUnavailable, EgressUnavailable
 from meshfn.policy.rollout import Published
 from meshfn.rollout.controller import Event as RolloutEvent
@@ -54,6 +57,7 @@ from .process import ProcessFailed, SupervisedProcess
 from .sandbox import BackendSandbox, EgressCollector
 from .traces import TraceCollector, TraceMetrics
 from .upstreams import (
+    BackendLinks,
     FunctionsSetup,
     UpstreamSpec,
     app_sockets,
@@ -144,8 +148,15 @@ class Mesh:
         starts = []
         for key, spec in wanted.items():
             if key not in self.upstreams:
-                own = self.sandbox.preexec(spec) if self.sandbox is not None else None
-                proc = upstream_process(spec, self.state_dir, self.functions, own or self.preexec)
+                links = self._links(spec)
+                run = spec
+                if links.ledger is not None:  # its sandbox lets it reach the ledger, no more
+                    peer = ("127.0.0.1", self.cp.xds_port)
+                    run = replace(spec, egress=tuple(sorted({*spec.egress, peer})))
+                own = self.sandbox.preexec(run) if self.sandbox is not None else None
+                proc = upstream_process(
+                    run, self.state_dir, self.functions, own or self.preexec, links
+                )
                 self.upstreams[key] = (spec, proc)
                 starts.append(proc.start())
         for service in model.services:
@@ -156,6 +167,25 @@ class Mesh:
                     service.key,
                 )
         await _gather_or_raise(starts)
+
+    def _links(self, spec: UpstreamSpec) -> BackendLinks:
+        """A backend's proof towards the mesh's token ledger when one of its Functions has
+        token budgets, and the key of its audit text digests (derived from the audit subject
+        salt) when one asks for them."""
+        ledger = None
+        if any(has_token_budgets(f.qos) for f in spec.functions):
+            node = ledger_node(spec.service)
+            ledger = TokenLedgerAccess(
+                target=f"127.0.0.1:{self.cp.xds_port}",
+                node=node,
+                authorization=self.cp.tokens.header(node, TOKEN_LEDGER_PURPOSE),
+            )
+        hashed = any(
+            f.settings.generation is not None and f.settings.generation.auditText == "hmac"
+            for f in spec.functions
+        )
+        key = audit_text_key(load_or_create(self.state_dir)) if hashed else None
+        return BackendLinks(ledger, key)
 
     async def _reconcile_envoys(self, model: ir.MeshModel) -> None:
         wanted = {

@@ -26,7 +26,12 @@ import aiohttp
 from meshfn import ir
 from meshfn.common.files import private_directory, secret_key
 from meshfn.common.unix import socket_path
-from meshfn.contracts.function import BackendConfig, EgressAddress, SandboxSettings
+from meshfn.contracts.function import (
+    BackendConfig,
+    EgressAddress,
+    SandboxSettings,
+    TokenLedgerAccess,
+)
 from meshfn.contracts.tracing import BackendTracing
 from meshfn.policy import compile
 from meshfn.xds.translate import AppSockets
@@ -231,11 +236,25 @@ def app_sockets(upstreams: Iterable[UpstreamSpec]) -> AppSockets:
     return tuple(sorted(out))
 
 
+@dataclass(frozen=True)
+class BackendLinks:
+    """What a backend gets from the control plane beyond its functions: where the mesh's token
+    budgets are kept (and its proof), the key of its functions' audit text digests."""
+
+    ledger: TokenLedgerAccess | None = None
+    audit_text_key: str | None = None
+
+
 def backend_config(
-    spec: UpstreamSpec, setup: FunctionsSetup, state: Path | None = None
+    spec: UpstreamSpec,
+    setup: FunctionsSetup,
+    state: Path | None = None,
+    links: BackendLinks | None = None,
 ) -> dict[str, Any]:
     """The inference backend's config for one endpoint: each Function's settings as the policy
-    gave them (the same schema), named; its sandbox (`state`: its own state directory)."""
+    gave them (the same schema), named; its sandbox (`state`: its own state directory); its
+    links to the control plane."""
+    links = links or BackendLinks()
     config = BackendConfig(
         registry=setup.registry.resolve(),
         trustedKeys=[k.resolve() for k in setup.trusted_keys],
@@ -249,6 +268,8 @@ def backend_config(
             stateDir=state.resolve() if state is not None else None,
             connect=[EgressAddress(address=a, port=p) for a, p in spec.egress],
         ),
+        tokenLedger=links.ledger,
+        auditTextKey=links.audit_text_key,
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result
@@ -264,6 +285,7 @@ def upstream_process(
     state_dir: Path,
     setup: FunctionsSetup | None,
     preexec: Callable[[], None] | None = None,
+    links: BackendLinks | None = None,
 ) -> SupervisedProcess:
     log_path = state_dir / "logs" / f"upstream-{spec.address}-{spec.port}.log"
     for directory in {p.parent for p in (*spec.sockets, *spec.grpc_sockets)}:
@@ -281,7 +303,8 @@ def upstream_process(
         private_directory(own)
         (own / "sandbox.json").unlink(missing_ok=True)  # the report of the backend to come
         config = own / "backend.json"
-        config.write_text(json.dumps(backend_config(spec, setup, own), indent=2))
+        config.write_text(json.dumps(backend_config(spec, setup, own, links), indent=2))
+        config.chmod(0o600)  # its ledger token and audit text key
 
         async def backend_ready() -> bool:
             # every serving process, where each has a socket of its own

@@ -20,6 +20,7 @@ import json
 import struct
 import sys
 from array import array
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -80,11 +81,48 @@ class Tensor:
         return out
 
 
+class Settings:
+    """A generation's settings, already checked by the host against the function's bounds."""
+
+    __slots__ = ("max_tokens", "seed", "stop", "temperature", "top_p")
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.max_tokens: int = int(values.get("max_tokens", 16))
+        self.temperature: float = float(values.get("temperature", 1.0))
+        self.top_p: float = float(values.get("top_p", 1.0))
+        seed = values.get("seed")
+        self.seed: int | None = None if seed is None else int(seed)
+        self.stop: list[str] = list(values.get("stop") or [])
+
+
+class Piece:
+    """Text a generator yields with how many completion tokens made it (a plain str counts
+    as one token)."""
+
+    __slots__ = ("text", "tokens")
+
+    def __init__(self, text: str, tokens: int = 1) -> None:
+        self.text = text
+        self.tokens = tokens
+
+
 class Model:
-    """Subclass and implement `predict`."""
+    """Subclass and implement `predict` (KServe inference) or `generate` (a generative model:
+    function.toml `[generate] engine = "generator"`)."""
 
     def predict(self, inputs: dict[str, Tensor], parameters: dict[str, Any]) -> list[Tensor]:
         raise NotImplementedError
+
+    def generate(self, prompt: str, settings: Settings) -> Iterator[str | Piece]:
+        """Yield the completion of `prompt` piece by piece (str or Piece); return "length" if
+        it ended at max_tokens, else it ended with "stop". The host stops asking for pieces
+        once max_tokens, a stop sequence or the deadline is reached, or the client is gone."""
+        raise BadRequest("this model does not generate text")
+
+    def count_tokens(self, prompt: str) -> int:
+        """The prompt's length in the model's own tokens (usage.prompt_tokens); default: its
+        UTF-8 bytes."""
+        return len(prompt.encode("utf-8"))
 
 
 class ModelError(Exception):
@@ -186,6 +224,74 @@ def handle(model: Model, request_json: str) -> str:
         raise ModelError("internal", f"{type(exc).__name__}: {exc}") from None
 
 
+class _Generation:
+    """The instance's current generation (one at a time; a new start ends the last). Its
+    first piece is made at the start, so a generator that refuses its prompt (BadRequest
+    before it yields) refuses the start: nothing is generated."""
+
+    pieces: Iterator[str | Piece] | None = None
+    first: str | Piece | None = None
+    done: str | None = None
+
+
+_GENERATION = _Generation()
+
+
+def generate_start(model: Model, request_json: str) -> str:
+    """Start a generation (WIT generate-start); errors as ModelError."""
+    try:
+        request = json.loads(request_json)
+        prompt = request["prompt"]
+        settings = Settings(request)
+        _GENERATION.pieces, _GENERATION.first, _GENERATION.done = None, None, None
+        count = model.count_tokens(prompt)
+        pieces = iter(model.generate(prompt, settings))
+        try:
+            _GENERATION.first = next(pieces)
+            _GENERATION.pieces = pieces
+        except StopIteration as end:
+            _GENERATION.done = "length" if end.value == "length" else "stop"
+        return json.dumps({"prompt_tokens": int(count)})
+    except Exception as exc:
+        raise _model_error(exc) from None
+
+
+def generate_next(model: Model) -> str:
+    """The next piece of the current generation (WIT generate-next)."""
+    if _GENERATION.first is not None:
+        piece, _GENERATION.first = _GENERATION.first, None
+        return _piece_json(piece)
+    if _GENERATION.done is not None or _GENERATION.pieces is None:
+        reason = _GENERATION.done or "stop"
+        return json.dumps({"done": True, "finish_reason": reason})
+    try:
+        piece = next(_GENERATION.pieces)
+    except StopIteration as end:
+        _GENERATION.done = "length" if end.value == "length" else "stop"
+        _GENERATION.pieces = None
+        return json.dumps({"done": True, "finish_reason": _GENERATION.done})
+    except Exception as exc:
+        _GENERATION.pieces = None
+        raise _model_error(exc) from None
+    return _piece_json(piece)
+
+
+def _piece_json(piece: str | Piece) -> str:
+    if isinstance(piece, str):
+        piece = Piece(piece)
+    return json.dumps({"text": str(piece.text), "tokens": int(piece.tokens)})
+
+
+def _model_error(exc: BaseException) -> ModelError:
+    if isinstance(exc, ModelError):
+        return exc
+    if isinstance(exc, MemoryError):
+        return ModelError("out-of-memory", "the model ran out of memory")
+    if isinstance(exc, BadRequest):
+        return ModelError("bad-request", str(exc))
+    return ModelError("internal", f"{type(exc).__name__}: {exc}")
+
+
 def _example(datatype: str) -> Any:
     if datatype == "BYTES":
         return "warm up"
@@ -256,6 +362,18 @@ def component(model: Model, metadata_json: str) -> type:
         def infer(self, request: str) -> str:
             try:
                 return handle(model, request)
+            except ModelError as exc:
+                raise Err(errors[exc.kind](str(exc))) from None
+
+        def generate_start(self, request: str) -> str:
+            try:
+                return generate_start(model, request)
+            except ModelError as exc:
+                raise Err(errors[exc.kind](str(exc))) from None
+
+        def generate_next(self) -> str:
+            try:
+                return generate_next(model)
             except ModelError as exc:
                 raise Err(errors[exc.kind](str(exc))) from None
 

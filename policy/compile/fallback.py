@@ -72,6 +72,7 @@ def _apply(service: ir.Service, policies: Mapping[str, Loaded]) -> ir.Service:
             cold_start_baseline=d.coldStartBaseline,
             recover_after=d.recoverAfter,
             probe_percent=d.probePercent,
+            streams=d.streams,
         )
     return dataclasses.replace(
         service,

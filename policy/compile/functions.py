@@ -62,8 +62,12 @@ def serve(bound: Bound) -> Served:
         if (claim := next((f.qos.tenantClaim for f in on_it if f.qos is not None), None))
     }
     balanced = tuple(
-        dataclasses.replace(s, load_balancer=FUNCTION_BACKEND_BALANCER)
-        if s.key in served and s.load_balancer is None
+        dataclasses.replace(
+            s,
+            load_balancer=s.load_balancer or FUNCTION_BACKEND_BALANCER,
+            functions=True,
+        )
+        if s.key in served
         else s
         for s in bound.services
     )
@@ -113,16 +117,15 @@ def _attach(
         if isinstance(item.lowered, ir.Function):
             function = functions[key]
             hosted.setdefault(attached.gateway, []).append((item, function))
-            route, only = kserve.function_route(function), None
-            if route is None:
-                continue
+            found = [kserve.function_route(function), kserve.openai_route(function)]
+            lowered: list[tuple[ir.Route, str | None]] = [(r, None) for r in found if r]
         else:
             assert isinstance(item.lowered, ir.Route) and isinstance(item.obj, Route)
-            route, only = item.lowered, item.obj.spec.listener
+            lowered = [(item.lowered, item.obj.spec.listener)]
         own = bound.bound.get((item.kind, key))
-        if own is not None:
-            route = dataclasses.replace(route, qos=own)
-        routes[attached.gateway].append(GatewayRoute(item, route, only))
+        for route, only in lowered:
+            bound_route = dataclasses.replace(route, qos=own) if own is not None else route
+            routes[attached.gateway].append(GatewayRoute(item, bound_route, only))
     return routes, hosted
 
 

@@ -61,6 +61,12 @@ def _limits(limits: Limits) -> ir.TenantLimits:
                 key=lambda b: window_seconds(b.window),
             )
         ),
+        tokens=tuple(
+            sorted(
+                (ir.TokenBudget(b.tokens, b.per) for b in limits.tokens),
+                key=lambda b: window_seconds(b.window),
+            )
+        ),
     )
 
 
@@ -97,4 +103,5 @@ def _function_qos(item: Loaded, claim: str) -> FunctionQoS:
         defaultClass=spec.defaultClass,
         classes=spec.classes,
         tenants=spec.tenants,
+        tokenReservation=spec.tokenReservation,
     )

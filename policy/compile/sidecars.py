@@ -46,6 +46,7 @@ def place(shed: Shed) -> Complete:
                     mtls=endpoint.mtls,
                     grpc_app_port=endpoint.grpc_port,
                     tenant_claim=claim,
+                    functions=guard is not None,  # the repository guard: it serves functions
                 ),
             )
             for endpoint in service.endpoints

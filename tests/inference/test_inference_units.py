@@ -393,8 +393,11 @@ def test_example_manifests_load() -> None:
     }
     assert kinds == {
         "iris": "onnx", "digits": "onnx", "digits28": "onnx", "cancer": "onnx",
-        "digits-cnn": "onnx", "embedder": "python",
+        "digits-cnn": "onnx", "embedder": "python", "tiny-lm": "onnx",
     }  # fmt: skip
+    tiny = load_manifest(FUNCTIONS_DIR / "examples" / "tiny-lm")
+    assert tiny.generate is not None and tiny.generate.engine == "step"  # a compiled step
+    assert (tiny.model, tiny.max_batch) == ("step.onnx", 256)  # generation.batching's ceiling
     iris = load_manifest(FUNCTIONS_DIR / "examples" / "iris")
     assert (iris.model, iris.prepare, iris.max_batch, iris.memory_mib) == (
         "model.onnx", "train.py", 64, 64,

@@ -265,10 +265,15 @@ def test_functions_routes_guards_and_balancing() -> None:
     assert iris.qos is not None and iris.qos.policy == "default/iris"
     routes = served.routes["default/edge"]
     # as written (a Function's own REST routes in its place), then the gateway's server routes
-    assert [r.route.name for r in routes] == ["chat", "function-iris", "later", "kserve-server"]
+    # (and its OpenAI route, by the body's model), then the gateway's server routes
+    assert [r.route.name for r in routes] == [
+        "chat", "function-iris", "openai-iris", "later", "kserve-server", "openai-models",
+    ]  # fmt: skip
     assert routes[1].route.qos is not None and routes[1].route.qos.name == "iris"
+    assert routes[2].route.qos == routes[1].route.qos and routes[2].route.model == "iris"
     assert routes[1].route.timeout == iris.settings.limits.timeout + kserve.DEADLINE_MARGIN
-    assert [r.listener for r in routes] == [None, None, None, None]
+    assert routes[1].route.idle_timeout is None  # not generative: the proxy's default
+    assert [r.listener for r in routes] == [None] * 6
     # the backend has sidecars: they hold the repository guard, the gateway does not
     assert set(served.guards) == {("service", "default/models")}
     assert [o.name for o in served.guard_objects] == ["meshfn-kserve-repository-models"]
@@ -309,7 +314,9 @@ def test_functions_on_one_gateway_share_one_backend() -> None:
     assert "must share one backend: iris is served by default/a, digits by default/b" in str(error)
     assert [r.route.name for r in served.routes["default/edge"]] == [
         "function-iris",
+        "openai-iris",
         "function-digits",
+        "openai-digits",
     ]
 
 

@@ -78,7 +78,7 @@ def test_examples_load() -> None:
         "default/models-lite",
     }
     assert [f.name for f in model.functions] == [
-        "cancer", "digits", "digits-cnn", "embedder", "iris",
+        "cancer", "digits", "digits-cnn", "embedder", "iris", "tiny-lm",
     ]  # fmt: skip
 
 
@@ -735,14 +735,15 @@ def test_kserve_routes_follow_the_protocol_switches(tmp_path: Path) -> None:
     files["fn.yaml"] = doc("Function", "  backend: echo\n  protocols: {grpc: false}\n", name="a")
     model = load_policies(write(tmp_path, files))
     routes = {r.name for r in model.workloads[0].listeners[0].routes}
-    assert routes == {"echo", "function-a", "kserve-server"}  # no function wants gRPC
+    # no function wants gRPC; OpenAI's API (by the body's model, and the model list) is REST
+    assert routes == {"echo", "function-a", "openai-a", "kserve-server", "openai-models"}
     files["fn.yaml"] += "---\n" + doc(
         "Function", "  backend: echo\n  protocols: {rest: false}\n", name="b"
     )
     model = load_policies(write(tmp_path, files))
     gateway = model.workloads[0]
     assert {r.name for r in gateway.listeners[0].routes} == {
-        "echo", "function-a", "kserve-server", "kserve-grpc",
+        "echo", "function-a", "openai-a", "kserve-server", "openai-models", "kserve-grpc",
     }  # fmt: skip
     (sidecar,) = [w for w in model.workloads if w.inbound is not None]
     assert sidecar.inbound is not None and sidecar.inbound.grpc_app_port == 8081

@@ -312,8 +312,8 @@ def test_backend_sidecars_must_verify_the_tenant(tmp_path: Path) -> None:
     with pytest.raises(PolicyErrors) as caught:
         load_policies(tmp_path)
     found = [str(e).split("zz-qos.yaml:", 1)[-1] for e in caught.value.errors]
-    # one per example Function: iris, embedder, digits, cancer, digits-cnn
-    assert len(found) == 5 and all(
+    # one per example Function: iris, embedder, digits, cancer, digits-cnn, tiny-lm
+    assert len(found) == 6 and all(
         e.startswith("19: spec.targetRefs: the backend of Function default/")
         and "sidecars of Service default/models verify no JWT" in e
         for e in found

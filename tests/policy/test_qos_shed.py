@@ -103,7 +103,11 @@ def test_priority_routes_match_the_verified_payload_only(model: ir.MeshModel) ->
     # No rate in the policy: no rate limit filter, but the shed replies.
     assert not any("local_ratelimit" in f["name"] for f in manager["httpFilters"])
     mappers = manager["localReplyConfig"]["mappers"]
-    grpc, plain = [m for m in mappers if "UO" in json.dumps(m["filter"])]
+    # (the shed replies, and on OpenAI's paths the plain one's twin in OpenAI's shape)
+    *twins, grpc, plain = [m for m in mappers if "UO" in json.dumps(m["filter"])]
+    (twin,) = twins
+    assert twin["bodyFormatOverride"]["jsonFormat"]["error"]["type"] == "rate_limit_error"
+    assert twin["bodyFormatOverride"]["jsonFormat"]["error"]["limit"] == "shed"
     for mapper in (grpc, plain):
         assert mapper["statusCode"] == 429
         body = mapper["bodyFormatOverride"]["jsonFormat"]
@@ -248,7 +252,8 @@ def test_shedding_needs_a_function(tmp_path: Path) -> None:
 
 
 def test_istio_warns_that_it_cannot_shed_by_priority(model: ir.MeshModel) -> None:
-    digests = {name: hashlib.sha256(name.encode()).hexdigest() for name in ("audit", "degrade")}
+    names = ("audit", "degrade", "meshfn")  # meshfn: the model router (OpenAI routes)
+    digests = {name: hashlib.sha256(name.encode()).hexdigest() for name in names}
     rendered = render(model, digests)
     codes = {(w.code, w.source.name, w.path) for w in rendered.warnings}
     assert ("qos-gateway-shedding", "tenants", ("spec", "gatewayShedding")) in codes

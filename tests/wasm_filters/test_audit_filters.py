@@ -270,7 +270,7 @@ def test_schemas_cover_both_filters() -> None:
         "trigger",
         "rules",
     }
-    assert set(schemas["meshfn"]["properties"]) == {"audit", "degrade"}
+    assert set(schemas["meshfn"]["properties"]) == {"audit", "degrade", "route"}
 
 
 def test_prebuilt_dir_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

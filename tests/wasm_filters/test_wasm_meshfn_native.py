@@ -41,7 +41,7 @@ def config(depth: int = 0, mode: str = "reroute") -> bytes:
 @pytest.mark.parametrize(
     ("raw", "reason"),
     [
-        (b"{}", 'configuration: needs "audit" or "degrade"'),
+        (b"{}", 'configuration: needs "audit", "route" or "degrade"'),
         (b'{"audit": {"subject_salt": "00"}}', "audit.subject_salt: must be"),
         (b'{"degrade": {"rules": [{"name": "x", "mode": "reject"}]}}', "degrade.rules[]: needs"),
         (b'{"audit": [], "degrade": {"rules": []}}', "audit: must be an object"),

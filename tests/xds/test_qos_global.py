@@ -255,7 +255,9 @@ def test_global_without_a_rate(tmp_path: Path) -> None:
 
 
 def test_istio_renders_a_global_rate_as_local_limits_with_a_warning(model: ir.MeshModel) -> None:
-    digests = {name: hashlib.sha256(name.encode()).hexdigest() for name in ("audit", "degrade")}
+    digests = {
+        name: hashlib.sha256(name.encode()).hexdigest() for name in ("audit", "degrade", "meshfn")
+    }
     rendered = render(model, digests)
     codes = {(w.code, w.source.name, w.path) for w in rendered.warnings}
     assert ("qos-global-rate-needs-meshfn-rls", "tenants", ("spec", "global")) in codes

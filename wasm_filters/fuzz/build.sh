@@ -10,7 +10,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 CLANG=${CLANG:-clang}
 command -v "$CLANG" >/dev/null || { echo "fuzz/build.sh: $CLANG not found (apt-get install clang)" >&2; exit 1; }
 key=$(cd "$here" && { "$CLANG" --version | head -1;
-  cat fuzz/build.sh fuzz/*.c common/*.h common/*.c audit/*.c degrade/*.c meshfn/*.c harness/*.c; } | sha256sum | cut -c1-16)
+  cat fuzz/build.sh fuzz/*.c common/*.h common/*.c audit/*.c degrade/*.c route/*.[ch] meshfn/*.c harness/*.c; } | sha256sum | cut -c1-16)
 out=${MESHFN_CACHE:-$HOME/.cache/meshfn}/wasm_filters/fuzz-$key
 mkdir -p "$out"
 CFLAGS=(-g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
@@ -34,6 +34,7 @@ build() { # name: audit | degrade | meshfn (the full builds: per-request context
     if [ "$name" = meshfn ]; then
       "$CLANG" "${CFLAGS[@]}" -c -DFILTER_NS=audit -DFILTER_WANTS_BODY -o "$objdir/audit.o" audit/audit.c
       "$CLANG" "${CFLAGS[@]}" -c -DFILTER_NS=degrade -o "$objdir/degrade.o" degrade/degrade.c
+      "$CLANG" "${CFLAGS[@]}" -c -DFILTER_NS=route -o "$objdir/route.o" route/route.c
     fi
     for f in "${srcs[@]}" "${common[@]}" fuzz/fuzz_filter.c; do
       "$CLANG" "${CFLAGS[@]}" "${defs[@]}" -c -o "$objdir/$(basename "$f" .c).o" "$f"

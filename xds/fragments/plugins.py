@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from meshfn import ir
+from meshfn.contracts.genai import GENERATION_HEADER
 from meshfn.contracts.naming import priority_route_name, route_name
 from meshfn.contracts.plugins import (
     AUDIT_FILTER_STATE,
@@ -21,6 +22,7 @@ from meshfn.contracts.plugins import (
     BodyHash,
     DegradeRule,
     DegradeSettings,
+    RouteSettings,
     SubjectSalt,
     Trigger,
     bare_filter_state,
@@ -43,6 +45,18 @@ def audit_settings(audit: ir.Audit, salt: SubjectSalt, jwt_headers: bool) -> Aud
         tenant_claim=audit.tenant_claim,
         body_hash=BodyHash(enabled=audit.body_hash, max_bytes=audit.body_hash_max_bytes),
     )
+
+
+def route_settings(model: ir.MeshModel, listener: ir.Listener) -> RouteSettings | None:
+    """The model router of a gateway listener whose routes include OpenAI model routes: the
+    models they serve, and the largest request body of their functions (None: no such
+    route)."""
+    models = sorted({r.model for r in listener.routes if r.model})
+    if not models:
+        return None
+    limits = {f.name: f.settings.limits.maxRequestBytes for f in model.functions}
+    largest = max(limits.get(name, 1 << 20) for name in models)
+    return RouteSettings(models=models, max_body_bytes=largest)
 
 
 def drill_trigger(drill: ir.Drill | None) -> Trigger | None:
@@ -142,6 +156,11 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
     "traceparent": "%REQ(TRACEPARENT):128%",
     "b3_trace_id": "%REQ(X-B3-TRACEID):64%",
     "audit": f"%FILTER_STATE({AUDIT_FILTER_STATE}:PLAIN)%",
+    # a generation's usage record (contracts.genai): the trailer after a stream, the header of
+    # a whole response; and the time to the first upstream byte (a stream's first token)
+    "generation": f"%TRAILER({GENERATION_HEADER.upper()}):1024%",
+    "generation_whole": f"%RESP({GENERATION_HEADER.upper()}):1024%",
+    "upstream_first_byte_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BEG:us)%",
 }
 
 AUDIT_STATE_VERSION = "1"

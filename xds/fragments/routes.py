@@ -56,6 +56,13 @@ def route_match(match: ir.RouteMatch) -> rc.RouteMatch:
     return out
 
 
+def path_rewrite(rewrite: ir.PathRewrite) -> regex_pb2.RegexMatchAndSubstitute:
+    """A route's rewrite of the path it sends upstream (Envoy's regex_rewrite)."""
+    return regex_pb2.RegexMatchAndSubstitute(
+        pattern=regex_pb2.RegexMatcher(regex=rewrite.pattern), substitution=rewrite.substitution
+    )
+
+
 def degraded_match(route: ir.Route, index: int) -> rc.RouteMatch:
     """The match of a drift-guarded route's degraded twin: the route's, plus the internal
     routing header the degrade filter sets once the breaker trips (the listener strips it from

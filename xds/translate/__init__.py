@@ -50,6 +50,7 @@ def translate(
             audit,
             qos=QoSContext(claim) if claim is not None and workload.jwt_rules else None,
             tracing=tracing_for(model, workload, host),
+            openai=workload.inbound is not None and workload.inbound.functions,
         )
         out = sidecar_resources(workload, filters, overlay, host)
     else:

@@ -46,6 +46,7 @@ def cluster(service: ir.Service, name: str | None = None) -> cluster_pb2.Cluster
         service.traffic,
         service.load_balancer,
         service.shed,
+        service.functions,
     )
 
 
@@ -129,6 +130,16 @@ def http2_options() -> http_protocol_options_pb2.HttpProtocolOptions:
     )
 
 
+def http1_trailers() -> http_protocol_options_pb2.HttpProtocolOptions:
+    """HTTP/1.1 upstream with trailers decoded (a generation's usage record follows its
+    stream as a trailer; without this Envoy drops it)."""
+    return http_protocol_options_pb2.HttpProtocolOptions(
+        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+            http_protocol_options=protocol_pb2.Http1ProtocolOptions(enable_trailers=True)
+        )
+    )
+
+
 def _u32(value: int | None) -> wrappers_pb2.UInt32Value | None:
     return wrappers_pb2.UInt32Value(value=value) if value is not None else None
 
@@ -174,6 +185,7 @@ def _cluster(
     traffic: ir.TrafficPolicy | None,
     balancer: LoadBalancer | None = None,
     shed: ir.PriorityLimits | None = None,
+    trailers: bool = False,
 ) -> cluster_pb2.Cluster:
     out = cluster_pb2.Cluster(
         name=name,
@@ -193,11 +205,13 @@ def _cluster(
     elif protocol == "mixed":
         options = http_protocol_options_pb2.HttpProtocolOptions(
             use_downstream_protocol_config=http_protocol_options_pb2.HttpProtocolOptions.UseDownstreamHttpConfig(
-                http_protocol_options=protocol_pb2.Http1ProtocolOptions(),
+                http_protocol_options=protocol_pb2.Http1ProtocolOptions(enable_trailers=trailers),
                 http2_protocol_options=protocol_pb2.Http2ProtocolOptions(),
             )
         )
         out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(options))
+    elif trailers:
+        out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(http1_trailers()))
     if mtls_peer:
         # Endpoints whose sidecar speaks mTLS carry the match metadata (see endpoints.py); the
         # others (a sidecar in DISABLE mode) get plaintext. Istio's auto-mTLS works the same way.

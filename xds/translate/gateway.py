@@ -11,13 +11,14 @@ from google.protobuf.message import Message
 from meshfn import ir
 from meshfn.contracts.qos import LIMIT_SERVICE_NODE_HEADER
 
+from ..fragments.plugins import route_settings
 from ..names import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, cluster_name
 from . import httpfilters
 from .clusters import cluster, fallback_cluster, function_cluster, version_cluster
 from .endpoints import load_assignment, tier_assignments
 from .host import ProxyHost
 from .httpfilters import FilterContext, QoSContext
-from .httpfilters.base import AuditConfig
+from .httpfilters.base import AuditConfig, RouteConfig
 from .httpfilters.degrade import degrade_for
 from .httpfilters.tracing import tracing_for
 from .listeners import listener
@@ -65,6 +66,7 @@ def gateway_resources(
     for lst in workload.listeners:
         used = sorted({r.service for r in lst.routes})
         guarded = frozenset(r.key for r in lst.routes if targets[r.service].drift)
+        route = model_router(model, lst, host)
         filters = FilterContext(
             workload.jwt_rules,
             workload.authz,
@@ -73,6 +75,8 @@ def gateway_resources(
             qos=qos_context(workload.qos, lst, limit_service_metadata),
             mesh_route=model.audit is not None,
             tracing=tracing,
+            route=route,
+            openai=route is not None,
         )
         rolled = sorted(
             {
@@ -192,6 +196,14 @@ class _Clusters:
                 twins = split.target(target, version)
                 if twins.tail:
                     self.add_aggregates(service, twins.members, twins.tail)
+
+
+def model_router(model: ir.MeshModel, lst: ir.Listener, host: ProxyHost) -> RouteConfig | None:
+    """The listener's model router, if it routes OpenAI requests by the model in their body."""
+    settings = route_settings(model, lst)
+    if settings is None:
+        return None
+    return RouteConfig(lst.name, tuple(settings.models), settings.max_body_bytes, host.wasm_dir)
 
 
 def qos_context(

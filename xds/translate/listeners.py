@@ -15,6 +15,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
 from meshfn import ir
+from meshfn.contracts.genai import GENERATION_HEADER
 from meshfn.contracts.tracing import TRACEPARENT
 
 from ..fragments.messages import pack
@@ -31,6 +32,9 @@ def _latency_log() -> accesslog_pb2.AccessLog:
     """Per-request timings streamed to the control plane (gRPC access-log service on the ADS
     cluster): the drift breaker's input."""
     config = grpc_als_pb2.HttpGrpcAccessLogConfig(
+        # a generation's usage record: the drift breaker's inter-token latency needs its tokens
+        additional_response_trailers_to_log=[GENERATION_HEADER],
+        additional_response_headers_to_log=[GENERATION_HEADER],
         common_config=grpc_als_pb2.CommonGrpcAccessLogConfig(
             log_name=LATENCY_LOG,
             grpc_service=grpc_service_pb2.GrpcService(

@@ -24,7 +24,13 @@ from ..fragments import qos as envoy_qos
 from ..fragments import rollout as versions_split
 from ..fragments import tracing as envoy_tracing
 from ..fragments.messages import duration
-from ..fragments.routes import degraded_clusters, degraded_match, retry_policy, route_match
+from ..fragments.routes import (
+    degraded_clusters,
+    degraded_match,
+    path_rewrite,
+    retry_policy,
+    route_match,
+)
 from ..names import (
     cluster_name,
     fallback_cluster_name,
@@ -184,6 +190,10 @@ def _action(
         action.cluster = target.normal_cluster
     if route.timeout is not None:
         action.timeout.CopyFrom(duration(route.timeout))
+    if route.idle_timeout is not None:
+        action.idle_timeout.CopyFrom(duration(route.idle_timeout))
+    if route.rewrite is not None:
+        action.regex_rewrite.CopyFrom(path_rewrite(route.rewrite))
     if route.retries is not None:
         action.retry_policy.CopyFrom(retry_policy(route.retries, target.locality_failover))
     return action

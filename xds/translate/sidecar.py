@@ -22,7 +22,7 @@ from .. import names
 from ..fragments.messages import pack
 from ..names import CLUSTER, INBOUND_LISTENER, LISTENER
 from . import httpfilters
-from .clusters import HTTP_PROTOCOL_OPTIONS, http2_options
+from .clusters import HTTP_PROTOCOL_OPTIONS, http1_trailers, http2_options
 from .common import one_endpoint, pipe_endpoints, socket_address
 from .host import ProxyHost
 from .httpfilters import FilterContext
@@ -84,6 +84,8 @@ def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb
                 **client_cert_details(),
             )
         )
+        if inbound.functions:  # a stream's usage record (a trailer) goes on to the gateway
+            manager.http_protocol_options.enable_trailers = True
         httpfilters.build_connection_manager(manager, filters)
         out = listener_components_pb2.FilterChain(
             filters=[listener_components_pb2.Filter(name=HCM, typed_config=pack(manager))]
@@ -115,10 +117,11 @@ def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb
 
 @lru_cache(maxsize=4096)
 def local_cluster(
-    address: str, port: int, http2: bool, sockets: tuple[str, ...] = ()
+    address: str, port: int, http2: bool, sockets: tuple[str, ...] = (), trailers: bool = False
 ) -> cluster_pb2.Cluster:
     """The sidecar's cluster for its application: address:port, or the application's unix
-    sockets (`ProxyHost.app_sockets`, one endpoint per serving process) where it has them."""
+    sockets (`ProxyHost.app_sockets`, one endpoint per serving process) where it has them;
+    `trailers`: HTTP/1.1 trailers pass (a generative function's usage record)."""
     name = names.local_cluster_name(port)
     cluster = cluster_pb2.Cluster(
         name=name,
@@ -130,12 +133,15 @@ def local_cluster(
     )
     if http2:
         cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(http2_options())
+    elif trailers:
+        cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(http1_trailers())
     return cluster
 
 
 def local_clusters(inbound: ir.Inbound, host: ProxyHost) -> dict[str, cluster_pb2.Cluster]:
     def cluster(port: int, http2: bool) -> cluster_pb2.Cluster:
-        return local_cluster(inbound.address, port, http2, host.app_socket(inbound.address, port))
+        sockets = host.app_socket(inbound.address, port)
+        return local_cluster(inbound.address, port, http2, sockets, inbound.functions)
 
     clusters = [cluster(inbound.app_port, inbound.protocol == "grpc")]
     if inbound.grpc_app_port is not None:

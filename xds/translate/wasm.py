@@ -35,6 +35,7 @@ from meshfn.contracts.plugins import (
     DegradeSettings,
     FilterKind,
     MeshfnSettings,
+    RouteSettings,
     build_name,
     internal_headers,
     needs_full_build,
@@ -58,9 +59,14 @@ def wasm_http_filter(
     *,
     fail_open: bool = False,
     vm_id: str | None = None,
+    waits_for_body: bool = False,
 ) -> hcm_pb2.HttpFilter:
     """An `envoy.filters.http.wasm` entry. Fail closed by default: if the VM dies, requests get
-    503 instead of passing unaudited (audit) or with a spoofable routing header (degrade)."""
+    503 instead of passing unaudited (audit) or with a spoofable routing header (degrade).
+
+    `waits_for_body`: the plugin pauses the headers until it has read the body (the model
+    router). Envoy turns a plugin's paused headers into StopAllIteration unless told otherwise,
+    and StopAllIteration holds the body back from the plugin itself: it would wait forever."""
     plugin = wasm_pb2.PluginConfig(
         name=name,
         root_id=name,
@@ -71,6 +77,8 @@ def wasm_http_filter(
         ),
         failure_policy=wasm_pb2.FAIL_OPEN if fail_open else wasm_pb2.FAIL_CLOSED,
     )
+    if waits_for_body:
+        plugin.allow_on_headers_stop_iteration.value = True
     plugin.configuration.Pack(wrappers_pb2.StringValue(value=configuration))
     typed = any_pb2.Any()
     typed.Pack(http_wasm_pb2.Wasm(config=plugin))
@@ -91,7 +99,8 @@ def plugin_filter(
     lean = not needs_full_build(settings)
     wasm = wasm_path(kind, lean, directory)
     vm_id = f"{name}.{hashlib.sha256(configuration.encode()).hexdigest()[:16]}" if lean else name
-    return wasm_http_filter(name, wasm, configuration, vm_id=vm_id)
+    waits = isinstance(settings, MeshfnSettings) and settings.route is not None
+    return wasm_http_filter(name, wasm, configuration, vm_id=vm_id, waits_for_body=waits)
 
 
 def audit_filter(settings: AuditSettings, directory: Path) -> hcm_pb2.HttpFilter:
@@ -103,12 +112,16 @@ def degrade_filter(settings: DegradeSettings, directory: Path) -> hcm_pb2.HttpFi
 
 
 def meshfn_filter(
-    audit: AuditSettings | None, degrade: DegradeSettings | None, directory: Path
+    audit: AuditSettings | None,
+    degrade: DegradeSettings | None,
+    directory: Path,
+    route: RouteSettings | None = None,
 ) -> hcm_pb2.HttpFilter:
-    """Audit and degrade as ONE filter (meshfn.wasm): same behaviour as the two filters in that
-    order, but Envoy's fixed per-filter, per-request wasm cost is paid once. Place it after
-    jwt_authn."""
-    return plugin_filter("meshfn", MeshfnSettings(audit=audit, degrade=degrade), directory)
+    """Audit, the model router and degrade as ONE filter (meshfn.wasm): same behaviour as the
+    filters in that order, but Envoy's fixed per-filter, per-request wasm cost is paid once.
+    Place it after jwt_authn."""
+    settings = MeshfnSettings(audit=audit, degrade=degrade, route=route)
+    return plugin_filter("meshfn", settings, directory)
 
 
 def ecds_slot(name: str) -> hcm_pb2.HttpFilter:
@@ -133,6 +146,7 @@ def early_header_mutation(
     audit: AuditSettings | None = None,
     mesh_route: bool = False,
     tenant: bool = False,
+    route: RouteSettings | None = None,
 ) -> extension_pb2.TypedExtensionConfig:
     """For HttpConnectionManager.early_header_mutation_extensions: removes `internal_headers`
     from client requests BEFORE Envoy matches a route or runs a filter. Envoy picks the route
@@ -140,7 +154,7 @@ def early_header_mutation(
     route first; the degrade filter then strips it and clears the route cache (routing ends up
     right), but it can only evaluate its rules against the route Envoy had picked. In jwt_headers
     mode it is what makes the claim headers trustworthy: only jwt_authn can have set them."""
-    names = internal_headers(degrade, audit, mesh_route, tenant)
+    names = internal_headers(degrade, audit, mesh_route, tenant, route)
     if not names:
         raise ValueError("early_header_mutation needs degrade settings, jwt_headers audit or QoS")
     mutation = header_mutation_pb2.HeaderMutation(

@@ -17,6 +17,7 @@ from typing import Any
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup, escape
 
+from meshfn.contracts import genai
 from meshfn.health.drift import RouteDrift
 
 from .graph import SECURITY_WORDS, graph_svg
@@ -56,6 +57,7 @@ _env = Environment(
 )
 _env.filters["clock"] = _clock
 _env.filters["ms"] = _ms
+_env.globals["genai"] = genai  # the GenAI metric names, from their one place
 
 
 @dataclass(frozen=True)

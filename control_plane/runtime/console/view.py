@@ -358,6 +358,40 @@ class FunctionView:
     p99_ms: float | None
     recent: int
     memory: str
+    generation: GenerationView | None = None
+
+
+@dataclass(frozen=True)
+class GenerationView:
+    """A generative function's recent streams (the backend's measures, OpenTelemetry GenAI
+    names from contracts.genai)."""
+
+    streams: int
+    finished: str  # "12 stop, 3 length"
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    tpot_p99_ms: float | None
+    streams_per_step: float | None
+
+
+def _generation_view(doc: Mapping[str, Any] | None) -> GenerationView | None:
+    if not doc:
+        return None
+    finished = doc.get("finished") or {}
+    return GenerationView(
+        streams=int(doc.get("active_streams") or 0),
+        finished=", ".join(f"{n} {r}" for r, n in sorted(finished.items())) or "none yet",
+        prompt_tokens=int(doc.get("prompt_tokens") or 0),
+        completion_tokens=int(doc.get("completion_tokens") or 0),
+        ttft_p50_ms=doc.get("ttft_p50_ms"),
+        ttft_p99_ms=doc.get("ttft_p99_ms"),
+        tpot_p50_ms=doc.get("tpot_p50_ms"),
+        tpot_p99_ms=doc.get("tpot_p99_ms"),
+        streams_per_step=doc.get("batched_tokens_ratio"),
+    )
 
 
 @dataclass(frozen=True)
@@ -392,6 +426,7 @@ def _function_view(doc: Mapping[str, Any]) -> FunctionView:
         p99_ms=doc.get("p99_ms"),
         recent=int(doc.get("recent_requests") or 0),
         memory=f"{instances} instance(s) x {limit} MiB max",
+        generation=_generation_view(doc.get("generation")),
     )
 
 

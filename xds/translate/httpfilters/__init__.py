@@ -18,9 +18,11 @@ from typing import Any
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
+from google.protobuf import json_format
 
 from meshfn import ir
 
+from ...fragments.openai import openai_replies
 from ..resources import Resources, merge
 from .audit import Audit
 from .base import FilterContext, HttpFilter, QoSContext, TracingContext
@@ -62,7 +64,9 @@ def _applied(ctx: FilterContext) -> list[tuple[HttpFilter[Any], Any]]:
 
 def build_connection_manager(manager: hcm.HttpConnectionManager, ctx: FilterContext) -> None:
     """Add the chain to `manager`, which the caller is building (listener-specific settings and
-    access logs are its own and come first)."""
+    access logs are its own and come first). Where OpenAI's API passes (`ctx.openai`), Envoy's
+    own replies on its paths become OpenAI's error objects (fragments.openai), in front of the
+    connection manager's other mappers."""
     for unit, config in _applied(ctx):
         own = unit.connection_manager(ctx, config)
         if own is not None:
@@ -73,6 +77,15 @@ def build_connection_manager(manager: hcm.HttpConnectionManager, ctx: FilterCont
         mappers = list(unit.local_reply_mappers(ctx, config))
         if mappers:
             manager.local_reply_config.mappers.extend(mappers)
+    if ctx.openai:
+        current = [
+            json_format.MessageToDict(m, preserving_proto_field_name=True)
+            for m in manager.local_reply_config.mappers
+        ]
+        del manager.local_reply_config.mappers[:]
+        manager.local_reply_config.mappers.extend(
+            json_format.ParseDict(m, hcm.ResponseMapper()) for m in openai_replies(current)
+        )
 
 
 @lru_cache(maxsize=4096)

@@ -15,7 +15,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 
 from meshfn import ir
-from meshfn.contracts.plugins import AuditSettings, DegradeSettings, Trigger
+from meshfn.contracts.plugins import AuditSettings, DegradeSettings, RouteSettings, Trigger
 
 from ...fragments.plugins import degrade_rules, drill_trigger
 from ..resources import Resources
@@ -95,6 +95,20 @@ class TracingContext:
 
 
 @dataclass(frozen=True)
+class RouteConfig:
+    """The model router of one gateway listener (part of the meshfn plugin): its settings
+    (fragments.plugins.route_settings, shared with Istio)."""
+
+    listener: str
+    models: tuple[str, ...]
+    max_body_bytes: int
+    wasm_dir: Path
+
+    def settings(self) -> RouteSettings:
+        return RouteSettings(models=list(self.models), max_body_bytes=self.max_body_bytes)
+
+
+@dataclass(frozen=True)
 class FilterContext:
     """Everything the HTTP filters of one HTTP connection manager depend on. Hashable, so the
     listener and route builders memoise on it, and free of runtime state (the drift breaker's
@@ -107,12 +121,17 @@ class FilterContext:
     mesh_route: bool = False  # a gateway of a mesh that audits: it sets x-meshfn-route
     qos: QoSContext | None = None
     tracing: TracingContext | None = None
+    route: RouteConfig | None = None  # gateways with OpenAI model routes: the model router
+    # OpenAI's API passes here (a gateway routing it, a sidecar in front of a backend serving
+    # functions): Envoy's own replies on its paths are OpenAI's error objects
+    openai: bool = False
 
     @property
     def combined(self) -> bool:
-        """Audit and degrade run as ONE plugin (meshfn.wasm, httpfilters.plugin) in the audit
-        filter's place: Envoy's fixed cost per wasm filter and request is then paid once."""
-        return self.audit is not None and self.degrade is not None
+        """The filters run as ONE plugin (meshfn.wasm, httpfilters.plugin) in the audit
+        filter's place: audit and degrade together (Envoy's fixed cost per wasm filter and
+        request is then paid once), and the model router with whichever of them there is."""
+        return (self.audit is not None and self.degrade is not None) or self.route is not None
 
 
 C = TypeVar("C")

@@ -20,6 +20,7 @@ from meshfn.contracts.plugins import (
     MESH_ROUTE_HEADER,
     AuditSettings,
     DegradeSettings,
+    RouteSettings,
     internal_headers,
 )
 from meshfn.contracts.qos import TENANT_HEADER
@@ -37,6 +38,7 @@ class Plugins(NamedTuple):
     audit: AuditSettings | None
     mesh_route: bool = False
     tenant: bool = False
+    route: RouteSettings | None = None
 
 
 class InternalHeaders(HttpFilter[Plugins]):
@@ -47,6 +49,7 @@ class InternalHeaders(HttpFilter[Plugins]):
             ctx.audit.settings if ctx.audit is not None else None,
             ctx.mesh_route,
             ctx.qos is not None,
+            ctx.route.settings() if ctx.route is not None else None,
         )
         return plugins if internal_headers(*plugins) else None
 

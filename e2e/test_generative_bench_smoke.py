@@ -1,0 +1,26 @@
+"""bench/generative.py runs end to end (tiny sizes: one and two streams, a few tokens, one
+round) and prints its one summary line; its figures are consistent with each other."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from meshfn_e2e import run_bench
+
+
+def test_generative_bench_smoke(tmp_path: Path) -> None:
+    tiny = ["--tokens", "8", "--rounds", "1", "--concurrency", "1,2"]
+    line, data = run_bench("generative.py", tiny, tmp_path, timeout=900)
+    assert re.match(
+        r"^generative: ttft_p50_ms=[\d.]+ ttft_p99_ms=[\d.]+ itl_p50_ms=[\d.]+ "
+        r"itl_p99_ms=[\d.]+ mesh_ttft_added_ms=-?[\d.]+ tokens_per_s=[\d.]+ "
+        r"batched_tokens_ratio=[\d.]+$",
+        line,
+    ), line
+    figures = data["figures"]
+    assert set(figures) == {"mesh", "direct", "direct_unbatched", "direct_accounted"}
+    assert set(figures["mesh"]) == set(figures["direct"]) == {"1", "2"}
+    for per in figures.values():
+        for f in per.values():
+            assert f["ttft_p99_ms"] >= f["ttft_p50_ms"] > 0 and f["tokens_per_s"] > 0

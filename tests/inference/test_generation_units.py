@@ -1,0 +1,490 @@
+"""Generation's units: sampling (seeded, the same alone or batched, top_p, temperature 0),
+stop sequences and split characters, OpenAI's request checks and stream framing, the step
+ABI's host side on a hand-written module, the decode loop's batching, limits and cancellation,
+the manifest's generate rules, and tiny-lm's backward pass against numerical gradients."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import wasmtime
+
+from meshfn.contracts import genai
+from meshfn.contracts.qos import FunctionQoS
+from meshfn.inference import openai_api
+from meshfn.inference.engine import new_engine
+from meshfn.inference.generation import (
+    Finished,
+    GenerationError,
+    Piece,
+    Sampling,
+    StepEngine,
+    StepShape,
+    Stream,
+    TextAssembler,
+    Usage,
+    generator_for,
+    sample,
+)
+from meshfn.inference.host import CallResult, Outcome, TensorArtifact, TensorCall, TensorInstance
+from meshfn.inference.manifest import FunctionManifest, module_metadata
+from meshfn.inference.metrics import Metrics
+from meshfn.inference.qos import Admission, Refusal, TokenGrant
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUNDS = openai_api.Bounds(max_tokens=100, default_max_tokens=10, max_temperature=2.0, max_stop=2)
+
+
+# ---------------------------------------------------------------------- sampling
+
+
+def test_sampling_is_seeded_and_the_same_alone_or_batched() -> None:
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((12, 50)) * 3).astype(np.float32)
+    settings = [
+        Sampling(8, temperature=[0, 0.7, 1.0, 1.5][i % 4], top_p=[1.0, 0.9, 0.3][i % 3], seed=i)
+        for i in range(12)
+    ]
+    batched = sample(logits, settings, [generator_for(s.seed) for s in settings])
+    alone = [
+        sample(logits[i : i + 1], [s], [generator_for(s.seed)])[0] for i, s in enumerate(settings)
+    ]
+    assert batched == alone
+    assert batched == sample(logits, settings, [generator_for(s.seed) for s in settings])
+    greedy = [i for i, s in enumerate(settings) if s.temperature == 0]
+    assert [batched[i] for i in greedy] == [int(np.argmax(logits[i])) for i in greedy]
+
+
+def test_sampling_follows_the_distribution_and_cuts_at_top_p() -> None:
+    logits = np.log(np.array([[0.1, 0.2, 0.7]], np.float32))
+    rng = generator_for(1)
+    draws = np.bincount([sample(logits, [Sampling(1)], [rng])[0] for _ in range(6000)], minlength=3)
+    assert np.allclose(draws / 6000, [0.1, 0.2, 0.7], atol=0.025)
+    nucleus = {sample(logits, [Sampling(1, top_p=0.6)], [rng])[0] for _ in range(500)}
+    assert nucleus == {2}  # 0.7 alone reaches 0.6
+    hot = np.bincount(
+        [sample(logits, [Sampling(1, temperature=100)], [rng])[0] for _ in range(6000)],
+        minlength=3,
+    )
+    assert hot.min() > 1700  # a high temperature flattens it
+
+
+# ---------------------------------------------------------------------- text
+
+
+def test_stop_sequences_are_held_back_and_never_sent() -> None:
+    text = TextAssembler(("END", "xyz"))
+    out = [text.add(piece) for piece in ("hello E", "N", "x", "D", " more E", "ND tail")]
+    sent = "".join(o for o, _ in out)
+    assert sent == "hello ENxD more "
+    assert out[-1][1] and not any(stopped for _, stopped in out[:-1])
+
+
+def test_a_character_split_across_tokens_comes_out_whole() -> None:
+    text = TextAssembler(())
+    encoded = "é✓".encode()
+    pieces = [text.add_bytes(bytes([b]))[0] for b in encoded]
+    assert "".join(pieces) == "é✓" and pieces[0] == ""  # the first byte alone is no character
+    assert text.flush() == ""
+    broken = TextAssembler(())
+    assert broken.add_bytes(b"\xe2\x9c")[0] == "" and broken.flush() == "\ufffd"
+
+
+# ---------------------------------------------------------------------- OpenAI's requests
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"max_tokens": 101}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"temperature": 2.1}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": -0.1}, "top_p"),
+        ({"n": 3}, "n"),
+        ({"stop": ["a", "b", "c"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"max_tokens": 5, "max_completion_tokens": 5}, "max_tokens"),
+        ({"surprise": 1}, "surprise"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+        ),
+    ],
+)
+def test_chat_requests_outside_the_bounds_name_the_field(
+    fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(GenerationError) as caught:
+        openai_api.chat_request(chat(**fields), BOUNDS)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_a_chat_request_within_the_bounds() -> None:
+    request = openai_api.chat_request(
+        chat(
+            messages=[
+                {"role": "system", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ],
+            max_completion_tokens=7,
+            temperature=0,
+            seed=-1,
+            stop="\n",
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+        BOUNDS,
+    )
+    assert request.prompt == "be brief\nab\n"
+    assert request.sampling == Sampling(7, 0.0, 1.0, (1 << 64) - 1, ("\n",))
+    assert request.stream and request.include_usage
+    assert openai_api.chat_request(chat(), BOUNDS).sampling.max_tokens == 10  # the default
+    completion = openai_api.completion_request({"model": "m", "prompt": ["p"]}, BOUNDS)
+    assert completion.prompt == "p" and completion.sampling.max_tokens == 10  # min(16, default)
+
+
+def test_a_body_is_one_json_object_naming_each_field_once() -> None:
+    for body in (b"{", b"[1]", b'"x"', b'{"model": "a", "model": "b"}', b"\xff"):
+        with pytest.raises(GenerationError):
+            openai_api.loads(body)
+    with pytest.raises(GenerationError) as caught:
+        openai_api.model_of({"model": ""})
+    assert caught.value.param == "model"
+
+
+def test_stream_chunks_are_what_the_sdk_parses() -> None:
+    writer = openai_api.ChunkWriter(chat=True, model="m", include_usage=True)
+    first, second = writer.text("Hel"), writer.text("lo")
+    done = Finished("budget", Usage(3, 2), 0.01)
+    end = writer.end(done)
+    events = (first + second + end).split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    parsed = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert parsed[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    assert parsed[1]["choices"][0]["delta"] == {"content": "lo"}
+    assert parsed[2]["choices"][0]["finish_reason"] == "length"  # a token budget reads "length"
+    assert parsed[3]["choices"] == [] and parsed[3]["usage"]["total_tokens"] == 5
+    assert all(p["usage"] is None for p in parsed[:3])
+    assert len({p["id"] for p in parsed}) == 1 and all(
+        p["object"] == "chat.completion.chunk" for p in parsed
+    )
+    plain = openai_api.ChunkWriter(chat=False, model="m", include_usage=False)
+    assert "usage" not in json.loads(plain.text("x").removeprefix(b"data: "))
+
+
+def test_error_objects_have_the_openai_shape() -> None:
+    for status, kind in ((400, "invalid_request_error"), (401, "authentication_error"),
+                         (403, "permission_error"), (429, "rate_limit_error"), (503, "server_error")):  # fmt: skip
+        body = json.loads(openai_api.error_body(status, "why", "field"))
+        assert body == {"error": {"message": "why", "type": kind, "param": "field", "code": None}}
+
+
+# ---------------------------------------------------------------------- the step ABI
+
+
+# A step function in WAT over a vocabulary of 4 and a state of 1: the next token's logits favour
+# (token + 1) mod 4, and the state counts steps. Token 9 fails (bad request); token 8 loops
+# forever (the token budget must interrupt it).
+STEP = """(module
+  (memory (export "memory") 1)
+  (global $batch (mut i32) (i32.const 0))
+  (func (export "meshfn_abi_version") (result i32) (i32.const 2))
+  (func (export "meshfn_metadata") (result i64) (i64.const 0))
+  (func (export "meshfn_error") (result i64) (i64.or (i64.shl (i64.const 4096) (i64.const 32)) (i64.const 3)))
+  (data (i32.const 4096) "bad")
+  (func (export "meshfn_plan") (param $b i32) (result i32)
+    (global.set $batch (local.get $b))
+    ;; table at 64: tokens at 1024, state at 2048, logits at 8192, state_out at 12288
+    (i32.store (i32.const 64) (i32.const 1024)) (i32.store (i32.const 68) (i32.mul (local.get $b) (i32.const 4)))
+    (i32.store (i32.const 72) (i32.const 2048)) (i32.store (i32.const 76) (i32.mul (local.get $b) (i32.const 4)))
+    (i32.store (i32.const 80) (i32.const 8192)) (i32.store (i32.const 84) (i32.mul (local.get $b) (i32.const 16)))
+    (i32.store (i32.const 88) (i32.const 12288)) (i32.store (i32.const 92) (i32.mul (local.get $b) (i32.const 4)))
+    (i32.const 64))
+  (func (export "meshfn_run") (param $b i32) (result i32) (local $i i32) (local $t i32)
+    (block $done (loop $rows
+      (br_if $done (i32.ge_u (local.get $i) (local.get $b)))
+      (local.set $t (i32.load (i32.add (i32.const 1024) (i32.mul (local.get $i) (i32.const 4)))))
+      (if (i32.eq (local.get $t) (i32.const 9)) (then (return (i32.const 1))))
+      (if (i32.eq (local.get $t) (i32.const 8)) (then (loop $spin (br $spin))))
+      (v128.store (i32.add (i32.const 8192) (i32.mul (local.get $i) (i32.const 16))) (v128.const i32x4 0 0 0 0))
+      (f32.store (i32.add (i32.add (i32.const 8192) (i32.mul (local.get $i) (i32.const 16)))
+                          (i32.mul (i32.rem_u (i32.add (local.get $t) (i32.const 1)) (i32.const 4)) (i32.const 4)))
+                 (f32.const 50))
+      (f32.store (i32.add (i32.const 12288) (i32.mul (local.get $i) (i32.const 4)))
+                 (f32.add (f32.load (i32.add (i32.const 2048) (i32.mul (local.get $i) (i32.const 4)))) (f32.const 1)))
+      (local.set $i (i32.add (local.get $i) (i32.const 1))) (br $rows)))
+    (i32.const 0)))"""
+
+
+@pytest.fixture(scope="module")
+def step_instance() -> TensorInstance:
+    engine = new_engine()
+    instance = TensorArtifact(engine, wasmtime.Module(engine, STEP)).instantiate(1 << 20)
+    assert isinstance(instance, TensorInstance)
+    return instance
+
+
+def test_a_v2_module_runs_tensors_through_its_io_table(step_instance: TensorInstance) -> None:
+    tokens = np.array([0, 3], np.int32).tobytes()
+    state = np.array([5, 7], np.float32).tobytes()
+    result = step_instance.call(TensorCall(2, (tokens, state), 2), 100)
+    assert result.outcome is Outcome.OK
+    logits = np.frombuffer(result.outputs[0], np.float32).reshape(2, 4)
+    assert [int(np.argmax(row)) for row in logits] == [1, 0]
+    assert np.frombuffer(result.outputs[1], np.float32).tolist() == [6, 8]
+    failed = step_instance.call(
+        TensorCall(1, (np.array([9], np.int32).tobytes(), b"\0" * 4), 2), 100
+    )
+    assert failed == CallResult(Outcome.BAD_REQUEST, "bad")
+    short = step_instance.call(TensorCall(1, (b"\0\0", b"\0" * 4), 2), 100)
+    assert short.outcome is Outcome.INTERNAL
+
+
+def _engine(max_streams: int, steps: list[int]) -> StepEngine:
+    """A StepEngine over the WAT step function (each call's batch size goes to `steps`)."""
+    engine = new_engine()
+    instance = TensorArtifact(engine, wasmtime.Module(engine, STEP)).instantiate(1 << 20)
+    assert isinstance(instance, TensorInstance)
+    ticker = __import__("meshfn.inference.engine", fromlist=["EpochTicker"]).EpochTicker(engine)
+    ticker.start()
+
+    async def call(batch: int, tokens: bytes, states: bytes) -> tuple[CallResult, int]:
+        steps.append(batch)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            None, instance.call, TensorCall(batch, (tokens, states), 2), 4
+        ), 0
+
+    return StepEngine(StepShape(4, 1, None, None), call, max_streams, context=64)
+
+
+async def _generate(
+    engine: StepEngine, prompt: bytes, sampling: Sampling
+) -> tuple[list[Piece], Finished]:
+    stream = Stream(0, sampling, deadline=float("inf"))
+    engine.start(stream, type("P", (), {"handle": list(prompt)})())  # type: ignore[arg-type]
+    pieces: list[Piece] = []
+    async for event in stream.events():
+        if isinstance(event, Finished):
+            return pieces, event
+        pieces.append(event)
+    raise AssertionError
+
+
+def test_the_decode_loop_batches_streams_and_stops_at_limits() -> None:
+    steps: list[int] = []
+
+    async def run() -> list[tuple[list[Piece], Finished]]:
+        engine = _engine(8, steps)
+        return await asyncio.gather(
+            *(_generate(engine, bytes([i % 4]), Sampling(6, temperature=0)) for i in range(4))
+        )
+
+    results = asyncio.run(run())
+    for i, (pieces, done) in enumerate(results):
+        # greedy: each token is the last plus one, mod 4; bytes 0-3 are control characters
+        assert "".join(p.text for p in pieces) == "".join(chr((i + k) % 4) for k in range(1, 7))
+        assert done.reason == "length" and done.usage.completion_tokens == 6
+    assert max(steps) == 4  # the four streams stepped together
+
+
+def test_a_stuck_step_fails_its_streams_within_the_token_budget() -> None:
+    async def run() -> Finished:
+        engine = _engine(1, [])
+        _, done = await _generate(engine, bytes([8]), Sampling(5, temperature=0))
+        return done
+
+    done = asyncio.run(run())
+    assert done.reason == "error" and "timeout" in (done.error or "")
+
+
+def test_a_cancelled_stream_leaves_before_its_next_step() -> None:
+    steps: list[int] = []
+
+    async def run() -> Finished:
+        engine = _engine(4, steps)
+        stream = Stream(0, Sampling(10_000, temperature=0), deadline=float("inf"))
+        engine.start(stream, type("P", (), {"handle": [0]})())  # type: ignore[arg-type]
+        events = stream.events()
+        async for event in events:
+            assert isinstance(event, Piece)
+            break
+        await events.aclose()  # the client went away
+        await asyncio.sleep(0.05)
+        assert stream.finished is not None
+        return stream.finished
+
+    done = asyncio.run(run())
+    assert done.reason == "cancelled" and done.usage.completion_tokens <= 3
+
+
+# ---------------------------------------------------------------------- manifests and names
+
+
+def _manifest(**fields: Any) -> FunctionManifest:
+    base: dict[str, Any] = {
+        "name": "g", "version": "1", "kind": "onnx", "model": "step.onnx",
+        "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+        "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
+        "generate": {"engine": "step", "tokenizer": "bytes", "vocab": 257, "state": 8, "eos": 256},
+    }  # fmt: skip
+    return FunctionManifest.model_validate(base | fields)
+
+
+def test_generative_manifests_contradicting_themselves_are_refused() -> None:
+    assert _manifest().problems() == []
+    signed = _manifest().metadata()
+    assert module_metadata("onnx", signed) == signed["generate"]["step"]  # what the module says
+    assert module_metadata("onnx", signed)["inputs"][0]["name"] == "tokens"
+    c_step = _manifest(kind="core", model=None, source="x.c").problems()
+    assert any('needs kind "onnx"' in p for p in c_step)
+    wrong_io = _manifest(inputs=[{"name": "x", "datatype": "FP32", "shape": [1]}]).problems()
+    assert any("text_input" in p for p in wrong_io)
+    no_vocab = _manifest(generate={"engine": "step", "tokenizer": "bytes", "state": 8}).problems()
+    assert any("vocab" in p for p in no_vocab)
+    small = _manifest(generate={"engine": "step", "tokenizer": "bytes", "vocab": 10, "state": 8})
+    assert any("vocab >= 256" in p for p in small.problems())
+    python_step = _manifest(kind="python", module="m", model=None)
+    assert python_step.problems()
+
+
+def test_genai_names_follow_the_conventions_in_one_place() -> None:
+    assert genai.TOKEN_USAGE == "gen_ai.client.token.usage"
+    assert genai.PROM_TIME_TO_FIRST_TOKEN == "gen_ai_server_time_to_first_token_seconds"
+    assert genai.PROM_TIME_PER_OUTPUT_TOKEN == "gen_ai_server_time_per_output_token_seconds"
+    assert genai.PROM_REQUEST_DURATION == "gen_ai_server_request_duration_seconds"
+    assert genai.LABELS == (
+        "gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "meshfn_tenant"
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- tiny-lm's training
+
+
+def test_tiny_lm_backward_pass_matches_numerical_gradients() -> None:
+    path = ROOT / "functions" / "examples" / "tiny-lm" / "gru.py"
+    spec = importlib.util.spec_from_file_location("tiny_lm_gru", path)
+    assert spec is not None and spec.loader is not None
+    gru = importlib.util.module_from_spec(spec)
+    sys.modules["tiny_lm_gru"] = gru
+    spec.loader.exec_module(gru)
+    gru.F = np.float64  # numerical gradients need double precision
+    rng = np.random.default_rng(1)
+    p = gru.Params(*(a.astype(np.float64) for a in gru.Params.init(7, 5, rng).arrays()))
+    inputs, targets = rng.integers(0, 7, (4, 3)), rng.integers(0, 7, (4, 3))
+    h0 = rng.standard_normal((3, 5)) * 0.1
+    _, grads, _ = gru.loss_and_grads(p, inputs, targets, h0)
+    worst = 0.0
+    for array, grad in zip(p.arrays(), grads, strict=True):
+        for index in np.ndindex(array.shape):
+            old = array[index]
+            array[index] = old + 1e-6
+            up = gru.loss_and_grads(p, inputs, targets, h0)[0]
+            array[index] = old - 1e-6
+            down = gru.loss_and_grads(p, inputs, targets, h0)[0]
+            array[index] = old
+            worst = max(worst, abs((up - down) / 2e-6 - grad[index]))
+    assert worst < 1e-7
+    logits, state = gru.step(p, inputs[0], h0)  # the step the served graph computes
+    assert logits.shape == (3, 7) and state.shape == (3, 5)
+
+
+# ---------------------------------------------------------------------- token budgets
+
+
+def _admission(reservation: str = "full", **limits: Any) -> Admission:
+    qos = FunctionQoS.model_validate(
+        {
+            "policy": "default/tokens",
+            "defaultClass": "std",
+            "classes": [{"name": "std", **limits}],
+            "tokenReservation": reservation,
+        }
+    )
+    return Admission("tiny-lm@1", qos, 64, Metrics())
+
+
+# the middle of a month, so the windows below do not roll over under the test
+MID_MONTH = 1_800_000_000.0  # 2027-01-15
+
+
+def _reserve(admission: Admission, tenant: str, prompt: int, max_tokens: int,
+             now: float = MID_MONTH) -> TokenGrant | None:  # fmt: skip
+    return asyncio.run(admission.reserve(admission.admit(tenant), prompt, max_tokens, now))
+
+
+def test_a_reservation_is_prompt_plus_max_tokens_and_settles_to_what_was_used() -> None:
+    admission = _admission(
+        tokens=[{"tokens": 1000, "per": "month"}, {"tokens": 300, "per": "minute"}]
+    )
+    ticket = admission.admit("acme")
+    grant = asyncio.run(admission.reserve(ticket, prompt=20, max_tokens=100, now=MID_MONTH))
+    assert grant is not None and grant.reservation.reserved == 120 and grant.completion is None
+    headers = dict(grant.headers)
+    assert headers[b"x-ratelimit-limit-tokens"] == b"300"  # the tightest window: the minute
+    assert headers[b"x-ratelimit-remaining-tokens"] == headers[b"x-ratelimit-remaining"] == b"180"
+    # a second request while the first runs sees the first's reservation
+    second = _reserve(admission, "acme", 10, 100)
+    assert second is not None and dict(second.headers)[b"x-ratelimit-remaining"] == b"70"
+    with pytest.raises(Refusal) as caught:  # 10 + 100 > 70 left: refused, nothing generated
+        _reserve(admission, "acme", 10, 100)
+    refusal = caught.value
+    assert refusal.status == 429 and refusal.limit == "tokens"
+    assert refusal.payload["window"] == "minute" and refusal.payload["tokens_left"] == 70
+    assert (
+        dict(refusal.headers)[b"retry-after"]
+        and dict(refusal.headers)[b"x-ratelimit-remaining"] == b"0"
+    )
+    admission.settle(ticket, grant, used=20 + 35)  # it stopped early: charged what it used
+    usage = admission.book.usage(("tiny-lm@1", "acme"))
+    assert usage["minute"] == (55, 110) and usage["month"] == (55, 110)
+    assert admission.tenants["acme"].tokens_used == 55
+    assert admission.tenants["acme"].tokens_window == {"minute": 55, "month": 55}
+    third = _reserve(admission, "acme", 10, 100)
+    assert third is not None and dict(third.headers)[b"x-ratelimit-remaining"] == b"25"
+
+
+def test_partial_reservations_cap_the_completion() -> None:
+    admission = _admission("partial", tokens=[{"tokens": 100, "per": "hour"}])
+    grant = _reserve(admission, "t", 30, 200)
+    assert grant is not None and grant.reservation.reserved == 100 and grant.completion == 70
+    with pytest.raises(Refusal):  # nothing left, not even for the prompt
+        _reserve(admission, "t", 1, 1)
+    assert _reserve(_admission(concurrency=2), "t", 1, 1) is None
+
+
+def test_token_budgets_follow_calendar_months() -> None:
+    admission = _admission(tokens=[{"tokens": 50, "per": "month"}])
+    ticket = admission.admit("t")
+    end_of_january = 1_801_439_999.0  # 2027-01-31T23:59:59Z
+    grant = asyncio.run(admission.reserve(ticket, 10, 40, end_of_january))
+    assert grant is not None
+    admission.settle(ticket, grant, 50)
+    with pytest.raises(Refusal) as caught:
+        _reserve(admission, "t", 1, 1, end_of_january)
+    assert dict(caught.value.headers)[b"retry-after"] == b"1"  # February starts in a second
+    assert _reserve(admission, "t", 10, 40, end_of_january + 2) is not None

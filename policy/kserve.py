@@ -18,6 +18,8 @@ from datetime import timedelta
 
 from meshfn import ir
 from meshfn.contracts.plugins import MODEL_HEADER, OPENAI_OPERATIONS
+from meshfn.contracts.rollout import SHADOW_PATH
+from meshfn.contracts.tracing import SPANS_PATH
 
 from .errors import PolicyError
 from .validate import Loaded
@@ -34,6 +36,8 @@ SERVER_PATHS = (
 # Triton's index is a POST (meshfn up's curl examples follow the route's method).
 _METHODS = {"/v2/repository/index": ("POST",)}
 REPOSITORY_MODELS = "/v2/repository/models/"
+# a backend's endpoints for `meshfn up` alone (inference.server), never for the mesh's callers
+PRIVATE_PATHS = (SHADOW_PATH, SPANS_PATH)
 GRPC_REPOSITORY = ("RepositoryModelLoad", "RepositoryModelUnload")
 # Only retries that cannot repeat an inference: the request never reached the backend.
 SAFE_RETRIES = ir.Retry(2, ("connect-failure", "refused-stream", "reset-before-request"))
@@ -251,12 +255,19 @@ def guard_object(
 
 
 def repository_guard(namespace: str, functions: list[ir.Function]) -> ir.AuthzPolicy:
-    """DENY load/unload to everyone but each function's named callers (nobody by default)."""
+    """DENY load/unload to everyone but each function's named callers (nobody by default),
+    and the backend's private endpoints to every caller of the mesh: `meshfn up` reads the
+    rollouts' shadow comparisons and collects spans on the backend's own socket, and the
+    sidecar forwards to that same socket."""
     open_to = [f for f in functions if f.settings.repository.callers]
     everyone = ir.AuthzRule(
         operations=(
             ir.OperationMatch(
-                paths=(REPOSITORY_MODELS + "*", *(GRPC_SERVICE + m for m in GRPC_REPOSITORY)),
+                paths=(
+                    REPOSITORY_MODELS + "*",
+                    *(GRPC_SERVICE + m for m in GRPC_REPOSITORY),
+                    *PRIVATE_PATHS,
+                ),
                 not_paths=tuple(f"{REPOSITORY_MODELS}{f.name}/*" for f in open_to),
             ),
         )

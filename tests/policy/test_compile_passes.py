@@ -277,6 +277,11 @@ def test_functions_routes_guards_and_balancing() -> None:
     # the backend has sidecars: they hold the repository guard, the gateway does not
     assert set(served.guards) == {("service", "default/models")}
     assert [o.name for o in served.guard_objects] == ["meshfn-kserve-repository-models"]
+    # the first rule denies everyone: Triton's repository, and the backend's endpoints that
+    # only `meshfn up` may read (the sidecar forwards to the socket it reads them on)
+    (everyone_ops,) = served.guards[("service", "default/models")].rules[0].operations
+    assert {"/meshfn/shadow", "/meshfn/spans", "/v2/repository/models/*"} <= set(everyone_ops.paths)
+    assert everyone_ops.not_paths == ("/v2/repository/models/iris/*",)
     by_key = {s.key: s for s in served.services}
     assert by_key["default/models"].load_balancer == FUNCTION_BACKEND_BALANCER
     assert by_key["default/plain"].load_balancer is None

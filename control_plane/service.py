@@ -257,12 +257,20 @@ class ControlPlane:
         """Checks the built wasm filters and creates the subject salt only when the policies use
         them, so a mesh without audit or drift breakers needs no filters."""
         drift = any(s.drift is not None and s.fallback for s in model.services)
+        # a gateway that routes OpenAI's API by the body's model runs the model router (wasm)
+        routes_models = any(
+            r.model for w in model.workloads for lst in w.listeners for r in lst.routes
+        )
         if model.audit is not None:  # Envoy opens its journal at listener creation
             journals = journal_dir(self.state_dir)
             journals.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             journals.mkdir(exist_ok=True, mode=0o700)
         return ProxyHost(
-            wasm_dir=self._filters() if drift or model.audit is not None else OFFLINE_HOST.wasm_dir,
+            wasm_dir=(
+                self._filters()
+                if drift or routes_models or model.audit is not None
+                else OFFLINE_HOST.wasm_dir
+            ),
             state_dir=self.state_dir,
             salt=load_or_create(self.state_dir) if model.audit is not None else OFFLINE_HOST.salt,
             collector=self.trace_collector(model),

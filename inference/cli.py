@@ -267,7 +267,6 @@ def serve_cmd(
     from meshfn.common.logs import setup_logging
 
     from .config import load_config, parse_config
-    from .server import serve
 
     setup_logging(log_format, log_level)
     try:
@@ -301,6 +300,10 @@ def serve_cmd(
             asyncio.run(supervisor.run())
             return
         sandbox = _confine(cfg, config, host, port, grpc_port, listen_fd, sockets, grpc_sockets)
+        # Only now: the server imports numpy, whose BLAS starts a thread, and Landlock confines
+        # only the threads created after it.
+        from .server import serve
+
         main = serve(
             cfg,
             host,

@@ -110,7 +110,17 @@ def _main() -> None:
     missing = {x for x in env.TEST_KERNEL_WITHOUT.get_or("").split(",") if x}
     if missing:
         _without(missing)
-    _install()
+    # The attack route goes in once the sandbox's first layer is on: importing the server now
+    # would import numpy, whose BLAS starts a thread, and Landlock needs a one-thread process.
+    from meshfn.inference import sandbox
+
+    at_start = sandbox.Sandbox.at_start
+
+    def then_install(self: sandbox.Sandbox) -> None:
+        at_start(self)
+        _install()
+
+    sandbox.Sandbox.at_start = then_install  # type: ignore[method-assign]
 
 
 if _is_backend():

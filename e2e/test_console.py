@@ -99,11 +99,11 @@ def test_panels_render_without_console_errors(mesh: Mesh, browser: Browser) -> N
     wait_panel_text(page, "topology", "default/alpha, priority 0")
     assert "healthy" in topology
     assert "default/main" in _panel(page, "drift")
-    # keyboard: the skip link comes first, then the panel navigation
+    # keyboard: the skip link comes first, then the panel navigation (the service graph first)
     page.keyboard.press("Tab")
     assert page.evaluate("document.activeElement.className") == "skip"
     page.keyboard.press("Tab")
-    assert page.evaluate("document.activeElement.getAttribute('href')") == "#topology"
+    assert page.evaluate("document.activeElement.getAttribute('href')") == "#graph"
     _shot(page, "console-small-mesh")
     assert browser.problems == []
 

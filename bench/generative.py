@@ -1,16 +1,23 @@
 """Benchmark of generative inference (bench/generative.py): tiny-lm's streams, all in one run.
 
-Two ways to the same model (functions/examples/tiny-lm, its decode step compiled from ONNX):
-  direct  one inference backend on loopback, with the model served four ways by one process:
-          `tiny-lm` (continuous batching, generation.batching.maxStreams 16), `tiny-solo`
-          (batching off: each stream's steps are calls of their own), `tiny-acct` (batching,
-          plus a tenant token budget to reserve and settle in, and generation.auditText hmac:
-          the accounting and audit a budgeted request costs the backend)
+Two ways to the same backends, and a bench backend of its own:
   mesh    `meshfn up` on policies/examples: the edge gateway (JWT, the model router, RBAC),
-          the backend's mTLS sidecar with its audit filter, tiny-lm as the examples serve it
+          the backends' mTLS sidecars with their audit filter, tiny-lm as the examples serve it
           (batching 16), the official `/v1/completions` path with a tenant's token
-Each measure streams `--streams` concurrent `/v1/completions` (stream: true, a fixed seed and
-`--tokens` max_tokens, temperature 0.8) `--rounds` times, the two ways alternating:
+  direct  the same backend processes (the examples' `models`, two of them) on the unix sockets
+          their sidecars forward to, with the tenant header the sidecar writes from the token:
+          what the mesh adds is then the two Envoys and nothing else (another process would
+          differ in its pool, its batches and where the scheduler puts it). A stream's backend
+          alternates as the gateway's balancer does
+  bench   one inference backend of the benchmark's own on loopback, with the model served
+          three ways by one process: `tiny-lm` (continuous batching, maxStreams 16),
+          `tiny-solo` (batching off: each stream's steps are calls of their own), `tiny-acct`
+          (batching, plus a tenant token budget to reserve and settle in, and
+          generation.auditText hmac: the accounting and audit a budgeted request costs)
+Each measure streams N concurrent `/v1/completions` (stream: true, a fixed seed and `--tokens`
+max_tokens, temperature 0.8) over kept-alive connections (as the SDK's client pool does);
+mesh and direct alternate round by round, which goes first alternating too, `--pairs` rounds
+at one stream and `--rounds` at more:
   ttft  the time from sending the request to its first text chunk
   itl   a stream's inter-token latency: the time from its first text chunk to its last over
         its completion tokens after the first (OpenTelemetry's time per output token, per
@@ -19,27 +26,32 @@ Each measure streams `--streams` concurrent `/v1/completions` (stream: true, a f
         would make gaps of ~0 out of real decode steps
   tokens_per_s  completion tokens (the usage the backend reports) over the wall time of a
         round, summed over its streams
-Percentiles are over every stream of every round.
+Percentiles are over every stream of every round. What the mesh adds is the median over the
+rounds of mesh minus direct in the same pair of rounds: a shared machine's load moves both.
 
 Prints one line:
   generative: ttft_p50_ms=… ttft_p99_ms=… itl_p50_ms=… itl_p99_ms=… mesh_ttft_added_ms=…
               tokens_per_s=… batched_tokens_ratio=…
-  (ttft/itl: through the mesh at 16 streams; mesh_ttft_added_ms: TTFT p50 through the mesh
-  minus straight to the backend, at 1 stream; tokens_per_s: through the mesh at 16 streams;
-  batched_tokens_ratio: direct tokens/s at 16 streams with batching over without)
-and writes bench/results/generative.json (or --json) with every figure: per concurrency, both
-ways, ITL added by the mesh, the accounting/audit overhead, batching's ITL p99 both ways.
+  (ttft/itl: through the mesh at 16 streams; mesh_ttft_added_ms: TTFT through the mesh minus
+  straight to the backend at 1 stream, the median of the pairs; tokens_per_s: through the mesh
+  at 16 streams; batched_tokens_ratio: the bench backend's tokens/s at 16 streams with batching
+  over without)
+and writes bench/results/generative.json (or --json) with every figure: per concurrency and
+way, TTFT and ITL added by the mesh (paired medians), the accounting/audit overhead, batching's
+ITL p99 both ways.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +68,7 @@ RESULTS = ROOT / "bench" / "results"
 EXAMPLES = ROOT / "policies" / "examples"
 PY = sys.executable
 PROMPT = "The with statement"
+BACKEND = "default/models"  # the examples' backend of tiny-lm
 TEXT_KEY = "5e" * 32
 BATCHED = {"maxTokens": 512, "batching": {"maxStreams": 16}}
 FUNCTIONS: list[dict[str, Any]] = [
@@ -107,22 +120,38 @@ async def one_stream(
     return stamps[0] - started, itl, used
 
 
-async def measure(
-    url: str, model: str, headers: dict[str, str], streams: int, tokens: int, seed: int
-) -> dict[str, Any]:
-    timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        started = time.perf_counter()
-        results = await asyncio.gather(
-            *(one_stream(session, url, model, headers, tokens, seed + i) for i in range(streams))
+@dataclass(frozen=True)
+class Way:
+    """Where a measure's streams go: one client session per backend (a stream's turn picks)."""
+
+    sessions: list[aiohttp.ClientSession]
+    url: str
+    model: str
+    headers: dict[str, str]
+
+
+async def measure(way: Way, streams: int, tokens: int, seed: int, turn: int = 0) -> dict[str, Any]:
+    started = time.perf_counter()
+    results = await asyncio.gather(
+        *(
+            one_stream(way.sessions[(i + turn) % len(way.sessions)], way.url, way.model,
+                       way.headers, tokens, seed + i)
+            for i in range(streams)
         )
-        wall = time.perf_counter() - started
+    )  # fmt: skip
+    wall = time.perf_counter() - started
     return {
         "ttft": [r[0] for r in results],
         "itl": [r[1] for r in results if r[1] is not None],
         "tokens": sum(r[2] for r in results),
         "wall": wall,
     }
+
+
+async def answers(url: str, model: str, headers: dict[str, str]) -> bool:
+    async with aiohttp.ClientSession() as session:
+        await measure(Way([session], url, model, headers), 1, 2, 0)
+    return True
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -156,8 +185,11 @@ def start_backend(procs: Processes, tmp: Path, registry: Path, key: Path) -> str
     return f"http://127.0.0.1:{port}"
 
 
-def start_mesh(procs: Processes, tmp: Path, registry: Path, key: Path) -> tuple[str, str]:
-    """The example mesh: (gateway URL, acme's token)."""
+def start_mesh(
+    procs: Processes, tmp: Path, registry: Path, key: Path
+) -> tuple[str, str, list[Path]]:
+    """The example mesh: (gateway URL, acme's token, the HTTP sockets of the backends that
+    serve tiny-lm, which their sidecars forward to)."""
     mapping = p.remap(EXAMPLES, tmp / "policies")
     state = tmp / "state"
     up = procs.start(
@@ -167,91 +199,145 @@ def start_mesh(procs: Processes, tmp: Path, registry: Path, key: Path) -> tuple[
          "--envoy-concurrency", "1"],
     )  # fmt: skip
     wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=300)
-    return f"http://127.0.0.1:{mapping[10000]}", issue_token(state, "bench-acme", "acme", "2h")
+    children = json.loads((state / "state.json").read_text())["children"]
+    # "inference default/models 127.0.0.1:PORT" serves on STATE/inference/127.0.0.1-PORT/
+    sockets = sorted(
+        state / "inference" / name.rsplit(" ", 1)[1].replace(":", "-") / "http.sock"
+        for name in children
+        if name.startswith(f"inference {BACKEND} ")
+    )
+    if not sockets or not all(s.is_socket() for s in sockets):
+        raise SystemExit(f"no HTTP socket of the {BACKEND} backends in {state / 'inference'}")
+    token = issue_token(state, "bench-acme", "acme", "2h")
+    return f"http://127.0.0.1:{mapping[10000]}", token, sockets
+
+
+async def run_ways(
+    ways: dict[str, Way], pairs: tuple[str, str], levels: list[int], rounds: int, repeats: int,
+    tokens: int,
+) -> dict[str, dict[int, list[dict[str, Any]]]]:  # fmt: skip
+    """Every way's rounds at every level (the first round of each warms it up), the pair's two
+    ways alternating, and which of them goes first too; the others at the top level only."""
+    top = max(levels)
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {w: {n: [] for n in levels} for w in ways}
+    for n in levels:
+        for turn in range((repeats if n == 1 else rounds) + 1):
+            order = pairs if turn % 2 == 0 else pairs[::-1]
+            for name in order:
+                runs[name][n].append(await measure(ways[name], n, tokens, 1, turn))
+    for name in [w for w in ways if w not in pairs]:
+        for turn in range(rounds + 1):
+            runs[name][top].append(await measure(ways[name], top, tokens, 1, turn))
+    return runs
+
+
+def added(mesh: list[dict[str, Any]], direct: list[dict[str, Any]], key: str) -> float:
+    """The median over paired rounds of mesh minus direct (each round's own median), ms."""
+
+    def mid(r: dict[str, Any]) -> float:
+        return float(statistics.median(r[key]))
+
+    return round(
+        statistics.median(mid(m) - mid(d) for m, d in zip(mesh, direct, strict=True)) * 1e3, 3
+    )
+
+
+async def measure_all(
+    args: argparse.Namespace, levels: list[int], gateway: str, token: str, sockets: list[Path],
+    bench: str,
+) -> dict[str, dict[int, list[dict[str, Any]]]]:  # fmt: skip
+    timeout = aiohttp.ClientTimeout(total=300)
+    plain = {"content-type": "application/json"}
+    acme = {**plain, TENANT_HEADER: "acme"}  # what the sidecar writes from the token's claim
+    through_mesh = {**plain, "authorization": f"Bearer {token}"}
+    path = "/v2/models/{}/openai/v1/completions"  # the backend's own spelling
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def session(connector: aiohttp.BaseConnector | None = None) -> aiohttp.ClientSession:
+            return await stack.enter_async_context(
+                aiohttp.ClientSession(timeout=timeout, connector=connector)
+            )
+
+        to_sockets = [await session(aiohttp.UnixConnector(path=str(s))) for s in sockets]
+        tcp = await session()
+        ways = {
+            "mesh": Way([tcp], f"{gateway}/v1/completions", "tiny-lm", through_mesh),
+            "direct": Way(to_sockets, "http://backend" + path.format("tiny-lm"), "tiny-lm", acme),
+            "bench_batched": Way([tcp], bench + path.format("tiny-lm"), "tiny-lm", plain),
+            "bench_unbatched": Way([tcp], bench + path.format("tiny-solo"), "tiny-solo", plain),
+            "bench_accounted": Way([tcp], bench + path.format("tiny-acct"), "tiny-acct", acme),
+        }
+        return await run_ways(
+            ways, ("mesh", "direct"), levels, args.rounds, args.pairs, args.tokens
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=48, help="max_tokens per stream")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds at more than one stream")
+    parser.add_argument("--pairs", type=int, default=40, help="rounds at one stream")
     parser.add_argument("--concurrency", default="1,4,16", help="streams at once, comma-separated")
     parser.add_argument("--json", type=Path, default=RESULTS / "generative.json")
     args = parser.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = sorted({int(c) for c in args.concurrency.split(",")})
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2 (an inter-token latency needs two)")
+    if levels[0] != 1:
+        parser.error("--concurrency must include 1 (what the mesh adds is measured there)")
     top = max(levels)
     tmp = Path(tempfile.mkdtemp(prefix="meshfn-bench-generative-"))
     procs = Processes(tmp)
     try:
         _, key = publish_examples(tmp / "functions")
-        direct = start_backend(procs, tmp, tmp / "functions", key)
-        gateway, token = start_mesh(procs, tmp, tmp / "functions", key)
-        direct_url = f"{direct}/v2/models/tiny-lm/openai/v1/completions"
-        mesh_url = f"{gateway}/v1/completions"
-        plain = {"content-type": "application/json"}
-        acme = {**plain, TENANT_HEADER: "acme"}  # what the sidecar writes from the claim
-        mesh_headers = {**plain, "authorization": f"Bearer {token}"}
+        bench = start_backend(procs, tmp, tmp / "functions", key)
+        gateway, token, sockets = start_mesh(procs, tmp, tmp / "functions", key)
+        mesh_headers = {"content-type": "application/json", "authorization": f"Bearer {token}"}
         wait_for(
             "tiny-lm through the mesh",
-            lambda: asyncio.run(measure(mesh_url, "tiny-lm", mesh_headers, 1, 2, 0)),
+            lambda: asyncio.run(answers(f"{gateway}/v1/completions", "tiny-lm", mesh_headers)),
             timeout=120,
         )
-        ways = {
-            "mesh": (mesh_url, "tiny-lm", mesh_headers),
-            "direct": (direct_url, "tiny-lm", plain),
-            "direct_unbatched": (
-                f"{direct}/v2/models/tiny-solo/openai/v1/completions",
-                "tiny-solo",
-                plain,
-            ),
-            "direct_accounted": (
-                f"{direct}/v2/models/tiny-acct/openai/v1/completions",
-                "tiny-acct",
-                acme,
-            ),
-        }
-        runs: dict[str, dict[int, list[dict[str, Any]]]] = {
-            w: {n: [] for n in levels} for w in ways
-        }
-        for _ in range(args.rounds + 1):  # the first round warms every path
-            for n in levels:
-                for way, (url, model, headers) in ways.items():
-                    if way not in {"mesh", "direct"} and n != top:
-                        continue
-                    runs[way][n].append(
-                        asyncio.run(measure(url, model, headers, n, args.tokens, 1))
-                    )
-        figures = {
-            way: {str(n): summary(r[1:]) for n, r in per.items() if r} for way, per in runs.items()
-        }
+        runs = asyncio.run(measure_all(args, levels, gateway, token, sockets, bench))
     finally:
         procs.stop_all()
-    mesh, direct_f = figures["mesh"], figures["direct"]
-    low, high = str(min(levels)), str(top)
+    figures = {
+        way: {str(n): summary(r[1:]) for n, r in per.items() if r} for way, per in runs.items()
+    }
+    mesh = figures["mesh"]
+    high = str(top)
     result = {
         **{k: mesh[high][k] for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")},
-        "mesh_ttft_added_ms": round(mesh[low]["ttft_p50_ms"] - direct_f[low]["ttft_p50_ms"], 3),
+        "mesh_ttft_added_ms": added(runs["mesh"][1][1:], runs["direct"][1][1:], "ttft"),
         "tokens_per_s": mesh[high]["tokens_per_s"],
         "batched_tokens_ratio": round(
-            direct_f[high]["tokens_per_s"] / figures["direct_unbatched"][high]["tokens_per_s"], 2
+            figures["bench_batched"][high]["tokens_per_s"]
+            / figures["bench_unbatched"][high]["tokens_per_s"],
+            2,
         ),
     }
+    bench_f = figures["bench_batched"][high]
     detail = {
-        "mesh_itl_added_ms": {
-            n: round(mesh[n]["itl_p50_ms"] - direct_f[n]["itl_p50_ms"], 3) for n in mesh
+        "mesh_added_ms": {
+            str(n): {
+                key: added(runs["mesh"][n][1:], runs["direct"][n][1:], key)
+                for key in ("ttft", "itl")
+            }
+            for n in levels
         },
         "accounting_audit_ttft_added_ms": round(
-            figures["direct_accounted"][high]["ttft_p50_ms"] - direct_f[high]["ttft_p50_ms"], 3
+            figures["bench_accounted"][high]["ttft_p50_ms"] - bench_f["ttft_p50_ms"], 3
         ),
         "accounting_audit_tokens_ratio": round(
-            figures["direct_accounted"][high]["tokens_per_s"] / direct_f[high]["tokens_per_s"], 3
+            figures["bench_accounted"][high]["tokens_per_s"] / bench_f["tokens_per_s"], 3
         ),
-        "batched_itl_p99_ms": direct_f[high]["itl_p99_ms"],
-        "unbatched_itl_p99_ms": figures["direct_unbatched"][high]["itl_p99_ms"],
+        "batched_itl_p99_ms": bench_f["itl_p99_ms"],
+        "unbatched_itl_p99_ms": figures["bench_unbatched"][high]["itl_p99_ms"],
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps({"summary": result, **detail, "figures": figures, "tokens": args.tokens,
-                    "rounds": args.rounds}, indent=1)
+                    "rounds": args.rounds, "pairs": args.pairs}, indent=1)
     )  # fmt: skip
     print("generative: " + " ".join(f"{k}={v}" for k, v in result.items()))
 

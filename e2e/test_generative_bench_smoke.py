@@ -1,5 +1,5 @@
 """bench/generative.py runs end to end (tiny sizes: one and two streams, a few tokens, one
-round) and prints its one summary line; its figures are consistent with each other."""
+round, two pairs at one stream) and prints its one summary line; its figures are consistent with each other."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from meshfn_e2e import run_bench
 
 
 def test_generative_bench_smoke(tmp_path: Path) -> None:
-    tiny = ["--tokens", "8", "--rounds", "1", "--concurrency", "1,2"]
+    tiny = ["--tokens", "8", "--rounds", "1", "--pairs", "2", "--concurrency", "1,2"]
     line, data = run_bench("generative.py", tiny, tmp_path, timeout=900)
     assert re.match(
         r"^generative: ttft_p50_ms=[\d.]+ ttft_p99_ms=[\d.]+ itl_p50_ms=[\d.]+ "
@@ -19,8 +19,14 @@ def test_generative_bench_smoke(tmp_path: Path) -> None:
         line,
     ), line
     figures = data["figures"]
-    assert set(figures) == {"mesh", "direct", "direct_unbatched", "direct_accounted"}
+    assert set(figures) == {
+        "mesh", "direct", "bench_batched", "bench_unbatched", "bench_accounted"
+    }  # fmt: skip
     assert set(figures["mesh"]) == set(figures["direct"]) == {"1", "2"}
+    assert set(figures["bench_unbatched"]) == {"2"}  # batching is compared at the top only
+    # what the mesh adds is paired with the same backends straight: both kinds, every level
+    assert set(data["mesh_added_ms"]) == {"1", "2"}
+    assert data["summary"]["mesh_ttft_added_ms"] == data["mesh_added_ms"]["1"]["ttft"]
     for per in figures.values():
         for f in per.values():
             assert f["ttft_p99_ms"] >= f["ttft_p50_ms"] > 0 and f["tokens_per_s"] > 0

@@ -28,8 +28,10 @@ import pytest
 from meshfn_e2e import Processes, Reply, http, remap_examples
 
 from meshfn.common.adminauth import admin_headers
+from meshfn.control_plane.runtime.bootstrap import RUNTIME
 from meshfn.testing import policies as p
 from meshfn.testing.browser import ARTIFACTS, chromium, sign_in, wait_panel_text
+from meshfn.testing.envoy import admin_json, admin_request, admin_socket
 from meshfn.testing.ports import free_ports, hanging_server
 from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
 
@@ -238,6 +240,28 @@ def test_tracing_one_request_is_one_trace_through_gateway_sidecar_and_backend(me
     assert re.search(sandboxed + connects, text, re.M), text
 
 
+def test_tracing_the_envoys_export_their_spans_in_batches(mesh: Mesh) -> None:
+    """Every Envoy `meshfn up` runs batches its spans as the bootstrap's runtime says (an
+    export per 128 spans or per second, not Envoy's default of one per 5 spans): the
+    gateway's spans of a burst go in few exports, and all of them arrive."""
+    gateway = admin_socket(mesh.state, "edge.ingress")
+    for sock in sorted((mesh.state / "envoy").glob("*.sock")):
+        entries = admin_json(sock, "/runtime")["entries"]
+        for key, value in RUNTIME.items():
+            assert entries[key]["final_value"] == str(value), (sock.name, key, entries.get(key))
+
+    def stat(name: str) -> int:
+        text = admin_request(gateway, f"/stats?filter=^{re.escape(name)}$")
+        return int(text.split(b":")[1]) if text.strip() else 0
+
+    spans, exports = "tracing.opentelemetry.spans_sent", "cluster.meshfn-otlp.upstream_rq_total"
+    sent, exported = stat(spans), stat(exports)
+    _send(mesh.edge, "/v2/models/iris/ready", 40, [mesh.headers()])
+    wait_for("the burst's spans sent", lambda: stat(spans) >= sent + 40, timeout=15)
+    # 40 spans, fewer than a batch: the one-second timer sends them (Envoy's default: 8 exports)
+    assert stat(exports) - exported <= 3, stat(exports) - exported
+
+
 def test_tracing_a_cold_start_is_split_and_a_batch_links_its_members(mesh: Mesh) -> None:
     """digits has no warm pool: its first request loads it (lookup, deserialize, instantiate);
     iris batches concurrent requests into one guest call."""
@@ -313,7 +337,7 @@ def test_tracing_sampling_is_honoured_within_statistical_bounds(mesh: Mesh) -> N
     (the sidecar follows the gateway's decision), and the sidecar starts none of its own."""
     before = {t["trace_id"] for t in _echo_traces(mesh, "default/echo")}
     _send(mesh.edge, "/echo", 600, [{"authorization": f"Bearer {mesh.token}"}])
-    time.sleep(7)  # Envoy flushes spans every 5 s
+    time.sleep(3)  # the Envoys send their spans every second (bootstrap.RUNTIME)
     ids = {t["trace_id"] for t in _echo_traces(mesh, "default/echo")} - before
     assert 81 <= len(ids) <= 159, len(ids)
     for trace_id in ids:

@@ -40,6 +40,14 @@ ADMIN_SOCKET_MODE = SOCKET_MODE
 # The opt-in TCP admin (a Gateway's adminPort): a static listener and cluster of these names.
 ADMIN_TCP_LISTENER = "meshfn-admin-tcp"
 ADMIN_CLUSTER = "meshfn-admin"
+# Envoy's OpenTelemetry tracer sends its spans every 5 spans or 5 s by default: at 100%
+# sampling that is one OTLP export for every 5 requests, each a gRPC call that costs the Envoy
+# and more so the collector far more than the spans in it. Batches of up to 128, at least once a
+# second (what a trace list shows lags by that much at most).
+RUNTIME = {
+    "tracing.opentelemetry.min_flush_spans": 128,
+    "tracing.opentelemetry.flush_interval_ms": 1000,
+}
 
 
 class AdminSocketPathTooLong(SocketPathTooLong):
@@ -221,6 +229,21 @@ def bootstrap(
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(
             listeners=listeners, clusters=clusters
         ),
+        layered_runtime=_runtime(),
+    )
+
+
+def _runtime() -> bootstrap_pb2.LayeredRuntime:
+    """RUNTIME as a static layer, then an admin layer (an operator's /runtime_modify)."""
+    values = struct_pb2.Struct()
+    values.update(RUNTIME)
+    return bootstrap_pb2.LayeredRuntime(
+        layers=[
+            bootstrap_pb2.RuntimeLayer(name="meshfn", static_layer=values),
+            bootstrap_pb2.RuntimeLayer(
+                name="admin", admin_layer=bootstrap_pb2.RuntimeLayer.AdminLayer()
+            ),
+        ]
     )
 
 

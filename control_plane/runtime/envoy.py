@@ -12,9 +12,34 @@ import aiohttp
 
 from meshfn.common import env
 from meshfn.common.files import write_private
+from meshfn.contracts.function import GENERATION_TIMEOUT
+from meshfn.policy.kserve import DEADLINE_MARGIN
 
 from .bootstrap import ProxyIdentity, admin_socket_path, bootstrap_json, node_file_stem
 from .process import SupervisedProcess
+
+# How an Envoy of the mesh drains the connections of a listener that an LDS update changed or
+# removed: switching tracing on or off, adding a filter, changing a connection manager. Envoy
+# then serves new connections with the new filter chain and drains the old one's for
+# --drain-time-s, after which it closes whatever is still open, requests in flight included.
+#
+# - `immediate`: every connection of the old chain is told to close at once: the next response
+#   on an HTTP/1.1 connection carries `Connection: close`, an HTTP/2 one gets a GOAWAY. With
+#   Envoy's default (`gradual`, a share of connections growing over the drain time) and a short
+#   drain time, none was told before the drain ended (measured with Envoy 1.40: 1 s, 0 of ~1100
+#   responses on a busy keep-alive connection): the old chain closed each connection under its
+#   peer, and a request the peer (a gateway's pool, a client) sent in that instant was reset,
+#   503 `UC` at the gateway (e2e/test_tracing.py's hanging collector, when tracing was switched
+#   off). Istio and Envoy Gateway start their proxies the same way.
+# - DRAIN_TIME_S: what a request in flight on the old chain has to finish before its connection
+#   is closed under it. Above the longest request a route allows by default (a generation's
+#   deadline plus the route's margin, policy.kserve.function_timeout), so a reconfiguration
+#   never cuts a healthy one. Only a connection that stays idle until then reaches the end: a
+#   client that sends on it in that instant races the close, as with any server's idle timeout.
+#   Stopping an Envoy is SIGTERM, which exits at once, and a removed listener frees its port at
+#   once (measured): this time delays neither.
+DRAIN_STRATEGY = "immediate"
+DRAIN_TIME_S = int((GENERATION_TIMEOUT + DEADLINE_MARGIN).total_seconds()) + 3
 
 
 class EnvoyNotFound(RuntimeError):
@@ -65,6 +90,7 @@ def envoy_argv(
     "IP:PORT" there once bound (for bootstraps whose admin port is 0)."""
     argv = [str(envoy_binary()), "-c", str(config), "--disable-hot-restart"]
     argv += ["--concurrency", str(concurrency), "--log-level", log_level]
+    argv += ["--drain-strategy", DRAIN_STRATEGY]
     if component_log_level is not None:
         argv += ["--component-log-level", component_log_level]
     if drain_time_s is not None:
@@ -138,7 +164,7 @@ class EnvoyProcess(SupervisedProcess):
             config,
             concurrency=concurrency,
             log_level=log_level,
-            drain_time_s=1,
+            drain_time_s=DRAIN_TIME_S,
             # audit journals (file access logs) reach the collector within 0.2 s, not 10 s
             file_flush_interval_ms=200,
         )

@@ -8,12 +8,17 @@ import re
 import socket
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from meshfn.control_plane.runtime.envoy import envoy_binary
+from meshfn import ir
+from meshfn.contracts.function import GENERATION_TIMEOUT
+from meshfn.control_plane.runtime.bootstrap import ProxyIdentity
+from meshfn.control_plane.runtime.envoy import EnvoyProcess, envoy_binary
 from meshfn.policy import load_policies
+from meshfn.policy.kserve import DEADLINE_MARGIN
 from meshfn.testing import envoy
 from meshfn.testing.policies import Policies
 from meshfn.testing.ports import PortInUse, free_port, is_port_clash, retry_on_port_clash
@@ -90,6 +95,20 @@ def test_one_envoy_command_line() -> None:
     assert argv[argv.index("--concurrency") + 1] == "1" and "--base-id" not in argv
     wasm = envoy.argv(Path("/c.json"), wasm=True)
     assert wasm[wasm.index("--component-log-level") + 1] == "wasm:info"
+
+
+def test_an_envoy_of_the_mesh_drains_a_changed_listener_at_once_and_cuts_no_request(
+    tmp_path: Path,
+) -> None:
+    """A listener update (tracing switched on or off) tells every connection of the old filter
+    chain to close at once (`--drain-strategy immediate`: Connection: close, GOAWAY) and only
+    closes what is left once the longest request a route allows by default has finished."""
+    assert "--drain-strategy immediate" in " ".join(envoy.argv(Path("/c.json")))
+    identity = ProxyIdentity("edge.default~0", "edge.default", ir.Locality(), 0, "delta")
+    argv = EnvoyProcess(identity, 18000, tmp_path).argv
+    assert argv[argv.index("--drain-strategy") + 1] == "immediate"
+    drain = timedelta(seconds=int(argv[argv.index("--drain-time-s") + 1]))
+    assert drain > GENERATION_TIMEOUT + DEADLINE_MARGIN  # a default generation's route timeout
 
 
 def test_envoy_validate_accepts_and_refuses() -> None:

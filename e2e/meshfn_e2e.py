@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from meshfn.common.adminauth import admin_headers
 from meshfn.testing import processes
 from meshfn.testing.policies import Policies, remap
+from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import MESHFN, Proc, wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "policies" / "examples"
@@ -116,6 +119,21 @@ class Processes(processes.Processes):
             "meshfn up", lambda: "Ctrl-C stops everything" in proc.output(), timeout, proc=proc
         )
         return proc
+
+    def backend(self, config: dict[str, Any]) -> tuple[str, str]:
+        """An inference backend serving `config` (written to TMP/backend.yaml) on free ports,
+        until it is ready: its (HTTP, gRPC) host:port."""
+        path = self.tmp / "backend.yaml"
+        path.write_text(yaml.safe_dump(config))
+        port, grpc_port = free_ports(2)
+        proc = self.start(
+            "backend",
+            [sys.executable, "-P", "-m", "meshfn.inference", "serve", "--config", str(path),
+             "--port", str(port), "--grpc-port", str(grpc_port)],
+        )  # fmt: skip
+        ready = f"http://127.0.0.1:{port}/v2/health/ready"
+        wait_for("backend ready", lambda: http(ready).status == 200, timeout=60, proc=proc)
+        return f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
 
     def up(self, policies: Policies, *extra: str) -> Proc:
         policies.state = self.tmp / "state"

@@ -14,7 +14,6 @@ import json
 import queue
 import re
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,12 +23,10 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as tgrpc
-import yaml
-from meshfn_e2e import http
+from meshfn_e2e import Processes, http
 
 from meshfn.inference.examples import publish_examples
-from meshfn.testing.ports import free_ports
-from meshfn.testing.processes import Processes, wait_for
+from meshfn.testing.processes import wait_for
 
 TINY = {"generation": {"maxTokens": 1000, "defaultMaxTokens": 24}, "limits": {"maxConcurrency": 64}}
 FUNCTIONS: list[dict[str, Any]] = [
@@ -93,26 +90,12 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     procs = Processes(tmp)
     try:
         _, key = publish_examples(tmp / "registry", include_testing=True)
-        config = tmp / "backend.yaml"
-        config.write_text(
-            yaml.safe_dump(
+        found = Backend(
+            *procs.backend(
                 {"registry": str(tmp / "registry"), "trustedKeys": [str(key)],
                  "functions": FUNCTIONS, "auditTextKey": TEXT_KEY}
             )
         )  # fmt: skip
-        port, grpc_port = free_ports(2)
-        proc = procs.start(
-            "backend",
-            [sys.executable, "-P", "-m", "meshfn.inference", "serve", "--config", str(config),
-             "--port", str(port), "--grpc-port", str(grpc_port)],
-        )  # fmt: skip
-        found = Backend(f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
-        wait_for(
-            "backend ready",
-            lambda: http(found.url + "/v2/health/ready").status == 200,
-            timeout=60,
-            proc=proc,
-        )
         yield found
     finally:
         procs.stop_all()

@@ -10,7 +10,6 @@ import asyncio
 import gzip
 import json
 import struct
-import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,14 +21,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
-import yaml
-from meshfn_e2e import http
+from meshfn_e2e import Processes, http
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from meshfn.inference.examples import publish_examples
-from meshfn.testing.ports import free_ports
-from meshfn.testing.processes import Processes, wait_for
 
 OPS = "https://issuer.test/ops"
 WIDE = {"limits": {"maxConcurrency": 64}}
@@ -78,29 +74,12 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     procs = Processes(tmp)
     try:
         _, key = publish_examples(tmp / "registry", include_testing=True)
-        config = tmp / "backend.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "registry": str(tmp / "registry"),
-                    "trustedKeys": [str(key)],
-                    "functions": FUNCTIONS,
-                }
+        found = Backend(
+            *procs.backend(
+                {"registry": str(tmp / "registry"), "trustedKeys": [str(key)],
+                 "functions": FUNCTIONS}
             )
-        )
-        port, grpc_port = free_ports(2)
-        proc = procs.start(
-            "backend",
-            [sys.executable, "-P", "-m", "meshfn.inference", "serve", "--config", str(config),
-             "--port", str(port), "--grpc-port", str(grpc_port)],
         )  # fmt: skip
-        found = Backend(f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
-        wait_for(
-            "backend ready",
-            lambda: http(found.url + "/v2/health/ready").status == 200,
-            timeout=60,
-            proc=proc,
-        )
         yield found
     finally:
         procs.stop_all()

@@ -237,31 +237,37 @@ class GenerateFront:
     async def _whole(
         self, rt: FunctionRuntime, operation: str, opened: Opened, chat: bool
     ) -> Reply:
-        stream = opened.stream
-        unregister = on_disconnect(stream.cancel)
-        texts: list[str] = []
-        done: Finished | None = None
-        try:
-            async for event in stream.events():
-                if isinstance(event, Finished):
-                    done = event
-                else:
-                    texts.append(event.text)
-        finally:
-            unregister()
-        assert done is not None
+        text, done = await _read_whole(opened)
         if done.reason == "error":
             raise GenerationError(500, f"model {rt.name} failed: {done.error}")
         build = openai_api.chat_response if chat else openai_api.completion_response
-        body = build(
-            openai_api.completion_id(chat), rt.name, "".join(texts), done, int(time.time())
-        )
+        body = build(openai_api.completion_id(chat), rt.name, text, done, int(time.time()))
         headers = (*opened.headers, (_GENERATION_KEY, generation_record(rt, operation, done)))
         return Reply(200, body, headers)
 
     async def _streamed(
         self, rt: FunctionRuntime, operation: str, opened: Opened, writer: ChunkWriter
     ) -> Reply | StreamReply:
+        def end(event: Finished) -> bytes:
+            if event.reason == "error":
+                return openai_api.stream_error(500, f"model {rt.name} failed: {event.error}")
+            return writer.end(event)
+
+        reply = await self._stream(rt, operation, opened, writer.text, end)
+        if isinstance(reply, str):
+            raise GenerationError(500, reply)
+        return reply
+
+    async def _stream(
+        self,
+        rt: FunctionRuntime,
+        operation: str,
+        opened: Opened,
+        text: Callable[[str], bytes],
+        end: Callable[[Finished], bytes],
+    ) -> StreamReply | str:
+        """A streamed reply whose events `text` and `end` frame; or, for a generation that
+        failed before any text, why (an HTTP error then, not a 200 with an error event)."""
         stream = opened.stream
         outcome = _Outcome(unregister=on_disconnect(stream.cancel))
         events = _quiet_ticks(stream.events(), self._quiet(rt))
@@ -270,17 +276,15 @@ class GenerateFront:
         if done is not None and done.reason == "error" and not any(p.text for p in opening.pieces):
             outcome.unregister()
             await events.aclose()
-            raise GenerationError(500, f"model {rt.name} failed: {done.error}")
+            return f"model {rt.name} failed: {done.error}"
 
-        def end(event: Finished) -> bytes:
+        def last(event: Finished) -> bytes:
             outcome.record = generation_record(rt, operation, event)
-            if event.reason == "error":
-                return openai_api.stream_error(500, f"model {rt.name} failed: {event.error}")
-            return writer.end(event)
+            return end(event)
 
         return StreamReply(
             200,
-            _sse(events, opening, writer.text, end, outcome),
+            _sse(events, opening, text, last, outcome),
             lambda: [(_GENERATION_KEY, outcome.record)],
             opened.headers,
         )
@@ -386,53 +390,45 @@ class GenerateFront:
     async def _generate_whole(self, rt: FunctionRuntime, opened: Opened) -> Reply:
         from . import triton_generate
 
-        stream = opened.stream
-        unregister = on_disconnect(stream.cancel)
-        texts: list[str] = []
-        done: Finished | None = None
-        try:
-            async for event in stream.events():
-                if isinstance(event, Finished):
-                    done = event
-                else:
-                    texts.append(event.text)
-        finally:
-            unregister()
-        assert done is not None
+        text, done = await _read_whole(opened)
         if done.reason == "error":
             return Reply.error(500, f"model {rt.name} failed: {done.error}")
-        body = triton_generate.response(rt, "".join(texts), done)
+        body = triton_generate.response(rt, text, done)
         headers = (*opened.headers, (_GENERATION_KEY, generation_record(rt, "generate", done)))
         return Reply(200, body, headers)
 
     async def _generate_stream(self, rt: FunctionRuntime, opened: Opened) -> Reply | StreamReply:
         from . import triton_generate
 
-        stream = opened.stream
-        outcome = _Outcome(unregister=on_disconnect(stream.cancel))
-        events = _quiet_ticks(stream.events(), self._quiet(rt))
-        opening = await _opening(events)
-        done = opening.done
-        if done is not None and done.reason == "error" and not any(p.text for p in opening.pieces):
-            outcome.unregister()
-            await events.aclose()
-            return Reply.error(500, f"model {rt.name} failed: {done.error}")
-
         def text(piece: str) -> bytes:
             return triton_generate.event(rt, piece)
 
         def end(event: Finished) -> bytes:
-            outcome.record = generation_record(rt, "generate", event)
             if event.reason == "error":
                 return openai_api.sse({"error": f"model {rt.name} failed: {event.error}"})
             return triton_generate.event(rt, "", event)
 
-        return StreamReply(
-            200,
-            _sse(events, opening, text, end, outcome),
-            lambda: [(_GENERATION_KEY, outcome.record)],
-            opened.headers,
-        )
+        reply = await self._stream(rt, "generate", opened, text, end)
+        return Reply.error(500, reply) if isinstance(reply, str) else reply
+
+
+async def _read_whole(opened: Opened) -> tuple[str, Finished]:
+    """A generation read to its end, for a reply that is not streamed (a client that goes away
+    cancels it): its text and how it finished."""
+    stream = opened.stream
+    unregister = on_disconnect(stream.cancel)
+    texts: list[str] = []
+    done: Finished | None = None
+    try:
+        async for event in stream.events():
+            if isinstance(event, Finished):
+                done = event
+            else:
+                texts.append(event.text)
+    finally:
+        unregister()
+    assert done is not None
+    return "".join(texts), done
 
 
 __all__ = ["OPENAI_OPERATIONS", "GenerateFront", "StreamReply"]

@@ -190,35 +190,37 @@ class Metrics:
     def _generation(self, r: CollectorRegistry) -> None:
         """Generative functions: OpenTelemetry's GenAI metrics (names: contracts.genai), and
         what the decode loop does."""
-        self.gen_tokens = Histogram(
+
+        def histogram(
+            name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]
+        ) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.gen_tokens = histogram(
             genai.PROM_TOKEN_USAGE,
             f"{genai.TOKEN_USAGE}: tokens per request, input (prompt) or output (completion), "
             "as the model counts them",
             genai.TOKEN_LABELS,
-            buckets=_TOKENS,
-            registry=r,
+            _TOKENS,
         )
-        self.gen_ttft = Histogram(
+        self.gen_ttft = histogram(
             genai.PROM_TIME_TO_FIRST_TOKEN,
             f"{genai.TIME_TO_FIRST_TOKEN}: from a generation's start to its first token",
             genai.LABELS,
-            buckets=_TTFT,
-            registry=r,
+            _TTFT,
         )
-        self.gen_tpot = Histogram(
+        self.gen_tpot = histogram(
             genai.PROM_TIME_PER_OUTPUT_TOKEN,
             f"{genai.TIME_PER_OUTPUT_TOKEN}: a generation's time per output token after the first",
             genai.LABELS,
-            buckets=_TPOT,
-            registry=r,
+            _TPOT,
         )
-        self.gen_duration = Histogram(
+        self.gen_duration = histogram(
             genai.PROM_REQUEST_DURATION,
             f"{genai.REQUEST_DURATION}: a generative request from its start to its end "
             "(error_type set when it failed or was cancelled)",
             genai.DURATION_LABELS,
-            buckets=_GEN_DURATION,
-            registry=r,
+            _GEN_DURATION,
         )
         self.gen_finished = Counter(
             "meshfn_gen_streams",

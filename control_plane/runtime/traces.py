@@ -59,21 +59,64 @@ _SPAN_OVERHEAD = 320  # bytes a stored span costs beyond its strings (measured, 
 DROP_REASONS = ("evicted", "trace_full", "malformed", "too_large")
 
 
-@dataclass(slots=True)
 class Span:
-    trace_id: str
-    span_id: str
-    parent_id: str
-    name: str
-    service: str
-    kind: str
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, object]
-    status: str = "unset"  # unset | ok | error
-    message: str = ""
-    events: list[dict[str, Any]] = field(default_factory=list)
-    links: list[tuple[str, str]] = field(default_factory=list)
+    """One stored span. Its attributes stay encoded (the span's own OTLP bytes, copied out of
+    the export so that nothing else of it stays alive) until something reads them: at 100%
+    sampling most traces are evicted unread, and turning every attribute into Python was most
+    of what the collector spent per request."""
+
+    __slots__ = (
+        "_attributes",
+        "_size",
+        "end_ns",
+        "events",
+        "kind",
+        "links",
+        "message",
+        "name",
+        "parent_id",
+        "service",
+        "span_id",
+        "start_ns",
+        "status",
+        "trace_id",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        trace_id: str,
+        span_id: str,
+        parent_id: str,
+        name: str,
+        service: str,
+        kind: str,
+        start_ns: int,
+        end_ns: int,
+        attributes: dict[str, object] | bytes,  # a dict, or the span's OTLP encoding
+        status: str = "unset",  # unset | ok | error
+        message: str = "",
+        events: list[dict[str, Any]] | None = None,
+        links: list[tuple[str, str]] | None = None,
+    ) -> None:
+        self.trace_id, self.span_id, self.parent_id = trace_id, span_id, parent_id
+        self.name, self.service, self.kind = name, service, kind
+        self.start_ns, self.end_ns = start_ns, end_ns
+        self._attributes = attributes
+        self.status, self.message = status, message
+        self.events = events if events is not None else []
+        self.links = links if links is not None else []
+        self._size = _SPAN_OVERHEAD + (
+            len(attributes)
+            if isinstance(attributes, bytes)
+            else len(name) + len(service) + len(message)
+            + sum(len(k) + len(str(v)) for k, v in attributes.items())
+        )  # fmt: skip
+
+    @property
+    def attributes(self) -> dict[str, object]:
+        if isinstance(self._attributes, bytes):
+            self._attributes = _attributes(otlp.Span.FromString(self._attributes).attributes)
+        return self._attributes
 
     @property
     def duration_us(self) -> int:
@@ -91,8 +134,9 @@ class Span:
         return self.status == "error" or http_error
 
     def size(self) -> int:
-        text = sum(len(k) + len(str(v)) for k, v in self.attributes.items())
-        return _SPAN_OVERHEAD + len(self.name) + len(self.service) + len(self.message) + text
+        """Roughly what keeping it costs: its encoded size (as exported) or its strings."""
+        size: int = self._size
+        return size
 
     def document(self) -> dict[str, Any]:
         return {
@@ -360,7 +404,7 @@ def _span(raw: Any, service: str) -> Span | None:
         kind=otlp.KIND_NAMES.get(raw.kind, "unspecified"),
         start_ns=raw.start_time_unix_nano,
         end_ns=max(raw.end_time_unix_nano, raw.start_time_unix_nano),
-        attributes=_attributes(raw.attributes),
+        attributes=raw.SerializeToString(),
         status=_STATUS.get(raw.status.code, "unset"),
         message=raw.status.message[:MAX_VALUE],
         events=[

@@ -20,7 +20,9 @@ from meshfn.common.unix import unix_request
 from meshfn.contracts import otlp
 from meshfn.contracts.tracing import BackendTracing
 from meshfn.control_plane.runtime.traces import (
+    MAX_ATTRIBUTES,
     MAX_SPANS_PER_TRACE,
+    MAX_VALUE,
     Span,
     TraceCollector,
     TraceStore,
@@ -99,6 +101,27 @@ def test_malformed_exports_are_refused_and_bad_spans_counted() -> None:
     assert store.dropped["malformed"] == 2 and len(store) == 1
     (trace,) = store.traces()
     assert trace.spans[0].service == "edge.ingress" and trace.spans[0].end_ns == 5
+
+
+def test_a_stored_span_keeps_its_own_encoding_until_its_attributes_are_read() -> None:
+    """Attributes are decoded when read, from the span's own bytes (not a view into the export,
+    which would keep all of it alive past the store's memory bound), truncated as ever."""
+    request = otlp.ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    raw = scope.spans.add(trace_id=b"\x01" * 16, span_id=b"\x02" * 8, name="x")
+    raw.attributes.add(key="meshfn.route", value=otlp.any_value("default/iris"))
+    raw.attributes.add(key="long", value=otlp.any_value("v" * (MAX_VALUE + 10)))
+    for i in range(MAX_ATTRIBUTES + 5):
+        raw.attributes.add(key=f"k{i}", value=otlp.any_value(i))
+    store = TraceStore()
+    ingest(store, request.SerializeToString())
+    (trace,) = store.traces()
+    (span,) = trace.spans
+    assert isinstance(span._attributes, bytes) and span.size() > len(span._attributes)
+    assert trace.summary()["route"] == "default/iris"  # the first read decodes
+    assert span.attributes["long"] == "v" * MAX_VALUE + "…"
+    assert len(span.attributes) == MAX_ATTRIBUTES
+    assert isinstance(span._attributes, dict)
 
 
 @pytest.fixture

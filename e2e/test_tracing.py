@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import pytest
-from meshfn_e2e import Processes, Reply, http, remap_examples
+from meshfn_e2e import Processes, Reply, admin_get, http, remap_examples
 
 from meshfn.common.adminauth import admin_headers
 from meshfn.control_plane.runtime.bootstrap import RUNTIME
@@ -532,7 +532,7 @@ def _statuses(port: int, stop: threading.Event, out: list[int | str]) -> None:
 def test_tracing_a_hanging_collector_never_delays_or_fails_requests(tmp_path: Path) -> None:
     """Every request traced, the collector accepting but never answering: the same latency as
     with tracing off, every request answered, and the failed exports counted in meshfn
-    status."""
+    status and the control plane's /metrics."""
     server, collector = hanging_server()
     policies = p.Policies(tmp_path / "p")
     ports = policies.ports
@@ -584,6 +584,13 @@ def test_tracing_a_hanging_collector_never_delays_or_fails_requests(tmp_path: Pa
         assert wait_for("failed exports in meshfn status", failures, timeout=30, every=0.5) >= 1
         shown = meshfn("status", "--state-dir", str(policies.state)).stdout
         assert "export(s) failed" in shown, shown
+        # /metrics: the same counts, as meshfn status last read them (a scrape fetches nothing)
+        metrics = admin_get(policies, "/metrics").body.decode()
+        failed = re.findall(
+            r'^meshfn_proxy_trace_exports_failed_total\{proxy="([^"]+)"\} (\S+)$', metrics, re.M
+        )
+        assert sum(float(count) for _, count in failed) >= 1, metrics
+        assert {"edge.default", f"alpha.default:{sidecar}"} <= {proxy for proxy, _ in failed}
 
         def untraced() -> bool:
             """The gateway's and the sidecar's Envoys run their listeners without the tracer

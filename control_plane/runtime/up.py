@@ -49,7 +49,7 @@ from .bootstrap import (
     admin_port_warnings,
     admin_socket_path,
 )
-from .console.graph import ProxyStats
+from .console.graph import ProxyStats, ProxyTraceMetrics
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, meshfn_command, print_hints, sample_request, shell_path, state_option
@@ -391,6 +391,7 @@ async def run_up(
     proxies = sources.proxies
     if isinstance(proxies, ProxyStats):  # what each proxy's tracer sent and failed to export
         cp.status_providers["tracing"] = lambda: mesh.tracing_status(proxies)
+        cp.metrics.registry.register(ProxyTraceMetrics(proxies))
     return await _serve(cp, model, mesh, admin, acceleration, admin_host, policies, console)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from meshfn import ir
 from meshfn.audit import layout
@@ -18,6 +19,7 @@ from meshfn.common.adminauth import VIEWER, AdminTokens, admin_headers, key_path
 from meshfn.control_plane.runtime.admin import AdminServer
 from meshfn.control_plane.runtime.console.graph import (
     ProxyStats,
+    ProxyTraceMetrics,
     Rates,
     build_graph,
     graph_svg,
@@ -170,6 +172,58 @@ def test_a_rolled_out_functions_versions_count_on_its_services_edge(tmp_path: Pa
     )
     assert edge.rps == pytest.approx(20.0) and edge.error_ratio == pytest.approx(0.1)
     assert (edge.p50_ms, edge.p99_ms, edge.security) == (2.5, 40.0, "mtls")
+
+
+def _tracer_stats(sent: int, connect_fail: int, timeouts: int, errors: int) -> dict[str, object]:
+    """Envoy's /stats?format=json: its tracer's and its meshfn-otlp cluster's counters."""
+    return {
+        "stats": [
+            {"name": "tracing.opentelemetry.spans_sent", "value": sent},
+            {"name": "cluster.meshfn-otlp.upstream_cx_connect_fail", "value": connect_fail},
+            {"name": "cluster.meshfn-otlp.upstream_rq_timeout", "value": timeouts},
+            {"name": "cluster.meshfn-otlp.upstream_rq_5xx", "value": errors},
+            {"name": "cluster.meshfn-otlp.upstream_rq_total", "value": 99},
+        ]
+    }
+
+
+def test_the_proxies_span_exports_are_counters_in_metrics_as_last_fetched() -> None:
+    """/metrics shows what `meshfn status` shows per proxy, from the latest recorded sample:
+    a scrape fetches nothing (the sockets are never asked for), a proxy without a tracer is
+    not listed."""
+
+    def no_fetch() -> dict[str, Path]:
+        raise AssertionError("a scrape must not fetch the proxies' statistics")
+
+    proxies = ProxyStats(no_fetch)
+    registry = CollectorRegistry()
+    registry.register(ProxyTraceMetrics(proxies))
+    assert "{proxy=" not in generate_latest(registry).decode()  # nothing fetched yet
+    samples = {
+        "edge.default": [(100.0, _tracer_stats(10, 0, 0, 0)), (105.0, _tracer_stats(40, 2, 1, 1))],
+        "alpha.default:15000": [(105.0, _tracer_stats(7, 0, 0, 0))],
+        "beta.default": [(105.0, _stats(5, 0, 1.0, 2.0, "beta.default"))],  # no tracer
+    }
+    for group, recorded in samples.items():
+        for at, document in recorded:
+            counters, quantiles = parse_stats(document)
+            proxies.rates.record(group, counters, quantiles, at)
+
+    def value(name: str, proxy: str) -> float | None:
+        return registry.get_sample_value(name, {"proxy": proxy})
+
+    assert value("meshfn_proxy_trace_spans_sent_total", "edge.default") == 40
+    assert value("meshfn_proxy_trace_exports_failed_total", "edge.default") == 4
+    assert value("meshfn_proxy_trace_spans_sent_total", "alpha.default:15000") == 7
+    assert value("meshfn_proxy_trace_exports_failed_total", "alpha.default:15000") == 0
+    assert value("meshfn_proxy_trace_spans_sent_total", "beta.default") is None
+    text = generate_latest(registry).decode()
+    assert "# TYPE meshfn_proxy_trace_exports_failed_total counter" in text
+    assert 'meshfn_proxy_trace_exports_failed_total{proxy="edge.default"} 4.0' in text
+    # the same figures as meshfn status's
+    assert {
+        (x["proxy"], x["spans_sent"], x["failed_exports"]) for x in proxies.export_status()
+    } == {("edge.default", 40, 4), ("alpha.default:15000", 7, 0)}
 
 
 def _load(tmp_path: Path) -> ir.MeshModel:

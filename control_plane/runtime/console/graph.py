@@ -15,12 +15,14 @@ import asyncio
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from markupsafe import Markup, escape
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from meshfn import ir
 from meshfn.health.drift import carrying_clusters
@@ -183,6 +185,34 @@ class ProxyStats:
                     }
                 )
         return out
+
+
+class ProxyTraceMetrics(Collector):
+    """/metrics of each proxy's tracer, the figures `meshfn status` shows: read at scrape time
+    from the proxies' statistics as last fetched (by `meshfn status` or the console; a scrape
+    fetches nothing)."""
+
+    def __init__(self, proxies: ProxyStats) -> None:
+        self.proxies = proxies
+
+    def collect(self) -> Iterator[Metric]:
+        sent = CounterMetricFamily(
+            "meshfn_proxy_trace_spans_sent",
+            "Spans each proxy's tracer sent to the collector (its tracing.opentelemetry"
+            ".spans_sent, as meshfn status or the console last read the proxy's statistics)",
+            labels=["proxy"],
+        )
+        failed = CounterMetricFamily(
+            "meshfn_proxy_trace_exports_failed",
+            "Span exports from each proxy to the collector that failed, their spans dropped"
+            " (connect failures, timeouts and 5xx of its meshfn-otlp cluster, as meshfn status"
+            " or the console last read the proxy's statistics)",
+            labels=["proxy"],
+        )
+        for proxy in self.proxies.export_status():
+            sent.add_metric([proxy["proxy"]], proxy["spans_sent"])
+            failed.add_metric([proxy["proxy"]], proxy["failed_exports"])
+        yield from (sent, failed)
 
 
 # ---------------------------------------------------------------- the graph

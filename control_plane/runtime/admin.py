@@ -278,6 +278,7 @@ def make_app(
     access: ConsoleAccess,
 ) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
+        await hub.refresh()  # the proxies' figures (their tracers'), at most once a second
         return web.Response(
             body=generate_latest(cp.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )

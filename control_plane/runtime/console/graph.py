@@ -188,9 +188,8 @@ class ProxyStats:
 
 
 class ProxyTraceMetrics(Collector):
-    """/metrics of each proxy's tracer, the figures `meshfn status` shows: read at scrape time
-    from the proxies' statistics as last fetched (by `meshfn status` or the console; a scrape
-    fetches nothing)."""
+    """/metrics of each proxy's tracer, the figures `meshfn status` shows, from the proxies'
+    statistics as last fetched (a scrape fetches them first, at most once a second)."""
 
     def __init__(self, proxies: ProxyStats) -> None:
         self.proxies = proxies
@@ -199,14 +198,14 @@ class ProxyTraceMetrics(Collector):
         sent = CounterMetricFamily(
             "meshfn_proxy_trace_spans_sent",
             "Spans each proxy's tracer sent to the collector (its tracing.opentelemetry"
-            ".spans_sent, as meshfn status or the console last read the proxy's statistics)",
+            ".spans_sent, as last read from the proxy's statistics)",
             labels=["proxy"],
         )
         failed = CounterMetricFamily(
             "meshfn_proxy_trace_exports_failed",
             "Span exports from each proxy to the collector that failed, their spans dropped"
-            " (connect failures, timeouts and 5xx of its meshfn-otlp cluster, as meshfn status"
-            " or the console last read the proxy's statistics)",
+            " (connect failures, timeouts and 5xx of its meshfn-otlp cluster, as last read"
+            " from the proxy's statistics)",
             labels=["proxy"],
         )
         for proxy in self.proxies.export_status():

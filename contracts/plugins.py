@@ -218,27 +218,61 @@ MODEL_HEADER = "x-meshfn-model"
 OPENAI_OPERATIONS = ("chat/completions", "completions", "embeddings")
 OPENAI_PREFIXES = ("/v1/", "/openai/v1/")
 MODEL_ROUTED_PATHS = tuple(p + op for p in OPENAI_PREFIXES for op in OPENAI_OPERATIONS)
+# The KServe gRPC method a gateway that sheds by priority routes by the model its message names
+# (unary: one message, one model; a stream may name several and is not routed).
+GRPC_MODEL_ROUTED_PATHS = ("/inference.GRPCInferenceService/ModelInfer",)
 _ModelName = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")]
 _RoutedPath = Annotated[str, Field(pattern=r"^/[!-~]{1,127}$")]
 
 
+class GrpcRouteSettings(_Strict):
+    """The model router's KServe gRPC part (at a gateway that sheds by priority: each Function's
+    calls reach its own circuit breakers): a unary call to one of `paths` is routed by the
+    `model_name` its message names, one of `models`, written to the router's header. Nothing
+    is refused: any other call (compressed, malformed, too large, another model) passes
+    unrouted, to the backend's own gRPC route."""
+
+    paths: Annotated[list[_RoutedPath], Field(min_length=1, max_length=16)] = Field(
+        default_factory=lambda: list(GRPC_MODEL_ROUTED_PATHS),
+        description="exact gRPC method paths whose request message names the model",
+    )
+    models: Annotated[list[_ModelName], Field(min_length=1, max_length=4096)] = Field(
+        description="the models whose calls are routed by their name"
+    )
+
+
 class RouteSettings(_Strict):
     """Plugin configuration of the model router (part of the combined filter): POST requests to
-    `paths` are routed by their JSON body's `model`, one of `models`, written to `header`."""
+    `paths` are routed by their JSON body's `model`, one of `models`, written to `header`; with
+    `grpc`, KServe gRPC calls by the model their message names (`paths` and `models` may then
+    be empty: no OpenAI routes)."""
 
     header: Annotated[str, Field(pattern=_HEADER)] = Field(
         MODEL_HEADER, description="where the model goes (the listener strips it from clients)"
     )
-    paths: Annotated[list[_RoutedPath], Field(min_length=1, max_length=16)] = Field(
+    paths: Annotated[list[_RoutedPath], Field(max_length=16)] = Field(
         default_factory=lambda: list(MODEL_ROUTED_PATHS),
         description="exact request paths (no query) whose body names the model",
     )
-    models: Annotated[list[_ModelName], Field(min_length=1, max_length=4096)] = Field(
+    models: Annotated[list[_ModelName], Field(max_length=4096)] = Field(
         description="the models this gateway serves; any other is a 404 (model_not_found)"
     )
     max_body_bytes: Annotated[int, Field(ge=1, le=64 << 20)] = Field(
-        1 << 20, description="a longer body is refused (413) before it is parsed"
+        1 << 20,
+        description="a longer body is refused (413) before it is parsed (a gRPC message: "
+        "passes unrouted)",
     )
+    grpc: GrpcRouteSettings | None = Field(
+        None, description="KServe gRPC calls routed by their message's model_name"
+    )
+
+    @model_validator(mode="after")
+    def _routes_something(self) -> RouteSettings:
+        if bool(self.paths) != bool(self.models):
+            raise ValueError("models must be empty exactly when paths is")
+        if not self.paths and self.grpc is None:
+            raise ValueError("needs paths and models, or grpc")
+        return self
 
 
 class MeshfnSettings(_Strict):

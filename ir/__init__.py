@@ -314,13 +314,14 @@ class Route:
     retries: Retry | None = None
     grpc: bool = False  # its traffic is gRPC: renderers that name a Service port use the gRPC one
     qos: QoSPolicy | None = None  # a QoSPolicy of its own (bound to the Route or Function)
-    function: str = ""  # the Function whose KServe REST paths it serves
+    function: str = ""  # the Function whose KServe paths it serves (REST; gRPC: `model`)
     # The longest a response may send nothing (a stream's idle timeout; None: the proxy's own):
     # a generative function's routes cut a stuck stream, never a healthy one.
     idle_timeout: timedelta | None = None
     rewrite: PathRewrite | None = None
-    # An OpenAI model route: it serves the requests whose JSON body names this model (the
-    # gateway's model router writes it to contracts.plugins.MODEL_HEADER, which it matches)
+    # A model route: it serves the requests whose JSON body (OpenAI's) or gRPC message (`grpc`:
+    # KServe's ModelInfer) names this model (the gateway's model router writes it to
+    # contracts.plugins.MODEL_HEADER, which it matches)
     model: str = ""
 
     @property

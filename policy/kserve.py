@@ -8,7 +8,9 @@ one set per gateway, sent to the backend that serves its functions; they are IR 
 function routes, so every renderer picks them up. Load/unload are refused by an authorization
 policy on the backend's sidecars (or, without sidecars, on the gateway) unless the caller is
 one of the Function's `repository.callers`; over gRPC the model name is inside the message, so
-those two methods are refused to everyone there (use REST).
+those two methods are refused to everyone there (use REST). At a gateway that sheds by priority
+each Function's unary gRPC calls (ModelInfer) have a route of their own too, chosen by the
+gateway's model router from the model the message names (`grpc_route`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 from meshfn import ir
-from meshfn.contracts.plugins import MODEL_HEADER, OPENAI_OPERATIONS
+from meshfn.contracts.plugins import GRPC_MODEL_ROUTED_PATHS, MODEL_HEADER, OPENAI_OPERATIONS
 from meshfn.contracts.rollout import SHADOW_PATH
 from meshfn.contracts.tracing import SPANS_PATH
 
@@ -130,6 +132,39 @@ def openai_route(function: ir.Function) -> ir.Route | None:
         function=function.name,
         idle_timeout=idle_timeout(function),
         rewrite=ir.PathRewrite(_OPENAI_ROOT, f"/v2/models/{function.name}/openai/v1/"),
+        model=function.name,
+    )
+
+
+def grpc_route(function: ir.Function, backend: ir.Service) -> ir.Route | None:
+    """The function's unary KServe gRPC calls (ModelInfer) at a gateway that sheds its lower
+    priorities (QoSPolicy gatewayShedding): the gateway's model router writes the model the
+    message names to MODEL_HEADER, so these calls reach the function's own per-priority
+    circuit breakers, as its REST routes do, instead of the backend's (the sum over all its
+    functions: a burst on one would pass the gateway and be shed by the backend). Every other
+    gRPC call keeps the backend's own route (server_routes). None when the function is not
+    served over gRPC."""
+    if not (function.settings.protocols.grpc and backend.speaks_grpc):
+        return None
+    return ir.Route(
+        name=f"grpc-{function.name}",
+        namespace=function.namespace,
+        hosts=("*",),
+        matches=tuple(
+            ir.RouteMatch(
+                ir.PathMatch("exact", path),
+                headers=(
+                    ir.HeaderMatch("content-type", "prefix", "application/grpc"),
+                    ir.HeaderMatch(MODEL_HEADER, "exact", function.name),
+                ),
+            )
+            for path in GRPC_MODEL_ROUTED_PATHS
+        ),
+        service=function.backend,
+        timeout=function_timeout(function),
+        retries=SAFE_RETRIES,
+        grpc=True,
+        function=function.name,
         model=function.name,
     )
 

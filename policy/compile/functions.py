@@ -1,6 +1,7 @@
-"""Pass 5, functions: each Function with the QoS its backend applies, its KServe routes and
-each gateway's server routes (policy.kserve), the repository guards on the workloads in front of
-its backend, and the backends' load balancing; and every route a gateway carries, in order.
+"""Pass 5, functions: each Function with the QoS its backend applies, its KServe routes (its
+unary gRPC calls too where its policy sheds at the gateway) and each gateway's server routes
+(policy.kserve), the repository guards on the workloads in front of its backend, and the
+backends' load balancing; and every route a gateway carries, in order.
 
 The repository guard sits on the sidecars of every service that serves a function (its backend,
 and the services its backend's fallback chain reaches: they answer the same paths), and on the
@@ -109,8 +110,10 @@ def _attach(
     bound: Bound, functions: dict[str, ir.Function]
 ) -> tuple[dict[str, list[GatewayRoute]], dict[str, list[tuple[Loaded, ir.Function]]]]:
     """Per gateway key its Routes and Functions' routes in the order written (each with its own
-    QoSPolicy), and the Functions it hosts (with their objects)."""
+    QoSPolicy; a Function's gRPC route where its policy sheds at the gateway), and the Functions
+    it hosts (with their objects)."""
     routes: dict[str, list[GatewayRoute]] = {key: [] for key in bound.gateways}
+    services = {s.key: s for s in bound.services}
     hosted: dict[str, list[tuple[Loaded, ir.Function]]] = {}
     for attached in bound.attached:
         item, key = attached.item, f"{attached.item.namespace}/{attached.item.name}"
@@ -118,6 +121,8 @@ def _attach(
             function = functions[key]
             hosted.setdefault(attached.gateway, []).append((item, function))
             found = [kserve.function_route(function), kserve.openai_route(function)]
+            if bound.sheds_at_gateway(key):  # its gRPC calls to its own circuit breakers
+                found.append(kserve.grpc_route(function, services[function.backend]))
             lowered: list[tuple[ir.Route, str | None]] = [(r, None) for r in found if r]
         else:
             assert isinstance(item.lowered, ir.Route) and isinstance(item.obj, Route)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from meshfn import ir
 from meshfn.contracts.qos import FunctionQoS, Limits, window_seconds
 
-from ..model import QoSPolicy
+from ..model import QoSPolicy, QoSPolicySpec
 from ..validate import Loaded
 from .fallback import Chained
 
@@ -34,6 +34,13 @@ class Bound(Chained):
     qos: tuple[ir.QoSPolicy, ...]
     bound: Mapping[tuple[str, str], ir.QoSPolicy]
     backends: Mapping[str, Backend]
+
+    def sheds_at_gateway(self, function: str) -> bool:
+        """Whether the policy Function `function` (namespace/name)'s backend applies sheds
+        its lower priorities at the gateways too (gatewayShedding)."""
+        backend = self.backends.get(function)
+        spec = backend.policy.obj.spec if backend is not None else None
+        return isinstance(spec, QoSPolicySpec) and spec.gatewayShedding is not None
 
 
 def bind(chained: Chained) -> Bound:

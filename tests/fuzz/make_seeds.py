@@ -63,7 +63,10 @@ def filters() -> None:
                 "-q",
                 "-p",
                 "no:cacheprovider",
-                *(str(TESTS / f"test_wasm_{n}_native.py") for n in ("audit", "degrade", "meshfn")),
+                *(
+                    str(TESTS / f"test_wasm_{n}_native.py")
+                    for n in ("audit", "degrade", "meshfn", "route")
+                ),
             ],
             env={**os.environ, "MESHFN_FUZZ_RECORD": record},
             check=True,

@@ -270,3 +270,63 @@ def test_the_drift_breaker_also_degrades_the_priority_twins(model: ir.MeshModel)
     ((key, names),) = guarded_routes(listener, frozenset({route.key}), gateway.qos)
     assert key == route.key
     assert {"default/function-iris/1", "default/function-iris/1|high"} <= set(names)
+
+
+GRPC_GOLDEN = GOLDEN.parents[1] / "qos-shed-grpc" / "in.yaml"
+EXTENSION = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
+
+
+def _router(edge: dict[str, Any]) -> dict[str, Any] | None:
+    """The gateway's model router settings (its meshfn plugin's `route` part), if any."""
+    for config in edge.get(EXTENSION, {}).values():
+        value = config["typedConfig"]["config"]["configuration"]["value"]
+        route: dict[str, Any] | None = json.loads(value).get("route")
+        if route is not None:
+            return route
+    return None
+
+
+def test_grpc_calls_reach_each_functions_own_breakers() -> None:
+    """A backend that also serves gRPC, and a large Function (tiny-lm, maxConcurrency 64)
+    beside iris: the backend's own cluster admits the sum over both (8 + 32 DEFAULT), so a burst
+    of iris calls there would pass the gateway and be shed by the backend. Each Function's
+    unary gRPC calls therefore have routes of their own (both priorities) to its own cluster,
+    chosen by the model the model router read from the message; everything else gRPC (streams)
+    keeps the backend's cluster."""
+    edge = _edge(load_policies(GRPC_GOLDEN))
+    clusters = edge[CLUSTER]
+    assert _thresholds(clusters["models.default"]) == {"DEFAULT": (40, 40), "HIGH": (80, 80)}
+    assert _thresholds(clusters["fn|iris|models.default"]) == {"DEFAULT": (8, 8), "HIGH": (16, 16)}
+    (config,) = edge[ROUTES].values()
+    routes = {r["name"]: r for vh in config["virtualHosts"] for r in vh["routes"]}
+    order = list(routes)
+    for name in ("iris", "tiny-lm"):
+        high, other = routes[f"default/grpc-{name}/0|high"], routes[f"default/grpc-{name}/0"]
+        assert high["route"]["cluster"] == other["route"]["cluster"] == f"fn|{name}|models.default"
+        assert high["route"]["priority"] == "HIGH" and "priority" not in other["route"]
+        assert other["match"]["path"] == "/inference.GRPCInferenceService/ModelInfer"
+        headers = {h["name"]: h["stringMatch"] for h in other["match"]["headers"]}
+        assert headers == {"content-type": {"prefix": "application/grpc"},
+                           "x-meshfn-model": {"exact": name}}  # fmt: skip
+        # before the backend's own gRPC route, which takes what the router did not route
+        assert order.index(other["name"]) < order.index("default/kserve-grpc/0")
+    assert routes["default/kserve-grpc/0"]["route"]["cluster"] == "models.default"
+    router = _router(edge)
+    assert router is not None
+    assert router["grpc"] == {
+        "paths": ["/inference.GRPCInferenceService/ModelInfer"],
+        "models": ["iris", "tiny-lm"],
+    }
+    # the router's header comes only from the router: the listener strips clients' copies
+    assert "x-meshfn-model" in json.dumps(edge[LISTENER])
+
+
+def test_without_gateway_shedding_grpc_is_not_routed_by_model(tmp_path: Path) -> None:
+    text = GRPC_GOLDEN.read_text().replace("  gatewayShedding: {}\n", "")
+    edge = _edge(_load(tmp_path, text))
+    (config,) = edge[ROUTES].values()
+    names = [r["name"] for vh in config["virtualHosts"] for r in vh["routes"]]
+    assert not [n for n in names if "/grpc-" in n]
+    assert "default/kserve-grpc/0" in names
+    router = _router(edge)
+    assert router is not None and "grpc" not in router  # OpenAI's routes only

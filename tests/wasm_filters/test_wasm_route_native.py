@@ -2,17 +2,21 @@
 OpenAI request waits for its body, and the model it names becomes the routing header (the route
 cache cleared), or the request is refused with OpenAI's error object (400, 404
 model_not_found, 413); the degrade part runs after it on the route it chose, the audit part
-hashes the body once; other requests pass untouched; nothing leaks."""
+hashes the body once; other requests pass untouched; nothing leaks. A KServe gRPC ModelInfer
+call (configured where the gateway sheds by priority) is routed by the model_name its message
+names, and one that cannot be passes unrouted, never refused."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from typing import Any
 
 import pytest
+from tritonclient.grpc import service_pb2
 
-from meshfn.contracts.plugins import RouteSettings
+from meshfn.contracts.plugins import GrpcRouteSettings, RouteSettings
 from meshfn.testing import filters
 
 fakehost = filters.harness("fakehost")
@@ -178,3 +182,187 @@ def test_bad_router_configuration_names_the_field(host: Any) -> None:
         host.delete(root)
         assert not ok
         assert reason in host.logs()[-1][1], (route, host.logs()[-1])
+
+
+# ---- KServe gRPC (a gateway that sheds by priority: each Function's calls to its own breakers)
+
+GRPC_ROUTE = RouteSettings(
+    models=["tiny-lm"],
+    max_body_bytes=4096,
+    grpc=GrpcRouteSettings(models=["iris", "digits"]),
+).model_dump(exclude_none=True)
+INFER = [
+    (b":method", b"POST"),
+    (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
+    (b"content-type", b"application/grpc"),
+]
+
+
+def grpc_message(payload: bytes, compressed: bool = False) -> bytes:
+    """One gRPC message: the compressed flag, the big-endian length, the payload."""
+    return bytes([int(compressed)]) + struct.pack(">I", len(payload)) + payload
+
+
+def infer_request(model: str, rows: int = 1) -> bytes:
+    request = service_pb2.ModelInferRequest(model_name=model, id="r1")
+    tensor = request.inputs.add(name="features", datatype="FP32", shape=[rows, 4])
+    tensor.contents.fp32_contents.extend([5.1, 3.5, 1.4, 0.2] * rows)
+    request.parameters["priority"].int64_param = 3
+    return request.SerializeToString()
+
+
+def grpc_send(host: Any, root: int, body: bytes) -> tuple[int, int, int]:
+    ctx = host.stream(root)
+    first = host.request_headers(ctx, INFER, eos=False)
+    return ctx, first, host.request_body(ctx, body, True)
+
+
+def test_a_grpc_call_is_routed_by_the_model_its_message_names(host: Any) -> None:
+    root, ok = host.configure(json.dumps({"route": GRPC_ROUTE}).encode())
+    assert ok, host.logs()
+    before = host.foreign_calls()
+    ctx, first, second = grpc_send(host, root, grpc_message(infer_request("iris")))
+    assert (first, second) == (fakehost.PAUSE, fakehost.CONTINUE)  # waited for the message
+    assert host.header(fakehost.REQUEST_HEADERS, b"x-meshfn-model") == b"iris"
+    assert host.foreign_calls() == before + 1  # clear_route_cache
+    assert host.local_response() is None
+    host.delete(ctx)
+    # protobuf's rule: the last model_name given is the one the backend reads
+    twice = b"\x0a\x04iris\x0a\x06digits\x1a\x02r1"
+    assert service_pb2.ModelInferRequest.FromString(twice).model_name == "digits"
+    ctx, _, _ = grpc_send(host, root, grpc_message(twice))
+    assert host.header(fakehost.REQUEST_HEADERS, b"x-meshfn-model") == b"digits"
+    host.delete(ctx)
+    host.delete(root)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        grpc_message(infer_request("tiny-lm")),  # not routed over gRPC here
+        grpc_message(infer_request("cancer")),  # not a model this gateway routes
+        grpc_message(infer_request("IRIS")),
+        grpc_message(infer_request("iris"), compressed=True),
+        grpc_message(infer_request("iris")) + grpc_message(infer_request("iris")),  # two
+        grpc_message(infer_request("iris"))[:-1],  # truncated
+        grpc_message(b"\x0a\x04iris\x0a\x09digits"),  # a field past the end
+        grpc_message(b"\x0a\x04iris\x0b"),  # a group: never in ModelInferRequest
+        grpc_message(b"\x08\x01"),  # field 1 as a varint: not a name
+        grpc_message(b"\x0a\x04iris" + b"\x18" + b"\xff" * 10 + b"\x01"),  # varint over 10 bytes
+        grpc_message(infer_request("iris", rows=300)),  # larger than max_body_bytes
+        b"",
+        b"\x00\x00",
+    ],
+)
+def test_a_grpc_call_that_cannot_be_routed_passes_unrefused(host: Any, body: bytes) -> None:
+    """The backend's own gRPC route takes it, and the backend answers it as it would."""
+    root, ok = host.configure(json.dumps({"route": GRPC_ROUTE}).encode())
+    assert ok, host.logs()
+    ctx, _, second = grpc_send(host, root, body)
+    assert second == fakehost.CONTINUE
+    assert host.header(fakehost.REQUEST_HEADERS, b"x-meshfn-model") is None
+    assert host.local_response() is None
+    host.delete(ctx)
+    host.delete(root)
+
+
+def test_grpc_routing_reads_only_unary_grpc_calls(host: Any) -> None:
+    root, ok = host.configure(json.dumps({"route": GRPC_ROUTE}).encode())
+    assert ok, host.logs()
+    stream = [(b":method", b"POST"), (b":path", b"/inference.GRPCInferenceService/ModelStreamInfer"),
+              (b"content-type", b"application/grpc")]  # fmt: skip
+    not_grpc = [*INFER[:2], (b"content-type", b"application/json")]
+    for headers in (stream, not_grpc, INFER[:2]):
+        ctx = host.stream(root)
+        assert host.request_headers(ctx, headers, eos=False) == fakehost.CONTINUE
+        assert host.request_body(ctx, grpc_message(infer_request("iris")), True) == 0
+        assert host.header(fakehost.REQUEST_HEADERS, b"x-meshfn-model") is None
+        host.delete(ctx)
+    ctx = host.stream(root)  # no message at all
+    assert host.request_headers(ctx, INFER, eos=True) == fakehost.CONTINUE
+    assert host.local_response() is None
+    host.delete(ctx)
+    host.delete(root)
+
+
+def test_grpc_only_routing_leaves_openai_paths_alone(host: Any) -> None:
+    only = RouteSettings(paths=[], models=[], grpc=GrpcRouteSettings(models=["iris"]))
+    root, ok = host.configure(json.dumps({"route": only.model_dump(exclude_none=True)}).encode())
+    assert ok, host.logs()
+    ctx = host.stream(root)
+    assert host.request_headers(ctx, CHAT, eos=False) == fakehost.CONTINUE
+    host.delete(ctx)
+    ctx, _, _ = grpc_send(host, root, grpc_message(infer_request("iris")))
+    assert host.header(fakehost.REQUEST_HEADERS, b"x-meshfn-model") == b"iris"
+    host.delete(ctx)
+    host.delete(root)
+
+
+def test_the_audit_part_hashes_a_grpc_message_too_large_to_route(host: Any) -> None:
+    """The router gives up before the end: the audit part hashes what it held back, then the
+    rest as it comes, so the record's digest is the whole body's."""
+    audit = {"subject_salt": SALT, "body_hash": {"enabled": True}}
+    root, ok = host.configure(json.dumps({"route": GRPC_ROUTE, "audit": audit}).encode())
+    assert ok, host.logs()
+    body = grpc_message(infer_request("iris", rows=400))
+    head, tail = body[:5000], body[5000:]
+    ctx = host.stream(root)
+    length = [(b"content-length", str(len(body)).encode())]
+    assert host.request_headers(ctx, [*INFER, *length], eos=False) == fakehost.PAUSE
+    assert host.request_body(ctx, head[:3000], False) == fakehost.PAUSE  # still waiting
+    assert host.request_body(ctx, head, False) == fakehost.CONTINUE  # over the limit: unrouted
+    assert host.request_body(ctx, tail, True) == fakehost.CONTINUE
+    state = json.loads(host.state(b"meshfn_audit"))
+    assert state["body_sha256"] == hashlib.sha256(body).hexdigest()
+    assert host.header(fakehost.REQUEST_HEADERS, b"x-meshfn-model") is None
+    host.delete(ctx)
+    host.delete(root)
+
+
+def test_grpc_routing_leaks_nothing(host: Any) -> None:
+    root, ok = host.configure(json.dumps({"route": GRPC_ROUTE}).encode())
+    assert ok, host.logs()
+    grpc_send(host, root, grpc_message(infer_request("iris")))
+    baseline = host.live_bytes()
+    for body in (infer_request("iris"), infer_request("nope"), b"\x0a\xff"):
+        for _ in range(50):
+            ctx, _, _ = grpc_send(host, root, grpc_message(body))
+            host.delete(ctx)
+    assert host.live_bytes() == baseline
+    host.delete(root)
+
+
+def test_bad_grpc_router_configuration_names_the_field(host: Any) -> None:
+    openai = {"header": "x-meshfn-model", "paths": ["/v1/x"], "models": ["a"]}
+    for route, reason in (
+        ({**openai, "grpc": []}, "route.grpc: must be an object"),
+        ({**openai, "grpc": {"paths": ["/x"]}}, "route.grpc.models: required"),
+        ({**openai, "grpc": {"paths": ["/x"], "models": []}}, "route.grpc.models: must be"),
+        ({**openai, "grpc": {"paths": ["x"], "models": ["a"]}}, "route.grpc.paths: has an"),
+        ({**openai, "grpc": {"paths": ["/x"], "models": ["a"], "z": 1}}, "route.grpc: has an"),
+        ({**openai, "paths": [], "grpc": {"paths": ["/x"], "models": ["a"]}}, "route.models"),
+        ({**openai, "paths": [], "models": []}, "route.paths: must be a non-empty"),
+    ):
+        root, ok = host.configure(json.dumps({"route": route}).encode())
+        host.delete(root)
+        assert not ok
+        assert reason in host.logs()[-1][1], (route, host.logs()[-1])
+
+
+def test_a_grpc_call_too_large_to_hold_passes_before_envoys_buffer_limit(host: Any) -> None:
+    """However large the functions' maxRequestBytes, the router stops holding a message back
+    below Envoy's buffer limit per stream (1 MiB), which would otherwise answer 413."""
+    route = {**GRPC_ROUTE, "max_body_bytes": 8 << 20}
+    root, ok = host.configure(json.dumps({"route": route}).encode())
+    assert ok, host.logs()
+    body = grpc_message(infer_request("iris", rows=70_000))  # ~1.1 MiB
+    assert len(body) > 1 << 20
+    ctx = host.stream(root)
+    assert host.request_headers(ctx, INFER, eos=False) == fakehost.PAUSE
+    assert host.request_body(ctx, body[: 900 << 10], False) == fakehost.PAUSE
+    assert host.request_body(ctx, body[: 1000 << 10], False) == fakehost.CONTINUE
+    assert host.request_body(ctx, body[1000 << 10 :], True) == fakehost.CONTINUE
+    assert host.header(fakehost.REQUEST_HEADERS, b"x-meshfn-model") is None
+    assert host.local_response() is None
+    host.delete(ctx)
+    host.delete(root)

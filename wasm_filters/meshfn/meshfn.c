@@ -150,6 +150,9 @@ uint32_t filter_on_request_body(http_t *h, uint32_t size, uint32_t eos) {
   if (eos && h->audit) audit_on_request_body(h->audit, size, eos);
   uint32_t verdict = route_request_body(h->route, size, eos);
   if (verdict == ROUTE_WAIT || verdict == ROUTE_REPLIED) return ACTION_PAUSE;
+  /* The router gave up before the end (a gRPC message too large to route by): the audit part
+   * hashes what was held back, then each further chunk as it comes. */
+  if (!eos && h->audit) audit_on_request_body(h->audit, size, eos);
   h->routing = 0;
   return h->degrade ? degrade_on_request_headers(h->degrade, 0, 0) : ACTION_CONTINUE;
 }

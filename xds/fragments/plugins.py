@@ -17,11 +17,13 @@ from meshfn.contracts.plugins import (
     AUDIT_FILTER_STATE,
     MESH_ROUTE_HEADER,
     MESH_ROUTE_KEY,
+    MODEL_ROUTED_PATHS,
     ROUTE_METADATA,
     AuditSettings,
     BodyHash,
     DegradeRule,
     DegradeSettings,
+    GrpcRouteSettings,
     RouteSettings,
     SubjectSalt,
     Trigger,
@@ -48,15 +50,22 @@ def audit_settings(audit: ir.Audit, salt: SubjectSalt, jwt_headers: bool) -> Aud
 
 
 def route_settings(model: ir.MeshModel, listener: ir.Listener) -> RouteSettings | None:
-    """The model router of a gateway listener whose routes include OpenAI model routes: the
-    models they serve, and the largest request body of their functions (None: no such
-    route)."""
-    models = sorted({r.model for r in listener.routes if r.model})
-    if not models:
+    """The model router of a gateway listener whose routes include model routes: the models
+    its OpenAI routes serve, those its KServe gRPC routes serve by the name in the message (at
+    a gateway that sheds by priority: policy.kserve.grpc_route), and the largest request body
+    of their functions (None: no such route)."""
+    openai = sorted({r.model for r in listener.routes if r.model and not r.grpc})
+    grpc = sorted({r.model for r in listener.routes if r.model and r.grpc})
+    if not openai and not grpc:
         return None
     limits = {f.name: f.settings.limits.maxRequestBytes for f in model.functions}
-    largest = max(limits.get(name, 1 << 20) for name in models)
-    return RouteSettings(models=models, max_body_bytes=largest)
+    largest = max(limits.get(name, 1 << 20) for name in (*openai, *grpc))
+    return RouteSettings(
+        paths=list(MODEL_ROUTED_PATHS) if openai else [],
+        models=openai,
+        max_body_bytes=largest,
+        grpc=GrpcRouteSettings(models=grpc) if grpc else None,
+    )
 
 
 def drill_trigger(drill: ir.Drill | None) -> Trigger | None:

@@ -76,7 +76,7 @@ def gateway_resources(
             mesh_route=model.audit is not None,
             tracing=tracing,
             route=route,
-            openai=route is not None,
+            openai=route is not None and route.openai,
         )
         rolled = sorted(
             {
@@ -199,11 +199,11 @@ class _Clusters:
 
 
 def model_router(model: ir.MeshModel, lst: ir.Listener, host: ProxyHost) -> RouteConfig | None:
-    """The listener's model router, if it routes OpenAI requests by the model in their body."""
+    """The listener's model router, if it routes requests by the model their body names."""
     settings = route_settings(model, lst)
     if settings is None:
         return None
-    return RouteConfig(lst.name, tuple(settings.models), settings.max_body_bytes, host.wasm_dir)
+    return RouteConfig.of(lst.name, settings, host.wasm_dir)
 
 
 def qos_context(

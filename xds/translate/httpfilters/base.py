@@ -100,12 +100,20 @@ class RouteConfig:
     (fragments.plugins.route_settings, shared with Istio)."""
 
     listener: str
-    models: tuple[str, ...]
-    max_body_bytes: int
+    settings_json: str  # RouteSettings, as JSON: hashable, as the FilterContext must be
     wasm_dir: Path
 
+    @staticmethod
+    def of(listener: str, settings: RouteSettings, wasm_dir: Path) -> RouteConfig:
+        return RouteConfig(listener, settings.model_dump_json(exclude_none=True), wasm_dir)
+
     def settings(self) -> RouteSettings:
-        return RouteSettings(models=list(self.models), max_body_bytes=self.max_body_bytes)
+        return RouteSettings.model_validate_json(self.settings_json)
+
+    @property
+    def openai(self) -> bool:
+        """It routes OpenAI's requests (not only KServe gRPC calls)."""
+        return bool(self.settings().models)
 
 
 @dataclass(frozen=True)

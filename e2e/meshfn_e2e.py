@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from meshfn.common.adminauth import admin_headers
+from meshfn.inference.examples import publish_examples
 from meshfn.testing import processes
 from meshfn.testing.policies import Policies, remap
 from meshfn.testing.ports import free_ports
@@ -120,11 +121,18 @@ class Processes(processes.Processes):
         )
         return proc
 
-    def backend(self, config: dict[str, Any]) -> tuple[str, str]:
-        """An inference backend serving `config` (written to TMP/backend.yaml) on free ports,
-        until it is ready: its (HTTP, gRPC) host:port."""
+    def backend(self, functions: list[dict[str, Any]], **config: Any) -> tuple[str, str]:
+        """An inference backend serving `functions` from the examples (the testing ones too,
+        published to TMP/registry) with the rest of its `config`, on free ports, until it is
+        ready: its (HTTP, gRPC) host:port."""
+        _, key = publish_examples(self.tmp / "registry", include_testing=True)
         path = self.tmp / "backend.yaml"
-        path.write_text(yaml.safe_dump(config))
+        path.write_text(
+            yaml.safe_dump(
+                {"registry": str(self.tmp / "registry"), "trustedKeys": [str(key)],
+                 "functions": functions, **config}
+            )
+        )  # fmt: skip
         port, grpc_port = free_ports(2)
         proc = self.start(
             "backend",

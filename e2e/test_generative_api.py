@@ -25,7 +25,6 @@ import pytest
 import tritonclient.grpc as tgrpc
 from meshfn_e2e import Processes, http
 
-from meshfn.inference.examples import publish_examples
 from meshfn.testing.processes import wait_for
 
 TINY = {"generation": {"maxTokens": 1000, "defaultMaxTokens": 24}, "limits": {"maxConcurrency": 64}}
@@ -89,13 +88,7 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     tmp = tmp_path_factory.mktemp("generative")
     procs = Processes(tmp)
     try:
-        _, key = publish_examples(tmp / "registry", include_testing=True)
-        found = Backend(
-            *procs.backend(
-                {"registry": str(tmp / "registry"), "trustedKeys": [str(key)],
-                 "functions": FUNCTIONS, "auditTextKey": TEXT_KEY}
-            )
-        )  # fmt: skip
+        found = Backend(*procs.backend(FUNCTIONS, auditTextKey=TEXT_KEY))
         yield found
     finally:
         procs.stop_all()
@@ -258,14 +251,17 @@ def test_the_body_and_the_path_must_name_the_same_model(backend: Backend) -> Non
     assert kserve.status == 200  # KServe's spelling
 
 
-def _raw(backend: Backend, path: str, body: dict[str, Any]) -> tuple[bytes, bytes]:
+def _raw(
+    backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[bytes, bytes]:
     """A request over a plain socket: the response head and its decoded chunked body, with
     the trailers (what a proxy reads)."""
     data = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     host, port = backend.rest.split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
             + data
         )
@@ -583,17 +579,7 @@ def test_a_partial_reservation_stops_the_stream_when_the_budget_runs_out(
 ) -> None:
     body = {"model": "tiny-partial", "prompt": "The ", "max_tokens": 100, "stream": True,
             "temperature": 0}  # fmt: skip
-    data = json.dumps(body).encode()
-    host, port = backend.rest.split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(
-            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nx-meshfn-tenant: initech\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
-            + data
-        )
-        raw = b""
-        while chunk := sock.recv(65536):
-            raw += chunk
+    _, raw = _raw(backend, "/v1/completions", body, {"x-meshfn-tenant": "initech"})
     record = json.loads(raw.rsplit(b"x-meshfn-generation: ", 1)[1].split(b"\r\n")[0])
     # 60 tokens a day: the prompt (5) and 55 completion tokens, then "length", noted budget
     assert record["finish_reason"] == "budget" and record["note"] == "budget"

@@ -25,8 +25,6 @@ from meshfn_e2e import Processes, http
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
-from meshfn.inference.examples import publish_examples
-
 OPS = "https://issuer.test/ops"
 WIDE = {"limits": {"maxConcurrency": 64}}
 FUNCTIONS: list[dict[str, Any]] = [
@@ -73,13 +71,7 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     tmp = tmp_path_factory.mktemp("api")
     procs = Processes(tmp)
     try:
-        _, key = publish_examples(tmp / "registry", include_testing=True)
-        found = Backend(
-            *procs.backend(
-                {"registry": str(tmp / "registry"), "trustedKeys": [str(key)],
-                 "functions": FUNCTIONS}
-            )
-        )  # fmt: skip
+        found = Backend(*procs.backend(FUNCTIONS))
         yield found
     finally:
         procs.stop_all()

@@ -135,8 +135,7 @@ class Span:
 
     def size(self) -> int:
         """Roughly what keeping it costs: its encoded size (as exported) or its strings."""
-        size: int = self._size
-        return size
+        return self._size
 
     def document(self) -> dict[str, Any]:
         return {

@@ -9,6 +9,9 @@ Two ways to the same backends, and a bench backend of its own:
           what the mesh adds is then the two Envoys and nothing else (another process would
           differ in its pool, its batches and where the scheduler puts it). A stream's backend
           alternates as the gateway's balancer does
+  joined  mesh and direct again (16 streams) with tiny-lm-joined: tiny-lm on the same backends
+          with generation.streamInterval 4 (a Function the benchmark adds to its copy of the
+          examples): an event per four tokens, so each proxy handles a quarter of the chunks
   bench   one inference backend of the benchmark's own on loopback, with the model served
           three ways by one process: `tiny-lm` (continuous batching, maxStreams 16),
           `tiny-solo` (batching off: each stream's steps are calls of their own), `tiny-acct`
@@ -185,12 +188,27 @@ def start_backend(procs: Processes, tmp: Path, registry: Path, key: Path) -> str
     return f"http://127.0.0.1:{port}"
 
 
+JOINED = "tiny-lm-joined"
+JOINED_POLICY = f"""apiVersion: meshfn.io/v1alpha1
+kind: Function
+metadata: {{name: {JOINED}, namespace: default}}
+spec:
+  artifact: tiny-lm@1
+  backend: models
+  gateway: ingress/edge
+  limits: {{memoryMiB: 64, maxConcurrency: 64}}
+  generation: {{maxTokens: 512, streamInterval: 4, batching: {{maxStreams: 16}}}}
+"""
+
+
 def start_mesh(
     procs: Processes, tmp: Path, registry: Path, key: Path
 ) -> tuple[str, str, list[Path]]:
-    """The example mesh: (gateway URL, acme's token, the HTTP sockets of the backends that
-    serve tiny-lm, which their sidecars forward to)."""
-    mapping = p.remap(EXAMPLES, tmp / "policies")
+    """The example mesh with tiny-lm-joined added: (gateway URL, acme's token, the HTTP sockets
+    of the backends that serve tiny-lm, which their sidecars forward to)."""
+    joined = tmp / "joined.yaml"
+    joined.write_text(JOINED_POLICY)
+    mapping = p.remap(EXAMPLES, tmp / "policies", joined)
     state = tmp / "state"
     up = procs.start(
         "up",
@@ -213,19 +231,22 @@ def start_mesh(
 
 
 async def run_ways(
-    ways: dict[str, Way], pairs: tuple[str, str], levels: list[int], rounds: int, repeats: int,
-    tokens: int,
+    ways: dict[str, Way], pairs: list[tuple[str, str]], levels: list[int], rounds: int,
+    repeats: int, tokens: int,
 ) -> dict[str, dict[int, list[dict[str, Any]]]]:  # fmt: skip
-    """Every way's rounds at every level (the first round of each warms it up), the pair's two
-    ways alternating, and which of them goes first too; the others at the top level only."""
+    """Every way's rounds (the first round of each warms it up): the first pair at every level,
+    the others at the top level, a pair's two ways alternating, and which of them goes first
+    too; the ways in no pair at the top level."""
     top = max(levels)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {w: {n: [] for n in levels} for w in ways}
-    for n in levels:
-        for turn in range((repeats if n == 1 else rounds) + 1):
-            order = pairs if turn % 2 == 0 else pairs[::-1]
-            for name in order:
-                runs[name][n].append(await measure(ways[name], n, tokens, 1, turn))
-    for name in [w for w in ways if w not in pairs]:
+    for i, pair in enumerate(pairs):
+        for n in levels if i == 0 else [top]:
+            for turn in range((repeats if n == 1 else rounds) + 1):
+                order = pair if turn % 2 == 0 else pair[::-1]
+                for name in order:
+                    runs[name][n].append(await measure(ways[name], n, tokens, 1, turn))
+    paired = {name for pair in pairs for name in pair}
+    for name in [w for w in ways if w not in paired]:
         for turn in range(rounds + 1):
             runs[name][top].append(await measure(ways[name], top, tokens, 1, turn))
     return runs
@@ -263,13 +284,14 @@ async def measure_all(
         ways = {
             "mesh": Way([tcp], f"{gateway}/v1/completions", "tiny-lm", through_mesh),
             "direct": Way(to_sockets, "http://backend" + path.format("tiny-lm"), "tiny-lm", acme),
+            "mesh_joined": Way([tcp], f"{gateway}/v1/completions", JOINED, through_mesh),
+            "direct_joined": Way(to_sockets, "http://backend" + path.format(JOINED), JOINED, acme),
             "bench_batched": Way([tcp], bench + path.format("tiny-lm"), "tiny-lm", plain),
             "bench_unbatched": Way([tcp], bench + path.format("tiny-solo"), "tiny-solo", plain),
             "bench_accounted": Way([tcp], bench + path.format("tiny-acct"), "tiny-acct", acme),
         }
-        return await run_ways(
-            ways, ("mesh", "direct"), levels, args.rounds, args.pairs, args.tokens
-        )
+        pairs = [("mesh", "direct"), ("mesh_joined", "direct_joined")]
+        return await run_ways(ways, pairs, levels, args.rounds, args.pairs, args.tokens)
 
 
 def main() -> None:
@@ -324,6 +346,21 @@ def main() -> None:
                 for key in ("ttft", "itl")
             }
             for n in levels
+        },
+        "mesh_tokens_ratio": round(
+            mesh[high]["tokens_per_s"] / figures["direct"][high]["tokens_per_s"], 3
+        ),
+        "joined": {
+            "streams": top,
+            "mesh_added_ms": {
+                key: added(runs["mesh_joined"][top][1:], runs["direct_joined"][top][1:], key)
+                for key in ("ttft", "itl")
+            },
+            "mesh_tokens_ratio": round(
+                figures["mesh_joined"][high]["tokens_per_s"]
+                / figures["direct_joined"][high]["tokens_per_s"],
+                3,
+            ),
         },
         "accounting_audit_ttft_added_ms": round(
             figures["bench_accounted"][high]["ttft_p50_ms"] - bench_f["ttft_p50_ms"], 3

@@ -222,6 +222,14 @@ class FunctionGeneration(_Strict):
         description="continuous batching of decode steps across streams (step functions); "
         "null: each stream's steps are calls of their own",
     )
+    streamInterval: Annotated[int, Field(ge=1, le=64)] = Field(
+        1,
+        description="completion tokens per streamed event after the first text (vLLM's "
+        "stream interval): 1 sends each token as it comes; N joins N tokens into one event "
+        "(the first text still goes at once, and a token that comes 50 ms or more after the "
+        "last event goes at once with what waited), so each proxy on the way handles one "
+        "chunk per N tokens instead of N",
+    )
     auditText: Literal["none", "hmac"] = Field(
         "none",
         description="none: audit records keep no prompt or completion text; hmac: they carry "

@@ -32,6 +32,8 @@ FUNCTIONS: list[dict[str, Any]] = [
     {"name": "tiny-lm", **TINY},
     {"name": "tiny-solo", "artifact": "tiny-lm@1", "limits": {"maxConcurrency": 64},
      "generation": {"maxTokens": 1000, "batching": None}},
+    {"name": "tiny-joined", "artifact": "tiny-lm@1",
+     "generation": {"maxTokens": 1000, "streamInterval": 4}},
     {"name": "tiny-short", "artifact": "tiny-lm@1",
      "generation": {"maxTokens": 1000, "timeout": "50ms", "tokenTimeout": "40ms"}},
     {"name": "tiny-trunc", "artifact": "tiny-lm@1",
@@ -169,6 +171,36 @@ def test_text_completions_with_and_without_stream(backend: Backend) -> None:
     # OpenAI's default max_tokens for /v1/completions is 16
     default = client.completions.create(model="tiny-lm", prompt="x", seed=1, temperature=0)
     assert default.usage.completion_tokens <= 16
+
+
+def test_a_stream_interval_joins_tokens_into_fewer_events_of_the_same_text(
+    backend: Backend,
+) -> None:
+    """generation.streamInterval 4: the same text and usage as one event per token, the first
+    text alone, then about one event per four tokens (OpenAI's SDK and Triton's framing)."""
+    client = backend.client()
+    texts: dict[str, list[str]] = {}
+    for model in ("tiny-lm", "tiny-joined"):
+        options = {"include_usage": True}
+        stream = client.completions.create(
+            model=model, prompt="def ", max_tokens=41, seed=5, stream=True, stream_options=options
+        )
+        chunks = list(stream)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 41
+        texts[model] = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(texts["tiny-joined"]) == "".join(texts["tiny-lm"])
+    assert len(texts["tiny-lm"]) >= 35  # a byte-level model: (nearly) one event per token
+    # 1 + 40/4 when the steps come quicker than JOIN_WAIT_S; a paused backend lets some go early
+    assert 11 <= len(texts["tiny-joined"]) <= 20, texts["tiny-joined"]
+    assert texts["tiny-joined"][0] == texts["tiny-lm"][0]
+    body = {"text_input": "The ", "parameters": {"max_tokens": 21, "temperature": 0}}
+    streamed = {}
+    for model in ("tiny-lm", "tiny-joined"):
+        _, raw = _raw(backend, f"/v2/models/{model}/generate_stream", body)
+        events = [e for e in raw.split(b"\x00TRAILERS\x00")[0].split(b"\n\n") if e]
+        streamed[model] = [json.loads(e[6:])["text_output"] for e in events]
+    assert "".join(streamed["tiny-joined"]) == "".join(streamed["tiny-lm"])
+    assert len(streamed["tiny-joined"]) < len(streamed["tiny-lm"]) / 2
 
 
 def test_stop_sequences_end_the_text_before_them(backend: Backend) -> None:

@@ -1,5 +1,6 @@
 """bench/generative.py runs end to end (tiny sizes: one and two streams, a few tokens, one
-round, two pairs at one stream) and prints its one summary line; its figures are consistent with each other."""
+round, two pairs at one stream; streamInterval 4 paired at the top) and prints its one summary
+line; its figures are consistent with each other."""
 
 from __future__ import annotations
 
@@ -20,10 +21,15 @@ def test_generative_bench_smoke(tmp_path: Path) -> None:
     ), line
     figures = data["figures"]
     assert set(figures) == {
-        "mesh", "direct", "bench_batched", "bench_unbatched", "bench_accounted"
+        "mesh", "direct", "mesh_joined", "direct_joined", "bench_batched", "bench_unbatched",
+        "bench_accounted",
     }  # fmt: skip
     assert set(figures["mesh"]) == set(figures["direct"]) == {"1", "2"}
     assert set(figures["bench_unbatched"]) == {"2"}  # batching is compared at the top only
+    # streamInterval 4 through the mesh and straight, paired at the top level
+    assert set(figures["mesh_joined"]) == set(figures["direct_joined"]) == {"2"}
+    assert set(data["joined"]["mesh_added_ms"]) == {"ttft", "itl"}
+    assert data["joined"]["streams"] == 2 and data["joined"]["mesh_tokens_ratio"] > 0
     # what the mesh adds is paired with the same backends straight: both kinds, every level
     assert set(data["mesh_added_ms"]) == {"1", "2"}
     assert data["summary"]["mesh_ttft_added_ms"] == data["mesh_added_ms"]["1"]["ttft"]

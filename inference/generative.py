@@ -279,6 +279,7 @@ class Generative:
             prepared.prompt_tokens, sampling, started + settings.timeout.total_seconds()
         )
         stream.budget = grant.completion if grant is not None else None
+        stream.interval = settings.streamInterval
         if settings.auditText == "hmac" and self.text_key is not None:
             stream.audit_text = TextDigest(self.text_key, text)
         stream.on_finish = self._finisher(rt, lane, stream, (ticket, grant), tenant, operation)

@@ -435,28 +435,36 @@ class HttpProtocol(asyncio.Protocol):
         keep_alive = keep_alive and not self.server.draining
         stream = response.stream
         self.streaming = True
-        complete = False
+        out = _Grouped(transport)
         try:
             if transport.is_closing():
                 return False
-            transport.write(stream_head(response, keep_alive, chunked))
+            out.send(stream_head(response, keep_alive, chunked))
             async for data in stream:
                 if transport.is_closing():
                     return False
                 if data:
-                    transport.write(chunk(data) if chunked else data)
+                    out.send(chunk(data) if chunked else data)
                 if not self.writable.is_set():
                     await self.writable.wait()
-            complete = not transport.is_closing()
+        except Exception:
+            # The head is out (or about to be): a 500 now would follow part of a body. Cut the
+            # connection before the last chunk instead, which a proxy reads as a failed stream.
+            log.exception("stream failed", extra={"path": request.path})
+            out.drop()
+            self.closing = True
+            transport.close()
+            return False
         finally:
             self.streaming = False
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
-        if not complete:
+        if transport.is_closing():
             return False
         if chunked:
-            transport.write(last_chunk(response.trailers() if response.trailers else []))
+            out.send(last_chunk(response.trailers() if response.trailers else []))
+        out.flush()
         if not keep_alive:
             self.closing = True
             transport.close()
@@ -466,6 +474,33 @@ class HttpProtocol(asyncio.Protocol):
         if not self.busy and not self.queue and self.transport is not None:
             self.closing = True
             self.wakeup.set()
+
+
+class _Grouped:
+    """A streamed response's writes, joined while one turn of the event loop lasts: the head
+    goes with the first text, the last event with the final chunk and the trailers. Each write
+    is an event for every proxy on the way (~80 us of an Envoy's CPU here), and a head written
+    apart from the first chunk put a whole turn of each proxy before the first token."""
+
+    __slots__ = ("_loop", "_out", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._loop = asyncio.get_running_loop()
+        self._out: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        if not self._out:
+            self._loop.call_soon(self.flush)
+        self._out.append(data)
+
+    def flush(self) -> None:
+        if self._out and not self._transport.is_closing():
+            self._transport.write(b"".join(self._out))
+        self._out.clear()
+
+    def drop(self) -> None:
+        self._out.clear()
 
 
 class HttpServer:

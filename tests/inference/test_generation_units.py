@@ -18,7 +18,7 @@ import wasmtime
 
 from meshfn.contracts import genai
 from meshfn.contracts.qos import FunctionQoS
-from meshfn.inference import openai_api
+from meshfn.inference import generation, openai_api
 from meshfn.inference.engine import new_engine
 from meshfn.inference.generation import (
     Finished,
@@ -283,9 +283,9 @@ def _engine(max_streams: int, steps: list[int]) -> StepEngine:
 
 
 async def _generate(
-    engine: StepEngine, prompt: bytes, sampling: Sampling
+    engine: StepEngine, prompt: bytes, sampling: Sampling, interval: int = 1
 ) -> tuple[list[Piece], Finished]:
-    stream = Stream(0, sampling, deadline=float("inf"))
+    stream = Stream(0, sampling, deadline=float("inf"), interval=interval)
     engine.start(stream, type("P", (), {"handle": list(prompt)})())  # type: ignore[arg-type]
     pieces: list[Piece] = []
     async for event in stream.events():
@@ -340,6 +340,51 @@ def test_a_cancelled_stream_leaves_before_its_next_step() -> None:
 
     done = asyncio.run(run())
     assert done.reason == "cancelled" and done.usage.completion_tokens <= 3
+
+
+def _events(stream: Stream) -> list[Piece | Finished]:
+    async def read() -> list[Piece | Finished]:
+        return [event async for event in stream.events()]
+
+    return asyncio.run(read())
+
+
+def test_a_joined_stream_sends_its_first_text_at_once_then_n_tokens_per_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(generation, "time", type("Clock", (), {"monotonic": lambda: now[0]}))
+    stream = Stream(3, Sampling(100), deadline=float("inf"), interval=3)
+    stream.emit(Piece("", 1))  # inside a character: no text yet, nothing to join onto
+    for text in ["a", "b", "", "c", "d", "e", "f"]:
+        stream.emit(Piece(text, 1))
+    now[0] += generation.JOIN_WAIT_S + 0.001  # a slow token takes what waited with it
+    stream.emit(Piece("g", 1))
+    stream.emit(Piece("h", 1))
+    stream.emit(Piece("i", 0))  # text held back for a stop sequence, let go at the end
+    stream.finish("stop")
+    *pieces, done = _events(stream)
+    assert [(p.text, p.tokens) for p in pieces if isinstance(p, Piece)] == [
+        ("", 1), ("a", 1), ("bc", 3), ("def", 3), ("g", 1), ("hi", 1),
+    ]  # fmt: skip
+    assert isinstance(done, Finished) and done.usage.completion_tokens == 10
+    assert stream.first_token_at == 100.0  # the first token is when it came, not when it went
+
+
+def test_a_joined_stream_from_the_decode_loop_has_the_same_text_in_fewer_events(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(generation, "JOIN_WAIT_S", 60.0)  # a loaded machine's pause splits none
+
+    async def run(interval: int) -> tuple[list[Piece], Finished]:
+        engine = _engine(8, [])
+        return await _generate(engine, bytes([1]), Sampling(13, temperature=0), interval)
+
+    single, done1 = asyncio.run(run(1))
+    joined, done4 = asyncio.run(run(4))
+    assert "".join(p.text for p in joined) == "".join(p.text for p in single)
+    assert done4.usage == done1.usage and done4.usage.completion_tokens == 13
+    assert len(single) == 13 and [p.tokens for p in joined] == [1, 4, 4, 4]
 
 
 # ---------------------------------------------------------------------- manifests and names

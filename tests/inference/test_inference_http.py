@@ -28,8 +28,25 @@ async def echo(request: Request) -> Response:
             raise
     if request.path == "/boom":
         raise RuntimeError("handler bug")
+    if request.path.startswith("/stream"):
+        return Response(200, b"", b"text/event-stream", stream=_pieces(request.path),
+                        trailers=lambda: [(b"x-done", b"1")])  # fmt: skip
     body = json.dumps({"method": request.method, "path": request.path, "len": len(request.body)})
     return Response(200, body.encode())
+
+
+STREAM_GAP = 0.2
+
+
+async def _pieces(path: str) -> AsyncIterator[bytes]:
+    """The first piece at once, a pause, then the last two one after the other (/stream-bug:
+    a bug after the first piece)."""
+    yield b"first"
+    await asyncio.sleep(STREAM_GAP)
+    if path == "/stream-bug":
+        raise RuntimeError("stream bug")
+    yield b"second"
+    yield b"last"
 
 
 @pytest.fixture
@@ -213,3 +230,52 @@ async def test_a_resumed_handler_keeps_its_context() -> None:
         assert answers(out) == ["unset>/a", "/a>/b"]  # one connection, one context
     finally:
         await srv.close()
+
+
+async def _reads(port: int, path: str) -> list[tuple[float, bytes]]:
+    """A request's answer as the reads that got it, each with when it came."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reads: list[tuple[float, bytes]] = []
+    try:
+        while data := await asyncio.wait_for(reader.read(65536), 5):
+            reads.append((loop.time() - started, data))
+    finally:
+        writer.close()
+    return reads
+
+
+async def test_a_stream_writes_its_head_with_the_first_piece_and_its_end_with_the_trailers(
+    server: tuple[HttpServer, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each write is an event for every proxy on the way: the head goes in one write with the
+    first text, the last piece in one with the final chunk and the trailers."""
+    writes: list[bytes] = []
+    transport = asyncio.selector_events._SelectorSocketTransport  # type: ignore[attr-defined]
+    original = transport.write
+
+    def spy(self: asyncio.Transport, data: bytes) -> None:
+        writes.append(bytes(data))
+        original(self, data)
+
+    monkeypatch.setattr(transport, "write", spy)
+    reads = await _reads(server[1], "/stream")
+    out = b"".join(data for _, data in reads)
+    assert b"".join(writes).endswith(out) and out.startswith(b"HTTP/1.1 200 OK\r\n")
+    request, *served = writes  # the client's request went out first
+    assert request.startswith(b"GET /stream ")
+    assert served[0].startswith(b"HTTP/1.1 200") and served[0].endswith(b"\r\n\r\n5\r\nfirst\r\n")
+    # "second" and "last" came in one turn of the loop: one write with the end
+    assert served[1:] == [b"6\r\nsecond\r\n4\r\nlast\r\n0\r\nx-done: 1\r\n\r\n"]
+    assert b"".join(served) == out and reads[-1][0] >= STREAM_GAP
+
+
+async def test_a_stream_that_fails_midway_is_cut_not_followed_by_a_500(
+    server: tuple[HttpServer, int],
+) -> None:
+    reads = await _reads(server[1], "/stream-bug")
+    out = b"".join(data for _, data in reads)
+    assert out.startswith(b"HTTP/1.1 200 OK\r\n") and out.endswith(b"5\r\nfirst\r\n")
+    assert b"500" not in out and b"0\r\n\r\n" not in out  # no last chunk: a failed stream

@@ -298,7 +298,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=48, help="max_tokens per stream")
     parser.add_argument("--rounds", type=int, default=5, help="rounds at more than one stream")
-    parser.add_argument("--pairs", type=int, default=40, help="rounds at one stream")
+    parser.add_argument("--pairs", type=int, default=200, help="rounds at one stream")
     parser.add_argument("--concurrency", default="1,4,16", help="streams at once, comma-separated")
     parser.add_argument("--json", type=Path, default=RESULTS / "generative.json")
     args = parser.parse_args()

@@ -7,8 +7,10 @@ Two ways to the same backends, and a bench backend of its own:
   direct  the same backend processes (the examples' `models`, two of them) on the unix sockets
           their sidecars forward to, with the tenant header the sidecar writes from the token:
           what the mesh adds is then the two Envoys and nothing else (another process would
-          differ in its pool, its batches and where the scheduler puts it). A stream's backend
-          alternates as the gateway's balancer does
+          differ in its pool, its batches and where the scheduler puts it). Which backends:
+          those the gateway sent a warm-up's streams to (their generation counts in /metrics),
+          since two processes of one backend differ by ~0.1 ms of TTFT and the gateway prefers
+          its locality's
   joined  mesh and direct again (16 streams) with tiny-lm-joined: tiny-lm on the same backends
           with generation.streamInterval 4 (a Function the benchmark adds to its copy of the
           examples): an event per four tokens, so each proxy handles a quarter of the chunks
@@ -263,10 +265,47 @@ def added(mesh: list[dict[str, Any]], direct: list[dict[str, Any]], key: str) ->
     )
 
 
+SERVED = "gen_ai_server_request_duration_seconds_count"
+
+
+async def served(sessions: list[aiohttp.ClientSession], model: str) -> list[float]:
+    """Each backend's generations of `model` so far (its /metrics)."""
+    counts = []
+    for session in sessions:
+        async with session.get("http://backend/metrics") as reply:
+            text = await reply.text()
+        counts.append(
+            sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith(SERVED + "{") and f'gen_ai_request_model="{model}"' in line
+            )
+        )
+    return counts
+
+
+async def mesh_backends(
+    mesh: Way, sessions: list[aiohttp.ClientSession], warmup: int = 12
+) -> list[int]:
+    """Which backends the gateway sends `mesh`'s streams to: each one that served at least a
+    quarter of `warmup` streams through the mesh."""
+    before = await served(sessions, mesh.model)
+    for turn in range(warmup):
+        await measure(mesh, 1, 2, 0, turn)
+    after = await served(sessions, mesh.model)
+    rose = [a - b for a, b in zip(after, before, strict=True)]
+    chosen = [i for i, n in enumerate(rose) if n >= warmup / 4]
+    if not chosen:
+        raise SystemExit(f"no backend served {mesh.model} through the mesh: {rose}")
+    return chosen
+
+
 async def measure_all(
     args: argparse.Namespace, levels: list[int], gateway: str, token: str, sockets: list[Path],
-    bench: str,
+    bench: str, backends: dict[str, list[str]],
 ) -> dict[str, dict[int, list[dict[str, Any]]]]:  # fmt: skip
+    """Every way's rounds; `backends` gets the backends (their state folders) each model's
+    direct way went to."""
     timeout = aiohttp.ClientTimeout(total=300)
     plain = {"content-type": "application/json"}
     acme = {**plain, TENANT_HEADER: "acme"}  # what the sidecar writes from the token's claim
@@ -281,11 +320,20 @@ async def measure_all(
 
         to_sockets = [await session(aiohttp.UnixConnector(path=str(s))) for s in sockets]
         tcp = await session()
+        mesh = Way([tcp], f"{gateway}/v1/completions", "tiny-lm", through_mesh)
+        mesh_joined = Way([tcp], f"{gateway}/v1/completions", JOINED, through_mesh)
+        chosen = {way.model: await mesh_backends(way, to_sockets) for way in (mesh, mesh_joined)}
+        backends.update({m: [sockets[i].parent.name for i in c] for m, c in chosen.items()})
+
+        def direct(model: str) -> Way:
+            return Way([to_sockets[i] for i in chosen[model]], "http://backend" +
+                       path.format(model), model, acme)  # fmt: skip
+
         ways = {
-            "mesh": Way([tcp], f"{gateway}/v1/completions", "tiny-lm", through_mesh),
-            "direct": Way(to_sockets, "http://backend" + path.format("tiny-lm"), "tiny-lm", acme),
-            "mesh_joined": Way([tcp], f"{gateway}/v1/completions", JOINED, through_mesh),
-            "direct_joined": Way(to_sockets, "http://backend" + path.format(JOINED), JOINED, acme),
+            "mesh": mesh,
+            "direct": direct("tiny-lm"),
+            "mesh_joined": mesh_joined,
+            "direct_joined": direct(JOINED),
             "bench_batched": Way([tcp], bench + path.format("tiny-lm"), "tiny-lm", plain),
             "bench_unbatched": Way([tcp], bench + path.format("tiny-solo"), "tiny-solo", plain),
             "bench_accounted": Way([tcp], bench + path.format("tiny-acct"), "tiny-acct", acme),
@@ -320,7 +368,8 @@ def main() -> None:
             lambda: asyncio.run(answers(f"{gateway}/v1/completions", "tiny-lm", mesh_headers)),
             timeout=120,
         )
-        runs = asyncio.run(measure_all(args, levels, gateway, token, sockets, bench))
+        backends: dict[str, list[str]] = {}
+        runs = asyncio.run(measure_all(args, levels, gateway, token, sockets, bench, backends))
     finally:
         procs.stop_all()
     figures = {
@@ -374,7 +423,8 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps({"summary": result, **detail, "figures": figures, "tokens": args.tokens,
-                    "rounds": args.rounds, "pairs": args.pairs}, indent=1)
+                    "rounds": args.rounds, "pairs": args.pairs, "direct_backends": backends},
+                   indent=1)
     )  # fmt: skip
     print("generative: " + " ".join(f"{k}={v}" for k, v in result.items()))
 

@@ -33,6 +33,9 @@ def test_generative_bench_smoke(tmp_path: Path) -> None:
     # what the mesh adds is paired with the same backends straight: both kinds, every level
     assert set(data["mesh_added_ms"]) == {"1", "2"}
     assert data["summary"]["mesh_ttft_added_ms"] == data["mesh_added_ms"]["1"]["ttft"]
+    # the direct ways go to the backends the gateway sent a warm-up's streams to
+    backends = data["direct_backends"]
+    assert set(backends) == {"tiny-lm", "tiny-lm-joined"} and all(backends.values())
     for per in figures.values():
         for f in per.values():
             assert f["ttft_p99_ms"] >= f["ttft_p50_ms"] > 0 and f["tokens_per_s"] > 0

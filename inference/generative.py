@@ -187,17 +187,22 @@ class Generative:
             dispatcher.gate.release()
 
     def _step_call(self, rt: FunctionRuntime, settings: FunctionGeneration) -> StepCall:
-        """One decode step on a worker thread, bounded by the token budget."""
+        """Decode steps on a worker thread, each bounded by the token budget."""
         ticks = deadline_ticks(settings.tokenTimeout.total_seconds())
 
-        def run(batch: int, tokens: bytes, states: bytes) -> tuple[CallResult, int]:
+        def run(batch: int, steps: list[bytes], states: bytes) -> tuple[CallResult, int]:
             instance, generation = rt.lease()
             cpu = time.thread_time_ns()
+            result = CallResult(Outcome.INTERNAL, "no step to run")
             try:
                 if not isinstance(instance, TensorInstance):
                     result = CallResult(Outcome.INTERNAL, "not a step function")
                 else:
-                    result = instance.call(TensorCall(batch, (tokens, states), 2), ticks)
+                    for tokens in steps:
+                        result = instance.call(TensorCall(batch, (tokens, states), 2), ticks)
+                        if result.outcome is not Outcome.OK:
+                            break
+                        states = result.outputs[1]
             except BaseException:
                 instance.close()
                 raise
@@ -205,8 +210,8 @@ class Generative:
             rt.give_back(instance, generation, result.outcome)
             return result, cpu_ns
 
-        async def call(batch: int, tokens: bytes, states: bytes) -> tuple[CallResult, int]:
-            return await self._on_worker(rt, run, batch, tokens, states)
+        async def call(batch: int, steps: list[bytes], states: bytes) -> tuple[CallResult, int]:
+            return await self._on_worker(rt, run, batch, steps, states)
 
         return call
 

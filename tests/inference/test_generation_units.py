@@ -264,20 +264,29 @@ def test_a_v2_module_runs_tensors_through_its_io_table(step_instance: TensorInst
     assert short.outcome is Outcome.INTERNAL
 
 
-def _engine(max_streams: int, steps: list[int]) -> StepEngine:
-    """A StepEngine over the WAT step function (each call's batch size goes to `steps`)."""
+def _engine(max_streams: int, steps: list[int], calls: list[int] | None = None) -> StepEngine:
+    """A StepEngine over the WAT step function (each call's batch size goes to `steps`, its
+    number of steps to `calls`)."""
+    calls = [] if calls is None else calls
     engine = new_engine()
     instance = TensorArtifact(engine, wasmtime.Module(engine, STEP)).instantiate(1 << 20)
     assert isinstance(instance, TensorInstance)
     ticker = __import__("meshfn.inference.engine", fromlist=["EpochTicker"]).EpochTicker(engine)
     ticker.start()
 
-    async def call(batch: int, tokens: bytes, states: bytes) -> tuple[CallResult, int]:
+    async def call(batch: int, tokens: list[bytes], states: bytes) -> tuple[CallResult, int]:
         steps.append(batch)
+        calls.append(len(tokens))
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            None, instance.call, TensorCall(batch, (tokens, states), 2), 4
-        ), 0
+        result = CallResult(Outcome.INTERNAL, "no step")
+        for step in tokens:
+            result = await loop.run_in_executor(
+                None, instance.call, TensorCall(batch, (step, states), 2), 4
+            )
+            if result.outcome is not Outcome.OK:
+                break
+            states = result.outputs[1]
+        return result, 0
 
     return StepEngine(StepShape(4, 1, None, None), call, max_streams, context=64)
 
@@ -310,6 +319,33 @@ def test_the_decode_loop_batches_streams_and_stops_at_limits() -> None:
         assert "".join(p.text for p in pieces) == "".join(chr((i + k) % 4) for k in range(1, 7))
         assert done.reason == "length" and done.usage.completion_tokens == 6
     assert max(steps) == 4  # the four streams stepped together
+
+
+def test_prompts_are_read_in_one_call_with_the_same_text_as_step_by_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While every stream of a batch reads its prompt, its steps go in one call (up to the
+    first stream's last prompt token); the text is the same as one step per call."""
+
+    async def run(calls: list[int]) -> list[tuple[list[Piece], Finished]]:
+        engine = _engine(8, [], calls)
+        prompts = [bytes([1] * 9), bytes([2] * 4)]  # 9 and 4 tokens to feed
+        return await asyncio.gather(
+            *(_generate(engine, p, Sampling(5, temperature=0)) for p in prompts)
+        )
+
+    together: list[int] = []
+    joined = asyncio.run(run(together))
+    monkeypatch.setattr(generation, "PREFILL_STEPS", 1)
+    alone: list[int] = []
+    stepwise = asyncio.run(run(alone))
+    for (pieces, done), (pieces1, done1) in zip(joined, stepwise, strict=True):
+        assert "".join(p.text for p in pieces) == "".join(p.text for p in pieces1)
+        assert done.usage == done1.usage
+    assert set(alone) == {1}
+    # both read 4 prompt tokens in one call; the shorter samples, the longer reads its last 5
+    # one step per call beside the other's decoding (each stream samples after its own prompt)
+    assert together[0] == 4 and len(together) < len(alone) and sum(together) == sum(alone)
 
 
 def test_a_stuck_step_fails_its_streams_within_the_token_budget() -> None:

@@ -31,6 +31,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -380,10 +381,13 @@ class StepShape:
 
 
 # Steps on a worker thread, each a guest call under the token budget, the state of one fed to
-# the next: (batch, each step's tokens, states) -> (the last step's result, the guest's CPU time).
-StepCall = Callable[[int, list[bytes], bytes], Awaitable[tuple[CallResult, int]]]
-# Most steps in one StepCall while every stream of a batch still reads its prompt (a stream that
-# joins meanwhile waits for them: ~0.1 ms a step for tiny-lm).
+# the next, stopping early after a step once `yield_` is set: (batch, each step's tokens,
+# states, yield_) -> (the last step's result, the steps run, the guest's CPU time).
+StepCall = Callable[
+    [int, list[bytes], bytes, threading.Event], Awaitable[tuple[CallResult, int, int]]
+]
+# Most steps in one StepCall while every stream of a batch still reads its prompt; a stream that
+# starts meanwhile sets `yield_`, and the call ends after its current step so it can join.
 PREFILL_STEPS = 32
 
 
@@ -431,6 +435,7 @@ class StepEngine:
         self._active: deque[_StepStream] = deque()
         self._loop: asyncio.Task[None] | None = None
         self._solo: dict[asyncio.Task[None], _StepStream] = {}
+        self._joining = threading.Event()  # a stream started: a prompt's call yields to it
         self.steps = 0  # guest calls so far
         self.stepped_tokens = 0  # stream steps so far (their sum over calls)
 
@@ -481,6 +486,7 @@ class StepEngine:
             task.add_done_callback(self._solo.pop)
             return
         self._active.append(entry)
+        self._joining.set()
         if self._loop is None or self._loop.done():
             self._loop = asyncio.get_running_loop().create_task(self._run_batched())
 
@@ -525,14 +531,14 @@ class StepEngine:
         # Every stream samples after its last fed token: steps up to the first of them run in
         # one call (only the last step's logits are read).
         count = min(PREFILL_STEPS, *(len(e.feed) for e in batch))
-        steps = [
-            np.fromiter((e.feed.popleft() for e in batch), np.int32, len(batch)).tobytes()
-            for _ in range(count)
-        ]
+        fed = [[e.feed.popleft() for _ in range(count)] for e in batch]
+        steps = [np.array(column, np.int32).tobytes() for column in zip(*fed, strict=True)]
         states = np.stack([e.state for e in batch])
-        result, cpu_ns = await self._call(len(batch), steps, states.tobytes())
-        for entry in batch:
+        self._joining.clear()
+        result, count, cpu_ns = await self._call(len(batch), steps, states.tobytes(), self._joining)
+        for entry, tokens in zip(batch, fed, strict=True):
             entry.stream.cpu_ns += cpu_ns // len(batch)
+            entry.feed.extendleft(reversed(tokens[count:]))  # a joining stream cut it short
         self.steps += count
         self.stepped_tokens += count * len(batch)
         for _ in range(count):

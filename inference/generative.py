@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -190,17 +191,19 @@ class Generative:
         """Decode steps on a worker thread, each bounded by the token budget."""
         ticks = deadline_ticks(settings.tokenTimeout.total_seconds())
 
-        def run(batch: int, steps: list[bytes], states: bytes) -> tuple[CallResult, int]:
+        def run(
+            batch: int, steps: list[bytes], states: bytes, yield_: threading.Event
+        ) -> tuple[CallResult, int, int]:
             instance, generation = rt.lease()
             cpu = time.thread_time_ns()
-            result = CallResult(Outcome.INTERNAL, "no step to run")
+            result = CallResult(Outcome.INTERNAL, "not a step function")
+            ran = 0
             try:
-                if not isinstance(instance, TensorInstance):
-                    result = CallResult(Outcome.INTERNAL, "not a step function")
-                else:
+                if isinstance(instance, TensorInstance):
                     for tokens in steps:
                         result = instance.call(TensorCall(batch, (tokens, states), 2), ticks)
-                        if result.outcome is not Outcome.OK:
+                        ran += 1
+                        if result.outcome is not Outcome.OK or yield_.is_set():
                             break
                         states = result.outputs[1]
             except BaseException:
@@ -208,10 +211,12 @@ class Generative:
                 raise
             cpu_ns = time.thread_time_ns() - cpu
             rt.give_back(instance, generation, result.outcome)
-            return result, cpu_ns
+            return result, ran, cpu_ns
 
-        async def call(batch: int, steps: list[bytes], states: bytes) -> tuple[CallResult, int]:
-            return await self._on_worker(rt, run, batch, steps, states)
+        async def call(
+            batch: int, steps: list[bytes], states: bytes, yield_: threading.Event
+        ) -> tuple[CallResult, int, int]:
+            return await self._on_worker(rt, run, batch, steps, states, yield_)
 
         return call
 

@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -274,19 +275,23 @@ def _engine(max_streams: int, steps: list[int], calls: list[int] | None = None) 
     ticker = __import__("meshfn.inference.engine", fromlist=["EpochTicker"]).EpochTicker(engine)
     ticker.start()
 
-    async def call(batch: int, tokens: list[bytes], states: bytes) -> tuple[CallResult, int]:
+    async def call(
+        batch: int, tokens: list[bytes], states: bytes, yield_: threading.Event
+    ) -> tuple[CallResult, int, int]:
         steps.append(batch)
-        calls.append(len(tokens))
         loop = asyncio.get_running_loop()
         result = CallResult(Outcome.INTERNAL, "no step")
+        ran = 0
         for step in tokens:
             result = await loop.run_in_executor(
                 None, instance.call, TensorCall(batch, (step, states), 2), 4
             )
-            if result.outcome is not Outcome.OK:
+            ran += 1
+            if result.outcome is not Outcome.OK or yield_.is_set():
                 break
             states = result.outputs[1]
-        return result, 0
+        calls.append(ran)
+        return result, ran, 0
 
     return StepEngine(StepShape(4, 1, None, None), call, max_streams, context=64)
 
@@ -346,6 +351,28 @@ def test_prompts_are_read_in_one_call_with_the_same_text_as_step_by_step(
     # both read 4 prompt tokens in one call; the shorter samples, the longer reads its last 5
     # one step per call beside the other's decoding (each stream samples after its own prompt)
     assert together[0] == 4 and len(together) < len(alone) and sum(together) == sum(alone)
+
+
+def test_a_stream_that_starts_during_a_prompts_call_joins_after_its_current_step() -> None:
+    """A long prompt's call does not keep a new stream waiting for all its steps: the start
+    makes it stop after the step it is in, and the rest of the prompt is fed with the new one."""
+
+    async def run(calls: list[int], late: bool) -> list[str]:
+        started: list[int] = []  # a batch size per call, when it starts
+        engine = _engine(8, started, calls)
+        prompt = bytes([1] * 30)
+        first = asyncio.ensure_future(_generate(engine, prompt, Sampling(4, temperature=0)))
+        if late:
+            while not started:  # the first call is under way
+                await asyncio.sleep(0)
+        short = bytes([2] * 3)
+        second = asyncio.ensure_future(_generate(engine, short, Sampling(4, temperature=0)))
+        return ["".join(p.text for p in (await t)[0]) for t in (first, second)]
+
+    cut: list[int] = []
+    texts = asyncio.run(run(cut, late=True))
+    assert cut[0] < 30  # the first call stopped for the second stream
+    assert texts == asyncio.run(run([], late=False))
 
 
 def test_a_stuck_step_fails_its_streams_within_the_token_budget() -> None:

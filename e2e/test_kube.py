@@ -219,6 +219,17 @@ def config_writes(cluster: KubeCluster, since: int) -> dict[str, int]:
     return {k: v for k, v in cluster.writes(since=since).items() if "leases" not in k}
 
 
+def logged_writes(cluster: KubeCluster, since: int, count: int) -> dict[str, int]:
+    """config_writes once at least `count` are in the audit log: the apiserver writes a
+    request's ResponseComplete event after its response, so a GET can see a change first."""
+
+    def logged() -> dict[str, int] | None:
+        writes = config_writes(cluster, since)
+        return writes if sum(writes.values()) >= count else None
+
+    return wait_for(f"{count} operator writes in the apiserver's audit log", logged, 5)
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -625,7 +636,7 @@ def test_drift_trip_patches_the_degrade_plugin_and_recovery_reverts_it(
         k: v for k, v in before["spec"].items() if k != "pluginConfig"
     }
     assert "function-iris" in json.dumps(tripped["spec"]["pluginConfig"])
-    assert config_writes(cluster, mark) == {"patch wasmplugins": 1}
+    assert logged_writes(cluster, mark, 1) == {"patch wasmplugins": 1}
     assert operator.status()["routes"]["default/function-iris"]["state"] == "degraded"
     # The probe share is fast again: recovery reverts the plugin, byte for byte.
     deadline = time.monotonic() + 15
@@ -633,7 +644,7 @@ def test_drift_trip_patches_the_degrade_plugin_and_recovery_reverts_it(
         send_latencies(operator.als, "default/function-iris/0", upstream, 5, 10)
         time.sleep(0.2)
     assert get(cluster, path)["spec"] == before["spec"]
-    assert config_writes(cluster, mark) == {"patch wasmplugins": 2}
+    assert logged_writes(cluster, mark, 2) == {"patch wasmplugins": 2}
 
 
 ROLLOUT = """apiVersion: meshfn.io/v1alpha1
@@ -696,6 +707,11 @@ def test_a_rollout_moves_step_by_step_in_the_cluster(
         send_answers(operator.als, candidate, 200, 5)
         time.sleep(0.3)
     assert _digits_split(cluster) == [("version-1", 50), ("version-2", 50)]
+    wait_for(  # the audit log has the patch once its response went out (see logged_writes)
+        "the patch in the audit log",
+        lambda: config_writes(cluster, mark).get("patch virtualservices"),
+        5,
+    )
     writes = config_writes(cluster, mark)
     # one step: the VirtualService patched once, nothing else of what meshfn renders
     assert writes.get("patch virtualservices") == 1, writes

@@ -426,6 +426,17 @@ void log_msg(uint32_t level, const char *prefix, const char *msg, size_t n) {
   sb_free(&b);
 }
 
+/* Envoy picks the route again (a foreign function: Envoy 1.40 has no
+ * proxy_clear_route_cache); a failure is logged under `prefix`. */
+void clear_route_cache(const char *prefix) {
+  char *res = 0;
+  size_t n = 0;
+  static const char name[] = "clear_route_cache";
+  if (proxy_call_foreign_function(name, sizeof name - 1, "", 0, &res, &n) != WR_OK)
+    log_msg(LOG_ERROR, prefix, "clear_route_cache failed", 24);
+  mf_free(res);
+}
+
 int get_header(uint32_t map, const char *key, str_t *out) {
   char *v = 0;
   size_t n = 0;

@@ -58,6 +58,7 @@ void *ctx_take(uint32_t id);
 
 /* ---- host wrappers (results are owned by the caller: mf_free them) */
 void log_msg(uint32_t level, const char *prefix, const char *msg, size_t n);
+void clear_route_cache(const char *prefix);
 int get_header(uint32_t map, const char *key, str_t *out); /* 1 found, 0 absent */
 int get_property(const char *path, size_t path_size, str_t *out);
 #define NO_METRIC 0xffffffffu

@@ -294,15 +294,6 @@ static int caller_allowed(const root_t *r) {
   return allowed;
 }
 
-static void clear_route_cache(void) {
-  char *res = 0;
-  size_t n = 0;
-  static const char name[] = "clear_route_cache";
-  if (proxy_call_foreign_function(name, sizeof name - 1, "", 0, &res, &n) != WR_OK)
-    log_msg(LOG_ERROR, FILTER_LOG_PREFIX, "clear_route_cache failed", 24);
-  mf_free(res);
-}
-
 /* Depth the trigger header asks for (1-8), 0 if absent, -1 if present but not honoured. */
 static int trigger_depth(http_t *h) {
   root_t *r = h->root;
@@ -390,7 +381,7 @@ uint32_t filter_on_request_headers(http_t *h, uint32_t headers, uint32_t eos) {
     dirty = 1;
   }
   int forced = trigger_depth(h);
-  if (dirty) clear_route_cache();
+  if (dirty) clear_route_cache(FILTER_LOG_PREFIX);
   if (!r->any_active && forced <= 0) return ACTION_CONTINUE;
   const rule_t *u = match_rule(r);
   if (!u) return ACTION_CONTINUE;
@@ -405,7 +396,7 @@ uint32_t filter_on_request_headers(http_t *h, uint32_t headers, uint32_t eos) {
   const char *target = u->fallbacks[index];
   proxy_replace_header_map_value(MAP_REQUEST_HEADERS, r->routing_header,
                                  mf_strlen(r->routing_header), target, mf_strlen(target));
-  clear_route_cache();
+  clear_route_cache(FILTER_LOG_PREFIX);
   counter_inc(r->m_rerouted);
   return ACTION_CONTINUE;
 }

@@ -321,12 +321,7 @@ static int grpc_model(const char *data, size_t n, const char **name, size_t *len
 static void route_to(http_t *h, const char *name, size_t len) {
   root_t *r = h->root;
   proxy_replace_header_map_value(MAP_REQUEST_HEADERS, r->header, mf_strlen(r->header), name, len);
-  char *res = 0;
-  size_t rn = 0;
-  static const char fn[] = "clear_route_cache";
-  if (proxy_call_foreign_function(fn, sizeof fn - 1, "", 0, &res, &rn) != WR_OK)
-    log_msg(LOG_ERROR, FILTER_LOG_PREFIX, "clear_route_cache failed", 24);
-  mf_free(res);
+  clear_route_cache(FILTER_LOG_PREFIX);
   counter_inc(r->m_routed);
   h->state = DONE;
 }

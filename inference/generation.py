@@ -302,7 +302,10 @@ class Stream:
         self.completion_tokens += piece.tokens
         if self.audit_text is not None:
             self.audit_text.add(piece.text)
-        if self.interval == 1 or self._last_event is None:
+        if self.interval == 1:
+            self._queue.put_nowait(piece)
+            return
+        if self._last_event is None:  # the first text goes at once
             if piece.text:
                 self._last_event = time.monotonic()
             self._queue.put_nowait(piece)

@@ -66,7 +66,14 @@ from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.inference.examples import publish_examples
 from meshfn.testing import policies as p
 from meshfn.testing.ports import free_ports
-from meshfn.testing.processes import MESHFN, Processes, http_ok, issue_token, wait_for
+from meshfn.testing.processes import (
+    MESHFN,
+    Processes,
+    http_ok,
+    issue_token,
+    metric_sum,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -274,13 +281,7 @@ async def served(sessions: list[aiohttp.ClientSession], model: str) -> list[floa
     for session in sessions:
         async with session.get("http://backend/metrics") as reply:
             text = await reply.text()
-        counts.append(
-            sum(
-                float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith(SERVED + "{") and f'gen_ai_request_model="{model}"' in line
-            )
-        )
+        counts.append(metric_sum(text, SERVED, gen_ai_request_model=model))
     return counts
 
 

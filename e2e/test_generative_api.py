@@ -25,7 +25,7 @@ import pytest
 import tritonclient.grpc as tgrpc
 from meshfn_e2e import Processes, http
 
-from meshfn.testing.processes import wait_for
+from meshfn.testing.processes import metric_sum, wait_for
 
 TINY = {"generation": {"maxTokens": 1000, "defaultMaxTokens": 24}, "limits": {"maxConcurrency": 64}}
 FUNCTIONS: list[dict[str, Any]] = [
@@ -71,14 +71,7 @@ class Backend:
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of a metric's samples whose labels include `labels`."""
-        text = http(f"{self.url}/metrics").body.decode()
-        wanted = [f'{k}="{v}"' for k, v in labels.items()]
-        total = 0.0
-        for line in text.splitlines():
-            named = line.startswith(name + "{") or line.startswith(name + " ")
-            if named and all(w in line for w in wanted):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_sum(http(f"{self.url}/metrics").body.decode(), name, **labels)
 
     def status(self, function: str) -> dict[str, Any]:
         doc = http(f"{self.url}/meshfn/functions").json()

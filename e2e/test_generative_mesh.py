@@ -31,7 +31,7 @@ from meshfn_e2e import admin_get, http, remap_examples
 from meshfn.common.unix import unix_request
 from meshfn.control_plane.runtime.upstreams import backend_socket
 from meshfn.inference.examples import publish_examples
-from meshfn.testing.processes import MESHFN, Processes, meshfn, wait_for
+from meshfn.testing.processes import MESHFN, Processes, meshfn, metric_sum, wait_for
 
 # Beside the examples: the test's generator function (slow on request), the edge verifying
 # tokens (a Function's QoSPolicy needs its gateway to), tiny-lm's token budget, and globex
@@ -107,11 +107,7 @@ class Mesh:
         for backend in self.backends:
             status, body = unix_request(backend, "/metrics")
             assert status == 200, status
-            text = body.decode()
-            for line in text.splitlines():
-                named = line.startswith(name + "{") or line.startswith(name + " ")
-                if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                    total += float(line.rsplit(" ", 1)[1])
+            total += metric_sum(body.decode(), name, **labels)
         return total
 
     def records(self, *args: str) -> list[dict[str, Any]]:

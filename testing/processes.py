@@ -247,6 +247,18 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of metric `name` in a Prometheus text exposition whose labels
+    include `labels`."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        named = line.startswith(name + "{") or line.startswith(name + " ")
+        if named and all(w in line for w in wanted):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def http_ok(url: str, timeout: float = 1.0) -> bool:
     """A probe for `wait_for`: `url` answers 200."""
     with urllib.request.urlopen(url, timeout=timeout) as reply:

@@ -22,6 +22,7 @@ from .principals import RequestPrincipal
 from .qos import FunctionQoS
 from .rollout import FunctionRollout
 from .tracing import BackendTracing
+from .words import OFF
 
 # A published function's name and version (registry entries, /v2/models/{name}/versions/{v}).
 FUNCTION_NAME = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
@@ -133,7 +134,7 @@ class FunctionRepository(_Strict):
     )
 
 
-WarmupMode = Literal["off", "reactive", "predictive"]
+WarmupMode = Annotated[Literal["off", "reactive", "predictive"], OFF]
 
 
 class FunctionWarmup(_Strict):
@@ -379,7 +380,7 @@ class TokenLedgerAccess(BaseModel):
     )
 
 
-LayerMode = Literal["auto", "required", "off"]
+LayerMode = Annotated[Literal["auto", "required", "off"], OFF]
 
 
 class EgressAddress(BaseModel):

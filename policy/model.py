@@ -11,7 +11,7 @@ import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from meshfn.contracts.durations import MAX_DURATION, Duration
 from meshfn.contracts.function import FUNCTION_VERSION, FunctionSettings
@@ -19,6 +19,7 @@ from meshfn.contracts.plugins import CALLER_PATTERN
 from meshfn.contracts.principals import RequestPrincipal
 from meshfn.contracts.qos import Claim, GatewayShedding, LoadBalancer, Tenant, TenantClasses
 from meshfn.contracts.tracing import ALL_TAGS, ClientContext, TagName
+from meshfn.contracts.words import OFF
 
 from .types import (
     ConditionKey,
@@ -322,12 +323,7 @@ class RouteTracing(Strict):
     )
 
 
-def _yaml_off(value: object) -> object:
-    """YAML 1.1 reads a bare `off` as false: a sandbox layer written `landlock: off` means it."""
-    return "off" if value is False else value
-
-
-SandboxMode = Annotated[Literal["auto", "required", "off"], BeforeValidator(_yaml_off)]
+SandboxMode = Annotated[Literal["auto", "required", "off"], OFF]
 
 
 class Sandbox(Strict):
@@ -373,7 +369,7 @@ class MeshSpec(Strict):
     identity: Identity = Field(
         default_factory=Identity, description="The workload certificates the mesh CA issues."
     )
-    acceleration: Literal["ebpf", "off", "auto"] = Field(
+    acceleration: Annotated[Literal["ebpf", "off", "auto"], OFF] = Field(
         "off",
         description="eBPF socket redirection between the mesh's own processes (meshfn up): "
         "ebpf requires it, auto uses it where the kernel allows",

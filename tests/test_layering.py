@@ -57,6 +57,7 @@ def test_the_ir_and_the_contracts_import_no_stage() -> None:
             "meshfn.contracts.qos",
             "meshfn.contracts.rollout",
             "meshfn.contracts.tracing",
+            "meshfn.contracts.words",
         }, (module, sorted(meshfn))
         assert [m for m in IMPURE if m in loaded] == [], module
 

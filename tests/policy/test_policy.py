@@ -761,6 +761,30 @@ def test_unknown_key_that_looks_like_a_tag(tmp_path: Path) -> None:
     assert "(did you mean 'spec'?)" in unknown[0].message
 
 
+def test_a_bare_yaml_off_is_the_word_off_in_every_field_that_has_it(tmp_path: Path) -> None:
+    """YAML 1.1 reads `off` as false; `acceleration: off` (the Mesh) and `warmup: {mode: off}`
+    (a Function) were refused with "should be ... 'off' ..." for the word the user wrote."""
+    files = base_files()
+    files["mesh.yaml"] = (
+        MESH.replace(
+            "ports: {xds: 18000, admin: 18001}}",
+            "ports: {xds: 18000, admin: 18001}, acceleration: off}",
+        )
+        + "---\n"
+        + GATEWAY
+    )
+    files["fn.yaml"] = doc("Function", "  backend: echo\n  warmup: {mode: off}\n")
+    model = load_policies(write(tmp_path, files))
+    assert model.acceleration == "off"
+    (function,) = model.functions
+    assert function.settings.warmup.mode == "off"
+    # true is no word of these fields: still refused, naming the words
+    files["fn.yaml"] = doc("Function", "  backend: echo\n  warmup: {mode: on}\n")
+    (tmp_path / "on").mkdir()
+    errors = errors_for(tmp_path / "on", files["fn.yaml"])
+    assert any("'off', 'reactive' or 'predictive'" in e.message for e in errors), errors
+
+
 def test_sandbox_modes_and_egress_peers_reach_the_ir(tmp_path: Path) -> None:
     files = base_files()
     # a bare YAML `off` is read as false: for a sandbox layer it means "off"

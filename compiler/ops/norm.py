@@ -11,6 +11,25 @@ from ..dtypes import DType
 from .base import Emitter, Op, register
 
 
+class _OverTrailingAxes(Op):
+    """Layer and RMS normalisation read the same attributes: the axes from `axis` on (none of
+    them the batch) make rows of `inner` elements, `epsilon` guards the root."""
+
+    ax: int
+    inner: int
+    eps: float
+
+    def _rows(self) -> tuple[DType, Shape]:
+        dtype = self.need(0, D.FLOATS)
+        s = self.shape(0)
+        self.ax = self.axis(int(self.attr("axis", -1)), len(s))
+        if any(isinstance(d, Batch) for d in s[self.ax :]):
+            self.fail("cannot normalise over the batch")
+        self.inner = static(numel(s[self.ax :]))
+        self.eps = float(self.attr("epsilon", 1e-5))
+        return dtype, s
+
+
 @register
 class BatchNormalization(Op):
     OP = "BatchNormalization"
@@ -47,18 +66,12 @@ class BatchNormalization(Op):
 
 
 @register
-class LayerNormalization(Op):
+class LayerNormalization(_OverTrailingAxes):
     OP = "LayerNormalization"
     SINCE = 17
 
     def infer(self) -> list[tuple[DType, Shape]]:
-        dtype = self.need(0, D.FLOATS)
-        s = self.shape(0)
-        self.ax = self.axis(int(self.attr("axis", -1)), len(s))
-        if any(isinstance(d, Batch) for d in s[self.ax :]):
-            self.fail("cannot normalise over the batch")
-        self.inner = static(numel(s[self.ax :]))
-        self.eps = float(self.attr("epsilon", 1e-5))
+        dtype, s = self._rows()
         for i in (1, 2):
             if self.has(i) and static(numel(self.shape(i))) not in (1, self.inner):
                 self.fail(f"input {i} must have the normalised shape (or one element)")
@@ -224,20 +237,14 @@ _ = lit
 
 
 @register
-class RMSNormalization(Op):
+class RMSNormalization(_OverTrailingAxes):
     """x / sqrt(mean(x^2) + epsilon) * scale over the trailing axes from `axis` (opset 23)."""
 
     OP = "RMSNormalization"
     SINCE = 23
 
     def infer(self) -> list[tuple[DType, Shape]]:
-        dtype = self.need(0, D.FLOATS)
-        s = self.shape(0)
-        self.ax = self.axis(int(self.attr("axis", -1)), len(s))
-        if any(isinstance(d, Batch) for d in s[self.ax :]):
-            self.fail("cannot normalise over the batch")
-        self.inner = static(numel(s[self.ax :]))
-        self.eps = float(self.attr("epsilon", 1e-5))
+        dtype, s = self._rows()
         scale = static(numel(self.shape(1)))
         if scale not in (1, self.inner) or len(self.shape(1)) > len(s) - self.ax:
             self.fail("scale must have the normalised shape (or one element)")

@@ -761,18 +761,18 @@ def test_unknown_key_that_looks_like_a_tag(tmp_path: Path) -> None:
     assert "(did you mean 'spec'?)" in unknown[0].message
 
 
+def with_mesh_spec(extra: str) -> dict[str, str]:
+    """The base files with `extra` (flow YAML) added to the Mesh's spec."""
+    files = base_files()
+    ports = "ports: {xds: 18000, admin: 18001}"
+    files["mesh.yaml"] = MESH.replace(ports + "}", f"{ports}, {extra}}}") + "---\n" + GATEWAY
+    return files
+
+
 def test_a_bare_yaml_off_is_the_word_off_in_every_field_that_has_it(tmp_path: Path) -> None:
     """YAML 1.1 reads `off` as false; `acceleration: off` (the Mesh) and `warmup: {mode: off}`
     (a Function) were refused with "should be ... 'off' ..." for the word the user wrote."""
-    files = base_files()
-    files["mesh.yaml"] = (
-        MESH.replace(
-            "ports: {xds: 18000, admin: 18001}}",
-            "ports: {xds: 18000, admin: 18001}, acceleration: off}",
-        )
-        + "---\n"
-        + GATEWAY
-    )
+    files = with_mesh_spec("acceleration: off")
     files["fn.yaml"] = doc("Function", "  backend: echo\n  warmup: {mode: off}\n")
     model = load_policies(write(tmp_path, files))
     assert model.acceleration == "off"
@@ -786,16 +786,8 @@ def test_a_bare_yaml_off_is_the_word_off_in_every_field_that_has_it(tmp_path: Pa
 
 
 def test_sandbox_modes_and_egress_peers_reach_the_ir(tmp_path: Path) -> None:
-    files = base_files()
     # a bare YAML `off` is read as false: for a sandbox layer it means "off"
-    files["mesh.yaml"] = (
-        MESH.replace(
-            "ports: {xds: 18000, admin: 18001}}",
-            "ports: {xds: 18000, admin: 18001}, sandbox: {landlock: off, seccomp: required}}",
-        )
-        + "---\n"
-        + GATEWAY
-    )
+    files = with_mesh_spec("sandbox: {landlock: off, seccomp: required}")
     files["fn.yaml"] = doc("Function", "  backend: echo\n  egress: [{service: default/echo}]\n")
     model = load_policies(write(tmp_path, files))
     assert model.sandbox == ir.Sandbox(landlock="off", seccomp="required", egress="auto")

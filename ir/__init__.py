@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
-from meshfn.contracts.function import FunctionSettings, ServedFunction
+from meshfn.contracts.function import FunctionSettings, LayerMode, ServedFunction
 from meshfn.contracts.qos import (
     FunctionQoS,
     LoadBalancer,
@@ -767,16 +767,13 @@ class Policies:
     authz: tuple[AuthzObject, ...] = ()
 
 
-SandboxMode = Literal["auto", "required", "off"]
-
-
 @dataclass(frozen=True, slots=True)
 class Sandbox:
     """How the kernel confines the inference backends (Mesh.spec.sandbox)."""
 
-    landlock: SandboxMode = "auto"
-    seccomp: SandboxMode = "auto"
-    egress: SandboxMode = "auto"
+    landlock: LayerMode = "auto"
+    seccomp: LayerMode = "auto"
+    egress: LayerMode = "auto"
 
 
 @dataclass(frozen=True)

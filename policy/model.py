@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from meshfn.contracts.durations import MAX_DURATION, Duration
-from meshfn.contracts.function import FUNCTION_VERSION, FunctionSettings
+from meshfn.contracts.function import FUNCTION_VERSION, FunctionSettings, LayerMode
 from meshfn.contracts.plugins import CALLER_PATTERN
 from meshfn.contracts.principals import RequestPrincipal
 from meshfn.contracts.qos import Claim, GatewayShedding, LoadBalancer, Tenant, TenantClasses
@@ -323,25 +323,22 @@ class RouteTracing(Strict):
     )
 
 
-SandboxMode = Annotated[Literal["auto", "required", "off"], OFF]
-
-
 class Sandbox(Strict):
     """How the kernel confines the inference backends `meshfn up` runs (docs/concepts/sandbox.md).
     Each layer: `auto` (on where the kernel allows it, otherwise off with the reason at start and
     in `meshfn status`), `required` (refuse to start without it) or `off`."""
 
-    landlock: SandboxMode = Field(
+    landlock: LayerMode = Field(
         "auto",
         description="filesystem (and, with Landlock ABI 4+, TCP ports): read the registry, keys, "
         "config and code only, write the backend's state directory only, execute nothing",
     )
-    seccomp: SandboxMode = Field(
+    seccomp: LayerMode = Field(
         "auto",
         description="after start-up, a syscall allow-list; exec, ptrace, mount, bpf, keyring, "
         "process_vm_* and anonymous executable memory kill the process",
     )
-    egress: SandboxMode = Field(
+    egress: LayerMode = Field(
         "auto",
         description="eBPF on the backend's cgroup: no outbound connection or datagram except to "
         "the peers its Functions name in spec.egress (needs root and bcc)",

@@ -30,10 +30,21 @@ REQUEST_MODEL = "gen_ai.request.model"
 TOKEN_TYPE = "gen_ai.token.type"  # input | output
 ERROR_TYPE = "error.type"
 TENANT = "meshfn.tenant"  # not a convention attribute: the verified tenant (QoS)
+# ... and on a generation's span (the backend's server span)
+REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+INPUT_TOKENS = "gen_ai.usage.input_tokens"
+OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+FINISH_REASONS = "gen_ai.response.finish_reasons"  # string[]: the client's (stop | length)
+FINISH_REASON = "meshfn.finish_reason"  # not a convention attribute: why (budget, deadline...)
 
 PROVIDER_NAME = "meshfn"
 OPERATIONS = ("chat", "text_completion", "embeddings")
 TOKEN_TYPES = ("input", "output")
+
+
+def span_name(operation: str, model: str) -> str:
+    """A generation's span name, as the conventions spell it: `{operation} {model}`."""
+    return f"{operation} {model}"
 
 
 def prometheus_name(name: str, unit: str = "") -> str:

@@ -167,9 +167,12 @@ AnyValue: Any = _message("AnyValue")
 
 
 def any_value(value: object) -> Message:
-    """An AnyValue for a str, bool, int, float or bytes (anything else as its str)."""
+    """An AnyValue for a str, bool, int, float, bytes or a list or tuple of them (anything
+    else as its str)."""
     out = AnyValue()
-    if isinstance(value, bool):
+    if isinstance(value, (list, tuple)):
+        out.array_value.values.extend(any_value(v) for v in value)
+    elif isinstance(value, bool):
         out.bool_value = value
     elif isinstance(value, int):
         out.int_value = value

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+import openai
 import pytest
 from meshfn_e2e import Processes, Reply, admin_get, http, remap_examples
 
@@ -170,15 +171,17 @@ def _complete(mesh: Mesh, trace_id: str, services: int = 3) -> dict[str, Any] | 
     return trace if len(trace["services"]) >= services else None
 
 
-def test_tracing_one_request_is_one_trace_through_gateway_sidecar_and_backend(mesh: Mesh) -> None:
-    seen = {t["trace_id"] for t in mesh.traces(model="iris")}
-    reply = http(
-        f"http://127.0.0.1:{mesh.edge}/v2/models/iris/infer", "POST", mesh.headers(), FLOWER
-    )
-    assert reply.status == 200, reply.body
+Span = dict[str, Any]
+
+
+def _new_trace(
+    mesh: Mesh, model: str, seen: set[str]
+) -> tuple[dict[str, Any], tuple[Span, Span, dict[str, Span]]]:
+    """The one trace of `model` not in `seen`, once all three hops are in: it, the gateway's
+    span, the sidecar's, and the backend's by name."""
 
     def arrived() -> dict[str, Any] | None:
-        new = [t for t in mesh.traces(model="iris") if t["trace_id"] not in seen]
+        new = [t for t in mesh.traces(model=model) if t["trace_id"] not in seen]
         return _complete(mesh, new[0]["trace_id"]) if len(new) == 1 else None
 
     trace = wait_for("the request's trace with all its hops", arrived, timeout=30, every=0.5)
@@ -186,7 +189,17 @@ def test_tracing_one_request_is_one_trace_through_gateway_sidecar_and_backend(me
     assert set(spans) == {"edge.ingress", "models.default", "models.default inference"}
     (gateway,) = spans["edge.ingress"]
     (sidecar,) = spans["models.default"]
-    backend = {s["name"]: s for s in spans["models.default inference"]}
+    return trace, (gateway, sidecar, {s["name"]: s for s in spans["models.default inference"]})
+
+
+def test_tracing_one_request_is_one_trace_through_gateway_sidecar_and_backend(mesh: Mesh) -> None:
+    seen = {t["trace_id"] for t in mesh.traces(model="iris")}
+    reply = http(
+        f"http://127.0.0.1:{mesh.edge}/v2/models/iris/infer", "POST", mesh.headers(), FLOWER
+    )
+    assert reply.status == 200, reply.body
+    trace, (gateway, sidecar, backend) = _new_trace(mesh, "iris", seen)
+    spans = _spans(trace)
     server = backend["infer iris"]
     # correctly parented: gateway (root) > sidecar > backend server span > its steps
     assert gateway["parent_id"] is None and gateway["kind"] == "server"
@@ -209,16 +222,7 @@ def test_tracing_one_request_is_one_trace_through_gateway_sidecar_and_backend(me
             and inner["end_ns"] <= outer["end_ns"] + 1_000_000
         )
     # joined up: the sidecar's audit record carries the trace, and the CLI finds it
-    store = mesh.state / "audit" / "audit.db"
-
-    def record() -> list[dict[str, Any]] | None:
-        out = meshfn(
-            "audit", "query", "--store", str(store), "--trace", trace["trace_id"], "--json"
-        )
-        rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-        return rows or None
-
-    (row,) = wait_for("the audit record of the trace", record, timeout=30, every=0.5)
+    (row,) = _audit_records(mesh, trace["trace_id"])
     assert row["path"] == "/v2/models/iris/infer" and row["trace_id"] == trace["trace_id"]
     shown = meshfn("trace", "show", trace["trace_id"], "--state-dir", str(mesh.state))
     assert shown.returncode == 0, shown.stderr
@@ -312,6 +316,62 @@ def test_tracing_a_cold_start_is_split_and_a_batch_links_its_members(mesh: Mesh)
     assert any(s["name"] == "batch" for s in linked_trace["span_list"])
     guest = next(s for s in trace["span_list"] if s["name"] == "guest call")
     assert guest["parent_id"] == batch["span_id"]
+
+
+def test_tracing_a_streamed_generation_is_one_trace_to_its_last_token(mesh: Mesh) -> None:
+    """The unchanged openai SDK streams a chat completion through the gateway (the model router
+    picks tiny-lm from the body): one trace, gateway > sidecar > the backend's `chat tiny-lm`
+    (the GenAI conventions' name and usage attributes, the usage the client got), whose
+    time to first token and decode loop follow each other and end with the stream; the
+    sidecar's audit record of the stream carries the trace."""
+    seen = {t["trace_id"] for t in mesh.traces(model="tiny-lm")}
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{mesh.edge}/v1", api_key=mesh.token, max_retries=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-lm",
+            messages=[{"role": "user", "content": "The with statement"}],
+            max_tokens=12,
+            seed=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens > 0
+    trace, (gateway, sidecar, backend) = _new_trace(mesh, "tiny-lm", seen)
+    server = backend["chat tiny-lm"]
+    assert gateway["attributes"]["meshfn.route"] == "default/openai-tiny-lm"
+    assert sidecar["parent_id"] == gateway["span_id"] and server["parent_id"] == sidecar["span_id"]
+    attrs = server["attributes"]
+    assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.request.model"] == "tiny-lm"
+    assert attrs["gen_ai.usage.input_tokens"] == usage.prompt_tokens
+    assert attrs["gen_ai.usage.output_tokens"] == usage.completion_tokens
+    first, loop = backend["time to first token"], backend["decode loop"]
+    assert backend["admission"]["end_ns"] <= first["start_ns"] <= first["end_ns"]
+    assert first["end_ns"] <= loop["start_ns"] and loop["end_ns"] <= server["end_ns"]
+    assert [e["name"] for e in server["events"]] == ["first token"]
+    rows = _audit_records(mesh, trace["trace_id"])
+    assert {row["trace_id"] for row in rows} == {trace["trace_id"]}
+    shown = meshfn("trace", "show", trace["trace_id"], "--state-dir", str(mesh.state))
+    for name in ("chat tiny-lm", "time to first token", "decode loop"):
+        assert name in shown.stdout, shown.stdout
+
+
+def _audit_records(mesh: Mesh, trace_id: str) -> list[dict[str, Any]]:
+    """The audit records of a trace, as `meshfn audit query --trace` finds them, once there."""
+    store = mesh.state / "audit" / "audit.db"
+
+    def records() -> list[dict[str, Any]] | None:
+        out = meshfn("audit", "query", "--store", str(store), "--trace", trace_id, "--json")
+        rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        return rows or None
+
+    found: list[dict[str, Any]] = wait_for(
+        "the trace's audit records", records, timeout=30, every=0.5
+    )
+    return found
 
 
 def _send(port: int, path: str, count: int, headers: list[dict[str, str]]) -> None:

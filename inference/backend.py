@@ -54,7 +54,7 @@ from .qos import Load, tenant_of
 from .registry import Registry, latest
 from .results import Completed
 from .signing import TrustedKeys
-from .tracing import Tracer
+from .tracing import Tracer, trace_of
 from .warmup import WarmBudget
 
 log = logging.getLogger("meshfn.inference")
@@ -540,9 +540,7 @@ class Backend:
 
         try:
             tenant = tenant_of(given.get(_TENANT_KEY))
-            span = self.tracer.begin(
-                f"infer {name}", given.get(b"traceparent"), given.get(b"tracestate")
-            )
+            span = self.tracer.begin(f"infer {name}", *trace_of(given))
             return await self.dispatcher.serve(rt, "rest", parse, encode, tenant, span)
         except KServeError as exc:
             return Reply.of(exc)

@@ -326,13 +326,14 @@ class Dispatcher:
         finally:
             lane.answered(status, time.perf_counter() - started)
             if span is not None and span.sampled:
-                self._finished(span, rt, protocol, status, tenant)
+                self.finish_span(span, rt, protocol, status, tenant)
             if token is not None:
                 trace_context.reset(token)
 
-    def _finished(
+    def finish_span(
         self, span: RequestSpan, rt: FunctionRuntime, protocol: Protocol, status: int, tenant: str
     ) -> None:
+        """A request's server span ends with what every request's has (a generation's too)."""
         span.attrs.update(
             {
                 "meshfn.model": rt.name,

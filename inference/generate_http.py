@@ -43,8 +43,10 @@ from .kserve import KServeError
 from .openai_api import ChunkWriter
 from .pool import FunctionRuntime
 from .qos import Refusal, tenant_of
+from .tracing import TraceContext, trace_of
 
 _TENANT_KEY = TENANT_HEADER.encode()
+_TRACE_KEYS = (b"traceparent", b"tracestate")
 _GENERATION_KEY = GENERATION_HEADER.encode()
 OPENAI_OPERATIONS = {"chat/completions", "completions", "embeddings"}
 
@@ -210,13 +212,20 @@ class GenerateFront:
                     413, f"request body exceeds {rt.spec.limits.maxRequestBytes} bytes"
                 )
             if operation == "embeddings":
-                return await self._embeddings(rt, data, tenant)
-            return await self._complete(rt, operation == "chat/completions", data, tenant)
+                return await self._embeddings(rt, data, tenant, headers)
+            return await self._complete(
+                rt, operation == "chat/completions", data, tenant, trace_of(headers)
+            )
         except (GenerationError, KServeError) as exc:
             return _openai_error(exc)
 
     async def _complete(
-        self, rt: FunctionRuntime, chat: bool, data: dict[str, Any], tenant: str
+        self,
+        rt: FunctionRuntime,
+        chat: bool,
+        data: dict[str, Any],
+        tenant: str,
+        trace: TraceContext,
     ) -> Reply | StreamReply:
         generative = self.backend.generative
         if generate_section(rt) is None:
@@ -224,11 +233,12 @@ class GenerateFront:
             raise GenerationError(400, f"model {rt.name} is not a {what} completion model", "model")
         bounds = bounds_of(generative.settings(rt))
         parse = openai_api.chat_request if chat else openai_api.completion_request
-        request = parse(data, bounds)
         operation = "chat" if chat else "text_completion"
-        opened = await generative.open(
-            rt, "rest", request.prompt, request.sampling, tenant, operation
-        )
+        with generative.traced(rt, "rest", operation, trace, tenant) as span:
+            request = parse(data, bounds)
+            opened = await generative.open(
+                rt, "rest", request.prompt, request.sampling, tenant, operation, span
+            )
         if request.stream:
             writer = ChunkWriter(chat, rt.name, request.include_usage)
             return await self._streamed(rt, operation, opened, writer)
@@ -293,7 +303,9 @@ class GenerateFront:
         """Seconds a stream may send nothing before a keep-alive: half its idle timeout."""
         return self.backend.generative.settings(rt).idleTimeout.total_seconds() / 2
 
-    async def _embeddings(self, rt: FunctionRuntime, data: dict[str, Any], tenant: str) -> Reply:
+    async def _embeddings(
+        self, rt: FunctionRuntime, data: dict[str, Any], tenant: str, headers: dict[bytes, bytes]
+    ) -> Reply:
         spec = embeddings_section(rt)
         if spec is None:
             raise GenerationError(400, f"model {rt.name} is not an embeddings model", "model")
@@ -304,8 +316,11 @@ class GenerateFront:
                 {"name": spec["input"], "datatype": "BYTES", "shape": [len(texts)], "data": texts}
             ]
         }
-        reply = await self.backend.infer(rt.name, None, json.dumps(kserve).encode(), {
-            _TENANT_KEY: tenant.encode()} if tenant else {})  # fmt: skip
+        # the KServe request continues the OpenAI request's trace (its server span `infer`)
+        given = {key: headers[key] for key in _TRACE_KEYS if key in headers}
+        if tenant:
+            given[_TENANT_KEY] = tenant.encode()
+        reply = await self.backend.infer(rt.name, None, json.dumps(kserve).encode(), given)
         if reply.status != 200:
             message = json.loads(reply.body).get("error", "the embeddings model failed")
             raise KServeError(reply.status, message)
@@ -373,11 +388,14 @@ class GenerateFront:
         tenant = tenant_of(headers.get(_TENANT_KEY))
         try:
             rt = self.backend.lookup(name, version)
-            settings = self.backend.generative.settings(rt)
-            request = triton_generate.parse(body, bounds_of(settings), rt.spec.limits)
-            opened = await self.backend.generative.open(
-                rt, "rest", request.prompt, request.sampling, tenant, "text_completion"
-            )
+            generative = self.backend.generative
+            settings = generative.settings(rt)
+            operation = "text_completion"
+            with generative.traced(rt, "rest", operation, trace_of(headers), tenant) as span:
+                request = triton_generate.parse(body, bounds_of(settings), rt.spec.limits)
+                opened = await generative.open(
+                    rt, "rest", request.prompt, request.sampling, tenant, operation, span
+                )
         except (GenerationError, KServeError) as exc:
             status = exc.status
             message = exc.message if isinstance(exc, KServeError) else str(exc)

@@ -9,15 +9,17 @@ counts it: statistics, metrics (contracts.genai), the QoS ticket, the in-flight 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from meshfn.common.logs import trace_context
 from meshfn.contracts import genai
 from meshfn.contracts.function import FunctionGeneration
 
@@ -26,6 +28,7 @@ from .engine import deadline_ticks
 from .generation import (
     Engine,
     Finished,
+    GenerationError,
     GeneratorCalls,
     GeneratorEngine,
     Sampling,
@@ -41,6 +44,7 @@ from .metrics import Metrics
 from .openai_api import Bounds
 from .pool import FunctionRuntime
 from .qos import Ticket, TokenGrant
+from .tracing import RequestSpan, TraceContext
 
 log = logging.getLogger("meshfn.inference")
 T = TypeVar("T")
@@ -246,6 +250,31 @@ class Generative:
 
         return GeneratorCalls(start_call, next_call, end)
 
+    @contextlib.contextmanager
+    def traced(
+        self, rt: FunctionRuntime, protocol: Protocol, operation: Operation, trace: TraceContext,
+        tenant: str,
+    ) -> Iterator[RequestSpan | None]:  # fmt: skip
+        """The request's server span (`{operation} {model}`, as the GenAI conventions name
+        it) from `trace` (its traceparent and tracestate), and its ids on every log line
+        meanwhile (and on those of the generation's own task, which `open` starts in it).
+        Parse the request and `open` the generation inside: a refusal ends the span with its
+        status; a generation ends it when it ends."""
+        tracer = self.dispatcher.tracer
+        span = tracer.begin(genai.span_name(operation, rt.name), *trace)
+        token = tracer.logged(span) if span is not None else None
+        try:
+            yield span
+        except BaseException as exc:
+            if span is not None and span.sampled and not span.end:
+                status = exc.status if isinstance(exc, KServeError | GenerationError) else 500
+                span.attrs.update(_span_request(operation, rt.name))
+                self.dispatcher.finish_span(span, rt, protocol, status, tenant)
+            raise
+        finally:
+            if token is not None:
+                trace_context.reset(token)
+
     async def open(
         self,
         rt: FunctionRuntime,
@@ -254,9 +283,10 @@ class Generative:
         sampling: Sampling,
         tenant: str,
         operation: Operation,
+        span: RequestSpan | None = None,
     ) -> Opened:
         """Admit and start one generation (KServeError or GenerationError if refused: nothing
-        is generated then)."""
+        is generated then); `span`: from `traced`."""
         dispatcher = self.dispatcher
         dispatcher.admit(rt, protocol)
         settings = self.settings(rt)
@@ -285,6 +315,7 @@ class Generative:
                 ticket.done(0)
             raise
         started = time.monotonic()
+        begun_ns = time.perf_counter_ns()  # the span's clock for the same moment
         stream = Stream(
             prepared.prompt_tokens, sampling, started + settings.timeout.total_seconds()
         )
@@ -292,7 +323,13 @@ class Generative:
         stream.interval = settings.streamInterval
         if settings.auditText == "hmac" and self.text_key is not None:
             stream.audit_text = TextDigest(self.text_key, text)
-        stream.on_finish = self._finisher(rt, lane, stream, (ticket, grant), tenant, operation)
+        traced = None
+        if span is not None and span.sampled:
+            span.child("admission", span.start, begun_ns)
+            traced = _Traced(span, protocol, begun_ns)
+        stream.on_finish = self._finisher(
+            rt, lane, stream, (ticket, grant), tenant, operation, traced
+        )
         rt.inflight += 1
         dispatcher.inflight += 1
         dispatcher.drained.clear()
@@ -307,6 +344,7 @@ class Generative:
         qos: tuple[Ticket | None, TokenGrant | None],
         tenant: str,
         operation: Operation,
+        traced: _Traced | None = None,
     ) -> Any:
         dispatcher = self.dispatcher
         labels = (operation, genai.PROVIDER_NAME, rt.name, tenant)
@@ -323,10 +361,49 @@ class Generative:
                     ticket.admission.settle(ticket, grant, done.usage.total_tokens)
                 ticket.done(stream.cpu_ns)
             seconds = time.monotonic() - stream.started
-            lane.answered(200 if done.reason != "error" else 500, seconds)
+            status = 200 if done.reason != "error" else 500
+            lane.answered(status, seconds)
             self._measure(rt, labels, stream, done, seconds)
+            if traced is not None:
+                self._trace(traced, rt, stream, done, status, tenant, operation)
 
         return finished
+
+    def _trace(
+        self,
+        traced: _Traced,
+        rt: FunctionRuntime,
+        stream: Stream,
+        done: Finished,
+        status: int,
+        tenant: str,
+        operation: Operation,
+    ) -> None:
+        """The generation's spans: from its start to the first token (the prompt read, the
+        first token sampled), then the decode loop to its end."""
+        span, begun = traced.span, traced.begun_ns
+        end = time.perf_counter_ns()
+        decoding = begun
+        if done.ttft_s is not None:
+            decoding = begun + round(done.ttft_s * 1e9)
+            span.child("time to first token", begun, decoding)
+            span.event("first token", decoding, {genai.TIME_TO_FIRST_TOKEN: done.ttft_s})
+        span.child(
+            "decode loop", decoding, end, {genai.OUTPUT_TOKENS: done.usage.completion_tokens}
+        )
+        span.attrs.update(_span_request(operation, rt.name))
+        span.attrs.update(
+            {
+                genai.REQUEST_MAX_TOKENS: stream.sampling.max_tokens,
+                genai.INPUT_TOKENS: done.usage.prompt_tokens,
+                genai.OUTPUT_TOKENS: done.usage.completion_tokens,
+                genai.FINISH_REASONS: [done.client_reason],
+                genai.FINISH_REASON: done.reason,  # why, where the client reads "length"
+            }
+        )
+        if done.reason in ("cancelled", "error"):
+            span.attrs[genai.ERROR_TYPE] = done.reason
+        self.dispatcher.finish_span(span, rt, traced.protocol, status, tenant)
 
     def _measure(
         self,
@@ -355,6 +432,23 @@ class Generative:
     def close(self) -> None:
         for engine in self.engines.values():
             engine.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Traced:
+    """A sampled generation's server span, until the generation ends."""
+
+    span: RequestSpan
+    protocol: Protocol
+    begun_ns: int  # perf_counter_ns when generation began (after admission)
+
+
+def _span_request(operation: str, model: str) -> dict[str, object]:
+    return {
+        genai.OPERATION: operation,
+        genai.PROVIDER: genai.PROVIDER_NAME,
+        genai.REQUEST_MODEL: model,
+    }
 
 
 class GenerationStats:

@@ -58,6 +58,7 @@ from .pool import FunctionRuntime
 from .qos import Refusal, tenant_of
 from .results import Completed
 from .tensors import TensorError, check_raw, dtype, element_count, pack
+from .tracing import TraceContext
 
 log = logging.getLogger("meshfn.inference")
 T = TypeVar("T")
@@ -91,6 +92,11 @@ _CONTENTS = {
     "BYTES": "bytes_contents",
 }
 _ALL_CONTENTS = tuple(sorted(set(_CONTENTS.values())))
+
+
+def _trace(metadata: Mapping[str, Any]) -> TraceContext:
+    """The trace context of a call's metadata (its sidecar forwards the HTTP/2 headers)."""
+    return metadata.get("traceparent"), metadata.get("tracestate")
 
 
 def status_code(status: int) -> grpc.StatusCode:
@@ -412,19 +418,18 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
         if request.ByteSize() > limit:
             raise KServeError(413, f"request message exceeds {limit} bytes for {rt.label}")
         assert rt.signature is not None
+        generative = backend.generative
+        metadata = dict(context.invocation_metadata() or ())
+        tenant = tenant_of(metadata.get(TENANT_HEADER))
+        operation = "text_completion"
         try:
-            parsed, empty_final = triton_generate.from_infer(
-                parse_infer(request, rt.signature), bounds_of(backend.generative.settings(rt))
-            )
-            metadata = dict(context.invocation_metadata() or ())
-            opened = await backend.generative.open(
-                rt,
-                "grpc",
-                parsed.prompt,
-                parsed.sampling,
-                tenant_of(metadata.get(TENANT_HEADER)),
-                "text_completion",
-            )
+            with generative.traced(rt, "grpc", operation, _trace(metadata), tenant) as span:
+                parsed, empty_final = triton_generate.from_infer(
+                    parse_infer(request, rt.signature), bounds_of(generative.settings(rt))
+                )
+                opened = await generative.open(
+                    rt, "grpc", parsed.prompt, parsed.sampling, tenant, operation, span
+                )
         except GenerationError as exc:
             raise KServeError(exc.status, str(exc)) from None
         return rt, opened, empty_final, parsed.id
@@ -504,9 +509,7 @@ class Service(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[mi
 
         metadata = dict(context.invocation_metadata() or ())
         tenant = tenant_of(metadata.get(TENANT_HEADER))
-        span = backend.tracer.begin(
-            f"infer {rt.name}", metadata.get("traceparent"), metadata.get("tracestate")
-        )
+        span = backend.tracer.begin(f"infer {rt.name}", *_trace(metadata))
         return await backend.dispatcher.serve(rt, "grpc", parse, encode, tenant, span)
 
     async def ModelStatistics(

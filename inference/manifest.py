@@ -16,21 +16,7 @@ from meshfn.contracts.function import NAME_RE, VERSION_RE
 
 from .errors import ManifestError
 
-DATATYPES = (
-    "BOOL",
-    "UINT8",
-    "UINT16",
-    "UINT32",
-    "UINT64",
-    "INT8",
-    "INT16",
-    "INT32",
-    "INT64",
-    "FP16",
-    "FP32",
-    "FP64",
-    "BYTES",
-)
+# KServe v2's tensor datatypes that a signature may name.
 Datatype = Literal[
     "BOOL",
     "UINT8",

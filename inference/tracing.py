@@ -9,8 +9,11 @@ Spans of a request (children of the backend's server span `infer <model>`):
 - `cold start`: an instance had to be made first; its children `code-cache lookup`,
   `deserialize` (only on a miss) and `instantiate`;
 - `guest call`: the function itself.
-(Generative functions, once the backend serves them, add time to first token and the decode
-loop as events of the guest call: RequestSpan.event.)
+A generation's server span (`chat tiny-lm`, `text_completion tiny-lm`: the GenAI conventions'
+`{operation} {model}`, with their usage attributes) has `admission` (admission, the prompt's
+tokens, the token budget's reservation), `time to first token` and the `decode loop`, and a
+`first token` event (generative.py); it ends when the generation does, not when its first
+response bytes go.
 
 Hand-built, not the OpenTelemetry SDK (measured, bench/tracing.py `--sdk`): the hot path only
 reads clocks and appends tuples; protobuf messages are built on the exporter thread, in
@@ -64,6 +67,13 @@ LOG_EVERY = 30.0  # seconds between two log lines about lost spans
 _getrandbits = random.getrandbits
 
 Link = tuple[bytes, bytes]  # (trace id, span id)
+# A request's (traceparent, tracestate), as its headers or gRPC metadata carry them.
+TraceContext = tuple[str | bytes | None, str | bytes | None]
+
+
+def trace_of(headers: Mapping[bytes, bytes]) -> TraceContext:
+    """The trace context of a request's HTTP headers."""
+    return headers.get(b"traceparent"), headers.get(b"tracestate")
 
 
 def wall(perf_ns: int) -> int:
@@ -121,10 +131,10 @@ class RequestSpan:
             self.children.append((span_id, parent or self.span_id, name, start, end, attrs, links))
         return span_id
 
-    def event(self, name: str, attrs: Mapping[str, object] | None = None) -> None:
-        """A point in time on the server span (e.g. a generative function's first token)."""
+    def event(self, name: str, at: int, attrs: Mapping[str, object] | None = None) -> None:
+        """A point in time (perf_counter_ns) on the server span: a generation's first token."""
         if self.sampled:
-            self.events.append((name, time.perf_counter_ns(), attrs))
+            self.events.append((name, at, attrs))
 
     @property
     def ids(self) -> tuple[str, str]:
@@ -200,6 +210,9 @@ class Tracer:
         return RequestSpan(name, trace_id, b"", True)
 
     def finish(self, span: RequestSpan, status: int) -> None:
+        """End the span (once: a later call does nothing)."""
+        if span.end:
+            return
         span.end = time.perf_counter_ns()
         span.status = status
         if span.sampled and self.exporter is not None:

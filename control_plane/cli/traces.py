@@ -135,7 +135,7 @@ def show(
     as_json: JsonOpt = False,
 ) -> None:
     """One trace as a waterfall: which hop took the time (gateway, sidecar, backend; admission,
-    queue, batch, cold start, guest call)."""
+    queue, batch, cold start, guest call; a generation's time to first token and decode loop)."""
     url = f"{admin_url(admin, state_dir)}/debug/traces/{urllib.parse.quote(trace_id)}"
     document = get_json(url, state_dir)
     if as_json:

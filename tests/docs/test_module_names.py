@@ -15,6 +15,7 @@ from meshfn.testing.docs import DOCS, ROOT
 # and the span attributes meshfn adds (contracts.tracing: meshfn.route, meshfn.batch.rows...).
 NOT_MODULES = {"io", "local", "wasm", "plugin"} | {
     "route", "model", "version", "tenant", "principal", "batch", "code_loaded", "code_cache_hit",
+    "finish_reason",
 }  # fmt: skip
 NAME = re.compile(r"\bmeshfn\.([a-z_]+(?:\.[a-z_]+)*)")
 SOURCES = [*DOCS.rglob("*.md"), ROOT / "README.md"]

@@ -11,22 +11,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import itertools
 import json
 import logging
+import queue
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import tritonclient.grpc as tgrpc
 
 from meshfn.common.logs import JsonFormatter, trace_context
 from meshfn.common.unix import listen_private, unix_request
-from meshfn.contracts import otlp
+from meshfn.contracts import genai, otlp
 from meshfn.control_plane.runtime.traces import TraceCollector, TraceStore
 from meshfn.inference.backend import Backend
 from meshfn.inference.config import parse_config
 from meshfn.inference.examples import publish_examples
+from meshfn.inference.generation import Piece, Sampling
+from meshfn.inference.grpc_api import GrpcServer
 from meshfn.inference.http import HttpServer
 from meshfn.inference.kserve import InferRequest, error_body, parse_http
 from meshfn.inference.server import Router
@@ -61,14 +68,16 @@ async def collector(tmp_path: Path) -> AsyncIterator[TraceCollector]:
 
 
 @contextlib.asynccontextmanager
-async def serving(registry: tuple[Path, Path], path: Path) -> AsyncIterator[Served]:
+async def serving(
+    registry: tuple[Path, Path], path: Path, functions: list[dict[str, Any]] | None = None
+) -> AsyncIterator[Served]:
     """A backend holding its spans for a collector (pullToken), served on `path`."""
     root, key = registry
     config = parse_config(
         {
             "registry": str(root),
             "trustedKeys": [str(key)],
-            "functions": [{"name": "chaos-core"}],
+            "functions": functions or [{"name": "chaos-core"}],
             "tracing": {"pullToken": TOKEN, "sampling": 100},
         }
     )
@@ -208,3 +217,138 @@ async def test_only_the_collectors_token_takes_the_spans(
         request = otlp.ExportTraceServiceRequest.FromString(body)
         assert {s.trace_id.hex() for s in request.resource_spans[0].scope_spans[0].spans} == {TRACE}
         assert (await post({"Authorization": f"Bearer {TOKEN}"}))[0] == 204  # none left
+
+
+GENERATIVE = [{"name": "chaos-gen", "generation": {"maxTokens": 64}}, {"name": "embedder"}]
+
+
+async def test_a_generation_is_traced_to_its_end(
+    registry: tuple[Path, Path], collector: TraceCollector, tmp_path: Path
+) -> None:
+    """A streamed chat completion (the Python generator chaos-gen) continues the sidecar's
+    trace: its server span is named and attributed as the GenAI conventions say, with the
+    usage the client got; admission, time to first token and the decode loop follow each
+    other, the first token is an event, and the span ends with the stream. A refused request
+    (max_tokens above the Function's bound) is a span with its 400; Triton's generate (HTTP
+    and tritonclient's gRPC stream) and OpenAI's embeddings continue the trace too; a stream
+    whose client left says it was cancelled."""
+    async with serving(registry, tmp_path / "http.sock", GENERATIVE) as found:
+        collector.pull_from(lambda: [(found.socket, TOKEN)])
+
+        async def post(path: str, trace: str, body: dict[str, Any]) -> tuple[int, bytes]:
+            headers = {"traceparent": f"00-{trace}-{SIDECAR}-01", "tracestate": "v=1",
+                       "content-type": "application/json"}  # fmt: skip
+            data = json.dumps(body).encode()
+            return await asyncio.to_thread(
+                unix_request, found.socket, path, 10.0, "POST", data, headers
+            )
+
+        chat = {"model": "chaos-gen", "messages": [{"role": "user", "content": "one two three"}],
+                "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 10}  # fmt: skip
+        status, body = await post("/v1/chat/completions", TRACE, chat)
+        assert status == 200, body
+        events = [json.loads(line[6:]) for line in body.decode().splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        usage = events[-1]["usage"]
+        reason = next(e["choices"][0]["finish_reason"] for e in events if e["choices"]
+                      and e["choices"][0]["finish_reason"])  # fmt: skip
+        spans = {s["name"]: s for s in await _trace(collector, TRACE, 4)}
+        server = spans["chat chaos-gen"]
+        assert server["parent_id"] == SIDECAR and server["kind"] == "server"
+        attrs = server["attributes"]
+        assert attrs[genai.OPERATION] == "chat" and attrs[genai.REQUEST_MODEL] == "chaos-gen"
+        assert attrs[genai.REQUEST_MAX_TOKENS] == 10
+        assert attrs[genai.INPUT_TOKENS] == usage["prompt_tokens"]
+        assert attrs[genai.OUTPUT_TOKENS] == usage["completion_tokens"] > 0
+        assert attrs[genai.FINISH_REASONS] == str([reason])  # an array, kept as its text
+        assert attrs["http.response.status_code"] == 200 and genai.ERROR_TYPE not in attrs
+        order = [spans[n] for n in ("admission", "time to first token", "decode loop")]
+        assert all(s["parent_id"] == server["span_id"] for s in order)
+        for before, after in itertools.pairwise(order):
+            assert before["end_ns"] <= after["start_ns"], (before["name"], after["name"])
+        assert order[-1]["end_ns"] <= server["end_ns"]
+        assert order[-1]["attributes"][genai.OUTPUT_TOKENS] == usage["completion_tokens"]
+        (first,) = server["events"]
+        assert first["name"] == "first token"
+        assert first["time_ns"] == order[1]["end_ns"]
+
+        refused = "5" * 32
+        over = {**chat, "max_tokens": 65}
+        status, body = await post("/v1/chat/completions", refused, over)
+        assert status == 400, body
+        spans = {s["name"]: s for s in await _trace(collector, refused, 1)}
+        assert spans["chat chaos-gen"]["attributes"]["http.response.status_code"] == 400
+        assert "decode loop" not in spans
+
+        triton = "6" * 32
+        generate = {"text_input": "alpha beta", "parameters": {"max_tokens": 4}}
+        status, body = await post("/v2/models/chaos-gen/generate_stream", triton, generate)
+        assert status == 200, body
+        spans = {s["name"]: s for s in await _trace(collector, triton, 4)}
+        assert spans["text_completion chaos-gen"]["parent_id"] == SIDECAR
+        assert "decode loop" in spans
+
+        streamed = "8" * 32
+        grpc_server = GrpcServer(found.backend)
+        port = await grpc_server.start("127.0.0.1", 0)
+        try:
+            await asyncio.to_thread(_grpc_stream, port, streamed)
+        finally:
+            await grpc_server.stop(0)
+        spans = {s["name"]: s for s in await _trace(collector, streamed, 4)}
+        server = spans["text_completion chaos-gen"]
+        assert server["parent_id"] == SIDECAR
+        assert server["attributes"]["meshfn.protocol"] == "grpc"
+        assert spans["decode loop"]["parent_id"] == server["span_id"]
+
+        # a client that leaves after the first piece: the span says the stream was cancelled
+        left = "9" * 32
+        generative = found.backend.generative
+        rt = found.backend.lookup("chaos-gen", None)
+        context = (f"00-{left}-{SIDECAR}-01", None)
+        operation = "text_completion"
+        with generative.traced(rt, "rest", operation, context, "") as span:
+            opened = await generative.open(
+                rt, "rest", "slow 200000 a b c", Sampling(max_tokens=30), "", operation, span
+            )
+        events = opened.stream.events()
+        assert isinstance(await anext(events), Piece)
+        await events.aclose()
+        spans = {s["name"]: s for s in await _trace(collector, left, 4)}
+        attrs = spans["text_completion chaos-gen"]["attributes"]
+        assert (
+            attrs[genai.ERROR_TYPE] == "cancelled" and attrs["meshfn.finish_reason"] == "cancelled"
+        )
+        assert attrs[genai.OUTPUT_TOKENS] < 30
+
+        embeddings = "7" * 32
+        status, body = await post(
+            "/v1/embeddings", embeddings, {"model": "embedder", "input": "a few words"}
+        )
+        assert status == 200, body
+        spans = {s["name"]: s for s in await _trace(collector, embeddings, 2)}
+        assert spans["infer embedder"]["parent_id"] == SIDECAR
+
+
+def _grpc_stream(port: int, trace: str) -> None:
+    """tritonclient's decoupled stream (ModelStreamInfer) to its end, the trace in the call's
+    metadata as the sidecar forwards it."""
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
+    headers = {"traceparent": f"00-{trace}-{SIDECAR}-01"}
+    client.start_stream(lambda result, error: answers.put((result, error)), headers=headers)
+    try:
+        text_input = tgrpc.InferInput("text_input", [1], "BYTES")
+        text_input.set_data_from_numpy(np.array([b"gamma delta"], dtype=np.object_))
+        client.async_stream_infer(
+            "chaos-gen", [text_input], parameters={"max_tokens": 3},
+            enable_empty_final_response=True,
+        )  # fmt: skip
+        while True:
+            result, error = answers.get(timeout=10)
+            assert error is None, error
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        client.stop_stream()
+        client.close()

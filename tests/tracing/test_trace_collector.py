@@ -208,7 +208,7 @@ async def test_the_backend_exports_its_spans_to_the_collector(
         now = time.perf_counter_ns()
         queue = span.child("queue", now, now + 1000)
         span.child("guest call", now + 1000, now + 5000, {"rows": 2}, None, queue)
-        span.event("first token")
+        span.event("first token", now + 3000)
         tracer.finish(span, 200)
         # a new trace at 0% is not sampled: nothing to carry its id
         assert tracer.begin("infer iris", None) is None

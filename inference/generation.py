@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextvars
 import hashlib
 import hmac
 import json
@@ -491,7 +492,11 @@ class StepEngine:
         self._active.append(entry)
         self._joining.set()
         if self._loop is None or self._loop.done():
-            self._loop = asyncio.get_running_loop().create_task(self._run_batched())
+            # the streams' loop, not the first stream's: an empty context, so its log lines
+            # carry no request's trace ids (a stream alone runs in its request's context)
+            self._loop = asyncio.get_running_loop().create_task(
+                self._run_batched(), context=contextvars.Context()
+            )
 
     @property
     def streams(self) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import wasmtime
 
+from meshfn.common.logs import trace_context
 from meshfn.contracts import genai
 from meshfn.contracts.qos import FunctionQoS
 from meshfn.inference import generation, openai_api
@@ -265,10 +266,16 @@ def test_a_v2_module_runs_tensors_through_its_io_table(step_instance: TensorInst
     assert short.outcome is Outcome.INTERNAL
 
 
-def _engine(max_streams: int, steps: list[int], calls: list[int] | None = None) -> StepEngine:
+def _engine(
+    max_streams: int,
+    steps: list[int],
+    calls: list[int] | None = None,
+    traces: list[tuple[str, str] | None] | None = None,
+) -> StepEngine:
     """A StepEngine over the WAT step function (each call's batch size goes to `steps`, its
-    number of steps to `calls`)."""
+    number of steps to `calls`, the trace ids its log lines would carry to `traces`)."""
     calls = [] if calls is None else calls
+    traces = [] if traces is None else traces
     engine = new_engine()
     instance = TensorArtifact(engine, wasmtime.Module(engine, STEP)).instantiate(1 << 20)
     assert isinstance(instance, TensorInstance)
@@ -279,6 +286,7 @@ def _engine(max_streams: int, steps: list[int], calls: list[int] | None = None) 
         batch: int, tokens: list[bytes], states: bytes, yield_: threading.Event
     ) -> tuple[CallResult, int, int]:
         steps.append(batch)
+        traces.append(trace_context.get())
         loop = asyncio.get_running_loop()
         result = CallResult(Outcome.INTERNAL, "no step")
         ran = 0
@@ -324,6 +332,23 @@ def test_the_decode_loop_batches_streams_and_stops_at_limits() -> None:
         assert "".join(p.text for p in pieces) == "".join(chr((i + k) % 4) for k in range(1, 7))
         assert done.reason == "length" and done.usage.completion_tokens == 6
     assert max(steps) == 4  # the four streams stepped together
+
+
+def test_the_shared_decode_loop_logs_under_no_request_and_a_lone_stream_under_its_own() -> None:
+    """The batched loop outlives the request that started it: its log lines carry no trace
+    ids (not the first request's); a stream stepped alone runs in its request's context."""
+    request = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")
+    shared: list[tuple[str, str] | None] = []
+    alone: list[tuple[str, str] | None] = []
+
+    async def run() -> None:
+        trace_context.set(request)
+        await _generate(_engine(8, [], traces=shared), b"\x01", Sampling(3, temperature=0))
+        await _generate(_engine(1, [], traces=alone), b"\x01", Sampling(3, temperature=0))
+
+    asyncio.run(run())
+    assert shared and set(shared) == {None}
+    assert alone and set(alone) == {request}
 
 
 def test_prompts_are_read_in_one_call_with_the_same_text_as_step_by_step(

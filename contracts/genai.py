@@ -47,6 +47,11 @@ def span_name(operation: str, model: str) -> str:
     return f"{operation} {model}"
 
 
+def span_attributes(operation: str, model: str) -> dict[str, object]:
+    """What the conventions put on every span of an operation, known before it runs."""
+    return {OPERATION: operation, PROVIDER: PROVIDER_NAME, REQUEST_MODEL: model}
+
+
 def prometheus_name(name: str, unit: str = "") -> str:
     """An OpenTelemetry metric name as Prometheus exposes it (dots to underscores, unit)."""
     base = name.replace(".", "_")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from typing import Any
 
+from meshfn.contracts import genai
 from meshfn.contracts.genai import GENERATION_HEADER
 from meshfn.contracts.qos import TENANT_HEADER
 
@@ -54,7 +55,7 @@ from .qos import Load, tenant_of
 from .registry import Registry, latest
 from .results import Completed
 from .signing import TrustedKeys
-from .tracing import Tracer, trace_of
+from .tracing import RequestSpan, TraceContext, Tracer, trace_of
 from .warmup import WarmBudget
 
 log = logging.getLogger("meshfn.inference")
@@ -487,9 +488,16 @@ class Backend:
     # ------------------------------------------------------------------ REST inference
 
     async def infer(
-        self, name: str, version: str | None, body: bytes, headers: dict[bytes, bytes] | None = None
+        self,
+        name: str,
+        version: str | None,
+        body: bytes,
+        headers: dict[bytes, bytes] | None = None,
+        operation: str | None = None,
     ) -> Reply:
-        """POST /v2/models/{name}[/versions/{v}]/infer: JSON or the binary tensor extension."""
+        """POST /v2/models/{name}[/versions/{v}]/infer: JSON or the binary tensor extension.
+        `operation`: the GenAI operation it serves (OpenAI's embeddings), which names its
+        span as the conventions do instead of `infer {name}`."""
         try:
             rt = self.lookup(name, version)
         except KServeError as exc:
@@ -501,7 +509,9 @@ class Backend:
             return self._parse_http(rt, body, given)
 
         if self.generative.generates(rt):
-            return await self._generate_infer(rt, parse, tenant_of(given.get(_TENANT_KEY)))
+            return await self._generate_infer(
+                rt, parse, tenant_of(given.get(_TENANT_KEY)), trace_of(given)
+            )
 
         def encode(completed: Completed, request: InferRequest) -> Reply:
             if completed.text is not None and request.outputs is None and not request.binary_output:
@@ -540,7 +550,7 @@ class Backend:
 
         try:
             tenant = tenant_of(given.get(_TENANT_KEY))
-            span = self.tracer.begin(f"infer {name}", *trace_of(given))
+            span = self._span(name, given, operation)
             return await self.dispatcher.serve(rt, "rest", parse, encode, tenant, span)
         except KServeError as exc:
             return Reply.of(exc)
@@ -556,19 +566,36 @@ class Backend:
         length = header_length(given, len(data))
         return parse_http(data, rt.signature, length, (rt.name, rt.version))
 
+    def _span(
+        self, name: str, given: dict[bytes, bytes], operation: str | None
+    ) -> RequestSpan | None:
+        """An inference's server span: `infer {name}`, or as the GenAI conventions name the
+        `operation` it serves."""
+        if not operation:
+            return self.tracer.begin(f"infer {name}", *trace_of(given))
+        span = self.tracer.begin(genai.span_name(operation, name), *trace_of(given))
+        if span is not None:
+            span.attrs.update(genai.span_attributes(operation, name))
+        return span
+
     async def _generate_infer(
-        self, rt: FunctionRuntime, parse: Callable[[], InferRequest], tenant: str
+        self,
+        rt: FunctionRuntime,
+        parse: Callable[[], InferRequest],
+        tenant: str,
+        trace: TraceContext,
     ) -> Reply:
         """/infer of a generative model: the whole text as text_output (its settings are the
         request's parameters; usage and finish reason come back as response parameters)."""
+        generative = self.generative
+        operation = "text_completion"
         try:
-            self.dispatcher.admit(rt, "rest")  # (refusals are KServeError: the caller's)
-            request, _ = triton_generate.from_infer(
-                parse(), bounds_of(self.generative.settings(rt))
-            )
-            opened = await self.generative.open(
-                rt, "rest", request.prompt, request.sampling, tenant, "text_completion"
-            )
+            with generative.traced(rt, "rest", operation, trace, tenant) as span:
+                self.dispatcher.admit(rt, "rest")  # (refusals are KServeError: the caller's)
+                request, _ = triton_generate.from_infer(parse(), bounds_of(generative.settings(rt)))
+                opened = await generative.open(
+                    rt, "rest", request.prompt, request.sampling, tenant, operation, span
+                )
         except GenerationError as exc:
             return Reply.error(exc.status, str(exc))
         text, done = await collect(opened.stream)

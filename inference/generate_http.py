@@ -316,11 +316,13 @@ class GenerateFront:
                 {"name": spec["input"], "datatype": "BYTES", "shape": [len(texts)], "data": texts}
             ]
         }
-        # the KServe request continues the OpenAI request's trace (its server span `infer`)
+        # the KServe request continues the OpenAI request's trace (its span `embeddings {model}`)
         given = {key: headers[key] for key in _TRACE_KEYS if key in headers}
         if tenant:
             given[_TENANT_KEY] = tenant.encode()
-        reply = await self.backend.infer(rt.name, None, json.dumps(kserve).encode(), given)
+        reply = await self.backend.infer(
+            rt.name, None, json.dumps(kserve).encode(), given, "embeddings"
+        )
         if reply.status != 200:
             message = json.loads(reply.body).get("error", "the embeddings model failed")
             raise KServeError(reply.status, message)

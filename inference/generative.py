@@ -268,7 +268,7 @@ class Generative:
         except BaseException as exc:
             if span is not None and span.sampled and not span.end:
                 status = exc.status if isinstance(exc, KServeError | GenerationError) else 500
-                span.attrs.update(_span_request(operation, rt.name))
+                span.attrs.update(genai.span_attributes(operation, rt.name))
                 self.dispatcher.finish_span(span, rt, protocol, status, tenant)
             raise
         finally:
@@ -391,7 +391,7 @@ class Generative:
         span.child(
             "decode loop", decoding, end, {genai.OUTPUT_TOKENS: done.usage.completion_tokens}
         )
-        span.attrs.update(_span_request(operation, rt.name))
+        span.attrs.update(genai.span_attributes(operation, rt.name))
         span.attrs.update(
             {
                 genai.REQUEST_MAX_TOKENS: stream.sampling.max_tokens,
@@ -441,14 +441,6 @@ class _Traced:
     span: RequestSpan
     protocol: Protocol
     begun_ns: int  # perf_counter_ns when generation began (after admission)
-
-
-def _span_request(operation: str, model: str) -> dict[str, object]:
-    return {
-        genai.OPERATION: operation,
-        genai.PROVIDER: genai.PROVIDER_NAME,
-        genai.REQUEST_MODEL: model,
-    }
 
 
 class GenerationStats:

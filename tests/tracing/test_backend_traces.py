@@ -230,8 +230,8 @@ async def test_a_generation_is_traced_to_its_end(
     usage the client got; admission, time to first token and the decode loop follow each
     other, the first token is an event, and the span ends with the stream. A refused request
     (max_tokens above the Function's bound) is a span with its 400; Triton's generate (HTTP
-    and tritonclient's gRPC stream) and OpenAI's embeddings continue the trace too; a stream
-    whose client left says it was cancelled."""
+    and tritonclient's gRPC stream), KServe's /infer of the generative model and OpenAI's
+    embeddings continue the trace too; a stream whose client left says it was cancelled."""
     async with serving(registry, tmp_path / "http.sock", GENERATIVE) as found:
         collector.pull_from(lambda: [(found.socket, TOKEN)])
 
@@ -288,6 +288,15 @@ async def test_a_generation_is_traced_to_its_end(
         assert spans["text_completion chaos-gen"]["parent_id"] == SIDECAR
         assert "decode loop" in spans
 
+        infer = "a" * 32
+        kserve = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
+                              "data": ["epsilon zeta"]}], "parameters": {"max_tokens": 2}}  # fmt: skip
+        status, body = await post("/v2/models/chaos-gen/infer", infer, kserve)
+        assert status == 200, body
+        spans = {s["name"]: s for s in await _trace(collector, infer, 4)}
+        assert spans["text_completion chaos-gen"]["parent_id"] == SIDECAR
+        assert "decode loop" in spans
+
         streamed = "8" * 32
         grpc_server = GrpcServer(found.backend)
         port = await grpc_server.start("127.0.0.1", 0)
@@ -327,7 +336,9 @@ async def test_a_generation_is_traced_to_its_end(
         )
         assert status == 200, body
         spans = {s["name"]: s for s in await _trace(collector, embeddings, 2)}
-        assert spans["infer embedder"]["parent_id"] == SIDECAR
+        assert spans["embeddings embedder"]["parent_id"] == SIDECAR
+        assert spans["embeddings embedder"]["attributes"][genai.OPERATION] == "embeddings"
+        assert "guest call" in spans
 
 
 def _grpc_stream(port: int, trace: str) -> None:

@@ -64,6 +64,15 @@ class _Window(Op):
             self.fail("only the first dimension may be the batch")
         return s[0], static(s[1]), [static(d) for d in s[2:]]
 
+    def weighted(self) -> tuple[DType, Dim, int, list[int], Shape]:
+        """A convolution's float image X (its batch, channels, spatial sizes), its weights W of
+        the same type, and `group`."""
+        dtype = self.need(0, D.FLOATS)
+        self.same_dtype(0, 1)
+        n, c, spatial = self.image(0)
+        self.group = int(self.attr("group", 1))
+        return dtype, n, c, spatial, self.shape(1)
+
     def hw(self, v: list[int], fill: int) -> tuple[int, int]:
         return (fill, v[0]) if len(v) == 1 else (v[0], v[1])
 
@@ -87,13 +96,9 @@ class Conv(_Window):
     SINCE = 1
 
     def infer(self) -> list[tuple[DType, Shape]]:
-        dtype = self.need(0, D.FLOATS)
-        self.same_dtype(0, 1)
-        n, c, spatial = self.image(0)
-        w = self.shape(1)
+        dtype, n, c, spatial, w = self.weighted()
         if len(w) != len(spatial) + 2:
             self.fail("weights rank does not match the input")
-        self.group = int(self.attr("group", 1))
         m, cg = static(w[0]), static(w[1])
         if cg * self.group != c or m % self.group:
             self.fail(f"channels {c}, weights {self.show(w)} and group {self.group} do not fit")
@@ -324,12 +329,8 @@ class ConvTranspose(_Window):
     SINCE = 1
 
     def infer(self) -> list[tuple[DType, Shape]]:
-        dtype = self.need(0, D.FLOATS)
-        self.same_dtype(0, 1)
-        n, c, spatial = self.image(0)
-        w = self.shape(1)
+        dtype, n, c, spatial, w = self.weighted()
         r = len(spatial)
-        self.group = int(self.attr("group", 1))
         if len(w) != r + 2 or static(w[0]) != c or c % self.group:
             self.fail(f"weights {self.show(w)} do not fit {c} channels and group {self.group}")
         mg = static(w[1])

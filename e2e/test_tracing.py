@@ -357,6 +357,10 @@ def test_tracing_a_streamed_generation_is_one_trace_to_its_last_token(mesh: Mesh
     shown = meshfn("trace", "show", trace["trace_id"], "--state-dir", str(mesh.state))
     for name in ("chat tiny-lm", "time to first token", "decode loop"):
         assert name in shown.stdout, shown.stdout
+    assert (
+        f"generation chat tiny-lm: {usage.prompt_tokens} prompt + {usage.completion_tokens} "
+        "completion tokens, first token after "
+    ) in shown.stdout, shown.stdout
 
 
 def _audit_records(mesh: Mesh, trace_id: str) -> list[dict[str, Any]]:

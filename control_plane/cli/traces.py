@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshfn.common.cli import command_app, out
+from meshfn.contracts import genai
 
 from .shared import DEFAULT_STATE, AdminOpt, ClientStateOpt, admin_url, get_json
 
@@ -122,6 +123,26 @@ def waterfall(trace: dict[str, Any], width: int = BAR_WIDTH) -> Table:
     return table
 
 
+def generations(trace: dict[str, Any]) -> list[str]:
+    """A line per generation in the trace (a span with the GenAI conventions' usage): its
+    tokens, when its first token came, why it ended."""
+    lines = []
+    for span in trace["span_list"]:
+        attrs = span["attributes"]
+        if genai.OPERATION not in attrs or genai.OUTPUT_TOKENS not in attrs:
+            continue
+        said = [f"{attrs.get(genai.INPUT_TOKENS)} prompt + {attrs[genai.OUTPUT_TOKENS]} "
+                "completion tokens"]  # fmt: skip
+        for event in span["events"]:
+            ttft = event["attributes"].get(genai.TIME_TO_FIRST_TOKEN)
+            if event["name"] == "first token" and isinstance(ttft, int | float):
+                said.append(f"first token after {_us(round(ttft * 1e6))}")
+        if attrs.get(genai.FINISH_REASON):
+            said.append(f"ended: {attrs[genai.FINISH_REASON]}")
+        lines.append(f"generation {span['name']}: " + ", ".join(said))
+    return lines
+
+
 def _title(trace: dict[str, Any]) -> str:
     route = f" route {trace['route']}" if trace.get("route") else ""
     return f"trace {trace['trace_id']}{route}: {_us(trace['duration_us'])}, {trace['status']}"
@@ -142,6 +163,8 @@ def show(
         out.print_json(json.dumps(document))
         return
     out.print(waterfall(document))
+    for line in generations(document):
+        out.print(line, highlight=False)
     links = [
         f"{span['name']} -> {link['trace_id']}"
         for span in document["span_list"]

@@ -28,6 +28,7 @@ import tritonclient.grpc as tgrpc
 from meshfn.common.logs import JsonFormatter, trace_context
 from meshfn.common.unix import listen_private, unix_request
 from meshfn.contracts import genai, otlp
+from meshfn.control_plane.cli.traces import generations
 from meshfn.control_plane.runtime.traces import TraceCollector, TraceStore
 from meshfn.inference.backend import Backend
 from meshfn.inference.config import parse_config
@@ -271,6 +272,14 @@ async def test_a_generation_is_traced_to_its_end(
         (first,) = server["events"]
         assert first["name"] == "first token"
         assert first["time_ns"] == order[1]["end_ns"]
+        trace = collector.store.get(TRACE)
+        assert trace is not None
+        (line,) = generations(trace.document())  # what `meshfn trace show` prints below it
+        assert line.startswith(
+            f"generation chat chaos-gen: {usage['prompt_tokens']} prompt + "
+            f"{usage['completion_tokens']} completion tokens, first token after "
+        ), line
+        assert line.endswith(f"ended: {attrs[genai.FINISH_REASON]}"), line
 
         refused = "5" * 32
         over = {**chat, "max_tokens": 65}

@@ -289,22 +289,18 @@ async def test_a_generation_is_traced_to_its_end(
         assert spans["chat chaos-gen"]["attributes"]["http.response.status_code"] == 400
         assert "decode loop" not in spans
 
-        triton = "6" * 32
-        generate = {"text_input": "alpha beta", "parameters": {"max_tokens": 4}}
-        status, body = await post("/v2/models/chaos-gen/generate_stream", triton, generate)
-        assert status == 200, body
-        spans = {s["name"]: s for s in await _trace(collector, triton, 4)}
-        assert spans["text_completion chaos-gen"]["parent_id"] == SIDECAR
-        assert "decode loop" in spans
-
-        infer = "a" * 32
+        # Triton's generate extension, and KServe's /infer of the same model
         kserve = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
                               "data": ["epsilon zeta"]}], "parameters": {"max_tokens": 2}}  # fmt: skip
-        status, body = await post("/v2/models/chaos-gen/infer", infer, kserve)
-        assert status == 200, body
-        spans = {s["name"]: s for s in await _trace(collector, infer, 4)}
-        assert spans["text_completion chaos-gen"]["parent_id"] == SIDECAR
-        assert "decode loop" in spans
+        for trace_id, path, request in (
+            ("6" * 32, "generate_stream", {"text_input": "alpha", "parameters": {"max_tokens": 4}}),
+            ("a" * 32, "infer", kserve),
+        ):
+            status, body = await post(f"/v2/models/chaos-gen/{path}", trace_id, request)
+            assert status == 200, body
+            spans = {s["name"]: s for s in await _trace(collector, trace_id, 4)}
+            assert spans["text_completion chaos-gen"]["parent_id"] == SIDECAR, path
+            assert "decode loop" in spans, path
 
         streamed = "8" * 32
         grpc_server = GrpcServer(found.backend)

@@ -43,10 +43,9 @@ from .kserve import KServeError
 from .openai_api import ChunkWriter
 from .pool import FunctionRuntime
 from .qos import Refusal, tenant_of
-from .tracing import TraceContext, trace_of
+from .tracing import TRACE_HEADERS, TraceContext, trace_of
 
 _TENANT_KEY = TENANT_HEADER.encode()
-_TRACE_KEYS = (b"traceparent", b"tracestate")
 _GENERATION_KEY = GENERATION_HEADER.encode()
 OPENAI_OPERATIONS = {"chat/completions", "completions", "embeddings"}
 
@@ -317,7 +316,7 @@ class GenerateFront:
             ]
         }
         # the KServe request continues the OpenAI request's trace (its span `embeddings {model}`)
-        given = {key: headers[key] for key in _TRACE_KEYS if key in headers}
+        given = {key: headers[key] for key in TRACE_HEADERS if key in headers}
         if tenant:
             given[_TENANT_KEY] = tenant.encode()
         reply = await self.backend.infer(

@@ -71,9 +71,13 @@ Link = tuple[bytes, bytes]  # (trace id, span id)
 TraceContext = tuple[str | bytes | None, str | bytes | None]
 
 
+TRACE_HEADERS = (b"traceparent", b"tracestate")
+
+
 def trace_of(headers: Mapping[bytes, bytes]) -> TraceContext:
     """The trace context of a request's HTTP headers."""
-    return headers.get(b"traceparent"), headers.get(b"tracestate")
+    parent, state = (headers.get(key) for key in TRACE_HEADERS)
+    return parent, state
 
 
 def wall(perf_ns: int) -> int:

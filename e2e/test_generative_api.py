@@ -244,13 +244,41 @@ def test_bad_input_is_a_400_naming_the_field_and_generates_nothing(backend: Back
         (b'{"model": "tiny-lm"}', "messages"),
         (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
         (b'{"model": "tiny-lm", "model": "iris", "messages": []}', "model"),
+        # deeper than json.loads recurses: a 400 like any malformed body, never a 500
+        (b'{"model": "tiny-lm", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
+        # a lone surrogate is valid JSON but no text: the tokenizer reads UTF-8
+        (
+            b'{"model": "tiny-lm", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+            "messages[0].content",
+        ),
+        (
+            b'{"model": "tiny-lm", "messages": [{"role": "user", "content": "a"}], '
+            b'"stop": ["\\udfff"]}',
+            "stop",
+        ),
     ):
         reply = http(f"{backend.url}/v1/chat/completions", method="POST", body=body)
         assert reply.status == 400, body
         error = reply.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
-    reply = http(f"{backend.url}/v1/completions", method="POST", body=b'{"model": "tiny-lm"}')
-    assert reply.status == 400 and reply.json()["error"]["param"] == "prompt"
+    for body, param in (
+        (b'{"model": "tiny-lm"}', "prompt"),
+        (b'{"model": "tiny-lm", "prompt": "\\ud800"}', "prompt"),
+    ):
+        reply = http(f"{backend.url}/v1/completions", method="POST", body=body)
+        assert reply.status == 400 and reply.json()["error"]["param"] == param, reply.body
+    reply = http(
+        f"{backend.url}/v1/embeddings",
+        method="POST",
+        body=b'{"model": "embedder", "input": ["x", "\\udc00"]}',
+    )
+    assert reply.status == 400 and reply.json()["error"]["param"] == "input", reply.body
+    for body in (
+        b'{"text_input": "\\ud83d"}',
+        b'{"text_input": "a", "parameters": {"stop": ' + b"[" * 3000 + b"]" * 3000 + b"}}",
+    ):
+        reply = http(f"{backend.url}/v2/models/tiny-lm/generate", method="POST", body=body)
+        assert reply.status == 400 and "error" in reply.json(), reply.body
     assert backend.metric("meshfn_gen_streams_total") == before  # nothing was generated
 
 

@@ -11,7 +11,6 @@ that is larger): hysteresis, so a route does not flap.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import deque
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshfn import ir
+from meshfn.common import peerjson
 from meshfn.contracts.genai import GENERATION_HEADER
 from meshfn.contracts.tracing import TRACEPARENT, parse_traceparent
 from meshfn.xds.names import function_cluster_name, primary_clusters, version_cluster_name
@@ -72,7 +72,7 @@ def _completion_tokens(entry: HTTPAccessLogEntry) -> int | None:
     if not raw:
         return None
     try:
-        tokens = json.loads(raw).get("completion_tokens")
+        tokens = peerjson.loads(raw).get("completion_tokens")
     except (ValueError, AttributeError):
         return None
     return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None

@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from meshfn.common import peerjson
+
 from .tensors import (
     DType,
     TensorError,
@@ -77,10 +79,7 @@ def loads(data: bytes) -> Any:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
             pass
-    try:
-        return json.loads(data)
-    except RecursionError:  # json.loads recurses per nesting level: a client error, not ours
-        raise ValueError("nested too deeply") from None
+    return peerjson.loads(data)
 
 
 _DIGIT_MAP = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))  # digit -> "0"

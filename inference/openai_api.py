@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from meshfn.common import peerjson
+
 from .generation import Finished, GenerationError, Sampling
 
 # Fields each endpoint accepts; anything else is a 400 naming it (OpenAI refuses unknown
@@ -102,7 +104,7 @@ def loads(body: bytes) -> dict[str, Any]:
         return out
 
     try:
-        value = json.loads(body, object_pairs_hook=pairs)
+        value = peerjson.loads(body, object_pairs_hook=pairs)
     except GenerationError:
         raise
     except (UnicodeDecodeError, ValueError) as exc:
@@ -112,13 +114,24 @@ def loads(body: bytes) -> dict[str, Any]:
     return value
 
 
+def text_field(value: str, param: str) -> str:
+    """A string field as text: JSON may escape a lone UTF-16 surrogate (`"\\ud800"`), which
+    decodes to a Python str that no UTF-8 reader (the tokenizer, stop matching, a span's
+    attributes) can take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(f"{param} is not valid text: it holds a lone UTF-16 surrogate", param) from None
+    return value
+
+
 def model_of(body: dict[str, Any]) -> str:
     model = body.get("model")
     if model is None:
         raise bad("you must provide a model parameter", "model")
     if not isinstance(model, str) or not model:
         raise bad("model must be a non-empty string", "model")
-    return model
+    return text_field(model, "model")
 
 
 def _unknown(body: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -164,7 +177,7 @@ def _stop(body: dict[str, Any], bounds: Bounds) -> tuple[str, ...]:
         raise bad("stop must be a non-empty string or a list of them", "stop")
     if len(items) > bounds.max_stop:
         raise bad(f"stop allows at most {bounds.max_stop} sequences, not {len(items)}", "stop")
-    return tuple(items)
+    return tuple(text_field(s, "stop") for s in items)
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:
@@ -212,16 +225,18 @@ def _common(body: dict[str, Any]) -> bool:
     for key in ("presence_penalty", "frequency_penalty"):
         _unsupported(body, key, (None, 0, 0.0), "meshfn does not penalise repetition")
     _unsupported(body, "logit_bias", (None, {}), "meshfn does not bias logits")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad("user must be a string", "user")
+    if body.get("user") is not None:
+        if not isinstance(body["user"], str):
+            raise bad("user must be a string", "user")
+        text_field(body["user"], "user")
     return bool(stream)
 
 
 def _content(message: dict[str, Any], index: int) -> str:
     content = message.get("content")
-    if isinstance(content, str):
-        return content
     where = f"messages[{index}].content"
+    if isinstance(content, str):
+        return text_field(content, where)
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -230,7 +245,7 @@ def _content(message: dict[str, Any], index: int) -> str:
             if not isinstance(part.get("text"), str):
                 raise bad(f"{where}: a text part needs its text", where)
             texts.append(part["text"])
-        return "".join(texts)
+        return text_field("".join(texts), where)
     raise bad(f"{where} must be a string or a list of text parts", where)
 
 
@@ -299,6 +314,7 @@ def completion_request(body: dict[str, Any], bounds: Bounds) -> TextRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise bad("prompt must be a string (one prompt per request)", "prompt")
+    text_field(prompt, "prompt")
     _unsupported(body, "echo", (None, False), "the prompt is never echoed")
     _unsupported(body, "logprobs", (None,), "meshfn does not return log probabilities")
     _unsupported(body, "best_of", (None, 1), "meshfn generates one choice per request")
@@ -334,6 +350,8 @@ def embeddings_request(body: dict[str, Any]) -> EmbeddingsRequest:
         raise bad("input must be a string or a non-empty list of strings", "input")
     if len(texts) > 2048:
         raise bad("input holds at most 2048 texts", "input")
+    for item in texts:
+        text_field(item, "input")
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise bad("encoding_format must be float or base64", "encoding_format")

@@ -15,7 +15,6 @@ import asyncio
 import functools
 import gc
 import hmac
-import json
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from meshfn.common import peerjson
 from meshfn.common.unix import listen_private
 from meshfn.contracts import otlp
 from meshfn.contracts.rollout import MODEL_VERSION_HEADER, SHADOW_PATH
@@ -113,7 +113,7 @@ def _json_body(body: bytes, allowed: set[str]) -> dict[str, Any]:
     if not body.strip():
         return {}
     try:
-        value = json.loads(body)
+        value = peerjson.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise KServeError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(value, dict):

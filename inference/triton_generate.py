@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from meshfn.common import peerjson
 from meshfn.contracts.function import FunctionLimits
 
 from . import openai_api
@@ -58,6 +59,7 @@ def parse(body: bytes, bounds: Bounds, limits: FunctionLimits) -> GenerateReques
         text = text[0]
     if not isinstance(text, str):
         raise _bad(f"{TEXT_INPUT} must be a string", TEXT_INPUT)
+    openai_api.text_field(text, TEXT_INPUT)
     params = data.get("parameters") or {}
     if not isinstance(params, dict):
         raise _bad("parameters must be an object", "parameters")
@@ -68,8 +70,10 @@ def parse(body: bytes, bounds: Bounds, limits: FunctionLimits) -> GenerateReques
         if flag in params and not isinstance(params[flag], bool):
             raise _bad(f"{flag} must be true or false", flag)
     request_id = data.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise _bad("id must be a string", "id")
+    if request_id is not None:
+        if not isinstance(request_id, str):
+            raise _bad("id must be a string", "id")
+        openai_api.text_field(request_id, "id")
     sampling = sampling_of(params, bounds)
     return GenerateRequest(text, sampling, request_id)
 
@@ -103,7 +107,7 @@ def from_infer(request: InferRequest, bounds: Bounds) -> tuple[GenerateRequest, 
     if isinstance(params.get("stop"), str) and params["stop"].startswith("["):
         # a list of stop sequences travels as a JSON string in a string parameter
         with contextlib.suppress(ValueError):
-            params["stop"] = json.loads(params["stop"])
+            params["stop"] = peerjson.loads(params["stop"])
     prompt = text.decode("utf-8", "replace")
     return GenerateRequest(prompt, sampling_of(params, bounds), request.id), empty_final
 

@@ -7,12 +7,12 @@ preflight, which these ports never grant."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from meshfn.common import peerjson
 from meshfn.common.adminauth import AUDITOR, Forbidden, require
 
 from .controller import ActionError, Event
@@ -39,7 +39,7 @@ async def _action(request: web.Request, documents: Documents, act: Act) -> web.R
     if request.content_type != "application/json":
         return web.json_response({"error": "send application/json"}, status=415)
     try:
-        body = json.loads(await request.read())
+        body = peerjson.loads(await request.read())
     except ValueError:
         return web.json_response({"error": "the body is not JSON"}, status=400)
     if not isinstance(body, dict) or not all(

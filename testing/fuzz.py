@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPORA = ROOT / "tests" / "fuzz" / "corpus"
 REGRESSIONS = ROOT / "tests" / "fuzz" / "regressions"
 C_TARGETS = ("filter-audit", "filter-degrade", "filter-meshfn")
-PY_TARGETS = ("policy", "kserve", "ads", "journal", "als", "tracecontext", "otlp")
+PY_TARGETS = (
+    "policy", "kserve", "ads", "journal", "als", "tracecontext", "otlp", "generate",
+)  # fmt: skip
 TARGETS = C_TARGETS + PY_TARGETS
 # libFuzzer flags for every run: a per-input time limit (a hang is a finding), a memory cap
 # (an unbounded allocation is a finding), inputs up to 64 KiB.

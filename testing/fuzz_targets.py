@@ -37,9 +37,12 @@ with atheris.instrument_imports(include=["meshfn"]):
 
     from meshfn.audit.record import canonical, from_log_line
     from meshfn.contracts import otlp
+    from meshfn.contracts.function import FunctionLimits
     from meshfn.contracts.tracing import BackendTracing, parse_traceparent, parse_tracestate
     from meshfn.control_plane.runtime.traces import TraceStore, ingest
     from meshfn.health.drift import DriftBreaker, watched_routes
+    from meshfn.inference import openai_api, triton_generate
+    from meshfn.inference.generation import GenerationError, Sampling
     from meshfn.inference.kserve import (
         HEADER_LENGTH,
         KServeError,
@@ -355,6 +358,83 @@ class OtlpTarget:
             json.dumps(trace.document())
 
 
+# ---------------------------------------------------------------------- generation requests
+
+GEN_BOUNDS = openai_api.Bounds(
+    max_tokens=64, default_max_tokens=16, max_temperature=2.0, max_stop=4
+)
+GEN_LIMITS = FunctionLimits(maxRequestBytes=1 << 16)
+
+
+def _encodes(text: object, what: str) -> None:
+    """What a parser accepts is read as UTF-8 bytes later (the tokenizer, stop matching)."""
+    if not isinstance(text, str):
+        raise Finding(f"{what} is {type(text).__name__}, not text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise Finding(f"{what} was accepted but is not UTF-8: {exc}") from exc
+
+
+def _check_sampling(sampling: Sampling) -> None:
+    b = GEN_BOUNDS
+    if not 1 <= sampling.max_tokens <= b.max_tokens:
+        raise Finding(f"max_tokens {sampling.max_tokens} outside 1..{b.max_tokens}")
+    if not 0 <= sampling.temperature <= b.max_temperature:
+        raise Finding(f"temperature {sampling.temperature} outside the bounds")
+    if not 0 < sampling.top_p <= 1:
+        raise Finding(f"top_p {sampling.top_p} outside (0, 1]")
+    if sampling.seed is not None and not 0 <= sampling.seed < 1 << 64:
+        raise Finding(f"seed {sampling.seed} is not an unsigned 64-bit integer")
+    if len(sampling.stop) > b.max_stop:
+        raise Finding(f"{len(sampling.stop)} stop sequences, above {b.max_stop}")
+    for stop in sampling.stop:
+        _encodes(stop, "a stop sequence")
+        if not stop:
+            raise Finding("an empty stop sequence")
+    json.dumps(sampling.guest_json())
+
+
+def generate(data: bytes) -> None:
+    """First byte: which request (0 chat, 1 text completion, 2 embeddings, 3 Triton's generate,
+    by its value modulo 4); the rest: the body. Each parser answers with a 400 (413 for a body
+    past the limit) carrying a message and the field's name if any, as OpenAI's error object,
+    or with a request within the bounds whose text reads as UTF-8."""
+    if not data:
+        return
+    kind, body = data[0] % 4, data[1:]
+    try:
+        if kind == 3:
+            request = triton_generate.parse(body, GEN_BOUNDS, GEN_LIMITS)
+            _encodes(request.prompt, "text_input")
+            _check_sampling(request.sampling)
+            if request.id is not None and not isinstance(request.id, str):
+                raise Finding(f"id {request.id!r} is not a string")
+            return
+        value = openai_api.loads(body)
+        if kind == 2:
+            embeddings = openai_api.embeddings_request(value)
+            if not 1 <= len(embeddings.texts) <= 2048:
+                raise Finding(f"{len(embeddings.texts)} inputs accepted")
+            for text in embeddings.texts:
+                _encodes(text, "an input")
+            return
+        parse = openai_api.chat_request if kind == 0 else openai_api.completion_request
+        asked = parse(value, GEN_BOUNDS)
+        if not isinstance(asked.model, str) or not asked.model:
+            raise Finding(f"model {asked.model!r} accepted")
+        _encodes(asked.prompt, "the prompt")
+        _check_sampling(asked.sampling)
+        if asked.include_usage and not asked.stream:
+            raise Finding("include_usage without stream")
+    except GenerationError as exc:
+        if exc.status not in (400, 413) or not str(exc):
+            raise Finding(f"a refusal must be a 400 or 413 with a message: {exc.status}") from exc
+        if exc.param is not None and not isinstance(exc.param, str):
+            raise Finding(f"param {exc.param!r} is not a field's name") from exc
+        json.loads(openai_api.error_body(exc.status, str(exc), exc.param))
+
+
 TARGETS: dict[str, Callable[[], Callable[[bytes], None]]] = {
     "policy": PolicyTarget,
     "kserve": lambda: kserve,
@@ -363,6 +443,7 @@ TARGETS: dict[str, Callable[[], Callable[[bytes], None]]] = {
     "als": AlsTarget,
     "tracecontext": TraceContextTarget,
     "otlp": OtlpTarget,
+    "generate": lambda: generate,
 }
 
 

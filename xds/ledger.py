@@ -33,6 +33,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from meshfn import ir
+from meshfn.common import peerjson
 from meshfn.contracts.qos import (
     LIMIT_SERVICE_NODE_HEADER,
     TENANT,
@@ -245,7 +246,7 @@ def _parse(raw: bytes) -> dict[str, Any]:
     if len(raw) > MAX_REQUEST_BYTES:
         raise BadCall(grpc.StatusCode.INVALID_ARGUMENT, "the request is too large")
     try:
-        request = json.loads(raw)
+        request = peerjson.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadCall(grpc.StatusCode.INVALID_ARGUMENT, "the request is not JSON") from exc
     if not isinstance(request, dict):

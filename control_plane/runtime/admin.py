@@ -31,6 +31,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from meshfn.audit.store import StoreError
+from meshfn.common import peerjson
 from meshfn.common.adminauth import (
     AUDITOR,
     AdminTokens,
@@ -218,7 +219,7 @@ def is_open(request: web.Request) -> bool:
 async def _subject_of(request: web.Request) -> str | None:
     """The subject of an erasure request's JSON body (an HMAC or a pseudonym), or None."""
     try:
-        body = await request.json()
+        body = await request.json(loads=peerjson.loads)
     except ValueError:
         return None
     subject = body.get("subject") if isinstance(body, dict) else None

@@ -100,6 +100,10 @@ async def admin(tmp_path: Path) -> AsyncIterator[Admin]:
     store.close()
 
 
+# A body nested deeper than json.loads recurses: malformed JSON like any other (a 400).
+DEEP = b"[" * 5000 + b"]" * 5000
+
+
 async def _call(
     url: str, method: str = "GET", headers: dict[str, str] | None = None, **kwargs: Any
 ) -> tuple[int, str, dict[str, str]]:
@@ -234,6 +238,8 @@ async def test_erasure_through_the_admin_port(admin: Admin) -> None:
         admin.url + "/audit/erase", "POST", auditor, json={"subject": "x"}
     )
     assert status == 400 and "64 hex" in body
+    status, body, _ = await _call(admin.url + "/audit/erase", "POST", auditor, data=DEEP)
+    assert status == 400 and "64 hex" in body  # deeper than json.loads goes: still a 400
     status, body, _ = await _call(
         admin.url + "/audit/erase", "POST", auditor, json={"subject": "ee" * 32}
     )
@@ -298,6 +304,8 @@ async def test_the_login_form_and_links_for_lesser_roles(admin: Admin) -> None:
     viewer = admin.bearer(VIEWER)
     status, body, _ = await _call(admin.url + "/ui/links", "POST", viewer, json={"role": AUDITOR})
     assert status == 403 and "cannot hand out" in body
+    status, body, _ = await _call(admin.url + "/ui/links", "POST", viewer, data=DEEP)
+    assert status == 400 and "not JSON" in body
 
 
 async def test_a_fixed_token_is_an_auditor(tmp_path: Path) -> None:
@@ -353,3 +361,6 @@ async def test_rollout_actions_need_an_auditors_token(admin: Admin) -> None:
     assert (await _call(act, "POST", auditor, data=body))[0] == 415  # a form: refused
     status, text, _ = await _call(act, "POST", auditor, json=body)
     assert status == 404 and "no rollout 'x'" in text
+    json_type = {**auditor, "Content-Type": "application/json"}
+    status, text, _ = await _call(act, "POST", json_type, data=DEEP)
+    assert status == 400 and "not JSON" in text

@@ -375,8 +375,54 @@ def otlp_exports() -> None:
     put("otlp", b"\xff\xff\xff garbage")
 
 
+def generations() -> None:
+    """Request bodies of each kind the `generate` target reads (its first byte), good and bad."""
+    chat = {
+        "model": "tiny-lm",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+        "max_completion_tokens": 8,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": -1,
+        "stop": ["\n", "."],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "user": "u",
+    }
+    completion = {"model": "tiny-lm", "prompt": ["once"], "max_tokens": 4, "stop": "\n", "n": 1}
+    embeddings = {"model": "embedder", "input": ["a", "b"], "encoding_format": "base64"}
+    generate = {"text_input": "once", "id": "7", "parameters": {"max_tokens": 4, "stream": True}}
+    for kind, body in enumerate((chat, completion, embeddings, generate)):
+        put("generate", bytes([kind]) + json.dumps(body).encode())
+    for kind, raw in (
+        (0, b'{"model": "m", "model": "n", "messages": []}'),
+        (0, b'{"model": "m", "messages": [{"role": "tool", "content": "x"}], "tools": [{}]}'),
+        (1, b'{"model": "m", "prompt": "\\ud800", "temperature": 1e999}'),
+        (2, b'{"model": "m", "input": [], "dimensions": true}'),
+        (2, b'{"model": "m", "input": ' + b"[" * 2000 + b"]" * 2000 + b"}"),
+        (
+            3,
+            b'{"text_input": ["a"], "parameters": {"stop": ["", "b"], "seed": 18446744073709551616}}',
+        ),
+    ):
+        put("generate", bytes([kind]) + raw)
+
+
 if __name__ == "__main__":
-    for make in (filters, policies, kserve, ads, journal, als, tracecontext, otlp_exports):
+    for make in (
+        filters,
+        policies,
+        kserve,
+        ads,
+        journal,
+        als,
+        tracecontext,
+        otlp_exports,
+        generations,
+    ):
         make()
     for folder in sorted(CORPORA.iterdir()):
         print(f"{folder.name}: {sum(1 for _ in folder.iterdir())} seeds")

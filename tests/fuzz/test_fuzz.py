@@ -14,7 +14,7 @@ import pytest
 from meshfn.common import env
 from meshfn.testing import fuzz
 
-# Seconds per target in the test command: ~2.5 minutes in all, with the interpreter start-up of
+# Seconds per target in the test command: ~3.5 minutes in all, with the interpreter start-up of
 # the Python targets. The policy target is the slowest per input (a whole load + translate).
 BUDGET = {t: 15 for t in fuzz.TARGETS} | {"policy": 20, "filter-audit": 20}
 

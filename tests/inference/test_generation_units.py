@@ -170,12 +170,49 @@ def test_a_chat_request_within_the_bounds() -> None:
 
 
 def test_a_body_is_one_json_object_naming_each_field_once() -> None:
-    for body in (b"{", b"[1]", b'"x"', b'{"model": "a", "model": "b"}', b"\xff"):
-        with pytest.raises(GenerationError):
+    deep = b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for body in (b"{", b"[1]", b'"x"', b'{"model": "a", "model": "b"}', b"\xff", deep):
+        with pytest.raises(GenerationError) as caught:
             openai_api.loads(body)
+        assert caught.value.status == 400
     with pytest.raises(GenerationError) as caught:
         openai_api.model_of({"model": ""})
     assert caught.value.param == "model"
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "param"),
+    [
+        (openai_api.chat_request, chat(model="m\ud800"), "model"),
+        (openai_api.chat_request, chat(user="\udfff"), "user"),
+        (openai_api.chat_request, chat(stop=["ok", "\ud800"]), "stop"),
+        (
+            openai_api.chat_request,
+            chat(messages=[{"role": "user", "content": "\ud83d"}]),
+            "messages[0].content",
+        ),
+        (
+            openai_api.chat_request,
+            chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]),
+            "messages[0].content",
+        ),
+        (openai_api.completion_request, {"model": "m", "prompt": ["\ud800"]}, "prompt"),
+    ],
+)
+def test_text_with_a_lone_surrogate_is_a_400_naming_the_field(
+    parse: Any, body: dict[str, Any], param: str
+) -> None:
+    """JSON can escape half of a UTF-16 pair (`"\\ud800"`): valid JSON, no text. The tokenizer
+    reads UTF-8, so it used to fail there with a 500."""
+    with pytest.raises(GenerationError) as caught:
+        parse(body, BOUNDS)
+    assert caught.value.status == 400 and caught.value.param == param
+    with pytest.raises(GenerationError) as caught:
+        openai_api.embeddings_request({"model": "e", "input": ["a", "\udc00"]})
+    assert caught.value.param == "input"
+    # a whole pair is one character, and fine
+    emoji = openai_api.loads(b'{"model": "m", "prompt": "\\ud83d\\ude00"}')
+    assert openai_api.completion_request(emoji, BOUNDS).prompt == "\U0001f600"
 
 
 def test_stream_chunks_are_what_the_sdk_parses() -> None:

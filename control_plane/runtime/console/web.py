@@ -30,6 +30,7 @@ from aiohttp import web
 from markupsafe import Markup
 
 from meshfn.audit.store import StoreError
+from meshfn.common import peerjson
 from meshfn.common.adminauth import (
     AUDITOR,
     FAILURE_FLOOR_S,
@@ -532,7 +533,7 @@ class _SignIn:
         role = principal.role
         if request.can_read_body:
             try:
-                body = await request.json()
+                body = await request.json(loads=peerjson.loads)
             except ValueError:
                 return web.json_response({"error": "the body is not JSON"}, status=400)
             role = body.get("role", role) if isinstance(body, dict) else role

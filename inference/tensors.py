@@ -168,7 +168,16 @@ def _in_order(data: list[Any]) -> list[Any]:
 def pack(values: list[Any], dt: DType) -> bytes:
     """Checked flat values -> raw bytes."""
     if dt.kind == "bytes":
-        return frame([v.encode() if isinstance(v, str) else bytes(v) for v in values])
+        elements = []
+        for i, v in enumerate(values):
+            try:
+                elements.append(v.encode() if isinstance(v, str) else bytes(v))
+            except UnicodeEncodeError:
+                # JSON can escape half a UTF-16 pair ("\ud800"): valid JSON, but no text
+                raise TensorError(
+                    f"BYTES element {i} is not text: it holds a lone UTF-16 surrogate"
+                ) from None
+        return frame(elements)
     if dt.kind == "bool":
         return bytes(1 if v else 0 for v in values)
     if dt.code == "e":

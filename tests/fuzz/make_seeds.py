@@ -210,6 +210,13 @@ def kserve() -> None:
         + b'{"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 4], "data": [NaN, Infinity, -0.0, 1e309]}]}',
     )
     put("kserve", b"\x00not json")
+    # JSON string escapes in BYTES data: a pair, and half of one
+    put(
+        "kserve",
+        b"\x02"
+        + b'{"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], '
+        + b'"data": ["\\ud83d\\ude00", "\\ud800"]}]}',
+    )
 
 
 def ads() -> None:

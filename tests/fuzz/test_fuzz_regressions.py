@@ -31,6 +31,9 @@ CASES = sorted(
 # journal/integer-past-64-bits: a duration_us of 10**31 passed into the record, where the
 #   stores' 64-bit column would fail its batch
 #   (tests/audit/test_audit_record.py::test_integers_past_64_bits_are_dropped).
+# kserve/lone-surrogate-in-bytes: a BYTES input whose JSON string was "\ud800" raised
+#   UnicodeEncodeError out of the decoder: a 500 instead of a 400 naming the element
+#   (tests/inference/test_inference_units.py::test_bad_requests_are_400_with_a_reason).
 # generate/lone-surrogate-in-a-prompt: a text completion whose prompt was "\ud800" (valid JSON,
 #   no text) passed the OpenAI parser and failed in the tokenizer's UTF-8 encode: a 500 instead
 #   of a 400 naming the field (tests/inference/test_generation_units.py::

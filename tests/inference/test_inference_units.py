@@ -168,6 +168,8 @@ def test_select_outputs() -> None:
         (json.dumps(with_input(0, data=[1, 2, 3, "4"])).encode(), "is not a number"),
         (json.dumps(with_input(0, data=[1, 2, 3, True])).encode(), "is not a number"),
         (json.dumps(with_input(1, data=[7])).encode(), "is not a string"),
+        # valid JSON (json.dumps writes it as "\\ud800"), but no text: was a UnicodeEncodeError
+        (json.dumps(with_input(1, data=["\ud800"])).encode(), "lone UTF-16 surrogate"),
         (json.dumps(with_input(2, data=[256])).encode(), "out of range for UINT8"),
         (json.dumps(with_input(2, data=[1.5])).encode(), "is not an integer"),
         (

@@ -108,6 +108,13 @@ async def test_malformed_http_gets_400_and_close(server: tuple[HttpServer, int])
     out = await exchange(port, b"NONSENSE\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 400 ")
     assert "malformed HTTP request" in json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]
+    # past the header limit: the status that says which part, and why
+    long_path = b"GET /" + b"a" * (70 << 10) + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    out = await exchange(port, long_path)
+    assert out.startswith(b"HTTP/1.1 414 ") and b"request line is longer" in out
+    many = b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 1000) for i in range(70))
+    out = await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    assert out.startswith(b"HTTP/1.1 431 ") and b"headers exceed" in out
 
 
 async def test_handler_exception_is_500_and_connection_survives(

@@ -14,7 +14,8 @@ class WasmInfo:
     exports: list[str] = field(default_factory=list)
 
 
-def _leb(data: bytes, pos: int) -> tuple[int, int]:
+def _leb(data: bytes, pos: int, signed: bool = False) -> tuple[int, int]:
+    """A LEB128 integer at `pos` (two's complement when `signed`) and the position after it."""
     result = shift = 0
     while True:
         b = data[pos]
@@ -22,18 +23,7 @@ def _leb(data: bytes, pos: int) -> tuple[int, int]:
         result |= (b & 0x7F) << shift
         shift += 7
         if not b & 0x80:
-            return result, pos
-
-
-def _sleb(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        b = data[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            if b & 0x40:
+            if signed and b & 0x40:
                 result -= 1 << shift
             return result, pos
 
@@ -76,7 +66,7 @@ def _globals(
         p += 1
         value = 0
         if opcode in (0x41, 0x42):  # i32.const, i64.const
-            value, p = _sleb(wasm, p)
+            value, p = _leb(wasm, p, signed=True)
         else:
             p += _CONST_BYTES.get(opcode, 0)
         p += 1  # end

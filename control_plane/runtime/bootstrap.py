@@ -12,6 +12,7 @@ static listener on 127.0.0.1:PORT forwarding to that socket (`admin_tcp_warning`
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,11 +28,16 @@ from envoy.config.core.v3 import (
     protocol_pb2,
 )
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.overload.v3 import overload_pb2
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
+from envoy.extensions.resource_monitors.downstream_connections.v3 import (
+    downstream_connections_pb2,
+)
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import duration_pb2, json_format, struct_pb2
 
 from meshfn import ir
+from meshfn.common import env
 from meshfn.common.unix import SOCKET_MODE, SocketPathTooLong, socket_path
 from meshfn.xds.names import CONTROL_PLANE_CLUSTER as XDS_CLUSTER
 from meshfn.xds.translate.common import one_endpoint, pipe_address, pipe_endpoints
@@ -48,6 +54,40 @@ RUNTIME = {
     "tracing.opentelemetry.min_flush_spans": 128,
     "tracing.opentelemetry.flush_interval_ms": 1000,
 }
+
+# Every Envoy's limit on downstream connections at once (connection_limit): past it, a new
+# connection is closed as it is accepted and counted (`downstream_global_cx_overflow`); the
+# connections it has keep working. Without one, Envoy warns at start, and a flood runs it out of
+# file descriptors, after which it cannot open upstream (or xDS) connections either.
+CONNECTIONS_MONITOR = "envoy.resource_monitors.global_downstream_max_connections"
+# Descriptors a proxy holds besides its connections: xDS, admin, logs, the trace collector.
+FD_RESERVE = 128
+
+
+def connection_limit() -> int:
+    """MESHFN_PROXY_MAX_CONNECTIONS, else half the open-file limit an Envoy started from here
+    inherits (each downstream connection may need an upstream one) less FD_RESERVE."""
+    value = env.PROXY_MAX_CONNECTIONS.get()
+    if value is not None:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(
+                f"{env.PROXY_MAX_CONNECTIONS.name} must be a positive integer, not {value!r}"
+            )
+        return int(value)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(64, soft // 2 - FD_RESERVE)
+
+
+def _overload_manager(max_connections: int) -> overload_pb2.OverloadManager:
+    monitor = overload_pb2.ResourceMonitor(name=CONNECTIONS_MONITOR)
+    monitor.typed_config.Pack(
+        downstream_connections_pb2.DownstreamConnectionsConfig(
+            max_active_downstream_connections=max_connections
+        )
+    )
+    return overload_pb2.OverloadManager(resource_monitors=[monitor])
 
 
 class AdminSocketPathTooLong(SocketPathTooLong):
@@ -138,6 +178,8 @@ def _admin_over_tcp(port: int, socket: Path) -> tuple[listener_pb2.Listener, clu
             socket_address=address_pb2.SocketAddress(address="127.0.0.1", port_value=port)
         ),
         filter_chains=[listener_components_pb2.FilterChain(filters=[filter_])],
+        # an operator reaches admin during a flood too (as Envoy's own admin listener)
+        ignore_global_conn_limit=True,
     )
     cluster = cluster_pb2.Cluster(
         name=ADMIN_CLUSTER,
@@ -149,11 +191,16 @@ def _admin_over_tcp(port: int, socket: Path) -> tuple[listener_pb2.Listener, clu
 
 
 def bootstrap(
-    identity: ProxyIdentity, xds_host: str, xds_port: int, admin_socket: Path
+    identity: ProxyIdentity,
+    xds_host: str,
+    xds_port: int,
+    admin_socket: Path,
+    max_connections: int | None = None,
 ) -> bootstrap_pb2.Bootstrap:
     """Admin on `admin_socket` (mode 0600), and on the identity's admin port too when it has
     one (a Gateway's adminPort, `meshfn bootstrap --admin-port`), through a forwarding
-    listener: never on TCP alone."""
+    listener: never on TCP alone. At most `max_connections` downstream connections
+    (default: connection_limit())."""
     h2 = http_protocol_options_pb2.HttpProtocolOptions(
         explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions(
@@ -230,6 +277,9 @@ def bootstrap(
             listeners=listeners, clusters=clusters
         ),
         layered_runtime=_runtime(),
+        overload_manager=_overload_manager(
+            connection_limit() if max_connections is None else max_connections
+        ),
     )
 
 
@@ -248,9 +298,14 @@ def _runtime() -> bootstrap_pb2.LayeredRuntime:
 
 
 def bootstrap_json(
-    identity: ProxyIdentity, xds_host: str, xds_port: int, admin_socket: Path
+    identity: ProxyIdentity,
+    xds_host: str,
+    xds_port: int,
+    admin_socket: Path,
+    max_connections: int | None = None,
 ) -> dict[str, Any]:
     result: dict[str, Any] = json_format.MessageToDict(
-        bootstrap(identity, xds_host, xds_port, admin_socket), preserving_proto_field_name=True
+        bootstrap(identity, xds_host, xds_port, admin_socket, max_connections),
+        preserving_proto_field_name=True,
     )
     return result

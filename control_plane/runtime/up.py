@@ -30,6 +30,7 @@ from meshfn.audit.store import StoreError
 from meshfn.common.adminauth import owner_token_path
 from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
+from meshfn.common.processes import raise_open_files_limit
 from meshfn.common.progress import RichReporter
 from meshfn.common.unix import SocketPathTooLong
 from meshfn.contracts.function import TokenLedgerAccess
@@ -48,6 +49,7 @@ from .bootstrap import (
     admin_port_warning,
     admin_port_warnings,
     admin_socket_path,
+    connection_limit,
 )
 from .console.graph import ProxyStats, ProxyTraceMetrics
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
@@ -433,6 +435,12 @@ async def _loaded(
         local_upstreams(model, state_dir, functions)
     except SocketPathTooLong as exc:
         raise _Refused(Text(f"{exc.strerror}", style="red")) from None
+    # what the Envoys inherit, and so how many connections each may take (bootstrap.py)
+    raise_open_files_limit()
+    try:
+        connection_limit()
+    except ValueError as exc:
+        raise _Refused(Text(str(exc), style="red")) from None
     for warning in admin_port_warnings(model):
         console.print(f"[yellow]{warning}[/yellow]", highlight=False)
     return cp, model

@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import socket
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,15 +21,17 @@ from meshfn.common.unix import MAX_SOCKET_PATH
 from meshfn.control_plane.runtime.bootstrap import (
     ADMIN_CLUSTER,
     ADMIN_TCP_LISTENER,
+    CONNECTIONS_MONITOR,
     AdminSocketPathTooLong,
     ProxyIdentity,
     admin_port_warnings,
     admin_socket_path,
     bootstrap_json,
+    connection_limit,
 )
 from meshfn.policy import load_policies
 from meshfn.testing import policies as p
-from meshfn.testing.envoy import argv, live, validate
+from meshfn.testing.envoy import admin_request, argv, live, validate
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import MESHFN, Processes, listening_tcp_ports, wait_for
 
@@ -194,4 +198,116 @@ def test_envoy_serves_admin_on_the_socket_only(tmp_path: Path) -> None:
             live(sock)
         assert listening_tcp_ports(proc.pid) == set()
     finally:
+        procs.stop_all()
+
+
+def _probe_listener(port: int) -> dict[str, object]:
+    """A static listener answering 200 itself: what ADS would otherwise send, for a test with
+    no control plane."""
+    hcm = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+    route = {"match": {"prefix": "/"}, "direct_response": {"status": 200}}
+    return {
+        "name": "probe",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": hcm + "HttpConnectionManager",
+                "stat_prefix": "probe",
+                "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
+                "http_filters": [{
+                    "name": "envoy.filters.http.router",
+                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                }],
+            },
+        }]}],
+    }  # fmt: skip
+
+
+def _get(conn: socket.socket) -> bytes:
+    """One GET on a kept-alive connection; its answer's head, or b"" when the proxy closed it."""
+    try:
+        conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = conn.recv(4096)
+            if not chunk:
+                return b""
+            answer += chunk
+        return answer
+    except ConnectionError:
+        return b""
+
+
+def test_every_proxy_has_a_connection_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monitor = {
+        "name": CONNECTIONS_MONITOR,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.resource_monitors."
+            "downstream_connections.v3.DownstreamConnectionsConfig",
+            "max_active_downstream_connections": str(connection_limit()),
+        },
+    }
+    sock = Path("/tmp/x.sock")
+    config = bootstrap_json(identity(), "127.0.0.1", 18000, sock)
+    assert config["overload_manager"] == {"resource_monitors": [monitor]}
+    # half the open files the proxy inherits: each connection may need one upstream
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert connection_limit() == max(64, soft // 2 - 128)
+    monkeypatch.setenv("MESHFN_PROXY_MAX_CONNECTIONS", "5000")
+    assert connection_limit() == 5000
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv("MESHFN_PROXY_MAX_CONNECTIONS", bad)
+        with pytest.raises(ValueError, match="must be a positive integer"):
+            connection_limit()
+
+
+def test_past_its_connection_limit_a_proxy_refuses_new_connections_and_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    """A real Envoy on meshfn's bootstrap with a limit of 3 (no control plane: a static
+    listener answers, and the initial fetch gives up after 0.5 s): three kept-alive connections
+    are served, a fourth is closed as it is accepted and counted while the three keep working,
+    one closed makes room for a new one, and the opt-in admin port ignores the limit."""
+    sock = admin_socket_path(tmp_path, "edge.ingress~0")
+    sock.parent.mkdir(mode=0o700)
+    xds, port, admin_port = free_ports(3)
+    config = bootstrap_json(identity(admin_port), "127.0.0.1", xds, sock, max_connections=3)
+    config["static_resources"]["listeners"].append(_probe_listener(port))
+    for kind in ("cds_config", "lds_config"):
+        config["dynamic_resources"][kind]["initial_fetch_timeout"] = "0.5s"
+    path = tmp_path / "bootstrap.json"
+    path.write_text(json.dumps(config))
+    procs = Processes(tmp_path)
+    held: list[socket.socket] = []
+    try:
+        proc = procs.start("envoy", argv(path))
+        wait_for("the probe listener", lambda: port in listening_tcp_ports(proc.pid), proc=proc)
+        for _ in range(3):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            assert _get(held[-1]).startswith(b"HTTP/1.1 200")
+        extra = socket.create_connection(("127.0.0.1", port), timeout=5)
+        assert _get(extra) == b""  # closed as it was accepted
+        extra.close()
+        assert all(_get(c).startswith(b"HTTP/1.1 200") for c in held)
+        stats = admin_request(sock, "/stats?filter=downstream_global_cx_overflow").decode()
+        assert f"listener.127.0.0.1_{port}.downstream_global_cx_overflow: 1" in stats, stats
+        with socket.create_connection(("127.0.0.1", admin_port), timeout=5) as admin:
+            admin.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert admin.recv(4096).startswith(b"HTTP/1.1 ")
+        held.pop().close()
+        fresh = socket.create_connection(("127.0.0.1", port), timeout=5)
+        held.append(fresh)
+        answer = b""
+        for _ in range(50):  # Envoy counts the closed connection out on its next event
+            answer = _get(fresh)
+            if answer:
+                break
+            fresh.close()
+            time.sleep(0.05)
+            fresh = held[-1] = socket.create_connection(("127.0.0.1", port), timeout=5)
+        assert answer.startswith(b"HTTP/1.1 200")
+    finally:
+        for conn in held:
+            conn.close()
         procs.stop_all()

@@ -176,7 +176,11 @@ def bootstrap(
     elif found.admin_port:
         err.print(admin_port_warning(found), markup=False)
     socket = admin_socket.absolute() if admin_socket else _default_admin_socket(state_dir, identity)
-    out.print_json(json.dumps(bootstrap_json(identity, "127.0.0.1", model.xds_port, socket)))
+    try:
+        config = bootstrap_json(identity, "127.0.0.1", model.xds_port, socket)
+    except ValueError as exc:  # MESHFN_PROXY_MAX_CONNECTIONS
+        fail(str(exc))
+    out.print_json(json.dumps(config))
 
 
 def _default_admin_socket(state_dir: Path, identity: ProxyIdentity) -> Path:

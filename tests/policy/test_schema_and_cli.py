@@ -4,6 +4,7 @@ offline commands behave (exit codes, file:line output)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,18 @@ def test_translate_and_bootstrap(tmp_path: Path) -> None:
     )
     assert boot.returncode == 0
     assert json.loads(boot.stdout)["node"]["cluster"] == "edge.ingress"
+    # the connection limit it writes: MESHFN_PROXY_MAX_CONNECTIONS, checked
+    argv = [MESHFN, "bootstrap", "edge.ingress", "-p", str(EXAMPLES), "--state-dir", str(tmp_path)]
+    done = {}
+    for value in ("500", "0"):
+        env = {**os.environ, "MESHFN_PROXY_MAX_CONNECTIONS": value}
+        done[value] = subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, env=env, check=False
+        )
+    (monitor,) = json.loads(done["500"].stdout)["overload_manager"]["resource_monitors"]
+    assert monitor["typed_config"]["max_active_downstream_connections"] == "500"
+    assert done["0"].returncode == 1 and "Traceback" not in done["0"].stderr
+    assert "must be a positive integer, not '0'" in done["0"].stderr
 
 
 @pytest.mark.parametrize("command", [["status"], ["config-dump", "edge.default"]])

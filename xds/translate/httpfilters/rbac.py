@@ -72,8 +72,14 @@ def _claim(claim: str, value: string_pb2.StringMatcher | None) -> rbac_pb2.Princ
     ]
 
     def meta(matcher: value_pb2.ValueMatcher) -> rbac_pb2.Principal:
+        # sourced_metadata (dynamic metadata by default): Principal.metadata is deprecated, and
+        # Envoy 1.40 warns once per RBAC filter it loads with it
         return rbac_pb2.Principal(
-            metadata=metadata_pb2.MetadataMatcher(filter=JWT_FILTER, path=path, value=matcher)
+            sourced_metadata=rbac_pb2.SourcedMetadata(
+                metadata_matcher=metadata_pb2.MetadataMatcher(
+                    filter=JWT_FILTER, path=path, value=matcher
+                )
+            )
         )
 
     if value is None:

@@ -62,6 +62,7 @@ RUNTIME = {
 CONNECTIONS_MONITOR = "envoy.resource_monitors.global_downstream_max_connections"
 # Descriptors a proxy holds besides its connections: xDS, admin, logs, the trace collector.
 FD_RESERVE = 128
+MAX_CONNECTIONS = 2**31 - 1  # what Istio writes for "no limit"
 
 
 def connection_limit() -> int:
@@ -69,9 +70,10 @@ def connection_limit() -> int:
     inherits (each downstream connection may need an upstream one) less FD_RESERVE."""
     value = env.PROXY_MAX_CONNECTIONS.get()
     if value is not None:
-        if not value.isdigit() or int(value) < 1:
+        if not value.isdigit() or not 1 <= int(value) <= MAX_CONNECTIONS:
             raise ValueError(
-                f"{env.PROXY_MAX_CONNECTIONS.name} must be a positive integer, not {value!r}"
+                f"{env.PROXY_MAX_CONNECTIONS.name} must be an integer from 1 to"
+                f" {MAX_CONNECTIONS}, not {value!r}"
             )
         return int(value)
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

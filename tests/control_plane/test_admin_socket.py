@@ -256,9 +256,9 @@ def test_every_proxy_has_a_connection_limit(monkeypatch: pytest.MonkeyPatch) -> 
     assert connection_limit() == max(64, soft // 2 - 128)
     monkeypatch.setenv("MESHFN_PROXY_MAX_CONNECTIONS", "5000")
     assert connection_limit() == 5000
-    for bad in ("0", "-3", "many"):
+    for bad in ("0", "-3", "many", str(2**31)):
         monkeypatch.setenv("MESHFN_PROXY_MAX_CONNECTIONS", bad)
-        with pytest.raises(ValueError, match="must be a positive integer"):
+        with pytest.raises(ValueError, match="must be an integer from 1 to 2147483647"):
             connection_limit()
 
 

@@ -105,7 +105,7 @@ def test_translate_and_bootstrap(tmp_path: Path) -> None:
     (monitor,) = json.loads(done["500"].stdout)["overload_manager"]["resource_monitors"]
     assert monitor["typed_config"]["max_active_downstream_connections"] == "500"
     assert done["0"].returncode == 1 and "Traceback" not in done["0"].stderr
-    assert "must be a positive integer, not '0'" in done["0"].stderr
+    assert "must be an integer from 1 to 2147483647, not '0'" in done["0"].stderr
 
 
 @pytest.mark.parametrize("command", [["status"], ["config-dump", "edge.default"]])

@@ -37,8 +37,9 @@ from typing import Any
 
 import grpc
 
+from meshfn.common.processes import raise_open_files_limit
 from meshfn.testing.ports import free_ports
-from meshfn.testing.processes import pin, raise_open_files
+from meshfn.testing.processes import pin
 
 HERE = Path(__file__).resolve().parent
 METHOD = "/floor/Stream"
@@ -214,7 +215,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=HERE / "results" / "grpc_floor.json")
     args = parser.parse_args()
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no GOAWAY lines as the streams end
-    raise_open_files()  # inherited by both processes
+    raise_open_files_limit()  # inherited by both processes
     if args.port:
         port, other = args.port, args.port + 1
     else:

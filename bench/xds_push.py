@@ -38,6 +38,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+from meshfn.common.processes import raise_open_files_limit
 from meshfn.control_plane.identity.bootstrap_token import BootstrapTokens
 from meshfn.testing import policies as p
 from meshfn.testing.policies import Policies
@@ -47,7 +48,6 @@ from meshfn.testing.processes import (
     Processes,
     http_ok,
     pin,
-    raise_open_files,
     wait_for,
 )
 
@@ -304,7 +304,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=HERE / "results" / "xds_push.json")
     args = parser.parse_args()
 
-    raise_open_files()
+    raise_open_files_limit()
     shared = args.shared_connection
     with tempfile.TemporaryDirectory(prefix="meshfn-bench-") as tmp:
         work = Path(tmp)

@@ -143,7 +143,7 @@ class Processes(processes.Processes):
         wait_for("backend ready", lambda: http(ready).status == 200, timeout=60, proc=proc)
         return f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
 
-    def up(self, policies: Policies, *extra: str) -> Proc:
+    def up(self, policies: Policies, *extra: str, env: dict[str, str] | None = None) -> Proc:
         policies.state = self.tmp / "state"
         proc = self.start(
             "up",
@@ -158,6 +158,7 @@ class Processes(processes.Processes):
                 "1",
                 *extra,
             ],
+            env={**os.environ, **env} if env else None,
         )
         wait_for_synced(policies, proc)
         wait_for("meshfn up to finish starting", lambda: "Ctrl-C stops everything" in proc.output())

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import re
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -385,3 +387,42 @@ def test_a_changed_cluster_serves_at_once(procs: Processes, policies: Policies) 
     assert envoy_stat(admin, "cluster.alpha.default.init_fetch_timeout") == 0
     assert envoy_stat(admin, "cluster_manager.warming_clusters") == 0
     assert served_by(policies, "/v1/x") == "default/alpha"
+
+
+def test_a_proxy_at_its_connection_limit_refuses_new_ones_and_says_so(
+    procs: Processes, policies: Policies
+) -> None:
+    """MESHFN_PROXY_MAX_CONNECTIONS=4: the gateway serves four kept-alive clients, closes a
+    fifth as it accepts it while the four keep working, and /metrics and `meshfn status` count
+    what it refused."""
+    procs.up(policies, env={"MESHFN_PROXY_MAX_CONNECTIONS": "4"})
+    host, port = policies.gateway.removeprefix("http://").rsplit(":", 1)
+    request = b"GET /v1/x HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def answer(conn: socket.socket) -> bytes:
+        try:
+            conn.sendall(request)
+            return conn.recv(65536)
+        except ConnectionError:
+            return b""
+
+    held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(4)]
+    try:
+        assert all(answer(c).startswith(b"HTTP/1.1 200") for c in held)
+        with socket.create_connection((host, int(port)), timeout=5) as fifth:
+            assert answer(fifth) == b""
+        assert all(answer(c).startswith(b"HTTP/1.1 200") for c in held)
+    finally:
+        for conn in held:
+            conn.close()
+
+    def refused() -> float | None:
+        metrics = admin_get(policies, "/metrics").body.decode()  # a scrape reads the proxies
+        found = re.search(
+            r'^meshfn_proxy_connections_refused_total\{proxy="edge.default"\} (\S+)$', metrics, re.M
+        )
+        return float(found.group(1)) if found and float(found.group(1)) else None
+
+    assert wait_for("the refusal in /metrics", refused, timeout=20, every=0.5) >= 1
+    shown = meshfn("status", "--state-dir", str(policies.state)).stdout
+    assert "proxy edge.default: 1 connection(s) refused at its connection limit" in shown, shown

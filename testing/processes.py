@@ -67,14 +67,6 @@ def upstream_argv(service: str, port: int, *extra: str) -> list[str]:
     return [*module, "--service", service, "--port", str(port), *extra]
 
 
-def raise_open_files() -> None:
-    """Raise the soft descriptor limit to the hard one: a benchmark's thousands of streams hold
-    a socket each on both sides, more than the usual soft limit (children inherit it)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def pin(pid: int, cpu: int) -> None:
     """Pin a just-started process (and the threads it starts later) to one CPU, so a server and
     the load that drives it do not steal each other's core (a no-op without that CPU)."""

@@ -293,6 +293,7 @@ def status(
         return
     _print_rejected(document["policy_errors"])
     nacks = _print_proxies(document)
+    _print_connection_limits(document.get("proxy_connections") or [])
     _print_acceleration(document.get("acceleration"))
     _print_sandbox(document.get("sandbox"))
     audit = document.get("audit")
@@ -313,6 +314,17 @@ def status(
 
         print_operator(out, document["kube"])
     _print_nacks(nacks)
+
+
+def _print_connection_limits(refusals: list[dict[str, Any]]) -> None:
+    """The proxies that closed new connections at their connection limit (how many since they
+    started): a flood, or a limit too low for the traffic (MESHFN_PROXY_MAX_CONNECTIONS)."""
+    for proxy in refusals:
+        out.print(
+            f"[red]proxy {proxy['proxy']}: {proxy['connections_refused']} connection(s) refused"
+            " at its connection limit[/red] (MESHFN_PROXY_MAX_CONNECTIONS)",
+            highlight=False,
+        )
 
 
 def _print_tracing(collector: dict[str, Any] | None, backends: list[BackendFunctions]) -> None:

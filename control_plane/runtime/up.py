@@ -51,7 +51,7 @@ from .bootstrap import (
     admin_socket_path,
     connection_limit,
 )
-from .console.graph import ProxyStats, ProxyTraceMetrics
+from .console.graph import ProxyMetrics, ProxyStats
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
 from .envoy import EnvoyProcess, envoy_process
 from .hints import hints, meshfn_command, print_hints, sample_request, shell_path, state_option
@@ -393,7 +393,8 @@ async def run_up(
     proxies = sources.proxies
     if isinstance(proxies, ProxyStats):  # what each proxy's tracer sent and failed to export
         cp.status_providers["tracing"] = lambda: mesh.tracing_status(proxies)
-        cp.metrics.registry.register(ProxyTraceMetrics(proxies))
+        cp.status_providers["proxy_connections"] = proxies.connection_status
+        cp.metrics.registry.register(ProxyMetrics(proxies))
     return await _serve(cp, model, mesh, admin, acceleration, admin_host, policies, console)
 
 

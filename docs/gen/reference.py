@@ -695,7 +695,7 @@ def metric_registries() -> list[tuple[str, str, list[MetricDoc]]]:
     from meshfn.audit.collector import CollectorMetrics
     from meshfn.common.kube.metrics import KubeMetrics
     from meshfn.control_plane.runtime.acceleration import AccelerationCollector
-    from meshfn.control_plane.runtime.console.graph import ProxyStats, ProxyTraceMetrics
+    from meshfn.control_plane.runtime.console.graph import ProxyMetrics, ProxyStats
     from meshfn.control_plane.runtime.sandbox import BackendSandbox, EgressCollector
     from meshfn.control_plane.runtime.traces import TraceCollector, TraceMetrics
     from meshfn.inference.metrics import Metrics as BackendMetrics
@@ -711,7 +711,7 @@ def metric_registries() -> list[tuple[str, str, list[MetricDoc]]]:
     control = ControlPlaneMetrics()
     RateLimitService(dict, lambda *_: True, control.registry)
     control.registry.register(TraceMetrics(TraceCollector()))  # meshfn up's trace collector
-    control.registry.register(ProxyTraceMetrics(ProxyStats(dict)))  # meshfn up's proxies' tracers
+    control.registry.register(ProxyMetrics(ProxyStats(dict)))  # meshfn up's proxies
     audit = CollectorRegistry()
     audit.register(CollectorMetrics())
     ebpf = CollectorRegistry()

@@ -4,6 +4,7 @@ directory. Real Envoy checks the bootstraps (`--mode validate`) and serves one."
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ from meshfn.control_plane.runtime.bootstrap import (
     bootstrap_json,
     connection_limit,
 )
+from meshfn.control_plane.runtime.console.graph import ProxyStats
 from meshfn.policy import load_policies
 from meshfn.testing import policies as p
 from meshfn.testing.envoy import admin_request, argv, live, validate
@@ -292,6 +294,10 @@ def test_past_its_connection_limit_a_proxy_refuses_new_connections_and_keeps_its
         assert all(_get(c).startswith(b"HTTP/1.1 200") for c in held)
         stats = admin_request(sock, "/stats?filter=downstream_global_cx_overflow").decode()
         assert f"listener.127.0.0.1_{port}.downstream_global_cx_overflow: 1" in stats, stats
+        # what meshfn up reads from its proxies for /metrics and `meshfn status`
+        proxies = ProxyStats(lambda: {"edge.ingress": sock})
+        asyncio.run(proxies.refresh())
+        assert proxies.connection_status() == [{"proxy": "edge.ingress", "connections_refused": 1}]
         with socket.create_connection(("127.0.0.1", admin_port), timeout=5) as admin:
             admin.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert admin.recv(4096).startswith(b"HTTP/1.1 ")

@@ -18,8 +18,8 @@ from meshfn.audit import layout
 from meshfn.common.adminauth import VIEWER, AdminTokens, admin_headers, key_path
 from meshfn.control_plane.runtime.admin import AdminServer
 from meshfn.control_plane.runtime.console.graph import (
+    ProxyMetrics,
     ProxyStats,
-    ProxyTraceMetrics,
     Rates,
     build_graph,
     graph_svg,
@@ -187,6 +187,30 @@ def _tracer_stats(sent: int, connect_fail: int, timeouts: int, errors: int) -> d
     }
 
 
+def test_connections_refused_at_the_limit_are_counted_per_proxy() -> None:
+    """Each proxy's listeners' downstream_global_cx_overflow, summed: a counter in /metrics for
+    every proxy read (0 included), and in `meshfn status` the proxies that refused any."""
+    proxies = ProxyStats(lambda: {})
+    registry = CollectorRegistry()
+    registry.register(ProxyMetrics(proxies))
+    overflow = {
+        "stats": [
+            {"name": "listener.0.0.0.0_10000.downstream_global_cx_overflow", "value": 3},
+            {"name": "listener.127.0.0.1_9443.downstream_global_cx_overflow", "value": 2},
+            {"name": "http.http.downstream_rq_total", "value": 40},
+        ]
+    }
+    for group, document in (("edge.ingress", overflow), ("alpha.default", _stats(5, 0, 1, 2, "x"))):
+        counters, quantiles = parse_stats(document)
+        proxies.rates.record(group, counters, quantiles, 1.0)
+
+    def refused(proxy: str) -> float | None:
+        return registry.get_sample_value("meshfn_proxy_connections_refused_total", {"proxy": proxy})
+
+    assert refused("edge.ingress") == 5 and refused("alpha.default") == 0
+    assert proxies.connection_status() == [{"proxy": "edge.ingress", "connections_refused": 5}]
+
+
 def test_the_proxies_span_exports_are_counters_in_metrics_as_last_fetched() -> None:
     """/metrics shows what `meshfn status` shows per proxy, from the latest recorded sample:
     a scrape fetches nothing (the sockets are never asked for), a proxy without a tracer is
@@ -197,7 +221,7 @@ def test_the_proxies_span_exports_are_counters_in_metrics_as_last_fetched() -> N
 
     proxies = ProxyStats(no_fetch)
     registry = CollectorRegistry()
-    registry.register(ProxyTraceMetrics(proxies))
+    registry.register(ProxyMetrics(proxies))
     assert "{proxy=" not in generate_latest(registry).decode()  # nothing fetched yet
     samples = {
         "edge.default": [(100.0, _tracer_stats(10, 0, 0, 0)), (105.0, _tracer_stats(40, 2, 1, 1))],

@@ -31,12 +31,15 @@ from meshfn.xds.names import primary_clusters
 from .sources import Fetched, FunctionStats, _local_json
 
 # The statistics each Envoy is asked for (RE2, whole names): request counts, errors and time per
-# upstream cluster and per connection manager, TLS handshakes, and the tracer's own counters.
+# upstream cluster and per connection manager, TLS handshakes, the tracer's own counters, and
+# the connections its listeners closed at the proxy's connection limit (bootstrap.py).
 STATS_FILTER = (
     r"^(cluster\..+\.(upstream_rq_total|upstream_rq_5xx|upstream_rq_time|ssl\.handshake"
     r"|upstream_cx_connect_fail|upstream_rq_timeout)"
-    r"|http\..+\.downstream_rq_(total|5xx|time)|tracing\..+)$"
+    r"|http\..+\.downstream_rq_(total|5xx|time)|tracing\..+"
+    r"|listener\..+\.downstream_global_cx_overflow)$"
 )
+OVERFLOW = ".downstream_global_cx_overflow"
 STATS_PATH = "/stats?format=json&usedonly&filter=" + urllib.parse.quote(STATS_FILTER)
 WINDOW_S = 5.0  # rates over the last five seconds of samples
 KEEP_S = 15.0
@@ -186,10 +189,29 @@ class ProxyStats:
                 )
         return out
 
+    def refused_connections(self) -> dict[str, int]:
+        """Per proxy: new connections its listeners closed at its connection limit."""
+        out = {}
+        for group in sorted(self.rates.samples):
+            sample = self.rates.latest(group)
+            if sample is not None and not group.startswith("fn:"):
+                c = sample.counters
+                out[group] = int(sum(v for k, v in c.items() if k.endswith(OVERFLOW)))
+        return out
 
-class ProxyTraceMetrics(Collector):
-    """/metrics of each proxy's tracer, the figures `meshfn status` shows, from the proxies'
-    statistics as last fetched (a scrape fetches them first, at most once a second)."""
+    def connection_status(self) -> list[dict[str, Any]]:
+        """For `meshfn status`: the proxies that refused connections at their limit."""
+        return [
+            {"proxy": group, "connections_refused": n}
+            for group, n in self.refused_connections().items()
+            if n
+        ]
+
+
+class ProxyMetrics(Collector):
+    """/metrics of each proxy's tracer and connection limit, the figures `meshfn status`
+    shows, from the proxies' statistics as last fetched (a scrape fetches them first, at most
+    once a second)."""
 
     def __init__(self, proxies: ProxyStats) -> None:
         self.proxies = proxies
@@ -208,10 +230,19 @@ class ProxyTraceMetrics(Collector):
             " from the proxy's statistics)",
             labels=["proxy"],
         )
+        refused = CounterMetricFamily(
+            "meshfn_proxy_connections_refused",
+            "New downstream connections each proxy closed as it accepted them, at its"
+            " connection limit (MESHFN_PROXY_MAX_CONNECTIONS; its listeners'"
+            " downstream_global_cx_overflow, as last read from the proxy's statistics)",
+            labels=["proxy"],
+        )
         for proxy in self.proxies.export_status():
             sent.add_metric([proxy["proxy"]], proxy["spans_sent"])
             failed.add_metric([proxy["proxy"]], proxy["failed_exports"])
-        yield from (sent, failed)
+        for group, n in self.proxies.refused_connections().items():
+            refused.add_metric([group], n)
+        yield from (sent, failed, refused)
 
 
 # ---------------------------------------------------------------- the graph

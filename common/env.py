@@ -37,6 +37,7 @@ class Variable:
     description: str
     default: str  # what applies when unset, in words (documentation)
     meshfn_reads: bool = True  # False: only dev.sh, the shell scripts or the tests read it
+    bounds: tuple[int, int] | None = None  # an integer variable's range, both ends included
 
     def get(self) -> str | None:
         """The value now, or None when unset or empty."""
@@ -53,11 +54,34 @@ class Variable:
         """For switches that are on unless set to "0"."""
         return self.get() != "0"
 
+    def integer(self) -> int | None:
+        """An integer variable's value (None when unset); ValueError naming the variable and
+        its range for anything else, so a typo stops a start with one line, not a traceback."""
+        value = self.get()
+        if value is None:
+            return None
+        low, high = self.bounds or (0, (1 << 63) - 1)
+        if not value.isdigit() or not low <= int(value) <= high:
+            raise ValueError(f"{self.name} must be an integer from {low} to {high}, not {value!r}")
+        return int(value)
+
+
+def check_integers(scope: Scope) -> None:
+    """Every integer variable of `scope` as set now: ValueError for the first that is not one."""
+    for variable in VARIABLES:
+        if variable.scope == scope and variable.bounds is not None:
+            variable.integer()
+
 
 def _var(
-    name: str, scope: Scope, description: str, default: str, meshfn_reads: bool = True
+    name: str,
+    scope: Scope,
+    description: str,
+    default: str,
+    meshfn_reads: bool = True,
+    bounds: tuple[int, int] | None = None,
 ) -> Variable:
-    return Variable(name, scope, " ".join(description.split()), default, meshfn_reads)
+    return Variable(name, scope, " ".join(description.split()), default, meshfn_reads, bounds)
 
 
 # ------------------------------------------------------------------ the mesh and the CLI
@@ -100,6 +124,7 @@ PROXY_MAX_CONNECTIONS = _var(
     `meshfn bootstrap` writes.""",
     "half the open-file limit the proxy inherits, less 128 (each downstream connection may need an "
     "upstream one); `meshfn up` first raises its soft limit to the hard one",
+    bounds=(1, (1 << 31) - 1),  # Istio writes the top one for "no limit"
 )
 WASM_DIR = _var(
     "MESHFN_WASM_DIR",
@@ -131,12 +156,14 @@ TRACE_STORE_TRACES = _var(
     """The most traces `meshfn up`'s embedded trace collector keeps (the oldest go first; what
     goes is counted as dropped spans).""",
     "2000",
+    bounds=(1, 10_000_000),
 )
 TRACE_STORE_MIB = _var(
     "MESHFN_TRACE_STORE_MIB",
     "mesh",
     "The most memory, in MiB, the embedded trace collector's traces may take (estimated).",
     "64",
+    bounds=(1, 1 << 20),
 )
 
 # ------------------------------------------------------------------ audit trail

@@ -300,6 +300,25 @@ def test_up_refuses_invalid_policies(procs: Processes, tmp_path: Path) -> None:
     assert "nothing started" in up.output()
 
 
+def test_up_refuses_a_setting_that_is_not_an_integer(
+    procs: Processes, policies: Policies, tmp_path: Path
+) -> None:
+    """An integer variable set to something else stops `meshfn up` before anything runs, with
+    one line naming it and its range (the trace store read it later, with a traceback)."""
+    settings = (("MESHFN_TRACE_STORE_TRACES", "lots"), ("MESHFN_PROXY_MAX_CONNECTIONS", "0"))
+    for i, (name, value) in enumerate(settings):
+        state = tmp_path / f"s{i}"  # short: the admin sockets' paths must fit
+        up = procs.start(
+            f"up-{name}",
+            [MESHFN, "up", "--policies", str(policies.root), "--state-dir", str(state)],
+            env={**os.environ, name: value},
+        )
+        assert up.wait() == 1
+        assert f"{name} must be an integer from 1 to" in up.output(), up.output()
+        assert "Traceback" not in up.output() and "Ctrl-C" not in up.output()
+        assert not list(state.glob("logs/envoy-*.log"))  # no proxy started
+
+
 def _with_audit(policies: Policies, spec: str) -> None:
     mesh = (policies.root / "mesh.yaml").read_text()
     policies.write("mesh.yaml", mesh.replace("spec: {trustDomain: e2e.local,", f"spec: {{{spec},"))

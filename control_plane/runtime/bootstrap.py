@@ -62,20 +62,14 @@ RUNTIME = {
 CONNECTIONS_MONITOR = "envoy.resource_monitors.global_downstream_max_connections"
 # Descriptors a proxy holds besides its connections: xDS, admin, logs, the trace collector.
 FD_RESERVE = 128
-MAX_CONNECTIONS = 2**31 - 1  # what Istio writes for "no limit"
 
 
 def connection_limit() -> int:
     """MESHFN_PROXY_MAX_CONNECTIONS, else half the open-file limit an Envoy started from here
     inherits (each downstream connection may need an upstream one) less FD_RESERVE."""
-    value = env.PROXY_MAX_CONNECTIONS.get()
+    value = env.PROXY_MAX_CONNECTIONS.integer()
     if value is not None:
-        if not value.isdigit() or not 1 <= int(value) <= MAX_CONNECTIONS:
-            raise ValueError(
-                f"{env.PROXY_MAX_CONNECTIONS.name} must be an integer from 1 to"
-                f" {MAX_CONNECTIONS}, not {value!r}"
-            )
-        return int(value)
+        return value
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20

@@ -211,8 +211,8 @@ class TraceStore:
     """The recent traces, oldest first out. Event loop only."""
 
     def __init__(self, max_traces: int | None = None, max_bytes: int | None = None) -> None:
-        self.max_traces = max_traces or int(env.TRACE_STORE_TRACES.get_or("2000"))
-        self.max_bytes = max_bytes or int(env.TRACE_STORE_MIB.get_or("64")) << 20
+        self.max_traces = max_traces or env.TRACE_STORE_TRACES.integer() or 2000
+        self.max_bytes = max_bytes or (env.TRACE_STORE_MIB.integer() or 64) << 20
         self._traces: OrderedDict[str, Trace] = OrderedDict()
         self.bytes = 0
         self.spans = 0

@@ -27,6 +27,7 @@ from meshfn import wasm_filters as filters
 from meshfn.audit.collector import CollectorMetrics
 from meshfn.audit.salt import audit_text_key, load_or_create
 from meshfn.audit.store import StoreError
+from meshfn.common import env
 from meshfn.common.adminauth import owner_token_path
 from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
@@ -49,7 +50,6 @@ from .bootstrap import (
     admin_port_warning,
     admin_port_warnings,
     admin_socket_path,
-    connection_limit,
 )
 from .console.graph import ProxyMetrics, ProxyStats
 from .console.sources import AuditView, Backend, ConsoleSources, EndpointHealth, FunctionStats
@@ -439,7 +439,7 @@ async def _loaded(
     # what the Envoys inherit, and so how many connections each may take (bootstrap.py)
     raise_open_files_limit()
     try:
-        connection_limit()
+        env.check_integers("mesh")  # MESHFN_PROXY_MAX_CONNECTIONS, the trace store's bounds
     except ValueError as exc:
         raise _Refused(Text(str(exc), style="red")) from None
     for warning in admin_port_warnings(model):

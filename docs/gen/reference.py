@@ -810,6 +810,11 @@ def environment_page() -> str:
                 "",
                 sentence(var.description),
                 "",
+                *(
+                    [f"An integer from {var.bounds[0]} to {var.bounds[1]}.", ""]
+                    if var.bounds
+                    else []
+                ),
                 f"When unset: {var.default}.",
                 "",
             ]

@@ -6,6 +6,7 @@ serving, holding the port and the CPU, with nobody to stop them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -24,18 +25,23 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
-def raise_open_files_limit() -> int:
+# With no hard limit on open files, the kernel's default fs.nr_open: no NOFILE limit exceeds it.
+_NR_OPEN = 1 << 20
+
+
+def open_files_limit() -> int:
+    """This process's soft limit on open files (what the processes it starts inherit)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return _NR_OPEN if soft == resource.RLIM_INFINITY else soft
+
+
+def raise_open_files_limit() -> None:
     """Raise this process's soft limit on open files to its hard limit, which the processes it
     starts inherit (Envoy does not raise its own: at a usual soft limit of 1,024 a proxy runs
     out of descriptors at about a thousand connections, and then cannot open upstream ones
-    either). Returns the soft limit now."""
+    either). A limit that cannot be raised stays as it is."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    # with no hard limit, the kernel's default fs.nr_open (a NOFILE limit cannot exceed it)
-    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    target = _NR_OPEN if hard == resource.RLIM_INFINITY else hard
     if soft != resource.RLIM_INFINITY and soft < target:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError):
-            return soft
-        return target
-    return target if soft == resource.RLIM_INFINITY else soft

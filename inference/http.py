@@ -137,7 +137,7 @@ def _too_large(limit: int) -> str:
     return f"request body exceeds {limit} bytes"
 
 
-class _TooLarge(httptools.HttpParserError):
+class _HeadTooLarge(httptools.HttpParserError):
     """A request line (414) or header block (431) past MAX_HEADER_BYTES."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -260,8 +260,8 @@ class HttpProtocol(asyncio.Protocol):
             self._fail(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
             # llhttp reports a callback's exception as its own ("`on_url` callback error")
-            cause = exc if isinstance(exc, _TooLarge) else exc.__context__
-            if isinstance(cause, _TooLarge):
+            cause = exc if isinstance(exc, _HeadTooLarge) else exc.__context__
+            if isinstance(cause, _HeadTooLarge):
                 self._fail(cause.status, str(cause))
             else:
                 self._fail(400, f"malformed HTTP request: {exc}")
@@ -277,12 +277,12 @@ class HttpProtocol(asyncio.Protocol):
         self.pending.url += url
         self.header_bytes += len(url)
         if self.header_bytes > MAX_HEADER_BYTES:
-            raise _TooLarge(414, f"the request line is longer than {MAX_HEADER_BYTES} bytes")
+            raise _HeadTooLarge(414, f"the request line is longer than {MAX_HEADER_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_bytes += len(name) + len(value)
         if self.header_bytes > MAX_HEADER_BYTES:
-            raise _TooLarge(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
+            raise _HeadTooLarge(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
         self.pending.headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:

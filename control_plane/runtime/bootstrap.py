@@ -12,7 +12,6 @@ static listener on 127.0.0.1:PORT forwarding to that socket (`admin_tcp_warning`
 
 from __future__ import annotations
 
-import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +37,7 @@ from google.protobuf import duration_pb2, json_format, struct_pb2
 
 from meshfn import ir
 from meshfn.common import env
+from meshfn.common.processes import open_files_limit
 from meshfn.common.unix import SOCKET_MODE, SocketPathTooLong, socket_path
 from meshfn.xds.names import CONTROL_PLANE_CLUSTER as XDS_CLUSTER
 from meshfn.xds.translate.common import one_endpoint, pipe_address, pipe_endpoints
@@ -70,10 +70,7 @@ def connection_limit() -> int:
     value = env.PROXY_MAX_CONNECTIONS.integer()
     if value is not None:
         return value
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 20
-    return max(64, soft // 2 - FD_RESERVE)
+    return max(64, open_files_limit() // 2 - FD_RESERVE)
 
 
 def _overload_manager(max_connections: int) -> overload_pb2.OverloadManager:

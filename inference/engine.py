@@ -31,8 +31,10 @@ ENGINE_SETTINGS: dict[str, Any] = {
 }
 
 # Epoch tick: deadlines are enforced with this granularity. 5 ms keeps the ticker's wake-ups
-# (200/s) negligible next to the requests while a 100 ms deadline fires within 5%.
+# (200/s while a deadline is pending) negligible next to the requests while a 100 ms deadline
+# fires within 5%.
 EPOCH_TICK_S = 0.005
+_TICKER = "_meshfn_ticker"  # the engine's EpochTicker, an attribute of the engine object
 
 
 def engine_settings() -> dict[str, Any]:
@@ -65,7 +67,12 @@ def deadline_ticks(timeout_s: float) -> int:
 
 
 class EpochTicker:
-    """Advances the engine's epoch from a daemon thread so deadlines fire inside running wasm.
+    """Advances the engine's epoch from a daemon thread so deadlines fire inside running wasm,
+    and only while a deadline is pending: every deadline is set through `arm` (host.py), which
+    wakes the thread and keeps it ticking until the epoch has passed that deadline. An idle
+    backend then makes no wake-ups at all (ticking always, 200/s, was most of an idle backend's
+    CPU), and a stuck guest is interrupted whenever its deadline was set, since the thread
+    counts epochs, not seconds: a starved ticker ticks late, never too few times.
 
     `time.sleep` releases the GIL; each tick holds it only for one FFI call.
     """
@@ -73,18 +80,59 @@ class EpochTicker:
     def __init__(self, engine: wasmtime.Engine, tick_s: float = EPOCH_TICK_S) -> None:
         self._engine = engine
         self._tick_s = tick_s
+        self._lock = threading.Lock()
+        self._epoch = 0  # the engine's epoch: only this thread advances it
+        self._until = 0  # tick while the epoch is below this (the latest pending deadline)
+        self._asleep = False
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshfn-epoch", daemon=True)
+        self.ticks = 0  # epochs advanced (tests, meshfn status)
+        setattr(engine, _TICKER, self)
 
     def start(self) -> EpochTicker:
         self._thread.start()
         return self
 
+    def arm(self, ticks: int) -> None:
+        """A deadline `ticks` epochs from now is about to be set: tick until it has passed."""
+        with self._lock:
+            self._until = max(self._until, self._epoch + ticks + 1)
+            if self._asleep:
+                self._asleep = False
+                self._wake.set()
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
     def _run(self) -> None:
-        while not self._stop.wait(self._tick_s):
+        while not self._stop.is_set():
+            with self._lock:
+                idle = self._epoch >= self._until
+                if idle:
+                    self._asleep = True
+                    self._wake.clear()
+            if idle:
+                self._wake.wait()  # arm() or stop()
+                continue
+            if self._stop.wait(self._tick_s):
+                return
             self._engine.increment_epoch()
+            with self._lock:
+                self._epoch += 1
+            self.ticks += 1
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=1.0)
+
+
+def arm(engine: wasmtime.Engine, ticks: int) -> None:
+    """Before a deadline of `ticks` is set in a store of `engine`: keep its ticker awake (an
+    engine without a ticker has deadlines that never fire, as before)."""
+    ticker: EpochTicker | None = getattr(engine, _TICKER, None)
+    if ticker is not None:
+        ticker.arm(ticks)

@@ -22,6 +22,8 @@ import wasmtime
 from wasmtime import _ffi
 from wasmtime import component as wc
 
+from .engine import arm
+
 # python: a component (meshfn:model); core: a core module of ABI v1 (JSON); onnx: a compiled
 # model, a core module of ABI v2 (raw tensors, compiler/ABI.md)
 Kind = Literal["python", "core", "onnx"]
@@ -117,8 +119,14 @@ def _store(engine: wasmtime.Engine, memory_bytes: int) -> wasmtime.Store:
     store = wasmtime.Store(engine)
     store.set_wasi(wasmtime.WasiConfig())  # nothing granted; never skip (see module doc)
     store.set_limits(memory_size=memory_bytes, instances=64, tables=64, memories=8)
-    store.set_epoch_deadline(INSTANTIATE_TICKS)
+    _deadline(store, INSTANTIATE_TICKS)
     return store
+
+
+def _deadline(store: wasmtime.Store, ticks: int, context: Any = None) -> None:
+    """The one way a deadline is set: the engine's ticker must be awake until it passes."""
+    arm(store.engine, ticks)
+    _SET_EPOCH_DEADLINE(store._context() if context is None else context, ticks)
 
 
 class ComponentInstance:
@@ -156,7 +164,7 @@ class ComponentInstance:
         return self._result(self._generate_next, ticks)
 
     def _result(self, func: Any, ticks: int, *args: str) -> CallResult:
-        self._store.set_epoch_deadline(ticks)
+        _deadline(self._store, ticks)
         try:
             result = func(self._store, *args)
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
@@ -176,7 +184,7 @@ class ComponentInstance:
         )
 
     def metadata(self) -> str:
-        self._store.set_epoch_deadline(INSTANTIATE_TICKS)
+        _deadline(self._store, INSTANTIATE_TICKS)
         return str(self._meta(self._store))
 
     def close(self) -> None:
@@ -340,7 +348,7 @@ class CoreInstance:
     def call(self, request: GuestRequest, ticks: int) -> CallResult:
         if not isinstance(request, str):
             return _wrong_request(request)
-        _SET_EPOCH_DEADLINE(self._store._context(), ticks)
+        _deadline(self._store, ticks)
         raw = request.encode()
         try:
             ptr = self._alloc(len(raw)) & 0xFFFF_FFFF
@@ -355,7 +363,7 @@ class CoreInstance:
         return CallResult(_CORE_STATUS[status], body)
 
     def metadata(self) -> str:
-        self._store.set_epoch_deadline(INSTANTIATE_TICKS)
+        _deadline(self._store, INSTANTIATE_TICKS)
         return self._unpack(self._meta())[1]
 
     def close(self) -> None:
@@ -487,7 +495,7 @@ class TensorInstance:
         if not isinstance(request, TensorCall):
             return _wrong_request(request)
         context = self._store._context()  # raises ValueError once the store is closed
-        _SET_EPOCH_DEADLINE(context, ticks)
+        _deadline(self._store, ticks, context)
         try:
             return self._once(request, context)
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
@@ -496,7 +504,7 @@ class TensorInstance:
             return CallResult(Outcome.TRAP, "the module planned tensors outside linear memory")
 
     def metadata(self) -> str:
-        self._store.set_epoch_deadline(INSTANTIATE_TICKS)
+        _deadline(self._store, INSTANTIATE_TICKS)
         return self._text(self._call("meshfn_metadata"))
 
     def close(self) -> None:

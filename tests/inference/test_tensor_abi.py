@@ -5,7 +5,8 @@ tensorio's checks, which answer 400 before the guest runs."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,40 @@ def test_statuses_traps_and_deadlines(engine: wasmtime.Engine) -> None:
     assert outside == CallResult(Outcome.TRAP, "the module planned tensors outside linear memory")
     # a request of the other ABI never reaches the guest
     assert instance(engine).call("{}", 100).outcome is Outcome.INTERNAL
+
+
+def test_the_ticker_sleeps_without_a_pending_deadline_and_wakes_for_one() -> None:
+    """An idle engine's ticker makes no wake-ups; a call after it fell asleep still has its
+    deadline enforced (a spin is interrupted at its deadline, not later), and once every
+    deadline has passed the ticker sleeps again. A deadline set before the ticker existed is
+    kept awake for too: instances are looked up through their engine when they set one."""
+    eng = new_engine()
+    made = instance(eng)  # before the ticker: its instantiation deadline is not tracked
+    ticker = EpochTicker(eng).start()
+    try:
+        _wait(lambda: ticker.asleep)
+        before = ticker.ticks
+        time.sleep(0.1)
+        assert ticker.asleep and ticker.ticks == before  # idle: not one tick
+        started = time.monotonic()
+        spin = made.call(TensorCall(1, (floats(99, 0),), 1), 20)  # 100 ms
+        took = time.monotonic() - started
+        assert spin.outcome is Outcome.TIMEOUT
+        assert 0.09 <= took < 2.0, took
+        assert ticker.ticks - before >= 20
+        _wait(lambda: ticker.asleep)  # its deadline passed: asleep again
+        quick = instance(eng).call(TensorCall(1, (floats(1, 2),), 1), 10_000)
+        assert quick.outcome is Outcome.OK
+        assert not ticker.asleep  # a 50 s deadline is pending: it ticks on meanwhile
+    finally:
+        ticker.stop()
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_abi_version_and_closed_store(engine: wasmtime.Engine) -> None:

@@ -226,6 +226,8 @@ class Router:
             return Reply.error(404, "this backend's spans are not collected here")
         if not hmac.compare_digest(offered, b"Bearer " + token.encode()):
             return Reply.error(401, "the collector's token is wrong or missing")
+        if not exporter.queue:  # the usual answer: no thread for nothing to encode
+            return Reply(204, b"")
         collected = await asyncio.to_thread(exporter.collect)  # encoding: off the event loop
         if collected is None:
             return Reply(204, b"")

@@ -480,6 +480,8 @@ class TraceCollector:
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self._puller: asyncio.Task[None] | None = None
+        # (backend socket or address, token) -> its session and base URL, kept between pulls
+        self._sessions: dict[tuple[Path | str, str], tuple[aiohttp.ClientSession, str]] = {}
         self.grpc_socket: Path | None = None
         self.http_socket: Path | None = None
         self.pulled = 0  # spans collected from the backends
@@ -570,31 +572,42 @@ class TraceCollector:
     async def _pull_loop(self, backends: Callable[[], Iterable[tuple[Path | str, str]]]) -> None:
         while True:
             await asyncio.sleep(PULL_EVERY)
-            await asyncio.gather(*(self.pull(where, token) for where, token in backends()))
+            serving = dict.fromkeys(backends())
+            for gone in self._sessions.keys() - serving.keys():
+                await self._sessions.pop(gone)[0].close()
+            await asyncio.gather(*(self.pull(where, token) for where, token in serving))
 
     async def pull(self, where: Path | str, token: str) -> None:
-        """Take what one backend process holds (a batch at a time, until it has no more)."""
-        session, base = local_session(where, aiohttp.ClientTimeout(total=2.0))
+        """Take what one backend process holds (a batch at a time, until it has no more), over
+        a connection kept from one collection to the next: a new session and connection every
+        PULL_EVERY seconds per backend was most of what an idle mesh's tracing cost."""
+        key = (where, token)
+        if key not in self._sessions:
+            self._sessions[key] = local_session(where, aiohttp.ClientTimeout(total=2.0))
+        session, base = self._sessions[key]
         headers = {"Authorization": f"Bearer {token}"}
-        async with session:
-            for _ in range(MAX_PULLS):
-                try:
-                    async with session.post(base + SPANS_PATH, headers=headers) as reply:
-                        body = await reply.read()
-                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                    self._pull_failed(where, str(exc) or exc.__class__.__name__)
-                    return
-                if reply.status != 200:
-                    if reply.status != 204:
-                        self._pull_failed(where, f"HTTP {reply.status}")
-                    return
-                try:
-                    ingest(self.store, body)
-                except (DecodeError, ValueError) as exc:
-                    self.store.drop("malformed")
-                    self._pull_failed(where, str(exc))
-                    return
-                self.pulled += 1
+        for _ in range(MAX_PULLS):
+            try:
+                async with session.post(base + SPANS_PATH, headers=headers) as reply:
+                    body = await reply.read()
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                # a backend restarting: the next collection connects afresh
+                if self._sessions.get(key, (None,))[0] is session:
+                    del self._sessions[key]
+                await session.close()
+                self._pull_failed(where, str(exc) or exc.__class__.__name__)
+                return
+            if reply.status != 200:
+                if reply.status != 204:
+                    self._pull_failed(where, f"HTTP {reply.status}")
+                return
+            try:
+                ingest(self.store, body)
+            except (DecodeError, ValueError) as exc:
+                self.store.drop("malformed")
+                self._pull_failed(where, str(exc))
+                return
+            self.pulled += 1
 
     def _pull_failed(self, where: Path | str, why: str) -> None:
         """A backend starting or restarting is not there yet: counted, logged at debug."""
@@ -607,6 +620,9 @@ class TraceCollector:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._puller
             self._puller = None
+        for session, _ in self._sessions.values():
+            await session.close()
+        self._sessions.clear()
         if self._grpc is not None:
             await self._grpc.stop(0.5)
             self._grpc = None

@@ -190,6 +190,39 @@ async def test_json_log_lines_of_a_request_carry_its_trace(backend: Backend) -> 
     assert "trace_id" not in after and "span_id" not in after
 
 
+async def test_the_collector_keeps_its_connection_and_reconnects_after_a_restart(
+    registry: tuple[Path, Path], collector: TraceCollector, tmp_path: Path
+) -> None:
+    """Collections reuse one connection per backend (a new one every PULL_EVERY per backend
+    was most of what an idle mesh's tracing cost); a backend that restarts on the same socket
+    is collected from again, and one that is gone has its connection closed."""
+    path = tmp_path / "http.sock"
+    backends = [(path, TOKEN)]
+    collector.pull_from(lambda: backends)
+    traces = iter(f"{n:032x}" for n in range(0x1A0, 0x1B0))
+
+    async def traced(served: Served) -> None:
+        trace = next(traces)
+        headers = {b"traceparent": f"00-{trace}-{SIDECAR}-01".encode()}
+        reply = await served.backend.infer("chaos-core", None, BODY.encode(), headers)
+        assert reply.status == 200, reply.body
+        await _trace(collector, trace, 3)
+
+    async with serving(registry, path) as first:
+        await traced(first)
+        session = collector._sessions[(path, TOKEN)][0]
+        await traced(first)
+        assert collector._sessions[(path, TOKEN)][0] is session and not session.closed
+    async with serving(registry, path) as second:  # the same socket, a new process
+        await traced(second)
+        assert not collector._sessions[(path, TOKEN)][0].closed
+        backends.clear()
+        deadline = time.monotonic() + 5
+        while collector._sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not collector._sessions
+
+
 async def test_only_the_collectors_token_takes_the_spans(
     registry: tuple[Path, Path], tmp_path: Path
 ) -> None:

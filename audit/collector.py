@@ -82,6 +82,18 @@ class _Journal:
         )
 
 
+def _unchanged(j: _Journal) -> bool:
+    """Fully read and still the file at its path, or not written yet; nothing in between."""
+    if j.rotated_to is not None or j.quiet_since or j.reopen_pending:
+        return False
+    try:
+        if j.fd is None:
+            return not os.path.exists(j.path)
+        return os.fstat(j.fd).st_size == j.offset and os.stat(j.path).st_ino == j.inode
+    except OSError:
+        return False
+
+
 class AuditCollector:
     """Run it in the control plane's event loop: `watch()` each journal, `await start()`,
     `await stop()` at shutdown (drains what is complete and signs a final checkpoint)."""
@@ -292,7 +304,7 @@ class AuditCollector:
         backoff = self.poll_interval
         while not self._stopping:
             try:
-                progressed = await asyncio.to_thread(self._tick)
+                progressed = False if self._quiet() else await asyncio.to_thread(self._tick)
                 backoff = self.poll_interval
                 self._start_signing()
                 await self._rotate_big_journals()
@@ -379,6 +391,21 @@ class AuditCollector:
                 " journal and are stored on the next start",
                 pending,
             )
+
+    def _quiet(self) -> bool:
+        """Nothing for a pass to do, as far as a few stat calls on the loop can tell: every
+        journal fully read and still the file at its path (or not written yet), no checkpoint
+        or retention due. An idle collector then makes no thread hop per poll (they were most
+        of an idle control plane's wake-ups). Racing a pass elsewhere is harmless: a wrong
+        answer only runs or skips one pass, and the next poll looks again."""
+        retention_due = (
+            self.signer is not None
+            and self.retention_interval
+            and time.monotonic() - self._last_retention >= self.retention_interval
+        )
+        if self._since_checkpoint or self._sign_due or retention_due:
+            return False
+        return all(_unchanged(j) for j in self._journals.values())
 
     def _tick(self) -> bool:
         """One pass over every journal; True if records were stored."""

@@ -395,14 +395,23 @@ def agree(meshfn_port: int, mlserver_port: int, x: np.ndarray[Any, Any]) -> int:
     return len(x)
 
 
-def servers(args: argparse.Namespace) -> dict[str, Any]:
+def start_both(
+    procs: Processes, tmp: Path, python_guest: bool = False
+) -> tuple[int, int, dict[str, Any], Any]:
+    """The backend and MLServer serving one fitted iris: their ports, MLServer's configuration
+    and the fitted model (bench/idle.py starts them too)."""
     fitted = onnx_models.fit_function_model(SERVED)
     model, _ = onnx_models.sklearn_function(SERVED, "features", fitted)
+    meshfn_port = start_meshfn(procs, tmp, model, python_guest)
+    mlserver_port, config = start_mlserver(procs, tmp, fitted.estimator)
+    return meshfn_port, mlserver_port, config, fitted
+
+
+def servers(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="meshfn-bench-models-"))
     procs = Processes(tmp)
     try:
-        meshfn_port = start_meshfn(procs, tmp, model, args.python_guest)
-        mlserver_port, config = start_mlserver(procs, tmp, fitted.estimator)
+        meshfn_port, mlserver_port, config, fitted = start_both(procs, tmp, args.python_guest)
         rows = agree(meshfn_port, mlserver_port, fitted.x_test)
         targets = {
             "meshfn": (meshfn_port, SERVED, "label"),

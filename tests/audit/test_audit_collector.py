@@ -369,6 +369,42 @@ async def test_checkpoints_come_from_the_signer(tmp_path: Path) -> None:
     trail.close()
 
 
+async def test_an_idle_collector_makes_no_passes_and_still_sees_every_change(
+    tmp_path: Path,
+) -> None:
+    """Once everything is stored and signed, a poll finds nothing to do with a few stat calls
+    and makes no pass (no thread hop); a journal not written yet, a new line, a rotation and a
+    journal that appears all end that at once, and nothing is lost."""
+    trail = Trail(tmp_path / "a.db", tmp_path)
+    journal, later = tmp_path / "j.jsonl", tmp_path / "later.jsonl"
+    write(journal, line(1) + line(2))
+    collector = await collect(trail.store, journal, signer=trail.signer, checkpoint_every=1)
+    collector.watch(later, "late~0")  # nothing written there yet
+    passes = [0]
+    tick = collector._tick
+
+    def counted() -> bool:
+        passes[0] += 1
+        return tick()
+
+    collector._tick = counted  # type: ignore[method-assign]
+    await until("stored and signed", lambda: collector.status()["unsigned"] == 0)
+    await until("quiet", collector._quiet)
+    before = passes[0]
+    await asyncio.sleep(0.3)  # 30 polls
+    assert passes[0] == before
+    write(journal, line(3))
+    await until("a new line", lambda: trail.store.count() == 3)
+    journal.rename(tmp_path / "j.jsonl.1")  # a rotation while it is quiet
+    write(journal, line(4))
+    write(later, line(5))
+    await until("the rotated file and the new journal", lambda: trail.store.count() == 5, 15)
+    await collector.stop()
+    assert sorted(ids(trail.store)) == ["r1", "r2", "r3", "r4", "r5"]
+    assert trail.verify().ok
+    trail.close()
+
+
 async def test_retention_deletes_only_what_the_signer_witnessed(tmp_path: Path) -> None:
     """The collector's retention tick asks the signer (over its socket) to witness a prune;
     with the signer's retention at 0 days everything signed goes, and what the collector

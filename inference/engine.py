@@ -81,13 +81,14 @@ class EpochTicker:
         self._engine = engine
         self._tick_s = tick_s
         self._lock = threading.Lock()
-        self._epoch = 0  # the engine's epoch: only this thread advances it
-        self._until = 0  # tick while the epoch is below this (the latest pending deadline)
+        # epochs this thread advanced (the engine's epoch, less where it stood at the start:
+        # only differences count) and the count to tick to (past the latest pending deadline)
+        self._epoch = 0
+        self._until = 0
         self._asleep = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshfn-epoch", daemon=True)
-        self.ticks = 0  # epochs advanced (tests, meshfn status)
         setattr(engine, _TICKER, self)
 
     def start(self) -> EpochTicker:
@@ -95,7 +96,8 @@ class EpochTicker:
         return self
 
     def arm(self, ticks: int) -> None:
-        """A deadline `ticks` epochs from now is about to be set: tick until it has passed."""
+        """A deadline `ticks` epochs from now was just set: tick until it has passed (the +1:
+        the engine's epoch may be one ahead of the count while a tick is being counted)."""
         with self._lock:
             self._until = max(self._until, self._epoch + ticks + 1)
             if self._asleep:
@@ -105,6 +107,11 @@ class EpochTicker:
     @property
     def asleep(self) -> bool:
         return self._asleep
+
+    @property
+    def ticks(self) -> int:
+        """Epochs advanced so far."""
+        return self._epoch
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -121,7 +128,6 @@ class EpochTicker:
             self._engine.increment_epoch()
             with self._lock:
                 self._epoch += 1
-            self.ticks += 1
 
     def stop(self) -> None:
         self._stop.set()
@@ -131,7 +137,7 @@ class EpochTicker:
 
 
 def arm(engine: wasmtime.Engine, ticks: int) -> None:
-    """Before a deadline of `ticks` is set in a store of `engine`: keep its ticker awake (an
+    """A deadline of `ticks` was just set in a store of `engine`: keep its ticker awake (an
     engine without a ticker has deadlines that never fire, as before)."""
     ticker: EpochTicker | None = getattr(engine, _TICKER, None)
     if ticker is not None:

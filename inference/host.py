@@ -124,9 +124,12 @@ def _store(engine: wasmtime.Engine, memory_bytes: int) -> wasmtime.Store:
 
 
 def _deadline(store: wasmtime.Store, ticks: int, context: Any = None) -> None:
-    """The one way a deadline is set: the engine's ticker must be awake until it passes."""
-    arm(store.engine, ticks)
+    """The one way a deadline is set: the engine's ticker must be awake until it passes.
+    Armed after it is set, so the ticker's epoch can be behind the deadline's base by at most
+    the one tick it is counting (EpochTicker.arm's margin); armed before, a thread descheduled
+    in between could get a deadline later than the ticker ticks for."""
     _SET_EPOCH_DEADLINE(store._context() if context is None else context, ticks)
+    arm(store.engine, ticks)
 
 
 class ComponentInstance:

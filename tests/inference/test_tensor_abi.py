@@ -139,6 +139,13 @@ def test_the_ticker_sleeps_without_a_pending_deadline_and_wakes_for_one() -> Non
         assert not ticker.asleep  # a 50 s deadline is pending: it ticks on meanwhile
     finally:
         ticker.stop()
+    # a second ticker of an engine whose epoch already moved counts from where it starts
+    again = EpochTicker(eng).start()
+    try:
+        spin = instance(eng).call(TensorCall(1, (floats(99, 0),), 1), 4)
+        assert spin.outcome is Outcome.TIMEOUT
+    finally:
+        again.stop()
 
 
 def _wait(condition: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -579,8 +579,8 @@ class TraceCollector:
 
     async def pull(self, where: Path | str, token: str) -> None:
         """Take what one backend process holds (a batch at a time, until it has no more), over
-        a connection kept from one collection to the next: a new session and connection every
-        PULL_EVERY seconds per backend was most of what an idle mesh's tracing cost."""
+        a connection kept from one collection to the next (not a new session and connection
+        per backend every PULL_EVERY seconds)."""
         key = (where, token)
         if key not in self._sessions:
             self._sessions[key] = local_session(where, aiohttp.ClientTimeout(total=2.0))

@@ -193,9 +193,8 @@ async def test_json_log_lines_of_a_request_carry_its_trace(backend: Backend) -> 
 async def test_the_collector_keeps_its_connection_and_reconnects_after_a_restart(
     registry: tuple[Path, Path], collector: TraceCollector, tmp_path: Path
 ) -> None:
-    """Collections reuse one connection per backend (a new one every PULL_EVERY per backend
-    was most of what an idle mesh's tracing cost); a backend that restarts on the same socket
-    is collected from again, and one that is gone has its connection closed."""
+    """Collections reuse one connection per backend; a backend that restarts on the same
+    socket is collected from again, and one that is gone has its connection closed."""
     path = tmp_path / "http.sock"
     backends = [(path, TOKEN)]
     collector.pull_from(lambda: backends)

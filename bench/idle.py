@@ -32,25 +32,14 @@ from typing import Any
 from meshfn.inference.devtools import RawHttp
 from meshfn.testing import load
 from meshfn.testing.policies import remap
-from meshfn.testing.processes import MESHFN, Processes, cpu_ns, wait_for
+from meshfn.testing.processes import MESHFN, Processes, cpu_ns, descendants, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import SERVED, start_both
-from tracing import children
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 EXAMPLES = HERE.parent / "policies" / "examples"
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it."""
-    found, todo = [pid], [pid]
-    while todo:
-        below = children(todo.pop())
-        found += below
-        todo += below
-    return found
 
 
 def _switches(pid: int) -> int:
@@ -114,7 +103,7 @@ def servers(args: argparse.Namespace) -> dict[str, Any]:
         for port in ports.values():
             _answer(port, args.requests)
         pids = {p.log.stem: p.pid for p in procs.started if p.pid is not None}
-        groups = {name: descendants(pids[name]) for name in ports}
+        groups = {name: [pids[name], *descendants(pids[name])] for name in ports}
         return idle(groups, args.settle, args.seconds)
     finally:
         procs.stop_all()
@@ -148,7 +137,7 @@ def mesh(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
         wait_for("meshfn up", lambda: "Ctrl-C stops everything" in up.output(), timeout=300)
         assert up.pid is not None
-        below = descendants(up.pid)[1:]
+        below = list(descendants(up.pid))
         groups: dict[str, list[int]] = {"control_plane": [up.pid]}
         for pid in below:
             groups.setdefault(_kind(pid), []).append(pid)

@@ -279,7 +279,7 @@ class CpuSplit:
         self.started = self._sample()
 
     def _sample(self) -> tuple[dict[int, tuple[str, int]], float, list[int]]:
-        pids = {self.root: "root", **_descendants(self.root)}
+        pids = {self.root: "root", **descendants(self.root)}
         cpu = {}
         for pid, label in pids.items():
             with contextlib.suppress(OSError):
@@ -308,7 +308,9 @@ class CpuSplit:
         }
 
 
-def _descendants(root: int) -> dict[int, str]:
+def descendants(root: int) -> dict[int, str]:
+    """Every process below `root` (one pass over /proc), labelled by its program and the last
+    argument naming a file or port."""
     parents: dict[int, list[int]] = {}
     labels: dict[int, str] = {}
     for entry in Path("/proc").iterdir():

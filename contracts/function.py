@@ -30,6 +30,9 @@ FUNCTION_VERSION = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
 NAME_RE = re.compile(FUNCTION_NAME)
 VERSION_RE = re.compile(FUNCTION_VERSION)
 ARTIFACT = rf"^{FUNCTION_NAME[1:-1]}@{FUNCTION_VERSION[1:-1]}$"
+# The backend's own view of its functions and its tracing, on its private socket (inference's
+# status.py writes it; `meshfn status`, the console and `meshfn up` read it).
+BACKEND_STATUS_PATH = "/meshfn/functions"
 
 Isolation = Literal["reuse", "fresh-instance-per-request"]
 

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -166,6 +167,64 @@ def test_grpc_on_every_process_and_a_sigkilled_supervisor_leaves_none(tmp_path: 
         assert set(pids(port, 16)) == children
         os.kill(backend.pid, signal.SIGKILL)
         wait_for("the children exited", lambda: not any(map(alive, children)), timeout=30)
+    finally:
+        procs.stop_all()
+
+
+def tracings(port: int, connections: int = 16) -> dict[int, Any]:
+    """Each answering process's tracing, as its /meshfn/functions shows it."""
+    seen: dict[int, Any] = {}
+    for _ in range(connections):
+        client = RawHttp("127.0.0.1", port)
+        try:
+            status, body = client.request("GET", "/meshfn/functions")
+            if status == 200:
+                document = json.loads(body)
+                seen[document["pid"]] = document["tracing"]
+        finally:
+            client.close()
+    return seen
+
+
+def test_sighup_reloads_tracing_in_every_process_without_restarting_one(tmp_path: Path) -> None:
+    """What `meshfn up` does when only the Mesh's tracing changed: rewrite the config, SIGHUP.
+    The supervisor gives each child the new tracing (their config is its copy) and signals
+    them; every process, confined by Landlock and seccomp, rereads it and nothing restarts.
+    Off again the same way."""
+    procs = Processes(tmp_path)
+    try:
+        _, key = publish_examples(tmp_path / "registry")
+        config = tmp_path / "backend.json"
+        base = {"registry": str(tmp_path / "registry"), "trustedKeys": [str(key)],
+                "processes": 2, "functions": [{"name": "digits"}]}  # fmt: skip
+        config.write_text(json.dumps(base))
+        port = free_port()
+        backend = procs.start(
+            "backend",
+            [PY, "-P", "-m", "meshfn.inference", "serve", "--config", str(config),
+             "--port", str(port), "--log-level", "info", "--drain-timeout", "2"],
+        )  # fmt: skip
+        assert backend.pid is not None
+        wait_for("two processes", lambda: len(pids(port)) == 2, timeout=90, proc=backend)
+        children = set(tracings(port))
+        assert len(children) == 2 and set(tracings(port).values()) == {None}
+        assert "landlock" in backend.output().lower()
+        traced = {**base, "tracing": {"pullToken": "ab" * 16, "sampling": 7}}
+        config.write_text(json.dumps(traced))
+        os.kill(backend.pid, signal.SIGHUP)
+
+        def shown(sampling: float | None) -> bool:
+            seen = tracings(port)
+            return set(seen) == children and all(
+                (t or {}).get("sampling") == sampling for t in seen.values()
+            )
+
+        wait_for("both processes tracing at 7%", lambda: shown(7), timeout=30, proc=backend)
+        config.write_text(json.dumps(base))
+        os.kill(backend.pid, signal.SIGHUP)
+        wait_for("both processes not tracing", lambda: shown(None), timeout=30, proc=backend)
+        assert "restarting" not in backend.output(), backend.output()[-2000:]
+        assert set(pids(port, 16)) == children
     finally:
         procs.stop_all()
 

@@ -34,8 +34,9 @@ from meshfn.testing import policies as p
 from meshfn.testing.browser import ARTIFACTS, chromium, sign_in, wait_panel_text
 from meshfn.testing.envoy import admin_json, admin_request, admin_socket
 from meshfn.testing.ports import free_ports, hanging_server
-from meshfn.testing.processes import MESHFN, Proc, meshfn, wait_for
+from meshfn.testing.processes import MESHFN, Proc, descendants, meshfn, wait_for
 
+IRIS = "/v2/models/iris/infer"
 FLOWER = json.dumps(
     {
         "inputs": [
@@ -557,6 +558,90 @@ def test_graph_shows_live_rates_and_opens_a_trace_from_an_edge(mesh: Mesh) -> No
 
 
 # ---------------------------------------------------------------- a collector that hangs
+
+
+def _backends(mesh: Mesh) -> dict[int, str]:
+    assert mesh.up.pid is not None
+    found = descendants(mesh.up.pid)
+    return {pid: label for pid, label in found.items() if "meshfn.inference" in label}
+
+
+def _reloads(mesh: Mesh) -> dict[str, list[Any]]:
+    """Per inference backend's log: the tracing it took on each SIGHUP, in order."""
+    out: dict[str, list[Any]] = {}
+    for log in sorted((mesh.state / "logs").glob("upstream-*.log")):
+        text = log.read_text()
+        if '"logger": "meshfn.inference"' not in text:
+            continue  # a placeholder upstream
+        lines = [ln for ln in text.splitlines() if '"tracing reloaded"' in ln]
+        out[log.name] = [json.loads(ln)["tracing"] for ln in lines]
+    return out
+
+
+def _edits(mesh: Mesh) -> list[tuple[Path, str, str]]:
+    """(file, as the fixture wrote it, without tracing): the Mesh's, and the two overrides
+    that must go with it (a Route's and a Gateway's tracing need the Mesh's)."""
+    examples = mesh.state.parent / "examples"
+    out = []
+    for name, block in (
+        ("routes.yaml", "  tracing: {sampling: 20}\n"),
+        ("partner.yaml", "  tracing: {clientContext: honor}\n"),
+        ("mesh.yaml", "  tracing:\n    sampling: 100\n"),
+    ):
+        text = (examples / name).read_text()
+        assert block in text, name
+        out.append((examples / name, text, text.replace(block, "")))
+    return out
+
+
+def test_tracing_turned_off_and_on_reloads_the_backends_without_restarting_them(
+    mesh: Mesh,
+) -> None:
+    """Tracing off in the Mesh, then on again: the Envoys take it over xDS, the backends by
+    reloading their tracing (SIGHUP) with no restart, so no function cold-starts again. Off,
+    requests make no trace anywhere; on, a request is one whole trace again. (Last to use the
+    module's mesh: its policies are put back at the end.)"""
+    edits = _edits(mesh)
+    backends = _backends(mesh)
+    before = {name: len(taken) for name, taken in _reloads(mesh).items()}
+    assert before
+
+    def took(n: int, want: Any) -> bool:
+        now = _reloads(mesh)
+        return all(len(now[k]) == before[k] + n and now[k][-1] == want for k in before)
+
+    try:
+        for path, _, off in edits:  # the overrides first: every step is a valid mesh
+            path.write_text(off)
+        wait_for("every backend off", lambda: took(1, None), timeout=60, every=0.5)
+        time.sleep(2)  # the Envoys have theirs (pushed before the backends were told)
+        seen = {t["trace_id"] for t in mesh.traces()}
+        for _ in range(20):
+            reply = http(f"http://127.0.0.1:{mesh.edge}{IRIS}", "POST", mesh.headers(), FLOWER)
+            assert reply.status == 200, reply.body
+        time.sleep(3)  # the Envoys would send their spans every second (bootstrap.RUNTIME)
+        assert {t["trace_id"] for t in mesh.traces()} == seen
+        for path, traced, _ in reversed(edits):
+            path.write_text(traced)
+
+        def on() -> bool:
+            now = _reloads(mesh)
+            last = [now[k][-1] for k in before if len(now[k]) == before[k] + 2]
+            return len(last) == len(before) and all(t and t["sampling"] == 100 for t in last)
+
+        wait_for("every backend on again", on, timeout=60, every=0.5)
+        seen = {t["trace_id"] for t in mesh.traces(model="iris")}
+
+        def traced_again() -> bool:
+            http(f"http://127.0.0.1:{mesh.edge}{IRIS}", "POST", mesh.headers(), FLOWER)
+            new = [t for t in mesh.traces(model="iris") if t["trace_id"] not in seen]
+            return any(_complete(mesh, t["trace_id"]) for t in new)
+
+        wait_for("a whole iris trace again", traced_again, timeout=30, every=0.5)
+        assert _backends(mesh) == backends  # the same processes all along
+    finally:
+        for path, traced, _ in reversed(edits):
+            path.write_text(traced)
 
 
 def _latencies(port: int, count: int) -> list[float]:

@@ -18,6 +18,8 @@ def test_tracing_bench_smoke(tmp_path: Path) -> None:
     ), line
     (measured,) = data["rounds"]
     assert set(measured) == {"off", "p1", "p100"}
+    # the phases differ in tracing alone: switching reloads the backends, restarts nothing
+    assert data["backends_restarted"] is False
     # the collector works at 100% (spans arrive), and hardly at all with tracing off
     assert measured["p100"]["control_plane_cpu_us"] > measured["off"]["control_plane_cpu_us"]
     assert data["summary"]["backend_span_us"] > 0 and set(data["summary"]["goals_met"]) == {

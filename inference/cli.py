@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -269,6 +270,9 @@ def serve_cmd(
     from .config import load_config, parse_config
 
     setup_logging(log_format, log_level)
+    # SIGHUP reloads tracing once serving (server.reload_tracing); until then it must not end
+    # a backend that is still starting
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         if config is not None:
             cfg = load_config(config)
@@ -295,7 +299,7 @@ def serve_cmd(
 
             extra = ["--log-format", log_format, "--log-level", log_level, "--loop", loop]
             supervisor = Supervisor(
-                cfg, host, port, drain_timeout, grpc_port, extra, sockets, grpc_sockets
+                cfg, host, port, drain_timeout, grpc_port, extra, sockets, grpc_sockets, config
             )
             asyncio.run(supervisor.run())
             return
@@ -314,6 +318,7 @@ def serve_cmd(
             sockets[0] if sockets else None,
             grpc_sockets[0] if grpc_sockets else None,
             sandbox,
+            config,
         )
         if loop == "uvloop":
             import uvloop

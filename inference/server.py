@@ -30,7 +30,8 @@ from meshfn.contracts.rollout import MODEL_VERSION_HEADER, SHADOW_PATH
 from meshfn.contracts.tracing import SPANS_PATH
 
 from .backend import Backend, Reply
-from .config import BackendConfig
+from .config import BackendConfig, load_config
+from .errors import InferenceError
 from .generate_http import OPENAI_OPERATIONS, GenerateFront, StreamReply
 from .http import HttpServer, Request, Response
 from .kserve import KServeError, error_body, unsupported
@@ -355,6 +356,29 @@ def _method(got: str, want: str, path: str) -> None:
         raise error
 
 
+def reload_tracing(backend: Backend, config_path: Path, started: BackendConfig) -> None:
+    """SIGHUP: the config file's `tracing` applies from the next request on (`meshfn up`
+    rewrote it because the Mesh's tracing changed), without the restart that would cold-start
+    every function. Only tracing: any other change in the file waits for a restart, and says
+    so; a file that cannot be read changes nothing."""
+    try:
+        fresh = load_config(config_path)
+    except InferenceError as exc:
+        log.error("SIGHUP: tracing unchanged: %s", exc)
+        return
+    if fresh.model_dump(exclude={"tracing"}) != started.model_dump(exclude={"tracing"}):
+        log.warning(
+            "SIGHUP reloads tracing only: the other changes in %s apply when the backend restarts",
+            config_path,
+        )
+    try:
+        backend.tracer.reconfigure(fresh.tracing)
+    except ValueError as exc:
+        log.error("SIGHUP: tracing unchanged: %s", exc)
+        return
+    log.info("tracing reloaded", extra={"tracing": backend.tracer.document()})
+
+
 async def _start_grpc(
     grpc: GrpcServer, host: str, port: int | None, unix_socket: Path | None
 ) -> None:
@@ -375,12 +399,15 @@ async def serve(
     unix_socket: Path | None = None,
     grpc_unix_socket: Path | None = None,
     sandbox: Sandbox | None = None,
+    config_path: Path | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0). `listen_fd`: a
     child of the supervisor (supervisor.py) accepting from its shared socket. `unix_socket`,
     `grpc_unix_socket`: serve there (mode 0600) instead of host:port and grpc_port (what
     `meshfn up` does behind a sidecar: only the sidecar's user can connect). `sandbox`: its
-    Landlock domain is in force already; its seccomp filter goes on once everything started."""
+    Landlock domain is in force already; its seccomp filter goes on once everything started.
+    `config_path`: the file `config` came from, whose `tracing` SIGHUP takes anew
+    (reload_tracing)."""
     from .grpc_api import GrpcServer
     from .supervisor import adopt
 
@@ -394,6 +421,9 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if config_path is not None:
+        started = load_config(config_path)
+        loop.add_signal_handler(signal.SIGHUP, reload_tracing, backend, config_path, started)
     # Alone, bind first: a port conflict fails before verification. A supervisor's child
     # (listen_fd) verifies first and only then accepts: its socket is bound already, and the
     # connections queued on it (a restarted child's, under load) must meet verified functions.

@@ -12,6 +12,8 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from meshfn.contracts.function import BACKEND_STATUS_PATH
+
 from .generation import StepEngine
 
 if TYPE_CHECKING:
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
     from .pool import FunctionRuntime
     from .warmup import Warmer
 
-STATUS_PATH = "/meshfn/functions"
+STATUS_PATH = BACKEND_STATUS_PATH
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:

@@ -45,7 +45,8 @@ from pathlib import Path
 from meshfn.common.processes import die_with_parent
 from meshfn.common.unix import listen_private
 
-from .config import BackendConfig
+from .config import BackendConfig, load_config
+from .errors import InferenceError
 
 log = logging.getLogger("meshfn.inference.supervisor")
 
@@ -75,8 +76,10 @@ class Supervisor:
         log_args: list[str],
         unix_sockets: Sequence[Path] = (),
         grpc_unix_sockets: Sequence[Path] = (),
+        config_path: Path | None = None,
     ) -> None:
         self.config = config
+        self.config_path = config_path  # SIGHUP takes its `tracing` anew (_reload)
         self.host, self.port, self.grpc_port = host, port, grpc_port
         # One socket per child, instead of the shared port: child k accepts from the k-th (a
         # unix socket has no SO_REUSEPORT; the sidecar balances over the sockets).
@@ -117,15 +120,9 @@ class Supervisor:
             loop.add_signal_handler(sig, stop.set)
         with tempfile.TemporaryDirectory(prefix="meshfn-backend-") as tmp:
             config_path = Path(tmp) / "backend.json"
-            # One process each: the children must not supervise again.
-            child_config = self.config.model_copy(
-                update={
-                    "processes": 1,
-                    "registry": self.config.registry.resolve(),
-                    "trustedKeys": [k.resolve() for k in self.config.trustedKeys],
-                }
-            )
-            config_path.write_text(child_config.model_dump_json())
+            self._write_child_config(config_path, self.config)
+            if self.config_path is not None:
+                loop.add_signal_handler(signal.SIGHUP, self._reload, config_path)
             keepers = [
                 asyncio.create_task(self._keep(i, config_path, sock.fileno()))
                 for i, sock in enumerate(socks)
@@ -154,6 +151,32 @@ class Supervisor:
             sock.close()
         for path in self.unix_sockets:
             path.unlink(missing_ok=True)
+
+    def _write_child_config(self, path: Path, config: BackendConfig) -> None:
+        # One process each: the children must not supervise again.
+        child = config.model_copy(
+            update={
+                "processes": 1,
+                "registry": config.registry.resolve(),
+                "trustedKeys": [k.resolve() for k in config.trustedKeys],
+            }
+        )
+        path.write_text(child.model_dump_json())
+
+    def _reload(self, child_path: Path) -> None:
+        """SIGHUP: the children's config takes the file's new `tracing`, and each child is
+        told (server.reload_tracing); a child restarted later starts with it."""
+        assert self.config_path is not None
+        try:
+            fresh = load_config(self.config_path)
+        except InferenceError as exc:
+            log.error("SIGHUP: tracing unchanged: %s", exc)
+            return
+        self.config = self.config.model_copy(update={"tracing": fresh.tracing})
+        self._write_child_config(child_path, self.config)
+        for child in list(self.children.values()):
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGHUP)
 
     async def _keep(self, index: int, config_path: Path, fd: int) -> None:
         """Run child `index` until stopping, restarting it whenever it exits."""

@@ -184,11 +184,39 @@ class Tracer:
     def __init__(self, settings: BackendTracing | None, counters: Any = None) -> None:
         self.settings = settings
         self._rate = settings.sampling / 100.0 if settings is not None else 0.0
+        self._counters = counters
         self.exporter = Exporter(settings, counters) if settings is not None else None
+        self._retired: Exporter | None = None  # the last one, while tracing is off: its counts
 
     @property
     def enabled(self) -> bool:
         return self.exporter is not None
+
+    def reconfigure(self, settings: BackendTracing | None) -> None:
+        """The Mesh's tracing changed (`meshfn up` rewrote the config, SIGHUP): from the next
+        request on, sample and export as `settings` says, without a restart (which would
+        cold-start every function). Spans waiting for the old exporter go to the new one, or
+        count as dropped when tracing stops; the counts carry over. ValueError for another
+        collector endpoint: the sandbox fixed at start where this process may connect."""
+        if settings == self.settings:
+            return
+        had = self.settings.endpoint if self.settings is not None else None
+        if settings is not None and settings.endpoint not in (None, had):
+            raise ValueError(
+                f"a new collector endpoint ({settings.endpoint}) needs a restart: the sandbox"
+                " fixed the addresses this process may connect to when it started"
+            )
+        old = self.exporter
+        new = Exporter(settings, self._counters) if settings is not None else None
+        if old is not None:
+            old.close(0)  # a sender sends what waits in the background, bounded by its timeout
+            if new is None:
+                old.drop_queued("tracing was turned off")
+                self._retired = old
+        if new is not None and (old or self._retired) is not None:
+            new.inherit(old or self._retired)
+        self.settings, self.exporter = settings, new
+        self._rate = settings.sampling / 100.0 if settings is not None else 0.0
 
     def begin(
         self, name: str, traceparent: str | bytes | None, tracestate: str | bytes | None = None
@@ -349,6 +377,25 @@ class Exporter:
             return
         if len(self.queue) >= BATCH_SPANS and not self.pulled:
             self._wake.set()
+
+    def inherit(self, old: Exporter) -> None:
+        """Take over a replaced exporter's counts and, pulled, the spans waiting in it (a
+        sender sends its own in the background as it closes)."""
+        self.exported, self.dropped, self.failures = old.exported, old.dropped, old.failures
+        self.last_error = old.last_error
+        if not old.pulled:
+            return
+        with old._lock:
+            waiting, old.queue, old.queued_spans = list(old.queue), deque(), 0
+        for span in waiting:
+            self.submit(span)
+
+    def drop_queued(self, reason: str) -> None:
+        """Nothing will take the waiting spans (tracing stopped): counted as dropped."""
+        with self._lock:
+            spans, self.queue, self.queued_spans = self.queued_spans, deque(), 0
+        if spans:
+            self._lost(spans, reason)
 
     def _take(self) -> list[RequestSpan]:
         batch: list[RequestSpan] = []

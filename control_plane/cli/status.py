@@ -15,6 +15,7 @@ from rich.text import Text
 from meshfn.common.cli import err, fail, out
 from meshfn.common.unix import unix_request
 from meshfn.contracts import genai
+from meshfn.contracts.function import BACKEND_STATUS_PATH
 from meshfn.kube.cli import ContextOpt, KubeconfigOpt, NamespaceOpt
 
 from .shared import DEFAULT_STATE, AdminOpt, ClientStateOpt, admin_url, get_json
@@ -43,7 +44,7 @@ def _backend_functions(backends: list[dict[str, Any]]) -> list[BackendFunctions]
     fetched: list[BackendFunctions] = []
     for backend in backends:
         try:
-            document = json.loads(_backend_get(backend, "/meshfn/functions"))
+            document = json.loads(_backend_get(backend, BACKEND_STATUS_PATH))
             tracing = {"tracing": document.get("tracing")}
             fetched.append(({**backend, **tracing}, document["functions"], ""))
         except (OSError, ValueError, KeyError) as exc:

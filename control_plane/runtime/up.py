@@ -34,7 +34,7 @@ from meshfn.common.files import secure_state_dir
 from meshfn.common.processes import raise_open_files_limit
 from meshfn.common.progress import RichReporter
 from meshfn.common.unix import SocketPathTooLong
-from meshfn.contracts.function import TokenLedgerAccess
+from meshfn.contracts.function import BACKEND_STATUS_PATH, TokenLedgerAccess
 from meshfn.contracts.qos import TOKEN_LEDGER_PURPOSE, has_token_budgets, ledger_node
 from meshfn.ebpf import AccelerationUnavailable, EgressUnavailable
 from meshfn.policy.rollout import Published
@@ -66,11 +66,15 @@ from .upstreams import (
     collector_directory,
     embedded_collector,
     local_upstreams,
+    retraceable,
+    tracing_applied,
     upstream_process,
     upstream_request,
+    write_backend_config,
 )
 
 log = logging.getLogger("meshfn.up")
+RETRACE_S = 10.0  # a backend shows reloaded tracing within this, or it restarts
 
 
 @dataclass
@@ -142,19 +146,20 @@ class Mesh:
             )
         wanted = local_upstreams(model, self.state_dir, self.functions)
         for key, (spec, proc) in list(self.upstreams.items()):
-            if wanted.get(key) != spec:
-                del self.upstreams[key]
-                await proc.stop()
-                if self.sandbox is not None:
-                    self.sandbox.release(spec)
+            want = wanted.get(key)
+            if want == spec:
+                continue
+            if want is not None and retraceable(spec, want) and await self._retrace(want, proc):
+                self.upstreams[key] = (want, proc)
+                continue
+            del self.upstreams[key]
+            await proc.stop()
+            if self.sandbox is not None:
+                self.sandbox.release(spec)
         starts = []
         for key, spec in wanted.items():
             if key not in self.upstreams:
-                links = self._links(spec)
-                run = spec
-                if links.ledger is not None:  # its sandbox lets it reach the ledger, no more
-                    peer = ("127.0.0.1", self.cp.xds_port)
-                    run = replace(spec, egress=tuple(sorted({*spec.egress, peer})))
+                run, links = self._run_spec(spec)
                 own = self.sandbox.preexec(run) if self.sandbox is not None else None
                 proc = upstream_process(
                     run, self.state_dir, self.functions, own or self.preexec, links
@@ -169,6 +174,47 @@ class Mesh:
                     service.key,
                 )
         await _gather_or_raise(starts)
+
+    def _run_spec(self, spec: UpstreamSpec) -> tuple[UpstreamSpec, BackendLinks]:
+        """What a backend runs with: its links, and the ledger among its peers when it has
+        token budgets (its sandbox lets it reach the ledger, no more)."""
+        links = self._links(spec)
+        if links.ledger is None:
+            return spec, links
+        peer = ("127.0.0.1", self.cp.xds_port)
+        return replace(spec, egress=tuple(sorted({*spec.egress, peer}))), links
+
+    async def _retrace(self, spec: UpstreamSpec, proc: SupervisedProcess) -> bool:
+        """Only the Mesh's tracing changed for a running backend: rewrite its config and
+        SIGHUP it (no restart: its warm instances stay), then wait until every serving process
+        shows the new tracing. False (the caller restarts it, as for any other change) when it
+        is not running or does not show it within RETRACE_S."""
+        pid = proc.pid
+        if pid is None or self.functions is None or not await self._serving(spec):
+            return False  # not serving yet (restarting): a SIGHUP before its handler ends it
+        run, links = self._run_spec(spec)
+        write_backend_config(run, self.state_dir, self.functions, links)
+        os.kill(pid, signal.SIGHUP)
+        deadline = asyncio.get_running_loop().time() + RETRACE_S
+        pending = list(spec.sockets or (spec.where,))
+        while pending:
+            document = await _backend_status(pending[0])
+            if document is not None and tracing_applied(document, spec.tracing):
+                pending.pop(0)
+                continue
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning(
+                    "%s did not take the new tracing within %.0f s: restarting it",
+                    proc.name,
+                    RETRACE_S,
+                )
+                return False
+            await asyncio.sleep(0.05)
+        log.info("%s: tracing reloaded without a restart", proc.name)
+        return True
+
+    async def _serving(self, spec: UpstreamSpec) -> bool:
+        return all([await _backend_status(w) is not None for w in spec.sockets or (spec.where,)])
 
     def _links(self, spec: UpstreamSpec) -> BackendLinks:
         """A backend's proof towards the mesh's token ledger when one of its Functions has
@@ -313,6 +359,16 @@ def _fetcher(where: Path | str) -> Callable[[str], Awaitable[tuple[int, bytes]]]
             raise OSError(str(exc)) from exc
 
     return fetch
+
+
+async def _backend_status(where: Path | str) -> dict[str, Any] | None:
+    """A backend process's own status document, None while it does not answer."""
+    with contextlib.suppress(OSError, ValueError, TimeoutError, aiohttp.ClientError):
+        status, body = await upstream_request(where, BACKEND_STATUS_PATH, timeout=1)
+        if status == 200:
+            document: dict[str, Any] = json.loads(body)
+            return document
+    return None
 
 
 async def _gather_or_raise(starts: Sequence[Awaitable[None]]) -> None:

@@ -17,7 +17,7 @@ import ipaddress
 import json
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +275,39 @@ def backend_config(
     return result
 
 
+def write_backend_config(
+    spec: UpstreamSpec, state_dir: Path, setup: FunctionsSetup, links: BackendLinks | None
+) -> Path:
+    """The backend's config file, in its own state directory (owner-only: its ledger token and
+    audit text key); rewritten when only its tracing changed, then SIGHUP (retraceable)."""
+    own = backend_state_dir(state_dir, spec.address, spec.port)
+    config = own / "backend.json"
+    config.write_text(json.dumps(backend_config(spec, setup, own, links), indent=2))
+    config.chmod(0o600)
+    return config
+
+
+def retraceable(old: UpstreamSpec, new: UpstreamSpec) -> bool:
+    """Whether a running backend can take `new` by reloading its tracing (SIGHUP,
+    inference.server.reload_tracing) instead of restarting: nothing else changed, and its
+    spans go nowhere its sandbox did not allow at start (collected by `meshfn up`, or the
+    same endpoint)."""
+    if not new.functions or replace(old, tracing=new.tracing) != new:
+        return False
+    had = old.tracing.endpoint if old.tracing is not None else None
+    return new.tracing is None or new.tracing.endpoint in (None, had)
+
+
+def tracing_applied(status: dict[str, Any], tracing: BackendTracing | None) -> bool:
+    """Whether a backend's status document (/meshfn/functions) shows `tracing` in force."""
+    shown = status.get("tracing")
+    if tracing is None or shown is None:
+        return shown is None and tracing is None
+    return bool(
+        shown.get("sampling") == tracing.sampling and shown.get("endpoint") == tracing.endpoint
+    )
+
+
 def delay_file(state_dir: Path, spec: UpstreamSpec) -> Path:
     """Milliseconds a placeholder upstream waits before each answer (absent: none)."""
     return state_dir / "delay" / f"{spec.address}-{spec.port}"
@@ -302,9 +335,7 @@ def upstream_process(
         own = backend_state_dir(state_dir, spec.address, spec.port)
         private_directory(own)
         (own / "sandbox.json").unlink(missing_ok=True)  # the report of the backend to come
-        config = own / "backend.json"
-        config.write_text(json.dumps(backend_config(spec, setup, own, links), indent=2))
-        config.chmod(0o600)  # its ledger token and audit text key
+        config = write_backend_config(spec, state_dir, setup, links)
 
         async def backend_ready() -> bool:
             # every serving process, where each has a socket of its own

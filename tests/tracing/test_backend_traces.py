@@ -31,13 +31,14 @@ from meshfn.contracts import genai, otlp
 from meshfn.control_plane.cli.traces import generations
 from meshfn.control_plane.runtime.traces import TraceCollector, TraceStore
 from meshfn.inference.backend import Backend
-from meshfn.inference.config import parse_config
+from meshfn.inference.config import load_config, parse_config
 from meshfn.inference.examples import publish_examples
 from meshfn.inference.generation import Piece, Sampling
 from meshfn.inference.grpc_api import GrpcServer
 from meshfn.inference.http import HttpServer
 from meshfn.inference.kserve import InferRequest, error_body, parse_http
-from meshfn.inference.server import Router
+from meshfn.inference.server import Router, reload_tracing
+from meshfn.inference.status import functions_document
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SIDECAR = "00f067aa0ba902b7"
@@ -400,3 +401,97 @@ def _grpc_stream(port: int, trace: str) -> None:
     finally:
         client.stop_stream()
         client.close()
+
+
+def _config_file(path: Path, registry: tuple[Path, Path], tracing: dict[str, Any] | None) -> None:
+    root, key = registry
+    config: dict[str, Any] = {
+        "registry": str(root),
+        "trustedKeys": [str(key)],
+        "functions": [{"name": "chaos-core"}],
+    }
+    if tracing is not None:
+        config["tracing"] = tracing
+    path.write_text(json.dumps(config))
+
+
+async def test_sighup_reloads_tracing_in_place_and_nothing_else(
+    registry: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Mesh's tracing changed: `meshfn up` rewrites the backend's config and sends SIGHUP
+    (server.reload_tracing) instead of restarting it. Off, a sampled parent makes no span and
+    the collector's path answers 404; on again, spans are collected and the counts go on; a
+    span waiting for the collector survives a change of sampling; a new collector endpoint (the
+    sandbox allowed none at start), an unreadable file and other changes are refused or
+    reported, never half-applied."""
+    path = tmp_path / "backend.json"
+    pulled = {"pullToken": TOKEN, "sampling": 100}
+    _config_file(path, registry, pulled)
+    started = load_config(path)
+    root, key = registry
+    async with serving(registry, tmp_path / "http.sock") as found:
+        backend = found.backend
+        tracer = backend.tracer
+
+        async def infer(trace: str) -> None:
+            headers = {b"traceparent": f"00-{trace}-{SIDECAR}-01".encode()}
+            reply = await backend.infer("chaos-core", None, BODY.encode(), headers)
+            assert reply.status == 200, reply.body
+
+        async def take() -> tuple[int, bytes]:
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            return await asyncio.to_thread(
+                unix_request, found.socket, "/meshfn/spans", 5.0, "POST", None, auth
+            )
+
+        await infer(f"{1:032x}")
+        exporter = tracer.exporter
+        assert exporter is not None and exporter.queued_spans > 0
+        waiting = exporter.queued_spans
+        # sampling changes while a span waits: the new exporter has it
+        _config_file(path, registry, {**pulled, "sampling": 5})
+        reload_tracing(backend, path, started)
+        assert tracer.exporter is not exporter and tracer.settings is not None
+        assert tracer.settings.sampling == 5 and tracer.exporter is not None
+        assert tracer.exporter.queued_spans == waiting
+        status, body = await take()
+        assert status == 200
+        spans = otlp.ExportTraceServiceRequest.FromString(body).resource_spans[0]
+        assert {s.trace_id.hex() for s in spans.scope_spans[0].spans} == {f"{1:032x}"}
+        # off: nothing begins, nothing is collected, the waiting spans count as dropped
+        await infer(f"{2:032x}")
+        dropped = tracer.exporter.queued_spans
+        _config_file(path, registry, None)
+        reload_tracing(backend, path, started)
+        assert tracer.exporter is None and functions_document(backend)["tracing"] is None
+        assert backend.tracer.begin("x", f"00-{3:032x}-{SIDECAR}-01") is None
+        assert (await take())[0] == 404
+        # on again: collected, the counts of before carried on
+        _config_file(path, registry, pulled)
+        reload_tracing(backend, path, started)
+        await infer(f"{4:032x}")
+        document = functions_document(backend)["tracing"]
+        assert document["exported_spans"] == waiting and document["dropped_spans"] == dropped > 0
+        assert (await take())[0] == 200
+        # refused: another endpoint, an unreadable file; reported: any other change
+        before = tracer.settings
+        with caplog.at_level(logging.INFO, "meshfn.inference"):
+            _config_file(path, registry, {"endpoint": "grpc://127.0.0.1:4317"})
+            reload_tracing(backend, path, started)
+            assert tracer.settings is before
+            path.write_text("{not json")
+            reload_tracing(backend, path, started)
+            assert tracer.settings is before
+            config = {"registry": str(root), "trustedKeys": [str(key)],
+                      "functions": [{"name": "chaos-core"}, {"name": "iris"}],
+                      "tracing": {**pulled, "sampling": 50}}  # fmt: skip
+            path.write_text(json.dumps(config))
+            reload_tracing(backend, path, started)
+            assert tracer.settings is not None and tracer.settings.sampling == 50
+            assert backend.model_names() == ["chaos-core"]
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("a new collector endpoint" in m and "needs a restart" in m for m in messages)
+        assert any(
+            m.startswith("SIGHUP: tracing unchanged") and "backend.json" in m for m in messages
+        )
+        assert any("reloads tracing only" in m for m in messages)

@@ -32,6 +32,7 @@ from meshfn.audit.store import CONTROL_CHAIN, StoreError
 from meshfn.audit.verify import VerifyReport, verify
 from meshfn.audit.witness import FileWitness
 from meshfn.common.adminauth import Principal
+from meshfn.contracts.function import BACKEND_STATUS_PATH
 
 from ..envoy import local_session
 from ..traces import TraceStore
@@ -39,7 +40,6 @@ from ..traces import TraceStore
 log = logging.getLogger("meshfn.console")
 
 FETCH_TIMEOUT = aiohttp.ClientTimeout(total=0.8)
-STATUS_PATH = "/meshfn/functions"  # the backend's own view of its functions (inference.status)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class FunctionStats:
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         wanted = self.backends()
-        results = await asyncio.gather(*(_local_json(b.where, STATUS_PATH) for b in wanted))
+        results = await asyncio.gather(*(_local_json(b.where, BACKEND_STATUS_PATH) for b in wanted))
         self.latest = dict(zip(wanted, results, strict=True))
 
 

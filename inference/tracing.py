@@ -213,8 +213,9 @@ class Tracer:
             if new is None:
                 old.drop_queued("tracing was turned off")
                 self._retired = old
-        if new is not None and (old or self._retired) is not None:
-            new.inherit(old or self._retired)
+        before = old or self._retired
+        if new is not None and before is not None:
+            new.inherit(before)
         self.settings, self.exporter = settings, new
         self._rate = settings.sampling / 100.0 if settings is not None else 0.0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import random
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
 from meshfn import ir
+from meshfn.health import drift
 from meshfn.health.drift import DriftBreaker, WatchedRoute
 from meshfn.policy import PolicyErrors, load_policies
 from meshfn.testing.policies import DRIFT, documents, gateway, mesh
@@ -317,3 +320,38 @@ def test_tripping_pushes_only_new_degrade_filter_config() -> None:
         return int(rule["depth"])
 
     assert (depth(healthy), depth(tripped)) == (0, 1)
+
+
+def test_samples_keep_their_order_across_growth_compaction_and_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The breaker's sample store (numpy arrays, windows by binary search on time): what it
+    holds and the p95 of any window are what a sorted list of every sample gives, through
+    growth, compaction after old samples are dropped, MAX_SAMPLES, and a time that goes back
+    (counted at the last one's)."""
+    monkeypatch.setattr(drift, "MAX_SAMPLES", 3000)
+    rng = random.Random(7)
+    kept = drift.Samples()
+    reference: list[tuple[float, float]] = []
+    at = 0.0
+    for step in range(9000):
+        at += rng.random() / 100 if step % 500 else -1.0  # now and then a step back in time
+        value = rng.lognormvariate(-5, 1)
+        kept.append(at, value)
+        reference.append((max(at, reference[-1][0]) if reference else at, value))
+        reference = reference[-3000:]
+        if step % 1700 == 0:  # the evaluation's horizon: drop what is older
+            horizon = reference[len(reference) // 3][0]
+            kept.drop_before(horizon)
+            reference = [(t, v) for t, v in reference if t >= horizon]
+        if step % 97 == 0:
+            assert list(kept) == reference
+            cut = reference[len(reference) // 2][0]
+            split = kept.since(cut)
+            newer = [v for t, v in reference if t >= cut]
+            older = [v for t, v in reference if t < cut]
+            assert kept.values(split).tolist() == newer and kept.values(0, split).tolist() == older
+            ordered = sorted(newer)
+            assert drift.p95(kept.values(split)) == ordered[math.ceil(0.95 * len(ordered)) - 1]
+    kept.clear()
+    assert len(kept) == 0 and list(kept) == []

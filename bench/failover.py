@@ -7,8 +7,13 @@
     nothing is truncated, and "nothing completed" is an error, not detect_ms=0).
 (2) Inject latency into the primary: time until the drift breaker has tripped the route
     (breaker_trip_ms, from the control plane's status).
+(3) In process: what one evaluation of the drift breaker costs a guarded route at the sample
+    cap (health.drift.MAX_SAMPLES, latency-like values over the examples' windows), against
+    the p95s taken by sorting the same samples, as the breaker did before (its control plane
+    evaluates every route five times a second): breaker_eval_ms and eval_vs_sort.
 Each is repeated; medians are reported. Prints one line:
-  failover: detect_ms=… failed=… sent=… breaker_trip_ms=…
+  failover: detect_ms=… failed=… sent=… breaker_trip_ms=… repeats=… breaker_eval_ms=…
+  eval_vs_sort=…
 """
 
 from __future__ import annotations
@@ -16,16 +21,22 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
+import random
 import signal
 import statistics
 import tempfile
 import threading
 import time
 import urllib.request
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+from meshfn import ir
 from meshfn.common.adminauth import call_admin, read_owner_token
+from meshfn.health import drift
 from meshfn.testing import envoy
 from meshfn.testing import policies as p
 from meshfn.testing.ports import named_ports
@@ -100,6 +111,39 @@ def start_upstream(
         f"upstream-{name}", service, ports[name],
         "--locality", LOCALITIES.get(name, ""), "--delay-file", str(work / f"delay-{name}"),
     )  # fmt: skip
+
+
+def breaker_evaluation(rounds: int = 21) -> dict[str, float]:
+    """Median ms of DriftBreaker.evaluate with MAX_SAMPLES samples against sorting them."""
+    settings = ir.Drift(
+        threshold_percent=40, min_increase=timedelta(milliseconds=5), min_samples=20,
+        window=timedelta(seconds=3), baseline_window=timedelta(minutes=10),
+        cold_start_baseline=None, recover_after=timedelta(seconds=10), probe_percent=5,
+    )  # fmt: skip
+    breaker = drift.DriftBreaker()
+    breaker.configure([drift.WatchedRoute("default/r", frozenset({"a.default"}), settings)])
+    rng = random.Random(1)
+    rate = 400.0  # requests a second: the cap is ~8 minutes of them
+    values = [rng.lognormvariate(-6, 0.5) for _ in range(drift.MAX_SAMPLES)]
+    for i, seconds in enumerate(values):
+        breaker.observe("default/r/0", "a.default", seconds, i / rate)
+    now = len(values) / rate
+    ours, sort = [], []
+    for k in range(rounds):
+        started = time.perf_counter()
+        breaker.evaluate(now + k * 1e-6)
+        ours.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        split = len(values) - int(settings.window.total_seconds() * rate)
+        for part in (values[split:], values[:split]):  # the window's p95 and the baseline's
+            ordered = sorted(part)
+            ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+        sort.append(time.perf_counter() - started)
+    return {
+        "samples": len(values),
+        "breaker_eval_ms": statistics.median(ours) * 1000,
+        "sort_ms": statistics.median(sort) * 1000,
+    }
 
 
 def main() -> None:
@@ -205,20 +249,23 @@ def main() -> None:
             if load is not None:
                 load.close()
             procs.stop_all()
-    result = {
+    result: dict[str, Any] = {
         "kills": kills,
         "detect_ms": statistics.median(k["detect_ms"] for k in kills),
         "failed": sum(k["failed"] for k in kills),
         "sent": sum(k["sent"] for k in kills),
         "breaker_trip_ms": statistics.median(trips),
         "trips_ms": trips,
+        "evaluation": breaker_evaluation(),
     }
+    evaluation = result["evaluation"]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(
         f"failover: detect_ms={result['detect_ms']:.0f} failed={result['failed']} "
         f"sent={result['sent']} breaker_trip_ms={result['breaker_trip_ms']:.0f} "
-        f"repeats={args.repeats}",
+        f"repeats={args.repeats} breaker_eval_ms={evaluation['breaker_eval_ms']:.2f} "
+        f"eval_vs_sort={evaluation['breaker_eval_ms'] / evaluation['sort_ms']:.3f}",
         flush=True,
     )
 

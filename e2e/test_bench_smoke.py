@@ -32,12 +32,15 @@ def test_xds_push_bench_smoke(tmp_path: Path) -> None:
 def test_failover_bench_smoke(tmp_path: Path) -> None:
     line, data = run_bench("failover.py", ["--repeats", "1"], tmp_path)
     assert re.match(
-        r"^failover: detect_ms=\d+ failed=\d+ sent=\d+ breaker_trip_ms=\d+ repeats=1$", line
+        r"^failover: detect_ms=\d+ failed=\d+ sent=\d+ breaker_trip_ms=\d+ repeats=1"
+        r" breaker_eval_ms=[\d.]+ eval_vs_sort=[\d.]+$",
+        line,
     ), line
     (kill,) = data["kills"]
     assert kill["sent"] > 0 and kill["detect_ms"] > 0  # something completed after the kill
     assert kill["window_ms"] >= 1000  # the window lasts until the move held for a second
     assert len(data["trips_ms"]) == 1
+    assert data["evaluation"]["samples"] > 100_000 and data["evaluation"]["sort_ms"] > 0
 
 
 def test_zero_trust_bench_smoke(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ The schema is meshfn.contracts.function (shared with the `Function` policy, so a
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import yaml
@@ -30,6 +31,8 @@ from pydantic import ValidationError
 from meshfn.contracts.function import BackendConfig, ServedFunction
 
 from .errors import ConfigError
+
+log = logging.getLogger("meshfn.inference")
 
 __all__ = ["BackendConfig", "ServedFunction", "load_config", "parse_config"]
 
@@ -64,3 +67,20 @@ def parse_config(raw: object, where: str = "config") -> BackendConfig:
         return BackendConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(f"{where}: {_errors(exc)}") from None
+
+
+def reread_for_tracing(path: Path, started: BackendConfig) -> BackendConfig | None:
+    """SIGHUP: the config file again, for its `tracing` (server.reload_tracing, the
+    supervisor's children): None, logged, when it cannot be read; any other change in it is
+    logged as waiting for a restart, since only tracing is taken without one."""
+    try:
+        fresh = load_config(path)
+    except ConfigError as exc:
+        log.error("SIGHUP: tracing unchanged: %s", exc)
+        return None
+    if fresh.model_dump(exclude={"tracing"}) != started.model_dump(exclude={"tracing"}):
+        log.warning(
+            "SIGHUP reloads tracing only: the other changes in %s apply when the backend restarts",
+            path,
+        )
+    return fresh

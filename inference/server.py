@@ -26,19 +26,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from meshfn.common import peerjson
 from meshfn.common.unix import listen_private
 from meshfn.contracts import otlp
+from meshfn.contracts.function import BACKEND_STATUS_PATH
 from meshfn.contracts.rollout import MODEL_VERSION_HEADER, SHADOW_PATH
 from meshfn.contracts.tracing import SPANS_PATH
 
 from .backend import Backend, Reply
-from .config import BackendConfig, load_config
-from .errors import InferenceError
+from .config import BackendConfig, load_config, reread_for_tracing
 from .generate_http import OPENAI_OPERATIONS, GenerateFront, StreamReply
 from .http import HttpServer, Request, Response
 from .kserve import KServeError, error_body, unsupported
 from .openai_api import error_body as openai_error_body
 from .sandbox import Sandbox
 from .shadow import Shadows, is_shadow, requested_version
-from .status import STATUS_PATH, functions_document
+from .status import functions_document
 
 if TYPE_CHECKING:
     from .grpc_api import GrpcServer
@@ -159,7 +159,7 @@ class Router:
                 generate_latest(self.backend.metrics.registry),
                 content_type=CONTENT_TYPE_LATEST.encode(),
             ),
-            STATUS_PATH: lambda: Reply.json(functions_document(self.backend)),
+            BACKEND_STATUS_PATH: lambda: Reply.json(functions_document(self.backend)),
         }
 
     def body_limit(self, path: str) -> int:
@@ -359,18 +359,10 @@ def _method(got: str, want: str, path: str) -> None:
 def reload_tracing(backend: Backend, config_path: Path, started: BackendConfig) -> None:
     """SIGHUP: the config file's `tracing` applies from the next request on (`meshfn up`
     rewrote it because the Mesh's tracing changed), without the restart that would cold-start
-    every function. Only tracing: any other change in the file waits for a restart, and says
-    so; a file that cannot be read changes nothing."""
-    try:
-        fresh = load_config(config_path)
-    except InferenceError as exc:
-        log.error("SIGHUP: tracing unchanged: %s", exc)
+    every function (config.reread_for_tracing: nothing else is taken)."""
+    fresh = reread_for_tracing(config_path, started)
+    if fresh is None:
         return
-    if fresh.model_dump(exclude={"tracing"}) != started.model_dump(exclude={"tracing"}):
-        log.warning(
-            "SIGHUP reloads tracing only: the other changes in %s apply when the backend restarts",
-            config_path,
-        )
     try:
         backend.tracer.reconfigure(fresh.tracing)
     except ValueError as exc:

@@ -12,16 +12,12 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from meshfn.contracts.function import BACKEND_STATUS_PATH
-
 from .generation import StepEngine
 
 if TYPE_CHECKING:
     from .backend import Backend
     from .pool import FunctionRuntime
     from .warmup import Warmer
-
-STATUS_PATH = BACKEND_STATUS_PATH
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:

@@ -45,8 +45,7 @@ from pathlib import Path
 from meshfn.common.processes import die_with_parent
 from meshfn.common.unix import listen_private
 
-from .config import BackendConfig, load_config
-from .errors import InferenceError
+from .config import BackendConfig, load_config, reread_for_tracing
 
 log = logging.getLogger("meshfn.inference.supervisor")
 
@@ -80,6 +79,7 @@ class Supervisor:
     ) -> None:
         self.config = config
         self.config_path = config_path  # SIGHUP takes its `tracing` anew (_reload)
+        self._started: BackendConfig | None = None  # the file as it was at start
         self.host, self.port, self.grpc_port = host, port, grpc_port
         # One socket per child, instead of the shared port: child k accepts from the k-th (a
         # unix socket has no SO_REUSEPORT; the sidecar balances over the sockets).
@@ -122,6 +122,7 @@ class Supervisor:
             config_path = Path(tmp) / "backend.json"
             self._write_child_config(config_path, self.config)
             if self.config_path is not None:
+                self._started = load_config(self.config_path)
                 loop.add_signal_handler(signal.SIGHUP, self._reload, config_path)
             keepers = [
                 asyncio.create_task(self._keep(i, config_path, sock.fileno()))
@@ -166,11 +167,9 @@ class Supervisor:
     def _reload(self, child_path: Path) -> None:
         """SIGHUP: the children's config takes the file's new `tracing`, and each child is
         told (server.reload_tracing); a child restarted later starts with it."""
-        assert self.config_path is not None
-        try:
-            fresh = load_config(self.config_path)
-        except InferenceError as exc:
-            log.error("SIGHUP: tracing unchanged: %s", exc)
+        assert self.config_path is not None and self._started is not None
+        fresh = reread_for_tracing(self.config_path, self._started)
+        if fresh is None:
             return
         self.config = self.config.model_copy(update={"tracing": fresh.tracing})
         self._write_child_config(child_path, self.config)

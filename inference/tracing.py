@@ -195,8 +195,9 @@ class Tracer:
     def reconfigure(self, settings: BackendTracing | None) -> None:
         """The Mesh's tracing changed (`meshfn up` rewrote the config, SIGHUP): from the next
         request on, sample and export as `settings` says, without a restart (which would
-        cold-start every function). Spans waiting for the old exporter go to the new one, or
-        count as dropped when tracing stops; the counts carry over. ValueError for another
+        cold-start every function). Spans held for collection go to the new exporter, or count
+        as dropped when tracing stops; a sender sends its own as it closes; the counts carry
+        over. ValueError for another
         collector endpoint: the sandbox fixed at start where this process may connect."""
         if settings == self.settings:
             return
@@ -211,7 +212,8 @@ class Tracer:
         if old is not None:
             old.close(0)  # a sender sends what waits in the background, bounded by its timeout
             if new is None:
-                old.drop_queued("tracing was turned off")
+                if old.pulled:  # nobody will collect them
+                    old.drop_queued("tracing was turned off")
                 self._retired = old
         before = old or self._retired
         if new is not None and before is not None:

@@ -21,6 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 TRACEPARENT = "traceparent"
 # Where `meshfn up` collects an inference backend's spans (BackendTracing.pullToken).
 SPANS_PATH = "/meshfn/spans"
+# `SPANS_PATH?wait=S`: the backend answers as soon as a span waits, or empty after S seconds (a
+# long poll: an idle backend costs its collector one request per S, not two a second).
+SPANS_WAIT = "wait"
+SPANS_MAX_WAIT_S = 60.0
 TRACESTATE = "tracestate"
 
 # What an external gateway with `clientContext: restart` removes from client requests before

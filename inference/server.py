@@ -28,7 +28,7 @@ from meshfn.common.unix import listen_private
 from meshfn.contracts import otlp
 from meshfn.contracts.function import BACKEND_STATUS_PATH
 from meshfn.contracts.rollout import MODEL_VERSION_HEADER, SHADOW_PATH
-from meshfn.contracts.tracing import SPANS_PATH
+from meshfn.contracts.tracing import SPANS_MAX_WAIT_S, SPANS_PATH, SPANS_WAIT
 
 from .backend import Backend, Reply
 from .config import BackendConfig, load_config, reread_for_tracing
@@ -218,7 +218,8 @@ class Router:
     async def _spans(self, request: Request) -> Reply:
         """POST /meshfn/spans: `meshfn up` collects the queued spans (BackendTracing.pullToken,
         as a bearer token: the sidecar forwards mesh requests to this same socket, and no
-        caller of the mesh may take them). 200 with OTLP protobuf, 204 while none wait."""
+        caller of the mesh may take them). 200 with OTLP protobuf, 204 while none wait;
+        `?wait=S` (SPANS_WAIT) first waits up to S seconds for one."""
         _method(request.method, "POST", SPANS_PATH)
         exporter, settings = self.backend.tracer.exporter, self.backend.tracer.settings
         token = settings.pullToken if settings is not None else None
@@ -227,12 +228,27 @@ class Router:
             return Reply.error(404, "this backend's spans are not collected here")
         if not hmac.compare_digest(offered, b"Bearer " + token.encode()):
             return Reply.error(401, "the collector's token is wrong or missing")
-        if not exporter.queue:  # the usual answer: no thread for nothing to encode
-            return Reply(204, b"")
-        collected = await asyncio.to_thread(exporter.collect)  # encoding: off the event loop
+        wait = _spans_wait(request.query)
+        if wait is None:
+            return Reply.error(
+                400, f"{SPANS_WAIT} must be a number of seconds from 0 to {SPANS_MAX_WAIT_S:g}"
+            )
+        collected = await self._collect(wait)
         if collected is None:
             return Reply(204, b"")
-        return Reply(200, collected[0], content_type=otlp.HTTP_CONTENT_TYPE.encode())
+        return Reply(200, collected, content_type=otlp.HTTP_CONTENT_TYPE.encode())
+
+    async def _collect(self, wait: float) -> bytes | None:
+        """The oldest waiting spans as OTLP, after waiting up to `wait` seconds for one; None
+        when none waits."""
+        tracer = self.backend.tracer
+        if wait:
+            await tracer.queued(wait)
+        exporter = tracer.exporter  # a reload may have replaced it while this waited
+        if exporter is None or not exporter.pulled or not exporter.queue:
+            return None  # the usual answer: no thread for nothing to encode
+        collected = await asyncio.to_thread(exporter.collect)  # encoding: off the event loop
+        return None if collected is None else collected[0]
 
     async def _openai(
         self, request: Request, operation: str, model: str | None
@@ -381,6 +397,20 @@ async def _start_grpc(
         await grpc.start(host, port)
 
 
+def _spans_wait(query: str) -> float | None:
+    """SPANS_WAIT's seconds (0 when absent), None when it is not a number within bounds."""
+    value = "0"
+    for part in query.split("&"):
+        key, _, given = part.partition("=")
+        if key == SPANS_WAIT:
+            value = given
+    try:
+        wait = float(value)
+    except ValueError:
+        return None
+    return wait if 0 <= wait <= SPANS_MAX_WAIT_S else None
+
+
 async def serve(
     config: BackendConfig,
     host: str,
@@ -453,6 +483,7 @@ async def serve(
         log.info("listening", extra={**where, "workers": config.workers})
         await stop.wait()
         log.info("draining", extra={"inflight": backend.inflight})
+        backend.tracer.wake(closing=True)  # a waiting collection takes the last spans now
         backend.dispatcher.draining = True
         http.stop_listening()
         if grpc is not None:

@@ -33,6 +33,8 @@ and logged at most once per LOG_EVERY seconds with the count since the last line
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import http.client
 import logging
 import os
@@ -187,6 +189,8 @@ class Tracer:
         self._counters = counters
         self.exporter = Exporter(settings, counters) if settings is not None else None
         self._retired: Exporter | None = None  # the last one, while tracing is off: its counts
+        self._arrival: asyncio.Event | None = None  # set for the collections waiting in `queued`
+        self._closing = False
 
     @property
     def enabled(self) -> bool:
@@ -220,6 +224,7 @@ class Tracer:
             new.inherit(before)
         self.settings, self.exporter = settings, new
         self._rate = settings.sampling / 100.0 if settings is not None else 0.0
+        self.wake()  # a waiting collection answers from the exporter in force now
 
     def begin(
         self, name: str, traceparent: str | bytes | None, tracestate: str | bytes | None = None
@@ -252,6 +257,28 @@ class Tracer:
         span.status = status
         if span.sampled and self.exporter is not None:
             self.exporter.submit(span)
+            if self._arrival is not None:
+                self.wake()
+
+    async def queued(self, timeout: float) -> None:
+        """Pulled: return once a span waits for collection, the tracing changes, the backend
+        drains, or `timeout` seconds pass (the collector's long poll, SPANS_WAIT). On the event
+        loop, as `finish` is."""
+        exporter = self.exporter
+        if self._closing or exporter is None or not exporter.pulled or exporter.queue:
+            return
+        if self._arrival is None:
+            self._arrival = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._arrival.wait(), timeout)
+
+    def wake(self, closing: bool = False) -> None:
+        """Answer the collections waiting in `queued` now; `closing`: and every later one at
+        once (the backend drains: its last spans go, and nothing holds the drain)."""
+        self._closing = self._closing or closing
+        arrival, self._arrival = self._arrival, None
+        if arrival is not None:
+            arrival.set()
 
     def logged(self, span: RequestSpan) -> Any:
         """Put the span's ids on every log line of this request (common.logs); the token to
@@ -259,6 +286,7 @@ class Tracer:
         return trace_context.set(span.ids)
 
     def close(self, timeout: float = 2.0) -> None:
+        self.wake(closing=True)
         if self.exporter is not None:
             self.exporter.close(timeout)
 

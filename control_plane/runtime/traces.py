@@ -43,13 +43,14 @@ from meshfn.common.files import private_directory
 from meshfn.common.unix import SOCKET_MODE, listen_private, socket_path
 from meshfn.contracts import otlp
 from meshfn.contracts.durations import parse_duration
-from meshfn.contracts.tracing import SPANS_PATH
+from meshfn.contracts.tracing import SPANS_PATH, SPANS_WAIT
 
 from .envoy import local_session
 
 log = logging.getLogger("meshfn.traces")
 
-PULL_EVERY = 0.5  # seconds between two collections of the backends' spans
+PULL_EVERY = 0.5  # seconds between two collections from a backend that had spans
+PULL_WAIT = 10.0  # seconds a collection waits at a backend with none (a long poll)
 MAX_PULLS = 8  # batches taken from one backend process per collection
 MAX_SPANS_PER_TRACE = 1024
 MAX_ATTRIBUTES = 64
@@ -564,31 +565,57 @@ class TraceCollector:
         )
 
     def pull_from(self, backends: Callable[[], Iterable[tuple[Path | str, str]]]) -> None:
-        """Collect the spans of the backends `meshfn up` runs, every PULL_EVERY seconds:
-        `backends()` names each serving process's socket (or address:port) and its token."""
+        """Collect the spans of the backends `meshfn up` runs: `backends()` names each serving
+        process's socket (or address:port) and its token, looked at every PULL_EVERY seconds;
+        each process is followed by its own long poll (`_follow`)."""
         if self._puller is None:
             self._puller = asyncio.create_task(self._pull_loop(backends), name="span-puller")
 
     async def _pull_loop(self, backends: Callable[[], Iterable[tuple[Path | str, str]]]) -> None:
-        while True:
-            await asyncio.sleep(PULL_EVERY)
-            serving = dict.fromkeys(backends())
-            for gone in self._sessions.keys() - serving.keys():
-                await self._sessions.pop(gone)[0].close()
-            await asyncio.gather(*(self.pull(where, token) for where, token in serving))
+        following: dict[tuple[Path | str, str], asyncio.Task[None]] = {}
+        try:
+            while True:
+                serving = dict.fromkeys(backends())
+                for gone in following.keys() - serving.keys():
+                    following.pop(gone).cancel()
+                    if gone in self._sessions:
+                        await self._sessions.pop(gone)[0].close()
+                for key in serving.keys() - following.keys():
+                    following[key] = asyncio.create_task(self._follow(*key), name="span-follower")
+                await asyncio.sleep(PULL_EVERY)
+        finally:
+            for task in following.values():
+                task.cancel()
+            await asyncio.gather(*following.values(), return_exceptions=True)
 
-    async def pull(self, where: Path | str, token: str) -> None:
-        """Take what one backend process holds (a batch at a time, until it has no more), over
-        a connection kept from one collection to the next (not a new session and connection
-        per backend every PULL_EVERY seconds)."""
+    async def _follow(self, where: Path | str, token: str) -> None:
+        """One backend process: a collection that waits there until a span does (PULL_WAIT at
+        most), then PULL_EVERY before the next once it took some (so spans come in batches,
+        two collections a second at most, as often as polling every PULL_EVERY did) or
+        failed. An idle backend costs one request per PULL_WAIT, where polling cost two a
+        second at every backend while tracing was on."""
+        while True:
+            if await self.pull(where, token, PULL_WAIT) != 0:
+                await asyncio.sleep(PULL_EVERY)
+
+    async def pull(self, where: Path | str, token: str, wait: float = 0.0) -> int | None:
+        """Take what one backend process holds (a batch at a time, until it has no more; the
+        first request waits up to `wait` seconds for a span), over a connection kept from one
+        collection to the next. The batches taken; None when the backend failed to answer."""
         key = (where, token)
         if key not in self._sessions:
             self._sessions[key] = local_session(where, aiohttp.ClientTimeout(total=2.0))
         session, base = self._sessions[key]
         headers = {"Authorization": f"Bearer {token}"}
-        for _ in range(MAX_PULLS):
+        taken = 0
+        while taken < MAX_PULLS:
+            url = base + SPANS_PATH
+            if wait and not taken:
+                url += f"?{SPANS_WAIT}={wait:g}"
             try:
-                async with session.post(base + SPANS_PATH, headers=headers) as reply:
+                async with session.post(
+                    url, headers=headers, timeout=aiohttp.ClientTimeout(total=wait + 2.0)
+                ) as reply:
                     body = await reply.read()
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 # a backend restarting: the next collection connects afresh
@@ -596,18 +623,21 @@ class TraceCollector:
                     del self._sessions[key]
                 await session.close()
                 self._pull_failed(where, str(exc) or exc.__class__.__name__)
-                return
+                return None
             if reply.status != 200:
                 if reply.status != 204:
                     self._pull_failed(where, f"HTTP {reply.status}")
-                return
+                    return None
+                return taken
             try:
                 ingest(self.store, body)
             except (DecodeError, ValueError) as exc:
                 self.store.drop("malformed")
                 self._pull_failed(where, str(exc))
-                return
+                return None
             self.pulled += 1
+            taken += 1
+        return taken
 
     def _pull_failed(self, where: Path | str, why: str) -> None:
         """A backend starting or restarting is not there yet: counted, logged at debug."""

@@ -29,6 +29,7 @@ from meshfn.common.logs import JsonFormatter, trace_context
 from meshfn.common.unix import listen_private, unix_request
 from meshfn.contracts import genai, otlp
 from meshfn.control_plane.cli.traces import generations
+from meshfn.control_plane.runtime import traces
 from meshfn.control_plane.runtime.traces import TraceCollector, TraceStore
 from meshfn.inference.backend import Backend
 from meshfn.inference.config import load_config, parse_config
@@ -251,6 +252,84 @@ async def test_only_the_collectors_token_takes_the_spans(
         request = otlp.ExportTraceServiceRequest.FromString(body)
         assert {s.trace_id.hex() for s in request.resource_spans[0].scope_spans[0].spans} == {TRACE}
         assert (await post({"Authorization": f"Bearer {TOKEN}"}))[0] == 204  # none left
+
+
+async def test_a_collection_waits_for_the_first_span_and_no_longer(
+    registry: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`?wait=S` (the collector's long poll): an idle backend holds the collection until a
+    span is queued and answers with it at once, or answers 204 after S seconds; a drain
+    answers a waiting collection now and every later one without waiting. A `wait` that is not
+    a number of seconds within bounds is refused with 400 and takes nothing."""
+    async with serving(registry, tmp_path / "http.sock") as found:
+        exporter = found.backend.tracer.exporter
+        assert exporter is not None
+
+        async def take(query: str, timeout: float = 10.0) -> tuple[int, bytes, float]:
+            started = time.monotonic()
+            status, body = await asyncio.to_thread(
+                unix_request, found.socket, "/meshfn/spans" + query, timeout, "POST", None,
+                {"Authorization": f"Bearer {TOKEN}"},
+            )  # fmt: skip
+            return status, body, time.monotonic() - started
+
+        status, _, took = await take("?wait=0.4")
+        assert status == 204 and took >= 0.4
+        waiting = asyncio.create_task(take("?wait=30"))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        headers = {b"traceparent": f"00-{TRACE}-{SIDECAR}-01".encode()}
+        answered = time.monotonic()
+        reply = await found.backend.infer("chaos-core", None, BODY.encode(), headers)
+        assert reply.status == 200, reply.body
+        status, body, _ = await asyncio.wait_for(waiting, 5)
+        assert status == 200 and time.monotonic() - answered < 5
+        spans = otlp.ExportTraceServiceRequest.FromString(body).resource_spans[0]
+        assert {s.trace_id.hex() for s in spans.scope_spans[0].spans} == {TRACE}
+        assert exporter.queued_spans == 0
+
+        reply = await found.backend.infer("chaos-core", None, BODY.encode(), headers)
+        queued = exporter.queued_spans
+        assert queued > 0
+        for bad in ("-1", "abc", "nan", "inf", "61", ""):
+            status, body, _ = await take(f"?wait={bad}" if bad else "?wait=")
+            assert status == 400 and b"wait must be a number of seconds" in body, (bad, body)
+        assert exporter.queued_spans == queued  # nothing taken
+        assert (await take("?wait=5"))[0] == 200  # waiting spans answer without a wait
+
+        waiting = asyncio.create_task(take("?wait=30"))
+        await asyncio.sleep(0.5)
+        found.backend.tracer.wake(closing=True)  # serve() does this as the backend drains
+        status, _, took = await asyncio.wait_for(waiting, 5)
+        assert status == 204 and took < 5
+        status, _, took = await take("?wait=30")
+        assert status == 204 and took < 5
+
+
+async def test_an_idle_backend_costs_its_collector_one_collection_per_wait(
+    registry: tuple[Path, Path], collector: TraceCollector, tmp_path: Path
+) -> None:
+    """Polling asked every backend twice a second while tracing was on; following one by a
+    long poll asks an idle backend once per PULL_WAIT, and still collects a span as soon as
+    one is queued."""
+    calls: list[float] = []
+    pull = collector.pull
+
+    async def counted(where: Path | str, token: str, wait: float = 0.0) -> int | None:
+        calls.append(wait)
+        return await pull(where, token, wait)
+
+    collector.pull = counted  # type: ignore[method-assign]
+    async with serving(registry, tmp_path / "http.sock") as found:
+        collector.pull_from(lambda: [(found.socket, TOKEN)])
+        await asyncio.sleep(2.0)
+        assert calls == [traces.PULL_WAIT]  # one collection, waiting still
+        headers = {b"traceparent": f"00-{TRACE}-{SIDECAR}-01".encode()}
+        started = time.monotonic()
+        reply = await found.backend.infer("chaos-core", None, BODY.encode(), headers)
+        assert reply.status == 200, reply.body
+        await _trace(collector, TRACE, 3)
+        assert time.monotonic() - started < traces.PULL_WAIT
 
 
 GENERATIVE = [{"name": "chaos-gen", "generation": {"maxTokens": 64}}, {"name": "embedder"}]

@@ -394,33 +394,42 @@ def _span(raw: Any, service: str) -> Span | None:
     span_id = _hex(raw.span_id, 8)
     if trace_id is None or span_id is None:
         return None
-    parent = _hex(raw.parent_span_id, 8) or ""
+    start = raw.start_time_unix_nano
+    status = raw.status
+    # most spans have no event and no link: not even an empty list per span (a third of
+    # decoding a backend's export went to listing nothing)
+    events = raw.events
+    links = raw.links
     return Span(
         trace_id=trace_id,
         span_id=span_id,
-        parent_id=parent,
+        parent_id=_hex(raw.parent_span_id, 8) or "",
         name=raw.name[:256],
         service=service,
         kind=otlp.KIND_NAMES.get(raw.kind, "unspecified"),
-        start_ns=raw.start_time_unix_nano,
-        end_ns=max(raw.end_time_unix_nano, raw.start_time_unix_nano),
+        start_ns=start,
+        end_ns=max(raw.end_time_unix_nano, start),
         attributes=raw.SerializeToString(),
-        status=_STATUS.get(raw.status.code, "unset"),
-        message=raw.status.message[:MAX_VALUE],
+        status=_STATUS.get(status.code, "unset"),
+        message=status.message[:MAX_VALUE],
         events=[
             {
                 "name": e.name[:256],
                 "time_ns": e.time_unix_nano,
                 "attributes": _attributes(e.attributes),
             }
-            for e in list(raw.events)[:MAX_ATTRIBUTES]
-        ],
+            for e in list(events)[:MAX_ATTRIBUTES]
+        ]
+        if events
+        else None,
         links=[
             (t, s)
-            for link in list(raw.links)[:MAX_ATTRIBUTES]
+            for link in list(links)[:MAX_ATTRIBUTES]
             if (t := _hex(link.trace_id, 16)) is not None
             and (s := _hex(link.span_id, 8)) is not None
-        ],
+        ]
+        if links
+        else None,
     )
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -227,6 +228,95 @@ def test_sighup_reloads_tracing_in_every_process_without_restarting_one(tmp_path
         assert set(pids(port, 16)) == children
     finally:
         procs.stop_all()
+
+
+def _volume(directory: Path, config: dict[str, Any], version: int) -> None:
+    """`directory` as the kubelet writes a ConfigMap volume: the key is a symlink through
+    `..data`, itself a symlink to a timestamped directory, swapped in by one rename."""
+    directory.mkdir(exist_ok=True)
+    fresh = directory / f"..2026_12_06_{version:02d}"
+    fresh.mkdir()
+    (fresh / "backend.json").write_text(json.dumps(config))
+    (directory / "..data_tmp").symlink_to(fresh.name)
+    (directory / "..data_tmp").rename(directory / "..data")
+    if not (directory / "backend.json").is_symlink():
+        (directory / "backend.json").symlink_to("..data/backend.json")
+    for old in directory.glob("..2026_12_06_*"):
+        if old != fresh:
+            (old / "backend.json").unlink()
+            old.rmdir()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_watched_configmap_volume_reloads_tracing_in_place(
+    tmp_path: Path, processes: int
+) -> None:
+    """On Kubernetes no `meshfn up` sends SIGHUP: the backend looks at its config file every
+    `--watch-config` seconds and reloads the tracing of a new one, swapped in as the kubelet
+    swaps a ConfigMap volume, confined by Landlock (which may read the volume's directory,
+    not only the file it started with) and seccomp. A file that does not parse changes
+    nothing; the next good one applies; no process restarts."""
+    procs = Processes(tmp_path)
+    try:
+        _, key = publish_examples(tmp_path / "registry")
+        volume = tmp_path / "volume"
+        base = {"registry": str(tmp_path / "registry"), "trustedKeys": [str(key)],
+                "processes": processes, "functions": [{"name": "digits"}]}  # fmt: skip
+        traced = {**base, "tracing": {"pullToken": "ab" * 16, "sampling": 7}}
+        _volume(volume, traced, 1)
+        port = free_port()
+        backend = procs.start(
+            "backend",
+            [PY, "-P", "-m", "meshfn.inference", "serve", "--config", str(volume / "backend.json"),
+             "--port", str(port), "--log-level", "info", "--drain-timeout", "2",
+             "--watch-config", "0.2"],
+        )  # fmt: skip
+        wait_for("the backend", lambda: len(pids(port)) == processes, timeout=90, proc=backend)
+        serving = set(tracings(port))
+        assert "landlock" in backend.output().lower()
+
+        def shown(sampling: float) -> bool:
+            seen = tracings(port)
+            return set(seen) == serving and all(
+                (t or {}).get("sampling") == sampling for t in seen.values()
+            )
+
+        assert shown(7)
+        _volume(volume, {**traced, "tracing": {"pullToken": "ab" * 16, "sampling": 42}}, 2)
+        wait_for("tracing at 42%", lambda: shown(42), timeout=30, proc=backend)
+        (volume / "..2026_12_06_02" / "backend.json").unlink()
+        broken = volume / "..2026_12_06_03"
+        broken.mkdir()
+        (broken / "backend.json").write_text("{not a config")
+        (volume / "..data_tmp").symlink_to(broken.name)
+        (volume / "..data_tmp").rename(volume / "..data")
+        (volume / "..2026_12_06_02").rmdir()
+        wait_for(
+            "the broken file refused",
+            lambda: "config reload: tracing unchanged" in backend.output(),
+            timeout=30,
+            proc=backend,
+        )
+        assert shown(42)
+        _volume(volume, {**traced, "tracing": {"pullToken": "ab" * 16, "sampling": 3}}, 4)
+        wait_for("tracing at 3%", lambda: shown(3), timeout=30, proc=backend)
+        assert "restarting" not in backend.output(), backend.output()[-2000:]
+        assert set(pids(port, 16)) == serving
+    finally:
+        procs.stop_all()
+
+
+def test_watch_config_needs_a_file_and_a_sane_period(tmp_path: Path) -> None:
+    (tmp_path / "c.json").write_text(json.dumps({"registry": str(tmp_path)}))
+    for argv, message in (
+        (["--registry", str(tmp_path), "--watch-config", "5"], "a --config file to watch"),
+        (["--config", str(tmp_path / "c.json"), "--watch-config", "0.01"], "0.1 to 3600"),
+    ):
+        done = subprocess.run(
+            [PY, "-P", "-m", "meshfn.inference", "serve", *argv],
+            check=False, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode != 0 and message in done.stderr + done.stdout, done
 
 
 def test_meshfn_up_runs_each_backend_process_behind_its_own_socket(tmp_path: Path) -> None:

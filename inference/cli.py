@@ -263,6 +263,14 @@ def serve_cmd(
     ] = 10.0,
     log_format: Annotated[str, typer.Option(help="json | human")] = "json",
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
+    watch_config: Annotated[
+        float,
+        typer.Option(
+            "--watch-config",
+            help="seconds between two looks at --config's file: a new file there reloads its "
+            "tracing as SIGHUP does (a Kubernetes ConfigMap volume); 0: SIGHUP only",
+        ),
+    ] = 0.0,
 ) -> None:
     """Serve the registry's functions (or those in --config) until SIGTERM; then drain, exit 0."""
     from meshfn.common.logs import setup_logging
@@ -293,17 +301,23 @@ def serve_cmd(
             fail("pass --registry DIR or --config FILE")
         if loop not in ("asyncio", "uvloop"):
             fail(f"--loop must be asyncio or uvloop, not {loop!r}")
+        if watch_config and (config is None or not 0.1 <= watch_config <= 3600):
+            fail("--watch-config takes 0.1 to 3600 seconds, and a --config file to watch")
         sockets, grpc_sockets = _unix_sockets(cfg, unix_socket, grpc_unix_socket, grpc_port)
         if cfg.processes > 1 and listen_fd is None:
             from .supervisor import Supervisor
 
             extra = ["--log-format", log_format, "--log-level", log_level, "--loop", loop]
             supervisor = Supervisor(
-                cfg, host, port, drain_timeout, grpc_port, extra, sockets, grpc_sockets, config
-            )
+                cfg, host, port, drain_timeout, grpc_port, extra, sockets, grpc_sockets, config,
+                watch_config,
+            )  # fmt: skip
             asyncio.run(supervisor.run())
             return
-        sandbox = _confine(cfg, config, host, port, grpc_port, listen_fd, sockets, grpc_sockets)
+        # watched, the file is replaced, not rewritten: its directory may be read (a ConfigMap
+        # volume holds its keys and nothing else)
+        readable = config.parent if config is not None and watch_config else config
+        sandbox = _confine(cfg, readable, host, port, grpc_port, listen_fd, sockets, grpc_sockets)
         # Only now: the server imports numpy, whose BLAS starts a thread, and Landlock confines
         # only the threads created after it.
         from .server import serve
@@ -319,6 +333,7 @@ def serve_cmd(
             grpc_sockets[0] if grpc_sockets else None,
             sandbox,
             config,
+            watch_config,
         )
         if loop == "uvloop":
             import uvloop

@@ -21,8 +21,11 @@ The schema is meshfn.contracts.function (shared with the `Function` policy, so a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -76,11 +79,33 @@ def reread_for_tracing(path: Path, started: BackendConfig) -> BackendConfig | No
     try:
         fresh = load_config(path)
     except ConfigError as exc:
-        log.error("SIGHUP: tracing unchanged: %s", exc)
+        log.error("config reload: tracing unchanged: %s", exc)
         return None
     if fresh.model_dump(exclude={"tracing"}) != started.model_dump(exclude={"tracing"}):
         log.warning(
-            "SIGHUP reloads tracing only: the other changes in %s apply when the backend restarts",
+            "a config reload takes tracing only: the other changes in %s apply when the backend restarts",
             path,
         )
     return fresh
+
+
+def _signature(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        found = os.stat(path)  # through the symlinks a ConfigMap volume swaps
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino, found.st_mtime_ns, found.st_size
+
+
+async def watch_config(path: Path, every: float, changed: Callable[[], None]) -> None:
+    """Call `changed` (what SIGHUP calls) once the file at `path` is another: a backend that no
+    `meshfn up` signals, on Kubernetes, sees its ConfigMap's new content this way (the kubelet
+    swaps a new file in behind the volume's symlinks). One stat every `every` seconds; a
+    file that is gone for a moment (mid-swap) changes nothing until it is back."""
+    seen = _signature(path)
+    while True:
+        await asyncio.sleep(every)
+        now = _signature(path)
+        if now is not None and now != seen:
+            seen = now
+            changed()

@@ -31,7 +31,7 @@ from meshfn.contracts.rollout import MODEL_VERSION_HEADER, SHADOW_PATH
 from meshfn.contracts.tracing import SPANS_MAX_WAIT_S, SPANS_PATH, SPANS_WAIT
 
 from .backend import Backend, Reply
-from .config import BackendConfig, load_config, reread_for_tracing
+from .config import BackendConfig, load_config, reread_for_tracing, watch_config
 from .generate_http import OPENAI_OPERATIONS, GenerateFront, StreamReply
 from .http import HttpServer, Request, Response
 from .kserve import KServeError, error_body, unsupported
@@ -382,9 +382,22 @@ def reload_tracing(backend: Backend, config_path: Path, started: BackendConfig) 
     try:
         backend.tracer.reconfigure(fresh.tracing)
     except ValueError as exc:
-        log.error("SIGHUP: tracing unchanged: %s", exc)
+        log.error("config reload: tracing unchanged: %s", exc)
         return
     log.info("tracing reloaded", extra={"tracing": backend.tracer.document()})
+
+
+def _follow_config(
+    backend: Backend, config_path: Path, watch_every: float
+) -> asyncio.Task[None] | None:
+    """SIGHUP (`meshfn up` sends it) and, every `watch_every` seconds, a new file at
+    `config_path` (a Kubernetes ConfigMap: config.watch_config) reload the tracing; the
+    watching task, if any."""
+    reload = functools.partial(reload_tracing, backend, config_path, load_config(config_path))
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+    if watch_every <= 0:
+        return None
+    return asyncio.create_task(watch_config(config_path, watch_every, reload))
 
 
 async def _start_grpc(
@@ -422,6 +435,7 @@ async def serve(
     grpc_unix_socket: Path | None = None,
     sandbox: Sandbox | None = None,
     config_path: Path | None = None,
+    watch_every: float = 0.0,
 ) -> None:
     """Run until SIGTERM/SIGINT, then drain and return (the caller exits 0). `listen_fd`: a
     child of the supervisor (supervisor.py) accepting from its shared socket. `unix_socket`,
@@ -429,7 +443,7 @@ async def serve(
     `meshfn up` does behind a sidecar: only the sidecar's user can connect). `sandbox`: its
     Landlock domain is in force already; its seccomp filter goes on once everything started.
     `config_path`: the file `config` came from, whose `tracing` SIGHUP takes anew
-    (reload_tracing)."""
+    (reload_tracing), as does a new file there when `watch_every` > 0 (config.watch_config)."""
     from .grpc_api import GrpcServer
     from .supervisor import adopt
 
@@ -443,9 +457,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if config_path is not None:
-        started = load_config(config_path)
-        loop.add_signal_handler(signal.SIGHUP, reload_tracing, backend, config_path, started)
+    watching = _follow_config(backend, config_path, watch_every) if config_path else None
     # Alone, bind first: a port conflict fails before verification. A supervisor's child
     # (listen_fd) verifies first and only then accepts: its socket is bound already, and the
     # connections queued on it (a restarted child's, under load) must meet verified functions.
@@ -490,6 +502,8 @@ async def serve(
             await grpc.stop(drain_timeout)
         await backend.drain(drain_timeout)
     finally:
+        if watching:
+            watching.cancel()
         await http.close()
         if grpc is not None:
             await grpc.stop(0)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -45,7 +46,7 @@ from pathlib import Path
 from meshfn.common.processes import die_with_parent
 from meshfn.common.unix import listen_private
 
-from .config import BackendConfig, load_config, reread_for_tracing
+from .config import BackendConfig, load_config, reread_for_tracing, watch_config
 
 log = logging.getLogger("meshfn.inference.supervisor")
 
@@ -76,9 +77,11 @@ class Supervisor:
         unix_sockets: Sequence[Path] = (),
         grpc_unix_sockets: Sequence[Path] = (),
         config_path: Path | None = None,
+        watch_every: float = 0.0,
     ) -> None:
         self.config = config
         self.config_path = config_path  # SIGHUP takes its `tracing` anew (_reload)
+        self.watch_every = watch_every  # and so does a new file there (config.watch_config)
         self._started: BackendConfig | None = None  # the file as it was at start
         self.host, self.port, self.grpc_port = host, port, grpc_port
         # One socket per child, instead of the shared port: child k accepts from the k-th (a
@@ -121,13 +124,11 @@ class Supervisor:
         with tempfile.TemporaryDirectory(prefix="meshfn-backend-") as tmp:
             config_path = Path(tmp) / "backend.json"
             self._write_child_config(config_path, self.config)
-            if self.config_path is not None:
-                self._started = load_config(self.config_path)
-                loop.add_signal_handler(signal.SIGHUP, self._reload, config_path)
             keepers = [
                 asyncio.create_task(self._keep(i, config_path, sock.fileno()))
                 for i, sock in enumerate(socks)
             ]
+            watching = self._follow_config(config_path)
             where = (
                 {"unix_sockets": [str(p) for p in self.unix_sockets]}
                 if self.unix_sockets
@@ -136,6 +137,8 @@ class Supervisor:
             log.info("supervising", extra={"processes": self.config.processes, **where})
             await stop.wait()
             self.stopping = True
+            if watching is not None:
+                watching.cancel()
             for child in list(self.children.values()):
                 with contextlib.suppress(ProcessLookupError):
                     child.send_signal(signal.SIGTERM)
@@ -163,6 +166,18 @@ class Supervisor:
             }
         )
         path.write_text(child.model_dump_json())
+
+    def _follow_config(self, child_path: Path) -> asyncio.Task[None] | None:
+        """SIGHUP and, every `watch_every` seconds, a new file at `config_path` reload the
+        tracing (_reload); the watching task, if any."""
+        if self.config_path is None:
+            return None
+        self._started = load_config(self.config_path)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload, child_path)
+        if self.watch_every <= 0:
+            return None
+        reload = functools.partial(self._reload, child_path)
+        return asyncio.create_task(watch_config(self.config_path, self.watch_every, reload))
 
     def _reload(self, child_path: Path) -> None:
         """SIGHUP: the children's config takes the file's new `tracing`, and each child is

@@ -22,6 +22,7 @@ serves Functions gets
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -36,6 +37,8 @@ from meshfn.contracts.tracing import BackendTracing
 Obj = dict[str, Any]
 
 CONFIG_DIR = "/etc/meshfn/backend"
+# how often a backend looks for a new ConfigMap (the kubelet itself syncs it within ~a minute)
+WATCH_CONFIG_S = 5
 KEYS_DIR = "/etc/meshfn/keys"
 REGISTRY_DIR = "/var/lib/meshfn/functions"
 PORT = 8080
@@ -121,6 +124,17 @@ def _labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "inference-backend"}
 
 
+def _restart_hash(config: BackendConfig) -> str:
+    """The pod template's `meshfn.io/config-hash`: a change rolls the pods. The tracing's
+    sampling and tags are not in it, since the backends watch their ConfigMap and take a new
+    `tracing` in place (--watch-config), as SIGHUP does under `meshfn up`; where the spans go
+    is, since the sandbox fixes the peers a backend may reach when it starts."""
+    kept = config.model_dump(mode="json", exclude={"tracing"})
+    kept["tracing.endpoint"] = config.tracing.endpoint if config.tracing is not None else None
+    text = json.dumps(kept, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _pod(
     name: str,
     config_hash: str,
@@ -165,6 +179,8 @@ def _pod(
             "--port",
             str(PORT),
             *(("--grpc-port", str(GRPC_PORT)) if grpc else ()),
+            "--watch-config",
+            str(WATCH_CONFIG_S),
         ],
         "ports": [
             {"name": "http", "containerPort": PORT, "protocol": "TCP"},
@@ -249,7 +265,7 @@ def render_backends(
         text = yaml.safe_dump(
             config.model_dump(mode="json", exclude_none=True), sort_keys=False, width=100
         )
-        config_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
+        config_hash = _restart_hash(config)
         meta = {"name": name, "namespace": ns, "labels": _labels(name)}
         account = service.identity.rsplit("/sa/", 1)[1]
         out.append(

@@ -1,21 +1,25 @@
 """Tracing on Kubernetes: the Helm value tracing.collector reaches the operator's configuration,
 the Istio rendering (the meshfn-otlp provider) and the inference backends' configuration; a
-Mesh that traces with no collector anywhere renders no tracing and says why."""
+Mesh that traces with no collector anywhere renders no tracing and says why; a new sampling
+reaches the backends through their ConfigMap without rolling their pods."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from meshfn import ir
 from meshfn.contracts.function import BackendConfig
 from meshfn.ir import MeshModel, Overlay
 from meshfn.istio import RenderOptions
 from meshfn.istio.core import Context
 from meshfn.istio.telemetry import mesh_config, telemetries
 from meshfn.kube.controller import OperatorConfig
-from meshfn.kube.workloads import BackendSettings, render_backends
+from meshfn.kube.workloads import WATCH_CONFIG_S, BackendSettings, render_backends
 from meshfn.policy.loader import load_policies
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,3 +79,56 @@ def _mesh_config(
     telemetries(ctx)
     snippet: dict[str, dict[str, list[dict[str, object]]]] = mesh_config(ctx)
     return snippet["meshConfig"], {w.code for w in ctx.warnings}
+
+
+def _backend_objects(
+    tmp: Path, tracing: str, collector: str = "http://otel.observability.svc:4318/v1/traces"
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """The examples' backend objects by (kind, name), with the Mesh's `tracing` lines replaced
+    by `tracing`."""
+    shutil.copytree(EXAMPLES, tmp)
+    mesh = tmp / "mesh.yaml"
+    shipped = "  tracing:\n    sampling: 10\n"
+    assert shipped in mesh.read_text()
+    mesh.write_text(mesh.read_text().replace(shipped, tracing))
+    rendered = render_backends(
+        load_policies(tmp),
+        BackendSettings(),
+        keda=False,
+        collector=ir.TraceCollector.parse(collector),
+    )
+    return {(r.obj["kind"], r.obj["metadata"]["name"]): r.obj for r in rendered}
+
+
+def test_a_new_sampling_reaches_the_backends_without_rolling_their_pods(tmp_path: Path) -> None:
+    """The pod template's config hash leaves the sampling out: the backends watch their
+    ConfigMap (--watch-config) and reload it in place. Turning tracing on or off, or another
+    collector, changes the hash: the sandbox fixes where a backend may send spans at start."""
+    at10 = _backend_objects(tmp_path / "10", "  tracing:\n    sampling: 10\n")
+    at1 = _backend_objects(tmp_path / "1", "  tracing:\n    sampling: 1\n")
+    off = _backend_objects(tmp_path / "off", "")
+    elsewhere = _backend_objects(
+        tmp_path / "elsewhere", "  tracing:\n    sampling: 10\n", "grpc://tempo.tracing.svc:4317"
+    )
+    deployments = [key for key in at10 if key[0] == "Deployment"]
+    assert deployments and set(at10) == set(at1) == set(off) == set(elsewhere)
+    for key in deployments:
+        name = key[1]
+        configs = [
+            BackendConfig.model_validate(yaml.safe_load(o[("ConfigMap", f"{name}-backend")]["data"]["backend.yaml"]))
+            for o in (at10, at1)
+        ]  # fmt: skip
+        assert [c.tracing.sampling for c in configs if c.tracing is not None] == [10.0, 1.0]
+        assert at1[key] == at10[key], name  # the same pods
+        (container,) = at10[key]["spec"]["template"]["spec"]["containers"]
+        args = container["args"]
+        assert args[args.index("--watch-config") + 1] == str(WATCH_CONFIG_S)
+
+        def digest(
+            objects: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str] = key
+        ) -> str:
+            return str(
+                objects[key]["spec"]["template"]["metadata"]["annotations"]["meshfn.io/config-hash"]
+            )
+
+        assert len({digest(at10), digest(off), digest(elsewhere)}) == 3, name

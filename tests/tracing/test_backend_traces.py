@@ -571,6 +571,7 @@ async def test_sighup_reloads_tracing_in_place_and_nothing_else(
         messages = [r.getMessage() for r in caplog.records]
         assert any("a new collector endpoint" in m and "needs a restart" in m for m in messages)
         assert any(
-            m.startswith("config reload: tracing unchanged") and "backend.json" in m for m in messages
+            m.startswith("config reload: tracing unchanged") and "backend.json" in m
+            for m in messages
         )
         assert any("takes tracing only" in m for m in messages)

@@ -2,17 +2,22 @@
 the models' sidecars, their inference backends), iris infer requests sent one at a time over a
 keep-alive connection, with tracing off, at 1% sampling and at 100% sampling.
 
-Each round measures the three phases, each round starting with another: 1% is the Mesh's
-sampling, 100% the edge gateway's own (its sidecars and backends follow the gateway's decision);
-off removes tracing. No phase restarts anything: the Envoys take their new configuration over
-xDS and the backends reload their tracing in place (SIGHUP), so the phases differ in tracing
-alone, not in how warm a freshly started backend is, and short phases can alternate many times
-(the machine's drift over a run is larger than the effect). `backends_restarted` in the JSON
-says whether any process changed during the run (it must not). Per phase:
-the client's p50 and the CPU of every process `meshfn up` started (Envoys, backends, upstreams)
-per request, schedstat run time, and the Envoys' part of it; the control plane's own CPU (the
-embedded collector receiving the spans) separately. The added p50 and CPU are medians of the
-per-round differences from that round's `off`.
+Two meshes run side by side, and the client alternates between them in blocks of `--block`
+requests: what a phase adds is what one mesh took more than the other over the same seconds.
+The machine's drift over a run (a round's p50 moves by 100-150 µs on this shared VM) is larger
+than the effect at 1% (tens of µs); phases measured one after the other on one mesh could not
+resolve it even over 16 rounds, while interleaved the rounds agree within ~25 µs. Each round
+compares `off` with 1%, then with 100% (or the other way round), the mesh that runs `off`
+changing from round to round so that neither mesh's own difference counts. 1% is the Mesh's
+sampling, 100% the edge gateway's own (its sidecars and backends follow the gateway's
+decision); off removes tracing. No phase restarts anything: the Envoys take their new
+configuration over xDS and the backends reload their tracing in place (SIGHUP), so the phases
+differ in tracing alone, not in how warm a freshly started backend is; `backends_restarted` in
+the JSON says whether any process changed during the run (it must not). Per mesh and
+comparison: the client's p50 and the CPU of every process `meshfn up` started (Envoys,
+backends, upstreams) per request, schedstat run time, and the Envoys' part of it; the control
+plane's own CPU (the embedded collector receiving the spans) separately. The added p50 and CPU
+are medians over the rounds of the traced mesh minus the `off` one.
 
 `backend_span_us`: what one traced request costs the backend (bench/tracing_spans.py, in
 process): its spans on the request's path plus its share of the exporter's OTLP encoding.
@@ -102,9 +107,8 @@ def _cpu(pids: list[int]) -> int:
 
 
 class Bench:
-    def __init__(self, tmp: Path, requests: int) -> None:
+    def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.requests = requests
         self.mapping = remap(EXAMPLES, tmp / "examples")
         self.mesh = tmp / "examples" / "mesh.yaml"
         self.original = self.mesh.read_text()
@@ -170,36 +174,52 @@ class Bench:
             b"\r\n\r\n", f"\r\nauthorization: Bearer {self.token}\r\n\r\n".encode(), 1
         )
 
-    def measure(self, warmup: int = 200) -> dict[str, float]:
-        """p50 over `requests` sequential requests; CPU per request of meshfn up's children
-        and of meshfn up itself."""
-        client = RawHttp("127.0.0.1", self.port)
-        raw = self._raw(client)
-        try:
+    def processes(self) -> dict[str, list[int]]:
+        """meshfn up's children (all, and the Envoys among them) and meshfn up itself."""
+        pids = children(self.up_pid)
+        self.seen.append(sorted(pids))
+        envoys = [pid for pid in pids if _comm(pid) == "envoy"]
+        return {"mesh": pids, "envoy": envoys, "control_plane": [self.up_pid]}
+
+
+def measure_pair(
+    benches: tuple[Bench, Bench], requests: int, block: int, warmup: int = 200
+) -> list[dict[str, float]]:
+    """Each mesh's p50 over `requests` sequential requests, sent in alternating blocks of
+    `block` (the two meshes share the machine's drift), and the CPU per request of each mesh's
+    processes over the same seconds."""
+    clients = [RawHttp("127.0.0.1", bench.port) for bench in benches]
+    try:
+        raws = [bench._raw(client) for bench, client in zip(benches, clients, strict=True)]
+        for client, raw in zip(clients, raws, strict=True):
             for _ in range(warmup):
                 assert client.send(raw)[0] == 200
-            pids = children(self.up_pid)
-            self.seen.append(sorted(pids))
-            envoys = [pid for pid in pids if _comm(pid) == "envoy"]
-            mesh_before, cp_before = _cpu(pids), cpu_ns(self.up_pid)
-            envoy_before = _cpu(envoys)
-            times = []
-            for _ in range(self.requests):
-                started = time.perf_counter()
-                status, body = client.send(raw)
-                times.append((time.perf_counter() - started) * 1e6)
-                assert status == 200, body
-            mesh_after, cp_after = _cpu(pids), cpu_ns(self.up_pid)
-            envoy_after = _cpu(envoys)
-        finally:
+        groups = [bench.processes() for bench in benches]
+        before = [{k: _cpu(pids) for k, pids in g.items()} for g in groups]
+        times: list[list[float]] = [[], []]
+        for n in range(-(-requests // block)):
+            for i in (0, 1) if n % 2 == 0 else (1, 0):
+                client, raw, took = clients[i], raws[i], times[i]
+                for _ in range(min(block, requests - n * block)):
+                    started = time.perf_counter()
+                    status, body = client.send(raw)
+                    took.append((time.perf_counter() - started) * 1e6)
+                    assert status == 200, body
+        after = [{k: _cpu(pids) for k, pids in g.items()} for g in groups]
+    finally:
+        for client in clients:
             client.close()
-        return {
-            "p50_us": statistics.median(times),
-            "p99_us": load.pct(times, 0.99),
-            "mesh_cpu_us": (mesh_after - mesh_before) / self.requests / 1000,
-            "envoy_cpu_us": (envoy_after - envoy_before) / self.requests / 1000,
-            "control_plane_cpu_us": (cp_after - cp_before) / self.requests / 1000,
+    return [
+        {
+            "p50_us": statistics.median(took),
+            "p99_us": load.pct(took, 0.99),
+            **{
+                f"{kind}_cpu_us": (end[kind] - begin[kind]) / len(took) / 1000
+                for kind in ("mesh", "envoy", "control_plane")
+            },
         }
+        for took, begin, end in zip(times, before, after, strict=True)
+    ]
 
 
 def spans(python: str, count: int, side: str) -> dict[str, float]:
@@ -216,22 +236,36 @@ def spans(python: str, count: int, side: str) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="meshfn-bench-tracing-") as tmp:
-        bench = Bench(Path(tmp), args.requests)
-        rounds: list[dict[str, dict[str, float]]] = []
+        benches: list[Bench] = []
+        rounds: list[dict[str, dict[str, Any]]] = []
         try:
-            bench.start()
+            for name in ("a", "b"):  # the second takes its ports once the first holds its own
+                (Path(tmp) / name).mkdir()
+                benches.append(Bench(Path(tmp) / name))
+                benches[-1].start()
+            pair = (benches[0], benches[1])
             for n in range(args.rounds):
-                measured = {}
-                for phase in PHASES[n % 3 :] + PHASES[: n % 3]:  # each phase first in turn
-                    bench.switch(phase)
-                    measured[phase] = bench.measure()
+                measured: dict[str, dict[str, Any]] = {}
+                off = n % 2  # the mesh that runs `off` in this round
+                for traced in ("p1", "p100") if n % 4 < 2 else ("p100", "p1"):
+                    phases = [traced, traced]
+                    phases[off] = "off"
+                    for bench, phase in zip(pair, phases, strict=True):
+                        bench.switch(phase)
+                    figures = measure_pair(pair, args.requests, args.block)
+                    measured[traced] = {
+                        "off": figures[off],
+                        traced: figures[1 - off],
+                        "off_mesh": "ab"[off],
+                    }
                 rounds.append(measured)
         finally:
-            bench.procs.stop_all()
+            for bench in benches:
+                bench.procs.stop_all()
     ours = spans(sys.executable, args.span_requests, "ours")
     data: dict[str, Any] = {
         "rounds": rounds,
-        "backends_restarted": any(seen != bench.seen[0] for seen in bench.seen),
+        "backends_restarted": any(seen != b.seen[0] for b in benches for seen in b.seen),
         "spans": {"ours": ours},
         "goals": GOALS,
     }
@@ -240,19 +274,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def _added(rounds: list[dict[str, dict[str, float]]], phase: str, key: str) -> float:
-    return statistics.median(r[phase][key] - r["off"][key] for r in rounds)
+def _differences(rounds: list[dict[str, dict[str, Any]]], phase: str, key: str) -> list[float]:
+    return [r[phase][phase][key] - r[phase]["off"][key] for r in rounds]
+
+
+def _added(rounds: list[dict[str, dict[str, Any]]], phase: str, key: str) -> float:
+    return float(statistics.median(_differences(rounds, phase, key)))
+
+
+def _spread(rounds: list[dict[str, dict[str, Any]]], phase: str) -> float:
+    """The rounds' standard deviation of the added p50: what one round can resolve."""
+    found = _differences(rounds, phase, "p50_us")
+    return statistics.stdev(found) if len(found) > 1 else 0.0
 
 
 def summarise(data: dict[str, Any]) -> dict[str, Any]:
     rounds = data["rounds"]
     ours = data["spans"]["ours"]
     summary: dict[str, Any] = {
-        "off_p50_us": statistics.median(r["off"]["p50_us"] for r in rounds),
+        "off_p50_us": statistics.median(r[t]["off"]["p50_us"] for r in rounds for t in r),
         "p1_added_us": _added(rounds, "p1", "p50_us"),
         "p100_added_us": _added(rounds, "p100", "p50_us"),
+        "p1_added_sd_us": _spread(rounds, "p1"),
+        "p100_added_sd_us": _spread(rounds, "p100"),
         "backend_span_us": ours["hot"] + ours["encode"],
-        "off_cpu_us": statistics.median(r["off"]["mesh_cpu_us"] for r in rounds),
+        "off_cpu_us": statistics.median(r[t]["off"]["mesh_cpu_us"] for r in rounds for t in r),
         "p1_added_cpu_us": _added(rounds, "p1", "mesh_cpu_us"),
         "p100_added_cpu_us": _added(rounds, "p100", "mesh_cpu_us"),
         "p1_added_envoy_cpu_us": _added(rounds, "p1", "envoy_cpu_us"),
@@ -270,8 +316,11 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--rounds", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=1000, help="per phase and round")
+    parser.add_argument(
+        "--rounds", type=int, default=10, help="each compares off with 1%% and 100%%"
+    )
+    parser.add_argument("--requests", type=int, default=1000, help="per mesh and comparison")
+    parser.add_argument("--block", type=int, default=25, help="requests to one mesh in a row")
     parser.add_argument("--span-requests", type=int, default=20000)
     parser.add_argument("--sdk", help="a Python with opentelemetry-sdk, for the comparison")
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")

@@ -21,8 +21,14 @@ Two ways to the same backends, and a bench backend of its own:
           generation.auditText hmac: the accounting and audit a budgeted request costs)
 Each measure streams N concurrent `/v1/completions` (stream: true, a fixed seed and `--tokens`
 max_tokens, temperature 0.8) over kept-alive connections (as the SDK's client pool does);
-mesh and direct alternate round by round, which goes first alternating too, `--pairs` rounds
-at one stream and `--rounds` at more:
+mesh and direct alternate, which goes first alternating too, `--pairs` rounds at one stream
+(in blocks of `--block` rounds each way) and `--rounds` at more. Stream by stream, every stream
+through the mesh would follow one straight to the backend, which leaves the Envoys idle (their
+caches cold) and the backend warm: each mesh stream would pay for the proxies' wake-up and
+cache misses and no direct stream for the backend's, a bias against the mesh that a client
+sending one stream after another through it does not meet. In blocks only a block's first
+stream does; the one-stream pairs are also run stream by stream (`one_stream_alternating` in
+the JSON) to show the difference:
   ttft  the time from sending the request to its first text chunk
   itl   a stream's inter-token latency: the time from its first text chunk to its last over
         its completion tokens after the first (OpenTelemetry's time per output token, per
@@ -241,19 +247,35 @@ def start_mesh(
 
 async def run_ways(
     ways: dict[str, Way], pairs: list[tuple[str, str]], levels: list[int], rounds: int,
-    repeats: int, tokens: int,
+    repeats: int, tokens: int, block: int = 1,
 ) -> dict[str, dict[int, list[dict[str, Any]]]]:  # fmt: skip
     """Every way's rounds (the first round of each warms it up): the first pair at every level,
     the others at the top level, a pair's two ways alternating, and which of them goes first
-    too; the ways in no pair at the top level."""
+    too (at one stream in blocks of `block` rounds); the ways in no pair at the top level.
+    With blocks, the first pair's one-stream rounds again stream by stream, as
+    `{way}_alternating`."""
     top = max(levels)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {w: {n: [] for n in levels} for w in ways}
+
+    async def alternate(pair: tuple[str, str], n: int, count: int, size: int) -> None:
+        turns = range(count + 1)
+        for b, start in enumerate(range(0, len(turns), size)):
+            for name in pair if b % 2 == 0 else pair[::-1]:
+                for turn in turns[start : start + size]:
+                    runs[name][n].append(await measure(ways[name], n, tokens, 1, turn))
+
     for i, pair in enumerate(pairs):
         for n in levels if i == 0 else [top]:
-            for turn in range((repeats if n == 1 else rounds) + 1):
-                order = pair if turn % 2 == 0 else pair[::-1]
-                for name in order:
-                    runs[name][n].append(await measure(ways[name], n, tokens, 1, turn))
+            await alternate(pair, n, repeats if n == 1 else rounds, block if n == 1 else 1)
+    if block > 1:
+        first = pairs[0]
+        before = {name: runs[name][1] for name in first}
+        for name in first:
+            runs[name][1] = []
+        await alternate(first, 1, repeats, 1)
+        for name in first:
+            runs[f"{name}_alternating"] = {1: runs[name][1]}
+            runs[name][1] = before[name]
     paired = {name for pair in pairs for name in pair}
     for name in [w for w in ways if w not in paired]:
         for turn in range(rounds + 1):
@@ -340,7 +362,7 @@ async def measure_all(
             "bench_accounted": Way([tcp], bench + path.format("tiny-acct"), "tiny-acct", acme),
         }
         pairs = [("mesh", "direct"), ("mesh_joined", "direct_joined")]
-        return await run_ways(ways, pairs, levels, args.rounds, args.pairs, args.tokens)
+        return await run_ways(ways, pairs, levels, args.rounds, args.pairs, args.tokens, args.block)
 
 
 def main() -> None:
@@ -348,9 +370,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="max_tokens per stream")
     parser.add_argument("--rounds", type=int, default=5, help="rounds at more than one stream")
     parser.add_argument("--pairs", type=int, default=200, help="rounds at one stream")
+    parser.add_argument(
+        "--block", type=int, default=10, help="rounds in a row each way at one stream"
+    )
     parser.add_argument("--concurrency", default="1,4,16", help="streams at once, comma-separated")
     parser.add_argument("--json", type=Path, default=RESULTS / "generative.json")
     args = parser.parse_args()
+    if args.block < 1:
+        parser.error("--block must be at least 1")
     levels = sorted({int(c) for c in args.concurrency.split(",")})
     if args.tokens < 2:
         parser.error("--tokens must be at least 2 (an inter-token latency needs two)")
@@ -390,6 +417,12 @@ def main() -> None:
     }
     bench_f = figures["bench_batched"][high]
     detail = {
+        "one_stream_alternating_added_ms": {
+            key: added(runs["mesh_alternating"][1][1:], runs["direct_alternating"][1][1:], key)
+            for key in ("ttft", "itl")
+        }
+        if "mesh_alternating" in runs
+        else None,
         "mesh_added_ms": {
             str(n): {
                 key: added(runs["mesh"][n][1:], runs["direct"][n][1:], key)
@@ -424,7 +457,8 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps({"summary": result, **detail, "figures": figures, "tokens": args.tokens,
-                    "rounds": args.rounds, "pairs": args.pairs, "direct_backends": backends},
+                    "rounds": args.rounds, "pairs": args.pairs, "block": args.block,
+                    "direct_backends": backends},
                    indent=1)
     )  # fmt: skip
     print("generative: " + " ".join(f"{k}={v}" for k, v in result.items()))

@@ -1,6 +1,7 @@
 """bench/generative.py runs end to end (tiny sizes: one and two streams, a few tokens, one
-round, two pairs at one stream; streamInterval 4 paired at the top) and prints its one summary
-line; its figures are consistent with each other."""
+round, two pairs at one stream in blocks of two and again stream by stream; streamInterval 4
+paired at the top) and prints its one summary line; its figures are consistent with each
+other."""
 
 from __future__ import annotations
 
@@ -11,7 +12,18 @@ from meshfn_e2e import run_bench
 
 
 def test_generative_bench_smoke(tmp_path: Path) -> None:
-    tiny = ["--tokens", "8", "--rounds", "1", "--pairs", "2", "--concurrency", "1,2"]
+    tiny = [
+        "--tokens",
+        "8",
+        "--rounds",
+        "1",
+        "--pairs",
+        "2",
+        "--block",
+        "2",
+        "--concurrency",
+        "1,2",
+    ]
     line, data = run_bench("generative.py", tiny, tmp_path, timeout=900)
     assert re.match(
         r"^generative: ttft_p50_ms=[\d.]+ ttft_p99_ms=[\d.]+ itl_p50_ms=[\d.]+ "
@@ -22,8 +34,10 @@ def test_generative_bench_smoke(tmp_path: Path) -> None:
     figures = data["figures"]
     assert set(figures) == {
         "mesh", "direct", "mesh_joined", "direct_joined", "bench_batched", "bench_unbatched",
-        "bench_accounted",
+        "bench_accounted", "mesh_alternating", "direct_alternating",
     }  # fmt: skip
+    assert set(figures["mesh_alternating"]) == set(figures["direct_alternating"]) == {"1"}
+    assert set(data["one_stream_alternating_added_ms"]) == {"ttft", "itl"}
     assert set(figures["mesh"]) == set(figures["direct"]) == {"1", "2"}
     assert set(figures["bench_unbatched"]) == {"2"}  # batching is compared at the top only
     # streamInterval 4 through the mesh and straight, paired at the top level

@@ -33,7 +33,7 @@ from meshfn.contracts.tracing import SPANS_MAX_WAIT_S, SPANS_PATH, SPANS_WAIT
 from .backend import Backend, Reply
 from .config import BackendConfig, load_config, reread_for_tracing, watch_config
 from .generate_http import OPENAI_OPERATIONS, GenerateFront, StreamReply
-from .http import HttpServer, Request, Response
+from .http import HttpServer, Request, Response, on_disconnect
 from .kserve import KServeError, error_body, unsupported
 from .openai_api import error_body as openai_error_body
 from .sandbox import Sandbox
@@ -243,7 +243,20 @@ class Router:
         when none waits."""
         tracer = self.backend.tracer
         if wait:
-            await tracer.queued(wait)
+            lost = False
+
+            def gone() -> None:  # the collector went away: what it would take stays queued
+                nonlocal lost
+                lost = True
+                tracer.wake()
+
+            forget = on_disconnect(gone)
+            try:
+                await tracer.queued(wait)
+            finally:
+                forget()
+            if lost:
+                return None
         exporter = tracer.exporter  # a reload may have replaced it while this waited
         if exporter is None or not exporter.pulled or not exporter.queue:
             return None  # the usual answer: no thread for nothing to encode

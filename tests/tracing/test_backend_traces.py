@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import queue
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -258,7 +259,8 @@ async def test_a_collection_waits_for_the_first_span_and_no_longer(
     registry: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """`?wait=S` (the collector's long poll): an idle backend holds the collection until a
-    span is queued and answers with it at once, or answers 204 after S seconds; a drain
+    span is queued and answers with it at once, or answers 204 after S seconds; a collector
+    that goes away while it waits leaves the spans queued for the next one; a drain
     answers a waiting collection now and every later one without waiting. A `wait` that is not
     a number of seconds within bounds is refused with 400 and takes nothing."""
     async with serving(registry, tmp_path / "http.sock") as found:
@@ -296,6 +298,21 @@ async def test_a_collection_waits_for_the_first_span_and_no_longer(
             assert status == 400 and b"wait must be a number of seconds" in body, (bad, body)
         assert exporter.queued_spans == queued  # nothing taken
         assert (await take("?wait=5"))[0] == 200  # waiting spans answer without a wait
+
+        # a collector that goes away while it waits takes nothing: the span stays queued
+        raw = socket.socket(socket.AF_UNIX)
+        raw.connect(str(found.socket))
+        raw.sendall(
+            f"POST /meshfn/spans?wait=30 HTTP/1.1\r\nHost: b\r\nAuthorization: Bearer {TOKEN}"
+            "\r\nContent-Length: 0\r\n\r\n".encode()
+        )
+        await asyncio.sleep(0.5)
+        raw.close()
+        await asyncio.sleep(0.3)
+        reply = await found.backend.infer("chaos-core", None, BODY.encode(), headers)
+        await asyncio.sleep(0.3)
+        assert exporter.queued_spans > 0
+        assert (await take("?wait=5"))[0] == 200
 
         waiting = asyncio.create_task(take("?wait=30"))
         await asyncio.sleep(0.5)

@@ -133,6 +133,16 @@ def _query(url: bytes) -> str:
     return url[mark + 1 :].split(b"#", 1)[0].decode("latin-1")
 
 
+def query_values(query: str, key: str) -> list[str]:
+    """Every value `key` has in a query string (Request.query), in order, undecoded."""
+    found = []
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if name == key:
+            found.append(value)
+    return found
+
+
 def _too_large(limit: int) -> str:
     return f"request body exceeds {limit} bytes"
 

@@ -33,7 +33,7 @@ from meshfn.contracts.tracing import SPANS_MAX_WAIT_S, SPANS_PATH, SPANS_WAIT
 from .backend import Backend, Reply
 from .config import BackendConfig, load_config, reread_for_tracing, watch_config
 from .generate_http import OPENAI_OPERATIONS, GenerateFront, StreamReply
-from .http import HttpServer, Request, Response, on_disconnect
+from .http import HttpServer, Request, Response, on_disconnect, query_values
 from .kserve import KServeError, error_body, unsupported
 from .openai_api import error_body as openai_error_body
 from .sandbox import Sandbox
@@ -425,13 +425,9 @@ async def _start_grpc(
 
 def _spans_wait(query: str) -> float | None:
     """SPANS_WAIT's seconds (0 when absent), None when it is not a number within bounds."""
-    value = "0"
-    for part in query.split("&"):
-        key, _, given = part.partition("=")
-        if key == SPANS_WAIT:
-            value = given
+    given = query_values(query, SPANS_WAIT)
     try:
-        wait = float(value)
+        wait = float(given[-1]) if given else 0.0
     except ValueError:
         return None
     return wait if 0 <= wait <= SPANS_MAX_WAIT_S else None

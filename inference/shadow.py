@@ -30,6 +30,8 @@ from meshfn.contracts.rollout import (
     ShadowReport,
 )
 
+from .http import query_values
+
 if TYPE_CHECKING:
     from .backend import Backend, Reply
 
@@ -168,9 +170,8 @@ class Shadows:
     def report(self, query: str) -> dict[str, Any]:
         """What `SHADOW_PATH?after=SEQ` answers."""
         after = 0
-        for part in query.split("&"):
-            key, _, value = part.partition("=")
-            if key == "after" and value.isdigit():
+        for value in query_values(query, "after"):
+            if value.isdigit():
                 after = int(value)
         # an upper bound: every drop of a label whose newest drop this reader had not seen
         lost = sum(count for count, newest in self.dropped.values() if newest > after)

@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,3 +110,14 @@ async def watch_config(path: Path, every: float, changed: Callable[[], None]) ->
         if now is not None and now != seen:
             seen = now
             changed()
+
+
+def follow_config(
+    path: Path, every: float, reload: Callable[[], None]
+) -> asyncio.Task[None] | None:
+    """Call `reload` on SIGHUP (what `meshfn up` sends) and, when `every` > 0, on a new file
+    at `path` (watch_config); the watching task, if any. On the running loop."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+    if every <= 0:
+        return None
+    return asyncio.create_task(watch_config(path, every, reload))

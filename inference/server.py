@@ -31,7 +31,7 @@ from meshfn.contracts.rollout import MODEL_VERSION_HEADER, SHADOW_PATH
 from meshfn.contracts.tracing import SPANS_MAX_WAIT_S, SPANS_PATH, SPANS_WAIT
 
 from .backend import Backend, Reply
-from .config import BackendConfig, load_config, reread_for_tracing, watch_config
+from .config import BackendConfig, follow_config, load_config, reread_for_tracing
 from .generate_http import OPENAI_OPERATIONS, GenerateFront, StreamReply
 from .http import HttpServer, Request, Response, on_disconnect, query_values
 from .kserve import KServeError, error_body, unsupported
@@ -403,14 +403,9 @@ def reload_tracing(backend: Backend, config_path: Path, started: BackendConfig) 
 def _follow_config(
     backend: Backend, config_path: Path, watch_every: float
 ) -> asyncio.Task[None] | None:
-    """SIGHUP (`meshfn up` sends it) and, every `watch_every` seconds, a new file at
-    `config_path` (a Kubernetes ConfigMap: config.watch_config) reload the tracing; the
-    watching task, if any."""
+    """The tracing reloads on SIGHUP and on a new file at `config_path` (config.follow_config)."""
     reload = functools.partial(reload_tracing, backend, config_path, load_config(config_path))
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
-    if watch_every <= 0:
-        return None
-    return asyncio.create_task(watch_config(config_path, watch_every, reload))
+    return follow_config(config_path, watch_every, reload)
 
 
 async def _start_grpc(

@@ -46,7 +46,7 @@ from pathlib import Path
 from meshfn.common.processes import die_with_parent
 from meshfn.common.unix import listen_private
 
-from .config import BackendConfig, load_config, reread_for_tracing, watch_config
+from .config import BackendConfig, follow_config, load_config, reread_for_tracing
 
 log = logging.getLogger("meshfn.inference.supervisor")
 
@@ -128,7 +128,11 @@ class Supervisor:
                 asyncio.create_task(self._keep(i, config_path, sock.fileno()))
                 for i, sock in enumerate(socks)
             ]
-            watching = self._follow_config(config_path)
+            watching = None
+            if self.config_path is not None:
+                self._started = load_config(self.config_path)
+                reload = functools.partial(self._reload, config_path)
+                watching = follow_config(self.config_path, self.watch_every, reload)
             where = (
                 {"unix_sockets": [str(p) for p in self.unix_sockets]}
                 if self.unix_sockets
@@ -166,18 +170,6 @@ class Supervisor:
             }
         )
         path.write_text(child.model_dump_json())
-
-    def _follow_config(self, child_path: Path) -> asyncio.Task[None] | None:
-        """SIGHUP and, every `watch_every` seconds, a new file at `config_path` reload the
-        tracing (_reload); the watching task, if any."""
-        if self.config_path is None:
-            return None
-        self._started = load_config(self.config_path)
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload, child_path)
-        if self.watch_every <= 0:
-            return None
-        reload = functools.partial(self._reload, child_path)
-        return asyncio.create_task(watch_config(self.config_path, self.watch_every, reload))
 
     def _reload(self, child_path: Path) -> None:
         """SIGHUP: the children's config takes the file's new `tracing`, and each child is

@@ -257,25 +257,24 @@ async def run_ways(
     top = max(levels)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {w: {n: [] for n in levels} for w in ways}
 
-    async def alternate(pair: tuple[str, str], n: int, count: int, size: int) -> None:
+    async def alternate(
+        pair: tuple[str, str], n: int, count: int, size: int,
+        into: dict[str, dict[int, list[dict[str, Any]]]],
+    ) -> None:  # fmt: skip
         turns = range(count + 1)
         for b, start in enumerate(range(0, len(turns), size)):
             for name in pair if b % 2 == 0 else pair[::-1]:
                 for turn in turns[start : start + size]:
-                    runs[name][n].append(await measure(ways[name], n, tokens, 1, turn))
+                    into[name][n].append(await measure(ways[name], n, tokens, 1, turn))
 
     for i, pair in enumerate(pairs):
         for n in levels if i == 0 else [top]:
-            await alternate(pair, n, repeats if n == 1 else rounds, block if n == 1 else 1)
+            count, size = (repeats, block) if n == 1 else (rounds, 1)
+            await alternate(pair, n, count, size, runs)
     if block > 1:
-        first = pairs[0]
-        before = {name: runs[name][1] for name in first}
-        for name in first:
-            runs[name][1] = []
-        await alternate(first, 1, repeats, 1)
-        for name in first:
-            runs[f"{name}_alternating"] = {1: runs[name][1]}
-            runs[name][1] = before[name]
+        alternated: dict[str, dict[int, list[dict[str, Any]]]] = {w: {1: []} for w in pairs[0]}
+        await alternate(pairs[0], 1, repeats, 1, alternated)
+        runs.update({f"{name}_alternating": found for name, found in alternated.items()})
     paired = {name for pair in pairs for name in pair}
     for name in [w for w in ways if w not in paired]:
         for turn in range(rounds + 1):

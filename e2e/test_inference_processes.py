@@ -230,13 +230,14 @@ def test_sighup_reloads_tracing_in_every_process_without_restarting_one(tmp_path
         procs.stop_all()
 
 
-def _volume(directory: Path, config: dict[str, Any], version: int) -> None:
-    """`directory` as the kubelet writes a ConfigMap volume: the key is a symlink through
-    `..data`, itself a symlink to a timestamped directory, swapped in by one rename."""
+def _volume(directory: Path, text: str, version: int) -> None:
+    """`directory` as the kubelet writes a ConfigMap volume with `text` in its one key: the key
+    is a symlink through `..data`, itself a symlink to a timestamped directory, swapped in by
+    one rename."""
     directory.mkdir(exist_ok=True)
     fresh = directory / f"..2026_12_06_{version:02d}"
     fresh.mkdir()
-    (fresh / "backend.json").write_text(json.dumps(config))
+    (fresh / "backend.json").write_text(text)
     (directory / "..data_tmp").symlink_to(fresh.name)
     (directory / "..data_tmp").rename(directory / "..data")
     if not (directory / "backend.json").is_symlink():
@@ -263,7 +264,7 @@ def test_a_watched_configmap_volume_reloads_tracing_in_place(
         base = {"registry": str(tmp_path / "registry"), "trustedKeys": [str(key)],
                 "processes": processes, "functions": [{"name": "digits"}]}  # fmt: skip
         traced = {**base, "tracing": {"pullToken": "ab" * 16, "sampling": 7}}
-        _volume(volume, traced, 1)
+        _volume(volume, json.dumps(traced), 1)
         port = free_port()
         backend = procs.start(
             "backend",
@@ -282,15 +283,10 @@ def test_a_watched_configmap_volume_reloads_tracing_in_place(
             )
 
         assert shown(7)
-        _volume(volume, {**traced, "tracing": {"pullToken": "ab" * 16, "sampling": 42}}, 2)
+        at42 = {**traced, "tracing": {"pullToken": "ab" * 16, "sampling": 42}}
+        _volume(volume, json.dumps(at42), 2)
         wait_for("tracing at 42%", lambda: shown(42), timeout=30, proc=backend)
-        (volume / "..2026_12_06_02" / "backend.json").unlink()
-        broken = volume / "..2026_12_06_03"
-        broken.mkdir()
-        (broken / "backend.json").write_text("{not a config")
-        (volume / "..data_tmp").symlink_to(broken.name)
-        (volume / "..data_tmp").rename(volume / "..data")
-        (volume / "..2026_12_06_02").rmdir()
+        _volume(volume, "{not a config", 3)
         wait_for(
             "the broken file refused",
             lambda: "config reload: tracing unchanged" in backend.output(),
@@ -298,7 +294,8 @@ def test_a_watched_configmap_volume_reloads_tracing_in_place(
             proc=backend,
         )
         assert shown(42)
-        _volume(volume, {**traced, "tracing": {"pullToken": "ab" * 16, "sampling": 3}}, 4)
+        at3 = {**traced, "tracing": {"pullToken": "ab" * 16, "sampling": 3}}
+        _volume(volume, json.dumps(at3), 4)
         wait_for("tracing at 3%", lambda: shown(3), timeout=30, proc=backend)
         assert "restarting" not in backend.output(), backend.output()[-2000:]
         assert set(pids(port, 16)) == serving

@@ -130,12 +130,17 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             1,
         )
     )
+    yield from _up(tmp, mapping)
+
+
+def _up(tmp: Path, mapping: dict[int, int]) -> Iterator[Mesh]:
+    """`meshfn up` on tmp/examples (`mapping`: policies.remap's ports) and a tenant's token."""
     state = tmp / "state"
     procs = Processes(tmp)
     try:
         up = procs.start(
             "up",
-            [MESHFN, "up", "--policies", str(examples), "--state-dir", str(state),
+            [MESHFN, "up", "--policies", str(tmp / "examples"), "--state-dir", str(state),
              "--functions-registry", str(tmp / "functions"), "--publish-examples",
              "--envoy-concurrency", "1"],
             env={**os.environ, "MESHFN_CALLER_DIR": str(tmp)},
@@ -149,7 +154,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             up,
             f"http://127.0.0.1:{mapping[18001]}",
             mapping[10000],
-            mapping[10100],
+            mapping.get(10100, 0),
             state,
             token,
         )
@@ -777,3 +782,141 @@ def test_tracing_a_hanging_collector_never_delays_or_fails_requests(tmp_path: Pa
     dead_p50, off_p50 = statistics.median(dead), statistics.median(off)
     assert dead_p50 <= off_p50 * 1.5 + 0.002, (dead_p50, off_p50)
     assert max(dead) < 1.0, max(dead)  # no request waited for an export
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The examples as they ship: 10% at their one gateway, which restarts its clients' trace
+    context. Every caller samples little, so each sidecar traces on an internal listener that
+    only the requests it traces take (meshfn.xds.translate.httpfilters.tracing)."""
+    tmp = tmp_path_factory.mktemp("tracing-split")
+    yield from _up(tmp, remap_examples(tmp / "examples"))
+
+
+def _sidecar_stat(mesh: Mesh, pattern: str) -> int:
+    """A counter summed over every Envoy of the mesh (those that have it)."""
+    total = 0
+    for sock in sorted((mesh.state / "envoy").glob("*.sock")):
+        text = admin_request(sock, f"/stats?filter={pattern}").decode()
+        total += sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if ":" in line)
+    return total
+
+
+def _listeners(sock: Path) -> dict[str, dict[str, Any]]:
+    """A proxy's listeners as it runs them, by name: the first filter chain's connection
+    manager (typed_config, as JSON)."""
+    dump = admin_json(sock, "/config_dump?resource=dynamic_listeners")
+    out = {}
+    for entry in dump["configs"]:
+        listener = entry["active_state"]["listener"]
+        chain = (listener.get("filter_chains") or [listener.get("default_filter_chain")])[0]
+        out[listener["name"]] = chain["filters"][0]["typed_config"]
+    return out
+
+
+def test_tracing_at_a_low_rate_a_sidecar_traces_only_the_sampled_requests(split: Mesh) -> None:
+    """The sidecar's own listener has no tracer; an internal listener has it. 400 requests at
+    the gateway's 10%: 40 expected, sd 6, bounds four sd. Exactly the sampled ones cross the
+    internal listener, and each is one trace, gateway > sidecar > backend, with the sidecar's
+    tags from its verified facts (the tenant of its JWT, its mTLS peer) carried across, never
+    from a client's header of the same name."""
+    proxies = [_listeners(sock) for sock in sorted((split.state / "envoy").glob("*.sock"))]
+    sidecars = [listeners for listeners in proxies if "inbound" in listeners]
+    assert len(sidecars) == 4, proxies  # models (2), models-lite, echo
+    for listeners in sidecars:
+        assert set(listeners) == {"inbound", "inbound|traced"}, sorted(listeners)
+        assert "tracing" not in listeners["inbound"], listeners["inbound"].get("tracing")
+        assert listeners["inbound|traced"]["tracing"]["random_sampling"]["value"] == 100
+    crossed = "^http\\.inbound_traced_.*\\.downstream_rq_total$"
+    before_crossed = _sidecar_stat(split, crossed)
+    before = {t["trace_id"] for t in split.traces(model="iris")}
+    forged = split.headers(**{"x-meshfn-span-meshfn-principal": "spiffe://meshfn.local/ns/x/sa/x"})
+    conn = httpclient.HTTPConnection("127.0.0.1", split.edge, timeout=10)
+    try:
+        for _ in range(400):
+            conn.request("POST", IRIS, body=FLOWER, headers=forged)
+            reply = conn.getresponse()
+            assert reply.status == 200, reply.read()
+            reply.read()
+    finally:
+        conn.close()
+    time.sleep(3)  # the Envoys send their spans every second (bootstrap.RUNTIME)
+
+    def complete() -> list[dict[str, Any]] | None:
+        new = [t["trace_id"] for t in split.traces(model="iris") if t["trace_id"] not in before]
+        found = [_complete(split, t) for t in new]
+        return None if None in found else found  # type: ignore[return-value]
+
+    traces = wait_for("the sampled requests' traces", complete, timeout=30, every=0.5)
+    assert 16 <= len(traces) <= 64, len(traces)
+    assert _sidecar_stat(split, crossed) - before_crossed == len(traces)
+    for trace in traces:
+        spans = _spans(trace)
+        (gateway,) = spans["edge.ingress"]
+        (sidecar,) = spans["models.default"]
+        server = next(s for s in spans["models.default inference"] if s["name"] == "infer iris")
+        assert sidecar["parent_id"] == gateway["span_id"] and sidecar["kind"] == "server"
+        assert server["parent_id"] == sidecar["span_id"]
+        assert sidecar["attributes"]["meshfn.tenant"] == "acme"
+        principal = sidecar["attributes"]["meshfn.principal"]
+        assert principal == "spiffe://meshfn.local/ns/ingress/sa/edge"
+    # the sidecar's audit record carries the trace (its access log reads the parent's header)
+    (row,) = _audit_records(split, traces[0]["trace_id"])
+    assert row["path"] == IRIS
+
+
+def test_tracing_at_a_low_rate_the_application_sees_the_same_request_either_way(
+    split: Mesh,
+) -> None:
+    """300 requests to the echo application, about 30 of them through the internal listener:
+    it receives the same headers either way (none of the tags' crossing, even when a client
+    sends one), and the caller's verified identity (x-forwarded-client-cert) each time."""
+    crossed = "^http\\.inbound_traced_.*\\.downstream_rq_total$"
+    before = _sidecar_stat(split, crossed)
+    headers = {"authorization": f"Bearer {split.token}", "x-meshfn-span-meshfn-tenant": "evil"}
+    names: set[tuple[str, ...]] = set()
+    conn = httpclient.HTTPConnection("127.0.0.1", split.edge, timeout=10)
+    try:
+        for _ in range(300):
+            conn.request("GET", "/echo", headers=headers)
+            reply = conn.getresponse()
+            body = reply.read()
+            assert reply.status == 200, body
+            got = json.loads(body)
+            names.add(tuple(got["headers"]))
+            assert "URI=spiffe://meshfn.local/ns/ingress/sa/edge" in got["client_cert"], got
+    finally:
+        conn.close()
+    assert _sidecar_stat(split, crossed) - before >= 5  # P(fewer than 5 of 300 at 10%) < 1e-7
+    assert len(names) == 1, set.union(*map(set, names)) - set.intersection(*map(set, names))
+    (seen,) = names
+    assert "traceparent" in seen and not [n for n in seen if n.startswith("x-meshfn-span-")]
+
+
+def test_tracing_at_a_low_rate_streams_through_the_internal_listener_keep_their_usage(
+    split: Mesh,
+) -> None:
+    """Sampled streams take the internal listener: they stream, end with the usage record
+    (an HTTP/1.1 trailer from the backend to the gateway), and their audit records have it."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{split.edge}/v1", api_key=split.token, max_retries=0
+    )
+    before = {t["trace_id"] for t in split.traces(model="tiny-lm")}
+    for n in range(60):
+        chunks = list(
+            client.completions.create(
+                model="tiny-lm",
+                prompt="The with statement",
+                max_tokens=3,
+                seed=n,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    time.sleep(3)
+    new = [t["trace_id"] for t in split.traces(model="tiny-lm") if t["trace_id"] not in before]
+    assert new, "no stream of 60 sampled at 10%"
+    for trace_id in new:
+        rows = _audit_records(split, trace_id)
+        assert [r["generation"]["completion_tokens"] for r in rows if r.get("generation")], rows

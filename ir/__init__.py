@@ -571,6 +571,18 @@ class Tracing:
     def route_sampling(self, key: str) -> float | None:
         return dict(self.routes).get(key)
 
+    def highest_sampling(self) -> float:
+        """The most any caller may sample: the mesh's, a gateway's or a route's percent (100 at
+        a gateway that honors its clients' decisions)."""
+        gateways = (
+            GatewayTracing(self.sampling, self.client_context),
+            *dict(self.gateways).values(),
+        )
+        return max(
+            [100.0 if g.client_context == "honor" else g.sampling for g in gateways]
+            + [percent for _, percent in self.routes]
+        )
+
     def backend(
         self, service_key: str, fallback: TraceCollector | None, pull_token: str | None = None
     ) -> BackendTracing | None:

@@ -49,6 +49,9 @@ ROOT_SECRET = "ROOTCA"
 
 # A sidecar's one listener and the route that forwards to its application.
 INBOUND_LISTENER = "inbound"
+# Where a sidecar traces (translate.httpfilters.tracing.traced_inbound): an internal listener,
+# and the cluster that reaches it, of this one name.
+TRACED_INBOUND = "inbound|traced"
 
 # EDS priority levels meshfn assigns by proximity (same node .. anywhere): see translate.endpoints.
 PRIORITY_LEVELS = 5

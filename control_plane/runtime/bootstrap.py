@@ -23,11 +23,13 @@ from envoy.config.core.v3 import (
     backoff_pb2,
     base_pb2,
     config_source_pb2,
+    extension_pb2,
     grpc_service_pb2,
     protocol_pb2,
 )
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.overload.v3 import overload_pb2
+from envoy.extensions.bootstrap.internal_listener.v3 import internal_listener_pb2
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
 from envoy.extensions.resource_monitors.downstream_connections.v3 import (
     downstream_connections_pb2,
@@ -226,6 +228,7 @@ def bootstrap(
         listeners.append(listener)
         clusters.append(cluster)
     return bootstrap_pb2.Bootstrap(
+        bootstrap_extensions=[internal_listeners()],
         node=base_pb2.Node(
             id=identity.node_id,
             cluster=identity.node_cluster,
@@ -274,6 +277,14 @@ def bootstrap(
             connection_limit() if max_connections is None else max_connections
         ),
     )
+
+
+def internal_listeners() -> extension_pb2.TypedExtensionConfig:
+    """Internal listeners (envoy_internal_address): where a sidecar traces at a low sampling
+    rate (meshfn.xds.translate.httpfilters.tracing), which ADS may turn on at any time."""
+    out = extension_pb2.TypedExtensionConfig(name="envoy.bootstrap.internal_listener")
+    out.typed_config.Pack(internal_listener_pb2.InternalListener())
+    return out
 
 
 def _runtime() -> bootstrap_pb2.LayeredRuntime:

@@ -14,8 +14,13 @@ from typing import Any
 
 import pytest
 import yaml
+from google.protobuf import json_format
 
-from meshfn.control_plane.runtime.bootstrap import ProxyIdentity, bootstrap_json
+from meshfn.control_plane.runtime.bootstrap import (
+    ProxyIdentity,
+    bootstrap_json,
+    internal_listeners,
+)
 from meshfn.policy import load_policies
 from meshfn.testing.envoy import validate
 from meshfn.testing.filters import wasm_dir
@@ -129,6 +134,8 @@ def static_config(resources: dict[str, Any], tmp_path: Path | None = None) -> di
     return _static_secrets(
         {
             "node": {"id": "validate", "cluster": "validate"},
+            # as every Envoy meshfn starts has them (a split sidecar's tracing)
+            "bootstrapExtensions": [json_format.MessageToDict(internal_listeners())],
             "admin": {"address": {"socketAddress": {"address": "127.0.0.1", "portValue": 0}}},
             "staticResources": {
                 "listeners": listeners,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -399,3 +400,79 @@ def test_a_sidecar_reaches_an_application_on_unix_sockets_where_the_host_says_so
     assert echo_clusters is not None
     address = echo_clusters[CLUSTER]["inbound|9201"].load_assignment.endpoints[0].lb_endpoints[0]
     assert address.endpoint.address.socket_address.port_value == 9201
+
+
+NO_ROUTE_SAMPLING = ("  tracing: {sampling: 20}\n", "")  # refused where a gateway honors
+
+
+def _split_case(tmp_path: Path, *replace: tuple[str, str]) -> Resources:
+    """golden/tracing-split's sidecar, translated from its policy with texts replaced."""
+    text = (GOLDEN / "tracing-split" / "in.yaml").read_text()
+    for old, new in replace:
+        assert old in text
+        text = text.replace(old, new, 1)
+    (tmp_path / "in.yaml").write_text(text)
+    resources = translate(load_policies(tmp_path / "in.yaml"), "models.default:15101")
+    assert resources is not None
+    return resources
+
+
+@pytest.mark.parametrize(
+    ("replace", "split"),
+    [
+        ((), True),  # 5%, a route at 20%: every caller samples little
+        ((("    sampling: 5\n", "    sampling: 24.9\n"),), True),
+        ((("    sampling: 5\n", "    sampling: 25\n"),), False),
+        ((("tracing: {sampling: 20}", "tracing: {sampling: 25}"),), False),  # one route will do
+        # a gateway that honors its clients traces what they ask, up to all of it
+        (
+            (("spec: {listeners:", "spec: {tracing: {clientContext: honor}, listeners:"),
+             NO_ROUTE_SAMPLING),
+            False,
+        ),
+        ((("    sampling: 5\n", "    sampling: 5\n    clientContext: honor\n"), NO_ROUTE_SAMPLING),
+         False),
+    ],
+)  # fmt: skip
+def test_a_sidecar_traces_on_an_internal_listener_while_every_caller_samples_little(
+    tmp_path: Path, replace: tuple[tuple[str, str], ...], split: bool
+) -> None:
+    resources = _split_case(tmp_path, *replace)
+    mesh_rate = 249_000 if replace else 50_000  # per million
+    listeners = resources[LISTENER]
+    inbound = listeners["inbound"]
+    manager = hcm.HttpConnectionManager()
+    inbound.filter_chains[0].filters[0].typed_config.Unpack(manager)
+    clusters = {c for _, route in _routes(manager) for c in [route.route.cluster]}
+    if not split:
+        assert set(listeners) == {"inbound"} and manager.HasField("tracing")
+        assert "inbound|traced" not in resources[CLUSTER] and "inbound|traced" not in clusters
+        return
+    assert set(listeners) == {"inbound", "inbound|traced"} and not manager.HasField("tracing")
+    assert "inbound|traced" in resources[CLUSTER] and "inbound|traced" in clusters
+    inner = hcm.HttpConnectionManager()
+    listeners["inbound|traced"].filter_chains[0].filters[0].typed_config.Unpack(inner)
+    assert listeners["inbound|traced"].HasField("internal_listener")
+    assert inner.tracing.random_sampling.value == 100.0
+    assert [f.name for f in inner.http_filters] == [
+        "envoy.filters.http.header_to_metadata",
+        "envoy.filters.http.router",
+    ]
+    # the outer routes: sampled parent, then no parent at the mesh's rate, then the rest; each
+    # drops a caller's carried tags, and the traced ones set their own
+    routes = [route for _, route in _routes(manager)]
+    assert [r.route.cluster for r in routes] == ["inbound|traced", "inbound|traced", "inbound|9101"]
+    sampled, unparented, _ = routes
+    assert sampled.match.headers[-1].string_match.safe_regex.regex == ".*-[0-9a-f][13579bdf]"
+    assert unparented.match.headers[-1].invert_match
+    assert unparented.match.runtime_fraction.default_value.numerator == mesh_rate
+    carried = {h.header.key for h in sampled.request_headers_to_add}
+    assert carried == {"x-meshfn-span-meshfn-tenant", "x-meshfn-span-meshfn-principal"}
+    for route in routes:
+        assert set(route.request_headers_to_remove) == carried
+
+
+def _routes(manager: hcm.HttpConnectionManager) -> Iterator[tuple[str, rc.Route]]:
+    for host in manager.route_config.virtual_hosts:
+        for route in host.routes:
+            yield host.name, route

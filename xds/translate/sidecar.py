@@ -20,12 +20,12 @@ from meshfn import ir
 
 from .. import names
 from ..fragments.messages import pack
-from ..names import CLUSTER, INBOUND_LISTENER, LISTENER
+from ..names import CLUSTER, INBOUND_LISTENER, LISTENER, TRACED_INBOUND
 from . import httpfilters
 from .clusters import HTTP_PROTOCOL_OPTIONS, http1_trailers, http2_options
 from .common import one_endpoint, pipe_endpoints, socket_address
 from .host import ProxyHost
-from .httpfilters import FilterContext
+from .httpfilters import FilterContext, tracing
 from .listeners import HCM
 from .resources import Resources, merge
 from .security import client_cert_details, downstream_mtls, with_request_hygiene
@@ -67,11 +67,12 @@ def _local_routes(inbound: ir.Inbound) -> list[rc.Route]:
 
 @lru_cache(maxsize=4096)
 def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb2.Listener:
+    routes = _local_routes(inbound)
+    if filters.tracing is not None and filters.tracing.split:
+        routes = tracing.split_routes(filters.tracing, routes)
     route_config = route_pb2.RouteConfiguration(
         name=INBOUND_LISTENER,
-        virtual_hosts=[
-            rc.VirtualHost(name="inbound", domains=["*"], routes=_local_routes(inbound))
-        ],
+        virtual_hosts=[rc.VirtualHost(name="inbound", domains=["*"], routes=routes)],
         request_headers_to_remove=httpfilters.request_headers_to_remove(filters),
     )
 
@@ -113,6 +114,40 @@ def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb
         listener.filter_chains.append(tls_chain)
         listener.default_filter_chain.CopyFrom(chain(tls=False))
     return listener
+
+
+@lru_cache(maxsize=1024)
+def traced_inbound_listener(
+    inbound: ir.Inbound, config: httpfilters.TracingContext
+) -> listener_pb2.Listener:
+    """A split sidecar's internal listener (httpfilters.tracing): the tracer and the router,
+    to the same application routes. The outer listener authenticated, authorized and audited
+    the request, and told the application who called (x-forwarded-client-cert), which passes."""
+    manager = hcm.HttpConnectionManager(
+        stat_prefix=f"inbound_traced_{inbound.port}",
+        codec_type=hcm.HttpConnectionManager.AUTO,
+        route_config=route_pb2.RouteConfiguration(
+            name=TRACED_INBOUND,
+            virtual_hosts=[
+                rc.VirtualHost(name="inbound", domains=["*"], routes=_local_routes(inbound))
+            ],
+        ),
+        forward_client_cert_details=hcm.HttpConnectionManager.ALWAYS_FORWARD_ONLY,
+        preserve_external_request_id=True,
+        tracing=tracing.traced_inbound_tracing(config),
+        http_filters=[*tracing.carried_tags(config), httpfilters.ROUTER_FILTER],
+    )
+    if inbound.functions:
+        manager.http_protocol_options.enable_trailers = True
+    return listener_pb2.Listener(
+        name=TRACED_INBOUND,
+        internal_listener=listener_pb2.Listener.InternalListenerConfig(),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[listener_components_pb2.Filter(name=HCM, typed_config=pack(manager))]
+            )
+        ],
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -158,5 +193,8 @@ def sidecar_resources(
         LISTENER: {INBOUND_LISTENER: inbound_listener(inbound, filters)},
         CLUSTER: local_clusters(inbound, host),
     }
+    if filters.tracing is not None and filters.tracing.split:
+        out[LISTENER][TRACED_INBOUND] = traced_inbound_listener(inbound, filters.tracing)
+        out[CLUSTER][TRACED_INBOUND] = tracing.traced_inbound_cluster(inbound.functions)
     merge(out, httpfilters.resources(filters, overlay))
     return out

@@ -32,7 +32,7 @@ from .jwt_authn import JwtAuthn
 from .plugin import Plugin
 from .qos import QoS
 from .rbac import Rbac
-from .router import Router
+from .router import ROUTER_FILTER, Router
 from .tracing import Tracing
 from .whole_bodies import WholeSmallBodies
 
@@ -111,6 +111,7 @@ def resources(ctx: FilterContext, overlay: ir.Overlay) -> Resources:
 
 __all__ = [
     "HTTP_FILTERS",
+    "ROUTER_FILTER",
     "FilterContext",
     "HttpFilter",
     "QoSContext",

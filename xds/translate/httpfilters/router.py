@@ -13,7 +13,7 @@ from ...fragments.messages import pack
 from .base import FilterContext, HttpFilter
 
 ROUTER = "envoy.filters.http.router"
-_ROUTER = hcm.HttpFilter(name=ROUTER, typed_config=pack(router_pb2.Router()))
+ROUTER_FILTER = hcm.HttpFilter(name=ROUTER, typed_config=pack(router_pb2.Router()))
 
 
 class Router(HttpFilter[FilterContext]):
@@ -21,4 +21,4 @@ class Router(HttpFilter[FilterContext]):
         return ctx  # everywhere
 
     def http_filters(self, ctx: FilterContext, config: FilterContext) -> Iterable[hcm.HttpFilter]:
-        return (_ROUTER,)
+        return (ROUTER_FILTER,)

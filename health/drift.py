@@ -29,6 +29,8 @@ from meshfn.xds.names import function_cluster_name, primary_clusters, version_cl
 if TYPE_CHECKING:
     from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
+_SAMPLED_LAST_DIGITS = frozenset("13579bdf")  # W3C trace flags with the sampled bit
+
 log = logging.getLogger("meshfn.drift")
 
 MAX_SAMPLES = 200_000
@@ -249,8 +251,11 @@ class DriftBreaker:
         seconds = sample(entry, metric)
         if seconds is None:
             return
-        # the gateway logs the traceparent its tracer sent upstream (listeners._latency_log)
-        parent = parse_traceparent(entry.request.request_headers.get(TRACEPARENT))
+        # the gateway logs the traceparent its tracer sent upstream (listeners._latency_log);
+        # most are version 00 and not sampled (the flags' last digit even): read no further
+        header = entry.request.request_headers.get(TRACEPARENT, "")
+        unsampled = len(header) == 55 and header[-1] not in _SAMPLED_LAST_DIGITS
+        parent = None if unsampled else parse_traceparent(header)
         self.observe(
             common.route_name,
             common.upstream_cluster,

@@ -131,10 +131,12 @@ class RequestSpan:
         links: list[Link] | None = None,
         parent: bytes | None = None,
     ) -> bytes:
-        """A finished child span (perf_counter_ns times); its span id (a parent for others)."""
+        """A finished child span (perf_counter_ns times); its span id (a parent for others;
+        none where the request is not sampled: nothing records it)."""
+        if not self.sampled:
+            return b""
         span_id = _getrandbits(64).to_bytes(8, "big") or b"\x01" * 8
-        if self.sampled:
-            self.children.append((span_id, parent or self.span_id, name, start, end, attrs, links))
+        self.children.append((span_id, parent or self.span_id, name, start, end, attrs, links))
         return span_id
 
     def event(self, name: str, at: int, attrs: Mapping[str, object] | None = None) -> None:
@@ -235,8 +237,8 @@ class Tracer:
         if self.exporter is None:
             return None
         parent = parse_traceparent(traceparent) if traceparent else None
-        if parent is not None:
-            state = parse_tracestate(tracestate) if tracestate else ""
+        if parent is not None:  # its tracestate only travels with spans exported
+            state = parse_tracestate(tracestate) if tracestate and parent.sampled else ""
             return RequestSpan(
                 name,
                 bytes.fromhex(parent.trace_id),

@@ -140,6 +140,17 @@ def http1_trailers() -> http_protocol_options_pb2.HttpProtocolOptions:
     )
 
 
+def downstream_protocol(trailers: bool) -> http_protocol_options_pb2.HttpProtocolOptions:
+    """Upstream in the protocol the request came in (HTTP/2 for gRPC, HTTP/1.1 for the rest;
+    `trailers`: HTTP/1.1 trailers decoded, as http1_trailers)."""
+    return http_protocol_options_pb2.HttpProtocolOptions(
+        use_downstream_protocol_config=http_protocol_options_pb2.HttpProtocolOptions.UseDownstreamHttpConfig(
+            http_protocol_options=protocol_pb2.Http1ProtocolOptions(enable_trailers=trailers),
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions(),
+        )
+    )
+
+
 def _u32(value: int | None) -> wrappers_pb2.UInt32Value | None:
     return wrappers_pb2.UInt32Value(value=value) if value is not None else None
 
@@ -203,13 +214,9 @@ def _cluster(
     if protocol == "grpc":
         out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(http2_options()))
     elif protocol == "mixed":
-        options = http_protocol_options_pb2.HttpProtocolOptions(
-            use_downstream_protocol_config=http_protocol_options_pb2.HttpProtocolOptions.UseDownstreamHttpConfig(
-                http_protocol_options=protocol_pb2.Http1ProtocolOptions(enable_trailers=trailers),
-                http2_protocol_options=protocol_pb2.Http2ProtocolOptions(),
-            )
+        out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(
+            pack(downstream_protocol(trailers))
         )
-        out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(options))
     elif trailers:
         out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(http1_trailers()))
     if mtls_peer:

@@ -26,9 +26,7 @@ from envoy.config.core.v3 import (
     grpc_service_pb2,
     http_service_pb2,
     http_uri_pb2,
-    protocol_pb2,
 )
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.trace.v3 import http_tracer_pb2, opentelemetry_pb2
 from envoy.extensions.filters.http.header_to_metadata.v3 import header_to_metadata_pb2
@@ -38,7 +36,6 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
     header_mutation_pb2,
 )
-from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from envoy.type.tracing.v3 import custom_tag_pb2
 from envoy.type.v3 import percent_pb2
@@ -50,8 +47,8 @@ from meshfn.contracts.tracing import CLIENT_CONTEXT_HEADERS
 from ...fragments import tracing as fragments
 from ...fragments.messages import duration, pack
 from ...names import CLUSTER, TRACE_COLLECTOR_CLUSTER, TRACED_INBOUND
-from ..clusters import HTTP_PROTOCOL_OPTIONS, http2_options
-from ..common import one_endpoint, pipe_endpoints
+from ..clusters import HTTP_PROTOCOL_OPTIONS, downstream_protocol, http2_options
+from ..common import one_endpoint, pipe_endpoints, static_endpoints
 from ..host import ProxyHost
 from ..resources import Resources
 from .base import FilterContext, HttpFilter, TracingContext
@@ -71,8 +68,8 @@ _SAMPLED_PARENT = rc.HeaderMatcher(
 )
 _NO_PARENT = rc.HeaderMatcher(name="traceparent", present_match=True, invert_match=True)
 # The tags that need the outer connection's facts (the mTLS peer, jwt_authn's metadata) travel to
-# the internal listener in request headers of this prefix, which the outer route sets (a
-# caller's own are overwritten) and the internal one removes before the application.
+# the internal listener in request headers of this prefix, which the outer routes set (a
+# caller's own dropped first) and the internal listener moves into metadata (carried_tags).
 _CARRIED_TAG = "x-meshfn-span-"
 _CARRIED_METADATA = "meshfn.span"
 
@@ -252,7 +249,7 @@ def split_routes(config: TracingContext, routes: Iterable[rc.Route]) -> list[rc.
 
 @lru_cache(maxsize=1024)
 def traced_inbound_tracing(config: TracingContext) -> hcm.HttpConnectionManager.Tracing:
-    """The internal listener's tracing: every request that reaches it (traced_routes chose
+    """The internal listener's tracing: every request that reaches it (split_routes chose
     them), its tags from what carried_tags took out of their headers."""
     out = hcm.HttpConnectionManager.Tracing()
     out.CopyFrom(connection_tracing(config))
@@ -296,12 +293,6 @@ def carried_tags(config: TracingContext) -> tuple[hcm.HttpFilter, ...]:
 def traced_inbound_cluster(trailers: bool) -> cluster_pb2.Cluster:
     """The split sidecar's way to its internal listener, in the caller's protocol (HTTP/2 for
     gRPC; `trailers`: HTTP/1.1 trailers pass, a generation's usage record)."""
-    options = http_protocol_options_pb2.HttpProtocolOptions(
-        use_downstream_protocol_config=http_protocol_options_pb2.HttpProtocolOptions.UseDownstreamHttpConfig(
-            http_protocol_options=protocol_pb2.Http1ProtocolOptions(enable_trailers=trailers),
-            http2_protocol_options=protocol_pb2.Http2ProtocolOptions(),
-        )
-    )
     address = address_pb2.Address(
         envoy_internal_address=address_pb2.EnvoyInternalAddress(server_listener_name=TRACED_INBOUND)
     )
@@ -309,18 +300,9 @@ def traced_inbound_cluster(trailers: bool) -> cluster_pb2.Cluster:
         name=TRACED_INBOUND,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=duration_pb2.Duration(seconds=1),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=TRACED_INBOUND,
-            endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(
-                    lb_endpoints=[
-                        endpoint_components_pb2.LbEndpoint(
-                            endpoint=endpoint_components_pb2.Endpoint(address=address)
-                        )
-                    ]
-                )
-            ],
-        ),
+        load_assignment=static_endpoints(TRACED_INBOUND, [address]),
     )
-    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(options)
+    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(
+        downstream_protocol(trailers)
+    )
     return cluster

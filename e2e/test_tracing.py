@@ -793,8 +793,12 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     yield from _up(tmp, remap_examples(tmp / "examples"))
 
 
-def _sidecar_stat(mesh: Mesh, pattern: str) -> int:
-    """A counter summed over every Envoy of the mesh (those that have it)."""
+# the requests that crossed a split sidecar's internal listener (its connection manager's prefix)
+CROSSED = "^http\\.inbound_traced_.*\\.downstream_rq_total$"
+
+
+def _envoy_counter(mesh: Mesh, pattern: str) -> int:
+    """Counters matching `pattern`, summed over every Envoy of the mesh."""
     total = 0
     for sock in sorted((mesh.state / "envoy").glob("*.sock")):
         text = admin_request(sock, f"/stats?filter={pattern}").decode()
@@ -827,8 +831,7 @@ def test_tracing_at_a_low_rate_a_sidecar_traces_only_the_sampled_requests(split:
         assert set(listeners) == {"inbound", "inbound|traced"}, sorted(listeners)
         assert "tracing" not in listeners["inbound"], listeners["inbound"].get("tracing")
         assert listeners["inbound|traced"]["tracing"]["random_sampling"]["value"] == 100
-    crossed = "^http\\.inbound_traced_.*\\.downstream_rq_total$"
-    before_crossed = _sidecar_stat(split, crossed)
+    before_crossed = _envoy_counter(split, CROSSED)
     before = {t["trace_id"] for t in split.traces(model="iris")}
     forged = split.headers(**{"x-meshfn-span-meshfn-principal": "spiffe://meshfn.local/ns/x/sa/x"})
     conn = httpclient.HTTPConnection("127.0.0.1", split.edge, timeout=10)
@@ -849,7 +852,7 @@ def test_tracing_at_a_low_rate_a_sidecar_traces_only_the_sampled_requests(split:
 
     traces = wait_for("the sampled requests' traces", complete, timeout=30, every=0.5)
     assert 16 <= len(traces) <= 64, len(traces)
-    assert _sidecar_stat(split, crossed) - before_crossed == len(traces)
+    assert _envoy_counter(split, CROSSED) - before_crossed == len(traces)
     for trace in traces:
         spans = _spans(trace)
         (gateway,) = spans["edge.ingress"]
@@ -871,8 +874,7 @@ def test_tracing_at_a_low_rate_the_application_sees_the_same_request_either_way(
     """300 requests to the echo application, about 30 of them through the internal listener:
     it receives the same headers either way (none of the tags' crossing, even when a client
     sends one), and the caller's verified identity (x-forwarded-client-cert) each time."""
-    crossed = "^http\\.inbound_traced_.*\\.downstream_rq_total$"
-    before = _sidecar_stat(split, crossed)
+    before = _envoy_counter(split, CROSSED)
     headers = {"authorization": f"Bearer {split.token}", "x-meshfn-span-meshfn-tenant": "evil"}
     names: set[tuple[str, ...]] = set()
     conn = httpclient.HTTPConnection("127.0.0.1", split.edge, timeout=10)
@@ -887,7 +889,7 @@ def test_tracing_at_a_low_rate_the_application_sees_the_same_request_either_way(
             assert "URI=spiffe://meshfn.local/ns/ingress/sa/edge" in got["client_cert"], got
     finally:
         conn.close()
-    assert _sidecar_stat(split, crossed) - before >= 5  # P(fewer than 5 of 300 at 10%) < 1e-7
+    assert _envoy_counter(split, CROSSED) - before >= 5  # P(fewer than 5 of 300 at 10%) < 1e-7
     assert len(names) == 1, set.union(*map(set, names)) - set.intersection(*map(set, names))
     (seen,) = names
     assert "traceparent" in seen and not [n for n in seen if n.startswith("x-meshfn-span-")]
@@ -896,13 +898,15 @@ def test_tracing_at_a_low_rate_the_application_sees_the_same_request_either_way(
 def test_tracing_at_a_low_rate_streams_through_the_internal_listener_keep_their_usage(
     split: Mesh,
 ) -> None:
-    """Sampled streams take the internal listener: they stream, end with the usage record
-    (an HTTP/1.1 trailer from the backend to the gateway), and their audit records have it."""
+    """150 streams, about 15 of them sampled, which take the internal listener: every stream
+    ends with its usage (the backend's record crosses the sidecar as an HTTP/1.1 trailer), and
+    the sampled ones' audit records have it too."""
     client = openai.OpenAI(
         base_url=f"http://127.0.0.1:{split.edge}/v1", api_key=split.token, max_retries=0
     )
     before = {t["trace_id"] for t in split.traces(model="tiny-lm")}
-    for n in range(60):
+    before_crossed = _envoy_counter(split, CROSSED)
+    for n in range(150):
         chunks = list(
             client.completions.create(
                 model="tiny-lm",
@@ -914,9 +918,16 @@ def test_tracing_at_a_low_rate_streams_through_the_internal_listener_keep_their_
             )
         )
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
-    time.sleep(3)
-    new = [t["trace_id"] for t in split.traces(model="tiny-lm") if t["trace_id"] not in before]
-    assert new, "no stream of 60 sampled at 10%"
+    crossed = _envoy_counter(split, CROSSED) - before_crossed
+    assert crossed > 0, "no stream of 150 sampled at 10%"  # P = 0.9**150, 1.4e-7
+
+    def arrived() -> list[str] | None:
+        traces = split.traces(model="tiny-lm")
+        new = [t["trace_id"] for t in traces if t["trace_id"] not in before]
+        return new if len(new) >= crossed else None
+
+    new = wait_for("a trace of each stream sampled", arrived, timeout=30, every=0.5)
+    assert len(new) == crossed
     for trace_id in new:
         rows = _audit_records(split, trace_id)
         assert [r["generation"]["completion_tokens"] for r in rows if r.get("generation")], rows

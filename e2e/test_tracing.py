@@ -807,11 +807,13 @@ def _envoy_counter(mesh: Mesh, pattern: str) -> int:
 
 
 def _listeners(sock: Path) -> dict[str, dict[str, Any]]:
-    """A proxy's listeners as it runs them, by name: the first filter chain's connection
-    manager (typed_config, as JSON)."""
+    """A proxy's active listeners (not those draining away) by name: the first filter
+    chain's connection manager (typed_config, as JSON)."""
     dump = admin_json(sock, "/config_dump?resource=dynamic_listeners")
     out = {}
     for entry in dump["configs"]:
+        if "active_state" not in entry:
+            continue
         listener = entry["active_state"]["listener"]
         chain = (listener.get("filter_chains") or [listener.get("default_filter_chain")])[0]
         out[listener["name"]] = chain["filters"][0]["typed_config"]
@@ -931,3 +933,59 @@ def test_tracing_at_a_low_rate_streams_through_the_internal_listener_keep_their_
     for trace_id in new:
         rows = _audit_records(split, trace_id)
         assert [r["generation"]["completion_tokens"] for r in rows if r.get("generation")], rows
+
+
+def _split_sidecars(mesh: Mesh) -> list[bool]:
+    """Per sidecar: whether it is split (no tracer on its own listener)."""
+    proxies = [_listeners(sock) for sock in sorted((mesh.state / "envoy").glob("*.sock"))]
+    return ["tracing" not in ls["inbound"] for ls in proxies if "inbound" in ls]
+
+
+def _iris_statuses(mesh: Mesh, stop: threading.Event, out: list[int | str]) -> None:
+    """iris through the gateway on one keep-alive connection until `stop`: each status (or
+    the error that failed it); a connection the gateway closed is reopened."""
+    conn = httpclient.HTTPConnection("127.0.0.1", mesh.edge, timeout=10)
+    try:
+        while not stop.is_set():
+            try:
+                conn.request("POST", IRIS, body=FLOWER, headers=mesh.headers())
+                reply = conn.getresponse()
+                reply.read()
+                out.append(reply.status)
+            except (OSError, httpclient.HTTPException) as exc:
+                out.append(repr(exc))
+                conn.close()
+    finally:
+        conn.close()
+
+
+def test_tracing_a_sidecar_leaves_and_rejoins_its_split_without_failing_a_request(
+    split: Mesh,
+) -> None:
+    """The Mesh at 50% (the sidecars' tracer back on their own listeners), then at 10% again
+    (split again), while iris requests keep coming: every one is answered, those on a
+    connection still on the older configuration too. (Last to use the split mesh.)"""
+    mesh_yaml = split.state.parent / "examples" / "mesh.yaml"
+    original = mesh_yaml.read_text()
+    assert "    sampling: 10\n" in original
+    statuses: list[int | str] = []
+    stop = threading.Event()
+    sender = threading.Thread(target=_iris_statuses, args=(split, stop, statuses))
+    sender.start()
+    try:
+        for sampling, split_now in ((50, False), (10, True)):
+            mesh_yaml.write_text(
+                original.replace("    sampling: 10\n", f"    sampling: {sampling}\n")
+            )
+            wait_for(
+                f"every sidecar at {sampling}%",
+                lambda split_now=split_now: set(_split_sidecars(split)) == {split_now},
+                timeout=60,
+                every=0.5,
+            )
+            time.sleep(2)  # requests through the new configuration
+    finally:
+        stop.set()
+        sender.join(timeout=30)
+        mesh_yaml.write_text(original)
+    assert len(statuses) > 50 and set(statuses) == {200}, [s for s in statuses if s != 200]

@@ -118,11 +118,14 @@ def inbound_listener(inbound: ir.Inbound, filters: FilterContext) -> listener_pb
 
 @lru_cache(maxsize=1024)
 def traced_inbound_listener(
-    inbound: ir.Inbound, config: httpfilters.TracingContext
+    inbound: ir.Inbound, config: httpfilters.TracingContext | None
 ) -> listener_pb2.Listener:
-    """A split sidecar's internal listener (httpfilters.tracing): the tracer and the router,
-    to the same application routes. The outer listener authenticated, authorized and audited
-    the request, and told the application who called (x-forwarded-client-cert), which passes."""
+    """The internal listener where a split sidecar traces (httpfilters.tracing): the tracer
+    and the router, to the same application routes. The outer listener authenticated,
+    authorized and audited the request, and told the application who called
+    (x-forwarded-client-cert), which passes. Every sidecar has it, whatever its tracing (none:
+    no tracer): a connection still on an older configuration of the outer listener (Envoy lets
+    it finish while the listener drains) may route a request here after the split has ended."""
     manager = hcm.HttpConnectionManager(
         stat_prefix=f"inbound_traced_{inbound.port}",
         codec_type=hcm.HttpConnectionManager.AUTO,
@@ -134,9 +137,13 @@ def traced_inbound_listener(
         ),
         forward_client_cert_details=hcm.HttpConnectionManager.ALWAYS_FORWARD_ONLY,
         preserve_external_request_id=True,
-        tracing=tracing.traced_inbound_tracing(config),
-        http_filters=[*tracing.carried_tags(config), httpfilters.ROUTER_FILTER],
+        http_filters=[
+            *(tracing.carried_tags(config) if config is not None else ()),
+            httpfilters.ROUTER_FILTER,
+        ],
     )
+    if config is not None:
+        manager.tracing.CopyFrom(tracing.traced_inbound_tracing(config))
     if inbound.functions:
         manager.http_protocol_options.enable_trailers = True
     return listener_pb2.Listener(
@@ -193,8 +200,7 @@ def sidecar_resources(
         LISTENER: {INBOUND_LISTENER: inbound_listener(inbound, filters)},
         CLUSTER: local_clusters(inbound, host),
     }
-    if filters.tracing is not None and filters.tracing.split:
-        out[LISTENER][TRACED_INBOUND] = traced_inbound_listener(inbound, filters.tracing)
-        out[CLUSTER][TRACED_INBOUND] = tracing.traced_inbound_cluster(inbound.functions)
+    out[LISTENER][TRACED_INBOUND] = traced_inbound_listener(inbound, filters.tracing)
+    out[CLUSTER][TRACED_INBOUND] = tracing.traced_inbound_cluster(inbound.functions)
     merge(out, httpfilters.resources(filters, overlay))
     return out

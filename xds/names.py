@@ -47,10 +47,10 @@ LATENCY_LOG_FILTER = "has(upstream.local_address)"
 CERT_SECRET = "default"
 ROOT_SECRET = "ROOTCA"
 
-# A sidecar's one listener and the route that forwards to its application.
+# A sidecar's listener and the route that forwards to its application.
 INBOUND_LISTENER = "inbound"
-# Where a sidecar traces (translate.httpfilters.tracing.traced_inbound): an internal listener,
-# and the cluster that reaches it, of this one name.
+# Where a split sidecar traces (translate.httpfilters.tracing): an internal listener, and the
+# cluster that reaches it, of this one name.
 TRACED_INBOUND = "inbound|traced"
 
 # EDS priority levels meshfn assigns by proximity (same node .. anywhere): see translate.endpoints.

@@ -85,7 +85,7 @@ class TracingContext:
     settings: ir.GatewayTracing
     verified_tokens: bool = False  # jwt_authn runs here: the tenant tag has a source
     # a sidecar whose callers sample little: its tracer sits on an internal listener that only
-    # the requests it traces take (translate.tracing.traced_inbound), not on every request
+    # the requests it traces take (translate.httpfilters.tracing), not on every request
     split: bool = False
 
     @property

@@ -830,9 +830,9 @@ def test_tracing_at_a_low_rate_a_sidecar_traces_only_the_sampled_requests(split:
     sidecars = [listeners for listeners in proxies if "inbound" in listeners]
     assert len(sidecars) == 4, proxies  # models (2), models-lite, echo
     for listeners in sidecars:
-        assert set(listeners) == {"inbound", "inbound|traced"}, sorted(listeners)
+        assert set(listeners) == {"inbound", "meshfn-traced-inbound"}, sorted(listeners)
         assert "tracing" not in listeners["inbound"], listeners["inbound"].get("tracing")
-        assert listeners["inbound|traced"]["tracing"]["random_sampling"]["value"] == 100
+        assert listeners["meshfn-traced-inbound"]["tracing"]["random_sampling"]["value"] == 100
     before_crossed = _envoy_counter(split, CROSSED)
     before = {t["trace_id"] for t in split.traces(model="iris")}
     forged = split.headers(**{"x-meshfn-span-meshfn-principal": "spiffe://meshfn.local/ns/x/sa/x"})

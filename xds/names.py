@@ -51,7 +51,7 @@ ROOT_SECRET = "ROOTCA"
 INBOUND_LISTENER = "inbound"
 # Where a split sidecar traces (translate.httpfilters.tracing): an internal listener, and the
 # cluster that reaches it, of this one name.
-TRACED_INBOUND = "inbound|traced"
+TRACED_INBOUND = "meshfn-traced-inbound"
 
 # EDS priority levels meshfn assigns by proximity (same node .. anywhere): see translate.endpoints.
 PRIORITY_LEVELS = 5

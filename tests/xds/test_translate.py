@@ -446,15 +446,16 @@ def test_a_sidecar_traces_on_an_internal_listener_while_every_caller_samples_lit
     clusters = {c for _, route in _routes(manager) for c in [route.route.cluster]}
     # the internal listener is always there (a connection on an older configuration may use it)
     assert (
-        set(listeners) == {"inbound", "inbound|traced"} and "inbound|traced" in resources[CLUSTER]
+        set(listeners) == {"inbound", "meshfn-traced-inbound"}
+        and "meshfn-traced-inbound" in resources[CLUSTER]
     )
     if not split:
-        assert manager.HasField("tracing") and "inbound|traced" not in clusters
+        assert manager.HasField("tracing") and "meshfn-traced-inbound" not in clusters
         return
-    assert not manager.HasField("tracing") and "inbound|traced" in clusters
+    assert not manager.HasField("tracing") and "meshfn-traced-inbound" in clusters
     inner = hcm.HttpConnectionManager()
-    listeners["inbound|traced"].filter_chains[0].filters[0].typed_config.Unpack(inner)
-    assert listeners["inbound|traced"].HasField("internal_listener")
+    listeners["meshfn-traced-inbound"].filter_chains[0].filters[0].typed_config.Unpack(inner)
+    assert listeners["meshfn-traced-inbound"].HasField("internal_listener")
     assert inner.tracing.random_sampling.value == 100.0
     assert [f.name for f in inner.http_filters] == [
         "envoy.filters.http.header_to_metadata",
@@ -463,7 +464,11 @@ def test_a_sidecar_traces_on_an_internal_listener_while_every_caller_samples_lit
     # the outer routes: sampled parent, then no parent at the mesh's rate, then the rest; each
     # drops a caller's carried tags, and the traced ones set their own
     routes = [route for _, route in _routes(manager)]
-    assert [r.route.cluster for r in routes] == ["inbound|traced", "inbound|traced", "inbound|9101"]
+    assert [r.route.cluster for r in routes] == [
+        "meshfn-traced-inbound",
+        "meshfn-traced-inbound",
+        "inbound|9101",
+    ]
     sampled, unparented, _ = routes
     assert sampled.match.headers[-1].string_match.safe_regex.regex == ".*-[0-9a-f][13579bdf]"
     assert unparented.match.headers[-1].invert_match

@@ -667,14 +667,21 @@ def _latencies(port: int, count: int) -> list[float]:
     return out
 
 
-def _statuses(port: int, stop: threading.Event, out: list[int | str]) -> None:
-    """Requests on one keep-alive connection until `stop`, each one's status (or the error
-    that failed it) appended to `out`; a connection the gateway closed is reopened."""
+def _statuses(
+    port: int,
+    stop: threading.Event,
+    out: list[int | str],
+    request: tuple[str, str, bytes | None, dict[str, str]] = ("GET", "/v1", None, {}),
+) -> None:
+    """`request` (method, path, body, headers) on one keep-alive connection until `stop`, each
+    one's status (or the error that failed it) appended to `out`; a connection the gateway
+    closed is reopened."""
+    method, path, body, headers = request
     conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         while not stop.is_set():
             try:
-                conn.request("GET", "/v1")
+                conn.request(method, path, body=body, headers=headers)
                 reply = conn.getresponse()
                 reply.read()
                 out.append(reply.status)
@@ -941,24 +948,6 @@ def _split_sidecars(mesh: Mesh) -> list[bool]:
     return ["tracing" not in ls["inbound"] for ls in proxies if "inbound" in ls]
 
 
-def _iris_statuses(mesh: Mesh, stop: threading.Event, out: list[int | str]) -> None:
-    """iris through the gateway on one keep-alive connection until `stop`: each status (or
-    the error that failed it); a connection the gateway closed is reopened."""
-    conn = httpclient.HTTPConnection("127.0.0.1", mesh.edge, timeout=10)
-    try:
-        while not stop.is_set():
-            try:
-                conn.request("POST", IRIS, body=FLOWER, headers=mesh.headers())
-                reply = conn.getresponse()
-                reply.read()
-                out.append(reply.status)
-            except (OSError, httpclient.HTTPException) as exc:
-                out.append(repr(exc))
-                conn.close()
-    finally:
-        conn.close()
-
-
 def test_tracing_a_sidecar_leaves_and_rejoins_its_split_without_failing_a_request(
     split: Mesh,
 ) -> None:
@@ -970,7 +959,8 @@ def test_tracing_a_sidecar_leaves_and_rejoins_its_split_without_failing_a_reques
     assert "    sampling: 10\n" in original
     statuses: list[int | str] = []
     stop = threading.Event()
-    sender = threading.Thread(target=_iris_statuses, args=(split, stop, statuses))
+    iris = ("POST", IRIS, FLOWER, split.headers())
+    sender = threading.Thread(target=_statuses, args=(split.edge, stop, statuses, iris))
     sender.start()
     try:
         for sampling, split_now in ((50, False), (10, True)):

@@ -827,15 +827,20 @@ def _listeners(sock: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _sidecars(mesh: Mesh) -> list[dict[str, dict[str, Any]]]:
+    """Every sidecar's active listeners (_listeners): the proxies that have `inbound`."""
+    proxies = [_listeners(sock) for sock in sorted((mesh.state / "envoy").glob("*.sock"))]
+    return [listeners for listeners in proxies if "inbound" in listeners]
+
+
 def test_tracing_at_a_low_rate_a_sidecar_traces_only_the_sampled_requests(split: Mesh) -> None:
     """The sidecar's own listener has no tracer; an internal listener has it. 400 requests at
     the gateway's 10%: 40 expected, sd 6, bounds four sd. Exactly the sampled ones cross the
     internal listener, and each is one trace, gateway > sidecar > backend, with the sidecar's
     tags from its verified facts (the tenant of its JWT, its mTLS peer) carried across, never
     from a client's header of the same name."""
-    proxies = [_listeners(sock) for sock in sorted((split.state / "envoy").glob("*.sock"))]
-    sidecars = [listeners for listeners in proxies if "inbound" in listeners]
-    assert len(sidecars) == 4, proxies  # models (2), models-lite, echo
+    sidecars = _sidecars(split)
+    assert len(sidecars) == 4, sidecars  # models (2), models-lite, echo
     for listeners in sidecars:
         assert set(listeners) == {"inbound", "meshfn-traced-inbound"}, sorted(listeners)
         assert "tracing" not in listeners["inbound"], listeners["inbound"].get("tracing")
@@ -944,8 +949,7 @@ def test_tracing_at_a_low_rate_streams_through_the_internal_listener_keep_their_
 
 def _split_sidecars(mesh: Mesh) -> list[bool]:
     """Per sidecar: whether it is split (no tracer on its own listener)."""
-    proxies = [_listeners(sock) for sock in sorted((mesh.state / "envoy").glob("*.sock"))]
-    return ["tracing" not in ls["inbound"] for ls in proxies if "inbound" in ls]
+    return ["tracing" not in listeners["inbound"] for listeners in _sidecars(mesh)]
 
 
 def test_tracing_a_sidecar_leaves_and_rejoins_its_split_without_failing_a_request(

@@ -201,8 +201,13 @@ def tracing_for(
     )
 
 
-def _carried(tag: str) -> str:
-    return _CARRIED_TAG + "".join(c if c.isalnum() else "-" for c in tag.lower())
+def _carried(config: TracingContext) -> list[tuple[custom_tag_pb2.CustomTag, str]]:
+    """The connection manager's tags, each with the header it crosses in."""
+    tags = fragments.connection_tags(config.tracing, config.kind, config.verified_tokens)
+    return [
+        (tag, _CARRIED_TAG + "".join(c if c.isalnum() else "-" for c in tag.tag.lower()))
+        for tag in tags
+    ]
 
 
 def split_routes(config: TracingContext, routes: Iterable[rc.Route]) -> list[rc.Route]:
@@ -211,14 +216,14 @@ def split_routes(config: TracingContext, routes: Iterable[rc.Route]) -> list[rc.
     be), each of `routes` twinned under its name; then `routes` (to the application). Every
     route drops a caller's carried-tag headers (before setting its own): a span's tags are the
     sidecar's facts, and the application sees the same request either way."""
-    tags = fragments.connection_tags(config.tracing, config.kind, config.verified_tokens)
-    dropped = [_carried(tag.tag) for tag in tags]
+    tags = _carried(config)
+    dropped = [header for _, header in tags]
     carried = [
         base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=_carried(tag.tag), value=tag.value),
+            header=base_pb2.HeaderValue(key=header, value=tag.value),
             append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
         )
-        for tag in tags
+        for tag, header in tags
     ]
     share = percent_pb2.FractionalPercent(
         numerator=round(config.tracing.sampling * 10_000),
@@ -255,7 +260,7 @@ def traced_inbound_tracing(config: TracingContext) -> hcm.HttpConnectionManager.
     out.CopyFrom(connection_tracing(config))
     out.random_sampling.value = 100.0
     del out.custom_tags[:]
-    for tag in fragments.connection_tags(config.tracing, config.kind, config.verified_tokens):
+    for tag, _ in _carried(config):
         out.custom_tags.append(
             custom_tag_pb2.CustomTag(
                 tag=tag.tag, value=f"%DYNAMIC_METADATA({_CARRIED_METADATA}:{tag.tag})%"
@@ -271,13 +276,13 @@ def carried_tags(config: TracingContext) -> tuple[hcm.HttpFilter, ...]:
     header the route removed would be gone by then)."""
     rules = [
         header_to_metadata_pb2.Config.Rule(
-            header=_carried(tag.tag),
+            header=header,
             on_header_present=header_to_metadata_pb2.Config.KeyValuePair(
                 metadata_namespace=_CARRIED_METADATA, key=tag.tag
             ),
             remove=True,
         )
-        for tag in fragments.connection_tags(config.tracing, config.kind, config.verified_tokens)
+        for tag, header in _carried(config)
     ]
     if not rules:
         return ()

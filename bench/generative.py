@@ -11,6 +11,9 @@ Two ways to the same backends, and a bench backend of its own:
           those the gateway sent a warm-up's streams to (their generation counts in /metrics),
           since two processes of one backend differ by ~0.1 ms of TTFT and the gateway prefers
           its locality's
+  floor   two bare Envoys in a row (the router alone, HTTP/1.1, no TLS: testing.envoy's
+          bare_proxy) in front of the same backends' sockets, rotating with mesh and direct:
+          what any two proxies add on this machine, the floor under the mesh's figures
   joined  mesh and direct again (16 streams) with tiny-lm-joined: tiny-lm on the same backends
           with generation.streamInterval 4 (a Function the benchmark adds to its copy of the
           examples): an event per four tokens, so each proxy handles a quarter of the chunks
@@ -21,8 +24,8 @@ Two ways to the same backends, and a bench backend of its own:
           generation.auditText hmac: the accounting and audit a budgeted request costs)
 Each measure streams N concurrent `/v1/completions` (stream: true, a fixed seed and `--tokens`
 max_tokens, temperature 0.8) over kept-alive connections (as the SDK's client pool does);
-mesh and direct alternate, which goes first alternating too, `--pairs` rounds at one stream
-(in blocks of `--block` rounds each way) and `--rounds` at more. Stream by stream, every stream
+mesh, direct and floor take turns, which goes first rotating too, `--pairs` rounds at one
+stream (in blocks of `--block` rounds each way) and `--rounds` at more. Stream by stream, every stream
 through the mesh would follow one straight to the backend, which leaves the Envoys idle (their
 caches cold) and the backend warm: each mesh stream would pay for the proxies' wake-up and
 cache misses and no direct stream for the backend's, a bias against the mesh that a client
@@ -48,8 +51,9 @@ Prints one line:
   at 16 streams; batched_tokens_ratio: the bench backend's tokens/s at 16 streams with batching
   over without)
 and writes bench/results/generative.json (or --json) with every figure: per concurrency and
-way, TTFT and ITL added by the mesh (paired medians), the accounting/audit overhead, batching's
-ITL p99 both ways.
+way, TTFT and ITL added by the mesh (paired medians), by the floor's two bare proxies
+(`floor_added_ms`) and by the mesh over them (`mesh_over_floor_ms`), the accounting/audit
+overhead, batching's ITL p99 both ways.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +76,7 @@ import aiohttp
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.inference.examples import publish_examples
 from meshfn.testing import policies as p
+from meshfn.testing.envoy import start_bare_chain
 from meshfn.testing.ports import free_ports
 from meshfn.testing.processes import (
     MESHFN,
@@ -246,24 +252,25 @@ def start_mesh(
 
 
 async def run_ways(
-    ways: dict[str, Way], pairs: list[tuple[str, str]], levels: list[int], rounds: int,
+    ways: dict[str, Way], pairs: list[tuple[str, ...]], levels: list[int], rounds: int,
     repeats: int, tokens: int, block: int = 1,
 ) -> dict[str, dict[int, list[dict[str, Any]]]]:  # fmt: skip
-    """Every way's rounds (the first round of each warms it up): the first pair at every level,
-    the others at the top level, a pair's two ways alternating, and which of them goes first
-    too (at one stream in blocks of `block` rounds); the ways in no pair at the top level.
-    With blocks, the first pair's one-stream rounds again stream by stream, as
-    `{way}_alternating`."""
+    """Every way's rounds (the first round of each warms it up): the first group at every
+    level, the others at the top level, a group's ways taking turns, and which of them goes
+    first rotating too (at one stream in blocks of `block` rounds); the ways in no group at the
+    top level. With blocks, the first group's first two ways' one-stream rounds again stream
+    by stream, as `{way}_alternating`."""
     top = max(levels)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {w: {n: [] for n in levels} for w in ways}
 
     async def alternate(
-        pair: tuple[str, str], n: int, count: int, size: int,
+        group: tuple[str, ...], n: int, count: int, size: int,
         into: dict[str, dict[int, list[dict[str, Any]]]],
     ) -> None:  # fmt: skip
         turns = range(count + 1)
         for b, start in enumerate(range(0, len(turns), size)):
-            for name in pair if b % 2 == 0 else pair[::-1]:
+            first = b % len(group)
+            for name in group[first:] + group[:first]:
                 for turn in turns[start : start + size]:
                     into[name][n].append(await measure(ways[name], n, tokens, 1, turn))
 
@@ -272,8 +279,8 @@ async def run_ways(
             count, size = (repeats, block) if n == 1 else (rounds, 1)
             await alternate(pair, n, count, size, runs)
     if block > 1:
-        alternated: dict[str, dict[int, list[dict[str, Any]]]] = {w: {1: []} for w in pairs[0]}
-        await alternate(pairs[0], 1, repeats, 1, alternated)
+        alternated: dict[str, dict[int, list[dict[str, Any]]]] = {w: {1: []} for w in pairs[0][:2]}
+        await alternate(pairs[0][:2], 1, repeats, 1, alternated)
         runs.update({f"{name}_alternating": found for name, found in alternated.items()})
     paired = {name for pair in pairs for name in pair}
     for name in [w for w in ways if w not in paired]:
@@ -324,10 +331,10 @@ async def mesh_backends(
 
 async def measure_all(
     args: argparse.Namespace, levels: list[int], gateway: str, token: str, sockets: list[Path],
-    bench: str, backends: dict[str, list[str]],
+    bench: str, backends: dict[str, list[str]], chain: Callable[[list[Path]], int],
 ) -> dict[str, dict[int, list[dict[str, Any]]]]:  # fmt: skip
     """Every way's rounds; `backends` gets the backends (their state folders) each model's
-    direct way went to."""
+    direct way went to; `chain` starts two bare proxies to the given sockets (their port)."""
     timeout = aiohttp.ClientTimeout(total=300)
     plain = {"content-type": "application/json"}
     acme = {**plain, TENANT_HEADER: "acme"}  # what the sidecar writes from the token's claim
@@ -351,16 +358,18 @@ async def measure_all(
             return Way([to_sockets[i] for i in chosen[model]], "http://backend" +
                        path.format(model), model, acme)  # fmt: skip
 
+        floor = f"http://127.0.0.1:{chain([sockets[i] for i in chosen['tiny-lm']])}"
         ways = {
             "mesh": mesh,
             "direct": direct("tiny-lm"),
+            "floor": Way([tcp], floor + path.format("tiny-lm"), "tiny-lm", acme),
             "mesh_joined": mesh_joined,
             "direct_joined": direct(JOINED),
             "bench_batched": Way([tcp], bench + path.format("tiny-lm"), "tiny-lm", plain),
             "bench_unbatched": Way([tcp], bench + path.format("tiny-solo"), "tiny-solo", plain),
             "bench_accounted": Way([tcp], bench + path.format("tiny-acct"), "tiny-acct", acme),
         }
-        pairs = [("mesh", "direct"), ("mesh_joined", "direct_joined")]
+        pairs = [("mesh", "direct", "floor"), ("mesh_joined", "direct_joined")]
         return await run_ways(ways, pairs, levels, args.rounds, args.pairs, args.tokens, args.block)
 
 
@@ -396,7 +405,14 @@ def main() -> None:
             timeout=120,
         )
         backends: dict[str, list[str]] = {}
-        runs = asyncio.run(measure_all(args, levels, gateway, token, sockets, bench, backends))
+
+        def chain(to: list[Path]) -> int:
+            upstreams = [{"pipe": {"path": str(socket)}} for socket in to]
+            return start_bare_chain(procs, tmp, "floor", upstreams)[0]
+
+        runs = asyncio.run(
+            measure_all(args, levels, gateway, token, sockets, bench, backends, chain)
+        )
     finally:
         procs.stop_all()
     figures = {
@@ -425,6 +441,20 @@ def main() -> None:
         "mesh_added_ms": {
             str(n): {
                 key: added(runs["mesh"][n][1:], runs["direct"][n][1:], key)
+                for key in ("ttft", "itl")
+            }
+            for n in levels
+        },
+        "floor_added_ms": {
+            str(n): {
+                key: added(runs["floor"][n][1:], runs["direct"][n][1:], key)
+                for key in ("ttft", "itl")
+            }
+            for n in levels
+        },
+        "mesh_over_floor_ms": {
+            str(n): {
+                key: added(runs["mesh"][n][1:], runs["floor"][n][1:], key)
                 for key in ("ttft", "itl")
             }
             for n in levels

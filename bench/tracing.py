@@ -15,9 +15,16 @@ configuration over xDS and the backends reload their tracing in place (SIGHUP), 
 differ in tracing alone, not in how warm a freshly started backend is; `backends_restarted` in
 the JSON says whether any process changed during the run (it must not). Per mesh and
 comparison: the client's p50 and the CPU of every process `meshfn up` started (Envoys,
-backends, upstreams) per request, schedstat run time, and the Envoys' part of it; the control
-plane's own CPU (the embedded collector receiving the spans) separately. The added p50 and CPU
+backends, upstreams) per request, schedstat run time, the Envoys' part of it and the edge
+gateway's part of theirs; the control plane's own CPU (the embedded collector receiving the
+spans) separately. The added p50 and CPU
 are medians over the rounds of the traced mesh minus the `off` one.
+
+The floor, after the meshes' rounds: two bare proxies in a row (the router alone, the second
+one answering itself), twice side by side, the first proxy of one of them with the edge
+gateway's own tracer at 1% (its tracing block and collector cluster as Envoy runs them), the
+same alternation: what Envoy's tracer costs a proxy that does nothing else, on this machine
+(`floor_p1_added_us`, `floor_p1_added_cpu_us` in the JSON's summary).
 
 `backend_span_us`: what one traced request costs the backend (bench/tracing_spans.py, in
 process): its spans on the request's path plus its share of the exporter's OTLP encoding.
@@ -42,12 +49,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
 from meshfn.inference.devtools import RawHttp
 from meshfn.testing import load
+from meshfn.testing.envoy import active_cluster, admin_json, admin_socket, start_bare_chain
 from meshfn.testing.policies import remap
 from meshfn.testing.processes import MESHFN, Processes, cpu_ns, meshfn, wait_for
 
@@ -92,6 +100,13 @@ def children(pid: int) -> list[int]:
 def _comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
 
@@ -161,36 +176,95 @@ class Bench:
     def _answers(self) -> bool:
         client = RawHttp("127.0.0.1", self.port)
         try:
-            status, _ = client.send(self._raw(client))
+            status, _ = client.send(self.raw(client))
         except OSError:
             return False
         finally:
             client.close()
         return status == 200
 
-    def _raw(self, client: RawHttp) -> bytes:
+    def raw(self, client: RawHttp) -> bytes:
         raw = client.encode("POST", "/v2/models/iris/infer", load.IRIS)
         return raw.replace(
             b"\r\n\r\n", f"\r\nauthorization: Bearer {self.token}\r\n\r\n".encode(), 1
         )
 
     def processes(self) -> dict[str, list[int]]:
-        """meshfn up's children (all, and the Envoys among them) and meshfn up itself."""
+        """meshfn up's children (all, the Envoys among them, the edge gateway's) and meshfn up
+        itself."""
         pids = children(self.up_pid)
         self.seen.append(sorted(pids))
         envoys = [pid for pid in pids if _comm(pid) == "envoy"]
-        return {"mesh": pids, "envoy": envoys, "control_plane": [self.up_pid]}
+        gateway = [pid for pid in envoys if "edge.ingress" in _cmdline(pid)]
+        return {"mesh": pids, "envoy": envoys, "gateway": gateway, "control_plane": [self.up_pid]}
+
+
+class Target(Protocol):
+    """What `measure_pair` sends to: a port, the request, the processes behind it."""
+
+    port: int
+
+    def raw(self, client: RawHttp) -> bytes: ...
+
+    def processes(self) -> dict[str, list[int]]: ...
+
+
+class BareChain:
+    """Two bare proxies in a row (testing.envoy's bare_proxy), the second one answering 200
+    itself; the first one traces with `tracing` (or not at all): the floor, what Envoy's own
+    tracer costs a proxy that does nothing else, measured beside the meshes."""
+
+    def __init__(
+        self, procs: Processes, work: Path, name: str, tracing: dict[str, Any] | None,
+        clusters: list[dict[str, Any]],
+    ) -> None:  # fmt: skip
+        self.port, started = start_bare_chain(procs, work, name, None, tracing, clusters)
+        self.pids = [proc.pid for proc in started if proc.pid is not None]
+
+    def raw(self, client: RawHttp) -> bytes:
+        return client.encode("POST", "/v2/models/iris/infer", load.IRIS)
+
+    def processes(self) -> dict[str, list[int]]:
+        """The first proxy's pid (the one that traces) as `envoy`, both as `mesh`."""
+        return {
+            "mesh": self.pids,
+            "envoy": self.pids[:1],
+            "gateway": self.pids[:1],
+            "control_plane": [],
+        }
+
+
+def gateway_tracing(bench: Bench) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The edge gateway's tracing block at 1% as Envoy runs it (its connection manager's, the
+    routes' 1% made the listener's own) and the collector cluster it names."""
+    admin = admin_socket(bench.tmp / "state", "edge.ingress")
+    dump = admin_json(admin, "/config_dump?resource=dynamic_listeners")
+    found = [
+        f["typed_config"]["tracing"]
+        for entry in dump["configs"]
+        if "active_state" in entry
+        for chain in entry["active_state"]["listener"].get("filter_chains", [])
+        for f in chain["filters"]
+        if "tracing" in f.get("typed_config", {})
+    ]
+    if not found:
+        raise SystemExit("the edge gateway has no tracer at 1%")
+    tracing = {**found[0], "random_sampling": {"value": 1.0}}
+    provider = tracing["provider"]["typed_config"]
+    cluster = provider["grpc_service"]["envoy_grpc"]["cluster_name"]
+    found_cluster = active_cluster(admin, cluster)
+    return tracing, [{k: v for k, v in found_cluster.items() if k != "@type"}]
 
 
 def measure_pair(
-    benches: tuple[Bench, Bench], requests: int, block: int, warmup: int = 200
+    benches: tuple[Target, Target], requests: int, block: int, warmup: int = 200
 ) -> list[dict[str, float]]:
     """Each mesh's p50 over `requests` sequential requests, sent in alternating blocks of
     `block` (the two meshes share the machine's drift), and the CPU per request of each mesh's
     processes over the same seconds."""
     clients = [RawHttp("127.0.0.1", bench.port) for bench in benches]
     try:
-        raws = [bench._raw(client) for bench, client in zip(benches, clients, strict=True)]
+        raws = [bench.raw(client) for bench, client in zip(benches, clients, strict=True)]
         for client, raw in zip(clients, raws, strict=True):
             for _ in range(warmup):
                 assert client.send(raw)[0] == 200
@@ -215,7 +289,7 @@ def measure_pair(
             "p99_us": load.pct(took, 0.99),
             **{
                 f"{kind}_cpu_us": (end[kind] - begin[kind]) / len(took) / 1000
-                for kind in ("mesh", "envoy", "control_plane")
+                for kind in ("mesh", "envoy", "gateway", "control_plane")
             },
         }
         for took, begin, end in zip(times, before, after, strict=True)
@@ -238,6 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="meshfn-bench-tracing-") as tmp:
         benches: list[Bench] = []
         rounds: list[dict[str, dict[str, Any]]] = []
+        floor: list[dict[str, Any]] = []
         try:
             for name in ("a", "b"):  # the second takes its ports once the first holds its own
                 (Path(tmp) / name).mkdir()
@@ -259,12 +334,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "off_mesh": "ab"[off],
                     }
                 rounds.append(measured)
+            benches[0].switch("p1")
+            tracing, clusters = gateway_tracing(benches[0])
+            work = Path(tmp) / "floor"
+            work.mkdir()
+            chains = (
+                BareChain(benches[0].procs, work, "bare", None, clusters),
+                BareChain(benches[0].procs, work, "traced", tracing, clusters),
+            )
+            for n in range(args.floor_rounds):
+                order = (0, 1) if n % 2 == 0 else (1, 0)
+                figures = measure_pair(
+                    (chains[order[0]], chains[order[1]]), args.requests, args.block
+                )
+                floor.append({"off": figures[order.index(0)], "p1": figures[order.index(1)]})
         finally:
             for bench in benches:
                 bench.procs.stop_all()
     ours = spans(sys.executable, args.span_requests, "ours")
     data: dict[str, Any] = {
         "rounds": rounds,
+        "floor": floor,
         "backends_restarted": any(seen != b.seen[0] for b in benches for seen in b.seen),
         "spans": {"ours": ours},
         "goals": GOALS,
@@ -302,9 +392,17 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         "p1_added_cpu_us": _added(rounds, "p1", "mesh_cpu_us"),
         "p100_added_cpu_us": _added(rounds, "p100", "mesh_cpu_us"),
         "p1_added_envoy_cpu_us": _added(rounds, "p1", "envoy_cpu_us"),
+        "p1_added_gateway_cpu_us": _added(rounds, "p1", "gateway_cpu_us"),
         "p100_added_envoy_cpu_us": _added(rounds, "p100", "envoy_cpu_us"),
         "p100_collector_cpu_us": _added(rounds, "p100", "control_plane_cpu_us"),
     }
+    floor = data["floor"]
+    if floor:  # Envoy's own tracer at 1% in a bare proxy: p50 and that proxy's CPU added
+        for key, name in (
+            ("p50_us", "floor_p1_added_us"),
+            ("envoy_cpu_us", "floor_p1_added_cpu_us"),
+        ):
+            summary[name] = statistics.median(r["p1"][key] - r["off"][key] for r in floor)
     summary["goals_met"] = {k: summary[k] <= limit for k, limit in GOALS.items()}
     if "sdk" in data["spans"]:
         sdk = data["spans"]["sdk"]
@@ -320,6 +418,9 @@ def main() -> None:
         "--rounds", type=int, default=10, help="each compares off with 1%% and 100%%"
     )
     parser.add_argument("--requests", type=int, default=1000, help="per mesh and comparison")
+    parser.add_argument(
+        "--floor-rounds", type=int, default=8, help="bare proxies with and without a tracer"
+    )
     parser.add_argument("--block", type=int, default=25, help="requests to one mesh in a row")
     parser.add_argument("--span-requests", type=int, default=20000)
     parser.add_argument("--sdk", help="a Python with opentelemetry-sdk, for the comparison")

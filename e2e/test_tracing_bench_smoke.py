@@ -9,7 +9,7 @@ from meshfn_e2e import run_bench
 
 
 def test_tracing_bench_smoke(tmp_path: Path) -> None:
-    args = ["--rounds", "1", "--requests", "100", "--span-requests", "500"]
+    args = ["--rounds", "1", "--requests", "100", "--span-requests", "500", "--floor-rounds", "2"]
     line, data = run_bench("tracing.py", args, tmp_path, timeout=600)
     assert re.fullmatch(
         r"tracing: off_p50_us=\d+ p1_added_us=-?[\d.]+ p100_added_us=-?[\d.]+"
@@ -29,3 +29,8 @@ def test_tracing_bench_smoke(tmp_path: Path) -> None:
         "p1_added_us",
         "p100_added_us",
     }
+    # the floor: a bare proxy with the gateway's own tracer at 1% against one without
+    assert len(data["floor"]) == 2 and all(set(r) == {"off", "p1"} for r in data["floor"])
+    for key in ("floor_p1_added_us", "floor_p1_added_cpu_us"):
+        assert isinstance(data["summary"][key], float)
+    assert all(r[k]["envoy_cpu_us"] > 0 for r in data["floor"] for k in ("off", "p1"))

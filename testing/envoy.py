@@ -21,6 +21,7 @@ from meshfn.common.unix import unix_request
 from meshfn.control_plane.runtime.bootstrap import admin_socket_path
 from meshfn.control_plane.runtime.envoy import envoy_argv, envoy_binary
 
+from .ports import free_ports
 from .processes import Proc, Processes, wait_for
 
 
@@ -122,3 +123,87 @@ def start(
     proc = procs.start(name, argv)
     wait_for(f"{name} to be live", lambda: live(admin_port), timeout=timeout, proc=proc)
     return proc
+
+
+HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+
+
+def loopback(port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+
+def bare_proxy(
+    name: str,
+    listen: int,
+    admin: int,
+    upstreams: list[dict[str, Any]] | None,
+    tracing: Mapping[str, Any] | None = None,
+    clusters: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A static Envoy with nothing but the router, HTTP/1.1 both ways, to `upstreams` (Envoy
+    addresses, round robin; None: a 200 of its own): what any proxy costs on this machine, the
+    floor a benchmark sets meshfn's proxies against. `tracing`: a connection manager's tracing
+    block, whose provider's cluster is among `clusters`."""
+    if upstreams is None:
+        route: dict[str, Any] = {
+            "direct_response": {"status": 200, "body": {"inline_string": "{}"}}
+        }
+    else:
+        route = {"route": {"cluster": "upstream", "timeout": "0s"}}
+    hcm: dict[str, Any] = {
+        "@type": f"{HCM}.HttpConnectionManager",
+        "stat_prefix": name,
+        "route_config": {
+            "virtual_hosts": [
+                {"name": "any", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, **route}]}
+            ]
+        },
+        "http_filters": [{"name": "router", "typed_config": {"@type": ROUTER}}],
+    }
+    if tracing is not None:
+        hcm["tracing"] = dict(tracing)
+    own = list(clusters or [])
+    if upstreams is not None:
+        endpoints = [{"endpoint": {"address": a}} for a in upstreams]
+        own.append(
+            {
+                "name": "upstream",
+                "type": "STATIC",
+                "connect_timeout": "2s",
+                "load_assignment": {"cluster_name": "upstream", "endpoints": [{"lb_endpoints": endpoints}]},
+            }
+        )  # fmt: skip
+    listener = {
+        "name": name,
+        "address": loopback(listen),
+        "filter_chains": [{"filters": [{"name": "hcm", "typed_config": hcm}]}],
+    }
+    return {
+        "admin": {"address": loopback(admin)},
+        "static_resources": {"listeners": [listener], "clusters": own},
+    }
+
+
+def start_bare_chain(
+    procs: Processes,
+    work: Path,
+    name: str,
+    upstreams: list[dict[str, Any]] | None,
+    tracing: Mapping[str, Any] | None = None,
+    clusters: list[dict[str, Any]] | None = None,
+) -> tuple[int, list[Proc]]:
+    """Two bare proxies in a row (`bare_proxy`), as a gateway and a sidecar stand between a
+    client and a backend: the first one's port, and both processes. The first one traces with
+    `tracing`; the second one forwards what the first one sends."""
+    first, second, first_admin, second_admin = free_ports(4)
+    configs = {
+        f"{name}-1": bare_proxy(f"{name}-1", first, first_admin, [loopback(second)], tracing, clusters),
+        f"{name}-2": bare_proxy(f"{name}-2", second, second_admin, upstreams),
+    }  # fmt: skip
+    started: list[Proc] = []
+    for (proxy, config), admin in zip(configs.items(), (first_admin, second_admin), strict=True):
+        path = work / f"{proxy}.json"
+        path.write_text(json.dumps(config))
+        started.append(start(procs, proxy, argv(path), admin))
+    return first, started

@@ -4,12 +4,16 @@ command line, policy builders that load, and product code that never imports the
 from __future__ import annotations
 
 import errno
+import http.server
 import re
 import socket
 import sys
+import threading
+import urllib.request
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -169,3 +173,70 @@ def test_the_kube_build_reports_its_steps_and_whether_it_was_cached(tmp_path: Pa
         else:
             assert not any("kube binaries: built" in line for line in lines), lines
     assert "noise" in (tmp_path / "fresh.log").read_text()
+
+
+class _Seen(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with 204 and keeps what it got (path, headers)."""
+
+    seen: ClassVar[list[tuple[str, dict[str, str]]]] = []
+
+    def do_GET(self) -> None:
+        self.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_two_bare_proxies_forward_to_their_upstream_and_the_first_one_traces(
+    procs: Processes, tmp_path: Path
+) -> None:
+    """The benchmarks' floor (testing.envoy.start_bare_chain): a request crosses both proxies
+    to the upstream; with a tracer at 100% on the first one the upstream sees its
+    `traceparent`, without one none; with no upstream the second proxy answers itself."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Seen)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        upstream = [envoy.loopback(server.server_address[1])]
+        collector = envoy.loopback(free_port())  # nothing listens: spans are dropped
+        otlp = {
+            "name": "otlp", "type": "STATIC", "connect_timeout": "1s",
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}},
+                }
+            },
+            "load_assignment": {"cluster_name": "otlp", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": collector}}]}]},
+        }  # fmt: skip
+        tracing = {
+            "random_sampling": {"value": 100},
+            "provider": {
+                "name": "envoy.tracers.opentelemetry",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "otlp"}},
+                    "service_name": "floor",
+                },
+            },
+        }
+        plain, _ = envoy.start_bare_chain(procs, tmp_path, "plain", upstream)
+        traced, started = envoy.start_bare_chain(
+            procs, tmp_path, "traced", upstream, tracing, [otlp]
+        )
+        answering, _ = envoy.start_bare_chain(procs, tmp_path, "answering", None)
+        assert len(started) == 2 and all(p.pid for p in started)
+        for port, path in ((plain, "/plain"), (traced, "/traced")):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+                assert reply.status == 204
+        seen = dict(_Seen.seen)
+        assert set(seen) == {"/plain", "/traced"}
+        assert "traceparent" not in seen["/plain"]
+        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", seen["/traced"]["traceparent"])
+        with urllib.request.urlopen(f"http://127.0.0.1:{answering}/any", timeout=10) as reply:
+            assert reply.status == 200 and reply.read() == b"{}"
+        assert set(dict(_Seen.seen)) == {"/plain", "/traced"}  # it never reached the upstream
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -17,8 +17,8 @@ the JSON says whether any process changed during the run (it must not). Per mesh
 comparison: the client's p50 and the CPU of every process `meshfn up` started (Envoys,
 backends, upstreams) per request, schedstat run time, the Envoys' part of it and the edge
 gateway's part of theirs; the control plane's own CPU (the embedded collector receiving the
-spans) separately. The added p50 and CPU
-are medians over the rounds of the traced mesh minus the `off` one.
+spans) separately. The added p50 and CPU are medians over the rounds of the traced mesh minus
+the `off` one.
 
 The floor, after the meshes' rounds: two bare proxies in a row (the router alone, the second
 one answering itself), twice side by side, the first proxy of one of them with the edge

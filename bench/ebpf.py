@@ -287,51 +287,16 @@ def envoy_config(
     requests_per_connection: int | None = None,
 ) -> Json:
     """A static Envoy: one listener routing everything to one backend cluster (a loopback port,
-    or a unix socket as a sidecar of `meshfn up` reaches its application).
-    `requests_per_connection`: close upstream connections after that many requests."""
-    api = "type.googleapis.com/envoy.extensions"
-
-    def address(port: int) -> Json:
-        return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
-
-    route = {"match": {"prefix": "/"}, "route": {"cluster": "backend"}}
-    router = {"name": "envoy.filters.http.router", "typed_config": {
-        "@type": f"{api}.filters.http.router.v3.Router"}}  # fmt: skip
-    hcm = {
-        "name": "envoy.filters.network.http_connection_manager",
-        "typed_config": {
-            "@type": f"{api}.filters.network.http_connection_manager.v3.HttpConnectionManager",
-            "stat_prefix": "bench",
-            "route_config": {
-                "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]
-            },
-            "http_filters": [router],
-        },
-    }
-    upstream = {"pipe": {"path": str(backend)}} if isinstance(backend, Path) else address(backend)
-    endpoint = {"endpoint": {"address": upstream}}
-    cluster: Json = {
-        "name": "backend",
-        "connect_timeout": "1s",
-        "type": "STATIC",
-        "load_assignment": {"cluster_name": "backend", "endpoints": [{"lb_endpoints": [endpoint]}]},
-    }
-    if requests_per_connection is not None:
-        name = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-        cluster["typed_extension_protocol_options"] = {
-            name: {
-                "@type": f"{api}.upstreams.http.v3.HttpProtocolOptions",
-                "common_http_protocol_options": {
-                    "max_requests_per_connection": requests_per_connection
-                },
-                "explicit_http_config": {"http_protocol_options": {}},
-            }
-        }
-    listener = {"name": "bench", "address": address(listen), "filter_chains": [{"filters": [hcm]}]}
-    return {
-        "admin": {"address": address(admin)},
-        "static_resources": {"listeners": [listener], "clusters": [cluster]},
-    }
+    or a unix socket as a sidecar of `meshfn up` reaches its application), Envoy's default
+    route timeout. `requests_per_connection`: close upstream connections after that many
+    requests."""
+    upstream = (
+        {"pipe": {"path": str(backend)}} if isinstance(backend, Path) else envoy.loopback(backend)
+    )
+    return envoy.bare_proxy(
+        "bench", listen, admin, [upstream], route_timeout=None,
+        requests_per_connection=requests_per_connection,
+    )  # fmt: skip
 
 
 def start_stack(

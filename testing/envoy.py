@@ -125,8 +125,7 @@ def start(
     return proc
 
 
-HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+API = "type.googleapis.com/envoy.extensions"
 
 
 def loopback(port: int) -> dict[str, Any]:
@@ -140,44 +139,63 @@ def bare_proxy(
     upstreams: list[dict[str, Any]] | None,
     tracing: Mapping[str, Any] | None = None,
     clusters: list[dict[str, Any]] | None = None,
+    *,
+    route_timeout: str | None = "0s",
+    requests_per_connection: int | None = None,
 ) -> dict[str, Any]:
     """A static Envoy with nothing but the router, HTTP/1.1 both ways, to `upstreams` (Envoy
     addresses, round robin; None: a 200 of its own): what any proxy costs on this machine, the
     floor a benchmark sets meshfn's proxies against. `tracing`: a connection manager's tracing
-    block, whose provider's cluster is among `clusters`."""
+    block, whose provider's cluster is among `clusters`. `route_timeout` None: Envoy's default
+    (15 s); `requests_per_connection`: close upstream connections after that many requests."""
     if upstreams is None:
         route: dict[str, Any] = {
             "direct_response": {"status": 200, "body": {"inline_string": "{}"}}
         }
     else:
-        route = {"route": {"cluster": "upstream", "timeout": "0s"}}
+        action: dict[str, Any] = {"cluster": "upstream"}
+        if route_timeout is not None:
+            action["timeout"] = route_timeout
+        route = {"route": action}
+    router = {"@type": f"{API}.filters.http.router.v3.Router"}
     hcm: dict[str, Any] = {
-        "@type": f"{HCM}.HttpConnectionManager",
+        "@type": f"{API}.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": name,
         "route_config": {
             "virtual_hosts": [
                 {"name": "any", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, **route}]}
             ]
         },
-        "http_filters": [{"name": "router", "typed_config": {"@type": ROUTER}}],
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": router}],
     }
     if tracing is not None:
         hcm["tracing"] = dict(tracing)
     own = list(clusters or [])
     if upstreams is not None:
         endpoints = [{"endpoint": {"address": a}} for a in upstreams]
-        own.append(
-            {
-                "name": "upstream",
-                "type": "STATIC",
-                "connect_timeout": "2s",
-                "load_assignment": {"cluster_name": "upstream", "endpoints": [{"lb_endpoints": endpoints}]},
+        cluster: dict[str, Any] = {
+            "name": "upstream",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": "upstream", "endpoints": [{"lb_endpoints": endpoints}]},
+        }  # fmt: skip
+        if requests_per_connection is not None:
+            options = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+            cluster["typed_extension_protocol_options"] = {
+                options: {
+                    "@type": f"{API}.upstreams.http.v3.HttpProtocolOptions",
+                    "common_http_protocol_options": {
+                        "max_requests_per_connection": requests_per_connection
+                    },
+                    "explicit_http_config": {"http_protocol_options": {}},
+                }
             }
-        )  # fmt: skip
+        own.append(cluster)
+    manager = {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
     listener = {
         "name": name,
         "address": loopback(listen),
-        "filter_chains": [{"filters": [{"name": "hcm", "typed_config": hcm}]}],
+        "filter_chains": [{"filters": [manager]}],
     }
     return {
         "admin": {"address": loopback(admin)},

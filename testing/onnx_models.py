@@ -27,6 +27,7 @@ TOLERANCE = {
     "trees": (1e-5, 1e-6),
     "svm": (1e-4, 1e-5),  # kernels: exp/tanh/pow in double vs float32
     "transformer": (1e-4, 1e-5),  # LayerNorm, Softmax, Gelu (erf)
+    "recurrent": (1e-4, 1e-5),  # sigmoid/tanh in double here, float32 there, over the steps
 }
 
 
@@ -381,8 +382,62 @@ def decoder_block_example() -> Example:
     return Example("decoder-block", "transformer", model, x)
 
 
+@functools.cache
+def recurrent_example() -> Example:
+    """A sequence classifier as PyTorch exports `nn.LSTM(batch_first=True,
+    bidirectional=True)` followed by `nn.GRU`: the batch-first input moved time-major
+    (Transpose), the LSTM's Y merged over its directions (Transpose, Reshape with the batch as
+    -1) into the GRU, its last state through a linear layer to softmax; on the way a LRN over
+    the LSTM's output channels (the classic CNNs' layer, on an [N, C, T, 1] view). Random
+    weights, batch symbolic."""
+    rng = np.random.default_rng(4)
+    seq, feat, h1, h2, classes = 10, 6, 8, 12, 3
+
+    def w(*shape: int, scale: float = 0.4) -> np.ndarray[Any, Any]:
+        return rng.normal(0, scale, shape).astype(np.float32)
+
+    inits = {
+        "lw": w(2, 4 * h1, feat), "lr": w(2, 4 * h1, h1), "lb": w(2, 8 * h1, scale=0.2),
+        "gw": w(1, 3 * h2, 2 * h1), "gr": w(1, 3 * h2, h2), "gb": w(1, 6 * h2, scale=0.2),
+        "merge": np.array([seq, -1, 2 * h1], np.int64),
+        "zero": np.array([0], np.int64),
+        "three": np.array([3], np.int64),
+        "fw": w(classes, h2), "fb": w(classes, scale=0.1),
+    }  # fmt: skip
+    n = helper.make_node
+    nodes = [
+        n("Transpose", ["x"], ["xt"], perm=[1, 0, 2]),  # [T, N, F]
+        n("LSTM", ["xt", "lw", "lr", "lb"], ["ly", "lh", "lc"], hidden_size=h1,
+          direction="bidirectional"),  # [T, 2, N, H1]
+        n("Transpose", ["ly"], ["lyt"], perm=[0, 2, 1, 3]),  # [T, N, 2, H1]
+        n("Reshape", ["lyt", "merge"], ["seq2"]),  # [T, N, 2*H1]
+        n("Transpose", ["seq2"], ["chan"], perm=[1, 2, 0]),  # [N, 2*H1, T]
+        n("Unsqueeze", ["chan", "three"], ["image"]),  # [N, 2*H1, T, 1]
+        n("LRN", ["image"], ["norm4"], size=3, alpha=0.05, beta=0.75, bias=1.0),
+        n("Squeeze", ["norm4", "three"], ["norm"]),
+        n("Transpose", ["norm"], ["seq3"], perm=[2, 0, 1]),  # [T, N, 2*H1]
+        n("GRU", ["seq3", "gw", "gr", "gb"], ["", "gh"], hidden_size=h2,
+          linear_before_reset=1),  # [1, N, H2]
+        n("Squeeze", ["gh", "zero"], ["last"]),
+        n("Gemm", ["last", "fw", "fb"], ["logits"], transB=1),
+        n("Softmax", ["logits"], ["probabilities"], axis=-1),
+    ]  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        "recurrent",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", seq, feat])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", classes])],
+        [_init(k, v) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+    return Example("recurrent-lstm-gru", "recurrent", model, w(32, seq, feat, scale=1.0))
+
+
 def all_examples() -> list[Example]:
-    return [*sklearn_examples(), mlp_example(), cnn_example(), decoder_block_example()]
+    return [
+        *sklearn_examples(), mlp_example(), cnn_example(), decoder_block_example(),
+        recurrent_example(),
+    ]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- example functions

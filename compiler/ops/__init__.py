@@ -22,6 +22,7 @@ _MODULES = (
     "index",
     "quant",
     "resize",
+    "recurrent",
 )
 
 for _name in _MODULES:

@@ -265,6 +265,47 @@ class RMSNormalization(_OverTrailingAxes):
 
 
 @register
+class LRN(Op):
+    """Local response normalisation across channels (AlexNet, GoogLeNet, the model zoo's
+    classic CNNs): each element over the squares of its `size` neighbouring channels."""
+
+    OP = "LRN"
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.FLOATS)
+        s = self.shape(0)
+        if len(s) < 2 or any(isinstance(d, Batch) for d in s[1:]):
+            self.fail("expects [N, C, spatial...]")
+        self.size = int(self.attr("size"))
+        if self.size < 1:
+            self.fail(f"size={self.size} must be at least 1")
+        self.alpha = float(self.attr("alpha", 1e-4))
+        self.beta = float(self.attr("beta", 0.75))
+        self.bias = float(self.attr("bias", 1.0))
+        return [(dtype, s)]
+
+    def emit(self, e: Emitter) -> str:
+        s = self.shape(0)
+        t = self.x(0).dtype.c
+        c = static(s[1])
+        n = static(numel(s[2:]))
+        below, above = (self.size - 1) // 2, self.size // 2  # floor and ceil of (size-1)/2
+        return (
+            f"for (u32 r = 0; r < {cdim(s[0])} * {c}; r++) {{\n"
+            f"  const u32 ch = r % {c}, lo = ch >= {below} ? ch - {below} : 0;\n"
+            f"  const u32 hi = ch + {above} < {c} ? ch + {above} : {c - 1};\n"
+            f"  const {t} *x = {e.inp(0)} + (r - ch) * {n};\n"
+            f"  {t} *y = {e.out(0)} + r * {n};\n"
+            f"  for (u32 k = 0; k < {n}; k++) {{\n"
+            f"    double sq = 0;\n"
+            f"    for (u32 q = lo; q <= hi; q++) {{ const double v = x[q * {n} + k]; sq += v * v; }}\n"
+            f"    y[k] = ({t})((double)x[ch * {n} + k] / "
+            f"mf_pow({self.bias!r} + {self.alpha / self.size!r} * sq, {self.beta!r}));\n"
+            f"  }}\n}}"
+        )
+
+
+@register
 class LpNormalization(Op):
     OP = "LpNormalization"
 

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from .. import dtypes as D
-from ..dims import Batch, Dim, Shape, cdim, static
+from ..dims import Batch, Dim, Shape, cdim, numel, static
 from ..dtypes import DType
 from .base import Emitter, Op, register
 
@@ -154,8 +154,16 @@ class Conv(_Window):
             "}"
         )
 
-    def emit_direct(self, e: Emitter) -> str:
+    def emit_direct(
+        self, e: Emitter, acc: str | None = None, x_zero: str = "", w_zero: str = "",
+        bias: bool = True,
+    ) -> str:  # fmt: skip
+        """Direct loops, accumulating in `acc` (the element type by default); `x_zero` and
+        `w_zero` (C expressions, w_zero may use m) are subtracted from every pixel and weight;
+        `bias`: input 2 is the bias."""
         t = self.x(0).dtype.c
+        wt = self.x(1).dtype.c
+        acc = acc or t
         ih, iw = self.hw(self.spatial, 1)
         oh, ow = self.hw(self.out, 1)
         kh, kw = self.hw(self.kernel, 1)
@@ -164,27 +172,68 @@ class Conv(_Window):
         ph, pw = self.hw(self.pad_lo, 0)
         mg = self.m // self.group
         n = cdim(self.shape(0)[0])
-        bias = f"{e.inp(2)}[m]" if self.has(2) else "0"
+        start = f"{e.inp(2)}[m]" if bias and self.has(2) else "0"
+        pixel = f"(({acc})xr[q * {sw}] - {x_zero})" if x_zero else f"xr[q * {sw}]"
+        weight = f"({acc})w[u * {kw} + v] - {w_zero}" if w_zero else f"w[u * {kw} + v]"
         return (
             f"for (u32 b = 0; b < {n}; b++)\n"
             f"for (u32 m = 0; m < {self.m}; m++) {{\n"
-            f"  {t} *y = {e.out(0)} + (b * {self.m} + m) * {oh * ow};\n"
-            f"  for (u32 p = 0; p < {oh * ow}; p++) y[p] = {bias};\n"
+            f"  {acc} *y = {e.out(0)} + (b * {self.m} + m) * {oh * ow};\n"
+            f"  for (u32 p = 0; p < {oh * ow}; p++) y[p] = {start};\n"
             f"  const u32 g = m / {mg};\n"
             f"  for (u32 c = 0; c < {self.cg}; c++) {{\n"
             f"    const {t} *x = {e.inp(0)} + (b * {self.c} + g * {self.cg} + c) * {ih * iw};\n"
-            f"    const {t} *w = {e.inp(1)} + (m * {self.cg} + c) * {kh * kw};\n"
+            f"    const {wt} *w = {e.inp(1)} + (m * {self.cg} + c) * {kh * kw};\n"
             f"    for (u32 u = 0; u < {kh}; u++) {{\n"
             + _indent(_bounds(ph, sh, dh, ih, oh, "u", "y0", "y1"), 6)
             + f"      for (u32 v = 0; v < {kw}; v++) {{\n"
             + _indent(_bounds(pw, sw, dw, iw, ow, "v", "x0", "x1"), 8)
-            + f"        const {t} wv = w[u * {kw} + v];\n"
+            + f"        const {acc} wv = {weight};\n"
             f"        for (i32 r = y0; r < y1; r++) {{\n"
             f"          const {t} *xr = x + (r * {sh} + (i32)u * {dh} - {ph}) * {iw} + ((i32)v * {dw} - {pw});\n"
-            f"          {t} *yr = y + r * {ow};\n"
-            f"          for (i32 q = x0; q < x1; q++) yr[q] += wv * xr[q * {sw}];\n"
+            f"          {acc} *yr = y + r * {ow};\n"
+            f"          for (i32 q = x0; q < x1; q++) yr[q] += wv * {pixel};\n"
             "        }\n      }\n    }\n  }\n}"
         )
+
+
+@register
+class ConvInteger(Conv):
+    """int32 convolution of 8-bit images and weights less their zero points (a padded pixel
+    is the image's zero point, so it adds nothing): onnxruntime's dynamic quantisation of
+    Conv. The weights' zero point per tensor or per output channel."""
+
+    OP = "ConvInteger"
+    SINCE = 10
+
+    def weighted(self) -> tuple[DType, Dim, int, list[int], Shape]:
+        for i in (0, 1):
+            self.need(i, (D.INT8, D.UINT8))
+        for i, x in ((2, 0), (3, 1)):
+            if self.has(i) and self.x(i).dtype != self.x(x).dtype:
+                self.fail(f"input {i} (a zero point) must be {self.x(x).dtype.name} like input {x}")
+        if self.has(2) and static(numel(self.shape(2))) != 1:
+            self.fail("the image's zero point must be one value")
+        n, c, spatial = self.image(0)
+        self.group = int(self.attr("group", 1))
+        return D.INT32, n, c, spatial, self.shape(1)
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        out = super().infer()
+        if self.has(3) and static(numel(self.shape(3))) not in (1, self.m):
+            self.fail(f"the weights' zero point must be one value or one per channel ({self.m})")
+        return out
+
+    def scratch_bytes(self) -> int:
+        return 0
+
+    def emit(self, e: Emitter) -> str:
+        x_zero = f"(i32){e.inp(2)}[0]" if self.has(2) else "0"
+        w_zero = "0"
+        if self.has(3):
+            per = static(numel(self.shape(3))) > 1
+            w_zero = f"(i32){e.inp(3)}[{'m' if per else 0}]"
+        return self.emit_direct(e, "i32", x_zero, w_zero, bias=False)
 
 
 def _indent(code: str, n: int) -> str:

@@ -128,6 +128,10 @@ class MatMul(Op):
     def infer(self) -> list[tuple[DType, Shape]]:
         dtype = self.need(0, TYPES)
         self.same_dtype(0, 1)
+        return [(dtype, self.shapes())]
+
+    def shapes(self) -> Shape:
+        """The product's shape (numpy's matmul: vectors promoted, leading axes broadcast)."""
         a, b = list(self.shape(0)), list(self.shape(1))
         if not a or not b:
             self.fail("MatMul of a scalar")
@@ -145,7 +149,7 @@ class MatMul(Op):
             del out[-2]
         if self.b1:
             del out[-1]
-        return [(dtype, tuple(out))]
+        return tuple(out)
 
     def emit(self, e: Emitter) -> str:
         dtype = self.x(0).dtype
@@ -172,6 +176,66 @@ class MatMul(Op):
             )
 
         # nest's output index counts batch entries; the kernel scales it by m*n
+        return loops.nest(batch, [a_st, b_st], body, "bb", collapse=False)
+
+
+@register
+class MatMulInteger(MatMul):
+    """int32 products of 8-bit matrices less their zero points: what onnxruntime's dynamic
+    quantisation (`quantize_dynamic`) puts in place of MatMul, between DynamicQuantizeLinear
+    and the float rescale. A's zero point per tensor or per row, B's per tensor or per
+    column."""
+
+    OP = "MatMulInteger"
+    SINCE = 10
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        for i in (0, 1):
+            self.need(i, (D.INT8, D.UINT8))
+        for i, x in ((2, 0), (3, 1)):
+            if self.has(i) and self.x(i).dtype != self.x(x).dtype:
+                self.fail(f"input {i} (a zero point) must be {self.x(x).dtype.name} like input {x}")
+        a, b = self.shape(0), self.shape(1)
+        if len(a) < 2 or len(b) < 2:
+            self.fail("MatMulInteger of a vector is not supported (rank 2 or more)")
+        out = self.shapes()
+        self.a_per_row = self._zero_point(2, a[-2], "rows of A")
+        self.b_per_col = self._zero_point(3, b[-1], "columns of B")
+        return [(D.INT32, out)]
+
+    def _zero_point(self, i: int, size: Dim, what: str) -> bool:
+        """True when input i is one zero point per `what` (else one for the whole tensor)."""
+        if not self.has(i):
+            return False
+        s = self.shape(i)
+        if not s or static(numel(s)) == 1:
+            return False
+        if len(s) != 1 or s[0] != size or isinstance(size, Batch):
+            self.fail(f"input {i} must be a scalar or one zero point per {what} ({size})")
+        return True
+
+    def emit(self, e: Emitter) -> str:
+        a, b, batch = self.a, self.b, self.batch
+        m, k, n = a[-2], static(a[-1]), static(b[-1])
+        a_st = [mul(s, mul(m, k)) for s in loops.bstrides(tuple(a[:-2]), batch)]
+        b_st = [mul(s, k * n) for s in loops.bstrides(tuple(b[:-2]), batch)]
+        za = (f"{e.inp(2)}[r]" if self.a_per_row else f"{e.inp(2)}[0]") if self.has(2) else "0"
+        zb = (f"{e.inp(3)}[c]" if self.b_per_col else f"{e.inp(3)}[0]") if self.has(3) else "0"
+
+        def body(o: str, ins: list[str]) -> str:
+            return (
+                f"{{ const {self.x(0).dtype.c} *A = {e.inp(0)} + {ins[0]};\n"
+                f"  const {self.x(1).dtype.c} *B = {e.inp(1)} + {ins[1]};\n"
+                f"  i32 *Y = {e.out(0)} + ({o}) * {cdim(mul(m, n))};\n"
+                f"  for (u32 r = 0; r < {cdim(m)}; r++) {{\n"
+                f"    i32 *yr = Y + r * {n};\n"
+                f"    for (u32 c = 0; c < {n}; c++) yr[c] = 0;\n"
+                f"    for (u32 q = 0; q < {k}; q++) {{\n"
+                f"      const i32 av = (i32)A[r * {k} + q] - (i32){za};\n"
+                f"      for (u32 c = 0; c < {n}; c++) yr[c] += av * ((i32)B[q * {n} + c] - (i32){zb});\n"
+                "    }\n  }\n}"
+            )
+
         return loops.nest(batch, [a_st, b_st], body, "bb", collapse=False)
 
 

@@ -92,3 +92,39 @@ class QuantizeLinear(_Linear):
             f"v = v < {int(info.min)}.0 ? {int(info.min)}.0 : (v > {int(info.max)}.0 ? {int(info.max)}.0 : v); "
             f"{e.out(0)}[q] = ({out.c})v;"
         )
+
+
+@register
+class DynamicQuantizeLinear(Op):
+    """uint8 quantisation with the scale and zero point of the tensor's own range (widened to
+    hold 0): what onnxruntime's dynamic quantisation puts in front of MatMulInteger and
+    ConvInteger. In float32 as onnxruntime computes it (a range of one value has scale 1)."""
+
+    OP = "DynamicQuantizeLinear"
+    SINCE = 11
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        self.need(0, (D.FLOAT,))
+        return [(D.UINT8, self.shape(0)), (D.FLOAT, ()), (D.UINT8, ())]
+
+    def emit(self, e: Emitter) -> str:
+        count = cdim(numel(self.shape(0)))
+        x = e.inp(0)
+        scale = f"{e.out(1)}[0] = s;" if self.has_out(1) else ""
+        zero = f"{e.out(2)}[0] = (u8)zp;" if self.has_out(2) else ""
+        return (
+            "{\n"
+            "  float lo = 0.0f, hi = 0.0f;\n"
+            f"  for (u32 q = 0; q < {count}; q++) {{ const float v = {x}[q]; "
+            "if (v < lo) lo = v; if (v > hi) hi = v; }\n"
+            "  const float s = hi == lo ? 1.0f : (hi - lo) / 255.0f;\n"
+            "  float z = 0.0f - lo / s;\n"
+            "  z = z < 0.0f ? 0.0f : (z > 255.0f ? 255.0f : z);\n"
+            "  const float zp = __builtin_rintf(z);\n"
+            f"  {scale} {zero}\n"
+            f"  for (u32 q = 0; q < {count}; q++) {{\n"
+            f"    float v = __builtin_rintf({x}[q] / s) + zp;\n"
+            "    v = v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v);\n"
+            f"    {e.out(0)}[q] = (u8)v;\n"
+            "  }\n}"
+        )

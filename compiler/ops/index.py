@@ -1,5 +1,6 @@
-"""Index operators: GatherElements, GatherND, OneHot, Trilu, EyeLike, CumSum, TopK. Indices
-read at run time are checked (out of range ends the run with an error, never a stray read)."""
+"""Index operators: GatherElements, GatherND, ScatterElements, ScatterND, OneHot, Trilu,
+EyeLike, CumSum, TopK. Indices read at run time are checked (out of range ends the run with an
+error, never a stray read or write)."""
 
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ class GatherND(Op):
         if not i or isinstance(i[-1], Batch):
             self.fail("the last axis of the indices must be static")
         self.depth = static(i[-1])
-        if self.depth > len(s) or any(isinstance(d, Batch) for d in s[: self.depth]):
-            self.fail("indices index the batch axis or too many axes")
+        if self.depth > len(s):
+            self.fail(f"indices of depth {self.depth} index more axes than the data has")
         return [(self.x(0).dtype, tuple(i[:-1]) + tuple(s[self.depth :]))]
 
     def emit(self, e: Emitter) -> str:
@@ -76,7 +77,7 @@ class GatherND(Op):
         bad = e.error("index out of range")
         lines = [f"for (u32 q = 0; q < {cdim(count)}; q++) {{", "  u32 base = 0;"]
         for k in range(self.depth):
-            d = static(s[k])
+            d = f"(i64){cdim(s[k])}"  # the batch's size is known at run time only
             lines.append(
                 f"  {{ i64 ix = {e.inp(1)}[q * {self.depth} + {k}]; if (ix < -{d} || ix >= {d}) {bad} "
                 f"if (ix < 0) ix += {d}; base += (u32)ix * {cdim(st[k])}; }}"
@@ -255,3 +256,128 @@ class TopK(Op):
 
     def scratch_bytes(self) -> int:
         return max(1, static(self.shape(0)[self.ax]))
+
+
+_REDUCE = {
+    "none": "u",
+    "add": "v + u",
+    "mul": "v * u",
+    "max": "(u > v ? u : v)",
+    "min": "(u < v ? u : v)",
+}
+
+
+class _Scatter(Op):
+    """The output is the data with updates written (or combined by `reduction`) at the
+    indices, in the order the updates come, as onnxruntime writes them."""
+
+    how: str  # the C expression of the reduction (v: the value there, u: the update)
+
+    def reduction(self) -> str:
+        how = str(self.attr("reduction", "none"))
+        if how not in _REDUCE:
+            self.fail(f"reduction={how!r} is not supported ({', '.join(_REDUCE)})")
+        if how != "none" and self.x(0).dtype == D.BOOL:
+            self.fail(f"reduction={how!r} of booleans is not supported")
+        return _REDUCE[how]
+
+    def copy(self, e: Emitter) -> str:
+        n = cdim(numel(self.shape(0)))
+        return f"for (u32 q = 0; q < {n}; q++) {e.out(0)}[q] = {e.inp(0)}[q];\n"
+
+    def combine(self, target: str, update: str) -> str:
+        t = self.x(0).dtype.c
+        return f"{{ const {t} v = {target}, u = {update}; (void)v; {target} = ({t})({self.how}); }}"
+
+
+@register
+class ScatterElements(_Scatter):
+    OP = "ScatterElements"
+    SINCE = 11
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        s, i = self.shape(0), self.shape(1)
+        self.need(1, INDEX)
+        if self.shape(2) != i:
+            self.fail("updates must have the indices' shape")
+        if self.x(2).dtype != self.x(0).dtype:
+            self.fail("updates must have the data's element type")
+        if len(s) != len(i):
+            self.fail("data and indices differ in rank")
+        self.ax = self.axis(int(self.attr("axis", 0)), len(s))
+        if isinstance(s[self.ax], Batch):
+            self.fail("scattering along the batch axis is not supported")
+        for k, (ds, di) in enumerate(zip(s, i, strict=True)):
+            if k != self.ax and isinstance(ds, int) and isinstance(di, int) and di > ds:
+                self.fail(f"indices are larger than the data on axis {k}")
+            if isinstance(ds, Batch) != isinstance(di, Batch):
+                self.fail("the batch must be the same axis of data and indices")
+        self.how = self.reduction()
+        return [(self.x(0).dtype, s)]
+
+    def emit(self, e: Emitter) -> str:
+        s, i = self.shape(0), self.shape(1)
+        dim = static(s[self.ax])
+        st = loops.strides(s)
+        ax_stride = cdim(st[self.ax])
+        other = [st[k] if k != self.ax else 0 for k in range(len(s))]
+        bad = e.error("index out of range")
+        target = f"{e.out(0)}[{{d}} + (u32)ix * {ax_stride}]"
+
+        def body(o: str, ins: list[str]) -> str:
+            return (
+                f"i64 ix = (i64){e.inp(1)}[{o}]; if (ix < -{dim} || ix >= {dim}) {bad} "
+                f"if (ix < 0) ix += {dim}; "
+                + self.combine(target.format(d=ins[0]), f"{e.inp(2)}[{o}]")
+            )
+
+        return self.copy(e) + loops.nest(i, [other], body, "j", collapse=False)
+
+
+@register
+class Scatter(ScatterElements):
+    """ScatterElements under its name before opset 11 (deprecated there)."""
+
+    OP = "Scatter"
+    SINCE = 9
+
+
+@register
+class ScatterND(_Scatter):
+    OP = "ScatterND"
+    SINCE = 11
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        s, i = self.shape(0), self.shape(1)
+        self.need(1, (D.INT64,))
+        if not i or isinstance(i[-1], Batch):
+            self.fail("the last axis of the indices must be static")
+        self.depth = static(i[-1])
+        if self.depth > len(s):
+            self.fail(f"indices of depth {self.depth} index more axes than the data has")
+        want = tuple(i[:-1]) + tuple(s[self.depth :])
+        if self.shape(2) != want:
+            self.fail(f"updates must have shape {self.show(want)}, not {self.show(self.shape(2))}")
+        if self.x(2).dtype != self.x(0).dtype:
+            self.fail("updates must have the data's element type")
+        self.how = self.reduction()
+        return [(self.x(0).dtype, s)]
+
+    def emit(self, e: Emitter) -> str:
+        s, i = self.shape(0), self.shape(1)
+        st = loops.strides(s)
+        inner = cdim(numel(s[self.depth :]))
+        bad = e.error("index out of range")
+        lines = [f"for (u32 q = 0; q < {cdim(numel(i[:-1]))}; q++) {{", "  u32 base = 0;"]
+        for k in range(self.depth):
+            d = f"(i64){cdim(s[k])}"  # the batch's size is known at run time only
+            lines.append(
+                f"  {{ i64 ix = {e.inp(1)}[q * {self.depth} + {k}]; if (ix < -{d} || ix >= {d}) {bad} "
+                f"if (ix < 0) ix += {d}; base += (u32)ix * {cdim(st[k])}; }}"
+            )
+        lines.append(
+            f"  for (u32 b = 0; b < {inner}; b++) "
+            + self.combine(f"{e.out(0)}[base + b]", f"{e.inp(2)}[q * {inner} + b]")
+        )
+        lines.append("}")
+        return self.copy(e) + "\n".join(lines)

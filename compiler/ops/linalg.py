@@ -4,6 +4,7 @@ clang vectorises it with SIMD128 without reassociating sums. Constant transposed
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -240,3 +241,102 @@ class MatMulInteger(MatMul):
 
 
 _ = (Any, numel)
+
+
+@register
+class Einsum(Op):
+    """Any equation of letters (explicit `->` or numpy's implicit output), repeated letters
+    (diagonals), `...` broadcast from the right: one loop per output letter around one per
+    summed letter, the product of the operands' elements accumulated in double (in the
+    element type for integers)."""
+
+    OP = "Einsum"
+    SINCE = 12
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, (*D.FLOATS, D.INT32, D.INT64, D.UINT32, D.UINT64))
+        self.same_dtype(*range(len(self.inputs)))
+        equation = "".join(str(self.attr("equation")).split())
+        lhs, arrow, rhs = equation.partition("->")
+        terms = lhs.split(",")
+        if len(terms) != len(self.inputs) or not all(self.has(i) for i in range(len(terms))):
+            self.fail(f"equation {equation!r} names {len(terms)} operands, not {len(self.inputs)}")
+        shapes = [self.shape(i) for i in range(len(terms))]
+        ell = max(
+            (
+                len(s) - len(t.replace("...", ""))
+                for t, s in zip(terms, shapes, strict=True)
+                if "..." in t
+            ),
+            default=0,
+        )
+        wide = [chr(0x100 + k) for k in range(ell)]  # the ellipsis' axes, as labels of their own
+        self.operands: list[list[str]] = []
+        sizes: dict[str, Dim] = {}
+        for t, s in zip(terms, shapes, strict=True):
+            labels = self._labels(t, s, wide, equation)
+            for label, d in zip(labels, s, strict=True):
+                known = sizes.get(label)
+                if known is None or known == 1:
+                    sizes[label] = d
+                elif d not in (1, known) or (d == 1 and label not in wide):
+                    self.fail(f"{label!r} is {known} in one operand and {d} in another")
+            self.operands.append(labels)
+        if arrow:
+            out = self._labels(rhs, None, wide, equation)
+        else:
+            counts = Counter(c for t in terms for c in t.replace("...", ""))
+            out = wide + sorted(c for c, n in counts.items() if n == 1)
+        if len(set(out)) != len(out) or any(c not in sizes for c in out):
+            self.fail(f"the output of {equation!r} repeats a letter or names one no input has")
+        self.out_labels = out
+        self.summed = [c for c in sizes if c not in out]
+        self.sizes = sizes
+        if sum(isinstance(sizes[c], Batch) for c in self.summed) and any(
+            isinstance(sizes[c], Batch) for c in out
+        ):
+            self.fail("the batch cannot be both summed and kept")
+        return [(dtype, tuple(sizes[c] for c in out))]
+
+    def _labels(self, term: str, shape: Shape | None, wide: list[str], equation: str) -> list[str]:
+        head, dots, tail = term.partition("...")
+        letters = head + tail
+        if not all(c.isalpha() and c.isascii() for c in letters) or "..." in tail:
+            self.fail(f"equation {equation!r}: {term!r} is not letters with at most one '...'")
+        if shape is None:
+            return [*head, *(wide if dots else []), *tail]
+        extra = len(shape) - len(letters)
+        if extra < 0 or (extra and not dots):
+            self.fail(f"equation {equation!r}: {term!r} does not fit a tensor of rank {len(shape)}")
+        return [*head, *wide[len(wide) - extra :], *tail]
+
+    def emit(self, e: Emitter) -> str:
+        t = self.x(0).dtype
+        acc = "double" if t.is_float else t.c
+        var = {c: f"ein{k}" for k, c in enumerate([*self.out_labels, *self.summed])}
+
+        def index(labels: list[str], shape: Shape) -> str:
+            st = loops.strides(shape)
+            terms = [
+                f"{var[c]} * {cdim(st[k])}" if shape[k] != 1 else "" for k, c in enumerate(labels)
+            ]
+            return " + ".join(x for x in terms if x) or "0"
+
+        product = " * ".join(
+            f"({acc}){e.inp(i)}[{index(labels, self.shape(i))}]"
+            for i, labels in enumerate(self.operands)
+        )
+        head = "".join(
+            f"for (u32 {var[c]} = 0; {var[c]} < {cdim(self.sizes[c])}; {var[c]}++)\n"
+            for c in self.out_labels
+        )
+        inner = "".join(
+            f"  for (u32 {var[c]} = 0; {var[c]} < {cdim(self.sizes[c])}; {var[c]}++)\n"
+            for c in self.summed
+        )
+        out = index(self.out_labels, self.oshape(0))
+        return (
+            head + "{\n"
+            f"  {acc} sum = 0;\n" + inner + f"  sum += {product};\n"
+            f"  {e.out(0)}[{out}] = ({t.c})sum;\n}}"
+        )

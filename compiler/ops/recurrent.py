@@ -1,9 +1,10 @@
 """Recurrent layers: RNN, GRU and LSTM, as PyTorch and Keras export them.
 
 One batch row at a time, one direction at a time: the state of a row never meets another
-row's, so the state and the gates live in a scratch of a few hidden-sized vectors (in double,
-rounded once when written out) whatever the batch, and `sequence_lens` (each row's own length,
-checked at run time) only changes how far a row's loop goes. Steps past a row's length are
+row's, so the state and the gates live in a scratch of a few hidden-sized vectors whatever the
+batch (in the element type, as onnxruntime keeps them; a gate's own arithmetic in double), and
+`sequence_lens` (each row's own length, checked at run time) only changes how far a row's loop
+goes. The weights are held transposed (baked in when constant), so the products vectorise. Steps past a row's length are
 zeros in Y, and Y_h/Y_c hold the state after its last step (onnxruntime's meaning). Either
 layout (time-major 0, batch-major 1), any direction; the activations ONNX names with their
 default parameters."""
@@ -11,6 +12,8 @@ default parameters."""
 from __future__ import annotations
 
 from typing import ClassVar
+
+import numpy as np
 
 from .. import dtypes as D
 from ..dims import Batch, Dim, Shape, cdim, static
@@ -29,6 +32,10 @@ _ACTIVATIONS = {
     "thresholdedrelu": "({v} > 1.0 ? {v} : 0.0)",
     "elu": "({v} < 0 ? mf_expm1({v}) : {v})",
 }
+
+# float32 models: sigmoid and tanh as the Sigmoid and Tanh units compute them in float32 (a few
+# ulp), several times quicker than in double, and what onnxruntime computes too
+_FLOAT32 = {"sigmoid": "mf_sigmoid_f", "tanh": "mf_tanh_f"}
 
 
 def _text(value: object) -> str:
@@ -130,7 +137,16 @@ class _Recurrent(Op):
         """The unit's own attributes."""
 
     def scratch_bytes(self) -> Dim:
-        return 8 * (self.GATES + 4) * self.hidden
+        """The state and gates (in the element type), then room for W and R transposed when
+        they are not constants."""
+        rows = self.GATES * self.hidden
+        item = self.x(0).dtype.np.itemsize
+        weights = sum(
+            self.dirs * rows * cols * self.x(0).dtype.np.itemsize
+            for i, cols in ((1, self.size), (2, self.hidden))
+            if self.x(i).value is None
+        )
+        return item * (self.GATES + 4) * self.hidden + weights
 
     # ---- C ----------------------------------------------------------------------------------
     def act(self, d: int, k: int, v: str, then: str = "", clip: bool = True) -> str:
@@ -140,25 +156,52 @@ class _Recurrent(Op):
         if clip and self.clip is not None:
             c = float(self.clip)
             v = f"mf_max({-c!r}, mf_min({c!r}, {v}))"
-        return "(" + _ACTIVATIONS[self.funcs[d][k]].format(v=f"({v})") + ")"
+        name = self.funcs[d][k]
+        if self.x(0).dtype == D.FLOAT and name in _FLOAT32:  # the float32 units' own kernels
+            return f"((double){_FLOAT32[name]}((float)({v})))"
+        return "(" + _ACTIVATIONS[name].format(v=f"({v})") + ")"
 
     def cell(self, e: Emitter, d: int) -> str:
         """One step of direction d: reads x (the step's input), h (and c); leaves the new state
-        in hn (and c), with g (GATES*hidden doubles) and rh (hidden) to work in."""
+        in hn (and c), with g (GATES*hidden) and rh (hidden) to work in."""
         raise NotImplementedError
 
     def dot(
-        self, into: str, rows: str, count: int, width: int, vec: str, bias: str, add: bool = False
-    ) -> str:
-        """into[q] = bias + rows[q,:] . vec for q < count (`add`: +=); rows have `width`
-        columns."""
+        self, into: str, mat: str, first: int, count: int, vec: str, bias: str,
+        add: bool = False,
+    ) -> str:  # fmt: skip
+        """into[q] (`add`: +)= bias + mat[first + q, :] . vec for q < count. `mat` ("Wt" or
+        "Rt") is held transposed, one row per element of vec: the inner loop runs along the
+        gates, so it vectorises without reordering any sum (in the element type, as
+        onnxruntime's GEMM sums)."""
+        width = self.size if mat == "Wt" else self.hidden
+        stride = self.GATES * self.hidden
+        t = self.x(0).dtype.c
         return (
-            f"for (u32 q = 0; q < {count}; q++) {{\n"
-            f"  const {self.x(0).dtype.c} *row = {rows} + (u64)q * {width};\n"
-            f"  double a = {bias};\n"
-            f"  for (u32 k = 0; k < {width}; k++) a += (double){vec}[k] * row[k];\n"
-            f"  {into}[q] {'+=' if add else '='} a;\n}}"
+            f"for (u32 q = 0; q < {count}; q++) {into}[q] {'+=' if add else '='} {bias};\n"
+            f"for (u32 k = 0; k < {width}; k++) {{\n"
+            f"  const {t} v = {vec}[k], *col = {mat} + (u64)k * {stride} + {first};\n"
+            f"  for (u32 q = 0; q < {count}; q++) {into}[q] += v * col[q];\n}}"
         )
+
+    def transposed(self, e: Emitter, i: int, cols: int, at: str) -> tuple[str, str]:
+        """Input i ([dirs, GATES*hidden, cols]) as [dirs, cols, GATES*hidden]: baked in when it
+        is a constant (the weights of every exported model), else written into scratch at `at`
+        (C statements, pointer)."""
+        rows = self.GATES * self.hidden
+        value = self.x(i).value
+        if value is not None:
+            return "", e.const(
+                np.ascontiguousarray(np.transpose(value, (0, 2, 1))), self.x(0).dtype
+            )
+        t = self.x(0).dtype.c
+        copy = (
+            f"{{ {t} *to = ({t} *)({at}); const {t} *from = {e.inp(i)};\n"
+            f"  for (u32 d = 0; d < {self.dirs}; d++) for (u32 r = 0; r < {rows}; r++) "
+            f"for (u32 k = 0; k < {cols}; k++)\n"
+            f"    to[((u64)d * {cols} + k) * {rows} + r] = from[((u64)d * {rows} + r) * {cols} + k]; }}"
+        )
+        return copy, f"(({t} *)({at}))"
 
     def emit(self, e: Emitter) -> str:
         t = self.x(0).dtype.c
@@ -176,10 +219,18 @@ class _Recurrent(Op):
         if self.has(4):
             bad = e.error("sequence_lens must be between 1 and the sequence length")
             length = f"(i64){e.inp(4)}[b]"
+        state = self.x(0).dtype.np.itemsize * (g + 4) * h
+        w_copy, w_t = self.transposed(e, 1, size, f"{e.scratch} + {state}")
+        w_bytes = (
+            0 if self.x(1).value is not None else dirs * g * h * size * self.x(0).dtype.np.itemsize
+        )
+        r_copy, r_t = self.transposed(e, 2, h, f"{e.scratch} + {state + w_bytes}")
         parts = [
-            f"double *h = (double *){e.scratch}, *c = h + {h}, *hn = c + {h}, *rh = hn + {h}, "
+            f"{t} *h = ({t} *){e.scratch}, *c = h + {h}, *hn = c + {h}, *rh = hn + {h}, "
             f"*g = rh + {h};",
             "(void)c; (void)rh;",
+            w_copy,
+            r_copy,
             f"for (u32 b = 0; b < {batch}; b++) {{",
             f"  const i64 len = {length};",
         ]
@@ -193,8 +244,8 @@ class _Recurrent(Op):
             parts += [
                 f"{{ const u32 d = {d};",
                 f"for (u32 j = 0; j < {h}; j++) {{ " + " ".join(init) + " }",
-                f"const {t} *W = {e.inp(1)} + (u64)d * {g * h * size};",
-                f"const {t} *R = {e.inp(2)} + (u64)d * {g * h * h};",
+                f"const {t} *Wt = {w_t} + (u64)d * {g * h * size};",
+                f"const {t} *Rt = {r_t} + (u64)d * {g * h * h};",
                 f"const {t} *Bw = {e.inp(3) + f' + (u64)d * {2 * g * h}' if self.has(3) else '0'};",
                 "(void)Bw;",
                 "for (i64 s = 0; s < len; s++) {",
@@ -234,11 +285,11 @@ class RNN(_Recurrent):
     DEFAULT = ("Tanh",)
 
     def cell(self, e: Emitter, d: int) -> str:
-        h, size = self.hidden, self.size
+        h = self.hidden
         return "\n".join(
             [
-                self.dot("g", "W", h, size, "x", self.bias(0)),
-                self.dot("g", "R", h, h, "h", "0", add=True),
+                self.dot("g", "Wt", 0, h, "x", self.bias(0)),
+                self.dot("g", "Rt", 0, h, "h", "0", add=True),
                 f"  for (u32 j = 0; j < {h}; j++) hn[j] = {self.act(d, 0, 'g[j]')};",
             ]
         )
@@ -254,25 +305,25 @@ class GRU(_Recurrent):
         self.before = int(self.attr("linear_before_reset", 0))
 
     def cell(self, e: Emitter, d: int) -> str:
-        h, size = self.hidden, self.size
+        h = self.hidden
         lines = [
             # g[0:3h): x.W + Wb (z, r, h); g[0:2h) += h.R + Rb (z, r)
-            self.dot("g", "W", 3 * h, size, "x", "(double)Bw[q]" if self.has(3) else "0"),
+            self.dot("g", "Wt", 0, 3 * h, "x", "(double)Bw[q]" if self.has(3) else "0"),
             self.dot(
-                "g", "R", 2 * h, h, "h", f"(double)Bw[{3 * h} + q]" if self.has(3) else "0", True
+                "g", "Rt", 0, 2 * h, "h", f"(double)Bw[{3 * h} + q]" if self.has(3) else "0", True
             ),
             f"  for (u32 j = 0; j < {2 * h}; j++) g[j] = {self.act(d, 0, 'g[j]')};",
         ]
         rb = f"(double)Bw[{5 * h} + q]" if self.has(3) else "0"
         if self.before:
             # (h.Rh + Rbh) scaled by r
-            lines.append(self.dot("rh", f"R + {2 * h * h}", h, h, "h", rb))
+            lines.append(self.dot("rh", "Rt", 2 * h, h, "h", rb))
             lines.append(
                 f"  for (u32 j = 0; j < {h}; j++) rh[j] = g[{2 * h} + j] + g[{h} + j] * rh[j];"
             )
         else:
             lines.append(f"  for (u32 j = 0; j < {h}; j++) hn[j] = g[{h} + j] * h[j];")
-            lines.append(self.dot("rh", f"R + {2 * h * h}", h, h, "hn", rb))
+            lines.append(self.dot("rh", "Rt", 2 * h, h, "hn", rb))
             lines.append(f"  for (u32 j = 0; j < {h}; j++) rh[j] += g[{2 * h} + j];")
         lines.append(
             f"  for (u32 j = 0; j < {h}; j++) {{ const double n = {self.act(d, 1, 'rh[j]')}; "
@@ -294,7 +345,7 @@ class LSTM(_Recurrent):
             self.fail(f"P must have shape [{self.dirs}, {3 * self.hidden}]")
 
     def cell(self, e: Emitter, d: int) -> str:
-        h, size = self.hidden, self.size
+        h = self.hidden
 
         def peep(k: int, state: str) -> str:  # P's blocks: i, o, f
             if not self.has(7):
@@ -307,8 +358,8 @@ class LSTM(_Recurrent):
         return "\n".join(
             [
                 # g: x.W + h.R + biases, blocks i, o, f, c
-                self.dot("g", "W", 4 * h, size, "x", self.bias(0)),
-                self.dot("g", "R", 4 * h, h, "h", "0", add=True),
+                self.dot("g", "Wt", 0, 4 * h, "x", self.bias(0)),
+                self.dot("g", "Rt", 0, 4 * h, "h", "0", add=True),
                 f"  for (u32 j = 0; j < {h}; j++) {{",
                 f"    const double i = {gate_i};",
                 f"    const double f = {gate_f};",

@@ -190,3 +190,23 @@ def test_what_the_unit_does_not_claim_is_refused_when_compiled() -> None:
         compile_model(model("RNN", activations=["ScaledTanh"]))
     with pytest.raises(UnsupportedError, match="2 functions per direction"):
         compile_model(model("GRU", activations=["Sigmoid", "Tanh", "Tanh"]))
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_weights_given_at_run_time(op: str) -> None:
+    """W and R as graph inputs, not constants: transposed at run time, the same answers."""
+    m = model(op, direction="bidirectional", lens=True)
+    weights = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer if i.name in "wr"}
+    kept = [i for i in m.graph.initializer if i.name not in weights]
+    del m.graph.initializer[:]
+    m.graph.initializer.extend(kept)
+    for name, value in weights.items():
+        m.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, value.shape))
+    run = Runner(compile_model(m).wasm)
+    session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(4)
+    for batch in (1, 3):
+        given = {**feeds(m, batch, rng, np.float32), **weights}
+        got = run([given[i.name] for i in m.graph.input])
+        for g, w in zip(got, session.run(None, given), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -75,7 +75,7 @@ from meshfn.testing.processes import Processes, http_ok, wait_for
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = (
     "logreg-iris", "mlp-digits", "forest-cancer", "gboost-cancer", "svc-proba-iris", "knn-iris",
-    "cnn-digits", "mlp-onnx", "decoder-block",
+    "cnn-digits", "mlp-onnx", "decoder-block", "recurrent-lstm-gru",
 )  # fmt: skip
 MLSERVER = "1.7.1"
 SERVED = "iris"

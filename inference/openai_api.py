@@ -29,7 +29,7 @@ CHAT_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
     "stream", "stream_options", "stop", "seed", "user", "presence_penalty", "frequency_penalty",
     "logit_bias", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-    "functions", "function_call", "parallel_tool_calls", "store", "metadata",
+    "functions", "function_call", "parallel_tool_calls", "store", "metadata", "service_tier",
 })  # fmt: skip
 COMPLETION_FIELDS = frozenset({
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
@@ -290,6 +290,7 @@ def chat_request(body: dict[str, Any], bounds: Bounds) -> TextRequest:
     _unsupported(body, "top_logprobs", (None, 0), "meshfn does not return log probabilities")
     _unsupported(body, "response_format", (None, {"type": "text"}), "text responses only")
     _unsupported(body, "store", (None, False), "meshfn stores no completions")
+    _unsupported(body, "service_tier", (None, "auto", "default"), "meshfn serves one tier")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if "max_completion_tokens" in body and "max_tokens" in body:
         raise bad("give max_tokens or max_completion_tokens, not both", "max_tokens")
@@ -352,6 +353,8 @@ def embeddings_request(body: dict[str, Any]) -> EmbeddingsRequest:
         raise bad("input holds at most 2048 texts", "input")
     for item in texts:
         text_field(item, "input")
+        if not item:  # OpenAI's too: an empty text has no embedding (a zero vector is no answer)
+            raise bad("input cannot be an empty string", "input")
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise bad("encoding_format must be float or base64", "encoding_format")

@@ -124,6 +124,7 @@ def chat(**fields: Any) -> dict[str, Any]:
         ({"logprobs": True}, "logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"service_tier": "flex"}, "service_tier"),
         ({"max_tokens": 5, "max_completion_tokens": 5}, "max_tokens"),
         ({"surprise": 1}, "surprise"),
         ({"messages": "hi"}, "messages"),
@@ -158,6 +159,7 @@ def test_a_chat_request_within_the_bounds() -> None:
             stop="\n",
             stream=True,
             stream_options={"include_usage": True},
+            service_tier="auto",
         ),
         BOUNDS,
     )
@@ -210,6 +212,10 @@ def test_text_with_a_lone_surrogate_is_a_400_naming_the_field(
     with pytest.raises(GenerationError) as caught:
         openai_api.embeddings_request({"model": "e", "input": ["a", "\udc00"]})
     assert caught.value.param == "input"
+    for empty in ("", ["a", ""]):
+        with pytest.raises(GenerationError, match="cannot be an empty string") as caught:
+            openai_api.embeddings_request({"model": "e", "input": empty})
+        assert caught.value.param == "input"
     # a whole pair is one character, and fine
     emoji = openai_api.loads(b'{"model": "m", "prompt": "\\ud83d\\ude00"}')
     assert openai_api.completion_request(emoji, BOUNDS).prompt == "\U0001f600"

@@ -1,11 +1,11 @@
-"""Resize (nearest and linear, any coordinate transformation mode but tf_crop_and_resize):
-the per-axis source indices and weights are computed at build time and baked in, so the
-run-time loop only gathers and blends."""
+"""Resize (nearest, linear and cubic, any coordinate transformation mode but
+tf_crop_and_resize): the per-axis source indices and weights are computed at build time and
+baked in, so the run-time loop only gathers and blends."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -28,22 +28,12 @@ TRANSFORMS = (
 class Resize(Op):
     OP = "Resize"
     SINCE = 11
-    STATIC_INPUTS = (1, 2, 3)
+    STATIC_INPUTS: ClassVar[tuple[int, ...]] = (1, 2, 3)
 
     def infer(self) -> list[tuple[DType, Shape]]:
         dtype = self.need(0, (*D.FLOATS, D.INT8, D.UINT8))
         s = self.shape(0)
-        self.mode = self.attr("mode", "nearest")
-        self.ct = self.attr("coordinate_transformation_mode", "half_pixel")
-        self.nearest = self.attr("nearest_mode", "round_prefer_floor")
-        if self.mode not in ("nearest", "linear"):
-            self.fail(f"mode={self.mode!r} is not supported (nearest, linear)")
-        if self.ct not in TRANSFORMS:
-            self.fail(f"coordinate_transformation_mode={self.ct!r} is not supported")
-        if int(self.attr("antialias", 0)):
-            self.fail("antialias is not supported")
-        if self.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
-            self.fail("keep_aspect_ratio_policy other than stretch is not supported")
+        self._attributes(dtype)
         axes = [self.axis(int(a), len(s)) for a in self.attr("axes", list(range(len(s))))]
         scales = [1.0] * len(s)
         sizes: list[Dim] = list(s)
@@ -52,8 +42,7 @@ class Resize(Op):
             for a, n in zip(axes, want, strict=True):
                 sizes[a] = n
                 scales[a] = n / static(s[a]) if not isinstance(s[a], Batch) else 1.0
-        elif self.has(2) and np.asarray(self.value(2)).size:
-            given = [float(v) for v in np.asarray(self.value(2)).reshape(-1)]
+        elif (given := self.given_scales()) is not None:
             for a, sc in zip(axes, given, strict=True):
                 scales[a] = sc
                 if not isinstance(s[a], Batch):
@@ -65,6 +54,29 @@ class Resize(Op):
                 self.fail("resizing the batch axis is not supported")
         self.scales, self.sizes = scales, sizes
         return [(dtype, tuple(sizes))]
+
+    def given_scales(self) -> list[float] | None:
+        """The `scales` input, if the node has one that is not empty."""
+        if self.has(2) and np.asarray(self.value(2)).size:
+            return [float(v) for v in np.asarray(self.value(2)).reshape(-1)]
+        return None
+
+    def _attributes(self, dtype: DType) -> None:
+        self.mode = self.attr("mode", "nearest")
+        self.ct = self.attr("coordinate_transformation_mode", "half_pixel")
+        self.nearest = self.attr("nearest_mode", "round_prefer_floor")
+        if self.mode not in ("nearest", "linear", "cubic"):
+            self.fail(f"mode={self.mode!r} is not supported (nearest, linear, cubic)")
+        if self.mode == "cubic" and not dtype.is_float:
+            self.fail("cubic resizing of integer images is not supported (float images only)")
+        self.cubic_a = float(self.attr("cubic_coeff_a", -0.75))
+        self.exclude_outside = int(self.attr("exclude_outside", 0))
+        if self.ct not in TRANSFORMS:
+            self.fail(f"coordinate_transformation_mode={self.ct!r} is not supported")
+        if int(self.attr("antialias", 0)):
+            self.fail("antialias is not supported")
+        if self.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+            self.fail("keep_aspect_ratio_policy other than stretch is not supported")
 
     def _source(
         self, o: np.ndarray[Any, Any], n_in: int, n_int: int, n_out: float, scale: float
@@ -110,6 +122,31 @@ class Resize(Op):
             e.const((xc - lo).astype(wtype.np), wtype),
         )
 
+    def cubic_taps(self, e: Emitter, n_in: int, n_out: int, scale: float) -> list[tuple[str, str]]:
+        """One axis's four neighbours (edge-clamped) and their weights (Keys' cubic kernel with
+        `cubic_coeff_a`; with `exclude_outside`, neighbours outside the input weigh 0 and the
+        others are renormalised), as baked constants (weights in double)."""
+        x = self._source(np.arange(n_out, dtype=np.float64), n_in, n_out, n_in * scale, scale)
+        base = np.floor(x)
+        r = x - base
+        a = self.cubic_a
+        taps = []
+        weights = []
+        for offset, d in ((-1, 1 + r), (0, r), (1, 1 - r), (2, 2 - r)):
+            near = ((a + 2) * d - (a + 3)) * d * d + 1  # |d| <= 1
+            far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a  # 1 < |d| < 2
+            w = np.where(np.abs(d) <= 1, near, far)
+            j = base + offset
+            if self.exclude_outside:
+                w = np.where((j < 0) | (j > n_in - 1), 0.0, w)
+            weights.append(w)
+            taps.append(np.clip(j, 0, n_in - 1).astype(np.int32))
+        total = np.sum(weights, axis=0) if self.exclude_outside else 1.0
+        return [
+            (e.const(j, D.INT32), e.const(np.asarray(w / total, np.float64), D.DOUBLE))
+            for j, w in zip(taps, weights, strict=True)
+        ]
+
     def emit(self, e: Emitter) -> str:
         s, out = self.shape(0), self.oshape()
         st = loops.strides(s)
@@ -121,7 +158,10 @@ class Resize(Op):
         idx = [f"rz{k}" for k in range(len(s))]
         dtype = self.x(0).dtype
         lines = []
-        tables = {k: self.table(e, static(s[k]), static(out[k]), self.scales[k]) for k in resized}
+        args = {k: (static(s[k]), static(out[k]), self.scales[k]) for k in resized}
+        if self.mode == "cubic":
+            return self.emit_cubic(e, resized, {k: self.cubic_taps(e, *args[k]) for k in resized})
+        tables = {k: self.table(e, *args[k]) for k in resized}
         for k, d in enumerate(out):
             lines.append(f"for (u32 {idx[k]} = 0; {idx[k]} < {cdim(d)}; {idx[k]}++)")
         fixed = (
@@ -152,3 +192,54 @@ class Resize(Op):
             rnd = "" if dtype.is_float else "mf_rint"
             body = f"{e.out(0)}[o++] = ({cast}){rnd}({' + '.join(terms)});"
         return "{ u32 o = 0;\n" + "\n".join(lines) + " {\n  " + body + "\n} }"
+
+    def emit_cubic(
+        self, e: Emitter, resized: list[int], taps: dict[int, list[tuple[str, str]]]
+    ) -> str:
+        """Every combination of the resized axes' four neighbours, weighted (in double)."""
+        s, out = self.shape(0), self.oshape()
+        st = loops.strides(s)
+        idx = [f"rz{k}" for k in range(len(s))]
+        lines = [
+            f"for (u32 {idx[k]} = 0; {idx[k]} < {cdim(d)}; {idx[k]}++)" for k, d in enumerate(out)
+        ]
+        fixed = [f"{idx[k]} * {cdim(st[k])}" for k in range(len(s)) if k not in resized] or ["0"]
+        terms = []
+        for combo in range(4 ** len(resized)):
+            parts, weights = list(fixed), []
+            for n, k in enumerate(resized):
+                j, w = taps[k][combo // 4**n % 4]
+                parts.append(f"(u32){j}[{idx[k]}] * {cdim(st[k])}")
+                weights.append(f"{w}[{idx[k]}]")
+            terms.append(
+                f"{' * '.join(weights) or '1.0'} * (double){e.inp(0)}[{' + '.join(parts)}]"
+            )
+        body = f"{e.out(0)}[o++] = ({self.x(0).dtype.c})({' + '.join(terms)});"
+        return "{ u32 o = 0;\n" + "\n".join(lines) + " {\n  " + body + "\n} }"
+
+
+@register
+class Upsample(Resize):
+    """Resize's predecessor (opsets 7-9, deprecated at 10, still in older exports): scales
+    per axis (an attribute, then an input), nearest or linear, which onnxruntime computes as
+    Resize's asymmetric transform with nearest rounding down."""
+
+    OP = "Upsample"
+    SINCE = 7
+    STATIC_INPUTS = (1,)
+
+    def given_scales(self) -> list[float] | None:
+        if self.has(1):
+            return [float(v) for v in np.asarray(self.value(1)).reshape(-1)]
+        scales = self.attr("scales", None)
+        return [float(v) for v in scales] if scales is not None else None
+
+    def _attributes(self, dtype: DType) -> None:
+        self.mode = self.attr("mode", "nearest")
+        if isinstance(self.mode, bytes):
+            self.mode = self.mode.decode()
+        if self.mode == "bilinear":
+            self.mode = "linear"
+        if self.mode not in ("nearest", "linear"):
+            self.fail(f"mode={self.mode!r} is not supported (nearest, linear)")
+        self.ct, self.nearest = "asymmetric", "floor"

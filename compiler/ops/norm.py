@@ -284,6 +284,17 @@ class LRN(Op):
         self.bias = float(self.attr("bias", 1.0))
         return [(dtype, s)]
 
+    def power(self, base: str) -> str:
+        """base ** beta: the usual betas (AlexNet's and GoogLeNet's 0.75) by square roots,
+        several times quicker than pow, and as exact for the non-negative bases of a
+        non-negative bias."""
+        roots = {
+            0.5: f"mf_sqrt({base})",
+            1.0: base,
+            0.75: f"(mf_sqrt({base}) * mf_sqrt(mf_sqrt({base})))",
+        }
+        return roots.get(self.beta, f"mf_pow({base}, {self.beta!r})")
+
     def emit(self, e: Emitter) -> str:
         s = self.shape(0)
         t = self.x(0).dtype.c
@@ -299,8 +310,8 @@ class LRN(Op):
             f"  for (u32 k = 0; k < {n}; k++) {{\n"
             f"    double sq = 0;\n"
             f"    for (u32 q = lo; q <= hi; q++) {{ const double v = x[q * {n} + k]; sq += v * v; }}\n"
-            f"    y[k] = ({t})((double)x[ch * {n} + k] / "
-            f"mf_pow({self.bias!r} + {self.alpha / self.size!r} * sq, {self.beta!r}));\n"
+            f"    const double base = {self.bias!r} + {self.alpha / self.size!r} * sq;\n"
+            f"    y[k] = ({t})((double)x[ch * {n} + k] / {self.power('base')});\n"
             f"  }}\n}}"
         )
 

@@ -1,13 +1,13 @@
 """Recurrent layers: RNN, GRU and LSTM, as PyTorch and Keras export them.
 
-One batch row at a time, one direction at a time: the state of a row never meets another
-row's, so the state and the gates live in a scratch of a few hidden-sized vectors whatever the
-batch (in the element type, as onnxruntime keeps them; a gate's own arithmetic in double), and
-`sequence_lens` (each row's own length, checked at run time) only changes how far a row's loop
-goes. The weights are held transposed (baked in when constant), so the products vectorise. Steps past a row's length are
-zeros in Y, and Y_h/Y_c hold the state after its last step (onnxruntime's meaning). Either
-layout (time-major 0, batch-major 1), any direction; the activations ONNX names with their
-default parameters."""
+As onnxruntime computes them: per direction, every step's input projection at once (X.W over
+all T*B rows, one product), then step by step one recurrent product over the batch (H.R) and
+the gates row by row, each activation one tight loop over a gate's block (float32 sigmoid and
+tanh vectorise), state in the element type. The weights are held transposed (baked in when
+constant). `sequence_lens` (each row's own length, checked at run time) decides which rows a
+step updates; steps past a row's length are zeros in Y, and Y_h/Y_c hold the state after its
+last step (onnxruntime's meaning). Either layout (time-major 0, batch-major 1), any direction;
+the activations ONNX names with their default parameters."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from .. import dtypes as D
-from ..dims import Batch, Dim, Shape, cdim, static
+from ..dims import Batch, Dim, Shape, cdim, mul, static
 from ..dtypes import DType
 from .base import Emitter, Op, register
 
@@ -137,57 +137,67 @@ class _Recurrent(Op):
         """The unit's own attributes."""
 
     def scratch_bytes(self) -> Dim:
-        """The state and gates (in the element type), then room for W and R transposed when
-        they are not constants."""
-        rows = self.GATES * self.hidden
+        """In the element type: every step's input projection (X.W + biases, [T*B, G*H]), one
+        step's recurrent projection ([B, G*H]), the state H and C, GRU's r*H and its product
+        ([B, H] each); then W and R transposed when they are not constants."""
+        gh, h = self.GATES * self.hidden, self.hidden
         item = self.x(0).dtype.np.itemsize
-        weights = sum(
-            self.dirs * rows * cols * self.x(0).dtype.np.itemsize
+        parts: list[Dim] = [
+            mul(mul(self.seq, self.batch), gh * item),
+            mul(self.batch, (gh + 4 * h) * item),
+            self.weights_bytes(),
+        ]
+        if any(isinstance(p, Batch) for p in parts):  # sizes linear in N: a constant c as c*N
+            parts = [p if isinstance(p, Batch) else Batch(p) for p in parts if p]
+        total: Dim = 0
+        for p in parts:
+            total = total + p
+        return total
+
+    def weights_bytes(self) -> int:
+        """Scratch for W and R transposed at run time (0 when both are constants)."""
+        gh, item = self.GATES * self.hidden, self.x(0).dtype.np.itemsize
+        return sum(
+            self.dirs * gh * cols * item
             for i, cols in ((1, self.size), (2, self.hidden))
             if self.x(i).value is None
         )
-        return item * (self.GATES + 4) * self.hidden + weights
 
     # ---- C ----------------------------------------------------------------------------------
-    def act(self, d: int, k: int, v: str, then: str = "", clip: bool = True) -> str:
-        """Direction d's k-th activation of v + `then` (LSTM's peepholes), clipped first when
-        the node says so: a gate's input, never LSTM's cell state (onnxruntime's meaning)."""
-        v += then
+    def apply(self, d: int, k: int, arr: str, lo: int, hi: int, clip: bool = True) -> str:
+        """arr[lo:hi] = direction d's k-th activation of itself, clipped first when the node
+        says so (a gate's input, never LSTM's cell state: onnxruntime's meaning). One tight
+        loop over contiguous elements: float32 sigmoid and tanh (the units' own branch-free
+        kernels) vectorise."""
+        t = self.x(0).dtype.c
+        name = self.funcs[d][k]
+        if t == "float" and name in _FLOAT32:
+            f = f"{_FLOAT32[name]}(v)"
+        else:
+            f = f"({t})" + _ACTIVATIONS[name].format(v="((double)v)")
+        cut = ""
         if clip and self.clip is not None:
             c = float(self.clip)
-            v = f"mf_max({-c!r}, mf_min({c!r}, {v}))"
-        name = self.funcs[d][k]
-        if self.x(0).dtype == D.FLOAT and name in _FLOAT32:  # the float32 units' own kernels
-            return f"((double){_FLOAT32[name]}((float)({v})))"
-        return "(" + _ACTIVATIONS[name].format(v=f"({v})") + ")"
+            cut = f"v = v < ({t}){-c!r} ? ({t}){-c!r} : (v > ({t}){c!r} ? ({t}){c!r} : v); "
+        return f"for (u32 q = {lo}; q < {hi}; q++) {{ {t} v = {arr}[q]; {cut}{arr}[q] = {f}; }}"
 
-    def cell(self, e: Emitter, d: int) -> str:
-        """One step of direction d: reads x (the step's input), h (and c); leaves the new state
-        in hn (and c), with g (GATES*hidden) and rh (hidden) to work in."""
-        raise NotImplementedError
-
-    def dot(
-        self, into: str, mat: str, first: int, count: int, vec: str, bias: str,
-        add: bool = False,
-    ) -> str:  # fmt: skip
-        """into[q] (`add`: +)= bias + mat[first + q, :] . vec for q < count. `mat` ("Wt" or
-        "Rt") is held transposed, one row per element of vec: the inner loop runs along the
-        gates, so it vectorises without reordering any sum (in the element type, as
-        onnxruntime's GEMM sums)."""
-        width = self.size if mat == "Wt" else self.hidden
-        stride = self.GATES * self.hidden
+    def product(self, m: str, k: int, n: int, a: str, b: str, y: str, stride: int = 0) -> str:
+        """y[m, n] += a[m, k] . b[k, n], b's rows `stride` apart (default n): the SIMD kernel
+        for float32 (mf_rt.h), loops along y's rows that vectorise otherwise."""
         t = self.x(0).dtype.c
+        if t == "float" and stride in (0, n):
+            return f"mf_gemm_f32((u32)({m}), {k}, {n}, {a}, {b}, {y}, 1.0f);"
         return (
-            f"for (u32 q = 0; q < {count}; q++) {into}[q] {'+=' if add else '='} {bias};\n"
-            f"for (u32 k = 0; k < {width}; k++) {{\n"
-            f"  const {t} v = {vec}[k], *col = {mat} + (u64)k * {stride} + {first};\n"
-            f"  for (u32 q = 0; q < {count}; q++) {into}[q] += v * col[q];\n}}"
+            f"for (u64 r = 0; r < (u64)({m}); r++) for (u32 q = 0; q < {k}; q++) {{\n"
+            f"  const {t} v = {a}[r * {k} + q], *col = {b} + (u64)q * {stride or n};\n"
+            f"  {t} *yr = {y} + r * {n};\n"
+            f"  for (u32 c = 0; c < {n}; c++) yr[c] += v * col[c];\n}}"
         )
 
     def transposed(self, e: Emitter, i: int, cols: int, at: str) -> tuple[str, str]:
         """Input i ([dirs, GATES*hidden, cols]) as [dirs, cols, GATES*hidden]: baked in when it
-        is a constant (the weights of every exported model), else written into scratch at `at`
-        (C statements, pointer)."""
+        is a constant (the weights of every exported model), else written at `at` (C
+        statements, pointer)."""
         rows = self.GATES * self.hidden
         value = self.x(i).value
         if value is not None:
@@ -203,79 +213,133 @@ class _Recurrent(Op):
         )
         return copy, f"(({t} *)({at}))"
 
+    def input_bias(self) -> str:
+        """What every step's input projection starts from, for column q: W's bias and R's (GRU
+        keeps R's bias of the h gate for the cell: it goes inside the reset gate's product)."""
+        if not self.has(3):
+            return "0"
+        gh = self.GATES * self.hidden
+        return f"Bw[q] + Bw[{gh} + q]"
+
+    def cell(self, e: Emitter, d: int) -> str:
+        """One step of direction d for every row still in its sequence: xg (the step's input
+        projection row), gr (its recurrent one, to work in) and the row's state hr (and cr)
+        in, the new state in hr (and cr); `ROWS(...)` loops over those rows (tt: the row's
+        time index; tmp: hidden-sized room of the row's own)."""
+        raise NotImplementedError
+
+    def rows(self, body: str, backward: bool) -> str:
+        """`body` for every row b whose sequence reaches step s, with tt its time index and xg,
+        gr, hr, cr, tmp its pointers."""
+        t, gh, h = self.x(0).dtype.c, self.GATES * self.hidden, self.hidden
+        return (
+            f"for (u32 b = 0; b < {cdim(self.batch)}; b++) {{\n"
+            "  const i64 len = LEN(b); if (s >= len) continue;\n"
+            f"  const u32 tt = (u32)({'len - 1 - s' if backward else 's'});\n"
+            f"  const {t} *xg = XW + XROW(tt, b) * {gh}; {t} *gr = G + (u64)b * {gh};\n"
+            f"  {t} *hr = H + (u64)b * {h}; {t} *cr = C + (u64)b * {h}; {t} *tmp = RH + (u64)b * {h};\n"
+            "  (void)xg; (void)gr; (void)cr; (void)tmp;\n" + body + "\n}"
+        )
+
     def emit(self, e: Emitter) -> str:
         t = self.x(0).dtype.c
         g, h, size, dirs = self.GATES, self.hidden, self.size, self.dirs
+        gh = g * h
         seq, batch = cdim(self.seq), cdim(self.batch)
         if self.layout == 0:
-            xi = f"((u64)tt * {batch} + b) * {size}"
+            xrow = f"((u64)(T_) * {batch} + (B_))"
             yi = f"(((u64)tt * {dirs} + d) * {batch} + b) * {h}"
             si = f"((u64)d * {batch} + b) * {h}"
         else:
-            xi = f"((u64)b * {seq} + tt) * {size}"
+            xrow = f"((u64)(B_) * {seq} + (T_))"
             yi = f"(((u64)b * {seq} + tt) * {dirs} + d) * {h}"
             si = f"((u64)b * {dirs} + d) * {h}"
-        length = f"{seq}"
-        if self.has(4):
-            bad = e.error("sequence_lens must be between 1 and the sequence length")
-            length = f"(i64){e.inp(4)}[b]"
-        state = self.x(0).dtype.np.itemsize * (g + 4) * h
-        w_copy, w_t = self.transposed(e, 1, size, f"{e.scratch} + {state}")
-        w_bytes = (
-            0 if self.x(1).value is not None else dirs * g * h * size * self.x(0).dtype.np.itemsize
-        )
-        r_copy, r_t = self.transposed(e, 2, h, f"{e.scratch} + {state + w_bytes}")
+        length = f"(i64){e.inp(4)}[B_]" if self.has(4) else f"(i64){seq}"
+        at = f"(u8 *)(RP + (u64){batch} * {h})"
+        w_copy, w_t = self.transposed(e, 1, size, at)
+        item = self.x(0).dtype.np.itemsize
+        w_bytes = 0 if self.x(1).value is not None else dirs * gh * size * item
+        r_copy, r_t = self.transposed(e, 2, h, f"{at} + {w_bytes}")
         parts = [
-            f"{t} *h = ({t} *){e.scratch}, *c = h + {h}, *hn = c + {h}, *rh = hn + {h}, "
-            f"*g = rh + {h};",
-            "(void)c; (void)rh;",
+            f"#define XROW(T_, B_) {xrow}",
+            f"#define LEN(B_) ({length})",
+            f"{t} *XW = ({t} *){e.scratch};",
+            f"{t} *G = XW + (u64){seq} * {batch} * {gh}, *H = G + (u64){batch} * {gh};",
+            f"{t} *C = H + (u64){batch} * {h}, *RH = C + (u64){batch} * {h}, *RP = RH + (u64){batch} * {h};",
+            "(void)C; (void)RH; (void)RP;",
             w_copy,
             r_copy,
-            f"for (u32 b = 0; b < {batch}; b++) {{",
-            f"  const i64 len = {length};",
+            "i64 longest = 0;",
+            f"for (u32 b = 0; b < {batch}; b++) {{ const i64 len = LEN(b);",
         ]
         if self.has(4):
+            bad = e.error("sequence_lens must be between 1 and the sequence length")
             parts.append(f"  if (len < 1 || len > (i64){seq}) {{ {bad} }}")
+        parts.append("  if (len > longest) longest = len; }")
         for d in range(dirs):
             backward = self.reverse or d == 1
-            init = [f"  h[j] = {e.inp(5)}[{si} + j];" if self.has(5) else "  h[j] = 0;"]
+            init = [f"H[(u64)b * {h} + j] = " + (f"{e.inp(5)}[{si} + j];" if self.has(5) else "0;")]
             if self.STATES > 1:
-                init.append(f"  c[j] = {e.inp(6)}[{si} + j];" if self.has(6) else "  c[j] = 0;")
+                init.append(
+                    f"C[(u64)b * {h} + j] = " + (f"{e.inp(6)}[{si} + j];" if self.has(6) else "0;")
+                )
             parts += [
                 f"{{ const u32 d = {d};",
-                f"for (u32 j = 0; j < {h}; j++) {{ " + " ".join(init) + " }",
-                f"const {t} *Wt = {w_t} + (u64)d * {g * h * size};",
-                f"const {t} *Rt = {r_t} + (u64)d * {g * h * h};",
-                f"const {t} *Bw = {e.inp(3) + f' + (u64)d * {2 * g * h}' if self.has(3) else '0'};",
+                f"const {t} *Wt = {w_t} + (u64)d * {gh * size};",
+                f"const {t} *Rt = {r_t} + (u64)d * {gh * h};",
+                f"const {t} *Bw = {e.inp(3) + f' + (u64)d * {2 * gh}' if self.has(3) else '0'};",
                 "(void)Bw;",
-                "for (i64 s = 0; s < len; s++) {",
-                f"  const u32 tt = (u32)({'len - 1 - s' if backward else 's'});",
-                f"  const {t} *x = {e.inp(0)} + {xi};",
-                self.cell(e, d),
-                f"  for (u32 j = 0; j < {h}; j++) h[j] = hn[j];",
+                # every step's input projection at once: one product over all T*B rows
+                f"for (u64 r = 0; r < (u64){seq} * {batch}; r++) for (u32 q = 0; q < {gh}; q++) "
+                f"XW[r * {gh} + q] = {self.input_bias()};",
+                self.product(f"(u64){seq} * {batch}", size, gh, e.inp(0), "Wt", "XW"),
+                f"for (u32 b = 0; b < {batch}; b++) for (u32 j = 0; j < {h}; j++) {{ "
+                + " ".join(init)
+                + " }",
+                "for (i64 s = 0; s < longest; s++) {",
+                f"  for (u64 q = 0; q < (u64){batch} * {gh}; q++) G[q] = 0;",
+                "  " + self.product(batch, h, gh, "H", "Rt", "G"),
+                self.cell(e, d).replace("ROWS(", "ROWS_(").replace("@BACKWARD@", str(backward)),
             ]
+            parts[-1] = self._rows_expand(parts[-1], backward)
             if self.has_out(0):
-                parts.append(f"  for (u32 j = 0; j < {h}; j++) {e.out(0)}[{yi} + j] = ({t})h[j];")
+                parts.append(
+                    self.rows(
+                        f"  for (u32 j = 0; j < {h}; j++) {e.out(0)}[{yi} + j] = hr[j];", backward
+                    )
+                )
             parts.append("}")
             if self.has_out(0):
                 parts.append(
-                    f"for (u32 tt = (u32)len; tt < {seq}; tt++) "
+                    f"for (u32 b = 0; b < {batch}; b++) for (u32 tt = (u32)LEN(b); tt < {seq}; tt++) "
                     f"for (u32 j = 0; j < {h}; j++) {e.out(0)}[{yi} + j] = 0;"
                 )
             if self.has_out(1):
-                parts.append(f"for (u32 j = 0; j < {h}; j++) {e.out(1)}[{si} + j] = ({t})h[j];")
+                parts.append(
+                    f"for (u32 b = 0; b < {batch}; b++) for (u32 j = 0; j < {h}; j++) "
+                    f"{e.out(1)}[{si} + j] = H[(u64)b * {h} + j];"
+                )
             if self.STATES > 1 and self.has_out(2):
-                parts.append(f"for (u32 j = 0; j < {h}; j++) {e.out(2)}[{si} + j] = ({t})c[j];")
+                parts.append(
+                    f"for (u32 b = 0; b < {batch}; b++) for (u32 j = 0; j < {h}; j++) "
+                    f"{e.out(2)}[{si} + j] = C[(u64)b * {h} + j];"
+                )
             parts.append("}")
-        parts.append("}")
+        parts += ["#undef XROW", "#undef LEN"]
         return "{\n" + "\n".join(parts) + "\n}"
 
-    def bias(self, offset: int) -> str:
-        """The q-th bias of a block at row `offset` (W's bias and R's), or 0 without B."""
-        if not self.has(3):
-            return "0"
-        second = self.GATES * self.hidden
-        return f"(double)Bw[{offset} + q] + (double)Bw[{second + offset} + q]"
+    def _rows_expand(self, code: str, backward: bool) -> str:
+        """The cell's `ROWS_(...)` blocks, each one loop over the rows (see `rows`)."""
+        out, rest = [], code
+        while "ROWS_(" in rest:
+            before, _, after = rest.partition("ROWS_(")
+            depth, k = 1, 0
+            while depth:
+                depth += {"(": 1, ")": -1}.get(after[k], 0)
+                k += 1
+            out += [before, self.rows(after[: k - 1], backward)]
+            rest = after[k:]
+        return "".join(out) + rest
 
 
 @register
@@ -286,12 +350,10 @@ class RNN(_Recurrent):
 
     def cell(self, e: Emitter, d: int) -> str:
         h = self.hidden
-        return "\n".join(
-            [
-                self.dot("g", "Wt", 0, h, "x", self.bias(0)),
-                self.dot("g", "Rt", 0, h, "h", "0", add=True),
-                f"  for (u32 j = 0; j < {h}; j++) hn[j] = {self.act(d, 0, 'g[j]')};",
-            ]
+        return (
+            f"ROWS(for (u32 q = 0; q < {h}; q++) gr[q] += xg[q];\n"
+            f"{self.apply(d, 0, 'gr', 0, h)}\n"
+            f"for (u32 j = 0; j < {h}; j++) hr[j] = gr[j];)"
         )
 
 
@@ -304,32 +366,40 @@ class GRU(_Recurrent):
     def check(self) -> None:
         self.before = int(self.attr("linear_before_reset", 0))
 
+    def input_bias(self) -> str:
+        """W's biases and R's of the z and r gates (R's of the h gate goes in the cell)."""
+        if not self.has(3):
+            return "0"
+        h = self.hidden
+        return f"Bw[q] + (q < {2 * h} ? Bw[{3 * h} + q] : 0)"
+
     def cell(self, e: Emitter, d: int) -> str:
         h = self.hidden
-        lines = [
-            # g[0:3h): x.W + Wb (z, r, h); g[0:2h) += h.R + Rb (z, r)
-            self.dot("g", "Wt", 0, 3 * h, "x", "(double)Bw[q]" if self.has(3) else "0"),
-            self.dot(
-                "g", "Rt", 0, 2 * h, "h", f"(double)Bw[{3 * h} + q]" if self.has(3) else "0", True
-            ),
-            f"  for (u32 j = 0; j < {2 * h}; j++) g[j] = {self.act(d, 0, 'g[j]')};",
-        ]
-        rb = f"(double)Bw[{5 * h} + q]" if self.has(3) else "0"
-        if self.before:
-            # (h.Rh + Rbh) scaled by r
-            lines.append(self.dot("rh", "Rt", 2 * h, h, "h", rb))
-            lines.append(
-                f"  for (u32 j = 0; j < {h}; j++) rh[j] = g[{2 * h} + j] + g[{h} + j] * rh[j];"
-            )
-        else:
-            lines.append(f"  for (u32 j = 0; j < {h}; j++) hn[j] = g[{h} + j] * h[j];")
-            lines.append(self.dot("rh", "Rt", 2 * h, h, "hn", rb))
-            lines.append(f"  for (u32 j = 0; j < {h}; j++) rh[j] += g[{2 * h} + j];")
-        lines.append(
-            f"  for (u32 j = 0; j < {h}; j++) {{ const double n = {self.act(d, 1, 'rh[j]')}; "
-            "hn[j] = (1 - g[j]) * n + g[j] * h[j]; }"
+        rb = f" + Bw[{5 * h} + j]" if self.has(3) else ""
+        zr = f"for (u32 q = 0; q < {2 * h}; q++) gr[q] += xg[q];\n" + self.apply(
+            d, 0, "gr", 0, 2 * h
         )
-        return "\n".join(lines)
+        new = (
+            f"{self.apply(d, 1, 'gr', 2 * h, 3 * h)}\n"
+            f"for (u32 j = 0; j < {h}; j++) hr[j] = (1 - gr[j]) * gr[{2 * h} + j] + gr[j] * hr[j];"
+        )
+        if self.before:  # r scales h.Rh + Rbh
+            return (
+                f"ROWS({zr}\n"
+                f"for (u32 j = 0; j < {h}; j++) "
+                f"gr[{2 * h} + j] = xg[{2 * h} + j] + gr[{h} + j] * (gr[{2 * h} + j]{rb});\n"
+                f"{new})"
+            )
+        # (r * h).Rh: r of every row first, one product over the rows, then the new state
+        return "\n".join(
+            [
+                f"for (u64 q = 0; q < (u64){cdim(self.batch)} * {h}; q++) {{ RH[q] = 0; RP[q] = 0; }}",
+                f"ROWS({zr}\nfor (u32 j = 0; j < {h}; j++) tmp[j] = gr[{h} + j] * hr[j];)",
+                self.product(cdim(self.batch), h, h, "RH", f"Rt + {2 * h}", "RP", 3 * h),
+                f"ROWS(for (u32 j = 0; j < {h}; j++) "
+                f"gr[{2 * h} + j] = xg[{2 * h} + j] + RP[(u64)b * {h} + j]{rb};\n{new})",
+            ]
+        )
 
 
 @register
@@ -346,27 +416,29 @@ class LSTM(_Recurrent):
 
     def cell(self, e: Emitter, d: int) -> str:
         h = self.hidden
+        p = f"{e.inp(7)} + {d * 3 * h}" if self.has(7) else ""
 
-        def peep(k: int, state: str) -> str:  # P's blocks: i, o, f
-            if not self.has(7):
+        def peep(gate: int, block: int, state: str) -> str:  # P's blocks: i, o, f
+            if not p:
                 return ""
-            return f" + (double){e.inp(7)}[{d * 3 * h + k * h} + j] * {state}"
+            return f"for (u32 j = 0; j < {h}; j++) gr[{gate * h} + j] += ({p})[{block * h} + j] * {state}[j];\n"
 
-        gate_i = self.act(d, 0, "g[j]", peep(0, "c[j]"))
-        gate_f = "1 - i" if self.coupled else self.act(d, 0, f"g[{2 * h} + j]", peep(2, "c[j]"))
-        gate_o = self.act(d, 0, f"g[{h} + j]", peep(1, "cn"))
-        return "\n".join(
-            [
-                # g: x.W + h.R + biases, blocks i, o, f, c
-                self.dot("g", "Wt", 0, 4 * h, "x", self.bias(0)),
-                self.dot("g", "Rt", 0, 4 * h, "h", "0", add=True),
-                f"  for (u32 j = 0; j < {h}; j++) {{",
-                f"    const double i = {gate_i};",
-                f"    const double f = {gate_f};",
-                f"    const double cc = {self.act(d, 1, f'g[{3 * h} + j]')};",
-                "    const double cn = f * c[j] + i * cc;",
-                f"    const double o = {gate_o};",
-                f"    c[j] = cn; hn[j] = o * {self.act(d, 2, 'cn', clip=False)};",
-                "  }",
-            ]
+        forget = (
+            f"for (u32 j = 0; j < {h}; j++) gr[{2 * h} + j] = 1 - gr[j];"
+            if self.coupled
+            else self.apply(d, 0, "gr", 2 * h, 3 * h)
+        )
+        # the projections' blocks: i, o, f, c
+        return (
+            f"ROWS(for (u32 q = 0; q < {4 * h}; q++) gr[q] += xg[q];\n"
+            + peep(0, 0, "cr")
+            + (peep(2, 2, "cr") if not self.coupled else "")
+            + f"{self.apply(d, 0, 'gr', 0, h)}\n{forget}\n"
+            f"{self.apply(d, 1, 'gr', 3 * h, 4 * h)}\n"
+            f"for (u32 j = 0; j < {h}; j++) cr[j] = gr[{2 * h} + j] * cr[j] + gr[j] * gr[{3 * h} + j];\n"
+            + peep(1, 1, "cr")
+            + f"{self.apply(d, 0, 'gr', h, 2 * h)}\n"
+            f"for (u32 j = 0; j < {h}; j++) tmp[j] = cr[j];\n"
+            f"{self.apply(d, 2, 'tmp', 0, h, clip=False)}\n"
+            f"for (u32 j = 0; j < {h}; j++) hr[j] = gr[{h} + j] * tmp[j];)"
         )

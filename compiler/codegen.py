@@ -56,10 +56,10 @@ class _NodeEmitter:
         self._tmp = 0
 
     def inp(self, i: int) -> str:
-        return f"i{i}"
+        return f"in{i}"
 
     def out(self, i: int) -> str:
-        return f"o{i}"
+        return f"out{i}"
 
     @property
     def scratch(self) -> str:
@@ -150,11 +150,11 @@ class _Nodes:
         params, args = ["u32 N"], ["N"]
         for i, t in enumerate(step.inputs):
             if t is not None:
-                params.append(f"const {t.dtype.c} *restrict i{i}")
+                params.append(f"const {t.dtype.c} *restrict in{i}")
                 args.append(self.tensor_expr(t, True))
         for i, t in enumerate(step.outputs):
             if t is not None:
-                params.append(f"{t.dtype.c} *restrict o{i}")
+                params.append(f"{t.dtype.c} *restrict out{i}")
                 args.append(self.tensor_expr(t, False))
         if k in self.unit.scratch:
             params.append("u8 *restrict scratch")

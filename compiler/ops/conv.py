@@ -4,7 +4,9 @@ along an output row with the padding bounds hoisted out, so stride-1 rows vector
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
+
+import numpy as np
 
 from .. import dtypes as D
 from ..dims import Batch, Dim, Shape, cdim, numel, static
@@ -94,6 +96,7 @@ def _bounds(pad: int, step: int, dil: int, size: int, out: int, kvar: str, lo: s
 class Conv(_Window):
     OP = "Conv"
     SINCE = 1
+    W_INPUT: ClassVar[int] = 1  # which input holds the weights
 
     def infer(self) -> list[tuple[DType, Shape]]:
         dtype, n, c, spatial, w = self.weighted()
@@ -156,13 +159,16 @@ class Conv(_Window):
 
     def emit_direct(
         self, e: Emitter, acc: str | None = None, x_zero: str = "", w_zero: str = "",
-        bias: bool = True,
+        bias: str | None = None, plane: str = "", finish: str = "",
     ) -> str:  # fmt: skip
         """Direct loops, accumulating in `acc` (the element type by default); `x_zero` and
         `w_zero` (C expressions, w_zero may use m) are subtracted from every pixel and weight;
-        `bias`: input 2 is the bias."""
+        `bias`: what an output channel m starts from (default input 2's, if any). `plane`: a C
+        pointer to accumulate each (image, channel) plane into instead of the output, which
+        `finish` (statements; b, m, y the plane) then writes out."""
         t = self.x(0).dtype.c
-        wt = self.x(1).dtype.c
+        wi = self.W_INPUT
+        wt = self.x(wi).dtype.c
         acc = acc or t
         ih, iw = self.hw(self.spatial, 1)
         oh, ow = self.hw(self.out, 1)
@@ -172,18 +178,22 @@ class Conv(_Window):
         ph, pw = self.hw(self.pad_lo, 0)
         mg = self.m // self.group
         n = cdim(self.shape(0)[0])
-        start = f"{e.inp(2)}[m]" if bias and self.has(2) else "0"
+        start = bias if bias is not None else (f"{e.inp(2)}[m]" if self.has(2) else "0")
         pixel = f"(({acc})xr[q * {sw}] - {x_zero})" if x_zero else f"xr[q * {sw}]"
         weight = f"({acc})w[u * {kw} + v] - {w_zero}" if w_zero else f"w[u * {kw} + v]"
         return (
             f"for (u32 b = 0; b < {n}; b++)\n"
             f"for (u32 m = 0; m < {self.m}; m++) {{\n"
-            f"  {acc} *y = {e.out(0)} + (b * {self.m} + m) * {oh * ow};\n"
-            f"  for (u32 p = 0; p < {oh * ow}; p++) y[p] = {start};\n"
+            + (
+                f"  {acc} *y = {plane};\n"
+                if plane
+                else f"  {acc} *y = {e.out(0)} + (b * {self.m} + m) * {oh * ow};\n"
+            )
+            + f"  for (u32 p = 0; p < {oh * ow}; p++) y[p] = {start};\n"
             f"  const u32 g = m / {mg};\n"
             f"  for (u32 c = 0; c < {self.cg}; c++) {{\n"
             f"    const {t} *x = {e.inp(0)} + (b * {self.c} + g * {self.cg} + c) * {ih * iw};\n"
-            f"    const {wt} *w = {e.inp(1)} + (m * {self.cg} + c) * {kh * kw};\n"
+            f"    const {wt} *w = {e.inp(wi)} + (m * {self.cg} + c) * {kh * kw};\n"
             f"    for (u32 u = 0; u < {kh}; u++) {{\n"
             + _indent(_bounds(ph, sh, dh, ih, oh, "u", "y0", "y1"), 6)
             + f"      for (u32 v = 0; v < {kw}; v++) {{\n"
@@ -193,7 +203,7 @@ class Conv(_Window):
             f"          const {t} *xr = x + (r * {sh} + (i32)u * {dh} - {ph}) * {iw} + ((i32)v * {dw} - {pw});\n"
             f"          {acc} *yr = y + r * {ow};\n"
             f"          for (i32 q = x0; q < x1; q++) yr[q] += wv * {pixel};\n"
-            "        }\n      }\n    }\n  }\n}"
+            "        }\n      }\n    }\n  }\n" + finish + "\n}"
         )
 
 
@@ -233,7 +243,72 @@ class ConvInteger(Conv):
         if self.has(3):
             per = static(numel(self.shape(3))) > 1
             w_zero = f"(i32){e.inp(3)}[{'m' if per else 0}]"
-        return self.emit_direct(e, "i32", x_zero, w_zero, bias=False)
+        return self.emit_direct(e, "i32", x_zero, w_zero, bias="0")
+
+
+@register
+class QLinearConv(ConvInteger):
+    """The 8-bit convolution requantised: int32 sums of (x - x_zero) * (w - w_zero[m]) plus
+    the int32 bias, times x_scale * w_scale[m] / y_scale in float32, rounded half to even,
+    plus y_zero, saturated (TensorFlow Lite's converted models, onnxruntime's QOperator
+    quantisation); the weights' scale and zero point per tensor or per output channel."""
+
+    OP = "QLinearConv"
+    SINCE = 10
+    W_INPUT = 3
+
+    def weighted(self) -> tuple[DType, Dim, int, list[int], Shape]:
+        eight = (D.INT8, D.UINT8)
+        x_t, w_t, y_t = self.need(0, eight), self.need(3, eight), self.need(7, eight)
+        for i, want in ((2, x_t), (5, w_t)):
+            if self.x(i).dtype != want:
+                self.fail(f"input {i} (a zero point) must be {want.name} like its tensor")
+        for i in (1, 4, 6):
+            self.need(i, (D.FLOAT,))
+        for i in (1, 2, 6, 7):
+            if static(numel(self.shape(i))) != 1:
+                self.fail(f"input {i} must be one value (per tensor)")
+        if self.has(8):
+            self.need(8, (D.INT32,))
+        n, c, spatial = self.image(0)
+        self.group = int(self.attr("group", 1))
+        return y_t, n, c, spatial, self.shape(3)
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        out = Conv.infer(self)
+        for i in (4, 5):
+            if static(numel(self.shape(i))) not in (1, self.m):
+                self.fail(f"input {i} must be one value or one per output channel ({self.m})")
+        if self.has(8) and self.shape(8) != (self.m,):
+            self.fail(f"the bias must have shape [{self.m}]")
+        return out
+
+    def scratch_bytes(self) -> int:
+        oh, ow = self.hw(self.out, 1)
+        return oh * ow * 4  # one int32 plane, requantised into the output
+
+    def emit(self, e: Emitter) -> str:
+        oh, ow = self.hw(self.out, 1)
+
+        def per(i: int) -> str:
+            return f"{e.inp(i)}[{'m' if static(numel(self.shape(i))) > 1 else 0}]"
+
+        y_t = self.out_dtype()
+        info = np.iinfo(y_t.np)  # type: ignore[type-var]
+        lo, hi = float(info.min), float(info.max)
+        finish = (
+            f"  {{ const float scale = {e.inp(1)}[0] * {per(4)} / {e.inp(6)}[0];\n"
+            f"    {y_t.c} *out = {e.out(0)} + (b * {self.m} + m) * {oh * ow};\n"
+            f"    for (u32 p = 0; p < {oh * ow}; p++) {{\n"
+            f"      float v = __builtin_rintf((float)y[p] * scale) + (float){e.inp(7)}[0];\n"
+            f"      v = v < {lo!r}f ? {lo!r}f : (v > {hi!r}f ? {hi!r}f : v);\n"
+            f"      out[p] = ({y_t.c})v;\n    }} }}"
+        )
+        return self.emit_direct(
+            e, "i32", f"(i32){e.inp(2)}[0]", f"(i32){per(5)}",
+            bias=f"{e.inp(8)}[m]" if self.has(8) else "0",
+            plane=f"(i32 *){e.scratch}", finish=finish,
+        )  # fmt: skip
 
 
 def _indent(code: str, n: int) -> str:

@@ -5,7 +5,7 @@ clang vectorises it with SIMD128 without reassociating sums. Constant transposed
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -131,9 +131,11 @@ class MatMul(Op):
         self.same_dtype(0, 1)
         return [(dtype, self.shapes())]
 
+    B_INPUT: ClassVar[int] = 1  # which input is the right-hand matrix
+
     def shapes(self) -> Shape:
         """The product's shape (numpy's matmul: vectors promoted, leading axes broadcast)."""
-        a, b = list(self.shape(0)), list(self.shape(1))
+        a, b = list(self.shape(0)), list(self.shape(self.B_INPUT))
         if not a or not b:
             self.fail("MatMul of a scalar")
         self.a1, self.b1 = len(a) == 1, len(b) == 1
@@ -142,7 +144,10 @@ class MatMul(Op):
         if self.b1:
             b = [*b, 1]
         if a[-1] != b[-2] or isinstance(a[-1], Batch) or isinstance(b[-1], Batch):
-            self.fail(f"cannot multiply {self.show(self.shape(0))} by {self.show(self.shape(1))}")
+            self.fail(
+                f"cannot multiply {self.show(self.shape(0))} by "
+                f"{self.show(self.shape(self.B_INPUT))}"
+            )
         batch = loops.broadcast([tuple(a[:-2]), tuple(b[:-2])], f"{self.where}: {self.node.label}")
         self.a, self.b, self.batch = tuple(a), tuple(b), batch
         out = [*list(batch), a[-2], b[-1]]
@@ -340,3 +345,67 @@ class Einsum(Op):
             f"  {acc} sum = 0;\n" + inner + f"  sum += {product};\n"
             f"  {e.out(0)}[{out}] = ({t.c})sum;\n}}"
         )
+
+
+@register
+class QLinearMatMul(MatMul):
+    """The 8-bit product requantised: (A - a_zero) . (B - b_zero) in int32, times
+    a_scale * b_scale / y_scale in float32, rounded half to even, plus y_zero, saturated; B's
+    scale and zero point per tensor or per column. What TensorFlow Lite's converted models and
+    onnxruntime's QOperator quantisation hold."""
+
+    OP = "QLinearMatMul"
+    SINCE = 10
+    B_INPUT = 3
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        eight = (D.INT8, D.UINT8)
+        a_t, b_t, y_t = self.need(0, eight), self.need(3, eight), self.need(7, eight)
+        for i, want in ((2, a_t), (5, b_t)):
+            if self.x(i).dtype != want:
+                self.fail(f"input {i} (a zero point) must be {want.name} like its matrix")
+        for i in (1, 4, 6):
+            self.need(i, (D.FLOAT,))
+        a, b = self.shape(0), self.shape(3)
+        if len(a) < 2 or len(b) < 2:
+            self.fail("QLinearMatMul of a vector is not supported (rank 2 or more)")
+        out = self.shapes()
+        for i in (1, 2, 6, 7):
+            if static(numel(self.shape(i))) != 1:
+                self.fail(f"input {i} must be one value (per tensor)")
+        self.per_col = False
+        for i in (4, 5):
+            count = static(numel(self.shape(i)))
+            if count not in (1, b[-1]) or (count > 1 and len(self.shape(i)) != 1):
+                self.fail(f"input {i} must be one value or one per column of B ({b[-1]})")
+            self.per_col = self.per_col or count > 1
+        return [(y_t, out)]
+
+    def emit(self, e: Emitter) -> str:
+        a, b, batch = self.a, self.b, self.batch
+        m, k, n = a[-2], static(a[-1]), static(b[-1])
+        a_st = [mul(s, mul(m, k)) for s in loops.bstrides(tuple(a[:-2]), batch)]
+        b_st = [mul(s, k * n) for s in loops.bstrides(tuple(b[:-2]), batch)]
+        col = "c" if self.per_col else "0"
+        bs = f"{e.inp(4)}[{col if static(numel(self.shape(4))) > 1 else 0}]"
+        bz = f"{e.inp(5)}[{col if static(numel(self.shape(5))) > 1 else 0}]"
+        info = np.iinfo(self.out_dtype().np)  # type: ignore[type-var]
+        lo, hi = float(info.min), float(info.max)
+
+        def body(o: str, ins: list[str]) -> str:
+            return (
+                f"{{ const {self.x(0).dtype.c} *A = {e.inp(0)} + {ins[0]};\n"
+                f"  const {self.x(3).dtype.c} *B = {e.inp(3)} + {ins[1]};\n"
+                f"  {self.out_dtype().c} *Y = {e.out(0)} + ({o}) * {cdim(mul(m, n))};\n"
+                f"  const i32 za = (i32){e.inp(2)}[0];\n"
+                f"  for (u32 r = 0; r < {cdim(m)}; r++) for (u32 c = 0; c < {n}; c++) {{\n"
+                f"    const i32 zb = (i32){bz}; i32 acc = 0;\n"
+                f"    for (u32 q = 0; q < {k}; q++) acc += ((i32)A[r * {k} + q] - za) * ((i32)B[q * {n} + c] - zb);\n"
+                f"    const float scale = {e.inp(1)}[0] * {bs} / {e.inp(6)}[0];\n"
+                f"    float v = __builtin_rintf((float)acc * scale) + (float){e.inp(7)}[0];\n"
+                f"    v = v < {lo!r}f ? {lo!r}f : (v > {hi!r}f ? {hi!r}f : v);\n"
+                f"    Y[r * {n} + c] = ({self.out_dtype().c})v;\n"
+                "  }\n}"
+            )
+
+        return loops.nest(batch, [a_st, b_st], body, "bb", collapse=False)

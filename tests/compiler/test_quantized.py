@@ -1,7 +1,9 @@
-"""Dynamically quantised models (onnxruntime's `quantize_dynamic`: DynamicQuantizeLinear,
-MatMulInteger, ConvInteger, then the float rescale) compiled to wasm give onnxruntime's answers
-on the same quantised model, at every batch; the integer units' zero points per tensor, per
-row, per column and per channel, padding and groups, against onnxruntime or numpy."""
+"""Quantised models compiled to wasm give onnxruntime's answers on the same quantised model, at
+every batch: dynamically quantised ones (`quantize_dynamic`: DynamicQuantizeLinear,
+MatMulInteger, ConvInteger, then the float rescale) and statically quantised ones in the
+QOperator format (`quantize_static`: QLinearConv, QLinearMatMul, per tensor and per channel,
+8-bit signed and unsigned); the integer units' zero points per tensor, per row, per column and
+per channel, padding and groups, against onnxruntime or numpy."""
 
 from __future__ import annotations
 
@@ -13,7 +15,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from onnxruntime.quantization import QuantType, quantize_dynamic
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    QuantFormat,
+    QuantType,
+    quantize_dynamic,
+    quantize_static,
+)
 
 from meshfn.compiler import compile_model
 from meshfn.compiler.runner import Runner
@@ -152,3 +160,62 @@ def test_dynamic_quantize_linear_of_a_flat_tensor_has_scale_one() -> None:
     for x in (np.zeros((2, 3), np.float32), np.array([[-1.5, 0.25, 3.0]], np.float32)):
         for g, w in zip(run([x]), session(model).run(None, {"x": x}), strict=True):
             assert np.array_equal(g, w)
+
+
+def conv_then_matmul() -> Any:
+    """Conv (with bias) and Relu, flattened, then MatMul: what QOperator quantisation turns
+    into QLinearConv (nine inputs) and QLinearMatMul."""
+    rng = np.random.default_rng(8)
+    inits = {
+        "w": rng.normal(0, 0.3, (4, 2, 3, 3)).astype(np.float32),
+        "b": rng.normal(0, 0.1, 4).astype(np.float32),
+        "shape": np.array([-1, 4 * 6 * 6], np.int64),
+        "w2": rng.normal(0, 0.1, (144, 5)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("Reshape", ["r", "shape"], ["f"]),
+        helper.make_node("MatMul", ["f", "w2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "qoperator",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+class Calibration(CalibrationDataReader):
+    def __init__(self) -> None:
+        rng = np.random.default_rng(9)
+        self.batches = iter(
+            [{"x": rng.normal(0, 1, (4, 2, 6, 6)).astype(np.float32)} for _ in range(8)]
+        )
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self.batches, None)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize(
+    ("activations", "weights"), [("QUInt8", "QInt8"), ("QInt8", "QInt8"), ("QUInt8", "QUInt8")]
+)
+def test_quantize_static_qoperator_models_match_onnxruntime(
+    per_channel: bool, activations: str, weights: str, tmp_path: Path
+) -> None:
+    onnx.save(conv_then_matmul(), tmp_path / "float.onnx")
+    quantize_static(
+        tmp_path / "float.onnx", tmp_path / "int8.onnx", Calibration(),
+        quant_format=QuantFormat.QOperator, per_channel=per_channel,
+        activation_type=getattr(QuantType, activations), weight_type=getattr(QuantType, weights),
+    )  # fmt: skip
+    quantised = onnx.load(tmp_path / "int8.onnx")
+    assert {"QLinearConv", "QLinearMatMul"} <= {n.op_type for n in quantised.graph.node}
+    run = Runner(compile_model(quantised).wasm)
+    reference = session(quantised)
+    rng = np.random.default_rng(10)
+    for rows in (1, 7):
+        x = rng.normal(0, 1, (rows, 2, 6, 6)).astype(np.float32)
+        np.testing.assert_array_equal(run([x])[0], reference.run(None, {"x": x})[0])

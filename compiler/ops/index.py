@@ -4,6 +4,7 @@ error, never a stray read or write)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,25 @@ from . import loops
 from .base import Emitter, Op, register
 
 INDEX = (D.INT32, D.INT64)
+
+
+def along_axis(op: Op, e: Emitter, ax: int, use: Callable[[str, str], str]) -> str:
+    """A walk over op's indices (input 1), each one checked and made non-negative, which
+    `use(o, at)` turns into a statement: o the position in the indices, at the data's element
+    (input 0's shape) that the index picks along `ax`."""
+    s, i = op.shape(0), op.shape(1)
+    dim = static(s[ax])
+    st = loops.strides(s)
+    other = [st[k] if k != ax else 0 for k in range(len(s))]
+    bad = e.error("index out of range")
+
+    def body(o: str, ins: list[str]) -> str:
+        return (
+            f"i64 ix = (i64){e.inp(1)}[{o}]; if (ix < -{dim} || ix >= {dim}) {bad} "
+            f"if (ix < 0) ix += {dim}; " + use(o, f"{ins[0]} + (u32)ix * {cdim(st[ax])}")
+        )
+
+    return loops.nest(i, [other], body, "j", collapse=False)
 
 
 @register
@@ -34,21 +54,7 @@ class GatherElements(Op):
         return [(self.x(0).dtype, i)]
 
     def emit(self, e: Emitter) -> str:
-        s, i = self.shape(0), self.shape(1)
-        dim = static(s[self.ax])
-        st = loops.strides(s)
-        ax_stride = cdim(st[self.ax])
-        other = [st[k] if k != self.ax else 0 for k in range(len(s))]
-        bad = e.error("index out of range")
-
-        def body(o: str, ins: list[str]) -> str:
-            return (
-                f"i64 ix = (i64){e.inp(1)}[{o}]; if (ix < -{dim} || ix >= {dim}) {bad} "
-                f"if (ix < 0) ix += {dim}; "
-                f"{e.out(0)}[{o}] = {e.inp(0)}[{ins[0]} + (u32)ix * {ax_stride}];"
-            )
-
-        return loops.nest(i, [other], body, "j", collapse=False)
+        return along_axis(self, e, self.ax, lambda o, at: f"{e.out(0)}[{o}] = {e.inp(0)}[{at}];")
 
 
 @register
@@ -316,22 +322,10 @@ class ScatterElements(_Scatter):
         return [(self.x(0).dtype, s)]
 
     def emit(self, e: Emitter) -> str:
-        s, i = self.shape(0), self.shape(1)
-        dim = static(s[self.ax])
-        st = loops.strides(s)
-        ax_stride = cdim(st[self.ax])
-        other = [st[k] if k != self.ax else 0 for k in range(len(s))]
-        bad = e.error("index out of range")
-        target = f"{e.out(0)}[{{d}} + (u32)ix * {ax_stride}]"
-
-        def body(o: str, ins: list[str]) -> str:
-            return (
-                f"i64 ix = (i64){e.inp(1)}[{o}]; if (ix < -{dim} || ix >= {dim}) {bad} "
-                f"if (ix < 0) ix += {dim}; "
-                + self.combine(target.format(d=ins[0]), f"{e.inp(2)}[{o}]")
-            )
-
-        return self.copy(e) + loops.nest(i, [other], body, "j", collapse=False)
+        return self.copy(e) + along_axis(
+            self, e, self.ax,
+            lambda o, at: self.combine(f"{e.out(0)}[{at}]", f"{e.inp(2)}[{o}]"),
+        )  # fmt: skip
 
 
 @register

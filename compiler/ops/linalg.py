@@ -5,6 +5,7 @@ clang vectorises it with SIMD128 without reassociating sums. Constant transposed
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -184,6 +185,25 @@ class MatMul(Op):
         # nest's output index counts batch entries; the kernel scales it by m*n
         return loops.nest(batch, [a_st, b_st], body, "bb", collapse=False)
 
+    def products(self, e: Emitter, kernel: Callable[[Dim, int, int], str]) -> str:
+        """One `kernel(m, k, n)` per matrix of the broadcast leading axes, over pointers A
+        (input 0's matrix), B (the right-hand input's) and Y (the output's)."""
+        a, b, batch = self.a, self.b, self.batch
+        m, k, n = a[-2], static(a[-1]), static(b[-1])
+        a_st = [mul(s, mul(m, k)) for s in loops.bstrides(tuple(a[:-2]), batch)]
+        b_st = [mul(s, k * n) for s in loops.bstrides(tuple(b[:-2]), batch)]
+
+        def body(o: str, ins: list[str]) -> str:
+            return (
+                f"{{ const {self.x(0).dtype.c} *A = {e.inp(0)} + {ins[0]};\n"
+                f"  const {self.x(self.B_INPUT).dtype.c} *B = {e.inp(self.B_INPUT)} + {ins[1]};\n"
+                f"  {self.out_dtype().c} *Y = {e.out(0)} + ({o}) * {cdim(mul(m, n))};\n"
+                + kernel(m, k, n)
+                + "\n}"
+            )
+
+        return loops.nest(batch, [a_st, b_st], body, "bb", collapse=False)
+
 
 @register
 class MatMulInteger(MatMul):
@@ -221,28 +241,21 @@ class MatMulInteger(MatMul):
         return True
 
     def emit(self, e: Emitter) -> str:
-        a, b, batch = self.a, self.b, self.batch
-        m, k, n = a[-2], static(a[-1]), static(b[-1])
-        a_st = [mul(s, mul(m, k)) for s in loops.bstrides(tuple(a[:-2]), batch)]
-        b_st = [mul(s, k * n) for s in loops.bstrides(tuple(b[:-2]), batch)]
         za = (f"{e.inp(2)}[r]" if self.a_per_row else f"{e.inp(2)}[0]") if self.has(2) else "0"
         zb = (f"{e.inp(3)}[c]" if self.b_per_col else f"{e.inp(3)}[0]") if self.has(3) else "0"
 
-        def body(o: str, ins: list[str]) -> str:
+        def kernel(m: Dim, k: int, n: int) -> str:
             return (
-                f"{{ const {self.x(0).dtype.c} *A = {e.inp(0)} + {ins[0]};\n"
-                f"  const {self.x(1).dtype.c} *B = {e.inp(1)} + {ins[1]};\n"
-                f"  i32 *Y = {e.out(0)} + ({o}) * {cdim(mul(m, n))};\n"
                 f"  for (u32 r = 0; r < {cdim(m)}; r++) {{\n"
                 f"    i32 *yr = Y + r * {n};\n"
                 f"    for (u32 c = 0; c < {n}; c++) yr[c] = 0;\n"
                 f"    for (u32 q = 0; q < {k}; q++) {{\n"
                 f"      const i32 av = (i32)A[r * {k} + q] - (i32){za};\n"
                 f"      for (u32 c = 0; c < {n}; c++) yr[c] += av * ((i32)B[q * {n} + c] - (i32){zb});\n"
-                "    }\n  }\n}"
+                "    }\n  }"
             )
 
-        return loops.nest(batch, [a_st, b_st], body, "bb", collapse=False)
+        return self.products(e, kernel)
 
 
 _ = (Any, numel)
@@ -382,21 +395,14 @@ class QLinearMatMul(MatMul):
         return [(y_t, out)]
 
     def emit(self, e: Emitter) -> str:
-        a, b, batch = self.a, self.b, self.batch
-        m, k, n = a[-2], static(a[-1]), static(b[-1])
-        a_st = [mul(s, mul(m, k)) for s in loops.bstrides(tuple(a[:-2]), batch)]
-        b_st = [mul(s, k * n) for s in loops.bstrides(tuple(b[:-2]), batch)]
         col = "c" if self.per_col else "0"
         bs = f"{e.inp(4)}[{col if static(numel(self.shape(4))) > 1 else 0}]"
         bz = f"{e.inp(5)}[{col if static(numel(self.shape(5))) > 1 else 0}]"
         info = np.iinfo(self.out_dtype().np)  # type: ignore[type-var]
         lo, hi = float(info.min), float(info.max)
 
-        def body(o: str, ins: list[str]) -> str:
+        def kernel(m: Dim, k: int, n: int) -> str:
             return (
-                f"{{ const {self.x(0).dtype.c} *A = {e.inp(0)} + {ins[0]};\n"
-                f"  const {self.x(3).dtype.c} *B = {e.inp(3)} + {ins[1]};\n"
-                f"  {self.out_dtype().c} *Y = {e.out(0)} + ({o}) * {cdim(mul(m, n))};\n"
                 f"  const i32 za = (i32){e.inp(2)}[0];\n"
                 f"  for (u32 r = 0; r < {cdim(m)}; r++) for (u32 c = 0; c < {n}; c++) {{\n"
                 f"    const i32 zb = (i32){bz}; i32 acc = 0;\n"
@@ -405,7 +411,7 @@ class QLinearMatMul(MatMul):
                 f"    float v = __builtin_rintf((float)acc * scale) + (float){e.inp(7)}[0];\n"
                 f"    v = v < {lo!r}f ? {lo!r}f : (v > {hi!r}f ? {hi!r}f : v);\n"
                 f"    Y[r * {n} + c] = ({self.out_dtype().c})v;\n"
-                "  }\n}"
+                "  }"
             )
 
-        return loops.nest(batch, [a_st, b_st], body, "bb", collapse=False)
+        return self.products(e, kernel)

@@ -38,6 +38,24 @@ def along_axis(op: Op, e: Emitter, ax: int, use: Callable[[str, str], str]) -> s
     return loops.nest(i, [other], body, "j", collapse=False)
 
 
+def by_index_tuples(op: Op, e: Emitter, depth: int, use: Callable[[str], str]) -> str:
+    """A walk over op's index tuples (input 1's last axis, `depth` long; the batch may be one
+    of the axes they index), each index checked and made non-negative: `use(n)` is the
+    statement for tuple q, whose slice of n elements starts at `base` in the data (input 0)."""
+    s, i = op.shape(0), op.shape(1)
+    st = loops.strides(s)
+    bad = e.error("index out of range")
+    lines = [f"for (u32 q = 0; q < {cdim(numel(i[:-1]))}; q++) {{", "  u32 base = 0;"]
+    for k in range(depth):
+        d = f"(i64){cdim(s[k])}"  # the batch's size is known at run time only
+        lines.append(
+            f"  {{ i64 ix = {e.inp(1)}[q * {depth} + {k}]; if (ix < -{d} || ix >= {d}) {bad} "
+            f"if (ix < 0) ix += {d}; base += (u32)ix * {cdim(st[k])}; }}"
+        )
+    lines += [use(cdim(numel(s[depth:]))), "}"]
+    return "\n".join(lines)
+
+
 @register
 class GatherElements(Op):
     OP = "GatherElements"
@@ -76,23 +94,10 @@ class GatherND(Op):
         return [(self.x(0).dtype, tuple(i[:-1]) + tuple(s[self.depth :]))]
 
     def emit(self, e: Emitter) -> str:
-        s, i = self.shape(0), self.shape(1)
-        st = loops.strides(s)
-        inner = numel(s[self.depth :])
-        count = numel(i[:-1])
-        bad = e.error("index out of range")
-        lines = [f"for (u32 q = 0; q < {cdim(count)}; q++) {{", "  u32 base = 0;"]
-        for k in range(self.depth):
-            d = f"(i64){cdim(s[k])}"  # the batch's size is known at run time only
-            lines.append(
-                f"  {{ i64 ix = {e.inp(1)}[q * {self.depth} + {k}]; if (ix < -{d} || ix >= {d}) {bad} "
-                f"if (ix < 0) ix += {d}; base += (u32)ix * {cdim(st[k])}; }}"
-            )
-        lines.append(
-            f"  for (u32 b = 0; b < {cdim(inner)}; b++) {e.out(0)}[q * {cdim(inner)} + b] = {e.inp(0)}[base + b];"
-        )
-        lines.append("}")
-        return "\n".join(lines)
+        return by_index_tuples(
+            self, e, self.depth,
+            lambda n: f"  for (u32 b = 0; b < {n}; b++) {e.out(0)}[q * {n} + b] = {e.inp(0)}[base + b];",
+        )  # fmt: skip
 
 
 @register
@@ -358,20 +363,8 @@ class ScatterND(_Scatter):
         return [(self.x(0).dtype, s)]
 
     def emit(self, e: Emitter) -> str:
-        s, i = self.shape(0), self.shape(1)
-        st = loops.strides(s)
-        inner = cdim(numel(s[self.depth :]))
-        bad = e.error("index out of range")
-        lines = [f"for (u32 q = 0; q < {cdim(numel(i[:-1]))}; q++) {{", "  u32 base = 0;"]
-        for k in range(self.depth):
-            d = f"(i64){cdim(s[k])}"  # the batch's size is known at run time only
-            lines.append(
-                f"  {{ i64 ix = {e.inp(1)}[q * {self.depth} + {k}]; if (ix < -{d} || ix >= {d}) {bad} "
-                f"if (ix < 0) ix += {d}; base += (u32)ix * {cdim(st[k])}; }}"
-            )
-        lines.append(
-            f"  for (u32 b = 0; b < {inner}; b++) "
-            + self.combine(f"{e.out(0)}[base + b]", f"{e.inp(2)}[q * {inner} + b]")
-        )
-        lines.append("}")
-        return self.copy(e) + "\n".join(lines)
+        return self.copy(e) + by_index_tuples(
+            self, e, self.depth,
+            lambda n: f"  for (u32 b = 0; b < {n}; b++) "
+            + self.combine(f"{e.out(0)}[base + b]", f"{e.inp(2)}[q * {n} + b]"),
+        )  # fmt: skip

@@ -305,6 +305,10 @@ class _Scatter(Op):
 class ScatterElements(_Scatter):
     OP = "ScatterElements"
     SINCE = 11
+    NOTES = (
+        "reduction none, add, mul, max or min (updates applied in order); indices checked at "
+        "run time; not along the batch axis"
+    )
 
     def infer(self) -> list[tuple[DType, Shape]]:
         s, i = self.shape(0), self.shape(1)
@@ -345,6 +349,10 @@ class Scatter(ScatterElements):
 class ScatterND(_Scatter):
     OP = "ScatterND"
     SINCE = 11
+    NOTES = (
+        "reduction none, add, mul, max or min (updates applied in order); indices checked at "
+        "run time and may index the batch"
+    )
 
     def infer(self) -> list[tuple[DType, Shape]]:
         s, i = self.shape(0), self.shape(1)

@@ -28,6 +28,10 @@ TRANSFORMS = (
 class Resize(Op):
     OP = "Resize"
     SINCE = 11
+    NOTES = (
+        "nearest, linear, cubic (float images); every coordinate transformation but "
+        "tf_crop_and_resize; antialias and keep_aspect_ratio_policy other than stretch refused"
+    )
     STATIC_INPUTS: ClassVar[tuple[int, ...]] = (1, 2, 3)
 
     def infer(self) -> list[tuple[DType, Shape]]:
@@ -226,6 +230,7 @@ class Upsample(Resize):
 
     OP = "Upsample"
     SINCE = 7
+    NOTES = "nearest or linear, as onnxruntime computes them (Resize's asymmetric transform)"
     STATIC_INPUTS = (1,)
 
     def given_scales(self) -> list[float] | None:

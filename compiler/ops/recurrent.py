@@ -299,9 +299,8 @@ class _Recurrent(Op):
                 "for (i64 s = 0; s < longest; s++) {",
                 f"  for (u64 q = 0; q < (u64){batch} * {gh}; q++) G[q] = 0;",
                 "  " + self.product(batch, h, gh, "H", "Rt", "G"),
-                self.cell(e, d).replace("ROWS(", "ROWS_(").replace("@BACKWARD@", str(backward)),
+                self._rows_expand(self.cell(e, d), backward),
             ]
-            parts[-1] = self._rows_expand(parts[-1], backward)
             if self.has_out(0):
                 parts.append(
                     self.rows(
@@ -329,10 +328,10 @@ class _Recurrent(Op):
         return "{\n" + "\n".join(parts) + "\n}"
 
     def _rows_expand(self, code: str, backward: bool) -> str:
-        """The cell's `ROWS_(...)` blocks, each one loop over the rows (see `rows`)."""
+        """The cell's `ROWS(...)` blocks, each one loop over the rows (see `rows`)."""
         out, rest = [], code
-        while "ROWS_(" in rest:
-            before, _, after = rest.partition("ROWS_(")
+        while "ROWS(" in rest:
+            before, _, after = rest.partition("ROWS(")
             depth, k = 1, 0
             while depth:
                 depth += {"(": 1, ")": -1}.get(after[k], 0)

@@ -403,6 +403,44 @@ class AveragePool(_Pool):
         )
 
 
+def _lp(p: int) -> tuple[str, str]:
+    """The p-norm's term for an element v and its root of a sum acc (both in double)."""
+    term = {1: "mf_fabs(v)", 2: "v * v"}.get(p, f"mf_pow(mf_fabs(v), {p}.0)")
+    root = {1: "acc", 2: "mf_sqrt(acc)"}.get(p, f"mf_pow(acc, 1.0 / {p})")
+    return term, root
+
+
+def _norm_order(op: Op) -> int:
+    p = int(op.attr("p", 2))
+    if p < 1:
+        op.fail(f"p={p} must be at least 1")
+    return p
+
+
+@register
+class LpPool(_Pool):
+    """The p-norm of each window (p an integer, 2 by default)."""
+
+    OP = "LpPool"
+    SINCE = 2
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        self.p = _norm_order(self)
+        return super().infer()
+
+    def emit(self, e: Emitter) -> str:
+        t = self.x(0).dtype.c
+        iw = self.hw(self.spatial, 1)[1]
+        ow = self.hw(self.out, 1)[1]
+        term, root = _lp(self.p)
+        return self.window(
+            e,
+            "double acc = 0;",
+            f"if (in) {{ const double v = x[yy * {iw} + xx]; acc += {term}; }}",
+            f"y[r * {ow} + q] = ({t}){root};",
+        )
+
+
 class _Global(Op):
     def infer(self) -> list[tuple[DType, Shape]]:
         dtype = self.need(0, D.FLOATS)
@@ -418,6 +456,13 @@ class _Global(Op):
         for d in s[2:]:
             area *= static(d)
         rows = f"{cdim(s[0])} * {s[1]}"
+        if self.OP == "GlobalLpPool":
+            term, root = _lp(_norm_order(self))
+            return (
+                f"for (u32 p = 0; p < {rows}; p++) {{ double acc = 0; "
+                f"for (u32 k = 0; k < {area}; k++) {{ const double v = {e.inp(0)}[p * {area} + k]; "
+                f"acc += {term}; }} {e.out(0)}[p] = ({t}){root}; }}"
+            )
         if self.OP == "GlobalAveragePool":
             return (
                 f"for (u32 p = 0; p < {rows}; p++) {{ double acc = 0; "
@@ -439,6 +484,14 @@ class GlobalAveragePool(_Global):
 @register
 class GlobalMaxPool(_Global):
     OP = "GlobalMaxPool"
+
+
+@register
+class GlobalLpPool(_Global):
+    """The p-norm over each channel's whole image (p an integer, 2 by default)."""
+
+    OP = "GlobalLpPool"
+    SINCE = 2
 
 
 _ = Any

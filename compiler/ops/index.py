@@ -1,11 +1,11 @@
 """Index operators: GatherElements, GatherND, ScatterElements, ScatterND, OneHot, Trilu,
-EyeLike, CumSum, TopK. Indices read at run time are checked (out of range ends the run with an
+EyeLike, CumSum, CumProd, ReverseSequence, TopK. Indices read at run time are checked (out of range ends the run with an
 error, never a stray read or write)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -196,18 +196,73 @@ class CumSum(Op):
         self.reverse = int(self.attr("reverse", 0))
         return [(dtype, s)]
 
+    # the running total: its start and how an element joins it
+    START: ClassVar[str] = "0"
+    JOIN: ClassVar[str] = "+="
+
     def emit(self, e: Emitter) -> str:
         s = self.shape(0)
         t = self.x(0).dtype.c
         outer, length, inner = numel(s[: self.ax]), static(s[self.ax]), numel(s[self.ax + 1 :])
         order = f"(u32)({length - 1} - j)" if self.reverse else "j"
-        step = "y[p] = acc; acc += x[p];" if self.exclusive else "acc += x[p]; y[p] = acc;"
+        join = f"acc {self.JOIN} x[p];"
+        step = f"y[p] = acc; {join}" if self.exclusive else f"{join} y[p] = acc;"
         return (
             f"for (u32 a = 0; a < {cdim(outer)}; a++) for (u32 b = 0; b < {cdim(inner)}; b++) {{\n"
             f"  const {t} *x = {e.inp(0)} + a * {length} * {cdim(inner)} + b;\n"
             f"  {t} *y = {e.out(0)} + a * {length} * {cdim(inner)} + b;\n"
-            f"  {t} acc = 0;\n"
+            f"  {t} acc = {self.START};\n"
             f"  for (u32 j = 0; j < {length}; j++) {{ const u32 p = {order} * {cdim(inner)}; {step} }}\n}}"
+        )
+
+
+@register
+class CumProd(CumSum):
+    """CumSum's walk with products (opset 26): exclusive starts from 1."""
+
+    OP = "CumProd"
+    SINCE = 26
+    START = "1"
+    JOIN = "*="
+
+
+@register
+class ReverseSequence(Op):
+    """Each batch row's first `sequence_lens[b]` steps reversed along the time axis, the rest
+    copied (how TensorFlow's converted bidirectional layers run backwards); the lengths are
+    read at run time and checked."""
+
+    OP = "ReverseSequence"
+    SINCE = 10
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        s = self.shape(0)
+        if len(s) < 2:
+            self.fail("expects at least [time, batch] (rank 2)")
+        self.time_ax = self.axis(int(self.attr("time_axis", 0)), len(s))
+        self.batch_ax = self.axis(int(self.attr("batch_axis", 1)), len(s))
+        if {self.time_ax, self.batch_ax} != {0, 1}:
+            self.fail("time_axis and batch_axis must be 0 and 1, one each")
+        if isinstance(s[self.time_ax], Batch):
+            self.fail("reversing along the batch is not supported")
+        self.need(1, INDEX)
+        if self.shape(1) != (s[self.batch_ax],):
+            self.fail(f"sequence_lens must have shape [{s[self.batch_ax]}]")
+        return [(self.x(0).dtype, s)]
+
+    def emit(self, e: Emitter) -> str:
+        s = self.shape(0)
+        steps, rows = static(s[self.time_ax]), cdim(s[self.batch_ax])
+        inner = cdim(numel(s[2:]))
+        at = "((u64)(T_) * {rows} + b)" if self.time_ax == 0 else "((u64)b * {steps} + (T_))"
+        at = at.format(rows=rows, steps=steps)
+        bad = e.error(f"sequence_lens must be between 0 and the sequence length ({steps})")
+        src, dst = at.replace("T_", "len - 1 - j"), at.replace("T_", "j")
+        return (
+            f"for (u32 b = 0; b < {rows}; b++) {{\n"
+            f"  const i64 len = (i64){e.inp(1)}[b]; if (len < 0 || len > {steps}) {{ {bad} }}\n"
+            f"  for (i64 j = 0; j < {steps}; j++) for (u32 k = 0; k < {inner}; k++)\n"
+            f"    {e.out(0)}[{dst} * {inner} + k] = {e.inp(0)}[(j < len ? {src} : {dst}) * {inner} + k];\n}}"
         )
 
 

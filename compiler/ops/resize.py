@@ -1,6 +1,7 @@
 """Resize (nearest, linear and cubic, any coordinate transformation mode but
-tf_crop_and_resize): the per-axis source indices and weights are computed at build time and
-baked in, so the run-time loop only gathers and blends."""
+tf_crop_and_resize; Upsample, its predecessor): the per-axis source indices and weights are
+computed at build time and baked in, so the run-time loop only gathers and blends. GridSample,
+whose points come at run time, computes each point's taps once for all channels."""
 
 from __future__ import annotations
 
@@ -248,3 +249,131 @@ class Upsample(Resize):
         if self.mode not in ("nearest", "linear"):
             self.fail(f"mode={self.mode!r} is not supported (nearest, linear)")
         self.ct, self.nearest = "asymmetric", "floor"
+
+
+def _reflect(v: str, lo: str, hi: str, t: str) -> str:
+    """C statements reflecting the variable v by the borders lo and hi until it lies between
+    them (ONNX's reference: by the near border, as often as it takes)."""
+    return (
+        f"{{ const {t} span = {hi} - {lo};\n"
+        f"  if (span <= 0) {v} = {lo};\n"
+        f"  else if ({v} < {lo}) {{ const {t} dx = {lo} - {v}; const i64 k = (i64)(dx / span); "
+        f"const {t} rem = dx - ({t})k * span; {v} = k % 2 == 0 ? {lo} + rem : {hi} - rem; }}\n"
+        f"  else if ({v} > {hi}) {{ const {t} dx = {v} - {hi}; const i64 k = (i64)(dx / span); "
+        f"const {t} rem = dx - ({t})k * span; {v} = k % 2 == 0 ? {hi} - rem : {lo} + rem; }} }}"
+    )
+
+
+@register
+class GridSample(Op):
+    """Samples each image at the grid's normalised (x, y) points (spatial transformers, optical
+    flow warps): nearest, bilinear or bicubic (Keys' kernel, a = -0.75), zeros, border or
+    reflection padding, align_corners; coordinates and weights in the element type, as
+    onnxruntime computes them. 2-D images ([N, C, H, W]) only."""
+
+    OP = "GridSample"
+    SINCE = 16
+    MODES = {"bilinear": "linear", "linear": "linear", "nearest": "nearest",
+             "bicubic": "cubic", "cubic": "cubic"}  # fmt: skip
+
+    def infer(self) -> list[tuple[DType, Shape]]:
+        dtype = self.need(0, D.FLOATS)
+        if self.x(1).dtype != dtype:
+            self.fail("the grid must have the image's element type")
+        s, g = self.shape(0), self.shape(1)
+        if len(s) != 4 or len(g) != 4 or g[3] != 2:
+            self.fail("only 2-D images are supported: X [N, C, H, W] and grid [N, H_out, W_out, 2]")
+        if any(isinstance(d, Batch) for d in (*s[1:], *g[1:])) or g[0] != s[0]:
+            self.fail("the image and the grid must share their first (batch) dimension only")
+        mode = str(self.attr("mode", "linear" if self.version >= 20 else "bilinear"))
+        if mode not in self.MODES:
+            self.fail(f"mode={mode!r} is not supported ({', '.join(self.MODES)})")
+        self.mode = self.MODES[mode]
+        self.padding = str(self.attr("padding_mode", "zeros"))
+        if self.padding not in ("zeros", "border", "reflection"):
+            self.fail(f"padding_mode={self.padding!r} is not supported")
+        self.corners = int(self.attr("align_corners", 0))
+        return [(dtype, (s[0], s[1], g[1], g[2]))]
+
+    def _coordinate(self, v: str, g: str, size: int, t: str) -> str:
+        """v = grid value g denormalised over `size` pixels, rounded (nearest) and moved inside
+        the borders by the padding mode."""
+        one = f"({t})1"
+        if self.corners:
+            lo, hi = f"({t})0", f"({t}){size - 1}"
+            expr = f"({g} + {one}) / ({t})2 * ({t}){size - 1}"
+        else:
+            lo, hi = f"({t})-0.5", f"({t}){size - 0.5}"
+            expr = f"(({g} + {one}) * ({t}){size} - {one}) / ({t})2"
+        rint = "__builtin_rintf" if t == "float" else "__builtin_rint"
+        code = f"{t} {v} = {expr};\n"
+        if self.mode == "nearest":
+            code += f"{v} = {rint}({v});\n"
+        # bicubic clamps its taps only, not the point (onnxruntime and PyTorch; ONNX's
+        # reference clamps both, and no conformance case has bicubic with border padding)
+        if self.padding == "border" and self.mode != "cubic":
+            code += f"if ({v} < {lo} || {v} > {hi}) {v} = {v} < 0 ? 0 : ({v} > {size - 1} ? {size - 1} : {v});\n"
+        elif self.padding == "reflection":
+            code += _reflect(v, lo, hi, t) + "\n"
+        return code
+
+    def _taps(self, axis: str, v: str, size: int, t: str) -> str:
+        """The axis's tap indices (i{axis}[k], fixed by the padding mode), validity (ok{axis}[k])
+        and weights (w{axis}[k]) around the coordinate v."""
+        n = {"nearest": 1, "linear": 2, "cubic": 4}[self.mode]
+        floor = "__builtin_floorf" if t == "float" else "__builtin_floor"
+        code = f"i32 i{axis}[{n}]; int ok{axis}[{n}]; {t} w{axis}[{n}];\n"
+        if self.mode == "nearest":
+            code += f"i{axis}[0] = (i32){v}; w{axis}[0] = 1;\n"
+        else:
+            code += f"const {t} f{axis} = {floor}({v}), d{axis} = {v} - f{axis};\n"
+            if self.mode == "linear":
+                code += (
+                    f"i{axis}[0] = (i32)f{axis}; i{axis}[1] = (i32)f{axis} + 1; "
+                    f"w{axis}[0] = 1 - d{axis}; w{axis}[1] = d{axis};\n"
+                )
+            else:
+                a = f"({t})-0.75"
+                near = f"((({a} + 2) * D - ({a} + 3)) * D * D + 1)"
+                far = f"((({a} * D - 5 * {a}) * D + 8 * {a}) * D - 4 * {a})"
+                for k, dist in enumerate(
+                    (f"(d{axis} + 1)", f"d{axis}", f"(1 - d{axis})", f"(2 - d{axis})")
+                ):
+                    rule = far if k in (0, 3) else near
+                    code += f"i{axis}[{k}] = (i32)f{axis} + {k - 1}; w{axis}[{k}] = {rule.replace('D', dist)};\n"
+        lo, hi = (
+            (f"({t})0", f"({t}){size - 1}")
+            if self.corners
+            else (f"({t})-0.5", f"({t}){size - 0.5}")
+        )
+        fix = {
+            "zeros": f"ok{axis}[k] = i{axis}[k] >= 0 && i{axis}[k] < {size};",
+            "border": f"ok{axis}[k] = 1; i{axis}[k] = i{axis}[k] < 0 ? 0 : (i{axis}[k] > {size - 1} ? {size - 1} : i{axis}[k]);",
+            "reflection": f"ok{axis}[k] = 1; {{ {t} at = ({t})i{axis}[k]; "
+            + _reflect("at", lo, hi, t)
+            + f" i{axis}[k] = (i32)at; }}",
+        }[self.padding]
+        return code + f"for (u32 k = 0; k < {n}; k++) {{ {fix} }}\n"
+
+    def emit(self, e: Emitter) -> str:
+        t = self.x(0).dtype.c
+        s, g = self.shape(0), self.shape(1)
+        c, h, w = static(s[1]), static(s[2]), static(s[3])
+        points = static(g[1]) * static(g[2])
+        n = {"nearest": 1, "linear": 2, "cubic": 4}[self.mode]
+        return (
+            f"for (u32 b = 0; b < {cdim(s[0])}; b++) for (u32 p = 0; p < {points}; p++) {{\n"
+            f"const {t} gx = {e.inp(1)}[((u64)b * {points} + p) * 2];\n"
+            f"const {t} gy = {e.inp(1)}[((u64)b * {points} + p) * 2 + 1];\n"
+            + self._coordinate("x", "gx", w, t)
+            + self._coordinate("y", "gy", h, t)
+            + self._taps("x", "x", w, t)
+            + self._taps("y", "y", h, t)
+            + f"for (u32 ch = 0; ch < {c}; ch++) {{\n"
+            f"  const {t} *img = {e.inp(0)} + ((u64)b * {c} + ch) * {h * w};\n"
+            f"  {t} acc = 0;\n"
+            f"  for (u32 r = 0; r < {n}; r++) for (u32 q = 0; q < {n}; q++)\n"
+            f"    if (oky[r] && okx[q]) acc += wy[r] * wx[q] * img[iy[r] * {w} + ix[q]];\n"
+            f"  {e.out(0)}[((u64)b * {c} + ch) * {points} + p] = acc;\n"
+            "}\n}"
+        )

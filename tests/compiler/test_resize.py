@@ -85,3 +85,30 @@ def test_upsample_of_older_exports_matches_onnxruntime(mode: str, opset: int) ->
     x = np.random.default_rng(7).normal(0, 1, (2, 3, 6, 5)).astype(np.float32)
     got = Runner(compile_model(m).wasm)([x])[0]
     np.testing.assert_allclose(got, session.run(None, {"x": x})[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("corners", [0, 1])
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic"])
+def test_grid_sample_matches_onnxruntime(mode: str, padding: str, corners: int) -> None:
+    """Spatial-transformer sampling with grid points beyond the image (-1.4..1.4), the batch
+    symbolic."""
+    node = helper.make_node(
+        "GridSample", ["x", "grid"], ["y"], mode=mode, padding_mode=padding,
+        align_corners=corners,
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [node], "gridsample",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 5, 6]),
+         helper.make_tensor_value_info("grid", TensorProto.FLOAT, ["batch", 4, 7, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 4, 7])],
+    )  # fmt: skip
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    run = Runner(compile_model(m).wasm)
+    session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(11)
+    for batch in (1, 3):
+        x = rng.normal(0, 1, (batch, 2, 5, 6)).astype(np.float32)
+        grid = rng.uniform(-1.4, 1.4, (batch, 4, 7, 2)).astype(np.float32)
+        want = session.run(None, {"x": x, "grid": grid})[0]
+        np.testing.assert_allclose(run([x, grid])[0], want, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,8 @@ the activations ONNX names with their default parameters."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
@@ -221,10 +223,10 @@ class _Recurrent(Op):
         gh = self.GATES * self.hidden
         return f"Bw[q] + Bw[{gh} + q]"
 
-    def cell(self, e: Emitter, d: int) -> str:
+    def cell(self, e: Emitter, d: int, rows: Callable[[str], str]) -> str:
         """One step of direction d for every row still in its sequence: xg (the step's input
         projection row), gr (its recurrent one, to work in) and the row's state hr (and cr)
-        in, the new state in hr (and cr); `ROWS(...)` loops over those rows (tt: the row's
+        in, the new state in hr (and cr); `rows(body)` loops over those rows (tt: the row's
         time index; tmp: hidden-sized room of the row's own)."""
         raise NotImplementedError
 
@@ -299,7 +301,7 @@ class _Recurrent(Op):
                 "for (i64 s = 0; s < longest; s++) {",
                 f"  for (u64 q = 0; q < (u64){batch} * {gh}; q++) G[q] = 0;",
                 "  " + self.product(batch, h, gh, "H", "Rt", "G"),
-                self._rows_expand(self.cell(e, d), backward),
+                self.cell(e, d, functools.partial(self.rows, backward=backward)),
             ]
             if self.has_out(0):
                 parts.append(
@@ -327,19 +329,6 @@ class _Recurrent(Op):
         parts += ["#undef XROW", "#undef LEN"]
         return "{\n" + "\n".join(parts) + "\n}"
 
-    def _rows_expand(self, code: str, backward: bool) -> str:
-        """The cell's `ROWS(...)` blocks, each one loop over the rows (see `rows`)."""
-        out, rest = [], code
-        while "ROWS(" in rest:
-            before, _, after = rest.partition("ROWS(")
-            depth, k = 1, 0
-            while depth:
-                depth += {"(": 1, ")": -1}.get(after[k], 0)
-                k += 1
-            out += [before, self.rows(after[: k - 1], backward)]
-            rest = after[k:]
-        return "".join(out) + rest
-
 
 @register
 class RNN(_Recurrent):
@@ -347,12 +336,12 @@ class RNN(_Recurrent):
     GATES = 1
     DEFAULT = ("Tanh",)
 
-    def cell(self, e: Emitter, d: int) -> str:
+    def cell(self, e: Emitter, d: int, rows: Callable[[str], str]) -> str:
         h = self.hidden
-        return (
-            f"ROWS(for (u32 q = 0; q < {h}; q++) gr[q] += xg[q];\n"
+        return rows(
+            f"for (u32 q = 0; q < {h}; q++) gr[q] += xg[q];\n"
             f"{self.apply(d, 0, 'gr', 0, h)}\n"
-            f"for (u32 j = 0; j < {h}; j++) hr[j] = gr[j];)"
+            f"for (u32 j = 0; j < {h}; j++) hr[j] = gr[j];"
         )
 
 
@@ -372,7 +361,7 @@ class GRU(_Recurrent):
         h = self.hidden
         return f"Bw[q] + (q < {2 * h} ? Bw[{3 * h} + q] : 0)"
 
-    def cell(self, e: Emitter, d: int) -> str:
+    def cell(self, e: Emitter, d: int, rows: Callable[[str], str]) -> str:
         h = self.hidden
         rb = f" + Bw[{5 * h} + j]" if self.has(3) else ""
         zr = f"for (u32 q = 0; q < {2 * h}; q++) gr[q] += xg[q];\n" + self.apply(
@@ -383,20 +372,22 @@ class GRU(_Recurrent):
             f"for (u32 j = 0; j < {h}; j++) hr[j] = (1 - gr[j]) * gr[{2 * h} + j] + gr[j] * hr[j];"
         )
         if self.before:  # r scales h.Rh + Rbh
-            return (
-                f"ROWS({zr}\n"
+            return rows(
+                f"{zr}\n"
                 f"for (u32 j = 0; j < {h}; j++) "
                 f"gr[{2 * h} + j] = xg[{2 * h} + j] + gr[{h} + j] * (gr[{2 * h} + j]{rb});\n"
-                f"{new})"
+                f"{new}"
             )
         # (r * h).Rh: r of every row first, one product over the rows, then the new state
         return "\n".join(
             [
                 f"for (u64 q = 0; q < (u64){cdim(self.batch)} * {h}; q++) {{ RH[q] = 0; RP[q] = 0; }}",
-                f"ROWS({zr}\nfor (u32 j = 0; j < {h}; j++) tmp[j] = gr[{h} + j] * hr[j];)",
+                rows(f"{zr}\nfor (u32 j = 0; j < {h}; j++) tmp[j] = gr[{h} + j] * hr[j];"),
                 self.product(cdim(self.batch), h, h, "RH", f"Rt + {2 * h}", "RP", 3 * h),
-                f"ROWS(for (u32 j = 0; j < {h}; j++) "
-                f"gr[{2 * h} + j] = xg[{2 * h} + j] + RP[(u64)b * {h} + j]{rb};\n{new})",
+                rows(
+                    f"for (u32 j = 0; j < {h}; j++) "
+                    f"gr[{2 * h} + j] = xg[{2 * h} + j] + RP[(u64)b * {h} + j]{rb};\n{new}"
+                ),
             ]
         )
 
@@ -413,7 +404,7 @@ class LSTM(_Recurrent):
         if self.has(7) and self.shape(7) != (self.dirs, 3 * self.hidden):
             self.fail(f"P must have shape [{self.dirs}, {3 * self.hidden}]")
 
-    def cell(self, e: Emitter, d: int) -> str:
+    def cell(self, e: Emitter, d: int, rows: Callable[[str], str]) -> str:
         h = self.hidden
         p = f"{e.inp(7)} + {d * 3 * h}" if self.has(7) else ""
 
@@ -428,8 +419,8 @@ class LSTM(_Recurrent):
             else self.apply(d, 0, "gr", 2 * h, 3 * h)
         )
         # the projections' blocks: i, o, f, c
-        return (
-            f"ROWS(for (u32 q = 0; q < {4 * h}; q++) gr[q] += xg[q];\n"
+        return rows(
+            f"for (u32 q = 0; q < {4 * h}; q++) gr[q] += xg[q];\n"
             + peep(0, 0, "cr")
             + (peep(2, 2, "cr") if not self.coupled else "")
             + f"{self.apply(d, 0, 'gr', 0, h)}\n{forget}\n"
@@ -439,5 +430,5 @@ class LSTM(_Recurrent):
             + f"{self.apply(d, 0, 'gr', h, 2 * h)}\n"
             f"for (u32 j = 0; j < {h}; j++) tmp[j] = cr[j];\n"
             f"{self.apply(d, 2, 'tmp', 0, h, clip=False)}\n"
-            f"for (u32 j = 0; j < {h}; j++) hr[j] = gr[{h} + j] * tmp[j];)"
+            f"for (u32 j = 0; j < {h}; j++) hr[j] = gr[{h} + j] * tmp[j];"
         )

@@ -275,6 +275,7 @@ class GridSample(Op):
     SINCE = 16
     MODES = {"bilinear": "linear", "linear": "linear", "nearest": "nearest",
              "bicubic": "cubic", "cubic": "cubic"}  # fmt: skip
+    TAPS = {"nearest": 1, "linear": 2, "cubic": 4}  # per axis, around a point
 
     def infer(self) -> list[tuple[DType, Shape]]:
         dtype = self.need(0, D.FLOATS)
@@ -295,15 +296,20 @@ class GridSample(Op):
         self.corners = int(self.attr("align_corners", 0))
         return [(dtype, (s[0], s[1], g[1], g[2]))]
 
+    def _borders(self, size: int, t: str) -> tuple[str, str]:
+        """The coordinates a point or a tap is reflected between (pixel centres or edges)."""
+        if self.corners:
+            return f"({t})0", f"({t}){size - 1}"
+        return f"({t})-0.5", f"({t}){size - 0.5}"
+
     def _coordinate(self, v: str, g: str, size: int, t: str) -> str:
         """v = grid value g denormalised over `size` pixels, rounded (nearest) and moved inside
         the borders by the padding mode."""
         one = f"({t})1"
+        lo, hi = self._borders(size, t)
         if self.corners:
-            lo, hi = f"({t})0", f"({t}){size - 1}"
             expr = f"({g} + {one}) / ({t})2 * ({t}){size - 1}"
         else:
-            lo, hi = f"({t})-0.5", f"({t}){size - 0.5}"
             expr = f"(({g} + {one}) * ({t}){size} - {one}) / ({t})2"
         rint = "__builtin_rintf" if t == "float" else "__builtin_rint"
         code = f"{t} {v} = {expr};\n"
@@ -320,7 +326,7 @@ class GridSample(Op):
     def _taps(self, axis: str, v: str, size: int, t: str) -> str:
         """The axis's tap indices (i{axis}[k], fixed by the padding mode), validity (ok{axis}[k])
         and weights (w{axis}[k]) around the coordinate v."""
-        n = {"nearest": 1, "linear": 2, "cubic": 4}[self.mode]
+        n = self.TAPS[self.mode]
         floor = "__builtin_floorf" if t == "float" else "__builtin_floor"
         code = f"i32 i{axis}[{n}]; int ok{axis}[{n}]; {t} w{axis}[{n}];\n"
         if self.mode == "nearest":
@@ -341,11 +347,7 @@ class GridSample(Op):
                 ):
                     rule = far if k in (0, 3) else near
                     code += f"i{axis}[{k}] = (i32)f{axis} + {k - 1}; w{axis}[{k}] = {rule.replace('D', dist)};\n"
-        lo, hi = (
-            (f"({t})0", f"({t}){size - 1}")
-            if self.corners
-            else (f"({t})-0.5", f"({t}){size - 0.5}")
-        )
+        lo, hi = self._borders(size, t)
         fix = {
             "zeros": f"ok{axis}[k] = i{axis}[k] >= 0 && i{axis}[k] < {size};",
             "border": f"ok{axis}[k] = 1; i{axis}[k] = i{axis}[k] < 0 ? 0 : (i{axis}[k] > {size - 1} ? {size - 1} : i{axis}[k]);",
@@ -360,7 +362,7 @@ class GridSample(Op):
         s, g = self.shape(0), self.shape(1)
         c, h, w = static(s[1]), static(s[2]), static(s[3])
         points = static(g[1]) * static(g[2])
-        n = {"nearest": 1, "linear": 2, "cubic": 4}[self.mode]
+        n = self.TAPS[self.mode]
         return (
             f"for (u32 b = 0; b < {cdim(s[0])}; b++) for (u32 p = 0; p < {points}; p++) {{\n"
             f"const {t} gx = {e.inp(1)}[((u64)b * {points} + p) * 2];\n"

@@ -115,6 +115,15 @@ class Op:
             self.fail("inputs must share one element type")
         return ds.pop()
 
+    def zero_points(self, *pairs: tuple[int, int]) -> None:
+        """Quantised operators: each (zero point, tensor) pair of inputs; a zero point that is
+        given has its tensor's element type."""
+        for z, of in pairs:
+            if self.has(z) and self.x(z).dtype != self.x(of).dtype:
+                self.fail(
+                    f"input {z} (a zero point) must be {self.x(of).dtype.name} like input {of}"
+                )
+
     def axis(self, axis: int, rank: int) -> int:
         if not -rank <= axis < max(rank, 1):
             self.fail(f"axis {axis} is out of range for rank {rank}")

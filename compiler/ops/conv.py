@@ -219,9 +219,7 @@ class ConvInteger(Conv):
     def weighted(self) -> tuple[DType, Dim, int, list[int], Shape]:
         for i in (0, 1):
             self.need(i, (D.INT8, D.UINT8))
-        for i, x in ((2, 0), (3, 1)):
-            if self.has(i) and self.x(i).dtype != self.x(x).dtype:
-                self.fail(f"input {i} (a zero point) must be {self.x(x).dtype.name} like input {x}")
+        self.zero_points((2, 0), (3, 1))
         if self.has(2) and static(numel(self.shape(2))) != 1:
             self.fail("the image's zero point must be one value")
         n, c, spatial = self.image(0)
@@ -259,10 +257,10 @@ class QLinearConv(ConvInteger):
 
     def weighted(self) -> tuple[DType, Dim, int, list[int], Shape]:
         eight = (D.INT8, D.UINT8)
-        x_t, w_t, y_t = self.need(0, eight), self.need(3, eight), self.need(7, eight)
-        for i, want in ((2, x_t), (5, w_t)):
-            if self.x(i).dtype != want:
-                self.fail(f"input {i} (a zero point) must be {want.name} like its tensor")
+        for i in (0, 2, 3, 5):  # the zero points are required here
+            self.need(i, eight)
+        y_t = self.need(7, eight)
+        self.zero_points((2, 0), (5, 3))
         for i in (1, 4, 6):
             self.need(i, (D.FLOAT,))
         for i in (1, 2, 6, 7):

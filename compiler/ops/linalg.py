@@ -218,9 +218,7 @@ class MatMulInteger(MatMul):
     def infer(self) -> list[tuple[DType, Shape]]:
         for i in (0, 1):
             self.need(i, (D.INT8, D.UINT8))
-        for i, x in ((2, 0), (3, 1)):
-            if self.has(i) and self.x(i).dtype != self.x(x).dtype:
-                self.fail(f"input {i} (a zero point) must be {self.x(x).dtype.name} like input {x}")
+        self.zero_points((2, 0), (3, 1))
         a, b = self.shape(0), self.shape(1)
         if len(a) < 2 or len(b) < 2:
             self.fail("MatMulInteger of a vector is not supported (rank 2 or more)")
@@ -373,10 +371,10 @@ class QLinearMatMul(MatMul):
 
     def infer(self) -> list[tuple[DType, Shape]]:
         eight = (D.INT8, D.UINT8)
-        a_t, b_t, y_t = self.need(0, eight), self.need(3, eight), self.need(7, eight)
-        for i, want in ((2, a_t), (5, b_t)):
-            if self.x(i).dtype != want:
-                self.fail(f"input {i} (a zero point) must be {want.name} like its matrix")
+        for i in (0, 2, 3, 5):  # the zero points are required here
+            self.need(i, eight)
+        y_t = self.need(7, eight)
+        self.zero_points((2, 0), (5, 3))
         for i in (1, 4, 6):
             self.need(i, (D.FLOAT,))
         a, b = self.shape(0), self.shape(3)

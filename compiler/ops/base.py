@@ -14,7 +14,7 @@ import numpy as np
 import onnx.defs
 
 from .. import dtypes
-from ..dims import Batch, Dim, Shape, cdim, numel, show
+from ..dims import Batch, Dim, Shape, cdim, numel, show, static
 from ..dtypes import DType
 from ..errors import UnsupportedError
 from ..graph import Node, Tensor
@@ -123,6 +123,21 @@ class Op:
                 self.fail(
                     f"input {z} (a zero point) must be {self.x(of).dtype.name} like input {of}"
                 )
+
+    def qlinear_types(self) -> DType:
+        """QLinear operators' eight inputs (a, a_scale, a_zero, b, b_scale, b_zero, y_scale,
+        y_zero): 8-bit tensors and zero points, float32 scales, a's and y's per tensor;
+        returns y's element type."""
+        eight = (dtypes.INT8, dtypes.UINT8)
+        for i in (0, 2, 3, 5):  # the zero points are required here
+            self.need(i, eight)
+        self.zero_points((2, 0), (5, 3))
+        for i in (1, 4, 6):
+            self.need(i, (dtypes.FLOAT,))
+        for i in (1, 2, 6, 7):
+            if static(numel(self.shape(i))) != 1:
+                self.fail(f"input {i} must be one value (per tensor)")
+        return self.need(7, eight)
 
     def axis(self, axis: int, rank: int) -> int:
         if not -rank <= axis < max(rank, 1):

@@ -256,16 +256,7 @@ class QLinearConv(ConvInteger):
     W_INPUT = 3
 
     def weighted(self) -> tuple[DType, Dim, int, list[int], Shape]:
-        eight = (D.INT8, D.UINT8)
-        for i in (0, 2, 3, 5):  # the zero points are required here
-            self.need(i, eight)
-        y_t = self.need(7, eight)
-        self.zero_points((2, 0), (5, 3))
-        for i in (1, 4, 6):
-            self.need(i, (D.FLOAT,))
-        for i in (1, 2, 6, 7):
-            if static(numel(self.shape(i))) != 1:
-                self.fail(f"input {i} must be one value (per tensor)")
+        y_t = self.qlinear_types()
         if self.has(8):
             self.need(8, (D.INT32,))
         n, c, spatial = self.image(0)

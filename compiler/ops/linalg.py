@@ -370,20 +370,11 @@ class QLinearMatMul(MatMul):
     B_INPUT = 3
 
     def infer(self) -> list[tuple[DType, Shape]]:
-        eight = (D.INT8, D.UINT8)
-        for i in (0, 2, 3, 5):  # the zero points are required here
-            self.need(i, eight)
-        y_t = self.need(7, eight)
-        self.zero_points((2, 0), (5, 3))
-        for i in (1, 4, 6):
-            self.need(i, (D.FLOAT,))
+        y_t = self.qlinear_types()
         a, b = self.shape(0), self.shape(3)
         if len(a) < 2 or len(b) < 2:
             self.fail("QLinearMatMul of a vector is not supported (rank 2 or more)")
         out = self.shapes()
-        for i in (1, 2, 6, 7):
-            if static(numel(self.shape(i))) != 1:
-                self.fail(f"input {i} must be one value (per tensor)")
         self.per_col = False
         for i in (4, 5):
             count = static(numel(self.shape(i)))

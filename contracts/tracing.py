@@ -40,6 +40,11 @@ CLIENT_CONTEXT_HEADERS = (
     "x-request-id",
 )
 
+# A split gateway (every caller samples little) traces on an internal listener that only the
+# requests it samples take; its own listener has no tracer, so its access logs read the trace
+# id from this dynamic metadata (namespace, key), which the internal listener's answer sets.
+SPLIT_TRACE_METADATA = ("meshfn.trace", "trace_id")
+
 # Span attributes meshfn adds (custom tags on Envoy's spans, attributes on the backend's).
 # Never taken from a header a client sent: a verified JWT claim, the mTLS peer, route metadata.
 TAG_TENANT = "meshfn.tenant"

@@ -885,12 +885,18 @@ def test_tracing_at_a_low_rate_a_sidecar_traces_only_the_sampled_requests(split:
 def test_tracing_at_a_low_rate_the_application_sees_the_same_request_either_way(
     split: Mesh,
 ) -> None:
-    """300 requests to the echo application, about 30 of them through the internal listener:
-    it receives the same headers either way (none of the tags' crossing, even when a client
-    sends one), and the caller's verified identity (x-forwarded-client-cert) each time."""
+    """300 requests to the echo application, about 30 of them sampled at the gateway and
+    through the sidecar's internal listener: it receives the same headers either way (none of
+    the tags' crossing, even when a client sends one, nor the gateway's unsampled mark), but
+    the trace context, which only the sampled ones carry, and the caller's verified identity
+    (x-forwarded-client-cert) each time."""
     before = _envoy_counter(split, CROSSED)
-    headers = {"authorization": f"Bearer {split.token}", "x-meshfn-span-meshfn-tenant": "evil"}
-    names: set[tuple[str, ...]] = set()
+    headers = {
+        "authorization": f"Bearer {split.token}",
+        "x-meshfn-span-meshfn-tenant": "evil",
+        "x-meshfn-unsampled": "1",  # a client's mark changes nothing: the gateway draws
+    }
+    names: list[tuple[str, ...]] = []
     conn = httpclient.HTTPConnection("127.0.0.1", split.edge, timeout=10)
     try:
         for _ in range(300):
@@ -898,15 +904,20 @@ def test_tracing_at_a_low_rate_the_application_sees_the_same_request_either_way(
             reply = conn.getresponse()
             body = reply.read()
             assert reply.status == 200, body
+            assert "x-meshfn-trace-id" not in reply.headers
             got = json.loads(body)
-            names.add(tuple(got["headers"]))
+            names.append(tuple(got["headers"]))
             assert "URI=spiffe://meshfn.local/ns/ingress/sa/edge" in got["client_cert"], got
     finally:
         conn.close()
-    assert _envoy_counter(split, CROSSED) - before >= 5  # P(fewer than 5 of 300 at 10%) < 1e-7
-    assert len(names) == 1, set.union(*map(set, names)) - set.intersection(*map(set, names))
-    (seen,) = names
-    assert "traceparent" in seen and not [n for n in seen if n.startswith("x-meshfn-span-")]
+    crossed = _envoy_counter(split, CROSSED) - before
+    assert crossed >= 5  # P(fewer than 5 of 300 at 10%) < 1e-7
+    assert sum("traceparent" in seen for seen in names) == crossed
+    context = {"traceparent", "tracestate"}
+    others = {tuple(n for n in seen if n not in context) for seen in names}
+    assert len(others) == 1, set.union(*map(set, others)) - set.intersection(*map(set, others))
+    (seen,) = others
+    assert not [n for n in seen if n.startswith("x-meshfn-span-") or n == "x-meshfn-unsampled"]
 
 
 def test_tracing_at_a_low_rate_streams_through_the_internal_listener_keep_their_usage(
@@ -945,6 +956,63 @@ def test_tracing_at_a_low_rate_streams_through_the_internal_listener_keep_their_
     for trace_id in new:
         rows = _audit_records(split, trace_id)
         assert [r["generation"]["completion_tokens"] for r in rows if r.get("generation")], rows
+
+
+def test_tracing_at_a_low_rate_the_gateways_audit_records_carry_the_sampled_requests_traces(
+    tmp_path: Path,
+) -> None:
+    """The examples at their 10% with the audit trail on every proxy: the split gateway has no
+    tracer on its own listener, yet its record of each sampled request carries the trace (from
+    its internal listener's answer, moved into metadata), as the sidecar's does; its records of
+    the others carry none, and no client ever sees the header that brought the id back."""
+    mapping = remap_examples(tmp_path / "examples")
+    mesh_yaml = tmp_path / "examples" / "mesh.yaml"
+    text = mesh_yaml.read_text()
+    assert "    proxies: sidecars\n" in text
+    mesh_yaml.write_text(text.replace("    proxies: sidecars\n", "    proxies: all\n", 1))
+    running = _up(tmp_path, mapping)
+    mesh = next(running)
+    try:
+        before = {t["trace_id"] for t in mesh.traces(model="iris")}
+        conn = httpclient.HTTPConnection("127.0.0.1", mesh.edge, timeout=10)
+        try:
+            for _ in range(200):
+                conn.request("POST", IRIS, body=FLOWER, headers=mesh.headers())
+                reply = conn.getresponse()
+                assert reply.status == 200, reply.read()
+                assert "x-meshfn-trace-id" not in reply.headers
+                reply.read()
+        finally:
+            conn.close()
+        time.sleep(3)  # the Envoys send their spans every second (bootstrap.RUNTIME)
+        traced = {t["trace_id"] for t in mesh.traces(model="iris")} - before
+        assert 2 <= len(traced) <= 50, len(traced)  # 20 expected at 10%
+        store = mesh.state / "audit" / "audit.db"
+
+        def records() -> list[dict[str, Any]] | None:
+            out = meshfn(
+                "audit", "query", "--store", str(store), "--route", "default/function-iris",
+                "--limit", "10000", "--json",
+            )  # fmt: skip
+            rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+            return rows if len(rows) >= 400 else None
+
+        rows = wait_for("both proxies' records of every request", records, timeout=30, every=1)
+        by_source: dict[str, dict[str, Any]] = {}
+        for row in rows:
+            by_source.setdefault(row["source"], {})[row["id"]] = row["trace_id"]
+        gateway = next(v for k, v in by_source.items() if k.startswith("edge.ingress"))
+        sidecars = {
+            i: t for k, v in by_source.items() if not k.startswith("edge") for i, t in v.items()
+        }
+        assert {t for t in gateway.values() if t} == traced
+        # the sidecar names the same request by the same id, and the same trace
+        assert len(gateway.keys() & sidecars.keys()) >= 200
+        assert {i: t for i, t in gateway.items() if i in sidecars} == {
+            i: sidecars[i] for i in gateway if i in sidecars
+        }
+    finally:
+        running.close()  # stops what it started
 
 
 def _split_sidecars(mesh: Mesh) -> list[bool]:

@@ -23,7 +23,7 @@ import numpy as np
 from meshfn import ir
 from meshfn.common import peerjson
 from meshfn.contracts.genai import GENERATION_HEADER
-from meshfn.contracts.tracing import TRACEPARENT, parse_traceparent
+from meshfn.contracts.tracing import SPLIT_TRACE_METADATA, TRACEPARENT, parse_traceparent
 from meshfn.xds.names import function_cluster_name, primary_clusters, version_cluster_name
 
 if TYPE_CHECKING:
@@ -97,6 +97,23 @@ class Samples:
 
     def clear(self) -> None:
         self._lo = self._hi = 0
+
+
+def _traced(entry: HTTPAccessLogEntry) -> str:
+    """The trace a gateway's access-log entry was sampled in, else "". A split gateway (no
+    tracer on its own listener) has the id in metadata, only for the requests it sampled;
+    otherwise the traceparent its tracer sent upstream (listeners._latency_log), most of them
+    version 00 and not sampled (the flags' last digit even): read no further."""
+    namespace, key = SPLIT_TRACE_METADATA
+    found = entry.common_properties.metadata.filter_metadata.get(namespace)
+    if found is not None and key in found.fields:
+        value = found.fields[key].string_value
+        return value if len(value) == 32 else ""
+    header = entry.request.request_headers.get(TRACEPARENT, "")
+    if len(header) == 55 and header[-1] not in _SAMPLED_LAST_DIGITS:
+        return ""
+    parent = parse_traceparent(header)
+    return parent.trace_id if parent is not None and parent.sampled else ""
 
 
 def sample(entry: HTTPAccessLogEntry, metric: str) -> float | None:
@@ -251,18 +268,7 @@ class DriftBreaker:
         seconds = sample(entry, metric)
         if seconds is None:
             return
-        # the gateway logs the traceparent its tracer sent upstream (listeners._latency_log);
-        # most are version 00 and not sampled (the flags' last digit even): read no further
-        header = entry.request.request_headers.get(TRACEPARENT, "")
-        unsampled = len(header) == 55 and header[-1] not in _SAMPLED_LAST_DIGITS
-        parent = None if unsampled else parse_traceparent(header)
-        self.observe(
-            common.route_name,
-            common.upstream_cluster,
-            seconds,
-            now,
-            parent.trace_id if parent is not None and parent.sampled else "",
-        )
+        self.observe(common.route_name, common.upstream_cluster, seconds, now, _traced(entry))
 
     def degraded(self) -> frozenset[str]:
         return frozenset(k for k, s in self._routes.items() if s.degraded)

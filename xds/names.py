@@ -53,6 +53,13 @@ INBOUND_LISTENER = "inbound"
 # cluster that reaches it, of this one name.
 TRACED_INBOUND = "meshfn-traced-inbound"
 
+
+def traced_gateway_name(listener: str) -> str:
+    """Where a split gateway's listener traces: an internal listener, and the cluster that
+    reaches it, of this one name."""
+    return f"meshfn-traced-{listener}"
+
+
 # EDS priority levels meshfn assigns by proximity (same node .. anywhere): see translate.endpoints.
 PRIORITY_LEVELS = 5
 

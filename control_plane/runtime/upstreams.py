@@ -188,7 +188,9 @@ def upstreams_for(
                     grpc_sockets,
                     egress_peers(model, served),
                     model.sandbox if served else ir.Sandbox(),
-                    tracing.backend(service.key, None, pull) if tracing and served else None,
+                    tracing.backend(service.key, None, pull, e.sidecar_port is not None)
+                    if tracing and served
+                    else None,
                 )
     return out
 

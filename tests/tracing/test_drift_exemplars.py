@@ -1,5 +1,6 @@
 """A drift breaker's trip names the slowest sampled traces of its window (exemplars), read from
-the traceparent the gateway's access-log stream carries."""
+the traceparent the gateway's access-log stream carries (a split gateway's: the trace id in
+its metadata)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,34 @@ import logging
 import pytest
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
+from meshfn.contracts.tracing import SPLIT_TRACE_METADATA
 from meshfn.health.drift import DriftBreaker, WatchedRoute
 from meshfn.testing.policies import DRIFT
 
 
-def _entry(ms: float, trace: int | None, sampled: bool = True) -> HTTPAccessLogEntry:
+def _entry(
+    ms: float, trace: int | None, sampled: bool = True, split: bool = False
+) -> HTTPAccessLogEntry:
+    """`split`: as a split gateway logs it, the trace id of a sampled request in metadata (its
+    internal listener's answer), none for the others."""
     entry = HTTPAccessLogEntry()
     common = entry.common_properties
     common.route_name, common.upstream_cluster = "default/r/0", "a.default"
     common.upstream_local_address.socket_address.address = "127.0.0.1"
     common.time_to_last_downstream_tx_byte.FromNanoseconds(round(ms * 1e6))
-    if trace is not None:
+    if trace is not None and split:
+        if sampled:
+            namespace, key = SPLIT_TRACE_METADATA
+            common.metadata.filter_metadata[namespace].update({key: f"{trace:032x}"})
+    elif trace is not None:
         flags = "01" if sampled else "00"
         entry.request.request_headers["traceparent"] = f"00-{trace:032x}-{1:016x}-{flags}"
     return entry
 
 
+@pytest.mark.parametrize("split", [False, True])
 def test_a_trip_names_the_slowest_sampled_traces_of_its_window(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, split: bool
 ) -> None:
     breaker = DriftBreaker()
     breaker.configure([WatchedRoute("default/r", frozenset({"a.default"}), DRIFT)])
@@ -36,7 +47,7 @@ def test_a_trip_names_the_slowest_sampled_traces_of_its_window(
         at = 10 + i / 100
         slow = 200 + i  # the later, the slower
         trace = 5000 + i if i % 7 == 0 else (9000 + i if i % 5 == 0 else None)
-        breaker.observe_access_log(_entry(slow, trace, sampled=i % 7 == 0), at)
+        breaker.observe_access_log(_entry(slow, trace, sampled=i % 7 == 0, split=split), at)
     caplog.set_level(logging.WARNING, "meshfn.drift")
     (trip,) = breaker.evaluate(11)
     assert trip.to == "degraded"

@@ -329,7 +329,8 @@ def test_meshfn_up_collects_its_backends_spans_or_lets_them_reach_the_named_coll
     model = load_policies(tmp_path / "p")
     state = tmp_path / "state"
     (spec,) = upstreams_for(model, state, 1).values()
-    assert spec.tracing is not None and spec.tracing.sampling == 5
+    # at 5% its sidecar is split and decides for every request: the backend draws none itself
+    assert spec.tracing is not None and spec.tracing.sampling == 0
     if named:
         assert spec.tracing.endpoint == "grpc://10.1.2.3:4317" and spec.tracing.pullToken is None
         assert ("10.1.2.3", 4317) in spec.egress
@@ -342,3 +343,22 @@ def test_meshfn_up_collects_its_backends_spans_or_lets_them_reach_the_named_coll
         assert stat.S_IMODE((state / "collector" / "spans.key").stat().st_mode) == 0o600
         address = embedded_collector(model, state)
         assert address is not None and address.socket.endswith("/collector/otlp.sock")
+
+
+@pytest.mark.parametrize(("sampling", "sidecar", "drawn"), [(5, None, 5), (50, 15000, 50)])
+def test_a_backend_draws_for_requests_without_a_parent_unless_a_split_sidecar_decided(
+    tmp_path: Path, sampling: float, sidecar: int | None, drawn: float
+) -> None:
+    """Without a sidecar of meshfn's, or behind one that traces on its own listener (25% or
+    more), the backend samples the mesh's share of the requests that come without a parent."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "mesh.yaml").write_text(
+        p.documents(
+            p.mesh("m", "m.local", tracing={"sampling": sampling}),
+            p.gateway(None, 10000),
+            p.service("models", 9000, [p.endpoint(sidecar=sidecar)]),
+            p.doc("Function", "iris", {"backend": "models"}),
+        )
+    )
+    (spec,) = upstreams_for(load_policies(tmp_path / "p"), tmp_path / "state", 1).values()
+    assert spec.tracing is not None and spec.tracing.sampling == drawn

@@ -343,7 +343,10 @@ async def test_reload_rejects_an_inconsistent_translation_and_keeps_the_last_goo
     assert "cannot prepare the proxies: the configuration for edge.ingress is inconsistent" in (
         error.message
     )
-    assert "missing routes: http (needed by listener http)" in error.message
+    assert (
+        "missing routes: http (needed by listener http, listener meshfn-traced-http)"
+        in error.message
+    )
     assert cp.state.errors == result.errors
     assert cp.cache.get("edge.ingress") is good
     assert cp.metrics.reloads.labels("error")._value.get() == 1

@@ -17,6 +17,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
+from envoy.type.matcher.v3 import http_inputs_pb2
 from google.protobuf.message import Message
 
 from meshfn import ir
@@ -24,7 +25,7 @@ from meshfn.policy import load_policies
 from meshfn.xds.fragments.messages import pack
 from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from meshfn.xds.translate import OFFLINE_HOST, httpfilters, listeners, routes, sidecar, translate
-from meshfn.xds.translate.httpfilters import FilterContext, HttpFilter
+from meshfn.xds.translate.httpfilters import FilterContext, HttpFilter, tracing
 from meshfn.xds.translate.resources import Resources
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "policies" / "examples"
@@ -471,12 +472,112 @@ def test_a_sidecar_traces_on_an_internal_listener_while_every_caller_samples_lit
     ]
     sampled, unparented, _ = routes
     assert sampled.match.headers[-1].string_match.safe_regex.regex == ".*-[0-9a-f][13579bdf]"
-    assert unparented.match.headers[-1].invert_match
+    # no parent and no split gateway's mark that it chose not to sample
+    assert [(h.name, h.invert_match) for h in unparented.match.headers] == [
+        ("traceparent", True),
+        (tracing.UNSAMPLED, True),
+    ]
     assert unparented.match.runtime_fraction.default_value.numerator == mesh_rate
     carried = {h.header.key for h in sampled.request_headers_to_add}
     assert carried == {"x-meshfn-span-meshfn-tenant", "x-meshfn-span-meshfn-principal"}
-    for route in routes:
-        assert set(route.request_headers_to_remove) == carried
+    for route in routes:  # the application never sees the mark
+        assert set(route.request_headers_to_remove) == carried | {tracing.UNSAMPLED}
+
+
+@pytest.mark.parametrize(
+    ("replace", "split"),
+    [
+        ((), True),
+        ((("    sampling: 5\n", "    sampling: 25\n"),), False),
+        ((("tracing: {sampling: 20}", "tracing: {sampling: 25}"),), False),
+    ],
+)
+def test_a_gateway_traces_on_an_internal_listener_while_every_caller_samples_little(
+    tmp_path: Path, replace: tuple[tuple[str, str], ...], split: bool
+) -> None:
+    """Its own listener has no tracer. Each route to an upstream has a twin just before it,
+    drawn at the route's rate (the chat route's 20%, the mesh's 5%), to the internal listener
+    with the key of the route it stands for; there, on the same route table (one resource),
+    the route of that key, first in its virtual host: the route's action, name and tags,
+    traced every time, and the trace id back in the answer, which the outer listener moves
+    into metadata for its access logs. The gateway's own listener drops a client's key before
+    it routes. The route itself marks what it sends unsampled. The internal listener is there
+    either way."""
+    text = (GOLDEN / "tracing-split" / "in.yaml").read_text()
+    for old, new in replace:
+        text = text.replace(old, new, 1)
+    (tmp_path / "in.yaml").write_text(text)
+    resources = translate(load_policies(tmp_path / "in.yaml"), "edge.default")
+    assert resources is not None
+    manager = hcm.HttpConnectionManager()
+    resources[LISTENER]["http"].filter_chains[0].filters[0].typed_config.Unpack(manager)
+    assert set(resources[LISTENER]) == {"http", "meshfn-traced-http"}
+    assert set(resources[ROUTE]) == {"http"} and "meshfn-traced-http" in resources[CLUSTER]
+    inner_listener = resources[LISTENER]["meshfn-traced-http"]
+    assert inner_listener.HasField("internal_listener")
+    inner = hcm.HttpConnectionManager()
+    inner_listener.filter_chains[0].filters[0].typed_config.Unpack(inner)
+    assert inner.rds.route_config_name == manager.rds.route_config_name == "http"
+    dropped = {
+        m.remove
+        for early in manager.early_header_mutation_extensions
+        for m in json_format_parse(early).mutations
+    }
+    table = resources[ROUTE]["http"]
+    if not split:
+        assert manager.HasField("tracing") and not inner.HasField("tracing")
+        assert all(r.HasField("tracing") for h in table.virtual_hosts for r in h.routes)
+        assert "x-meshfn-traced-route" not in dropped
+        return
+    assert not manager.HasField("tracing") and "x-meshfn-traced-route" in dropped
+    assert manager.http_filters[0].name == "envoy.filters.http.header_to_metadata"
+    assert inner.tracing.random_sampling.value == 100.0 and inner.preserve_external_request_id
+    for host in table.virtual_hosts:
+        assert not host.routes
+        tree = host.matcher.matcher_tree
+        key = http_inputs_pb2.HttpRequestHeaderMatchInput()
+        tree.input.typed_config.Unpack(key)
+        assert key.header_name == "x-meshfn-traced-route"
+        by_key = {}
+        for name, on_match in tree.exact_match_map.map.items():
+            by_key[name] = rc.Route()
+            on_match.action.typed_config.Unpack(by_key[name])
+        rest = rc.RouteList()
+        host.matcher.on_no_match.action.typed_config.Unpack(rest)
+        upstream = [r for r in rest.routes if r.HasField("route")]
+        twins, plain = upstream[0::2], upstream[1::2]
+        assert len(twins) == len(plain) == len(by_key) > 0
+        for twin, route in zip(twins, plain, strict=True):
+            added = {h.header.key: h.header.value for h in twin.request_headers_to_add}
+            inside = by_key[added["x-meshfn-traced-route"]]
+            assert twin.name == route.name == inside.name
+            assert twin.route.cluster == "meshfn-traced-http" and not twin.HasField("tracing")
+            rate = 2000 if route.name.startswith("default/chat") else 500  # per ten thousand
+            assert twin.match.runtime_fraction.default_value.numerator == rate
+            bare = rc.RouteMatch()
+            bare.CopyFrom(twin.match)
+            bare.ClearField("runtime_fraction")
+            assert bare == route.match
+            assert tracing.UNSAMPLED in twin.request_headers_to_remove
+            assert not route.HasField("tracing") and route.route.cluster == "models.default"
+            assert {h.header.key: h.header.value for h in route.request_headers_to_add}[
+                tracing.UNSAMPLED
+            ] == "1"
+            assert list(route.response_headers_to_remove) == ["x-meshfn-trace-id"]
+            assert inside.route == route.route and inside.metadata == route.metadata
+            assert inside.tracing.random_sampling.numerator == 10_000
+            assert [h.header.value for h in inside.response_headers_to_add] == ["%TRACE_ID%"]
+
+
+def json_format_parse(extension: Any) -> Any:
+    """An early header mutation extension's HeaderMutation."""
+    from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
+        header_mutation_pb2,
+    )
+
+    found = header_mutation_pb2.HeaderMutation()
+    extension.typed_config.Unpack(found)
+    return found
 
 
 def _routes(manager: hcm.HttpConnectionManager) -> Iterator[tuple[str, rc.Route]]:

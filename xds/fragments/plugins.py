@@ -31,6 +31,7 @@ from meshfn.contracts.plugins import (
 )
 from meshfn.contracts.qos import LIMIT_HEADER
 from meshfn.contracts.rollout import MODEL_VERSION_HEADER
+from meshfn.contracts.tracing import SPLIT_TRACE_METADATA
 
 # The jwt_authn metadata key the translator's providers write the verified payload under.
 JWT_PAYLOAD = "payload"
@@ -198,14 +199,20 @@ def mesh_route_fields(trusted_gateways: tuple[str, ...] | None) -> dict[str, str
 
 
 def access_log_format(
-    settings: AuditSettings, trusted_gateways: tuple[str, ...] | None = ()
+    settings: AuditSettings,
+    trusted_gateways: tuple[str, ...] | None = (),
+    split_trace: bool = False,
 ) -> dict[str, str]:
-    """ACCESS_LOG_FORMAT with the mesh route (`mesh_route_fields`), and for a bare filter state
+    """ACCESS_LOG_FORMAT with the mesh route (`mesh_route_fields`), the trace id from metadata
+    at a split gateway (`split_trace`: its own listener has no tracer, contracts.tracing
+    SPLIT_TRACE_METADATA), and for a bare filter state
     (`bare_filter_state`) what the filter no longer publishes: the audit record version, salt_id
     and subject_source (constants of this configuration) and the tenant from jwt_authn's verified
     payload (uncapped: Envoy cuts bytes, record.from_log_line caps it at 128 characters and flags
     `truncated`)."""
     fields = dict(ACCESS_LOG_FORMAT) | mesh_route_fields(trusted_gateways)
+    if split_trace:
+        fields["trace_id"] = "%DYNAMIC_METADATA({}:{})%".format(*SPLIT_TRACE_METADATA)
     if bare_filter_state(settings):
         fields["audit_v"] = AUDIT_STATE_VERSION
         fields["salt_id"] = _literal(settings.salt_id)

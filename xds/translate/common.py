@@ -3,9 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Generic, TypeVar
 
 from envoy.config.core.v3 import address_pb2, config_source_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+
+M = TypeVar("M")
+
+
+class Same(Generic[M]):
+    """A message as a cache key by identity: what a memoised builder returned stands for its
+    inputs, so what is built from it can be memoised too (protobuf messages do not hash)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: M) -> None:
+        self.message = message
+
+    def __hash__(self) -> int:
+        return id(self.message)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.message is self.message
 
 
 def socket_address(address: str, port: int) -> address_pb2.Address:

@@ -12,7 +12,15 @@ from meshfn import ir
 from meshfn.contracts.qos import LIMIT_SERVICE_NODE_HEADER
 
 from ..fragments.plugins import route_settings
-from ..names import CLUSTER, ENDPOINT, EXTENSION, LISTENER, ROUTE, cluster_name
+from ..names import (
+    CLUSTER,
+    ENDPOINT,
+    EXTENSION,
+    LISTENER,
+    ROUTE,
+    cluster_name,
+    traced_gateway_name,
+)
 from . import httpfilters
 from .clusters import cluster, fallback_cluster, function_cluster, version_cluster
 from .endpoints import load_assignment, tier_assignments
@@ -20,8 +28,8 @@ from .host import ProxyHost
 from .httpfilters import FilterContext, QoSContext
 from .httpfilters.base import AuditConfig, RouteConfig
 from .httpfilters.degrade import degrade_for
-from .httpfilters.tracing import tracing_for
-from .listeners import listener
+from .httpfilters.tracing import split_gateway_routes, traced_inbound_cluster, tracing_for
+from .listeners import listener, traced_listener
 from .resources import Resources, merge
 from .routes import (
     Target,
@@ -97,6 +105,14 @@ def gateway_resources(
             tracing=tracing,
             rollouts=tuple((key, versions[key]) for key in rolled),
         )
+        # every gateway listener has its internal listener, split or not and tracing on or
+        # off: no route ever points at one that is not there yet (routes come before listeners)
+        split = tracing if tracing is not None and tracing.split else None
+        if split is not None:
+            out[ROUTE][lst.name] = split_gateway_routes(split, out[ROUTE][lst.name])
+        traced = traced_gateway_name(lst.name)
+        out[LISTENER][traced] = traced_listener(lst, split, out[LISTENER][lst.name])
+        out[CLUSTER][traced] = traced_inbound_cluster(True, traced)
         merge(out, httpfilters.resources(filters, overlay))
     return out
 

@@ -12,6 +12,7 @@ from envoy.extensions.access_loggers.grpc.v3 import als_pb2 as grpc_als_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
+from envoy.extensions.request_id.uuid.v3 import uuid_pb2
 from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
 from meshfn import ir
@@ -19,9 +20,10 @@ from meshfn.contracts.genai import GENERATION_HEADER
 from meshfn.contracts.tracing import TRACEPARENT
 
 from ..fragments.messages import pack
-from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG, LATENCY_LOG_FILTER
-from .common import ads_source, socket_address
-from .httpfilters import FilterContext, build_connection_manager
+from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG, LATENCY_LOG_FILTER, traced_gateway_name
+from .common import Same, ads_source, socket_address
+from .httpfilters import ROUTER_FILTER, FilterContext, TracingContext, build_connection_manager
+from .httpfilters.tracing import carried_tags, traced_inbound_tracing
 from .routes import route_config_name
 from .security import with_request_hygiene
 
@@ -108,6 +110,50 @@ def listener(
     return listener_pb2.Listener(
         name=listener.name,
         address=socket_address(listener.address, listener.port),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[listener_components_pb2.Filter(name=HCM, typed_config=pack(manager))]
+            )
+        ],
+    )
+
+
+def traced_listener(
+    listener: ir.Listener, config: TracingContext | None, outer: listener_pb2.Listener
+) -> listener_pb2.Listener:
+    return _traced_listener(listener, config, Same(outer))
+
+
+@lru_cache(maxsize=1024)
+def _traced_listener(
+    listener: ir.Listener, config: TracingContext | None, same: Same[listener_pb2.Listener]
+) -> listener_pb2.Listener:
+    """The internal listener where a split gateway listener (`same`) traces the requests it
+    sampled (httpfilters.tracing.split_gateway_routes), on the same routes: the tracer (none
+    while the gateway is not split, `config` None), the span's tags out of their headers, and
+    the router, replying as the gateway's listener does when no upstream is left. Its request
+    id stays, without the trace decision Envoy would pack into it, so the sidecar's records
+    name the request as the gateway's do."""
+    main = hcm.HttpConnectionManager()
+    same.message.filter_chains[0].filters[0].typed_config.Unpack(main)
+    name = traced_gateway_name(listener.name)
+    manager = hcm.HttpConnectionManager(
+        stat_prefix=f"gateway_traced_{listener.name}",
+        codec_type=hcm.HttpConnectionManager.AUTO,
+        rds=hcm.Rds(config_source=ads_source(), route_config_name=route_config_name(listener)),
+        preserve_external_request_id=True,
+        http_filters=[*(carried_tags(config) if config is not None else ()), ROUTER_FILTER],
+        local_reply_config=main.local_reply_config,
+    )
+    if config is not None:
+        manager.tracing.CopyFrom(traced_inbound_tracing(config))
+    manager.request_id_extension.typed_config.Pack(
+        uuid_pb2.UuidRequestIdConfig(pack_trace_reason=wrappers_pb2.BoolValue(value=False))
+    )
+    manager.http_protocol_options.enable_trailers = True  # a stream's usage record
+    return listener_pb2.Listener(
+        name=name,
+        internal_listener=listener_pb2.Listener.InternalListenerConfig(),
         filter_chains=[
             listener_components_pb2.FilterChain(
                 filters=[listener_components_pb2.Filter(name=HCM, typed_config=pack(manager))]

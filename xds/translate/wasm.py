@@ -176,14 +176,17 @@ def jwt_claim_headers(settings: AuditSettings) -> list[jwt_authn_pb2.JwtClaimToH
 
 
 def access_log(
-    journal: Path, settings: AuditSettings, trusted_gateways: tuple[str, ...] | None = ()
+    journal: Path,
+    settings: AuditSettings,
+    trusted_gateways: tuple[str, ...] | None = (),
+    split_trace: bool = False,
 ) -> accesslog_pb2.AccessLog:
     """The HttpConnectionManager access-log entry the collector reads (Envoy's file logger:
     written by Envoy whether or not the collector runs, hence loss-free), for the audit filter
     configured with `settings`. Start Envoy with `--file-flush-interval-msec 200` or so: the
     default (10 s) only delays records."""
     fields = struct_pb2.Struct()
-    fields.update(access_log_format(settings, trusted_gateways))
+    fields.update(access_log_format(settings, trusted_gateways, split_trace))
     logger = file_pb2.FileAccessLog(
         path=str(journal),
         log_format=substitution_format_string_pb2.SubstitutionFormatString(json_format=fields),

@@ -35,7 +35,8 @@ class Audit(HttpFilter[AuditConfig]):
     def access_logs(
         self, ctx: FilterContext, config: AuditConfig
     ) -> Iterable[accesslog_pb2.AccessLog]:
-        return (access_log(config.journal, config.settings, config.trusted_gateways),)
+        split = ctx.tracing is not None and ctx.tracing.split and ctx.tracing.kind == "gateway"
+        return (access_log(config.journal, config.settings, config.trusted_gateways, split),)
 
 
 def audit_for(model: ir.MeshModel, workload: ir.Workload, host: ProxyHost) -> AuditConfig | None:

@@ -5,14 +5,19 @@ headers before Envoy reads them. The sampling rules are meshfn.xds.fragments.tra
 with the Istio renderer); routes carry their own part (routes.py).
 
 A connection manager with a tracer starts a span for every request, sampled or not, and sets
-its tags when the request ends: at 1% a sidecar spent ~30 µs of CPU per request on spans it
-then dropped (docs/benchmarks.md#tracing). A sidecar whose callers all sample little
-(`SPLIT_BELOW`) therefore has no tracer on its listener: the requests it traces (a sampled
-parent, or no parent and its own draw at the mesh's rate) take a route to an internal listener
-whose connection manager traces, and the others go straight to the application."""
+its tags when the request ends; the `traceparent` it then puts on every request costs each
+proxy and backend after it too (docs/benchmarks.md#tracing). While every caller samples little
+(`ir.Tracing.split`) meshfn's proxies therefore have no tracer on their own listeners:
+- a gateway's routes send the requests it samples (a draw at the route's rate) to an internal
+  listener whose connection manager traces them, along the same route; the others go on
+  without any trace context, marked `UNSAMPLED` so that no proxy after it draws again;
+- a sidecar sends the requests it traces (a sampled parent, or neither a parent nor the mark
+  and its own draw at the mesh's rate) to an internal listener that traces, and the others
+  straight to the application; the backend behind it draws none of its own."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 from collections.abc import Iterable
 from functools import lru_cache
@@ -28,6 +33,7 @@ from envoy.config.core.v3 import (
     http_uri_pb2,
 )
 from envoy.config.route.v3 import route_components_pb2 as rc
+from envoy.config.route.v3 import route_pb2
 from envoy.config.trace.v3 import http_tracer_pb2, opentelemetry_pb2
 from envoy.extensions.filters.http.header_to_metadata.v3 import header_to_metadata_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -36,29 +42,37 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
     header_mutation_pb2,
 )
-from envoy.type.matcher.v3 import regex_pb2, string_pb2
+from envoy.type.matcher.v3 import http_inputs_pb2, regex_pb2, string_pb2
 from envoy.type.tracing.v3 import custom_tag_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import duration_pb2
 
 from meshfn import ir
-from meshfn.contracts.tracing import CLIENT_CONTEXT_HEADERS
+from meshfn.contracts.tracing import CLIENT_CONTEXT_HEADERS, SPLIT_TRACE_METADATA
+from xds.core.v3 import extension_pb2 as xds_extension_pb2
+from xds.type.matcher.v3 import matcher_pb2
 
 from ...fragments import tracing as fragments
 from ...fragments.messages import duration, pack
-from ...names import CLUSTER, TRACE_COLLECTOR_CLUSTER, TRACED_INBOUND
+from ...names import CLUSTER, TRACE_COLLECTOR_CLUSTER, TRACED_INBOUND, traced_gateway_name
 from ..clusters import HTTP_PROTOCOL_OPTIONS, downstream_protocol, http2_options
-from ..common import one_endpoint, pipe_endpoints, static_endpoints
+from ..common import Same, one_endpoint, pipe_endpoints, static_endpoints
 from ..host import ProxyHost
 from ..resources import Resources
 from .base import FilterContext, HttpFilter, TracingContext
 
 OPENTELEMETRY = "envoy.tracers.opentelemetry"
 
-# A sidecar traces on an internal listener of its own while every caller samples less than this
-# percent. A request it traces then crosses one more connection manager (~50 µs on the 2-vCPU
-# bench machine) and every other request saves the tracer (~30 µs): below ~35% the split wins.
-SPLIT_BELOW = 25.0
+# A split gateway's mark on the requests it did not sample (they carry no traceparent): a split
+# sidecar draws for a request without a parent only when it is absent. It can only ever stop a
+# sampling, so whoever sets it gains nothing; the sidecar removes it before the application.
+UNSAMPLED = "x-meshfn-unsampled"
+# The route a split gateway's twin stands for, to its internal listener (which routes by it
+# alone: the outer listener's filters already matched the request and wrote its metadata).
+_TRACED_ROUTE = "x-meshfn-traced-route"
+# The internal listener's answer carries its trace id back to the outer listener, which moves it
+# into metadata for its access logs (SPLIT_TRACE_METADATA) before the client sees the answer.
+_TRACE_ID = "x-meshfn-trace-id"
 # W3C trace flags with the sampled bit (the last hex digit odd); RE2, matched whole.
 _SAMPLED_PARENT = rc.HeaderMatcher(
     name="traceparent",
@@ -67,6 +81,7 @@ _SAMPLED_PARENT = rc.HeaderMatcher(
     ),
 )
 _NO_PARENT = rc.HeaderMatcher(name="traceparent", present_match=True, invert_match=True)
+_NOT_MARKED = rc.HeaderMatcher(name=UNSAMPLED, present_match=True, invert_match=True)
 # The tags that need the outer connection's facts (the mTLS peer, jwt_authn's metadata) travel to
 # the internal listener in request headers of this prefix, which the outer routes set (a
 # caller's own dropped first) and the internal listener moves into metadata (carried_tags).
@@ -85,10 +100,15 @@ class Tracing(HttpFilter[TracingContext]):
             return None
         return hcm.HttpConnectionManager(tracing=connection_tracing(config))
 
+    def http_filters(self, ctx: FilterContext, config: TracingContext) -> Iterable[hcm.HttpFilter]:
+        return (trace_id_to_metadata(),) if config.split and config.kind == "gateway" else ()
+
     def early_header_mutations(
         self, ctx: FilterContext, config: TracingContext
     ) -> Iterable[extension_pb2.TypedExtensionConfig]:
-        return (client_context_removal(),) if config.restarts else ()
+        if not config.restarts:
+            return ()
+        return (client_context_removal(config.split),)
 
     def resources(
         self, ctx: FilterContext, config: TracingContext, overlay: ir.Overlay
@@ -138,11 +158,14 @@ def connection_tracing(config: TracingContext) -> hcm.HttpConnectionManager.Trac
     return out
 
 
-@lru_cache(maxsize=1)
-def client_context_removal() -> extension_pb2.TypedExtensionConfig:
-    """Drops a client's trace context before Envoy reads it (contracts.tracing)."""
+@lru_cache(maxsize=2)
+def client_context_removal(split: bool = False) -> extension_pb2.TypedExtensionConfig:
+    """Drops a client's trace context before Envoy reads it (contracts.tracing); at a split
+    gateway also the key of a traced route, which only its twins may set (a client's would
+    reach a route's action without its match)."""
+    names = (*CLIENT_CONTEXT_HEADERS, _TRACED_ROUTE) if split else CLIENT_CONTEXT_HEADERS
     mutation = header_mutation_pb2.HeaderMutation(
-        mutations=[mutation_rules_pb2.HeaderMutation(remove=h) for h in CLIENT_CONTEXT_HEADERS]
+        mutations=[mutation_rules_pb2.HeaderMutation(remove=h) for h in names]
     )
     return extension_pb2.TypedExtensionConfig(
         name="envoy.http.early_header_mutation.header_mutation", typed_config=pack(mutation)
@@ -197,7 +220,7 @@ def tracing_for(
         f"{workload.name}.{workload.namespace}",
         settings,
         bool(workload.jwt_rules),
-        split=workload.kind == "sidecar" and tracing.highest_sampling() < SPLIT_BELOW,
+        split=tracing.split,
     )
 
 
@@ -210,21 +233,23 @@ def _carried(config: TracingContext) -> list[tuple[custom_tag_pb2.CustomTag, str
     ]
 
 
+def _set(header: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=header, value=value),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
 def split_routes(config: TracingContext, routes: Iterable[rc.Route]) -> list[rc.Route]:
     """A split sidecar's routes: to its internal listener, a sampled parent's requests and a
-    share of those without a parent at the mesh's rate (Envoy's draw, as the tracer's own would
-    be), each of `routes` twinned under its name; then `routes` (to the application). Every
-    route drops a caller's carried-tag headers (before setting its own): a span's tags are the
-    sidecar's facts, and the application sees the same request either way."""
+    share of those with neither a parent nor a split gateway's UNSAMPLED mark at the mesh's
+    rate (Envoy's draw, as the tracer's own would be), each of `routes` twinned under its name;
+    then `routes` (to the application). Every route drops a caller's carried-tag headers
+    (before setting its own) and the mark: a span's tags are the sidecar's facts, and the
+    application sees the same request either way."""
     tags = _carried(config)
-    dropped = [header for _, header in tags]
-    carried = [
-        base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=header, value=tag.value),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-        )
-        for tag, header in tags
-    ]
+    dropped = [header for _, header in tags] + [UNSAMPLED]
+    carried = [_set(header, tag.value) for tag, header in tags]
     share = percent_pb2.FractionalPercent(
         numerator=round(config.tracing.sampling * 10_000),
         denominator=percent_pb2.FractionalPercent.MILLION,
@@ -242,6 +267,7 @@ def split_routes(config: TracingContext, routes: Iterable[rc.Route]) -> list[rc.
             )
             twin.match.headers.append(parent)
             if parent is _NO_PARENT:
+                twin.match.headers.append(_NOT_MARKED)
                 twin.match.runtime_fraction.default_value.CopyFrom(share)
             out.append(twin)
     for route in routes:
@@ -294,20 +320,150 @@ def carried_tags(config: TracingContext) -> tuple[hcm.HttpFilter, ...]:
     )
 
 
-@lru_cache(maxsize=4)
-def traced_inbound_cluster(trailers: bool) -> cluster_pb2.Cluster:
-    """The split sidecar's way to its internal listener, in the caller's protocol (HTTP/2 for
-    gRPC; `trailers`: HTTP/1.1 trailers pass, a generation's usage record)."""
+@lru_cache(maxsize=64)
+def traced_inbound_cluster(trailers: bool, name: str = TRACED_INBOUND) -> cluster_pb2.Cluster:
+    """A split proxy's way to its internal listener `name`, in the caller's protocol (HTTP/2
+    for gRPC; `trailers`: HTTP/1.1 trailers pass, a generation's usage record)."""
     address = address_pb2.Address(
-        envoy_internal_address=address_pb2.EnvoyInternalAddress(server_listener_name=TRACED_INBOUND)
+        envoy_internal_address=address_pb2.EnvoyInternalAddress(server_listener_name=name)
     )
     cluster = cluster_pb2.Cluster(
-        name=TRACED_INBOUND,
+        name=name,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=duration_pb2.Duration(seconds=1),
-        load_assignment=static_endpoints(TRACED_INBOUND, [address]),
+        load_assignment=static_endpoints(name, [address]),
     )
     cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].Pack(
         downstream_protocol(trailers)
     )
     return cluster
+
+
+@lru_cache(maxsize=1)
+def trace_id_to_metadata() -> hcm.HttpFilter:
+    """A split gateway's first filter: the trace id its internal listener's answer carries, out
+    of the answer (the client never sees it) into the metadata its access logs read."""
+    namespace, key = SPLIT_TRACE_METADATA
+    rule = header_to_metadata_pb2.Config.Rule(
+        header=_TRACE_ID,
+        on_header_present=header_to_metadata_pb2.Config.KeyValuePair(
+            metadata_namespace=namespace, key=key
+        ),
+        remove=True,
+    )
+    return hcm.HttpFilter(
+        name="envoy.filters.http.header_to_metadata",
+        typed_config=pack(header_to_metadata_pb2.Config(response_rules=[rule])),
+    )
+
+
+def split_gateway_routes(
+    config: TracingContext, table: route_pb2.RouteConfiguration
+) -> route_pb2.RouteConfiguration:
+    return _split_gateway_routes(config, Same(table))
+
+
+@lru_cache(maxsize=1024)
+def _split_gateway_routes(
+    config: TracingContext, same: Same[route_pb2.RouteConfiguration]
+) -> route_pb2.RouteConfiguration:
+    """A split gateway listener's route table, which its internal listener reads too (one
+    resource: the two never disagree). Each route that goes upstream gets a twin just before
+    it, matched also by a draw at the route's sampling (Envoy draws once per request, so one
+    request is sampled or not whichever route it takes), which carries the request to the
+    internal listener with the key of the route it stands for and the span's tags from
+    verified facts (carried_tags); everything else about the route stays on the twin (its
+    filters' per-route settings, metadata and header changes, its timeouts), while retries,
+    clusters and rewrites happen once, on the route of that key (under the same name, looked up
+    by the key before the others), which only the internal listener matches: the gateway's own
+    listener drops the key from clients before it routes (client_context_removal). The route itself no
+    longer traces and marks what it sends UNSAMPLED; it drops a trace id an upstream's answer
+    might carry."""
+    tags = _carried(config)
+    carried = [_set(header, tag.value) for tag, header in tags]
+    dropped = [header for _, header in tags]
+    name = traced_gateway_name(same.message.name)
+    out = route_pb2.RouteConfiguration()
+    out.CopyFrom(same.message)
+    for host in out.virtual_hosts:
+        routes = list(host.routes)
+        del host.routes[:]
+        keyed: dict[str, rc.Route] = {}
+        pairs: list[rc.Route] = []
+        for route in routes:
+            if not route.HasField("route"):  # a direct response or a redirect: no upstream
+                pairs.append(route)
+                continue
+            key = hashlib.sha256(route.SerializeToString(deterministic=True)).hexdigest()[:24]
+            keyed[key] = _traced_route(route, key)
+            twin = rc.Route()
+            twin.CopyFrom(route)
+            twin.ClearField("tracing")
+            twin.route.CopyFrom(rc.RouteAction(cluster=name))
+            for field in ("timeout", "idle_timeout"):
+                if route.route.HasField(field):
+                    getattr(twin.route, field).CopyFrom(getattr(route.route, field))
+            twin.match.runtime_fraction.default_value.CopyFrom(route.tracing.random_sampling)
+            twin.request_headers_to_remove.extend([*dropped, UNSAMPLED])
+            twin.request_headers_to_add.extend([*carried, _set(_TRACED_ROUTE, key)])
+            plain = rc.Route()
+            plain.CopyFrom(route)
+            plain.ClearField("tracing")
+            plain.request_headers_to_remove.extend(dropped)
+            plain.request_headers_to_add.append(_set(UNSAMPLED, "1"))
+            plain.response_headers_to_remove.append(_TRACE_ID)
+            pairs.extend((twin, plain))
+        host.matcher.CopyFrom(_by_key(keyed, pairs))
+    return out
+
+
+def _by_key(keyed: dict[str, rc.Route], routes: list[rc.Route]) -> matcher_pb2.Matcher:
+    """A virtual host's routes as a matcher: the route of a twin's key, looked up by it (one
+    header read on the gateway's own listener, which never has one), else `routes` in order."""
+    key = http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=_TRACED_ROUTE)
+    return matcher_pb2.Matcher(
+        matcher_tree=matcher_pb2.Matcher.MatcherTree(
+            input=xds_extension_pb2.TypedExtensionConfig(
+                name="traced-route", typed_config=pack(key)
+            ),
+            exact_match_map=matcher_pb2.Matcher.MatcherTree.MatchMap(
+                map={
+                    name: matcher_pb2.Matcher.OnMatch(
+                        action=xds_extension_pb2.TypedExtensionConfig(
+                            name=route.name, typed_config=pack(route)
+                        )
+                    )
+                    for name, route in keyed.items()
+                }
+            ),
+        ),
+        on_no_match=matcher_pb2.Matcher.OnMatch(
+            action=xds_extension_pb2.TypedExtensionConfig(
+                name="routes", typed_config=pack(rc.RouteList(routes=routes))
+            )
+        ),
+    )
+
+
+def _traced_route(route: rc.Route, key: str) -> rc.Route:
+    """The internal listener's route for the twin of `key`: the route's action, metadata and
+    name, its tags, every request traced, and the trace id back in the answer."""
+    tracing = rc.Tracing()
+    tracing.CopyFrom(route.tracing)
+    tracing.random_sampling.CopyFrom(fragments.fraction(100.0))
+    return rc.Route(
+        name=route.name,
+        match=rc.RouteMatch(
+            prefix="/",
+            headers=[
+                rc.HeaderMatcher(
+                    name=_TRACED_ROUTE, string_match=string_pb2.StringMatcher(exact=key)
+                )
+            ],
+        ),
+        route=route.route,
+        metadata=route.metadata,
+        tracing=tracing,
+        request_headers_to_remove=[_TRACED_ROUTE],
+        response_headers_to_add=[_set(_TRACE_ID, "%TRACE_ID%")],
+    )

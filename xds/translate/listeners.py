@@ -142,15 +142,26 @@ def _traced_listener(
         codec_type=hcm.HttpConnectionManager.AUTO,
         rds=hcm.Rds(config_source=ads_source(), route_config_name=route_config_name(listener)),
         preserve_external_request_id=True,
-        http_filters=[*(carried_tags(config) if config is not None else ()), ROUTER_FILTER],
         local_reply_config=main.local_reply_config,
     )
-    if config is not None:
-        manager.tracing.CopyFrom(traced_inbound_tracing(config))
     manager.request_id_extension.typed_config.Pack(
         uuid_pb2.UuidRequestIdConfig(pack_trace_reason=wrappers_pb2.BoolValue(value=False))
     )
     manager.http_protocol_options.enable_trailers = True  # a stream's usage record
+    return traced_internal_listener(name, manager, config)
+
+
+def traced_internal_listener(
+    name: str, manager: hcm.HttpConnectionManager, config: TracingContext | None
+) -> listener_pb2.Listener:
+    """A split proxy's internal listener `name` (no socket) around `manager`: the tracer
+    (none while the proxy is not split, `config` None), the span's tags out of their headers
+    (httpfilters.tracing.carried_tags), the router."""
+    manager.http_filters.extend(
+        [*(carried_tags(config) if config is not None else ()), ROUTER_FILTER]
+    )
+    if config is not None:
+        manager.tracing.CopyFrom(traced_inbound_tracing(config))
     return listener_pb2.Listener(
         name=name,
         internal_listener=listener_pb2.Listener.InternalListenerConfig(),

@@ -26,7 +26,7 @@ from .clusters import HTTP_PROTOCOL_OPTIONS, http1_trailers, http2_options
 from .common import one_endpoint, pipe_endpoints, socket_address
 from .host import ProxyHost
 from .httpfilters import FilterContext, tracing
-from .listeners import HCM
+from .listeners import HCM, traced_internal_listener
 from .resources import Resources, merge
 from .security import client_cert_details, downstream_mtls, with_request_hygiene
 
@@ -137,24 +137,10 @@ def traced_inbound_listener(
         ),
         forward_client_cert_details=hcm.HttpConnectionManager.ALWAYS_FORWARD_ONLY,
         preserve_external_request_id=True,
-        http_filters=[
-            *(tracing.carried_tags(config) if config is not None else ()),
-            httpfilters.ROUTER_FILTER,
-        ],
     )
-    if config is not None:
-        manager.tracing.CopyFrom(tracing.traced_inbound_tracing(config))
     if inbound.functions:
         manager.http_protocol_options.enable_trailers = True
-    return listener_pb2.Listener(
-        name=TRACED_INBOUND,
-        internal_listener=listener_pb2.Listener.InternalListenerConfig(),
-        filter_chains=[
-            listener_components_pb2.FilterChain(
-                filters=[listener_components_pb2.Filter(name=HCM, typed_config=pack(manager))]
-            )
-        ],
-    )
+    return traced_internal_listener(TRACED_INBOUND, manager, config)
 
 
 @lru_cache(maxsize=4096)

@@ -24,7 +24,9 @@ The floor, after the meshes' rounds: two bare proxies in a row (the router alone
 one answering itself), twice side by side, the first proxy of one of them with the edge
 gateway's own tracer at 1% (its tracing block and collector cluster as Envoy runs them), the
 same alternation: what Envoy's tracer costs a proxy that does nothing else, on this machine
-(`floor_p1_added_us`, `floor_p1_added_cpu_us` in the JSON's summary).
+(`floor_p1_added_us`, `floor_p1_added_cpu_us` in the JSON's summary). At 1% the mesh's
+gateway is split (docs/concepts/tracing.md#a-gateway-at-a-low-rate): its own listener has no
+tracer, so the floor is what that saves, not what it pays.
 
 `backend_span_us`: what one traced request costs the backend (bench/tracing_spans.py, in
 process): its spans on the request's path plus its share of the exporter's OTLP encoding.
@@ -258,8 +260,9 @@ def _sampling(route: dict[str, Any]) -> int | None:
 
 
 def gateway_tracing(bench: Bench) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The edge gateway's tracing block at 1% as Envoy runs it (its connection manager's, the
-    routes' 1% made the listener's own) and the collector cluster it names."""
+    """The edge gateway's tracing block as Envoy runs it, made 1% (at 1% the gateway is split:
+    its internal listener's, which traces what reaches it) and the collector cluster it
+    names."""
     admin = admin_socket(bench.tmp / "state", "edge.ingress")
     dump = admin_json(admin, "/config_dump?resource=dynamic_listeners")
     found = [

@@ -584,3 +584,22 @@ def _routes(manager: hcm.HttpConnectionManager) -> Iterator[tuple[str, rc.Route]
     for host in manager.route_config.virtual_hosts:
         for route in host.routes:
             yield host.name, route
+
+
+def test_a_gateway_listener_that_sheds_keeps_its_tracer_at_a_low_rate(tmp_path: Path) -> None:
+    """golden/qos-shed traced at 5%: the gateway sheds the lower priorities itself, which its
+    own listener answers; it stays unsplit (the tracer on its own listener, no twins)."""
+    text = (GOLDEN / "qos-shed" / "in.yaml").read_text()
+    old = "spec: {trustDomain: golden.local}"
+    assert old in text
+    tracing = "tracing: {sampling: 5, collector: {host: 127.0.0.1, port: 4317}}"
+    (tmp_path / "in.yaml").write_text(
+        text.replace(old, "spec: {trustDomain: golden.local, " + tracing + "}", 1)
+    )
+    resources = translate(load_policies(tmp_path / "in.yaml"), "edge.default")
+    assert resources is not None
+    manager = hcm.HttpConnectionManager()
+    resources[LISTENER]["http"].filter_chains[0].filters[0].typed_config.Unpack(manager)
+    assert manager.HasField("tracing") and manager.tracing.random_sampling.value == 5.0
+    hosts = resources[ROUTE]["http"].virtual_hosts
+    assert hosts and all(h.routes and not h.HasField("matcher") for h in hosts)

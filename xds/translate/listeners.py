@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 from envoy.config.accesslog.v3 import accesslog_pb2
@@ -13,10 +14,11 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
 from envoy.extensions.request_id.uuid.v3 import uuid_pb2
-from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
+from google.protobuf import duration_pb2, json_format, struct_pb2, wrappers_pb2
 
 from meshfn import ir
 from meshfn.contracts.genai import GENERATION_HEADER
+from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.contracts.tracing import TRACEPARENT
 
 from ..fragments.messages import pack
@@ -142,13 +144,26 @@ def _traced_listener(
         codec_type=hcm.HttpConnectionManager.AUTO,
         rds=hcm.Rds(config_source=ads_source(), route_config_name=route_config_name(listener)),
         preserve_external_request_id=True,
-        local_reply_config=main.local_reply_config,
+        local_reply_config=_replies_inside(main.local_reply_config),
     )
     manager.request_id_extension.typed_config.Pack(
         uuid_pb2.UuidRequestIdConfig(pack_trace_reason=wrappers_pb2.BoolValue(value=False))
     )
     manager.http_protocol_options.enable_trailers = True  # a stream's usage record
     return traced_internal_listener(name, manager, config)
+
+
+# jwt_authn's verified payload, which only the gateway's own listener has
+_VERIFIED_PAYLOAD = re.compile(r"%DYNAMIC_METADATA\(envoy\.filters\.http\.jwt_authn:[^%]*\)%")
+
+
+def _replies_inside(replies: hcm.LocalReplyConfig) -> hcm.LocalReplyConfig:
+    """The gateway's own listener's local replies, as its internal listener gives them (a
+    request shed there, no upstream left): the same, but a verified claim they name is read
+    from the header jwt_authn wrote it into (TENANT_HEADER, which the request carries there;
+    clients' copies are dropped before jwt_authn runs), not from its payload."""
+    text = _VERIFIED_PAYLOAD.sub(f"%REQ({TENANT_HEADER})%", json_format.MessageToJson(replies))
+    return json_format.Parse(text, hcm.LocalReplyConfig())
 
 
 def traced_internal_listener(

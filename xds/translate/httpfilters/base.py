@@ -84,8 +84,9 @@ class TracingContext:
     service: str
     settings: ir.GatewayTracing
     verified_tokens: bool = False  # jwt_authn runs here: the tenant tag has a source
-    # a sidecar whose callers sample little: its tracer sits on an internal listener that only
-    # the requests it traces take (translate.httpfilters.tracing), not on every request
+    # every caller samples little (ir.Tracing.split): the proxy's tracer sits on an internal
+    # listener that only the requests it traces take (translate.httpfilters.tracing), not on
+    # every request, and a request it does not trace carries no trace context
     split: bool = False
 
     @property

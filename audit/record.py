@@ -199,7 +199,10 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         "path": _str(entry.get("path"), "path", cut),
         "status": _status(entry),
         "duration_us": _int(entry.get("duration_us")),
-        "upstream_cluster": _str(entry.get("upstream_cluster"), "upstream_cluster", cut),
+        # a split gateway's sampled request: the cluster its internal listener sent it to
+        "upstream_cluster": _str(
+            entry.get("traced_cluster") or entry.get("upstream_cluster"), "upstream_cluster", cut
+        ),
         "envoy_route": _str(entry.get("route"), "envoy_route", cut),
         "principal": _str(entry.get("principal"), "principal", cut),
         "flags": _str(entry.get("flags"), "flags", cut),

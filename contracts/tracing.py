@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -42,8 +42,22 @@ CLIENT_CONTEXT_HEADERS = (
 
 # A split gateway (every caller samples little) traces on an internal listener that only the
 # requests it samples take; its own listener has no tracer, so its access logs read the trace
-# id from this dynamic metadata (namespace, key), which the internal listener's answer sets.
+# id from this dynamic metadata (namespace, key), which the internal listener's answer sets,
+# and, its own upstream being that listener, the cluster the request really went to.
 SPLIT_TRACE_METADATA = ("meshfn.trace", "trace_id")
+SPLIT_CLUSTER_METADATA = ("meshfn.trace", "upstream_cluster")
+
+
+def split_upstream_cluster(filter_metadata: Any, logged: str) -> str:
+    """The upstream cluster of a gateway's access-log entry (`logged`), or at a split gateway
+    the one its internal listener sent a sampled request to (`filter_metadata`: the entry's
+    dynamic metadata by namespace, protobuf Structs)."""
+    namespace, key = SPLIT_CLUSTER_METADATA
+    found = filter_metadata.get(namespace)
+    if found is not None and key in found.fields:
+        return str(found.fields[key].string_value) or logged
+    return logged
+
 
 # Span attributes meshfn adds (custom tags on Envoy's spans, attributes on the backend's).
 # Never taken from a header a client sent: a verified JWT claim, the mTLS peer, route metadata.

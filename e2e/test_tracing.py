@@ -962,9 +962,10 @@ def test_tracing_at_a_low_rate_the_gateways_audit_records_carry_the_sampled_requ
     tmp_path: Path,
 ) -> None:
     """The examples at their 10% with the audit trail on every proxy: the split gateway has no
-    tracer on its own listener, yet its record of each sampled request carries the trace (from
-    its internal listener's answer, moved into metadata), as the sidecar's does; its records of
-    the others carry none, and no client ever sees the header that brought the id back."""
+    tracer on its own listener, yet its record of each sampled request carries the trace and
+    the cluster the request went to (from its internal listener's answer, moved into
+    metadata), as the sidecar's does; its records of the others carry no trace, and no client
+    ever sees the header that brought the id back."""
     mapping = remap_examples(tmp_path / "examples")
     mesh_yaml = tmp_path / "examples" / "mesh.yaml"
     text = mesh_yaml.read_text()
@@ -1002,6 +1003,9 @@ def test_tracing_at_a_low_rate_the_gateways_audit_records_carry_the_sampled_requ
         for row in rows:
             by_source.setdefault(row["source"], {})[row["id"]] = row["trace_id"]
         gateway = next(v for k, v in by_source.items() if k.startswith("edge.ingress"))
+        # a sampled request went through the internal listener, yet names its real cluster
+        clusters = {r["upstream_cluster"] for r in rows if r["source"].startswith("edge.ingress")}
+        assert clusters and not [c for c in clusters if c and c.startswith("meshfn-traced")]
         sidecars = {
             i: t for k, v in by_source.items() if not k.startswith("edge") for i, t in v.items()
         }

@@ -23,7 +23,12 @@ import numpy as np
 from meshfn import ir
 from meshfn.common import peerjson
 from meshfn.contracts.genai import GENERATION_HEADER
-from meshfn.contracts.tracing import SPLIT_TRACE_METADATA, TRACEPARENT, parse_traceparent
+from meshfn.contracts.tracing import (
+    SPLIT_TRACE_METADATA,
+    TRACEPARENT,
+    parse_traceparent,
+    split_upstream_cluster,
+)
 from meshfn.xds.names import function_cluster_name, primary_clusters, version_cluster_name
 
 if TYPE_CHECKING:
@@ -268,7 +273,8 @@ class DriftBreaker:
         seconds = sample(entry, metric)
         if seconds is None:
             return
-        self.observe(common.route_name, common.upstream_cluster, seconds, now, _traced(entry))
+        cluster = split_upstream_cluster(common.metadata.filter_metadata, common.upstream_cluster)
+        self.observe(common.route_name, cluster, seconds, now, _traced(entry))
 
     def degraded(self) -> frozenset[str]:
         return frozenset(k for k, s in self._routes.items() if s.degraded)

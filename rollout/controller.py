@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from meshfn import ir
+from meshfn.contracts.tracing import split_upstream_cluster
 from meshfn.xds.names import cluster_name, version_cluster_name
 
 from .checks import CheckResult, judge
@@ -242,7 +243,8 @@ class RolloutController:
         the version; a 5xx (Envoy's own for a reset or timeout too) is a failure. Only
         inferences count: a metadata or readiness call is no answer of the model's."""
         common = entry.common_properties
-        if common.upstream_cluster not in self._by_cluster:
+        cluster = split_upstream_cluster(common.metadata.filter_metadata, common.upstream_cluster)
+        if cluster not in self._by_cluster:
             return
         if not entry.request.path.split("?", 1)[0].endswith("/infer"):
             return
@@ -251,7 +253,7 @@ class RolloutController:
             timing = common.duration
         status = entry.response.response_code.value
         failed = status >= 500 or status == 0
-        self.observe(common.upstream_cluster, timing.ToNanoseconds() / 1e9, failed, now)
+        self.observe(cluster, timing.ToNanoseconds() / 1e9, failed, now)
 
     def observe_shadow(self, function: str, candidate: str, pairs: Iterable[Pair]) -> None:
         """Shadow comparisons a backend made for `function`'s `candidate` (times: monotonic)."""

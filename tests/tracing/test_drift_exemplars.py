@@ -9,7 +9,7 @@ import logging
 import pytest
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
-from meshfn.contracts.tracing import SPLIT_TRACE_METADATA
+from meshfn.contracts.tracing import SPLIT_CLUSTER_METADATA, SPLIT_TRACE_METADATA
 from meshfn.health.drift import DriftBreaker, WatchedRoute
 from meshfn.testing.policies import DRIFT
 
@@ -17,17 +17,20 @@ from meshfn.testing.policies import DRIFT
 def _entry(
     ms: float, trace: int | None, sampled: bool = True, split: bool = False
 ) -> HTTPAccessLogEntry:
-    """`split`: as a split gateway logs it, the trace id of a sampled request in metadata (its
-    internal listener's answer), none for the others."""
+    """`split`: as a split gateway logs it, the trace id and the upstream cluster of a sampled
+    request in metadata (its internal listener's answer), none for the others."""
     entry = HTTPAccessLogEntry()
     common = entry.common_properties
     common.route_name, common.upstream_cluster = "default/r/0", "a.default"
     common.upstream_local_address.socket_address.address = "127.0.0.1"
     common.time_to_last_downstream_tx_byte.FromNanoseconds(round(ms * 1e6))
     if trace is not None and split:
-        if sampled:
+        if sampled:  # its own upstream was the internal listener, which named the real one
+            common.upstream_cluster = "meshfn-traced-http"
             namespace, key = SPLIT_TRACE_METADATA
             common.metadata.filter_metadata[namespace].update({key: f"{trace:032x}"})
+            namespace, key = SPLIT_CLUSTER_METADATA
+            common.metadata.filter_metadata[namespace].update({key: "a.default"})
     elif trace is not None:
         flags = "01" if sampled else "00"
         entry.request.request_headers["traceparent"] = f"00-{trace:032x}-{1:016x}-{flags}"

@@ -563,10 +563,16 @@ def test_a_gateway_traces_on_an_internal_listener_while_every_caller_samples_lit
             assert {h.header.key: h.header.value for h in route.request_headers_to_add}[
                 tracing.UNSAMPLED
             ] == "1"
-            assert list(route.response_headers_to_remove) == ["x-meshfn-trace-id"]
+            assert list(route.response_headers_to_remove) == [
+                "x-meshfn-trace-id",
+                "x-meshfn-traced-cluster",
+            ]
             assert inside.route == route.route and inside.metadata == route.metadata
             assert inside.tracing.random_sampling.numerator == 10_000
-            assert [h.header.value for h in inside.response_headers_to_add] == ["%TRACE_ID%"]
+            assert [h.header.value for h in inside.response_headers_to_add] == [
+                "%TRACE_ID%",
+                "%UPSTREAM_CLUSTER%",
+            ]
 
 
 def json_format_parse(extension: Any) -> Any:

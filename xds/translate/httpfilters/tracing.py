@@ -48,7 +48,11 @@ from envoy.type.v3 import percent_pb2
 from google.protobuf import duration_pb2
 
 from meshfn import ir
-from meshfn.contracts.tracing import CLIENT_CONTEXT_HEADERS, SPLIT_TRACE_METADATA
+from meshfn.contracts.tracing import (
+    CLIENT_CONTEXT_HEADERS,
+    SPLIT_CLUSTER_METADATA,
+    SPLIT_TRACE_METADATA,
+)
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
 
@@ -73,6 +77,7 @@ _TRACED_ROUTE = "x-meshfn-traced-route"
 # The internal listener's answer carries its trace id back to the outer listener, which moves it
 # into metadata for its access logs (SPLIT_TRACE_METADATA) before the client sees the answer.
 _TRACE_ID = "x-meshfn-trace-id"
+_TRACED_CLUSTER = "x-meshfn-traced-cluster"  # and the cluster it went to (SPLIT_CLUSTER_METADATA)
 # W3C trace flags with the sampled bit (the last hex digit odd); RE2, matched whole.
 _SAMPLED_PARENT = rc.HeaderMatcher(
     name="traceparent",
@@ -341,19 +346,25 @@ def traced_inbound_cluster(trailers: bool, name: str = TRACED_INBOUND) -> cluste
 
 @lru_cache(maxsize=1)
 def trace_id_to_metadata() -> hcm.HttpFilter:
-    """A split gateway's first filter: the trace id its internal listener's answer carries, out
-    of the answer (the client never sees it) into the metadata its access logs read."""
-    namespace, key = SPLIT_TRACE_METADATA
-    rule = header_to_metadata_pb2.Config.Rule(
-        header=_TRACE_ID,
-        on_header_present=header_to_metadata_pb2.Config.KeyValuePair(
-            metadata_namespace=namespace, key=key
-        ),
-        remove=True,
-    )
+    """A split gateway's first filter: the trace id and the upstream cluster its internal
+    listener's answer carries, out of the answer (the client never sees them) into the
+    metadata its access logs read."""
+    rules = [
+        header_to_metadata_pb2.Config.Rule(
+            header=header,
+            on_header_present=header_to_metadata_pb2.Config.KeyValuePair(
+                metadata_namespace=namespace, key=key
+            ),
+            remove=True,
+        )
+        for header, (namespace, key) in (
+            (_TRACE_ID, SPLIT_TRACE_METADATA),
+            (_TRACED_CLUSTER, SPLIT_CLUSTER_METADATA),
+        )
+    ]
     return hcm.HttpFilter(
         name="envoy.filters.http.header_to_metadata",
-        typed_config=pack(header_to_metadata_pb2.Config(response_rules=[rule])),
+        typed_config=pack(header_to_metadata_pb2.Config(response_rules=rules)),
     )
 
 
@@ -411,7 +422,7 @@ def _split_gateway_routes(
             plain.ClearField("tracing")
             plain.request_headers_to_remove.extend(dropped)
             plain.request_headers_to_add.append(_set(UNSAMPLED, "1"))
-            plain.response_headers_to_remove.append(_TRACE_ID)
+            plain.response_headers_to_remove.extend((_TRACE_ID, _TRACED_CLUSTER))
             pairs.extend((twin, plain))
         host.matcher.CopyFrom(_by_key(keyed, pairs))
     return out
@@ -465,5 +476,8 @@ def _traced_route(route: rc.Route, key: str) -> rc.Route:
         metadata=route.metadata,
         tracing=tracing,
         request_headers_to_remove=[_TRACED_ROUTE],
-        response_headers_to_add=[_set(_TRACE_ID, "%TRACE_ID%")],
+        response_headers_to_add=[
+            _set(_TRACE_ID, "%TRACE_ID%"),
+            _set(_TRACED_CLUSTER, "%UPSTREAM_CLUSTER%"),
+        ],
     )

@@ -48,15 +48,21 @@ SPLIT_TRACE_METADATA = ("meshfn.trace", "trace_id")
 SPLIT_CLUSTER_METADATA = ("meshfn.trace", "upstream_cluster")
 
 
+def split_value(filter_metadata: Any, where: tuple[str, str]) -> str:
+    """What a split gateway's access-log entry holds at `where` (SPLIT_TRACE_METADATA or
+    SPLIT_CLUSTER_METADATA), "" where it holds nothing (`filter_metadata`: the entry's dynamic
+    metadata by namespace, protobuf Structs)."""
+    namespace, key = where
+    found = filter_metadata.get(namespace)
+    if found is None or key not in found.fields:
+        return ""
+    return str(found.fields[key].string_value)
+
+
 def split_upstream_cluster(filter_metadata: Any, logged: str) -> str:
     """The upstream cluster of a gateway's access-log entry (`logged`), or at a split gateway
-    the one its internal listener sent a sampled request to (`filter_metadata`: the entry's
-    dynamic metadata by namespace, protobuf Structs)."""
-    namespace, key = SPLIT_CLUSTER_METADATA
-    found = filter_metadata.get(namespace)
-    if found is not None and key in found.fields:
-        return str(found.fields[key].string_value) or logged
-    return logged
+    the one its internal listener sent a sampled request to."""
+    return split_value(filter_metadata, SPLIT_CLUSTER_METADATA) or logged
 
 
 # Span attributes meshfn adds (custom tags on Envoy's spans, attributes on the backend's).

@@ -28,6 +28,7 @@ from meshfn.contracts.tracing import (
     TRACEPARENT,
     parse_traceparent,
     split_upstream_cluster,
+    split_value,
 )
 from meshfn.xds.names import function_cluster_name, primary_clusters, version_cluster_name
 
@@ -109,10 +110,8 @@ def _traced(entry: HTTPAccessLogEntry) -> str:
     tracer on its own listener) has the id in metadata, only for the requests it sampled;
     otherwise the traceparent its tracer sent upstream (listeners._latency_log), most of them
     version 00 and not sampled (the flags' last digit even): read no further."""
-    namespace, key = SPLIT_TRACE_METADATA
-    found = entry.common_properties.metadata.filter_metadata.get(namespace)
-    if found is not None and key in found.fields:
-        value = found.fields[key].string_value
+    value = split_value(entry.common_properties.metadata.filter_metadata, SPLIT_TRACE_METADATA)
+    if value:
         return value if len(value) == 32 else ""
     header = entry.request.request_headers.get(TRACEPARENT, "")
     if len(header) == 55 and header[-1] not in _SAMPLED_LAST_DIGITS:

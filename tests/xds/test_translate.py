@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from envoy.type.matcher.v3 import http_inputs_pb2
 from google.protobuf.message import Message
 
 from meshfn import ir
+from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.policy import load_policies
 from meshfn.xds.fragments.messages import pack
 from meshfn.xds.names import CLUSTER, ENDPOINT, LISTENER, ROUTE
@@ -609,3 +611,25 @@ def test_a_gateway_listener_that_sheds_keeps_its_tracer_at_a_low_rate(tmp_path: 
     assert manager.HasField("tracing") and manager.tracing.random_sampling.value == 5.0
     hosts = resources[ROUTE]["http"].virtual_hosts
     assert hosts and all(h.routes and not h.HasField("matcher") for h in hosts)
+
+
+@pytest.mark.parametrize("golden", ["qos-shed", "qos"])
+def test_a_gateways_internal_listener_replies_as_its_own_listener_with_the_tenant_from_the_header(
+    golden: str,
+) -> None:
+    """A request shed or rate limited behind the internal listener gets the gateway's own
+    reply; only the verified tenant comes from the header jwt_authn wrote it into (the
+    internal listener has no jwt_authn payload of its own), never from the payload there."""
+    resources = translate(load_policies(GOLDEN / golden / "in.yaml"), "edge.default")
+    assert resources is not None
+    outer, inner = hcm.HttpConnectionManager(), hcm.HttpConnectionManager()
+    for name, manager in (("http", outer), ("meshfn-traced-http", inner)):
+        resources[LISTENER][name].filter_chains[0].filters[0].typed_config.Unpack(manager)
+    payload = "%DYNAMIC_METADATA(envoy.filters.http.jwt_authn:"
+    outer_text = str(outer.local_reply_config)
+    assert payload in outer_text  # the QoS replies name the verified tenant
+    inner_text = str(inner.local_reply_config)
+    assert payload not in inner_text
+    assert inner_text == re.sub(
+        re.escape(payload) + r"[^%]*\)%", f"%REQ({TENANT_HEADER})%", outer_text
+    )

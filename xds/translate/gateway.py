@@ -119,7 +119,7 @@ def gateway_resources(
         if split is not None:
             out[ROUTE][lst.name] = split_gateway_routes(split, out[ROUTE][lst.name])
         traced = traced_gateway_name(lst.name)
-        out[LISTENER][traced] = traced_listener(lst, split, out[LISTENER][lst.name])
+        out[LISTENER][traced] = traced_listener(lst, split, filters)
         out[CLUSTER][traced] = traced_inbound_cluster(True, traced)
         merge(out, httpfilters.resources(filters, overlay))
     return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 
 from envoy.config.accesslog.v3 import accesslog_pb2
@@ -14,17 +13,22 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
 from envoy.extensions.request_id.uuid.v3 import uuid_pb2
-from google.protobuf import duration_pb2, json_format, struct_pb2, wrappers_pb2
+from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
 from meshfn import ir
 from meshfn.contracts.genai import GENERATION_HEADER
-from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.contracts.tracing import TRACEPARENT
 
 from ..fragments.messages import pack
 from ..names import CONTROL_PLANE_CLUSTER, LATENCY_LOG, LATENCY_LOG_FILTER, traced_gateway_name
-from .common import Same, ads_source, socket_address
-from .httpfilters import ROUTER_FILTER, FilterContext, TracingContext, build_connection_manager
+from .common import ads_source, socket_address
+from .httpfilters import (
+    ROUTER_FILTER,
+    FilterContext,
+    TracingContext,
+    build_connection_manager,
+    local_replies,
+)
 from .httpfilters.tracing import carried_tags, traced_inbound_tracing
 from .routes import route_config_name
 from .security import with_request_hygiene
@@ -120,50 +124,30 @@ def listener(
     )
 
 
-def traced_listener(
-    listener: ir.Listener, config: TracingContext | None, outer: listener_pb2.Listener
-) -> listener_pb2.Listener:
-    return _traced_listener(listener, config, Same(outer))
-
-
 @lru_cache(maxsize=1024)
-def _traced_listener(
-    listener: ir.Listener, config: TracingContext | None, same: Same[listener_pb2.Listener]
+def traced_listener(
+    listener: ir.Listener, config: TracingContext | None, filters: FilterContext
 ) -> listener_pb2.Listener:
-    """The internal listener where a split gateway listener (`same`) traces the requests it
-    sampled (httpfilters.tracing.split_gateway_routes), on the same routes: the tracer (none
-    while the gateway is not split, `config` None), the span's tags out of their headers, and
-    the router, replying as the gateway's listener does when no upstream is left. Its request
-    id stays, without the trace decision Envoy would pack into it, so the sidecar's records
-    name the request as the gateway's do."""
-    main = hcm.HttpConnectionManager()
-    same.message.filter_chains[0].filters[0].typed_config.Unpack(main)
+    """The internal listener where a split gateway listener (with `filters`' chain) traces the
+    requests it sampled (httpfilters.tracing.split_gateway_routes), on the same routes: the
+    tracer (none while the gateway is not split, `config` None), the span's tags out of their
+    headers, and the router, replying as the gateway's listener does to a request shed there
+    or with no upstream left (a verified claim read from the header jwt_authn wrote it into,
+    which the request carries there). Its request id stays, without the trace decision Envoy
+    would pack into it, so the sidecar's records name the request as the gateway's do."""
     name = traced_gateway_name(listener.name)
     manager = hcm.HttpConnectionManager(
         stat_prefix=f"gateway_traced_{listener.name}",
         codec_type=hcm.HttpConnectionManager.AUTO,
         rds=hcm.Rds(config_source=ads_source(), route_config_name=route_config_name(listener)),
         preserve_external_request_id=True,
-        local_reply_config=_replies_inside(main.local_reply_config),
+        local_reply_config=local_replies(filters, _no_upstream_reply().mappers, header=True),
     )
     manager.request_id_extension.typed_config.Pack(
         uuid_pb2.UuidRequestIdConfig(pack_trace_reason=wrappers_pb2.BoolValue(value=False))
     )
     manager.http_protocol_options.enable_trailers = True  # a stream's usage record
     return traced_internal_listener(name, manager, config)
-
-
-# jwt_authn's verified payload, which only the gateway's own listener has
-_VERIFIED_PAYLOAD = re.compile(r"%DYNAMIC_METADATA\(envoy\.filters\.http\.jwt_authn:[^%]*\)%")
-
-
-def _replies_inside(replies: hcm.LocalReplyConfig) -> hcm.LocalReplyConfig:
-    """The gateway's own listener's local replies, as its internal listener gives them (a
-    request shed there, no upstream left): the same, but a verified claim they name is read
-    from the header jwt_authn wrote it into (TENANT_HEADER, which the request carries there;
-    clients' copies are dropped before jwt_authn runs), not from its payload."""
-    text = _VERIFIED_PAYLOAD.sub(f"%REQ({TENANT_HEADER})%", json_format.MessageToJson(replies))
-    return json_format.Parse(text, hcm.LocalReplyConfig())
 
 
 def traced_internal_listener(

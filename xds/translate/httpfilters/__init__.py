@@ -12,6 +12,7 @@ contribution. A new filter is a module with its unit and one line here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -63,10 +64,8 @@ def _applied(ctx: FilterContext) -> list[tuple[HttpFilter[Any], Any]]:
 
 
 def build_connection_manager(manager: hcm.HttpConnectionManager, ctx: FilterContext) -> None:
-    """Add the chain to `manager`, which the caller is building (listener-specific settings and
-    access logs are its own and come first). Where OpenAI's API passes (`ctx.openai`), Envoy's
-    own replies on its paths become OpenAI's error objects (fragments.openai), in front of the
-    connection manager's other mappers."""
+    """Add the chain to `manager`, which the caller is building (listener-specific settings,
+    access logs and local replies are its own and come first)."""
     for unit, config in _applied(ctx):
         own = unit.connection_manager(ctx, config)
         if own is not None:
@@ -74,18 +73,31 @@ def build_connection_manager(manager: hcm.HttpConnectionManager, ctx: FilterCont
         manager.http_filters.extend(unit.http_filters(ctx, config))
         manager.access_log.extend(unit.access_logs(ctx, config))
         manager.early_header_mutation_extensions.extend(unit.early_header_mutations(ctx, config))
-        mappers = list(unit.local_reply_mappers(ctx, config))
-        if mappers:
-            manager.local_reply_config.mappers.extend(mappers)
+    replies = local_replies(ctx, manager.local_reply_config.mappers)
+    if replies.mappers:
+        manager.local_reply_config.CopyFrom(replies)
+
+
+def local_replies(
+    ctx: FilterContext, first: Iterable[hcm.ResponseMapper] = (), header: bool = False
+) -> hcm.LocalReplyConfig:
+    """The local replies of a connection manager with `ctx`'s chain: `first`, then each
+    filter's mappers (`header`: read a verified claim from the header jwt_authn wrote, as
+    base.HttpFilter.local_reply_mappers says). Where OpenAI's API passes (`ctx.openai`),
+    Envoy's own replies on its paths become OpenAI's error objects (fragments.openai), in front
+    of the others."""
+    mappers = [
+        *first,
+        *(
+            m
+            for unit, config in _applied(ctx)
+            for m in unit.local_reply_mappers(ctx, config, header)
+        ),
+    ]
     if ctx.openai:
-        current = [
-            json_format.MessageToDict(m, preserving_proto_field_name=True)
-            for m in manager.local_reply_config.mappers
-        ]
-        del manager.local_reply_config.mappers[:]
-        manager.local_reply_config.mappers.extend(
-            json_format.ParseDict(m, hcm.ResponseMapper()) for m in openai_replies(current)
-        )
+        current = [json_format.MessageToDict(m, preserving_proto_field_name=True) for m in mappers]
+        mappers = [json_format.ParseDict(m, hcm.ResponseMapper()) for m in openai_replies(current)]
+    return hcm.LocalReplyConfig(mappers=mappers)
 
 
 @lru_cache(maxsize=4096)
@@ -117,6 +129,7 @@ __all__ = [
     "QoSContext",
     "TracingContext",
     "build_connection_manager",
+    "local_replies",
     "request_headers_to_remove",
     "resources",
 ]

@@ -177,8 +177,13 @@ class HttpFilter(ABC, Generic[C]):
         """Header mutations before Envoy picks a route or runs any filter."""
         return ()
 
-    def local_reply_mappers(self, ctx: FilterContext, config: C) -> Iterable[hcm.ResponseMapper]:
-        """How the connection manager rewrites the local replies this filter makes."""
+    def local_reply_mappers(
+        self, ctx: FilterContext, config: C, header: bool = False
+    ) -> Iterable[hcm.ResponseMapper]:
+        """How the connection manager rewrites the local replies this filter makes. `header`:
+        for a connection manager behind the one where jwt_authn ran (a split gateway's
+        internal listener), which reads a verified claim from the header jwt_authn wrote it
+        into, having no payload of its own."""
         return ()
 
     def request_headers_to_remove(self, ctx: FilterContext, config: C) -> Iterable[str]:

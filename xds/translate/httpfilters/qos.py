@@ -64,16 +64,16 @@ class QoS(HttpFilter[QoSContext]):
             )
 
     def local_reply_mappers(
-        self, ctx: FilterContext, config: QoSContext
+        self, ctx: FilterContext, config: QoSContext, header: bool = False
     ) -> Iterable[hcm.ResponseMapper]:
         if config.shed:  # before the 429 mapper: Envoy applies the first that matches
-            for raw in envoy_qos.shed_replies(config.claim):
+            for raw in envoy_qos.shed_replies(config.claim, header):
                 yield json_format.ParseDict(raw, hcm.ResponseMapper())
         if not config.rate_limited:
             return
-        mapper = hcm.ResponseMapper()
-        json_format.ParseDict(envoy_qos.limited_reply(config.claim), mapper)
-        yield mapper
+        yield json_format.ParseDict(
+            envoy_qos.limited_reply(config.claim, header), hcm.ResponseMapper()
+        )
         gateway = config.gateway
         if gateway is not None and gateway.global_rate is not None and gateway.global_rate.deny:
             yield json_format.ParseDict(envoy_qos.limit_service_error_reply(), hcm.ResponseMapper())

@@ -205,7 +205,8 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         ),
         "envoy_route": _str(entry.get("route"), "envoy_route", cut),
         "principal": _str(entry.get("principal"), "principal", cut),
-        "flags": _str(entry.get("flags"), "flags", cut),
+        # and the response flags there (a shed or no upstream: the gateway's own had one)
+        "flags": _str(entry.get("traced_flags") or entry.get("flags"), "flags", cut),
         # A QoS refusal (429) names its limit: rate (gateway), concurrency, compute or shed.
         "qos_limit": _str(entry.get("qos_limit"), "qos_limit", cut),
         # The Function version that computed the answer (the backend's response header).

@@ -46,6 +46,10 @@ CLIENT_CONTEXT_HEADERS = (
 # and, its own upstream being that listener, the cluster the request really went to.
 SPLIT_TRACE_METADATA = ("meshfn.trace", "trace_id")
 SPLIT_CLUSTER_METADATA = ("meshfn.trace", "upstream_cluster")
+# and its response flags and upstream connection there (a request it shed or found no upstream
+# for is answered by the internal listener itself: the gateway's own listener did reach one)
+SPLIT_FLAGS_METADATA = ("meshfn.trace", "response_flags")
+SPLIT_UPSTREAM_METADATA = ("meshfn.trace", "upstream_local_address")
 
 
 def split_value(filter_metadata: Any, where: tuple[str, str]) -> str:
@@ -57,6 +61,14 @@ def split_value(filter_metadata: Any, where: tuple[str, str]) -> str:
     if found is None or key not in found.fields:
         return ""
     return str(found.fields[key].string_value)
+
+
+def split_unanswered(filter_metadata: Any) -> bool:
+    """A split gateway's sampled request that its internal listener answered itself, no
+    upstream request made (shed, no healthy upstream): what the gateway's own listener leaves
+    out of the drift breaker's stream (names.LATENCY_LOG_FILTER) for the others."""
+    traced = split_value(filter_metadata, SPLIT_TRACE_METADATA)
+    return bool(traced) and split_value(filter_metadata, SPLIT_UPSTREAM_METADATA) in ("", "-")
 
 
 def split_upstream_cluster(filter_metadata: Any, logged: str) -> str:

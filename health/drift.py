@@ -27,6 +27,7 @@ from meshfn.contracts.tracing import (
     SPLIT_TRACE_METADATA,
     TRACEPARENT,
     parse_traceparent,
+    split_unanswered,
     split_upstream_cluster,
     split_value,
 )
@@ -265,7 +266,9 @@ class DriftBreaker:
         counted, it would hide a slow backend. Envoy's filter (names.LATENCY_LOG_FILTER) does
         not send those; this holds for any sender."""
         common = entry.common_properties
-        if not common.HasField("upstream_local_address"):
+        if not common.HasField("upstream_local_address") or split_unanswered(
+            common.metadata.filter_metadata
+        ):
             return
         state = self._routes.get("/".join(common.route_name.split("/", 2)[:2]))
         metric = state.watched.metric if state is not None else "duration"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from meshfn import ir
-from meshfn.contracts.tracing import split_upstream_cluster
+from meshfn.contracts.tracing import split_unanswered, split_upstream_cluster
 from meshfn.xds.names import cluster_name, version_cluster_name
 
 from .checks import CheckResult, judge
@@ -243,6 +243,8 @@ class RolloutController:
         the version; a 5xx (Envoy's own for a reset or timeout too) is a failure. Only
         inferences count: a metadata or readiness call is no answer of the model's."""
         common = entry.common_properties
+        if split_unanswered(common.metadata.filter_metadata):  # no answer of any version's
+            return
         cluster = split_upstream_cluster(common.metadata.filter_metadata, common.upstream_cluster)
         if cluster not in self._by_cluster:
             return

@@ -251,3 +251,20 @@ def test_a_mesh_route_claim_is_capped() -> None:
     line = {"principal": EDGE, "mesh_route": "x" * 300, "mesh_route_from": EDGE}
     r = from_log_line(json.dumps(line).encode(), "models")
     assert r["route"] == "x" * 256 and "route" in r["truncated"]
+
+
+def test_a_split_gateways_record_takes_its_internal_listeners_cluster_and_flags() -> None:
+    """A request the gateway sampled went through its internal listener, which its own access
+    log names as the upstream: the record names the cluster and the response flags the
+    internal listener had (a shed there is UO, as on the gateway's own listener), and the
+    request's own where it did not go that way (null metadata)."""
+    base = {"id": "a", "status": 429, "upstream_cluster": "meshfn-traced-http", "flags": "-"}
+    traced = from_log_line(
+        json.dumps({**base, "traced_cluster": "iris.default", "traced_flags": "UO"}).encode(), "gw"
+    )
+    assert (traced["upstream_cluster"], traced["flags"]) == ("iris.default", "UO")
+    plain = {**base, "upstream_cluster": "iris.default", "flags": "UO"}
+    own = from_log_line(
+        json.dumps({**plain, "traced_cluster": None, "traced_flags": None}).encode(), "gw"
+    )
+    assert (own["upstream_cluster"], own["flags"]) == ("iris.default", "UO")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshfn import ir
+from meshfn.contracts.tracing import SPLIT_CLUSTER_METADATA, SPLIT_TRACE_METADATA
 from meshfn.policy.loader import load_policies
 from meshfn.rollout.checks import agreement, error_ratio, latency
 from meshfn.rollout.controller import ActionError, Event, RolloutController
@@ -269,6 +270,14 @@ def test_the_gateways_access_log_counts_inferences_by_version(tmp_path: Path) ->
     c.observe_access_log(entry(CANDIDATE, "/v2/models/digits/ready", 503), clock.now)  # no answer
     c.observe_access_log(entry("other.default", "/v2/models/x/infer", 500), clock.now)
     c.observe_access_log(entry(STABLE, "/v2/models/digits/infer?x=1", 200), clock.now)
+    # a split gateway's sampled request that its internal listener shed: no version answered
+    shed = entry("meshfn-traced-http", "/v2/models/digits/infer", 503)
+    for (namespace, key), value in (
+        (SPLIT_TRACE_METADATA, "ab" * 16),
+        (SPLIT_CLUSTER_METADATA, STABLE),
+    ):
+        shed.common_properties.metadata.filter_metadata[namespace].update({key: value})
+    c.observe_access_log(shed, clock.now)
     (event,) = _evaluate(c, clock)
     assert event.event == "rolled-back"
     assert "1 answers" in event.reason and "stable 0.00%" in event.reason

@@ -9,16 +9,22 @@ import logging
 import pytest
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
-from meshfn.contracts.tracing import SPLIT_CLUSTER_METADATA, SPLIT_TRACE_METADATA
+from meshfn.contracts.tracing import (
+    SPLIT_CLUSTER_METADATA,
+    SPLIT_TRACE_METADATA,
+    SPLIT_UPSTREAM_METADATA,
+    split_unanswered,
+)
 from meshfn.health.drift import DriftBreaker, WatchedRoute
 from meshfn.testing.policies import DRIFT
 
 
 def _entry(
-    ms: float, trace: int | None, sampled: bool = True, split: bool = False
+    ms: float, trace: int | None, sampled: bool = True, split: bool = False, upstream: bool = True
 ) -> HTTPAccessLogEntry:
-    """`split`: as a split gateway logs it, the trace id and the upstream cluster of a sampled
-    request in metadata (its internal listener's answer), none for the others."""
+    """`split`: as a split gateway logs it, the trace id, the upstream cluster and connection of
+    a sampled request in metadata (its internal listener's answer; `upstream` False: that
+    listener answered itself), none for the others."""
     entry = HTTPAccessLogEntry()
     common = entry.common_properties
     common.route_name, common.upstream_cluster = "default/r/0", "a.default"
@@ -31,6 +37,9 @@ def _entry(
             common.metadata.filter_metadata[namespace].update({key: f"{trace:032x}"})
             namespace, key = SPLIT_CLUSTER_METADATA
             common.metadata.filter_metadata[namespace].update({key: "a.default"})
+            if upstream:
+                namespace, key = SPLIT_UPSTREAM_METADATA
+                common.metadata.filter_metadata[namespace].update({key: "127.0.0.1:40000"})
     elif trace is not None:
         flags = "01" if sampled else "00"
         entry.request.request_headers["traceparent"] = f"00-{trace:032x}-{1:016x}-{flags}"
@@ -70,3 +79,40 @@ def test_without_sampled_traces_a_trip_names_none() -> None:
         breaker.observe_access_log(_entry(300, 7, sampled=False), 10 + i / 100)
     (trip,) = breaker.evaluate(11)
     assert trip.exemplars == ()
+
+
+def test_a_split_gateways_request_its_internal_listener_answered_itself_is_no_sample() -> None:
+    """Shed or without an upstream there, it reached no backend, as the gateway's own listener's
+    refusals (which its access-log filter leaves out): a run of fast refusals must not pull the
+    window's p95 down, nor name their traces."""
+    breaker = DriftBreaker()
+    breaker.configure([WatchedRoute("default/r", frozenset({"a.default"}), DRIFT)])
+    for i in range(1000):
+        breaker.observe_access_log(_entry(100, None), i / 100)
+    for i in range(100):
+        at = 10 + i / 100
+        breaker.observe_access_log(_entry(300, None), at)
+        breaker.observe_access_log(_entry(0.05, 4000 + i, split=True, upstream=False), at)
+    (trip,) = breaker.evaluate(11)
+    assert trip.to == "degraded" and trip.exemplars == ()
+
+
+@pytest.mark.parametrize(
+    ("trace", "upstream", "unanswered"),
+    [("ab" * 16, None, True), ("ab" * 16, "-", True), ("ab" * 16, "127.0.0.1:1", False),
+     (None, None, False)],
+)  # fmt: skip
+def test_split_unanswered_reads_the_internal_listeners_upstream(
+    trace: str | None, upstream: str | None, unanswered: bool
+) -> None:
+    """Only a sampled request (a trace id) whose internal listener made no upstream request
+    (no address, or Envoy's "-" for none) counts as answered there."""
+    entry = HTTPAccessLogEntry()
+    metadata = entry.common_properties.metadata.filter_metadata
+    for (namespace, key), value in (
+        (SPLIT_TRACE_METADATA, trace),
+        (SPLIT_UPSTREAM_METADATA, upstream),
+    ):
+        if value is not None:
+            metadata[namespace].update({key: value})
+    assert split_unanswered(metadata) is unanswered

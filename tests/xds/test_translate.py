@@ -14,6 +14,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.header_to_metadata.v3 import header_to_metadata_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
@@ -565,16 +566,31 @@ def test_a_gateway_traces_on_an_internal_listener_while_every_caller_samples_lit
             assert {h.header.key: h.header.value for h in route.request_headers_to_add}[
                 tracing.UNSAMPLED
             ] == "1"
-            assert list(route.response_headers_to_remove) == [
+            answer = [
                 "x-meshfn-trace-id",
                 "x-meshfn-traced-cluster",
+                "x-meshfn-traced-flags",
+                "x-meshfn-traced-upstream",
             ]
+            assert list(route.response_headers_to_remove) == answer
             assert inside.route == route.route and inside.metadata == route.metadata
             assert inside.tracing.random_sampling.numerator == 10_000
-            assert [h.header.value for h in inside.response_headers_to_add] == [
-                "%TRACE_ID%",
-                "%UPSTREAM_CLUSTER%",
-            ]
+            assert [(h.header.key, h.header.value) for h in inside.response_headers_to_add] == list(
+                zip(
+                    answer,
+                    [
+                        "%TRACE_ID%",
+                        "%UPSTREAM_CLUSTER%",
+                        "%RESPONSE_FLAGS%",
+                        "%UPSTREAM_LOCAL_ADDRESS%",
+                    ],
+                    strict=True,
+                )
+            )
+    # the answer's headers go into metadata, out of the client's sight
+    h2m = header_to_metadata_pb2.Config()
+    manager.http_filters[0].typed_config.Unpack(h2m)
+    assert [(r.header, r.remove) for r in h2m.response_rules] == [(h, True) for h in answer]
 
 
 def json_format_parse(extension: Any) -> Any:

@@ -31,7 +31,11 @@ from meshfn.contracts.plugins import (
 )
 from meshfn.contracts.qos import LIMIT_HEADER
 from meshfn.contracts.rollout import MODEL_VERSION_HEADER
-from meshfn.contracts.tracing import SPLIT_CLUSTER_METADATA, SPLIT_TRACE_METADATA
+from meshfn.contracts.tracing import (
+    SPLIT_CLUSTER_METADATA,
+    SPLIT_FLAGS_METADATA,
+    SPLIT_TRACE_METADATA,
+)
 
 # The jwt_authn metadata key the translator's providers write the verified payload under.
 JWT_PAYLOAD = "payload"
@@ -214,6 +218,7 @@ def access_log_format(
     if split_trace:
         fields["trace_id"] = "%DYNAMIC_METADATA({}:{})%".format(*SPLIT_TRACE_METADATA)
         fields["traced_cluster"] = "%DYNAMIC_METADATA({}:{})%".format(*SPLIT_CLUSTER_METADATA)
+        fields["traced_flags"] = "%DYNAMIC_METADATA({}:{})%".format(*SPLIT_FLAGS_METADATA)
     if bare_filter_state(settings):
         fields["audit_v"] = AUDIT_STATE_VERSION
         fields["salt_id"] = _literal(settings.salt_id)

@@ -79,9 +79,10 @@ def gateway_resources(
         qos = qos_context(workload.qos, lst, limit_service_metadata)
         tracing = workload_tracing
         if tracing is not None and tracing.split and qos is not None and qos.shed:
-            # A listener that sheds keeps its tracer on itself: through its internal listener
-            # some sheds came back as Envoy's bare 503 instead of the shed reply (e2e/test_qos:
-            # 11 of 600 REST requests, 4 of 1,500 gRPC calls at 10%; cause not yet found).
+            # A listener that sheds keeps its tracer on itself: its internal listener answers
+            # some sampled requests it sheds with Envoy's bare 503 (UO, `x-envoy-overloaded`,
+            # after ~13 ms: a retry's overflow?) instead of the shed reply (e2e/test_qos: 1 of
+            # 600 in one run of ~15, 11 of 600 once; cause not yet found).
             tracing = dataclasses.replace(tracing, split=False)
         filters = FilterContext(
             workload.jwt_rules,

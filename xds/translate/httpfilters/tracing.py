@@ -51,7 +51,9 @@ from meshfn import ir
 from meshfn.contracts.tracing import (
     CLIENT_CONTEXT_HEADERS,
     SPLIT_CLUSTER_METADATA,
+    SPLIT_FLAGS_METADATA,
     SPLIT_TRACE_METADATA,
+    SPLIT_UPSTREAM_METADATA,
 )
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
@@ -78,6 +80,15 @@ _TRACED_ROUTE = "x-meshfn-traced-route"
 # into metadata for its access logs (SPLIT_TRACE_METADATA) before the client sees the answer.
 _TRACE_ID = "x-meshfn-trace-id"
 _TRACED_CLUSTER = "x-meshfn-traced-cluster"  # and the cluster it went to (SPLIT_CLUSTER_METADATA)
+_TRACED_FLAGS = "x-meshfn-traced-flags"  # its response flags (SPLIT_FLAGS_METADATA)
+_TRACED_UPSTREAM = "x-meshfn-traced-upstream"  # its upstream connection (SPLIT_UPSTREAM_METADATA)
+# What the internal listener's answer carries back, each into the metadata of its key.
+_TRACED_ANSWER = (
+    (_TRACE_ID, "%TRACE_ID%", SPLIT_TRACE_METADATA),
+    (_TRACED_CLUSTER, "%UPSTREAM_CLUSTER%", SPLIT_CLUSTER_METADATA),
+    (_TRACED_FLAGS, "%RESPONSE_FLAGS%", SPLIT_FLAGS_METADATA),
+    (_TRACED_UPSTREAM, "%UPSTREAM_LOCAL_ADDRESS%", SPLIT_UPSTREAM_METADATA),
+)
 # W3C trace flags with the sampled bit (the last hex digit odd); RE2, matched whole.
 _SAMPLED_PARENT = rc.HeaderMatcher(
     name="traceparent",
@@ -357,10 +368,7 @@ def trace_id_to_metadata() -> hcm.HttpFilter:
             ),
             remove=True,
         )
-        for header, (namespace, key) in (
-            (_TRACE_ID, SPLIT_TRACE_METADATA),
-            (_TRACED_CLUSTER, SPLIT_CLUSTER_METADATA),
-        )
+        for header, _, (namespace, key) in _TRACED_ANSWER
     ]
     return hcm.HttpFilter(
         name="envoy.filters.http.header_to_metadata",
@@ -422,7 +430,7 @@ def _split_gateway_routes(
             plain.ClearField("tracing")
             plain.request_headers_to_remove.extend(dropped)
             plain.request_headers_to_add.append(_set(UNSAMPLED, "1"))
-            plain.response_headers_to_remove.extend((_TRACE_ID, _TRACED_CLUSTER))
+            plain.response_headers_to_remove.extend(header for header, _, _ in _TRACED_ANSWER)
             pairs.extend((twin, plain))
         host.matcher.CopyFrom(_by_key(keyed, pairs))
     return out
@@ -476,8 +484,5 @@ def _traced_route(route: rc.Route, key: str) -> rc.Route:
         metadata=route.metadata,
         tracing=tracing,
         request_headers_to_remove=[_TRACED_ROUTE],
-        response_headers_to_add=[
-            _set(_TRACE_ID, "%TRACE_ID%"),
-            _set(_TRACED_CLUSTER, "%UPSTREAM_CLUSTER%"),
-        ],
+        response_headers_to_add=[_set(header, value) for header, value, _ in _TRACED_ANSWER],
     )

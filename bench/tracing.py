@@ -21,12 +21,13 @@ spans) separately. The added p50 and CPU are medians over the rounds of the trac
 the `off` one.
 
 The floor, after the meshes' rounds: two bare proxies in a row (the router alone, the second
-one answering itself), twice side by side, the first proxy of one of them with the edge
-gateway's own tracer at 1% (its tracing block and collector cluster as Envoy runs them), the
-same alternation: what Envoy's tracer costs a proxy that does nothing else, on this machine
-(`floor_p1_added_us`, `floor_p1_added_cpu_us` in the JSON's summary). At 1% the mesh's
-gateway is split (docs/concepts/tracing.md#a-gateway-at-a-low-rate): its own listener has no
-tracer, so the floor is what that saves, not what it pays.
+one answering itself), three such pairs, the first proxy of two of them with the edge
+gateway's own tracer (its tracing block, collector cluster and export batches as Envoy runs
+them) at 1% and at 100%, compared with the untraced pair as the meshes are: what Envoy's
+tracer costs a proxy that does nothing else, on this machine (`floor_p1_added_us`,
+`floor_p100_added_us` and their `_cpu_us` in the JSON's summary; the mesh has two proxies on
+the path). At 1% the mesh's gateway is split (docs/concepts/tracing.md#a-gateway-at-a-low-rate):
+its own listener has no tracer, so the floor is what that saves, not what it pays.
 
 `backend_span_us`: what one traced request costs the backend (bench/tracing_spans.py, in
 process): its spans on the request's path plus its share of the exporter's OTLP encoding.
@@ -261,8 +262,8 @@ def _sampling(route: dict[str, Any]) -> int | None:
 
 def gateway_tracing(bench: Bench) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The edge gateway's tracing block as Envoy runs it, made 1% (at 1% the gateway is split:
-    its internal listener's, which traces what reaches it) and the collector cluster it
-    names."""
+    its internal listener's, which traces what reaches it; the floor's 100% sets its own rate)
+    and the collector cluster it names."""
     admin = admin_socket(bench.tmp / "state", "edge.ingress")
     dump = admin_json(admin, "/config_dump?resource=dynamic_listeners")
     found = [
@@ -364,16 +365,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tracing, clusters = gateway_tracing(benches[0])
             work = Path(tmp) / "floor"
             work.mkdir()
-            chains = (
-                BareChain(benches[0].procs, work, "bare", None, clusters),
-                BareChain(benches[0].procs, work, "traced", tracing, clusters),
-            )
-            for n in range(args.floor_rounds):
-                order = (0, 1) if n % 2 == 0 else (1, 0)
-                figures = measure_pair(
-                    (chains[order[0]], chains[order[1]]), args.requests, args.block
-                )
-                floor.append({"off": figures[order.index(0)], "p1": figures[order.index(1)]})
+            every = {**tracing, "random_sampling": {"value": 100.0}}
+            chains = {
+                phase: BareChain(benches[0].procs, work, phase, block, clusters)
+                for phase, block in (("off", None), ("p1", tracing), ("p100", every))
+            }
+            for n in range(args.floor_rounds):  # as the meshes' rounds, on the bare proxies
+                bare: dict[str, dict[str, Any]] = {}
+                for traced in ("p1", "p100") if n % 4 < 2 else ("p100", "p1"):
+                    order = ("off", traced) if n % 2 == 0 else (traced, "off")
+                    figures = measure_pair(
+                        (chains[order[0]], chains[order[1]]), args.requests, args.block
+                    )
+                    bare[traced] = {phase: figures[order.index(phase)] for phase in order}
+                floor.append(bare)
         finally:
             for bench in benches:
                 bench.procs.stop_all()
@@ -423,12 +428,10 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         "p100_collector_cpu_us": _added(rounds, "p100", "control_plane_cpu_us"),
     }
     floor = data["floor"]
-    if floor:  # Envoy's own tracer at 1% in a bare proxy: p50 and that proxy's CPU added
-        for key, name in (
-            ("p50_us", "floor_p1_added_us"),
-            ("envoy_cpu_us", "floor_p1_added_cpu_us"),
-        ):
-            summary[name] = statistics.median(r["p1"][key] - r["off"][key] for r in floor)
+    if floor:  # Envoy's own tracer in a bare proxy: p50 and that proxy's CPU added
+        for phase in ("p1", "p100"):
+            summary[f"floor_{phase}_added_us"] = _added(floor, phase, "p50_us")
+            summary[f"floor_{phase}_added_cpu_us"] = _added(floor, phase, "envoy_cpu_us")
     summary["goals_met"] = {k: summary[k] <= limit for k, limit in GOALS.items()}
     if "sdk" in data["spans"]:
         sdk = data["spans"]["sdk"]

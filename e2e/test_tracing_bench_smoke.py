@@ -29,8 +29,11 @@ def test_tracing_bench_smoke(tmp_path: Path) -> None:
         "p1_added_us",
         "p100_added_us",
     }
-    # the floor: a bare proxy with the gateway's own tracer at 1% against one without
-    assert len(data["floor"]) == 2 and all(set(r) == {"off", "p1"} for r in data["floor"])
-    for key in ("floor_p1_added_us", "floor_p1_added_cpu_us"):
-        assert isinstance(data["summary"][key], float)
-    assert all(r[k]["envoy_cpu_us"] > 0 for r in data["floor"] for k in ("off", "p1"))
+    # the floor: a bare proxy with the gateway's own tracer at 1% and at 100% against one
+    # without, each compared as the meshes are
+    assert len(data["floor"]) == 2 and all(set(r) == {"p1", "p100"} for r in data["floor"])
+    for traced in ("p1", "p100"):
+        assert all(set(r[traced]) == {"off", traced} for r in data["floor"])
+        assert all(r[traced][k]["envoy_cpu_us"] > 0 for r in data["floor"] for k in r[traced])
+        for key in (f"floor_{traced}_added_us", f"floor_{traced}_added_cpu_us"):
+            assert isinstance(data["summary"][key], float)

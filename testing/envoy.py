@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from meshfn.common.unix import unix_request
-from meshfn.control_plane.runtime.bootstrap import admin_socket_path
+from meshfn.control_plane.runtime.bootstrap import RUNTIME, admin_socket_path
 from meshfn.control_plane.runtime.envoy import envoy_argv, envoy_binary
 
 from .ports import free_ports
@@ -146,8 +146,10 @@ def bare_proxy(
     """A static Envoy with nothing but the router, HTTP/1.1 both ways, to `upstreams` (Envoy
     addresses, round robin; None: a 200 of its own): what any proxy costs on this machine, the
     floor a benchmark sets meshfn's proxies against. `tracing`: a connection manager's tracing
-    block, whose provider's cluster is among `clusters`. `route_timeout` None: Envoy's default
-    (15 s); `requests_per_connection`: close upstream connections after that many requests."""
+    block, whose provider's cluster is among `clusters`, exporting as meshfn's proxies do (their
+    runtime's batches, bootstrap.RUNTIME: at Envoy's default of 5 spans an export, a proxy
+    tracing every request spends twice as much). `route_timeout` None: Envoy's default (15 s);
+    `requests_per_connection`: close upstream connections after that many requests."""
     if upstreams is None:
         route: dict[str, Any] = {
             "direct_response": {"status": 200, "body": {"inline_string": "{}"}}
@@ -197,10 +199,13 @@ def bare_proxy(
         "address": loopback(listen),
         "filter_chains": [{"filters": [manager]}],
     }
-    return {
+    config: dict[str, Any] = {
         "admin": {"address": loopback(admin)},
         "static_resources": {"listeners": [listener], "clusters": own},
     }
+    if tracing is not None:
+        config["layered_runtime"] = {"layers": [{"name": "meshfn", "static_layer": RUNTIME}]}
+    return config
 
 
 def start_bare_chain(

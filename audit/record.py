@@ -180,6 +180,18 @@ def _status(entry: dict[str, Any]) -> int:
     return status
 
 
+def _flags(entry: dict[str, Any]) -> Any:
+    """Envoy's response flags; at a split gateway, for a request it sampled, those of its
+    internal listener (a shed or no upstream there: the gateway's own listener reached that
+    one) with any of the gateway's own (a client gone while the answer streamed)."""
+    own, inner = entry.get("flags"), entry.get("traced_flags")
+    if not isinstance(inner, str) or inner in ("", "-"):
+        return own
+    if not isinstance(own, str) or own in ("", "-"):
+        return inner
+    return ",".join(dict.fromkeys([*inner.split(","), *own.split(",")]))
+
+
 def from_log_line(line: bytes, source: str) -> dict[str, Any]:
     """One access-log line (without the newline) -> a record."""
     try:
@@ -205,8 +217,7 @@ def from_log_line(line: bytes, source: str) -> dict[str, Any]:
         ),
         "envoy_route": _str(entry.get("route"), "envoy_route", cut),
         "principal": _str(entry.get("principal"), "principal", cut),
-        # and the response flags there (a shed or no upstream: the gateway's own had one)
-        "flags": _str(entry.get("traced_flags") or entry.get("flags"), "flags", cut),
+        "flags": _str(_flags(entry), "flags", cut),
         # A QoS refusal (429) names its limit: rate (gateway), concurrency, compute or shed.
         "qos_limit": _str(entry.get("qos_limit"), "qos_limit", cut),
         # The Function version that computed the answer (the backend's response header).

@@ -256,8 +256,8 @@ def test_a_mesh_route_claim_is_capped() -> None:
 def test_a_split_gateways_record_takes_its_internal_listeners_cluster_and_flags() -> None:
     """A request the gateway sampled went through its internal listener, which its own access
     log names as the upstream: the record names the cluster and the response flags the
-    internal listener had (a shed there is UO, as on the gateway's own listener), and the
-    request's own where it did not go that way (null metadata)."""
+    internal listener had (a shed there is UO, as on the gateway's own listener) with the
+    gateway's own, and the request's own where it did not go that way (null metadata)."""
     base = {"id": "a", "status": 429, "upstream_cluster": "meshfn-traced-http", "flags": "-"}
     traced = from_log_line(
         json.dumps({**base, "traced_cluster": "iris.default", "traced_flags": "UO"}).encode(), "gw"
@@ -268,3 +268,8 @@ def test_a_split_gateways_record_takes_its_internal_listeners_cluster_and_flags(
         json.dumps({**plain, "traced_cluster": None, "traced_flags": None}).encode(), "gw"
     )
     assert (own["upstream_cluster"], own["flags"]) == ("iris.default", "UO")
+    # the gateway's own flags stay where it had any (the client went away mid-answer)
+    both = from_log_line(json.dumps({**base, "flags": "DC", "traced_flags": "UO"}).encode(), "gw")
+    assert both["flags"] == "UO,DC"
+    quiet = from_log_line(json.dumps({**base, "flags": "DC", "traced_flags": "-"}).encode(), "gw")
+    assert quiet["flags"] == "DC"

@@ -74,8 +74,9 @@ def build_connection_manager(manager: hcm.HttpConnectionManager, ctx: FilterCont
         manager.access_log.extend(unit.access_logs(ctx, config))
         manager.early_header_mutation_extensions.extend(unit.early_header_mutations(ctx, config))
     replies = local_replies(ctx, manager.local_reply_config.mappers)
-    if replies.mappers:
-        manager.local_reply_config.CopyFrom(replies)
+    if replies.mappers:  # the caller's other local-reply settings stay
+        del manager.local_reply_config.mappers[:]
+        manager.local_reply_config.mappers.extend(replies.mappers)
 
 
 def local_replies(

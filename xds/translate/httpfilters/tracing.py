@@ -357,9 +357,10 @@ def traced_inbound_cluster(trailers: bool, name: str = TRACED_INBOUND) -> cluste
 
 @lru_cache(maxsize=1)
 def trace_id_to_metadata() -> hcm.HttpFilter:
-    """A split gateway's first filter: the trace id and the upstream cluster its internal
-    listener's answer carries, out of the answer (the client never sees them) into the
-    metadata its access logs read."""
+    """A split gateway's first filter: what its internal listener's answer carries back
+    (_TRACED_ANSWER: the trace id, the upstream cluster, the response flags and the upstream
+    connection there), out of the answer (the client never sees them) into the metadata its
+    access logs read."""
     rules = [
         header_to_metadata_pb2.Config.Rule(
             header=header,

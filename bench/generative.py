@@ -14,6 +14,11 @@ Two ways to the same backends, and a bench backend of its own:
   floor   two bare Envoys in a row (the router alone, HTTP/1.1, no TLS: testing.envoy's
           bare_proxy) in front of the same backends' sockets, rotating with mesh and direct:
           what any two proxies add on this machine, the floor under the mesh's figures
+  floor_mtls  the same two with mutual TLS between them, as the gateway reaches a sidecar
+          (certificates of meshfn's CA, the peer's SPIFFE ID pinned, HTTP/1.1 inside): what
+          any zero-trust pair of proxies adds, so `mesh_over_mtls_floor_ms` is what meshfn's
+          policies cost (routing by the body's model, JWT, authorization, audit, tracing, the
+          drift breaker's feed)
   joined  mesh and direct again (16 streams) with tiny-lm-joined: tiny-lm on the same backends
           with generation.streamInterval 4 (a Function the benchmark adds to its copy of the
           examples): an event per four tokens, so each proxy handles a quarter of the chunks
@@ -24,7 +29,7 @@ Two ways to the same backends, and a bench backend of its own:
           generation.auditText hmac: the accounting and audit a budgeted request costs)
 Each measure streams N concurrent `/v1/completions` (stream: true, a fixed seed and `--tokens`
 max_tokens, temperature 0.8) over kept-alive connections (as the SDK's client pool does);
-mesh, direct and floor take turns, which goes first rotating too, `--pairs` rounds at one
+mesh, direct and the floors take turns, which goes first rotating too, `--pairs` rounds at one
 stream (in blocks of `--block` rounds each way) and `--rounds` at more. Stream by stream, every stream
 through the mesh would follow one straight to the backend, which leaves the Envoys idle (their
 caches cold) and the backend warm: each mesh stream would pay for the proxies' wake-up and
@@ -51,8 +56,9 @@ Prints one line:
   at 16 streams; batched_tokens_ratio: the bench backend's tokens/s at 16 streams with batching
   over without)
 and writes bench/results/generative.json (or --json) with every figure: per concurrency and
-way, TTFT and ITL added by the mesh (paired medians), by the floor's two bare proxies
-(`floor_added_ms`) and by the mesh over them (`mesh_over_floor_ms`), the accounting/audit
+way, TTFT and ITL added by the mesh (paired medians), by the floors' two bare proxies
+(`floor_added_ms`, `mtls_floor_added_ms`) and by the mesh over them (`mesh_over_floor_ms`,
+`mesh_over_mtls_floor_ms`), the accounting/audit
 overhead, batching's ITL p99 both ways.
 """
 
@@ -331,10 +337,11 @@ async def mesh_backends(
 
 async def measure_all(
     args: argparse.Namespace, levels: list[int], gateway: str, token: str, sockets: list[Path],
-    bench: str, backends: dict[str, list[str]], chain: Callable[[list[Path]], int],
+    bench: str, backends: dict[str, list[str]], chain: Callable[[list[Path], bool], int],
 ) -> dict[str, dict[int, list[dict[str, Any]]]]:  # fmt: skip
     """Every way's rounds; `backends` gets the backends (their state folders) each model's
-    direct way went to; `chain` starts two bare proxies to the given sockets (their port)."""
+    direct way went to; `chain` starts two bare proxies to the given sockets, with mutual TLS
+    between them or not (their port)."""
     timeout = aiohttp.ClientTimeout(total=300)
     plain = {"content-type": "application/json"}
     acme = {**plain, TENANT_HEADER: "acme"}  # what the sidecar writes from the token's claim
@@ -358,18 +365,21 @@ async def measure_all(
             return Way([to_sockets[i] for i in chosen[model]], "http://backend" +
                        path.format(model), model, acme)  # fmt: skip
 
-        floor = f"http://127.0.0.1:{chain([sockets[i] for i in chosen['tiny-lm']])}"
+        to = [sockets[i] for i in chosen["tiny-lm"]]
+        floor = f"http://127.0.0.1:{chain(to, False)}"
+        floor_mtls = f"http://127.0.0.1:{chain(to, True)}"
         ways = {
             "mesh": mesh,
             "direct": direct("tiny-lm"),
             "floor": Way([tcp], floor + path.format("tiny-lm"), "tiny-lm", acme),
+            "floor_mtls": Way([tcp], floor_mtls + path.format("tiny-lm"), "tiny-lm", acme),
             "mesh_joined": mesh_joined,
             "direct_joined": direct(JOINED),
             "bench_batched": Way([tcp], bench + path.format("tiny-lm"), "tiny-lm", plain),
             "bench_unbatched": Way([tcp], bench + path.format("tiny-solo"), "tiny-solo", plain),
             "bench_accounted": Way([tcp], bench + path.format("tiny-acct"), "tiny-acct", acme),
         }
-        pairs = [("mesh", "direct", "floor"), ("mesh_joined", "direct_joined")]
+        pairs = [("mesh", "direct", "floor", "floor_mtls"), ("mesh_joined", "direct_joined")]
         return await run_ways(ways, pairs, levels, args.rounds, args.pairs, args.tokens, args.block)
 
 
@@ -406,9 +416,10 @@ def main() -> None:
         )
         backends: dict[str, list[str]] = {}
 
-        def chain(to: list[Path]) -> int:
+        def chain(to: list[Path], mtls: bool) -> int:
             upstreams = [{"pipe": {"path": str(socket)}} for socket in to]
-            return start_bare_chain(procs, tmp, "floor", upstreams)[0]
+            name = "floor-mtls" if mtls else "floor"
+            return start_bare_chain(procs, tmp, name, upstreams, mtls=mtls)[0]
 
         runs = asyncio.run(
             measure_all(args, levels, gateway, token, sockets, bench, backends, chain)
@@ -455,6 +466,20 @@ def main() -> None:
         "mesh_over_floor_ms": {
             str(n): {
                 key: added(runs["mesh"][n][1:], runs["floor"][n][1:], key)
+                for key in ("ttft", "itl")
+            }
+            for n in levels
+        },
+        "mtls_floor_added_ms": {
+            str(n): {
+                key: added(runs["floor_mtls"][n][1:], runs["direct"][n][1:], key)
+                for key in ("ttft", "itl")
+            }
+            for n in levels
+        },
+        "mesh_over_mtls_floor_ms": {
+            str(n): {
+                key: added(runs["mesh"][n][1:], runs["floor_mtls"][n][1:], key)
                 for key in ("ttft", "itl")
             }
             for n in levels

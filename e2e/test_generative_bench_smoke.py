@@ -1,6 +1,7 @@
 """bench/generative.py runs end to end (tiny sizes: one and two streams, a few tokens, one
 round, two pairs at one stream in blocks of two and again stream by stream; streamInterval 4
-paired at the top; two bare proxies as the floor beside mesh and direct) and prints its one
+paired at the top; two bare proxies as the floor beside mesh and direct, plain and with mutual
+TLS between them) and prints its one
 summary line; its figures are consistent with each other."""
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ def test_generative_bench_smoke(tmp_path: Path) -> None:
     ), line
     figures = data["figures"]
     assert set(figures) == {
-        "mesh", "direct", "floor", "mesh_joined", "direct_joined", "bench_batched", "bench_unbatched",
+        "mesh", "direct", "floor", "floor_mtls", "mesh_joined", "direct_joined", "bench_batched", "bench_unbatched",
         "bench_accounted", "mesh_alternating", "direct_alternating",
     }  # fmt: skip
     assert set(figures["mesh_alternating"]) == set(figures["direct_alternating"]) == {"1"}
     assert set(data["one_stream_alternating_added_ms"]) == {"ttft", "itl"}
-    assert set(figures["mesh"]) == set(figures["direct"]) == set(figures["floor"]) == {"1", "2"}
+    assert set(figures["mesh"]) == set(figures["direct"]) == {"1", "2"}
+    assert set(figures["floor"]) == set(figures["floor_mtls"]) == {"1", "2"}
     assert set(figures["bench_unbatched"]) == {"2"}  # batching is compared at the top only
     # streamInterval 4 through the mesh and straight, paired at the top level
     assert set(figures["mesh_joined"]) == set(figures["direct_joined"]) == {"2"}
@@ -47,8 +49,13 @@ def test_generative_bench_smoke(tmp_path: Path) -> None:
     # what the mesh adds is paired with the same backends straight: both kinds, every level
     assert set(data["mesh_added_ms"]) == {"1", "2"}
     assert data["summary"]["mesh_ttft_added_ms"] == data["mesh_added_ms"]["1"]["ttft"]
-    # and the floor, two bare proxies to the same backends, against both
-    for key in ("floor_added_ms", "mesh_over_floor_ms"):
+    # and the floors, two bare proxies to the same backends (plain, mutual TLS), against both
+    for key in (
+        "floor_added_ms",
+        "mesh_over_floor_ms",
+        "mtls_floor_added_ms",
+        "mesh_over_mtls_floor_ms",
+    ):
         assert set(data[key]) == {"1", "2"} and all(
             set(v) == {"ttft", "itl"} for v in data[key].values()
         )

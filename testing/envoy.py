@@ -9,6 +9,7 @@ An admin interface is a TCP port on loopback (static configs of tests, a Gateway
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import tempfile
@@ -17,7 +18,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from meshfn.common.files import write_private
 from meshfn.common.unix import unix_request
+from meshfn.control_plane.identity.ca import CertificateAuthority
+from meshfn.control_plane.identity.spiffe import SpiffeId
 from meshfn.control_plane.runtime.bootstrap import RUNTIME, admin_socket_path
 from meshfn.control_plane.runtime.envoy import envoy_argv, envoy_binary
 
@@ -208,6 +212,59 @@ def bare_proxy(
     return config
 
 
+TLS = "envoy.transport_sockets.tls"
+
+
+def mtls_hop(client: dict[str, Any], server: dict[str, Any], pki: Path) -> None:
+    """Make the hop from bare proxy `client` to bare proxy `server` mutual TLS, as meshfn's
+    gateway reaches a sidecar (`xds.translate.security`): certificates of meshfn's own CA
+    (written to `pki`), TLS 1.2 at least, the server requiring a client certificate, the client
+    accepting only the server's SPIFFE ID; the protocol stays the downstream's (HTTP/1.1)."""
+    ca = CertificateAuthority(pki, "floor.local")
+    (pki / "bundle.pem").write_text(ca.trust_bundle_pem())
+    ids = {}
+    for role in ("client", "server"):
+        spiffe = SpiffeId("floor.local", "floor", role)
+        issued = ca.issue(spiffe, dt.timedelta(days=1))
+        write_private(pki / f"{role}.key", issued.private_key_pem.encode())
+        (pki / f"{role}.pem").write_text(issued.certificate_pem)
+        ids[role] = str(spiffe)
+
+    def context(role: str, peer: str | None) -> dict[str, Any]:
+        validation: dict[str, Any] = {"trusted_ca": {"filename": str(pki / "bundle.pem")}}
+        if peer is not None:
+            validation["match_typed_subject_alt_names"] = [
+                {"san_type": "URI", "matcher": {"exact": peer}}
+            ]
+        return {
+            "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+            "tls_certificates": [
+                {
+                    "certificate_chain": {"filename": str(pki / f"{role}.pem")},
+                    "private_key": {"filename": str(pki / f"{role}.key")},
+                }
+            ],
+            "validation_context": validation,
+        }
+
+    upstream = next(c for c in client["static_resources"]["clusters"] if c["name"] == "upstream")
+    upstream["transport_socket"] = {
+        "name": TLS,
+        "typed_config": {
+            "@type": f"{API}.transport_sockets.tls.v3.UpstreamTlsContext",
+            "common_tls_context": context("client", ids["server"]),
+        },
+    }
+    server["static_resources"]["listeners"][0]["filter_chains"][0]["transport_socket"] = {
+        "name": TLS,
+        "typed_config": {
+            "@type": f"{API}.transport_sockets.tls.v3.DownstreamTlsContext",
+            "require_client_certificate": True,
+            "common_tls_context": context("server", None),
+        },
+    }
+
+
 def start_bare_chain(
     procs: Processes,
     work: Path,
@@ -215,15 +272,21 @@ def start_bare_chain(
     upstreams: list[dict[str, Any]] | None,
     tracing: Mapping[str, Any] | None = None,
     clusters: list[dict[str, Any]] | None = None,
+    *,
+    mtls: bool = False,
 ) -> tuple[int, list[Proc]]:
     """Two bare proxies in a row (`bare_proxy`), as a gateway and a sidecar stand between a
     client and a backend: the first one's port, and both processes. The first one traces with
-    `tracing`; the second one forwards what the first one sends."""
+    `tracing`; the second one forwards what the first one sends. `mtls`: the hop between them
+    is mutual TLS as a gateway reaches a sidecar (`mtls_hop`), so a floor under a zero-trust
+    mesh pays for what zero trust itself costs."""
     first, second, first_admin, second_admin = free_ports(4)
     configs = {
         f"{name}-1": bare_proxy(f"{name}-1", first, first_admin, [loopback(second)], tracing, clusters),
         f"{name}-2": bare_proxy(f"{name}-2", second, second_admin, upstreams),
     }  # fmt: skip
+    if mtls:
+        mtls_hop(configs[f"{name}-1"], configs[f"{name}-2"], work / f"{name}-pki")
     started: list[Proc] = []
     for (proxy, config), admin in zip(configs.items(), (first_admin, second_admin), strict=True):
         path = work / f"{proxy}.json"

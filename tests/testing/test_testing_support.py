@@ -4,11 +4,15 @@ command line, policy builders that load, and product code that never imports the
 from __future__ import annotations
 
 import errno
+import http.client
 import http.server
+import json
 import re
 import socket
+import ssl
 import sys
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from datetime import timedelta
@@ -237,6 +241,42 @@ def test_two_bare_proxies_forward_to_their_upstream_and_the_first_one_traces(
         with urllib.request.urlopen(f"http://127.0.0.1:{answering}/any", timeout=10) as reply:
             assert reply.status == 200 and reply.read() == b"{}"
         assert set(dict(_Seen.seen)) == {"/plain", "/traced"}  # it never reached the upstream
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_bare_chain_with_mtls_crosses_its_hop_over_mutual_tls_only(
+    procs: Processes, tmp_path: Path
+) -> None:
+    """The zero-trust floor (start_bare_chain's `mtls`): a request crosses both proxies; the
+    second one takes only a TLS client with a certificate of the chain's CA (plaintext and a
+    client without a certificate both fail), and the first one pins the second one's ID."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Seen)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        upstream = [envoy.loopback(server.server_address[1])]
+        port, _ = envoy.start_bare_chain(procs, tmp_path, "zt", upstream, mtls=True)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/zt", timeout=10) as reply:
+            assert reply.status == 204
+        assert "/zt" in dict(_Seen.seen)
+        second = json.loads((tmp_path / "zt-2.json").read_text())
+        (listener,) = second["static_resources"]["listeners"]
+        inner = listener["address"]["socket_address"]["port_value"]
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://127.0.0.1:{inner}/zt-plain", timeout=10)
+        bare = ssl.create_default_context(cafile=str(tmp_path / "zt-pki" / "bundle.pem"))
+        bare.check_hostname = False
+        with pytest.raises((ssl.SSLError, ConnectionError, urllib.error.URLError)):
+            urllib.request.urlopen(f"https://127.0.0.1:{inner}/zt-nocert", timeout=10, context=bare)
+        assert {"/zt-plain", "/zt-nocert"}.isdisjoint(dict(_Seen.seen))
+        first = json.loads((tmp_path / "zt-1.json").read_text())
+        (cluster,) = [c for c in first["static_resources"]["clusters"] if c["name"] == "upstream"]
+        tls = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+        sans = tls["validation_context"]["match_typed_subject_alt_names"]
+        assert sans == [
+            {"san_type": "URI", "matcher": {"exact": "spiffe://floor.local/ns/floor/sa/server"}}
+        ]
     finally:
         server.shutdown()
         server.server_close()

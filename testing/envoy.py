@@ -222,13 +222,10 @@ def mtls_hop(client: dict[str, Any], server: dict[str, Any], pki: Path) -> None:
     accepting only the server's SPIFFE ID; the protocol stays the downstream's (HTTP/1.1)."""
     ca = CertificateAuthority(pki, "floor.local")
     (pki / "bundle.pem").write_text(ca.trust_bundle_pem())
-    ids = {}
     for role in ("client", "server"):
-        spiffe = SpiffeId("floor.local", "floor", role)
-        issued = ca.issue(spiffe, dt.timedelta(days=1))
+        issued = ca.issue(SpiffeId("floor.local", "floor", role), dt.timedelta(days=1))
         write_private(pki / f"{role}.key", issued.private_key_pem.encode())
         (pki / f"{role}.pem").write_text(issued.certificate_pem)
-        ids[role] = str(spiffe)
 
     def context(role: str, peer: str | None) -> dict[str, Any]:
         validation: dict[str, Any] = {"trusted_ca": {"filename": str(pki / "bundle.pem")}}
@@ -252,7 +249,9 @@ def mtls_hop(client: dict[str, Any], server: dict[str, Any], pki: Path) -> None:
         "name": TLS,
         "typed_config": {
             "@type": f"{API}.transport_sockets.tls.v3.UpstreamTlsContext",
-            "common_tls_context": context("client", ids["server"]),
+            "common_tls_context": context(
+                "client", str(SpiffeId("floor.local", "floor", "server"))
+            ),
         },
     }
     server["static_resources"]["listeners"][0]["filter_chains"][0]["transport_socket"] = {

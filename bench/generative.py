@@ -442,6 +442,16 @@ def main() -> None:
         ),
     }
     bench_f = figures["bench_batched"][high]
+
+    def per_level(way: str, under: str) -> dict[str, dict[str, float]]:
+        """What `way` adds over `under` at every level, TTFT and ITL (paired medians)."""
+        return {
+            str(n): {
+                key: added(runs[way][n][1:], runs[under][n][1:], key) for key in ("ttft", "itl")
+            }
+            for n in levels
+        }
+
     detail = {
         "one_stream_alternating_added_ms": {
             key: added(runs["mesh_alternating"][1][1:], runs["direct_alternating"][1][1:], key)
@@ -449,41 +459,11 @@ def main() -> None:
         }
         if "mesh_alternating" in runs
         else None,
-        "mesh_added_ms": {
-            str(n): {
-                key: added(runs["mesh"][n][1:], runs["direct"][n][1:], key)
-                for key in ("ttft", "itl")
-            }
-            for n in levels
-        },
-        "floor_added_ms": {
-            str(n): {
-                key: added(runs["floor"][n][1:], runs["direct"][n][1:], key)
-                for key in ("ttft", "itl")
-            }
-            for n in levels
-        },
-        "mesh_over_floor_ms": {
-            str(n): {
-                key: added(runs["mesh"][n][1:], runs["floor"][n][1:], key)
-                for key in ("ttft", "itl")
-            }
-            for n in levels
-        },
-        "mtls_floor_added_ms": {
-            str(n): {
-                key: added(runs["floor_mtls"][n][1:], runs["direct"][n][1:], key)
-                for key in ("ttft", "itl")
-            }
-            for n in levels
-        },
-        "mesh_over_mtls_floor_ms": {
-            str(n): {
-                key: added(runs["mesh"][n][1:], runs["floor_mtls"][n][1:], key)
-                for key in ("ttft", "itl")
-            }
-            for n in levels
-        },
+        "mesh_added_ms": per_level("mesh", "direct"),
+        "floor_added_ms": per_level("floor", "direct"),
+        "mesh_over_floor_ms": per_level("mesh", "floor"),
+        "mtls_floor_added_ms": per_level("floor_mtls", "direct"),
+        "mesh_over_mtls_floor_ms": per_level("mesh", "floor_mtls"),
         "mesh_tokens_ratio": round(
             mesh[high]["tokens_per_s"] / figures["direct"][high]["tokens_per_s"], 3
         ),

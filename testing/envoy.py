@@ -24,6 +24,7 @@ from meshfn.control_plane.identity.ca import CertificateAuthority
 from meshfn.control_plane.identity.spiffe import SpiffeId
 from meshfn.control_plane.runtime.bootstrap import RUNTIME, admin_socket_path
 from meshfn.control_plane.runtime.envoy import envoy_argv, envoy_binary
+from meshfn.xds.translate.security import TLS_SOCKET
 
 from .ports import free_ports
 from .processes import Proc, Processes, wait_for
@@ -212,9 +213,6 @@ def bare_proxy(
     return config
 
 
-TLS = "envoy.transport_sockets.tls"
-
-
 def mtls_hop(client: dict[str, Any], server: dict[str, Any], pki: Path) -> None:
     """Make the hop from bare proxy `client` to bare proxy `server` mutual TLS, as meshfn's
     gateway reaches a sidecar (`xds.translate.security`): certificates of meshfn's own CA
@@ -222,8 +220,9 @@ def mtls_hop(client: dict[str, Any], server: dict[str, Any], pki: Path) -> None:
     accepting only the server's SPIFFE ID; the protocol stays the downstream's (HTTP/1.1)."""
     ca = CertificateAuthority(pki, "floor.local")
     (pki / "bundle.pem").write_text(ca.trust_bundle_pem())
-    for role in ("client", "server"):
-        issued = ca.issue(SpiffeId("floor.local", "floor", role), dt.timedelta(days=1))
+    ids = {role: SpiffeId("floor.local", "floor", role) for role in ("client", "server")}
+    for role, spiffe in ids.items():
+        issued = ca.issue(spiffe, dt.timedelta(days=1))
         write_private(pki / f"{role}.key", issued.private_key_pem.encode())
         (pki / f"{role}.pem").write_text(issued.certificate_pem)
 
@@ -246,16 +245,14 @@ def mtls_hop(client: dict[str, Any], server: dict[str, Any], pki: Path) -> None:
 
     upstream = next(c for c in client["static_resources"]["clusters"] if c["name"] == "upstream")
     upstream["transport_socket"] = {
-        "name": TLS,
+        "name": TLS_SOCKET,
         "typed_config": {
             "@type": f"{API}.transport_sockets.tls.v3.UpstreamTlsContext",
-            "common_tls_context": context(
-                "client", str(SpiffeId("floor.local", "floor", "server"))
-            ),
+            "common_tls_context": context("client", str(ids["server"])),
         },
     }
     server["static_resources"]["listeners"][0]["filter_chains"][0]["transport_socket"] = {
-        "name": TLS,
+        "name": TLS_SOCKET,
         "typed_config": {
             "@type": f"{API}.transport_sockets.tls.v3.DownstreamTlsContext",
             "require_client_certificate": True,

@@ -39,7 +39,7 @@ def session(model: Any, unsigned_activations: bool = True) -> ort.InferenceSessi
     int8 with VPMADDUBSW, whose int16 pair sums saturate: its answers then differ from the
     integer arithmetic ONNX defines (and the compiled model computes) by up to ~0.3 on these
     models. `session.x64quantprecision` makes it use exact uint8 kernels instead; it has none
-    for int8 activations (QLinearMatMul), whose kernels do not saturate anyway."""
+    for int8 activations (QLinearMatMul), whose default ones matched the compiled model there."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     if unsigned_activations:

@@ -45,6 +45,9 @@ the JSON) to show the difference:
         would make gaps of ~0 out of real decode steps
   tokens_per_s  completion tokens (the usage the backend reports) over the wall time of a
         round, summed over its streams
+`--placed PROXY_CPUS:BACKEND_CPUS` runs every Envoy (the mesh's, through `meshfn up
+--proxy-cpus`, and the floors') on the first CPUs and every backend on the others
+(docs/operations/placement.md); the JSON's `placed` says which.
 Percentiles are over every stream of every round. What the mesh adds is the median over the
 rounds of mesh minus direct in the same pair of rounds: a shared machine's load moves both.
 
@@ -79,6 +82,7 @@ from typing import Any
 
 import aiohttp
 
+from meshfn.common.processes import cpu_list, pinned
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.inference.examples import publish_examples
 from meshfn.testing import policies as p
@@ -110,6 +114,15 @@ FUNCTIONS: list[dict[str, Any]] = [
      "qos": {"policy": "default/bench-tokens", "defaultClass": "std",
              "classes": [{"name": "std", "tokens": [{"tokens": 10**12, "per": "month"}]}]}},
 ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Placement:
+    """--placed: where the Envoys and the backends run, and the lists as given."""
+
+    proxies: frozenset[int]
+    backends: frozenset[int]
+    text: tuple[str, str]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -196,7 +209,9 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def start_backend(procs: Processes, tmp: Path, registry: Path, key: Path) -> str:
+def start_backend(
+    procs: Processes, tmp: Path, registry: Path, key: Path, cpus: frozenset[int] | None
+) -> str:
     config = tmp / "backend.json"
     config.write_text(
         json.dumps(
@@ -209,6 +224,7 @@ def start_backend(procs: Processes, tmp: Path, registry: Path, key: Path) -> str
         "backend",
         [PY, "-P", "-m", "meshfn.inference", "serve", "--config", str(config),
          "--port", str(port), "--grpc-port", str(grpc_port), "--log-level", "warning"],
+        preexec=pinned(cpus),
     )  # fmt: skip
     ready = f"http://127.0.0.1:{port}/v2/health/ready"
     wait_for("backend ready", lambda: http_ok(ready), 120, proc=proc)
@@ -229,10 +245,11 @@ spec:
 
 
 def start_mesh(
-    procs: Processes, tmp: Path, registry: Path, key: Path
+    procs: Processes, tmp: Path, registry: Path, key: Path, placed: Placement | None
 ) -> tuple[str, str, list[Path]]:
     """The example mesh with tiny-lm-joined added: (gateway URL, acme's token, the HTTP sockets
     of the backends that serve tiny-lm, which their sidecars forward to)."""
+    where = ["--proxy-cpus", placed.text[0], "--backend-cpus", placed.text[1]] if placed else []
     joined = tmp / "joined.yaml"
     joined.write_text(JOINED_POLICY)
     mapping = p.remap(EXAMPLES, tmp / "policies", joined)
@@ -241,7 +258,7 @@ def start_mesh(
         "up",
         [MESHFN, "up", "--policies", str(tmp / "policies"), "--state-dir", str(state),
          "--functions-registry", str(registry), "--trusted-key", str(key),
-         "--envoy-concurrency", "1"],
+         "--envoy-concurrency", "1", *where],
     )  # fmt: skip
     wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=300)
     children = json.loads((state / "state.json").read_text())["children"]
@@ -393,7 +410,22 @@ def main() -> None:
     )
     parser.add_argument("--concurrency", default="1,4,16", help="streams at once, comma-separated")
     parser.add_argument("--json", type=Path, default=RESULTS / "generative.json")
+    parser.add_argument(
+        "--placed",
+        metavar="PROXY_CPUS:BACKEND_CPUS",
+        help="run every Envoy (the mesh's and the floors') on PROXY_CPUS and every backend on "
+        "BACKEND_CPUS (Linux CPU lists; meshfn up --proxy-cpus/--backend-cpus), e.g. 0:1",
+    )
     args = parser.parse_args()
+    placed = None
+    if args.placed is not None:
+        proxies, colon, backends_at = args.placed.partition(":")
+        try:
+            placed = Placement(cpu_list(proxies), cpu_list(backends_at), (proxies, backends_at))
+        except ValueError as exc:
+            parser.error(f"--placed: {exc}")
+        if not colon:
+            parser.error("--placed: PROXY_CPUS:BACKEND_CPUS, e.g. 0:1")
     if args.block < 1:
         parser.error("--block must be at least 1")
     levels = sorted({int(c) for c in args.concurrency.split(",")})
@@ -406,8 +438,10 @@ def main() -> None:
     procs = Processes(tmp)
     try:
         _, key = publish_examples(tmp / "functions")
-        bench = start_backend(procs, tmp, tmp / "functions", key)
-        gateway, token, sockets = start_mesh(procs, tmp, tmp / "functions", key)
+        bench = start_backend(
+            procs, tmp, tmp / "functions", key, placed.backends if placed else None
+        )
+        gateway, token, sockets = start_mesh(procs, tmp, tmp / "functions", key, placed)
         mesh_headers = {"content-type": "application/json", "authorization": f"Bearer {token}"}
         wait_for(
             "tiny-lm through the mesh",
@@ -419,7 +453,8 @@ def main() -> None:
         def chain(to: list[Path], mtls: bool) -> int:
             upstreams = [{"pipe": {"path": str(socket)}} for socket in to]
             name = "floor-mtls" if mtls else "floor"
-            return start_bare_chain(procs, tmp, name, upstreams, mtls=mtls)[0]
+            cpus = placed.proxies if placed else None
+            return start_bare_chain(procs, tmp, name, upstreams, mtls=mtls, cpus=cpus)[0]
 
         runs = asyncio.run(
             measure_all(args, levels, gateway, token, sockets, bench, backends, chain)
@@ -492,7 +527,9 @@ def main() -> None:
     args.json.write_text(
         json.dumps({"summary": result, **detail, "figures": figures, "tokens": args.tokens,
                     "rounds": args.rounds, "pairs": args.pairs, "block": args.block,
-                    "direct_backends": backends},
+                    "direct_backends": backends,
+                    "placed": {"proxy_cpus": sorted(placed.proxies),
+                               "backend_cpus": sorted(placed.backends)} if placed else None},
                    indent=1)
     )  # fmt: skip
     print("generative: " + " ".join(f"{k}={v}" for k, v in result.items()))

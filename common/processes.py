@@ -11,6 +11,7 @@ import ctypes
 import os
 import resource
 import signal
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 
@@ -45,3 +46,58 @@ def raise_open_files_limit() -> None:
     if soft != resource.RLIM_INFINITY and soft < target:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+_MAX_CPUS = 8192  # the kernel's own limit (CONFIG_NR_CPUS)
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """A Linux CPU list ("1", "0-3,8", as taskset -c and cpuset.cpus write it), checked against
+    the CPUs this process may run on (ValueError saying which are not)."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"{text!r} is not a CPU list (like 1 or 0-3,8)")
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise ValueError(f"{part!r}: a range goes up (like 0-3)")
+        if last >= _MAX_CPUS:
+            raise ValueError(f"CPU {last} is beyond any this machine could have")
+        cpus.update(range(first, last + 1))
+    allowed = os.sched_getaffinity(0)
+    if missing := cpus - allowed:
+        many = len(missing) > 1
+        raise ValueError(
+            f"CPU{'s' if many else ''} {_as_list(missing)} {'are' if many else 'is'} not among "
+            f"those this process may run on ({_as_list(allowed)})"
+        )
+    return frozenset(cpus)
+
+
+def _as_list(cpus: set[int] | frozenset[int]) -> str:
+    ranges: list[str] = []
+    for cpu in sorted(cpus):
+        if ranges and cpu == int(ranges[-1].rsplit("-", 1)[-1]) + 1:
+            ranges[-1] = f"{ranges[-1].split('-')[0]}-{cpu}"
+        else:
+            ranges.append(str(cpu))
+    return ",".join(ranges)
+
+
+def pinned(
+    cpus: frozenset[int] | None, then: Callable[[], None] | None = None
+) -> Callable[[], None] | None:
+    """For `preexec_fn`: keep the child, and every thread it starts, on `cpus` (None: wherever
+    the kernel puts it), then run `then`. On a small VM a thread woken on another vCPU waits
+    for that vCPU to wake, tens of µs or more (docs/benchmarks.md#generative): a process whose
+    threads hand work to each other runs faster on one CPU."""
+    if cpus is None:
+        return then
+
+    def preexec() -> None:
+        os.sched_setaffinity(0, cpus)
+        if then is not None:
+            then()
+
+    return preexec

@@ -2,17 +2,23 @@
 round, two pairs at one stream in blocks of two and again stream by stream; streamInterval 4
 paired at the top; two bare proxies as the floor beside mesh and direct, plain and with mutual
 TLS between them) and prints its one
-summary line; its figures are consistent with each other."""
+summary line; its figures are consistent with each other. Again with `--placed`: the proxies
+and the backends on CPUs apart."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
+import pytest
 from meshfn_e2e import run_bench
 
 
-def test_generative_bench_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize("placed", [False, True], ids=["free", "placed"])
+def test_generative_bench_smoke(tmp_path: Path, placed: bool) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    where = {"proxy_cpus": allowed[:1], "backend_cpus": allowed[-1:]}
     tiny = [
         "--tokens",
         "8",
@@ -25,7 +31,10 @@ def test_generative_bench_smoke(tmp_path: Path) -> None:
         "--concurrency",
         "1,2",
     ]
+    if placed:
+        tiny += ["--placed", f"{allowed[0]}:{allowed[-1]}"]
     line, data = run_bench("generative.py", tiny, tmp_path, timeout=900)
+    assert data["placed"] == (where if placed else None)
     assert re.match(
         r"^generative: ttft_p50_ms=[\d.]+ ttft_p99_ms=[\d.]+ itl_p50_ms=[\d.]+ "
         r"itl_p99_ms=[\d.]+ mesh_ttft_added_ms=-?[\d.]+ tokens_per_s=[\d.]+ "

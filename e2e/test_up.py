@@ -146,18 +146,25 @@ def test_envoy_is_restarted_when_it_dies(procs: Processes, delta_policies: Polic
     wait_for_synced(delta_policies, up)
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    ("stop_signal", "placed"), [(signal.SIGINT, False), (signal.SIGTERM, True)], ids=["int", "term"]
+)
 def test_up_on_the_examples_and_clean_shutdown(
-    procs: Processes, tmp_path: Path, stop_signal: int
+    procs: Processes, tmp_path: Path, stop_signal: int, placed: bool
 ) -> None:
-    """The README's `./dev.sh up`: every example works end to end, then a clean stop."""
+    """The README's `./dev.sh up`: every example works end to end, then a clean stop. `placed`:
+    with the proxies and the backends on CPUs apart (--proxy-cpus, --backend-cpus)."""
     mapping = remap_examples(tmp_path / "examples")
     listener, admin = mapping[10000], mapping[18001]
     state = tmp_path / "state"
+    allowed = sorted(os.sched_getaffinity(0))
+    proxy_cpu, backend_cpu = allowed[0], allowed[-1]  # the same one where only one is allowed
+    placement = ["--proxy-cpus", str(proxy_cpu), "--backend-cpus", str(backend_cpu)]
     up = procs.start(
         "up",
         [MESHFN, "up", "--policies", str(tmp_path / "examples"), "--state-dir", str(state),
-         "--functions-registry", str(tmp_path / "functions"), "--publish-examples"],
+         "--functions-registry", str(tmp_path / "functions"), "--publish-examples",
+         *(placement if placed else [])],
     )  # fmt: skip
     # The first build of the example functions takes a minute; later runs use the cache.
     wait_for("the example mesh", lambda: "Ctrl-C stops everything" in up.output(), timeout=240)
@@ -214,9 +221,16 @@ def test_up_on_the_examples_and_clean_shutdown(
     assert len(status["proxies"]) == 5 and all(
         t["in_sync"] for p in status["proxies"] for t in p["types"].values()
     )
-    children = list(json.loads((state / "state.json").read_text())["children"].values())
+    named = json.loads((state / "state.json").read_text())["children"]
+    children = list(named.values())
     # 5 Envoys (the gateway, 4 sidecars), 3 inference backends, 1 placeholder upstream.
     assert len(children) == 9 and all(alive(pid) for pid in children)
+    if placed:  # every thread of each child on its CPU; unplaced, on any the test may use
+        for name, pid in named.items():
+            want = {proxy_cpu} if name.startswith("envoy ") else {backend_cpu}
+            assert _thread_cpus(pid) == [want], name
+    else:
+        assert all(_thread_cpus(pid) == [set(allowed)] for pid in children)
     output = up.output()
     # pastes as it is: this meshfn by its path (relative to the caller's directory), plain
     # `meshfn` only if PATH finds this one
@@ -241,6 +255,17 @@ def test_up_on_the_examples_and_clean_shutdown(
     from meshfn.ebpf import Accelerator
 
     assert Accelerator(state).stats()["attached"] == 0, "eBPF stayed attached after meshfn up"
+
+
+def _thread_cpus(pid: int) -> list[set[int]]:
+    """The distinct CPU sets of a process's threads."""
+    found: set[frozenset[int]] = set()
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found.add(frozenset(os.sched_getaffinity(int(thread))))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+    return [set(cpus) for cpus in found]
 
 
 def _check_audit_trail(state: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from meshfn.common.files import write_private
+from meshfn.common.processes import pinned
 from meshfn.common.unix import unix_request
 from meshfn.control_plane.identity.ca import CertificateAuthority
 from meshfn.control_plane.identity.spiffe import SpiffeId
@@ -121,11 +122,17 @@ def stat(admin: Admin, name: str) -> int:
 
 
 def start(
-    procs: Processes, name: str, argv: list[str], admin_port: int, timeout: float = 30
+    procs: Processes,
+    name: str,
+    argv: list[str],
+    admin_port: int,
+    timeout: float = 30,
+    cpus: frozenset[int] | None = None,
 ) -> Proc:
-    """Start Envoy and wait until it is LIVE. Raises PortInUse when Envoy could not bind one
-    of its ports (for `ports.retry_on_port_clash`), AssertionError when it exited otherwise."""
-    proc = procs.start(name, argv)
+    """Start Envoy (on `cpus`: None, any) and wait until it is LIVE. Raises PortInUse when
+    Envoy could not bind one of its ports (for `ports.retry_on_port_clash`), AssertionError
+    when it exited otherwise."""
+    proc = procs.start(name, argv, preexec=pinned(cpus))
     wait_for(f"{name} to be live", lambda: live(admin_port), timeout=timeout, proc=proc)
     return proc
 
@@ -270,12 +277,14 @@ def start_bare_chain(
     clusters: list[dict[str, Any]] | None = None,
     *,
     mtls: bool = False,
+    cpus: frozenset[int] | None = None,
 ) -> tuple[int, list[Proc]]:
     """Two bare proxies in a row (`bare_proxy`), as a gateway and a sidecar stand between a
     client and a backend: the first one's port, and both processes. The first one traces with
     `tracing`; the second one forwards what the first one sends. `mtls`: the hop between them
     is mutual TLS as a gateway reaches a sidecar (`mtls_hop`), so a floor under a zero-trust
-    mesh pays for what zero trust itself costs."""
+    mesh pays for what zero trust itself costs. `cpus`: where both run (None: anywhere), as
+    `meshfn up --proxy-cpus` places the mesh's."""
     first, second, first_admin, second_admin = free_ports(4)
     configs = {
         f"{name}-1": bare_proxy(f"{name}-1", first, first_admin, [loopback(second)], tracing, clusters),
@@ -287,5 +296,5 @@ def start_bare_chain(
     for (proxy, config), admin in zip(configs.items(), (first_admin, second_admin), strict=True):
         path = work / f"{proxy}.json"
         path.write_text(json.dumps(config))
-        started.append(start(procs, proxy, argv(path), admin))
+        started.append(start(procs, proxy, argv(path), admin, cpus=cpus))
     return first, started

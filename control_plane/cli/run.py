@@ -13,6 +13,7 @@ import typer
 
 from meshfn.common.cli import err, fail, out
 from meshfn.common.logs import setup_logging
+from meshfn.common.processes import cpu_list
 
 from .shared import (
     DEFAULT_POLICIES,
@@ -67,6 +68,20 @@ def up(
     backend_workers: Annotated[
         int, typer.Option(min=1, max=64, help="threads running wasm per backend process")
     ] = 2,
+    proxy_cpus: Annotated[
+        str | None,
+        typer.Option(
+            help="CPUs every Envoy runs on, a Linux CPU list (0-3,8; default: any). With "
+            "--backend-cpus: the proxies and the backends apart"
+        ),
+    ] = None,
+    backend_cpus: Annotated[
+        str | None,
+        typer.Option(
+            help="CPUs the inference backends and placeholder upstreams run on (default: any); "
+            "one CPU keeps a backend's threads together (docs/operations/placement.md)"
+        ),
+    ] = None,
     log_format: LogFormatOpt = "human",
     log_level: LogLevelOpt = "info",
     admin_listen: AdminListenOpt = "127.0.0.1",
@@ -81,6 +96,12 @@ def up(
     from ..runtime.upstreams import FunctionsSetup
 
     setup_logging(log_format, log_level)
+    placed: dict[str, frozenset[int] | None] = {}
+    for flag, text in (("--proxy-cpus", proxy_cpus), ("--backend-cpus", backend_cpus)):
+        try:
+            placed[flag] = cpu_list(text) if text is not None else None
+        except ValueError as exc:
+            fail(f"{flag}: {exc}")
     secure_state_dir(state_dir)  # before anything is published into it
     registry = functions_registry or state_dir / "functions"
     keys = list(trusted_key or [])
@@ -101,6 +122,8 @@ def up(
             admin_listen,
             token,
             published_versions(registry) if setup is not None else None,
+            placed["--proxy-cpus"],
+            placed["--backend-cpus"],
         )
     )
     raise typer.Exit(code)

@@ -31,7 +31,7 @@ from meshfn.common import env
 from meshfn.common.adminauth import owner_token_path
 from meshfn.common.cli import console as cli_console
 from meshfn.common.files import secure_state_dir
-from meshfn.common.processes import raise_open_files_limit
+from meshfn.common.processes import pinned, raise_open_files_limit
 from meshfn.common.progress import RichReporter
 from meshfn.common.unix import SocketPathTooLong
 from meshfn.contracts.function import BACKEND_STATUS_PATH, TokenLedgerAccess
@@ -87,6 +87,8 @@ class Mesh:
     concurrency: int = 2
     envoy_log_level: str = "warning"
     preexec: Callable[[], None] | None = None  # e.g. join the eBPF cgroup
+    proxy_cpus: frozenset[int] | None = None  # where the Envoys run (None: anywhere)
+    backend_cpus: frozenset[int] | None = None  # where the upstreams run
     audit: AuditTrail | None = None
     sandbox: BackendSandbox | None = None  # the backends' egress cgroups
     traces: TraceCollector = field(default_factory=TraceCollector)
@@ -161,9 +163,8 @@ class Mesh:
             if key not in self.upstreams:
                 run, links = self._run_spec(spec)
                 own = self.sandbox.preexec(run) if self.sandbox is not None else None
-                proc = upstream_process(
-                    run, self.state_dir, self.functions, own or self.preexec, links
-                )
+                preexec = pinned(self.backend_cpus, own or self.preexec)
+                proc = upstream_process(run, self.state_dir, self.functions, preexec, links)
                 self.upstreams[key] = (spec, proc)
                 starts.append(proc.start())
         for service in model.services:
@@ -253,7 +254,7 @@ class Mesh:
                     self.state_dir,
                     self.concurrency,
                     self.envoy_log_level,
-                    preexec=self.preexec,
+                    preexec=pinned(self.proxy_cpus, self.preexec),
                 )
                 self.envoys[group] = (identity, proc)
                 starts.append(proc.start())
@@ -416,9 +417,12 @@ async def run_up(
     admin_host: str = "127.0.0.1",
     admin_token: str | None = None,
     published: Published | None = None,
+    proxy_cpus: frozenset[int] | None = None,
+    backend_cpus: frozenset[int] | None = None,
 ) -> int:
     """`meshfn up`: run the whole mesh until Ctrl-C or SIGTERM; the exit status. `published`:
     the function registry's versions of a function (Rollouts are checked against it).
+    `proxy_cpus`, `backend_cpus`: the CPUs the Envoys and the upstreams run on (None: any).
 
     It runs in three steps, and the order is the point:
     1. Check everything that can refuse the start before anything runs (policy errors, socket
@@ -441,6 +445,7 @@ async def run_up(
         refused.print(console)
         return 1
     mesh = _wired_mesh(cp, state_dir, functions, concurrency, envoy_log_level, acceleration)
+    mesh.proxy_cpus, mesh.backend_cpus = proxy_cpus, backend_cpus
     if sandbox is not None:
         mesh.sandbox = sandbox
         sandbox.backends = lambda: [spec for spec, _ in mesh.upstreams.values()]

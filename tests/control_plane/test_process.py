@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from meshfn.common.processes import cpu_list, pinned
 from meshfn.control_plane.runtime.process import ProcessFailed, SupervisedProcess
-from meshfn.testing.processes import alive
+from meshfn.testing.processes import alive, meshfn
 
 
 def python(code: str) -> list[str]:
@@ -111,3 +112,63 @@ def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
     while alive(child) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not alive(child), "the child outlived its SIGKILLed parent"
+
+
+def test_cpu_lists_parse_as_taskset_writes_them_and_name_what_is_wrong() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    first, last = allowed[0], allowed[-1]
+    assert cpu_list(str(first)) == {first}
+    if allowed == list(range(first, last + 1)):  # a range of CPUs this process may use
+        assert cpu_list(f"{first}-{last}") == set(allowed)
+    assert cpu_list(f"{first},{last}") == {first, last}
+    for bad, says in [
+        ("", "not a CPU list"),
+        ("one", "not a CPU list"),
+        ("1-", "not a CPU list"),
+        ("-1", "not a CPU list"),
+        ("0,,1", "not a CPU list"),
+        ("3-1", "a range goes up"),
+        ("0-99999999", "beyond any this machine could have"),  # refused before it is expanded
+        (str(last + 1), f"CPU {last + 1} is not among those this process may run on"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            cpu_list(bad)
+
+
+async def test_a_pinned_child_and_every_thread_it_starts_stay_on_its_cpus(tmp_path: Path) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    log = tmp_path / "child.log"
+    ran = tmp_path / "then"
+    proc = SupervisedProcess(
+        "pinned",
+        python(
+            "import os, threading, time\n"
+            "t = threading.Thread(target=time.sleep, args=(60,), daemon=True); t.start()\n"
+            "print('ready', sorted(os.sched_getaffinity(0)), flush=True); time.sleep(60)"
+        ),
+        log,
+        ready=marker_ready(log),  # type: ignore[arg-type]
+        preexec=pinned(frozenset({cpu}), lambda: ran.write_text("ran")),
+    )
+    await proc.start()
+    try:
+        assert proc.pid is not None
+        threads = os.listdir(f"/proc/{proc.pid}/task")
+        assert len(threads) == 2
+        assert all(os.sched_getaffinity(int(t)) == {cpu} for t in threads)
+        assert ran.read_text() == "ran"  # the preexec it was given runs after
+    finally:
+        await proc.stop()
+    assert pinned(None, None) is None  # unplaced: nothing to run in the child
+
+
+def test_up_refuses_a_bad_cpu_list_before_it_starts_anything(tmp_path: Path) -> None:
+    beyond = str(max(os.sched_getaffinity(0)) + 1)
+    for flag, value, says in [
+        ("--proxy-cpus", "0-", "--proxy-cpus: '0-' is not a CPU list"),
+        ("--backend-cpus", beyond, f"--backend-cpus: CPU {beyond} is not among those"),
+    ]:
+        state = tmp_path / flag.strip("-")
+        run = meshfn("up", "--policies", str(tmp_path), "--state-dir", str(state), flag, value)
+        assert run.returncode == 1 and says in run.stderr, run.stderr
+        assert not state.exists()  # refused before the state directory was made

@@ -82,7 +82,7 @@ from typing import Any
 
 import aiohttp
 
-from meshfn.common.processes import cpu_list, pinned
+from meshfn.common.processes import cpu_list, cpu_list_text, pinned
 from meshfn.contracts.qos import TENANT_HEADER
 from meshfn.inference.examples import publish_examples
 from meshfn.testing import policies as p
@@ -118,11 +118,10 @@ FUNCTIONS: list[dict[str, Any]] = [
 
 @dataclass(frozen=True)
 class Placement:
-    """--placed: where the Envoys and the backends run, and the lists as given."""
+    """--placed: where the Envoys and the backends run."""
 
     proxies: frozenset[int]
     backends: frozenset[int]
-    text: tuple[str, str]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -249,7 +248,12 @@ def start_mesh(
 ) -> tuple[str, str, list[Path]]:
     """The example mesh with tiny-lm-joined added: (gateway URL, acme's token, the HTTP sockets
     of the backends that serve tiny-lm, which their sidecars forward to)."""
-    where = ["--proxy-cpus", placed.text[0], "--backend-cpus", placed.text[1]] if placed else []
+    where = (
+        ["--proxy-cpus", cpu_list_text(placed.proxies),
+         "--backend-cpus", cpu_list_text(placed.backends)]
+        if placed
+        else []
+    )  # fmt: skip
     joined = tmp / "joined.yaml"
     joined.write_text(JOINED_POLICY)
     mapping = p.remap(EXAMPLES, tmp / "policies", joined)
@@ -420,12 +424,12 @@ def main() -> None:
     placed = None
     if args.placed is not None:
         proxies, colon, backends_at = args.placed.partition(":")
-        try:
-            placed = Placement(cpu_list(proxies), cpu_list(backends_at), (proxies, backends_at))
-        except ValueError as exc:
-            parser.error(f"--placed: {exc}")
         if not colon:
             parser.error("--placed: PROXY_CPUS:BACKEND_CPUS, e.g. 0:1")
+        try:
+            placed = Placement(cpu_list(proxies), cpu_list(backends_at))
+        except ValueError as exc:
+            parser.error(f"--placed: {exc}")
     if args.block < 1:
         parser.error("--block must be at least 1")
     levels = sorted({int(c) for c in args.concurrency.split(",")})

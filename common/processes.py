@@ -69,13 +69,14 @@ def cpu_list(text: str) -> frozenset[int]:
     if missing := cpus - allowed:
         many = len(missing) > 1
         raise ValueError(
-            f"CPU{'s' if many else ''} {_as_list(missing)} {'are' if many else 'is'} not among "
-            f"those this process may run on ({_as_list(allowed)})"
+            f"CPU{'s' if many else ''} {cpu_list_text(missing)} {'are' if many else 'is'} not among "
+            f"those this process may run on ({cpu_list_text(allowed)})"
         )
     return frozenset(cpus)
 
 
-def _as_list(cpus: set[int] | frozenset[int]) -> str:
+def cpu_list_text(cpus: set[int] | frozenset[int]) -> str:
+    """`cpus` as a Linux CPU list, the inverse of `cpu_list` ({0, 1, 2, 5} -> "0-2,5")."""
     ranges: list[str] = []
     for cpu in sorted(cpus):
         if ranges and cpu == int(ranges[-1].rsplit("-", 1)[-1]) + 1:

@@ -33,6 +33,12 @@ class WorkerGate:
     def waiting(self) -> int:
         return sum(1 for heap in self._waiting.values() for w in heap if not w[2].done())
 
+    @property
+    def contended(self) -> bool:
+        """Whether a call waits for a thread (read off the event loop too: a decode loop on a
+        worker thread gives its thread back when another call wants one)."""
+        return bool(self._arrivals)
+
     async def acquire(self, owner: Any, priority: int, timeout: float | None) -> None:
         """A worker thread for one call of `owner` (a function); TimeoutError after `timeout`
         seconds without one (None: no bound). The caller must `release` it after the call."""

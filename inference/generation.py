@@ -349,12 +349,14 @@ class Stream:
         """The consumer is gone: the engine drops the stream before its next step."""
         self.cancelled = True
 
-    def limit(self) -> Reason | None:
+    def limit(self, generated: int | None = None) -> Reason | None:
         """Whether the stream must end before its next token: max_tokens, its token budget,
-        its deadline (the reason), else None."""
-        if self.completion_tokens >= self.sampling.max_tokens:
+        its deadline (the reason), else None. `generated`: the completion tokens so far where
+        the caller counts ahead of `emit` (a decode loop on a worker thread)."""
+        done = self.completion_tokens if generated is None else generated
+        if done >= self.sampling.max_tokens:
             return "length"
-        if self.budget is not None and self.completion_tokens >= self.budget:
+        if self.budget is not None and done >= self.budget:
             return "budget"
         if time.monotonic() >= self.deadline:
             return "deadline"
@@ -384,15 +386,53 @@ class StepShape:
     bos: int | None
 
 
+# What a StepCall hands the result of its last fed step (run_steps).
+After = Callable[[CallResult], bytes | None]
 # Steps on a worker thread, each a guest call under the token budget, the state of one fed to
-# the next, stopping early after a step once `yield_` is set: (batch, each step's tokens,
-# states, yield_) -> (the last step's result, the steps run, the guest's CPU time).
+# the next, stopping early after a step once `yield_` is set, then decoding on with `after`
+# (run_steps): (batch, each step's tokens, states, yield_, after) -> (the last step's result,
+# the steps run, the guest's CPU time).
 StepCall = Callable[
-    [int, list[bytes], bytes, threading.Event], Awaitable[tuple[CallResult, int, int]]
+    [int, list[bytes], bytes, threading.Event, After], Awaitable[tuple[CallResult, int, int]]
 ]
 # Most steps in one StepCall while every stream of a batch still reads its prompt; a stream that
 # starts meanwhile sets `yield_`, and the call ends after its current step so it can join.
 PREFILL_STEPS = 32
+# Most decode steps one StepCall runs after its fed steps before the event loop looks at the
+# batch again (a stream waiting for its turn, the worker gate's order).
+MAX_CHAIN = 16
+
+
+def run_steps(
+    step: Callable[[bytes, bytes], CallResult],
+    steps: list[bytes],
+    states: bytes,
+    yield_: threading.Event,
+    after: After,
+) -> tuple[CallResult, int]:
+    """A StepCall's steps on its worker thread: `step(tokens, states)` for each of `steps`,
+    then, once all of them ran, `after` gets each result and says what to step next (None:
+    return). The decode loop then goes on where the guest runs: each token was a hop to the
+    event loop and back (two thread wake-ups, each the other CPU's on a small VM), which
+    doubled the inter-token latency of a stream alone. (the last result, the steps run)"""
+    result = CallResult(Outcome.INTERNAL, "no step to run")
+    ran = 0
+    for tokens in steps:
+        result = step(tokens, states)
+        ran += 1
+        if result.outcome is not Outcome.OK or yield_.is_set():
+            break
+        states = result.outputs[1]
+    if result.outcome is not Outcome.OK or ran < len(steps):
+        return result, ran
+    following = after(result)
+    while following is not None:
+        result = step(following, result.outputs[1])
+        ran += 1
+        if result.outcome is not Outcome.OK:
+            break
+        following = after(result)
+    return result, ran
 
 
 @dataclass(eq=False)
@@ -402,6 +442,12 @@ class _StepStream:
     state: np.ndarray
     rng: np.random.Generator
     text: TextAssembler
+    generated: int = 0  # tokens sampled (the stream counts them as they reach it)
+    ended: bool = False  # its end is decided (the stream hears it when the loop runs next)
+
+
+# What a decode step decided for a stream, for the event loop: a piece to emit, then an end.
+_Action = tuple[Stream, Piece | None, Reason | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,12 +460,14 @@ class Prepared:
 
 
 class StepEngine:
-    """The decode loop of one step function. `call(batch, steps, states)` runs steps on a
-    worker thread (lease an instance, run each under the token budget, give it back): one per
-    call while a stream samples, up to PREFILL_STEPS while every stream reads its prompt (a
-    prompt's step per token was a hop through the event loop and the worker pool each). With
-    `max_streams` > 1 one loop steps every active stream together (continuous batching, at
-    most `max_streams` per call, the others in turn); with 1 each stream runs its own loop."""
+    """The decode loop of one step function. `call(batch, steps, states, yield_, after)` runs
+    steps on a worker thread (lease an instance, run each under the token budget, give it
+    back): up to PREFILL_STEPS while every stream reads its prompt, then on while the batch
+    stays as it is, sampling there (_Decoding, at most MAX_CHAIN steps): a step per call was a
+    hop through the event loop and the worker pool per token. With `max_streams` > 1 one loop
+    steps every active stream together (continuous batching, at most `max_streams` per call,
+    the others in turn); with 1 each stream runs its own loop. `contended`: whether other
+    calls wait for a worker thread (a decoding call then gives its thread back)."""
 
     def __init__(
         self,
@@ -429,8 +477,10 @@ class StepEngine:
         context: int,
         truncate: bool = False,
         on_step: Callable[[int], None] = lambda batch: None,
+        contended: Callable[[], bool] = lambda: False,
     ) -> None:
         self.shape = shape
+        self._contended = contended  # other calls wait for a worker thread (read off the loop)
         self._call = call
         self.max_streams = max_streams
         self.context = context  # most prompt + completion tokens
@@ -537,62 +587,67 @@ class StepEngine:
 
     async def _step(self, batch: list[_StepStream]) -> None:
         # Every stream samples after its last fed token: steps up to the first of them run in
-        # one call (only the last step's logits are read).
+        # one call (only the last step's logits are read), then the call decodes on (_Decoding)
         count = min(PREFILL_STEPS, *(len(e.feed) for e in batch))
         fed = [[e.feed.popleft() for _ in range(count)] for e in batch]
         steps = [np.array(column, np.int32).tobytes() for column in zip(*fed, strict=True)]
         states = np.stack([e.state for e in batch])
         self._joining.clear()
-        result, count, cpu_ns = await self._call(len(batch), steps, states.tobytes(), self._joining)
+        decoding = _Decoding(self, batch, asyncio.get_running_loop(), self._joining)
+        result, ran, cpu_ns = await self._call(
+            len(batch), steps, states.tobytes(), self._joining, decoding.after
+        )
         for entry, tokens in zip(batch, fed, strict=True):
             entry.stream.cpu_ns += cpu_ns // len(batch)
-            entry.feed.extendleft(reversed(tokens[count:]))  # a joining stream cut it short
-        self.steps += count
-        self.stepped_tokens += count * len(batch)
-        for _ in range(count):
+            entry.feed.extendleft(reversed(tokens[ran:]))  # a joining stream cut it short
+        self.steps += ran
+        self.stepped_tokens += ran * len(batch)
+        for _ in range(ran):
             self._on_step(len(batch))
         if result.outcome is not Outcome.OK:
             why = f"the step function failed ({result.outcome.value}): {result.body}"
             for entry in batch:
                 entry.stream.finish("error", why)
             return
-        logits = np.frombuffer(result.outputs[0], np.float32).reshape(len(batch), -1)
-        after = np.frombuffer(result.outputs[1], np.float32).reshape(len(batch), -1)
-        sampling = [i for i, e in enumerate(batch) if not e.feed and e.stream.finished is None]
-        for i, entry in enumerate(batch):
-            entry.state = after[i].copy()
-        if not sampling:
-            return
-        chosen = sample(
-            logits[sampling],
-            [batch[i].stream.sampling for i in sampling],
-            [batch[i].rng for i in sampling],
-        )
-        for i, token in zip(sampling, chosen, strict=True):
-            self._emit(batch[i], token)
+        if ran < count:  # every stream still reads its prompt: no logits to sample yet
+            after = np.frombuffer(result.outputs[1], np.float32).reshape(len(batch), -1)
+            for i, entry in enumerate(batch):
+                entry.state = after[i].copy()
 
-    def _emit(self, entry: _StepStream, token: int) -> None:
+    def _emit(self, entry: _StepStream, token: int) -> list[_Action]:
+        """What a sampled token means for its stream (on the worker thread: the stream hears
+        it on the event loop, `_deliver`); the token is fed next unless the stream ends."""
         stream = entry.stream
         if stream.cancelled:
-            stream.finish("cancelled")
-            return
+            entry.ended = True
+            return [(stream, None, "cancelled")]
+        entry.generated += 1
         if token == self.shape.eos or token >= 256:  # the end token (or one outside bytes)
-            stream.emit(Piece(entry.text.flush(), 1))
-            stream.finish("stop")
-            return
+            entry.ended = True
+            return [(stream, Piece(entry.text.flush(), 1), "stop")]
         text, stopped = entry.text.add_bytes(bytes((token,)))
-        stream.emit(Piece(text, 1))
         if stopped:
-            stream.finish("stop")
-            return
-        reason = stream.limit()
+            entry.ended = True
+            return [(stream, Piece(text, 1), "stop")]
+        reason = stream.limit(entry.generated)
         if reason is not None:
+            entry.ended = True
             rest = entry.text.flush()
-            if rest:
-                stream.emit(Piece(rest, 0))
-            stream.finish(reason)
-            return
+            return [
+                (stream, Piece(text, 1), None),
+                (stream, Piece(rest, 0) if rest else None, reason),
+            ]
         entry.feed.append(token)
+        return [(stream, Piece(text, 1), None)]
+
+    @staticmethod
+    def _deliver(actions: list[_Action]) -> None:
+        """On the event loop: each stream's pieces and ends, in the order they were decided."""
+        for stream, piece, reason in actions:
+            if piece is not None:
+                stream.emit(piece)
+            if reason is not None:
+                stream.finish(reason)
 
     def close(self) -> None:
         for entry in [*self._active, *self._solo.values()]:
@@ -602,6 +657,61 @@ class StepEngine:
             self._loop.cancel()
         for task in list(self._solo):
             task.cancel()
+
+
+class _Decoding:
+    """One StepCall's decoding, on its worker thread (`after`, run_steps): each step's
+    states kept, its streams sampled, what that means sent to the event loop (`_deliver`,
+    which runs before the call's own return there), and the next step's tokens while the
+    batch stays as it is: no stream ended or cancelled or too far ahead of its reader, no
+    stream joining or waiting for its turn, no other call waiting for a worker thread, at
+    most MAX_CHAIN steps."""
+
+    def __init__(
+        self,
+        engine: StepEngine,
+        batch: list[_StepStream],
+        loop: asyncio.AbstractEventLoop,
+        joining: threading.Event,
+    ) -> None:
+        self.engine = engine
+        self.batch = batch
+        self.loop = loop
+        self.joining = joining
+        self.chained = 0
+
+    def after(self, result: CallResult) -> bytes | None:
+        batch, engine = self.batch, self.engine
+        logits = np.frombuffer(result.outputs[0], np.float32).reshape(len(batch), -1)
+        states = np.frombuffer(result.outputs[1], np.float32).reshape(len(batch), -1)
+        for i, entry in enumerate(batch):
+            entry.state = states[i].copy()
+        sampling = [i for i, e in enumerate(batch) if not e.feed and not e.ended]
+        if sampling:
+            chosen = sample(
+                logits[sampling],
+                [batch[i].stream.sampling for i in sampling],
+                [batch[i].rng for i in sampling],
+            )
+            actions = [
+                a for i, t in zip(sampling, chosen, strict=True) for a in engine._emit(batch[i], t)
+            ]
+            self.loop.call_soon_threadsafe(engine._deliver, actions)
+        if not self._goes_on():
+            return None
+        self.chained += 1
+        return np.array([e.feed.popleft() for e in batch], np.int32).tobytes()
+
+    def _goes_on(self) -> bool:
+        engine = self.engine
+        if self.chained >= MAX_CHAIN or self.joining.is_set() or engine._contended():
+            return False
+        if len(engine._active) > len(self.batch):  # streams waiting for their turn
+            return False
+        return all(
+            e.feed and not e.ended and not e.stream.cancelled and e.stream.backlog < MAX_QUEUED
+            for e in self.batch
+        )
 
 
 # ---------------------------------------------------------------- generator functions

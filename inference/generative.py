@@ -26,6 +26,7 @@ from meshfn.contracts.function import FunctionGeneration
 from .dispatch import Dispatcher, Lane, Protocol
 from .engine import deadline_ticks
 from .generation import (
+    After,
     Engine,
     Finished,
     GenerationError,
@@ -37,6 +38,7 @@ from .generation import (
     StepShape,
     Stream,
     TextDigest,
+    run_steps,
 )
 from .host import CallResult, ComponentInstance, Instance, Outcome, TensorCall, TensorInstance
 from .kserve import KServeError
@@ -179,6 +181,7 @@ class Generative:
             int(section.get("context", 1024)),
             settings.truncatePrompt,
             on_step=self.metrics.gen_step_rows.labels(rt.label).observe,
+            contended=lambda: self.dispatcher.gate.contended,
         )
 
     async def _on_worker(self, rt: FunctionRuntime, work: Callable[..., T], *args: Any) -> T:
@@ -196,7 +199,7 @@ class Generative:
         ticks = deadline_ticks(settings.tokenTimeout.total_seconds())
 
         def run(
-            batch: int, steps: list[bytes], states: bytes, yield_: threading.Event
+            batch: int, steps: list[bytes], states: bytes, yield_: threading.Event, after: After
         ) -> tuple[CallResult, int, int]:
             instance, generation = rt.lease()
             cpu = time.thread_time_ns()
@@ -204,12 +207,12 @@ class Generative:
             ran = 0
             try:
                 if isinstance(instance, TensorInstance):
-                    for tokens in steps:
-                        result = instance.call(TensorCall(batch, (tokens, states), 2), ticks)
-                        ran += 1
-                        if result.outcome is not Outcome.OK or yield_.is_set():
-                            break
-                        states = result.outputs[1]
+                    tensor = instance
+
+                    def step(tokens: bytes, states: bytes) -> CallResult:
+                        return tensor.call(TensorCall(batch, (tokens, states), 2), ticks)
+
+                    result, ran = run_steps(step, steps, states, yield_, after)
             except BaseException:
                 instance.close()
                 raise
@@ -218,9 +221,9 @@ class Generative:
             return result, ran, cpu_ns
 
         async def call(
-            batch: int, steps: list[bytes], states: bytes, yield_: threading.Event
+            batch: int, steps: list[bytes], states: bytes, yield_: threading.Event, after: After
         ) -> tuple[CallResult, int, int]:
-            return await self._on_worker(rt, run, batch, steps, states, yield_)
+            return await self._on_worker(rt, run, batch, steps, states, yield_, after)
 
         return call
 

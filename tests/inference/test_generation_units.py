@@ -23,6 +23,7 @@ from meshfn.contracts.qos import FunctionQoS
 from meshfn.inference import generation, openai_api
 from meshfn.inference.engine import new_engine
 from meshfn.inference.generation import (
+    After,
     Finished,
     GenerationError,
     Piece,
@@ -33,6 +34,7 @@ from meshfn.inference.generation import (
     TextAssembler,
     Usage,
     generator_for,
+    run_steps,
     sample,
 )
 from meshfn.inference.host import CallResult, Outcome, TensorArtifact, TensorCall, TensorInstance
@@ -314,11 +316,16 @@ def _engine(
     steps: list[int],
     calls: list[int] | None = None,
     traces: list[tuple[str, str] | None] | None = None,
+    stepped: list[int] | None = None,
+    contended: bool = False,
 ) -> StepEngine:
-    """A StepEngine over the WAT step function (each call's batch size goes to `steps`, its
-    number of steps to `calls`, the trace ids its log lines would carry to `traces`)."""
+    """A StepEngine over the WAT step function, its steps on a worker thread as the backend
+    runs them (run_steps): each call's batch size goes to `steps`, its number of steps to
+    `calls`, the trace ids its log lines would carry to `traces`, and a 1 to `stepped` as each
+    step ends (from the worker thread); `contended`: other calls always wait for a worker."""
     calls = [] if calls is None else calls
     traces = [] if traces is None else traces
+    stepped = [] if stepped is None else stepped
     engine = new_engine()
     instance = TensorArtifact(engine, wasmtime.Module(engine, STEP)).instantiate(1 << 20)
     assert isinstance(instance, TensorInstance)
@@ -326,25 +333,29 @@ def _engine(
     ticker.start()
 
     async def call(
-        batch: int, tokens: list[bytes], states: bytes, yield_: threading.Event
+        batch: int, tokens: list[bytes], states: bytes, yield_: threading.Event, after: After
     ) -> tuple[CallResult, int, int]:
         steps.append(batch)
         traces.append(trace_context.get())
-        loop = asyncio.get_running_loop()
-        result = CallResult(Outcome.INTERNAL, "no step")
-        ran = 0
-        for step in tokens:
-            result = await loop.run_in_executor(
-                None, instance.call, TensorCall(batch, (step, states), 2), 4
-            )
-            ran += 1
-            if result.outcome is not Outcome.OK or yield_.is_set():
-                break
-            states = result.outputs[1]
-        calls.append(ran)
+
+        def step(fed: bytes, state: bytes) -> CallResult:
+            result = instance.call(TensorCall(batch, (fed, state), 2), 4)
+            stepped.append(1)
+            return result
+
+        def run() -> tuple[CallResult, int]:
+            # counted here: the streams may hear their end (and the test stop) before the
+            # call's return reaches the event loop; asyncio.run waits for this thread
+            result, ran = run_steps(step, tokens, states, yield_, after)
+            calls.append(ran)
+            return result, ran
+
+        result, ran = await asyncio.get_running_loop().run_in_executor(None, run)
         return result, ran, 0
 
-    return StepEngine(StepShape(4, 1, None, None), call, max_streams, context=64)
+    return StepEngine(
+        StepShape(4, 1, None, None), call, max_streams, context=64, contended=lambda: contended
+    )
 
 
 async def _generate(
@@ -398,7 +409,8 @@ def test_prompts_are_read_in_one_call_with_the_same_text_as_step_by_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """While every stream of a batch reads its prompt, its steps go in one call (up to the
-    first stream's last prompt token); the text is the same as one step per call."""
+    first stream's last prompt token), and the call decodes on; the text is the same as one
+    step per call."""
 
     async def run(calls: list[int]) -> list[tuple[list[Piece], Finished]]:
         engine = _engine(8, [], calls)
@@ -410,15 +422,44 @@ def test_prompts_are_read_in_one_call_with_the_same_text_as_step_by_step(
     together: list[int] = []
     joined = asyncio.run(run(together))
     monkeypatch.setattr(generation, "PREFILL_STEPS", 1)
+    monkeypatch.setattr(generation, "MAX_CHAIN", 0)
     alone: list[int] = []
     stepwise = asyncio.run(run(alone))
     for (pieces, done), (pieces1, done1) in zip(joined, stepwise, strict=True):
         assert "".join(p.text for p in pieces) == "".join(p.text for p in pieces1)
         assert done.usage == done1.usage
     assert set(alone) == {1}
-    # both read 4 prompt tokens in one call; the shorter samples, the longer reads its last 5
-    # one step per call beside the other's decoding (each stream samples after its own prompt)
-    assert together[0] == 4 and len(together) < len(alone) and sum(together) == sum(alone)
+    # both read 4 prompt tokens in the first call, which goes on with the shorter's tokens
+    # beside the longer's last 5 prompt tokens (each stream samples after its own prompt)
+    assert together[0] > 4 and len(together) < len(alone) and sum(together) == sum(alone)
+
+
+def test_a_decode_loop_goes_on_where_the_guest_runs_and_stops_for_what_changes_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After its fed steps a call samples and steps on on its worker thread (no hop to the
+    event loop and back per token), at most MAX_CHAIN steps, and not past a stream's end: the
+    text is the same as one token per call."""
+    monkeypatch.setattr(generation, "MAX_CHAIN", 5)
+
+    async def run(calls: list[int]) -> list[tuple[list[Piece], Finished]]:
+        engine = _engine(8, [], calls)
+        return await asyncio.gather(
+            *(
+                _generate(engine, bytes([i]), Sampling(n, temperature=0))
+                for i, n in ((1, 14), (2, 3))
+            )
+        )
+
+    chained: list[int] = []
+    results = asyncio.run(run(chained))
+    monkeypatch.setattr(generation, "MAX_CHAIN", 0)
+    stepwise = asyncio.run(run([]))
+    assert [(p, d.usage) for p, d in results] == [(p, d.usage) for p, d in stepwise]
+    assert [d.reason for _, d in results] == ["length", "length"]
+    # both: the fed step and 2 more (the second stream ends at its 3rd token); the first
+    # alone: its fed step and 5 more, then its fed step and 4 more (its 14th token ends it)
+    assert chained == [3, 6, 5]
 
 
 def test_a_stream_that_starts_during_a_prompts_call_joins_after_its_current_step() -> None:
@@ -453,11 +494,32 @@ def test_a_stuck_step_fails_its_streams_within_the_token_budget() -> None:
     assert done.reason == "error" and "timeout" in (done.error or "")
 
 
-def test_a_cancelled_stream_leaves_before_its_next_step() -> None:
-    steps: list[int] = []
+def test_a_decode_loop_stays_with_the_event_loop_while_streams_or_calls_wait_their_turn() -> None:
+    """Three streams for a batch of two take turns step by step; the call decodes on only once
+    the batch holds every stream; with other calls waiting for a worker thread, never."""
 
-    async def run() -> Finished:
-        engine = _engine(4, steps)
+    async def run(calls: list[int], contended: bool) -> list[int]:
+        engine = _engine(2, [], calls, contended=contended)
+        done = await asyncio.gather(
+            *(_generate(engine, bytes([i]), Sampling(4 + i, temperature=0)) for i in range(3))
+        )
+        return [d.usage.completion_tokens for _, d in done]
+
+    taking_turns: list[int] = []
+    assert asyncio.run(run(taking_turns, False)) == [4, 5, 6]
+    # A, B | C, A | B, C | A, B | C, A (A's 4th token ends it) | B and C decode on together
+    assert taking_turns[:5] == [1] * 5 and max(taking_turns[5:]) > 1
+    waited: list[int] = []
+    assert asyncio.run(run(waited, True)) == [4, 5, 6]
+    assert set(waited) == {1}
+
+
+def test_a_cancelled_stream_leaves_before_its_next_step() -> None:
+    """Generation stops within one token of the cancel, also while a call decodes on."""
+    stepped: list[int] = []
+
+    async def run() -> tuple[Finished, int]:
+        engine = _engine(4, [], stepped=stepped)
         stream = Stream(0, Sampling(10_000, temperature=0), deadline=float("inf"))
         engine.start(stream, type("P", (), {"handle": [0]})())  # type: ignore[arg-type]
         events = stream.events()
@@ -465,12 +527,14 @@ def test_a_cancelled_stream_leaves_before_its_next_step() -> None:
             assert isinstance(event, Piece)
             break
         await events.aclose()  # the client went away
+        at_cancel = len(stepped)
         await asyncio.sleep(0.05)
         assert stream.finished is not None
-        return stream.finished
+        return stream.finished, len(stepped) - at_cancel
 
-    done = asyncio.run(run())
-    assert done.reason == "cancelled" and done.usage.completion_tokens <= 3
+    done, after_cancel = asyncio.run(run())
+    assert done.reason == "cancelled" and after_cancel <= 1
+    assert done.usage.completion_tokens <= len(stepped)
 
 
 def _events(stream: Stream) -> list[Piece | Finished]:

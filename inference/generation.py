@@ -709,7 +709,11 @@ class _Decoding:
         if len(engine._active) > len(self.batch):  # streams waiting for their turn
             return False
         return all(
-            e.feed and not e.ended and not e.stream.cancelled and e.stream.backlog < MAX_QUEUED
+            e.feed
+            and not e.ended
+            and e.stream.finished is None  # ended on the loop too: the backend shuts down
+            and not e.stream.cancelled
+            and e.stream.backlog < MAX_QUEUED
             for e in self.batch
         )
 

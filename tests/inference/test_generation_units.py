@@ -318,11 +318,13 @@ def _engine(
     traces: list[tuple[str, str] | None] | None = None,
     stepped: list[int] | None = None,
     contended: bool = False,
+    hold: tuple[int, threading.Event] | None = None,
 ) -> StepEngine:
     """A StepEngine over the WAT step function, its steps on a worker thread as the backend
     runs them (run_steps): each call's batch size goes to `steps`, its number of steps to
     `calls`, the trace ids its log lines would carry to `traces`, and a 1 to `stepped` as each
-    step ends (from the worker thread); `contended`: other calls always wait for a worker."""
+    step ends (from the worker thread); `contended`: other calls always wait for a worker;
+    `hold` (n, go): the worker waits for `go` after the n-th step (a test's moment)."""
     calls = [] if calls is None else calls
     traces = [] if traces is None else traces
     stepped = [] if stepped is None else stepped
@@ -341,6 +343,8 @@ def _engine(
         def step(fed: bytes, state: bytes) -> CallResult:
             result = instance.call(TensorCall(batch, (fed, state), 2), 4)
             stepped.append(1)
+            if hold is not None and len(stepped) == hold[0]:
+                assert hold[1].wait(10)
             return result
 
         def run() -> tuple[CallResult, int]:
@@ -467,20 +471,24 @@ def test_a_stream_that_starts_during_a_prompts_call_joins_after_its_current_step
     makes it stop after the step it is in, and the rest of the prompt is fed with the new one."""
 
     async def run(calls: list[int], late: bool) -> list[str]:
-        started: list[int] = []  # a batch size per call, when it starts
-        engine = _engine(8, started, calls)
+        go = threading.Event()
+        stepped: list[int] = []
+        engine = _engine(8, [], calls, stepped=stepped, hold=(5, go) if late else None)
         prompt = bytes([1] * 30)
         first = asyncio.ensure_future(_generate(engine, prompt, Sampling(4, temperature=0)))
         if late:
-            while not started:  # the first call is under way
-                await asyncio.sleep(0)
+            while len(stepped) < 5:  # the first call is in its 5th step
+                await asyncio.sleep(0.001)
         short = bytes([2] * 3)
         second = asyncio.ensure_future(_generate(engine, short, Sampling(4, temperature=0)))
+        while late and not engine._joining.is_set():
+            await asyncio.sleep(0)
+        go.set()
         return ["".join(p.text for p in (await t)[0]) for t in (first, second)]
 
     cut: list[int] = []
     texts = asyncio.run(run(cut, late=True))
-    assert cut[0] < 30  # the first call stopped for the second stream
+    assert cut[0] == 5  # the first call stopped for the second stream
     assert texts == asyncio.run(run([], late=False))
 
 
@@ -535,6 +543,27 @@ def test_a_cancelled_stream_leaves_before_its_next_step() -> None:
     done, after_cancel = asyncio.run(run())
     assert done.reason == "cancelled" and after_cancel <= 1
     assert done.usage.completion_tokens <= len(stepped)
+
+
+def test_a_backend_shutting_down_ends_its_streams_and_their_decoding() -> None:
+    stepped: list[int] = []
+
+    async def run() -> tuple[Finished, int]:
+        engine = _engine(4, [], stepped=stepped)
+        stream = Stream(0, Sampling(10_000, temperature=0), deadline=float("inf"))
+        engine.start(stream, type("P", (), {"handle": [0]})())  # type: ignore[arg-type]
+        async for event in stream.events():
+            assert isinstance(event, Piece)
+            break
+        engine.close()
+        at_close = len(stepped)
+        await asyncio.sleep(0.05)
+        assert stream.finished is not None
+        return stream.finished, len(stepped) - at_close
+
+    done, after_close = asyncio.run(run())
+    assert done.reason == "error" and "shutting down" in (done.error or "")
+    assert after_close <= 1
 
 
 def _events(stream: Stream) -> list[Piece | Finished]:

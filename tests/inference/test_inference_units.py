@@ -515,6 +515,7 @@ def test_sdk_handle_flatten_outputs_and_errors() -> None:
 async def test_the_worker_gate_orders_by_priority_within_a_function_only() -> None:
     gate = WorkerGate(1)
     await gate.acquire("held", 0, None)  # the one thread, busy
+    assert not gate.contended  # busy, but nobody waits: a decoding call keeps its thread
     served: list[str] = []
 
     async def call(owner: str, priority: int, name: str) -> None:
@@ -533,14 +534,14 @@ async def test_the_worker_gate_orders_by_priority_within_a_function_only() -> No
     gone.cancel()
     with pytest.raises(TimeoutError):
         await timed_out
-    assert gate.waiting == 5
+    assert gate.waiting == 5 and gate.contended
     gate.release()
     await asyncio.gather(*tasks)
     with pytest.raises(asyncio.CancelledError):
         await gone
     # f's and g's turns alternate as their waiters came; within each, higher first
     assert served == ["f-high", "g-high", "f-high-2", "g-low", "f-low"]
-    assert gate.busy == 0 and gate.waiting == 0
+    assert gate.busy == 0 and gate.waiting == 0 and not gate.contended
     await gate.acquire("f", 0, 0)  # free again: no wait at all
     assert gate.busy == 1
 

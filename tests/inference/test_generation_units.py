@@ -522,8 +522,10 @@ def test_a_decode_loop_stays_with_the_event_loop_while_streams_or_calls_wait_the
     assert set(waited) == {1}
 
 
-def test_a_cancelled_stream_leaves_before_its_next_step() -> None:
-    """Generation stops within one token of the cancel, also while a call decodes on."""
+@pytest.mark.parametrize("end", ["the client went away", "the backend shuts down"])
+def test_a_stream_ended_from_the_event_loop_stops_its_decoding_within_a_step(end: str) -> None:
+    """Generation stops within one token of a cancel (or of the backend's shutdown), also
+    while a call decodes on its worker thread."""
     stepped: list[int] = []
 
     async def run() -> tuple[Finished, int]:
@@ -534,36 +536,21 @@ def test_a_cancelled_stream_leaves_before_its_next_step() -> None:
         async for event in events:
             assert isinstance(event, Piece)
             break
-        await events.aclose()  # the client went away
-        at_cancel = len(stepped)
+        if end == "the client went away":
+            await events.aclose()
+        else:
+            engine.close()
+        at_end = len(stepped)
         await asyncio.sleep(0.05)
         assert stream.finished is not None
-        return stream.finished, len(stepped) - at_cancel
+        return stream.finished, len(stepped) - at_end
 
-    done, after_cancel = asyncio.run(run())
-    assert done.reason == "cancelled" and after_cancel <= 1
-    assert done.usage.completion_tokens <= len(stepped)
-
-
-def test_a_backend_shutting_down_ends_its_streams_and_their_decoding() -> None:
-    stepped: list[int] = []
-
-    async def run() -> tuple[Finished, int]:
-        engine = _engine(4, [], stepped=stepped)
-        stream = Stream(0, Sampling(10_000, temperature=0), deadline=float("inf"))
-        engine.start(stream, type("P", (), {"handle": [0]})())  # type: ignore[arg-type]
-        async for event in stream.events():
-            assert isinstance(event, Piece)
-            break
-        engine.close()
-        at_close = len(stepped)
-        await asyncio.sleep(0.05)
-        assert stream.finished is not None
-        return stream.finished, len(stepped) - at_close
-
-    done, after_close = asyncio.run(run())
-    assert done.reason == "error" and "shutting down" in (done.error or "")
-    assert after_close <= 1
+    done, after_end = asyncio.run(run())
+    if end == "the client went away":
+        assert done.reason == "cancelled"
+    else:
+        assert done.reason == "error" and "shutting down" in (done.error or "")
+    assert after_end <= 1 and done.usage.completion_tokens <= len(stepped)
 
 
 def _events(stream: Stream) -> list[Piece | Finished]:

@@ -414,7 +414,7 @@ def run_steps(
     then, once all of them ran, `after` gets each result and says what to step next (None:
     return). The decode loop then goes on where the guest runs: each token was a hop to the
     event loop and back (two thread wake-ups, each the other CPU's on a small VM), which
-    doubled the inter-token latency of a stream alone. (the last result, the steps run)"""
+    doubled the inter-token latency of a stream alone. -> (the last result, the steps run)"""
     result = CallResult(Outcome.INTERNAL, "no step to run")
     ran = 0
     for tokens in steps:
@@ -686,7 +686,11 @@ class _Decoding:
         states = np.frombuffer(result.outputs[1], np.float32).reshape(len(batch), -1)
         for i, entry in enumerate(batch):
             entry.state = states[i].copy()
-        sampling = [i for i, e in enumerate(batch) if not e.feed and not e.ended]
+        sampling = [
+            i
+            for i, e in enumerate(batch)
+            if not e.feed and not e.ended and e.stream.finished is None
+        ]
         if sampling:
             chosen = sample(
                 logits[sampling],

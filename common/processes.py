@@ -77,13 +77,13 @@ def cpu_list(text: str) -> frozenset[int]:
 
 def cpu_list_text(cpus: set[int] | frozenset[int]) -> str:
     """`cpus` as a Linux CPU list, the inverse of `cpu_list` ({0, 1, 2, 5} -> "0-2,5")."""
-    ranges: list[str] = []
+    ranges: list[list[int]] = []  # [first, last] of each run
     for cpu in sorted(cpus):
-        if ranges and cpu == int(ranges[-1].rsplit("-", 1)[-1]) + 1:
-            ranges[-1] = f"{ranges[-1].split('-')[0]}-{cpu}"
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
         else:
-            ranges.append(str(cpu))
-    return ",".join(ranges)
+            ranges.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 def pinned(

@@ -610,11 +610,9 @@ class StepEngine:
                 entry.stream.finish("error", why)
             return
         if ran < count:  # every stream still reads its prompt: no logits to sample yet
-            after = np.frombuffer(result.outputs[1], np.float32).reshape(len(batch), -1)
-            for i, entry in enumerate(batch):
-                entry.state = after[i].copy()
+            _keep_states(batch, result)
 
-    def _emit(self, entry: _StepStream, token: int) -> list[_Action]:
+    def _decide(self, entry: _StepStream, token: int) -> list[_Action]:
         """What a sampled token means for its stream (on the worker thread: the stream hears
         it on the event loop, `_deliver`); the token is fed next unless the stream ends."""
         stream = entry.stream
@@ -659,6 +657,13 @@ class StepEngine:
             task.cancel()
 
 
+def _keep_states(batch: list[_StepStream], result: CallResult) -> None:
+    """Each stream's state after a step: its row of the step's second output."""
+    states = np.frombuffer(result.outputs[1], np.float32).reshape(len(batch), -1)
+    for i, entry in enumerate(batch):
+        entry.state = states[i].copy()
+
+
 class _Decoding:
     """One StepCall's decoding, on its worker thread (`after`, run_steps): each step's
     states kept, its streams sampled, what that means sent to the event loop (`_deliver`,
@@ -683,9 +688,7 @@ class _Decoding:
     def after(self, result: CallResult) -> bytes | None:
         batch, engine = self.batch, self.engine
         logits = np.frombuffer(result.outputs[0], np.float32).reshape(len(batch), -1)
-        states = np.frombuffer(result.outputs[1], np.float32).reshape(len(batch), -1)
-        for i, entry in enumerate(batch):
-            entry.state = states[i].copy()
+        _keep_states(batch, result)
         sampling = [
             i
             for i, e in enumerate(batch)
@@ -698,7 +701,9 @@ class _Decoding:
                 [batch[i].rng for i in sampling],
             )
             actions = [
-                a for i, t in zip(sampling, chosen, strict=True) for a in engine._emit(batch[i], t)
+                a
+                for i, t in zip(sampling, chosen, strict=True)
+                for a in engine._decide(batch[i], t)
             ]
             self.loop.call_soon_threadsafe(engine._deliver, actions)
         if not self._goes_on():

@@ -165,14 +165,15 @@ class Bench:
                 "--state-dir", str(self.tmp / "state"),
             )  # fmt: skip
             tables = yaml.safe_load(out.stdout or "{}").get("routes") or {}
-            found = [
-                _sampling(route)
+            hosts = [
+                host
                 for table in (tables.values() if isinstance(tables, dict) else tables)
                 for host in table.get("virtualHosts", [])
-                for route in _host_routes(host)
             ]
-            if want == 100:  # split: the twins draw, their routes trace nothing
-                return bool(found) and {n for n in found if n is not None} == {want}
+            found = [_sampling(route) for host in hosts for route in _host_routes(host)]
+            if want == 100:  # split: one draw sends a request to the twins, no route traces
+                draws = {_draw(host) for host in hosts} - {None}
+                return draws == {want} and not any(found)
             return bool(found) and all(n == want for n in found)
 
         wait_for(f"the {phase} configuration at the gateway", applied, timeout=60, every=0.5)
@@ -240,24 +241,32 @@ class BareChain:
 
 
 def _host_routes(host: dict[str, Any]) -> list[dict[str, Any]]:
-    """A virtual host's routes in order; at a split gateway those its matcher falls back to
-    (the routes of the twins' keys, which only the internal listener matches, apart)."""
+    """A virtual host's routes in order; at a split gateway those a request walks when the
+    draw does not sample it (the routes of the twins' keys and the twins apart)."""
     if "matcher" in host:
-        found: list[dict[str, Any]] = host["matcher"]["onNoMatch"]["action"]["typedConfig"][
-            "routes"
-        ]
+        rest = host["matcher"]["onNoMatch"]
+        if "matcher" in rest:
+            rest = rest["matcher"]["onNoMatch"]
+        found: list[dict[str, Any]] = rest["action"]["typedConfig"]["routes"]
         return found
     routes: list[dict[str, Any]] = host.get("routes", [])
     return routes
 
 
 def _sampling(route: dict[str, Any]) -> int | None:
-    """A gateway route's sampling per ten thousand: its tracing's, or at a split gateway its
-    twin's draw (the route to the internal listener that traces); None: it traces nothing."""
+    """A gateway route's sampling per ten thousand (None: it traces nothing)."""
     if "tracing" in route:
         return int(route["tracing"].get("randomSampling", {}).get("numerator", 0))
-    fraction = route.get("match", {}).get("runtimeFraction")
-    return int(fraction["defaultValue"].get("numerator", 0)) if fraction else None
+    return None
+
+
+def _draw(host: dict[str, Any]) -> int | None:
+    """A split gateway's draw per ten thousand in a virtual host (None: it has none)."""
+    rest = host.get("matcher", {}).get("onNoMatch", {})
+    for field in rest.get("matcher", {}).get("matcherList", {}).get("matchers", []):
+        share = field["predicate"]["singlePredicate"]["customMatch"]["typedConfig"]
+        return int(share["runtimeFraction"]["defaultValue"].get("numerator", 0))
+    return None
 
 
 def gateway_tracing(bench: Bench) -> tuple[dict[str, Any], list[dict[str, Any]]]:

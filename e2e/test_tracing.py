@@ -1019,6 +1019,53 @@ def test_tracing_at_a_low_rate_the_gateways_audit_records_carry_the_sampled_requ
         running.close()  # stops what it started
 
 
+def _gateway_draws(mesh: Mesh) -> set[int]:
+    """The split gateways' draws, per ten thousand (the RuntimeFraction matchers of the route
+    tables every proxy of the mesh has)."""
+    found: set[int] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if str(node.get("@type", "")).endswith(".RuntimeFraction"):
+                found.add(int(node["runtime_fraction"]["default_value"].get("numerator", 0)))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    for sock in sorted((mesh.state / "envoy").glob("*.sock")):
+        walk(admin_json(sock, "/config_dump?resource=dynamic_route_configs"))
+    return found
+
+
+def test_tracing_at_a_low_rate_each_gateway_route_keeps_its_own_rate(split: Mesh) -> None:
+    """The echo route at 20% of its own, the others at the Mesh's 10%: the gateway's one draw
+    at 20% sends a request to the twins, where a 10% route's twin draws again (half of that)
+    before its route. 600 GETs each to /echo and to the KServe server's readiness: 120 and 60
+    traced expected (sd 9.8 and 7.3; the bounds are four sd), every one answered."""
+    routes = split.state.parent / "examples" / "routes.yaml"
+    original = routes.read_text()
+    marker = "  destination: {service: echo}\n"
+    assert marker in original
+    names = ("default/echo", "default/kserve-server")
+    routes.write_text(original.replace(marker, marker + "  tracing: {sampling: 20}\n", 1))
+    try:
+        wait_for("a draw at 20%", lambda: _gateway_draws(split) == {2000}, timeout=60, every=0.5)
+        before = {name: {t["trace_id"] for t in split.traces(route=name)} for name in names}
+        _send(split.edge, "/echo", 600, [split.headers()])
+        _send(split.edge, "/v2/health/ready", 600, [split.headers()])
+        time.sleep(3)  # the Envoys send their spans every second (bootstrap.RUNTIME)
+        new = {
+            name: {t["trace_id"] for t in split.traces(route=name)} - before[name] for name in names
+        }
+    finally:
+        routes.write_text(original)
+        wait_for("a draw at 10%", lambda: _gateway_draws(split) == {1000}, timeout=60, every=0.5)
+    assert 81 <= len(new["default/echo"]) <= 159, len(new["default/echo"])
+    assert 31 <= len(new["default/kserve-server"]) <= 89, len(new["default/kserve-server"])
+
+
 def _split_sidecars(mesh: Mesh) -> list[bool]:
     """Per sidecar: whether it is split (no tracer on its own listener)."""
     return ["tracing" not in listeners["inbound"] for listeners in _sidecars(mesh)]

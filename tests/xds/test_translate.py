@@ -19,6 +19,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
+from envoy.extensions.matching.input_matchers.runtime_fraction.v3 import runtime_fraction_pb2
 from envoy.type.matcher.v3 import http_inputs_pb2
 from google.protobuf.message import Message
 
@@ -498,14 +499,16 @@ def test_a_sidecar_traces_on_an_internal_listener_while_every_caller_samples_lit
 def test_a_gateway_traces_on_an_internal_listener_while_every_caller_samples_little(
     tmp_path: Path, replace: tuple[tuple[str, str], ...], split: bool
 ) -> None:
-    """Its own listener has no tracer. Each route to an upstream has a twin just before it,
-    drawn at the route's rate (the chat route's 20%, the mesh's 5%), to the internal listener
-    with the key of the route it stands for; there, on the same route table (one resource),
-    the route of that key, first in its virtual host: the route's action, name and tags,
-    traced every time, and the trace id back in the answer, which the outer listener moves
-    into metadata for its access logs. The gateway's own listener drops a client's key before
-    it routes. The route itself marks what it sends unsampled. The internal listener is there
-    either way."""
+    """Its own listener has no tracer. One draw per request from its request id, at the
+    highest rate of its routes (the chat route's 20%), picks the routes it walks: under it,
+    the twins, each in its route's place (the mesh's 5% drawn again: a quarter of the 20%), to
+    the internal listener with the key of the route it stands for; else the routes
+    themselves. There, on the same route table (one resource), the route of that key, looked
+    up first in its virtual host: the route's action, name and tags, traced every time, and the
+    trace id back in the answer, which the outer listener moves into metadata for its access
+    logs (a filter only the twins turn on). The gateway's own listener drops a client's key
+    before it routes. The route itself marks what it sends unsampled. The internal listener is
+    there either way. The listener's early header mutations are one extension."""
     text = (GOLDEN / "tracing-split" / "in.yaml").read_text()
     for old, new in replace:
         text = text.replace(old, new, 1)
@@ -521,11 +524,13 @@ def test_a_gateway_traces_on_an_internal_listener_while_every_caller_samples_lit
     inner = hcm.HttpConnectionManager()
     inner_listener.filter_chains[0].filters[0].typed_config.Unpack(inner)
     assert inner.rds.route_config_name == manager.rds.route_config_name == "http"
+    assert len(manager.early_header_mutation_extensions) == 1
     dropped = {
         m.remove
         for early in manager.early_header_mutation_extensions
         for m in json_format_parse(early).mutations
     }
+    assert {"traceparent", "x-request-id"} <= dropped
     table = resources[ROUTE]["http"]
     if not split:
         assert manager.HasField("tracing") and not inner.HasField("tracing")
@@ -533,8 +538,15 @@ def test_a_gateway_traces_on_an_internal_listener_while_every_caller_samples_lit
         assert "x-meshfn-traced-route" not in dropped
         return
     assert not manager.HasField("tracing") and "x-meshfn-traced-route" in dropped
-    assert manager.http_filters[0].name == "envoy.filters.http.header_to_metadata"
+    answer_filter = manager.http_filters[0]
+    assert answer_filter.name == tracing.TRACED_ANSWER_FILTER and answer_filter.disabled
     assert inner.tracing.random_sampling.value == 100.0 and inner.preserve_external_request_id
+    answer = [
+        "x-meshfn-trace-id",
+        "x-meshfn-traced-cluster",
+        "x-meshfn-traced-flags",
+        "x-meshfn-traced-upstream",
+    ]
     for host in table.virtual_hosts:
         assert not host.routes
         tree = host.matcher.matcher_tree
@@ -545,33 +557,51 @@ def test_a_gateway_traces_on_an_internal_listener_while_every_caller_samples_lit
         for name, on_match in tree.exact_match_map.map.items():
             by_key[name] = rc.Route()
             on_match.action.typed_config.Unpack(by_key[name])
-        rest = rc.RouteList()
-        host.matcher.on_no_match.action.typed_config.Unpack(rest)
-        upstream = [r for r in rest.routes if r.HasField("route")]
-        twins, plain = upstream[0::2], upstream[1::2]
-        assert len(twins) == len(plain) == len(by_key) > 0
-        for twin, route in zip(twins, plain, strict=True):
+        draws = host.matcher.on_no_match.matcher
+        plain = _route_list(draws.on_no_match)
+        upstream = [r for r in plain if r.HasField("route")]
+        assert len(upstream) == len(by_key) > 0
+        (field,) = draws.matcher_list.matchers
+        single = field.predicate.single_predicate
+        request_id = http_inputs_pb2.HttpRequestHeaderMatchInput()
+        single.input.typed_config.Unpack(request_id)
+        assert request_id.header_name == "x-request-id"
+        draw = runtime_fraction_pb2.RuntimeFraction()
+        single.custom_match.typed_config.Unpack(draw)
+        # per ten thousand: the highest rate (the chat route's 20%)
+        assert draw.runtime_fraction.default_value.numerator == 2000
+        assert draw.runtime_fraction.default_value.denominator == 1  # TEN_THOUSAND
+        under = iter(_route_list(field.on_match))
+        for route in plain:
+            twin = next(under)
+            if not route.HasField("route"):
+                assert twin == route
+                continue
             added = {h.header.key: h.header.value for h in twin.request_headers_to_add}
             inside = by_key[added["x-meshfn-traced-route"]]
             assert twin.name == route.name == inside.name
             assert twin.route.cluster == "meshfn-traced-http" and not twin.HasField("tracing")
-            rate = 2000 if route.name.startswith("default/chat") else 500  # per ten thousand
-            assert twin.match.runtime_fraction.default_value.numerator == rate
             bare = rc.RouteMatch()
             bare.CopyFrom(twin.match)
-            bare.ClearField("runtime_fraction")
+            if route.name.startswith("default/chat"):
+                assert not twin.match.HasField("runtime_fraction")
+            else:  # the mesh's 5% is a quarter of the 20% drawn; its route after its twin
+                share = twin.match.runtime_fraction.default_value
+                assert (share.numerator, share.denominator) == (250_000, 2)  # MILLION
+                bare.ClearField("runtime_fraction")
+                assert next(under) == route
             assert bare == route.match
             assert tracing.UNSAMPLED in twin.request_headers_to_remove
+            assert set(twin.typed_per_filter_config) - set(route.typed_per_filter_config) == {
+                tracing.TRACED_ANSWER_FILTER
+            }
+        assert next(under, None) is None
+        for route in upstream:
+            inside = next(r for r in by_key.values() if r.name == route.name)
             assert not route.HasField("tracing") and route.route.cluster == "models.default"
             assert {h.header.key: h.header.value for h in route.request_headers_to_add}[
                 tracing.UNSAMPLED
             ] == "1"
-            answer = [
-                "x-meshfn-trace-id",
-                "x-meshfn-traced-cluster",
-                "x-meshfn-traced-flags",
-                "x-meshfn-traced-upstream",
-            ]
             assert list(route.response_headers_to_remove) == answer
             assert inside.route == route.route and inside.metadata == route.metadata
             assert inside.tracing.random_sampling.numerator == 10_000
@@ -589,8 +619,14 @@ def test_a_gateway_traces_on_an_internal_listener_while_every_caller_samples_lit
             )
     # the answer's headers go into metadata, out of the client's sight
     h2m = header_to_metadata_pb2.Config()
-    manager.http_filters[0].typed_config.Unpack(h2m)
+    answer_filter.typed_config.Unpack(h2m)
     assert [(r.header, r.remove) for r in h2m.response_rules] == [(h, True) for h in answer]
+
+
+def _route_list(on_match: Any) -> list[rc.Route]:
+    found = rc.RouteList()
+    on_match.action.typed_config.Unpack(found)
+    return list(found.routes)
 
 
 def json_format_parse(extension: Any) -> Any:

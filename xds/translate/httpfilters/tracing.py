@@ -42,10 +42,11 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
     header_mutation_pb2,
 )
+from envoy.extensions.matching.input_matchers.runtime_fraction.v3 import runtime_fraction_pb2
 from envoy.type.matcher.v3 import http_inputs_pb2, regex_pb2, string_pb2
 from envoy.type.tracing.v3 import custom_tag_pb2
 from envoy.type.v3 import percent_pb2
-from google.protobuf import duration_pb2
+from google.protobuf import any_pb2, duration_pb2
 
 from meshfn import ir
 from meshfn.contracts.tracing import (
@@ -88,6 +89,11 @@ _TRACED_ANSWER = (
     (_TRACED_CLUSTER, "%UPSTREAM_CLUSTER%", SPLIT_CLUSTER_METADATA),
     (_TRACED_FLAGS, "%RESPONSE_FLAGS%", SPLIT_FLAGS_METADATA),
     (_TRACED_UPSTREAM, "%UPSTREAM_LOCAL_ADDRESS%", SPLIT_UPSTREAM_METADATA),
+)
+# What a split gateway's draw reads: the request id its own listener makes for every request.
+_REQUEST_ID = xds_extension_pb2.TypedExtensionConfig(
+    name="request-id",
+    typed_config=pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name="x-request-id")),
 )
 # W3C trace flags with the sampled bit (the last hex digit odd); RE2, matched whole.
 _SAMPLED_PARENT = rc.HeaderMatcher(
@@ -355,12 +361,13 @@ def traced_inbound_cluster(trailers: bool, name: str = TRACED_INBOUND) -> cluste
     return cluster
 
 
+# The split gateway's filter that takes what the internal listener's answer carries back into
+# metadata: off on its chain, on for the twins' routes (trace_id_to_metadata).
+TRACED_ANSWER_FILTER = "meshfn.traced_answer"
+
+
 @lru_cache(maxsize=1)
-def trace_id_to_metadata() -> hcm.HttpFilter:
-    """A split gateway's first filter: what its internal listener's answer carries back
-    (_TRACED_ANSWER: the trace id, the upstream cluster, the response flags and the upstream
-    connection there), out of the answer (the client never sees them) into the metadata its
-    access logs read."""
+def _traced_answer_rules() -> header_to_metadata_pb2.Config:
     rules = [
         header_to_metadata_pb2.Config.Rule(
             header=header,
@@ -371,10 +378,25 @@ def trace_id_to_metadata() -> hcm.HttpFilter:
         )
         for header, _, (namespace, key) in _TRACED_ANSWER
     ]
+    return header_to_metadata_pb2.Config(response_rules=rules)
+
+
+@lru_cache(maxsize=1)
+def trace_id_to_metadata() -> hcm.HttpFilter:
+    """A split gateway's first filter: what its internal listener's answer carries back
+    (_TRACED_ANSWER: the trace id, the upstream cluster, the response flags and the upstream
+    connection there), out of the answer (the client never sees them) into the metadata its
+    access logs read. Disabled on the chain and enabled by the twins' routes (_twin_answer):
+    a request the gateway did not sample never makes it (docs/benchmarks.md#tracing)."""
     return hcm.HttpFilter(
-        name="envoy.filters.http.header_to_metadata",
-        typed_config=pack(header_to_metadata_pb2.Config(response_rules=rules)),
+        name=TRACED_ANSWER_FILTER, typed_config=pack(_traced_answer_rules()), disabled=True
     )
+
+
+@lru_cache(maxsize=1)
+def _twin_answer() -> any_pb2.Any:
+    """A twin's route turns trace_id_to_metadata on, with its configuration."""
+    return pack(rc.FilterConfig(config=pack(_traced_answer_rules())))
 
 
 def split_gateway_routes(
@@ -388,17 +410,16 @@ def _split_gateway_routes(
     config: TracingContext, same: Same[route_pb2.RouteConfiguration]
 ) -> route_pb2.RouteConfiguration:
     """A split gateway listener's route table, which its internal listener reads too (one
-    resource: the two never disagree). Each route that goes upstream gets a twin just before
-    it, matched also by a draw at the route's sampling (Envoy draws once per request, so one
-    request is sampled or not whichever route it takes), which carries the request to the
-    internal listener with the key of the route it stands for and the span's tags from
-    verified facts (carried_tags); everything else about the route stays on the twin (its
-    filters' per-route settings, metadata and header changes, its timeouts), while retries,
-    clusters and rewrites happen once, on the route of that key (under the same name, looked up
-    by the key before the others), which only the internal listener matches: the gateway's own
-    listener drops the key from clients before it routes (client_context_removal). The route itself no
-    longer traces and marks what it sends UNSAMPLED; it drops a trace id an upstream's answer
-    might carry."""
+    resource: the two never disagree). Each route that goes upstream gets a twin, matched by the
+    same conditions, which carries the request to the internal listener with the key of the
+    route it stands for and the span's tags from verified facts (carried_tags); everything else
+    about the route stays on the twin (its filters' per-route settings, metadata and header
+    changes, its timeouts), while retries, clusters and rewrites happen once, on the route of
+    that key (under the same name, looked up by the key before the others), which only the
+    internal listener matches: the gateway's own listener drops the key from clients before it
+    routes (client_context_removal). One draw per request decides which list of routes it
+    walks (_by_draw): the twins, else the routes themselves, which trace nothing, mark what
+    they send UNSAMPLED and drop a trace id an upstream's answer might carry."""
     tags = _carried(config)
     carried = [_set(header, tag.value) for tag, header in tags]
     dropped = [header for _, header in tags]
@@ -409,10 +430,10 @@ def _split_gateway_routes(
         routes = list(host.routes)
         del host.routes[:]
         keyed: dict[str, rc.Route] = {}
-        pairs: list[rc.Route] = []
+        drawn: list[tuple[rc.Route, rc.Route | None, int]] = []
         for route in routes:
             if not route.HasField("route"):  # a direct response or a redirect: no upstream
-                pairs.append(route)
+                drawn.append((route, None, 0))
                 continue
             key = hashlib.sha256(route.SerializeToString(deterministic=True)).hexdigest()[:24]
             keyed[key] = _traced_route(route, key)
@@ -423,23 +444,23 @@ def _split_gateway_routes(
             for field in ("timeout", "idle_timeout"):
                 if route.route.HasField(field):
                     getattr(twin.route, field).CopyFrom(getattr(route.route, field))
-            twin.match.runtime_fraction.default_value.CopyFrom(route.tracing.random_sampling)
             twin.request_headers_to_remove.extend([*dropped, UNSAMPLED])
             twin.request_headers_to_add.extend([*carried, _set(_TRACED_ROUTE, key)])
+            twin.typed_per_filter_config[TRACED_ANSWER_FILTER].CopyFrom(_twin_answer())
             plain = rc.Route()
             plain.CopyFrom(route)
             plain.ClearField("tracing")
             plain.request_headers_to_remove.extend(dropped)
             plain.request_headers_to_add.append(_set(UNSAMPLED, "1"))
             plain.response_headers_to_remove.extend(header for header, _, _ in _TRACED_ANSWER)
-            pairs.extend((twin, plain))
-        host.matcher.CopyFrom(_by_key(keyed, pairs))
+            drawn.append((plain, twin, _per_ten_thousand(route.tracing.random_sampling)))
+        host.matcher.CopyFrom(_by_key(keyed, _by_draw(drawn)))
     return out
 
 
-def _by_key(keyed: dict[str, rc.Route], routes: list[rc.Route]) -> matcher_pb2.Matcher:
+def _by_key(keyed: dict[str, rc.Route], rest: matcher_pb2.Matcher.OnMatch) -> matcher_pb2.Matcher:
     """A virtual host's routes as a matcher: the route of a twin's key, looked up by it (one
-    header read on the gateway's own listener, which never has one), else `routes` in order."""
+    header read on the gateway's own listener, which never has one), else `rest`."""
     key = http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=_TRACED_ROUTE)
     return matcher_pb2.Matcher(
         matcher_tree=matcher_pb2.Matcher.MatcherTree(
@@ -457,12 +478,87 @@ def _by_key(keyed: dict[str, rc.Route], routes: list[rc.Route]) -> matcher_pb2.M
                 }
             ),
         ),
-        on_no_match=matcher_pb2.Matcher.OnMatch(
-            action=xds_extension_pb2.TypedExtensionConfig(
-                name="routes", typed_config=pack(rc.RouteList(routes=routes))
-            )
-        ),
+        on_no_match=rest,
     )
+
+
+def _by_draw(drawn: list[tuple[rc.Route, rc.Route | None, int]]) -> matcher_pb2.Matcher.OnMatch:
+    """Which routes a request walks, by one draw from its request id (the gateway's own: it
+    drops a client's, client_context_removal) at the highest of the routes' rates per ten
+    thousand: under it, the twins of the routes with a rate, each in its route's place (a
+    lower rate's twin draws again, its share of that rate, before its route); else the routes
+    themselves. A
+    request the gateway does not sample meets that one draw, where a twin before each route
+    drew for each one it walked past: ~15 µs of p50 at 1% (docs/benchmarks.md#tracing).
+    `drawn`: each route, its twin (None: it has none) and its rate."""
+    plain = _route_list("routes", [route for route, _, _ in drawn])
+    top = max((rate for _, twin, rate in drawn if twin is not None), default=0)
+    if top == 0:
+        return plain
+    under: list[rc.Route] = []
+    for route, twin, rate in drawn:
+        if twin is None or rate == 0:
+            under.append(route)
+            continue
+        if rate == top:
+            under.append(twin)
+            continue
+        twin.match.runtime_fraction.default_value.CopyFrom(
+            percent_pb2.FractionalPercent(
+                numerator=round(rate * 1_000_000 / top),
+                denominator=percent_pb2.FractionalPercent.MILLION,
+            )
+        )
+        under.extend((twin, route))
+    return matcher_pb2.Matcher.OnMatch(
+        matcher=matcher_pb2.Matcher(
+            matcher_list=matcher_pb2.Matcher.MatcherList(
+                matchers=[
+                    matcher_pb2.Matcher.MatcherList.FieldMatcher(
+                        predicate=_drawn_under(top), on_match=_route_list("traced", under)
+                    )
+                ]
+            ),
+            on_no_match=plain,
+        )
+    )
+
+
+def _drawn_under(rate: int) -> matcher_pb2.Matcher.MatcherList.Predicate:
+    """The request id's hash modulo ten thousand under `rate`."""
+    draw = runtime_fraction_pb2.RuntimeFraction(
+        runtime_fraction=base_pb2.RuntimeFractionalPercent(
+            default_value=percent_pb2.FractionalPercent(
+                numerator=rate, denominator=percent_pb2.FractionalPercent.TEN_THOUSAND
+            )
+        )
+    )
+    return matcher_pb2.Matcher.MatcherList.Predicate(
+        single_predicate=matcher_pb2.Matcher.MatcherList.Predicate.SinglePredicate(
+            input=_REQUEST_ID,
+            custom_match=xds_extension_pb2.TypedExtensionConfig(
+                name="envoy.matching.matchers.runtime_fraction", typed_config=pack(draw)
+            ),
+        )
+    )
+
+
+def _route_list(name: str, routes: list[rc.Route]) -> matcher_pb2.Matcher.OnMatch:
+    return matcher_pb2.Matcher.OnMatch(
+        action=xds_extension_pb2.TypedExtensionConfig(
+            name=name, typed_config=pack(rc.RouteList(routes=routes))
+        )
+    )
+
+
+def _per_ten_thousand(share: percent_pb2.FractionalPercent) -> int:
+    """A route's sampling as a numerator per ten thousand (fragments.fraction's)."""
+    whole: int = {
+        percent_pb2.FractionalPercent.HUNDRED: 100,
+        percent_pb2.FractionalPercent.TEN_THOUSAND: 10_000,
+        percent_pb2.FractionalPercent.MILLION: 1_000_000,
+    }[share.denominator]
+    return min(10_000, round(int(share.numerator) * 10_000 / whole))
 
 
 def _traced_route(route: rc.Route, key: str) -> rc.Route:

@@ -8,9 +8,10 @@ A connection manager with a tracer starts a span for every request, sampled or n
 its tags when the request ends; the `traceparent` it then puts on every request costs each
 proxy and backend after it too (docs/benchmarks.md#tracing). While every caller samples little
 (`ir.Tracing.split`) meshfn's proxies therefore have no tracer on their own listeners:
-- a gateway's routes send the requests it samples (a draw at the route's rate) to an internal
-  listener whose connection manager traces them, along the same route; the others go on
-  without any trace context, marked `UNSAMPLED` so that no proxy after it draws again;
+- a gateway's routes send the requests it samples (one draw per request, at each route's
+  rate) to an internal listener whose connection manager traces them, along the same route;
+  the others go on without any trace context, marked `UNSAMPLED` so that no proxy after it
+  draws again;
 - a sidecar sends the requests it traces (a sampled parent, or neither a parent nor the mark
   and its own draw at the mesh's rate) to an internal listener that traces, and the others
   straight to the application; the backend behind it draws none of its own."""

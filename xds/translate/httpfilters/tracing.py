@@ -488,10 +488,10 @@ def _by_draw(drawn: list[tuple[rc.Route, rc.Route | None, int]]) -> matcher_pb2.
     drops a client's, client_context_removal) at the highest of the routes' rates per ten
     thousand: under it, the twins of the routes with a rate, each in its route's place (a
     lower rate's twin draws again, its share of that rate, before its route); else the routes
-    themselves. A
-    request the gateway does not sample meets that one draw, where a twin before each route
-    drew for each one it walked past: ~15 µs of p50 at 1% (docs/benchmarks.md#tracing).
-    `drawn`: each route, its twin (None: it has none) and its rate."""
+    themselves. A request the gateway does not sample meets that one draw, where a twin before
+    each route drew for each one it walked past: ~15 µs of p50 at 1%
+    (docs/benchmarks.md#tracing). `drawn`: each route, its twin (None: it has none) and its
+    rate."""
     plain = _route_list("routes", [route for route, _, _ in drawn])
     top = max((rate for _, twin, rate in drawn if twin is not None), default=0)
     if top == 0:

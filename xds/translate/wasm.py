@@ -11,7 +11,6 @@ import hashlib
 from pathlib import Path
 
 from envoy.config.accesslog.v3 import accesslog_pb2
-from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import (
     base_pb2,
     config_source_pb2,
@@ -23,9 +22,6 @@ from envoy.extensions.filters.http.jwt_authn.v3 import config_pb2 as jwt_authn_p
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2 as http_wasm_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
-)
-from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
-    header_mutation_pb2,
 )
 from envoy.extensions.wasm.v3 import wasm_pb2
 from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
@@ -43,7 +39,7 @@ from meshfn.contracts.plugins import (
 )
 
 from ..fragments.plugins import access_log_format, claim_header_pairs
-from .common import ads_source
+from .common import ads_source, early_header_removal
 
 WASM_FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 
@@ -157,14 +153,7 @@ def early_header_mutation(
     names = internal_headers(degrade, audit, mesh_route, tenant, route)
     if not names:
         raise ValueError("early_header_mutation needs degrade settings, jwt_headers audit or QoS")
-    mutation = header_mutation_pb2.HeaderMutation(
-        mutations=[mutation_rules_pb2.HeaderMutation(remove=name) for name in names]
-    )
-    typed = any_pb2.Any()
-    typed.Pack(mutation)
-    return extension_pb2.TypedExtensionConfig(
-        name="envoy.http.early_header_mutation.header_mutation", typed_config=typed
-    )
+    return early_header_removal(names)
 
 
 def jwt_claim_headers(settings: AuditSettings) -> list[jwt_authn_pb2.JwtClaimToHeader]:

@@ -19,12 +19,12 @@ from typing import Any
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
-from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2
 from google.protobuf import json_format
 
 from meshfn import ir
 
 from ...fragments.openai import openai_replies
+from ..common import early_header_removal
 from ..resources import Resources, merge
 from .audit import Audit
 from .base import FilterContext, HttpFilter, QoSContext, TracingContext
@@ -67,37 +67,20 @@ def _applied(ctx: FilterContext) -> list[tuple[HttpFilter[Any], Any]]:
 def build_connection_manager(manager: hcm.HttpConnectionManager, ctx: FilterContext) -> None:
     """Add the chain to `manager`, which the caller is building (listener-specific settings,
     access logs and local replies are its own and come first)."""
+    early: list[str] = []
     for unit, config in _applied(ctx):
         own = unit.connection_manager(ctx, config)
         if own is not None:
             manager.MergeFrom(own)
         manager.http_filters.extend(unit.http_filters(ctx, config))
         manager.access_log.extend(unit.access_logs(ctx, config))
-        manager.early_header_mutation_extensions.extend(unit.early_header_mutations(ctx, config))
-    _one_header_mutation(manager)
+        early.extend(unit.early_headers_to_remove(ctx, config))
+    if early:
+        manager.early_header_mutation_extensions.append(early_header_removal(dict.fromkeys(early)))
     replies = local_replies(ctx, manager.local_reply_config.mappers)
     if replies.mappers:  # the caller's other local-reply settings stay
         del manager.local_reply_config.mappers[:]
         manager.local_reply_config.mappers.extend(replies.mappers)
-
-
-_HEADER_MUTATION = "type.googleapis.com/" + header_mutation_pb2.HeaderMutation.DESCRIPTOR.full_name
-
-
-def _one_header_mutation(manager: hcm.HttpConnectionManager) -> None:
-    """The units' early header mutations as one extension, in their order: Envoy runs each
-    extension apart for every request (docs/benchmarks.md#tracing)."""
-    found = manager.early_header_mutation_extensions
-    if len(found) < 2 or any(e.typed_config.type_url != _HEADER_MUTATION for e in found):
-        return
-    merged = header_mutation_pb2.HeaderMutation()
-    for extension in found:
-        part = header_mutation_pb2.HeaderMutation()
-        extension.typed_config.Unpack(part)
-        merged.mutations.extend(part.mutations)
-    first = found[0].name
-    del found[:]
-    found.add(name=first).typed_config.Pack(merged, deterministic=True)
 
 
 def local_replies(

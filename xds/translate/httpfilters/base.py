@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Generic, Literal, TypeVar
 
 from envoy.config.accesslog.v3 import accesslog_pb2
-from envoy.config.core.v3 import extension_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
 )
@@ -171,10 +170,9 @@ class HttpFilter(ABC, Generic[C]):
         """The connection manager's access logs."""
         return ()
 
-    def early_header_mutations(
-        self, ctx: FilterContext, config: C
-    ) -> Iterable[extension_pb2.TypedExtensionConfig]:
-        """Header mutations before Envoy picks a route or runs any filter."""
+    def early_headers_to_remove(self, ctx: FilterContext, config: C) -> Iterable[str]:
+        """Headers the connection manager removes before Envoy picks a route or runs any
+        filter (one extension for every unit's: common.early_header_removal)."""
         return ()
 
     def local_reply_mappers(

@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from envoy.config.core.v3 import extension_pb2
-
 from meshfn.contracts.plugins import (
     MESH_ROUTE_HEADER,
     AuditSettings,
@@ -26,7 +24,6 @@ from meshfn.contracts.plugins import (
 from meshfn.contracts.qos import TENANT_HEADER
 
 from ...fragments.plugins import claim_header_pairs
-from ..wasm import early_header_mutation
 from .base import FilterContext, HttpFilter
 
 
@@ -53,10 +50,8 @@ class InternalHeaders(HttpFilter[Plugins]):
         )
         return plugins if internal_headers(*plugins) else None
 
-    def early_header_mutations(
-        self, ctx: FilterContext, config: Plugins
-    ) -> Iterable[extension_pb2.TypedExtensionConfig]:
-        return (early_header_mutation(*config),)
+    def early_headers_to_remove(self, ctx: FilterContext, config: Plugins) -> Iterable[str]:
+        return internal_headers(*config)
 
     def request_headers_to_remove(self, ctx: FilterContext, config: Plugins) -> Iterable[str]:
         # The claim headers only: they carry the caller's subject, the backend must not see it.

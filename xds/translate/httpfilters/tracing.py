@@ -24,11 +24,9 @@ from collections.abc import Iterable
 from functools import lru_cache
 
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import (
     address_pb2,
     base_pb2,
-    extension_pb2,
     grpc_service_pb2,
     http_service_pb2,
     http_uri_pb2,
@@ -39,9 +37,6 @@ from envoy.config.trace.v3 import http_tracer_pb2, opentelemetry_pb2
 from envoy.extensions.filters.http.header_to_metadata.v3 import header_to_metadata_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm,
-)
-from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
-    header_mutation_pb2,
 )
 from envoy.extensions.matching.input_matchers.runtime_fraction.v3 import runtime_fraction_pb2
 from envoy.type.matcher.v3 import http_inputs_pb2, regex_pb2, string_pb2
@@ -126,12 +121,10 @@ class Tracing(HttpFilter[TracingContext]):
     def http_filters(self, ctx: FilterContext, config: TracingContext) -> Iterable[hcm.HttpFilter]:
         return (trace_id_to_metadata(),) if config.split and config.kind == "gateway" else ()
 
-    def early_header_mutations(
-        self, ctx: FilterContext, config: TracingContext
-    ) -> Iterable[extension_pb2.TypedExtensionConfig]:
+    def early_headers_to_remove(self, ctx: FilterContext, config: TracingContext) -> Iterable[str]:
         if not config.restarts:
             return ()
-        return (client_context_removal(config.split),)
+        return client_context_headers(config.split)
 
     def resources(
         self, ctx: FilterContext, config: TracingContext, overlay: ir.Overlay
@@ -181,18 +174,11 @@ def connection_tracing(config: TracingContext) -> hcm.HttpConnectionManager.Trac
     return out
 
 
-@lru_cache(maxsize=2)
-def client_context_removal(split: bool = False) -> extension_pb2.TypedExtensionConfig:
-    """Drops a client's trace context before Envoy reads it (contracts.tracing); at a split
+def client_context_headers(split: bool = False) -> tuple[str, ...]:
+    """A client's trace context, dropped before Envoy reads it (contracts.tracing); at a split
     gateway also the key of a traced route, which only its twins may set (a client's would
     reach a route's action without its match)."""
-    names = (*CLIENT_CONTEXT_HEADERS, _TRACED_ROUTE) if split else CLIENT_CONTEXT_HEADERS
-    mutation = header_mutation_pb2.HeaderMutation(
-        mutations=[mutation_rules_pb2.HeaderMutation(remove=h) for h in names]
-    )
-    return extension_pb2.TypedExtensionConfig(
-        name="envoy.http.early_header_mutation.header_mutation", typed_config=pack(mutation)
-    )
+    return (*CLIENT_CONTEXT_HEADERS, _TRACED_ROUTE) if split else CLIENT_CONTEXT_HEADERS
 
 
 @lru_cache(maxsize=64)
@@ -418,7 +404,7 @@ def _split_gateway_routes(
     changes, its timeouts), while retries, clusters and rewrites happen once, on the route of
     that key (under the same name, looked up by the key before the others), which only the
     internal listener matches: the gateway's own listener drops the key from clients before it
-    routes (client_context_removal). One draw per request decides which list of routes it
+    routes (client_context_headers). One draw per request decides which list of routes it
     walks (_by_draw): the twins, else the routes themselves, which trace nothing, mark what
     they send UNSAMPLED and drop a trace id an upstream's answer might carry."""
     tags = _carried(config)
@@ -485,7 +471,7 @@ def _by_key(keyed: dict[str, rc.Route], rest: matcher_pb2.Matcher.OnMatch) -> ma
 
 def _by_draw(drawn: list[tuple[rc.Route, rc.Route | None, int]]) -> matcher_pb2.Matcher.OnMatch:
     """Which routes a request walks, by one draw from its request id (the gateway's own: it
-    drops a client's, client_context_removal) at the highest of the routes' rates per ten
+    drops a client's, client_context_headers) at the highest of the routes' rates per ten
     thousand: under it, the twins of the routes with a rate, each in its route's place (a
     lower rate's twin draws again, its share of that rate, before its route); else the routes
     themselves. A request the gateway does not sample meets that one draw, where a twin before

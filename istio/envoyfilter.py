@@ -32,6 +32,7 @@ from meshfn.contracts.plugins import ROUTE_METADATA, ROUTING_HEADER, plugin_json
 from meshfn.contracts.proxy import REQUEST_HYGIENE, WHOLE_SMALL_BODIES
 from meshfn.contracts.qos import TENANT_HEADER, has_token_budgets
 from meshfn.xds.fragments import qos as envoy_qos
+from meshfn.xds.fragments.headers import early_header_removal
 from meshfn.xds.fragments.messages import envoy_json, seconds
 from meshfn.xds.fragments.openai import openai_replies
 from meshfn.xds.fragments.routes import degraded_clusters, degraded_match, retry_policy
@@ -49,7 +50,6 @@ HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection
 AGGREGATE_TYPE = "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig"
 WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 STRING_TYPE = "type.googleapis.com/google.protobuf.StringValue"
-HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 UNLIMITED = 0xFFFFFFFF
 
 
@@ -71,16 +71,6 @@ def no_upstream_reply() -> Obj:
                 },
             }
         ]
-    }
-
-
-def early_header_mutation(names: list[str]) -> Obj:
-    return {
-        "name": "envoy.http.early_header_mutation.header_mutation",
-        "typed_config": {
-            "@type": HEADER_MUTATION_TYPE,
-            "mutations": [{"remove": name} for name in names],
-        },
     }
 
 
@@ -325,7 +315,7 @@ def _manager_patch(gw: ir.Workload, rate_limited: bool, stripped: list[str]) -> 
         mappers = manager["local_reply_config"]["mappers"]
         manager["local_reply_config"]["mappers"] = openai_replies(mappers)
     if stripped:
-        manager["early_header_mutation_extensions"] = [early_header_mutation(stripped)]
+        manager["early_header_mutation_extensions"] = [envoy_json(early_header_removal(stripped))]
     return {
         "applyTo": "NETWORK_FILTER",
         "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM}}}},
@@ -530,7 +520,7 @@ def envoy_filters(ctx: Context) -> None:
                             "typed_config": {
                                 "@type": HCM_TYPE,
                                 "early_header_mutation_extensions": [
-                                    early_header_mutation(stripped)
+                                    envoy_json(early_header_removal(stripped))
                                 ],
                             },
                         },

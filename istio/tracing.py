@@ -24,6 +24,7 @@ from __future__ import annotations
 from meshfn import ir
 from meshfn.contracts.tracing import CLIENT_CONTEXT_HEADERS, TAG_PRINCIPAL, TAG_TENANT
 from meshfn.xds.fragments import tracing as fragments
+from meshfn.xds.fragments.headers import early_header_removal
 from meshfn.xds.fragments.messages import envoy_json, seconds
 from meshfn.xds.names import degraded_route_name, route_name
 
@@ -33,7 +34,6 @@ PROVIDER = "meshfn-otlp"
 NETWORKING = "networking.istio.io/v1alpha3"
 HCM = "envoy.filters.network.http_connection_manager"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 PRIORITY = 20  # after meshfn's other EnvoyFilters (10): these only add route tracing
 
 
@@ -155,13 +155,7 @@ def gateway_filters(ctx: Context, guarded: dict[str, frozenset[str]]) -> None:
         sources = {Source("Gateway", gw.namespace, gw.name), mesh_source(ctx.model)}
         patches: list[Obj] = []
         if settings.client_context == "restart":
-            mutation = {
-                "name": "envoy.http.early_header_mutation.header_mutation",
-                "typed_config": {
-                    "@type": HEADER_MUTATION_TYPE,
-                    "mutations": [{"remove": name} for name in CLIENT_CONTEXT_HEADERS],
-                },
-            }
+            mutation = envoy_json(early_header_removal(CLIENT_CONTEXT_HEADERS))
             manager = {"@type": HCM_TYPE, "early_header_mutation_extensions": [mutation]}
             patches.append(
                 {

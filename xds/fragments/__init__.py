@@ -8,6 +8,7 @@ WasmPlugin settings (meshfn.istio) build the same piece here, so the two cannot 
 - qos: multi-tenant QoS at a gateway (rate limits, their local replies, shedding), as Envoy's
   JSON (the translator parses it once per policy);
 - plugins: the settings of meshfn's proxy-wasm filters and the audit access log's fields;
+- headers: the early removal of headers a client may not send (internal, trace context);
 - messages: protobuf helpers (an Any, a Duration, a message as Envoy's JSON).
 
 Pure: IR and contracts in, configuration out; nothing here knows a renderer.

@@ -5,12 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Generic, TypeVar
 
-from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
-from envoy.config.core.v3 import address_pb2, config_source_pb2, extension_pb2
+from envoy.config.core.v3 import address_pb2, config_source_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
-from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2
-
-from ..fragments.messages import pack
 
 M = TypeVar("M")
 
@@ -75,16 +71,4 @@ def ads_source() -> config_source_pb2.ConfigSource:
     return config_source_pb2.ConfigSource(
         ads=config_source_pb2.AggregatedConfigSource(),
         resource_api_version=config_source_pb2.ApiVersion.V3,
-    )
-
-
-def early_header_removal(names: Iterable[str]) -> extension_pb2.TypedExtensionConfig:
-    """For HttpConnectionManager.early_header_mutation_extensions: removes `names` from a
-    request before Envoy picks a route or runs any filter. One extension for all of a connection
-    manager's names: Envoy runs each extension apart for every request."""
-    mutation = header_mutation_pb2.HeaderMutation(
-        mutations=[mutation_rules_pb2.HeaderMutation(remove=name) for name in names]
-    )
-    return extension_pb2.TypedExtensionConfig(
-        name="envoy.http.early_header_mutation.header_mutation", typed_config=pack(mutation)
     )

@@ -38,8 +38,9 @@ from meshfn.contracts.plugins import (
     plugin_json,
 )
 
+from ..fragments.headers import early_header_removal
 from ..fragments.plugins import access_log_format, claim_header_pairs
-from .common import ads_source, early_header_removal
+from .common import ads_source
 
 WASM_FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 

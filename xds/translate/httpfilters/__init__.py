@@ -23,8 +23,8 @@ from google.protobuf import json_format
 
 from meshfn import ir
 
+from ...fragments.headers import early_header_removal
 from ...fragments.openai import openai_replies
-from ..common import early_header_removal
 from ..resources import Resources, merge
 from .audit import Audit
 from .base import FilterContext, HttpFilter, QoSContext, TracingContext

@@ -172,7 +172,7 @@ class HttpFilter(ABC, Generic[C]):
 
     def early_headers_to_remove(self, ctx: FilterContext, config: C) -> Iterable[str]:
         """Headers the connection manager removes before Envoy picks a route or runs any
-        filter (one extension for every unit's: common.early_header_removal)."""
+        filter (one extension for every unit's: fragments.headers)."""
         return ()
 
     def local_reply_mappers(
